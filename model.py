@@ -1,0 +1,509 @@
+"""The target: a pure-PyTorch Qwen3 dense decoder that loads Hugging Face checkpoints.
+
+What is notable here:
+- `ModelArgs.from_hf_config` reads every spelling of a Qwen3 `config.json` we know of and
+  refuses by name what it does not implement (other architectures, rope scaling, sliding
+  windows) instead of guessing.
+- The KV cache is static, `(max_batch, max_seq)`, and written in place at per-row positions,
+  so rows of one batch can sit at different lengths. Rollback is free: the caller just
+  moves its length pointer, because a query at position p only ever reads keys at positions
+  <= p, and every such key was written by a committed token.
+- `forward(..., capture=layers)` also returns the drafter's context features: the residual
+  stream after the requested decoder layers (before the final norm), concatenated. This is
+  read off the same pass that computes the logits, so capture costs no extra forward.
+- Loading is strict: every tensor in the files must land in a parameter and every parameter
+  must be loaded, else `CheckpointError` names the first one that does not.
+- The tokenizer, stop tokens and chat template of a checkpoint directory live here too,
+  because they are read from the same directory with the same strictness.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CheckpointError(Exception):
+    """A user mistake: a missing or malformed file, a tensor that does not fit, a bad id.
+
+    The CLIs print the message as one line on stderr and exit non-zero, never a traceback.
+    Messages name the file, key or value at fault.
+    """
+
+
+# ----------------------------------------------------------------------------------------
+# Configuration
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128  # explicit in Qwen3: not hidden_size / num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # from config.json, if any
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelArgs":
+        """Build from a parsed Hugging Face `config.json`; `source` names the file in errors."""
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: expected a JSON object")
+        archs = cfg.get("architectures")
+        model_type = cfg.get("model_type")
+        if archs is not None:
+            if not isinstance(archs, list) or not all(a in SUPPORTED_ARCHITECTURES for a in archs):
+                raise CheckpointError(
+                    f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
+        elif model_type not in (None, "qwen3"):
+            raise CheckpointError(f"{source}: model_type {model_type!r} not supported (supported: qwen3)")
+        return cls(**_read_layer_shape(cfg, source), eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source, "eos_token_id"))
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the model these args describe (embedding and lm_head counted once if tied)."""
+        return sum(p.numel() for p in Transformer(self, device="meta").parameters())
+
+
+def _req(cfg: dict, key: str, source: str, kind=int):
+    if key not in cfg:
+        raise CheckpointError(f"{source}: missing key {key!r}")
+    v = cfg[key]
+    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+        raise CheckpointError(f"{source}: key {key!r} must be a positive integer, got {v!r}")
+    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+        raise CheckpointError(f"{source}: key {key!r} must be a positive number, got {v!r}")
+    return kind(v)
+
+
+def _read_layer_shape(cfg: dict, source: str) -> dict:
+    """The fields a Qwen3 decoder layer stack needs; shared by the target and the drafter."""
+    out = {k: _req(cfg, k, source) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads")}
+    if "head_dim" in cfg and cfg["head_dim"] is not None:
+        out["head_dim"] = _req(cfg, "head_dim", source)
+    else:  # older configs omit it; Qwen3's own default is hidden / heads
+        if out["hidden_size"] % out["num_attention_heads"]:
+            raise CheckpointError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["num_attention_heads"] % out["num_key_value_heads"]:
+        raise CheckpointError(
+            f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads {out['num_key_value_heads']}")
+    out["rms_norm_eps"] = _req(cfg, "rms_norm_eps", source, float) if "rms_norm_eps" in cfg else 1e-6
+    out["max_position_embeddings"] = _req(cfg, "max_position_embeddings", source) if "max_position_embeddings" in cfg else 40960
+
+    # RoPE theta: top-level `rope_theta` (older files) or `rope_parameters.rope_theta` (newer).
+    rope = cfg.get("rope_parameters")
+    if rope is None:
+        rope = cfg.get("rope_scaling")
+    if rope is not None and not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters must be an object, got {rope!r}")
+    rope = rope or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
+    if "rope_theta" in rope:
+        out["rope_theta"] = _req(rope, "rope_theta", f"{source} rope_parameters", float)
+    elif "rope_theta" in cfg:
+        out["rope_theta"] = _req(cfg, "rope_theta", source, float)
+    else:
+        raise CheckpointError(f"{source}: missing key 'rope_theta' (top-level or in rope_parameters)")
+
+    for key in ("attention_bias", "tie_word_embeddings"):
+        v = cfg.get(key, False)
+        if not isinstance(v, bool):
+            raise CheckpointError(f"{source}: key {key!r} must be true or false, got {v!r}")
+        out[key] = v
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise CheckpointError(f"{source}: layer_types other than full_attention are not supported")
+    if cfg.get("use_sliding_window", False):
+        raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    return out
+
+
+def _eos_ids(v, source: str, key: str) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    vals = v if isinstance(v, list) else [v]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
+        raise CheckpointError(f"{source}: key {key!r} must be a token id or a list of them, got {v!r}")
+    return tuple(vals)
+
+
+def read_json(path: str) -> dict:
+    """Parse a JSON file, turning every failure into one line that names the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
+
+
+# ----------------------------------------------------------------------------------------
+# Layers
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as Qwen3 does."""
+
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_seq: int, device) -> torch.Tensor:
+    """cos/sin for positions 0..max_seq-1 in float32: [max_seq, 2, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_seq, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout, as HF
+    return torch.stack((emb.cos(), emb.sin()), dim=1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, hd]; cos_sin: [B, T, 2, hd] (float32, cast to x's dtype like HF)."""
+    cos = cos_sin[:, :, None, 0].to(x.dtype)
+    sin = cos_sin[:, :, None, 1].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache(nn.Module):
+    """Static per-layer cache, [max_batch, max_seq, kv_heads, head_dim], written at per-row positions."""
+
+    def __init__(self, max_batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (max_batch, max_seq, kv_heads, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """positions: [B, T]; k, v: [B, T, kv_heads, hd]. Rows 0..B-1 of the cache are written."""
+        B = positions.shape[0]
+        rows = torch.arange(B, device=positions.device)[:, None].expand_as(positions)
+        self.k[rows, positions] = k
+        self.v[rows, positions] = v
+        return self.k[:B], self.v[:B]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q: [B, Tq, H, hd], k/v: [B, Tk, Hkv, hd], mask: [B, Tq, Tk] bool (True = may attend).
+
+    Returns [B, Tq, H*hd]. GQA is handled by SDPA itself (no repeated K/V in memory).
+    """
+    B, Tq, H, hd = q.shape
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None], enable_gqa=k.shape[2] != H)
+    return out.transpose(1, 2).reshape(B, Tq, H * hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, device=None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        H, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=bias, device=device)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=bias, device=device)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=bias, device=device)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=bias, device=device)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)
+        self.kv_cache: Optional[KVCache] = None
+
+    def q(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos_sin)
+
+    def kv(self, x: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos_sin)
+        return k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+
+    def forward(self, x, cos_sin, positions, mask):
+        """Causal self-attention through the cache: x [B, T, H], positions [B, T]."""
+        q = self.q(x, cos_sin)
+        k, v = self.kv(x, cos_sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.write(positions, k, v)
+        return self.o_proj(attend(q, k, v, mask))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, device=None):
+        super().__init__()
+        H, I = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False, device=device)
+        self.up_proj = nn.Linear(H, I, bias=False, device=device)
+        self.down_proj = nn.Linear(I, H, bias=False, device=device)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, device=None):
+        super().__init__()
+        self.self_attn = Attention(args, device)
+        self.mlp = MLP(args, device)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
+
+    def forward(self, x, cos_sin, positions, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------
+# The model
+
+class Transformer(nn.Module):
+    """Qwen3 causal LM. Parameter names follow Hugging Face's without the `model.` prefix."""
+
+    def __init__(self, args: ModelArgs, device=None):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(args, device) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device=device)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_batch = self.max_seq = 0
+
+    def setup_caches(self, max_batch: int, max_seq: int):
+        """Allocate the static KV caches and the RoPE table (once, or again to grow)."""
+        if max_seq > self.args.max_position_embeddings:
+            raise CheckpointError(
+                f"context of {max_seq} tokens exceeds max_position_embeddings {self.args.max_position_embeddings}")
+        w = self.embed_tokens.weight
+        self.max_batch, self.max_seq = max_batch, max_seq
+        for layer in self.layers:
+            a = layer.self_attn
+            a.kv_cache = KVCache(max_batch, max_seq, a.n_kv, a.head_dim, w.dtype, w.device)
+        self.register_buffer("rope", rope_tables(self.args.head_dim, self.args.rope_theta, max_seq, w.device),
+                             persistent=False)
+
+    def check_capture(self, capture: Sequence[int], source: str = "target_layer_ids"):
+        """Layer ids a drafter may read: -1 (embeddings) .. L-2. The last layer is refused (DSPARK.md §1)."""
+        L = self.args.num_hidden_layers
+        for i in capture:
+            if isinstance(i, bool) or not isinstance(i, int) or not (-1 <= i < L):
+                raise CheckpointError(f"{source}: layer id {i!r} is outside the target's layers -1..{L - 1}")
+            if i == L - 1:
+                raise CheckpointError(
+                    f"{source}: layer id {i} is the target's last layer; drafters read layers before it")
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: Sequence[int] = (),
+                logits_index: Optional[torch.Tensor] = None):
+        """tokens, positions: [B, T] (int64). Returns (logits, features).
+
+        logits: [B, T, V], or [B, V] at `logits_index` ([B], one position per row) when given.
+        features: [B, T, len(capture) * H] — outputs of the `capture` layers (-1 = embeddings),
+        before the final norm — or None when `capture` is empty.
+        """
+        mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
+        cos_sin = self.rope[positions]
+        x = self.embed_tokens(tokens)
+        captured = {}
+        if -1 in capture:
+            captured[-1] = x
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, positions, mask)
+            if i in capture:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        if logits_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_index]
+        return self.lm_head(self.norm(x)), features
+
+
+# ----------------------------------------------------------------------------------------
+# Loading safetensors checkpoints
+
+def safetensors_files(directory: str) -> list[str]:
+    """The weight files of a checkpoint directory: one `model.safetensors` or the sharded index's."""
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not isinstance(f, str) or not os.path.isfile(os.path.join(directory, f)):
+                raise CheckpointError(f"{index}: shard {f!r} not found in {directory}")
+        return [os.path.join(directory, f) for f in files]
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors(files: Sequence[str], dtype: torch.dtype, device, rename=lambda k: k) -> dict:
+    """Read every tensor of the files, converting floating tensors to `dtype` on `device`.
+
+    `rename` maps a file key to a model key. Duplicate keys across shards are an error.
+    """
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    out = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = rename(key)
+                    if name in out:
+                        raise CheckpointError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+                    t = f.get_tensor(key)
+                    if t.is_floating_point():
+                        t = t.to(dtype)
+                    out[name] = t.to(device)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors ({e})") from None
+    return out
+
+
+def assign_strict(module: nn.Module, tensors: dict, source: str):
+    """Load `tensors` into `module` (built on the meta device) with assign=True.
+
+    Every tensor must match a parameter by name and shape and every parameter must be
+    loaded, else one line names the first that does not. Tied parameters are loaded once.
+    """
+    params = dict(module.named_parameters())  # tied weights appear once, under the first name
+    for name in sorted(tensors):
+        if name not in params:
+            raise CheckpointError(f"{source}: tensor {name!r} in the checkpoint matches no parameter of the model")
+        if tuple(tensors[name].shape) != tuple(params[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                f"the model expects {list(params[name].shape)}")
+    for name in params:
+        if name not in tensors:
+            raise CheckpointError(f"{source}: parameter {name!r} is missing from the checkpoint")
+    module.load_state_dict(tensors, strict=False, assign=True)
+
+
+def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
+    """Build the target on the meta device and assign the checkpoint's tensors (about one copy in memory)."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: target directory not found")
+    args = ModelArgs.from_hf_config(read_json(os.path.join(directory, "config.json")),
+                                    os.path.join(directory, "config.json"))
+    files = safetensors_files(directory)
+    tensors = read_safetensors(files, dtype, device, rename=lambda k: k.removeprefix("model."))
+    source = files[0] if len(files) == 1 else os.path.join(directory, "model.safetensors.index.json")
+    if args.tie_word_embeddings and "lm_head.weight" in tensors:
+        # Some exports write the tied head too; it is used only as a check that it is tied.
+        head = tensors.pop("lm_head.weight")
+        emb = tensors.get("embed_tokens.weight")
+        if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
+            raise CheckpointError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
+    with torch.device("meta"):
+        model = Transformer(args)
+    assign_strict(model, tensors, source)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------
+# Tokenizer, stop tokens, chat template
+
+QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+class Tokenizer:
+    """`tokenizer.json` through the `tokenizers` library, plus the directory's chat template."""
+
+    def __init__(self, directory: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: file not found")
+        try:
+            self.tok = HFTokenizer.from_file(path)
+        except Exception as e:  # the library raises bare Exceptions for malformed files
+            raise CheckpointError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+        self.chat_template = _read_chat_template(directory)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def render_chat(self, prompt: str, thinking: bool = False) -> str:
+        """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
+        if self.chat_template is None:
+            return QWEN3_CHAT_FALLBACK.format(prompt=prompt)
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise TemplateError(msg)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+                enable_thinking=thinking)
+        except TemplateError as e:
+            raise CheckpointError(f"chat_template: cannot render ({e})") from None
+
+
+def _read_chat_template(directory: str) -> Optional[str]:
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read()
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    t = read_json(path).get("chat_template")
+    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default")
+    if t is not None and not isinstance(t, str):
+        raise CheckpointError(f"{path}: 'chat_template' must be a string")
+    return t
+
+
+def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (often a list) and config.json, in that order, deduplicated."""
+    ids = []
+    gen = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen):
+        ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id")
+    ids += args.eos_token_ids
+    return tuple(dict.fromkeys(ids))
