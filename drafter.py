@@ -1,0 +1,362 @@
+"""The DSpark / DFlash block drafter (DSPARK.md §2–4, §7).
+
+What is notable here:
+- `resolve_config` reads every checkpoint spelling of §7 — top-level keys, nested
+  `dspark_config` / `dflash_config`, `dspark_<key>`, `use_confidence_head` ==
+  `enable_confidence_head` — and lets the weights settle what the config leaves open (Markov
+  rank, whether the confidence head reads the Markov feature, whether the file carries its
+  own embedding). Where config and weights disagree it stops and says so: a head that
+  silently disappears is the failure engines hit most.
+- The context rows (projected target features) get their per-layer K/V computed once, when
+  committed, into a static cache. The block's own K/V are written into the same cache at
+  the block positions a..a+slots-1, which are never context rows yet, so one masked
+  attention over the cache covers `[context ; block]` without concatenation.
+- Two slot layouts: DSpark "shift label" (K slots, K drafts: slot k-1 predicts a+k) and
+  z-lab DFlash (B slots, B-1 drafts: slot j >= 1 predicts a+j, slot 0 unused).
+- The embedding and lm_head are always the target's (one copy in memory); a copy in the
+  drafter file is checked to be identical and then dropped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from model import (CheckpointError, DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape,
+                   apply_rope, assign_strict, attend, read_json, read_safetensors, rope_tables, safetensors_files)
+
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass
+class DrafterConfig:
+    layers: ModelArgs  # shape of the drafter's decoder layers (num_hidden_layers = drafter depth)
+    block_size: int  # K for the DSpark layout, B for the DFlash layout
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs form the context feature
+    mask_token_id: int  # fills the block slots after the anchor
+    layout: str  # "dspark" (shift label: K slots, K drafts) or "dflash" (B slots, B-1 drafts)
+    markov_head_type: Optional[str]  # None, "vanilla", "gated" or "rnn"
+    markov_rank: int  # r; 0 without a Markov head
+    confidence_head: bool  # predicts P(x_k accepted | earlier accepted)
+    confidence_with_markov: bool  # the confidence head also reads W1[x_{k-1}]
+
+    @property
+    def num_slots(self) -> int:
+        return self.block_size
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size if self.layout == "dspark" else self.block_size - 1
+
+    def describe(self) -> str:
+        heads = f"markov={self.markov_head_type or 'off'}" + (f"(r={self.markov_rank})" if self.markov_head_type else "")
+        conf = "off" if not self.confidence_head else ("on(+markov)" if self.confidence_with_markov else "on")
+        return (f"drafter: layout={self.layout} block_size={self.block_size} drafts/round={self.num_drafts} "
+                f"layers={self.layers.num_hidden_layers} target_layer_ids={list(self.target_layer_ids)} "
+                f"mask_token_id={self.mask_token_id} {heads} confidence={conf}")
+
+
+# ----------------------------------------------------------------------------------------
+# Config resolution (DSPARK.md §7)
+
+# Weight spellings of the heads, mapped to this module's parameter names.
+_RENAMES = {
+    "markov_w1.weight": "markov_head.markov_w1.weight",
+    "markov_w2.weight": "markov_head.markov_w2.weight",
+    "confidence_proj.weight": "confidence_head.proj.weight",
+    "confidence_proj.bias": "confidence_head.proj.bias",
+}
+
+
+def _lookup(cfg: dict, key: str, source: str, aliases: tuple[str, ...] = ()):
+    """The value of `key` wherever a spelling puts it; conflicting values are an error."""
+    found = {}
+    for name in (key, *aliases):
+        for where, d, k in (("dspark_config", cfg.get("dspark_config"), name),
+                            ("dflash_config", cfg.get("dflash_config"), name),
+                            ("top-level", cfg, f"dspark_{name}"),
+                            ("top-level", cfg, name)):
+            if isinstance(d, dict) and k in d:
+                found[f"{where} {k!r}"] = d[k]
+    values = list(found.values())
+    if any(v != values[0] for v in values[1:]):
+        raise CheckpointError(f"{source}: conflicting values for {key!r}: " +
+                              ", ".join(f"{w}={v!r}" for w, v in found.items()))
+    return values[0] if values else None
+
+
+def _check_bool(v, key, source):
+    if v is not None and not isinstance(v, bool):
+        raise CheckpointError(f"{source}: key {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str) -> DrafterConfig:
+    """Resolve the drafter config from `config.json` (parsed) and the weights' names and shapes.
+
+    `tensors` maps (already renamed) weight names to tensors; only names and shapes are read.
+    """
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: expected a JSON object")
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
+        raise CheckpointError(f"{source}: architectures {archs!r} is not a known drafter "
+                              "(Qwen3DSparkModel or DFlashDraftModel)")
+    layers = ModelArgs(**_read_layer_shape(cfg, source))
+
+    block_size = _lookup(cfg, "block_size", source)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise CheckpointError(f"{source}: 'block_size' must be a positive integer, got {block_size!r}")
+    target_layer_ids = _lookup(cfg, "target_layer_ids", source)
+    if not isinstance(target_layer_ids, list) or not target_layer_ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in target_layer_ids):
+        raise CheckpointError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {target_layer_ids!r}")
+    mask_token_id = _lookup(cfg, "mask_token_id", source)
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < layers.vocab_size:
+        raise CheckpointError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_token_id!r}")
+
+    # Layout: DeepSpec's Qwen3DSparkModel is always "shift label"; a z-lab DFlashDraftModel is
+    # the DFlash layout unless its dflash_config says it is a DSpark export.
+    shift_label = _check_bool(_lookup(cfg, "shift_label", source), "shift_label", source)
+    projector = _lookup(cfg, "projector_type", source)
+    if projector not in (None, "dspark", "dflash"):
+        raise CheckpointError(f"{source}: unknown projector_type {projector!r}")
+    if arch == "Qwen3DSparkModel":
+        layout = "dspark"
+        if shift_label is False:
+            raise CheckpointError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
+    else:
+        layout = "dspark" if (shift_label or projector == "dspark") else "dflash"
+    if layout == "dflash" and block_size < 2:
+        raise CheckpointError(f"{source}: the DFlash layout needs block_size >= 2, got {block_size}")
+
+    # Markov head: declared by markov_head_type; its weights must be exactly that type's.
+    mtype = _lookup(cfg, "markov_head_type", source)
+    if mtype in ("none", "None", ""):
+        mtype = None
+    if mtype is not None and mtype not in MARKOV_TYPES:
+        raise CheckpointError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_TYPES)})")
+    has_markov = any(k.startswith("markov_head.") for k in tensors)
+    if mtype is not None and "markov_head.markov_w1.weight" not in tensors:
+        raise CheckpointError(f"{weights_source}: markov_head_type is {mtype!r} but the weights have no "
+                              "markov_w1 (markov_head.markov_w1.weight or markov_w1.weight)")
+    if mtype is None and has_markov:
+        first = sorted(k for k in tensors if k.startswith("markov_head."))[0]
+        raise CheckpointError(f"{weights_source}: tensor {first!r} belongs to a Markov head, but "
+                              f"{source} declares none (markov_head_type)")
+    rank = 0
+    if mtype is not None:
+        rank = tensors["markov_head.markov_w1.weight"].shape[1]
+        declared = _lookup(cfg, "markov_rank", source)
+        if declared is not None and declared != rank:
+            raise CheckpointError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
+
+    # Confidence head.
+    conf = _check_bool(_lookup(cfg, "enable_confidence_head", source, aliases=("use_confidence_head",)),
+                       "enable_confidence_head", source)
+    has_conf = "confidence_head.proj.weight" in tensors
+    if conf and not has_conf:
+        raise CheckpointError(f"{weights_source}: the confidence head is enabled in {source} but the weights "
+                              "have no confidence_head.proj.weight (or confidence_proj.weight)")
+    if has_conf and not conf:
+        raise CheckpointError(f"{weights_source}: tensor 'confidence_head.proj.weight' belongs to a confidence "
+                              f"head, but {source} does not enable one (enable_confidence_head / use_confidence_head)")
+    with_markov = False
+    if conf:
+        width = tensors["confidence_head.proj.weight"].shape[-1]
+        by_weights = width == layers.hidden_size + rank and rank > 0
+        declared = _check_bool(_lookup(cfg, "confidence_head_with_markov", source), "confidence_head_with_markov", source)
+        if declared and mtype is None:
+            raise CheckpointError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+        if declared is not None and declared != by_weights:
+            raise CheckpointError(f"{source}: confidence_head_with_markov is {declared} but confidence_head.proj "
+                                  f"reads {width} features (hidden {layers.hidden_size}, markov rank {rank})")
+        with_markov = by_weights
+    if layout == "dflash" and (mtype or conf):
+        raise CheckpointError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
+
+    return DrafterConfig(layers=layers, block_size=block_size, target_layer_ids=tuple(target_layer_ids),
+                         mask_token_id=mask_token_id, layout=layout, markov_head_type=mtype, markov_rank=rank,
+                         confidence_head=bool(conf), confidence_with_markov=with_markov)
+
+
+# ----------------------------------------------------------------------------------------
+# Heads
+
+class VanillaMarkov(nn.Module):
+    """b_k = W2 · W1[x_{k-1}]."""
+
+    def __init__(self, H: int, V: int, r: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(V, r)
+        self.markov_w2 = nn.Linear(r, V, bias=False)
+
+    def step(self, h, prev, state):
+        return self.markov_w2(self.markov_w1(prev)), state
+
+
+class GatedMarkov(VanillaMarkov):
+    """g = σ(W_g [h_k ; W1[x_{k-1}]] + b_g); b_k = W2 · (g ⊙ W1[x_{k-1}])."""
+
+    def __init__(self, H: int, V: int, r: int):
+        super().__init__(H, V, r)
+        self.gate_proj = nn.Linear(H + r, r)
+
+    def step(self, h, prev, state):
+        e = self.markov_w1(prev)
+        g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
+        return self.markov_w2(g * e), state
+
+
+class RNNMarkov(VanillaMarkov):
+    """A gated recurrent state over the chain: joint_proj([s ; W1[x] ; h]) -> gate, candidate, output."""
+
+    def __init__(self, H: int, V: int, r: int):
+        super().__init__(H, V, r)
+        self.joint_proj = nn.Linear(2 * r + H, 3 * r)
+
+    def step(self, h, prev, state):
+        e = self.markov_w1(prev)
+        if state is None:
+            state = torch.zeros_like(e)  # s_0 = 0
+        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), state
+
+
+MARKOV_HEADS = {"vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov}
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = σ(w · [h_k ; W1[x_{k-1}]] + b), the Markov feature only when the checkpoint has it."""
+
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+    def forward(self, h, markov_feature: Optional[torch.Tensor]):
+        x = h if markov_feature is None else torch.cat([h, markov_feature], dim=-1)
+        return torch.sigmoid(self.proj(x).float())[..., 0]
+
+
+# ----------------------------------------------------------------------------------------
+# The drafter
+
+class Drafter(nn.Module):
+    """Parameter names follow DeepSpec's checkpoint layout; embedding and lm_head are the target's."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        a = cfg.layers
+        n = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n * a.hidden_size, a.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.markov_head = (MARKOV_HEADS[cfg.markov_head_type](a.hidden_size, a.vocab_size, cfg.markov_rank)
+                            if cfg.markov_head_type else None)
+        self.confidence_head = (ConfidenceHead(a.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0))
+                                if cfg.confidence_head else None)
+        # Shared with the target at `attach`; kept out of this module's parameters.
+        self._target = [None]
+
+    @property
+    def target(self) -> Transformer:
+        return self._target[0]
+
+    def attach(self, target: Transformer):
+        """Use the target's embedding and lm_head, and check that the two models fit."""
+        t, a = target.args, self.cfg.layers
+        if a.vocab_size != t.vocab_size:
+            raise CheckpointError(f"drafter vocab_size {a.vocab_size} differs from the target's {t.vocab_size}")
+        if a.hidden_size != t.hidden_size:
+            raise CheckpointError(f"drafter hidden_size {a.hidden_size} differs from the target's {t.hidden_size}")
+        target.check_capture(self.cfg.target_layer_ids, "drafter target_layer_ids")
+        self._target[0] = target
+
+    def setup_caches(self, max_batch: int, max_seq: int):
+        w = self.fc.weight
+        for layer in self.layers:
+            at = layer.self_attn
+            at.kv_cache = KVCache(max_batch, max_seq, at.n_kv, at.head_dim, w.dtype, w.device)
+        a = self.cfg.layers
+        self.register_buffer("rope", rope_tables(a.head_dim, a.rope_theta, max_seq, w.device), persistent=False)
+
+    def commit_context(self, features: torch.Tensor, positions: torch.Tensor):
+        """Project captured target features ([B, T, n*H]) and cache every layer's context K/V at positions [B, T]."""
+        c = self.hidden_norm(self.fc(features))
+        cos_sin = self.rope[positions]
+        for layer in self.layers:
+            at = layer.self_attn
+            B, T, _ = c.shape
+            # Context rows enter attention straight from the projection (no input_layernorm).
+            k = apply_rope(at.k_norm(at.k_proj(c).view(B, T, at.n_kv, at.head_dim)), cos_sin)
+            at.kv_cache.write(positions, k, at.v_proj(c).view(B, T, at.n_kv, at.head_dim))
+
+    def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor):
+        """The block forward: anchor [B] at positions anchor_pos [B], context rows < anchor_pos.
+
+        Returns the final-normed hidden states of the drafting slots [B, K, H] and their
+        base logits U [B, K, V] (K = num_drafts).
+        """
+        cfg = self.cfg
+        S = cfg.num_slots
+        B = anchor.shape[0]
+        tokens = torch.full((B, S), cfg.mask_token_id, dtype=torch.long, device=anchor.device)
+        tokens[:, 0] = anchor
+        positions = anchor_pos[:, None] + torch.arange(S, device=anchor.device)  # [B, S]
+        cos_sin = self.rope[positions]
+        # Non-causal: every block row sees all context rows (< a) and all block rows (a .. a+S-1).
+        max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
+        mask = (torch.arange(max_seq, device=anchor.device) < (anchor_pos + S)[:, None])[:, None, :].expand(B, S, max_seq)
+        x = self.target.embed_tokens(tokens)
+        for layer in self.layers:
+            at = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = at.q(h, cos_sin)
+            k, v = at.kv(h, cos_sin)
+            k_all, v_all = at.kv_cache.write(positions, k, v)
+            x = x + at.o_proj(attend(q, k_all, v_all, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x)
+        if cfg.layout == "dflash":
+            h = h[:, 1:]  # slot 0 (the anchor's) is unused in the DFlash layout
+        return h, self.target.lm_head(h)
+
+    def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """c_k for every slot: hidden [B, K, H], prev_tokens [B, K] = [x_0, x_1 .. x_{K-1}]. None without a head."""
+        if self.confidence_head is None:
+            return None
+        feat = self.markov_head.markov_w1(prev_tokens) if self.cfg.confidence_with_markov else None
+        return self.confidence_head(hidden, feat)
+
+
+def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
+    """Load any drafter spelling of DSPARK.md §7 and attach it to `target`."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: drafter directory not found")
+    cfg_path = os.path.join(directory, "config.json")
+    raw = read_json(cfg_path)
+    files = safetensors_files(directory)
+    source = files[0] if len(files) == 1 else os.path.join(directory, "model.safetensors.index.json")
+    tensors = read_safetensors(files, dtype, device, rename=lambda k: _RENAMES.get(k.removeprefix("model."), k.removeprefix("model.")))
+    cfg = resolve_config(raw, tensors, cfg_path, source)
+    # The target's embedding and lm_head are used; a copy in the file must be identical.
+    for name, param in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight)):
+        if name in tensors:
+            t = tensors.pop(name)
+            if t.shape != param.shape or not torch.equal(t.to(param.device, param.dtype), param):
+                raise CheckpointError(f"{source}: drafter tensor {name!r} differs from the target's; "
+                                      "drafters share the target's embedding and lm_head")
+    with torch.device("meta"):
+        drafter = Drafter(cfg)
+    assign_strict(drafter, tensors, source)
+    drafter.attach(target)
+    return drafter.eval().requires_grad_(False)

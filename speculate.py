@@ -1,0 +1,401 @@
+"""Speculative decoding with a DSpark / DFlash drafter — or, without `--drafter`, plain
+autoregressive decoding by the same engine (the baseline).
+
+One round (DSPARK.md §5), all in `speculative_round` below:
+  draft (drafter block forward -> Markov chain -> confidence) -> schedule (threshold)
+  -> verify (target forward on [anchor, drafts] with capture) -> accept (rejection sampling)
+  -> commit (the drafter's context gains the verified rows; rollback is the anchor position).
+
+Without a drafter a round is the same with zero drafts: the target runs on the anchor and
+the "bonus" is the next token, so baseline and speculative numbers come from one code path.
+
+    python speculate.py --target DIR [--drafter DIR] --prompt "..." --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import torch
+
+import kernels
+from model import CheckpointError, Tokenizer, Transformer, load_target, stop_token_ids
+
+
+@dataclass
+class Args:
+    """Speculative decoding with DSpark / DFlash drafters (baseline decoding without --drafter)."""
+
+    target: Optional[str] = None
+    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json)."""
+    drafter: Optional[str] = None
+    """Drafter directory (any DSpark / DFlash spelling); omitted: plain autoregressive decoding."""
+    prompt: Optional[str] = None
+    """One prompt as text (rendered with the chat template unless --no-chat)."""
+    prompt_ids: Optional[str] = None
+    """One prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)."""
+    prompts_file: Optional[str] = None
+    """JSON lines, each {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]} (first turn used)."""
+    chat: bool = True
+    """Render text prompts with the target's chat template, thinking off (default: on when the
+    tokenizer has a template; --chat without one uses Qwen3's non-thinking format)."""
+    num_samples: int = 1
+    """Run every prompt this many times (independent samples)."""
+    batch_size: int = 1
+    """Requests decoded together."""
+    max_new_tokens: int = 128
+    """Token budget per request (exact)."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise lossless rejection sampling at this temperature."""
+    seed: int = 0
+    """Seed of the sampling generator: a sampled run repeats exactly with the same seed."""
+    confidence_threshold: float = 0.0
+    """Verify drafts only up to the first confidence below this; 0 = the whole block."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where to run."""
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """Weights and activations (default: bfloat16 on cuda, float32 on cpu)."""
+    compile: bool = False
+    """torch.compile the round (default: on for cuda, off for cpu)."""
+    trace_file: Optional[str] = None
+    """Write a JSON-lines record of every round, request and a summary here."""
+    wandb: bool = False
+    """Log the run to Weights & Biases (WANDB_MODE=offline works without network)."""
+
+
+# ----------------------------------------------------------------------------------------
+# One round
+
+def speculative_round(target: Transformer, drafter, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                      temperature: float, threshold: float, generator: Optional[torch.Generator]):
+    """Draft, schedule, verify, accept and commit once for every row.
+
+    anchor [B]: the last committed token, at positions anchor_pos [B]; the target's cache and
+    the drafter's context hold rows < anchor_pos. Returns (drafts [B, K], confidence [B, K] or
+    None, verified ℓ [B], accepted n [B], next token [B]). The caller moves the anchor to
+    anchor_pos + n + 1: that is the whole KV rollback.
+    """
+    B = anchor.shape[0]
+    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
+    # 1. Draft: the block forward, then the sequential Markov chain, then confidence.
+    if drafter is not None:
+        hidden, base_logits = drafter(anchor, anchor_pos)
+        drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, generator)
+        confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
+    else:
+        drafts, q, confidence = anchor.new_zeros((B, 0)), None, None
+    K = drafts.shape[1]
+    # 2. Schedule: verify the drafts before the first confidence below the threshold.
+    if confidence is not None and threshold > 0:
+        verify_len = torch.cumprod((confidence >= threshold).long(), dim=1).sum(1)
+    else:
+        verify_len = torch.full((B,), K, dtype=torch.long, device=anchor.device)
+    # 3. Verify: one target pass over [x_0, x_1 .. x_K] (fixed width; unscheduled drafts are
+    #    masked out of acceptance, their cache rows are never read), capturing features.
+    tokens = torch.cat([anchor[:, None], drafts], dim=1)
+    positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
+    logits, features = target(tokens, positions, capture=capture)
+    # 4. Accept.
+    if temperature == 0:
+        accepted, next_token = kernels.verify_greedy(drafts, logits, verify_len)
+    else:
+        accepted, next_token = kernels.verify_sampled(drafts, q, logits, verify_len, temperature, generator)
+    # 5. Commit: the drafter's context gains rows a .. a+K; rows past a+n are masked out next
+    #    round (context is < the new anchor position) and overwritten later.
+    if drafter is not None:
+        drafter.commit_context(features, positions)
+    return drafts, confidence, verify_len, accepted, next_token
+
+
+def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature: float,
+            generator: Optional[torch.Generator], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompts (right-padded) through the target, capturing features for the drafter.
+
+    Returns the first token of every row (the first anchor) and its position (the prompt length).
+    Pad rows are written past each prompt's end, where they are masked and later overwritten.
+    """
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    P = int(lens.max())
+    tokens = torch.tensor([p + [p[-1]] * (P - len(p)) for p in prompts], device=device)
+    positions = torch.arange(P, device=device).expand(len(prompts), P)
+    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
+    logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1)
+    if drafter is not None:
+        drafter.commit_context(features, positions)
+    return kernels.sample(logits, temperature, generator), lens
+
+
+# ----------------------------------------------------------------------------------------
+# Requests
+
+@dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    rounds: list[dict]
+    finish_reason: Optional[str] = None
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens per round the drafter and the target produced, bonus included."""
+        return sum(r["accepted"] + 1 for r in self.rounds) / max(len(self.rounds), 1)
+
+
+class Engine:
+    """Static batches of requests through prefill and rounds, with stop and budget handling."""
+
+    def __init__(self, target: Transformer, drafter, stop_ids, batch_size: int, max_seq: int, temperature: float,
+                 threshold: float, seed: int, device, compile: bool = False):
+        self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
+        self.temperature, self.threshold, self.device = temperature, threshold, device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        target.setup_caches(batch_size, max_seq)
+        if drafter is not None:
+            drafter.setup_caches(batch_size, max_seq)
+        self.round_fn = speculative_round
+        if compile:
+            self.round_fn = torch.compile(speculative_round, dynamic=False)
+        self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
+
+    def _sync(self):
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def _commit(self, req: Request, tokens: list[int], budget: int) -> int:
+        """Append tokens up to the budget and the first stop token; returns how many went in."""
+        n = 0
+        for t in tokens:
+            if req.finish_reason is not None:
+                break
+            req.output_ids.append(t)
+            n += 1
+            if t in self.stop_ids:
+                req.finish_reason = "stop"
+            elif len(req.output_ids) >= budget:
+                req.finish_reason = "length"
+        return n
+
+    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None):
+        """Decode a batch of requests to completion; `on_round(request, record)` sees every round."""
+        t0 = time.perf_counter()
+        first, anchor_pos = prefill(self.target, self.drafter, [r.prompt_ids for r in requests],
+                                    self.temperature, self.generator, self.device)
+        self._sync()
+        self.prefill_seconds += time.perf_counter() - t0
+        for req, t in zip(requests, first.tolist()):
+            self._commit(req, [t], max_new_tokens)
+        anchor = first
+        t0 = time.perf_counter()
+        while any(r.finish_reason is None for r in requests):
+            tr = time.perf_counter()
+            drafts, conf, verified, accepted, next_token = self.round_fn(
+                self.target, self.drafter, anchor, anchor_pos, self.temperature, self.threshold, self.generator)
+            # The one host read of the round.
+            d, v, n, nx = drafts.tolist(), verified.tolist(), accepted.tolist(), next_token.tolist()
+            c = conf.tolist() if conf is not None else None
+            if self.round_fn is not speculative_round and not requests[0].rounds and self.compile_seconds == 0:
+                self.compile_seconds = time.perf_counter() - tr  # first call of a compiled round
+            active = []
+            for i, req in enumerate(requests):
+                if req.finish_reason is not None:
+                    active.append(False)
+                    continue
+                record = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
+                          "draft": d[i], "confidence": c[i] if c is not None else None,
+                          "verified": v[i], "accepted": n[i], "bonus": nx[i]}
+                req.rounds.append(record)
+                self._commit(req, d[i][:n[i]] + [nx[i]], max_new_tokens)
+                active.append(True)
+                if on_round is not None:
+                    on_round(req, record)
+            act = torch.tensor(active, device=self.device)
+            anchor = torch.where(act, next_token, anchor)
+            anchor_pos = torch.where(act, anchor_pos + accepted + 1, anchor_pos)
+        self._sync()
+        self.decode_seconds += time.perf_counter() - t0
+        return requests
+
+
+def accept_rate_by_position(requests: list[Request], K: int) -> list[float]:
+    """Rate of accepting draft k given drafts 1..k-1 were accepted and draft k was verified."""
+    rates = []
+    for k in range(1, K + 1):
+        tried = sum(1 for r in requests for rd in r.rounds if rd["accepted"] >= k - 1 and rd["verified"] >= k)
+        ok = sum(1 for r in requests for rd in r.rounds if rd["accepted"] >= k)
+        rates.append(ok / tried if tried else 0.0)
+    return rates
+
+
+# ----------------------------------------------------------------------------------------
+# Prompts
+
+def parse_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CheckpointError(f"{what}: {text!r} is not a comma-separated list of token ids") from None
+    return ids
+
+
+def load_prompts(args: Args, tokenizer: Optional[Tokenizer], chat: bool) -> list[list[int]]:
+    """Token ids of every prompt given by --prompt, --prompt-ids or --prompts-file."""
+    given = [f for f in ("prompt", "prompt_ids", "prompts_file") if getattr(args, f) is not None]
+    if len(given) != 1:
+        raise CheckpointError("give exactly one of --prompt, --prompt-ids, --prompts-file"
+                              + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
+
+    def encode(text: str, where: str) -> list[int]:
+        if tokenizer is None:
+            raise CheckpointError(f"{where}: a text prompt needs the target's tokenizer.json")
+        return tokenizer.encode(tokenizer.render_chat(text) if chat else text)
+
+    if args.prompt is not None:
+        return [encode(args.prompt, "--prompt")]
+    if args.prompt_ids is not None:
+        return [parse_ids(args.prompt_ids, "--prompt-ids")]
+    path = args.prompts_file
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: prompts file not found")
+    prompts = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{where}: malformed JSON ({e})") from None
+            if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+                prompts.append(encode(row["prompt"], where))
+            elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
+                ids = row["prompt_ids"]
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise CheckpointError(f"{where}: 'prompt_ids' must be a list of integers")
+                prompts.append(ids)
+            elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
+                    and isinstance(row["turns"][0], str):
+                prompts.append(encode(row["turns"][0], where))
+            else:
+                raise CheckpointError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} "
+                                      "or {\"turns\": [str]}")
+    if not prompts:
+        raise CheckpointError(f"{path}: no prompts")
+    return prompts
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+
+def _explicit(argv: list[str], flag: str) -> bool:
+    return any(a in (f"--{flag}", f"--no-{flag}") for a in argv)
+
+
+def run(args: Args, argv: list[str]) -> dict:
+    """Everything `python speculate.py` does; returns the summary. Raises CheckpointError on bad input."""
+    for name, ok in (("num_samples", args.num_samples >= 1), ("batch_size", args.batch_size >= 1),
+                     ("max_new_tokens", args.max_new_tokens >= 1), ("temperature", args.temperature >= 0),
+                     ("confidence_threshold", 0 <= args.confidence_threshold <= 1)):
+        if not ok:
+            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+    if args.target is None:
+        raise CheckpointError("--target: no target directory given")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda: no CUDA device is available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
+
+    target = load_target(args.target, args.device, dtype)
+    stop_ids = stop_token_ids(args.target, target.args)
+    tok_path = os.path.join(args.target, "tokenizer.json")
+    tokenizer = Tokenizer(args.target) if os.path.isfile(tok_path) else None
+    chat = args.chat if _explicit(argv, "chat") else (tokenizer is not None and tokenizer.chat_template is not None)
+    drafter = None
+    if args.drafter is not None:
+        from drafter import load_drafter
+        drafter = load_drafter(args.drafter, target, args.device, dtype)
+        print(drafter.cfg.describe(), file=sys.stderr)
+    elif args.confidence_threshold > 0:
+        raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
+    if drafter is not None and args.confidence_threshold > 0 and not drafter.cfg.confidence_head:
+        raise CheckpointError(f"--confidence-threshold: the drafter {args.drafter} has no confidence head")
+
+    prompts = load_prompts(args, tokenizer, chat)
+    V, context = target.args.vocab_size, target.args.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if not p:
+            raise CheckpointError(f"prompt {i}: empty prompt")
+        bad = [t for t in p if not 0 <= t < V]
+        if bad:
+            raise CheckpointError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if len(p) + args.max_new_tokens > context:
+            raise CheckpointError(f"prompt {i}: {len(p)} tokens + --max-new-tokens {args.max_new_tokens} exceed "
+                                  f"the target's context of {context} (max_position_embeddings)")
+    requests = [Request(i, p, [], []) for i, p in enumerate(pp for pp in prompts for _ in range(args.num_samples))]
+    margin = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    max_seq = max(len(r.prompt_ids) for r in requests) + args.max_new_tokens + margin
+    batch = min(args.batch_size, len(requests))
+    engine = Engine(target, drafter, stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
+                    args.seed, args.device, compile)
+
+    trace = open(args.trace_file, "w") if args.trace_file else None
+    on_round = (lambda req, rec: trace.write(json.dumps(rec) + "\n")) if trace else None
+    for start in range(0, len(requests), batch):
+        chunk = engine.generate(requests[start:start + batch], args.max_new_tokens, on_round)
+        for req in chunk:
+            if trace:
+                trace.write(json.dumps({"request": req.index, "output_ids": req.output_ids,
+                                        "num_rounds": len(req.rounds), "acceptance_length": req.acceptance_length,
+                                        "finish_reason": req.finish_reason}) + "\n")
+            print(tokenizer.decode(req.output_ids) if tokenizer is not None else ",".join(map(str, req.output_ids)))
+
+    n_tokens = sum(len(r.output_ids) for r in requests)
+    n_rounds = sum(len(r.rounds) for r in requests)
+    seconds = engine.prefill_seconds + engine.decode_seconds
+    summary = {
+        "summary": True,
+        "tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
+        "acceptance_length": sum(rd["accepted"] + 1 for r in requests for rd in r.rounds) / max(n_rounds, 1),
+        "accept_rate_by_position": accept_rate_by_position(requests, drafter.cfg.num_drafts if drafter else 0),
+        "prefill_seconds": engine.prefill_seconds,
+        "decode_seconds": engine.decode_seconds,
+        "compile_seconds": engine.compile_seconds,
+    }
+    if trace:
+        trace.write(json.dumps(summary) + "\n")
+        trace.close()
+    rates = " ".join(f"{x:.2f}" for x in summary["accept_rate_by_position"])
+    print(f"{'speculative' if drafter else 'autoregressive'}: {n_tokens} tokens in {seconds:.2f} s, "
+          f"{summary['tokens_per_second']:.1f} tokens/s, τ={summary['acceptance_length']:.2f}"
+          + (f", accept by position [{rates}]" if drafter else "")
+          + f" (prefill {engine.prefill_seconds:.2f} s, decode {engine.decode_seconds:.2f} s)")
+    if args.wandb:
+        import wandb
+        wandb.init(project="dspark-fast", config=asdict(args))
+        wandb.log({k: v for k, v in summary.items() if k != "summary" and not isinstance(v, list)})
+        wandb.finish()
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = tyro.cli(Args, args=argv)
+    try:
+        with torch.inference_mode():
+            run(args, argv)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
