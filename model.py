@@ -68,7 +68,7 @@ class ModelArgs:
         archs = cfg.get("architectures")
         model_type = cfg.get("model_type")
         if archs is not None:
-            if not isinstance(archs, list) or not all(a in SUPPORTED_ARCHITECTURES for a in archs):
+            if not isinstance(archs, list) or not archs or not all(a in SUPPORTED_ARCHITECTURES for a in archs):
                 raise CheckpointError(
                     f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
         elif model_type not in (None, "qwen3"):
@@ -111,15 +111,14 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
     out["max_position_embeddings"] = _req(cfg, "max_position_embeddings", source) if "max_position_embeddings" in cfg else 40960
 
     # RoPE theta: top-level `rope_theta` (older files) or `rope_parameters.rope_theta` (newer).
-    rope = cfg.get("rope_parameters")
-    if rope is None:
-        rope = cfg.get("rope_scaling")
-    if rope is not None and not isinstance(rope, dict):
-        raise CheckpointError(f"{source}: rope_parameters must be an object, got {rope!r}")
-    rope = rope or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
+    for key in ("rope_parameters", "rope_scaling"):
+        r = cfg.get(key)
+        if r is not None and not isinstance(r, dict):
+            raise CheckpointError(f"{source}: {key} must be an object, got {r!r}")
+        rope_type = (r or {}).get("rope_type", (r or {}).get("type", "default"))
+        if rope_type not in ("default", None):
+            raise CheckpointError(f"{source}: {key} rope type {rope_type!r} is not supported (only default RoPE)")
+    rope = cfg.get("rope_parameters") or {}
     if "rope_theta" in rope:
         out["rope_theta"] = _req(rope, "rope_theta", f"{source} rope_parameters", float)
     elif "rope_theta" in cfg:
@@ -133,7 +132,7 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
             raise CheckpointError(f"{source}: key {key!r} must be true or false, got {v!r}")
         out[key] = v
     layer_types = cfg.get("layer_types")
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+    if layer_types is not None and (not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)):
         raise CheckpointError(f"{source}: layer_types other than full_attention are not supported")
     if cfg.get("use_sliding_window", False):
         raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
@@ -152,14 +151,17 @@ def _eos_ids(v, source: str, key: str) -> tuple[int, ...]:
 
 
 def read_json(path: str) -> dict:
-    """Parse a JSON file, turning every failure into one line that names the file."""
+    """Parse a JSON object file, turning every failure into one line that names the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: file not found")
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 # ----------------------------------------------------------------------------------------
@@ -314,7 +316,7 @@ class Transformer(nn.Module):
         L = self.args.num_hidden_layers
         for i in capture:
             if isinstance(i, bool) or not isinstance(i, int) or not (-1 <= i < L):
-                raise CheckpointError(f"{source}: layer id {i!r} is outside the target's layers -1..{L - 1}")
+                raise CheckpointError(f"{source}: layer id {i!r} is outside the capturable layers -1..{L - 2}")
             if i == L - 1:
                 raise CheckpointError(
                     f"{source}: layer id {i} is the target's last layer; drafters read layers before it")

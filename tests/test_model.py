@@ -574,11 +574,8 @@ def test_stop_token_ids_bad_value(target_factory, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
-# Known bugs (see the report): a JSON file that parses but is not an object escapes as
-# AttributeError instead of CheckpointError.
+# A JSON file that parses but is not an object is a user error too, not an AttributeError.
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="model.py calls .get() on non-object JSON in auxiliary files")
 @pytest.mark.parametrize("filename", ["tokenizer_config.json", "generation_config.json",
                                       "model.safetensors.index.json"])
 def test_non_object_json_is_a_checkpoint_error(target_factory, tmp_path, filename):

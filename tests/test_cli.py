@@ -1,0 +1,196 @@
+"""speculate.py in baseline mode (no drafter) against transformers, and its CLI contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
+
+import speculate
+
+
+def run_cli(args, capsys):
+    """speculate.main in-process: (exit status, stdout, stderr)."""
+    rc = speculate.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def read_trace(path):
+    lines = [json.loads(l) for l in open(path)]
+    rounds = [l for l in lines if "round" in l]
+    requests = [l for l in lines if "output_ids" in l]
+    summary = [l for l in lines if l.get("summary")]
+    assert len(summary) == 1 and lines[-1] is summary[0]
+    return rounds, requests, summary[0]
+
+
+def hf_greedy(hf, prompt, max_new_tokens, stop_ids):
+    """transformers' greedy generation, cut after the first stop token."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=list(stop_ids), pad_token_id=0, attention_mask=torch.ones(1, len(prompt)))
+    ids = out[0, len(prompt):].tolist()
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[:i + 1]
+    return ids
+
+
+PROMPTS = [[7, 12, 30, 9, 41], [20, 21], [50, 8, 8, 33, 14, 19, 60, 2, 44]]
+
+
+def test_greedy_equals_transformers(tiny_target, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    # Batch of prompts with different lengths, decoded together.
+    rc, out, err = run_cli(["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 24,
+                            "--batch-size", 3, "--trace-file", trace], capsys)
+    assert rc == 0, err
+    _, requests, summary = read_trace(trace)
+    stop = {IM_END_ID, ENDOFTEXT_ID}
+    for req, p in zip(sorted(requests, key=lambda r: r["request"]), PROMPTS):
+        assert req["output_ids"] == hf_greedy(tiny_target.hf_model, p, 24, stop)
+        assert req["acceptance_length"] == 1.0
+    assert summary["acceptance_length"] == 1.0 and summary["accept_rate_by_position"] == []
+    # Batch size 1 gives the same.
+    for i, p in enumerate(PROMPTS):
+        rc, out, err = run_cli(["--target", tiny_target.path, "--prompt-ids", ",".join(map(str, p)),
+                                "--max-new-tokens", 24, "--trace-file", trace], capsys)
+        assert rc == 0, err
+        assert read_trace(trace)[1][0]["output_ids"] == requests[i]["output_ids"]
+
+
+def test_budget_eos_and_round_records(target_factory, tmp_path, capsys):
+    # No stop tokens at all: every request produces exactly the budget.
+    t = target_factory(eos_token_id=None, generation_eos_token_id=None)
+    trace = tmp_path / "t.jsonl"
+    rc, _, err = run_cli(["--target", t.path, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
+                          "--num-samples", 2, "--batch-size", 2, "--trace-file", trace], capsys)
+    assert rc == 0, err
+    rounds, requests, _ = read_trace(trace)
+    assert [len(r["output_ids"]) for r in requests] == [17, 17]
+    assert all(r["finish_reason"] == "length" and r["num_rounds"] == 16 for r in requests)
+    assert all(r["draft"] == [] and r["accepted"] == 0 and r["verified"] == 0 and r["confidence"] is None
+               for r in rounds)
+    out = requests[0]["output_ids"]
+    # Each round's anchor is the previous committed token and its bonus the next one.
+    mine = [r for r in rounds if r["request"] == 0]
+    assert [r["anchor"] for r in mine] == out[:-1] and [r["bonus"] for r in mine] == out[1:]
+
+    # Make the 6th generated token a stop token: the row ends exactly there, stop included.
+    eos = out[5]
+    first = out.index(eos)
+    t2 = copy_target(t.path, tmp_path / "eos")
+    edit_config(t2, lambda c: c.update(eos_token_id=eos))
+    rc, _, err = run_cli(["--target", t2, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
+                          "--trace-file", trace], capsys)
+    assert rc == 0, err
+    req = read_trace(trace)[1][0]
+    assert req["output_ids"] == out[:first + 1] and req["finish_reason"] == "stop"
+
+
+def test_mixed_batch_rows_stop_independently(target_factory, tmp_path, capsys):
+    t = target_factory(eos_token_id=None, generation_eos_token_id=None)
+    trace = tmp_path / "t.jsonl"
+    singles = []
+    for p in PROMPTS:
+        rc, _, err = run_cli(["--target", t.path, "--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", 12,
+                              "--trace-file", trace], capsys)
+        singles.append(read_trace(trace)[1][0]["output_ids"])
+    eos = singles[0][3]  # a token row 0 reaches early; other rows may or may not reach it
+    t2 = copy_target(t.path, tmp_path / "eos")
+    edit_config(t2, lambda c: c.update(eos_token_id=eos))
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    rc, _, err = run_cli(["--target", t2, "--prompts-file", pf, "--max-new-tokens", 12, "--batch-size", 3,
+                          "--trace-file", trace], capsys)
+    assert rc == 0, err
+    for req, single in zip(sorted(read_trace(trace)[1], key=lambda r: r["request"]), singles):
+        expect = single[:single.index(eos) + 1] if eos in single else single
+        assert req["output_ids"] == expect
+        assert req["finish_reason"] == ("stop" if eos in single else "length")
+
+
+def test_sampled_run_repeats_with_seed(tiny_target, tmp_path, capsys):
+    outs = []
+    for seed in (5, 5, 6):
+        trace = tmp_path / f"t{len(outs)}.jsonl"
+        rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "9,10,11", "--max-new-tokens", 20,
+                              "--temperature", 1.0, "--seed", seed, "--num-samples", 3, "--batch-size", 3,
+                              "--trace-file", trace], capsys)
+        assert rc == 0, err
+        outs.append([r["output_ids"] for r in read_trace(trace)[1]])
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+    assert len({tuple(o) for o in outs[0]}) > 1  # the samples are independent
+
+
+def test_text_prompt_uses_chat_template(tiny_target, tmp_path, capsys):
+    from model import Tokenizer
+
+    tok = Tokenizer(str(tiny_target.path))
+    trace = tmp_path / "t.jsonl"
+    outs = {}
+    for flag in ("--chat", "--no-chat", None):
+        args = ["--target", tiny_target.path, "--prompt", "def hello ( x ) :", "--max-new-tokens", 5,
+                "--trace-file", trace] + ([flag] if flag else [])
+        rc, out, err = run_cli(args, capsys)
+        assert rc == 0, err
+        outs[flag] = read_trace(trace)[1][0]["output_ids"]
+        assert out.splitlines()[0] == tok.decode(outs[flag])
+    chat_ids = tok.encode(tok.render_chat("def hello ( x ) :"))
+    assert chat_ids[:1] == [tok.encode("<|im_start|>")[0]]
+    assert outs["--chat"] == outs[None]  # the directory has a template: chat is the default
+    assert outs["--chat"] == hf_greedy(tiny_target.hf_model, chat_ids, 5, {IM_END_ID, ENDOFTEXT_ID})
+    raw = tok.encode("def hello ( x ) :")
+    assert outs["--no-chat"] == hf_greedy(tiny_target.hf_model, raw, 5, {IM_END_ID, ENDOFTEXT_ID})
+
+
+def _one_error_line(rc, out, err, *needles):
+    assert rc != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    for n in needles:
+        assert str(n) in lines[0], (n, lines[0])
+
+
+def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
+    t = str(tiny_target.path)
+    cases = [
+        (["--target", tmp_path / "nope", "--prompt-ids", "1,2"], ["nope"]),
+        (["--target", t, "--prompt-ids", "1,2,640"], ["640", "vocabulary"]),
+        (["--target", t, "--prompt-ids", "1,x"], ["--prompt-ids"]),
+        (["--target", t, "--prompt-ids", ",".join(["5"] * 120), "--max-new-tokens", 20], ["context"]),
+        (["--target", t, "--prompts-file", tmp_path / "missing.jsonl"], ["missing.jsonl"]),
+        (["--target", t], ["--prompt"]),
+        (["--target", t, "--prompt-ids", "1", "--max-new-tokens", 0], ["--max-new-tokens"]),
+    ]
+    bad_file = tmp_path / "bad.jsonl"
+    bad_file.write_text('{"prompt_ids": [1, 2]}\n{"nothing": 1}\n')
+    cases.append((["--target", t, "--prompts-file", bad_file], ["bad.jsonl:2"]))
+    broken = copy_target(t, tmp_path / "broken")
+    (broken / "config.json").write_text("{not json")
+    cases.append((["--target", broken, "--prompt-ids", "1,2"], ["config.json", "malformed"]))
+    for args, needles in cases:
+        _one_error_line(*run_cli(args, capsys), *needles)
+
+
+def test_subprocess_exit_status_and_stderr(tiny_target, tmp_path):
+    """The real process: status 2 and one stderr line for a bad input; 0 and ids for a good one."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    bad = subprocess.run([sys.executable, "speculate.py", "--target", str(tmp_path / "nope"), "--prompt-ids", "1"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    good = subprocess.run([sys.executable, "speculate.py", "--target", str(tiny_target.path), "--prompt-ids", "1,2,3",
+                           "--max-new-tokens", "4", "--no-chat"], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
+    assert good.returncode == 0, good.stderr
+    assert "tokens/s" in good.stdout and "τ=1.00" in good.stdout
