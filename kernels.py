@@ -3,9 +3,11 @@
 Each function here has a fixed signature that a fast version (Triton, or a compiled fusion)
 can later replace; the reference stays beside it and the tests hold the two equal.
 
-Randomness: every sampled function draws from an explicit `torch.Generator`, in a fixed
-order, so a seed makes a run repeatable. Sampling uses the exponential-race trick
-(argmax of p / E with E ~ Exp(1)), which draws from p exactly and needs no host sync.
+Randomness: sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which
+draws from p exactly and needs no host sync. Every sampled function takes its noise either
+pre-drawn (`noise`, `u`: what the engine passes, drawn by `round_noise` outside any compiled
+graph, so eager and compiled rounds see the same numbers) or from an explicit
+`torch.Generator`, in a fixed order. Either way a seed makes a run repeatable.
 """
 
 from __future__ import annotations
@@ -20,10 +22,19 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
-def sample_from(p: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One id per row of p ([..., V], rows sum to 1) by the exponential race."""
-    e = torch.empty_like(p).exponential_(1, generator=generator)
+def sample_from(p: torch.Tensor, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
+    """One id per row of p ([..., V], rows sum to 1) by the exponential race; noise ~ Exp(1), p's shape."""
+    e = torch.empty_like(p).exponential_(1, generator=generator) if noise is None else noise
     return torch.argmax(p / e, dim=-1)
+
+
+def round_noise(generator: Optional[torch.Generator], B: int, K: int, V: int, device):
+    """All the randomness of one sampled round, in draw order: the Markov chain's Exp(1) noise
+    [B, K, V], the acceptance uniforms u [B, K], the correction/bonus Exp(1) noise [B, V]."""
+    chain = torch.empty((B, K, V), device=device).exponential_(1, generator=generator)
+    u = torch.rand((B, K), generator=generator, device=device)
+    bonus = torch.empty((B, V), device=device).exponential_(1, generator=generator)
+    return chain, u, bonus
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -34,14 +45,14 @@ def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.G
 
 
 def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, markov,
-                 temperature: float, generator: Optional[torch.Generator]):
+                 temperature: float, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
     """The sequential stage of DSPARK.md §3: draft K tokens left to right.
 
     base_logits: [B, K, V] (U_k), hidden: [B, K, H] (h_k), anchor: [B] (x_0).
     markov: a head with `step(h_k, prev_token, state) -> (bias [B, V], state)`, or None
     (DFlash: every slot is drawn from its own U_k).
     Returns drafts [B, K] and q [B, K, V], the distributions the drafts were drawn from
-    (None at T=0, where verification is greedy and needs no q).
+    (None at T=0, where verification is greedy and needs no q). noise: Exp(1) [B, K, V] or None.
     """
     B, K, V = base_logits.shape
     drafts, qs = [], []
@@ -55,7 +66,7 @@ def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.
             x = torch.argmax(z, dim=-1)
         else:
             q = probs(z, temperature)
-            x = sample_from(q, generator)
+            x = sample_from(q, generator, None if noise is None else noise[:, k])
             qs.append(q)
         drafts.append(x)
         prev = x
@@ -77,18 +88,20 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, verify_len:
 
 
 def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
-                   verify_len: torch.Tensor, temperature: float, generator: Optional[torch.Generator]):
+                   verify_len: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
+                   u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None):
     """Lossless rejection sampling (DSPARK.md §5 step 4).
 
     drafts [B, K], q [B, K, V] (the draft distributions), target_logits [B, K+1, V], verify_len [B].
     Accept x_k if u_k < min(1, p_{k-1}(x_k) / q_k(x_k)); at the first rejection k sample the
     correction from normalize(max(p_{k-1} - q_k, 0)); if all ℓ pass, the bonus from p_ℓ.
-    Draws: u [B, K] first, then one exponential race over [B, V].
+    Draws: u [B, K] first, then one exponential race over [B, V] (or the given u and noise).
     Returns accepted n [B] and the committed correction or bonus token [B].
     """
     B, K = drafts.shape
     p = probs(target_logits, temperature)  # [B, K+1, V]
-    u = torch.rand((B, K), generator=generator, device=drafts.device)
+    if u is None:
+        u = torch.rand((B, K), generator=generator, device=drafts.device)
     if K:
         p_x = p[:, :K].gather(2, drafts[:, :, None])[:, :, 0]
         q_x = q.gather(2, drafts[:, :, None])[:, :, 0]
@@ -105,4 +118,4 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.T
         # A rejection has probability 0 when p == q; guard the division all the same.
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
         p_n = torch.where(rejected[:, None], residual, p_n)
-    return n, sample_from(p_n, generator)
+    return n, sample_from(p_n, generator, noise)

@@ -72,20 +72,24 @@ class Args:
 # One round
 
 def speculative_round(target: Transformer, drafter, anchor: torch.Tensor, anchor_pos: torch.Tensor,
-                      temperature: float, threshold: float, generator: Optional[torch.Generator]):
-    """Draft, schedule, verify, accept and commit once for every row.
+                      active: torch.Tensor, temperature: float, threshold: float, noise):
+    """Draft, schedule, verify, accept and commit once for every row; static shapes throughout.
 
     anchor [B]: the last committed token, at positions anchor_pos [B]; the target's cache and
-    the drafter's context hold rows < anchor_pos. Returns (drafts [B, K], confidence [B, K] or
-    None, verified ℓ [B], accepted n [B], next token [B]). The caller moves the anchor to
-    anchor_pos + n + 1: that is the whole KV rollback.
+    the drafter's context hold rows < anchor_pos. active [B] (bool): rows still decoding; the
+    others keep their anchor. noise: `kernels.round_noise(...)` when sampling, None at T=0.
+    Returns (record, anchor', anchor_pos'): record [B, 2K+3] (float64, the one tensor the host
+    reads) holds drafts [K], verified ℓ, accepted n, next token, confidence [K] (0 without a
+    head). Moving the anchor to anchor_pos + n + 1 is the whole KV rollback.
     """
     B = anchor.shape[0]
+    chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
     # 1. Draft: the block forward, then the sequential Markov chain, then confidence.
     if drafter is not None:
         hidden, base_logits = drafter(anchor, anchor_pos)
-        drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, generator)
+        drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None,
+                                         chain_noise)
         confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
     else:
         drafts, q, confidence = anchor.new_zeros((B, 0)), None, None
@@ -104,12 +108,18 @@ def speculative_round(target: Transformer, drafter, anchor: torch.Tensor, anchor
     if temperature == 0:
         accepted, next_token = kernels.verify_greedy(drafts, logits, verify_len)
     else:
-        accepted, next_token = kernels.verify_sampled(drafts, q, logits, verify_len, temperature, generator)
+        accepted, next_token = kernels.verify_sampled(drafts, q, logits, verify_len, temperature, None,
+                                                      u, bonus_noise)
     # 5. Commit: the drafter's context gains rows a .. a+K; rows past a+n are masked out next
     #    round (context is < the new anchor position) and overwritten later.
     if drafter is not None:
         drafter.commit_context(features, positions)
-    return drafts, confidence, verify_len, accepted, next_token
+    if confidence is None:
+        confidence = torch.zeros((B, K), device=anchor.device)
+    record = torch.cat([drafts, verify_len[:, None], accepted[:, None], next_token[:, None]], dim=1).double()
+    record = torch.cat([record, confidence.double()], dim=1)
+    return (record, torch.where(active, next_token, anchor),
+            torch.where(active, anchor_pos + accepted + 1, anchor_pos))
 
 
 def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature: float,
@@ -142,9 +152,9 @@ class Request:
     finish_reason: Optional[str] = None
 
     @property
-    def acceptance_length(self) -> float:
-        """τ: tokens per round the drafter and the target produced, bonus included."""
-        return sum(r["accepted"] + 1 for r in self.rounds) / max(len(self.rounds), 1)
+    def acceptance_length(self) -> Optional[float]:
+        """τ: tokens per round the drafter and the target produced, bonus included (None: no round)."""
+        return sum(r["accepted"] + 1 for r in self.rounds) / len(self.rounds) if self.rounds else None
 
 
 class Engine:
@@ -155,12 +165,14 @@ class Engine:
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
         self.temperature, self.threshold, self.device = temperature, threshold, device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.max_batch = batch_size
         target.setup_caches(batch_size, max_seq)
         if drafter is not None:
             drafter.setup_caches(batch_size, max_seq)
         self.round_fn = speculative_round
         if compile:
-            self.round_fn = torch.compile(speculative_round, dynamic=False)
+            self.round_fn = torch.compile(speculative_round, fullgraph=True, dynamic=False,
+                                          mode="max-autotune" if str(device).startswith("cuda") else None)
         self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
 
     def _sync(self):
@@ -182,41 +194,52 @@ class Engine:
         return n
 
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None):
-        """Decode a batch of requests to completion; `on_round(request, record)` sees every round."""
+        """Decode a batch of requests to completion; `on_round(request, record)` sees every round.
+
+        The batch always has `max_batch` rows (missing requests are inactive padding rows), so
+        every round has the same shapes and a compiled round never recompiles.
+        """
+        rows = requests + [None] * (self.max_batch - len(requests))
+        prompts = [(r or requests[0]).prompt_ids for r in rows]
         t0 = time.perf_counter()
-        first, anchor_pos = prefill(self.target, self.drafter, [r.prompt_ids for r in requests],
-                                    self.temperature, self.generator, self.device)
+        first, anchor_pos = prefill(self.target, self.drafter, prompts, self.temperature, self.generator, self.device)
         self._sync()
         self.prefill_seconds += time.perf_counter() - t0
         for req, t in zip(requests, first.tolist()):
             self._commit(req, [t], max_new_tokens)
         anchor = first
+        live = [r is not None and r.finish_reason is None for r in rows]
+        active = torch.tensor(live, device=self.device)
+        K = self.drafter.cfg.num_drafts if self.drafter is not None else 0
+        V = self.target.args.vocab_size
         t0 = time.perf_counter()
-        while any(r.finish_reason is None for r in requests):
+        while any(live):
+            noise = (kernels.round_noise(self.generator, len(rows), K, V, self.device)
+                     if self.temperature > 0 else None)
             tr = time.perf_counter()
-            drafts, conf, verified, accepted, next_token = self.round_fn(
-                self.target, self.drafter, anchor, anchor_pos, self.temperature, self.threshold, self.generator)
-            # The one host read of the round.
-            d, v, n, nx = drafts.tolist(), verified.tolist(), accepted.tolist(), next_token.tolist()
-            c = conf.tolist() if conf is not None else None
-            if self.round_fn is not speculative_round and not requests[0].rounds and self.compile_seconds == 0:
-                self.compile_seconds = time.perf_counter() - tr  # first call of a compiled round
-            active = []
-            for i, req in enumerate(requests):
-                if req.finish_reason is not None:
-                    active.append(False)
+            record, anchor, anchor_pos = self.round_fn(self.target, self.drafter, anchor, anchor_pos, active,
+                                                       self.temperature, self.threshold, noise)
+            anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the next graph replay
+            record = record.tolist()  # the one host read of the round
+            if self.round_fn is not speculative_round and self.compile_seconds == 0:
+                self.compile_seconds = time.perf_counter() - tr  # the first call of a compiled round
+            for i, req in enumerate(rows):
+                if not live[i]:
                     continue
-                record = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
-                          "draft": d[i], "confidence": c[i] if c is not None else None,
-                          "verified": v[i], "accepted": n[i], "bonus": nx[i]}
-                req.rounds.append(record)
-                self._commit(req, d[i][:n[i]] + [nx[i]], max_new_tokens)
-                active.append(True)
+                rec = record[i]
+                n = int(rec[K + 1])
+                entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
+                         "draft": [int(x) for x in rec[:K]],
+                         "confidence": rec[K + 3:] if self.drafter is not None and self.drafter.confidence_head is not None else None,
+                         "verified": int(rec[K]), "accepted": n, "bonus": int(rec[K + 2])}
+                req.rounds.append(entry)
+                self._commit(req, entry["draft"][:n] + [entry["bonus"]], max_new_tokens)
                 if on_round is not None:
-                    on_round(req, record)
-            act = torch.tensor(active, device=self.device)
-            anchor = torch.where(act, next_token, anchor)
-            anchor_pos = torch.where(act, anchor_pos + accepted + 1, anchor_pos)
+                    on_round(req, entry)
+            now_live = [r is not None and r.finish_reason is None for r in rows]
+            if now_live != live:
+                live = now_live
+                active = torch.tensor(live, device=self.device)
         self._sync()
         self.decode_seconds += time.perf_counter() - t0
         return requests
