@@ -95,11 +95,14 @@ def _check_bool(v, key, source):
     return v
 
 
-def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str) -> DrafterConfig:
+def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
+                   spelled: Optional[dict] = None) -> DrafterConfig:
     """Resolve the drafter config from `config.json` (parsed) and the weights' names and shapes.
 
     `tensors` maps (already renamed) weight names to tensors; only names and shapes are read.
+    `spelled` maps those names back to the file's own, for messages.
     """
+    spelled = spelled or {}
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{source}: expected a JSON object")
     archs = cfg.get("architectures") or []
@@ -147,7 +150,7 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str) -
                               "markov_w1 (markov_head.markov_w1.weight or markov_w1.weight)")
     if mtype is None and has_markov:
         first = sorted(k for k in tensors if k.startswith("markov_head."))[0]
-        raise CheckpointError(f"{weights_source}: tensor {first!r} belongs to a Markov head, but "
+        raise CheckpointError(f"{weights_source}: tensor {spelled.get(first, first)!r} belongs to a Markov head, but "
                               f"{source} declares none (markov_head_type)")
     rank = 0
     if mtype is not None:
@@ -164,7 +167,8 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str) -
         raise CheckpointError(f"{weights_source}: the confidence head is enabled in {source} but the weights "
                               "have no confidence_head.proj.weight (or confidence_proj.weight)")
     if has_conf and not conf:
-        raise CheckpointError(f"{weights_source}: tensor 'confidence_head.proj.weight' belongs to a confidence "
+        name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
+        raise CheckpointError(f"{weights_source}: tensor {name!r} belongs to a confidence "
                               f"head, but {source} does not enable one (enable_confidence_head / use_confidence_head)")
     with_markov = False
     if conf:
@@ -346,8 +350,15 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
     raw = read_json(cfg_path)
     files = safetensors_files(directory)
     source = files[0] if len(files) == 1 else os.path.join(directory, "model.safetensors.index.json")
-    tensors = read_safetensors(files, dtype, device, rename=lambda k: _RENAMES.get(k.removeprefix("model."), k.removeprefix("model.")))
-    cfg = resolve_config(raw, tensors, cfg_path, source)
+    spelled = {}
+
+    def rename(key):
+        name = _RENAMES.get(key.removeprefix("model."), key.removeprefix("model."))
+        spelled[name] = key
+        return name
+
+    tensors = read_safetensors(files, dtype, device, rename=rename)
+    cfg = resolve_config(raw, tensors, cfg_path, source, spelled)
     # The target's embedding and lm_head are used; a copy in the file must be identical.
     for name, param in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight)):
         if name in tensors:

@@ -361,7 +361,10 @@ def run(args: Args, argv: list[str]) -> dict:
             raise CheckpointError(f"prompt {i}: {len(p)} tokens + --max-new-tokens {args.max_new_tokens} exceed "
                                   f"the target's context of {context} (max_position_embeddings)")
     requests = [Request(i, p, [], []) for i, p in enumerate(pp for pp in prompts for _ in range(args.num_samples))]
-    margin = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    # A row's last round may move its anchor up to K+1 past the budget; while other rows go on,
+    # its (inactive) rounds still write a block / verify window from there.
+    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    margin = 2 * width
     max_seq = max(len(r.prompt_ids) for r in requests) + args.max_new_tokens + margin
     batch = min(args.batch_size, len(requests))
     engine = Engine(target, drafter, stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
