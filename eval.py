@@ -1,0 +1,674 @@
+"""Benchmarks: acceptance length τ and per-position acceptance per dataset, confidence
+calibration (ECE / AUROC / Brier, Sequential Temperature Scaling), data-parallel with torchrun.
+
+    python eval.py --target DIR --drafter DIR --data-dir ../shared/eval_datasets \
+        --datasets gsm8k,mt-bench --max-samples 8 --max-new-tokens 256 --out results.json
+    torchrun --nproc_per_node 8 eval.py ...   # each rank decodes a shard of every dataset
+
+What is notable here:
+- Decoding is speculate.py's `Engine` with speculate's loading code and flag meanings; this
+  file only feeds it datasets and counts what comes back.
+- Metrics are built from raw counts (rounds, Σaccepted, Σverified, Σdrafted, per-position
+  tried/ok). Under torchrun the counts are summed across ranks, never averages of averages,
+  so a greedy data-parallel run reports exactly what one process reports.
+- Calibration reads the per-round records: for position k, the prefix survival
+  a_k = Π_{i≤k} c_i against the event "drafts 1..k all accepted", over the rounds that sent
+  draft k to the target (DSPARK.md §4). STS fits one temperature per position, left to right,
+  on the first part of every dataset's requests and is scored on the rest.
+- The reliability diagram is a PNG written with zlib alone (no plotting dependency).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from model import CheckpointError, Tokenizer, load_target, stop_token_ids
+from speculate import Args as SpeculateArgs
+from speculate import Engine, Request, _explicit, load_prompts
+
+# The paper's protocol (Table 1): per-dataset sample counts, first rows in file order.
+DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
+                   "livecodebench": 500, "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
+PAPER_DATASETS = tuple(DEFAULT_SAMPLES)
+ECE_BINS = 15
+# STS's 1-D search space: temperatures for c_k's logit, geometric from 1/20 to 20 (1.0 included).
+STS_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
+
+
+@dataclass
+class EvalArgs:
+    """Acceptance length and per-position acceptance per dataset; confidence calibration."""
+
+    target: Optional[str] = None
+    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json)."""
+    drafter: Optional[str] = None
+    """Drafter directory (any DSpark / DFlash spelling); omitted: the autoregressive baseline."""
+    data_dir: Optional[str] = None
+    """Directory of <dataset>.jsonl files (JSON lines with "turns"; the first turn is the prompt)."""
+    datasets: str = ",".join(PAPER_DATASETS)
+    """Comma-separated dataset names (default: the paper's nine; missing files are skipped)."""
+    max_samples: Optional[int] = None
+    """Prompts per dataset, the first rows in file order (default: the paper's count per dataset)."""
+    max_new_tokens: int = 2048
+    """Token budget per request (the paper does not state one; 2048 as in DFlash's benchmarks)."""
+    temperature: float = 1.0
+    """0 = greedy; the paper reports τ at 1.0."""
+    chat: bool = True
+    """Render prompts with the target's chat template, thinking off (as speculate.py; --no-chat: raw)."""
+    batch_size: int = 1
+    """Requests decoded together (per process under torchrun)."""
+    confidence_threshold: float = 0.0
+    """Verify drafts only up to the first confidence below this; 0 = the whole block."""
+    seed: int = 0
+    """Seed of the sampling generator (rank r uses seed + r); reset at the start of every dataset."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where to run (under torchrun with cuda: the rank's LOCAL_RANK GPU)."""
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """Weights and activations (default: bfloat16 on cuda, float32 on cpu)."""
+    compile: bool = False
+    """torch.compile the round (default: on for cuda, off for cpu)."""
+    out: str = "results.json"
+    """Where to write the results (JSON)."""
+    progress: bool = True
+    """Progress bars on stderr (rank 0 only)."""
+    wandb: bool = False
+    """Log config, metrics and tables to Weights & Biases (WANDB_MODE=offline works without network)."""
+    wandb_project: str = "dspark-fast"
+    """Weights & Biases project."""
+    calibration_split: float = 0.5
+    """STS fits on this fraction of every dataset's requests (the first ones) and is scored on the
+    rest; 0 = no STS (the calibration metrics of the raw head are still reported)."""
+    calibration_out: Optional[str] = None
+    """Write the STS temperatures here (JSON: {"temperatures": [K floats], ...})."""
+    calibration_plot: Optional[str] = None
+    """Write a reliability diagram (PNG) here: one panel per position, before / after STS."""
+
+
+# ----------------------------------------------------------------------------------------
+# Calibration metrics (numpy, float64)
+
+def ece(p, y, bins: int = ECE_BINS) -> Optional[float]:
+    """Expected calibration error: Σ_b (n_b / N) |mean(y_b) - mean(p_b)| over equal-width bins
+    [b/bins, (b+1)/bins) (the last one closed). None without samples."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if p.size == 0:
+        return None
+    idx = np.minimum((p * bins).astype(np.int64), bins - 1)
+    n = np.bincount(idx, minlength=bins)
+    gap = np.abs(np.bincount(idx, weights=y, minlength=bins) - np.bincount(idx, weights=p, minlength=bins))
+    return float(gap.sum() / p.size)  # Σ_b n_b/N · |Σy_b - Σp_b| / n_b
+
+
+def auroc(p, y) -> Optional[float]:
+    """Area under the ROC curve by ranks (Mann-Whitney U), tied scores sharing their mean rank.
+    None when only one class is present."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y).astype(bool)
+    n1 = int(y.sum())
+    n0 = y.size - n1
+    if n1 == 0 or n0 == 0:
+        return None
+    _, inverse, counts = np.unique(p, return_inverse=True, return_counts=True)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # 0-based rank of each distinct value's first copy
+    ranks = (first + (counts + 1) / 2.0)[inverse]  # 1-based mean rank of the tie group
+    return float((ranks[y].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
+
+
+def brier(p, y) -> Optional[float]:
+    """Mean squared error of the probabilities against the 0/1 outcomes. None without samples."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    return float(np.mean((p - y) ** 2)) if p.size else None
+
+
+def _logit(c):
+    c = np.clip(np.asarray(c, dtype=np.float64), 1e-7, 1 - 1e-7)  # float32 sigmoids reach 1.0 exactly
+    return np.log(c) - np.log1p(-c)
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # = 1/(1+e^-x), without overflow warnings
+
+
+def apply_temperatures(confidence, temperatures):
+    """c_k -> σ(logit(c_k) / T_k) for every position (monotone in c_k for T_k > 0)."""
+    return _sigmoid(_logit(confidence) / np.asarray(temperatures, dtype=np.float64))
+
+
+def survival_events(confidence, verified, accepted, k: int):
+    """Prefix survival a_k = Π_{i≤k} c_i and the event "drafts 1..k accepted", over the rounds
+    that verified draft k (1-based k). confidence [N, K], verified [N], accepted [N]."""
+    mask = np.asarray(verified) >= k
+    a = np.prod(np.asarray(confidence, dtype=np.float64)[mask, :k], axis=1)
+    return a, (np.asarray(accepted)[mask] >= k)
+
+
+def position_metrics(confidence, verified, accepted) -> list[dict]:
+    """Per position k: rounds that verified draft k, how many accepted 1..k, mean a_k, ECE, AUROC, Brier."""
+    out = []
+    for k in range(1, np.shape(confidence)[1] + 1):
+        a, y = survival_events(confidence, verified, accepted, k)
+        out.append({"position": k, "rounds": int(a.size), "survived": int(y.sum()),
+                    "mean_survival": float(a.mean()) if a.size else None,
+                    "observed_survival": float(y.mean()) if a.size else None,
+                    "ece": ece(a, y), "auroc": auroc(a, y), "brier": brier(a, y)})
+    return out
+
+
+def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS) -> list[float]:
+    """Sequential Temperature Scaling (DSPARK.md §4): for k = 1..K in order, the temperature of
+    c_k's logit that minimises the ECE of a_k = Π_{i≤k} c_i, the earlier positions already
+    calibrated and fixed. Ties go to the temperature nearest 1; positions never verified keep 1."""
+    C = np.asarray(confidence, dtype=np.float64)
+    N, K = C.shape
+    logits = _logit(C)
+    verified, accepted = np.asarray(verified), np.asarray(accepted)
+    temps = np.ones(K)
+    prefix = np.ones(N)  # Π_{i<k} of the calibrated c_i
+    order = np.argsort(np.abs(np.log(grid)), kind="stable")  # nearest-to-1 first: the tie-break
+    for k in range(K):
+        mask = verified >= k + 1
+        if mask.any():
+            y = accepted[mask] >= k + 1
+            errs = [ece(prefix[mask] * _sigmoid(logits[mask, k] / t), y, bins) for t in grid[order]]
+            temps[k] = grid[order][int(np.argmin(errs))]
+        prefix = prefix * _sigmoid(logits[:, k] / temps[k])
+    return [float(t) for t in temps]
+
+
+def reliability_bins(p, y, bins: int = ECE_BINS) -> list[dict]:
+    """Per bin: count, mean predicted, observed rate (None for empty bins)."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    idx = np.minimum((p * bins).astype(np.int64), bins - 1)
+    out = []
+    for b in range(bins):
+        m = idx == b
+        out.append({"bin": b, "lo": b / bins, "hi": (b + 1) / bins, "count": int(m.sum()),
+                    "predicted": float(p[m].mean()) if m.any() else None,
+                    "observed": float(y[m].mean()) if m.any() else None})
+    return out
+
+
+def calibration_report(records: list[dict], datasets: list[str], split: float) -> Optional[dict]:
+    """Calibration of the confidence head from per-round records (dataset, request, round,
+    confidence, verified, accepted), in dataset order, then request and round order.
+
+    `raw`: the head as it is, over all rounds. With 0 < split < 1, STS is fitted on the first
+    `split` of every dataset's requests (file order) and `raw_heldout` / `sts_heldout` score the
+    head before / after on the remaining requests."""
+    recs = [r for r in records if r["confidence"] is not None]
+    if not recs:
+        return None
+    K = len(recs[0]["confidence"])
+
+    def arrays(rs):
+        C = np.array([r["confidence"] for r in rs], dtype=np.float64).reshape(len(rs), K)
+        return C, np.array([r["verified"] for r in rs], dtype=np.int64), np.array([r["accepted"] for r in rs], dtype=np.int64)
+
+    C, ver, acc = arrays(recs)
+    report = {"positions": K, "bins": ECE_BINS, "raw": position_metrics(C, ver, acc), "split": split,
+              "_all": (C, ver, acc)}  # "_" entries are for the plot, not written to JSON
+    if not 0 < split < 1:
+        return report
+    fit, held = [], []
+    for ds in datasets:
+        rs = [r for r in recs if r["dataset"] == ds]
+        reqs = sorted({r["request"] for r in rs})
+        cut = set(reqs[:int(math.floor(split * len(reqs)))])
+        fit += [r for r in rs if r["request"] in cut]
+        held += [r for r in rs if r["request"] not in cut]
+    if not fit or not held:
+        report["sts_note"] = "too few requests to split into fit and held-out parts; no STS"
+        return report
+    Cf, vf, af = arrays(fit)
+    temps = fit_sts(Cf, vf, af)
+    Ch, vh, ah = arrays(held)
+    report.update(temperatures=temps, fit_rounds=len(fit), heldout_rounds=len(held),
+                  raw_heldout=position_metrics(Ch, vh, ah),
+                  sts_heldout=position_metrics(apply_temperatures(Ch, temps), vh, ah))
+    report["_heldout"] = (Ch, vh, ah)
+    return report
+
+
+# ----------------------------------------------------------------------------------------
+# Reliability diagram: a PNG from numpy and zlib
+
+_GLYPHS = {  # 3x5 pixel font, rows top to bottom
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
+    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
+    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "%": "101001010100101",
+    "=": "000111000111000", " ": "000000000000000", "k": "100101110101101", "E": "111100111100111",
+    "C": "111100100100111", "A": "010101111101101", "U": "101101101101111", ">": "100010001010100",
+    ":": "000010000010000",
+}
+_BLUE, _ORANGE, _GRAY, _LIGHT, _BLACK = (31, 119, 180), (255, 127, 14), (150, 150, 150), (225, 225, 225), (0, 0, 0)
+
+
+def _text(img, x, y, s, color=_BLACK, scale=2):
+    for ch in s:
+        g = _GLYPHS.get(ch, _GLYPHS[" "])
+        for i, bit in enumerate(g):
+            if bit == "1":
+                r, c = divmod(i, 3)
+                img[y + r * scale:y + (r + 1) * scale, x + c * scale:x + (c + 1) * scale] = color
+        x += 4 * scale
+
+
+def write_png(path: str, img: np.ndarray):
+    """Write an RGB uint8 image [H, W, 3] as a PNG (filter 0 rows, one zlib stream)."""
+    h, w, _ = img.shape
+    raw = b"".join(b"\x00" + img[i].tobytes() for i in range(h))
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def reliability_diagram(path: str, panels: list[dict], size: int = 240, pad: int = 30):
+    """One panel per position: the bin-count histogram (light gray), the diagonal, the observed
+    survival rate per bin before STS (blue bars) and after (orange dots); header text
+    "k=K ECE:before>after" and "AUC:x". panels: {"position", "before": (a, y), "after": (a, y) or None}."""
+    W = len(panels) * (size + pad) + pad
+    H = size + 2 * pad + 24
+    img = np.full((H, W, 3), 255, dtype=np.uint8)
+    for j, panel in enumerate(panels):
+        x0, y0 = pad + j * (size + pad), pad + 24  # plot area [y0, y0+size) x [x0, x0+size)
+        a, y = panel["before"]
+        bins = reliability_bins(a, y)
+        top = max(b["count"] for b in bins) or 1
+        bw = size // ECE_BINS
+        for b in bins:  # histogram of counts, scaled to the panel height
+            hgt = int(round(0.9 * size * b["count"] / top))
+            img[y0 + size - hgt:y0 + size, x0 + b["bin"] * bw:x0 + (b["bin"] + 1) * bw] = _LIGHT
+        for b in bins:  # observed rate per bin (before)
+            if b["observed"] is not None:
+                hgt = int(round(size * b["observed"]))
+                img[y0 + size - hgt:y0 + size, x0 + b["bin"] * bw + 2:x0 + (b["bin"] + 1) * bw - 2] = _BLUE
+        for t in range(size):  # the diagonal: perfect calibration
+            img[y0 + size - 1 - t, x0 + t] = _GRAY
+        if panel.get("after") is not None:
+            for b in reliability_bins(*panel["after"]):
+                if b["observed"] is not None:
+                    cx, cy = x0 + b["bin"] * bw + bw // 2, y0 + size - 1 - int(round((size - 1) * b["observed"]))
+                    img[max(cy - 3, y0):min(cy + 4, y0 + size), cx - 3:cx + 4] = _ORANGE
+        img[y0:y0 + size, x0] = img[y0 + size - 1, x0:x0 + size] = _BLACK  # axes
+        e0 = ece(a, y)
+        head = f"k={panel['position']} ECE:{100 * e0:.1f}%" if e0 is not None else f"k={panel['position']}"
+        if panel.get("after") is not None and ece(*panel["after"]) is not None:
+            head += f">{100 * ece(*panel['after']):.1f}%"
+        _text(img, x0, 6, head)
+        auc = auroc(a, y)
+        if auc is not None:
+            _text(img, x0, 20, f"AUC:{auc:.3f}")
+    write_png(path, img)
+
+
+# ----------------------------------------------------------------------------------------
+# Distributed (torchrun): every rank a shard, raw counts summed
+
+def dist_setup(device: str) -> tuple[int, int, str]:
+    """(rank, world size, device) — one process without torchrun's environment."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError("--device cuda: no CUDA device is available")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return rank, world, device
+
+
+def all_sum(values: list[int], device: str) -> list[int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: float, device: str) -> float:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_gather_list(items: list) -> list:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+# ----------------------------------------------------------------------------------------
+# Counting
+
+COUNT_KEYS = ("num_samples", "num_rounds", "accepted", "verified", "drafted", "tokens")
+
+
+def count(requests: list[Request], K: int) -> dict:
+    """Raw counts of a set of finished requests; per-position tried/ok have exactly the meaning of
+    speculate.accept_rate_by_position (tried: drafts 1..k-1 accepted and draft k verified)."""
+    rounds = [rd for r in requests for rd in r.rounds]
+    return {"num_samples": len(requests), "num_rounds": len(rounds),
+            "accepted": sum(rd["accepted"] for rd in rounds), "verified": sum(rd["verified"] for rd in rounds),
+            "drafted": sum(len(rd["draft"]) for rd in rounds), "tokens": sum(len(r.output_ids) for r in requests),
+            "tried": [sum(1 for rd in rounds if rd["accepted"] >= k - 1 and rd["verified"] >= k) for k in range(1, K + 1)],
+            "ok": [sum(1 for rd in rounds if rd["accepted"] >= k) for k in range(1, K + 1)]}
+
+
+def metrics(name: str, c: dict, seconds: float) -> dict:
+    """A dataset's entry of results.json from its (summed) counts."""
+    R = c["num_rounds"]
+    return {
+        "dataset": name,
+        "num_samples": c["num_samples"],
+        "num_rounds": R,
+        "num_tokens": c["tokens"],
+        "acceptance_length": (c["accepted"] + R) / R if R else None,
+        "draft_tokens_per_proposal": c["verified"] / R if R else None,
+        "verify_rate": c["verified"] / c["drafted"] if c["drafted"] else None,
+        "accept_rate_by_position": [ok / tried if tried else 0.0 for ok, tried in zip(c["ok"], c["tried"])],
+        "accept_counts_by_position": [[ok, tried] for ok, tried in zip(c["ok"], c["tried"])],
+        "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
+        "seconds": seconds,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Loading (speculate.py's code paths and checks)
+
+def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
+    """(name, path, sample count) for every requested dataset whose file exists."""
+    if args.data_dir is None:
+        raise CheckpointError("--data-dir: no dataset directory given")
+    if not os.path.isdir(args.data_dir):
+        raise CheckpointError(f"--data-dir {args.data_dir}: directory not found")
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    if not names:
+        raise CheckpointError("--datasets: no dataset named")
+    out = []
+    for name in names:
+        path = os.path.join(args.data_dir, f"{name}.jsonl")
+        if name not in DEFAULT_SAMPLES and not os.path.isfile(path):
+            raise CheckpointError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
+                                  f"or any <name>.jsonl in {args.data_dir})")
+        if not os.path.isfile(path):
+            if rank == 0:
+                print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
+            continue
+        out.append((name, path, args.max_samples or DEFAULT_SAMPLES.get(name, 0)))  # 0: every row
+    if not out:
+        raise CheckpointError(f"--datasets: none of {', '.join(names)} is in {args.data_dir}")
+    return out
+
+
+def check_prompts(prompts: list[list[int]], where: str, vocab: int, context: int, max_new_tokens: int):
+    for i, p in enumerate(prompts):
+        if not p:
+            raise CheckpointError(f"{where} prompt {i}: empty prompt")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise CheckpointError(f"{where} prompt {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(p) + max_new_tokens > context:
+            raise CheckpointError(f"{where} prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
+                                  f"the target's context of {context} (max_position_embeddings)")
+
+
+def run(args: EvalArgs, argv: list[str]) -> dict:
+    """Everything `python eval.py` does; returns the results. Raises CheckpointError on bad input."""
+    for name, ok in (("batch_size", args.batch_size >= 1), ("max_new_tokens", args.max_new_tokens >= 1),
+                     ("max_samples", args.max_samples is None or args.max_samples >= 1),
+                     ("temperature", args.temperature >= 0),
+                     ("confidence_threshold", 0 <= args.confidence_threshold <= 1),
+                     ("calibration_split", 0 <= args.calibration_split < 1)):
+        if not ok:
+            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+    if args.target is None:
+        raise CheckpointError("--target: no target directory given")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda: no CUDA device is available")
+    rank, world, device = dist_setup(args.device)
+    datasets = resolve_datasets(args, rank)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
+
+    target = load_target(args.target, device, dtype)
+    stop_ids = stop_token_ids(args.target, target.args)
+    tokenizer = Tokenizer(args.target) if os.path.isfile(os.path.join(args.target, "tokenizer.json")) else None
+    chat = args.chat if _explicit(argv, "chat") else (tokenizer is not None and tokenizer.chat_template is not None)
+    drafter = None
+    if args.drafter is not None:
+        from drafter import load_drafter
+        drafter = load_drafter(args.drafter, target, device, dtype)
+        if rank == 0:
+            print(drafter.cfg.describe(), file=sys.stderr)
+    elif args.confidence_threshold > 0:
+        raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
+    if drafter is not None and args.confidence_threshold > 0 and not drafter.cfg.confidence_head:
+        raise CheckpointError(f"--confidence-threshold: the drafter {args.drafter} has no confidence head")
+    has_conf = drafter is not None and drafter.cfg.confidence_head
+    if (args.calibration_out or args.calibration_plot) and not has_conf:
+        raise CheckpointError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
+    if args.calibration_out and args.calibration_split == 0:
+        raise CheckpointError("--calibration-out needs STS: a --calibration-split between 0 and 1")
+    K = drafter.cfg.num_drafts if drafter is not None else 0
+
+    # Every rank tokenizes every dataset, so max_seq (and with it every cache shape) is the one
+    # a single process would use: sharding then cannot change a single logit.
+    prompts = {}
+    for name, path, n in datasets:
+        ps = load_prompts(SpeculateArgs(prompts_file=path), tokenizer, chat)
+        prompts[name] = ps[:n] if n else ps
+        check_prompts(prompts[name], path, target.args.vocab_size, target.args.max_position_embeddings,
+                      args.max_new_tokens)
+    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    max_seq = max(len(p) for ps in prompts.values() for p in ps) + args.max_new_tokens + 2 * width
+    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
+    batch = max(1, min(args.batch_size, most))
+    engine = Engine(target, drafter, stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
+                    args.seed + rank, device, compile)
+
+    bar = None
+    if args.progress and rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(ps) for ps in prompts.values()), file=sys.stderr, unit="prompt", dynamic_ncols=True)
+    entries, records = [], []
+    for name, _, _ in datasets:
+        ps = prompts[name]
+        requests = [Request(i, ps[i], [], []) for i in range(rank, len(ps), world)]  # interleaved shard
+        engine.generator.manual_seed(args.seed + rank)  # a dataset's numbers do not depend on the ones before
+        seconds0 = engine.prefill_seconds + engine.decode_seconds
+        for start in range(0, len(requests), batch):
+            chunk = requests[start:start + batch]
+            engine.generate(chunk, args.max_new_tokens)
+            if bar is not None:
+                bar.set_description(name)
+                bar.update(len(chunk) * world)
+        seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
+        c = count(requests, K)
+        flat = all_sum([c[k] for k in COUNT_KEYS] + c["tried"] + c["ok"], device)
+        c = dict(zip(COUNT_KEYS, flat[:len(COUNT_KEYS)]), tried=flat[len(COUNT_KEYS):len(COUNT_KEYS) + K],
+                 ok=flat[len(COUNT_KEYS) + K:])
+        entries.append(metrics(name, c, seconds))
+        if has_conf:
+            records += [{"dataset": name, "request": r.index, "round": rd["round"], "confidence": rd["confidence"],
+                         "verified": rd["verified"], "accepted": rd["accepted"]} for r in requests for rd in r.rounds]
+    if bar is not None:
+        bar.close()
+
+    calibration = None
+    if has_conf:
+        order = {name: i for i, (name, _, _) in enumerate(datasets)}
+        records = sorted(all_gather_list(records), key=lambda r: (order[r["dataset"]], r["request"], r["round"]))
+        calibration = calibration_report(records, [d[0] for d in datasets], args.calibration_split)
+
+    config = {k: v for k, v in asdict(args).items()}
+    config.update(world_size=world, num_drafts=K, drafter_config=drafter.cfg.describe() if drafter else None,
+                  chat_resolved=chat, compile_resolved=compile, dtype_resolved=str(dtype).removeprefix("torch."),
+                  skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
+    results = {"config": config, "datasets": entries,
+               "calibration": {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None}
+    if rank == 0:
+        write_outputs(args, results, calibration)
+    return results
+
+
+# ----------------------------------------------------------------------------------------
+# Output
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(entries: list[dict]) -> str:
+    head = f"{'dataset':<16}{'samples':>8}{'rounds':>8}{'tau':>7}{'drafts/rnd':>11}{'verify':>8}{'tok/s':>9}  accept rate by position"
+    lines = [head, "-" * len(head)]
+    for e in entries:
+        rates = " ".join(f"{r:.2f}" for r in e["accept_rate_by_position"])
+        lines.append(f"{e['dataset']:<16}{e['num_samples']:>8}{e['num_rounds']:>8}{_fmt(e['acceptance_length']):>7}"
+                     f"{_fmt(e['draft_tokens_per_proposal']):>11}{_fmt(e['verify_rate'], '.3f'):>8}"
+                     f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {rates}")
+    return "\n".join(lines)
+
+
+def format_calibration(cal: dict) -> str:
+    lines = [f"confidence calibration (prefix survival a_k vs drafts 1..k accepted; ECE with {cal['bins']} bins)"]
+    head = f"{'k':>3}{'rounds':>8}{'mean a_k':>10}{'observed':>10}{'ECE':>8}{'AUROC':>8}{'Brier':>8}"
+    sts = "temperatures" in cal
+    if sts:
+        head += f"{'T_k':>8}{'held-out ECE raw -> STS':>26}"
+    lines += [head, "-" * len(head)]
+    for j, m in enumerate(cal["raw"]):
+        line = (f"{m['position']:>3}{m['rounds']:>8}{_fmt(m['mean_survival'], '.3f'):>10}"
+                f"{_fmt(m['observed_survival'], '.3f'):>10}{_fmt(m['ece'], '.3f'):>8}{_fmt(m['auroc'], '.3f'):>8}"
+                f"{_fmt(m['brier'], '.3f'):>8}")
+        if sts:
+            line += (f"{cal['temperatures'][j]:>8.3f}"
+                     f"{_fmt(cal['raw_heldout'][j]['ece'], '.3f') + ' -> ' + _fmt(cal['sts_heldout'][j]['ece'], '.3f'):>26}")
+        lines.append(line)
+    if "sts_note" in cal:
+        lines.append(cal["sts_note"])
+    return "\n".join(lines)
+
+
+def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, args.out)
+    print(format_table(results["datasets"]))
+    if calibration is not None:
+        print()
+        print(format_calibration(calibration))
+    plot = None
+    if calibration is not None and args.calibration_plot:
+        if "_heldout" in calibration:  # before / after STS on the held-out requests
+            C, ver, acc = calibration["_heldout"]
+            Cs = apply_temperatures(C, calibration["temperatures"])
+            panels = [{"position": k, "before": survival_events(C, ver, acc, k),
+                       "after": survival_events(Cs, ver, acc, k)} for k in range(1, C.shape[1] + 1)]
+        else:  # no STS: the raw head over every round
+            C, ver, acc = calibration["_all"]
+            panels = [{"position": k, "before": survival_events(C, ver, acc, k), "after": None}
+                      for k in range(1, C.shape[1] + 1)]
+        reliability_diagram(args.calibration_plot, panels)
+        plot = args.calibration_plot
+    if args.calibration_out and calibration is not None:
+        if "temperatures" not in calibration:
+            raise CheckpointError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
+        with open(args.calibration_out, "w") as f:
+            json.dump({"temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
+                       "apply": "c_k = sigmoid(logit(c_k) / T_k), before the threshold",
+                       "drafter": args.drafter, "target": args.target,
+                       "datasets": [e["dataset"] for e in results["datasets"]],
+                       "split": calibration["split"], "fit_rounds": calibration["fit_rounds"],
+                       "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
+                       "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]]}, f, indent=2)
+    if args.wandb:
+        log_wandb(args, results, plot)
+
+
+def log_wandb(args: EvalArgs, results: dict, plot: Optional[str]):
+    import wandb
+
+    run = wandb.init(project=args.wandb_project, job_type="eval", config=results["config"])
+    K = results["config"]["num_drafts"]
+    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
+            "tokens_per_second"] + [f"accept_rate_{k}" for k in range(1, K + 1)]
+    table = wandb.Table(columns=cols)
+    log = {}
+    for e in results["datasets"]:
+        table.add_data(*[e[c] for c in cols[:7]], *e["accept_rate_by_position"])
+        for c in cols[1:7]:
+            log[f"{e['dataset']}/{c}"] = e[c]
+        for k, r in enumerate(e["accept_rate_by_position"], 1):
+            log[f"{e['dataset']}/accept_rate_{k}"] = r
+    log["acceptance"] = table
+    cal = results["calibration"]
+    if cal is not None:
+        ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
+        ctable = wandb.Table(columns=ccols + ["temperature", "heldout_ece_raw", "heldout_ece_sts"])
+        for j, m in enumerate(cal["raw"]):
+            sts = "temperatures" in cal
+            ctable.add_data(*[m[c] for c in ccols], cal["temperatures"][j] if sts else None,
+                            cal["raw_heldout"][j]["ece"] if sts else None, cal["sts_heldout"][j]["ece"] if sts else None)
+            log[f"calibration/ece_{j + 1}"] = m["ece"]
+            log[f"calibration/auroc_{j + 1}"] = m["auroc"]
+        log["calibration"] = ctable
+    if plot is not None:
+        try:
+            log["reliability_diagram"] = wandb.Image(plot)
+        except Exception:  # wandb.Image needs Pillow; keep the file with the run instead
+            wandb.save(plot, base_path=os.path.dirname(os.path.abspath(plot)), policy="now")
+    run.log(log)
+    run.summary.update({k: v for k, v in log.items() if not hasattr(v, "columns")})
+    run.finish()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = tyro.cli(EvalArgs, args=argv)
+    try:
+        with torch.inference_mode():
+            run(args, argv)
+    except CheckpointError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
