@@ -342,6 +342,28 @@ class Drafter(nn.Module):
         return self.confidence_head(hidden, feat)
 
 
+def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",
+                   rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
+    """A DSpark drafter shaped like the published ones (block 7, 5 layers, r=256) with random
+    weights, attached to `target` and on its device and dtype."""
+    from model import init_random_
+
+    t = target.args
+    L = t.num_hidden_layers
+    ids = tuple(sorted({1 + (L - 4) * i // 4 for i in range(5)}))  # 1, 9, 17, 25, 33 at 36 layers, as published
+    layers = ModelArgs(**{f.name: getattr(t, f.name) for f in fields(ModelArgs)})
+    layers.num_hidden_layers = num_layers
+    cfg = DrafterConfig(layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=t.vocab_size - 1,
+                        layout="dspark", markov_head_type=markov, markov_rank=rank if markov else 0,
+                        confidence_head=confidence, confidence_with_markov=confidence and markov is not None)
+    w = target.embed_tokens.weight
+    with torch.device("meta"):
+        drafter = Drafter(cfg)
+    drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
+    drafter.attach(target)
+    return drafter.eval().requires_grad_(False)
+
+
 def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
     """Load any drafter spelling of DSPARK.md §7 and attach it to `target`."""
     if not os.path.isdir(directory):

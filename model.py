@@ -346,6 +346,46 @@ class Transformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
+# Real-shaped models with random weights (speed measurements without downloads)
+
+PRESETS = {  # the published configs' shapes (Hugging Face Qwen/Qwen3-*/config.json)
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Fill a module in place: N(0, std) for matrices and embeddings, 1 for norms, 0 for biases."""
+    g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=g)
+    return module
+
+
+def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+    """A real-shaped Qwen3 (`PRESETS`) with random weights, allocated once on `device`."""
+    if preset not in PRESETS:
+        raise CheckpointError(f"--random-init: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    args = ModelArgs(**PRESETS[preset])
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to(dtype).to_empty(device=device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return init_random_(model, seed).eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------
 # Loading safetensors checkpoints
 
 def safetensors_files(directory: str) -> list[str]:

@@ -1,0 +1,378 @@
+"""Speed: autoregressive and speculative decoding side by side, in one run, on one machine.
+
+    python bench.py                                   # CPU: the constructed ~35M pair (τ ≈ 5)
+    python bench.py --model qwen3-8b --device cuda --batch-sizes 1,8,32
+    python bench.py --target DIR --drafter DIR         # real checkpoints
+
+For each batch size it runs the project's engine without a drafter (autoregressive) and with
+one (speculative), after a warm-up that compiles the round, and reports what gpt-fast reports
+and more: tokens/s, τ, time per round split into draft / verify / the rest, the bytes a round
+reads, achieved GB/s against a measured copy bandwidth (the memory-bandwidth floor), compile
+seconds and peak memory. With `--reference` (the default on CPU at batch 1) it also runs the
+same algorithm the way the reference implementations do — transformers' Qwen3 with a dynamic
+cache as the target and an eager drafter — and checks it emits the same tokens.
+
+The constructed pair (`--model bigram-35m`): a random Qwen3 of ~35M parameters whose attention
+output is scaled to almost nothing, so its next token is (nearly) a function of the current
+token, and whose final norm keeps only `r` features, so that function has rank r. The drafter's
+Markov head is given exactly that table (W1 = the target's final features per token, W2 = the
+target's lm_head columns): the drafter is right whenever the target is a bigram model. It is a
+stand-in for a trained pair with τ ≈ 5, not a language model.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import torch
+
+import kernels
+from drafter import Drafter, DrafterConfig, random_drafter
+from model import CheckpointError, ModelArgs, Transformer, init_random_, load_target, random_target
+from speculate import Engine, Request, speculative_round
+
+
+@dataclass
+class BenchArgs:
+    """Autoregressive vs speculative decoding speed, side by side."""
+
+    model: str = "bigram-35m"
+    """bigram-35m (constructed CPU pair, τ ≈ 5) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b.
+    Ignored when --target is given."""
+    target: Optional[str] = None
+    """A Hugging Face Qwen3 directory instead of a preset."""
+    drafter: Optional[str] = None
+    """A drafter directory (with --target)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where to run."""
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """Default: bfloat16 on cuda, float32 on cpu."""
+    compile: bool = True
+    """torch.compile the round (--no-compile for eager)."""
+    batch_sizes: str = "1"
+    """Comma-separated batch sizes, e.g. 1,8,32."""
+    prompt_len: int = 64
+    """Tokens per (random) prompt."""
+    max_new_tokens: int = 128
+    """Tokens generated per request."""
+    reference: Optional[bool] = None
+    """Also time the transformers-target reference loop at batch 1 (default: on for cpu)."""
+    threads: Optional[int] = None
+    """torch threads on cpu (default: torch's own)."""
+    out: Optional[str] = None
+    """Write the results as JSON here."""
+    seed: int = 0
+    """Seed of the random weights and prompts."""
+
+
+# ----------------------------------------------------------------------------------------
+# The constructed CPU pair
+
+BIGRAM_35M = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+
+
+def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 5, attn_scale: float = 2e-5):
+    """A near-bigram ~35M target and a 1-layer DSpark drafter whose Markov head carries its table."""
+    args = ModelArgs(**BIGRAM_35M)
+    with torch.device("meta"):
+        target = Transformer(args)
+    target = target.to(dtype).to_empty(device=device)
+    target.lm_head.weight = target.embed_tokens.weight
+    init_random_(target, seed, std=0.5)  # large enough that the logits are far from flat
+    with torch.no_grad():
+        for layer in target.layers:
+            layer.self_attn.o_proj.weight.mul_(attn_scale)
+        target.norm.weight[rank:] = 0  # the next-token table has rank `rank`
+    target.eval().requires_grad_(False)
+    # The target's final features for every single token (what W1 must hold).
+    V, H = args.vocab_size, args.hidden_size
+    target.setup_caches(1024, 2)
+    feats = []
+    with torch.no_grad():
+        for start in range(0, V, 1024):
+            tok = torch.arange(start, min(start + 1024, V), device=device)[:, None]
+            x = target.embed_tokens(tok)
+            pos = torch.zeros_like(tok)
+            mask = pos[:, :, None] >= torch.arange(target.max_seq, device=device)
+            for layer in target.layers:
+                x = layer(x, target.rope[pos], pos, mask)
+            feats.append(target.norm(x)[:, 0, :rank])
+    w1 = torch.cat(feats)  # [V, r]
+    cfg = DrafterConfig(layers=ModelArgs(**{**BIGRAM_35M, "num_hidden_layers": 1}), block_size=block_size,
+                        target_layer_ids=(1, 5), mask_token_id=V - 1, layout="dspark", markov_head_type="vanilla",
+                        markov_rank=rank, confidence_head=False, confidence_with_markov=False)
+    with torch.device("meta"):
+        drafter = Drafter(cfg)
+    drafter = init_random_(drafter.to(dtype).to_empty(device=device), seed + 1)
+    with torch.no_grad():
+        drafter.norm.weight.fill_(1e-3)  # the block's own logits U are small next to the Markov term
+        drafter.markov_head.markov_w1.weight.copy_(w1)
+        drafter.markov_head.markov_w2.weight.copy_(target.lm_head.weight[:, :rank])
+    drafter.attach(target)
+    return target, drafter.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------
+# Measurements
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: int) -> int:
+    """Bytes one round reads: target weights, KV cache at `context`, and the drafter's weights,
+    with the lm_head read again for the block's logits and W2 once per Markov step."""
+    a = target.args
+    elt = target.lm_head.weight.element_size()
+    total = nbytes({p.data_ptr(): p for p in target.parameters()}.values())
+    total += 2 * a.num_hidden_layers * batch * context * a.num_key_value_heads * a.head_dim * elt
+    if drafter is not None:
+        total += nbytes(drafter.parameters()) + nbytes([target.lm_head.weight])
+        if drafter.markov_head is not None:
+            total += (drafter.cfg.num_drafts - 1) * nbytes([drafter.markov_head.markov_w2.weight])
+        d = drafter.cfg.layers
+        total += 2 * d.num_hidden_layers * batch * context * d.num_key_value_heads * d.head_dim * elt
+    return total
+
+
+def peak_memory(device) -> float:
+    """GiB: the CUDA allocator's peak, or on cpu the process's peak resident set."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def time_calls(fn, device, n: int = 10) -> float:
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool) -> dict:
+    """Run the engine on `prompts` (one batch) after a warm-up; time the round and its parts."""
+    B = len(prompts)
+    K = drafter.cfg.num_drafts if drafter is not None else 0
+    width = max(drafter.cfg.num_slots, K + 1) if drafter is not None else 1
+    engine = Engine(target, drafter, (), B, len(prompts[0]) + max_new_tokens + 2 * width, 0.0, 0.0, 0, device,
+                    compile)
+    if compile:
+        engine.warmup()
+    # One untimed pass to settle allocators and caches, then the measured one.
+    engine.generate([Request(i, p, [], []) for i, p in enumerate(prompts)], min(max_new_tokens, 8))
+    engine.prefill_seconds = engine.decode_seconds = 0.0
+    reqs = engine.generate([Request(i, p, [], []) for i, p in enumerate(prompts)], max_new_tokens)
+    rounds = sum(len(r.rounds) for r in reqs)
+    steps = max(len(r.rounds) for r in reqs)  # rounds the batch ran
+    tokens = sum(len(r.output_ids) for r in reqs)
+    round_s = engine.decode_seconds / steps
+
+    # The parts of a round, timed on their own at the state the run ended in.
+    anchor = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
+    pos = torch.tensor([len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], device=device)
+    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
+
+    def draft():
+        hidden, base = drafter(anchor, pos)
+        drafts, _ = kernels.markov_chain(base, hidden, anchor, drafter.markov_head, 0.0, None)
+        return drafts, drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], 1))
+
+    tokens_v = anchor[:, None].repeat(1, K + 1)
+    positions = pos[:, None] + torch.arange(K + 1, device=device)
+
+    def verify():
+        return target(tokens_v, positions, capture=capture)
+
+    wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False,
+                                    mode="max-autotune" if str(device).startswith("cuda") else None)) \
+        if compile else (lambda f: f)
+    draft_s = time_calls(wrap(draft), device) if drafter is not None else 0.0
+    verify_s = time_calls(wrap(verify), device)
+    context = int(pos.float().mean())
+    bytes_round = round_bytes(target, drafter, B, context)
+    return {
+        "mode": "speculative" if drafter is not None else "autoregressive", "batch": B,
+        "tokens_per_second": tokens / (engine.prefill_seconds + engine.decode_seconds),
+        "decode_tokens_per_second": (tokens - B) / engine.decode_seconds,
+        "acceptance_length": sum(rd["accepted"] + 1 for r in reqs for rd in r.rounds) / rounds,
+        "round_ms": 1e3 * round_s, "draft_ms": 1e3 * draft_s, "verify_ms": 1e3 * verify_s,
+        "rest_ms": 1e3 * (round_s - draft_s - verify_s), "bytes_per_round": bytes_round,
+        "achieved_gbps": bytes_round / round_s / 1e9, "compile_seconds": engine.compile_seconds,
+        "output_ids": [r.output_ids for r in reqs],
+    }
+
+
+def reference_generate(target: Transformer, drafter: Optional[Drafter], prompt: list[int], max_new_tokens: int,
+                       device) -> tuple[list[int], float]:
+    """The reference implementations' way, batch 1, greedy: transformers' Qwen3 with a
+    DynamicCache as the target (cropped after every round), the drafter run eagerly."""
+    import transformers
+
+    a = target.args
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, attention_bias=a.attention_bias,
+        tie_word_embeddings=a.tie_word_embeddings, max_position_embeddings=a.max_position_embeddings))
+    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in target.state_dict().items()}
+    hf.load_state_dict(sd, strict=False)
+    hf = hf.to(device=device, dtype=target.lm_head.weight.dtype).eval()
+    ids = drafter.cfg.target_layer_ids if drafter is not None else ()
+    K = drafter.cfg.num_drafts if drafter is not None else 0
+    if drafter is not None:
+        drafter.setup_caches(1, len(prompt) + max_new_tokens + 2 * (K + 1))
+    sync(device)
+    t0 = time.perf_counter()
+    x = torch.tensor([prompt], device=device)
+    out = hf(x, use_cache=True, output_hidden_states=drafter is not None)
+    cache = out.past_key_values
+    pos = len(prompt)
+    if drafter is not None:
+        drafter.commit_context(torch.cat([out.hidden_states[i + 1] for i in ids], -1), torch.arange(pos, device=device)[None])
+    anchor = out.logits[:, -1].argmax(-1)
+    generated = [int(anchor)]
+    while len(generated) < max_new_tokens:
+        if drafter is not None:
+            hidden, base = drafter(anchor, torch.tensor([pos], device=device))
+            drafts, _ = kernels.markov_chain(base, hidden, anchor, drafter.markov_head, 0.0, None)
+        else:
+            drafts = anchor.new_zeros((1, 0))
+        tokens = torch.cat([anchor[:, None], drafts], 1)
+        out = hf(tokens, past_key_values=cache, use_cache=True, output_hidden_states=drafter is not None)
+        n, nxt = kernels.verify_greedy(drafts, out.logits, torch.full((1,), K, device=device))
+        n = int(n)
+        if K - n > 0:
+            cache.crop(n - K)  # drop the rejected drafts' rows (a negative count: both transformers 4 and 5)
+        if drafter is not None:
+            drafter.commit_context(torch.cat([out.hidden_states[i + 1] for i in ids], -1),
+                                   pos + torch.arange(K + 1, device=device)[None])
+        generated += drafts[0, :n].tolist() + [int(nxt)]
+        pos += n + 1
+        anchor = nxt
+    sync(device)
+    return generated[:max_new_tokens], time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    import tyro
+
+    args = tyro.cli(BenchArgs, args=argv)
+    try:
+        with torch.inference_mode():
+            run(args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(args: BenchArgs) -> list[dict]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda: no CUDA device is available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dev = args.device
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise CheckpointError(f"--batch-sizes: {args.batch_sizes!r} is not a comma-separated list of integers") from None
+    t0 = time.perf_counter()
+    if args.target is not None:
+        from drafter import load_drafter
+        target = load_target(args.target, dev, dtype)
+        drafter = load_drafter(args.drafter, target, dev, dtype) if args.drafter else None
+        name = args.target
+    elif args.model == "bigram-35m":
+        target, drafter = bigram_pair(dev, dtype, args.seed)
+        name = args.model
+    else:
+        target = random_target(args.model, dev, dtype, args.seed)
+        drafter = random_drafter(target)
+        name = f"{args.model} (random weights)"
+    n_target = sum(p.numel() for p in {p.data_ptr(): p for p in target.parameters()}.values())
+    n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
+    bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
+    hw = torch.cuda.get_device_name() if dev == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
+          f"{hw}, torch {torch.__version__}, compile={args.compile}; built in {time.perf_counter() - t0:.1f} s; "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for B in batch_sizes:
+        prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
+        for d in (None, drafter):
+            if d is None and drafter is None:
+                continue
+            r = bench_engine(target, d, prompts, args.max_new_tokens, dev, args.compile)
+            rows.append(r)
+            print(_row(r, bw), flush=True)
+        if drafter is not None and rows[-2]["output_ids"] != rows[-1]["output_ids"]:
+            raise AssertionError("speculative output differs from autoregressive output")
+    if (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes:
+        prompt = torch.randint(0, target.args.vocab_size - 1, (1, args.prompt_len), generator=g).tolist()
+        mine = bench_engine(target, drafter, prompt, args.max_new_tokens, dev, args.compile)
+        ids, seconds = reference_generate(target, drafter, prompt[0], args.max_new_tokens, dev)
+        if ids != mine["output_ids"][0]:
+            raise AssertionError("the reference loop's output differs from the engine's")
+        ref = {"mode": "reference (transformers target, eager drafter)", "batch": 1,
+               "tokens_per_second": len(ids) / seconds}
+        rows.append(ref)
+        print(f"{ref['mode']:<48} b=1  {ref['tokens_per_second']:9.1f} tok/s   "
+              f"(this run's engine: {mine['tokens_per_second']:.1f} tok/s, "
+              f"{mine['tokens_per_second'] / ref['tokens_per_second']:.2f}x)", flush=True)
+    for B in batch_sizes:
+        ar = [r for r in rows if r["batch"] == B and r["mode"] == "autoregressive"]
+        sp = [r for r in rows if r["batch"] == B and r["mode"] == "speculative"]
+        if ar and sp:
+            print(f"speed-up at batch {B}: {sp[0]['tokens_per_second'] / ar[0]['tokens_per_second']:.2f}x")
+    print(f"peak memory: {peak_memory(dev):.2f} GiB ({'CUDA allocator' if dev == 'cuda' else 'process RSS'})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": asdict(args), "hardware": hw, "torch": torch.__version__,
+                       "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
+                       "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}, f, indent=1)
+    return rows
+
+
+def _row(r: dict, bw: float) -> str:
+    floor_ms = r["bytes_per_round"] / bw * 1e3
+    return (f"{r['mode']:<48} b={r['batch']:<3}{r['tokens_per_second']:9.1f} tok/s  τ={r['acceptance_length']:.2f}  "
+            f"round {r['round_ms']:.2f} ms (draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f}, "
+            f"rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {r['round_ms'] / floor_ms:.2f}x floor  "
+            f"compile {r['compile_seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
