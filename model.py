@@ -360,7 +360,10 @@ PRESETS = {  # the published configs' shapes (Hugging Face Qwen/Qwen3-*/config.j
 
 def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
     """Fill a module in place: N(0, std) for matrices and embeddings, 1 for norms, 0 for biases."""
-    g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    device = next(module.parameters()).device
+    if device.type == "meta":  # shapes only
+        return module
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):

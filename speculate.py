@@ -24,7 +24,7 @@ from typing import Literal, Optional
 import torch
 
 import kernels
-from model import CheckpointError, Tokenizer, Transformer, load_target, stop_token_ids
+from model import CheckpointError, Tokenizer, Transformer, load_target, random_target, stop_token_ids
 
 
 @dataclass
@@ -66,6 +66,9 @@ class Args:
     """Write a JSON-lines record of every round, request and a summary here."""
     wandb: bool = False
     """Log the run to Weights & Biases (WANDB_MODE=offline works without network)."""
+    random_init: Optional[Literal["qwen3-4b", "qwen3-8b", "qwen3-14b"]] = None
+    """Instead of --target/--drafter: a real-shaped target and a block-7, 5-layer DSpark drafter with
+    random weights, to measure speed without downloads (prompts as ids; use bench.py for tables)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -342,19 +345,28 @@ def run(args: Args, argv: list[str]) -> dict:
                      ("confidence_threshold", 0 <= args.confidence_threshold <= 1)):
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
-    if args.target is None:
+    if args.target is None and args.random_init is None:
         raise CheckpointError("--target: no target directory given")
+    if args.random_init is not None and (args.target is not None or args.drafter is not None):
+        raise CheckpointError("--random-init builds its own target and drafter: drop --target/--drafter")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CheckpointError("--device cuda: no CUDA device is available")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
 
-    target = load_target(args.target, args.device, dtype)
-    stop_ids = stop_token_ids(args.target, target.args)
-    tok_path = os.path.join(args.target, "tokenizer.json")
-    tokenizer = Tokenizer(args.target) if os.path.isfile(tok_path) else None
+    drafter = tokenizer = None
+    if args.random_init is not None:
+        from drafter import random_drafter
+        target = random_target(args.random_init, args.device, dtype, args.seed)
+        drafter = random_drafter(target)
+        stop_ids = ()
+        print(drafter.cfg.describe() + " (random weights)", file=sys.stderr)
+    else:
+        target = load_target(args.target, args.device, dtype)
+        stop_ids = stop_token_ids(args.target, target.args)
+        if os.path.isfile(os.path.join(args.target, "tokenizer.json")):
+            tokenizer = Tokenizer(args.target)
     chat = args.chat if _explicit(argv, "chat") else (tokenizer is not None and tokenizer.chat_template is not None)
-    drafter = None
     if args.drafter is not None:
         from drafter import load_drafter
         drafter = load_drafter(args.drafter, target, args.device, dtype)
