@@ -35,7 +35,7 @@ import torch
 import kernels
 from drafter import Drafter, DrafterConfig, random_drafter
 from model import CheckpointError, ModelArgs, Transformer, init_random_, load_target, random_target
-from speculate import Engine, Request, speculative_round
+from speculate import Engine, Request, default_compile_mode
 
 
 @dataclass
@@ -55,6 +55,9 @@ class BenchArgs:
     """Default: bfloat16 on cuda, float32 on cpu."""
     compile: bool = True
     """torch.compile the round (--no-compile for eager)."""
+    compile_mode: Optional[str] = None
+    """torch.compile mode (default: max-autotune on cuda, Inductor's default on cpu); reduce-overhead
+    keeps CUDA graphs and skips autotuning, for a short device session."""
     batch_sizes: str = "1"
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
@@ -179,13 +182,13 @@ def time_calls(fn, device, n: int = 10) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool) -> dict:
+def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool, mode: Optional[str] = None) -> dict:
     """Run the engine on `prompts` (one batch) after a warm-up; time the round and its parts."""
     B = len(prompts)
     K = drafter.cfg.num_drafts if drafter is not None else 0
     width = max(drafter.cfg.num_slots, K + 1) if drafter is not None else 1
     engine = Engine(target, drafter, (), B, len(prompts[0]) + max_new_tokens + 2 * width, 0.0, 0.0, 0, device,
-                    compile)
+                    compile, mode)
     if compile:
         engine.warmup()
     # One untimed pass to settle allocators and caches, then the measured one.
@@ -213,8 +216,7 @@ def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool
     def verify():
         return target(tokens_v, positions, capture=capture)
 
-    wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False,
-                                    mode="max-autotune" if str(device).startswith("cuda") else None)) \
+    wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False, mode=mode or default_compile_mode(device))) \
         if compile else (lambda f: f)
     draft_s = time_calls(wrap(draft), device) if drafter is not None else 0.0
     verify_s = time_calls(wrap(verify), device)
@@ -335,14 +337,14 @@ def run(args: BenchArgs) -> list[dict]:
         for d in (None, drafter):
             if d is None and drafter is None:
                 continue
-            r = bench_engine(target, d, prompts, args.max_new_tokens, dev, args.compile)
+            r = bench_engine(target, d, prompts, args.max_new_tokens, dev, args.compile, args.compile_mode)
             rows.append(r)
             print(_row(r, bw), flush=True)
         if drafter is not None and rows[-2]["output_ids"] != rows[-1]["output_ids"]:
             raise AssertionError("speculative output differs from autoregressive output")
     if (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes:
         prompt = torch.randint(0, target.args.vocab_size - 1, (1, args.prompt_len), generator=g).tolist()
-        mine = bench_engine(target, drafter, prompt, args.max_new_tokens, dev, args.compile)
+        mine = bench_engine(target, drafter, prompt, args.max_new_tokens, dev, args.compile, args.compile_mode)
         ids, seconds = reference_generate(target, drafter, prompt[0], args.max_new_tokens, dev)
         if ids != mine["output_ids"][0]:
             raise AssertionError("the reference loop's output differs from the engine's")

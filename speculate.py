@@ -160,11 +160,16 @@ class Request:
         return sum(r["accepted"] + 1 for r in self.rounds) / len(self.rounds) if self.rounds else None
 
 
+def default_compile_mode(device) -> Optional[str]:
+    """max-autotune (with CUDA graphs) on GPU; Inductor's default on CPU, where autotuning buys little."""
+    return "max-autotune" if str(device).startswith("cuda") else None
+
+
 class Engine:
     """Static batches of requests through prefill and rounds, with stop and budget handling."""
 
     def __init__(self, target: Transformer, drafter, stop_ids, batch_size: int, max_seq: int, temperature: float,
-                 threshold: float, seed: int, device, compile: bool = False):
+                 threshold: float, seed: int, device, compile: bool = False, compile_mode: Optional[str] = None):
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
         self.temperature, self.threshold, self.device = temperature, threshold, device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -175,7 +180,7 @@ class Engine:
         self.round_fn = speculative_round
         if compile:
             self.round_fn = torch.compile(speculative_round, fullgraph=True, dynamic=False,
-                                          mode="max-autotune" if str(device).startswith("cuda") else None)
+                                          mode=compile_mode or default_compile_mode(device))
         self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
 
     def warmup(self):
