@@ -1,0 +1,491 @@
+"""Unit tests of kernels.py: the Markov chain, greedy and sampled verification, and sampling.
+
+Everything here is hand-built tensors (no checkpoints). Distributional claims are checked with
+a chi-square goodness-of-fit test on a large batch drawn from a seeded `torch.Generator`, so the
+tests are deterministic; the p-value threshold (1e-3) is far from where the seeded draws land.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import kernels  # noqa: E402
+
+torch.set_num_threads(1)
+
+P_MIN = 1e-3  # chi-square p-value below which a distribution is declared different
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of integer `samples` (any shape) to `probs` [V]; cells with an expected
+    count below 5 are pooled into one; a sample in a zero-probability cell gives p = 0."""
+    samples = samples.reshape(-1)
+    N = samples.numel()
+    probs = probs.double() / probs.double().sum()
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs * N
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    df = obs.numel() - 1
+    if df < 1:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_chi2_helper_has_power():
+    g = gen(0)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    good = torch.multinomial(p, 4000, replacement=True, generator=g)
+    assert chi2_pvalue(good, p) > P_MIN
+    assert chi2_pvalue(good, torch.tensor([0.15, 0.2, 0.3, 0.35])) < P_MIN
+    assert chi2_pvalue(torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.5, 0.0])) == 0.0
+
+
+# ----------------------------------------------------------------------------------------
+# markov_chain
+
+class RecordingHead:
+    """A fake Markov head: records every (h, prev, state) it is given.
+
+    mode "next": the bias forces token (prev + 1) % V (one-hot * 100).
+    mode "zero": no bias (the draft is whatever the base logits give).
+    mode "mild": a bias of 1.5 on token (3 * prev + 1) % V (depends on prev, does not swamp U).
+    The returned state counts the steps, so the test can see it is threaded through.
+    """
+
+    def __init__(self, V: int, mode: str = "next"):
+        self.V, self.mode = V, mode
+        self.prevs, self.hiddens, self.states, self.biases = [], [], [], []
+
+    def step(self, h, prev, state):
+        self.prevs.append(prev.clone())
+        self.hiddens.append(h.clone())
+        self.states.append(None if state is None else state.clone())
+        one_hot = torch.nn.functional.one_hot
+        if self.mode == "next":
+            bias = one_hot((prev + 1) % self.V, self.V).float() * 100
+        elif self.mode == "mild":
+            bias = one_hot((prev * 3 + 1) % self.V, self.V).float() * 1.5
+        else:
+            bias = torch.zeros(prev.shape[0], self.V)
+        self.biases.append(bias)
+        new_state = torch.ones(prev.shape[0]) if state is None else state + 1
+        return bias, new_state
+
+
+def _inputs(B=6, K=5, V=11, H=3, seed=0, scale=1.0):
+    g = gen(seed)
+    base = torch.randn(B, K, V, generator=g) * scale
+    hidden = torch.randn(B, K, H, generator=g)
+    anchor = torch.randint(0, V, (B,), generator=g)
+    return base, hidden, anchor
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_markov_chain_feeds_anchor_then_previous_draft(temperature):
+    B, K, V = 6, 5, 11
+    base, hidden, anchor = _inputs(B, K, V)
+    head = RecordingHead(V, "next")
+    drafts, q = kernels.markov_chain(base, hidden, anchor, head, temperature, gen(1))
+    assert drafts.shape == (B, K) and drafts.dtype == torch.long
+    assert len(head.prevs) == K
+    # The anchor feeds slot 1, and slot k receives the token drafted at slot k-1.
+    assert torch.equal(head.prevs[0], anchor)
+    for k in range(1, K):
+        assert torch.equal(head.prevs[k], drafts[:, k - 1])
+    # The forced bias (100) dominates the base logits: x_k = x_{k-1} + 1.
+    expected = (anchor[:, None] + torch.arange(1, K + 1)) % V
+    assert torch.equal(drafts, expected)
+    # h_k is slot k's hidden state; the state is threaded from step to step (None first).
+    for k in range(K):
+        assert torch.equal(head.hiddens[k], hidden[:, k])
+    assert head.states[0] is None
+    for k in range(1, K):
+        assert torch.equal(head.states[k], torch.full((B,), float(k)))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_markov_chain_sampled_prev_is_the_sampled_token(temperature):
+    """With no bias and flat-ish logits the draws are random: slot k must still receive the
+    token actually sampled at slot k-1 (not an argmax, not the slot-k-1 logits' mode)."""
+    B, K, V = 64, 6, 9
+    base, hidden, anchor = _inputs(B, K, V, scale=0.3)
+    head = RecordingHead(V, "zero")
+    drafts, q = kernels.markov_chain(base, hidden, anchor, head, temperature, gen(3))
+    assert torch.equal(head.prevs[0], anchor)
+    for k in range(1, K):
+        assert torch.equal(head.prevs[k], drafts[:, k - 1])
+    # The draws really are random (not the argmax), so the check above means something.
+    assert not torch.equal(drafts, torch.argmax(base, dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("with_head", [True, False], ids=["markov", "no-markov"])
+def test_markov_chain_q_is_the_distribution_drafted_from(temperature, with_head):
+    B, K, V = 8, 4, 13
+    base, hidden, anchor = _inputs(B, K, V, scale=2.0)
+    head = RecordingHead(V, "mild") if with_head else None
+    drafts, q = kernels.markov_chain(base, hidden, anchor, head, temperature, gen(5))
+    assert q is not None and q.shape == (B, K, V) and q.dtype == torch.float32
+    for k in range(K):
+        z = base[:, k] + (head.biases[k] if head is not None else 0)
+        torch.testing.assert_close(q[:, k], torch.softmax(z / temperature, dim=-1))
+    torch.testing.assert_close(q.sum(-1), torch.ones(B, K))
+    assert bool((q.gather(2, drafts[:, :, None]) > 0).all())
+
+
+def test_markov_chain_q_is_none_at_t0_and_greedy_is_argmax():
+    B, K, V = 5, 4, 10
+    base, hidden, anchor = _inputs(B, K, V)
+    drafts, q = kernels.markov_chain(base, hidden, anchor, None, 0.0, gen(0))
+    assert q is None
+    assert torch.equal(drafts, torch.argmax(base, dim=-1))
+    head = RecordingHead(V, "zero")
+    drafts2, q2 = kernels.markov_chain(base, hidden, anchor, head, 0.0, None)
+    assert q2 is None and torch.equal(drafts2, drafts)
+
+
+def test_markov_chain_without_head_samples_each_slot_from_its_own_logits():
+    """markov=None: slot k's draft comes from U_k only. Each slot gets a disjoint support, and
+    within it the frequencies follow softmax(U_k / T)."""
+    B, K, V, T = 4000, 3, 12, 0.8
+    g = gen(7)
+    row = torch.randn(K, V, generator=g)
+    support = torch.zeros(K, V, dtype=torch.bool)
+    for k in range(K):
+        support[k, 4 * k:4 * k + 4] = True
+    row = torch.where(support, row, torch.tensor(float("-inf")))
+    base = row.expand(B, K, V).contiguous()
+    hidden = torch.zeros(B, K, 2)
+    anchor = torch.zeros(B, dtype=torch.long)
+    drafts, q = kernels.markov_chain(base, hidden, anchor, None, T, gen(8))
+    for k in range(K):
+        assert bool(support[k, drafts[:, k]].all())
+        assert chi2_pvalue(drafts[:, k], torch.softmax(row[k] / T, -1)) > P_MIN
+        torch.testing.assert_close(q[:, k], torch.softmax(base[:, k] / T, -1))
+
+
+def test_markov_chain_repeatable_with_seed():
+    B, K, V = 16, 5, 9
+    base, hidden, anchor = _inputs(B, K, V, scale=0.5)
+    runs = [kernels.markov_chain(base, hidden, anchor, RecordingHead(V, "zero"), 1.0, gen(s)) for s in (11, 11, 12)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][0], runs[2][0])
+
+
+# ----------------------------------------------------------------------------------------
+# verify_greedy
+
+def _onehot_logits(best: torch.Tensor, V: int, noise_seed: int = 0) -> torch.Tensor:
+    """[B, K+1, V] logits whose argmax at each position is `best` [B, K+1] (small noise elsewhere)."""
+    g = gen(noise_seed)
+    logits = torch.randn(*best.shape, V, generator=g) * 0.1
+    return logits + torch.nn.functional.one_hot(best, V).float() * 5
+
+
+def test_verify_greedy_counts_and_next_token():
+    V, K = 10, 3
+    best = torch.tensor([
+        [1, 2, 3, 4],  # all accepted -> bonus = best[3]
+        [1, 2, 3, 4],  # first wrong -> 0, correction best[0]
+        [1, 2, 3, 4],  # second wrong -> 1, correction best[1]
+        [1, 2, 3, 4],  # third wrong -> 2
+        [1, 2, 3, 4],  # later drafts right but the first wrong -> still 0
+        [5, 5, 5, 5],  # repeated tokens, all right
+    ])
+    drafts = torch.tensor([
+        [1, 2, 3],
+        [9, 2, 3],
+        [1, 9, 3],
+        [1, 2, 9],
+        [0, 2, 3],
+        [5, 5, 5],
+    ])
+    verify_len = torch.full((6,), K)
+    n, nxt = kernels.verify_greedy(drafts, _onehot_logits(best, V), verify_len)
+    assert n.tolist() == [3, 0, 1, 2, 0, 3]
+    assert nxt.tolist() == [4, 1, 2, 3, 1, 5]
+    assert n.dtype == torch.long and nxt.dtype == torch.long
+
+
+def test_verify_greedy_verify_len_caps_acceptance():
+    V, K = 10, 4
+    best = torch.tensor([[1, 2, 3, 4, 6]] * 5)
+    drafts = torch.tensor([[1, 2, 3, 4]] * 4 + [[1, 7, 3, 4]])
+    verify_len = torch.tensor([0, 1, 2, 4, 3])
+    n, nxt = kernels.verify_greedy(drafts, _onehot_logits(best, V), verify_len)
+    # Stopped by ℓ: n = ℓ and the next token is argmax p_n (= p_ℓ); a rejection before ℓ wins.
+    assert n.tolist() == [0, 1, 2, 4, 1]
+    assert nxt.tolist() == [1, 2, 3, 6, 2]
+
+
+def test_verify_greedy_no_drafts_is_a_plain_step():
+    V = 7
+    logits = torch.randn(3, 1, V, generator=gen(2))
+    n, nxt = kernels.verify_greedy(torch.zeros(3, 0, dtype=torch.long), logits, torch.zeros(3, dtype=torch.long))
+    assert n.tolist() == [0, 0, 0]
+    assert torch.equal(nxt, logits[:, 0].argmax(-1))
+
+
+# ----------------------------------------------------------------------------------------
+# verify_sampled
+
+def _logits_of(p: torch.Tensor) -> torch.Tensor:
+    """Logits whose softmax at T=1 is p (zeros become -inf)."""
+    return torch.log(p)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_verify_sampled_p_equals_q_accepts_every_verified_draft(temperature):
+    B, K, V = 500, 4, 9
+    g = gen(3)
+    target_logits = torch.randn(B, K + 1, V, generator=g) * 2
+    q = kernels.probs(target_logits[:, :K], temperature)
+    drafts = kernels.sample_from(q, g)
+    verify_len = torch.randint(0, K + 1, (B,), generator=g)
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, verify_len, temperature, gen(4))
+    assert torch.equal(n, verify_len)
+    assert bool(((nxt >= 0) & (nxt < V)).all())
+
+
+def test_verify_sampled_bonus_comes_from_p_ell():
+    """All ℓ verified drafts accepted: the next token is drawn from p_ℓ, not p_K."""
+    B, K, V = 6000, 3, 8
+    g = gen(5)
+    row = torch.randn(K + 1, V, generator=g)
+    # p_1 (for ℓ = 1) lives on tokens 0..3, p_3 (= p_K) on tokens 4..7.
+    row[1, 4:] = float("-inf")
+    row[3, :4] = float("-inf")
+    target_logits = row.expand(B, K + 1, V).contiguous()
+    q = kernels.probs(target_logits[:, :K], 1.0)
+    drafts = kernels.sample_from(q, g)
+    verify_len = torch.tensor([1, 3]).repeat(B // 2)
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, verify_len, 1.0, gen(6))
+    assert torch.equal(n, verify_len)
+    p = kernels.probs(row, 1.0)
+    assert chi2_pvalue(nxt[verify_len == 1], p[1]) > P_MIN
+    assert chi2_pvalue(nxt[verify_len == 3], p[3]) > P_MIN
+
+
+def test_verify_sampled_draft_with_zero_target_probability_is_always_rejected():
+    B, K, V = 2000, 2, 6
+    bad = 2
+    p0 = torch.tensor([0.3, 0.2, 0.0, 0.25, 0.15, 0.1])
+    q0 = torch.tensor([0.1, 0.1, 0.6, 0.1, 0.05, 0.05])
+    target_logits = torch.stack([_logits_of(p0), _logits_of(p0), _logits_of(p0)])[None].expand(B, K + 1, V)
+    q = torch.stack([q0, q0])[None].expand(B, K, V).contiguous()
+    drafts = torch.full((B, K), bad)
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(9))
+    assert n.tolist() == [0] * B
+    assert not bool((nxt == bad).any())
+    # The correction is drawn from normalize(max(p - q, 0)).
+    residual = torch.clamp(p0 - q0, min=0)
+    assert chi2_pvalue(nxt, residual / residual.sum()) > P_MIN
+
+
+def test_verify_sampled_residual_example():
+    """p = [.5, .5, 0], q = [1, 0, 0], draft 0: accepted with probability 1/2; a rejection's
+    correction is always token 1; after an acceptance the bonus is drawn from p_1."""
+    B, V = 4000, 3
+    p0 = torch.tensor([0.5, 0.5, 0.0])
+    p1 = torch.tensor([0.2, 0.3, 0.5])
+    target_logits = torch.stack([_logits_of(p0), _logits_of(p1)])[None].expand(B, 2, V).contiguous()
+    q = torch.tensor([1.0, 0.0, 0.0]).expand(B, 1, V).contiguous()
+    drafts = torch.zeros(B, 1, dtype=torch.long)
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.ones(B, dtype=torch.long), 1.0, gen(10))
+    rate = n.float().mean().item()
+    assert abs(rate - 0.5) < 4 * (0.25 / B) ** 0.5, rate
+    assert bool((nxt[n == 0] == 1).all())
+    assert chi2_pvalue(nxt[n == 1], p1) > P_MIN
+    # The committed pair (draft-or-correction) follows p0 exactly: 0 and 1 each with 1/2.
+    first = torch.where(n == 1, drafts[:, 0], nxt)
+    assert chi2_pvalue(first, p0) > P_MIN
+
+
+def test_verify_sampled_is_lossless_on_random_distributions():
+    """One round over random p, q: the first committed token (draft if accepted, else the
+    correction) is distributed as p_0, and the second (given the first draft accepted) as p_1."""
+    B, K, V = 20000, 2, 5
+    g = gen(12)
+    tl_row = torch.randn(K + 1, V, generator=g) * 1.5
+    q_row = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)
+    target_logits = tl_row.expand(B, K + 1, V).contiguous()
+    q = q_row.expand(B, K, V).contiguous()
+    drafts = kernels.sample_from(q, g)
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(13))
+    p = torch.softmax(tl_row, -1)
+    first = torch.where(n >= 1, drafts[:, 0], nxt)
+    assert chi2_pvalue(first, p[0]) > P_MIN
+    second = torch.where(n >= 2, drafts[:, 1], nxt)[n >= 1]
+    assert chi2_pvalue(second, p[1]) > P_MIN
+    # Acceptance rate of slot 1 is sum_x min(p, q).
+    rate = (n >= 1).float().mean().item()
+    assert abs(rate - torch.minimum(p[0], q_row[0]).sum().item()) < 4 * (0.25 / B) ** 0.5
+
+
+def test_verify_sampled_verify_len_caps_acceptance():
+    B, K, V = 300, 4, 7
+    g = gen(14)
+    target_logits = torch.randn(B, K + 1, V, generator=g)
+    q = kernels.probs(target_logits[:, :K], 1.0)  # p == q: every verified draft passes
+    drafts = kernels.sample_from(q, g)
+    verify_len = torch.tensor([0, 1, 2, 3, 4]).repeat(B // 5)
+    n, _ = kernels.verify_sampled(drafts, q, target_logits, verify_len, 1.0, gen(15))
+    assert torch.equal(n, verify_len)
+
+
+def test_verify_sampled_no_drafts_samples_from_p0():
+    B, V = 6000, 6
+    row = torch.randn(1, V, generator=gen(16))
+    target_logits = row.expand(B, 1, V).contiguous()
+    n, nxt = kernels.verify_sampled(torch.zeros(B, 0, dtype=torch.long), None, target_logits,
+                                    torch.zeros(B, dtype=torch.long), 0.9, gen(17))
+    assert n.tolist() == [0] * B
+    assert chi2_pvalue(nxt, torch.softmax(row[0] / 0.9, -1)) > P_MIN
+
+
+def test_verify_sampled_repeatable_with_seed():
+    B, K, V = 64, 3, 8
+    g = gen(18)
+    target_logits = torch.randn(B, K + 1, V, generator=g)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    drafts = kernels.sample_from(q, g)
+    vl = torch.full((B,), K)
+    a = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
+    b = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
+    c = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, gen(2))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not (torch.equal(a[0], c[0]) and torch.equal(a[1], c[1]))
+
+
+# ----------------------------------------------------------------------------------------
+# sample
+
+def test_sample_argmax_at_t0():
+    logits = torch.randn(4, 3, 11, generator=gen(19))
+    assert torch.equal(kernels.sample(logits, 0.0, gen(0)), logits.argmax(-1))
+    assert torch.equal(kernels.sample(logits, 0, None), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sample_frequencies_match_softmax(temperature):
+    B, V = 20000, 7
+    row = torch.randn(V, generator=gen(20)) * 1.5
+    ids = kernels.sample(row.expand(B, V), temperature, gen(21))
+    assert ids.shape == (B,)
+    assert chi2_pvalue(ids, torch.softmax(row / temperature, -1)) > P_MIN
+    # ... and not the distribution at another temperature (the check has power).
+    assert chi2_pvalue(ids, torch.softmax(row / (temperature * 1.5), -1)) < P_MIN
+
+
+def test_sample_repeatable_with_seed():
+    logits = torch.randn(50, 9, generator=gen(22))
+    a = kernels.sample(logits, 1.0, gen(5))
+    assert torch.equal(a, kernels.sample(logits, 1.0, gen(5)))
+    assert not torch.equal(a, kernels.sample(logits, 1.0, gen(6)))
+
+
+# ----------------------------------------------------------------------------------------
+# Pre-drawn noise (what the engine passes: `round_noise` drawn outside the round)
+
+def test_round_noise_shapes_and_draw_order():
+    B, K, V = 3, 4, 7
+    chain, u, bonus = kernels.round_noise(gen(30), B, K, V, "cpu")
+    assert chain.shape == (B, K, V) and u.shape == (B, K) and bonus.shape == (B, V)
+    assert bool((chain > 0).all()) and bool((bonus > 0).all()) and bool(((u >= 0) & (u < 1)).all())
+    g = gen(30)  # documented order: chain noise, then u, then the bonus noise
+    assert torch.equal(chain, torch.empty(B, K, V).exponential_(1, generator=g))
+    assert torch.equal(u, torch.rand(B, K, generator=g))
+    assert torch.equal(bonus, torch.empty(B, V).exponential_(1, generator=g))
+    again = kernels.round_noise(gen(30), B, K, V, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip((chain, u, bonus), again))
+    # K = 0 (the baseline) still works.
+    c0, u0, b0 = kernels.round_noise(gen(1), B, 0, V, "cpu")
+    assert c0.shape == (B, 0, V) and u0.shape == (B, 0) and b0.shape == (B, V)
+
+
+@pytest.mark.parametrize("with_head", [True, False], ids=["markov", "no-markov"])
+def test_markov_chain_with_predrawn_noise(with_head):
+    B, K, V, T = 32, 5, 9, 1.0
+    base, hidden, anchor = _inputs(B, K, V, scale=0.5)
+    noise = torch.empty(B, K, V).exponential_(1, generator=gen(31))
+    head = RecordingHead(V, "zero") if with_head else None
+    drafts, q = kernels.markov_chain(base, hidden, anchor, head, T, None, noise)
+    # Each draft is the exponential race over its own q with its own slot's noise.
+    assert torch.equal(drafts, torch.argmax(q / noise, dim=-1))
+    torch.testing.assert_close(q, torch.softmax(base / T, -1))
+    if head is not None:
+        assert torch.equal(head.prevs[0], anchor)
+        for k in range(1, K):
+            assert torch.equal(head.prevs[k], drafts[:, k - 1])
+    again, _ = kernels.markov_chain(base, hidden, anchor, RecordingHead(V, "zero") if with_head else None, T, None,
+                                    noise.clone())
+    assert torch.equal(drafts, again)
+
+
+def test_verify_sampled_acceptance_rule_with_given_u():
+    """Accept x_k iff u_k < p(x_k) / q(x_k), over the prefix: exact decisions for chosen u."""
+    V, K = 4, 3
+    p_row = torch.tensor([0.2, 0.4, 0.3, 0.1])   # every p_j
+    q_row = torch.tensor([0.1, 0.8, 0.05, 0.05])  # every q_k
+    B = 6
+    target_logits = torch.log(p_row).expand(B, K + 1, V).contiguous()
+    q = q_row.expand(B, K, V).contiguous()
+    # Draft token 1 everywhere: p/q = 0.5.  Token 0: p/q = 2 (always accepted).
+    drafts = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 0], [1, 0, 0]])
+    u = torch.tensor([
+        [0.49, 0.49, 0.49],  # all accepted
+        [0.49, 0.51, 0.0],   # second rejected -> n = 1
+        [0.99, 0.51, 0.0],   # first always accepted, second rejected -> n = 1
+        [0.99, 0.99, 0.3],   # all accepted
+        [0.999, 0.999, 0.999],
+        [0.5001, 0.0, 0.0],  # first rejected -> n = 0 (later acceptances don't count)
+    ])
+    noise = torch.ones(B, V)  # the race then picks the argmax of the sampling distribution
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, None, u, noise)
+    assert n.tolist() == [3, 1, 1, 3, 3, 0]
+    # Bonus rows: argmax p = token 1. Rejected rows: residual max(p - q, 0) = [.1, 0, .25, .05] -> token 2.
+    assert nxt.tolist() == [1, 2, 2, 1, 1, 2]
+
+
+def test_verify_sampled_predrawn_noise_matches_race_over_residual():
+    B, K, V = 256, 2, 6
+    g = gen(32)
+    target_logits = torch.randn(B, K + 1, V, generator=g)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
+    drafts = kernels.sample_from(q, g)
+    u = torch.rand(B, K, generator=g)
+    noise = torch.empty(B, V).exponential_(1, generator=g)
+    vl = torch.randint(0, K + 1, (B,), generator=g)
+    n, nxt = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, None, u, noise)
+    p = torch.softmax(target_logits, -1)
+    for i in range(B):
+        m = 0
+        while m < int(vl[i]) and u[i, m] * q[i, m, drafts[i, m]] < p[i, m, drafts[i, m]]:
+            m += 1
+        assert int(n[i]) == m
+        dist = p[i, m]
+        if m < int(vl[i]):
+            dist = torch.clamp(p[i, m] - q[i, m], min=0)
+            dist = dist / dist.sum()
+            assert int(nxt[i]) != int(drafts[i, m])  # a rejected draft is never the correction
+        assert int(nxt[i]) == int(torch.argmax(dist / noise[i]))
