@@ -130,7 +130,7 @@ def brier(p, y) -> Optional[float]:
 
 
 def _logit(c):
-    c = np.clip(np.asarray(c, dtype=np.float64), 1e-7, 1 - 1e-7)  # float32 sigmoids reach 1.0 exactly
+    c = np.clip(np.asarray(c, dtype=np.float64), 1e-12, 1 - 1e-12)  # float32 sigmoids reach 0 and 1 exactly
     return np.log(c) - np.log1p(-c)
 
 

@@ -1,0 +1,334 @@
+"""eval.py: per-dataset acceptance against speculate.py's trace, batch and torchrun invariance,
+calibration metrics and Sequential Temperature Scaling, outputs (JSON, PNG, wandb) and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, WORDS, build_tokenizer
+from drafters import make_drafter, make_target
+
+import eval as ev
+import speculate
+
+torch.set_num_threads(1)
+
+K = 4
+MAX_NEW = 24
+# Text prompts over the tiny word-level vocabulary (first turn used; the second is ignored).
+ROWS = {
+    "gsm8k": ["x = 1 + 2 . print ( x )", "hello world", "for x in y : print ( z )", "if x : return 7",
+              "def hello ( ) : return world"],
+    "mt-bench": ["the world is a world", "import y", "while x : x = x - 1"],
+}
+
+
+def write_dataset(data_dir, name, prompts):
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, f"{name}.jsonl"), "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"turns": [p, "a second turn that is never used"]}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A near-bigram target with a word-level tokenizer and chat template, an oracle drafter whose
+    confidences straddle 0.6, and a data directory with two tiny datasets."""
+    d = tmp_path_factory.mktemp("eval")
+    target = make_target(d / "target", vocab_size=64, eos_token_id=IM_END_ID, attn_scale=0.01,
+                         max_position_embeddings=256)
+    build_tokenizer(64).save(os.path.join(target, "tokenizer.json"))
+    with open(os.path.join(target, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+                   "chat_template": QWEN3_LIKE_TEMPLATE}, f)
+    drafter = make_drafter(d / "drafter", target, block_size=K, markov="vanilla", oracle=True, oracle_scale=4.0,
+                           norm_scale=0.05)
+    data = d / "data"
+    for name, prompts in ROWS.items():
+        write_dataset(data, name, prompts)
+    return {"dir": d, "target": target, "drafter": drafter, "data": str(data)}
+
+
+def run_eval(env, tmp_path, capsys, *extra, datasets="gsm8k,mt-bench", out="results.json"):
+    out = tmp_path / out
+    args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", datasets,
+            "--max-new-tokens", MAX_NEW, "--temperature", 0, "--no-progress", "--out", out, *extra]
+    rc = ev.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    return json.load(open(out)), cap.out, cap.err
+
+
+TIMING = ("tokens_per_second", "seconds")
+
+
+def strip_timing(entries):
+    return [{k: v for k, v in e.items() if k not in TIMING} for e in entries]
+
+
+def trace_rounds(env, tmp_path, capsys, name, n, *extra):
+    """speculate.py on the first n rows of a dataset: the trace file's round records."""
+    pf = tmp_path / f"{name}-first{n}.jsonl"
+    with open(os.path.join(env["data"], f"{name}.jsonl")) as f:
+        pf.write_text("".join(f.readlines()[:n]))
+    trace = tmp_path / f"{name}.trace.jsonl"
+    rc = speculate.main([str(a) for a in ["--target", env["target"], "--drafter", env["drafter"], "--prompts-file", pf,
+                                          "--max-new-tokens", MAX_NEW, "--temperature", 0, "--trace-file", trace,
+                                          *extra]])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    lines = [json.loads(l) for l in open(trace)]
+    return [l for l in lines if "round" in l], [l for l in lines if l.get("summary")][0]
+
+
+# ----------------------------------------------------------------------------------------
+# Acceptance numbers against the trace of speculate.py
+
+@pytest.mark.parametrize("threshold", [0.0, 0.6])
+def test_metrics_equal_hand_count_from_speculate_trace(env, tmp_path, capsys, threshold):
+    extra = ["--confidence-threshold", threshold]
+    res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 3, *extra)
+    assert [e["dataset"] for e in res["datasets"]] == ["gsm8k", "mt-bench"]
+    for entry in res["datasets"]:
+        rounds, summary = trace_rounds(env, tmp_path, capsys, entry["dataset"], 3, *extra)
+        R = len(rounds)
+        assert entry["num_samples"] == 3 and entry["num_rounds"] == R
+        assert entry["acceptance_length"] == pytest.approx(sum(r["accepted"] + 1 for r in rounds) / R, abs=1e-12)
+        assert entry["acceptance_length"] == pytest.approx(summary["acceptance_length"], abs=1e-12)
+        assert entry["draft_tokens_per_proposal"] == pytest.approx(sum(r["verified"] for r in rounds) / R, abs=1e-12)
+        assert entry["verify_rate"] == pytest.approx(
+            sum(r["verified"] for r in rounds) / sum(len(r["draft"]) for r in rounds), abs=1e-12)
+        by_hand = []
+        for k in range(1, K + 1):
+            tried = [r for r in rounds if r["accepted"] >= k - 1 and r["verified"] >= k]
+            by_hand.append(sum(r["accepted"] >= k for r in tried) / len(tried) if tried else 0.0)
+        assert entry["accept_rate_by_position"] == pytest.approx(by_hand, abs=1e-12)
+        assert entry["accept_rate_by_position"] == pytest.approx(summary["accept_rate_by_position"], abs=1e-12)
+        assert entry["dataset"] in out  # the printed table
+    # The numbers are not degenerate: several tokens accepted in some rounds, and with the
+    # threshold, some rounds verify fewer drafts than were proposed.
+    assert any(e["acceptance_length"] > 1.5 for e in res["datasets"])
+    if threshold > 0:
+        assert any(e["verify_rate"] < 1 for e in res["datasets"])
+    else:
+        assert all(e["verify_rate"] == 1 and e["draft_tokens_per_proposal"] == K for e in res["datasets"])
+
+
+def test_calibration_records_match_trace(env, tmp_path, capsys):
+    res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 3, datasets="gsm8k")
+    rounds, _ = trace_rounds(env, tmp_path, capsys, "gsm8k", 3)
+    C = np.array([r["confidence"] for r in rounds])
+    ver = np.array([r["verified"] for r in rounds])
+    acc = np.array([r["accepted"] for r in rounds])
+    raw = res["calibration"]["raw"]
+    for k in range(1, K + 1):
+        a = np.prod(C[:, :k], axis=1)  # no threshold: every round verified every draft
+        y = acc >= k
+        assert raw[k - 1]["rounds"] == len(rounds) and raw[k - 1]["survived"] == int(y.sum())
+        assert raw[k - 1]["ece"] == pytest.approx(ev.ece(a, y), abs=1e-9)
+        assert raw[k - 1]["brier"] == pytest.approx(float(np.mean((a - y) ** 2)), abs=1e-9)
+    assert "confidence calibration" in out
+
+
+def test_count_matches_speculate_accept_rate_by_position():
+    rounds = [dict(accepted=a, verified=v, draft=[0] * K) for a, v in
+              [(0, 4), (1, 4), (4, 4), (2, 2), (0, 0), (3, 4), (1, 1)]]
+    reqs = [speculate.Request(0, [1], [1, 2], rounds[:4]), speculate.Request(1, [1], [3], rounds[4:])]
+    c = ev.count(reqs, K)
+    rates = ev.metrics("x", c, 1.0)["accept_rate_by_position"]
+    assert rates == speculate.accept_rate_by_position(reqs, K)
+    # k=3: (2, 2) accepted two drafts but never sent the third to the target: not tried.
+    assert c["tried"] == [6, 4, 2, 2] and c["ok"] == [5, 3, 2, 1]
+    assert c["num_rounds"] == 7 and c["accepted"] == 11 and c["verified"] == 19 and c["drafted"] == 28
+
+
+# ----------------------------------------------------------------------------------------
+# Invariance: batches and processes
+
+def test_batched_equals_batch_size_one(env, tmp_path, capsys):
+    one, _, _ = run_eval(env, tmp_path, capsys, out="one.json")
+    many, _, _ = run_eval(env, tmp_path, capsys, "--batch-size", 3, out="many.json")
+    assert strip_timing(many["datasets"]) == strip_timing(one["datasets"])
+    assert one["datasets"][0]["num_samples"] == len(ROWS["gsm8k"])  # not in the paper table: every row
+    for a, b in zip(one["calibration"]["raw"], many["calibration"]["raw"]):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
+    one, _, _ = run_eval(env, tmp_path, capsys, "--batch-size", 2, out="one.json")
+    out = tmp_path / "two.json"
+    envvars = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO_ROOT / "eval.py"), "--target", env["target"], "--drafter", env["drafter"],
+           "--data-dir", env["data"], "--datasets", "gsm8k,mt-bench", "--max-new-tokens", str(MAX_NEW),
+           "--temperature", "0", "--batch-size", "2", "--no-progress", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=envvars, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = json.load(open(out))
+    assert two["config"]["world_size"] == 2
+    assert strip_timing(two["datasets"]) == strip_timing(one["datasets"])
+    cal1, cal2 = one["calibration"], two["calibration"]
+    assert cal2["temperatures"] == cal1["temperatures"]
+    for key in ("raw", "raw_heldout", "sts_heldout"):
+        for a, b in zip(cal1[key], cal2[key]):
+            assert a == pytest.approx(b, abs=1e-6)
+    assert p.stdout.count("gsm8k") == 1  # only rank 0 prints the table
+
+
+# ----------------------------------------------------------------------------------------
+# Outputs
+
+def test_calibration_outputs_and_wandb_offline(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cal, png = tmp_path / "cal.json", tmp_path / "rel.png"
+    res, out, _ = run_eval(env, tmp_path, capsys, "--calibration-out", cal, "--calibration-plot", png, "--wandb",
+                           "--temperature", 1.0, "--seed", 3)
+    temps = json.load(open(cal))["temperatures"]
+    assert len(temps) == K and all(t > 0 for t in temps) and temps == res["calibration"]["temperatures"]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    assert w > 4 * 200 and h > 200
+    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
+    assert len(zlib.decompress(idat)) == h * (1 + 3 * w)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+    assert res["config"]["temperature"] == 1.0
+
+
+def test_default_sample_counts_and_missing_files(tmp_path, capsys):
+    write_dataset(tmp_path, "gsm8k", ["a"])
+    write_dataset(tmp_path, "custom", ["a", "b"])
+    args = ev.EvalArgs(target="t", data_dir=str(tmp_path), datasets="gsm8k,aime25,custom")
+    got = ev.resolve_datasets(args, rank=0)
+    assert [(n, c) for n, _, c in got] == [("gsm8k", 500), ("custom", 0)]
+    assert "aime25" in capsys.readouterr().err  # skipped with a warning
+    args.max_samples = 7
+    assert [c for _, _, c in ev.resolve_datasets(args, rank=0)] == [7, 7]
+    assert ev.DEFAULT_SAMPLES == {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
+                                  "livecodebench": 500, "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
+
+
+@pytest.mark.parametrize("case", ["no-data-dir", "missing-data-dir", "unknown-dataset", "none-present",
+                                  "bad-split", "plot-without-head", "too-long"])
+def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
+    base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--max-new-tokens", 8, "--no-progress", "--out", tmp_path / "r.json"]
+    args, want = {
+        "no-data-dir": ([a for a in base if a != env["data"] and a != "--data-dir"], "--data-dir"),
+        "missing-data-dir": (base[:5] + [tmp_path / "nope"] + base[6:], "nope"),
+        "unknown-dataset": (base[:7] + ["gsm8k,nosuchset"] + base[8:], "nosuchset"),
+        "none-present": (base[:7] + ["alpaca"] + base[8:], "alpaca"),
+        "bad-split": (base + ["--calibration-split", 1.5], "--calibration-split"),
+        "plot-without-head": (base[:2] + base[4:] + ["--calibration-plot", tmp_path / "p.png"], "confidence head"),
+        "too-long": (base[:9] + [10_000] + base[10:], "max-new-tokens"),
+    }[case]
+    rc = ev.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and want in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+
+
+# ----------------------------------------------------------------------------------------
+# Metric helpers on hand-computed cases
+
+def test_ece_hand_cases():
+    # Bins of width 1/15: 0.05 and 0.06 share bin 0, 0.95 is in bin 14, 1.0 goes to the last bin.
+    p, y = [0.05, 0.06, 0.95, 1.0], [0, 1, 1, 1]
+    # bin 0: mean p 0.055, observed 0.5 -> 2/4 * 0.445; bin 14: mean p 0.975, observed 1 -> 2/4 * 0.025
+    assert ev.ece(p, y) == pytest.approx(0.5 * 0.445 + 0.5 * 0.025)
+    assert ev.ece([0.3, 0.3, 0.3], [1, 0, 0]) == pytest.approx(abs(1 / 3 - 0.3))
+    assert ev.ece([1 / 3], [1], bins=3) == pytest.approx(2 / 3)  # the bin edge belongs to the upper bin
+    assert ev.ece([], []) is None
+    assert ev.ece([0.2, 0.8], [0, 1], bins=1) == pytest.approx(0.0)  # one bin: |mean p - mean y|
+
+
+def test_auroc_hand_cases():
+    assert ev.auroc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0
+    assert ev.auroc([0.1, 0.2, 0.8, 0.9], [1, 1, 0, 0]) == 0.0
+    assert ev.auroc([0.5, 0.5, 0.5], [0, 1, 1]) == 0.5  # all tied
+    # positives 0.4, 0.8; negatives 0.4, 0.2: pairs (0.4 vs 0.4) tie = 1/2, the other three win -> 3.5 / 4
+    assert ev.auroc([0.4, 0.8, 0.4, 0.2], [1, 1, 0, 0]) == pytest.approx(3.5 / 4)
+    assert ev.auroc([0.3, 0.4], [1, 1]) is None
+
+
+def test_brier_hand_cases():
+    assert ev.brier([0.5, 1.0, 0.0], [1, 1, 1]) == pytest.approx((0.25 + 0 + 1) / 3)
+    assert ev.brier([], []) is None
+
+
+def test_survival_events_use_rounds_that_verified_k():
+    C = np.array([[0.9, 0.5, 0.5], [0.8, 0.5, 0.5], [0.7, 0.4, 0.5]])
+    a, y = ev.survival_events(C, verified=[3, 1, 2], accepted=[3, 1, 1], k=2)
+    assert a.tolist() == pytest.approx([0.45, 0.28]) and y.tolist() == [True, False]
+
+
+# ----------------------------------------------------------------------------------------
+# Sequential Temperature Scaling
+
+def synthetic_rounds(n, scales, seed=0):
+    """Rounds whose true conditional acceptance probabilities are known: π_k = σ(z_k); the head
+    reports σ(s_k · z_k) (s > 1: over-confident, s < 1: under-confident); acceptance is drawn
+    left to right from π and stops at the first rejection; every round verifies all K drafts."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0.8, 1.5, size=(n, len(scales)))
+    true = 1 / (1 + np.exp(-z))
+    reported = 1 / (1 + np.exp(-z * np.asarray(scales)))
+    ok = rng.random(z.shape) < true
+    accepted = np.where(ok.all(1), len(scales), np.argmin(ok, axis=1))
+    return reported, np.full(n, len(scales)), accepted
+
+
+def test_sts_lowers_ece_and_keeps_the_order():
+    scales = [3.0, 0.4, 2.0, 1.5]
+    C, ver, acc = synthetic_rounds(6000, scales)
+    fit, held = slice(0, 3000), slice(3000, None)
+    temps = ev.fit_sts(C[fit], ver[fit], acc[fit])
+    # The fitted temperatures undo the distortion: T_1 ~ s_1, and every T_k sharpens an
+    # under-confident position and flattens an over-confident one. (Later T_k also absorb the
+    # residual error of the earlier positions' fits, since they calibrate the product a_k.)
+    assert temps[0] == pytest.approx(scales[0], rel=0.2)
+    assert [t > 1 for t in temps] == [s > 1 for s in scales]
+    Cs = ev.apply_temperatures(C[held], temps)
+    for k in range(1, len(scales) + 1):
+        before = ev.ece(*ev.survival_events(C[held], ver[held], acc[held], k))
+        after = ev.ece(*ev.survival_events(Cs, ver[held], acc[held], k))
+        assert after < 0.5 * before and after < 0.04, (k, before, after)
+        # Monotone per position: the calibrated scores rank the rounds exactly as the raw ones do.
+        assert np.array_equal(np.argsort(C[held][:, k - 1], kind="stable"), np.argsort(Cs[:, k - 1], kind="stable"))
+    a1_raw, y1 = ev.survival_events(C[held], ver[held], acc[held], 1)
+    assert ev.auroc(ev.survival_events(Cs, ver[held], acc[held], 1)[0], y1) == pytest.approx(ev.auroc(a1_raw, y1))
+
+
+def test_sts_is_sequential_and_respects_verified():
+    # A calibrated head keeps temperatures near 1; a position never verified keeps exactly 1.
+    C, ver, acc = synthetic_rounds(4000, [1.0, 1.0, 1.0])
+    ver = np.minimum(ver, 2)
+    acc = np.minimum(acc, ver)
+    temps = ev.fit_sts(C, ver, acc)
+    assert temps[:2] == pytest.approx([1.0, 1.0], rel=0.25) and temps[2] == 1.0
+
+
+def test_calibration_report_splits_by_request_per_dataset():
+    C, ver, acc = synthetic_rounds(400, [2.0, 2.0])
+    recs = [{"dataset": "a" if i < 200 else "b", "request": (i % 200) // 10, "round": i % 10,
+             "confidence": C[i].tolist(), "verified": int(ver[i]), "accepted": int(acc[i])} for i in range(400)]
+    rep = ev.calibration_report(recs, ["a", "b"], 0.5)
+    assert rep["fit_rounds"] == 200 and rep["heldout_rounds"] == 200  # 10 of 20 requests per dataset
+    assert len(rep["temperatures"]) == 2
+    assert all(s["ece"] < r["ece"] for s, r in zip(rep["sts_heldout"], rep["raw_heldout"]))
+    assert "temperatures" not in ev.calibration_report(recs, ["a", "b"], 0.0)
