@@ -197,41 +197,53 @@ def reliability_bins(p, y, bins: int = ECE_BINS) -> list[dict]:
     return out
 
 
-def calibration_report(records: list[dict], datasets: list[str], split: float) -> Optional[dict]:
-    """Calibration of the confidence head from per-round records (dataset, request, round,
-    confidence, verified, accepted), in dataset order, then request and round order.
+def round_arrays(requests: list[Request], dataset: int, K: int) -> dict:
+    """The rounds of finished requests as compact arrays (dataset index, request, round,
+    confidence [N, K] float32 — exactly the engine's float32 values — verified, accepted)."""
+    rounds = [(r.index, rd) for r in requests for rd in r.rounds]
+    n = len(rounds)
+    return {"dataset": np.full(n, dataset, dtype=np.int32),
+            "request": np.array([i for i, _ in rounds], dtype=np.int64).reshape(n),
+            "round": np.array([rd["round"] for _, rd in rounds], dtype=np.int64).reshape(n),
+            "confidence": np.array([rd["confidence"] for _, rd in rounds], dtype=np.float32).reshape(n, K),
+            "verified": np.array([rd["verified"] for _, rd in rounds], dtype=np.int64).reshape(n),
+            "accepted": np.array([rd["accepted"] for _, rd in rounds], dtype=np.int64).reshape(n)}
+
+
+def concat_rounds(parts: list[dict]) -> dict:
+    """Concatenate round arrays and sort them by dataset, request, round (the file order)."""
+    rec = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.lexsort((rec["round"], rec["request"], rec["dataset"]))
+    return {k: v[order] for k, v in rec.items()}
+
+
+def calibration_report(rec: dict, split: float) -> Optional[dict]:
+    """Calibration of the confidence head from round arrays (see `round_arrays`).
 
     `raw`: the head as it is, over all rounds. With 0 < split < 1, STS is fitted on the first
-    `split` of every dataset's requests (file order) and `raw_heldout` / `sts_heldout` score the
-    head before / after on the remaining requests."""
-    recs = [r for r in records if r["confidence"] is not None]
-    if not recs:
+    `split` of every dataset's requests (file order; a request's rounds stay together) and
+    `raw_heldout` / `sts_heldout` score the head before / after on the remaining requests."""
+    C = rec["confidence"].astype(np.float64)
+    if C.shape[0] == 0 or C.shape[1] == 0:
         return None
-    K = len(recs[0]["confidence"])
-
-    def arrays(rs):
-        C = np.array([r["confidence"] for r in rs], dtype=np.float64).reshape(len(rs), K)
-        return C, np.array([r["verified"] for r in rs], dtype=np.int64), np.array([r["accepted"] for r in rs], dtype=np.int64)
-
-    C, ver, acc = arrays(recs)
-    report = {"positions": K, "bins": ECE_BINS, "raw": position_metrics(C, ver, acc), "split": split,
+    ver, acc = rec["verified"], rec["accepted"]
+    report = {"positions": C.shape[1], "bins": ECE_BINS, "rounds": int(C.shape[0]),
+              "raw": position_metrics(C, ver, acc), "split": split,
               "_all": (C, ver, acc)}  # "_" entries are for the plot, not written to JSON
     if not 0 < split < 1:
         return report
-    fit, held = [], []
-    for ds in datasets:
-        rs = [r for r in recs if r["dataset"] == ds]
-        reqs = sorted({r["request"] for r in rs})
-        cut = set(reqs[:int(math.floor(split * len(reqs)))])
-        fit += [r for r in rs if r["request"] in cut]
-        held += [r for r in rs if r["request"] not in cut]
-    if not fit or not held:
+    fit = np.zeros(C.shape[0], dtype=bool)
+    for d in np.unique(rec["dataset"]):
+        mine = rec["dataset"] == d
+        reqs = np.unique(rec["request"][mine])
+        fit |= mine & np.isin(rec["request"], reqs[:int(math.floor(split * len(reqs)))])
+    if not fit.any() or fit.all():
         report["sts_note"] = "too few requests to split into fit and held-out parts; no STS"
         return report
-    Cf, vf, af = arrays(fit)
-    temps = fit_sts(Cf, vf, af)
-    Ch, vh, ah = arrays(held)
-    report.update(temperatures=temps, fit_rounds=len(fit), heldout_rounds=len(held),
+    temps = fit_sts(C[fit], ver[fit], acc[fit])
+    held = ~fit
+    Ch, vh, ah = C[held], ver[held], acc[held]
+    report.update(temperatures=temps, fit_rounds=int(fit.sum()), heldout_rounds=int(held.sum()),
                   raw_heldout=position_metrics(Ch, vh, ah),
                   sts_heldout=position_metrics(apply_temperatures(Ch, temps), vh, ah))
     report["_heldout"] = (Ch, vh, ah)
@@ -498,7 +510,7 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
     if args.progress and rank == 0:
         from tqdm import tqdm
         bar = tqdm(total=sum(len(ps) for ps in prompts.values()), file=sys.stderr, unit="prompt", dynamic_ncols=True)
-    entries, records = [], []
+    entries, parts = [], []
     for name, _, _ in datasets:
         ps = prompts[name]
         requests = [Request(i, ps[i], [], []) for i in range(rank, len(ps), world)]  # interleaved shard
@@ -517,16 +529,13 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
                  ok=flat[len(COUNT_KEYS) + K:])
         entries.append(metrics(name, c, seconds))
         if has_conf:
-            records += [{"dataset": name, "request": r.index, "round": rd["round"], "confidence": rd["confidence"],
-                         "verified": rd["verified"], "accepted": rd["accepted"]} for r in requests for rd in r.rounds]
+            parts.append(round_arrays(requests, len(entries) - 1, K))
     if bar is not None:
         bar.close()
 
     calibration = None
     if has_conf:
-        order = {name: i for i, (name, _, _) in enumerate(datasets)}
-        records = sorted(all_gather_list(records), key=lambda r: (order[r["dataset"]], r["request"], r["round"]))
-        calibration = calibration_report(records, [d[0] for d in datasets], args.calibration_split)
+        calibration = calibration_report(concat_rounds(all_gather_list(parts)), args.calibration_split)
 
     config = {k: v for k, v in asdict(args).items()}
     config.update(world_size=world, num_drafts=K, drafter_config=drafter.cfg.describe() if drafter else None,

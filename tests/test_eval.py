@@ -325,10 +325,17 @@ def test_sts_is_sequential_and_respects_verified():
 
 def test_calibration_report_splits_by_request_per_dataset():
     C, ver, acc = synthetic_rounds(400, [2.0, 2.0])
-    recs = [{"dataset": "a" if i < 200 else "b", "request": (i % 200) // 10, "round": i % 10,
-             "confidence": C[i].tolist(), "verified": int(ver[i]), "accepted": int(acc[i])} for i in range(400)]
-    rep = ev.calibration_report(recs, ["a", "b"], 0.5)
+    i = np.arange(400)
+    # Two datasets of 20 requests x 10 rounds, handed over shuffled (as ranks deliver them).
+    perm = np.random.default_rng(1).permutation(400)
+    parts = [{"dataset": (i >= 200).astype(np.int32)[p], "request": ((i % 200) // 10)[p], "round": (i % 10)[p],
+              "confidence": C.astype(np.float32)[p], "verified": ver[p], "accepted": acc[p]}
+             for p in (perm[:150], perm[150:])]
+    rec = ev.concat_rounds(parts)
+    assert rec["dataset"].tolist() == (i >= 200).tolist() and rec["request"].tolist() == ((i % 200) // 10).tolist()
+    rep = ev.calibration_report(rec, 0.5)
     assert rep["fit_rounds"] == 200 and rep["heldout_rounds"] == 200  # 10 of 20 requests per dataset
-    assert len(rep["temperatures"]) == 2
+    fit = ((i % 200) // 10) < 10
+    assert rep["temperatures"] == ev.fit_sts(C.astype(np.float32)[fit], ver[fit], acc[fit])
     assert all(s["ece"] < r["ece"] for s, r in zip(rep["sts_heldout"], rep["raw_heldout"]))
-    assert "temperatures" not in ev.calibration_report(recs, ["a", "b"], 0.0)
+    assert "temperatures" not in ev.calibration_report(rec, 0.0)
