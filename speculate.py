@@ -192,11 +192,11 @@ class Engine:
         """
         K = self.drafter.cfg.num_drafts if self.drafter is not None else 0
         B, dev = self.max_batch, self.device
-        zeros = torch.zeros(B, dtype=torch.long, device=dev)
+        zeros = lambda dtype=torch.long: torch.zeros(B, dtype=dtype, device=dev)  # distinct tensors: no aliasing guard
         noise = (kernels.round_noise(torch.Generator(device=dev).manual_seed(0), B, K, self.target.args.vocab_size, dev)
                  if self.temperature > 0 else None)
         t0 = time.perf_counter()
-        record, _, _ = self.round_fn(self.target, self.drafter, zeros, zeros, torch.zeros(B, dtype=torch.bool, device=dev),
+        record, _, _ = self.round_fn(self.target, self.drafter, zeros(), zeros(), zeros(torch.bool),
                                      self.temperature, self.threshold, noise)
         record.tolist()
         self.compile_seconds += time.perf_counter() - t0
