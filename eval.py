@@ -538,7 +538,7 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
         calibration = calibration_report(concat_rounds(all_gather_list(parts)), args.calibration_split)
 
     config = {k: v for k, v in asdict(args).items()}
-    config.update(world_size=world, num_drafts=K, drafter_config=drafter.cfg.describe() if drafter else None,
+    config.update(world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds, drafter_config=drafter.cfg.describe() if drafter else None,
                   chat_resolved=chat, compile_resolved=compile, dtype_resolved=str(dtype).removeprefix("torch."),
                   skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
     results = {"config": config, "datasets": entries,
@@ -617,6 +617,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
                        "drafter": args.drafter, "target": args.target,
                        "datasets": [e["dataset"] for e in results["datasets"]],
                        "split": calibration["split"], "fit_rounds": calibration["fit_rounds"],
+                       "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
                        "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
                        "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]]}, f, indent=2)
     if args.wandb:
