@@ -93,9 +93,9 @@ def trace_rounds(env, tmp_path, capsys, name, n, *extra):
 # ----------------------------------------------------------------------------------------
 # Acceptance numbers against the trace of speculate.py
 
-@pytest.mark.parametrize("threshold", [0.0, 0.6])
-def test_metrics_equal_hand_count_from_speculate_trace(env, tmp_path, capsys, threshold):
-    extra = ["--confidence-threshold", threshold]
+@pytest.mark.parametrize("threshold,chat", [(0.0, True), (0.6, True), (0.0, False)])
+def test_metrics_equal_hand_count_from_speculate_trace(env, tmp_path, capsys, threshold, chat):
+    extra = ["--confidence-threshold", threshold] + ([] if chat else ["--no-chat"])
     res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 3, *extra)
     assert [e["dataset"] for e in res["datasets"]] == ["gsm8k", "mt-bench"]
     for entry in res["datasets"]:
@@ -182,6 +182,21 @@ def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
         for a, b in zip(cal1[key], cal2[key]):
             assert a == pytest.approx(b, abs=1e-6)
     assert p.stdout.count("gsm8k") == 1  # only rank 0 prints the table
+
+
+def test_seed_repeats_sampled_runs_and_resets_per_dataset(env, tmp_path, capsys):
+    def sampled(seed, datasets, out):
+        res, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--seed", seed, "--batch-size", 2,
+                               "--progress", datasets=datasets, out=out)
+        return {e["dataset"]: e for e in strip_timing(res["datasets"])}, err
+
+    a, err = sampled(3, "gsm8k,mt-bench", "a.json")
+    assert "prompt" in err and "100%" in err  # the progress bar, on stderr
+    b, _ = sampled(3, "gsm8k,mt-bench", "b.json")
+    c, _ = sampled(4, "gsm8k,mt-bench", "c.json")
+    alone, _ = sampled(3, "mt-bench", "d.json")
+    assert a == b and a != c
+    assert alone["mt-bench"] == a["mt-bench"]  # a dataset's numbers do not depend on the ones before it
 
 
 # ----------------------------------------------------------------------------------------
