@@ -505,6 +505,8 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
                     args.seed + rank, device, compile)
+    if compile:
+        engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
 
     bar = None
     if args.progress and rank == 0:
