@@ -243,10 +243,14 @@ class ConfidenceHead(nn.Module):
     def __init__(self, in_features: int):
         super().__init__()
         self.proj = nn.Linear(in_features, 1)
+        self.temperature: Optional[torch.Tensor] = None  # [K], Sequential Temperature Scaling (DSPARK.md §4)
 
     def forward(self, h, markov_feature: Optional[torch.Tensor]):
         x = h if markov_feature is None else torch.cat([h, markov_feature], dim=-1)
-        return torch.sigmoid(self.proj(x).float())[..., 0]
+        logit = self.proj(x).float()[..., 0]  # [B, K]
+        if self.temperature is not None:
+            logit = logit / self.temperature
+        return torch.sigmoid(logit)
 
 
 # ----------------------------------------------------------------------------------------
@@ -333,6 +337,10 @@ class Drafter(nn.Module):
         if cfg.layout == "dflash":
             h = h[:, 1:]  # slot 0 (the anchor's) is unused in the DFlash layout
         return h, self.target.lm_head(h)
+
+    def calibrate(self, temperatures):
+        """Divide the confidence logit of draft k by temperatures[k] from now on."""
+        self.confidence_head.temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.fc.weight.device)
 
     def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """c_k for every slot: hidden [B, K, H], prev_tokens [B, K] = [x_0, x_1 .. x_{K-1}]. None without a head."""

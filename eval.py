@@ -32,9 +32,9 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from model import CheckpointError, Tokenizer, load_target, stop_token_ids
+from model import CheckpointError
 from speculate import Args as SpeculateArgs
-from speculate import Engine, Request, _explicit, load_prompts
+from speculate import Engine, Request, cache_length, check_prompts, load_models, load_prompts
 
 # The paper's protocol (Table 1): per-dataset sample counts, first rows in file order.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -85,6 +85,8 @@ class EvalArgs:
     """Log config, metrics and tables to Weights & Biases (WANDB_MODE=offline works without network)."""
     wandb_project: str = "dspark-fast"
     """Weights & Biases project."""
+    calibration: Optional[str] = None
+    """Apply STS temperatures from an earlier --calibration-out before the threshold (as speculate.py)."""
     calibration_split: float = 0.5
     """STS fits on this fraction of every dataset's requests (the first ones) and is scored on the
     rest; 0 = no STS (the calibration metrics of the raw head are still reported)."""
@@ -440,18 +442,6 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def check_prompts(prompts: list[list[int]], where: str, vocab: int, context: int, max_new_tokens: int):
-    for i, p in enumerate(prompts):
-        if not p:
-            raise CheckpointError(f"{where} prompt {i}: empty prompt")
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise CheckpointError(f"{where} prompt {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(p) + max_new_tokens > context:
-            raise CheckpointError(f"{where} prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
-                                  f"the target's context of {context} (max_position_embeddings)")
-
-
 def run(args: EvalArgs, argv: list[str]) -> dict:
     """Everything `python eval.py` does; returns the results. Raises CheckpointError on bad input."""
     for name, ok in (("batch_size", args.batch_size >= 1), ("max_new_tokens", args.max_new_tokens >= 1),
@@ -461,29 +451,10 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
                      ("calibration_split", 0 <= args.calibration_split < 1)):
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
-    if args.target is None:
-        raise CheckpointError("--target: no target directory given")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda: no CUDA device is available")
     rank, world, device = dist_setup(args.device)
     datasets = resolve_datasets(args, rank)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
-
-    target = load_target(args.target, device, dtype)
-    stop_ids = stop_token_ids(args.target, target.args)
-    tokenizer = Tokenizer(args.target) if os.path.isfile(os.path.join(args.target, "tokenizer.json")) else None
-    chat = args.chat if _explicit(argv, "chat") else (tokenizer is not None and tokenizer.chat_template is not None)
-    drafter = None
-    if args.drafter is not None:
-        from drafter import load_drafter
-        drafter = load_drafter(args.drafter, target, device, dtype)
-        if rank == 0:
-            print(drafter.cfg.describe(), file=sys.stderr)
-    elif args.confidence_threshold > 0:
-        raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
-    if drafter is not None and args.confidence_threshold > 0 and not drafter.cfg.confidence_head:
-        raise CheckpointError(f"--confidence-threshold: the drafter {args.drafter} has no confidence head")
+    m = load_models(args, argv, device, verbose=rank == 0)
+    target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, m.chat
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise CheckpointError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
@@ -497,15 +468,13 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
     for name, path, n in datasets:
         ps = load_prompts(SpeculateArgs(prompts_file=path), tokenizer, chat)
         prompts[name] = ps[:n] if n else ps
-        check_prompts(prompts[name], path, target.args.vocab_size, target.args.max_position_embeddings,
-                      args.max_new_tokens)
-    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
-    max_seq = max(len(p) for ps in prompts.values() for p in ps) + args.max_new_tokens + 2 * width
+        check_prompts(prompts[name], target, args.max_new_tokens, f"{path} ")
+    max_seq = cache_length(max(len(p) for ps in prompts.values() for p in ps), args.max_new_tokens, drafter)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))
-    engine = Engine(target, drafter, stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
-                    args.seed + rank, device, compile)
-    if compile:
+    engine = Engine(target, drafter, m.stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
+                    args.seed + rank, device, m.compile)
+    if m.compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
 
     bar = None
@@ -541,7 +510,7 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
 
     config = {k: v for k, v in asdict(args).items()}
     config.update(world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds, drafter_config=drafter.cfg.describe() if drafter else None,
-                  chat_resolved=chat, compile_resolved=compile, dtype_resolved=str(dtype).removeprefix("torch."),
+                  chat_resolved=chat, compile_resolved=m.compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
                   skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
     results = {"config": config, "datasets": entries,
                "calibration": {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None}

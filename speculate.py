@@ -24,7 +24,7 @@ from typing import Literal, Optional
 import torch
 
 import kernels
-from model import CheckpointError, Tokenizer, Transformer, load_target, random_target, stop_token_ids
+from model import CheckpointError, Tokenizer, Transformer, load_target, random_target, read_json, stop_token_ids
 
 
 @dataclass
@@ -66,6 +66,9 @@ class Args:
     """Write a JSON-lines record of every round, request and a summary here."""
     wandb: bool = False
     """Log the run to Weights & Biases (WANDB_MODE=offline works without network)."""
+    calibration: Optional[str] = None
+    """Confidence temperatures from `eval.py --calibration-out` (Sequential Temperature Scaling):
+    c_k = σ(logit_k / T_k), applied before the threshold."""
     random_init: Optional[Literal["qwen3-4b", "qwen3-8b", "qwen3-14b"]] = None
     """Instead of --target/--drafter: a real-shaped target and a block-7, 5-layer DSpark drafter with
     random weights, to measure speed without downloads (prompts as ids; use bench.py for tables)."""
@@ -343,6 +346,84 @@ def _explicit(argv: list[str], flag: str) -> bool:
     return any(a in (f"--{flag}", f"--no-{flag}") for a in argv)
 
 
+@dataclass
+class Models:
+    """What `load_models` resolves from the flags shared by speculate.py and eval.py."""
+    target: Transformer
+    drafter: object  # drafter.Drafter or None
+    tokenizer: Optional[Tokenizer]
+    stop_ids: tuple
+    chat: bool  # render text prompts with the chat template
+    compile: bool
+    dtype: torch.dtype
+
+
+def load_models(args, argv: list[str], device: Optional[str] = None, verbose: bool = True) -> Models:
+    """Load the target (and drafter) named by `args` — speculate's `Args` or anything with the same
+    fields — and check the flags that depend on them. `device` overrides args.device (a rank's GPU)."""
+    device = device or args.device
+    if getattr(args, "random_init", None) is None and args.target is None:
+        raise CheckpointError("--target: no target directory given")
+    if getattr(args, "random_init", None) is not None and (args.target is not None or args.drafter is not None):
+        raise CheckpointError("--random-init builds its own target and drafter: drop --target/--drafter")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda: no CUDA device is available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
+    drafter = tokenizer = None
+    if getattr(args, "random_init", None) is not None:
+        from drafter import random_drafter
+        target = random_target(args.random_init, device, dtype, args.seed)
+        drafter = random_drafter(target)
+        stop_ids = ()
+    else:
+        target = load_target(args.target, device, dtype)
+        stop_ids = stop_token_ids(args.target, target.args)
+        if os.path.isfile(os.path.join(args.target, "tokenizer.json")):
+            tokenizer = Tokenizer(args.target)
+        if args.drafter is not None:
+            from drafter import load_drafter
+            drafter = load_drafter(args.drafter, target, device, dtype)
+    has_confidence = drafter is not None and drafter.cfg.confidence_head
+    if args.confidence_threshold > 0 and not has_confidence:
+        raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
+    if getattr(args, "calibration", None) is not None:
+        if not has_confidence:
+            raise CheckpointError(f"--calibration {args.calibration}: needs a --drafter with a confidence head")
+        temps = read_json(args.calibration).get("temperatures")
+        K = drafter.cfg.num_drafts
+        if not isinstance(temps, list) or len(temps) != K or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf") for t in temps):
+            raise CheckpointError(f"{args.calibration}: 'temperatures' must be a list of {K} positive numbers "
+                                  f"(one per draft position), got {temps!r}")
+        drafter.calibrate(temps)
+    if drafter is not None and verbose:  # once every check has passed
+        print(drafter.cfg.describe() + (" (random weights)" if args.drafter is None else ""), file=sys.stderr)
+    chat = args.chat if _explicit(argv, "chat") else (tokenizer is not None and tokenizer.chat_template is not None)
+    return Models(target, drafter, tokenizer, stop_ids, chat, compile, dtype)
+
+
+def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens: int, where: str = ""):
+    """Every prompt non-empty, inside the vocabulary, and fitting the context with its budget."""
+    V, context = target.args.vocab_size, target.args.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if not p:
+            raise CheckpointError(f"{where}prompt {i}: empty prompt")
+        bad = [t for t in p if not 0 <= t < V]
+        if bad:
+            raise CheckpointError(f"{where}prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if len(p) + max_new_tokens > context:
+            raise CheckpointError(f"{where}prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
+                                  f"the target's context of {context} (max_position_embeddings)")
+
+
+def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
+    """Cache rows for a batch: prompt + budget, plus room for a round's block / verify window from a
+    finished row's last anchor (which may sit up to K+1 past its budget while other rows go on)."""
+    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    return longest_prompt + max_new_tokens + 2 * width
+
+
 def run(args: Args, argv: list[str]) -> dict:
     """Everything `python speculate.py` does; returns the summary. Raises CheckpointError on bad input."""
     for name, ok in (("num_samples", args.num_samples >= 1), ("batch_size", args.batch_size >= 1),
@@ -350,58 +431,16 @@ def run(args: Args, argv: list[str]) -> dict:
                      ("confidence_threshold", 0 <= args.confidence_threshold <= 1)):
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
-    if args.target is None and args.random_init is None:
-        raise CheckpointError("--target: no target directory given")
-    if args.random_init is not None and (args.target is not None or args.drafter is not None):
-        raise CheckpointError("--random-init builds its own target and drafter: drop --target/--drafter")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda: no CUDA device is available")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
-
-    drafter = tokenizer = None
-    if args.random_init is not None:
-        from drafter import random_drafter
-        target = random_target(args.random_init, args.device, dtype, args.seed)
-        drafter = random_drafter(target)
-        stop_ids = ()
-        print(drafter.cfg.describe() + " (random weights)", file=sys.stderr)
-    else:
-        target = load_target(args.target, args.device, dtype)
-        stop_ids = stop_token_ids(args.target, target.args)
-        if os.path.isfile(os.path.join(args.target, "tokenizer.json")):
-            tokenizer = Tokenizer(args.target)
-    chat = args.chat if _explicit(argv, "chat") else (tokenizer is not None and tokenizer.chat_template is not None)
-    if args.drafter is not None:
-        from drafter import load_drafter
-        drafter = load_drafter(args.drafter, target, args.device, dtype)
-        print(drafter.cfg.describe(), file=sys.stderr)
-    elif args.confidence_threshold > 0:
-        raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
-    if drafter is not None and args.confidence_threshold > 0 and not drafter.cfg.confidence_head:
-        raise CheckpointError(f"--confidence-threshold: the drafter {args.drafter} has no confidence head")
-
-    prompts = load_prompts(args, tokenizer, chat)
-    V, context = target.args.vocab_size, target.args.max_position_embeddings
-    for i, p in enumerate(prompts):
-        if not p:
-            raise CheckpointError(f"prompt {i}: empty prompt")
-        bad = [t for t in p if not 0 <= t < V]
-        if bad:
-            raise CheckpointError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
-        if len(p) + args.max_new_tokens > context:
-            raise CheckpointError(f"prompt {i}: {len(p)} tokens + --max-new-tokens {args.max_new_tokens} exceed "
-                                  f"the target's context of {context} (max_position_embeddings)")
+    m = load_models(args, argv)
+    target, drafter, tokenizer = m.target, m.drafter, m.tokenizer
+    prompts = load_prompts(args, tokenizer, m.chat)
+    check_prompts(prompts, target, args.max_new_tokens)
     requests = [Request(i, p, [], []) for i, p in enumerate(pp for pp in prompts for _ in range(args.num_samples))]
-    # A row's last round may move its anchor up to K+1 past the budget; while other rows go on,
-    # its (inactive) rounds still write a block / verify window from there.
-    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
-    margin = 2 * width
-    max_seq = max(len(r.prompt_ids) for r in requests) + args.max_new_tokens + margin
+    max_seq = cache_length(max(len(r.prompt_ids) for r in requests), args.max_new_tokens, drafter)
     batch = min(args.batch_size, len(requests))
-    engine = Engine(target, drafter, stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
-                    args.seed, args.device, compile)
-    if compile:
+    engine = Engine(target, drafter, m.stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
+                    args.seed, args.device, m.compile)
+    if m.compile:
         engine.warmup()
 
     trace = open(args.trace_file, "w") if args.trace_file else None

@@ -103,10 +103,7 @@ def edit_tensors(directory, fn):
 def run_cli(capsys, ck, drafter_dir, *extra, trace=None, prompts=True):
     argv = ["--target", ck.target, "--drafter", drafter_dir]
     if prompts:
-        # Batch size 1: a batch of rows finishing at different rounds trips the engine bug of
-        # test_batch_where_one_row_finishes_first; the batched drafter is covered by
-        # test_cached_drafter_matches_reference.
-        argv += ["--prompts-file", ck.prompts, "--batch-size", "1", "--max-new-tokens", "14"]
+        argv += ["--prompts-file", ck.prompts, "--batch-size", "2", "--max-new-tokens", "14"]
     if trace is not None:
         argv += ["--trace-file", str(trace)]
     capsys.readouterr()
@@ -621,3 +618,29 @@ def test_batch_where_one_row_finishes_first(ck, capsys):
         argv = ["--target", ck.target, "--drafter", d, "--prompts-file", str(prompts), "--batch-size", "2",
                 "--max-new-tokens", str(rng.randrange(3, 20))]
         assert speculate.main(argv) == 0
+
+
+# ----------------------------------------------------------------------------------------
+# --calibration: STS temperatures divide the confidence logits, before the threshold.
+
+def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
+    d = ck.drafter("calibrated")
+    base = tmp_path / "base.jsonl"
+    rc, out = run_cli(capsys, ck, d, trace=base)
+    assert rc == 0, out.err
+    temps = [0.5, 1.0, 2.0, 4.0]
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": temps}))
+    scaled = tmp_path / "scaled.jsonl"
+    rc, out = run_cli(capsys, ck, d, "--calibration", str(cal), trace=scaled)
+    assert rc == 0, out.err
+    r0, r1 = rounds_of(read_trace(base)), rounds_of(read_trace(scaled))
+    assert [r["draft"] for r in r0] == [r["draft"] for r in r1]  # greedy drafts do not depend on it
+    for a, b in zip(r0, r1):
+        for c, c_cal, t in zip(a["confidence"], b["confidence"], temps):
+            logit = math.log(c / (1 - c))
+            assert c_cal == pytest.approx(1 / (1 + math.exp(-logit / t)), rel=1e-4, abs=1e-6)
+    for bad in ({"temperatures": [1.0, 2.0]}, {"temperatures": [1, 1, 0, 1]}, {"nothing": 1}, [1, 2]):
+        cal.write_text(json.dumps(bad))
+        rc, out = run_cli(capsys, ck, d, "--calibration", str(cal))
+        assert rc != 0 and len(out.err.strip().splitlines()) == 1 and "sts.json" in out.err, out.err
