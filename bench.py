@@ -234,10 +234,8 @@ def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool
     }
 
 
-def reference_generate(target: Transformer, drafter: Optional[Drafter], prompt: list[int], max_new_tokens: int,
-                       device) -> tuple[list[int], float]:
-    """The reference implementations' way, batch 1, greedy: transformers' Qwen3 with a
-    DynamicCache as the target (cropped after every round), the drafter run eagerly."""
+def transformers_copy(target: Transformer):
+    """transformers' Qwen3ForCausalLM holding `target`'s weights (the reference implementations' target)."""
     import transformers
 
     a = target.args
@@ -248,8 +246,15 @@ def reference_generate(target: Transformer, drafter: Optional[Drafter], prompt: 
         rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, attention_bias=a.attention_bias,
         tie_word_embeddings=a.tie_word_embeddings, max_position_embeddings=a.max_position_embeddings))
     sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in target.state_dict().items()}
-    hf.load_state_dict(sd, strict=False)
-    hf = hf.to(device=device, dtype=target.lm_head.weight.dtype).eval()
+    hf.load_state_dict(sd, strict=True)
+    w = target.lm_head.weight
+    return hf.to(device=w.device, dtype=w.dtype).eval()
+
+
+def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_new_tokens: int,
+                       device) -> tuple[list[int], float]:
+    """The reference implementations' way, batch 1, greedy: transformers' Qwen3 with a
+    DynamicCache as the target (cropped after every round), the drafter run eagerly."""
     ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     K = drafter.cfg.num_drafts if drafter is not None else 0
     if drafter is not None:
@@ -345,7 +350,9 @@ def run(args: BenchArgs) -> list[dict]:
     if (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes:
         prompt = torch.randint(0, target.args.vocab_size - 1, (1, args.prompt_len), generator=g).tolist()
         mine = bench_engine(target, drafter, prompt, args.max_new_tokens, dev, args.compile, args.compile_mode)
-        ids, seconds = reference_generate(target, drafter, prompt[0], args.max_new_tokens, dev)
+        hf = transformers_copy(target)
+        reference_generate(hf, drafter, prompt[0], min(args.max_new_tokens, 8), dev)  # warm-up, as for the engine
+        ids, seconds = reference_generate(hf, drafter, prompt[0], args.max_new_tokens, dev)
         if ids != mine["output_ids"][0]:
             raise AssertionError("the reference loop's output differs from the engine's")
         ref = {"mode": "reference (transformers target, eager drafter)", "batch": 1,
