@@ -119,3 +119,501 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.T
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
         p_n = torch.where(rejected[:, None], residual, p_n)
     return n, sample_from(p_n, generator, noise)
+
+
+# ----------------------------------------------------------------------------------------
+# Fast versions: Triton kernels behind the references' signatures
+#
+# What is here, and why it is shaped this way:
+# - `markov_chain_triton`: the vanilla Markov step (z_k = U_k + W2·W1[x_{k-1}], DSPARK.md §3)
+#   as two launches per slot. Pass 1, grid (B, V/BLOCK_V): each program forms the bias for one
+#   V-tile from a W1 row and a W2 tile, adds U_k, and writes only the tile's best (value,
+#   first index) to a tiny [B, tiles] buffer. Pass 2, grid (B,): reduce the tiles, first index
+#   on ties (like torch.argmax), and write x_k straight into the chain's token buffer, where the
+#   next slot's pass 1 reads it: no host sync, no [B, V] bias. The batch is the fastest grid
+#   axis, so the programs that share a W2 tile run together and the tile comes from L2.
+#   Greedy (T=0) never materialises z. Sampled: the key is z/T − log E, the exponential race in
+#   log space (argmax q/E == argmax (z/T − log E), q = softmax(z/T)), so the draw needs neither
+#   the row's max nor its sum and stays one pass; the kernel also writes z (float32) to a
+#   [B, K, V] buffer, and q = softmax(z/T) for verification is one batched torch softmax after
+#   the chain, off its sequential critical path.
+# - `verify_greedy_triton`: per-(row, position, V-tile) partial argmax, then one program per
+#   row that reduces the tiles for all K+1 positions and fuses the prefix-acceptance count and
+#   the committed token.
+# - `verify_sampled_triton`: partial softmax statistics (tile max, tile sum of exp), one program
+#   per row for the acceptance test u·q(x) < p(x) and n, then one pass over the committed
+#   position's row that races both p_n/E and max(p_n − q_n, 0)/E (and sums the residual), and a
+#   last tiny pass that picks the correction (rejection with positive residual mass) or the bonus.
+#
+# Rounding follows the references: z is rounded to the dtype torch would give it (the bias to
+# W2's dtype, then U + bias to their promoted dtype), so in bf16 the argmax sees the same
+# rounded values. Accumulation order differs from torch's matmul and softmax, so values can
+# differ in the last float bits: tokens agree except where two candidates are within that
+# rounding (a measure-zero event for the sampled race; exact ties in exactly representable
+# values resolve to the first index, as torch.argmax does). NaN logits are not handled like
+# torch.argmax (which returns the NaN's index). Token ids are not range-checked (the reference's
+# embedding would raise; here it would read out of bounds), to stay free of host syncs.
+#
+# When each runs: the *_triton functions run Triton on CUDA tensors, or on any tensors when
+# triton was imported with TRITON_INTERPRET=1 and the variable is still set (Triton's CPU
+# interpreter: the tests). Otherwise (no triton, CPU tensors without the interpreter, CPU
+# tensors under torch.compile), for a head that is not the vanilla Markov head (gated, rnn,
+# None), for K = 0 in the chain, or for dtypes other than float32/bfloat16/float16, they fall
+# back to the reference of the same name, which gives the same results. The *_fast functions
+# are the engine's switch: Triton for CUDA tensors when triton is installed and CUDA is present
+# (`FAST_KERNELS`), the plain-torch reference otherwise.
+
+import importlib.util
+import os
+
+# triton is imported on first use, not here: Triton decides "interpreter or GPU" for its own
+# language functions when it is imported (from TRITON_INTERPRET), so a test that sets the
+# variable after another module imported this one can still use the interpreter. With CUDA
+# present it is imported right away, so that a compiled round finds the kernels built.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+FAST_KERNELS = HAVE_TRITON and torch.cuda.is_available()
+triton = tl = None  # set by _import_triton()
+_TRITON_IMPORT_INTERPRET = None  # whether triton's language functions are the interpreter's
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _import_triton() -> bool:
+    """Import triton (once); False when it is not installed."""
+    global triton, tl, _TRITON_IMPORT_INTERPRET, HAVE_TRITON, FAST_KERNELS
+    if triton is None and HAVE_TRITON:
+        try:
+            import triton as _triton
+            import triton.language as _tl
+        except ImportError:  # found but broken: behave as if absent
+            HAVE_TRITON = FAST_KERNELS = False
+            return False
+        triton, tl = _triton, _tl
+        # Whoever imported triton first fixed the mode; its language functions say which.
+        probe = getattr(getattr(_tl, "standard", None), "sum", None)
+        _TRITON_IMPORT_INTERPRET = (type(probe).__name__ == "InterpretedFunction" if probe is not None
+                                    else _interpreting())
+    return triton is not None
+
+
+#: Tile sizes (module constants so the tests can shrink them to get many tiles from a small V).
+TRITON_BLOCK_V = 128   # vocabulary entries per program
+TRITON_BLOCK_R = 64    # Markov-rank chunk of the W1·W2 product held in registers at once
+
+_ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _round_to(x, CODE: tl.constexpr):
+    """float32 x rounded to bfloat16 (CODE 1) or float16 (CODE 2), kept as float32. bf16 by bits:
+    round to nearest even (the interpreter's bf16 cast truncates, the GPU's rounds; this agrees)."""
+    if CODE == 1:
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        x = b.to(tl.float32, bitcast=True)
+    elif CODE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+def _markov_partial_kernel(u_ptr, u_off, s_u, chain_ptr, s_chain, k, w1_ptr, s_w1, w2_ptr, s_w2,
+                           noise_ptr, noise_off, s_noise, z_ptr, z_off, s_z, pval_ptr, pidx_ptr,
+                           n_tiles, V, R, temperature,
+                           SAMPLED: tl.constexpr, BIAS_ROUND: tl.constexpr, Z_ROUND: tl.constexpr,
+                           BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Pass 1 of a Markov step: one (row b, V-tile) -> that tile's best key and its first index."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    prev = tl.load(chain_ptr + b * s_chain + k).to(tl.int64)  # x_{k-1} (column 0: the anchor)
+    acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rs = r0 + tl.arange(0, BLOCK_R)
+        rmask = rs < R
+        e = tl.load(w1_ptr + prev * s_w1 + rs, mask=rmask, other=0.0).to(tl.float32)
+        w = tl.load(w2_ptr + cols.to(tl.int64)[:, None] * s_w2 + rs[None, :],
+                    mask=cmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * e[None, :], axis=1)
+    bias = _round_to(acc, BIAS_ROUND)
+    u = tl.load(u_ptr + u_off + b * s_u + cols, mask=cmask, other=0.0).to(tl.float32)
+    z = _round_to(u + bias, Z_ROUND)
+    if SAMPLED:
+        tl.store(z_ptr + z_off + b * s_z + cols, z, mask=cmask)
+        noise = tl.load(noise_ptr + noise_off + b * s_noise + cols, mask=cmask, other=1.0)
+        key = z / temperature - tl.log(noise)
+    else:
+        key = z
+    key = tl.where(cmask, key, float("-inf"))
+    best = tl.max(key, axis=0)
+    idx = tl.min(tl.where(key == best, cols, 2147483647), axis=0)
+    tl.store(pval_ptr + b * n_tiles + t, best)
+    tl.store(pidx_ptr + b * n_tiles + t, idx)
+
+
+def _markov_reduce_kernel(pval_ptr, pidx_ptr, n_tiles, chain_ptr, s_chain, k, BLOCK_T: tl.constexpr):
+    """Pass 2: the row's best over its tiles (first index on ties) -> chain[b, k + 1] = x_k."""
+    b = tl.program_id(0).to(tl.int64)
+    ts = tl.arange(0, BLOCK_T)
+    tmask = ts < n_tiles
+    val = tl.load(pval_ptr + b * n_tiles + ts, mask=tmask, other=float("-inf"))
+    idx = tl.load(pidx_ptr + b * n_tiles + ts, mask=tmask, other=2147483647)
+    best = tl.max(val, axis=0)
+    x = tl.min(tl.where(tmask & (val == best), idx, 2147483647), axis=0)
+    tl.store(chain_ptr + b * s_chain + k + 1, x.to(tl.int64))
+
+
+def _rows_argmax_partial_kernel(x_ptr, s_row, pval_ptr, pidx_ptr, n_tiles, V, BLOCK_V: tl.constexpr):
+    """Per (row, V-tile) of a [rows, V] matrix: the tile's max and its first index."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    x = tl.load(x_ptr + row * s_row + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+    best = tl.max(x, axis=0)
+    idx = tl.min(tl.where(cmask & (x == best), cols, 2147483647), axis=0)
+    tl.store(pval_ptr + row * n_tiles + t, best)
+    tl.store(pidx_ptr + row * n_tiles + t, idx)
+
+
+def _verify_greedy_reduce_kernel(pval_ptr, pidx_ptr, n_tiles, drafts_ptr, vlen_ptr, n_ptr, next_ptr, K,
+                                 BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One row: argmax of each of the K+1 positions from its tiles, then n and the next token."""
+    b = tl.program_id(0).to(tl.int64)
+    js = tl.arange(0, BLOCK_J)
+    ts = tl.arange(0, BLOCK_T)
+    m2 = (js[:, None] <= K) & (ts[None, :] < n_tiles)
+    off = (b * (K + 1) + js[:, None]) * n_tiles + ts[None, :]
+    val = tl.load(pval_ptr + off, mask=m2, other=float("-inf"))
+    idx = tl.load(pidx_ptr + off, mask=m2, other=2147483647)
+    rbest = tl.max(val, axis=1)
+    best = tl.min(tl.where(m2 & (val == rbest[:, None]), idx, 2147483647), axis=1).to(tl.int64)  # [J]
+    is_draft = js < K
+    d = tl.load(drafts_ptr + b * K + js, mask=is_draft, other=-1)
+    vl = tl.load(vlen_ptr + b)
+    ok = (d == best) & (js < vl) & is_draft
+    n = tl.min(tl.where(is_draft & (ok == 0), js, K), axis=0)  # leading accepted drafts
+    nxt = tl.sum(tl.where(js == n, best, 0), axis=0)
+    tl.store(n_ptr + b, n.to(tl.int64))
+    tl.store(next_ptr + b, nxt.to(tl.int64))
+
+
+def _rows_softmax_partial_kernel(x_ptr, s_row, pmax_ptr, psum_ptr, n_tiles, V, temperature,
+                                 BLOCK_V: tl.constexpr):
+    """Per (row, V-tile) of logits: max of x/T and the sum of exp(x/T − that max)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    x = tl.load(x_ptr + row * s_row + cols, mask=cmask, other=0.0).to(tl.float32) / temperature
+    x = tl.where(cmask, x, float("-inf"))
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(x - m_safe), axis=0)
+    tl.store(pmax_ptr + row * n_tiles + t, m)
+    tl.store(psum_ptr + row * n_tiles + t, s)
+
+
+def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles, logits_ptr, s_lrow, drafts_ptr, q_ptr, s_qrow,
+                                  u_ptr, vlen_ptr, n_ptr, stat_ptr, K, temperature,
+                                  BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One row: softmax max/sum of each position, the acceptance test u·q(x) < p(x), n, and the
+    committed position's statistics (max, sum, rejected) for the last pass."""
+    b = tl.program_id(0).to(tl.int64)
+    js = tl.arange(0, BLOCK_J)
+    ts = tl.arange(0, BLOCK_T)
+    m2 = (js[:, None] <= K) & (ts[None, :] < n_tiles)
+    off = (b * (K + 1) + js[:, None]) * n_tiles + ts[None, :]
+    tm = tl.load(pmax_ptr + off, mask=m2, other=float("-inf"))
+    ts_ = tl.load(psum_ptr + off, mask=m2, other=0.0)
+    M = tl.max(tm, axis=1)  # [J]
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    S = tl.sum(tl.where(m2 & (tm > float("-inf")), ts_ * tl.exp(tm - M_safe[:, None]), 0.0), axis=1)
+    is_draft = js < K
+    d = tl.load(drafts_ptr + b * K + js, mask=is_draft, other=0).to(tl.int64)
+    lx = tl.load(logits_ptr + (b * (K + 1) + js) * s_lrow + d, mask=is_draft, other=0.0).to(tl.float32)
+    p_x = tl.exp(lx / temperature - M_safe) / tl.where(S > 0, S, 1.0)  # S is 0 only on padding lanes
+    q_x = tl.load(q_ptr + (b * K + js) * s_qrow + d, mask=is_draft, other=1.0).to(tl.float32)
+    u = tl.load(u_ptr + b * K + js, mask=is_draft, other=1.0).to(tl.float32)
+    vl = tl.load(vlen_ptr + b)
+    ok = (u * q_x < p_x) & (js < vl) & is_draft
+    n = tl.min(tl.where(is_draft & (ok == 0), js, K), axis=0)
+    rejected = n < vl  # read only when K > 0
+    tl.store(n_ptr + b, n.to(tl.int64))
+    tl.store(stat_ptr + b * 3, tl.sum(tl.where(js == n, M_safe, 0.0), axis=0))
+    tl.store(stat_ptr + b * 3 + 1, tl.sum(tl.where(js == n, S, 0.0), axis=0))
+    tl.store(stat_ptr + b * 3 + 2, rejected.to(tl.float32))
+
+
+def _verify_sampled_race_kernel(logits_ptr, s_lrow, q_ptr, s_qrow, noise_ptr, s_noise, n_ptr, stat_ptr,
+                                pval_ptr, pidx_ptr, rsum_ptr, n_tiles, V, K, temperature,
+                                HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per (row, V-tile) of the committed position n: the race of p_n/E (bonus) and of
+    max(p_n − q_n, 0)/E (correction), and the tile's residual mass."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    n = tl.load(n_ptr + b)
+    M = tl.load(stat_ptr + b * 3)
+    S = tl.load(stat_ptr + b * 3 + 1)
+    x = tl.load(logits_ptr + (b * (K + 1) + n) * s_lrow + cols, mask=cmask, other=0.0).to(tl.float32)
+    p = tl.exp(x / temperature - M) / S
+    noise = tl.load(noise_ptr + b * s_noise + cols, mask=cmask, other=1.0)
+    key_p = tl.where(cmask, p / noise, float("-inf"))
+    best_p = tl.max(key_p, axis=0)
+    idx_p = tl.min(tl.where(cmask & (key_p == best_p), cols, 2147483647), axis=0)
+    tl.store(pval_ptr + (b * n_tiles + t) * 2, best_p)
+    tl.store(pidx_ptr + (b * n_tiles + t) * 2, idx_p)
+    if HAS_Q:
+        nq = tl.minimum(n, K - 1)
+        q = tl.load(q_ptr + (b * K + nq) * s_qrow + cols, mask=cmask, other=0.0).to(tl.float32)
+        r = tl.where(cmask, tl.maximum(p - q, 0.0), 0.0)
+        key_r = tl.where(cmask, r / noise, float("-inf"))
+        best_r = tl.max(key_r, axis=0)
+        idx_r = tl.min(tl.where(cmask & (key_r == best_r), cols, 2147483647), axis=0)
+        tl.store(pval_ptr + (b * n_tiles + t) * 2 + 1, best_r)
+        tl.store(pidx_ptr + (b * n_tiles + t) * 2 + 1, idx_r)
+        tl.store(rsum_ptr + b * n_tiles + t, tl.sum(r, axis=0))
+
+
+def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr, next_ptr, n_tiles,
+                                HAS_Q: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One row: the correction's winner if rejected with positive residual mass, else the bonus's."""
+    b = tl.program_id(0).to(tl.int64)
+    ts = tl.arange(0, BLOCK_T)
+    tmask = ts < n_tiles
+    vp = tl.load(pval_ptr + (b * n_tiles + ts) * 2, mask=tmask, other=float("-inf"))
+    ip = tl.load(pidx_ptr + (b * n_tiles + ts) * 2, mask=tmask, other=2147483647)
+    bp = tl.max(vp, axis=0)
+    xp = tl.min(tl.where(tmask & (vp == bp), ip, 2147483647), axis=0)
+    x = xp
+    if HAS_Q:
+        vr = tl.load(pval_ptr + (b * n_tiles + ts) * 2 + 1, mask=tmask, other=float("-inf"))
+        ir = tl.load(pidx_ptr + (b * n_tiles + ts) * 2 + 1, mask=tmask, other=2147483647)
+        br = tl.max(vr, axis=0)
+        xr = tl.min(tl.where(tmask & (vr == br), ir, 2147483647), axis=0)
+        mass = tl.sum(tl.load(rsum_ptr + b * n_tiles + ts, mask=tmask, other=0.0), axis=0)
+        rejected = tl.load(stat_ptr + b * 3 + 2) > 0.5
+        x = tl.where(rejected & (mass > 0), xr, xp)
+    tl.store(next_ptr + b, x.to(tl.int64))
+
+
+_TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel", "_rows_argmax_partial_kernel",
+                   "_verify_greedy_reduce_kernel", "_rows_softmax_partial_kernel",
+                   "_verify_sampled_accept_kernel", "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel")
+_PLAIN = {name: globals()[name] for name in _TRITON_SOURCES}
+_TRITON_KERNELS: dict = {}  # the jitted kernels, once built
+
+
+def _build_triton_kernels() -> dict:
+    """Wrap the kernel sources with triton.jit, once, in the mode triton was imported in (the
+    kernels call `_round_to` by name, so the jitted helper becomes the module global)."""
+    if not _TRITON_KERNELS and _import_triton():
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if _TRITON_IMPORT_INTERPRET else "0"  # read by triton.jit
+        try:
+            built = {name: triton.jit(_PLAIN[name]) for name in _TRITON_SOURCES}
+        finally:
+            if saved is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+        globals()["_round_to"] = built["_round_to"]
+        _TRITON_KERNELS.update(built)
+    return _TRITON_KERNELS
+
+
+if FAST_KERNELS:
+    _build_triton_kernels()
+
+
+def _kernels() -> dict:
+    # Under torch.compile: what was built at import (no imports or environment reads in the graph).
+    return _TRITON_KERNELS if torch.compiler.is_compiling() else _build_triton_kernels()
+
+
+def _triton_ok(*tensors) -> bool:
+    """Triton can run on these: CUDA tensors with GPU triton, or any tensors with triton imported
+    in interpreter mode (TRITON_INTERPRET=1 set before triton was first imported, and still set)."""
+    if not HAVE_TRITON:
+        return False
+    if torch.compiler.is_compiling():
+        return FAST_KERNELS and not _TRITON_IMPORT_INTERPRET and all(t.is_cuda for t in tensors)
+    if not _import_triton():
+        return False
+    if _TRITON_IMPORT_INTERPRET:  # triton reads the variable again while launching: it must still be set
+        return _interpreting()
+    return all(t.is_cuda for t in tensors)
+
+
+def _is_vanilla_markov(markov) -> bool:
+    """The vanilla head only: W1, W2 and nothing that makes the bias depend on h or a state."""
+    return (markov is not None and hasattr(markov, "markov_w1") and hasattr(markov, "markov_w2")
+            and not hasattr(markov, "gate_proj") and not hasattr(markov, "joint_proj")
+            and type(markov).__name__ == "VanillaMarkov")
+
+
+def _pow2(n: int) -> int:
+    """The next power of two >= n, at least 2 (block sizes for tl.arange)."""
+    p = 2
+    while p < n:
+        p *= 2
+    return p
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def markov_chain_triton(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, markov,
+                        temperature: float, generator: Optional[torch.Generator],
+                        noise: Optional[torch.Tensor] = None):
+    """`markov_chain` with Triton Markov steps for the vanilla head (see the section comment).
+
+    Same arguments, same results (drafts [B, K] int64; q [B, K, V] float32 or None at T=0), and
+    the same draws from `generator` when noise is None (one [B, V] Exp(1) tensor per slot, in
+    slot order). Falls back to `markov_chain` for other heads (gated, rnn, None), K = 0,
+    unsupported dtypes, or when Triton cannot run on these tensors.
+    """
+    B, K, V = base_logits.shape
+    if not (_triton_ok(base_logits, anchor) and _is_vanilla_markov(markov) and K > 0):
+        return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise)
+    w1, w2 = markov.markov_w1.weight, markov.markov_w2.weight
+    R = w1.shape[1]
+    if (base_logits.dtype not in _ROUND_CODE or w2.dtype not in _ROUND_CODE or w1.dtype != w2.dtype
+            or tuple(w2.shape) != (V, R) or not _triton_ok(w1, w2)):
+        return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise)
+    kern = _kernels()
+    dev = base_logits.device
+    u_all = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
+    w1c, w2c = w1.contiguous(), w2.contiguous()
+    z_dtype = torch.promote_types(base_logits.dtype, w2.dtype)
+    sampled = temperature != 0
+    chain = torch.empty((B, K + 1), dtype=torch.long, device=dev)  # [anchor, x_1 .. x_K]
+    chain[:, 0] = anchor
+    z = torch.empty((B, K, V) if sampled else (1, 1, 1), dtype=torch.float32, device=dev)
+    BLOCK_V = TRITON_BLOCK_V
+    BLOCK_R = min(TRITON_BLOCK_R, _pow2(R))
+    n_tiles = _cdiv(V, BLOCK_V)
+    pval = torch.empty((B, n_tiles), dtype=torch.float32, device=dev)
+    pidx = torch.empty((B, n_tiles), dtype=torch.int32, device=dev)
+    if noise is not None and noise.stride(-1) != 1:
+        noise = noise.contiguous()
+    for k in range(K):
+        if not sampled:
+            nz, noise_off, s_noise = z, 0, 0  # unused
+        elif noise is not None:
+            nz, noise_off, s_noise = noise, k * noise.stride(1), noise.stride(0)
+        else:  # the reference's draw: empty_like(q [B, V] float32).exponential_(1, generator)
+            nz = torch.empty((B, V), dtype=torch.float32, device=dev).exponential_(1, generator=generator)
+            noise_off, s_noise = 0, V
+        kern["_markov_partial_kernel"][(B, n_tiles)](
+            u_all, k * u_all.stride(1), u_all.stride(0), chain, K + 1, k, w1c, R, w2c, R,
+            nz, noise_off, s_noise, z, k * V if sampled else 0, z.stride(0), pval, pidx,
+            n_tiles, V, R, float(temperature) if sampled else 1.0,
+            SAMPLED=sampled, BIAS_ROUND=_ROUND_CODE[w2.dtype], Z_ROUND=_ROUND_CODE[z_dtype],
+            BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R)
+        kern["_markov_reduce_kernel"][(B,)](pval, pidx, n_tiles, chain, K + 1, k, BLOCK_T=_pow2(n_tiles))
+    drafts = chain[:, 1:].contiguous()
+    return drafts, (torch.softmax(z / temperature, dim=-1) if sampled else None)
+
+
+def verify_greedy_triton(drafts: torch.Tensor, target_logits: torch.Tensor, verify_len: torch.Tensor):
+    """`verify_greedy` as two Triton passes: tile argmax of every position, then per row the
+    reduction fused with the acceptance count. Same arguments and results (int64 n and token)."""
+    B, K = drafts.shape
+    V = target_logits.shape[-1]
+    if not (_triton_ok(drafts, target_logits, verify_len) and target_logits.dtype in _ROUND_CODE):
+        return verify_greedy(drafts, target_logits, verify_len)
+    kern = _kernels()
+    dev = target_logits.device
+    logits = target_logits.reshape(B * (K + 1), V)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    d = drafts.to(torch.long).contiguous()
+    vl = verify_len.to(torch.long).contiguous()
+    BLOCK_V = TRITON_BLOCK_V
+    n_tiles = _cdiv(V, BLOCK_V)
+    pval = torch.empty((B * (K + 1), n_tiles), dtype=torch.float32, device=dev)
+    pidx = torch.empty((B * (K + 1), n_tiles), dtype=torch.int32, device=dev)
+    kern["_rows_argmax_partial_kernel"][(B * (K + 1), n_tiles)](logits, logits.stride(0), pval, pidx, n_tiles, V,
+                                                                BLOCK_V=BLOCK_V)
+    n = torch.empty((B,), dtype=torch.long, device=dev)
+    nxt = torch.empty((B,), dtype=torch.long, device=dev)
+    kern["_verify_greedy_reduce_kernel"][(B,)](pval, pidx, n_tiles, d, vl, n, nxt, K,
+                                               BLOCK_J=_pow2(K + 1), BLOCK_T=_pow2(n_tiles))
+    return n, nxt
+
+
+def verify_sampled_triton(drafts: torch.Tensor, q: Optional[torch.Tensor], target_logits: torch.Tensor,
+                          verify_len: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
+                          u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None):
+    """`verify_sampled` in four Triton passes (see the section comment); p = softmax(logits/T) is
+    never materialised. Same arguments, same draws when u/noise are None (u [B, K] first, then
+    one [B, V] Exp(1) race), same results up to float rounding at near-ties."""
+    B, K = drafts.shape
+    V = target_logits.shape[-1]
+    dev = target_logits.device
+    tensors = [drafts, target_logits, verify_len] + ([q] if K else [])
+    if not (_triton_ok(*tensors) and target_logits.dtype in _ROUND_CODE):
+        return verify_sampled(drafts, q, target_logits, verify_len, temperature, generator, u, noise)
+    if u is None:
+        u = torch.rand((B, K), generator=generator, device=dev)
+    if noise is None:
+        noise = torch.empty((B, V), dtype=torch.float32, device=dev).exponential_(1, generator=generator)
+    kern = _kernels()
+    T = float(temperature)
+    logits = target_logits.reshape(B * (K + 1), V)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    qf = q.reshape(B * K, V).contiguous() if K else logits  # dummy pointer when K = 0 (never read)
+    d = drafts.to(torch.long).contiguous()
+    vl = verify_len.to(torch.long).contiguous()
+    uf = u.float().contiguous() if K else logits
+    nz = noise.float().contiguous()
+    BLOCK_V = TRITON_BLOCK_V
+    n_tiles = _cdiv(V, BLOCK_V)
+    BLOCK_T = _pow2(n_tiles)
+    pmax = torch.empty((B * (K + 1), n_tiles), dtype=torch.float32, device=dev)
+    psum = torch.empty((B * (K + 1), n_tiles), dtype=torch.float32, device=dev)
+    kern["_rows_softmax_partial_kernel"][(B * (K + 1), n_tiles)](logits, logits.stride(0), pmax, psum, n_tiles, V, T,
+                                                                 BLOCK_V=BLOCK_V)
+    n = torch.empty((B,), dtype=torch.long, device=dev)
+    stat = torch.empty((B, 3), dtype=torch.float32, device=dev)
+    kern["_verify_sampled_accept_kernel"][(B,)](pmax, psum, n_tiles, logits, logits.stride(0), d, qf, qf.stride(0),
+                                                uf, vl, n, stat, K, T, BLOCK_J=_pow2(K + 1), BLOCK_T=BLOCK_T)
+    pval = torch.empty((B, n_tiles, 2), dtype=torch.float32, device=dev)
+    pidx = torch.empty((B, n_tiles, 2), dtype=torch.int32, device=dev)
+    rsum = torch.empty((B, n_tiles), dtype=torch.float32, device=dev)
+    kern["_verify_sampled_race_kernel"][(B, n_tiles)](logits, logits.stride(0), qf, qf.stride(0), nz, nz.stride(0),
+                                                      n, stat, pval, pidx, rsum, n_tiles, V, K, T,
+                                                      HAS_Q=K > 0, BLOCK_V=BLOCK_V)
+    nxt = torch.empty((B,), dtype=torch.long, device=dev)
+    kern["_verify_sampled_pick_kernel"][(B,)](pval, pidx, rsum, stat, nxt, n_tiles, HAS_Q=K > 0, BLOCK_T=BLOCK_T)
+    return n, nxt
+
+
+# The engine's switch: Triton on CUDA tensors where triton imports, the references elsewhere.
+
+def markov_chain_fast(base_logits, hidden, anchor, markov, temperature, generator, noise=None):
+    """`markov_chain`, through `markov_chain_triton` on CUDA (which itself falls back for
+    heads other than vanilla)."""
+    if FAST_KERNELS and base_logits.is_cuda:
+        return markov_chain_triton(base_logits, hidden, anchor, markov, temperature, generator, noise)
+    return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise)
+
+
+def verify_greedy_fast(drafts, target_logits, verify_len):
+    """`verify_greedy`, through `verify_greedy_triton` on CUDA."""
+    if FAST_KERNELS and target_logits.is_cuda:
+        return verify_greedy_triton(drafts, target_logits, verify_len)
+    return verify_greedy(drafts, target_logits, verify_len)
+
+
+def verify_sampled_fast(drafts, q, target_logits, verify_len, temperature, generator, u=None, noise=None):
+    """`verify_sampled`, through `verify_sampled_triton` on CUDA."""
+    if FAST_KERNELS and target_logits.is_cuda:
+        return verify_sampled_triton(drafts, q, target_logits, verify_len, temperature, generator, u, noise)
+    return verify_sampled(drafts, q, target_logits, verify_len, temperature, generator, u, noise)

@@ -1,0 +1,419 @@
+"""The Triton kernels of kernels.py against their plain-torch references, on CPU tensors.
+
+Triton runs here in its interpreter (TRITON_INTERPRET=1, set below before anything imports
+triton; kernels.py imports triton lazily for that reason). On a CUDA machine the same tests
+run the interpreter too; the compiled kernels are checked by `device_check()` at the bottom
+(`python tests/test_triton.py --device`), which needs a GPU.
+
+What is compared:
+- Markov chain (vanilla head): greedy tokens exactly; sampled tokens exactly given the same
+  Exp(1) noise or the same generator seed, and q to float rounding; exact ties (integer-valued
+  weights) resolve to the first index like torch.argmax, within and across V-tiles; bf16
+  rounding of z as torch rounds it; other heads fall back to the reference.
+- Greedy verification: hand-built and random cases, verify_len < K, K = 0, ties.
+- Sampled verification: given u and noise, or the same generator seed; rejections,
+  corrections, bonus, verify_len < K, K = 0 (q None).
+The tile sizes are shrunk so that V in 100..300 spans several tiles with a ragged last one.
+The interpreter is slow; the whole file takes tens of seconds on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# Triton picks interpreter or GPU for its own language functions when it is first imported
+# (kernels.py imports it at import only when CUDA is present, else on first use) and reads the
+# variable again while launching. So: import both now with TRITON_INTERPRET=1 (unless the
+# environment says otherwise), put the variable back, and set it again around each test here
+# (`interpreter` below): other test modules never see it.
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
+_SAVED_ENV = os.environ.get("TRITON_INTERPRET")
+if "--device" not in sys.argv:  # the GPU check below wants real Triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    pytest.importorskip("triton")
+    import kernels
+    kernels._import_triton()
+    _INTERPRETED = bool(kernels._TRITON_IMPORT_INTERPRET)
+finally:
+    if _SAVED_ENV is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+from drafter import GatedMarkov, RNNMarkov, VanillaMarkov  # noqa: E402
+
+torch.set_num_threads(1)
+
+if __name__ != "__main__" and not _INTERPRETED:
+    pytest.skip("triton was imported in GPU mode before this module could set TRITON_INTERPRET=1 "
+                f"(already imported: {_TRITON_WAS_IMPORTED}); run this file on its own, or with "
+                "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+# The references, held before any test replaces the module's names.
+REF_CHAIN, REF_GREEDY, REF_SAMPLED = kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """TRITON_INTERPRET=1 during each test (triton reads it while launching); and tiles of 32
+    vocabulary entries and 16 rank entries: several tiles, a ragged last one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels._triton_ok(torch.zeros(1))
+    monkeypatch.setattr(kernels, "TRITON_BLOCK_V", 32)
+    monkeypatch.setattr(kernels, "TRITON_BLOCK_R", 16)
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """Make the Triton functions' fallbacks fail loudly: a test using this really ran Triton."""
+    def boom(*args, **kwargs):
+        raise AssertionError("fell back to the plain-torch reference")
+    for name in ("markov_chain", "verify_greedy", "verify_sampled"):
+        monkeypatch.setattr(kernels, name, boom)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def vanilla(V: int, r: int, seed: int = 0, scale: float = 1.0, integer: bool = False, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = VanillaMarkov(16, V, r)
+    if integer:  # exactly representable products and sums: both sides compute the same z bit for bit
+        with torch.no_grad():
+            m.markov_w1.weight.copy_(torch.randint(-2, 3, m.markov_w1.weight.shape).float())
+            m.markov_w2.weight.copy_(torch.randint(-2, 3, m.markov_w2.weight.shape).float())
+    else:
+        with torch.no_grad():
+            m.markov_w1.weight.mul_(scale)
+            m.markov_w2.weight.mul_(scale)
+    return m.to(dtype).requires_grad_(False)
+
+
+def chain_inputs(B: int, K: int, V: int, seed: int = 0, dtype=torch.float32, integer: bool = False):
+    g = gen(seed)
+    if integer:
+        U = torch.randint(-3, 4, (B, K, V), generator=g).to(dtype)
+    else:
+        U = (2 * torch.randn((B, K, V), generator=g)).to(dtype)
+    return U, torch.randn((B, K, 16), generator=g).to(dtype), torch.randint(0, V, (B,), generator=g)
+
+
+# ----------------------------------------------------------------------------------------
+# Markov chain
+
+CHAIN_CASES = [(1, 8, 100), (3, 8, 257), (3, 64, 100), (1, 64, 300)]  # (B, r, V)
+
+
+@pytest.mark.parametrize("B,r,V", CHAIN_CASES)
+def test_markov_greedy_equals_reference(B, r, V, no_fallback):
+    K = 3
+    m = vanilla(V, r, seed=B + r + V)
+    U, h, a = chain_inputs(B, K, V, seed=V)
+    ref, q_ref = REF_CHAIN(U, h, a, m, 0.0, None)
+    out, q = kernels.markov_chain_triton(U, h, a, m, 0.0, None)
+    assert q is None and q_ref is None
+    assert out.dtype == torch.long and out.shape == (B, K)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("B,r,V", CHAIN_CASES[:3])
+def test_markov_sampled_equals_reference_given_noise(B, r, V, no_fallback):
+    K, T = 3, 0.8
+    m = vanilla(V, r, seed=1)
+    U, h, a = chain_inputs(B, K, V, seed=2)
+    noise = torch.empty((B, K, V)).exponential_(1, generator=gen(3))
+    ref, q_ref = REF_CHAIN(U, h, a, m, T, None, noise)
+    out, q = kernels.markov_chain_triton(U, h, a, m, T, None, noise)
+    assert torch.equal(out, ref)
+    assert q.shape == (B, K, V) and q.dtype == torch.float32
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_markov_sampled_draws_like_reference_from_generator(no_fallback):
+    B, K, V, r, T = 3, 4, 100, 8, 1.3
+    m = vanilla(V, r, seed=4)
+    U, h, a = chain_inputs(B, K, V, seed=5)
+    ref, q_ref = REF_CHAIN(U, h, a, m, T, gen(7))
+    out, q = kernels.markov_chain_triton(U, h, a, m, T, gen(7))
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_markov_greedy_ties_pick_the_first_index(no_fallback):
+    """Integer-valued U, W1, W2: z has many exact ties, computed exactly by both sides."""
+    B, K, V, r = 3, 4, 130, 8
+    m = vanilla(V, r, integer=True, seed=6)
+    U, h, a = chain_inputs(B, K, V, seed=6, integer=True)
+    ref, _ = REF_CHAIN(U, h, a, m, 0.0, None)
+    out, _ = kernels.markov_chain_triton(U, h, a, m, 0.0, None)
+    assert torch.equal(out, ref)
+
+
+def test_markov_greedy_tie_across_tiles_picks_the_earlier_tile(no_fallback):
+    B, K, V, r = 1, 2, 100, 8
+    m = vanilla(V, r)
+    with torch.no_grad():
+        m.markov_w2.weight.zero_()  # b_k = 0: the chain is the argmax of U alone
+    U = torch.zeros((B, K, V))
+    U[0, 0, [70, 40, 99]] = 5.0   # tiles 2, 1 and 3 of 32: the first index is 40
+    U[0, 1, [99, 96]] = 1.0       # both in the ragged last tile: 96
+    h = torch.zeros((B, K, 16))
+    out, _ = kernels.markov_chain_triton(U, h, torch.tensor([0]), m, 0.0, None)
+    assert out.tolist() == [[40, 96]]
+    assert out.tolist() == REF_CHAIN(U, h, torch.tensor([0]), m, 0.0, None)[0].tolist()
+
+
+def test_markov_chain_feeds_previous_draft(no_fallback):
+    """W1·W2 = a permutation: the bias at slot k is +10 on (x_{k-1} + 1) mod V."""
+    B, K, V = 2, 4, 100
+    m = vanilla(V, V, seed=0)
+    with torch.no_grad():
+        m.markov_w1.weight.copy_(torch.eye(V))
+        m.markov_w2.weight.copy_(10 * torch.eye(V).roll(1, 0))
+    U, h, _ = chain_inputs(B, K, V, seed=1)
+    U = U.clamp(-1, 1)
+    a = torch.tensor([5, 99])
+    out, _ = kernels.markov_chain_triton(U, h, a, m, 0.0, None)
+    assert out.tolist() == [[6, 7, 8, 9], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_markov_bf16_rounds_z_like_torch(temperature, no_fallback):
+    """bf16 weights and logits: the bias is rounded to bf16 and U + bias again, like torch."""
+    B, K, V, r = 3, 3, 100, 8
+    m = vanilla(V, r, integer=True, seed=8, dtype=torch.bfloat16)
+    U, h, a = chain_inputs(B, K, V, seed=9, dtype=torch.bfloat16)
+    U = U * 37.3  # values whose sum with the integer bias needs rounding in bf16
+    noise = torch.empty((B, K, V)).exponential_(1, generator=gen(10)) if temperature else None
+    ref, q_ref = REF_CHAIN(U, h, a, m, temperature, None, noise)
+    out, q = kernels.markov_chain_triton(U, h, a, m, temperature, None, noise)
+    assert torch.equal(out, ref)
+    if temperature:
+        torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("head", ["gated", "rnn", "none"])
+def test_markov_other_heads_fall_back_to_reference(head):
+    B, K, V, r = 2, 3, 100, 8
+    torch.manual_seed(0)
+    m = {"gated": GatedMarkov, "rnn": RNNMarkov}[head](16, V, r).requires_grad_(False) if head != "none" else None
+    U, h, a = chain_inputs(B, K, V)
+    noise = torch.empty((B, K, V)).exponential_(1, generator=gen(1))
+    for T in (0.0, 0.9):
+        ref, q_ref = REF_CHAIN(U, h, a, m, T, None, noise)
+        out, q = kernels.markov_chain_triton(U, h, a, m, T, None, noise)
+        assert torch.equal(out, ref)
+        assert (q is None) == (q_ref is None) and (q is None or torch.equal(q, q_ref))
+
+
+def test_fast_dispatch_uses_reference_on_cpu(no_fallback):
+    """The engine's switch picks the reference for CPU tensors (here: the patched one)."""
+    U, h, a = chain_inputs(1, 2, 100)
+    with pytest.raises(AssertionError, match="fell back"):
+        kernels.markov_chain_fast(U, h, a, vanilla(100, 8), 0.0, None)
+    with pytest.raises(AssertionError, match="fell back"):
+        kernels.verify_greedy_fast(torch.zeros((1, 2), dtype=torch.long), torch.zeros((1, 3, 100)),
+                                   torch.tensor([2]))
+
+
+# ----------------------------------------------------------------------------------------
+# Greedy verification
+
+def test_verify_greedy_hand_built(no_fallback):
+    V, K = 70, 4
+    best = torch.tensor([[3, 40, 64, 69, 1], [3, 40, 64, 69, 1], [3, 40, 64, 69, 1], [3, 40, 64, 69, 1]])
+    logits = torch.full((4, K + 1, V), -1.0)
+    logits.scatter_(2, best[:, :, None], 2.0)
+    logits[1, 1, 63] = 2.0  # a tie at position 1: the first index, 40, stays the argmax
+    logits[1, 1, 45] = 2.0
+    drafts = best[:, :K].clone()
+    drafts[2, 2] = 0  # rejected at the third draft
+    verify_len = torch.tensor([4, 4, 4, 1])
+    n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
+    assert n.tolist() == [4, 4, 2, 1]
+    assert nxt.tolist() == [1, 1, 64, 40]
+    n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
+    assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
+    assert n.dtype == nxt.dtype == torch.long
+
+
+def test_verify_greedy_ties_and_ragged_tiles(no_fallback):
+    g = gen(11)
+    B, K, V = 3, 5, 100
+    logits = torch.randint(0, 3, (B, K + 1, V), generator=g).float()  # ties everywhere
+    drafts = torch.argmax(logits[:, :K], -1)
+    drafts[1, 3] = (drafts[1, 3] + 1) % V
+    verify_len = torch.tensor([5, 5, 2])
+    n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
+    n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
+    assert n.tolist() == n_ref.tolist() == [5, 3, 2]
+    assert torch.equal(nxt, nxt_ref)
+
+
+@pytest.mark.parametrize("B,K,V", [(1, 0, 100), (3, 0, 257), (3, 1, 100), (3, 7, 300)])
+def test_verify_greedy_random_equals_reference(B, K, V, no_fallback):
+    g = gen(B * 100 + K * 10 + V)
+    for trial in range(3):
+        logits = torch.randn((B, K + 1, V), generator=g)
+        drafts = torch.argmax(logits[:, :K], -1)
+        flip = torch.rand((B, K), generator=g) < 0.25
+        drafts = torch.where(flip, torch.randint(0, V, (B, K), generator=g), drafts)
+        verify_len = torch.randint(0, K + 1, (B,), generator=g)
+        n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
+        n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
+        assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref), trial
+
+
+def test_verify_greedy_bf16_logits(no_fallback):
+    g = gen(12)
+    B, K, V = 3, 3, 100
+    logits = torch.randn((B, K + 1, V), generator=g).bfloat16()  # bf16: many exact ties
+    drafts = torch.argmax(logits[:, :K], -1)
+    verify_len = torch.tensor([3, 1, 0])
+    n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
+    n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
+    assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
+
+
+# ----------------------------------------------------------------------------------------
+# Sampled verification
+
+def sampled_case(B, K, V, seed, T=1.0):
+    """Draft distributions near the target's (so some drafts pass and some are rejected)."""
+    g = gen(seed)
+    logits = torch.randn((B, K + 1, V), generator=g)
+    q = torch.softmax((logits[:, :K] + 1.5 * torch.randn((B, K, V), generator=g)) / T, -1)
+    drafts = torch.multinomial(q.reshape(B * K, V), 1, generator=g).reshape(B, K) if K else \
+        torch.zeros((B, 0), dtype=torch.long)
+    verify_len = torch.randint(0, K + 1, (B,), generator=g)
+    u = torch.rand((B, K), generator=g)
+    noise = torch.empty((B, V)).exponential_(1, generator=g)
+    return drafts, (q if K else None), logits, verify_len, u, noise
+
+
+@pytest.mark.parametrize("B,K,V,T", [(3, 4, 100, 1.0), (1, 7, 257, 0.7), (3, 0, 100, 1.0), (3, 2, 300, 1.5)])
+def test_verify_sampled_equals_reference_given_u_and_noise(B, K, V, T, no_fallback):
+    seen_rejection = False
+    for trial in range(3):
+        drafts, q, logits, verify_len, u, noise = sampled_case(B, K, V, seed=trial + V + K, T=T)
+        n, nxt = kernels.verify_sampled_triton(drafts, q, logits, verify_len, T, None, u, noise)
+        n_ref, nxt_ref = REF_SAMPLED(drafts, q, logits, verify_len, T, None, u, noise)
+        assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref), trial
+        seen_rejection |= bool((n_ref < verify_len).any())
+    assert seen_rejection or K == 0  # the correction path was exercised
+
+
+def test_verify_sampled_hand_built(no_fallback):
+    """p = q: every verified draft passes and the bonus races p_ℓ; a draft with p(x) = 0 is
+    rejected and the correction comes from max(p − q, 0)."""
+    V, K = 40, 3
+    logits = torch.randn((2, K + 1, V), generator=gen(13))
+    q = torch.softmax(logits[:, :K], -1)
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    logits[1, 1, 5] = float("-inf")  # p_1(x_2) = 0: row 1 stops after one draft
+    verify_len = torch.tensor([3, 3])
+    u = torch.full((2, K), 0.999)
+    noise = torch.empty((2, V)).exponential_(1, generator=gen(14))
+    n, nxt = kernels.verify_sampled_triton(drafts, q, logits, verify_len, 1.0, None, u, noise)
+    n_ref, nxt_ref = REF_SAMPLED(drafts, q, logits, verify_len, 1.0, None, u, noise)
+    assert n.tolist() == n_ref.tolist() == [3, 1]
+    assert torch.equal(nxt, nxt_ref)
+
+
+def test_verify_sampled_draws_like_reference_from_generator(no_fallback):
+    B, K, V = 3, 4, 100
+    for seed in range(3):
+        drafts, q, logits, verify_len, _, _ = sampled_case(B, K, V, seed=seed)
+        n, nxt = kernels.verify_sampled_triton(drafts, q, logits, verify_len, 1.0, gen(seed))
+        n_ref, nxt_ref = REF_SAMPLED(drafts, q, logits, verify_len, 1.0, gen(seed))
+        assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
+
+
+# ----------------------------------------------------------------------------------------
+# On a GPU (not part of the pytest run): compiled Triton against the references, and timings.
+
+DEVICE_SHAPES = [(1, 7, 151936, 256, torch.bfloat16), (4, 7, 151936, 256, torch.float32),
+                 (3, 5, 1000, 64, torch.float32), (16, 7, 151936, 256, torch.bfloat16)]  # (B, K, V, r, dtype)
+
+
+def device_check(dev="cuda", shapes=DEVICE_SHAPES, fast=None):  # pragma: no cover - needs CUDA and GPU triton
+    """`python tests/test_triton.py --device`: real-shaped comparisons and timings on CUDA."""
+    import time
+    if dev == "cuda":
+        assert torch.cuda.is_available() and kernels.FAST_KERNELS and not kernels._TRITON_IMPORT_INTERPRET
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    fast = fast or (kernels.markov_chain_fast, kernels.verify_greedy_fast, kernels.verify_sampled_fast)
+    failures = 0
+    for (B, K, V, r, dtype) in shapes:
+        m = vanilla(V, r, seed=0, dtype=dtype).to(dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        U = (2 * torch.randn((B, K, V), generator=g, device=dev)).to(dtype)
+        a = torch.randint(0, V, (B,), generator=g, device=dev)
+        h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
+        for T in (0.0, 1.0):
+            noise = torch.empty((B, K, V), device=dev).exponential_(1, generator=g) if T else None
+            ref, q_ref = REF_CHAIN(U, h, a, m, T, None, noise)
+            out, q = fast[0](U, h, a, m, T, None, noise)
+            ok = torch.equal(out, ref) and (q is None or torch.allclose(q, q_ref, rtol=1e-4, atol=1e-6))
+            if not ok:  # bf16 near-ties can flip a token; say how many slots differ
+                print(f"  chain mismatch: {int((out != ref).sum())}/{out.numel()} tokens differ, first slot "
+                      f"{int((out[:, 0] != ref[:, 0]).sum())}/{B}")
+            failures += not ok
+            for name, fn in (("ref", REF_CHAIN), ("triton", fast[0])):
+                fn(U, h, a, m, T, None, noise)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn(U, h, a, m, T, None, noise)
+                sync()
+                print(f"chain B={B} K={K} V={V} r={r} {dtype} T={T} {name}: "
+                      f"{(time.perf_counter() - t0) / 20 * 1e6:.0f} us  ok={ok}")
+        logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
+        drafts = torch.argmax(logits[:, :K], -1)
+        vl = torch.randint(0, K + 1, (B,), generator=g, device=dev)
+        ok = all(torch.equal(x, y) for x, y in zip(fast[1](drafts, logits, vl),
+                                                   REF_GREEDY(drafts, logits, vl)))
+        q = torch.softmax(logits[:, :K].float() + torch.randn((B, K, V), generator=g, device=dev), -1)
+        u = torch.rand((B, K), generator=g, device=dev)
+        bn = torch.empty((B, V), device=dev).exponential_(1, generator=g)
+        ok2 = all(torch.equal(x, y) for x, y in zip(fast[2](drafts, q, logits, vl, 1.0, None, u, bn),
+                                                    REF_SAMPLED(drafts, q, logits, vl, 1.0, None, u, bn)))
+        failures += (not ok) + (not ok2)
+        print(f"verify B={B} K={K} V={V} {dtype}: greedy ok={ok} sampled ok={ok2}")
+    # The engine compiles the round (fullgraph, static shapes): the Triton path must trace.
+    B, K, V, r, dtype = shapes[0]
+    m = vanilla(V, r, seed=0, dtype=dtype).to(dev)
+    U = torch.randn((B, K, V), device=dev).to(dtype)
+    a = torch.randint(0, V, (B,), device=dev)
+    h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
+    logits = torch.randn((B, K + 1, V), device=dev).to(dtype)
+    vl = torch.full((B,), K, device=dev)
+
+    def step(U, a, logits, vl):
+        drafts, _ = fast[0](U, h, a, m, 0.0, None, None)
+        return (drafts,) + tuple(fast[1](drafts, logits, vl))
+    try:
+        t0 = time.perf_counter()
+        got = torch.compile(step, fullgraph=True, dynamic=False)(U, a, logits, vl)
+        ok = all(torch.equal(x, y) for x, y in zip(got, step(U, a, logits, vl)))
+        print(f"torch.compile(fullgraph) chain+verify: ok={ok} ({time.perf_counter() - t0:.1f} s)")
+    except Exception as e:  # noqa: BLE001 - report, do not hide
+        ok = False
+        print(f"torch.compile(fullgraph) chain+verify FAILED: {type(e).__name__}: {str(e)[:2000]}")
+    failures += not ok
+    print("FAILURES", failures)
+    return failures
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--device" in sys.argv:
+        sys.exit(1 if device_check() else 0)
