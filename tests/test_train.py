@@ -1,0 +1,453 @@
+"""train.py: the distillation losses, the packed mask, training forward == inference drafter,
+short runs that lower the loss and write checkpoints that load and decode losslessly, exact
+resume, --mode target (with a BPE tokenizer trained on the corpus), and one-line errors.
+
+Everything runs on the tiny random targets of conftest.py, single-threaded, in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import drafter as dr
+import model as mdl
+import speculate
+import train
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+
+def run_train(args) -> tuple[int, dict, str]:
+    """train.run through its CLI parsing, in-process: (exit status, result or {}, stderr)."""
+    import tyro
+
+    err = io.StringIO()
+    result = {}
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        a = tyro.cli(train.Args, args=[str(x) for x in args] + ["--no-progress"])
+        try:
+            result = train.run(a)
+            rc = 0
+        except mdl.CheckpointError as e:
+            print(f"error: {e}", file=err)
+            rc = 2
+    return rc, result, err.getvalue()
+
+
+def write_ids(path, n_seqs, length, vocab, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n_seqs):
+            f.write(json.dumps({"prompt_ids": [rng.randrange(vocab) for _ in range(length)]}) + "\n")
+    return path
+
+
+def decode_ids(target, drafter_dir, tmp_path, prompts=((1, 2, 3, 4), (7, 30, 2)), max_new=16):
+    """speculate.main greedy on the prompts; returns the output ids per request (from the trace)."""
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": list(p)}) + "\n" for p in prompts))
+    trace = tmp_path / f"trace_{drafter_dir is not None}.jsonl"
+    argv = ["--target", str(target), "--prompts-file", str(pf), "--max-new-tokens", str(max_new),
+            "--trace-file", str(trace), "--batch-size", "2"]
+    if drafter_dir is not None:
+        argv += ["--drafter", str(drafter_dir)]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = speculate.main(argv)
+    assert rc == 0, err.getvalue()
+    lines = [json.loads(l) for l in trace.read_text().splitlines()]
+    ends = sorted((l for l in lines if "output_ids" in l), key=lambda l: l["request"])
+    summary = [l for l in lines if l.get("summary")][0]
+    return [e["output_ids"] for e in ends], summary
+
+
+SMALL = ["--seq-len", 24, "--batch-size", 2, "--block-size", 4, "--depth", 2, "--markov-rank", 16]
+
+
+# ----------------------------------------------------------------------------------------
+# Losses on hand-computed cases
+
+def test_slot_weights():
+    w = train.slot_weights(4, 4.0)
+    assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)]))
+    assert torch.allclose(train.slot_weights(3, 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+
+
+def test_loss_terms_by_hand():
+    # Two slots, V = 2. Slot 0: p_d = (1/4, 3/4), label 1, p_t = (1/2, 1/2), conf logit 0.
+    # Slot 1: p_d = (1/2, 1/2), label 0, p_t = (1, 0) (logits 0 / -inf-ish), conf logit ln 3.
+    draft = torch.tensor([[[0.0, math.log(3)], [0.0, 0.0]]])
+    target = torch.tensor([[[0.0, 0.0], [0.0, -1e4]]])
+    labels = torch.tensor([[1, 0]])
+    conf = torch.tensor([[0.0, math.log(3)]])
+    valid = torch.tensor([[True, True]])
+    t = train.distill_losses(draft, target, labels, valid, conf, gamma=4.0)
+    w0, w1 = 1.0, math.exp(-0.25)
+    ce0, ce1 = -math.log(0.75), -math.log(0.5)
+    tv0, tv1 = 0.5, 1.0  # ‖p_d − p_t‖_1, no ½
+    c0, c1 = 1 - 0.25, 1 - 0.5  # soft labels 1 − ½‖·‖_1
+    bce0 = -(c0 * math.log(0.5) + (1 - c0) * math.log(0.5))  # σ(0) = 1/2
+    bce1 = -(c1 * math.log(0.75) + (1 - c1) * math.log(0.25))  # σ(ln 3) = 3/4
+    den = w0 + w1
+    assert t["ce"].item() == pytest.approx((w0 * ce0 + w1 * ce1) / den, rel=1e-5)
+    assert t["tv"].item() == pytest.approx((w0 * tv0 + w1 * tv1) / den, rel=1e-5)
+    assert t["conf"].item() == pytest.approx((w0 * bce0 + w1 * bce1) / den, rel=1e-5)
+    assert torch.allclose(t["accept"], torch.tensor([[c0, c1]]))
+    args = train.Args()
+    assert train.total_loss(t, args).item() == pytest.approx(
+        0.1 * t["ce"].item() + 0.9 * t["tv"].item() + 1.0 * t["conf"].item(), rel=1e-6)
+
+    # A slot whose label runs past the sequence end carries no weight: slot 0 alone.
+    t0 = train.distill_losses(draft, target, labels, torch.tensor([[True, False]]), conf, gamma=4.0)
+    assert t0["ce"].item() == pytest.approx(ce0, rel=1e-5)
+    assert t0["tv"].item() == pytest.approx(tv0, rel=1e-5)
+    assert t0["conf"].item() == pytest.approx(bce0, rel=1e-5)
+    # The soft label is detached: the confidence loss sends no gradient into the draft logits.
+    d, c = draft.clone().requires_grad_(True), conf.clone().requires_grad_(True)
+    train.distill_losses(d, target, labels, valid, c, 4.0)["conf"].backward()
+    assert d.grad is None and c.grad is not None
+    # No head: no conf term.
+    assert "conf" not in train.distill_losses(draft, target, labels, valid, None, 4.0)
+
+
+def test_lr_schedule():
+    a = train.Args(steps=100, lr=1.0, warmup_frac=0.04)
+    assert [train.lr_at(s, a) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert train.lr_at(99, a) == pytest.approx(0.0, abs=1e-12)
+    assert train.lr_at(4 + 19, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 95)))  # 0 at step 4, 1 at 99
+    lin = train.Args(steps=11, lr=1.0, warmup_frac=0.0, schedule="linear", min_lr_frac=0.1)
+    assert [round(train.lr_at(s, lin), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
+
+
+# ----------------------------------------------------------------------------------------
+# The packed attention mask
+
+def test_block_mask_is_the_definition():
+    T, K = 7, 3
+    anchors = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    m = train.block_mask(anchors, T, K)
+    B, N = anchors.shape
+    assert m.shape == (B, N * K, T + N * K) and m.dtype == torch.bool
+    for b in range(B):
+        for i in range(N):
+            for j in range(K):
+                row = i * K + j
+                for col in range(T + N * K):
+                    if col < T:  # context row `col`: strictly before this block's anchor
+                        want = col < anchors[b, i].item()
+                    else:  # block row: same block only, any slot (bidirectional)
+                        want = (col - T) // K == i
+                    assert m[b, row, col].item() == want, (b, row, col)
+
+
+# ----------------------------------------------------------------------------------------
+# Training forward == inference
+
+def test_causal_forward_equals_cached_forward(tiny_target):
+    target = mdl.load_target(str(tiny_target.path))
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    h, feats = train.causal_forward(target, tokens, (-1, 0, 1))
+    target.setup_caches(2, 12)
+    logits, ref_feats = target(tokens, torch.arange(12).expand(2, 12), capture=(-1, 0, 1))
+    assert torch.allclose(target.lm_head(h), logits, atol=1e-5)
+    assert torch.allclose(feats, ref_feats, atol=1e-5)
+
+
+@pytest.mark.parametrize("markov,confidence", [("vanilla", True), ("gated", True), ("rnn", True), ("none", False)])
+def test_training_forward_equals_inference_drafter(tiny_target, markov, confidence):
+    """One packed batch of anchors: each block's h, U, Markov logits and confidence equal drafter.Drafter's
+    cached path (commit_context of features < a, then drafter(anchor, a)), in float32."""
+    target = mdl.load_target(str(tiny_target.path))
+    args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
+                      confidence_with_markov=markov != "none", init_std=0.3, seed=3)
+    d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
+    with torch.no_grad():  # non-trivial norms, so a swapped or skipped one would show
+        for n, p in d.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    T, K = 16, 4
+    tokens = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
+    anchors = torch.tensor([[0, 3, 7, 14]])  # empty context, middle, and a block running past the end
+    with torch.no_grad():
+        _, feats = train.causal_forward(target, tokens, d.cfg.target_layer_ids)
+        h = train.drafter_forward(d, feats, tokens, anchors)[0]  # [N, K, H]
+        labels = torch.cat([tokens[0], torch.zeros(K, dtype=torch.long)])
+        for i, a in enumerate(anchors[0].tolist()):
+            prev = torch.cat([tokens[0, a:a + 1], labels[a + 1:a + K]])[None]  # [1, K] teacher-forced
+            z, conf = train.head_outputs(d, h[i][None], prev)
+            d.setup_caches(1, T + K)
+            if a > 0:
+                d.commit_context(feats[:, :a], torch.arange(a)[None])
+            h_ref, U_ref = d(tokens[:, a], torch.tensor([a]))
+            assert torch.allclose(h[i], h_ref[0], atol=1e-4), f"anchor {a}: hidden differs"
+            z_ref = U_ref.clone()
+            if d.markov_head is not None:
+                state = None
+                for j in range(K):
+                    b, state = d.markov_head.step(h_ref[:, j], prev[:, j], state)
+                    z_ref[:, j] += b
+            assert torch.allclose(z, z_ref, atol=1e-4), f"anchor {a}: draft logits differ"
+            if confidence:
+                assert torch.allclose(torch.sigmoid(conf), d.confidence(h_ref, prev), atol=1e-5)
+            else:
+                assert conf is None and d.confidence(h_ref, prev) is None
+
+
+def test_drafter_loss_equals_slow_reference(tiny_target):
+    """drafter_loss on a packed batch == distill_losses over blocks built one by one from the definition:
+    labels x_{a+j+1}, teacher-forced prev [x_a, labels[:-1]], the target's distribution at a+j, the
+    inference drafter's logits and confidence, slots past the end unsupervised."""
+    target = mdl.load_target(str(tiny_target.path))
+    args = train.Args(block_size=4, depth=2, markov="gated", markov_rank=8, init_std=0.3, seed=5)
+    d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
+    B, T, K = 2, 12, 4
+    tokens = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[0, 4, 9], [2, 3, 10]])
+    with torch.no_grad():
+        loss, terms, valid = train.drafter_loss(d, target, tokens, anchors, args)
+        target.setup_caches(B, T)
+        full_logits, feats = target(tokens, torch.arange(T).expand(B, T), capture=d.cfg.target_layer_ids)
+        z_ref, t_ref, lab_ref, val_ref, c_ref = [], [], [], [], []
+        for b in range(B):
+            for a in anchors[b].tolist():
+                lab = [tokens[b, a + j + 1].item() if a + j + 1 < T else 0 for j in range(K)]
+                prev = torch.tensor([[tokens[b, a].item()] + lab[:-1]])
+                d.setup_caches(1, T + K)
+                if a > 0:
+                    d.commit_context(feats[b:b + 1, :a], torch.arange(a)[None])
+                h, U = d(tokens[b:b + 1, a], torch.tensor([a]))
+                state, z = None, U.clone()
+                for j in range(K):
+                    bias, state = d.markov_head.step(h[:, j], prev[:, j], state)
+                    z[:, j] += bias
+                z_ref.append(z[0])
+                t_ref.append(full_logits[b, [min(a + j, T - 1) for j in range(K)]])
+                lab_ref.append(torch.tensor(lab))
+                val_ref.append(torch.tensor([a + j + 1 < T for j in range(K)]))
+                c_ref.append(torch.logit(d.confidence(h, prev)[0].double()).float())
+        ref = train.distill_losses(torch.stack(z_ref), torch.stack(t_ref), torch.stack(lab_ref), torch.stack(val_ref),
+                                   torch.stack(c_ref), args.gamma)
+    assert torch.equal(valid.view(-1, K), torch.stack(val_ref))
+    for k in ("ce", "tv", "conf"):
+        assert terms[k].item() == pytest.approx(ref[k].item(), rel=1e-4, abs=1e-5), k
+    assert loss.item() == pytest.approx(train.total_loss(ref, args).item(), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# Short runs: the loss goes down, the checkpoint loads and decodes losslessly
+
+@pytest.fixture(scope="module")
+def near_bigram(tmp_path_factory):
+    """tests/drafters.py's near-bigram target (vocab 48, no tokenizer) and a corpus of its own greedy
+    continuations of random 3-token starts (as DeepSpec distils on target-generated responses)."""
+    from drafters import make_target
+
+    d = tmp_path_factory.mktemp("near_bigram")
+    tdir = make_target(d / "target")
+    target = mdl.load_target(tdir)
+    x = torch.randint(0, target.args.vocab_size, (16, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(29):  # batched greedy, cache-free
+            h, _ = train.causal_forward(target, x)
+            x = torch.cat([x, target.lm_head(h[:, -1]).argmax(-1, keepdim=True)], dim=1)
+    ids = d / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt_ids": row}) + "\n" for row in x.tolist()))
+    return tdir, ids
+
+
+@pytest.mark.parametrize("heads", ["dspark", "dflash"])
+def test_training_lowers_loss_and_decodes_losslessly(near_bigram, tmp_path, heads):
+    """30 steps lower the loss; the checkpoint loads as a published one; greedy speculative decoding
+    with it equals the target alone, and its drafts get accepted (τ 1.0 untrained, ~2.1 here)."""
+    tdir, ids = near_bigram
+    out = tmp_path / "drafter"
+    flags = [] if heads == "dspark" else ["--markov", "none", "--no-confidence"]
+    rc, res, err = run_train(["--target", tdir, "--data-ids", ids, "--out", out, "--steps", 30, "--lr", 3e-3,
+                              "--warmup-frac", 0.0, "--seq-len", 32, "--batch-size", 4, "--anchors-per-seq", 16,
+                              "--block-size", 4, "--depth", 2, "--markov-rank", 16, *flags])
+    assert rc == 0, err
+    losses = res["losses"]
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
+
+    # DeepSpec's layout: config keys and tensor names as published; load_drafter reads it.
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 4 and cfg["num_hidden_layers"] == 2
+    assert cfg["num_target_layers"] == 3 and cfg["target_layer_ids"] == [0, 1] and cfg["mask_token_id"] == 47
+    assert cfg["markov_head_type"] == (None if heads == "dflash" else "vanilla")
+    assert cfg["enable_confidence_head"] == (heads == "dspark")
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "embed_tokens.weight", "lm_head.weight",
+            "layers.1.self_attn.k_norm.weight"} <= names
+    if heads == "dspark":
+        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+                "confidence_head.proj.bias"} <= names
+    else:
+        assert not any(n.startswith(("markov", "confidence")) for n in names)
+    target = mdl.load_target(tdir)
+    d = dr.load_drafter(str(out), target)
+    assert d.cfg.layout == "dspark" and d.cfg.num_drafts == 4
+    assert (d.cfg.markov_head_type, d.cfg.confidence_head) == (("vanilla", True) if heads == "dspark" else (None, False))
+
+    prompts = ((1, 2, 3, 4), (7, 30, 2), (11,), (40, 5))
+    base, _ = decode_ids(tdir, None, tmp_path, prompts)
+    spec, summary = decode_ids(tdir, out, tmp_path, prompts)
+    assert spec == base
+    assert summary["acceptance_length"] > 1.3, summary
+
+
+def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
+    ids = write_ids(tmp_path / "ids.jsonl", 6, 24, 64, seed=1)
+    common = ["--target", tiny_target.path, "--data-ids", ids, "--steps", 6, "--anchors-per-seq", 5,
+              "--warmup-frac", 0.2, "--markov", "rnn", "--markov-rank", 8, *SMALL]
+    rc, straight, err = run_train(common + ["--out", tmp_path / "a"])
+    assert rc == 0, err
+    rc, first, err = run_train(common + ["--out", tmp_path / "b", "--stop-at", 3])
+    assert rc == 0, err
+    assert json.loads((tmp_path / "b" / "training_state.json").read_text())["step"] == 3
+    rc, second, err = run_train(common + ["--out", tmp_path / "c", "--resume", tmp_path / "b"])
+    assert rc == 0, err
+    assert second["start"] == 3 and second["step"] == 6
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-6)
+    assert json.loads((tmp_path / "c" / "training_state.json").read_text())["step"] == 6
+    from safetensors.torch import load_file
+    wa, wc = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert wa.keys() == wc.keys()
+    for k in wa:
+        assert torch.allclose(wa[k], wc[k], atol=1e-6, rtol=0), k
+    # Optimizer state, too.
+    sa = load_file(str(tmp_path / "a" / "training_state.safetensors"))
+    sc = load_file(str(tmp_path / "c" / "training_state.safetensors"))
+    assert sa.keys() == sc.keys() and all(torch.allclose(sa[k], sc[k], atol=1e-6, rtol=0) for k in sa)
+    # A resumed run must repeat the flags that shape the model or the step.
+    rc, _, err = run_train(common[:-2] + ["--depth", 3, "--out", tmp_path / "d", "--resume", tmp_path / "b"])
+    assert rc == 2 and "--depth" in err
+
+
+# ----------------------------------------------------------------------------------------
+# --mode target, and a drafter on top of it from text
+
+CORPUS = '''def add(x, y):
+    """Return the sum of x and y."""
+    return x + y
+
+
+def mul(x, y):
+    return x * y
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def norm(self):
+        return (self.x ** 2 + self.y ** 2) ** 0.5
+'''
+
+
+def test_mode_target_from_corpus_then_drafter(tmp_path):
+    data = tmp_path / "src"
+    data.mkdir()
+    for i in range(6):
+        (data / f"m{i}.py").write_text(CORPUS.replace("add", f"add{i}"))
+    (data / "notes.txt").write_text("plain text is read as well\n" * 3)
+    out = tmp_path / "target"
+    rc, res, err = run_train(["--mode", "target", "--data", data, "--tokenizer-from-corpus", "--vocab-size", 300,
+                              "--out", out, "--steps", 20, "--seq-len", 32, "--batch-size", 4, "--hidden-size", 32,
+                              "--layers", 2, "--heads", 4, "--kv-heads", 2, "--head-dim", 8, "--intermediate-size", 64,
+                              "--max-position-embeddings", 128, "--lr", 1e-2, "--warmup-frac", 0.1])
+    assert rc == 0, err
+    assert res["losses"][-1] < 0.7 * res["losses"][0], res["losses"]
+
+    target = mdl.load_target(str(out))
+    assert target.args.num_hidden_layers == 2 and target.args.vocab_size <= 300
+    tok = mdl.Tokenizer(str(out))
+    assert tok.decode(tok.encode(CORPUS)) == CORPUS  # byte-level BPE round-trips source text
+    eos = tok.tok.token_to_id("<|endoftext|>")
+    assert mdl.stop_token_ids(str(out), target.args) == (eos,)
+    # transformers reads the directory too, with the same logits.
+    import transformers
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).eval()
+    x = torch.tensor([tok.encode("def add0(x, y):")])
+    with torch.no_grad():
+        h, _ = train.causal_forward(target, x)
+        assert torch.allclose(target.lm_head(h), hf(input_ids=x).logits, atol=1e-4)
+
+    # The demo pipeline: a drafter distilled from text through that target's tokenizer.
+    dout = tmp_path / "drafter"
+    rc, res, err = run_train(["--target", out, "--data", data, "--out", dout, "--steps", 3, "--seq-len", 32,
+                              "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8,
+                              "--anchors-per-seq", 8])
+    assert rc == 0, err
+    d = dr.load_drafter(str(dout), target)
+    assert d.cfg.mask_token_id == tok.tok.token_to_id("<|mask|>")
+    assert d.cfg.target_layer_ids == (0,)
+
+
+def test_text_jsonl_data_and_wandb_offline(tiny_target, tmp_path, monkeypatch):
+    """--data as JSON lines ("text" and "turns") through the target's tokenizer; --wandb offline logs a run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    words = "def x = y + 1 : return x if hello world else print ( z ) , 0 1 2 3".split()
+    rng = random.Random(0)
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        for i in range(6):
+            line = " ".join(rng.choice(words) for _ in range(20))
+            f.write(json.dumps({"text": line} if i % 2 else {"turns": [line, line[::-1]]}) + "\n")
+    rc, res, err = run_train(["--target", tiny_target.path, "--data", tmp_path / "chat.jsonl", "--out", tmp_path / "o",
+                              "--steps", 2, "--anchors-per-seq", 4, "--wandb", "--log-every", 1, *SMALL])
+    assert rc == 0, err
+    assert "sequences of 24 tokens" in err
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+# ----------------------------------------------------------------------------------------
+# Bad inputs: one line, non-zero exit, no traceback
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing_data", "file or directory not found"),
+    ("bad_ids", "outside the vocabulary"),
+    ("bad_json", "malformed JSON"),
+    ("too_short", "fewer than one sequence"),
+    ("no_target", "--target"),
+    ("last_layer", "last layer"),
+    ("both_data", "exactly one of --data, --data-ids"),
+    ("no_tokenizer", "--tokenizer"),
+])
+def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, case, needle):
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 64)
+    base = ["--target", tiny_target.path, "--out", tmp_path / "o", "--steps", 1, *SMALL]
+    argv = {
+        "missing_data": base + ["--data", tmp_path / "nope.txt"],
+        "bad_ids": base + ["--data-ids", write_ids(tmp_path / "bad.jsonl", 1, 30, 65, seed=5)],
+        "bad_json": base + ["--data-ids", tmp_path / "x.jsonl"],
+        "too_short": base + ["--data-ids", write_ids(tmp_path / "s.jsonl", 1, 10, 64)],
+        "no_target": ["--data-ids", ids, "--out", tmp_path / "o"],
+        "last_layer": base + ["--data-ids", ids, "--target-layer-ids", "0,2"],
+        "both_data": base + ["--data-ids", ids, "--data", ids],
+        "no_tokenizer": ["--mode", "target", "--data", ids, "--out", tmp_path / "o"],
+    }[case]
+    (tmp_path / "x.jsonl").write_text("{not json\n")
+    if case == "bad_ids":  # make sure an out-of-range id is there
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 64] * 10}) + "\n")
+    rc = train.main([str(a) for a in argv] + ["--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
