@@ -23,6 +23,7 @@ stand-in for a trained pair with τ ≈ 5, not a language model.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import sys
@@ -124,6 +125,17 @@ def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 
 
 # ----------------------------------------------------------------------------------------
 # Measurements
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+
 
 def sync(device):
     if str(device).startswith("cuda"):
@@ -331,7 +343,7 @@ def run(args: BenchArgs) -> list[dict]:
     n_target = sum(p.numel() for p in {p.data_ptr(): p for p in target.parameters()}.values())
     n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
     bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
-    hw = torch.cuda.get_device_name() if dev == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    hw = torch.cuda.get_device_name() if dev == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
