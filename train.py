@@ -38,6 +38,7 @@ What is notable here:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -729,8 +730,8 @@ def check_args(args: Args):
 # The training loop (shared by both modes)
 
 def _autocast(device: str, dtype: torch.dtype):
+    """Mixed precision for the forward: weights and AdamW state stay float32 (master weights)."""
     if dtype == torch.float32:
-        import contextlib
         return contextlib.nullcontext()
     return torch.autocast(device_type=device, dtype=dtype)
 
@@ -837,7 +838,9 @@ def train_drafter(args: Args) -> dict:
 
     result = optimize(args, drafter, loss_fn, Batches(windows, args.batch_size, args.seed), len(windows),
                       device, dtype, save)
-    print(f"step {result['step']}: loss {result['losses'][-1]:.4f}, drafter written to {args.out}")
+    n = result["step"] - result["start"]
+    print(f"step {result['step']}: loss {result['losses'][-1]:.4f}, {n} steps in {result['seconds']:.1f} s "
+          f"({n * args.batch_size * args.seq_len / max(result['seconds'], 1e-9):,.0f} tokens/s), drafter written to {args.out}")
     return result
 
 
@@ -923,7 +926,9 @@ def train_target(args: Args) -> dict:
 
     result = optimize(args, model, loss_fn, Batches(windows, args.batch_size, args.seed), len(windows),
                       device, dtype, save)
-    print(f"step {result['step']}: loss {result['losses'][-1]:.4f}, target written to {args.out}")
+    n = result["step"] - result["start"]
+    print(f"step {result['step']}: loss {result['losses'][-1]:.4f}, {n} steps in {result['seconds']:.1f} s "
+          f"({n * args.batch_size * args.seq_len / max(result['seconds'], 1e-9):,.0f} tokens/s), target written to {args.out}")
     return result
 
 
