@@ -308,3 +308,12 @@ def tiny_target(target_factory) -> TinyTarget:
 def model_module():
     """The repository's `model` module."""
     return import_model()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_wandb():
+    """wandb keeps process-wide settings (its run directory among them) from its first run:
+    tear it down after every test so that each test's WANDB_DIR is the one it uses."""
+    yield
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()

@@ -194,3 +194,14 @@ def test_subprocess_exit_status_and_stderr(tiny_target, tmp_path):
                            "--max-new-tokens", "4", "--no-chat"], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     assert good.returncode == 0, good.stderr
     assert "tokens/s" in good.stdout and "τ=1.00" in good.stdout
+
+
+def test_wandb_offline_logs_a_run(tiny_target, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--wandb"],
+                         capsys)
+    assert rc == 0, err
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
