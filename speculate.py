@@ -424,8 +424,25 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
     return longest_prompt + max_new_tokens + 2 * width
 
 
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+# From shutil.py, one of the standard-library files held out of the demo pair's training (demo/heldout.txt).
+DEMO_PROMPT = 'def copyfileobj(fsrc, fdst, length=0):\n    """copy data from file-like object fsrc to file-like object fdst"""\n'
+
+
+def demo_defaults(args: Args) -> bool:
+    """With no --target, --drafter or --random-init: the committed demo pair (demo/target, demo/drafter; made by
+    scripts/train_demo.sh) and, without a prompt flag, a raw code prompt. Returns whether demo mode is on."""
+    if args.target is not None or args.drafter is not None or args.random_init is not None:
+        return False
+    args.target, args.drafter = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
+    if args.prompt is None and args.prompt_ids is None and args.prompts_file is None:
+        args.prompt = DEMO_PROMPT  # the demo tokenizer has no chat template: sent raw
+    return True
+
+
 def run(args: Args, argv: list[str]) -> dict:
     """Everything `python speculate.py` does; returns the summary. Raises CheckpointError on bad input."""
+    demo = demo_defaults(args)
     for name, ok in (("num_samples", args.num_samples >= 1), ("batch_size", args.batch_size >= 1),
                      ("max_new_tokens", args.max_new_tokens >= 1), ("temperature", args.temperature >= 0),
                      ("confidence_threshold", 0 <= args.confidence_threshold <= 1)):
@@ -435,6 +452,24 @@ def run(args: Args, argv: list[str]) -> dict:
     target, drafter, tokenizer = m.target, m.drafter, m.tokenizer
     prompts = load_prompts(args, tokenizer, m.chat)
     check_prompts(prompts, target, args.max_new_tokens)
+    if demo:  # the baseline first, by the same engine without the drafter, for the side-by-side figures
+        baseline = decode(args, m, None, prompts, None)
+    summary = decode(args, m, drafter, prompts, args.trace_file)
+    if demo and baseline["tokens_per_second"] > 0:
+        print(f"speed-up: {summary['tokens_per_second'] / baseline['tokens_per_second']:.2f}x "
+              f"(speculative vs autoregressive tokens/s, same prompts, greedy outputs identical: "
+              f"{baseline['outputs'] == summary['outputs']})")
+    if args.wandb:
+        import wandb
+        wandb.init(project="dspark-fast", config=asdict(args))
+        wandb.log({k: v for k, v in summary.items() if k != "summary" and not isinstance(v, list)})
+        wandb.finish()
+    return summary
+
+
+def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str]) -> dict:
+    """Decode every prompt with `drafter` (None: autoregressive), print the texts and one figures line."""
+    target, tokenizer = m.target, m.tokenizer
     requests = [Request(i, p, [], []) for i, p in enumerate(pp for pp in prompts for _ in range(args.num_samples))]
     max_seq = cache_length(max(len(r.prompt_ids) for r in requests), args.max_new_tokens, drafter)
     batch = min(args.batch_size, len(requests))
@@ -443,7 +478,7 @@ def run(args: Args, argv: list[str]) -> dict:
     if m.compile:
         engine.warmup()
 
-    trace = open(args.trace_file, "w") if args.trace_file else None
+    trace = open(trace_file, "w") if trace_file else None
     on_round = (lambda req, rec: trace.write(json.dumps(rec) + "\n")) if trace else None
     for start in range(0, len(requests), batch):
         chunk = engine.generate(requests[start:start + batch], args.max_new_tokens, on_round)
@@ -474,12 +509,7 @@ def run(args: Args, argv: list[str]) -> dict:
           f"{summary['tokens_per_second']:.1f} tokens/s, τ={summary['acceptance_length']:.2f}"
           + (f", accept by position [{rates}]" if drafter else "")
           + f" (prefill {engine.prefill_seconds:.2f} s, decode {engine.decode_seconds:.2f} s)")
-    if args.wandb:
-        import wandb
-        wandb.init(project="dspark-fast", config=asdict(args))
-        wandb.log({k: v for k, v in summary.items() if k != "summary" and not isinstance(v, list)})
-        wandb.finish()
-    return summary
+    return dict(summary, outputs=[r.output_ids for r in requests])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
