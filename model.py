@@ -164,6 +164,25 @@ def read_json(path: str) -> dict:
     return obj
 
 
+def read_jsonl(path: str):
+    """Yield (where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"
+    for messages. A line that is not JSON is a CheckpointError naming it."""
+    with open(path, encoding="utf-8") as f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CheckpointError(f"{where}: malformed JSON ({e})") from None
+                yield where, obj
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+
+
 # ----------------------------------------------------------------------------------------
 # Layers
 

@@ -24,7 +24,7 @@ from typing import Literal, Optional
 import torch
 
 import kernels
-from model import CheckpointError, Tokenizer, Transformer, load_target, random_target, read_json, stop_token_ids
+from model import CheckpointError, Tokenizer, Transformer, load_target, random_target, read_json, read_jsonl, stop_token_ids
 
 
 @dataclass
@@ -312,28 +312,20 @@ def load_prompts(args: Args, tokenizer: Optional[Tokenizer], chat: bool) -> list
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: prompts file not found")
     prompts = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{where}: malformed JSON ({e})") from None
-            if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                prompts.append(encode(row["prompt"], where))
-            elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
-                ids = row["prompt_ids"]
-                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise CheckpointError(f"{where}: 'prompt_ids' must be a list of integers")
-                prompts.append(ids)
-            elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
-                    and isinstance(row["turns"][0], str):
-                prompts.append(encode(row["turns"][0], where))
-            else:
-                raise CheckpointError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} "
-                                      "or {\"turns\": [str]}")
+    for where, row in read_jsonl(path):
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(encode(row["prompt"], where))
+        elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
+            ids = row["prompt_ids"]
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise CheckpointError(f"{where}: 'prompt_ids' must be a list of integers")
+            prompts.append(ids)
+        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
+                and isinstance(row["turns"][0], str):
+            prompts.append(encode(row["turns"][0], where))
+        else:
+            raise CheckpointError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} "
+                                  "or {\"turns\": [str]}")
     if not prompts:
         raise CheckpointError(f"{path}: no prompts")
     return prompts

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from drafter import MARKOV_TYPES, Drafter, DrafterConfig
 from model import (CheckpointError, ModelArgs, Tokenizer, Transformer, apply_rope, assign_strict, attend,
-                   init_random_, load_target, read_json, read_safetensors, rope_tables, safetensors_files,
+                   init_random_, load_target, read_json, read_jsonl, read_safetensors, rope_tables, safetensors_files,
                    stop_token_ids)
 
 STATE_TENSORS = "training_state.safetensors"
@@ -192,22 +192,14 @@ def _read_text_file(path: str, texts: list, skipped: list):
 
 def _read_jsonl_texts(path: str) -> list[str]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{where}: malformed JSON ({e})") from None
-            if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                out.append(obj["text"])
-            elif (isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]
-                  and all(isinstance(t, str) for t in obj["turns"])):
-                out.append("\n\n".join(obj["turns"]))
-            else:
-                raise CheckpointError(f"{where}: expected {{\"text\": str}} or {{\"turns\": [str]}}")
+    for where, obj in read_jsonl(path):
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            out.append(obj["text"])
+        elif (isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]
+              and all(isinstance(t, str) for t in obj["turns"])):
+            out.append("\n\n".join(obj["turns"]))
+        else:
+            raise CheckpointError(f"{where}: expected {{\"text\": str}} or {{\"turns\": [str]}}")
     return out
 
 
@@ -239,22 +231,14 @@ def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
     if not os.path.isfile(path):
         raise CheckpointError(f"--data-ids {path}: file not found")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{where}: malformed JSON ({e})") from None
-            ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise CheckpointError(f"{where}: expected {{\"prompt_ids\": [int, ...]}}")
-            bad = [i for i in ids if not 0 <= i < vocab_size]
-            if bad:
-                raise CheckpointError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-            out.append(ids)
+    for where, obj in read_jsonl(path):
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise CheckpointError(f"{where}: expected {{\"prompt_ids\": [int, ...]}}")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise CheckpointError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        out.append(ids)
     if not out:
         raise CheckpointError(f"--data-ids {path}: no sequences")
     return out
