@@ -2,7 +2,7 @@
 # Reproduce the demo pair (demo/target + demo/drafter) from scratch, on CPU, from the Python
 # standard library's own top-level *.py files — text every machine has offline.
 #
-#   bash scripts/train_demo.sh            # from the repository root; ~25 min on 2 CPU cores
+#   bash scripts/train_demo.sh            # from the repository root; ~38 min on 2 CPU cores
 #
 # Held-out split (never trained on; used for the README's τ / speed figures): the files
 # `sorted(glob(stdlib/*.py))[i]` with i % 20 == 0 (5%), listed in demo/heldout.txt.
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 TARGET_STEPS=${TARGET_STEPS:-500}
-DRAFTER_STEPS=${DRAFTER_STEPS:-1000}
+DRAFTER_STEPS=${DRAFTER_STEPS:-2000}
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
 OUT=${DEMO_OUT:-demo}
