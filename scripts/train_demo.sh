@@ -23,6 +23,23 @@ OUT=${DEMO_OUT:-demo}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
+# SRC -> DST (made anew): model.safetensors with floating tensors rounded to bfloat16, config.json
+# saying so — the stored precision, so that the pair stays small.
+to_bf16() {
+rm -rf "$2" && mkdir -p "$2"
+python - "$1" "$2" <<'PY'
+import json, os, sys
+from safetensors.torch import load_file, save_file
+src, dst = sys.argv[1:]
+t = load_file(os.path.join(src, "model.safetensors"))
+save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in t.items()},
+          os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+cfg = json.load(open(os.path.join(src, "config.json")))
+cfg["torch_dtype"] = "bfloat16"
+json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
+PY
+}
+
 # 1. The corpus: stdlib top-level *.py minus the held-out 5%.
 mkdir -p "$OUT" "$WORK/corpus"
 python - "$WORK/corpus" "$OUT/heldout.txt" <<'PY'
@@ -43,20 +60,8 @@ python train.py --mode target --tokenizer-from-corpus --vocab-size 4096 --data "
     --out "$WORK/target" --hidden-size 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 64 \
     --intermediate-size 768 --seq-len 256 --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
     --max-position-embeddings 2048 --seed 0 --device cpu --no-progress
-rm -rf "$OUT/target" && mkdir -p "$OUT/target"
-python - "$WORK/target" "$OUT/target" <<'PY'
-import json, os, shutil, sys
-from safetensors.torch import load_file, save_file
-src, dst = sys.argv[1:]
-t = load_file(os.path.join(src, "model.safetensors"))
-save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in t.items()},
-          os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-cfg = json.load(open(os.path.join(src, "config.json")))
-cfg["torch_dtype"] = "bfloat16"
-json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
-for name in ("tokenizer.json", "generation_config.json"):
-    shutil.copy(os.path.join(src, name), dst)
-PY
+to_bf16 "$WORK/target" "$OUT/target"
+cp "$WORK/target/tokenizer.json" "$WORK/target/generation_config.json" "$OUT/target/"
 fi
 
 # 3. Drafter, distilled from the stored (bf16) target.
@@ -64,16 +69,5 @@ python train.py --target "$OUT/target" --data "$WORK/corpus" --out "$WORK/drafte
     --block-size 5 --depth 1 --markov vanilla --markov-rank 64 --confidence \
     --seq-len 256 --batch-size 8 --anchors-per-seq 64 --steps "$DRAFTER_STEPS" --lr 2e-3 \
     --seed 0 --device cpu --no-progress
-rm -rf "$OUT/drafter" && mkdir -p "$OUT/drafter"
-python - "$WORK/drafter" "$OUT/drafter" <<'PY'
-import json, os, sys
-from safetensors.torch import load_file, save_file
-src, dst = sys.argv[1:]
-t = load_file(os.path.join(src, "model.safetensors"))
-save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in t.items()},
-          os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-cfg = json.load(open(os.path.join(src, "config.json")))
-cfg["torch_dtype"] = "bfloat16"
-json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
-PY
+to_bf16 "$WORK/drafter" "$OUT/drafter"
 du -sh "$OUT"/target "$OUT"/drafter
