@@ -11,6 +11,10 @@ What is notable here:
 - `forward(..., capture=layers)` also returns the drafter's context features: the residual
   stream after the requested decoder layers (before the final norm), concatenated. This is
   read off the same pass that computes the logits, so capture costs no extra forward.
+- `forward(..., ragged=...)` runs a ragged batch: requests with different numbers of tokens
+  flattened into one row, so the matrix multiplies cost what the real tokens cost; attention
+  alone goes back to a padded per-request layout, where each token reads only its own
+  request's cache and earlier tokens (see `Ragged`).
 - Loading is strict: every tensor in the files must land in a parameter and every parameter
   must be loaded, else `CheckpointError` names the first one that does not.
 - The tokenizer, stop tokens and chat template of a checkpoint directory live here too,
@@ -247,6 +251,55 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2).reshape(B, Tq, H * hd)
 
 
+@dataclass
+class Ragged:
+    """Where each of N flattened tokens sits in a padded [R, W] layout (R requests, W slots each).
+
+    Request r owns slots 0 .. counts[r]-1 of its row, at positions[r, slot]. Everything
+    token-wise (projections, norms, MLP, lm_head) runs on the N flattened tokens; attention
+    scatters q/k/v into [R, W] (`pad`), writes the cache and attends per request there, and
+    gathers back (`unpad`). Of the N tokens the first sum(counts) are real; the rest pad the
+    batch up to a fixed bucket size (static shapes) and land in spare rows that nothing reads.
+    Unused slots of a row are zeros written at positions past that row's last real token:
+    queries never read keys beyond their own position, and the next round rewrites them.
+    """
+    index: torch.Tensor      # [N] long: r * W + slot for real tokens, R * W + i for padding
+    rows: torch.Tensor       # [N] long: the request of each token (padding: clamped to R-1)
+    slots: torch.Tensor      # [N] long: its slot in the request's row (padding: 0)
+    R: int
+    W: int
+
+    @staticmethod
+    def build(counts: torch.Tensor, positions: torch.Tensor, num_tokens: int) -> "Ragged":
+        """counts [R] (0 .. W tokens per request), positions [R, W] (the padded layout's positions);
+        num_tokens >= counts.sum() is the static size the flattened batch is padded to."""
+        R, W = positions.shape
+        ends = torch.cumsum(counts, 0)                        # [R]
+        i = torch.arange(num_tokens, device=counts.device)    # [N]
+        rows = torch.searchsorted(ends, i, right=True)        # request of each flat token
+        real = rows < R
+        rows = rows.clamp(max=R - 1)
+        slots = torch.where(real, i - (ends - counts)[rows], 0)
+        index = torch.where(real, rows * W + slots, R * W + i)
+        return Ragged(index, rows, slots, R, W)
+
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, W, ...] -> [1, N, ...]: each token's entry (inputs: tokens, positions)."""
+        return x[self.rows, self.slots][None]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, ...] flattened -> [R, W, ...] padded (zeros where no token is)."""
+        N, rest = x.shape[1], x.shape[2:]
+        out = x.new_zeros((self.R * self.W + N, *rest)).index_copy(0, self.index, x[0])
+        return out[:self.R * self.W].view(self.R, self.W, *rest)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, W, ...] padded -> [1, N, ...] flattened (padding tokens read zeros)."""
+        N, rest = self.index.shape[0], x.shape[2:]
+        flat = torch.cat([x.reshape(self.R * self.W, *rest), x.new_zeros((N, *rest))])
+        return flat.index_select(0, self.index)[None]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, device=None):
         super().__init__()
@@ -269,13 +322,17 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos_sin)
         return k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
 
-    def forward(self, x, cos_sin, positions, mask):
-        """Causal self-attention through the cache: x [B, T, H], positions [B, T]."""
+    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None):
+        """Causal self-attention through the cache: x [B, T, H], positions [B, T]. With `ragged`,
+        x is [1, N, H] flattened tokens and positions/mask are the padded layout's [R, W(, S)]."""
         q = self.q(x, cos_sin)
         k, v = self.kv(x, cos_sin)
+        if ragged is not None:
+            q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
         if self.kv_cache is not None:
             k, v = self.kv_cache.write(positions, k, v)
-        return self.o_proj(attend(q, k, v, mask))
+        out = attend(q, k, v, mask)
+        return self.o_proj(ragged.unpad(out) if ragged is not None else out)
 
 
 class MLP(nn.Module):
@@ -298,8 +355,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
 
-    def forward(self, x, cos_sin, positions, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask)
+    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask, ragged)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -341,21 +398,23 @@ class Transformer(nn.Module):
                     f"{source}: layer id {i} is the target's last layer; drafters read layers before it")
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: Sequence[int] = (),
-                logits_index: Optional[torch.Tensor] = None):
+                logits_index: Optional[torch.Tensor] = None, ragged: Optional[Ragged] = None):
         """tokens, positions: [B, T] (int64). Returns (logits, features).
 
         logits: [B, T, V], or [B, V] at `logits_index` ([B], one position per row) when given.
         features: [B, T, len(capture) * H] — outputs of the `capture` layers (-1 = embeddings),
         before the final norm — or None when `capture` is empty.
+        With `ragged`, tokens are [1, N] flattened tokens and positions the padded layout's [R, W]
+        (see `Ragged`); logits and features come back flattened too: [1, N, V], [1, N, F].
         """
         mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
-        cos_sin = self.rope[positions]
+        cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
         x = self.embed_tokens(tokens)
         captured = {}
         if -1 in capture:
             captured[-1] = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, positions, mask)
+            x = layer(x, cos_sin, positions, mask, ragged)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ from typing import Literal, Optional
 import torch
 
 import kernels
-from model import CheckpointError, Tokenizer, Transformer, load_target, random_target, read_json, read_jsonl, stop_token_ids
+from model import CheckpointError, Ragged, Tokenizer, Transformer, load_target, random_target, read_json, read_jsonl, stop_token_ids
 
 
 @dataclass
@@ -56,6 +57,18 @@ class Args:
     """Seed of the sampling generator: a sampled run repeats exactly with the same seed."""
     confidence_threshold: float = 0.0
     """Verify drafts only up to the first confidence below this; 0 = the whole block."""
+    scheduler: Optional[Literal["none", "threshold", "hardware"]] = None
+    """How many drafts each round verifies. none: the whole block; threshold: up to the first
+    confidence below --confidence-threshold; hardware: the paper's Algorithm 1 over the batch,
+    maximising expected tokens x SPS(B) from a profiled table (default: threshold when
+    --confidence-threshold > 0, else none)."""
+    sps_table: Optional[str] = None
+    """JSON table of SPS(B) (steps/s by verify tokens) for --scheduler hardware: read if the file
+    exists (it must match this run's device, models, dtype, batch size and buckets), else
+    profiled and written there. Without it the table is profiled at start and not kept."""
+    verify_buckets: Optional[str] = None
+    """Comma-separated token counts a scheduled round's ragged verification is padded to (one
+    compiled graph each); default 1,2,3,4,6,8,12,... up to batch size x (drafts + 1)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -78,38 +91,97 @@ class Args:
 # One round
 
 def speculative_round(target: Transformer, drafter, anchor: torch.Tensor, anchor_pos: torch.Tensor,
-                      active: torch.Tensor, temperature: float, threshold: float, noise):
+                      active: torch.Tensor, temperature: float, threshold: float, noise, sps=None):
     """Draft, schedule, verify, accept and commit once for every row; static shapes throughout.
 
     anchor [B]: the last committed token, at positions anchor_pos [B]; the target's cache and
     the drafter's context hold rows < anchor_pos. active [B] (bool): rows still decoding; the
     others keep their anchor. noise: `kernels.round_noise(...)` when sampling, None at T=0.
+    sps: the hardware scheduler's steps-per-second table (None: threshold or whole block).
     Returns (record, anchor', anchor_pos'): record [B, 2K+3] (float64, the one tensor the host
     reads) holds drafts [K], verified ℓ, accepted n, next token, confidence [K] (0 without a
     head). Moving the anchor to anchor_pos + n + 1 is the whole KV rollback.
+
+    This is the whole round as one graph, verifying a fixed K+1 slots per row. The engine runs
+    the same two halves separately (`draft`, then `verify` on a ragged batch of exactly the
+    scheduled tokens) when a scheduler shortens verification.
+    """
+    chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
+    drafts, q, confidence, verify_len = draft(target, drafter, anchor, anchor_pos, active, temperature, threshold,
+                                              chain_noise, sps)
+    return verify(target, drafter, anchor, anchor_pos, active, drafts, q, confidence, verify_len, temperature,
+                  u, bonus_noise)
+
+
+def draft(target: Transformer, drafter, anchor, anchor_pos, active, temperature: float, threshold: float,
+          chain_noise, sps=None):
+    """Steps 1-2: the block forward, the sequential Markov chain, confidence, then the schedule.
+
+    Returns drafts [B, K], their distributions q [B, K, V] (None at T=0), confidence [B, K]
+    (None without a head) and verify_len [B] (ℓ: drafts to verify, 0 .. K).
     """
     B = anchor.shape[0]
-    chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
-    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
-    # 1. Draft: the block forward, then the sequential Markov chain, then confidence.
-    if drafter is not None:
-        hidden, base_logits = drafter(anchor, anchor_pos)
-        drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None,
-                                         chain_noise)
-        confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
-    else:
-        drafts, q, confidence = anchor.new_zeros((B, 0)), None, None
+    if drafter is None:
+        return anchor.new_zeros((B, 0)), None, None, anchor.new_zeros((B,))
+    hidden, base_logits = drafter(anchor, anchor_pos)
+    drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, chain_noise)
+    confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
     K = drafts.shape[1]
-    # 2. Schedule: verify the drafts before the first confidence below the threshold.
-    if confidence is not None and threshold > 0:
+    if confidence is not None and sps is not None:
+        verify_len = hardware_schedule(confidence, active, sps)
+    elif confidence is not None and threshold > 0:
+        # Verify the drafts before the first confidence below the threshold.
         verify_len = torch.cumprod((confidence >= threshold).long(), dim=1).sum(1)
     else:
         verify_len = torch.full((B,), K, dtype=torch.long, device=anchor.device)
-    # 3. Verify: one target pass over [x_0, x_1 .. x_K] (fixed width; unscheduled drafts are
-    #    masked out of acceptance, their cache rows are never read), capturing features.
-    tokens = torch.cat([anchor[:, None], drafts], dim=1)
+    return drafts, q, confidence, verify_len
+
+
+def hardware_schedule(confidence: torch.Tensor, active: torch.Tensor, sps: torch.Tensor) -> torch.Tensor:
+    """DSPARK.md §4 / the paper's Algorithm 1, on the device, for the whole batch at once.
+
+    confidence [B, K] (c_{r,j}, calibrated if the drafter was); active [B]; sps [B*(K+1) + 1]:
+    measured steps/second of a round that verifies B tokens (`profile_sps`). Candidates (r, j)
+    with prefix survival a_{r,j} = Π_{i<=j} c_{r,i} > 0 are sorted by a, descending (a stable
+    sort, so j-1 comes before j in a tie); admitting the i-th gives B = R + i tokens and
+    τ = R + the sum of the admitted a; admission stops at the first one whose τ·SPS(B) does not
+    beat the best so far, which is always the one before it — so nothing past the stop, and no
+    token's own realisation, decides whether it is verified (the lossless condition).
+    Returns verify_len [B]: ℓ_r, the admitted candidates of each row (a prefix, as a is
+    non-increasing in j).
+    """
+    B, K = confidence.shape
+    a = torch.cumprod(confidence.double(), dim=1) * active[:, None]  # inactive rows offer nothing
+    a_sorted, order = torch.sort(a.reshape(-1), descending=True, stable=True)
+    R = active.long().sum()
+    admitted = torch.arange(1, B * K + 1, device=a.device)           # i = 1 .. B*K
+    theta = (R + torch.cumsum(a_sorted, 0)) * sps[R + admitted]      # Θ after admitting i
+    before = torch.cat([(R * sps[R])[None], theta[:-1]])             # Θ_best when i is tried
+    take = torch.cumprod(((theta > before) & (a_sorted > 0)).long(), dim=0)
+    return torch.zeros(B * K, dtype=torch.long, device=a.device).scatter(0, order, take).view(B, K).sum(1)
+
+
+def verify(target: Transformer, drafter, anchor, anchor_pos, active, drafts, q, confidence, verify_len,
+           temperature: float, u=None, bonus_noise=None, num_tokens: Optional[int] = None):
+    """Steps 3-5: one target pass over [x_0, x_1 .. x_ℓ] with capture, acceptance, commit.
+
+    num_tokens None: every row sends all K+1 slots (unscheduled drafts are masked out of
+    acceptance; their cache rows are never read). num_tokens N: the rows' 1 + ℓ tokens (0 for
+    inactive rows) go flattened into one ragged batch padded to N tokens (`model.Ragged`), so
+    the target's matrix multiplies cost the scheduled tokens, not the block.
+    Returns (record, anchor', anchor_pos') as `speculative_round`.
+    """
+    B, K = drafts.shape
+    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
+    tokens = torch.cat([anchor[:, None], drafts], dim=1)                  # [B, K+1]
     positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
-    logits, features = target(tokens, positions, capture=capture)
+    if num_tokens is None:
+        logits, features = target(tokens, positions, capture=capture)
+    else:
+        ragged = Ragged.build(torch.where(active, verify_len + 1, 0), positions, num_tokens)
+        logits, features = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged)
+        logits = ragged.pad(logits)                                        # [B, K+1, V], zeros unverified
+        features = ragged.pad(features) if features is not None else None
     # 4. Accept.
     if temperature == 0:
         accepted, next_token = kernels.verify_greedy(drafts, logits, verify_len)
@@ -168,11 +240,42 @@ def default_compile_mode(device) -> Optional[str]:
     return "max-autotune" if str(device).startswith("cuda") else None
 
 
+def verify_buckets(max_tokens: int) -> list[int]:
+    """The token counts a ragged verification is padded to: 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+    (powers of two and 1.5x them, so at most a third is padding) and max_tokens itself."""
+    out, b = [], 1
+    while b < max_tokens:
+        out += [b] + ([b * 3 // 2] if b >= 2 and b * 3 // 2 < max_tokens else [])
+        b *= 2
+    return out + [max_tokens]
+
+
+def device_name(device) -> str:
+    """The hardware, in words: the GPU's name, or the CPU's model, cores and torch threads."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    name = f"{platform.machine()} CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
 class Engine:
-    """Static batches of requests through prefill and rounds, with stop and budget handling."""
+    """Static batches of requests through prefill and rounds, with stop and budget handling.
+
+    scheduler "none": every round is one `speculative_round` verifying the whole block (one
+    graph). "threshold" / "hardware": the round runs as its two halves — `draft` (which
+    schedules), one host read of the scheduled token count, then `verify` on a ragged batch
+    padded to the next of `buckets` — so a shorter schedule costs fewer target FLOPs; compiled,
+    that is one draft graph and one verify graph per bucket. "hardware" needs `set_sps(...)`.
+    """
 
     def __init__(self, target: Transformer, drafter, stop_ids, batch_size: int, max_seq: int, temperature: float,
-                 threshold: float, seed: int, device, compile: bool = False, compile_mode: Optional[str] = None):
+                 threshold: float, seed: int, device, compile: bool = False, compile_mode: Optional[str] = None,
+                 scheduler: Optional[str] = None, buckets: Optional[list[int]] = None):
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
         self.temperature, self.threshold, self.device = temperature, threshold, device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -180,29 +283,145 @@ class Engine:
         target.setup_caches(batch_size, max_seq)
         if drafter is not None:
             drafter.setup_caches(batch_size, max_seq)
-        self.round_fn = speculative_round
-        if compile:
-            self.round_fn = torch.compile(speculative_round, fullgraph=True, dynamic=False,
-                                          mode=compile_mode or default_compile_mode(device))
+        self.K = drafter.cfg.num_drafts if drafter is not None else 0
+        if scheduler is None:
+            scheduler = "threshold" if threshold > 0 and drafter is not None else "none"
+        if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
+            raise CheckpointError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
+        self.scheduler, self.sps, self.sps_table, self.compiled = scheduler, None, None, compile
+        # Compiled, verification is padded to a few token counts (one graph each); eager runs the
+        # exact count. SPS is profiled at the buckets, or at the same geometric points when eager.
+        self.buckets = sorted(buckets) if buckets else (verify_buckets(batch_size * (self.K + 1)) if compile else None)
+        self.profile_points = self.buckets or verify_buckets(batch_size * (self.K + 1))
+        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False,
+                                        mode=compile_mode or default_compile_mode(device))) if compile else (lambda f: f)
+        if scheduler == "none":
+            self.round_fn = wrap(speculative_round)
+        else:
+            if compile:  # one verify graph per bucket, all of them expected
+                limit = max(8, len(self.buckets) + 2)
+                for name in ("recompile_limit", "cache_size_limit"):
+                    if hasattr(torch._dynamo.config, name):
+                        setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+            self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
         self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
 
-    def warmup(self):
-        """Compile the round before anything is timed: one round on inactive rows at position 0.
+    def bucket(self, n: int) -> int:
+        """The token count n verify tokens are padded to: n itself without buckets, else the smallest
+        bucket that holds them, or with an SPS table the fastest (a bigger bucket may be quicker)."""
+        if self.buckets is None:
+            return n
+        if self.sps_table is not None:
+            return self.route[n]
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise CheckpointError(f"--verify-buckets: the largest bucket {self.buckets[-1]} is below the {n} tokens "
+                              f"a round verifies")
 
-        It draws its noise from a throwaway generator, so the run's own random stream (and with
-        it every sampled token) is the same as in an eager run. The cache rows it writes are
-        rewritten by the next prefill before they are read.
-        """
-        K = self.drafter.cfg.num_drafts if self.drafter is not None else 0
-        B, dev = self.max_batch, self.device
+    def round(self, anchor, anchor_pos, active, noise):
+        """One round for every row -> (record, anchor', anchor_pos'), as `speculative_round`."""
+        args = (self.target, self.drafter, anchor, anchor_pos, active)
+        if self.scheduler == "none":
+            return self.round_fn(*args, self.temperature, self.threshold, noise)
+        chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
+        drafts, q, confidence, verify_len = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
+                                                          self.sps if self.scheduler == "hardware" else None)
+        n = int(torch.where(active, verify_len + 1, 0).sum())  # host read: the ragged batch's size
+        return self.verify_fn(*args, drafts, q, confidence, verify_len, self.temperature, u, bonus_noise,
+                              self.bucket(n))
+
+    def _dummy_round(self, num_tokens: Optional[int] = None):
+        """A round on rows at position 0 whose schedule fills `num_tokens` verify tokens (None: the
+        engine's own schedule). Noise comes from a throwaway generator, so the run's random stream
+        (and every sampled token) is the same as without it; the cache rows it writes are rewritten
+        by the next prefill before they are read."""
+        B, dev, W = self.max_batch, self.device, self.K + 1
         zeros = lambda dtype=torch.long: torch.zeros(B, dtype=dtype, device=dev)  # distinct tensors: no aliasing guard
-        noise = (kernels.round_noise(torch.Generator(device=dev).manual_seed(0), B, K, self.target.args.vocab_size, dev)
-                 if self.temperature > 0 else None)
+        noise = (kernels.round_noise(torch.Generator(device=dev).manual_seed(0), B, self.K,
+                                     self.target.args.vocab_size, dev) if self.temperature > 0 else None)
+        if num_tokens is None:
+            record, _, _ = self.round(zeros(), zeros(), zeros(torch.bool), noise)
+            return record.tolist()
+        counts = (num_tokens - W * torch.arange(B, device=dev)).clamp(0, W)  # fill rows in order
+        active = counts > 0
+        chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
+        args = (self.target, self.drafter, zeros(), zeros(), active)
+        drafts, q, confidence, _ = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
+                                                 self.sps if self.scheduler == "hardware" else None)
+        int(counts.sum())  # the host read a real round makes
+        record, _, _ = self.verify_fn(*args, drafts, q, confidence, (counts - 1).clamp(min=0), self.temperature,
+                                      u, bonus_noise, num_tokens)
+        return record.tolist()
+
+    def warmup(self):
+        """Compile before anything is timed: the round, or the draft and every verify bucket."""
         t0 = time.perf_counter()
-        record, _, _ = self.round_fn(self.target, self.drafter, zeros(), zeros(), zeros(torch.bool),
-                                     self.temperature, self.threshold, noise)
-        record.tolist()
+        for n in [None] if self.scheduler == "none" else (self.buckets or [self.profile_points[-1]]):
+            self._dummy_round(n)
         self.compile_seconds += time.perf_counter() - t0
+
+    def profile_sps(self, reps: int = 5, verbose: bool = True) -> dict:
+        """SPS(B), measured: rounds per second when a round verifies B tokens, at every profile point
+        (the buckets, or the same geometric points when eager; the median of `reps` timed rounds
+        after one untimed). A round here is what the engine runs
+        per step — draft, host read, ragged verify at that bucket — so SPS is the engine's step
+        rate, as the paper's Algorithm 1 wants it. Returns the table (see `set_sps`)."""
+        t0 = time.perf_counter()
+        seconds = []
+        for b in self.profile_points:
+            self._dummy_round(b)
+            times = []
+            for _ in range(reps):
+                self._sync()
+                t = time.perf_counter()
+                self._dummy_round(b)
+                self._sync()
+                times.append(time.perf_counter() - t)
+            seconds.append(sorted(times)[len(times) // 2])
+        table = dict(self.sps_identity(), seconds_per_step=seconds, steps_per_second=[1 / s for s in seconds])
+        if verbose:
+            pts = ", ".join(f"{b}: {1 / s:.1f}" for b, s in zip(self.profile_points, seconds))
+            print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}",
+                  file=sys.stderr)
+        return table
+
+    def sps_identity(self) -> dict:
+        """What an SPS table was measured for; a table is reused only where all of it matches."""
+        a, d = self.target.args, self.drafter
+        n = sum(p.numel() for p in {p.data_ptr(): p for p in self.target.parameters()}.values())
+        return {"device": device_name(self.device), "torch": torch.__version__,
+                "target": f"Qwen3 {n} parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+                          f"vocab {a.vocab_size}",
+                "drafter": d.cfg.describe() if d is not None else None,
+                "dtype": str(self.target.embed_tokens.weight.dtype).replace("torch.", ""),
+                "batch_capacity": self.max_batch, "verify_width": self.K + 1, "sampling": self.temperature > 0,
+                "compiled": self.compiled,
+                "buckets": self.buckets, "profile_points": self.profile_points}
+
+    def set_sps(self, table: dict):
+        """Use a profiled table for the hardware scheduler: sps[B], B = 0 .. max_batch*(K+1), on the device.
+
+        Bucketed (compiled): B tokens go to the fastest bucket that holds them, so SPS(B) is the
+        best measured rate over buckets >= B — a step function, as the hardware is. Eager: the
+        step time is interpolated linearly between the profile points (after a running max, so a
+        noisy point never makes more tokens look cheaper)."""
+        points, rates = self.profile_points, table["steps_per_second"]
+        top = self.max_batch * (self.K + 1)
+        if self.buckets is not None:
+            per = dict(zip(points, rates))
+            self.route = [0] + [max((b for b in self.buckets if b >= n), key=lambda b: (per[b], -b))
+                                for n in range(1, top + 1)]
+            sps = [per[self.route[1]]] + [per[b] for b in self.route[1:]]
+        else:
+            seconds = torch.tensor([1 / r for r in rates], dtype=torch.float64).cummax(0).values
+            at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
+            hi = torch.searchsorted(torch.tensor(points, dtype=torch.float64), at).clamp(1, len(points) - 1)
+            x0, x1 = torch.tensor(points, dtype=torch.float64)[hi - 1], torch.tensor(points, dtype=torch.float64)[hi]
+            w = ((at - x0) / (x1 - x0)).clamp(0, 1)
+            sps = (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist()
+        self.sps_table = table
+        self.sps = torch.tensor(sps, dtype=torch.float64, device=self.device)
 
     def _sync(self):
         if str(self.device).startswith("cuda"):
@@ -245,8 +464,7 @@ class Engine:
         while any(live):
             noise = (kernels.round_noise(self.generator, len(rows), K, V, self.device)
                      if self.temperature > 0 else None)
-            record, anchor, anchor_pos = self.round_fn(self.target, self.drafter, anchor, anchor_pos, active,
-                                                       self.temperature, self.threshold, noise)
+            record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise)
             anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the next graph replay
             record = record.tolist()  # the one host read of the round
             for i, req in enumerate(rows):
@@ -379,6 +597,8 @@ def load_models(args, argv: list[str], device: Optional[str] = None, verbose: bo
     has_confidence = drafter is not None and drafter.cfg.confidence_head
     if args.confidence_threshold > 0 and not has_confidence:
         raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
+    if getattr(args, "scheduler", None) in ("threshold", "hardware") and not has_confidence:
+        raise CheckpointError(f"--scheduler {args.scheduler}: needs a --drafter with a confidence head")
     if getattr(args, "calibration", None) is not None:
         if not has_confidence:
             raise CheckpointError(f"--calibration {args.calibration}: needs a --drafter with a confidence head")
@@ -432,6 +652,65 @@ def demo_defaults(args: Args) -> bool:
     return True
 
 
+def check_scheduler_flags(args):
+    """--scheduler, --confidence-threshold, --sps-table and --verify-buckets must agree."""
+    sched = args.scheduler
+    if sched == "threshold" and args.confidence_threshold <= 0:
+        raise CheckpointError("--scheduler threshold: needs --confidence-threshold above 0")
+    if sched in ("none", "hardware") and args.confidence_threshold > 0:
+        raise CheckpointError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
+                              f"uses it, not --scheduler {sched}")
+    if args.sps_table is not None and sched != "hardware":
+        raise CheckpointError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
+    if args.verify_buckets is not None:
+        if (sched or ("threshold" if args.confidence_threshold > 0 else "none")) == "none":
+            raise CheckpointError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
+        buckets = parse_ids(args.verify_buckets, "--verify-buckets")
+        if not buckets or any(b < 1 for b in buckets) or len(set(buckets)) != len(buckets):
+            raise CheckpointError(f"--verify-buckets: {args.verify_buckets!r} must be distinct positive integers")
+
+
+def parse_buckets(args, batch: int, drafter) -> Optional[list[int]]:
+    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
+    if getattr(args, "verify_buckets", None) is None:
+        return None
+    buckets = sorted(parse_ids(args.verify_buckets, "--verify-buckets"))
+    need = batch * (drafter.cfg.num_drafts + 1)
+    if buckets[-1] < need:
+        raise CheckpointError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
+                              f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
+    return buckets
+
+
+def sps_for(engine: Engine, path: Optional[str], verbose: bool = True) -> dict:
+    """The hardware scheduler's SPS table: read from `path` if it exists (every identity key must
+    match this engine), else profiled now (and written to `path` when given)."""
+    want = engine.sps_identity()
+    if path is not None and os.path.exists(path):
+        table = read_json(path)
+        for key, value in want.items():
+            if key not in table:
+                raise CheckpointError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
+            if table[key] != value:
+                raise CheckpointError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
+                                      f"delete the file to profile again")
+        sps = table.get("steps_per_second")
+        if not isinstance(sps, list) or len(sps) != len(engine.profile_points) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in sps):
+            raise CheckpointError(f"{path}: 'steps_per_second' must be {len(engine.profile_points)} positive numbers, "
+                                  f"one per profile point")
+        if verbose:
+            print(f"SPS table read from {path}", file=sys.stderr)
+        return table
+    table = engine.profile_sps(verbose=verbose)
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+        if verbose:
+            print(f"SPS table written to {path}", file=sys.stderr)
+    return table
+
+
 def run(args: Args, argv: list[str]) -> dict:
     """Everything `python speculate.py` does; returns the summary. Raises CheckpointError on bad input."""
     demo = demo_defaults(args)
@@ -440,6 +719,7 @@ def run(args: Args, argv: list[str]) -> dict:
                      ("confidence_threshold", 0 <= args.confidence_threshold <= 1)):
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+    check_scheduler_flags(args)
     m = load_models(args, argv)
     target, drafter, tokenizer = m.target, m.drafter, m.tokenizer
     prompts = load_prompts(args, tokenizer, m.chat)
@@ -466,9 +746,12 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     max_seq = cache_length(max(len(r.prompt_ids) for r in requests), args.max_new_tokens, drafter)
     batch = min(args.batch_size, len(requests))
     engine = Engine(target, drafter, m.stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
-                    args.seed, args.device, m.compile)
+                    args.seed, args.device, m.compile, scheduler=args.scheduler if drafter is not None else None,
+                    buckets=parse_buckets(args, batch, drafter) if drafter is not None else None)
     if m.compile:
         engine.warmup()
+    if engine.scheduler == "hardware":
+        engine.set_sps(sps_for(engine, args.sps_table))
 
     trace = open(trace_file, "w") if trace_file else None
     on_round = (lambda req, rec: trace.write(json.dumps(rec) + "\n")) if trace else None
@@ -489,6 +772,8 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         "tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
         "acceptance_length": sum(rd["accepted"] + 1 for r in requests for rd in r.rounds) / max(n_rounds, 1),
         "accept_rate_by_position": accept_rate_by_position(requests, drafter.cfg.num_drafts if drafter else 0),
+        "verified_per_round": sum(rd["verified"] for r in requests for rd in r.rounds) / max(n_rounds, 1),
+        "scheduler": engine.scheduler,
         "prefill_seconds": engine.prefill_seconds,
         "decode_seconds": engine.decode_seconds,
         "compile_seconds": engine.compile_seconds,
@@ -499,7 +784,8 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     rates = " ".join(f"{x:.2f}" for x in summary["accept_rate_by_position"])
     print(f"{'speculative' if drafter else 'autoregressive'}: {n_tokens} tokens in {seconds:.2f} s, "
           f"{summary['tokens_per_second']:.1f} tokens/s, τ={summary['acceptance_length']:.2f}"
-          + (f", accept by position [{rates}]" if drafter else "")
+          + (f", accept by position [{rates}], verified {summary['verified_per_round']:.2f}/round "
+             f"({engine.scheduler})" if drafter else "")
           + f" (prefill {engine.prefill_seconds:.2f} s, decode {engine.decode_seconds:.2f} s)")
     return dict(summary, outputs=[r.output_ids for r in requests])
 

@@ -1,0 +1,423 @@
+"""The hardware-aware prefix scheduler (paper Algorithm 1), ragged verification, and the
+`--scheduler` / `--sps-table` / `--verify-buckets` flags.
+
+- Algorithm 1: the vectorised `speculate.hardware_schedule` equals a literal, line-by-line
+  transcription of the paper's pseudocode on random cases (ties, zeros, inactive rows); on
+  cases where the objective along the greedy path is unimodal it equals a brute-force search
+  over every allocation; it never admits anything after its early stop (the paper's Appendix A
+  counterexample, and a jagged SPS curve where going on would pay).
+- Ragged verification: the target on flattened tokens of requests with different counts equals
+  the target run per request (logits, captured features, cache rows).
+- Lossless: greedy output under every scheduler equals the target's; sampled output under the
+  hardware scheduler passes the chi-square test of test_lossless.py. The hardware runs use SPS
+  tables written by hand in the documented format, so that the schedule is known to vary.
+- The SPS table: profiled and written, then read back; a table of another configuration or a
+  malformed one is refused with one line; bad flag combinations are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import speculate  # noqa: E402
+from drafters import make_drafter, make_target  # noqa: E402
+from model import Ragged, load_target  # noqa: E402
+from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace, chi2_pvalue,  # noqa: E402
+                           exact_joint, run_cli, seq_index, set_confidence_bias, target_logits_after)
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------------------
+# Algorithm 1 against the paper's pseudocode and against brute force
+
+def algorithm1_literal(c, active, sps):
+    """The paper's Algorithm 1, line by line, in plain Python (c: R x γ lists of the active rows'
+    confidences; sps: a function of B). Returns the selected lengths of every row (0 if inactive)."""
+    rows = [r for r in range(len(c)) if active[r]]
+    R = len(rows)
+    a = {}
+    for r in rows:  # 1-3: prefix survival
+        prod = 1.0
+        for j, cj in enumerate(c[r], start=1):
+            prod *= cj
+            a[(r, j)] = prod
+    # 4: candidates with a > 0, sorted descending (j before j+1 within a row on ties)
+    E = sorted((rj for rj in a if a[rj] > 0), key=lambda rj: (-a[rj], rows.index(rj[0]), rj[1]))
+    length = {r: 0 for r in rows}
+    B, tau = R, float(R)                      # 5
+    best, chosen = R * sps(R), dict(length)   # 6
+    for r, j in E:                            # 7
+        length[r] = j                         # 8
+        B += 1
+        tau += a[(r, j)]
+        theta = tau * sps(B)                  # 9
+        if theta > best:                      # 10-11
+            best, chosen = theta, dict(length)
+        else:                                 # 12-13
+            break
+    return [chosen.get(r, 0) for r in range(len(c))]
+
+
+def vectorised(c, active, sps_fn):
+    c = torch.tensor(c, dtype=torch.float64)
+    B, K = c.shape
+    table = torch.tensor([sps_fn(max(b, 1)) for b in range(B * (K + 1) + 1)], dtype=torch.float64)
+    return speculate.hardware_schedule(c, torch.tensor(active), table).tolist()
+
+
+def theta_of(c, active, lengths, sps):
+    R = sum(active)
+    tau = R + sum(float(torch.tensor(c[r][:lengths[r]], dtype=torch.float64).cumprod(0).sum())
+                  for r in range(len(c)) if active[r])
+    return tau * sps(R + sum(lengths))
+
+
+def random_case(rng):
+    B, K = rng.randint(1, 4), rng.randint(1, 4)
+    pool = [0.0, 1.0, 0.5, 0.25]  # exact ties and zeros
+    c = [[rng.choice(pool) if rng.random() < 0.3 else rng.random() for _ in range(K)] for _ in range(B)]
+    active = [rng.random() < 0.8 for _ in range(B)]
+    if not any(active):
+        active[0] = True
+    return c, active
+
+
+def test_vectorised_equals_the_pseudocode_on_random_cases():
+    rng = random.Random(0)
+    seen = set()
+    for case in range(600):
+        c, active = random_case(rng)
+        kind = case % 3
+        if kind == 0:    # smooth: a fixed cost per step plus a cost per token
+            t0, per = rng.uniform(0.5, 5), rng.uniform(0.05, 1)
+            sps = lambda b, t0=t0, per=per: 1 / (t0 + per * b)
+        elif kind == 1:  # jagged: random positive rates
+            vals = [rng.uniform(0.1, 2) for _ in range(64)]
+            sps = lambda b, vals=vals: vals[b]
+        else:            # flat with a cliff
+            cliff = rng.randint(1, 8)
+            sps = lambda b, cliff=cliff: 1.0 if b <= cliff else 0.6
+        want = algorithm1_literal(c, active, sps)
+        got = vectorised(c, active, sps)
+        assert got == want, (c, active, kind)
+        assert all(l == 0 for l, on in zip(got, active) if not on)
+        seen.add(tuple(got))
+    assert len(seen) > 30, "the random cases should produce many different schedules"
+
+
+def greedy_path_is_unimodal(c, active, sps):
+    """Θ along the full greedy admission path rises, then only falls (no later rise)."""
+    R = sum(active)
+    a = sorted((v for r in range(len(c)) if active[r]
+                for v in torch.tensor(c[r], dtype=torch.float64).cumprod(0).tolist() if v > 0), reverse=True)
+    thetas, tau = [R * sps(R)], float(R)
+    for i, v in enumerate(a, start=1):
+        tau += v
+        thetas.append(tau * sps(R + i))
+    falling = False
+    for x, y in zip(thetas, thetas[1:]):
+        if y <= x:
+            falling = True
+        elif falling:
+            return False
+    return True
+
+
+def test_equals_brute_force_where_the_objective_is_unimodal():
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(400):
+        c, active = random_case(rng)
+        t0, per = rng.uniform(0.2, 4), rng.uniform(0.05, 1)
+        sps = lambda b: 1 / (t0 + per * b)
+        if not greedy_path_is_unimodal(c, active, sps):
+            continue
+        K = len(c[0])
+        best = max(theta_of(c, active, ls, sps)
+                   for ls in itertools.product(*[range(K + 1) if on else [0] for on in active]))
+        got = vectorised(c, active, sps)
+        assert theta_of(c, active, got, sps) == pytest.approx(best, rel=1e-12), (c, active, got)
+        checked += 1
+    assert checked > 200
+
+
+def test_appendix_a_counterexample_stops_before_looking_further():
+    # R = 1, γ = 2, a_1 = 0.8; SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45. Θ_1 = 0.9 < Θ_0 = 1: stop,
+    # whatever c_2 is, although with c_2 = 0.9 verifying both would give Θ_2 = 1.134.
+    sps = lambda b: {1: 1.0, 2: 0.5, 3: 0.45}[b]
+    for c2 in (0.9, 0.0, 0.5):
+        assert vectorised([[0.8, c2]], [True], sps) == [0]
+    assert theta_of([[0.8, 0.9]], [True], [2], sps) == pytest.approx(1.134)
+
+
+def test_never_admits_after_the_first_non_improvement():
+    # SPS dips at B = 3 then recovers: admitting on past the dip would pay, Algorithm 1 must not.
+    vals = {1: 1.0, 2: 0.9, 3: 0.3, **{b: 0.9 for b in range(4, 11)}}
+    sps = lambda b: vals[b]
+    c = [[0.99, 0.99, 0.99, 0.99], [0.95, 0.95, 0.95, 0.95]]
+    got = vectorised(c, [True, True], sps)
+    assert got == algorithm1_literal(c, [True, True], sps) == [0, 0]  # Θ(3) < Θ(2): stop at once
+    assert theta_of(c, [True, True], [4, 4], sps) > theta_of(c, [True, True], [0, 0], sps)
+
+
+def test_admission_follows_prefix_survival_across_rows():
+    # A row with high confidence gets its drafts verified before a row with low confidence.
+    sps = lambda b: 1 / (1 + 0.3 * b)
+    got = vectorised([[0.95, 0.9, 0.9], [0.3, 0.9, 0.9]], [True, True], sps)
+    assert got[0] > got[1]
+
+
+# ----------------------------------------------------------------------------------------
+# Ragged verification equals per-request verification
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("ragged") / "target", attn_scale=1.0, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("counts,pad", [([2, 0, 5, 1], 0), ([5, 5, 5, 5], 0), ([1, 3, 0, 2], 7), ([0, 0, 1, 0], 3)])
+def test_ragged_forward_equals_per_request_forward(small_target, counts, pad):
+    target = load_target(small_target)
+    R, W, P = 4, 5, 9
+    g = torch.Generator().manual_seed(len(counts) + pad + sum(counts))
+    prompts = torch.randint(0, 48, (R, P), generator=g)
+    lens = torch.tensor([9, 4, 7, 6])  # rows at different positions
+    tokens = torch.randint(0, 48, (R, W), generator=g)
+    positions = lens[:, None] + torch.arange(W)
+    capture = (0, 1)
+    with torch.no_grad():
+        target.setup_caches(R, 32)
+        target(prompts, torch.arange(P).expand(R, P))
+        before = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in target.layers]
+        counts_t = torch.tensor(counts)
+        n = int(counts_t.sum()) + pad
+        ragged = Ragged.build(counts_t, positions, n)
+        logits, feats = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged)
+        assert logits.shape == (1, n, 48) and feats.shape == (1, n, 2 * 32)
+        after = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in target.layers]
+        start = 0
+        for r in range(R):
+            c = counts[r]
+            # The reference: this request alone, from the same cache.
+            for layer, (k, v) in zip(target.layers, before):
+                layer.self_attn.kv_cache.k.copy_(k)
+                layer.self_attn.kv_cache.v.copy_(v)
+            if c:
+                ref_logits, ref_feats = target(tokens[:, :c], positions[:, :c], capture=capture)
+                torch.testing.assert_close(logits[0, start:start + c], ref_logits[r], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(feats[0, start:start + c], ref_feats[r], rtol=1e-5, atol=1e-5)
+                for layer, (k, v) in zip(target.layers, after):  # the cache rows it wrote
+                    sl = slice(int(lens[r]), int(lens[r]) + c)
+                    torch.testing.assert_close(k[r, sl], layer.self_attn.kv_cache.k[r, sl], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(v[r, sl], layer.self_attn.kv_cache.v[r, sl], rtol=1e-5, atol=1e-5)
+            for (k0, v0), (k1, v1) in zip(before, after):  # committed rows are untouched
+                assert torch.equal(k0[r, :int(lens[r])], k1[r, :int(lens[r])])
+            start += c
+        assert start + pad == n and torch.isfinite(logits).all()  # padding computes garbage, never NaN
+
+
+def test_ragged_pad_and_unpad_are_inverse():
+    counts, W = torch.tensor([3, 0, 2]), 4
+    ragged = Ragged.build(counts, torch.zeros(3, W, dtype=torch.long), 7)
+    x = torch.arange(7.0)[None, :, None]
+    padded = ragged.pad(x)
+    assert padded.shape == (3, W, 1)
+    assert padded[0, :3, 0].tolist() == [0, 1, 2] and padded[2, :2, 0].tolist() == [3, 4]
+    assert padded.sum() == 0 + 1 + 2 + 3 + 4  # padding tokens 5, 6 went nowhere
+    back = ragged.unpad(padded)
+    assert back[0, :5, 0].tolist() == [0, 1, 2, 3, 4] and back[0, 5:, 0].tolist() == [0, 0]
+
+
+# ----------------------------------------------------------------------------------------
+# Lossless under every scheduler
+
+K = 4
+PROMPTS = [[1, 2, 3, 4, 5], [7, 30, 2], [9], [40, 41, 42, 43, 44, 45, 46, 3]]
+
+
+def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None):
+    """An SPS table in speculate.py's format, for this configuration, with hand-chosen step times."""
+    from drafter import load_drafter
+
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target)
+    engine = speculate.Engine(target, drafter, (), batch, 64, temperature, 0.0, 0, "cpu", scheduler="hardware",
+                              buckets=buckets)
+    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.profile_points])
+    table["seconds_per_step"] = [step_time(b) for b in engine.profile_points]
+    with open(path, "w") as f:
+        json.dump(table, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scheduler")
+    target = make_target(d / "target", attn_scale=0.01)
+    drafter = make_drafter(d / "drafter", target, block_size=K, markov="vanilla", oracle=True, oracle_scale=4.0,
+                           norm_scale=0.05)
+    set_confidence_bias(drafter, 0.5)  # confidences straddle 0.5-0.7: schedules of every length
+    plain = make_drafter(d / "dflash", target, block_size=K, markov=None, confidence=False)
+    pf = d / "prompts.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    return dict(dir=str(d), target=target, drafter=drafter, plain=plain, prompts=str(pf))
+
+
+def cli(env, *extra, batch=1, drafter=True, max_new=32):
+    args = ["--target", env["target"], "--prompts-file", env["prompts"], "--max-new-tokens", max_new,
+            "--batch-size", batch] + (["--drafter", env["drafter"]] if drafter else []) + list(extra)
+    return run_cli(env["dir"], args)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_output_equals_the_target_under_every_scheduler(env, batch):
+    ref = cli(env, drafter=False).outputs()
+    # A fixed cost per round plus 0.3 of it per verified token: with these confidences (c ~ 0.5-0.8)
+    # the hardware schedule verifies 1 to 3 drafts of 4.
+    table = write_sps_table(os.path.join(env["dir"], f"sps{batch}.json"), env["target"], env["drafter"], batch, 0.0,
+                            lambda b: 1 + 0.3 * b)
+    runs = {"none": cli(env, "--scheduler", "none", batch=batch),
+            "threshold": cli(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, batch=batch),
+            "hardware": cli(env, "--scheduler", "hardware", "--sps-table", table, batch=batch)}
+    for name, tr in runs.items():
+        check_trace(tr, n_requests=len(PROMPTS), K=K, V=48, confidence=True, max_new=32)
+        assert tr.outputs() == ref, name
+        assert tr.summary["scheduler"] == name
+        verified = [r["verified"] for r in tr.rounds]
+        assert tr.summary["verified_per_round"] == pytest.approx(sum(verified) / len(verified))
+    hw = [r["verified"] for r in runs["hardware"].rounds]
+    assert all(v == K for v in (r["verified"] for r in runs["none"].rounds))
+    assert len(set(hw)) >= 2 and max(hw) < K, f"the hardware schedule should vary: {sorted(set(hw))}"
+    assert sum(hw) < sum(r["verified"] for r in runs["none"].rounds)
+
+
+def test_hardware_schedule_follows_the_table_at_batch_one(env):
+    # Batch 1, SPS(B) = 1 / (1 + 0.6 B): the first draft is verified iff 0.6 < c_1 ... exactly
+    # Algorithm 1 on the confidences the trace reports.
+    table = write_sps_table(os.path.join(env["dir"], "sps_b1.json"), env["target"], env["drafter"], 1, 0.0,
+                            lambda b: 1 + 0.6 * b)
+    tr = cli(env, "--scheduler", "hardware", "--sps-table", table)
+    sps = lambda b: 1 / (1 + 0.6 * b)
+    for r in tr.rounds:
+        assert r["verified"] == algorithm1_literal([r["confidence"]], [True], sps)[0], r
+
+
+def test_sampled_output_follows_the_target_under_the_hardware_scheduler(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scheduler_sampled")
+    target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
+    drafter = make_drafter(d / "drafter", target, markov="vanilla", oracle=True, oracle_scale=1.0, norm_scale=0.05,
+                           block_size=2)
+    # Step time R + B (R = the batch): verifying one more token pays while its survival beats
+    # τ/(R+B), which ends near 0.58 here — inside the spread of a_1 (0.55-0.82) and a_2
+    # (0.33-0.63) — so rounds verify 0, 1 or 2 drafts depending on the row's confidences.
+    table = write_sps_table(d / "sps.json", target, drafter, N_SAMPLES, 1.0, lambda b: N_SAMPLES + b)
+    tr = run_cli(str(d), ["--target", target, "--drafter", drafter, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
+                          "--num-samples", N_SAMPLES, "--batch-size", N_SAMPLES, "--max-new-tokens", M,
+                          "--temperature", 1.0, "--scheduler", "hardware", "--sps-table", table])
+    check_trace(tr, n_requests=N_SAMPLES, K=2, V=SV, confidence=True, max_new=M)
+    first = [r["verified"] for r in tr.rounds if r["round"] == 0]
+    assert all(first.count(v) > 50 for v in (0, 1, 2)), {v: first.count(v) for v in (0, 1, 2)}
+    prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
+    p = chi2_pvalue(seq_index(tr.outputs(), SV), exact_joint(prefixes, logits, 1.0))
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+
+
+# ----------------------------------------------------------------------------------------
+# The SPS table and the flags
+
+def run_err(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = speculate.main([str(a) for a in args])
+    return rc, err.getvalue()
+
+
+def one_error_line(err: str) -> bool:
+    """The failure is one `error: ...` line, the last thing on stderr (after the drafter's description)."""
+    lines = err.strip().splitlines()
+    return sum(l.startswith("error:") for l in lines) == 1 and lines[-1].startswith("error:")
+
+
+def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
+    path = tmp_path / "sps.json"
+    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 8, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware", "--sps-table", path])
+    assert rc == 0, err
+    assert "profiled SPS(B)" in err and "written to" in err
+    table = json.load(open(path))
+    assert table["batch_capacity"] == 2 and table["verify_width"] == K + 1 and table["buckets"] is None
+    assert table["profile_points"] == speculate.verify_buckets(2 * (K + 1))
+    assert len(table["steps_per_second"]) == len(table["profile_points"])
+    assert all(s > 0 for s in table["steps_per_second"])
+    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 8, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware", "--sps-table", path])
+    assert rc == 0 and "read from" in err and "profiled SPS" not in err, err
+    # Another batch capacity: refused, naming the key.
+    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 8, "--batch-size", 3, "--num-samples", 3, "--scheduler", "hardware",
+                       "--sps-table", path])
+    assert rc == 2 and "batch_capacity" in err and one_error_line(err), err
+
+
+def _bad_table(path, edit):
+    table = json.load(open(path))
+    edit(table)
+    path.write_text(json.dumps(table))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.update(steps_per_second=[1.0]), "steps_per_second"),
+    (lambda t: t.update(steps_per_second=[-1.0] * len(t["profile_points"])), "steps_per_second"),
+    (lambda t: t.pop("dtype"), "dtype"),
+    (lambda t: t.update(drafter="something else"), "drafter"),
+])
+def test_a_malformed_or_foreign_sps_table_is_refused(env, tmp_path, edit, needle):
+    path = tmp_path / "sps.json"
+    write_sps_table(path, env["target"], env["drafter"], 1, 0.0, lambda b: 1.0 + b)
+    _bad_table(path, edit)
+    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
+    assert rc == 2 and needle in err and str(path) in err and one_error_line(err), err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--scheduler", "threshold"], "--confidence-threshold"),
+    (["--scheduler", "none", "--confidence-threshold", "0.5"], "--scheduler threshold"),
+    (["--scheduler", "hardware", "--confidence-threshold", "0.5"], "--scheduler threshold"),
+    (["--sps-table", "x.json"], "--sps-table"),
+    (["--scheduler", "threshold", "--confidence-threshold", "0.5", "--verify-buckets", "a,b"], "--verify-buckets"),
+    (["--scheduler", "hardware", "--verify-buckets", "0,10"], "--verify-buckets"),
+    (["--scheduler", "hardware", "--verify-buckets", "2,2,10"], "--verify-buckets"),
+    (["--scheduler", "hardware", "--verify-buckets", "2,4"], "largest bucket 4"),
+    (["--verify-buckets", "5"], "--verify-buckets"),
+    (["--scheduler", "hardware", "--drafter-plain"], "confidence head"),
+])
+def test_bad_scheduler_flags_are_refused(env, flags, needle):
+    drafter = env["drafter"]
+    if "--drafter-plain" in flags:
+        flags = [f for f in flags if f != "--drafter-plain"]
+        drafter = env["plain"]
+    rc, err = run_err(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 4] + flags)
+    assert rc == 2 and needle in err and one_error_line(err), err
+
+
+def test_explicit_buckets_pad_the_ragged_batch_and_keep_the_output(env):
+    ref = cli(env, drafter=False, batch=3).outputs()
+    tr = cli(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, "--verify-buckets", "4,9,15", batch=3)
+    assert tr.outputs() == ref
