@@ -56,3 +56,35 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys
     # One graph compiled (fullgraph=True would have raised on a break; a recompile would have
     # raised through error_on_recompile).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_path, capsys):
+    """The scheduled round (draft graph, host read, ragged verify graph per bucket) compiles once
+    per graph at warm-up and never again, across batches of different prompt lengths."""
+    import torch._dynamo
+
+    target, drafter = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
+                               for p in ([5, 17, 33, 2, 8], [9, 1], [40, 41, 42, 43, 44, 45, 46])))
+    traces = {}
+    for flag in ("--no-compile", "--compile"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        trace = tmp_path / f"{flag}.jsonl"
+        rc = speculate.main(["--target", target, "--drafter", drafter, "--prompts-file", str(prompts),
+                             "--batch-size", "2", "--max-new-tokens", "24", "--trace-file", str(trace),
+                             "--scheduler", "threshold", "--confidence-threshold", "0.6",
+                             "--verify-buckets", "4,10", flag])
+        assert rc == 0, capsys.readouterr().err
+        lines = [json.loads(l) for l in open(trace)]
+        lines.pop()
+        traces[flag] = lines
+        if flag == "--compile":
+            # The draft graph and one verify graph per bucket, all made by the warm-up; any
+            # recompile later (a new prompt length, a new batch) would add a graph.
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + 2
+    strip = lambda ls: [{k: v for k, v in l.items() if k != "confidence"} for l in ls]
+    assert strip(traces["--compile"]) == strip(traces["--no-compile"])
+    verified = [l["verified"] for l in traces["--compile"] if "verified" in l]
+    assert min(verified) < 4 and max(verified) >= 2, "the threshold should vary the ragged batch's size"
