@@ -21,6 +21,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -306,15 +307,27 @@ def test_greedy_output_equals_the_target_under_every_scheduler(env, batch):
     assert sum(hw) < sum(r["verified"] for r in runs["none"].rounds)
 
 
-def test_hardware_schedule_follows_the_table_at_batch_one(env):
-    # Batch 1, SPS(B) = 1 / (1 + 0.6 B): the first draft is verified iff 0.6 < c_1 ... exactly
-    # Algorithm 1 on the confidences the trace reports.
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_hardware_schedule_follows_the_table_at_batch_one(env, calibrated):
+    # Batch 1, SPS(B) = 1 / (1 + 0.6 B): exactly Algorithm 1 on the confidences the trace reports —
+    # with --calibration, the STS-calibrated ones.
     table = write_sps_table(os.path.join(env["dir"], "sps_b1.json"), env["target"], env["drafter"], 1, 0.0,
                             lambda b: 1 + 0.6 * b)
-    tr = cli(env, "--scheduler", "hardware", "--sps-table", table)
+    extra = []
+    if calibrated:
+        cal = os.path.join(env["dir"], "cal.json")
+        with open(cal, "w") as f:
+            json.dump({"temperatures": [0.5, 2.0, 1.0, 3.0]}, f)
+        extra = ["--calibration", cal]
+    tr = cli(env, "--scheduler", "hardware", "--sps-table", table, *extra)
     sps = lambda b: 1 / (1 + 0.6 * b)
     for r in tr.rounds:
         assert r["verified"] == algorithm1_literal([r["confidence"]], [True], sps)[0], r
+    if calibrated:
+        plain = cli(env, "--scheduler", "hardware", "--sps-table", table)
+        first, first_plain = tr.rounds[0]["confidence"], plain.rounds[0]["confidence"]
+        logit = lambda c: math.log(c / (1 - c))
+        assert logit(first[0]) == pytest.approx(logit(first_plain[0]) / 0.5, rel=1e-4)
 
 
 def test_sampled_output_follows_the_target_under_the_hardware_scheduler(tmp_path_factory):
