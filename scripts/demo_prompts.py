@@ -21,6 +21,23 @@ from model import Tokenizer  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
+def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = os.path.join(ROOT, "demo")):
+    """The prompts as lists of token ids (read here, and by bench.py --concurrency). Raises OSError
+    when a held-out file is missing (another Python version's standard library)."""
+    tok = Tokenizer(os.path.join(demo, "target"))
+    names = open(os.path.join(demo, "heldout.txt")).read().split()
+    stdlib = sysconfig.get_paths()["stdlib"]
+    ids = [tok.encode(open(os.path.join(stdlib, n), encoding="utf-8").read()) for n in names]
+    per_file = math.ceil(num_prompts / len(names))
+    prompts = []
+    for i in range(num_prompts):
+        doc = ids[i % len(names)]
+        start = (i // len(names) + 1) * len(doc) // (per_file + 1)
+        start = max(0, min(start, len(doc) - prompt_tokens))
+        prompts.append(doc[start:start + prompt_tokens])
+    return prompts
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -28,19 +45,12 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--demo", default=os.path.join(ROOT, "demo"))
     a = ap.parse_args()
-    tok = Tokenizer(os.path.join(a.demo, "target"))
-    names = open(os.path.join(a.demo, "heldout.txt")).read().split()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    ids = [tok.encode(open(os.path.join(stdlib, n), encoding="utf-8").read()) for n in names]
-    per_file = math.ceil(a.num_prompts / len(names))
+    prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo)
     with open(a.out, "w") as f:
-        for i in range(a.num_prompts):
-            doc = ids[i % len(names)]
-            start = (i // len(names) + 1) * len(doc) // (per_file + 1)
-            start = max(0, min(start, len(doc) - a.prompt_tokens))
-            f.write(json.dumps({"prompt_ids": doc[start:start + a.prompt_tokens]}) + "\n")
+        for p in prompts:
+            f.write(json.dumps({"prompt_ids": p}) + "\n")
+    names = open(os.path.join(a.demo, "heldout.txt")).read().split()
     print(f"wrote {a.num_prompts} prompts of {a.prompt_tokens} tokens from {len(names)} held-out files to {a.out}")
-
 
 if __name__ == "__main__":
     main()
