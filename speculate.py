@@ -2,14 +2,19 @@
 autoregressive decoding by the same engine (the baseline).
 
 One round (DSPARK.md §5), all in `speculative_round` below:
-  draft (drafter block forward -> Markov chain -> confidence) -> schedule (threshold)
-  -> verify (target forward on [anchor, drafts] with capture) -> accept (rejection sampling)
-  -> commit (the drafter's context gains the verified rows; rollback is the anchor position).
+  draft (drafter block forward -> Markov chain -> confidence) -> schedule (how many drafts to
+  verify: all, up to a confidence threshold, or Algorithm 1 over the batch) -> verify (target
+  forward on [anchor, drafts] with capture) -> accept (rejection sampling) -> commit (the
+  drafter's context gains the verified rows; rollback is the anchor position).
 
 Without a drafter a round is the same with zero drafts: the target runs on the anchor and
 the "bonus" is the next token, so baseline and speculative numbers come from one code path.
+With a scheduler (`--scheduler threshold|hardware`) the engine runs the round's two halves,
+`draft` and `verify`, apart: between them the host reads how many tokens were scheduled, and
+the target verifies exactly those, flattened into one ragged batch (`model.Ragged`).
 
     python speculate.py --target DIR [--drafter DIR] --prompt "..." --max-new-tokens 128
+    python speculate.py ... --batch-size 16 --scheduler hardware --sps-table sps.json
 """
 
 from __future__ import annotations
