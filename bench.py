@@ -12,6 +12,24 @@ seconds and peak memory. With `--reference` (the default on CPU at batch 1) it a
 same algorithm the way the reference implementations do — transformers' Qwen3 with a dynamic
 cache as the target and an eager drafter — and checks it emits the same tokens.
 
+Schedulers under load (the paper's Figures 7/8 on this machine):
+
+    python bench.py --concurrency 1,2,4,8,16,32,64 --threads 1 --max-new-tokens 64 --out conc.json --plot conc.png
+    python bench.py --concurrency 1,8,32 --target DIR --drafter DIR --prompts-file p.jsonl --device cuda
+
+For every concurrency c, c requests (the demo pair's 20 held-out code prompts, or --prompts-file,
+cycled) are decoded as one static batch autoregressively and under each verification scheduler
+(--schedulers none,threshold,hardware; --threshold for the threshold one), greedy by default.
+Each engine gets an untimed warm-up; the hardware scheduler's SPS(B) is profiled once per c
+(its seconds reported apart); then --repeats timed runs, interleaved across schedulers, and the
+median is reported: total tokens/s (all requests' tokens ÷ prefill + decode wall seconds),
+per-request tokens/s (the mean of a request's tokens ÷ the seconds until its last round), τ,
+the verify budget (drafts sent to the target per request per round) and total tokens/s ÷ the
+none scheduler's. Greedy outputs must be identical under every scheduler and autoregressively
+(lossless); a difference raises. A markdown table goes to stdout, --out writes JSON, --plot a
+PNG (eval.py's writer: no plotting dependency). The demo pair is used unless --target/--drafter
+are given; on cpu the engines run eagerly unless --compile is given.
+
 The constructed pair (`--model bigram-35m`): a random Qwen3 of ~35M parameters whose attention
 output is scaled to almost nothing, so its next token is (nearly) a function of the current
 token, and whose final norm keeps only `r` features, so that function has rank r. The drafter's
@@ -23,12 +41,15 @@ stand-in for a trained pair with τ ≈ 5, not a language model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Literal, Optional
 
 import torch
@@ -36,26 +57,29 @@ import torch
 import kernels
 from drafter import Drafter, DrafterConfig, random_drafter
 from model import CheckpointError, ModelArgs, Transformer, init_random_, load_target, random_target
-from speculate import Engine, Request, default_compile_mode
+from speculate import (Engine, Request, _explicit, cache_length, check_prompts, default_compile_mode,
+                       device_name, load_prompts)
 
 
 @dataclass
 class BenchArgs:
-    """Autoregressive vs speculative decoding speed, side by side."""
+    """Autoregressive vs speculative decoding speed, side by side (or, with --concurrency, the
+    verification schedulers against the number of requests decoded together)."""
 
     model: str = "bigram-35m"
     """bigram-35m (constructed CPU pair, τ ≈ 5) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b.
     Ignored when --target is given."""
     target: Optional[str] = None
-    """A Hugging Face Qwen3 directory instead of a preset."""
+    """A Hugging Face Qwen3 directory instead of a preset (with --concurrency: default demo/target)."""
     drafter: Optional[str] = None
-    """A drafter directory (with --target)."""
+    """A drafter directory (with --target; with --concurrency: default demo/drafter)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Default: bfloat16 on cuda, float32 on cpu."""
     compile: bool = True
-    """torch.compile the round (--no-compile for eager)."""
+    """torch.compile the round (--no-compile for eager). With --concurrency the default is on for cuda
+    and off for cpu, where a graph per concurrency and verify bucket would take longer to compile than to run."""
     compile_mode: Optional[str] = None
     """torch.compile mode (default: max-autotune on cuda, Inductor's default on cpu); reduce-overhead
     keeps CUDA graphs and skips autotuning, for a short device session."""
@@ -72,7 +96,24 @@ class BenchArgs:
     out: Optional[str] = None
     """Write the results as JSON here."""
     seed: int = 0
-    """Seed of the random weights and prompts."""
+    """Seed of the random weights and prompts (and of the sampling generator with --concurrency)."""
+    concurrency: Optional[str] = None
+    """Schedulers under load instead: comma-separated concurrencies, e.g. 1,2,4,8,16,32,64 — that many
+    requests decoded together, for every --schedulers entry and autoregressively. Uses --target /
+    --drafter (default: the demo pair in demo/); eager on cpu unless --compile is given."""
+    schedulers: str = "none,threshold,hardware"
+    """With --concurrency: the verification schedulers to compare (none, threshold, hardware)."""
+    threshold: float = 0.5
+    """With --concurrency: the confidence threshold of the threshold scheduler, in (0, 1]."""
+    prompts_file: Optional[str] = None
+    """With --concurrency: JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]},
+    cycled to fill each batch (default: the demo pair's 20 held-out code prompts)."""
+    temperature: float = 0.0
+    """With --concurrency: 0 = greedy (every scheduler's output is checked equal); above 0, sampled."""
+    repeats: int = 3
+    """With --concurrency: timed runs per (concurrency, scheduler), interleaved; the median is reported."""
+    plot: Optional[str] = None
+    """With --concurrency: draw total and per-request tokens/s against concurrency into this PNG."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -303,13 +344,287 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     return generated[:max_new_tokens], time.perf_counter() - t0
 
 
+# ----------------------------------------------------------------------------------------
+# Schedulers under load (--concurrency): the paper's Figures 7/8 on this machine
+
+SCHEDULERS = ("none", "threshold", "hardware")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+# Flags that only one of the two modes reads: giving one to the other mode is an error, not a no-op.
+CONCURRENCY_ONLY = ("schedulers", "threshold", "prompts_file", "temperature", "repeats", "plot")
+SIDE_BY_SIDE_ONLY = ("model", "batch_sizes", "prompt_len", "reference")
+
+
+def check_mode_flags(args: BenchArgs):
+    defaults = BenchArgs()
+    given = [f for f in CONCURRENCY_ONLY + SIDE_BY_SIDE_ONLY if getattr(args, f) != getattr(defaults, f)]
+    wrong = [f for f in given if (f in CONCURRENCY_ONLY) == (args.concurrency is None)]
+    if wrong:
+        flag = "--" + wrong[0].replace("_", "-")
+        raise CheckpointError(f"{flag}: only used with --concurrency" if args.concurrency is None
+                              else f"{flag}: not used with --concurrency (which takes --target/--drafter, "
+                                   f"default the demo pair, and --prompts-file)")
+
+
+def parse_concurrency(args: BenchArgs) -> tuple[list[int], list[str]]:
+    """--concurrency and --schedulers as lists, with every numeric flag of the mode checked."""
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise CheckpointError(f"--concurrency: {args.concurrency!r} is not a comma-separated list of integers") from None
+    if any(c < 1 for c in levels) or len(set(levels)) != len(levels):
+        raise CheckpointError(f"--concurrency: {args.concurrency!r} must be distinct positive integers")
+    schedulers = [s.strip() for s in args.schedulers.split(",")]
+    bad = [s for s in schedulers if s not in SCHEDULERS]
+    if bad or len(set(schedulers)) != len(schedulers):
+        raise CheckpointError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(SCHEDULERS)}")
+    for name, ok in (("threshold", 0 < args.threshold <= 1), ("repeats", args.repeats >= 1),
+                     ("max_new_tokens", args.max_new_tokens >= 1), ("temperature", args.temperature >= 0)):
+        if not ok:
+            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+    return sorted(levels), schedulers
+
+
+def concurrency_prompts(args: BenchArgs, tokenizer) -> list[list[int]]:
+    """--prompts-file (as speculate.py reads it; text rendered with the chat template when the
+    tokenizer has one), or the demo pair's held-out code prompts."""
+    if args.prompts_file is not None:
+        chat = tokenizer is not None and tokenizer.chat_template is not None
+        spec = SimpleNamespace(prompt=None, prompt_ids=None, prompts_file=args.prompts_file)
+        return load_prompts(spec, tokenizer, chat)
+    if os.path.realpath(args.target) != os.path.realpath(os.path.join(DEMO_DIR, "target")):
+        raise CheckpointError("--prompts-file: needed with a --target other than the demo pair")
+    from scripts.demo_prompts import heldout_prompts
+    try:
+        return heldout_prompts()
+    except OSError as e:  # the held-out files come from this Python's standard library
+        raise CheckpointError(f"the demo's held-out prompts: {e}; give --prompts-file instead") from None
+
+
+def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """One measured static batch: every prompt a request, all started together.
+
+    Total tokens/s counts prefill and decode wall time (the engine's own clocks). A request's
+    own tokens/s divides its tokens by the time from the batch's start to its last round."""
+    reqs = [Request(i, p, [], []) for i, p in enumerate(prompts)]
+    finished = {}
+
+    def on_round(req, rec):  # called after every round for every live request, after the host read
+        if req.finish_reason is not None and req.index not in finished:
+            finished[req.index] = time.perf_counter()
+
+    engine.prefill_seconds = engine.decode_seconds = 0.0
+    t0 = time.perf_counter()
+    engine.generate(reqs, max_new_tokens, on_round)
+    seconds = engine.prefill_seconds + engine.decode_seconds
+    # A request ended by its first token (sampled from the prefill's logits) never sees a round.
+    ends = [finished[r.index] - t0 if r.index in finished else engine.prefill_seconds for r in reqs]
+    rounds = [rd for r in reqs for rd in r.rounds]
+    tokens = sum(len(r.output_ids) for r in reqs)
+    return {
+        "tokens": tokens, "seconds": seconds, "total_tokens_per_second": tokens / seconds,
+        "per_request_tokens_per_second": sum(len(r.output_ids) / e for r, e in zip(reqs, ends)) / len(reqs),
+        "acceptance_length": sum(rd["accepted"] + 1 for rd in rounds) / max(len(rounds), 1),
+        # the verify budget: drafts sent to the target per live request per round
+        "verified_per_round": sum(rd["verified"] for rd in rounds) / max(len(rounds), 1),
+        "outputs": [r.output_ids for r in reqs],
+    }
+
+
+def run_concurrency(args: BenchArgs) -> list[dict]:
+    """Total and per-request tokens/s against concurrency for every scheduler (and autoregressive)."""
+    from drafter import load_drafter
+    from model import Tokenizer, stop_token_ids
+
+    levels, schedulers = parse_concurrency(args)
+    if args.target is None and args.drafter is None:
+        args.target, args.drafter = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
+    if args.target is None or args.drafter is None:
+        raise CheckpointError("--concurrency compares a drafter's schedulers: give both --target and --drafter "
+                              "(or neither, for the demo pair)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda: no CUDA device is available")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dev = args.device
+    target = load_target(args.target, dev, dtype)
+    drafter = load_drafter(args.drafter, target, dev, dtype)
+    tokenizer = Tokenizer(args.target) if os.path.isfile(os.path.join(args.target, "tokenizer.json")) else None
+    prompts = concurrency_prompts(args, tokenizer)
+    check_prompts(prompts, target, args.max_new_tokens)
+    stop_ids = stop_token_ids(args.target, target.args)
+    modes = ["autoregressive"] + schedulers
+    hw = device_name(dev)
+    greedy = args.temperature == 0
+    print(f"# {args.target} + {args.drafter} ({drafter.cfg.describe()}), {dtype}, {hw}, torch {torch.__version__}, "
+          f"compile={args.compile}; {len(prompts)} prompts cycled, {args.max_new_tokens} new tokens each, "
+          f"{'greedy' if greedy else f'temperature {args.temperature}'}, threshold {args.threshold}, "
+          f"median of {args.repeats}", flush=True)
+
+    rows, sps_tables = [], {}
+    for c in levels:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        max_seq = cache_length(max(len(p) for p in batch), args.max_new_tokens, drafter)
+        # Building an engine (re)allocates the target's and drafter's caches, which every engine
+        # shares: so all of one concurrency's engines are built first, with one cache length, and
+        # only then compiled or run — they all use the last allocation.
+        engines = {m: Engine(target, None if m == "autoregressive" else drafter, stop_ids, c, max_seq,
+                             args.temperature, args.threshold if m == "threshold" else 0.0, args.seed, dev,
+                             args.compile, args.compile_mode, scheduler=None if m == "autoregressive" else m)
+                   for m in modes}
+        if args.compile:
+            for e in engines.values():
+                e.warmup()
+        profile_seconds = None
+        if "hardware" in engines:  # SPS(B) depends on the batch capacity: profiled once per concurrency
+            t0 = time.perf_counter()
+            table = engines["hardware"].profile_sps(verbose=False)
+            engines["hardware"].set_sps(table)
+            profile_seconds = time.perf_counter() - t0
+            sps_tables[c] = {"verify_tokens": table["profile_points"], "steps_per_second": table["steps_per_second"]}
+        for e in engines.values():  # untimed: settle allocators and caches, as bench_engine does
+            e.generate([Request(i, p, [], []) for i, p in enumerate(batch)], min(args.max_new_tokens, 8))
+        runs = {m: [] for m in modes}
+        for rep in range(args.repeats):
+            # Interleaved, and the order rotated each repeat, so a slow spell on a shared machine
+            # lands on every mode rather than on whichever would run in it.
+            k = rep % len(modes)
+            for m in modes[k:] + modes[:k]:
+                runs[m].append(timed_generate(engines[m], batch, args.max_new_tokens))
+        if greedy:  # lossless: every scheduler, every repeat, must emit the autoregressive tokens
+            want = runs["autoregressive"][0]["outputs"]
+            for m in modes:
+                for rep, r in enumerate(runs[m]):
+                    if r["outputs"] != want:
+                        i = next(i for i, (a, b) in enumerate(zip(r["outputs"], want)) if a != b)
+                        raise AssertionError(f"concurrency {c}: {m} (repeat {rep}) emitted different tokens than "
+                                             f"autoregressive decoding for request {i}")
+        for m in modes:
+            med = lambda key: statistics.median(r[key] for r in runs[m])
+            rows.append({
+                "concurrency": c, "mode": m,
+                "total_tokens_per_second": med("total_tokens_per_second"),
+                "per_request_tokens_per_second": med("per_request_tokens_per_second"),
+                "acceptance_length": med("acceptance_length"), "verified_per_round": med("verified_per_round"),
+                "tokens": med("tokens"), "seconds": med("seconds"),
+                "total_tokens_per_second_runs": [r["total_tokens_per_second"] for r in runs[m]],
+                "compile_seconds": engines[m].compile_seconds,
+                "profile_seconds": profile_seconds if m == "hardware" else None,
+                "outputs_agree": greedy or None,  # checked above; not checkable when sampling
+            })
+        none = next((r for r in rows if r["concurrency"] == c and r["mode"] == "none"), None)
+        for r in rows:
+            if r["concurrency"] == c:
+                r["vs_none"] = r["total_tokens_per_second"] / none["total_tokens_per_second"] if none else None
+        print(f"concurrency {c}: " + ", ".join(f"{r['mode']} {r['total_tokens_per_second']:.1f}" for r in rows
+                                               if r["concurrency"] == c) + " tok/s", file=sys.stderr, flush=True)
+
+    print(concurrency_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"config": asdict(args), "hardware": hw, "torch": torch.__version__,
+                       "drafter": drafter.cfg.describe(), "prompts": len(prompts),
+                       "timing": "total tokens/s = all requests' tokens / (prefill + decode wall seconds); "
+                                 "per-request tokens/s = mean of a request's tokens / seconds from the batch's "
+                                 "start to its last round; medians over repeats",
+                       "sps": sps_tables, "rows": rows}, f, indent=1)
+    if args.plot:
+        concurrency_plot(args.plot, rows)
+    return rows
+
+
+def concurrency_table(rows: list[dict]) -> str:
+    lines = ["| concurrency | mode | total tok/s | per-request tok/s | τ | verified drafts / request / round "
+             "| total ÷ none | SPS profile s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "—"
+        prof = f"{r['profile_seconds']:.1f}" if r["profile_seconds"] is not None else ""
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
+                     f"| {r['per_request_tokens_per_second']:.1f} | {r['acceptance_length']:.2f} "
+                     f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |")
+    return "\n".join(lines)
+
+
+# The plot: two panels (total, per-request tokens/s) against concurrency on a log2 axis, drawn
+# with eval.py's PNG writer and pixel font (no plotting dependency).
+PANEL_W, PANEL_H = 300, 200                     # plot area of one panel
+MARGIN_L, MARGIN_T, MARGIN_B, MARGIN_R = 64, 28, 44, 24
+LEGEND_H = 24
+PLOT_SIZE = (2 * (MARGIN_L + PANEL_W + MARGIN_R), MARGIN_T + PANEL_H + MARGIN_B + LEGEND_H)  # (width, height)
+MODE_COLOURS = {"autoregressive": (150, 150, 150), "none": (31, 119, 180), "threshold": (255, 127, 14),
+                "hardware": (44, 160, 44)}
+
+
+def _nice_step(top: float) -> float:
+    """A 1/2/5 x 10^k tick step giving about five ticks up to `top`."""
+    raw = top / 5
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(s * mag for s in (1, 2, 5, 10) if s * mag >= raw)
+
+
+def concurrency_plot(path: str, rows: list[dict]):
+    import numpy as np
+
+    from eval import _BLACK, _LIGHT, _text, write_png
+
+    W, H = PLOT_SIZE
+    img = np.full((H, W, 3), 255, dtype=np.uint8)
+    levels = sorted({r["concurrency"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    lo, hi = math.log2(levels[0]), math.log2(levels[-1])
+
+    def xpix(x0, c):  # log2 axis; a single concurrency sits in the middle
+        return x0 + (PANEL_W // 2 if hi == lo else int(round((math.log2(c) - lo) / (hi - lo) * (PANEL_W - 1))))
+
+    for j, (key, title) in enumerate((("total_tokens_per_second", "total tok/s"),
+                                      ("per_request_tokens_per_second", "per-request tok/s"))):
+        x0, y0 = j * (MARGIN_L + PANEL_W + MARGIN_R) + MARGIN_L, MARGIN_T  # plot area's top left
+        top = max(r[key] for r in rows) * 1.1
+        step = _nice_step(top)
+        ypix = lambda v: y0 + PANEL_H - 1 - int(round(v / (step * math.ceil(top / step)) * (PANEL_H - 1)))
+        for k in range(math.ceil(top / step) + 1):  # horizontal grid and y tick labels
+            v, y = k * step, ypix(k * step)
+            img[y, x0:x0 + PANEL_W] = _LIGHT
+            label = f"{v:g}"
+            _text(img, max(x0 - 6 - 8 * len(label), 0), max(y - 5, 0), label)
+        for c in levels:  # x ticks
+            x = xpix(x0, c)
+            img[y0 + PANEL_H:y0 + PANEL_H + 4, x] = _BLACK
+            _text(img, max(x - 4 * len(str(c)), 0), y0 + PANEL_H + 7, str(c))
+        _text(img, x0 + PANEL_W // 2 - 4 * len("concurrency"), y0 + PANEL_H + 24, "concurrency")
+        _text(img, x0, 8, title)
+        img[y0:y0 + PANEL_H, x0] = img[y0 + PANEL_H - 1, x0:x0 + PANEL_W] = _BLACK  # axes
+        for m in modes:
+            pts = [(xpix(x0, r["concurrency"]), ypix(r[key])) for r in rows if r["mode"] == m]
+            colour = MODE_COLOURS[m]
+            for (xa, ya), (xb, yb) in zip(pts, pts[1:]):  # segments, two pixels thick
+                n = max(abs(xb - xa), abs(yb - ya)) + 1
+                for x, y in zip(np.linspace(xa, xb, n).round().astype(int), np.linspace(ya, yb, n).round().astype(int)):
+                    img[y:y + 2, x:x + 2] = colour
+            for x, y in pts:  # markers
+                img[y - 2:y + 3, x - 2:x + 3] = colour
+    x, y = MARGIN_L, H - LEGEND_H + 6  # the legend, one row under both panels
+    for m in modes:
+        img[y + 1:y + 9, x:x + 14] = MODE_COLOURS[m]
+        _text(img, x + 20, y, m)
+        x += 20 + 8 * len(m) + 28
+    write_png(path, img)
+
+
 def main(argv=None) -> int:
     import tyro
 
+    argv = sys.argv[1:] if argv is None else argv
     args = tyro.cli(BenchArgs, args=argv)
     try:
+        check_mode_flags(args)
         with torch.inference_mode():
-            run(args)
+            if args.concurrency is None:
+                run(args)
+            else:
+                if not _explicit(argv, "compile"):
+                    args.compile = args.device == "cuda"
+                run_concurrency(args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
