@@ -161,7 +161,7 @@ def hardware_schedule(confidence: torch.Tensor, active: torch.Tensor, sps: torch
     R = active.long().sum()
     admitted = torch.arange(1, B * K + 1, device=a.device)           # i = 1 .. B*K
     theta = (R + torch.cumsum(a_sorted, 0)) * sps[R + admitted]      # Θ after admitting i
-    before = torch.cat([(R * sps[R])[None], theta[:-1]])             # Θ_best when i is tried
+    before = torch.cat([R * sps[R[None]], theta[:-1]])               # Θ_best when i is tried
     take = torch.cumprod(((theta > before) & (a_sorted > 0)).long(), dim=0)
     return torch.zeros(B * K, dtype=torch.long, device=a.device).scatter(0, order, take).view(B, K).sum(1)
 
@@ -293,7 +293,11 @@ class Engine:
             scheduler = "threshold" if threshold > 0 and drafter is not None else "none"
         if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
             raise CheckpointError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
-        self.scheduler, self.sps, self.sps_table, self.compiled = scheduler, None, None, compile
+        self.scheduler, self.sps_table, self.compiled = scheduler, None, compile
+        # hardware: a flat placeholder until `set_sps` (so warm-up and profiling run, and compile,
+        # the very graph the real table then feeds).
+        self.sps = (torch.ones(batch_size * (self.K + 1) + 1, dtype=torch.float64, device=device)
+                    if scheduler == "hardware" else None)
         # Compiled, verification is padded to a few token counts (one graph each); eager runs the
         # exact count. SPS is profiled at the buckets, or at the same geometric points when eager.
         self.buckets = sorted(buckets) if buckets else (verify_buckets(batch_size * (self.K + 1)) if compile else None)
@@ -331,7 +335,7 @@ class Engine:
             return self.round_fn(*args, self.temperature, self.threshold, noise)
         chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
         drafts, q, confidence, verify_len = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
-                                                          self.sps if self.scheduler == "hardware" else None)
+                                                          self.sps)
         n = int(torch.where(active, verify_len + 1, 0).sum())  # host read: the ragged batch's size
         return self.verify_fn(*args, drafts, q, confidence, verify_len, self.temperature, u, bonus_noise,
                               self.bucket(n))
@@ -352,8 +356,7 @@ class Engine:
         active = counts > 0
         chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
         args = (self.target, self.drafter, zeros(), zeros(), active)
-        drafts, q, confidence, _ = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
-                                                 self.sps if self.scheduler == "hardware" else None)
+        drafts, q, confidence, _ = self.draft_fn(*args, self.temperature, self.threshold, chain_noise, self.sps)
         int(counts.sum())  # the host read a real round makes
         record, _, _ = self.verify_fn(*args, drafts, q, confidence, (counts - 1).clamp(min=0), self.temperature,
                                       u, bonus_noise, num_tokens)
@@ -426,7 +429,7 @@ class Engine:
             w = ((at - x0) / (x1 - x0)).clamp(0, 1)
             sps = (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist()
         self.sps_table = table
-        self.sps = torch.tensor(sps, dtype=torch.float64, device=self.device)
+        self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
 
     def _sync(self):
         if str(self.device).startswith("cuda"):

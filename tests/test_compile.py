@@ -59,11 +59,16 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys
 
 
 def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_path, capsys):
-    """The scheduled round (draft graph, host read, ragged verify graph per bucket) compiles once
-    per graph at warm-up and never again, across batches of different prompt lengths."""
+    """The hardware-scheduled round (draft + Algorithm 1 graph, host read, ragged verify graph per
+    bucket) compiles once per graph at warm-up and never again, across batches of different
+    prompt lengths, and decides exactly as the eager one."""
     import torch._dynamo
+    from test_scheduler import write_sps_table
 
     target, drafter = pair
+    tables = {flag: write_sps_table(tmp_path / f"sps{flag}.json", target, drafter, 2, 0.0, lambda b: 1 + 0.3 * b,
+                                    buckets=[4, 10], compile=flag == "--compile")
+              for flag in ("--no-compile", "--compile")}
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
                                for p in ([5, 17, 33, 2, 8], [9, 1], [40, 41, 42, 43, 44, 45, 46])))
@@ -74,7 +79,7 @@ def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_pa
         trace = tmp_path / f"{flag}.jsonl"
         rc = speculate.main(["--target", target, "--drafter", drafter, "--prompts-file", str(prompts),
                              "--batch-size", "2", "--max-new-tokens", "24", "--trace-file", str(trace),
-                             "--scheduler", "threshold", "--confidence-threshold", "0.6",
+                             "--scheduler", "hardware", "--sps-table", tables[flag],
                              "--verify-buckets", "4,10", flag])
         assert rc == 0, capsys.readouterr().err
         lines = [json.loads(l) for l in open(trace)]
@@ -87,4 +92,4 @@ def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_pa
     strip = lambda ls: [{k: v for k, v in l.items() if k != "confidence"} for l in ls]
     assert strip(traces["--compile"]) == strip(traces["--no-compile"])
     verified = [l["verified"] for l in traces["--compile"] if "verified" in l]
-    assert min(verified) < 4 and max(verified) >= 2, "the threshold should vary the ragged batch's size"
+    assert min(verified) < 4 and max(verified) >= 2, "the schedule should vary the ragged batch's size"

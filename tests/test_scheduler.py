@@ -251,14 +251,14 @@ K = 4
 PROMPTS = [[1, 2, 3, 4, 5], [7, 30, 2], [9], [40, 41, 42, 43, 44, 45, 46, 3]]
 
 
-def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None):
+def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None, compile=False):
     """An SPS table in speculate.py's format, for this configuration, with hand-chosen step times."""
     from drafter import load_drafter
 
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target)
     engine = speculate.Engine(target, drafter, (), batch, 64, temperature, 0.0, 0, "cpu", scheduler="hardware",
-                              buckets=buckets)
+                              buckets=buckets, compile=compile)  # nothing compiles until called
     table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.profile_points])
     table["seconds_per_step"] = [step_time(b) for b in engine.profile_points]
     with open(path, "w") as f:
