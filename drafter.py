@@ -297,8 +297,9 @@ class Drafter(nn.Module):
         a = self.cfg.layers
         self.register_buffer("rope", rope_tables(a.head_dim, a.rope_theta, max_seq, w.device), persistent=False)
 
-    def commit_context(self, features: torch.Tensor, positions: torch.Tensor):
-        """Project captured target features ([B, T, n*H]) and cache every layer's context K/V at positions [B, T]."""
+    def commit_context(self, features: torch.Tensor, positions: torch.Tensor, rows: Optional[torch.Tensor] = None):
+        """Project captured target features ([B, T, n*H]) and cache every layer's context K/V at
+        positions [B, T], in cache rows 0..B-1 or `rows` [B]."""
         c = self.hidden_norm(self.fc(features))
         cos_sin = self.rope[positions]
         for layer in self.layers:
@@ -306,7 +307,7 @@ class Drafter(nn.Module):
             B, T, _ = c.shape
             # Context rows enter attention straight from the projection (no input_layernorm).
             k = apply_rope(at.k_norm(at.k_proj(c).view(B, T, at.n_kv, at.head_dim)), cos_sin)
-            at.kv_cache.write(positions, k, at.v_proj(c).view(B, T, at.n_kv, at.head_dim))
+            at.kv_cache.write(positions, k, at.v_proj(c).view(B, T, at.n_kv, at.head_dim), rows)
 
     def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor):
         """The block forward: anchor [B] at positions anchor_pos [B], context rows < anchor_pos.

@@ -230,13 +230,18 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """positions: [B, T]; k, v: [B, T, kv_heads, hd]. Rows 0..B-1 of the cache are written."""
-        B = positions.shape[0]
-        rows = torch.arange(B, device=positions.device)[:, None].expand_as(positions)
-        self.k[rows, positions] = k
-        self.v[rows, positions] = v
-        return self.k[:B], self.v[:B]
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor] = None):
+        """positions: [B, T]; k, v: [B, T, kv_heads, hd]. Writes cache rows 0..B-1, or `rows` [B]
+        (a prefill into the rows that freed up), and returns those rows' whole K and V."""
+        if rows is None:
+            B = positions.shape[0]
+            index = torch.arange(B, device=positions.device)[:, None].expand_as(positions)
+            self.k[index, positions] = k
+            self.v[index, positions] = v
+            return self.k[:B], self.v[:B]
+        self.k[rows[:, None].expand_as(positions), positions] = k
+        self.v[rows[:, None].expand_as(positions), positions] = v
+        return self.k[rows], self.v[rows]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -322,15 +327,16 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos_sin)
         return k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
 
-    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None):
-        """Causal self-attention through the cache: x [B, T, H], positions [B, T]. With `ragged`,
-        x is [1, N, H] flattened tokens and positions/mask are the padded layout's [R, W(, S)]."""
+    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None, rows=None):
+        """Causal self-attention through the cache: x [B, T, H], positions [B, T], cache rows 0..B-1
+        or `rows`. With `ragged`, x is [1, N, H] flattened tokens and positions/mask are the
+        padded layout's [R, W(, S)]."""
         q = self.q(x, cos_sin)
         k, v = self.kv(x, cos_sin)
         if ragged is not None:
             q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
         if self.kv_cache is not None:
-            k, v = self.kv_cache.write(positions, k, v)
+            k, v = self.kv_cache.write(positions, k, v, rows)
         out = attend(q, k, v, mask)
         return self.o_proj(ragged.unpad(out) if ragged is not None else out)
 
@@ -355,8 +361,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
 
-    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask, ragged)
+    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None, rows=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask, ragged, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -398,7 +404,8 @@ class Transformer(nn.Module):
                     f"{source}: layer id {i} is the target's last layer; drafters read layers before it")
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: Sequence[int] = (),
-                logits_index: Optional[torch.Tensor] = None, ragged: Optional[Ragged] = None):
+                logits_index: Optional[torch.Tensor] = None, ragged: Optional[Ragged] = None,
+                rows: Optional[torch.Tensor] = None):
         """tokens, positions: [B, T] (int64). Returns (logits, features).
 
         logits: [B, T, V], or [B, V] at `logits_index` ([B], one position per row) when given.
@@ -406,6 +413,7 @@ class Transformer(nn.Module):
         before the final norm — or None when `capture` is empty.
         With `ragged`, tokens are [1, N] flattened tokens and positions the padded layout's [R, W]
         (see `Ragged`); logits and features come back flattened too: [1, N, V], [1, N, F].
+        rows [B]: the cache rows the batch's rows are (default 0..B-1), for a prefill into some rows.
         """
         mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
         cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
@@ -414,7 +422,7 @@ class Transformer(nn.Module):
         if -1 in capture:
             captured[-1] = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, positions, mask, ragged)
+            x = layer(x, cos_sin, positions, mask, ragged, rows)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None

@@ -206,20 +206,21 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, drafts, q, 
 
 
 def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature: float,
-            generator: Optional[torch.Generator], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the prompts (right-padded) through the target, capturing features for the drafter.
+            generator: Optional[torch.Generator], device, rows: Optional[torch.Tensor] = None):
+    """Run the prompts (right-padded) through the target, capturing features for the drafter,
+    into cache rows 0..len-1 or `rows` (the rows that continuous batching just freed).
 
-    Returns the first token of every row (the first anchor) and its position (the prompt length).
-    Pad rows are written past each prompt's end, where they are masked and later overwritten.
+    Returns the first token of every prompt (its first anchor) and its position (the prompt length).
+    Pad positions are written past each prompt's end, where they are masked and later overwritten.
     """
     lens = torch.tensor([len(p) for p in prompts], device=device)
     P = int(lens.max())
     tokens = torch.tensor([p + [p[-1]] * (P - len(p)) for p in prompts], device=device)
     positions = torch.arange(P, device=device).expand(len(prompts), P)
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
-    logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1)
+    logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1, rows=rows)
     if drafter is not None:
-        drafter.commit_context(features, positions)
+        drafter.commit_context(features, positions, rows)
     return kernels.sample(logits, temperature, generator), lens
 
 
@@ -233,6 +234,8 @@ class Request:
     output_ids: list[int]
     rounds: list[dict]
     finish_reason: Optional[str] = None
+    started: Optional[float] = None   # time.perf_counter() when the engine took it (before its prefill)
+    finished: Optional[float] = None  # ... and when its last token was committed
 
     @property
     def acceptance_length(self) -> Optional[float]:
@@ -449,34 +452,59 @@ class Engine:
                 req.finish_reason = "length"
         return n
 
-    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None):
-        """Decode a batch of requests to completion; `on_round(request, record)` sees every round.
+    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None):
+        """Decode requests to completion, `max_batch` at a time, continuously: when a request
+        finishes, the next waiting one is prefilled into its row while the other rows keep going.
+        `on_round(request, record)` sees every round of every request, `on_finish(request)` its end.
 
-        The batch always has `max_batch` rows (missing requests are inactive padding rows), so
-        every round has the same shapes and a compiled round never recompiles.
+        A round always runs all `max_batch` rows (free rows are inactive), so its shapes never
+        change and a compiled round never recompiles.
         """
-        rows = requests + [None] * (self.max_batch - len(requests))
-        prompts = [(r or requests[0]).prompt_ids for r in rows]
-        t0 = time.perf_counter()
-        first, anchor_pos = prefill(self.target, self.drafter, prompts, self.temperature, self.generator, self.device)
-        self._sync()
-        self.prefill_seconds += time.perf_counter() - t0
-        for req, t in zip(requests, first.tolist()):
-            self._commit(req, [t], max_new_tokens)
-        anchor = first
-        live = [r is not None and r.finish_reason is None for r in rows]
-        active = torch.tensor(live, device=self.device)
-        K = self.drafter.cfg.num_drafts if self.drafter is not None else 0
-        V = self.target.args.vocab_size
-        t0 = time.perf_counter()
-        while any(live):
-            noise = (kernels.round_noise(self.generator, len(rows), K, V, self.device)
-                     if self.temperature > 0 else None)
+        B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
+        waiting = list(reversed(requests))  # popped from the end: first come, first served
+        rows: list[Optional[Request]] = [None] * B
+        anchor = torch.zeros(B, dtype=torch.long, device=dev)
+        anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
+
+        def finish(req: Request):
+            req.finished = time.perf_counter()
+            if on_finish is not None:
+                on_finish(req)
+
+        def admit():
+            """Prefill waiting requests into the free rows (again, if one ends with its first token)."""
+            nonlocal anchor, anchor_pos
+            while waiting and None in rows:
+                free = [i for i, r in enumerate(rows) if r is None][:len(waiting)]
+                new = [waiting.pop() for _ in free]
+                t0 = time.perf_counter()
+                for req in new:
+                    req.started = t0
+                index = torch.tensor(free, device=dev)
+                first, lens = prefill(self.target, self.drafter, [r.prompt_ids for r in new], self.temperature,
+                                      self.generator, dev, rows=index)
+                anchor, anchor_pos = anchor.index_copy(0, index, first), anchor_pos.index_copy(0, index, lens)
+                for i, req, t in zip(free, new, first.tolist()):
+                    self._commit(req, [t], max_new_tokens)
+                    if req.finish_reason is None:
+                        rows[i] = req
+                    else:
+                        finish(req)
+                self.prefill_seconds += time.perf_counter() - t0
+
+        admit()
+        live = None
+        while any(r is not None for r in rows):
+            t0 = time.perf_counter()
+            if live != [r is not None for r in rows]:
+                live = [r is not None for r in rows]
+                active = torch.tensor(live, device=dev)
+            noise = kernels.round_noise(self.generator, B, K, V, dev) if self.temperature > 0 else None
             record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise)
             anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the next graph replay
             record = record.tolist()  # the one host read of the round
             for i, req in enumerate(rows):
-                if not live[i]:
+                if req is None:
                     continue
                 rec = record[i]
                 n = int(rec[K + 1])
@@ -488,12 +516,11 @@ class Engine:
                 self._commit(req, entry["draft"][:n] + [entry["bonus"]], max_new_tokens)
                 if on_round is not None:
                     on_round(req, entry)
-            now_live = [r is not None and r.finish_reason is None for r in rows]
-            if now_live != live:
-                live = now_live
-                active = torch.tensor(live, device=self.device)
-        self._sync()
-        self.decode_seconds += time.perf_counter() - t0
+                if req.finish_reason is not None:
+                    rows[i] = None
+                    finish(req)
+            self.decode_seconds += time.perf_counter() - t0
+            admit()
         return requests
 
 
@@ -763,14 +790,12 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
 
     trace = open(trace_file, "w") if trace_file else None
     on_round = (lambda req, rec: trace.write(json.dumps(rec) + "\n")) if trace else None
-    for start in range(0, len(requests), batch):
-        chunk = engine.generate(requests[start:start + batch], args.max_new_tokens, on_round)
-        for req in chunk:
-            if trace:
-                trace.write(json.dumps({"request": req.index, "output_ids": req.output_ids,
-                                        "num_rounds": len(req.rounds), "acceptance_length": req.acceptance_length,
-                                        "finish_reason": req.finish_reason}) + "\n")
-            print(tokenizer.decode(req.output_ids) if tokenizer is not None else ",".join(map(str, req.output_ids)))
+    on_finish = (lambda req: trace.write(json.dumps({
+        "request": req.index, "output_ids": req.output_ids, "num_rounds": len(req.rounds),
+        "acceptance_length": req.acceptance_length, "finish_reason": req.finish_reason}) + "\n")) if trace else None
+    engine.generate(requests, args.max_new_tokens, on_round, on_finish)
+    for req in requests:  # in prompt order, whatever order they finished in
+        print(tokenizer.decode(req.output_ids) if tokenizer is not None else ",".join(map(str, req.output_ids)))
 
     n_tokens = sum(len(r.output_ids) for r in requests)
     n_rounds = sum(len(r.rounds) for r in requests)

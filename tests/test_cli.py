@@ -65,7 +65,8 @@ def test_greedy_equals_transformers(tiny_target, tmp_path, capsys):
         rc, out, err = run_cli(["--target", tiny_target.path, "--prompt-ids", ",".join(map(str, p)),
                                 "--max-new-tokens", 24, "--trace-file", trace], capsys)
         assert rc == 0, err
-        assert read_trace(trace)[1][0]["output_ids"] == requests[i]["output_ids"]
+        by_index = {r["request"]: r for r in requests}  # end lines come in the order requests finish
+        assert read_trace(trace)[1][0]["output_ids"] == by_index[i]["output_ids"]
 
 
 def test_budget_eos_and_round_records(target_factory, tmp_path, capsys):

@@ -434,3 +434,47 @@ def test_explicit_buckets_pad_the_ragged_batch_and_keep_the_output(env):
     ref = cli(env, drafter=False, batch=3).outputs()
     tr = cli(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, "--verify-buckets", "4,9,15", batch=3)
     assert tr.outputs() == ref
+
+
+# ----------------------------------------------------------------------------------------
+# Continuous batching: a finished request's row takes the next waiting one
+
+@pytest.mark.parametrize("scheduler", ["none", "threshold"])
+def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler):
+    from drafter import load_drafter
+
+    target = load_target(env["target"])
+    drafter = load_drafter(env["drafter"], target)
+    # A long prompt first, so a later, shorter one lands in a row with stale cache past its end.
+    prompts = [[40, 41, 42, 43, 44, 45, 46, 3, 5, 6, 7], [9], [1, 2, 3], [7, 30, 2], [11, 12], [5]]
+    budgets = 12
+    threshold = 0.6 if scheduler == "threshold" else 0.0
+
+    def run(batch, reqs):
+        engine = speculate.Engine(target, drafter, (), batch, 64, 0.0, threshold, 0, "cpu", scheduler=scheduler)
+        with torch.inference_mode():
+            return engine.generate(reqs, budgets)
+
+    alone = [run(1, [speculate.Request(0, p, [], [])])[0].output_ids for p in prompts]
+    reqs = [speculate.Request(i, p, [], []) for i, p in enumerate(prompts)]
+    run(2, reqs)
+    assert [r.output_ids for r in reqs] == alone
+    assert all(r.finish_reason == "length" and len(r.output_ids) == budgets for r in reqs)
+    # Rows were refilled while others decoded: request 2 started after some request finished and
+    # before the last one did.
+    first_end = min(r.finished for r in reqs)
+    assert first_end <= reqs[2].started < max(r.finished for r in reqs)
+    assert all(r.started <= r.finished for r in reqs)
+
+
+def test_continuous_batching_with_requests_that_end_at_their_first_token(env):
+    from drafter import load_drafter
+
+    target = load_target(env["target"])
+    drafter = load_drafter(env["drafter"], target)
+    engine = speculate.Engine(target, drafter, (), 2, 64, 0.0, 0.0, 0, "cpu")
+    reqs = [speculate.Request(i, [i + 1, i + 2], [], []) for i in range(5)]
+    ended = []
+    with torch.inference_mode():
+        engine.generate(reqs, 1, on_finish=lambda r: ended.append(r.index))
+    assert sorted(ended) == list(range(5)) and all(len(r.output_ids) == 1 and not r.rounds for r in reqs)
