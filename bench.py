@@ -17,13 +17,14 @@ Schedulers under load (the paper's Figures 7/8 on this machine):
     python bench.py --concurrency 1,2,4,8,16,32,64 --threads 1 --max-new-tokens 64 --out conc.json --plot conc.png
     python bench.py --concurrency 1,8,32 --target DIR --drafter DIR --prompts-file p.jsonl --device cuda
 
-For every concurrency c, c requests (the demo pair's 20 held-out code prompts, or --prompts-file,
-cycled) are decoded as one static batch autoregressively and under each verification scheduler
+For every concurrency c, c x --requests-per-slot requests (the demo pair's 20 held-out code prompts,
+or --prompts-file, cycled) stream through c rows — continuous batching: a finished request's row
+takes the next waiting one — autoregressively and under each verification scheduler
 (--schedulers none,threshold,hardware; --threshold for the threshold one), greedy by default.
 Each engine gets an untimed warm-up; the hardware scheduler's SPS(B) is profiled once per c
 (its seconds reported apart); then --repeats timed runs, interleaved across schedulers, and the
 median is reported: total tokens/s (all requests' tokens ÷ prefill + decode wall seconds),
-per-request tokens/s (the mean of a request's tokens ÷ the seconds until its last round), τ,
+per-request tokens/s (the mean of a request's tokens ÷ the seconds from its admission to its end), τ,
 the verify budget (drafts sent to the target per request per round) and total tokens/s ÷ the
 none scheduler's. Greedy outputs must be identical under every scheduler and autoregressively
 (lossless); a difference raises. A markdown table goes to stdout, --out writes JSON, --plot a
@@ -103,8 +104,12 @@ class BenchArgs:
     --drafter (default: the demo pair in demo/); eager on cpu unless --compile is given."""
     schedulers: str = "none,threshold,hardware"
     """With --concurrency: the verification schedulers to compare (none, threshold, hardware)."""
-    threshold: float = 0.5
-    """With --concurrency: the confidence threshold of the threshold scheduler, in (0, 1]."""
+    threshold: float = 0.8
+    """With --concurrency: the confidence threshold of the threshold scheduler, in (0, 1] (the demo
+    drafter's first-draft confidences sit mostly above 0.8, so 0.5 would cut almost nothing)."""
+    requests_per_slot: int = 3
+    """With --concurrency c: c x this many requests stream through the c rows (continuous batching:
+    a finished request's row takes the next one), so one slow request does not idle the rest."""
     prompts_file: Optional[str] = None
     """With --concurrency: JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]},
     cycled to fill each batch (default: the demo pair's 20 held-out code prompts)."""
@@ -350,7 +355,7 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
 SCHEDULERS = ("none", "threshold", "hardware")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 # Flags that only one of the two modes reads: giving one to the other mode is an error, not a no-op.
-CONCURRENCY_ONLY = ("schedulers", "threshold", "prompts_file", "temperature", "repeats", "plot")
+CONCURRENCY_ONLY = ("schedulers", "threshold", "requests_per_slot", "prompts_file", "temperature", "repeats", "plot")
 SIDE_BY_SIDE_ONLY = ("model", "batch_sizes", "prompt_len", "reference")
 
 
@@ -378,6 +383,7 @@ def parse_concurrency(args: BenchArgs) -> tuple[list[int], list[str]]:
     if bad or len(set(schedulers)) != len(schedulers):
         raise CheckpointError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(SCHEDULERS)}")
     for name, ok in (("threshold", 0 < args.threshold <= 1), ("repeats", args.repeats >= 1),
+                     ("requests_per_slot", args.requests_per_slot >= 1),
                      ("max_new_tokens", args.max_new_tokens >= 1), ("temperature", args.temperature >= 0)):
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
@@ -401,28 +407,18 @@ def concurrency_prompts(args: BenchArgs, tokenizer) -> list[list[int]]:
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """One measured static batch: every prompt a request, all started together.
-
-    Total tokens/s counts prefill and decode wall time (the engine's own clocks). A request's
-    own tokens/s divides its tokens by the time from the batch's start to its last round."""
+    """One measured run: every prompt a request, streamed through the engine's rows (continuous
+    batching). Total tokens/s counts prefill and decode wall time (the engine's own clocks). A
+    request's own tokens/s divides its tokens by the time from its admission to its last token."""
     reqs = [Request(i, p, [], []) for i, p in enumerate(prompts)]
-    finished = {}
-
-    def on_round(req, rec):  # called after every round for every live request, after the host read
-        if req.finish_reason is not None and req.index not in finished:
-            finished[req.index] = time.perf_counter()
-
     engine.prefill_seconds = engine.decode_seconds = 0.0
-    t0 = time.perf_counter()
-    engine.generate(reqs, max_new_tokens, on_round)
+    engine.generate(reqs, max_new_tokens)
     seconds = engine.prefill_seconds + engine.decode_seconds
-    # A request ended by its first token (sampled from the prefill's logits) never sees a round.
-    ends = [finished[r.index] - t0 if r.index in finished else engine.prefill_seconds for r in reqs]
     rounds = [rd for r in reqs for rd in r.rounds]
     tokens = sum(len(r.output_ids) for r in reqs)
     return {
         "tokens": tokens, "seconds": seconds, "total_tokens_per_second": tokens / seconds,
-        "per_request_tokens_per_second": sum(len(r.output_ids) / e for r, e in zip(reqs, ends)) / len(reqs),
+        "per_request_tokens_per_second": sum(len(r.output_ids) / (r.finished - r.started) for r in reqs) / len(reqs),
         "acceptance_length": sum(rd["accepted"] + 1 for rd in rounds) / max(len(rounds), 1),
         # the verify budget: drafts sent to the target per live request per round
         "verified_per_round": sum(rd["verified"] for rd in rounds) / max(len(rounds), 1),
@@ -463,7 +459,7 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
 
     rows, sps_tables = [], {}
     for c in levels:
-        batch = [prompts[i % len(prompts)] for i in range(c)]
+        batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]  # the workload
         max_seq = cache_length(max(len(p) for p in batch), args.max_new_tokens, drafter)
         # Building an engine (re)allocates the target's and drafter's caches, which every engine
         # shares: so all of one concurrency's engines are built first, with one cache length, and
@@ -483,7 +479,7 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
             profile_seconds = time.perf_counter() - t0
             sps_tables[c] = {"verify_tokens": table["profile_points"], "steps_per_second": table["steps_per_second"]}
         for e in engines.values():  # untimed: settle allocators and caches, as bench_engine does
-            e.generate([Request(i, p, [], []) for i, p in enumerate(batch)], min(args.max_new_tokens, 8))
+            e.generate([Request(i, p, [], []) for i, p in enumerate(batch[:c])], min(args.max_new_tokens, 8))
         runs = {m: [] for m in modes}
         for rep in range(args.repeats):
             # Interleaved, and the order rotated each repeat, so a slow spell on a shared machine
@@ -525,8 +521,9 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
             json.dump({"config": asdict(args), "hardware": hw, "torch": torch.__version__,
                        "drafter": drafter.cfg.describe(), "prompts": len(prompts),
                        "timing": "total tokens/s = all requests' tokens / (prefill + decode wall seconds); "
-                                 "per-request tokens/s = mean of a request's tokens / seconds from the batch's "
-                                 "start to its last round; medians over repeats",
+                                 "per-request tokens/s = mean of a request's tokens / seconds from its admission "
+                                 "to its last token; c x requests_per_slot requests streamed through c rows "
+                                 "(continuous batching); medians over repeats",
                        "sps": sps_tables, "rows": rows}, f, indent=1)
     if args.plot:
         concurrency_plot(args.plot, rows)

@@ -90,7 +90,7 @@ HELDOUT_PRESENT = all(os.path.isfile(os.path.join(sysconfig.get_paths()["stdlib"
 def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "conc.json", tmp_path / "conc.png"
     # The demo head's confidences sit around 0.75-0.9: at 0.8 the threshold scheduler cuts some rounds short.
-    rc = bench.main(["--concurrency", "1,2", "--max-new-tokens", "12", "--repeats", "2", "--threshold", "0.8",
+    rc = bench.main(["--concurrency", "1,2", "--max-new-tokens", "12", "--repeats", "2", "--requests-per-slot", "2",
                      "--out", str(out), "--plot", str(png)])
     assert rc == 0, capsys.readouterr().err
     result = json.load(open(out))
@@ -102,12 +102,12 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     for r in rows:
         c = r["concurrency"]
         assert r["outputs_agree"] is True  # greedy: bench raises if any scheduler's tokens differ
-        assert r["tokens"] == 12 * c  # the demo prompts are code: no EOS within 12 tokens
+        assert r["tokens"] == 12 * c * 2  # c x 2 requests; the demo prompts are code: no EOS within 12 tokens
         assert len(r["total_tokens_per_second_runs"]) == 2
         assert r["total_tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"], rel=0.2)
-        # A static batch: every request is done by the batch's end, so its own rate is at least
-        # its share of the total (within the two clocks' difference).
-        assert r["per_request_tokens_per_second"] >= 0.9 * r["total_tokens_per_second"] / c
+        # c rows busy at a time: a request's own rate is at least its share of the total (within the
+        # clocks' difference and the drain at the end, when fewer than c requests are left).
+        assert r["per_request_tokens_per_second"] >= 0.5 * r["total_tokens_per_second"] / c
         assert (r["profile_seconds"] is not None) == (r["mode"] == "hardware")
         none = next(x for x in rows if x["concurrency"] == c and x["mode"] == "none")
         assert r["vs_none"] == pytest.approx(r["total_tokens_per_second"] / none["total_tokens_per_second"])
