@@ -272,13 +272,14 @@ def device_name(device) -> str:
 
 
 class Engine:
-    """Static batches of requests through prefill and rounds, with stop and budget handling.
+    """Requests through prefill and rounds in `max_batch` rows (continuous batching), with stop
+    and budget handling.
 
     scheduler "none": every round is one `speculative_round` verifying the whole block (one
     graph). "threshold" / "hardware": the round runs as its two halves — `draft` (which
-    schedules), one host read of the scheduled token count, then `verify` on a ragged batch
-    padded to the next of `buckets` — so a shorter schedule costs fewer target FLOPs; compiled,
-    that is one draft graph and one verify graph per bucket. "hardware" needs `set_sps(...)`.
+    schedules), one host read of the scheduled token count, then `verify` on a ragged batch of
+    exactly those tokens (eager) or padded to a bucket (compiled: one verify graph per bucket)
+    — so a shorter schedule costs fewer target FLOPs. "hardware" wants `set_sps(...)`.
     """
 
     def __init__(self, target: Transformer, drafter, stop_ids, batch_size: int, max_seq: int, temperature: float,
@@ -310,11 +311,10 @@ class Engine:
         if scheduler == "none":
             self.round_fn = wrap(speculative_round)
         else:
-            if compile:  # one verify graph per bucket, all of them expected
-                limit = max(8, len(self.buckets) + 2)
+            if compile:  # one more verify graph per bucket, all expected: raise dynamo's limit to match
                 for name in ("recompile_limit", "cache_size_limit"):
                     if hasattr(torch._dynamo.config, name):
-                        setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+                        setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name) + len(self.buckets) + 1)
             self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
         self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
 
