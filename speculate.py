@@ -258,6 +258,17 @@ def verify_buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
+def isotonic(y: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to y in squared error (pool adjacent violators)."""
+    blocks = []  # [mean, count]
+    for v in y:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m2 * n2 + m1 * n1) / (n2 + n1), n2 + n1]
+    return [m for m, n in blocks for _ in range(n)]
+
+
 def device_name(device) -> str:
     """The hardware, in words: the GPU's name, or the CPU's model, cores and torch threads."""
     if str(device).startswith("cuda"):
@@ -372,27 +383,27 @@ class Engine:
             self._dummy_round(n)
         self.compile_seconds += time.perf_counter() - t0
 
-    def profile_sps(self, reps: int = 5, verbose: bool = True) -> dict:
+    def profile_sps(self, reps: int = 7, verbose: bool = True) -> dict:
         """SPS(B), measured: rounds per second when a round verifies B tokens, at every profile point
-        (the buckets, or the same geometric points when eager; the median of `reps` timed rounds
-        after one untimed). A round here is what the engine runs
-        per step — draft, host read, ragged verify at that bucket — so SPS is the engine's step
-        rate, as the paper's Algorithm 1 wants it. Returns the table (see `set_sps`)."""
+        (the buckets, or the same geometric points when eager). A round here is what the engine
+        runs per step — draft, host read, ragged verify of B tokens — so SPS is the engine's step
+        rate, as the paper's Algorithm 1 wants it. The points are swept `reps` times in turn
+        (after one untimed sweep) and each keeps its fastest round: on a shared machine a slow
+        spell then lands on no point in particular, and the fastest is the least disturbed.
+        Returns the table (see `set_sps`)."""
         t0 = time.perf_counter()
-        seconds = []
-        for b in self.profile_points:
-            self._dummy_round(b)
-            times = []
-            for _ in range(reps):
+        best = [float("inf")] * len(self.profile_points)
+        for sweep in range(reps + 1):
+            for i, b in enumerate(self.profile_points):
                 self._sync()
                 t = time.perf_counter()
                 self._dummy_round(b)
                 self._sync()
-                times.append(time.perf_counter() - t)
-            seconds.append(sorted(times)[len(times) // 2])
-        table = dict(self.sps_identity(), seconds_per_step=seconds, steps_per_second=[1 / s for s in seconds])
+                if sweep:
+                    best[i] = min(best[i], time.perf_counter() - t)
+        table = dict(self.sps_identity(), seconds_per_step=best, steps_per_second=[1 / s for s in best])
         if verbose:
-            pts = ", ".join(f"{b}: {1 / s:.1f}" for b, s in zip(self.profile_points, seconds))
+            pts = ", ".join(f"{b}: {1 / s:.1f}" for b, s in zip(self.profile_points, best))
             print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}",
                   file=sys.stderr)
         return table
@@ -415,8 +426,9 @@ class Engine:
 
         Bucketed (compiled): B tokens go to the fastest bucket that holds them, so SPS(B) is the
         best measured rate over buckets >= B — a step function, as the hardware is. Eager: the
-        step time is interpolated linearly between the profile points (after a running max, so a
-        noisy point never makes more tokens look cheaper)."""
+        step time is made non-decreasing in B by isotonic regression (more tokens never cost less
+        — a dip or bump at one point is measurement noise, averaged into its neighbours rather
+        than carried forward) and interpolated linearly between the points."""
         points, rates = self.profile_points, table["steps_per_second"]
         top = self.max_batch * (self.K + 1)
         if self.buckets is not None:
@@ -425,11 +437,11 @@ class Engine:
                                 for n in range(1, top + 1)]
             sps = [per[self.route[1]]] + [per[b] for b in self.route[1:]]
         else:
-            seconds = torch.tensor([1 / r for r in rates], dtype=torch.float64).cummax(0).values
+            seconds = torch.tensor(isotonic([1 / r for r in rates]), dtype=torch.float64)
+            x = torch.tensor(points, dtype=torch.float64)
             at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
-            hi = torch.searchsorted(torch.tensor(points, dtype=torch.float64), at).clamp(1, len(points) - 1)
-            x0, x1 = torch.tensor(points, dtype=torch.float64)[hi - 1], torch.tensor(points, dtype=torch.float64)[hi]
-            w = ((at - x0) / (x1 - x0)).clamp(0, 1)
+            hi = torch.searchsorted(x, at).clamp(1, len(points) - 1)
+            w = ((at - x[hi - 1]) / (x[hi] - x[hi - 1])).clamp(0, 1)
             sps = (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist()
         self.sps_table = table
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it

@@ -478,3 +478,45 @@ def test_continuous_batching_with_requests_that_end_at_their_first_token(env):
     with torch.inference_mode():
         engine.generate(reqs, 1, on_finish=lambda r: ended.append(r.index))
     assert sorted(ended) == list(range(5)) and all(len(r.output_ids) == 1 and not r.rounds for r in reqs)
+
+
+# ----------------------------------------------------------------------------------------
+# The SPS curve the scheduler uses
+
+def test_isotonic_equals_the_min_max_formula():
+    rng = random.Random(3)
+    for _ in range(200):
+        y = [rng.uniform(0, 10) for _ in range(rng.randint(1, 9))]
+        n = len(y)
+        mean = lambda j, k: sum(y[j:k + 1]) / (k - j + 1)
+        want = [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+        assert speculate.isotonic(y) == pytest.approx(want)
+
+
+def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
+    from drafter import load_drafter
+
+    target = load_target(env["target"])
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), (), 2, 64, 0.0, 0.0, 0, "cpu",
+                              scheduler="hardware")
+    points = engine.profile_points  # 1, 2, 3, 4, 6, 8, 10
+    seconds = [1.0, 1.2, 1.1, 1.4, 1.6, 2.0, 2.2]  # a noisy dip at 3 tokens
+    engine.set_sps(dict(engine.sps_identity(), steps_per_second=[1 / s for s in seconds]))
+    fit = speculate.isotonic(seconds)
+    assert fit[1] == fit[2] == pytest.approx(1.15)
+    sps = engine.sps.tolist()
+    for b, s in zip(points, fit):
+        assert sps[b] == pytest.approx(1 / s)
+    assert sps[5] == pytest.approx(1 / ((fit[3] + fit[4]) / 2))  # halfway between 4 and 6 tokens
+    assert all(x >= y for x, y in zip(sps[1:], sps[2:]))  # more tokens never faster
+
+
+def test_bucketed_sps_routes_to_the_fastest_bucket_that_fits(env):
+    from drafter import load_drafter
+
+    target = load_target(env["target"])
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), (), 2, 64, 0.0, 0.0, 0, "cpu",
+                              scheduler="hardware", buckets=[2, 4, 10])
+    engine.set_sps(dict(engine.sps_identity(), steps_per_second=[5.0, 3.0, 4.0]))  # 10 measured faster than 4
+    assert [engine.bucket(n) for n in range(1, 11)] == [2, 2] + [10] * 8
+    assert engine.sps.tolist()[1:] == [5.0, 5.0] + [4.0] * 8
