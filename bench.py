@@ -21,6 +21,9 @@ For every concurrency c, c x --requests-per-slot requests (the demo pair's 20 he
 or --prompts-file, cycled) stream through c rows — continuous batching: a finished request's row
 takes the next waiting one — autoregressively and under each verification scheduler
 (--schedulers none,threshold,hardware; --threshold for the threshold one), greedy by default.
+All modes run the same executor — the round's two halves with ragged verification, which also
+skips rows left free when the workload drains — so only the schedule differs between them (plain
+`--scheduler none` in speculate.py runs the one-graph round instead, which computes free rows).
 Each engine gets an untimed warm-up; the hardware scheduler's SPS(B) is profiled once per c
 (its seconds reported apart); then --repeats timed runs, interleaved across schedulers, and the
 median is reported: total tokens/s (all requests' tokens ÷ prefill + decode wall seconds),
@@ -466,7 +469,8 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
         # only then compiled or run — they all use the last allocation.
         engines = {m: Engine(target, None if m == "autoregressive" else drafter, stop_ids, c, max_seq,
                              args.temperature, args.threshold if m == "threshold" else 0.0, args.seed, dev,
-                             args.compile, args.compile_mode, scheduler=None if m == "autoregressive" else m)
+                             args.compile, args.compile_mode, scheduler=None if m == "autoregressive" else m,
+                             ragged=True)  # one executor for all: only the schedule differs
                    for m in modes}
         if args.compile:
             for e in engines.values():

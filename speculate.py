@@ -295,7 +295,7 @@ class Engine:
 
     def __init__(self, target: Transformer, drafter, stop_ids, batch_size: int, max_seq: int, temperature: float,
                  threshold: float, seed: int, device, compile: bool = False, compile_mode: Optional[str] = None,
-                 scheduler: Optional[str] = None, buckets: Optional[list[int]] = None):
+                 scheduler: Optional[str] = None, buckets: Optional[list[int]] = None, ragged: Optional[bool] = None):
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
         self.temperature, self.threshold, self.device = temperature, threshold, device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -309,6 +309,11 @@ class Engine:
         if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
             raise CheckpointError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
         self.scheduler, self.sps_table, self.compiled = scheduler, None, compile
+        # The two-half round with ragged verification: always for a scheduler; for "none" on request
+        # (it then also skips free rows), to compare schedules on one executor.
+        self.ragged = scheduler != "none" if ragged is None else ragged
+        if not self.ragged and scheduler != "none":
+            raise ValueError(f"scheduler {scheduler!r} runs the ragged round")
         # hardware: a flat placeholder until `set_sps` (so warm-up and profiling run, and compile,
         # the very graph the real table then feeds).
         self.sps = (torch.ones(batch_size * (self.K + 1) + 1, dtype=torch.float64, device=device)
@@ -319,7 +324,7 @@ class Engine:
         self.profile_points = self.buckets or verify_buckets(batch_size * (self.K + 1))
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False,
                                         mode=compile_mode or default_compile_mode(device))) if compile else (lambda f: f)
-        if scheduler == "none":
+        if not self.ragged:
             self.round_fn = wrap(speculative_round)
         else:
             if compile:  # one more verify graph per bucket, all expected: raise dynamo's limit to match
@@ -345,7 +350,7 @@ class Engine:
     def round(self, anchor, anchor_pos, active, noise):
         """One round for every row -> (record, anchor', anchor_pos'), as `speculative_round`."""
         args = (self.target, self.drafter, anchor, anchor_pos, active)
-        if self.scheduler == "none":
+        if not self.ragged:
             return self.round_fn(*args, self.temperature, self.threshold, noise)
         chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
         drafts, q, confidence, verify_len = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
@@ -379,7 +384,7 @@ class Engine:
     def warmup(self):
         """Compile before anything is timed: the round, or the draft and every verify bucket."""
         t0 = time.perf_counter()
-        for n in [None] if self.scheduler == "none" else (self.buckets or [self.profile_points[-1]]):
+        for n in [None] if not self.ragged else (self.buckets or [self.profile_points[-1]]):
             self._dummy_round(n)
         self.compile_seconds += time.perf_counter() - t0
 

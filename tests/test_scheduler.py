@@ -439,8 +439,9 @@ def test_explicit_buckets_pad_the_ragged_batch_and_keep_the_output(env):
 # ----------------------------------------------------------------------------------------
 # Continuous batching: a finished request's row takes the next waiting one
 
-@pytest.mark.parametrize("scheduler", ["none", "threshold"])
-def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler):
+@pytest.mark.parametrize("scheduler,ragged", [("none", False), ("none", True), ("threshold", True),
+                                              ("autoregressive", True)])
+def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler, ragged):
     from drafter import load_drafter
 
     target = load_target(env["target"])
@@ -451,7 +452,9 @@ def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler):
     threshold = 0.6 if scheduler == "threshold" else 0.0
 
     def run(batch, reqs):
-        engine = speculate.Engine(target, drafter, (), batch, 64, 0.0, threshold, 0, "cpu", scheduler=scheduler)
+        engine = speculate.Engine(target, None if scheduler == "autoregressive" else drafter, (), batch, 64, 0.0,
+                                  threshold, 0, "cpu", scheduler=None if scheduler == "autoregressive" else scheduler,
+                                  ragged=ragged)
         with torch.inference_mode():
             return engine.generate(reqs, budgets)
 
