@@ -73,7 +73,8 @@ class Args:
     profiled and written there. Without it the table is profiled at start and not kept."""
     verify_buckets: Optional[str] = None
     """Comma-separated token counts a scheduled round's ragged verification is padded to (one
-    compiled graph each); default 1,2,3,4,6,8,12,... up to batch size x (drafts + 1)."""
+    compiled graph each). Default: with --compile 1,2,3,4,6,8,12,... up to batch size x (drafts + 1);
+    eager, the exact count (no padding)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
