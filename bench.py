@@ -440,12 +440,7 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
     if args.target is None or args.drafter is None:
         raise CheckpointError("--concurrency compares a drafter's schedulers: give both --target and --drafter "
                               "(or neither, for the demo pair)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda: no CUDA device is available")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    dev = args.device
+    dev, dtype = device_setup(args)
     target = load_target(args.target, dev, dtype)
     drafter = load_drafter(args.drafter, target, dev, dtype)
     tokenizer = Tokenizer(args.target) if os.path.isfile(os.path.join(args.target, "tokenizer.json")) else None
@@ -632,13 +627,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def run(args: BenchArgs) -> list[dict]:
+def device_setup(args: BenchArgs) -> tuple[str, torch.dtype]:
+    """--threads, --device (checked) and --dtype (default: bfloat16 on cuda, float32 on cpu)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CheckpointError("--device cuda: no CUDA device is available")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    dev = args.device
+    return args.device, getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
+def run(args: BenchArgs) -> list[dict]:
+    dev, dtype = device_setup(args)
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
