@@ -81,6 +81,9 @@ class Args:
     """Weights and activations (default: bfloat16 on cuda, float32 on cpu)."""
     compile: bool = False
     """torch.compile the round (default: on for cuda, off for cpu)."""
+    kernels: Literal["torch", "triton"] = "torch"
+    """The Markov chain and the acceptance: plain torch (the references), or kernels.py's Triton
+    kernels (cuda; on cpu only in Triton's interpreter, TRITON_INTERPRET=1, for testing)."""
     trace_file: Optional[str] = None
     """Write a JSON-lines record of every round, request and a summary here."""
     wandb: bool = False
@@ -97,13 +100,16 @@ class Args:
 # One round
 
 def speculative_round(target: Transformer, drafter, anchor: torch.Tensor, anchor_pos: torch.Tensor,
-                      active: torch.Tensor, temperature: float, threshold: float, noise, sps=None):
+                      active: torch.Tensor, temperature: float, threshold: float, noise, sps=None,
+                      triton: bool = False):
     """Draft, schedule, verify, accept and commit once for every row; static shapes throughout.
 
     anchor [B]: the last committed token, at positions anchor_pos [B]; the target's cache and
     the drafter's context hold rows < anchor_pos. active [B] (bool): rows still decoding; the
     others keep their anchor. noise: `kernels.round_noise(...)` when sampling, None at T=0.
     sps: the hardware scheduler's steps-per-second table (None: threshold or whole block).
+    triton: the Markov chain and the acceptance through kernels.py's Triton versions (same
+    signatures and results as the plain-torch references, which are the default).
     Returns (record, anchor', anchor_pos'): record [B, 2K+3] (float64, the one tensor the host
     reads) holds drafts [K], verified ℓ, accepted n, next token, confidence [K] (0 without a
     head). Moving the anchor to anchor_pos + n + 1 is the whole KV rollback.
@@ -114,13 +120,13 @@ def speculative_round(target: Transformer, drafter, anchor: torch.Tensor, anchor
     """
     chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
     drafts, q, confidence, verify_len = draft(target, drafter, anchor, anchor_pos, active, temperature, threshold,
-                                              chain_noise, sps)
+                                              chain_noise, sps, triton)
     return verify(target, drafter, anchor, anchor_pos, active, drafts, q, confidence, verify_len, temperature,
-                  u, bonus_noise)
+                  u, bonus_noise, None, triton)
 
 
 def draft(target: Transformer, drafter, anchor, anchor_pos, active, temperature: float, threshold: float,
-          chain_noise, sps=None):
+          chain_noise, sps=None, triton: bool = False):
     """Steps 1-2: the block forward, the sequential Markov chain, confidence, then the schedule.
 
     Returns drafts [B, K], their distributions q [B, K, V] (None at T=0), confidence [B, K]
@@ -130,7 +136,8 @@ def draft(target: Transformer, drafter, anchor, anchor_pos, active, temperature:
     if drafter is None:
         return anchor.new_zeros((B, 0)), None, None, anchor.new_zeros((B,))
     hidden, base_logits = drafter(anchor, anchor_pos)
-    drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, chain_noise)
+    chain = kernels.markov_chain_triton if triton else kernels.markov_chain
+    drafts, q = chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, chain_noise)
     confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
     K = drafts.shape[1]
     if confidence is not None and sps is not None:
@@ -168,7 +175,7 @@ def hardware_schedule(confidence: torch.Tensor, active: torch.Tensor, sps: torch
 
 
 def verify(target: Transformer, drafter, anchor, anchor_pos, active, drafts, q, confidence, verify_len,
-           temperature: float, u=None, bonus_noise=None, num_tokens: Optional[int] = None):
+           temperature: float, u=None, bonus_noise=None, num_tokens: Optional[int] = None, triton: bool = False):
     """Steps 3-5: one target pass over [x_0, x_1 .. x_ℓ] with capture, acceptance, commit.
 
     num_tokens None: every row sends all K+1 slots (unscheduled drafts are masked out of
@@ -190,10 +197,11 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, drafts, q, 
         features = ragged.pad(features) if features is not None else None
     # 4. Accept.
     if temperature == 0:
-        accepted, next_token = kernels.verify_greedy(drafts, logits, verify_len)
+        accepted, next_token = (kernels.verify_greedy_triton if triton else kernels.verify_greedy)(
+            drafts, logits, verify_len)
     else:
-        accepted, next_token = kernels.verify_sampled(drafts, q, logits, verify_len, temperature, None,
-                                                      u, bonus_noise)
+        accepted, next_token = (kernels.verify_sampled_triton if triton else kernels.verify_sampled)(
+            drafts, q, logits, verify_len, temperature, None, u, bonus_noise)
     # 5. Commit: the drafter's context gains rows a .. a+K; rows past a+n are masked out next
     #    round (context is < the new anchor position) and overwritten later.
     if drafter is not None:
@@ -296,9 +304,10 @@ class Engine:
 
     def __init__(self, target: Transformer, drafter, stop_ids, batch_size: int, max_seq: int, temperature: float,
                  threshold: float, seed: int, device, compile: bool = False, compile_mode: Optional[str] = None,
-                 scheduler: Optional[str] = None, buckets: Optional[list[int]] = None, ragged: Optional[bool] = None):
+                 scheduler: Optional[str] = None, buckets: Optional[list[int]] = None, ragged: Optional[bool] = None,
+                 triton: bool = False):
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
-        self.temperature, self.threshold, self.device = temperature, threshold, device
+        self.temperature, self.threshold, self.device, self.triton = temperature, threshold, device, triton
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.max_batch = batch_size
         target.setup_caches(batch_size, max_seq)
@@ -352,13 +361,13 @@ class Engine:
         """One round for every row -> (record, anchor', anchor_pos'), as `speculative_round`."""
         args = (self.target, self.drafter, anchor, anchor_pos, active)
         if not self.ragged:
-            return self.round_fn(*args, self.temperature, self.threshold, noise)
+            return self.round_fn(*args, self.temperature, self.threshold, noise, self.sps, self.triton)
         chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
         drafts, q, confidence, verify_len = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
-                                                          self.sps)
+                                                          self.sps, self.triton)
         n = int(torch.where(active, verify_len + 1, 0).sum())  # host read: the ragged batch's size
         return self.verify_fn(*args, drafts, q, confidence, verify_len, self.temperature, u, bonus_noise,
-                              self.bucket(n))
+                              self.bucket(n), self.triton)
 
     def _dummy_round(self, num_tokens: Optional[int] = None):
         """A round on rows at position 0 whose schedule fills `num_tokens` verify tokens (None: the
@@ -376,10 +385,11 @@ class Engine:
         active = counts > 0
         chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
         args = (self.target, self.drafter, zeros(), zeros(), active)
-        drafts, q, confidence, _ = self.draft_fn(*args, self.temperature, self.threshold, chain_noise, self.sps)
+        drafts, q, confidence, _ = self.draft_fn(*args, self.temperature, self.threshold, chain_noise, self.sps,
+                                                 self.triton)
         int(counts.sum())  # the host read a real round makes
         record, _, _ = self.verify_fn(*args, drafts, q, confidence, (counts - 1).clamp(min=0), self.temperature,
-                                      u, bonus_noise, num_tokens)
+                                      u, bonus_noise, num_tokens, self.triton)
         return record.tolist()
 
     def warmup(self):
@@ -773,6 +783,10 @@ def run(args: Args, argv: list[str]) -> dict:
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     check_scheduler_flags(args)
+    probe = torch.zeros(1, device="cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
+    if args.kernels == "triton" and not kernels._triton_ok(probe):
+        raise CheckpointError("--kernels triton: needs the triton package and --device cuda (on cpu, Triton's "
+                              "interpreter: TRITON_INTERPRET=1)")
     m = load_models(args, argv)
     target, drafter, tokenizer = m.target, m.drafter, m.tokenizer
     prompts = load_prompts(args, tokenizer, m.chat)
@@ -800,7 +814,8 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     batch = min(args.batch_size, len(requests))
     engine = Engine(target, drafter, m.stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
                     args.seed, args.device, m.compile, scheduler=args.scheduler if drafter is not None else None,
-                    buckets=parse_buckets(args, batch, drafter) if drafter is not None else None)
+                    buckets=parse_buckets(args, batch, drafter) if drafter is not None else None,
+                    triton=args.kernels == "triton")
     if m.compile:
         engine.warmup()
     if engine.scheduler == "hardware":

@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+# The Triton kernels on the GPU against their references, and traced by torch.compile (a minute or so).
+python tests/test_triton.py --device || echo "TRITON DEVICE CHECK FAILED"
 python - <<'PY'
 import os, torch
 import bench

@@ -523,3 +523,10 @@ def test_bucketed_sps_routes_to_the_fastest_bucket_that_fits(env):
     engine.set_sps(dict(engine.sps_identity(), steps_per_second=[5.0, 3.0, 4.0]))  # 10 measured faster than 4
     assert [engine.bucket(n) for n in range(1, 11)] == [2, 2] + [10] * 8
     assert engine.sps.tolist()[1:] == [5.0, 5.0] + [4.0] * 8
+
+
+def test_triton_kernels_on_cpu_without_the_interpreter_are_refused(env, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 4, "--kernels", "triton"])
+    assert rc == 2 and "--kernels triton" in err and one_error_line(err), err

@@ -339,6 +339,46 @@ def test_verify_sampled_draws_like_reference_from_generator(no_fallback):
 
 
 # ----------------------------------------------------------------------------------------
+# The engine with --kernels triton: the whole decode, Triton for the chain and the acceptance
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from drafters import make_drafter, make_target
+
+    d = tmp_path_factory.mktemp("triton_engine")
+    target = make_target(d / "target", vocab_size=48, attn_scale=0.01)
+    drafter = make_drafter(d / "drafter", target, block_size=4, markov="vanilla", oracle=True, oracle_scale=4.0,
+                           norm_scale=0.05)
+    return target, drafter
+
+
+@pytest.mark.parametrize("temperature,scheduler", [(0.0, "none"), (1.0, "none"), (0.0, "threshold")])
+def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monkeypatch, temperature, scheduler):
+    import speculate
+    from drafter import load_drafter
+    from model import load_target
+
+    target = load_target(tiny_pair[0])
+    drafter = load_drafter(tiny_pair[1], target)
+    prompts = [[1, 2, 3, 4, 5], [7, 30, 2], [9]]
+
+    def decode(triton):
+        engine = speculate.Engine(target, drafter, (), 2, 64, temperature, 0.6 if scheduler == "threshold" else 0.0,
+                                  0, "cpu", scheduler=scheduler, triton=triton)
+        reqs = [speculate.Request(i, p, [], []) for i, p in enumerate(prompts)]
+        with torch.inference_mode():
+            engine.generate(reqs, 16)
+        return [(r.output_ids, [(rd["draft"], rd["verified"], rd["accepted"]) for rd in r.rounds]) for r in reqs]
+
+    want = decode(False)
+    for name in ("markov_chain", "verify_greedy", "verify_sampled"):  # from here on, only Triton may run
+        monkeypatch.setattr(kernels, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
+    got = decode(True)
+    assert got == want
+    assert any(a >= 2 for _, rounds in want for _, _, a in rounds)
+
+
+# ----------------------------------------------------------------------------------------
 # On a GPU (not part of the pytest run): compiled Triton against the references, and timings.
 
 DEVICE_SHAPES = [(1, 7, 151936, 256, torch.bfloat16), (4, 7, 151936, 256, torch.float32),
