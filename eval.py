@@ -34,7 +34,8 @@ import torch
 
 from model import CheckpointError
 from speculate import Args as SpeculateArgs
-from speculate import Engine, Request, cache_length, check_prompts, load_models, load_prompts
+from speculate import (Engine, Request, cache_length, check_prompts, check_scheduler_flags, load_models, load_prompts,
+                       sps_for)
 
 # The paper's protocol (Table 1): per-dataset sample counts, first rows in file order.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -69,6 +70,11 @@ class EvalArgs:
     """Requests decoded together (per process under torchrun)."""
     confidence_threshold: float = 0.0
     """Verify drafts only up to the first confidence below this; 0 = the whole block."""
+    scheduler: Optional[Literal["none", "threshold", "hardware"]] = None
+    """How many drafts a round verifies, as speculate.py's --scheduler (default: threshold when
+    --confidence-threshold > 0, else none); hardware profiles SPS(B) at start (per rank)."""
+    sps_table: Optional[str] = None
+    """With --scheduler hardware: read SPS(B) from this JSON, or profile and write it (as speculate.py)."""
     seed: int = 0
     """Seed of the sampling generator (rank r uses seed + r); reset at the start of every dataset."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -460,6 +466,7 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
                      ("calibration_split", 0 <= args.calibration_split < 1)):
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+    check_scheduler_flags(args)
     rank, world, device = dist_setup(args.device)
     datasets = resolve_datasets(args, rank)
     m = load_models(args, argv, device, verbose=rank == 0)
@@ -482,9 +489,11 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, m.stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
-                    args.seed + rank, device, m.compile)
+                    args.seed + rank, device, m.compile, scheduler=args.scheduler if drafter is not None else None)
     if m.compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
+    if engine.scheduler == "hardware":
+        engine.set_sps(sps_for(engine, args.sps_table, verbose=rank == 0))
 
     bar = None
     if args.progress and rank == 0:
@@ -496,12 +505,11 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
         requests = [Request(i, ps[i], [], []) for i in range(rank, len(ps), world)]  # interleaved shard
         engine.generator.manual_seed(args.seed + rank)  # a dataset's numbers do not depend on the ones before
         seconds0 = engine.prefill_seconds + engine.decode_seconds
-        for start in range(0, len(requests), batch):
-            chunk = requests[start:start + batch]
-            engine.generate(chunk, args.max_new_tokens)
-            if bar is not None:
-                bar.set_description(name)
-                bar.update(len(chunk) * world)
+        if bar is not None:
+            bar.set_description(name)
+        # All of the shard at once: continuous batching keeps the rows busy; the bar moves per request.
+        engine.generate(requests, args.max_new_tokens,
+                        on_finish=(lambda req: bar.update(world)) if bar is not None else None)
         seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
         c = count(requests, K)
         flat = all_sum([c[k] for k in COUNT_KEYS] + c["tried"] + c["ok"], device)

@@ -725,7 +725,7 @@ def check_scheduler_flags(args):
                               f"uses it, not --scheduler {sched}")
     if args.sps_table is not None and sched != "hardware":
         raise CheckpointError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
-    if args.verify_buckets is not None:
+    if getattr(args, "verify_buckets", None) is not None:
         if (sched or ("threshold" if args.confidence_threshold > 0 else "none")) == "none":
             raise CheckpointError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
         buckets = parse_ids(args.verify_buckets, "--verify-buckets")

@@ -354,3 +354,25 @@ def test_calibration_report_splits_by_request_per_dataset():
     assert rep["temperatures"] == ev.fit_sts(C.astype(np.float32)[fit], ver[fit], acc[fit])
     assert all(s["ece"] < r["ece"] for s, r in zip(rep["sts_heldout"], rep["raw_heldout"]))
     assert "temperatures" not in ev.calibration_report(rec, 0.0)
+
+
+def test_hardware_scheduler_metrics_equal_speculate_trace(env, tmp_path, capsys):
+    from test_scheduler import write_sps_table
+
+    # Batch 1, a fixed cost per round plus 0.3 of it per verified token: the schedule varies.
+    table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 1, 0.0, lambda b: 1 + 0.3 * b)
+    extra = ["--scheduler", "hardware", "--sps-table", table]
+    res, _, err = run_eval(env, tmp_path, capsys, "--max-samples", 3, *extra, datasets="gsm8k")
+    assert "read from" in err
+    entry = res["datasets"][0]
+    rounds, summary = trace_rounds(env, tmp_path, capsys, "gsm8k", 3, *extra)
+    assert entry["acceptance_length"] == pytest.approx(summary["acceptance_length"], abs=1e-12)
+    assert entry["draft_tokens_per_proposal"] == pytest.approx(sum(r["verified"] for r in rounds) / len(rounds))
+    assert 0 < entry["verify_rate"] < 1
+
+
+def test_scheduler_flags_are_checked(env, tmp_path, capsys):
+    args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--scheduler", "threshold", "--no-progress", "--out", str(tmp_path / "r.json")]
+    assert ev.main(args) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --scheduler threshold")
