@@ -749,6 +749,10 @@ def sps_for(engine: Engine, path: Optional[str], verbose: bool = True) -> dict:
     """The hardware scheduler's SPS table: read from `path` if it exists (every identity key must
     match this engine), else profiled now (and written to `path` when given)."""
     want = engine.sps_identity()
+    if path is not None and os.path.isdir(path):
+        raise CheckpointError(f"--sps-table {path}: is a directory, not a JSON file")
+    if path is not None and not os.path.exists(path) and not os.path.isdir(os.path.dirname(path) or "."):
+        raise CheckpointError(f"--sps-table {path}: directory {os.path.dirname(path)} does not exist")
     if path is not None and os.path.exists(path):
         table = read_json(path)
         for key, value in want.items():
@@ -767,8 +771,11 @@ def sps_for(engine: Engine, path: Optional[str], verbose: bool = True) -> dict:
         return table
     table = engine.profile_sps(verbose=verbose)
     if path is not None:
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
+        try:
+            with open(path, "w") as f:
+                json.dump(table, f, indent=1)
+        except OSError as e:
+            raise CheckpointError(f"--sps-table {path}: cannot write the table ({e.strerror})") from None
         if verbose:
             print(f"SPS table written to {path}", file=sys.stderr)
     return table

@@ -393,6 +393,13 @@ def _bad_table(path, edit):
     path.write_text(json.dumps(table))
 
 
+def test_sps_table_paths_that_cannot_work_are_refused(env, tmp_path):
+    for path, needle in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.json", "does not exist")):
+        rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                           "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
+        assert rc == 2 and needle in err and one_error_line(err), err
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda t: t.update(steps_per_second=[1.0]), "steps_per_second"),
     (lambda t: t.update(steps_per_second=[-1.0] * len(t["profile_points"])), "steps_per_second"),
