@@ -60,7 +60,7 @@ import torch
 
 import kernels
 from drafter import Drafter, DrafterConfig, random_drafter
-from model import CheckpointError, ModelArgs, Transformer, init_random_, load_target, random_target
+from model import CheckpointError, ModelArgs, Transformer, check_writable, init_random_, load_target, random_target
 from speculate import (Engine, Request, _explicit, cache_length, check_prompts, default_compile_mode,
                        device_name, load_prompts)
 
@@ -628,7 +628,10 @@ def main(argv=None) -> int:
 
 
 def device_setup(args: BenchArgs) -> tuple[str, torch.dtype]:
-    """--threads, --device (checked) and --dtype (default: bfloat16 on cuda, float32 on cpu)."""
+    """--threads, --device (checked) and --dtype (default: bfloat16 on cuda, float32 on cpu); the
+    output paths checked before any work."""
+    check_writable(args.out, "--out")
+    check_writable(args.plot, "--plot")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():

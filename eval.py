@@ -32,7 +32,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from model import CheckpointError
+from model import CheckpointError, check_writable
 from speculate import Args as SpeculateArgs
 from speculate import (Engine, Request, cache_length, check_prompts, check_scheduler_flags, load_models, load_prompts,
                        sps_for)
@@ -467,6 +467,9 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     check_scheduler_flags(args)
+    for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
+                       ("--calibration-plot", args.calibration_plot)):
+        check_writable(path, flag)
     rank, world, device = dist_setup(args.device)
     datasets = resolve_datasets(args, rank)
     m = load_models(args, argv, device, verbose=rank == 0)

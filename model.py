@@ -168,6 +168,19 @@ def read_json(path: str) -> dict:
     return obj
 
 
+def check_writable(path: Optional[str], flag: str):
+    """Fail before any work if an output path cannot be written: a directory, or a missing folder."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path}: is a directory, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{flag} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CheckpointError(f"{flag} {path}: directory {folder} is not writable")
+
+
 def read_jsonl(path: str):
     """Yield (where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"
     for messages. A line that is not JSON is a CheckpointError naming it."""

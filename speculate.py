@@ -30,7 +30,8 @@ from typing import Literal, Optional
 import torch
 
 import kernels
-from model import CheckpointError, Ragged, Tokenizer, Transformer, load_target, random_target, read_json, read_jsonl, stop_token_ids
+from model import (CheckpointError, Ragged, Tokenizer, Transformer, check_writable, load_target, random_target,
+                   read_json, read_jsonl, stop_token_ids)
 
 
 @dataclass
@@ -749,11 +750,9 @@ def sps_for(engine: Engine, path: Optional[str], verbose: bool = True) -> dict:
     """The hardware scheduler's SPS table: read from `path` if it exists (every identity key must
     match this engine), else profiled now (and written to `path` when given)."""
     want = engine.sps_identity()
-    if path is not None and os.path.isdir(path):
-        raise CheckpointError(f"--sps-table {path}: is a directory, not a JSON file")
-    if path is not None and not os.path.exists(path) and not os.path.isdir(os.path.dirname(path) or "."):
-        raise CheckpointError(f"--sps-table {path}: directory {os.path.dirname(path)} does not exist")
-    if path is not None and os.path.exists(path):
+    if path is not None and not os.path.isfile(path):
+        check_writable(path, "--sps-table")  # to be written: a directory or a missing folder fails now
+    if path is not None and os.path.isfile(path):
         table = read_json(path)
         for key, value in want.items():
             if key not in table:
@@ -790,6 +789,9 @@ def run(args: Args, argv: list[str]) -> dict:
         if not ok:
             raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     check_scheduler_flags(args)
+    check_writable(args.trace_file, "--trace-file")
+    if args.sps_table is not None and not os.path.isfile(args.sps_table):
+        check_writable(args.sps_table, "--sps-table")
     probe = torch.zeros(1, device="cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
     if args.kernels == "triton" and not kernels._triton_ok(probe):
         raise CheckpointError("--kernels triton: needs the triton package and --device cuda (on cpu, Triton's "

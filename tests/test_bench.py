@@ -167,6 +167,8 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--plot", "x.png"], "--plot: only used with --concurrency"),
     (["--concurrency", "2", "--target", "somewhere"], "give both --target and --drafter"),
     (["--concurrency", "2", "--prompts-file", "/nonexistent.jsonl"], "prompts file not found"),
+    (["--concurrency", "2", "--plot", "/nonexistent/c.png"], "--plot /nonexistent/c.png: directory"),
+    (["--out", "/"], "--out /: is a directory"),
 ])
 def test_concurrency_bad_flags(flags, needle, capsys):
     assert bench.main(flags) == 2

@@ -206,3 +206,11 @@ def test_wandb_offline_logs_a_run(tiny_target, tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+@pytest.mark.parametrize("where,needle", [("missing-folder", "does not exist"), ("directory", "is a directory")])
+def test_unwritable_trace_file_is_refused_before_any_work(tiny_target, tmp_path, capsys, where, needle):
+    path = tmp_path / "no" / "t.jsonl" if where == "missing-folder" else tmp_path
+    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2,
+                          "--trace-file", path], capsys)
+    assert rc == 2 and needle in err and err.strip().splitlines()[-1].startswith("error: --trace-file"), err

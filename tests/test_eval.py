@@ -376,3 +376,11 @@ def test_scheduler_flags_are_checked(env, tmp_path, capsys):
             "--scheduler", "threshold", "--no-progress", "--out", str(tmp_path / "r.json")]
     assert ev.main(args) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --scheduler threshold")
+
+
+def test_unwritable_outputs_are_refused_before_any_work(env, tmp_path, capsys):
+    for flag in ("--out", "--calibration-plot"):
+        args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets",
+                "gsm8k", "--no-progress", flag, str(tmp_path / "missing" / "x")]
+        assert ev.main(args) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {flag}")
