@@ -279,6 +279,26 @@ def isotonic(y: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
+def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]], top: int):
+    """SPS(B) for B = 0 .. top from steps/s measured at `points`; returns (sps, route).
+
+    Bucketed (compiled): B tokens go to the fastest bucket that holds them (route[B]), so SPS(B) is
+    the best measured rate over buckets >= B — a step function, as the hardware is. Eager (buckets
+    None, route None): the step time is made non-decreasing in B by isotonic regression (more
+    tokens never cost less — a dip or bump at one point is measurement noise, averaged into its
+    neighbours rather than carried forward) and interpolated linearly between the points."""
+    if buckets is not None:
+        per = dict(zip(points, rates))
+        route = [0] + [max((b for b in buckets if b >= n), key=lambda b: (per[b], -b)) for n in range(1, top + 1)]
+        return [per[route[1]]] + [per[b] for b in route[1:]], route
+    seconds = torch.tensor(isotonic([1 / r for r in rates]), dtype=torch.float64)
+    x = torch.tensor(points, dtype=torch.float64)
+    at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
+    hi = torch.searchsorted(x, at).clamp(1, len(points) - 1)
+    w = ((at - x[hi - 1]) / (x[hi] - x[hi - 1])).clamp(0, 1)
+    return (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist(), None
+
+
 def device_name(device) -> str:
     """The hardware, in words: the GPU's name, or the CPU's model, cores and torch threads."""
     if str(device).startswith("cuda"):
@@ -439,27 +459,9 @@ class Engine:
                 "buckets": self.buckets, "profile_points": self.profile_points}
 
     def set_sps(self, table: dict):
-        """Use a profiled table for the hardware scheduler: sps[B], B = 0 .. max_batch*(K+1), on the device.
-
-        Bucketed (compiled): B tokens go to the fastest bucket that holds them, so SPS(B) is the
-        best measured rate over buckets >= B — a step function, as the hardware is. Eager: the
-        step time is made non-decreasing in B by isotonic regression (more tokens never cost less
-        — a dip or bump at one point is measurement noise, averaged into its neighbours rather
-        than carried forward) and interpolated linearly between the points."""
-        points, rates = self.profile_points, table["steps_per_second"]
-        top = self.max_batch * (self.K + 1)
-        if self.buckets is not None:
-            per = dict(zip(points, rates))
-            self.route = [0] + [max((b for b in self.buckets if b >= n), key=lambda b: (per[b], -b))
-                                for n in range(1, top + 1)]
-            sps = [per[self.route[1]]] + [per[b] for b in self.route[1:]]
-        else:
-            seconds = torch.tensor(isotonic([1 / r for r in rates]), dtype=torch.float64)
-            x = torch.tensor(points, dtype=torch.float64)
-            at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
-            hi = torch.searchsorted(x, at).clamp(1, len(points) - 1)
-            w = ((at - x[hi - 1]) / (x[hi] - x[hi - 1])).clamp(0, 1)
-            sps = (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist()
+        """Use a profiled table (`profile_sps`, or read by `sps_for`) for the hardware scheduler."""
+        sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets,
+                                    self.max_batch * (self.K + 1))
         self.sps_table = table
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
 
