@@ -54,7 +54,8 @@ class Args:
     num_samples: int = 1
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
-    """Requests decoded together."""
+    """Requests decoded together (rows); with more requests than rows, a finished request's row
+    takes the next waiting one at once (continuous batching)."""
     max_new_tokens: int = 128
     """Token budget per request (exact)."""
     temperature: float = 0.0
