@@ -145,7 +145,7 @@ def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 
         target.norm.weight[rank:] = 0  # the next-token table has rank `rank`
     target.eval().requires_grad_(False)
     # The target's final features for every single token (what W1 must hold).
-    V, H = args.vocab_size, args.hidden_size
+    V = args.vocab_size
     target.setup_caches(1024, 2)
     feats = []
     with torch.no_grad():

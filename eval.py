@@ -112,7 +112,6 @@ def ece(p, y, bins: int = ECE_BINS) -> Optional[float]:
     if p.size == 0:
         return None
     idx = np.minimum((p * bins).astype(np.int64), bins - 1)
-    n = np.bincount(idx, minlength=bins)
     gap = np.abs(np.bincount(idx, weights=y, minlength=bins) - np.bincount(idx, weights=p, minlength=bins))
     return float(gap.sum() / p.size)  # Σ_b n_b/N · |Σy_b - Σp_b| / n_b
 

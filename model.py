@@ -24,7 +24,6 @@ What is notable here:
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence

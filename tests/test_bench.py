@@ -7,7 +7,6 @@ import os
 import sysconfig
 
 import pytest
-import torch
 
 from drafters import make_drafter, make_target
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, WORDS, build_tokenizer
+from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, build_tokenizer
 from drafters import make_drafter, make_target
 
 import eval as ev
@@ -127,7 +127,6 @@ def test_calibration_records_match_trace(env, tmp_path, capsys):
     res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 3, datasets="gsm8k")
     rounds, _ = trace_rounds(env, tmp_path, capsys, "gsm8k", 3)
     C = np.array([r["confidence"] for r in rounds])
-    ver = np.array([r["verified"] for r in rounds])
     acc = np.array([r["accepted"] for r in rounds])
     raw = res["calibration"]["raw"]
     for k in range(1, K + 1):

@@ -228,7 +228,7 @@ def test_verify_greedy_counts_and_next_token():
 
 
 def test_verify_greedy_verify_len_caps_acceptance():
-    V, K = 10, 4
+    V = 10
     best = torch.tensor([[1, 2, 3, 4, 6]] * 5)
     drafts = torch.tensor([[1, 2, 3, 4]] * 4 + [[1, 7, 3, 4]])
     verify_len = torch.tensor([0, 1, 2, 4, 3])

@@ -11,12 +11,10 @@ import contextlib
 import io
 import json
 import math
-import os
 import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import drafter as dr
 import model as mdl
