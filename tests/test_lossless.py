@@ -566,3 +566,19 @@ def test_same_seed_same_trace_other_seed_differs(genv):
     # num-samples: the two samples of one prompt are independent draws, not copies.
     outs = a.outputs()
     assert any(outs[2 * i] != outs[2 * i + 1] for i in range(len(PROMPTS)))
+
+
+def test_sampled_output_exact_in_rows_refilled_by_continuous_batching(senv, tmp_path):
+    """Rows that held a longer prompt are refilled with SAMPLE_PROMPT (stale cache and context past
+    its end): its samples still follow the target's exact distribution."""
+    long_prompt = [5, 6, 7, 1, 2, 4, 3, 0, 6, 5, 1, 1]
+    pf = tmp_path / "mixed.jsonl"
+    pf.write_text(json.dumps({"prompt_ids": long_prompt}) + "\n" + json.dumps({"prompt_ids": SAMPLE_PROMPT}) + "\n")
+    half = N_SAMPLES // 2
+    tr = run_cli(senv.dir, ["--target", senv.target, "--drafter", senv.drafters["oracle"], "--prompts-file", pf,
+                            "--num-samples", half, "--batch-size", half // 2, "--max-new-tokens", M,
+                            "--temperature", 1.0])
+    outs = tr.outputs()  # requests 0..half-1: the long prompt; half..: SAMPLE_PROMPT, in refilled rows
+    assert all(len(o) == M for o in outs)
+    p = chi2_pvalue(seq_index(outs[half:], SV), senv.joint())
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
