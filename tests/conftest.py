@@ -15,6 +15,7 @@ Main entry points
 - `edit_config(dir, fn)` / `edit_json(path, fn)`, `edit_tensors(dir, fn)`: rewrite files in place.
 - `hf_forward(hf_model, tokens)`: HF logits and hidden states for reference comparisons.
 - `import_model()`: the repository's `model.py` module.
+- `chi2_pvalue(samples, probs)`: the goodness-of-fit test of the distribution tests.
 
 Conventions: all tiny models are float32 on CPU; `max_position_embeddings` is small (128)
 so caches stay small; ids of the special tokens are fixed (see `SPECIAL_TOKENS`).
@@ -317,3 +318,28 @@ def _fresh_wandb():
     yield
     if "wandb" in sys.modules:
         sys.modules["wandb"].teardown()
+
+
+# ----------------------------------------------------------------------------------------
+# Distribution tests
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of integer `samples` (any shape) to `probs` [V]; cells with an expected
+    count below 5 are pooled into one; a sample in a zero-probability cell gives p = 0."""
+    samples = samples.reshape(-1)
+    N = samples.numel()
+    probs = probs.double() / probs.double().sum()
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs * N
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    df = obs.numel() - 1
+    if df < 1:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

@@ -19,6 +19,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
         sys.path.insert(0, _p)
 
 import kernels  # noqa: E402
+from conftest import chi2_pvalue  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -27,28 +28,6 @@ P_MIN = 1e-3  # chi-square p-value below which a distribution is declared differ
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit of integer `samples` (any shape) to `probs` [V]; cells with an expected
-    count below 5 are pooled into one; a sample in a zero-probability cell gives p = 0."""
-    samples = samples.reshape(-1)
-    N = samples.numel()
-    probs = probs.double() / probs.double().sum()
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    if bool((counts[probs == 0] > 0).any()):
-        return 0.0
-    expected = probs * N
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    df = obs.numel() - 1
-    if df < 1:
-        return 1.0
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def test_chi2_helper_has_power():

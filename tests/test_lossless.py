@@ -38,6 +38,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 
 import kernels  # noqa: E402
 import speculate  # noqa: E402
+from conftest import chi2_pvalue  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
 
 torch.set_num_threads(1)
@@ -456,25 +457,6 @@ def seq_index(seqs, V):
     for j in range(len(seqs[0])):
         idx = idx * V + torch.tensor([s[j] for s in seqs])
     return idx
-
-
-def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit of integer samples to probs; cells expecting fewer than 5 are pooled;
-    a sample in a zero-probability cell gives p = 0."""
-    N = samples.numel()
-    probs = probs.double() / probs.double().sum()
-    counts = torch.bincount(samples.reshape(-1), minlength=probs.numel()).double()
-    if bool((counts[probs == 0] > 0).any()):
-        return 0.0
-    expected = probs * N
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    df = obs.numel() - 1
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 @pytest.fixture(scope="module")
