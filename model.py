@@ -311,10 +311,10 @@ class Ragged:
         return out[:self.R * self.W].view(self.R, self.W, *rest)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[R, W, ...] padded -> [1, N, ...] flattened (padding tokens read zeros)."""
-        N, rest = self.index.shape[0], x.shape[2:]
-        flat = torch.cat([x.reshape(self.R * self.W, *rest), x.new_zeros((N, *rest))])
-        return flat.index_select(0, self.index)[None]
+        """[R, W, ...] padded -> [1, N, ...] flattened (padding tokens read the last slot: their
+        values are never used, so no zero row is appended to the whole output for them)."""
+        index = self.index.clamp(max=self.R * self.W - 1)
+        return x.reshape(self.R * self.W, *x.shape[2:]).index_select(0, index)[None]
 
 
 class Attention(nn.Module):

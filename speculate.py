@@ -379,17 +379,21 @@ class Engine:
         raise CheckpointError(f"--verify-buckets: the largest bucket {self.buckets[-1]} is below the {n} tokens "
                               f"a round verifies")
 
-    def round(self, anchor, anchor_pos, active, noise):
-        """One round for every row -> (record, anchor', anchor_pos'), as `speculative_round`."""
+    def round(self, anchor, anchor_pos, active, noise, verify_len: Optional[torch.Tensor] = None):
+        """One round for every row -> (record, anchor', anchor_pos'), as `speculative_round`.
+        verify_len [B] (ragged rounds, for profiling): verify exactly these many drafts per active
+        row, at exactly that many tokens, instead of the schedule's."""
         args = (self.target, self.drafter, anchor, anchor_pos, active)
         if not self.ragged:
             return self.round_fn(*args, self.temperature, self.threshold, noise, self.sps, self.triton)
         chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
-        drafts, q, confidence, verify_len = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
-                                                          self.sps, self.triton)
+        drafts, q, confidence, scheduled = self.draft_fn(*args, self.temperature, self.threshold, chain_noise,
+                                                         self.sps, self.triton)
+        forced = verify_len is not None
+        verify_len = verify_len if forced else scheduled
         n = int(torch.where(active, verify_len + 1, 0).sum())  # host read: the ragged batch's size
         return self.verify_fn(*args, drafts, q, confidence, verify_len, self.temperature, u, bonus_noise,
-                              self.bucket(n), self.triton)
+                              n if forced else self.bucket(n), self.triton)
 
     def _dummy_round(self, num_tokens: Optional[int] = None):
         """A round on rows at position 0 whose schedule fills `num_tokens` verify tokens (None: the
@@ -402,16 +406,9 @@ class Engine:
                                      self.target.args.vocab_size, dev) if self.temperature > 0 else None)
         if num_tokens is None:
             record, _, _ = self.round(zeros(), zeros(), zeros(torch.bool), noise)
-            return record.tolist()
-        counts = (num_tokens - W * torch.arange(B, device=dev)).clamp(0, W)  # fill rows in order
-        active = counts > 0
-        chain_noise, u, bonus_noise = noise if noise is not None else (None, None, None)
-        args = (self.target, self.drafter, zeros(), zeros(), active)
-        drafts, q, confidence, _ = self.draft_fn(*args, self.temperature, self.threshold, chain_noise, self.sps,
-                                                 self.triton)
-        int(counts.sum())  # the host read a real round makes
-        record, _, _ = self.verify_fn(*args, drafts, q, confidence, (counts - 1).clamp(min=0), self.temperature,
-                                      u, bonus_noise, num_tokens, self.triton)
+        else:
+            counts = (num_tokens - W * torch.arange(B, device=dev)).clamp(0, W)  # fill rows in order
+            record, _, _ = self.round(zeros(), zeros(), counts > 0, noise, verify_len=(counts - 1).clamp(min=0))
         return record.tolist()
 
     def warmup(self):
@@ -513,8 +510,9 @@ class Engine:
                 for req in new:
                     req.started = t0
                 index = torch.tensor(free, device=dev)
+                leading = free == list(range(len(free)))  # e.g. the first admission: cache rows as a view
                 first, lens = prefill(self.target, self.drafter, [r.prompt_ids for r in new], self.temperature,
-                                      self.generator, dev, rows=index)
+                                      self.generator, dev, rows=None if leading else index)
                 anchor, anchor_pos = anchor.index_copy(0, index, first), anchor_pos.index_copy(0, index, lens)
                 for i, req, t in zip(free, new, first.tolist()):
                     self._commit(req, [t], max_new_tokens)
