@@ -793,8 +793,8 @@ def run(args: Args, argv: list[str]) -> dict:
     check_writable(args.trace_file, "--trace-file")
     if args.sps_table is not None and not os.path.isfile(args.sps_table):
         check_writable(args.sps_table, "--sps-table")
-    probe = torch.zeros(1, device="cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
-    if args.kernels == "triton" and not kernels._triton_ok(probe):
+    on = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
+    if args.kernels == "triton" and not kernels._triton_ok(torch.zeros(1, device=on)):
         raise CheckpointError("--kernels triton: needs the triton package and --device cuda (on cpu, Triton's "
                               "interpreter: TRITON_INTERPRET=1)")
     m = load_models(args, argv)
