@@ -61,7 +61,7 @@ import torch
 import kernels
 from drafter import Drafter, DrafterConfig, random_drafter
 from model import CheckpointError, ModelArgs, Transformer, check_writable, init_random_, load_target, random_target
-from speculate import (Engine, Request, _explicit, cache_length, check_prompts, default_compile_mode,
+from speculate import (Engine, Request, _explicit, cache_length, check_prompts, compiled,
                        device_name, load_prompts)
 
 
@@ -85,8 +85,8 @@ class BenchArgs:
     """torch.compile the round (--no-compile for eager). With --concurrency the default is on for cuda
     and off for cpu, where a graph per concurrency and verify bucket would take longer to compile than to run."""
     compile_mode: Optional[str] = None
-    """torch.compile mode (default: max-autotune on cuda, Inductor's default on cpu); reduce-overhead
-    keeps CUDA graphs and skips autotuning, for a short device session."""
+    """torch.compile mode (default: max-autotune, on cpu with the weights frozen into the graph, see
+    speculate.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short device session."""
     batch_sizes: str = "1"
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
@@ -277,8 +277,7 @@ def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool
     def verify():
         return target(tokens_v, positions, capture=capture)
 
-    wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False, mode=mode or default_compile_mode(device))) \
-        if compile else (lambda f: f)
+    wrap = (lambda f: compiled(f, device, mode)) if compile else (lambda f: f)
     draft_s = time_calls(wrap(draft), device) if drafter is not None else 0.0
     verify_s = time_calls(wrap(verify), device)
     context = int(pos.float().mean())

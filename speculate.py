@@ -19,6 +19,7 @@ the target verifies exactly those, flattened into one ragged batch (`model.Ragge
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -254,9 +255,26 @@ class Request:
         return sum(r["accepted"] + 1 for r in self.rounds) / len(self.rounds) if self.rounds else None
 
 
-def default_compile_mode(device) -> Optional[str]:
-    """max-autotune (with CUDA graphs) on GPU; Inductor's default on CPU, where autotuning buys little."""
-    return "max-autotune" if str(device).startswith("cuda") else None
+def compiled(fn, device, mode: Optional[str] = None):
+    """`fn` under torch.compile with the project's recipe: one graph, static shapes, max-autotune
+    (with CUDA graphs on GPU), or `mode` when given.
+
+    On CPU the default also freezes the weights into the graph (Inductor's `freezing`): they become
+    constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
+    beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md). The
+    weights must not change in place afterwards (a new model recompiles; an edited one would not be
+    seen), and the packed copies cost a second copy of the weights' memory. Freezing is read when a
+    graph compiles, which is the first call of each shape, so every call runs with it switched on
+    (and without autograd, which freezing needs)."""
+    if str(device).startswith("cuda") or mode is not None:
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode or "max-autotune")
+    graph = torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune")
+
+    @functools.wraps(fn)
+    def frozen(*args):
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+            return graph(*args)
+    return frozen
 
 
 def verify_buckets(max_tokens: int) -> list[int]:
@@ -354,8 +372,7 @@ class Engine:
         # exact count. SPS is profiled at the buckets, or at the same geometric points when eager.
         self.buckets = sorted(buckets) if buckets else (verify_buckets(batch_size * (self.K + 1)) if compile else None)
         self.profile_points = self.buckets or verify_buckets(batch_size * (self.K + 1))
-        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=False,
-                                        mode=compile_mode or default_compile_mode(device))) if compile else (lambda f: f)
+        wrap = (lambda f: compiled(f, device, compile_mode)) if compile else (lambda f: f)
         if not self.ragged:
             self.round_fn = wrap(speculative_round)
         else:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import bigram_pair, sync  # noqa: E402
 from drafter import random_drafter  # noqa: E402
 from model import random_target  # noqa: E402
-from speculate import default_compile_mode, device_name  # noqa: E402
+from speculate import compiled, device_name  # noqa: E402
 
 
 @dataclass
@@ -87,18 +87,17 @@ def main(argv=None) -> int:
         for B in batches:
             target.setup_caches(B, max(lengths) + 16)
             drafter.setup_caches(B, max(lengths) + 16)
-            compiled = torch.compile(prefill_forward, fullgraph=True, dynamic=False,
-                                     mode=default_compile_mode(dev))
+            fast = compiled(prefill_forward, dev)
             for L in lengths:
                 tokens = torch.randint(0, target.args.vocab_size, (B, L), device=dev)
                 positions = torch.arange(L, device=dev).expand(B, L)
                 last = torch.full((B,), L - 1, device=dev)
                 eager_s = median_seconds(lambda: prefill_forward(target, drafter, tokens, positions, last), dev, args.reps)
                 t0 = time.perf_counter()
-                compiled(target, drafter, tokens, positions, last)
+                fast(target, drafter, tokens, positions, last)
                 sync(dev)
                 compile_s = time.perf_counter() - t0
-                compiled_s = median_seconds(lambda: compiled(target, drafter, tokens, positions, last), dev, args.reps)
+                compiled_s = median_seconds(lambda: fast(target, drafter, tokens, positions, last), dev, args.reps)
                 print(f"| {B} | {L} | {1e3 * eager_s:.2f} | {1e3 * compiled_s:.2f} | {compiled_s / eager_s:.2f} | "
                       f"{compile_s:.1f} |", flush=True)
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from drafters import make_drafter, make_target
 
@@ -92,3 +93,20 @@ def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_pa
     assert strip(traces["--compile"]) == strip(traces["--no-compile"])
     verified = [l["verified"] for l in traces["--compile"] if "verified" in l]
     assert min(verified) < 4 and max(verified) >= 2, "the schedule should vary the ragged batch's size"
+
+
+def test_cpu_recipe_freezes_the_weights_into_the_graph():
+    """The CPU default of `speculate.compiled` freezes parameters (what lets max-autotune pick
+    Inductor's packed C++ GEMMs): the graph sees the weights it compiled with, so an in-place edit
+    afterwards is not seen (the documented contract), while a different module recompiles."""
+    torch._dynamo.reset()
+    lin, other = torch.nn.Linear(8, 8).requires_grad_(False), torch.nn.Linear(8, 8).requires_grad_(False)
+    x = torch.randn(3, 8)
+    fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu")
+    before = lin(x).relu()
+    assert torch.allclose(fn(lin, x), before, atol=1e-5)
+    assert torch.allclose(fn(other, x), other(x).relu(), atol=1e-5)  # a new model: recompiled, not reused
+    with torch.no_grad():
+        lin.weight.mul_(-1)
+    assert torch.allclose(fn(lin, x), before, atol=1e-5)  # frozen: still the compile-time weights
+    assert not torch.allclose(lin(x).relu(), before, atol=1e-5)
