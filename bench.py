@@ -10,7 +10,10 @@ and more: tokens/s, τ, time per round split into draft / verify / the rest, the
 reads, achieved GB/s against a measured copy bandwidth (the memory-bandwidth floor), compile
 seconds and peak memory. With `--reference` (the default on CPU at batch 1) it also runs the
 same algorithm the way the reference implementations do — transformers' Qwen3 with a dynamic
-cache as the target and an eager drafter — and checks it emits the same tokens.
+cache as the target and an eager drafter — on the same prompt. The modes' --repeats timed runs
+are interleaved (order rotated each repeat); tokens/s is their median, and each speed-up is the
+median of the ratios within a repeat, with its range. Every run must emit the autoregressive
+tokens; a difference raises.
 
 Schedulers under load (the paper's Figures 7/8 on this machine):
 
@@ -119,7 +122,8 @@ class BenchArgs:
     temperature: float = 0.0
     """With --concurrency: 0 = greedy (every scheduler's output is checked equal); above 0, sampled."""
     repeats: int = 3
-    """With --concurrency: timed runs per (concurrency, scheduler), interleaved; the median is reported."""
+    """Timed runs per mode (and per batch size, or concurrency), interleaved in rotating order; the
+    median is reported, and each speed-up is the median of the repeats' own ratios."""
     plot: Optional[str] = None
     """With --concurrency: draw total and per-request tokens/s against concurrency into this PNG."""
 
@@ -243,25 +247,22 @@ def time_calls(fn, device, n: int = 10) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool, mode: Optional[str] = None) -> dict:
-    """Run the engine on `prompts` (one batch) after a warm-up; time the round and its parts."""
-    B = len(prompts)
-    K = drafter.cfg.num_drafts if drafter is not None else 0
-    width = max(drafter.cfg.num_slots, K + 1) if drafter is not None else 1
-    engine = Engine(target, drafter, (), B, len(prompts[0]) + max_new_tokens + 2 * width, 0.0, 0.0, 0, device,
-                    compile, mode)
+def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str]) -> Engine:
+    """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
+    Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
+    (setup_caches keeps them) and alternating between them recompiles nothing."""
+    engine = Engine(target, drafter, (), batch, max_seq, 0.0, 0.0, 0, device, compile, mode)
     if compile:
         engine.warmup()
-    # One untimed pass to settle allocators and caches, then the measured one.
-    engine.generate([Request(i, p, [], []) for i, p in enumerate(prompts)], min(max_new_tokens, 8))
-    engine.prefill_seconds = engine.decode_seconds = 0.0
-    reqs = engine.generate([Request(i, p, [], []) for i, p in enumerate(prompts)], max_new_tokens)
-    rounds = sum(len(r.rounds) for r in reqs)
-    steps = max(len(r.rounds) for r in reqs)  # rounds the batch ran
-    tokens = sum(len(r.output_ids) for r in reqs)
-    round_s = engine.decode_seconds / steps
+    engine.generate([Request(i, [1, 2, 3], [], []) for i in range(batch)], 8)
+    return engine
 
-    # The parts of a round, timed on their own at the state the run ended in.
+
+def round_parts(engine: Engine, reqs: list[Request], device, compile: bool, mode: Optional[str] = None) -> dict:
+    """The parts of a round, each timed on its own (compiled separately when the round is) at the
+    state `reqs` ended in: the draft (block forward, Markov chain, confidence) and the verify forward."""
+    target, drafter = engine.target, engine.drafter
+    K = drafter.cfg.num_drafts if drafter is not None else 0
     anchor = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
     pos = torch.tensor([len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], device=device)
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
@@ -278,20 +279,14 @@ def bench_engine(target, drafter, prompts, max_new_tokens, device, compile: bool
         return target(tokens_v, positions, capture=capture)
 
     wrap = (lambda f: compiled(f, device, mode)) if compile else (lambda f: f)
-    draft_s = time_calls(wrap(draft), device) if drafter is not None else 0.0
-    verify_s = time_calls(wrap(verify), device)
-    context = int(pos.float().mean())
-    bytes_round = round_bytes(target, drafter, B, context)
-    return {
-        "mode": "speculative" if drafter is not None else "autoregressive", "batch": B,
-        "tokens_per_second": tokens / (engine.prefill_seconds + engine.decode_seconds),
-        "decode_tokens_per_second": (tokens - B) / engine.decode_seconds,
-        "acceptance_length": sum(rd["accepted"] + 1 for r in reqs for rd in r.rounds) / rounds,
-        "round_ms": 1e3 * round_s, "draft_ms": 1e3 * draft_s, "verify_ms": 1e3 * verify_s,
-        "rest_ms": 1e3 * (round_s - draft_s - verify_s), "bytes_per_round": bytes_round,
-        "achieved_gbps": bytes_round / round_s / 1e9, "compile_seconds": engine.compile_seconds,
-        "output_ids": [r.output_ids for r in reqs],
-    }
+    return {"draft_ms": 1e3 * time_calls(wrap(draft), device) if drafter is not None else 0.0,
+            "verify_ms": 1e3 * time_calls(wrap(verify), device),
+            "bytes_per_round": round_bytes(target, drafter, len(reqs), int(pos.float().mean()))}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median total tokens/s (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r["total_tokens_per_second"])[len(runs) // 2]
 
 
 def transformers_copy(target: Transformer):
@@ -312,13 +307,14 @@ def transformers_copy(target: Transformer):
 
 
 def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_new_tokens: int,
-                       device) -> tuple[list[int], float]:
+                       device, max_seq: int) -> tuple[list[int], float]:
     """The reference implementations' way, batch 1, greedy: transformers' Qwen3 with a
-    DynamicCache as the target (cropped after every round), the drafter run eagerly."""
+    DynamicCache as the target (cropped after every round), the drafter run eagerly (its context
+    cache sized max_seq: pass the engine's, and the engine's buffers are kept)."""
     ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     K = drafter.cfg.num_drafts if drafter is not None else 0
     if drafter is not None:
-        drafter.setup_caches(1, len(prompt) + max_new_tokens + 2 * (K + 1))
+        drafter.setup_caches(1, max(max_seq, len(prompt) + max_new_tokens + 2 * (K + 1)))
     sync(device)
     t0 = time.perf_counter()
     x = torch.tensor([prompt], device=device)
@@ -357,7 +353,7 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
 SCHEDULERS = ("none", "threshold", "hardware")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 # Flags that only one of the two modes reads: giving one to the other mode is an error, not a no-op.
-CONCURRENCY_ONLY = ("schedulers", "threshold", "requests_per_slot", "prompts_file", "temperature", "repeats", "plot")
+CONCURRENCY_ONLY = ("schedulers", "threshold", "requests_per_slot", "prompts_file", "temperature", "plot")
 SIDE_BY_SIDE_ONLY = ("model", "batch_sizes", "prompt_len", "reference")
 
 
@@ -424,7 +420,9 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
         "acceptance_length": sum(rd["accepted"] + 1 for rd in rounds) / max(len(rounds), 1),
         # the verify budget: drafts sent to the target per live request per round
         "verified_per_round": sum(rd["verified"] for rd in rounds) / max(len(rounds), 1),
-        "outputs": [r.output_ids for r in reqs],
+        "prefill_seconds": engine.prefill_seconds, "decode_seconds": engine.decode_seconds,
+        "steps": max(len(r.rounds) for r in reqs),  # rounds the batch ran (with every prompt in at once)
+        "outputs": [r.output_ids for r in reqs], "requests": reqs,
     }
 
 
@@ -476,7 +474,7 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
             engines["hardware"].set_sps(table)
             profile_seconds = time.perf_counter() - t0
             sps_tables[c] = {"verify_tokens": table["profile_points"], "steps_per_second": table["steps_per_second"]}
-        for e in engines.values():  # untimed: settle allocators and caches, as bench_engine does
+        for e in engines.values():  # untimed: settle allocators and caches, as side_engine does
             e.generate([Request(i, p, [], []) for i, p in enumerate(batch[:c])], min(args.max_new_tokens, 8))
         runs = {m: [] for m in modes}
         for rep in range(args.repeats):
@@ -644,6 +642,12 @@ def run(args: BenchArgs) -> list[dict]:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         raise CheckpointError(f"--batch-sizes: {args.batch_sizes!r} is not a comma-separated list of integers") from None
+    if any(b < 1 for b in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
+        raise CheckpointError(f"--batch-sizes: {args.batch_sizes!r} must be distinct positive integers")
+    for name, ok in (("repeats", args.repeats >= 1), ("prompt_len", args.prompt_len >= 1),
+                     ("max_new_tokens", args.max_new_tokens >= 1)):
+        if not ok:
+            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     t0 = time.perf_counter()
     if args.target is not None:
         from drafter import load_drafter
@@ -665,42 +669,71 @@ def run(args: BenchArgs) -> list[dict]:
           f"{hw}, torch {torch.__version__}, compile={args.compile}; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
-    rows = []
+    want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
+    hf = transformers_copy(target) if want_reference else None
+    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    max_seq = args.prompt_len + args.max_new_tokens + 2 * width
+    rows, ratios = [], []
     for B in batch_sizes:
         prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
-        for d in (None, drafter):
-            if d is None and drafter is None:
+        engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, args.compile, args.compile_mode)}
+        if drafter is not None:
+            engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, args.compile, args.compile_mode)
+        modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
+        if "reference" in modes:  # its warm-up, as the engines had theirs
+            reference_generate(hf, drafter, prompts[0], min(args.max_new_tokens, 8), dev, max_seq)
+        runs = {m: [] for m in modes}
+        for rep in range(args.repeats):
+            k = rep % len(modes)  # interleaved, order rotated: a slow spell lands on every mode
+            for m in modes[k:] + modes[:k]:
+                if m == "reference":
+                    ids, seconds = reference_generate(hf, drafter, prompts[0], args.max_new_tokens, dev, max_seq)
+                    runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
+                else:
+                    runs[m].append(timed_generate(engines[m], prompts, args.max_new_tokens))
+        want = runs["autoregressive"][0]["outputs"]
+        for m in modes:
+            for rep, r in enumerate(runs[m]):
+                if r["outputs"] != (want[:1] if m == "reference" else want):
+                    raise AssertionError(f"batch {B}: {m} (repeat {rep}) emitted different tokens than "
+                                         f"autoregressive decoding")
+        for m in modes:
+            tps = [r["total_tokens_per_second"] for r in runs[m]]
+            if m == "reference":
+                row = {"mode": "reference (transformers target, eager drafter)", "batch": 1,
+                       "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps}
+                rows.append(row)
+                print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
                 continue
-            r = bench_engine(target, d, prompts, args.max_new_tokens, dev, args.compile, args.compile_mode)
-            rows.append(r)
-            print(_row(r, bw), flush=True)
-        if drafter is not None and rows[-2]["output_ids"] != rows[-1]["output_ids"]:
-            raise AssertionError("speculative output differs from autoregressive output")
-    if (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes:
-        prompt = torch.randint(0, target.args.vocab_size - 1, (1, args.prompt_len), generator=g).tolist()
-        mine = bench_engine(target, drafter, prompt, args.max_new_tokens, dev, args.compile, args.compile_mode)
-        hf = transformers_copy(target)
-        reference_generate(hf, drafter, prompt[0], min(args.max_new_tokens, 8), dev)  # warm-up, as for the engine
-        ids, seconds = reference_generate(hf, drafter, prompt[0], args.max_new_tokens, dev)
-        if ids != mine["output_ids"][0]:
-            raise AssertionError("the reference loop's output differs from the engine's")
-        ref = {"mode": "reference (transformers target, eager drafter)", "batch": 1,
-               "tokens_per_second": len(ids) / seconds}
-        rows.append(ref)
-        print(f"{ref['mode']:<48} b=1  {ref['tokens_per_second']:9.1f} tok/s   "
-              f"(this run's engine: {mine['tokens_per_second']:.1f} tok/s, "
-              f"{mine['tokens_per_second'] / ref['tokens_per_second']:.2f}x)", flush=True)
-    for B in batch_sizes:
-        ar = [r for r in rows if r["batch"] == B and r["mode"] == "autoregressive"]
-        sp = [r for r in rows if r["batch"] == B and r["mode"] == "speculative"]
-        if ar and sp:
-            print(f"speed-up at batch {B}: {sp[0]['tokens_per_second'] / ar[0]['tokens_per_second']:.2f}x")
+            r = median_run(runs[m])
+            round_s = r["decode_seconds"] / r["steps"]
+            parts = round_parts(engines[m], r["requests"], dev, args.compile, args.compile_mode)
+            row = {
+                "mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
+                "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
+                "acceptance_length": r["acceptance_length"], "round_ms": 1e3 * round_s, **parts,
+                "rest_ms": 1e3 * round_s - parts["draft_ms"] - parts["verify_ms"],
+                "achieved_gbps": parts["bytes_per_round"] / round_s / 1e9,
+                "compile_seconds": engines[m].compile_seconds,
+            }
+            rows.append(row)
+            print(_row(row, bw), flush=True)
+        # Ratios within each repeat (adjacent runs), then their median and range.
+        for num, den, what in (("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
+                               ("speculative", "reference", "this engine / the reference loop at batch 1")):
+            if num in runs and den in runs:
+                rs = [a["total_tokens_per_second"] / b["total_tokens_per_second"] for a, b in zip(runs[num], runs[den])]
+                ratios.append({"ratio": what, "median": statistics.median(rs), "runs": rs})
+                print(f"{what}: {statistics.median(rs):.2f}x (median of {len(rs)} interleaved repeats; "
+                      f"{min(rs):.2f}-{max(rs):.2f})", flush=True)
     print(f"peak memory: {peak_memory(dev):.2f} GiB ({'CUDA allocator' if dev == 'cuda' else 'process RSS'})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": asdict(args), "hardware": hw, "torch": torch.__version__,
                        "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
-                       "rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows]}, f, indent=1)
+                       "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
+                                 f"{args.repeats} interleaved repeats; round parts timed once, after them",
+                       "rows": rows, "ratios": ratios}, f, indent=1)
     return rows
 
 

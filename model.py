@@ -396,8 +396,13 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = 0
 
     def setup_caches(self, max_batch: int, max_seq: int):
-        """Allocate the static KV caches and the RoPE table (once, or again to grow)."""
+        """Allocate the static KV caches and the RoPE table (once, or again to resize). Asked for the
+        size it has, it keeps the buffers it has: a compiled graph holds them (with frozen weights
+        the RoPE table is one of its constants), so new ones would recompile it."""
         w = self.embed_tokens.weight
+        if (max_batch, max_seq, w.dtype, w.device) == getattr(self, "cache_key", None):
+            return
+        self.cache_key = (max_batch, max_seq, w.dtype, w.device)
         self.max_batch, self.max_seq = max_batch, max_seq
         for layer in self.layers:
             a = layer.self_attn

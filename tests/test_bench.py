@@ -32,17 +32,24 @@ def test_bench_rows_and_reference_agree(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # bench.run raises if speculative != autoregressive output, or the reference loop differs.
     rc = bench.main(["--target", target, "--drafter", drafter, "--no-compile", "--batch-sizes", "1,2",
-                     "--prompt-len", "6", "--max-new-tokens", "20", "--reference", "True", "--out", str(out)])
+                     "--prompt-len", "6", "--max-new-tokens", "20", "--reference", "True", "--repeats", "2",
+                     "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     rows = json.load(open(out))["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [
-        ("autoregressive", 1), ("speculative", 1), ("autoregressive", 2), ("speculative", 2),
-        ("reference (transformers target, eager drafter)", 1)]
+        ("autoregressive", 1), ("speculative", 1), ("reference (transformers target, eager drafter)", 1),
+        ("autoregressive", 2), ("speculative", 2)]
     spec = [r for r in rows if r["mode"] == "speculative"]
     assert all(r["acceptance_length"] > 2 for r in spec)
     assert all(r["bytes_per_round"] > 0 and r["round_ms"] > 0 for r in spec)
+    result = json.load(open(out))
+    assert all(len(r["tokens_per_second_runs"]) == 2 for r in rows)
+    assert [r["ratio"] for r in result["ratios"]] == [
+        "speculative / autoregressive at batch 1", "this engine / the reference loop at batch 1",
+        "speculative / autoregressive at batch 2"]
+    assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in result["ratios"])
     printed = capsys.readouterr().out
-    assert "speed-up at batch 1" in printed and "copy bandwidth" in printed
+    assert "speculative / autoregressive at batch 1" in printed and "copy bandwidth" in printed
 
 
 # ----------------------------------------------------------------------------------------
@@ -162,6 +169,9 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--concurrency", "2", "--schedulers", "none,fast"], "--schedulers"),
     (["--concurrency", "2", "--threshold", "0"], "--threshold: invalid"),
     (["--concurrency", "2", "--repeats", "0"], "--repeats: invalid"),
+    (["--repeats", "0"], "--repeats: invalid"),
+    (["--batch-sizes", "1,1"], "--batch-sizes: '1,1' must be distinct positive"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),
     (["--concurrency", "2", "--batch-sizes", "4"], "--batch-sizes: not used with --concurrency"),
     (["--plot", "x.png"], "--plot: only used with --concurrency"),
     (["--concurrency", "2", "--target", "somewhere"], "give both --target and --drafter"),
