@@ -265,7 +265,9 @@ def compiled(fn, device, mode: Optional[str] = None):
     weights must not change in place afterwards (a new model recompiles; an edited one would not be
     seen), and the packed copies cost a second copy of the weights' memory. Freezing is read when a
     graph compiles, which is the first call of each shape, so every call runs with it switched on
-    (and without autograd, which freezing needs)."""
+    (and without autograd, which freezing needs). Inductor's settings are not among dynamo's
+    guards: in one process, a function's graph made by an explicit `mode="max-autotune"` (not
+    frozen) is reused by this recipe, and the other way round."""
     if str(device).startswith("cuda") or mode is not None:
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode or "max-autotune")
     graph = torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune")
