@@ -263,18 +263,20 @@ def compiled(fn, device, mode: Optional[str] = None):
     constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
     beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md). The
     weights must not change in place afterwards (a new model recompiles; an edited one would not be
-    seen), and the packed copies cost a second copy of the weights' memory. Freezing is read when a
-    graph compiles, which is the first call of each shape, so every call runs with it switched on
-    (and without autograd, which freezing needs). Inductor's settings are not among dynamo's
-    guards: in one process, a function's graph made by an explicit `mode="max-autotune"` (not
-    frozen) is reused by this recipe, and the other way round."""
+    seen), and the packed copies cost a second copy of the weights' memory. The graph's wrapper is
+    generated as C++ rather than Python (`cpp_wrapper`): a round calls a few hundred kernels, and
+    the profiler put ~2.6 ms of a ~26 ms round in the Python graph call itself, outside them. Both settings
+    are read when a graph compiles, which is the first call of each shape, so every call runs with
+    them switched on (and without autograd, which freezing needs). Inductor's settings are not
+    among dynamo's guards: in one process, a function's graph made by an explicit
+    `mode="max-autotune"` (not frozen) is reused by this recipe, and the other way round."""
     if str(device).startswith("cuda") or mode is not None:
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode or "max-autotune")
     graph = torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune")
 
     @functools.wraps(fn)
     def frozen(*args):
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
             return graph(*args)
     return frozen
 
