@@ -267,12 +267,11 @@ def compiled(fn, device, mode: Optional[str] = None):
     generated as C++ rather than Python (`cpp_wrapper`): a round calls a few hundred kernels, and
     the profiler put ~2.6 ms of a ~26 ms round in the Python graph call itself, outside them. Both settings
     are read when a graph compiles, which is the first call of each shape, so every call runs with
-    them switched on (and without autograd, which freezing needs). Inductor's settings are not
-    among dynamo's guards: in one process, a function's graph made by an explicit
-    `mode="max-autotune"` (not frozen) is reused by this recipe, and the other way round."""
+    them switched on (and without autograd, which freezing needs)."""
     if str(device).startswith("cuda") or mode is not None:
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode or "max-autotune")
-    graph = torch.compile(fn, fullgraph=True, dynamic=False, mode="max-autotune")
+    # max-autotune's options without its CUDA graphs (which the C++ wrapper would warn it skips).
+    graph = torch.compile(fn, fullgraph=True, dynamic=False, options={"max_autotune": True})
 
     @functools.wraps(fn)
     def frozen(*args):
