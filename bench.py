@@ -726,15 +726,21 @@ def run(args: BenchArgs) -> list[dict]:
                 ratios.append({"ratio": what, "median": statistics.median(rs), "runs": rs})
                 print(f"{what}: {statistics.median(rs):.2f}x (median of {len(rs)} interleaved repeats; "
                       f"{min(rs):.2f}-{max(rs):.2f})", flush=True)
+        save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
     print(f"peak memory: {peak_memory(dev):.2f} GiB ({'CUDA allocator' if dev == 'cuda' else 'process RSS'})")
+    return rows
+
+
+def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: list[dict], complete: bool):
+    """--out, rewritten after every batch size: a run cut short (a device session's time limit)
+    still leaves what it measured, marked incomplete."""
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"config": asdict(args), "hardware": hw, "torch": torch.__version__,
                        "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
                        "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
                                  f"{args.repeats} interleaved repeats; round parts timed once, after them",
-                       "rows": rows, "ratios": ratios}, f, indent=1)
-    return rows
+                       "complete": complete, "rows": rows, "ratios": ratios}, f, indent=1)
 
 
 def _row(r: dict, bw: float) -> str:

@@ -4,7 +4,7 @@
 
 For each prompt length L (each one a bucket: a compiled prefill pads prompts up to it) and batch
 size it times the prefill forward (target with capture + the drafter's context write) eager and
-compiled (torch.compile, fullgraph, dynamic=False, the device's default mode), as the median of
+compiled (`speculate.compiled`: the project's recipe for the device), as the median of
 `--reps` calls after one untimed, and the compile seconds each bucket costs. A compiled prefill
 pays when (eager - compiled) x prefills exceeds the compile seconds of the buckets it needs.
 Model: bench.py's constructed ~35M pair on CPU, or `--model qwen3-8b` (random weights) on cuda.

@@ -43,6 +43,7 @@ def test_bench_rows_and_reference_agree(tmp_path, capsys):
     assert all(r["acceptance_length"] > 2 for r in spec)
     assert all(r["bytes_per_round"] > 0 and r["round_ms"] > 0 for r in spec)
     result = json.load(open(out))
+    assert result["complete"] is True  # rewritten after each batch size; the last one marks it complete
     assert all(len(r["tokens_per_second_runs"]) == 2 for r in rows)
     assert [r["ratio"] for r in result["ratios"]] == [
         "speculative / autoregressive at batch 1", "this engine / the reference loop at batch 1",
