@@ -292,9 +292,8 @@ class Drafter(nn.Module):
     def setup_caches(self, max_batch: int, max_seq: int):
         """As Transformer.setup_caches: static context caches and RoPE, kept when the size is unchanged."""
         w = self.fc.weight
-        if (max_batch, max_seq, w.dtype, w.device) == getattr(self, "cache_key", None):
+        if KVCache.kept(self.layers, max_batch, max_seq, w):
             return
-        self.cache_key = (max_batch, max_seq, w.dtype, w.device)
         for layer in self.layers:
             at = layer.self_attn
             at.kv_cache = KVCache(max_batch, max_seq, at.n_kv, at.head_dim, w.dtype, w.device)

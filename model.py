@@ -242,6 +242,15 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    @staticmethod
+    def kept(layers, max_batch: int, max_seq: int, like: torch.Tensor) -> bool:
+        """Whether the layers' caches already are max_batch x max_seq in `like`'s dtype and device:
+        setup_caches then keeps every buffer (a compiled graph holds them; with frozen weights the
+        RoPE table is one of its constants, so new ones would recompile it)."""
+        kv = layers[0].self_attn.kv_cache
+        return (kv is not None and tuple(kv.k.shape[:2]) == (max_batch, max_seq)
+                and kv.k.dtype == like.dtype and kv.k.device == like.device)
+
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """positions: [B, T]; k, v: [B, T, kv_heads, hd]. Writes cache rows 0..B-1, or `rows` [B]
         (a prefill into the rows that freed up), and returns those rows' whole K and V."""
@@ -396,13 +405,11 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = 0
 
     def setup_caches(self, max_batch: int, max_seq: int):
-        """Allocate the static KV caches and the RoPE table (once, or again to resize). Asked for the
-        size it has, it keeps the buffers it has: a compiled graph holds them (with frozen weights
-        the RoPE table is one of its constants), so new ones would recompile it."""
+        """Allocate the static KV caches and the RoPE table (once, or again to resize; asked for the
+        size they have, keep them: KVCache.kept)."""
         w = self.embed_tokens.weight
-        if (max_batch, max_seq, w.dtype, w.device) == getattr(self, "cache_key", None):
+        if KVCache.kept(self.layers, max_batch, max_seq, w):
             return
-        self.cache_key = (max_batch, max_seq, w.dtype, w.device)
         self.max_batch, self.max_seq = max_batch, max_seq
         for layer in self.layers:
             a = layer.self_attn

@@ -113,6 +113,20 @@ def test_rollback_by_rewriting_positions(tiny_target):
     assert max_err(logits, ref[:, 7:10]) <= ATOL
 
 
+def test_setup_caches_keeps_same_size_buffers(tiny_target):
+    """Asked again for the size it has, setup_caches keeps every buffer (compiled graphs hold them);
+    any other size allocates new ones."""
+    model = load(tiny_target.path, max_batch=2, max_seq=16)
+    buffers = lambda: [model.rope] + [b for l in model.layers for b in (l.self_attn.kv_cache.k, l.self_attn.kv_cache.v)]
+    first = buffers()
+    model.setup_caches(2, 16)
+    assert all(a is b for a, b in zip(buffers(), first))
+    for size in ((2, 24), (3, 16)):
+        model.setup_caches(*size)
+        assert not any(a is b for a, b in zip(buffers(), first))
+        assert model.layers[0].self_attn.kv_cache.k.shape[:2] == size and (model.max_batch, model.max_seq) == size
+
+
 def test_ragged_batch_rows_match_hf_alone(tiny_target):
     """Rows of lengths 5 and 9; row 0 right-padded with junk at positions 5..8."""
     hf = tiny_target.hf_model
