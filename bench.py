@@ -368,14 +368,20 @@ def check_mode_flags(args: BenchArgs):
                                    f"default the demo pair, and --prompts-file)")
 
 
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A comma-separated list of distinct positive integers, in the order given (one-line errors)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CheckpointError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise CheckpointError(f"{flag}: {text!r} must be distinct positive integers")
+    return values
+
+
 def parse_concurrency(args: BenchArgs) -> tuple[list[int], list[str]]:
     """--concurrency and --schedulers as lists, with every numeric flag of the mode checked."""
-    try:
-        levels = [int(c) for c in args.concurrency.split(",")]
-    except ValueError:
-        raise CheckpointError(f"--concurrency: {args.concurrency!r} is not a comma-separated list of integers") from None
-    if any(c < 1 for c in levels) or len(set(levels)) != len(levels):
-        raise CheckpointError(f"--concurrency: {args.concurrency!r} must be distinct positive integers")
+    levels = positive_ints(args.concurrency, "--concurrency")
     schedulers = [s.strip() for s in args.schedulers.split(",")]
     bad = [s for s in schedulers if s not in SCHEDULERS]
     if bad or len(set(schedulers)) != len(schedulers):
@@ -638,12 +644,7 @@ def device_setup(args: BenchArgs) -> tuple[str, torch.dtype]:
 
 def run(args: BenchArgs) -> list[dict]:
     dev, dtype = device_setup(args)
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        raise CheckpointError(f"--batch-sizes: {args.batch_sizes!r} is not a comma-separated list of integers") from None
-    if any(b < 1 for b in batch_sizes) or len(set(batch_sizes)) != len(batch_sizes):
-        raise CheckpointError(f"--batch-sizes: {args.batch_sizes!r} must be distinct positive integers")
+    batch_sizes = positive_ints(args.batch_sizes, "--batch-sizes")
     for name, ok in (("repeats", args.repeats >= 1), ("prompt_len", args.prompt_len >= 1),
                      ("max_new_tokens", args.max_new_tokens >= 1)):
         if not ok:

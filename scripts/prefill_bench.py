@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import bigram_pair, sync  # noqa: E402
+from bench import bigram_pair, positive_ints, sync  # noqa: E402
 from drafter import random_drafter  # noqa: E402
-from model import random_target  # noqa: E402
+from model import CheckpointError, random_target  # noqa: E402
 from speculate import compiled, device_name  # noqa: E402
 
 
@@ -69,6 +69,12 @@ def main(argv=None) -> int:
     import tyro
 
     args = tyro.cli(PrefillArgs, args=argv)
+    try:
+        lengths = positive_ints(args.lengths, "--lengths")
+        batches = positive_ints(args.batch_sizes, "--batch-sizes")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = args.device
@@ -78,8 +84,6 @@ def main(argv=None) -> int:
     else:
         target = random_target(args.model, dev, dtype)
         drafter = random_drafter(target)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    batches = [int(x) for x in args.batch_sizes.split(",")]
     print(f"# {args.model}, {dtype}, {device_name(dev)}, torch {torch.__version__}")
     print("| batch | prompt tokens | eager ms | compiled ms | compiled / eager | compile s |")
     print("|---|---|---|---|---|---|")
