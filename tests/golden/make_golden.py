@@ -111,7 +111,7 @@ def step_time(b: int) -> float:
     return 0.010 + 0.0004 * b + (0.003 if b % 4 == 3 else 0.0)
 
 
-def write_sps_table(path: str, batch: int):
+def write_sps_table(path: str, batch: int, temperature: float = 0.0):
     """The hardware case's SPS table for this machine's identity keys, with `step_time`'s rates."""
     import speculate
     from drafter import load_drafter
@@ -119,7 +119,7 @@ def write_sps_table(path: str, batch: int):
 
     target = load_target(os.path.join(DEMO, "target"))
     drafter = load_drafter(os.path.join(DEMO, "drafter"), target)
-    engine = speculate.Engine(target, drafter, (), batch, 64, 0.0, 0.0, 0, "cpu", scheduler="hardware")
+    engine = speculate.Engine(target, drafter, (), batch, 64, temperature, 0.0, 0, "cpu", scheduler="hardware")
     table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.profile_points])
     with open(path, "w") as f:
         json.dump(table, f)
