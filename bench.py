@@ -63,7 +63,8 @@ import torch
 
 import kernels
 from drafter import Drafter, DrafterConfig, random_drafter
-from model import CheckpointError, ModelArgs, Transformer, check_writable, init_random_, load_target, random_target
+from common import UserError, check_writable
+from model import ModelArgs, Transformer, init_random_, load_target, random_target
 from speculate import (Engine, Request, _explicit, cache_length, check_prompts, compiled,
                        device_name, load_prompts)
 
@@ -363,7 +364,7 @@ def check_mode_flags(args: BenchArgs):
     wrong = [f for f in given if (f in CONCURRENCY_ONLY) == (args.concurrency is None)]
     if wrong:
         flag = "--" + wrong[0].replace("_", "-")
-        raise CheckpointError(f"{flag}: only used with --concurrency" if args.concurrency is None
+        raise UserError(f"{flag}: only used with --concurrency" if args.concurrency is None
                               else f"{flag}: not used with --concurrency (which takes --target/--drafter, "
                                    f"default the demo pair, and --prompts-file)")
 
@@ -373,9 +374,9 @@ def positive_ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise CheckpointError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+        raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
     if any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise CheckpointError(f"{flag}: {text!r} must be distinct positive integers")
+        raise UserError(f"{flag}: {text!r} must be distinct positive integers")
     return values
 
 
@@ -385,12 +386,12 @@ def parse_concurrency(args: BenchArgs) -> tuple[list[int], list[str]]:
     schedulers = [s.strip() for s in args.schedulers.split(",")]
     bad = [s for s in schedulers if s not in SCHEDULERS]
     if bad or len(set(schedulers)) != len(schedulers):
-        raise CheckpointError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(SCHEDULERS)}")
+        raise UserError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(SCHEDULERS)}")
     for name, ok in (("threshold", 0 < args.threshold <= 1), ("repeats", args.repeats >= 1),
                      ("requests_per_slot", args.requests_per_slot >= 1),
                      ("max_new_tokens", args.max_new_tokens >= 1), ("temperature", args.temperature >= 0)):
         if not ok:
-            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     return sorted(levels), schedulers
 
 
@@ -402,12 +403,12 @@ def concurrency_prompts(args: BenchArgs, tokenizer) -> list[list[int]]:
         spec = SimpleNamespace(prompt=None, prompt_ids=None, prompts_file=args.prompts_file)
         return load_prompts(spec, tokenizer, chat)
     if os.path.realpath(args.target) != os.path.realpath(os.path.join(DEMO_DIR, "target")):
-        raise CheckpointError("--prompts-file: needed with a --target other than the demo pair")
+        raise UserError("--prompts-file: needed with a --target other than the demo pair")
     from scripts.demo_prompts import heldout_prompts
     try:
         return heldout_prompts()
     except OSError as e:  # the held-out files come from this Python's standard library
-        raise CheckpointError(f"the demo's held-out prompts: {e}; give --prompts-file instead") from None
+        raise UserError(f"the demo's held-out prompts: {e}; give --prompts-file instead") from None
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -441,7 +442,7 @@ def run_concurrency(args: BenchArgs) -> list[dict]:
     if args.target is None and args.drafter is None:
         args.target, args.drafter = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
     if args.target is None or args.drafter is None:
-        raise CheckpointError("--concurrency compares a drafter's schedulers: give both --target and --drafter "
+        raise UserError("--concurrency compares a drafter's schedulers: give both --target and --drafter "
                               "(or neither, for the demo pair)")
     dev, dtype = device_setup(args)
     target = load_target(args.target, dev, dtype)
@@ -624,7 +625,7 @@ def main(argv=None) -> int:
                 if not _explicit(argv, "compile"):
                     args.compile = args.device == "cuda"
                 run_concurrency(args)
-    except CheckpointError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -638,7 +639,7 @@ def device_setup(args: BenchArgs) -> tuple[str, torch.dtype]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda: no CUDA device is available")
+        raise UserError("--device cuda: no CUDA device is available")
     return args.device, getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
 
 
@@ -648,7 +649,7 @@ def run(args: BenchArgs) -> list[dict]:
     for name, ok in (("repeats", args.repeats >= 1), ("prompt_len", args.prompt_len >= 1),
                      ("max_new_tokens", args.max_new_tokens >= 1)):
         if not ok:
-            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     t0 = time.perf_counter()
     if args.target is not None:
         from drafter import load_drafter

@@ -26,8 +26,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from model import (CheckpointError, DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape,
-                   apply_rope, assign_strict, attend, read_json, read_safetensors, rope_tables, safetensors_files)
+from common import UserError, read_json
+from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape, apply_rope, assign_strict,
+                   attend, read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -84,14 +85,14 @@ def _lookup(cfg: dict, key: str, source: str, aliases: tuple[str, ...] = ()):
                 found[f"{where} {k!r}"] = d[k]
     values = list(found.values())
     if any(v != values[0] for v in values[1:]):
-        raise CheckpointError(f"{source}: conflicting values for {key!r}: " +
+        raise UserError(f"{source}: conflicting values for {key!r}: " +
                               ", ".join(f"{w}={v!r}" for w, v in found.items()))
     return values[0] if values else None
 
 
 def _check_bool(v, key, source):
     if v is not None and not isinstance(v, bool):
-        raise CheckpointError(f"{source}: key {key!r} must be true or false, got {v!r}")
+        raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
     return v
 
 
@@ -104,71 +105,71 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     """
     spelled = spelled or {}
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"{source}: expected a JSON object")
+        raise UserError(f"{source}: expected a JSON object")
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
-        raise CheckpointError(f"{source}: architectures {archs!r} is not a known drafter "
+        raise UserError(f"{source}: architectures {archs!r} is not a known drafter "
                               "(Qwen3DSparkModel or DFlashDraftModel)")
     layers = ModelArgs(**_read_layer_shape(cfg, source))
 
     block_size = _lookup(cfg, "block_size", source)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise CheckpointError(f"{source}: 'block_size' must be a positive integer, got {block_size!r}")
+        raise UserError(f"{source}: 'block_size' must be a positive integer, got {block_size!r}")
     target_layer_ids = _lookup(cfg, "target_layer_ids", source)
     if not isinstance(target_layer_ids, list) or not target_layer_ids or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in target_layer_ids):
-        raise CheckpointError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {target_layer_ids!r}")
+        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {target_layer_ids!r}")
     mask_token_id = _lookup(cfg, "mask_token_id", source)
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < layers.vocab_size:
-        raise CheckpointError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_token_id!r}")
+        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_token_id!r}")
 
     # Layout: DeepSpec's Qwen3DSparkModel is always "shift label"; a z-lab DFlashDraftModel is
     # the DFlash layout unless its dflash_config says it is a DSpark export.
     shift_label = _check_bool(_lookup(cfg, "shift_label", source), "shift_label", source)
     projector = _lookup(cfg, "projector_type", source)
     if projector not in (None, "dspark", "dflash"):
-        raise CheckpointError(f"{source}: unknown projector_type {projector!r}")
+        raise UserError(f"{source}: unknown projector_type {projector!r}")
     if arch == "Qwen3DSparkModel":
         layout = "dspark"
         if shift_label is False:
-            raise CheckpointError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
+            raise UserError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
     else:
         layout = "dspark" if (shift_label or projector == "dspark") else "dflash"
     if layout == "dflash" and block_size < 2:
-        raise CheckpointError(f"{source}: the DFlash layout needs block_size >= 2, got {block_size}")
+        raise UserError(f"{source}: the DFlash layout needs block_size >= 2, got {block_size}")
 
     # Markov head: declared by markov_head_type; its weights must be exactly that type's.
     mtype = _lookup(cfg, "markov_head_type", source)
     if mtype in ("none", "None", ""):
         mtype = None
     if mtype is not None and mtype not in MARKOV_TYPES:
-        raise CheckpointError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_TYPES)})")
+        raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_TYPES)})")
     has_markov = any(k.startswith("markov_head.") for k in tensors)
     if mtype is not None and "markov_head.markov_w1.weight" not in tensors:
-        raise CheckpointError(f"{weights_source}: markov_head_type is {mtype!r} but the weights have no "
+        raise UserError(f"{weights_source}: markov_head_type is {mtype!r} but the weights have no "
                               "markov_w1 (markov_head.markov_w1.weight or markov_w1.weight)")
     if mtype is None and has_markov:
         first = sorted(k for k in tensors if k.startswith("markov_head."))[0]
-        raise CheckpointError(f"{weights_source}: tensor {spelled.get(first, first)!r} belongs to a Markov head, but "
+        raise UserError(f"{weights_source}: tensor {spelled.get(first, first)!r} belongs to a Markov head, but "
                               f"{source} declares none (markov_head_type)")
     rank = 0
     if mtype is not None:
         rank = tensors["markov_head.markov_w1.weight"].shape[1]
         declared = _lookup(cfg, "markov_rank", source)
         if declared is not None and declared != rank:
-            raise CheckpointError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
 
     # Confidence head.
     conf = _check_bool(_lookup(cfg, "enable_confidence_head", source, aliases=("use_confidence_head",)),
                        "enable_confidence_head", source)
     has_conf = "confidence_head.proj.weight" in tensors
     if conf and not has_conf:
-        raise CheckpointError(f"{weights_source}: the confidence head is enabled in {source} but the weights "
+        raise UserError(f"{weights_source}: the confidence head is enabled in {source} but the weights "
                               "have no confidence_head.proj.weight (or confidence_proj.weight)")
     if has_conf and not conf:
         name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
-        raise CheckpointError(f"{weights_source}: tensor {name!r} belongs to a confidence "
+        raise UserError(f"{weights_source}: tensor {name!r} belongs to a confidence "
                               f"head, but {source} does not enable one (enable_confidence_head / use_confidence_head)")
     with_markov = False
     if conf:
@@ -176,13 +177,13 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
         by_weights = width == layers.hidden_size + rank and rank > 0
         declared = _check_bool(_lookup(cfg, "confidence_head_with_markov", source), "confidence_head_with_markov", source)
         if declared and mtype is None:
-            raise CheckpointError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+            raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
         if declared is not None and declared != by_weights:
-            raise CheckpointError(f"{source}: confidence_head_with_markov is {declared} but confidence_head.proj "
+            raise UserError(f"{source}: confidence_head_with_markov is {declared} but confidence_head.proj "
                                   f"reads {width} features (hidden {layers.hidden_size}, markov rank {rank})")
         with_markov = by_weights
     if layout == "dflash" and (mtype or conf):
-        raise CheckpointError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
+        raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
 
     return DrafterConfig(layers=layers, block_size=block_size, target_layer_ids=tuple(target_layer_ids),
                          mask_token_id=mask_token_id, layout=layout, markov_head_type=mtype, markov_rank=rank,
@@ -283,9 +284,9 @@ class Drafter(nn.Module):
         """Use the target's embedding and lm_head, and check that the two models fit."""
         t, a = target.args, self.cfg.layers
         if a.vocab_size != t.vocab_size:
-            raise CheckpointError(f"drafter vocab_size {a.vocab_size} differs from the target's {t.vocab_size}")
+            raise UserError(f"drafter vocab_size {a.vocab_size} differs from the target's {t.vocab_size}")
         if a.hidden_size != t.hidden_size:
-            raise CheckpointError(f"drafter hidden_size {a.hidden_size} differs from the target's {t.hidden_size}")
+            raise UserError(f"drafter hidden_size {a.hidden_size} differs from the target's {t.hidden_size}")
         target.check_capture(self.cfg.target_layer_ids, "drafter target_layer_ids")
         self._target[0] = target
 
@@ -379,7 +380,7 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
 def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
     """Load any drafter spelling of DSPARK.md §7 and attach it to `target`."""
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: drafter directory not found")
+        raise UserError(f"{directory}: drafter directory not found")
     cfg_path = os.path.join(directory, "config.json")
     raw = read_json(cfg_path)
     files = safetensors_files(directory)
@@ -398,7 +399,7 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
         if name in tensors:
             t = tensors.pop(name)
             if t.shape != param.shape or not torch.equal(t.to(param.device, param.dtype), param):
-                raise CheckpointError(f"{source}: drafter tensor {name!r} differs from the target's; "
+                raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; "
                                       "drafters share the target's embedding and lm_head")
     with torch.device("meta"):
         drafter = Drafter(cfg)

@@ -32,7 +32,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from model import CheckpointError, check_writable
+from common import UserError, check_writable
 from speculate import Args as SpeculateArgs
 from speculate import (Engine, Request, cache_length, check_prompts, check_scheduler_flags, load_models, load_prompts,
                        sps_for)
@@ -355,7 +355,7 @@ def dist_setup(device: str) -> tuple[int, int, str]:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise CheckpointError("--device cuda: no CUDA device is available")
+            raise UserError("--device cuda: no CUDA device is available")
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     if not dist.is_initialized():
@@ -434,17 +434,17 @@ def metrics(name: str, c: dict, seconds: float) -> dict:
 def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     """(name, path, sample count) for every requested dataset whose file exists."""
     if args.data_dir is None:
-        raise CheckpointError("--data-dir: no dataset directory given")
+        raise UserError("--data-dir: no dataset directory given")
     if not os.path.isdir(args.data_dir):
-        raise CheckpointError(f"--data-dir {args.data_dir}: directory not found")
+        raise UserError(f"--data-dir {args.data_dir}: directory not found")
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     if not names:
-        raise CheckpointError("--datasets: no dataset named")
+        raise UserError("--datasets: no dataset named")
     out = []
     for name in names:
         path = os.path.join(args.data_dir, f"{name}.jsonl")
         if name not in DEFAULT_SAMPLES and not os.path.isfile(path):
-            raise CheckpointError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
+            raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
                                   f"or any <name>.jsonl in {args.data_dir})")
         if not os.path.isfile(path):
             if rank == 0:
@@ -452,19 +452,19 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
             continue
         out.append((name, path, args.max_samples or DEFAULT_SAMPLES.get(name, 0)))  # 0: every row
     if not out:
-        raise CheckpointError(f"--datasets: none of {', '.join(names)} is in {args.data_dir}")
+        raise UserError(f"--datasets: none of {', '.join(names)} is in {args.data_dir}")
     return out
 
 
 def run(args: EvalArgs, argv: list[str]) -> dict:
-    """Everything `python eval.py` does; returns the results. Raises CheckpointError on bad input."""
+    """Everything `python eval.py` does; returns the results. Raises UserError on bad input."""
     for name, ok in (("batch_size", args.batch_size >= 1), ("max_new_tokens", args.max_new_tokens >= 1),
                      ("max_samples", args.max_samples is None or args.max_samples >= 1),
                      ("temperature", args.temperature >= 0),
                      ("confidence_threshold", 0 <= args.confidence_threshold <= 1),
                      ("calibration_split", 0 <= args.calibration_split < 1)):
         if not ok:
-            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     check_scheduler_flags(args)
     for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
                        ("--calibration-plot", args.calibration_plot)):
@@ -475,9 +475,9 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, m.chat
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
-        raise CheckpointError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
+        raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
     if args.calibration_out and args.calibration_split == 0:
-        raise CheckpointError("--calibration-out needs STS: a --calibration-split between 0 and 1")
+        raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
     K = drafter.cfg.num_drafts if drafter is not None else 0
 
     # Every rank tokenizes every dataset, so max_seq (and with it every cache shape) is the one
@@ -600,7 +600,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
         plot = args.calibration_plot
     if args.calibration_out and calibration is not None:
         if "temperatures" not in calibration:
-            raise CheckpointError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
+            raise UserError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
         with open(args.calibration_out, "w") as f:
             json.dump({"temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
                        "apply": "c_k = sigmoid(logit(c_k) / T_k), before the threshold",
@@ -659,7 +659,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         with torch.inference_mode():
             run(args, argv)
-    except CheckpointError as e:
+    except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,14 +16,13 @@ What is notable here:
   alone goes back to a padded per-request layout, where each token reads only its own
   request's cache and earlier tokens (see `Ragged`).
 - Loading is strict: every tensor in the files must land in a parameter and every parameter
-  must be loaded, else `CheckpointError` names the first one that does not.
+  must be loaded, else `UserError` names the first one that does not.
 - The tokenizer, stop tokens and chat template of a checkpoint directory live here too,
   because they are read from the same directory with the same strictness.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -32,13 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class CheckpointError(Exception):
-    """A user mistake: a missing or malformed file, a tensor that does not fit, a bad id.
-
-    The CLIs print the message as one line on stderr and exit non-zero, never a traceback.
-    Messages name the file, key or value at fault.
-    """
+from common import UserError, read_json
 
 
 # ----------------------------------------------------------------------------------------
@@ -67,15 +60,15 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelArgs":
         """Build from a parsed Hugging Face `config.json`; `source` names the file in errors."""
         if not isinstance(cfg, dict):
-            raise CheckpointError(f"{source}: expected a JSON object")
+            raise UserError(f"{source}: expected a JSON object")
         archs = cfg.get("architectures")
         model_type = cfg.get("model_type")
         if archs is not None:
             if not isinstance(archs, list) or not archs or not all(a in SUPPORTED_ARCHITECTURES for a in archs):
-                raise CheckpointError(
+                raise UserError(
                     f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
         elif model_type not in (None, "qwen3"):
-            raise CheckpointError(f"{source}: model_type {model_type!r} not supported (supported: qwen3)")
+            raise UserError(f"{source}: model_type {model_type!r} not supported (supported: qwen3)")
         return cls(**_read_layer_shape(cfg, source), eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source, "eos_token_id"))
 
     @property
@@ -86,12 +79,12 @@ class ModelArgs:
 
 def _req(cfg: dict, key: str, source: str, kind=int):
     if key not in cfg:
-        raise CheckpointError(f"{source}: missing key {key!r}")
+        raise UserError(f"{source}: missing key {key!r}")
     v = cfg[key]
     if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-        raise CheckpointError(f"{source}: key {key!r} must be a positive integer, got {v!r}")
+        raise UserError(f"{source}: key {key!r} must be a positive integer, got {v!r}")
     if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-        raise CheckpointError(f"{source}: key {key!r} must be a positive number, got {v!r}")
+        raise UserError(f"{source}: key {key!r} must be a positive number, got {v!r}")
     return kind(v)
 
 
@@ -104,10 +97,10 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
         out["head_dim"] = _req(cfg, "head_dim", source)
     else:  # older configs omit it; Qwen3's own default is hidden / heads
         if out["hidden_size"] % out["num_attention_heads"]:
-            raise CheckpointError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
+            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     if out["num_attention_heads"] % out["num_key_value_heads"]:
-        raise CheckpointError(
+        raise UserError(
             f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
             f"num_key_value_heads {out['num_key_value_heads']}")
     out["rms_norm_eps"] = _req(cfg, "rms_norm_eps", source, float) if "rms_norm_eps" in cfg else 1e-6
@@ -117,30 +110,30 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
     for key in ("rope_parameters", "rope_scaling"):
         r = cfg.get(key)
         if r is not None and not isinstance(r, dict):
-            raise CheckpointError(f"{source}: {key} must be an object, got {r!r}")
+            raise UserError(f"{source}: {key} must be an object, got {r!r}")
         rope_type = (r or {}).get("rope_type", (r or {}).get("type", "default"))
         if rope_type not in ("default", None):
-            raise CheckpointError(f"{source}: {key} rope type {rope_type!r} is not supported (only default RoPE)")
+            raise UserError(f"{source}: {key} rope type {rope_type!r} is not supported (only default RoPE)")
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" in rope:
         out["rope_theta"] = _req(rope, "rope_theta", f"{source} rope_parameters", float)
     elif "rope_theta" in cfg:
         out["rope_theta"] = _req(cfg, "rope_theta", source, float)
     else:
-        raise CheckpointError(f"{source}: missing key 'rope_theta' (top-level or in rope_parameters)")
+        raise UserError(f"{source}: missing key 'rope_theta' (top-level or in rope_parameters)")
 
     for key in ("attention_bias", "tie_word_embeddings"):
         v = cfg.get(key, False)
         if not isinstance(v, bool):
-            raise CheckpointError(f"{source}: key {key!r} must be true or false, got {v!r}")
+            raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
         out[key] = v
     layer_types = cfg.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)):
-        raise CheckpointError(f"{source}: layer_types other than full_attention are not supported")
+        raise UserError(f"{source}: layer_types other than full_attention are not supported")
     if cfg.get("use_sliding_window", False):
-        raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+        raise UserError(f"{source}: use_sliding_window=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        raise UserError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     return out
 
 
@@ -149,54 +142,8 @@ def _eos_ids(v, source: str, key: str) -> tuple[int, ...]:
         return ()
     vals = v if isinstance(v, list) else [v]
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
-        raise CheckpointError(f"{source}: key {key!r} must be a token id or a list of them, got {v!r}")
+        raise UserError(f"{source}: key {key!r} must be a token id or a list of them, got {v!r}")
     return tuple(vals)
-
-
-def read_json(path: str) -> dict:
-    """Parse a JSON object file, turning every failure into one line that names the file."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def check_writable(path: Optional[str], flag: str):
-    """Fail before any work if an output path cannot be written: a directory, or a missing folder."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise CheckpointError(f"{flag} {path}: is a directory, not a file")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"{flag} {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise CheckpointError(f"{flag} {path}: directory {folder} is not writable")
-
-
-def read_jsonl(path: str):
-    """Yield (where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"
-    for messages. A line that is not JSON is a CheckpointError naming it."""
-    with open(path, encoding="utf-8") as f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise CheckpointError(f"{where}: malformed JSON ({e})") from None
-                yield where, obj
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{path}:{lineno + 1}: not UTF-8 text") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -422,9 +369,9 @@ class Transformer(nn.Module):
         L = self.args.num_hidden_layers
         for i in capture:
             if isinstance(i, bool) or not isinstance(i, int) or not (-1 <= i < L):
-                raise CheckpointError(f"{source}: layer id {i!r} is outside the capturable layers -1..{L - 2}")
+                raise UserError(f"{source}: layer id {i!r} is outside the capturable layers -1..{L - 2}")
             if i == L - 1:
-                raise CheckpointError(
+                raise UserError(
                     f"{source}: layer id {i} is the target's last layer; drafters read layers before it")
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: Sequence[int] = (),
@@ -488,7 +435,7 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
 def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
     """A real-shaped Qwen3 (`PRESETS`) with random weights, allocated once on `device`."""
     if preset not in PRESETS:
-        raise CheckpointError(f"--random-init: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+        raise UserError(f"--random-init: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
     args = ModelArgs(**PRESETS[preset])
     with torch.device("meta"):
         model = Transformer(args)
@@ -508,15 +455,15 @@ def safetensors_files(directory: str) -> list[str]:
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+            raise UserError(f"{index}: missing or empty 'weight_map'")
         files = sorted(set(weight_map.values()))
         for f in files:
             if not isinstance(f, str) or not os.path.isfile(os.path.join(directory, f)):
-                raise CheckpointError(f"{index}: shard {f!r} not found in {directory}")
+                raise UserError(f"{index}: shard {f!r} not found in {directory}")
         return [os.path.join(directory, f) for f in files]
     if os.path.isfile(single):
         return [single]
-    raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    raise UserError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
 def read_safetensors(files: Sequence[str], dtype: torch.dtype, device, rename=lambda k: k) -> dict:
@@ -534,13 +481,13 @@ def read_safetensors(files: Sequence[str], dtype: torch.dtype, device, rename=la
                 for key in f.keys():
                     name = rename(key)
                     if name in out:
-                        raise CheckpointError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+                        raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
                     t = f.get_tensor(key)
                     if t.is_floating_point():
                         t = t.to(dtype)
                     out[name] = t.to(device)
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path}: cannot read safetensors ({e})") from None
+            raise UserError(f"{path}: cannot read safetensors ({e})") from None
     return out
 
 
@@ -553,21 +500,21 @@ def assign_strict(module: nn.Module, tensors: dict, source: str):
     params = dict(module.named_parameters())  # tied weights appear once, under the first name
     for name in sorted(tensors):
         if name not in params:
-            raise CheckpointError(f"{source}: tensor {name!r} in the checkpoint matches no parameter of the model")
+            raise UserError(f"{source}: tensor {name!r} in the checkpoint matches no parameter of the model")
         if tuple(tensors[name].shape) != tuple(params[name].shape):
-            raise CheckpointError(
+            raise UserError(
                 f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
                 f"the model expects {list(params[name].shape)}")
     for name in params:
         if name not in tensors:
-            raise CheckpointError(f"{source}: parameter {name!r} is missing from the checkpoint")
+            raise UserError(f"{source}: parameter {name!r} is missing from the checkpoint")
     module.load_state_dict(tensors, strict=False, assign=True)
 
 
 def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
     """Build the target on the meta device and assign the checkpoint's tensors (about one copy in memory)."""
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: target directory not found")
+        raise UserError(f"{directory}: target directory not found")
     args = ModelArgs.from_hf_config(read_json(os.path.join(directory, "config.json")),
                                     os.path.join(directory, "config.json"))
     files = safetensors_files(directory)
@@ -578,7 +525,7 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
         head = tensors.pop("lm_head.weight")
         emb = tensors.get("embed_tokens.weight")
         if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
-            raise CheckpointError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
+            raise UserError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
     with torch.device("meta"):
         model = Transformer(args)
     assign_strict(model, tensors, source)
@@ -601,11 +548,11 @@ class Tokenizer:
 
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: file not found")
+            raise UserError(f"{path}: file not found")
         try:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
-            raise CheckpointError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+            raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
         self.chat_template = _read_chat_template(directory)
 
     def encode(self, text: str) -> list[int]:
@@ -631,7 +578,7 @@ class Tokenizer:
                 messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
                 enable_thinking=thinking)
         except TemplateError as e:
-            raise CheckpointError(f"chat_template: cannot render ({e})") from None
+            raise UserError(f"chat_template: cannot render ({e})") from None
 
 
 def _read_chat_template(directory: str) -> Optional[str]:
@@ -647,7 +594,7 @@ def _read_chat_template(directory: str) -> Optional[str]:
         named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
         t = named.get("default")
     if t is not None and not isinstance(t, str):
-        raise CheckpointError(f"{path}: 'chat_template' must be a string")
+        raise UserError(f"{path}: 'chat_template' must be a string")
     return t
 
 

@@ -31,8 +31,8 @@ from typing import Literal, Optional
 import torch
 
 import kernels
-from model import (CheckpointError, Ragged, Tokenizer, Transformer, check_writable, load_target, random_target,
-                   read_json, read_jsonl, stop_token_ids)
+from common import UserError, check_writable, read_json, read_jsonl
+from model import Ragged, Tokenizer, Transformer, load_target, random_target, stop_token_ids
 
 
 @dataclass
@@ -360,7 +360,7 @@ class Engine:
         if scheduler is None:
             scheduler = "threshold" if threshold > 0 and drafter is not None else "none"
         if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
-            raise CheckpointError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
+            raise UserError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
         self.scheduler, self.sps_table, self.compiled = scheduler, None, compile
         # The two-half round with ragged verification: always for a scheduler; for "none" on request
         # (it then also skips free rows), to compare schedules on one executor.
@@ -396,7 +396,7 @@ class Engine:
         for b in self.buckets:
             if b >= n:
                 return b
-        raise CheckpointError(f"--verify-buckets: the largest bucket {self.buckets[-1]} is below the {n} tokens "
+        raise UserError(f"--verify-buckets: the largest bucket {self.buckets[-1]} is below the {n} tokens "
                               f"a round verifies")
 
     def round(self, anchor, anchor_pos, active, noise, verify_len: Optional[torch.Tensor] = None):
@@ -591,7 +591,7 @@ def parse_ids(text: str, what: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise CheckpointError(f"{what}: {text!r} is not a comma-separated list of token ids") from None
+        raise UserError(f"{what}: {text!r} is not a comma-separated list of token ids") from None
     return ids
 
 
@@ -599,12 +599,12 @@ def load_prompts(args: Args, tokenizer: Optional[Tokenizer], chat: bool) -> list
     """Token ids of every prompt given by --prompt, --prompt-ids or --prompts-file."""
     given = [f for f in ("prompt", "prompt_ids", "prompts_file") if getattr(args, f) is not None]
     if len(given) != 1:
-        raise CheckpointError("give exactly one of --prompt, --prompt-ids, --prompts-file"
+        raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
                               + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
 
     def encode(text: str, where: str) -> list[int]:
         if tokenizer is None:
-            raise CheckpointError(f"{where}: a text prompt needs the target's tokenizer.json")
+            raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
         return tokenizer.encode(tokenizer.render_chat(text) if chat else text)
 
     if args.prompt is not None:
@@ -613,7 +613,7 @@ def load_prompts(args: Args, tokenizer: Optional[Tokenizer], chat: bool) -> list
         return [parse_ids(args.prompt_ids, "--prompt-ids")]
     path = args.prompts_file
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: prompts file not found")
+        raise UserError(f"{path}: prompts file not found")
     prompts = []
     for where, row in read_jsonl(path):
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
@@ -621,16 +621,16 @@ def load_prompts(args: Args, tokenizer: Optional[Tokenizer], chat: bool) -> list
         elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
             ids = row["prompt_ids"]
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise CheckpointError(f"{where}: 'prompt_ids' must be a list of integers")
+                raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
             prompts.append(ids)
         elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
                 and isinstance(row["turns"][0], str):
             prompts.append(encode(row["turns"][0], where))
         else:
-            raise CheckpointError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} "
+            raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} "
                                   "or {\"turns\": [str]}")
     if not prompts:
-        raise CheckpointError(f"{path}: no prompts")
+        raise UserError(f"{path}: no prompts")
     return prompts
 
 
@@ -658,11 +658,11 @@ def load_models(args, argv: list[str], device: Optional[str] = None, verbose: bo
     fields — and check the flags that depend on them. `device` overrides args.device (a rank's GPU)."""
     device = device or args.device
     if getattr(args, "random_init", None) is None and args.target is None:
-        raise CheckpointError("--target: no target directory given")
+        raise UserError("--target: no target directory given")
     if getattr(args, "random_init", None) is not None and (args.target is not None or args.drafter is not None):
-        raise CheckpointError("--random-init builds its own target and drafter: drop --target/--drafter")
+        raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda: no CUDA device is available")
+        raise UserError("--device cuda: no CUDA device is available")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     compile = args.compile if _explicit(argv, "compile") else args.device == "cuda"
     drafter = tokenizer = None
@@ -681,17 +681,17 @@ def load_models(args, argv: list[str], device: Optional[str] = None, verbose: bo
             drafter = load_drafter(args.drafter, target, device, dtype)
     has_confidence = drafter is not None and drafter.cfg.confidence_head
     if args.confidence_threshold > 0 and not has_confidence:
-        raise CheckpointError("--confidence-threshold needs a --drafter with a confidence head")
+        raise UserError("--confidence-threshold needs a --drafter with a confidence head")
     if getattr(args, "scheduler", None) in ("threshold", "hardware") and not has_confidence:
-        raise CheckpointError(f"--scheduler {args.scheduler}: needs a --drafter with a confidence head")
+        raise UserError(f"--scheduler {args.scheduler}: needs a --drafter with a confidence head")
     if getattr(args, "calibration", None) is not None:
         if not has_confidence:
-            raise CheckpointError(f"--calibration {args.calibration}: needs a --drafter with a confidence head")
+            raise UserError(f"--calibration {args.calibration}: needs a --drafter with a confidence head")
         temps = read_json(args.calibration).get("temperatures")
         K = drafter.cfg.num_drafts
         if not isinstance(temps, list) or len(temps) != K or not all(
                 isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf") for t in temps):
-            raise CheckpointError(f"{args.calibration}: 'temperatures' must be a list of {K} positive numbers "
+            raise UserError(f"{args.calibration}: 'temperatures' must be a list of {K} positive numbers "
                                   f"(one per draft position), got {temps!r}")
         drafter.calibrate(temps)
     if drafter is not None and verbose:  # once every check has passed
@@ -705,12 +705,12 @@ def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens:
     V, context = target.args.vocab_size, target.args.max_position_embeddings
     for i, p in enumerate(prompts):
         if not p:
-            raise CheckpointError(f"{where}prompt {i}: empty prompt")
+            raise UserError(f"{where}prompt {i}: empty prompt")
         bad = [t for t in p if not 0 <= t < V]
         if bad:
-            raise CheckpointError(f"{where}prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+            raise UserError(f"{where}prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
         if len(p) + max_new_tokens > context:
-            raise CheckpointError(f"{where}prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
+            raise UserError(f"{where}prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
                                   f"the target's context of {context} (max_position_embeddings)")
 
 
@@ -741,18 +741,18 @@ def check_scheduler_flags(args):
     """--scheduler, --confidence-threshold, --sps-table and --verify-buckets must agree."""
     sched = args.scheduler
     if sched == "threshold" and args.confidence_threshold <= 0:
-        raise CheckpointError("--scheduler threshold: needs --confidence-threshold above 0")
+        raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
     if sched in ("none", "hardware") and args.confidence_threshold > 0:
-        raise CheckpointError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
+        raise UserError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
                               f"uses it, not --scheduler {sched}")
     if args.sps_table is not None and sched != "hardware":
-        raise CheckpointError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
+        raise UserError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
     if getattr(args, "verify_buckets", None) is not None:
         if (sched or ("threshold" if args.confidence_threshold > 0 else "none")) == "none":
-            raise CheckpointError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
+            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
         buckets = parse_ids(args.verify_buckets, "--verify-buckets")
         if not buckets or any(b < 1 for b in buckets) or len(set(buckets)) != len(buckets):
-            raise CheckpointError(f"--verify-buckets: {args.verify_buckets!r} must be distinct positive integers")
+            raise UserError(f"--verify-buckets: {args.verify_buckets!r} must be distinct positive integers")
 
 
 def parse_buckets(args, batch: int, drafter) -> Optional[list[int]]:
@@ -762,7 +762,7 @@ def parse_buckets(args, batch: int, drafter) -> Optional[list[int]]:
     buckets = sorted(parse_ids(args.verify_buckets, "--verify-buckets"))
     need = batch * (drafter.cfg.num_drafts + 1)
     if buckets[-1] < need:
-        raise CheckpointError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
+        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
                               f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
     return buckets
 
@@ -777,14 +777,14 @@ def sps_for(engine: Engine, path: Optional[str], verbose: bool = True) -> dict:
         table = read_json(path)
         for key, value in want.items():
             if key not in table:
-                raise CheckpointError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
+                raise UserError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
             if table[key] != value:
-                raise CheckpointError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
+                raise UserError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
                                       f"delete the file to profile again")
         sps = table.get("steps_per_second")
         if not isinstance(sps, list) or len(sps) != len(engine.profile_points) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in sps):
-            raise CheckpointError(f"{path}: 'steps_per_second' must be {len(engine.profile_points)} positive numbers, "
+            raise UserError(f"{path}: 'steps_per_second' must be {len(engine.profile_points)} positive numbers, "
                                   f"one per profile point")
         if verbose:
             print(f"SPS table read from {path}", file=sys.stderr)
@@ -795,27 +795,27 @@ def sps_for(engine: Engine, path: Optional[str], verbose: bool = True) -> dict:
             with open(path, "w") as f:
                 json.dump(table, f, indent=1)
         except OSError as e:
-            raise CheckpointError(f"--sps-table {path}: cannot write the table ({e.strerror})") from None
+            raise UserError(f"--sps-table {path}: cannot write the table ({e.strerror})") from None
         if verbose:
             print(f"SPS table written to {path}", file=sys.stderr)
     return table
 
 
 def run(args: Args, argv: list[str]) -> dict:
-    """Everything `python speculate.py` does; returns the summary. Raises CheckpointError on bad input."""
+    """Everything `python speculate.py` does; returns the summary. Raises UserError on bad input."""
     demo = demo_defaults(args)
     for name, ok in (("num_samples", args.num_samples >= 1), ("batch_size", args.batch_size >= 1),
                      ("max_new_tokens", args.max_new_tokens >= 1), ("temperature", args.temperature >= 0),
                      ("confidence_threshold", 0 <= args.confidence_threshold <= 1)):
         if not ok:
-            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     check_scheduler_flags(args)
     check_writable(args.trace_file, "--trace-file")
     if args.sps_table is not None and not os.path.isfile(args.sps_table):
         check_writable(args.sps_table, "--sps-table")
     on = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     if args.kernels == "triton" and not kernels._triton_ok(torch.zeros(1, device=on)):
-        raise CheckpointError("--kernels triton: needs the triton package and --device cuda (on cpu, Triton's "
+        raise UserError("--kernels triton: needs the triton package and --device cuda (on cpu, Triton's "
                               "interpreter: TRITON_INTERPRET=1)")
     m = load_models(args, argv)
     target, drafter, tokenizer = m.target, m.drafter, m.tokenizer
@@ -894,7 +894,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         with torch.inference_mode():
             run(args, argv)
-    except CheckpointError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -53,9 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from drafter import MARKOV_TYPES, Drafter, DrafterConfig
-from model import (CheckpointError, ModelArgs, Tokenizer, Transformer, apply_rope, assign_strict, attend,
-                   init_random_, load_target, read_json, read_jsonl, read_safetensors, rope_tables, safetensors_files,
-                   stop_token_ids)
+from common import UserError, read_json, read_jsonl
+from model import (ModelArgs, Tokenizer, Transformer, apply_rope, assign_strict, attend, init_random_, load_target,
+                   read_safetensors, rope_tables, safetensors_files, stop_token_ids)
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
@@ -199,7 +199,7 @@ def _read_jsonl_texts(path: str) -> list[str]:
               and all(isinstance(t, str) for t in obj["turns"])):
             out.append("\n\n".join(obj["turns"]))
         else:
-            raise CheckpointError(f"{where}: expected {{\"text\": str}} or {{\"turns\": [str]}}")
+            raise UserError(f"{where}: expected {{\"text\": str}} or {{\"turns\": [str]}}")
     return out
 
 
@@ -212,9 +212,9 @@ def read_texts(path: str) -> list[str]:
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                        if f.endswith(TEXT_SUFFIXES + (".jsonl",)))
         if not files:
-            raise CheckpointError(f"--data {path}: no {'/'.join(TEXT_SUFFIXES + ('.jsonl',))} files in the directory")
+            raise UserError(f"--data {path}: no {'/'.join(TEXT_SUFFIXES + ('.jsonl',))} files in the directory")
     else:
-        raise CheckpointError(f"--data {path}: file or directory not found")
+        raise UserError(f"--data {path}: file or directory not found")
     texts, skipped = [], []
     for f in files:
         _read_text_file(f, texts, skipped)
@@ -222,25 +222,25 @@ def read_texts(path: str) -> list[str]:
         print(f"--data: skipped {len(skipped)} file(s) that are not UTF-8 (first: {skipped[0]})", file=sys.stderr)
     texts = [t for t in texts if t]
     if not texts:
-        raise CheckpointError(f"--data {path}: no text")
+        raise UserError(f"--data {path}: no text")
     return texts
 
 
 def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
     """--data-ids: JSON lines of {"prompt_ids": [int]}, every id below vocab_size."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"--data-ids {path}: file not found")
+        raise UserError(f"--data-ids {path}: file not found")
     out = []
     for where, obj in read_jsonl(path):
         ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise CheckpointError(f"{where}: expected {{\"prompt_ids\": [int, ...]}}")
+            raise UserError(f"{where}: expected {{\"prompt_ids\": [int, ...]}}")
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
-            raise CheckpointError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+            raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
         out.append(ids)
     if not out:
-        raise CheckpointError(f"--data-ids {path}: no sequences")
+        raise UserError(f"--data-ids {path}: no sequences")
     return out
 
 
@@ -253,7 +253,7 @@ def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], 
             stream.append(separator)
     n = len(stream) // seq_len
     if n == 0:
-        raise CheckpointError(f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
+        raise UserError(f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
     return torch.tensor(stream[:n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
@@ -571,11 +571,11 @@ def check_resume_args(directory: str, args: Args) -> dict:
     meta = read_json(os.path.join(directory, STATE_JSON))
     saved = meta.get("args")
     if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"{os.path.join(directory, STATE_JSON)}: missing 'step' or 'args'")
+        raise UserError(f"{os.path.join(directory, STATE_JSON)}: missing 'step' or 'args'")
     now = asdict(args)
     for k in _RESUME_KEYS:
         if k in saved and saved[k] != now[k]:
-            raise CheckpointError(f"--resume {directory}: --{k.replace('_', '-')} was {saved[k]!r}, now {now[k]!r} "
+            raise UserError(f"--resume {directory}: --{k.replace('_', '-')} was {saved[k]!r}, now {now[k]!r} "
                                   "(a resumed run must repeat the original flags)")
     return meta
 
@@ -586,22 +586,22 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
     meta = check_resume_args(directory, args)
     path = os.path.join(directory, STATE_TENSORS)
     if meta.get("num_windows") != num_windows:
-        raise CheckpointError(f"--resume {directory}: the data gave {meta.get('num_windows')} sequences, now "
+        raise UserError(f"--resume {directory}: the data gave {meta.get('num_windows')} sequences, now "
                               f"{num_windows} (a resumed run must read the same data)")
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: file not found")
+        raise UserError(f"{path}: file not found")
     tensors = read_safetensors([path], torch.float32, "cpu")
     index = {n: i for i, (n, _) in enumerate(module.named_parameters())}
     state = {}
     for key, t in tensors.items():
         kind, _, name = key.partition(".")
         if name not in index:
-            raise CheckpointError(f"{path}: optimizer state {key!r} matches no parameter")
+            raise UserError(f"{path}: optimizer state {key!r} matches no parameter")
         state.setdefault(index[name], {})[kind] = t
     sd = opt.state_dict()
     missing = [n for n, i in index.items() if i not in state]
     if state and missing:
-        raise CheckpointError(f"{path}: no optimizer state for parameter {missing[0]!r}")
+        raise UserError(f"{path}: no optimizer state for parameter {missing[0]!r}")
     sd["state"] = state
     opt.load_state_dict(sd)
     return meta["step"]
@@ -636,9 +636,9 @@ def parse_ids(text: str, flag: str) -> tuple[int, ...]:
     try:
         ids = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise CheckpointError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+        raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
     if not ids:
-        raise CheckpointError(f"{flag}: empty list")
+        raise UserError(f"{flag}: empty list")
     return ids
 
 
@@ -647,15 +647,15 @@ def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> D
     ids = parse_ids(args.target_layer_ids, "--target-layer-ids") if args.target_layer_ids else default_layer_ids(
         t.num_hidden_layers)
     if list(ids) != sorted(set(ids)):
-        raise CheckpointError(f"--target-layer-ids: {list(ids)} must be strictly increasing")
+        raise UserError(f"--target-layer-ids: {list(ids)} must be strictly increasing")
     target.check_capture(ids, "--target-layer-ids")
     mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target_dir, t.vocab_size)
     if not 0 <= mask < t.vocab_size:
-        raise CheckpointError(f"--mask-token-id: {mask} is outside the vocabulary (0..{t.vocab_size - 1})")
+        raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{t.vocab_size - 1})")
     markov = None if args.markov == "none" else args.markov
     assert markov is None or markov in MARKOV_TYPES
     if args.confidence and args.confidence_with_markov and markov is None:
-        raise CheckpointError("--confidence-with-markov needs a Markov head (--markov none given): "
+        raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                               "add --no-confidence-with-markov")
     layers = ModelArgs(**{f.name: getattr(t, f.name) for f in fields(ModelArgs)})
     layers.num_hidden_layers = args.depth
@@ -678,7 +678,7 @@ def load_drafter_weights(drafter: Drafter, directory: str, target_dir: str, num_
     for k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id", "markov_head_type",
               "markov_rank", "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size"):
         if saved.get(k) != now[k]:
-            raise CheckpointError(f"{cfg_path}: {k} is {saved.get(k)!r}, the flags give {now[k]!r}")
+            raise UserError(f"{cfg_path}: {k} is {saved.get(k)!r}, the flags give {now[k]!r}")
     files = safetensors_files(directory)
     tensors = read_safetensors(files, torch.float32, drafter.fc.weight.device)
     tensors.pop("embed_tokens.weight", None)
@@ -701,13 +701,13 @@ def check_args(args: Args):
                      ("gamma", args.gamma > 0), ("log_every", args.log_every >= 1), ("save_every", args.save_every >= 0),
                      ("stop_at", args.stop_at is None or 1 <= args.stop_at <= args.steps)):
         if not ok:
-            raise CheckpointError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
     if args.out is None:
-        raise CheckpointError("--out: no output directory given")
+        raise UserError("--out: no output directory given")
     if (args.data is None) == (args.data_ids is None):
-        raise CheckpointError("give exactly one of --data, --data-ids")
+        raise UserError("give exactly one of --data, --data-ids")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda: no CUDA device is available")
+        raise UserError("--device cuda: no CUDA device is available")
 
 
 # ----------------------------------------------------------------------------------------
@@ -728,7 +728,7 @@ def optimize(args: Args, module: torch.nn.Module, loss_fn, batches: Batches, num
     start = load_state(args.resume, module, opt, args, num_windows) if args.resume else 0
     end = args.stop_at or args.steps
     if start >= end:
-        raise CheckpointError(f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
+        raise UserError(f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
     run = None
     if args.wandb:
         import wandb
@@ -785,13 +785,13 @@ def _device_dtype(args: Args):
 
 def train_drafter(args: Args) -> dict:
     if args.target is None:
-        raise CheckpointError("--target: no target directory given")
+        raise UserError("--target: no target directory given")
     device, dtype = _device_dtype(args)
     target = load_target(args.target, device, dtype if device == "cuda" else torch.float32)
     V = target.args.vocab_size
     if args.data is not None:
         if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
-            raise CheckpointError(f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
+            raise UserError(f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
         tok = Tokenizer(args.target)
         texts = read_texts(args.data)
         docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
@@ -857,19 +857,19 @@ def train_target(args: Args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     tok_path = os.path.join(args.out, "tokenizer.json")
     if not (args.resume or args.tokenizer_from_corpus or args.tokenizer):
-        raise CheckpointError("--mode target needs --tokenizer PATH or --tokenizer-from-corpus")
+        raise UserError("--mode target needs --tokenizer PATH or --tokenizer-from-corpus")
     texts = read_texts(args.data) if args.data is not None else None
     if args.resume:
         if os.path.abspath(args.resume) != os.path.abspath(args.out):
             shutil.copyfile(os.path.join(args.resume, "tokenizer.json"), tok_path)
     elif args.tokenizer_from_corpus:
         if texts is None:
-            raise CheckpointError("--tokenizer-from-corpus needs --data (text)")
+            raise UserError("--tokenizer-from-corpus needs --data (text)")
         train_bpe(texts, args.vocab_size).save(tok_path)
     elif args.tokenizer is not None:
         src = os.path.join(args.tokenizer, "tokenizer.json") if os.path.isdir(args.tokenizer) else args.tokenizer
         if not os.path.isfile(src):
-            raise CheckpointError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
+            raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
         if os.path.abspath(src) != os.path.abspath(tok_path):
             shutil.copyfile(src, tok_path)
     tok = Tokenizer(args.out)
@@ -881,7 +881,7 @@ def train_target(args: Args) -> dict:
     else:
         windows = pack_windows(read_id_lists(args.data_ids, V), args.seq_len, None, f"--data-ids {args.data_ids}")
     if args.heads % args.kv_heads:
-        raise CheckpointError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+        raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
@@ -890,7 +890,7 @@ def train_target(args: Args) -> dict:
     if args.resume:
         model = load_target(args.resume, device, torch.float32).requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
-            raise CheckpointError(f"--resume {args.resume}: the saved target's shape differs from the flags")
+            raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
     else:
         with torch.device(device):
             model = Transformer(margs)
@@ -917,11 +917,11 @@ def train_target(args: Args) -> dict:
 
 
 def run(args: Args) -> dict:
-    """Everything `python train.py` does; returns the loss history. Raises CheckpointError on bad input."""
+    """Everything `python train.py` does; returns the loss history. Raises UserError on bad input."""
     check_args(args)
     if args.resume:
         if not os.path.isfile(os.path.join(args.resume, STATE_JSON)):
-            raise CheckpointError(f"--resume {args.resume}: no {STATE_JSON} there")
+            raise UserError(f"--resume {args.resume}: no {STATE_JSON} there")
         check_resume_args(args.resume, args)
     return train_drafter(args) if args.mode == "drafter" else train_target(args)
 
@@ -932,7 +932,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
     try:
         run(args)
-    except CheckpointError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import bigram_pair, positive_ints, sync  # noqa: E402
 from drafter import random_drafter  # noqa: E402
-from model import CheckpointError, random_target  # noqa: E402
+from common import UserError  # noqa: E402
+from model import random_target  # noqa: E402
 from speculate import compiled, device_name  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     try:
         lengths = positive_ints(args.lengths, "--lengths")
         batches = positive_ints(args.batch_sizes, "--batch-sizes")
-    except CheckpointError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.threads:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import bigram_pair, side_engine, timed_generate  # noqa: E402
-from model import CheckpointError  # noqa: E402
+from common import UserError  # noqa: E402
 from speculate import device_name  # noqa: E402
 
 WAYS = {"eager": (False, None), "inductor-default": (True, "default"), "recipe": (True, None)}
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     dev, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     try:
         target, drafter = bigram_pair(dev, dtype, args.seed)
-    except CheckpointError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(args.seed)

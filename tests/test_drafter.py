@@ -362,7 +362,7 @@ def test_refusals(ck, target, capsys, case):
         edit_config(d, cfg_edit)
     if tensor_edit:
         edit_tensors(d, tensor_edit)
-    with pytest.raises(model.CheckpointError, match=pattern):
+    with pytest.raises(model.UserError, match=pattern):
         dm.load_drafter(d, target)
 
     rc, out = run_cli(capsys, ck, d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", prompts=False)
@@ -380,17 +380,17 @@ def test_refusals(ck, target, capsys, case):
 def test_refusal_names_the_tensor_as_spelled_in_the_file(ck, target, key, on_disk):
     d = ck.drafter(f"bad_spelled_{key}", spelling="specforge", confidence=key == "use_confidence_head")
     edit_config(d, _set_nested("dflash_config", key, None if key == "markov_head_type" else False))
-    with pytest.raises(model.CheckpointError, match=re.escape(repr(on_disk))):
+    with pytest.raises(model.UserError, match=re.escape(repr(on_disk))):
         dm.load_drafter(d, target)
 
 
 def test_refusals_name_the_file(ck, target):
     d = ck.drafter("bad_file_named", extra_config={"markov_head_type": "lstm"})
-    with pytest.raises(model.CheckpointError, match=re.escape(os.path.join(d, "config.json"))):
+    with pytest.raises(model.UserError, match=re.escape(os.path.join(d, "config.json"))):
         dm.load_drafter(d, target)
     d = ck.drafter("bad_tensor_file_named")
     edit_tensors(d, _drop_tensor("norm.weight"))
-    with pytest.raises(model.CheckpointError, match=re.escape(os.path.join(d, "model.safetensors"))):
+    with pytest.raises(model.UserError, match=re.escape(os.path.join(d, "model.safetensors"))):
         dm.load_drafter(d, target)
 
 

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 m = import_model()
-CheckpointError = m.CheckpointError
+UserError = m.UserError
 
 ATOL = 1e-4
 
@@ -215,13 +215,13 @@ def test_check_capture(tiny_target):
     model = m.load_target(str(tiny_target.path))  # 3 layers: -1, 0, 1 allowed
     model.check_capture([-1, 0, 1])
     model.check_capture([])
-    with pytest.raises(CheckpointError, match="last layer"):
+    with pytest.raises(UserError, match="last layer"):
         model.check_capture([0, 2])
     for bad in (3, 7, -2, True, 1.0, "0"):
-        with pytest.raises(CheckpointError, match="outside") as e:
+        with pytest.raises(UserError, match="outside") as e:
             model.check_capture([0, bad])
         assert repr(bad) in str(e.value)
-    with pytest.raises(CheckpointError, match="^drafter.json: "):
+    with pytest.raises(UserError, match="^drafter.json: "):
         model.check_capture([5], source="drafter.json")
 
 
@@ -234,28 +234,28 @@ def corrupt(tiny_target, tmp_path):
 
 def test_missing_directory(tmp_path):
     missing = tmp_path / "no_such_dir"
-    with pytest.raises(CheckpointError, match="no_such_dir.*not found"):
+    with pytest.raises(UserError, match="no_such_dir.*not found"):
         m.load_target(str(missing))
 
 
 def test_missing_config(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json: file not found"):
+    with pytest.raises(UserError, match="config.json: file not found"):
         m.load_target(str(d))
 
 
 def test_malformed_config_json(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").write_text('{"vocab_size": 64,')
-    with pytest.raises(CheckpointError, match="config.json: malformed JSON"):
+    with pytest.raises(UserError, match="config.json: malformed JSON"):
         m.load_target(str(d))
 
 
 def test_config_not_an_object(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").write_text("[1, 2]")
-    with pytest.raises(CheckpointError, match="config.json: expected a JSON object"):
+    with pytest.raises(UserError, match="config.json: expected a JSON object"):
         m.load_target(str(d))
 
 
@@ -263,7 +263,7 @@ def test_config_not_an_object(tiny_target, tmp_path):
 def test_config_missing_required_key(tiny_target, tmp_path, key):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop(key))
-    with pytest.raises(CheckpointError, match=f"config.json: missing key '{key}'"):
+    with pytest.raises(UserError, match=f"config.json: missing key '{key}'"):
         m.load_target(str(d))
 
 
@@ -271,21 +271,21 @@ def test_config_missing_required_key(tiny_target, tmp_path, key):
 def test_config_bad_integer(tiny_target, tmp_path, value):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(hidden_size=value))
-    with pytest.raises(CheckpointError, match="'hidden_size' must be a positive integer"):
+    with pytest.raises(UserError, match="'hidden_size' must be a positive integer"):
         m.load_target(str(d))
 
 
 def test_config_missing_rope_theta(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop("rope_parameters"))
-    with pytest.raises(CheckpointError, match="rope_theta"):
+    with pytest.raises(UserError, match="rope_theta"):
         m.load_target(str(d))
 
 
 def test_config_heads_not_multiple_of_kv_heads(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(num_key_value_heads=3))
-    with pytest.raises(CheckpointError, match="num_key_value_heads 3"):
+    with pytest.raises(UserError, match="num_key_value_heads 3"):
         m.load_target(str(d))
 
 
@@ -297,7 +297,7 @@ def test_config_heads_not_multiple_of_kv_heads(tiny_target, tmp_path):
 def test_unsupported_architecture(tiny_target, tmp_path, edit, culprit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
-    with pytest.raises(CheckpointError, match="not supported") as e:
+    with pytest.raises(UserError, match="not supported") as e:
         m.load_target(str(d))
     assert culprit in str(e.value)
     assert "config.json" in str(e.value)
@@ -312,7 +312,7 @@ def test_unsupported_architecture(tiny_target, tmp_path, edit, culprit):
 def test_unsupported_rope_type(tiny_target, tmp_path, edit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
-    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(UserError, match="rope type 'yarn' is not supported"):
         m.load_target(str(d))
 
 
@@ -325,21 +325,21 @@ def test_unsupported_rope_type(tiny_target, tmp_path, edit):
 def test_unsupported_features_are_refused(tiny_target, tmp_path, edit, culprit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
-    with pytest.raises(CheckpointError, match=culprit):
+    with pytest.raises(UserError, match=culprit):
         m.load_target(str(d))
 
 
 def test_missing_tensor(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"parameter 'layers\.1\.mlp\.up_proj\.weight' is missing"):
+    with pytest.raises(UserError, match=r"parameter 'layers\.1\.mlp\.up_proj\.weight' is missing"):
         m.load_target(str(d))
 
 
 def test_extra_tensor(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
-    with pytest.raises(CheckpointError,
+    with pytest.raises(UserError,
                        match=r"'layers\.0\.self_attn\.rotary_emb\.inv_freq' in the checkpoint matches no parameter"):
         m.load_target(str(d))
 
@@ -347,7 +347,7 @@ def test_extra_tensor(tiny_target, tmp_path):
 def test_tensor_shape_mismatch(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.update({"model.layers.2.self_attn.k_norm.weight": torch.ones(17)}))
-    with pytest.raises(CheckpointError, match=r"'layers\.2\.self_attn\.k_norm\.weight' has shape \[17\], "
+    with pytest.raises(UserError, match=r"'layers\.2\.self_attn\.k_norm\.weight' has shape \[17\], "
                                               r"the model expects \[16\]"):
         m.load_target(str(d))
 
@@ -355,21 +355,21 @@ def test_tensor_shape_mismatch(tiny_target, tmp_path):
 def test_config_disagrees_with_tensors(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(intermediate_size=48))
-    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight' has shape"):
+    with pytest.raises(UserError, match=r"mlp\.\w+_proj\.weight' has shape"):
         m.load_target(str(d))
 
 
 def test_no_weight_file(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(UserError, match="no model.safetensors or model.safetensors.index.json"):
         m.load_target(str(d))
 
 
 def test_unreadable_weight_file(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "model.safetensors").write_bytes(b"\x00" * 5)
-    with pytest.raises(CheckpointError, match="model.safetensors: cannot read safetensors"):
+    with pytest.raises(UserError, match="model.safetensors: cannot read safetensors"):
         m.load_target(str(d))
 
 
@@ -387,14 +387,14 @@ def test_tied_checkpoint_with_explicit_head(target_factory, tmp_path):
 
     bad = copy_target(target.path, tmp_path / "bad")
     edit_tensors(bad, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
-    with pytest.raises(CheckpointError, match="'lm_head.weight' differs from the embedding"):
+    with pytest.raises(UserError, match="'lm_head.weight' differs from the embedding"):
         m.load_target(str(bad))
 
 
 def test_untied_config_without_head(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.pop("lm_head.weight"))
-    with pytest.raises(CheckpointError, match="'lm_head.weight' is missing"):
+    with pytest.raises(UserError, match="'lm_head.weight' is missing"):
         m.load_target(str(d))
 
 
@@ -417,7 +417,7 @@ def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
     d = copy_target(sharded.path, tmp_path / "ckpt")
     victim = sorted(shards)[1]
     (d / victim).unlink()
-    with pytest.raises(CheckpointError, match=f"shard '{victim}' not found"):
+    with pytest.raises(UserError, match=f"shard '{victim}' not found"):
         m.load_target(str(d))
 
 
@@ -429,7 +429,7 @@ def test_sharded_duplicate_tensor(target_factory, tmp_path):
     first = load_file(str(d / shards[0]))
     key = next(iter(first))
     edit_tensors(d, lambda t: t.update({key: first[key]}), filename=shards[1])
-    with pytest.raises(CheckpointError, match=f"{key!r} appears twice"):
+    with pytest.raises(UserError, match=f"{key!r} appears twice"):
         m.load_target(str(d))
 
 
@@ -554,13 +554,13 @@ def test_render_chat_template_error(target_factory, tmp_path):
     d = copy_target(target_factory().path, tmp_path / "ckpt")
     edit_json(d / "tokenizer_config.json",
               lambda c: c.update(chat_template="{{ raise_exception('no system role') }}"))
-    with pytest.raises(CheckpointError, match="no system role"):
+    with pytest.raises(UserError, match="no system role"):
         m.Tokenizer(str(d)).render_chat("hi")
 
 
 def test_missing_tokenizer(target_factory):
     d = target_factory(with_tokenizer=False).path
-    with pytest.raises(CheckpointError, match="tokenizer.json: file not found"):
+    with pytest.raises(UserError, match="tokenizer.json: file not found"):
         m.Tokenizer(str(d))
 
 
@@ -583,7 +583,7 @@ def test_stop_token_ids_merge(target_factory):
 def test_stop_token_ids_bad_value(target_factory, tmp_path):
     d = copy_target(target_factory().path, tmp_path / "ckpt")
     write_json(d / "generation_config.json", {"eos_token_id": ["<|im_end|>"]})
-    with pytest.raises(CheckpointError, match="generation_config.json: key 'eos_token_id'"):
+    with pytest.raises(UserError, match="generation_config.json: key 'eos_token_id'"):
         _stop_ids(d)
 
 
@@ -596,7 +596,7 @@ def test_non_object_json_is_a_checkpoint_error(target_factory, tmp_path, filenam
     src = target_factory(max_shard_size="20KB") if filename.startswith("model") else target_factory()
     d = copy_target(src.path, tmp_path / "ckpt")
     write_json(d / filename, [])
-    with pytest.raises(CheckpointError, match=filename):
+    with pytest.raises(UserError, match=filename):
         if filename == "tokenizer_config.json":
             m.Tokenizer(str(d))
         elif filename == "generation_config.json":

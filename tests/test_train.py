@@ -38,7 +38,7 @@ def run_train(args) -> tuple[int, dict, str]:
         try:
             result = train.run(a)
             rc = 0
-        except mdl.CheckpointError as e:
+        except mdl.UserError as e:
             print(f"error: {e}", file=err)
             rc = 2
     return rc, result, err.getvalue()

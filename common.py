@@ -1,0 +1,203 @@
+"""What every program here shares: one-line user errors, flag checks, device defaults, safe file I/O.
+
+Each program (speculate.py, eval.py, train.py, bench.py, scripts/) keeps its own flags in its own
+dataclass; this module only holds what they would otherwise each write again:
+- `UserError` and `cli_main`: a user mistake is one line on stderr and exit status 2, never a traceback;
+- `check_ranges` / `parse_ints`: flag values checked with the valid range in the message;
+- `resolve_device` / `resolve_dtype`: the "auto" defaults (cuda -> bfloat16, cpu -> float32), in one place;
+- `read_json` / `read_jsonl`: parsing that names the file and line at fault;
+- `check_writable` / `atomic_write`: output paths checked before any work, written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+from typing import Callable, Optional, Union
+
+import torch
+
+
+class UserError(Exception):
+    """A user mistake: a missing or malformed file, a flag out of range, a tensor that does not fit.
+
+    Programs print the message as one line on stderr and exit with status 2 (`cli_main`).
+    Messages name the file, key, flag or value at fault.
+    """
+
+
+def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True) -> int:
+    """A program's `main()`: flags parsed by tyro from `args_class`, then `run(args)` (under
+    torch.inference_mode unless `inference` is False). A UserError is one line on stderr (rank 0
+    only under torchrun) and exit status 2."""
+    import tyro
+
+    args = tyro.cli(args_class, args=sys.argv[1:] if argv is None else argv)
+    try:
+        if inference:
+            with torch.inference_mode():
+                run(args)
+        else:
+            run(args)
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# Flags
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_ranges(args, **ranges: str):
+    """Every named field of `args` inside its interval, written "[1, inf)", "(0, 1]", ... (None
+    values are skipped: an unset optional flag). NaN is outside every interval. The message
+    gives the valid range: "--lr: invalid value 0.0 (valid: > 0)"."""
+    for name, spec in ranges.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        lo_closed, hi_closed = spec[0] == "[", spec[-1] == "]"
+        lo, hi = (float(x) for x in spec[1:-1].split(","))
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value) and (
+            (value >= lo if lo_closed else value > lo) and (value <= hi if hi_closed else value < hi))
+        if not ok:
+            raise UserError(f"{_flag(name)}: invalid value {value!r} (valid: {_describe(lo, hi, lo_closed, hi_closed)})")
+
+
+def _describe(lo: float, hi: float, lo_closed: bool, hi_closed: bool) -> str:
+    num = lambda x: f"{x:g}"  # noqa: E731
+    left = f"{'>=' if lo_closed else '>'} {num(lo)}" if lo > -math.inf else ""
+    right = f"{'<=' if hi_closed else '<'} {num(hi)}" if hi < math.inf else ""
+    if lo_closed and hi_closed and left and right:
+        return f"{num(lo)} to {num(hi)}"
+    return " and ".join(s for s in (left, right) if s) or "any number"
+
+
+def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False,
+               skip_blank: bool = False) -> list[int]:
+    """A comma-separated list of integers ("1,2,3"), in the order given; one-line errors naming the flag.
+    skip_blank: empty fields ("1,,2", a trailing comma) are dropped instead of refused."""
+    fields = [x for x in text.split(",") if x.strip()] if skip_blank else text.split(",")
+    try:
+        values = [int(x) for x in fields]
+    except ValueError:
+        raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+    if (positive and any(v < 1 for v in values)) or (distinct and len(set(values)) != len(values)):
+        what = " and ".join(w for w, on in (("positive", positive), ("distinct", distinct)) if on)
+        raise UserError(f"{flag}: {text!r} must be {what} integers")
+    return values
+
+
+def resolve_device(device: Optional[str]) -> str:
+    """--device: as given (checked), or cuda when available."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
+    """--dtype: as given, or bfloat16 on cuda and float32 on cpu."""
+    return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+
+
+def device_name(device) -> str:
+    """The hardware, in words: the GPU's name, or the CPU's model, cores and torch threads."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    name = f"{platform.machine()} CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def sync(device):
+    """Wait for the device (timing)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------
+# Files
+
+def read_json(path: str) -> dict:
+    """Parse a JSON object file, turning every failure into one line that names the file."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: file not found")
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_jsonl(path: str):
+    """Yield (where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"
+    for messages. A line that is not JSON, or not UTF-8, is a UserError naming it."""
+    with open(path, encoding="utf-8") as f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{where}: malformed JSON ({e})") from None
+                yield where, obj
+        except UnicodeDecodeError:
+            raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+
+
+def check_writable(path: Optional[str], flag: str):
+    """Fail before any work if an output path cannot be written: a directory, or a missing folder."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a directory, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{flag} {path}: directory {folder} is not writable")
+
+
+def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
+    """Write `path` whole or not at all: a temporary file in the same directory, flushed and fsynced,
+    then renamed over the target. `data` is the text or bytes, or a function that writes a given path
+    (e.g. safetensors' save_file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if not callable(data):
+                f.write(data.encode() if isinstance(data, str) else data)
+        if callable(data):
+            data(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path: str, obj, indent: Optional[int] = 2):
+    """`obj` as JSON (plus a newline) at `path`, atomically."""
+    atomic_write(path, json.dumps(obj, indent=indent) + "\n")
