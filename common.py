@@ -17,9 +17,17 @@ import os
 import platform
 import sys
 import tempfile
-from typing import Callable, Optional, Union
+from typing import Annotated, Callable, Optional, Union
 
 import torch
+
+try:  # tyro parses the flags (cli_main); the engines and the Python API also run without it
+    import tyro
+
+    AutoBool = Annotated[Optional[bool], tyro.conf.DisallowNone]
+    """A --flag / --no-flag whose default None means "auto", resolved by the program (its help says how)."""
+except ImportError:
+    AutoBool = Optional[bool]
 
 
 class UserError(Exception):
@@ -92,7 +100,7 @@ def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool =
     except ValueError:
         raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
     if (positive and any(v < 1 for v in values)) or (distinct and len(set(values)) != len(values)):
-        what = " and ".join(w for w, on in (("positive", positive), ("distinct", distinct)) if on)
+        what = " ".join(w for w, on in (("distinct", distinct), ("positive", positive)) if on)
         raise UserError(f"{flag}: {text!r} must be {what} integers")
     return values
 

@@ -195,6 +195,7 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
 
 class VanillaMarkov(nn.Module):
     """b_k = W2 · W1[x_{k-1}]."""
+    kind = "vanilla"
 
     def __init__(self, H: int, V: int, r: int):
         super().__init__()
@@ -207,6 +208,7 @@ class VanillaMarkov(nn.Module):
 
 class GatedMarkov(VanillaMarkov):
     """g = σ(W_g [h_k ; W1[x_{k-1}]] + b_g); b_k = W2 · (g ⊙ W1[x_{k-1}])."""
+    kind = "gated"
 
     def __init__(self, H: int, V: int, r: int):
         super().__init__(H, V, r)
@@ -220,6 +222,7 @@ class GatedMarkov(VanillaMarkov):
 
 class RNNMarkov(VanillaMarkov):
     """A gated recurrent state over the chain: joint_proj([s ; W1[x] ; h]) -> gate, candidate, output."""
+    kind = "rnn"
 
     def __init__(self, H: int, V: int, r: int):
         super().__init__(H, V, r)

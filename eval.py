@@ -32,10 +32,11 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from common import UserError, check_writable
-from speculate import Args as SpeculateArgs
-from speculate import (Engine, Request, cache_length, check_prompts, check_scheduler_flags, load_models, load_prompts,
-                       sps_for)
+import metrics as mt
+import scheduler as sched
+from common import AutoBool, UserError, check_ranges, check_writable, cli_main
+from speculate import (Engine, Request, auto_chat, auto_compile, cache_length, check_prompts, check_schedulable,
+                       load_models, load_prompts, resolve_scheduler)
 
 # The paper's protocol (Table 1): per-dataset sample counts, first rows in file order.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -64,8 +65,9 @@ class EvalArgs:
     """Token budget per request (the paper does not state one; 2048 as in DFlash's benchmarks)."""
     temperature: float = 1.0
     """0 = greedy; the paper reports τ at 1.0."""
-    chat: bool = True
-    """Render prompts with the target's chat template, thinking off (as speculate.py; --no-chat: raw)."""
+    chat: AutoBool = None
+    """Render prompts with the target's chat template, thinking off (as speculate.py; --no-chat: raw).
+    Default: on when the tokenizer has a template."""
     batch_size: int = 1
     """Requests decoded together (per process under torchrun)."""
     confidence_threshold: float = 0.0
@@ -80,9 +82,9 @@ class EvalArgs:
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run (under torchrun with cuda: the rank's LOCAL_RANK GPU)."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
-    """Weights and activations (default: bfloat16 on cuda, float32 on cpu)."""
-    compile: bool = False
-    """torch.compile the round (default: on for cuda, off for cpu)."""
+    """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
+    compile: AutoBool = None
+    """torch.compile the round. Default: on for cuda, off for cpu."""
     out: str = "results.json"
     """Where to write the results (JSON)."""
     progress: bool = True
@@ -396,32 +398,17 @@ def all_gather_list(items: list) -> list:
 # ----------------------------------------------------------------------------------------
 # Counting
 
-COUNT_KEYS = ("num_samples", "num_rounds", "accepted", "verified", "drafted", "tokens")
-
-
-def count(requests: list[Request], K: int) -> dict:
-    """Raw counts of a set of finished requests; per-position tried/ok have exactly the meaning of
-    speculate.accept_rate_by_position (tried: drafts 1..k-1 accepted and draft k verified)."""
-    rounds = [rd for r in requests for rd in r.rounds]
-    return {"num_samples": len(requests), "num_rounds": len(rounds),
-            "accepted": sum(rd["accepted"] for rd in rounds), "verified": sum(rd["verified"] for rd in rounds),
-            "drafted": sum(len(rd["draft"]) for rd in rounds), "tokens": sum(len(r.output_ids) for r in requests),
-            "tried": [sum(1 for rd in rounds if rd["accepted"] >= k - 1 and rd["verified"] >= k) for k in range(1, K + 1)],
-            "ok": [sum(1 for rd in rounds if rd["accepted"] >= k) for k in range(1, K + 1)]}
-
-
 def metrics(name: str, c: dict, seconds: float) -> dict:
-    """A dataset's entry of results.json from its (summed) counts."""
-    R = c["num_rounds"]
+    """A dataset's entry of results.json from its (summed) counts (`metrics.count`)."""
     return {
         "dataset": name,
         "num_samples": c["num_samples"],
-        "num_rounds": R,
+        "num_rounds": c["num_rounds"],
         "num_tokens": c["tokens"],
-        "acceptance_length": (c["accepted"] + R) / R if R else None,
-        "draft_tokens_per_proposal": c["verified"] / R if R else None,
+        "acceptance_length": mt.acceptance_length(c),
+        "draft_tokens_per_proposal": mt.verified_per_round(c),
         "verify_rate": c["verified"] / c["drafted"] if c["drafted"] else None,
-        "accept_rate_by_position": [ok / tried if tried else 0.0 for ok, tried in zip(c["ok"], c["tried"])],
+        "accept_rate_by_position": mt.accept_rate_by_position(c),
         "accept_counts_by_position": [[ok, tried] for ok, tried in zip(c["ok"], c["tried"])],
         "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
         "seconds": seconds,
@@ -456,23 +443,21 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def run(args: EvalArgs, argv: list[str]) -> dict:
+def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results. Raises UserError on bad input."""
-    for name, ok in (("batch_size", args.batch_size >= 1), ("max_new_tokens", args.max_new_tokens >= 1),
-                     ("max_samples", args.max_samples is None or args.max_samples >= 1),
-                     ("temperature", args.temperature >= 0),
-                     ("confidence_threshold", 0 <= args.confidence_threshold <= 1),
-                     ("calibration_split", 0 <= args.calibration_split < 1)):
-        if not ok:
-            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
-    check_scheduler_flags(args)
+    check_ranges(args, batch_size="[1, inf)", max_new_tokens="[1, inf)", max_samples="[1, inf)",
+                 temperature="[0, inf)", confidence_threshold="[0, 1]", calibration_split="[0, 1)")
+    kind = resolve_scheduler(args)
     for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
                        ("--calibration-plot", args.calibration_plot)):
         check_writable(path, flag)
     rank, world, device = dist_setup(args.device)
     datasets = resolve_datasets(args, rank)
-    m = load_models(args, argv, device, verbose=rank == 0)
-    target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, m.chat
+    m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
+                    seed=args.seed, verbose=rank == 0)
+    target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
+    check_schedulable(kind, drafter, args.confidence_threshold)
+    compile = auto_compile(args.compile, device)
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
@@ -484,18 +469,19 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
     # a single process would use: sharding then cannot change a single logit.
     prompts = {}
     for name, path, n in datasets:
-        ps = load_prompts(SpeculateArgs(prompts_file=path), tokenizer, chat)
+        ps = load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path)
         prompts[name] = ps[:n] if n else ps
         check_prompts(prompts[name], target, args.max_new_tokens, f"{path} ")
     max_seq = cache_length(max(len(p) for ps in prompts.values() for p in ps), args.max_new_tokens, drafter)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))
-    engine = Engine(target, drafter, m.stop_ids, batch, max_seq, args.temperature, args.confidence_threshold,
-                    args.seed + rank, device, m.compile, scheduler=args.scheduler if drafter is not None else None)
-    if m.compile:
+    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
+                    seed=args.seed + rank, device=device, stop_ids=m.stop_ids, scheduler=kind,
+                    threshold=args.confidence_threshold, compile=compile)
+    if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
-    if engine.scheduler == "hardware":
-        engine.set_sps(sps_for(engine, args.sps_table, verbose=rank == 0))
+    if kind == "hardware":
+        engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table, verbose=rank == 0))
 
     bar = None
     if args.progress and rank == 0:
@@ -513,10 +499,10 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
         engine.generate(requests, args.max_new_tokens,
                         on_finish=(lambda req: bar.update(world)) if bar is not None else None)
         seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
-        c = count(requests, K)
-        flat = all_sum([c[k] for k in COUNT_KEYS] + c["tried"] + c["ok"], device)
-        c = dict(zip(COUNT_KEYS, flat[:len(COUNT_KEYS)]), tried=flat[len(COUNT_KEYS):len(COUNT_KEYS) + K],
-                 ok=flat[len(COUNT_KEYS) + K:])
+        c = mt.count(requests, K)
+        keys = mt.COUNT_KEYS
+        flat = all_sum([c[k] for k in keys] + c["tried"] + c["ok"], device)
+        c = dict(zip(keys, flat[:len(keys)]), tried=flat[len(keys):len(keys) + K], ok=flat[len(keys) + K:])
         entries.append(metrics(name, c, seconds))
         if has_conf:
             parts.append(round_arrays(requests, len(entries) - 1, K))
@@ -529,7 +515,7 @@ def run(args: EvalArgs, argv: list[str]) -> dict:
 
     config = {k: v for k, v in asdict(args).items()}
     config.update(world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds, drafter_config=drafter.cfg.describe() if drafter else None,
-                  chat_resolved=chat, compile_resolved=m.compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
+                  chat_resolved=chat, compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
                   skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
     results = {"config": config, "datasets": entries,
                "calibration": {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None}
@@ -652,22 +638,14 @@ def log_wandb(args: EvalArgs, results: dict, plot: Optional[str]):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import tyro
-
-    argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(EvalArgs, args=argv)
-    try:
-        with torch.inference_mode():
-            run(args, argv)
-    except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    def run_and_leave(args):
+        try:
+            run(args)
+        finally:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+    return cli_main(EvalArgs, run_and_leave, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ graph, so eager and compiled rounds see the same numbers) or from an explicit
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -28,13 +28,18 @@ def sample_from(p: torch.Tensor, generator: Optional[torch.Generator], noise: Op
     return torch.argmax(p / e, dim=-1)
 
 
-def round_noise(generator: Optional[torch.Generator], B: int, K: int, V: int, device):
-    """All the randomness of one sampled round, in draw order: the Markov chain's Exp(1) noise
-    [B, K, V], the acceptance uniforms u [B, K], the correction/bonus Exp(1) noise [B, V]."""
+class Noise(NamedTuple):
+    """All the randomness of one sampled round, in draw order."""
+    chain: torch.Tensor  # [B, K, V] Exp(1): the Markov chain's exponential races
+    u: torch.Tensor      # [B, K] uniforms of the acceptance tests
+    bonus: torch.Tensor  # [B, V] Exp(1): the correction / bonus race
+
+
+def round_noise(generator: Optional[torch.Generator], B: int, K: int, V: int, device) -> Noise:
     chain = torch.empty((B, K, V), device=device).exponential_(1, generator=generator)
     u = torch.rand((B, K), generator=generator, device=device)
     bonus = torch.empty((B, V), device=device).exponential_(1, generator=generator)
-    return chain, u, bonus
+    return Noise(chain, u, bonus)
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -159,17 +164,15 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.T
 # interpreter: the tests). Otherwise (no triton, CPU tensors without the interpreter, CPU
 # tensors under torch.compile), for a head that is not the vanilla Markov head (gated, rnn,
 # None), for K = 0 in the chain, or for dtypes other than float32/bfloat16/float16, they fall
-# back to the reference of the same name, which gives the same results. The *_fast functions
-# are the engine's switch: Triton for CUDA tensors when triton is installed and CUDA is present
-# (`FAST_KERNELS`), the plain-torch reference otherwise.
+# back to the reference of the same name, which gives the same results. An engine binds one set,
+# `kernel_set("torch")` or `kernel_set("triton")`, when it is built.
 
 import importlib.util
 import os
 
 # triton is imported on first use, not here: Triton decides "interpreter or GPU" for its own
 # language functions when it is imported (from TRITON_INTERPRET), so a test that sets the
-# variable after another module imported this one can still use the interpreter. With CUDA
-# present it is imported right away, so that a compiled round finds the kernels built.
+# variable after another module imported this one can still use the interpreter.
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 FAST_KERNELS = HAVE_TRITON and torch.cuda.is_available()
 triton = tl = None  # set by _import_triton()
@@ -425,12 +428,9 @@ def _build_triton_kernels() -> dict:
     return _TRITON_KERNELS
 
 
-if FAST_KERNELS:
-    _build_triton_kernels()
-
-
 def _kernels() -> dict:
-    # Under torch.compile: what was built at import (no imports or environment reads in the graph).
+    # Under torch.compile: what `kernel_set("triton")` built when the engine was made (no imports
+    # or environment reads inside a graph).
     return _TRITON_KERNELS if torch.compiler.is_compiling() else _build_triton_kernels()
 
 
@@ -449,10 +449,8 @@ def _triton_ok(*tensors) -> bool:
 
 
 def _is_vanilla_markov(markov) -> bool:
-    """The vanilla head only: W1, W2 and nothing that makes the bias depend on h or a state."""
-    return (markov is not None and hasattr(markov, "markov_w1") and hasattr(markov, "markov_w2")
-            and not hasattr(markov, "gate_proj") and not hasattr(markov, "joint_proj")
-            and type(markov).__name__ == "VanillaMarkov")
+    """The vanilla head only (b = W2·W1[x]): the gated and rnn biases also depend on h or a state."""
+    return getattr(markov, "kind", None) == "vanilla"
 
 
 def _pow2(n: int) -> int:
@@ -595,25 +593,29 @@ def verify_sampled_triton(drafts: torch.Tensor, q: Optional[torch.Tensor], targe
     return n, nxt
 
 
-# The engine's switch: Triton on CUDA tensors where triton imports, the references elsewhere.
+# The kernel sets an engine binds once, when it is built
 
-def markov_chain_fast(base_logits, hidden, anchor, markov, temperature, generator, noise=None):
-    """`markov_chain`, through `markov_chain_triton` on CUDA (which itself falls back for
-    heads other than vanilla)."""
-    if FAST_KERNELS and base_logits.is_cuda:
-        return markov_chain_triton(base_logits, hidden, anchor, markov, temperature, generator, noise)
-    return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise)
-
-
-def verify_greedy_fast(drafts, target_logits, verify_len):
-    """`verify_greedy`, through `verify_greedy_triton` on CUDA."""
-    if FAST_KERNELS and target_logits.is_cuda:
-        return verify_greedy_triton(drafts, target_logits, verify_len)
-    return verify_greedy(drafts, target_logits, verify_len)
+class KernelSet(NamedTuple):
+    """The round's hot math, one implementation each (same signatures and results)."""
+    markov_chain: Callable
+    verify_greedy: Callable
+    verify_sampled: Callable
 
 
-def verify_sampled_fast(drafts, q, target_logits, verify_len, temperature, generator, u=None, noise=None):
-    """`verify_sampled`, through `verify_sampled_triton` on CUDA."""
-    if FAST_KERNELS and target_logits.is_cuda:
-        return verify_sampled_triton(drafts, q, target_logits, verify_len, temperature, generator, u, noise)
-    return verify_sampled(drafts, q, target_logits, verify_len, temperature, generator, u, noise)
+TORCH = KernelSet(markov_chain, verify_greedy, verify_sampled)
+TRITON = KernelSet(markov_chain_triton, verify_greedy_triton, verify_sampled_triton)
+
+
+def kernel_set(name: str, device) -> KernelSet:
+    """"torch" (the references) or "triton"; the Triton kernels are built here, before any graph
+    traces them. Raises RuntimeError when Triton cannot run on `device` (no triton, or cpu outside
+    Triton's interpreter)."""
+    if name == "torch":
+        return TORCH
+    if name != "triton":
+        raise ValueError(f"unknown kernel set {name!r}")
+    if not _triton_ok(torch.empty(0, device=device)):
+        raise RuntimeError("the Triton kernels need the triton package and a CUDA device (on cpu, Triton's "
+                           "interpreter: TRITON_INTERPRET=1)")
+    _build_triton_kernels()
+    return TRITON

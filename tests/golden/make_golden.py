@@ -119,8 +119,9 @@ def write_sps_table(path: str, batch: int, temperature: float = 0.0):
 
     target = load_target(os.path.join(DEMO, "target"))
     drafter = load_drafter(os.path.join(DEMO, "drafter"), target)
-    engine = speculate.Engine(target, drafter, (), batch, 64, temperature, 0.0, 0, "cpu", scheduler="hardware")
-    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.profile_points])
+    engine = speculate.Engine(target, drafter, batch_size=batch, max_seq=64, temperature=temperature,
+                              scheduler="hardware")
+    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.scheduler.profile_points])
     with open(path, "w") as f:
         json.dump(table, f)
 

@@ -1,0 +1,202 @@
+"""How many drafts a round verifies (docs/algorithm.md, "Scheduling"; the paper's §3.2.2).
+
+`Scheduler` is what the engine holds: called inside the round's draft graph, it turns the drafts'
+confidences into verify lengths ℓ [B], one of
+- "none": the whole block, every round;
+- "threshold": the drafts before the first confidence below θ;
+- "hardware": the paper's Algorithm 1 over the whole batch (`hardware_schedule`), which weighs the
+  expected accepted tokens against SPS(B), the engine's measured rounds per second when a round
+  verifies B tokens.
+Host side it also owns the verify sizes: compiled, a ragged verification is padded to one of a few
+`verify_buckets` (one graph each), and with an SPS table a count goes to the fastest bucket that
+holds it. SPS(B) is profiled by timing the engine's own rounds (`profile`), fitted into a curve
+(`sps_curve`), and kept in a JSON table that is reused only for the exact configuration it was
+measured on (`load_or_profile`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+from common import UserError, check_writable, read_json, write_json
+
+KINDS = ("none", "threshold", "hardware")
+
+
+def threshold_schedule(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """ℓ [B]: the drafts before the first confidence below the threshold (0 if c_1 < θ)."""
+    return torch.cumprod((confidence >= threshold).long(), dim=1).sum(1)
+
+
+def hardware_schedule(confidence: torch.Tensor, active: torch.Tensor, sps: torch.Tensor) -> torch.Tensor:
+    """The paper's Algorithm 1, on the device, for the whole batch at once.
+
+    confidence [B, K] (c_{r,j}, calibrated if the drafter was); active [B]; sps [B*(K+1) + 1]:
+    measured steps/second of a round that verifies B tokens. Candidates (r, j) with prefix survival
+    a_{r,j} = Π_{i<=j} c_{r,i} > 0 are sorted by a, descending (a stable sort, so j-1 comes before j
+    in a tie); admitting the i-th gives B = R + i tokens and τ = R + the sum of the admitted a;
+    admission stops at the first one whose τ·SPS(B) does not beat the best so far, which is always
+    the one before it — so nothing past the stop, and no token's own realisation, decides whether
+    it is verified (the lossless condition).
+    Returns ℓ [B]: the admitted candidates of each row (a prefix, as a is non-increasing in j).
+    """
+    B, K = confidence.shape
+    a = torch.cumprod(confidence.double(), dim=1) * active[:, None]  # inactive rows offer nothing
+    a_sorted, order = torch.sort(a.reshape(-1), descending=True, stable=True)
+    R = active.long().sum()
+    admitted = torch.arange(1, B * K + 1, device=a.device)           # i = 1 .. B*K
+    theta = (R + torch.cumsum(a_sorted, 0)) * sps[R + admitted]      # Θ after admitting i
+    before = torch.cat([R * sps[R[None]], theta[:-1]])               # Θ_best when i is tried
+    take = torch.cumprod(((theta > before) & (a_sorted > 0)).long(), dim=0)
+    return torch.zeros(B * K, dtype=torch.long, device=a.device).scatter(0, order, take).view(B, K).sum(1)
+
+
+def verify_buckets(max_tokens: int) -> list[int]:
+    """The token counts a ragged verification is padded to: 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+    (powers of two and 1.5x them, so at most a third is padding) and max_tokens itself."""
+    out, b = [], 1
+    while b < max_tokens:
+        out += [b] + ([b * 3 // 2] if b >= 2 and b * 3 // 2 < max_tokens else [])
+        b *= 2
+    return out + [max_tokens]
+
+
+def isotonic(y: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to y in squared error (pool adjacent violators)."""
+    blocks = []  # [mean, count]
+    for v in y:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m2 * n2 + m1 * n1) / (n2 + n1), n2 + n1]
+    return [m for m, n in blocks for _ in range(n)]
+
+
+def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]], top: int):
+    """SPS(B) for B = 0 .. top from steps/s measured at `points`; returns (sps, route).
+
+    Bucketed (compiled): B tokens go to the fastest bucket that holds them (route[B]), so SPS(B) is
+    the best measured rate over buckets >= B — a step function, as the hardware is. Eager (buckets
+    None, route None): the step time is made non-decreasing in B by isotonic regression (more
+    tokens never cost less — a dip or bump at one point is measurement noise, averaged into its
+    neighbours rather than carried forward) and interpolated linearly between the points."""
+    if buckets is not None:
+        per = dict(zip(points, rates))
+        route = [0] + [max((b for b in buckets if b >= n), key=lambda b: (per[b], -b)) for n in range(1, top + 1)]
+        return [per[route[1]]] + [per[b] for b in route[1:]], route
+    seconds = torch.tensor(isotonic([1 / r for r in rates]), dtype=torch.float64)
+    x = torch.tensor(points, dtype=torch.float64)
+    at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
+    hi = torch.searchsorted(x, at).clamp(1, len(points) - 1)
+    w = ((at - x[hi - 1]) / (x[hi] - x[hi - 1])).clamp(0, 1)
+    return (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist(), None
+
+
+class Scheduler:
+    """The engine's verification schedule (`kind` in KINDS) for `batch` rows of K drafts.
+
+    Device side, `__call__(confidence, active)` gives ℓ [B] inside the draft graph. Host side,
+    `bucket(n)` is the size a ragged verification of n tokens is padded to (n itself when eager).
+    "hardware" reads SPS(B) from `self.sps`, a flat placeholder until `set_sps` fills it in place —
+    so warm-up, profiling and decoding all run (and compile) the very same graph.
+    """
+
+    def __init__(self, kind: str, K: int, batch: int, *, threshold: float = 0.0,
+                 buckets: Optional[list[int]] = None, compiled: bool = False, device="cpu"):
+        if kind not in KINDS:
+            raise ValueError(f"unknown scheduler {kind!r}")
+        self.kind, self.K, self.threshold = kind, K, threshold
+        top = batch * (K + 1)  # tokens of a round that verifies every draft of every row
+        # Compiled, verification is padded to a few token counts (one graph each); eager runs the
+        # exact count. SPS is profiled at the buckets, or at the same geometric points when eager.
+        self.buckets = sorted(buckets) if buckets else (verify_buckets(top) if compiled else None)
+        self.profile_points = self.buckets or verify_buckets(top)
+        self.sps = torch.ones(top + 1, dtype=torch.float64, device=device) if kind == "hardware" else None
+        self.table: Optional[dict] = None  # the SPS table in use (set_sps)
+        self.route: Optional[list[int]] = None
+
+    def __call__(self, confidence: Optional[torch.Tensor], active: torch.Tensor) -> torch.Tensor:
+        if self.kind == "hardware":
+            return hardware_schedule(confidence, active, self.sps)
+        if self.kind == "threshold":
+            return threshold_schedule(confidence, self.threshold)
+        return torch.full(active.shape, self.K, dtype=torch.long, device=active.device)
+
+    def bucket(self, n: int) -> int:
+        """The token count n verify tokens are padded to: n itself without buckets, else the smallest
+        bucket that holds them, or with an SPS table the fastest (a bigger bucket may be quicker)."""
+        if self.buckets is None:
+            return n
+        if self.route is not None:
+            return self.route[n]
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise UserError(f"--verify-buckets: the largest bucket {self.buckets[-1]} is below the {n} tokens "
+                        f"a round verifies")
+
+    def set_sps(self, table: dict):
+        """Use a profiled SPS table (`profile`, or read by `load_or_profile`)."""
+        sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets, len(self.sps) - 1)
+        self.table = table
+        self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
+
+
+def profile(step: Callable[[int], object], points: list[int], sync: Callable[[], None], reps: int = 7) -> list[float]:
+    """Seconds per round at every verify size in `points`, measured by running `step(b)` (one engine
+    round verifying b tokens). The points are swept `reps` times in turn (after one untimed sweep) and
+    each keeps its fastest round: on a shared machine a slow spell then lands on no point in
+    particular, and the fastest is the least disturbed."""
+    best = [float("inf")] * len(points)
+    for sweep in range(reps + 1):
+        for i, b in enumerate(points):
+            sync()
+            t = time.perf_counter()
+            step(b)
+            sync()
+            if sweep:
+                best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
+    """The hardware scheduler's SPS table: read from `path` if it exists (every identity key must
+    match `engine.sps_identity()`), else profiled now with `engine.profile_sps()` (and written to
+    `path` when given)."""
+    want = engine.sps_identity()
+    points = engine.scheduler.profile_points
+    if path is not None and not os.path.isfile(path):
+        check_writable(path, "--sps-table")  # to be written: a directory or a missing folder fails now
+    if path is not None and os.path.isfile(path):
+        table = read_json(path)
+        for key, value in want.items():
+            if key not in table:
+                raise UserError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
+            if table[key] != value:
+                raise UserError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
+                                f"delete the file to profile again")
+        sps = table.get("steps_per_second")
+        if not isinstance(sps, list) or len(sps) != len(points) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in sps):
+            raise UserError(f"{path}: 'steps_per_second' must be {len(points)} positive numbers, one per profile point")
+        if verbose:
+            print(f"SPS table read from {path}", file=sys.stderr)
+        return table
+    t0 = time.perf_counter()
+    table = engine.profile_sps()
+    if verbose:
+        pts = ", ".join(f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"]))
+        print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}", file=sys.stderr)
+    if path is not None:
+        try:
+            write_json(path, table, indent=1)
+        except OSError as e:
+            raise UserError(f"--sps-table {path}: cannot write the table ({e.strerror})") from None
+        if verbose:
+            print(f"SPS table written to {path}", file=sys.stderr)
+    return table
