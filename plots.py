@@ -1,0 +1,165 @@
+"""The figures the programs draw: eval.py's reliability diagram and bench.py's concurrency plot.
+
+What is notable here:
+- matplotlib is imported inside the functions, so a program that never plots never loads it.
+  Figures are built as `matplotlib.figure.Figure` objects, not through pyplot: no GUI backend is
+  picked (PNG renders with Agg), no process-wide state changes, and no global figure registry
+  holds on to a figure after it is saved.
+- The extension picks the format: .png (144 dpi) or .svg (text kept as text, so it stays
+  searchable and editable; no date and fixed ids, so a rerun gives the same file). Anything else
+  is a ValueError here, and `check_plot_path` lets a program refuse it before doing any work.
+- Files are written with common.atomic_write: whole or not at all.
+- This module only draws. ECE and AUROC arrive precomputed in the panel dicts (eval.py owns the
+  metrics); the one piece of math is `bin_stats`, the equal-width binning of the diagram.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from common import UserError, atomic_write
+
+FORMATS = (".png", ".svg")
+DPI = 144
+BINS = 15  # eval.py's ECE_BINS today: pass the bins of the ECE shown so bars and number agree
+PANELS_PER_ROW = 4  # reliability panels per row; a long block wraps instead of growing one wide strip
+MODE_COLOURS = {"autoregressive": "tab:gray", "none": "tab:blue", "threshold": "tab:orange",
+                "hardware": "tab:green"}
+OTHER_COLOURS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # modes added later
+
+
+def _format(path: str) -> Optional[str]:
+    """"png" or "svg" from the extension (any case), None for anything else."""
+    ext = os.path.splitext(path)[1].lower()
+    return ext[1:] if ext in FORMATS else None
+
+
+def _bad_extension(path: str) -> str:
+    return f"{path}: a plot is written as {' or '.join(FORMATS)} (the extension picks the format)"
+
+
+def check_plot_path(path: Optional[str], flag: str):
+    """Fail before any work if a plot path's extension is not .png or .svg (None: the flag is unset).
+    The path's folder is common.check_writable's business."""
+    if path is not None and _format(path) is None:
+        raise UserError(f"{flag} {_bad_extension(path)}")
+
+
+def _save(fig, path: str, fmt: str):
+    """The figure at `path`, atomically (the temporary name ends in .tmp, hence format=)."""
+    import matplotlib
+
+    rc = {"svg.fonttype": "none", "svg.hashsalt": "dspark-fast"}
+    with matplotlib.rc_context(rc):
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=DPI,
+                                                   metadata={"Date": None} if fmt == "svg" else None))
+
+
+def bin_stats(a, y, bins: int = BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width bin [b/bins, (b+1)/bins) (the last one closed, as eval.py's ECE bins):
+    (count int64 [bins], mean predicted float64 [bins], observed rate float64 [bins]); the means
+    are NaN in empty bins. `a` are probabilities in [0, 1], `y` the 0/1 outcomes."""
+    a, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
+    idx = np.clip((a * bins).astype(np.int64), 0, bins - 1)
+    count = np.bincount(idx, minlength=bins)
+    with np.errstate(invalid="ignore", divide="ignore"):  # 0/0 -> NaN in empty bins
+        return (count, np.bincount(idx, weights=a, minlength=bins) / count,
+                np.bincount(idx, weights=y, minlength=bins) / count)
+
+
+def _title(panel: dict) -> str:
+    """"k=2  ECE 8.1% -> 2.3%  AUROC 0.712", leaving out what is None."""
+    title = f"k={panel['position']}"
+    eb, ea, auc = panel.get("ece_before"), panel.get("ece_after"), panel.get("auroc")
+    if eb is not None:
+        title += f"  ECE {100 * eb:.1f}%" + (f" -> {100 * ea:.1f}%" if ea is not None else "")
+    if auc is not None:
+        title += f"  AUROC {auc:.3f}"
+    return title
+
+
+def reliability_diagram(path: str, panels: list[dict], bins: int = BINS):
+    """One panel per draft position k: how many rounds fall in each bin of the predicted prefix
+    survival a_k (light gray, right axis), the diagonal (perfect calibration), the observed
+    survival rate per bin before STS (bars) and after STS (markers).
+
+    panels: [{"position": k, "before": (a, y), "after": (a, y) or None, "ece_before": float or None,
+    "ece_after": float or None, "auroc": float or None}]: a the predicted survival probabilities,
+    y the 0/1 outcomes; the numbers (eval.py's metrics, computed with the same `bins`) go in the
+    titles and may be left out."""
+    fmt = _format(path)
+    if fmt is None:
+        raise ValueError(_bad_extension(path))
+    if not panels:
+        raise ValueError(f"{path}: no panels to draw")
+    from matplotlib.figure import Figure
+
+    cols = min(len(panels), PANELS_PER_ROW)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(3.6 * cols, 3.4 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    centres = (np.arange(bins) + 0.5) / bins
+    ticks = np.linspace(0, 1, 6)
+    for j, (ax, panel) in enumerate(zip(axes, panels)):
+        count, _, observed = bin_stats(*panel["before"], bins)
+        hist = ax.twinx()  # counts on their own scale, drawn behind the rates
+        hist.bar(centres, count, width=1 / bins, color="0.88", label="rounds")
+        hist.set_ylim(0, max(int(count.max()), 1) / 0.9)
+        hist.set_ylabel("rounds", color="0.45")
+        hist.tick_params(axis="y", colors="0.45", labelsize="small")
+        ax.set_zorder(hist.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ax.plot([0, 1], [0, 1], color="0.5", linestyle="--", linewidth=1, label="perfect calibration")
+        seen = count > 0
+        ax.bar(centres[seen], observed[seen], width=0.7 / bins, color="tab:blue", label="before STS")
+        if panel.get("after") is not None:
+            count_after, _, observed_after = bin_stats(*panel["after"], bins)
+            seen = count_after > 0
+            ax.plot(centres[seen], observed_after[seen], "o", color="tab:orange", markersize=4,
+                    label="after STS")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xticks=ticks, yticks=ticks, title=_title(panel),
+               xlabel="predicted survival a_k", ylabel="observed survival")
+        ax.title.set_fontsize("medium")
+        if j == 0:  # one legend for the figure: every panel draws the same things
+            handles, labels = ax.get_legend_handles_labels()
+            more, more_labels = hist.get_legend_handles_labels()
+            ax.legend(handles + more, labels + more_labels, loc="upper left", fontsize="small")
+    for ax in axes[len(panels):]:
+        ax.set_axis_off()
+    _save(fig, path, fmt)
+
+
+def concurrency_plot(path: str, rows: list[dict]):
+    """Total and per-request tokens/s against concurrency (log2 axis, ticks at the measured levels),
+    one line per mode. rows: [{"concurrency": int, "mode": str, "total_tokens_per_second": float,
+    "per_request_tokens_per_second": float, ...}] (bench.py's rows; other keys are ignored)."""
+    fmt = _format(path)
+    if fmt is None:
+        raise ValueError(_bad_extension(path))
+    if not rows:
+        raise ValueError(f"{path}: no rows to draw")
+    from matplotlib.figure import Figure
+
+    levels = sorted({r["concurrency"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))  # in the order measured
+    others = iter(OTHER_COLOURS * len(modes))
+    colours = {m: MODE_COLOURS.get(m) or next(others) for m in modes}
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, (key, title) in zip(axes, (("total_tokens_per_second", "total tokens/s (all requests)"),
+                                       ("per_request_tokens_per_second", "per-request tokens/s"))):
+        for m in modes:
+            pts = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == m)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", color=colours[m], label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, labels=[str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlim(levels[0] / 2 ** 0.5, levels[-1] * 2 ** 0.5)  # half an octave each side; one level works too
+        ax.set_ylim(bottom=0)
+        ax.set(title=title, xlabel="concurrency (requests in flight)", ylabel="tokens/s")
+        ax.grid(alpha=0.3)
+    axes[0].legend(title="mode", fontsize="small")
+    _save(fig, path, fmt)
