@@ -15,27 +15,7 @@ are interleaved (order rotated each repeat); tokens/s is their median, and each 
 median of the ratios within a repeat, with its range. Every run must emit the autoregressive
 tokens; a difference raises.
 
-Schedulers under load (the paper's Figures 7/8 on this machine):
-
-    python bench.py --concurrency 1,2,4,8,16,32,64 --threads 1 --max-new-tokens 64 --out conc.json --plot conc.png
-    python bench.py --concurrency 1,8,32 --target DIR --drafter DIR --prompts-file p.jsonl --device cuda
-
-For every concurrency c, c x --requests-per-slot requests (the demo pair's 20 held-out code prompts,
-or --prompts-file, cycled) stream through c rows — continuous batching: a finished request's row
-takes the next waiting one — autoregressively and under each verification scheduler
-(--schedulers none,threshold,hardware; --threshold for the threshold one), greedy by default.
-All modes run the same executor — the round's two halves with ragged verification, which also
-skips rows left free when the workload drains — so only the schedule differs between them (plain
-`--scheduler none` in speculate.py runs the one-graph round instead, which computes free rows).
-Each engine gets an untimed warm-up; the hardware scheduler's SPS(B) is profiled once per c
-(its seconds reported apart); then --repeats timed runs, interleaved across schedulers, and the
-median is reported: total tokens/s (all requests' tokens ÷ prefill + decode wall seconds),
-per-request tokens/s (the mean of a request's tokens ÷ the seconds from its admission to its end), τ,
-the verify budget (drafts sent to the target per request per round) and total tokens/s ÷ the
-none scheduler's. Greedy outputs must be identical under every scheduler and autoregressively
-(lossless); a difference raises. A markdown table goes to stdout, --out writes JSON, --plot a
-PNG (eval.py's writer: no plotting dependency). The demo pair is used unless --target/--drafter
-are given; on cpu the engines run eagerly unless --compile is given.
+The schedulers under load (tokens/s against concurrency) are scripts/bench_concurrency.py.
 
 The constructed pair (`--model bigram-35m`): a random Qwen3 of ~35M parameters whose attention
 output is scaled to almost nothing, so its next token is (nearly) a function of the current
@@ -47,47 +27,41 @@ stand-in for a trained pair with τ ≈ 5, not a language model.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import platform
 import resource
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Literal, Optional
 
 import torch
 
 import kernels
+import metrics
+from common import (check_ranges, check_writable, cli_main, device_name, parse_ints, resolve_device, resolve_dtype,
+                    sync, write_json)
 from drafter import Drafter, DrafterConfig, random_drafter
-from common import UserError, check_writable
 from model import ModelArgs, Transformer, init_random_, load_target, random_target
-from speculate import (Engine, Request, _explicit, cache_length, check_prompts, compiled,
-                       device_name, load_prompts)
+from speculate import Engine, Proposal, Request
 
 
 @dataclass
 class BenchArgs:
-    """Autoregressive vs speculative decoding speed, side by side (or, with --concurrency, the
-    verification schedulers against the number of requests decoded together)."""
+    """Autoregressive vs speculative decoding speed, side by side."""
 
     model: str = "bigram-35m"
     """bigram-35m (constructed CPU pair, τ ≈ 5) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b.
     Ignored when --target is given."""
     target: Optional[str] = None
-    """A Hugging Face Qwen3 directory instead of a preset (with --concurrency: default demo/target)."""
+    """A Hugging Face Qwen3 directory instead of a preset."""
     drafter: Optional[str] = None
-    """A drafter directory (with --target; with --concurrency: default demo/drafter)."""
+    """A drafter directory (with --target)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Default: bfloat16 on cuda, float32 on cpu."""
     compile: bool = True
-    """torch.compile the round (--no-compile for eager). With --concurrency the default is on for cuda
-    and off for cpu, where a graph per concurrency and verify bucket would take longer to compile than to run."""
+    """torch.compile the round (--no-compile for eager)."""
     compile_mode: Optional[str] = None
     """torch.compile mode (default: max-autotune, on cpu with the weights frozen into the graph, see
     speculate.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short device session."""
@@ -102,31 +76,12 @@ class BenchArgs:
     threads: Optional[int] = None
     """torch threads on cpu (default: torch's own)."""
     out: Optional[str] = None
-    """Write the results as JSON here."""
+    """Write the results as JSON here (rewritten after every batch size)."""
     seed: int = 0
-    """Seed of the random weights and prompts (and of the sampling generator with --concurrency)."""
-    concurrency: Optional[str] = None
-    """Schedulers under load instead: comma-separated concurrencies, e.g. 1,2,4,8,16,32,64 — that many
-    requests decoded together, for every --schedulers entry and autoregressively. Uses --target /
-    --drafter (default: the demo pair in demo/); eager on cpu unless --compile is given."""
-    schedulers: str = "none,threshold,hardware"
-    """With --concurrency: the verification schedulers to compare (none, threshold, hardware)."""
-    threshold: float = 0.8
-    """With --concurrency: the confidence threshold of the threshold scheduler, in (0, 1] (the demo
-    drafter's first-draft confidences sit mostly above 0.8, so 0.5 would cut almost nothing)."""
-    requests_per_slot: int = 3
-    """With --concurrency c: c x this many requests stream through the c rows (continuous batching:
-    a finished request's row takes the next one), so one slow request does not idle the rest."""
-    prompts_file: Optional[str] = None
-    """With --concurrency: JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]},
-    cycled to fill each batch (default: the demo pair's 20 held-out code prompts)."""
-    temperature: float = 0.0
-    """With --concurrency: 0 = greedy (every scheduler's output is checked equal); above 0, sampled."""
+    """Seed of the random weights and prompts."""
     repeats: int = 3
-    """Timed runs per mode (and per batch size, or concurrency), interleaved in rotating order; the
-    median is reported, and each speed-up is the median of the repeats' own ratios."""
-    plot: Optional[str] = None
-    """With --concurrency: draw total and per-request tokens/s against concurrency into this PNG."""
+    """Timed runs per mode and batch size, interleaved in rotating order; the median is reported, and
+    each speed-up is the median of the repeats' own ratios."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,22 +134,6 @@ def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 
 
 # ----------------------------------------------------------------------------------------
 # Measurements
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
-
-
-def sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
 
 def copy_bandwidth(device, nbytes: int) -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
@@ -252,37 +191,59 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
-    engine = Engine(target, drafter, (), batch, max_seq, 0.0, 0.0, 0, device, compile, mode)
+    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, device=device, compile=compile,
+                    compile_mode=mode)
     if compile:
         engine.warmup()
-    engine.generate([Request(i, [1, 2, 3], [], []) for i in range(batch)], 8)
+    engine.generate([Request(i, [1, 2, 3]) for i in range(batch)], 8)
     return engine
 
 
-def round_parts(engine: Engine, reqs: list[Request], device, compile: bool, mode: Optional[str] = None) -> dict:
-    """The parts of a round, each timed on its own (compiled separately when the round is) at the
-    state `reqs` ended in: the draft (block forward, Markov chain, confidence) and the verify forward."""
-    target, drafter = engine.target, engine.drafter
-    K = drafter.cfg.num_drafts if drafter is not None else 0
-    anchor = torch.tensor([r.output_ids[-1] for r in reqs], device=device)
-    pos = torch.tensor([len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], device=device)
-    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
+def round_parts(engine: Engine, reqs: list[Request]) -> dict:
+    """The round's two halves, each timed alone with the engine's own (compiled) functions at the
+    state `reqs` ended in: draft (block forward, Markov chain, confidence, schedule) and verify
+    (target forward with capture, acceptance, context commit); a round's rest is the host's work."""
+    dev, drafter = engine.device, engine.drafter
+    anchor = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
+    pos = torch.tensor([len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], device=dev)
+    rows = (engine.target, drafter, anchor, pos, torch.ones_like(anchor, dtype=torch.bool))
+    step = torch.compiler.cudagraph_mark_step_begin if str(dev).startswith("cuda") else (lambda: None)
+    step()
+    # A copy, so that timing verify alone never reads a draft graph output that a replay overwrote.
+    draft_args = dict(noise=None, schedule=engine.scheduler, **engine.bound)
+    proposal = Proposal(*(t.clone() if t is not None else None for t in engine.draft_fn(*rows, **draft_args)))
 
     def draft():
-        hidden, base = drafter(anchor, pos)
-        drafts, _ = kernels.markov_chain(base, hidden, anchor, drafter.markov_head, 0.0, None)
-        return drafts, drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], 1))
-
-    tokens_v = anchor[:, None].repeat(1, K + 1)
-    positions = pos[:, None] + torch.arange(K + 1, device=device)
+        step()
+        return engine.draft_fn(*rows, **draft_args)
 
     def verify():
-        return target(tokens_v, positions, capture=capture)
+        step()
+        return engine.verify_fn(*rows, proposal, u=None, bonus_noise=None, **engine.bound)
 
-    wrap = (lambda f: compiled(f, device, mode)) if compile else (lambda f: f)
-    return {"draft_ms": 1e3 * time_calls(wrap(draft), device) if drafter is not None else 0.0,
-            "verify_ms": 1e3 * time_calls(wrap(verify), device),
-            "bytes_per_round": round_bytes(target, drafter, len(reqs), int(pos.float().mean()))}
+    return {"draft_ms": 1e3 * time_calls(draft, dev) if drafter is not None else 0.0,
+            "verify_ms": 1e3 * time_calls(verify, dev),
+            "bytes_per_round": round_bytes(engine.target, drafter, len(reqs), int(pos.float().mean()))}
+
+
+def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """One measured run: every prompt a request, streamed through the engine's rows (continuous
+    batching). Total tokens/s counts prefill and decode wall time (the engine's own clocks). A
+    request's own tokens/s divides its tokens by the time from its admission to its last token."""
+    reqs = [Request(i, p) for i, p in enumerate(prompts)]
+    engine.prefill_seconds = engine.decode_seconds = 0.0
+    engine.generate(reqs, max_new_tokens)
+    seconds = engine.prefill_seconds + engine.decode_seconds
+    c = metrics.count(reqs, engine.K)
+    return {
+        "tokens": c["tokens"], "seconds": seconds, "total_tokens_per_second": c["tokens"] / seconds,
+        "per_request_tokens_per_second": sum(len(r.output_ids) / (r.finished - r.started) for r in reqs) / len(reqs),
+        "acceptance_length": metrics.acceptance_length(c),
+        "verified_per_round": metrics.verified_per_round(c),  # the verify budget per live request per round
+        "prefill_seconds": engine.prefill_seconds, "decode_seconds": engine.decode_seconds,
+        "steps": max(len(r.rounds) for r in reqs),  # rounds the batch ran (with every prompt in at once)
+        "outputs": [r.output_ids for r in reqs], "requests": reqs,
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -348,45 +309,14 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     return generated[:max_new_tokens], time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
-    import tyro
-
-    argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(BenchArgs, args=argv)
-    try:
-        check_mode_flags(args)
-        with torch.inference_mode():
-            if args.concurrency is None:
-                run(args)
-            else:
-                if not _explicit(argv, "compile"):
-                    args.compile = args.device == "cuda"
-                run_concurrency(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def device_setup(args: BenchArgs) -> tuple[str, torch.dtype]:
-    """--threads, --device (checked) and --dtype (default: bfloat16 on cuda, float32 on cpu); the
-    output paths checked before any work."""
+def run(args: BenchArgs) -> list[dict]:
+    batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
+    check_ranges(args, repeats="[1, inf)", prompt_len="[1, inf)", max_new_tokens="[1, inf)", threads="[1, inf)")
     check_writable(args.out, "--out")
-    check_writable(args.plot, "--plot")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available")
-    return args.device, getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-
-
-def run(args: BenchArgs) -> list[dict]:
-    dev, dtype = device_setup(args)
-    batch_sizes = positive_ints(args.batch_sizes, "--batch-sizes")
-    for name, ok in (("repeats", args.repeats >= 1), ("prompt_len", args.prompt_len >= 1),
-                     ("max_new_tokens", args.max_new_tokens >= 1)):
-        if not ok:
-            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
     t0 = time.perf_counter()
     if args.target is not None:
         from drafter import load_drafter
@@ -403,7 +333,7 @@ def run(args: BenchArgs) -> list[dict]:
     n_target = sum(p.numel() for p in {p.data_ptr(): p for p in target.parameters()}.values())
     n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
     bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
-    hw = torch.cuda.get_device_name() if dev == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    hw = device_name(dev)
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
@@ -446,7 +376,7 @@ def run(args: BenchArgs) -> list[dict]:
                 continue
             r = median_run(runs[m])
             round_s = r["decode_seconds"] / r["steps"]
-            parts = round_parts(engines[m], r["requests"], dev, args.compile, args.compile_mode)
+            parts = round_parts(engines[m], r["requests"])
             row = {
                 "mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
                 "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
@@ -474,12 +404,11 @@ def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: lis
     """--out, rewritten after every batch size: a run cut short (a device session's time limit)
     still leaves what it measured, marked incomplete."""
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"config": asdict(args), "hardware": hw, "torch": torch.__version__,
-                       "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
-                       "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
-                                 f"{args.repeats} interleaved repeats; round parts timed once, after them",
-                       "complete": complete, "rows": rows, "ratios": ratios}, f, indent=1)
+        write_json(args.out, {"config": asdict(args), "hardware": hw, "torch": torch.__version__,
+                              "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
+                              "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
+                                        f"{args.repeats} interleaved repeats; round parts timed once, after them",
+                              "complete": complete, "rows": rows, "ratios": ratios}, indent=1)
 
 
 def _row(r: dict, bw: float) -> str:
@@ -488,6 +417,10 @@ def _row(r: dict, bw: float) -> str:
             f"round {r['round_ms']:.2f} ms (draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f}, "
             f"rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {r['round_ms'] / floor_ms:.2f}x floor  "
             f"compile {r['compile_seconds']:.1f} s")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return cli_main(BenchArgs, run, argv)
 
 
 if __name__ == "__main__":

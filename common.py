@@ -200,10 +200,21 @@ def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
             data(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, _new_file_mode(path))  # mkstemp makes 0600; give the file the mode open() would
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _new_file_mode(path: str) -> int:
+    """The mode of the file being replaced, or what open() would give a new one (0666 less the umask)."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def write_json(path: str, obj, indent: Optional[int] = 2):

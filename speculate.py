@@ -219,10 +219,10 @@ class Engine:
         self.ragged = scheduler != "none" if ragged is None else ragged
         if not self.ragged and scheduler != "none":
             raise ValueError(f"scheduler {scheduler!r} runs the ragged round")
-        bound = dict(temperature=temperature, kernels=self.kernel_set(kernels))
+        # The round's halves, compiled or not, and what every call passes them, fixed here.
         wrap = (lambda f: compiled(f, device, compile_mode)) if compile else (lambda f: f)
-        self.draft = wrap(functools.partial(draft, schedule=self.scheduler, **bound))
-        self.verify = wrap(functools.partial(verify, **bound))
+        self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
+        self.bound = dict(temperature=temperature, kernels=self.kernel_set(kernels))
         if compile and self.ragged:  # one verify graph per bucket, all expected: raise dynamo's limit to match
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(torch._dynamo.config, name):
@@ -242,7 +242,8 @@ class Engine:
         at exactly that many tokens, instead of the schedule's."""
         rows = (self.target, self.drafter, anchor, anchor_pos, active)
         # 1-2. Draft and schedule.
-        proposal = self.draft(*rows, noise=noise.chain if noise is not None else None)
+        proposal = self.draft_fn(*rows, noise=noise.chain if noise is not None else None, schedule=self.scheduler,
+                                 **self.bound)
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
         num_tokens = None
@@ -250,8 +251,9 @@ class Engine:
             n = int(torch.where(active, proposal.verify_len + 1, 0).sum())
             num_tokens = n if verify_len is not None else self.scheduler.bucket(n)
         # 3-5. Verify, accept, commit.
-        return self.verify(*rows, proposal, u=noise.u if noise is not None else None,
-                           bonus_noise=noise.bonus if noise is not None else None, num_tokens=num_tokens)
+        return self.verify_fn(*rows, proposal, u=noise.u if noise is not None else None,
+                              bonus_noise=noise.bonus if noise is not None else None, num_tokens=num_tokens,
+                              **self.bound)
 
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None):
         """Decode requests to completion, `batch_size` at a time, continuously: when a request

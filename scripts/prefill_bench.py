@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import bigram_pair, positive_ints, sync  # noqa: E402
+from bench import bigram_pair  # noqa: E402
+from common import check_ranges, cli_main, device_name, parse_ints, resolve_device, resolve_dtype, sync  # noqa: E402
 from drafter import random_drafter  # noqa: E402
-from common import UserError  # noqa: E402
 from model import random_target  # noqa: E402
-from speculate import compiled, device_name  # noqa: E402
+from speculate import compiled  # noqa: E402
 
 
 @dataclass
@@ -66,20 +66,14 @@ def median_seconds(fn, device, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main(argv=None) -> int:
-    import tyro
-
-    args = tyro.cli(PrefillArgs, args=argv)
-    try:
-        lengths = positive_ints(args.lengths, "--lengths")
-        batches = positive_ints(args.batch_sizes, "--batch-sizes")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def run(args: PrefillArgs):
+    lengths = parse_ints(args.lengths, "--lengths", positive=True, distinct=True)
+    batches = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
+    check_ranges(args, reps="[1, inf)", threads="[1, inf)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev = args.device
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(None, dev)
     if args.model == "bigram-35m":
         target, drafter = bigram_pair(dev, dtype)
     else:
@@ -88,24 +82,26 @@ def main(argv=None) -> int:
     print(f"# {args.model}, {dtype}, {device_name(dev)}, torch {torch.__version__}")
     print("| batch | prompt tokens | eager ms | compiled ms | compiled / eager | compile s |")
     print("|---|---|---|---|---|---|")
-    with torch.inference_mode():
-        for B in batches:
-            target.setup_caches(B, max(lengths) + 16)
-            drafter.setup_caches(B, max(lengths) + 16)
-            fast = compiled(prefill_forward, dev)
-            for L in lengths:
-                tokens = torch.randint(0, target.args.vocab_size, (B, L), device=dev)
-                positions = torch.arange(L, device=dev).expand(B, L)
-                last = torch.full((B,), L - 1, device=dev)
-                eager_s = median_seconds(lambda: prefill_forward(target, drafter, tokens, positions, last), dev, args.reps)
-                t0 = time.perf_counter()
-                fast(target, drafter, tokens, positions, last)
-                sync(dev)
-                compile_s = time.perf_counter() - t0
-                compiled_s = median_seconds(lambda: fast(target, drafter, tokens, positions, last), dev, args.reps)
-                print(f"| {B} | {L} | {1e3 * eager_s:.2f} | {1e3 * compiled_s:.2f} | {compiled_s / eager_s:.2f} | "
-                      f"{compile_s:.1f} |", flush=True)
-    return 0
+    for B in batches:
+        target.setup_caches(B, max(lengths) + 16)
+        drafter.setup_caches(B, max(lengths) + 16)
+        fast = compiled(prefill_forward, dev)
+        for L in lengths:
+            tokens = torch.randint(0, target.args.vocab_size, (B, L), device=dev)
+            positions = torch.arange(L, device=dev).expand(B, L)
+            last = torch.full((B,), L - 1, device=dev)
+            eager_s = median_seconds(lambda: prefill_forward(target, drafter, tokens, positions, last), dev, args.reps)
+            t0 = time.perf_counter()
+            fast(target, drafter, tokens, positions, last)
+            sync(dev)
+            compile_s = time.perf_counter() - t0
+            compiled_s = median_seconds(lambda: fast(target, drafter, tokens, positions, last), dev, args.reps)
+            print(f"| {B} | {L} | {1e3 * eager_s:.2f} | {1e3 * compiled_s:.2f} | {compiled_s / eager_s:.2f} | "
+                  f"{compile_s:.1f} |", flush=True)
+
+
+def main(argv=None) -> int:
+    return cli_main(PrefillArgs, run, argv)
 
 
 if __name__ == "__main__":

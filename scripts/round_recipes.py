@@ -24,8 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import bigram_pair, side_engine, timed_generate  # noqa: E402
-from common import UserError  # noqa: E402
-from speculate import device_name  # noqa: E402
+from common import check_ranges, cli_main, device_name, resolve_device, resolve_dtype  # noqa: E402
 
 WAYS = {"eager": (False, None), "inductor-default": (True, "default"), "recipe": (True, None)}
 
@@ -50,45 +49,33 @@ class RecipeArgs:
     """Seed of the weights and prompts."""
 
 
-def main(argv=None) -> int:
-    import tyro
-
-    args = tyro.cli(RecipeArgs, args=argv)
-    for name in ("batch_size", "prompt_len", "max_new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')}: invalid value {getattr(args, name)!r}", file=sys.stderr)
-            return 2
+def run(args: RecipeArgs):
+    check_ranges(args, batch_size="[1, inf)", prompt_len="[1, inf)", max_new_tokens="[1, inf)", repeats="[1, inf)",
+                 threads="[1, inf)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda: no CUDA device is available", file=sys.stderr)
-        return 2
-    dev, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
-    try:
-        target, drafter = bigram_pair(dev, dtype, args.seed)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(None, dev)
+    target, drafter = bigram_pair(dev, dtype, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, target.args.vocab_size - 1, (args.batch_size, args.prompt_len), generator=g).tolist()
     width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1)
     max_seq = args.prompt_len + args.max_new_tokens + 2 * width
     print(f"# bigram-35m, {dtype}, {device_name(dev)}, torch {torch.__version__}, batch {args.batch_size}, "
           f"{args.max_new_tokens} new tokens, {args.repeats} repeats", flush=True)
-    with torch.inference_mode():
-        engines = {}
-        for way, (compile, mode) in WAYS.items():
-            engines[way] = side_engine(target, drafter, args.batch_size, max_seq, dev, compile, mode)
-            print(f"{way}: ready (compile {engines[way].compile_seconds:.1f} s)", flush=True)
-        runs = {way: [] for way in WAYS}
-        ways = list(WAYS)
-        for rep in range(args.repeats):
-            k = rep % len(ways)
-            for way in ways[k:] + ways[:k]:
-                runs[way].append(timed_generate(engines[way], prompts, args.max_new_tokens))
-        for way in ways:
-            if any(r["outputs"] != runs["recipe"][0]["outputs"] for r in runs[way]):
-                raise AssertionError(f"{way} emitted different tokens than the recipe's round")
+    engines = {}
+    for way, (compile, mode) in WAYS.items():
+        engines[way] = side_engine(target, drafter, args.batch_size, max_seq, dev, compile, mode)
+        print(f"{way}: ready (compile {engines[way].compile_seconds:.1f} s)", flush=True)
+    runs = {way: [] for way in WAYS}
+    ways = list(WAYS)
+    for rep in range(args.repeats):
+        k = rep % len(ways)
+        for way in ways[k:] + ways[:k]:
+            runs[way].append(timed_generate(engines[way], prompts, args.max_new_tokens))
+    for way in ways:
+        if any(r["outputs"] != runs["recipe"][0]["outputs"] for r in runs[way]):
+            raise AssertionError(f"{way} emitted different tokens than the recipe's round")
     round_ms = {way: [1e3 * r["decode_seconds"] / r["steps"] for r in runs[way]] for way in ways}
     print("| round | ms (median) | runs | ÷ recipe (median, range) | compile s |")
     print("|---|---|---|---|---|")
@@ -97,7 +84,10 @@ def main(argv=None) -> int:
         print(f"| {way} | {statistics.median(round_ms[way]):.2f} | {', '.join(f'{x:.1f}' for x in round_ms[way])} | "
               f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
               f"{engines[way].compile_seconds:.1f} |")
-    return 0
+
+
+def main(argv=None) -> int:
+    return cli_main(RecipeArgs, run, argv)
 
 
 if __name__ == "__main__":

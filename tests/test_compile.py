@@ -53,9 +53,9 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys
         if "confidence" in a:
             assert a["confidence"] == pytest.approx(b["confidence"], rel=1e-5, abs=1e-6)
     assert any(l.get("accepted", 0) >= 2 for l in traces["--compile"])
-    # One graph compiled (fullgraph=True would have raised on a break; a recompile would have
-    # raised through error_on_recompile).
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # Two graphs compiled, the round's halves: draft and verify (fullgraph=True would have raised on
+    # a break; a recompile would have raised through error_on_recompile).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_path, capsys):

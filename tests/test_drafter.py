@@ -8,7 +8,6 @@ Every checkpoint here is tiny and random (vocab 48, hidden 32), built offline by
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -496,20 +495,16 @@ def hf_features(hf, tokens, layer_ids):
 
 
 def engine_round(tgt, d, anchor, apos):
-    """One greedy round of the real engine, `speculate.speculative_round`; returns (drafts, accepted, next).
-
-    The round returns (record [B, 2K+3] = drafts [K], verified, accepted, next, confidence [K];
-    anchor'; anchor_pos').
-    """
-    params = list(inspect.signature(speculate.speculative_round).parameters)
-    assert params[:8] == ["target", "drafter", "anchor", "anchor_pos", "active", "temperature", "threshold",
-                          "noise"], f"speculative_round's signature changed: {params}"
-    record, _, _ = speculate.speculative_round(tgt, d, anchor, apos, torch.ones_like(anchor, dtype=torch.bool),
-                                               0.0, 0.0, None)
+    """One greedy round of the real engine (`speculate.Engine.round`: draft, then verify); returns
+    (drafts, accepted, next) from the round's host record."""
+    B = anchor.shape[0]
+    engine = speculate.Engine(tgt, d, batch_size=B, max_seq=tgt.max_seq)  # same size: the caches are kept
+    record, _, _ = engine.round(anchor, apos, torch.ones_like(anchor, dtype=torch.bool), None)
     K = d.cfg.num_drafts
-    assert record.shape == (anchor.shape[0], 2 * K + 3)
-    record = record.long()
-    return record[:, :K], record[:, K + 1], record[:, K + 2]
+    assert record.shape == (B, 2 * K + 3)
+    rec = speculate.unpack(record, has_confidence=False)
+    return (torch.tensor([r.drafts for r in rec]), torch.tensor([r.accepted for r in rec]),
+            torch.tensor([r.bonus for r in rec]))
 
 
 REFERENCE_CASES = {

@@ -18,6 +18,7 @@ from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, build_tokenizer
 from drafters import make_drafter, make_target
 
 import eval as ev
+import metrics
 import speculate
 
 torch.set_num_threads(1)
@@ -138,13 +139,15 @@ def test_calibration_records_match_trace(env, tmp_path, capsys):
     assert "confidence calibration" in out
 
 
-def test_count_matches_speculate_accept_rate_by_position():
+def test_counts_and_rates_by_hand():
     rounds = [dict(accepted=a, verified=v, draft=[0] * K) for a, v in
               [(0, 4), (1, 4), (4, 4), (2, 2), (0, 0), (3, 4), (1, 1)]]
     reqs = [speculate.Request(0, [1], [1, 2], rounds[:4]), speculate.Request(1, [1], [3], rounds[4:])]
-    c = ev.count(reqs, K)
-    rates = ev.metrics("x", c, 1.0)["accept_rate_by_position"]
-    assert rates == speculate.accept_rate_by_position(reqs, K)
+    c = metrics.count(reqs, K)
+    entry = ev.metrics("x", c, 1.0)
+    assert entry["accept_rate_by_position"] == [5 / 6, 3 / 4, 2 / 2, 1 / 2] == metrics.accept_rate_by_position(c)
+    assert entry["acceptance_length"] == (11 + 7) / 7 and entry["draft_tokens_per_proposal"] == 19 / 7
+    assert reqs[0].acceptance_length == (7 + 4) / 4 and speculate.Request(2, [1]).acceptance_length is None
     # k=3: (2, 2) accepted two drafts but never sent the third to the target: not tried.
     assert c["tried"] == [6, 4, 2, 2] and c["ok"] == [5, 3, 2, 1]
     assert c["num_rounds"] == 7 and c["accepted"] == 11 and c["verified"] == 19 and c["drafted"] == 28

@@ -1,7 +1,7 @@
 """The hardware-aware prefix scheduler (paper Algorithm 1), ragged verification, and the
 `--scheduler` / `--sps-table` / `--verify-buckets` flags.
 
-- Algorithm 1: the vectorised `speculate.hardware_schedule` equals a literal, line-by-line
+- Algorithm 1: the vectorised `scheduler.hardware_schedule` equals a literal, line-by-line
   transcription of the paper's pseudocode on random cases (ties, zeros, inactive rows); on
   cases where the objective along the greedy path is unimodal it equals a brute-force search
   over every allocation; it never admits anything after its early stop (the paper's Appendix A
@@ -34,6 +34,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import scheduler as sched
 import speculate  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
 from model import Ragged, load_target  # noqa: E402
@@ -79,7 +80,7 @@ def vectorised(c, active, sps_fn):
     c = torch.tensor(c, dtype=torch.float64)
     B, K = c.shape
     table = torch.tensor([sps_fn(max(b, 1)) for b in range(B * (K + 1) + 1)], dtype=torch.float64)
-    return speculate.hardware_schedule(c, torch.tensor(active), table).tolist()
+    return sched.hardware_schedule(c, torch.tensor(active), table).tolist()
 
 
 def theta_of(c, active, lengths, sps):
@@ -259,10 +260,11 @@ def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time
 
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target)
-    engine = speculate.Engine(target, drafter, (), batch, 64, temperature, 0.0, 0, "cpu", scheduler="hardware",
-                              buckets=buckets, compile=compile)  # nothing compiles until called
-    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.profile_points])
-    table["seconds_per_step"] = [step_time(b) for b in engine.profile_points]
+    engine = speculate.Engine(target, drafter, batch_size=batch, max_seq=64, temperature=temperature,
+                              scheduler="hardware", buckets=buckets, compile=compile)  # nothing compiles until called
+    points = engine.scheduler.profile_points
+    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in points])
+    table["seconds_per_step"] = [step_time(b) for b in points]
     with open(path, "w") as f:
         json.dump(table, f)
     return str(path)
@@ -376,7 +378,7 @@ def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     assert "profiled SPS(B)" in err and "written to" in err
     table = json.load(open(path))
     assert table["batch_capacity"] == 2 and table["verify_width"] == K + 1 and table["buckets"] is None
-    assert table["profile_points"] == speculate.verify_buckets(2 * (K + 1))
+    assert table["profile_points"] == sched.verify_buckets(2 * (K + 1))
     assert len(table["steps_per_second"]) == len(table["profile_points"])
     assert all(s > 0 for s in table["steps_per_second"])
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
@@ -461,9 +463,9 @@ def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler, ragg
     threshold = 0.6 if scheduler == "threshold" else 0.0
 
     def run(batch, reqs):
-        engine = speculate.Engine(target, None if scheduler == "autoregressive" else drafter, (), batch, 64, 0.0,
-                                  threshold, 0, "cpu", scheduler=None if scheduler == "autoregressive" else scheduler,
-                                  ragged=ragged)
+        engine = speculate.Engine(target, None if scheduler == "autoregressive" else drafter, batch_size=batch,
+                                  max_seq=64, threshold=threshold,
+                                  scheduler="none" if scheduler == "autoregressive" else scheduler, ragged=ragged)
         with torch.inference_mode():
             return engine.generate(reqs, budgets)
 
@@ -484,7 +486,7 @@ def test_continuous_batching_with_requests_that_end_at_their_first_token(env):
 
     target = load_target(env["target"])
     drafter = load_drafter(env["drafter"], target)
-    engine = speculate.Engine(target, drafter, (), 2, 64, 0.0, 0.0, 0, "cpu")
+    engine = speculate.Engine(target, drafter, batch_size=2, max_seq=64)
     reqs = [speculate.Request(i, [i + 1, i + 2], [], []) for i in range(5)]
     ended = []
     with torch.inference_mode():
@@ -502,21 +504,21 @@ def test_isotonic_equals_the_min_max_formula():
         n = len(y)
         mean = lambda j, k: sum(y[j:k + 1]) / (k - j + 1)
         want = [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
-        assert speculate.isotonic(y) == pytest.approx(want)
+        assert sched.isotonic(y) == pytest.approx(want)
 
 
 def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
     from drafter import load_drafter
 
     target = load_target(env["target"])
-    engine = speculate.Engine(target, load_drafter(env["drafter"], target), (), 2, 64, 0.0, 0.0, 0, "cpu",
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
                               scheduler="hardware")
-    points = engine.profile_points  # 1, 2, 3, 4, 6, 8, 10
+    points = engine.scheduler.profile_points  # 1, 2, 3, 4, 6, 8, 10
     seconds = [1.0, 1.2, 1.1, 1.4, 1.6, 2.0, 2.2]  # a noisy dip at 3 tokens
-    engine.set_sps(dict(engine.sps_identity(), steps_per_second=[1 / s for s in seconds]))
-    fit = speculate.isotonic(seconds)
+    engine.scheduler.set_sps(dict(engine.sps_identity(), steps_per_second=[1 / s for s in seconds]))
+    fit = sched.isotonic(seconds)
     assert fit[1] == fit[2] == pytest.approx(1.15)
-    sps = engine.sps.tolist()
+    sps = engine.scheduler.sps.tolist()
     for b, s in zip(points, fit):
         assert sps[b] == pytest.approx(1 / s)
     assert sps[5] == pytest.approx(1 / ((fit[3] + fit[4]) / 2))  # halfway between 4 and 6 tokens
@@ -527,11 +529,12 @@ def test_bucketed_sps_routes_to_the_fastest_bucket_that_fits(env):
     from drafter import load_drafter
 
     target = load_target(env["target"])
-    engine = speculate.Engine(target, load_drafter(env["drafter"], target), (), 2, 64, 0.0, 0.0, 0, "cpu",
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
                               scheduler="hardware", buckets=[2, 4, 10])
-    engine.set_sps(dict(engine.sps_identity(), steps_per_second=[5.0, 3.0, 4.0]))  # 10 measured faster than 4
-    assert [engine.bucket(n) for n in range(1, 11)] == [2, 2] + [10] * 8
-    assert engine.sps.tolist()[1:] == [5.0, 5.0] + [4.0] * 8
+    s = engine.scheduler
+    s.set_sps(dict(engine.sps_identity(), steps_per_second=[5.0, 3.0, 4.0]))  # 10 measured faster than 4
+    assert [s.bucket(n) for n in range(1, 11)] == [2, 2] + [10] * 8
+    assert s.sps.tolist()[1:] == [5.0, 5.0] + [4.0] * 8
 
 
 def test_triton_kernels_on_cpu_without_the_interpreter_are_refused(env, monkeypatch):

@@ -215,14 +215,13 @@ def test_markov_other_heads_fall_back_to_reference(head):
         assert (q is None) == (q_ref is None) and (q is None or torch.equal(q, q_ref))
 
 
-def test_fast_dispatch_uses_reference_on_cpu(no_fallback):
-    """The engine's switch picks the reference for CPU tensors (here: the patched one)."""
-    U, h, a = chain_inputs(1, 2, 100)
-    with pytest.raises(AssertionError, match="fell back"):
-        kernels.markov_chain_fast(U, h, a, vanilla(100, 8), 0.0, None)
-    with pytest.raises(AssertionError, match="fell back"):
-        kernels.verify_greedy_fast(torch.zeros((1, 2), dtype=torch.long), torch.zeros((1, 3, 100)),
-                                   torch.tensor([2]))
+def test_kernel_sets():
+    """An engine binds one set: the references, or the Triton versions (refused where Triton cannot run)."""
+    assert kernels.kernel_set("torch", "cpu") == (kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled)
+    assert kernels.kernel_set("triton", "cpu") == (kernels.markov_chain_triton, kernels.verify_greedy_triton,
+                                                   kernels.verify_sampled_triton)
+    with pytest.raises(ValueError):
+        kernels.kernel_set("cuda-magic", "cpu")
 
 
 # ----------------------------------------------------------------------------------------
@@ -363,8 +362,9 @@ def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monke
     prompts = [[1, 2, 3, 4, 5], [7, 30, 2], [9]]
 
     def decode(triton):
-        engine = speculate.Engine(target, drafter, (), 2, 64, temperature, 0.6 if scheduler == "threshold" else 0.0,
-                                  0, "cpu", scheduler=scheduler, triton=triton)
+        engine = speculate.Engine(target, drafter, batch_size=2, max_seq=64, temperature=temperature,
+                                  threshold=0.6 if scheduler == "threshold" else 0.0, scheduler=scheduler,
+                                  kernels="triton" if triton else "torch")
         reqs = [speculate.Request(i, p, [], []) for i, p in enumerate(prompts)]
         with torch.inference_mode():
             engine.generate(reqs, 16)
@@ -391,7 +391,7 @@ def device_check(dev="cuda", shapes=DEVICE_SHAPES, fast=None):  # pragma: no cov
     if dev == "cuda":
         assert torch.cuda.is_available() and kernels.FAST_KERNELS and not kernels._TRITON_IMPORT_INTERPRET
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    fast = fast or (kernels.markov_chain_fast, kernels.verify_greedy_fast, kernels.verify_sampled_fast)
+    fast = fast or kernels.kernel_set("triton", dev)
     failures = 0
     for (B, K, V, r, dtype) in shapes:
         m = vanilla(V, r, seed=0, dtype=dtype).to(dev)

@@ -1,0 +1,232 @@
+"""Verification schedulers under load: tokens/s against the number of requests decoded together
+(the paper's Figures 7/8, on this machine).
+
+    python scripts/bench_concurrency.py --concurrency 1,2,4,8,16,32,64 --threads 1 --max-new-tokens 64 \
+        --out conc.json --plot conc.png
+    python scripts/bench_concurrency.py --concurrency 1,8,32 --target DIR --drafter DIR --prompts-file p.jsonl \
+        --device cuda
+
+For every concurrency c, c x --requests-per-slot requests (the demo pair's 20 held-out code prompts,
+or --prompts-file, cycled) stream through c rows — continuous batching: a finished request's row
+takes the next waiting one — autoregressively and under each verification scheduler (--schedulers;
+--threshold for the threshold one), greedy by default. All modes run the same executor — the round's
+two halves with ragged verification, which also skips rows left free when the workload drains — so
+only the schedule differs between them. Each engine gets an untimed warm-up; the hardware
+scheduler's SPS(B) is profiled once per c (its seconds reported apart); then --repeats timed runs,
+interleaved across schedulers, and the median is reported: total tokens/s (all requests' tokens ÷
+prefill + decode wall seconds), per-request tokens/s (the mean of a request's tokens ÷ the seconds
+from its admission to its end), τ, the verify budget (drafts sent to the target per request per
+round) and total tokens/s ÷ the none scheduler's. Greedy outputs must be identical under every
+scheduler and autoregressively (lossless); a difference raises. A markdown table goes to stdout,
+--out writes JSON, --plot a PNG or SVG (plots.py). The demo pair is used unless --target/--drafter
+are given; on cpu the engines run eagerly unless --compile is given.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import plots  # noqa: E402
+from bench import timed_generate  # noqa: E402
+from common import (AutoBool, UserError, check_ranges, check_writable, cli_main, device_name, parse_ints,  # noqa: E402
+                    resolve_device, resolve_dtype, write_json)
+from scheduler import KINDS  # noqa: E402
+from speculate import (DEMO_DIR, Engine, Request, auto_compile, cache_length, check_prompts, load_models,  # noqa: E402
+                       load_prompts)
+
+
+@dataclass
+class ConcurrencyArgs:
+    """The verification schedulers against the number of requests decoded together."""
+
+    concurrency: str = "1,2,4,8,16,32,64"
+    """Comma-separated concurrencies: that many requests decoded together, for every --schedulers
+    entry and autoregressively."""
+    target: Optional[str] = None
+    """A Hugging Face Qwen3 directory (default: the demo pair's, demo/target)."""
+    drafter: Optional[str] = None
+    """A drafter directory with a confidence head (default: demo/drafter)."""
+    schedulers: str = "none,threshold,hardware"
+    """The verification schedulers to compare (none, threshold, hardware)."""
+    threshold: float = 0.8
+    """The confidence threshold of the threshold scheduler, in (0, 1] (the demo drafter's first-draft
+    confidences sit mostly above 0.8, so 0.5 would cut almost nothing)."""
+    requests_per_slot: int = 3
+    """c x this many requests stream through the c rows (continuous batching: a finished request's
+    row takes the next one), so one slow request does not idle the rest."""
+    prompts_file: Optional[str] = None
+    """JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]}, cycled to fill each
+    batch (default: the demo pair's 20 held-out code prompts)."""
+    max_new_tokens: int = 64
+    """Tokens generated per request."""
+    temperature: float = 0.0
+    """0 = greedy (every scheduler's output is checked equal); above 0, sampled."""
+    repeats: int = 3
+    """Timed runs per mode and concurrency, interleaved in rotating order; the median is reported."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where to run."""
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """Default: bfloat16 on cuda, float32 on cpu."""
+    compile: AutoBool = None
+    """torch.compile the rounds. Default: on for cuda, off for cpu, where a graph per concurrency and
+    verify bucket would take longer to compile than to run."""
+    compile_mode: Optional[str] = None
+    """torch.compile mode (default: speculate.compiled's recipe)."""
+    threads: Optional[int] = None
+    """torch threads on cpu (default: torch's own)."""
+    seed: int = 0
+    """Seed of the sampling generator."""
+    out: Optional[str] = None
+    """Write the results as JSON here."""
+    plot: Optional[str] = None
+    """Draw total and per-request tokens/s against concurrency into this file (.png or .svg)."""
+
+
+def heldout_prompts() -> list[list[int]]:
+    """The demo pair's held-out code prompts (scripts/demo_prompts.py)."""
+    from demo_prompts import heldout_prompts as cut
+    try:
+        return cut()
+    except OSError as e:  # the held-out files come from this Python's standard library
+        raise UserError(f"the demo's held-out prompts: {e}; give --prompts-file instead") from None
+
+
+def run(args: ConcurrencyArgs) -> list[dict]:
+    """Total and per-request tokens/s against concurrency for every scheduler (and autoregressive)."""
+    levels = sorted(parse_ints(args.concurrency, "--concurrency", positive=True, distinct=True))
+    schedulers = [s.strip() for s in args.schedulers.split(",")]
+    if any(s not in KINDS for s in schedulers) or len(set(schedulers)) != len(schedulers):
+        raise UserError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(KINDS)}")
+    check_ranges(args, threshold="(0, 1]", repeats="[1, inf)", requests_per_slot="[1, inf)",
+                 max_new_tokens="[1, inf)", temperature="[0, inf)", threads="[1, inf)")
+    check_writable(args.out, "--out")
+    check_writable(args.plot, "--plot")
+    plots.check_plot_path(args.plot, "--plot")
+    demo = args.target is None and args.drafter is None
+    target_dir = os.path.join(DEMO_DIR, "target") if demo else args.target
+    drafter_dir = os.path.join(DEMO_DIR, "drafter") if demo else args.drafter
+    if target_dir is None or drafter_dir is None:
+        raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "
+                        "(or neither, for the demo pair)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = resolve_device(args.device)
+    compile = auto_compile(args.compile, dev)
+    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype, verbose=False)  # the header says it
+    target, drafter = m.target, m.drafter
+    if args.prompts_file is not None:
+        chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
+        prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=args.prompts_file)
+    elif demo:
+        prompts = heldout_prompts()
+    else:
+        raise UserError("--prompts-file: needed with a --target other than the demo pair")
+    check_prompts(prompts, target, args.max_new_tokens)
+    modes = ["autoregressive"] + schedulers
+    hw, greedy = device_name(dev), args.temperature == 0
+    print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {resolve_dtype(args.dtype, dev)}, {hw}, "
+          f"torch {torch.__version__}, compile={compile}; {len(prompts)} prompts cycled, {args.max_new_tokens} "
+          f"new tokens each, {'greedy' if greedy else f'temperature {args.temperature}'}, threshold "
+          f"{args.threshold}, median of {args.repeats}", flush=True)
+
+    rows, sps_tables = [], {}
+    for c in levels:
+        batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]  # the workload
+        max_seq = cache_length(max(len(p) for p in batch), args.max_new_tokens, drafter)
+        # Building an engine (re)allocates the target's and drafter's caches, which every engine
+        # shares: so all of one concurrency's engines are built first, with one cache length, and
+        # only then compiled or run — they all use the last allocation.
+        engines = {mode: Engine(target, None if mode == "autoregressive" else drafter, batch_size=c, max_seq=max_seq,
+                                temperature=args.temperature, seed=args.seed, device=dev, stop_ids=m.stop_ids,
+                                scheduler="none" if mode == "autoregressive" else mode,
+                                threshold=args.threshold if mode == "threshold" else 0.0,
+                                ragged=True, compile=compile, compile_mode=args.compile_mode)  # one executor for all
+                   for mode in modes}
+        if compile:
+            for e in engines.values():
+                e.warmup()
+        profile_seconds = None
+        if "hardware" in engines:  # SPS(B) depends on the batch capacity: profiled once per concurrency
+            t0 = time.perf_counter()
+            table = engines["hardware"].profile_sps()
+            engines["hardware"].scheduler.set_sps(table)
+            profile_seconds = time.perf_counter() - t0
+            sps_tables[c] = {"verify_tokens": table["profile_points"], "steps_per_second": table["steps_per_second"]}
+        for e in engines.values():  # untimed: settle allocators and caches, as bench.side_engine does
+            e.generate([Request(i, p) for i, p in enumerate(batch[:c])], min(args.max_new_tokens, 8))
+        runs = {mode: [] for mode in modes}
+        for rep in range(args.repeats):
+            # Interleaved, and the order rotated each repeat, so a slow spell on a shared machine
+            # lands on every mode rather than on whichever would run in it.
+            k = rep % len(modes)
+            for mode in modes[k:] + modes[:k]:
+                runs[mode].append(timed_generate(engines[mode], batch, args.max_new_tokens))
+        if greedy:  # lossless: every scheduler, every repeat, must emit the autoregressive tokens
+            want = runs["autoregressive"][0]["outputs"]
+            for mode in modes:
+                for rep, r in enumerate(runs[mode]):
+                    if r["outputs"] != want:
+                        i = next(i for i, (a, b) in enumerate(zip(r["outputs"], want)) if a != b)
+                        raise AssertionError(f"concurrency {c}: {mode} (repeat {rep}) emitted different tokens than "
+                                             f"autoregressive decoding for request {i}")
+        for mode in modes:
+            med = lambda key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
+            rows.append({
+                "concurrency": c, "mode": mode,
+                "total_tokens_per_second": med("total_tokens_per_second"),
+                "per_request_tokens_per_second": med("per_request_tokens_per_second"),
+                "acceptance_length": med("acceptance_length"), "verified_per_round": med("verified_per_round"),
+                "tokens": med("tokens"), "seconds": med("seconds"),
+                "total_tokens_per_second_runs": [r["total_tokens_per_second"] for r in runs[mode]],
+                "compile_seconds": engines[mode].compile_seconds,
+                "profile_seconds": profile_seconds if mode == "hardware" else None,
+                "outputs_agree": greedy or None,  # checked above; not checkable when sampling
+            })
+        none = next((r for r in rows if r["concurrency"] == c and r["mode"] == "none"), None)
+        for r in rows:
+            if r["concurrency"] == c:
+                r["vs_none"] = r["total_tokens_per_second"] / none["total_tokens_per_second"] if none else None
+        print(f"concurrency {c}: " + ", ".join(f"{r['mode']} {r['total_tokens_per_second']:.1f}" for r in rows
+                                               if r["concurrency"] == c) + " tok/s", file=sys.stderr, flush=True)
+
+    print(table_markdown(rows))
+    if args.out:
+        write_json(args.out, {
+            "config": asdict(args), "hardware": hw, "torch": torch.__version__, "drafter": drafter.cfg.describe(),
+            "prompts": len(prompts), "sps": sps_tables, "rows": rows,
+            "timing": "total tokens/s = all requests' tokens / (prefill + decode wall seconds); per-request "
+                      "tokens/s = mean of a request's tokens / seconds from its admission to its last token; "
+                      "c x requests_per_slot requests streamed through c rows (continuous batching); medians "
+                      "over repeats"}, indent=1)
+    if args.plot:
+        plots.concurrency_plot(args.plot, rows)
+    return rows
+
+
+def table_markdown(rows: list[dict]) -> str:
+    lines = ["| concurrency | mode | total tok/s | per-request tok/s | τ | verified drafts / request / round "
+             "| total ÷ none | SPS profile s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "—"
+        prof = f"{r['profile_seconds']:.1f}" if r["profile_seconds"] is not None else ""
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
+                     f"| {r['per_request_tokens_per_second']:.1f} | {r['acceptance_length']:.2f} "
+                     f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return cli_main(ConcurrencyArgs, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

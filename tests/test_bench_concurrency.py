@@ -1,0 +1,113 @@
+"""scripts/bench_concurrency.py: the verification schedulers under load, on the committed demo pair."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import bench_concurrency as bc  # noqa: E402
+from speculate import DEMO_DIR  # noqa: E402
+
+CONCURRENCY_FIELDS = {"concurrency", "mode", "total_tokens_per_second", "per_request_tokens_per_second",
+                      "acceptance_length", "verified_per_round", "tokens", "seconds", "vs_none", "profile_seconds",
+                      "outputs_agree"}
+
+
+# The default prompts are cut from this Python's standard library (the files in demo/heldout.txt);
+# another Python version may lack one of them, and bench then asks for --prompts-file instead.
+HELDOUT_PRESENT = all(os.path.isfile(os.path.join(sysconfig.get_paths()["stdlib"], n))
+                      for n in open(os.path.join(DEMO_DIR, "heldout.txt")).read().split())
+
+
+@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
+def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "conc.json", tmp_path / "conc.png"
+    # The demo head's confidences sit around 0.75-0.9: at 0.8 the threshold scheduler cuts some rounds short.
+    rc = bc.main(["--concurrency", "1,2", "--max-new-tokens", "12", "--repeats", "2", "--requests-per-slot", "2",
+                     "--out", str(out), "--plot", str(png)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.load(open(out))
+    rows = result["rows"]
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [
+        (c, m) for c in (1, 2) for m in ("autoregressive", "none", "threshold", "hardware")]
+    assert all(CONCURRENCY_FIELDS <= set(r) for r in rows)
+    assert set(result["sps"]) == {"1", "2"} and result["prompts"] == 20
+    for r in rows:
+        c = r["concurrency"]
+        assert r["outputs_agree"] is True  # greedy: bench raises if any scheduler's tokens differ
+        assert r["tokens"] == 12 * c * 2  # c x 2 requests; the demo prompts are code: no EOS within 12 tokens
+        assert len(r["total_tokens_per_second_runs"]) == 2
+        assert r["total_tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"], rel=0.2)
+        # c rows busy at a time: a request's own rate is at least its share of the total (within the
+        # clocks' difference and the drain at the end, when fewer than c requests are left).
+        assert r["per_request_tokens_per_second"] >= 0.5 * r["total_tokens_per_second"] / c
+        assert (r["profile_seconds"] is not None) == (r["mode"] == "hardware")
+        none = next(x for x in rows if x["concurrency"] == c and x["mode"] == "none")
+        assert r["vs_none"] == pytest.approx(r["total_tokens_per_second"] / none["total_tokens_per_second"])
+        if r["mode"] == "autoregressive":
+            assert r["acceptance_length"] == 1 and r["verified_per_round"] == 0
+        else:
+            assert 1 < r["acceptance_length"] <= 6 and 0 <= r["verified_per_round"] <= 5
+    by = {(r["concurrency"], r["mode"]): r for r in rows}
+    assert by[1, "none"]["verified_per_round"] == 5
+    assert by[1, "threshold"]["verified_per_round"] < 5
+    printed = capsys.readouterr().out
+    assert printed.count("\n| 2 | ") == 4 and "| total ÷ none |" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by plots.py (tests/test_plots.py checks the figure)
+
+
+@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
+def test_concurrency_outputs_that_differ_fail_loudly(monkeypatch):
+    timed = bc.timed_generate
+
+    def corrupt_hardware(engine, prompts, max_new_tokens):
+        r = timed(engine, prompts, max_new_tokens)
+        if engine.scheduler.kind == "hardware":
+            r["outputs"][0][-1] += 1
+        return r
+
+    monkeypatch.setattr(bc, "timed_generate", corrupt_hardware)
+    with pytest.raises(AssertionError, match="hardware .* different tokens"):
+        bc.main(["--concurrency", "1", "--max-new-tokens", "4", "--repeats", "1"])
+
+
+def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
+    from model import Tokenizer
+
+    pf = tmp_path / "p.jsonl"
+    ids = Tokenizer(os.path.join(DEMO_DIR, "target")).encode("import os\n")
+    pf.write_text(json.dumps({"prompt": "def main():\n"}) + "\n" + json.dumps({"prompt_ids": ids}) + "\n")
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--concurrency", "3", "--schedulers", "hardware", "--prompts-file", str(pf),
+                     "--temperature", "1.0", "--max-new-tokens", "6", "--repeats", "1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.load(open(out))
+    assert result["prompts"] == 2  # cycled to fill the batch of 3
+    assert [r["mode"] for r in result["rows"]] == ["autoregressive", "hardware"]
+    assert all(r["outputs_agree"] is None and r["vs_none"] is None for r in result["rows"])  # sampled; no none
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--concurrency", "1,x"], "--concurrency: '1,x' is not"),
+    (["--concurrency", "0"], "--concurrency: '0' must be"),
+    (["--concurrency", "2", "--schedulers", "none,fast"], "--schedulers"),
+    (["--concurrency", "2", "--threshold", "0"], "--threshold: invalid"),
+    (["--concurrency", "2", "--repeats", "0"], "--repeats: invalid"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),
+    (["--concurrency", "2", "--plot", "c.pdf"], "--plot c.pdf"),
+    (["--concurrency", "2", "--target", "somewhere"], "give both"),
+    (["--concurrency", "2", "--prompts-file", "/nonexistent.jsonl"], "prompts file not found"),
+    (["--concurrency", "2", "--plot", "/nonexistent/c.png"], "--plot /nonexistent/c.png: directory"),
+    (["--out", "/"], "--out /: is a directory"),
+])
+def test_concurrency_bad_flags(flags, needle, capsys):
+    assert bc.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
