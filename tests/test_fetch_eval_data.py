@@ -1,0 +1,199 @@
+"""scripts/fetch_eval_data.py without a network: --help, the refusal to overwrite, the record
+conversions on fake rows, the atomic writer, and the conversions against the shipped data/eval files."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "fetch_eval_data.py"
+DATA = ROOT / "data" / "eval"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("fetch_eval_data", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+fe = load_script()
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_exits_0_without_datasets():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    assert "--force" in r.stdout and "--out-dir" in r.stdout
+    # The script must not import the optional packages at start-up.
+    probe = subprocess.run([sys.executable, "-c",
+                            f"import sys; sys.argv=['x', '--help']; import runpy\n"
+                            f"try:\n    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+                            f"except SystemExit:\n    pass\n"
+                            f"print('datasets' in sys.modules, 'huggingface_hub' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_list_names_every_source():
+    r = run("--list")
+    assert r.returncode == 0, r.stderr
+    for name in ("gsm8k", "alpaca", "livecodebench", "arena-hard-v2"):
+        assert name in r.stdout
+    assert "tatsu-lab/alpaca" in r.stdout
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    existing = tmp_path / "gsm8k.jsonl"
+    existing.write_text("keep me\n")
+    r = run("gsm8k", "--out-dir", str(tmp_path))
+    assert r.returncode == 2
+    assert "--force" in r.stderr and str(existing) in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert existing.read_text() == "keep me\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gsm8k.jsonl"]  # no temporary left behind
+
+
+def test_refuses_before_any_download_when_one_of_many_exists(tmp_path):
+    (tmp_path / "mbpp.jsonl").write_text("x\n")
+    r = run("gsm8k", "mbpp", "--out-dir", str(tmp_path))  # gsm8k is missing, but nothing may start
+    assert r.returncode == 2 and "mbpp.jsonl" in r.stderr
+    assert not (tmp_path / "gsm8k.jsonl").exists()
+
+
+def test_unknown_name_and_bad_max_rows(tmp_path):
+    r = run("nope", "--out-dir", str(tmp_path))
+    assert r.returncode == 2 and "unknown dataset 'nope'" in r.stderr
+    r = run("gsm8k", "--max-rows", "0", "--out-dir", str(tmp_path))
+    assert r.returncode == 2 and "--max-rows" in r.stderr
+
+
+S = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+@pytest.mark.parametrize("convert, row, turns", [
+    (fe.gsm8k_record, {"question": "What is 2+2?", "answer": "4"}, ["What is 2+2?" + S]),
+    (fe.math_record, {"problem": "Solve $x^2=4$.", "answer": "2"}, ["Solve $x^2=4$." + S]),
+    (fe.alpaca_record, {"instruction": "Name a color.", "input": "", "output": "red"}, ["Name a color."]),
+    (fe.alpaca_record, {"instruction": "Translate.", "input": "Hallo", "output": "Hello"},
+     ["Translate.\n\nInput:\nHallo"]),
+    (fe.mt_bench_record, {"prompt": ["First?", "Second?"], "category": "writing"}, ["First?", "Second?"]),
+    (fe.humaneval_record, {"prompt": "def f(x):\n    \"\"\"Double.\"\"\"\n"},
+     ["Write a solution to the following problem and make sure that it passes the tests:\n"
+      "```python\ndef f(x):\n    \"\"\"Double.\"\"\"\n\n```"]),
+    (fe.mbpp_record, {"prompt": "Write a function to add.", "task_id": 2}, ["Write a function to add."]),
+    (fe.lbpp_record, {"instruction": "Write a python function f.", "language": "python"},
+     ["Write a python function f."]),
+    (fe.swe_bench_record, {"problem_statement": "Crash on empty input."},
+     ["Problem Statement:\nCrash on empty input.\nPlease fix the issue described above."]),
+    (fe.arena_hard_record, {"prompt": "Write a poem.", "uid": "abc"}, ["Write a poem."]),
+])
+def test_record_conversions(convert, row, turns):
+    assert convert(row) == {"turns": turns}
+
+
+def test_livecodebench_record_with_and_without_starter_code():
+    with_code = fe.livecodebench_record({"question_content": "Add two numbers.",
+                                         "starter_code": "class Solution:\n    def add(self, a, b):\n        "})
+    text = with_code["turns"][0]
+    assert text.startswith("You are an expert Python programmer.")
+    assert "### Question:\nAdd two numbers.\n\n### Format: Use the following code structure:\n```python\n" \
+           "class Solution:\n    def add(self, a, b):\n        \n```\n\n### Answer:" in text
+    plain = fe.livecodebench_record({"question_content": "Read N.", "starter_code": ""})["turns"][0]
+    assert "### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```\n\n" in plain
+    assert plain.endswith("### Answer: (use the provided format with backticks)")
+
+
+def test_check_record_refuses_empty_turns():
+    with pytest.raises(ValueError):
+        fe.check_record({"turns": []}, "row 0")
+    with pytest.raises(ValueError):
+        fe.check_record({"turns": [""]}, "row 0")
+
+
+def test_write_records_is_atomic_and_counts(tmp_path):
+    src = fe.BY_NAME["gsm8k"]
+    out = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": "Q1 ’"}, {"question": "Q2"}, {"question": "Q3"}]
+    count, sha = fe.write_records(src, iter(rows), str(out), max_rows=2)
+    data = out.read_bytes()
+    assert count == 2 and hashlib.sha256(data).hexdigest() == sha
+    assert data.decode("utf-8") == "".join(json.dumps({"turns": [q["question"] + S]}, ensure_ascii=False) + "\n"
+                                           for q in rows[:2])
+    assert "’" in data.decode("utf-8")  # non-ASCII kept as is, as in the shipped files
+
+    def broken():
+        yield {"question": "fine"}
+        raise ConnectionError("network gone")
+
+    out.write_text("old\n")
+    with pytest.raises(ConnectionError):
+        fe.write_records(src, broken(), str(out))
+    assert out.read_text() == "old\n"  # the old file survives a failed rebuild
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gsm8k.jsonl"]
+
+
+# The shipped files: rebuild each line from a row recovered out of it and require the same bytes,
+# so the conversions are the ones that made data/eval.
+
+def _recover(name: str, turns: list[str]) -> dict:
+    t = turns[0]
+    if name == "gsm8k":
+        return {"question": t.removesuffix(S)}
+    if name in ("math500", "aime24", "aime25"):
+        return {"problem": t.removesuffix(S)}
+    if name == "mt-bench":
+        return {"prompt": turns}
+    if name == "humaneval":
+        return {"prompt": re.fullmatch(r"(?s)[^\n]*\n```python\n(.*)\n```", t).group(1)}
+    if name == "mbpp":
+        return {"prompt": t}
+    if name == "lbpp":
+        return {"instruction": t}
+    if name == "swe-bench":
+        return {"problem_statement": re.fullmatch(r"(?s)Problem Statement:\n(.*)\nPlease fix the issue described "
+                                                  r"above\.", t).group(1)}
+    if name == "arena-hard-v2":
+        return {"prompt": t}
+    if name == "livecodebench":
+        m = re.fullmatch(r"(?s).*?\n\n### Question:\n(.*)\n\n### Format: ([^\n]*)\n```python\n(.*)\n```\n\n"
+                         r"### Answer: \(use the provided format with backticks\)", t)
+        starter = m.group(3) if m.group(2) == "Use the following code structure:" else ""
+        return {"question_content": m.group(1), "starter_code": starter}
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", [s.name for s in fe.SOURCES if s.sha256])
+def test_conversions_reproduce_the_shipped_lines(name):
+    path = DATA / f"{name}.jsonl"
+    assert path.is_file(), f"{path} missing"
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.readlines()
+    for line in lines:
+        turns = json.loads(line)["turns"]
+        assert fe.record_line(fe.BY_NAME[name].convert(_recover(name, turns))) == line
+
+
+@pytest.mark.parametrize("name", [s.name for s in fe.SOURCES if s.sha256])
+def test_shipped_files_match_their_recorded_sha256(name):
+    assert hashlib.sha256((DATA / f"{name}.jsonl").read_bytes()).hexdigest() == fe.BY_NAME[name].sha256
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets is installed here")
+def test_missing_package_fails_before_writing_anything(tmp_path):
+    out = tmp_path / "new"
+    r = run("gsm8k", "--out-dir", str(out))
+    assert r.returncode == 2 and "pip install datasets" in r.stderr
+    assert not out.exists()
