@@ -1,7 +1,7 @@
 """Benchmarks: acceptance length τ and per-position acceptance per dataset, confidence
 calibration (ECE / AUROC / Brier, Sequential Temperature Scaling), data-parallel with torchrun.
 
-    python eval.py --target DIR --drafter DIR --data-dir ../shared/eval_datasets \
+    python eval.py --target DIR --drafter DIR \
         --datasets gsm8k,mt-bench --max-samples 8 --max-new-tokens 256 --out results.json
     torchrun --nproc_per_node 8 eval.py ...   # each rank decodes a shard of every dataset
 
@@ -13,9 +13,9 @@ What is notable here:
   so a greedy data-parallel run reports exactly what one process reports.
 - Calibration reads the per-round records: for position k, the prefix survival
   a_k = Π_{i≤k} c_i against the event "drafts 1..k all accepted", over the rounds that sent
-  draft k to the target (DSPARK.md §4). STS fits one temperature per position, left to right,
+  draft k to the target (docs/algorithm.md, "Confidence head and prefix survival"). STS fits one temperature per position, left to right,
   on the first part of every dataset's requests and is scored on the rest.
-- The reliability diagram is a PNG written with zlib alone (no plotting dependency).
+- The reliability diagram is drawn by plots.py (matplotlib), PNG or SVG by the extension.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import sys
-import zlib
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
@@ -33,6 +31,7 @@ import numpy as np
 import torch
 
 import metrics as mt
+import plots
 import scheduler as sched
 from common import AutoBool, UserError, check_ranges, check_writable, cli_main
 from speculate import (Engine, Request, auto_chat, auto_compile, cache_length, check_prompts, check_schedulable,
@@ -43,6 +42,7 @@ DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164,
                    "livecodebench": 500, "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
 PAPER_DATASETS = tuple(DEFAULT_SAMPLES)
 ECE_BINS = 15
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eval")
 # STS's 1-D search space: temperatures for c_k's logit, geometric from 1/20 to 20 (1.0 included).
 STS_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
 
@@ -55,8 +55,9 @@ class EvalArgs:
     """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json)."""
     drafter: Optional[str] = None
     """Drafter directory (any DSpark / DFlash spelling); omitted: the autoregressive baseline."""
-    data_dir: Optional[str] = None
-    """Directory of <dataset>.jsonl files (JSON lines with "turns"; the first turn is the prompt)."""
+    data_dir: str = DATA_DIR
+    """Directory of <dataset>.jsonl files (JSON lines with "turns"; the first turn is the prompt).
+    Default: data/eval, the benchmark prompts that ship with the repository (data/eval/README.md)."""
     datasets: str = ",".join(PAPER_DATASETS)
     """Comma-separated dataset names (default: the paper's nine; missing files are skipped)."""
     max_samples: Optional[int] = None
@@ -101,7 +102,7 @@ class EvalArgs:
     calibration_out: Optional[str] = None
     """Write the STS temperatures here (JSON: {"temperatures": [K floats], ...})."""
     calibration_plot: Optional[str] = None
-    """Write a reliability diagram (PNG) here: one panel per position, before / after STS."""
+    """Write a reliability diagram here (.png or .svg): one panel per position, before / after STS."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def position_metrics(confidence, verified, accepted) -> list[dict]:
 
 
 def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS) -> list[float]:
-    """Sequential Temperature Scaling (DSPARK.md §4): for k = 1..K in order, the temperature of
+    """Sequential Temperature Scaling (docs/algorithm.md): for k = 1..K in order, the temperature of
     c_k's logit that minimises the ECE of a_k = Π_{i≤k} c_i, the earlier positions already
     calibrated and fixed. Ties go to the temperature nearest 1; positions never verified keep 1."""
     C = np.asarray(confidence, dtype=np.float64)
@@ -191,19 +192,6 @@ def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS)
             temps[k] = grid[order][int(np.argmin(errs))]
         prefix = prefix * _sigmoid(logits[:, k] / temps[k])
     return [float(t) for t in temps]
-
-
-def reliability_bins(p, y, bins: int = ECE_BINS) -> list[dict]:
-    """Per bin: count, mean predicted, observed rate (None for empty bins)."""
-    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    idx = np.minimum((p * bins).astype(np.int64), bins - 1)
-    out = []
-    for b in range(bins):
-        m = idx == b
-        out.append({"bin": b, "lo": b / bins, "hi": (b + 1) / bins, "count": int(m.sum()),
-                    "predicted": float(p[m].mean()) if m.any() else None,
-                    "observed": float(y[m].mean()) if m.any() else None})
-    return out
 
 
 def round_arrays(requests: list[Request], dataset: int, K: int) -> dict:
@@ -257,91 +245,6 @@ def calibration_report(rec: dict, split: float) -> Optional[dict]:
                   sts_heldout=position_metrics(apply_temperatures(Ch, temps), vh, ah))
     report["_heldout"] = (Ch, vh, ah)
     return report
-
-
-# ----------------------------------------------------------------------------------------
-# Reliability diagram: a PNG from numpy and zlib
-
-_GLYPHS = {  # 3x5 pixel font, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "%": "101001010100101",
-    "=": "000111000111000", " ": "000000000000000", "k": "100101110101101", "E": "111100111100111",
-    "C": "111100100100111", "A": "010101111101101", "U": "101101101101111", ">": "100010001010100",
-    ":": "000010000010000",
-    # Lower case and a little punctuation, for the axis titles and legends of bench.py's plot.
-    "a": "000011101101011", "b": "100110101101110", "c": "000011100100011", "d": "001011101101011",
-    "e": "000010111100011", "f": "001010111010010", "g": "011101011001110", "h": "100110101101101",
-    "i": "010000010010010", "l": "110010010010111", "m": "000110111101101", "n": "000110101101101",
-    "o": "000010101101010", "p": "000110101110100", "q": "000011101011001", "r": "000011100100100",
-    "s": "000011110011110", "t": "010111010010011", "u": "000101101101011", "v": "000101101101010",
-    "w": "000101101111101", "x": "000101010010101", "y": "101101011001110", "z": "000111011110111",
-    "/": "001001010100100", "-": "000000111000000", "(": "010100100100010", ")": "010001001001010",
-    ",": "000000000010100",
-}
-_BLUE, _ORANGE, _GRAY, _LIGHT, _BLACK = (31, 119, 180), (255, 127, 14), (150, 150, 150), (225, 225, 225), (0, 0, 0)
-
-
-def _text(img, x, y, s, color=_BLACK, scale=2):
-    for ch in s:
-        g = _GLYPHS.get(ch, _GLYPHS[" "])
-        for i, bit in enumerate(g):
-            if bit == "1":
-                r, c = divmod(i, 3)
-                img[y + r * scale:y + (r + 1) * scale, x + c * scale:x + (c + 1) * scale] = color
-        x += 4 * scale
-
-
-def write_png(path: str, img: np.ndarray):
-    """Write an RGB uint8 image [H, W, 3] as a PNG (filter 0 rows, one zlib stream)."""
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[i].tobytes() for i in range(h))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def reliability_diagram(path: str, panels: list[dict], size: int = 240, pad: int = 30):
-    """One panel per position: the bin-count histogram (light gray), the diagonal, the observed
-    survival rate per bin before STS (blue bars) and after (orange dots); header text
-    "k=K ECE:before>after" and "AUC:x". panels: {"position", "before": (a, y), "after": (a, y) or None}."""
-    W = len(panels) * (size + pad) + pad
-    H = size + 2 * pad + 24
-    img = np.full((H, W, 3), 255, dtype=np.uint8)
-    for j, panel in enumerate(panels):
-        x0, y0 = pad + j * (size + pad), pad + 24  # plot area [y0, y0+size) x [x0, x0+size)
-        a, y = panel["before"]
-        bins = reliability_bins(a, y)
-        top = max(b["count"] for b in bins) or 1
-        bw = size // ECE_BINS
-        for b in bins:  # histogram of counts, scaled to the panel height
-            hgt = int(round(0.9 * size * b["count"] / top))
-            img[y0 + size - hgt:y0 + size, x0 + b["bin"] * bw:x0 + (b["bin"] + 1) * bw] = _LIGHT
-        for b in bins:  # observed rate per bin (before)
-            if b["observed"] is not None:
-                hgt = int(round(size * b["observed"]))
-                img[y0 + size - hgt:y0 + size, x0 + b["bin"] * bw + 2:x0 + (b["bin"] + 1) * bw - 2] = _BLUE
-        for t in range(size):  # the diagonal: perfect calibration
-            img[y0 + size - 1 - t, x0 + t] = _GRAY
-        if panel.get("after") is not None:
-            for b in reliability_bins(*panel["after"]):
-                if b["observed"] is not None:
-                    cx, cy = x0 + b["bin"] * bw + bw // 2, y0 + size - 1 - int(round((size - 1) * b["observed"]))
-                    img[max(cy - 3, y0):min(cy + 4, y0 + size), cx - 3:cx + 4] = _ORANGE
-        img[y0:y0 + size, x0] = img[y0 + size - 1, x0:x0 + size] = _BLACK  # axes
-        e0 = ece(a, y)
-        head = f"k={panel['position']} ECE:{100 * e0:.1f}%" if e0 is not None else f"k={panel['position']}"
-        if panel.get("after") is not None and ece(*panel["after"]) is not None:
-            head += f">{100 * ece(*panel['after']):.1f}%"
-        _text(img, x0, 6, head)
-        auc = auroc(a, y)
-        if auc is not None:
-            _text(img, x0, 20, f"AUC:{auc:.3f}")
-    write_png(path, img)
 
 
 # ----------------------------------------------------------------------------------------
@@ -420,8 +323,6 @@ def metrics(name: str, c: dict, seconds: float) -> dict:
 
 def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     """(name, path, sample count) for every requested dataset whose file exists."""
-    if args.data_dir is None:
-        raise UserError("--data-dir: no dataset directory given")
     if not os.path.isdir(args.data_dir):
         raise UserError(f"--data-dir {args.data_dir}: directory not found")
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
@@ -451,6 +352,7 @@ def run(args: EvalArgs) -> dict:
     for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
                        ("--calibration-plot", args.calibration_plot)):
         check_writable(path, flag)
+    plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     rank, world, device = dist_setup(args.device)
     datasets = resolve_datasets(args, rank)
     m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
@@ -582,7 +484,10 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
             C, ver, acc = calibration["_all"]
             panels = [{"position": k, "before": survival_events(C, ver, acc, k), "after": None}
                       for k in range(1, C.shape[1] + 1)]
-        reliability_diagram(args.calibration_plot, panels)
+        for p in panels:
+            p.update(ece_before=ece(*p["before"]), ece_after=ece(*p["after"]) if p["after"] else None,
+                     auroc=auroc(*p["before"]))
+        plots.reliability_diagram(args.calibration_plot, panels, bins=ECE_BINS)
         plot = args.calibration_plot
     if args.calibration_out and calibration is not None:
         if "temperatures" not in calibration:

@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.G
 
 def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, markov,
                  temperature: float, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
-    """The sequential stage of DSPARK.md §3: draft K tokens left to right.
+    """The sequential stage (docs/algorithm.md, "Markov heads"): draft K tokens left to right.
 
     base_logits: [B, K, V] (U_k), hidden: [B, K, H] (h_k), anchor: [B] (x_0).
     markov: a head with `step(h_k, prev_token, state) -> (bias [B, V], state)`, or None
@@ -95,7 +95,7 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, verify_len:
 def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
                    verify_len: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
                    u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None):
-    """Lossless rejection sampling (DSPARK.md §5 step 4).
+    """Lossless rejection sampling (docs/algorithm.md, "One round", accept).
 
     drafts [B, K], q [B, K, V] (the draft distributions), target_logits [B, K+1, V], verify_len [B].
     Accept x_k if u_k < min(1, p_{k-1}(x_k) / q_k(x_k)); at the first rejection k sample the
@@ -130,7 +130,7 @@ def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.T
 # Fast versions: Triton kernels behind the references' signatures
 #
 # What is here, and why it is shaped this way:
-# - `markov_chain_triton`: the vanilla Markov step (z_k = U_k + W2·W1[x_{k-1}], DSPARK.md §3)
+# - `markov_chain_triton`: the vanilla Markov step (z_k = U_k + W2·W1[x_{k-1}], docs/algorithm.md)
 #   as two launches per slot. Pass 1, grid (B, V/BLOCK_V): each program forms the bias for one
 #   V-tile from a W1 row and a W2 tile, adds U_k, and writes only the tile's best (value,
 #   first index) to a tiny [B, tiles] buffer. Pass 2, grid (B,): reduce the tiles, first index

@@ -6,7 +6,7 @@
   a confidence threshold, at batch size 1 and in a mixed-length batch.
 - Token budget and EOS: exactly max_new_tokens without a stop token; a stop token inside an
   accepted run ends that row right there while the other rows of the batch go on.
-- Trace file: every key of CLI.md, with its type, and the numbers consistent with each other.
+- Trace file: every key of docs/trace-format.md, with its type, and the numbers consistent with each other.
 - Sampling: the joint distribution of the first generated tokens matches the target's exact
   distribution (chi-square, from transformers' own forward), for a drafter that is often right
   and one that is mostly wrong; a deliberately biased acceptance fails the same check.
@@ -122,7 +122,7 @@ def recompute_accept_rates(rounds, K):
 
 def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool, max_new: int,
                 stop_ids=()):
-    """Everything CLI.md promises about the trace, and the numbers' mutual consistency."""
+    """Everything docs/trace-format.md promises about the trace, and the numbers' mutual consistency."""
     assert sorted(tr.requests) == list(range(n_requests))
     position = {id(l): i for i, l in enumerate(tr.lines)}
     stop_ids = set(stop_ids)
