@@ -13,6 +13,10 @@ What is notable here:
   attention over the cache covers `[context ; block]` without concatenation.
 - Two slot layouts: DSpark "shift label" (K slots, K drafts: slot k-1 predicts a+k) and
   z-lab DFlash (B slots, B-1 drafts: slot j >= 1 predicts a+j, slot 0 unused).
+- Training shares the layers and heads: `train_forward` packs many blocks of a sequence under
+  `block_mask`, reading context rows as prepended K/V built by the same `context_kv` that fills
+  the cache; `head_outputs` teacher-forces the Markov heads' own `step()`; the confidence
+  features come from `confidence_logit` in both.
 - The embedding and lm_head are always the target's (one copy in memory); a copy in the
   drafter file is checked to be identical and then dropped.
 """
@@ -27,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from common import UserError, read_json
-from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape, apply_rope, assign_strict,
-                   attend, read_safetensors, rope_tables, safetensors_files)
+from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape, assign_strict,
+                   read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
@@ -197,6 +201,8 @@ class VanillaMarkov(nn.Module):
     """b_k = W2 · W1[x_{k-1}]."""
     kind = "vanilla"
 
+    kind = "vanilla"  # what code that treats one head type specially tests (not the class name)
+
     def __init__(self, H: int, V: int, r: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(V, r)
@@ -208,6 +214,8 @@ class VanillaMarkov(nn.Module):
 
 class GatedMarkov(VanillaMarkov):
     """g = σ(W_g [h_k ; W1[x_{k-1}]] + b_g); b_k = W2 · (g ⊙ W1[x_{k-1}])."""
+    kind = "gated"
+
     kind = "gated"
 
     def __init__(self, H: int, V: int, r: int):
@@ -222,6 +230,8 @@ class GatedMarkov(VanillaMarkov):
 
 class RNNMarkov(VanillaMarkov):
     """A gated recurrent state over the chain: joint_proj([s ; W1[x] ; h]) -> gate, candidate, output."""
+    kind = "rnn"
+
     kind = "rnn"
 
     def __init__(self, H: int, V: int, r: int):
@@ -242,19 +252,41 @@ MARKOV_HEADS = {"vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = σ(w · [h_k ; W1[x_{k-1}]] + b), the Markov feature only when the checkpoint has it."""
+    """c_k = σ(w · [h_k ; W1[x_{k-1}]] + b), the Markov feature only when the checkpoint has it
+    (`Drafter.confidence_logit` builds the features, for inference and training alike)."""
 
     def __init__(self, in_features: int):
         super().__init__()
         self.proj = nn.Linear(in_features, 1)
         self.temperature: Optional[torch.Tensor] = None  # [K], Sequential Temperature Scaling (DSPARK.md §4)
 
-    def forward(self, h, markov_feature: Optional[torch.Tensor]):
-        x = h if markov_feature is None else torch.cat([h, markov_feature], dim=-1)
-        logit = self.proj(x).float()[..., 0]  # [B, K]
-        if self.temperature is not None:
-            logit = logit / self.temperature
-        return torch.sigmoid(logit)
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """The logit w · features + b, float32 [..., K]; `Drafter.confidence` applies the temperature."""
+        return self.proj(features).float()[..., 0]
+
+
+def block_mask(anchors: torch.Tensor, seq_len: int, K: int) -> torch.Tensor:
+    """The packed training mask [B, N*K, seq_len + N*K] (True = may attend).
+
+    Query rows are the N blocks' K slots (block i = rows i*K .. i*K+K-1, anchor anchors[:, i]).
+    Key columns are the context rows 0..seq_len-1, then the same N*K block rows. A block row sees
+    context row p iff p < its anchor, and every row of its own block (bidirectional), nothing else:
+    what the inference mask over the cache lets one block see.
+    """
+    B, N = anchors.shape
+    dev = anchors.device
+    block_of = torch.arange(N * K, device=dev) // K  # [N*K]
+    anchor_of = anchors[:, block_of]  # [B, N*K]
+    context = torch.arange(seq_len, device=dev)[None, None, :] < anchor_of[:, :, None]  # [B, N*K, T]
+    own = (block_of[:, None] == block_of[None, :]).expand(B, N * K, N * K)
+    return torch.cat([context, own], dim=-1)
+
+
+def context_kv(attention, c: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K/V of context rows c [B, T, H] (projected target features) at RoPE cos_sin [B, T, 2, hd]:
+    k = RoPE(k_norm(k_proj c)), v = v_proj c, each [B, T, kv_heads, hd]. Context rows enter attention
+    straight from the projection — no input_layernorm, no MLP — in the cache and in training alike."""
+    return attention.kv(c, cos_sin)
 
 
 # ----------------------------------------------------------------------------------------
@@ -307,14 +339,10 @@ class Drafter(nn.Module):
     def commit_context(self, features: torch.Tensor, positions: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """Project captured target features ([B, T, n*H]) and cache every layer's context K/V at
         positions [B, T], in cache rows 0..B-1 or `rows` [B]."""
-        c = self.hidden_norm(self.fc(features))
+        c = self.hidden_norm(self.fc(features))  # [B, T, H]
         cos_sin = self.rope[positions]
         for layer in self.layers:
-            at = layer.self_attn
-            B, T, _ = c.shape
-            # Context rows enter attention straight from the projection (no input_layernorm).
-            k = apply_rope(at.k_norm(at.k_proj(c).view(B, T, at.n_kv, at.head_dim)), cos_sin)
-            at.kv_cache.write(positions, k, at.v_proj(c).view(B, T, at.n_kv, at.head_dim), rows)
+            layer.self_attn.kv_cache.write(positions, *context_kv(layer.self_attn, c, cos_sin), rows)
 
     def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor):
         """The block forward: anchor [B] at positions anchor_pos [B], context rows < anchor_pos.
@@ -333,29 +361,78 @@ class Drafter(nn.Module):
         max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
         mask = (torch.arange(max_seq, device=anchor.device) < (anchor_pos + S)[:, None])[:, None, :].expand(B, S, max_seq)
         x = self.target.embed_tokens(tokens)
-        for layer in self.layers:
-            at = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = at.q(h, cos_sin)
-            k, v = at.kv(h, cos_sin)
-            k_all, v_all = at.kv_cache.write(positions, k, v)
-            x = x + at.o_proj(attend(q, k_all, v_all, mask))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for layer in self.layers:  # the block's K/V go into the cache at a..a+S-1, beside the context's
+            x = layer(x, cos_sin, positions, mask)
         h = self.norm(x)
         if cfg.layout == "dflash":
             h = h[:, 1:]  # slot 0 (the anchor's) is unused in the DFlash layout
         return h, self.target.lm_head(h)
 
+    def train_forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The packed training forward (DSpark layout): features [B, T, n*H] (the target's capture of
+        tokens [B, T]), anchors [B, N]. Returns the final-normed hidden states [B, N, K, H] of every block.
+
+        Block i is [x_a, m, .., m] at positions a..a+K-1 (a = anchors[:, i]); all N blocks run as one
+        [B, N*K] batch whose attention reads the whole sequence's context rows as prepended K/V under
+        `block_mask`, so each block sees what `forward` sees after `commit_context` of rows < a.
+        """
+        cfg, a = self.cfg, self.cfg.layers
+        K = cfg.num_slots
+        B, T = tokens.shape
+        N = anchors.shape[1]
+        dev = tokens.device
+        rope = rope_tables(a.head_dim, a.rope_theta, T + K, dev)
+        cs_ctx = rope[:T][None].expand(B, T, 2, a.head_dim)  # context rows at 0..T-1
+        block_pos = (anchors[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)  # slots at a..a+K-1
+        cs_blk = rope[block_pos]  # [B, N*K, 2, hd]
+        block_tokens = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_tokens[:, :, 0] = tokens.gather(1, anchors)  # [x_a, m, .., m]
+        x = self.target.embed_tokens(block_tokens.view(B, N * K))
+        c = self.hidden_norm(self.fc(features))  # [B, T, H]
+        mask = block_mask(anchors, T, K)
+        for layer in self.layers:
+            x = layer(x, cs_blk, mask=mask, prefix_kv=context_kv(layer.self_attn, c, cs_ctx))
+        return self.norm(x).view(B, N, K, -1)
+
+    def head_outputs(self, h: torch.Tensor, prev: torch.Tensor):
+        """Training: draft logits z = U + b with the Markov chain teacher-forced, and the confidence logits.
+
+        h [..., K, H]; prev [..., K] = [x_a, labels[:-1]]. Returns (z [..., K, V], confidence logits
+        [..., K] float32 or None). The chain runs through the head's own `step()`, slot by slot, as
+        kernels.markov_chain runs it at inference.
+        """
+        U = self.target.lm_head(h)
+        head = self.markov_head
+        if head is not None:
+            biases, state = [], None
+            for j in range(h.shape[-2]):
+                b, state = head.step(h[..., j, :], prev[..., j], state)
+                biases.append(b)
+            U = U + torch.stack(biases, dim=-2)
+        return U, self.confidence_logit(h, prev)
+
     def calibrate(self, temperatures):
         """Divide the confidence logit of draft k by temperatures[k] from now on."""
         self.confidence_head.temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.fc.weight.device)
 
-    def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """c_k for every slot: hidden [B, K, H], prev_tokens [B, K] = [x_0, x_1 .. x_{K-1}]. None without a head."""
+    def confidence_logit(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """w · [h_k ; W1[x_{k-1}]] + b (or w · h_k + b) for every slot, float32 [..., K], before any
+        temperature: hidden [..., K, H], prev_tokens [..., K] = [x_0, x_1 .. x_{K-1}]. None without a head.
+        Training fits these logits; inference reads `confidence`."""
         if self.confidence_head is None:
             return None
-        feat = self.markov_head.markov_w1(prev_tokens) if self.cfg.confidence_with_markov else None
-        return self.confidence_head(hidden, feat)
+        x = (torch.cat([hidden, self.markov_head.markov_w1(prev_tokens)], dim=-1) if self.cfg.confidence_with_markov
+             else hidden)
+        return self.confidence_head(x)
+
+    def confidence(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """c_k = σ(logit / T_k) for every slot [B, K] (T: the STS temperatures of `calibrate`, if any).
+        None without a head."""
+        logit = self.confidence_logit(hidden, prev_tokens)
+        if logit is None:
+            return None
+        t = self.confidence_head.temperature
+        return torch.sigmoid(logit if t is None else logit / t)
 
 
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",

@@ -11,6 +11,10 @@ What is notable here:
 - `forward(..., capture=layers)` also returns the drafter's context features: the residual
   stream after the requested decoder layers (before the final norm), concatenated. This is
   read off the same pass that computes the logits, so capture costs no extra forward.
+- One layer loop (`Transformer.hidden`) serves every use: with `positions` it runs through the
+  cache (prefill, verification); with `positions=None` it is cache-free and causal over 0..T-1
+  (target pre-training, online capture for distillation); `Attention.forward` also takes
+  prepended K/V for the drafter's packed training forward. `forward` is its lm_head.
 - `forward(..., ragged=...)` runs a ragged batch: requests with different numbers of tokens
   flattened into one row, so the matrix multiplies cost what the real tokens cost; attention
   alone goes back to a padded per-request layout, where each token reads only its own
@@ -212,15 +216,17 @@ class KVCache(nn.Module):
         return self.k[rows], self.v[rows]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, Tq, H, hd], k/v: [B, Tk, Hkv, hd], mask: [B, Tq, Tk] bool (True = may attend).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q: [B, Tq, H, hd], k/v: [B, Tk, Hkv, hd], mask: [B, Tq, Tk] bool (True = may attend), or None
+    for causal attention of q's T positions over k/v's same T (SDPA's is_causal, no mask in memory).
 
     Returns [B, Tq, H*hd]. GQA is handled by SDPA itself (no repeated K/V in memory).
     """
     B, Tq, H, hd = q.shape
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None], enable_gqa=k.shape[2] != H)
+        attn_mask=mask[:, None] if mask is not None else None, is_causal=mask is None,
+        enable_gqa=k.shape[2] != H)
     return out.transpose(1, 2).reshape(B, Tq, H * hd)
 
 
@@ -295,16 +301,29 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos_sin)
         return k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
 
-    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None, rows=None):
-        """Causal self-attention through the cache: x [B, T, H], positions [B, T], cache rows 0..B-1
-        or `rows`. With `ragged`, x is [1, N, H] flattened tokens and positions/mask are the
-        padded layout's [R, W(, S)]."""
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                mask: Optional[torch.Tensor] = None, *, ragged: Optional[Ragged] = None,
+                rows: Optional[torch.Tensor] = None,
+                prefix_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Self-attention of x [B, T, H] (its RoPE cos_sin [B, T, 2, hd]) -> [B, T, H], in one of three modes:
+
+        - cache (`positions` [B, T]): K/V written into the cache at `positions`, in cache rows 0..B-1
+          or `rows` [B]; attention over the whole cache under `mask` [B, T, S]. With `ragged`, x is
+          [1, N, H] flattened tokens and positions/mask are the padded layout's [R, W(, S)].
+        - prefix K/V (`prefix_kv` = (k, v), each [B, P, kv_heads, hd]): keys/values are the prefix
+          then the block's own, under `mask` [B, T, P + T]; the cache is untouched (the drafter's
+          training forward: context rows + packed blocks).
+        - cache-free causal (neither): position t attends to 0..t of x itself (mask None); the cache
+          is untouched (the target's training and online-capture forward).
+        """
         q = self.q(x, cos_sin)
         k, v = self.kv(x, cos_sin)
-        if ragged is not None:
-            q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.write(positions, k, v, rows)
+        if prefix_kv is not None:
+            k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)  # [B, P + T, kv, hd]
+        elif positions is not None:
+            if ragged is not None:
+                q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
+            k, v = self.kv_cache.write(positions, k, v, rows)  # [B, S, kv, hd]
         out = attend(q, k, v, mask)
         return self.o_proj(ragged.unpad(out) if ragged is not None else out)
 
@@ -329,8 +348,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
 
-    def forward(self, x, cos_sin, positions, mask, ragged: Optional[Ragged] = None, rows=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask, ragged, rows)
+    def forward(self, x, cos_sin, positions=None, mask=None, *, ragged: Optional[Ragged] = None, rows=None,
+                prefix_kv=None):
+        """Pre-norm residual block over x [B, T, H]; the attention mode is `Attention.forward`'s."""
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask, ragged=ragged, rows=rows,
+                               prefix_kv=prefix_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -374,32 +396,53 @@ class Transformer(nn.Module):
                 raise UserError(
                     f"{source}: layer id {i} is the target's last layer; drafters read layers before it")
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, capture: Sequence[int] = (),
-                logits_index: Optional[torch.Tensor] = None, ragged: Optional[Ragged] = None,
-                rows: Optional[torch.Tensor] = None):
-        """tokens, positions: [B, T] (int64). Returns (logits, features).
+    def hidden(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *, capture: Sequence[int] = (),
+               ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None,
+               index: Optional[torch.Tensor] = None):
+        """The decoder stack: tokens [B, T] (int64) -> (final-normed hidden states [B, T, H], features).
 
-        logits: [B, T, V], or [B, V] at `logits_index` ([B], one position per row) when given.
+        positions [B, T]: through the KV cache (written at `positions`, in cache rows 0..B-1 or `rows`
+        [B]). None: cache-free causal attention over positions 0..T-1, the cache untouched (target
+        pre-training with grad, online capture for distillation under no_grad).
         features: [B, T, len(capture) * H] — outputs of the `capture` layers (-1 = embeddings),
         before the final norm — or None when `capture` is empty.
         With `ragged`, tokens are [1, N] flattened tokens and positions the padded layout's [R, W]
-        (see `Ragged`); logits and features come back flattened too: [1, N, V], [1, N, F].
-        rows [B]: the cache rows the batch's rows are (default 0..B-1), for a prefill into some rows.
+        (see `Ragged`); hidden states and features come back flattened too: [1, N, H], [1, N, F].
+        index [B]: only that position of each row, [B, H] (selected before the norm, which is per token).
         """
-        mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
-        cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
+        if positions is None:
+            B, T = tokens.shape
+            mask = None
+            rope = getattr(self, "rope", None)
+            if rope is None or rope.shape[0] < T:  # no cache table long enough: the same rows, computed
+                a = self.args
+                rope = rope_tables(a.head_dim, a.rope_theta, T, tokens.device)
+            cos_sin = rope[:T][None].expand(B, T, *rope.shape[1:])  # [B, T, 2, hd]
+        else:
+            mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
+            cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
         x = self.embed_tokens(tokens)
         captured = {}
         if -1 in capture:
             captured[-1] = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, positions, mask, ragged, rows)
+            x = layer(x, cos_sin, positions, mask, ragged=ragged, rows=rows)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        if logits_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_index]
-        return self.lm_head(self.norm(x)), features
+        if index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), index]
+        return self.norm(x), features
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *,
+                capture: Sequence[int] = (), logits_index: Optional[torch.Tensor] = None,
+                ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None):
+        """(logits, features): the lm_head over `hidden`'s states (arguments as there).
+
+        logits: [B, T, V], or [B, V] at `logits_index` ([B], one position per row) when given.
+        """
+        h, features = self.hidden(tokens, positions, capture=capture, ragged=ragged, rows=rows, index=logits_index)
+        return self.lm_head(h), features
 
 
 # ----------------------------------------------------------------------------------------

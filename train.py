@@ -1,22 +1,18 @@
-"""Distil a DSpark / DFlash drafter from a frozen target (DSPARK.md §6) — or pre-train a small target.
+"""Distil a DSpark / DFlash drafter from a frozen target (DSPARK.md §6).
 
     python train.py --target DIR --data FILE_OR_DIR --out DIR [--steps N --block-size 7 --depth 5 ...]
-    python train.py --mode target --data DIR --tokenizer-from-corpus --out DIR [--layers 4 ...]
 
 What is notable here:
-- Online capture: every batch runs the frozen target once (no grad), cache-free and causal, to get
-  the context features of `target_layer_ids` and its final hidden states. The target's logits are
-  computed only at the positions the blocks supervise (DeepSpec does the same), so no
-  [B, T, V] tensor and no feature cache on disk.
+- Online capture: every batch runs the frozen target once (no grad), cache-free and causal
+  (`Transformer.hidden` without positions), to get the context features of `target_layer_ids` and
+  its final hidden states. The target's logits are computed only at the positions the blocks
+  supervise (DeepSpec does the same), so no [B, T, V] tensor and no feature cache on disk.
 - Packed blocks: `--anchors-per-seq` anchors per sequence, each a K-slot block [x_a, m, .., m]
-  at positions a..a+K-1 (slot j predicts token a+j+1). One attention runs over
-  [context rows of the whole sequence ; all blocks] under `block_mask`: a block sees the
-  context rows p < a and its own rows (bidirectionally), nothing else. Context rows enter
-  attention as k_norm/RoPE(k_proj c_p), v_proj c_p with c_p = hidden_norm(fc f_p), exactly
-  as `drafter.Drafter.commit_context` caches them, so the training forward for one block
-  equals the inference drafter (tests/test_train.py checks this to 1e-4).
+  at positions a..a+K-1 (slot j predicts token a+j+1), all run at once by
+  `drafter.Drafter.train_forward` (context rows as prepended K/V under `drafter.block_mask`), which
+  equals the inference drafter block by block (tests/test_train.py checks this to 1e-4).
 - Teacher-forced Markov inputs [x_a, labels[:-1]] through the drafter's own head modules'
-  `step()`, and the confidence head's `proj` on [h ; W1[prev]] (or h).
+  `step()`, and the confidence logits from the same features as inference (`Drafter.head_outputs`).
 - Losses as DeepSpec's loss.py: per slot j the weight w_j = exp(-j/γ), zero for slots whose
   label runs past the sequence end; each term is a weighted mean Σ w·ℓ / Σ w over every
   supervised slot of the batch; L = 0.1·CE + 0.9·‖p_d − p_t‖_1 + 1.0·BCE(conf logit,
@@ -31,31 +27,29 @@ What is notable here:
   (--seed, s), so no RNG state needs saving; the optimizer moments go to
   training_state.safetensors and the step/arguments to training_state.json (no pickle).
   N steps straight and N/2 + resume N/2 give the same weights.
-- `--mode target` pre-trains a small Qwen3 from scratch (next-token CE) and writes a Hugging
-  Face directory that `model.load_target` loads; `--tokenizer-from-corpus` first trains a
-  byte-level BPE tokenizer on the corpus (for the demo pair on the Python standard library).
+- The optimisation loop, its flags (`TrainArgs`), data reading and checkpoint state are shared
+  with `scripts/train_target.py`, which pre-trains the demo's small target.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
+from common import (UserError, atomic_write, check_ranges, cli_main, parse_ints, read_json, read_jsonl,
+                    resolve_device, resolve_dtype, write_json)
 from drafter import MARKOV_TYPES, Drafter, DrafterConfig
-from common import UserError, read_json, read_jsonl
-from model import (ModelArgs, Tokenizer, Transformer, apply_rope, assign_strict, attend, init_random_, load_target,
-                   read_safetensors, rope_tables, safetensors_files, stop_token_ids)
+from model import (ModelArgs, Tokenizer, Transformer, assign_strict, init_random_, load_target, read_safetensors,
+                   safetensors_files, stop_token_ids)
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
@@ -66,17 +60,13 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 @dataclass
-class Args:
-    """Distil a DSpark / DFlash drafter from a frozen target, or (--mode target) pre-train a small target."""
+class TrainArgs:
+    """What every training program here shares: data, output, the optimisation and how it runs."""
 
-    mode: Literal["drafter", "target"] = "drafter"
-    """drafter: distil a drafter from --target. target: pre-train a small Qwen3 target from scratch."""
-    target: Optional[str] = None
-    """Hugging Face Qwen3 directory of the frozen target (drafter mode)."""
     data: Optional[str] = None
     """Training text: a .txt/.py/.md/.rst file, a directory of such files and .jsonl (recursive, sorted;
     non-UTF-8 files skipped), or JSON lines (.jsonl/.json) with "text" (a string) or "turns" (strings,
-    joined by blank lines). Tokenized with the target's tokenizer; documents joined by <|endoftext|>."""
+    joined by blank lines). Tokenized with the model's tokenizer; documents joined by <|endoftext|>."""
     data_ids: Optional[str] = None
     """Instead of --data: JSON lines of {"prompt_ids": [int]} (already tokenized)."""
     out: Optional[str] = None
@@ -107,8 +97,42 @@ class Args:
     """Gradient-norm clip (0 = off)."""
     seed: int = 0
     """Initialization, batch order and anchors (step s's batch and anchors depend only on seed and s)."""
+    init_std: float = 0.02
+    """Std of the normal initialization of the trained matrices (norms 1, biases 0)."""
 
-    # Drafter shape and heads (drafter mode)
+    # Running
+    device: Optional[Literal["cpu", "cuda"]] = None
+    """Default: cuda when available."""
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """Compute precision (autocast; weights and optimizer stay float32). Default: bfloat16 on cuda."""
+    compile: bool = False
+    """torch.compile the training forward + loss (static shapes: every batch has the same B, T, N)."""
+    save_every: int = 0
+    """Also write the checkpoint every this many steps (0: only at the end / --stop-at)."""
+    log_every: int = 10
+    """wandb logging period in steps."""
+    progress: bool = True
+    """tqdm progress bar on stderr."""
+    wandb: bool = False
+    """Log to Weights & Biases (WANDB_MODE=offline works without network)."""
+    wandb_project: str = "dspark-fast"
+    """Weights & Biases project of --wandb."""
+
+    # What a resumed run must repeat: anything that changes the model, the data or the step function.
+    # --steps may change (training longer): the rest of the schedule then stretches to the new end.
+    resume_keys: ClassVar[tuple[str, ...]] = ("batch_size", "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac",
+                                              "weight_decay", "grad_clip", "seed")
+    kind: ClassVar[str]  # what the program trains ("drafter", "target"): a state of another kind is not resumed
+
+
+@dataclass
+class Args(TrainArgs):
+    """Distil a DSpark / DFlash drafter from a frozen target (DSPARK.md §6)."""
+
+    target: Optional[str] = None
+    """Hugging Face Qwen3 directory of the frozen target."""
+
+    # Drafter shape and heads
     block_size: int = 7
     """K: slots per block = drafts per round (DSpark "shift label" layout)."""
     depth: int = 5
@@ -137,43 +161,11 @@ class Args:
     """Weight of ‖p_draft − p_target‖_1."""
     alpha_conf: float = 1.0
     """Weight of the confidence BCE against 1 − ½‖p_draft − p_target‖_1."""
-    init_std: float = 0.02
-    """Std of the normal initialization of the trained matrices (norms 1, biases 0)."""
 
-    # Target shape (--mode target)
-    tokenizer: Optional[str] = None
-    """--mode target: a tokenizer.json (or a directory holding one) to copy and use."""
-    tokenizer_from_corpus: bool = False
-    """--mode target: train a byte-level BPE tokenizer on --data first (specials <|endoftext|>, <|mask|>)."""
-    vocab_size: int = 8192
-    """Vocabulary of --tokenizer-from-corpus."""
-    hidden_size: int = 256
-    layers: int = 4
-    """Target decoder layers (--mode target)."""
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = True
-
-    # Running
-    device: Optional[Literal["cpu", "cuda"]] = None
-    """Default: cuda when available."""
-    dtype: Optional[Literal["float32", "bfloat16"]] = None
-    """Compute precision (autocast; weights and optimizer stay float32). Default: bfloat16 on cuda."""
-    compile: bool = False
-    """torch.compile the training forward + loss (static shapes: every batch has the same B, T, N)."""
-    save_every: int = 0
-    """Also write the checkpoint every this many steps (0: only at the end / --stop-at)."""
-    log_every: int = 10
-    """wandb logging period in steps."""
-    progress: bool = True
-    """tqdm progress bar on stderr."""
-    wandb: bool = False
-    """Log to Weights & Biases (WANDB_MODE=offline works without network)."""
-    wandb_project: str = "dspark-fast"
+    resume_keys: ClassVar[tuple[str, ...]] = TrainArgs.resume_keys + (
+        "block_size", "depth", "target_layer_ids", "mask_token_id", "markov", "markov_rank", "confidence",
+        "confidence_with_markov", "anchors_per_seq", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
+    kind: ClassVar[str] = "drafter"
 
 
 # ----------------------------------------------------------------------------------------
@@ -257,6 +249,17 @@ def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], 
     return torch.tensor(stream[:n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+def read_windows(args: TrainArgs, tok: Optional[Tokenizer], vocab_size: int, separator: Optional[int],
+                 texts: Optional[list[str]] = None) -> torch.Tensor:
+    """The [N, seq_len] training windows of --data (tokenized by `tok`, documents joined by `separator`;
+    `texts`: --data already read) or of --data-ids (ids below vocab_size, joined as they are)."""
+    if args.data is not None:
+        texts = read_texts(args.data) if texts is None else texts
+        docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
+        return pack_windows(docs, args.seq_len, separator, f"--data {args.data}")
+    return pack_windows(read_id_lists(args.data_ids, vocab_size), args.seq_len, None, f"--data-ids {args.data_ids}")
+
+
 def _seed_for(tag: str, *xs: int) -> int:
     """A 60-bit seed from a tag and integers, so (seed, step) streams are independent of each other."""
     return int(hashlib.sha256(":".join([tag, *map(str, xs)]).encode()).hexdigest()[:15], 16)
@@ -282,114 +285,13 @@ class Batches:
 
 
 # ----------------------------------------------------------------------------------------
-# The frozen target, cache-free
-
-def causal_forward(model: Transformer, tokens: torch.Tensor, capture=()):
-    """model.Transformer without its KV cache: causal attention over `tokens` [B, T] at positions 0..T-1.
-
-    Returns (final-normed hidden states [B, T, H], features [B, T, n*H] of the `capture` layers or None).
-    The same weights and layer pieces as `Transformer.forward`; used for online capture (under no_grad)
-    and for pre-training a target (with grad).
-    """
-    a = model.args
-    B, T = tokens.shape
-    cos_sin = rope_tables(a.head_dim, a.rope_theta, T, tokens.device)[None].expand(B, T, 2, a.head_dim)
-    x = model.embed_tokens(tokens)
-    captured = {-1: x} if -1 in capture else {}
-    for i, layer in enumerate(model.layers):
-        at = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = at.q(h, cos_sin)
-        k, v = at.kv(h, cos_sin)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=at.n_kv != at.n_heads)
-        x = x + at.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i in capture:
-            captured[i] = x
-    features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-    return model.norm(x), features
-
-
-# ----------------------------------------------------------------------------------------
-# The drafter's packed training forward
+# Losses (the drafter's packed forward and heads are drafter.py's: train_forward, head_outputs)
 
 def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator) -> torch.Tensor:
     """[batch, n] sorted anchor positions, drawn without replacement from 0..seq_len-2 (the first label is in the sequence)."""
     keys = torch.rand(batch, seq_len - 1, generator=generator)
     return keys.argsort(dim=1)[:, :n].sort(dim=1).values
 
-
-def block_mask(anchors: torch.Tensor, seq_len: int, K: int) -> torch.Tensor:
-    """The packed attention mask [B, N*K, seq_len + N*K] (True = may attend).
-
-    Query rows are the N blocks' K slots (block i = rows i*K .. i*K+K-1, anchor anchors[:, i]).
-    Key columns are the context rows 0..seq_len-1, then the same N*K block rows. A block row sees
-    context row p iff p < its anchor, and every row of its own block (bidirectional), nothing else.
-    """
-    B, N = anchors.shape
-    dev = anchors.device
-    block_of = torch.arange(N * K, device=dev) // K  # [N*K]
-    anchor_of = anchors[:, block_of]  # [B, N*K]
-    context = torch.arange(seq_len, device=dev)[None, None, :] < anchor_of[:, :, None]  # [B, N*K, T]
-    own = (block_of[:, None] == block_of[None, :]).expand(B, N * K, N * K)
-    return torch.cat([context, own], dim=-1)
-
-
-def drafter_forward(drafter: Drafter, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """Packed training forward: features [B, T, n*H] (target capture), tokens [B, T], anchors [B, N].
-
-    Returns the final-normed hidden states h [B, N, K, H] of every block's slots.
-    """
-    cfg, a = drafter.cfg, drafter.cfg.layers
-    K = cfg.num_slots
-    B, T = tokens.shape
-    N = anchors.shape[1]
-    dev = tokens.device
-    rope = rope_tables(a.head_dim, a.rope_theta, T + K, dev)
-    cs_ctx = rope[:T][None].expand(B, T, 2, a.head_dim)  # context rows at 0..T-1
-    block_pos = (anchors[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)  # slots at a..a+K-1
-    cs_blk = rope[block_pos]
-    block_tokens = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
-    block_tokens[:, :, 0] = tokens.gather(1, anchors)  # [x_a, m, .., m]
-    x = drafter.target.embed_tokens(block_tokens.view(B, N * K))
-    c = drafter.hidden_norm(drafter.fc(features))  # [B, T, H]
-    mask = block_mask(anchors, T, K)
-    for layer in drafter.layers:
-        at = layer.self_attn
-        # Context rows: straight from the projection (no input_layernorm), as commit_context caches them.
-        k_ctx = apply_rope(at.k_norm(at.k_proj(c).view(B, T, at.n_kv, at.head_dim)), cs_ctx)
-        v_ctx = at.v_proj(c).view(B, T, at.n_kv, at.head_dim)
-        h = layer.input_layernorm(x)
-        q = at.q(h, cs_blk)
-        k_blk, v_blk = at.kv(h, cs_blk)
-        x = x + at.o_proj(attend(q, torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1), mask))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x).view(B, N, K, -1)
-
-
-def head_outputs(drafter: Drafter, h: torch.Tensor, prev: torch.Tensor):
-    """Draft logits z = U + b (teacher-forced Markov chain) and the confidence logits.
-
-    h [..., K, H]; prev [..., K] = [x_a, labels[:-1]]. Returns (z [..., K, V], conf_logit [..., K] float32 or None).
-    """
-    U = drafter.target.lm_head(h)
-    head = drafter.markov_head
-    if head is not None:
-        biases, state = [], None
-        for j in range(h.shape[-2]):  # the head's own step(), slot by slot, as kernels.markov_chain runs it
-            b, state = head.step(h[..., j, :], prev[..., j], state)
-            biases.append(b)
-        U = U + torch.stack(biases, dim=-2)
-    conf = None
-    if drafter.confidence_head is not None:
-        feat = torch.cat([h, head.markov_w1(prev)], dim=-1) if drafter.cfg.confidence_with_markov else h
-        conf = drafter.confidence_head.proj(feat).float()[..., 0]
-    return U, conf
-
-
-# ----------------------------------------------------------------------------------------
-# Losses
 
 def slot_weights(K: int, gamma: float, device=None) -> torch.Tensor:
     """w_j = exp(-j/γ), j = 0..K-1 (DSPARK.md §6: earlier slots count more under prefix acceptance)."""
@@ -431,8 +333,8 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     K = drafter.cfg.num_slots
     B, T = tokens.shape
     with torch.no_grad():
-        hidden_t, features = causal_forward(target, tokens, drafter.cfg.target_layer_ids)
-    h = drafter_forward(drafter, features, tokens, anchors)
+        hidden_t, features = target.hidden(tokens, capture=drafter.cfg.target_layer_ids)  # cache-free, causal
+    h = drafter.train_forward(features, tokens, anchors)  # [B, N, K, H]
     slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)  # slot j sits at a+j, predicts a+j+1
     valid = slot_pos + 1 < T  # labels past the sequence end are not supervised
     labels = tokens.gather(1, (slot_pos + 1).clamp(max=T - 1).view(B, -1)).view_as(slot_pos)
@@ -440,7 +342,7 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     with torch.no_grad():  # the target's distribution for the same token, only where it is needed
         idx = slot_pos.clamp(max=T - 1).view(B, -1, 1).expand(-1, -1, hidden_t.shape[-1])
         target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, anchors.shape[1], K, -1)
-    z, conf = head_outputs(drafter, h, prev)
+    z, conf = drafter.head_outputs(h, prev)
     terms = distill_losses(z, target_logits, labels, valid, conf, args.gamma)
     return total_loss(terms, args), terms, valid
 
@@ -448,7 +350,7 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
 # ----------------------------------------------------------------------------------------
 # Schedule
 
-def lr_at(step: int, args: Args) -> float:
+def lr_at(step: int, args: TrainArgs) -> float:
     """Learning rate of update `step` (0-based): linear warm-up, then cosine / linear / constant decay."""
     W = math.ceil(args.warmup_frac * args.steps) if args.warmup_frac > 0 else 0
     if step < W:
@@ -466,20 +368,12 @@ def lr_at(step: int, args: Args) -> float:
 # ----------------------------------------------------------------------------------------
 # Checkpoints (safetensors + JSON, never pickle)
 
-def _save_tensors(tensors: dict, path: str):
+def save_tensors(path: str, tensors: dict):
+    """A safetensors file, written whole or not at all (a crash mid-write leaves the previous one)."""
     from safetensors.torch import save_file
 
-    tmp = path + ".tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)  # a crash mid-write leaves the previous file intact
-
-
-def _save_json(obj: dict, path: str):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    atomic_write(path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
 
 
 def _raw_tensor(directory: str, names: tuple) -> Optional[torch.Tensor]:
@@ -517,42 +411,11 @@ def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int):
     head = _raw_tensor(target_dir, ("lm_head.weight", "model.lm_head.weight"))
     tensors["embed_tokens.weight"] = emb
     tensors["lm_head.weight"] = head if head is not None else emb.clone()  # tied target
-    _save_tensors(tensors, os.path.join(out, "model.safetensors"))
-    _save_json(drafter_config_json(target_dir, drafter.cfg, num_anchors), os.path.join(out, "config.json"))
+    save_tensors(os.path.join(out, "model.safetensors"), tensors)
+    write_json(os.path.join(out, "config.json"), drafter_config_json(target_dir, drafter.cfg, num_anchors))
 
 
-def save_target(out: str, model: Transformer, eos_id: Optional[int]):
-    """A Hugging Face Qwen3 directory: config.json, model.safetensors ("model." names), generation_config.json."""
-    os.makedirs(out, exist_ok=True)
-    a = model.args
-    tensors = {("" if k == "lm_head.weight" else "model.") + k: v.float()
-               for k, v in model.state_dict().items() if not (a.tie_word_embeddings and k == "lm_head.weight")}
-    _save_tensors(tensors, os.path.join(out, "model.safetensors"))
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
-           "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
-           "num_hidden_layers": a.num_hidden_layers, "num_attention_heads": a.num_attention_heads,
-           "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim, "hidden_act": "silu",
-           "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.rms_norm_eps,
-           "rope_theta": a.rope_theta, "attention_bias": False, "attention_dropout": 0.0,
-           "tie_word_embeddings": a.tie_word_embeddings, "use_sliding_window": False,
-           "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
-    if eos_id is not None:
-        cfg["eos_token_id"] = eos_id
-    _save_json(cfg, os.path.join(out, "config.json"))
-    _save_json({"eos_token_id": [eos_id] if eos_id is not None else [], "do_sample": False},
-               os.path.join(out, "generation_config.json"))
-
-
-# What a resumed run must repeat: anything that changes the model, the data or the step function.
-# --steps may change (training longer): the rest of the schedule then stretches to the new end.
-_RESUME_KEYS = ("mode", "batch_size", "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac",
-                "weight_decay", "grad_clip", "seed", "block_size", "depth", "target_layer_ids", "mask_token_id",
-                "markov", "markov_rank", "confidence", "confidence_with_markov", "anchors_per_seq", "gamma",
-                "alpha_ce", "alpha_tv", "alpha_conf", "hidden_size", "layers", "heads", "kv_heads", "head_dim",
-                "intermediate_size", "rope_theta", "tie_word_embeddings")
-
-
-def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer, args: Args,
+def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
                num_windows: int):
     """The optimizer's moments by parameter name (safetensors) and the step and arguments (JSON)."""
     names = {id(p): n for n, p in module.named_parameters()}
@@ -560,27 +423,31 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
     for p, st in opt.state.items():
         for key, val in st.items():
             tensors[f"{key}.{names[id(p)]}"] = val if torch.is_tensor(val) else torch.tensor(val)
-    _save_tensors(tensors, os.path.join(out, STATE_TENSORS))
-    _save_json({"step": step, "num_windows": num_windows, "args": asdict(args),
-                "note": "batch order and anchors of step s depend only on (seed, s): no RNG state to restore"},
-               os.path.join(out, STATE_JSON))
+    save_tensors(os.path.join(out, STATE_TENSORS), tensors)
+    write_json(os.path.join(out, STATE_JSON), {
+        "step": step, "num_windows": num_windows, "kind": args.kind, "args": asdict(args),
+        "note": "batch order and anchors of step s depend only on (seed, s): no RNG state to restore"})
 
 
-def check_resume_args(directory: str, args: Args) -> dict:
-    """training_state.json of `directory`, after checking that `args` repeats the flags of the saved run."""
+def check_resume_args(directory: str, args: TrainArgs) -> dict:
+    """training_state.json of `directory`, after checking that `args` repeats the flags of the saved run
+    (`args.resume_keys`) and that it trained the same kind of model."""
     meta = read_json(os.path.join(directory, STATE_JSON))
     saved = meta.get("args")
     if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
         raise UserError(f"{os.path.join(directory, STATE_JSON)}: missing 'step' or 'args'")
+    kind = meta.get("kind", saved.get("mode"))  # older states: train.py's --mode
+    if kind is not None and kind != args.kind:
+        raise UserError(f"--resume {directory}: a {kind} training state, not a {args.kind} one")
     now = asdict(args)
-    for k in _RESUME_KEYS:
+    for k in args.resume_keys:
         if k in saved and saved[k] != now[k]:
             raise UserError(f"--resume {directory}: --{k.replace('_', '-')} was {saved[k]!r}, now {now[k]!r} "
                                   "(a resumed run must repeat the original flags)")
     return meta
 
 
-def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer, args: Args,
+def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
                num_windows: int) -> int:
     """Restore the optimizer state saved by `save_state`; returns the step to continue from."""
     meta = check_resume_args(directory, args)
@@ -608,7 +475,7 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
 
 
 # ----------------------------------------------------------------------------------------
-# Building the models
+# Building the drafter
 
 def default_layer_ids(L: int) -> tuple[int, ...]:
     """DeepSpec's spacing: 1 + i(L-4)/4 for i = 0..4 (1, 9, 17, 25, 33 at 36 layers; 1, 10, .. 37 at 40);
@@ -632,22 +499,15 @@ def default_mask_token_id(target_dir: str, V: int) -> int:
     return V - 1
 
 
-def parse_ids(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        ids = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
-    if not ids:
-        raise UserError(f"{flag}: empty list")
-    return ids
-
-
 def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
     t = target.args
-    ids = parse_ids(args.target_layer_ids, "--target-layer-ids") if args.target_layer_ids else default_layer_ids(
-        t.num_hidden_layers)
+    ids = (parse_ints(args.target_layer_ids, "--target-layer-ids", skip_blank=True) if args.target_layer_ids
+           else default_layer_ids(t.num_hidden_layers))
+    if not ids:
+        raise UserError("--target-layer-ids: empty list")
     if list(ids) != sorted(set(ids)):
         raise UserError(f"--target-layer-ids: {list(ids)} must be strictly increasing")
+    ids = tuple(ids)
     target.check_capture(ids, "--target-layer-ids")
     mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target_dir, t.vocab_size)
     if not 0 <= mask < t.vocab_size:
@@ -692,26 +552,24 @@ def load_drafter_weights(drafter: Drafter, directory: str, target_dir: str, num_
             p.copy_(tensors[name])
 
 
-def check_args(args: Args):
-    for name, ok in (("steps", args.steps >= 1), ("batch_size", args.batch_size >= 1), ("seq_len", args.seq_len >= 2),
-                     ("lr", args.lr > 0), ("warmup_frac", 0 <= args.warmup_frac < 1),
-                     ("min_lr_frac", 0 <= args.min_lr_frac <= 1), ("grad_clip", args.grad_clip >= 0),
-                     ("block_size", args.block_size >= 1), ("depth", args.depth >= 1),
-                     ("markov_rank", args.markov_rank >= 1), ("anchors_per_seq", args.anchors_per_seq >= 1),
-                     ("gamma", args.gamma > 0), ("log_every", args.log_every >= 1), ("save_every", args.save_every >= 0),
-                     ("stop_at", args.stop_at is None or 1 <= args.stop_at <= args.steps)):
-        if not ok:
-            raise UserError(f"--{name.replace('_', '-')}: invalid value {getattr(args, name)!r}")
+# ----------------------------------------------------------------------------------------
+# The training loop (shared with scripts/train_target.py)
+
+def check_train_args(args: TrainArgs, **ranges: str):
+    """The shared flags' ranges (and `ranges`, a program's own), --out, one data source, and the saved
+    state of --resume. One-line UserErrors."""
+    check_ranges(args, steps="[1, inf)", batch_size="[1, inf)", seq_len="[2, inf)", lr="(0, inf)",
+                 warmup_frac="[0, 1)", min_lr_frac="[0, 1]", grad_clip="[0, inf)", **ranges,
+                 log_every="[1, inf)", save_every="[0, inf)", stop_at=f"[1, {args.steps}]")
     if args.out is None:
         raise UserError("--out: no output directory given")
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available")
+    if args.resume:
+        if not os.path.isfile(os.path.join(args.resume, STATE_JSON)):
+            raise UserError(f"--resume {args.resume}: no {STATE_JSON} there")
+        check_resume_args(args.resume, args)
 
-
-# ----------------------------------------------------------------------------------------
-# The training loop (shared by both modes)
 
 def _autocast(device: str, dtype: torch.dtype):
     """Mixed precision for the forward: weights and AdamW state stay float32 (master weights)."""
@@ -720,12 +578,14 @@ def _autocast(device: str, dtype: torch.dtype):
     return torch.autocast(device_type=device, dtype=dtype)
 
 
-def optimize(args: Args, module: torch.nn.Module, loss_fn, batches: Batches, num_windows: int, device: str,
+def optimize(args: TrainArgs, module: torch.nn.Module, loss_fn, windows: torch.Tensor, device: str,
              dtype: torch.dtype, save) -> dict:
-    """AdamW steps from the resumed step to --stop-at / --steps; `loss_fn(tokens, step)` -> (loss, metrics)."""
+    """AdamW steps over `windows` [N, seq_len] from the resumed step to --stop-at / --steps;
+    `loss_fn(tokens, step)` -> (loss, metrics), `save(step, optimizer)` writes a checkpoint."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    start = load_state(args.resume, module, opt, args, num_windows) if args.resume else 0
+    start = load_state(args.resume, module, opt, args, len(windows)) if args.resume else 0
+    batches = Batches(windows, args.batch_size, args.seed)
     end = args.stop_at or args.steps
     if start >= end:
         raise UserError(f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
@@ -761,7 +621,11 @@ def optimize(args: Args, module: torch.nn.Module, loss_fn, batches: Batches, num
     save(end, opt)
     if run is not None:
         run.finish()
-    return {"start": start, "step": end, "losses": losses, "seconds": time.time() - t0}
+    seconds, n = time.time() - t0, end - start
+    tokens_per_s = n * args.batch_size * args.seq_len / max(seconds, 1e-9)
+    print(f"step {end}: loss {losses[-1]:.4f}, {n} steps in {seconds:.1f} s ({tokens_per_s:,.0f} tokens/s), "
+          f"{args.kind} written to {args.out}")
+    return {"start": start, "step": end, "losses": losses, "seconds": seconds}
 
 
 def _metrics(terms: dict, valid: torch.Tensor) -> dict:
@@ -777,30 +641,25 @@ def _metrics(terms: dict, valid: torch.Tensor) -> dict:
     return out
 
 
-def _device_dtype(args: Args):
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    return device, dtype
-
+# ----------------------------------------------------------------------------------------
+# Drafter distillation
 
 def train_drafter(args: Args) -> dict:
     if args.target is None:
         raise UserError("--target: no target directory given")
-    device, dtype = _device_dtype(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, device, dtype if device == "cuda" else torch.float32)
     V = target.args.vocab_size
+    tok, sep = None, None
     if args.data is not None:
         if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
             raise UserError(f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
         tok = Tokenizer(args.target)
-        texts = read_texts(args.data)
-        docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
         sep = tok.tok.token_to_id(EOS_TOKEN)
         stops = stop_token_ids(args.target, target.args)
         sep = sep if sep is not None else (stops[0] if stops else None)
-        windows = pack_windows(docs, args.seq_len, sep, f"--data {args.data}")
-    else:
-        windows = pack_windows(read_id_lists(args.data_ids, V), args.seq_len, None, f"--data-ids {args.data_ids}")
+    windows = read_windows(args, tok, V, sep)
     drafter = build_drafter(args, target, args.target, device)
     if args.resume:
         load_drafter_weights(drafter, args.resume, args.target, args.anchors_per_seq)
@@ -820,122 +679,18 @@ def train_drafter(args: Args) -> dict:
         save_drafter(args.out, drafter, args.target, args.anchors_per_seq)
         save_state(args.out, step, drafter, opt, args, len(windows))
 
-    result = optimize(args, drafter, loss_fn, Batches(windows, args.batch_size, args.seed), len(windows),
-                      device, dtype, save)
-    n = result["step"] - result["start"]
-    print(f"step {result['step']}: loss {result['losses'][-1]:.4f}, {n} steps in {result['seconds']:.1f} s "
-          f"({n * args.batch_size * args.seq_len / max(result['seconds'], 1e-9):,.0f} tokens/s), drafter written to {args.out}")
-    return result
-
-
-# ----------------------------------------------------------------------------------------
-# --mode target: a small Qwen3 from scratch
-
-def train_bpe(texts: list[str], vocab_size: int):
-    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 pre-tokenization; round-trips any text)
-    with the special tokens <|endoftext|> (document separator, EOS) and <|mask|> (the drafter's mask)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, MASK_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
-
-
-def next_token_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a target on tokens [B, T]."""
-    h, _ = causal_forward(model, tokens)
-    logits = model.lm_head(h[:, :-1]).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
-def train_target(args: Args) -> dict:
-    device, dtype = _device_dtype(args)
-    os.makedirs(args.out, exist_ok=True)
-    tok_path = os.path.join(args.out, "tokenizer.json")
-    if not (args.resume or args.tokenizer_from_corpus or args.tokenizer):
-        raise UserError("--mode target needs --tokenizer PATH or --tokenizer-from-corpus")
-    texts = read_texts(args.data) if args.data is not None else None
-    if args.resume:
-        if os.path.abspath(args.resume) != os.path.abspath(args.out):
-            shutil.copyfile(os.path.join(args.resume, "tokenizer.json"), tok_path)
-    elif args.tokenizer_from_corpus:
-        if texts is None:
-            raise UserError("--tokenizer-from-corpus needs --data (text)")
-        train_bpe(texts, args.vocab_size).save(tok_path)
-    elif args.tokenizer is not None:
-        src = os.path.join(args.tokenizer, "tokenizer.json") if os.path.isdir(args.tokenizer) else args.tokenizer
-        if not os.path.isfile(src):
-            raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
-        if os.path.abspath(src) != os.path.abspath(tok_path):
-            shutil.copyfile(src, tok_path)
-    tok = Tokenizer(args.out)
-    V = tok.tok.get_vocab_size(with_added_tokens=True)
-    eos = tok.tok.token_to_id(EOS_TOKEN)
-    if texts is not None:
-        docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
-        windows = pack_windows(docs, args.seq_len, eos, f"--data {args.data}")
-    else:
-        windows = pack_windows(read_id_lists(args.data_ids, V), args.seq_len, None, f"--data-ids {args.data_ids}")
-    if args.heads % args.kv_heads:
-        raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-    margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
-                      max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
-                      eos_token_ids=(eos,) if eos is not None else ())
-    if args.resume:
-        model = load_target(args.resume, device, torch.float32).requires_grad_(True)
-        if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
-            raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
-    else:
-        with torch.device(device):
-            model = Transformer(margs)
-        init_random_(model, args.seed, args.init_std)
-    print(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
-          f"{len(windows)} sequences of {args.seq_len} tokens", file=sys.stderr)
-
-    core = torch.compile(next_token_loss, dynamic=False) if args.compile else next_token_loss
-
-    def loss_fn(tokens, step):
-        loss = core(model, tokens)
-        return loss, {"ppl": math.exp(min(float(loss.detach()), 50.0))}
-
-    def save(step, opt):
-        save_target(args.out, model, eos)
-        save_state(args.out, step, model, opt, args, len(windows))
-
-    result = optimize(args, model, loss_fn, Batches(windows, args.batch_size, args.seed), len(windows),
-                      device, dtype, save)
-    n = result["step"] - result["start"]
-    print(f"step {result['step']}: loss {result['losses'][-1]:.4f}, {n} steps in {result['seconds']:.1f} s "
-          f"({n * args.batch_size * args.seq_len / max(result['seconds'], 1e-9):,.0f} tokens/s), target written to {args.out}")
-    return result
+    return optimize(args, drafter, loss_fn, windows, device, dtype, save)
 
 
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history. Raises UserError on bad input."""
-    check_args(args)
-    if args.resume:
-        if not os.path.isfile(os.path.join(args.resume, STATE_JSON)):
-            raise UserError(f"--resume {args.resume}: no {STATE_JSON} there")
-        check_resume_args(args.resume, args)
-    return train_drafter(args) if args.mode == "drafter" else train_target(args)
+    check_train_args(args, block_size="[1, inf)", depth="[1, inf)", markov_rank="[1, inf)",
+                     anchors_per_seq="[1, inf)", gamma="(0, inf)")
+    return train_drafter(args)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    import tyro
-
-    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main(Args, run, argv, inference=False)
 
 
 if __name__ == "__main__":

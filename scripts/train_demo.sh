@@ -6,7 +6,7 @@
 #
 # Held-out split (never trained on; used for the README's τ / speed figures): the files
 # `sorted(glob(stdlib/*.py))[i]` with i % 20 == 0 (5%), listed in demo/heldout.txt.
-# Steps: 1. BPE tokenizer (vocab 4096) + a 4-layer, hidden-256 Qwen3 target (train.py --mode target);
+# Steps: 1. BPE tokenizer (vocab 4096) + a 4-layer, hidden-256 Qwen3 target (scripts/train_target.py);
 #        2. its weights rounded to bfloat16 (the stored precision: the pair must stay small);
 #        3. a block-5, depth-1 DSpark drafter (vanilla Markov rank 64, confidence head) distilled
 #           from the bf16 target; 4. the drafter rounded to bfloat16 too.
@@ -56,7 +56,7 @@ PY
 
 # 2. Tokenizer + target.
 if [ "${DRAFTER_ONLY:-0}" != 1 ]; then
-python train.py --mode target --tokenizer-from-corpus --vocab-size 4096 --data "$WORK/corpus" \
+python scripts/train_target.py --tokenizer-from-corpus --vocab-size 4096 --data "$WORK/corpus" \
     --out "$WORK/target" --hidden-size 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 64 \
     --intermediate-size 768 --seq-len 256 --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
     --max-position-embeddings 2048 --seed 0 --device cpu --no-progress

@@ -639,3 +639,35 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
         cal.write_text(json.dumps(bad))
         rc, out = run_cli(capsys, ck, d, "--calibration", str(cal))
         assert rc != 0 and len(out.err.strip().splitlines()) == 1 and "sts.json" in out.err, out.err
+
+
+# ----------------------------------------------------------------------------------------
+# What inference and training share: Markov head kinds, context K/V, confidence features.
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+def test_heads_shared_by_inference_and_training(ck, target, markov):
+    """Each head says its kind (kernels test it, not the class name); commit_context caches exactly
+    `context_kv` of the projected features; `confidence` is σ(confidence_logit / T), the logit
+    training fits, with the Markov feature W1[prev] read by the same function."""
+    d = dm.load_drafter(ck.drafter(f"shared_{markov}", markov=markov, oracle=False, rank=8), target)
+    assert d.markov_head.kind == markov == d.cfg.markov_head_type
+    T = 5
+    feats = torch.randn(1, T, 2 * H, generator=torch.Generator().manual_seed(0))
+    d.setup_caches(1, 16)
+    with torch.no_grad():
+        d.commit_context(feats, torch.arange(T)[None])
+        c = d.hidden_norm(d.fc(feats))
+        for layer in d.layers:
+            k, v = dm.context_kv(layer.self_attn, c, d.rope[:T][None])
+            cache = layer.self_attn.kv_cache
+            assert torch.equal(cache.k[:, :T], k) and torch.equal(cache.v[:, :T], v)
+        h, _ = d(torch.tensor([3]), torch.tensor([T]))
+        prev = torch.tensor([[3, 1, 2, 4]])
+        logit = d.confidence_logit(h, prev)
+        assert logit.dtype == torch.float32 and logit.shape == (1, 4)
+        features = torch.cat([h, d.markov_head.markov_w1(prev)], -1)  # [h ; W1[prev]]
+        assert torch.equal(logit, d.confidence_head.proj(features).float()[..., 0])
+        assert torch.equal(d.confidence(h, prev), torch.sigmoid(logit))
+        d.calibrate([0.5, 1.0, 2.0, 4.0])
+        assert torch.equal(d.confidence(h, prev), torch.sigmoid(logit / torch.tensor([0.5, 1.0, 2.0, 4.0])))
+        assert torch.equal(d.head_outputs(h, prev)[1], logit)  # training reads the same logits, uncalibrated

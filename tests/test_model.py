@@ -1,6 +1,7 @@
 """model.py against transformers' Qwen3 on tiny random checkpoints (float32, CPU).
 
-Covers: logits for prefill / cached decode / chunks / rollback / ragged batches, captured
+Covers: logits for prefill / cached decode / chunks / rollback / ragged batches, the cache-free
+causal forward, captured
 layer features, `check_capture`, strict loading and its error messages, sharded and bf16
 loading, the parameter count of a Qwen3-8B-shaped config, and the tokenizer helpers.
 """
@@ -180,6 +181,44 @@ def test_logits_index_selects_one_position_per_row(tiny_target):
     assert picked.shape == (3, 64)
     assert max_err(picked, full[torch.arange(3), idx]) <= 1e-5
     assert feats.shape == (3, 6, 32)  # features are not indexed
+
+
+# ----------------------------------------------------------------------------------------
+# The cache-free causal forward (positions=None): target pre-training and online capture
+
+def test_cache_free_forward_equals_cached_forward_and_hf(tiny_target):
+    """positions=None: causal over 0..T-1 without the cache. Its logits and features equal the cached
+    forward's on the same tokens (float32, tight), and transformers'; the cache is left untouched;
+    the RoPE rows are the cache table's or, when that is too short or absent, the same rows computed."""
+    T, capture = 12, (-1, 0, 1)
+    tokens = random_tokens(2, T, seed=13)
+    ref, hidden = hf_forward(tiny_target.hf_model, tokens)
+    model = load(tiny_target.path, max_batch=2, max_seq=16)
+    cache = [t.clone() for l in model.layers for t in (l.self_attn.kv_cache.k, l.self_attn.kv_cache.v)]
+    with torch.no_grad():
+        free, free_feats = model(tokens, capture=capture)
+        assert all(torch.equal(a, b) for a, b in zip(
+            cache, [t for l in model.layers for t in (l.self_attn.kv_cache.k, l.self_attn.kv_cache.v)]))
+        cached, cached_feats = model(tokens, arange_positions(2, 0, T), capture=capture)
+        h, h_feats = model.hidden(tokens, capture=capture)
+    assert free.shape == (2, T, 64) and free_feats.shape == (2, T, 3 * 32)
+    assert max_err(free, cached) <= 1e-5 and max_err(free_feats, cached_feats) <= 1e-5
+    assert max_err(free, ref) <= ATOL
+    assert max_err(free_feats, torch.cat([hidden[i + 1] for i in capture], dim=-1)) <= ATOL
+    assert torch.equal(model.lm_head(h), free) and torch.equal(h_feats, free_feats)  # forward = lm_head ∘ hidden
+    assert torch.equal(m.rope_tables(16, 1e4, T, "cpu"), model.rope[:T])  # computed rows = the table's
+    for other in (m.load_target(str(tiny_target.path)), load(tiny_target.path, max_batch=2, max_seq=8)):
+        with torch.no_grad():  # no cache at all / a cache table shorter than T
+            assert torch.equal(other(tokens, capture=capture)[0], free)
+
+
+def test_cache_free_forward_trains(tiny_target):
+    """With grad (target pre-training): gradients reach every parameter."""
+    model = m.load_target(str(tiny_target.path)).requires_grad_(True)
+    tokens = random_tokens(2, 8, seed=14)
+    logits, _ = model(tokens)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------------------

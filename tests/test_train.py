@@ -1,6 +1,7 @@
 """train.py: the distillation losses, the packed mask, training forward == inference drafter,
 short runs that lower the loss and write checkpoints that load and decode losslessly, exact
-resume, --mode target (with a BPE tokenizer trained on the corpus), and one-line errors.
+resume, and one-line errors; scripts/train_target.py (a target pre-trained with a BPE tokenizer
+trained on the corpus, then a drafter distilled from it).
 
 Everything runs on the tiny random targets of conftest.py, single-threaded, in seconds.
 """
@@ -8,10 +9,14 @@ Everything runs on the tiny random targets of conftest.py, single-threaded, in s
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,22 +26,30 @@ import model as mdl
 import speculate
 import train
 
+from conftest import REPO_ROOT
+
 torch.set_num_threads(1)
+
+TRAIN_TARGET = REPO_ROOT / "scripts" / "train_target.py"
+_spec = importlib.util.spec_from_file_location("train_target", TRAIN_TARGET)
+train_target = sys.modules["train_target"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(train_target)
 
 
 # ----------------------------------------------------------------------------------------
 # Helpers
 
-def run_train(args) -> tuple[int, dict, str]:
-    """train.run through its CLI parsing, in-process: (exit status, result or {}, stderr)."""
+def run_train(args, program=train) -> tuple[int, dict, str]:
+    """program.run (train.py, or scripts/train_target.py) through its CLI parsing, in-process:
+    (exit status, result or {}, stderr)."""
     import tyro
 
     err = io.StringIO()
     result = {}
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        a = tyro.cli(train.Args, args=[str(x) for x in args] + ["--no-progress"])
+        a = tyro.cli(program.Args, args=[str(x) for x in args] + ["--no-progress"])
         try:
-            result = train.run(a)
+            result = program.run(a)
             rc = 0
         except mdl.UserError as e:
             print(f"error: {e}", file=err)
@@ -135,7 +148,7 @@ def test_lr_schedule():
 def test_block_mask_is_the_definition():
     T, K = 7, 3
     anchors = torch.tensor([[0, 2, 5], [1, 3, 4]])
-    m = train.block_mask(anchors, T, K)
+    m = dr.block_mask(anchors, T, K)
     B, N = anchors.shape
     assert m.shape == (B, N * K, T + N * K) and m.dtype == torch.bool
     for b in range(B):
@@ -153,16 +166,6 @@ def test_block_mask_is_the_definition():
 # ----------------------------------------------------------------------------------------
 # Training forward == inference
 
-def test_causal_forward_equals_cached_forward(tiny_target):
-    target = mdl.load_target(str(tiny_target.path))
-    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    h, feats = train.causal_forward(target, tokens, (-1, 0, 1))
-    target.setup_caches(2, 12)
-    logits, ref_feats = target(tokens, torch.arange(12).expand(2, 12), capture=(-1, 0, 1))
-    assert torch.allclose(target.lm_head(h), logits, atol=1e-5)
-    assert torch.allclose(feats, ref_feats, atol=1e-5)
-
-
 @pytest.mark.parametrize("markov,confidence", [("vanilla", True), ("gated", True), ("rnn", True), ("none", False)])
 def test_training_forward_equals_inference_drafter(tiny_target, markov, confidence):
     """One packed batch of anchors: each block's h, U, Markov logits and confidence equal drafter.Drafter's
@@ -179,12 +182,12 @@ def test_training_forward_equals_inference_drafter(tiny_target, markov, confiden
     tokens = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
     anchors = torch.tensor([[0, 3, 7, 14]])  # empty context, middle, and a block running past the end
     with torch.no_grad():
-        _, feats = train.causal_forward(target, tokens, d.cfg.target_layer_ids)
-        h = train.drafter_forward(d, feats, tokens, anchors)[0]  # [N, K, H]
+        _, feats = target.hidden(tokens, capture=d.cfg.target_layer_ids)  # cache-free, causal
+        h = d.train_forward(feats, tokens, anchors)[0]  # [N, K, H]
         labels = torch.cat([tokens[0], torch.zeros(K, dtype=torch.long)])
         for i, a in enumerate(anchors[0].tolist()):
             prev = torch.cat([tokens[0, a:a + 1], labels[a + 1:a + K]])[None]  # [1, K] teacher-forced
-            z, conf = train.head_outputs(d, h[i][None], prev)
+            z, conf = d.head_outputs(h[i][None], prev)
             d.setup_caches(1, T + K)
             if a > 0:
                 d.commit_context(feats[:, :a], torch.arange(a)[None])
@@ -258,7 +261,7 @@ def near_bigram(tmp_path_factory):
     x = torch.randint(0, target.args.vocab_size, (16, 3), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _ in range(29):  # batched greedy, cache-free
-            h, _ = train.causal_forward(target, x)
+            h, _ = target.hidden(x)  # cache-free, causal
             x = torch.cat([x, target.lm_head(h[:, -1]).argmax(-1, keepdim=True)], dim=1)
     ids = d / "ids.jsonl"
     ids.write_text("".join(json.dumps({"prompt_ids": row}) + "\n" for row in x.tolist()))
@@ -334,10 +337,13 @@ def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     # A resumed run must repeat the flags that shape the model or the step.
     rc, _, err = run_train(common[:-2] + ["--depth", 3, "--out", tmp_path / "d", "--resume", tmp_path / "b"])
     assert rc == 2 and "--depth" in err
+    # ... and train the same kind of model: scripts/train_target.py does not resume a drafter's state.
+    rc, _, err = run_train(["--data-ids", ids, "--out", tmp_path / "e", "--resume", tmp_path / "b"], train_target)
+    assert rc == 2 and "a drafter training state, not a target one" in err
 
 
 # ----------------------------------------------------------------------------------------
-# --mode target, and a drafter on top of it from text
+# scripts/train_target.py, and a drafter on top of it from text
 
 CORPUS = '''def add(x, y):
     """Return the sum of x and y."""
@@ -358,17 +364,17 @@ class Point:
 '''
 
 
-def test_mode_target_from_corpus_then_drafter(tmp_path):
+def test_train_target_from_corpus_then_drafter(tmp_path):
     data = tmp_path / "src"
     data.mkdir()
     for i in range(6):
         (data / f"m{i}.py").write_text(CORPUS.replace("add", f"add{i}"))
     (data / "notes.txt").write_text("plain text is read as well\n" * 3)
     out = tmp_path / "target"
-    rc, res, err = run_train(["--mode", "target", "--data", data, "--tokenizer-from-corpus", "--vocab-size", 300,
+    rc, res, err = run_train(["--data", data, "--tokenizer-from-corpus", "--vocab-size", 300,
                               "--out", out, "--steps", 20, "--seq-len", 32, "--batch-size", 4, "--hidden-size", 32,
                               "--layers", 2, "--heads", 4, "--kv-heads", 2, "--head-dim", 8, "--intermediate-size", 64,
-                              "--max-position-embeddings", 128, "--lr", 1e-2, "--warmup-frac", 0.1])
+                              "--max-position-embeddings", 128, "--lr", 1e-2, "--warmup-frac", 0.1], train_target)
     assert rc == 0, err
     assert res["losses"][-1] < 0.7 * res["losses"][0], res["losses"]
 
@@ -383,8 +389,7 @@ def test_mode_target_from_corpus_then_drafter(tmp_path):
     hf = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).eval()
     x = torch.tensor([tok.encode("def add0(x, y):")])
     with torch.no_grad():
-        h, _ = train.causal_forward(target, x)
-        assert torch.allclose(target.lm_head(h), hf(input_ids=x).logits, atol=1e-4)
+        assert torch.allclose(target(x)[0], hf(input_ids=x).logits, atol=1e-4)
 
     # The demo pipeline: a drafter distilled from text through that target's tokenizer.
     dout = tmp_path / "drafter"
@@ -440,12 +445,45 @@ def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, case, nee
         "no_target": ["--data-ids", ids, "--out", tmp_path / "o"],
         "last_layer": base + ["--data-ids", ids, "--target-layer-ids", "0,2"],
         "both_data": base + ["--data-ids", ids, "--data", ids],
-        "no_tokenizer": ["--mode", "target", "--data", ids, "--out", tmp_path / "o"],
+        "no_tokenizer": ["--data", ids, "--out", tmp_path / "o"],  # scripts/train_target.py
     }[case]
     (tmp_path / "x.jsonl").write_text("{not json\n")
     if case == "bad_ids":  # make sure an out-of-range id is there
         (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 64] * 10}) + "\n")
-    rc = train.main([str(a) for a in argv] + ["--no-progress"])
+    program = train_target if case == "no_tokenizer" else train
+    rc = program.main([str(a) for a in argv] + ["--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_mode_flag_is_gone(tiny_target, tmp_path, capsys):
+    """train.py distils drafters only: the target's pre-training is scripts/train_target.py, and
+    `--mode target` is an unrecognized flag (tyro's usage error, exit status 2)."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--mode", "target", "--target", str(tiny_target.path), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert "--mode" in capsys.readouterr().err
+
+
+def test_train_target_script_runs_standalone(tmp_path):
+    """scripts/train_target.py as its own program: --help lists its flags with help text; a few steps on
+    a tiny corpus write a target that loads."""
+    def script(*argv):
+        return subprocess.run([sys.executable, str(TRAIN_TARGET), *map(str, argv)], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    help_ = script("--help")
+    assert help_.returncode == 0, help_.stderr
+    for flag in ("--tokenizer-from-corpus", "--hidden-size", "--kv-heads", "--lr", "--resume"):
+        assert flag in help_.stdout
+    assert "--block-size" not in help_.stdout and "--mode" not in help_.stdout
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    out = tmp_path / "t"
+    r = script("--data", tmp_path / "corpus.txt", "--tokenizer-from-corpus", "--vocab-size", 280, "--out", out,
+               "--steps", 3, "--seq-len", 16, "--batch-size", 2, "--hidden-size", 16, "--layers", 2, "--heads", 2,
+               "--kv-heads", 1, "--head-dim", 8, "--intermediate-size", 32, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "step 3: loss" in r.stdout and "target written to" in r.stdout
+    assert mdl.load_target(str(out)).args.num_hidden_layers == 2
+    assert json.loads((out / "training_state.json").read_text())["kind"] == "target"

@@ -1,0 +1,182 @@
+"""Pre-train a small Qwen3 target from scratch (next-token cross-entropy): the demo pair's target.
+
+    python scripts/train_target.py --data DIR --tokenizer-from-corpus --out DIR [--layers 4 --hidden-size 256 ...]
+
+What is notable here:
+- `--tokenizer-from-corpus` first trains a byte-level BPE tokenizer on --data (for the demo pair:
+  the Python standard library), with <|endoftext|> (document separator, EOS) and <|mask|> (the
+  drafter's mask token) as special tokens; or `--tokenizer` copies an existing one.
+- The forward is the target's own, cache-free and causal (`Transformer.hidden` without positions).
+- The output is a Hugging Face Qwen3 directory (config.json, model.safetensors with "model." names,
+  generation_config.json, tokenizer.json) that `model.load_target` and transformers both read.
+- Everything else — the flags of the optimisation, data reading and packing, AdamW with warm-up and
+  decay, checkpoints and exact --resume — is train.py's, imported, so the two programs train alike.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import UserError, cli_main, resolve_device, resolve_dtype, write_json  # noqa: E402
+from model import ModelArgs, Tokenizer, Transformer, init_random_, load_target  # noqa: E402
+from train import (EOS_TOKEN, MASK_TOKEN, TrainArgs, check_train_args, optimize, read_texts,  # noqa: E402
+                   read_windows, save_state, save_tensors)
+
+
+@dataclass
+class Args(TrainArgs):
+    """Pre-train a small Qwen3 target from scratch (next-token cross-entropy)."""
+
+    tokenizer: Optional[str] = None
+    """A tokenizer.json (or a directory holding one) to copy into --out and use."""
+    tokenizer_from_corpus: bool = False
+    """Train a byte-level BPE tokenizer on --data first (specials <|endoftext|>, <|mask|>)."""
+    vocab_size: int = 8192
+    """Vocabulary of --tokenizer-from-corpus."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    layers: int = 4
+    """Decoder layers."""
+    heads: int = 4
+    """Attention (query) heads."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention; --heads must be a multiple)."""
+    head_dim: int = 64
+    """Width of one head (explicit in Qwen3, not hidden / heads)."""
+    intermediate_size: int = 768
+    """Width of the SwiGLU MLP."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base (Qwen3's)."""
+    max_position_embeddings: int = 4096
+    """Longest context the config declares (at least --seq-len)."""
+    tie_word_embeddings: bool = True
+    """The lm_head is the embedding matrix (saves V x hidden parameters in a small model)."""
+
+    resume_keys: ClassVar[tuple[str, ...]] = TrainArgs.resume_keys + (
+        "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size", "rope_theta",
+        "tie_word_embeddings")
+    kind: ClassVar[str] = "target"
+
+
+def train_bpe(texts: list[str], vocab_size: int):
+    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 pre-tokenization; round-trips any text)
+    with the special tokens <|endoftext|> (document separator, EOS) and <|mask|> (the drafter's mask)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, MASK_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def next_token_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a target on tokens [B, T]."""
+    h, _ = model.hidden(tokens)  # cache-free, causal
+    logits = model.lm_head(h[:, :-1]).float()  # [B, T-1, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def save_target(out: str, model: Transformer, eos_id: Optional[int]):
+    """A Hugging Face Qwen3 directory: config.json, model.safetensors ("model." names), generation_config.json."""
+    os.makedirs(out, exist_ok=True)
+    a = model.args
+    tensors = {("" if k == "lm_head.weight" else "model.") + k: v.float()
+               for k, v in model.state_dict().items() if not (a.tie_word_embeddings and k == "lm_head.weight")}
+    save_tensors(os.path.join(out, "model.safetensors"), tensors)
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
+           "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+           "num_hidden_layers": a.num_hidden_layers, "num_attention_heads": a.num_attention_heads,
+           "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim, "hidden_act": "silu",
+           "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.rms_norm_eps,
+           "rope_theta": a.rope_theta, "attention_bias": False, "attention_dropout": 0.0,
+           "tie_word_embeddings": a.tie_word_embeddings, "use_sliding_window": False,
+           "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
+    if eos_id is not None:
+        cfg["eos_token_id"] = eos_id
+    write_json(os.path.join(out, "config.json"), cfg)
+    write_json(os.path.join(out, "generation_config.json"),
+               {"eos_token_id": [eos_id] if eos_id is not None else [], "do_sample": False})
+
+
+def tokenizer_into(args: Args, texts: Optional[list[str]]) -> Tokenizer:
+    """The run's tokenizer, written to --out/tokenizer.json: the resumed run's, trained on the corpus, or copied."""
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    if args.resume:
+        if os.path.abspath(args.resume) != os.path.abspath(args.out):
+            shutil.copyfile(os.path.join(args.resume, "tokenizer.json"), tok_path)
+    elif args.tokenizer_from_corpus:
+        if texts is None:
+            raise UserError("--tokenizer-from-corpus needs --data (text)")
+        train_bpe(texts, args.vocab_size).save(tok_path)
+    elif args.tokenizer is not None:
+        src = os.path.join(args.tokenizer, "tokenizer.json") if os.path.isdir(args.tokenizer) else args.tokenizer
+        if not os.path.isfile(src):
+            raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
+        if os.path.abspath(src) != os.path.abspath(tok_path):
+            shutil.copyfile(src, tok_path)
+    return Tokenizer(args.out)
+
+
+def run(args: Args) -> dict:
+    """Everything `python scripts/train_target.py` does; returns the loss history. Raises UserError on bad input."""
+    check_train_args(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if not (args.resume or args.tokenizer_from_corpus or args.tokenizer):
+        raise UserError("a target needs --tokenizer PATH or --tokenizer-from-corpus")
+    os.makedirs(args.out, exist_ok=True)
+    texts = read_texts(args.data) if args.data is not None else None
+    tok = tokenizer_into(args, texts)
+    V = tok.tok.get_vocab_size(with_added_tokens=True)
+    eos = tok.tok.token_to_id(EOS_TOKEN)
+    windows = read_windows(args, tok, V, eos, texts)
+    if args.heads % args.kv_heads:
+        raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
+                      max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
+                      eos_token_ids=(eos,) if eos is not None else ())
+    if args.resume:
+        model = load_target(args.resume, device, torch.float32).requires_grad_(True)
+        if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
+            raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
+    else:
+        with torch.device(device):
+            model = Transformer(margs)
+        init_random_(model, args.seed, args.init_std)
+    print(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
+          f"{len(windows)} sequences of {args.seq_len} tokens", file=sys.stderr)
+
+    core = torch.compile(next_token_loss, dynamic=False) if args.compile else next_token_loss
+
+    def loss_fn(tokens, step):
+        loss = core(model, tokens)
+        return loss, {"ppl": math.exp(min(float(loss.detach()), 50.0))}
+
+    def save(step, opt):
+        save_target(args.out, model, eos)
+        save_state(args.out, step, model, opt, args, len(windows))
+
+    return optimize(args, model, loss_fn, windows, device, dtype, save)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return cli_main(Args, run, argv, inference=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
