@@ -104,19 +104,11 @@ def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 
             layer.self_attn.o_proj.weight.mul_(attn_scale)
         target.norm.weight[rank:] = 0  # the next-token table has rank `rank`
     target.eval().requires_grad_(False)
-    # The target's final features for every single token (what W1 must hold).
+    # The target's final features for every single token (what W1 must hold): a cache-free forward each.
     V = args.vocab_size
-    target.setup_caches(1024, 2)
-    feats = []
     with torch.no_grad():
-        for start in range(0, V, 1024):
-            tok = torch.arange(start, min(start + 1024, V), device=device)[:, None]
-            x = target.embed_tokens(tok)
-            pos = torch.zeros_like(tok)
-            mask = pos[:, :, None] >= torch.arange(target.max_seq, device=device)
-            for layer in target.layers:
-                x = layer(x, target.rope[pos], pos, mask)
-            feats.append(target.norm(x)[:, 0, :rank])
+        feats = [target.hidden(torch.arange(s, min(s + 1024, V), device=device)[:, None])[0][:, 0, :rank]
+                 for s in range(0, V, 1024)]
     w1 = torch.cat(feats)  # [V, r]
     cfg = DrafterConfig(layers=ModelArgs(**{**BIGRAM_35M, "num_hidden_layers": 1}), block_size=block_size,
                         target_layer_ids=(1, 5), mask_token_id=V - 1, layout="dspark", markov_head_type="vanilla",

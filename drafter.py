@@ -1,4 +1,4 @@
-"""The DSpark / DFlash block drafter (DSPARK.md §2–4, §7).
+"""The DSpark / DFlash block drafter (docs/algorithm.md: the drafter, Markov heads, confidence head, checkpoints).
 
 What is notable here:
 - `resolve_config` reads every checkpoint spelling of §7 — top-level keys, nested
@@ -66,7 +66,7 @@ class DrafterConfig:
 
 
 # ----------------------------------------------------------------------------------------
-# Config resolution (DSPARK.md §7)
+# Config resolution (docs/algorithm.md, "Checkpoints")
 
 # Weight spellings of the heads, mapped to this module's parameter names.
 _RENAMES = {
@@ -199,8 +199,6 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
 
 class VanillaMarkov(nn.Module):
     """b_k = W2 · W1[x_{k-1}]."""
-    kind = "vanilla"
-
     kind = "vanilla"  # what code that treats one head type specially tests (not the class name)
 
     def __init__(self, H: int, V: int, r: int):
@@ -216,8 +214,6 @@ class GatedMarkov(VanillaMarkov):
     """g = σ(W_g [h_k ; W1[x_{k-1}]] + b_g); b_k = W2 · (g ⊙ W1[x_{k-1}])."""
     kind = "gated"
 
-    kind = "gated"
-
     def __init__(self, H: int, V: int, r: int):
         super().__init__(H, V, r)
         self.gate_proj = nn.Linear(H + r, r)
@@ -230,8 +226,6 @@ class GatedMarkov(VanillaMarkov):
 
 class RNNMarkov(VanillaMarkov):
     """A gated recurrent state over the chain: joint_proj([s ; W1[x] ; h]) -> gate, candidate, output."""
-    kind = "rnn"
-
     kind = "rnn"
 
     def __init__(self, H: int, V: int, r: int):
@@ -258,7 +252,7 @@ class ConfidenceHead(nn.Module):
     def __init__(self, in_features: int):
         super().__init__()
         self.proj = nn.Linear(in_features, 1)
-        self.temperature: Optional[torch.Tensor] = None  # [K], Sequential Temperature Scaling (DSPARK.md §4)
+        self.temperature: Optional[torch.Tensor] = None  # [K], Sequential Temperature Scaling (docs/algorithm.md)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """The logit w · features + b, float32 [..., K]; `Drafter.confidence` applies the temperature."""
@@ -458,7 +452,7 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
 
 
 def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
-    """Load any drafter spelling of DSPARK.md §7 and attach it to `target`."""
+    """Load any drafter spelling (docs/algorithm.md, "Checkpoints") and attach it to `target`."""
     if not os.path.isdir(directory):
         raise UserError(f"{directory}: drafter directory not found")
     cfg_path = os.path.join(directory, "config.json")

@@ -387,7 +387,7 @@ class Transformer(nn.Module):
                              persistent=False)
 
     def check_capture(self, capture: Sequence[int], source: str = "target_layer_ids"):
-        """Layer ids a drafter may read: -1 (embeddings) .. L-2. The last layer is refused (DSPARK.md §1)."""
+        """Layer ids a drafter may read: -1 (embeddings) .. L-2. The last layer is refused (docs/algorithm.md, "Target capture")."""
         L = self.args.num_hidden_layers
         for i in capture:
             if isinstance(i, bool) or not isinstance(i, int) or not (-1 <= i < L):

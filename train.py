@@ -1,4 +1,4 @@
-"""Distil a DSpark / DFlash drafter from a frozen target (DSPARK.md §6).
+"""Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training").
 
     python train.py --target DIR --data FILE_OR_DIR --out DIR [--steps N --block-size 7 --depth 5 ...]
 
@@ -127,7 +127,7 @@ class TrainArgs:
 
 @dataclass
 class Args(TrainArgs):
-    """Distil a DSpark / DFlash drafter from a frozen target (DSPARK.md §6)."""
+    """Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training")."""
 
     target: Optional[str] = None
     """Hugging Face Qwen3 directory of the frozen target."""
@@ -294,12 +294,12 @@ def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator)
 
 
 def slot_weights(K: int, gamma: float, device=None) -> torch.Tensor:
-    """w_j = exp(-j/γ), j = 0..K-1 (DSPARK.md §6: earlier slots count more under prefix acceptance)."""
+    """w_j = exp(-j/γ), j = 0..K-1 (docs/algorithm.md, "Training": earlier slots count more under prefix acceptance)."""
     return torch.exp(-torch.arange(K, device=device, dtype=torch.float32) / gamma)
 
 
 def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamma: float) -> dict:
-    """The three terms of DSPARK.md §6, each a weighted mean over the supervised slots.
+    """The three terms of docs/algorithm.md's "Training", each a weighted mean over the supervised slots.
 
     draft_logits, target_logits [..., K, V]; labels, valid [..., K]; conf_logits [..., K] or None.
     With w = exp(-j/γ)·valid: term = Σ w·ℓ / Σ w over the whole batch (DeepSpec's normalization),

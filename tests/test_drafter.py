@@ -1,5 +1,5 @@
 """The drafter: checkpoint spellings, refusals, layouts, and the cached block forward
-against a from-scratch reference of DSPARK.md §2.
+against a from-scratch reference of docs/algorithm.md ("The drafter").
 
 Every checkpoint here is tiny and random (vocab 48, hidden 32), built offline by
 `tests/drafters.py` once per module.
@@ -425,7 +425,7 @@ def test_zlab_shift_label_export_is_dspark_layout(ck, target):
 
 
 # ----------------------------------------------------------------------------------------
-# 5. The cached drafter against a from-scratch reference of DSPARK.md §2
+# 5. The cached drafter against a from-scratch reference of docs/algorithm.md ("The drafter")
 
 def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -546,7 +546,7 @@ def test_cached_drafter_matches_reference(ck, hf_target, case):
                                            msg=lambda m: f"round {rnd} row {i} base logits: {m}")
                 refs.append(ref_u)
             drafts, accepted, nxt = engine_round(tgt, d, anchor, apos)
-            # The greedy chain of DSPARK.md §3 from the reference's U (vanilla head: b_k = W2 W1[x_{k-1}]).
+            # The greedy chain (docs/algorithm.md, "Markov heads") from the reference's U (vanilla head: b_k = W2 W1[x_{k-1}]).
             for i in range(len(PROMPTS)):
                 prev = int(anchor[i])
                 for k in range(K):
