@@ -223,6 +223,7 @@ class Engine:
         wrap = (lambda f: compiled(f, device, compile_mode)) if compile else (lambda f: f)
         self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
         self.bound = dict(temperature=temperature, kernels=self.kernel_set(kernels))
+        self.cuda_graphs = compile and str(device).startswith("cuda")
         if compile and self.ragged:  # one verify graph per bucket, all expected: raise dynamo's limit to match
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(torch._dynamo.config, name):
@@ -241,6 +242,8 @@ class Engine:
         verify_len [B] (profiling a ragged round): verify exactly these many drafts per active row,
         at exactly that many tokens, instead of the schedule's."""
         rows = (self.target, self.drafter, anchor, anchor_pos, active)
+        if self.cuda_graphs:  # one CUDA-graph generation per round: verify may read draft's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         # 1-2. Draft and schedule.
         proposal = self.draft_fn(*rows, noise=noise.chain if noise is not None else None, schedule=self.scheduler,
                                  **self.bound)

@@ -22,7 +22,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = os.path.join(ROOT, "demo")):
-    """The prompts as lists of token ids (read here, and by bench.py --concurrency). Raises OSError
+    """The prompts as lists of token ids (read here, and by scripts/bench_concurrency.py). Raises OSError
     when a held-out file is missing (another Python version's standard library)."""
     tok = Tokenizer(os.path.join(demo, "target"))
     names = open(os.path.join(demo, "heldout.txt")).read().split()

@@ -63,3 +63,46 @@ def test_bad_flags(flags, needle, capsys):
     assert bench.main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
+    """bench.check_outputs: float32 raises on any difference; bf16 reports each differing request with
+    the target's top-2 logit gap where it starts (K+1-token verify vs 1-token step rounding)."""
+    from model import load_target
+
+    target = load_target(make_target(tmp_path / "t"))
+    prompts = [[1, 2, 3], [4, 5]]
+    runs = {"autoregressive": [{"outputs": [[7, 8, 9], [10, 11]]}],
+            "speculative": [{"outputs": [[7, 8, 9], [10, 12]]}]}
+    with pytest.raises(AssertionError, match="speculative .* different tokens"):
+        bench.check_outputs(runs, prompts, target, exact=True, what="batch 2")
+    differ = bench.check_outputs(runs, prompts, target, exact=False, what="batch 2")
+    assert list(differ) == ["speculative"]
+    (d,) = differ["speculative"]
+    assert d["request"] == 1 and d["first_token"] == 1 and d["logit_gap"] >= 0
+    runs["speculative"][0]["outputs"][1] = [10, 11]
+    assert bench.check_outputs(runs, prompts, target, exact=True, what="batch 2") == {}
+
+
+def test_device_script_dry_run(tmp_path):
+    """scripts/device_run.py's plumbing end to end on CPU (small shapes, no CUDA): every step runs in
+    its own process and leaves its results, so the first GPU run is not where it is debugged."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--dry-run", "--out", str(out),
+                        "--steps", "env,eager-b1,triton,suite"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    summary = json.load(open(out / "summary.json"))
+    assert [s["step"] for s in summary["steps"]] == ["env", "eager-b1", "triton", "suite"]
+    assert all(s["status"] == "ok" for s in summary["steps"])
+    rows = json.load(open(out / "eager-b1.json"))["rows"]
+    assert [r["mode"] for r in rows] == ["autoregressive", "speculative"] and rows[1]["acceptance_length"] > 2
+    assert "=== eager-b1" in (out / "log.txt").read_text()
+    # Without CUDA and without --dry-run it says so in one line.
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs a CUDA device" in p.stderr

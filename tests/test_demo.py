@@ -44,9 +44,15 @@ def test_demo_greedy_speculative_equals_autoregressive(tmp_path):
     trace = tmp_path / "t.jsonl"
     args = speculate.Args(max_new_tokens=48, trace_file=str(trace))
     with torch.inference_mode():
-        summary = speculate.run(args, [])
-    assert args.target == str(DEMO / "target") and args.prompt == speculate.DEMO_PROMPT
+        summary = speculate.run(args)
+    assert args.target is None and args.prompt is None  # the demo defaults do not rewrite the caller's Args
     assert summary["acceptance_length"] > 1.0
+    tok = Tokenizer(str(DEMO / "target"))
+    with torch.inference_mode():  # the same as asking for the demo pair and prompt by name
+        named = speculate.run(speculate.Args(target=str(DEMO / "target"), drafter=str(DEMO / "drafter"),
+                                             prompt_ids=",".join(map(str, tok.encode(speculate.DEMO_PROMPT))),
+                                             max_new_tokens=48))
+    assert named["outputs"] == summary["outputs"]
     rows = [json.loads(l) for l in open(trace)]
     assert any("output_ids" in r for r in rows)
 

@@ -525,7 +525,8 @@ def _q_without_markov(orig):
                          ids=["accept-everything", "q-without-markov"])
 def test_chi_square_has_power_against_biased_sampling(senv, monkeypatch, drafter, kernel, bias):
     """The same check fails a deliberately biased engine (so passing it means something)."""
-    monkeypatch.setattr(kernels, kernel, bias(getattr(kernels, kernel)))
+    # The engine binds the kernel set `kernels.kernel_set("torch")` returns: bias that set.
+    monkeypatch.setattr(kernels, "TORCH", kernels.TORCH._replace(**{kernel: bias(getattr(kernels.TORCH, kernel))}))
     tr = sample_run(senv, drafter)
     if kernel == "verify_sampled":
         assert all(r["accepted"] == r["verified"] for r in tr.rounds)
