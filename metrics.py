@@ -45,8 +45,3 @@ def accept_rate_by_position(c: dict) -> list[float]:
 def verified_per_round(c: dict) -> Optional[float]:
     """Σ verified / rounds."""
     return c["verified"] / c["num_rounds"] if c["num_rounds"] else None
-
-
-def rounds_tau(rounds: list[dict]) -> Optional[float]:
-    """τ of one request's rounds (its trace end line)."""
-    return sum(rd["accepted"] + 1 for rd in rounds) / len(rounds) if rounds else None

@@ -214,3 +214,25 @@ def test_unwritable_trace_file_is_refused_before_any_work(tiny_target, tmp_path,
     rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2,
                           "--trace-file", path], capsys)
     assert rc == 2 and needle in err and err.strip().splitlines()[-1].startswith("error: --trace-file"), err
+
+
+def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsys):
+    """--chat/--compile default to "auto" (None), resolved in one place; what a caller sets is kept."""
+    import tyro
+
+    assert tyro.cli(speculate.Args, args=[]).chat is None
+    assert tyro.cli(speculate.Args, args=["--no-chat", "--compile"]) == speculate.Args(chat=False, compile=True)
+    args = speculate.Args(chat=False, compile=True)
+    assert (args.chat, args.compile) == (False, True)  # nothing rewrites them behind the caller's back
+
+    class Tok:
+        chat_template = "{{ x }}"
+    assert speculate.auto_chat(None, Tok()) is True and speculate.auto_chat(False, Tok()) is False
+    assert speculate.auto_chat(None, None) is False and speculate.auto_chat(True, None) is True
+    assert speculate.auto_compile(None, "cuda") and not speculate.auto_compile(None, "cpu")
+    assert speculate.auto_compile(True, "cpu") and not speculate.auto_compile(False, "cuda")
+    with pytest.raises(SystemExit):
+        speculate.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--compile, --no-compile" in help_text and "Default: on for cuda, off for cpu" in help_text
+    assert "Default: on when the tokenizer has a template" in help_text
