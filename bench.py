@@ -226,7 +226,7 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
     engine.prefill_seconds = engine.decode_seconds = 0.0
     engine.generate(reqs, max_new_tokens)
     seconds = engine.prefill_seconds + engine.decode_seconds
-    c = metrics.count(reqs, engine.K)
+    c = metrics.count(reqs, engine.K, engine.stop_ids)
     return {
         "tokens": c["tokens"], "seconds": seconds, "total_tokens_per_second": c["tokens"] / seconds,
         "per_request_tokens_per_second": sum(len(r.output_ids) / (r.finished - r.started) for r in reqs) / len(reqs),

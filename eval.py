@@ -6,23 +6,32 @@ calibration (ECE / AUROC / Brier, Sequential Temperature Scaling), data-parallel
     torchrun --nproc_per_node 8 eval.py ...   # each rank decodes a shard of every dataset
 
 What is notable here:
+- The authors' protocol (DeepSpec's eval) is the default: seed 980406; a dataset longer than its
+  sample count is shuffled with random.Random(seed) and cut; sample i is decoded with its own
+  random stream seeded seed + i (the engine's per-request generators), so sampled figures do not
+  depend on the number of processes or the batch size; temperature 1.0; the first turn through
+  the chat template with thinking off. Their metrics come under their names and definitions
+  (`metrics.py`): acceptance_length, draft_tokens_per_proposal, verify_rate,
+  accept_rates_by_position — a stop token among a round's accepted drafts ends the round there.
 - Decoding is speculate.py's `Engine` with speculate's loading code and flag meanings; this
   file only feeds it datasets and counts what comes back.
-- Metrics are built from raw counts (rounds, Σaccepted, Σverified, Σdrafted, per-position
-  tried/ok). Under torchrun the counts are summed across ranks, never averages of averages,
-  so a greedy data-parallel run reports exactly what one process reports.
+- Metrics are built from raw counts (`metrics.count`). Under torchrun the counts are summed
+  across ranks, never averages of averages, so a data-parallel run reports exactly what one
+  process reports. Each dataset's row is printed, and --out rewritten, as soon as it is done.
 - Calibration reads the per-round records: for position k, the prefix survival
   a_k = Π_{i≤k} c_i against the event "drafts 1..k all accepted", over the rounds that sent
   draft k to the target (docs/algorithm.md, "Confidence head and prefix survival"). STS fits one temperature per position, left to right,
   on the first part of every dataset's requests and is scored on the rest.
+- STS is fitted on the raw confidence logits: with --calibration the recorded (calibrated)
+  confidences are mapped back first, so the temperatures written are always absolute.
 - The reliability diagram is drawn by plots.py (matplotlib), PNG or SVG by the extension.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import random
 import sys
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -33,15 +42,16 @@ import torch
 import metrics as mt
 import plots
 import scheduler as sched
-from common import AutoBool, UserError, check_ranges, check_writable, cli_main
+from common import AutoBool, UserError, check_ranges, check_writable, cli_main, read_json, write_json
 from speculate import (Engine, Request, auto_chat, auto_compile, cache_length, check_prompts, check_schedulable,
                        load_models, load_prompts, resolve_scheduler)
 
-# The paper's protocol (Table 1): per-dataset sample counts, first rows in file order.
+# The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
                    "livecodebench": 500, "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
 PAPER_DATASETS = tuple(DEFAULT_SAMPLES)
-ECE_BINS = 15
+AUTHORS_SEED = 980406
+ECE_BINS = 20
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eval")
 # STS's 1-D search space: temperatures for c_k's logit, geometric from 1/20 to 20 (1.0 included).
 STS_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
@@ -61,7 +71,8 @@ class EvalArgs:
     datasets: str = ",".join(PAPER_DATASETS)
     """Comma-separated dataset names (default: the paper's nine; missing files are skipped)."""
     max_samples: Optional[int] = None
-    """Prompts per dataset, the first rows in file order (default: the paper's count per dataset)."""
+    """Prompts per dataset (default: the paper's count per dataset). A longer file is shuffled with
+    random.Random(--seed) and cut to this many, as the authors' evaluation does."""
     max_new_tokens: int = 2048
     """Token budget per request (the paper does not state one; 2048 as in DFlash's benchmarks)."""
     temperature: float = 1.0
@@ -78,8 +89,9 @@ class EvalArgs:
     --confidence-threshold > 0, else none); hardware profiles SPS(B) at start (per rank)."""
     sps_table: Optional[str] = None
     """With --scheduler hardware: read SPS(B) from this JSON, or profile and write it (as speculate.py)."""
-    seed: int = 0
-    """Seed of the sampling generator (rank r uses seed + r); reset at the start of every dataset."""
+    seed: int = AUTHORS_SEED
+    """The authors' seed: it picks the shuffled subset of a long dataset, and sample i of a dataset
+    draws from its own random stream seeded seed + i (whatever rank or batch row decodes it)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run (under torchrun with cuda: the rank's LOCAL_RANK GPU)."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -103,6 +115,10 @@ class EvalArgs:
     """Write the STS temperatures here (JSON: {"temperatures": [K floats], ...})."""
     calibration_plot: Optional[str] = None
     """Write a reliability diagram here (.png or .svg): one panel per position, before / after STS."""
+    ece_bins: int = ECE_BINS
+    """Equal-width bins of the expected calibration error (the authors use 20)."""
+    step: Optional[int] = None
+    """A training step to attach these results to (recorded in --out and in wandb)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,7 +177,7 @@ def survival_events(confidence, verified, accepted, k: int):
     return a, (np.asarray(accepted)[mask] >= k)
 
 
-def position_metrics(confidence, verified, accepted) -> list[dict]:
+def position_metrics(confidence, verified, accepted, bins: int = ECE_BINS) -> list[dict]:
     """Per position k: rounds that verified draft k, how many accepted 1..k, mean a_k, ECE, AUROC, Brier."""
     out = []
     for k in range(1, np.shape(confidence)[1] + 1):
@@ -169,7 +185,7 @@ def position_metrics(confidence, verified, accepted) -> list[dict]:
         out.append({"position": k, "rounds": int(a.size), "survived": int(y.sum()),
                     "mean_survival": float(a.mean()) if a.size else None,
                     "observed_survival": float(y.mean()) if a.size else None,
-                    "ece": ece(a, y), "auroc": auroc(a, y), "brier": brier(a, y)})
+                    "ece": ece(a, y, bins), "auroc": auroc(a, y), "brier": brier(a, y)})
     return out
 
 
@@ -194,10 +210,13 @@ def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS)
     return [float(t) for t in temps]
 
 
-def round_arrays(requests: list[Request], dataset: int, K: int) -> dict:
+def round_arrays(requests: list[Request], dataset: int, K: int, stop_ids=()) -> dict:
     """The rounds of finished requests as compact arrays (dataset index, request, round,
-    confidence [N, K] float32 — exactly the engine's float32 values — verified, accepted)."""
-    rounds = [(r.index, rd) for r in requests for rd in r.rounds]
+    confidence [N, K] float32 — exactly the engine's float32 values — verified, accepted). A round
+    that accepted a stop token ends there (`metrics.round_counts`): positions past it are not
+    calibration records."""
+    rounds = [(r.index, dict(rd, **dict(zip(("accepted", "verified"), mt.round_counts(rd, stop_ids)[:2]))))
+              for r in requests for rd in r.rounds]
     n = len(rounds)
     return {"dataset": np.full(n, dataset, dtype=np.int32),
             "request": np.array([i for i, _ in rounds], dtype=np.int64).reshape(n),
@@ -214,7 +233,7 @@ def concat_rounds(parts: list[dict]) -> dict:
     return {k: v[order] for k, v in rec.items()}
 
 
-def calibration_report(rec: dict, split: float) -> Optional[dict]:
+def calibration_report(rec: dict, split: float, bins: int = ECE_BINS) -> Optional[dict]:
     """Calibration of the confidence head from round arrays (see `round_arrays`).
 
     `raw`: the head as it is, over all rounds. With 0 < split < 1, STS is fitted on the first
@@ -224,8 +243,8 @@ def calibration_report(rec: dict, split: float) -> Optional[dict]:
     if C.shape[0] == 0 or C.shape[1] == 0:
         return None
     ver, acc = rec["verified"], rec["accepted"]
-    report = {"positions": C.shape[1], "bins": ECE_BINS, "rounds": int(C.shape[0]),
-              "raw": position_metrics(C, ver, acc), "split": split,
+    report = {"positions": C.shape[1], "bins": bins, "rounds": int(C.shape[0]),
+              "raw": position_metrics(C, ver, acc, bins), "split": split,
               "_all": (C, ver, acc)}  # "_" entries are for the plot, not written to JSON
     if not 0 < split < 1:
         return report
@@ -237,12 +256,12 @@ def calibration_report(rec: dict, split: float) -> Optional[dict]:
     if not fit.any() or fit.all():
         report["sts_note"] = "too few requests to split into fit and held-out parts; no STS"
         return report
-    temps = fit_sts(C[fit], ver[fit], acc[fit])
+    temps = fit_sts(C[fit], ver[fit], acc[fit], bins=bins)
     held = ~fit
     Ch, vh, ah = C[held], ver[held], acc[held]
     report.update(temperatures=temps, fit_rounds=int(fit.sum()), heldout_rounds=int(held.sum()),
-                  raw_heldout=position_metrics(Ch, vh, ah),
-                  sts_heldout=position_metrics(apply_temperatures(Ch, temps), vh, ah))
+                  raw_heldout=position_metrics(Ch, vh, ah, bins),
+                  sts_heldout=position_metrics(apply_temperatures(Ch, temps), vh, ah, bins))
     report["_heldout"] = (Ch, vh, ah)
     return report
 
@@ -302,17 +321,19 @@ def all_gather_list(items: list) -> list:
 # Counting
 
 def metrics(name: str, c: dict, seconds: float) -> dict:
-    """A dataset's entry of results.json from its (summed) counts (`metrics.count`)."""
+    """A dataset's entry of results.json from its (summed) counts (`metrics.count`): the authors'
+    metrics under their names first, then this project's."""
     return {
         "dataset": name,
         "num_samples": c["num_samples"],
-        "num_rounds": c["num_rounds"],
-        "num_tokens": c["tokens"],
         "acceptance_length": mt.acceptance_length(c),
         "draft_tokens_per_proposal": mt.verified_per_round(c),
-        "verify_rate": c["verified"] / c["drafted"] if c["drafted"] else None,
-        "accept_rate_by_position": mt.accept_rate_by_position(c),
-        "accept_counts_by_position": [[ok, tried] for ok, tried in zip(c["ok"], c["tried"])],
+        "verify_rate": mt.verify_rate(c),
+        "accept_rates_by_position": mt.accept_rates_by_position(c),
+        "num_rounds": c["num_rounds"],
+        "num_tokens": c["tokens"],
+        "accept_rate_by_position": mt.accept_rate_by_position(c),  # the paper's Figure 2: conditional
+        "counts": {k: c[k] for k in mt.COUNT_KEYS + mt.LIST_KEYS},
         "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
         "seconds": seconds,
     }
@@ -347,7 +368,8 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
 def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results. Raises UserError on bad input."""
     check_ranges(args, batch_size="[1, inf)", max_new_tokens="[1, inf)", max_samples="[1, inf)",
-                 temperature="[0, inf)", confidence_threshold="[0, 1]", calibration_split="[0, 1)")
+                 temperature="[0, inf)", confidence_threshold="[0, 1]", calibration_split="[0, 1)",
+                 ece_bins="[1, 10000]", step="[0, inf)")
     kind = resolve_scheduler(args)
     for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
                        ("--calibration-plot", args.calibration_plot)):
@@ -371,14 +393,13 @@ def run(args: EvalArgs) -> dict:
     # a single process would use: sharding then cannot change a single logit.
     prompts = {}
     for name, path, n in datasets:
-        ps = load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path)
-        prompts[name] = ps[:n] if n else ps
+        prompts[name] = select(load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path), n, args.seed)
         check_prompts(prompts[name], target, args.max_new_tokens, f"{path} ")
     max_seq = cache_length(max(len(p) for ps in prompts.values() for p in ps), args.max_new_tokens, drafter)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
-                    seed=args.seed + rank, device=device, stop_ids=m.stop_ids, scheduler=kind,
+                    seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
                     threshold=args.confidence_threshold, compile=compile)
     if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
@@ -393,7 +414,6 @@ def run(args: EvalArgs) -> dict:
     for name, _, _ in datasets:
         ps = prompts[name]
         requests = [Request(i, ps[i], [], []) for i in range(rank, len(ps), world)]  # interleaved shard
-        engine.generator.manual_seed(args.seed + rank)  # a dataset's numbers do not depend on the ones before
         seconds0 = engine.prefill_seconds + engine.decode_seconds
         if bar is not None:
             bar.set_description(name)
@@ -401,29 +421,65 @@ def run(args: EvalArgs) -> dict:
         engine.generate(requests, args.max_new_tokens,
                         on_finish=(lambda req: bar.update(world)) if bar is not None else None)
         seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
-        c = mt.count(requests, K)
-        keys = mt.COUNT_KEYS
-        flat = all_sum([c[k] for k in keys] + c["tried"] + c["ok"], device)
-        c = dict(zip(keys, flat[:len(keys)]), tried=flat[len(keys):len(keys) + K], ok=flat[len(keys) + K:])
+        c = mt.unflatten(all_sum(mt.flatten(mt.count(requests, K, m.stop_ids)), device), K)
         entries.append(metrics(name, c, seconds))
         if has_conf:
-            parts.append(round_arrays(requests, len(entries) - 1, K))
+            parts.append(round_arrays(requests, len(entries) - 1, K, m.stop_ids))
+        if rank == 0:  # the row now, and --out rewritten: a crash later keeps what is done
+            write(bar.write if bar is not None else print, format_table(entries[-1:], header=len(entries) == 1))
+            write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
+                                  "complete": False, "datasets": entries, "calibration": None})
     if bar is not None:
         bar.close()
 
     calibration = None
     if has_conf:
-        calibration = calibration_report(concat_rounds(all_gather_list(parts)), args.calibration_split)
+        rec = concat_rounds(all_gather_list(parts))
+        if args.calibration is not None:  # back to the raw head's confidences: STS is fitted on raw logits
+            rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
+        calibration = calibration_report(rec, args.calibration_split, args.ece_bins)
+        if calibration is not None and kind != "none":
+            calibration["scheduled"] = kind
+            if rank == 0:
+                print(f"warning: calibration measured under --scheduler {kind}: the schedule chose from these "
+                      f"same confidences which drafts were verified, so the figures are biased (the authors "
+                      f"record calibration unscheduled)", file=sys.stderr)
 
-    config = {k: v for k, v in asdict(args).items()}
-    config.update(world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds, drafter_config=drafter.cfg.describe() if drafter else None,
-                  chat_resolved=chat, compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
-                  skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
-    results = {"config": config, "datasets": entries,
+    results = {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts), "complete": True,
+               "datasets": entries,
                "calibration": {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None}
     if rank == 0:
         write_outputs(args, results, calibration)
     return results
+
+
+def select(prompts: list, n: int, seed: int) -> list:
+    """The authors' subset: a dataset longer than its count n is shuffled with random.Random(seed)
+    and cut to n; a shorter one (or n = 0: all) stays whole, in file order."""
+    if n and len(prompts) > n:
+        prompts = list(prompts)
+        random.Random(seed).shuffle(prompts)
+        prompts = prompts[:n]
+    return prompts
+
+
+def uncalibrate(confidence: np.ndarray, temperatures: list[float]) -> np.ndarray:
+    """The raw head's c_k from recorded σ(logit_k / T_k): σ(T_k · logit(c_k)), in float64."""
+    return _sigmoid(_logit(confidence) * np.asarray(temperatures, dtype=np.float64)).astype(np.float32)
+
+
+def config(args: EvalArgs, world: int, K: int, engine, drafter, chat: bool, compile: bool, m, prompts: dict) -> dict:
+    """The run's configuration as results.json records it: the flags and what "auto" resolved to."""
+    return dict(asdict(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
+                drafter_config=drafter.cfg.describe() if drafter else None, chat_resolved=chat,
+                compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
+                skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
+
+
+def write(out, text: str):
+    """Print a block of lines through `out` (print, or a progress bar's write)."""
+    for line in text.splitlines():
+        out(line)
 
 
 # ----------------------------------------------------------------------------------------
@@ -433,14 +489,22 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def format_table(entries: list[dict]) -> str:
-    head = f"{'dataset':<16}{'samples':>8}{'rounds':>8}{'tau':>7}{'drafts/rnd':>11}{'verify':>8}{'tok/s':>9}  accept rate by position"
-    lines = [head, "-" * len(head)]
+def format_table(entries: list[dict], header: bool = True) -> str:
+    """The authors' columns in their order (#propose = drafts verified per round "+1" for the bonus,
+    accept_len, verify_rate, accept_rate@j), then this project's: samples, rounds, tokens/s and the
+    paper's conditional acceptance by position."""
+    K = max((len(e["accept_rates_by_position"]) for e in entries), default=0)
+    head = (f"{'dataset':<16}{'#propose':>10}{'accept_len':>11}{'verify_rate':>12}"
+            + "".join(f"{f'accept_rate@{j}':>15}" for j in range(K))
+            + f"{'samples':>9}{'rounds':>8}{'tok/s':>9}  conditional accept by position")
+    lines = [head, "-" * len(head)] if header else []
     for e in entries:
-        rates = " ".join(f"{r:.2f}" for r in e["accept_rate_by_position"])
-        lines.append(f"{e['dataset']:<16}{e['num_samples']:>8}{e['num_rounds']:>8}{_fmt(e['acceptance_length']):>7}"
-                     f"{_fmt(e['draft_tokens_per_proposal']):>11}{_fmt(e['verify_rate'], '.3f'):>8}"
-                     f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {rates}")
+        rates = e["accept_rates_by_position"] + [None] * (K - len(e["accept_rates_by_position"]))
+        cond = " ".join(f"{r:.2f}" for r in e["accept_rate_by_position"])
+        propose = "-" if e["draft_tokens_per_proposal"] is None else f"{e['draft_tokens_per_proposal']:.2f}+1"
+        lines.append(f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
+                     f"{_fmt(e['verify_rate'], '.4f'):>12}" + "".join(f"{_fmt(r, '.4f'):>15}" for r in rates)
+                     + f"{e['num_samples']:>9}{e['num_rounds']:>8}{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}")
     return "\n".join(lines)
 
 
@@ -465,10 +529,8 @@ def format_calibration(cal: dict) -> str:
 
 
 def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, args.out)
+    write_json(args.out, results)
+    print()
     print(format_table(results["datasets"]))
     if calibration is not None:
         print()
@@ -485,22 +547,21 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
             panels = [{"position": k, "before": survival_events(C, ver, acc, k), "after": None}
                       for k in range(1, C.shape[1] + 1)]
         for p in panels:
-            p.update(ece_before=ece(*p["before"]), ece_after=ece(*p["after"]) if p["after"] else None,
-                     auroc=auroc(*p["before"]))
-        plots.reliability_diagram(args.calibration_plot, panels, bins=ECE_BINS)
+            p.update(ece_before=ece(*p["before"], args.ece_bins),
+                     ece_after=ece(*p["after"], args.ece_bins) if p["after"] else None, auroc=auroc(*p["before"]))
+        plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
         plot = args.calibration_plot
     if args.calibration_out and calibration is not None:
         if "temperatures" not in calibration:
             raise UserError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
-        with open(args.calibration_out, "w") as f:
-            json.dump({"temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
-                       "apply": "c_k = sigmoid(logit(c_k) / T_k), before the threshold",
-                       "drafter": args.drafter, "target": args.target,
-                       "datasets": [e["dataset"] for e in results["datasets"]],
-                       "split": calibration["split"], "fit_rounds": calibration["fit_rounds"],
-                       "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
-                       "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
-                       "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]]}, f, indent=2)
+        write_json(args.calibration_out, {
+            "temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
+            "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
+            "drafter": args.drafter, "target": args.target, "datasets": [e["dataset"] for e in results["datasets"]],
+            "split": calibration["split"], "fit_rounds": calibration["fit_rounds"], "bins": calibration["bins"],
+            "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
+            "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
+            "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]]})
     if args.wandb:
         log_wandb(args, results, plot)
 
@@ -511,15 +572,15 @@ def log_wandb(args: EvalArgs, results: dict, plot: Optional[str]):
     run = wandb.init(project=args.wandb_project, job_type="eval", config=results["config"])
     K = results["config"]["num_drafts"]
     cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
-            "tokens_per_second"] + [f"accept_rate_{k}" for k in range(1, K + 1)]
+            "tokens_per_second"] + [f"accept_rate@{j}" for j in range(K)]
     table = wandb.Table(columns=cols)
     log = {}
     for e in results["datasets"]:
-        table.add_data(*[e[c] for c in cols[:7]], *e["accept_rate_by_position"])
+        table.add_data(*[e[c] for c in cols[:7]], *e["accept_rates_by_position"])
         for c in cols[1:7]:
             log[f"{e['dataset']}/{c}"] = e[c]
-        for k, r in enumerate(e["accept_rate_by_position"], 1):
-            log[f"{e['dataset']}/accept_rate_{k}"] = r
+        for j, r in enumerate(e["accept_rates_by_position"]):
+            log[f"{e['dataset']}/accept_rate@{j}"] = r
     log["acceptance"] = table
     cal = results["calibration"]
     if cal is not None:
@@ -537,7 +598,7 @@ def log_wandb(args: EvalArgs, results: dict, plot: Optional[str]):
             log["reliability_diagram"] = wandb.Image(plot)
         except Exception:  # wandb.Image needs Pillow; keep the file with the run instead
             wandb.save(plot, base_path=os.path.dirname(os.path.abspath(plot)), policy="now")
-    run.log(log)
+    run.log(log, step=args.step)
     run.summary.update({k: v for k, v in log.items() if not hasattr(v, "columns")})
     run.finish()
 

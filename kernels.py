@@ -36,17 +36,30 @@ class Noise(NamedTuple):
 
 
 def round_noise(generator: Optional[torch.Generator], B: int, K: int, V: int, device) -> Noise:
+    """A round's noise for B rows from one generator."""
     chain = torch.empty((B, K, V), device=device).exponential_(1, generator=generator)
     u = torch.rand((B, K), generator=generator, device=device)
     bonus = torch.empty((B, V), device=device).exponential_(1, generator=generator)
     return Noise(chain, u, bonus)
 
 
-def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """argmax at T=0, else a draw from softmax(logits / T). logits [..., V] -> ids [...]."""
+def rows_noise(generators: list, K: int, V: int, device) -> Noise:
+    """One round's noise with every row's drawn from its own generator (its request's: so a request's
+    samples do not depend on which rows it shares a batch with), in `round_noise`'s order; rows
+    without a generator (free rows) get placeholders that nothing reads."""
+    free = Noise(torch.ones((1, K, V), device=device), torch.zeros((1, K), device=device),
+                 torch.ones((1, V), device=device))
+    rows = [round_noise(g, 1, K, V, device) if g is not None else free for g in generators]
+    return Noise(*(torch.cat(parts) for parts in zip(*rows)))
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
+           noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """argmax at T=0, else a draw from softmax(logits / T). logits [..., V] -> ids [...].
+    noise: the race's Exp(1) noise, logits' shape (else drawn from `generator`)."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    return sample_from(probs(logits, temperature), generator)
+    return sample_from(probs(logits, temperature), generator, noise)
 
 
 def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, markov,

@@ -125,9 +125,10 @@ def unpack(packed: torch.Tensor, has_confidence: bool) -> list[RoundRecord]:
 
 
 def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature: float,
-            generator: Optional[torch.Generator], device, rows: Optional[torch.Tensor] = None):
+            noise: Optional[torch.Tensor], device, rows: Optional[torch.Tensor] = None):
     """Run the prompts (right-padded) through the target, capturing features for the drafter,
-    into cache rows 0..len-1 or `rows` (the rows that continuous batching just freed).
+    into cache rows 0..len-1 or `rows` (the rows that continuous batching just freed). noise
+    [len, V]: the first token's Exp(1) race noise when sampling (None at T=0).
 
     Returns the first token of every prompt (its first anchor) and its position (the prompt length).
     Pad positions are written past each prompt's end, where they are masked and later overwritten.
@@ -140,7 +141,7 @@ def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature:
     logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1, rows=rows)
     if drafter is not None:
         drafter.commit_context(features, positions, rows)
-    return kernels.sample(logits, temperature, generator), lens
+    return kernels.sample(logits, temperature, None, noise), lens
 
 
 # ----------------------------------------------------------------------------------------
@@ -155,11 +156,6 @@ class Request:
     finish_reason: Optional[str] = None
     started: Optional[float] = None   # time.perf_counter() when the engine took it (before its prefill)
     finished: Optional[float] = None  # ... and when its last token was committed
-
-    @property
-    def acceptance_length(self) -> Optional[float]:
-        """τ of this request (None: no round)."""
-        return metrics.acceptance_length(metrics.count([self], 0))
 
 
 def compiled(fn, device, mode: Optional[str] = None):
@@ -207,7 +203,7 @@ class Engine:
             raise UserError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
         self.max_batch, self.temperature, self.device, self.compiled = batch_size, temperature, device, compile
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seed = seed  # request i samples from its own generator, seeded seed + i
         target.setup_caches(batch_size, max_seq)
         if drafter is not None:
             drafter.setup_caches(batch_size, max_seq)
@@ -270,6 +266,7 @@ class Engine:
         has_confidence = self.drafter is not None and self.drafter.confidence_head is not None
         waiting = list(reversed(requests))  # popped from the end: first come, first served
         rows: list[Optional[Request]] = [None] * B
+        gens: list[Optional[torch.Generator]] = [None] * B  # the rows' requests' random streams
         anchor = torch.zeros(B, dtype=torch.long, device=dev)
         anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
 
@@ -289,8 +286,13 @@ class Engine:
                     req.started = t0
                 index = torch.tensor(free, device=dev)
                 leading = free == list(range(len(free)))  # e.g. the first admission: cache rows as a view
+                noise = None
+                if self.temperature > 0:  # a request's samples depend only on the seed and its index
+                    for i, req in zip(free, new):
+                        gens[i] = torch.Generator(device=dev).manual_seed(self.seed + req.index)
+                    noise = torch.stack([torch.empty(V, device=dev).exponential_(1, generator=gens[i]) for i in free])
                 first, lens = prefill(self.target, self.drafter, [r.prompt_ids for r in new], self.temperature,
-                                      self.generator, dev, rows=None if leading else index)
+                                      noise, dev, rows=None if leading else index)
                 anchor, anchor_pos = anchor.index_copy(0, index, first), anchor_pos.index_copy(0, index, lens)
                 for i, req, t in zip(free, new, first.tolist()):
                     self._commit(req, [t], max_new_tokens)
@@ -307,7 +309,8 @@ class Engine:
             if live != [r is not None for r in rows]:
                 live = [r is not None for r in rows]
                 active = torch.tensor(live, device=dev)
-            noise = kernels.round_noise(self.generator, B, K, V, dev) if self.temperature > 0 else None
+            noise = kernels.rows_noise([g if r is not None else None for g, r in zip(gens, rows)], K, V, dev) \
+                if self.temperature > 0 else None
             record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise)
             anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the next graph replay
             for i, (req, rec) in enumerate(zip(rows, unpack(record, has_confidence))):  # the one host read
@@ -420,7 +423,8 @@ class Args:
     temperature: float = 0.0
     """0 = greedy; otherwise lossless rejection sampling at this temperature."""
     seed: int = 0
-    """Seed of the sampling generator: a sampled run repeats exactly with the same seed."""
+    """Seed of sampling: request i draws from its own generator seeded seed + i, so its output depends
+    only on the seed and its index (not on the batch size or the requests beside it)."""
     confidence_threshold: float = 0.0
     """Verify drafts only up to the first confidence below this; 0 = the whole block."""
     scheduler: Optional[Literal["none", "threshold", "hardware"]] = None
@@ -667,12 +671,13 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     on_round = (lambda req, rec: trace.write(json.dumps(rec) + "\n")) if trace else None
     on_finish = (lambda req: trace.write(json.dumps({
         "request": req.index, "output_ids": req.output_ids, "num_rounds": len(req.rounds),
-        "acceptance_length": req.acceptance_length, "finish_reason": req.finish_reason}) + "\n")) if trace else None
+        "acceptance_length": metrics.acceptance_length(metrics.count([req], 0, m.stop_ids)),
+        "finish_reason": req.finish_reason}) + "\n")) if trace else None
     engine.generate(requests, args.max_new_tokens, on_round, on_finish)
     for req in requests:  # in prompt order, whatever order they finished in
         print(m.tokenizer.decode(req.output_ids) if m.tokenizer is not None else ",".join(map(str, req.output_ids)))
 
-    c = metrics.count(requests, engine.K)
+    c = metrics.count(requests, engine.K, m.stop_ids)
     seconds = engine.prefill_seconds + engine.decode_seconds
     summary = {
         "summary": True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -75,10 +76,11 @@ def strip_timing(entries):
 
 
 def trace_rounds(env, tmp_path, capsys, name, n, *extra):
-    """speculate.py on the first n rows of a dataset: the trace file's round records."""
-    pf = tmp_path / f"{name}-first{n}.jsonl"
+    """speculate.py on the rows of a dataset that eval.py picks for n samples (the authors' seeded
+    shuffle and cut): the trace file's round records."""
+    pf = tmp_path / f"{name}-{n}.jsonl"
     with open(os.path.join(env["data"], f"{name}.jsonl")) as f:
-        pf.write_text("".join(f.readlines()[:n]))
+        pf.write_text("".join(ev.select(f.readlines(), n, ev.AUTHORS_SEED)))
     trace = tmp_path / f"{name}.trace.jsonl"
     rc = speculate.main([str(a) for a in ["--target", env["target"], "--drafter", env["drafter"], "--prompts-file", pf,
                                           "--max-new-tokens", MAX_NEW, "--temperature", 0, "--trace-file", trace,
@@ -92,34 +94,53 @@ def trace_rounds(env, tmp_path, capsys, name, n, *extra):
 # ----------------------------------------------------------------------------------------
 # Acceptance numbers against the trace of speculate.py
 
+def authors_metrics(rounds, stop, K):
+    """The authors' evaluation metrics written out from trace round records (DeepSpec's eval loop):
+    a round whose accepted drafts hold a stop token ends at it — its verified and accepted drafts
+    and its committed tokens are the drafts up to and including the stop, with no bonus."""
+    rows = []
+    for r in rounds:
+        a, v = r["accepted"], r["verified"]
+        eos = [j for j, t in enumerate(r["draft"][:a]) if t in stop]
+        rows.append((eos[0] + 1, eos[0] + 1, eos[0] + 1) if eos else (a, v, a + 1))
+    R = len(rows)
+    committed, verified = sum(t for _, _, t in rows), sum(v for _, v, _ in rows)
+    by_pos = [sum(a > j for a, _, _ in rows) / sum(v > j for _, v, _ in rows) if any(v > j for _, v, _ in rows)
+              else None for j in range(K)]
+    cond = []
+    for k in range(1, K + 1):
+        tried = [(a, v) for a, v, _ in rows if a >= k - 1 and v >= k]
+        cond.append(sum(a >= k for a, _ in tried) / len(tried) if tried else 0.0)
+    return {"acceptance_length": committed / R, "draft_tokens_per_proposal": verified / R,
+            "verify_rate": committed / (verified + R), "accept_rates_by_position": by_pos,
+            "accept_rate_by_position": cond, "num_rounds": R}
+
+
 @pytest.mark.parametrize("threshold,chat", [(0.0, True), (0.6, True), (0.0, False)])
 def test_metrics_equal_hand_count_from_speculate_trace(env, tmp_path, capsys, threshold, chat):
+    from model import load_target, stop_token_ids
+
+    assert stop_token_ids(env["target"], load_target(env["target"]).args) == (IM_END_ID,)
     extra = ["--confidence-threshold", threshold] + ([] if chat else ["--no-chat"])
     res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 3, *extra)
     assert [e["dataset"] for e in res["datasets"]] == ["gsm8k", "mt-bench"]
     for entry in res["datasets"]:
         rounds, summary = trace_rounds(env, tmp_path, capsys, entry["dataset"], 3, *extra)
-        R = len(rounds)
-        assert entry["num_samples"] == 3 and entry["num_rounds"] == R
-        assert entry["acceptance_length"] == pytest.approx(sum(r["accepted"] + 1 for r in rounds) / R, abs=1e-12)
+        want = authors_metrics(rounds, {IM_END_ID}, K)  # the target's one stop id
+        assert entry["num_samples"] == 3
+        for key, value in want.items():
+            assert entry[key] == pytest.approx(value, abs=1e-12), key
         assert entry["acceptance_length"] == pytest.approx(summary["acceptance_length"], abs=1e-12)
-        assert entry["draft_tokens_per_proposal"] == pytest.approx(sum(r["verified"] for r in rounds) / R, abs=1e-12)
-        assert entry["verify_rate"] == pytest.approx(
-            sum(r["verified"] for r in rounds) / sum(len(r["draft"]) for r in rounds), abs=1e-12)
-        by_hand = []
-        for k in range(1, K + 1):
-            tried = [r for r in rounds if r["accepted"] >= k - 1 and r["verified"] >= k]
-            by_hand.append(sum(r["accepted"] >= k for r in tried) / len(tried) if tried else 0.0)
-        assert entry["accept_rate_by_position"] == pytest.approx(by_hand, abs=1e-12)
         assert entry["accept_rate_by_position"] == pytest.approx(summary["accept_rate_by_position"], abs=1e-12)
+        assert entry["draft_tokens_per_proposal"] == pytest.approx(summary["verified_per_round"], abs=1e-12)
         assert entry["dataset"] in out  # the printed table
     # The numbers are not degenerate: several tokens accepted in some rounds, and with the
     # threshold, some rounds verify fewer drafts than were proposed.
     assert any(e["acceptance_length"] > 1.5 for e in res["datasets"])
     if threshold > 0:
-        assert any(e["verify_rate"] < 1 for e in res["datasets"])
+        assert any(e["draft_tokens_per_proposal"] < K for e in res["datasets"])
     else:
-        assert all(e["verify_rate"] == 1 and e["draft_tokens_per_proposal"] == K for e in res["datasets"])
+        assert all(e["draft_tokens_per_proposal"] <= K for e in res["datasets"])
 
 
 def test_calibration_records_match_trace(env, tmp_path, capsys):
@@ -145,10 +166,41 @@ def test_counts_and_rates_by_hand():
     entry = ev.metrics("x", c, 1.0)
     assert entry["accept_rate_by_position"] == [5 / 6, 3 / 4, 2 / 2, 1 / 2] == metrics.accept_rate_by_position(c)
     assert entry["acceptance_length"] == (11 + 7) / 7 and entry["draft_tokens_per_proposal"] == 19 / 7
-    assert reqs[0].acceptance_length == (7 + 4) / 4 and speculate.Request(2, [1]).acceptance_length is None
+    assert entry["verify_rate"] == (11 + 7) / (19 + 7)
+    # the authors': rounds that accepted > j drafts / rounds that verified > j drafts
+    assert entry["accept_rates_by_position"] == [5 / 6, 3 / 5, 2 / 4, 1 / 4]
+    assert metrics.acceptance_length(metrics.count(reqs[:1], K)) == (7 + 4) / 4
+    assert metrics.acceptance_length(metrics.count([speculate.Request(2, [1])], K)) is None
     # k=3: (2, 2) accepted two drafts but never sent the third to the target: not tried.
     assert c["tried"] == [6, 4, 2, 2] and c["ok"] == [5, 3, 2, 1]
     assert c["num_rounds"] == 7 and c["accepted"] == 11 and c["verified"] == 19 and c["drafted"] == 28
+    assert metrics.unflatten(metrics.flatten(c), K) == c
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_the_round_there():
+    """The last round of a request accepts drafts [5, EOS, 6, 7] (4 of 4, bonus 8): the authors'
+    loop stops at the EOS — 2 drafts verified, 2 accepted, 2 tokens committed, no bonus — and
+    this project counts it the same way (τ 3.5 below, not 4.0 from counting all of it)."""
+    EOS = 9
+    rounds = [dict(accepted=2, verified=4, draft=[1, 2, 3, 4], bonus=5),     # 3 committed
+              dict(accepted=4, verified=4, draft=[5, EOS, 6, 7], bonus=8)]   # EOS at draft 2
+    req = speculate.Request(0, [1], [1, 2, 3, 5, EOS], rounds)
+    c = metrics.count([req], K, stop_ids=[EOS])
+    want = authors_metrics(rounds, {EOS}, K)
+    entry = ev.metrics("x", c, 1.0)
+    for key, value in want.items():
+        assert entry[key] == pytest.approx(value, abs=1e-12), key
+    assert entry["acceptance_length"] == (3 + 2) / 2 and entry["draft_tokens_per_proposal"] == (4 + 2) / 2
+    assert entry["verify_rate"] == 5 / (6 + 2) and entry["accept_rates_by_position"] == [1.0, 1.0, 0.0, 0.0]
+    assert metrics.acceptance_length(metrics.count([req], K)) == (3 + 5) / 2  # without stop ids: all counted
+    # A stop token as the bonus ends the request but not the count: accepted + 1.
+    bonus_eos = [dict(accepted=1, verified=4, draft=[5, 6, 7, 8], bonus=EOS)]
+    assert metrics.acceptance_length(metrics.count([speculate.Request(1, [1], [0, 5, EOS], bonus_eos)], K, [EOS])) == 2
+    # Calibration records stop there too: the round offers positions 1..2, both survived.
+    recorded = speculate.Request(0, [1], req.output_ids, [dict(r, confidence=[0.5] * K, round=i)
+                                                          for i, r in enumerate(rounds)])
+    arrays = ev.round_arrays([recorded], 0, K, [EOS])
+    assert arrays["verified"].tolist() == [4, 2] and arrays["accepted"].tolist() == [2, 2]
 
 
 # ----------------------------------------------------------------------------------------
@@ -164,13 +216,15 @@ def test_batched_equals_batch_size_one(env, tmp_path, capsys):
 
 
 def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
-    one, _, _ = run_eval(env, tmp_path, capsys, "--batch-size", 2, out="one.json")
+    """Sampled (T = 1, the paper's setting): sample i draws from its own stream seeded seed + i
+    whichever rank decodes it, so two processes report exactly what one does."""
+    one, printed, _ = run_eval(env, tmp_path, capsys, "--batch-size", 2, "--temperature", 1.0, out="one.json")
     out = tmp_path / "two.json"
     envvars = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO_ROOT / "eval.py"), "--target", env["target"], "--drafter", env["drafter"],
            "--data-dir", env["data"], "--datasets", "gsm8k,mt-bench", "--max-new-tokens", str(MAX_NEW),
-           "--temperature", "0", "--batch-size", "2", "--no-progress", "--out", str(out)]
+           "--temperature", "1.0", "--batch-size", "2", "--no-progress", "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=envvars, cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     two = json.load(open(out))
@@ -181,7 +235,7 @@ def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
     for key in ("raw", "raw_heldout", "sts_heldout"):
         for a, b in zip(cal1[key], cal2[key]):
             assert a == pytest.approx(b, abs=1e-6)
-    assert p.stdout.count("gsm8k") == 1  # only rank 0 prints the table
+    assert p.stdout.count("gsm8k") == printed.count("gsm8k") == 2  # the row as it finished and the table: rank 0 only
 
 
 def test_seed_repeats_sampled_runs_and_resets_per_dataset(env, tmp_path, capsys):
@@ -218,6 +272,50 @@ def test_calibration_outputs_and_wandb_offline(env, tmp_path, capsys, monkeypatc
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     assert res["config"]["temperature"] == 1.0
+
+
+def test_the_subset_is_the_authors_seeded_shuffle():
+    """A file longer than its count: shuffled with random.Random(980406), then cut (DeepSpec's eval);
+    a shorter one stays whole and in order."""
+    lines = (REPO_ROOT / "data" / "eval" / "gsm8k.jsonl").read_text().splitlines()
+    want = list(lines)
+    random.Random(980406).shuffle(want)
+    got = ev.select(lines, 500, ev.AUTHORS_SEED)
+    assert got == want[:500] and len(set(got)) == 500
+    assert len(set(got) & set(lines[:500])) < 250  # not the first rows in file order
+    assert ev.select(lines[:30], 30, ev.AUTHORS_SEED) == lines[:30] and ev.select(lines, 0, 1) == lines
+
+
+def test_rows_are_printed_and_results_written_as_each_dataset_finishes(env, tmp_path, capsys, monkeypatch):
+    writes = []
+    real = ev.write_json
+    monkeypatch.setattr(ev, "write_json", lambda path, obj, **kw: (writes.append(json.loads(json.dumps(obj))),
+                                                                    real(path, obj, **kw)))
+    res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 2, "--step", 1200)
+    progress = [w for w in writes if "datasets" in w]
+    assert [(len(w["datasets"]), w["complete"]) for w in progress] == [(1, False), (2, False), (2, True)]
+    assert res["complete"] is True and res["config"]["step"] == 1200
+    lines = out.splitlines()
+    assert lines[0].startswith("dataset") and "#propose" in lines[0] and "accept_rate@0" in lines[0]
+    assert lines[2].startswith("gsm8k") and lines[3].startswith("mt-bench")  # one row per dataset, as it finishes
+
+
+def test_sts_temperatures_do_not_depend_on_an_applied_calibration(env, tmp_path, capsys):
+    """Fitting with --calibration applied writes the temperatures fitting without it writes: they are
+    always relative to the head's raw logits (a refit is not a no-op [1, 1, ...] on top of the first)."""
+    first, second = tmp_path / "cal1.json", tmp_path / "cal2.json"
+    run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", first, out="a.json")
+    temps = json.load(open(first))["temperatures"]
+    assert temps != [1.0] * K
+    run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", first, "--calibration-out", second,
+             out="b.json")
+    assert json.load(open(second))["temperatures"] == temps
+
+
+def test_scheduled_calibration_warns(env, tmp_path, capsys):
+    res, _, err = run_eval(env, tmp_path, capsys, "--confidence-threshold", 0.6, "--max-samples", 2)
+    assert res["calibration"]["scheduled"] == "threshold"
+    assert err.count("warning: calibration measured under --scheduler threshold") == 1
 
 
 def test_default_sample_counts_and_missing_files(tmp_path, capsys):
