@@ -111,11 +111,19 @@ def _is_num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def recompute_accept_rates(rounds, K):
+def counted(r, stop_ids=()):
+    """(accepted, verified, committed) of a round as the metrics count it (docs/algorithm.md,
+    "Evaluation"): a stop token among the accepted drafts ends the round at it, with no bonus."""
+    eos = [j for j, t in enumerate(r["draft"][:r["accepted"]]) if t in stop_ids]
+    return (eos[0] + 1,) * 3 if eos else (r["accepted"], r["verified"], r["accepted"] + 1)
+
+
+def recompute_accept_rates(rounds, K, stop_ids=()):
     rates = []
     for k in range(1, K + 1):
-        tried = sum(1 for r in rounds if r["accepted"] >= k - 1 and r["verified"] >= k)
-        ok = sum(1 for r in rounds if r["accepted"] >= k)
+        av = [counted(r, stop_ids)[:2] for r in rounds]
+        tried = sum(1 for a, v in av if a >= k - 1 and v >= k)
+        ok = sum(1 for a, _ in av if a >= k)
         rates.append(ok / tried if tried else 0.0)
     return rates
 
@@ -140,7 +148,7 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
         assert all(position[id(r)] < position[id(end)] for r in rounds)
         assert [r["round"] for r in rounds] == list(range(len(rounds)))
         if rounds:
-            tau = sum(r["accepted"] + 1 for r in rounds) / len(rounds)
+            tau = sum(counted(r, stop_ids)[2] for r in rounds) / len(rounds)
             assert _is_num(end["acceptance_length"]) and abs(end["acceptance_length"] - tau) < 1e-9
         else:
             assert end["acceptance_length"] is None or end["acceptance_length"] in (0, 0.0)
@@ -190,12 +198,13 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
     for key in ("tokens_per_second", "prefill_seconds", "decode_seconds", "compile_seconds"):
         assert _is_num(s[key]) and s[key] >= 0, (key, s[key])
     if tr.rounds:
-        tau = sum(r["accepted"] + 1 for r in tr.rounds) / len(tr.rounds)
+        tau = sum(counted(r, stop_ids)[2] for r in tr.rounds) / len(tr.rounds)
         assert _is_num(s["acceptance_length"]) and abs(s["acceptance_length"] - tau) < 1e-9
     rates = s["accept_rate_by_position"]
     assert isinstance(rates, list) and len(rates) == K and all(_is_num(x) for x in rates)
-    for got, want in zip(rates, recompute_accept_rates(tr.rounds, K)):
-        assert abs(got - want) < 1e-9, (rates, recompute_accept_rates(tr.rounds, K))
+    want = recompute_accept_rates(tr.rounds, K, stop_ids)
+    for got, w in zip(rates, want):
+        assert abs(got - w) < 1e-9, (rates, want)
 
 
 # ----------------------------------------------------------------------------------------
