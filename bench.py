@@ -38,10 +38,10 @@ import torch
 
 import kernels
 import metrics
-from common import (check_ranges, check_writable, cli_main, device_name, parse_ints, resolve_device, resolve_dtype,
-                    sync, write_json)
+from common import (UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints, resolve_device,
+                    resolve_dtype, sync, write_json)
 from drafter import Drafter, DrafterConfig, random_drafter
-from model import ModelArgs, Transformer, init_random_, load_target, random_target
+from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
 from speculate import Engine, Proposal, Request
 
 
@@ -238,7 +238,7 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
     }
 
 
-def check_outputs(runs: dict, prompts: list[list[int]], target: Transformer, exact: bool, what: str) -> dict:
+def compare_outputs(runs: dict, prompts: list[list[int]], target: Transformer, exact: bool, what: str) -> dict:
     """Every mode's tokens against autoregressive decoding's. In float32 they must be equal (a
     difference raises). In bf16/fp16 a K+1-token verify and a 1-token step round differently, and
     at a near-tie the argmax flips; then the differences are counted and reported, with the target's
@@ -332,8 +332,16 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
 
 def run(args: BenchArgs) -> list[dict]:
     batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
-    check_ranges(args, repeats="[1, inf)", prompt_len="[1, inf)", max_new_tokens="[1, inf)", threads="[1, inf)")
-    check_writable(args.out, "--out")
+    check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]", max_new_tokens="[1, 10485760]",
+                 threads="[1, 4096]", seed=f"[0, {2**62}]")
+    if args.drafter is not None and args.target is None:
+        raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
+                        f"bench.py builds its own pair: --model)")
+    if args.compile_mode is not None and not args.compile:
+        raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile")
+    if args.target is None and args.model not in ("bigram-35m", *PRESETS):
+        raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
+    check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
@@ -381,7 +389,7 @@ def run(args: BenchArgs) -> list[dict]:
                     runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
                 else:
                     runs[m].append(timed_generate(engines[m], prompts, args.max_new_tokens))
-        differ = check_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
+        differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
         for m in modes:
             tps = [r["total_tokens_per_second"] for r in runs[m]]
             if m == "reference":

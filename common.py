@@ -15,8 +15,10 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import tempfile
+import threading
 from typing import Annotated, Callable, Optional, Union
 
 import torch
@@ -38,13 +40,34 @@ class UserError(Exception):
     """
 
 
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM arrived: the program finishes what it can (prints what is done,
+    marks its outputs incomplete) and `cli_main` exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True) -> int:
     """A program's `main()`: flags parsed by tyro from `args_class`, then `run(args)` (under
     torch.inference_mode unless `inference` is False). A UserError is one line on stderr (rank 0
-    only under torchrun) and exit status 2."""
+    only under torchrun) and exit status 2; SIGINT / SIGTERM raise `Interrupted` inside the run (which
+    may tidy up) and end as one line and exit status 130 / 143."""
     import tyro
 
     args = tyro.cli(args_class, args=sys.argv[1:] if argv is None else argv)
+    try:  # under torchrun every rank meets the same error: rank 0 says it (anyone, if the variables are broken)
+        rank0 = dist_env()[0] == 0
+    except UserError:
+        rank0 = True
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if inference:
             with torch.inference_mode():
@@ -52,9 +75,16 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
         else:
             run(args)
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if rank0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        if rank0:
+            print(f"interrupted by {e}: stopped; what was finished is kept", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
     return 0
 
 
@@ -90,19 +120,33 @@ def _describe(lo: float, hi: float, lo_closed: bool, hi_closed: bool) -> str:
     return " and ".join(s for s in (left, right) if s) or "any number"
 
 
-def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False,
-               skip_blank: bool = False) -> list[int]:
-    """A comma-separated list of integers ("1,2,3"), in the order given; one-line errors naming the flag.
-    skip_blank: empty fields ("1,,2", a trailing comma) are dropped instead of refused."""
-    fields = [x for x in text.split(",") if x.strip()] if skip_blank else text.split(",")
-    try:
-        values = [int(x) for x in fields]
-    except ValueError:
-        raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False) -> list[int]:
+    """A comma-separated list of integers ("1,2,3"), in the order given: ASCII digits only (at most 18
+    per number, an optional leading minus), no empty fields; one-line errors naming the flag."""
+    fields = [x.strip() for x in text.split(",")]
+    for x in fields:
+        digits = x[1:] if x.startswith("-") else x
+        if not (digits.isascii() and digits.isdigit()):
+            raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers"
+                            + (" (an empty field)" if not x else f" ({x!r})"))
+        if len(digits) > 18:
+            raise UserError(f"{flag}: {x[:20]}... is too large")
+    values = [int(x) for x in fields]
     if (positive and any(v < 1 for v in values)) or (distinct and len(set(values)) != len(values)):
         what = " ".join(w for w, on in (("distinct", distinct), ("positive", positive)) if on)
         raise UserError(f"{flag}: {text!r} must be {what} integers")
     return values
+
+
+def free_memory(device) -> int:
+    """Bytes that can still be allocated on `device`: the CUDA allocator's free memory, or the
+    machine's available physical memory (0 when it cannot be read: no check)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def resolve_device(device: Optional[str]) -> str:
@@ -116,6 +160,42 @@ def resolve_device(device: Optional[str]) -> str:
 def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     """--dtype: as given, or bfloat16 on cuda and float32 on cpu."""
     return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables, checked: one process without them."""
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    if env["WORLD_SIZE"] is None and env["RANK"] is None:
+        return 0, 1, 0
+
+    def number(key, default=None):
+        v = env[key] if env[key] is not None else default
+        if v is None or not str(v).isascii() or not str(v).isdigit():
+            raise UserError(f"{key}={env[key]!r}: torchrun's variables are inconsistent (an integer is expected); "
+                            f"start the program with torchrun, or unset WORLD_SIZE, RANK and LOCAL_RANK")
+        return int(v)
+    world, rank, local = number("WORLD_SIZE"), number("RANK"), number("LOCAL_RANK", "0")
+    if world < 1 or rank >= world:
+        raise UserError(f"RANK={rank} with WORLD_SIZE={world}: torchrun's variables are inconsistent")
+    if world > 1 and (not env["MASTER_ADDR"] or not env["MASTER_PORT"]):
+        raise UserError(f"WORLD_SIZE={world} without MASTER_ADDR/MASTER_PORT: start the program with torchrun")
+    return rank, world, local
+
+
+def dist_init(backend: str, world: int, timeout: float):
+    """Join the other processes (torchrun's env:// rendezvous), waiting at most `timeout` seconds."""
+    import datetime
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001 - the store's and backends' errors have many types
+        raise UserError(f"could not reach the other {world - 1} process(es) within {timeout:g} s "
+                        f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}): "
+                        f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}") from None
 
 
 def device_name(device) -> str:
@@ -145,10 +225,10 @@ def read_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: malformed JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # malformed, not UTF-8, a 5000-digit number, nested too deep
+        raise UserError(f"{path}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise UserError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -166,31 +246,63 @@ def read_jsonl(path: str):
                 where = f"{path}:{lineno}"
                 try:
                     obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{where}: malformed JSON ({e})") from None
+                except (ValueError, RecursionError) as e:  # as read_json
+                    raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") \
+                        from None
                 yield where, obj
         except UnicodeDecodeError:
             raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
 
 
 def check_writable(path: Optional[str], flag: str):
-    """Fail before any work if an output path cannot be written: a directory, or a missing folder."""
+    """Fail before any work if an output path cannot be written: empty, a directory, a device or
+    anything else that is not a regular file, or in a missing or unwritable folder. A symbolic link
+    is judged by what it points to (and writes go there, see `atomic_write`)."""
     if path is None:
         return
-    if os.path.isdir(path):
+    if not path.strip():
+        raise UserError(f"{flag}: empty path")
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
         raise UserError(f"{flag} {path}: is a directory, not a file")
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); give a file path")
+    folder = os.path.dirname(real)
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"{flag} {path}: directory {folder} is not writable")
+    if not os.access(folder, os.W_OK) or (os.path.exists(real) and not os.access(real, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable")
+
+
+def check_outputs(outputs: dict, inputs=()):
+    """Before any work: every output (flag -> path, None = not asked for) writable (`check_writable`),
+    no two the same file, and none of them an input — a file the run reads (`inputs`: files, or
+    directories whose files it reads, e.g. a checkpoint directory), whatever links lie between."""
+    seen = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        check_writable(path, flag)
+        real = os.path.realpath(path)
+        if real in seen:
+            raise UserError(f"{flag} {path}: is also {seen[real]}'s output; give each output its own file")
+        seen[real] = flag
+        for src in inputs:
+            if src is None:
+                continue
+            inp = os.path.realpath(src)
+            if real == inp:
+                raise UserError(f"{flag} {path}: is an input of this run ({src}); refusing to overwrite it")
+            if os.path.isdir(inp) and os.path.dirname(real) == inp and os.path.exists(real):
+                raise UserError(f"{flag} {path}: would overwrite a file of the input directory {src}")
 
 
 def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
     """Write `path` whole or not at all: a temporary file in the same directory, flushed and fsynced,
     then renamed over the target. `data` is the text or bytes, or a function that writes a given path
-    (e.g. safetensors' save_file)."""
-    folder = os.path.dirname(os.path.abspath(path))
+    (e.g. safetensors' save_file). A symbolic link keeps pointing at the (new) file it names."""
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -218,5 +330,41 @@ def _new_file_mode(path: str) -> int:
 
 
 def write_json(path: str, obj, indent: Optional[int] = 2):
-    """`obj` as JSON (plus a newline) at `path`, atomically."""
-    atomic_write(path, json.dumps(obj, indent=indent) + "\n")
+    """`obj` as JSON (plus a newline) at `path`, atomically; NaN and infinities are refused (they are
+    not JSON) rather than written."""
+    atomic_write(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
+
+
+class StreamFile:
+    """A text file written as a run goes (a trace, JSON lines), safely: lines go to a temporary file
+    beside the target, flushed and fsynced at each `sync()` (a finished request), and the target
+    appears only at `close()`, whole, by one rename. A run killed outright leaves the target as it was."""
+
+    def __init__(self, path: str):
+        self.path = os.path.realpath(path)
+        fd, self.tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix="." + os.path.basename(self.path) + ".",
+                                        suffix=".tmp")
+        self.f = os.fdopen(fd, "w")
+
+    def write(self, line: str):
+        self.f.write(line)
+
+    def sync(self):
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def abort(self):
+        """Drop the file: the run failed, the target stays as it was."""
+        if not self.f.closed:
+            self.f.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+    def close(self):
+        """Publish the file (also after an interruption: what was written is kept)."""
+        if self.f.closed:
+            return
+        self.sync()
+        self.f.close()
+        os.chmod(self.tmp, _new_file_mode(self.path))
+        os.replace(self.tmp, self.path)

@@ -35,6 +35,7 @@ from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read
                    read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
+MAX_BLOCK = 256  # slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
 
 
 @dataclass
@@ -79,6 +80,9 @@ _RENAMES = {
 
 def _lookup(cfg: dict, key: str, source: str, aliases: tuple[str, ...] = ()):
     """The value of `key` wherever a spelling puts it; conflicting values are an error."""
+    for nested in ("dspark_config", "dflash_config"):
+        if nested in cfg and not isinstance(cfg[nested], dict):
+            raise UserError(f"{source}: {nested!r} must be an object, got {cfg[nested]!r}")
     found = {}
     for name in (key, *aliases):
         for where, d, k in (("dspark_config", cfg.get("dspark_config"), name),
@@ -118,12 +122,14 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     layers = ModelArgs(**_read_layer_shape(cfg, source))
 
     block_size = _lookup(cfg, "block_size", source)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise UserError(f"{source}: 'block_size' must be a positive integer, got {block_size!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK:
+        raise UserError(f"{source}: 'block_size' must be an integer from 1 to {MAX_BLOCK}, got {block_size!r}")
     target_layer_ids = _lookup(cfg, "target_layer_ids", source)
     if not isinstance(target_layer_ids, list) or not target_layer_ids or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in target_layer_ids):
         raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {target_layer_ids!r}")
+    if len(set(target_layer_ids)) != len(target_layer_ids):
+        raise UserError(f"{source}: 'target_layer_ids' {target_layer_ids} names a layer twice")
     mask_token_id = _lookup(cfg, "mask_token_id", source)
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < layers.vocab_size:
         raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_token_id!r}")
@@ -161,7 +167,7 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     if mtype is not None:
         rank = tensors["markov_head.markov_w1.weight"].shape[1]
         declared = _lookup(cfg, "markov_rank", source)
-        if declared is not None and declared != rank:
+        if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared != rank):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
 
     # Confidence head.

@@ -42,9 +42,11 @@ import torch
 import metrics as mt
 import plots
 import scheduler as sched
-from common import AutoBool, UserError, check_ranges, check_writable, cli_main, read_json, write_json
-from speculate import (Engine, Request, auto_chat, auto_compile, cache_length, check_prompts, check_schedulable,
-                       load_models, load_prompts, resolve_scheduler)
+from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, cli_main, dist_env, dist_init,
+                    read_json, write_json)
+from inputs import auto_chat, check_prompts, load_models, load_prompts
+from scheduler import check_schedulable, resolve_scheduler
+from speculate import TEMPERATURES, Engine, Request, auto_compile, cache_length
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -119,6 +121,8 @@ class EvalArgs:
     """Equal-width bins of the expected calibration error (the authors use 20)."""
     step: Optional[int] = None
     """A training step to attach these results to (recorded in --out and in wandb)."""
+    dist_timeout: float = 600.0
+    """Under torchrun: seconds to wait for the other processes before giving up with a message."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,21 +273,17 @@ def calibration_report(rec: dict, split: float, bins: int = ECE_BINS) -> Optiona
 # ----------------------------------------------------------------------------------------
 # Distributed (torchrun): every rank a shard, raw counts summed
 
-def dist_setup(device: str) -> tuple[int, int, str]:
+def dist_setup(device: str, timeout: float) -> tuple[int, int, str]:
     """(rank, world size, device) — one process without torchrun's environment."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world, local = dist_env()
     if world <= 1:
         return 0, 1, device
-    import torch.distributed as dist
-
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available")
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    dist_init("nccl" if device.startswith("cuda") else "gloo", world, timeout)
     return rank, world, device
 
 
@@ -349,6 +349,12 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     if not names:
         raise UserError("--datasets: no dataset named")
+    bad = [n for n in names if n in (".", "..") or any(c in n for c in "/\\\0")]
+    if bad:
+        raise UserError(f"--datasets: {bad[0]!r} is not a dataset name (a <name>.jsonl in --data-dir)")
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:
+        raise UserError(f"--datasets: {twice[0]!r} is named twice")
     out = []
     for name in names:
         path = os.path.join(args.data_dir, f"{name}.jsonl")
@@ -367,18 +373,22 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
 
 def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results. Raises UserError on bad input."""
-    check_ranges(args, batch_size="[1, inf)", max_new_tokens="[1, inf)", max_samples="[1, inf)",
-                 temperature="[0, inf)", confidence_threshold="[0, 1]", calibration_split="[0, 1)",
-                 ece_bins="[1, 10000]", step="[0, inf)")
+    check_ranges(args, batch_size="[1, 65536]", max_new_tokens="[1, 10485760]", max_samples="[1, 10000000]",
+                 temperature="[0, 10000]", confidence_threshold="[0, 1]", calibration_split="[0, 1)",
+                 ece_bins="[1, 10000]", step=f"[0, {2**62}]", seed=f"[0, {2**62}]", dist_timeout="(0, 86400]")
+    if 0 < args.temperature < TEMPERATURES[0]:
+        raise UserError(f"--temperature: invalid value {args.temperature!r} (valid: 0 for greedy, or "
+                        f"{TEMPERATURES[0]:g} to {TEMPERATURES[1]:g})")
     kind = resolve_scheduler(args)
-    for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
-                       ("--calibration-plot", args.calibration_plot)):
-        check_writable(path, flag)
-    plots.check_plot_path(args.calibration_plot, "--calibration-plot")
-    rank, world, device = dist_setup(args.device)
+    rank, world, _ = dist_env()
     datasets = resolve_datasets(args, rank)
+    check_outputs({"--out": args.out, "--calibration-out": args.calibration_out,
+                   "--calibration-plot": args.calibration_plot},
+                  inputs=[args.target, args.drafter, args.calibration, args.sps_table] + [p for _, p, _ in datasets])
+    plots.check_plot_path(args.calibration_plot, "--calibration-plot")
+    rank, world, device = dist_setup(args.device, args.dist_timeout)
     m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
-                    seed=args.seed, verbose=rank == 0)
+                    seed=args.seed)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
     check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
@@ -393,14 +403,18 @@ def run(args: EvalArgs) -> dict:
     # a single process would use: sharding then cannot change a single logit.
     prompts = {}
     for name, path, n in datasets:
-        prompts[name] = select(load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path), n, args.seed)
-        check_prompts(prompts[name], target, args.max_new_tokens, f"{path} ")
+        ps = load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path,
+                          max_len=max(target.args.max_position_embeddings - args.max_new_tokens, 1))
+        prompts[name] = select(ps, n, args.seed)
+        check_prompts(prompts[name], target, args.max_new_tokens, f"{path} ", drafter=drafter)
     max_seq = cache_length(max(len(p) for ps in prompts.values() for p in ps), args.max_new_tokens, drafter)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
                     threshold=args.confidence_threshold, compile=compile)
+    if rank == 0 and drafter is not None:  # every input checked, the caches allocated: say what runs
+        print(m.describe(), file=sys.stderr)
     if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
     if kind == "hardware":
@@ -418,8 +432,15 @@ def run(args: EvalArgs) -> dict:
         if bar is not None:
             bar.set_description(name)
         # All of the shard at once: continuous batching keeps the rows busy; the bar moves per request.
-        engine.generate(requests, args.max_new_tokens,
-                        on_finish=(lambda req: bar.update(world)) if bar is not None else None)
+        try:
+            engine.generate(requests, args.max_new_tokens,
+                            on_finish=(lambda req: bar.update(world)) if bar is not None else None)
+        except Interrupted:
+            if rank == 0:  # what is done stays in --out, marked incomplete and interrupted
+                write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
+                                      "complete": False, "interrupted": True, "datasets": entries,
+                                      "calibration": None})
+            raise
         seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
         c = mt.unflatten(all_sum(mt.flatten(mt.count(requests, K, m.stop_ids)), device), K)
         entries.append(metrics(name, c, seconds))

@@ -73,7 +73,8 @@ class ModelArgs:
                     f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
         elif model_type not in (None, "qwen3"):
             raise UserError(f"{source}: model_type {model_type!r} not supported (supported: qwen3)")
-        return cls(**_read_layer_shape(cfg, source), eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source, "eos_token_id"))
+        shape = _read_layer_shape(cfg, source)
+        return cls(**shape, eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source, "eos_token_id", shape["vocab_size"]))
 
     @property
     def num_params(self) -> int:
@@ -81,14 +82,22 @@ class ModelArgs:
         return sum(p.numel() for p in Transformer(self, device="meta").parameters())
 
 
+# What a config value may be (inclusive): far beyond any published Qwen3, short of what would hang
+# building the model or exhaust memory before the memory check (`check_fits`) can say so.
+LIMITS = {"vocab_size": (1, 10_000_000), "hidden_size": (1, 65_536), "intermediate_size": (1, 1_048_576),
+          "num_hidden_layers": (1, 1_024), "num_attention_heads": (1, 1_024), "num_key_value_heads": (1, 1_024),
+          "head_dim": (1, 4_096), "max_position_embeddings": (1, 10_485_760),
+          "rope_theta": (1.0, 1e12), "rms_norm_eps": (1e-12, 0.1)}
+
+
 def _req(cfg: dict, key: str, source: str, kind=int):
+    """cfg[key]: an integer (or a finite number, kind=float) inside LIMITS[key]; else one line naming it."""
     if key not in cfg:
         raise UserError(f"{source}: missing key {key!r}")
-    v = cfg[key]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-        raise UserError(f"{source}: key {key!r} must be a positive integer, got {v!r}")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-        raise UserError(f"{source}: key {key!r} must be a positive number, got {v!r}")
+    v, (lo, hi) = cfg[key], LIMITS[key]
+    what = "an integer" if kind is int else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int,) if kind is int else (int, float)) or not lo <= v <= hi:
+        raise UserError(f"{source}: key {key!r} must be {what} from {lo:g} to {hi:g}, got {v!r}")
     return kind(v)
 
 
@@ -141,12 +150,13 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
     return out
 
 
-def _eos_ids(v, source: str, key: str) -> tuple[int, ...]:
+def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
     if v is None:
         return ()
     vals = v if isinstance(v, list) else [v]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in vals):
-        raise UserError(f"{source}: key {key!r} must be a token id or a list of them, got {v!r}")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size for x in vals):
+        raise UserError(f"{source}: key {key!r} must be a token id below vocab_size {vocab_size} or a list of "
+                        f"them, got {v!r}")
     return tuple(vals)
 
 
@@ -499,9 +509,13 @@ def safetensors_files(directory: str) -> list[str]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise UserError(f"{index}: missing or empty 'weight_map'")
+        bad = [(k, f) for k, f in weight_map.items() if not isinstance(f, str) or not f or os.path.basename(f) != f]
+        if bad:
+            raise UserError(f"{index}: weight_map[{bad[0][0]!r}] must be a shard file name in the directory, "
+                            f"got {bad[0][1]!r}")
         files = sorted(set(weight_map.values()))
         for f in files:
-            if not isinstance(f, str) or not os.path.isfile(os.path.join(directory, f)):
+            if not os.path.isfile(os.path.join(directory, f)):
                 raise UserError(f"{index}: shard {f!r} not found in {directory}")
         return [os.path.join(directory, f) for f in files]
     if os.path.isfile(single):
@@ -526,9 +540,12 @@ def read_safetensors(files: Sequence[str], dtype: torch.dtype, device, rename=la
                     if name in out:
                         raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
                     t = f.get_tensor(key)
-                    if t.is_floating_point():
-                        t = t.to(dtype)
-                    out[name] = t.to(device)
+                    if not t.is_floating_point():  # every weight of these models is a float
+                        raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, not a "
+                                        f"floating-point weight")
+                    if not torch.isfinite(t).all():
+                        raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
+                    out[name] = t.to(device, dtype)
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path}: cannot read safetensors ({e})") from None
     return out
@@ -596,7 +613,7 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        self.chat_template = _read_chat_template(directory)
+        self.chat_template, self.template_source = _read_chat_template(directory)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -608,37 +625,86 @@ class Tokenizer:
         """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
         if self.chat_template is None:
             return QWEN3_CHAT_FALLBACK.format(prompt=prompt)
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                enable_thinking=thinking)
-        except TemplateError as e:
-            raise UserError(f"chat_template: cannot render ({e})") from None
+        return render_template(self.chat_template, self.template_source, messages=[{"role": "user", "content": prompt}],
+                               add_generation_prompt=True, enable_thinking=thinking)
 
 
-def _read_chat_template(directory: str) -> Optional[str]:
+TEMPLATE_SECONDS = 10            # a chat template that renders longer than this is refused ...
+TEMPLATE_CHARS = 10_000_000      # ... and so is one whose output grows past this many characters
+TEMPLATE_BITS = 100_000          # the largest integer a template may compute (`**`) or string it may repeat (`*`)
+
+
+def render_template(template: str, source: str, **context) -> str:
+    """A chat template rendered in a box: Jinja's immutable sandbox, a time limit, a cap on the output
+    and on the numbers and repetitions it computes. Whatever goes wrong — a template error, a
+    ZeroDivisionError, a runaway loop or power — is one UserError naming `source` (the file)."""
+    import signal
+    import threading
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Boxed(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"**", "*"})
+
+        def call_binop(self, context, operator, left, right):
+            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right))
+            if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
+                raise SecurityError(f"{left} ** {right} is too large")
+            if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
+                seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+                if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
+                    raise SecurityError("a repetition is too long")
+            return super().call_binop(context, operator, left, right)
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+
+    def out_of_time(signum, frame):
+        raise TimeoutError(f"took longer than {TEMPLATE_SECONDS} s")
+
+    env = Boxed(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if timed:
+        previous = signal.signal(signal.SIGALRM, out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    try:
+        parts, size = [], 0
+        for chunk in env.from_string(template).generate(**context):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > TEMPLATE_CHARS:
+                raise SecurityError(f"its output grew past {TEMPLATE_CHARS:,} characters")
+        return "".join(parts)
+    except Exception as e:  # every way a template can fail is the template's, and the user's to fix
+        raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str]]:
+    """(template, the file it came from), or (None, None)."""
     jinja = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja):
-        with open(jinja) as f:
-            return f.read()
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                return f.read(), jinja
+        except UnicodeDecodeError:
+            raise UserError(f"{jinja}: not UTF-8 text") from None
     path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(path):
-        return None
+        return None, None
     t = read_json(path).get("chat_template")
     if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
         named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
         t = named.get("default")
     if t is not None and not isinstance(t, str):
         raise UserError(f"{path}: 'chat_template' must be a string")
-    return t
+    return t, path
 
 
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
@@ -646,6 +712,6 @@ def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
     ids = []
     gen = os.path.join(directory, "generation_config.json")
     if os.path.isfile(gen):
-        ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id")
+        ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size)
     ids += args.eos_token_ids
     return tuple(dict.fromkeys(ids))

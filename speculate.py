@@ -31,9 +31,11 @@ import torch
 import kernels
 import metrics
 import scheduler as sched
-from common import (AutoBool, UserError, check_ranges, check_writable, cli_main, device_name, parse_ints, read_json,
-                    read_jsonl, resolve_device, resolve_dtype, sync)
-from model import Ragged, Tokenizer, Transformer, load_target, random_target, stop_token_ids
+from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, cli_main, device_name,
+                    free_memory, sync)
+from inputs import Models, auto_chat, check_prompts, load_models, load_prompts
+from model import Ragged, Transformer
+from scheduler import check_schedulable, parse_buckets, resolve_scheduler
 
 
 # ----------------------------------------------------------------------------------------
@@ -45,6 +47,7 @@ class Proposal(NamedTuple):
     q: Optional[torch.Tensor]           # [B, K, V] the distributions they were drawn from (None at T=0)
     confidence: Optional[torch.Tensor]  # [B, K] c_1 .. c_K (None without a confidence head)
     verify_len: torch.Tensor            # [B] ℓ: how many of the drafts go to the target, 0 .. K
+    finite: torch.Tensor                # [B] bool: the drafter's logits and confidences are finite
 
 
 def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, temperature: float,
@@ -55,11 +58,14 @@ def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, te
     noise: the chain's Exp(1) noise [B, K, V] (None at T=0)."""
     B = anchor.shape[0]
     if drafter is None:
-        return Proposal(anchor.new_zeros((B, 0)), None, None, anchor.new_zeros((B,)))
+        return Proposal(anchor.new_zeros((B, 0)), None, None, anchor.new_zeros((B,)), active.new_ones((B,)))
     hidden, base_logits = drafter(anchor, anchor_pos)                 # [B, K, H], [B, K, V]
     drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, noise)
     confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
-    return Proposal(drafts, q, confidence, schedule(confidence, active))
+    finite = torch.isfinite(base_logits).all(-1).all(-1)
+    if confidence is not None:
+        finite = finite & torch.isfinite(confidence).all(-1)
+    return Proposal(drafts, q, confidence, schedule(confidence, active), finite)
 
 
 def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature: float,
@@ -74,7 +80,7 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: P
     Returns (record, anchor', anchor_pos'): `pack`ed for the host, and the rows' next anchor at
     anchor_pos + accepted + 1 — moving it is the whole KV rollback.
     """
-    drafts, q, confidence, verify_len = proposal
+    drafts, q, confidence, verify_len, finite = proposal
     B, K = drafts.shape
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
     tokens = torch.cat([anchor[:, None], drafts], dim=1)                  # [B, K+1]
@@ -97,8 +103,9 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: P
     #    round (context is < the new anchor position) and overwritten later.
     if drafter is not None:
         drafter.commit_context(features, positions)
-    return (pack(drafts, verify_len, accepted, next_token, confidence), torch.where(active, next_token, anchor),
-            torch.where(active, anchor_pos + accepted + 1, anchor_pos))
+    finite = finite & torch.isfinite(logits).all(-1).all(-1)  # read with the record: no extra sync
+    return (pack(drafts, verify_len, accepted, next_token, confidence, finite),
+            torch.where(active, next_token, anchor), torch.where(active, anchor_pos + accepted + 1, anchor_pos))
 
 
 class RoundRecord(NamedTuple):
@@ -108,20 +115,22 @@ class RoundRecord(NamedTuple):
     accepted: int
     bonus: int                          # the token committed after the accepted drafts
     confidence: Optional[list[float]]
+    finite: bool                        # every logit and confidence of the round was finite
 
 
-def pack(drafts, verify_len, accepted, next_token, confidence) -> torch.Tensor:
-    """The round's one device->host transfer: [B, 2K+3] float64 = drafts [K], verified, accepted,
-    next token, confidence [K] (zeros without a head). `unpack` reads it back."""
+def pack(drafts, verify_len, accepted, next_token, confidence, finite) -> torch.Tensor:
+    """The round's one device->host transfer: [B, 2K+4] float64 = drafts [K], verified, accepted,
+    next token, finite, confidence [K] (zeros without a head). `unpack` reads it back."""
     if confidence is None:
         confidence = torch.zeros(drafts.shape, device=drafts.device)
-    return torch.cat([drafts, verify_len[:, None], accepted[:, None], next_token[:, None], confidence], 1).double()
+    return torch.cat([drafts, verify_len[:, None], accepted[:, None], next_token[:, None], finite[:, None],
+                      confidence], 1).double()
 
 
 def unpack(packed: torch.Tensor, has_confidence: bool) -> list[RoundRecord]:
-    K = (packed.shape[1] - 3) // 2
+    K = (packed.shape[1] - 4) // 2
     return [RoundRecord([int(x) for x in r[:K]], int(r[K]), int(r[K + 1]), int(r[K + 2]),
-                        r[K + 3:] if has_confidence else None) for r in packed.tolist()]
+                        r[K + 4:] if has_confidence else None, bool(r[K + 3])) for r in packed.tolist()]
 
 
 def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature: float,
@@ -130,7 +139,8 @@ def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature:
     into cache rows 0..len-1 or `rows` (the rows that continuous batching just freed). noise
     [len, V]: the first token's Exp(1) race noise when sampling (None at T=0).
 
-    Returns the first token of every prompt (its first anchor) and its position (the prompt length).
+    Returns the first token of every prompt (its first anchor; -1 where the logits were not finite)
+    and its position (the prompt length).
     Pad positions are written past each prompt's end, where they are masked and later overwritten.
     """
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -141,11 +151,20 @@ def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature:
     logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1, rows=rows)
     if drafter is not None:
         drafter.commit_context(features, positions, rows)
-    return kernels.sample(logits, temperature, None, noise), lens
+    first = kernels.sample(logits, temperature, None, noise)
+    return torch.where(torch.isfinite(logits).all(-1), first, -1), lens  # -1: non-finite logits
 
 
 # ----------------------------------------------------------------------------------------
 # The engine
+
+class NonFinite(UserError):
+    """The target's (or the drafter's) logits were NaN or infinite: the weights or the config are broken."""
+
+    def __init__(self, request: int, where: str):
+        super().__init__(f"request {request}, {where}: the logits or confidences are not finite (NaN or Inf): check "
+                         f"the checkpoints' weights and config (rope_theta, rms_norm_eps) and --temperature")
+
 
 @dataclass
 class Request:
@@ -183,6 +202,18 @@ def compiled(fn, device, mode: Optional[str] = None):
     return frozen
 
 
+def check_cache_memory(target: Transformer, drafter, batch: int, max_seq: int, device):
+    """Refuse, before allocating, KV caches that cannot fit in the device's free memory."""
+    def kv(a, elt):  # K and V of every layer, [batch, max_seq, kv_heads, head_dim]
+        return 2 * a.num_hidden_layers * batch * max_seq * a.num_key_value_heads * a.head_dim * elt
+    elt = target.embed_tokens.weight.element_size()
+    need = kv(target.args, elt) + (kv(drafter.cfg.layers, elt) if drafter is not None else 0)
+    free = free_memory(device)
+    if free and need > 0.9 * free:
+        raise UserError(f"the KV caches for --batch-size {batch} x {max_seq} positions need {need / 2**30:.1f} GiB; "
+                        f"{free / 2**30:.1f} GiB are free on {device}: lower --batch-size or --max-new-tokens")
+
+
 class Engine:
     """Requests through prefill and rounds in `batch_size` rows (continuous batching), with stop
     and budget handling.
@@ -204,6 +235,7 @@ class Engine:
         self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
         self.max_batch, self.temperature, self.device, self.compiled = batch_size, temperature, device, compile
         self.seed = seed  # request i samples from its own generator, seeded seed + i
+        check_cache_memory(target, drafter, batch_size, max_seq, device)
         target.setup_caches(batch_size, max_seq)
         if drafter is not None:
             drafter.setup_caches(batch_size, max_seq)
@@ -295,6 +327,8 @@ class Engine:
                                       noise, dev, rows=None if leading else index)
                 anchor, anchor_pos = anchor.index_copy(0, index, first), anchor_pos.index_copy(0, index, lens)
                 for i, req, t in zip(free, new, first.tolist()):
+                    if t < 0:
+                        raise NonFinite(req.index, "the prefill")
                     self._commit(req, [t], max_new_tokens)
                     if req.finish_reason is None:
                         rows[i] = req
@@ -316,6 +350,8 @@ class Engine:
             for i, (req, rec) in enumerate(zip(rows, unpack(record, has_confidence))):  # the one host read
                 if req is None:
                     continue
+                if not rec.finite:
+                    raise NonFinite(req.index, f"round {len(req.rounds)}")
                 entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
                          "draft": rec.drafts, "confidence": rec.confidence, "verified": rec.verified,
                          "accepted": rec.accepted, "bonus": rec.bonus}
@@ -462,145 +498,6 @@ class Args:
     random weights, to measure speed without downloads (prompts as ids; use bench.py for tables)."""
 
 
-@dataclass
-class Models:
-    """What `load_models` resolves: the models, the tokenizer, the stop ids and the dtype."""
-    target: Transformer
-    drafter: object  # drafter.Drafter or None
-    tokenizer: Optional[Tokenizer]
-    stop_ids: tuple
-    dtype: torch.dtype
-
-
-def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
-                dtype: Optional[str] = None, random_init: Optional[str] = None, calibration: Optional[str] = None,
-                seed: int = 0, verbose: bool = True) -> Models:
-    """The target (and drafter) from directories, or a random-weight preset; with `calibration`, the
-    drafter's confidence temperatures (eval.py --calibration-out)."""
-    if random_init is None and target is None:
-        raise UserError("--target: no target directory given")
-    if random_init is not None and (target is not None or drafter is not None):
-        raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
-    dt = resolve_dtype(dtype, resolve_device(device))
-    d = tokenizer = None
-    if random_init is not None:
-        from drafter import random_drafter
-        t = random_target(random_init, device, dt, seed)
-        d = random_drafter(t)
-        stop_ids = ()
-    else:
-        t = load_target(target, device, dt)
-        stop_ids = stop_token_ids(target, t.args)
-        if os.path.isfile(os.path.join(target, "tokenizer.json")):
-            tokenizer = Tokenizer(target)
-        if drafter is not None:
-            from drafter import load_drafter
-            d = load_drafter(drafter, t, device, dt)
-    if calibration is not None:
-        if d is None or d.confidence_head is None:
-            raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
-        temps, K = read_json(calibration).get("temperatures"), d.cfg.num_drafts
-        if not isinstance(temps, list) or len(temps) != K or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in temps):
-            raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers "
-                            f"(one per draft position), got {temps!r}")
-        d.calibrate(temps)
-    if d is not None and verbose:
-        print(d.cfg.describe() + (" (random weights)" if drafter is None else ""), file=sys.stderr)
-    return Models(t, d, tokenizer, stop_ids, dt)
-
-
-def resolve_scheduler(args) -> str:
-    """--scheduler's value (default: threshold when --confidence-threshold > 0, else none), checked
-    against --confidence-threshold, --sps-table and --verify-buckets before anything is loaded.
-    `args` has those fields (speculate's Args or eval's)."""
-    kind = args.scheduler or ("threshold" if args.confidence_threshold > 0 else "none")
-    if kind == "threshold" and args.confidence_threshold <= 0:
-        raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
-    if args.scheduler in ("none", "hardware") and args.confidence_threshold > 0:
-        raise UserError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
-                        f"uses it, not --scheduler {args.scheduler}")
-    if args.sps_table is not None and kind != "hardware":
-        raise UserError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
-    if getattr(args, "verify_buckets", None) is not None:
-        if kind == "none":
-            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
-        parse_ints(args.verify_buckets, "--verify-buckets", positive=True, distinct=True)
-    return kind
-
-
-def check_schedulable(kind: str, drafter, threshold: float):
-    """A schedule other than none reads the drafts' confidences."""
-    if kind != "none" and (drafter is None or drafter.confidence_head is None):
-        flag = "--confidence-threshold" if threshold > 0 else f"--scheduler {kind}:"
-        raise UserError(f"{flag} needs a --drafter with a confidence head")
-
-
-def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
-    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
-    if text is None:
-        return None
-    buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
-    need = batch * (drafter.cfg.num_drafts + 1)
-    if buckets[-1] < need:
-        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
-                        f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
-    return buckets
-
-
-def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
-                 prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None) -> list[list[int]]:
-    """Token ids of every prompt given by exactly one of prompt, prompt_ids or prompts_file."""
-    given = [f for f, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("prompts_file", prompts_file))
-             if v is not None]
-    if len(given) != 1:
-        raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
-                        + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
-
-    def encode(text: str, where: str) -> list[int]:
-        if tokenizer is None:
-            raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
-        return tokenizer.encode(tokenizer.render_chat(text) if chat else text)
-
-    if prompt is not None:
-        return [encode(prompt, "--prompt")]
-    if prompt_ids is not None:
-        return [parse_ints(prompt_ids, "--prompt-ids", skip_blank=True)]
-    if not os.path.isfile(prompts_file):
-        raise UserError(f"{prompts_file}: prompts file not found")
-    prompts = []
-    for where, row in read_jsonl(prompts_file):
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            prompts.append(encode(row["prompt"], where))
-        elif isinstance(row, dict) and isinstance(row.get("prompt_ids"), list):
-            ids = row["prompt_ids"]
-            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
-            prompts.append(ids)
-        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
-                and isinstance(row["turns"][0], str):
-            prompts.append(encode(row["turns"][0], where))
-        else:
-            raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} or {{\"turns\": [str]}}")
-    if not prompts:
-        raise UserError(f"{prompts_file}: no prompts")
-    return prompts
-
-
-def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens: int, where: str = ""):
-    """Every prompt non-empty, inside the vocabulary, and fitting the context with its budget."""
-    V, context = target.args.vocab_size, target.args.max_position_embeddings
-    for i, p in enumerate(prompts):
-        if not p:
-            raise UserError(f"{where}prompt {i}: empty prompt")
-        bad = [t for t in p if not 0 <= t < V]
-        if bad:
-            raise UserError(f"{where}prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
-        if len(p) + max_new_tokens > context:
-            raise UserError(f"{where}prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
-                            f"the target's context of {context} (max_position_embeddings)")
-
-
 def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
     """Cache rows for a batch: prompt + budget, plus room for a round's block / verify window from a
     finished row's last anchor (which may sit up to K+1 past its budget while other rows go on)."""
@@ -608,14 +505,34 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
     return longest_prompt + max_new_tokens + 2 * width
 
 
-def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
-    """--chat's default: on when the tokenizer has a chat template."""
-    return chat if chat is not None else (tokenizer is not None and tokenizer.chat_template is not None)
-
-
 def auto_compile(compile: Optional[bool], device: str) -> bool:
     """--compile's default: on for cuda, off for cpu."""
     return compile if compile is not None else device.startswith("cuda")
+
+
+MAX_REQUESTS = 10_000_000
+TEMPERATURES = (1e-4, 1e4)  # beyond these, logits / T overflow float32 or sampling is uniform noise
+
+
+def check_args(args: Args):
+    """The flags alone, before anything is loaded."""
+    check_ranges(args, num_samples=f"[1, {MAX_REQUESTS}]", batch_size="[1, 65536]", max_new_tokens="[1, 10485760]",
+                 temperature="[0, 10000]", confidence_threshold="[0, 1]", seed=f"[0, {2**62}]")
+    if 0 < args.temperature < TEMPERATURES[0]:
+        raise UserError(f"--temperature: invalid value {args.temperature!r} (valid: 0 for greedy, or "
+                        f"{TEMPERATURES[0]:g} to {TEMPERATURES[1]:g})")
+    if args.calibration is not None and resolve_scheduler(args) == "none":
+        raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
+                        f"(--scheduler threshold or hardware); without one it changes nothing")
+    sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
+    check_outputs({"--trace-file": args.trace_file, "--sps-table": None if sps_exists else args.sps_table},
+                  inputs=[args.target, args.drafter, args.prompts_file, args.calibration,
+                          args.sps_table if sps_exists else None])
+    if args.kernels != "torch":
+        try:
+            kernels.kernel_set(args.kernels, args.device)
+        except RuntimeError as e:
+            raise UserError(f"--kernels {args.kernels}: {e}") from None
 
 
 def run(args: Args) -> dict:
@@ -625,25 +542,27 @@ def run(args: Args) -> dict:
         no_prompt = args.prompt is None and args.prompt_ids is None and args.prompts_file is None
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
                        prompt=DEMO_PROMPT if no_prompt else args.prompt)  # the demo tokenizer has no template
-    check_ranges(args, num_samples="[1, inf)", batch_size="[1, inf)", max_new_tokens="[1, inf)",
-                 temperature="[0, inf)", confidence_threshold="[0, 1]")
-    check_writable(args.trace_file, "--trace-file")
-    if args.sps_table is not None and not os.path.isfile(args.sps_table):
-        check_writable(args.sps_table, "--sps-table")
+    check_args(args)
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
     check_schedulable(kind, m.drafter, args.confidence_threshold)
+    context = m.target.args.max_position_embeddings
     prompts = load_prompts(tokenizer=m.tokenizer, chat=auto_chat(args.chat, m.tokenizer), prompt=args.prompt,
-                           prompt_ids=args.prompt_ids, prompts_file=args.prompts_file)
-    check_prompts(prompts, m.target, args.max_new_tokens)
+                           prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
+                           max_len=max(context - args.max_new_tokens, 1))
+    check_prompts(prompts, m.target, args.max_new_tokens, drafter=m.drafter)
+    if len(prompts) * args.num_samples > MAX_REQUESTS:
+        raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "
+                        f"than {MAX_REQUESTS:,} requests")
     if demo:  # the baseline first, by the same engine without the drafter, for the side-by-side figures
         baseline = decode(args, m, None, prompts, None, "none")
     summary = decode(args, m, m.drafter, prompts, args.trace_file, kind)
     if demo and baseline["tokens_per_second"] > 0:
         print(f"speed-up: {summary['tokens_per_second'] / baseline['tokens_per_second']:.2f}x "
-              f"(speculative vs autoregressive tokens/s, same prompts, greedy outputs identical: "
-              f"{baseline['outputs'] == summary['outputs']})")
+              f"(speculative vs autoregressive tokens/s, same prompts, greedy outputs "
+              + (f"identical: {baseline['outputs'] == summary['outputs']})" if args.temperature == 0 else "not compared: "
+                 "sampling)"))
     if args.wandb:
         import wandb
         wandb.init(project="dspark-fast", config=asdict(args))
@@ -653,7 +572,9 @@ def run(args: Args) -> dict:
 
 
 def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str], kind: str) -> dict:
-    """Decode every prompt with `drafter` (None: autoregressive), print the texts and one figures line."""
+    """Decode every prompt with `drafter` (None: autoregressive), print the texts and one figures line.
+    Interrupted (Ctrl-C, SIGTERM), it still prints the finished requests and ends the trace with a
+    summary marked "interrupted"; on an error the trace file is left as it was."""
     requests = [Request(i, p) for i, p in enumerate(pp for pp in prompts for _ in range(args.num_samples))]
     batch = min(args.batch_size, len(requests))
     compile = auto_compile(args.compile, args.device)
@@ -662,22 +583,39 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
                     device=args.device, stop_ids=m.stop_ids, scheduler=kind, threshold=args.confidence_threshold,
                     buckets=parse_buckets(args.verify_buckets, batch, drafter) if kind != "none" else None,
                     compile=compile, kernels=args.kernels)
+    if drafter is not None:  # every input checked, the caches allocated: say what runs
+        print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
     if compile:
         engine.warmup()
     if kind == "hardware":
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table))
 
-    trace = open(trace_file, "w") if trace_file else None
-    on_round = (lambda req, rec: trace.write(json.dumps(rec) + "\n")) if trace else None
-    on_finish = (lambda req: trace.write(json.dumps({
-        "request": req.index, "output_ids": req.output_ids, "num_rounds": len(req.rounds),
-        "acceptance_length": metrics.acceptance_length(metrics.count([req], 0, m.stop_ids)),
-        "finish_reason": req.finish_reason}) + "\n")) if trace else None
-    engine.generate(requests, args.max_new_tokens, on_round, on_finish)
-    for req in requests:  # in prompt order, whatever order they finished in
+    trace = StreamFile(trace_file) if trace_file else None
+
+    def on_finish(req: Request):
+        if trace:
+            trace.write(json.dumps({
+                "request": req.index, "output_ids": req.output_ids, "num_rounds": len(req.rounds),
+                "acceptance_length": metrics.acceptance_length(metrics.count([req], 0, m.stop_ids)),
+                "finish_reason": req.finish_reason}, allow_nan=False) + "\n")
+            trace.sync()  # a finished request is on disk
+
+    interrupted = None
+    try:
+        engine.generate(requests, args.max_new_tokens,
+                        (lambda req, rec: trace.write(json.dumps(rec, allow_nan=False) + "\n")) if trace else None,
+                        on_finish)
+    except Interrupted as e:
+        interrupted = e
+    except BaseException:
+        if trace:
+            trace.abort()
+        raise
+    done = [r for r in requests if r.finish_reason is not None]
+    for req in done:  # in prompt order, whatever order they finished in
         print(m.tokenizer.decode(req.output_ids) if m.tokenizer is not None else ",".join(map(str, req.output_ids)))
 
-    c = metrics.count(requests, engine.K, m.stop_ids)
+    c = metrics.count(done, engine.K, m.stop_ids)
     seconds = engine.prefill_seconds + engine.decode_seconds
     summary = {
         "summary": True,
@@ -690,9 +628,13 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         "decode_seconds": engine.decode_seconds,
         "compile_seconds": engine.compile_seconds,
     }
+    if interrupted is not None:
+        summary.update(interrupted=True, finished_requests=len(done), requests=len(requests))
     if trace:
         trace.write(json.dumps(summary) + "\n")
         trace.close()
+    if interrupted is not None:
+        raise interrupted
     tau, rates = summary["acceptance_length"], " ".join(f"{x:.2f}" for x in summary["accept_rate_by_position"])
     print(f"{'speculative' if drafter else 'autoregressive'}: {c['tokens']} tokens in {seconds:.2f} s, "
           f"{summary['tokens_per_second']:.1f} tokens/s, τ={'-' if tau is None else f'{tau:.2f}'}"

@@ -501,7 +501,7 @@ def default_mask_token_id(target_dir: str, V: int) -> int:
 
 def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
     t = target.args
-    ids = (parse_ints(args.target_layer_ids, "--target-layer-ids", skip_blank=True) if args.target_layer_ids
+    ids = (parse_ints(args.target_layer_ids, "--target-layer-ids") if args.target_layer_ids
            else default_layer_ids(t.num_hidden_layers))
     if not ids:
         raise UserError("--target-layer-ids: empty list")
@@ -555,16 +555,45 @@ def load_drafter_weights(drafter: Drafter, directory: str, target_dir: str, num_
 # ----------------------------------------------------------------------------------------
 # The training loop (shared with scripts/train_target.py)
 
+def check_out_dir(args: TrainArgs, inputs):
+    """--out, before any work: a new directory (its parent exists and is writable), or the directory
+    being resumed (--resume DIR --out DIR); never a file, never a model or data the run reads."""
+    out = args.out
+    if out is None:
+        raise UserError("--out: no output directory given")
+    if not out.strip():
+        raise UserError("--out: empty path")
+    real = os.path.realpath(out)
+    for src in inputs:
+        if src is None:
+            continue
+        inp = os.path.realpath(src)
+        if real == inp or real.startswith(inp.rstrip(os.sep) + os.sep):
+            raise UserError(f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
+    if os.path.exists(real) and not os.path.isdir(real):
+        raise UserError(f"--out {out}: is a file, not a directory")
+    resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
+    if os.path.isdir(real) and os.listdir(real) and not resuming_here:
+        raise UserError(f"--out {out}: already holds files (a previous run's?); give a new directory, or continue "
+                        f"that run with --resume {out}")
+    parent = os.path.dirname(real)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
+
+
 def check_train_args(args: TrainArgs, **ranges: str):
     """The shared flags' ranges (and `ranges`, a program's own), --out, one data source, and the saved
     state of --resume. One-line UserErrors."""
-    check_ranges(args, steps="[1, inf)", batch_size="[1, inf)", seq_len="[2, inf)", lr="(0, inf)",
-                 warmup_frac="[0, 1)", min_lr_frac="[0, 1]", grad_clip="[0, inf)", **ranges,
+    check_ranges(args, steps="[1, 100000000]", batch_size="[1, 1000000]", seq_len="[2, 10485760]", lr="(0, 10]",
+                 warmup_frac="[0, 1)", min_lr_frac="[0, 1]", grad_clip="[0, 1e9]", weight_decay="[0, 10]",
+                 init_std="(0, 10]", seed=f"[0, {2**62}]", **ranges,
                  log_every="[1, inf)", save_every="[0, inf)", stop_at=f"[1, {args.steps}]")
-    if args.out is None:
-        raise UserError("--out: no output directory given")
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
+    data = args.data if args.data is not None else args.data_ids
+    if not os.path.exists(data):
+        raise UserError(f"--data{'' if args.data is not None else '-ids'} {data}: file or directory not found")
+    check_out_dir(args, inputs=[data, getattr(args, "target", None), getattr(args, "tokenizer", None)])
     if args.resume:
         if not os.path.isfile(os.path.join(args.resume, STATE_JSON)):
             raise UserError(f"--resume {args.resume}: no {STATE_JSON} there")
@@ -684,8 +713,9 @@ def train_drafter(args: Args) -> dict:
 
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history. Raises UserError on bad input."""
-    check_train_args(args, block_size="[1, inf)", depth="[1, inf)", markov_rank="[1, inf)",
-                     anchors_per_seq="[1, inf)", gamma="(0, inf)")
+    check_train_args(args, block_size="[1, 256]", depth="[1, 1024]", markov_rank="[1, 65536]",
+                     anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]", alpha_tv="[0, 1e6]",
+                     alpha_conf="[0, 1e6]")
     return train_drafter(args)
 
 

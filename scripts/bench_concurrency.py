@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import plots  # noqa: E402
 from bench import timed_generate  # noqa: E402
-from common import (AutoBool, UserError, check_ranges, check_writable, cli_main, device_name, parse_ints,  # noqa: E402
+from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints,  # noqa: E402
                     resolve_device, resolve_dtype, write_json)
 from scheduler import KINDS  # noqa: E402
-from speculate import (DEMO_DIR, Engine, Request, auto_compile, cache_length, check_prompts, load_models,  # noqa: E402
-                       load_prompts)
+from inputs import check_prompts, load_models, load_prompts  # noqa: E402
+from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length  # noqa: E402
 
 
 @dataclass
@@ -106,10 +106,11 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     schedulers = [s.strip() for s in args.schedulers.split(",")]
     if any(s not in KINDS for s in schedulers) or len(set(schedulers)) != len(schedulers):
         raise UserError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(KINDS)}")
-    check_ranges(args, threshold="(0, 1]", repeats="[1, inf)", requests_per_slot="[1, inf)",
-                 max_new_tokens="[1, inf)", temperature="[0, inf)", threads="[1, inf)")
-    check_writable(args.out, "--out")
-    check_writable(args.plot, "--plot")
+    check_ranges(args, threshold="(0, 1]", repeats="[1, 1000]", requests_per_slot="[1, 100000]",
+                 max_new_tokens="[1, 10485760]", temperature="[0, 10000]", threads="[1, 4096]", seed=f"[0, {2**62}]")
+    if args.compile_mode is not None and args.compile is False:
+        raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile")
+    check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, args.prompts_file])
     plots.check_plot_path(args.plot, "--plot")
     demo = args.target is None and args.drafter is None
     target_dir = os.path.join(DEMO_DIR, "target") if demo else args.target
@@ -121,7 +122,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     compile = auto_compile(args.compile, dev)
-    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype, verbose=False)  # the header says it
+    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype)
     target, drafter = m.target, m.drafter
     if args.prompts_file is not None:
         chat = m.tokenizer is not None and m.tokenizer.chat_template is not None

@@ -52,7 +52,7 @@ def test_bench_rows_and_reference_agree(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--repeats", "0"], "--repeats: invalid value 0 (valid: >= 1)"),
+    (["--repeats", "0"], "--repeats: invalid value 0 (valid: 1 to 1000)"),
     (["--batch-sizes", "1,1"], "--batch-sizes: '1,1' must be distinct positive"),
     (["--batch-sizes", "1,x"], "--batch-sizes: '1,x' is not"),
     (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),
@@ -66,7 +66,7 @@ def test_bad_flags(flags, needle, capsys):
 
 
 def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
-    """bench.check_outputs: float32 raises on any difference; bf16 reports each differing request with
+    """bench.compare_outputs: float32 raises on any difference; bf16 reports each differing request with
     the target's top-2 logit gap where it starts (K+1-token verify vs 1-token step rounding)."""
     from model import load_target
 
@@ -75,13 +75,13 @@ def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
     runs = {"autoregressive": [{"outputs": [[7, 8, 9], [10, 11]]}],
             "speculative": [{"outputs": [[7, 8, 9], [10, 12]]}]}
     with pytest.raises(AssertionError, match="speculative .* different tokens"):
-        bench.check_outputs(runs, prompts, target, exact=True, what="batch 2")
-    differ = bench.check_outputs(runs, prompts, target, exact=False, what="batch 2")
+        bench.compare_outputs(runs, prompts, target, exact=True, what="batch 2")
+    differ = bench.compare_outputs(runs, prompts, target, exact=False, what="batch 2")
     assert list(differ) == ["speculative"]
     (d,) = differ["speculative"]
     assert d["request"] == 1 and d["first_token"] == 1 and d["logit_gap"] >= 0
     runs["speculative"][0]["outputs"][1] = [10, 11]
-    assert bench.check_outputs(runs, prompts, target, exact=True, what="batch 2") == {}
+    assert bench.compare_outputs(runs, prompts, target, exact=True, what="batch 2") == {}
 
 
 def test_device_script_dry_run(tmp_path):

@@ -12,6 +12,7 @@ import torch
 
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
+import inputs
 import speculate
 
 
@@ -227,8 +228,8 @@ def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsy
 
     class Tok:
         chat_template = "{{ x }}"
-    assert speculate.auto_chat(None, Tok()) is True and speculate.auto_chat(False, Tok()) is False
-    assert speculate.auto_chat(None, None) is False and speculate.auto_chat(True, None) is True
+    assert inputs.auto_chat(None, Tok()) is True and inputs.auto_chat(False, Tok()) is False
+    assert inputs.auto_chat(None, None) is False and inputs.auto_chat(True, None) is True
     assert speculate.auto_compile(None, "cuda") and not speculate.auto_compile(None, "cpu")
     assert speculate.auto_compile(True, "cpu") and not speculate.auto_compile(False, "cuda")
     with pytest.raises(SystemExit):

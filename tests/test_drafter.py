@@ -501,7 +501,7 @@ def engine_round(tgt, d, anchor, apos):
     engine = speculate.Engine(tgt, d, batch_size=B, max_seq=tgt.max_seq)  # same size: the caches are kept
     record, _, _ = engine.round(anchor, apos, torch.ones_like(anchor, dtype=torch.bool), None)
     K = d.cfg.num_drafts
-    assert record.shape == (B, 2 * K + 3)
+    assert record.shape == (B, 2 * K + 4)
     rec = speculate.unpack(record, has_confidence=False)
     return (torch.tensor([r.drafts for r in rec]), torch.tensor([r.accepted for r in rec]),
             torch.tensor([r.bonus for r in rec]))
@@ -621,13 +621,15 @@ def test_batch_where_one_row_finishes_first(ck, capsys):
 def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
     d = ck.drafter("calibrated")
     base = tmp_path / "base.jsonl"
-    rc, out = run_cli(capsys, ck, d, trace=base)
+    # The temperatures act where a schedule reads the confidences: a threshold that admits everything.
+    scheduled = ["--confidence-threshold", "1e-12"]
+    rc, out = run_cli(capsys, ck, d, *scheduled, trace=base)
     assert rc == 0, out.err
     temps = [0.5, 1.0, 2.0, 4.0]
     cal = tmp_path / "sts.json"
     cal.write_text(json.dumps({"temperatures": temps}))
     scaled = tmp_path / "scaled.jsonl"
-    rc, out = run_cli(capsys, ck, d, "--calibration", str(cal), trace=scaled)
+    rc, out = run_cli(capsys, ck, d, *scheduled, "--calibration", str(cal), trace=scaled)
     assert rc == 0, out.err
     r0, r1 = rounds_of(read_trace(base)), rounds_of(read_trace(scaled))
     assert [r["draft"] for r in r0] == [r["draft"] for r in r1]  # greedy drafts do not depend on it
@@ -637,7 +639,7 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
             assert c_cal == pytest.approx(1 / (1 + math.exp(-logit / t)), rel=1e-4, abs=1e-6)
     for bad in ({"temperatures": [1.0, 2.0]}, {"temperatures": [1, 1, 0, 1]}, {"nothing": 1}, [1, 2]):
         cal.write_text(json.dumps(bad))
-        rc, out = run_cli(capsys, ck, d, "--calibration", str(cal))
+        rc, out = run_cli(capsys, ck, d, *scheduled, "--calibration", str(cal))
         assert rc != 0 and len(out.err.strip().splitlines()) == 1 and "sts.json" in out.err, out.err
 
 

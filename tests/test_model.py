@@ -310,7 +310,7 @@ def test_config_missing_required_key(tiny_target, tmp_path, key):
 def test_config_bad_integer(tiny_target, tmp_path, value):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(hidden_size=value))
-    with pytest.raises(UserError, match="'hidden_size' must be a positive integer"):
+    with pytest.raises(UserError, match="'hidden_size' must be an integer from 1 to"):
         m.load_target(str(d))
 
 

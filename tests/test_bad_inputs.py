@@ -1,0 +1,509 @@
+"""Bad inputs as a corpus: every one exits 2 with exactly one stderr line naming the culprit, and
+every input file is byte-identical afterwards (hashed before and after).
+
+Each case names a program (speculate, eval, bench, concurrency = scripts/bench_concurrency.py, train),
+its arguments (built from a small world of files: a tiny target with tokenizer and chat template,
+a drafter, prompts, a dataset directory, a calibration file; cases that need a broken file make
+their own copy) and a needle the error line must contain. All cases run in-process through the
+program's `main()`; the ones marked `sub` also run as real subprocesses (a real exit status, real
+stderr).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, edit_config, make_target_dir
+from drafters import make_drafter
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import bench  # noqa: E402
+import bench_concurrency  # noqa: E402
+import eval as ev  # noqa: E402
+import model  # noqa: E402
+import speculate  # noqa: E402
+import train  # noqa: E402
+
+PROGRAMS = {"speculate": (speculate.main, "speculate.py"), "eval": (ev.main, "eval.py"),
+            "bench": (bench.main, "bench.py"), "concurrency": (bench_concurrency.main, "scripts/bench_concurrency.py"),
+            "train": (train.main, "train.py")}
+K = 4
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = tmp_path_factory.mktemp("world")
+    make_target_dir(w / "target", vocab_size=64, max_position_embeddings=128)
+    make_drafter(w / "drafter", str(w / "target"), block_size=K, oracle=True)
+    (w / "prompts.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    (w / "data").mkdir()
+    (w / "data" / "gsm8k.jsonl").write_text(json.dumps({"turns": ["hello world"]}) + "\n")
+    (w / "cal.json").write_text(json.dumps({"temperatures": [1.0] * K}))
+    (w / "corpus.txt").write_text("hello world . " * 200)
+    return w
+
+
+def hashes(root: Path) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------------------
+# Broken copies of the world's files (each case makes its own, in its own folder)
+
+def target_with(w, tmp, edit=None, tensors=None, files=None):
+    """A copy of the target with config.json edited (`edit(cfg)`), tensors replaced, or files written."""
+    t = tmp / "target"
+    shutil.copytree(w / "target", t)
+    if edit is not None:
+        edit_config(t, edit)
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+        ts = load_file(str(t / "model.safetensors"))
+        tensors(ts)
+        save_file(ts, str(t / "model.safetensors"))
+    for name, content in (files or {}).items():
+        (t / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(t)
+
+
+def drafter_with(w, tmp, edit):
+    d = tmp / "drafter"
+    shutil.copytree(w / "drafter", d)
+    edit_config(d, edit)
+    return str(d)
+
+
+def raw_config(w, tmp, text):
+    """A target whose config.json is the given text (not necessarily JSON we would write)."""
+    return target_with(w, tmp, files={"config.json": text})
+
+
+def template(text):
+    return lambda w, tmp: target_with(w, tmp, files={"chat_template.jinja": text})
+
+
+def P(target, text="hi"):  # a text prompt (rendered with the chat template) and a budget that fits
+    return ["--target", target, "--prompt", text, "--max-new-tokens", "2"]
+
+
+def prompts_file(tmp, text, name="p.jsonl"):
+    p = tmp / name
+    p.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+    return str(p)
+
+
+def nested(depth):
+    return "[" * depth + "]" * depth
+
+
+# ----------------------------------------------------------------------------------------
+# The corpus: (id, program, args(w, tmp) -> list, needle, sub)
+
+def S(w):  # speculate with the world's models and a prompt
+    return ["--target", w / "target", "--drafter", w / "drafter", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]
+
+
+def E(w):  # eval with the world's models and data
+    return ["--target", w / "target", "--drafter", w / "drafter", "--data-dir", w / "data", "--datasets", "gsm8k",
+            "--max-new-tokens", "4", "--no-progress"]
+
+
+def T(w, tmp):  # train with the world's target and corpus
+    return ["--target", w / "target", "--data", w / "corpus.txt", "--out", tmp / "out", "--steps", "2",
+            "--seq-len", "16", "--batch-size", "1", "--block-size", "2", "--depth", "1", "--markov-rank", "8",
+            "--no-progress"]
+
+
+def nan_rope(cfg):
+    cfg["rope_parameters"]["rope_theta"] = float("nan")
+
+
+CASES = [
+    # ---- speculate.py: flags
+    ("max-new-0", "speculate", lambda w, t: S(w)[:-1] + ["0"], "--max-new-tokens: invalid value 0", True),
+    ("max-new-neg", "speculate", lambda w, t: S(w)[:-1] + ["-5"], "--max-new-tokens", False),
+    ("num-samples-0", "speculate", lambda w, t: S(w) + ["--num-samples", "0"], "--num-samples", False),
+    ("num-samples-huge", "speculate", lambda w, t: S(w) + ["--num-samples", "1000000000"], "--num-samples", False),
+    ("batch-0", "speculate", lambda w, t: S(w) + ["--batch-size", "0"], "--batch-size", False),
+    ("temp-neg", "speculate", lambda w, t: S(w) + ["--temperature", "-1"], "--temperature", False),
+    ("temp-nan", "speculate", lambda w, t: S(w) + ["--temperature", "nan"], "--temperature: invalid value nan", True),
+    ("temp-inf", "speculate", lambda w, t: S(w) + ["--temperature", "inf"], "--temperature", False),
+    ("temp-tiny", "speculate", lambda w, t: S(w) + ["--temperature", "1e-40"], "--temperature", True),
+    ("threshold-big", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "1.5"], "--confidence-threshold", False),
+    ("threshold-nan", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "nan"], "--confidence-threshold", False),
+    ("seed-neg", "speculate", lambda w, t: S(w) + ["--seed", "-1"], "--seed", False),
+    ("seed-huge", "speculate", lambda w, t: S(w) + ["--seed", "99999999999999999999"], "--seed", True),
+    # ---- speculate.py: prompts
+    ("ids-empty-field", "speculate", lambda w, t: S(w)[:5] + ["5,,6"] + S(w)[6:], "--prompt-ids", True),
+    ("ids-arabic-digits", "speculate", lambda w, t: S(w)[:5] + ["١,٢"] + S(w)[6:], "--prompt-ids", True),
+    ("ids-letters", "speculate", lambda w, t: S(w)[:5] + ["1,x"] + S(w)[6:], "--prompt-ids", False),
+    ("ids-5000-digits", "speculate", lambda w, t: S(w)[:5] + ["5" * 5000] + S(w)[6:], "too large", True),
+    ("ids-outside-vocab", "speculate", lambda w, t: S(w)[:5] + ["1,99999"] + S(w)[6:], "outside the vocabulary", False),
+    ("ids-negative", "speculate", lambda w, t: S(w)[:5] + ["-3"] + S(w)[6:], "outside the vocabulary", False),
+    ("ids-trailing-comma", "speculate", lambda w, t: S(w)[:5] + ["1,2,"] + S(w)[6:], "--prompt-ids", False),
+    ("two-prompt-flags", "speculate", lambda w, t: S(w) + ["--prompt", "hello"], "exactly one", True),
+    ("no-prompt", "speculate", lambda w, t: S(w)[:4] + S(w)[6:], "exactly one", False),
+    ("prompts-missing", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", t / "none.jsonl"] + S(w)[6:],
+     "none.jsonl: prompts file not found", False),
+    ("prompts-bad-json", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, '{"prompt": \n')]
+     + S(w)[6:], "p.jsonl:1: malformed JSON", True),
+    ("prompts-not-utf8", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, b'{"prompt": "\xff"}\n')]
+     + S(w)[6:], "not UTF-8", False),
+    ("prompts-two-kinds", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, json.dumps({"prompt": "hi", "prompt_ids": [1]}) + "\n")] + S(w)[6:], "prompt and prompt_ids", True),
+    ("prompts-float-id", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, '{"prompt_ids": [1, 2.5]}\n')] + S(w)[6:], "'prompt_ids' must be a list of integers", False),
+    ("prompts-5000-digit-id", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, '{"prompt_ids": [' + "7" * 5000 + ']}\n')] + S(w)[6:], "malformed JSON", False),
+    ("prompts-empty", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, "\n\n")] + S(w)[6:],
+     "no prompts", False),
+    ("prompts-surrogate", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, '{"prompt": "a\\ud800b"}\n')] + S(w)[6:], "not valid Unicode", True),
+    ("prompts-nested", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, '{"prompt": ' + nested(100000) + '}\n')] + S(w)[6:], "malformed JSON", False),
+    ("prompts-list-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, "[1, 2]\n")]
+     + S(w)[6:], "expected", False),
+    ("prompts-empty-turns", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, '{"turns": []}\n')] + S(w)[6:], "expected", False),
+    ("prompt-too-long", "speculate", lambda w, t: S(w)[:4] + ["--prompt", "hello " * 100000] + S(w)[6:],
+     "longer than", False),
+    ("prompt-ids-too-long", "speculate", lambda w, t: S(w)[:5] + [",".join(["5"] * 200)] + S(w)[6:],
+     "exceed", False),
+    ("budget-beyond-context", "speculate", lambda w, t: S(w)[:-1] + ["100000"], "exceed", False),
+    # ---- speculate.py: outputs
+    ("trace-empty", "speculate", lambda w, t: S(w) + ["--trace-file", ""], "--trace-file: empty path", True),
+    ("trace-is-prompts", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"] + S(w)[6:]
+     + ["--trace-file", w / "prompts.jsonl"], "input of this run", True),
+    ("trace-is-config", "speculate", lambda w, t: S(w) + ["--trace-file", w / "target" / "config.json"],
+     "input directory", True),
+    ("trace-is-weights", "speculate", lambda w, t: S(w) + ["--trace-file", w / "drafter" / "model.safetensors"],
+     "input directory", False),
+    ("trace-is-calibration", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                              w / "cal.json", "--trace-file", w / "cal.json"],
+     "input of this run", False),
+    ("trace-dev-full", "speculate", lambda w, t: S(w) + ["--trace-file", "/dev/full"], "not a regular file", True),
+    ("trace-directory", "speculate", lambda w, t: S(w) + ["--trace-file", t], "is a directory", False),
+    ("trace-missing-folder", "speculate", lambda w, t: S(w) + ["--trace-file", t / "no" / "t.jsonl"],
+     "does not exist", False),
+    ("trace-symlink-to-input", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"] + S(w)[6:]
+     + ["--trace-file", link(t, w / "prompts.jsonl")], "input of this run", False),
+    ("sps-same-as-trace", "speculate", lambda w, t: S(w) + ["--scheduler", "hardware", "--sps-table", t / "x.json",
+                                                           "--trace-file", t / "x.json"], "also", False),
+    # ---- speculate.py: the target
+    ("target-missing", "speculate", lambda w, t: ["--target", t / "nope", "--prompt-ids", "1"], "not found", True),
+    ("target-is-file", "speculate", lambda w, t: ["--target", w / "cal.json", "--prompt-ids", "1"], "not found", False),
+    ("rope-nan", "speculate", lambda w, t: ["--target", target_with(w, t, nan_rope), "--prompt-ids", "1"],
+     "rope_theta", True),
+    ("rope-inf", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c["rope_parameters"].update(rope_theta=float("inf"))), "--prompt-ids", "1"], "rope_theta", False),
+    ("rope-tiny", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c["rope_parameters"].update(rope_theta=1e-300)), "--prompt-ids", "1"], "rope_theta", False),
+    ("eps-nan", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(rms_norm_eps=float("nan"))),
+                                          "--prompt-ids", "1"], "rms_norm_eps", False),
+    ("eps-negative", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(rms_norm_eps=-1)),
+                                               "--prompt-ids", "1"], "rms_norm_eps", False),
+    ("layers-billion", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(num_hidden_layers=1_000_000_000)), "--prompt-ids", "1"], "num_hidden_layers", True),
+    ("vocab-zero", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(vocab_size=0)),
+                                             "--prompt-ids", "1"], "vocab_size", False),
+    ("hidden-string", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(hidden_size="32")),
+                                                "--prompt-ids", "1"], "hidden_size", False),
+    ("heads-float", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(num_attention_heads=4.0)), "--prompt-ids", "1"], "num_attention_heads", False),
+    ("eos-outside-vocab", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(eos_token_id=10**9)), "--prompt-ids", "1"], "eos_token_id", True),
+    ("gen-eos-negative", "speculate", lambda w, t: ["--target", target_with(
+        w, t, files={"generation_config.json": json.dumps({"eos_token_id": [-1]})}), "--prompt-ids", "1"],
+     "generation_config.json", False),
+    ("config-nested", "speculate", lambda w, t: ["--target", raw_config(w, t, nested(100000)), "--prompt-ids", "1"],
+     "config.json: malformed JSON", False),
+    ("config-list", "speculate", lambda w, t: ["--target", raw_config(w, t, "[1, 2]"), "--prompt-ids", "1"],
+     "expected a JSON object", False),
+    ("config-not-utf8", "speculate", lambda w, t: ["--target", raw_config(w, t, '{"a": "\xff"}'.encode("latin-1")),
+                                                  "--prompt-ids", "1"], "config.json", False),
+    ("config-no-rope", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.pop("rope_parameters")),
+                                                 "--prompt-ids", "1"], "rope_theta", False),
+    ("weights-int", "speculate", lambda w, t: ["--target", target_with(
+        w, t, tensors=lambda ts: ts.update({"model.norm.weight": ts["model.norm.weight"].long()})), "--prompt-ids", "1"],
+     "not a floating-point weight", False),
+    ("weights-bool", "speculate", lambda w, t: ["--target", target_with(
+        w, t, tensors=lambda ts: ts.update({"model.norm.weight": ts["model.norm.weight"] > 0})), "--prompt-ids", "1"],
+     "not a floating-point weight", False),
+    ("weights-nan", "speculate", lambda w, t: ["--target", target_with(
+        w, t, tensors=lambda ts: ts["model.norm.weight"].fill_(float("nan"))), "--prompt-ids", "1"],
+     "NaN or infinite", True),
+    ("weights-inf", "speculate", lambda w, t: ["--target", target_with(
+        w, t, tensors=lambda ts: ts["lm_head.weight"].__setitem__((0, 0), float("inf"))), "--prompt-ids", "1"],
+     "NaN or infinite", False),
+    ("shard-index-ints", "speculate", lambda w, t: ["--target", sharded_bad_index(w, t), "--prompt-ids", "1"],
+     "weight_map", False),
+    # ---- speculate.py: chat templates (text prompts are rendered with it)
+    ("template-zero-division", "speculate", lambda w, t: P(template("{{ 1 / 0 }}")(w, t)),
+     "chat_template.jinja: cannot render", True),
+    ("template-huge-power", "speculate", lambda w, t: P(template("{{ 10 ** 100000 }}")(w, t)), "chat_template.jinja", True),
+    ("template-huge-output", "speculate", lambda w, t: P(template("{{ 'x' * 400000000 }}")(w, t)), "chat_template.jinja", False),
+    ("template-recursion", "speculate", lambda w, t: P(template(
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")(w, t)), "chat_template.jinja", False),
+    ("template-type-error", "speculate", lambda w, t: P(template("{{ messages + 1 }}")(w, t)), "chat_template.jinja", False),
+    ("template-syntax", "speculate", lambda w, t: P(template("{% if %}")(w, t)),
+     "chat_template.jinja", False),
+    ("template-not-utf8", "speculate", lambda w, t: P(target_with(
+        w, t, files={"chat_template.jinja": b"\xff\xfe{{ x }}"})), "not UTF-8", False),
+    ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
+    ("template-overflow", "speculate", lambda w, t: P(template("{{ (10 ** 400) * 1.0 }}")(w, t)), "chat_template.jinja", False),
+    # ---- speculate.py: the drafter
+    ("drafter-missing", "speculate", lambda w, t: S(w)[:2] + ["--drafter", t / "nope"] + S(w)[4:], "not found", False),
+    ("drafter-dup-layers", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(target_layer_ids=[0, 0]))] + S(w)[4:], "names a layer twice", True),
+    ("drafter-rank-float", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(markov_rank=64.0))] + S(w)[4:], "markov_rank", False),
+    ("drafter-dspark-config-string", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(dspark_config="x"))] + S(w)[4:], "dspark_config", False),
+    ("drafter-block-huge", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(block_size=10_000_000))] + S(w)[4:], "block_size", False),
+    ("drafter-max-positions", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(max_position_embeddings=8))] + S(w)[4:-1] + ["10"], "drafter's context", False),
+    ("drafter-vocab", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(vocab_size=65))] + S(w)[4:], "has shape", False),
+    ("drafter-without-target", "speculate", lambda w, t: ["--drafter", w / "drafter", "--prompt-ids", "1"],
+     "--target", False),
+    # ---- speculate.py: flags that depend on each other
+    ("calibration-unscheduled", "speculate", lambda w, t: S(w) + ["--calibration", w / "cal.json"],
+     "changes nothing", True),
+    ("calibration-length", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                            prompts_file(t, '{"temperatures": [1.0]}', "c.json")],
+     "temperatures", False),
+    ("calibration-nan", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                         prompts_file(t, '{"temperatures": [NaN, 1, 1, 1]}', "c.json")],
+     "temperatures", False),
+    ("scheduler-threshold-no-value", "speculate", lambda w, t: S(w) + ["--scheduler", "threshold"],
+     "--confidence-threshold", False),
+    ("sps-table-unscheduled", "speculate", lambda w, t: S(w) + ["--sps-table", t / "s.json"], "--sps-table", False),
+    ("buckets-unscheduled", "speculate", lambda w, t: S(w) + ["--verify-buckets", "4,8"], "--verify-buckets", False),
+    ("buckets-zero", "speculate", lambda w, t: S(w) + ["--scheduler", "hardware", "--verify-buckets", "0,10"],
+     "--verify-buckets", False),
+    ("triton-on-cpu", "speculate", lambda w, t: S(w) + ["--kernels", "triton"], "--kernels triton", False),
+    ("random-init-and-target", "speculate", lambda w, t: S(w) + ["--random-init", "qwen3-8b"], "--random-init", False),
+    ("cuda-without-gpu", "speculate", lambda w, t: S(w) + ["--device", "cuda"], "--device cuda", False),
+    ("memory-too-big", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(max_position_embeddings=10_000_000)), "--prompt-ids", "1", "--max-new-tokens",
+        "9000000", "--num-samples", "4096", "--batch-size", "4096"], "GiB", True),
+
+    # ---- eval.py
+    ("eval-datasets-twice", "eval", lambda w, t: E(w)[:7] + ["gsm8k,gsm8k"] + E(w)[8:], "named twice", True),
+    ("eval-datasets-path", "eval", lambda w, t: E(w)[:7] + ["../p"] + E(w)[8:], "not a dataset name", False),
+    ("eval-datasets-empty", "eval", lambda w, t: E(w)[:7] + [","] + E(w)[8:], "no dataset named", False),
+    ("eval-datasets-unknown", "eval", lambda w, t: E(w)[:7] + ["nosuch"] + E(w)[8:], "unknown dataset", False),
+    ("eval-data-dir-missing", "eval", lambda w, t: E(w)[:5] + [t / "nope"] + E(w)[6:], "directory not found", False),
+    ("eval-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", w / "data" / "gsm8k.jsonl"], "input of this run", True),
+    ("eval-out-empty", "eval", lambda w, t: E(w) + ["--out", ""], "--out: empty path", False),
+    ("eval-out-dev", "eval", lambda w, t: E(w) + ["--out", "/dev/full"], "not a regular file", True),
+    ("eval-out-dir", "eval", lambda w, t: E(w) + ["--out", t], "is a directory", False),
+    ("eval-out-symlink-to-dataset", "eval", lambda w, t: E(w) + ["--out", link(t, w / "data" / "gsm8k.jsonl")],
+     "input of this run", False),
+    ("eval-cal-out-is-out", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-out", t / "r.json"],
+     "also", False),
+    ("eval-cal-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-out",
+                                                            w / "data" / "gsm8k.jsonl"], "input of this run", False),
+    ("eval-plot-is-weights", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-plot",
+                                                         w / "target" / "model.safetensors"], "input directory", True),
+    ("eval-plot-pdf", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-plot", t / "r.pdf"],
+     ".png or .svg", False),
+    ("eval-max-samples-0", "eval", lambda w, t: E(w) + ["--max-samples", "0"], "--max-samples", False),
+    ("eval-batch-0", "eval", lambda w, t: E(w) + ["--batch-size", "0"], "--batch-size", False),
+    ("eval-temp-nan", "eval", lambda w, t: E(w) + ["--temperature", "nan"], "--temperature", False),
+    ("eval-temp-tiny", "eval", lambda w, t: E(w) + ["--temperature", "1e-30"], "--temperature", False),
+    ("eval-split-1", "eval", lambda w, t: E(w) + ["--calibration-split", "1"], "--calibration-split", False),
+    ("eval-bins-0", "eval", lambda w, t: E(w) + ["--ece-bins", "0"], "--ece-bins", False),
+    ("eval-step-neg", "eval", lambda w, t: E(w) + ["--step", "-1"], "--step", False),
+    ("eval-seed-neg", "eval", lambda w, t: E(w) + ["--seed", "-5"], "--seed", False),
+    ("eval-timeout-0", "eval", lambda w, t: E(w) + ["--dist-timeout", "0"], "--dist-timeout", False),
+    ("eval-dataset-bad-json", "eval", lambda w, t: E(w)[:5] + [data_dir(t, "{\n")] + E(w)[6:], "gsm8k.jsonl:1", False),
+    ("eval-dataset-no-turns", "eval", lambda w, t: E(w)[:5] + [data_dir(t, '{"text": "x"}\n')] + E(w)[6:],
+     "gsm8k.jsonl:1", False),
+    ("eval-cal-out-no-sts", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-split", "0",
+                                                        "--calibration-out", t / "c.json"], "needs STS", False),
+    ("eval-hardware-threshold", "eval", lambda w, t: E(w) + ["--scheduler", "hardware", "--confidence-threshold", "0.5"],
+     "--confidence-threshold", False),
+    ("eval-target-missing", "eval", lambda w, t: ["--target", t / "nope", "--data-dir", w / "data", "--datasets",
+                                                  "gsm8k"], "not found", False),
+    ("eval-prompt-too-long", "eval", lambda w, t: E(w)[:5] + [data_dir(t, json.dumps({"turns": ["hello " * 300]})
+                                                                       + "\n")] + E(w)[6:], "exceed", False),
+
+    # ---- bench.py
+    ("bench-batch-dup", "bench", lambda w, t: ["--batch-sizes", "1,1"], "--batch-sizes: '1,1' must be distinct", False),
+    ("bench-batch-0", "bench", lambda w, t: ["--batch-sizes", "0"], "--batch-sizes", False),
+    ("bench-batch-x", "bench", lambda w, t: ["--batch-sizes", "x"], "--batch-sizes", False),
+    ("bench-repeats-0", "bench", lambda w, t: ["--repeats", "0"], "--repeats", False),
+    ("bench-new-0", "bench", lambda w, t: ["--max-new-tokens", "0"], "--max-new-tokens", False),
+    ("bench-threads-0", "bench", lambda w, t: ["--threads", "0"], "--threads", False),
+    ("bench-threads-neg", "bench", lambda w, t: ["--threads", "-1"], "--threads", True),
+    ("bench-prompt-0", "bench", lambda w, t: ["--prompt-len", "0"], "--prompt-len", False),
+    ("bench-drafter-alone", "bench", lambda w, t: ["--drafter", w / "drafter"], "--drafter", True),
+    ("bench-mode-no-compile", "bench", lambda w, t: ["--compile-mode", "default", "--no-compile"], "--compile-mode",
+     True),
+    ("bench-model-unknown", "bench", lambda w, t: ["--model", "gpt5"], "--model", False),
+    ("bench-out-root", "bench", lambda w, t: ["--out", "/"], "is a directory", False),
+    ("bench-out-empty", "bench", lambda w, t: ["--out", ""], "empty path", False),
+    ("bench-out-in-target", "bench", lambda w, t: ["--target", w / "target", "--out", w / "target" / "config.json"],
+     "input directory", False),
+    ("bench-seed-neg", "bench", lambda w, t: ["--seed", "-1"], "--seed", False),
+    ("bench-target-missing", "bench", lambda w, t: ["--target", t / "nope", "--no-compile"], "not found", False),
+    # ---- scripts/bench_concurrency.py
+    ("conc-zero", "concurrency", lambda w, t: ["--concurrency", "0"], "--concurrency", False),
+    ("conc-letters", "concurrency", lambda w, t: ["--concurrency", "1,x"], "--concurrency", False),
+    ("conc-scheduler", "concurrency", lambda w, t: ["--concurrency", "2", "--schedulers", "none,fast"], "--schedulers",
+     False),
+    ("conc-threshold-0", "concurrency", lambda w, t: ["--concurrency", "2", "--threshold", "0"], "--threshold", False),
+    ("conc-plot-pdf", "concurrency", lambda w, t: ["--concurrency", "2", "--plot", t / "c.pdf"], ".png or .svg", False),
+    ("conc-out-is-prompts", "concurrency", lambda w, t: ["--concurrency", "2", "--prompts-file", w / "prompts.jsonl",
+                                                         "--out", w / "prompts.jsonl"], "input of this run", True),
+    ("conc-prompts-missing", "concurrency", lambda w, t: ["--concurrency", "2", "--target", w / "target", "--drafter",
+                                                          w / "drafter", "--prompts-file", t / "n.jsonl"],
+     "not found", False),
+    ("conc-target-only", "concurrency", lambda w, t: ["--concurrency", "2", "--target", w / "target"], "give both",
+     False),
+    ("conc-mode-no-compile", "concurrency", lambda w, t: ["--concurrency", "2", "--compile-mode", "default",
+                                                          "--no-compile"], "--compile-mode", False),
+
+    # ---- train.py
+    ("train-steps-0", "train", lambda w, t: T(w, t) + ["--steps", "0"], "--steps", False),
+    ("train-lr-inf", "train", lambda w, t: T(w, t) + ["--lr", "inf"], "--lr: invalid value inf", True),
+    ("train-lr-nan", "train", lambda w, t: T(w, t) + ["--lr", "nan"], "--lr", False),
+    ("train-alpha-ce-nan", "train", lambda w, t: T(w, t) + ["--alpha-ce", "nan"], "--alpha-ce", False),
+    ("train-alpha-tv-neg", "train", lambda w, t: T(w, t) + ["--alpha-tv", "-5"], "--alpha-tv", False),
+    ("train-alpha-conf-inf", "train", lambda w, t: T(w, t) + ["--alpha-conf", "inf"], "--alpha-conf", False),
+    ("train-weight-decay-neg", "train", lambda w, t: T(w, t) + ["--weight-decay", "-1"], "--weight-decay", False),
+    ("train-init-std-neg", "train", lambda w, t: T(w, t) + ["--init-std", "-1"], "--init-std", False),
+    ("train-warmup-1", "train", lambda w, t: T(w, t) + ["--warmup-frac", "1"], "--warmup-frac", False),
+    ("train-clip-neg", "train", lambda w, t: T(w, t) + ["--grad-clip", "-1"], "--grad-clip", False),
+    ("train-block-0", "train", lambda w, t: T(w, t) + ["--block-size", "0"], "--block-size", False),
+    ("train-depth-0", "train", lambda w, t: T(w, t) + ["--depth", "0"], "--depth", False),
+    ("train-gamma-0", "train", lambda w, t: T(w, t) + ["--gamma", "0"], "--gamma", False),
+    ("train-anchors-0", "train", lambda w, t: T(w, t) + ["--anchors-per-seq", "0"], "--anchors-per-seq", False),
+    ("train-rank-0", "train", lambda w, t: T(w, t) + ["--markov-rank", "0"], "--markov-rank", False),
+    ("train-seq-1", "train", lambda w, t: T(w, t) + ["--seq-len", "1"], "--seq-len", False),
+    ("train-layer-ids-empty-field", "train", lambda w, t: T(w, t) + ["--target-layer-ids", "0,,1"],
+     "--target-layer-ids", False),
+    ("train-layer-ids-order", "train", lambda w, t: T(w, t) + ["--target-layer-ids", "1,0"], "--target-layer-ids",
+     False),
+    ("train-mask-id", "train", lambda w, t: T(w, t) + ["--mask-token-id", "999999"], "--mask-token-id", False),
+    ("train-out-is-target", "train", lambda w, t: T(w, t) + ["--out", w / "target"], "--out", True),
+    ("train-out-is-file", "train", lambda w, t: T(w, t) + ["--out", w / "cal.json"], "--out", True),
+    ("train-out-empty", "train", lambda w, t: T(w, t) + ["--out", ""], "--out", False),
+    ("train-out-in-target", "train", lambda w, t: T(w, t) + ["--out", w / "target" / "sub"], "--out", False),
+    ("train-data-missing", "train", lambda w, t: T(w, t)[:2] + ["--data", t / "nope.txt"] + T(w, t)[4:],
+     "not found", False),
+    ("train-two-data", "train", lambda w, t: T(w, t) + ["--data-ids", w / "prompts.jsonl"], "exactly one", False),
+    ("train-resume-empty", "train", lambda w, t: T(w, t) + ["--resume", t], "--resume", False),
+    ("train-target-missing", "train", lambda w, t: ["--target", t / "nope"] + T(w, t)[2:], "not found", False),
+    ("train-stop-at-0", "train", lambda w, t: T(w, t) + ["--stop-at", "0"], "--stop-at", False),
+    ("train-log-every-0", "train", lambda w, t: T(w, t) + ["--log-every", "0"], "--log-every", False),
+]
+
+
+def link(tmp, to):
+    p = tmp / "link.json"
+    os.symlink(to, p)
+    return str(p)
+
+
+def data_dir(tmp, gsm8k_text):
+    d = tmp / "data"
+    d.mkdir()
+    (d / "gsm8k.jsonl").write_text(gsm8k_text)
+    return str(d)
+
+
+def sharded_bad_index(w, tmp):
+    t = target_with(w, tmp)
+    os.rename(os.path.join(t, "model.safetensors"), os.path.join(t, "shard-1.safetensors"))
+    from safetensors import safe_open
+    with safe_open(os.path.join(t, "shard-1.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    weight_map = {k: "shard-1.safetensors" for k in keys}
+    weight_map[keys[0]] = 7
+    with open(os.path.join(t, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    return t
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CASES) >= 150 and len({c[0] for c in CASES}) == len(CASES)
+    assert sum(1 for c in CASES if c[4]) >= 30
+    assert {c[1] for c in CASES} == set(PROGRAMS)
+
+
+def _check(err: str, needle: str, rc: int):
+    lines = err.splitlines()
+    assert rc == 2, f"exit {rc}, stderr: {err[-2000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line: {err[-2000:]!r}"
+    assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_in_process(case, world, tmp_path, capsys, monkeypatch):
+    name, program, build, needle, _ = case
+    monkeypatch.setattr(model, "TEMPLATE_SECONDS", 2)
+    args = [str(a) for a in build(world, tmp_path)]
+    before = hashes(world), hashes(tmp_path)
+    rc = PROGRAMS[program][0](args)
+    err = capsys.readouterr().err
+    _check(err, needle, rc)
+    assert (hashes(world), hashes(tmp_path)) == before, "an input file changed"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4]], ids=[c[0] for c in CASES if c[4]])
+def test_bad_input_as_a_process(case, world, tmp_path):
+    name, program, build, needle, _ = case
+    args = [str(a) for a in build(world, tmp_path)]
+    before = hashes(world), hashes(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, str(REPO_ROOT / PROGRAMS[program][1])] + args, capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=300)
+    _check(p.stderr, needle, p.returncode)
+    assert (hashes(world), hashes(tmp_path)) == before, "an input file changed"
+
+
+def test_chat_template_running_too_long_is_stopped(world, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(model, "TEMPLATE_SECONDS", 1)
+    t = template("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}")(world, tmp_path)
+    rc = speculate.main(P(t))
+    _check(capsys.readouterr().err, "took longer than 1 s", rc)
+
+
+def test_waiting_for_a_missing_peer_times_out(world, tmp_path):
+    """WORLD_SIZE=2 with rank 0 alone: eval.py gives up after --dist-timeout with one line."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "eval.py")] + [str(a) for a in E(world)]
+                       + ["--out", str(tmp_path / "r.json"), "--dist-timeout", "3"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    _check(p.stderr, "could not reach the other 1 process", p.returncode)
+
+
+@pytest.mark.parametrize("env,needle", [({"WORLD_SIZE": "2"}, "RANK"), ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5"),
+                                        ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR"),
+                                        ({"WORLD_SIZE": "x", "RANK": "0"}, "WORLD_SIZE")])
+def test_inconsistent_torchrun_variables(world, tmp_path, capsys, monkeypatch, env, needle):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = ev.main([str(a) for a in E(world)] + ["--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.count("\n") == 1, err

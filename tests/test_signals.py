@@ -1,0 +1,85 @@
+"""Ctrl-C and SIGTERM stop a run cleanly: one line on stderr, exit 130 / 143, and what was finished
+is kept — speculate.py prints the finished completions and ends its trace with a summary marked
+"interrupted"; eval.py leaves its results marked incomplete and interrupted."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO_ROOT, build_tokenizer
+from drafters import make_drafter, make_target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("signals")
+    target = make_target(d / "target", vocab_size=48)
+    build_tokenizer(48).save(os.path.join(target, "tokenizer.json"))  # eval's datasets are text
+    drafter = make_drafter(d / "drafter", target, block_size=4, oracle=True)
+    return d, target, drafter
+
+
+def start(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    return subprocess.Popen([sys.executable] + [str(a) for a in args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(predicate, proc, timeout=120):
+    t0 = time.time()
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before the signal: {proc.communicate()}"
+        assert time.time() - t0 < timeout, "timed out waiting"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_speculate_interrupted_keeps_finished_requests(pair, tmp_path, sig, code):
+    d, target, drafter = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [1 + i % 40, 2, 3]}) + "\n" for i in range(400)))
+    trace = tmp_path / "trace.jsonl"
+    p = start([REPO_ROOT / "speculate.py", "--target", target, "--drafter", drafter, "--prompts-file", prompts,
+               "--max-new-tokens", 40, "--trace-file", trace], tmp_path)
+    # The trace is written to a temporary file beside its target and synced per finished request.
+    partial = lambda: [f for f in glob.glob(str(tmp_path / ".trace.jsonl.*.tmp")) if "output_ids" in open(f).read()]
+    wait_for(partial, p)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == code, err
+    assert err.splitlines()[-1].startswith(f"interrupted by {signal.Signals(sig).name}") and err.count("\n") <= 2, err
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    summary = lines[-1]
+    assert summary["summary"] and summary["interrupted"] is True and summary["requests"] == 400
+    ends = [x for x in lines if "output_ids" in x]
+    assert 1 <= summary["finished_requests"] == len(ends) < 400
+    printed = out.splitlines()
+    assert len(printed) == len(ends)  # the finished completions, and no statistics line
+    assert all(line for line in printed)
+    assert not glob.glob(str(tmp_path / ".trace.jsonl.*.tmp"))
+
+
+def test_eval_interrupted_leaves_results_marked_incomplete(pair, tmp_path):
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
+    (data / "second.jsonl").write_text("".join(json.dumps({"turns": ["y"]}) + "\n" for _ in range(2000)))
+    out = tmp_path / "results.json"
+    p = start([REPO_ROOT / "eval.py", "--target", target, "--drafter", drafter, "--data-dir", data, "--datasets",
+               "first,second", "--max-new-tokens", 40, "--no-chat", "--no-progress", "--out", out], tmp_path)
+    wait_for(out.exists, p)  # written as soon as the first dataset is done
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and err.splitlines()[-1].startswith("interrupted by SIGTERM"), err
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["interrupted"] is True
+    assert [e["dataset"] for e in res["datasets"]] == ["first"]
