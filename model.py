@@ -398,7 +398,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *, capture: Sequence[int] = (),
                ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None,
-               index: Optional[torch.Tensor] = None):
+               index: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None):
         """The decoder stack: tokens [B, T] (int64) -> (final-normed hidden states [B, T, H], features).
 
         positions [B, T]: through the KV cache (written at `positions`, in cache rows 0..B-1 or `rows`
@@ -409,16 +409,18 @@ class Transformer(nn.Module):
         With `ragged`, tokens are [1, N] flattened tokens and positions the padded layout's [R, W]
         (see `Ragged`); hidden states and features come back flattened too: [1, N, H], [1, N, F].
         index [B]: only that position of each row, [B, H] (selected before the norm, which is per token).
+        mask [B, T, T] (cache-free only; True = may attend): instead of plain causal attention, e.g. causal
+        within each document of a packed row (data.document_mask).
         """
         if positions is None:
             B, T = tokens.shape
-            mask = None
             rope = getattr(self, "rope", None)
             if rope is None or rope.shape[0] < T:  # no cache table long enough: the same rows, computed
                 a = self.args
                 rope = rope_tables(a.head_dim, a.rope_theta, T, tokens.device)
             cos_sin = rope[:T][None].expand(B, T, *rope.shape[1:])  # [B, T, 2, hd]
         else:
+            assert mask is None, "mask: the cache-free mode's only"
             mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
             cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
         x = self.embed_tokens(tokens)
@@ -597,6 +599,7 @@ class Tokenizer:
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
         self.chat_template = _read_chat_template(directory)
+        self._template = None  # (source, compiled) chat template of render_messages
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -608,20 +611,45 @@ class Tokenizer:
         """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
         if self.chat_template is None:
             return QWEN3_CHAT_FALLBACK.format(prompt=prompt)
+        return self.render_messages([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                    thinking=thinking)
+
+    def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
+        """A conversation ([{"role", "content"}, ...]) through the chat template in a jinja2 sandbox (a
+        template is code from the checkpoint: it may not reach Python objects), with `enable_thinking`
+        set; add_generation_prompt opens the assistant's next turn. Without a template: ChatML as Qwen3
+        renders it with thinking off (the last assistant turn after the last user turn, and the
+        generation prompt, carry an empty think block)."""
+        if self.chat_template is None:
+            return _chatml_fallback(messages, add_generation_prompt)
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
             raise TemplateError(msg)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                enable_thinking=thinking)
+            if self._template is None or self._template[0] != self.chat_template:  # compiled once per template
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = raise_exception
+                self._template = (self.chat_template, env.from_string(self.chat_template))
+            return self._template[1].render(messages=[dict(m) for m in messages],
+                                            add_generation_prompt=add_generation_prompt, enable_thinking=thinking)
         except TemplateError as e:
             raise UserError(f"chat_template: cannot render ({e})") from None
+
+
+def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    """Qwen3's non-thinking ChatML without its template: one user turn with the generation prompt is
+    exactly QWEN3_CHAT_FALLBACK."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    out = []
+    for i, m in enumerate(messages):
+        think = "<think>\n\n</think>\n\n" if m["role"] == "assistant" and i == len(messages) - 1 and i > last_user else ""
+        out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    return "".join(out)
 
 
 def _read_chat_template(directory: str) -> Optional[str]:
