@@ -346,6 +346,13 @@ class Batches:
         return torch.stack([self._perm(k // N)[k % N] for k in range(step * self.G, (step + 1) * self.G)])
 
 
+def micro_slices(batch_size: int, grad_accum: int, rank: int) -> list[slice]:
+    """A rank's micro-batches as slices of the step's global batch: rank r's micro-batch m holds rows
+    (r·A + m)·B .. (r·A + m + 1)·B, so 1 process x A=2 and 2 processes x A=1 take the same rows."""
+    B, A = batch_size, grad_accum
+    return [slice((rank * A + m) * B, (rank * A + m + 1) * B) for m in range(A)]
+
+
 def anchor_candidates(loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[B, T-1] bool: a may be an anchor iff a and a+1 are in the loss mask and in one document (None: all)."""
     if loss_mask is None and doc is None:

@@ -61,12 +61,10 @@ class TrainArgs:
     """What every training program here shares: data, output, the optimisation and how it runs."""
 
     data: Optional[str] = None
-    """Training data: a .txt/.py/.md/.rst file, a directory of such files and .jsonl (recursive, sorted;
-    non-UTF-8 files skipped), or JSON lines (.jsonl/.json). Plain text ({"text": str}, {"turns": [str]}
-    joined by blank lines, files) is continued-pre-training data: documents joined by <|endoftext|> and cut
-    into windows. Chat records ({"messages": [{"role", "content"}]}, {"conversations": ...} or
-    {"prompt", "response"}) are rendered with the chat template, loss on the assistant's tokens only,
-    packed whole per sequence (train.py only)."""
+    """A .txt/.py/.md/.rst file, a directory of such files and .jsonl (recursive, sorted), or JSON lines. Plain
+    text (files, {"text"}, {"turns"} joined by blank lines): documents joined by <|endoftext|>, cut into windows.
+    Chat records ({"messages": [{"role", "content"}]}, {"conversations"}, {"prompt", "response"}; train.py):
+    the chat template, loss on the assistant's tokens only, conversations packed whole per sequence."""
     data_ids: Optional[str] = None
     """Instead of --data: JSON lines of {"prompt_ids": [int]} (already tokenized, one stream as plain text)."""
     out: Optional[str] = None
@@ -453,13 +451,6 @@ def _autocast(device: str, dtype: torch.dtype):
     return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
 
 
-def micro_slices(args: TrainArgs, rank: int) -> list[slice]:
-    """This rank's micro-batches as slices of the step's global batch: rank r, micro-batch m holds rows
-    (r·A + m)·B .. (r·A + m + 1)·B, so 1 process x A=2 and 2 processes x A=1 split it alike."""
-    B, A = args.batch_size, args.grad_accum
-    return [slice((rank * A + m) * B, (rank * A + m + 1) * B) for m in range(A)]
-
-
 @dataclass
 class Run:
     """Where this process stands: rank, world size and device, and the Weights & Biases run (rank 0)."""
@@ -502,8 +493,6 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     `micro_batches(step)` (this rank's, on its device); `summarize(sums over every micro-batch and rank)`
     -> logged metrics with "loss"; `save(step, optimizer)` writes a checkpoint (rank 0); `evaluate(step)`
     (every rank, after a checkpoint, every --eval-every steps) -> metrics to log; `flops`: one step's."""
-    import torch.distributed as dist
-
     module, dev = step_module.model, run.device
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -559,7 +548,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                 (share * run.world).backward()
             sums = s if sums is None else sums + s
         if run.world > 1:
-            dist.all_reduce(sums)
+            torch.distributed.all_reduce(sums)
         metrics = summarize(sums.double().cpu())
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
         opt.step()
@@ -650,7 +639,7 @@ def train_drafter(args: Args) -> dict:
         f"{args.grad_accum} x {world} process(es)")
     batches = data.Batches(len(corpus), G, args.seed)
     w = slot_weights(K, args.gamma)
-    mine = micro_slices(args, rank)
+    mine = data.micro_slices(args.batch_size, args.grad_accum, rank)
 
     def micro_batches(step):
         tokens, mask, doc = corpus.rows(batches(step))

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UserError, dist_init, resolve_device, resolve_dtype, save_tensors, write_json  # noqa: E402
-from data import EOS_TOKEN, MASK_TOKEN, Batches, read_texts, read_windows  # noqa: E402
+from data import EOS_TOKEN, MASK_TOKEN, Batches, micro_slices, read_texts, read_windows  # noqa: E402
 from model import ModelArgs, Tokenizer, Transformer, init_random_, load_target  # noqa: E402
-from train import Run, TrainArgs, check_train_args, micro_slices, optimize, save_state, train_main  # noqa: E402
+from train import Run, TrainArgs, check_train_args, optimize, save_state, train_main  # noqa: E402
 
 
 @dataclass
@@ -184,7 +184,7 @@ def run(args: Args) -> dict:
     if rank == 0:
         print(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}", file=sys.stderr)
-    batches, mine = Batches(len(windows), G, args.seed), micro_slices(args, rank)
+    batches, mine = Batches(len(windows), G, args.seed), micro_slices(args.batch_size, args.grad_accum, rank)
 
     def micro_batches(step):
         tokens = windows[batches(step)]
