@@ -273,8 +273,7 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_i
             room[left].append(r)
     tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.int32)
     mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
-    small = seq_len < 2 ** 16  # then a row holds < 2^15 documents (each has >= 2 tokens): int16 ids
-    doc = torch.full((len(rows), seq_len), -1, dtype=torch.int16 if small else torch.int32)
+    doc = torch.full((len(rows), seq_len), -1, dtype=torch.int16 if seq_len < 2 ** 15 else torch.int32)  # ids < seq_len
     for r, members in enumerate(rows):
         pos = 0
         for j, i in enumerate(members):
