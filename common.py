@@ -6,7 +6,8 @@ dataclass; this module only holds what they would otherwise each write again:
 - `check_ranges` / `parse_ints`: flag values checked with the valid range in the message;
 - `resolve_device` / `resolve_dtype`: the "auto" defaults (cuda -> bfloat16, cpu -> float32), in one place;
 - `read_json` / `read_jsonl`: parsing that names the file and line at fault;
-- `check_writable` / `atomic_write`: output paths checked before any work, written whole or not at all.
+- `check_writable` / `atomic_write` / `save_tensors`: output paths checked before any work, written whole or not at all;
+- `torchrun_env` / `dist_init`: torchrun's variables checked, the process group joined with a timeout.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
 
     args = tyro.cli(args_class, args=sys.argv[1:] if argv is None else argv)
     try:  # under torchrun every rank meets the same error: rank 0 says it (anyone, if the variables are broken)
-        rank0 = dist_env()[0] == 0
+        rank0 = torchrun_env()[0] == 0
     except UserError:
         rank0 = True
     handlers = {}
@@ -162,42 +163,6 @@ def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
 
 
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's variables, checked: one process without them."""
-    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    if env["WORLD_SIZE"] is None and env["RANK"] is None:
-        return 0, 1, 0
-
-    def number(key, default=None):
-        v = env[key] if env[key] is not None else default
-        if v is None or not str(v).isascii() or not str(v).isdigit():
-            raise UserError(f"{key}={env[key]!r}: torchrun's variables are inconsistent (an integer is expected); "
-                            f"start the program with torchrun, or unset WORLD_SIZE, RANK and LOCAL_RANK")
-        return int(v)
-    world, rank, local = number("WORLD_SIZE"), number("RANK"), number("LOCAL_RANK", "0")
-    if world < 1 or rank >= world:
-        raise UserError(f"RANK={rank} with WORLD_SIZE={world}: torchrun's variables are inconsistent")
-    if world > 1 and (not env["MASTER_ADDR"] or not env["MASTER_PORT"]):
-        raise UserError(f"WORLD_SIZE={world} without MASTER_ADDR/MASTER_PORT: start the program with torchrun")
-    return rank, world, local
-
-
-def dist_init(backend: str, world: int, timeout: float):
-    """Join the other processes (torchrun's env:// rendezvous), waiting at most `timeout` seconds."""
-    import datetime
-
-    import torch.distributed as dist
-    if dist.is_initialized():
-        return
-    try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        dist.barrier()
-    except Exception as e:  # noqa: BLE001 - the store's and backends' errors have many types
-        raise UserError(f"could not reach the other {world - 1} process(es) within {timeout:g} s "
-                        f"({os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}): "
-                        f"{str(e).splitlines()[0][:160] if str(e) else type(e).__name__}") from None
-
-
 def device_name(device) -> str:
     """The hardware, in words: the GPU's name, or the CPU's model, cores and torch threads."""
     if str(device).startswith("cuda"):
@@ -209,6 +174,18 @@ def device_name(device) -> str:
     except OSError:
         pass
     return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
+
+
+def peak_tflops(device) -> Optional[float]:
+    """The data-sheet dense bf16 peak of a known GPU (TFLOP/s), else None (CPUs: give it yourself)."""
+    if not str(device).startswith("cuda"):
+        return None
+    name = device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def sync(device):
@@ -368,3 +345,83 @@ class StreamFile:
         self.f.close()
         os.chmod(self.tmp, _new_file_mode(self.path))
         os.replace(self.tmp, self.path)
+
+
+def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
+    """A safetensors file, written whole or not at all (a crash mid-write leaves the previous one);
+    `step`, when given, goes into its metadata (a training checkpoint's files must agree on it)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    metadata = {"format": "pt", **({"step": str(step)} if step is not None else {})}
+    atomic_write(path, lambda p: save_file(tensors, p, metadata=metadata))
+
+
+# ----------------------------------------------------------------------------------------
+# torchrun
+
+def torchrun_env(environ=None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables, (0, 1, 0) without them. Variables that
+    contradict each other (WORLD_SIZE without RANK, a rank outside the world, no MASTER_ADDR/PORT for
+    several processes, ...) are a one-line UserError, not a hang or a traceback."""
+    env = os.environ if environ is None else environ
+    vals = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if name in env:
+            try:
+                vals[name] = int(env[name])
+            except ValueError:
+                raise UserError(f"torchrun environment: {name}={env[name]!r} is not an integer") from None
+    if "WORLD_SIZE" not in vals:
+        if vals:
+            raise UserError(f"torchrun environment: {', '.join(vals)} set without WORLD_SIZE "
+                            "(launch with torchrun, or unset them)")
+        return 0, 1, 0
+    world = vals["WORLD_SIZE"]
+    if world < 1:
+        raise UserError(f"torchrun environment: WORLD_SIZE={world} (valid: >= 1)")
+    if "RANK" not in vals:
+        if world == 1:
+            return 0, 1, vals.get("LOCAL_RANK", 0)
+        raise UserError(f"torchrun environment: WORLD_SIZE={world} but RANK is not set (launch with torchrun)")
+    rank = vals["RANK"]
+    if not 0 <= rank < world:
+        raise UserError(f"torchrun environment: RANK={rank} is outside WORLD_SIZE={world} (valid: 0 to {world - 1})")
+    if world > 1:
+        missing = [n for n in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if n not in env]
+        if missing:
+            raise UserError(f"torchrun environment: WORLD_SIZE={world} but {', '.join(missing)} not set "
+                            "(launch with torchrun)")
+        if vals["LOCAL_RANK"] < 0:
+            raise UserError(f"torchrun environment: LOCAL_RANK={vals['LOCAL_RANK']} (valid: >= 0)")
+    return rank, world, vals.get("LOCAL_RANK", 0)
+
+
+def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
+    """(rank, world size, device) after joining torchrun's process group (gloo on cpu, nccl on cuda, the
+    rank's LOCAL_RANK GPU); one process without torchrun's variables. Waiting for the other processes
+    (and every later collective) gives up after timeout_s with a one-line UserError."""
+    rank, world, local = torchrun_env()
+    if world == 1:
+        return 0, 1, device
+    import datetime
+
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available")
+        if local >= torch.cuda.device_count():
+            raise UserError(f"torchrun environment: LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # rendezvous failures come as RuntimeError, DistError, TimeoutError, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"rank {rank} of {world}: no process group at {where} within {timeout_s:g} s ({first}); "
+                            "start every process (torchrun --nproc_per_node N) or raise --dist-timeout") from None
+    return rank, world, device

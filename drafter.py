@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from common import UserError, read_json
+from common import UserError, read_json, save_tensors, write_json
 from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape, assign_strict,
                    read_safetensors, rope_tables, safetensors_files)
 
@@ -265,19 +265,22 @@ class ConfidenceHead(nn.Module):
         return self.proj(features).float()[..., 0]
 
 
-def block_mask(anchors: torch.Tensor, seq_len: int, K: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, seq_len: int, K: int, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The packed training mask [B, N*K, seq_len + N*K] (True = may attend).
 
     Query rows are the N blocks' K slots (block i = rows i*K .. i*K+K-1, anchor anchors[:, i]).
     Key columns are the context rows 0..seq_len-1, then the same N*K block rows. A block row sees
-    context row p iff p < its anchor, and every row of its own block (bidirectional), nothing else:
-    what the inference mask over the cache lets one block see.
+    context row p iff p < its anchor (and, for packed documents doc [B, seq_len], p is in the
+    anchor's document), and every row of its own block (bidirectional), nothing else: what the
+    inference mask over the cache lets one block see.
     """
     B, N = anchors.shape
     dev = anchors.device
     block_of = torch.arange(N * K, device=dev) // K  # [N*K]
     anchor_of = anchors[:, block_of]  # [B, N*K]
     context = torch.arange(seq_len, device=dev)[None, None, :] < anchor_of[:, :, None]  # [B, N*K, T]
+    if doc is not None:
+        context = context & (doc[:, None, :] == doc.gather(1, anchor_of)[:, :, None])
     own = (block_of[:, None] == block_of[None, :]).expand(B, N * K, N * K)
     return torch.cat([context, own], dim=-1)
 
@@ -368,13 +371,16 @@ class Drafter(nn.Module):
             h = h[:, 1:]  # slot 0 (the anchor's) is unused in the DFlash layout
         return h, self.target.lm_head(h)
 
-    def train_forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def train_forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                      doc: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The packed training forward (DSpark layout): features [B, T, n*H] (the target's capture of
-        tokens [B, T]), anchors [B, N]. Returns the final-normed hidden states [B, N, K, H] of every block.
+        tokens [B, T]), anchors [B, N], doc [B, T] the document of each token of packed rows (or None).
+        Returns the final-normed hidden states [B, N, K, H] of every block.
 
         Block i is [x_a, m, .., m] at positions a..a+K-1 (a = anchors[:, i]); all N blocks run as one
         [B, N*K] batch whose attention reads the whole sequence's context rows as prepended K/V under
-        `block_mask`, so each block sees what `forward` sees after `commit_context` of rows < a.
+        `block_mask`, so each block sees what `forward` sees after `commit_context` of rows < a (of its
+        own document).
         """
         cfg, a = self.cfg, self.cfg.layers
         K = cfg.num_slots
@@ -389,7 +395,7 @@ class Drafter(nn.Module):
         block_tokens[:, :, 0] = tokens.gather(1, anchors)  # [x_a, m, .., m]
         x = self.target.embed_tokens(block_tokens.view(B, N * K))
         c = self.hidden_norm(self.fc(features))  # [B, T, H]
-        mask = block_mask(anchors, T, K)
+        mask = block_mask(anchors, T, K, doc)
         for layer in self.layers:
             x = layer(x, cs_blk, mask=mask, prefix_kv=context_kv(layer.self_attn, c, cs_ctx))
         return self.norm(x).view(B, N, K, -1)
@@ -486,3 +492,66 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
     assign_strict(drafter, tensors, source)
     drafter.attach(target)
     return drafter.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------
+# Writing a checkpoint in DeepSpec's layout (train.py)
+
+def _raw_tensor(directory: str, names: tuple) -> Optional[torch.Tensor]:
+    """The first of `names` in a checkpoint directory's files, in the file's own dtype."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(directory):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    return None
+
+
+def drafter_config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
+    """DeepSpec's drafter config.json: the target's config with the drafter's depth and keys."""
+    tcfg = read_json(os.path.join(target_dir, "config.json"))
+    out = {k: v for k, v in tcfg.items() if k not in ("architectures", "auto_map", "dtype", "torch_dtype")}
+    D = cfg.layers.num_hidden_layers
+    out.update(architectures=["Qwen3DSparkModel"], num_target_layers=tcfg["num_hidden_layers"], num_hidden_layers=D,
+               layer_types=["full_attention"] * D, tie_word_embeddings=False, torch_dtype="float32",
+               block_size=cfg.block_size, target_layer_ids=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
+               num_anchors=num_anchors, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+               enable_confidence_head=cfg.confidence_head,
+               confidence_head_with_markov=cfg.confidence_with_markov)
+    return out
+
+
+def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, step: Optional[int] = None):
+    """config.json + model.safetensors in DeepSpec's layout, with copies of the target's embedding and lm_head
+    (in the target file's dtype, so `load_drafter`'s equality check holds at any load dtype)."""
+    os.makedirs(out, exist_ok=True)
+    tensors = {k: v.float() for k, v in drafter.state_dict().items()}
+    emb = _raw_tensor(target_dir, ("model.embed_tokens.weight", "embed_tokens.weight"))
+    head = _raw_tensor(target_dir, ("lm_head.weight", "model.lm_head.weight"))
+    tensors["embed_tokens.weight"] = emb
+    tensors["lm_head.weight"] = head if head is not None else emb.clone()  # tied target
+    save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
+    write_json(os.path.join(out, "config.json"), drafter_config_json(target_dir, drafter.cfg, num_anchors))
+
+
+def load_drafter_weights(drafter: Drafter, directory: str, target_dir: str, num_anchors: int):
+    """train.py --resume: a drafter's float32 weights from a previous run's model.safetensors (the same config)."""
+    cfg_path = os.path.join(directory, "config.json")
+    saved, now = read_json(cfg_path), drafter_config_json(target_dir, drafter.cfg, num_anchors)
+    for k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id", "markov_head_type",
+              "markov_rank", "enable_confidence_head", "confidence_head_with_markov", "hidden_size", "vocab_size"):
+        if saved.get(k) != now[k]:
+            raise UserError(f"{cfg_path}: {k} is {saved.get(k)!r}, the flags give {now[k]!r}")
+    files = safetensors_files(directory)
+    tensors = read_safetensors(files, torch.float32, drafter.fc.weight.device)
+    tensors.pop("embed_tokens.weight", None)
+    tensors.pop("lm_head.weight", None)
+    params = dict(drafter.named_parameters())
+    with torch.device("meta"):
+        probe = Drafter(drafter.cfg)
+    assign_strict(probe, tensors, files[0])  # names and shapes, one line for the first misfit
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])

@@ -42,7 +42,7 @@ import torch
 import metrics as mt
 import plots
 import scheduler as sched
-from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, cli_main, dist_env, dist_init,
+from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, cli_main, dist_init, torchrun_env,
                     read_json, write_json)
 from inputs import auto_chat, check_prompts, load_models, load_prompts
 from scheduler import check_schedulable, resolve_scheduler
@@ -273,20 +273,6 @@ def calibration_report(rec: dict, split: float, bins: int = ECE_BINS) -> Optiona
 # ----------------------------------------------------------------------------------------
 # Distributed (torchrun): every rank a shard, raw counts summed
 
-def dist_setup(device: str, timeout: float) -> tuple[int, int, str]:
-    """(rank, world size, device) — one process without torchrun's environment."""
-    rank, world, local = dist_env()
-    if world <= 1:
-        return 0, 1, device
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available")
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    dist_init("nccl" if device.startswith("cuda") else "gloo", world, timeout)
-    return rank, world, device
-
-
 def all_sum(values: list[int], device: str) -> list[int]:
     import torch.distributed as dist
 
@@ -380,13 +366,13 @@ def run(args: EvalArgs) -> dict:
         raise UserError(f"--temperature: invalid value {args.temperature!r} (valid: 0 for greedy, or "
                         f"{TEMPERATURES[0]:g} to {TEMPERATURES[1]:g})")
     kind = resolve_scheduler(args)
-    rank, world, _ = dist_env()
+    rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
     check_outputs({"--out": args.out, "--calibration-out": args.calibration_out,
                    "--calibration-plot": args.calibration_plot},
                   inputs=[args.target, args.drafter, args.calibration, args.sps_table] + [p for _, p, _ in datasets])
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
-    rank, world, device = dist_setup(args.device, args.dist_timeout)
+    rank, world, device = dist_init(args.device, args.dist_timeout)
     m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
                     seed=args.seed)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)

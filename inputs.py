@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from common import UserError, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
-from model import Tokenizer, Transformer, load_target, random_target, stop_token_ids
+from model import Transformer, load_target, random_target
+from text import Tokenizer, stop_token_ids
 
 
 @dataclass

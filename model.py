@@ -21,8 +21,7 @@ What is notable here:
   request's cache and earlier tokens (see `Ragged`).
 - Loading is strict: every tensor in the files must land in a parameter and every parameter
   must be loaded, else `UserError` names the first one that does not.
-- The tokenizer, stop tokens and chat template of a checkpoint directory live here too,
-  because they are read from the same directory with the same strictness.
+- The tokenizer, stop ids and chat template of a checkpoint directory are text.py's.
 """
 
 from __future__ import annotations
@@ -408,7 +407,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *, capture: Sequence[int] = (),
                ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None,
-               index: Optional[torch.Tensor] = None):
+               index: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None):
         """The decoder stack: tokens [B, T] (int64) -> (final-normed hidden states [B, T, H], features).
 
         positions [B, T]: through the KV cache (written at `positions`, in cache rows 0..B-1 or `rows`
@@ -419,16 +418,18 @@ class Transformer(nn.Module):
         With `ragged`, tokens are [1, N] flattened tokens and positions the padded layout's [R, W]
         (see `Ragged`); hidden states and features come back flattened too: [1, N, H], [1, N, F].
         index [B]: only that position of each row, [B, H] (selected before the norm, which is per token).
+        mask [B, T, T] (cache-free only; True = may attend): instead of plain causal attention, e.g. causal
+        within each document of a packed row (data.document_mask).
         """
         if positions is None:
             B, T = tokens.shape
-            mask = None
             rope = getattr(self, "rope", None)
             if rope is None or rope.shape[0] < T:  # no cache table long enough: the same rows, computed
                 a = self.args
                 rope = rope_tables(a.head_dim, a.rope_theta, T, tokens.device)
             cos_sin = rope[:T][None].expand(B, T, *rope.shape[1:])  # [B, T, 2, hd]
         else:
+            assert mask is None, "mask: the cache-free mode's only"
             mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
             cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
         x = self.embed_tokens(tokens)
@@ -592,126 +593,3 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)
-
-
-# ----------------------------------------------------------------------------------------
-# Tokenizer, stop tokens, chat template
-
-QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-
-
-class Tokenizer:
-    """`tokenizer.json` through the `tokenizers` library, plus the directory's chat template."""
-
-    def __init__(self, directory: str):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = os.path.join(directory, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: file not found")
-        try:
-            self.tok = HFTokenizer.from_file(path)
-        except Exception as e:  # the library raises bare Exceptions for malformed files
-            raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        self.chat_template, self.template_source = _read_chat_template(directory)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
-
-    def render_chat(self, prompt: str, thinking: bool = False) -> str:
-        """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
-        if self.chat_template is None:
-            return QWEN3_CHAT_FALLBACK.format(prompt=prompt)
-        return render_template(self.chat_template, self.template_source, messages=[{"role": "user", "content": prompt}],
-                               add_generation_prompt=True, enable_thinking=thinking)
-
-
-TEMPLATE_SECONDS = 10            # a chat template that renders longer than this is refused ...
-TEMPLATE_CHARS = 10_000_000      # ... and so is one whose output grows past this many characters
-TEMPLATE_BITS = 100_000          # the largest integer a template may compute (`**`) or string it may repeat (`*`)
-
-
-def render_template(template: str, source: str, **context) -> str:
-    """A chat template rendered in a box: Jinja's immutable sandbox, a time limit, a cap on the output
-    and on the numbers and repetitions it computes. Whatever goes wrong — a template error, a
-    ZeroDivisionError, a runaway loop or power — is one UserError naming `source` (the file)."""
-    import signal
-    import threading
-
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    class Boxed(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"**", "*"})
-
-        def call_binop(self, context, operator, left, right):
-            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right))
-            if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
-                raise SecurityError(f"{left} ** {right} is too large")
-            if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
-                seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
-                if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
-                    raise SecurityError("a repetition is too long")
-            return super().call_binop(context, operator, left, right)
-
-    def raise_exception(msg):
-        raise TemplateError(msg)
-
-    def out_of_time(signum, frame):
-        raise TimeoutError(f"took longer than {TEMPLATE_SECONDS} s")
-
-    env = Boxed(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    if timed:
-        previous = signal.signal(signal.SIGALRM, out_of_time)
-        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
-    try:
-        parts, size = [], 0
-        for chunk in env.from_string(template).generate(**context):
-            parts.append(chunk)
-            size += len(chunk)
-            if size > TEMPLATE_CHARS:
-                raise SecurityError(f"its output grew past {TEMPLATE_CHARS:,} characters")
-        return "".join(parts)
-    except Exception as e:  # every way a template can fail is the template's, and the user's to fix
-        raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    finally:
-        if timed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-
-def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str]]:
-    """(template, the file it came from), or (None, None)."""
-    jinja = os.path.join(directory, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        try:
-            with open(jinja, encoding="utf-8") as f:
-                return f.read(), jinja
-        except UnicodeDecodeError:
-            raise UserError(f"{jinja}: not UTF-8 text") from None
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return None, None
-    t = read_json(path).get("chat_template")
-    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
-        t = named.get("default")
-    if t is not None and not isinstance(t, str):
-        raise UserError(f"{path}: 'chat_template' must be a string")
-    return t, path
-
-
-def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (often a list) and config.json, in that order, deduplicated."""
-    ids = []
-    gen = os.path.join(directory, "generation_config.json")
-    if os.path.isfile(gen):
-        ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size)
-    ids += args.eos_token_ids
-    return tuple(dict.fromkeys(ids))

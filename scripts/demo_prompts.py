@@ -16,7 +16,7 @@ import sys
 import sysconfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from model import Tokenizer  # noqa: E402
+from text import Tokenizer  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

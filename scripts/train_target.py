@@ -9,8 +9,9 @@ What is notable here:
 - The forward is the target's own, cache-free and causal (`Transformer.hidden` without positions).
 - The output is a Hugging Face Qwen3 directory (config.json, model.safetensors with "model." names,
   generation_config.json, tokenizer.json) that `model.load_target` and transformers both read.
-- Everything else — the flags of the optimisation, data reading and packing, AdamW with warm-up and
-  decay, checkpoints and exact --resume — is train.py's, imported, so the two programs train alike.
+- Everything else — the flags of the optimisation, data reading (data.py), AdamW with warm-up and
+  decay, many processes under torchrun, checkpoints and exact --resume — is train.py's, imported, so
+  the two programs train alike.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UserError, cli_main, resolve_device, resolve_dtype, write_json  # noqa: E402
-from model import ModelArgs, Tokenizer, Transformer, init_random_, load_target  # noqa: E402
-from train import (EOS_TOKEN, MASK_TOKEN, TrainArgs, check_train_args, optimize, read_texts,  # noqa: E402
-                   read_windows, save_state, save_tensors)
+from common import UserError, dist_init, resolve_device, resolve_dtype, save_tensors, write_json  # noqa: E402
+from data import EOS_TOKEN, MASK_TOKEN, Batches, micro_slices, read_texts, read_windows  # noqa: E402
+from model import ModelArgs, Transformer, init_random_, load_target  # noqa: E402
+from text import Tokenizer  # noqa: E402
+from trainer import Run, TrainArgs, check_train_args, checkpoint_dir, optimize, save_state, train_main  # noqa: E402
 
 
 @dataclass
@@ -89,13 +91,34 @@ def next_token_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def save_target(out: str, model: Transformer, eos_id: Optional[int]):
+class TargetStep(torch.nn.Module):
+    """One micro-batch's share of the step loss (trainer.optimize): its mean cross-entropy x its share of the
+    global batch's rows (every row has T-1 predictions, so the shares sum to the global batch's mean)."""
+
+    def __init__(self, model: Transformer, share: float, compile: bool):
+        super().__init__()
+        self.model, self.share = model, share
+        self.core = torch.compile(next_token_loss, dynamic=False) if compile else next_token_loss
+
+    def forward(self, tokens):
+        loss = self.core(self.model, tokens) * self.share
+        return loss, loss.detach().float()[None]
+
+
+def target_flops(a: ModelArgs, G: int, T: int) -> float:
+    """One step's model FLOPs (an estimate): 3 x forward, forward = 2·T·(L·P_layer + H·V) + 2·L·T²·q per row."""
+    q, kv, H = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size
+    layer = 2 * H * q + 2 * H * kv + 3 * H * a.intermediate_size
+    return float(3 * G * (2 * T * (a.num_hidden_layers * layer + H * a.vocab_size) + 2 * a.num_hidden_layers * T * T * q))
+
+
+def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optional[int] = None):
     """A Hugging Face Qwen3 directory: config.json, model.safetensors ("model." names), generation_config.json."""
     os.makedirs(out, exist_ok=True)
     a = model.args
     tensors = {("" if k == "lm_head.weight" else "model.") + k: v.float()
                for k, v in model.state_dict().items() if not (a.tie_word_embeddings and k == "lm_head.weight")}
-    save_tensors(os.path.join(out, "model.safetensors"), tensors)
+    save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
     cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
            "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
            "num_hidden_layers": a.num_hidden_layers, "num_attention_heads": a.num_attention_heads,
@@ -133,7 +156,7 @@ def tokenizer_into(args: Args, texts: Optional[list[str]]) -> Tokenizer:
 def run(args: Args) -> dict:
     """Everything `python scripts/train_target.py` does; returns the loss history. Raises UserError on bad input."""
     check_train_args(args)
-    device = resolve_device(args.device)
+    rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     dtype = resolve_dtype(args.dtype, device)
     if not (args.resume or args.tokenizer_from_corpus or args.tokenizer):
         raise UserError("a target needs --tokenizer PATH or --tokenizer-from-corpus")
@@ -151,31 +174,36 @@ def run(args: Args) -> dict:
                       max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
                       eos_token_ids=(eos,) if eos is not None else ())
     if args.resume:
-        model = load_target(args.resume, device, torch.float32).requires_grad_(True)
+        model = load_target(checkpoint_dir(args.resume), device, torch.float32).requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
             raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
     else:
         with torch.device(device):
             model = Transformer(margs)
         init_random_(model, args.seed, args.init_std)
-    print(f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
-          f"{len(windows)} sequences of {args.seq_len} tokens", file=sys.stderr)
+    G = args.batch_size * args.grad_accum * world
+    banner = (f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
+              f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
+    batches, mine = Batches(len(windows), G, args.seed), micro_slices(args.batch_size, args.grad_accum, rank)
 
-    core = torch.compile(next_token_loss, dynamic=False) if args.compile else next_token_loss
+    def micro_batches(step):
+        tokens = windows[batches(step)]
+        return [{"tokens": tokens[sl].to(device)} for sl in mine]
 
-    def loss_fn(tokens, step):
-        loss = core(model, tokens)
-        return loss, {"ppl": math.exp(min(float(loss.detach()), 50.0))}
+    def summarize(sums):
+        loss = float(sums[0])
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
-    def save(step, opt):
-        save_target(args.out, model, eos)
-        save_state(args.out, step, model, opt, args, len(windows))
+    def save(directory, step, opt):
+        save_target(directory, model, eos, step=step)
+        save_state(directory, step, model, opt, args, len(windows), world)
 
-    return optimize(args, model, loss_fn, windows, device, dtype, save)
+    return optimize(args, TargetStep(model, args.batch_size / G, args.compile), micro_batches, summarize, save,
+                    Run(rank, world, device), dtype, len(windows), target_flops(margs, G, args.seq_len), banner=banner)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return cli_main(Args, run, argv, inference=False)
+    return train_main(Args, run, argv)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_concurrency_outputs_that_differ_fail_loudly(monkeypatch):
 
 
 def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
-    from model import Tokenizer
+    from text import Tokenizer
 
     pf = tmp_path / "p.jsonl"
     ids = Tokenizer(os.path.join(DEMO_DIR, "target")).encode("import os\n")

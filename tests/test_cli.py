@@ -136,7 +136,7 @@ def test_sampled_run_repeats_with_seed(tiny_target, tmp_path, capsys):
 
 
 def test_text_prompt_uses_chat_template(tiny_target, tmp_path, capsys):
-    from model import Tokenizer
+    from text import Tokenizer
 
     tok = Tokenizer(str(tiny_target.path))
     trace = tmp_path / "t.jsonl"

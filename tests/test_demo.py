@@ -11,7 +11,8 @@ from conftest import REPO_ROOT
 
 import speculate
 from drafter import load_drafter
-from model import Tokenizer, load_target
+from model import load_target
+from text import Tokenizer
 
 DEMO = REPO_ROOT / "demo"
 

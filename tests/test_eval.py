@@ -118,7 +118,8 @@ def authors_metrics(rounds, stop, K):
 
 @pytest.mark.parametrize("threshold,chat", [(0.0, True), (0.6, True), (0.0, False)])
 def test_metrics_equal_hand_count_from_speculate_trace(env, tmp_path, capsys, threshold, chat):
-    from model import load_target, stop_token_ids
+    from model import load_target
+    from text import stop_token_ids
 
     assert stop_token_ids(env["target"], load_target(env["target"]).args) == (IM_END_ID,)
     extra = ["--confidence-threshold", threshold] + ([] if chat else ["--no-chat"])

@@ -19,6 +19,7 @@ from conftest import (
 )
 
 m = import_model()
+import text  # noqa: E402
 UserError = m.UserError
 
 ATOL = 1e-4
@@ -554,22 +555,22 @@ CHAT_NO_THINK = "<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>
 
 
 def test_encode_decode_round_trip(tiny_target):
-    tok = m.Tokenizer(str(tiny_target.path))
-    text = "def x ( y ) : return x + 1"
-    ids = tok.encode(text)
-    assert len(ids) == 10 and m.Tokenizer(str(tiny_target.path)).encode("def") == [ids[0]]
-    assert tok.decode(ids) == text
+    tok = text.Tokenizer(str(tiny_target.path))
+    sentence = "def x ( y ) : return x + 1"
+    ids = tok.encode(sentence)
+    assert len(ids) == 10 and text.Tokenizer(str(tiny_target.path)).encode("def") == [ids[0]]
+    assert tok.decode(ids) == sentence
     assert tok.encode("hello world") == [tok.tok.token_to_id("hello"), tok.tok.token_to_id("world")]
     assert tok.encode("<|im_start|>user") == [IM_START_ID, tok.tok.token_to_id("user")]
     assert tok.decode([IM_END_ID]) == "<|im_end|>"  # special tokens are kept
 
 
 def test_render_chat_with_template(tiny_target):
-    tok = m.Tokenizer(str(tiny_target.path))
+    tok = text.Tokenizer(str(tiny_target.path))
     assert tok.chat_template == QWEN3_LIKE_TEMPLATE
     out = tok.render_chat("hello world")
     assert out == CHAT_NO_THINK.format(p="hello world")
-    assert out == m.QWEN3_CHAT_FALLBACK.format(prompt="hello world")
+    assert out == text.QWEN3_CHAT_FALLBACK.format(prompt="hello world")
     assert tok.render_chat("hello world", thinking=True) == (
         "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(out)
@@ -577,7 +578,7 @@ def test_render_chat_with_template(tiny_target):
 
 
 def test_render_chat_fallback_without_template(target_factory):
-    tok = m.Tokenizer(str(target_factory(chat_template=False).path))
+    tok = text.Tokenizer(str(target_factory(chat_template=False).path))
     assert tok.chat_template is None
     assert tok.render_chat("hello") == CHAT_NO_THINK.format(p="hello")
 
@@ -585,7 +586,7 @@ def test_render_chat_fallback_without_template(target_factory):
 def test_render_chat_from_jinja_file(target_factory):
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}" \
                "{% if add_generation_prompt %} [assistant]{% endif %}"
-    tok = m.Tokenizer(str(target_factory(chat_template=template, chat_template_file=True).path))
+    tok = text.Tokenizer(str(target_factory(chat_template=template, chat_template_file=True).path))
     assert tok.render_chat("hi") == "[user] hi [assistant]"
 
 
@@ -594,18 +595,18 @@ def test_render_chat_template_error(target_factory, tmp_path):
     edit_json(d / "tokenizer_config.json",
               lambda c: c.update(chat_template="{{ raise_exception('no system role') }}"))
     with pytest.raises(UserError, match="no system role"):
-        m.Tokenizer(str(d)).render_chat("hi")
+        text.Tokenizer(str(d)).render_chat("hi")
 
 
 def test_missing_tokenizer(target_factory):
     d = target_factory(with_tokenizer=False).path
     with pytest.raises(UserError, match="tokenizer.json: file not found"):
-        m.Tokenizer(str(d))
+        text.Tokenizer(str(d))
 
 
 def _stop_ids(path):
     args = m.ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
-    return m.stop_token_ids(str(path), args)
+    return text.stop_token_ids(str(path), args)
 
 
 def test_stop_token_ids_merge(target_factory):
@@ -637,7 +638,7 @@ def test_non_object_json_is_a_checkpoint_error(target_factory, tmp_path, filenam
     write_json(d / filename, [])
     with pytest.raises(UserError, match=filename):
         if filename == "tokenizer_config.json":
-            m.Tokenizer(str(d))
+            text.Tokenizer(str(d))
         elif filename == "generation_config.json":
             _stop_ids(d)
         else:

@@ -23,8 +23,10 @@ import torch
 
 import drafter as dr
 import model as mdl
+import text
 import speculate
 import train
+import trainer
 
 from conftest import REPO_ROOT
 
@@ -135,11 +137,11 @@ def test_loss_terms_by_hand():
 
 def test_lr_schedule():
     a = train.Args(steps=100, lr=1.0, warmup_frac=0.04)
-    assert [train.lr_at(s, a) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert train.lr_at(99, a) == pytest.approx(0.0, abs=1e-12)
-    assert train.lr_at(4 + 19, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 95)))  # 0 at step 4, 1 at 99
+    assert [trainer.lr_at(s, a) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert trainer.lr_at(99, a) == pytest.approx(0.0, abs=1e-12)
+    assert trainer.lr_at(4 + 19, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 95)))  # 0 at step 4, 1 at 99
     lin = train.Args(steps=11, lr=1.0, warmup_frac=0.0, schedule="linear", min_lr_frac=0.1)
-    assert [round(train.lr_at(s, lin), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
+    assert [round(trainer.lr_at(s, lin), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -311,6 +313,11 @@ def test_training_lowers_loss_and_decodes_losslessly(near_bigram, tmp_path, head
     assert summary["acceptance_length"] > 1.3, summary
 
 
+def ckpt(out):
+    """The complete checkpoint a training directory's `latest` names."""
+    return out / (out / "latest").read_text().strip()
+
+
 def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     ids = write_ids(tmp_path / "ids.jsonl", 6, 24, 64, seed=1)
     common = ["--target", tiny_target.path, "--data-ids", ids, "--steps", 6, "--anchors-per-seq", 5,
@@ -319,20 +326,20 @@ def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     assert rc == 0, err
     rc, first, err = run_train(common + ["--out", tmp_path / "b", "--stop-at", 3])
     assert rc == 0, err
-    assert json.loads((tmp_path / "b" / "training_state.json").read_text())["step"] == 3
+    assert json.loads((ckpt(tmp_path / "b") / "training_state.json").read_text())["step"] == 3
     rc, second, err = run_train(common + ["--out", tmp_path / "c", "--resume", tmp_path / "b"])
     assert rc == 0, err
     assert second["start"] == 3 and second["step"] == 6
     assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=1e-6)
-    assert json.loads((tmp_path / "c" / "training_state.json").read_text())["step"] == 6
+    assert json.loads((ckpt(tmp_path / "c") / "training_state.json").read_text())["step"] == 6
     from safetensors.torch import load_file
     wa, wc = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "c" / "model.safetensors"))
     assert wa.keys() == wc.keys()
     for k in wa:
         assert torch.allclose(wa[k], wc[k], atol=1e-6, rtol=0), k
     # Optimizer state, too.
-    sa = load_file(str(tmp_path / "a" / "training_state.safetensors"))
-    sc = load_file(str(tmp_path / "c" / "training_state.safetensors"))
+    sa = load_file(str(ckpt(tmp_path / "a") / "training_state.safetensors"))
+    sc = load_file(str(ckpt(tmp_path / "c") / "training_state.safetensors"))
     assert sa.keys() == sc.keys() and all(torch.allclose(sa[k], sc[k], atol=1e-6, rtol=0) for k in sa)
     # A resumed run must repeat the flags that shape the model or the step.
     rc, _, err = run_train(common[:-2] + ["--depth", 3, "--out", tmp_path / "d", "--resume", tmp_path / "b"])
@@ -380,10 +387,10 @@ def test_train_target_from_corpus_then_drafter(tmp_path):
 
     target = mdl.load_target(str(out))
     assert target.args.num_hidden_layers == 2 and target.args.vocab_size <= 300
-    tok = mdl.Tokenizer(str(out))
+    tok = text.Tokenizer(str(out))
     assert tok.decode(tok.encode(CORPUS)) == CORPUS  # byte-level BPE round-trips source text
     eos = tok.tok.token_to_id("<|endoftext|>")
-    assert mdl.stop_token_ids(str(out), target.args) == (eos,)
+    assert text.stop_token_ids(str(out), target.args) == (eos,)
     # transformers reads the directory too, with the same logits.
     import transformers
     hf = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).eval()
@@ -486,4 +493,4 @@ def test_train_target_script_runs_standalone(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "step 3: loss" in r.stdout and "target written to" in r.stdout
     assert mdl.load_target(str(out)).args.num_hidden_layers == 2
-    assert json.loads((out / "training_state.json").read_text())["kind"] == "target"
+    assert json.loads((ckpt(out) / "training_state.json").read_text())["kind"] == "target"

@@ -1,0 +1,395 @@
+"""Training data (docs/algorithm.md, "Training data"): reading, chat rendering with a loss mask, packing,
+the step's batch, and where its anchors may fall.
+
+Two kinds of data, told apart by what the records hold:
+- Continued pre-training style (text files, JSON lines with "text" or "turns", or --data-ids): the
+  documents are concatenated with EOS between them and cut into windows; every token is supervised,
+  anchors fall anywhere, and attention crosses document boundaries (the window is one stream).
+- Chat records (JSON lines with "messages" / "conversations", or "prompt" + "response"), as the
+  authors train: each conversation is rendered with the target's chat template in non-thinking mode;
+  the loss mask covers the assistant's tokens only (its content and the stop token that ends the turn,
+  not the template's header or empty think block: what the target generates after the generation
+  prompt); conversations are packed whole into rows by best fit (one longer than a row is cut to it),
+  each token labelled with its document in the row, and neither the target nor the drafter attends
+  across documents (`document_mask`, `drafter.block_mask`). Positions stay 0..T-1 along the row:
+  RoPE scores depend only on the distance between query and key, so a document at offset o with
+  attention confined to itself computes what it computes alone (tests/test_train_data.py checks it).
+- Anchors (`sample_anchors`) are drawn from the positions `anchor_candidates` allows: the anchor and its
+  successor both in the loss mask and in one document (everything but the last position for plain
+  text). A slot is supervised while its label stays inside the row, the mask and the anchor's
+  document (`supervised`: a prefix of the block).
+- `Batches`: step s's global batch is rows s·G .. s·G+G-1 of an endless stream of seeded shuffles,
+  a pure function of (seed, s, G), so neither resuming nor the number of processes changes it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from common import UserError, read_jsonl
+
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
+JSON_SUFFIXES = (".jsonl", ".json")
+MASK_TOKEN = "<|mask|>"
+EOS_TOKEN = "<|endoftext|>"
+ROLES = ("system", "user", "assistant")
+_SENTINEL = "\ue000{}\ue001"  # private-use characters: where an assistant message lands in the rendered text
+
+
+# ----------------------------------------------------------------------------------------
+# Reading
+
+def _chat_messages(obj, where: str) -> Optional[list[dict]]:
+    """The conversation of a chat record ("messages" / "conversations" or "prompt" + "response"), checked;
+    None if the record is not a chat record."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+        return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+    key = "messages" if "messages" in obj else "conversations" if "conversations" in obj else None
+    if key is None:
+        return None
+    msgs = obj[key]
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
+                                             and isinstance(m.get("content"), str) for m in msgs):
+        raise UserError(f"{where}: {key!r} must be a list of {{\"role\": system/user/assistant, \"content\": str}}")
+    roles = [m["role"] for m in msgs if m["role"] != "system"]
+    if not roles or roles[0] != "user" or "assistant" not in roles:
+        raise UserError(f"{where}: a conversation starts with a user message and has an assistant message")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def _read_jsonl_docs(path: str, texts: list, chats: list):
+    for where, obj in read_jsonl(path):
+        msgs = _chat_messages(obj, where)
+        if msgs is not None:
+            chats.append((where, msgs))
+        elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            texts.append(obj["text"])
+        elif (isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]
+              and all(isinstance(t, str) for t in obj["turns"])):
+            texts.append("\n\n".join(obj["turns"]))
+        else:
+            raise UserError(f"{where}: expected {{\"text\": str}}, {{\"turns\": [str]}}, {{\"messages\": [...]}} "
+                            "or {\"prompt\": str, \"response\": str}")
+
+
+def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
+    """(plain texts, chat conversations as (where, messages)) of --data: one file, or every text file and
+    .jsonl under a directory (sorted, recursive; non-UTF-8 text files skipped)."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        # .json files in a tree are often data of other kinds (the stdlib's tests have some): only .jsonl there.
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                       if f.endswith(TEXT_SUFFIXES + (".jsonl",)))
+        if not files:
+            raise UserError(f"--data {path}: no {'/'.join(TEXT_SUFFIXES + ('.jsonl',))} files in the directory")
+    else:
+        raise UserError(f"--data {path}: file or directory not found")
+    texts, chats, skipped = [], [], []
+    for f in files:
+        if f.endswith(JSON_SUFFIXES):
+            _read_jsonl_docs(f, texts, chats)
+            continue
+        try:
+            with open(f, encoding="utf-8") as fh:
+                texts.append(fh.read())
+        except UnicodeDecodeError:
+            skipped.append(f)
+    if skipped:
+        print(f"--data: skipped {len(skipped)} file(s) that are not UTF-8 (first: {skipped[0]})", file=sys.stderr)
+    texts = [t for t in texts if t]
+    if texts and chats:
+        raise UserError(f"--data {path}: mixes chat records ({chats[0][0]}) with plain text; train on one kind")
+    if not texts and not chats:
+        raise UserError(f"--data {path}: no text")
+    return texts, chats
+
+
+def read_texts(path: str) -> list[str]:
+    """The plain documents of --data (chat records are a drafter's training data: train.py)."""
+    texts, chats = read_documents(path)
+    if chats:
+        raise UserError(f"{chats[0][0]}: a chat record; this program trains on plain text")
+    return texts
+
+
+def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
+    """--data-ids: JSON lines of {"prompt_ids": [int]}, every id below vocab_size."""
+    if not os.path.isfile(path):
+        raise UserError(f"--data-ids {path}: file not found")
+    out = []
+    for where, obj in read_jsonl(path):
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise UserError(f"{where}: expected {{\"prompt_ids\": [int, ...]}}")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        out.append(ids)
+    if not out:
+        raise UserError(f"--data-ids {path}: no sequences")
+    return out
+
+
+def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], source: str) -> torch.Tensor:
+    """Concatenate the documents (separator between them) and cut [N, seq_len] windows; the tail is dropped."""
+    stream = []
+    for d in docs:
+        stream.extend(d)
+        if separator is not None:
+            stream.append(separator)
+    n = len(stream) // seq_len
+    if n == 0:
+        raise UserError(f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
+    return torch.tensor(stream[:n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def read_windows(args, tok, vocab_size: int, separator: Optional[int], texts: Optional[list[str]] = None) -> torch.Tensor:
+    """The [N, seq_len] windows of plain --data (tokenized by `tok`, documents joined by `separator`; `texts`:
+    --data already read) or of --data-ids (ids below vocab_size, joined as they are)."""
+    if args.data is not None:
+        texts = read_texts(args.data) if texts is None else texts
+        docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
+        return pack_windows(docs, args.seq_len, separator, f"--data {args.data}")
+    return pack_windows(read_id_lists(args.data_ids, vocab_size), args.seq_len, None, f"--data-ids {args.data_ids}")
+
+
+# ----------------------------------------------------------------------------------------
+# Chat records: rendering and the loss mask
+
+def chat_spans(tok, messages: list[dict], stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
+    """(rendered text, character spans of the assistant turns) of a conversation, rendered whole with the
+    chat template in non-thinking mode. A span is the message's content plus the stop token that follows it
+    (one of `stop_texts`, e.g. "<|im_end|>"). The contents are found by rendering once more with a sentinel in
+    place of each assistant message, so a user turn quoting the same words cannot be mistaken for it; None
+    when the template changes an assistant's text (the mask could not be placed exactly)."""
+    text = tok.render_messages(messages, add_generation_prompt=False, thinking=False)
+    marked = [dict(m, content=_SENTINEL.format(i)) if m["role"] == "assistant" else m for i, m in enumerate(messages)]
+    mtext = tok.render_messages(marked, add_generation_prompt=False, thinking=False)
+    parts, spans, pos, length = [], [], 0, 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        s = mtext.find(_SENTINEL.format(i), pos)
+        if s < 0:
+            return None
+        parts.append(mtext[pos:s])
+        length += s - pos
+        spans.append((length, length + len(m["content"])))
+        parts.append(m["content"])
+        length += len(m["content"])
+        pos = s + len(_SENTINEL.format(i))
+    parts.append(mtext[pos:])
+    if "".join(parts) != text:
+        return None
+    out = []
+    for s, e in spans:
+        stop = next((st for st in stop_texts if st and text.startswith(st, e)), "")
+        out.append((s, e + len(stop)))
+    return text, out
+
+
+def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """A token is in the loss mask when it starts inside an assistant span."""
+    starts = [o[0] for o in offsets]
+    mask = [False] * len(offsets)
+    for s, e in spans:
+        for t in range(bisect.bisect_left(starts, s), bisect.bisect_left(starts, e)):
+            mask[t] = True
+    return mask
+
+
+def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=()) -> tuple[list[tuple[list[int], list[bool]]], int]:
+    """(token ids, loss mask) of every conversation, and how many were skipped (template changed the
+    assistant text, or no position could be an anchor)."""
+    rendered = [chat_spans(tok, msgs, stop_texts) for _, msgs in chats]
+    keep = [r for r in rendered if r is not None]
+    encs = tok.tok.encode_batch([r[0] for r in keep], add_special_tokens=False) if keep else []
+    docs = []
+    for (_, spans), enc in zip(keep, encs):
+        mask = token_mask(enc.offsets, spans)
+        if any(a and b for a, b in zip(mask, mask[1:])):  # some anchor with its successor in the response
+            docs.append((enc.ids, mask))
+    return docs, len(chats) - len(docs)
+
+
+# ----------------------------------------------------------------------------------------
+# Packing and the corpus
+
+@dataclass
+class Corpus:
+    """Training rows: tokens [N, T]; loss_mask [N, T] bool (None: every token); doc [N, T] the document of
+    each token within its row, -1 for padding (None: the row is one stream, attention crosses documents)."""
+    tokens: torch.Tensor
+    loss_mask: Optional[torch.Tensor] = None
+    doc: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(tokens int64, loss_mask, doc int64) of the rows `index`."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        doc = pick(self.doc)
+        return self.tokens[index].long(), pick(self.loss_mask), None if doc is None else doc.long()
+
+
+def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) -> tuple[Corpus, dict]:
+    """Best-fit-decreasing packing of whole documents into rows of seq_len (a longer one is cut to seq_len):
+    each document goes to the open row with the least room that still holds it. Rows are padded with
+    pad_id (doc -1, outside the mask). Returns the corpus and counts (rows, documents, cut, fill)."""
+    lengths = [min(len(ids), seq_len) for ids, _ in docs]
+    order = sorted(range(len(docs)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: dict[int, list[int]] = {}  # free room -> rows with exactly that much left
+    rooms: list[int] = []  # the sorted keys of `room`
+    for i in order:
+        n = lengths[i]
+        k = bisect.bisect_left(rooms, n)
+        if k == len(rooms):
+            r, free = len(rows), seq_len
+            rows.append([])
+        else:
+            free = rooms[k]
+            r = room[free].pop()
+            if not room[free]:
+                del room[free]
+                rooms.pop(k)
+        rows[r].append(i)
+        left = free - n
+        if left > 0:
+            if left not in room:
+                room[left] = []
+                bisect.insort(rooms, left)
+            room[left].append(r)
+    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.int32)
+    mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
+    doc = torch.full((len(rows), seq_len), -1, dtype=torch.int16 if seq_len < 2 ** 15 else torch.int32)  # ids < seq_len
+    for r, members in enumerate(rows):
+        pos = 0
+        for j, i in enumerate(members):
+            n = lengths[i]
+            tokens[r, pos:pos + n] = torch.tensor(docs[i][0][:n], dtype=torch.int32)
+            mask[r, pos:pos + n] = torch.tensor(docs[i][1][:n])
+            doc[r, pos:pos + n] = j
+            pos += n
+    stats = {"rows": len(rows), "documents": len(docs), "cut": sum(len(ids) > seq_len for ids, _ in docs),
+             "fill": sum(lengths) / max(1, len(rows) * seq_len)}
+    return Corpus(tokens, mask, doc), stats
+
+
+def load_corpus(args, target_args, say) -> Corpus:
+    """The training rows of --data (plain text or chat records) or --data-ids, for train.py's `args` (--target
+    given, `target_args` its ModelArgs); `say` prints a line (rank 0)."""
+    from text import Tokenizer, stop_token_ids
+
+    if args.data is None:
+        return Corpus(read_windows(args, None, target_args.vocab_size, None))
+    if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
+        raise UserError(f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
+    tok = Tokenizer(args.target)
+    stops = stop_token_ids(args.target, target_args)
+    sep = tok.tok.token_to_id(EOS_TOKEN)
+    sep = sep if sep is not None else (stops[0] if stops else None)
+    texts, chats = read_documents(args.data)
+    if texts:
+        return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
+    docs, skipped = encode_chats(tok, chats, [tok.decode([i]) for i in stops])
+    if not docs:
+        raise UserError(f"--data {args.data}: no conversation has a response to train on")
+    corpus, st = pack_documents(docs, args.seq_len, sep if sep is not None else 0)
+    say(f"--data: {st['documents']} conversations packed into {st['rows']} sequences ({st['fill']:.0%} filled, "
+        f"{st['cut']} cut to --seq-len {args.seq_len}, {skipped} skipped: nothing to train on or the template "
+        "rewrites the response)")
+    return corpus
+
+
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: query t may attend key s iff s <= t and both are in the same document (doc [B, T])."""
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]) & causal
+
+
+# ----------------------------------------------------------------------------------------
+# The step's batch and anchors
+
+def seed_for(tag: str, *xs: int) -> int:
+    """A 60-bit seed from a tag and integers, so (seed, step) streams are independent of each other."""
+    return int(hashlib.sha256(":".join([tag, *map(str, xs)]).encode()).hexdigest()[:15], 16)
+
+
+class Batches:
+    """Step s's global batch: indices s*G .. s*G+G-1 of an endless stream of shuffled epochs over n rows."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.G, self.seed = n, batch_size, seed
+        self._perms = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(seed_for("epoch", self.seed, epoch))
+            self._perms = {epoch: torch.randperm(self.n, generator=g)}  # keep one epoch
+        return self._perms[epoch]
+
+    def __call__(self, step: int) -> torch.Tensor:
+        N = self.n
+        return torch.stack([self._perm(k // N)[k % N] for k in range(step * self.G, (step + 1) * self.G)])
+
+
+def micro_slices(batch_size: int, grad_accum: int, rank: int) -> list[slice]:
+    """A rank's micro-batches as slices of the step's global batch: rank r's micro-batch m holds rows
+    (r·A + m)·B .. (r·A + m + 1)·B, so 1 process x A=2 and 2 processes x A=1 take the same rows."""
+    B, A = batch_size, grad_accum
+    return [slice((rank * A + m) * B, (rank * A + m + 1) * B) for m in range(A)]
+
+
+def anchor_candidates(loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[B, T-1] bool: a may be an anchor iff a and a+1 are in the loss mask and in one document (None: all)."""
+    if loss_mask is None and doc is None:
+        return None
+    ok = torch.ones_like((loss_mask if loss_mask is not None else doc)[:, 1:], dtype=torch.bool)
+    if loss_mask is not None:
+        ok = ok & loss_mask[:, :-1] & loss_mask[:, 1:]
+    if doc is not None:
+        ok = ok & (doc[:, :-1] == doc[:, 1:])
+    return ok
+
+
+def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator,
+                   allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [batch, n] sorted, keep [batch, n]): n positions per row drawn without replacement from
+    0..seq_len-2 (the first label is in the row), only where `allowed` [batch, seq_len-1] is True. A row with
+    fewer than n allowed positions fills its last blocks with dummies (anchor 0, keep False)."""
+    keys = torch.rand(batch, seq_len - 1, generator=generator)
+    if allowed is None:
+        return keys.argsort(dim=1)[:, :n].sort(dim=1).values, torch.ones(batch, n, dtype=torch.bool)
+    keys = keys.masked_fill(~allowed, 2.0)  # keys are < 1: the allowed positions come first
+    picked = keys.argsort(dim=1)[:, :n]
+    keep = torch.arange(n)[None, :] < allowed.sum(1, keepdim=True).clamp(max=n)
+    anchors = torch.where(allowed.gather(1, picked), picked, seq_len).sort(dim=1).values
+    return torch.where(keep, anchors, 0), keep
+
+
+def supervised(anchors: torch.Tensor, keep: torch.Tensor, K: int, seq_len: int, loss_mask: Optional[torch.Tensor],
+               doc: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, N, K] bool: slot j of a kept block at anchor a is supervised iff its label a+j+1 and every earlier
+    label are inside the row, the loss mask and the anchor's document."""
+    B, N = anchors.shape
+    label = anchors[:, :, None] + 1 + torch.arange(K, device=anchors.device)  # [B, N, K]
+    ok = label < seq_len
+    at = label.clamp(max=seq_len - 1).view(B, -1)
+    if loss_mask is not None:
+        ok = ok & loss_mask.gather(1, at).view(B, N, K)
+    if doc is not None:
+        ok = ok & (doc.gather(1, at).view(B, N, K) == doc.gather(1, anchors)[:, :, None])
+    return ok.int().cumprod(-1).bool() & keep[:, :, None]

@@ -1,0 +1,320 @@
+"""data.py and the chat path of train.py, each against a slow reference written here from the definition:
+the loss mask over the assistant's tokens, the anchor rule, best-fit packing, per-document masking (a packed
+row computes what each document computes alone), a short chat run, and the checkpoint's layout as the
+authors' modeling code (DeepSpec's Qwen3DSparkModel) reads it.
+
+Everything runs on conftest's tiny word-level target (vocab 64, a Qwen3-like ChatML template), in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+
+import pytest
+import torch
+
+import data
+import drafter as dr
+import model as mdl
+import text
+import train
+
+from conftest import IM_END_ID, IM_START_ID, build_tokenizer
+
+torch.set_num_threads(1)
+
+CONVERSATION = [
+    {"role": "system", "content": "the x is a"},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "hello world"},  # the same words as the user's: the sentinel must tell them apart
+    {"role": "user", "content": "print x"},
+    {"role": "assistant", "content": "def x ( ) : return 1"},
+]
+
+
+def reference_chat(messages, vocab_size=64):
+    """By definition, for conftest's template and word-level tokenizer: each message is <|im_start|>, its role,
+    its words, <|im_end|> (whitespace, newlines included, is no token); the loss mask is an assistant's words
+    and the <|im_end|> that ends its turn."""
+    vocab = {w: i for i, w in enumerate(data_vocab(vocab_size))}
+    ids, mask = [], []
+    for m in messages:
+        words = [vocab[w] for w in m["content"].split()]
+        ids += [IM_START_ID, vocab[m["role"]], *words, IM_END_ID]
+        a = m["role"] == "assistant"
+        mask += [False, False] + [a] * len(words) + [a]
+    return ids, mask
+
+
+def data_vocab(vocab_size):
+    from conftest import vocabulary
+    return vocabulary(vocab_size)
+
+
+def test_chat_loss_mask_is_the_assistant_tokens(tiny_target):
+    tok = text.Tokenizer(str(tiny_target.path))
+    docs, skipped = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>", "<|endoftext|>"])
+    assert skipped == 0 and len(docs) == 1
+    ids, mask = docs[0]
+    assert (ids, mask) == reference_chat(CONVERSATION)
+    # prompt + response records are one user turn and one assistant turn
+    rec = data._chat_messages({"prompt": "hello", "response": "world"}, "x:2")
+    assert rec == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
+    # A template that rewrites the assistant's text: the mask cannot be placed, the record is skipped.
+    tok.chat_template = tok.chat_template.replace("message['content']", "message['content'] | upper")
+    assert data.chat_spans(tok, CONVERSATION, ["<|im_end|>"]) is None
+    assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"]) == ([], 1)
+
+
+def test_render_messages_without_template_is_qwen3_chatml(target_factory):
+    tok = text.Tokenizer(str(target_factory(chat_template=False).path))
+    one = [{"role": "user", "content": "hi"}]
+    assert tok.render_messages(one, add_generation_prompt=True) == tok.render_chat("hi") == \
+        text.QWEN3_CHAT_FALLBACK.format(prompt="hi")
+    rendered, spans = data.chat_spans(tok, CONVERSATION[1:3], ["<|im_end|>"])
+    assert rendered == ("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                        "hello world<|im_end|>\n")
+    assert [rendered[s:e] for s, e in spans] == ["hello world<|im_end|>"]  # not the empty think block: the prompt's
+
+
+@pytest.mark.parametrize("case,needle", [
+    ({"messages": [{"role": "user", "content": "a"}]}, "has an assistant message"),
+    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}, "starts with a user"),
+    ({"messages": [{"role": "robot", "content": "a"}]}, "must be a list of"),
+    ({"conversations": "hello"}, "must be a list of"),
+    ({"something": 1}, "expected {\"text\": str}"),
+])
+def test_bad_chat_records_are_one_line_errors(tmp_path, case, needle):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(case) + "\n")
+    with pytest.raises(mdl.UserError, match="d.jsonl:1") as e:
+        data.read_documents(str(p))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mixing_chat_and_text_is_an_error(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    with pytest.raises(mdl.UserError, match="mixes chat records"):
+        data.read_documents(str(tmp_path / "a.jsonl"))
+
+
+def test_anchor_rule_and_supervision_by_definition():
+    g = torch.Generator().manual_seed(0)
+    B, T, N, K = 3, 20, 6, 3
+    mask = torch.rand(B, T, generator=g) < 0.6
+    doc = torch.cumsum(torch.rand(B, T, generator=g) < 0.2, 1)
+    mask[2] = False
+    mask[2, 5:8], doc[2] = True, 0  # two candidates only: the rest of the row's blocks are fillers
+    allowed = data.anchor_candidates(mask, doc)
+    for b in range(B):
+        for a in range(T - 1):
+            assert allowed[b, a] == (mask[b, a] and mask[b, a + 1] and doc[b, a] == doc[b, a + 1])
+    anchors, keep = data.sample_anchors(B, T, N, torch.Generator().manual_seed(1), allowed)
+    for b in range(B):
+        real = anchors[b][keep[b]].tolist()
+        assert len(real) == min(N, int(allowed[b].sum())) and len(set(real)) == len(real) and real == sorted(real)
+        assert all(allowed[b, a] for a in real) and keep[b].tolist() == sorted(keep[b].tolist(), reverse=True)
+    assert keep[2].sum() == 2
+    valid = data.supervised(anchors, keep, K, T, mask, doc)
+    for b in range(B):
+        for i in range(N):
+            a, ok = anchors[b, i].item(), keep[b, i].item()
+            for j in range(K):
+                ok = ok and a + j + 1 < T and mask[b, a + j + 1].item() and doc[b, a + j + 1] == doc[b, a]
+                assert valid[b, i, j].item() == ok, (b, i, j)
+    # Plain text: every position allowed is exactly the unrestricted draw (existing runs are unchanged).
+    free, keep_all = data.sample_anchors(B, T, N, torch.Generator().manual_seed(1))
+    same, keep_same = data.sample_anchors(B, T, N, torch.Generator().manual_seed(1), torch.ones(B, T - 1, dtype=torch.bool))
+    assert torch.equal(free, same) and keep_all.all() and keep_same.all()
+
+
+def test_best_fit_packing_keeps_documents_whole():
+    rng = random.Random(0)
+    docs = [([rng.randrange(1, 50) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)])
+            for n in [rng.randrange(1, 12) for _ in range(40)] + [15, 30]]
+    corpus, st = data.pack_documents(docs, 16, pad_id=0)
+    assert st["documents"] == 42 and st["cut"] == 1 and st["rows"] == len(corpus)
+    assert st["rows"] <= sum(min(len(d[0]), 16) for d in docs) // 16 + 3  # nearly full rows
+    seen = []
+    for r in range(len(corpus)):
+        row_doc = corpus.doc[r].tolist()
+        for j in sorted(set(row_doc) - {-1}):
+            where = [t for t, x in enumerate(row_doc) if x == j]
+            assert where == list(range(where[0], where[-1] + 1))  # contiguous
+            seen.append((tuple(corpus.tokens[r, where].tolist()), tuple(corpus.loss_mask[r, where].tolist())))
+        pad = [t for t, x in enumerate(row_doc) if x == -1]
+        assert pad == list(range(16 - len(pad), 16)) and not corpus.loss_mask[r, pad].any()
+    want = sorted((tuple(ids[:16]), tuple(m[:16])) for ids, m in docs)
+    assert sorted(seen) == want
+
+
+def test_document_mask_by_definition():
+    doc = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 1, 1, 2, 2, 2]])
+    m = data.document_mask(doc)
+    for b in range(2):
+        for q in range(6):
+            for k in range(6):
+                assert m[b, q, k] == (k <= q and doc[b, q] == doc[b, k])
+    anchors = torch.tensor([[1, 3], [2, 4]])
+    bm = dr.block_mask(anchors, 6, 2, doc)
+    for b in range(2):
+        for row in range(4):
+            a = anchors[b, row // 2].item()
+            for p in range(6):
+                assert bm[b, row, p] == (p < a and doc[b, p] == doc[b, a])
+
+
+def test_packed_row_computes_what_each_document_computes_alone(tiny_target):
+    """The target's capture and the drafter's blocks of a packed row (positions 0..T-1 along the row, attention
+    within each document) equal those of each document run alone from position 0, and drafter_loss on the
+    row equals the losses of the blocks built one by one on the documents alone."""
+    target = mdl.load_target(str(tiny_target.path))
+    args = train.Args(block_size=3, depth=2, markov="gated", markov_rank=8, init_std=0.3, seed=5)
+    d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 7, 4]
+    docs = [torch.randint(0, 64, (n,), generator=g) for n in lens]
+    tokens = torch.cat(docs + [torch.zeros(2, dtype=torch.long)])[None]  # + 2 padding tokens
+    T, K = tokens.shape[1], d.cfg.num_slots
+    doc = torch.tensor([[i for i, n in enumerate(lens) for _ in range(n)] + [-1, -1]])
+    mask = torch.ones(1, T, dtype=torch.bool)
+    mask[0, -2:] = False
+    mask[0, 5] = False  # the second document's first token is prompt
+    starts = [0, 5, 12]
+    anchors = torch.tensor([[0, 2, 6, 9, 12, 14]])
+    with torch.no_grad():
+        packed_h, packed_f = target.hidden(tokens, capture=d.cfg.target_layer_ids, mask=data.document_mask(doc))
+        for s, x in zip(starts, docs):
+            h, f = target.hidden(x[None], capture=d.cfg.target_layer_ids)
+            assert torch.allclose(packed_h[0, s:s + len(x)], h[0], atol=1e-4)
+            assert torch.allclose(packed_f[0, s:s + len(x)], f[0], atol=1e-4)
+        hb = d.train_forward(packed_f, tokens, anchors, doc)[0]
+        keep = torch.ones_like(anchors, dtype=torch.bool)
+        loss, terms, valid = train.drafter_loss(d, target, tokens, anchors, args, keep=keep, loss_mask=mask, doc=doc)
+        z_ref, t_ref, lab_ref, val_ref, c_ref = [], [], [], [], []
+        for i, a in enumerate(anchors[0].tolist()):
+            j = doc[0, a].item()
+            x, o = docs[j], starts[j]
+            _, f = target.hidden(x[None], capture=d.cfg.target_layer_ids)
+            d.setup_caches(1, len(x) + K)
+            if a > o:
+                d.commit_context(f[:, :a - o], torch.arange(a - o)[None])
+            h, U = d(x[a - o:a - o + 1], torch.tensor([a - o]))
+            assert torch.allclose(hb[i], h[0], atol=1e-4), f"block at {a}"
+            lab = [x[a - o + k + 1].item() if a - o + k + 1 < len(x) else 0 for k in range(K)]
+            ok = [a - o + k + 1 < len(x) and bool(mask[0, a + k + 1]) for k in range(K)]
+            val_ref.append(torch.tensor(ok).int().cumprod(0).bool())
+            prev = torch.tensor([[x[a - o].item()] + lab[:-1]])
+            state, z = None, U.clone()
+            for k in range(K):
+                bias, state = d.markov_head.step(h[:, k], prev[:, k], state)
+                z[:, k] += bias
+            logits, _ = target(x[None])
+            z_ref.append(z[0])
+            t_ref.append(logits[0, [min(a - o + k, len(x) - 1) for k in range(K)]])
+            lab_ref.append(torch.tensor(lab))
+            c_ref.append(torch.logit(d.confidence(h, prev)[0].double()).float())
+        ref = train.distill_losses(torch.stack(z_ref), torch.stack(t_ref), torch.stack(lab_ref), torch.stack(val_ref),
+                                   torch.stack(c_ref), args.gamma)
+    assert torch.equal(valid[0], torch.stack(val_ref))
+    for k in ("ce", "tv", "conf"):
+        assert terms[k].item() == pytest.approx(ref[k].item(), rel=1e-4, abs=1e-5), k
+
+
+def write_chats(path, n, seed=0):
+    words = "def x = y + 1 : return if hello world else print ( z ) , 0 1 2 3".split()
+    rng = random.Random(seed)
+    say = lambda k: " ".join(rng.choice(words) for _ in range(k))  # noqa: E731
+    with open(path, "w") as f:
+        for i in range(n):
+            if i % 3 == 0:
+                rec = {"prompt": say(3), "response": say(rng.randrange(4, 12))}
+            else:
+                rec = {"messages": [{"role": "user", "content": say(2)}, {"role": "assistant", "content": say(5)},
+                                    {"role": "user", "content": say(2)}, {"role": "assistant", "content": say(6)}]}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def run_train(argv) -> tuple[int, dict, str]:
+    import tyro
+
+    err, result = io.StringIO(), {}
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            result = train.run(tyro.cli(train.Args, args=[str(a) for a in argv] + ["--no-progress"]))
+            rc = 0
+        except mdl.UserError as e:
+            print(f"error: {e}", file=err)
+            rc = 2
+    return rc, result, err.getvalue()
+
+
+def test_chat_records_train(tiny_target, tmp_path):
+    chats = write_chats(tmp_path / "chat.jsonl", 12)
+    rc, res, err = run_train(["--target", tiny_target.path, "--data", chats, "--out", tmp_path / "o", "--steps", 3,
+                              "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8])
+    assert rc == 0, err
+    assert "12 conversations packed into" in err and "0 skipped" in err
+    assert "39 anchors each" in err  # --anchors-per-seq 512 clamped to the row
+    assert len(res["losses"]) == 3 and all(x == x for x in res["losses"])
+    dr.load_drafter(str(tmp_path / "o"), mdl.load_target(str(tiny_target.path)))
+
+
+# The authors' Qwen3DSparkModel (deepspec/modeling/dspark/qwen3/modeling.py, markov_head.py, common.py), read
+# and written down here without importing it: the config fields its __init__ asserts, and its parameters.
+DEEPSPEC_REQUIRED = ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head", "markov_rank",
+                     "block_size", "num_hidden_layers", "layer_types", "hidden_size", "vocab_size", "rms_norm_eps")
+DEEPSPEC_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                  "post_attention_layernorm.weight")
+DEEPSPEC_HEADS = {"vanilla": ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"),
+                  "gated": ("markov_head.gate_proj.weight", "markov_head.gate_proj.bias"),
+                  "rnn": ("markov_head.joint_proj.weight", "markov_head.joint_proj.bias")}
+
+
+@pytest.mark.parametrize("markov,confidence", [("vanilla", True), ("rnn", True), ("none", False)])
+def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confidence):
+    from safetensors import safe_open
+
+    target = mdl.load_target(str(tiny_target.path))
+    args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
+                      confidence_with_markov=confidence and markov != "none")
+    d = train.build_drafter(args, target, str(tiny_target.path), "cpu")
+    dr.save_drafter(str(tmp_path), d, str(tiny_target.path), 512)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    assert all(k in cfg for k in DEEPSPEC_REQUIRED), [k for k in DEEPSPEC_REQUIRED if k not in cfg]
+    assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["num_anchors"] == 512 and cfg["num_target_layers"] == 3
+    assert cfg["markov_rank"] == (0 if markov == "none" else 8)  # their build_markov_head: rank 0 = no head
+    if cfg["markov_rank"] > 0:
+        assert cfg["markov_head_type"] == markov
+    if cfg["enable_confidence_head"]:
+        assert isinstance(cfg["confidence_head_with_markov"], bool)
+    H, V, r = 32, 64, cfg["markov_rank"]
+    want = {f"layers.{i}.{n}" for i in range(2) for n in DEEPSPEC_LAYER}
+    want |= {"embed_tokens.weight", "lm_head.weight", "norm.weight", "fc.weight", "hidden_norm.weight"}
+    if markov != "none":
+        want |= set(DEEPSPEC_HEADS["vanilla"]) | set(DEEPSPEC_HEADS[markov] if markov != "vanilla" else ())
+    if confidence:
+        want |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == want
+        shape = lambda k: tuple(f.get_slice(k).get_shape())  # noqa: E731
+        assert shape("fc.weight") == (H, 2 * H) and shape("embed_tokens.weight") == shape("lm_head.weight") == (V, H)
+        if markov != "none":
+            assert shape("markov_head.markov_w1.weight") == (V, r) and shape("markov_head.markov_w2.weight") == (V, r)
+        if markov == "rnn":
+            assert shape("markov_head.joint_proj.weight") == (3 * r, 2 * r + H)
+        if confidence:
+            assert shape("confidence_head.proj.weight") == (1, H + r) and shape("confidence_head.proj.bias") == (1,)
+    dr.load_drafter(str(tmp_path), target)  # and ours reads it
+
+
+def test_word_tokenizer_has_chatml_specials():
+    tok = build_tokenizer(64)
+    assert tok.encode("<|im_start|>user\nhello<|im_end|>").ids == [IM_START_ID, 6, 18, IM_END_ID]

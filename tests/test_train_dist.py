@@ -1,0 +1,187 @@
+"""train.py at several processes and micro-batches: a 2-process gloo run (torchrun) gives the loss curve of
+one process with the same global batch, a run stopped and resumed at another world size continues it exactly,
+torchrun's variables and a missing peer are one-line errors, every new flag's bad values too; the progress
+figures (tokens/s, MFU), --eval-every and --wandb-artifacts.
+
+Tiny models (conftest's word-level target), a few steps each; the torchrun runs are subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import model as mdl
+import train
+import trainer
+
+from conftest import REPO_ROOT
+from test_train_data import run_train, write_chats
+
+torch.set_num_threads(1)
+
+SMALL = ["--seq-len", 40, "--block-size", 3, "--depth", 1, "--markov-rank", 8, "--anchors-per-seq", 12,
+         "--warmup-frac", 0.0, "--lr", 3e-3, "--steps", 4]
+
+
+def torchrun(argv, cwd, nproc=2, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(REPO_ROOT / "train.py"), *map(str, argv), "--no-progress", "--device", "cpu"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def curve(out):
+    return [json.loads(line)["loss"] for line in open(out / trainer.LOG_JSONL)]
+
+
+def weights(out):
+    from safetensors.torch import load_file
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_two_processes_equal_one_and_resume_at_another_world_size(tiny_target, tmp_path):
+    """Chat rows (packed documents, loss masks, filler blocks) and a global batch of 4: one process with
+    --grad-accum 2 == two gloo processes with --grad-accum 1 (steps 1-2, stopped) + one process with
+    --batch-size 1 --grad-accum 4 resuming that state (steps 3-4)."""
+    chats = write_chats(tmp_path / "chat.jsonl", 30)
+    base = ["--target", tiny_target.path, "--data", chats, *SMALL]
+    rc, one, err = run_train(base + ["--out", tmp_path / "one", "--batch-size", 2, "--grad-accum", 2])
+    assert rc == 0, err
+    p = torchrun(base + ["--out", tmp_path / "two", "--batch-size", 2, "--stop-at", 2], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "global batch 4 = 2 x 1 x 2 process(es)" in p.stderr and p.stdout.count("step 2: loss") == 1  # rank 0 only
+    state = json.loads((Path(trainer.checkpoint_dir(str(tmp_path / "two"))) / trainer.STATE_JSON).read_text())
+    assert (state["step"], state["world_size"], state["global_batch"]) == (2, 2, 4)
+    rc, resumed, err = run_train(base + ["--out", tmp_path / "three", "--resume", tmp_path / "two",
+                                         "--batch-size", 1, "--grad-accum", 4])
+    assert rc == 0, err
+    assert resumed["start"] == 2
+    assert curve(tmp_path / "two") + curve(tmp_path / "three") == pytest.approx(one["losses"], rel=1e-5)
+    assert curve(tmp_path / "one") == one["losses"]
+    wa, wc = weights(tmp_path / "one"), weights(tmp_path / "three")
+    assert wa.keys() == wc.keys() and all(torch.allclose(wa[k], wc[k], atol=1e-5, rtol=1e-4) for k in wa)
+    # The global batch must be the saved one.
+    rc, _, err = run_train(base + ["--out", tmp_path / "four", "--resume", tmp_path / "two", "--batch-size", 2])
+    assert rc == 2 and "global batch is 4 sequences, now 2" in err
+
+
+def test_micro_batches_split_the_global_batch_alike(tiny_target, tmp_path):
+    """Plain --data-ids rows: 1x4, 2x2 and 4x1 (batch size x accumulation) are the same steps."""
+    ids = tmp_path / "ids.jsonl"
+    g = torch.Generator().manual_seed(0)
+    ids.write_text("".join(json.dumps({"prompt_ids": torch.randint(0, 64, (40,), generator=g).tolist()}) + "\n"
+                           for _ in range(10)))
+    runs = []
+    for b, a in ((4, 1), (2, 2), (1, 4)):
+        rc, res, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / f"o{b}", *SMALL,
+                                  "--batch-size", b, "--grad-accum", a])
+        assert rc == 0, err
+        runs.append(res["losses"])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5) and runs[2] == pytest.approx(runs[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"RANK": "0"}, "RANK set without WORLD_SIZE"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK is not set"),
+    ({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}, "RANK=2 is outside WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "MASTER_ADDR, MASTER_PORT not set"),
+    ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE=0"),
+])
+def test_inconsistent_torchrun_variables_are_one_line_errors(env, needle):
+    with pytest.raises(common.UserError) as e:
+        common.torchrun_env(env)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert common.torchrun_env({}) == (0, 1, 0)
+    assert common.torchrun_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) == (0, 1, 0)
+
+
+def test_a_missing_peer_times_out_with_a_message(tiny_target, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1")
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n")  # the data is checked before the peers
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "--target", str(tiny_target.path), "--data-ids",
+                        str(ids), "--out", str(tmp_path / "o"), "--dist-timeout", "2",
+                        "--device", "cpu"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2
+    last = p.stderr.strip().splitlines()[-1]  # torch's own C++ log lines may come first
+    assert last.startswith("error: rank 0 of 2: no process group at 127.0.0.1") and "--dist-timeout" in last, p.stderr
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--grad-accum", 0], "--grad-accum: invalid value 0"),
+    (["--dist-timeout", 0], "--dist-timeout: invalid value 0.0"),
+    (["--peak-tflops", -1], "--peak-tflops: invalid value -1.0"),
+    (["--eval-every", -1], "--eval-every: invalid value -1"),
+    (["--eval-samples", 0], "--eval-samples: invalid value 0"),
+    (["--eval-max-new-tokens", 0], "--eval-max-new-tokens: invalid value 0"),
+    (["--eval-every", 2, "--eval-datasets", "nope"], "--eval-datasets: no nope.jsonl"),
+    (["--wandb-artifacts"], "--wandb-artifacts: needs --wandb"),
+    (["--anchors-per-seq", 0], "--anchors-per-seq: invalid value 0"),
+])
+def test_new_flags_bad_values_are_one_line_errors(tiny_target, tmp_path, capsys, flags, needle):
+    ids = tmp_path / "x.jsonl"
+    ids.write_text(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n")  # exists: the flags are what is wrong
+    rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o",
+                                      *flags]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_step_flops_by_hand():
+    t = mdl.ModelArgs(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=2)
+    d = train.DrafterConfig(layers=mdl.ModelArgs(**{**t.__dict__, "num_hidden_layers": 1}), block_size=3,
+                            target_layer_ids=(0,), mask_token_id=9, layout="dspark", markov_head_type="vanilla",
+                            markov_rank=5, confidence_head=False, confidence_with_markov=False)
+    layer = 2 * 4 * 4 + 2 * 4 * 2 + 3 * 4 * 6  # q, o (4x4); k, v (4x2); MLP (3 x 4x6)
+    T, N, K = 8, 2, 3
+    target = 2 * T * 2 * layer + 2 * 2 * T * T * 4 + 2 * N * K * 4 * 10
+    drafter = 2 * T * (1 * 4 * 4 + 1 * 2 * 4 * 2) + 2 * N * K * (layer + 4 * 10 + 5 * 10) + 4 * 1 * N * K * (T + N * K) * 4
+    assert train.step_flops(t, d, 3, T, N) == 3 * (target + 3 * drafter)
+
+
+def test_progress_eval_every_and_artifacts(tiny_target, tmp_path, monkeypatch):
+    """The bar shows tokens/s and (given a peak) MFU; --eval-every 2 writes eval.py's results for steps 2 and 4
+    and logs them; --wandb-artifacts (offline) logs the checkpoints."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "mt-bench.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "print x")))
+    chats = write_chats(tmp_path / "chat.jsonl", 12)
+    import io
+    import contextlib
+    import tyro
+    err = io.StringIO()
+    args = tyro.cli(train.Args, args=[str(a) for a in [
+        "--target", tiny_target.path, "--data", chats, "--out", tmp_path / "o", *SMALL, "--batch-size", 2,
+        "--peak-tflops", 1, "--eval-every", 2, "--eval-datasets", "mt-bench", "--eval-data-dir", evals,
+        "--eval-samples", 2, "--eval-max-new-tokens", 8, "--wandb", "--wandb-artifacts", "--log-every", 1]])
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        res = train.run(args)
+    assert "tok_s=" in err.getvalue() and "mfu=" in err.getvalue()
+    assert res["tokens_per_second"] > 0
+    for step in (2, 4):
+        ev = json.loads((tmp_path / "o" / f"eval_step{step}.json").read_text())
+        assert ev["config"]["step"] == step and ev["datasets"][0]["dataset"] == "mt-bench"
+    log = [json.loads(line) for line in open(tmp_path / "o" / trainer.LOG_JSONL)]
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and all(0 < r["mfu"] and r["eta_seconds"] >= 0 for r in log)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    blob = b"".join(p.read_bytes() for p in runs[0].rglob("*.wandb"))
+    assert b"-checkpoint" in blob and b"step-4" in blob and b"eval/mt-bench/acceptance_length" in blob

@@ -1,0 +1,166 @@
+"""Text and ids for a checkpoint directory: its tokenizer, its stop tokens, its chat template.
+
+What is notable here:
+- `tokenizer.json` goes through the `tokenizers` library; the chat template comes from
+  `chat_template.jinja` or `tokenizer_config.json`. Without a template, prompts are rendered in
+  Qwen3's own ChatML with thinking off (what the published drafters were trained on).
+- A chat template is code shipped with a checkpoint: it is rendered in a box (`render_template`) —
+  Jinja's immutable sandbox, a time limit, caps on its output and on the numbers and repetitions it
+  computes — and whatever goes wrong is one line naming the template's file.
+- Stop ids come from generation_config.json and config.json, each checked against the vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+from common import UserError, read_json
+from model import ModelArgs, _eos_ids
+
+QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+class Tokenizer:
+    """`tokenizer.json` through the `tokenizers` library, plus the directory's chat template."""
+
+    def __init__(self, directory: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: file not found")
+        try:
+            self.tok = HFTokenizer.from_file(path)
+        except Exception as e:  # the library raises bare Exceptions for malformed files
+            raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+        self.chat_template, self.template_source = _read_chat_template(directory)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def render_chat(self, prompt: str, thinking: bool = False) -> str:
+        """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
+        if self.chat_template is None:
+            return QWEN3_CHAT_FALLBACK.format(prompt=prompt)
+        return self.render_messages([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                    thinking=thinking)
+
+    def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
+        """A conversation ([{"role", "content"}, ...]) through the chat template (in a box, as a template is
+        code from the checkpoint: `render_template`), with `enable_thinking` set; add_generation_prompt
+        opens the assistant's next turn. Without a template: ChatML as Qwen3 renders it with thinking off
+        (the last assistant turn after the last user turn, and the generation prompt, carry an empty
+        think block)."""
+        if self.chat_template is None:
+            return _chatml_fallback(messages, add_generation_prompt)
+        return render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
+                               add_generation_prompt=add_generation_prompt, enable_thinking=thinking)
+
+
+def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    """Qwen3's non-thinking ChatML without its template: one user turn with the generation prompt is
+    exactly QWEN3_CHAT_FALLBACK."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    out = []
+    for i, m in enumerate(messages):
+        think = "<think>\n\n</think>\n\n" if m["role"] == "assistant" and i == len(messages) - 1 and i > last_user else ""
+        out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    return "".join(out)
+
+
+TEMPLATE_SECONDS = 10            # a chat template that renders longer than this is refused ...
+TEMPLATE_CHARS = 10_000_000      # ... and so is one whose output grows past this many characters
+TEMPLATE_BITS = 100_000          # the largest integer a template may compute (`**`) or string it may repeat (`*`)
+_COMPILED: dict = {}             # the last template, compiled
+
+
+def render_template(template: str, source: str, **context) -> str:
+    """A chat template rendered in a box: Jinja's immutable sandbox, a time limit, a cap on the output
+    and on the numbers and repetitions it computes. Whatever goes wrong — a template error, a
+    ZeroDivisionError, a runaway loop or power — is one UserError naming `source` (the file)."""
+    import signal
+    import threading
+
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Boxed(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"**", "*"})
+
+        def call_binop(self, context, operator, left, right):
+            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right))
+            if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
+                raise SecurityError(f"{left} ** {right} is too large")
+            if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
+                seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+                if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
+                    raise SecurityError("a repetition is too long")
+            return super().call_binop(context, operator, left, right)
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+
+    def out_of_time(signum, frame):
+        raise TimeoutError(f"took longer than {TEMPLATE_SECONDS} s")
+
+    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if timed:
+        previous = signal.signal(signal.SIGALRM, out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    try:
+        if template not in _COMPILED:  # compiled once per template (training renders many conversations)
+            env = Boxed(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            _COMPILED.clear()
+            _COMPILED[template] = env.from_string(template)
+        parts, size = [], 0
+        for chunk in _COMPILED[template].generate(**context):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > TEMPLATE_CHARS:
+                raise SecurityError(f"its output grew past {TEMPLATE_CHARS:,} characters")
+        return "".join(parts)
+    except Exception as e:  # every way a template can fail is the template's, and the user's to fix
+        raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str]]:
+    """(template, the file it came from), or (None, None)."""
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                return f.read(), jinja
+        except UnicodeDecodeError:
+            raise UserError(f"{jinja}: not UTF-8 text") from None
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None, None
+    t = read_json(path).get("chat_template")
+    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default")
+    if t is not None and not isinstance(t, str):
+        raise UserError(f"{path}: 'chat_template' must be a string")
+    return t, path
+
+
+def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (often a list) and config.json, in that order, deduplicated."""
+    ids = []
+    gen = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen):
+        ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size)
+    ids += args.eos_token_ids
+    return tuple(dict.fromkeys(ids))
