@@ -43,8 +43,8 @@ import metrics as mt
 import plots
 import scheduler as sched
 from common import AutoBool, UserError, check_ranges, check_writable, cli_main, read_json, write_json
-from speculate import (Engine, Request, auto_chat, auto_compile, cache_length, check_prompts, check_schedulable,
-                       load_models, load_prompts, resolve_scheduler)
+from speculate import (Engine, Request, auto_chat, auto_compile, cache_length, check_prompts, load_models,
+                       load_prompts)
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -370,7 +370,7 @@ def run(args: EvalArgs) -> dict:
     check_ranges(args, batch_size="[1, inf)", max_new_tokens="[1, inf)", max_samples="[1, inf)",
                  temperature="[0, inf)", confidence_threshold="[0, 1]", calibration_split="[0, 1)",
                  ece_bins="[1, 10000]", step="[0, inf)")
-    kind = resolve_scheduler(args)
+    kind = sched.resolve_scheduler(args)
     for flag, path in (("--out", args.out), ("--calibration-out", args.calibration_out),
                        ("--calibration-plot", args.calibration_plot)):
         check_writable(path, flag)
@@ -380,7 +380,7 @@ def run(args: EvalArgs) -> dict:
     m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
                     seed=args.seed, verbose=rank == 0)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
-    check_schedulable(kind, drafter, args.confidence_threshold)
+    sched.check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:

@@ -11,7 +11,8 @@ Host side it also owns the verify sizes: compiled, a ragged verification is padd
 `verify_buckets` (one graph each), and with an SPS table a count goes to the fastest bucket that
 holds it. SPS(B) is profiled by timing the engine's own rounds (`profile`), fitted into a curve
 (`sps_curve`), and kept in a JSON table that is reused only for the exact configuration it was
-measured on (`load_or_profile`).
+measured on (`load_or_profile`). The flags' checks live here too (`resolve_scheduler`,
+`check_schedulable`, `parse_buckets`), for speculate.py and eval.py alike.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from common import UserError, check_writable, read_json, write_json
+from common import UserError, check_writable, parse_ints, read_json, write_json
 
 KINDS = ("none", "threshold", "hardware")
 
@@ -145,6 +146,44 @@ class Scheduler:
         sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets, len(self.sps) - 1)
         self.table = table
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
+
+
+def resolve_scheduler(args) -> str:
+    """--scheduler's value (default: threshold when --confidence-threshold > 0, else none), checked
+    against --confidence-threshold, --sps-table and --verify-buckets before anything is loaded.
+    `args` has those fields (speculate's Args or eval's)."""
+    kind = args.scheduler or ("threshold" if args.confidence_threshold > 0 else "none")
+    if kind == "threshold" and args.confidence_threshold <= 0:
+        raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
+    if args.scheduler in ("none", "hardware") and args.confidence_threshold > 0:
+        raise UserError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
+                        f"uses it, not --scheduler {args.scheduler}")
+    if args.sps_table is not None and kind != "hardware":
+        raise UserError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
+    if getattr(args, "verify_buckets", None) is not None:
+        if kind == "none":
+            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
+        parse_ints(args.verify_buckets, "--verify-buckets", positive=True, distinct=True)
+    return kind
+
+
+def check_schedulable(kind: str, drafter, threshold: float):
+    """A schedule other than none reads the drafts' confidences."""
+    if kind != "none" and (drafter is None or drafter.confidence_head is None):
+        flag = "--confidence-threshold" if threshold > 0 else f"--scheduler {kind}:"
+        raise UserError(f"{flag} needs a --drafter with a confidence head")
+
+
+def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
+    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
+    if text is None:
+        return None
+    buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
+    need = batch * (drafter.cfg.num_drafts + 1)
+    if buckets[-1] < need:
+        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
+                        f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
+    return buckets
 
 
 def profile(step: Callable[[int], object], points: list[int], sync: Callable[[], None], reps: int = 7) -> list[float]:

@@ -510,44 +510,6 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     return Models(t, d, tokenizer, stop_ids, dt)
 
 
-def resolve_scheduler(args) -> str:
-    """--scheduler's value (default: threshold when --confidence-threshold > 0, else none), checked
-    against --confidence-threshold, --sps-table and --verify-buckets before anything is loaded.
-    `args` has those fields (speculate's Args or eval's)."""
-    kind = args.scheduler or ("threshold" if args.confidence_threshold > 0 else "none")
-    if kind == "threshold" and args.confidence_threshold <= 0:
-        raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
-    if args.scheduler in ("none", "hardware") and args.confidence_threshold > 0:
-        raise UserError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
-                        f"uses it, not --scheduler {args.scheduler}")
-    if args.sps_table is not None and kind != "hardware":
-        raise UserError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
-    if getattr(args, "verify_buckets", None) is not None:
-        if kind == "none":
-            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
-        parse_ints(args.verify_buckets, "--verify-buckets", positive=True, distinct=True)
-    return kind
-
-
-def check_schedulable(kind: str, drafter, threshold: float):
-    """A schedule other than none reads the drafts' confidences."""
-    if kind != "none" and (drafter is None or drafter.confidence_head is None):
-        flag = "--confidence-threshold" if threshold > 0 else f"--scheduler {kind}:"
-        raise UserError(f"{flag} needs a --drafter with a confidence head")
-
-
-def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
-    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
-    if text is None:
-        return None
-    buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
-    need = batch * (drafter.cfg.num_drafts + 1)
-    if buckets[-1] < need:
-        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
-                        f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
-    return buckets
-
-
 def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None) -> list[list[int]]:
     """Token ids of every prompt given by exactly one of prompt, prompt_ids or prompts_file."""
@@ -630,10 +592,10 @@ def run(args: Args) -> dict:
     check_writable(args.trace_file, "--trace-file")
     if args.sps_table is not None and not os.path.isfile(args.sps_table):
         check_writable(args.sps_table, "--sps-table")
-    kind = resolve_scheduler(args)
+    kind = sched.resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
-    check_schedulable(kind, m.drafter, args.confidence_threshold)
+    sched.check_schedulable(kind, m.drafter, args.confidence_threshold)
     prompts = load_prompts(tokenizer=m.tokenizer, chat=auto_chat(args.chat, m.tokenizer), prompt=args.prompt,
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file)
     check_prompts(prompts, m.target, args.max_new_tokens)
@@ -660,7 +622,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     engine = Engine(m.target, drafter, batch_size=batch, temperature=args.temperature, seed=args.seed,
                     max_seq=cache_length(max(len(r.prompt_ids) for r in requests), args.max_new_tokens, drafter),
                     device=args.device, stop_ids=m.stop_ids, scheduler=kind, threshold=args.confidence_threshold,
-                    buckets=parse_buckets(args.verify_buckets, batch, drafter) if kind != "none" else None,
+                    buckets=sched.parse_buckets(args.verify_buckets, batch, drafter) if kind != "none" else None,
                     compile=compile, kernels=args.kernels)
     if compile:
         engine.warmup()
