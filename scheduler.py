@@ -76,17 +76,27 @@ def top_capacity(confidence: torch.Tensor, active: torch.Tensor, capacity: torch
     return torch.zeros(B * K, dtype=torch.long, device=a.device).scatter(0, order, take.long()).view(B, K).sum(1)
 
 
-def capacity_search(confidence: torch.Tensor, R: int, sps: torch.Tensor, limit: int) -> int:
+def capacity_search(confidence: list[list[float]], R: int, sps: list[float], limit: int) -> int:
     """The async scheduler's capacity, host side: the C in 0 .. limit that maximises
     Θ(C) = (R + the sum of the C largest prefix survivals) · SPS(R + C) — Algorithm 1's objective along
     its greedy path, searched to the end (no early stop), so the search steps over cliffs of a jagged
-    SPS curve. confidence [N, K]: the rows of the round the forecast comes from; R: the active rows of
-    the round it is for; sps [top + 1]: SPS(B) by verify tokens. Ties go to the smallest C."""
-    a = torch.cumprod(confidence.double(), dim=1).reshape(-1)
-    a = torch.sort(a[a > 0], descending=True).values[:limit]
-    tau = R + torch.cat([a.new_zeros(1), torch.cumsum(a, 0)])      # expected tokens for C = 0 .. len(a)
-    theta = tau * sps[R + torch.arange(len(tau))]
-    return int(torch.argmax(theta))                                  # the first of equal maxima
+    SPS curve. confidence: one list of K per row of the round the forecast comes from; R: the active
+    rows of the round it is for; sps[B]: SPS(B) by verify tokens. Ties go to the smallest C. Plain
+    Python: a few hundred numbers, which torch's per-operation overhead would make slower."""
+    a = []
+    for row in confidence:
+        prod = 1.0
+        for c in row:
+            prod *= c
+            if prod > 0:
+                a.append(prod)
+    a.sort(reverse=True)
+    best, C, tau = R * sps[R], 0, float(R)
+    for i, x in enumerate(a[:limit], start=1):
+        tau += x
+        if tau * sps[R + i] > best:
+            best, C = tau * sps[R + i], i
+    return C
 
 
 class Plan(NamedTuple):
@@ -200,12 +210,12 @@ class Scheduler:
 
     def reset(self):
         """Forget the history: a new decode starts with two warm-up rounds."""
-        self.history: list[torch.Tensor] = []  # the last two rounds' confidences [active rows, K]
+        self.history: list[list[list[float]]] = []  # the last two rounds' confidences, K per active row
         self.rounds = 0                         # rounds observed in this decode
 
     def observe(self, confidence: list[list[float]]):
         """A finished round's confidences, one list per row that was active in it (its RoundRecords)."""
-        self.history = (self.history + [torch.tensor(confidence, dtype=torch.float64).view(-1, self.K)])[-2:]
+        self.history = (self.history + [confidence])[-2:]
         self.rounds += 1
 
     def plan(self, R: int) -> Plan:
@@ -221,7 +231,7 @@ class Scheduler:
         if r < 2:
             C, source = limit, "warmup"
         else:
-            C, source = capacity_search(self.history[0], R, self.sps, limit), r - 2
+            C, source = capacity_search(self.history[0], R, self.sps.tolist(), limit), r - 2
         num_tokens = self.bucket(R + C)
         return self.fixed(num_tokens, min(num_tokens - R, limit), source, r)
 

@@ -110,8 +110,7 @@ def test_capacity_search_finds_the_best_allocation_for_any_sps_curve():
         vals, sps = jagged_sps(rng, B * (K_ + 1))
         best = max(theta_of(c, active, ls, sps)
                    for ls in itertools.product(*[range(K_ + 1) if on else [0] for on in active]))
-        rows = torch.tensor([row for row, on in zip(c, active) if on])
-        C = sched.capacity_search(rows, R, torch.tensor(vals, dtype=torch.float64), R * K_)
+        C = sched.capacity_search([row for row, on in zip(c, active) if on], R, vals, R * K_)
         got = sched.top_capacity(torch.tensor(c), torch.tensor(active), torch.tensor(C)).tolist()
         assert sum(got) == C
         assert theta_of(c, active, got, sps) == pytest.approx(best, rel=1e-12), (c, active, vals)
@@ -128,7 +127,7 @@ def test_capacity_search_steps_over_a_cliff_that_stops_algorithm_1():
     table = torch.tensor(vals, dtype=torch.float64)
     assert sched.hardware_schedule(torch.tensor(c, dtype=torch.float64), torch.tensor([True, True]), table).tolist() \
         == [0, 0]
-    assert sched.capacity_search(torch.tensor(c), 2, table, 8) == 8
+    assert sched.capacity_search(c, 2, vals, 8) == 8
 
 
 def test_the_capacity_never_reads_the_current_round():
@@ -143,7 +142,7 @@ def test_the_capacity_never_reads_the_current_round():
         assert s.plan(2).source == "warmup"
         s.observe(last)  # the round just before: a pipelined engine has not read it yet
         plans.append(s.plan(2))
-    assert plans[0].capacity == plans[1].capacity == sched.capacity_search(torch.tensor(two_back), 2, s.sps, 6)
+    assert plans[0].capacity == plans[1].capacity == sched.capacity_search(two_back, 2, s.sps.tolist(), 6)
     assert plans[0].source == 0 and plans[0].round == 2
     # The current confidences choose which drafts, never how many may be verified.
     cap, active, seen = plans[1].tensor, torch.tensor([True, True]), set()
@@ -187,8 +186,8 @@ def capacity_checks(rounds, table_or_scheduler, K_):
             assert rs[0]["capacity_from_round"] == "warmup" and cap == R * K_
         else:
             assert rs[0]["capacity_from_round"] == b - 2
-            history = torch.tensor([r["confidence"] for r in by_round[b - 2]], dtype=torch.float64)
-            assert cap == sched.capacity_search(history, R, s.sps, R * K_), b
+            history = [r["confidence"] for r in by_round[b - 2]]
+            assert cap == sched.capacity_search(history, R, s.sps.tolist(), R * K_), b
         caps.append(cap)
     return caps
 
@@ -384,7 +383,7 @@ def test_appendix_a_counterexample_is_biased_when_the_capacity_reads_the_current
     active = torch.tensor([True])
 
     def retrospective(c):
-        C = sched.capacity_search(c, 1, PAPER_SPS, 2)
+        C = sched.capacity_search(c.tolist(), 1, PAPER_SPS.tolist(), 2)
         return int(sched.top_capacity(c, active, torch.tensor(C)))
 
     y, ell = appendix_a_first_tokens(retrospective)
