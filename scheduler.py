@@ -253,7 +253,8 @@ class Scheduler:
         """Use SPS(B) as given for every B = 0 .. top — no fit, no routing to a faster bucket (a synthetic
         curve: scripts/bench_concurrency.py --sps-synthetic)."""
         if len(sps) != len(self.sps):
-            raise ValueError(f"an SPS curve needs {len(self.sps)} values (B = 0 .. {len(self.sps) - 1}), got {len(sps)}")
+            raise ValueError(f"an SPS curve needs {len(self.sps)} values (B = 0 .. {len(self.sps) - 1}), "
+                             f"got {len(sps)}")
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
         self.table, self.route = {"steps_per_second_by_tokens": list(sps)}, None
 

@@ -407,5 +407,6 @@ def test_appendix_a_counterexample_stays_exact_with_the_capacity_from_history(tw
     assert ell[A] == plan.capacity and ell[B_] == min(plan.capacity, 1)  # a_2 = 0 after B: not a candidate
     assert chi2_pvalue(y, torch.tensor([0.7, 0.3])) > P_MIN
     # Algorithm 1 with its early stop, on the current round, is exact too: Θ_1 < Θ_0, ℓ = 0.
-    y, ell = appendix_a_first_tokens(lambda c: int(sched.hardware_schedule(c.double(), torch.tensor([True]), PAPER_SPS)))
+    algorithm_1 = lambda c: int(sched.hardware_schedule(c.double(), torch.tensor([True]), PAPER_SPS))  # noqa: E731
+    y, ell = appendix_a_first_tokens(algorithm_1)
     assert ell == {A: 0, B_: 0} and chi2_pvalue(y, torch.tensor([0.7, 0.3])) > P_MIN
