@@ -18,6 +18,7 @@ earlier, with no early stop; which drafts is a stable top-C of the current prefi
   Appendix A); and the Appendix A numbers themselves, through the real acceptance kernel: the same
   search fed the current round's confidences outputs (0.85, 0.15), fed an earlier round's it
   outputs the target's (0.7, 0.3).
+- Flags: bad combinations with `--scheduler async` are refused with one line.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from drafters import make_drafter, make_target  # noqa: E402
 from model import load_target  # noqa: E402
 from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace, exact_joint,  # noqa: E402
                            run_cli, seq_index, set_confidence_bias, target_logits_after)
-from test_scheduler import K, PROMPTS, cli, theta_of, write_sps_table  # noqa: E402
+from test_scheduler import K, PROMPTS, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -164,9 +165,23 @@ def env(tmp_path_factory):
     drafter = make_drafter(d / "drafter", target, block_size=K, markov="vanilla", oracle=True, oracle_scale=4.0,
                            norm_scale=0.05)
     set_confidence_bias(drafter, 0.5)
+    plain = make_drafter(d / "dflash", target, block_size=K, markov=None, confidence=False)
     pf = d / "prompts.jsonl"
     pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
-    return dict(dir=str(d), target=target, drafter=drafter, prompts=str(pf))
+    return dict(dir=str(d), target=target, drafter=drafter, plain=plain, prompts=str(pf))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--scheduler", "async", "--confidence-threshold", "0.5"], "--scheduler threshold"),
+    (["--scheduler", "async", "--verify-buckets", "2,4"], "largest bucket 4"),
+    (["--scheduler", "threshold", "--confidence-threshold", "0.5", "--sps-table", "x.json"], "hardware or async"),
+    (["--scheduler", "async", "--drafter-plain"], "--scheduler async: needs a --drafter with a confidence head"),
+])
+def test_bad_async_flags_are_refused(env, flags, needle):
+    drafter = env["plain"] if "--drafter-plain" in flags else env["drafter"]
+    rc, err = run_err(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3", "--max-new-tokens", 4]
+                      + [f for f in flags if f != "--drafter-plain"])
+    assert rc == 2 and needle in err and one_error_line(err), err
 
 
 def capacity_checks(rounds, table_or_scheduler, K_):
