@@ -86,11 +86,12 @@ class EvalArgs:
     """Requests decoded together (per process under torchrun)."""
     confidence_threshold: float = 0.0
     """Verify drafts only up to the first confidence below this; 0 = the whole block."""
-    scheduler: Optional[Literal["none", "threshold", "hardware"]] = None
+    scheduler: Optional[Literal["none", "threshold", "hardware", "async"]] = None
     """How many drafts a round verifies, as speculate.py's --scheduler (default: threshold when
-    --confidence-threshold > 0, else none); hardware profiles SPS(B) at start (per rank)."""
+    --confidence-threshold > 0, else none); hardware and async profile SPS(B) at start (per rank)."""
     sps_table: Optional[str] = None
-    """With --scheduler hardware: read SPS(B) from this JSON, or profile and write it (as speculate.py)."""
+    """With --scheduler hardware or async: read SPS(B) from this JSON, or profile and write it (as
+    speculate.py)."""
     seed: int = AUTHORS_SEED
     """The authors' seed: it picks the shuffled subset of a long dataset, and sample i of a dataset
     draws from its own random stream seeded seed + i (whatever rank or batch row decodes it)."""
@@ -403,7 +404,7 @@ def run(args: EvalArgs) -> dict:
         print(m.describe(), file=sys.stderr)
     if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
-    if kind == "hardware":
+    if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table, verbose=rank == 0))
 
     bar = None

@@ -27,8 +27,8 @@ DPI = 144
 BINS = 15  # eval.py's ECE_BINS today: pass the bins of the ECE shown so bars and number agree
 PANELS_PER_ROW = 4  # reliability panels per row; a long block wraps instead of growing one wide strip
 MODE_COLOURS = {"autoregressive": "tab:gray", "none": "tab:blue", "threshold": "tab:orange",
-                "hardware": "tab:green"}
-OTHER_COLOURS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # modes added later
+                "hardware": "tab:green", "async": "tab:red"}
+OTHER_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # modes added later
 
 
 def _format(path: str) -> Optional[str]:

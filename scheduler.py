@@ -6,12 +6,17 @@ confidences into verify lengths ℓ [B], one of
 - "threshold": the drafts before the first confidence below θ;
 - "hardware": the paper's Algorithm 1 over the whole batch (`hardware_schedule`), which weighs the
   expected accepted tokens against SPS(B), the engine's measured rounds per second when a round
-  verifies B tokens.
+  verifies B tokens;
+- "async": the paper's production variant (§5.2): the batch's capacity C, how many drafts it verifies,
+  is searched host side over SPS(B) without an early stop from the confidences of two rounds earlier
+  (`capacity_search`, `Scheduler.plan`), so the verify size is known before the draft graph runs;
+  inside it the C drafts with the highest current prefix survival are verified (`top_capacity`).
 Host side it also owns the verify sizes: compiled, a ragged verification is padded to one of a few
 `verify_buckets` (one graph each), and with an SPS table a count goes to the fastest bucket that
 holds it. SPS(B) is profiled by timing the engine's own rounds (`profile`), fitted into a curve
 (`sps_curve`), and kept in a JSON table that is reused only for the exact configuration it was
-measured on (`load_or_profile`).
+measured on (`load_or_profile`). The flags' checks live here too (`resolve_scheduler`,
+`check_schedulable`, `parse_buckets`), for speculate.py and eval.py alike.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
 from common import UserError, check_writable, parse_ints, read_json, write_json
 
-KINDS = ("none", "threshold", "hardware")
+KINDS = ("none", "threshold", "hardware", "async")
+SPS_KINDS = ("hardware", "async")  # the schedules that read SPS(B)
 
 
 def threshold_schedule(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -54,6 +60,56 @@ def hardware_schedule(confidence: torch.Tensor, active: torch.Tensor, sps: torch
     before = torch.cat([R * sps[R[None]], theta[:-1]])               # Θ_best when i is tried
     take = torch.cumprod(((theta > before) & (a_sorted > 0)).long(), dim=0)
     return torch.zeros(B * K, dtype=torch.long, device=a.device).scatter(0, order, take).view(B, K).sum(1)
+
+
+def top_capacity(confidence: torch.Tensor, active: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """The async scheduler's selection, on the device: of the candidates (r, j) of active rows with
+    prefix survival a_{r,j} = Π_{i<=j} c_{r,i} > 0, the `capacity` ones with the highest a (capacity: a
+    0-d long tensor, fixed before these drafts were drawn). The sort is stable and a never rises with j,
+    so j-1 ranks before j and every row gets a prefix; whether (r, j) is taken depends on a_{r,j} and
+    the candidates ranked before it — never on x_{r,j} or on anything drawn after it.
+    Returns ℓ [B]."""
+    B, K = confidence.shape
+    a = torch.cumprod(confidence.double(), dim=1) * active[:, None]  # inactive rows offer nothing
+    a_sorted, order = torch.sort(a.reshape(-1), descending=True, stable=True)
+    take = (torch.arange(B * K, device=a.device) < capacity) & (a_sorted > 0)
+    return torch.zeros(B * K, dtype=torch.long, device=a.device).scatter(0, order, take.long()).view(B, K).sum(1)
+
+
+def capacity_search(confidence: list[list[float]], R: int, sps: list[float], limit: int) -> int:
+    """The async scheduler's capacity, host side: the C in 0 .. limit that maximises
+    Θ(C) = (R + the sum of the C largest prefix survivals) · SPS(R + C) — Algorithm 1's objective along
+    its greedy path, searched to the end (no early stop), so the search steps over cliffs of a jagged
+    SPS curve. confidence: one list of K per row of the round the forecast comes from; R: the active
+    rows of the round it is for; sps[B]: SPS(B) by verify tokens. Ties go to the smallest C. Plain
+    Python: a few hundred numbers, which torch's per-operation overhead would make slower."""
+    a = []
+    for row in confidence:
+        prod = 1.0
+        for c in row:
+            prod *= c
+            if prod > 0:
+                a.append(prod)
+    a.sort(reverse=True)
+    best, C, tau = R * sps[R], 0, float(R)
+    for i, x in enumerate(a[:limit], start=1):
+        tau += x
+        if tau * sps[R + i] > best:
+            best, C = tau * sps[R + i], i
+    return C
+
+
+class Plan(NamedTuple):
+    """An async round's schedule, fixed before its drafts exist (`Scheduler.plan`)."""
+    capacity: int          # C: how many drafts the whole batch verifies at most
+    source: Union[int, str]  # the batch round whose confidences chose C, or "warmup"
+    round: int             # this round's number among the decode's batch rounds (all rows step together)
+    num_tokens: int        # the verify size: the active rows' anchors + C, padded to a bucket when compiled
+    tensor: torch.Tensor   # C as a 0-d tensor on the device: the draft graph's input
+
+    def trace(self) -> dict:
+        """The keys it adds to a round record (docs/trace-format.md)."""
+        return {"batch_round": self.round, "capacity": self.capacity, "capacity_from_round": self.source}
 
 
 def verify_buckets(max_tokens: int) -> list[int]:
@@ -104,6 +160,9 @@ class Scheduler:
     `bucket(n)` is the size a ragged verification of n tokens is padded to (n itself when eager).
     "hardware" reads SPS(B) from `self.sps`, a flat placeholder until `set_sps` fills it in place —
     so warm-up, profiling and decoding all run (and compile) the very same graph.
+    "async" is planned on the host before each round: `plan(R)` gives the capacity (from the history
+    that `observe` keeps) and the verify size, and `__call__(confidence, active, capacity)` selects
+    inside the draft graph.
     """
 
     def __init__(self, kind: str, K: int, batch: int, *, threshold: float = 0.0,
@@ -116,11 +175,18 @@ class Scheduler:
         # exact count. SPS is profiled at the buckets, or at the same geometric points when eager.
         self.buckets = sorted(buckets) if buckets else (verify_buckets(top) if compiled else None)
         self.profile_points = self.buckets or verify_buckets(top)
-        self.sps = torch.ones(top + 1, dtype=torch.float64, device=device) if kind == "hardware" else None
+        # SPS(B) by verify tokens: on the device for Algorithm 1, on the host for the async search.
+        self.sps = (torch.ones(top + 1, dtype=torch.float64, device=device if kind == "hardware" else "cpu")
+                    if kind in SPS_KINDS else None)
         self.table: Optional[dict] = None  # the SPS table in use (set_sps)
         self.route: Optional[list[int]] = None
+        self.capacity = torch.zeros((), dtype=torch.long, device=device) if kind == "async" else None
+        self.reset()
 
-    def __call__(self, confidence: Optional[torch.Tensor], active: torch.Tensor) -> torch.Tensor:
+    def __call__(self, confidence: Optional[torch.Tensor], active: torch.Tensor,
+                 capacity: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.kind == "async":
+            return top_capacity(confidence, active, capacity)
         if self.kind == "hardware":
             return hardware_schedule(confidence, active, self.sps)
         if self.kind == "threshold":
@@ -140,11 +206,96 @@ class Scheduler:
         raise UserError(f"--verify-buckets: the largest bucket {self.buckets[-1]} is below the {n} tokens "
                         f"a round verifies")
 
+    # The async schedule's host side: the batch's confidences, round by round, and the plan.
+
+    def reset(self):
+        """Forget the history: a new decode starts with two warm-up rounds."""
+        self.history: list[list[list[float]]] = []  # the last two rounds' confidences, K per active row
+        self.rounds = 0                         # rounds observed in this decode
+
+    def observe(self, confidence: list[list[float]]):
+        """A finished round's confidences, one list per row that was active in it (its RoundRecords)."""
+        self.history = (self.history + [confidence])[-2:]
+        self.rounds += 1
+
+    def plan(self, R: int) -> Plan:
+        """The capacity and verify size of the next round, for R active rows, before its drafts exist.
+
+        C comes from the round two before it (`capacity_search` on that round's confidences: a
+        pipelined engine has not read the previous round yet when it must size this one), at most the
+        R·K drafts there are; compiled, the verify size R + C is padded to a bucket and C grows to fill
+        it (those tokens cost nothing more). The first two rounds of a decode have no such round: they
+        verify every draft, the `none` schedule — lossless without any confidence, no SPS read, and
+        two rounds of a whole decode."""
+        r, limit = self.rounds, R * self.K
+        if r < 2:
+            C, source = limit, "warmup"
+        else:
+            C, source = capacity_search(self.history[0], R, self.sps.tolist(), limit), r - 2
+        num_tokens = self.bucket(R + C)
+        return self.fixed(num_tokens, min(num_tokens - R, limit), source, r)
+
+    def fixed(self, num_tokens: int, capacity: Optional[int] = None, source: Union[int, str] = "fixed",
+              round: int = -1) -> Plan:
+        """A plan of exactly num_tokens verify tokens (by default capacity num_tokens: the dummy rounds
+        of warm-up and profiling set their own verify lengths)."""
+        capacity = num_tokens if capacity is None else capacity
+        self.capacity.fill_(capacity)  # in place: no host-to-device copy to wait for
+        return Plan(capacity, source, round, num_tokens, self.capacity)
+
     def set_sps(self, table: dict):
         """Use a profiled SPS table (`profile`, or read by `load_or_profile`)."""
         sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets, len(self.sps) - 1)
         self.table = table
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
+
+    def set_curve(self, sps: list[float]):
+        """Use SPS(B) as given for every B = 0 .. top — no fit, no routing to a faster bucket (a synthetic
+        curve: scripts/bench_concurrency.py --sps-synthetic)."""
+        if len(sps) != len(self.sps):
+            raise ValueError(f"an SPS curve needs {len(self.sps)} values (B = 0 .. {len(self.sps) - 1}), "
+                             f"got {len(sps)}")
+        self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
+        self.table, self.route = {"steps_per_second_by_tokens": list(sps)}, None
+
+
+def resolve_scheduler(args) -> str:
+    """--scheduler's value (default: threshold when --confidence-threshold > 0, else none), checked
+    against --confidence-threshold, --sps-table and --verify-buckets before anything is loaded.
+    `args` has those fields (speculate's Args or eval's)."""
+    kind = args.scheduler or ("threshold" if args.confidence_threshold > 0 else "none")
+    if kind == "threshold" and args.confidence_threshold <= 0:
+        raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
+    if args.scheduler in ("none", "hardware", "async") and args.confidence_threshold > 0:
+        raise UserError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
+                        f"uses it, not --scheduler {args.scheduler}")
+    if args.sps_table is not None and kind not in SPS_KINDS:
+        raise UserError(f"--sps-table {args.sps_table}: only --scheduler hardware or async uses it")
+    if getattr(args, "verify_buckets", None) is not None:
+        if kind == "none":
+            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold, hardware or async) "
+                            "uses it")
+        parse_ints(args.verify_buckets, "--verify-buckets", positive=True, distinct=True)
+    return kind
+
+
+def check_schedulable(kind: str, drafter, threshold: float):
+    """A schedule other than none reads the drafts' confidences."""
+    if kind != "none" and (drafter is None or drafter.confidence_head is None):
+        flag = "--confidence-threshold" if threshold > 0 else f"--scheduler {kind}:"
+        raise UserError(f"{flag} needs a --drafter with a confidence head")
+
+
+def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
+    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
+    if text is None:
+        return None
+    buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
+    need = batch * (drafter.cfg.num_drafts + 1)
+    if buckets[-1] < need:
+        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
+                        f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
+    return buckets
 
 
 def profile(step: Callable[[int], object], points: list[int], sync: Callable[[], None], reps: int = 7) -> list[float]:
@@ -200,44 +351,3 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         if verbose:
             print(f"SPS table written to {path}", file=sys.stderr)
     return table
-
-
-# ----------------------------------------------------------------------------------------
-# The flags that choose a schedule (speculate.py's and eval.py's)
-
-def resolve_scheduler(args) -> str:
-    """--scheduler's value (default: threshold when --confidence-threshold > 0, else none), checked
-    against --confidence-threshold, --sps-table and --verify-buckets before anything is loaded.
-    `args` has those fields (speculate's Args or eval's)."""
-    kind = args.scheduler or ("threshold" if args.confidence_threshold > 0 else "none")
-    if kind == "threshold" and args.confidence_threshold <= 0:
-        raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
-    if args.scheduler in ("none", "hardware") and args.confidence_threshold > 0:
-        raise UserError(f"--confidence-threshold {args.confidence_threshold}: only --scheduler threshold "
-                        f"uses it, not --scheduler {args.scheduler}")
-    if args.sps_table is not None and kind != "hardware":
-        raise UserError(f"--sps-table {args.sps_table}: only --scheduler hardware uses it")
-    if getattr(args, "verify_buckets", None) is not None:
-        if kind == "none":
-            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold or hardware) uses it")
-        parse_ints(args.verify_buckets, "--verify-buckets", positive=True, distinct=True)
-    return kind
-
-
-def check_schedulable(kind: str, drafter, threshold: float):
-    """A schedule other than none reads the drafts' confidences."""
-    if kind != "none" and (drafter is None or drafter.confidence_head is None):
-        flag = "--confidence-threshold" if threshold > 0 else f"--scheduler {kind}:"
-        raise UserError(f"{flag} needs a --drafter with a confidence head")
-
-
-def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
-    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
-    if text is None:
-        return None
-    buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
-    need = batch * (drafter.cfg.num_drafts + 1)
-    if buckets[-1] < need:
-        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
-                        f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
-    return buckets

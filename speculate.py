@@ -10,7 +10,8 @@ This file reads top to bottom (docs/algorithm.md, "One round"):
    host reads one small tensor per round, `RoundRecord`s;
 2. the engine — `Engine.generate` keeps `batch_size` rows busy (continuous batching) and calls
    `Engine.round`, which runs the two halves (compiled or not) with, for a shortened schedule, one
-   host read between them: how many tokens the target verifies (a ragged batch, `model.Ragged`);
+   host read between them: how many tokens the target verifies (a ragged batch, `model.Ragged`) —
+   none under the async schedule, whose size is planned before the round (`scheduler.Plan`);
 3. the command line — flags, loading, prompts, the trace file, the printed figures.
 Without a drafter a round is the same with zero drafts: the target runs on the anchor and the
 "bonus" is the next token, so baseline and speculative numbers come from one code path.
@@ -51,11 +52,12 @@ class Proposal(NamedTuple):
 
 
 def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, temperature: float,
-          schedule: sched.Scheduler, kernels: kernels.KernelSet) -> Proposal:
+          schedule: sched.Scheduler, kernels: kernels.KernelSet, capacity=None) -> Proposal:
     """Steps 1-2 for every row: the drafter's block forward at the anchor, the sequential Markov
     chain, the confidence head, then the schedule. anchor [B] is the last committed token, at
     anchor_pos [B]; the drafter's context holds rows < anchor_pos. active [B]: rows still decoding.
-    noise: the chain's Exp(1) noise [B, K, V] (None at T=0)."""
+    noise: the chain's Exp(1) noise [B, K, V] (None at T=0). capacity: the async schedule's C, a 0-d
+    tensor fixed before this round (`scheduler.Plan`)."""
     B = anchor.shape[0]
     if drafter is None:
         return Proposal(anchor.new_zeros((B, 0)), None, None, anchor.new_zeros((B,)), active.new_ones((B,)))
@@ -65,7 +67,7 @@ def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, te
     finite = torch.isfinite(base_logits).all(-1).all(-1)
     if confidence is not None:
         finite = finite & torch.isfinite(confidence).all(-1)
-    return Proposal(drafts, q, confidence, schedule(confidence, active), finite)
+    return Proposal(drafts, q, confidence, schedule(confidence, active, capacity), finite)
 
 
 def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature: float,
@@ -219,11 +221,12 @@ class Engine:
     and budget handling.
 
     A round is `draft` then `verify`, each one graph when compiled. With `ragged` (always for the
-    threshold and hardware schedulers, which shorten verification) the host reads the scheduled
-    token count between them and the target verifies exactly those tokens (eager) or that count
-    padded to a bucket (compiled: one verify graph per bucket); otherwise every row verifies its
-    whole block and nothing is read between the halves. The scheduler, the kernel set
-    ("torch" references or "triton") and the sampling temperature are bound here, once.
+    schedulers, which shorten verification) the host reads the scheduled token count between them
+    and the target verifies exactly those tokens (eager) or that count padded to a bucket (compiled:
+    one verify graph per bucket) — except under "async", whose count is planned before the draft, so
+    that nothing is read between the halves, as without `ragged`, where every row verifies its whole
+    block. The scheduler, the kernel set ("torch" references or "triton") and the sampling
+    temperature are bound here, once.
     """
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int, temperature: float = 0.0,
@@ -265,20 +268,22 @@ class Engine:
         except RuntimeError as e:
             raise UserError(f"--kernels {name}: {e}") from None
 
-    def round(self, anchor, anchor_pos, active, noise: Optional[kernels.Noise], verify_len=None):
+    def round(self, anchor, anchor_pos, active, noise: Optional[kernels.Noise], verify_len=None,
+              plan: Optional[sched.Plan] = None):
         """One round for every row -> (record, anchor', anchor_pos'), as `verify` returns them.
         verify_len [B] (profiling a ragged round): verify exactly these many drafts per active row,
-        at exactly that many tokens, instead of the schedule's."""
+        at exactly that many tokens, instead of the schedule's. plan (the async schedule): the
+        capacity and verify size, fixed before the drafts exist — nothing is read between the halves."""
         rows = (self.target, self.drafter, anchor, anchor_pos, active)
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify may read draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
         # 1-2. Draft and schedule.
         proposal = self.draft_fn(*rows, noise=noise.chain if noise is not None else None, schedule=self.scheduler,
-                                 **self.bound)
+                                 capacity=plan.tensor if plan is not None else None, **self.bound)
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
-        num_tokens = None
-        if self.ragged:  # the host read between the halves: the ragged batch's size
+        num_tokens = plan.num_tokens if plan is not None else None
+        if self.ragged and plan is None:  # the host read between the halves: the ragged batch's size
             n = int(torch.where(active, proposal.verify_len + 1, 0).sum())
             num_tokens = n if verify_len is not None else self.scheduler.bucket(n)
         # 3-5. Verify, accept, commit.
@@ -301,6 +306,7 @@ class Engine:
         gens: list[Optional[torch.Generator]] = [None] * B  # the rows' requests' random streams
         anchor = torch.zeros(B, dtype=torch.long, device=dev)
         anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.scheduler.reset()  # async: a new decode's history, so its output does not depend on earlier ones
 
         def finish(req: Request):
             req.finished = time.perf_counter()
@@ -345,16 +351,20 @@ class Engine:
                 active = torch.tensor(live, device=dev)
             noise = kernels.rows_noise([g if r is not None else None for g, r in zip(gens, rows)], K, V, dev) \
                 if self.temperature > 0 else None
-            record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise)
+            plan = self.scheduler.plan(sum(live)) if self.scheduler.kind == "async" else None
+            record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise, plan=plan)
             anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the next graph replay
-            for i, (req, rec) in enumerate(zip(rows, unpack(record, has_confidence))):  # the one host read
+            records = unpack(record, has_confidence)  # the one host read
+            if plan is not None:  # the history that sizes the round after next
+                self.scheduler.observe([rec.confidence for rec, on in zip(records, live) if on])
+            for i, (req, rec) in enumerate(zip(rows, records)):
                 if req is None:
                     continue
                 if not rec.finite:
                     raise NonFinite(req.index, f"round {len(req.rounds)}")
                 entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
                          "draft": rec.drafts, "confidence": rec.confidence, "verified": rec.verified,
-                         "accepted": rec.accepted, "bonus": rec.bonus}
+                         "accepted": rec.accepted, "bonus": rec.bonus, **(plan.trace() if plan else {})}
                 req.rounds.append(entry)
                 self._commit(req, rec.drafts[:rec.accepted] + [rec.bonus], max_new_tokens)
                 if on_round is not None:
@@ -392,7 +402,9 @@ class Engine:
             record, _, _ = self.round(zeros(), zeros(), zeros(torch.bool), noise)
         else:
             counts = (num_tokens - W * torch.arange(B, device=dev)).clamp(0, W)  # fill rows in order
-            record, _, _ = self.round(zeros(), zeros(), counts > 0, noise, verify_len=(counts - 1).clamp(min=0))
+            plan = self.scheduler.fixed(num_tokens) if self.scheduler.kind == "async" else None
+            record, _, _ = self.round(zeros(), zeros(), counts > 0, noise, verify_len=(counts - 1).clamp(min=0),
+                                      plan=plan)
         return record.tolist()
 
     def warmup(self):
@@ -463,13 +475,15 @@ class Args:
     only on the seed and its index (not on the batch size or the requests beside it)."""
     confidence_threshold: float = 0.0
     """Verify drafts only up to the first confidence below this; 0 = the whole block."""
-    scheduler: Optional[Literal["none", "threshold", "hardware"]] = None
+    scheduler: Optional[Literal["none", "threshold", "hardware", "async"]] = None
     """How many drafts each round verifies. none: the whole block; threshold: up to the first
     confidence below --confidence-threshold; hardware: the paper's Algorithm 1 over the batch,
-    maximising expected tokens x SPS(B) from a profiled table. Default: threshold when
+    maximising expected tokens x SPS(B) from a profiled table; async: the paper's production variant,
+    the batch's draft count searched over SPS(B) from the confidences of two rounds earlier (no host
+    read inside a round), filled with the most confident drafts. Default: threshold when
     --confidence-threshold > 0, else none."""
     sps_table: Optional[str] = None
-    """JSON table of SPS(B) (steps/s by verify tokens) for --scheduler hardware: read if the file
+    """JSON table of SPS(B) (steps/s by verify tokens) for --scheduler hardware or async: read if the file
     exists (it must match this run's device, models, dtype, batch size and buckets), else
     profiled and written there. Without it the table is profiled at start and not kept."""
     verify_buckets: Optional[str] = None
@@ -523,7 +537,7 @@ def check_args(args: Args):
                         f"{TEMPERATURES[0]:g} to {TEMPERATURES[1]:g})")
     if args.calibration is not None and resolve_scheduler(args) == "none":
         raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
-                        f"(--scheduler threshold or hardware); without one it changes nothing")
+                        f"(--scheduler threshold, hardware or async); without one it changes nothing")
     sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
     check_outputs({"--trace-file": args.trace_file, "--sps-table": None if sps_exists else args.sps_table},
                   inputs=[args.target, args.drafter, args.prompts_file, args.calibration,
@@ -587,7 +601,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
     if compile:
         engine.warmup()
-    if kind == "hardware":
+    if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table))
 
     trace = StreamFile(trace_file) if trace_file else None

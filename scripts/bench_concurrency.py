@@ -11,19 +11,22 @@ or --prompts-file, cycled) stream through c rows — continuous batching: a fini
 takes the next waiting one — autoregressively and under each verification scheduler (--schedulers;
 --threshold for the threshold one), greedy by default. All modes run the same executor — the round's
 two halves with ragged verification, which also skips rows left free when the workload drains — so
-only the schedule differs between them. Each engine gets an untimed warm-up; the hardware
-scheduler's SPS(B) is profiled once per c (its seconds reported apart); then --repeats timed runs,
+only the schedule differs between them. Each engine gets an untimed warm-up; the hardware and async
+schedulers' SPS(B) is profiled once per c, by each engine's own round (its seconds reported apart),
+or replaced by a synthetic curve (--sps-synthetic, `cliffs_sps`); then --repeats timed runs,
 interleaved across schedulers, and the median is reported: total tokens/s (all requests' tokens ÷
 prefill + decode wall seconds), per-request tokens/s (the mean of a request's tokens ÷ the seconds
 from its admission to its end), τ, the verify budget (drafts sent to the target per request per
-round) and total tokens/s ÷ the none scheduler's. Greedy outputs must be identical under every
-scheduler and autoregressively (lossless); a difference raises. A markdown table goes to stdout,
---out writes JSON, --plot a PNG or SVG (plots.py). The demo pair is used unless --target/--drafter
-are given; on cpu the engines run eagerly unless --compile is given.
+round) and total tokens/s ÷ the none scheduler's — and with --sps-synthetic the modelled tokens/s:
+the rounds' tokens over their times as the synthetic curve prices them. Greedy outputs must be
+identical under every scheduler and autoregressively (lossless); a difference raises. A markdown
+table goes to stdout, --out writes JSON, --plot a PNG or SVG (plots.py). The demo pair is used
+unless --target/--drafter are given; on cpu the engines run eagerly unless --compile is given.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -39,7 +42,7 @@ import plots  # noqa: E402
 from bench import timed_generate  # noqa: E402
 from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints,  # noqa: E402
                     resolve_device, resolve_dtype, write_json)
-from scheduler import KINDS  # noqa: E402
+from scheduler import KINDS, SPS_KINDS  # noqa: E402
 from inputs import check_prompts, load_models, load_prompts  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length  # noqa: E402
 
@@ -55,8 +58,15 @@ class ConcurrencyArgs:
     """A Hugging Face Qwen3 directory (default: the demo pair's, demo/target)."""
     drafter: Optional[str] = None
     """A drafter directory with a confidence head (default: demo/drafter)."""
-    schedulers: str = "none,threshold,hardware"
-    """The verification schedulers to compare (none, threshold, hardware)."""
+    schedulers: str = "none,threshold,hardware,async"
+    """The verification schedulers to compare (none, threshold, hardware, async)."""
+    sps_synthetic: Optional[Literal["cliffs"]] = None
+    """Instead of profiling SPS(B) for hardware and async, give both a synthetic step function (to
+    compare their decisions where Algorithm 1's early stop hurts). cliffs: a round of B verify tokens
+    takes 1 + ceil(B/16)/4 time units — flat inside each tile of 16 tokens, a quarter of the base cost
+    more past every edge (B = 17, 33, ...), like kernels that work in 16-token tiles. The table then
+    adds the modelled tokens/s: the rounds' tokens ÷ the sum of their synthetic times (prefill is
+    not modelled)."""
     threshold: float = 0.8
     """The confidence threshold of the threshold scheduler, in (0, 1] (the demo drafter's first-draft
     confidences sit mostly above 0.8, so 0.5 would cut almost nothing)."""
@@ -100,12 +110,31 @@ def heldout_prompts() -> list[list[int]]:
         raise UserError(f"the demo's held-out prompts: {e}; give --prompts-file instead") from None
 
 
+def cliffs_sps(top: int) -> list[float]:
+    """--sps-synthetic cliffs: SPS(B) for B = 0 .. top, steps per time unit when a round verifies B
+    tokens, 1 / (1 + ceil(B/16)/4) (B = 0 priced as 1). Only its shape matters to the schedulers."""
+    return [1 / (1 + math.ceil(max(b, 1) / 16) / 4) for b in range(top + 1)]
+
+
+def recording(engine, sizes: list):
+    """Make the engine append every round's verify size (its tokens) to `sizes`."""
+    verify = engine.verify_fn
+
+    def verify_fn(*args, num_tokens=None, **kwargs):
+        sizes.append(num_tokens)
+        return verify(*args, num_tokens=num_tokens, **kwargs)
+    engine.verify_fn = verify_fn
+
+
 def run(args: ConcurrencyArgs) -> list[dict]:
     """Total and per-request tokens/s against concurrency for every scheduler (and autoregressive)."""
     levels = sorted(parse_ints(args.concurrency, "--concurrency", positive=True, distinct=True))
     schedulers = [s.strip() for s in args.schedulers.split(",")]
     if any(s not in KINDS for s in schedulers) or len(set(schedulers)) != len(schedulers):
         raise UserError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(KINDS)}")
+    if args.sps_synthetic and not set(schedulers) & set(SPS_KINDS):
+        raise UserError(f"--sps-synthetic {args.sps_synthetic}: only the hardware and async schedulers read SPS(B), "
+                        f"and --schedulers has neither")
     check_ranges(args, threshold="(0, 1]", repeats="[1, 1000]", requests_per_slot="[1, 100000]",
                  max_new_tokens="[1, 10485760]", temperature="[0, 10000]", threads="[1, 4096]", seed=f"[0, {2**62}]")
     if args.compile_mode is not None and args.compile is False:
@@ -137,7 +166,8 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {resolve_dtype(args.dtype, dev)}, {hw}, "
           f"torch {torch.__version__}, compile={compile}; {len(prompts)} prompts cycled, {args.max_new_tokens} "
           f"new tokens each, {'greedy' if greedy else f'temperature {args.temperature}'}, threshold "
-          f"{args.threshold}, median of {args.repeats}", flush=True)
+          f"{args.threshold}, median of {args.repeats}"
+          + (f", SPS(B) synthetic: {args.sps_synthetic}" if args.sps_synthetic else ""), flush=True)
 
     rows, sps_tables = [], {}
     for c in levels:
@@ -155,13 +185,22 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         if compile:
             for e in engines.values():
                 e.warmup()
-        profile_seconds = None
-        if "hardware" in engines:  # SPS(B) depends on the batch capacity: profiled once per concurrency
-            t0 = time.perf_counter()
-            table = engines["hardware"].profile_sps()
-            engines["hardware"].scheduler.set_sps(table)
-            profile_seconds = time.perf_counter() - t0
-            sps_tables[c] = {"verify_tokens": table["profile_points"], "steps_per_second": table["steps_per_second"]}
+        profile_seconds, curve = {}, cliffs_sps(c * (drafter.cfg.num_drafts + 1)) if args.sps_synthetic else None
+        for mode in [m for m in modes if m in SPS_KINDS]:  # SPS(B) depends on the batch capacity: once per c
+            if curve is not None:
+                engines[mode].scheduler.set_curve(curve)
+                sps_tables.setdefault(c, {})[mode] = {"verify_tokens": list(range(len(curve))),
+                                                      "steps_per_second": curve}
+                continue
+            t0 = time.perf_counter()  # each engine's own round: async's has no host read inside
+            table = engines[mode].profile_sps()
+            engines[mode].scheduler.set_sps(table)
+            profile_seconds[mode] = time.perf_counter() - t0
+            sps_tables.setdefault(c, {})[mode] = {"verify_tokens": table["profile_points"],
+                                                  "steps_per_second": table["steps_per_second"]}
+        sizes = {mode: [] for mode in modes}
+        for mode in modes:
+            recording(engines[mode], sizes[mode])
         for e in engines.values():  # untimed: settle allocators and caches, as bench.side_engine does
             e.generate([Request(i, p) for i, p in enumerate(batch[:c])], min(args.max_new_tokens, 8))
         runs = {mode: [] for mode in modes}
@@ -170,7 +209,11 @@ def run(args: ConcurrencyArgs) -> list[dict]:
             # lands on every mode rather than on whichever would run in it.
             k = rep % len(modes)
             for mode in modes[k:] + modes[:k]:
+                sizes[mode].clear()
                 runs[mode].append(timed_generate(engines[mode], batch, args.max_new_tokens))
+                if curve is not None:  # the rounds' tokens (not the prefill's) over their synthetic time
+                    runs[mode][-1]["modelled_tokens_per_second"] = \
+                        (runs[mode][-1]["tokens"] - len(batch)) / sum(1 / curve[n] for n in sizes[mode])
         if greedy:  # lossless: every scheduler, every repeat, must emit the autoregressive tokens
             want = runs["autoregressive"][0]["outputs"]
             for mode in modes:
@@ -188,8 +231,9 @@ def run(args: ConcurrencyArgs) -> list[dict]:
                 "acceptance_length": med("acceptance_length"), "verified_per_round": med("verified_per_round"),
                 "tokens": med("tokens"), "seconds": med("seconds"),
                 "total_tokens_per_second_runs": [r["total_tokens_per_second"] for r in runs[mode]],
+                "modelled_tokens_per_second": med("modelled_tokens_per_second") if curve else None,
                 "compile_seconds": engines[mode].compile_seconds,
-                "profile_seconds": profile_seconds if mode == "hardware" else None,
+                "profile_seconds": profile_seconds.get(mode),
                 "outputs_agree": greedy or None,  # checked above; not checkable when sampling
             })
         none = next((r for r in rows if r["concurrency"] == c and r["mode"] == "none"), None)
@@ -203,7 +247,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     if args.out:
         write_json(args.out, {
             "config": asdict(args), "hardware": hw, "torch": torch.__version__, "drafter": drafter.cfg.describe(),
-            "prompts": len(prompts), "sps": sps_tables, "rows": rows,
+            "prompts": len(prompts), "sps": sps_tables, "sps_synthetic": args.sps_synthetic, "rows": rows,
             "timing": "total tokens/s = all requests' tokens / (prefill + decode wall seconds); per-request "
                       "tokens/s = mean of a request's tokens / seconds from its admission to its last token; "
                       "c x requests_per_slot requests streamed through c rows (continuous batching); medians "
@@ -214,14 +258,17 @@ def run(args: ConcurrencyArgs) -> list[dict]:
 
 
 def table_markdown(rows: list[dict]) -> str:
+    modelled = any(r.get("modelled_tokens_per_second") is not None for r in rows)
     lines = ["| concurrency | mode | total tok/s | per-request tok/s | τ | verified drafts / request / round "
-             "| total ÷ none | SPS profile s |", "|---|---|---|---|---|---|---|---|"]
+             "| total ÷ none | SPS profile s |" + (" modelled tok/s (synthetic SPS) |" if modelled else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if modelled else "")]
     for r in rows:
         ratio = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "—"
         prof = f"{r['profile_seconds']:.1f}" if r["profile_seconds"] is not None else ""
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
                      f"| {r['per_request_tokens_per_second']:.1f} | {r['acceptance_length']:.2f} "
-                     f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |")
+                     f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |"
+                     + (f" {r['modelled_tokens_per_second']:.3f} |" if modelled else ""))
     return "\n".join(lines)
 
 

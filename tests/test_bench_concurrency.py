@@ -17,7 +17,8 @@ from speculate import DEMO_DIR  # noqa: E402
 
 CONCURRENCY_FIELDS = {"concurrency", "mode", "total_tokens_per_second", "per_request_tokens_per_second",
                       "acceptance_length", "verified_per_round", "tokens", "seconds", "vs_none", "profile_seconds",
-                      "outputs_agree"}
+                      "outputs_agree", "modelled_tokens_per_second"}
+MODES = ("autoregressive", "none", "threshold", "hardware", "async")
 
 
 # The default prompts are cut from this Python's standard library (the files in demo/heldout.txt);
@@ -35,10 +36,10 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     result = json.load(open(out))
     rows = result["rows"]
-    assert [(r["concurrency"], r["mode"]) for r in rows] == [
-        (c, m) for c in (1, 2) for m in ("autoregressive", "none", "threshold", "hardware")]
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [(c, m) for c in (1, 2) for m in MODES]
     assert all(CONCURRENCY_FIELDS <= set(r) for r in rows)
-    assert set(result["sps"]) == {"1", "2"} and result["prompts"] == 20
+    assert set(result["sps"]) == {"1", "2"} and set(result["sps"]["2"]) == {"hardware", "async"}
+    assert result["prompts"] == 20 and result["sps_synthetic"] is None
     for r in rows:
         c = r["concurrency"]
         assert r["outputs_agree"] is True  # greedy: bench raises if any scheduler's tokens differ
@@ -48,7 +49,8 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
         # c rows busy at a time: a request's own rate is at least its share of the total (within the
         # clocks' difference and the drain at the end, when fewer than c requests are left).
         assert r["per_request_tokens_per_second"] >= 0.5 * r["total_tokens_per_second"] / c
-        assert (r["profile_seconds"] is not None) == (r["mode"] == "hardware")
+        assert (r["profile_seconds"] is not None) == (r["mode"] in ("hardware", "async"))
+        assert r["modelled_tokens_per_second"] is None
         none = next(x for x in rows if x["concurrency"] == c and x["mode"] == "none")
         assert r["vs_none"] == pytest.approx(r["total_tokens_per_second"] / none["total_tokens_per_second"])
         if r["mode"] == "autoregressive":
@@ -59,7 +61,7 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     assert by[1, "none"]["verified_per_round"] == 5
     assert by[1, "threshold"]["verified_per_round"] < 5
     printed = capsys.readouterr().out
-    assert printed.count("\n| 2 | ") == 4 and "| total ÷ none |" in printed
+    assert printed.count("\n| 2 | ") == 5 and "| total ÷ none |" in printed and "modelled" not in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by plots.py (tests/test_plots.py checks the figure)
 
 
@@ -76,6 +78,30 @@ def test_concurrency_outputs_that_differ_fail_loudly(monkeypatch):
     monkeypatch.setattr(bc, "timed_generate", corrupt_hardware)
     with pytest.raises(AssertionError, match="hardware .* different tokens"):
         bc.main(["--concurrency", "1", "--max-new-tokens", "4", "--repeats", "1"])
+
+
+def test_cliffs_sps_is_flat_inside_a_tile_and_drops_past_its_edge():
+    sps = bc.cliffs_sps(40)
+    assert len(sps) == 41 and sps[0] == sps[1] == sps[16] == pytest.approx(1 / 1.25)
+    assert sps[17] == sps[32] == pytest.approx(1 / 1.5) and sps[33] == pytest.approx(1 / 1.75)
+
+
+@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
+def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--concurrency", "4", "--schedulers", "none,hardware,async", "--sps-synthetic", "cliffs",
+                  "--max-new-tokens", "8", "--repeats", "1", "--requests-per-slot", "1", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.load(open(out))
+    assert result["sps_synthetic"] == "cliffs"
+    assert result["sps"]["4"]["async"]["steps_per_second"] == pytest.approx(bc.cliffs_sps(4 * 6))  # demo: 5 drafts
+    for r in result["rows"]:
+        assert r["profile_seconds"] is None and r["outputs_agree"] is True
+        assert r["modelled_tokens_per_second"] > 0
+    auto = next(r for r in result["rows"] if r["mode"] == "autoregressive")
+    # Four rows of 1 token each: every round costs 1.25 units, one token per request per round.
+    assert auto["modelled_tokens_per_second"] == pytest.approx(4 / 1.25, rel=0.05)
+    assert "modelled tok/s (synthetic SPS)" in capsys.readouterr().out
 
 
 def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
@@ -98,6 +124,7 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--concurrency", "1,x"], "--concurrency: '1,x' is not"),
     (["--concurrency", "0"], "--concurrency: '0' must be"),
     (["--concurrency", "2", "--schedulers", "none,fast"], "--schedulers"),
+    (["--concurrency", "2", "--schedulers", "none,threshold", "--sps-synthetic", "cliffs"], "--sps-synthetic"),
     (["--concurrency", "2", "--threshold", "0"], "--threshold: invalid"),
     (["--concurrency", "2", "--repeats", "0"], "--repeats: invalid"),
     (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),

@@ -110,3 +110,41 @@ def test_cpu_recipe_freezes_the_weights_into_the_graph():
         lin.weight.mul_(-1)
     assert torch.allclose(fn(lin, x), before, atol=1e-5)  # frozen: still the compile-time weights
     assert not torch.allclose(lin(x).relu(), before, atol=1e-5)
+
+
+def test_compiled_async_round_reads_nothing_between_draft_and_verify(pair, monkeypatch):
+    """--scheduler async compiled (buckets 4 and 10 at batch 2): the warm-up compiles the draft graph
+    and one verify graph per bucket; decoding two batches of different prompt lengths then neither
+    recompiles nor reads a tensor's value on the host between draft and verify (test_async_scheduler's
+    probe on every Python-level read), and emits the eager engine's tokens, capacities and schedule."""
+    import torch._dynamo
+    from drafter import load_drafter
+    from model import load_target
+    from test_async_scheduler import HostReads
+
+    target_dir, drafter_dir = pair
+    prompts = [[5, 17, 33, 2, 8], [9, 1], [40, 41, 42, 43, 44, 45, 46]]
+    probe, results = HostReads(monkeypatch), {}
+    for compile in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        target = load_target(target_dir)
+        engine = speculate.Engine(target, load_drafter(drafter_dir, target), batch_size=2, max_seq=64,
+                                  scheduler="async", buckets=[4, 10], compile=compile)
+        # Four tokens twice as fast as ten: the capacity is 2 drafts or all 8, as the history says.
+        engine.scheduler.set_sps(dict(engine.sps_identity(), steps_per_second=[1.0, 0.55]))
+        reqs, rounds = [speculate.Request(i, p) for i, p in enumerate(prompts)], []
+        with torch.inference_mode():
+            if compile:
+                engine.warmup()
+            probe.watch(engine)
+            probe.reads, probe.rounds = [], 0
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                engine.generate(reqs, 24, on_round=lambda req, rec: rounds.append(rec))
+        assert probe.rounds > 5 and probe.reads == [], probe.reads
+        if compile:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1 + 2
+        results[compile] = ([r.output_ids for r in reqs],
+                            [(r["batch_round"], r["capacity"], r["verified"], r["accepted"]) for r in rounds])
+    assert results[True] == results[False]
+    assert {c for _, c, _, _ in results[True][1]} >= {2, 8}, "both verify graphs should run"

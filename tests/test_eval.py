@@ -457,12 +457,13 @@ def test_calibration_report_splits_by_request_per_dataset():
     assert "temperatures" not in ev.calibration_report(rec, 0.0)
 
 
-def test_hardware_scheduler_metrics_equal_speculate_trace(env, tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["hardware", "async"])
+def test_sps_scheduler_metrics_equal_speculate_trace(env, tmp_path, capsys, kind):
     from test_scheduler import write_sps_table
 
     # Batch 1, a fixed cost per round plus 0.3 of it per verified token: the schedule varies.
     table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 1, 0.0, lambda b: 1 + 0.3 * b)
-    extra = ["--scheduler", "hardware", "--sps-table", table]
+    extra = ["--scheduler", kind, "--sps-table", table]
     res, _, err = run_eval(env, tmp_path, capsys, "--max-samples", 3, *extra, datasets="gsm8k")
     assert "read from" in err
     entry = res["datasets"][0]
