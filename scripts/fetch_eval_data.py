@@ -153,7 +153,7 @@ SOURCES = (
     Source("aime25", "MathArena/aime_2025", "train", math_record,
            sha256="b8835996839caa1d982c5bb9ecaeca636424f0b8ed9f33a40b084feb1c1766d0"),
     Source("alpaca", "tatsu-lab/alpaca", "train", alpaca_record,
-           note="not shipped: all 52,002 rows (eval.py reads the first 500)"),
+           note="not shipped: all 52,002 rows (eval.py samples 500 by its seeded shuffle)"),
     Source("mt-bench", "HuggingFaceH4/mt_bench_prompts", "train", mt_bench_record,
            sha256="df05defbcea350dff39f7d2996a7cba8a029e6e06069dfcdab11ceb998d743b0"),
     Source("humaneval", "openai/openai_humaneval", "test", humaneval_record,
