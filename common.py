@@ -158,6 +158,36 @@ def resolve_device(device: Optional[str]) -> str:
     return device
 
 
+def default_threads() -> int:
+    """--threads' default: half the CPUs this process may run on, at least 1. On a small shared machine
+    a second thread per process slowed decoding (README, "Threads"); on a large one, half leaves the
+    hyper-threads' siblings idle, which rarely help matrix multiplies."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // 2)
+
+
+def check_threads(threads: Optional[int]):
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4096):
+        raise UserError(f"--threads: invalid value {threads!r} (valid: 1 to 4096)")
+
+
+def set_threads(threads: Optional[int]) -> str:
+    """torch's CPU threads: --threads, else OMP_NUM_THREADS when set, else `default_threads()`. Returns
+    the line saying which (printed at start)."""
+    check_threads(threads)
+    if threads is not None:
+        how = "--threads"
+    elif os.environ.get("OMP_NUM_THREADS", "").strip():
+        threads, how = torch.get_num_threads(), "OMP_NUM_THREADS"
+    else:
+        threads, how = default_threads(), "default: half the CPUs, --threads to change"
+    torch.set_num_threads(threads)
+    return f"threads: {threads} ({how})"
+
+
 def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     """--dtype: as given, or bfloat16 on cuda and float32 on cpu."""
     return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))

@@ -42,11 +42,12 @@ import torch
 import metrics as mt
 import plots
 import scheduler as sched
-from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, cli_main, dist_init, torchrun_env,
+from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, dist_init,
+                    set_threads, torchrun_env,
                     read_json, write_json)
-from inputs import auto_chat, check_prompts, load_models, load_prompts
+from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts
 from scheduler import check_schedulable, resolve_scheduler
-from speculate import TEMPERATURES, Engine, Request, auto_compile, cache_length
+from speculate import Engine, Request, auto_compile, cache_length
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -99,6 +100,9 @@ class EvalArgs:
     """Where to run (under torchrun with cuda: the rank's LOCAL_RANK GPU)."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
+    threads: Optional[int] = None
+    """CPU threads for torch in each process. Default: OMP_NUM_THREADS when set, else half the CPUs this
+    process may use (printed at start); under torchrun on a CPU, give each rank its share."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu."""
     out: str = "results.json"
@@ -361,11 +365,10 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
 def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results. Raises UserError on bad input."""
     check_ranges(args, batch_size="[1, 65536]", max_new_tokens="[1, 10485760]", max_samples="[1, 10000000]",
-                 temperature="[0, 10000]", confidence_threshold="[0, 1]", calibration_split="[0, 1)",
+                 confidence_threshold="[0, 1]", calibration_split="[0, 1)",
                  ece_bins="[1, 10000]", step=f"[0, {2**62}]", seed=f"[0, {2**62}]", dist_timeout="(0, 86400]")
-    if 0 < args.temperature < TEMPERATURES[0]:
-        raise UserError(f"--temperature: invalid value {args.temperature!r} (valid: 0 for greedy, or "
-                        f"{TEMPERATURES[0]:g} to {TEMPERATURES[1]:g})")
+    check_sampling(args.temperature)
+    check_threads(args.threads)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
@@ -374,6 +377,9 @@ def run(args: EvalArgs) -> dict:
                   inputs=[args.target, args.drafter, args.calibration, args.sps_table] + [p for _, p, _ in datasets])
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     rank, world, device = dist_init(args.device, args.dist_timeout)
+    threads = set_threads(args.threads)
+    if rank == 0:
+        print(threads, file=sys.stderr)
     m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
                     seed=args.seed)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)

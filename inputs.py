@@ -7,20 +7,24 @@ prompts file or a chat template the same way and refuses the same mistakes with 
   {"prompt"}, {"prompt_ids"} or {"turns"} records — one kind per record, valid Unicode, and a text
   too long for the context refused after tokenizing a bounded prefix of it;
 - `check_prompts`: ids inside the vocabulary, prompt + budget inside the target's and the drafter's
-  context.
+  context;
+- `resolve_sampling`: the sampling settings — the flags, or without any the target's
+  generation_config.json.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from common import UserError, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
+from common import UserError, check_ranges, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
+from kernels import Filters
 from model import Transformer, load_target, random_target
-from text import Tokenizer, stop_token_ids
+from text import Tokenizer, generation_sampling, stop_token_ids
 
 
 @dataclass
@@ -31,6 +35,8 @@ class Models:
     tokenizer: Optional[Tokenizer]
     stop_ids: tuple
     dtype: torch.dtype
+    generation: Optional[dict] = None         # the target's recommended sampling (None: greedy), and
+    generation_source: Optional[str] = None   # the generation_config.json it came from (None: no file)
 
     def describe(self) -> str:
         """The drafter in one line (printed to stderr once every input has been checked)."""
@@ -48,7 +54,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     if random_init is not None and (target is not None or drafter is not None):
         raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
     dt = resolve_dtype(dtype, resolve_device(device))
-    d = tokenizer = None
+    d = tokenizer = generation = generation_source = None
     if random_init is not None:
         from drafter import random_drafter
         t = random_target(random_init, device, dt, seed)
@@ -57,6 +63,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     else:
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
+        generation, generation_source = generation_sampling(target)
         if os.path.isfile(os.path.join(target, "tokenizer.json")):
             tokenizer = Tokenizer(target)
         if drafter is not None:
@@ -71,7 +78,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers "
                             f"(one per draft position), got {temps!r}")
         d.calibrate(temps)
-    return Models(t, d, tokenizer, stop_ids, dt)
+    return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source)
 
 
 
@@ -153,3 +160,80 @@ def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens:
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
     """--chat's default: on when the tokenizer has a chat template."""
     return chat if chat is not None else (tokenizer is not None and tokenizer.chat_template is not None)
+
+
+def encode_prompt(tokenizer: Optional[Tokenizer], prompt, *, chat: Optional[bool] = None,
+                  system_prompt: Optional[str] = None) -> list[int]:
+    """One prompt of the Python API as ids: token ids as given; a text through the chat template
+    (unless chat=False), after the system prompt if one is given; a conversation ([{"role",
+    "content"}, ...]) through the template."""
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if tokenizer is None:
+        raise UserError("a text or conversation prompt needs the target's tokenizer.json; give token ids")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    if isinstance(prompt, str):
+        if not auto_chat(chat, tokenizer):
+            if system:
+                raise UserError("system_prompt: needs the chat template (chat=False sends the text raw)")
+            return tokenizer.encode(prompt)
+        return tokenizer.encode(tokenizer.render_messages(system + [{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=True))
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str) for x in prompt):
+        return tokenizer.encode(tokenizer.render_messages(system + list(prompt), add_generation_prompt=True))
+    raise UserError(f"prompt {str(prompt)[:60]!r}: expected a text, a list of token ids or a list of "
+                    f"{{\"role\", \"content\"}} messages")
+
+
+@dataclass
+class Sampling:
+    """How tokens are drawn: greedy at temperature 0; else the temperature and the filters. `source`
+    says where the settings came from (printed at start)."""
+    temperature: float
+    filters: Filters
+    source: str
+
+    def describe(self) -> str:
+        if self.temperature == 0:
+            return f"sampling: greedy ({self.source})"
+        f = self.filters
+        parts = [f"temperature {self.temperature:g}"] + ([f"top-k {f.top_k}"] if f.top_k else []) + (
+            [f"top-p {f.top_p:g}"] if f.top_p < 1 else []) + ([f"min-p {f.min_p:g}"] if f.min_p > 0 else [])
+        return f"sampling: {', '.join(parts)} ({self.source})"
+
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # beyond these, logits / T overflow float32 or sampling is uniform noise
+
+
+def check_sampling(temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                   min_p: Optional[float] = None):
+    """The sampling flags' values (None: not given), each a one-line error when out of range."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise UserError(f"--top-k: invalid value {top_k!r} (valid: an integer, 0 for off)")
+    check_ranges(SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+                 temperature=f"[0, {MAX_TEMPERATURE:g}]", top_k="[0, 1073741824]", top_p="(0, 1]", min_p="[0, 1]")
+    if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+        raise UserError(f"--temperature: invalid value {temperature!r} (valid: 0 for greedy, or "
+                        f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
+
+
+def resolve_sampling(models: Models, temperature: Optional[float] = None, top_k: Optional[int] = None,
+                     top_p: Optional[float] = None, min_p: Optional[float] = None) -> Sampling:
+    """The flags when any is given (a filter flag alone samples at temperature 1.0; a filter not given
+    is off); with none, the target's generation_config.json (greedy without one or with do_sample
+    false). Temperature 0 is greedy whatever the filters say (the most likely token survives all)."""
+    check_sampling(temperature, top_k, top_p, min_p)
+    flags = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    if any(v is not None for v in flags.values()):
+        named = ", ".join(f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None)
+        s, source = {k: v for k, v in flags.items() if v is not None}, f"from {named}"
+    elif models.generation is not None:
+        s, source = models.generation, f"from {models.generation_source}"
+    else:
+        s = {"temperature": 0.0}
+        source = ("no sampling flag, and no generation_config.json" if models.generation_source is None else
+                  f"no sampling flag, and {models.generation_source} has do_sample false")
+    T = s.get("temperature", 1.0)
+    filters = Filters(int(s.get("top_k") or 0), float(s.get("top_p", 1.0)), float(s.get("min_p", 0.0)))
+    return Sampling(float(T), filters if T > 0 else Filters(), source)

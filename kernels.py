@@ -17,9 +17,49 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 
-def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float32."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
+class Filters(NamedTuple):
+    """The sampling filters, applied after the temperature in this order (transformers' and vLLM's):
+    top-k keeps the k most likely tokens (ties at the k-th value kept); top-p then keeps the most
+    likely tokens whose probability, renormalised over what top-k left, adds up to at least p (the
+    most likely token always stays); min-p then keeps the tokens at least min_p times as likely as
+    the most likely one. The defaults switch each off. The engine applies the same filters to the
+    target's and the drafter's distributions, so speculative sampling stays exact (docs/algorithm.md)."""
+    top_k: int = 0       # 0: off
+    top_p: float = 1.0   # 1.0: off
+    min_p: float = 0.0   # 0.0: off
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+NO_FILTERS = Filters()
+
+
+def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
+    """z [..., V] float32 logits already divided by the temperature -> z with -inf outside the kept set."""
+    V = z.shape[-1]
+    if 0 < f.top_k < V:
+        kth = torch.topk(z, f.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if f.top_p < 1.0:
+        # As transformers' TopPLogitsWarper: ascending order, drop the tokens whose cumulative
+        # probability stays within 1 - p; the largest is never dropped.
+        ordered, order = torch.sort(z, dim=-1, stable=True)
+        cum = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - f.top_p
+        drop[..., -1] = False
+        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if f.min_p > 0.0:
+        p = torch.softmax(z, dim=-1)
+        z = z.masked_fill(p < f.min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
+    return z
+
+
+def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTERS) -> torch.Tensor:
+    """softmax(logits / T) in float32, over the tokens the filters keep."""
+    z = logits.float() / temperature
+    return torch.softmax(filter_logits(z, filters) if filters.active else z, dim=-1)
 
 
 def sample_from(p: torch.Tensor, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
@@ -54,16 +94,18 @@ def rows_noise(generators: list, K: int, V: int, device) -> Noise:
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
-           noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """argmax at T=0, else a draw from softmax(logits / T). logits [..., V] -> ids [...].
-    noise: the race's Exp(1) noise, logits' shape (else drawn from `generator`)."""
+           noise: Optional[torch.Tensor] = None, *, filters: Filters = NO_FILTERS) -> torch.Tensor:
+    """argmax at T=0 (which every filter keeps), else a draw from softmax(logits / T) over what the
+    filters keep. logits [..., V] -> ids [...]. noise: the race's Exp(1) noise, logits' shape (else
+    drawn from `generator`)."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    return sample_from(probs(logits, temperature), generator, noise)
+    return sample_from(probs(logits, temperature, filters), generator, noise)
 
 
 def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, markov,
-                 temperature: float, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
+                 temperature: float, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None,
+                 *, filters: Filters = NO_FILTERS):
     """The sequential stage (docs/algorithm.md, "Markov heads"): draft K tokens left to right.
 
     base_logits: [B, K, V] (U_k), hidden: [B, K, H] (h_k), anchor: [B] (x_0).
@@ -71,6 +113,7 @@ def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.
     (DFlash: every slot is drawn from its own U_k).
     Returns drafts [B, K] and q [B, K, V], the distributions the drafts were drawn from
     (None at T=0, where verification is greedy and needs no q). noise: Exp(1) [B, K, V] or None.
+    filters: each slot's q is filtered before its draw, as the target's p is in verification.
     """
     B, K, V = base_logits.shape
     drafts, qs = [], []
@@ -83,7 +126,7 @@ def markov_chain(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.
         if temperature == 0:
             x = torch.argmax(z, dim=-1)
         else:
-            q = probs(z, temperature)
+            q = probs(z, temperature, filters)
             x = sample_from(q, generator, None if noise is None else noise[:, k])
             qs.append(q)
         drafts.append(x)
@@ -107,17 +150,19 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, verify_len:
 
 def verify_sampled(drafts: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor,
                    verify_len: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
-                   u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None):
+                   u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+                   *, filters: Filters = NO_FILTERS):
     """Lossless rejection sampling (docs/algorithm.md, "One round", accept).
 
     drafts [B, K], q [B, K, V] (the draft distributions), target_logits [B, K+1, V], verify_len [B].
     Accept x_k if u_k < min(1, p_{k-1}(x_k) / q_k(x_k)); at the first rejection k sample the
     correction from normalize(max(p_{k-1} - q_k, 0)); if all ℓ pass, the bonus from p_ℓ.
     Draws: u [B, K] first, then one exponential race over [B, V] (or the given u and noise).
+    p is the target's distribution after `filters` (the q given must be filtered alike).
     Returns accepted n [B] and the committed correction or bonus token [B].
     """
     B, K = drafts.shape
-    p = probs(target_logits, temperature)  # [B, K+1, V]
+    p = probs(target_logits, temperature, filters)  # [B, K+1, V]
     if u is None:
         u = torch.rand((B, K), generator=generator, device=drafts.device)
     if K:
@@ -480,17 +525,19 @@ def _cdiv(a: int, b: int) -> int:
 
 def markov_chain_triton(base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, markov,
                         temperature: float, generator: Optional[torch.Generator],
-                        noise: Optional[torch.Tensor] = None):
+                        noise: Optional[torch.Tensor] = None, *, filters: Filters = NO_FILTERS):
     """`markov_chain` with Triton Markov steps for the vanilla head (see the section comment).
 
     Same arguments, same results (drafts [B, K] int64; q [B, K, V] float32 or None at T=0), and
     the same draws from `generator` when noise is None (one [B, V] Exp(1) tensor per slot, in
     slot order). Falls back to `markov_chain` for other heads (gated, rnn, None), K = 0,
-    unsupported dtypes, or when Triton cannot run on these tensors.
+    unsupported dtypes, sampling filters (top-k/top-p/min-p need the whole row of each slot before
+    its draw), or when Triton cannot run on these tensors.
     """
     B, K, V = base_logits.shape
-    if not (_triton_ok(base_logits, anchor) and _is_vanilla_markov(markov) and K > 0):
-        return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise)
+    if not (_triton_ok(base_logits, anchor) and _is_vanilla_markov(markov) and K > 0) or (
+            filters.active and temperature != 0):
+        return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise, filters=filters)
     w1, w2 = markov.markov_w1.weight, markov.markov_w2.weight
     R = w1.shape[1]
     if (base_logits.dtype not in _ROUND_CODE or w2.dtype not in _ROUND_CODE or w1.dtype != w2.dtype
@@ -560,16 +607,21 @@ def verify_greedy_triton(drafts: torch.Tensor, target_logits: torch.Tensor, veri
 
 def verify_sampled_triton(drafts: torch.Tensor, q: Optional[torch.Tensor], target_logits: torch.Tensor,
                           verify_len: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
-                          u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None):
+                          u: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+                          *, filters: Filters = NO_FILTERS):
     """`verify_sampled` in four Triton passes (see the section comment); p = softmax(logits/T) is
     never materialised. Same arguments, same draws when u/noise are None (u [B, K] first, then
-    one [B, V] Exp(1) race), same results up to float rounding at near-ties."""
+    one [B, V] Exp(1) race), same results up to float rounding at near-ties. With sampling filters
+    the logits are divided by T and filtered in torch first (the kernels then see -inf outside the
+    kept set, at T = 1)."""
     B, K = drafts.shape
     V = target_logits.shape[-1]
     dev = target_logits.device
     tensors = [drafts, target_logits, verify_len] + ([q] if K else [])
     if not (_triton_ok(*tensors) and target_logits.dtype in _ROUND_CODE):
-        return verify_sampled(drafts, q, target_logits, verify_len, temperature, generator, u, noise)
+        return verify_sampled(drafts, q, target_logits, verify_len, temperature, generator, u, noise, filters=filters)
+    if filters.active:
+        target_logits, temperature = filter_logits(target_logits.float() / temperature, filters), 1.0
     if u is None:
         u = torch.rand((B, K), generator=generator, device=dev)
     if noise is None:

@@ -25,18 +25,28 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Literal, NamedTuple, Optional
+from types import SimpleNamespace
+from typing import Annotated, Literal, NamedTuple, Optional, Sequence
 
 import torch
+
+try:  # the command line's parser; the Python API and the engine run without it (e.g. on the GPU machine)
+    import tyro
+except ImportError:
+    tyro = None
 
 import kernels
 import metrics
 import scheduler as sched
-from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, cli_main, device_name,
-                    free_memory, sync)
-from inputs import Models, auto_chat, check_prompts, load_models, load_prompts
+from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
+                    device_name, free_memory, set_threads, sync)
+from kernels import NO_FILTERS
+from inputs import (Models, Sampling, auto_chat, check_prompts, check_sampling, encode_prompt, load_models,
+                    load_prompts, resolve_sampling)
 from model import Ragged, Transformer
+from outputs import Completion, OutputFile, Printer, completion
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler
+from text import StopStrings
 
 
 # ----------------------------------------------------------------------------------------
@@ -52,17 +62,19 @@ class Proposal(NamedTuple):
 
 
 def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, temperature: float,
-          schedule: sched.Scheduler, kernels: kernels.KernelSet, capacity=None) -> Proposal:
+          filters: kernels.Filters, schedule: sched.Scheduler, kernels: kernels.KernelSet, capacity=None) -> Proposal:
     """Steps 1-2 for every row: the drafter's block forward at the anchor, the sequential Markov
     chain, the confidence head, then the schedule. anchor [B] is the last committed token, at
     anchor_pos [B]; the drafter's context holds rows < anchor_pos. active [B]: rows still decoding.
-    noise: the chain's Exp(1) noise [B, K, V] (None at T=0). capacity: the async schedule's C, a 0-d
+    noise: the chain's Exp(1) noise [B, K, V] (None at T=0); filters: top-k/top-p/min-p, applied to
+    every slot's distribution as verification applies them to the target's. capacity: the async schedule's C, a 0-d
     tensor fixed before this round (`scheduler.Plan`)."""
     B = anchor.shape[0]
     if drafter is None:
         return Proposal(anchor.new_zeros((B, 0)), None, None, anchor.new_zeros((B,)), active.new_ones((B,)))
     hidden, base_logits = drafter(anchor, anchor_pos)                 # [B, K, H], [B, K, V]
-    drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, noise)
+    drafts, q = kernels.markov_chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, noise,
+                                     filters=filters)
     confidence = drafter.confidence(hidden, torch.cat([anchor[:, None], drafts[:, :-1]], dim=1))
     finite = torch.isfinite(base_logits).all(-1).all(-1)
     if confidence is not None:
@@ -71,7 +83,7 @@ def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, te
 
 
 def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature: float,
-           u, bonus_noise, kernels: kernels.KernelSet, num_tokens: Optional[int] = None):
+           filters: kernels.Filters, u, bonus_noise, kernels: kernels.KernelSet, num_tokens: Optional[int] = None):
     """Steps 3-5: one target pass over [x_0, x_1 .. x_ℓ] with capture, acceptance, commit.
 
     num_tokens None: every row sends all K+1 slots (unscheduled drafts are masked out of
@@ -100,7 +112,7 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: P
         accepted, next_token = kernels.verify_greedy(drafts, logits, verify_len)
     else:
         accepted, next_token = kernels.verify_sampled(drafts, q, logits, verify_len, temperature, None, u,
-                                                      bonus_noise)
+                                                      bonus_noise, filters=filters)
     # 5. Commit: the drafter's context gains rows a .. a+K; rows past a+n are masked out next
     #    round (context is < the new anchor position) and overwritten later.
     if drafter is not None:
@@ -136,7 +148,8 @@ def unpack(packed: torch.Tensor, has_confidence: bool) -> list[RoundRecord]:
 
 
 def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature: float,
-            noise: Optional[torch.Tensor], device, rows: Optional[torch.Tensor] = None):
+            noise: Optional[torch.Tensor], device, rows: Optional[torch.Tensor] = None,
+            filters: kernels.Filters = kernels.NO_FILTERS):
     """Run the prompts (right-padded) through the target, capturing features for the drafter,
     into cache rows 0..len-1 or `rows` (the rows that continuous batching just freed). noise
     [len, V]: the first token's Exp(1) race noise when sampling (None at T=0).
@@ -153,7 +166,7 @@ def prefill(target: Transformer, drafter, prompts: list[list[int]], temperature:
     logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1, rows=rows)
     if drafter is not None:
         drafter.commit_context(features, positions, rows)
-    first = kernels.sample(logits, temperature, None, noise)
+    first = kernels.sample(logits, temperature, None, noise, filters=filters)
     return torch.where(torch.isfinite(logits).all(-1), first, -1), lens  # -1: non-finite logits
 
 
@@ -177,6 +190,8 @@ class Request:
     finish_reason: Optional[str] = None
     started: Optional[float] = None   # time.perf_counter() when the engine took it (before its prefill)
     finished: Optional[float] = None  # ... and when its last token was committed
+    prompt: int = 0   # which prompt of the run, and which sample of it (--num-samples)
+    sample: int = 0
 
 
 def compiled(fn, device, mode: Optional[str] = None):
@@ -216,6 +231,13 @@ def check_cache_memory(target: Transformer, drafter, batch: int, max_seq: int, d
                         f"{free / 2**30:.1f} GiB are free on {device}: lower --batch-size or --max-new-tokens")
 
 
+def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
+    """Cache rows for a batch: prompt + budget, plus room for a round's block / verify window from a
+    finished row's last anchor (which may sit up to K+1 past its budget while other rows go on)."""
+    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
+    return longest_prompt + max_new_tokens + 2 * width
+
+
 class Engine:
     """Requests through prefill and rounds in `batch_size` rows (continuous batching), with stop
     and budget handling.
@@ -225,18 +247,21 @@ class Engine:
     and the target verifies exactly those tokens (eager) or that count padded to a bucket (compiled:
     one verify graph per bucket) — except under "async", whose count is planned before the draft, so
     that nothing is read between the halves, as without `ragged`, where every row verifies its whole
-    block. The scheduler, the kernel set ("torch" references or "triton") and the sampling
-    temperature are bound here, once.
+    block. The scheduler, the kernel set ("torch" references or "triton") and the sampling settings
+    (temperature, filters) are bound here, once.
     """
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int, temperature: float = 0.0,
-                 seed: int = 0, device="cpu", stop_ids=(), scheduler: str = "none", threshold: float = 0.0,
+                 filters: kernels.Filters = kernels.NO_FILTERS, seed: int = 0, device="cpu", stop_ids=(), stop_strings=None,
+                 scheduler: str = "none", threshold: float = 0.0,
                  buckets: Optional[list[int]] = None, ragged: Optional[bool] = None, compile: bool = False,
                  compile_mode: Optional[str] = None, kernels: str = "torch"):
         if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
             raise UserError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
-        self.target, self.drafter, self.stop_ids = target, drafter, set(stop_ids)
+        self.target, self.drafter, self.stop_ids, self.stop_strings = target, drafter, set(stop_ids), stop_strings
+        self.max_seq = max_seq
         self.max_batch, self.temperature, self.device, self.compiled = batch_size, temperature, device, compile
+        self.filters = filters if temperature > 0 else NO_FILTERS  # greedy: argmax survives every filter
         self.seed = seed  # request i samples from its own generator, seeded seed + i
         check_cache_memory(target, drafter, batch_size, max_seq, device)
         target.setup_caches(batch_size, max_seq)
@@ -253,7 +278,7 @@ class Engine:
         # The round's halves, compiled or not, and what every call passes them, fixed here.
         wrap = (lambda f: compiled(f, device, compile_mode)) if compile else (lambda f: f)
         self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
-        self.bound = dict(temperature=temperature, kernels=self.kernel_set(kernels))
+        self.bound = dict(temperature=temperature, filters=self.filters, kernels=self.kernel_set(kernels))
         self.cuda_graphs = compile and str(device).startswith("cuda")
         if compile and self.ragged:  # one verify graph per bucket, all expected: raise dynamo's limit to match
             for name in ("recompile_limit", "cache_size_limit"):
@@ -300,6 +325,11 @@ class Engine:
         compiled round never recompiles.
         """
         B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
+        for req in requests:  # a row's cache must hold the prompt, the budget and a round's overshoot
+            need = cache_length(len(req.prompt_ids), max_new_tokens, self.drafter)
+            if need > self.max_seq:
+                raise UserError(f"request {req.index}: {len(req.prompt_ids)} prompt tokens + {max_new_tokens} new tokens "
+                                f"need {need} cache positions, and this engine was built with max_seq={self.max_seq}")
         has_confidence = self.drafter is not None and self.drafter.confidence_head is not None
         waiting = list(reversed(requests))  # popped from the end: first come, first served
         rows: list[Optional[Request]] = [None] * B
@@ -330,7 +360,7 @@ class Engine:
                         gens[i] = torch.Generator(device=dev).manual_seed(self.seed + req.index)
                     noise = torch.stack([torch.empty(V, device=dev).exponential_(1, generator=gens[i]) for i in free])
                 first, lens = prefill(self.target, self.drafter, [r.prompt_ids for r in new], self.temperature,
-                                      noise, dev, rows=None if leading else index)
+                                      noise, dev, rows=None if leading else index, filters=self.filters)
                 anchor, anchor_pos = anchor.index_copy(0, index, first), anchor_pos.index_copy(0, index, lens)
                 for i, req, t in zip(free, new, first.tolist()):
                     if t < 0:
@@ -377,7 +407,9 @@ class Engine:
         return requests
 
     def _commit(self, req: Request, tokens: list[int], budget: int):
-        """Append tokens up to the budget and the first stop token."""
+        """Append tokens up to the budget and the first stop token; with stop strings, cut the output
+        after the token that completes the first of them."""
+        before = len(req.output_ids)
         for t in tokens:
             if req.finish_reason is not None:
                 break
@@ -386,6 +418,11 @@ class Engine:
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= budget:
                 req.finish_reason = "length"
+        if self.stop_strings is not None and len(req.output_ids) > before:
+            keep = self.stop_strings.keep(req.output_ids, before)
+            if keep is not None:
+                del req.output_ids[keep:]
+                req.finish_reason = "stop"
 
     # Compiling and profiling: rounds on dummy rows.
 
@@ -436,6 +473,68 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------------------
+# The Python API: load once, generate many times
+
+def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device: str = "cpu",
+         dtype: Optional[str] = None, calibration: Optional[str] = None) -> Models:
+    """The target (and drafter) for `generate`, loaded once: checkpoint directories, as on the command
+    line; with neither, the committed demo pair."""
+    if target is None and drafter is None:
+        target, drafter = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
+    return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration)
+
+
+def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Optional[float] = None,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+             stop: Sequence[str] = (), ignore_eos: bool = False, seed: int = 0, num_samples: int = 1,
+             batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
+             scheduler: str = "none", confidence_threshold: float = 0.0, compile: bool = False,
+             kernels: str = "torch") -> list[Completion]:
+    """Decode prompts with the models from `load` and return one `Completion` per prompt and sample
+    (text, ids, finish reason, rounds, τ), in order. `prompts`: one prompt or a list of them — a text,
+    a list of token ids or a conversation. Sampling as on the command line: with no sampling argument
+    the target's generation_config.json, else the arguments (temperature 0: greedy). The KV caches are
+    sized for the longest prompt and the budget; a request that cannot fit the context is refused."""
+    one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(
+        isinstance(x, (int, dict)) for x in prompts))
+    ids = [encode_prompt(m.tokenizer, p, chat=chat, system_prompt=system_prompt) for p in ([prompts] if one else prompts)]
+    if not ids:
+        raise UserError("generate: no prompts")
+    check_ranges(SimpleNamespace(max_new_tokens=max_new_tokens, num_samples=num_samples, batch_size=batch_size),
+                 max_new_tokens="[1, 10485760]", num_samples=f"[1, {MAX_REQUESTS}]", batch_size="[1, 65536]")
+    check_prompts(ids, m.target, max_new_tokens, drafter=m.drafter)
+    sampling = resolve_sampling(m, temperature, top_k, top_p, min_p)
+    requests = requests_for(ids, num_samples)
+    kind = scheduler if scheduler != "none" or confidence_threshold == 0 else "threshold"
+    check_schedulable(kind, m.drafter, confidence_threshold)
+    stops = StopStrings.build(m.tokenizer, stop)
+    engine = build_engine(m, m.drafter, requests, max_new_tokens, sampling=sampling, seed=seed,
+                          batch_size=batch_size or min(len(requests), 16), scheduler=kind,
+                          threshold=confidence_threshold, compile=compile, kernels=kernels, stops=stops,
+                          ignore_eos=ignore_eos)
+    engine.generate(requests, max_new_tokens)
+    return [completion(r, m.tokenizer, stops, engine.stop_ids) for r in requests]
+
+
+def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
+    """Every prompt num_samples times: request i = prompt i // num_samples, sample i % num_samples."""
+    return [Request(i, prompts[i // num_samples], prompt=i // num_samples, sample=i % num_samples)
+            for i in range(len(prompts) * num_samples)]
+
+
+def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: int, *, sampling: Sampling, seed: int,
+                 batch_size: int, scheduler: str, threshold: float, compile: bool, kernels: str = "torch",
+                 stops: Optional[StopStrings] = None, ignore_eos: bool = False, buckets=None) -> Engine:
+    """An engine sized for these requests: caches for the longest prompt + budget, at most batch_size rows."""
+    batch = min(batch_size, len(requests))
+    return Engine(m.target, drafter, batch_size=batch, temperature=sampling.temperature, filters=sampling.filters,
+                  seed=seed, max_seq=cache_length(max(len(r.prompt_ids) for r in requests), max_new_tokens, drafter),
+                  device=str(m.target.embed_tokens.weight.device), stop_ids=() if ignore_eos else m.stop_ids,
+                  stop_strings=stops, scheduler=scheduler, threshold=threshold,
+                  buckets=buckets if scheduler != "none" else None, compile=compile, kernels=kernels)
+
+
+# ----------------------------------------------------------------------------------------
 # The command line
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
@@ -468,8 +567,21 @@ class Args:
     takes the next waiting one at once (continuous batching)."""
     max_new_tokens: int = 128
     """Token budget per request (exact)."""
-    temperature: float = 0.0
-    """0 = greedy; otherwise lossless rejection sampling at this temperature."""
+    temperature: Optional[float] = None
+    """0 = greedy; otherwise lossless rejection sampling at this temperature. Default: with no sampling
+    flag (--temperature, --top-k, --top-p, --min-p) the target's generation_config.json (greedy without
+    one, or when it says do_sample false); 1.0 when only filter flags are given."""
+    top_k: Optional[int] = None
+    """Sample from the K most likely tokens only (0: off), in the target's and the drafter's
+    distributions alike, so the output stays exactly the target's filtered sampling."""
+    top_p: Optional[float] = None
+    """Then from the most likely tokens that make up probability P (1: off); applied like --top-k."""
+    min_p: Optional[float] = None
+    """Then only tokens at least M times as likely as the most likely one (0: off); applied like --top-k."""
+    stop: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """End a request at this text (repeatable: --stop A --stop B); the printed text is cut before it."""
+    ignore_eos: bool = False
+    """Do not stop at the target's EOS tokens: every request runs to --max-new-tokens (or a --stop)."""
     seed: int = 0
     """Seed of sampling: request i draws from its own generator seeded seed + i, so its output depends
     only on the seed and its index (not on the batch size or the requests beside it)."""
@@ -494,6 +606,9 @@ class Args:
     """Where to run."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
+    threads: Optional[int] = None
+    """CPU threads for torch (torch.set_num_threads). Default: OMP_NUM_THREADS when set, else half the
+    CPUs this process may use (printed at start); see the README on sharing a machine."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""
@@ -502,6 +617,9 @@ class Args:
     kernels (cuda; on cpu only in Triton's interpreter, TRITON_INTERPRET=1, for testing)."""
     trace_file: Optional[str] = None
     """Write a JSON-lines record of every round, request and a summary here (docs/trace-format.md)."""
+    output_file: Optional[str] = None
+    """Write one JSON record per request here as it finishes: request, prompt and sample indices, text,
+    output ids, finish reason, rounds, τ and the prompt's ids."""
     wandb: bool = False
     """Log the run to Weights & Biases (WANDB_MODE=offline works without network)."""
     calibration: Optional[str] = None
@@ -512,34 +630,28 @@ class Args:
     random weights, to measure speed without downloads (prompts as ids; use bench.py for tables)."""
 
 
-def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
-    """Cache rows for a batch: prompt + budget, plus room for a round's block / verify window from a
-    finished row's last anchor (which may sit up to K+1 past its budget while other rows go on)."""
-    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
-    return longest_prompt + max_new_tokens + 2 * width
-
-
 def auto_compile(compile: Optional[bool], device: str) -> bool:
     """--compile's default: on for cuda, off for cpu."""
     return compile if compile is not None else device.startswith("cuda")
 
 
 MAX_REQUESTS = 10_000_000
-TEMPERATURES = (1e-4, 1e4)  # beyond these, logits / T overflow float32 or sampling is uniform noise
 
 
 def check_args(args: Args):
     """The flags alone, before anything is loaded."""
     check_ranges(args, num_samples=f"[1, {MAX_REQUESTS}]", batch_size="[1, 65536]", max_new_tokens="[1, 10485760]",
-                 temperature="[0, 10000]", confidence_threshold="[0, 1]", seed=f"[0, {2**62}]")
-    if 0 < args.temperature < TEMPERATURES[0]:
-        raise UserError(f"--temperature: invalid value {args.temperature!r} (valid: 0 for greedy, or "
-                        f"{TEMPERATURES[0]:g} to {TEMPERATURES[1]:g})")
+                 confidence_threshold="[0, 1]", seed=f"[0, {2**62}]")
+    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    check_threads(args.threads)
+    if any(not s for s in args.stop):
+        raise UserError("--stop: an empty stop string would end every request at once")
     if args.calibration is not None and resolve_scheduler(args) == "none":
         raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
                         f"(--scheduler threshold, hardware or async); without one it changes nothing")
     sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
-    check_outputs({"--trace-file": args.trace_file, "--sps-table": None if sps_exists else args.sps_table},
+    check_outputs({"--trace-file": args.trace_file, "--output-file": args.output_file,
+                   "--sps-table": None if sps_exists else args.sps_table},
                   inputs=[args.target, args.drafter, args.prompts_file, args.calibration,
                           args.sps_table if sps_exists else None])
     if args.kernels != "torch":
@@ -557,10 +669,13 @@ def run(args: Args) -> dict:
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
                        prompt=DEMO_PROMPT if no_prompt else args.prompt)  # the demo tokenizer has no template
     check_args(args)
+    threads = set_threads(args.threads)
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
     check_schedulable(kind, m.drafter, args.confidence_threshold)
+    sampling = resolve_sampling(m, args.temperature, args.top_k, args.top_p, args.min_p)
+    stops = StopStrings.build(m.tokenizer, args.stop)
     context = m.target.args.max_position_embeddings
     prompts = load_prompts(tokenizer=m.tokenizer, chat=auto_chat(args.chat, m.tokenizer), prompt=args.prompt,
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
@@ -569,14 +684,19 @@ def run(args: Args) -> dict:
     if len(prompts) * args.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "
                         f"than {MAX_REQUESTS:,} requests")
-    if demo:  # the baseline first, by the same engine without the drafter, for the side-by-side figures
-        baseline = decode(args, m, None, prompts, None, "none")
-    summary = decode(args, m, m.drafter, prompts, args.trace_file, kind)
+    announce = f"{threads}; {sampling.describe()}"  # printed once every input is checked
+    if demo:  # the prompt, then the baseline by the same engine without the drafter, for the side-by-side figures
+        print(f"--- prompt ---\n{m.tokenizer.decode(prompts[0]) if args.prompt is not None else prompts[0]}")
+        baseline = decode(args, m, None, prompts, None, None, "none", sampling, stops, heading="autoregressive",
+                          announce=announce)
+    summary = decode(args, m, m.drafter, prompts, args.trace_file, args.output_file, kind, sampling, stops,
+                     heading="speculative" if demo else None, announce=None if demo else announce)
     if demo and baseline["tokens_per_second"] > 0:
+        greedy = sampling.temperature == 0
         print(f"speed-up: {summary['tokens_per_second'] / baseline['tokens_per_second']:.2f}x "
-              f"(speculative vs autoregressive tokens/s, same prompts, greedy outputs "
-              + (f"identical: {baseline['outputs'] == summary['outputs']})" if args.temperature == 0 else "not compared: "
-                 "sampling)"))
+              f"(speculative vs autoregressive tokens/s, same prompts, "
+              + (f"greedy outputs identical: {baseline['outputs'] == summary['outputs']})" if greedy else
+                 "sampled: the two follow the same distribution, not the same tokens)"))
     if args.wandb:
         import wandb
         wandb.init(project="dspark-fast", config=asdict(args))
@@ -585,19 +705,22 @@ def run(args: Args) -> dict:
     return summary
 
 
-def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str], kind: str) -> dict:
+def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str],
+           output_file: Optional[str], kind: str, sampling: Sampling, stops: Optional[StopStrings],
+           heading: Optional[str] = None, announce: Optional[str] = None) -> dict:
     """Decode every prompt with `drafter` (None: autoregressive), print the texts and one figures line.
     Interrupted (Ctrl-C, SIGTERM), it still prints the finished requests and ends the trace with a
-    summary marked "interrupted"; on an error the trace file is left as it was."""
-    requests = [Request(i, p) for i, p in enumerate(pp for pp in prompts for _ in range(args.num_samples))]
-    batch = min(args.batch_size, len(requests))
+    summary marked "interrupted"; on an error the trace and output files are left as they were."""
+    requests = requests_for(prompts, args.num_samples)
     compile = auto_compile(args.compile, args.device)
-    engine = Engine(m.target, drafter, batch_size=batch, temperature=args.temperature, seed=args.seed,
-                    max_seq=cache_length(max(len(r.prompt_ids) for r in requests), args.max_new_tokens, drafter),
-                    device=args.device, stop_ids=m.stop_ids, scheduler=kind, threshold=args.confidence_threshold,
-                    buckets=parse_buckets(args.verify_buckets, batch, drafter) if kind != "none" else None,
-                    compile=compile, kernels=args.kernels)
-    if drafter is not None:  # every input checked, the caches allocated: say what runs
+    engine = build_engine(m, drafter, requests, args.max_new_tokens, sampling=sampling, seed=args.seed,
+                          batch_size=args.batch_size, scheduler=kind, threshold=args.confidence_threshold,
+                          compile=compile, kernels=args.kernels, stops=stops, ignore_eos=args.ignore_eos,
+                          buckets=parse_buckets(args.verify_buckets, min(args.batch_size, len(requests)), drafter)
+                          if kind != "none" else None)
+    if announce:  # every input checked, the caches allocated: say how it runs
+        print(announce, file=sys.stderr)
+    if drafter is not None:
         print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
     if compile:
         engine.warmup()
@@ -605,31 +728,40 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table))
 
     trace = StreamFile(trace_file) if trace_file else None
+    out = OutputFile(output_file) if output_file else None
+    printer = Printer(m.tokenizer, stops, len(requests), args.num_samples)
+    if heading:
+        print(f"--- {heading} ---")
+
+    def on_round(req: Request, rec: dict):
+        if trace:
+            trace.write(json.dumps(rec, allow_nan=False) + "\n")
+        printer.on_round(req)
 
     def on_finish(req: Request):
         if trace:
             trace.write(json.dumps({
                 "request": req.index, "output_ids": req.output_ids, "num_rounds": len(req.rounds),
-                "acceptance_length": metrics.acceptance_length(metrics.count([req], 0, m.stop_ids)),
+                "acceptance_length": metrics.acceptance_length(metrics.count([req], 0, engine.stop_ids)),
                 "finish_reason": req.finish_reason}, allow_nan=False) + "\n")
             trace.sync()  # a finished request is on disk
+        if out:
+            out.write(completion(req, m.tokenizer, stops, engine.stop_ids))
 
     interrupted = None
     try:
-        engine.generate(requests, args.max_new_tokens,
-                        (lambda req, rec: trace.write(json.dumps(rec, allow_nan=False) + "\n")) if trace else None,
-                        on_finish)
+        engine.generate(requests, args.max_new_tokens, on_round, on_finish)
     except Interrupted as e:
         interrupted = e
     except BaseException:
-        if trace:
-            trace.abort()
+        for f in (trace, out):
+            if f:
+                f.abort()
         raise
     done = [r for r in requests if r.finish_reason is not None]
-    for req in done:  # in prompt order, whatever order they finished in
-        print(m.tokenizer.decode(req.output_ids) if m.tokenizer is not None else ",".join(map(str, req.output_ids)))
+    printer.finish([completion(r, m.tokenizer, stops, engine.stop_ids) for r in done])  # in request order
 
-    c = metrics.count(done, engine.K, m.stop_ids)
+    c = metrics.count(done, engine.K, engine.stop_ids)
     seconds = engine.prefill_seconds + engine.decode_seconds
     summary = {
         "summary": True,
@@ -647,6 +779,8 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     if trace:
         trace.write(json.dumps(summary) + "\n")
         trace.close()
+    if out:
+        out.close()
     if interrupted is not None:
         raise interrupted
     tau, rates = summary["acceptance_length"], " ".join(f"{x:.2f}" for x in summary["accept_rate_by_position"])

@@ -7,7 +7,8 @@ What is notable here:
 - A chat template is code shipped with a checkpoint: it is rendered in a box (`render_template`) —
   Jinja's immutable sandbox, a time limit, caps on its output and on the numbers and repetitions it
   computes — and whatever goes wrong is one line naming the template's file.
-- Stop ids come from generation_config.json and config.json, each checked against the vocabulary.
+- Stop ids come from generation_config.json and config.json, each checked against the vocabulary;
+  the default sampling settings come from generation_config.json (`generation_sampling`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, prompt: str, thinking: bool = False) -> str:
         """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
@@ -164,3 +165,84 @@ def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
         ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size)
     ids += args.eos_token_ids
     return tuple(dict.fromkeys(ids))
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
+    """The checkpoint's recommended sampling, from generation_config.json: (settings, path).
+
+    settings: None for greedy — no file, or `do_sample` false or absent (transformers' rule) — else
+    the keys of SAMPLING_KEYS the file gives (a missing key stays off; temperature 1.0 when missing),
+    each checked: temperature > 0, top_k an integer (0 or -1: off), top_p in (0, 1], min_p in [0, 1]."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return None, None
+    cfg = read_json(path)
+    do_sample = cfg.get("do_sample", False)
+    if not isinstance(do_sample, bool):
+        raise UserError(f"{path}: key 'do_sample' must be true or false, got {do_sample!r}")
+    if not do_sample:
+        return None, path
+    out = {"temperature": 1.0}
+    for key in SAMPLING_KEYS:
+        v = cfg.get(key)
+        if v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+        ok = number and {"temperature": lambda x: 0 < x <= 1e4, "top_k": lambda x: x == int(x) and x >= -1,
+                         "top_p": lambda x: 0 < x <= 1, "min_p": lambda x: 0 <= x <= 1}[key](v)
+        if not ok:
+            valid = {"temperature": "a number in (0, 10000]", "top_k": "an integer >= -1 (0 or -1: off)",
+                     "top_p": "a number in (0, 1]", "min_p": "a number in [0, 1]"}[key]
+            raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
+        out[key] = max(int(v), 0) if key == "top_k" else float(v)
+    return out, path
+
+
+class StopStrings:
+    """--stop: a request ends at the first of these strings in its text (decoded with special tokens
+    skipped, as printed). The tokens are kept up to the one that completes the string; the text is cut
+    before it."""
+
+    def __init__(self, tokenizer: Tokenizer, strings: Sequence[str]):
+        self.tokenizer, self.strings = tokenizer, tuple(strings)
+
+    @staticmethod
+    def build(tokenizer: Optional[Tokenizer], strings: Sequence[str]) -> Optional["StopStrings"]:
+        """--stop's strings checked (None when there are none)."""
+        if not strings:
+            return None
+        if tokenizer is None:
+            raise UserError("--stop: stop strings need the target's tokenizer.json (to read the text)")
+        if any(not s for s in strings):
+            raise UserError("--stop: an empty stop string would end every request at once")
+        return StopStrings(tokenizer, strings)
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def find(self, text: str) -> Optional[int]:
+        """Where the earliest stop string starts in text (None: nowhere)."""
+        hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+        return min(hits) if hits else None
+
+    def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
+        """None while no stop string is in the text of ids; else the fewest leading tokens whose text
+        holds one. `checked`: a count of leading tokens already known to hold none."""
+        if self.find(self.text(ids)) is None:
+            return None
+        lo, hi = checked, len(ids)  # the text of ids[:lo] holds no stop string, that of ids[:hi] does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.find(self.text(ids[:mid])) is None:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def cut(self, text: str) -> str:
+        """The text before the earliest stop string."""
+        at = self.find(text)
+        return text if at is None else text[:at]

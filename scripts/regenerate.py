@@ -13,8 +13,8 @@ What is notable here:
   given (lossless: the responses are the target's own distribution either way), one engine with static
   cache shapes for the whole run (--max-context), so a compiled round compiles once.
 - Sampling is reproducible whatever the batch, chunk or shard: turn t of conversation i samples from its
-  own generator seeded --seed + i·1024 + t (the engine's per-request streams). The engine samples from the
-  full distribution at --temperature (no top-p / top-k); each record says so.
+  own generator seeded --seed + i·1024 + t (the engine's per-request streams). Sampling is the authors':
+  temperature 0.7, top-p 0.8, top-k 20 by default, exact under speculation; each record says so.
 - Output: JSON lines {"messages": [...], "source": "file:line", "id"?, "regenerated": {settings, finish
   reasons, response tokens}}, in input order, appended chunk by chunk to OUT.partial (flushed to disk) and
   renamed to OUT when complete; --resume continues a .partial. --num-shards/--shard-index split the
@@ -37,6 +37,8 @@ import metrics as mt  # noqa: E402
 from common import (AutoBool, UserError, check_ranges, check_writable, cli_main, read_jsonl,  # noqa: E402
                     resolve_device)
 from data import ROLES  # noqa: E402
+from inputs import check_sampling  # noqa: E402
+from kernels import Filters  # noqa: E402
 from speculate import Engine, Request, auto_compile, cache_length, load_models  # noqa: E402
 
 TURN_STRIDE = 1024  # request index = conversation index * TURN_STRIDE + turn (per-request random streams)
@@ -55,8 +57,13 @@ class Args:
     out: Optional[str] = None
     """Output JSON lines of training records (written to OUT.partial, renamed when complete)."""
     temperature: float = 0.7
-    """Sampling temperature (the authors' Qwen3 setting is 0.7, with top-p 0.8 / top-k 20 that the engine
-    does not implement: it samples the full distribution); 0 = greedy."""
+    """Sampling temperature (the authors' Qwen3 setting); 0 = greedy."""
+    top_k: int = 20
+    """Sample from the K most likely tokens (the authors' 20; 0: off)."""
+    top_p: float = 0.8
+    """Then from the most likely tokens making up probability P (the authors' 0.8; 1: off)."""
+    min_p: float = 0.0
+    """Then only tokens at least M times as likely as the most likely one (0: off)."""
     max_new_tokens: int = 4096
     """Token budget of one response (the authors': 4096)."""
     max_context: Optional[int] = None
@@ -124,7 +131,8 @@ def complete_lines(path: str) -> list[str]:
 
 def run(args: Args) -> dict:
     """Everything `python scripts/regenerate.py` does; returns counts. Raises UserError on bad input."""
-    check_ranges(args, temperature="[0, inf)", max_new_tokens="[1, inf)", max_context="[2, inf)",
+    check_sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    check_ranges(args, max_new_tokens="[1, inf)", max_context="[2, inf)",
                  batch_size="[1, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)", num_shards="[1, inf)",
                  shard_index=f"[0, {args.num_shards - 1}]")
     for flag in ("target", "prompts", "out"):
@@ -145,10 +153,12 @@ def run(args: Args) -> dict:
                         f"target's context of {m.target.args.max_position_embeddings}")
     longest = context - args.max_new_tokens
     engine = Engine(m.target, m.drafter, batch_size=args.batch_size, max_seq=cache_length(longest, args.max_new_tokens,
-                    m.drafter), temperature=args.temperature, seed=args.seed, device=device, stop_ids=m.stop_ids,
+                    m.drafter), temperature=args.temperature, filters=Filters(args.top_k, args.top_p, args.min_p),
+                    seed=args.seed, device=device, stop_ids=m.stop_ids,
                     compile=auto_compile(args.compile, device))
     setting = {"tool": "scripts/regenerate.py", "target": args.target, "drafter": args.drafter,
-               "temperature": args.temperature, "top_p": 1.0, "top_k": None, "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+               "max_new_tokens": args.max_new_tokens,
                "seed": args.seed, "enable_thinking": False}
     partial = args.out + ".partial"
     done = complete_lines(partial) if args.resume else []

@@ -56,7 +56,8 @@ def test_regenerate_end_to_end_on_the_demo_pair(tmp_path):
     assert recs[2]["messages"][2]["content"] != "an old answer"
     assert recs[0]["messages"][2]["content"] == "and now subtract"
     g = recs[0]["regenerated"]
-    assert (g["temperature"], g["top_p"], g["top_k"], g["enable_thinking"], g["max_new_tokens"]) == (0.7, 1.0, None, False, 12)
+    assert (g["temperature"], g["top_p"], g["top_k"], g["min_p"], g["enable_thinking"], g["max_new_tokens"]) == \
+        (0.7, 0.8, 20, 0.0, False, 12)
     assert len(g["finish_reasons"]) == 2 and all(0 < n <= 12 for n in g["response_tokens"])
     # The same records whatever the batch, the chunk or the shard (per-request random streams).
     again, _ = regen(tmp_path, "b.jsonl", "--batch-size", 1, "--chunk-size", 1)

@@ -1,0 +1,441 @@
+"""Sampling controls (issue [10]): top-k, top-p and min-p, exact under speculation; the target's
+generation_config.json as the default; per-request reproducibility; stop strings; the output file;
+streaming; the Python API.
+
+- `kernels.filter_logits` equals a by-definition filter written here with sorted Python lists.
+- The distribution tests of test_lossless.py, with filters: the first M generated tokens' joint
+  distribution under speculative decoding equals the target's own filtered sampling, computed
+  exactly from transformers' logits with the by-definition filter — for each filter and their
+  combination with a temperature, under the none, threshold and hardware schedules, in rows refilled
+  by continuous batching, and with the Triton kernels (in Triton's interpreter, where installed).
+  The filter parameters are chosen with a margin from every boundary (no cumulative probability or
+  probability ratio within 2e-4 of the cut; float32 rounding is ~1e-6), so float32 against float64 cannot move a token across.
+- A biased engine (the target's p not filtered in verification) fails the same check.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, chi2_pvalue, make_target_dir
+from drafters import make_drafter, make_target
+from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, read_trace, run_cli, seq_index,
+                           target_logits_after)
+from test_scheduler import write_sps_table
+
+import kernels
+import speculate
+from kernels import Filters
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------------------
+# The filters, by definition
+
+def filtered_by_definition(logits, temperature: float, f: Filters) -> list[float]:
+    """Probabilities after temperature, top-k, top-p (renormalised over top-k's survivors; the most
+    likely tokens whose mass reaches p, the first always kept) and min-p, for one row, in Python."""
+    z = [float(x) / temperature for x in logits]
+    V = len(z)
+    order = sorted(range(V), key=lambda i: -z[i])
+    keep = set(range(V))
+    if 0 < f.top_k < V:
+        kth = z[order[f.top_k - 1]]
+        keep = {i for i in keep if z[i] >= kth}
+
+    def probs_of(kept):
+        mx = max(z[i] for i in kept)
+        e = {i: math.exp(z[i] - mx) for i in kept}
+        s = sum(e.values())
+        return {i: e[i] / s for i in kept}
+
+    if f.top_p < 1:
+        p = probs_of(keep)
+        cum, kept = 0.0, set()
+        for i in [i for i in order if i in keep]:
+            if cum < f.top_p:
+                kept.add(i)
+            cum += p[i]
+        keep = kept
+    if f.min_p > 0:
+        p = probs_of(keep)
+        mx = max(p.values())
+        keep = {i for i in keep if p[i] >= f.min_p * mx}
+    p = probs_of(keep)
+    return [p.get(i, 0.0) for i in range(V)]
+
+
+def margins(logits, temperature: float, f: Filters) -> float:
+    """How far the row is from flipping a token across a top-p or min-p cut (relative units)."""
+    z = [float(x) / temperature for x in logits]
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    kept = order[:f.top_k] if f.top_k else order
+    mx = max(z[i] for i in kept)
+    e = [math.exp(z[i] - mx) for i in kept]
+    p = [x / sum(e) for x in e]
+    out = [1.0]
+    if f.top_p < 1:
+        cum = 0.0
+        for x in p:
+            out.append(abs(cum - f.top_p))
+            cum += x
+    if f.min_p > 0:
+        out += [abs(x / p[0] - f.min_p) for x in p]
+    return min(out)
+
+
+@pytest.mark.parametrize("f", [Filters(3), Filters(0, 0.7), Filters(0, 1.0, 0.2), Filters(5, 0.9, 0.05),
+                               Filters(1), Filters(0, 1e-6), Filters(0, 1.0, 1.0), Filters(100)])
+def test_filter_logits_equals_the_definition(f):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 40, generator=g) * 3
+    logits[0, :5] = logits[0, 5]  # ties at the top
+    T = 0.8
+    got = kernels.probs(logits, T, f).double()
+    for row, p in zip(logits, got):
+        want = torch.tensor(filtered_by_definition(row.tolist(), T, f), dtype=torch.float64)
+        if margins(row.tolist(), T, f) > 1e-4:  # away from a cut, the kept set is the same
+            assert torch.equal(p > 0, want > 0), (row, p, want)
+            assert torch.allclose(p, want, atol=1e-6)
+        assert (p > 0).any() and abs(p.sum().item() - 1) < 1e-5
+
+
+def test_filters_off_change_nothing():
+    logits = torch.randn(3, 4, 50)
+    assert torch.equal(kernels.probs(logits, 0.7, Filters()), torch.softmax(logits / 0.7, dim=-1))
+    assert torch.equal(kernels.filter_logits(logits, Filters(50, 1.0, 0.0)), logits)  # top-k = V keeps all
+
+
+# ----------------------------------------------------------------------------------------
+# Exactness under speculation: chi-square against the target's own filtered sampling
+
+SAMPLE_DRAFTERS = {
+    "oracle": dict(markov="vanilla", oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2),
+    "random": dict(markov="vanilla", oracle=False, block_size=2),
+    "rnn-oracle": dict(markov="rnn", oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2),
+}
+
+
+@pytest.fixture(scope="module")
+def fenv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sampling_filters")
+    target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
+    drafters = {name: make_drafter(d / name, target, **opts) for name, opts in SAMPLE_DRAFTERS.items()}
+    prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
+    return dict(dir=str(d), target=target, drafters=drafters, prefixes=prefixes, logits=logits)
+
+
+def filtered_joint(env, temperature: float, f: Filters) -> torch.Tensor:
+    """P(t_1 .. t_M) under the target's own filtered sampling, from transformers' float64 logits."""
+    prefixes, logits = env["prefixes"], env["logits"]
+    rows = logits.reshape(-1, SV).tolist()
+    assert min(margins(r, temperature, f) for r in rows) > 2e-4, "parameters too close to a cut: pick others"
+    p = torch.tensor([filtered_by_definition(r, temperature, f) for r in rows], dtype=torch.float64)
+    p = p.reshape(logits.shape)  # [V^(M-1), M, V]
+    lp = p[:, :M - 1].gather(2, prefixes[:, :, None])[:, :, 0].prod(1)
+    return (lp[:, None] * p[:, M - 1]).reshape(-1)
+
+
+def flags(temperature: float, f: Filters) -> list:
+    out = ["--temperature", temperature]
+    if f.top_k:
+        out += ["--top-k", f.top_k]
+    if f.top_p < 1:
+        out += ["--top-p", f.top_p]
+    if f.min_p > 0:
+        out += ["--min-p", f.min_p]
+    return out
+
+
+def sampled(env, drafter, temperature, f, *extra, prompt_args=None):
+    args = ["--target", env["target"], "--drafter", env["drafters"][drafter], "--num-samples", N_SAMPLES,
+            "--batch-size", N_SAMPLES, "--max-new-tokens", M, *flags(temperature, f), *extra]
+    args += prompt_args or ["--prompt-ids", ",".join(map(str, SAMPLE_PROMPT))]
+    return run_cli(env["dir"], args)
+
+
+# (drafter, temperature, filters, schedule). The parameters sit at least 1e-3 from every cut
+# (asserted in filtered_joint).
+FILTER_CASES = [
+    ("oracle", 1.0, Filters(0, 0.6), "threshold"),
+    ("random", 1.0, Filters(0, 0.6), "none"),
+    ("oracle", 1.0, Filters(0, 1.0, 0.26), "none"),
+    ("rnn-oracle", 0.7, Filters(4, 0.7, 0.1), "none"),
+    ("oracle", 1.0, Filters(3), "hardware"),
+]
+
+
+@pytest.mark.parametrize("drafter,temperature,f,schedule", FILTER_CASES,
+                         ids=[f"{d}-T{t}-k{f.top_k}-p{f.top_p}-m{f.min_p}-{s}" for d, t, f, s in FILTER_CASES])
+def test_filtered_sampling_follows_the_targets_filtered_distribution(fenv, drafter, temperature, f, schedule):
+    extra = []
+    if schedule == "threshold":
+        extra = ["--confidence-threshold", 0.6]
+    elif schedule == "hardware":  # a step time under which rounds verify 0, 1 or 2 drafts (test_scheduler.py)
+        table = write_sps_table(os.path.join(fenv["dir"], "sps.json"), fenv["target"], fenv["drafters"][drafter],
+                                N_SAMPLES, temperature, lambda b: N_SAMPLES + b)
+        extra = ["--scheduler", "hardware", "--sps-table", table]
+    tr = sampled(fenv, drafter, temperature, f, *extra)
+    outs = tr.outputs()
+    assert all(len(o) == M for o in outs)
+    p = chi2_pvalue(seq_index(outs, SV), filtered_joint(fenv, temperature, f))
+    assert p > P_MIN, f"chi-square p = {p:.2e}"
+    first = [r for r in tr.rounds if r["round"] == 0]
+    acc = [r["accepted"] for r in first]
+    # Rounds both accepted and rejected drafts (or were cut by the schedule), and a schedule varied.
+    assert sum(1 for r in first if r["accepted"] < r["verified"]) + sum(1 for r in first if r["verified"] < 2) > 50
+    assert sum(1 for a in acc if a > 0) > 50, collections.Counter((r["verified"], r["accepted"]) for r in first)
+    if schedule != "none":  # the schedule cut verification short
+        assert sum(1 for r in first if r["verified"] < 2) > 50, collections.Counter(r["verified"] for r in first)
+
+
+def test_filtered_sampling_is_exact_in_rows_refilled_by_continuous_batching(fenv, tmp_path):
+    f, T = Filters(3), 1.3
+    long_prompt = [5, 6, 7, 1, 2, 4, 3, 0, 6, 5, 1, 1]
+    pf = tmp_path / "mixed.jsonl"
+    pf.write_text(json.dumps({"prompt_ids": long_prompt}) + "\n" + json.dumps({"prompt_ids": SAMPLE_PROMPT}) + "\n")
+    half = N_SAMPLES // 2
+    tr = run_cli(fenv["dir"], ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"], "--prompts-file",
+                               pf, "--num-samples", half, "--batch-size", half // 2, "--max-new-tokens", M,
+                               *flags(T, f)])
+    outs = tr.outputs()[half:]  # SAMPLE_PROMPT's samples, decoded in rows that held the long prompt
+    joint = filtered_joint(fenv, T, f)
+    p = chi2_pvalue(seq_index(outs, SV), joint)
+    assert p > P_MIN / 2, f"chi-square p = {p:.2e}"
+
+
+def test_chi_square_catches_verification_without_the_filters(fenv, monkeypatch):
+    """The target's p left unfiltered in verification (the drafts still filtered): the check fails."""
+    orig = kernels.TORCH.verify_sampled
+
+    def unfiltered(*args, filters=kernels.NO_FILTERS, **kwargs):
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(kernels, "TORCH", kernels.TORCH._replace(verify_sampled=unfiltered))
+    f = Filters(3)
+    tr = sampled(fenv, "random", 1.0, f)
+    assert chi2_pvalue(seq_index(tr.outputs(), SV), filtered_joint(fenv, 1.0, f)) < P_MIN
+
+
+def test_triton_kernels_apply_the_filters_alike(fenv, monkeypatch):
+    """The Triton set under its interpreter gives the torch set's tokens with filters on (the chain
+    falls back to the reference; verification filters the logits before its kernels)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        kernels.kernel_set("triton", "cpu")
+    except RuntimeError:
+        pytest.skip("triton was imported outside its interpreter in this process")
+    f = Filters(4, 0.9, 0.05)
+    base = ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"], "--num-samples", 24,
+            "--batch-size", 8, "--max-new-tokens", 6, "--prompt-ids", "1,2,3", *flags(0.9, f), "--seed", 5]
+    a = run_cli(fenv["dir"], base)
+    b = run_cli(fenv["dir"], base + ["--kernels", "triton"])
+    assert a.outputs() == b.outputs()
+
+
+# ----------------------------------------------------------------------------------------
+# A request's samples depend on the seed and its index only
+
+def test_sampled_outputs_are_identical_across_batch_sizes_and_refills(fenv, tmp_path):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([1, 2, 3], [4], [5, 6, 7, 0, 1], [2, 2])))
+    runs = {}
+    for bs in (1, 3, 8):
+        runs[bs] = run_cli(fenv["dir"], ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"],
+                                         "--prompts-file", pf, "--num-samples", 3, "--batch-size", bs,
+                                         "--max-new-tokens", 9, "--temperature", 1.0, "--top-k", 5, "--top-p", 0.95,
+                                         "--seed", 11])
+    assert runs[1].outputs() == runs[3].outputs() == runs[8].outputs()
+    assert len({tuple(o) for o in runs[1].outputs()}) > 6  # genuinely random samples
+
+
+# ----------------------------------------------------------------------------------------
+# generation_config.json as the default
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen_config")
+    make_target_dir(d / "target", vocab_size=64, max_position_embeddings=256)
+    drafter = make_drafter(d / "drafter", str(d / "target"), block_size=3, oracle=True, oracle_scale=2.0)
+    return d, str(d / "target"), drafter
+
+
+def cli(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = speculate.main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def with_generation_config(src, dst, **settings):
+    import shutil
+    shutil.copytree(src, dst)
+    gen = json.load(open(os.path.join(dst, "generation_config.json")))
+    gen.update(dict(do_sample=True), **settings)
+    json.dump(gen, open(os.path.join(dst, "generation_config.json"), "w"))
+    return str(dst)
+
+
+def test_generation_config_sampling_is_the_default(chat_target, tmp_path):
+    d, target, drafter = chat_target
+    sampler = with_generation_config(target, tmp_path / "sampler", temperature=0.7, top_k=6,
+                                     top_p=0.9)
+    base = ["--drafter", drafter, "--prompt-ids", "5,6,7", "--max-new-tokens", 12, "--num-samples", 4,
+            "--batch-size", 2, "--seed", 3]
+    rc, out_default, err = cli(["--target", sampler, *base, "--output-file", tmp_path / "a.jsonl"])
+    assert rc == 0, err
+    assert f"sampling: temperature 0.7, top-k 6, top-p 0.9 (from {sampler}/generation_config.json)" in err
+    rc, _, err2 = cli(["--target", sampler, *base, "--temperature", 0.7, "--top-k", 6, "--top-p", 0.9,
+                       "--output-file", tmp_path / "b.jsonl"])
+    assert rc == 0 and "(from --temperature, --top-k, --top-p)" in err2
+    read = lambda p: [r["output_ids"] for r in sorted(map(json.loads, open(p)), key=lambda r: r["request"])]
+    assert read(tmp_path / "a.jsonl") == read(tmp_path / "b.jsonl")  # the same settings, the same samples
+    assert len({tuple(o) for o in read(tmp_path / "a.jsonl")}) > 1  # it sampled
+    # --temperature 0 is greedy whatever the file says; the file's do_sample false is greedy too
+    rc, _, err3 = cli(["--target", sampler, *base, "--temperature", 0, "--output-file", tmp_path / "c.jsonl"])
+    rc, _, err4 = cli(["--target", target, *base, "--output-file", tmp_path / "d.jsonl"])
+    assert "sampling: greedy (from --temperature)" in err3 and "has do_sample false" in err4
+    assert read(tmp_path / "c.jsonl") == read(tmp_path / "d.jsonl")
+    assert len({tuple(o) for o in read(tmp_path / "c.jsonl")}) == 1
+
+
+@pytest.mark.parametrize("key,value", [("top_p", 0), ("top_p", 1.5), ("top_k", 2.5), ("min_p", -0.1),
+                                       ("temperature", 0), ("temperature", "hot"), ("do_sample", "yes")])
+def test_bad_generation_config_values_are_one_line_errors(chat_target, tmp_path, key, value):
+    d, target, drafter = chat_target
+    bad = with_generation_config(target, tmp_path / "bad", **{key: value})
+    rc, out, err = cli(["--target", bad, "--prompt-ids", "1,2", "--max-new-tokens", 2])
+    assert rc == 2 and len(err.splitlines()) == 1 and "generation_config.json" in err and repr(key) in err, err
+
+
+# ----------------------------------------------------------------------------------------
+# Stop strings, --ignore-eos, text out
+
+def test_stop_strings_cut_the_text_and_end_the_request(chat_target, tmp_path):
+    from text import Tokenizer
+
+    d, target, drafter = chat_target
+    tok = Tokenizer(target)
+    base = ["--target", target, "--drafter", drafter, "--prompt", "hello world", "--max-new-tokens", 40,
+            "--ignore-eos"]
+    rc, out, err = cli(base + ["--output-file", tmp_path / "full.jsonl"])
+    assert rc == 0, err
+    full = json.loads(open(tmp_path / "full.jsonl").read())
+    words = full["text"].split()
+    assert len(words) > 12 and full["finish_reason"] == "length"
+    stop = " ".join(words[6:8])  # two words from the middle of the greedy text
+    rc, out, err = cli(base + ["--stop", stop, "--stop", "never-generated", "--output-file", tmp_path / "cut.jsonl"])
+    assert rc == 0, err
+    cut = json.loads(open(tmp_path / "cut.jsonl").read())
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full["text"][:full["text"].find(stop)]
+    ids = cut["output_ids"]
+    assert ids == full["output_ids"][:len(ids)]  # greedy: the same tokens, cut
+    assert stop in tok.decode(ids, skip_special_tokens=True)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)  # ends at the token completing it
+    assert cut["num_rounds"] < full["num_rounds"]  # the request stopped decoding
+    assert out.startswith(cut["text"]) and stop not in out.split("\n")[0]  # streamed, cut before the stop
+
+
+def test_output_file_records_and_labelled_printing(chat_target, tmp_path):
+    d, target, drafter = chat_target
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt_ids": [3, 4, 5]}) + "\n")
+    rc, out, err = cli(["--target", target, "--drafter", drafter, "--prompts-file", pf, "--num-samples", 2,
+                        "--batch-size", 3, "--max-new-tokens", 8, "--temperature", 1.0, "--output-file",
+                        tmp_path / "o.jsonl", "--trace-file", tmp_path / "t.jsonl"])
+    assert rc == 0, err
+    recs = sorted(map(json.loads, open(tmp_path / "o.jsonl")), key=lambda r: r["request"])
+    assert [(r["request"], r["prompt"], r["sample"]) for r in recs] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    tr = read_trace(tmp_path / "t.jsonl")
+    for r in recs:
+        end = tr.requests[r["request"]]
+        assert r["output_ids"] == end["output_ids"] and r["num_rounds"] == end["num_rounds"]
+        assert r["acceptance_length"] == end["acceptance_length"] and r["finish_reason"] == end["finish_reason"]
+        assert "<|im_end|>" not in r["text"] and isinstance(r["prompt_ids"], list)
+    labels = re.findall(r"^--- request (\d+) \(prompt (\d+), sample (\d+)\): .* ---$", out, re.M)
+    assert labels == [("0", "0", "0"), ("1", "0", "1"), ("2", "1", "0"), ("3", "1", "1")]
+    for r in recs:  # each text printed under its label
+        assert f"): {len(r['output_ids'])} tokens, {r['finish_reason']}" in out
+        assert r["text"] in out
+
+
+def test_ignore_eos_runs_to_the_budget(chat_target):
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    stop = sorted(m.stop_ids)[0]
+    # a prompt after which EOS is likely: find one where the greedy output stops early
+    for p in range(1, 64):
+        c = speculate.generate(m, [p], max_new_tokens=30, temperature=0)[0]
+        if c.finish_reason == "stop":
+            break
+    else:
+        pytest.skip("no prompt of this tiny target stops early")
+    assert c.output_ids[-1] == stop or c.output_ids[-1] in m.stop_ids
+    d2 = speculate.generate(m, [p], max_new_tokens=30, temperature=0, ignore_eos=True)[0]
+    assert d2.finish_reason == "length" and len(d2.output_ids) == 30
+    assert d2.output_ids[:len(c.output_ids)] == c.output_ids
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--top-k", "-1", "--top-k"), ("--top-p", "0", "--top-p"),
+                                               ("--top-p", "1.5", "--top-p"), ("--min-p", "2", "--min-p"),
+                                               ("--min-p", "nan", "--min-p"), ("--stop", "", "--stop"),
+                                               ("--threads", "0", "--threads")])
+def test_bad_sampling_flags_are_one_line_errors(chat_target, flag, value, needle):
+    d, target, drafter = chat_target
+    rc, out, err = cli(["--target", target, "--prompt", "hi", "--max-new-tokens", 2, flag, value])
+    assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_stop_strings_without_a_tokenizer_are_an_error(fenv):
+    rc, out, err = cli(["--target", fenv["target"], "--prompt-ids", "1,2", "--max-new-tokens", 2, "--stop", "x"])
+    assert rc == 2 and "--stop" in err and "tokenizer" in err
+
+
+# ----------------------------------------------------------------------------------------
+# The Python API
+
+def test_readme_api_example_runs():
+    """The README's Python example, run as written (it uses the committed demo pair)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    m = re.search(r"<!-- api-example -->\s*```python\n(.*?)```", readme, re.S)
+    assert m, "README.md has no api-example block"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(m.group(1), "README.md:api-example", "exec"), {"__name__": "readme"})
+    assert out.getvalue().strip()
+
+
+def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    api = speculate.generate(m, ["hello world", [7, 8, 9]], max_new_tokens=10, temperature=0.9, top_k=5, seed=4,
+                             num_samples=2, batch_size=3)
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"prompt": "hello world"}) + "\n" + json.dumps({"prompt_ids": [7, 8, 9]}) + "\n")
+    rc, out, err = cli(["--target", target, "--drafter", drafter, "--prompts-file", pf, "--max-new-tokens", 10,
+                        "--temperature", 0.9, "--top-k", 5, "--seed", 4, "--num-samples", 2, "--batch-size", 1,
+                        "--output-file", tmp_path / "o.jsonl"])
+    assert rc == 0, err
+    recs = sorted(map(json.loads, open(tmp_path / "o.jsonl")), key=lambda r: r["request"])
+    assert [c.output_ids for c in api] == [r["output_ids"] for r in recs]
+    assert [c.text for c in api] == [r["text"] for r in recs]
+    conv = speculate.generate(m, [{"role": "user", "content": "hello world"}], max_new_tokens=10, temperature=0)
+    text = speculate.generate(m, "hello world", max_new_tokens=10, temperature=0)
+    assert conv[0].output_ids == text[0].output_ids  # one user turn = the text through the template
+    with pytest.raises(speculate.UserError, match="context"):
+        speculate.generate(m, [1] * 250, max_new_tokens=10)
+    engine = speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=16)
+    with pytest.raises(speculate.UserError, match="max_seq=16"):
+        engine.generate([speculate.Request(0, [1, 2, 3])], 20)
