@@ -3,9 +3,10 @@
 Shared by speculate.py, eval.py and the scripts, so that every program reads a checkpoint, a
 prompts file or a chat template the same way and refuses the same mistakes with the same line:
 - `load_models`: a target directory (and drafter), or a random-weight preset; an STS calibration;
-- `load_prompts`: --prompt (text through the chat template), --prompt-ids, or a JSON-lines file of
-  {"prompt"}, {"prompt_ids"} or {"turns"} records — one kind per record, valid Unicode, and a text
-  too long for the context refused after tokenizing a bounded prefix of it;
+- `load_prompts`: --prompt (text through the chat template, after an optional system turn),
+  --prompt-ids, or a JSON-lines file of {"prompt"}, {"prompt_ids"}, {"turns"} or {"messages"}
+  records — one kind per record, valid Unicode, and a text too long for the context refused after
+  tokenizing a bounded prefix of it;
 - `check_prompts`: ids inside the vocabulary, prompt + budget inside the target's and the drafter's
   context.
 """
@@ -20,7 +21,7 @@ import torch
 
 from common import UserError, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
 from model import Transformer, load_target, random_target
-from text import Tokenizer, stop_token_ids
+from text import ROLES, Tokenizer, stop_token_ids
 
 
 @dataclass
@@ -75,36 +76,51 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
 
 
 
-PROMPT_KINDS = ("prompt", "prompt_ids", "turns")
+PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
 CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
 
 
 def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None,
-                 max_len: Optional[int] = None) -> list[list[int]]:
-    """Token ids of every prompt given by exactly one of prompt, prompt_ids or prompts_file. A text
-    that cannot fit `max_len` tokens is refused after tokenizing a bounded prefix of it."""
+                 max_len: Optional[int] = None, system_prompt: Optional[str] = None,
+                 thinking: bool = False) -> list[list[int]]:
+    """Token ids of every prompt given by exactly one of prompt, prompt_ids or prompts_file. With `chat`,
+    a text is one user turn rendered with the chat template (after a `system_prompt` turn, and with the
+    template's `enable_thinking` set to `thinking`); a {"messages"} record is a whole conversation,
+    rendered the same way. A text that cannot fit `max_len` tokens is refused after tokenizing a
+    bounded prefix of it."""
     given = [f for f, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("prompts_file", prompts_file))
              if v is not None]
     if len(given) != 1:
         raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
                         + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
+    chat_flags = check_chat_flags(chat=chat, prompt_ids=prompt_ids, system_prompt=system_prompt, thinking=thinking)
+    if thinking and tokenizer is not None and not tokenizer.thinking_switch:
+        raise UserError(f"--enable-thinking: the chat template ({tokenizer.template_source}) has no thinking switch "
+                        f"(it never reads enable_thinking)")
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
 
-    def encode(text: str, where: str) -> list[int]:
+    def encode(messages: list[dict], where: str) -> list[int]:
+        """A conversation ending in the user's turn, as ids: rendered with the template, or (no chat) the one
+        text as it is."""
         if tokenizer is None:
             raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UserError(f"{where}: the text is not valid Unicode (a lone surrogate)") from None
-        if max_len is not None and len(text) > CHARS_PER_TOKEN * max_len:  # e.g. a 100 MB prompt
-            head = tokenizer.encode(text[:CHARS_PER_TOKEN * max_len])
+        for m in messages:
+            _check_text(m["content"], where)
+        texts = [m["content"] for m in messages]
+        if max_len is not None and sum(map(len, texts)) > CHARS_PER_TOKEN * max_len:  # e.g. a 100 MB prompt
+            head = tokenizer.encode("\n".join(texts)[:CHARS_PER_TOKEN * max_len])
             if len(head) > max_len:
                 raise UserError(f"{where}: the prompt is longer than the {max_len} tokens the context leaves it")
-        return tokenizer.encode(tokenizer.render_chat(text) if chat else text)
+        if not chat:
+            return tokenizer.encode(texts[-1])
+        return tokenizer.encode(tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking))
+
+    def user(text: str) -> list[dict]:
+        return system + [{"role": "user", "content": text}]
 
     if prompt is not None:
-        return [encode(prompt, "--prompt")]
+        return [encode(user(prompt), "--prompt")]
     if prompt_ids is not None:
         return [parse_ints(prompt_ids, "--prompt-ids")]
     if not os.path.isfile(prompts_file):
@@ -116,19 +132,77 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
             raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
                             f"{' and '.join(kinds)}")
         if kinds == ["prompt"] and isinstance(row["prompt"], str):
-            prompts.append(encode(row["prompt"], where))
+            prompts.append(encode(user(row["prompt"]), where))
         elif kinds == ["prompt_ids"] and isinstance(row["prompt_ids"], list):
             ids = row["prompt_ids"]
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
+            if chat_flags:
+                raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; {chat_flags[0]} "
+                                f"would change nothing for it")
             prompts.append(ids)
         elif kinds == ["turns"] and isinstance(row["turns"], list) and row["turns"] and isinstance(row["turns"][0], str):
-            prompts.append(encode(row["turns"][0], where))
+            prompts.append(encode(user(row["turns"][0]), where))
+        elif kinds == ["messages"]:
+            if tokenizer is not None and not chat:
+                raise UserError(f"{where}: a messages record is a conversation, rendered only with a chat template, "
+                                f"and prompts are not rendered as chat here (--no-chat, or a tokenizer without a chat "
+                                f"template: --chat renders Qwen3's format)")
+            messages = _read_messages(row["messages"], where)
+            if system and any(m["role"] == "system" for m in messages):
+                raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives "
+                                f"another; drop one")
+            prompts.append(encode(system + messages, where))
         else:
-            raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}} or {{\"turns\": [str]}}")
+            raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}}, {{\"turns\": [str]}} "
+                            f"or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
     if not prompts:
         raise UserError(f"{prompts_file}: no prompts")
     return prompts
+
+
+def check_chat_flags(*, chat: Optional[bool], prompt_ids: Optional[str], system_prompt: Optional[str],
+                     thinking: bool) -> list[str]:
+    """--system-prompt and --enable-thinking against the prompt flags, before anything is loaded (`chat`
+    None: not known yet). They shape chat rendering only, so with token ids or without chat they
+    would be dropped: an error. Returns the ones given."""
+    flags = [f for f, on in (("--system-prompt", system_prompt is not None), ("--enable-thinking", thinking)) if on]
+    if flags and prompt_ids is not None:  # said once here, and per record for a file's prompt_ids
+        raise UserError(f"{flags[0]}: --prompt-ids are token ids, not a rendered chat; it would change nothing")
+    if flags and chat is False:
+        raise UserError(f"{flags[0]}: prompts are not rendered as chat here (--no-chat, or a tokenizer without "
+                        f"a chat template: --chat renders Qwen3's format); it would change nothing")
+    if system_prompt is not None:
+        _check_text(system_prompt, "--system-prompt")
+        if not system_prompt.strip():
+            raise UserError("--system-prompt: empty (leave the flag out for no system turn)")
+    return flags
+
+
+def _check_text(text: str, where: str):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{where}: the text is not valid Unicode (a lone surrogate)") from None
+
+
+def _read_messages(messages, where: str) -> list[dict]:
+    """A {"messages"} record's conversation, checked: {"role", "content"} objects, roles system / user /
+    assistant, text content, the user's turn last (the one the model answers)."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            got = f"keys {', '.join(map(repr, m))}" if isinstance(m, dict) else f"a {type(m).__name__}"
+            raise UserError(f"{where}: messages[{i}] must be {{\"role\": str, \"content\": str}}, got {got}")
+        if m["role"] not in ROLES:
+            raise UserError(f"{where}: messages[{i}]: role {repr(m['role'])[:60]} is not one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise UserError(f"{where}: messages[{i}]: 'content' must be a string, got {type(m['content']).__name__}")
+    if messages[-1]["role"] != "user":
+        raise UserError(f"{where}: the last message must be the user's (the turn the model answers), not the "
+                        f"{messages[-1]['role']}'s")
+    return [dict(m) for m in messages]
 
 
 def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens: int, where: str = "", drafter=None):

@@ -34,7 +34,7 @@ import metrics
 import scheduler as sched
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, cli_main, device_name,
                     free_memory, sync)
-from inputs import Models, auto_chat, check_prompts, load_models, load_prompts
+from inputs import Models, auto_chat, check_chat_flags, check_prompts, load_models, load_prompts
 from model import Ragged, Transformer
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler
 
@@ -457,10 +457,17 @@ class Args:
     prompt_ids: Optional[str] = None
     """One prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)."""
     prompts_file: Optional[str] = None
-    """JSON lines, each {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]} (first turn used)."""
+    """JSON lines, each {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (first turn used) or
+    {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} (a conversation that ends
+    with the user's turn)."""
     chat: AutoBool = None
     """Render text prompts with the target's chat template, thinking off. Default: on when the
-    tokenizer has a template; --chat without one uses Qwen3's non-thinking format."""
+    tokenizer has a template; --chat without one uses Qwen3's format."""
+    system_prompt: Optional[str] = None
+    """A system turn before every text prompt's user turn (chat rendering only; not with token ids)."""
+    enable_thinking: bool = False
+    """Render the chat with the template's thinking on (Qwen3: the model writes its reasoning first);
+    off by default, as the published drafters were trained."""
     num_samples: int = 1
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
@@ -557,6 +564,8 @@ def run(args: Args) -> dict:
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
                        prompt=DEMO_PROMPT if no_prompt else args.prompt)  # the demo tokenizer has no template
     check_args(args)
+    check_chat_flags(chat=args.chat, prompt_ids=args.prompt_ids, system_prompt=args.system_prompt,
+                     thinking=args.enable_thinking)
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
@@ -564,7 +573,8 @@ def run(args: Args) -> dict:
     context = m.target.args.max_position_embeddings
     prompts = load_prompts(tokenizer=m.tokenizer, chat=auto_chat(args.chat, m.tokenizer), prompt=args.prompt,
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
-                           max_len=max(context - args.max_new_tokens, 1))
+                           max_len=max(context - args.max_new_tokens, 1), system_prompt=args.system_prompt,
+                           thinking=args.enable_thinking)
     check_prompts(prompts, m.target, args.max_new_tokens, drafter=m.drafter)
     if len(prompts) * args.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "

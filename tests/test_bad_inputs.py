@@ -261,6 +261,48 @@ CASES = [
         w, t, files={"chat_template.jinja": b"\xff\xfe{{ x }}"})), "not UTF-8", False),
     ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
     ("template-overflow", "speculate", lambda w, t: P(template("{{ (10 ** 400) * 1.0 }}")(w, t)), "chat_template.jinja", False),
+    # ---- speculate.py: chat prompts (messages records, --system-prompt, --enable-thinking)
+    ("system-prompt-with-ids", "speculate", lambda w, t: S(w) + ["--system-prompt", "be brief"],
+     "--system-prompt: --prompt-ids are token ids", True),
+    ("system-prompt-no-chat", "speculate", lambda w, t: P(w / "target") + ["--no-chat", "--system-prompt", "hi"],
+     "--system-prompt: prompts are not rendered as chat", False),
+    ("system-prompt-empty", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", " "],
+     "--system-prompt: empty", True),
+    ("system-prompt-surrogate", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", "a\ud800"],
+     "--system-prompt: the text is not valid Unicode", False),
+    ("system-prompt-too-long", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", "hello " * 100000],
+     "longer than", False),
+    ("system-prompt-ids-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"]
+     + S(w)[6:] + ["--system-prompt", "hi"], "prompts.jsonl:1: a prompt_ids record", True),
+    ("system-prompt-and-own-system", "speculate", lambda w, t: P(w / "target")[:2] + ["--prompts-file", prompts_file(
+        t, messages([("system", "a"), ("user", "b")]))] + ["--system-prompt", "c"], "p.jsonl:1: the conversation has "
+     "its own system turn", False),
+    ("thinking-with-ids", "speculate", lambda w, t: S(w) + ["--enable-thinking"], "--enable-thinking", False),
+    ("thinking-no-chat", "speculate", lambda w, t: P(w / "target") + ["--no-chat", "--enable-thinking"],
+     "--enable-thinking: prompts are not rendered as chat", False),
+    ("thinking-no-switch", "speculate", lambda w, t: P(template("{% for m in messages %}{{ m.content }}{% endfor %}")(
+        w, t)) + ["--enable-thinking"], "chat_template.jinja) has no thinking switch", True),
+    ("messages-last-assistant", "speculate", lambda w, t: M(w, t, messages([("user", "a"), ("assistant", "b")])),
+     "p.jsonl:1: the last message must be the user's", True),
+    ("messages-role-tool", "speculate", lambda w, t: M(w, t, messages([("tool", "a"), ("user", "b")])),
+     "p.jsonl:1: messages[0]: role 'tool'", False),
+    ("messages-role-list", "speculate", lambda w, t: M(w, t, messages([(["user"], "a")])), "role ['user']", False),
+    ("messages-extra-key", "speculate", lambda w, t: M(w, t, json.dumps({"messages": [
+        {"role": "user", "content": "a", "reasoning_content": "b"}]}) + "\n"), "p.jsonl:1: messages[0] must be", False),
+    ("messages-not-object", "speculate", lambda w, t: M(w, t, '{"messages": ["hi"]}\n'), "got a str", False),
+    ("messages-content-list", "speculate", lambda w, t: M(w, t, json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}]}]}) + "\n"), "'content' must be a string", False),
+    ("messages-empty", "speculate", lambda w, t: M(w, t, '{"messages": []}\n'), "'messages' must be a non-empty list",
+     False),
+    ("messages-not-list", "speculate", lambda w, t: M(w, t, '{"messages": "hi"}\n'), "'messages' must be", False),
+    ("messages-and-prompt", "speculate", lambda w, t: M(w, t, json.dumps({"prompt": "a", "messages": [
+        {"role": "user", "content": "b"}]}) + "\n"), "prompt and messages", True),
+    ("messages-no-chat", "speculate", lambda w, t: M(w, t, messages([("user", "a")])) + ["--no-chat"],
+     "p.jsonl:1: a messages record is a conversation", False),
+    ("messages-surrogate", "speculate", lambda w, t: M(w, t, '{"messages": [{"role": "user", "content": "a\\udc80"}]}\n'),
+     "not valid Unicode", False),
+    ("messages-second-line", "speculate", lambda w, t: M(w, t, messages([("user", "a")]) + messages([("system", "a")])),
+     "p.jsonl:2: the last message", False),
     # ---- speculate.py: the drafter
     ("drafter-missing", "speculate", lambda w, t: S(w)[:2] + ["--drafter", t / "nope"] + S(w)[4:], "not found", False),
     ("drafter-dup-layers", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
@@ -425,6 +467,15 @@ CASES = [
     ("train-resume-other-flags", "train", lambda w, t: T(w, t) + ["--depth", "2", "--resume", w / "trained"],
      "--depth", False),
 ]
+
+
+def messages(turns) -> str:
+    """One {"messages"} record (a line) of (role, content) pairs."""
+    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
+
+
+def M(w, tmp, text):  # speculate on a prompts file of the given text, rendered with the world's chat template
+    return ["--target", w / "target", "--prompts-file", prompts_file(tmp, text), "--max-new-tokens", "2"]
 
 
 def broken_run(w, tmp, state=None, moments=None, latest=None):
