@@ -3,6 +3,8 @@
 Shared by speculate.py, eval.py and the scripts, so that every program reads a checkpoint, a
 prompts file or a chat template the same way and refuses the same mistakes with the same line:
 - `load_models`: a target directory (and drafter), or a random-weight preset; an STS calibration;
+- `resolve_checkpoint`: --target/--drafter as a directory, or a Hugging Face hub id (ORG/NAME@REVISION)
+  found in the Hugging Face cache or downloaded into it — only the files a run reads;
 - `load_prompts`: --prompt (text through the chat template, after an optional system turn),
   --prompt-ids, or a JSON-lines file of {"prompt"}, {"prompt_ids"}, {"turns"} or {"messages"}
   records — one kind per record, valid Unicode, and a text too long for the context refused after
@@ -14,12 +16,13 @@ prompts file or a chat template the same way and refuses the same mistakes with 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from common import UserError, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
+from common import Interrupted, UserError, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
 from model import Transformer, load_target, random_target
 from text import ROLES, Tokenizer, stop_token_ids
 
@@ -32,22 +35,33 @@ class Models:
     tokenizer: Optional[Tokenizer]
     stop_ids: tuple
     dtype: torch.dtype
+    directories: tuple = (None, None)  # where the target and the drafter were read
+
+    @property
+    def hub_snapshots(self) -> list[str]:
+        """A line for each model read from a snapshot of the Hugging Face cache: its id, commit and directory."""
+        return [f"{flag} {hub}: {path}" for flag, path in zip(("--target", "--drafter"), self.directories)
+                if path is not None and (hub := hub_snapshot(path))]
 
     def describe(self) -> str:
-        """The drafter in one line (printed to stderr once every input has been checked)."""
+        """The drafter in one line (printed to stderr once every input has been checked), after the
+        `hub_snapshots` lines."""
         d = self.drafter
-        return d.cfg.describe() if d is not None else "no drafter: autoregressive decoding"
+        return "\n".join(self.hub_snapshots + [d.cfg.describe() if d is not None else
+                                                "no drafter: autoregressive decoding"])
 
 
 def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
                 dtype: Optional[str] = None, random_init: Optional[str] = None, calibration: Optional[str] = None,
                 seed: int = 0) -> Models:
-    """The target (and drafter) from directories, or a random-weight preset; with `calibration`, the
-    drafter's confidence temperatures (eval.py --calibration-out)."""
+    """The target (and drafter) from directories or Hugging Face hub ids (`resolve_checkpoint`), or a
+    random-weight preset; with `calibration`, the drafter's confidence temperatures (eval.py
+    --calibration-out)."""
     if random_init is None and target is None:
         raise UserError("--target: no target directory given")
     if random_init is not None and (target is not None or drafter is not None):
         raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
+    target, drafter = resolve_checkpoint(target, "--target"), resolve_checkpoint(drafter, "--drafter")  # hub ids
     dt = resolve_dtype(dtype, resolve_device(device))
     d = tokenizer = None
     if random_init is not None:
@@ -72,8 +86,140 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers "
                             f"(one per draft position), got {temps!r}")
         d.calibrate(temps)
-    return Models(t, d, tokenizer, stop_ids, dt)
+    return Models(t, d, tokenizer, stop_ids, dt, (target, drafter))
 
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints named by a Hugging Face hub id
+
+HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                  "tokenizer_config.json", "chat_template.jinja")
+"""What a run reads from a checkpoint besides its weights (model.py, drafter.py, text.py); the weights are
+model.safetensors or the shards the index names, and nothing else of a repository is downloaded."""
+_HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the hub's own rule for an owner or a name
+HUB_ID = re.compile(rf"(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<revision>[^@]*))?")
+_REVISION = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*")  # a git ref or a hash
+
+
+def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
+    """A --target/--drafter value as a local checkpoint directory. An existing path is used as it is (a
+    local directory always wins over a hub id of the same spelling); otherwise `spec` must be a Hugging
+    Face hub id ORG/NAME or ORG/NAME@REVISION (a branch, tag or commit), resolved as huggingface_hub
+    resolves it: from its cache (HF_HUB_CACHE, or HF_HOME/hub) when the snapshot there holds config.json
+    and the weights, else downloaded into that cache (only the files a run reads) unless offline mode
+    (HF_HUB_OFFLINE) forbids it. Every failure is one UserError naming the flag and the id; what was
+    resolved is said once every input has been checked (`Models.describe`, `hub_snapshot`)."""
+    if spec is None or os.path.exists(spec):
+        return spec
+    if not spec.strip():
+        raise UserError(f"{flag}: empty (a checkpoint directory, or a Hugging Face hub id ORG/NAME)")
+    if os.path.isabs(spec) or spec.startswith((".", "~")):
+        return spec  # spelled as a path: the loader says it is not found
+    m = HUB_ID.fullmatch(spec)
+    repo, revision = (m["repo"], m["revision"]) if m else (None, None)
+    if m is None or ".." in repo or "--" in repo or (revision is not None and (
+            not _REVISION.fullmatch(revision) or ".." in revision or len(revision) > 255)):
+        raise UserError(f"{flag} {spec}: not found as a directory, and not a Hugging Face hub id (ORG/NAME or "
+                        f"ORG/NAME@REVISION)")
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
+    path = _cached_snapshot(repo, revision, cache, where)
+    missing = _missing_weights(path) if path else None
+    if path and not missing:
+        return path
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{where}: " + (f"the cached snapshot {path} has no {missing}" if path else
+                                        f"no such local directory, and not in the Hugging Face cache ({cache})")
+                        + "; offline mode (HF_HUB_OFFLINE) forbids downloading it")
+
+    def download(revision, files):
+        try:
+            return huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
+        except Interrupted:
+            raise
+        except Exception as e:  # network, authorization, disk: every way a download fails is one line
+            raise UserError(f"{where}: {_download_error(e, repo, revision, cache)}") from None
+
+    path = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
+    index = os.path.join(path, "model.safetensors.index.json")
+    shards = _index_shards(index) if os.path.isfile(index) else ["model.safetensors"]
+    path = download(os.path.basename(path), shards)  # ... fetched at the very commit the metadata came from
+    missing = _missing_weights(path)
+    if missing:
+        raise UserError(f"{where}: {path} has no {missing} after the download: the repository lacks it (checkpoints "
+                        f"are read as config.json and safetensors weights), or the hub could not be reached")
+    return path
+
+
+def hub_snapshot(path: str) -> Optional[str]:
+    """ORG/NAME@COMMIT when `path` is a snapshot directory of a Hugging Face cache, else None."""
+    *_, folder, snapshots, commit = ["", ""] + os.path.normpath(path).split(os.sep)
+    repo = folder.removeprefix("models--")
+    if snapshots == "snapshots" and repo != folder and "--" in repo:  # models--ORG--NAME (no "--" inside a part)
+        return repo.replace("--", "/", 1) + "@" + commit
+    return None
+
+
+def _cached_snapshot(repo: str, revision: Optional[str], cache: str, where: str) -> Optional[str]:
+    """The snapshot directory of repo@revision in the Hugging Face cache, or None (nothing is downloaded)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
+                                 allow_patterns=list(HUB_META_FILES))
+    except LocalEntryNotFoundError:  # not there (or there in part, by the cache's own listing)
+        return None
+    except Interrupted:
+        raise
+    except Exception as e:
+        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
+                        f"{_first_line(e)})") from None
+
+
+def _index_shards(index: str) -> list[str]:
+    """The weight files a sharded checkpoint's index names (model.py checks the index in full when loading)."""
+    weight_map = read_json(index).get("weight_map")
+    shards = sorted({f for f in weight_map.values() if isinstance(f, str)}) if isinstance(weight_map, dict) else []
+    if not shards or any(os.path.basename(f) != f or not f.endswith(".safetensors") for f in shards):
+        raise UserError(f"{index}: 'weight_map' must map tensor names to .safetensors files beside it")
+    return shards
+
+
+def _missing_weights(directory: str) -> Optional[str]:
+    """What a checkpoint directory lacks before it can be loaded (config.json, the weights), or None."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return "config.json"
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return None if os.path.isfile(os.path.join(directory, "model.safetensors")) else \
+            "model.safetensors (or model.safetensors.index.json)"
+    return next((f for f in _index_shards(index) if not os.path.isfile(os.path.join(directory, f))), None)
+
+
+def _download_error(e: Exception, repo: str, revision: Optional[str], cache: str) -> str:
+    """A failed download in one line, for the people who can act on it."""
+    from huggingface_hub.utils import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                       RevisionNotFoundError)
+
+    if isinstance(e, GatedRepoError):
+        return (f"{repo} is gated on the Hugging Face hub: accept its conditions on huggingface.co/{repo}, then log "
+                f"in (hf auth login, or HF_TOKEN)")
+    if isinstance(e, RepositoryNotFoundError):
+        return (f"no repository {repo} on the Hugging Face hub (or it is private: log in with hf auth login, or "
+                f"set HF_TOKEN)")
+    if isinstance(e, RevisionNotFoundError):
+        return f"{repo} has no revision {revision!r} on the Hugging Face hub"
+    if isinstance(e, LocalEntryNotFoundError):  # the hub could not be reached, and the cache has no copy
+        return f"not in the Hugging Face cache ({cache}), and the hub cannot be reached ({_first_line(e)})"
+    return f"downloading from the Hugging Face hub failed ({type(e).__name__}: {_first_line(e)})"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")

@@ -34,7 +34,8 @@ import metrics
 import scheduler as sched
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, cli_main, device_name,
                     free_memory, sync)
-from inputs import Models, auto_chat, check_chat_flags, check_prompts, load_models, load_prompts
+from inputs import (Models, auto_chat, check_chat_flags, check_prompts, load_models, load_prompts,
+                    resolve_checkpoint)
 from model import Ragged, Transformer
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler
 
@@ -448,10 +449,11 @@ class Args:
     """Speculative decoding with DSpark / DFlash drafters (baseline decoding without --drafter)."""
 
     target: Optional[str] = None
-    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json). Default, with no
-    --drafter and no --random-init either: the demo pair in demo/."""
+    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json), or a hub id ORG/NAME[@REVISION]
+    taken from the Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only). Default,
+    with no --drafter and no --random-init either: the demo pair in demo/."""
     drafter: Optional[str] = None
-    """Drafter directory (any DSpark / DFlash spelling); omitted: plain autoregressive decoding."""
+    """Drafter directory or hub id (any DSpark / DFlash spelling); omitted: plain autoregressive decoding."""
     prompt: Optional[str] = None
     """One prompt as text (rendered with the chat template unless --no-chat)."""
     prompt_ids: Optional[str] = None
@@ -563,9 +565,13 @@ def run(args: Args) -> dict:
         no_prompt = args.prompt is None and args.prompt_ids is None and args.prompts_file is None
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
                        prompt=DEMO_PROMPT if no_prompt else args.prompt)  # the demo tokenizer has no template
-    check_args(args)
+    check_args(args)  # before any download
     check_chat_flags(chat=args.chat, prompt_ids=args.prompt_ids, system_prompt=args.system_prompt,
                      thinking=args.enable_thinking)
+    if args.random_init is None:
+        args = replace(args, target=resolve_checkpoint(args.target, "--target"),
+                       drafter=resolve_checkpoint(args.drafter, "--drafter"))
+        check_args(args)  # outputs again: not inside the snapshot directories hub ids resolved to
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
@@ -607,7 +613,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
                     device=args.device, stop_ids=m.stop_ids, scheduler=kind, threshold=args.confidence_threshold,
                     buckets=parse_buckets(args.verify_buckets, batch, drafter) if kind != "none" else None,
                     compile=compile, kernels=args.kernels)
-    if drafter is not None:  # every input checked, the caches allocated: say what runs
+    if drafter is not None or m.hub_snapshots:  # every input checked, the caches allocated: say what runs
         print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
     if compile:
         engine.warmup()

@@ -303,6 +303,18 @@ CASES = [
      "not valid Unicode", False),
     ("messages-second-line", "speculate", lambda w, t: M(w, t, messages([("user", "a")]) + messages([("system", "a")])),
      "p.jsonl:2: the last message", False),
+    # ---- speculate.py: hub ids (the session's Hugging Face cache is empty and offline: conftest.py)
+    ("target-hub-malformed", "speculate", lambda w, t: ["--target", "a/b/c", "--prompt-ids", "1"],
+     "--target a/b/c: not found as a directory, and not a Hugging Face hub id", True),
+    ("target-hub-empty-revision", "speculate", lambda w, t: ["--target", "org/name@", "--prompt-ids", "1"],
+     "not a Hugging Face hub id", False),
+    ("target-hub-revision-dots", "speculate", lambda w, t: ["--target", "org/name@../../x", "--prompt-ids", "1"],
+     "not a Hugging Face hub id", False),
+    ("target-hub-not-cached", "speculate", lambda w, t: ["--target", "org/none", "--prompt-ids", "1"],
+     "--target org/none: no such local directory, and not in the Hugging Face cache", True),
+    ("drafter-hub-not-cached", "speculate", lambda w, t: S(w)[:2] + ["--drafter", "org/none@v1"] + S(w)[4:],
+     "--drafter org/none@v1", False),
+    ("target-empty", "speculate", lambda w, t: ["--target", "", "--prompt-ids", "1"], "--target: empty", False),
     # ---- speculate.py: the drafter
     ("drafter-missing", "speculate", lambda w, t: S(w)[:2] + ["--drafter", t / "nope"] + S(w)[4:], "not found", False),
     ("drafter-dup-layers", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
@@ -379,6 +391,9 @@ CASES = [
      "--confidence-threshold", False),
     ("eval-target-missing", "eval", lambda w, t: ["--target", t / "nope", "--data-dir", w / "data", "--datasets",
                                                   "gsm8k"], "not found", False),
+    ("eval-target-hub-not-cached", "eval", lambda w, t: ["--target", "org/none"] + E(w)[2:], "HF_HUB_OFFLINE", True),
+    ("eval-drafter-hub-malformed", "eval", lambda w, t: E(w)[:2] + ["--drafter", "org/x/y"] + E(w)[4:],
+     "not a Hugging Face hub id", False),
     ("eval-prompt-too-long", "eval", lambda w, t: E(w)[:5] + [data_dir(t, json.dumps({"turns": ["hello " * 300]})
                                                                        + "\n")] + E(w)[6:], "exceed", False),
 
@@ -401,6 +416,8 @@ CASES = [
      "input directory", False),
     ("bench-seed-neg", "bench", lambda w, t: ["--seed", "-1"], "--seed", False),
     ("bench-target-missing", "bench", lambda w, t: ["--target", t / "nope", "--no-compile"], "not found", False),
+    ("bench-target-hub-not-cached", "bench", lambda w, t: ["--target", "org/none", "--no-compile"], "HF_HUB_OFFLINE",
+     False),
     # ---- scripts/bench_concurrency.py
     ("conc-zero", "concurrency", lambda w, t: ["--concurrency", "0"], "--concurrency", False),
     ("conc-letters", "concurrency", lambda w, t: ["--concurrency", "1,x"], "--concurrency", False),
@@ -417,6 +434,8 @@ CASES = [
      False),
     ("conc-mode-no-compile", "concurrency", lambda w, t: ["--concurrency", "2", "--compile-mode", "default",
                                                           "--no-compile"], "--compile-mode", False),
+    ("conc-drafter-hub-not-cached", "concurrency", lambda w, t: ["--concurrency", "2", "--target", w / "target",
+                                                                 "--drafter", "org/none"], "--drafter org/none", False),
 
     # ---- train.py
     ("train-steps-0", "train", lambda w, t: T(w, t) + ["--steps", "0"], "--steps", False),
@@ -449,6 +468,8 @@ CASES = [
     ("train-two-data", "train", lambda w, t: T(w, t) + ["--data-ids", w / "prompts.jsonl"], "exactly one", False),
     ("train-resume-empty", "train", lambda w, t: T(w, t) + ["--resume", t], "--resume", False),
     ("train-target-missing", "train", lambda w, t: ["--target", t / "nope"] + T(w, t)[2:], "not found", False),
+    ("train-target-hub-not-cached", "train", lambda w, t: ["--target", "org/none"] + T(w, t)[2:], "HF_HUB_OFFLINE",
+     True),
     ("train-stop-at-0", "train", lambda w, t: T(w, t) + ["--stop-at", "0"], "--stop-at", False),
     ("train-log-every-0", "train", lambda w, t: T(w, t) + ["--log-every", "0"], "--log-every", False),
     ("train-resume-torn", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
