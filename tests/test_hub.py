@@ -30,7 +30,6 @@ import eval as ev
 import inputs
 import speculate
 import train
-from common import UserError
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 REAL_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download
