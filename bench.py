@@ -41,6 +41,7 @@ import metrics
 from common import (UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints, resolve_device,
                     resolve_dtype, sync, write_json)
 from drafter import Drafter, DrafterConfig, random_drafter
+from inputs import resolve_checkpoint
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
 from speculate import Engine, Proposal, Request
 
@@ -53,9 +54,9 @@ class BenchArgs:
     """bigram-35m (constructed CPU pair, τ ≈ 5) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b.
     Ignored when --target is given."""
     target: Optional[str] = None
-    """A Hugging Face Qwen3 directory instead of a preset."""
+    """A Hugging Face Qwen3 directory (or hub id ORG/NAME[@REVISION]) instead of a preset."""
     drafter: Optional[str] = None
-    """A drafter directory (with --target)."""
+    """A drafter directory or hub id (with --target)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -342,6 +343,8 @@ def run(args: BenchArgs) -> list[dict]:
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
+    target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
+    check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # hub ids: their snapshot directories
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
@@ -349,8 +352,8 @@ def run(args: BenchArgs) -> list[dict]:
     t0 = time.perf_counter()
     if args.target is not None:
         from drafter import load_drafter
-        target = load_target(args.target, dev, dtype)
-        drafter = load_drafter(args.drafter, target, dev, dtype) if args.drafter else None
+        target = load_target(target_dir, dev, dtype)
+        drafter = load_drafter(drafter_dir, target, dev, dtype) if args.drafter else None
         name = args.target
     elif args.model == "bigram-35m":
         target, drafter = bigram_pair(dev, dtype, args.seed)

@@ -284,7 +284,8 @@ def check_writable(path: Optional[str], flag: str):
 def check_outputs(outputs: dict, inputs=()):
     """Before any work: every output (flag -> path, None = not asked for) writable (`check_writable`),
     no two the same file, and none of them an input — a file the run reads (`inputs`: files, or
-    directories whose files it reads, e.g. a checkpoint directory), whatever links lie between."""
+    directories whose files it reads, e.g. a checkpoint directory, where a file may be a link to one
+    elsewhere, as in the Hugging Face cache), whatever links lie between."""
     seen = {}
     for flag, path in outputs.items():
         if path is None:
@@ -300,7 +301,14 @@ def check_outputs(outputs: dict, inputs=()):
             inp = os.path.realpath(src)
             if real == inp:
                 raise UserError(f"{flag} {path}: is an input of this run ({src}); refusing to overwrite it")
-            if os.path.isdir(inp) and os.path.dirname(real) == inp and os.path.exists(real):
+            if not os.path.isdir(inp):
+                continue
+            # its files with links followed (a Hugging Face snapshot's files are links to the cache's blobs)
+            try:
+                files = {os.path.realpath(os.path.join(inp, f)) for f in os.listdir(inp)}
+            except OSError:  # unreadable: the run's loading says so
+                files = set()
+            if real in files or (os.path.dirname(real) == inp and os.path.exists(real)):
                 raise UserError(f"{flag} {path}: would overwrite a file of the input directory {src}")
 
 

@@ -34,12 +34,12 @@ from typing import Optional
 import torch
 
 from common import UserError, read_jsonl
+from text import ROLES
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
 MASK_TOKEN = "<|mask|>"
 EOS_TOKEN = "<|endoftext|>"
-ROLES = ("system", "user", "assistant")
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: where an assistant message lands in the rendered text
 
 

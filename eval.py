@@ -45,7 +45,7 @@ import scheduler as sched
 from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, dist_init,
                     set_threads, torchrun_env,
                     read_json, write_json)
-from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts
+from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from scheduler import check_schedulable, resolve_scheduler
 from speculate import Engine, Request, auto_compile, cache_length
 
@@ -65,9 +65,10 @@ class EvalArgs:
     """Acceptance length and per-position acceptance per dataset; confidence calibration."""
 
     target: Optional[str] = None
-    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json)."""
+    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json), or a hub id ORG/NAME[@REVISION]
+    taken from the Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only)."""
     drafter: Optional[str] = None
-    """Drafter directory (any DSpark / DFlash spelling); omitted: the autoregressive baseline."""
+    """Drafter directory or hub id (any DSpark / DFlash spelling); omitted: the autoregressive baseline."""
     data_dir: str = DATA_DIR
     """Directory of <dataset>.jsonl files (JSON lines with "turns"; the first turn is the prompt).
     Default: data/eval, the benchmark prompts that ship with the repository (data/eval/README.md)."""
@@ -372,15 +373,15 @@ def run(args: EvalArgs) -> dict:
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
-    check_outputs({"--out": args.out, "--calibration-out": args.calibration_out,
-                   "--calibration-plot": args.calibration_plot},
-                  inputs=[args.target, args.drafter, args.calibration, args.sps_table] + [p for _, p, _ in datasets])
+    outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot}
+    check_outputs(outputs, inputs=[args.target, args.drafter, args.calibration, args.sps_table]
+                  + [p for _, p, _ in datasets])
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
+    target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
+    check_outputs(outputs, inputs=[target_dir, drafter_dir])
     rank, world, device = dist_init(args.device, args.dist_timeout)
     threads = set_threads(args.threads)
-    if rank == 0:
-        print(threads, file=sys.stderr)
-    m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, calibration=args.calibration,
+    m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, calibration=args.calibration,
                     seed=args.seed)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
     check_schedulable(kind, drafter, args.confidence_threshold)
@@ -406,8 +407,10 @@ def run(args: EvalArgs) -> dict:
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
                     threshold=args.confidence_threshold, compile=compile)
-    if rank == 0 and drafter is not None:  # every input checked, the caches allocated: say what runs
-        print(m.describe(), file=sys.stderr)
+    if rank == 0:  # every input checked, the caches allocated: say what runs
+        print(threads, file=sys.stderr)
+        if drafter is not None or m.hub_snapshots:
+            print(m.describe(), file=sys.stderr)
     if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
     if kind in sched.SPS_KINDS:

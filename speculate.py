@@ -41,8 +41,8 @@ import scheduler as sched
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
                     device_name, free_memory, set_threads, sync)
 from kernels import NO_FILTERS
-from inputs import (Models, Sampling, auto_chat, check_prompts, check_sampling, encode_prompt, load_models,
-                    load_prompts, resolve_sampling)
+from inputs import (Models, Sampling, auto_chat, check_chat_flags, check_prompts, check_sampling, encode_prompt,
+                    load_models, load_prompts, resolve_checkpoint, resolve_sampling)
 from model import Ragged, Transformer
 from outputs import Completion, OutputFile, Printer, completion
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler
@@ -488,6 +488,7 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
              top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
              stop: Sequence[str] = (), ignore_eos: bool = False, seed: int = 0, num_samples: int = 1,
              batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
+             thinking: bool = False,
              scheduler: str = "none", confidence_threshold: float = 0.0, compile: bool = False,
              kernels: str = "torch") -> list[Completion]:
     """Decode prompts with the models from `load` and return one `Completion` per prompt and sample
@@ -497,7 +498,8 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
     sized for the longest prompt and the budget; a request that cannot fit the context is refused."""
     one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(
         isinstance(x, (int, dict)) for x in prompts))
-    ids = [encode_prompt(m.tokenizer, p, chat=chat, system_prompt=system_prompt) for p in ([prompts] if one else prompts)]
+    ids = [encode_prompt(m.tokenizer, p, chat=chat, system_prompt=system_prompt, thinking=thinking, where=f"prompt {i}")
+           for i, p in enumerate([prompts] if one else prompts)]
     if not ids:
         raise UserError("generate: no prompts")
     check_ranges(SimpleNamespace(max_new_tokens=max_new_tokens, num_samples=num_samples, batch_size=batch_size),
@@ -547,19 +549,27 @@ class Args:
     """Speculative decoding with DSpark / DFlash drafters (baseline decoding without --drafter)."""
 
     target: Optional[str] = None
-    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json). Default, with no
-    --drafter and no --random-init either: the demo pair in demo/."""
+    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json), or a hub id ORG/NAME[@REVISION]
+    taken from the Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only). Default,
+    with no --drafter and no --random-init either: the demo pair in demo/."""
     drafter: Optional[str] = None
-    """Drafter directory (any DSpark / DFlash spelling); omitted: plain autoregressive decoding."""
+    """Drafter directory or hub id (any DSpark / DFlash spelling); omitted: plain autoregressive decoding."""
     prompt: Optional[str] = None
     """One prompt as text (rendered with the chat template unless --no-chat)."""
     prompt_ids: Optional[str] = None
     """One prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed)."""
     prompts_file: Optional[str] = None
-    """JSON lines, each {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]} (first turn used)."""
+    """JSON lines, each {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (first turn used) or
+    {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} (a conversation that ends
+    with the user's turn)."""
     chat: AutoBool = None
     """Render text prompts with the target's chat template, thinking off. Default: on when the
-    tokenizer has a template; --chat without one uses Qwen3's non-thinking format."""
+    tokenizer has a template; --chat without one uses Qwen3's format."""
+    system_prompt: Optional[str] = None
+    """A system turn before every text prompt's user turn (chat rendering only; not with token ids)."""
+    enable_thinking: bool = False
+    """Render the chat with the template's thinking on (Qwen3: the model writes its reasoning first);
+    off by default, as the published drafters were trained."""
     num_samples: int = 1
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
@@ -668,7 +678,13 @@ def run(args: Args) -> dict:
         no_prompt = args.prompt is None and args.prompt_ids is None and args.prompts_file is None
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
                        prompt=DEMO_PROMPT if no_prompt else args.prompt)  # the demo tokenizer has no template
-    check_args(args)
+    check_args(args)  # before any download
+    check_chat_flags(chat=args.chat, prompt_ids=args.prompt_ids, system_prompt=args.system_prompt,
+                     thinking=args.enable_thinking)
+    if args.random_init is None:
+        args = replace(args, target=resolve_checkpoint(args.target, "--target"),
+                       drafter=resolve_checkpoint(args.drafter, "--drafter"))
+        check_args(args)  # outputs again: not inside the snapshot directories hub ids resolved to
     threads = set_threads(args.threads)
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
@@ -679,7 +695,8 @@ def run(args: Args) -> dict:
     context = m.target.args.max_position_embeddings
     prompts = load_prompts(tokenizer=m.tokenizer, chat=auto_chat(args.chat, m.tokenizer), prompt=args.prompt,
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
-                           max_len=max(context - args.max_new_tokens, 1))
+                           max_len=max(context - args.max_new_tokens, 1), system_prompt=args.system_prompt,
+                           thinking=args.enable_thinking)
     check_prompts(prompts, m.target, args.max_new_tokens, drafter=m.drafter)
     if len(prompts) * args.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "
@@ -720,7 +737,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
                           if kind != "none" else None)
     if announce:  # every input checked, the caches allocated: say how it runs
         print(announce, file=sys.stderr)
-    if drafter is not None:
+    if drafter is not None or m.hub_snapshots:
         print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
     if compile:
         engine.warmup()

@@ -2,8 +2,9 @@
 
 What is notable here:
 - `tokenizer.json` goes through the `tokenizers` library; the chat template comes from
-  `chat_template.jinja` or `tokenizer_config.json`. Without a template, prompts are rendered in
-  Qwen3's own ChatML with thinking off (what the published drafters were trained on).
+  `chat_template.jinja` or `tokenizer_config.json`. Without a template, conversations (system,
+  user and assistant turns) are rendered in Qwen3's own ChatML, thinking off unless asked for
+  (off is what the published drafters were trained on).
 - A chat template is code shipped with a checkpoint: it is rendered in a box (`render_template`) —
   Jinja's immutable sandbox, a time limit, caps on its output and on the numbers and repetitions it
   computes — and whatever goes wrong is one line naming the template's file.
@@ -19,7 +20,9 @@ from typing import Optional, Sequence
 from common import UserError, read_json
 from model import ModelArgs, _eos_ids
 
+ROLES = ("system", "user", "assistant")  # the turns a conversation (a prompt, a training record) may hold
 QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # Qwen3's non-thinking mode: the answer opens with an empty think block
 
 
 class Tokenizer:
@@ -43,35 +46,42 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, prompt: str, thinking: bool = False) -> str:
-        """One user turn with the generation prompt; Qwen3's non-thinking format without a template."""
-        if self.chat_template is None:
-            return QWEN3_CHAT_FALLBACK.format(prompt=prompt)
-        return self.render_messages([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                    thinking=thinking)
+    def render_chat(self, prompt: str, thinking: bool = False, system: Optional[str] = None) -> str:
+        """One user turn (after a system turn when `system` is given) with the generation prompt; Qwen3's
+        format without a template."""
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}]
+        return self.render_messages(messages, add_generation_prompt=True, thinking=thinking)
+
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether thinking can be turned on: the template reads `enable_thinking` (the fallback does too)."""
+        return self.chat_template is None or "enable_thinking" in self.chat_template
 
     def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
         """A conversation ([{"role", "content"}, ...]) through the chat template (in a box, as a template is
         code from the checkpoint: `render_template`), with `enable_thinking` set; add_generation_prompt
-        opens the assistant's next turn. Without a template: ChatML as Qwen3 renders it with thinking off
-        (the last assistant turn after the last user turn, and the generation prompt, carry an empty
-        think block)."""
+        opens the assistant's next turn. Without a template: ChatML as Qwen3 renders it (the last
+        assistant turn after the last user turn carries an empty think block, and so does the
+        generation prompt with thinking off)."""
         if self.chat_template is None:
-            return _chatml_fallback(messages, add_generation_prompt)
+            return _chatml_fallback(messages, add_generation_prompt, thinking)
         return render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
                                add_generation_prompt=add_generation_prompt, enable_thinking=thinking)
 
 
-def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool) -> str:
-    """Qwen3's non-thinking ChatML without its template: one user turn with the generation prompt is
-    exactly QWEN3_CHAT_FALLBACK."""
+def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool, thinking: bool = False) -> str:
+    """Qwen3's ChatML without its template: every turn, a system turn included, is
+    `<|im_start|>ROLE\nCONTENT<|im_end|>\n`; one user turn with the generation prompt, thinking off,
+    is exactly QWEN3_CHAT_FALLBACK. With thinking on, the generation prompt leaves the think block to
+    the model."""
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     out = []
     for i, m in enumerate(messages):
-        think = "<think>\n\n</think>\n\n" if m["role"] == "assistant" and i == len(messages) - 1 and i > last_user else ""
+        think = EMPTY_THINK if m["role"] == "assistant" and i == len(messages) - 1 and i > last_user else ""
         out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
     if add_generation_prompt:
-        out.append("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        out.append("<|im_start|>assistant\n" + ("" if thinking else EMPTY_THINK))
     return "".join(out)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -40,9 +40,11 @@ import torch.nn.functional as F
 import data
 from common import UserError, check_ranges, dist_init, parse_ints, resolve_device, resolve_dtype
 from drafter import MARKOV_TYPES, Drafter, DrafterConfig, load_drafter_weights, save_drafter
+from inputs import resolve_checkpoint
 from model import ModelArgs, Transformer, init_random_, load_target
 from text import Tokenizer
-from trainer import Run, TrainArgs, check_train_args, checkpoint_dir, optimize, save_state, train_main
+from trainer import (Run, TrainArgs, check_out_dir, check_train_args, checkpoint_dir, optimize, save_state,
+                     train_main)
 
 
 @dataclass
@@ -50,7 +52,8 @@ class Args(TrainArgs):
     """Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training")."""
 
     target: Optional[str] = None
-    """Hugging Face Qwen3 directory of the frozen target."""
+    """Hugging Face Qwen3 directory of the frozen target, or a hub id ORG/NAME[@REVISION] taken from the
+    Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only)."""
 
     # Drafter shape and heads
     block_size: int = 7
@@ -355,6 +358,9 @@ def run(args: Args) -> dict:
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]", alpha_tv="[0, 1e6]",
                      alpha_conf="[0, 1e6]")
     check_eval_args(args)
+    if args.target is not None:  # a hub id becomes its snapshot directory (--out is checked against that too)
+        args = replace(args, target=resolve_checkpoint(args.target, "--target"))
+        check_out_dir(args, inputs=[args.target])
     return train_drafter(args)
 
 

@@ -43,7 +43,7 @@ from bench import timed_generate  # noqa: E402
 from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints,  # noqa: E402
                     resolve_device, resolve_dtype, write_json)
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
-from inputs import check_prompts, load_models, load_prompts  # noqa: E402
+from inputs import check_prompts, load_models, load_prompts, resolve_checkpoint  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length  # noqa: E402
 
 
@@ -55,9 +55,9 @@ class ConcurrencyArgs:
     """Comma-separated concurrencies: that many requests decoded together, for every --schedulers
     entry and autoregressively."""
     target: Optional[str] = None
-    """A Hugging Face Qwen3 directory (default: the demo pair's, demo/target)."""
+    """A Hugging Face Qwen3 directory or hub id ORG/NAME[@REVISION] (default: the demo pair's, demo/target)."""
     drafter: Optional[str] = None
-    """A drafter directory with a confidence head (default: demo/drafter)."""
+    """A drafter directory or hub id, with a confidence head (default: demo/drafter)."""
     schedulers: str = "none,threshold,hardware,async"
     """The verification schedulers to compare (none, threshold, hardware, async)."""
     sps_synthetic: Optional[Literal["cliffs"]] = None
@@ -147,6 +147,8 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     if target_dir is None or drafter_dir is None:
         raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "
                         "(or neither, for the demo pair)")
+    target_dir, drafter_dir = resolve_checkpoint(target_dir, "--target"), resolve_checkpoint(drafter_dir, "--drafter")
+    check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[target_dir, drafter_dir])  # hub ids' snapshots
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)

@@ -34,11 +34,12 @@ from typing import Literal, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import metrics as mt  # noqa: E402
-from common import (AutoBool, UserError, check_ranges, check_writable, cli_main, read_jsonl,  # noqa: E402
-                    resolve_device)
+from common import (AutoBool, UserError, check_outputs, check_ranges, check_writable, cli_main,  # noqa: E402
+                    read_jsonl, resolve_device)
 from data import ROLES  # noqa: E402
 from inputs import check_sampling  # noqa: E402
 from kernels import Filters  # noqa: E402
+from inputs import resolve_checkpoint  # noqa: E402
 from speculate import Engine, Request, auto_compile, cache_length, load_models  # noqa: E402
 
 TURN_STRIDE = 1024  # request index = conversation index * TURN_STRIDE + turn (per-request random streams)
@@ -49,9 +50,10 @@ class Args:
     """Regenerate training responses with the target (thinking off), speculatively with --drafter."""
 
     target: Optional[str] = None
-    """Hugging Face Qwen3 directory of the target (with tokenizer.json)."""
+    """Hugging Face Qwen3 directory of the target (with tokenizer.json), or a hub id ORG/NAME[@REVISION]."""
     drafter: Optional[str] = None
-    """A drafter to decode speculatively (faster, the same distribution); omitted: autoregressive."""
+    """A drafter (directory or hub id) to decode speculatively (faster, the same distribution); omitted:
+    autoregressive."""
     prompts: Optional[str] = None
     """Comma-separated JSON-lines files of prompts: "turns" [str], "prompt" str, or "messages" / "conversations"."""
     out: Optional[str] = None
@@ -143,8 +145,10 @@ def run(args: Args) -> dict:
     mine = [(i, c) for i, c in enumerate(convs) if i % args.num_shards == args.shard_index]
     if any(n > TURN_STRIDE for *_, n in convs):
         raise UserError(f"--prompts: a conversation has more than {TURN_STRIDE} user turns")
+    target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
+    check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # not a file of a model it reads
     device = resolve_device(args.device)
-    m = load_models(args.target, args.drafter, device=device, dtype=args.dtype, seed=args.seed)
+    m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, seed=args.seed)
     if m.tokenizer is None:
         raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
     context = args.max_context or min(m.target.args.max_position_embeddings, 8192)

@@ -25,10 +25,12 @@ gain from threads, and spinning worker threads slow the suite badly on a shared,
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
@@ -36,6 +38,15 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# No test reaches the Hugging Face hub or reads the user's cache: the session (and every process it
+# starts) sees an empty cache of its own, offline. Tests of hub ids build their own cache (test_hub.py).
+_HF_HOME = tempfile.mkdtemp(prefix="dspark-tests-hf-")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+os.environ.update(HF_HOME=_HF_HOME, HF_HUB_CACHE=os.path.join(_HF_HOME, "hub"), HF_HUB_OFFLINE="1")
+if "huggingface_hub.constants" in sys.modules:  # read at its import: imported already (by a plugin), set it too
+    sys.modules["huggingface_hub.constants"].HF_HUB_CACHE = os.environ["HF_HUB_CACHE"]
+    sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:

@@ -278,6 +278,60 @@ CASES = [
         w, t, files={"chat_template.jinja": b"\xff\xfe{{ x }}"})), "not UTF-8", False),
     ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
     ("template-overflow", "speculate", lambda w, t: P(template("{{ (10 ** 400) * 1.0 }}")(w, t)), "chat_template.jinja", False),
+    # ---- speculate.py: chat prompts (messages records, --system-prompt, --enable-thinking)
+    ("system-prompt-with-ids", "speculate", lambda w, t: S(w) + ["--system-prompt", "be brief"],
+     "--system-prompt: --prompt-ids are token ids", True),
+    ("system-prompt-no-chat", "speculate", lambda w, t: P(w / "target") + ["--no-chat", "--system-prompt", "hi"],
+     "--system-prompt: prompts are not rendered as chat", False),
+    ("system-prompt-empty", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", " "],
+     "--system-prompt: empty", True),
+    ("system-prompt-surrogate", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", "a\ud800"],
+     "--system-prompt: the text is not valid Unicode", False),
+    ("system-prompt-too-long", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", "hello " * 100000],
+     "longer than", False),
+    ("system-prompt-ids-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"]
+     + S(w)[6:] + ["--system-prompt", "hi"], "prompts.jsonl:1: a prompt_ids record", True),
+    ("system-prompt-and-own-system", "speculate", lambda w, t: P(w / "target")[:2] + ["--prompts-file", prompts_file(
+        t, messages([("system", "a"), ("user", "b")]))] + ["--system-prompt", "c"], "p.jsonl:1: the conversation has "
+     "its own system turn", False),
+    ("thinking-with-ids", "speculate", lambda w, t: S(w) + ["--enable-thinking"], "--enable-thinking", False),
+    ("thinking-no-chat", "speculate", lambda w, t: P(w / "target") + ["--no-chat", "--enable-thinking"],
+     "--enable-thinking: prompts are not rendered as chat", False),
+    ("thinking-no-switch", "speculate", lambda w, t: P(template("{% for m in messages %}{{ m.content }}{% endfor %}")(
+        w, t)) + ["--enable-thinking"], "chat_template.jinja) has no thinking switch", True),
+    ("messages-last-assistant", "speculate", lambda w, t: M(w, t, messages([("user", "a"), ("assistant", "b")])),
+     "p.jsonl:1: the last message must be the user's", True),
+    ("messages-role-tool", "speculate", lambda w, t: M(w, t, messages([("tool", "a"), ("user", "b")])),
+     "p.jsonl:1: messages[0]: role 'tool'", False),
+    ("messages-role-list", "speculate", lambda w, t: M(w, t, messages([(["user"], "a")])), "role ['user']", False),
+    ("messages-extra-key", "speculate", lambda w, t: M(w, t, json.dumps({"messages": [
+        {"role": "user", "content": "a", "reasoning_content": "b"}]}) + "\n"), "p.jsonl:1: messages[0] must be", False),
+    ("messages-not-object", "speculate", lambda w, t: M(w, t, '{"messages": ["hi"]}\n'), "got a str", False),
+    ("messages-content-list", "speculate", lambda w, t: M(w, t, json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}]}]}) + "\n"), "'content' must be a string", False),
+    ("messages-empty", "speculate", lambda w, t: M(w, t, '{"messages": []}\n'), "'messages' must be a non-empty list",
+     False),
+    ("messages-not-list", "speculate", lambda w, t: M(w, t, '{"messages": "hi"}\n'), "'messages' must be", False),
+    ("messages-and-prompt", "speculate", lambda w, t: M(w, t, json.dumps({"prompt": "a", "messages": [
+        {"role": "user", "content": "b"}]}) + "\n"), "prompt and messages", True),
+    ("messages-no-chat", "speculate", lambda w, t: M(w, t, messages([("user", "a")])) + ["--no-chat"],
+     "p.jsonl:1: a messages record is a conversation", False),
+    ("messages-surrogate", "speculate", lambda w, t: M(w, t, '{"messages": [{"role": "user", "content": "a\\udc80"}]}\n'),
+     "not valid Unicode", False),
+    ("messages-second-line", "speculate", lambda w, t: M(w, t, messages([("user", "a")]) + messages([("system", "a")])),
+     "p.jsonl:2: the last message", False),
+    # ---- speculate.py: hub ids (the session's Hugging Face cache is empty and offline: conftest.py)
+    ("target-hub-malformed", "speculate", lambda w, t: ["--target", "a/b/c", "--prompt-ids", "1"],
+     "--target a/b/c: not found as a directory, and not a Hugging Face hub id", True),
+    ("target-hub-empty-revision", "speculate", lambda w, t: ["--target", "org/name@", "--prompt-ids", "1"],
+     "not a Hugging Face hub id", False),
+    ("target-hub-revision-dots", "speculate", lambda w, t: ["--target", "org/name@../../x", "--prompt-ids", "1"],
+     "not a Hugging Face hub id", False),
+    ("target-hub-not-cached", "speculate", lambda w, t: ["--target", "org/none", "--prompt-ids", "1"],
+     "--target org/none: no such local directory, and not in the Hugging Face cache", True),
+    ("drafter-hub-not-cached", "speculate", lambda w, t: S(w)[:2] + ["--drafter", "org/none@v1"] + S(w)[4:],
+     "--drafter org/none@v1", False),
+    ("target-empty", "speculate", lambda w, t: ["--target", "", "--prompt-ids", "1"], "--target: empty", False),
     # ---- speculate.py: the drafter
     ("drafter-missing", "speculate", lambda w, t: S(w)[:2] + ["--drafter", t / "nope"] + S(w)[4:], "not found", False),
     ("drafter-dup-layers", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
@@ -354,6 +408,9 @@ CASES = [
      "--confidence-threshold", False),
     ("eval-target-missing", "eval", lambda w, t: ["--target", t / "nope", "--data-dir", w / "data", "--datasets",
                                                   "gsm8k"], "not found", False),
+    ("eval-target-hub-not-cached", "eval", lambda w, t: ["--target", "org/none"] + E(w)[2:], "HF_HUB_OFFLINE", True),
+    ("eval-drafter-hub-malformed", "eval", lambda w, t: E(w)[:2] + ["--drafter", "org/x/y"] + E(w)[4:],
+     "not a Hugging Face hub id", False),
     ("eval-prompt-too-long", "eval", lambda w, t: E(w)[:5] + [data_dir(t, json.dumps({"turns": ["hello " * 300]})
                                                                        + "\n")] + E(w)[6:], "exceed", False),
 
@@ -376,6 +433,8 @@ CASES = [
      "input directory", False),
     ("bench-seed-neg", "bench", lambda w, t: ["--seed", "-1"], "--seed", False),
     ("bench-target-missing", "bench", lambda w, t: ["--target", t / "nope", "--no-compile"], "not found", False),
+    ("bench-target-hub-not-cached", "bench", lambda w, t: ["--target", "org/none", "--no-compile"], "HF_HUB_OFFLINE",
+     False),
     # ---- scripts/bench_concurrency.py
     ("conc-zero", "concurrency", lambda w, t: ["--concurrency", "0"], "--concurrency", False),
     ("conc-letters", "concurrency", lambda w, t: ["--concurrency", "1,x"], "--concurrency", False),
@@ -392,6 +451,8 @@ CASES = [
      False),
     ("conc-mode-no-compile", "concurrency", lambda w, t: ["--concurrency", "2", "--compile-mode", "default",
                                                           "--no-compile"], "--compile-mode", False),
+    ("conc-drafter-hub-not-cached", "concurrency", lambda w, t: ["--concurrency", "2", "--target", w / "target",
+                                                                 "--drafter", "org/none"], "--drafter org/none", False),
 
     # ---- train.py
     ("train-steps-0", "train", lambda w, t: T(w, t) + ["--steps", "0"], "--steps", False),
@@ -424,6 +485,8 @@ CASES = [
     ("train-two-data", "train", lambda w, t: T(w, t) + ["--data-ids", w / "prompts.jsonl"], "exactly one", False),
     ("train-resume-empty", "train", lambda w, t: T(w, t) + ["--resume", t], "--resume", False),
     ("train-target-missing", "train", lambda w, t: ["--target", t / "nope"] + T(w, t)[2:], "not found", False),
+    ("train-target-hub-not-cached", "train", lambda w, t: ["--target", "org/none"] + T(w, t)[2:], "HF_HUB_OFFLINE",
+     True),
     ("train-stop-at-0", "train", lambda w, t: T(w, t) + ["--stop-at", "0"], "--stop-at", False),
     ("train-log-every-0", "train", lambda w, t: T(w, t) + ["--log-every", "0"], "--log-every", False),
     ("train-resume-torn", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
@@ -442,6 +505,15 @@ CASES = [
     ("train-resume-other-flags", "train", lambda w, t: T(w, t) + ["--depth", "2", "--resume", w / "trained"],
      "--depth", False),
 ]
+
+
+def messages(turns) -> str:
+    """One {"messages"} record (a line) of (role, content) pairs."""
+    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n"
+
+
+def M(w, tmp, text):  # speculate on a prompts file of the given text, rendered with the world's chat template
+    return ["--target", w / "target", "--prompts-file", prompts_file(tmp, text), "--max-new-tokens", "2"]
 
 
 def broken_run(w, tmp, state=None, moments=None, latest=None):

@@ -1,0 +1,153 @@
+"""Chat prompts: {"messages"} records, --system-prompt and --enable-thinking (inputs.load_prompts, text.py),
+rendered as transformers renders them and wired through speculate.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import copy_target, edit_json
+
+import inputs
+import speculate
+import text
+
+# Qwen3's chat format, written here from its documented behaviour: a leading system message first; user
+# (and later system) turns as ChatML; an assistant turn keeps only the text after any </think>, and the
+# one that ends a conversation after its last user turn gets an empty think block; the generation
+# prompt closes an empty think block when enable_thinking is false.
+QWEN3_STYLE_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+    {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+    {%- elif m.role == 'assistant' %}
+        {%- set answer = m.content.split('</think>')[-1].lstrip('\\n') %}
+        {%- if loop.last and loop.index0 > ns.last_user %}
+{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + answer + '<|im_end|>\\n' }}
+        {%- else %}
+{{- '<|im_start|>assistant\\n' + answer + '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "x = 1"}, {"role": "user", "content": "hello world"}],
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "the world"}, {"role": "user", "content": "print ( x )"},
+     {"role": "assistant", "content": "x is 1"}, {"role": "user", "content": "for y in z"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "y"}, {"role": "system", "content": "z"},
+     {"role": "user", "content": "if x : return y"}],
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_style(target_factory, tmp_path_factory):
+    """A tiny target whose tokenizer_config.json holds QWEN3_STYLE_TEMPLATE."""
+    d = copy_target(target_factory().path, tmp_path_factory.mktemp("qwen3-style") / "target")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template=QWEN3_STYLE_TEMPLATE))
+    return d
+
+
+def hf_ids(directory, messages, thinking):
+    """transformers' apply_chat_template on the same tokenizer.json and template: (text, ids)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), chat_template=QWEN3_STYLE_TEMPLATE)
+    kw = dict(add_generation_prompt=True, enable_thinking=thinking)
+    ids = tok.apply_chat_template(messages, tokenize=True, **kw)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in transformers 5, a list before
+    return tok.apply_chat_template(messages, tokenize=False, **kw), list(ids)
+
+
+def write_records(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_messages_records_render_as_transformers_does(qwen3_style, tmp_path, thinking):
+    pf = write_records(tmp_path / "m.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    tok = text.Tokenizer(str(qwen3_style))
+    ours = inputs.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf), thinking=thinking)
+    for conv, ids in zip(CONVERSATIONS, ours):
+        want_text, want_ids = hf_ids(qwen3_style, conv, thinking)
+        assert tok.render_messages(conv, add_generation_prompt=True, thinking=thinking) == want_text
+        assert ids == want_ids
+    assert "<|im_start|>system\nx = 1<|im_end|>\n<|im_start|>user\nhello world" in hf_ids(
+        qwen3_style, CONVERSATIONS[0], thinking)[0]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_without_a_template_the_fallback_renders_qwen3s_format(qwen3_style, target_factory, thinking):
+    """No template: text.py's ChatML fallback gives what Qwen3's format gives, system turns included."""
+    plain = text.Tokenizer(str(target_factory(chat_template=False).path))
+    assert plain.chat_template is None
+    for conv in CONVERSATIONS:
+        assert plain.render_messages(conv, add_generation_prompt=True, thinking=thinking) == \
+            hf_ids(qwen3_style, conv, thinking)[0]
+    assert plain.render_chat("hello", system="x = 1", thinking=thinking) == (
+        "<|im_start|>system\nx = 1<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+        + ("" if thinking else "<think>\n\n</think>\n\n"))
+
+
+def test_system_prompt_is_a_system_turn_for_every_text_prompt(qwen3_style, tmp_path):
+    tok = text.Tokenizer(str(qwen3_style))
+    system = "the world is a world"
+    want = [hf_ids(qwen3_style, [{"role": "system", "content": system}, {"role": "user", "content": u}], False)[1]
+            for u in ("hello world", "print ( x )", "for y in z")]
+    assert inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world", system_prompt=system) == want[:1]
+    pf = write_records(tmp_path / "p.jsonl", [{"prompt": "hello world"}, {"turns": ["print ( x )", "unused"]},
+                                              {"messages": [{"role": "user", "content": "for y in z"}]}])
+    assert inputs.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf), system_prompt=system) == want
+    # without it: no system turn, as before
+    assert inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world") == \
+        [hf_ids(qwen3_style, [{"role": "user", "content": "hello world"}], False)[1]]
+
+
+def test_the_flags_reach_the_run(qwen3_style, tmp_path, capsys):
+    """speculate.py: --system-prompt / --enable-thinking decode exactly what the equivalent messages record
+    decodes, and change the output from the plain prompt's."""
+    def output(*args):
+        trace = tmp_path / "t.jsonl"
+        rc = speculate.main([str(a) for a in ["--target", qwen3_style, "--max-new-tokens", 8, "--trace-file", trace,
+                                              *args]])
+        assert rc == 0, capsys.readouterr().err
+        return [json.loads(line)["output_ids"] for line in open(trace) if "output_ids" in line]
+
+    system = "x = 1 + 2"
+    record = write_records(tmp_path / "m.jsonl", [{"messages": [{"role": "system", "content": system},
+                                                                {"role": "user", "content": "hello world"}]}])
+    with_flag = output("--prompt", "hello world", "--system-prompt", system)
+    assert with_flag == output("--prompts-file", record)
+    tok = text.Tokenizer(str(qwen3_style))
+    assert inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world", system_prompt=system) != \
+        inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world")
+    thinking = inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world", thinking=True)
+    assert thinking == [hf_ids(qwen3_style, [{"role": "user", "content": "hello world"}], True)[1]]
+    assert thinking != inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world")
+    thinking_record = write_records(tmp_path / "ids.jsonl", [{"prompt_ids": thinking[0]}])
+    assert output("--prompt", "hello world", "--enable-thinking") == output("--prompts-file", thinking_record)
+
+
+def test_a_template_without_a_thinking_switch_refuses_enable_thinking(target_factory, tmp_path, capsys):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    t = target_factory(chat_template=template, chat_template_file=True).path
+    capsys.readouterr()
+    rc = speculate.main(["--target", str(t), "--prompt", "hello", "--enable-thinking", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "chat_template.jinja" in err and "enable_thinking" in err, err
