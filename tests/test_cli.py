@@ -198,17 +198,6 @@ def test_subprocess_exit_status_and_stderr(tiny_target, tmp_path):
     assert "tokens/s" in good.stdout and "τ=1.00" in good.stdout
 
 
-def test_wandb_offline_logs_a_run(tiny_target, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--wandb"],
-                         capsys)
-    assert rc == 0, err
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
-
-
 @pytest.mark.parametrize("where,needle", [("missing-folder", "does not exist"), ("directory", "is a directory")])
 def test_unwritable_trace_file_is_refused_before_any_work(tiny_target, tmp_path, capsys, where, needle):
     path = tmp_path / "no" / "t.jsonl" if where == "missing-folder" else tmp_path
