@@ -248,7 +248,8 @@ class DecodeWatch:
         self.bar = None
         if bar:
             from tqdm import tqdm
-            self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True)
+            # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
+            self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
         if log is not None:
             log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
 
