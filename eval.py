@@ -33,6 +33,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
@@ -41,11 +42,12 @@ import torch
 
 import metrics as mt
 import plots
+import runlog
 import scheduler as sched
-from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, dist_init,
-                    set_threads, torchrun_env,
-                    read_json, write_json)
+from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, device_name,
+                    dist_init, set_threads, torchrun_env, read_json, write_json)
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
+from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
 from speculate import Engine, Request, auto_compile, cache_length
 
@@ -61,7 +63,7 @@ STS_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
 
 
 @dataclass
-class EvalArgs:
+class EvalArgs(WandbFlags):
     """Acceptance length and per-position acceptance per dataset; confidence calibration."""
 
     target: Optional[str] = None
@@ -110,10 +112,6 @@ class EvalArgs:
     """Where to write the results (JSON)."""
     progress: bool = True
     """Progress bars on stderr (rank 0 only)."""
-    wandb: bool = False
-    """Log config, metrics and tables to Weights & Biases (WANDB_MODE=offline works without network)."""
-    wandb_project: str = "dspark-fast"
-    """Weights & Biases project."""
     calibration: Optional[str] = None
     """Apply STS temperatures from an earlier --calibration-out before the threshold (as speculate.py)."""
     calibration_split: float = 0.5
@@ -126,7 +124,7 @@ class EvalArgs:
     ece_bins: int = ECE_BINS
     """Equal-width bins of the expected calibration error (the authors use 20)."""
     step: Optional[int] = None
-    """A training step to attach these results to (recorded in --out and in wandb)."""
+    """A training step to attach these results to (recorded in --out, and the step of the rows --wandb logs)."""
     dist_timeout: float = 600.0
     """Under torchrun: seconds to wait for the other processes before giving up with a message."""
 
@@ -370,6 +368,7 @@ def run(args: EvalArgs) -> dict:
                  ece_bins="[1, 10000]", step=f"[0, {2**62}]", seed=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     check_sampling(args.temperature)
     check_threads(args.threads)
+    runlog.check(args)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
@@ -379,6 +378,14 @@ def run(args: EvalArgs) -> dict:
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs(outputs, inputs=[target_dir, drafter_dir])
+    with runlog.session(args, "eval", "eval.py", enabled=rank == 0) as log:  # --wandb: rank 0's run around the work
+        return evaluate(args, kind, datasets, target_dir, drafter_dir, log)
+
+
+def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str], drafter_dir: Optional[str],
+             log: Optional[runlog.Log]) -> dict:
+    """Load the models and decode every dataset: its row printed, --out rewritten and (--wandb) logged as
+    soon as it is done; then calibration and the outputs."""
     rank, world, device = dist_init(args.device, args.dist_timeout)
     threads = set_threads(args.threads)
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, calibration=args.calibration,
@@ -407,6 +414,13 @@ def run(args: EvalArgs) -> dict:
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
                     threshold=args.confidence_threshold, compile=compile)
+    if log is not None:  # what the flags resolved to, and what was loaded
+        log.config(world_size=world, hardware=device_name(device), dtype_resolved=str(m.dtype).removeprefix("torch."),
+                   threads_resolved=torch.get_num_threads(), scheduler_resolved=kind, chat_resolved=chat,
+                   compile_resolved=compile, num_drafts=K, datasets_resolved={n: len(ps) for n, ps in prompts.items()},
+                   target_config=runlog.checkpoint_config(target_dir),
+                   drafter_config=runlog.checkpoint_config(drafter_dir),
+                   drafter_resolved=drafter.cfg.describe() if drafter is not None else None)
     if rank == 0:  # every input checked, the caches allocated: say what runs
         print(threads, file=sys.stderr)
         if drafter is not None or m.hub_snapshots:
@@ -446,6 +460,8 @@ def run(args: EvalArgs) -> dict:
             write(bar.write if bar is not None else print, format_table(entries[-1:], header=len(entries) == 1))
             write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
                                   "complete": False, "datasets": entries, "calibration": None})
+        if log is not None:
+            runlog.log_eval_dataset(log, entries[-1], args.step)
     if bar is not None:
         bar.close()
 
@@ -466,7 +482,7 @@ def run(args: EvalArgs) -> dict:
                "datasets": entries,
                "calibration": {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None}
     if rank == 0:
-        write_outputs(args, results, calibration)
+        write_outputs(args, results, calibration, log)
     return results
 
 
@@ -545,29 +561,34 @@ def format_calibration(cal: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
+def reliability_panels(calibration: dict, bins: int) -> list[dict]:
+    """The reliability diagram's panels (plots.reliability_diagram): before / after STS on the held-out
+    requests, or the raw head over every round without STS."""
+    if "_heldout" in calibration:
+        C, ver, acc = calibration["_heldout"]
+        Cs = apply_temperatures(C, calibration["temperatures"])
+        panels = [{"position": k, "before": survival_events(C, ver, acc, k),
+                   "after": survival_events(Cs, ver, acc, k)} for k in range(1, C.shape[1] + 1)]
+    else:
+        C, ver, acc = calibration["_all"]
+        panels = [{"position": k, "before": survival_events(C, ver, acc, k), "after": None}
+                  for k in range(1, C.shape[1] + 1)]
+    for p in panels:
+        p.update(ece_before=ece(*p["before"], bins), ece_after=ece(*p["after"], bins) if p["after"] else None,
+                 auroc=auroc(*p["before"]))
+    return panels
+
+
+def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None):
     write_json(args.out, results)
     print()
     print(format_table(results["datasets"]))
     if calibration is not None:
         print()
         print(format_calibration(calibration))
-    plot = None
     if calibration is not None and args.calibration_plot:
-        if "_heldout" in calibration:  # before / after STS on the held-out requests
-            C, ver, acc = calibration["_heldout"]
-            Cs = apply_temperatures(C, calibration["temperatures"])
-            panels = [{"position": k, "before": survival_events(C, ver, acc, k),
-                       "after": survival_events(Cs, ver, acc, k)} for k in range(1, C.shape[1] + 1)]
-        else:  # no STS: the raw head over every round
-            C, ver, acc = calibration["_all"]
-            panels = [{"position": k, "before": survival_events(C, ver, acc, k), "after": None}
-                      for k in range(1, C.shape[1] + 1)]
-        for p in panels:
-            p.update(ece_before=ece(*p["before"], args.ece_bins),
-                     ece_after=ece(*p["after"], args.ece_bins) if p["after"] else None, auroc=auroc(*p["before"]))
-        plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
-        plot = args.calibration_plot
+        plots.reliability_diagram(args.calibration_plot, reliability_panels(calibration, args.ece_bins),
+                                  bins=args.ece_bins)
     if args.calibration_out and calibration is not None:
         if "temperatures" not in calibration:
             raise UserError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
@@ -579,45 +600,16 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict]):
             "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
             "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
             "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]]})
-    if args.wandb:
-        log_wandb(args, results, plot)
-
-
-def log_wandb(args: EvalArgs, results: dict, plot: Optional[str]):
-    import wandb
-
-    run = wandb.init(project=args.wandb_project, job_type="eval", config=results["config"])
-    K = results["config"]["num_drafts"]
-    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
-            "tokens_per_second"] + [f"accept_rate@{j}" for j in range(K)]
-    table = wandb.Table(columns=cols)
-    log = {}
-    for e in results["datasets"]:
-        table.add_data(*[e[c] for c in cols[:7]], *e["accept_rates_by_position"])
-        for c in cols[1:7]:
-            log[f"{e['dataset']}/{c}"] = e[c]
-        for j, r in enumerate(e["accept_rates_by_position"]):
-            log[f"{e['dataset']}/accept_rate@{j}"] = r
-    log["acceptance"] = table
-    cal = results["calibration"]
-    if cal is not None:
-        ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
-        ctable = wandb.Table(columns=ccols + ["temperature", "heldout_ece_raw", "heldout_ece_sts"])
-        for j, m in enumerate(cal["raw"]):
-            sts = "temperatures" in cal
-            ctable.add_data(*[m[c] for c in ccols], cal["temperatures"][j] if sts else None,
-                            cal["raw_heldout"][j]["ece"] if sts else None, cal["sts_heldout"][j]["ece"] if sts else None)
-            log[f"calibration/ece_{j + 1}"] = m["ece"]
-            log[f"calibration/auroc_{j + 1}"] = m["auroc"]
-        log["calibration"] = ctable
-    if plot is not None:
-        try:
-            log["reliability_diagram"] = wandb.Image(plot)
-        except Exception:  # wandb.Image needs Pillow; keep the file with the run instead
-            wandb.save(plot, base_path=os.path.dirname(os.path.abspath(plot)), policy="now")
-    run.log(log, step=args.step)
-    run.summary.update({k: v for k, v in log.items() if not hasattr(v, "columns")})
-    run.finish()
+    if log is not None:
+        files = {"results": args.out, "calibration": args.calibration_out}
+        with tempfile.TemporaryDirectory() as tmp:  # the diagram as a PNG for wandb.Image, drawn if not asked for
+            image = None
+            if calibration is not None:
+                image = args.calibration_plot
+                if image is None or not image.lower().endswith(".png"):
+                    image = os.path.join(tmp, "reliability_diagram.png")
+                    plots.reliability_diagram(image, reliability_panels(calibration, args.ece_bins), bins=args.ece_bins)
+            runlog.log_eval(log, results, args.step, image, files)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

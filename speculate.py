@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Annotated, Literal, NamedTuple, Optional, Sequence
 
@@ -37,6 +37,7 @@ except ImportError:
 
 import kernels
 import metrics
+import runlog
 import scheduler as sched
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
                     device_name, free_memory, set_threads, sync)
@@ -45,6 +46,7 @@ from inputs import (Models, Sampling, auto_chat, check_chat_flags, check_prompts
                     load_models, load_prompts, resolve_checkpoint, resolve_sampling)
 from model import Ragged, Transformer
 from outputs import Completion, OutputFile, Printer, completion
+from runlog import DecodeWatch, WandbFlags
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler
 from text import StopStrings
 
@@ -316,10 +318,11 @@ class Engine:
                               bonus_noise=noise.bonus if noise is not None else None, num_tokens=num_tokens,
                               **self.bound)
 
-    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None):
+    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None, on_step=None):
         """Decode requests to completion, `batch_size` at a time, continuously: when a request
         finishes, the next waiting one is prefilled into its row while the other rows keep going.
-        `on_round(request, record)` sees every round of every request, `on_finish(request)` its end.
+        `on_round(request, record)` sees every round of every request, `on_finish(request)` its end,
+        `on_step()` the end of every round of the batch (runlog.DecodeWatch's figures as it goes).
 
         A round always runs all rows (free rows are inactive), so its shapes never change and a
         compiled round never recompiles.
@@ -403,6 +406,8 @@ class Engine:
                     rows[i] = None
                     finish(req)
             self.decode_seconds += time.perf_counter() - t0
+            if on_step is not None:
+                on_step()
             admit()
         return requests
 
@@ -545,7 +550,7 @@ DEMO_PROMPT = 'def copyfileobj(fsrc, fdst, length=0):\n    """copy data from fil
 
 
 @dataclass
-class Args:
+class Args(WandbFlags):
     """Speculative decoding with DSpark / DFlash drafters (baseline decoding without --drafter)."""
 
     target: Optional[str] = None
@@ -630,8 +635,12 @@ class Args:
     output_file: Optional[str] = None
     """Write one JSON record per request here as it finishes: request, prompt and sample indices, text,
     output ids, finish reason, rounds, τ and the prompt's ids."""
-    wandb: bool = False
-    """Log the run to Weights & Biases (WANDB_MODE=offline works without network)."""
+    progress: bool = True
+    """A progress bar on stderr while several requests decode (requests done, tokens/s, τ); only when
+    stderr is a terminal."""
+    log_every: int = 10
+    """With --wandb: log the figures so far (tokens/s, τ, verified per round, accepted lengths) every
+    this many rounds."""
     calibration: Optional[str] = None
     """Confidence temperatures from `eval.py --calibration-out` (Sequential Temperature Scaling):
     c_k = σ(logit_k / T_k), applied before the threshold."""
@@ -651,7 +660,8 @@ MAX_REQUESTS = 10_000_000
 def check_args(args: Args):
     """The flags alone, before anything is loaded."""
     check_ranges(args, num_samples=f"[1, {MAX_REQUESTS}]", batch_size="[1, 65536]", max_new_tokens="[1, 10485760]",
-                 confidence_threshold="[0, 1]", seed=f"[0, {2**62}]")
+                 confidence_threshold="[0, 1]", seed=f"[0, {2**62}]", log_every="[1, inf)")
+    runlog.check(args)
     check_sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     check_threads(args.threads)
     if any(not s for s in args.stop):
@@ -685,6 +695,12 @@ def run(args: Args) -> dict:
         args = replace(args, target=resolve_checkpoint(args.target, "--target"),
                        drafter=resolve_checkpoint(args.drafter, "--drafter"))
         check_args(args)  # outputs again: not inside the snapshot directories hub ids resolved to
+    with runlog.session(args, "speculate", "speculate.py") as log:  # --wandb: a run around the work
+        return load_and_decode(args, demo, log)
+
+
+def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
+    """Load the models, read the prompts and decode them (in demo mode twice: without, then with the drafter)."""
     threads = set_threads(args.threads)
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
@@ -693,7 +709,8 @@ def run(args: Args) -> dict:
     sampling = resolve_sampling(m, args.temperature, args.top_k, args.top_p, args.min_p)
     stops = StopStrings.build(m.tokenizer, args.stop)
     context = m.target.args.max_position_embeddings
-    prompts = load_prompts(tokenizer=m.tokenizer, chat=auto_chat(args.chat, m.tokenizer), prompt=args.prompt,
+    chat = auto_chat(args.chat, m.tokenizer)
+    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=args.prompt,
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
                            max_len=max(context - args.max_new_tokens, 1), system_prompt=args.system_prompt,
                            thinking=args.enable_thinking)
@@ -701,33 +718,43 @@ def run(args: Args) -> dict:
     if len(prompts) * args.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "
                         f"than {MAX_REQUESTS:,} requests")
+    if log is not None:  # what the flags resolved to, and what was loaded
+        f = sampling.filters
+        log.config(demo=demo, hardware=device_name(args.device), dtype_resolved=str(m.dtype).removeprefix("torch."),
+                   threads_resolved=torch.get_num_threads(), scheduler_resolved=kind, chat_resolved=chat,
+                   compile_resolved=auto_compile(args.compile, args.device),
+                   sampling={"temperature": sampling.temperature, "top_k": f.top_k, "top_p": f.top_p,
+                             "min_p": f.min_p, "source": sampling.source},
+                   num_prompts=len(prompts), num_requests=len(prompts) * args.num_samples,
+                   target_config=runlog.checkpoint_config(m.directories[0]),
+                   drafter_config=runlog.checkpoint_config(m.directories[1]),
+                   drafter_resolved=m.drafter.cfg.describe() if m.drafter is not None else None)
     announce = f"{threads}; {sampling.describe()}"  # printed once every input is checked
     if demo:  # the prompt, then the baseline by the same engine without the drafter, for the side-by-side figures
         print(f"--- prompt ---\n{m.tokenizer.decode(prompts[0]) if args.prompt is not None else prompts[0]}")
         baseline = decode(args, m, None, prompts, None, None, "none", sampling, stops, heading="autoregressive",
-                          announce=announce)
+                          announce=announce, log=log)
     summary = decode(args, m, m.drafter, prompts, args.trace_file, args.output_file, kind, sampling, stops,
-                     heading="speculative" if demo else None, announce=None if demo else announce)
+                     heading="speculative" if demo else None, announce=None if demo else announce, log=log)
     if demo and baseline["tokens_per_second"] > 0:
         greedy = sampling.temperature == 0
-        print(f"speed-up: {summary['tokens_per_second'] / baseline['tokens_per_second']:.2f}x "
-              f"(speculative vs autoregressive tokens/s, same prompts, "
+        speed_up = summary["tokens_per_second"] / baseline["tokens_per_second"]
+        print(f"speed-up: {speed_up:.2f}x (speculative vs autoregressive tokens/s, same prompts, "
               + (f"greedy outputs identical: {baseline['outputs'] == summary['outputs']})" if greedy else
                  "sampled: the two follow the same distribution, not the same tokens)"))
-    if args.wandb:
-        import wandb
-        wandb.init(project="dspark-fast", config=asdict(args))
-        wandb.log({k: v for k, v in summary.items() if k not in ("summary", "outputs") and not isinstance(v, list)})
-        wandb.finish()
+        if log is not None:
+            log.summary({"speed_up": speed_up, **({"greedy_outputs_identical": baseline["outputs"] == summary["outputs"]}
+                                                  if greedy else {})})
     return summary
 
 
 def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str],
            output_file: Optional[str], kind: str, sampling: Sampling, stops: Optional[StopStrings],
-           heading: Optional[str] = None, announce: Optional[str] = None) -> dict:
+           heading: Optional[str] = None, announce: Optional[str] = None, log: Optional[runlog.Log] = None) -> dict:
     """Decode every prompt with `drafter` (None: autoregressive), print the texts and one figures line.
     Interrupted (Ctrl-C, SIGTERM), it still prints the finished requests and ends the trace with a
-    summary marked "interrupted"; on an error the trace and output files are left as they were."""
+    summary marked "interrupted"; on an error the trace and output files are left as they were.
+    With `log` (--wandb) the figures go to the run as it decodes and at the end (runlog.py)."""
     requests = requests_for(prompts, args.num_samples)
     compile = auto_compile(args.compile, args.device)
     engine = build_engine(m, drafter, requests, args.max_new_tokens, sampling=sampling, seed=args.seed,
@@ -747,6 +774,10 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     trace = StreamFile(trace_file) if trace_file else None
     out = OutputFile(output_file) if output_file else None
     printer = Printer(m.tokenizer, stops, len(requests), args.num_samples)
+    name = "speculative" if drafter is not None else "autoregressive"
+    watch = DecodeWatch(log, name, engine.K, engine.stop_ids, len(requests), args.log_every,
+                        lambda: engine.prefill_seconds + engine.decode_seconds,
+                        bar=args.progress and len(requests) > 1 and sys.stderr.isatty())
     if heading:
         print(f"--- {heading} ---")
 
@@ -754,6 +785,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         if trace:
             trace.write(json.dumps(rec, allow_nan=False) + "\n")
         printer.on_round(req)
+        watch.on_round(req, rec)
 
     def on_finish(req: Request):
         if trace:
@@ -764,10 +796,11 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
             trace.sync()  # a finished request is on disk
         if out:
             out.write(completion(req, m.tokenizer, stops, engine.stop_ids))
+        watch.on_finish(req)
 
     interrupted = None
     try:
-        engine.generate(requests, args.max_new_tokens, on_round, on_finish)
+        engine.generate(requests, args.max_new_tokens, on_round, on_finish, watch.on_step)
     except Interrupted as e:
         interrupted = e
     except BaseException:
@@ -775,8 +808,11 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
             if f:
                 f.abort()
         raise
+    finally:
+        watch.close()
     done = [r for r in requests if r.finish_reason is not None]
-    printer.finish([completion(r, m.tokenizer, stops, engine.stop_ids) for r in done])  # in request order
+    completions = [completion(r, m.tokenizer, stops, engine.stop_ids) for r in done]  # in request order
+    printer.finish(completions)
 
     c = metrics.count(done, engine.K, engine.stop_ids)
     seconds = engine.prefill_seconds + engine.decode_seconds
@@ -798,6 +834,9 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         trace.close()
     if out:
         out.close()
+    if log is not None:  # also when interrupted: what was finished, and the files as they were published
+        runlog.log_decode(log, name, dict(summary, tokens=c["tokens"]), completions, prompts, m.tokenizer,
+                          {"trace": trace_file, "outputs": output_file})
     if interrupted is not None:
         raise interrupted
     tau, rates = summary["acceptance_length"], " ".join(f"{x:.2f}" for x in summary["accept_rate_by_position"])

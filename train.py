@@ -38,8 +38,10 @@ import torch
 import torch.nn.functional as F
 
 import data
-from common import UserError, check_ranges, dist_init, parse_ints, resolve_device, resolve_dtype
-from drafter import MARKOV_TYPES, Drafter, DrafterConfig, load_drafter_weights, save_drafter
+import runlog
+from common import (UserError, check_ranges, device_name, dist_init, parse_ints, resolve_device, resolve_dtype,
+                    torchrun_env)
+from drafter import MARKOV_TYPES, Drafter, DrafterConfig, drafter_config_json, load_drafter_weights, save_drafter
 from inputs import resolve_checkpoint
 from model import ModelArgs, Transformer, init_random_, load_target
 from text import Tokenizer
@@ -285,11 +287,11 @@ def summarize_drafter(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
     return out
 
 
-def train_drafter(args: Args) -> dict:
+def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     if args.target is None:
         raise UserError("--target: no target directory given")
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
-    run = Run(rank, world, device)
+    run = Run(rank, world, device, log)
     say = (lambda msg: print(msg, file=sys.stderr)) if rank == 0 else (lambda msg: None)  # noqa: E731
     dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, device, dtype if device.startswith("cuda") else torch.float32)
@@ -302,6 +304,14 @@ def train_drafter(args: Args) -> dict:
     banner = (drafter.cfg.describe() + f" | {sum(p.numel() for p in drafter.parameters()):,} trained parameters | "
               f"{len(corpus)} sequences of {T} tokens, {N} anchors each | global batch {G} = {args.batch_size} x "
               f"{args.grad_accum} x {world} process(es)")
+    if log is not None:  # what the flags resolved to, and what is trained
+        log.config(world_size=world, global_batch=G, hardware=device_name(device),
+                   dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus), anchors_resolved=N,
+                   trained_parameters=sum(p.numel() for p in drafter.parameters()),
+                   step_flops=step_flops(target.args, drafter.cfg, G, T, N),
+                   target_config=runlog.checkpoint_config(args.target),
+                   drafter_config=drafter_config_json(args.target, drafter.cfg, args.anchors_per_seq),
+                   drafter_resolved=drafter.cfg.describe())
     batches = data.Batches(len(corpus), G, args.seed)
     w = slot_weights(K, args.gamma)
     mine = data.micro_slices(args.batch_size, args.grad_accum, rank)
@@ -339,7 +349,8 @@ def check_eval_args(args: Args):
 
 def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
     """eval.py on the checkpoint just written (every rank decodes a shard), results in --out/eval_step<N>.json;
-    returns per-dataset acceptance for the training log."""
+    returns what the training run logs at that step (--wandb): each dataset's figures and acceptance by
+    position under eval/<dataset>/, the confidence head's ECE and Brier by position under eval/calibration/."""
     import eval as evaluation
 
     e = evaluation.EvalArgs(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
@@ -348,8 +359,15 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
                             compile=False, progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
     with torch.inference_mode():
         results = evaluation.run(e)
-    return {f"eval/{r['dataset']}/{k}": r[k] for r in results["datasets"]
-            for k in ("acceptance_length", "draft_tokens_per_proposal")}
+    found = {}
+    for r in results["datasets"]:
+        found.update({f"eval/{r['dataset']}/{k}": r[k] for k in ("acceptance_length", "draft_tokens_per_proposal",
+                                                                 "verify_rate", "tokens_per_second") if r[k] is not None})
+        found.update({f"eval/{r['dataset']}/accept_rate@{j}": a for j, a in enumerate(r["accept_rates_by_position"])
+                      if a is not None})
+    for m in (results["calibration"] or {}).get("raw", []):
+        found.update({f"eval/calibration/{k}_{m['position']}": m[k] for k in ("ece", "brier") if m[k] is not None})
+    return found
 
 
 def run(args: Args) -> dict:
@@ -361,7 +379,8 @@ def run(args: Args) -> dict:
     if args.target is not None:  # a hub id becomes its snapshot directory (--out is checked against that too)
         args = replace(args, target=resolve_checkpoint(args.target, "--target"))
         check_out_dir(args, inputs=[args.target])
-    return train_drafter(args)
+    with runlog.session(args, "train", "train.py", enabled=torchrun_env()[0] == 0) as log:  # --wandb: rank 0's run
+        return train_drafter(args, log)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

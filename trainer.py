@@ -33,6 +33,7 @@ import torch
 from common import (UserError, atomic_write, check_ranges, cli_main, peak_tflops, read_json, save_tensors,
                     write_json)
 from model import read_safetensors
+from runlog import WandbFlags, check as check_wandb
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
@@ -40,7 +41,7 @@ LOG_JSONL = "train_log.jsonl"  # rank 0's metrics, one line per step
 
 
 @dataclass
-class TrainArgs:
+class TrainArgs(WandbFlags):
     """What every training program here shares: data, output, the optimisation and how it runs."""
 
     data: Optional[str] = None
@@ -94,16 +95,12 @@ class TrainArgs:
     save_every: int = 0
     """Also write the checkpoint every this many steps (0: only at the end / --stop-at)."""
     log_every: int = 10
-    """wandb logging period in steps."""
+    """With --wandb: log the step's figures (loss terms, lr, grad norm, tokens/s, MFU, ETA) every this many steps."""
     progress: bool = True
     """tqdm progress bar on stderr (rank 0): loss, tokens/s, MFU, ETA."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for the MFU estimate (default: the data-sheet dense bf16 figure of a known
     GPU — H100/H200 989, A100 312 — else no MFU). MFU = step_flops / step time / (peak x processes)."""
-    wandb: bool = False
-    """Log to Weights & Biases (WANDB_MODE=offline works without network)."""
-    wandb_project: str = "dspark-fast"
-    """Weights & Biases project of --wandb."""
     wandb_artifacts: bool = False
     """With --wandb: upload every checkpoint written as a model artifact (aliases step-N, latest)."""
     dist_timeout: float = 1800.0
@@ -330,8 +327,7 @@ def check_train_args(args: TrainArgs, **ranges: str):
                  peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]")
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
-    if args.wandb_artifacts and not args.wandb:
-        raise UserError("--wandb-artifacts: needs --wandb")
+    check_wandb(args)  # --wandb-artifacts and the other --wandb-* flags need --wandb
     data = args.data if args.data is not None else args.data_ids
     if not os.path.exists(data):
         raise UserError(f"--data{'' if args.data is not None else '-ids'} {data}: file or directory not found")
@@ -350,7 +346,8 @@ def _autocast(device: str, dtype: torch.dtype):
 
 @dataclass
 class Run:
-    """Where this process stands: rank, world size and device, and the Weights & Biases run (rank 0)."""
+    """Where this process stands: rank, world size and device, and the Weights & Biases run (rank 0 with
+    --wandb: a runlog.Log, started by the program's `run` around the work)."""
     rank: int
     world: int
     device: str
@@ -363,14 +360,10 @@ class Run:
 
 
 def log_artifact(run: Run, out: str, step: int):
-    """--wandb-artifacts: the checkpoint directory's files as a model artifact of the run."""
-    import wandb
-
-    art = wandb.Artifact(f"{run.wandb.id}-checkpoint", type="model", metadata={"step": step})
-    for f in sorted(os.listdir(out)):
-        if f.endswith((".json", ".safetensors")):
-            art.add_file(os.path.join(out, f))
-    run.wandb.log_artifact(art, aliases=[f"step-{step}", "latest"])
+    """--wandb-artifacts: the model's files at the top of --out (what `--drafter OUT` loads) as a model
+    artifact of the run, versions aliased step-N and latest."""
+    files = [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.endswith((".json", ".safetensors"))]
+    run.wandb.artifact("checkpoint", "model", files, metadata={"step": step}, aliases=[f"step-{step}", "latest"])
 
 
 def _log_upto(path: str, step: int) -> list[str]:
@@ -404,9 +397,6 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     if run.world > 1:  # gradients averaged over ranks: each rank's loss is scaled by the world size below
         ddp = torch.nn.parallel.DistributedDataParallel(step_module, device_ids=[dev] if dev.startswith("cuda") else None)
     main = run.rank == 0
-    if args.wandb and main:
-        import wandb
-        run.wandb = wandb.init(project=args.wandb_project, config=dict(asdict(args), world_size=run.world))
     from tqdm import tqdm
 
     bar = tqdm(total=end, initial=start, file=sys.stderr, disable=not (args.progress and main), dynamic_ncols=True)
@@ -479,8 +469,6 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         log.close()
     module.eval()
     checkpoint(end)
-    if run.wandb is not None:
-        run.wandb.finish()
     seconds, n = time.time() - t0, end - start
     tokens_per_s = n * tokens_per_step / max(seconds, 1e-9)
     if main:

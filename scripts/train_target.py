@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar, Optional
 
 import torch
@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UserError, dist_init, resolve_device, resolve_dtype, save_tensors, write_json  # noqa: E402
+import runlog  # noqa: E402
+from common import (UserError, dist_init, resolve_device, resolve_dtype, save_tensors, torchrun_env,  # noqa: E402
+                    write_json)
 from data import EOS_TOKEN, MASK_TOKEN, Batches, micro_slices, read_texts, read_windows  # noqa: E402
 from model import ModelArgs, Transformer, init_random_, load_target  # noqa: E402
 from text import Tokenizer  # noqa: E402
@@ -156,6 +158,11 @@ def tokenizer_into(args: Args, texts: Optional[list[str]]) -> Tokenizer:
 def run(args: Args) -> dict:
     """Everything `python scripts/train_target.py` does; returns the loss history. Raises UserError on bad input."""
     check_train_args(args)
+    with runlog.session(args, "train", "scripts/train_target.py", enabled=torchrun_env()[0] == 0) as log:
+        return train(args, log)
+
+
+def train(args: Args, log: Optional[runlog.Log]) -> dict:
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     dtype = resolve_dtype(args.dtype, device)
     if not (args.resume or args.tokenizer_from_corpus or args.tokenizer):
@@ -184,6 +191,9 @@ def run(args: Args) -> dict:
     G = args.batch_size * args.grad_accum * world
     banner = (f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
+    if log is not None:  # what the flags resolved to, and the model trained
+        log.config(world_size=world, global_batch=G, dtype_resolved=str(dtype).removeprefix("torch."),
+                   num_sequences=len(windows), target_config=asdict(model.args))
     batches, mine = Batches(len(windows), G, args.seed), micro_slices(args.batch_size, args.grad_accum, rank)
 
     def micro_batches(step):
@@ -199,7 +209,7 @@ def run(args: Args) -> dict:
         save_state(directory, step, model, opt, args, len(windows), world)
 
     return optimize(args, TargetStep(model, args.batch_size / G, args.compile), micro_batches, summarize, save,
-                    Run(rank, world, device), dtype, len(windows), target_flops(margs, G, args.seq_len), banner=banner)
+                    Run(rank, world, device, log), dtype, len(windows), target_flops(margs, G, args.seq_len), banner=banner)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

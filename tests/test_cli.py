@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -198,17 +200,6 @@ def test_subprocess_exit_status_and_stderr(tiny_target, tmp_path):
     assert "tokens/s" in good.stdout and "τ=1.00" in good.stdout
 
 
-def test_wandb_offline_logs_a_run(tiny_target, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2,3", "--max-new-tokens", 4, "--wandb"],
-                         capsys)
-    assert rc == 0, err
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
-
-
 @pytest.mark.parametrize("where,needle", [("missing-folder", "does not exist"), ("directory", "is a directory")])
 def test_unwritable_trace_file_is_refused_before_any_work(tiny_target, tmp_path, capsys, where, needle):
     path = tmp_path / "no" / "t.jsonl" if where == "missing-folder" else tmp_path
@@ -237,3 +228,38 @@ def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsy
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--compile, --no-compile" in help_text and "Default: on for cuda, off for cpu" in help_text
     assert "Default: on when the tokenizer has a template" in help_text
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_a_terminal_only_and_stdout_unchanged(tiny_target, tmp_path, monkeypatch):
+    """Several requests show a bar on stderr (requests done, tokens/s, τ) when stderr is a terminal; never
+    with --no-progress or off a terminal, and standard output is the same either way."""
+    import tqdm
+
+    init = tqdm.tqdm.__init__  # draw at every update, not at most every 0.1 s: the run is shorter than that
+    monkeypatch.setattr(tqdm.tqdm, "__init__", lambda self, *a, **k: init(self, *a, **dict(k, mininterval=0)))
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    base = ["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 6, "--batch-size", 2]
+
+    def run(extra, err):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert speculate.main([str(a) for a in base + extra]) == 0, err.getvalue()
+        return out.getvalue().splitlines()[:-1], err.getvalue()  # the figures line's timings differ
+
+    shown_out, shown = run([], Terminal())
+    quiet_out, quiet = run(["--no-progress"], Terminal())
+    plain_out, plain = run([], io.StringIO())
+    assert "3/3" in shown and "tok/s" in shown and "τ=" in shown and "autoregressive" in shown
+    assert "tok/s" not in quiet and "tok/s" not in plain and quiet == plain
+    assert shown_out == quiet_out == plain_out
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt_ids": PROMPTS[0]}) + "\n")
+    _, one = run(["--prompts-file", tmp_path / "one.jsonl"], Terminal())
+    assert "tok/s" not in one  # one request streams its text: no bar

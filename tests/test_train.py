@@ -409,11 +409,8 @@ def test_train_target_from_corpus_then_drafter(tmp_path):
     assert d.cfg.target_layer_ids == (0,)
 
 
-def test_text_jsonl_data_and_wandb_offline(tiny_target, tmp_path, monkeypatch):
-    """--data as JSON lines ("text" and "turns") through the target's tokenizer; --wandb offline logs a run."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_text_jsonl_data(tiny_target, tmp_path):
+    """--data as JSON lines ("text" and "turns") through the target's tokenizer."""
     words = "def x = y + 1 : return x if hello world else print ( z ) , 0 1 2 3".split()
     rng = random.Random(0)
     with open(tmp_path / "chat.jsonl", "w") as f:
@@ -421,11 +418,9 @@ def test_text_jsonl_data_and_wandb_offline(tiny_target, tmp_path, monkeypatch):
             line = " ".join(rng.choice(words) for _ in range(20))
             f.write(json.dumps({"text": line} if i % 2 else {"turns": [line, line[::-1]]}) + "\n")
     rc, res, err = run_train(["--target", tiny_target.path, "--data", tmp_path / "chat.jsonl", "--out", tmp_path / "o",
-                              "--steps", 2, "--anchors-per-seq", 4, "--wandb", "--log-every", 1, *SMALL])
+                              "--steps", 2, "--anchors-per-seq", 4, *SMALL])
     assert rc == 0, err
     assert "sequences of 24 tokens" in err
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,411 @@
+"""What a --wandb run records, read back from the offline run (README, "What a run logs").
+
+Each program runs once per module (in-process, WANDB_MODE=offline, its own WANDB_DIR) on the committed
+demo pair, and the tests read its run-*.wandb file back: the LevelDB-style log wandb writes (a 7-byte
+header, 32 KiB blocks of checksummed records, each a `wandb_internal_pb2.Record`), decoded here with
+wandb's own protobuf classes. From it: the config, every history row, the summary, the artifacts and
+the exit code; tables and images are read from the run's files/ folder. A subprocess of speculate.py is
+stopped by SIGINT and its run is found marked interrupted; a UserError after the start marks it failed.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from conftest import REPO_ROOT
+
+import eval as ev
+import runlog
+import speculate
+import train
+
+DEMO = REPO_ROOT / "demo"
+CODE = ["import os\n", "def main():\n", "class Point:\n", "for i in range(10):\n"]
+
+
+# ----------------------------------------------------------------------------------------
+# Reading an offline run
+
+def records(path: Path):
+    """The protobuf records of a run-*.wandb file: a header (":W&B", 0xBEE1, version 0), then 32 KiB
+    blocks of records [crc32 of type + data, length, type: 1 full, 2 first, 3 middle, 4 last]."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:7] == struct.pack("<4sHB", b":W&B", 0xBEE1, 0), "not a wandb run log"
+    i, buf = 7, b""
+    while i + 7 <= len(data):
+        left = 32768 - i % 32768
+        if left < 7:  # a block's tail too short for a header is padding
+            i += left
+            continue
+        crc, n, kind = struct.unpack("<IHB", data[i:i + 7])
+        chunk = data[i + 7:i + 7 + n]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, f"{path}: corrupt record at {i}"
+        i += 7 + n
+        buf += chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def _items(items) -> dict:
+    """{"a.b": value} from a record's key / nested_key items."""
+    return {".".join(x.nested_key) if len(x.nested_key) else x.key: json.loads(x.value_json) for x in items}
+
+
+class OfflineRun(NamedTuple):
+    dir: Path
+    run: object          # the RunRecord: project, display_name, run_group, tags, ...
+    config: dict
+    history: list        # one dict per history row, keys flattened with "."
+    summary: dict
+    artifacts: list      # ArtifactRecords
+    exit_code: object    # None: the run never finished
+
+    def table(self, key: str, row: dict) -> dict:
+        """A logged table's JSON (columns, data), from the history row that logged it."""
+        assert row[f"{key}._type"] == "table-file", row
+        return json.loads((self.dir / "files" / row[f"{key}.path"]).read_text())
+
+    def rows_with(self, key: str) -> list:
+        return [h for h in self.history if key in h]
+
+    def artifact(self, name: str):
+        found = [a for a in self.artifacts if a.name == f"{self.run.run_id}-{name}"]
+        assert len(found) == 1, [a.name for a in self.artifacts]
+        return found[0]
+
+
+def read_run(wandb_dir: Path) -> OfflineRun:
+    (path,) = Path(wandb_dir, "wandb").glob("offline-run-*/run-*.wandb")
+    run, config, history, summary, artifacts, exit_code = None, {}, [], {}, [], None
+    for r in records(path):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run = r.run
+            config.update(_items(r.run.config.update))
+        elif kind == "config":
+            config.update(_items(r.config.update))
+        elif kind == "history":
+            history.append(_items(r.history.item))
+        elif kind == "summary":
+            summary.update(_items(r.summary.update))
+        elif kind == "artifact":
+            artifacts.append(r.artifact)
+        elif kind == "exit":
+            exit_code = r.exit.exit_code
+    return OfflineRun(path.parent, run, config, history, summary, artifacts, exit_code)
+
+
+def md5_b64(path) -> str:
+    return base64.b64encode(hashlib.md5(Path(path).read_bytes()).digest()).decode()
+
+
+def assert_file_artifact(run: OfflineRun, name: str, kind: str, path):
+    art = run.artifact(name)
+    assert art.type == kind
+    (entry,) = art.manifest.contents
+    assert entry.path == os.path.basename(path) and entry.digest == md5_b64(path)
+
+
+def git_head():
+    try:
+        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    except OSError:
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+@contextlib.contextmanager
+def offline(wandb_dir: Path, **extra):
+    """WANDB_MODE=offline into `wandb_dir`, wandb's other folders beside it; wandb torn down after."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_ENTITY"):
+            mp.delenv(k, raising=False)
+        env = dict(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true",
+                   WANDB_CONFIG_DIR=str(wandb_dir / "config"), WANDB_DATA_DIR=str(wandb_dir / "data"),
+                   WANDB_CACHE_DIR=str(wandb_dir / "cache"), **extra)
+        for k, v in env.items():
+            mp.setenv(k, v)
+        try:
+            yield env
+        finally:
+            if "wandb" in sys.modules:
+                sys.modules["wandb"].teardown()
+
+
+def call(main, argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+# ----------------------------------------------------------------------------------------
+# speculate.py: the demo (baseline, then speculative) over a prompts file
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wandb_speculate")
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE[:3]))
+    files = {"trace": d / "trace.jsonl", "outputs": d / "outputs.jsonl"}
+    with offline(d):
+        rc, out, err = call(speculate.main, [
+            "--prompts-file", prompts, "--max-new-tokens", 16, "--batch-size", 2, "--log-every", 2,
+            "--trace-file", files["trace"], "--output-file", files["outputs"], "--wandb", "--wandb-project", "p1",
+            "--wandb-name", "demo-run", "--wandb-group", "g1", "--wandb-tags", "a,b c"])
+    assert rc == 0, err
+    return read_run(d), files, out
+
+
+def test_speculate_config_names_and_finish(spec):
+    run, _, _ = spec
+    assert (run.run.project, run.run.display_name, run.run.run_group, list(run.run.tags)) == \
+        ("p1", "demo-run", "g1", ["a", "b c"])
+    c = run.config
+    assert c["program"] == "speculate.py" and c["max_new_tokens"] == 16 and c["batch_size"] == 2  # the flags
+    assert c["target"] == str(DEMO / "target") and c["device"] == "cpu" and c["dtype_resolved"] == "float32"
+    assert c["sampling"]["temperature"] == 0 and c["scheduler_resolved"] == "none" and c["compile_resolved"] is False
+    assert c["target_config"]["vocab_size"] == 4096 and c["drafter_config"] is not None and c["demo"] is True
+    assert c["torch"] and "git_dirty" in c
+    head = git_head()
+    if head is not None:
+        assert c["git_commit"] == head
+    assert run.exit_code == 0 and run.summary["status"] == "finished"
+
+
+def test_speculate_logs_figures_while_decoding(spec):
+    run, _, _ = spec
+    for name, K in (("autoregressive", 0), ("speculative", 5)):
+        rows = run.rows_with(f"{name}/round")
+        rows = [r for r in rows if f"{name}/tokens_per_second" in r]
+        assert len(rows) >= 3, rows  # every 2 rounds, and the last
+        rounds = [r[f"{name}/round"] for r in rows]
+        assert rounds == sorted(rounds) and rounds[0] == 2 and rounds[1] == 4
+        last = rows[-1]
+        assert last[f"{name}/requests_done"] == 3 and last[f"{name}/tokens"] == 3 * 16
+        assert last[f"{name}/tokens_per_second"] > 0
+        hist = last[f"{name}/accepted_length.values"]
+        assert len(hist) == K + 1 and last[f"{name}/accepted_length._type"] == "histogram"
+        # the last row's τ and verified/round are the summary's (one definition, metrics.py)
+        assert last[f"{name}/acceptance_length"] == pytest.approx(run.summary[f"{name}/acceptance_length"])
+        assert last[f"{name}/verified_per_round"] == pytest.approx(run.summary[f"{name}/verified_per_round"])
+        # Σ (accepted + 1) over the histogram's rounds = τ x rounds (no stop token in 16 tokens of code)
+        rounds_total = sum(hist)
+        assert sum((a + 1) * n for a, n in enumerate(hist)) == pytest.approx(
+            last[f"{name}/acceptance_length"] * rounds_total)
+    assert run.summary["speculative/acceptance_length"] > 1 == run.summary["autoregressive/acceptance_length"]
+
+
+def test_speculate_summary_chart_table_and_artifacts(spec):
+    run, files, out = spec
+    s = run.summary
+    assert s["speed_up"] > 0 and s["greedy_outputs_identical"] is True
+    assert f"speed-up: {s['speed_up']:.2f}x" in out
+    assert len(s["speculative/accept_rate_by_position"]) == 5
+    # accept rate by position: a bar chart over a table of the summary's rates
+    assert run.config["_wandb.visualize.speculative/accept_rate_by_position"]["panel_config"]
+    (row,) = run.rows_with("speculative/accept_rate_by_position_table._type")
+    chart = run.table("speculative/accept_rate_by_position_table", row)
+    assert chart["columns"] == ["position", "accept_rate"]
+    assert [r[1] for r in chart["data"]] == pytest.approx(s["speculative/accept_rate_by_position"])
+    # the requests: prompt, completion and figures, as the output file has them
+    (row,) = run.rows_with("speculative/requests._type")
+    table = run.table("speculative/requests", row)
+    recs = {r["request"]: r for r in map(json.loads, files["outputs"].read_text().splitlines())}
+    assert len(table["data"]) == 3
+    for r in table["data"]:
+        got = dict(zip(table["columns"], r))
+        want = recs[got["request"]]
+        assert got["prompt"] == CODE[got["prompt_index"]] and got["completion"] == want["text"]
+        assert (got["finish_reason"], got["tokens"], got["rounds"]) == \
+            (want["finish_reason"], len(want["output_ids"]), want["num_rounds"])
+        assert got["acceptance_length"] == pytest.approx(want["acceptance_length"])
+    assert run.rows_with("autoregressive/requests._type")  # the baseline's too
+    assert_file_artifact(run, "trace", "trace", files["trace"])
+    assert_file_artifact(run, "outputs", "outputs", files["outputs"])
+
+
+# ----------------------------------------------------------------------------------------
+# eval.py: two datasets, sampled, with calibration and STS
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wandb_eval")
+    data = d / "data"
+    data.mkdir()
+    for name, prompts in (("code-a", CODE), ("code-b", CODE[::-1])):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+    paths = {"out": d / "results.json", "cal": d / "cal.json", "plot": d / "rel.svg"}
+    with offline(d):
+        rc, out, err = call(ev.main, [
+            "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--data-dir", data, "--datasets",
+            "code-a,code-b", "--max-new-tokens", 16, "--temperature", 1, "--no-progress", "--step", 7,
+            "--out", paths["out"], "--calibration-out", paths["cal"], "--calibration-plot", paths["plot"],
+            "--wandb"])
+    assert rc == 0, err
+    return read_run(d), paths
+
+
+def test_eval_rows_charts_image_and_artifacts(evaluated):
+    run, paths = evaluated
+    results = json.loads(paths["out"].read_text())
+    assert run.exit_code == 0 and run.summary["status"] == "finished" and run.run.job_type == "eval"
+    assert run.config["program"] == "eval.py" and run.config["step"] == 7 and run.config["num_drafts"] == 5
+    assert run.config["target_config"]["vocab_size"] == 4096 and run.config["datasets_resolved"] == {
+        "code-a": 4, "code-b": 4}
+    rows = [h for h in run.history if h.get("_step") == 7]
+    assert len(rows) == 1  # everything at --step
+    row = rows[0]
+    for e in results["datasets"]:
+        for k in ("acceptance_length", "draft_tokens_per_proposal", "verify_rate", "num_samples"):
+            assert row[f"{e['dataset']}/{k}"] == pytest.approx(e[k])
+        assert row[f"{e['dataset']}/accept_rate@0"] == pytest.approx(e["accept_rates_by_position"][0])
+    # per-position acceptance: one line chart over a table (dataset, position, rates)
+    for chart in ("accept_rate_by_position", "calibration/ece_by_position"):
+        assert run.config[f"_wandb.visualize.{chart}"]["panel_config"]
+    by_pos = run.table("accept_rate_by_position_table", row)
+    assert len(by_pos["data"]) == 2 * 5
+    # calibration: table, scalars (Brier included), the reliability diagram as an image
+    cal = results["calibration"]
+    table = run.table("calibration", row)
+    assert "brier" in table["columns"] and "heldout_brier_sts" in table["columns"] and len(table["data"]) == 5
+    for m in cal["raw"]:
+        assert run.summary[f"calibration/brier_{m['position']}"] == pytest.approx(m["brier"])
+        assert run.summary[f"calibration/ece_{m['position']}"] == pytest.approx(m["ece"])
+    assert run.summary["calibration/temperature_1"] == pytest.approx(cal["temperatures"][0])
+    assert row["calibration/reliability_diagram._type"] == "image-file"  # drawn as PNG: the flag asked for SVG
+    png = run.dir / "files" / row["calibration/reliability_diagram.path"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and row["calibration/reliability_diagram.width"] > 600
+    assert_file_artifact(run, "results", "results", paths["out"])
+    assert_file_artifact(run, "calibration", "calibration", paths["cal"])
+
+
+# ----------------------------------------------------------------------------------------
+# train.py: two steps, a scheduled eval, checkpoints as artifacts
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wandb_train")
+    corpus = d / "corpus.txt"
+    corpus.write_text((REPO_ROOT / "common.py").read_text()[:6000])
+    evals = d / "evals"
+    evals.mkdir()
+    (evals / "code.jsonl").write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in CODE[:2]))
+    out = d / "drafter"
+    with offline(d):
+        rc, _, err = call(train.main, [
+            "--target", DEMO / "target", "--data", corpus, "--out", out, "--steps", 2, "--seq-len", 24,
+            "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8, "--anchors-per-seq", 4,
+            "--device", "cpu", "--no-progress", "--peak-tflops", 1, "--eval-every", 2, "--eval-datasets", "code",
+            "--eval-data-dir", evals, "--eval-samples", 2, "--eval-max-new-tokens", 8, "--wandb", "--wandb-artifacts",
+            "--log-every", 1])
+    assert rc == 0, err
+    return read_run(d), out
+
+
+def test_train_logs_throughput_evals_and_checkpoints(trained):
+    run, out = trained
+    assert run.exit_code == 0 and run.summary["status"] == "finished" and run.config["program"] == "train.py"
+    c = run.config
+    assert c["steps"] == 2 and c["global_batch"] == 2 and c["dtype_resolved"] == "float32"
+    assert c["target_config"]["vocab_size"] == 4096 and c["drafter_config"]["block_size"] == 3
+    assert c["step_flops"] > 0 and c["trained_parameters"] > 0
+    steps = {h["_step"]: h for h in run.history}
+    for s in (1, 2):
+        for k in ("loss", "tau", "lr", "grad_norm", "tokens_per_second", "mfu", "eta_seconds"):
+            assert k in steps[s], (s, sorted(steps[s]))
+        assert steps[s]["tokens_per_second"] > 0 and 0 < steps[s]["mfu"]
+    assert steps[2]["eta_seconds"] == 0
+    assert "eval/code/acceptance_length" in steps[2] and "eval/code/accept_rate@0" in steps[2]
+    assert "eval/calibration/brier_1" in steps[2]
+    art = run.artifact("checkpoint")
+    assert art.type == "model" and {"step-2", "latest"} <= set(art.aliases)
+    assert {e.path for e in art.manifest.contents} >= {"config.json", "model.safetensors"}
+    assert json.loads(art.metadata)["step"] == 2
+
+
+# ----------------------------------------------------------------------------------------
+# How a run ends: failed (a UserError after the start), interrupted (SIGINT); and bad flags
+
+def test_a_user_error_after_the_start_marks_the_run_failed_and_env_vars_apply(tmp_path):
+    with offline(tmp_path, WANDB_PROJECT="from-env", WANDB_RUN_GROUP="env-group", WANDB_TAGS="x,y"):
+        rc, _, err = call(speculate.main, ["--target", DEMO / "target", "--prompt-ids", "1,2,99999",
+                                           "--max-new-tokens", 4, "--wandb"])
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: prompt 0: token id 99999"), err
+    run = read_run(tmp_path)
+    assert (run.run.project, run.run.run_group, list(run.run.tags)) == ("from-env", "env-group", ["x", "y"])
+    assert run.exit_code == 2 and run.summary["status"] == "failed" and "99999" in run.summary["error"]
+
+
+def test_sigint_marks_a_logged_run_interrupted(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [1 + i % 40, 2, 3]}) + "\n" for i in range(400)))
+    trace = tmp_path / "trace.jsonl"
+    with offline(tmp_path):
+        argv = [REPO_ROOT / "speculate.py", "--target", DEMO / "target", "--drafter", DEMO / "drafter",
+                "--prompts-file", prompts, "--max-new-tokens", 40, "--trace-file", trace, "--wandb"]
+        p = subprocess.Popen([sys.executable] + [str(a) for a in argv], cwd=tmp_path, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        t0 = time.time()
+        while not any("output_ids" in f.read_text() for f in tmp_path.glob(".trace.jsonl.*.tmp")):
+            assert p.poll() is None, p.communicate()
+            assert time.time() - t0 < 120, "no request finished"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted by SIGINT"), err
+    run = read_run(tmp_path)
+    assert run.exit_code == 130 and run.summary["status"] == "interrupted" and run.summary["error"] == "SIGINT"
+    done = json.loads(trace.read_text().splitlines()[-1])["finished_requests"]
+    assert 1 <= run.summary["speculative/requests_logged"] == done < 400
+    assert_file_artifact(run, "trace", "trace", trace)  # the trace as it was published
+
+
+@pytest.mark.parametrize("program,flags,needle", [
+    ("speculate", ["--wandb-name", "x"], "--wandb-name: needs --wandb"),
+    ("speculate", ["--wandb", "--wandb-tags", "a,,b"], "--wandb-tags 'a,,b': an empty tag"),
+    ("speculate", ["--wandb", "--wandb-project", "a/b"], "--wandb-project 'a/b': W&B takes"),
+    ("speculate", ["--wandb", "--log-every", 0], "--log-every: invalid value 0"),
+    ("eval", ["--wandb-group", "g"], "--wandb-group: needs --wandb"),
+    ("eval", ["--wandb", "--wandb-entity", " "], "--wandb-entity: empty"),
+    ("train", ["--wandb-project", "p"], "--wandb-project: needs --wandb"),
+    ("train", ["--wandb-artifacts"], "--wandb-artifacts: needs --wandb"),
+])
+def test_bad_wandb_flags_are_one_line_errors_before_any_run(tmp_path, program, flags, needle):
+    base = {"speculate": (speculate.main, ["--prompt-ids", "1,2"]),
+            "eval": (ev.main, ["--target", DEMO / "target", "--out", tmp_path / "r.json"]),
+            "train": (train.main, ["--target", DEMO / "target", "--data", REPO_ROOT / "common.py",
+                                   "--out", tmp_path / "o"])}
+    main, argv = base[program]
+    with offline(tmp_path):
+        rc, _, err = call(main, argv + flags)
+    assert rc == 2 and err.strip().splitlines() == [err.strip()] and needle in err, err
+    assert not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.parametrize("error,code,status", [
+    (runlog.UserError("x"), 2, "failed"), (ValueError("x"), 1, "failed"), (KeyboardInterrupt(), 130, "interrupted"),
+    (runlog.Interrupted(signal.SIGTERM), 143, "interrupted"), (runlog.Interrupted(signal.SIGINT), 130, "interrupted")])
+def test_how_an_exception_ends_a_run(error, code, status):
+    assert runlog._ending(error) == (code, status)
