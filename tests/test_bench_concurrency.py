@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import sysconfig
 
 import pytest
 
@@ -21,13 +20,6 @@ CONCURRENCY_FIELDS = {"concurrency", "mode", "total_tokens_per_second", "per_req
 MODES = ("autoregressive", "none", "threshold", "hardware", "async")
 
 
-# The default prompts are cut from this Python's standard library (the files in demo/heldout.txt);
-# another Python version may lack one of them, and bench then asks for --prompts-file instead.
-HELDOUT_PRESENT = all(os.path.isfile(os.path.join(sysconfig.get_paths()["stdlib"], n))
-                      for n in open(os.path.join(DEMO_DIR, "heldout.txt")).read().split())
-
-
-@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
 def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "conc.json", tmp_path / "conc.png"
     # The demo head's confidences sit around 0.75-0.9: at 0.8 the threshold scheduler cuts some rounds short.
@@ -65,7 +57,6 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by plots.py (tests/test_plots.py checks the figure)
 
 
-@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
 def test_concurrency_outputs_that_differ_fail_loudly(monkeypatch):
     timed = bc.timed_generate
 
@@ -86,7 +77,6 @@ def test_cliffs_sps_is_flat_inside_a_tile_and_drops_past_its_edge():
     assert sps[17] == sps[32] == pytest.approx(1 / 1.5) and sps[33] == pytest.approx(1 / 1.75)
 
 
-@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
 def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
     out = tmp_path / "conc.json"
     rc = bc.main(["--concurrency", "4", "--schedulers", "none,hardware,async", "--sps-synthetic", "cliffs",
