@@ -453,6 +453,10 @@ def run(args: EvalArgs) -> dict:
         prompts[name] = select(ps, n, args.seed)
         check_prompts(prompts[name], target, args.max_new_tokens or 1, f"{path} ", drafter=drafter)
     args = replace(args, max_new_tokens=budget(args, demo, prompts, context, verbose=rank == 0))
+    if args.calibration_out and not any(math.floor(args.calibration_split * len(ps)) for ps in prompts.values()):
+        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of "
+                        f"{' / '.join(str(len(ps)) for ps in prompts.values())} requests leaves none to fit STS on; "
+                        f"more --max-samples or a larger split")
     max_seq = cache_length(max(len(p) for ps in prompts.values() for p in ps), args.max_new_tokens, drafter)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))

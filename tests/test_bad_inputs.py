@@ -404,6 +404,8 @@ CASES = [
      "gsm8k.jsonl:1", False),
     ("eval-cal-out-no-sts", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-split", "0",
                                                         "--calibration-out", t / "c.json"], "needs STS", False),
+    ("eval-cal-out-nothing-to-fit", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-split", "0.5",
+                                                                "--calibration-out", t / "c.json"], "none to fit", False),
     ("eval-hardware-threshold", "eval", lambda w, t: E(w) + ["--scheduler", "hardware", "--confidence-threshold", "0.5"],
      "--confidence-threshold", False),
     ("eval-target-missing", "eval", lambda w, t: ["--target", t / "nope", "--data-dir", w / "data", "--datasets",
