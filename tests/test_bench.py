@@ -154,4 +154,4 @@ def test_device_script_dry_run(tmp_path):
     # Without CUDA and without --dry-run it says so in one line.
     p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs a CUDA device" in p.stderr
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "needs a CUDA device" in p.stderr
