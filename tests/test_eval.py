@@ -480,7 +480,8 @@ def test_scheduler_flags_are_checked(env, tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --scheduler threshold")
 
 
-def test_unwritable_outputs_are_refused_before_any_work(env, tmp_path, capsys):
+def test_unwritable_outputs_are_refused_before_any_work(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # without --out: the default results.json would be written here
     for flag in ("--out", "--calibration-plot"):
         args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets",
                 "gsm8k", "--no-progress", flag, str(tmp_path / "missing" / "x")]
