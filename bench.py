@@ -191,7 +191,7 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -
     intervals lie inside the round's own clock and the parts add up to that round (none negative).
     The syncs cost a little on a GPU, so this run's round time (`split_round_ms`) is kept beside the
     timed runs' `round_ms`. (Timing the halves alone, in a loop after the run, was not subtractable:
-    on a shared CPU they came out up to ~15% off the rounds they were subtracted from, more than an
+    on a shared CPU they came out up to ~20% off the rounds they were subtracted from, more than an
     eager round's rest, which gave negative rests.)"""
     dev, spent = engine.device, {"draft": 0.0, "verify": 0.0}
     calls = {"draft": engine.draft_fn, "verify": engine.verify_fn}
