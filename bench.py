@@ -43,7 +43,7 @@ from common import (UserError, check_outputs, check_ranges, cli_main, device_nam
 from drafter import Drafter, DrafterConfig, random_drafter
 from inputs import resolve_checkpoint
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
-from speculate import Engine, Proposal, Request
+from speculate import Engine, Request
 
 
 @dataclass
@@ -73,7 +73,8 @@ class BenchArgs:
     max_new_tokens: int = 128
     """Tokens generated per request."""
     reference: Optional[bool] = None
-    """Also time the transformers-target reference loop at batch 1 (default: on for cpu)."""
+    """Also time the transformers-target reference loop at batch 1 (default: on for cpu when transformers,
+    a test-only dependency, is installed; without it the loop is skipped with a note)."""
     threads: Optional[int] = None
     """torch threads on cpu (default: torch's own)."""
     out: Optional[str] = None
@@ -170,16 +171,6 @@ def peak_memory(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def time_calls(fn, device, n: int = 10) -> float:
-    fn()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / n
-
-
 def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str]) -> Engine:
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
@@ -192,31 +183,43 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
     return engine
 
 
-def round_parts(engine: Engine, reqs: list[Request]) -> dict:
-    """The round's two halves, each timed alone with the engine's own (compiled) functions at the
-    state `reqs` ended in: draft (block forward, Markov chain, confidence, schedule) and verify
-    (target forward with capture, acceptance, context commit); a round's rest is the host's work."""
-    dev, drafter = engine.device, engine.drafter
-    anchor = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
-    pos = torch.tensor([len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], device=dev)
-    rows = (engine.target, drafter, anchor, pos, torch.ones_like(anchor, dtype=torch.bool))
-    step = torch.compiler.cudagraph_mark_step_begin if str(dev).startswith("cuda") else (lambda: None)
-    step()
-    # A copy, so that timing verify alone never reads a draft graph output that a replay overwrote.
-    draft_args = dict(noise=None, schedule=engine.scheduler, **engine.bound)
-    proposal = Proposal(*(t.clone() if t is not None else None for t in engine.draft_fn(*rows, **draft_args)))
+def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """The round split into draft (block forward, Markov chain, confidence, schedule), verify (target
+    forward with capture, acceptance, context commit) and the rest (the host's work: noise, the
+    record read, committing tokens), measured inside the rounds of one more run: the engine's own
+    draft and verify calls are timed where it makes them, synchronised before and after, so both
+    intervals lie inside the round's own clock and the parts add up to that round (none negative).
+    The syncs cost a little on a GPU, so this run's round time (`split_round_ms`) is kept beside the
+    timed runs' `round_ms`. (Timing the halves alone, in a loop after the run, was not subtractable:
+    on a shared CPU they came out up to ~20% off the rounds they were subtracted from, more than an
+    eager round's rest, which gave negative rests.)"""
+    dev, spent = engine.device, {"draft": 0.0, "verify": 0.0}
+    calls = {"draft": engine.draft_fn, "verify": engine.verify_fn}
 
-    def draft():
-        step()
-        return engine.draft_fn(*rows, **draft_args)
+    def timed(part):
+        def call(*a, **kw):
+            sync(dev)
+            t0 = time.perf_counter()
+            out = calls[part](*a, **kw)
+            sync(dev)
+            spent[part] += time.perf_counter() - t0
+            return out
+        return call
 
-    def verify():
-        step()
-        return engine.verify_fn(*rows, proposal, u=None, bonus_noise=None, **engine.bound)
-
-    return {"draft_ms": 1e3 * time_calls(draft, dev) if drafter is not None else 0.0,
-            "verify_ms": 1e3 * time_calls(verify, dev),
-            "bytes_per_round": round_bytes(engine.target, drafter, len(reqs), int(pos.float().mean()))}
+    engine.draft_fn, engine.verify_fn = timed("draft"), timed("verify")
+    try:
+        r = timed_generate(engine, prompts, max_new_tokens)
+    finally:
+        engine.draft_fn, engine.verify_fn = calls["draft"], calls["verify"]
+    rounds = r["steps"]  # every prompt has its own row, so the batch ran this many rounds
+    # Without a drafter the draft call only returns an empty block: host work, counted in the rest.
+    draft = 1e3 * spent["draft"] / rounds if engine.drafter is not None else 0.0
+    verify, round_ms = 1e3 * spent["verify"] / rounds, 1e3 * r["decode_seconds"] / rounds
+    pos = [len(q.prompt_ids) + len(q.output_ids) - 1 for q in r["requests"]]
+    return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify,
+            # nested intervals of one clock: only float rounding could take this below zero
+            "rest_ms": max(0.0, round_ms - draft - verify),
+            "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) // len(pos))}
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -273,6 +276,15 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["total_tokens_per_second"])[len(runs) // 2]
 
 
+def transformers_available() -> bool:
+    """Whether transformers imports (it is test-only: the runtime requirements do not include it)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def transformers_copy(target: Transformer):
     """transformers' Qwen3ForCausalLM holding `target`'s weights (the reference implementations' target)."""
     import transformers
@@ -290,6 +302,21 @@ def transformers_copy(target: Transformer):
     return hf.to(device=w.device, dtype=w.dtype).eval()
 
 
+def kv_cache(hf) -> dict:
+    """A new DynamicCache for `hf`, as the keyword its forward takes: `cache` (newer transformers, which
+    deprecate `past_key_values` with a warning) or `past_key_values` (4.x). Updated in place by each
+    forward, so the caller keeps it and never reads it back from the output (also deprecated)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=hf.config)
+    except TypeError:  # transformers before the config argument
+        cache = DynamicCache()
+    return {"cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values": cache}
+
+
 def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_new_tokens: int,
                        device, max_seq: int) -> tuple[list[int], float]:
     """The reference implementations' way, batch 1, greedy: transformers' Qwen3 with a
@@ -301,9 +328,9 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
         drafter.setup_caches(1, max(max_seq, len(prompt) + max_new_tokens + 2 * (K + 1)))
     sync(device)
     t0 = time.perf_counter()
+    cache = kv_cache(hf)
     x = torch.tensor([prompt], device=device)
-    out = hf(x, use_cache=True, output_hidden_states=drafter is not None)
-    cache = out.past_key_values
+    out = hf(x, use_cache=True, output_hidden_states=drafter is not None, **cache)
     pos = len(prompt)
     if drafter is not None:
         drafter.commit_context(torch.cat([out.hidden_states[i + 1] for i in ids], -1), torch.arange(pos, device=device)[None])
@@ -316,11 +343,11 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
         else:
             drafts = anchor.new_zeros((1, 0))
         tokens = torch.cat([anchor[:, None], drafts], 1)
-        out = hf(tokens, past_key_values=cache, use_cache=True, output_hidden_states=drafter is not None)
+        out = hf(tokens, use_cache=True, output_hidden_states=drafter is not None, **cache)
         n, nxt = kernels.verify_greedy(drafts, out.logits, torch.full((1,), K, device=device))
         n = int(n)
         if K - n > 0:
-            cache.crop(n - K)  # drop the rejected drafts' rows (a negative count: both transformers 4 and 5)
+            next(iter(cache.values())).crop(n - K)  # drop the rejected drafts' rows (negative: transformers 4 and 5)
         if drafter is not None:
             drafter.commit_context(torch.cat([out.hidden_states[i + 1] for i in ids], -1),
                                    pos + torch.arange(K + 1, device=device)[None])
@@ -349,6 +376,14 @@ def run(args: BenchArgs) -> list[dict]:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
+    want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
+    if want_reference and not transformers_available():
+        if args.reference:
+            raise UserError("--reference: the reference loop runs transformers' Qwen3, and transformers is not "
+                            "installed (a test-only dependency: pip install -r requirements-dev.txt)")
+        print("note: the reference loop (transformers' Qwen3) is skipped: transformers is not installed "
+              "(test-only: pip install -r requirements-dev.txt to time it too)", file=sys.stderr, flush=True)
+        want_reference = False
     t0 = time.perf_counter()
     if args.target is not None:
         from drafter import load_drafter
@@ -370,7 +405,6 @@ def run(args: BenchArgs) -> list[dict]:
           f"{hw}, torch {torch.__version__}, compile={args.compile}; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
-    want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
     hf = transformers_copy(target) if want_reference else None
     width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
     max_seq = args.prompt_len + args.max_new_tokens + 2 * width
@@ -404,12 +438,11 @@ def run(args: BenchArgs) -> list[dict]:
             r = median_run(runs[m])
             row_extra = {"differing_requests": differ.get(m)} if differ else {}
             round_s = r["decode_seconds"] / r["steps"]
-            parts = round_parts(engines[m], r["requests"])
+            parts = round_split(engines[m], prompts, args.max_new_tokens)
             row = {
                 "mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
                 "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
                 "acceptance_length": r["acceptance_length"], "round_ms": 1e3 * round_s, **parts,
-                "rest_ms": 1e3 * round_s - parts["draft_ms"] - parts["verify_ms"],
                 "achieved_gbps": parts["bytes_per_round"] / round_s / 1e9,
                 "compile_seconds": engines[m].compile_seconds, **row_extra,
             }
@@ -435,15 +468,16 @@ def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: lis
         write_json(args.out, {"config": asdict(args), "hardware": hw, "torch": torch.__version__,
                               "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
                               "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
-                                        f"{args.repeats} interleaved repeats; round parts timed once, after them",
+                                        f"{args.repeats} interleaved repeats; the round split (draft, verify, rest) from one "
+                                        f"more run with its halves timed in place and synchronised (split_round_ms)",
                               "complete": complete, "rows": rows, "ratios": ratios}, indent=1)
 
 
 def _row(r: dict, bw: float) -> str:
     floor_ms = r["bytes_per_round"] / bw * 1e3
     return (f"{r['mode']:<48} b={r['batch']:<3}{r['tokens_per_second']:9.1f} tok/s  τ={r['acceptance_length']:.2f}  "
-            f"round {r['round_ms']:.2f} ms (draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f}, "
-            f"rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {r['round_ms'] / floor_ms:.2f}x floor  "
+            f"round {r['round_ms']:.2f} ms (split of a synced {r['split_round_ms']:.2f}: draft {r['draft_ms']:.2f}, "
+            f"verify {r['verify_ms']:.2f}, rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {r['round_ms'] / floor_ms:.2f}x floor  "
             f"compile {r['compile_seconds']:.1f} s")
 
 

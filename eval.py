@@ -1,6 +1,7 @@
 """Benchmarks: acceptance length τ and per-position acceptance per dataset, confidence
 calibration (ECE / AUROC / Brier, Sequential Temperature Scaling), data-parallel with torchrun.
 
+    python eval.py                                       # the demo pair on its held-out prompts
     python eval.py --target DIR --drafter DIR \
         --datasets gsm8k,mt-bench --max-samples 8 --max-new-tokens 256 --out results.json
     torchrun --nproc_per_node 8 eval.py ...   # each rank decodes a shard of every dataset
@@ -34,7 +35,7 @@ import os
 import random
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional
 
 import numpy as np
@@ -49,7 +50,7 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
-from speculate import Engine, Request, auto_compile, cache_length
+from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -57,6 +58,9 @@ DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164,
 PAPER_DATASETS = tuple(DEFAULT_SAMPLES)
 AUTHORS_SEED = 980406
 ECE_BINS = 20
+BUDGET = 2048  # new tokens per request: the authors' script and DFlash's benchmarks
+DEMO_BUDGET = 128  # the demo pair's held-out figures (README)
+DEFAULT_OUT = "results.json"
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eval")
 # STS's 1-D search space: temperatures for c_k's logit, geometric from 1/20 to 20 (1.0 included).
 STS_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
@@ -68,19 +72,24 @@ class EvalArgs(WandbFlags):
 
     target: Optional[str] = None
     """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json), or a hub id ORG/NAME[@REVISION]
-    taken from the Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only)."""
+    taken from the Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only). Default,
+    with no --drafter either: demo mode, the demo pair in demo/."""
     drafter: Optional[str] = None
     """Drafter directory or hub id (any DSpark / DFlash spelling); omitted: the autoregressive baseline."""
-    data_dir: str = DATA_DIR
-    """Directory of <dataset>.jsonl files (JSON lines with "turns"; the first turn is the prompt).
-    Default: data/eval, the benchmark prompts that ship with the repository (data/eval/README.md)."""
-    datasets: str = ",".join(PAPER_DATASETS)
-    """Comma-separated dataset names (default: the paper's nine; missing files are skipped)."""
+    data_dir: Optional[str] = None
+    """Directory of <dataset>.jsonl files (JSON lines with "turns" — the first turn is the prompt — or
+    "prompt" / "prompt_ids"). Default: data/eval, the benchmark prompts that ship with the repository
+    (data/eval/README.md); in demo mode without --datasets: demo/."""
+    datasets: Optional[str] = None
+    """Comma-separated dataset names (default: the paper's nine, missing files skipped; in demo mode
+    without --data-dir: heldout, the demo pair's 20 held-out code prompts in demo/heldout.jsonl)."""
     max_samples: Optional[int] = None
     """Prompts per dataset (default: the paper's count per dataset). A longer file is shuffled with
     random.Random(--seed) and cut to this many, as the authors' evaluation does."""
-    max_new_tokens: int = 2048
-    """Token budget per request (the paper does not state one; 2048 as in DFlash's benchmarks)."""
+    max_new_tokens: Optional[int] = None
+    """Token budget per request. Default: 2048 (the paper does not state one; the authors' script and
+    DFlash's benchmarks use 2048), 128 in demo mode; a default is capped, with a one-line note, to
+    what the context leaves the longest prompt. A value given is kept: one that does not fit is an error."""
     temperature: float = 1.0
     """0 = greedy; the paper reports τ at 1.0."""
     chat: AutoBool = None
@@ -108,8 +117,10 @@ class EvalArgs(WandbFlags):
     process may use (printed at start); under torchrun on a CPU, give each rank its share."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu."""
-    out: str = "results.json"
-    """Where to write the results (JSON)."""
+    out: Optional[str] = None
+    """Where to write the results (JSON); a file given by name is replaced. Default: results.json in the
+    current directory, refused when that file exists (so an earlier run's results are never replaced
+    unasked)."""
     progress: bool = True
     """Progress bars on stderr (rank 0 only)."""
     calibration: Optional[str] = None
@@ -332,11 +343,47 @@ def metrics(name: str, c: dict, seconds: float) -> dict:
 # ----------------------------------------------------------------------------------------
 # Loading (speculate.py's code paths and checks)
 
+def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
+    """(args with what was not given filled in, demo mode). Demo mode (no --target, no --drafter): the
+    demo pair, and without --datasets and --data-dir its held-out prompts. --max-new-tokens stays None
+    when not given: its default depends on the prompts (`budget`). A default --out that exists is refused."""
+    demo = args.target is None and args.drafter is None
+    if demo:
+        args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"))
+        if args.datasets is None and args.data_dir is None:
+            args = replace(args, data_dir=DEMO_DIR, datasets="heldout")
+    if args.out is None:
+        if os.path.lexists(DEFAULT_OUT):
+            raise UserError(f"{DEFAULT_OUT}: exists (eval.py's default --out; an earlier run's results?); give "
+                            f"--out PATH, or --out {DEFAULT_OUT} to replace it")
+        args = replace(args, out=DEFAULT_OUT)
+    return replace(args, data_dir=args.data_dir or DATA_DIR, datasets=args.datasets or ",".join(PAPER_DATASETS)), demo
+
+
+def budget(args: EvalArgs, demo: bool, prompts: dict, context: int, verbose: bool = True) -> int:
+    """--max-new-tokens: as given, or the default (BUDGET; DEMO_BUDGET in demo mode) capped to what
+    `context` leaves the longest prompt, said in one line when it is."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    want = DEMO_BUDGET if demo else BUDGET
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    if longest + want <= context:
+        return want
+    if longest >= context:  # not even one new token (load_prompts refuses longer prompts already)
+        raise UserError(f"a prompt of {longest} tokens fills the {context}-token context; no room for new tokens")
+    if verbose:
+        print(f"note: --max-new-tokens {context - longest}: the default {want} capped to what the {context}-token "
+              f"context leaves the longest prompt ({longest} tokens); give --max-new-tokens to choose",
+              file=sys.stderr)
+    return context - longest
+
+
 def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     """(name, path, sample count) for every requested dataset whose file exists."""
-    if not os.path.isdir(args.data_dir):
-        raise UserError(f"--data-dir {args.data_dir}: directory not found")
-    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    data_dir = args.data_dir or DATA_DIR
+    if not os.path.isdir(data_dir):
+        raise UserError(f"--data-dir {data_dir}: directory not found")
+    names = [n.strip() for n in (args.datasets or ",".join(PAPER_DATASETS)).split(",") if n.strip()]
     if not names:
         raise UserError("--datasets: no dataset named")
     bad = [n for n in names if n in (".", "..") or any(c in n for c in "/\\\0")]
@@ -347,22 +394,23 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
         raise UserError(f"--datasets: {twice[0]!r} is named twice")
     out = []
     for name in names:
-        path = os.path.join(args.data_dir, f"{name}.jsonl")
+        path = os.path.join(data_dir, f"{name}.jsonl")
         if name not in DEFAULT_SAMPLES and not os.path.isfile(path):
             raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
-                                  f"or any <name>.jsonl in {args.data_dir})")
+                                  f"or any <name>.jsonl in {data_dir})")
         if not os.path.isfile(path):
             if rank == 0:
                 print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
             continue
         out.append((name, path, args.max_samples or DEFAULT_SAMPLES.get(name, 0)))  # 0: every row
     if not out:
-        raise UserError(f"--datasets: none of {', '.join(names)} is in {args.data_dir}")
+        raise UserError(f"--datasets: none of {', '.join(names)} is in {data_dir}")
     return out
 
 
 def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results. Raises UserError on bad input."""
+    args, demo = resolve_defaults(args)
     check_ranges(args, batch_size="[1, 65536]", max_new_tokens="[1, 10485760]", max_samples="[1, 10000000]",
                  confidence_threshold="[0, 1]", calibration_split="[0, 1)",
                  ece_bins="[1, 10000]", step=f"[0, {2**62}]", seed=f"[0, {2**62}]", dist_timeout="(0, 86400]")
@@ -379,11 +427,11 @@ def run(args: EvalArgs) -> dict:
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs(outputs, inputs=[target_dir, drafter_dir])
     with runlog.session(args, "eval", "eval.py", enabled=rank == 0) as log:  # --wandb: rank 0's run around the work
-        return evaluate(args, kind, datasets, target_dir, drafter_dir, log)
+        return evaluate(args, kind, datasets, target_dir, drafter_dir, log, demo)
 
 
 def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str], drafter_dir: Optional[str],
-             log: Optional[runlog.Log]) -> dict:
+             log: Optional[runlog.Log], demo: bool) -> dict:
     """Load the models and decode every dataset: its row printed, --out rewritten and (--wandb) logged as
     soon as it is done; then calibration and the outputs."""
     rank, world, device = dist_init(args.device, args.dist_timeout)
@@ -402,12 +450,20 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
 
     # Every rank tokenizes every dataset, so max_seq (and with it every cache shape) is the one
     # a single process would use: sharding then cannot change a single logit.
+    context = target.args.max_position_embeddings
+    if drafter is not None:
+        context = min(context, drafter.cfg.layers.max_position_embeddings)
     prompts = {}
     for name, path, n in datasets:
         ps = load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path,
-                          max_len=max(target.args.max_position_embeddings - args.max_new_tokens, 1))
+                          max_len=max(context - (args.max_new_tokens or 1), 1))
         prompts[name] = select(ps, n, args.seed)
-        check_prompts(prompts[name], target, args.max_new_tokens, f"{path} ", drafter=drafter)
+        check_prompts(prompts[name], target, args.max_new_tokens or 1, f"{path} ", drafter=drafter)
+    args = replace(args, max_new_tokens=budget(args, demo, prompts, context, verbose=rank == 0))
+    if args.calibration_out and not any(math.floor(args.calibration_split * len(ps)) for ps in prompts.values()):
+        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of "
+                        f"{' / '.join(str(len(ps)) for ps in prompts.values())} requests leaves none to fit STS on; "
+                        f"more --max-samples or a larger split")
     max_seq = cache_length(max(len(p) for ps in prompts.values() for p in ps), args.max_new_tokens, drafter)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     batch = max(1, min(args.batch_size, most))
@@ -581,6 +637,7 @@ def reliability_panels(calibration: dict, bins: int) -> list[dict]:
 
 def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None):
     write_json(args.out, results)
+    print(f"results written to {args.out}", file=sys.stderr)
     print()
     print(format_table(results["datasets"]))
     if calibration is not None:

@@ -531,11 +531,14 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
 
 def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: int, *, sampling: Sampling, seed: int,
                  batch_size: int, scheduler: str, threshold: float, compile: bool, kernels: str = "torch",
-                 stops: Optional[StopStrings] = None, ignore_eos: bool = False, buckets=None) -> Engine:
-    """An engine sized for these requests: caches for the longest prompt + budget, at most batch_size rows."""
+                 stops: Optional[StopStrings] = None, ignore_eos: bool = False, buckets=None,
+                 max_seq: Optional[int] = None) -> Engine:
+    """An engine sized for these requests: caches for the longest prompt + budget (or `max_seq`, at least
+    that), at most batch_size rows."""
     batch = min(batch_size, len(requests))
+    need = cache_length(max(len(r.prompt_ids) for r in requests), max_new_tokens, drafter)
     return Engine(m.target, drafter, batch_size=batch, temperature=sampling.temperature, filters=sampling.filters,
-                  seed=seed, max_seq=cache_length(max(len(r.prompt_ids) for r in requests), max_new_tokens, drafter),
+                  seed=seed, max_seq=max(need, max_seq or 0),
                   device=str(m.target.embed_tokens.weight.device), stop_ids=() if ignore_eos else m.stop_ids,
                   stop_strings=stops, scheduler=scheduler, threshold=threshold,
                   buckets=buckets if scheduler != "none" else None, compile=compile, kernels=kernels)
@@ -731,11 +734,17 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
                    drafter_resolved=m.drafter.cfg.describe() if m.drafter is not None else None)
     announce = f"{threads}; {sampling.describe()}"  # printed once every input is checked
     if demo:  # the prompt, then the baseline by the same engine without the drafter, for the side-by-side figures
+        # The speculative engine first: its SPS table (--sps-table) is read and checked before any decoding.
+        # The baseline's engine gets as many cache rows, so the two share the target's caches (kept, not
+        # reallocated under the speculative engine).
+        engine = ready_engine(args, m, m.drafter, prompts, kind, sampling, stops)
         print(f"--- prompt ---\n{m.tokenizer.decode(prompts[0]) if args.prompt is not None else prompts[0]}")
         baseline = decode(args, m, None, prompts, None, None, "none", sampling, stops, heading="autoregressive",
-                          announce=announce, log=log)
+                          announce=announce, log=log,
+                          engine=ready_engine(args, m, None, prompts, "none", sampling, stops, max_seq=engine.max_seq))
     summary = decode(args, m, m.drafter, prompts, args.trace_file, args.output_file, kind, sampling, stops,
-                     heading="speculative" if demo else None, announce=None if demo else announce, log=log)
+                     heading="speculative" if demo else None, announce=None if demo else announce, log=log,
+                     engine=engine if demo else None)
     if demo and baseline["tokens_per_second"] > 0:
         greedy = sampling.temperature == 0
         speed_up = summary["tokens_per_second"] / baseline["tokens_per_second"]
@@ -748,28 +757,41 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
     return summary
 
 
-def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str],
-           output_file: Optional[str], kind: str, sampling: Sampling, stops: Optional[StopStrings],
-           heading: Optional[str] = None, announce: Optional[str] = None, log: Optional[runlog.Log] = None) -> dict:
-    """Decode every prompt with `drafter` (None: autoregressive), print the texts and one figures line.
-    Interrupted (Ctrl-C, SIGTERM), it still prints the finished requests and ends the trace with a
-    summary marked "interrupted"; on an error the trace and output files are left as they were.
-    With `log` (--wandb) the figures go to the run as it decodes and at the end (runlog.py)."""
+def ready_engine(args: Args, m: Models, drafter, prompts: list[list[int]], kind: str, sampling: Sampling,
+                 stops: Optional[StopStrings], max_seq: Optional[int] = None) -> Engine:
+    """The engine for `drafter` (None: autoregressive) and these prompts, compiled when asked, with its SPS
+    table read (and checked against the engine) or profiled under the hardware and async schedulers.
+    `max_seq`: at least this many cache rows (an engine of the same size shares the target's caches)."""
     requests = requests_for(prompts, args.num_samples)
-    compile = auto_compile(args.compile, args.device)
     engine = build_engine(m, drafter, requests, args.max_new_tokens, sampling=sampling, seed=args.seed,
                           batch_size=args.batch_size, scheduler=kind, threshold=args.confidence_threshold,
-                          compile=compile, kernels=args.kernels, stops=stops, ignore_eos=args.ignore_eos,
+                          compile=auto_compile(args.compile, args.device), kernels=args.kernels, stops=stops,
+                          ignore_eos=args.ignore_eos,
                           buckets=parse_buckets(args.verify_buckets, min(args.batch_size, len(requests)), drafter)
-                          if kind != "none" else None)
+                          if kind != "none" else None, max_seq=max_seq)
+    if engine.compiled:
+        engine.warmup()
+    if kind in sched.SPS_KINDS:
+        engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table))
+    return engine
+
+
+def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str],
+           output_file: Optional[str], kind: str, sampling: Sampling, stops: Optional[StopStrings],
+           heading: Optional[str] = None, announce: Optional[str] = None, log: Optional[runlog.Log] = None,
+           engine: Optional[Engine] = None) -> dict:
+    """Decode every prompt with `drafter` (None: autoregressive) on `engine` (default: `ready_engine`'s),
+    print the texts and one figures line. Interrupted (Ctrl-C, SIGTERM), it still prints the finished
+    requests and ends the trace with a summary marked "interrupted"; on an error the trace and output
+    files are left as they were. With `log` (--wandb) the figures go to the run as it decodes and at the
+    end (runlog.py)."""
+    requests = requests_for(prompts, args.num_samples)
+    if engine is None:
+        engine = ready_engine(args, m, drafter, prompts, kind, sampling, stops)
     if announce:  # every input checked, the caches allocated: say how it runs
         print(announce, file=sys.stderr)
     if drafter is not None or m.hub_snapshots:
         print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
-    if compile:
-        engine.warmup()
-    if kind in sched.SPS_KINDS:
-        engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table))
 
     trace = StreamFile(trace_file) if trace_file else None
     out = OutputFile(output_file) if output_file else None

@@ -46,6 +46,8 @@ from scheduler import KINDS, SPS_KINDS  # noqa: E402
 from inputs import check_prompts, load_models, load_prompts, resolve_checkpoint  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length  # noqa: E402
 
+HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
+
 
 @dataclass
 class ConcurrencyArgs:
@@ -75,7 +77,7 @@ class ConcurrencyArgs:
     row takes the next one), so one slow request does not idle the rest."""
     prompts_file: Optional[str] = None
     """JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]}, cycled to fill each
-    batch (default: the demo pair's 20 held-out code prompts)."""
+    batch (default: the demo pair's 20 held-out code prompts, demo/heldout.jsonl)."""
     max_new_tokens: int = 64
     """Tokens generated per request."""
     temperature: float = 0.0
@@ -99,15 +101,6 @@ class ConcurrencyArgs:
     """Write the results as JSON here."""
     plot: Optional[str] = None
     """Draw total and per-request tokens/s against concurrency into this file (.png or .svg)."""
-
-
-def heldout_prompts() -> list[list[int]]:
-    """The demo pair's held-out code prompts (scripts/demo_prompts.py)."""
-    from demo_prompts import heldout_prompts as cut
-    try:
-        return cut()
-    except OSError as e:  # the held-out files come from this Python's standard library
-        raise UserError(f"the demo's held-out prompts: {e}; give --prompts-file instead") from None
 
 
 def cliffs_sps(top: int) -> list[float]:
@@ -139,9 +132,10 @@ def run(args: ConcurrencyArgs) -> list[dict]:
                  max_new_tokens="[1, 10485760]", temperature="[0, 10000]", threads="[1, 4096]", seed=f"[0, {2**62}]")
     if args.compile_mode is not None and args.compile is False:
         raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile")
-    check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, args.prompts_file])
-    plots.check_plot_path(args.plot, "--plot")
     demo = args.target is None and args.drafter is None
+    prompts_file = args.prompts_file or (HELDOUT if demo else None)
+    check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, prompts_file])
+    plots.check_plot_path(args.plot, "--plot")
     target_dir = os.path.join(DEMO_DIR, "target") if demo else args.target
     drafter_dir = os.path.join(DEMO_DIR, "drafter") if demo else args.drafter
     if target_dir is None or drafter_dir is None:
@@ -155,13 +149,10 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     compile = auto_compile(args.compile, dev)
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype)
     target, drafter = m.target, m.drafter
-    if args.prompts_file is not None:
-        chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
-        prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=args.prompts_file)
-    elif demo:
-        prompts = heldout_prompts()
-    else:
+    if prompts_file is None:
         raise UserError("--prompts-file: needed with a --target other than the demo pair")
+    chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
+    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file)
     check_prompts(prompts, target, args.max_new_tokens)
     modes = ["autoregressive"] + schedulers
     hw, greedy = device_name(dev), args.temperature == 0

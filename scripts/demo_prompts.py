@@ -1,56 +1,125 @@
-"""Held-out prompts for the demo pair's figures: JSON lines of {"prompt_ids": [...]}, cut from the
-standard-library files listed in demo/heldout.txt (never trained on) with the demo tokenizer.
+"""The demo pair's held-out prompts, cut from the standard-library files it never trained on.
 
-    python scripts/demo_prompts.py --out heldout.jsonl          # 20 prompts of 64 tokens
-    python speculate.py --prompts-file heldout.jsonl --max-new-tokens 128 > out.txt   # demo pair, both ways
+    python speculate.py --prompts-file demo/heldout.jsonl --max-new-tokens 128   # the committed prompts
+    python scripts/demo_prompts.py --out my_heldout.jsonl                          # cut them again
 
-Prompt i comes from file i mod F (F held-out files, in heldout.txt order), starting at token
+demo/heldout.jsonl is committed, so the demo's figures do not depend on the Python that runs them.
+This script made it, and remakes it for a pair rebuilt by scripts/train_demo.sh (which runs it): N
+prompts of T tokens, JSON lines of {"prompt_ids": [...], "source": file, "start": token}. Prompt i
+comes from file i mod F of the F held-out files (demo/heldout.txt, in that order), starting at token
 (i // F + 1) / (ceil(N / F) + 1) of the file — deterministic, spread over each file.
+
+The files are read from a standard library (the running Python's by default, --stdlib otherwise), and
+another Python version's files differ: when demo/corpus.json records the held-out files' digest (the
+rebuild writes it), a standard library whose files differ from it is refused.
 """
 
-import argparse
+from __future__ import annotations
+
+import hashlib
 import json
 import math
 import os
 import sys
 import sysconfig
+from dataclasses import dataclass
+from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from text import Tokenizer  # noqa: E402
+from common import UserError, atomic_write, check_outputs, check_ranges, cli_main, read_json  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "demo")
 
 
-def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = os.path.join(ROOT, "demo")):
-    """The prompts as lists of token ids (read here, and by scripts/bench_concurrency.py). Raises OSError
-    when a held-out file is missing (another Python version's standard library)."""
+@dataclass
+class PromptArgs:
+    """Cut the demo pair's held-out prompts from the standard-library files in demo/heldout.txt."""
+
+    out: str
+    """Where to write the prompts (JSON lines); the committed copy is demo/heldout.jsonl."""
+    num_prompts: int = 20
+    """How many prompts."""
+    prompt_tokens: int = 64
+    """Tokens per prompt (demo tokenizer)."""
+    demo: str = DEMO
+    """The demo pair's directory: target/tokenizer.json, heldout.txt, and corpus.json when present."""
+    stdlib: Optional[str] = None
+    """The standard library to read the held-out files from (default: the running Python's)."""
+
+
+def files_digest(paths: list[str]) -> str:
+    """sha256 over the files' names and bytes, in the order given (names: basenames)."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
+        h.update(os.path.basename(p).encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return h.hexdigest()
+
+
+def heldout_files(demo: str = DEMO, stdlib: Optional[str] = None) -> list[str]:
+    """Paths of the held-out files in `stdlib`, checked: every one present, and (when demo/corpus.json
+    records it) the same bytes the pair was built beside."""
+    stdlib = stdlib or sysconfig.get_paths()["stdlib"]
+    listing = os.path.join(demo, "heldout.txt")
+    if not os.path.isfile(listing):
+        raise UserError(f"{listing}: not found (the list of held-out files that scripts/train_demo.sh writes)")
+    with open(listing, encoding="utf-8") as f:
+        names = f.read().split()
+    if not names:
+        raise UserError(f"{listing}: lists no files")
+    corpus = os.path.join(demo, "corpus.json")
+    built = read_json(corpus) if os.path.isfile(corpus) else {}
+    which = f"Python {built['python']}'s" if "python" in built else "the one the pair was built from"
+    paths = [os.path.join(stdlib, n) for n in names]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise UserError(f"{missing[0]}: held-out file not in this standard library ({len(missing)} of {len(names)} "
+                        f"missing; the demo was cut from {which}); give --stdlib, or use the committed "
+                        f"demo/heldout.jsonl")
+    if "heldout_sha256" in built and files_digest(paths) != built["heldout_sha256"]:
+        raise UserError(f"{stdlib}: its held-out files differ from {which} ({corpus}: heldout_sha256); give "
+                        f"--stdlib, or use the committed demo/heldout.jsonl")
+    return paths
+
+
+def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = DEMO,
+                    stdlib: Optional[str] = None) -> list[dict]:
+    """The prompts as records {"prompt_ids", "source", "start"} (UserError when a file is missing or
+    differs from the pair's)."""
+    from text import Tokenizer
+
+    paths = heldout_files(demo, stdlib)
     tok = Tokenizer(os.path.join(demo, "target"))
-    names = open(os.path.join(demo, "heldout.txt")).read().split()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    ids = [tok.encode(open(os.path.join(stdlib, n), encoding="utf-8").read()) for n in names]
-    per_file = math.ceil(num_prompts / len(names))
+    ids = []
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            ids.append(tok.encode(f.read()))
+    per_file = math.ceil(num_prompts / len(paths))
     prompts = []
     for i in range(num_prompts):
-        doc = ids[i % len(names)]
-        start = (i // len(names) + 1) * len(doc) // (per_file + 1)
+        doc = ids[i % len(paths)]
+        start = (i // len(paths) + 1) * len(doc) // (per_file + 1)
         start = max(0, min(start, len(doc) - prompt_tokens))
-        prompts.append(doc[start:start + prompt_tokens])
+        prompts.append({"prompt_ids": doc[start:start + prompt_tokens],
+                        "source": os.path.basename(paths[i % len(paths)]), "start": start})
     return prompts
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--num-prompts", type=int, default=20)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--demo", default=os.path.join(ROOT, "demo"))
-    a = ap.parse_args()
-    prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo)
-    with open(a.out, "w") as f:
-        for p in prompts:
-            f.write(json.dumps({"prompt_ids": p}) + "\n")
-    names = open(os.path.join(a.demo, "heldout.txt")).read().split()
-    print(f"wrote {a.num_prompts} prompts of {a.prompt_tokens} tokens from {len(names)} held-out files to {a.out}")
+def run(a: PromptArgs):
+    check_ranges(a, num_prompts="[1, 100000]", prompt_tokens="[1, 100000]")
+    check_outputs({"--out": a.out}, inputs=[os.path.join(a.demo, n) for n in ("heldout.txt", "corpus.json", "target")]
+                  + [a.stdlib])
+    prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo, a.stdlib)
+    atomic_write(a.out, "".join(json.dumps(p) + "\n" for p in prompts))
+    files = len({p["source"] for p in prompts})
+    print(f"wrote {a.num_prompts} prompts of up to {a.prompt_tokens} tokens from {files} held-out files to {a.out}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return cli_main(PromptArgs, run, argv, inference=False)
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

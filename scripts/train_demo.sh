@@ -1,27 +1,67 @@
 #!/usr/bin/env bash
-# Reproduce the demo pair (demo/target + demo/drafter) from scratch, on CPU, from the Python
-# standard library's own top-level *.py files — text every machine has offline.
+# Rebuild the demo pair (a target and a drafter like demo/target + demo/drafter) from scratch, on
+# CPU, from the running Python's standard library — text every machine has offline.
 #
-#   bash scripts/train_demo.sh            # from the repository root; ~38 min on 2 CPU cores
+# usage: bash scripts/train_demo.sh --out DIR [--force]     (from anywhere; ~38 min on 2 CPU cores)
 #
-# Held-out split (never trained on; used for the README's τ / speed figures): the files
-# `sorted(glob(stdlib/*.py))[i]` with i % 20 == 0 (5%), listed in demo/heldout.txt.
-# Steps: 1. BPE tokenizer (vocab 4096) + a 4-layer, hidden-256 Qwen3 target (scripts/train_target.py);
+#   --out DIR    where the pair goes: DIR/target, DIR/drafter, DIR/heldout.txt, DIR/heldout.jsonl and
+#                DIR/corpus.json. A DIR that exists and is not empty is refused without --force, so
+#                the committed pair is replaced only when asked: --out demo --force.
+#   --force      replace what DIR holds (its pair and held-out files; anything else in DIR stays).
+#   -h, --help   this text.
+#
+# Environment: TARGET_STEPS (500) and DRAFTER_STEPS (2000) set the training steps (small values for a
+# quick try), THREADS the CPU threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and redoes the
+# drafter (its corpus must be the one DIR/corpus.json records).
+#
+# Steps: 0. the corpus (scripts/demo_corpus.py): the standard library's top-level *.py files, every
+#           20th held out (never trained on), named in DIR/heldout.txt; DIR/corpus.json and one printed
+#           line say which Python's library it was (another version gives another corpus, so another pair);
+#        1. BPE tokenizer (vocab 4096) + a 4-layer, hidden-256 Qwen3 target (scripts/train_target.py);
 #        2. its weights rounded to bfloat16 (the stored precision: the pair must stay small);
 #        3. a block-5, depth-1 DSpark drafter (vanilla Markov rank 64, confidence head) distilled
-#           from the bf16 target; 4. the drafter rounded to bfloat16 too.
-# TARGET_STEPS / DRAFTER_STEPS / THREADS override the defaults (for quick tries); DRAFTER_ONLY=1 keeps the
-# existing $OUT/target and redoes steps 3-4 only.
+#           from the bf16 target; 4. the drafter rounded to bfloat16 too;
+#        5. the held-out prompts, DIR/heldout.jsonl (scripts/demo_prompts.py).
+# Everything is built in a temporary directory and moved into DIR at the end: a run that fails or
+# is stopped leaves DIR as it was.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+fail() { echo "error: $*" >&2; exit 2; }
+
+OUT="" FORCE=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --out) [ $# -ge 2 ] && [ -n "$2" ] || fail "--out: needs a directory"; OUT=$2; shift 2 ;;
+        --out=*) OUT=${1#--out=}; [ -n "$OUT" ] || fail "--out: needs a directory"; shift ;;
+        --force) FORCE=1; shift ;;
+        *) fail "$1: unknown argument (usage: bash scripts/train_demo.sh --out DIR [--force]; --help for more)" ;;
+    esac
+done
+[ -n "$OUT" ] || fail "--out DIR: where to put the rebuilt pair (the committed one is demo/: --out demo --force replaces it)"
+for v in TARGET_STEPS DRAFTER_STEPS THREADS; do
+    val=${!v:-1}
+    [[ "$val" =~ ^[1-9][0-9]{0,8}$ ]] || fail "$v=$val: not a positive integer"
+done
+[ "${DRAFTER_ONLY:-0}" = 0 ] || [ "${DRAFTER_ONLY:-0}" = 1 ] || fail "DRAFTER_ONLY=$DRAFTER_ONLY: 0 or 1"
+if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then fail "--out $OUT: exists and is not a directory"; fi
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ "$FORCE" != 1 ]; then
+    fail "--out $OUT: exists and is not empty; add --force to replace its pair"
+fi
+if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ ! -f "$OUT/target/model.safetensors" ]; then
+    fail "DRAFTER_ONLY=1: $OUT/target/model.safetensors not found (the target to keep)"
+fi
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
 TARGET_STEPS=${TARGET_STEPS:-500}
 DRAFTER_STEPS=${DRAFTER_STEPS:-2000}
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
-OUT=${DEMO_OUT:-demo}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+PAIR=$WORK/pair  # what moves into $OUT at the end
 
 # SRC -> DST (made anew): model.safetensors with floating tensors rounded to bfloat16, config.json
 # saying so — the stored precision, so that the pair stays small.
@@ -40,34 +80,40 @@ json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
 PY
 }
 
-# 1. The corpus: stdlib top-level *.py minus the held-out 5%.
-mkdir -p "$OUT" "$WORK/corpus"
-python - "$WORK/corpus" "$OUT/heldout.txt" <<'PY'
-import glob, os, shutil, sys, sysconfig
-files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-held = [f for i, f in enumerate(files) if i % 20 == 0]
-with open(sys.argv[2], "w") as f:
-    f.write("".join(os.path.basename(h) + "\n" for h in held))
-for f in files:
-    if f not in held:
-        shutil.copy(f, sys.argv[1])
-print(f"corpus: {len(files) - len(held)} training files, {len(held)} held out", file=sys.stderr)
-PY
+# 0. The corpus: stdlib top-level *.py minus the held-out 5%; says which Python's library it is.
+SAME=()
+if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ -f "$OUT/corpus.json" ]; then SAME=(--same-as "$OUT/corpus.json"); fi
+python "$REPO/scripts/demo_corpus.py" --corpus "$WORK/corpus" --out "$PAIR" "${SAME[@]}"
 
-# 2. Tokenizer + target.
+# 1-2. Tokenizer + target.
 if [ "${DRAFTER_ONLY:-0}" != 1 ]; then
-python scripts/train_target.py --tokenizer-from-corpus --vocab-size 4096 --data "$WORK/corpus" \
+python "$REPO/scripts/train_target.py" --tokenizer-from-corpus --vocab-size 4096 --data "$WORK/corpus" \
     --out "$WORK/target" --hidden-size 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 64 \
     --intermediate-size 768 --seq-len 256 --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
     --max-position-embeddings 2048 --seed 0 --device cpu --no-progress
-to_bf16 "$WORK/target" "$OUT/target"
-cp "$WORK/target/tokenizer.json" "$WORK/target/generation_config.json" "$OUT/target/"
+to_bf16 "$WORK/target" "$PAIR/target"
+cp "$WORK/target/tokenizer.json" "$WORK/target/generation_config.json" "$PAIR/target/"
+else
+cp -r "$OUT/target" "$PAIR/target"
 fi
 
-# 3. Drafter, distilled from the stored (bf16) target.
-python train.py --target "$OUT/target" --data "$WORK/corpus" --out "$WORK/drafter" \
+# 3-4. Drafter, distilled from the stored (bf16) target.
+python "$REPO/train.py" --target "$PAIR/target" --data "$WORK/corpus" --out "$WORK/drafter" \
     --block-size 5 --depth 1 --markov vanilla --markov-rank 64 --confidence \
     --seq-len 256 --batch-size 8 --anchors-per-seq 64 --steps "$DRAFTER_STEPS" --lr 2e-3 \
     --seed 0 --device cpu --no-progress
-to_bf16 "$WORK/drafter" "$OUT/drafter"
+to_bf16 "$WORK/drafter" "$PAIR/drafter"
+
+# 5. The held-out prompts, cut with this pair's tokenizer.
+python "$REPO/scripts/demo_prompts.py" --demo "$PAIR" --out "$PAIR/heldout.jsonl"
+
+# Into $OUT, item by item.
+mkdir -p "$OUT"
+for item in target drafter heldout.txt heldout.jsonl corpus.json; do
+    rm -rf "${OUT:?}/$item.old"
+    if [ -e "$OUT/$item" ]; then mv "$OUT/$item" "$OUT/$item.old"; fi
+    mv "$PAIR/$item" "$OUT/$item"
+    rm -rf "${OUT:?}/$item.old"
+done
 du -sh "$OUT"/target "$OUT"/drafter
+echo "the pair is in $OUT; $OUT/corpus.json says which corpus built it"

@@ -404,6 +404,8 @@ CASES = [
      "gsm8k.jsonl:1", False),
     ("eval-cal-out-no-sts", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-split", "0",
                                                         "--calibration-out", t / "c.json"], "needs STS", False),
+    ("eval-cal-out-nothing-to-fit", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-split", "0.5",
+                                                                "--calibration-out", t / "c.json"], "none to fit", False),
     ("eval-hardware-threshold", "eval", lambda w, t: E(w) + ["--scheduler", "hardware", "--confidence-threshold", "0.5"],
      "--confidence-threshold", False),
     ("eval-target-missing", "eval", lambda w, t: ["--target", t / "nope", "--data-dir", w / "data", "--datasets",
@@ -579,6 +581,7 @@ def _check(err: str, needle: str, rc: int):
 def test_bad_input_in_process(case, world, tmp_path, capsys, monkeypatch):
     name, program, build, needle, _ = case
     monkeypatch.setattr(text, "TEMPLATE_SECONDS", 2)
+    monkeypatch.chdir(tmp_path)  # default outputs (eval's results.json) land here, never in the repository
     args = [str(a) for a in build(world, tmp_path)]
     before = hashes(world), hashes(tmp_path)
     rc = PROGRAMS[program][0](args)
@@ -598,6 +601,38 @@ def test_bad_input_as_a_process(case, world, tmp_path):
                        env=env, cwd=tmp_path, timeout=300)
     _check(p.stderr, needle, p.returncode)
     assert (hashes(world), hashes(tmp_path)) == before, "an input file changed"
+
+
+@pytest.mark.parametrize("table", ['{"x": 1}', "not json", "[]"])
+def test_demo_mode_reads_the_sps_table_before_any_decoding(tmp_path, capsys, monkeypatch, table):
+    """Demo mode decodes autoregressively first, for the side-by-side figures: a bad --sps-table is
+    still refused before that pass, with nothing decoded."""
+    bad = tmp_path / "sps.json"
+    bad.write_text(table)
+    calls = []
+    generate = speculate.Engine.generate
+    monkeypatch.setattr(speculate.Engine, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    rc = speculate.main(["--scheduler", "hardware", "--sps-table", str(bad), "--max-new-tokens", "8"])
+    cap = capsys.readouterr()
+    _check(cap.err, str(bad), rc)
+    assert calls == [] and "--- autoregressive ---" not in cap.out and bad.read_text() == table
+
+
+def test_demo_mode_with_a_good_sps_table_shares_the_target_caches(tmp_path, capsys, monkeypatch):
+    """Written by the first run, read by the second; the baseline's engine is as large as the speculative
+    one, so the target's caches are kept between them (not reallocated under the speculative engine)."""
+    import model
+
+    sizes = []
+    setup = model.Transformer.setup_caches
+    monkeypatch.setattr(model.Transformer, "setup_caches", lambda self, b, n: sizes.append((b, n)) or setup(self, b, n))
+    table = tmp_path / "sps.json"
+    for _ in range(2):
+        assert speculate.main(["--scheduler", "hardware", "--sps-table", str(table), "--max-new-tokens", "16"]) == 0
+    assert len(sizes) >= 4 and len(set(sizes)) == 1, sizes
+    cap = capsys.readouterr()
+    assert "SPS table written to" in cap.err and "SPS table read from" in cap.err
+    assert cap.out.count("greedy outputs identical: True") == 2
 
 
 def test_chat_template_running_too_long_is_stopped(world, tmp_path, capsys, monkeypatch):

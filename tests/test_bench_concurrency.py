@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import sysconfig
 
 import pytest
 
@@ -21,13 +20,6 @@ CONCURRENCY_FIELDS = {"concurrency", "mode", "total_tokens_per_second", "per_req
 MODES = ("autoregressive", "none", "threshold", "hardware", "async")
 
 
-# The default prompts are cut from this Python's standard library (the files in demo/heldout.txt);
-# another Python version may lack one of them, and bench then asks for --prompts-file instead.
-HELDOUT_PRESENT = all(os.path.isfile(os.path.join(sysconfig.get_paths()["stdlib"], n))
-                      for n in open(os.path.join(DEMO_DIR, "heldout.txt")).read().split())
-
-
-@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
 def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "conc.json", tmp_path / "conc.png"
     # The demo head's confidences sit around 0.75-0.9: at 0.8 the threshold scheduler cuts some rounds short.
@@ -45,7 +37,11 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
         assert r["outputs_agree"] is True  # greedy: bench raises if any scheduler's tokens differ
         assert r["tokens"] == 12 * c * 2  # c x 2 requests; the demo prompts are code: no EOS within 12 tokens
         assert len(r["total_tokens_per_second_runs"]) == 2
-        assert r["total_tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"], rel=0.2)
+        # The medians of the repeats: tokens/s and tokens / seconds (their harmonic twin) both lie within the
+        # repeats' range, however far apart a loaded machine puts the repeats.
+        lo, hi = min(r["total_tokens_per_second_runs"]), max(r["total_tokens_per_second_runs"])
+        assert lo <= r["total_tokens_per_second"] <= hi
+        assert lo * (1 - 1e-9) <= r["tokens"] / r["seconds"] <= hi * (1 + 1e-9)
         # c rows busy at a time: a request's own rate is at least its share of the total (within the
         # clocks' difference and the drain at the end, when fewer than c requests are left).
         assert r["per_request_tokens_per_second"] >= 0.5 * r["total_tokens_per_second"] / c
@@ -65,7 +61,6 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by plots.py (tests/test_plots.py checks the figure)
 
 
-@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
 def test_concurrency_outputs_that_differ_fail_loudly(monkeypatch):
     timed = bc.timed_generate
 
@@ -86,7 +81,6 @@ def test_cliffs_sps_is_flat_inside_a_tile_and_drops_past_its_edge():
     assert sps[17] == sps[32] == pytest.approx(1 / 1.5) and sps[33] == pytest.approx(1 / 1.75)
 
 
-@pytest.mark.skipif(not HELDOUT_PRESENT, reason="this Python's standard library lacks a demo held-out file")
 def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
     out = tmp_path / "conc.json"
     rc = bc.main(["--concurrency", "4", "--schedulers", "none,hardware,async", "--sps-synthetic", "cliffs",

@@ -61,3 +61,104 @@ def test_demo_greedy_speculative_equals_autoregressive(tmp_path):
 def test_drafter_without_target_is_still_an_error(capsys):
     assert speculate.main(["--drafter", str(DEMO / "drafter"), "--prompt-ids", "1,2"]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------
+# The held-out prompts and the corpus record (scripts/demo_prompts.py, scripts/demo_corpus.py, train_demo.sh)
+
+def _scripts():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    return importlib.import_module("demo_prompts"), importlib.import_module("demo_corpus")
+
+
+def test_committed_heldout_prompts_are_the_demo_pairs():
+    """demo/heldout.jsonl: 20 prompts of 64 in-vocabulary ids from the held-out files, which
+    corpus.json names too; where this Python's library is the one the pair was cut from, cutting
+    them again gives the committed file, and elsewhere the cut is refused in one line."""
+    import sysconfig
+
+    import pytest
+
+    from common import UserError
+
+    dp, _ = _scripts()
+    rows = [json.loads(line) for line in open(DEMO / "heldout.jsonl")]
+    held = (DEMO / "heldout.txt").read_text().split()
+    corpus = json.loads((DEMO / "corpus.json").read_text())
+    assert corpus["heldout_files"] == held and corpus["training_files"] + len(held) > 100
+    vocab = Tokenizer(str(DEMO / "target")).tok.get_vocab_size(with_added_tokens=True)
+    assert len(rows) == 20 and {r["source"] for r in rows} == set(held)
+    assert all(len(r["prompt_ids"]) == 64 and all(0 <= t < vocab for t in r["prompt_ids"]) for r in rows)
+    paths = [os.path.join(sysconfig.get_paths()["stdlib"], n) for n in held]
+    if all(os.path.isfile(p) for p in paths) and dp.files_digest(paths) == corpus["heldout_sha256"]:
+        assert dp.heldout_prompts() == rows
+    else:
+        with pytest.raises(UserError, match="demo/heldout.jsonl"):
+            dp.heldout_prompts()
+
+
+def test_demo_prompts_refuses_another_standard_library(tmp_path, capsys):
+    dp, _ = _scripts()
+    held = (DEMO / "heldout.txt").read_text().split()
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for n in held[:-1]:
+        (lib / n).write_text("x = 1\n")
+    out = tmp_path / "p.jsonl"
+    assert dp.main(["--out", str(out), "--stdlib", str(lib)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and held[-1] in err and "not in this standard library" in err, err
+    (lib / held[-1]).write_text("x = 1\n")  # all present, other bytes
+    assert dp.main(["--out", str(out), "--stdlib", str(lib)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "differ" in err and "heldout_sha256" in err, err
+    assert not out.exists()
+
+
+def test_demo_corpus_splits_records_and_checks_same_as(tmp_path, capsys):
+    _, dc = _scripts()
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for i in range(41):
+        (lib / f"m{i:02d}.py").write_text(f"x = {i}\n")
+    pair, corpus = tmp_path / "pair", tmp_path / "corpus"
+    assert dc.main(["--corpus", str(corpus), "--out", str(pair), "--stdlib", str(lib)]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("corpus: Python ") and "38 training files" in line and "3 held out" in line
+    assert (pair / "heldout.txt").read_text().split() == ["m00.py", "m20.py", "m40.py"]
+    assert sorted(os.listdir(corpus)) == [f"m{i:02d}.py" for i in range(41) if i % 20]
+    rec = json.loads((pair / "corpus.json").read_text())
+    assert rec["training_files"] == 38 and rec["heldout_files"] == ["m00.py", "m20.py", "m40.py"]
+    (lib / "m05.py").write_text("x = 'changed'\n")  # another library: a drafter-only rebuild must refuse it
+    assert dc.main(["--corpus", str(tmp_path / "c2"), "--out", str(tmp_path / "p2"), "--stdlib", str(lib),
+                    "--same-as", str(pair / "corpus.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "training_sha256 differs" in err, err
+
+
+def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
+    """--help prints the usage and does nothing; no --out, an unknown flag, a bad step count or a
+    non-empty --out without --force are one line and exit 2, before any work."""
+    import subprocess
+
+    script = str(REPO_ROOT / "scripts" / "train_demo.sh")
+    before = sorted(p.name for p in DEMO.iterdir())
+    mtimes = {p: p.stat().st_mtime_ns for p in DEMO.rglob("*")}
+    p = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert p.returncode == 0 and "--out DIR" in p.stdout and "--force" in p.stdout and p.stderr == ""
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep").write_text("x")
+    for argv, env, needle in (([], {}, "--out DIR"), (["--bogus"], {}, "--bogus: unknown argument"),
+                              (["--out", str(full)], {}, "add --force"),
+                              (["--out", str(DEMO)], {}, "add --force"),
+                              (["--out", str(tmp_path / "new")], {"TARGET_STEPS": "0"}, "TARGET_STEPS=0")):
+        p = subprocess.run(["bash", script, *argv], capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                           env=dict(os.environ, **env))
+        assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and needle in p.stderr, (argv, p)
+    assert sorted(p.name for p in DEMO.iterdir()) == before
+    assert {p: p.stat().st_mtime_ns for p in DEMO.rglob("*")} == mtimes
+    assert os.listdir(full) == ["keep"] and not (tmp_path / "new").exists()

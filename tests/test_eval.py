@@ -476,9 +476,59 @@ def test_scheduler_flags_are_checked(env, tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --scheduler threshold")
 
 
-def test_unwritable_outputs_are_refused_before_any_work(env, tmp_path, capsys):
+def test_unwritable_outputs_are_refused_before_any_work(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # without --out: the default results.json would be written here
     for flag in ("--out", "--calibration-plot"):
         args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets",
                 "gsm8k", "--no-progress", flag, str(tmp_path / "missing" / "x")]
         assert ev.main(args) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {flag}")
+
+
+# ----------------------------------------------------------------------------------------
+# Defaults a newcomer meets: the budget against the context, the default --out
+
+def test_default_budget_is_capped_to_the_context_with_a_note(env, tmp_path, capsys):
+    """The default 2048 new tokens do not fit this target's 256-token context: capped, in one line, to
+    what the longest prompt leaves; a budget given by name that does not fit stays an error."""
+    out = tmp_path / "r.json"
+    base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--max-samples", "2", "--temperature", "0", "--no-progress"]
+    assert ev.main(base + ["--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    notes = [l for l in err.splitlines() if l.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: --max-new-tokens ") and "default 2048" in notes[0], err
+    res = json.load(open(out))
+    budget = res["config"]["max_new_tokens"]
+    longest = int(notes[0].split("longest prompt (")[1].split(" tokens")[0])
+    assert budget == 256 - longest == int(notes[0].split()[2].rstrip(":"))
+    assert ev.main(base + ["--out", str(out), "--max-new-tokens", "2048"]) == 2
+    assert "max-new-tokens" in capsys.readouterr().err
+
+
+def test_default_out_never_replaces_an_earlier_results_file(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results.json").write_text("earlier\n")
+    base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--max-samples", "1", "--max-new-tokens", "4", "--no-progress"]
+    assert ev.main(base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: results.json: exists") and "--out" in err, err
+    assert (tmp_path / "results.json").read_text() == "earlier\n"
+    assert ev.main(base + ["--out", "results.json"]) == 0  # named: replaced, as every named output is
+    assert json.load(open(tmp_path / "results.json"))["complete"] is True
+    assert "results written to results.json" in capsys.readouterr().err
+
+
+def test_demo_mode_defaults_resolve_to_the_demo_pair_and_its_heldout_prompts(monkeypatch, tmp_path):
+    """`python eval.py` alone: the demo pair on demo/heldout.jsonl at 128 tokens (the whole run is in
+    tests/test_newcomer.py); --datasets or --data-dir given keep the benchmark meaning."""
+    monkeypatch.chdir(tmp_path)
+    args, demo = ev.resolve_defaults(ev.EvalArgs())
+    assert demo and args.datasets == "heldout" and os.path.samefile(args.data_dir, REPO_ROOT / "demo")
+    assert os.path.samefile(args.target, REPO_ROOT / "demo" / "target") and args.out == "results.json"
+    assert args.max_new_tokens is None and ev.DEMO_BUDGET == 128  # the budget is resolved against the prompts
+    args, demo = ev.resolve_defaults(ev.EvalArgs(datasets="gsm8k"))
+    assert demo and os.path.samefile(args.data_dir, ev.DATA_DIR)
+    args, demo = ev.resolve_defaults(ev.EvalArgs(target="t"))
+    assert not demo and args.datasets == ",".join(ev.PAPER_DATASETS) and args.data_dir == ev.DATA_DIR

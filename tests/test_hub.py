@@ -308,9 +308,10 @@ def test_a_repository_without_safetensors_is_one_line(hub, repos, tmp_path, monk
 # ----------------------------------------------------------------------------------------
 # Every program that takes --target/--drafter resolves them the same way
 
-def test_every_program_resolves_hub_ids(hub, repos, tmp_path, capsys):
+def test_every_program_resolves_hub_ids(hub, repos, tmp_path, capsys, monkeypatch):
     """An id missing from the cache is the same one-line error in each program (it goes through
     resolve_checkpoint), and a cached one is decoded by eval.py end to end."""
+    monkeypatch.chdir(tmp_path)  # eval without --out: its default results.json belongs here, not in the checkout
     data = tmp_path / "data"
     data.mkdir()
     (data / "gsm8k.jsonl").write_text(json.dumps({"turns": ["hello world"]}) + "\n")

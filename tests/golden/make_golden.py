@@ -102,8 +102,8 @@ def build_pairs():
     from scripts.demo_prompts import heldout_prompts
 
     with open(p("demo_prompts.jsonl"), "w") as f:
-        for ids in heldout_prompts(4, 24):
-            f.write(json.dumps({"prompt_ids": ids}) + "\n")
+        for r in heldout_prompts(4, 24):
+            f.write(json.dumps({"prompt_ids": r["prompt_ids"]}) + "\n")
 
 
 def step_time(b: int) -> float:
