@@ -21,7 +21,7 @@ What is notable here:
   request's cache and earlier tokens (see `Ragged`).
 - Loading is strict: every tensor in the files must land in a parameter and every parameter
   must be loaded, else `UserError` names the first one that does not. Then, for inference, each
-  layer's projections are fused (`Transformer.fuse_`): one [q; k; v] GEMM and one [gate; up] GEMM,
+  layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM and one [gate; up] GEMM,
   the published parameters kept as views of the fused rows, so state_dict stays the checkpoint's.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
@@ -397,21 +397,25 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)
         self.kv_cache: Optional[KVCache] = None
-        for name in ("qkv_weight", "qkv_bias", "qk_norm_weight"):  # fuse_(); not saved (state_dict has the views)
+        for name in ("vkq_weight", "vkq_bias", "kq_norm_weight"):  # fuse_(); not saved (state_dict has the views)
             self.register_buffer(name, None, persistent=False)
 
     def fuse_(self):
-        """For inference: one GEMM for q, k and v, and one norm for the q and k heads.
+        """For inference: one GEMM for q, k and v, and one norm for the k and q heads.
 
-        The [q; k; v] weight (and bias) is one tensor, and q/k/v_proj's parameters become views of its
-        rows: the same memory, still the published names in state_dict (so saving, comparing with
-        transformers and strict loading see the checkpoint's layout), and an in-place edit of either
-        is seen by both. The two norms' weights are copied side by side, one row per head [H + Hkv, hd],
-        so the norms must not change afterwards. Gradients would reach the fused tensor, not the
-        parameters: a fused layer refuses a forward with grad (train an unfused model)."""
-        if self.qkv_weight is not None:
+        The weight (and bias) of the three projections is one tensor, rows ordered [v; k; q]: the K/V
+        the drafter's context rows need (`kv`) are then its leading rows — a slice at offset 0, which
+        Inductor's frozen-weight GEMMs (speculate.compiled on CPU) read right, where they misread a
+        slice further into the tensor — and the k and q heads, normed and rotated together, are
+        adjacent. q/k/v_proj's parameters become views of its rows: the same memory, still the
+        published names in state_dict (so saving, comparing with transformers and strict loading see
+        the checkpoint's layout), and an in-place edit of either is seen by both. The two norms'
+        weights are copied side by side, one row per head [Hkv + H, hd], so the norms must not change
+        afterwards. Gradients would reach the fused tensor, not the parameters: a fused layer refuses a
+        forward with grad (train an unfused model)."""
+        if self.vkq_weight is not None:
             return
-        lins = (self.q_proj, self.k_proj, self.v_proj)
+        lins = (self.v_proj, self.k_proj, self.q_proj)
         weight = torch.cat([l.weight.detach() for l in lins])
         bias = torch.cat([l.bias.detach() for l in lins]) if self.q_proj.bias is not None else None
         start = 0
@@ -421,41 +425,42 @@ class Attention(nn.Module):
             if bias is not None:
                 l.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
             start += n
-        self.qkv_weight, self.qkv_bias = weight, bias
-        self.qk_norm_weight = torch.cat([self.q_norm.weight.detach().expand(self.n_heads, -1),
-                                         self.k_norm.weight.detach().expand(self.n_kv, -1)])
+        self.vkq_weight, self.vkq_bias = weight, bias
+        self.kq_norm_weight = torch.cat([self.k_norm.weight.detach().expand(self.n_kv, -1),
+                                         self.q_norm.weight.detach().expand(self.n_heads, -1)])
 
     def _fused(self):
         if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:
             raise RuntimeError("Attention.fuse_() is for inference: this layer's q/k/v weights are fused, and "
                                "gradients would not reach them (train a model loaded with fuse=False)")
-        return self.qkv_weight, self.qkv_bias, self.qk_norm_weight
+        return self.vkq_weight, self.vkq_bias, self.kq_norm_weight
 
     def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, heads, hd], k and v [B, T, kv_heads, hd]: q and k normed per head
-        and rotated, v as projected. Fused (`fuse_`): one GEMM, one norm and one RoPE over the q and k
+        and rotated, v as projected. Fused (`fuse_`): one GEMM, one norm and one RoPE over the k and q
         heads side by side; else the reference: three GEMMs, two norms, two RoPEs (bitwise the same on
         CPU in float32, tests/test_model.py)."""
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
-        if self.qkv_weight is None:
+        if self.vkq_weight is None:
             q = rope(self.q_norm(self.q_proj(x).view(B, T, H, hd)))
             k = rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, hd)))
             return q, k, self.v_proj(x).view(B, T, Hkv, hd)
         weight, bias, norm = self._fused()
-        qkv = F.linear(x, weight, bias).view(B, T, H + 2 * Hkv, hd)
-        qk = rope(rms_norm(qkv[:, :, :H + Hkv], norm, self.q_norm.eps))
-        return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
+        vkq = F.linear(x, weight, bias).view(B, T, 2 * Hkv + H, hd)
+        kq = rope(rms_norm(vkq[:, :, Hkv:], norm, self.k_norm.eps))
+        return kq[:, :, Hkv:], kq[:, :, :Hkv], vkq[:, :, :Hkv]
 
     def kv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V alone (the drafter's context rows): [B, T, kv_heads, hd] each, as `project` makes them."""
         B, T, _ = x.shape
-        H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
-        if self.qkv_weight is None:
+        Hkv, hd = self.n_kv, self.head_dim
+        if self.vkq_weight is None:
             return rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, hd))), self.v_proj(x).view(B, T, Hkv, hd)
         weight, bias, norm = self._fused()
-        kv = F.linear(x, weight[H * hd:], bias[H * hd:] if bias is not None else None).view(B, T, 2 * Hkv, hd)
-        return rope(rms_norm(kv[:, :, :Hkv], norm[H:], self.k_norm.eps)), kv[:, :, Hkv:]
+        rows = 2 * Hkv * hd  # the leading [v; k] rows
+        vk = F.linear(x, weight[:rows], bias[:rows] if bias is not None else None).view(B, T, 2 * Hkv, hd)
+        return rope(rms_norm(vk[:, :, Hkv:], norm[:Hkv], self.k_norm.eps)), vk[:, :, :Hkv]
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, *, ragged: Optional[Ragged] = None,

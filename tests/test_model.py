@@ -246,14 +246,14 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
     target = target_factory(attention_bias=bias, seed=3 if bias else 0)
     fused, plain = load(target.path, max_batch=2), load(target.path, max_batch=2, fuse=False)
     a, p = fused.layers[0].self_attn, plain.layers[0].self_attn
-    assert a.qkv_weight is not None and p.qkv_weight is None and plain.layers[0].mlp.gate_up_weight is None
-    assert (a.qkv_bias is not None) == bias
+    assert a.vkq_weight is not None and p.vkq_weight is None and plain.layers[0].mlp.gate_up_weight is None
+    assert (a.vkq_bias is not None) == bias
     sd, ref = fused.state_dict(), plain.state_dict()
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     for layer in fused.layers:
         at, mlp = layer.self_attn, layer.mlp
-        for lin, start in ((at.q_proj, 0), (at.k_proj, at.n_heads), (at.v_proj, at.n_heads + at.n_kv)):
-            assert lin.weight.data_ptr() == at.qkv_weight[start * at.head_dim:].data_ptr()
+        for lin, start in ((at.v_proj, 0), (at.k_proj, at.n_kv), (at.q_proj, 2 * at.n_kv)):  # rows [v; k; q]
+            assert lin.weight.data_ptr() == at.vkq_weight[start * at.head_dim:].data_ptr()
         assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
     tokens = random_tokens(2, 12, seed=31)
     for x, y in zip(fwd_all(fused, tokens), fwd_all(plain, tokens)):
