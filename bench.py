@@ -123,7 +123,7 @@ def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 
         drafter.markov_head.markov_w1.weight.copy_(w1)
         drafter.markov_head.markov_w2.weight.copy_(target.lm_head.weight[:, :rank])
     drafter.attach(target)
-    return target, drafter.eval().requires_grad_(False)
+    return target.fuse_(), drafter.eval().requires_grad_(False).fuse_()
 
 
 # ----------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ What is notable here:
   features come from `confidence_logit` in both.
 - The embedding and lm_head are always the target's (one copy in memory); a copy in the
   drafter file is checked to be identical and then dropped.
+- Loading fuses the layers' projections as the target's (`Drafter.fuse_`, model.py); training
+  builds an unfused drafter, whose gradients reach the published parameters.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from common import UserError, read_json, save_tensors, write_json
-from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Transformer, _read_layer_shape, assign_strict,
-                   read_safetensors, rope_tables, safetensors_files)
+from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
+                   attended_length, cache_bias, fold_gqa, read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 MAX_BLOCK = 256  # slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
@@ -285,11 +287,11 @@ def block_mask(anchors: torch.Tensor, seq_len: int, K: int, doc: Optional[torch.
     return torch.cat([context, own], dim=-1)
 
 
-def context_kv(attention, c: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K/V of context rows c [B, T, H] (projected target features) at RoPE cos_sin [B, T, 2, hd]:
+def context_kv(attention, c: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K/V of context rows c [B, T, H] (projected target features) at their `rope`:
     k = RoPE(k_norm(k_proj c)), v = v_proj c, each [B, T, kv_heads, hd]. Context rows enter attention
     straight from the projection — no input_layernorm, no MLP — in the cache and in training alike."""
-    return attention.kv(c, cos_sin)
+    return attention.kv(c, rope)
 
 
 # ----------------------------------------------------------------------------------------
@@ -328,6 +330,12 @@ class Drafter(nn.Module):
         target.check_capture(self.cfg.target_layer_ids, "drafter target_layer_ids")
         self._target[0] = target
 
+    def fuse_(self) -> "Drafter":
+        """Fused projection weights for inference, as `Transformer.fuse_` (the same decoder layers)."""
+        for layer in self.layers:
+            layer.fuse_()
+        return self
+
     def setup_caches(self, max_batch: int, max_seq: int):
         """As Transformer.setup_caches: static context caches and RoPE, kept when the size is unchanged."""
         w = self.fc.weight
@@ -343,9 +351,9 @@ class Drafter(nn.Module):
         """Project captured target features ([B, T, n*H]) and cache every layer's context K/V at
         positions [B, T], in cache rows 0..B-1 or `rows` [B]."""
         c = self.hidden_norm(self.fc(features))  # [B, T, H]
-        cos_sin = self.rope[positions]
+        rope = Rope.at(self.rope[positions], c.dtype)
         for layer in self.layers:
-            layer.self_attn.kv_cache.write(positions, *context_kv(layer.self_attn, c, cos_sin), rows)
+            layer.self_attn.kv_cache.write(positions, *context_kv(layer.self_attn, c, rope), rows)
 
     def forward(self, anchor: torch.Tensor, anchor_pos: torch.Tensor):
         """The block forward: anchor [B] at positions anchor_pos [B], context rows < anchor_pos.
@@ -359,13 +367,18 @@ class Drafter(nn.Module):
         tokens = torch.full((B, S), cfg.mask_token_id, dtype=torch.long, device=anchor.device)
         tokens[:, 0] = anchor
         positions = anchor_pos[:, None] + torch.arange(S, device=anchor.device)  # [B, S]
-        cos_sin = self.rope[positions]
-        # Non-causal: every block row sees all context rows (< a) and all block rows (a .. a+S-1).
-        max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
-        mask = (torch.arange(max_seq, device=anchor.device) < (anchor_pos + S)[:, None])[:, None, :].expand(B, S, max_seq)
         x = self.target.embed_tokens(tokens)
+        rope = Rope.at(self.rope[positions], x.dtype)
+        # Non-causal: every block row sees all context rows (< a) and all block rows (a .. a+S-1). RoPE
+        # and the mask are made once for every layer, the cache read up to the longest row's block end.
+        a = self.cfg.layers
+        end = anchor_pos + S
+        L = attended_length(end, self.layers[0].self_attn.kv_cache.k.shape[1])
+        g = a.num_attention_heads // a.num_key_value_heads if fold_gqa(anchor.device) else 1
+        mask = cache_bias((torch.arange(L, device=anchor.device) < end[:, None])[:, None, :].expand(B, S, L), g,
+                          x.dtype)  # [B, 1, g*S or S, L]
         for layer in self.layers:  # the block's K/V go into the cache at a..a+S-1, beside the context's
-            x = layer(x, cos_sin, positions, mask)
+            x = layer(x, rope, positions, mask)
         h = self.norm(x)
         if cfg.layout == "dflash":
             h = h[:, 1:]  # slot 0 (the anchor's) is unused in the DFlash layout
@@ -387,17 +400,18 @@ class Drafter(nn.Module):
         B, T = tokens.shape
         N = anchors.shape[1]
         dev = tokens.device
-        rope = rope_tables(a.head_dim, a.rope_theta, T + K, dev)
-        cs_ctx = rope[:T][None].expand(B, T, 2, a.head_dim)  # context rows at 0..T-1
+        table = rope_tables(a.head_dim, a.rope_theta, T + K, dev)
+        dtype = self.fc.weight.dtype
+        rope_ctx = Rope.at(table[:T][None].expand(B, T, 2, a.head_dim), dtype)  # context rows at 0..T-1
         block_pos = (anchors[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)  # slots at a..a+K-1
-        cs_blk = rope[block_pos]  # [B, N*K, 2, hd]
+        rope_blk = Rope.at(table[block_pos], dtype)  # [B, N*K, 1, hd]
         block_tokens = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
         block_tokens[:, :, 0] = tokens.gather(1, anchors)  # [x_a, m, .., m]
         x = self.target.embed_tokens(block_tokens.view(B, N * K))
         c = self.hidden_norm(self.fc(features))  # [B, T, H]
         mask = block_mask(anchors, T, K, doc)
         for layer in self.layers:
-            x = layer(x, cs_blk, mask=mask, prefix_kv=context_kv(layer.self_attn, c, cs_ctx))
+            x = layer(x, rope_blk, mask=mask, prefix_kv=context_kv(layer.self_attn, c, rope_ctx))
         return self.norm(x).view(B, N, K, -1)
 
     def head_outputs(self, h: torch.Tensor, prev: torch.Tensor):
@@ -460,7 +474,7 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
         drafter = Drafter(cfg)
     drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
     drafter.attach(target)
-    return drafter.eval().requires_grad_(False)
+    return drafter.eval().requires_grad_(False).fuse_()
 
 
 def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
@@ -490,8 +504,9 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
     with torch.device("meta"):
         drafter = Drafter(cfg)
     assign_strict(drafter, tensors, source)
+    tensors.clear()
     drafter.attach(target)
-    return drafter.eval().requires_grad_(False)
+    return drafter.eval().requires_grad_(False).fuse_()
 
 
 # ----------------------------------------------------------------------------------------

@@ -20,7 +20,14 @@ What is notable here:
   alone goes back to a padded per-request layout, where each token reads only its own
   request's cache and earlier tokens (see `Ragged`).
 - Loading is strict: every tensor in the files must land in a parameter and every parameter
-  must be loaded, else `UserError` names the first one that does not.
+  must be loaded, else `UserError` names the first one that does not. Then, for inference, each
+  layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM and one [gate; up] GEMM,
+  the published parameters kept as views of the fused rows, so state_dict stays the checkpoint's.
+- Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
+  Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
+  whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
+  runs in a fused kernel, not SDPA's math one (`attend_cached`). Each fast piece has its plain
+  reference beside it (`apply_rope`, `attend`, the unfused projections), held to it by tests.
 - The tokenizer, stop ids and chat template of a checkpoint directory are text.py's.
 """
 
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -162,8 +169,18 @@ def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------
 # Layers
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, computed in float32 and cast back before the weight, as
+    Qwen3 does. (F.rms_norm would be one op instead of five, but its last bits are its kernel's, which no
+    torch version promises to be this formula's; the golden traces pin these.)"""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as Qwen3 does."""
+    """RMSNorm with a weight per feature (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
@@ -171,10 +188,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, theta: float, max_seq: int, device) -> torch.Tensor:
@@ -186,11 +200,32 @@ def rope_tables(head_dim: int, theta: float, max_seq: int, device) -> torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, hd]; cos_sin: [B, T, 2, hd] (float32, cast to x's dtype like HF)."""
+    """The reference RoPE, as HF writes it: x [B, T, heads, hd]; cos_sin [B, T, 2, hd] (float32, cast to
+    x's dtype). The layers use `Rope`, which tests/test_model.py holds to this bitwise."""
     cos = cos_sin[:, :, None, 0].to(x.dtype)
     sin = cos_sin[:, :, None, 1].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Rope(NamedTuple):
+    """RoPE at a forward's positions, made once for all its layers (not once per layer and head kind):
+    cos and sin [B, T, 1, hd] in the activations' dtype, `sin` with rotate_half's sign folded in
+    (-sin on the first half), so that rotate_half(x) * sin == x.roll(hd / 2) * signed sin exactly:
+    one roll instead of chunk, neg and cat."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @staticmethod
+    def at(cos_sin: torch.Tensor, dtype: torch.dtype) -> "Rope":
+        """From rope_tables rows cos_sin [B, T, 2, hd] (float32) for activations of `dtype`."""
+        cos, sin = cos_sin[:, :, None, 0].to(dtype), cos_sin[:, :, None, 1].to(dtype)
+        half = sin.shape[-1] // 2
+        return Rope(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, heads, hd] rotated."""
+        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.sin
 
 
 class KVCache(nn.Module):
@@ -213,23 +248,27 @@ class KVCache(nn.Module):
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """positions: [B, T]; k, v: [B, T, kv_heads, hd]. Writes cache rows 0..B-1, or `rows` [B]
-        (a prefill into the rows that freed up), and returns those rows' whole K and V."""
+        (a prefill into the rows that freed up)."""
         if rows is None:
-            B = positions.shape[0]
-            index = torch.arange(B, device=positions.device)[:, None].expand_as(positions)
-            self.k[index, positions] = k
-            self.v[index, positions] = v
-            return self.k[:B], self.v[:B]
-        self.k[rows[:, None].expand_as(positions), positions] = k
-        self.v[rows[:, None].expand_as(positions), positions] = v
-        return self.k[rows], self.v[rows]
+            rows = torch.arange(positions.shape[0], device=positions.device)
+        index = rows[:, None].expand_as(positions)
+        self.k[index, positions] = k
+        self.v[index, positions] = v
+
+    def read(self, batch: int, rows: Optional[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, length, kv_heads, hd] of cache rows 0..batch-1 (a view), or of `rows` [B] (a copy),
+        at positions 0..length-1."""
+        if rows is None:
+            return self.k[:batch, :length], self.v[:batch, :length]
+        return self.k[rows, :length], self.v[rows, :length]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """q: [B, Tq, H, hd], k/v: [B, Tk, Hkv, hd], mask: [B, Tq, Tk] bool (True = may attend), or None
     for causal attention of q's T positions over k/v's same T (SDPA's is_causal, no mask in memory).
 
-    Returns [B, Tq, H*hd]. GQA is handled by SDPA itself (no repeated K/V in memory).
+    Returns [B, Tq, H*hd]. GQA is handled by SDPA itself (no repeated K/V in memory). The training
+    forwards' attention, and the reference `attend_cached` is tested against.
     """
     B, Tq, H, hd = q.shape
     out = F.scaled_dot_product_attention(
@@ -237,6 +276,64 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
         attn_mask=mask[:, None] if mask is not None else None, is_causal=mask is None,
         enable_gqa=k.shape[2] != H)
     return out.transpose(1, 2).reshape(B, Tq, H * hd)
+
+
+# Eager attention reads the cache up to the longest row's end rounded up to a multiple of this: a few
+# shapes rather than one per length (kernels that plan per shape, like cuDNN's, plan each once), aligned
+# for the fused kernels, and at most this many positions read in vain.
+ATTEND_BUCKET = 64
+
+
+def attended_length(end: torch.Tensor, max_seq: int) -> int:
+    """How many cache positions a forward's attention reads, given `end`, the positions a query may read
+    (< end) for every query (any shape). Under torch.compile: the whole cache (one static shape,
+    no recompiles, CUDA graphs). Eager: the filled prefix, rounded up to ATTEND_BUCKET — one read of
+    a device scalar (free on CPU); rounds the cache ends at max_seq."""
+    if torch.compiler.is_compiling():
+        return max_seq
+    return min(max_seq, -(-int(end.max()) // ATTEND_BUCKET) * ATTEND_BUCKET)
+
+
+def fold_gqa(device) -> bool:
+    """Whether `attend_cached` folds GQA into the query length (on CUDA, see there) rather than leave it to
+    SDPA's enable_gqa (elsewhere: CPU's flash kernel takes GQA with a mask, at the boolean mask's bits)."""
+    return torch.device(device).type == "cuda"
+
+
+def cache_bias(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask `attend_cached` takes, made once per forward: allowed [B, T, S] bool (True = may
+    attend) -> [B, 1, group*T, S] of 0 / -inf in `dtype`, its rows repeated for the `group` query heads
+    that share a K/V head when GQA is folded (`fold_gqa`; else group=1)."""
+    B, T, S = allowed.shape
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    if group == 1:
+        return bias[:, None]
+    return bias[:, None, None].expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, T, H, hd] over cache rows k/v [B, S, Hkv, hd] under `cache_bias`'s additive
+    bias -> [B, T, H*hd]; `attend` with the boolean mask is the reference.
+
+    bias [B, 1, T, S]: SDPA's own GQA (`enable_gqa`). bias [B, 1, g*T, S] (g = H / Hkv): GQA folded
+    into the query length — query head h reads K/V head h // g (as HF's repeat_interleave), so a
+    group's g heads become g*T query rows of its K/V head: [B, Hkv, g*T, hd] queries against Hkv K/V
+    heads, plain multi-head attention, no K/V copied. On CUDA a boolean mask with `enable_gqa` runs in
+    SDPA's math kernel, which materialises every score (flash takes no mask, and the memory-efficient
+    kernel gained GQA only in mid-2026, pytorch#191085, after torch 2.11), whereas equal head counts and
+    an additive mask in the query's dtype are what the memory-efficient and cuDNN kernels take. On CPU folding would change the flash kernel's
+    blocking, and so the last bits, for nothing: it takes GQA with a mask as it is.
+    """
+    B, T, H, hd = q.shape
+    Hkv = k.shape[2]
+    g = bias.shape[2] // T
+    if g == 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+                                             enable_gqa=Hkv != H)
+        return out.transpose(1, 2).reshape(B, T, H * hd)
+    q = q.view(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * T, hd)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
+    return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
 
 
 @dataclass
@@ -300,40 +397,97 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)
         self.kv_cache: Optional[KVCache] = None
+        for name in ("vkq_weight", "vkq_bias", "kq_norm_weight"):  # fuse_(); not saved (state_dict has the views)
+            self.register_buffer(name, None, persistent=False)
 
-    def q(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def fuse_(self):
+        """For inference: one GEMM for q, k and v, and one norm for the k and q heads.
+
+        The weight (and bias) of the three projections is one tensor, rows ordered [v; k; q]: the K/V
+        the drafter's context rows need (`kv`) are then its leading rows — a slice at offset 0, which
+        Inductor's frozen-weight GEMMs (speculate.compiled on CPU) read right, where they misread a
+        slice further into the tensor — and the k and q heads, normed and rotated together, are
+        adjacent. q/k/v_proj's parameters become views of its rows: the same memory, still the
+        published names in state_dict (so saving, comparing with transformers and strict loading see
+        the checkpoint's layout), and an in-place edit of either is seen by both. The two norms'
+        weights are copied side by side, one row per head [Hkv + H, hd], so the norms must not change
+        afterwards. Gradients would reach the fused tensor, not the parameters: a fused layer refuses a
+        forward with grad (train an unfused model)."""
+        if self.vkq_weight is not None:
+            return
+        lins = (self.v_proj, self.k_proj, self.q_proj)
+        weight = torch.cat([l.weight.detach() for l in lins])
+        bias = torch.cat([l.bias.detach() for l in lins]) if self.q_proj.bias is not None else None
+        start = 0
+        for l in lins:
+            n = l.out_features
+            l.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+            if bias is not None:
+                l.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+            start += n
+        self.vkq_weight, self.vkq_bias = weight, bias
+        self.kq_norm_weight = torch.cat([self.k_norm.weight.detach().expand(self.n_kv, -1),
+                                         self.q_norm.weight.detach().expand(self.n_heads, -1)])
+
+    def _fused(self):
+        if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:
+            raise RuntimeError("Attention.fuse_() is for inference: this layer's q/k/v weights are fused, and "
+                               "gradients would not reach them (train a model loaded with fuse=False)")
+        return self.vkq_weight, self.vkq_bias, self.kq_norm_weight
+
+    def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, T, heads, hd], k and v [B, T, kv_heads, hd]: q and k normed per head
+        and rotated, v as projected. Fused (`fuse_`): one GEMM, one norm and one RoPE over the k and q
+        heads side by side; else the reference: three GEMMs, two norms, two RoPEs (bitwise the same on
+        CPU in float32, tests/test_model.py)."""
         B, T, _ = x.shape
-        return apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos_sin)
+        H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
+        if self.vkq_weight is None:
+            q = rope(self.q_norm(self.q_proj(x).view(B, T, H, hd)))
+            k = rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, hd)))
+            return q, k, self.v_proj(x).view(B, T, Hkv, hd)
+        weight, bias, norm = self._fused()
+        vkq = F.linear(x, weight, bias).view(B, T, 2 * Hkv + H, hd)
+        kq = rope(rms_norm(vkq[:, :, Hkv:], norm, self.k_norm.eps))
+        return kq[:, :, Hkv:], kq[:, :, :Hkv], vkq[:, :, :Hkv]
 
-    def kv(self, x: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V alone (the drafter's context rows): [B, T, kv_heads, hd] each, as `project` makes them."""
         B, T, _ = x.shape
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos_sin)
-        return k, self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        Hkv, hd = self.n_kv, self.head_dim
+        if self.vkq_weight is None:
+            return rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, hd))), self.v_proj(x).view(B, T, Hkv, hd)
+        weight, bias, norm = self._fused()
+        rows = 2 * Hkv * hd  # the leading [v; k] rows
+        vk = F.linear(x, weight[:rows], bias[:rows] if bias is not None else None).view(B, T, 2 * Hkv, hd)
+        return rope(rms_norm(vk[:, :, Hkv:], norm[:Hkv], self.k_norm.eps)), vk[:, :, :Hkv]
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, positions: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, rope: Rope, positions: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, *, ragged: Optional[Ragged] = None,
                 rows: Optional[torch.Tensor] = None,
                 prefix_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """Self-attention of x [B, T, H] (its RoPE cos_sin [B, T, 2, hd]) -> [B, T, H], in one of three modes:
+        """Self-attention of x [B, T, H] (its RoPE `rope`) -> [B, T, H], in one of three modes:
 
         - cache (`positions` [B, T]): K/V written into the cache at `positions`, in cache rows 0..B-1
-          or `rows` [B]; attention over the whole cache under `mask` [B, T, S]. With `ragged`, x is
-          [1, N, H] flattened tokens and positions/mask are the padded layout's [R, W(, S)].
+          or `rows` [B]; attention over the cache's first S positions under `mask`, `cache_bias`'s
+          additive [B, 1, g*T, S] (`attend_cached`). With `ragged`, x is [1, N, H] flattened tokens and
+          positions/mask are the padded layout's [R, W], [R, 1, g*W, S].
         - prefix K/V (`prefix_kv` = (k, v), each [B, P, kv_heads, hd]): keys/values are the prefix
-          then the block's own, under `mask` [B, T, P + T]; the cache is untouched (the drafter's
+          then the block's own, under `mask` [B, T, P + T] bool; the cache is untouched (the drafter's
           training forward: context rows + packed blocks).
         - cache-free causal (neither): position t attends to 0..t of x itself (mask None); the cache
           is untouched (the target's training and online-capture forward).
         """
-        q = self.q(x, cos_sin)
-        k, v = self.kv(x, cos_sin)
-        if prefix_kv is not None:
-            k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)  # [B, P + T, kv, hd]
-        elif positions is not None:
-            if ragged is not None:
-                q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
-            k, v = self.kv_cache.write(positions, k, v, rows)  # [B, S, kv, hd]
-        out = attend(q, k, v, mask)
+        q, k, v = self.project(x, rope)
+        if positions is None:
+            if prefix_kv is not None:
+                k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)  # [B, P + T, kv, hd]
+            return self.o_proj(attend(q, k, v, mask))
+        if ragged is not None:
+            q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
+        self.kv_cache.write(positions, k, v, rows)
+        k, v = self.kv_cache.read(positions.shape[0], rows, mask.shape[-1])  # [B, S, kv, hd]
+        out = attend_cached(q, k, v, mask)
         return self.o_proj(ragged.unpad(out) if ragged is not None else out)
 
 
@@ -344,9 +498,25 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, I, bias=False, device=device)
         self.up_proj = nn.Linear(H, I, bias=False, device=device)
         self.down_proj = nn.Linear(I, H, bias=False, device=device)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # fuse_()
+
+    def fuse_(self):
+        """For inference: one [gate; up] weight, one GEMM; gate/up_proj.weight become views of its rows
+        (as `Attention.fuse_`)."""
+        if self.gate_up_weight is not None:
+            return
+        self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        I = self.gate_proj.out_features
+        self.gate_proj.weight = nn.Parameter(self.gate_up_weight[:I], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(self.gate_up_weight[I:], requires_grad=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:  # the reference
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled() and self.gate_proj.weight.requires_grad:
+            raise RuntimeError("MLP.fuse_() is for inference: gradients would not reach the fused weights")
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -357,12 +527,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
 
-    def forward(self, x, cos_sin, positions=None, mask=None, *, ragged: Optional[Ragged] = None, rows=None,
+    def forward(self, x, rope: Rope, positions=None, mask=None, *, ragged: Optional[Ragged] = None, rows=None,
                 prefix_kv=None):
         """Pre-norm residual block over x [B, T, H]; the attention mode is `Attention.forward`'s."""
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, positions, mask, ragged=ragged, rows=rows,
+        x = x + self.self_attn(self.input_layernorm(x), rope, positions, mask, ragged=ragged, rows=rows,
                                prefix_kv=prefix_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fuse_(self):
+        self.self_attn.fuse_()
+        self.mlp.fuse_()
 
 
 # ----------------------------------------------------------------------------------------
@@ -395,6 +569,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_tables(self.args.head_dim, self.args.rope_theta, max_seq, w.device),
                              persistent=False)
 
+    def fuse_(self) -> "Transformer":
+        """Fused projection weights for inference (`Attention.fuse_`, `MLP.fuse_`): one QKV and one
+        gate-up GEMM per layer. Call once the weights are final (after loading or initialising, and
+        after any move to another device or dtype, which would copy the views apart)."""
+        for layer in self.layers:
+            layer.fuse_()
+        return self
+
     def check_capture(self, capture: Sequence[int], source: str = "target_layer_ids"):
         """Layer ids a drafter may read: -1 (embeddings) .. L-2. The last layer is refused (docs/algorithm.md, "Target capture")."""
         L = self.args.num_hidden_layers
@@ -421,23 +603,26 @@ class Transformer(nn.Module):
         mask [B, T, T] (cache-free only; True = may attend): instead of plain causal attention, e.g. causal
         within each document of a packed row (data.document_mask).
         """
+        dtype = self.embed_tokens.weight.dtype
         if positions is None:
             B, T = tokens.shape
-            rope = getattr(self, "rope", None)
-            if rope is None or rope.shape[0] < T:  # no cache table long enough: the same rows, computed
+            table = getattr(self, "rope", None)
+            if table is None or table.shape[0] < T:  # no cache table long enough: the same rows, computed
                 a = self.args
-                rope = rope_tables(a.head_dim, a.rope_theta, T, tokens.device)
-            cos_sin = rope[:T][None].expand(B, T, *rope.shape[1:])  # [B, T, 2, hd]
-        else:
+                table = rope_tables(a.head_dim, a.rope_theta, T, tokens.device)
+            rope = Rope.at(table[:T][None].expand(B, T, *table.shape[1:]), dtype)  # [B, T, 1, hd]
+        else:  # RoPE and the mask once for every layer; the cache read up to the longest row's end
             assert mask is None, "mask: the cache-free mode's only"
-            mask = positions[:, :, None] >= torch.arange(self.max_seq, device=positions.device)  # [B, T, S]
-            cos_sin = self.rope[ragged.flatten(positions) if ragged is not None else positions]
+            S = attended_length(positions + 1, self.max_seq)
+            g = self.args.num_attention_heads // self.args.num_key_value_heads if fold_gqa(positions.device) else 1
+            mask = cache_bias(positions[:, :, None] >= torch.arange(S, device=positions.device), g, dtype)
+            rope = Rope.at(self.rope[ragged.flatten(positions) if ragged is not None else positions], dtype)
         x = self.embed_tokens(tokens)
         captured = {}
         if -1 in capture:
             captured[-1] = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, positions, mask, ragged=ragged, rows=rows)
+            x = layer(x, rope, positions, mask, ragged=ragged, rows=rows)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
@@ -496,7 +681,7 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
     model = model.to(dtype).to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return init_random_(model, seed).eval().requires_grad_(False)
+    return init_random_(model, seed).eval().requires_grad_(False).fuse_()
 
 
 # ----------------------------------------------------------------------------------------
@@ -572,8 +757,10 @@ def assign_strict(module: nn.Module, tensors: dict, source: str):
     module.load_state_dict(tensors, strict=False, assign=True)
 
 
-def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
-    """Build the target on the meta device and assign the checkpoint's tensors (about one copy in memory)."""
+def load_target(directory: str, device="cpu", dtype=torch.float32, fuse: bool = True) -> Transformer:
+    """Build the target on the meta device and assign the checkpoint's tensors (about one copy in memory).
+    With `fuse` (inference) the projections are then fused (`Transformer.fuse_`), one layer at a time;
+    fuse=False for a model to train."""
     if not os.path.isdir(directory):
         raise UserError(f"{directory}: target directory not found")
     args = ModelArgs.from_hf_config(read_json(os.path.join(directory, "config.json")),
@@ -590,6 +777,8 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
     with torch.device("meta"):
         model = Transformer(args)
     assign_strict(model, tensors, source)
+    tensors.clear()  # the parameters hold them now: fusing frees each layer's pieces as it goes
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    return model.fuse_() if fuse else model

@@ -181,7 +181,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
                       max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
                       eos_token_ids=(eos,) if eos is not None else ())
     if args.resume:
-        model = load_target(checkpoint_dir(args.resume), device, torch.float32).requires_grad_(True)
+        model = load_target(checkpoint_dir(args.resume), device, torch.float32, fuse=False).requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
             raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
     else:

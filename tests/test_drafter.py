@@ -660,7 +660,7 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
         d.commit_context(feats, torch.arange(T)[None])
         c = d.hidden_norm(d.fc(feats))
         for layer in d.layers:
-            k, v = dm.context_kv(layer.self_attn, c, d.rope[:T][None])
+            k, v = dm.context_kv(layer.self_attn, c, model.Rope.at(d.rope[:T][None], c.dtype))
             cache = layer.self_attn.kv_cache
             assert torch.equal(cache.k[:, :T], k) and torch.equal(cache.v[:, :T], v)
         h, _ = d(torch.tensor([3]), torch.tensor([T]))

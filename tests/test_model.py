@@ -215,11 +215,142 @@ def test_cache_free_forward_equals_cached_forward_and_hf(tiny_target):
 
 def test_cache_free_forward_trains(tiny_target):
     """With grad (target pre-training): gradients reach every parameter."""
-    model = m.load_target(str(tiny_target.path)).requires_grad_(True)
+    model = m.load_target(str(tiny_target.path), fuse=False).requires_grad_(True)
     tokens = random_tokens(2, 8, seed=14)
     logits, _ = model(tokens)
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------
+# The fast paths against their references: fused projections, RoPE once per forward, attention
+# over the filled prefix of the cache, GQA folded into the query length
+
+def fwd_all(model, tokens):
+    """Logits and features of a prefill, a one-token step and a chunk through the cache, and the
+    cache-free forward (float32, no grad)."""
+    with torch.no_grad():
+        out = [model(tokens[:, :7], arange_positions(2, 0, 7), capture=(0, 1)),
+               model(tokens[:, 7:8], arange_positions(2, 7, 1), capture=(0, 1)),
+               model(tokens[:, 8:], arange_positions(2, 8, 4), capture=(0, 1)),
+               model(tokens, capture=(0, 1))]
+    return [t for pair in out for t in pair]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "attention_bias"])
+def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_factory, bias):
+    """load_target fuses q/k/v and gate/up into one weight each (fuse=False: the reference). The
+    parameters become views of the fused weight — same memory, same names — so state_dict is the
+    checkpoint's, and outputs equal the unfused model's (only a one-row GEMM may round differently:
+    MKL's matrix-vector kernel depends on the weight's address alignment)."""
+    target = target_factory(attention_bias=bias, seed=3 if bias else 0)
+    fused, plain = load(target.path, max_batch=2), load(target.path, max_batch=2, fuse=False)
+    a, p = fused.layers[0].self_attn, plain.layers[0].self_attn
+    assert a.vkq_weight is not None and p.vkq_weight is None and plain.layers[0].mlp.gate_up_weight is None
+    assert (a.vkq_bias is not None) == bias
+    sd, ref = fused.state_dict(), plain.state_dict()
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    for layer in fused.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        for lin, start in ((at.v_proj, 0), (at.k_proj, at.n_kv), (at.q_proj, 2 * at.n_kv)):  # rows [v; k; q]
+            assert lin.weight.data_ptr() == at.vkq_weight[start * at.head_dim:].data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
+    tokens = random_tokens(2, 12, seed=31)
+    for x, y in zip(fwd_all(fused, tokens), fwd_all(plain, tokens)):
+        assert max_err(x, y) <= 1e-5
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(32))
+    rope = m.Rope.at(fused.rope[arange_positions(2, 3, 5)], torch.float32)
+    with torch.no_grad():
+        for got, want in zip(a.kv(x, rope), p.kv(x, rope)):  # the drafter's context rows: K and V alone
+            assert torch.equal(got, want)
+        for got, want in zip(a.project(x, rope), p.project(x, rope)):
+            assert torch.equal(got, want)
+
+
+def test_fused_model_refuses_to_train(tiny_target):
+    """Gradients of a fused layer would reach the fused copy, not the parameters: it says so instead."""
+    model = m.load_target(str(tiny_target.path)).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="fuse"):
+        model(random_tokens(1, 4, seed=33))
+    with torch.no_grad():
+        model(random_tokens(1, 4, seed=33))  # inference with grad-requiring parameters is fine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_written_out_reference(dtype):
+    """`Rope` (made once per forward; rotate_half's sign folded into sin, one roll) equals `apply_rope`
+    (HF's formula) bit for bit."""
+    g = torch.Generator().manual_seed(34)
+    table = m.rope_tables(16, 1e4, 40, "cpu")
+    positions = torch.randint(0, 40, (3, 5), generator=g)
+    for heads in (4, 6):
+        x = torch.randn(3, 5, heads, 16, generator=g).to(dtype)
+        assert torch.equal(m.Rope.at(table[positions], dtype)(x), m.apply_rope(x, table[positions]))
+
+
+def test_attended_length_buckets_eagerly_and_is_the_whole_cache_compiled(monkeypatch):
+    end = torch.tensor([[3, 9], [70, 5]])
+    assert m.attended_length(end, 1000) == 128 and m.attended_length(end, 100) == 100
+    assert m.attended_length(torch.tensor([64]), 1000) == 64 and m.attended_length(torch.tensor([65]), 1000) == 128
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert m.attended_length(end, 1000) == 1000
+
+
+@pytest.mark.parametrize("group", [1, 2], ids=["sdpa_gqa", "folded"])
+@pytest.mark.parametrize("T", [1, 6])
+def test_attend_cached_equals_boolean_mask_attention_over_the_whole_cache(group, T):
+    """attend_cached over the first S positions of a cache of S_max under the additive bias equals the
+    reference `attend` (boolean mask, SDPA's GQA) over all S_max positions, for both GQA layouts; the
+    bias rows repeat per folded head."""
+    g = torch.Generator().manual_seed(35)
+    B, H, Hkv, hd, S_max = 3, 4, 2, 16, 200
+    q = torch.randn(B, T, H, hd, generator=g)
+    k, v = torch.randn(B, S_max, Hkv, hd, generator=g), torch.randn(B, S_max, Hkv, hd, generator=g)
+    positions = torch.tensor([40, 3, 101])[:, None] + torch.arange(T)  # rows at different lengths
+    allowed = positions[:, :, None] >= torch.arange(S_max)
+    want = m.attend(q, k, v, allowed)
+    S = m.attended_length(positions + 1, S_max)
+    assert S == 128
+    bias = m.cache_bias(allowed[:, :, :S], H // Hkv if group > 1 else 1, torch.float32)
+    assert bias.shape == (B, 1, (H // Hkv if group > 1 else 1) * T, S)
+    got = m.attend_cached(q, k[:, :S], v[:, :S], bias)
+    assert max_err(got, want) <= 1e-6
+    full = m.attend_cached(q, k, v, m.cache_bias(allowed, H // Hkv if group > 1 else 1, torch.float32))
+    assert max_err(full, want) <= 1e-6
+
+
+def test_bucketed_cache_forward_equals_whole_cache_forward(tiny_target, monkeypatch):
+    """The eager forward reads the cache up to its longest row's end (rounded up); reading all of it,
+    as the compiled forward does, gives the same logits."""
+    tokens = random_tokens(2, 12, seed=36)
+    model = load(tiny_target.path, max_batch=2, max_seq=100)
+    bucketed = fwd_all(model, tokens)
+    seen = []
+    real = m.attended_length
+    monkeypatch.setattr(m, "attended_length", lambda end, max_seq: seen.append(real(end, max_seq)) or max_seq)
+    whole = fwd_all(model, tokens)
+    assert seen == [64, 64, 64]  # three forwards through the cache, each bucketed to 64 of 100 positions
+    for x, y in zip(bucketed, whole):
+        assert max_err(x, y) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: which SDPA kernel runs")
+def test_cuda_cached_attention_runs_without_the_math_kernel():
+    """On CUDA the folded layout with an additive mask runs in a fused kernel (memory-efficient or cuDNN);
+    a boolean mask with enable_gqa, the reference, is what needs the math kernel on torch <= 2.11."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, H, Hkv, hd, S = 2, 8, 32, 8, 128, 256
+    q = torch.randn(B, T, H, hd, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, S, Hkv, hd, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    allowed = (torch.tensor([100, 200], device="cuda")[:, None] + torch.arange(T, device="cuda"))[:, :, None] \
+        >= torch.arange(S, device="cuda")
+    assert m.fold_gqa(q.device)
+    bias = m.cache_bias(allowed, H // Hkv, q.dtype)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        got = m.attend_cached(q, k, v, bias)
+    assert max_err(got, m.attend(q, k, v, allowed)) <= 2e-2
 
 
 # ----------------------------------------------------------------------------------------
