@@ -47,7 +47,7 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
                     read_json, write_json)
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from scheduler import check_schedulable, resolve_scheduler
-from speculate import Engine, Request, auto_compile, cache_length
+from speculate import Engine, Request, auto_compile, cache_length, check_compile_flags, use_compile_cache
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -106,6 +106,11 @@ class EvalArgs:
     process may use (printed at start); under torchrun on a CPU, give each rank its share."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu."""
+    compile_cache: Optional[str] = None
+    """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
+    shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
+    verbose: bool = False
+    """With --compile: show what compiling prints (Inductor's autotuning tables, on stderr)."""
     out: str = "results.json"
     """Where to write the results (JSON)."""
     progress: bool = True
@@ -370,6 +375,7 @@ def run(args: EvalArgs) -> dict:
                  ece_bins="[1, 10000]", step=f"[0, {2**62}]", seed=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     check_sampling(args.temperature)
     check_threads(args.threads)
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
@@ -386,6 +392,7 @@ def run(args: EvalArgs) -> dict:
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
     check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
+    cache_dir = use_compile_cache(args.compile_cache) if compile else None
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
@@ -406,13 +413,15 @@ def run(args: EvalArgs) -> dict:
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
-                    threshold=args.confidence_threshold, compile=compile)
+                    threshold=args.confidence_threshold, compile=compile, compile_verbose=args.verbose)
     if rank == 0:  # every input checked, the caches allocated: say what runs
         print(threads, file=sys.stderr)
         if drafter is not None or m.hub_snapshots:
             print(m.describe(), file=sys.stderr)
     if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
+        if rank == 0:
+            print(f"compiled the round in {engine.compile_seconds:.1f} s (compile cache: {cache_dir})", file=sys.stderr)
     if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table, verbose=rank == 0))
 
