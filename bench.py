@@ -43,7 +43,7 @@ from common import (UserError, check_outputs, check_ranges, cli_main, device_nam
 from drafter import Drafter, DrafterConfig, random_drafter
 from inputs import resolve_checkpoint
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
-from speculate import Engine, Request
+from speculate import Engine, Request, check_compile_flags, use_compile_cache
 
 
 @dataclass
@@ -66,6 +66,11 @@ class BenchArgs:
     compile_mode: Optional[str] = None
     """torch.compile mode (default: max-autotune, on cpu with the weights frozen into the graph, see
     speculate.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short device session."""
+    compile_cache: Optional[str] = None
+    """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
+    Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
+    verbose: bool = False
+    """Show what compiling prints (Inductor's autotuning tables, on stderr)."""
     batch_sizes: str = "1"
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
@@ -171,12 +176,13 @@ def peak_memory(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str]) -> Engine:
+def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str],
+                verbose: bool = False) -> Engine:
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, device=device, compile=compile,
-                    compile_mode=mode)
+                    compile_mode=mode, compile_verbose=verbose)
     if compile:
         engine.warmup()
     engine.generate([Request(i, [1, 2, 3]) for i in range(batch)], 8)
@@ -367,11 +373,13 @@ def run(args: BenchArgs) -> list[dict]:
                         f"bench.py builds its own pair: --model)")
     if args.compile_mode is not None and not args.compile:
         raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile")
+    check_compile_flags(args.compile, args.compile_cache, args.verbose)
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # hub ids: their snapshot directories
+    cache_dir = use_compile_cache(args.compile_cache) if args.compile else None
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
@@ -402,7 +410,8 @@ def run(args: BenchArgs) -> list[dict]:
     bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
     hw = device_name(dev)
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
-          f"{hw}, torch {torch.__version__}, compile={args.compile}; built in {time.perf_counter() - t0:.1f} s; "
+          f"{hw}, torch {torch.__version__}, compile={args.compile}"
+          + (f" (cache {cache_dir})" if cache_dir else "") + f"; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
     hf = transformers_copy(target) if want_reference else None
@@ -411,9 +420,11 @@ def run(args: BenchArgs) -> list[dict]:
     rows, ratios = [], []
     for B in batch_sizes:
         prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
-        engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, args.compile, args.compile_mode)}
+        engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, args.compile,
+                                                     args.compile_mode, args.verbose)}
         if drafter is not None:
-            engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, args.compile, args.compile_mode)
+            engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, args.compile,
+                                                  args.compile_mode, args.verbose)
         modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
         if "reference" in modes:  # its warm-up, as the engines had theirs
             reference_generate(hf, drafter, prompts[0], min(args.max_new_tokens, 8), dev, max_seq)

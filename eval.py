@@ -50,7 +50,7 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
-from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length
+from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length, check_compile_flags, use_compile_cache
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -117,6 +117,11 @@ class EvalArgs(WandbFlags):
     process may use (printed at start); under torchrun on a CPU, give each rank its share."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu."""
+    compile_cache: Optional[str] = None
+    """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
+    shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
+    verbose: bool = False
+    """With --compile: show what compiling prints (Inductor's autotuning tables, on stderr)."""
     out: Optional[str] = None
     """Where to write the results (JSON); a file given by name is replaced. Default: results.json in the
     current directory, refused when that file exists (so an earlier run's results are never replaced
@@ -417,6 +422,7 @@ def run(args: EvalArgs) -> dict:
     check_sampling(args.temperature)
     check_threads(args.threads)
     runlog.check(args)
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
@@ -441,6 +447,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
     check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
+    cache_dir = use_compile_cache(args.compile_cache) if compile else None
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
@@ -469,7 +476,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
-                    threshold=args.confidence_threshold, compile=compile)
+                    threshold=args.confidence_threshold, compile=compile, compile_verbose=args.verbose)
     if log is not None:  # what the flags resolved to, and what was loaded
         log.config(world_size=world, hardware=device_name(device), dtype_resolved=str(m.dtype).removeprefix("torch."),
                    threads_resolved=torch.get_num_threads(), scheduler_resolved=kind, chat_resolved=chat,
@@ -483,6 +490,8 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
             print(m.describe(), file=sys.stderr)
     if compile:
         engine.warmup()  # compile before anything is timed (its noise does not touch the run's generator)
+        if rank == 0:
+            print(f"compiled the round in {engine.compile_seconds:.1f} s (compile cache: {cache_dir})", file=sys.stderr)
     if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table, verbose=rank == 0))
 

@@ -280,7 +280,7 @@ def _round_to(x, CODE: tl.constexpr):
 
 def _markov_partial_kernel(u_ptr, u_off, s_u, chain_ptr, s_chain, k, w1_ptr, s_w1, w2_ptr, s_w2,
                            noise_ptr, noise_off, s_noise, z_ptr, z_off, s_z, pval_ptr, pidx_ptr,
-                           n_tiles, V, R, temperature,
+                           n_tiles, V, temperature, R: tl.constexpr,
                            SAMPLED: tl.constexpr, BIAS_ROUND: tl.constexpr, Z_ROUND: tl.constexpr,
                            BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
     """Pass 1 of a Markov step: one (row b, V-tile) -> that tile's best key and its first index."""
@@ -290,6 +290,9 @@ def _markov_partial_kernel(u_ptr, u_off, s_u, chain_ptr, s_chain, k, w1_ptr, s_w
     cmask = cols < V
     prev = tl.load(chain_ptr + b * s_chain + k).to(tl.int64)  # x_{k-1} (column 0: the anchor)
     acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    # R (the Markov rank, fixed per checkpoint) is a constexpr: the loop's bounds are known when the
+    # kernel compiles (one specialisation per rank; the compiler may unroll), and Triton 3.6's
+    # interpreter cannot iterate a range over a runtime scalar (3.9's can).
     for r0 in range(0, R, BLOCK_R):
         rs = r0 + tl.arange(0, BLOCK_R)
         rmask = rs < R
@@ -570,7 +573,7 @@ def markov_chain_triton(base_logits: torch.Tensor, hidden: torch.Tensor, anchor:
         kern["_markov_partial_kernel"][(B, n_tiles)](
             u_all, k * u_all.stride(1), u_all.stride(0), chain, K + 1, k, w1c, R, w2c, R,
             nz, noise_off, s_noise, z, k * V if sampled else 0, z.stride(0), pval, pidx,
-            n_tiles, V, R, float(temperature) if sampled else 1.0,
+            n_tiles, V, float(temperature) if sampled else 1.0, R=R,
             SAMPLED=sampled, BIAS_ROUND=_ROUND_CODE[w2.dtype], Z_ROUND=_ROUND_CODE[z_dtype],
             BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R)
         kern["_markov_reduce_kernel"][(B,)](pval, pidx, n_tiles, chain, K + 1, k, BLOCK_T=_pow2(n_tiles))

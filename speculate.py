@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Annotated, Literal, NamedTuple, Optional, Sequence
@@ -196,7 +197,46 @@ class Request:
     sample: int = 0
 
 
-def compiled(fn, device, mode: Optional[str] = None):
+def compile_cache_dir(path: Optional[str] = None) -> str:
+    """Where torch.compile keeps what a later run can reuse: `path`, else $TORCHINDUCTOR_CACHE_DIR, else
+    ~/.cache/dspark-fast/inductor ($XDG_CACHE_HOME/dspark-fast/inductor when that is set) — a per-user
+    directory that, unlike Inductor's own default under /tmp, survives a reboot."""
+    if path is None:
+        path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "dspark-fast", "inductor")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def use_compile_cache(path: Optional[str] = None, flag: str = "--compile-cache") -> str:
+    """Point Inductor's on-disk caches at `compile_cache_dir(path)` (created if missing) and return it;
+    before anything compiles, since Inductor reads TORCHINDUCTOR_CACHE_DIR when it opens a cache. What a
+    warm start reuses depends on the recipe (see `compiled` and the README's "Compiling")."""
+    where = compile_cache_dir(path)
+    if os.path.exists(where) and not os.path.isdir(where):
+        raise UserError(f"{flag} {where}: not a directory")
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag} {where}: cannot create the directory ({e.strerror})") from None
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {where}: the directory is not writable")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
+    return where
+
+
+#: Inductor settings of every compile here: no "Autotune Choices Stats" JSON blob per autotuned op on
+#: stderr. A setting, so part of the cache key: the same whether or not `verbose`.
+_QUIET_OPTIONS = {"max_autotune_report_choices_stats": False}
+
+
+def _inductor_options(options: dict) -> dict:
+    config = torch._inductor.config
+    return {**options, **{k: v for k, v in _QUIET_OPTIONS.items() if hasattr(config, k)}}  # torch 2.11 may lack one
+
+
+def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     """`fn` under torch.compile with the project's recipe: one graph, static shapes, max-autotune
     (with CUDA graphs on GPU), or `mode` when given.
 
@@ -208,17 +248,40 @@ def compiled(fn, device, mode: Optional[str] = None):
     generated as C++ rather than Python (`cpp_wrapper`): a round calls a few hundred kernels, and
     the profiler put ~2.6 ms of a ~26 ms round in the Python graph call itself, outside them. Both settings
     are read when a graph compiles, which is the first call of each shape, so every call runs with
-    them switched on (and without autograd, which freezing needs)."""
-    if str(device).startswith("cuda") or mode is not None:
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode or "max-autotune")
-    # max-autotune's options without its CUDA graphs (which the C++ wrapper would warn it skips).
-    graph = torch.compile(fn, fullgraph=True, dynamic=False, options={"max_autotune": True})
+    them switched on (and without autograd, which freezing needs). Frozen graphs are not kept by
+    Inductor's FX-graph and AOTAutograd caches (torch 2.13 refuses graphs with frozen, oneDNN-packed
+    weights), so a second process re-lowers them; it reuses the autotuning results and the compiled
+    kernels from the cache directory (README, "Compiling").
+
+    Compiling under max-autotune prints a table per autotuned GEMM (`AUTOTUNE ...`) to stderr;
+    `verbose` shows them, else they are off (Inductor's module switch, not a setting: the cache key
+    is the same either way), as is a deprecation warning Inductor's autotuner raises."""
+    import torch._inductor.select_algorithm as select_algorithm
+
+    if not verbose:
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                                module=r"torch\._inductor")
+    cpu_recipe = not str(device).startswith("cuda") and mode is None
+    if cpu_recipe:  # max-autotune's options without its CUDA graphs (which the C++ wrapper would warn it skips)
+        options = {"max_autotune": True}
+    else:  # the mode as its options (what torch.compile does with a mode), so that ours can join them
+        options = torch._inductor.list_mode_options(mode or "max-autotune")
+    graph = torch.compile(fn, fullgraph=True, dynamic=False, options=_inductor_options(options))
+    switch = hasattr(select_algorithm, "PRINT_AUTOTUNE")
 
     @functools.wraps(fn)
-    def frozen(*args, **kwargs):
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
-            return graph(*args, **kwargs)
-    return frozen
+    def call(*args, **kwargs):
+        if switch:
+            shown, select_algorithm.PRINT_AUTOTUNE = select_algorithm.PRINT_AUTOTUNE, verbose
+        try:
+            if not cpu_recipe:
+                return graph(*args, **kwargs)
+            with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
+                return graph(*args, **kwargs)
+        finally:
+            if switch:
+                select_algorithm.PRINT_AUTOTUNE = shown
+    return call
 
 
 def check_cache_memory(target: Transformer, drafter, batch: int, max_seq: int, device):
@@ -257,7 +320,7 @@ class Engine:
                  filters: kernels.Filters = kernels.NO_FILTERS, seed: int = 0, device="cpu", stop_ids=(), stop_strings=None,
                  scheduler: str = "none", threshold: float = 0.0,
                  buckets: Optional[list[int]] = None, ragged: Optional[bool] = None, compile: bool = False,
-                 compile_mode: Optional[str] = None, kernels: str = "torch"):
+                 compile_mode: Optional[str] = None, compile_verbose: bool = False, kernels: str = "torch"):
         if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
             raise UserError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
         self.target, self.drafter, self.stop_ids, self.stop_strings = target, drafter, set(stop_ids), stop_strings
@@ -278,7 +341,7 @@ class Engine:
         if not self.ragged and scheduler != "none":
             raise ValueError(f"scheduler {scheduler!r} runs the ragged round")
         # The round's halves, compiled or not, and what every call passes them, fixed here.
-        wrap = (lambda f: compiled(f, device, compile_mode)) if compile else (lambda f: f)
+        wrap = (lambda f: compiled(f, device, compile_mode, compile_verbose)) if compile else (lambda f: f)
         self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
         self.bound = dict(temperature=temperature, filters=self.filters, kernels=self.kernel_set(kernels))
         self.cuda_graphs = compile and str(device).startswith("cuda")
@@ -532,7 +595,7 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
 def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: int, *, sampling: Sampling, seed: int,
                  batch_size: int, scheduler: str, threshold: float, compile: bool, kernels: str = "torch",
                  stops: Optional[StopStrings] = None, ignore_eos: bool = False, buckets=None,
-                 max_seq: Optional[int] = None) -> Engine:
+                 max_seq: Optional[int] = None, compile_verbose: bool = False) -> Engine:
     """An engine sized for these requests: caches for the longest prompt + budget (or `max_seq`, at least
     that), at most batch_size rows."""
     batch = min(batch_size, len(requests))
@@ -541,7 +604,8 @@ def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: in
                   seed=seed, max_seq=max(need, max_seq or 0),
                   device=str(m.target.embed_tokens.weight.device), stop_ids=() if ignore_eos else m.stop_ids,
                   stop_strings=stops, scheduler=scheduler, threshold=threshold,
-                  buckets=buckets if scheduler != "none" else None, compile=compile, kernels=kernels)
+                  buckets=buckets if scheduler != "none" else None, compile=compile, compile_verbose=compile_verbose,
+                  kernels=kernels)
 
 
 # ----------------------------------------------------------------------------------------
@@ -630,6 +694,12 @@ class Args(WandbFlags):
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""
+    compile_cache: Optional[str] = None
+    """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
+    shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
+    verbose: bool = False
+    """With --compile: show what compiling prints (Inductor's autotuning tables, on stderr); without
+    it compiling prints one line, its time and the cache directory."""
     kernels: Literal["torch", "triton"] = "torch"
     """The Markov chain and the acceptance: plain torch (the references), or kernels.py's Triton
     kernels (cuda; on cpu only in Triton's interpreter, TRITON_INTERPRET=1, for testing)."""
@@ -682,6 +752,14 @@ def check_args(args: Args):
             kernels.kernel_set(args.kernels, args.device)
         except RuntimeError as e:
             raise UserError(f"--kernels {args.kernels}: {e}") from None
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
+
+
+def check_compile_flags(compile: bool, compile_cache: Optional[str], verbose: bool):
+    """--compile-cache and --verbose only change a compiled run."""
+    for flag, given in (("--compile-cache", compile_cache is not None), ("--verbose", verbose)):
+        if given and not compile:
+            raise UserError(f"{flag}: only used with --compile (the run is eager)")
 
 
 def run(args: Args) -> dict:
@@ -705,6 +783,8 @@ def run(args: Args) -> dict:
 def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
     """Load the models, read the prompts and decode them (in demo mode twice: without, then with the drafter)."""
     threads = set_threads(args.threads)
+    if auto_compile(args.compile, args.device):
+        args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
     kind = resolve_scheduler(args)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
@@ -768,9 +848,11 @@ def ready_engine(args: Args, m: Models, drafter, prompts: list[list[int]], kind:
                           compile=auto_compile(args.compile, args.device), kernels=args.kernels, stops=stops,
                           ignore_eos=args.ignore_eos,
                           buckets=parse_buckets(args.verify_buckets, min(args.batch_size, len(requests)), drafter)
-                          if kind != "none" else None, max_seq=max_seq)
+                          if kind != "none" else None, max_seq=max_seq, compile_verbose=args.verbose)
     if engine.compiled:
         engine.warmup()
+        print(f"compiled the round in {engine.compile_seconds:.1f} s (compile cache: {args.compile_cache})",
+              file=sys.stderr)
     if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table))
     return engine

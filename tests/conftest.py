@@ -48,6 +48,16 @@ if "huggingface_hub.constants" in sys.modules:  # read at its import: imported a
     sys.modules["huggingface_hub.constants"].HF_HUB_CACHE = os.environ["HF_HUB_CACHE"]
     sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
 
+# Compiled tests keep Inductor's own cache directory (per user, under the temp dir), not the programs'
+# default ~/.cache/dspark-fast/inductor: the tests never write the user's cache, and reruns stay warm.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    try:
+        _USER = getpass.getuser()
+    except (KeyError, OSError):
+        _USER = f"uid_{os.getuid()}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{_USER}")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))

@@ -364,6 +364,10 @@ CASES = [
     ("buckets-zero", "speculate", lambda w, t: S(w) + ["--scheduler", "hardware", "--verify-buckets", "0,10"],
      "--verify-buckets", False),
     ("triton-on-cpu", "speculate", lambda w, t: S(w) + ["--kernels", "triton"], "--kernels triton", False),
+    ("verbose-eager", "speculate", lambda w, t: S(w) + ["--verbose"], "--verbose", False),
+    ("compile-cache-eager", "speculate", lambda w, t: S(w) + ["--compile-cache", t / "cc"], "--compile-cache", False),
+    ("compile-cache-file", "speculate", lambda w, t: S(w) + ["--compile", "--compile-cache",
+                                                            prompts_file(t, "x", "cc")], "not a directory", False),
     ("random-init-and-target", "speculate", lambda w, t: S(w) + ["--random-init", "qwen3-8b"], "--random-init", False),
     ("cuda-without-gpu", "speculate", lambda w, t: S(w) + ["--device", "cuda"], "--device cuda", False),
     ("memory-too-big", "speculate", lambda w, t: ["--target", target_with(
@@ -371,6 +375,8 @@ CASES = [
         "9000000", "--num-samples", "4096", "--batch-size", "4096"], "GiB", True),
 
     # ---- eval.py
+    ("eval-verbose-eager", "eval", lambda w, t: E(w) + ["--verbose"], "--verbose", False),
+    ("eval-compile-cache-eager", "eval", lambda w, t: E(w) + ["--compile-cache", t / "cc"], "--compile-cache", False),
     ("eval-datasets-twice", "eval", lambda w, t: E(w)[:7] + ["gsm8k,gsm8k"] + E(w)[8:], "named twice", True),
     ("eval-datasets-path", "eval", lambda w, t: E(w)[:7] + ["../p"] + E(w)[8:], "not a dataset name", False),
     ("eval-datasets-empty", "eval", lambda w, t: E(w)[:7] + [","] + E(w)[8:], "no dataset named", False),
@@ -428,6 +434,7 @@ CASES = [
     ("bench-drafter-alone", "bench", lambda w, t: ["--drafter", w / "drafter"], "--drafter", True),
     ("bench-mode-no-compile", "bench", lambda w, t: ["--compile-mode", "default", "--no-compile"], "--compile-mode",
      True),
+    ("bench-verbose-no-compile", "bench", lambda w, t: ["--verbose", "--no-compile"], "--verbose", False),
     ("bench-model-unknown", "bench", lambda w, t: ["--model", "gpt5"], "--model", False),
     ("bench-out-root", "bench", lambda w, t: ["--out", "/"], "is a directory", False),
     ("bench-out-empty", "bench", lambda w, t: ["--out", ""], "empty path", False),

@@ -23,7 +23,9 @@ def pair(tmp_path_factory):
     return target, drafter
 
 
-def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys):
+def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd):
+    """... and prints what the eager run prints: the completions on stdout, no autotuning tables (which
+    Inductor writes to stderr while it autotunes, on a cold cache as in CI)."""
     import torch._dynamo
 
     target, drafter = pair
@@ -32,7 +34,7 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys
     # batch padded with an inactive row. Nothing of this may trigger a recompile.
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
                                for p in ([5, 17, 33, 2, 8], [9, 1], [40, 41, 42, 43, 44, 45, 46])))
-    traces = {}
+    traces, printed = {}, {}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for flag in ("--no-compile", "--compile"):
@@ -40,7 +42,9 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys
         with torch._dynamo.config.patch(error_on_recompile=True):
             rc = speculate.main(["--target", target, "--drafter", drafter, "--prompts-file", str(prompts),
                                  "--batch-size", "2", "--max-new-tokens", "24", "--trace-file", str(trace), flag])
-        assert rc == 0, capsys.readouterr().err
+        out, err = capfd.readouterr()
+        assert rc == 0, err
+        printed[flag] = out, err
         lines = [json.loads(l) for l in open(trace)]
         summary = lines.pop()
         traces[flag] = lines
@@ -53,6 +57,11 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capsys
         if "confidence" in a:
             assert a["confidence"] == pytest.approx(b["confidence"], rel=1e-5, abs=1e-6)
     assert any(l.get("accepted", 0) >= 2 for l in traces["--compile"])
+    # stdout: the same completions, line for line; only the figures line (times) differs.
+    figures = lambda out: [l for l in out.splitlines() if not l.startswith("speculative: ")]
+    assert figures(printed["--compile"][0]) == figures(printed["--no-compile"][0]) != []
+    err = printed["--compile"][1]
+    assert "AUTOTUNE" not in err and "Autotune" not in err and "compiled the round in" in err, err
     # Two graphs compiled, the round's halves: draft and verify (fullgraph=True would have raised on
     # a break; a recompile would have raised through error_on_recompile).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
@@ -95,16 +104,19 @@ def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_pa
     assert min(verified) < 4 and max(verified) >= 2, "the schedule should vary the ragged batch's size"
 
 
-def test_cpu_recipe_freezes_the_weights_into_the_graph():
+def test_cpu_recipe_freezes_the_weights_into_the_graph(capfd):
     """The CPU default of `speculate.compiled` freezes parameters (what lets max-autotune pick
     Inductor's packed C++ GEMMs): the graph sees the weights it compiled with, so an in-place edit
-    afterwards is not seen (the documented contract), while a different module recompiles."""
+    afterwards is not seen (the documented contract), while a different module recompiles. With
+    `verbose`, on an empty cache, Inductor's autotuning table is shown."""
     torch._dynamo.reset()
     lin, other = torch.nn.Linear(8, 8).requires_grad_(False), torch.nn.Linear(8, 8).requires_grad_(False)
     x = torch.randn(3, 8)
-    fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu")
+    fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu", verbose=True)
     before = lin(x).relu()
-    assert torch.allclose(fn(lin, x), before, atol=1e-5)
+    with fresh_inductor_cache():
+        assert torch.allclose(fn(lin, x), before, atol=1e-5)
+    assert "AUTOTUNE" in capfd.readouterr().err
     assert torch.allclose(fn(other, x), other(x).relu(), atol=1e-5)  # a new model: recompiled, not reused
     with torch.no_grad():
         lin.weight.mul_(-1)
@@ -148,3 +160,26 @@ def test_compiled_async_round_reads_nothing_between_draft_and_verify(pair, monke
                             [(r["batch_round"], r["capacity"], r["verified"], r["accepted"]) for r in rounds])
     assert results[True] == results[False]
     assert {c for _, c, _, _ in results[True][1]} >= {2, 8}, "both verify graphs should run"
+
+
+def fresh_inductor_cache():
+    """An empty Inductor cache for the block (autotuning must run; in-memory caches cleared too)."""
+    import torch._inductor.utils as inductor_utils
+    return (getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache)()  # 2.11's name
+
+
+def test_autotuning_is_silent_unless_verbose(capfd):
+    """On an empty cache (so autotuning must run) a recipe compile of one Linear prints nothing:
+    no AUTOTUNE table, no choices-stats JSON, no deprecation warning (the verbose side is in
+    test_cpu_recipe_freezes_the_weights_into_the_graph)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    lin, x = torch.nn.Linear(24, 40).requires_grad_(False), torch.randn(3, 24)
+    with fresh_inductor_cache():
+        fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu")
+        assert torch.allclose(fn(lin, x), lin(x).relu(), atol=1e-5)
+    out, err = capfd.readouterr()
+    assert torch._dynamo.utils.counters["inductor"]["select_algorithm_autotune"] > 0  # it did autotune
+    assert out == "" and "AUTOTUNE" not in err and "Autotune" not in err and "TypedStorage" not in err, err
