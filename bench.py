@@ -43,7 +43,8 @@ from common import (UserError, check_outputs, check_ranges, cli_main, device_nam
 from drafter import Drafter, DrafterConfig, random_drafter
 from inputs import resolve_checkpoint
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
-from speculate import Engine, Request, check_compile_flags, use_compile_cache
+from compiling import check_compile_flags, use_compile_cache
+from speculate import Engine, Request
 
 
 @dataclass
@@ -65,7 +66,7 @@ class BenchArgs:
     """torch.compile the round (--no-compile for eager)."""
     compile_mode: Optional[str] = None
     """torch.compile mode (default: max-autotune, on cpu with the weights frozen into the graph, see
-    speculate.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short device session."""
+    compiling.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short device session."""
     compile_cache: Optional[str] = None
     """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
     Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""

@@ -50,7 +50,8 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
-from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length, check_compile_flags, use_compile_cache
+from compiling import auto_compile, check_compile_flags, use_compile_cache
+from speculate import DEMO_DIR, Engine, Request, cache_length
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,

@@ -405,7 +405,7 @@ class Attention(nn.Module):
 
         The weight (and bias) of the three projections is one tensor, rows ordered [v; k; q]: the K/V
         the drafter's context rows need (`kv`) are then its leading rows — a slice at offset 0, which
-        Inductor's frozen-weight GEMMs (speculate.compiled on CPU) read right, where they misread a
+        Inductor's frozen-weight GEMMs (compiling.compiled on CPU) read right, where they misread a
         slice further into the tensor — and the k and q heads, normed and rotated together, are
         adjacent. q/k/v_proj's parameters become views of its rows: the same memory, still the
         published names in state_dict (so saving, comparing with transformers and strict loading see

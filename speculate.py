@@ -19,12 +19,10 @@ Without a drafter a round is the same with zero drafts: the target runs on the a
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Annotated, Literal, NamedTuple, Optional, Sequence
@@ -40,6 +38,7 @@ import kernels
 import metrics
 import runlog
 import scheduler as sched
+from compiling import auto_compile, check_compile_flags, compiled, use_compile_cache
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
                     device_name, free_memory, set_threads, sync)
 from kernels import NO_FILTERS
@@ -195,93 +194,6 @@ class Request:
     finished: Optional[float] = None  # ... and when its last token was committed
     prompt: int = 0   # which prompt of the run, and which sample of it (--num-samples)
     sample: int = 0
-
-
-def compile_cache_dir(path: Optional[str] = None) -> str:
-    """Where torch.compile keeps what a later run can reuse: `path`, else $TORCHINDUCTOR_CACHE_DIR, else
-    ~/.cache/dspark-fast/inductor ($XDG_CACHE_HOME/dspark-fast/inductor when that is set) — a per-user
-    directory that, unlike Inductor's own default under /tmp, survives a reboot."""
-    if path is None:
-        path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if path is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "dspark-fast", "inductor")
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def use_compile_cache(path: Optional[str] = None, flag: str = "--compile-cache") -> str:
-    """Point Inductor's on-disk caches at `compile_cache_dir(path)` (created if missing) and return it;
-    before anything compiles, since Inductor reads TORCHINDUCTOR_CACHE_DIR when it opens a cache. What a
-    warm start reuses depends on the recipe (see `compiled` and the README's "Compiling")."""
-    where = compile_cache_dir(path)
-    if os.path.exists(where) and not os.path.isdir(where):
-        raise UserError(f"{flag} {where}: not a directory")
-    try:
-        os.makedirs(where, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{flag} {where}: cannot create the directory ({e.strerror})") from None
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {where}: the directory is not writable")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
-    return where
-
-
-#: Inductor settings of every compile here: no "Autotune Choices Stats" JSON blob per autotuned op on
-#: stderr. A setting, so part of the cache key: the same whether or not `verbose`.
-_QUIET_OPTIONS = {"max_autotune_report_choices_stats": False}
-
-
-def _inductor_options(options: dict) -> dict:
-    config = torch._inductor.config
-    return {**options, **{k: v for k, v in _QUIET_OPTIONS.items() if hasattr(config, k)}}  # torch 2.11 may lack one
-
-
-def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
-    """`fn` under torch.compile with the project's recipe: one graph, static shapes, max-autotune
-    (with CUDA graphs on GPU), or `mode` when given.
-
-    On CPU the default also freezes the weights into the graph (Inductor's `freezing`): they become
-    constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
-    beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md). The
-    weights must not change in place afterwards (a new model recompiles; an edited one would not be
-    seen), and the packed copies cost a second copy of the weights' memory. The graph's wrapper is
-    generated as C++ rather than Python (`cpp_wrapper`): a round calls a few hundred kernels, and
-    the profiler put ~2.6 ms of a ~26 ms round in the Python graph call itself, outside them. Both settings
-    are read when a graph compiles, which is the first call of each shape, so every call runs with
-    them switched on (and without autograd, which freezing needs). Frozen graphs are not kept by
-    Inductor's FX-graph and AOTAutograd caches (torch 2.13 refuses graphs with frozen, oneDNN-packed
-    weights), so a second process re-lowers them; it reuses the autotuning results and the compiled
-    kernels from the cache directory (README, "Compiling").
-
-    Compiling under max-autotune prints a table per autotuned GEMM (`AUTOTUNE ...`) to stderr;
-    `verbose` shows them, else they are off (Inductor's module switch, not a setting: the cache key
-    is the same either way), as is a deprecation warning Inductor's autotuner raises."""
-    import torch._inductor.select_algorithm as select_algorithm
-
-    if not verbose:
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
-                                module=r"torch\._inductor")
-    cpu_recipe = not str(device).startswith("cuda") and mode is None
-    if cpu_recipe:  # max-autotune's options without its CUDA graphs (which the C++ wrapper would warn it skips)
-        options = {"max_autotune": True}
-    else:  # the mode as its options (what torch.compile does with a mode), so that ours can join them
-        options = torch._inductor.list_mode_options(mode or "max-autotune")
-    graph = torch.compile(fn, fullgraph=True, dynamic=False, options=_inductor_options(options))
-    switch = hasattr(select_algorithm, "PRINT_AUTOTUNE")
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if switch:
-            shown, select_algorithm.PRINT_AUTOTUNE = select_algorithm.PRINT_AUTOTUNE, verbose
-        try:
-            if not cpu_recipe:
-                return graph(*args, **kwargs)
-            with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
-                return graph(*args, **kwargs)
-        finally:
-            if switch:
-                select_algorithm.PRINT_AUTOTUNE = shown
-    return call
 
 
 def check_cache_memory(target: Transformer, drafter, batch: int, max_seq: int, device):
@@ -722,11 +634,6 @@ class Args(WandbFlags):
     random weights, to measure speed without downloads (prompts as ids; use bench.py for tables)."""
 
 
-def auto_compile(compile: Optional[bool], device: str) -> bool:
-    """--compile's default: on for cuda, off for cpu."""
-    return compile if compile is not None else device.startswith("cuda")
-
-
 MAX_REQUESTS = 10_000_000
 
 
@@ -753,13 +660,6 @@ def check_args(args: Args):
         except RuntimeError as e:
             raise UserError(f"--kernels {args.kernels}: {e}") from None
     check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
-
-
-def check_compile_flags(compile: bool, compile_cache: Optional[str], verbose: bool):
-    """--compile-cache and --verbose only change a compiled run."""
-    for flag, given in (("--compile-cache", compile_cache is not None), ("--verbose", verbose)):
-        if given and not compile:
-            raise UserError(f"{flag}: only used with --compile (the run is eager)")
 
 
 def run(args: Args) -> dict:

@@ -4,7 +4,7 @@
 
 For each prompt length L (each one a bucket: a compiled prefill pads prompts up to it) and batch
 size it times the prefill forward (target with capture + the drafter's context write) eager and
-compiled (`speculate.compiled`: the project's recipe for the device), as the median of
+compiled (`compiling.compiled`: the project's recipe for the device), as the median of
 `--reps` calls after one untimed, and the compile seconds each bucket costs. A compiled prefill
 pays when (eager - compiled) x prefills exceeds the compile seconds of the buckets it needs.
 Model: bench.py's constructed ~35M pair on CPU, or `--model qwen3-8b` (random weights) on cuda.
@@ -26,7 +26,7 @@ from bench import bigram_pair  # noqa: E402
 from common import check_ranges, cli_main, device_name, parse_ints, resolve_device, resolve_dtype, sync  # noqa: E402
 from drafter import random_drafter  # noqa: E402
 from model import random_target  # noqa: E402
-from speculate import compiled  # noqa: E402
+from compiling import compiled  # noqa: E402
 
 
 @dataclass

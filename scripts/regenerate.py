@@ -40,7 +40,8 @@ from data import ROLES  # noqa: E402
 from inputs import check_sampling  # noqa: E402
 from kernels import Filters  # noqa: E402
 from inputs import resolve_checkpoint  # noqa: E402
-from speculate import Engine, Request, auto_compile, cache_length, load_models  # noqa: E402
+from compiling import auto_compile  # noqa: E402
+from speculate import Engine, Request, cache_length, load_models  # noqa: E402
 
 TURN_STRIDE = 1024  # request index = conversation index * TURN_STRIDE + turn (per-request random streams)
 

@@ -5,7 +5,7 @@
 One process, bench.py's constructed ~35M pair, one engine per way of running the round (all the
 same size, so they share the target's cache buffers): eager (`--no-compile`), Inductor's default
 mode without frozen weights (`--compile-mode default`, the CPU recipe before session 3), and the
-default recipe (`speculate.compiled`: max-autotune, on CPU with the weights frozen into the
+default recipe (`compiling.compiled`: max-autotune, on CPU with the weights frozen into the
 graph). Each engine is compiled and settled first; then --repeats timed runs in rotating order.
 Prints, per engine, the median round time (decode seconds / rounds) with every run, and the
 per-repeat ratios of each engine's round to the recipe's. Every engine must emit the same tokens.

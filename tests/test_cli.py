@@ -15,6 +15,7 @@ import torch
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
 import inputs
+import compiling
 import speculate
 
 
@@ -221,8 +222,8 @@ def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsy
         chat_template = "{{ x }}"
     assert inputs.auto_chat(None, Tok()) is True and inputs.auto_chat(False, Tok()) is False
     assert inputs.auto_chat(None, None) is False and inputs.auto_chat(True, None) is True
-    assert speculate.auto_compile(None, "cuda") and not speculate.auto_compile(None, "cpu")
-    assert speculate.auto_compile(True, "cpu") and not speculate.auto_compile(False, "cuda")
+    assert compiling.auto_compile(None, "cuda") and not compiling.auto_compile(None, "cpu")
+    assert compiling.auto_compile(True, "cpu") and not compiling.auto_compile(False, "cuda")
     with pytest.raises(SystemExit):
         speculate.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())

@@ -12,6 +12,7 @@ import torch
 
 from drafters import make_drafter, make_target
 
+import compiling
 import speculate
 
 
@@ -105,14 +106,14 @@ def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_pa
 
 
 def test_cpu_recipe_freezes_the_weights_into_the_graph(capfd):
-    """The CPU default of `speculate.compiled` freezes parameters (what lets max-autotune pick
+    """The CPU default of `compiling.compiled` freezes parameters (what lets max-autotune pick
     Inductor's packed C++ GEMMs): the graph sees the weights it compiled with, so an in-place edit
     afterwards is not seen (the documented contract), while a different module recompiles. With
     `verbose`, on an empty cache, Inductor's autotuning table is shown."""
     torch._dynamo.reset()
     lin, other = torch.nn.Linear(8, 8).requires_grad_(False), torch.nn.Linear(8, 8).requires_grad_(False)
     x = torch.randn(3, 8)
-    fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu", verbose=True)
+    fn = compiling.compiled(lambda m, x: m(x).relu(), "cpu", verbose=True)
     before = lin(x).relu()
     with fresh_inductor_cache():
         assert torch.allclose(fn(lin, x), before, atol=1e-5)
@@ -178,7 +179,7 @@ def test_autotuning_is_silent_unless_verbose(capfd):
     torch._dynamo.utils.counters.clear()
     lin, x = torch.nn.Linear(24, 40).requires_grad_(False), torch.randn(3, 24)
     with fresh_inductor_cache():
-        fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu")
+        fn = compiling.compiled(lambda m, x: m(x).relu(), "cpu")
         assert torch.allclose(fn(lin, x), lin(x).relu(), atol=1e-5)
     out, err = capfd.readouterr()
     assert torch._dynamo.utils.counters["inductor"]["select_algorithm_autotune"] > 0  # it did autotune
