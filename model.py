@@ -321,9 +321,10 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     group's g heads become g*T query rows of its K/V head: [B, Hkv, g*T, hd] queries against Hkv K/V
     heads, plain multi-head attention, no K/V copied. On CUDA a boolean mask with `enable_gqa` runs in
     SDPA's math kernel, which materialises every score (flash takes no mask, and the memory-efficient
-    kernel gained GQA only in mid-2026, pytorch#191085, after torch 2.11), whereas equal head counts and
-    an additive mask in the query's dtype are what the memory-efficient and cuDNN kernels take. On CPU folding would change the flash kernel's
-    blocking, and so the last bits, for nothing: it takes GQA with a mask as it is.
+    kernel took no GQA in the releases of mid-2026: pytorch#191085 adds it), whereas equal head counts
+    and an additive mask in the query's dtype are what the memory-efficient and cuDNN kernels take.
+    On CPU folding would change the flash kernel's blocking, and so the last bits, for nothing: it
+    takes GQA with a mask as it is.
     """
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
