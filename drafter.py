@@ -330,10 +330,10 @@ class Drafter(nn.Module):
         target.check_capture(self.cfg.target_layer_ids, "drafter target_layer_ids")
         self._target[0] = target
 
-    def fuse_(self) -> "Drafter":
+    def fuse_(self, gate_up: Optional[bool] = None) -> "Drafter":
         """Fused projection weights for inference, as `Transformer.fuse_` (the same decoder layers)."""
         for layer in self.layers:
-            layer.fuse_()
+            layer.fuse_(gate_up)
         return self
 
     def setup_caches(self, max_batch: int, max_seq: int):

@@ -21,8 +21,9 @@ What is notable here:
   request's cache and earlier tokens (see `Ragged`).
 - Loading is strict: every tensor in the files must land in a parameter and every parameter
   must be loaded, else `UserError` names the first one that does not. Then, for inference, each
-  layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM and one [gate; up] GEMM,
-  the published parameters kept as views of the fused rows, so state_dict stays the checkpoint's.
+  layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM (and on CUDA one
+  [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
+  the checkpoint's.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
   whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
@@ -320,9 +321,10 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     group's g heads become g*T query rows of its K/V head: [B, Hkv, g*T, hd] queries against Hkv K/V
     heads, plain multi-head attention, no K/V copied. On CUDA a boolean mask with `enable_gqa` runs in
     SDPA's math kernel, which materialises every score (flash takes no mask, and the memory-efficient
-    kernel gained GQA only in mid-2026, pytorch#191085, after torch 2.11), whereas equal head counts and
-    an additive mask in the query's dtype are what the memory-efficient and cuDNN kernels take. On CPU folding would change the flash kernel's
-    blocking, and so the last bits, for nothing: it takes GQA with a mask as it is.
+    kernel took no GQA in the releases of mid-2026: pytorch#191085 adds it), whereas equal head counts
+    and an additive mask in the query's dtype are what the memory-efficient and cuDNN kernels take.
+    On CPU folding would change the flash kernel's blocking, and so the last bits, for nothing: it
+    takes GQA with a mask as it is.
     """
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
@@ -502,7 +504,9 @@ class MLP(nn.Module):
 
     def fuse_(self):
         """For inference: one [gate; up] weight, one GEMM; gate/up_proj.weight become views of its rows
-        (as `Attention.fuse_`)."""
+        (as `Attention.fuse_`). `DecoderLayer.fuse_` asks for it on CUDA only: on this project's CPU
+        (MKL, AMD EPYC, 1 thread) the fused GEMM at the 5-6 rows of a verify was 1-2 ms per
+        bigram-35m target forward slower than the two halves, and no faster at one row (BENCHMARKS.md)."""
         if self.gate_up_weight is not None:
             return
         self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
@@ -534,9 +538,12 @@ class DecoderLayer(nn.Module):
                                prefix_kv=prefix_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def fuse_(self):
+    def fuse_(self, gate_up: Optional[bool] = None):
+        """Fused projections for inference: QKV always; gate-up when asked, by default on CUDA only
+        (`MLP.fuse_`)."""
         self.self_attn.fuse_()
-        self.mlp.fuse_()
+        if gate_up if gate_up is not None else self.mlp.down_proj.weight.is_cuda:
+            self.mlp.fuse_()
 
 
 # ----------------------------------------------------------------------------------------
@@ -569,12 +576,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_tables(self.args.head_dim, self.args.rope_theta, max_seq, w.device),
                              persistent=False)
 
-    def fuse_(self) -> "Transformer":
-        """Fused projection weights for inference (`Attention.fuse_`, `MLP.fuse_`): one QKV and one
-        gate-up GEMM per layer. Call once the weights are final (after loading or initialising, and
-        after any move to another device or dtype, which would copy the views apart)."""
+    def fuse_(self, gate_up: Optional[bool] = None) -> "Transformer":
+        """Fused projection weights for inference (`DecoderLayer.fuse_`): one QKV GEMM per layer, and one
+        gate-up GEMM (default: on CUDA). Call once the weights are final (after loading or initialising,
+        and after any move to another device or dtype, which would copy the views apart)."""
         for layer in self.layers:
-            layer.fuse_()
+            layer.fuse_(gate_up)
         return self
 
     def check_capture(self, capture: Sequence[int], source: str = "target_layer_ids"):

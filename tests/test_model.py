@@ -245,6 +245,8 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
     MKL's matrix-vector kernel depends on the weight's address alignment)."""
     target = target_factory(attention_bias=bias, seed=3 if bias else 0)
     fused, plain = load(target.path, max_batch=2), load(target.path, max_batch=2, fuse=False)
+    assert fused.layers[0].mlp.gate_up_weight is None  # gate-up: on CUDA by default (MLP.fuse_); here asked for
+    fused.fuse_(gate_up=True)
     a, p = fused.layers[0].self_attn, plain.layers[0].self_attn
     assert a.vkq_weight is not None and p.vkq_weight is None and plain.layers[0].mlp.gate_up_weight is None
     assert (a.vkq_bias is not None) == bias
