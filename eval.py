@@ -47,7 +47,8 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
                     read_json, write_json)
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from scheduler import check_schedulable, resolve_scheduler
-from speculate import Engine, Request, auto_compile, cache_length, check_compile_flags, use_compile_cache
+from speculate import (CompileMode, Engine, Request, auto_compile, cache_length, check_compile_flags,
+                       use_compile_cache)
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -106,6 +107,8 @@ class EvalArgs:
     process may use (printed at start); under torchrun on a CPU, give each rank its share."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu."""
+    compile_mode: Optional[CompileMode] = None
+    """With --compile: this torch.compile mode instead of the project's recipe (as for speculate.py)."""
     compile_cache: Optional[str] = None
     """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
     shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
@@ -375,7 +378,7 @@ def run(args: EvalArgs) -> dict:
                  ece_bins="[1, 10000]", step=f"[0, {2**62}]", seed=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     check_sampling(args.temperature)
     check_threads(args.threads)
-    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose, args.compile_mode)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
@@ -413,7 +416,8 @@ def run(args: EvalArgs) -> dict:
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
-                    threshold=args.confidence_threshold, compile=compile, compile_verbose=args.verbose)
+                    threshold=args.confidence_threshold, compile=compile, compile_mode=args.compile_mode,
+                    compile_verbose=args.verbose)
     if rank == 0:  # every input checked, the caches allocated: say what runs
         print(threads, file=sys.stderr)
         if drafter is not None or m.hub_snapshots:

@@ -195,6 +195,11 @@ class Request:
     sample: int = 0
 
 
+#: torch.compile's modes, for --compile-mode (without it: the recipe of `compiled`).
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES = CompileMode.__args__
+
+
 def compile_cache_dir(path: Optional[str] = None) -> str:
     """Where torch.compile keeps what a later run can reuse: `path`, else $TORCHINDUCTOR_CACHE_DIR, else
     ~/.cache/dspark-fast/inductor ($XDG_CACHE_HOME/dspark-fast/inductor when that is set) — a per-user
@@ -256,6 +261,8 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     is the same either way), as is a deprecation warning Inductor's autotuner raises."""
     import torch._inductor.select_algorithm as select_algorithm
 
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: not one of {', '.join(COMPILE_MODES)}")
     if not verbose:
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
                                 module=r"torch\._inductor")
@@ -590,15 +597,15 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
 def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: int, *, sampling: Sampling, seed: int,
                  batch_size: int, scheduler: str, threshold: float, compile: bool, kernels: str = "torch",
                  stops: Optional[StopStrings] = None, ignore_eos: bool = False, buckets=None,
-                 compile_verbose: bool = False) -> Engine:
+                 compile_mode: Optional[str] = None, compile_verbose: bool = False) -> Engine:
     """An engine sized for these requests: caches for the longest prompt + budget, at most batch_size rows."""
     batch = min(batch_size, len(requests))
     return Engine(m.target, drafter, batch_size=batch, temperature=sampling.temperature, filters=sampling.filters,
                   seed=seed, max_seq=cache_length(max(len(r.prompt_ids) for r in requests), max_new_tokens, drafter),
                   device=str(m.target.embed_tokens.weight.device), stop_ids=() if ignore_eos else m.stop_ids,
                   stop_strings=stops, scheduler=scheduler, threshold=threshold,
-                  buckets=buckets if scheduler != "none" else None, compile=compile, compile_verbose=compile_verbose,
-                  kernels=kernels)
+                  buckets=buckets if scheduler != "none" else None, compile=compile, compile_mode=compile_mode,
+                  compile_verbose=compile_verbose, kernels=kernels)
 
 
 # ----------------------------------------------------------------------------------------
@@ -687,6 +694,11 @@ class Args:
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""
+    compile_mode: Optional[CompileMode] = None
+    """With --compile: this torch.compile mode instead of the project's recipe (max-autotune; on cpu
+    with the weights frozen into the graph and a C++ wrapper). default: Inductor's default mode, whose
+    graphs its caches keep, so a second run starts in seconds, but whose round is slower on cpu
+    (README, "Compiling")."""
     compile_cache: Optional[str] = None
     """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
     shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
@@ -740,12 +752,13 @@ def check_args(args: Args):
             kernels.kernel_set(args.kernels, args.device)
         except RuntimeError as e:
             raise UserError(f"--kernels {args.kernels}: {e}") from None
-    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose, args.compile_mode)
 
 
-def check_compile_flags(compile: bool, compile_cache: Optional[str], verbose: bool):
-    """--compile-cache and --verbose only change a compiled run."""
-    for flag, given in (("--compile-cache", compile_cache is not None), ("--verbose", verbose)):
+def check_compile_flags(compile: bool, compile_cache: Optional[str], verbose: bool, mode: Optional[str] = None):
+    """--compile-mode, --compile-cache and --verbose only change a compiled run."""
+    for flag, given in ((f"--compile-mode {mode}", mode is not None), ("--compile-cache", compile_cache is not None),
+                        ("--verbose", verbose)):
         if given and not compile:
             raise UserError(f"{flag}: only used with --compile (the run is eager)")
 
@@ -815,7 +828,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
                           batch_size=args.batch_size, scheduler=kind, threshold=args.confidence_threshold,
                           compile=compile, kernels=args.kernels, stops=stops, ignore_eos=args.ignore_eos,
                           buckets=parse_buckets(args.verify_buckets, min(args.batch_size, len(requests)), drafter)
-                          if kind != "none" else None, compile_verbose=args.verbose)
+                          if kind != "none" else None, compile_mode=args.compile_mode, compile_verbose=args.verbose)
     if announce:  # every input checked, the caches allocated: say how it runs
         print(announce, file=sys.stderr)
     if drafter is not None or m.hub_snapshots:

@@ -44,7 +44,7 @@ from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, 
                     resolve_device, resolve_dtype, write_json)
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
 from inputs import check_prompts, load_models, load_prompts, resolve_checkpoint  # noqa: E402
-from speculate import DEMO_DIR, Engine, Request, auto_compile, cache_length  # noqa: E402
+from speculate import DEMO_DIR, CompileMode, Engine, Request, auto_compile, cache_length  # noqa: E402
 
 
 @dataclass
@@ -89,7 +89,7 @@ class ConcurrencyArgs:
     compile: AutoBool = None
     """torch.compile the rounds. Default: on for cuda, off for cpu, where a graph per concurrency and
     verify bucket would take longer to compile than to run."""
-    compile_mode: Optional[str] = None
+    compile_mode: Optional[CompileMode] = None
     """torch.compile mode (default: speculate.compiled's recipe)."""
     threads: Optional[int] = None
     """torch threads on cpu (default: torch's own)."""
