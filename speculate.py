@@ -560,7 +560,7 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
              batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
              thinking: bool = False,
              scheduler: str = "none", confidence_threshold: float = 0.0, compile: bool = False,
-             kernels: str = "torch") -> list[Completion]:
+             compile_mode: Optional[str] = None, kernels: str = "torch") -> list[Completion]:
     """Decode prompts with the models from `load` and return one `Completion` per prompt and sample
     (text, ids, finish reason, rounds, τ), in order. `prompts`: one prompt or a list of them — a text,
     a list of token ids or a conversation. Sampling as on the command line: with no sampling argument
@@ -583,7 +583,7 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
     engine = build_engine(m, m.drafter, requests, max_new_tokens, sampling=sampling, seed=seed,
                           batch_size=batch_size or min(len(requests), 16), scheduler=kind,
                           threshold=confidence_threshold, compile=compile, kernels=kernels, stops=stops,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, compile_mode=compile_mode)
     engine.generate(requests, max_new_tokens)
     return [completion(r, m.tokenizer, stops, engine.stop_ids) for r in requests]
 
