@@ -43,7 +43,7 @@ from common import (UserError, check_outputs, check_ranges, cli_main, device_nam
 from drafter import Drafter, DrafterConfig, random_drafter
 from inputs import resolve_checkpoint
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
-from compiling import check_compile_flags, use_compile_cache
+from compiling import CompileMode, check_compile_flags, use_compile_cache
 from speculate import Engine, Request
 
 
@@ -64,9 +64,10 @@ class BenchArgs:
     """Default: bfloat16 on cuda, float32 on cpu."""
     compile: bool = True
     """torch.compile the round (--no-compile for eager)."""
-    compile_mode: Optional[str] = None
-    """torch.compile mode (default: max-autotune, on cpu with the weights frozen into the graph, see
-    compiling.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short device session."""
+    compile_mode: Optional[CompileMode] = None
+    """torch.compile mode (default: the project's recipe, max-autotune, on cpu with the weights frozen into
+    the graph, see compiling.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short
+    device session."""
     compile_cache: Optional[str] = None
     """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
     Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
@@ -372,9 +373,7 @@ def run(args: BenchArgs) -> list[dict]:
     if args.drafter is not None and args.target is None:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
                         f"bench.py builds its own pair: --model)")
-    if args.compile_mode is not None and not args.compile:
-        raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile")
-    check_compile_flags(args.compile, args.compile_cache, args.verbose)
+    check_compile_flags(args.compile, args.compile_cache, args.verbose, args.compile_mode)
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])

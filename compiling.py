@@ -1,5 +1,5 @@
 """How the round is compiled: the project's torch.compile recipe per device, where its on-disk caches
-live, and the flags that choose them (--compile's default, --compile-cache, --verbose).
+live, and the flags that choose them (--compile's default, --compile-mode, --compile-cache, --verbose).
 
 The recipe (`compiled`): one graph, static shapes, max-autotune — on CUDA with CUDA graphs, on CPU
 with the weights frozen into the graph and a C++ graph wrapper. README, "Compiling", has what a cold
@@ -11,11 +11,15 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
 from common import UserError
+
+#: torch.compile's modes, for --compile-mode (without it: the recipe of `compiled`).
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES = CompileMode.__args__
 
 
 def auto_compile(compile: Optional[bool], device: str) -> bool:
@@ -23,9 +27,10 @@ def auto_compile(compile: Optional[bool], device: str) -> bool:
     return compile if compile is not None else device.startswith("cuda")
 
 
-def check_compile_flags(compile: bool, compile_cache: Optional[str], verbose: bool):
-    """--compile-cache and --verbose only change a compiled run."""
-    for flag, given in (("--compile-cache", compile_cache is not None), ("--verbose", verbose)):
+def check_compile_flags(compile: bool, compile_cache: Optional[str], verbose: bool, mode: Optional[str] = None):
+    """--compile-mode, --compile-cache and --verbose only change a compiled run."""
+    for flag, given in ((f"--compile-mode {mode}", mode is not None), ("--compile-cache", compile_cache is not None),
+                        ("--verbose", verbose)):
         if given and not compile:
             raise UserError(f"{flag}: only used with --compile (the run is eager)")
 
@@ -91,6 +96,8 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     is the same either way), as is a deprecation warning Inductor's autotuner raises."""
     import torch._inductor.select_algorithm as select_algorithm
 
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: not one of {', '.join(COMPILE_MODES)}")
     if not verbose:
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
                                 module=r"torch\._inductor")

@@ -50,7 +50,7 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
 from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
-from compiling import auto_compile, check_compile_flags, use_compile_cache
+from compiling import CompileMode, auto_compile, check_compile_flags, use_compile_cache
 from speculate import DEMO_DIR, Engine, Request, cache_length
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
@@ -118,6 +118,8 @@ class EvalArgs(WandbFlags):
     process may use (printed at start); under torchrun on a CPU, give each rank its share."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu."""
+    compile_mode: Optional[CompileMode] = None
+    """With --compile: this torch.compile mode instead of the project's recipe (as for speculate.py)."""
     compile_cache: Optional[str] = None
     """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
     shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
@@ -423,7 +425,7 @@ def run(args: EvalArgs) -> dict:
     check_sampling(args.temperature)
     check_threads(args.threads)
     runlog.check(args)
-    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose, args.compile_mode)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
@@ -477,7 +479,8 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     batch = max(1, min(args.batch_size, most))
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=args.temperature,
                     seed=args.seed, device=device, stop_ids=m.stop_ids, scheduler=kind,
-                    threshold=args.confidence_threshold, compile=compile, compile_verbose=args.verbose)
+                    threshold=args.confidence_threshold, compile=compile, compile_mode=args.compile_mode,
+                    compile_verbose=args.verbose)
     if log is not None:  # what the flags resolved to, and what was loaded
         log.config(world_size=world, hardware=device_name(device), dtype_resolved=str(m.dtype).removeprefix("torch."),
                    threads_resolved=torch.get_num_threads(), scheduler_resolved=kind, chat_resolved=chat,

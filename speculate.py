@@ -38,7 +38,7 @@ import kernels
 import metrics
 import runlog
 import scheduler as sched
-from compiling import auto_compile, check_compile_flags, compiled, use_compile_cache
+from compiling import CompileMode, auto_compile, check_compile_flags, compiled, use_compile_cache
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
                     device_name, free_memory, set_threads, sync)
 from kernels import NO_FILTERS
@@ -470,7 +470,7 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
              batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
              thinking: bool = False,
              scheduler: str = "none", confidence_threshold: float = 0.0, compile: bool = False,
-             kernels: str = "torch") -> list[Completion]:
+             compile_mode: Optional[str] = None, kernels: str = "torch") -> list[Completion]:
     """Decode prompts with the models from `load` and return one `Completion` per prompt and sample
     (text, ids, finish reason, rounds, τ), in order. `prompts`: one prompt or a list of them — a text,
     a list of token ids or a conversation. Sampling as on the command line: with no sampling argument
@@ -493,7 +493,7 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
     engine = build_engine(m, m.drafter, requests, max_new_tokens, sampling=sampling, seed=seed,
                           batch_size=batch_size or min(len(requests), 16), scheduler=kind,
                           threshold=confidence_threshold, compile=compile, kernels=kernels, stops=stops,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, compile_mode=compile_mode)
     engine.generate(requests, max_new_tokens)
     return [completion(r, m.tokenizer, stops, engine.stop_ids) for r in requests]
 
@@ -507,7 +507,8 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
 def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: int, *, sampling: Sampling, seed: int,
                  batch_size: int, scheduler: str, threshold: float, compile: bool, kernels: str = "torch",
                  stops: Optional[StopStrings] = None, ignore_eos: bool = False, buckets=None,
-                 max_seq: Optional[int] = None, compile_verbose: bool = False) -> Engine:
+                 max_seq: Optional[int] = None, compile_mode: Optional[str] = None,
+                 compile_verbose: bool = False) -> Engine:
     """An engine sized for these requests: caches for the longest prompt + budget (or `max_seq`, at least
     that), at most batch_size rows."""
     batch = min(batch_size, len(requests))
@@ -516,8 +517,8 @@ def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: in
                   seed=seed, max_seq=max(need, max_seq or 0),
                   device=str(m.target.embed_tokens.weight.device), stop_ids=() if ignore_eos else m.stop_ids,
                   stop_strings=stops, scheduler=scheduler, threshold=threshold,
-                  buckets=buckets if scheduler != "none" else None, compile=compile, compile_verbose=compile_verbose,
-                  kernels=kernels)
+                  buckets=buckets if scheduler != "none" else None, compile=compile, compile_mode=compile_mode,
+                  compile_verbose=compile_verbose, kernels=kernels)
 
 
 # ----------------------------------------------------------------------------------------
@@ -606,6 +607,11 @@ class Args(WandbFlags):
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""
+    compile_mode: Optional[CompileMode] = None
+    """With --compile: this torch.compile mode instead of the project's recipe (max-autotune; on cpu
+    with the weights frozen into the graph and a C++ wrapper). default: Inductor's default mode, whose
+    graphs its caches keep, so a second run starts in seconds, but whose round is slower on cpu
+    (README, "Compiling")."""
     compile_cache: Optional[str] = None
     """With --compile: the directory of torch.compile's on-disk caches, which later runs of the same
     shapes reuse. Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
@@ -659,7 +665,7 @@ def check_args(args: Args):
             kernels.kernel_set(args.kernels, args.device)
         except RuntimeError as e:
             raise UserError(f"--kernels {args.kernels}: {e}") from None
-    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose)
+    check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose, args.compile_mode)
 
 
 def run(args: Args) -> dict:
@@ -748,7 +754,8 @@ def ready_engine(args: Args, m: Models, drafter, prompts: list[list[int]], kind:
                           compile=auto_compile(args.compile, args.device), kernels=args.kernels, stops=stops,
                           ignore_eos=args.ignore_eos,
                           buckets=parse_buckets(args.verify_buckets, min(args.batch_size, len(requests)), drafter)
-                          if kind != "none" else None, max_seq=max_seq, compile_verbose=args.verbose)
+                          if kind != "none" else None, max_seq=max_seq, compile_mode=args.compile_mode,
+                          compile_verbose=args.verbose)
     if engine.compiled:
         engine.warmup()
         print(f"compiled the round in {engine.compile_seconds:.1f} s (compile cache: {args.compile_cache})",

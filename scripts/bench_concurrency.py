@@ -44,7 +44,7 @@ from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, 
                     resolve_device, resolve_dtype, write_json)
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
 from inputs import check_prompts, load_models, load_prompts, resolve_checkpoint  # noqa: E402
-from compiling import auto_compile  # noqa: E402
+from compiling import CompileMode, auto_compile  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
 
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
@@ -92,7 +92,7 @@ class ConcurrencyArgs:
     compile: AutoBool = None
     """torch.compile the rounds. Default: on for cuda, off for cpu, where a graph per concurrency and
     verify bucket would take longer to compile than to run."""
-    compile_mode: Optional[str] = None
+    compile_mode: Optional[CompileMode] = None
     """torch.compile mode (default: compiling.compiled's recipe)."""
     threads: Optional[int] = None
     """torch threads on cpu (default: torch's own)."""

@@ -364,6 +364,7 @@ CASES = [
     ("buckets-zero", "speculate", lambda w, t: S(w) + ["--scheduler", "hardware", "--verify-buckets", "0,10"],
      "--verify-buckets", False),
     ("triton-on-cpu", "speculate", lambda w, t: S(w) + ["--kernels", "triton"], "--kernels triton", False),
+    ("compile-mode-eager", "speculate", lambda w, t: S(w) + ["--compile-mode", "default"], "--compile-mode", False),
     ("verbose-eager", "speculate", lambda w, t: S(w) + ["--verbose"], "--verbose", False),
     ("compile-cache-eager", "speculate", lambda w, t: S(w) + ["--compile-cache", t / "cc"], "--compile-cache", False),
     ("compile-cache-file", "speculate", lambda w, t: S(w) + ["--compile", "--compile-cache",

@@ -1,11 +1,14 @@
-"""The compiled round equals the eager one and compiles once (CPU, Inductor's C++ backend).
+"""The compiled round equals the eager one and compiles once (CPU, Inductor's C++ backend); what
+compiling prints and what a second compile takes from the cache.
 
-Compiling takes tens of seconds on CPU, so this file compiles exactly one round function.
+Compiling takes tens of seconds on CPU, so the round tests share one pair, and the tests of the
+compile wiring (recipe, modes, quiet autotuning, caches) compile a single Linear.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -184,3 +187,44 @@ def test_autotuning_is_silent_unless_verbose(capfd):
     out, err = capfd.readouterr()
     assert torch._dynamo.utils.counters["inductor"]["select_algorithm_autotune"] > 0  # it did autotune
     assert out == "" and "AUTOTUNE" not in err and "Autotune" not in err and "TypedStorage" not in err, err
+
+
+def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monkeypatch):
+    """`use_compile_cache` (--compile-cache) points Inductor at a directory, and a later compile of the
+    same graph (another process; here after dynamo and Inductor's in-memory caches forget it) starts
+    from what it wrote: --compile-mode default loads the graph from the FX-graph and AOTAutograd caches;
+    the CPU recipe's frozen graph is refused by those caches (torch 2.13) and lowered again, but its
+    autotuning results are reused: no GEMM is timed twice."""
+    import torch._dynamo
+    import torch._inductor.utils as inductor_utils
+
+    clear_memory = getattr(inductor_utils, "clear_caches", None) or inductor_utils.clear_inductor_caches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-this"))
+    where = compiling.use_compile_cache(str(tmp_path / "cc"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == where == str(tmp_path / "cc")
+    lin, x = torch.nn.Linear(16, 56).requires_grad_(False), torch.randn(2, 16)
+    for mode in ("default", None):
+        runs = []
+        for _ in range(2):
+            torch._dynamo.reset()
+            clear_memory()
+            torch._dynamo.utils.counters.clear()
+            fn = compiling.compiled(lambda m, x: m(x).relu(), "cpu", mode)
+            assert torch.allclose(fn(lin, x), lin(x).relu(), atol=1e-5)
+            runs.append(dict(torch._dynamo.utils.counters["inductor"]))
+        first, second = runs
+        if mode == "default":
+            assert first.get("fxgraph_cache_miss") == 1 and second.get("fxgraph_cache_hit") == 1, runs
+        else:
+            assert first.get("select_algorithm_autotune", 0) > 0, runs
+            assert second.get("select_algorithm_autotune", 0) == 0 and second.get("fxgraph_cache_hit", 0) == 0, runs
+    assert os.listdir(where) and not os.path.exists(tmp_path / "not-this")
+
+
+def test_compile_modes_are_checked_and_run():
+    with pytest.raises(ValueError, match="not one of"):
+        compiling.compiled(lambda x: x, "cpu", "fastest")
+    torch._dynamo.reset()
+    fn = compiling.compiled(lambda x: (x * 2).sin(), "cpu", "max-autotune-no-cudagraphs")
+    x = torch.randn(5)
+    assert torch.allclose(fn(x), (x * 2).sin(), atol=1e-6)
