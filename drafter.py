@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from common import UserError, read_json, save_tensors, write_json
-from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
-                   attended_length, cache_bias, fold_gqa, read_safetensors, rope_tables, safetensors_files)
+from model import (DecoderLayer, Dense, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
+                   attended_length, cache_bias, fold_gqa, packs_pay, read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 MAX_BLOCK = 256  # slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
@@ -212,7 +212,7 @@ class VanillaMarkov(nn.Module):
     def __init__(self, H: int, V: int, r: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(V, r)
-        self.markov_w2 = nn.Linear(r, V, bias=False)
+        self.markov_w2 = Dense(r, V, bias=False)
 
     def step(self, h, prev, state):
         return self.markov_w2(self.markov_w1(prev)), state
@@ -305,7 +305,7 @@ class Drafter(nn.Module):
         self.cfg = cfg
         a = cfg.layers
         n = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(n * a.hidden_size, a.hidden_size, bias=False)
+        self.fc = Dense(n * a.hidden_size, a.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -330,10 +330,16 @@ class Drafter(nn.Module):
         target.check_capture(self.cfg.target_layer_ids, "drafter target_layer_ids")
         self._target[0] = target
 
-    def fuse_(self, gate_up: Optional[bool] = None) -> "Drafter":
-        """Fused projection weights for inference, as `Transformer.fuse_` (the same decoder layers)."""
+    def fuse_(self, gate_up: Optional[bool] = None, pack: Optional[bool] = None) -> "Drafter":
+        """Fused (and packed) projection weights for inference, as `Transformer.fuse_` (the same decoder
+        layers; the context projection and the Markov head's output too)."""
+        pack = packs_pay(self) if pack is None else pack
         for layer in self.layers:
-            layer.fuse_(gate_up)
+            layer.fuse_(gate_up, pack)
+        if pack:
+            for lin in (self.fc, getattr(self.markov_head, "markov_w2", None)):
+                if lin is not None:
+                    lin.pack_()
         return self
 
     def setup_caches(self, max_batch: int, max_seq: int):

@@ -170,6 +170,63 @@ def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------
 # Layers
 
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+          packed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weightᵀ + bias, as F.linear. With `packed` (`pack_weight(weight)`) and more than one row of x:
+    oneDNN's GEMM on the packed weight. On CPU in float32, MKL (F.linear's GEMM there) multiplies a
+    handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: 6 rows cost
+    3.3-3.8x one row on this project's machine, where oneDNN on a weight packed once took about half
+    that (BENCHMARKS.md, "Packed CPU GEMMs"). One row stays with MKL, faster there for small layers.
+    The two agree to rounding, not bitwise (another summation order); oneDNN's rows do not depend
+    on how many rows there are. `F.linear` is the reference (tests/test_model.py)."""
+    if packed is None or x.numel() <= x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):
+        return F.linear(x, weight, bias)  # (oneDNN's op has no backward: a drafter in training reads the lm_head)
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `dense` (a copy: the
+    weight's memory again)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+PACK_ROWS = 64  # the row count oneDNN's layout is chosen for; 6..64 rows ran alike, 1 was slower
+
+
+def packs_pay(model: nn.Module) -> bool:
+    """Whether `fuse_` packs `model`'s weights for `dense`: on CPU, in float32, with oneDNN built in,
+    and when a second copy of the weights takes at most a quarter of the machine's memory."""
+    w = next(model.parameters())
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: do not risk the memory
+        return False
+    return 4 * weights <= memory
+
+
+class Dense(nn.Linear):
+    """nn.Linear through `dense`: with `packed` set (`fuse_` on CPU), GEMMs of more than one row run on
+    oneDNN's packed weight. `packed` is a plain attribute: not in state_dict, not moved by `.to()`
+    (pack again after a move), and never read while torch.compile traces (Inductor packs its own)."""
+    packed: Optional[torch.Tensor] = None
+
+    def pack_(self):
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias, packed_of(self, "packed"))
+
+
+def packed_of(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """module.<name>, a packed weight or None — None while torch.compile traces: Inductor packs its own
+    (compiling.compiled), and the condition is settled at trace time, so a graph never reads one."""
+    return None if torch.compiler.is_compiling() else getattr(module, name)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim, computed in float32 and cast back before the weight, as
     Qwen3 does. (F.rms_norm would be one op instead of five, but its last bits are its kernel's, which no
@@ -395,15 +452,17 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=bias, device=device)
         self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=bias, device=device)
         self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=bias, device=device)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=bias, device=device)
+        self.o_proj = Dense(self.n_heads * self.head_dim, H, bias=bias, device=device)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, device=device)
         self.kv_cache: Optional[KVCache] = None
         for name in ("vkq_weight", "vkq_bias", "kq_norm_weight"):  # fuse_(); not saved (state_dict has the views)
             self.register_buffer(name, None, persistent=False)
+        self.vkq_packed = self.vk_packed = None  # fuse_(pack=True): pack_weight(vkq_weight), and of its [v; k] rows
 
-    def fuse_(self):
-        """For inference: one GEMM for q, k and v, and one norm for the k and q heads.
+    def fuse_(self, pack: bool = False):
+        """For inference: one GEMM for q, k and v, and one norm for the k and q heads (and with `pack`,
+        oneDNN's packed copies of the fused weight, of its [v; k] rows and of o_proj's: `dense`).
 
         The weight (and bias) of the three projections is one tensor, rows ordered [v; k; q]: the K/V
         the drafter's context rows need (`kv`) are then its leading rows — a slice at offset 0, which
@@ -417,6 +476,8 @@ class Attention(nn.Module):
         forward with grad (train an unfused model)."""
         if self.vkq_weight is not None:
             return
+        if pack:
+            self.o_proj.pack_()
         lins = (self.v_proj, self.k_proj, self.q_proj)
         weight = torch.cat([l.weight.detach() for l in lins])
         bias = torch.cat([l.bias.detach() for l in lins]) if self.q_proj.bias is not None else None
@@ -430,12 +491,15 @@ class Attention(nn.Module):
         self.vkq_weight, self.vkq_bias = weight, bias
         self.kq_norm_weight = torch.cat([self.k_norm.weight.detach().expand(self.n_kv, -1),
                                          self.q_norm.weight.detach().expand(self.n_heads, -1)])
+        if pack:
+            self.vkq_packed, self.vk_packed = pack_weight(weight), pack_weight(weight[:2 * self.n_kv * self.head_dim])
 
     def _fused(self):
         if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:
             raise RuntimeError("Attention.fuse_() is for inference: this layer's q/k/v weights are fused, and "
                                "gradients would not reach them (train a model loaded with fuse=False)")
         return self.vkq_weight, self.vkq_bias, self.kq_norm_weight
+
 
     def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, heads, hd], k and v [B, T, kv_heads, hd]: q and k normed per head
@@ -449,7 +513,7 @@ class Attention(nn.Module):
             k = rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, hd)))
             return q, k, self.v_proj(x).view(B, T, Hkv, hd)
         weight, bias, norm = self._fused()
-        vkq = F.linear(x, weight, bias).view(B, T, 2 * Hkv + H, hd)
+        vkq = dense(x, weight, bias, packed_of(self, "vkq_packed")).view(B, T, 2 * Hkv + H, hd)
         kq = rope(rms_norm(vkq[:, :, Hkv:], norm, self.k_norm.eps))
         return kq[:, :, Hkv:], kq[:, :, :Hkv], vkq[:, :, :Hkv]
 
@@ -461,7 +525,8 @@ class Attention(nn.Module):
             return rope(self.k_norm(self.k_proj(x).view(B, T, Hkv, hd))), self.v_proj(x).view(B, T, Hkv, hd)
         weight, bias, norm = self._fused()
         rows = 2 * Hkv * hd  # the leading [v; k] rows
-        vk = F.linear(x, weight[:rows], bias[:rows] if bias is not None else None).view(B, T, 2 * Hkv, hd)
+        vk = dense(x, weight[:rows], bias[:rows] if bias is not None else None,
+                   packed_of(self, "vk_packed")).view(B, T, 2 * Hkv, hd)
         return rope(rms_norm(vk[:, :, Hkv:], norm[:Hkv], self.k_norm.eps)), vk[:, :, :Hkv]
 
     def forward(self, x: torch.Tensor, rope: Rope, positions: Optional[torch.Tensor] = None,
@@ -497,10 +562,11 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, device=None):
         super().__init__()
         H, I = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(H, I, bias=False, device=device)
-        self.up_proj = nn.Linear(H, I, bias=False, device=device)
-        self.down_proj = nn.Linear(I, H, bias=False, device=device)
+        self.gate_proj = Dense(H, I, bias=False, device=device)
+        self.up_proj = Dense(H, I, bias=False, device=device)
+        self.down_proj = Dense(I, H, bias=False, device=device)
         self.register_buffer("gate_up_weight", None, persistent=False)  # fuse_()
+        self.gate_up_packed = None  # pack_()
 
     def fuse_(self):
         """For inference: one [gate; up] weight, one GEMM; gate/up_proj.weight become views of its rows
@@ -514,12 +580,21 @@ class MLP(nn.Module):
         self.gate_proj.weight = nn.Parameter(self.gate_up_weight[:I], requires_grad=False)
         self.up_proj.weight = nn.Parameter(self.gate_up_weight[I:], requires_grad=False)
 
+    def pack_(self):
+        """oneDNN's packed copies of the weights for `dense` (after `fuse_`, if it is to be fused)."""
+        if self.gate_up_weight is not None:
+            self.gate_up_packed = pack_weight(self.gate_up_weight)
+        else:
+            self.gate_proj.pack_()
+            self.up_proj.pack_()
+        self.down_proj.pack_()
+
     def forward(self, x):
         if self.gate_up_weight is None:  # the reference
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if torch.is_grad_enabled() and self.gate_proj.weight.requires_grad:
             raise RuntimeError("MLP.fuse_() is for inference: gradients would not reach the fused weights")
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        gate, up = dense(x, self.gate_up_weight, None, packed_of(self, "gate_up_packed")).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -538,12 +613,14 @@ class DecoderLayer(nn.Module):
                                prefix_kv=prefix_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def fuse_(self, gate_up: Optional[bool] = None):
+    def fuse_(self, gate_up: Optional[bool] = None, pack: bool = False):
         """Fused projections for inference: QKV always; gate-up when asked, by default on CUDA only
-        (`MLP.fuse_`)."""
-        self.self_attn.fuse_()
+        (`MLP.fuse_`); with `pack`, oneDNN's packed weights for `dense` too."""
+        self.self_attn.fuse_(pack)
         if gate_up if gate_up is not None else self.mlp.down_proj.weight.is_cuda:
             self.mlp.fuse_()
+        if pack:
+            self.mlp.pack_()
 
 
 # ----------------------------------------------------------------------------------------
@@ -558,7 +635,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, device=device)
         self.layers = nn.ModuleList(DecoderLayer(args, device) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device=device)
+        self.lm_head = Dense(args.hidden_size, args.vocab_size, bias=False, device=device)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_batch = self.max_seq = 0
@@ -576,12 +653,16 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_tables(self.args.head_dim, self.args.rope_theta, max_seq, w.device),
                              persistent=False)
 
-    def fuse_(self, gate_up: Optional[bool] = None) -> "Transformer":
+    def fuse_(self, gate_up: Optional[bool] = None, pack: Optional[bool] = None) -> "Transformer":
         """Fused projection weights for inference (`DecoderLayer.fuse_`): one QKV GEMM per layer, and one
-        gate-up GEMM (default: on CUDA). Call once the weights are final (after loading or initialising,
+        gate-up GEMM (default: on CUDA); and, where `packs_pay` (default) or `pack`, every GEMM's weight
+        packed for oneDNN (`dense`). Call once the weights are final (after loading or initialising,
         and after any move to another device or dtype, which would copy the views apart)."""
+        pack = packs_pay(self) if pack is None else pack
         for layer in self.layers:
-            layer.fuse_(gate_up)
+            layer.fuse_(gate_up, pack)
+        if pack:
+            self.lm_head.pack_()
         return self
 
     def check_capture(self, capture: Sequence[int], source: str = "target_layer_ids"):

@@ -244,7 +244,8 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
     checkpoint's, and outputs equal the unfused model's (only a one-row GEMM may round differently:
     MKL's matrix-vector kernel depends on the weight's address alignment)."""
     target = target_factory(attention_bias=bias, seed=3 if bias else 0)
-    fused, plain = load(target.path, max_batch=2), load(target.path, max_batch=2, fuse=False)
+    fused, plain = load(target.path, max_batch=2, fuse=False), load(target.path, max_batch=2, fuse=False)
+    fused.fuse_(pack=False)
     assert fused.layers[0].mlp.gate_up_weight is None  # gate-up: on CUDA by default (MLP.fuse_); here asked for
     fused.fuse_(gate_up=True)
     a, p = fused.layers[0].self_attn, plain.layers[0].self_attn
@@ -267,6 +268,49 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
             assert torch.equal(got, want)
         for got, want in zip(a.project(x, rope), p.project(x, rope)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 6, 70])
+def test_dense_on_a_packed_weight_equals_linear(rows):
+    """dense: F.linear below two rows; oneDNN's GEMM on the packed weight from two rows on, equal to
+    F.linear to rounding, its bias added, any leading shape kept; and its rows do not depend on how
+    many rows there are (each equals the same row alone, bitwise)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    g = torch.Generator().manual_seed(40)
+    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    packed = m.pack_weight(w)
+    x = torch.randn(2, rows, 16, generator=g)[:1]  # a view: [1, rows, 16]
+    for bias in (None, b):
+        got, want = m.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
+        assert got.shape == want.shape == (1, rows, 24)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        if rows > 2:
+            assert torch.equal(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1])
+    x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
+    m.dense(x, w, b, packed).square().sum().backward()
+    want = torch.autograd.grad(torch.nn.functional.linear(x, w, b).square().sum(), x)[0]
+    assert x.grad is not None and torch.allclose(x.grad, want)
+
+
+def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_target):
+    """load_target packs every GEMM weight on CPU in float32 (packs_pay; not in bfloat16), not into
+    state_dict, and the packed model's logits equal the plain one's to rounding — a prefill, a
+    6-token verify and a one-token step through the cache."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    packed, plain = load(tiny_target.path, max_batch=2), load(tiny_target.path, max_batch=2, fuse=False)
+    assert m.packs_pay(packed) and not m.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
+    layer = packed.layers[0]
+    assert layer.self_attn.vkq_packed is not None and layer.self_attn.vk_packed is not None
+    assert layer.self_attn.o_proj.packed is not None and layer.mlp.down_proj.packed is not None
+    assert packed.lm_head.packed is not None and list(packed.state_dict()) == list(plain.state_dict())
+    tokens = random_tokens(2, 12, seed=41)
+    with torch.no_grad():
+        for start, length in ((0, 5), (5, 6), (11, 1)):
+            pos = arange_positions(2, start, length)
+            a, b = packed(tokens[:, start:start + length], pos)[0], plain(tokens[:, start:start + length], pos)[0]
+            assert max_err(a, b) <= 1e-4
 
 
 def test_fused_model_refuses_to_train(tiny_target):

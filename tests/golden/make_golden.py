@@ -5,8 +5,9 @@
 
 The traces are what speculate.py writes for fixed runs on the demo pair and on small random pairs,
 with the summary's timing fields removed. `tests/test_golden.py` reruns every case and asserts the
-files are byte-identical: a change of code shape (issue [7]'s redesign) must not change one token,
-round or confidence. Regenerate only for a deliberate behaviour change, and say so in the commit.
+same lines: a change of code shape (issue [7]'s redesign) or of kernels must not change one token or
+round, nor a confidence by more than rounding (test_golden.FLOAT_TOLERANCE). Regenerate only for a
+deliberate behaviour change, and say so in the commit.
 """
 
 from __future__ import annotations
