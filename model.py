@@ -24,6 +24,9 @@ What is notable here:
   layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM (and on CUDA one
   [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
   the checkpoint's.
+- On CPU in float32, GEMMs of more than one row (verification, the drafter's block, prefill, batches)
+  run on oneDNN with each weight packed once (`dense`, `Dense`, packed by `fuse_`): MKL multiplies a
+  handful of rows at a fraction of a core's peak. `F.linear` is the reference, one-row GEMMs keep it.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
   whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
