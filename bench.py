@@ -73,6 +73,11 @@ class BenchArgs:
     Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
     verbose: bool = False
     """Show what compiling prints (Inductor's autotuning tables, on stderr)."""
+    skip_guards: bool = True
+    """Compiled: time the runs with torch.compile's guard evaluation cut to the guards that tell its
+    graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)). Safe here: every graph is
+    compiled in the warm-up and nothing that a guard checks changes after it; and in float32 the
+    tokens are checked against autoregressive decoding's. --no-skip-guards: evaluate every guard."""
     batch_sizes: str = "1"
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
@@ -191,7 +196,7 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
     return engine
 
 
-def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = False) -> dict:
     """The round split into draft (block forward, Markov chain, confidence, schedule), verify (target
     forward with capture, acceptance, context commit) and the rest (the host's work: noise, the
     record read, committing tokens), measured inside the rounds of one more run: the engine's own
@@ -216,7 +221,7 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -
 
     engine.draft_fn, engine.verify_fn = timed("draft"), timed("verify")
     try:
-        r = timed_generate(engine, prompts, max_new_tokens)
+        r = timed_generate(engine, prompts, max_new_tokens, skip_guards)
     finally:
         engine.draft_fn, engine.verify_fn = calls["draft"], calls["verify"]
     rounds = r["steps"]  # every prompt has its own row, so the batch ran this many rounds
@@ -230,13 +235,15 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -
             "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) // len(pos))}
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = False) -> dict:
     """One measured run: every prompt a request, streamed through the engine's rows (continuous
     batching). Total tokens/s counts prefill and decode wall time (the engine's own clocks). A
-    request's own tokens/s divides its tokens by the time from its admission to its last token."""
+    request's own tokens/s divides its tokens by the time from its admission to its last token.
+    `skip_guards` (a compiled engine, after its warm-up): BenchArgs.skip_guards."""
     reqs = [Request(i, p) for i, p in enumerate(prompts)]
     engine.prefill_seconds = engine.decode_seconds = 0.0
-    engine.generate(reqs, max_new_tokens)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and engine.compiled):
+        engine.generate(reqs, max_new_tokens)
     seconds = engine.prefill_seconds + engine.decode_seconds
     c = metrics.count(reqs, engine.K, engine.stop_ids)
     return {
@@ -411,6 +418,7 @@ def run(args: BenchArgs) -> list[dict]:
     hw = device_name(dev)
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}"
+          + (" (guards skipped after warm-up)" if args.compile and args.skip_guards else "")
           + (f" (cache {cache_dir})" if cache_dir else "") + f"; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
@@ -436,7 +444,7 @@ def run(args: BenchArgs) -> list[dict]:
                     ids, seconds = reference_generate(hf, drafter, prompts[0], args.max_new_tokens, dev, max_seq)
                     runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
                 else:
-                    runs[m].append(timed_generate(engines[m], prompts, args.max_new_tokens))
+                    runs[m].append(timed_generate(engines[m], prompts, args.max_new_tokens, args.skip_guards))
         differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
         for m in modes:
             tps = [r["total_tokens_per_second"] for r in runs[m]]
@@ -449,7 +457,7 @@ def run(args: BenchArgs) -> list[dict]:
             r = median_run(runs[m])
             row_extra = {"differing_requests": differ.get(m)} if differ else {}
             round_s = r["decode_seconds"] / r["steps"]
-            parts = round_split(engines[m], prompts, args.max_new_tokens)
+            parts = round_split(engines[m], prompts, args.max_new_tokens, args.skip_guards)
             row = {
                 "mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
                 "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],

@@ -228,3 +228,20 @@ def test_compile_modes_are_checked_and_run():
     fn = compiling.compiled(lambda x: (x * 2).sin(), "cpu", "max-autotune-no-cudagraphs")
     x = torch.randn(5)
     assert torch.allclose(fn(x), (x * 2).sin(), atol=1e-6)
+
+
+def test_skipped_guards_still_tell_warmed_graphs_apart():
+    """bench.py times compiled runs with guard evaluation cut to the differentiating guards
+    (BenchArgs.skip_guards): the engines' graphs share code (draft with and without a drafter, verify
+    per bucket), told apart by their arguments — which must still pick the right graph."""
+    torch._dynamo.reset()
+
+    def fn(x, y=None, scale: int = 2):
+        return x * scale if y is None else x + y
+
+    f = compiling.compiled(fn, "cpu", "default")
+    x, y = torch.randn(4), torch.randn(4)
+    for args in ((x,), (x, y), (x, None, 3)):  # the warm-up: every variant compiled
+        f(*args)
+    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+        assert torch.equal(f(x), x * 2) and torch.equal(f(x, y), x + y) and torch.equal(f(x, None, 3), x * 3)
