@@ -65,9 +65,8 @@ class BenchArgs:
     compile: bool = True
     """torch.compile the round (--no-compile for eager)."""
     compile_mode: Optional[CompileMode] = None
-    """torch.compile mode (default: the project's recipe, max-autotune, on cpu with the weights frozen into
-    the graph, see compiling.compiled); reduce-overhead keeps CUDA graphs and skips autotuning, for a short
-    device session."""
+    """torch.compile mode (default: the project's recipe, compiling.compiled: on cpu max-autotune with the
+    weights frozen into the graph, on cuda reduce-overhead — CUDA graphs, no autotuning)."""
     compile_cache: Optional[str] = None
     """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
     Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""

@@ -1,8 +1,8 @@
 """How the round is compiled: the project's torch.compile recipe per device, where its on-disk caches
 live, and the flags that choose them (--compile's default, --compile-mode, --compile-cache, --verbose).
 
-The recipe (`compiled`): one graph, static shapes, max-autotune — on CUDA with CUDA graphs, on CPU
-with the weights frozen into the graph and a C++ graph wrapper. README, "Compiling", has what a cold
+The recipe (`compiled`): one graph, static shapes — on CUDA `reduce-overhead` (CUDA graphs), on CPU
+max-autotune with the weights frozen into the graph and a C++ graph wrapper. README, "Compiling", has what a cold
 and a warm start cost.
 """
 
@@ -75,8 +75,13 @@ def _inductor_options(options: dict) -> dict:
 
 
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
-    """`fn` under torch.compile with the project's recipe: one graph, static shapes, max-autotune
-    (with CUDA graphs on GPU), or `mode` when given.
+    """`fn` under torch.compile with the project's recipe: one graph, static shapes; on CPU max-autotune
+    with frozen weights, on CUDA `reduce-overhead` (CUDA graphs, no GEMM autotuning); or `mode` when given.
+
+    On CUDA the default is `reduce-overhead` because it was measured and max-autotune was not: on an
+    H200 with a Qwen3-8B-shaped pair it compiled in 42 s and 55 s per engine and ran rounds within
+    1.5-1.55x of their memory-bandwidth floor (BENCHMARKS.md), while max-autotune times every GEMM
+    shape of the 36-layer target before the first token. `--compile-mode max-autotune` asks for it.
 
     On CPU the default also freezes the weights into the graph (Inductor's `freezing`): they become
     constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
@@ -105,7 +110,7 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     if cpu_recipe:  # max-autotune's options without its CUDA graphs (which the C++ wrapper would warn it skips)
         options = {"max_autotune": True}
     else:  # the mode as its options (what torch.compile does with a mode), so that ours can join them
-        options = torch._inductor.list_mode_options(mode or "max-autotune")
+        options = torch._inductor.list_mode_options(mode or "reduce-overhead")
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=_inductor_options(options))
     switch = hasattr(select_algorithm, "PRINT_AUTOTUNE")
 

@@ -608,8 +608,9 @@ class Args(WandbFlags):
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""
     compile_mode: Optional[CompileMode] = None
-    """With --compile: this torch.compile mode instead of the project's recipe (max-autotune; on cpu
-    with the weights frozen into the graph and a C++ wrapper). default: Inductor's default mode, whose
+    """With --compile: this torch.compile mode instead of the project's recipe (on cpu max-autotune with
+    the weights frozen into the graph and a C++ wrapper; on cuda reduce-overhead, CUDA graphs without
+    autotuning; max-autotune: also autotune every GEMM shape). default: Inductor's default mode, whose
     graphs its caches keep, so a second run starts in seconds, but whose round is slower on cpu
     (README, "Compiling")."""
     compile_cache: Optional[str] = None
