@@ -180,8 +180,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: 6 rows cost
     3.3-3.8x one row on this project's machine, where oneDNN on a weight packed once took about half
     that (BENCHMARKS.md, "Packed CPU GEMMs"). One row stays with MKL, faster there for small layers.
-    The two agree to rounding, not bitwise (another summation order); oneDNN's rows do not depend
-    on how many rows there are. `F.linear` is the reference (tests/test_model.py)."""
+    The two agree to rounding, not bitwise (another summation order). `F.linear` is the reference
+    (tests/test_model.py)."""
     if packed is None or x.numel() <= x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)  # (oneDNN's op has no backward: a drafter in training reads the lm_head)
     rows = x.reshape(-1, x.shape[-1])

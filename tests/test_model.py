@@ -273,8 +273,8 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
 @pytest.mark.parametrize("rows", [0, 1, 2, 6, 70])
 def test_dense_on_a_packed_weight_equals_linear(rows):
     """dense: F.linear below two rows; oneDNN's GEMM on the packed weight from two rows on, equal to
-    F.linear to rounding, its bias added, any leading shape kept; and its rows do not depend on how
-    many rows there are (each equals the same row alone, bitwise)."""
+    F.linear to rounding, its bias added, any leading shape kept, a row's result (to rounding) not
+    depending on the rows beside it."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(40)
@@ -286,7 +286,7 @@ def test_dense_on_a_packed_weight_equals_linear(rows):
         assert got.shape == want.shape == (1, rows, 24)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         if rows > 2:
-            assert torch.equal(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1])
+            assert torch.allclose(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
     x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
     m.dense(x, w, b, packed).square().sum().backward()
     want = torch.autograd.grad(torch.nn.functional.linear(x, w, b).square().sum(), x)[0]
