@@ -2,7 +2,7 @@
 # Rebuild the demo pair (a target and a drafter like demo/target + demo/drafter) from scratch, on
 # CPU, from the running Python's standard library — text every machine has offline.
 #
-# usage: bash scripts/train_demo.sh --out DIR [--force]     (from anywhere; ~38 min on 2 CPU cores)
+# usage: bash scripts/train_demo.sh --out DIR [--force]     (from anywhere; ~45 min on 2 CPU cores)
 #
 #   --out DIR    where the pair goes: DIR/target, DIR/drafter, DIR/heldout.txt, DIR/heldout.jsonl and
 #                DIR/corpus.json. A DIR that exists and is not empty is refused without --force, so
@@ -10,18 +10,22 @@
 #   --force      replace what DIR holds (its pair and held-out files; anything else in DIR stays).
 #   -h, --help   this text.
 #
-# Environment: TARGET_STEPS (500) and DRAFTER_STEPS (2000) set the training steps (small values for a
-# quick try), THREADS the CPU threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and redoes the
-# drafter (its corpus must be the one DIR/corpus.json records).
+# Environment: TARGET_STEPS (500), DRAFTER_STEPS (2000) and SELFDATA_PROMPTS (2048) set the training
+# steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4) and TARGET_HIDDEN (256)
+# the target's shape, BLOCK_SIZE (7) the drafter's block, THREADS the CPU threads (all cores);
+# DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the one DIR/corpus.json
+# records).
 #
 # Steps: 0. the corpus (scripts/demo_corpus.py): the standard library's top-level *.py files, every
 #           20th held out (never trained on), named in DIR/heldout.txt; DIR/corpus.json and one printed
 #           line say which Python's library it was (another version gives another corpus, so another pair);
 #        1. BPE tokenizer (vocab 4096) + a 4-layer, hidden-256 Qwen3 target (scripts/train_target.py);
 #        2. its weights rounded to bfloat16 (the stored precision: the pair must stay small);
-#        3. a block-5, depth-1 DSpark drafter (vanilla Markov rank 64, confidence head) distilled
-#           from the bf16 target; 4. the drafter rounded to bfloat16 too;
-#        5. the held-out prompts, DIR/heldout.jsonl (scripts/demo_prompts.py).
+#        3. the drafter's data: the bf16 target's greedy continuations of SELFDATA_PROMPTS training-corpus
+#           prompts (scripts/demo_selfdata.py) — what the demo's greedy decoding will ask it to guess;
+#        4. a block-7, depth-1 DSpark drafter (vanilla Markov rank 64, confidence head) distilled
+#           from the bf16 target on that data; 5. the drafter rounded to bfloat16 too;
+#        6. the held-out prompts, DIR/heldout.jsonl (scripts/demo_prompts.py).
 # Everything is built in a temporary directory and moved into DIR at the end: a run that fails or
 # is stopped leaves DIR as it was.
 set -euo pipefail
@@ -40,7 +44,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ -n "$OUT" ] || fail "--out DIR: where to put the rebuilt pair (the committed one is demo/: --out demo --force replaces it)"
-for v in TARGET_STEPS DRAFTER_STEPS THREADS; do
+for v in TARGET_STEPS DRAFTER_STEPS SELFDATA_PROMPTS TARGET_LAYERS TARGET_HIDDEN BLOCK_SIZE THREADS; do
     val=${!v:-1}
     [[ "$val" =~ ^[1-9][0-9]{0,8}$ ]] || fail "$v=$val: not a positive integer"
 done
@@ -57,6 +61,11 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
 TARGET_STEPS=${TARGET_STEPS:-500}
 DRAFTER_STEPS=${DRAFTER_STEPS:-2000}
+SELFDATA_PROMPTS=${SELFDATA_PROMPTS:-2048}
+TARGET_LAYERS=${TARGET_LAYERS:-4}
+TARGET_HIDDEN=${TARGET_HIDDEN:-256}
+BLOCK_SIZE=${BLOCK_SIZE:-7}
+[ $((TARGET_HIDDEN % 64)) = 0 ] || fail "TARGET_HIDDEN=$TARGET_HIDDEN: a multiple of 64 (heads of 64)"
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
 WORK=$(mktemp -d)
@@ -78,6 +87,7 @@ cfg = json.load(open(os.path.join(src, "config.json")))
 cfg["torch_dtype"] = "bfloat16"
 json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
 PY
+chmod a+r "$2"/*  # safetensors writes its file owner-only (0600); the pair is for everyone to read
 }
 
 # 0. The corpus: stdlib top-level *.py minus the held-out 5%; says which Python's library it is.
@@ -88,8 +98,9 @@ python "$REPO/scripts/demo_corpus.py" --corpus "$WORK/corpus" --out "$PAIR" "${S
 # 1-2. Tokenizer + target.
 if [ "${DRAFTER_ONLY:-0}" != 1 ]; then
 python "$REPO/scripts/train_target.py" --tokenizer-from-corpus --vocab-size 4096 --data "$WORK/corpus" \
-    --out "$WORK/target" --hidden-size 256 --layers 4 --heads 4 --kv-heads 2 --head-dim 64 \
-    --intermediate-size 768 --seq-len 256 --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
+    --out "$WORK/target" --hidden-size "$TARGET_HIDDEN" --layers "$TARGET_LAYERS" \
+    --heads $((TARGET_HIDDEN / 64)) --kv-heads 2 --head-dim 64 --intermediate-size $((3 * TARGET_HIDDEN)) \
+    --seq-len 256 --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
     --max-position-embeddings 2048 --seed 0 --device cpu --no-progress
 to_bf16 "$WORK/target" "$PAIR/target"
 cp "$WORK/target/tokenizer.json" "$WORK/target/generation_config.json" "$PAIR/target/"
@@ -97,14 +108,18 @@ else
 cp -r "$OUT/target" "$PAIR/target"
 fi
 
-# 3-4. Drafter, distilled from the stored (bf16) target.
-python "$REPO/train.py" --target "$PAIR/target" --data "$WORK/corpus" --out "$WORK/drafter" \
-    --block-size 5 --depth 1 --markov vanilla --markov-rank 64 --confidence \
+# 3. The drafter's data: the stored (bf16) target's own greedy continuations of training prompts.
+python "$REPO/scripts/demo_selfdata.py" --target "$PAIR/target" --corpus "$WORK/corpus" \
+    --out "$WORK/selfdata.jsonl" --num-prompts "$SELFDATA_PROMPTS" --prompt-tokens 64 --new-tokens 192
+
+# 4-5. Drafter, distilled from the stored (bf16) target on that data.
+python "$REPO/train.py" --target "$PAIR/target" --data-ids "$WORK/selfdata.jsonl" --out "$WORK/drafter" \
+    --block-size "$BLOCK_SIZE" --depth 1 --markov vanilla --markov-rank 64 --confidence \
     --seq-len 256 --batch-size 8 --anchors-per-seq 64 --steps "$DRAFTER_STEPS" --lr 2e-3 \
     --seed 0 --device cpu --no-progress
 to_bf16 "$WORK/drafter" "$PAIR/drafter"
 
-# 5. The held-out prompts, cut with this pair's tokenizer.
+# 6. The held-out prompts, cut with this pair's tokenizer.
 python "$REPO/scripts/demo_prompts.py" --demo "$PAIR" --out "$PAIR/heldout.jsonl"
 
 # Into $OUT, item by item.

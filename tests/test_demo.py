@@ -66,12 +66,17 @@ def test_drafter_without_target_is_still_an_error(capsys):
 # ----------------------------------------------------------------------------------------
 # The held-out prompts and the corpus record (scripts/demo_prompts.py, scripts/demo_corpus.py, train_demo.sh)
 
-def _scripts():
+def _script(name: str):
     import importlib
     import sys
 
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    return importlib.import_module("demo_prompts"), importlib.import_module("demo_corpus")
+    if str(REPO_ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    return importlib.import_module(name)
+
+
+def _scripts():
+    return _script("demo_prompts"), _script("demo_corpus")
 
 
 def test_committed_heldout_prompts_are_the_demo_pairs():
@@ -162,3 +167,37 @@ def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
     assert sorted(p.name for p in DEMO.iterdir()) == before
     assert {p: p.stat().st_mtime_ns for p in DEMO.rglob("*")} == mtimes
     assert os.listdir(full) == ["keep"] and not (tmp_path / "new").exists()
+
+
+def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_path, capsys):
+    """Each record is a corpus window of --prompt-tokens followed by the target's own greedy
+    continuation (what speculate.py decodes from that prompt); bad inputs are one line, exit 2."""
+    sd = _script("demo_selfdata")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def x ( y ) : return x + 1 if y else z\n" * 3)
+    (corpus / "b.py").write_text("import the world while x in y : print ( hello )\n" * 2)
+    (corpus / "notes.txt").write_text("not read")
+    out = tmp_path / "self.jsonl"
+    argv = ["--target", str(tiny_target.path), "--corpus", str(corpus), "--out", str(out), "--num-prompts", "5",
+            "--prompt-tokens", "4", "--new-tokens", "6", "--batch-size", "2"]
+    assert sd.main(argv) == 0
+    records = [json.loads(line)["prompt_ids"] for line in out.read_text().splitlines()]
+    tok = Tokenizer(str(tiny_target.path))
+    docs = [tok.encode((corpus / n).read_text()) for n in ("a.py", "b.py")]
+    assert len(records) == 5 and all(len(r) == 10 for r in records)
+    m = speculate.load(str(tiny_target.path))
+    for i, r in enumerate(records):
+        doc = docs[i % 2]  # prompt i from file i mod F
+        assert any(doc[s:s + 4] == r[:4] for s in range(len(doc) - 3))
+        done = speculate.generate(m, [r[:4]], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        assert done[0].output_ids == r[4:]
+    capsys.readouterr()
+    for bad, needle in ((["--corpus", str(tmp_path / "none")], "not a directory"),
+                        (["--out", str(corpus / "a.py")], "--out"), (["--num-prompts", "0"], "--num-prompts")):
+        args = list(argv)
+        for flag, value in zip(bad[::2], bad[1::2]):
+            args[args.index(flag) + 1] = value
+        assert sd.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, (bad, err)

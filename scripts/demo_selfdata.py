@@ -1,0 +1,120 @@
+"""The demo drafter's training data: the demo target's own greedy continuations of training-corpus prompts.
+
+    python scripts/demo_selfdata.py --target DIR/target --corpus CORPUS --out selfdata.jsonl
+
+A drafter is judged on what the target writes, not on the corpus: the demo decodes greedily, and a
+small target's greedy code is its own (repetitive) dialect of the library it read. So the drafter of
+scripts/train_demo.sh is distilled on that dialect: N prompts of P tokens are cut from the training
+files (never the held-out ones: the corpus directory holds only training files), the target continues
+each greedily for M tokens, and each prompt + continuation is one record {"prompt_ids": [...]} for
+`train.py --data-ids` (the stream is supervised everywhere, the labels being the target's own
+distributions). Prompt i comes from file i mod F of the F sorted files, at a seeded random token
+offset, so the data is a function of the corpus, the target and --seed.
+
+Progress goes to stderr; the file is written atomically when every continuation is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import UserError, atomic_write, check_outputs, check_ranges, cli_main  # noqa: E402
+
+
+@dataclass
+class SelfDataArgs:
+    """The demo target's greedy continuations of training-corpus prompts, for `train.py --data-ids`."""
+    target: str
+    """The demo target's directory (config.json, model.safetensors, tokenizer.json)."""
+    corpus: str
+    """The training corpus directory (scripts/demo_corpus.py --corpus): its *.py files, sorted."""
+    out: str
+    """Where to write the records (JSON lines of {"prompt_ids": [...]})."""
+    num_prompts: int = 2048
+    """How many prompts (one record each)."""
+    prompt_tokens: int = 64
+    """Tokens per prompt."""
+    new_tokens: int = 192
+    """Greedy tokens the target writes after each prompt."""
+    batch_size: int = 32
+    """Prompts decoded together."""
+    seed: int = 0
+    """Seed of the prompts' offsets."""
+    threads: int = 0
+    """torch threads (0: torch's default)."""
+
+
+def corpus_prompts(files: list[str], tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` tokens: prompt i from files[i % F] at a seeded random offset."""
+    rng = random.Random(seed)
+    docs = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            ids = tokenizer.encode(f.read())
+        if len(ids) >= length:
+            docs.append(ids)
+    if not docs:
+        raise UserError(f"no corpus file has {length} tokens")
+    prompts = []
+    for i in range(num):
+        doc = docs[i % len(docs)]
+        start = rng.randrange(0, len(doc) - length + 1)
+        prompts.append(doc[start:start + length])
+    return prompts
+
+
+def run(args: SelfDataArgs) -> int:
+    check_ranges(args, num_prompts="[1, 1000000]", prompt_tokens="[1, 4096]", new_tokens="[1, 4096]",
+                 batch_size="[1, 1024]", seed=f"[0, {2**62}]", threads="[0, 1024]")
+    if not os.path.isdir(args.corpus):
+        raise UserError(f"--corpus {args.corpus}: not a directory")
+    files = sorted(os.path.join(args.corpus, n) for n in os.listdir(args.corpus) if n.endswith(".py"))
+    if not files:
+        raise UserError(f"--corpus {args.corpus}: no *.py files")
+    check_outputs({"--out": args.out}, inputs=[args.target, args.corpus])
+
+    import torch
+
+    import speculate
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    m = speculate.load(args.target)
+    if m.tokenizer is None:
+        raise UserError(f"--target {args.target}: no tokenizer.json")
+    prompts = corpus_prompts(files, m.tokenizer, args.num_prompts, args.prompt_tokens, args.seed)
+    context = args.prompt_tokens + args.new_tokens
+    if context > m.target.args.max_position_embeddings:
+        raise UserError(f"--prompt-tokens + --new-tokens = {context}: more than the target's context "
+                        f"({m.target.args.max_position_embeddings})")
+    engine = speculate.Engine(m.target, None, batch_size=min(args.batch_size, len(prompts)),
+                              max_seq=speculate.cache_length(args.prompt_tokens, args.new_tokens, None))
+    requests = [speculate.Request(i, p) for i, p in enumerate(prompts)]
+    t0, done = time.perf_counter(), [0]
+
+    def on_finish(req):
+        done[0] += 1
+        if done[0] % max(1, len(requests) // 20) == 0 or done[0] == len(requests):
+            print(f"  {done[0]}/{len(requests)} continuations, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    engine.generate(requests, args.new_tokens, on_finish=on_finish)
+    lines = "".join(json.dumps({"prompt_ids": r.prompt_ids + r.output_ids}) + "\n" for r in requests)
+    atomic_write(args.out, lines)
+    tokens = sum(len(r.prompt_ids) + len(r.output_ids) for r in requests)
+    print(f"self-distillation data: {len(requests)} records, {tokens:,} tokens, in {time.perf_counter() - t0:.0f} s "
+          f"-> {args.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli_main(SelfDataArgs, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
