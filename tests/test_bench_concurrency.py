@@ -14,6 +14,8 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import bench_concurrency as bc  # noqa: E402
 from speculate import DEMO_DIR  # noqa: E402
 
+DEMO_K = json.load(open(os.path.join(DEMO_DIR, "drafter", "config.json")))["block_size"]  # drafts per round
+
 CONCURRENCY_FIELDS = {"concurrency", "mode", "total_tokens_per_second", "per_request_tokens_per_second",
                       "acceptance_length", "verified_per_round", "tokens", "seconds", "vs_none", "profile_seconds",
                       "outputs_agree", "modelled_tokens_per_second"}
@@ -52,10 +54,10 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
         if r["mode"] == "autoregressive":
             assert r["acceptance_length"] == 1 and r["verified_per_round"] == 0
         else:
-            assert 1 < r["acceptance_length"] <= 6 and 0 <= r["verified_per_round"] <= 5
+            assert 1 < r["acceptance_length"] <= DEMO_K + 1 and 0 <= r["verified_per_round"] <= DEMO_K
     by = {(r["concurrency"], r["mode"]): r for r in rows}
-    assert by[1, "none"]["verified_per_round"] == 5
-    assert by[1, "threshold"]["verified_per_round"] < 5
+    assert by[1, "none"]["verified_per_round"] == DEMO_K
+    assert by[1, "threshold"]["verified_per_round"] < DEMO_K
     printed = capsys.readouterr().out
     assert printed.count("\n| 2 | ") == 5 and "| total ÷ none |" in printed and "modelled" not in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by plots.py (tests/test_plots.py checks the figure)
@@ -88,7 +90,7 @@ def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     result = json.load(open(out))
     assert result["sps_synthetic"] == "cliffs"
-    assert result["sps"]["4"]["async"]["steps_per_second"] == pytest.approx(bc.cliffs_sps(4 * 6))  # demo: 5 drafts
+    assert result["sps"]["4"]["async"]["steps_per_second"] == pytest.approx(bc.cliffs_sps(4 * (DEMO_K + 1)))
     for r in result["rows"]:
         assert r["profile_seconds"] is None and r["outputs_agree"] is True
         assert r["modelled_tokens_per_second"] > 0

@@ -35,6 +35,7 @@ import speculate
 import train
 
 DEMO = REPO_ROOT / "demo"
+DEMO_K = json.loads((DEMO / "drafter" / "config.json").read_text())["block_size"]  # drafts per round
 CODE = ["import os\n", "def main():\n", "class Point:\n", "for i in range(10):\n"]
 
 
@@ -195,7 +196,7 @@ def test_speculate_config_names_and_finish(spec):
 
 def test_speculate_logs_figures_while_decoding(spec):
     run, _, _ = spec
-    for name, K in (("autoregressive", 0), ("speculative", 5)):
+    for name, K in (("autoregressive", 0), ("speculative", DEMO_K)):
         rows = run.rows_with(f"{name}/round")
         rows = [r for r in rows if f"{name}/tokens_per_second" in r]
         assert len(rows) >= 3, rows  # every 2 rounds, and the last
@@ -221,7 +222,7 @@ def test_speculate_summary_chart_table_and_artifacts(spec):
     s = run.summary
     assert s["speed_up"] > 0 and s["greedy_outputs_identical"] is True
     assert f"speed-up: {s['speed_up']:.2f}x" in out
-    assert len(s["speculative/accept_rate_by_position"]) == 5
+    assert len(s["speculative/accept_rate_by_position"]) == DEMO_K
     # accept rate by position: a bar chart over a table of the summary's rates
     assert run.config["_wandb.visualize.speculative/accept_rate_by_position"]["panel_config"]
     (row,) = run.rows_with("speculative/accept_rate_by_position_table._type")
@@ -270,7 +271,7 @@ def test_eval_rows_charts_image_and_artifacts(evaluated):
     run, paths = evaluated
     results = json.loads(paths["out"].read_text())
     assert run.exit_code == 0 and run.summary["status"] == "finished" and run.run.job_type == "eval"
-    assert run.config["program"] == "eval.py" and run.config["step"] == 7 and run.config["num_drafts"] == 5
+    assert run.config["program"] == "eval.py" and run.config["step"] == 7 and run.config["num_drafts"] == DEMO_K
     assert run.config["target_config"]["vocab_size"] == 4096 and run.config["datasets_resolved"] == {
         "code-a": 4, "code-b": 4}
     rows = [h for h in run.history if h.get("_step") == 7]
@@ -284,11 +285,11 @@ def test_eval_rows_charts_image_and_artifacts(evaluated):
     for chart in ("accept_rate_by_position", "calibration/ece_by_position"):
         assert run.config[f"_wandb.visualize.{chart}"]["panel_config"]
     by_pos = run.table("accept_rate_by_position_table", row)
-    assert len(by_pos["data"]) == 2 * 5
+    assert len(by_pos["data"]) == 2 * DEMO_K
     # calibration: table, scalars (Brier included), the reliability diagram as an image
     cal = results["calibration"]
     table = run.table("calibration", row)
-    assert "brier" in table["columns"] and "heldout_brier_sts" in table["columns"] and len(table["data"]) == 5
+    assert "brier" in table["columns"] and "heldout_brier_sts" in table["columns"] and len(table["data"]) == DEMO_K
     for m in cal["raw"]:
         assert run.summary[f"calibration/brier_{m['position']}"] == pytest.approx(m["brier"])
         assert run.summary[f"calibration/ece_{m['position']}"] == pytest.approx(m["ece"])
