@@ -44,7 +44,7 @@ from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, 
                     resolve_device, resolve_dtype, write_json)
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
 from inputs import check_prompts, load_models, load_prompts, resolve_checkpoint  # noqa: E402
-from compiling import CompileMode, auto_compile  # noqa: E402
+from compiling import CompileMode, auto_compile, check_compile_flags  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
 
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
@@ -131,8 +131,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
                         f"and --schedulers has neither")
     check_ranges(args, threshold="(0, 1]", repeats="[1, 1000]", requests_per_slot="[1, 100000]",
                  max_new_tokens="[1, 10485760]", temperature="[0, 10000]", threads="[1, 4096]", seed=f"[0, {2**62}]")
-    if args.compile_mode is not None and args.compile is False:
-        raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile")
+    check_compile_flags(auto_compile(args.compile, args.device), None, False, args.compile_mode)  # cpu: eager by default
     demo = args.target is None and args.drafter is None
     prompts_file = args.prompts_file or (HELDOUT if demo else None)
     check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, prompts_file])

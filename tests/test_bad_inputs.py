@@ -461,6 +461,8 @@ CASES = [
      False),
     ("conc-mode-no-compile", "concurrency", lambda w, t: ["--concurrency", "2", "--compile-mode", "default",
                                                           "--no-compile"], "--compile-mode", False),
+    ("conc-mode-eager-cpu", "concurrency", lambda w, t: ["--concurrency", "2", "--compile-mode", "default"],
+     "--compile-mode", False),  # cpu runs eager unless --compile: the mode would be ignored
     ("conc-drafter-hub-not-cached", "concurrency", lambda w, t: ["--concurrency", "2", "--target", w / "target",
                                                                  "--drafter", "org/none"], "--drafter org/none", False),
 
