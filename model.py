@@ -177,9 +177,10 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
           packed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ weightᵀ + bias, as F.linear. With `packed` (`pack_weight(weight)`) and more than one row of x:
     oneDNN's GEMM on the packed weight. On CPU in float32, MKL (F.linear's GEMM there) multiplies a
-    handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: 6 rows cost
-    3.3-3.8x one row on this project's machine, where oneDNN on a weight packed once took about half
-    that (BENCHMARKS.md, "Packed CPU GEMMs"). One row stays with MKL, faster there for small layers.
+    handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: on this project's
+    machine 6 rows cost 2.4-3.9x one row on weights of 0.8M+ elements, where oneDNN on the packed weight
+    was 1.5-1.7x faster; on small weights its fixed cost makes it about level (BENCHMARKS.md, "CPU,
+    packed oneDNN GEMMs"; scripts/gemm_bench.py). One row stays with MKL, faster there.
     The two agree to rounding, not bitwise (another summation order). `F.linear` is the reference
     (tests/test_model.py)."""
     if packed is None or x.numel() <= x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):
@@ -194,7 +195,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
-PACK_ROWS = 64  # the row count oneDNN's layout is chosen for; 6..64 rows ran alike, 1 was slower
+PACK_ROWS = 64  # the row count oneDNN chooses its layout for (packed for 1 instead, 6-row products were slower)
 
 
 def packs_pay(model: nn.Module) -> bool:
@@ -502,7 +503,6 @@ class Attention(nn.Module):
             raise RuntimeError("Attention.fuse_() is for inference: this layer's q/k/v weights are fused, and "
                                "gradients would not reach them (train a model loaded with fuse=False)")
         return self.vkq_weight, self.vkq_bias, self.kq_norm_weight
-
 
     def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, heads, hd], k and v [B, T, kv_heads, hd]: q and k normed per head
