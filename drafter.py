@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from common import UserError, read_json, save_tensors, write_json
 from model import (DecoderLayer, Dense, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
-                   attended_length, cache_bias, fold_gqa, packs_pay, read_safetensors, rope_tables, safetensors_files)
+                   attended_length, cache_bias, column_major_, fold_gqa, packs_pay, read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 MAX_BLOCK = 256  # slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
@@ -334,6 +334,7 @@ class Drafter(nn.Module):
         """Fused (and packed) projection weights for inference, as `Transformer.fuse_` (the same decoder
         layers; the context projection and the Markov head's output too)."""
         pack = packs_pay(self) if pack is None else pack
+        column_major_(self)
         for layer in self.layers:
             layer.fuse_(gate_up, pack)
         if pack:

@@ -179,23 +179,30 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     oneDNN's GEMM on the packed weight. On CPU in float32, MKL (F.linear's GEMM there) multiplies a
     handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: on this project's
     machine 6 rows cost 2.4-3.9x one row on weights of 0.8M+ elements, where oneDNN on the packed weight
-    was 1.5-1.7x faster; on small weights its fixed cost makes it about level (BENCHMARKS.md, "CPU,
-    packed oneDNN GEMMs"; scripts/gemm_bench.py). One row stays with MKL, faster there.
+    was 1.5-1.7x faster; on small weights its fixed cost makes it slower, so `pack_weight` leaves those
+    unpacked (BENCHMARKS.md, "CPU, packed oneDNN GEMMs"; scripts/gemm_bench.py). One row stays with
+    MKL, faster there.
     The two agree to rounding, not bitwise (another summation order). `F.linear` is the reference
     (tests/test_model.py)."""
     if packed is None or x.numel() <= x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)  # (oneDNN's op has no backward: a drafter in training reads the lm_head)
-    rows = x.reshape(-1, x.shape[-1])
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed, bias, "none", [], "")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[torch.Tensor]:
     """`weight` [out, in] reordered once into oneDNN's blocked layout, for `dense` (a copy: the
-    weight's memory again)."""
+    weight's memory again) — or None, left to MKL, when it has fewer than `min_elements` elements
+    (default PACK_MIN_ELEMENTS; 0 packs any weight)."""
+    if weight.numel() < (PACK_MIN_ELEMENTS if min_elements is None else min_elements):
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
 PACK_ROWS = 64  # the row count oneDNN chooses its layout for (packed for 1 instead, 6-row products were slower)
+# Weights smaller than this stay with MKL: oneDNN's fixed cost per product outweighs its better kernel
+# there. On this project's machine (BENCHMARKS.md, "CPU, packed oneDNN GEMMs") oneDNN at 6-8 rows was
+# 0.46-0.9x MKL on weights of 0.07-0.2M elements (the demo pair's), 1.15x at 0.25M, 1.3-1.7x from 0.44M.
+PACK_MIN_ELEMENTS = 1 << 18
 
 
 def packs_pay(model: nn.Module) -> bool:
@@ -210,6 +217,34 @@ def packs_pay(model: nn.Module) -> bool:
     except (ValueError, OSError, AttributeError):  # no sysconf: do not risk the memory
         return False
     return 4 * weights <= memory
+
+
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as the transpose of a contiguous [in, out] copy, where that layout pays
+    (`column_major_pays`), else `weight` itself. F.linear then multiplies x by the stored [in, out]
+    matrix as it lies (BLAS's "NN" product): on this project's CPU (MKL, AMD EPYC, float32, 1 thread)
+    a one-row product — an autoregressive step, a Markov step — was 1.4-2.4x faster that way on weights
+    with out >= in (a 8192x512 lm_head: 1.2 -> 0.7 ms; 1536x512: 242 -> 151 µs) and slower on in > out
+    (512x1536: 150 -> 218 µs), and the few-row products of small weights gained too (768x256 at 8 rows:
+    143 -> 91 µs) (BENCHMARKS.md, "CPU, weight layouts"). Same shape and values; another summation order,
+    so agreement to rounding."""
+    if not column_major_pays(weight):
+        return weight
+    return weight.detach().t().contiguous().t()
+
+
+def column_major_pays(weight: torch.Tensor) -> bool:
+    """Whether `column_major` stores `weight` transposed: on CPU, in float32, out >= in, row-major now."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[0] >= weight.shape[1] and weight.is_contiguous())
+
+
+def column_major_(module: nn.Module):
+    """Every nn.Linear weight of `module` that pays for it stored column-major in place (`column_major`):
+    the Parameter objects are kept (a weight tied to an embedding stays tied), their data re-laid."""
+    for lin in module.modules():
+        if isinstance(lin, nn.Linear) and column_major_pays(lin.weight):
+            lin.weight.data = column_major(lin.weight)
 
 
 class Dense(nn.Linear):
@@ -233,8 +268,11 @@ def packed_of(module: nn.Module, name: str) -> Optional[torch.Tensor]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim, computed in float32 and cast back before the weight, as
-    Qwen3 does. (F.rms_norm would be one op instead of five, but its last bits are its kernel's, which no
-    torch version promises to be this formula's; the golden traces pin these.)"""
+    Qwen3 does. On CPU in float32, F.rms_norm and the weight: two calls instead of six, the same
+    operations in the same order in the torch versions this project runs (its last bits are held to the formula's by
+    tests/test_model.py; elsewhere its kernel may be a fused one, other bits, so the formula runs)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)  # the weight may be one row per head
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -313,9 +351,9 @@ class KVCache(nn.Module):
         (a prefill into the rows that freed up)."""
         if rows is None:
             rows = torch.arange(positions.shape[0], device=positions.device)
-        index = rows[:, None].expand_as(positions)
-        self.k[index, positions] = k
-        self.v[index, positions] = v
+        index = (rows[:, None].expand_as(positions), positions)
+        self.k.index_put_(index, k)
+        self.v.index_put_(index, v)
 
     def read(self, batch: int, rows: Optional[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, length, kv_heads, hd] of cache rows 0..batch-1 (a view), or of `rows` [B] (a copy),
@@ -483,7 +521,7 @@ class Attention(nn.Module):
         if pack:
             self.o_proj.pack_()
         lins = (self.v_proj, self.k_proj, self.q_proj)
-        weight = torch.cat([l.weight.detach() for l in lins])
+        weight = column_major(torch.cat([l.weight.detach() for l in lins]))
         bias = torch.cat([l.bias.detach() for l in lins]) if self.q_proj.bias is not None else None
         start = 0
         for l in lins:
@@ -662,6 +700,7 @@ class Transformer(nn.Module):
         packed for oneDNN (`dense`). Call once the weights are final (after loading or initialising,
         and after any move to another device or dtype, which would copy the views apart)."""
         pack = packs_pay(self) if pack is None else pack
+        column_major_(self)
         for layer in self.layers:
             layer.fuse_(gate_up, pack)
         if pack:

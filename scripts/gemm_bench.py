@@ -8,9 +8,10 @@ once (`model.Dense`), because on this project's CPU MKL multiplied the few rows 
 fraction of a core's peak. Whether that holds is a property of the CPU and the BLAS build: run this on
 yours. For each weight shape OUTxIN (a layer's [out, in]) and row count it prints the median
 microseconds per product of `--reps` calls (after `--warmup`) for both, interleaved, their ratio, and
-the largest difference between the two results (they round differently; they must agree to ~1e-5).
-Default shapes: the demo target's layers (hidden 384: fused [v; k; q], o_proj, fused gate-up, down_proj,
-the lm_head over a 4096 vocabulary) and a wider 512 / 1536 / 8192 set.
+the largest difference between the two results (they round differently; they must agree to ~1e-5),
+and whether the engine packs that weight (`model.PACK_MIN_ELEMENTS`: smaller ones stay with MKL).
+Default shapes: a layer's GEMMs ([v; k; q], o_proj, gate or up, down_proj, a 4096-token lm_head) at
+hidden 256 (the demo pair's), at hidden 384 (fused gate-up there), and a wider 512 / 1536 / 8192 set.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
-from model import dense, pack_weight  # noqa: E402
+from model import PACK_MIN_ELEMENTS, dense, pack_weight  # noqa: E402
 
 
 @dataclass
 class GemmArgs:
     """MKL vs packed oneDNN float32 GEMMs at the shapes of a round, on this CPU."""
 
-    shapes: str = "640x384,384x384,2304x384,384x1152,4096x384,3072x512,512x1536,8192x512"
+    shapes: str = ("512x256,256x256,768x256,256x768,4096x256,"
+                   "640x384,384x384,2304x384,384x1152,4096x384,3072x512,512x1536,8192x512")
     """Comma-separated weight shapes OUTxIN."""
     rows: str = "1,2,6,12,64"
     """Comma-separated row counts of the input (a verification of a block of K drafts has K+1 rows per request)."""
@@ -72,10 +74,10 @@ def run(args: GemmArgs) -> int:
     g = torch.Generator().manual_seed(args.seed)
     print(f"{device_name('cpu')}, torch {torch.__version__}, {args.threads} thread(s), float32; "
           f"median µs of {args.reps} interleaved products")
-    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'oneDNN µs':>10} {'MKL/oneDNN':>11} {'max |diff|':>11}")
+    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'oneDNN µs':>10} {'MKL/oneDNN':>11} {'max |diff|':>11} {'packed':>7}")
     for out, inp in shapes:
         w = torch.randn(out, inp, generator=g) / inp ** 0.5
-        packed = pack_weight(w)
+        packed = pack_weight(w, min_elements=0)
         for r in rows:
             x = torch.randn(r, inp, generator=g)
             kernels = {"mkl": lambda: torch.nn.functional.linear(x, w), "onednn": lambda: dense(x, w, None, packed)}
@@ -92,7 +94,8 @@ def run(args: GemmArgs) -> int:
                     times[k].append(time.perf_counter() - t0)
             mkl, onednn = (statistics.median(times[k]) * 1e6 for k in ("mkl", "onednn"))
             diff = (kernels["mkl"]() - kernels["onednn"]()).abs().max().item()
-            print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {onednn:>10.1f} {mkl / onednn:>10.2f}x {diff:>11.2e}",
+            print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {onednn:>10.1f} {mkl / onednn:>10.2f}x {diff:>11.2e} "
+                  f"{'yes' if out * inp >= PACK_MIN_ELEMENTS else 'no':>7}",
                   flush=True)
     return 0
 

@@ -468,3 +468,14 @@ def test_verify_sampled_predrawn_noise_matches_race_over_residual():
             dist = dist / dist.sum()
             assert int(nxt[i]) != int(drafts[i, m])  # a rejected draft is never the correction
         assert int(nxt[i]) == int(torch.argmax(dist / noise[i]))
+
+
+def test_rows_finite_flags_inf_and_nan_per_row():
+    """speculate.rows_finite (x * 0 summed): True exactly for the rows whose values are all finite,
+    however large (no overflow), and False for +inf, -inf or NaN anywhere in the row."""
+    import speculate
+    x = torch.randn(5, 3, 7) * 1e30
+    x[1, 2, 6], x[2, 0, 0], x[3, 1, 3] = float("inf"), float("-inf"), float("nan")
+    x[4] = torch.finfo(torch.float32).max  # a sum of these would overflow; x * 0 does not
+    assert speculate.rows_finite(x).tolist() == [True, False, False, False, True]
+    assert speculate.rows_finite(x).tolist() == torch.isfinite(x).flatten(1).all(-1).tolist()

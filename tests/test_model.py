@@ -279,7 +279,7 @@ def test_dense_on_a_packed_weight_equals_linear(rows):
         pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(40)
     w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
-    packed = m.pack_weight(w)
+    packed = m.pack_weight(w, min_elements=0)
     x = torch.randn(2, rows, 16, generator=g)[:1]  # a view: [1, rows, 16]
     for bias in (None, b):
         got, want = m.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
@@ -293,12 +293,16 @@ def test_dense_on_a_packed_weight_equals_linear(rows):
     assert x.grad is not None and torch.allclose(x.grad, want)
 
 
-def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_target):
-    """load_target packs every GEMM weight on CPU in float32 (packs_pay; not in bfloat16), not into
-    state_dict, and the packed model's logits equal the plain one's to rounding — a prefill, a
-    6-token verify and a one-token step through the cache."""
+def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_target, monkeypatch):
+    """load_target packs every GEMM weight of PACK_MIN_ELEMENTS or more on CPU in float32 (packs_pay;
+    not in bfloat16), not into state_dict, and the packed model's logits equal the plain one's to
+    rounding — a prefill, a 6-token verify and a one-token step through the cache. (The tiny target's
+    weights are all under the default size: packed here with the threshold at 0, left alone without.)"""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
+    small = load(tiny_target.path, max_batch=2).layers[0]
+    assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None  # under the threshold
+    monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", 0)
     packed, plain = load(tiny_target.path, max_batch=2), load(tiny_target.path, max_batch=2, fuse=False)
     assert m.packs_pay(packed) and not m.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
     layer = packed.layers[0]
@@ -820,3 +824,34 @@ def test_non_object_json_is_a_checkpoint_error(target_factory, tmp_path, filenam
             _stop_ids(d)
         else:
             m.load_target(str(d))
+
+
+@pytest.mark.parametrize("shape", [(1, 6, 512), (2, 3, 12, 64), (1, 1, 256)])
+def test_rms_norm_on_cpu_float32_is_the_formula_bit_for_bit(shape):
+    """`rms_norm` takes F.rms_norm on CPU in float32 (one call, not six): it must give the written-out
+    Qwen3 formula's bits — a torch whose kernel rounds otherwise fails here, not in the golden traces."""
+    g = torch.Generator().manual_seed(42)
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(m.rms_norm(x, w, 1e-6), want)
+
+
+def test_column_major_weights_keep_values_ties_and_results():
+    """`column_major_` re-lays CPU float32 weights with out >= in as the transpose of a contiguous
+    [in, out] tensor — same Parameter objects (a tied lm_head stays the embedding), same values — and
+    leaves in > out, other dtypes and already re-laid weights as they are; F.linear agrees to rounding."""
+    torch.manual_seed(0)
+    emb, wide, narrow = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+    head = torch.nn.Linear(16, 64, bias=False)
+    head.weight = emb.weight
+    net = torch.nn.ModuleList([emb, wide, narrow, head])
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    x = torch.randn(3, 16)
+    want = torch.nn.functional.linear(x, wide.weight)
+    m.column_major_(net)
+    assert head.weight is emb.weight and not head.weight.is_contiguous() and head.weight.t().is_contiguous()
+    assert not wide.weight.is_contiguous() and narrow.weight.is_contiguous()  # out < in: kept row-major
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+    assert torch.allclose(torch.nn.functional.linear(x, wide.weight), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(emb(torch.tensor([3, 5])), before["0.weight"][[3, 5]])
+    assert not m.column_major_pays(torch.randn(48, 16, dtype=torch.bfloat16)) and not m.column_major_pays(wide.weight)
