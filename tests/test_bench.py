@@ -155,3 +155,30 @@ def test_device_script_dry_run(tmp_path):
     p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "needs a CUDA device" in p.stderr
+
+
+def test_reference_drafter_is_plain_and_equal(monkeypatch):
+    """The reference loop's drafter is the engine's weights in plain modules — no fused projections, no
+    packed GEMMs (this project's speed-ups, which the loop it is measured against does not have) —
+    reading transformers' embedding and lm_head, and it drafts what the engine's drafter drafts."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import model
+    monkeypatch.setattr(model, "PACK_MIN_ELEMENTS", 0)  # pack the tiny pair's weights, as a large pair's are
+    target, drafter = bench.bigram_pair("cpu", torch.float32, 0)
+    hf = bench.transformers_copy(target)
+    plain = bench.reference_drafter(drafter, hf)
+    assert drafter.layers[0].self_attn.vkq_weight is not None and plain.layers[0].self_attn.vkq_weight is None
+    assert plain.fc.packed is None and all(getattr(m, "packed", None) is None for m in plain.modules())
+    assert plain.target.lm_head is hf.lm_head and plain.target.embed_tokens is hf.model.embed_tokens
+    tokens = torch.randint(0, target.args.vocab_size - 1, (1, 12))
+    with torch.no_grad():
+        feats = torch.randn(1, 12, len(drafter.cfg.target_layer_ids) * target.args.hidden_size)
+        outs = []
+        for d in (drafter, plain):
+            d.setup_caches(1, 64)
+            d.commit_context(feats, torch.arange(12)[None])
+            outs.append(d(tokens[:, -1], torch.tensor([12])))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
