@@ -60,11 +60,13 @@ def label(c: Completion, samples: int) -> str:
 
 
 class Printer:
-    """Completions on standard output: one request streamed as it decodes, several labelled at the end."""
+    """Completions on standard output: one request streamed as it decodes, several labelled at the end
+    (with `show`, only the first `show` of them, and a line saying how many more there are)."""
 
     def __init__(self, tokenizer: Optional[Tokenizer], stop: Optional[StopStrings], n_requests: int, samples: int,
-                 out=None):
+                 out=None, show: Optional[int] = None):
         self.tokenizer, self.stop, self.samples, self.n_requests = tokenizer, stop, samples, n_requests
+        self.show = show
         self.out = out or sys.stdout
         self.streaming = n_requests == 1 and tokenizer is not None
         self.shown = 0  # characters of the streamed request already printed
@@ -93,10 +95,14 @@ class Printer:
             if completions:
                 self.out.write(completions[0].text[self.shown:] + "\n")
             return
-        for c in completions:
+        shown = completions if self.show is None else completions[:self.show]
+        for c in shown:
             if self.n_requests > 1:
                 print(label(c, self.samples), file=self.out)
             print(c.text if c.text is not None else ",".join(map(str, c.output_ids)), file=self.out)
+        if len(shown) < len(completions):
+            print(f"({len(completions) - len(shown)} more completions not shown; --output-file FILE keeps every one)",
+                  file=self.out)
 
 
 class OutputFile:

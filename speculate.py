@@ -533,8 +533,12 @@ def build_engine(m: Models, drafter, requests: list[Request], max_new_tokens: in
 # The command line
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
-# From shutil.py, one of the standard-library files held out of the demo pair's training (demo/heldout.txt).
+# The demo's prompts without a prompt flag: this one, from shutil.py (one of the standard-library files held
+# out of the demo pair's training, demo/heldout.txt), whose completion is printed, then the 20 prompts of
+# demo/heldout.jsonl (64-token windows of the held-out files), so that the figures are those of 21 prompts,
+# not of one 128-token run (a fraction of a second, as noisy as that).
 DEMO_PROMPT = 'def copyfileobj(fsrc, fdst, length=0):\n    """copy data from file-like object fsrc to file-like object fdst"""\n'
+DEMO_PROMPTS_FILE = os.path.join(DEMO_DIR, "heldout.jsonl")
 
 
 @dataclass
@@ -680,10 +684,10 @@ def check_args(args: Args):
 def run(args: Args) -> dict:
     """Everything `python speculate.py` does; returns the summary. Raises UserError on bad input."""
     demo = args.target is None and args.drafter is None and args.random_init is None
-    if demo:  # the committed demo pair (scripts/train_demo.sh) and, without a prompt flag, a raw code prompt
-        no_prompt = args.prompt is None and args.prompt_ids is None and args.prompts_file is None
+    no_prompt = args.prompt is None and args.prompt_ids is None and args.prompts_file is None
+    if demo:  # the committed demo pair (scripts/train_demo.sh) and, without a prompt flag, its prompts (DEMO_PROMPT)
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
-                       prompt=DEMO_PROMPT if no_prompt else args.prompt)  # the demo tokenizer has no template
+                       prompts_file=DEMO_PROMPTS_FILE if no_prompt else args.prompts_file)
     check_args(args)  # before any download
     check_chat_flags(chat=args.chat, prompt_ids=args.prompt_ids, system_prompt=args.system_prompt,
                      thinking=args.enable_thinking)
@@ -692,11 +696,13 @@ def run(args: Args) -> dict:
                        drafter=resolve_checkpoint(args.drafter, "--drafter"))
         check_args(args)  # outputs again: not inside the snapshot directories hub ids resolved to
     with runlog.session(args, "speculate", "speculate.py") as log:  # --wandb: a run around the work
-        return load_and_decode(args, demo, log)
+        return load_and_decode(args, demo, log, lead=DEMO_PROMPT if demo and no_prompt else None)
 
 
-def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
-    """Load the models, read the prompts and decode them (in demo mode twice: without, then with the drafter)."""
+def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log], lead: Optional[str] = None) -> dict:
+    """Load the models, read the prompts and decode them (in demo mode twice: without, then with the drafter).
+    `lead`: a text prompt put before the prompts read, the only one whose completion is printed (the demo's
+    default run: DEMO_PROMPT, then the held-out prompts)."""
     threads = set_threads(args.threads)
     if auto_compile(args.compile, args.device):
         args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
@@ -712,6 +718,9 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
                            max_len=max(context - args.max_new_tokens, 1), system_prompt=args.system_prompt,
                            thinking=args.enable_thinking)
+    if lead is not None:  # the demo tokenizer has no chat template: raw text
+        prompts = [encode_prompt(m.tokenizer, lead, chat=chat, system_prompt=args.system_prompt,
+                                 thinking=args.enable_thinking, where="the demo prompt")] + prompts
     check_prompts(prompts, m.target, args.max_new_tokens, drafter=m.drafter)
     if len(prompts) * args.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "
@@ -733,13 +742,16 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log]) -> dict:
         # The baseline's engine gets as many cache rows, so the two share the target's caches (kept, not
         # reallocated under the speculative engine).
         engine = ready_engine(args, m, m.drafter, prompts, kind, sampling, stops)
-        print(f"--- prompt ---\n{m.tokenizer.decode(prompts[0]) if args.prompt is not None else prompts[0]}")
+        text = m.tokenizer.decode(prompts[0]) if args.prompt is not None or lead is not None else prompts[0]
+        more = (f" (1 of {len(prompts)}: the figures are all {len(prompts)} prompts', the other {len(prompts) - 1} "
+                "from demo/heldout.jsonl)" if lead is not None else "")
+        print(f"--- prompt{more} ---\n{text}")
         baseline = decode(args, m, None, prompts, None, None, "none", sampling, stops, heading="autoregressive",
-                          announce=announce, log=log,
+                          announce=announce, log=log, show=1 if lead is not None else None,
                           engine=ready_engine(args, m, None, prompts, "none", sampling, stops, max_seq=engine.max_seq))
     summary = decode(args, m, m.drafter, prompts, args.trace_file, args.output_file, kind, sampling, stops,
                      heading="speculative" if demo else None, announce=None if demo else announce, log=log,
-                     engine=engine if demo else None)
+                     engine=engine if demo else None, show=1 if lead is not None else None)
     if demo and baseline["tokens_per_second"] > 0:
         greedy = sampling.temperature == 0
         speed_up = summary["tokens_per_second"] / baseline["tokens_per_second"]
@@ -777,9 +789,9 @@ def ready_engine(args: Args, m: Models, drafter, prompts: list[list[int]], kind:
 def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file: Optional[str],
            output_file: Optional[str], kind: str, sampling: Sampling, stops: Optional[StopStrings],
            heading: Optional[str] = None, announce: Optional[str] = None, log: Optional[runlog.Log] = None,
-           engine: Optional[Engine] = None) -> dict:
+           engine: Optional[Engine] = None, show: Optional[int] = None) -> dict:
     """Decode every prompt with `drafter` (None: autoregressive) on `engine` (default: `ready_engine`'s),
-    print the texts and one figures line. Interrupted (Ctrl-C, SIGTERM), it still prints the finished
+    print the texts (with `show`, the first `show` requests') and one figures line. Interrupted (Ctrl-C, SIGTERM), it still prints the finished
     requests and ends the trace with a summary marked "interrupted"; on an error the trace and output
     files are left as they were. With `log` (--wandb) the figures go to the run as it decodes and at the
     end (runlog.py)."""
@@ -793,7 +805,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
 
     trace = StreamFile(trace_file) if trace_file else None
     out = OutputFile(output_file) if output_file else None
-    printer = Printer(m.tokenizer, stops, len(requests), args.num_samples)
+    printer = Printer(m.tokenizer, stops, len(requests), args.num_samples, show=show)
     name = "speculative" if drafter is not None else "autoregressive"
     watch = DecodeWatch(log, name, engine.K, engine.stop_ids, len(requests), args.log_every,
                         lambda: engine.prefill_seconds + engine.decode_seconds,

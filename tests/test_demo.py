@@ -32,12 +32,23 @@ def test_demo_pair_loads_strictly():
 
 
 def test_speculate_without_flags_runs_the_demo(capsys):
+    """The demo's prompt (shutil.copyfileobj's signature) and the 20 held-out prompts, each decoded
+    without and with the drafter: one completion printed per block, the others counted, and the
+    figures of all 21 (held-out prompts: 64 tokens each; 128 new tokens)."""
     assert speculate.main([]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
+    assert lines[0].startswith("--- prompt (1 of 21:") and "demo/heldout.jsonl" in lines[0], lines[0]
+    assert lines[1] == speculate.DEMO_PROMPT.splitlines()[0]
     ar = [l for l in lines if l.startswith("autoregressive:")]
     sp = [l for l in lines if l.startswith("speculative:")]
     assert len(ar) == 1 and len(sp) == 1 and "tokens/s" in ar[0] and "τ=" in sp[0]
+    held = sum(1 for _ in open(DEMO / "heldout.jsonl"))
+    tokens = 128 * (1 + held)
+    assert ar[0].startswith(f"autoregressive: {tokens} tokens") and sp[0].startswith(f"speculative: {tokens} tokens")
+    assert [l for l in lines if l.startswith("--- request")] == [
+        "--- request 0 (prompt 0): 128 tokens, length, τ 1.00 ---", lines[lines.index("--- speculative ---") + 1]]
+    assert lines.count(f"({held} more completions not shown; --output-file FILE keeps every one)") == 2
     assert any(l.startswith("speed-up:") and l.endswith("identical: True)") for l in lines), out
 
 
@@ -53,7 +64,8 @@ def test_demo_greedy_speculative_equals_autoregressive(tmp_path):
         named = speculate.run(speculate.Args(target=str(DEMO / "target"), drafter=str(DEMO / "drafter"),
                                              prompt_ids=",".join(map(str, tok.encode(speculate.DEMO_PROMPT))),
                                              max_new_tokens=48))
-    assert named["outputs"] == summary["outputs"]
+    assert len(summary["outputs"]) == 1 + sum(1 for _ in open(DEMO / "heldout.jsonl"))
+    assert named["outputs"] == summary["outputs"][:1]  # the demo prompt first, then the held-out ones
     rows = [json.loads(l) for l in open(trace)]
     assert any("output_ids" in r for r in rows)
 
