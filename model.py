@@ -611,12 +611,14 @@ class MLP(nn.Module):
 
     def fuse_(self):
         """For inference: one [gate; up] weight, one GEMM; gate/up_proj.weight become views of its rows
-        (as `Attention.fuse_`). `DecoderLayer.fuse_` asks for it on CUDA only: on this project's CPU
-        (MKL, AMD EPYC, 1 thread) the fused GEMM at the 5-6 rows of a verify was 1-2 ms per
-        bigram-35m target forward slower than the two halves, and no faster at one row (BENCHMARKS.md)."""
+        (as `Attention.fuse_`), stored column-major where that pays (`column_major`). `DecoderLayer.fuse_`
+        asks for it on CUDA and where the halves are packed: on this project's CPU (AMD EPYC, 1 thread)
+        the fused GEMM, packed for oneDNN at a verify's rows and column-major for one row, cut bigram-35m's
+        CPU time by 3% (speculative) and 5% (autoregressive) against the two halves; on MKL alone, before
+        packing, it had been 1-2 ms per target forward slower at a verify's 5-6 rows (BENCHMARKS.md)."""
         if self.gate_up_weight is not None:
             return
-        self.gate_up_weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        self.gate_up_weight = column_major(torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()]))
         I = self.gate_proj.out_features
         self.gate_proj.weight = nn.Parameter(self.gate_up_weight[:I], requires_grad=False)
         self.up_proj.weight = nn.Parameter(self.gate_up_weight[I:], requires_grad=False)
@@ -655,10 +657,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fuse_(self, gate_up: Optional[bool] = None, pack: bool = False):
-        """Fused projections for inference: QKV always; gate-up when asked, by default on CUDA only
-        (`MLP.fuse_`); with `pack`, oneDNN's packed weights for `dense` too."""
+        """Fused projections for inference: QKV always; gate-up when asked, by default on CUDA and where
+        the halves are packed (`MLP.fuse_`; not the small ones `pack_weight` leaves to MKL: on the demo
+        pair's 768x256 halves fusing measured level to 4% slower); with `pack`, oneDNN's packed weights
+        for `dense` too."""
         self.self_attn.fuse_(pack)
-        if gate_up if gate_up is not None else self.mlp.down_proj.weight.is_cuda:
+        packed_halves = pack and self.mlp.gate_proj.weight.numel() >= PACK_MIN_ELEMENTS
+        if gate_up if gate_up is not None else (self.mlp.down_proj.weight.is_cuda or packed_halves):
             self.mlp.fuse_()
         if pack:
             self.mlp.pack_()

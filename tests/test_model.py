@@ -302,12 +302,14 @@ def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_tar
         pytest.skip("torch built without oneDNN")
     small = load(tiny_target.path, max_batch=2).layers[0]
     assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None  # under the threshold
+    assert small.mlp.gate_up_weight is None  # small halves stay apart on CPU (fused where they are packed)
     monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", 0)
     packed, plain = load(tiny_target.path, max_batch=2), load(tiny_target.path, max_batch=2, fuse=False)
     assert m.packs_pay(packed) and not m.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
     layer = packed.layers[0]
     assert layer.self_attn.vkq_packed is not None and layer.self_attn.vk_packed is not None
     assert layer.self_attn.o_proj.packed is not None and layer.mlp.down_proj.packed is not None
+    assert layer.mlp.gate_up_packed is not None and not layer.mlp.gate_up_weight.is_contiguous()  # fused, column-major
     assert packed.lm_head.packed is not None and list(packed.state_dict()) == list(plain.state_dict())
     tokens = random_tokens(2, 12, seed=41)
     with torch.no_grad():
