@@ -200,8 +200,9 @@ def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Opt
 
 PACK_ROWS = 64  # the row count oneDNN chooses its layout for (packed for 1 instead, 6-row products were slower)
 # Weights smaller than this stay with MKL: oneDNN's fixed cost per product outweighs its better kernel
-# there. On this project's machine (BENCHMARKS.md, "CPU, packed oneDNN GEMMs") oneDNN at 6-8 rows was
-# 0.46-0.9x MKL on weights of 0.07-0.2M elements (the demo pair's), 1.15x at 0.25M, 1.3-1.7x from 0.44M.
+# there. On this project's machine (BENCHMARKS.md, "CPU, weight layouts") oneDNN at 6 rows ran at
+# 0.59-0.97x the speed of MKL's best layout on weights of 65-197K elements (the demo pair's), and at
+# 1.06-1.64x on weights of 262K (2^18) to 4.2M elements.
 PACK_MIN_ELEMENTS = 1 << 18
 
 
@@ -222,12 +223,12 @@ def packs_pay(model: nn.Module) -> bool:
 def column_major(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] as the transpose of a contiguous [in, out] copy, where that layout pays
     (`column_major_pays`), else `weight` itself. F.linear then multiplies x by the stored [in, out]
-    matrix as it lies (BLAS's "NN" product): on this project's CPU (MKL, AMD EPYC, float32, 1 thread)
-    a one-row product — an autoregressive step, a Markov step — was 1.4-2.4x faster that way on weights
-    with out >= in (a 8192x512 lm_head: 1.2 -> 0.7 ms; 1536x512: 242 -> 151 µs) and slower on in > out
-    (512x1536: 150 -> 218 µs), and the few-row products of small weights gained too (768x256 at 8 rows:
-    143 -> 91 µs) (BENCHMARKS.md, "CPU, weight layouts"). Same shape and values; another summation order,
-    so agreement to rounding."""
+    matrix as it lies (BLAS's "NN" product). On this project's CPU (MKL, AMD EPYC, float32, 1 thread;
+    `scripts/gemm_bench.py`, BENCHMARKS.md "CPU, weight layouts") a one-row product — an autoregressive
+    step, a Markov step — was 1.1-2.0x faster that way on every weight with out >= in (an 8192x512
+    lm_head 1218 -> 657 µs, 1536x512 240 -> 162 µs) and slower on in > out (512x1536 176 -> 237 µs),
+    and a few rows on the small weights that stay with MKL gained as much (768x256 at 6 rows: 171 ->
+    109 µs). Same shape and values; another summation order, so agreement to rounding."""
     if not column_major_pays(weight):
         return weight
     return weight.detach().t().contiguous().t()

@@ -1,17 +1,22 @@
-"""CPU GEMMs of a round: MKL (`F.linear`) against oneDNN on a packed weight (`model.dense`), in one process.
+"""CPU GEMMs of a round, three ways, in one process: MKL on the weight as stored [out, in] (`F.linear`),
+MKL on it stored column-major (`model.column_major`), and oneDNN on a packed copy (`model.dense`).
 
     python scripts/gemm_bench.py --threads 1
     python scripts/gemm_bench.py --threads 1 --shapes 3072x512,512x1536 --rows 1,6,64
 
-Why it exists: the eager engine sends float32 GEMMs of more than one row to oneDNN on weights packed
-once (`model.Dense`), because on this project's CPU MKL multiplied the few rows of a verification at a
-fraction of a core's peak. Whether that holds is a property of the CPU and the BLAS build: run this on
-yours. For each weight shape OUTxIN (a layer's [out, in]) and row count it prints the median
-microseconds per product of `--reps` calls (after `--warmup`) for both, interleaved, their ratio, and
-the largest difference between the two results (they round differently; they must agree to ~1e-5),
-and whether the engine packs that weight (`model.PACK_MIN_ELEMENTS`: smaller ones stay with MKL).
+Why it exists: the eager engine lays out and packs float32 weights by what measured fastest on this
+project's CPU — one row (an autoregressive step, a Markov step) on MKL, column-major where out >= in;
+more rows (a verification's K+1 tokens, the drafter's block) on oneDNN's packed weight where the
+weight has `model.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of
+the CPU and the BLAS build: run this on yours. For each weight shape OUTxIN (a layer's [out, in]) and
+row count it prints the median microseconds per product of `--reps` calls (after `--warmup`) for the
+three, interleaved, each call on the next of `--copies` copies of the weight (a model's weights do not
+all stay in cache between two uses; 1: the same weight every call), and the largest difference between
+the results (they round differently; they must agree to ~1e-5). The last column is what the engine
+uses for that shape and row count.
 Default shapes: a layer's GEMMs ([v; k; q], o_proj, gate or up, down_proj, a 4096-token lm_head) at
-hidden 256 (the demo pair's), at hidden 384 (fused gate-up there), and a wider 512 / 1536 / 8192 set.
+hidden 256 (the demo pair's), the Markov head's output at rank 64, and bigram-35m's (hidden 512,
+[v; k; q] 1024, gate or up 1536, fused gate-up 3072, an 8192-token lm_head).
 """
 
 from __future__ import annotations
@@ -27,22 +32,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
-from model import PACK_MIN_ELEMENTS, dense, pack_weight  # noqa: E402
+from model import PACK_MIN_ELEMENTS, column_major_pays, pack_weight  # noqa: E402
 
 
 @dataclass
 class GemmArgs:
-    """MKL vs packed oneDNN float32 GEMMs at the shapes of a round, on this CPU."""
+    """MKL (row- and column-major weights) vs packed oneDNN float32 GEMMs at the shapes of a round, on this CPU."""
 
-    shapes: str = ("512x256,256x256,768x256,256x768,4096x256,"
-                   "640x384,384x384,2304x384,384x1152,4096x384,3072x512,512x1536,8192x512")
+    shapes: str = ("512x256,256x256,768x256,256x768,4096x256,4096x64,"
+                   "1024x512,512x512,1536x512,3072x512,512x1536,8192x512")
     """Comma-separated weight shapes OUTxIN."""
     rows: str = "1,2,6,12,64"
     """Comma-separated row counts of the input (a verification of a block of K drafts has K+1 rows per request)."""
     threads: int = 1
     """torch threads."""
     reps: int = 200
-    """Timed products per (shape, rows, kernel), interleaved between the two kernels."""
+    """Timed products per (shape, rows, kernel), interleaved between the three kernels."""
+    copies: int = 16
+    """Copies of each weight, used in turn (1: the same weight every call, always in cache)."""
     warmup: int = 20
     """Untimed products first."""
     seed: int = 0
@@ -62,8 +69,16 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def engine_choice(w: torch.Tensor, rows: int) -> str:
+    """Which of the three the eager engine runs for this weight and row count (`model.dense`, `fuse_`)."""
+    if rows > 1 and w.numel() >= PACK_MIN_ELEMENTS:  # packed by fuse_ (pack_weight), used from 2 rows
+        return "oneDNN"
+    return "MKL col" if column_major_pays(w) else "MKL"
+
+
 def run(args: GemmArgs) -> int:
-    check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=f"[0, {2**62}]")
+    check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=f"[0, {2**62}]",
+                 copies="[1, 1024]")
     shapes = parse_shapes(args.shapes)
     rows = parse_ints(args.rows, "--rows")
     if any(r < 1 or r > 65536 for r in rows):
@@ -73,30 +88,32 @@ def run(args: GemmArgs) -> int:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
     print(f"{device_name('cpu')}, torch {torch.__version__}, {args.threads} thread(s), float32; "
-          f"median µs of {args.reps} interleaved products")
-    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'oneDNN µs':>10} {'MKL/oneDNN':>11} {'max |diff|':>11} {'packed':>7}")
+          f"median µs of {args.reps} interleaved products, each on the next of {args.copies} copies of the weight")
+    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'MKL col µs':>11} {'oneDNN µs':>10} {'max |diff|':>11}  engine uses")
     for out, inp in shapes:
-        w = torch.randn(out, inp, generator=g) / inp ** 0.5
-        packed = pack_weight(w, min_elements=0)
+        ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
+        cols = [w.t().contiguous().t() for w in ws]  # column-major, as model.column_major lays out (any shape here)
+        packs = [pack_weight(w, min_elements=0) for w in ws]
         for r in rows:
             x = torch.randn(r, inp, generator=g)
-            kernels = {"mkl": lambda: torch.nn.functional.linear(x, w), "onednn": lambda: dense(x, w, None, packed)}
-            if r == 1:  # dense keeps one row on F.linear: time oneDNN itself
-                kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            for _ in range(args.warmup):
+            kernels = {  # each takes the copy to use
+                "mkl": lambda i: torch.nn.functional.linear(x, ws[i]),
+                "col": lambda i: torch.nn.functional.linear(x, cols[i]),
+                "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, packs[i], None, "none", [], "")}
+            for n in range(args.warmup):
                 for f in kernels.values():
-                    f()
+                    f(n % args.copies)
             times = {k: [] for k in kernels}
-            for _ in range(args.reps):
+            for n in range(args.reps):
                 for k, f in kernels.items():
                     t0 = time.perf_counter()
-                    f()
+                    f(n % args.copies)
                     times[k].append(time.perf_counter() - t0)
-            mkl, onednn = (statistics.median(times[k]) * 1e6 for k in ("mkl", "onednn"))
-            diff = (kernels["mkl"]() - kernels["onednn"]()).abs().max().item()
-            print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {onednn:>10.1f} {mkl / onednn:>10.2f}x {diff:>11.2e} "
-                  f"{'yes' if out * inp >= PACK_MIN_ELEMENTS else 'no':>7}",
-                  flush=True)
+            mkl, col, onednn = (statistics.median(times[k]) * 1e6 for k in ("mkl", "col", "onednn"))
+            results = [f(0) for f in kernels.values()]
+            diff = max((results[0] - y).abs().max().item() for y in results[1:])
+            print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {col:>11.1f} {onednn:>10.1f} {diff:>11.2e}  "
+                  f"{engine_choice(ws[0], r)}", flush=True)
     return 0
 
 
