@@ -64,13 +64,12 @@ class Proposal(NamedTuple):
 
 
 def rows_finite(x: torch.Tensor) -> torch.Tensor:
-    """x [B, ...] -> [B] bool: every value of the row finite. The row's sum in float64: finite values of a
-    narrower float cannot overflow it, and an infinity or NaN anywhere makes it infinite or NaN. One
-    reduction, nothing allocated per value, where isfinite().all() makes three passes and two
-    reductions (0.12 ms against 0.02 ms for a round's [1, 6, 8192] logits on this project's CPU)."""
-    if x.dtype == torch.float64:  # could overflow: the plain test
-        return torch.isfinite(x).reshape(x.shape[0], -1).all(-1)
-    return torch.isfinite(x.reshape(x.shape[0], -1).sum(-1, dtype=torch.float64))
+    """x [B, ...] -> [B] bool: every value of the row finite — its largest and smallest values are (a NaN
+    propagates into both, +inf is the largest, -inf the smallest). Two reductions that allocate nothing
+    the size of x: isfinite().all() made three passes and two reductions, and a float64 sum cast all of x
+    first (about 0.2 ms of a demo round either way, against 0.04 ms)."""
+    rows = x.reshape(x.shape[0], -1)
+    return torch.isfinite(rows.amax(-1)) & torch.isfinite(rows.amin(-1))
 
 
 def draft(target: Transformer, drafter, anchor, anchor_pos, active, *, noise, temperature: float,
