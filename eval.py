@@ -505,32 +505,32 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
         bar = tqdm(total=sum(len(ps) for ps in prompts.values()), file=sys.stderr, unit="prompt", dynamic_ncols=True)
     entries, parts = [], []
     for name, _, _ in datasets:
-        ps = prompts[name]
-        requests = [Request(i, ps[i], [], []) for i in range(rank, len(ps), world)]  # interleaved shard
-        seconds0 = engine.prefill_seconds + engine.decode_seconds
-        if bar is not None:
-            bar.set_description(name)
-        # All of the shard at once: continuous batching keeps the rows busy; the bar moves per request.
-        try:
+        try:  # a signal may land anywhere in here, writing --out included: what is done is written again, marked
+            ps = prompts[name]
+            requests = [Request(i, ps[i], [], []) for i in range(rank, len(ps), world)]  # interleaved shard
+            seconds0 = engine.prefill_seconds + engine.decode_seconds
+            if bar is not None:
+                bar.set_description(name)
+            # All of the shard at once: continuous batching keeps the rows busy; the bar moves per request.
             engine.generate(requests, args.max_new_tokens,
                             on_finish=(lambda req: bar.update(world)) if bar is not None else None)
+            seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
+            c = mt.unflatten(all_sum(mt.flatten(mt.count(requests, K, m.stop_ids)), device), K)
+            entries.append(metrics(name, c, seconds))
+            if has_conf:
+                parts.append(round_arrays(requests, len(entries) - 1, K, m.stop_ids))
+            if rank == 0:  # the row now, and --out rewritten: a crash later keeps what is done
+                write(bar.write if bar is not None else print, format_table(entries[-1:], header=len(entries) == 1))
+                write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
+                                      "complete": False, "datasets": entries, "calibration": None})
+            if log is not None:
+                runlog.log_eval_dataset(log, entries[-1], args.step)
         except Interrupted:
             if rank == 0:  # what is done stays in --out, marked incomplete and interrupted
                 write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
                                       "complete": False, "interrupted": True, "datasets": entries,
                                       "calibration": None})
             raise
-        seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
-        c = mt.unflatten(all_sum(mt.flatten(mt.count(requests, K, m.stop_ids)), device), K)
-        entries.append(metrics(name, c, seconds))
-        if has_conf:
-            parts.append(round_arrays(requests, len(entries) - 1, K, m.stop_ids))
-        if rank == 0:  # the row now, and --out rewritten: a crash later keeps what is done
-            write(bar.write if bar is not None else print, format_table(entries[-1:], header=len(entries) == 1))
-            write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
-                                  "complete": False, "datasets": entries, "calibration": None})
-        if log is not None:
-            runlog.log_eval_dataset(log, entries[-1], args.step)
     if bar is not None:
         bar.close()
 

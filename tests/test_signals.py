@@ -85,3 +85,33 @@ def test_eval_interrupted_leaves_results_marked_incomplete(pair, tmp_path):
     res = json.loads(out.read_text())
     assert res["complete"] is False and res["interrupted"] is True
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
+
+
+def test_eval_interrupted_while_writing_results_still_marks_them(pair, tmp_path, monkeypatch):
+    """A signal that lands while eval.py rewrites --out after a dataset (its file already in place, the
+    write not yet returned) still leaves the results marked interrupted, with what was done."""
+    import signal as sig
+
+    import eval as ev
+    from common import Interrupted
+
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
+    (data / "second.jsonl").write_text(json.dumps({"turns": ["y"]}) + "\n")
+    out = tmp_path / "results.json"
+    real, calls = ev.write_json, []
+
+    def write_then_signal(path, obj):
+        real(path, obj)
+        calls.append(obj)
+        if len(calls) == 1:  # the first dataset's results, written: SIGTERM arrives now
+            raise Interrupted(sig.SIGTERM)
+
+    monkeypatch.setattr(ev, "write_json", write_then_signal)
+    assert ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first,second",
+                    "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)]) == 143
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["interrupted"] is True
+    assert [e["dataset"] for e in res["datasets"]] == ["first"]
