@@ -180,8 +180,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: on this project's
     machine 6 rows cost 2.4-3.9x one row on weights of 0.8M+ elements, where oneDNN on the packed weight
     was 1.5-1.7x faster; on small weights its fixed cost makes it slower, so `pack_weight` leaves those
-    unpacked (BENCHMARKS.md, "CPU, packed oneDNN GEMMs"; scripts/gemm_bench.py). One row stays with
-    MKL, faster there.
+    unpacked (BENCHMARKS.md, "CPU, packed oneDNN GEMMs" and "CPU, weight layouts"; scripts/gemm_bench.py).
+    One row stays with MKL, faster there (on the column-major weight where out >= in: `column_major`).
     The two agree to rounding, not bitwise (another summation order). `F.linear` is the reference
     (tests/test_model.py)."""
     if packed is None or x.numel() <= x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):
@@ -270,8 +270,9 @@ def packed_of(module: nn.Module, name: str) -> Optional[torch.Tensor]:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim, computed in float32 and cast back before the weight, as
     Qwen3 does. On CPU in float32, F.rms_norm and the weight: two calls instead of six, the same
-    operations in the same order in the torch versions this project runs (its last bits are held to the formula's by
-    tests/test_model.py; elsewhere its kernel may be a fused one, other bits, so the formula runs)."""
+    operations in the same order in the torch versions this project runs (tests/test_model.py holds
+    its bits to the formula's); elsewhere its kernel may be a fused one, with other bits, so the
+    formula runs."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
         return weight * F.rms_norm(x, (x.shape[-1],), None, eps)  # the weight may be one row per head
     dtype = x.dtype
@@ -702,9 +703,11 @@ class Transformer(nn.Module):
 
     def fuse_(self, gate_up: Optional[bool] = None, pack: Optional[bool] = None) -> "Transformer":
         """Fused projection weights for inference (`DecoderLayer.fuse_`): one QKV GEMM per layer, and one
-        gate-up GEMM (default: on CUDA); and, where `packs_pay` (default) or `pack`, every GEMM's weight
-        packed for oneDNN (`dense`). Call once the weights are final (after loading or initialising,
-        and after any move to another device or dtype, which would copy the views apart)."""
+        gate-up GEMM (default: on CUDA, and where its halves are packed); on CPU in float32 the weights
+        with out >= in stored column-major (`column_major_`); and, where `packs_pay` (default) or `pack`,
+        every GEMM weight of PACK_MIN_ELEMENTS or more packed for oneDNN (`dense`). Call once the
+        weights are final (after loading or initialising, and after any move to another device or
+        dtype, which would copy the views apart)."""
         pack = packs_pay(self) if pack is None else pack
         column_major_(self)
         for layer in self.layers:
