@@ -559,7 +559,8 @@ class Args(WandbFlags):
     prompts_file: Optional[str] = None
     """JSON lines, each {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (first turn used) or
     {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} (a conversation that ends
-    with the user's turn)."""
+    with the user's turn). The demo (no --target) without a prompt flag decodes 21 prompts: a code prompt
+    from the held-out shutil.py, then demo/heldout.jsonl's 20, printing the first one's completion."""
     chat: AutoBool = None
     """Render text prompts with the target's chat template, thinking off. Default: on when the
     tokenizer has a template; --chat without one uses Qwen3's format."""
@@ -744,8 +745,8 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log], lead: Opt
         # reallocated under the speculative engine).
         engine = ready_engine(args, m, m.drafter, prompts, kind, sampling, stops)
         text = m.tokenizer.decode(prompts[0]) if args.prompt is not None or lead is not None else prompts[0]
-        more = (f" (1 of {len(prompts)}: the figures are all {len(prompts)} prompts', the other {len(prompts) - 1} "
-                "from demo/heldout.jsonl)" if lead is not None else "")
+        more = (f" 1 of {len(prompts)} (the figures cover all {len(prompts)}: this one, then the "
+                f"{len(prompts) - 1} of demo/heldout.jsonl)" if lead is not None else "")
         print(f"--- prompt{more} ---\n{text}")
         baseline = decode(args, m, None, prompts, None, None, "none", sampling, stops, heading="autoregressive",
                           announce=announce, log=log, show=1 if lead is not None else None,
