@@ -334,9 +334,9 @@ class Drafter(nn.Module):
         """Fused (and packed) projection weights for inference, as `Transformer.fuse_` (the same decoder
         layers; the context projection and the Markov head's output too)."""
         pack = packs_pay(self) if pack is None else pack
-        column_major_(self)
         for layer in self.layers:
             layer.fuse_(gate_up, pack)
+        column_major_(self)
         if pack:
             for lin in (self.fc, getattr(self.markov_head, "markov_w2", None)):
                 if lin is not None:

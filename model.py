@@ -235,14 +235,17 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def column_major_pays(weight: torch.Tensor) -> bool:
-    """Whether `column_major` stores `weight` transposed: on CPU, in float32, out >= in, row-major now."""
+    """Whether `column_major` stores `weight` transposed: on CPU, in float32, out >= in, row-major now,
+    and the whole of its storage (not rows of a fused weight, which `fuse_` lays out as one)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.shape[0] >= weight.shape[1] and weight.is_contiguous())
+            and weight.shape[0] >= weight.shape[1] and weight.is_contiguous()
+            and weight.untyped_storage().nbytes() == weight.numel() * weight.element_size())
 
 
 def column_major_(module: nn.Module):
     """Every nn.Linear weight of `module` that pays for it stored column-major in place (`column_major`):
-    the Parameter objects are kept (a weight tied to an embedding stays tied), their data re-laid."""
+    the Parameter objects are kept (a weight tied to an embedding stays tied), their data re-laid. Run
+    after fusing: the fused weights are laid out whole, and their rows are views that stay views."""
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and column_major_pays(lin.weight):
             lin.weight.data = column_major(lin.weight)
@@ -709,9 +712,9 @@ class Transformer(nn.Module):
         weights are final (after loading or initialising, and after any move to another device or
         dtype, which would copy the views apart)."""
         pack = packs_pay(self) if pack is None else pack
-        column_major_(self)
         for layer in self.layers:
             layer.fuse_(gate_up, pack)
+        column_major_(self)
         if pack:
             self.lm_head.pack_()
         return self

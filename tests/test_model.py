@@ -310,6 +310,8 @@ def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_tar
     assert layer.self_attn.vkq_packed is not None and layer.self_attn.vk_packed is not None
     assert layer.self_attn.o_proj.packed is not None and layer.mlp.down_proj.packed is not None
     assert layer.mlp.gate_up_packed is not None and not layer.mlp.gate_up_weight.is_contiguous()  # fused, column-major
+    for part, whole in ((layer.self_attn.q_proj, layer.self_attn.vkq_weight), (layer.mlp.up_proj, layer.mlp.gate_up_weight)):
+        assert part.weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # still views of it
     assert packed.lm_head.packed is not None and list(packed.state_dict()) == list(plain.state_dict())
     tokens = random_tokens(2, 12, seed=41)
     with torch.no_grad():
@@ -857,3 +859,4 @@ def test_column_major_weights_keep_values_ties_and_results():
     assert torch.allclose(torch.nn.functional.linear(x, wide.weight), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(emb(torch.tensor([3, 5])), before["0.weight"][[3, 5]])
     assert not m.column_major_pays(torch.randn(48, 16, dtype=torch.bfloat16)) and not m.column_major_pays(wide.weight)
+    assert not m.column_major_pays(torch.randn(96, 16)[:48])  # rows of a larger (fused) weight: left a view
