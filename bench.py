@@ -44,7 +44,7 @@ from common import (UserError, check_outputs, check_ranges, cli_main, device_nam
                     resolve_dtype, sync, write_json)
 from drafter import Drafter, DrafterConfig, random_drafter
 from inputs import resolve_checkpoint
-from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
+from model import PRESETS, ModelArgs, Transformer, gemm_note, init_random_, load_target, random_target
 from compiling import CompileMode, check_compile_flags, use_compile_cache
 from speculate import Engine, Request
 
@@ -436,7 +436,9 @@ def run(args: BenchArgs) -> list[dict]:
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}"
           + (" (guards skipped after warm-up)" if args.compile and args.skip_guards else "")
-          + (f" (cache {cache_dir})" if cache_dir else "") + f"; built in {time.perf_counter() - t0:.1f} s; "
+          + (f" (cache {cache_dir})" if cache_dir else "")
+          + (f"; {gemm_note(target, args.compile)}" if gemm_note(target, args.compile) else "")
+          + f"; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
     hf = transformers_copy(target) if want_reference else None

@@ -33,6 +33,13 @@ except ImportError:
     AutoBool = Optional[bool]
 
 
+def user_cache_dir(*parts: str) -> str:
+    """This project's per-user cache folder (joined with `parts`): $XDG_CACHE_HOME/dspark-fast when that
+    is set, else ~/.cache/dspark-fast — unlike /tmp, it survives a reboot."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dspark-fast", *parts)
+
+
 class UserError(Exception):
     """A user mistake: a missing or malformed file, a flag out of range, a tensor that does not fit.
 

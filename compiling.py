@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 import torch
 
-from common import UserError
+from common import UserError, user_cache_dir
 
 #: torch.compile's modes, for --compile-mode (without it: the recipe of `compiled`).
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -42,8 +42,7 @@ def compile_cache_dir(path: Optional[str] = None) -> str:
     if path is None:
         path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if path is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "dspark-fast", "inductor")
+        path = user_cache_dir("inductor")
     return os.path.abspath(os.path.expanduser(path))
 
 

@@ -687,3 +687,138 @@ def kernel_set(name: str, device) -> KernelSet:
                            "interpreter: TRITON_INTERPRET=1)")
     _build_triton_kernels()
     return TRITON
+
+
+# ----------------------------------------------------------------------------------------
+# CPU: a GEMM for a round's few rows (cpu_gemm.cpp), with F.linear as its reference
+#
+# On CPU in float32, one thread, a verify multiplies K+1 rows by each weight, a drafter's block K,
+# an autoregressive step one. MKL and oneDNN tune for many rows; at these few they ran at a third
+# to a half of the core's peak on this project's machine. cpu_gemm.cpp streams each weight once
+# per six rows from a panel layout (`panel_weight`) with the rows' outputs in registers: at six
+# rows 1.8-2.3x faster than the best of MKL and packed oneDNN, and 0.94-1.6x at one row
+# (scripts/gemm_bench.py, BENCHMARKS.md "CPU, a few-row GEMM kernel"). It is built on first use
+# with the system's C++ compiler (CXX, default g++) into a cache folder and loaded with ctypes;
+# where it cannot be (not x86-64 Linux with AVX2 and FMA, no compiler, DSPARK_CPU_GEMM=0),
+# `cpu_gemm_unavailable` says why and the model keeps F.linear / oneDNN (model.dense).
+
+import ctypes
+import hashlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from common import user_cache_dir
+
+PANEL = 16  # output columns per panel (cpu_gemm.cpp)
+CPU_GEMM_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemm.cpp")
+CPU_GEMM_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17")
+_cpu_gemm = None      # the loaded library's panel_linear, once built
+_cpu_gemm_why = None  # why it is unavailable, once known
+
+
+def cpu_gemm_cache_dir() -> str:
+    """Where the built kernel is kept: $DSPARK_CACHE_DIR, else $XDG_CACHE_HOME/dspark-fast, else
+    ~/.cache/dspark-fast."""
+    return os.environ.get("DSPARK_CACHE_DIR") or user_cache_dir()
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build_cpu_gemm():
+    """Build (or find built) and load cpu_gemm.cpp; returns its panel_linear or a reason string."""
+    if os.environ.get("DSPARK_CPU_GEMM", "1").strip().lower() in ("0", "off", "false", "no"):
+        return "turned off by DSPARK_CPU_GEMM"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is for x86-64 Linux (this is {platform.system()} {platform.machine()})"
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return "this CPU lacks AVX2 or FMA"
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler {cxx!r} on PATH (set CXX)"
+    try:
+        with open(CPU_GEMM_SOURCE, "rb") as f:
+            source = f.read()
+        version = subprocess.run([cxx, "--version"], capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot read {CPU_GEMM_SOURCE} or run {cxx}: {e}"
+    key = hashlib.sha256(source + version + " ".join(CPU_GEMM_FLAGS).encode()).hexdigest()[:16]
+    folder = cpu_gemm_cache_dir()
+    path = os.path.join(folder, f"cpu_gemm-{key}.so")
+    if not os.path.exists(path):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError as e:
+            return f"cannot write to the cache folder {folder}: {e} (set DSPARK_CACHE_DIR)"
+        try:
+            done = subprocess.run([cxx, *CPU_GEMM_FLAGS, CPU_GEMM_SOURCE, "-o", tmp], capture_output=True,
+                                  text=True, timeout=300)
+            if done.returncode != 0:
+                lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
+                return f"{cxx} failed on {CPU_GEMM_SOURCE}: {lines[0]}"
+            os.replace(tmp, path)  # whole or absent: another process may be building the same file
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{cxx} failed on {CPU_GEMM_SOURCE}: {e}"
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        fn = ctypes.CDLL(path).panel_linear
+    except (OSError, AttributeError) as e:
+        return f"cannot load {path}: {e}"
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    fn.restype = None
+    return fn
+
+
+def cpu_gemm_unavailable() -> Optional[str]:
+    """None when the CPU kernel is built and loaded (building it on first call, about a second),
+    else why not, in words."""
+    global _cpu_gemm, _cpu_gemm_why
+    if _cpu_gemm is None and _cpu_gemm_why is None:
+        built = _build_cpu_gemm()
+        if isinstance(built, str):
+            _cpu_gemm_why = built
+        else:
+            _cpu_gemm = built
+    return _cpu_gemm_why
+
+
+def panel_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """`weight` [N, K] (float32, CPU) as panels [N/16, K, 16] for `panel_linear` (a copy), or None
+    where the kernel does not apply: another dtype or device, N not a multiple of 16, or the kernel
+    unavailable (`cpu_gemm_unavailable`)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
+            or weight.shape[0] % PANEL or weight.shape[1] == 0 or cpu_gemm_unavailable() is not None):
+        return None
+    N, K = weight.shape
+    return weight.detach().reshape(N // PANEL, PANEL, K).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ Wᵀ (+ bias) -> [..., N] for panels = `panel_weight(W)`, on cpu_gemm.cpp's kernel
+    (one thread; the caller holds no autograd: it has no backward). Agrees with F.linear(x, W, bias)
+    to rounding; each row's result is the same whatever rows share the call (the sum over k runs in
+    one order)."""
+    n_panels, K, _ = panels.shape
+    N = n_panels * PANEL
+    if x.shape[-1] != K or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"panel_linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not fit a "
+                         f"float32 CPU weight of {N}x{K}")
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    if x.numel():
+        _cpu_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.numel() // K, K, N)
+    return y.add_(bias) if bias is not None else y

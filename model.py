@@ -24,9 +24,10 @@ What is notable here:
   layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM (and on CUDA one
   [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
   the checkpoint's.
-- On CPU in float32, GEMMs of more than one row (verification, the drafter's block, prefill, batches)
-  run on oneDNN with each weight packed once (`dense`, `Dense`, packed by `fuse_`): MKL multiplies a
-  handful of rows at a fraction of a core's peak. `F.linear` is the reference, one-row GEMMs keep it.
+- On CPU in float32 the GEMMs run on copies of each weight made once by `fuse_` (`dense`, `Dense`,
+  `pack_weight`): with one thread on kernels.py's few-row kernel (cpu_gemm.cpp), else from two rows
+  on oneDNN's packed layout — MKL multiplies a handful of rows (verification, the drafter's block)
+  at a fraction of a core's peak. `F.linear` is the reference.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
   whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
@@ -45,6 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
 from common import UserError, read_json
 
 
@@ -173,51 +175,101 @@ def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------
 # Layers
 
+class Packed(NamedTuple):
+    """A weight's inference copies for `dense` (`pack_weight`; either may be None): `panels`, the
+    layout of kernels.py's CPU kernel (`kernels.panel_weight`), and `onednn`, oneDNN's blocked layout."""
+    panels: Optional[torch.Tensor]
+    onednn: Optional[torch.Tensor]
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-          packed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ weightᵀ + bias, as F.linear. With `packed` (`pack_weight(weight)`) and more than one row of x:
-    oneDNN's GEMM on the packed weight. On CPU in float32, MKL (F.linear's GEMM there) multiplies a
-    handful of rows — a verification's K+1 tokens — at a fraction of the core's peak: on this project's
-    machine 6 rows cost 2.4-3.9x one row on weights of 0.8M+ elements, where oneDNN on the packed weight
-    was 1.5-1.7x faster; on small weights its fixed cost makes it slower, so `pack_weight` leaves those
-    unpacked (BENCHMARKS.md, "CPU, packed oneDNN GEMMs" and "CPU, weight layouts"; scripts/gemm_bench.py).
-    One row stays with MKL, faster there (on the column-major weight where out >= in: `column_major`).
-    The two agree to rounding, not bitwise (another summation order). `F.linear` is the reference
-    (tests/test_model.py)."""
-    if packed is None or x.numel() <= x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):
-        return F.linear(x, weight, bias)  # (oneDNN's op has no backward: a drafter in training reads the lm_head)
-    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed, bias, "none", [], "")
+          packed: Optional[Packed] = None) -> torch.Tensor:
+    """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
+    `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
+
+    - with one thread, any number of rows: kernels.py's few-row kernel on the panels
+      (`kernels.panel_linear`; cpu_gemm.cpp). On this project's machine it ran a verify's six rows
+      1.8-2.3x faster than the best of MKL and packed oneDNN, prefill's 64 rows 1.05-1.25x, one row
+      0.94-1.6x; each row's result is the same however many rows share the product (BENCHMARKS.md,
+      "CPU, a few-row GEMM kernel");
+    - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
+      fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
+    - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
+
+    They agree to rounding, not bitwise (other summation orders). Autograd always takes F.linear (the
+    fast kernels have no backward: a drafter in training reads the lm_head)."""
+    if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    if packed.panels is not None and torch.get_num_threads() == 1:
+        return kernels.panel_linear(x, packed.panels, bias)
+    if packed.onednn is None or x.numel() <= x.shape[-1]:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
+                                              "none", [], "")
 
 
-def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[torch.Tensor]:
-    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `dense` (a copy: the
-    weight's memory again) — or None, left to MKL, when it has fewer than `min_elements` elements
-    (default PACK_MIN_ELEMENTS; 0 packs any weight)."""
-    if weight.numel() < (PACK_MIN_ELEMENTS if min_elements is None else min_elements):
-        return None
+def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
+    """`weight` [out, in]'s copies for `dense` (each the weight's memory again), or None when it gets
+    neither: the panels of kernels.py's CPU kernel where that applies (`kernels.panel_weight`), and
+    oneDNN's blocked layout when the weight has `min_elements` elements or more (default
+    PACK_MIN_ELEMENTS; 0 packs any weight) and oneDNN is built in."""
+    panels = kernels.panel_weight(weight)
+    onednn = None
+    if (weight.numel() >= (PACK_MIN_ELEMENTS if min_elements is None else min_elements)
+            and torch.backends.mkldnn.is_available()):
+        onednn = _onednn_layout(weight)
+    return None if panels is None and onednn is None else Packed(panels, onednn)
+
+
+def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
+def packed_rows(packed: Optional[Packed], weight: torch.Tensor, rows: int) -> Optional[Packed]:
+    """The copies for `dense` of weight[:rows] (a fused weight's leading rows): its panels a view of
+    the whole's leading panels where `rows` is a whole number of panels, oneDNN's packed anew."""
+    if packed is None:
+        return None
+    panels = packed.panels[:rows // kernels.PANEL] if packed.panels is not None and rows % kernels.PANEL == 0 \
+        else kernels.panel_weight(weight[:rows])
+    onednn = _onednn_layout(weight[:rows]) if packed.onednn is not None else None
+    return None if panels is None and onednn is None else Packed(panels, onednn)
+
+
 PACK_ROWS = 64  # the row count oneDNN chooses its layout for (packed for 1 instead, 6-row products were slower)
-# Weights smaller than this stay with MKL: oneDNN's fixed cost per product outweighs its better kernel
-# there. On this project's machine (BENCHMARKS.md, "CPU, weight layouts") oneDNN at 6 rows ran at
-# 0.59-0.97x the speed of MKL's best layout on weights of 65-197K elements (the demo pair's), and at
-# 1.06-1.64x on weights of 262K (2^18) to 4.2M elements.
+# Weights smaller than this get no oneDNN copy: oneDNN's fixed cost per product outweighs its better
+# kernel there. On this project's machine (BENCHMARKS.md, "CPU, weight layouts") oneDNN at 6 rows ran
+# at 0.59-0.97x the speed of MKL's best layout on weights of 65-197K elements (the demo pair's), and
+# at 1.06-1.64x on weights of 262K (2^18) to 4.2M elements. (The panels are made at any size.)
 PACK_MIN_ELEMENTS = 1 << 18
 
 
-def packs_pay(model: nn.Module) -> bool:
-    """Whether `fuse_` packs `model`'s weights for `dense`: on CPU, in float32, with oneDNN built in,
-    and when a second copy of the weights takes at most a quarter of the machine's memory."""
+def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
+    """Which GEMMs an eager CPU float32 run of `model` uses, in words (printed at start; None elsewhere,
+    or compiled: Inductor's own)."""
     w = next(model.parameters())
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if compiled or w.device.type != "cpu" or w.dtype != torch.float32:
+        return None
+    why = kernels.cpu_gemm_unavailable()
+    if why is not None:
+        return f"GEMMs: MKL/oneDNN (the few-row kernel is unavailable: {why})"
+    if torch.get_num_threads() != 1:
+        return "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
+    return "GEMMs: the few-row kernel (cpu_gemm.cpp)"
+
+
+def packs_pay(model: nn.Module) -> bool:
+    """Whether `fuse_` packs `model`'s weights for `dense` (`pack_weight`): on CPU, in float32, and when
+    the two copies it may make (panels, oneDNN's) take at most a third of the machine's memory."""
+    w = next(model.parameters())
+    if w.device.type != "cpu" or w.dtype != torch.float32:
         return False
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no sysconf: do not risk the memory
         return False
-    return 4 * weights <= memory
+    return 6 * weights <= memory
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -252,10 +304,10 @@ def column_major_(module: nn.Module):
 
 
 class Dense(nn.Linear):
-    """nn.Linear through `dense`: with `packed` set (`fuse_` on CPU), GEMMs of more than one row run on
-    oneDNN's packed weight. `packed` is a plain attribute: not in state_dict, not moved by `.to()`
-    (pack again after a move), and never read while torch.compile traces (Inductor packs its own)."""
-    packed: Optional[torch.Tensor] = None
+    """nn.Linear through `dense`: with `packed` set (`fuse_` on CPU), its GEMMs run on the CPU kernel's
+    panels or oneDNN's packed weight. `packed` is a plain attribute: not in state_dict, not moved by
+    `.to()` (pack again after a move), and never read while torch.compile traces (Inductor packs its own)."""
+    packed: Optional[Packed] = None
 
     def pack_(self):
         self.packed = pack_weight(self.weight)
@@ -264,8 +316,8 @@ class Dense(nn.Linear):
         return dense(x, self.weight, self.bias, packed_of(self, "packed"))
 
 
-def packed_of(module: nn.Module, name: str) -> Optional[torch.Tensor]:
-    """module.<name>, a packed weight or None — None while torch.compile traces: Inductor packs its own
+def packed_of(module: nn.Module, name: str) -> Optional[Packed]:
+    """module.<name>, a weight's packed copies or None — None while torch.compile traces: Inductor packs its own
     (compiling.compiled), and the condition is settled at trace time, so a graph never reads one."""
     return None if torch.compiler.is_compiling() else getattr(module, name)
 
@@ -539,7 +591,8 @@ class Attention(nn.Module):
         self.kq_norm_weight = torch.cat([self.k_norm.weight.detach().expand(self.n_kv, -1),
                                          self.q_norm.weight.detach().expand(self.n_heads, -1)])
         if pack:
-            self.vkq_packed, self.vk_packed = pack_weight(weight), pack_weight(weight[:2 * self.n_kv * self.head_dim])
+            self.vkq_packed = pack_weight(weight)
+            self.vk_packed = packed_rows(self.vkq_packed, weight, 2 * self.n_kv * self.head_dim)
 
     def _fused(self):
         if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:

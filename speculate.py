@@ -44,7 +44,7 @@ from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs,
 from kernels import NO_FILTERS
 from inputs import (Models, Sampling, auto_chat, check_chat_flags, check_prompts, check_sampling, encode_prompt,
                     load_models, load_prompts, resolve_checkpoint, resolve_sampling)
-from model import Ragged, Transformer
+from model import Ragged, Transformer, gemm_note
 from outputs import Completion, OutputFile, Printer, completion
 from runlog import DecodeWatch, WandbFlags
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler
@@ -738,7 +738,8 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log], lead: Opt
                    target_config=runlog.checkpoint_config(m.directories[0]),
                    drafter_config=runlog.checkpoint_config(m.directories[1]),
                    drafter_resolved=m.drafter.cfg.describe() if m.drafter is not None else None)
-    announce = f"{threads}; {sampling.describe()}"  # printed once every input is checked
+    gemms = gemm_note(m.target, compiled=auto_compile(args.compile, args.device))
+    announce = f"{threads}; " + (f"{gemms}; " if gemms else "") + sampling.describe()  # printed once every input is checked
     if demo:  # the prompt, then the baseline by the same engine without the drafter, for the side-by-side figures
         # The speculative engine first: its SPS table (--sps-table) is read and checked before any decoding.
         # The baseline's engine gets as many cache rows, so the two share the target's caches (kept, not

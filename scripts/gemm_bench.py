@@ -1,16 +1,20 @@
-"""CPU GEMMs of a round, three ways, in one process: MKL on the weight as stored [out, in] (`F.linear`),
-MKL on it stored column-major (`model.column_major`), and oneDNN on a packed copy (`model.dense`).
+"""CPU GEMMs of a round, four ways, in one process: MKL on the weight as stored [out, in] (`F.linear`),
+MKL on it stored column-major (`model.column_major`), oneDNN on a packed copy, and this project's
+few-row kernel on the weight's panels (`kernels.panel_linear`, cpu_gemm.cpp) — the four `model.dense`
+chooses from.
 
     python scripts/gemm_bench.py --threads 1
     python scripts/gemm_bench.py --threads 1 --shapes 3072x512,512x1536 --rows 1,6,64
 
 Why it exists: the eager engine lays out and packs float32 weights by what measured fastest on this
-project's CPU — one row (an autoregressive step, a Markov step) on MKL, column-major where out >= in;
-more rows (a verification's K+1 tokens, the drafter's block) on oneDNN's packed weight where the
-weight has `model.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of
-the CPU and the BLAS build: run this on yours. For each weight shape OUTxIN (a layer's [out, in]) and
+project's CPU — with one thread every product on the few-row kernel's panels (where the weight's out
+is a multiple of 16 and the kernel could be built); with more threads one row (an autoregressive
+step, a Markov step) on MKL, column-major where out >= in, and more rows (a verification's K+1
+tokens, the drafter's block) on oneDNN's packed weight where the weight has
+`model.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of the CPU
+and the BLAS build: run this on yours. For each weight shape OUTxIN (a layer's [out, in]) and
 row count it prints the median microseconds per product of `--reps` calls (after `--warmup`) for the
-three, interleaved, each call on the next of `--copies` copies of the weight (a model's weights do not
+four, interleaved, each call on the next of `--copies` copies of the weight (a model's weights do not
 all stay in cache between two uses; 1: the same weight every call), and the largest difference between
 the results (they round differently; they must agree to ~1e-5). The last column is what the engine
 uses for that shape and row count.
@@ -32,12 +36,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
+import kernels as cpu_kernels  # noqa: E402
 from model import PACK_MIN_ELEMENTS, column_major_pays, pack_weight  # noqa: E402
 
 
 @dataclass
 class GemmArgs:
-    """MKL (row- and column-major weights) vs packed oneDNN float32 GEMMs at the shapes of a round, on this CPU."""
+    """MKL (row- and column-major weights), packed oneDNN and the few-row kernel: float32 GEMMs at the shapes of a round, on this CPU."""
 
     shapes: str = ("512x256,256x256,768x256,256x768,4096x256,4096x64,"
                    "1024x512,512x512,1536x512,3072x512,512x1536,8192x512")
@@ -47,7 +52,7 @@ class GemmArgs:
     threads: int = 1
     """torch threads."""
     reps: int = 200
-    """Timed products per (shape, rows, kernel), interleaved between the three kernels."""
+    """Timed products per (shape, rows, kernel), interleaved between the kernels."""
     copies: int = 16
     """Copies of each weight, used in turn (1: the same weight every call, always in cache)."""
     warmup: int = 20
@@ -69,8 +74,10 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def engine_choice(w: torch.Tensor, rows: int) -> str:
-    """Which of the three the eager engine runs for this weight and row count (`model.dense`, `fuse_`)."""
+def engine_choice(w: torch.Tensor, rows: int, threads: int) -> str:
+    """Which of the four the eager engine runs for this weight, row count and thread count (`model.dense`, `fuse_`)."""
+    if threads == 1 and w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.cpu_gemm_unavailable() is None:
+        return "panels"
     if rows > 1 and w.numel() >= PACK_MIN_ELEMENTS:  # packed by fuse_ (pack_weight), used from 2 rows
         return "oneDNN"
     return "MKL col" if column_major_pays(w) else "MKL"
@@ -87,19 +94,25 @@ def run(args: GemmArgs) -> int:
         raise UserError("this torch was built without oneDNN (torch.backends.mkldnn): nothing to compare")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
+    why = cpu_kernels.cpu_gemm_unavailable()
     print(f"{device_name('cpu')}, torch {torch.__version__}, {args.threads} thread(s), float32; "
-          f"median µs of {args.reps} interleaved products, each on the next of {args.copies} copies of the weight")
-    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'MKL col µs':>11} {'oneDNN µs':>10} {'max |diff|':>11}  engine uses")
+          f"median µs of {args.reps} interleaved products, each on the next of {args.copies} copies of the weight"
+          + (f"; the few-row kernel is unavailable: {why}" if why else ""))
+    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'MKL col µs':>11} {'oneDNN µs':>10} {'panels µs':>10} "
+          f"{'max |diff|':>11}  engine uses")
     for out, inp in shapes:
         ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
         cols = [w.t().contiguous().t() for w in ws]  # column-major, as model.column_major lays out (any shape here)
-        packs = [pack_weight(w, min_elements=0) for w in ws]
+        packs = [pack_weight(w, min_elements=0).onednn for w in ws]
+        panels = [cpu_kernels.panel_weight(w) for w in ws]  # None where it does not apply
         for r in rows:
             x = torch.randn(r, inp, generator=g)
             kernels = {  # each takes the copy to use
                 "mkl": lambda i: torch.nn.functional.linear(x, ws[i]),
                 "col": lambda i: torch.nn.functional.linear(x, cols[i]),
                 "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, packs[i], None, "none", [], "")}
+            if panels[0] is not None:
+                kernels["panels"] = lambda i: cpu_kernels.panel_linear(x, panels[i])
             for n in range(args.warmup):
                 for f in kernels.values():
                     f(n % args.copies)
@@ -110,10 +123,11 @@ def run(args: GemmArgs) -> int:
                     f(n % args.copies)
                     times[k].append(time.perf_counter() - t0)
             mkl, col, onednn = (statistics.median(times[k]) * 1e6 for k in ("mkl", "col", "onednn"))
+            ours = f"{statistics.median(times['panels']) * 1e6:>10.1f}" if "panels" in times else f"{'n/a':>10}"
             results = [f(0) for f in kernels.values()]
             diff = max((results[0] - y).abs().max().item() for y in results[1:])
-            print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {col:>11.1f} {onednn:>10.1f} {diff:>11.2e}  "
-                  f"{engine_choice(ws[0], r)}", flush=True)
+            print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {col:>11.1f} {onednn:>10.1f} {ours} {diff:>11.2e}  "
+                  f"{engine_choice(ws[0], r, args.threads)}", flush=True)
     return 0
 
 

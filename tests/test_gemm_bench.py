@@ -1,4 +1,4 @@
-"""scripts/gemm_bench.py: three kernels side by side per shape and row count, agreeing to rounding,
+"""scripts/gemm_bench.py: four kernels side by side per shape and row count, agreeing to rounding,
 and the kernel the eager engine picks (model.dense / fuse_) named for each."""
 
 from __future__ import annotations
@@ -13,24 +13,42 @@ from conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import gemm_bench  # noqa: E402
 
+import kernels  # noqa: E402
 import model  # noqa: E402
+
+
+def _table(capsys, shapes: str, threads: int) -> dict:
+    before = torch.get_num_threads()
+    try:
+        assert gemm_bench.main(["--shapes", shapes, "--rows", "1,3", "--reps", "2", "--warmup", "1", "--copies", "2",
+                                "--threads", str(threads)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 copies of the weight" in lines[0] and lines[1].split()[-2:] == ["engine", "uses"]
+    rows = [l.split() for l in lines[2:]]
+    assert [(r[0], r[1]) for r in rows] == [(s, n) for s in shapes.split(",") for n in ("1", "3")]
+    assert all(float(r[6]) < 1e-4 for r in rows)  # the kernels agree to rounding
+    return {(r[0], r[1]): (r[5], " ".join(r[7:])) for r in rows}
 
 
 def test_gemm_bench_rows_and_engine_choice(capsys):
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     big = int(model.PACK_MIN_ELEMENTS ** 0.5)  # a square weight at the packing threshold
-    shapes = f"64x32,32x64,{big}x{big}"
-    assert gemm_bench.main(["--shapes", shapes, "--rows", "1,3", "--reps", "2", "--warmup", "1", "--copies", "2"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert "2 copies of the weight" in lines[0] and lines[1].split()[-2:] == ["engine", "uses"]
-    rows = [l.split() for l in lines[2:]]
-    assert [(r[0], r[1]) for r in rows] == [(s, n) for s in shapes.split(",") for n in ("1", "3")]
-    assert all(float(r[5]) < 1e-4 for r in rows)  # the three agree to rounding
-    choice = {(r[0], r[1]): " ".join(r[6:]) for r in rows}
-    assert choice[("64x32", "1")] == choice[("64x32", "3")] == "MKL col"  # out >= in, under the threshold
-    assert choice[("32x64", "1")] == choice[("32x64", "3")] == "MKL"      # in > out stays row-major
-    assert choice[(f"{big}x{big}", "1")] == "MKL col" and choice[(f"{big}x{big}", "3")] == "oneDNN"
+    shapes = f"64x32,32x64,{big}x{big},40x32"
+    several = {k: v[1] for k, v in _table(capsys, shapes, 2).items()}  # more than one thread: MKL or oneDNN
+    assert several[("64x32", "1")] == several[("64x32", "3")] == "MKL col"  # out >= in, under the threshold
+    assert several[("32x64", "1")] == several[("32x64", "3")] == "MKL"      # in > out stays row-major
+    assert several[(f"{big}x{big}", "1")] == "MKL col" and several[(f"{big}x{big}", "3")] == "oneDNN"
+    one = _table(capsys, shapes, 1)
+    if kernels.cpu_gemm_unavailable() is not None:
+        assert all(ours == "n/a" for ours, _ in one.values())
+        return
+    for shape in ("64x32", "32x64", f"{big}x{big}"):  # one thread: the few-row kernel, where out % 16 == 0
+        for rows in ("1", "3"):
+            assert one[(shape, rows)][0] != "n/a" and one[(shape, rows)][1] == "panels"
+    assert one[("40x32", "3")][0] == "n/a" and one[("40x32", "3")][1] == "MKL col"
 
 
 def test_gemm_bench_bad_input_is_one_line(capsys):

@@ -19,6 +19,7 @@ from conftest import (
 )
 
 m = import_model()
+import kernels  # noqa: E402
 import text  # noqa: E402
 UserError = m.UserError
 
@@ -272,21 +273,33 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 6, 70])
 def test_dense_on_a_packed_weight_equals_linear(rows):
-    """dense: F.linear below two rows; oneDNN's GEMM on the packed weight from two rows on, equal to
-    F.linear to rounding, its bias added, any leading shape kept, a row's result (to rounding) not
-    depending on the rows beside it."""
+    """dense on pack_weight's copies equals F.linear to rounding, its bias added, any leading shape
+    kept: with one thread on the few-row kernel's panels (bit for bit kernels.panel_linear, a row's
+    result not depending on the rows beside it); with two, F.linear below two rows and oneDNN's GEMM
+    from two rows on; and with autograd, F.linear (the gradient is F.linear's)."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(40)
-    w, b = torch.randn(24, 16, generator=g), torch.randn(24, generator=g)
+    w, b = torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
     packed = m.pack_weight(w, min_elements=0)
+    assert packed.onednn is not None and (packed.panels is None) == (kernels.cpu_gemm_unavailable() is not None)
     x = torch.randn(2, rows, 16, generator=g)[:1]  # a view: [1, rows, 16]
-    for bias in (None, b):
-        got, want = m.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
-        assert got.shape == want.shape == (1, rows, 24)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-        if rows > 2:
-            assert torch.allclose(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for bias in (None, b):
+                got, want = m.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
+                assert got.shape == want.shape == (1, rows, 32)
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+                if threads == 1 and packed.panels is not None:
+                    assert torch.equal(got, kernels.panel_linear(x, packed.panels, bias))
+                    if rows > 2:
+                        assert torch.equal(m.dense(x[:, 1:2], w, bias, packed)[:, 0], got[:, 1])
+                elif rows > 2:
+                    assert torch.allclose(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
     x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
     m.dense(x, w, b, packed).square().sum().backward()
     want = torch.autograd.grad(torch.nn.functional.linear(x, w, b).square().sum(), x)[0]
@@ -294,31 +307,46 @@ def test_dense_on_a_packed_weight_equals_linear(rows):
 
 
 def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_target, monkeypatch):
-    """load_target packs every GEMM weight of PACK_MIN_ELEMENTS or more on CPU in float32 (packs_pay;
-    not in bfloat16), not into state_dict, and the packed model's logits equal the plain one's to
-    rounding — a prefill, a 6-token verify and a one-token step through the cache. (The tiny target's
-    weights are all under the default size: packed here with the threshold at 0, left alone without.)"""
+    """load_target packs on CPU in float32 (packs_pay; not in bfloat16): panels of every GEMM weight
+    for the few-row kernel (where it is available), oneDNN's layout of those of PACK_MIN_ELEMENTS or
+    more; the [v; k] rows' panels are views of the fused weight's; nothing enters state_dict; and
+    the packed model's logits equal the plain one's to rounding — a prefill, a 6-token verify and a
+    one-token step through the cache. (The tiny target's weights are all under the default size:
+    given oneDNN copies here with the threshold at 0, none without.)"""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     small = load(tiny_target.path, max_batch=2).layers[0]
-    assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None  # under the threshold
+    if kernels.cpu_gemm_unavailable() is None:
+        a = small.self_attn
+        assert a.vkq_packed.onednn is None and small.mlp.down_proj.packed.onednn is None  # under the threshold
+        assert a.vkq_packed.panels is not None and small.mlp.down_proj.packed.panels is not None
+        assert a.vk_packed.panels.data_ptr() == a.vkq_packed.panels.data_ptr()  # the leading panels, a view
+        assert a.vk_packed.panels.shape[0] * kernels.PANEL == 2 * a.n_kv * a.head_dim
+    else:
+        assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None
     assert small.mlp.gate_up_weight is None  # small halves stay apart on CPU (fused where they are packed)
     monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", 0)
     packed, plain = load(tiny_target.path, max_batch=2), load(tiny_target.path, max_batch=2, fuse=False)
     assert m.packs_pay(packed) and not m.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
     layer = packed.layers[0]
-    assert layer.self_attn.vkq_packed is not None and layer.self_attn.vk_packed is not None
-    assert layer.self_attn.o_proj.packed is not None and layer.mlp.down_proj.packed is not None
+    assert layer.self_attn.vkq_packed.onednn is not None and layer.self_attn.vk_packed.onednn is not None
+    assert layer.self_attn.o_proj.packed.onednn is not None and layer.mlp.down_proj.packed.onednn is not None
     assert layer.mlp.gate_up_packed is not None and not layer.mlp.gate_up_weight.is_contiguous()  # fused, column-major
     for part, whole in ((layer.self_attn.q_proj, layer.self_attn.vkq_weight), (layer.mlp.up_proj, layer.mlp.gate_up_weight)):
         assert part.weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # still views of it
     assert packed.lm_head.packed is not None and list(packed.state_dict()) == list(plain.state_dict())
     tokens = random_tokens(2, 12, seed=41)
-    with torch.no_grad():
-        for start, length in ((0, 5), (5, 6), (11, 1)):
-            pos = arange_positions(2, start, length)
-            a, b = packed(tokens[:, start:start + length], pos)[0], plain(tokens[:, start:start + length], pos)[0]
-            assert max_err(a, b) <= 1e-4
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # the panels; oneDNN and MKL
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                for start, length in ((0, 5), (5, 6), (11, 1)):
+                    pos = arange_positions(2, start, length)
+                    a, b = packed(tokens[:, start:start + length], pos)[0], plain(tokens[:, start:start + length], pos)[0]
+                    assert max_err(a, b) <= 1e-4
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fused_model_refuses_to_train(tiny_target):
@@ -860,3 +888,23 @@ def test_column_major_weights_keep_values_ties_and_results():
     assert torch.equal(emb(torch.tensor([3, 5])), before["0.weight"][[3, 5]])
     assert not m.column_major_pays(torch.randn(48, 16, dtype=torch.bfloat16)) and not m.column_major_pays(wide.weight)
     assert not m.column_major_pays(torch.randn(96, 16)[:48])  # rows of a larger (fused) weight: left a view
+
+
+def test_gemm_note_says_which_gemms_an_eager_cpu_run_uses(tiny_target, monkeypatch):
+    """gemm_note: the few-row kernel with one thread, MKL/oneDNN with more or where the kernel is
+    unavailable (with the reason), nothing compiled or outside CPU float32."""
+    model = load(tiny_target.path)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        if kernels.cpu_gemm_unavailable() is None:
+            assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_gemm.cpp)"
+        torch.set_num_threads(2)
+        if kernels.cpu_gemm_unavailable() is None:
+            assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
+        torch.set_num_threads(1)
+        monkeypatch.setattr(kernels, "_cpu_gemm_why", "no C++ compiler 'g++' on PATH (set CXX)")
+        assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
+    finally:
+        torch.set_num_threads(before)
+    assert m.gemm_note(model, compiled=True) is None and m.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None
