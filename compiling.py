@@ -84,7 +84,10 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
 
     On CPU the default also freezes the weights into the graph (Inductor's `freezing`): they become
     constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
-    beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md). The
+    beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md) — with
+    more than one thread: with one, the model's GEMMs stay with the project's few-row kernel, called
+    as one opaque op each (`model.dense`, dspark::panel_linear), faster still, and Inductor fuses
+    what lies between them. The
     weights must not change in place afterwards (a new model recompiles; an edited one would not be
     seen), and the packed copies cost a second copy of the weights' memory. The graph's wrapper is
     generated as C++ rather than Python (`cpp_wrapper`): a round calls a few hundred kernels, and

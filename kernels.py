@@ -822,3 +822,21 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Ten
     if x.numel():
         _cpu_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.numel() // K, K, N)
     return y.add_(bias) if bias is not None else y
+
+
+def _register_panel_linear_op():
+    """panel_linear as the custom op dspark::panel_linear, for compiled graphs: torch.compile calls it
+    as one opaque kernel (eager code calls panel_linear directly, without the dispatcher's cost).
+    Registered when this module is imported (before anything traces), once per process."""
+    if not hasattr(torch.ops.dspark, "panel_linear"):
+        @torch.library.custom_op("dspark::panel_linear", mutates_args=())
+        def op(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            return panel_linear(x, panels, bias)
+
+        @op.register_fake
+        def _(x, panels, bias):
+            return x.new_empty(*x.shape[:-1], panels.shape[0] * panels.shape[2])
+    return torch.ops.dspark.panel_linear
+
+
+panel_linear_op = _register_panel_linear_op()

@@ -188,7 +188,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
 
     - with one thread, any number of rows: kernels.py's few-row kernel on the panels
-      (`kernels.panel_linear`; cpu_gemm.cpp). On this project's machine it ran a verify's six rows
+      (`kernels.panel_linear`; cpu_gemm.cpp; compiled, as the opaque op `kernels.panel_linear_op`). On this project's machine it ran a verify's six rows
       1.8-2.3x faster than the best of MKL and packed oneDNN, prefill's 64 rows 1.05-1.25x, one row
       0.94-1.6x; each row's result is the same however many rows share the product (BENCHMARKS.md,
       "CPU, a few-row GEMM kernel");
@@ -200,12 +200,19 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     fast kernels have no backward: a drafter in training reads the lm_head)."""
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if packed.panels is not None and torch.get_num_threads() == 1:
+    if packed.panels is not None and _one_thread():
+        if torch.compiler.is_compiling():  # one opaque kernel of the graph (settled at trace time)
+            return kernels.panel_linear_op(x, packed.panels, bias)
         return kernels.panel_linear(x, packed.panels, bias)
     if packed.onednn is None or x.numel() <= x.shape[-1]:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
                                               "none", [], "")
+
+
+@torch.compiler.assume_constant_result  # a compiled graph settles it when it is traced
+def _one_thread() -> bool:
+    return torch.get_num_threads() == 1
 
 
 def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
@@ -317,9 +324,13 @@ class Dense(nn.Linear):
 
 
 def packed_of(module: nn.Module, name: str) -> Optional[Packed]:
-    """module.<name>, a weight's packed copies or None — None while torch.compile traces: Inductor packs its own
-    (compiling.compiled), and the condition is settled at trace time, so a graph never reads one."""
-    return None if torch.compiler.is_compiling() else getattr(module, name)
+    """module.<name>, a weight's packed copies or None. While torch.compile traces, only the panels:
+    Inductor packs its own oneDNN weights (compiling.compiled), so a graph never reads those, and it
+    calls the few-row kernel as one opaque op (`dense`)."""
+    packed = getattr(module, name)
+    if packed is None or not torch.compiler.is_compiling():
+        return packed
+    return Packed(packed.panels, None) if packed.panels is not None else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

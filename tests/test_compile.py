@@ -245,3 +245,46 @@ def test_skipped_guards_still_tell_warmed_graphs_apart():
         f(*args)
     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
         assert torch.equal(f(x), x * 2) and torch.equal(f(x, y), x + y) and torch.equal(f(x, None, 3), x * 3)
+
+
+def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
+    """With one thread, a compiled `model.dense` on packed copies runs the few-row kernel as the
+    opaque op dspark::panel_linear — the eager result, bit for bit (the same kernel) — and Inductor
+    never sees oneDNN's copy; with two threads the graph has no such op (Inductor's own GEMM)."""
+    import kernels
+    import model
+
+    if kernels.cpu_gemm_unavailable() is not None:
+        pytest.skip(f"the CPU GEMM kernel is unavailable: {kernels.cpu_gemm_unavailable()}")
+    g = torch.Generator().manual_seed(60)
+    layer = model.Dense(32, 48).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 32, generator=g))
+    layer.packed = model.pack_weight(layer.weight, min_elements=0)  # both copies
+    assert layer.packed.onednn is not None and layer.packed.panels is not None
+    x = torch.randn(1, 6, 32, generator=g)
+    ops = []
+
+    def count(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def f(x):
+        return torch.relu(layer(x))
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
+            torch._dynamo.reset()
+            torch.compile(f, backend=count, fullgraph=True)(x)
+            assert any("panel_linear" in op for op in ops) and not any("mkldnn" in op for op in ops)
+            torch._dynamo.reset()
+            ops.clear()
+            torch.set_num_threads(2)
+            got = torch.compile(f, backend=count, fullgraph=True)(x)
+            assert not any("panel_linear" in op or "mkldnn" in op for op in ops) and torch.allclose(got, f(x), atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+        torch._dynamo.reset()
