@@ -693,14 +693,15 @@ def kernel_set(name: str, device) -> KernelSet:
 # CPU: a GEMM for a round's few rows (cpu_gemm.cpp), with F.linear as its reference
 #
 # On CPU in float32, one thread, a verify multiplies K+1 rows by each weight, a drafter's block K,
-# an autoregressive step one. MKL and oneDNN tune for many rows; at these few they ran at a third
-# to a half of the core's peak on this project's machine. cpu_gemm.cpp streams each weight once
-# per six rows from a panel layout (`panel_weight`) with the rows' outputs in registers: at six
-# rows 1.8-2.3x faster than the best of MKL and packed oneDNN, and 0.94-1.6x at one row
-# (scripts/gemm_bench.py, BENCHMARKS.md "CPU, a few-row GEMM kernel"). It is built on first use
-# with the system's C++ compiler (CXX, default g++) into a cache folder and loaded with ctypes;
-# where it cannot be (not x86-64 Linux with AVX2 and FMA, no compiler, DSPARK_CPU_GEMM=0),
-# `cpu_gemm_unavailable` says why and the model keeps F.linear / oneDNN (model.dense).
+# an autoregressive step one. MKL and oneDNN tune for many rows; at these few they ran well below the
+# core's peak on this project's machine. cpu_gemm.cpp streams each weight once per six rows from a
+# panel layout (`panel_weight`) with the rows' outputs in registers: at six rows 1.1-1.8x faster than
+# the best of MKL and packed oneDNN, at 64 rows 1.0-1.2x, at one row 0.97-1.39x on weights of 2^18
+# elements or more (`python scripts/gemm_bench.py`; BENCHMARKS.md "CPU, a few-row GEMM kernel";
+# model.dense says which products take it). It is built on first use with the system's C++ compiler
+# (CXX, default g++) into a cache folder and loaded with ctypes; where it cannot be (not x86-64
+# Linux with AVX2 and FMA, no compiler, DSPARK_CPU_GEMM=0), `cpu_gemm_unavailable` says why and the
+# model keeps F.linear / oneDNN (model.dense).
 
 import ctypes
 import hashlib

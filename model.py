@@ -187,11 +187,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
     `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
 
-    - with one thread, any number of rows: kernels.py's few-row kernel on the panels
-      (`kernels.panel_linear`; cpu_gemm.cpp; compiled, as the opaque op `kernels.panel_linear_op`). On this project's machine it ran a verify's six rows
-      1.8-2.3x faster than the best of MKL and packed oneDNN, prefill's 64 rows 1.05-1.25x, one row
-      0.94-1.6x; each row's result is the same however many rows share the product (BENCHMARKS.md,
-      "CPU, a few-row GEMM kernel");
+    - with one thread: kernels.py's few-row kernel on the panels (`kernels.panel_linear`, cpu_gemm.cpp;
+      compiled, as the opaque op `kernels.panel_linear_op`), from two rows on, and for one row on
+      weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.1-1.8x faster
+      than the best of MKL and packed oneDNN (1.4-1.8x on the larger weights), 64 rows 1.0-1.2x, and
+      one row 0.97-1.39x on the larger weights, where the smaller ones lost to MKL (BENCHMARKS.md, "CPU,
+      a few-row GEMM kernel"); each row's result is the same however many rows share the product;
     - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
       fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
     - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
@@ -200,7 +201,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     fast kernels have no backward: a drafter in training reads the lm_head)."""
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if packed.panels is not None and _one_thread():
+    if packed.panels is not None and _one_thread() and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
         if torch.compiler.is_compiling():  # one opaque kernel of the graph (settled at trace time)
             return kernels.panel_linear_op(x, packed.panels, bias)
         return kernels.panel_linear(x, packed.panels, bias)

@@ -7,8 +7,9 @@ chooses from.
     python scripts/gemm_bench.py --threads 1 --shapes 3072x512,512x1536 --rows 1,6,64
 
 Why it exists: the eager engine lays out and packs float32 weights by what measured fastest on this
-project's CPU — with one thread every product on the few-row kernel's panels (where the weight's out
-is a multiple of 16 and the kernel could be built); with more threads one row (an autoregressive
+project's CPU — with one thread on the few-row kernel's panels (where the weight's out is a multiple
+of 16 and the kernel could be built; one row only on weights of `model.PACK_MIN_ELEMENTS` elements or
+more, smaller ones on MKL as below); with more threads one row (an autoregressive
 step, a Markov step) on MKL, column-major where out >= in, and more rows (a verification's K+1
 tokens, the drafter's block) on oneDNN's packed weight where the weight has
 `model.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of the CPU
@@ -76,7 +77,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def engine_choice(w: torch.Tensor, rows: int, threads: int) -> str:
     """Which of the four the eager engine runs for this weight, row count and thread count (`model.dense`, `fuse_`)."""
-    if threads == 1 and w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.cpu_gemm_unavailable() is None:
+    if (threads == 1 and w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.cpu_gemm_unavailable() is None
+            and (rows > 1 or w.numel() >= PACK_MIN_ELEMENTS)):
         return "panels"
     if rows > 1 and w.numel() >= PACK_MIN_ELEMENTS:  # packed by fuse_ (pack_weight), used from 2 rows
         return "oneDNN"

@@ -47,7 +47,10 @@ def test_gemm_bench_rows_and_engine_choice(capsys):
         return
     for shape in ("64x32", "32x64", f"{big}x{big}"):  # one thread: the few-row kernel, where out % 16 == 0
         for rows in ("1", "3"):
-            assert one[(shape, rows)][0] != "n/a" and one[(shape, rows)][1] == "panels"
+            assert one[(shape, rows)][0] != "n/a"
+        assert one[(shape, "3")][1] == "panels"
+    assert one[(f"{big}x{big}", "1")][1] == "panels"  # one row: on the kernel from the packing threshold on
+    assert one[("64x32", "1")][1] == "MKL col" and one[("32x64", "1")][1] == "MKL"
     assert one[("40x32", "3")][0] == "n/a" and one[("40x32", "3")][1] == "MKL col"
 
 

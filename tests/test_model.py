@@ -272,11 +272,12 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 6, 70])
-def test_dense_on_a_packed_weight_equals_linear(rows):
+def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
     """dense on pack_weight's copies equals F.linear to rounding, its bias added, any leading shape
-    kept: with one thread on the few-row kernel's panels (bit for bit kernels.panel_linear, a row's
-    result not depending on the rows beside it); with two, F.linear below two rows and oneDNN's GEMM
-    from two rows on; and with autograd, F.linear (the gradient is F.linear's)."""
+    kept: with one thread on the few-row kernel's panels from two rows on (bit for bit
+    kernels.panel_linear, a row's result not depending on the rows beside it; one row of a weight
+    under PACK_MIN_ELEMENTS stays with MKL); with two, F.linear below two rows and oneDNN's GEMM from
+    two rows on; and with autograd, F.linear (the gradient is F.linear's)."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(40)
@@ -292,12 +293,15 @@ def test_dense_on_a_packed_weight_equals_linear(rows):
                 got, want = m.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
                 assert got.shape == want.shape == (1, rows, 32)
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-                if threads == 1 and packed.panels is not None:
+                if threads == 1 and packed.panels is not None and rows > 1:  # one row of a small weight: MKL
                     assert torch.equal(got, kernels.panel_linear(x, packed.panels, bias))
-                    if rows > 2:
-                        assert torch.equal(m.dense(x[:, 1:2], w, bias, packed)[:, 0], got[:, 1])
+                    assert torch.equal(kernels.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
                 elif rows > 2:
                     assert torch.allclose(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
+        if packed.panels is not None and rows:  # one row of a weight at the threshold or over: the kernel
+            torch.set_num_threads(1)
+            monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", w.numel())
+            assert torch.equal(m.dense(x[:, :1], w, b, packed), kernels.panel_linear(x[:, :1], packed.panels, b))
     finally:
         torch.set_num_threads(before)
     x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
