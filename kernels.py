@@ -841,3 +841,26 @@ def _register_panel_linear_op():
 
 
 panel_linear_op = _register_panel_linear_op()
+
+
+_graph_one_thread = None  # prepare_graphs(): torch.get_num_threads() == 1, as a constant for dynamo
+
+
+def prepare_graphs():
+    """Let graphs traced from now on call the few-row kernel (`panels_in_graph`). Not done at import:
+    it imports torch's compiler stack (about 1.5 s, and it sets TORCHINDUCTOR_CACHE_DIR, which
+    compiling.use_compile_cache must see unset to choose its own folder)."""
+    global _graph_one_thread
+    if _graph_one_thread is None:
+        _graph_one_thread = torch.compiler.assume_constant_result(_one_thread)
+
+
+def _one_thread() -> bool:
+    return torch.get_num_threads() == 1
+
+
+def panels_in_graph() -> bool:
+    """While torch.compile traces: whether the graph calls the few-row kernel — torch ran one thread
+    when it was traced, after `prepare_graphs` (a graph keeps what it was traced with; before
+    prepare_graphs, or with more threads, Inductor's own GEMMs)."""
+    return _graph_one_thread is not None and _graph_one_thread()

@@ -188,7 +188,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
 
     - with one thread: kernels.py's few-row kernel on the panels (`kernels.panel_linear`, cpu_gemm.cpp;
-      compiled, as the opaque op `kernels.panel_linear_op`), from two rows on, and for one row on
+      compiled, as the opaque op `kernels.panel_linear_op`, in graphs traced after
+      `kernels.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
       weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.1-1.8x faster
       than the best of MKL and packed oneDNN (1.4-1.8x on the larger weights), 64 rows 1.0-1.2x, and
       one row 0.97-1.39x on the larger weights, where the smaller ones lost to MKL (BENCHMARKS.md, "CPU,
@@ -201,19 +202,16 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     fast kernels have no backward: a drafter in training reads the lm_head)."""
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if packed.panels is not None and _one_thread() and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
-        if torch.compiler.is_compiling():  # one opaque kernel of the graph (settled at trace time)
-            return kernels.panel_linear_op(x, packed.panels, bias)
-        return kernels.panel_linear(x, packed.panels, bias)
+    if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
+        if torch.compiler.is_compiling():
+            if kernels.panels_in_graph():  # one opaque kernel of the graph (settled when it is traced)
+                return kernels.panel_linear_op(x, packed.panels, bias)
+        elif torch.get_num_threads() == 1:
+            return kernels.panel_linear(x, packed.panels, bias)
     if packed.onednn is None or x.numel() <= x.shape[-1]:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
                                               "none", [], "")
-
-
-@torch.compiler.assume_constant_result  # a compiled graph settles it when it is traced
-def _one_thread() -> bool:
-    return torch.get_num_threads() == 1
 
 
 def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:

@@ -276,6 +276,12 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     try:
         torch.set_num_threads(1)
         with torch.no_grad():
+            if kernels._graph_one_thread is None:  # not prepared: Inductor's own GEMM
+                torch.compile(f, backend=count, fullgraph=True)(x)
+                assert ops and not any("panel_linear" in op for op in ops)
+                torch._dynamo.reset()
+                ops.clear()
+            kernels.prepare_graphs()  # as compiling.compiled does
             assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
             torch._dynamo.reset()
             torch.compile(f, backend=count, fullgraph=True)(x)
@@ -288,3 +294,20 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     finally:
         torch.set_num_threads(before)
         torch._dynamo.reset()
+
+
+def test_importing_the_programs_leaves_the_compiler_alone():
+    """Importing the engine and the programs neither imports torch's compiler stack (about 1.5 s of
+    every start) nor sets TORCHINDUCTOR_CACHE_DIR, which compiling.use_compile_cache reads as the
+    user's choice (the few-row kernel's graph hook is prepared by compiling.compiled, not at import)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    code = ("import os, sys; import speculate, bench, eval, train, model, kernels; "
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'; "
+            "assert 'TORCHINDUCTOR_CACHE_DIR' not in os.environ, os.environ['TORCHINDUCTOR_CACHE_DIR']")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
