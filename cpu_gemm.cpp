@@ -20,6 +20,9 @@ static void rows_x_panels(const float *x, long ldx, const float *p, long K, floa
     __m256 acc[M * NP * 2];
 #pragma GCC unroll 16
     for (int i = 0; i < M * NP * 2; i++) acc[i] = _mm256_setzero_ps();
+    // Four k steps per loop turn: 6-12% faster at three to twelve rows (less loop overhead between
+    // the FMAs), level at one, 3-8% slower at two; eight were no better than four.
+#pragma GCC unroll 4
     for (long k = 0; k < K; k++) {
 #pragma GCC unroll 16
         for (int q = 0; q < NP; q++) {

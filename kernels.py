@@ -695,10 +695,10 @@ def kernel_set(name: str, device) -> KernelSet:
 # On CPU in float32, one thread, a verify multiplies K+1 rows by each weight, a drafter's block K,
 # an autoregressive step one. MKL and oneDNN tune for many rows; at these few they ran well below the
 # core's peak on this project's machine. cpu_gemm.cpp streams each weight once per six rows from a
-# panel layout (`panel_weight`) with the rows' outputs in registers: at six rows 1.1-1.8x faster than
-# the best of MKL and packed oneDNN, at 64 rows 1.0-1.2x, at one row 0.97-1.39x on weights of 2^18
-# elements or more (`python scripts/gemm_bench.py`; BENCHMARKS.md "CPU, a few-row GEMM kernel";
-# model.dense says which products take it). It is built on first use with the system's C++ compiler
+# panel layout (`panel_weight`) with the rows' outputs in registers: at six rows 1.61-1.75x faster than
+# the best of MKL and packed oneDNN on weights of 2^18 elements or more, at 64 rows 1.13-1.23x, at one
+# row 1.02-1.42x (on smaller weights 0.95-1.55x, 1.01-1.12x, 0.57-1.2x; `python scripts/gemm_bench.py`,
+# BENCHMARKS.md "CPU, a few-row GEMM kernel"; model.dense says which products take it). It is built on first use with the system's C++ compiler
 # (CXX, default g++) into a cache folder and loaded with ctypes; where it cannot be (not x86-64
 # Linux with AVX2 and FMA, no compiler, DSPARK_CPU_GEMM=0), `cpu_gemm_unavailable` says why and the
 # model keeps F.linear / oneDNN (model.dense).

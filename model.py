@@ -190,9 +190,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     - with one thread: kernels.py's few-row kernel on the panels (`kernels.panel_linear`, cpu_gemm.cpp;
       compiled, as the opaque op `kernels.panel_linear_op`, in graphs traced after
       `kernels.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
-      weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.1-1.8x faster
-      than the best of MKL and packed oneDNN (1.4-1.8x on the larger weights), 64 rows 1.0-1.2x, and
-      one row 0.97-1.39x on the larger weights, where the smaller ones lost to MKL (BENCHMARKS.md, "CPU,
+      weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
+      than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
+      rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to MKL (BENCHMARKS.md, "CPU,
       a few-row GEMM kernel"); each row's result is the same however many rows share the product;
     - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
       fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
