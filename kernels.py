@@ -813,13 +813,17 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Ten
     (one thread; the caller holds no autograd: it has no backward). Agrees with F.linear(x, W, bias)
     to rounding; each row's result is the same whatever rows share the call (the sum over k runs in
     one order)."""
+    if (panels.dim() != 3 or panels.shape[2] != PANEL or panels.dtype != torch.float32
+            or panels.device.type != "cpu" or not panels.is_contiguous()):
+        raise ValueError(f"panel_linear: panels {tuple(panels.shape)} {panels.dtype} on {panels.device} are not "
+                         "a contiguous float32 CPU tensor [N/16, K, 16] (panel_weight's)")
     n_panels, K, _ = panels.shape
     N = n_panels * PANEL
     if x.shape[-1] != K or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"panel_linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not fit a "
                          f"float32 CPU weight of {N}x{K}")
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device="cpu")
     if x.numel():
         _cpu_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), x.numel() // K, K, N)
     return y.add_(bias) if bias is not None else y

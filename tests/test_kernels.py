@@ -523,7 +523,8 @@ def test_panel_linear_equals_linear_at_every_row_count(shape):
 @needs_cpu_gemm
 def test_panel_weight_applies_to_float32_cpu_weights_with_whole_panels_only():
     """panel_weight: None where the kernel does not apply (out not a multiple of 16, another dtype, a
-    1-D tensor); panel_linear refuses an x that does not fit, by shape and dtype."""
+    1-D tensor); panel_linear refuses an x that does not fit, by shape and dtype, and panels that are
+    not panel_weight's layout (the C kernel would read past them)."""
     assert kernels.panel_weight(torch.randn(40, 8)) is None
     assert kernels.panel_weight(torch.randn(32, 8, dtype=torch.bfloat16)) is None
     assert kernels.panel_weight(torch.randn(32)) is None
@@ -532,6 +533,9 @@ def test_panel_weight_applies_to_float32_cpu_weights_with_whole_panels_only():
         kernels.panel_linear(torch.randn(2, 9), panels)
     with pytest.raises(ValueError, match="does not fit"):
         kernels.panel_linear(torch.randn(2, 8, dtype=torch.float64), panels)
+    for bad in (panels.transpose(1, 2), panels.double(), panels[:, :, :8].contiguous(), panels[0]):
+        with pytest.raises(ValueError, match="panel_weight's"):
+            kernels.panel_linear(torch.randn(2, 8), bad)
 
 
 def test_cpu_gemm_build_says_why_it_is_unavailable(tmp_path, monkeypatch):
