@@ -433,11 +433,12 @@ def run(args: BenchArgs) -> list[dict]:
     n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
     bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
     hw = device_name(dev)
+    gemms = gemm_note(target, args.compile)
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}"
           + (" (guards skipped after warm-up)" if args.compile and args.skip_guards else "")
           + (f" (cache {cache_dir})" if cache_dir else "")
-          + (f"; {gemm_note(target, args.compile)}" if gemm_note(target, args.compile) else "")
+          + (f"; {gemms}" if gemms else "")
           + f"; built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)

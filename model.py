@@ -192,8 +192,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
       `kernels.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
       weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
       than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
-      rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to MKL (BENCHMARKS.md, "CPU,
-      a few-row GEMM kernel"); each row's result is the same however many rows share the product;
+      rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to
+      MKL (BENCHMARKS.md, "CPU, a few-row GEMM kernel"); each row's result is the same however many
+      rows share the product;
     - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
       fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
     - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
@@ -251,17 +252,20 @@ PACK_MIN_ELEMENTS = 1 << 18
 
 
 def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
-    """Which GEMMs an eager CPU float32 run of `model` uses, in words (printed at start; None elsewhere,
-    or compiled: Inductor's own)."""
+    """Which GEMMs a CPU float32 run of `model` (`compiled` or eager) uses, in words (printed at start;
+    None off CPU float32)."""
     w = next(model.parameters())
-    if compiled or w.device.type != "cpu" or w.dtype != torch.float32:
+    if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
+    others = "Inductor's" if compiled else "MKL/oneDNN"
+    if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
+        return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
     why = kernels.cpu_gemm_unavailable()
     if why is not None:
-        return f"GEMMs: MKL/oneDNN (the few-row kernel is unavailable: {why})"
+        return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
     if torch.get_num_threads() != 1:
-        return "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
-    return "GEMMs: the few-row kernel (cpu_gemm.cpp)"
+        return f"GEMMs: {others} (the few-row kernel runs with one thread)"
+    return "GEMMs: the few-row kernel (cpu_gemm.cpp)" + (", one op each in the compiled graphs" if compiled else "")
 
 
 def packs_pay(model: nn.Module) -> bool:

@@ -894,21 +894,26 @@ def test_column_major_weights_keep_values_ties_and_results():
     assert not m.column_major_pays(torch.randn(96, 16)[:48])  # rows of a larger (fused) weight: left a view
 
 
-def test_gemm_note_says_which_gemms_an_eager_cpu_run_uses(tiny_target, monkeypatch):
-    """gemm_note: the few-row kernel with one thread, MKL/oneDNN with more or where the kernel is
-    unavailable (with the reason), nothing compiled or outside CPU float32."""
+def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
+    """gemm_note: the few-row kernel with one thread (in compiled graphs too), MKL/oneDNN or Inductor's
+    with more, where the kernel is unavailable (with the reason) or nothing is packed; nothing outside
+    CPU float32."""
     model = load(tiny_target.path)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         if kernels.cpu_gemm_unavailable() is None:
             assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_gemm.cpp)"
+            assert m.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_gemm.cpp), one op each in "
+                                                         "the compiled graphs")
         torch.set_num_threads(2)
         if kernels.cpu_gemm_unavailable() is None:
             assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
+            assert m.gemm_note(model, compiled=True) == "GEMMs: Inductor's (the few-row kernel runs with one thread)"
         torch.set_num_threads(1)
         monkeypatch.setattr(kernels, "_cpu_gemm_why", "no C++ compiler 'g++' on PATH (set CXX)")
         assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
     finally:
         torch.set_num_threads(before)
-    assert m.gemm_note(model, compiled=True) is None and m.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None
+    assert m.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
+    assert m.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None
