@@ -258,11 +258,11 @@ def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
     others = "Inductor's" if compiled else "MKL/oneDNN"
-    if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
-        return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
     why = kernels.cpu_gemm_unavailable()
     if why is not None:
         return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
+    if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
+        return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
     if torch.get_num_threads() != 1:
         return f"GEMMs: {others} (the few-row kernel runs with one thread)"
     return "GEMMs: the few-row kernel (cpu_gemm.cpp)" + (", one op each in the compiled graphs" if compiled else "")

@@ -915,5 +915,6 @@ def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
         assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
     finally:
         torch.set_num_threads(before)
-    assert m.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
+    if kernels.cpu_gemm_unavailable() is None:
+        assert m.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
     assert m.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None
