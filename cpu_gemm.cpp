@@ -1,9 +1,9 @@
 // y = x @ Wᵀ on one CPU core (AVX2 + FMA, float32), for the products of a speculative round: a
 // handful of rows (a verify's K+1 tokens, a drafter's block, one autoregressive token) against a
-// large weight. kernels.py builds this file with the system's C++ compiler and calls it through
-// ctypes (`kernels.panel_linear`); `F.linear` is the reference it is tested against.
+// large weight. cpu_gemm.py builds this file with the system's C++ compiler and calls it through
+// ctypes (`cpu_gemm.panel_linear`); `F.linear` is the reference it is tested against.
 //
-// The weight is stored once in panels of 16 output columns, P[N/16][K][16] (`kernels.panel_weight`):
+// The weight is stored once in panels of 16 output columns, P[N/16][K][16] (`cpu_gemm.panel_weight`):
 // each panel is one contiguous stream of K*64 bytes, read once per group of up to six rows of x,
 // while those rows' 6 x 16 outputs stay in twelve AVX registers. Every output is one chain of fused
 // multiply-adds over k = 0..K-1 in order, whatever the number of rows and however they are grouped,
@@ -20,15 +20,15 @@ static void rows_x_panels(const float *x, long ldx, const float *p, long K, floa
     __m256 acc[M * NP * 2];
 #pragma GCC unroll 16
     for (int i = 0; i < M * NP * 2; i++) acc[i] = _mm256_setzero_ps();
-    // Four k steps per loop turn: 6-12% faster at three to twelve rows (less loop overhead between
-    // the FMAs), level at one, 3-8% slower at two; eight were no better than four.
+    // Four k steps per loop turn: 4-15% faster at three to twelve rows (less loop overhead between
+    // the FMAs), level at one, 3-9% slower at two; eight were no better than four.
 #pragma GCC unroll 4
     for (long k = 0; k < K; k++) {
 #pragma GCC unroll 16
         for (int q = 0; q < NP; q++) {
             const float *w = p + (size_t)q * K * PANEL + k * PANEL;
             // A hint (never faults, even past the end), for groups of rows: alone, a row streams fast
-            // enough for the hardware prefetcher, and with it one row measured 5-12% slower.
+            // enough for the hardware prefetcher, and with it one row measured 5-13% slower.
             if (M > 1) __builtin_prefetch(w + PANEL * PREFETCH);
             __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
 #pragma GCC unroll 16

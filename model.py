@@ -25,7 +25,7 @@ What is notable here:
   [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
   the checkpoint's.
 - On CPU in float32 the GEMMs run on copies of each weight made once by `fuse_` (`dense`, `Dense`,
-  `pack_weight`): with one thread on kernels.py's few-row kernel (cpu_gemm.cpp), else from two rows
+  `pack_weight`): with one thread on cpu_gemm.py's few-row kernel (cpu_gemm.cpp), else from two rows
   on oneDNN's packed layout — MKL multiplies a handful of rows (verification, the drafter's block)
   at a fraction of a core's peak. `F.linear` is the reference.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
+import cpu_gemm
 from common import UserError, read_json
 
 
@@ -177,7 +177,7 @@ def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
 
 class Packed(NamedTuple):
     """A weight's inference copies for `dense` (`pack_weight`; either may be None): `panels`, the
-    layout of kernels.py's CPU kernel (`kernels.panel_weight`), and `onednn`, oneDNN's blocked layout."""
+    layout of the few-row CPU kernel (`cpu_gemm.panel_weight`), and `onednn`, oneDNN's blocked layout."""
     panels: Optional[torch.Tensor]
     onednn: Optional[torch.Tensor]
 
@@ -187,9 +187,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
     `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
 
-    - with one thread: kernels.py's few-row kernel on the panels (`kernels.panel_linear`, cpu_gemm.cpp;
-      compiled, as the opaque op `kernels.panel_linear_op`, in graphs traced after
-      `kernels.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
+    - with one thread: cpu_gemm.py's few-row kernel on the panels (`cpu_gemm.panel_linear`, cpu_gemm.cpp;
+      compiled, as the opaque op `cpu_gemm.panel_linear_op`, in graphs traced after
+      `cpu_gemm.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
       weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
       than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
       rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to
@@ -205,10 +205,10 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
         return F.linear(x, weight, bias)
     if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
         if torch.compiler.is_compiling():
-            if kernels.panels_in_graph():  # one opaque kernel of the graph (settled when it is traced)
-                return kernels.panel_linear_op(x, packed.panels, bias)
+            if cpu_gemm.panels_in_graph():  # one opaque kernel of the graph (settled when it is traced)
+                return cpu_gemm.panel_linear_op(x, packed.panels, bias)
         elif torch.get_num_threads() == 1:
-            return kernels.panel_linear(x, packed.panels, bias)
+            return cpu_gemm.panel_linear(x, packed.panels, bias)
     if packed.onednn is None or x.numel() <= x.shape[-1]:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
@@ -217,10 +217,10 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
 
 def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
     """`weight` [out, in]'s copies for `dense` (each the weight's memory again), or None when it gets
-    neither: the panels of kernels.py's CPU kernel where that applies (`kernels.panel_weight`), and
+    neither: the panels of the few-row CPU kernel where that applies (`cpu_gemm.panel_weight`), and
     oneDNN's blocked layout when the weight has `min_elements` elements or more (default
     PACK_MIN_ELEMENTS; 0 packs any weight) and oneDNN is built in."""
-    panels = kernels.panel_weight(weight)
+    panels = cpu_gemm.panel_weight(weight)
     onednn = None
     if (weight.numel() >= (PACK_MIN_ELEMENTS if min_elements is None else min_elements)
             and torch.backends.mkldnn.is_available()):
@@ -234,11 +234,11 @@ def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_rows(packed: Optional[Packed], weight: torch.Tensor, rows: int) -> Optional[Packed]:
     """The copies for `dense` of weight[:rows] (a fused weight's leading rows): its panels a view of
-    the whole's leading panels where `rows` is a whole number of panels, oneDNN's packed anew."""
+    the whole's leading panels (where `rows` is a whole number of panels), oneDNN's packed anew."""
     if packed is None:
         return None
-    panels = packed.panels[:rows // kernels.PANEL] if packed.panels is not None and rows % kernels.PANEL == 0 \
-        else kernels.panel_weight(weight[:rows])
+    panels = packed.panels[:rows // cpu_gemm.PANEL] if packed.panels is not None and rows % cpu_gemm.PANEL == 0 \
+        else None  # (panel_weight gives none either: no kernel, or not a whole number of panels)
     onednn = _onednn_layout(weight[:rows]) if packed.onednn is not None else None
     return None if panels is None and onednn is None else Packed(panels, onednn)
 
@@ -258,7 +258,7 @@ def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
     others = "Inductor's" if compiled else "MKL/oneDNN"
-    why = kernels.cpu_gemm_unavailable()
+    why = cpu_gemm.cpu_gemm_unavailable()
     if why is not None:
         return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
     if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):

@@ -251,11 +251,11 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     """With one thread, a compiled `model.dense` on packed copies runs the few-row kernel as the
     opaque op dspark::panel_linear — the eager result, bit for bit (the same kernel) — and Inductor
     never sees oneDNN's copy; with two threads the graph has no such op (Inductor's own GEMM)."""
-    import kernels
+    import cpu_gemm
     import model
 
-    if kernels.cpu_gemm_unavailable() is not None:
-        pytest.skip(f"the CPU GEMM kernel is unavailable: {kernels.cpu_gemm_unavailable()}")
+    if cpu_gemm.cpu_gemm_unavailable() is not None:
+        pytest.skip(f"the CPU GEMM kernel is unavailable: {cpu_gemm.cpu_gemm_unavailable()}")
     g = torch.Generator().manual_seed(60)
     layer = model.Dense(32, 48).requires_grad_(False)
     with torch.no_grad():
@@ -276,12 +276,12 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     try:
         torch.set_num_threads(1)
         with torch.no_grad():
-            if kernels._graph_one_thread is None:  # not prepared: Inductor's own GEMM
+            if cpu_gemm._graph_one_thread is None:  # not prepared: Inductor's own GEMM
                 torch.compile(f, backend=count, fullgraph=True)(x)
                 assert ops and not any("panel_linear" in op for op in ops)
                 torch._dynamo.reset()
                 ops.clear()
-            kernels.prepare_graphs()  # as compiling.compiled does
+            cpu_gemm.prepare_graphs()  # as compiling.compiled does
             assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
             torch._dynamo.reset()
             torch.compile(f, backend=count, fullgraph=True)(x)
@@ -306,7 +306,7 @@ def test_importing_the_programs_leaves_the_compiler_alone():
     from conftest import REPO_ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    code = ("import os, sys; import speculate, bench, eval, train, model, kernels; "
+    code = ("import os, sys; import speculate, bench, eval, train, model, kernels, cpu_gemm; "
             "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'; "
             "assert 'TORCHINDUCTOR_CACHE_DIR' not in os.environ, os.environ['TORCHINDUCTOR_CACHE_DIR']")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
