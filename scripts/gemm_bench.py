@@ -1,6 +1,6 @@
 """CPU GEMMs of a round, four ways, in one process: MKL on the weight as stored [out, in] (`F.linear`),
 MKL on it stored column-major (`model.column_major`), oneDNN on a packed copy, and this project's
-few-row kernel on the weight's panels (`kernels.panel_linear`, cpu_gemm.cpp) — the four `model.dense`
+few-row kernel on the weight's panels (`cpu_gemm.panel_linear`, cpu_gemm.cpp) — the four `model.dense`
 chooses from.
 
     python scripts/gemm_bench.py --threads 1
