@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 import torch
 
-import cpu_gemm
+import cpu_kernels
 from common import UserError, user_cache_dir
 
 #: torch.compile's modes, for --compile-mode (without it: the recipe of `compiled`).
@@ -114,7 +114,7 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
         options = {"max_autotune": True}
     else:  # the mode as its options (what torch.compile does with a mode), so that ours can join them
         options = torch._inductor.list_mode_options(mode or "reduce-overhead")
-    cpu_gemm.prepare_graphs()  # CPU, one thread: model.dense's GEMMs on the few-row kernel, as one op each
+    cpu_kernels.prepare_graphs()  # CPU, one thread: model.dense's GEMMs on the few-row kernel, as one op each
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=_inductor_options(options))
     switch = hasattr(select_algorithm, "PRINT_AUTOTUNE")
 

@@ -25,13 +25,15 @@ What is notable here:
   [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
   the checkpoint's.
 - On CPU in float32 the GEMMs run on copies of each weight made once by `fuse_` (`dense`, `Dense`,
-  `pack_weight`): with one thread on cpu_gemm.py's few-row kernel (cpu_gemm.cpp), else from two rows
+  `pack_weight`): with one thread on cpu_kernels.py's few-row kernel (cpu_kernels.cpp), else from two rows
   on oneDNN's packed layout — MKL multiplies a handful of rows (verification, the drafter's block)
   at a fraction of a core's peak. `F.linear` is the reference.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
   whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
-  runs in a fused kernel, not SDPA's math one (`attend_cached`). Each fast piece has its plain
+  runs in a fused kernel, not SDPA's math one; on CPU in float32 with one thread, a round's few
+  query tokens attend on cpu_kernels.py's kernel, which reads only the keys some query may see
+  (`attend_cached`). Each fast piece has its plain
   reference beside it (`apply_rope`, `attend`, the unfused projections), held to it by tests.
 - The tokenizer, stop ids and chat template of a checkpoint directory are text.py's.
 """
@@ -46,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cpu_gemm
+import cpu_kernels
 from common import UserError, read_json
 
 
@@ -177,7 +179,7 @@ def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
 
 class Packed(NamedTuple):
     """A weight's inference copies for `dense` (`pack_weight`; either may be None): `panels`, the
-    layout of the few-row CPU kernel (`cpu_gemm.panel_weight`), and `onednn`, oneDNN's blocked layout."""
+    layout of the few-row CPU kernel (`cpu_kernels.panel_weight`), and `onednn`, oneDNN's blocked layout."""
     panels: Optional[torch.Tensor]
     onednn: Optional[torch.Tensor]
 
@@ -187,9 +189,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
     `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
 
-    - with one thread: cpu_gemm.py's few-row kernel on the panels (`cpu_gemm.panel_linear`, cpu_gemm.cpp;
-      compiled, as the opaque op `cpu_gemm.panel_linear_op`, in graphs traced after
-      `cpu_gemm.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
+    - with one thread: cpu_kernels.py's few-row kernel on the panels (`cpu_kernels.panel_linear`, the
+      operator dspark::panel_linear of cpu_kernels.cpp; compiled, one opaque op in graphs traced after
+      `cpu_kernels.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
       weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
       than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
       rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to
@@ -204,11 +206,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
-        if torch.compiler.is_compiling():
-            if cpu_gemm.panels_in_graph():  # one opaque kernel of the graph (settled when it is traced)
-                return cpu_gemm.panel_linear_op(x, packed.panels, bias)
-        elif torch.get_num_threads() == 1:
-            return cpu_gemm.panel_linear(x, packed.panels, bias)
+        # compiled: one opaque kernel of the graph, where one thread ran when it was traced
+        if cpu_kernels.in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1:
+            return cpu_kernels.panel_linear(x, packed.panels, bias)
     if packed.onednn is None or x.numel() <= x.shape[-1]:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
@@ -217,10 +217,10 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
 
 def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
     """`weight` [out, in]'s copies for `dense` (each the weight's memory again), or None when it gets
-    neither: the panels of the few-row CPU kernel where that applies (`cpu_gemm.panel_weight`), and
+    neither: the panels of the few-row CPU kernel where that applies (`cpu_kernels.panel_weight`), and
     oneDNN's blocked layout when the weight has `min_elements` elements or more (default
     PACK_MIN_ELEMENTS; 0 packs any weight) and oneDNN is built in."""
-    panels = cpu_gemm.panel_weight(weight)
+    panels = cpu_kernels.panel_weight(weight)
     onednn = None
     if (weight.numel() >= (PACK_MIN_ELEMENTS if min_elements is None else min_elements)
             and torch.backends.mkldnn.is_available()):
@@ -237,7 +237,7 @@ def packed_rows(packed: Optional[Packed], weight: torch.Tensor, rows: int) -> Op
     the whole's leading panels (where `rows` is a whole number of panels), oneDNN's packed anew."""
     if packed is None:
         return None
-    panels = packed.panels[:rows // cpu_gemm.PANEL] if packed.panels is not None and rows % cpu_gemm.PANEL == 0 \
+    panels = packed.panels[:rows // cpu_kernels.PANEL] if packed.panels is not None and rows % cpu_kernels.PANEL == 0 \
         else None  # (panel_weight gives none either: no kernel, or not a whole number of panels)
     onednn = _onednn_layout(weight[:rows]) if packed.onednn is not None else None
     return None if panels is None and onednn is None else Packed(panels, onednn)
@@ -258,14 +258,14 @@ def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
     others = "Inductor's" if compiled else "MKL/oneDNN"
-    why = cpu_gemm.cpu_gemm_unavailable()
+    why = cpu_kernels.unavailable()
     if why is not None:
         return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
     if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
         return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
     if torch.get_num_threads() != 1:
         return f"GEMMs: {others} (the few-row kernel runs with one thread)"
-    return "GEMMs: the few-row kernel (cpu_gemm.cpp)" + (", one op each in the compiled graphs" if compiled else "")
+    return "GEMMs: the few-row kernel (cpu_kernels.cpp)" + (", one op each in the compiled graphs" if compiled else "")
 
 
 def packs_pay(model: nn.Module) -> bool:
@@ -495,10 +495,20 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     and an additive mask in the query's dtype are what the memory-efficient and cuDNN kernels take.
     On CPU folding would change the flash kernel's blocking, and so the last bits, for nothing: it
     takes GQA with a mask as it is.
+
+    On CPU in float32 with one thread, up to cpu_kernels.ATTENTION_MAX_TOKENS query tokens (a round's
+    forwards, short prompts) go to cpu_kernels.cached_attention instead (compiled: the op
+    dspark::cached_attention, in graphs traced after cpu_kernels.prepare_graphs): SDPA's CPU kernel spent
+    ~150 µs a layer on a verify's six tokens, 10% of a compiled round. It reads only the keys some query
+    may see, and a row's result does not depend on the tokens beside it or the keys past its own, so
+    a verify's rows and one-token steps, eager and compiled, attend alike.
     """
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
     g = bias.shape[2] // T
+    one_thread = cpu_kernels.in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1
+    if g == 1 and one_thread and cpu_kernels.attention_applies(q, bias):  # CPU float32, a few tokens
+        return cpu_kernels.cached_attention(q, k, v, bias)
     if g == 1:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
                                              enable_gqa=Hkv != H)

@@ -1,6 +1,6 @@
 """CPU GEMMs of a round, four ways, in one process: MKL on the weight as stored [out, in] (`F.linear`),
 MKL on it stored column-major (`model.column_major`), oneDNN on a packed copy, and this project's
-few-row kernel on the weight's panels (`cpu_gemm.panel_linear`, cpu_gemm.cpp) — the four `model.dense`
+few-row kernel on the weight's panels (`cpu_kernels.panel_linear`, cpu_kernels.cpp) — the four `model.dense`
 chooses from.
 
     python scripts/gemm_bench.py --threads 1
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
-import cpu_gemm  # noqa: E402
+import cpu_kernels  # noqa: E402
 from model import PACK_MIN_ELEMENTS, column_major_pays, pack_weight  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def engine_choice(w: torch.Tensor, rows: int, threads: int) -> str:
     """Which of the four the eager engine runs for this weight, row count and thread count (`model.dense`, `fuse_`)."""
-    if (threads == 1 and w.shape[0] % cpu_gemm.PANEL == 0 and cpu_gemm.cpu_gemm_unavailable() is None
+    if (threads == 1 and w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.unavailable() is None
             and (rows > 1 or w.numel() >= PACK_MIN_ELEMENTS)):
         return "panels"
     if rows > 1 and w.numel() >= PACK_MIN_ELEMENTS:  # packed by fuse_ (pack_weight), used from 2 rows
@@ -96,7 +96,7 @@ def run(args: GemmArgs) -> int:
         raise UserError("this torch was built without oneDNN (torch.backends.mkldnn): nothing to compare")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
-    why = cpu_gemm.cpu_gemm_unavailable()
+    why = cpu_kernels.unavailable()
     print(f"{device_name('cpu')}, torch {torch.__version__}, {args.threads} thread(s), float32; "
           f"median µs of {args.reps} interleaved products, each on the next of {args.copies} copies of the weight"
           + (f"; the few-row kernel is unavailable: {why}" if why else ""))
@@ -106,7 +106,7 @@ def run(args: GemmArgs) -> int:
         ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
         cols = [w.t().contiguous().t() for w in ws]  # column-major, as model.column_major lays out (any shape here)
         packs = [pack_weight(w, min_elements=0).onednn for w in ws]
-        panels = [cpu_gemm.panel_weight(w) for w in ws]  # None where it does not apply
+        panels = [cpu_kernels.panel_weight(w) for w in ws]  # None where it does not apply
         for r in rows:
             x = torch.randn(r, inp, generator=g)
             kernels = {  # each takes the copy to use
@@ -114,7 +114,7 @@ def run(args: GemmArgs) -> int:
                 "col": lambda i: torch.nn.functional.linear(x, cols[i]),
                 "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, packs[i], None, "none", [], "")}
             if panels[0] is not None:
-                kernels["panels"] = lambda i: cpu_gemm.panel_linear(x, panels[i])
+                kernels["panels"] = lambda i: cpu_kernels.panel_linear(x, panels[i])
             for n in range(args.warmup):
                 for f in kernels.values():
                     f(n % args.copies)

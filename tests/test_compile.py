@@ -251,11 +251,11 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     """With one thread, a compiled `model.dense` on packed copies runs the few-row kernel as the
     opaque op dspark::panel_linear — the eager result, bit for bit (the same kernel) — and Inductor
     never sees oneDNN's copy; with two threads the graph has no such op (Inductor's own GEMM)."""
-    import cpu_gemm
+    import cpu_kernels
     import model
 
-    if cpu_gemm.cpu_gemm_unavailable() is not None:
-        pytest.skip(f"the CPU GEMM kernel is unavailable: {cpu_gemm.cpu_gemm_unavailable()}")
+    if cpu_kernels.unavailable() is not None:
+        pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
     g = torch.Generator().manual_seed(60)
     layer = model.Dense(32, 48).requires_grad_(False)
     with torch.no_grad():
@@ -276,12 +276,12 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     try:
         torch.set_num_threads(1)
         with torch.no_grad():
-            if cpu_gemm._graph_one_thread is None:  # not prepared: Inductor's own GEMM
+            if cpu_kernels._graph_one_thread is None:  # not prepared: Inductor's own GEMM
                 torch.compile(f, backend=count, fullgraph=True)(x)
                 assert ops and not any("panel_linear" in op for op in ops)
                 torch._dynamo.reset()
                 ops.clear()
-            cpu_gemm.prepare_graphs()  # as compiling.compiled does
+            cpu_kernels.prepare_graphs()  # as compiling.compiled does
             assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
             torch._dynamo.reset()
             torch.compile(f, backend=count, fullgraph=True)(x)
@@ -291,6 +291,44 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
             torch.set_num_threads(2)
             got = torch.compile(f, backend=count, fullgraph=True)(x)
             assert not any("panel_linear" in op or "mkldnn" in op for op in ops) and torch.allclose(got, f(x), atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+        torch._dynamo.reset()
+
+
+def test_compiled_attention_calls_the_few_token_kernel_as_one_op():
+    """With one thread, a compiled `model.attend_cached` of a few tokens runs the CPU kernel as the
+    opaque op dspark::cached_attention — the eager result, bit for bit — and with two threads SDPA."""
+    import cpu_kernels
+    import model
+
+    if cpu_kernels.unavailable() is not None:
+        pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
+    g = torch.Generator().manual_seed(61)
+    q, k, v = torch.randn(1, 6, 8, 16, generator=g), torch.randn(1, 30, 4, 16, generator=g), torch.randn(1, 30, 4, 16, generator=g)
+    positions = torch.arange(14, 20)[None]
+    bias = model.cache_bias(positions[:, :, None] >= torch.arange(30), 1, torch.float32)
+    ops = []
+
+    def count(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cpu_kernels.prepare_graphs()  # as compiling.compiled does
+        eager = model.attend_cached(q, k, v, bias)
+        assert torch.equal(eager, cpu_kernels.cached_attention(q, k, v, bias))
+        assert torch.equal(torch.compile(model.attend_cached, fullgraph=True)(q, k, v, bias), eager)
+        torch._dynamo.reset()
+        torch.compile(model.attend_cached, backend=count, fullgraph=True)(q, k, v, bias)
+        assert any("cached_attention" in op for op in ops)
+        torch._dynamo.reset()
+        ops.clear()
+        torch.set_num_threads(2)
+        got = torch.compile(model.attend_cached, backend=count, fullgraph=True)(q, k, v, bias)
+        assert not any("cached_attention" in op for op in ops) and torch.allclose(got, eager, atol=1e-5)
     finally:
         torch.set_num_threads(before)
         torch._dynamo.reset()
@@ -306,7 +344,7 @@ def test_importing_the_programs_leaves_the_compiler_alone():
     from conftest import REPO_ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    code = ("import os, sys; import speculate, bench, eval, train, model, kernels, cpu_gemm; "
+    code = ("import os, sys; import speculate, bench, eval, train, model, kernels, cpu_kernels; "
             "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'; "
             "assert 'TORCHINDUCTOR_CACHE_DIR' not in os.environ, os.environ['TORCHINDUCTOR_CACHE_DIR']")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)

@@ -13,7 +13,7 @@ from conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import gemm_bench  # noqa: E402
 
-import cpu_gemm  # noqa: E402
+import cpu_kernels  # noqa: E402
 import model  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def test_gemm_bench_rows_and_engine_choice(capsys):
     assert several[("32x64", "1")] == several[("32x64", "3")] == "MKL"      # in > out stays row-major
     assert several[(f"{big}x{big}", "1")] == "MKL col" and several[(f"{big}x{big}", "3")] == "oneDNN"
     one = _table(capsys, shapes, 1)
-    if cpu_gemm.cpu_gemm_unavailable() is not None:
+    if cpu_kernels.unavailable() is not None:
         assert all(ours == "n/a" for ours, _ in one.values())
         return
     for shape in ("64x32", "32x64", f"{big}x{big}"):  # one thread: the few-row kernel, where out % 16 == 0

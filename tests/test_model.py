@@ -19,7 +19,7 @@ from conftest import (
 )
 
 m = import_model()
-import cpu_gemm  # noqa: E402
+import cpu_kernels  # noqa: E402
 import text  # noqa: E402
 UserError = m.UserError
 
@@ -275,7 +275,7 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
 def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
     """dense on pack_weight's copies equals F.linear to rounding, its bias added, any leading shape
     kept: with one thread on the few-row kernel's panels from two rows on (bit for bit
-    cpu_gemm.panel_linear, a row's result not depending on the rows beside it; one row of a weight
+    cpu_kernels.panel_linear, a row's result not depending on the rows beside it; one row of a weight
     under PACK_MIN_ELEMENTS stays with MKL); with two, F.linear below two rows and oneDNN's GEMM from
     two rows on; and with autograd, F.linear (the gradient is F.linear's)."""
     if not torch.backends.mkldnn.is_available():
@@ -283,7 +283,7 @@ def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
     g = torch.Generator().manual_seed(40)
     w, b = torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
     packed = m.pack_weight(w, min_elements=0)
-    assert packed.onednn is not None and (packed.panels is None) == (cpu_gemm.cpu_gemm_unavailable() is not None)
+    assert packed.onednn is not None and (packed.panels is None) == (cpu_kernels.unavailable() is not None)
     x = torch.randn(2, rows, 16, generator=g)[:1]  # a view: [1, rows, 16]
     before = torch.get_num_threads()
     try:
@@ -294,14 +294,14 @@ def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
                 assert got.shape == want.shape == (1, rows, 32)
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
                 if threads == 1 and packed.panels is not None and rows > 1:  # one row of a small weight: MKL
-                    assert torch.equal(got, cpu_gemm.panel_linear(x, packed.panels, bias))
-                    assert torch.equal(cpu_gemm.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
+                    assert torch.equal(got, cpu_kernels.panel_linear(x, packed.panels, bias))
+                    assert torch.equal(cpu_kernels.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
                 elif rows > 2:
                     assert torch.allclose(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
         if packed.panels is not None and rows:  # one row of a weight at the threshold or over: the kernel
             torch.set_num_threads(1)
             monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", w.numel())
-            assert torch.equal(m.dense(x[:, :1], w, b, packed), cpu_gemm.panel_linear(x[:, :1], packed.panels, b))
+            assert torch.equal(m.dense(x[:, :1], w, b, packed), cpu_kernels.panel_linear(x[:, :1], packed.panels, b))
     finally:
         torch.set_num_threads(before)
     x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
@@ -320,12 +320,12 @@ def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_tar
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     small = load(tiny_target.path, max_batch=2).layers[0]
-    if cpu_gemm.cpu_gemm_unavailable() is None:
+    if cpu_kernels.unavailable() is None:
         a = small.self_attn
         assert a.vkq_packed.onednn is None and small.mlp.down_proj.packed.onednn is None  # under the threshold
         assert a.vkq_packed.panels is not None and small.mlp.down_proj.packed.panels is not None
         assert a.vk_packed.panels.data_ptr() == a.vkq_packed.panels.data_ptr()  # the leading panels, a view
-        assert a.vk_packed.panels.shape[0] * cpu_gemm.PANEL == 2 * a.n_kv * a.head_dim
+        assert a.vk_packed.panels.shape[0] * cpu_kernels.PANEL == 2 * a.n_kv * a.head_dim
     else:
         assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None
     assert small.mlp.gate_up_weight is None  # small halves stay apart on CPU (fused where they are packed)
@@ -902,19 +902,19 @@ def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        if cpu_gemm.cpu_gemm_unavailable() is None:
-            assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_gemm.cpp)"
-            assert m.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_gemm.cpp), one op each in "
+        if cpu_kernels.unavailable() is None:
+            assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp)"
+            assert m.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp), one op each in "
                                                          "the compiled graphs")
         torch.set_num_threads(2)
-        if cpu_gemm.cpu_gemm_unavailable() is None:
+        if cpu_kernels.unavailable() is None:
             assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
             assert m.gemm_note(model, compiled=True) == "GEMMs: Inductor's (the few-row kernel runs with one thread)"
         torch.set_num_threads(1)
-        monkeypatch.setattr(cpu_gemm, "_cpu_gemm_why", "no C++ compiler 'g++' on PATH (set CXX)")
+        monkeypatch.setattr(cpu_kernels, "_kernels_why", "no C++ compiler 'g++' on PATH (set CXX)")
         assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
     finally:
         torch.set_num_threads(before)
-    if cpu_gemm.cpu_gemm_unavailable() is None:
+    if cpu_kernels.unavailable() is None:
         assert m.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
     assert m.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None

@@ -1,0 +1,214 @@
+"""CPU: kernels of our own for a round's few rows (cpu_kernels.cpp), built, loaded and called from here;
+F.linear and SDPA are their references (tests/test_cpu_kernels.py).
+
+On CPU in float32, one thread, a verify multiplies K+1 rows by each weight, a drafter's block K, an
+autoregressive step one; and each attends with those few query tokens over the KV cache. The libraries
+tune for more rows; at these few they ran well below the core's peak on this project's machine.
+
+- `panel_linear`, the GEMM: streams each weight once per six rows from a panel layout
+  (`panel_weight`) with the rows' outputs in registers: at six rows 1.61-1.75x faster than the best of
+  MKL and packed oneDNN on weights of 2^18 elements or more, at 64 rows 1.13-1.23x, at one row
+  1.02-1.42x (on smaller weights 0.95-1.55x, 1.01-1.12x, 0.57-1.2x; `python scripts/gemm_bench.py`,
+  BENCHMARKS.md "CPU, a few-row GEMM kernel"; model.dense says which products take it).
+- `cached_attention`: per K/V head, the query rows of its GQA group against the keys and the values
+  as two of those GEMMs, reading only the keys some query may see (a static cache costs what is
+  filled); model.attend_cached says when it is used.
+
+They are built on first use with the system's C++ compiler (CXX, default g++) against torch's own
+headers (about 10 s, once per torch version) into a cache folder, and loaded as the operators
+dspark::panel_linear and dspark::cached_attention, which eager code and compiled graphs call alike
+(`prepare_graphs` lets graphs traced afterwards use them). Where they cannot be (not x86-64 Linux with
+AVX2 and FMA, no compiler, DSPARK_CPU_KERNELS=0), `unavailable` says why and the model keeps F.linear /
+oneDNN and SDPA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+from common import user_cache_dir
+
+PANEL = 16  # output columns per panel (cpu_kernels.cpp)
+KERNELS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
+KERNELS_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17", "-w")  # -w: torch's headers warn
+_loaded = False       # the operators are defined (this process loaded the library)
+_kernels_why = None   # why they are unavailable, once known
+
+
+def kernel_cache_dir() -> str:
+    """Where the built kernels are kept: $DSPARK_CACHE_DIR, else $XDG_CACHE_HOME/dspark-fast, else
+    ~/.cache/dspark-fast."""
+    return os.environ.get("DSPARK_CACHE_DIR") or user_cache_dir()
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _torch_flags() -> list[str]:
+    """What an operator library needs of this torch: its headers, its C++ ABI, its libraries."""
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    return [f"-I{os.path.join(root, 'include')}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-L{os.path.join(root, 'lib')}", "-lc10", "-ltorch_cpu"]
+
+
+def _first_error(output: str) -> str:
+    lines = output.strip().splitlines() or ["(no output)"]
+    return next((line for line in lines if "error" in line), lines[0])
+
+
+def _build_kernels() -> tuple[Optional[str], Optional[str]]:
+    """Build cpu_kernels.cpp (or find it built) -> (the library's path, None), or (None, why not)."""
+    if os.environ.get("DSPARK_CPU_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None, "turned off by DSPARK_CPU_KERNELS"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"they are for x86-64 Linux (this is {platform.system()} {platform.machine()})"
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return None, "this CPU lacks AVX2 or FMA"
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return None, f"no C++ compiler {cxx!r} on PATH (set CXX)"
+    flags = [*KERNELS_FLAGS, *_torch_flags()]
+    try:
+        with open(KERNELS_SOURCE, "rb") as f:
+            source = f.read()
+        version = subprocess.run([cxx, "--version"], capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"cannot read {KERNELS_SOURCE} or run {cxx}: {e}"
+    # A library is built against one torch: its version and place are part of the key.
+    key = hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), torch.__version__.encode()]))
+    folder = kernel_cache_dir()
+    path = os.path.join(folder, f"cpu_kernels-{key.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError as e:
+            return None, f"cannot write to the cache folder {folder}: {e} (set DSPARK_CACHE_DIR)"
+        try:
+            done = subprocess.run([cxx, KERNELS_SOURCE, "-o", tmp, *flags], capture_output=True, text=True,
+                                  timeout=600)
+            if done.returncode != 0:
+                return None, f"{cxx} failed on {KERNELS_SOURCE}: {_first_error(done.stderr or done.stdout)}"
+            os.replace(tmp, path)  # whole or absent: another process may be building the same file
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"{cxx} failed on {KERNELS_SOURCE}: {e}"
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path, None
+
+
+def unavailable() -> Optional[str]:
+    """None when the CPU kernels are built and loaded (building them on the first call, about 10 s,
+    once per torch version), else why not, in words."""
+    global _loaded, _kernels_why
+    if not _loaded and _kernels_why is None:
+        path, why = _build_kernels()
+        if why is None:
+            try:
+                torch.ops.load_library(path)
+            except (OSError, RuntimeError) as e:
+                why = f"cannot load {path}: {str(e).splitlines()[0] if str(e) else e}"
+        if why is not None:
+            _kernels_why = why
+        else:
+            _register_fakes()
+            _loaded = True
+    return _kernels_why
+
+
+def _register_fakes():
+    """The operators' output shapes, for torch.compile's tracing (the kernels run only on real tensors)."""
+    @torch.library.register_fake("dspark::panel_linear")
+    def _(x, panels, bias):
+        return x.new_empty(*x.shape[:-1], panels.shape[0] * panels.shape[2])
+
+    @torch.library.register_fake("dspark::cached_attention")
+    def _(q, k, v, bias):
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
+
+
+def panel_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """`weight` [N, K] (float32, CPU) as panels [N/16, K, 16] for `panel_linear` (a copy), or None
+    where the kernel does not apply: another dtype or device, N not a multiple of 16, or the kernels
+    unavailable (`unavailable`)."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
+            or weight.shape[0] % PANEL or weight.shape[1] == 0 or unavailable() is not None):
+        return None
+    N, K = weight.shape
+    return weight.detach().reshape(N // PANEL, PANEL, K).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ Wᵀ (+ bias) -> [..., N] for panels = `panel_weight(W)`: the operator
+    dspark::panel_linear (cpu_kernels.cpp; one thread, no autograd). Agrees with F.linear(x, W, bias)
+    to rounding; each row's result is the same whatever rows share the call (the sum over k runs in
+    one order). Refuses (RuntimeError) an x that does not fit and panels not in panel_weight's layout."""
+    return torch.ops.dspark.panel_linear.default(x, panels, bias)
+
+
+#: The most query tokens `model.attend_cached` hands `cached_attention`: a verify's K+1, a drafter's
+#: block, one step, a short prompt. Past this the scores of a K/V head ([tokens x group, keys] floats)
+#: outgrow the caches and SDPA's blocked kernel is level or ahead (BENCHMARKS.md, "CPU, few-token attention").
+ATTENTION_MAX_TOKENS = 64
+
+
+def attention_applies(q: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether `model.attend_cached` may hand q [B, T, H, hd] and its bias [B, 1, T, S] to
+    `cached_attention`: CPU float32 without autograd, T <= ATTENTION_MAX_TOKENS, hd a multiple of 16, the
+    bias one row per token (GQA not folded into it), and the kernels available."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and bias.dtype == torch.float32
+            and not (torch.is_grad_enabled() and q.requires_grad) and q.shape[1] <= ATTENTION_MAX_TOKENS
+            and q.shape[3] % PANEL == 0 and bias.shape[2] == q.shape[1] and unavailable() is None)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, T, H, hd] over k, v [B, S, Hkv, hd] under the additive bias [B, 1, T, S] (0 /
+    -inf, `model.cache_bias` with group 1) -> [B, T, H*hd], query head h reading K/V head h // (H/Hkv),
+    scale 1/sqrt(hd): the operator dspark::cached_attention (cpu_kernels.cpp; one thread, no autograd),
+    SDPA's result (`model.attend_cached`'s reference) to rounding. A query row's result is the same bits
+    whatever other tokens share the call and however many keys past its last visible one the cache
+    holds (given finite K/V); a row that may see no key gives zeros, as SDPA's CPU kernel does. Any
+    strides; refuses (RuntimeError) shapes that do not fit."""
+    return torch.ops.dspark.cached_attention.default(q, k, v, bias)
+
+
+_graph_one_thread = None  # prepare_graphs(): torch.get_num_threads() == 1, as a constant for dynamo
+
+
+def prepare_graphs():
+    """Let graphs traced from now on call the kernels (`in_graph`). Not done at import:
+    it imports torch's compiler stack (about 1.5 s, and it sets TORCHINDUCTOR_CACHE_DIR, which
+    compiling.use_compile_cache must see unset to choose its own folder)."""
+    global _graph_one_thread
+    unavailable()  # built (or refused) now, not while a graph is traced
+    if _graph_one_thread is None:
+        _graph_one_thread = torch.compiler.assume_constant_result(_one_thread)
+
+
+def _one_thread() -> bool:
+    return torch.get_num_threads() == 1
+
+
+def in_graph() -> bool:
+    """While torch.compile traces: whether the graph calls the kernels — torch ran one thread when it
+    was traced, after `prepare_graphs` (a graph keeps what it was traced with; before prepare_graphs, or
+    with more threads, Inductor's own GEMMs and SDPA)."""
+    return _loaded and _graph_one_thread is not None and _graph_one_thread()

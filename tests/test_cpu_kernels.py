@@ -1,0 +1,172 @@
+"""cpu_kernels.py and cpu_kernels.cpp: the few-row CPU GEMM against F.linear and its panel layout, the
+few-token attention against SDPA, and the build's failure reasons. (How model.dense and
+model.attend_cached pick them: tests/test_model.py; compiled graphs calling them: tests/test_compile.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import cpu_kernels
+
+torch.set_num_threads(1)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
+                                    reason=f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(16, 1), (48, 7), (64, 33), (160, 64), (96, 200)])
+def test_panel_linear_equals_linear_at_every_row_count(shape):
+    """panel_linear(x, panel_weight(w), b) equals F.linear(x, w, b) to float32 rounding for every row
+    count the kernel groups differently (1-6 in one group, 7-13 in two or three, 64; none), K odd or
+    1, N one panel or many, with and without bias, x 2-D or 3-D or a strided view; and each row's
+    result is bit for bit the one it gets alone (the sum over k runs in the same order whatever rows
+    share the call: a verify's logits equal one-token steps')."""
+    N, K = shape
+    g = gen(50)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    panels = cpu_kernels.panel_weight(w)
+    assert panels.shape == (N // 16, K, 16) and panels.is_contiguous()
+    for rows in (0, 1, 2, 3, 5, 6, 7, 12, 13, 64):
+        x = torch.randn(rows, K, generator=g)
+        for bias in (None, b):
+            got, want = cpu_kernels.panel_linear(x, panels, bias), torch.nn.functional.linear(x, w, bias)
+            assert got.shape == want.shape == (rows, N)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+            for i in range(rows):
+                assert torch.equal(cpu_kernels.panel_linear(x[i:i + 1], panels, bias)[0], got[i])
+    x = torch.randn(2, 3, 2 * K, generator=g)[:, :, ::2]  # 3-D, not contiguous
+    assert torch.allclose(cpu_kernels.panel_linear(x, panels, b), torch.nn.functional.linear(x, w, b), rtol=1e-5,
+                          atol=1e-5 * K ** 0.5)
+
+
+@needs_kernels
+def test_panel_weight_applies_to_float32_cpu_weights_with_whole_panels_only():
+    """panel_weight: None where the kernel does not apply (out not a multiple of 16, another dtype, a
+    1-D tensor); panel_linear refuses an x that does not fit, by shape and dtype, and panels that are
+    not panel_weight's layout (the C kernel would read past them)."""
+    assert cpu_kernels.panel_weight(torch.randn(40, 8)) is None
+    assert cpu_kernels.panel_weight(torch.randn(32, 8, dtype=torch.bfloat16)) is None
+    assert cpu_kernels.panel_weight(torch.randn(32)) is None
+    panels = cpu_kernels.panel_weight(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_kernels.panel_linear(torch.randn(2, 9), panels)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_kernels.panel_linear(torch.randn(2, 8, dtype=torch.float64), panels)
+    with pytest.raises(RuntimeError, match="not a float32 CPU vector of 32"):
+        cpu_kernels.panel_linear(torch.randn(2, 8), panels, torch.randn(16))
+    for bad in (panels.transpose(1, 2), panels.double(), panels[:, :, :8].contiguous(), panels[0]):
+        with pytest.raises(RuntimeError, match="panel_weight's"):
+            cpu_kernels.panel_linear(torch.randn(2, 8), bad)
+
+
+def test_cpu_kernels_build_says_why_it_is_unavailable(tmp_path, monkeypatch):
+    """The build in words when it cannot be used: switched off, no compiler, a source the compiler
+    rejects (its first error line, and no temporary file left in the cache folder); built, it lands
+    in the cache folder under a key of source, flags and torch, and a second call finds it there.
+    (The process has loaded the library once already: a second load would define the operators
+    twice, so only the build is tried here.)"""
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+    assert cpu_kernels._build_kernels() == (None, "turned off by DSPARK_CPU_KERNELS")
+    monkeypatch.delenv("DSPARK_CPU_KERNELS")
+    if cpu_kernels.unavailable() is not None:
+        pytest.skip(f"the CPU kernels are unavailable here: {cpu_kernels.unavailable()}")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    path, why = cpu_kernels._build_kernels()
+    assert path is None and why.startswith("no C++ compiler")
+    monkeypatch.delenv("CXX")
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("#include <torch/library.h>\nthis is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "KERNELS_SOURCE", str(bad))
+    path, why = cpu_kernels._build_kernels()
+    assert path is None and f"failed on {bad}:" in why and "error" in why and "\n" not in why
+    assert os.listdir(tmp_path / "cache") == []
+    monkeypatch.undo()
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    path, why = cpu_kernels._build_kernels()
+    assert why is None and os.path.isfile(path)
+    built = os.listdir(tmp_path / "cache")
+    assert built == [os.path.basename(path)] and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")
+    assert cpu_kernels._build_kernels() == (path, None) and os.listdir(tmp_path / "cache") == built
+
+
+def sdpa(q, k, v, bias):
+    """The reference: SDPA with its own GQA, as model.attend_cached runs it without the kernel."""
+    B, T, H, hd = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=bias, enable_gqa=k.shape[2] != H)
+    return out.transpose(1, 2).reshape(B, T, H * hd)
+
+
+def prefix_bias(ends: torch.Tensor, S: int) -> torch.Tensor:
+    """ends [B, T]: token t of row b may read keys 0..ends[b, t]-1 -> the additive bias [B, 1, T, S]."""
+    allowed = torch.arange(S) < ends[..., None]
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,H,Hkv,hd", [(1, 8, 4, 64), (6, 8, 4, 64), (5, 12, 4, 16), (2, 6, 1, 128),
+                                        (13, 4, 4, 32), (64, 2, 2, 16)])
+def test_cached_attention_equals_sdpa_and_each_row_its_own(T, H, Hkv, hd):
+    """cached_attention equals SDPA (GQA, additive 0/-inf bias) to float32 rounding, for a verify's,
+    a step's and a prompt's token counts, GQA groups of 1-6, head dims 16-128, two batch rows with
+    their own lengths, q and k/v as strided views of larger tensors (as the fused projection and the
+    cache give them), and cache lengths on and off the kernel's blocks of 8 and 16. Each token's row
+    is bit for bit what it gets alone, and what it gets with a longer cache whose extra keys are
+    masked (so a verify's rows equal one-token steps', and a compiled graph's whole-cache read the
+    eager filled prefix)."""
+    g = gen(70 + T)
+    for S in sorted({T, T + 7, max(T, 40), 204}):
+        q = torch.randn(2, T, H + 3, hd, generator=g)[:, :, 1:H + 1]          # a view, as the fused projection's
+        kv = torch.randn(2, S + 5, 2 * Hkv, hd, generator=g)                   # as the cache's [B, S, heads, hd]
+        k, v = kv[:, :S, :Hkv], kv[:, :S, Hkv:]
+        last = torch.tensor([S, max(S - 3, T)])                                # row 1's cache shorter
+        ends = last[:, None] - T + 1 + torch.arange(T)                          # token t reads up to its position
+        bias = prefix_bias(ends, S)
+        got = cpu_kernels.cached_attention(q, k, v, bias)
+        want = sdpa(q, k, v, bias)
+        assert got.shape == want.shape == (2, T, H * hd)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (S, (got - want).abs().max())
+        for t in (0, T - 1):
+            alone = cpu_kernels.cached_attention(q[:, t:t + 1], k, v, bias[:, :, t:t + 1])
+            assert torch.equal(alone[:, 0], got[:, t])
+        longer = torch.cat([kv[:, :S], torch.randn(2, 9, 2 * Hkv, hd, generator=g)], 1)
+        wide = cpu_kernels.cached_attention(q, longer[:, :, :Hkv], longer[:, :, Hkv:], prefix_bias(ends, S + 9))
+        assert torch.equal(wide, got)
+
+
+@needs_kernels
+def test_cached_attention_takes_any_mask_and_a_row_that_sees_nothing_gives_zeros():
+    """Any additive mask, not only prefixes: keys masked in the middle, a finite (non-0) bias, and a row
+    with every key masked, which gives zeros as SDPA's CPU kernel does; no keys at all likewise."""
+    g = gen(71)
+    T, H, hd, S = 4, 4, 16, 37
+    q, k, v = torch.randn(1, T, H, hd, generator=g), torch.randn(1, S, 2, hd, generator=g), torch.randn(1, S, 2, hd, generator=g)
+    allowed = torch.rand(1, T, S, generator=g) < 0.6
+    allowed[0, 2] = False
+    bias = torch.randn(1, T, S, generator=g).masked_fill_(~allowed, float("-inf"))[:, None]
+    got = cpu_kernels.cached_attention(q, k, v, bias)
+    want = sdpa(q, k, v, bias)
+    assert torch.equal(got[0, 2], torch.zeros(H * hd)) and torch.equal(want[0, 2], torch.zeros(H * hd))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    empty = cpu_kernels.cached_attention(q, k[:, :0], v[:, :0], bias[..., :0])
+    assert empty.shape == (1, T, H * hd) and not empty.any()
+
+
+@needs_kernels
+def test_cached_attention_refuses_what_does_not_fit():
+    q, k, b = torch.randn(1, 2, 4, 16), torch.randn(1, 5, 2, 16), torch.zeros(1, 1, 2, 5)
+    for args in ((q, k, k[:, :4], b), (q, k, k, b[..., :4]), (q, k[..., :8], k[..., :8], b),
+                 (q[..., :8], k[..., :8], k[..., :8], b), (q, k[:, :, :1].expand(1, 5, 3, 16), k[:, :, :1].expand(1, 5, 3, 16), b),
+                 (q.double(), k, k, b), (q[0], k, k, b)):
+        with pytest.raises(RuntimeError, match="cached_attention"):
+            cpu_kernels.cached_attention(*args)
