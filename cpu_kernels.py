@@ -165,9 +165,10 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Ten
 
 
 #: The most query tokens `model.attend_cached` hands `cached_attention`: a verify's K+1, a drafter's
-#: block, one step, a short prompt. Past this the scores of a K/V head ([tokens x group, keys] floats)
-#: outgrow the caches and SDPA's blocked kernel is level or ahead (BENCHMARKS.md, "CPU, few-token attention").
-ATTENTION_MAX_TOKENS = 64
+#: block, one step, a short prompt. On this project's CPU the kernel took 0.55-0.58x SDPA's time at 1-6
+#: tokens, 0.79-0.91x at 16-128, and was level at 256 (a K/V head's scores, [tokens x group, keys]
+#: floats, outgrow the caches): `python scripts/gemm_bench.py --attention ...`, BENCHMARKS.md.
+ATTENTION_MAX_TOKENS = 128
 
 
 def attention_applies(q: torch.Tensor, bias: torch.Tensor) -> bool:

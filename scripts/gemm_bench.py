@@ -1,10 +1,11 @@
-"""CPU GEMMs of a round, four ways, in one process: MKL on the weight as stored [out, in] (`F.linear`),
+"""CPU GEMMs of a round, four ways, in one process, and its attention two ways: MKL on the weight as stored [out, in] (`F.linear`),
 MKL on it stored column-major (`model.column_major`), oneDNN on a packed copy, and this project's
 few-row kernel on the weight's panels (`cpu_kernels.panel_linear`, cpu_kernels.cpp) — the four `model.dense`
 chooses from.
 
     python scripts/gemm_bench.py --threads 1
     python scripts/gemm_bench.py --threads 1 --shapes 3072x512,512x1536 --rows 1,6,64
+    python scripts/gemm_bench.py --threads 1 --shapes none --attention 6x204,64x512
 
 Why it exists: the eager engine lays out and packs float32 weights by what measured fastest on this
 project's CPU — with one thread on the few-row kernel's panels (where the weight's out is a multiple
@@ -22,6 +23,11 @@ uses for that shape and row count.
 Default shapes: a layer's GEMMs ([v; k; q], o_proj, gate or up, down_proj, a 4096-token lm_head) at
 hidden 256 (the demo pair's), the Markov head's output at rank 64, and bigram-35m's (hidden 512,
 [v; k; q] 1024, gate or up 1536, fused gate-up 3072, an 8192-token lm_head).
+
+`--attention TOKENSxKEYS,...` then times `model.attend_cached`'s two ways, SDPA and this project's
+few-token kernel (`cpu_kernels.cached_attention`), for TOKENS query tokens at the end of a cache of
+KEYS filled positions (each token reads its prefix) at `--heads` (bigram-35m's by default), and names
+the one the engine uses (the kernel with one thread up to `cpu_kernels.ATTENTION_MAX_TOKENS` tokens).
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class GemmArgs:
     """Comma-separated weight shapes OUTxIN."""
     rows: str = "1,2,6,12,64"
     """Comma-separated row counts of the input (a verification of a block of K drafts has K+1 rows per request)."""
+    attention: str = ""
+    """Comma-separated TOKENSxKEYS: also time attention of TOKENS query tokens over KEYS cache positions (e.g. 6x204,64x512; empty: none)."""
+    heads: str = "8,4,64"
+    """For --attention: query heads, K/V heads, head dim (default bigram-35m's)."""
     threads: int = 1
     """torch threads."""
     reps: int = 200
@@ -62,15 +72,18 @@ class GemmArgs:
     """Seed of the random weights and inputs."""
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
+def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
+    """OUTxIN,... (or TOKENSxKEYS,...) -> pairs; "none" or "" -> none."""
     shapes = []
+    if text.strip().lower() in ("", "none"):
+        return shapes
     for part in text.split(","):
         try:
             out, inp = (int(x) for x in part.strip().lower().split("x"))
         except ValueError:
-            raise UserError(f"--shapes: {part.strip()!r} is not OUTxIN (e.g. 3072x512)") from None
+            raise UserError(f"{flag}: {part.strip()!r} is not two numbers AxB (e.g. 3072x512)") from None
         if not (1 <= out <= 1 << 20 and 1 <= inp <= 1 << 20):
-            raise UserError(f"--shapes: {part.strip()!r} is outside 1..1048576")
+            raise UserError(f"{flag}: {part.strip()!r} is outside 1..1048576")
         shapes.append((out, inp))
     return shapes
 
@@ -89,6 +102,12 @@ def run(args: GemmArgs) -> int:
     check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=f"[0, {2**62}]",
                  copies="[1, 1024]")
     shapes = parse_shapes(args.shapes)
+    attention = parse_shapes(args.attention, "--attention")
+    heads = parse_ints(args.heads, "--heads")
+    if len(heads) != 3 or min(heads) < 1 or heads[0] % heads[1] or heads[2] % cpu_kernels.PANEL:
+        raise UserError(f"--heads {args.heads}: must be H,HKV,HD with H a multiple of HKV and HD of {cpu_kernels.PANEL}")
+    if any(t > s for t, s in attention):
+        raise UserError(f"--attention {args.attention}: TOKENS must not exceed KEYS (the tokens are cache positions)")
     rows = parse_ints(args.rows, "--rows")
     if any(r < 1 or r > 65536 for r in rows):
         raise UserError(f"--rows {args.rows}: each must be in 1..65536")
@@ -100,8 +119,9 @@ def run(args: GemmArgs) -> int:
     print(f"{device_name('cpu')}, torch {torch.__version__}, {args.threads} thread(s), float32; "
           f"median µs of {args.reps} interleaved products, each on the next of {args.copies} copies of the weight"
           + (f"; the few-row kernel is unavailable: {why}" if why else ""))
-    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'MKL col µs':>11} {'oneDNN µs':>10} {'panels µs':>10} "
-          f"{'max |diff|':>11}  engine uses")
+    if shapes:
+        print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'MKL col µs':>11} {'oneDNN µs':>10} {'panels µs':>10} "
+              f"{'max |diff|':>11}  engine uses")
     for out, inp in shapes:
         ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
         cols = [w.t().contiguous().t() for w in ws]  # column-major, as model.column_major lays out (any shape here)
@@ -130,7 +150,43 @@ def run(args: GemmArgs) -> int:
             diff = max((results[0] - y).abs().max().item() for y in results[1:])
             print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {col:>11.1f} {onednn:>10.1f} {ours} {diff:>11.2e}  "
                   f"{engine_choice(ws[0], r, args.threads)}", flush=True)
+    if attention:
+        attention_table(attention, *heads, args, g)
     return 0
+
+
+def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, args: GemmArgs, g: torch.Generator):
+    """`model.attend_cached` both ways per TOKENSxKEYS: SDPA, and the few-token kernel where it applies."""
+    from model import cache_bias
+    print(f"attention, {H} query heads, {Hkv} K/V heads, head dim {hd}; median µs of {args.reps} interleaved calls, "
+          f"each on the next of {args.copies} caches")
+    print(f"{'tokens':>7} {'keys':>6} {'SDPA µs':>9} {'kernel µs':>10} {'max |diff|':>11}  engine uses")
+    for T, S in sizes:
+        qs = [torch.randn(1, T, H, hd, generator=g) for _ in range(args.copies)]
+        caches = [torch.randn(1, S, 2 * Hkv, hd, generator=g) for _ in range(args.copies)]  # [v; k] heads, as a cache row
+        bias = cache_bias((torch.arange(S - T, S)[:, None] >= torch.arange(S))[None], 1, torch.float32)
+
+        def sdpa(i):
+            q, k, v = qs[i].transpose(1, 2), caches[i][:, :, Hkv:].transpose(1, 2), caches[i][:, :, :Hkv].transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=Hkv != H)\
+                .transpose(1, 2).reshape(1, T, H * hd)
+
+        ways = {"sdpa": sdpa}
+        if cpu_kernels.unavailable() is None:
+            ways["kernel"] = lambda i: cpu_kernels.cached_attention(qs[i], caches[i][:, :, Hkv:], caches[i][:, :, :Hkv], bias)
+        for n in range(args.warmup):
+            for f in ways.values():
+                f(n % args.copies)
+        times = {k: [] for k in ways}
+        for n in range(args.reps):
+            for k, f in ways.items():
+                t0 = time.perf_counter()
+                f(n % args.copies)
+                times[k].append(time.perf_counter() - t0)
+        ours = f"{statistics.median(times['kernel']) * 1e6:>10.1f}" if "kernel" in times else f"{'n/a':>10}"
+        diff = (ways["kernel"](0) - sdpa(0)).abs().max().item() if "kernel" in ways else 0.0
+        uses = "kernel" if ("kernel" in ways and args.threads == 1 and T <= cpu_kernels.ATTENTION_MAX_TOKENS) else "SDPA"
+        print(f"{T:>7} {S:>6} {statistics.median(times['sdpa']) * 1e6:>9.1f} {ours} {diff:>11.2e}  {uses}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -58,3 +58,27 @@ def test_gemm_bench_bad_input_is_one_line(capsys):
     assert gemm_bench.main(["--shapes", "64by32"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --shapes") and err.count("\n") == 1, err
+
+
+def test_gemm_bench_attention_table_agrees_and_names_the_engine_choice(capsys, monkeypatch):
+    """--attention: SDPA and the few-token kernel per TOKENSxKEYS agree to rounding, and the engine's
+    choice is named (the kernel with one thread up to ATTENTION_MAX_TOKENS tokens, else SDPA);
+    --shapes none leaves the GEMM table out; a TOKENS past KEYS is a one-line error."""
+    monkeypatch.setattr(cpu_kernels, "ATTENTION_MAX_TOKENS", 4)
+    before = torch.get_num_threads()
+    try:
+        assert gemm_bench.main(["--shapes", "none", "--attention", "1x20,6x33", "--heads", "4,2,16", "--reps", "2",
+                                "--warmup", "1", "--copies", "2", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("attention, 4 query heads, 2 K/V heads, head dim 16") and "weight" not in lines[2]
+    rows = [l.split() for l in lines[3:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("6", "33")]
+    if cpu_kernels.unavailable() is None:
+        assert all(float(r[4]) < 1e-5 for r in rows) and [r[5] for r in rows] == ["kernel", "SDPA"]
+    else:
+        assert all(r[3] == "n/a" and r[5] == "SDPA" for r in rows)
+    assert gemm_bench.main(["--shapes", "none", "--attention", "9x8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --attention 9x8") and err.count("\n") == 1, err
