@@ -243,8 +243,8 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
     `skip_guards` (a compiled engine, after its warm-up): BenchArgs.skip_guards."""
     reqs = [Request(i, p) for i, p in enumerate(prompts)]
     engine.prefill_seconds = engine.decode_seconds = 0.0
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards and engine.compiled):
-        engine.generate(reqs, max_new_tokens)
+    engine.skip_guards = skip_guards  # Engine.generate applies it once warmed up
+    engine.generate(reqs, max_new_tokens)
     seconds = engine.prefill_seconds + engine.decode_seconds
     c = metrics.count(reqs, engine.K, engine.stop_ids)
     return {

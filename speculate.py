@@ -272,6 +272,11 @@ class Engine:
                     limit = getattr(torch._dynamo.config, name) + len(self.scheduler.profile_points) + 1
                     setattr(torch._dynamo.config, name, limit)
         self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
+        # Compiled and warmed up (`warmup` compiles every graph a round can call: the draft, and the
+        # verify at every bucket), `generate` evaluates only the guards that tell those graphs apart
+        # (torch.compiler.set_stance(skip_guard_eval_unsafe=True)): nothing a guard checks changes after
+        # the warm-up, and full evaluation cost 0.5-1.2 ms a round on CPU (BENCHMARKS.md). False: every guard.
+        self.warmed, self.skip_guards = False, True
 
     def kernel_set(self, name: str) -> kernels.KernelSet:
         try:
@@ -309,8 +314,14 @@ class Engine:
         `on_step()` the end of every round of the batch (runlog.DecodeWatch's figures as it goes).
 
         A round always runs all rows (free rows are inactive), so its shapes never change and a
-        compiled round never recompiles.
+        compiled round never recompiles. Compiled and warmed up, guard evaluation is cut to what tells
+        the graphs apart (`skip_guards`, __init__).
         """
+        skip = self.compiled and self.warmed and self.skip_guards
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+            self._generate(requests, max_new_tokens, on_round, on_finish, on_step)
+
+    def _generate(self, requests: list[Request], max_new_tokens: int, on_round, on_finish, on_step):
         B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
         for req in requests:  # a row's cache must hold the prompt, the budget and a round's overshoot
             need = cache_length(len(req.prompt_ids), max_new_tokens, self.drafter)
@@ -440,6 +451,7 @@ class Engine:
         for n in [None] if not self.ragged else (s.buckets or [s.profile_points[-1]]):
             self._dummy_round(n)
         self.compile_seconds += time.perf_counter() - t0
+        self.warmed = True
 
     def profile_sps(self, reps: int = 7) -> dict:
         """The hardware scheduler's SPS table, measured: rounds per second when a round verifies B

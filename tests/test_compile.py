@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import unittest.mock
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ def pair(tmp_path_factory):
 
 def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd):
     """... and prints what the eager run prints: the completions on stdout, no autotuning tables (which
-    Inductor writes to stderr while it autotunes, on a cold cache as in CI)."""
+    Inductor writes to stderr while it autotunes, on a cold cache as in CI); after the warm-up, the
+    compiled run decodes with guard evaluation cut to the guards that tell the graphs apart."""
     import torch._dynamo
 
     target, drafter = pair
@@ -38,12 +40,19 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd)
     # batch padded with an inactive row. Nothing of this may trigger a recompile.
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
                                for p in ([5, 17, 33, 2, 8], [9, 1], [40, 41, 42, 43, 44, 45, 46])))
-    traces, printed = {}, {}
+    traces, printed, stances = {}, {}, {}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    set_stance = torch.compiler.set_stance
+
+    def recording(*args, **kwargs):  # Engine.generate's stance: guards skipped once compiled and warmed up
+        stances.setdefault(flag, []).append(kwargs.get("skip_guard_eval_unsafe"))
+        return set_stance(*args, **kwargs)
+
     for flag in ("--no-compile", "--compile"):
         trace = tmp_path / f"{flag}.jsonl"
-        with torch._dynamo.config.patch(error_on_recompile=True):
+        with torch._dynamo.config.patch(error_on_recompile=True), \
+                unittest.mock.patch.object(torch.compiler, "set_stance", recording):
             rc = speculate.main(["--target", target, "--drafter", drafter, "--prompts-file", str(prompts),
                                  "--batch-size", "2", "--max-new-tokens", "24", "--trace-file", str(trace), flag])
         out, err = capfd.readouterr()
@@ -69,6 +78,7 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd)
     # Two graphs compiled, the round's halves: draft and verify (fullgraph=True would have raised on
     # a break; a recompile would have raised through error_on_recompile).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert stances == {"--no-compile": [False], "--compile": [True]}  # ... with the guards cut to what tells them apart
 
 
 def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_path, capsys):
