@@ -319,7 +319,7 @@ class Engine:
         """
         skip = self.compiled and self.warmed and self.skip_guards
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
-            self._generate(requests, max_new_tokens, on_round, on_finish, on_step)
+            return self._generate(requests, max_new_tokens, on_round, on_finish, on_step)
 
     def _generate(self, requests: list[Request], max_new_tokens: int, on_round, on_finish, on_step):
         B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
