@@ -253,7 +253,8 @@ PACK_MIN_ELEMENTS = 1 << 18
 
 def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
     """Which GEMMs a CPU float32 run of `model` (`compiled` or eager) uses, in words (printed at start;
-    None off CPU float32)."""
+    None off CPU float32). Where the few-row GEMM runs, so does the few-token attention (same library,
+    same one-thread rule; `attend_cached`)."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
@@ -265,7 +266,8 @@ def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
         return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
     if torch.get_num_threads() != 1:
         return f"GEMMs: {others} (the few-row kernel runs with one thread)"
-    return "GEMMs: the few-row kernel (cpu_kernels.cpp)" + (", one op each in the compiled graphs" if compiled else "")
+    return ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
+            + (", one op each in the compiled graphs" if compiled else ""))
 
 
 def packs_pay(model: nn.Module) -> bool:

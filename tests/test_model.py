@@ -903,9 +903,9 @@ def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
     try:
         torch.set_num_threads(1)
         if cpu_kernels.unavailable() is None:
-            assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp)"
-            assert m.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp), one op each in "
-                                                         "the compiled graphs")
+            assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
+            assert m.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention "
+                                                         "too), one op each in the compiled graphs")
         torch.set_num_threads(2)
         if cpu_kernels.unavailable() is None:
             assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
