@@ -115,7 +115,8 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
         options = {"max_autotune": True}
     else:  # the mode as its options (what torch.compile does with a mode), so that ours can join them
         options = torch._inductor.list_mode_options(mode or "reduce-overhead")
-    cpu_kernels.prepare_graphs()  # CPU, one thread: GEMMs and few-token attention on our kernels, one op each
+    if not str(device).startswith("cuda"):  # (a CUDA run does not build the CPU kernels)
+        cpu_kernels.prepare_graphs()  # CPU, one thread: GEMMs and few-token attention on our kernels, one op each
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=_inductor_options(options))
     switch = hasattr(select_algorithm, "PRINT_AUTOTUNE")
 
