@@ -160,6 +160,32 @@ def test_cached_attention_takes_any_mask_and_a_row_that_sees_nothing_gives_zeros
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     empty = cpu_kernels.cached_attention(q, k[:, :0], v[:, :0], bias[..., :0])
     assert empty.shape == (1, T, H * hd) and not empty.any()
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # the head dim strided: copied before the kernel
+    assert qt.stride(3) != 1 and torch.equal(cpu_kernels.cached_attention(qt, k, v, bias), got)
+
+
+@needs_kernels
+def test_attend_cached_takes_the_kernel_only_where_it_applies():
+    """model.attend_cached: the kernel for CPU float32 at one thread and up to ATTENTION_MAX_TOKENS
+    tokens without autograd; SDPA past that many tokens, with grad, in bfloat16, or with more threads —
+    the two agreeing to rounding wherever both apply."""
+    import model
+
+    g = gen(72)
+    S, n = 300, cpu_kernels.ATTENTION_MAX_TOKENS
+    k, v = torch.randn(1, S, 2, 16, generator=g), torch.randn(1, S, 2, 16, generator=g)
+    for T, applies in ((1, True), (n, True), (n + 1, False)):
+        q = torch.randn(1, T, 4, 16, generator=g)
+        bias = model.cache_bias((torch.arange(S - T, S)[:, None] >= torch.arange(S))[None], 1, torch.float32)
+        assert cpu_kernels.attention_applies(q, bias) == applies
+        assert torch.allclose(model.attend_cached(q, k, v, bias), sdpa(q, k, v, bias), rtol=1e-5, atol=1e-5)
+    q = torch.randn(1, 2, 4, 16, generator=g)
+    bias = model.cache_bias(torch.ones(1, 2, S, dtype=torch.bool), 1, torch.float32)
+    assert cpu_kernels.attention_applies(q, bias)
+    assert not cpu_kernels.attention_applies(q.bfloat16(), bias.bfloat16())
+    assert not cpu_kernels.attention_applies(q[..., :8], bias)  # head dim not a multiple of 16
+    with torch.enable_grad():
+        assert not cpu_kernels.attention_applies(q.clone().requires_grad_(), bias)
 
 
 @needs_kernels
