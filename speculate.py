@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import Annotated, Literal, NamedTuple, Optional, Sequence
 
 import torch
@@ -131,6 +131,17 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: P
     finite = finite & rows_finite(logits)  # read with the record: no extra sync
     return (pack(drafts, verify_len, accepted, next_token, confidence, finite),
             torch.where(active, next_token, anchor), torch.where(active, anchor_pos + accepted + 1, anchor_pos))
+
+
+def own_code(fn):
+    """`fn` with a code object of its own. torch.compile keeps its graphs per code object, so each
+    engine's `draft` and `verify` hold only that engine's graphs — with guard evaluation cut to the
+    guards that tell a code object's graphs apart (`Engine.generate`), a speculative engine's call
+    was otherwise answered by an autoregressive engine's draft graph compiled beside it (both engines
+    of `python speculate.py --compile`: τ 1.00, measured; BENCHMARKS.md, session 9)."""
+    copy = FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__doc__, copy.__qualname__ = fn.__kwdefaults__, fn.__doc__, fn.__qualname__
+    return copy
 
 
 class RoundRecord(NamedTuple):
@@ -262,7 +273,7 @@ class Engine:
         if not self.ragged and scheduler != "none":
             raise ValueError(f"scheduler {scheduler!r} runs the ragged round")
         # The round's halves, compiled or not, and what every call passes them, fixed here.
-        wrap = (lambda f: compiled(f, device, compile_mode, compile_verbose)) if compile else (lambda f: f)
+        wrap = (lambda f: compiled(own_code(f), device, compile_mode, compile_verbose)) if compile else (lambda f: f)
         self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
         self.bound = dict(temperature=temperature, filters=self.filters, kernels=self.kernel_set(kernels))
         self.cuda_graphs = compile and str(device).startswith("cuda")
@@ -275,7 +286,9 @@ class Engine:
         # Compiled and warmed up (`warmup` compiles every graph a round can call: the draft, and the
         # verify at every bucket), `generate` evaluates only the guards that tell those graphs apart
         # (torch.compiler.set_stance(skip_guard_eval_unsafe=True)): nothing a guard checks changes after
-        # the warm-up, and full evaluation cost 0.5-1.2 ms a round on CPU (BENCHMARKS.md). False: every guard.
+        # the warm-up, and full evaluation cost 0.5-1.2 ms a round on CPU (BENCHMARKS.md). Safe because
+        # the engine's halves are code of its own (`own_code`): no other engine's graphs sit beside
+        # them for the cut-down guards to confuse them with. False: every guard.
         self.warmed, self.skip_guards = False, True
 
     def kernel_set(self, name: str) -> kernels.KernelSet:

@@ -81,6 +81,32 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd)
     assert stances == {"--no-compile": [False], "--compile": [True]}  # ... with the guards cut to what tells them apart
 
 
+def test_two_compiled_engines_keep_their_own_graphs_with_guards_skipped(pair):
+    """The demo's order: a speculative engine compiled, then an autoregressive one on the same target,
+    each decoding with guard evaluation cut down. Each engine's round is code of its own
+    (speculate.own_code), so the speculative engine never runs the autoregressive draft graph (which
+    it did when both shared `draft`'s code: τ 1.00, every draft rejected)."""
+    from drafter import load_drafter
+    from model import load_target
+
+    target = load_target(pair[0])
+    drafter = load_drafter(pair[1], target)
+    torch._dynamo.reset()
+    prompt = [5, 17, 33, 2, 8]
+    ar = [speculate.Request(0, prompt)]
+    sp = [speculate.Request(0, prompt)]
+    with torch.inference_mode():  # (as speculate.main runs both: a graph is compiled per grad mode)
+        spec = speculate.Engine(target, drafter, batch_size=1, max_seq=64, compile=True)
+        spec.warmup()
+        base = speculate.Engine(target, None, batch_size=1, max_seq=64, compile=True)
+        base.warmup()
+        assert spec.draft_fn.__wrapped__.__code__ is not base.draft_fn.__wrapped__.__code__
+        base.generate(ar, 16)
+        spec.generate(sp, 16)
+    assert sp[0].output_ids == ar[0].output_ids
+    assert sum(r["accepted"] for r in sp[0].rounds) > 0, "the speculative engine ran a draft graph that drafts nothing"
+
+
 def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_path, capsys):
     """The hardware-scheduled round (draft + Algorithm 1 graph, host read, ragged verify graph per
     bucket) compiles once per graph at warm-up and never again, across batches of different
