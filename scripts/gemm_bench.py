@@ -135,17 +135,9 @@ def run(args: GemmArgs) -> int:
                 "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, packs[i], None, "none", [], "")}
             if panels[0] is not None:
                 kernels["panels"] = lambda i: cpu_kernels.panel_linear(x, panels[i])
-            for n in range(args.warmup):
-                for f in kernels.values():
-                    f(n % args.copies)
-            times = {k: [] for k in kernels}
-            for n in range(args.reps):
-                for k, f in kernels.items():
-                    t0 = time.perf_counter()
-                    f(n % args.copies)
-                    times[k].append(time.perf_counter() - t0)
-            mkl, col, onednn = (statistics.median(times[k]) * 1e6 for k in ("mkl", "col", "onednn"))
-            ours = f"{statistics.median(times['panels']) * 1e6:>10.1f}" if "panels" in times else f"{'n/a':>10}"
+            times = interleaved_us(kernels, args)
+            mkl, col, onednn = (times[k] for k in ("mkl", "col", "onednn"))
+            ours = f"{times['panels']:>10.1f}" if "panels" in times else f"{'n/a':>10}"
             results = [f(0) for f in kernels.values()]
             diff = max((results[0] - y).abs().max().item() for y in results[1:])
             print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {col:>11.1f} {onednn:>10.1f} {ours} {diff:>11.2e}  "
@@ -153,6 +145,21 @@ def run(args: GemmArgs) -> int:
     if attention:
         attention_table(attention, *heads, args, g)
     return 0
+
+
+def interleaved_us(ways: dict, args: GemmArgs) -> dict:
+    """Median µs per call of each of `ways` (each takes the copy to use): `args.warmup` untimed rounds,
+    then `args.reps` timed ones, the ways interleaved, call n on copy n % `args.copies`."""
+    for n in range(args.warmup):
+        for f in ways.values():
+            f(n % args.copies)
+    times = {k: [] for k in ways}
+    for n in range(args.reps):
+        for k, f in ways.items():
+            t0 = time.perf_counter()
+            f(n % args.copies)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) * 1e6 for k, t in times.items()}
 
 
 def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, args: GemmArgs, g: torch.Generator):
@@ -174,19 +181,11 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
         ways = {"sdpa": sdpa}
         if cpu_kernels.unavailable() is None:
             ways["kernel"] = lambda i: cpu_kernels.cached_attention(qs[i], caches[i][:, :, Hkv:], caches[i][:, :, :Hkv], bias)
-        for n in range(args.warmup):
-            for f in ways.values():
-                f(n % args.copies)
-        times = {k: [] for k in ways}
-        for n in range(args.reps):
-            for k, f in ways.items():
-                t0 = time.perf_counter()
-                f(n % args.copies)
-                times[k].append(time.perf_counter() - t0)
-        ours = f"{statistics.median(times['kernel']) * 1e6:>10.1f}" if "kernel" in times else f"{'n/a':>10}"
+        times = interleaved_us(ways, args)
+        ours = f"{times['kernel']:>10.1f}" if "kernel" in times else f"{'n/a':>10}"
         diff = (ways["kernel"](0) - sdpa(0)).abs().max().item() if "kernel" in ways else 0.0
         uses = "kernel" if ("kernel" in ways and args.threads == 1 and T <= cpu_kernels.ATTENTION_MAX_TOKENS) else "SDPA"
-        print(f"{T:>7} {S:>6} {statistics.median(times['sdpa']) * 1e6:>9.1f} {ours} {diff:>11.2e}  {uses}", flush=True)
+        print(f"{T:>7} {S:>6} {times['sdpa']:>9.1f} {ours} {diff:>11.2e}  {uses}", flush=True)
 
 
 def main(argv=None) -> int:
