@@ -146,14 +146,35 @@ def _register_fakes():
 
 
 def panel_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """`weight` [N, K] (float32, CPU) as panels [N/16, K, 16] for `panel_linear` (a copy), or None
-    where the kernel does not apply: another dtype or device, N not a multiple of 16, or the kernels
-    unavailable (`unavailable`)."""
+    """`weight` [N, K] (float32, CPU) as panels [N/16, K, 16] for `panel_linear` (a copy, on huge pages:
+    `weight_memory`), or None where the kernel does not apply: another dtype or device, N not a
+    multiple of 16, or the kernels unavailable (`unavailable`)."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
             or weight.shape[0] % PANEL or weight.shape[1] == 0 or unavailable() is not None):
         return None
     N, K = weight.shape
-    return weight.detach().reshape(N // PANEL, PANEL, K).transpose(1, 2).contiguous()
+    panels = weight_memory(N * K * 4).view(torch.float32).view(N // PANEL, K, PANEL)
+    return panels.copy_(weight.detach().reshape(N // PANEL, PANEL, K).transpose(1, 2))
+
+
+ARENA_BYTES = 64 << 20  # the huge-page blocks `weight_memory` carves the panels from
+_arena: Optional[torch.Tensor] = None  # the current block (uint8) ...
+_arena_used = 0                        # ... and how much of it is handed out
+
+
+def weight_memory(nbytes: int) -> torch.Tensor:
+    """nbytes of uninitialised memory (uint8, 64-byte aligned) for a weight copy the kernels stream, cut
+    from blocks of ARENA_BYTES on transparent huge pages (the operator dspark::huge_buffer): streamed
+    through 4 KiB pages, a weight costs a TLB walk per page and the prefetchers stop at each page's end
+    (the target's GEMMs at six rows: 6.2 ms a pass on huge pages, 8.2 ms on 4 KiB; BENCHMARKS.md). The
+    block lives as long as any weight cut from it."""
+    global _arena, _arena_used
+    need = -(-nbytes // 64) * 64
+    if _arena is None or _arena_used + need > _arena.numel():
+        _arena, _arena_used = torch.ops.dspark.huge_buffer.default(max(ARENA_BYTES, need)), 0
+    out = _arena[_arena_used:_arena_used + nbytes]
+    _arena_used += need
+    return out
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
