@@ -13,6 +13,8 @@ tune for more rows; at these few they ran well below the core's peak on this pro
 - `cached_attention`: per K/V head, the query rows of its GQA group against the keys and the values
   as two of those GEMMs, reading only the keys some query may see (a static cache costs what is
   filled); model.attend_cached says when it is used.
+- The panels live on transparent huge pages (`weight_memory`, the operator dspark::huge_buffer):
+  streamed through 4 KiB pages, the target's GEMMs at six rows took a third longer.
 
 They are built on first use with the system's C++ compiler (CXX, default g++) against torch's own
 headers (about 10 s, once per torch version) into a cache folder, and loaded as the operators

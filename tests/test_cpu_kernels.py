@@ -196,3 +196,24 @@ def test_cached_attention_refuses_what_does_not_fit():
                  (q.double(), k, k, b), (q[0], k, k, b)):
         with pytest.raises(RuntimeError, match="cached_attention"):
             cpu_kernels.cached_attention(*args)
+
+
+@needs_kernels
+def test_weight_memory_hands_out_aligned_disjoint_slices_that_outlive_their_block_reference(monkeypatch):
+    """weight_memory: 64-byte-aligned, non-overlapping slices of a huge-page block; a request larger
+    than a block gets a block of its own; a slice stays valid after the block is no longer the current
+    one (the slices keep it mapped); panel_weight's panels are such a slice, contiguous, the weight's."""
+    monkeypatch.setattr(cpu_kernels, "_arena", None)
+    monkeypatch.setattr(cpu_kernels, "ARENA_BYTES", 1 << 16)
+    a, b = cpu_kernels.weight_memory(100), cpu_kernels.weight_memory(1000)
+    assert a.numel() == 100 and b.numel() == 1000 and a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    assert b.data_ptr() >= a.data_ptr() + 100
+    big = cpu_kernels.weight_memory((1 << 16) + 5)
+    assert big.numel() == (1 << 16) + 5
+    a.fill_(3)
+    big.fill_(7)
+    monkeypatch.setattr(cpu_kernels, "_arena", None)  # the first block is no longer held by the arena
+    assert int(a.sum()) == 300 and int(big[-5:].sum()) == 35
+    w = torch.randn(48, 40, generator=gen(73))
+    panels = cpu_kernels.panel_weight(w)
+    assert panels.is_contiguous() and torch.equal(panels, w.reshape(3, 16, 40).transpose(1, 2))
