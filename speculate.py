@@ -643,7 +643,7 @@ class Args(WandbFlags):
     threads: Optional[int] = None
     """CPU threads for torch (torch.set_num_threads). Default: OMP_NUM_THREADS when set, else half the
     CPUs this process may use (printed at start); see the README on sharing a machine. With one
-    thread, float32 CPU products run on the project's few-row GEMM kernel (README, Speed)."""
+    thread, float32 CPU products and a round's attention run on the project's CPU kernels (README, Speed)."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""
