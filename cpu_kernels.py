@@ -231,6 +231,12 @@ def _one_thread() -> bool:
     return torch.get_num_threads() == 1
 
 
+def kernels_on() -> bool:
+    """The one-thread rule of `model.dense` and `model.attend_cached`: while torch.compile traces, what
+    the graph was settled to (`in_graph`); eager, whether torch runs one thread now."""
+    return in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1
+
+
 def in_graph() -> bool:
     """While torch.compile traces: whether the graph calls the kernels — torch ran one thread when it
     was traced, after `prepare_graphs` (a graph keeps what it was traced with; before prepare_graphs, or

@@ -206,8 +206,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
     if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
-        # compiled: one opaque kernel of the graph, where one thread ran when it was traced
-        if cpu_kernels.in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1:
+        if cpu_kernels.kernels_on():  # compiled: one opaque kernel of the graph
             return cpu_kernels.panel_linear(x, packed.panels, bias)
     if packed.onednn is None or x.numel() <= x.shape[-1]:
         return F.linear(x, weight, bias)
@@ -501,15 +500,14 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     On CPU in float32 with one thread, up to cpu_kernels.ATTENTION_MAX_TOKENS query tokens (a round's
     forwards, short prompts) go to cpu_kernels.cached_attention instead (compiled: the op
     dspark::cached_attention, in graphs traced after cpu_kernels.prepare_graphs): SDPA's CPU kernel spent
-    ~150 µs a layer on a verify's six tokens, 10% of a compiled round. It reads only the keys some query
+    ~150 µs a layer on a verify's six tokens, ~1.6 ms of a 13.4 ms compiled round (BENCHMARKS.md). It reads only the keys some query
     may see, and a row's result does not depend on the tokens beside it or the keys past its own, so
     a verify's rows and one-token steps, eager and compiled, attend alike.
     """
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
     g = bias.shape[2] // T
-    one_thread = cpu_kernels.in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1
-    if g == 1 and one_thread and cpu_kernels.attention_applies(q, bias):  # CPU float32, a few tokens
+    if g == 1 and cpu_kernels.kernels_on() and cpu_kernels.attention_applies(q, bias):  # CPU float32, a few tokens
         return cpu_kernels.cached_attention(q, k, v, bias)
     if g == 1:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
