@@ -44,7 +44,8 @@ from common import (UserError, check_outputs, check_ranges, cli_main, device_nam
                     resolve_dtype, sync, write_json)
 from drafter import Drafter, DrafterConfig, random_drafter
 from inputs import resolve_checkpoint
-from model import PRESETS, ModelArgs, Transformer, gemm_note, init_random_, load_target, random_target
+from cpu_kernels import gemm_note
+from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
 from compiling import CompileMode, check_compile_flags, use_compile_cache
 from speculate import Engine, Request
 

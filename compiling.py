@@ -87,7 +87,7 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
     beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md) — with
     more than one thread: with one, the model's GEMMs and its few-token attention stay with the
-    project's CPU kernels, called as one opaque op each (`model.dense`, dspark::panel_linear;
+    project's CPU kernels, called as one opaque op each (`cpu_kernels.dense`, dspark::panel_linear;
     `model.attend_cached`, dspark::cached_attention), faster still, and Inductor fuses what lies
     between them. The
     weights must not change in place afterwards (a new model recompiles; an edited one would not be

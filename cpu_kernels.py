@@ -9,12 +9,16 @@ tune for more rows; at these few they ran well below the core's peak on this pro
   (`panel_weight`) with the rows' outputs in registers: at six rows 1.61-1.75x faster than the best of
   MKL and packed oneDNN on weights of 2^18 elements or more, at 64 rows 1.13-1.23x, at one row
   1.02-1.42x (on smaller weights 0.95-1.55x, 1.01-1.12x, 0.57-1.2x; `python scripts/gemm_bench.py`,
-  BENCHMARKS.md "CPU, a few-row GEMM kernel"; model.dense says which products take it).
+  BENCHMARKS.md "CPU, a few-row GEMM kernel"; `dense` says which products take it).
 - `cached_attention`: per K/V head, the query rows of its GQA group against the keys and the values
   as two of those GEMMs, reading only the keys some query may see (a static cache costs what is
   filled); model.attend_cached says when it is used.
 - The panels live on transparent huge pages (`weight_memory`, the operator dspark::huge_buffer):
   streamed through 4 KiB pages, the target's GEMMs at six rows took a third longer.
+
+And which product runs where (`dense`, the `Dense` layer, `pack_weight`, `column_major`): the model's
+weights get their inference copies here (panels, oneDNN's packed layout, column-major storage) and each
+GEMM goes to the fastest kernel measured for its rows and thread count; `gemm_note` says which in words.
 
 They are built on first use with the system's C++ compiler (CXX, default g++) against torch's own
 headers (about 10 s, once per torch version) into a cache folder, and loaded as the operators
@@ -32,9 +36,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from common import user_cache_dir
 
@@ -214,6 +220,169 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     return torch.ops.dspark.cached_attention.default(q, k, v, bias)
 
 
+# ----------------------------------------------------------------------------------------
+# Which product runs where: the model's GEMMs (`dense`, `Dense`) and the weight copies they use
+
+class Packed(NamedTuple):
+    """A weight's inference copies for `dense` (`pack_weight`; either may be None): `panels`, the
+    layout of the few-row CPU kernel (`panel_weight`), and `onednn`, oneDNN's blocked layout."""
+    panels: Optional[torch.Tensor]
+    onednn: Optional[torch.Tensor]
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+          packed: Optional[Packed] = None) -> torch.Tensor:
+    """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
+    `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
+
+    - with one thread: the few-row kernel on the panels (`panel_linear`, the
+      operator dspark::panel_linear of cpu_kernels.cpp; compiled, one opaque op in graphs traced after
+      `prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
+      weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
+      than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
+      rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to
+      MKL (BENCHMARKS.md, "CPU, a few-row GEMM kernel"); each row's result is the same however many
+      rows share the product;
+    - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
+      fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
+    - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
+
+    They agree to rounding, not bitwise (other summation orders). Autograd always takes F.linear (the
+    fast kernels have no backward: a drafter in training reads the lm_head)."""
+    if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
+        if kernels_on():  # compiled: one opaque kernel of the graph
+            return panel_linear(x, packed.panels, bias)
+    if packed.onednn is None or x.numel() <= x.shape[-1]:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
+                                              "none", [], "")
+
+
+def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
+    """`weight` [out, in]'s copies for `dense` (each the weight's memory again), or None when it gets
+    neither: the panels of the few-row CPU kernel where that applies (`panel_weight`), and
+    oneDNN's blocked layout when the weight has `min_elements` elements or more (default
+    PACK_MIN_ELEMENTS; 0 packs any weight) and oneDNN is built in."""
+    panels = panel_weight(weight)
+    onednn = None
+    if (weight.numel() >= (PACK_MIN_ELEMENTS if min_elements is None else min_elements)
+            and torch.backends.mkldnn.is_available()):
+        onednn = _onednn_layout(weight)
+    return None if panels is None and onednn is None else Packed(panels, onednn)
+
+
+def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+def packed_rows(packed: Optional[Packed], weight: torch.Tensor, rows: int) -> Optional[Packed]:
+    """The copies for `dense` of weight[:rows] (a fused weight's leading rows): its panels a view of
+    the whole's leading panels (where `rows` is a whole number of panels), oneDNN's packed anew."""
+    if packed is None:
+        return None
+    panels = packed.panels[:rows // PANEL] if packed.panels is not None and rows % PANEL == 0 \
+        else None  # (panel_weight gives none either: no kernel, or not a whole number of panels)
+    onednn = _onednn_layout(weight[:rows]) if packed.onednn is not None else None
+    return None if panels is None and onednn is None else Packed(panels, onednn)
+
+
+PACK_ROWS = 64  # the row count oneDNN chooses its layout for (packed for 1 instead, 6-row products were slower)
+# Weights smaller than this get no oneDNN copy: oneDNN's fixed cost per product outweighs its better
+# kernel there. On this project's machine (BENCHMARKS.md, "CPU, weight layouts") oneDNN at 6 rows ran
+# at 0.59-0.97x the speed of MKL's best layout on weights of 65-197K elements (the demo pair's), and
+# at 1.06-1.64x on weights of 262K (2^18) to 4.2M elements. (The panels are made at any size.)
+PACK_MIN_ELEMENTS = 1 << 18
+
+
+def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
+    """Which GEMMs a CPU float32 run of `model` (`compiled` or eager) uses, in words (printed at start;
+    None off CPU float32). Where the few-row GEMM runs, so does the few-token attention (same library,
+    same one-thread rule; `attend_cached`)."""
+    w = next(model.parameters())
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return None
+    others = "Inductor's" if compiled else "MKL/oneDNN"
+    why = unavailable()
+    if why is not None:
+        return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
+    if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
+        return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
+    if torch.get_num_threads() != 1:
+        return f"GEMMs: {others} (the few-row kernel runs with one thread)"
+    return ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
+            + (", one op each in the compiled graphs" if compiled else ""))
+
+
+def packs_pay(model: nn.Module) -> bool:
+    """Whether `fuse_` packs `model`'s weights for `dense` (`pack_weight`): on CPU, in float32, and when
+    the two copies it may make (panels, oneDNN's) take at most a third of the machine's memory."""
+    w = next(model.parameters())
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return False
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: do not risk the memory
+        return False
+    return 6 * weights <= memory
+
+
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as the transpose of a contiguous [in, out] copy, where that layout pays
+    (`column_major_pays`), else `weight` itself. F.linear then multiplies x by the stored [in, out]
+    matrix as it lies (BLAS's "NN" product). On this project's CPU (MKL, AMD EPYC, float32, 1 thread;
+    `scripts/gemm_bench.py`, BENCHMARKS.md "CPU, weight layouts") a one-row product — an autoregressive
+    step, a Markov step — was 1.1-2.0x faster that way on every weight with out >= in (an 8192x512
+    lm_head 1218 -> 657 µs, 1536x512 240 -> 162 µs) and slower on in > out (512x1536 176 -> 237 µs),
+    and a few rows on the small weights that stay with MKL gained as much (768x256 at 6 rows: 171 ->
+    109 µs). Same shape and values; another summation order, so agreement to rounding."""
+    if not column_major_pays(weight):
+        return weight
+    return weight.detach().t().contiguous().t()
+
+
+def column_major_pays(weight: torch.Tensor) -> bool:
+    """Whether `column_major` stores `weight` transposed: on CPU, in float32, out >= in, row-major now,
+    and the whole of its storage (not rows of a fused weight, which `fuse_` lays out as one)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[0] >= weight.shape[1] and weight.is_contiguous()
+            and weight.untyped_storage().nbytes() == weight.numel() * weight.element_size())
+
+
+def column_major_(module: nn.Module):
+    """Every nn.Linear weight of `module` that pays for it stored column-major in place (`column_major`):
+    the Parameter objects are kept (a weight tied to an embedding stays tied), their data re-laid. Run
+    after fusing: the fused weights are laid out whole, and their rows are views that stay views."""
+    for lin in module.modules():
+        if isinstance(lin, nn.Linear) and column_major_pays(lin.weight):
+            lin.weight.data = column_major(lin.weight)
+
+
+class Dense(nn.Linear):
+    """nn.Linear through `dense`: with `packed` set (`fuse_` on CPU), its GEMMs run on the CPU kernel's
+    panels or oneDNN's packed weight. `packed` is a plain attribute: not in state_dict, not moved by
+    `.to()` (pack again after a move), and never read while torch.compile traces (Inductor packs its own)."""
+    packed: Optional[Packed] = None
+
+    def pack_(self):
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias, packed_of(self, "packed"))
+
+
+def packed_of(module: nn.Module, name: str) -> Optional[Packed]:
+    """module.<name>, a weight's packed copies or None. While torch.compile traces, only the panels:
+    Inductor packs its own oneDNN weights (compiling.compiled), so a graph never reads those, and it
+    calls the few-row kernel as one opaque op (`dense`)."""
+    packed = getattr(module, name)
+    if packed is None or not torch.compiler.is_compiling():
+        return packed
+    return Packed(packed.panels, None) if packed.panels is not None else None
+
+
 _graph_one_thread = None  # prepare_graphs(): torch.get_num_threads() == 1, as a constant for dynamo
 
 
@@ -232,7 +401,7 @@ def _one_thread() -> bool:
 
 
 def kernels_on() -> bool:
-    """The one-thread rule of `model.dense` and `model.attend_cached`: while torch.compile traces, what
+    """The one-thread rule of `dense` and `model.attend_cached`: while torch.compile traces, what
     the graph was settled to (`in_graph`); eager, whether torch runs one thread now."""
     return in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1
 

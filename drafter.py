@@ -33,8 +33,9 @@ import torch
 import torch.nn as nn
 
 from common import UserError, read_json, save_tensors, write_json
-from model import (DecoderLayer, Dense, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
-                   attended_length, cache_bias, column_major_, fold_gqa, packs_pay, read_safetensors, rope_tables, safetensors_files)
+from cpu_kernels import Dense, column_major_, packs_pay
+from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
+                   attended_length, cache_bias, fold_gqa, read_safetensors, rope_tables, safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 MAX_BLOCK = 256  # slots per block: published drafters use 7 (DSpark) and 16 (DFlash)

@@ -24,8 +24,8 @@ What is notable here:
   layer's projections are fused (`Transformer.fuse_`): one [v; k; q] GEMM (and on CUDA one
   [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
   the checkpoint's.
-- On CPU in float32 the GEMMs run on copies of each weight made once by `fuse_` (`dense`, `Dense`,
-  `pack_weight`): with one thread on cpu_kernels.py's few-row kernel (cpu_kernels.cpp), else from two rows
+- On CPU in float32 the GEMMs run on copies of each weight made once by `fuse_` (cpu_kernels.py's
+  `dense`, `Dense`, `pack_weight`): with one thread on its few-row kernel (cpu_kernels.cpp), else from two rows
   on oneDNN's packed layout — MKL multiplies a handful of rows (verification, the drafter's block)
   at a fraction of a core's peak. `F.linear` is the reference.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
@@ -50,6 +50,8 @@ import torch.nn.functional as F
 
 import cpu_kernels
 from common import UserError, read_json
+from cpu_kernels import (Dense, column_major, column_major_, dense, pack_weight, packed_of, packed_rows,
+                         packs_pay)
 
 
 # ----------------------------------------------------------------------------------------
@@ -176,166 +178,6 @@ def _eos_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------------------
 # Layers
-
-class Packed(NamedTuple):
-    """A weight's inference copies for `dense` (`pack_weight`; either may be None): `panels`, the
-    layout of the few-row CPU kernel (`cpu_kernels.panel_weight`), and `onednn`, oneDNN's blocked layout."""
-    panels: Optional[torch.Tensor]
-    onednn: Optional[torch.Tensor]
-
-
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-          packed: Optional[Packed] = None) -> torch.Tensor:
-    """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
-    `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
-
-    - with one thread: cpu_kernels.py's few-row kernel on the panels (`cpu_kernels.panel_linear`, the
-      operator dspark::panel_linear of cpu_kernels.cpp; compiled, one opaque op in graphs traced after
-      `cpu_kernels.prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
-      weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
-      than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
-      rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to
-      MKL (BENCHMARKS.md, "CPU, a few-row GEMM kernel"); each row's result is the same however many
-      rows share the product;
-    - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
-      fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
-    - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
-
-    They agree to rounding, not bitwise (other summation orders). Autograd always takes F.linear (the
-    fast kernels have no backward: a drafter in training reads the lm_head)."""
-    if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return F.linear(x, weight, bias)
-    if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
-        if cpu_kernels.kernels_on():  # compiled: one opaque kernel of the graph
-            return cpu_kernels.panel_linear(x, packed.panels, bias)
-    if packed.onednn is None or x.numel() <= x.shape[-1]:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
-                                              "none", [], "")
-
-
-def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
-    """`weight` [out, in]'s copies for `dense` (each the weight's memory again), or None when it gets
-    neither: the panels of the few-row CPU kernel where that applies (`cpu_kernels.panel_weight`), and
-    oneDNN's blocked layout when the weight has `min_elements` elements or more (default
-    PACK_MIN_ELEMENTS; 0 packs any weight) and oneDNN is built in."""
-    panels = cpu_kernels.panel_weight(weight)
-    onednn = None
-    if (weight.numel() >= (PACK_MIN_ELEMENTS if min_elements is None else min_elements)
-            and torch.backends.mkldnn.is_available()):
-        onednn = _onednn_layout(weight)
-    return None if panels is None and onednn is None else Packed(panels, onednn)
-
-
-def _onednn_layout(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
-
-
-def packed_rows(packed: Optional[Packed], weight: torch.Tensor, rows: int) -> Optional[Packed]:
-    """The copies for `dense` of weight[:rows] (a fused weight's leading rows): its panels a view of
-    the whole's leading panels (where `rows` is a whole number of panels), oneDNN's packed anew."""
-    if packed is None:
-        return None
-    panels = packed.panels[:rows // cpu_kernels.PANEL] if packed.panels is not None and rows % cpu_kernels.PANEL == 0 \
-        else None  # (panel_weight gives none either: no kernel, or not a whole number of panels)
-    onednn = _onednn_layout(weight[:rows]) if packed.onednn is not None else None
-    return None if panels is None and onednn is None else Packed(panels, onednn)
-
-
-PACK_ROWS = 64  # the row count oneDNN chooses its layout for (packed for 1 instead, 6-row products were slower)
-# Weights smaller than this get no oneDNN copy: oneDNN's fixed cost per product outweighs its better
-# kernel there. On this project's machine (BENCHMARKS.md, "CPU, weight layouts") oneDNN at 6 rows ran
-# at 0.59-0.97x the speed of MKL's best layout on weights of 65-197K elements (the demo pair's), and
-# at 1.06-1.64x on weights of 262K (2^18) to 4.2M elements. (The panels are made at any size.)
-PACK_MIN_ELEMENTS = 1 << 18
-
-
-def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
-    """Which GEMMs a CPU float32 run of `model` (`compiled` or eager) uses, in words (printed at start;
-    None off CPU float32). Where the few-row GEMM runs, so does the few-token attention (same library,
-    same one-thread rule; `attend_cached`)."""
-    w = next(model.parameters())
-    if w.device.type != "cpu" or w.dtype != torch.float32:
-        return None
-    others = "Inductor's" if compiled else "MKL/oneDNN"
-    why = cpu_kernels.unavailable()
-    if why is not None:
-        return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
-    if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
-        return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
-    if torch.get_num_threads() != 1:
-        return f"GEMMs: {others} (the few-row kernel runs with one thread)"
-    return ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
-            + (", one op each in the compiled graphs" if compiled else ""))
-
-
-def packs_pay(model: nn.Module) -> bool:
-    """Whether `fuse_` packs `model`'s weights for `dense` (`pack_weight`): on CPU, in float32, and when
-    the two copies it may make (panels, oneDNN's) take at most a third of the machine's memory."""
-    w = next(model.parameters())
-    if w.device.type != "cpu" or w.dtype != torch.float32:
-        return False
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no sysconf: do not risk the memory
-        return False
-    return 6 * weights <= memory
-
-
-def column_major(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] as the transpose of a contiguous [in, out] copy, where that layout pays
-    (`column_major_pays`), else `weight` itself. F.linear then multiplies x by the stored [in, out]
-    matrix as it lies (BLAS's "NN" product). On this project's CPU (MKL, AMD EPYC, float32, 1 thread;
-    `scripts/gemm_bench.py`, BENCHMARKS.md "CPU, weight layouts") a one-row product — an autoregressive
-    step, a Markov step — was 1.1-2.0x faster that way on every weight with out >= in (an 8192x512
-    lm_head 1218 -> 657 µs, 1536x512 240 -> 162 µs) and slower on in > out (512x1536 176 -> 237 µs),
-    and a few rows on the small weights that stay with MKL gained as much (768x256 at 6 rows: 171 ->
-    109 µs). Same shape and values; another summation order, so agreement to rounding."""
-    if not column_major_pays(weight):
-        return weight
-    return weight.detach().t().contiguous().t()
-
-
-def column_major_pays(weight: torch.Tensor) -> bool:
-    """Whether `column_major` stores `weight` transposed: on CPU, in float32, out >= in, row-major now,
-    and the whole of its storage (not rows of a fused weight, which `fuse_` lays out as one)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.shape[0] >= weight.shape[1] and weight.is_contiguous()
-            and weight.untyped_storage().nbytes() == weight.numel() * weight.element_size())
-
-
-def column_major_(module: nn.Module):
-    """Every nn.Linear weight of `module` that pays for it stored column-major in place (`column_major`):
-    the Parameter objects are kept (a weight tied to an embedding stays tied), their data re-laid. Run
-    after fusing: the fused weights are laid out whole, and their rows are views that stay views."""
-    for lin in module.modules():
-        if isinstance(lin, nn.Linear) and column_major_pays(lin.weight):
-            lin.weight.data = column_major(lin.weight)
-
-
-class Dense(nn.Linear):
-    """nn.Linear through `dense`: with `packed` set (`fuse_` on CPU), its GEMMs run on the CPU kernel's
-    panels or oneDNN's packed weight. `packed` is a plain attribute: not in state_dict, not moved by
-    `.to()` (pack again after a move), and never read while torch.compile traces (Inductor packs its own)."""
-    packed: Optional[Packed] = None
-
-    def pack_(self):
-        self.packed = pack_weight(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias, packed_of(self, "packed"))
-
-
-def packed_of(module: nn.Module, name: str) -> Optional[Packed]:
-    """module.<name>, a weight's packed copies or None. While torch.compile traces, only the panels:
-    Inductor packs its own oneDNN weights (compiling.compiled), so a graph never reads those, and it
-    calls the few-row kernel as one opaque op (`dense`)."""
-    packed = getattr(module, name)
-    if packed is None or not torch.compiler.is_compiling():
-        return packed
-    return Packed(packed.panels, None) if packed.panels is not None else None
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim, computed in float32 and cast back before the weight, as
@@ -744,7 +586,7 @@ class DecoderLayer(nn.Module):
         pair's 768x256 halves fusing measured level to 4% slower); with `pack`, oneDNN's packed weights
         for `dense` too."""
         self.self_attn.fuse_(pack)
-        packed_halves = pack and self.mlp.gate_proj.weight.numel() >= PACK_MIN_ELEMENTS
+        packed_halves = pack and self.mlp.gate_proj.weight.numel() >= cpu_kernels.PACK_MIN_ELEMENTS
         if gate_up if gate_up is not None else (self.mlp.down_proj.weight.is_cuda or packed_halves):
             self.mlp.fuse_()
         if pack:

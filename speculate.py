@@ -44,7 +44,8 @@ from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs,
 from kernels import NO_FILTERS
 from inputs import (Models, Sampling, auto_chat, check_chat_flags, check_prompts, check_sampling, encode_prompt,
                     load_models, load_prompts, resolve_checkpoint, resolve_sampling)
-from model import Ragged, Transformer, gemm_note
+from cpu_kernels import gemm_note
+from model import Ragged, Transformer
 from outputs import Completion, OutputFile, Printer, completion
 from runlog import DecodeWatch, WandbFlags
 from scheduler import check_schedulable, parse_buckets, resolve_scheduler

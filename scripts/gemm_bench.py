@@ -1,6 +1,6 @@
 """CPU GEMMs of a round, four ways, in one process, and its attention two ways: MKL on the weight as stored [out, in] (`F.linear`),
-MKL on it stored column-major (`model.column_major`), oneDNN on a packed copy, and this project's
-few-row kernel on the weight's panels (`cpu_kernels.panel_linear`, cpu_kernels.cpp) — the four `model.dense`
+MKL on it stored column-major (`cpu_kernels.column_major`), oneDNN on a packed copy, and this project's
+few-row kernel on the weight's panels (`cpu_kernels.panel_linear`, cpu_kernels.cpp) — the four `cpu_kernels.dense`
 chooses from.
 
     python scripts/gemm_bench.py --threads 1
@@ -9,11 +9,11 @@ chooses from.
 
 Why it exists: the eager engine lays out and packs float32 weights by what measured fastest on this
 project's CPU — with one thread on the few-row kernel's panels (where the weight's out is a multiple
-of 16 and the kernel could be built; one row only on weights of `model.PACK_MIN_ELEMENTS` elements or
+of 16 and the kernel could be built; one row only on weights of `cpu_kernels.PACK_MIN_ELEMENTS` elements or
 more, smaller ones on MKL as below); with more threads one row (an autoregressive
 step, a Markov step) on MKL, column-major where out >= in, and more rows (a verification's K+1
 tokens, the drafter's block) on oneDNN's packed weight where the weight has
-`model.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of the CPU
+`cpu_kernels.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of the CPU
 and the BLAS build: run this on yours. For each weight shape OUTxIN (a layer's [out, in]) and
 row count it prints the median microseconds per product of `--reps` calls (after `--warmup`) for the
 four, interleaved, each call on the next of `--copies` copies of the weight (a model's weights do not
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
 import cpu_kernels  # noqa: E402
-from model import PACK_MIN_ELEMENTS, column_major_pays, pack_weight  # noqa: E402
+from cpu_kernels import PACK_MIN_ELEMENTS, column_major_pays, pack_weight  # noqa: E402
 
 
 @dataclass
@@ -89,7 +89,7 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
 
 
 def engine_choice(w: torch.Tensor, rows: int, threads: int) -> str:
-    """Which of the four the eager engine runs for this weight, row count and thread count (`model.dense`, `fuse_`)."""
+    """Which of the four the eager engine runs for this weight, row count and thread count (`cpu_kernels.dense`, `fuse_`)."""
     if (threads == 1 and w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.unavailable() is None
             and (rows > 1 or w.numel() >= PACK_MIN_ELEMENTS)):
         return "panels"
@@ -124,7 +124,7 @@ def run(args: GemmArgs) -> int:
               f"{'max |diff|':>11}  engine uses")
     for out, inp in shapes:
         ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
-        cols = [w.t().contiguous().t() for w in ws]  # column-major, as model.column_major lays out (any shape here)
+        cols = [w.t().contiguous().t() for w in ws]  # column-major, as cpu_kernels.column_major lays out (any shape here)
         packs = [pack_weight(w, min_elements=0).onednn for w in ws]
         panels = [cpu_kernels.panel_weight(w) for w in ws]  # None where it does not apply
         for r in rows:

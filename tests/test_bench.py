@@ -164,8 +164,8 @@ def test_reference_drafter_is_plain_and_equal(monkeypatch):
     pytest.importorskip("transformers")
     import torch
 
-    import model
-    monkeypatch.setattr(model, "PACK_MIN_ELEMENTS", 0)  # pack the tiny pair's weights, as a large pair's are
+    import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", 0)  # pack the tiny pair's weights, as a large pair's are
     target, drafter = bench.bigram_pair("cpu", torch.float32, 0)
     hf = bench.transformers_copy(target)
     plain = bench.reference_drafter(drafter, hf)

@@ -284,19 +284,18 @@ def test_skipped_guards_still_tell_warmed_graphs_apart():
 
 
 def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
-    """With one thread, a compiled `model.dense` on packed copies runs the few-row kernel as the
+    """With one thread, a compiled `cpu_kernels.dense` on packed copies runs the few-row kernel as the
     opaque op dspark::panel_linear — the eager result, bit for bit (the same kernel) — and Inductor
     never sees oneDNN's copy; with two threads the graph has no such op (Inductor's own GEMM)."""
     import cpu_kernels
-    import model
 
     if cpu_kernels.unavailable() is not None:
         pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
     g = torch.Generator().manual_seed(60)
-    layer = model.Dense(32, 48).requires_grad_(False)
+    layer = cpu_kernels.Dense(32, 48).requires_grad_(False)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 32, generator=g))
-    layer.packed = model.pack_weight(layer.weight, min_elements=0)  # both copies
+    layer.packed = cpu_kernels.pack_weight(layer.weight, min_elements=0)  # both copies
     assert layer.packed.onednn is not None and layer.packed.panels is not None
     x = torch.randn(1, 6, 32, generator=g)
     ops = []

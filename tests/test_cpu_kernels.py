@@ -1,5 +1,5 @@
 """cpu_kernels.py and cpu_kernels.cpp: the few-row CPU GEMM against F.linear and its panel layout, the
-few-token attention against SDPA, and the build's failure reasons. (How model.dense and
+few-token attention against SDPA, and the build's failure reasons. (How cpu_kernels.dense and
 model.attend_cached pick them: tests/test_model.py; compiled graphs calling them: tests/test_compile.py.)"""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """scripts/gemm_bench.py: four kernels side by side per shape and row count, agreeing to rounding,
-and the kernel the eager engine picks (model.dense / fuse_) named for each."""
+and the kernel the eager engine picks (cpu_kernels.dense / fuse_) named for each."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import gemm_bench  # noqa: E402
 
 import cpu_kernels  # noqa: E402
-import model  # noqa: E402
 
 
 def _table(capsys, shapes: str, threads: int) -> dict:
@@ -35,7 +34,7 @@ def _table(capsys, shapes: str, threads: int) -> dict:
 def test_gemm_bench_rows_and_engine_choice(capsys):
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    big = int(model.PACK_MIN_ELEMENTS ** 0.5)  # a square weight at the packing threshold
+    big = int(cpu_kernels.PACK_MIN_ELEMENTS ** 0.5)  # a square weight at the packing threshold
     shapes = f"64x32,32x64,{big}x{big},40x32"
     several = {k: v[1] for k, v in _table(capsys, shapes, 2).items()}  # more than one thread: MKL or oneDNN
     assert several[("64x32", "1")] == several[("64x32", "3")] == "MKL col"  # out >= in, under the threshold

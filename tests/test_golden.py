@@ -5,7 +5,7 @@ committed small random pairs (tests/golden/pairs: every Markov head, the z-lab l
 and hardware schedules, batches with continuous batching, text prompts through the chat template),
 with the summary's timing fields removed. Each case is rerun here and must match line for line: every
 token, count, id and string exactly; real numbers (the confidences) to FLOAT_TOLERANCE, the rounding of
-another GEMM kernel (oneDNN's packed GEMMs on CPU, model.dense, moved them by at most 1e-6 and no token).
+another GEMM kernel (oneDNN's packed GEMMs on CPU, cpu_kernels.dense, moved them by at most 1e-6 and no token).
 `python tests/golden/make_golden.py` rewrites them — only for a deliberate behaviour change.
 """
 

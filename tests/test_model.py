@@ -282,7 +282,7 @@ def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
         pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(40)
     w, b = torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
-    packed = m.pack_weight(w, min_elements=0)
+    packed = cpu_kernels.pack_weight(w, min_elements=0)
     assert packed.onednn is not None and (packed.panels is None) == (cpu_kernels.unavailable() is not None)
     x = torch.randn(2, rows, 16, generator=g)[:1]  # a view: [1, rows, 16]
     before = torch.get_num_threads()
@@ -290,22 +290,22 @@ def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for bias in (None, b):
-                got, want = m.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
+                got, want = cpu_kernels.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
                 assert got.shape == want.shape == (1, rows, 32)
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
                 if threads == 1 and packed.panels is not None and rows > 1:  # one row of a small weight: MKL
                     assert torch.equal(got, cpu_kernels.panel_linear(x, packed.panels, bias))
                     assert torch.equal(cpu_kernels.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
                 elif rows > 2:
-                    assert torch.allclose(m.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
+                    assert torch.allclose(cpu_kernels.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
         if packed.panels is not None and rows:  # one row of a weight at the threshold or over: the kernel
             torch.set_num_threads(1)
-            monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", w.numel())
-            assert torch.equal(m.dense(x[:, :1], w, b, packed), cpu_kernels.panel_linear(x[:, :1], packed.panels, b))
+            monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", w.numel())
+            assert torch.equal(cpu_kernels.dense(x[:, :1], w, b, packed), cpu_kernels.panel_linear(x[:, :1], packed.panels, b))
     finally:
         torch.set_num_threads(before)
     x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
-    m.dense(x, w, b, packed).square().sum().backward()
+    cpu_kernels.dense(x, w, b, packed).square().sum().backward()
     want = torch.autograd.grad(torch.nn.functional.linear(x, w, b).square().sum(), x)[0]
     assert x.grad is not None and torch.allclose(x.grad, want)
 
@@ -329,9 +329,9 @@ def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_tar
     else:
         assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None
     assert small.mlp.gate_up_weight is None  # small halves stay apart on CPU (fused where they are packed)
-    monkeypatch.setattr(m, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", 0)
     packed, plain = load(tiny_target.path, max_batch=2), load(tiny_target.path, max_batch=2, fuse=False)
-    assert m.packs_pay(packed) and not m.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
+    assert cpu_kernels.packs_pay(packed) and not cpu_kernels.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
     layer = packed.layers[0]
     assert layer.self_attn.vkq_packed.onednn is not None and layer.self_attn.vk_packed.onednn is not None
     assert layer.self_attn.o_proj.packed.onednn is not None and layer.mlp.down_proj.packed.onednn is not None
@@ -884,14 +884,14 @@ def test_column_major_weights_keep_values_ties_and_results():
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     x = torch.randn(3, 16)
     want = torch.nn.functional.linear(x, wide.weight)
-    m.column_major_(net)
+    cpu_kernels.column_major_(net)
     assert head.weight is emb.weight and not head.weight.is_contiguous() and head.weight.t().is_contiguous()
     assert not wide.weight.is_contiguous() and narrow.weight.is_contiguous()  # out < in: kept row-major
     assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
     assert torch.allclose(torch.nn.functional.linear(x, wide.weight), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(emb(torch.tensor([3, 5])), before["0.weight"][[3, 5]])
-    assert not m.column_major_pays(torch.randn(48, 16, dtype=torch.bfloat16)) and not m.column_major_pays(wide.weight)
-    assert not m.column_major_pays(torch.randn(96, 16)[:48])  # rows of a larger (fused) weight: left a view
+    assert not cpu_kernels.column_major_pays(torch.randn(48, 16, dtype=torch.bfloat16)) and not cpu_kernels.column_major_pays(wide.weight)
+    assert not cpu_kernels.column_major_pays(torch.randn(96, 16)[:48])  # rows of a larger (fused) weight: left a view
 
 
 def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
@@ -903,18 +903,18 @@ def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
     try:
         torch.set_num_threads(1)
         if cpu_kernels.unavailable() is None:
-            assert m.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
-            assert m.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention "
+            assert cpu_kernels.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
+            assert cpu_kernels.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention "
                                                          "too), one op each in the compiled graphs")
         torch.set_num_threads(2)
         if cpu_kernels.unavailable() is None:
-            assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
-            assert m.gemm_note(model, compiled=True) == "GEMMs: Inductor's (the few-row kernel runs with one thread)"
+            assert cpu_kernels.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
+            assert cpu_kernels.gemm_note(model, compiled=True) == "GEMMs: Inductor's (the few-row kernel runs with one thread)"
         torch.set_num_threads(1)
         monkeypatch.setattr(cpu_kernels, "_kernels_why", "no C++ compiler 'g++' on PATH (set CXX)")
-        assert m.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
+        assert cpu_kernels.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
     finally:
         torch.set_num_threads(before)
     if cpu_kernels.unavailable() is None:
-        assert m.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
-    assert m.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None
+        assert cpu_kernels.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
+    assert cpu_kernels.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None
