@@ -85,9 +85,9 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
 
     On CPU the default also freezes the weights into the graph (Inductor's `freezing`): they become
     constants, packed once, and max-autotune can then pick Inductor's C++ GEMM micro-kernels, which
-    beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md) — with
-    more than one thread: with one, the model's GEMMs and its few-token attention stay with the
-    project's CPU kernels, called as one opaque op each (`cpu_kernels.dense`, dspark::panel_linear;
+    beat MKL 1.4-3.5x at the few-row matmuls of a round on this project's CPU (BENCHMARKS.md) —
+    where the project's CPU kernels are unavailable: else the model's GEMMs and its few-token
+    attention stay with them, called as one opaque op each (`cpu_kernels.dense`, dspark::panel_linear;
     `model.attend_cached`, dspark::cached_attention), faster still, and Inductor fuses what lies
     between them. The
     weights must not change in place afterwards (a new model recompiles; an edited one would not be
@@ -116,7 +116,7 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     else:  # the mode as its options (what torch.compile does with a mode), so that ours can join them
         options = torch._inductor.list_mode_options(mode or "reduce-overhead")
     if not str(device).startswith("cuda"):  # (a CUDA run does not build the CPU kernels)
-        cpu_kernels.prepare_graphs()  # CPU, one thread: GEMMs and few-token attention on our kernels, one op each
+        cpu_kernels.prepare_graphs()  # CPU: GEMMs and few-token attention on our kernels, one op each
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=_inductor_options(options))
     switch = hasattr(select_algorithm, "PRINT_AUTOTUNE")
 

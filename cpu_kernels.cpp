@@ -1,8 +1,10 @@
-// Kernels for one CPU core (AVX2 + FMA, float32) at the shapes of a speculative round, where the
-// libraries tune for more rows: a few-row GEMM (`panel_linear`) and attention of a few query tokens
-// over the KV cache (`cached_attention`). cpu_kernels.py builds this file with the system's C++
-// compiler and calls it through ctypes; `F.linear` and SDPA are the references they are tested
-// against (tests/test_cpu_kernels.py).
+// Kernels for the CPU (AVX2 + FMA, float32) at the shapes of a speculative round, where the libraries
+// tune for more rows: a few-row GEMM (`panel_linear`) and attention of a few query tokens over the KV
+// cache (`cached_attention`), each splitting its work over torch's threads (at::parallel_for) so that
+// every output is computed by one thread exactly as with one thread: the same bits at any count.
+// cpu_kernels.py builds this file against torch's headers and loads it as the operators
+// dspark::panel_linear and dspark::cached_attention; `F.linear` and SDPA are the references they are
+// tested against (tests/test_cpu_kernels.py).
 //
 // GEMM: y = x @ Wᵀ for a handful of rows (a verify's K+1 tokens, a drafter's block, one
 // autoregressive token) against a large weight. The weight is stored once in panels of 16 output
@@ -20,6 +22,7 @@
 
 #include <sys/mman.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -90,9 +93,18 @@ static void rows_x_all_panels(const float *x, long ldx, const float *p, long kst
     }
 }
 
-// x [M, K] row-major, panels [N/16, K, 16], y [M, N] row-major; N a multiple of 16.
+// Weight bytes a thread streams at least (below that, fewer threads): waking a thread costs a few µs.
+static const long THREAD_MIN_BYTES = 256 << 10;
+
+// x [M, K] row-major, panels [N/16, K, 16], y [M, N] row-major; N a multiple of 16. With torch's
+// threads, each takes a range of panels (whole groups of six, so the panels are grouped as with one
+// thread; each output is computed by one thread in the same order either way: same bits).
 static void panel_linear(const float *x, const float *panels, float *y, long M, long K, long N) {
-    rows_x_all_panels(x, K, panels, PANEL, K * PANEL, N / PANEL, K, y, N, M);
+    const long n_panels = N / PANEL, min_panels = (THREAD_MIN_BYTES / (K * PANEL * 4) + 6) / 6 * 6;
+    at::parallel_for(0, (n_panels + 5) / 6, (min_panels + 5) / 6, [&](int64_t g0, int64_t g1) {
+        const long q0 = g0 * 6, q1 = g1 * 6 < n_panels ? g1 * 6 : n_panels;
+        rows_x_all_panels(x, K, panels + q0 * K * PANEL, PANEL, K * PANEL, q1 - q0, K, y + q0 * PANEL, N, M);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -142,7 +154,7 @@ static inline void transpose8(__m256 &r0, __m256 &r1, __m256 &r2, __m256 &r3, __
     r6 = _mm256_permute2f128_ps(u2, u6, 0x31); r7 = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// keys kb[0..n-1] (row stride ks, hd floats each) into kT [ceil(n/16)][hd][16], zeros past n
+// keys kb[0..n-1] (row stride ks, hd floats each) into kT [ceil(n/16)][hd][16] (what lies past n is left)
 static void keys_to_panels(const float *kb, long ks, long n, long hd, float *kT) {
     long j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -210,19 +222,28 @@ static void cached_attention(const float *q, const float *k, const float *v, con
                                  long kb_, long ks, long kh_, long vb_, long vs, long vh_, long bb, long bt,
                                  float scale) {
     const long g = H / Hkv, R = g * T;  // the query rows of one K/V head: r = t * g + i
-    std::vector<float> qc(R * hd), oc(R * hd), kT, sc, inv(R);
+    std::vector<long> keys(B);  // per batch row, keys 0..n-1: past the last finite bias of every query token, nothing is read
     for (long b = 0; b < B; b++) {
-        long n = 0;  // keys 0..n-1: past the last finite bias of every query token, nothing is read
+        long n = 0;
         for (long t = 0; t < T; t++) {
             const float *bi = bias + b * bb + t * bt;
             long e = S;
             while (e > n && bi[e - 1] == -INFINITY) e--;
             n = e > n ? e : n;
         }
-        const long np = (n + PANEL - 1) / PANEL, Sp = np * PANEL;
-        kT.assign(np * hd * PANEL, 0.f);
-        sc.resize(R * Sp);
-        for (long h = 0; h < Hkv; h++) {
+        keys[b] = n;
+    }
+    // With torch's threads, each takes whole (batch row, K/V head) pairs: a pair's rows are computed
+    // by one thread as with one thread (same bits).
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> qc(R * hd), oc(R * hd), kT, sc, inv(R);
+        for (long bh = i0; bh < i1; bh++) {
+            const long b = bh / Hkv, h = bh % Hkv, n = keys[b], np = (n + PANEL - 1) / PANEL, Sp = np * PANEL;
+            kT.resize(np * hd * PANEL);
+            if (n % PANEL)  // the last panel's keys past n: zeros (keys_to_panels writes the rest)
+                for (long c = 0; c < hd; c++)
+                    for (long j = n % PANEL; j < PANEL; j++) kT[(np - 1) * hd * PANEL + c * PANEL + j] = 0.f;
+            sc.resize(R * Sp);
             for (long t = 0; t < T; t++)
                 for (long i = 0; i < g; i++) {
                     const float *qr = q + b * qb + t * qt + (h * g + i) * qh;
@@ -238,7 +259,7 @@ static void cached_attention(const float *q, const float *k, const float *v, con
                 for (long c = 0; c < hd; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(&oc[r * hd + c]), vi));
             }
         }
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,15 +1,19 @@
 """CPU: kernels of our own for a round's few rows (cpu_kernels.cpp), built, loaded and called from here;
 F.linear and SDPA are their references (tests/test_cpu_kernels.py).
 
-On CPU in float32, one thread, a verify multiplies K+1 rows by each weight, a drafter's block K, an
+On CPU in float32, a verify multiplies K+1 rows by each weight, a drafter's block K, an
 autoregressive step one; and each attends with those few query tokens over the KV cache. The libraries
-tune for more rows; at these few they ran well below the core's peak on this project's machine.
+tune for more rows; at these few they ran well below the core's peak on this project's machine. The
+kernels split their work over torch's threads (`torch.set_num_threads`), each output computed by one
+thread as with one: the same bits at any thread count.
 
 - `panel_linear`, the GEMM: streams each weight once per six rows from a panel layout
   (`panel_weight`) with the rows' outputs in registers: at six rows 1.61-1.75x faster than the best of
   MKL and packed oneDNN on weights of 2^18 elements or more, at 64 rows 1.13-1.23x, at one row
   1.02-1.42x (on smaller weights 0.95-1.55x, 1.01-1.12x, 0.57-1.2x; `python scripts/gemm_bench.py`,
-  BENCHMARKS.md "CPU, a few-row GEMM kernel"; `dense` says which products take it).
+  BENCHMARKS.md "CPU, a few-row GEMM kernel"; `dense` says which products take it), all with one
+  thread; with two, 1.2-2.4x faster than the best of them at one and six rows.
+
 - `cached_attention`: per K/V head, the query rows of its GQA group against the keys and the values
   as two of those GEMMs, reading only the keys some query may see (a static cache costs what is
   filled); model.attend_cached says when it is used.
@@ -46,7 +50,9 @@ from common import user_cache_dir
 
 PANEL = 16  # output columns per panel (cpu_kernels.cpp)
 KERNELS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
-KERNELS_FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17", "-w")  # -w: torch's headers warn
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU builds (the libgomp.so.1 torch loaded serves the
+# library too: one thread pool); -w: torch's headers warn
+KERNELS_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w")
 _loaded = False       # the operators are defined (this process loaded the library)
 _kernels_why = None   # why they are unavailable, once known
 
@@ -187,9 +193,9 @@ def weight_memory(nbytes: int) -> torch.Tensor:
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ Wᵀ (+ bias) -> [..., N] for panels = `panel_weight(W)`: the operator
-    dspark::panel_linear (cpu_kernels.cpp; one thread, no autograd). Agrees with F.linear(x, W, bias)
-    to rounding; each row's result is the same whatever rows share the call (the sum over k runs in
-    one order). Refuses (RuntimeError) an x that does not fit and panels not in panel_weight's layout."""
+    dspark::panel_linear (cpu_kernels.cpp; torch's threads split the panels; no autograd). Agrees with
+    F.linear(x, W, bias) to rounding; each row's result is the same whatever rows share the call and
+    however many threads run it (the sum over k runs in one order). Refuses (RuntimeError) an x that does not fit and panels not in panel_weight's layout."""
     return torch.ops.dspark.panel_linear.default(x, panels, bias)
 
 
@@ -212,10 +218,10 @@ def attention_applies(q: torch.Tensor, bias: torch.Tensor) -> bool:
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Attention of q [B, T, H, hd] over k, v [B, S, Hkv, hd] under the additive bias [B, 1, T, S] (0 /
     -inf, `model.cache_bias` with group 1) -> [B, T, H*hd], query head h reading K/V head h // (H/Hkv),
-    scale 1/sqrt(hd): the operator dspark::cached_attention (cpu_kernels.cpp; one thread, no autograd),
-    SDPA's result (`model.attend_cached`'s reference) to rounding. A query row's result is the same bits
-    whatever other tokens share the call and however many keys past its last visible one the cache
-    holds (given finite K/V); a row that may see no key gives zeros, as SDPA's CPU kernel does. Any
+    scale 1/sqrt(hd): the operator dspark::cached_attention (cpu_kernels.cpp; torch's threads split the
+    (batch row, K/V head) pairs; no autograd), SDPA's result (`model.attend_cached`'s reference) to
+    rounding. A query row's result is the same bits whatever other tokens share the call, however many
+    keys past its last visible one the cache holds (given finite K/V) and however many threads run it; a row that may see no key gives zeros, as SDPA's CPU kernel does. Any
     strides; refuses (RuntimeError) shapes that do not fit."""
     return torch.ops.dspark.cached_attention.default(q, k, v, bias)
 
@@ -235,14 +241,16 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     """x @ weightᵀ + bias, as F.linear (the reference: tests/test_model.py), on the fastest kernel
     `packed` (`pack_weight(weight)`) offers for it, on CPU in float32:
 
-    - with one thread: the few-row kernel on the panels (`panel_linear`, the
-      operator dspark::panel_linear of cpu_kernels.cpp; compiled, one opaque op in graphs traced after
-      `prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
-      weights of PACK_MIN_ELEMENTS or more. On this project's machine it ran six rows 1.61-1.75x faster
-      than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x on smaller ones), 64
-      rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the smaller ones lost to
-      MKL (BENCHMARKS.md, "CPU, a few-row GEMM kernel"); each row's result is the same however many
-      rows share the product;
+    - where the panels were made (the kernels available): the few-row kernel on them (`panel_linear`,
+      the operator dspark::panel_linear of cpu_kernels.cpp; compiled, one opaque op in graphs traced
+      after `prepare_graphs()`, which compiling.compiled calls), from two rows on, and for one row on
+      weights of PACK_MIN_ELEMENTS or more (eager with more than one thread, on every weight:
+      `one_row_on_panels`). On this project's machine, with one thread, it ran six
+      rows 1.61-1.75x faster than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x
+      on smaller ones), 64 rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the
+      smaller ones lost to MKL; with two threads (splitting the panels) 1.2-2.4x at one and six rows
+      (BENCHMARKS.md, "CPU, a few-row GEMM kernel"); each row's result is the same however many rows
+      share the product and however many threads compute it;
     - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
       fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
     - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
@@ -251,13 +259,22 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
     fast kernels have no backward: a drafter in training reads the lm_head)."""
     if packed is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS):
+    if packed.panels is not None and (x.numel() > x.shape[-1] or weight.numel() >= PACK_MIN_ELEMENTS
+                                      or one_row_on_panels()):
         if kernels_on():  # compiled: one opaque kernel of the graph
             return panel_linear(x, packed.panels, bias)
     if packed.onednn is None or x.numel() <= x.shape[-1]:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed.onednn, bias,
                                               "none", [], "")
+
+
+def one_row_on_panels() -> bool:
+    """Whether `dense` gives one row of a weight under PACK_MIN_ELEMENTS the kernel too: eager with more
+    than one thread. With one, MKL (column-major) was faster there on this project's CPU (the kernel
+    0.57-1.2x its speed); with two the kernel was 1.2-2.8x faster than MKL's best (BENCHMARKS.md,
+    session 10). Compiled graphs keep Inductor's GEMM there, at any thread count."""
+    return not torch.compiler.is_compiling() and torch.get_num_threads() > 1
 
 
 def pack_weight(weight: torch.Tensor, min_elements: Optional[int] = None) -> Optional[Packed]:
@@ -298,8 +315,8 @@ PACK_MIN_ELEMENTS = 1 << 18
 
 def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
     """Which GEMMs a CPU float32 run of `model` (`compiled` or eager) uses, in words (printed at start;
-    None off CPU float32). Where the few-row GEMM runs, so does the few-token attention (same library,
-    same one-thread rule; `attend_cached`)."""
+    None off CPU float32). Where the few-row GEMM runs, so does the few-token attention (same library;
+    `attend_cached`)."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
@@ -309,8 +326,6 @@ def gemm_note(model: nn.Module, compiled: bool = False) -> Optional[str]:
         return f"GEMMs: {others} (the few-row kernel is unavailable: {why})"
     if not any(isinstance(m, Dense) and m.packed is not None for m in model.modules()):
         return f"GEMMs: {others} (no packed copies: fuse_ was not run, or they would not fit in memory)"
-    if torch.get_num_threads() != 1:
-        return f"GEMMs: {others} (the few-row kernel runs with one thread)"
     return ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
             + (", one op each in the compiled graphs" if compiled else ""))
 
@@ -383,31 +398,25 @@ def packed_of(module: nn.Module, name: str) -> Optional[Packed]:
     return Packed(packed.panels, None) if packed.panels is not None else None
 
 
-_graph_one_thread = None  # prepare_graphs(): torch.get_num_threads() == 1, as a constant for dynamo
+_graphs_prepared = False  # prepare_graphs() was called: graphs traced from now on call the kernels
 
 
 def prepare_graphs():
-    """Let graphs traced from now on call the kernels (`in_graph`). Not done at import:
-    it imports torch's compiler stack (about 1.5 s, and it sets TORCHINDUCTOR_CACHE_DIR, which
-    compiling.use_compile_cache must see unset to choose its own folder)."""
-    global _graph_one_thread
-    unavailable()  # built (or refused) now, not while a graph is traced
-    if _graph_one_thread is None:
-        _graph_one_thread = torch.compiler.assume_constant_result(_one_thread)
-
-
-def _one_thread() -> bool:
-    return torch.get_num_threads() == 1
+    """Let graphs traced from now on call the kernels (`in_graph`): built (or refused) now, not while a
+    graph is traced. A graph keeps what it was traced with."""
+    global _graphs_prepared
+    _graphs_prepared = unavailable() is None
 
 
 def kernels_on() -> bool:
-    """The one-thread rule of `dense` and `model.attend_cached`: while torch.compile traces, what
-    the graph was settled to (`in_graph`); eager, whether torch runs one thread now."""
-    return in_graph() if torch.compiler.is_compiling() else torch.get_num_threads() == 1
+    """Whether `dense` and `model.attend_cached` may call the kernels, given that they apply (panels
+    made, `attention_applies`): eager, always; while torch.compile traces, in graphs traced after
+    `prepare_graphs` (`in_graph`; before it, Inductor's own GEMMs and SDPA). At any thread count: the
+    kernels split their work over torch's threads, with the same bits at every count."""
+    return in_graph() if torch.compiler.is_compiling() else True
 
 
 def in_graph() -> bool:
-    """While torch.compile traces: whether the graph calls the kernels — torch ran one thread when it
-    was traced, after `prepare_graphs` (a graph keeps what it was traced with; before prepare_graphs, or
-    with more threads, Inductor's own GEMMs and SDPA)."""
-    return _loaded and _graph_one_thread is not None and _graph_one_thread()
+    """While torch.compile traces: whether the graph calls the kernels (`prepare_graphs` was called
+    and they are loaded)."""
+    return _loaded and _graphs_prepared

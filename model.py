@@ -25,13 +25,13 @@ What is notable here:
   [gate; up] GEMM), the published parameters kept as views of the fused rows, so state_dict stays
   the checkpoint's.
 - On CPU in float32 the GEMMs run on copies of each weight made once by `fuse_` (cpu_kernels.py's
-  `dense`, `Dense`, `pack_weight`): with one thread on its few-row kernel (cpu_kernels.cpp), else from two rows
+  `dense`, `Dense`, `pack_weight`): on its few-row kernel (cpu_kernels.cpp), else (no kernel) from two rows
   on oneDNN's packed layout — MKL multiplies a handful of rows (verification, the drafter's block)
   at a fraction of a core's peak. `F.linear` is the reference.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
   whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
-  runs in a fused kernel, not SDPA's math one; on CPU in float32 with one thread, a round's few
+  runs in a fused kernel, not SDPA's math one; on CPU in float32, a round's few
   query tokens attend on cpu_kernels.py's kernel, which reads only the keys some query may see
   (`attend_cached`). Each fast piece has its plain
   reference beside it (`apply_rope`, `attend`, the unfused projections), held to it by tests.
@@ -339,7 +339,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     On CPU folding would change the flash kernel's blocking, and so the last bits, for nothing: it
     takes GQA with a mask as it is.
 
-    On CPU in float32 with one thread, up to cpu_kernels.ATTENTION_MAX_TOKENS query tokens (a round's
+    On CPU in float32, up to cpu_kernels.ATTENTION_MAX_TOKENS query tokens (a round's
     forwards, short prompts) go to cpu_kernels.cached_attention instead (compiled: the op
     dspark::cached_attention, in graphs traced after cpu_kernels.prepare_graphs): SDPA's CPU kernel spent
     ~150 µs a layer on a verify's six tokens, ~1.6 ms of a 13.4 ms compiled round (BENCHMARKS.md). It reads only the keys some query

@@ -643,8 +643,8 @@ class Args(WandbFlags):
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
     threads: Optional[int] = None
     """CPU threads for torch (torch.set_num_threads). Default: OMP_NUM_THREADS when set, else half the
-    CPUs this process may use (printed at start); see the README on sharing a machine. With one
-    thread, float32 CPU products and a round's attention run on the project's CPU kernels (README, Speed)."""
+    CPUs this process may use (printed at start); see the README on sharing a machine. The project's
+    CPU kernels (float32 products, a round's attention; README, Speed) split their work over them."""
     compile: AutoBool = None
     """torch.compile the round. Default: on for cuda, off for cpu (where a first compile takes
     minutes, which a short run never earns back)."""

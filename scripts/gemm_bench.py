@@ -8,11 +8,12 @@ chooses from.
     python scripts/gemm_bench.py --threads 1 --shapes none --attention 6x204,64x512
 
 Why it exists: the eager engine lays out and packs float32 weights by what measured fastest on this
-project's CPU — with one thread on the few-row kernel's panels (where the weight's out is a multiple
-of 16 and the kernel could be built; one row only on weights of `cpu_kernels.PACK_MIN_ELEMENTS` elements or
-more, smaller ones on MKL as below); with more threads one row (an autoregressive
-step, a Markov step) on MKL, column-major where out >= in, and more rows (a verification's K+1
-tokens, the drafter's block) on oneDNN's packed weight where the weight has
+project's CPU — on the few-row kernel's panels (where the weight's out is a multiple of 16 and the
+kernel could be built; at any thread count, the kernel splitting the panels over them; one row with
+one thread only on weights of `cpu_kernels.PACK_MIN_ELEMENTS` elements or more, smaller ones on MKL as
+below); else one
+row (an autoregressive step, a Markov step) on MKL, column-major where out >= in, and more rows (a
+verification's K+1 tokens, the drafter's block) on oneDNN's packed weight where the weight has
 `cpu_kernels.PACK_MIN_ELEMENTS` elements or more, else on MKL. Whether that holds is a property of the CPU
 and the BLAS build: run this on yours. For each weight shape OUTxIN (a layer's [out, in]) and
 row count it prints the median microseconds per product of `--reps` calls (after `--warmup`) for the
@@ -27,7 +28,7 @@ hidden 256 (the demo pair's), the Markov head's output at rank 64, and bigram-35
 `--attention TOKENSxKEYS,...` then times `model.attend_cached`'s two ways, SDPA and this project's
 few-token kernel (`cpu_kernels.cached_attention`), for TOKENS query tokens at the end of a cache of
 KEYS filled positions (each token reads its prefix) at `--heads` (bigram-35m's by default), and names
-the one the engine uses (the kernel with one thread up to `cpu_kernels.ATTENTION_MAX_TOKENS` tokens).
+the one the engine uses (the kernel up to `cpu_kernels.ATTENTION_MAX_TOKENS` tokens).
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
     return shapes
 
 
-def engine_choice(w: torch.Tensor, rows: int, threads: int) -> str:
-    """Which of the four the eager engine runs for this weight, row count and thread count (`cpu_kernels.dense`, `fuse_`)."""
-    if (threads == 1 and w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.unavailable() is None
-            and (rows > 1 or w.numel() >= PACK_MIN_ELEMENTS)):
+def engine_choice(w: torch.Tensor, rows: int) -> str:
+    """Which of the four the eager engine runs for this weight and row count at torch's current thread
+    count (`cpu_kernels.dense`, `fuse_`)."""
+    if (w.shape[0] % cpu_kernels.PANEL == 0 and cpu_kernels.unavailable() is None
+            and (rows > 1 or w.numel() >= PACK_MIN_ELEMENTS or cpu_kernels.one_row_on_panels())):
         return "panels"
     if rows > 1 and w.numel() >= PACK_MIN_ELEMENTS:  # packed by fuse_ (pack_weight), used from 2 rows
         return "oneDNN"
@@ -141,7 +143,7 @@ def run(args: GemmArgs) -> int:
             results = [f(0) for f in kernels.values()]
             diff = max((results[0] - y).abs().max().item() for y in results[1:])
             print(f"{out:>5}x{inp:<5} {r:>5} {mkl:>9.1f} {col:>11.1f} {onednn:>10.1f} {ours} {diff:>11.2e}  "
-                  f"{engine_choice(ws[0], r, args.threads)}", flush=True)
+                  f"{engine_choice(ws[0], r)}", flush=True)
     if attention:
         attention_table(attention, *heads, args, g)
     return 0
@@ -184,7 +186,7 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
         times = interleaved_us(ways, args)
         ours = f"{times['kernel']:>10.1f}" if "kernel" in times else f"{'n/a':>10}"
         diff = (ways["kernel"](0) - sdpa(0)).abs().max().item() if "kernel" in ways else 0.0
-        uses = "kernel" if ("kernel" in ways and args.threads == 1 and T <= cpu_kernels.ATTENTION_MAX_TOKENS) else "SDPA"
+        uses = "kernel" if ("kernel" in ways and T <= cpu_kernels.ATTENTION_MAX_TOKENS) else "SDPA"
         print(f"{T:>7} {S:>6} {times['sdpa']:>9.1f} {ours} {diff:>11.2e}  {uses}", flush=True)
 
 

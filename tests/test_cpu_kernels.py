@@ -166,9 +166,9 @@ def test_cached_attention_takes_any_mask_and_a_row_that_sees_nothing_gives_zeros
 
 @needs_kernels
 def test_attend_cached_takes_the_kernel_only_where_it_applies():
-    """model.attend_cached: the kernel for CPU float32 at one thread and up to ATTENTION_MAX_TOKENS
-    tokens without autograd; SDPA past that many tokens, with grad, in bfloat16, or with more threads —
-    the two agreeing to rounding wherever both apply."""
+    """model.attend_cached: the kernel for CPU float32 up to ATTENTION_MAX_TOKENS tokens without
+    autograd; SDPA past that many tokens, with grad, or in bfloat16 — the two agreeing to rounding
+    wherever both apply."""
     import model
 
     g = gen(72)
@@ -186,6 +186,36 @@ def test_attend_cached_takes_the_kernel_only_where_it_applies():
     assert not cpu_kernels.attention_applies(q[..., :8], bias)  # head dim not a multiple of 16
     with torch.enable_grad():
         assert not cpu_kernels.attention_applies(q.clone().requires_grad_(), bias)
+
+
+@needs_kernels
+def test_the_kernels_give_the_same_bits_at_every_thread_count():
+    """With torch's threads the GEMM splits its panels (in whole groups of six) and the attention its
+    (batch row, K/V head) pairs among them: every output is computed by one thread in the order one
+    thread computes it, so 1, 2 and 3 threads give the same bits (the weight is large enough to be
+    split, its panels not a multiple of six; the batch rows see different keys)."""
+    import model
+
+    g = gen(80)
+    w, b = torch.randn(1040, 512, generator=g), torch.randn(1040, generator=g)  # 65 panels, 2 MiB
+    panels = cpu_kernels.panel_weight(w)
+    x = torch.randn(7, 512, generator=g)
+    q, k, v = torch.randn(2, 6, 8, 64, generator=g), torch.randn(2, 90, 4, 64, generator=g), torch.randn(2, 90, 4, 64, generator=g)
+    ends = torch.tensor([[40], [85]])  # request 0 sees keys < 40 - 5 + t, request 1 < 85 - 5 + t
+    bias = model.cache_bias((torch.arange(90) < ends[:, None] - 5 + torch.arange(6)[None, :, None]), 1, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [cpu_kernels.panel_linear(x[:m], panels, b) for m in (1, 3, 6, 7)], cpu_kernels.cached_attention(q, k, v, bias)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for got, ref in zip([cpu_kernels.panel_linear(x[:m], panels, b) for m in (1, 3, 6, 7)], want[0]):
+                assert torch.equal(got, ref)
+            assert torch.equal(cpu_kernels.cached_attention(q, k, v, bias), want[1])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(want[0][3], torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert torch.allclose(want[1], sdpa(q, k, v, bias), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

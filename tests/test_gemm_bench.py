@@ -31,26 +31,33 @@ def _table(capsys, shapes: str, threads: int) -> dict:
     return {(r[0], r[1]): (r[5], " ".join(r[7:])) for r in rows}
 
 
-def test_gemm_bench_rows_and_engine_choice(capsys):
+def test_gemm_bench_rows_and_engine_choice(capsys, monkeypatch):
+    """The engine's choice per shape and row count: the few-row kernel from two rows on where out % 16
+    == 0, for one row from the packing threshold on (with two threads on any weight); else (and where
+    the kernels are unavailable) MKL, column-major where out >= in, and oneDNN from two rows on weights
+    at the threshold."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     big = int(cpu_kernels.PACK_MIN_ELEMENTS ** 0.5)  # a square weight at the packing threshold
     shapes = f"64x32,32x64,{big}x{big},40x32"
-    several = {k: v[1] for k, v in _table(capsys, shapes, 2).items()}  # more than one thread: MKL or oneDNN
-    assert several[("64x32", "1")] == several[("64x32", "3")] == "MKL col"  # out >= in, under the threshold
-    assert several[("32x64", "1")] == several[("32x64", "3")] == "MKL"      # in > out stays row-major
-    assert several[(f"{big}x{big}", "1")] == "MKL col" and several[(f"{big}x{big}", "3")] == "oneDNN"
     one = _table(capsys, shapes, 1)
-    if cpu_kernels.unavailable() is not None:
-        assert all(ours == "n/a" for ours, _ in one.values())
-        return
-    for shape in ("64x32", "32x64", f"{big}x{big}"):  # one thread: the few-row kernel, where out % 16 == 0
-        for rows in ("1", "3"):
-            assert one[(shape, rows)][0] != "n/a"
-        assert one[(shape, "3")][1] == "panels"
-    assert one[(f"{big}x{big}", "1")][1] == "panels"  # one row: on the kernel from the packing threshold on
-    assert one[("64x32", "1")][1] == "MKL col" and one[("32x64", "1")][1] == "MKL"
-    assert one[("40x32", "3")][0] == "n/a" and one[("40x32", "3")][1] == "MKL col"
+    if cpu_kernels.unavailable() is None:
+        for shape in ("64x32", "32x64", f"{big}x{big}"):  # the few-row kernel, where out % 16 == 0
+            for rows in ("1", "3"):
+                assert one[(shape, rows)][0] != "n/a"
+            assert one[(shape, "3")][1] == "panels"
+        assert one[(f"{big}x{big}", "1")][1] == "panels"  # one row: on the kernel from the packing threshold on
+        assert one[("64x32", "1")][1] == "MKL col" and one[("32x64", "1")][1] == "MKL"
+        assert one[("40x32", "3")][0] == "n/a" and one[("40x32", "3")][1] == "MKL col"
+        two = {k: v[1] for k, v in _table(capsys, shapes, 2).items()}
+        assert two == {k: "panels" if k[0] != "40x32" else v[1] for k, v in one.items()}
+        monkeypatch.setattr(cpu_kernels, "_kernels_why", "turned off by DSPARK_CPU_KERNELS")  # as if unavailable
+        one = _table(capsys, shapes, 1)
+    assert all(ours == "n/a" for ours, _ in one.values())
+    without = {k: v[1] for k, v in one.items()}
+    assert without[("64x32", "1")] == without[("64x32", "3")] == "MKL col"  # out >= in, under the threshold
+    assert without[("32x64", "1")] == without[("32x64", "3")] == "MKL"      # in > out stays row-major
+    assert without[(f"{big}x{big}", "1")] == "MKL col" and without[(f"{big}x{big}", "3")] == "oneDNN"
 
 
 def test_gemm_bench_bad_input_is_one_line(capsys):
@@ -61,7 +68,7 @@ def test_gemm_bench_bad_input_is_one_line(capsys):
 
 def test_gemm_bench_attention_table_agrees_and_names_the_engine_choice(capsys, monkeypatch):
     """--attention: SDPA and the few-token kernel per TOKENSxKEYS agree to rounding, and the engine's
-    choice is named (the kernel with one thread up to ATTENTION_MAX_TOKENS tokens, else SDPA);
+    choice is named (the kernel up to ATTENTION_MAX_TOKENS tokens, else SDPA);
     --shapes none leaves the GEMM table out; a TOKENS past KEYS is a one-line error."""
     monkeypatch.setattr(cpu_kernels, "ATTENTION_MAX_TOKENS", 4)
     before = torch.get_num_threads()

@@ -274,10 +274,11 @@ def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_fa
 @pytest.mark.parametrize("rows", [0, 1, 2, 6, 70])
 def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
     """dense on pack_weight's copies equals F.linear to rounding, its bias added, any leading shape
-    kept: with one thread on the few-row kernel's panels from two rows on (bit for bit
+    kept: on the few-row kernel's panels from two rows on, with one thread or two (bit for bit
     cpu_kernels.panel_linear, a row's result not depending on the rows beside it; one row of a weight
-    under PACK_MIN_ELEMENTS stays with MKL); with two, F.linear below two rows and oneDNN's GEMM from
-    two rows on; and with autograd, F.linear (the gradient is F.linear's)."""
+    under PACK_MIN_ELEMENTS stays with MKL with one thread, goes to the kernel with two); without the panels (the kernels unavailable), F.linear
+    below two rows and oneDNN's GEMM from two rows on; and with autograd, F.linear (the gradient is
+    F.linear's)."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(40)
@@ -293,13 +294,13 @@ def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
                 got, want = cpu_kernels.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
                 assert got.shape == want.shape == (1, rows, 32)
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-                if threads == 1 and packed.panels is not None and rows > 1:  # one row of a small weight: MKL
+                if packed.panels is not None and (rows > 1 or threads > 1):  # one row of a small weight: MKL with one thread
                     assert torch.equal(got, cpu_kernels.panel_linear(x, packed.panels, bias))
-                    assert torch.equal(cpu_kernels.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
+                    if rows > 1:
+                        assert torch.equal(cpu_kernels.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
                 elif rows > 2:
                     assert torch.allclose(cpu_kernels.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
         if packed.panels is not None and rows:  # one row of a weight at the threshold or over: the kernel
-            torch.set_num_threads(1)
             monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", w.numel())
             assert torch.equal(cpu_kernels.dense(x[:, :1], w, b, packed), cpu_kernels.panel_linear(x[:, :1], packed.panels, b))
     finally:
@@ -895,22 +896,18 @@ def test_column_major_weights_keep_values_ties_and_results():
 
 
 def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
-    """gemm_note: the few-row kernel with one thread (in compiled graphs too), MKL/oneDNN or Inductor's
-    with more, where the kernel is unavailable (with the reason) or nothing is packed; nothing outside
+    """gemm_note: the few-row kernel at any thread count (in compiled graphs too), MKL/oneDNN or
+    Inductor's where the kernel is unavailable (with the reason) or nothing is packed; nothing outside
     CPU float32."""
     model = load(tiny_target.path)
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        if cpu_kernels.unavailable() is None:
-            assert cpu_kernels.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
-            assert cpu_kernels.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention "
-                                                         "too), one op each in the compiled graphs")
-        torch.set_num_threads(2)
-        if cpu_kernels.unavailable() is None:
-            assert cpu_kernels.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel runs with one thread)"
-            assert cpu_kernels.gemm_note(model, compiled=True) == "GEMMs: Inductor's (the few-row kernel runs with one thread)"
-        torch.set_num_threads(1)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            if cpu_kernels.unavailable() is None:
+                assert cpu_kernels.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
+                assert cpu_kernels.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token "
+                                                                       "attention too), one op each in the compiled graphs")
         monkeypatch.setattr(cpu_kernels, "_kernels_why", "no C++ compiler 'g++' on PATH (set CXX)")
         assert cpu_kernels.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
     finally:
