@@ -40,6 +40,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import NamedTuple, Optional
 
 import torch
@@ -126,7 +127,37 @@ def _build_kernels() -> tuple[Optional[str], Optional[str]]:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        _prune_builds(folder)
+    else:
+        try:
+            os.utime(path)  # in use: what _prune_builds goes by
+        except OSError:
+            pass
     return path, None
+
+
+STALE_DAYS = 30  # a build not used for this long is removed when another is made
+
+
+def _prune_builds(folder: str):
+    """Remove from the cache folder the builds of cpu_kernels.cpp that no process used for STALE_DAYS
+    (each source edit, compiler or torch version makes one, ~200 KB; a use touches its file) and the
+    temporary files of builds that died more than a day ago. Best effort: a file that cannot be removed
+    stays."""
+    now = time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        stale = (STALE_DAYS * 86400 if name.startswith("cpu_kernels-") else 86400 if name.startswith("tmp") else None)
+        if stale is None or not name.endswith(".so"):
+            continue
+        try:
+            if now - os.path.getmtime(os.path.join(folder, name)) > stale:
+                os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
 
 
 def unavailable() -> Optional[str]:

@@ -5,6 +5,7 @@ model.attend_cached pick them: tests/test_model.py; compiled graphs calling them
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -71,7 +72,8 @@ def test_panel_weight_applies_to_float32_cpu_weights_with_whole_panels_only():
 def test_cpu_kernels_build_says_why_it_is_unavailable(tmp_path, monkeypatch):
     """The build in words when it cannot be used: switched off, no compiler, a source the compiler
     rejects (its first error line, and no temporary file left in the cache folder); built, it lands
-    in the cache folder under a key of source, flags and torch, and a second call finds it there.
+    in the cache folder under a key of source, flags and torch, clearing away builds unused for
+    STALE_DAYS and dead builds' temporary files, and a second call finds it there and marks it used.
     (The process has loaded the library once already: a second load would define the operators
     twice, so only the build is tried here.)"""
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
@@ -92,11 +94,21 @@ def test_cpu_kernels_build_says_why_it_is_unavailable(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "cache") == []
     monkeypatch.undo()
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    # what a build clears away: builds unused for STALE_DAYS, temporary files of dead builds older than a day
+    days = 86400
+    for name, age in (("cpu_kernels-0000000000000000.so", cpu_kernels.STALE_DAYS * days + 60), ("tmp1234.so", 2 * days),
+                      ("cpu_kernels-1111111111111111.so", cpu_kernels.STALE_DAYS * days - 3600), ("tmp5678.so", 3600),
+                      ("notes.txt", 100 * days)):
+        (tmp_path / "cache" / name).write_text("")
+        os.utime(tmp_path / "cache" / name, (time.time() - age, time.time() - age))
+    kept = {"cpu_kernels-1111111111111111.so", "tmp5678.so", "notes.txt"}
     path, why = cpu_kernels._build_kernels()
     assert why is None and os.path.isfile(path)
-    built = os.listdir(tmp_path / "cache")
-    assert built == [os.path.basename(path)] and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")
-    assert cpu_kernels._build_kernels() == (path, None) and os.listdir(tmp_path / "cache") == built
+    built = set(os.listdir(tmp_path / "cache")) - kept
+    assert built == {os.path.basename(path)} and path.endswith(".so") and os.path.basename(path).startswith("cpu_kernels-")
+    os.utime(path, (time.time() - days, time.time() - days))
+    assert cpu_kernels._build_kernels() == (path, None) and set(os.listdir(tmp_path / "cache")) == built | kept
+    assert time.time() - os.path.getmtime(path) < 600  # found and used: touched
 
 
 def sdpa(q, k, v, bias):
