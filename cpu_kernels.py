@@ -12,8 +12,7 @@ thread as with one: the same bits at any thread count.
   MKL and packed oneDNN on weights of 2^18 elements or more, at 64 rows 1.13-1.23x, at one row
   1.02-1.42x (on smaller weights 0.95-1.55x, 1.01-1.12x, 0.57-1.2x; `python scripts/gemm_bench.py`,
   BENCHMARKS.md "CPU, a few-row GEMM kernel"; `dense` says which products take it), all with one
-  thread; with two, 1.2-2.4x faster than the best of them at one and six rows.
-
+  thread; with two, 1.2-2.4x faster than the best of them at one to six rows.
 - `cached_attention`: per K/V head, the query rows of its GQA group against the keys and the values
   as two of those GEMMs, reading only the keys some query may see (a static cache costs what is
   filled); model.attend_cached says when it is used.
@@ -226,7 +225,8 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Ten
     """x [..., K] @ Wᵀ (+ bias) -> [..., N] for panels = `panel_weight(W)`: the operator
     dspark::panel_linear (cpu_kernels.cpp; torch's threads split the panels; no autograd). Agrees with
     F.linear(x, W, bias) to rounding; each row's result is the same whatever rows share the call and
-    however many threads run it (the sum over k runs in one order). Refuses (RuntimeError) an x that does not fit and panels not in panel_weight's layout."""
+    however many threads run it (the sum over k runs in one order). Refuses (RuntimeError) an x that
+    does not fit and panels not in panel_weight's layout."""
     return torch.ops.dspark.panel_linear.default(x, panels, bias)
 
 
@@ -252,8 +252,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     scale 1/sqrt(hd): the operator dspark::cached_attention (cpu_kernels.cpp; torch's threads split the
     (batch row, K/V head) pairs; no autograd), SDPA's result (`model.attend_cached`'s reference) to
     rounding. A query row's result is the same bits whatever other tokens share the call, however many
-    keys past its last visible one the cache holds (given finite K/V) and however many threads run it; a row that may see no key gives zeros, as SDPA's CPU kernel does. Any
-    strides; refuses (RuntimeError) shapes that do not fit."""
+    keys past its last visible one the cache holds (given finite K/V) and however many threads run it;
+    a row that may see no key gives zeros, as SDPA's CPU kernel does. Any strides; refuses
+    (RuntimeError) shapes that do not fit."""
     return torch.ops.dspark.cached_attention.default(q, k, v, bias)
 
 
@@ -279,8 +280,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
       `one_row_on_panels`). On this project's machine, with one thread, it ran six
       rows 1.61-1.75x faster than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x
       on smaller ones), 64 rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the
-      smaller ones lost to MKL; with two threads (splitting the panels) 1.2-2.4x at one and six rows
-      (BENCHMARKS.md, "CPU, a few-row GEMM kernel"); each row's result is the same however many rows
+      smaller ones lost to MKL; with two threads (splitting the panels) 1.2-2.4x at one to six rows
+      (BENCHMARKS.md, "CPU, a few-row GEMM kernel" and session 10); each row's result is the same however many rows
       share the product and however many threads compute it;
     - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
       fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
