@@ -464,9 +464,52 @@ def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr, next_ptr
     tl.store(next_ptr + b, x.to(tl.int64))
 
 
+def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, T, G, HKV, H,
+                             s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bb, s_bt, scale,
+                             S: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (batch row, K/V head, block of query rows): the rows r = t * G + i (token t, head h * G + i)
+    against the keys block by block, online softmax in float32. A block of keys none of these rows may
+    see (its bias all -inf: past the filled prefix) is skipped without reading its K or V. S, the
+    cache length, is a constexpr like the Markov rank (one specialisation per length: a compiled
+    graph's is fixed, eager's a multiple of model.ATTEND_BUCKET), for Triton 3.6's interpreter."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T * G
+    t = rows // G
+    head = h * G + rows % G
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=rmask[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HD], tl.float32)
+    for start in range(0, S, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        cmask = cols < S
+        bias = tl.load(bias_ptr + b * s_bb + t[:, None] * s_bt + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                       other=float("-inf")).to(tl.float32)
+        if tl.max(tl.max(bias, axis=1), axis=0) > float("-inf"):
+            kb = tl.load(k_ptr + b * s_kb + cols[:, None] * s_ks + h * s_kh + d[None, :], mask=cmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb)).to(tl.float32) * scale + bias
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: p = 0
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vb = tl.load(v_ptr + b * s_vb + cols[:, None] * s_vs + h * s_vh + d[None, :], mask=cmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may see no key: zeros
+    tl.store(out_ptr + ((b * T + t[:, None]) * H + head[:, None]) * HD + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+
+
 _TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel", "_rows_argmax_partial_kernel",
                    "_verify_greedy_reduce_kernel", "_rows_softmax_partial_kernel",
-                   "_verify_sampled_accept_kernel", "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel")
+                   "_verify_sampled_accept_kernel", "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel",
+                   "_cached_attention_kernel")
 _PLAIN = {name: globals()[name] for name in _TRITON_SOURCES}
 _TRITON_KERNELS: dict = {}  # the jitted kernels, once built
 
@@ -661,17 +704,52 @@ def verify_sampled_triton(drafts: torch.Tensor, q: Optional[torch.Tensor], targe
     return n, nxt
 
 
+#: Key positions per step of `cached_attention_triton`'s loop (a module constant so the tests can
+#: shrink it to get many blocks from a short cache); query rows per program at most.
+TRITON_BLOCK_N = 64
+TRITON_BLOCK_M = 64
+
+
+def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`model.attend_cached` as one Triton kernel: q [B, T, H, hd] over the cache's k, v [B, S, Hkv, hd]
+    under its additive bias [B, 1, R, S] (R = T, or g*T with GQA folded: row t is token t's mask either
+    way) -> [B, T, H*hd] in q's dtype. One program per (batch row, K/V head, up to TRITON_BLOCK_M of
+    its query rows) — the GQA group's heads read each K/V block once — with an online softmax in
+    float32, skipping every block of TRITON_BLOCK_N keys that none of its rows may see: a compiled
+    graph's static cache costs what is filled, not its whole length (SDPA reads all S keys). A row that
+    may see no key gives zeros. Falls back to `model.attend_cached` where the kernel cannot run (no
+    Triton for these tensors, hd not a power of two in 16..256, another dtype)."""
+    B, T, H, hd = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if not (_triton_ok(q, k, v, bias) and q.dtype in _ROUND_CODE and 16 <= hd <= 256 and hd & (hd - 1) == 0
+            and H % Hkv == 0 and bias.shape[2] in (T, T * (H // Hkv)) and S > 0):
+        import model  # the reference (model imports nothing of this module)
+        return model.attend_cached(q, k, v, bias)
+    G = H // Hkv
+    q, k, v, bias = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, bias))
+    out = torch.empty((B, T, H * hd), dtype=q.dtype, device=q.device)
+    BLOCK_M = min(TRITON_BLOCK_M, max(16, _pow2(T * G)))
+    _kernels()["_cached_attention_kernel"][(B * Hkv, _cdiv(T * G, BLOCK_M))](
+        q, k, v, bias, out, T, G, Hkv, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2), hd ** -0.5,
+        S=S, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=TRITON_BLOCK_N)
+    return out
+
+
 # The kernel sets an engine binds once, when it is built
 
 class KernelSet(NamedTuple):
-    """The round's hot math, one implementation each (same signatures and results)."""
+    """The round's hot math, one implementation each (same signatures and results). `attention`: the
+    verification's attention over the KV cache (`model.attend_cached`'s signature), None for the
+    model's own."""
     markov_chain: Callable
     verify_greedy: Callable
     verify_sampled: Callable
+    attention: Optional[Callable] = None
 
 
 TORCH = KernelSet(markov_chain, verify_greedy, verify_sampled)
-TRITON = KernelSet(markov_chain_triton, verify_greedy_triton, verify_sampled_triton)
+TRITON = KernelSet(markov_chain_triton, verify_greedy_triton, verify_sampled_triton, cached_attention_triton)
 
 
 def kernel_set(name: str, device) -> KernelSet:

@@ -30,8 +30,10 @@ What is notable here:
   at a fraction of a core's peak. `F.linear` is the reference.
 - Per forward, not per layer: RoPE's cos/sin (`Rope`) and the attention mask (`cache_bias`, additive).
   Eager attention reads only the cache's filled prefix (rounded up to `ATTEND_BUCKET`); compiled, the
-  whole cache (static shapes). On CUDA, GQA is folded into the query length so that masked attention
-  runs in a fused kernel, not SDPA's math one; on CPU in float32, a round's few
+  whole cache (static shapes) — except on CPU's kernel and with an engine's Triton attention
+  (`attention`, kernels.cached_attention_triton), which skip the keys no query may see. On CUDA, GQA is
+  folded into the query length so that masked attention runs in a fused kernel, not SDPA's math one
+  (the Triton attention takes the mask unfolded); on CPU in float32, a round's few
   query tokens attend on cpu_kernels.py's kernel, which reads only the keys some query may see
   (`attend_cached`). Each fast piece has its plain
   reference beside it (`apply_rope`, `attend`, the unfused projections), held to it by tests.
@@ -497,13 +499,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, positions: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, *, ragged: Optional[Ragged] = None,
                 rows: Optional[torch.Tensor] = None,
-                prefix_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                prefix_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None, attention=None) -> torch.Tensor:
         """Self-attention of x [B, T, H] (its RoPE `rope`) -> [B, T, H], in one of three modes:
 
         - cache (`positions` [B, T]): K/V written into the cache at `positions`, in cache rows 0..B-1
           or `rows` [B]; attention over the cache's first S positions under `mask`, `cache_bias`'s
-          additive [B, 1, g*T, S] (`attend_cached`). With `ragged`, x is [1, N, H] flattened tokens and
-          positions/mask are the padded layout's [R, W], [R, 1, g*W, S].
+          additive [B, 1, g*T, S] (`attend_cached`, or `attention` with its signature: an engine's
+          kernel set, kernels.cached_attention_triton). With `ragged`, x is [1, N, H] flattened tokens
+          and positions/mask are the padded layout's [R, W], [R, 1, g*W, S].
         - prefix K/V (`prefix_kv` = (k, v), each [B, P, kv_heads, hd]): keys/values are the prefix
           then the block's own, under `mask` [B, T, P + T] bool; the cache is untouched (the drafter's
           training forward: context rows + packed blocks).
@@ -519,7 +522,7 @@ class Attention(nn.Module):
             q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
         self.kv_cache.write(positions, k, v, rows)
         k, v = self.kv_cache.read(positions.shape[0], rows, mask.shape[-1])  # [B, S, kv, hd]
-        out = attend_cached(q, k, v, mask)
+        out = (attention or attend_cached)(q, k, v, mask)
         return self.o_proj(ragged.unpad(out) if ragged is not None else out)
 
 
@@ -574,10 +577,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device)
 
     def forward(self, x, rope: Rope, positions=None, mask=None, *, ragged: Optional[Ragged] = None, rows=None,
-                prefix_kv=None):
+                prefix_kv=None, attention=None):
         """Pre-norm residual block over x [B, T, H]; the attention mode is `Attention.forward`'s."""
         x = x + self.self_attn(self.input_layernorm(x), rope, positions, mask, ragged=ragged, rows=rows,
-                               prefix_kv=prefix_kv)
+                               prefix_kv=prefix_kv, attention=attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fuse_(self, gate_up: Optional[bool] = None, pack: bool = False):
@@ -650,7 +653,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *, capture: Sequence[int] = (),
                ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None,
-               index: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None):
+               index: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None, attention=None):
         """The decoder stack: tokens [B, T] (int64) -> (final-normed hidden states [B, T, H], features).
 
         positions [B, T]: through the KV cache (written at `positions`, in cache rows 0..B-1 or `rows`
@@ -663,6 +666,8 @@ class Transformer(nn.Module):
         index [B]: only that position of each row, [B, H] (selected before the norm, which is per token).
         mask [B, T, T] (cache-free only; True = may attend): instead of plain causal attention, e.g. causal
         within each document of a packed row (data.document_mask).
+        attention (through the cache only): the attention over the cache in place of `attend_cached`, same
+        signature (kernels.KernelSet.attention); it gets the mask unfolded (one row per token).
         """
         dtype = self.embed_tokens.weight.dtype
         if positions is None:
@@ -675,7 +680,8 @@ class Transformer(nn.Module):
         else:  # RoPE and the mask once for every layer; the cache read up to the longest row's end
             assert mask is None, "mask: the cache-free mode's only"
             S = attended_length(positions + 1, self.max_seq)
-            g = self.args.num_attention_heads // self.args.num_key_value_heads if fold_gqa(positions.device) else 1
+            fold = fold_gqa(positions.device) and attention is None
+            g = self.args.num_attention_heads // self.args.num_key_value_heads if fold else 1
             mask = cache_bias(positions[:, :, None] >= torch.arange(S, device=positions.device), g, dtype)
             rope = Rope.at(self.rope[ragged.flatten(positions) if ragged is not None else positions], dtype)
         x = self.embed_tokens(tokens)
@@ -683,7 +689,7 @@ class Transformer(nn.Module):
         if -1 in capture:
             captured[-1] = x
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, positions, mask, ragged=ragged, rows=rows)
+            x = layer(x, rope, positions, mask, ragged=ragged, rows=rows, attention=attention)
             if i in capture:
                 captured[i] = x
         features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
@@ -693,12 +699,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *,
                 capture: Sequence[int] = (), logits_index: Optional[torch.Tensor] = None,
-                ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None):
+                ragged: Optional[Ragged] = None, rows: Optional[torch.Tensor] = None, attention=None):
         """(logits, features): the lm_head over `hidden`'s states (arguments as there).
 
         logits: [B, T, V], or [B, V] at `logits_index` ([B], one position per row) when given.
         """
-        h, features = self.hidden(tokens, positions, capture=capture, ragged=ragged, rows=rows, index=logits_index)
+        h, features = self.hidden(tokens, positions, capture=capture, ragged=ragged, rows=rows, index=logits_index,
+                                  attention=attention)
         return self.lm_head(h), features
 
 

@@ -113,10 +113,11 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: P
     positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
     # 3. Verify.
     if num_tokens is None:
-        logits, features = target(tokens, positions, capture=capture)
+        logits, features = target(tokens, positions, capture=capture, attention=kernels.attention)
     else:
         ragged = Ragged.build(torch.where(active, verify_len + 1, 0), positions, num_tokens)
-        logits, features = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged)
+        logits, features = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged,
+                                  attention=kernels.attention)
         logits = ragged.pad(logits)                                        # [B, K+1, V], zeros unverified
         features = ragged.pad(features) if features is not None else None
     # 4. Accept.
@@ -661,8 +662,9 @@ class Args(WandbFlags):
     """With --compile: show what compiling prints (Inductor's autotuning tables, on stderr); without
     it compiling prints one line, its time and the cache directory."""
     kernels: Literal["torch", "triton"] = "torch"
-    """The Markov chain and the acceptance: plain torch (the references), or kernels.py's Triton
-    kernels (cuda; on cpu only in Triton's interpreter, TRITON_INTERPRET=1, for testing)."""
+    """The Markov chain, the acceptance and the verification's attention over the KV cache: plain torch
+    (the references; the model's own attention), or kernels.py's Triton kernels (cuda; on cpu only in
+    Triton's interpreter, TRITON_INTERPRET=1, for testing)."""
     trace_file: Optional[str] = None
     """Write a JSON-lines record of every round, request and a summary here (docs/trace-format.md)."""
     output_file: Optional[str] = None

@@ -13,6 +13,8 @@ What is compared:
 - Greedy verification: hand-built and random cases, verify_len < K, K = 0, ties.
 - Sampled verification: given u and noise, or the same generator seed; rejections,
   corrections, bonus, verify_len < K, K = 0 (q None).
+- Attention over the KV cache: model.attend_cached's result to rounding, blocks past what a row may
+  see left unread; and whole decodes with every kernel of the Triton set.
 The tile sizes are shrunk so that V in 100..300 spans several tiles with a ragged last one.
 The interpreter is slow; the whole file takes tens of seconds on two cores.
 """
@@ -216,10 +218,12 @@ def test_markov_other_heads_fall_back_to_reference(head):
 
 
 def test_kernel_sets():
-    """An engine binds one set: the references, or the Triton versions (refused where Triton cannot run)."""
-    assert kernels.kernel_set("torch", "cpu") == (kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled)
+    """An engine binds one set: the references (the model's own attention), or the Triton versions
+    (refused where Triton cannot run)."""
+    assert kernels.kernel_set("torch", "cpu") == (kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled,
+                                                  None)
     assert kernels.kernel_set("triton", "cpu") == (kernels.markov_chain_triton, kernels.verify_greedy_triton,
-                                                   kernels.verify_sampled_triton)
+                                                   kernels.verify_sampled_triton, kernels.cached_attention_triton)
     with pytest.raises(ValueError):
         kernels.kernel_set("cuda-magic", "cpu")
 
@@ -338,6 +342,59 @@ def test_verify_sampled_draws_like_reference_from_generator(no_fallback):
 
 
 # ----------------------------------------------------------------------------------------
+# Attention over the KV cache (the verification's), against model.attend_cached
+
+def attention_case(B, T, H, Hkv, hd, S, seed=0, dtype=torch.float32):
+    """q, k, v and the boolean mask of a verify-like step: token t of row b may see keys < end[b, t]
+    (a prefix ending at a random filled length, one more key per token), row 0's first token none."""
+    g = gen(seed)
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for shape in ((B, T, H, hd), (B, S, Hkv, hd), (B, S, Hkv, hd)))
+    end = (torch.randint(T, S + 1, (B, 1), generator=g) - T + 1 + torch.arange(T)).clamp(max=S)
+    end[0, 0] = 0
+    return q, k, v, torch.arange(S) < end[..., None]
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,hd,S", [(2, 3, 4, 2, 16, 40), (1, 8, 8, 2, 32, 70), (3, 1, 4, 4, 16, 33),
+                                            (1, 8, 8, 1, 64, 16)])
+def test_cached_attention_equals_the_models(B, T, H, Hkv, hd, S, monkeypatch):
+    """cached_attention_triton = model.attend_cached (the CPU kernel's / SDPA's result) to float32
+    rounding, with the mask one row per token or folded for GQA (rows i*T + t), across several key
+    blocks with a ragged last one and several blocks of query rows; a row that may see no key gives
+    zeros; q may be strided."""
+    import model
+
+    monkeypatch.setattr(kernels, "TRITON_BLOCK_N", 16)
+    monkeypatch.setattr(kernels, "TRITON_BLOCK_M", 16)
+    q, k, v, allowed = attention_case(B, T, H, Hkv, hd, S)
+    want = model.attend_cached(q, k, v, model.cache_bias(allowed, 1, torch.float32))
+    assert not want[0, 0].any()
+    for group in (1, H // Hkv):
+        got = kernels.cached_attention_triton(q, k, v, model.cache_bias(allowed, group, torch.float32))
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # other batch/token strides
+    assert torch.allclose(kernels.cached_attention_triton(strided, k, v, model.cache_bias(allowed, 1, torch.float32)),
+                          want, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_attention_reads_no_key_block_past_what_its_rows_may_see(monkeypatch):
+    """Blocks of keys that no query row may see are skipped, K and V unread: NaN there changes
+    nothing (a static cache costs what is filled). The same NaN inside a visible block would."""
+    import model
+
+    monkeypatch.setattr(kernels, "TRITON_BLOCK_N", 16)
+    q, k, v, _ = attention_case(2, 4, 4, 2, 16, 96, seed=3)
+    end = torch.tensor([[20, 21, 22, 23], [40, 41, 42, 43]])
+    allowed = torch.arange(96) < end[..., None]
+    bias = model.cache_bias(allowed, 1, torch.float32)
+    want = kernels.cached_attention_triton(q, k, v, bias)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 32:], v2[0, 32:], k2[1, 48:], v2[1, 48:] = float("nan"), float("nan"), float("nan"), float("nan")
+    assert torch.equal(kernels.cached_attention_triton(q, k2, v2, bias), want)
+    k2[0, 30] = float("nan")  # masked, but in a block that is read: the kernel did read it
+    assert torch.isnan(kernels.cached_attention_triton(q, k2, v2, bias)[0]).any()
+
+
+# ----------------------------------------------------------------------------------------
 # The engine with --kernels triton: the whole decode, Triton for the chain and the acceptance
 
 @pytest.fixture(scope="module")
@@ -373,13 +430,83 @@ def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monke
     want = decode(False)
     for name in ("markov_chain", "verify_greedy", "verify_sampled"):  # from here on, only Triton may run
         monkeypatch.setattr(kernels, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
+    verified = []  # the verification's attention: the Triton kernel's, on every layer of every round
+
+    def attention(q, k, v, bias):
+        assert kernels._triton_ok(q, k, v, bias) and q.shape[-1] == 16  # no fallback to the model's
+        verified.append(q.shape[1])
+        return kernels.cached_attention_triton(q, k, v, bias)
+    monkeypatch.setattr(kernels, "TRITON", kernels.TRITON._replace(attention=attention))
     got = decode(True)
     assert got == want
     assert any(a >= 2 for _, rounds in want for _, _, a in rounds)
+    assert verified and len(verified) % target.args.num_hidden_layers == 0
 
 
 # ----------------------------------------------------------------------------------------
 # On a GPU (not part of the pytest run): compiled Triton against the references, and timings.
+
+# (B, T, H, Hkv, hd, S, filled lengths): Qwen3-8B's attention in a verify of 8 tokens, a static cache
+# for 2048 new tokens after a 256-token prompt, filled to a short and a long way
+ATTENTION_SHAPES = [(1, 8, 32, 8, 128, 2312, (300, 2000)), (32, 8, 32, 8, 128, 2312, (300, 1200, 2000))]
+
+
+def attention_check(dev="cuda", shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, compile=True, reps=20):
+    """The cache attention on `dev`: kernels.cached_attention_triton against model.attend_cached (on
+    CUDA: SDPA over the whole static cache, GQA folded, as a compiled graph runs it) at each filled
+    length — agreement, and both timed — then traced by torch.compile(fullgraph). Returns failures."""
+    import time
+
+    import model
+
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    failures = 0
+    for (B, T, H, Hkv, hd, S, filled) in shapes:
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn((B, T, H, hd), generator=g, device=dev).to(dtype)
+        k = torch.randn((B, S, Hkv, hd), generator=g, device=dev).to(dtype)
+        v = torch.randn((B, S, Hkv, hd), generator=g, device=dev).to(dtype)
+        for n in filled:
+            positions = (n - T + torch.arange(T, device=dev)).expand(B, T)
+            allowed = positions[:, :, None] >= torch.arange(S, device=dev)
+            group = H // Hkv if model.fold_gqa(dev) else 1
+            ref_bias, bias = model.cache_bias(allowed, group, dtype), model.cache_bias(allowed, 1, dtype)
+            want = model.attend_cached(q, k, v, ref_bias)
+            got = kernels.cached_attention_triton(q, k, v, bias)
+            err = (got.float() - want.float()).abs().max().item()
+            ok = err <= (2e-2 if dtype != torch.float32 else 1e-4)
+            failures += not ok
+            times = {}
+            for name, fn, b in (("sdpa", model.attend_cached, ref_bias), ("triton", kernels.cached_attention_triton, bias)):
+                fn(q, k, v, b)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn(q, k, v, b)
+                sync()
+                times[name] = (time.perf_counter() - t0) / reps * 1e6
+            print(f"attention B={B} T={T} H={H}/{Hkv} hd={hd} S={S} filled={n} {dtype}: sdpa {times['sdpa']:.0f} us, "
+                  f"triton {times['triton']:.0f} us ({times['sdpa'] / times['triton']:.2f}x)  max|diff| {err:.2e} ok={ok}")
+    if compile:
+        try:
+            t0 = time.perf_counter()
+            got = torch.compile(kernels.cached_attention_triton, fullgraph=True, dynamic=False)(q, k, v, bias)
+            ok = torch.equal(got, kernels.cached_attention_triton(q, k, v, bias))
+            print(f"torch.compile(fullgraph) attention: ok={ok} ({time.perf_counter() - t0:.1f} s)")
+        except Exception as e:  # noqa: BLE001 - report, do not hide
+            ok = False
+            print(f"torch.compile(fullgraph) attention FAILED: {type(e).__name__}: {str(e)[:2000]}")
+        failures += not ok
+    return failures
+
+
+def test_attention_check_runs_on_cpu(capsys):
+    """The device check's attention part, on CPU in the interpreter at tiny shapes (its plumbing:
+    what a GPU session runs first time)."""
+    assert attention_check("cpu", [(2, 4, 4, 2, 16, 70, (10, 60))], torch.float32, compile=False, reps=1) == 0
+    out = capsys.readouterr().out
+    assert out.count("attention B=2") == 2 and "ok=True" in out
+
 
 DEVICE_SHAPES = [(1, 7, 151936, 256, torch.bfloat16), (4, 7, 151936, 256, torch.float32),
                  (3, 5, 1000, 64, torch.float32), (16, 7, 151936, 256, torch.bfloat16)]  # (B, K, V, r, dtype)
@@ -429,6 +556,7 @@ def device_check(dev="cuda", shapes=DEVICE_SHAPES, fast=None):  # pragma: no cov
                                                     REF_SAMPLED(drafts, q, logits, vl, 1.0, None, u, bn)))
         failures += (not ok) + (not ok2)
         print(f"verify B={B} K={K} V={V} {dtype}: greedy ok={ok} sampled ok={ok2}")
+    failures += attention_check(dev)
     # The engine compiles the round (fullgraph, static shapes): the Triton path must trace.
     B, K, V, r, dtype = shapes[0]
     m = vanilla(V, r, seed=0, dtype=dtype).to(dev)
