@@ -718,7 +718,9 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     float32, skipping every block of TRITON_BLOCK_N keys that none of its rows may see: a compiled
     graph's static cache costs what is filled, not its whole length (SDPA reads all S keys). A row that
     may see no key gives zeros. Falls back to `model.attend_cached` where the kernel cannot run (no
-    Triton for these tensors, hd not a power of two in 16..256, another dtype)."""
+    Triton for these tensors, hd not a power of two in 16..256, another dtype). Not yet timed on a GPU
+    (tests/test_triton.py --device does): B * Hkv programs may be too few for a long cache at batch 1,
+    where splitting the keys over more programs would be the next step."""
     B, T, H, hd = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     if not (_triton_ok(q, k, v, bias) and q.dtype in _ROUND_CODE and 16 <= hd <= 256 and hd & (hd - 1) == 0
