@@ -464,14 +464,18 @@ def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr, next_ptr
     tl.store(next_ptr + b, x.to(tl.int64))
 
 
-def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, T, G, HKV, H,
+def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, T, G, HKV, H,
                              s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bb, s_bt, scale,
-                             S: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (batch row, K/V head, block of query rows): the rows r = t * G + i (token t, head h * G + i)
-    against the keys block by block, online softmax in float32. A block of keys none of these rows may
-    see (its bias all -inf: past the filled prefix) is skipped without reading its K or V. S, the
-    cache length, is a constexpr like the Markov rank (one specialisation per length: a compiled
-    graph's is fixed, eager's a multiple of model.ATTEND_BUCKET), for Triton 3.6's interpreter."""
+                             S: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr):
+    """One (batch row, K/V head, block of query rows, split of the keys): the rows r = t * G + i
+    (token t, head h * G + i) against keys z * SPLIT_KEYS .. (z + 1) * SPLIT_KEYS - 1 block by block,
+    online softmax in float32. A block of keys none of these rows may see (its bias all -inf: past the
+    filled prefix) is skipped without reading its K or V. PARTIAL: the split's running max, sum and
+    weighted values go to m/l/acc for `cached_attention_triton` to combine; else (one split) the
+    output. S, the cache length, is a constexpr like the Markov rank (one specialisation per length:
+    a compiled graph's is fixed, eager's a multiple of model.ATTEND_BUCKET), and the loop's bounds
+    constexprs, for Triton 3.6's interpreter."""
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -485,8 +489,8 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, T, G, HKV, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
-    for start in range(0, S, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
+    for j in range(0, SPLIT_KEYS, BLOCK_N):
+        cols = tl.program_id(2) * SPLIT_KEYS + j + tl.arange(0, BLOCK_N)
         cmask = cols < S
         bias = tl.load(bias_ptr + b * s_bb + t[:, None] * s_bt + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                        other=float("-inf")).to(tl.float32)
@@ -501,9 +505,15 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, T, G, HKV, 
             vb = tl.load(v_ptr + b * s_vb + cols[:, None] * s_vs + h * s_vh + d[None, :], mask=cmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
             m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may see no key: zeros
-    tl.store(out_ptr + ((b * T + t[:, None]) * H + head[:, None]) * HD + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None])
+    if PARTIAL:
+        at = ((pid * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)) * BLOCK_M
+        tl.store(m_ptr + at + tl.arange(0, BLOCK_M), m_i)
+        tl.store(l_ptr + at + tl.arange(0, BLOCK_M), l_i)
+        tl.store(acc_ptr + (at + tl.arange(0, BLOCK_M))[:, None] * HD + d[None, :], acc)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may see no key: zeros
+        tl.store(out_ptr + ((b * T + t[:, None]) * H + head[:, None]) * HD + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 _TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel", "_rows_argmax_partial_kernel",
@@ -705,9 +715,22 @@ def verify_sampled_triton(drafts: torch.Tensor, q: Optional[torch.Tensor], targe
 
 
 #: Key positions per step of `cached_attention_triton`'s loop (a module constant so the tests can
-#: shrink it to get many blocks from a short cache); query rows per program at most.
+#: shrink it to get many blocks from a short cache); query rows per program at most; the programs it
+#: aims for, splitting the keys when batch rows x K/V heads give fewer (each split at least
+#: TRITON_SPLIT_MIN_BLOCKS blocks of keys).
 TRITON_BLOCK_N = 64
 TRITON_BLOCK_M = 64
+TRITON_ATTENTION_PROGRAMS = 256
+TRITON_SPLIT_MIN_BLOCKS = 4
+
+
+def attention_splits(programs: int, S: int) -> tuple[int, int]:
+    """How `cached_attention_triton` splits a cache of S keys when it has `programs` (batch rows x K/V
+    heads x row blocks) without splitting: (splits, keys per split, a multiple of TRITON_BLOCK_N)."""
+    key_blocks = _cdiv(S, TRITON_BLOCK_N)
+    splits = max(1, min(_cdiv(TRITON_ATTENTION_PROGRAMS, programs), key_blocks // TRITON_SPLIT_MIN_BLOCKS))
+    split_keys = _cdiv(key_blocks, splits) * TRITON_BLOCK_N
+    return _cdiv(S, split_keys), split_keys
 
 
 def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -716,11 +739,12 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     way) -> [B, T, H*hd] in q's dtype. One program per (batch row, K/V head, up to TRITON_BLOCK_M of
     its query rows) — the GQA group's heads read each K/V block once — with an online softmax in
     float32, skipping every block of TRITON_BLOCK_N keys that none of its rows may see: a compiled
-    graph's static cache costs what is filled, not its whole length (SDPA reads all S keys). A row that
-    may see no key gives zeros. Falls back to `model.attend_cached` where the kernel cannot run (no
-    Triton for these tensors, hd not a power of two in 16..256, another dtype). Not yet timed on a GPU
-    (tests/test_triton.py --device does): B * Hkv programs may be too few for a long cache at batch 1,
-    where splitting the keys over more programs would be the next step."""
+    graph's static cache costs what is filled, not its whole length (SDPA reads all S keys). Where
+    those programs are fewer than TRITON_ATTENTION_PROGRAMS (batch 1: one per K/V head), the keys are
+    split among more, each split's softmax statistics combined after (flash-decoding). A row that may
+    see no key gives zeros. Falls back to `model.attend_cached` where the kernel cannot run (no Triton
+    for these tensors, hd not a power of two in 16..256, another dtype). Not yet timed on a GPU:
+    tests/test_triton.py --device does."""
     B, T, H, hd = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     if not (_triton_ok(q, k, v, bias) and q.dtype in _ROUND_CODE and 16 <= hd <= 256 and hd & (hd - 1) == 0
@@ -730,12 +754,28 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     G = H // Hkv
     q, k, v, bias = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, bias))
     out = torch.empty((B, T, H * hd), dtype=q.dtype, device=q.device)
-    BLOCK_M = min(TRITON_BLOCK_M, max(16, _pow2(T * G)))
-    _kernels()["_cached_attention_kernel"][(B * Hkv, _cdiv(T * G, BLOCK_M))](
-        q, k, v, bias, out, T, G, Hkv, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2), hd ** -0.5,
-        S=S, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=TRITON_BLOCK_N)
-    return out
+    BLOCK_M, BLOCK_N = min(TRITON_BLOCK_M, max(16, _pow2(T * G))), TRITON_BLOCK_N
+    row_blocks = _cdiv(T * G, BLOCK_M)
+    programs = B * Hkv * row_blocks
+    splits, split_keys = attention_splits(programs, S)
+    if splits > 1:  # each split's running max, sum and weighted values, combined below
+        m = torch.empty((programs, splits, BLOCK_M), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty((programs, splits, BLOCK_M, hd), dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out
+    _kernels()["_cached_attention_kernel"][(B * Hkv, row_blocks, splits)](
+        q, k, v, bias, out, m, l, acc, T, G, Hkv, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2),
+        hd ** -0.5, S=S, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT_KEYS=split_keys, PARTIAL=splits > 1)
+    if splits == 1:
+        return out
+    top = m.amax(1, keepdim=True)
+    w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))        # [P, splits, BLOCK_M]; 0 for -inf
+    den = (w * l).sum(1)                                                   # [P, BLOCK_M]
+    o = (w[..., None] * acc).sum(1) / torch.where(den > 0, den, 1.0)[..., None]  # rows that see nothing: 0
+    o = o.view(B, Hkv, row_blocks * BLOCK_M, hd)[:, :, :T * G].reshape(B, Hkv, T, G, hd)
+    return o.permute(0, 2, 1, 3, 4).reshape(B, T, H * hd).to(q.dtype)
 
 
 # The kernel sets an engine binds once, when it is built

@@ -354,17 +354,22 @@ def attention_case(B, T, H, Hkv, hd, S, seed=0, dtype=torch.float32):
     return q, k, v, torch.arange(S) < end[..., None]
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("B,T,H,Hkv,hd,S", [(2, 3, 4, 2, 16, 40), (1, 8, 8, 2, 32, 70), (3, 1, 4, 4, 16, 33),
                                             (1, 8, 8, 1, 64, 16)])
-def test_cached_attention_equals_the_models(B, T, H, Hkv, hd, S, monkeypatch):
+def test_cached_attention_equals_the_models(B, T, H, Hkv, hd, S, split, monkeypatch):
     """cached_attention_triton = model.attend_cached (the CPU kernel's / SDPA's result) to float32
     rounding, with the mask one row per token or folded for GQA (rows i*T + t), across several key
-    blocks with a ragged last one and several blocks of query rows; a row that may see no key gives
-    zeros; q may be strided."""
+    blocks with a ragged last one and several blocks of query rows, the keys in one pass or split
+    among programs (a split that sees nothing included); a row that may see no key gives zeros; q may
+    be strided."""
     import model
 
     monkeypatch.setattr(kernels, "TRITON_BLOCK_N", 16)
     monkeypatch.setattr(kernels, "TRITON_BLOCK_M", 16)
+    monkeypatch.setattr(kernels, "TRITON_SPLIT_MIN_BLOCKS", 1 if split else 1000)
+    programs = B * Hkv * -(-T * H // Hkv // 16)
+    assert (kernels.attention_splits(programs, S)[0] > 1) == (split and S > 16)
     q, k, v, allowed = attention_case(B, T, H, Hkv, hd, S)
     want = model.attend_cached(q, k, v, model.cache_bias(allowed, 1, torch.float32))
     assert not want[0, 0].any()
@@ -376,12 +381,15 @@ def test_cached_attention_equals_the_models(B, T, H, Hkv, hd, S, monkeypatch):
                           want, rtol=1e-5, atol=1e-5)
 
 
-def test_cached_attention_reads_no_key_block_past_what_its_rows_may_see(monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_cached_attention_reads_no_key_block_past_what_its_rows_may_see(split, monkeypatch):
     """Blocks of keys that no query row may see are skipped, K and V unread: NaN there changes
-    nothing (a static cache costs what is filled). The same NaN inside a visible block would."""
+    nothing (a static cache costs what is filled), with the keys in one pass or split. The same NaN
+    inside a visible block would."""
     import model
 
     monkeypatch.setattr(kernels, "TRITON_BLOCK_N", 16)
+    monkeypatch.setattr(kernels, "TRITON_SPLIT_MIN_BLOCKS", 1 if split else 1000)
     q, k, v, _ = attention_case(2, 4, 4, 2, 16, 96, seed=3)
     end = torch.tensor([[20, 21, 22, 23], [40, 41, 42, 43]])
     allowed = torch.arange(96) < end[..., None]
