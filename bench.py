@@ -73,6 +73,9 @@ class BenchArgs:
     compile_cache: Optional[str] = None
     """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
     Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
+    kernels: Literal["torch", "triton"] = "torch"
+    """The engines' Markov chain, acceptance and verification attention: plain torch (the references),
+    or kernels.py's Triton kernels (cuda; on cpu only in Triton's interpreter, TRITON_INTERPRET=1)."""
     verbose: bool = False
     """Show what compiling prints (Inductor's autotuning tables, on stderr)."""
     skip_guards: bool = True
@@ -186,12 +189,12 @@ def peak_memory(device) -> float:
 
 
 def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str],
-                verbose: bool = False) -> Engine:
+                verbose: bool = False, kernels: str = "torch") -> Engine:
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, device=device, compile=compile,
-                    compile_mode=mode, compile_verbose=verbose)
+                    compile_mode=mode, compile_verbose=verbose, kernels=kernels)
     if compile:
         engine.warmup()
     engine.generate([Request(i, [1, 2, 3]) for i in range(batch)], 8)
@@ -409,6 +412,11 @@ def run(args: BenchArgs) -> list[dict]:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
+    if args.kernels != "torch":
+        try:
+            kernels.kernel_set(args.kernels, dev)
+        except RuntimeError as e:
+            raise UserError(f"--kernels {args.kernels}: {e}") from None
     want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
     if want_reference and not transformers_available():
         if args.reference:
@@ -438,6 +446,7 @@ def run(args: BenchArgs) -> list[dict]:
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}"
           + (" (guards skipped after warm-up)" if args.compile and args.skip_guards else "")
+          + (f", kernels={args.kernels}" if args.kernels != "torch" else "")
           + (f" (cache {cache_dir})" if cache_dir else "")
           + (f"; {gemms}" if gemms else "")
           + f"; built in {time.perf_counter() - t0:.1f} s; "
@@ -451,10 +460,10 @@ def run(args: BenchArgs) -> list[dict]:
     for B in batch_sizes:
         prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
         engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, args.compile,
-                                                     args.compile_mode, args.verbose)}
+                                                     args.compile_mode, args.verbose, args.kernels)}
         if drafter is not None:
             engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, args.compile,
-                                                  args.compile_mode, args.verbose)
+                                                  args.compile_mode, args.verbose, args.kernels)
         modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
         if "reference" in modes:  # its warm-up, as the engines had theirs
             reference_generate(hf, ref_drafter, prompts[0], min(args.max_new_tokens, 8), dev, max_seq)

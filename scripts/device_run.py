@@ -13,6 +13,9 @@ is reported and the next one still runs. Steps, most important first:
   triton       kernels.py's Triton kernels against the references on real shapes, and traced by torch.compile
   compiled-b32 batch 32 compiled
   suite        the CPU test suite under this machine's torch (when tyro is importable), in parallel
+  triton-b32   batch 32 compiled with --kernels triton (the Markov chain, acceptance and the cache
+               attention as kernels.py's Triton kernels): after the rest, or alone in a call of its own
+               (--steps triton-b32)
 Bench steps write DIR/<step>.json (bench's own JSON, rewritten after every batch size), env writes
 DIR/env.json, every step's output goes to DIR/log.txt, and DIR/summary.json gives each step's status
 and seconds. Exactness: bench asserts equal tokens only in float32; in bf16 it reports the
@@ -41,18 +44,20 @@ STEPS = {
     "triton": 150,
     "compiled-b32": 300,
     "suite": 300,
+    "triton-b32": 300,
 }
 
 
 def bench_args(step: str, dry: bool, out: str) -> dict:
     """bench.BenchArgs fields for a bench step."""
     batch = "32" if step.endswith("b32") else "1"
-    if dry:  # the constructed CPU pair, tiny, eager: the plumbing only
+    if dry:  # the constructed CPU pair, tiny, eager, the plain kernels: the plumbing only
         return dict(model="bigram-35m", device="cpu", batch_sizes=batch if batch == "1" else "2", prompt_len=8,
                     max_new_tokens=8, repeats=1, compile=False, reference=False, out=out)
     return dict(model="qwen3-8b", device="cuda", dtype="bfloat16", batch_sizes=batch, prompt_len=128,
-                max_new_tokens=128, repeats=2, compile=step.startswith("compiled"),
-                compile_mode="reduce-overhead", reference=False, out=out)
+                max_new_tokens=128, repeats=2, compile=step.startswith(("compiled", "triton")),
+                compile_mode="reduce-overhead", reference=False, out=out,
+                kernels="triton" if step.startswith("triton-") else "torch")
 
 
 def run_step(step: str, dry: bool, out_dir: str):
@@ -74,7 +79,7 @@ def run_step(step: str, dry: bool, out_dir: str):
         with open(os.path.join(out_dir, "env.json"), "w") as f:
             json.dump(info, f, indent=1)
         return 0
-    if step in ("eager-b1", "compiled-b1", "compiled-b32"):
+    if step in ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32"):
         import bench
 
         with torch.inference_mode():

@@ -107,6 +107,7 @@ def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
     (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),
     (["--threads", "-1"], "--threads: invalid"),
     (["--out", "/"], "--out /: is a directory"),
+    (["--kernels", "triton"], "--kernels triton: the Triton kernels need"),  # cpu, outside the interpreter
 ])
 def test_bad_flags(flags, needle, capsys):
     assert bench.main(flags) == 2
@@ -131,6 +132,25 @@ def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
     assert d["request"] == 1 and d["first_token"] == 1 and d["logit_gap"] >= 0
     runs["speculative"][0]["outputs"][1] = [10, 11]
     assert bench.compare_outputs(runs, prompts, target, exact=True, what="batch 2") == {}
+
+
+def test_device_script_bench_steps_are_valid_bench_arguments():
+    """Every bench step of scripts/device_run.py, real and dry, makes a BenchArgs (a renamed field fails
+    here, not on the GPU): batch 1 or 32, compiled with CUDA graphs, --kernels triton for triton-b32."""
+    import importlib.util
+
+    from conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("device_run", REPO_ROOT / "scripts" / "device_run.py")
+    device_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_run)
+    for step in ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32"):
+        for dry in (False, True):
+            a = bench.BenchArgs(**device_run.bench_args(step, dry, "out.json"))
+            assert a.kernels == ("triton" if step == "triton-b32" and not dry else "torch")
+            if not dry:
+                assert a.device == "cuda" and a.batch_sizes == ("32" if step.endswith("b32") else "1")
+                assert a.compile == (step != "eager-b1") and a.compile_mode == "reduce-overhead"
 
 
 def test_device_script_dry_run(tmp_path):
