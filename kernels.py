@@ -762,8 +762,8 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
         m = torch.empty((programs, splits, BLOCK_M), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty((programs, splits, BLOCK_M, hd), dtype=torch.float32, device=q.device)
-    else:
-        m = l = acc = out
+    else:  # unused (PARTIAL off), but tensors of their own: no argument aliases the output
+        m, l, acc = (torch.empty(1, dtype=torch.float32, device=q.device) for _ in range(3))
     _kernels()["_cached_attention_kernel"][(B * Hkv, row_blocks, splits)](
         q, k, v, bias, out, m, l, acc, T, G, Hkv, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
         k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2),
