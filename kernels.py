@@ -467,7 +467,7 @@ def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr, next_ptr
 def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, T, G, HKV, H,
                              s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bb, s_bt, scale,
                              S: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr):
+                             SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     """One (batch row, K/V head, block of query rows, split of the keys): the rows r = t * G + i
     (token t, head h * G + i) against keys z * SPLIT_KEYS .. (z + 1) * SPLIT_KEYS - 1 block by block,
     online softmax in float32. A block of keys none of these rows may see (its bias all -inf: past the
@@ -475,7 +475,8 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, m_ptr, l_pt
     weighted values go to m/l/acc for `cached_attention_triton` to combine; else (one split) the
     output. S, the cache length, is a constexpr like the Markov rank (one specialisation per length:
     a compiled graph's is fixed, eager's a multiple of model.ATTEND_BUCKET), and the loop's bounds
-    constexprs, for Triton 3.6's interpreter."""
+    constexprs, for Triton 3.6's interpreter. IEEE (float32 inputs): full-precision products, not the
+    TF32 that tl.dot takes for float32 on a GPU by default."""
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
@@ -496,14 +497,20 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, m_ptr, l_pt
                        other=float("-inf")).to(tl.float32)
         if tl.max(tl.max(bias, axis=1), axis=0) > float("-inf"):
             kb = tl.load(k_ptr + b * s_kb + cols[:, None] * s_ks + h * s_kh + d[None, :], mask=cmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb)).to(tl.float32) * scale + bias
+            if IEEE:
+                s = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale + bias
+            else:
+                s = tl.dot(q, tl.trans(kb)).to(tl.float32) * scale + bias
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: p = 0
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vb = tl.load(v_ptr + b * s_vb + cols[:, None] * s_vs + h * s_vh + d[None, :], mask=cmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
             m_i = m_new
     if PARTIAL:
         at = ((pid * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)) * BLOCK_M
@@ -767,7 +774,8 @@ def cached_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     _kernels()["_cached_attention_kernel"][(B * Hkv, row_blocks, splits)](
         q, k, v, bias, out, m, l, acc, T, G, Hkv, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
         k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2),
-        hd ** -0.5, S=S, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT_KEYS=split_keys, PARTIAL=splits > 1)
+        hd ** -0.5, S=S, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLIT_KEYS=split_keys, PARTIAL=splits > 1,
+        IEEE=q.dtype == torch.float32)
     if splits == 1:
         return out
     top = m.amax(1, keepdim=True)
