@@ -47,7 +47,7 @@ from inputs import resolve_checkpoint
 from cpu_kernels import gemm_note
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
 from compiling import CompileMode, check_compile_flags, use_compile_cache
-from speculate import Engine, Request
+from speculate import Engine, Request, kernel_set
 
 
 @dataclass
@@ -412,11 +412,7 @@ def run(args: BenchArgs) -> list[dict]:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    if args.kernels != "torch":
-        try:
-            kernels.kernel_set(args.kernels, dev)
-        except RuntimeError as e:
-            raise UserError(f"--kernels {args.kernels}: {e}") from None
+    kernel_set(args.kernels, dev)  # refused here, before any model is built
     want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
     if want_reference and not transformers_available():
         if args.reference:

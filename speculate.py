@@ -135,6 +135,15 @@ def verify(target: Transformer, drafter, anchor, anchor_pos, active, proposal: P
             torch.where(active, next_token, anchor), torch.where(active, anchor_pos + accepted + 1, anchor_pos))
 
 
+def kernel_set(name: str, device) -> kernels.KernelSet:
+    """`kernels.kernel_set`, its refusal (Triton cannot run on `device`) as the one-line UserError of
+    `--kernels NAME` — what an Engine binds, and what the command lines check before loading models."""
+    try:
+        return kernels.kernel_set(name, device)
+    except RuntimeError as e:
+        raise UserError(f"--kernels {name}: {e}") from None
+
+
 def own_code(fn):
     """`fn` with a code object of its own. torch.compile keeps its graphs per code object, so each
     engine's `draft` and `verify` hold only that engine's graphs — with guard evaluation cut to the
@@ -277,7 +286,7 @@ class Engine:
         # The round's halves, compiled or not, and what every call passes them, fixed here.
         wrap = (lambda f: compiled(own_code(f), device, compile_mode, compile_verbose)) if compile else (lambda f: f)
         self.draft_fn, self.verify_fn = wrap(draft), wrap(verify)
-        self.bound = dict(temperature=temperature, filters=self.filters, kernels=self.kernel_set(kernels))
+        self.bound = dict(temperature=temperature, filters=self.filters, kernels=kernel_set(kernels, device))
         self.cuda_graphs = compile and str(device).startswith("cuda")
         if compile and self.ragged:  # one verify graph per bucket, all expected: raise dynamo's limit to match
             for name in ("recompile_limit", "cache_size_limit"):
@@ -292,12 +301,6 @@ class Engine:
         # the engine's halves are code of its own (`own_code`): no other engine's graphs sit beside
         # them for the cut-down guards to confuse them with. False: every guard.
         self.warmed, self.skip_guards = False, True
-
-    def kernel_set(self, name: str) -> kernels.KernelSet:
-        try:
-            return kernels.kernel_set(name, self.device)
-        except RuntimeError as e:
-            raise UserError(f"--kernels {name}: {e}") from None
 
     def round(self, anchor, anchor_pos, active, noise: Optional[kernels.Noise], verify_len=None,
               plan: Optional[sched.Plan] = None):
@@ -704,11 +707,7 @@ def check_args(args: Args):
                    "--sps-table": None if sps_exists else args.sps_table},
                   inputs=[args.target, args.drafter, args.prompts_file, args.calibration,
                           args.sps_table if sps_exists else None])
-    if args.kernels != "torch":
-        try:
-            kernels.kernel_set(args.kernels, args.device)
-        except RuntimeError as e:
-            raise UserError(f"--kernels {args.kernels}: {e}") from None
+    kernel_set(args.kernels, args.device)  # refused here, before any model is loaded
     check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose, args.compile_mode)
 
 
