@@ -281,8 +281,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
       rows 1.61-1.75x faster than the best of MKL and packed oneDNN on the larger weights (0.95-1.55x
       on smaller ones), 64 rows 1.01-1.23x, and one row 1.02-1.42x on the larger weights, where the
       smaller ones lost to MKL; with two threads (splitting the panels) 1.2-2.4x at one to six rows
-      (BENCHMARKS.md, "CPU, a few-row GEMM kernel" and session 10); each row's result is the same however many rows
-      share the product and however many threads compute it;
+      (BENCHMARKS.md, "CPU, a few-row GEMM kernel" and session 10); each row's result is the same
+      however many rows share the product and however many threads compute it;
     - else, from two rows: oneDNN on its packed copy — MKL multiplies a handful of rows at a
       fraction of the core's peak (1.5-1.7x slower at 6 rows on weights of 0.8M+ elements);
     - else F.linear (MKL; one row on the column-major weight where out >= in: `column_major`).
@@ -434,7 +434,7 @@ _graphs_prepared = False  # prepare_graphs() was called: graphs traced from now 
 
 
 def prepare_graphs():
-    """Let graphs traced from now on call the kernels (`in_graph`): built (or refused) now, not while a
+    """Let graphs traced from now on call the kernels (`kernels_on`): built (or refused) now, not while a
     graph is traced. A graph keeps what it was traced with."""
     global _graphs_prepared
     _graphs_prepared = unavailable() is None
@@ -443,12 +443,6 @@ def prepare_graphs():
 def kernels_on() -> bool:
     """Whether `dense` and `model.attend_cached` may call the kernels, given that they apply (panels
     made, `attention_applies`): eager, always; while torch.compile traces, in graphs traced after
-    `prepare_graphs` (`in_graph`; before it, Inductor's own GEMMs and SDPA). At any thread count: the
-    kernels split their work over torch's threads, with the same bits at every count."""
-    return in_graph() if torch.compiler.is_compiling() else True
-
-
-def in_graph() -> bool:
-    """While torch.compile traces: whether the graph calls the kernels (`prepare_graphs` was called
-    and they are loaded)."""
-    return _loaded and _graphs_prepared
+    `prepare_graphs` (before it, Inductor's own GEMMs and SDPA). At any thread count: the kernels split
+    their work over torch's threads, with the same bits at every count."""
+    return not torch.compiler.is_compiling() or _graphs_prepared

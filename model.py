@@ -344,9 +344,9 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     On CPU in float32, up to cpu_kernels.ATTENTION_MAX_TOKENS query tokens (a round's
     forwards, short prompts) go to cpu_kernels.cached_attention instead (compiled: the op
     dspark::cached_attention, in graphs traced after cpu_kernels.prepare_graphs): SDPA's CPU kernel spent
-    ~150 µs a layer on a verify's six tokens, ~1.6 ms of a 13.4 ms compiled round (BENCHMARKS.md). It reads only the keys some query
-    may see, and a row's result does not depend on the tokens beside it or the keys past its own, so
-    a verify's rows and one-token steps, eager and compiled, attend alike.
+    ~150 µs a layer on a verify's six tokens, ~1.6 ms of a 13.4 ms compiled round (BENCHMARKS.md). It
+    reads only the keys some query may see, and a row's result does not depend on the tokens beside it
+    or the keys past its own, so a verify's rows and one-token steps, eager and compiled, attend alike.
     """
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
