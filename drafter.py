@@ -34,8 +34,9 @@ import torch.nn as nn
 
 from common import UserError, read_json, save_tensors, write_json
 from cpu_kernels import Dense, column_major_, packs_pay
-from model import (DecoderLayer, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape, assign_strict,
-                   attended_length, cache_bias, fold_gqa, read_safetensors, rope_tables, safetensors_files)
+from model import (LIMITS, DecoderLayer, KVCache, ModelArgs, RMSNorm, Rope, Transformer, _read_layer_shape,
+                   assign_strict, attended_length, cache_bias, fold_gqa, read_safetensors, rope_tables,
+                   safetensors_files)
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 MAX_BLOCK = 256  # slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
@@ -52,6 +53,7 @@ class DrafterConfig:
     markov_rank: int  # r; 0 without a Markov head
     confidence_head: bool  # predicts P(x_k accepted | earlier accepted)
     confidence_with_markov: bool  # the confidence head also reads W1[x_{k-1}]
+    num_target_layers: Optional[int] = None  # the target's depth it was built for, when its config says
 
     @property
     def num_slots(self) -> int:
@@ -95,7 +97,7 @@ def _lookup(cfg: dict, key: str, source: str, aliases: tuple[str, ...] = ()):
             if isinstance(d, dict) and k in d:
                 found[f"{where} {k!r}"] = d[k]
     values = list(found.values())
-    if any(v != values[0] for v in values[1:]):
+    if any(type(v) is not type(values[0]) or v != values[0] for v in values[1:]):  # 4 and 4.0 disagree
         raise UserError(f"{source}: conflicting values for {key!r}: " +
                               ", ".join(f"{w}={v!r}" for w, v in found.items()))
     return values[0] if values else None
@@ -117,8 +119,11 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     spelled = spelled or {}
     if not isinstance(cfg, dict):
         raise UserError(f"{source}: expected a JSON object")
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list):
+        raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
+                        f"got {archs!r}")
+    arch = archs[0] if len(archs) == 1 else None
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
         raise UserError(f"{source}: architectures {archs!r} is not a known drafter "
                               "(Qwen3DSparkModel or DFlashDraftModel)")
@@ -136,6 +141,10 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     mask_token_id = _lookup(cfg, "mask_token_id", source)
     if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < layers.vocab_size:
         raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_token_id!r}")
+    num_target_layers = _lookup(cfg, "num_target_layers", source)
+    if num_target_layers is not None and (isinstance(num_target_layers, bool) or not isinstance(num_target_layers, int)
+                                          or not 1 <= num_target_layers <= LIMITS["num_hidden_layers"][1]):
+        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {num_target_layers!r}")
 
     # Layout: DeepSpec's Qwen3DSparkModel is always "shift label"; a z-lab DFlashDraftModel is
     # the DFlash layout unless its dflash_config says it is a DSpark export.
@@ -168,7 +177,11 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
                               f"{source} declares none (markov_head_type)")
     rank = 0
     if mtype is not None:
-        rank = tensors["markov_head.markov_w1.weight"].shape[1]
+        w1 = tensors["markov_head.markov_w1.weight"]
+        if w1.ndim != 2 or w1.shape[1] < 1:
+            raise UserError(f"{weights_source}: tensor {spelled.get('markov_head.markov_w1.weight', 'markov_w1')!r} "
+                            f"has shape {list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
+        rank = w1.shape[1]
         declared = _lookup(cfg, "markov_rank", source)
         if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared != rank):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
@@ -186,7 +199,12 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
                               f"head, but {source} does not enable one (enable_confidence_head / use_confidence_head)")
     with_markov = False
     if conf:
-        width = tensors["confidence_head.proj.weight"].shape[-1]
+        proj = tensors["confidence_head.proj.weight"]
+        if proj.ndim != 2:
+            name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
+            raise UserError(f"{weights_source}: tensor {name!r} has shape {list(proj.shape)}, the confidence head "
+                            f"expects [1, features]")
+        width = proj.shape[-1]
         by_weights = width == layers.hidden_size + rank and rank > 0
         declared = _check_bool(_lookup(cfg, "confidence_head_with_markov", source), "confidence_head_with_markov", source)
         if declared and mtype is None:
@@ -200,7 +218,8 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
 
     return DrafterConfig(layers=layers, block_size=block_size, target_layer_ids=tuple(target_layer_ids),
                          mask_token_id=mask_token_id, layout=layout, markov_head_type=mtype, markov_rank=rank,
-                         confidence_head=bool(conf), confidence_with_markov=with_markov)
+                         confidence_head=bool(conf), confidence_with_markov=with_markov,
+                         num_target_layers=num_target_layers)
 
 
 # ----------------------------------------------------------------------------------------
@@ -328,6 +347,9 @@ class Drafter(nn.Module):
             raise UserError(f"drafter vocab_size {a.vocab_size} differs from the target's {t.vocab_size}")
         if a.hidden_size != t.hidden_size:
             raise UserError(f"drafter hidden_size {a.hidden_size} differs from the target's {t.hidden_size}")
+        if self.cfg.num_target_layers is not None and self.cfg.num_target_layers != t.num_hidden_layers:
+            raise UserError(f"drafter num_target_layers {self.cfg.num_target_layers} differs from the target's "
+                            f"num_hidden_layers {t.num_hidden_layers}: it was built for another target")
         target.check_capture(self.cfg.target_layer_ids, "drafter target_layer_ids")
         self._target[0] = target
 

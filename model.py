@@ -89,7 +89,7 @@ class ModelArgs:
             if not isinstance(archs, list) or not archs or not all(a in SUPPORTED_ARCHITECTURES for a in archs):
                 raise UserError(
                     f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
-        elif model_type not in (None, "qwen3"):
+        if model_type not in (None, "qwen3"):
             raise UserError(f"{source}: model_type {model_type!r} not supported (supported: qwen3)")
         shape = _read_layer_shape(cfg, source)
         return cls(**shape, eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source, "eos_token_id", shape["vocab_size"]))
@@ -130,6 +130,9 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
         if out["hidden_size"] % out["num_attention_heads"]:
             raise UserError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["head_dim"] % 2:  # RoPE rotates the two halves of each head
+        raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), got {out['head_dim']}"
+                        + ("" if cfg.get("head_dim") is not None else " (hidden_size / num_attention_heads)"))
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise UserError(
             f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
@@ -142,9 +145,10 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
         r = cfg.get(key)
         if r is not None and not isinstance(r, dict):
             raise UserError(f"{source}: {key} must be an object, got {r!r}")
-        rope_type = (r or {}).get("rope_type", (r or {}).get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UserError(f"{source}: {key} rope type {rope_type!r} is not supported (only default RoPE)")
+        for field in ("rope_type", "type"):  # both spellings read: either may name a scaling
+            rope_type = (r or {}).get(field)
+            if rope_type not in ("default", None):
+                raise UserError(f"{source}: {key} {field} {rope_type!r} is not supported (only default RoPE)")
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" in rope:
         out["rope_theta"] = _req(rope, "rope_theta", f"{source} rope_parameters", float)
@@ -158,6 +162,11 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
         if not isinstance(v, bool):
             raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
         out[key] = v
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise UserError(f"{source}: quantization_config ({method!r}): quantized checkpoints are not supported "
+                        f"(use the unquantized one)")
     layer_types = cfg.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)):
         raise UserError(f"{source}: layer_types other than full_attention are not supported")
@@ -755,11 +764,32 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
 # ----------------------------------------------------------------------------------------
 # Loading safetensors checkpoints
 
+#: The dtypes a weight may be stored in; quantized formats (FP8, FP4) are refused by name.
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shard_keys(path: str) -> set:
+    """The tensor names in a safetensors file's header (the data is not read)."""
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path}: cannot read safetensors ({e})") from None
+
+
 def safetensors_files(directory: str) -> list[str]:
-    """The weight files of a checkpoint directory: one `model.safetensors` or the sharded index's."""
+    """The weight files of a checkpoint directory: one `model.safetensors`, or the shards that
+    `model.safetensors.index.json` names — each holding exactly the tensors the index maps to it, and no
+    other `model*.safetensors` beside them (a shard the index forgot would be dropped without a word)."""
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
+        if os.path.exists(single):  # transformers would read the one file, this loader the shards: say which
+            raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
+                            f"which is the checkpoint is ambiguous (remove one)")
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise UserError(f"{index}: missing or empty 'weight_map'")
@@ -769,8 +799,23 @@ def safetensors_files(directory: str) -> list[str]:
                             f"got {bad[0][1]!r}")
         files = sorted(set(weight_map.values()))
         for f in files:
-            if not os.path.isfile(os.path.join(directory, f)):
+            path = os.path.join(directory, f)
+            if not os.path.isfile(path):
                 raise UserError(f"{index}: shard {f!r} not found in {directory}")
+            held = _shard_keys(path)
+            absent = sorted(k for k, v in weight_map.items() if v == f and k not in held)
+            if absent:
+                raise UserError(f"{index}: maps tensor {absent[0]!r} to {f!r}, which does not hold it")
+            unlisted = sorted(k for k in held if weight_map.get(k) != f)
+            if unlisted:
+                k = unlisted[0]
+                where = "does not list it" if k not in weight_map else f"maps it to {weight_map[k]!r}"
+                raise UserError(f"{path}: holds tensor {k!r}, but {index} {where}")
+        stray = sorted(f for f in os.listdir(directory)
+                       if f.startswith("model") and f.endswith(".safetensors") and f not in weight_map.values())
+        if stray:
+            raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
+                            f"(its tensors would be left out; remove it or list them in the index)")
         return [os.path.join(directory, f) for f in files]
     if os.path.isfile(single):
         return [single]
@@ -778,7 +823,9 @@ def safetensors_files(directory: str) -> list[str]:
 
 
 def read_safetensors(files: Sequence[str], dtype: torch.dtype, device, rename=lambda k: k) -> dict:
-    """Read every tensor of the files, converting floating tensors to `dtype` on `device`.
+    """Read every tensor of the files, converting them to `dtype` on `device`: each must be stored in
+    one of `WEIGHT_DTYPES` and be finite after the conversion (a float32 weight beyond float16's range
+    is refused here, naming it, not found as infinite logits later).
 
     `rename` maps a file key to a model key. Duplicate keys across shards are an error.
     """
@@ -794,12 +841,17 @@ def read_safetensors(files: Sequence[str], dtype: torch.dtype, device, rename=la
                     if name in out:
                         raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
                     t = f.get_tensor(key)
-                    if not t.is_floating_point():  # every weight of these models is a float
-                        raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, not a "
-                                        f"floating-point weight")
-                    if not torch.isfinite(t).all():
-                        raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
-                    out[name] = t.to(device, dtype)
+                    if t.dtype not in WEIGHT_DTYPES:  # every weight of these models is a plain float
+                        what = ("a quantized format (not supported: use the unquantized checkpoint)"
+                                if t.is_floating_point() else "not a floating-point weight")
+                        raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, {what}")
+                    v = t.to(device, dtype)
+                    if not torch.isfinite(v).all():
+                        if not torch.isfinite(t).all():
+                            raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
+                        raise UserError(f"{path}: tensor {key!r} overflows {str(dtype).removeprefix('torch.')} "
+                                        f"(largest magnitude {t.abs().max().item():.4g}): load it in a wider dtype")
+                    out[name] = v
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path}: cannot read safetensors ({e})") from None
     return out
@@ -840,7 +892,10 @@ def load_target(directory: str, device="cpu", dtype=torch.float32, fuse: bool = 
         # Some exports write the tied head too; it is used only as a check that it is tied.
         head = tensors.pop("lm_head.weight")
         emb = tensors.get("embed_tokens.weight")
-        if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
+        if emb is None:
+            raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing from the checkpoint (it holds "
+                            f"'lm_head.weight', and tie_word_embeddings is true)")
+        if head.shape != emb.shape or not torch.equal(head, emb):
             raise UserError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
     with torch.device("meta"):
         model = Transformer(args)

@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO_ROOT, edit_config, make_target_dir
+from conftest import REPO_ROOT, edit_config, edit_tensors, make_target_dir
 from drafters import make_drafter
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -76,11 +77,39 @@ def target_with(w, tmp, edit=None, tensors=None, files=None):
     return str(t)
 
 
-def drafter_with(w, tmp, edit):
+def drafter_with(w, tmp, edit=None, tensors=None):
+    """A copy of the drafter with config.json edited (`edit(cfg)`) or tensors replaced (`tensors(ts)`)."""
     d = tmp / "drafter"
     shutil.copytree(w / "drafter", d)
-    edit_config(d, edit)
+    if edit is not None:
+        edit_config(d, edit)
+    if tensors is not None:
+        edit_tensors(d, tensors)
     return str(d)
+
+
+def sharded(w, tmp, edit_index=None, files=None):
+    """The target split into two shards with model.safetensors.index.json; `edit_index(weight_map)` then
+    breaks the index (or `files` adds files, e.g. a stray shard)."""
+    from safetensors.torch import load_file, save_file
+    t = Path(target_with(w, tmp))
+    ts = load_file(str(t / "model.safetensors"))
+    os.remove(t / "model.safetensors")
+    keys = sorted(ts)
+    weight_map = {}
+    for i, part in enumerate((keys[:len(keys) // 2], keys[len(keys) // 2:])):
+        save_file({k: ts[k] for k in part}, str(t / f"model-{i + 1:05d}-of-00002.safetensors"))
+        weight_map.update({k: f"model-{i + 1:05d}-of-00002.safetensors" for k in part})
+    if edit_index is not None:
+        edit_index(weight_map)
+    (t / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for name, tensors in (files or {}).items():
+        save_file(tensors, str(t / name))
+    return str(t)
+
+
+def first(weight_map, shard):  # a tensor the index maps to shard 1 or 2
+    return sorted(k for k, f in weight_map.items() if f.startswith(f"model-0000{shard}"))[0]
 
 
 def raw_config(w, tmp, text):
@@ -264,6 +293,40 @@ CASES = [
      "NaN or infinite", False),
     ("shard-index-ints", "speculate", lambda w, t: ["--target", sharded_bad_index(w, t), "--prompt-ids", "1"],
      "weight_map", False),
+    ("shard-index-names-absent", "speculate", lambda w, t: ["--target", sharded(
+        w, t, lambda m: m.update({"model.extra.weight": "model-00001-of-00002.safetensors"})), "--prompt-ids", "1"],
+     "model.safetensors.index.json: maps tensor 'model.extra.weight' to 'model-00001-of-00002.safetensors', which "
+     "does not hold it", False),
+    ("shard-index-omits", "speculate", lambda w, t: ["--target", sharded(
+        w, t, lambda m: m.pop(first(m, 2))), "--prompt-ids", "1"], "model.safetensors.index.json does not list it", True),
+    ("shard-index-wrong-shard", "speculate", lambda w, t: ["--target", sharded(
+        w, t, lambda m: m.update({first(m, 1): "model-00002-of-00002.safetensors"})), "--prompt-ids", "1"],
+     "maps it to 'model-00002-of-00002.safetensors'", False),
+    ("shard-stray-file", "speculate", lambda w, t: ["--target", sharded(
+        w, t, files={"model-00003-of-00003.safetensors": {"model.extra": torch.zeros(2)}}),
+        "--prompt-ids", "1"], "model-00003-of-00003.safetensors: a weight file that", False),
+    ("shard-index-and-single", "speculate", lambda w, t: ["--target", sharded(
+        w, t, files={"model.safetensors": {"model.norm.weight": torch.ones(32)}}), "--prompt-ids", "1"],
+     "both model.safetensors and model.safetensors.index.json", False),
+    ("weights-fp8", "speculate", lambda w, t: ["--target", target_with(
+        w, t, tensors=lambda ts: ts.update({"model.norm.weight": ts["model.norm.weight"].to(torch.float8_e4m3fn)})),
+        "--prompt-ids", "1"], "'model.norm.weight' is float8_e4m3fn, a quantized format", True),
+    ("config-quantized", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(quantization_config={"quant_method": "fp8"})), "--prompt-ids", "1"],
+     "quantization_config ('fp8')", False),
+    ("weights-overflow-fp16", "speculate", lambda w, t: ["--target", target_with(
+        w, t, tensors=lambda ts: ts["lm_head.weight"].__setitem__((0, 0), 1e6)), "--prompt-ids", "1", "--dtype", "float16"],
+     "tensor 'lm_head.weight' overflows float16", False),
+    ("config-head-dim-odd", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(head_dim=15)), "--prompt-ids", "1"], "head_dim must be even", False),
+    ("config-rope-type-hidden", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(rope_scaling={"rope_type": None, "type": "yarn", "factor": 4.0})), "--prompt-ids", "1"],
+     "rope_scaling type 'yarn' is not supported", False),
+    ("config-model-type", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(model_type="llama")), "--prompt-ids", "1"], "model_type 'llama'", False),
+    ("tied-embedding-missing", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(tie_word_embeddings=True), tensors=lambda ts: ts.pop("model.embed_tokens.weight")),
+        "--prompt-ids", "1"], "'embed_tokens.weight' is missing", False),
     # ---- speculate.py: chat templates (text prompts are rendered with it)
     ("template-zero-division", "speculate", lambda w, t: P(template("{{ 1 / 0 }}")(w, t)),
      "chat_template.jinja: cannot render", True),
@@ -346,6 +409,25 @@ CASES = [
         w, t, lambda c: c.update(max_position_embeddings=8))] + S(w)[4:-1] + ["10"], "drafter's context", False),
     ("drafter-vocab", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
         w, t, lambda c: c.update(vocab_size=65))] + S(w)[4:], "has shape", False),
+    ("drafter-num-target-layers", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(num_target_layers=36))] + S(w)[4:], "num_target_layers 36 differs", True),
+    ("drafter-num-target-layers-str", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(num_target_layers="3"))] + S(w)[4:], "'num_target_layers' must be", False),
+    ("drafter-alias-types", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(dspark_config={"block_size": float(c["block_size"])}))] + S(w)[4:],
+     "conflicting values for 'block_size'", False),
+    ("drafter-architectures-string", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(architectures="Qwen3DSparkModel"))] + S(w)[4:], "'architectures' must be a list", False),
+    ("drafter-markov-1d", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, tensors=lambda ts: ts.update({"markov_head.markov_w1.weight": ts["markov_head.markov_w1.weight"][:, 0]}))]
+     + S(w)[4:], "the Markov head expects [vocab_size, rank >= 1]", False),
+    ("drafter-markov-rank-0", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, tensors=lambda ts: ts.update({k: ts[k][:, :0].contiguous() for k in (
+            "markov_head.markov_w1.weight", "markov_head.markov_w2.weight")}))] + S(w)[4:],
+     "has shape [64, 0], the Markov head expects", False),
+    ("drafter-confidence-0d", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, tensors=lambda ts: ts.update({"confidence_head.proj.weight": ts["confidence_head.proj.weight"][0, 0]}))]
+     + S(w)[4:], "the confidence head expects [1, features]", False),
     ("drafter-without-target", "speculate", lambda w, t: ["--drafter", w / "drafter", "--prompt-ids", "1"],
      "--target", False),
     # ---- speculate.py: flags that depend on each other

@@ -570,7 +570,7 @@ def test_unsupported_architecture(tiny_target, tmp_path, edit, culprit):
 def test_unsupported_rope_type(tiny_target, tmp_path, edit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
-    with pytest.raises(UserError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(UserError, match="(rope_type|type) 'yarn' is not supported"):
         m.load_target(str(d))
 
 
@@ -680,6 +680,7 @@ def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
 
 
 def test_sharded_duplicate_tensor(target_factory, tmp_path):
+    """A tensor in two shards: the index maps it to one, so the other holds a tensor it does not list."""
     d = copy_target(target_factory(max_shard_size="20KB").path, tmp_path / "ckpt")
     index = json.loads((d / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -687,7 +688,15 @@ def test_sharded_duplicate_tensor(target_factory, tmp_path):
     first = load_file(str(d / shards[0]))
     key = next(iter(first))
     edit_tensors(d, lambda t: t.update({key: first[key]}), filename=shards[1])
-    with pytest.raises(UserError, match=f"{key!r} appears twice"):
+    with pytest.raises(UserError, match=f"{shards[1]}: holds tensor {key!r}, but .* maps it to '{shards[0]}'"):
+        m.load_target(str(d))
+
+
+def test_a_tensor_spelled_twice(tiny_target, tmp_path):
+    """'model.norm.weight' and 'norm.weight' name one parameter: the second is refused, not a silent overwrite."""
+    d = corrupt(tiny_target, tmp_path)
+    edit_tensors(d, lambda t: t.update({"norm.weight": t["model.norm.weight"] * 2}))
+    with pytest.raises(UserError, match="appears twice"):
         m.load_target(str(d))
 
 
