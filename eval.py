@@ -602,7 +602,7 @@ def format_table(entries: list[dict], header: bool = True) -> str:
     lines = [head, "-" * len(head)] if header else []
     for e in entries:
         rates = e["accept_rates_by_position"] + [None] * (K - len(e["accept_rates_by_position"]))
-        cond = " ".join(f"{r:.2f}" for r in e["accept_rate_by_position"])
+        cond = " ".join(_fmt(r, ".2f") for r in e["accept_rate_by_position"])
         propose = "-" if e["draft_tokens_per_proposal"] is None else f"{e['draft_tokens_per_proposal']:.2f}+1"
         lines.append(f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
                      f"{_fmt(e['verify_rate'], '.4f'):>12}" + "".join(f"{_fmt(r, '.4f'):>15}" for r in rates)

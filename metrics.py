@@ -19,7 +19,8 @@ Under the authors' names and definitions (docs/algorithm.md, "Evaluation"):
 And the paper's per-position acceptance (its Figure 2), conditional on the earlier drafts:
 - `accept_rate_by_position[k-1]`: rounds that accepted draft k ÷ rounds that accepted drafts 1..k-1
   and verified draft k.
-A ratio with nothing behind it is None (a conditional rate with no round that tried it: 0.0).
+A ratio with nothing behind it is None — also a conditional rate no round tried (undefined, not a
+position that always rejects: 0.0 would read as one).
 """
 
 from __future__ import annotations
@@ -90,6 +91,6 @@ def accept_rates_by_position(c: dict) -> list[Optional[float]]:
     return [a / v if v else None for a, v in zip(c["accepted_at"], c["verified_at"])]
 
 
-def accept_rate_by_position(c: dict) -> list[float]:
-    """The paper's conditional rate of draft k: ok_k / tried_k (0.0 where no round tried position k)."""
-    return [ok / tried if tried else 0.0 for ok, tried in zip(c["ok"], c["tried"])]
+def accept_rate_by_position(c: dict) -> list[Optional[float]]:
+    """The paper's conditional rate of draft k: ok_k / tried_k (None where no round tried position k)."""
+    return [ok / tried if tried else None for ok, tried in zip(c["ok"], c["tried"])]

@@ -315,7 +315,8 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
     rates = summary["accept_rate_by_position"]
     if rates:
         log.bar(f"{name}/accept_rate_by_position", ["position", "accept_rate"],
-                [(k + 1, r) for k, r in enumerate(rates)], f"{name}: acceptance of draft k (given 1..k-1 accepted)")
+                [(k + 1, r) for k, r in enumerate(rates) if r is not None],
+                f"{name}: acceptance of draft k (given 1..k-1 accepted)")
     rows = []
     for c in completions[:TABLE_ROWS]:
         ids = prompts[c.prompt]
@@ -341,7 +342,8 @@ def log_eval_dataset(log: Log, entry: dict, step: Optional[int]):
                                           "draft_tokens_per_proposal", "verify_rate", "tokens_per_second",
                                           "seconds") if entry[k] is not None}
     row.update({f"{d}/accept_rate@{j}": r for j, r in enumerate(entry["accept_rates_by_position"]) if r is not None})
-    row.update({f"{d}/conditional_accept_rate@{j + 1}": r for j, r in enumerate(entry["accept_rate_by_position"])})
+    row.update({f"{d}/conditional_accept_rate@{j + 1}": r for j, r in enumerate(entry["accept_rate_by_position"])
+                if r is not None})
     log.log(row, step=step)
 
 

@@ -902,7 +902,8 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
                           {"trace": trace_file, "outputs": output_file})
     if interrupted is not None:
         raise interrupted
-    tau, rates = summary["acceptance_length"], " ".join(f"{x:.2f}" for x in summary["accept_rate_by_position"])
+    tau, rates = summary["acceptance_length"], " ".join("-" if x is None else f"{x:.2f}"
+                                                        for x in summary["accept_rate_by_position"])
     print(f"{'speculative' if drafter else 'autoregressive'}: {c['tokens']} tokens in {seconds:.2f} s, "
           f"{summary['tokens_per_second']:.1f} tokens/s, τ={'-' if tau is None else f'{tau:.2f}'}"
           + (f", accept by position [{rates}], verified {summary['verified_per_round']:.2f}/round ({kind})"

@@ -110,7 +110,7 @@ def authors_metrics(rounds, stop, K):
     cond = []
     for k in range(1, K + 1):
         tried = [(a, v) for a, v, _ in rows if a >= k - 1 and v >= k]
-        cond.append(sum(a >= k for a, _ in tried) / len(tried) if tried else 0.0)
+        cond.append(sum(a >= k for a, _ in tried) / len(tried) if tried else None)
     return {"acceptance_length": committed / R, "draft_tokens_per_proposal": verified / R,
             "verify_rate": committed / (verified + R), "accept_rates_by_position": by_pos,
             "accept_rate_by_position": cond, "num_rounds": R}
@@ -176,6 +176,20 @@ def test_counts_and_rates_by_hand():
     assert c["tried"] == [6, 4, 2, 2] and c["ok"] == [5, 3, 2, 1]
     assert c["num_rounds"] == 7 and c["accepted"] == 11 and c["verified"] == 19 and c["drafted"] == 28
     assert metrics.unflatten(metrics.flatten(c), K) == c
+
+
+def test_a_position_no_round_tried_has_no_rate():
+    """Every round verifies one draft (a threshold schedule): positions 2..K were never tried, so their
+    conditional rate is undefined (None, as the authors' code gives), not 0.0 — which would read as a
+    position that always rejects; the printed table shows '-'."""
+    rounds = [dict(accepted=a, verified=1, draft=[0] * K) for a in (1, 0, 1)]
+    c = metrics.count([speculate.Request(0, [1], [1, 2, 3, 4, 5], rounds)], K)
+    assert metrics.accept_rate_by_position(c) == [2 / 3] + [None] * (K - 1)
+    assert metrics.accept_rates_by_position(c) == [2 / 3] + [None] * (K - 1)
+    none = metrics.count([speculate.Request(0, [1], [1])], K)  # no round at all
+    assert metrics.accept_rate_by_position(none) == [None] * K
+    table = ev.format_table([ev.metrics("x", c, 1.0)])
+    assert table.splitlines()[-1].endswith("0.67" + " -" * (K - 1))
 
 
 def test_a_stop_token_inside_the_accepted_drafts_ends_the_round_there():

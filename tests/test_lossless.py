@@ -124,7 +124,7 @@ def recompute_accept_rates(rounds, K, stop_ids=()):
         av = [counted(r, stop_ids)[:2] for r in rounds]
         tried = sum(1 for a, v in av if a >= k - 1 and v >= k)
         ok = sum(1 for a, _ in av if a >= k)
-        rates.append(ok / tried if tried else 0.0)
+        rates.append(ok / tried if tried else None)  # no round tried draft k: undefined
     return rates
 
 
@@ -201,10 +201,10 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
         tau = sum(counted(r, stop_ids)[2] for r in tr.rounds) / len(tr.rounds)
         assert _is_num(s["acceptance_length"]) and abs(s["acceptance_length"] - tau) < 1e-9
     rates = s["accept_rate_by_position"]
-    assert isinstance(rates, list) and len(rates) == K and all(_is_num(x) for x in rates)
+    assert isinstance(rates, list) and len(rates) == K and all(x is None or _is_num(x) for x in rates)
     want = recompute_accept_rates(tr.rounds, K, stop_ids)
     for got, w in zip(rates, want):
-        assert abs(got - w) < 1e-9, (rates, want)
+        assert (got is None) == (w is None) and (w is None or abs(got - w) < 1e-9), (rates, want)
 
 
 # ----------------------------------------------------------------------------------------
