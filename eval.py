@@ -260,18 +260,25 @@ def concat_rounds(parts: list[dict]) -> dict:
     return {k: v[order] for k, v in rec.items()}
 
 
-def calibration_report(rec: dict, split: float, bins: int = ECE_BINS) -> Optional[dict]:
+def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
+                       names: Optional[list[str]] = None) -> Optional[dict]:
     """Calibration of the confidence head from round arrays (see `round_arrays`).
 
-    `raw`: the head as it is, over all rounds. With 0 < split < 1, STS is fitted on the first
-    `split` of every dataset's requests (file order; a request's rounds stay together) and
-    `raw_heldout` / `sts_heldout` score the head before / after on the remaining requests."""
+    `raw_by_dataset`: the head as it is, per dataset (`names[i]` for dataset index i) — how the authors
+    report it; `raw`: over every dataset's rounds together (pooled: not an average of the per-dataset
+    figures — a head right on average over an easy and a hard dataset can be wrong on each). With
+    0 < split < 1, STS is fitted on the first `split` of every dataset's requests (file order; a
+    request's rounds stay together), pooled, and `raw_heldout` / `sts_heldout` score the head before /
+    after on the remaining requests."""
     C = rec["confidence"].astype(np.float64)
     if C.shape[0] == 0 or C.shape[1] == 0:
         return None
     ver, acc = rec["verified"], rec["accepted"]
     report = {"positions": C.shape[1], "bins": bins, "rounds": int(C.shape[0]),
               "raw": position_metrics(C, ver, acc, bins), "split": split,
+              "raw_by_dataset": {(names[d] if names else str(d)): position_metrics(
+                  C[rec["dataset"] == d], ver[rec["dataset"] == d], acc[rec["dataset"] == d], bins)
+                  for d in np.unique(rec["dataset"])},
               "_all": (C, ver, acc)}  # "_" entries are for the plot, not written to JSON
     if not 0 < split < 1:
         return report
@@ -539,7 +546,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
         rec = concat_rounds(all_gather_list(parts))
         if args.calibration is not None:  # back to the raw head's confidences: STS is fitted on raw logits
             rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
-        calibration = calibration_report(rec, args.calibration_split, args.ece_bins)
+        calibration = calibration_report(rec, args.calibration_split, args.ece_bins, [e["dataset"] for e in entries])
         if calibration is not None and kind != "none":
             calibration["scheduled"] = kind
             if rank == 0:
@@ -627,6 +634,13 @@ def format_calibration(cal: dict) -> str:
         lines.append(line)
     if "sts_note" in cal:
         lines.append(cal["sts_note"])
+    by = cal.get("raw_by_dataset") or {}
+    if len(by) > 1:  # the table above pools them; per dataset is how the authors report calibration
+        lines += ["", "ECE of a_k per dataset (the table above pools every dataset's rounds)"]
+        head = f"{'dataset':<16}{'rounds':>8}" + "".join(f"{f'k={k}':>7}" for k in range(1, cal["positions"] + 1))
+        lines += [head, "-" * len(head)]
+        for name, ms in by.items():
+            lines.append(f"{name:<16}{ms[0]['rounds']:>8}" + "".join(f"{_fmt(m['ece'], '.3f'):>7}" for m in ms))
     return "\n".join(lines)
 
 

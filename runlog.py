@@ -379,6 +379,9 @@ def log_eval(log: Log, results: dict, step: Optional[int], image: Optional[str],
                 out.update({f"calibration/temperature_{j + 1}": cal["temperatures"][j],
                             **{f"calibration/heldout_{k}_{w}_{j + 1}": cal[f"{w}_heldout"][j][k]
                                for k in ("ece", "brier") for w in ("raw", "sts") if cal[f"{w}_heldout"][j][k] is not None}})
+        for d, ms in cal.get("raw_by_dataset", {}).items():  # per dataset, as the authors report it
+            out.update({f"{d}/calibration/{k}_{m['position']}": m[k] for m in ms for k in ("ece", "auroc", "brier")
+                        if m[k] is not None})
         positions = [m["position"] for m in cal["raw"]]
         series = {"all rounds, raw": [m["ece"] for m in cal["raw"]]}
         if sts:

@@ -250,7 +250,12 @@ def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
     for key in ("raw", "raw_heldout", "sts_heldout"):
         for a, b in zip(cal1[key], cal2[key]):
             assert a == pytest.approx(b, abs=1e-6)
-    assert p.stdout.count("gsm8k") == printed.count("gsm8k") == 2  # the row as it finished and the table: rank 0 only
+    assert list(cal2["raw_by_dataset"]) == list(cal1["raw_by_dataset"]) == ["gsm8k", "mt-bench"]
+    for d in cal1["raw_by_dataset"]:
+        for a, b in zip(cal1["raw_by_dataset"][d], cal2["raw_by_dataset"][d]):
+            assert a == pytest.approx(b, abs=1e-6)
+    # the row as it finished, the table and the per-dataset calibration: rank 0 only
+    assert p.stdout.count("gsm8k") == printed.count("gsm8k") == 3
 
 
 def test_seed_repeats_sampled_runs_and_resets_per_dataset(env, tmp_path, capsys):
@@ -465,6 +470,22 @@ def test_calibration_report_splits_by_request_per_dataset():
     assert rep["temperatures"] == ev.fit_sts(C.astype(np.float32)[fit], ver[fit], acc[fit])
     assert all(s["ece"] < r["ece"] for s, r in zip(rep["sts_heldout"], rep["raw_heldout"]))
     assert "temperatures" not in ev.calibration_report(rec, 0.0)
+
+
+def test_calibration_is_reported_per_dataset_too():
+    """The head says c_1 = 0.5 everywhere; dataset a accepts every draft 1, dataset b none. Pooled, the
+    head looks perfect (ECE 0); per dataset, as the authors report, it is off by 0.5 on each."""
+    n = 40
+    rec = {"dataset": np.repeat(np.arange(2, dtype=np.int32), n), "request": np.tile(np.arange(n), 2),
+           "round": np.zeros(2 * n, dtype=np.int64), "confidence": np.full((2 * n, 1), 0.5, dtype=np.float32),
+           "verified": np.ones(2 * n, dtype=np.int64), "accepted": np.repeat([1, 0], n)}
+    rep = ev.calibration_report(rec, 0.0, names=["a", "b"])
+    assert rep["raw"][0]["ece"] == pytest.approx(0.0)
+    assert list(rep["raw_by_dataset"]) == ["a", "b"]
+    assert [rep["raw_by_dataset"][d][0]["ece"] for d in "ab"] == pytest.approx([0.5, 0.5])
+    assert [rep["raw_by_dataset"][d][0]["rounds"] for d in "ab"] == [n, n]
+    text = ev.format_calibration(rep)
+    assert "per dataset" in text and text.splitlines()[-1].split() == ["b", str(n), "0.500"]
 
 
 @pytest.mark.parametrize("kind", ["hardware", "async"])

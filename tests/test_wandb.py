@@ -295,6 +295,8 @@ def test_eval_rows_charts_image_and_artifacts(evaluated):
         assert run.summary[f"calibration/brier_{m['position']}"] == pytest.approx(m["brier"])
         assert run.summary[f"calibration/ece_{m['position']}"] == pytest.approx(m["ece"])
     assert run.summary["calibration/temperature_1"] == pytest.approx(cal["temperatures"][0])
+    for d, ms in cal["raw_by_dataset"].items():  # and per dataset
+        assert d in ("code-a", "code-b") and run.summary[f"{d}/calibration/ece_1"] == pytest.approx(ms[0]["ece"])
     assert row["calibration/reliability_diagram._type"] == "image-file"  # drawn as PNG: the flag asked for SVG
     png = run.dir / "files" / row["calibration/reliability_diagram.path"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and row["calibration/reliability_diagram.width"] > 600
