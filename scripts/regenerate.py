@@ -17,12 +17,18 @@ What is notable here:
   temperature 0.7, top-p 0.8, top-k 20 by default, exact under speculation; each record says so.
 - Output: JSON lines {"messages": [...], "source": "file:line", "id"?, "regenerated": {settings, finish
   reasons, response tokens}}, in input order, appended chunk by chunk to OUT.partial (flushed to disk) and
-  renamed to OUT when complete; --resume continues a .partial. --num-shards/--shard-index split the
-  prompts across processes (one per GPU); concatenate their outputs.
+  renamed to OUT when complete. --num-shards/--shard-index split the prompts across processes (one per GPU);
+  concatenate their outputs.
+- --resume continues an interrupted run's OUT.partial. OUT.partial.json beside it (written atomically after
+  each chunk) holds what its records depend on (the model files, the prompts, the sampling and length flags)
+  and how many conversations are done, the dropped ones included; a resume that differs in any of them is
+  refused, and one skips exactly the conversations done. Without --resume an OUT.partial with records in it
+  is refused rather than overwritten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -34,12 +40,12 @@ from typing import Literal, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import metrics as mt  # noqa: E402
-from common import (AutoBool, UserError, check_outputs, check_ranges, check_writable, cli_main,  # noqa: E402
-                    read_jsonl, resolve_device)
+from common import (AutoBool, UserError, atomic_write, check_outputs, check_ranges, check_writable,  # noqa: E402
+                    cli_main, read_json, read_jsonl, resolve_device, write_json)
 from data import ROLES  # noqa: E402
 from inputs import check_sampling  # noqa: E402
 from kernels import Filters  # noqa: E402
-from inputs import resolve_checkpoint  # noqa: E402
+from inputs import HUB_META_FILES, resolve_checkpoint  # noqa: E402
 from compiling import auto_compile  # noqa: E402
 from speculate import Engine, Request, cache_length, load_models  # noqa: E402
 
@@ -85,7 +91,8 @@ class Args:
     seed: int = 0
     """Turn t of conversation i samples from its own stream seeded seed + i*1024 + t."""
     resume: bool = False
-    """Continue OUT.partial (its complete lines are kept and their conversations skipped)."""
+    """Continue an interrupted run's OUT.partial (its complete lines are kept and the conversations done skipped);
+    refused if a flag its records depend on, the prompts or the model differ."""
     device: Optional[Literal["cpu", "cuda"]] = None
     """Default: cuda when available."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -96,10 +103,15 @@ class Args:
     """A progress bar on stderr (responses generated)."""
 
 
+def prompt_files(paths: str) -> list[str]:
+    """The files of --prompts (comma-separated)."""
+    return [p for p in paths.split(",") if p.strip()]
+
+
 def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dict], int]]:
     """(where, id, the messages kept (system and user), number of user turns) per prompt record."""
     out = []
-    for path in [p for p in paths.split(",") if p.strip()]:
+    for path in prompt_files(paths):
         if not os.path.isfile(path):
             raise UserError(f"--prompts {path}: file not found")
         for where, obj in read_jsonl(path):
@@ -124,12 +136,75 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
     return out
 
 
-def complete_lines(path: str) -> list[str]:
-    """The whole lines of an earlier OUT.partial (a torn last line dropped)."""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [line for line in f if line.endswith("\n")]
+def model_files(directory: Optional[str], flag: str) -> Optional[dict]:
+    """[size, modification time] of each file a run reads from a checkpoint directory, links followed: a
+    model replaced or retrained in place shows here."""
+    if directory is None:
+        return None
+    if not os.path.isdir(directory):
+        raise UserError(f"{flag} {directory}: checkpoint directory not found")
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if (name in HUB_META_FILES or name.endswith(".safetensors")) and os.path.isfile(path):
+            st = os.stat(path)
+            files[name] = [st.st_size, st.st_mtime_ns]
+    return files
+
+
+def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: Optional[str]) -> dict:
+    """What the records of OUT.partial depend on, by the flag that sets it (the flags, then "FLAG what": the
+    contents of what the flag names): a --resume must agree on every one."""
+    digest = hashlib.sha256()
+    for where, cid, msgs, _ in convs:
+        digest.update(json.dumps([where, cid, msgs]).encode() + b"\n")
+    return {"--target": args.target, "--drafter": args.drafter, "--prompts": args.prompts,
+            "--max-prompts": args.max_prompts, "--num-shards": args.num_shards, "--shard-index": args.shard_index,
+            "--max-context": args.max_context, "--max-new-tokens": args.max_new_tokens,
+            "--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p, "--min-p": args.min_p,
+            "--seed": args.seed, "--target files": model_files(target_dir, "--target"),
+            "--drafter files": model_files(drafter_dir, "--drafter"), "--prompts records": digest.hexdigest()}
+
+
+def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list) -> tuple[int, int, int, int]:
+    """Where --resume continues an interrupted run: (records kept in OUT.partial, the bytes they take (a torn
+    last line, from a run killed mid-write, is cut off), conversations of this shard done, those dropped).
+    Conversations are done in order: the done ones are those before the last record kept and the ones
+    OUT.partial.json counts (the dropped ones included). A resume file whose `key` differs from this run's, or a
+    record that is not this run's next conversation, is a UserError."""
+    saved = read_json(done_path)
+    if not (isinstance(saved.get("resume_key"), dict) and isinstance(saved.get("consumed"), int)
+            and isinstance(saved.get("dropped"), int)):
+        raise UserError(f"{done_path}: not a resume file of regenerate.py; remove it and {partial} to start over")
+    for name, value in key.items():
+        if name not in saved["resume_key"] or saved["resume_key"][name] != value:
+            flag, _, what = name.partition(" ")
+            now = getattr(args, flag[2:].replace("-", "_"))
+            if what:
+                raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; restore them, or "
+                                f"remove {partial} to start over")
+            then = saved["resume_key"].get(name)
+            raise UserError(f"{flag} {'(not given)' if now is None else now}: {partial} was started with {flag} "
+                            f"{'(not given)' if then is None else then}; resume with the same {flag}, or remove "
+                            f"{partial} to start over")
+    if not 0 <= saved["consumed"] <= len(mine):
+        raise UserError(f"{done_path}: counts {saved['consumed']} conversations done of this run's {len(mine)}; "
+                        f"remove it and {partial} to start over")
+    position = {where: k for k, (_, (where, *_)) in enumerate(mine)}
+    kept, size, last = 0, 0, -1
+    with open(partial, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                source = json.loads(line).get("source")
+            except (ValueError, AttributeError, RecursionError):
+                source = None
+            if not isinstance(source, str) or position.get(source, -1) <= last:
+                raise UserError(f"{partial}:{lineno}: not a record of this run's next conversation (source "
+                                f"{source!r}); remove {partial} to start over")
+            kept, size, last = kept + 1, size + len(line), position[source]
+    return kept, size, max(saved["consumed"], last + 1), saved["dropped"]
 
 
 def run(args: Args) -> dict:
@@ -147,7 +222,19 @@ def run(args: Args) -> dict:
     if any(n > TURN_STRIDE for *_, n in convs):
         raise UserError(f"--prompts: a conversation has more than {TURN_STRIDE} user turns")
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
-    check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # not a file of a model it reads
+    partial, done_path = args.out + ".partial", args.out + ".partial.json"
+    check_outputs({"--out": args.out, "--out (its partial file)": partial, "--out (its resume file)": done_path},
+                  inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])  # not a prompts file nor a model's
+    key = resume_key(args, convs, target_dir, drafter_dir)
+    if os.path.isfile(partial) and os.path.getsize(partial) > 0:
+        if not args.resume:
+            raise UserError(f"{partial}: holds an earlier run's output; pass --resume to continue it, or remove it "
+                            "to start over")
+        if not os.path.exists(done_path):
+            raise UserError(f"{done_path}: not found, so what {partial} was made with is unknown; remove {partial} "
+                            "to start over")
+    resuming = args.resume and os.path.isfile(partial) and os.path.exists(done_path)
+    kept, size, cut, dropped = resume_point(partial, done_path, key, args, mine) if resuming else (0, 0, 0, 0)
     device = resolve_device(args.device)
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, seed=args.seed)
     if m.tokenizer is None:
@@ -165,18 +252,20 @@ def run(args: Args) -> dict:
                "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                "max_new_tokens": args.max_new_tokens,
                "seed": args.seed, "enable_thinking": False}
-    partial = args.out + ".partial"
-    done = complete_lines(partial) if args.resume else []
-    with open(partial, "w") as f:
-        f.writelines(done)
+    if resuming:
+        os.truncate(partial, size)
+    else:
+        atomic_write(partial, "")
+    resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut, "dropped": dropped}
+    write_json(done_path, resume)
     from tqdm import tqdm
 
     bar = tqdm(total=sum(n for _, (*_, n) in mine), file=sys.stderr, disable=not args.progress, unit="response",
                dynamic_ncols=True)
-    bar.update(sum(c[3] for _, c in mine[:len(done)]))
-    stats = {"conversations": len(done), "dropped": 0, "responses": 0, "tokens": 0, "rounds": 0, "committed": 0}
+    bar.update(sum(c[3] for _, c in mine[:cut]))
+    stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0, "rounds": 0, "committed": 0}
     t0 = time.perf_counter()
-    todo = mine[len(done):]
+    todo = mine[cut:]
     for c0 in range(0, len(todo), args.chunk_size):
         chunk = [dict(index=i, where=w, id=cid, history=[], pending=list(msgs), finish=[], ntok=[], alive=True)
                  for i, (w, cid, msgs, _) in todo[c0:c0 + args.chunk_size]]
@@ -220,8 +309,11 @@ def run(args: Args) -> dict:
             f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
+        # After the lines: a run killed in between leaves at most this chunk's last drops to be retried.
+        write_json(done_path, dict(resume, consumed=cut + c0 + len(chunk), dropped=stats["dropped"]))
     bar.close()
     os.replace(partial, args.out)
+    os.remove(done_path)
     seconds = time.perf_counter() - t0
     tau = stats["committed"] / stats["rounds"] if args.drafter and stats["rounds"] else None
     print(f"{stats['conversations']} conversations ({stats['responses']} responses, {stats['tokens']} tokens) in "

@@ -1,7 +1,8 @@
 """scripts/regenerate.py end to end on the committed demo pair: records with the conversation regenerated turn
 by turn (system kept, old answers replaced), sampling settings recorded, outputs independent of batch, chunk and
-shard, greedy speculative == greedy autoregressive, --resume of a torn .partial, one-line errors, and the
-records training a drafter through train.py."""
+shard, greedy speculative == greedy autoregressive, --resume of a killed run (exactly the conversations not done,
+the same settings only), outputs checked before any work, one-line errors, and the records training a drafter
+through train.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
+import shutil
 import sys
 
 import pytest
@@ -33,16 +36,43 @@ PROMPTS = [
 ]
 
 
-def regen(tmp_path, name, *flags, drafter=True, prompts=None):
+def argv_of(tmp_path, name, *flags, drafter=True, prompts=None) -> list[str]:
+    """The command line of a run on the demo pair writing tmp_path/name (prompts.jsonl written first); `flags`
+    come last, so they override."""
     pf = tmp_path / "prompts.jsonl"
     pf.write_text("".join(json.dumps(p) + "\n" for p in (prompts or PROMPTS)))
-    out = tmp_path / name
-    argv = ["--target", DEMO / "target", "--prompts", pf, "--out", out, "--max-new-tokens", 12, "--no-progress",
-            "--device", "cpu", *flags] + (["--drafter", DEMO / "drafter"] if drafter else [])
+    argv = ["--target", DEMO / "target", "--prompts", pf, "--out", tmp_path / name, "--max-new-tokens", 12,
+            "--no-progress", "--device", "cpu", *(["--drafter", DEMO / "drafter"] if drafter else []), *flags]
+    return [str(a) for a in argv]
+
+
+def regen(tmp_path, name, *flags, drafter=True, prompts=None):
+    argv = argv_of(tmp_path, name, *flags, drafter=drafter, prompts=prompts)
     import tyro
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), torch.inference_mode():
-        res = regenerate.run(tyro.cli(regenerate.Args, args=[str(a) for a in argv]))
-    return [json.loads(line) for line in open(out)], res
+        res = regenerate.run(tyro.cli(regenerate.Args, args=argv))
+    return [json.loads(line) for line in open(tmp_path / name)], res
+
+
+class Killed(Exception):
+    """Stands for a run killed mid-way."""
+
+
+def killed_run(tmp_path, monkeypatch, name, calls, *flags, prompts=None):
+    """A run stopped at its `calls`-th engine.generate, as a kill stops it: its OUT.partial is left behind."""
+    seen = []
+
+    class Engine(regenerate.Engine):
+        def generate(self, *a, **k):
+            seen.append(1)
+            if len(seen) == calls:
+                raise Killed
+            return super().generate(*a, **k)
+
+    with monkeypatch.context() as mp, pytest.raises(Killed):
+        mp.setattr(regenerate, "Engine", Engine)
+        regen(tmp_path, name, *flags, prompts=prompts)
+    return tmp_path / (name + ".partial")
 
 
 def test_regenerate_end_to_end_on_the_demo_pair(tmp_path):
@@ -76,13 +106,97 @@ def test_regenerate_end_to_end_on_the_demo_pair(tmp_path):
     assert "4 conversations packed into" in err and len(out["losses"]) == 2
 
 
-def test_resume_continues_a_torn_partial(tmp_path):
+def test_resume_continues_a_torn_partial(tmp_path, monkeypatch):
     full, _ = regen(tmp_path, "full.jsonl", "--chunk-size", 1)
     out = tmp_path / "r.jsonl"
-    (tmp_path / "r.jsonl.partial").write_text(json.dumps(full[0]) + "\n" + '{"messages": [{"ro')
+    partial = killed_run(tmp_path, monkeypatch, "r.jsonl", 3, "--chunk-size", 1)  # in the second conversation
+    assert [json.loads(line) for line in open(partial)] == full[:1]
+    with open(partial, "a") as f:
+        f.write('{"messages": [{"ro')  # killed mid-write
     resumed, res = regen(tmp_path, "r.jsonl", "--chunk-size", 1, "--resume")
     assert resumed == full and res["responses"] == 3  # the first conversation (two turns) was not redone
-    assert not (tmp_path / "r.jsonl.partial").exists() and out.exists()
+    assert not partial.exists() and not (tmp_path / "r.jsonl.partial.json").exists() and out.exists()
+
+
+LONG = {"prompt": "x = 1 " * 40}  # over --max-context 64 - --max-new-tokens 12: dropped
+
+
+def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monkeypatch):
+    """Dropped conversations leave no line in OUT.partial; a resume neither repeats a kept conversation nor
+    retries a dropped one."""
+    prompts = [PROMPTS[1], LONG, PROMPTS[3], LONG, {"prompt": "x = "}, {"prompt": "y = "}]
+    flags = ["--max-context", 64, "--chunk-size", 2]
+    full, res = regen(tmp_path, "full.jsonl", *flags, prompts=prompts)
+    assert [r["source"].rsplit(":", 1)[1] for r in full] == ["1", "3", "5", "6"] and res["dropped"] == 2
+    partial = killed_run(tmp_path, monkeypatch, "r.jsonl", 3, *flags, prompts=prompts)  # in the third chunk
+    assert [json.loads(line) for line in open(partial)] == full[:2]
+    resumed, res = regen(tmp_path, "r.jsonl", *flags, "--resume", prompts=prompts)
+    assert resumed == full
+    assert (res["conversations"], res["responses"], res["dropped"]) == (4, 2, 2)  # nothing redone or retried
+
+
+def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
+    """A resume with other settings, other prompts (named or edited) or another model: one line naming the flag,
+    OUT.partial kept as it was."""
+    target = tmp_path / "target"
+    shutil.copytree(DEMO / "target", target)
+    (tmp_path / "other.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    shutil.copytree(DEMO / "drafter", tmp_path / "drafter")
+    partial = killed_run(tmp_path, monkeypatch, "o.jsonl", 3, "--chunk-size", 1, "--target", target)
+    kept = partial.read_text()
+    assert kept.count("\n") == 1
+
+    def refused(*flags, prompts=None, needle):
+        argv = argv_of(tmp_path, "o.jsonl", "--chunk-size", 1, "--target", target, "--resume", *flags, prompts=prompts)
+        capsys.readouterr()
+        assert regenerate.main(argv) == 2, flags
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (flags, err)
+        assert partial.read_text() == kept
+
+    refused("--temperature", 0, needle=f"--temperature 0.0: {partial} was started with --temperature 0.7; ")
+    refused("--seed", 5, needle="--seed 5: ")
+    refused("--top-k", 5, needle="--top-k 5: ")
+    refused("--max-context", 100, needle="--max-context 100: ")
+    refused("--max-prompts", 3, needle="--max-prompts 3: ")
+    refused("--prompts", tmp_path / "other.jsonl", needle=f"--prompts {tmp_path / 'other.jsonl'}: ")
+    refused("--drafter", tmp_path / "drafter", needle=f"--drafter {tmp_path / 'drafter'}: ")
+    refused("--target", DEMO / "target", needle=f"--target {DEMO / 'target'}: ")
+    refused(prompts=PROMPTS[:3] + [{"prompt": "while True:"}],  # a prompt edited
+            needle=f"--prompts {tmp_path / 'prompts.jsonl'}: its records changed")
+    os.utime(target / "model.safetensors", ns=(1, 1))  # the model replaced in place
+    refused(needle=f"--target {target}: its files changed")
+
+
+@pytest.mark.parametrize("files,flags,needle", [
+    ({}, ["--out", "p.jsonl"], "--out p.jsonl: is an input of this run (p.jsonl)"),
+    ({"q.jsonl": '{"prompt": "y"}\n'}, ["--prompts", "q.jsonl,p.jsonl", "--out", "p.jsonl"],
+     "--out p.jsonl: is an input"),
+    ({"o.jsonl.partial": '{"prompt": "y"}\n'}, ["--prompts", "o.jsonl.partial"],
+     "o.jsonl.partial: is an input of this run"),
+    ({"o.jsonl.partial/": ""}, [], "o.jsonl.partial: is a directory"),
+    ({"o.jsonl.partial.json/": ""}, [], "o.jsonl.partial.json: is a directory"),
+    ({"o.jsonl.partial": "{}\n"}, [], "o.jsonl.partial: holds an earlier run's output; pass --resume"),
+    ({"o.jsonl.partial": '{"mess'}, [], "o.jsonl.partial: holds an earlier run's output; pass --resume"),
+    ({"o.jsonl.partial": '{"source": "p.jsonl:1"}\n'}, ["--resume"], "o.jsonl.partial.json: not found"),
+])
+def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatch, files, flags, needle):
+    """No input overwritten, an earlier run's work not truncated, a directory in the way said: before any work."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(regenerate, "load_models", None)  # loading the models would be a TypeError
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    for name, text in files.items():
+        if name.endswith("/"):
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).write_text(text)
+    before = {f: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+    argv = ["--target", DEMO / "target", "--prompts", "p.jsonl", "--out", "o.jsonl", "--max-new-tokens", 12,
+            "--no-progress", "--device", "cpu", *flags]
+    assert regenerate.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert {f: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()} == before
 
 
 @pytest.mark.parametrize("flags,needle", [
