@@ -22,15 +22,18 @@ What is notable here:
   over the whole batch's Σ w (known before any forward). So 1 process x --grad-accum 2 and 2 processes x 1
   give the same loss and gradient, up to float summation order.
 - Checkpoints in DeepSpec's layout (`drafter.save_drafter`), loaded like a published one; --eval-every runs
-  eval.py on a checkpoint; the MFU estimate counts `step_flops`.
+  eval.py on a checkpoint; the MFU estimate counts `step_flops`. The training state records digests of the
+  training rows and of the target's files (`data_digest`, `target_digest`): --resume refuses other ones.
 - The loop — AdamW and its schedule, torchrun, crash-safe checkpoints, exact resume, progress — and its
   shared flags (`TrainArgs`) are trainer.py's, shared with `scripts/train_target.py` (the demo's target).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Literal, Optional
 
@@ -43,10 +46,10 @@ from common import (UserError, check_ranges, device_name, dist_init, parse_ints,
                     torchrun_env)
 from drafter import MARKOV_TYPES, Drafter, DrafterConfig, drafter_config_json, load_drafter_weights, save_drafter
 from inputs import resolve_checkpoint
-from model import ModelArgs, Transformer, init_random_, load_target
+from model import ModelArgs, Transformer, init_random_, load_target, safetensors_files
 from text import Tokenizer
-from trainer import (Run, TrainArgs, check_out_dir, check_train_args, checkpoint_dir, optimize, save_state,
-                     train_main)
+from trainer import (Run, TrainArgs, check_identity, check_out_dir, check_train_args, checkpoint_dir, optimize,
+                     save_state, train_main)
 
 
 @dataclass
@@ -252,6 +255,38 @@ def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> D
 
 
 # ----------------------------------------------------------------------------------------
+# What a run reads, by digest (the training state records them; --resume compares)
+
+def data_digest(corpus: data.Corpus) -> str:
+    """sha256 of the training rows, in order: their token ids (and for chat data the loss mask and each
+    token's document), as int32 in row-major order."""
+    h = hashlib.sha256()
+    for name, t in (("tokens", corpus.tokens), ("loss_mask", corpus.loss_mask), ("doc", corpus.doc)):
+        if t is not None:
+            h.update(f"{name} {list(t.shape)}\n".encode())
+            for rows in t.split(4096):
+                h.update(rows.to(torch.int32).contiguous().numpy())
+    return h.hexdigest()
+
+
+def target_digest(directory: str) -> str:
+    """sha256 over the target's config.json and weight files (each file's name and the sha256 of its
+    bytes): exact, where names, sizes and dates would not be. It costs one more read of every weight
+    file (from the page cache: load_target has just read them) and its hashing, the files in parallel
+    threads; sha256 runs at 1.2-2 GB/s a core, so an 8B bf16 target (16 GB in 5 shards) takes a few
+    seconds at each start of a run (every process under torchrun), a tiny one nothing."""
+    files = [os.path.join(directory, "config.json"), *safetensors_files(directory)]
+
+    def one(path):
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    with ThreadPoolExecutor(min(8, len(files))) as pool:
+        digests = list(pool.map(one, files))
+    return hashlib.sha256("".join(f"{os.path.basename(p)} {d}\n" for p, d in zip(files, digests)).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------
 # The training loop (shared with scripts/train_target.py)
 
 # ----------------------------------------------------------------------------------------
@@ -296,6 +331,10 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, device, dtype if device.startswith("cuda") else torch.float32)
     corpus = data.load_corpus(args, target.args, say)
+    identity = {"target": target_digest(args.target), "data": data_digest(corpus)}
+    if args.resume:  # the same target and data as the run resumed, or one line naming which differs
+        source = f"--data {args.data}" if args.data is not None else f"--data-ids {args.data_ids}"
+        check_identity(checkpoint_dir(args.resume), identity, {"target": f"--target {args.target}", "data": source})
     drafter = build_drafter(args, target, args.target, device)
     if args.resume:
         load_drafter_weights(drafter, checkpoint_dir(args.resume), args.target, args.anchors_per_seq)
@@ -327,7 +366,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
 
     def save(directory, step, opt):
         save_drafter(directory, drafter, args.target, args.anchors_per_seq, step=step)
-        save_state(directory, step, drafter, opt, args, len(corpus), world)
+        save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
 
     evaluate = (lambda step: evaluate_checkpoint(args, step, device)) if args.eval_every else None
     return optimize(args, DraftStep(drafter, target, args), micro_batches,

@@ -10,9 +10,10 @@ What is notable here:
   loss share is normalised by the whole batch, so any split of the same G gives the same step.
 - Checkpoints (rank 0): --out/checkpoint-<step>/ written whole and renamed into place, then --out/latest
   switched to it and the model's files linked to the top of --out; the previous one goes last. A kill at
-  any moment leaves a complete checkpoint; --resume validates it (steps agree across files, tensors finite
-  and of their parameters' shapes). No RNG state to save; no pickle. A non-finite loss stops the run
-  before the optimizer steps.
+  any moment leaves a complete checkpoint that --resume takes; it validates it (steps agree across files,
+  tensors finite and of their parameters' shapes) and, where the program records them, that the run reads
+  the same data and target (`check_identity`). No RNG state to save; no pickle. A non-finite loss stops
+  the run before the optimizer steps.
 - Progress: tokens/s, an MFU estimate and the ETA in the bar, wandb and --out/train_log.jsonl.
 """
 
@@ -141,8 +142,9 @@ def lr_at(step: int, args: TrainArgs) -> float:
 # It is written into a temporary directory and renamed into place whole; then --out/latest (one line,
 # written atomically) switches to it, the model's files are linked to the top of --out (what
 # `--drafter OUT` loads), and only then the previous checkpoint goes. A kill at any moment leaves a
-# complete checkpoint that `latest` names. --resume validates the one it takes: the step in every
-# file agrees, every tensor is finite and has its parameter's shape.
+# complete checkpoint that --resume takes: the one `latest` names, or, killed between the first
+# checkpoint's rename and `latest`, the only one there (`checkpoint_dir`). --resume validates the one
+# it takes: the step in every file agrees, every tensor is finite and has its parameter's shape.
 
 LATEST = "latest"
 
@@ -183,8 +185,9 @@ def _fsync_dir(path: str):
 
 
 def checkpoint_dir(resume: str) -> str:
-    """The complete checkpoint --resume DIR names: DIR/latest's, or DIR itself (a checkpoint directory,
-    or the single-directory layout of older runs)."""
+    """The complete checkpoint --resume DIR names: DIR/latest's; with no `latest` (a run killed between its
+    first checkpoint's rename and `latest`), the highest-numbered checkpoint-<step>/ there; or DIR itself (a
+    checkpoint directory, or the single-directory layout of older runs)."""
     latest = os.path.join(resume, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -192,13 +195,24 @@ def checkpoint_dir(resume: str) -> str:
         if not name.startswith("checkpoint-") or not os.path.isdir(os.path.join(resume, name)):
             raise UserError(f"{latest}: names {name!r}, which is not a checkpoint directory in {resume}")
         return os.path.join(resume, name)
-    if not os.path.isfile(os.path.join(resume, STATE_JSON)):
-        raise UserError(f"--resume {resume}: no {LATEST} and no {STATE_JSON} there (not a training directory)")
-    return resume
+    if os.path.isfile(os.path.join(resume, STATE_JSON)):
+        return resume
+    names = os.listdir(resume) if os.path.isdir(resume) else []
+    steps = [int(n.removeprefix("checkpoint-")) for n in names
+             if n.startswith("checkpoint-") and n.removeprefix("checkpoint-").isdecimal()
+             and os.path.isfile(os.path.join(resume, n, STATE_JSON))]
+    if steps:  # each renamed into place whole: complete
+        return os.path.join(resume, f"checkpoint-{max(steps)}")
+    if os.path.isfile(os.path.join(resume, LOG_JSONL)):
+        raise UserError(f"--resume {resume}: the run there stopped before its first checkpoint, nothing to resume; "
+                        f"start it afresh with --out {resume} (without --resume)")
+    raise UserError(f"--resume {resume}: no {LATEST} and no {STATE_JSON} there (not a training directory)")
+
 
 def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
-               num_windows: int, world: int = 1):
-    """The optimizer's moments by parameter name (safetensors) and the step, arguments and global batch (JSON)."""
+               num_windows: int, world: int = 1, identity: Optional[dict] = None):
+    """The optimizer's moments by parameter name (safetensors) and the step, arguments and global batch (JSON);
+    `identity`: digests of what the run reads ({"data": .., "target": ..}), which `check_identity` compares."""
     names = {id(p): n for n, p in module.named_parameters()}
     tensors = {}
     for p, st in opt.state.items():
@@ -207,7 +221,7 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
     save_tensors(os.path.join(out, STATE_TENSORS), tensors, step=step)
     write_json(os.path.join(out, STATE_JSON), {
         "step": step, "num_windows": num_windows, "kind": args.kind, "args": asdict(args), "world_size": world,
-        "global_batch": args.batch_size * args.grad_accum * world,
+        "global_batch": args.batch_size * args.grad_accum * world, **({"identity": identity} if identity else {}),
         "note": "batch and anchors of step s depend only on (seed, s, global_batch): no RNG state to restore"})
 
 
@@ -252,6 +266,21 @@ def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = No
         raise UserError(f"--resume {directory}: the saved run's global batch is {saved_g} sequences, now {g} "
                         f"(--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} process(es))")
     return meta
+
+
+def check_identity(directory: str, identity: dict, flags: dict):
+    """--resume: every digest of `identity` ({"data": .., "target": ..}, as `save_state` records them) is the
+    saved run's; `flags[what]` names the flag and value it comes from. A state that records none (written
+    before they were) is refused: that the run reads the same could not be checked."""
+    saved = read_json(os.path.join(directory, STATE_JSON)).get("identity")
+    saved = saved if isinstance(saved, dict) else {}
+    for what, digest in identity.items():
+        if what not in saved:
+            raise UserError(f"--resume {directory}: the saved state records no digest of its {what} (written by an "
+                            f"older version), so {flags[what]} cannot be checked against it; start a new run")
+        if saved[what] != digest:
+            raise UserError(f"{flags[what]}: differs from the run's {what} (the one {directory} was trained with; "
+                            f"a resumed run must use the same {what})")
 
 
 def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
@@ -309,12 +338,21 @@ def check_out_dir(args: TrainArgs, inputs):
     if os.path.exists(real) and not os.path.isdir(real):
         raise UserError(f"--out {out}: is a file, not a directory")
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
-    if os.path.isdir(real) and os.listdir(real) and not resuming_here:
+    if os.path.isdir(real) and os.listdir(real) and not resuming_here and not unfinished_run(real):
         raise UserError(f"--out {out}: already holds files (a previous run's?); give a new directory, or continue "
                         f"that run with --resume {out}")
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
+
+
+def unfinished_run(directory: str) -> bool:
+    """Whether `directory` holds a run that stopped before its first checkpoint (failed, killed): its
+    train_log.jsonl and no checkpoint. --out may start afresh there (a run with a checkpoint is resumed,
+    never overwritten)."""
+    names = os.listdir(directory)
+    return (LOG_JSONL in names and LATEST not in names and STATE_JSON not in names
+            and not any(n.startswith("checkpoint-") for n in names))
 
 
 def check_train_args(args: TrainArgs, **ranges: str):
@@ -403,7 +441,11 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     if main:  # one JSON line per step; a run resumed into its own --out drops the lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
-        atomic_write(path, "".join(_log_upto(path, start)))
+        here = args.resume is not None and os.path.realpath(args.resume) == os.path.realpath(args.out)
+        if not here and os.path.exists(path):  # check_out_dir let it through: `unfinished_run`
+            print(f"--out {args.out}: a run that stopped before its first checkpoint left its log there; "
+                  "starting afresh", file=sys.stderr)
+        atomic_write(path, "".join(_log_upto(path, start) if here else []))
         log = open(path, "a")
     tokens_per_step = args.batch_size * args.grad_accum * run.world * args.seq_len
     peak = (args.peak_tflops or peak_tflops(dev) or 0) * 1e12  # MFU only against a known peak

@@ -16,6 +16,7 @@ What is notable here:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -34,7 +35,8 @@ from common import (UserError, dist_init, resolve_device, resolve_dtype, save_te
 from data import EOS_TOKEN, MASK_TOKEN, Batches, micro_slices, read_texts, read_windows  # noqa: E402
 from model import ModelArgs, Transformer, init_random_, load_target  # noqa: E402
 from text import Tokenizer  # noqa: E402
-from trainer import Run, TrainArgs, check_train_args, checkpoint_dir, optimize, save_state, train_main  # noqa: E402
+from trainer import (Run, TrainArgs, check_identity, check_train_args, checkpoint_dir, optimize,  # noqa: E402
+                     save_state, train_main)
 
 
 @dataclass
@@ -180,7 +182,11 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
                       head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
                       max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
                       eos_token_ids=(eos,) if eos is not None else ())
+    # The training windows' digest: --resume refuses other data of the same size (train.data_digest's way).
+    digest = hashlib.sha256(f"tokens {list(windows.shape)}\n".encode() + windows.to(torch.int32).numpy().tobytes())
+    identity = {"data": digest.hexdigest()}
     if args.resume:
+        check_identity(checkpoint_dir(args.resume), identity, {"data": f"--data {args.data}"})
         model = load_target(checkpoint_dir(args.resume), device, torch.float32, fuse=False).requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
             raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
@@ -206,7 +212,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
 
     def save(directory, step, opt):
         save_target(directory, model, eos, step=step)
-        save_state(directory, step, model, opt, args, len(windows), world)
+        save_state(directory, step, model, opt, args, len(windows), world, identity)
 
     return optimize(args, TargetStep(model, args.batch_size / G, args.compile), micro_batches, summarize, save,
                     Run(rank, world, device, log), dtype, len(windows), target_flops(margs, G, args.seq_len), banner=banner)

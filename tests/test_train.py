@@ -349,6 +349,88 @@ def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     assert rc == 2 and "a drafter training state, not a target one" in err
 
 
+def test_resume_refuses_other_data_or_target(tiny_target, tmp_path):
+    """The training state records digests of the data and the target: --resume refuses other token windows
+    (the same number of them) and another target (the same shapes, one weight scaled), naming the flag; a
+    byte-identical copy of the target passes; a state that records no digests is refused."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    ids = write_ids(tmp_path / "ids.jsonl", 6, 24, 64, seed=1)
+    other_ids = write_ids(tmp_path / "other.jsonl", 6, 24, 64, seed=2)
+    common = ["--steps", 4, "--anchors-per-seq", 4, *SMALL]
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "a", "--stop-at", 2,
+                            *common])
+    assert rc == 0, err
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", other_ids, "--out", tmp_path / "b",
+                            "--resume", tmp_path / "a", *common])
+    assert rc == 2 and f"--data-ids {other_ids}: differs from the run's data" in err, err
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_target.path, scaled)
+    w = load_file(str(scaled / "model.safetensors"))
+    w["model.layers.0.mlp.down_proj.weight"] *= 1.5
+    save_file(w, str(scaled / "model.safetensors"), metadata={"format": "pt"})
+    rc, _, err = run_train(["--target", scaled, "--data-ids", ids, "--out", tmp_path / "c", "--resume", tmp_path / "a",
+                            *common])
+    assert rc == 2 and f"--target {scaled}: differs from the run's target" in err, err
+
+    same = tmp_path / "same"
+    shutil.copytree(tiny_target.path, same)
+    rc, res, err = run_train(["--target", same, "--data-ids", ids, "--out", tmp_path / "d", "--resume", tmp_path / "a",
+                              *common])
+    assert rc == 0 and res["start"] == 2, err
+
+    state = ckpt(tmp_path / "a") / "training_state.json"  # as written before the digests were recorded
+    state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "identity"}))
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "e",
+                            "--resume", tmp_path / "a", *common])
+    assert rc == 2 and "records no digest of its" in err, err
+
+
+def test_bfloat16_training_on_cpu(tiny_target, tmp_path):
+    """--device cpu --dtype bfloat16: the frozen target (float32, its CPU GEMMs packed for the few-row kernel)
+    runs under autocast, so its products take F.linear, which autocast casts, not the float32-only kernel."""
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    rc, res, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o", "--steps", 2,
+                              "--anchors-per-seq", 4, "--device", "cpu", "--dtype", "bfloat16", *SMALL])
+    assert rc == 0, err
+    assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
+
+
+def test_run_stopped_before_its_first_checkpoint_leaves_out_usable(tiny_target, tmp_path, monkeypatch):
+    """A run interrupted before its first checkpoint leaves --out with its log alone: --resume there says there
+    is nothing to resume, and the same --out starts afresh (its log the new run's only). A directory holding a
+    checkpoint is still never started over."""
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    flags = ["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 3, "--anchors-per-seq", 4,
+             *SMALL]
+    loss, calls = train.drafter_loss, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C during step 2, step 1 logged
+            raise KeyboardInterrupt
+        return loss(*a, **k)
+
+    monkeypatch.setattr(train, "drafter_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(flags)
+    monkeypatch.undo()
+    assert sorted(os.listdir(out)) == ["train_log.jsonl"]
+    assert [json.loads(l)["step"] for l in (out / "train_log.jsonl").read_text().splitlines()] == [1]
+
+    rc, _, err = run_train(flags + ["--resume", out])
+    assert rc == 2 and "stopped before its first checkpoint" in err, err
+    rc, res, err = run_train(flags)
+    assert rc == 0 and res["start"] == 0, err
+    assert "starting afresh" in err
+    assert [json.loads(l)["step"] for l in (out / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3]
+    rc, _, err = run_train(flags)
+    assert rc == 2 and "already holds files" in err, err
+
+
 # ----------------------------------------------------------------------------------------
 # scripts/train_target.py, and a drafter on top of it from text
 
@@ -489,3 +571,10 @@ def test_train_target_script_runs_standalone(tmp_path):
     assert "step 3: loss" in r.stdout and "target written to" in r.stdout
     assert mdl.load_target(str(out)).args.num_hidden_layers == 2
     assert json.loads((ckpt(out) / "training_state.json").read_text())["kind"] == "target"
+    # Resumed on other text (the same size): refused by the windows' digest, not trained on silently.
+    (tmp_path / "other.txt").write_text(CORPUS[::-1] * 4)
+    r = script("--data", tmp_path / "other.txt", "--out", out, "--resume", out, "--steps", 4, "--seq-len", 16,
+               "--batch-size", 2, "--hidden-size", 16, "--layers", 2, "--heads", 2, "--kv-heads", 1, "--head-dim", 8,
+               "--intermediate-size", 32, "--no-progress")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
+    assert "--data " in r.stderr and "differs from the run's data" in r.stderr, r.stderr

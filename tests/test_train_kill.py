@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import REPO_ROOT
@@ -65,6 +66,44 @@ def test_sigkill_during_saves_then_resume_equals_uninterrupted(tmp_path):
                     and not os.path.isdir(os.path.join(out, d))]
     assert kills == KILLS, f"only {kills} kills: the run is too short for this machine"
     assert steps_seen == sorted(steps_seen) and steps_seen[-1] < STEPS
+    assert train.main(flags + ["--out", str(out), "--resume", str(out)]) == 0
+    a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_between_first_checkpoint_and_latest_resumes(tmp_path, monkeypatch):
+    """A kill after the first checkpoint is renamed into place and before `latest` is written: --resume OUT
+    takes that checkpoint, and the run that results equals one that was never interrupted."""
+    from safetensors.torch import load_file
+
+    target = make_target(tmp_path / "target", vocab_size=32, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    ids = tmp_path / "ids.jsonl"
+    g = torch.Generator().manual_seed(0)
+    ids.write_text("".join(json.dumps({"prompt_ids": torch.randint(0, 32, (17,), generator=g).tolist()}) + "\n"
+                           for _ in range(8)))
+    flags = [str(a) for a in ["--target", target, "--data-ids", ids, "--steps", 4, "--seq-len", 16, "--batch-size", 2,
+                              "--anchors-per-seq", 4, "--block-size", 3, "--depth", 1, "--markov-rank", 4,
+                              "--save-every", 2, "--device", "cpu", "--no-progress"]]
+    assert train.main(flags + ["--out", str(tmp_path / "straight")]) == 0
+
+    class Killed(BaseException):
+        pass
+
+    write = trainer.atomic_write
+
+    def killed_at_latest(path, text):
+        if os.path.basename(path) == trainer.LATEST:
+            raise Killed
+        write(path, text)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(trainer, "atomic_write", killed_at_latest)
+    with pytest.raises(Killed):
+        train.main(flags + ["--out", str(out)])
+    monkeypatch.undo()
+    assert not (out / "latest").exists() and (out / "checkpoint-2").is_dir()
+    assert trainer.checkpoint_dir(str(out)) == str(out / "checkpoint-2")
     assert train.main(flags + ["--out", str(out), "--resume", str(out)]) == 0
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
