@@ -69,6 +69,9 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
     import tyro
 
     args = tyro.cli(args_class, args=sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
+        if hasattr(stream, "reconfigure") and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
     try:  # under torchrun every rank meets the same error: rank 0 says it (anyone, if the variables are broken)
         rank0 = torchrun_env()[0] == 0
     except UserError:
@@ -188,7 +191,12 @@ def set_threads(threads: Optional[int]) -> str:
     if threads is not None:
         how = "--threads"
     elif os.environ.get("OMP_NUM_THREADS", "").strip():
+        value = os.environ["OMP_NUM_THREADS"].strip()
+        if not value.isdecimal() or int(value) < 1:  # OpenMP would warn and fall back to all CPUs
+            raise UserError(f"OMP_NUM_THREADS={value!r}: not a positive integer (unset it, or give --threads)")
         threads, how = torch.get_num_threads(), "OMP_NUM_THREADS"
+        if threads != int(value):
+            how += f"={value}; torch took {threads}"
     else:
         threads, how = default_threads(), "default: half the CPUs, --threads to change"
     torch.set_num_threads(threads)
@@ -251,21 +259,23 @@ def read_json(path: str) -> dict:
 def read_jsonl(path: str):
     """Yield (where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"
     for messages. A line that is not JSON, or not UTF-8, is a UserError naming it."""
-    with open(path, encoding="utf-8") as f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except (ValueError, RecursionError) as e:  # as read_json
-                    raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") \
-                        from None
-                yield where, obj
-        except UnicodeDecodeError:
-            raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+    with open(path, "rb") as f:  # each line decoded on its own: an error names its line, not its chunk's
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{where}: not UTF-8 text") from None
+            if lineno == 1 and line.startswith("\ufeff"):
+                raise UserError(f"{where}: starts with a byte-order mark (save the file as UTF-8 without BOM)")
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (ValueError, RecursionError) as e:  # as read_json
+                raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") \
+                    from None
+            yield where, obj
 
 
 def check_writable(path: Optional[str], flag: str):
@@ -279,13 +289,25 @@ def check_writable(path: Optional[str], flag: str):
     real = os.path.realpath(path)
     if os.path.isdir(real):
         raise UserError(f"{flag} {path}: is a directory, not a file")
+    if path.endswith(os.sep):  # realpath drops the slash: a missing directory would be written as a file
+        raise UserError(f"{flag} {path}: names a directory; give a file path")
     if os.path.exists(real) and not os.path.isfile(real):
         raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); give a file path")
+    for special in ("/dev", "/proc", "/sys"):  # /dev/stdout may resolve to the shell's redirection target
+        if any(p == special or p.startswith(special + "/") for p in (os.path.abspath(path), real)):
+            raise UserError(f"{flag} {path}: a device or process file, not a file path (the output is written "
+                            f"to a temporary file and renamed into place)")
     folder = os.path.dirname(real)
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: directory {folder} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(real) and not os.access(real, os.W_OK)):
         raise UserError(f"{flag} {path}: not writable")
+    try:  # what the atomic write will do, now: a name too long, a folder that refuses files, ...
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(real) + ".", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 
 
 def check_outputs(outputs: dict, inputs=()):

@@ -472,11 +472,16 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
         context = min(context, drafter.cfg.layers.max_position_embeddings)
     prompts = {}
     for name, path, n in datasets:
+        sources = []
         ps = load_prompts(tokenizer=tokenizer, chat=chat, prompts_file=path,
-                          max_len=max(context - (args.max_new_tokens or 1), 1))
-        prompts[name] = select(ps, n, args.seed)
-        check_prompts(prompts[name], target, args.max_new_tokens or 1, f"{path} ", drafter=drafter)
+                          max_len=max(context - (args.max_new_tokens or 1), 1), sources=sources)
+        chosen = select(list(zip(ps, sources)), n, args.seed)  # the same shuffle as of the prompts alone
+        prompts[name] = [p for p, _ in chosen]
+        check_prompts(prompts[name], target, args.max_new_tokens or 1, drafter=drafter, sources=[s for _, s in chosen])
     args = replace(args, max_new_tokens=budget(args, demo, prompts, context, verbose=rank == 0))
+    if (args.calibration_out or args.calibration_plot) and args.max_new_tokens == 1:
+        raise UserError(f"--{'calibration-out' if args.calibration_out else 'calibration-plot'}: --max-new-tokens 1 "
+                        f"ends every request at its first token, before any round: nothing to calibrate")
     if args.calibration_out and not any(math.floor(args.calibration_split * len(ps)) for ps in prompts.values()):
         raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of "
                         f"{' / '.join(str(len(ps)) for ps in prompts.values())} requests leaves none to fit STS on; "
@@ -665,6 +670,11 @@ def reliability_panels(calibration: dict, bins: int) -> list[dict]:
 def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
+    asked = [f for f, v in (("--calibration-out", args.calibration_out), ("--calibration-plot", args.calibration_plot))
+             if v]
+    if asked and calibration is None:  # not a file left unwritten without a word
+        raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), so there is "
+                        f"nothing to calibrate; {args.out} has the rest")
     print()
     print(format_table(results["datasets"]))
     if calibration is not None:

@@ -28,7 +28,7 @@ import torch
 from common import Interrupted, UserError, check_ranges, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
 from kernels import Filters
 from model import Transformer, load_target, random_target
-from text import ROLES, Tokenizer, generation_sampling, stop_token_ids
+from text import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, ROLES, Tokenizer, generation_sampling, stop_token_ids
 
 
 @dataclass
@@ -230,18 +230,26 @@ def _first_line(e: Exception) -> str:
 
 
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
+#: Keys a prompt record might be meant to set per prompt, which only flags set (the flag named); a record's
+#: other keys beside its prompt (an id, a category, a reference answer) are metadata and ignored.
+RECORD_SETTINGS = {"system": "--system-prompt", "system_prompt": "--system-prompt",
+                   "enable_thinking": "--enable-thinking", "max_new_tokens": "--max-new-tokens",
+                   "max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                   "top_p": "--top-p", "min_p": "--min-p", "stop": "--stop", "seed": "--seed",
+                   "num_samples": "--num-samples"}
 CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
 
 
 def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None,
                  max_len: Optional[int] = None, system_prompt: Optional[str] = None,
-                 thinking: bool = False) -> list[list[int]]:
+                 thinking: bool = False, sources: Optional[list] = None) -> list[list[int]]:
     """Token ids of every prompt given by exactly one of prompt, prompt_ids or prompts_file. With `chat`,
     a text is one user turn rendered with the chat template (after a `system_prompt` turn, and with the
     template's `enable_thinking` set to `thinking`); a {"messages"} record is a whole conversation,
     rendered the same way. A text that cannot fit `max_len` tokens is refused after tokenizing a
-    bounded prefix of it."""
+    bounded prefix of it; an empty text is refused before rendering. `sources`, when given, gets where
+    each prompt came from (`--prompt`, `--prompt-ids`, `FILE:LINE`), for `check_prompts`' messages."""
     given = [f for f, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("prompts_file", prompts_file))
              if v is not None]
     if len(given) != 1:
@@ -261,6 +269,8 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         for m in messages:
             _check_text(m["content"], where)
         texts = [m["content"] for m in messages]
+        if not texts[-1].strip():  # before rendering: a template would dress an empty question up
+            raise UserError(f"{where}: empty prompt")
         if max_len is not None and sum(map(len, texts)) > CHARS_PER_TOKEN * max_len:  # e.g. a 100 MB prompt
             head = tokenizer.encode("\n".join(texts)[:CHARS_PER_TOKEN * max_len])
             if len(head) > max_len:
@@ -272,14 +282,22 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
     def user(text: str) -> list[dict]:
         return system + [{"role": "user", "content": text}]
 
+    sources = [] if sources is None else sources
     if prompt is not None:
+        sources.append("--prompt")
         return [encode(user(prompt), "--prompt")]
     if prompt_ids is not None:
+        sources.append("--prompt-ids")
         return [parse_ints(prompt_ids, "--prompt-ids")]
     if not os.path.isfile(prompts_file):
         raise UserError(f"{prompts_file}: prompts file not found")
     prompts = []
     for where, row in read_jsonl(prompts_file):
+        sources.append(where)
+        setting = sorted(set(row) & set(RECORD_SETTINGS)) if isinstance(row, dict) else []
+        if setting:  # e.g. {"prompt": ..., "system": ...}: what the user meant would be dropped
+            raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
+                            f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
         kinds = [k for k in PROMPT_KINDS if isinstance(row, dict) and k in row]
         if len(kinds) > 1:
             raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
@@ -294,7 +312,8 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
                 raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; {chat_flags[0]} "
                                 f"would change nothing for it")
             prompts.append(ids)
-        elif kinds == ["turns"] and isinstance(row["turns"], list) and row["turns"] and isinstance(row["turns"][0], str):
+        elif kinds == ["turns"] and isinstance(row["turns"], list) and row["turns"] and all(
+                isinstance(t, str) for t in row["turns"]):  # the first turn is the prompt (the authors' protocol)
             prompts.append(encode(user(row["turns"][0]), where))
         elif kinds == ["messages"]:
             if tokenizer is not None and not chat:
@@ -358,20 +377,23 @@ def _read_messages(messages, where: str) -> list[dict]:
     return [dict(m) for m in messages]
 
 
-def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens: int, where: str = "", drafter=None):
+def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens: int, where: str = "", drafter=None,
+                  sources: Optional[list] = None):
     """Every prompt non-empty, inside the vocabulary, and fitting the context (the target's, and the
-    drafter's positions too) with its budget."""
+    drafter's positions too) with its budget. A prompt is named by `sources[i]` (from `load_prompts`),
+    else as `{where}prompt {i}`."""
     V, context = target.args.vocab_size, target.args.max_position_embeddings
     if drafter is not None:
         context = min(context, drafter.cfg.layers.max_position_embeddings)
     for i, p in enumerate(prompts):
+        name = sources[i] if sources is not None else f"{where}prompt {i}"
         if not p:
-            raise UserError(f"{where}prompt {i}: empty prompt")
+            raise UserError(f"{name}: empty prompt")
         bad = [t for t in p if not 0 <= t < V]
         if bad:
-            raise UserError(f"{where}prompt {i}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+            raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
         if len(p) + max_new_tokens > context:
-            raise UserError(f"{where}prompt {i}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
+            raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed "
                             f"the {'target' if context == target.args.max_position_embeddings else 'drafter'}'s "
                             f"context of {context} (max_position_embeddings)")
 
@@ -433,16 +455,13 @@ class Sampling:
         return f"sampling: {', '.join(parts)} ({self.source})"
 
 
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # beyond these, logits / T overflow float32 or sampling is uniform noise
-
-
 def check_sampling(temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                    min_p: Optional[float] = None):
     """The sampling flags' values (None: not given), each a one-line error when out of range."""
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise UserError(f"--top-k: invalid value {top_k!r} (valid: an integer, 0 for off)")
     check_ranges(SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
-                 temperature=f"[0, {MAX_TEMPERATURE:g}]", top_k="[0, 1073741824]", top_p="(0, 1]", min_p="[0, 1]")
+                 temperature=f"[0, {MAX_TEMPERATURE:g}]", top_k=f"[0, {MAX_TOP_K}]", top_p="(0, 1]", min_p="[0, 1]")
     if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
         raise UserError(f"--temperature: invalid value {temperature!r} (valid: 0 for greedy, or "
                         f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")

@@ -80,6 +80,9 @@ def check(args):
     for f in given:
         if not args.wandb:
             raise UserError(f"--{f.replace('_', '-')}: needs --wandb")
+    fields = getattr(type(args), "__dataclass_fields__", {})
+    if not args.wandb and "log_every" in fields and args.log_every != fields["log_every"].default:
+        raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, it changes nothing")
     for f in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags"):
         value = getattr(args, f)
         if value is not None and not value.strip():

@@ -699,6 +699,19 @@ def check_args(args: Args):
     check_threads(args.threads)
     if any(not s for s in args.stop):
         raise UserError("--stop: an empty stop string would end every request at once")
+    if args.random_init is not None:  # no tokenizer: say so before building (and allocating) the model
+        for flag, given in (("--prompt", args.prompt is not None), ("--stop", bool(args.stop)),
+                            ("--system-prompt", args.system_prompt is not None)):
+            if given:
+                raise UserError(f"{flag}: text needs a tokenizer, and --random-init {args.random_init} has none "
+                                f"(use --prompt-ids)")
+    if args.chat and args.prompt_ids is not None:  # (--no-chat agrees with token ids: they are never rendered)
+        raise UserError("--chat: --prompt-ids are token ids, never rendered; it would change nothing")
+    for s in args.stop:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates: never in decoded text
+            raise UserError(f"--stop {s!r}: the text is not valid Unicode (a lone surrogate)") from None
     if args.calibration is not None and resolve_scheduler(args) == "none":
         raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
                         f"(--scheduler threshold, hardware or async); without one it changes nothing")
@@ -744,14 +757,16 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log], lead: Opt
     stops = StopStrings.build(m.tokenizer, args.stop)
     context = m.target.args.max_position_embeddings
     chat = auto_chat(args.chat, m.tokenizer)
+    sources = []  # where each prompt came from, for check_prompts' messages
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=args.prompt,
                            prompt_ids=args.prompt_ids, prompts_file=args.prompts_file,
                            max_len=max(context - args.max_new_tokens, 1), system_prompt=args.system_prompt,
-                           thinking=args.enable_thinking)
+                           thinking=args.enable_thinking, sources=sources)
     if lead is not None:  # the demo tokenizer has no chat template: raw text
         prompts = [encode_prompt(m.tokenizer, lead, chat=chat, system_prompt=args.system_prompt,
                                  thinking=args.enable_thinking, where="the demo prompt")] + prompts
-    check_prompts(prompts, m.target, args.max_new_tokens, drafter=m.drafter)
+        sources = ["the demo prompt"] + sources
+    check_prompts(prompts, m.target, args.max_new_tokens, drafter=m.drafter, sources=sources)
     if len(prompts) * args.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {args.num_samples}: {len(prompts)} prompts x {args.num_samples} samples is more "
                         f"than {MAX_REQUESTS:,} requests")

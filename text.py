@@ -159,9 +159,14 @@ def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str]]:
     if not os.path.isfile(path):
         return None, None
     t = read_json(path).get("chat_template")
-    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
-        t = named.get("default")
+    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]; a chat uses "default"
+        if not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in t):
+            raise UserError(f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} objects")
+        named = {d["name"]: d.get("template") for d in t}
+        if "default" not in named:
+            raise UserError(f"{path}: 'chat_template' names no 'default' template (it has "
+                            f"{', '.join(map(repr, named)) or 'none'}); chat needs one")
+        t = named["default"]
     if t is not None and not isinstance(t, str):
         raise UserError(f"{path}: 'chat_template' must be a string")
     return t, path
@@ -178,6 +183,8 @@ def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # beyond these, logits / T overflow float32 or sampling is uniform noise
+MAX_TOP_K = 2**30  # the flag's and the file's bound
 
 
 def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
@@ -185,7 +192,8 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
 
     settings: None for greedy — no file, or `do_sample` false or absent (transformers' rule) — else
     the keys of SAMPLING_KEYS the file gives (a missing key stays off; temperature 1.0 when missing),
-    each checked: temperature > 0, top_k an integer (0 or -1: off), top_p in (0, 1], min_p in [0, 1]."""
+    each checked as the flags are: temperature in [1e-4, 1e4], top_k an integer up to 2^30 (0 or -1: off),
+    top_p in (0, 1], min_p in [0, 1]."""
     path = os.path.join(directory, "generation_config.json")
     if not os.path.isfile(path):
         return None, None
@@ -201,10 +209,12 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
         if v is None:
             continue
         number = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-        ok = number and {"temperature": lambda x: 0 < x <= 1e4, "top_k": lambda x: x == int(x) and x >= -1,
+        ok = number and {"temperature": lambda x: MIN_TEMPERATURE <= x <= MAX_TEMPERATURE,
+                         "top_k": lambda x: x == int(x) and -1 <= x <= MAX_TOP_K,
                          "top_p": lambda x: 0 < x <= 1, "min_p": lambda x: 0 <= x <= 1}[key](v)
         if not ok:
-            valid = {"temperature": "a number in (0, 10000]", "top_k": "an integer >= -1 (0 or -1: off)",
+            valid = {"temperature": f"a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+                     "top_k": f"an integer from -1 to {MAX_TOP_K} (0 or -1: off)",
                      "top_p": "a number in (0, 1]", "min_p": "a number in [0, 1]"}[key]
             raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
         out[key] = max(int(v), 0) if key == "top_k" else float(v)

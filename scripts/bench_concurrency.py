@@ -152,8 +152,9 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     if prompts_file is None:
         raise UserError("--prompts-file: needed with a --target other than the demo pair")
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
-    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file)
-    check_prompts(prompts, target, args.max_new_tokens)
+    sources = []
+    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)
+    check_prompts(prompts, target, args.max_new_tokens, sources=sources)
     modes = ["autoregressive"] + schedulers
     hw, greedy = device_name(dev), args.temperature == 0
     print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {resolve_dtype(args.dtype, dev)}, {hw}, "

@@ -268,6 +268,17 @@ CASES = [
         w, t, lambda c: c.update(num_attention_heads=4.0)), "--prompt-ids", "1"], "num_attention_heads", False),
     ("eos-outside-vocab", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(eos_token_id=10**9)), "--prompt-ids", "1"], "eos_token_id", True),
+    ("gen-temperature-tiny", "speculate", lambda w, t: ["--target", target_with(
+        w, t, files={"generation_config.json": json.dumps({"do_sample": True, "temperature": 1e-38})}),
+        "--prompt-ids", "1"], "generation_config.json: key 'temperature' must be a number in [0.0001, 10000]", False),
+    ("gen-top-k-huge", "speculate", lambda w, t: ["--target", target_with(
+        w, t, files={"generation_config.json": json.dumps({"do_sample": True, "top_k": 1e300})}),
+        "--prompt-ids", "1"], "key 'top_k' must be an integer from -1 to 1073741824", False),
+    ("template-list-no-default", "speculate", lambda w, t: P(target_with(w, t, files={
+        "tokenizer_config.json": json.dumps({"chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}]})})),
+     "tokenizer_config.json: 'chat_template' names no 'default' template (it has 'tool_use')", False),
+    ("template-list-not-objects", "speculate", lambda w, t: P(target_with(w, t, files={
+        "tokenizer_config.json": json.dumps({"chat_template": [1, 2]})})), "as a list must hold", False),
     ("gen-eos-negative", "speculate", lambda w, t: ["--target", target_with(
         w, t, files={"generation_config.json": json.dumps({"eos_token_id": [-1]})}), "--prompt-ids", "1"],
      "generation_config.json", False),
@@ -381,6 +392,21 @@ CASES = [
      "p.jsonl:1: a messages record is a conversation", False),
     ("messages-surrogate", "speculate", lambda w, t: M(w, t, '{"messages": [{"role": "user", "content": "a\\udc80"}]}\n'),
      "not valid Unicode", False),
+    ("prompt-empty-under-chat", "speculate", lambda w, t: M(w, t, '{"turns": [""]}\n'), "p.jsonl:1: empty prompt",
+     True),
+    ("prompt-vocab-by-line", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1]}\n\n\n{"prompt_ids": [99]}\n'),
+     "p.jsonl:4: token id 99 is outside the vocabulary", False),
+    ("prompt-too-long-by-line", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1]}\n{"prompt_ids": [%s]}\n'
+                                                            % ",".join(["1"] * 200)), "p.jsonl:2: 200 tokens", False),
+    ("prompt-record-setting", "speculate", lambda w, t: M(w, t, '{"prompt": "hi", "system": "be brief"}\n'),
+     "p.jsonl:1: a record cannot set 'system'; that is the run's --system-prompt", False),
+    ("turns-later-not-text", "speculate", lambda w, t: M(w, t, '{"turns": ["hi", 5]}\n'), "p.jsonl:1: expected",
+     False),
+    ("jsonl-not-utf8-by-line", "speculate", lambda w, t: M(w, t, b'{"prompt_ids": [1, 2]}\n' * 499
+                                                          + b'{"prompt": "caf\xe9"}\n' + b'{"prompt_ids": [1]}\n' * 99),
+     "p.jsonl:500: not UTF-8 text", False),
+    ("jsonl-bom", "speculate", lambda w, t: M(w, t, b'\xef\xbb\xbf{"prompt_ids": [1, 2]}\n'), "p.jsonl:1: starts with a "
+     "byte-order mark", False),
     ("messages-second-line", "speculate", lambda w, t: M(w, t, messages([("user", "a")]) + messages([("system", "a")])),
      "p.jsonl:2: the last message", False),
     # ---- speculate.py: hub ids (the session's Hugging Face cache is empty and offline: conftest.py)
@@ -428,6 +454,18 @@ CASES = [
     ("drafter-confidence-0d", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
         w, t, tensors=lambda ts: ts.update({"confidence_head.proj.weight": ts["confidence_head.proj.weight"][0, 0]}))]
      + S(w)[4:], "the confidence head expects [1, features]", False),
+    ("out-name-too-long", "speculate", lambda w, t: S(w) + ["--trace-file", t / ("o" * 245)], "cannot write there",
+     True),
+    ("out-dev-stdout", "speculate", lambda w, t: S(w) + ["--trace-file", "/dev/stdout"],
+     "--trace-file /dev/stdout: a device or process file", False),
+    ("out-trailing-slash", "speculate", lambda w, t: S(w) + ["--output-file", f"{t}/newdir/"], "names a directory",
+     False),
+    ("log-every-without-wandb", "speculate", lambda w, t: S(w) + ["--log-every", "3"], "--log-every 3", False),
+    ("chat-with-ids", "speculate", lambda w, t: S(w) + ["--chat"], "--chat: --prompt-ids are token ids", False),
+    ("stop-not-unicode", "speculate", lambda w, t: S(w) + ["--stop", "a\udcff"], "--stop 'a\\udcff': the text is not "
+     "valid Unicode", False),
+    ("random-init-text", "speculate", lambda w, t: ["--random-init", "qwen3-4b", "--prompt", "hi"],
+     "--random-init qwen3-4b has none", False),
     ("drafter-without-target", "speculate", lambda w, t: ["--drafter", w / "drafter", "--prompt-ids", "1"],
      "--target", False),
     # ---- speculate.py: flags that depend on each other
@@ -460,6 +498,12 @@ CASES = [
     # ---- eval.py
     ("eval-verbose-eager", "eval", lambda w, t: E(w) + ["--verbose"], "--verbose", False),
     ("eval-compile-cache-eager", "eval", lambda w, t: E(w) + ["--compile-cache", t / "cc"], "--compile-cache", False),
+    ("eval-calibration-no-rounds", "eval", lambda w, t: E(w)[:9] + ["1"] + E(w)[10:] + [
+        "--calibration-out", t / "c.json"], "--max-new-tokens 1 ends every request", False),
+    ("eval-turns-later-not-text", "eval", lambda w, t: E(w)[:5] + [data_dir(t, '{"turns": ["a", 5]}\n')] + E(w)[6:],
+     "gsm8k.jsonl:1: expected", False),
+    ("eval-prompt-named-by-line", "eval", lambda w, t: E(w)[:5] + [data_dir(
+        t, '{"turns": ["a"]}\n' * 3 + '{"prompt_ids": [99]}\n')] + E(w)[6:], "gsm8k.jsonl:4: token id 99", False),
     ("eval-datasets-twice", "eval", lambda w, t: E(w)[:7] + ["gsm8k,gsm8k"] + E(w)[8:], "named twice", True),
     ("eval-datasets-path", "eval", lambda w, t: E(w)[:7] + ["../p"] + E(w)[8:], "not a dataset name", False),
     ("eval-datasets-empty", "eval", lambda w, t: E(w)[:7] + [","] + E(w)[8:], "no dataset named", False),
@@ -759,3 +803,19 @@ def test_inconsistent_torchrun_variables(world, tmp_path, capsys, monkeypatch, e
     rc = ev.main([str(a) for a in E(world)] + ["--out", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+def test_a_bad_omp_num_threads_is_refused(world, monkeypatch, capsys, value):
+    """OpenMP warns and runs on every CPU; the start line credited the variable. One line instead."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    rc = speculate.main([str(a) for a in S(world)])
+    _check(capsys.readouterr().err, f"OMP_NUM_THREADS={value!r}: not a positive integer", rc)
+
+
+def test_a_terminal_that_cannot_show_tau_gets_an_escape_not_a_traceback(world, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONIOENCODING="latin-1")
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "speculate.py")] + [str(a) for a in S(world)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "\\u03c4=" in p.stdout

@@ -355,7 +355,7 @@ def test_a_user_error_after_the_start_marks_the_run_failed_and_env_vars_apply(tm
     with offline(tmp_path, WANDB_PROJECT="from-env", WANDB_RUN_GROUP="env-group", WANDB_TAGS="x,y"):
         rc, _, err = call(speculate.main, ["--target", DEMO / "target", "--prompt-ids", "1,2,99999",
                                            "--max-new-tokens", 4, "--wandb"])
-    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: prompt 0: token id 99999"), err
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --prompt-ids: token id 99999"), err
     run = read_run(tmp_path)
     assert (run.run.project, run.run.run_group, list(run.run.tags)) == ("from-env", "env-group", ["x", "y"])
     assert run.exit_code == 2 and run.summary["status"] == "failed" and "99999" in run.summary["error"]
