@@ -208,16 +208,19 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
     return mask
 
 
-def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=()) -> tuple[list[tuple[list[int], list[bool]]], int]:
+def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=(),
+                 seq_len: Optional[int] = None) -> tuple[list[tuple[list[int], list[bool]]], int]:
     """(token ids, loss mask) of every conversation, and how many were skipped (template changed the
-    assistant text, or no position could be an anchor)."""
+    assistant text, or no position could be an anchor — within the first `seq_len` tokens, what packing
+    keeps of it: a response past the cut would take a row and give no block)."""
     rendered = [chat_spans(tok, msgs, stop_texts) for _, msgs in chats]
     keep = [r for r in rendered if r is not None]
     encs = tok.tok.encode_batch([r[0] for r in keep], add_special_tokens=False) if keep else []
     docs = []
     for (_, spans), enc in zip(keep, encs):
         mask = token_mask(enc.offsets, spans)
-        if any(a and b for a, b in zip(mask, mask[1:])):  # some anchor with its successor in the response
+        kept = mask[:seq_len] if seq_len is not None else mask
+        if any(a and b for a, b in zip(kept, kept[1:])):  # some anchor with its successor in the response
             docs.append((enc.ids, mask))
     return docs, len(chats) - len(docs)
 
@@ -243,11 +246,15 @@ class Corpus:
         return self.tokens[index].long(), pick(self.loss_mask), None if doc is None else doc.long()
 
 
-def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) -> tuple[Corpus, dict]:
+def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int,
+                   pack: bool = True) -> tuple[Corpus, dict]:
     """Best-fit-decreasing packing of whole documents into rows of seq_len (a longer one is cut to seq_len):
-    each document goes to the open row with the least room that still holds it. Rows are padded with
-    pad_id (doc -1, outside the mask). Returns the corpus and counts (rows, documents, cut, fill)."""
+    each document goes to the open row with the least room that still holds it; pack=False: one document
+    a row, in order (the authors' layout). Rows are padded with pad_id (doc -1, outside the mask). Returns
+    the corpus and counts (rows, documents, cut, fill)."""
     lengths = [min(len(ids), seq_len) for ids, _ in docs]
+    if not pack:  # every document opens a row of its own
+        return _fill_rows(docs, lengths, [[i] for i in range(len(docs))], seq_len, pad_id)
     order = sorted(range(len(docs)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     room: dict[int, list[int]] = {}  # free room -> rows with exactly that much left
@@ -271,6 +278,11 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_i
                 room[left] = []
                 bisect.insort(rooms, left)
             room[left].append(r)
+    return _fill_rows(docs, lengths, rows, seq_len, pad_id)
+
+
+def _fill_rows(docs, lengths: list[int], rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[Corpus, dict]:
+    """The corpus of `rows` (each a list of document indices, laid out in order) and packing's counts."""
     tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.int32)
     mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
     doc = torch.full((len(rows), seq_len), -1, dtype=torch.int16 if seq_len < 2 ** 15 else torch.int32)  # ids < seq_len
@@ -292,6 +304,8 @@ def load_corpus(args, target_args, say) -> Corpus:
     given, `target_args` its ModelArgs); `say` prints a line (rank 0)."""
     from text import Tokenizer, stop_token_ids
 
+    if args.data is None and not args.pack:
+        raise UserError("--no-pack: --data-ids are windows of a token stream; only chat records are packed")
     if args.data is None:
         return Corpus(read_windows(args, None, target_args.vocab_size, None))
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
@@ -302,14 +316,17 @@ def load_corpus(args, target_args, say) -> Corpus:
     sep = sep if sep is not None else (stops[0] if stops else None)
     texts, chats = read_documents(args.data)
     if texts:
+        if not args.pack:
+            raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; only chat records "
+                            f"are packed")
         return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
-    docs, skipped = encode_chats(tok, chats, [tok.decode([i]) for i in stops])
+    docs, skipped = encode_chats(tok, chats, [tok.decode([i]) for i in stops], args.seq_len)
     if not docs:
         raise UserError(f"--data {args.data}: no conversation has a response to train on")
-    corpus, st = pack_documents(docs, args.seq_len, sep if sep is not None else 0)
-    say(f"--data: {st['documents']} conversations packed into {st['rows']} sequences ({st['fill']:.0%} filled, "
-        f"{st['cut']} cut to --seq-len {args.seq_len}, {skipped} skipped: nothing to train on or the template "
-        "rewrites the response)")
+    corpus, st = pack_documents(docs, args.seq_len, sep if sep is not None else 0, pack=args.pack)
+    say(f"--data: {st['documents']} conversations {'packed into' if args.pack else 'one a row:'} {st['rows']} "
+        f"sequences ({st['fill']:.0%} filled, {st['cut']} cut to --seq-len {args.seq_len}, {skipped} skipped: "
+        "nothing to train on within --seq-len, or the template rewrites the response)")
     return corpus
 
 

@@ -82,7 +82,12 @@ class Args(TrainArgs):
     anchors_per_seq: int = 512
     """Blocks packed per sequence (DeepSpec: 512), at most --seq-len - 1: anchors drawn without replacement
     from 0..seq_len-2 (chat data: where the anchor and its successor are in a response; a row with fewer
-    such positions fills the rest with unsupervised blocks)."""
+    such positions fills the rest with unsupervised blocks). Per row: with packing, shared by the row's
+    conversations (see --pack)."""
+    pack: bool = True
+    """Chat data: pack several conversations into each --seq-len row (best fit). --no-pack: one a row, as
+    DeepSpec trains — the anchor budget is then per conversation (the authors' density of blocks), at the
+    cost of the rows' padding."""
     gamma: float = 4.0
     """Slot weights exp(-j/gamma), j = 0..K-1."""
     alpha_ce: float = 0.1
@@ -107,7 +112,7 @@ class Args(TrainArgs):
 
     resume_keys: ClassVar[tuple[str, ...]] = TrainArgs.resume_keys + (
         "block_size", "depth", "target_layer_ids", "mask_token_id", "markov", "markov_rank", "confidence",
-        "confidence_with_markov", "anchors_per_seq", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
+        "confidence_with_markov", "anchors_per_seq", "pack", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
     kind: ClassVar[str] = "drafter"
 
 

@@ -151,6 +151,34 @@ def test_best_fit_packing_keeps_documents_whole():
     assert sorted(seen) == want
 
 
+def test_no_pack_is_one_conversation_a_row_as_the_authors_train():
+    """--no-pack: each conversation its own row, in order, padded; the anchor budget is then per conversation:
+    a short response is covered whole (min(candidates, N) anchors), where packing shares N across the row."""
+    rng = random.Random(1)
+    docs = [([rng.randrange(1, 50) for _ in range(n)], [t >= 2 for t in range(n)]) for n in (5, 9, 16, 20)]
+    corpus, st = data.pack_documents(docs, 16, pad_id=0, pack=False)
+    assert st["rows"] == len(corpus) == 4 and st["cut"] == 1
+    for r, (ids, m) in enumerate(docs):
+        n = min(len(ids), 16)
+        assert corpus.tokens[r, :n].tolist() == ids[:n] and corpus.loss_mask[r, :n].tolist() == m[:n]
+        assert corpus.doc[r].tolist() == [0] * n + [-1] * (16 - n) and not corpus.loss_mask[r, n:].any()
+    N = 8
+    allowed = data.anchor_candidates(corpus.loss_mask, corpus.doc)
+    _, keep = data.sample_anchors(4, 16, N, torch.Generator().manual_seed(0), allowed)
+    assert keep.sum(1).tolist() == [min(int(allowed[r].sum()), N) for r in range(4)] == [2, 6, 8, 8]
+    packed, _ = data.pack_documents(docs[:2], 16, pad_id=0)  # 5 + 9 tokens share one row, and its 8 anchors
+    assert len(packed) == 1
+
+
+def test_a_response_past_the_cut_is_skipped(tiny_target):
+    """A conversation whose response starts after --seq-len tokens would take a row and give no block."""
+    tok = text.Tokenizer(str(tiny_target.path))
+    docs, skipped = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"])
+    first = docs[0][1].index(True)
+    assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"], seq_len=first + 1) == ([], 1)
+    assert len(data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"], seq_len=first + 2)[0]) == 1
+
+
 def test_document_mask_by_definition():
     doc = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 1, 1, 2, 2, 2]])
     m = data.document_mask(doc)
@@ -262,6 +290,16 @@ def test_chat_records_train(tiny_target, tmp_path):
     assert "39 anchors each" in err  # --anchors-per-seq 512 clamped to the row
     assert len(res["losses"]) == 3 and all(x == x for x in res["losses"])
     dr.load_drafter(str(tmp_path / "o"), mdl.load_target(str(tiny_target.path)))
+    # --no-pack: one conversation a row (the authors' layout); on plain text it is refused.
+    rc, res, err = run_train(["--target", tiny_target.path, "--data", chats, "--out", tmp_path / "n", "--steps", 2,
+                              "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8,
+                              "--no-pack"])
+    assert rc == 0, err
+    assert "12 conversations one a row: 12 sequences" in err
+    (tmp_path / "plain.txt").write_text("hello world . " * 100)
+    rc, _, err = run_train(["--target", tiny_target.path, "--data", tmp_path / "plain.txt", "--out", tmp_path / "p",
+                            "--steps", 1, "--seq-len", 16, "--no-pack"])
+    assert rc == 2 and "--no-pack: --data" in err and "plain text" in err, err
 
 
 # The authors' Qwen3DSparkModel (deepspec/modeling/dspark/qwen3/modeling.py, markov_head.py, common.py), read
