@@ -47,7 +47,7 @@ from inputs import resolve_checkpoint
 from cpu_kernels import gemm_note
 from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
 from compiling import CompileMode, check_compile_flags, use_compile_cache
-from speculate import Engine, Request, kernel_set
+from speculate import Engine, Request, cache_length, kernel_set
 
 
 @dataclass
@@ -55,8 +55,8 @@ class BenchArgs:
     """Autoregressive vs speculative decoding speed, side by side."""
 
     model: str = "bigram-35m"
-    """bigram-35m (constructed CPU pair, τ ≈ 5) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b.
-    Ignored when --target is given."""
+    """bigram-35m (constructed CPU pair, τ ≈ 5) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b (or
+    qwen3-tiny: Qwen3's vocabulary with toy layers, a smoke test). Ignored when --target is given."""
     target: Optional[str] = None
     """A Hugging Face Qwen3 directory (or hub id ORG/NAME[@REVISION]) instead of a preset."""
     drafter: Optional[str] = None
@@ -197,7 +197,8 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
                     compile_mode=mode, compile_verbose=verbose, kernels=kernels)
     if compile:
         engine.warmup()
-    engine.generate([Request(i, [1, 2, 3]) for i in range(batch)], 8)
+    room = max_seq - cache_length(0, 0, drafter)  # the prompt and budget the engine was sized for
+    engine.generate([Request(i, [1, 2, 3][:room - 1]) for i in range(batch)], min(8, room - min(3, room - 1)))
     return engine
 
 
@@ -394,10 +395,12 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     return generated[:max_new_tokens], time.perf_counter() - t0
 
 
-def run(args: BenchArgs) -> list[dict]:
+def check_args(args: BenchArgs) -> list[int]:
+    """The flags alone, before any device or model (scripts/device_run.py checks its steps' with it too);
+    returns the batch sizes."""
     batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
-    check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]", max_new_tokens="[1, 10485760]",
-                 threads="[1, 4096]", seed=f"[0, {2**62}]")
+    check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]", max_new_tokens="[2, 10485760]",
+                 threads="[1, 4096]", seed=f"[0, {2**62}]")  # (one new token is the prefill's: no round to time)
     if args.drafter is not None and args.target is None:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
                         f"bench.py builds its own pair: --model)")
@@ -405,6 +408,11 @@ def run(args: BenchArgs) -> list[dict]:
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
+    return batch_sizes
+
+
+def run(args: BenchArgs) -> list[dict]:
+    batch_sizes = check_args(args)
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # hub ids: their snapshot directories
     cache_dir = use_compile_cache(args.compile_cache) if args.compile else None
@@ -434,6 +442,11 @@ def run(args: BenchArgs) -> list[dict]:
         target = random_target(args.model, dev, dtype, args.seed)
         drafter = random_drafter(target)
         name = f"{args.model} (random weights)"
+    context = min([target.args.max_position_embeddings]
+                  + ([drafter.cfg.layers.max_position_embeddings] if drafter is not None else []))
+    if args.prompt_len + args.max_new_tokens > context:  # positions past it were never trained: not a benchmark
+        raise UserError(f"--prompt-len {args.prompt_len} + --max-new-tokens {args.max_new_tokens} exceed the "
+                        f"models' context of {context} positions (max_position_embeddings)")
     n_target = sum(p.numel() for p in {p.data_ptr(): p for p in target.parameters()}.values())
     n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
     bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))

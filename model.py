@@ -728,6 +728,10 @@ PRESETS = {  # the published configs' shapes (Hugging Face Qwen/Qwen3-*/config.j
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    # Not published: Qwen3's vocabulary and layout with toy layers (10M parameters, most of them the
+    # embedding), so that a smoke test builds what a preset builds (scripts/device_run.py --dry-run).
+    "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, tie_word_embeddings=False),
 }
 
 

@@ -134,9 +134,7 @@ def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
     assert bench.compare_outputs(runs, prompts, target, exact=True, what="batch 2") == {}
 
 
-def test_device_script_bench_steps_are_valid_bench_arguments():
-    """Every bench step of scripts/device_run.py, real and dry, makes a BenchArgs (a renamed field fails
-    here, not on the GPU): batch 1 or 32, compiled with CUDA graphs, --kernels triton for triton-b32."""
+def device_run_module():
     import importlib.util
 
     from conftest import REPO_ROOT
@@ -144,37 +142,59 @@ def test_device_script_bench_steps_are_valid_bench_arguments():
     spec = importlib.util.spec_from_file_location("device_run", REPO_ROOT / "scripts" / "device_run.py")
     device_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(device_run)
+    return device_run
+
+
+def test_device_script_bench_steps_pass_bench_checks(tmp_path):
+    """Every bench step of scripts/device_run.py, real and dry, passes bench.py's own flag checks (the first
+    GPU call died there: eager-b1 had a --compile-mode without --compile); the dry run's arguments are the
+    real run's but for the device, the toy-layered preset and the sizes."""
+    device_run = device_run_module()
     for step in ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32"):
-        for dry in (False, True):
-            a = bench.BenchArgs(**device_run.bench_args(step, dry, "out.json"))
-            assert a.kernels == ("triton" if step == "triton-b32" and not dry else "torch")
-            if not dry:
-                assert a.device == "cuda" and a.batch_sizes == ("32" if step.endswith("b32") else "1")
-                assert a.compile == (step != "eager-b1") and a.compile_mode == "reduce-overhead"
+        real = device_run.bench_args(step, False, str(tmp_path / "out.json"))
+        dry = device_run.bench_args(step, True, str(tmp_path / "out.json"))
+        for args in (real, dry):
+            bench.check_args(bench.BenchArgs(**args))
+        assert real["device"] == "cuda" and real["model"] == "qwen3-8b" and real["dtype"] == "bfloat16"
+        assert real["batch_sizes"] == ("32" if step.endswith("b32") else "1")
+        assert real["compile"] == (step != "eager-b1") and real.get("compile_mode") == (
+            "reduce-overhead" if step != "eager-b1" else None)
+        assert real["kernels"] == ("triton" if step == "triton-b32" else "torch")
+        differ = {k for k in real if real[k] != dry[k]}
+        assert differ == {"model", "device", "prompt_len", "max_new_tokens", "repeats"} | (
+            {"batch_sizes"} if step.endswith("b32") else set()), differ
+        assert dry["model"] == "qwen3-tiny"
 
 
 def test_device_script_dry_run(tmp_path):
     """scripts/device_run.py's plumbing end to end on CPU (small shapes, no CUDA): every step runs in
-    its own process and leaves its results, so the first GPU run is not where it is debugged."""
+    its own process and leaves its results, so the first GPU run is not where it is debugged. A relative
+    --out from another directory lands there; steps that do nothing here say "skipped"."""
     import subprocess
     import sys
 
     from conftest import REPO_ROOT
 
-    out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--dry-run", "--out", str(out),
-                        "--steps", "env,eager-b1,triton,suite"], capture_output=True, text=True, timeout=600)
+    script = str(REPO_ROOT / "scripts" / "device_run.py")
+    p = subprocess.run([sys.executable, script, "--dry-run", "--out", "out", "--steps", "env,eager-b1,triton,suite"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    out = tmp_path / "out"
     summary = json.load(open(out / "summary.json"))
-    assert [s["step"] for s in summary["steps"]] == ["env", "eager-b1", "triton", "suite"]
-    assert all(s["status"] == "ok" for s in summary["steps"])
-    rows = json.load(open(out / "eager-b1.json"))["rows"]
-    assert [r["mode"] for r in rows] == ["autoregressive", "speculative"] and rows[1]["acceptance_length"] > 2
-    assert "=== eager-b1" in (out / "log.txt").read_text()
-    # Without CUDA and without --dry-run it says so in one line.
-    p = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "needs a CUDA device" in p.stderr
+    assert [(s["step"], s["status"]) for s in summary["steps"]] == [
+        ("env", "ok"), ("eager-b1", "ok"), ("triton", "skipped"), ("suite", "skipped")]
+    res = json.load(open(out / "eager-b1.json"))
+    assert [r["mode"] for r in res["rows"]] == ["autoregressive", "speculative"]
+    assert "qwen3-tiny" in json.dumps(res) and "bfloat16" in json.dumps(res)
+    assert "=== eager-b1" in (out / "log.txt").read_text() and json.load(open(out / "env.json"))["torch"]
+    # One line and status 2 for its own bad flags; without CUDA and without --dry-run it says so.
+    (tmp_path / "afile").write_text("x")
+    for argv, needle in ((["--dry-run", "--steps", ""], "--steps: none given"),
+                         (["--dry-run", "--budget", "5"], "--budget 5"),
+                         (["--dry-run", "--out", str(tmp_path / "afile")], "is a file"),
+                         (["--out", str(out)], "needs a CUDA device")):
+        p = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
 
 
 def test_reference_drafter_is_plain_and_equal(monkeypatch):
