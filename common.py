@@ -337,8 +337,8 @@ def check_outputs(outputs: dict, inputs=()):
                 files = {os.path.realpath(os.path.join(inp, f)) for f in os.listdir(inp)}
             except OSError:  # unreadable: the run's loading says so
                 files = set()
-            if real in files or os.path.dirname(real) == inp:  # a new file there too: a checkpoint stays as published
-                raise UserError(f"{flag} {path}: would write into the input directory {src}")
+            if real in files or (os.path.dirname(real) == inp and os.path.exists(real)):
+                raise UserError(f"{flag} {path}: would overwrite a file of the input directory {src}")
 
 
 def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
