@@ -165,19 +165,27 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: int) -> int:
-    """Bytes one round reads: target weights, KV cache at `context`, and the drafter's weights,
-    with the lm_head read again for the block's logits and W2 once per Markov step."""
+def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float) -> int:
+    """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
+    weights, with the lm_head read again for the block's logits and W2 once per Markov step. A lookup
+    table (the input embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few
+    rows a round, not read: not counted."""
     a = target.args
     elt = target.lm_head.weight.element_size()
-    total = nbytes({p.data_ptr(): p for p in target.parameters()}.values())
-    total += 2 * a.num_hidden_layers * batch * context * a.num_key_value_heads * a.head_dim * elt
+    read = {target.lm_head.weight.data_ptr()}  # a tied embedding is read whole, as the lm_head
+
+    def weights(module):  # each tensor once, lookup tables left out
+        gathered = {m.weight.data_ptr() for m in module.modules() if isinstance(m, torch.nn.Embedding)} - read
+        return {p.data_ptr(): p for p in module.parameters() if p.data_ptr() not in gathered}.values()
+
+    total = nbytes(weights(target))
+    total += int(2 * a.num_hidden_layers * batch * context * a.num_key_value_heads * a.head_dim * elt)
     if drafter is not None:
-        total += nbytes(drafter.parameters()) + nbytes([target.lm_head.weight])
+        total += nbytes(weights(drafter)) + nbytes([target.lm_head.weight])
         if drafter.markov_head is not None:
             total += (drafter.cfg.num_drafts - 1) * nbytes([drafter.markov_head.markov_w2.weight])
         d = drafter.cfg.layers
-        total += 2 * d.num_hidden_layers * batch * context * d.num_key_value_heads * d.head_dim * elt
+        total += int(2 * d.num_hidden_layers * batch * context * d.num_key_value_heads * d.head_dim * elt)
     return total
 
 
@@ -202,7 +210,7 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
     return engine
 
 
-def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = False) -> dict:
+def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = True) -> dict:
     """The round split into draft (block forward, Markov chain, confidence, schedule), verify (target
     forward with capture, acceptance, context commit) and the rest (the host's work: noise, the
     record read, committing tokens), measured inside the rounds of one more run: the engine's own
@@ -234,14 +242,14 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, s
     # Without a drafter the draft call only returns an empty block: host work, counted in the rest.
     draft = 1e3 * spent["draft"] / rounds if engine.drafter is not None else 0.0
     verify, round_ms = 1e3 * spent["verify"] / rounds, 1e3 * r["decode_seconds"] / rounds
-    pos = [len(q.prompt_ids) + len(q.output_ids) - 1 for q in r["requests"]]
+    pos = [len(q.prompt_ids) + (len(q.output_ids) - 1) / 2 for q in r["requests"]]  # the cache's mean length
     return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify,
             # nested intervals of one clock: only float rounding could take this below zero
             "rest_ms": max(0.0, round_ms - draft - verify),
-            "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) // len(pos))}
+            "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) / len(pos))}
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = False) -> dict:
+def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = True) -> dict:
     """One measured run: every prompt a request, streamed through the engine's rows (continuous
     batching). Total tokens/s counts prefill and decode wall time (the engine's own clocks). A
     request's own tokens/s divides its tokens by the time from its admission to its last token.
@@ -421,6 +429,9 @@ def run(args: BenchArgs) -> list[dict]:
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
     kernel_set(args.kernels, dev)  # refused here, before any model is built
+    if args.reference and 1 not in batch_sizes:
+        raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
+                        f"has no 1")
     want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
     if want_reference and not transformers_available():
         if args.reference:
@@ -489,7 +500,8 @@ def run(args: BenchArgs) -> list[dict]:
         for m in modes:
             tps = [r["total_tokens_per_second"] for r in runs[m]]
             if m == "reference":
-                row = {"mode": "reference (transformers target, eager drafter)", "batch": 1,
+                row = {"mode": "reference (transformers target" + (", eager drafter)" if drafter is not None else ")"),
+                       "batch": 1,
                        "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps}
                 rows.append(row)
                 print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)

@@ -59,13 +59,20 @@ def run(a: CorpusArgs):
         raise UserError(f"--corpus {a.corpus}: exists and is not an empty directory")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise UserError(f"--out {a.out}: exists and is not a directory")
-    os.makedirs(a.out, exist_ok=True)
     listing, record = os.path.join(a.out, "heldout.txt"), os.path.join(a.out, "corpus.json")
-    check_outputs({"heldout.txt": listing, "corpus.json": record}, inputs=[a.same_as])
+    for path in (listing, record):  # another pair's record: its target saw that corpus
+        if os.path.exists(path):
+            raise UserError(f"--out {a.out}: already holds {os.path.basename(path)} (a pair's record); give a new "
+                            f"directory")
     train, held = split(stdlib)
+    os.makedirs(a.out, exist_ok=True)
+    check_outputs({"heldout.txt": listing, "corpus.json": record}, inputs=[a.same_as])
+    running = os.path.realpath(stdlib) == os.path.realpath(sysconfig.get_paths()["stdlib"])
     info = {"source": "the Python standard library's top-level *.py files, sorted; file i held out when "
-                      f"i % {HOLD_OUT_EVERY} == 0",
-            "python": platform.python_version(), "implementation": platform.python_implementation(),
+                      f"i % {HOLD_OUT_EVERY} == 0", "stdlib": os.path.abspath(stdlib),
+            # the version is known only of the running Python's own library
+            "python": platform.python_version() if running else None,
+            "implementation": platform.python_implementation() if running else None,
             "training_files": len(train), "training_bytes": sum(os.path.getsize(f) for f in train),
             "training_sha256": files_digest(train),
             "heldout_files": [os.path.basename(f) for f in held], "heldout_sha256": files_digest(held)}
@@ -74,13 +81,15 @@ def run(a: CorpusArgs):
         for key in ("training_sha256", "heldout_sha256"):
             if want.get(key) != info[key]:
                 raise UserError(f"--same-as {a.same_as}: {key} differs (that pair was built from Python "
-                                f"{want.get('python', '?')}'s standard library, this is {info['python']}'s at {stdlib})")
+                                f"{want.get('python') or '?'}'s standard library, this is {info['python'] or '?'}'s "
+                                f"at {stdlib})")
     os.makedirs(a.corpus, exist_ok=True)
     for f in train:
         shutil.copy(f, a.corpus)
     atomic_write(listing, "".join(name + "\n" for name in info["heldout_files"]))
     write_json(record, info)
-    print(f"corpus: Python {info['python']} standard library ({stdlib}): {len(train)} training files "
+    print(f"corpus: {'Python ' + info['python'] if info['python'] else 'the'} standard library ({stdlib}): "
+          f"{len(train)} training files "
           f"({info['training_bytes'] / 1e6:.1f} MB, sha256 {info['training_sha256'][:12]}), {len(held)} held out "
           f"(sha256 {info['heldout_sha256'][:12]}); recorded in {record}", flush=True)
 

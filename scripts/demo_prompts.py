@@ -71,7 +71,7 @@ def heldout_files(demo: str = DEMO, stdlib: Optional[str] = None) -> list[str]:
         raise UserError(f"{listing}: lists no files")
     corpus = os.path.join(demo, "corpus.json")
     built = read_json(corpus) if os.path.isfile(corpus) else {}
-    which = f"Python {built['python']}'s" if "python" in built else "the one the pair was built from"
+    which = f"Python {built['python']}'s" if built.get("python") else "the one the pair was built from"
     paths = [os.path.join(stdlib, n) for n in names]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
@@ -94,8 +94,11 @@ def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = 
     tok = Tokenizer(os.path.join(demo, "target"))
     ids = []
     for p in paths:
-        with open(p, encoding="utf-8") as f:
-            ids.append(tok.encode(f.read()))
+        try:
+            with open(p, encoding="utf-8") as f:
+                ids.append(tok.encode(f.read()))
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{p}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e.reason})") from None
     per_file = math.ceil(num_prompts / len(paths))
     prompts = []
     for i in range(num_prompts):
@@ -110,7 +113,7 @@ def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = 
 def run(a: PromptArgs):
     check_ranges(a, num_prompts="[1, 100000]", prompt_tokens="[1, 100000]")
     check_outputs({"--out": a.out}, inputs=[os.path.join(a.demo, n) for n in ("heldout.txt", "corpus.json", "target")]
-                  + [a.stdlib])
+                  + heldout_files(a.demo, a.stdlib))  # the held-out files it reads, wherever --stdlib resolved
     prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo, a.stdlib)
     atomic_write(a.out, "".join(json.dumps(p) + "\n" for p in prompts))
     files = len({p["source"] for p in prompts})

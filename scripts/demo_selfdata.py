@@ -56,8 +56,11 @@ def corpus_prompts(files: list[str], tokenizer, num: int, length: int, seed: int
     rng = random.Random(seed)
     docs = []
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            ids = tokenizer.encode(f.read())
+        try:
+            with open(path, encoding="utf-8") as f:
+                ids = tokenizer.encode(f.read())
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not UTF-8 text") from None
         if len(ids) >= length:
             docs.append(ids)
     if not docs:
@@ -75,7 +78,8 @@ def run(args: SelfDataArgs) -> int:
                  batch_size="[1, 1024]", seed=f"[0, {2**62}]", threads="[0, 1024]")
     if not os.path.isdir(args.corpus):
         raise UserError(f"--corpus {args.corpus}: not a directory")
-    files = sorted(os.path.join(args.corpus, n) for n in os.listdir(args.corpus) if n.endswith(".py"))
+    files = sorted(os.path.join(args.corpus, n) for n in os.listdir(args.corpus)
+                   if n.endswith(".py") and os.path.isfile(os.path.join(args.corpus, n)))
     if not files:
         raise UserError(f"--corpus {args.corpus}: no *.py files")
     check_outputs({"--out": args.out}, inputs=[args.target, args.corpus])

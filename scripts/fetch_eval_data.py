@@ -247,6 +247,9 @@ def write_records(src: Source, rows: Iterable[dict], path: str, max_rows: Option
             os.fsync(f.fileno())
         if count == 0:
             raise ValueError(f"{src.repo}: no rows")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: the mode open() would give
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -281,8 +284,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise UsageError(f"--max-rows: invalid value {args.max_rows} (valid: >= 1)")
         chosen = [BY_NAME[n] for n in dict.fromkeys(args.names)] or list(SOURCES)
         paths = {s.name: os.path.join(args.out_dir, f"{s.name}.jsonl") for s in chosen}
-        if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-            raise UsageError(f"--out-dir {args.out_dir}: not a directory")
+        if not args.out_dir.strip():
+            raise UsageError("--out-dir: empty")
+        probe = os.path.abspath(args.out_dir)  # it, or the nearest folder that exists, must take files
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+            raise UsageError(f"--out-dir {args.out_dir}: " + ("not a directory" if probe == os.path.abspath(
+                args.out_dir) else f"cannot be created ({probe} is not a writable directory)"))
         existing = [p for p in paths.values() if os.path.exists(p)]
         if existing and not args.force:  # checked for all before downloading anything
             raise UsageError(f"{existing[0]} exists (pass --force to replace it)"

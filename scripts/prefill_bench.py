@@ -23,9 +23,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import bigram_pair  # noqa: E402
-from common import check_ranges, cli_main, device_name, parse_ints, resolve_device, resolve_dtype, sync  # noqa: E402
+from common import (UserError, check_ranges, cli_main, device_name, parse_ints, resolve_device,  # noqa: E402
+                    resolve_dtype, sync)
 from drafter import random_drafter  # noqa: E402
-from model import random_target  # noqa: E402
+from model import PRESETS, random_target  # noqa: E402
 from compiling import compiled  # noqa: E402
 
 
@@ -70,6 +71,8 @@ def run(args: PrefillArgs):
     lengths = parse_ints(args.lengths, "--lengths", positive=True, distinct=True)
     batches = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
     check_ranges(args, reps="[1, inf)", threads="[1, inf)")
+    if args.model != "bigram-35m" and args.model not in PRESETS:
+        raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)

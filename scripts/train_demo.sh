@@ -53,6 +53,11 @@ if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then fail "--out $OUT: exists and is not a 
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ "$FORCE" != 1 ]; then
     fail "--out $OUT: exists and is not empty; add --force to replace its pair"
 fi
+# Where the pair will go must take it, now rather than after the training: its nearest existing folder a
+# writable directory (a parent that is a file, or read-only, fails here).
+probe=$OUT
+while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
+[ -d "$probe" ] && [ -w "$probe" ] || fail "--out $OUT: cannot be created ($probe is not a writable directory)"
 if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ ! -f "$OUT/target/model.safetensors" ]; then
     fail "DRAFTER_ONLY=1: $OUT/target/model.safetensors not found (the target to keep)"
 fi

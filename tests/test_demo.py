@@ -144,11 +144,15 @@ def test_demo_corpus_splits_records_and_checks_same_as(tmp_path, capsys):
     pair, corpus = tmp_path / "pair", tmp_path / "corpus"
     assert dc.main(["--corpus", str(corpus), "--out", str(pair), "--stdlib", str(lib)]) == 0
     line = capsys.readouterr().out
-    assert line.startswith("corpus: Python ") and "38 training files" in line and "3 held out" in line
+    assert line.startswith("corpus: the standard library") and "38 training files" in line and "3 held out" in line
     assert (pair / "heldout.txt").read_text().split() == ["m00.py", "m20.py", "m40.py"]
     assert sorted(os.listdir(corpus)) == [f"m{i:02d}.py" for i in range(41) if i % 20]
     rec = json.loads((pair / "corpus.json").read_text())
     assert rec["training_files"] == 38 and rec["heldout_files"] == ["m00.py", "m20.py", "m40.py"]
+    assert rec["python"] is None and rec["stdlib"] == str(lib)  # not the running Python's library: no version
+    # The pair's record is never replaced: another run into the same --out is refused.
+    assert dc.main(["--corpus", str(tmp_path / "c3"), "--out", str(pair), "--stdlib", str(lib)]) == 2
+    assert "already holds heldout.txt" in capsys.readouterr().err
     (lib / "m05.py").write_text("x = 'changed'\n")  # another library: a drafter-only rebuild must refuse it
     assert dc.main(["--corpus", str(tmp_path / "c2"), "--out", str(tmp_path / "p2"), "--stdlib", str(lib),
                     "--same-as", str(pair / "corpus.json")]) == 2
@@ -172,7 +176,8 @@ def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
     for argv, env, needle in (([], {}, "--out DIR"), (["--bogus"], {}, "--bogus: unknown argument"),
                               (["--out", str(full)], {}, "add --force"),
                               (["--out", str(DEMO)], {}, "add --force"),
-                              (["--out", str(tmp_path / "new")], {"TARGET_STEPS": "0"}, "TARGET_STEPS=0")):
+                              (["--out", str(tmp_path / "new")], {"TARGET_STEPS": "0"}, "TARGET_STEPS=0"),
+                              (["--out", str(full / "keep" / "sub")], {}, "cannot be created")):
         p = subprocess.run(["bash", script, *argv], capture_output=True, text=True, timeout=30, cwd=tmp_path,
                            env=dict(os.environ, **env))
         assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and needle in p.stderr, (argv, p)
@@ -213,3 +218,8 @@ def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_
         assert sd.main(args) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, (bad, err)
+    (corpus / "dir.py").mkdir()  # not a file: not read
+    (corpus / "c.py").write_bytes(b'x = "\xe9\xff"\n')
+    assert sd.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "c.py: not UTF-8 text" in err, err

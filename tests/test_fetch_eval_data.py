@@ -4,6 +4,7 @@ conversions on fake rows, the atomic writer, and the conversions against the shi
 from __future__ import annotations
 
 import hashlib
+import os
 import importlib.util
 import json
 import re
@@ -78,6 +79,11 @@ def test_unknown_name_and_bad_max_rows(tmp_path):
     assert r.returncode == 2 and "unknown dataset 'nope'" in r.stderr
     r = run("gsm8k", "--max-rows", "0", "--out-dir", str(tmp_path))
     assert r.returncode == 2 and "--max-rows" in r.stderr
+    (tmp_path / "afile").write_text("x")
+    for out_dir, needle in ((str(tmp_path / "afile" / "sub"), "cannot be created"), ("", "--out-dir: empty"),
+                            (str(tmp_path / "afile"), "not a directory")):
+        r = run("gsm8k", "--out-dir", out_dir)
+        assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 S = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -133,6 +139,9 @@ def test_write_records_is_atomic_and_counts(tmp_path):
     assert data.decode("utf-8") == "".join(json.dumps({"turns": [q["question"] + S]}, ensure_ascii=False) + "\n"
                                            for q in rows[:2])
     assert "’" in data.decode("utf-8")  # non-ASCII kept as is, as in the shipped files
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes it, not mkstemp's 0600
 
     def broken():
         yield {"question": "fine"}

@@ -100,7 +100,7 @@ def test_regenerate_end_to_end_on_the_demo_pair(tmp_path):
     assert [r["messages"] for r in spec] == [r["messages"] for r in plain]
     # The records train a drafter (chat path of train.py, the demo target's ChatML fallback).
     rc, out, err = run_train(["--target", DEMO / "target", "--data", tmp_path / "a.jsonl", "--out", tmp_path / "d",
-                              "--steps", 2, "--seq-len", 64, "--batch-size", 2, "--block-size", 3, "--depth", 1,
+                              "--steps", 2, "--seq-len", 256, "--batch-size", 2, "--block-size", 3, "--depth", 1,
                               "--markov-rank", 8])
     assert rc == 0, err
     assert "4 conversations packed into" in err and len(out["losses"]) == 2
