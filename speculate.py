@@ -509,12 +509,15 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
              batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
              thinking: bool = False,
              scheduler: str = "none", confidence_threshold: float = 0.0, compile: bool = False,
-             compile_mode: Optional[str] = None, kernels: str = "torch") -> list[Completion]:
+             compile_mode: Optional[str] = None, kernels: str = "torch",
+             sps_table: Optional[str] = None) -> list[Completion]:
     """Decode prompts with the models from `load` and return one `Completion` per prompt and sample
     (text, ids, finish reason, rounds, τ), in order. `prompts`: one prompt or a list of them — a text,
     a list of token ids or a conversation. Sampling as on the command line: with no sampling argument
     the target's generation_config.json, else the arguments (temperature 0: greedy). The KV caches are
-    sized for the longest prompt and the budget; a request that cannot fit the context is refused."""
+    sized for the longest prompt and the budget; a request that cannot fit the context is refused.
+    Under the hardware and async schedulers the SPS table is read from `sps_table` (written there when
+    missing) or profiled first, as `--sps-table` does."""
     one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(
         isinstance(x, (int, dict)) for x in prompts))
     ids = [encode_prompt(m.tokenizer, p, chat=chat, system_prompt=system_prompt, thinking=thinking, where=f"prompt {i}")
@@ -533,6 +536,12 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
                           batch_size=batch_size or min(len(requests), 16), scheduler=kind,
                           threshold=confidence_threshold, compile=compile, kernels=kernels, stops=stops,
                           ignore_eos=ignore_eos, compile_mode=compile_mode)
+    if kind in sched.SPS_KINDS:  # its steps per second by verify size: without them it verifies every draft
+        if compile:
+            engine.warmup()
+        engine.scheduler.set_sps(sched.load_or_profile(engine, sps_table, verbose=False))
+    elif sps_table is not None:
+        raise UserError(f"sps_table {sps_table}: only the hardware and async schedulers read it")
     engine.generate(requests, max_new_tokens)
     return [completion(r, m.tokenizer, stops, engine.stop_ids) for r in requests]
 

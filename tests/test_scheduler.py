@@ -370,6 +370,22 @@ def one_error_line(err: str) -> bool:
     return sum(l.startswith("error:") for l in lines) == 1 and lines[-1].startswith("error:")
 
 
+def test_the_python_api_schedules_with_the_sps_table(env, tmp_path):
+    """speculate.generate(scheduler="hardware") reads its SPS table (or profiles one) as the command line
+    does: the same rounds as the CLI with the same table. Before, it kept the placeholder table and
+    verified every draft — the whole-block schedule under another name."""
+    table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 3, 0.0, lambda b: 1 + 0.3 * b)
+    tr = cli(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 0, batch=3)
+    m = speculate.load(env["target"], env["drafter"])
+    done = speculate.generate(m, [json.loads(line)["prompt_ids"] for line in open(env["prompts"])], max_new_tokens=32,
+                              temperature=0.0, batch_size=3, scheduler="hardware", sps_table=table)
+    assert [c.output_ids for c in done] == tr.outputs()
+    assert [c.num_rounds for c in done] == [tr.requests[i]["num_rounds"] for i in sorted(tr.requests)]
+    assert sum(r["verified"] for r in tr.rounds) < K * len(tr.rounds)  # the table shortened verification
+    with pytest.raises(speculate.UserError, match="only the hardware and async schedulers"):
+        speculate.generate(m, [1, 2, 3], max_new_tokens=4, sps_table=table)
+
+
 def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     path = tmp_path / "sps.json"
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
