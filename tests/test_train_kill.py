@@ -25,15 +25,21 @@ STEPS = 160
 KILLS = 10
 
 
-def test_sigkill_during_saves_then_resume_equals_uninterrupted(tmp_path):
-    from safetensors.torch import load_file
-
+def tiny_run_inputs(tmp_path):
+    """A 2-layer target and 8 rows of token ids: what each run here trains on."""
     target = make_target(tmp_path / "target", vocab_size=32, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     ids = tmp_path / "ids.jsonl"
     g = torch.Generator().manual_seed(0)
     ids.write_text("".join(json.dumps({"prompt_ids": torch.randint(0, 32, (17,), generator=g).tolist()}) + "\n"
                            for _ in range(8)))
+    return target, ids
+
+
+def test_sigkill_during_saves_then_resume_equals_uninterrupted(tmp_path):
+    from safetensors.torch import load_file
+
+    target, ids = tiny_run_inputs(tmp_path)
     flags = ["--target", target, "--data-ids", ids, "--steps", STEPS, "--seq-len", 16, "--batch-size", 2,
              "--anchors-per-seq", 4, "--block-size", 3, "--depth", 1, "--markov-rank", 4, "--save-every", 1,
              "--device", "cpu", "--no-progress"]
@@ -76,12 +82,7 @@ def test_killed_between_first_checkpoint_and_latest_resumes(tmp_path, monkeypatc
     takes that checkpoint, and the run that results equals one that was never interrupted."""
     from safetensors.torch import load_file
 
-    target = make_target(tmp_path / "target", vocab_size=32, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    ids = tmp_path / "ids.jsonl"
-    g = torch.Generator().manual_seed(0)
-    ids.write_text("".join(json.dumps({"prompt_ids": torch.randint(0, 32, (17,), generator=g).tolist()}) + "\n"
-                           for _ in range(8)))
+    target, ids = tiny_run_inputs(tmp_path)
     flags = [str(a) for a in ["--target", target, "--data-ids", ids, "--steps", 4, "--seq-len", 16, "--batch-size", 2,
                               "--anchors-per-seq", 4, "--block-size", 3, "--depth", 1, "--markov-rank", 4,
                               "--save-every", 2, "--device", "cpu", "--no-progress"]]
