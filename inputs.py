@@ -290,7 +290,8 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         sources.append("--prompt-ids")
         return [parse_ints(prompt_ids, "--prompt-ids")]
     if not os.path.isfile(prompts_file):
-        raise UserError(f"{prompts_file}: prompts file not found")
+        raise UserError(f"{prompts_file}: " + ("not a regular file (a pipe or a device): give a file"
+                                               if os.path.exists(prompts_file) else "prompts file not found"))
     prompts = []
     for where, row in read_jsonl(prompts_file):
         sources.append(where)

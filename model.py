@@ -138,7 +138,8 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
             f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
             f"num_key_value_heads {out['num_key_value_heads']}")
     out["rms_norm_eps"] = _req(cfg, "rms_norm_eps", source, float) if "rms_norm_eps" in cfg else 1e-6
-    out["max_position_embeddings"] = _req(cfg, "max_position_embeddings", source) if "max_position_embeddings" in cfg else 40960
+    # (missing: transformers' Qwen3Config default, so both read such a config alike)
+    out["max_position_embeddings"] = _req(cfg, "max_position_embeddings", source) if "max_position_embeddings" in cfg else 32768
 
     # RoPE theta: top-level `rope_theta` (older files) or `rope_parameters.rope_theta` (newer).
     for key in ("rope_parameters", "rope_scaling"):

@@ -561,6 +561,15 @@ def test_unsupported_architecture(tiny_target, tmp_path, edit, culprit):
     assert "config.json" in str(e.value)
 
 
+def test_a_config_without_max_position_embeddings_reads_as_transformers_reads_it(tiny_target, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    d = corrupt(tiny_target, tmp_path)
+    edit_config(d, lambda c: c.pop("max_position_embeddings"))
+    cfg = json.loads((d / "config.json").read_text())
+    assert m.ModelArgs.from_hf_config(cfg).max_position_embeddings == \
+        transformers.Qwen3Config(**cfg).max_position_embeddings
+
+
 @pytest.mark.parametrize("edit", [
     lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0,
                                           original_max_position_embeddings=32),
