@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import sys
 import tempfile
@@ -192,10 +193,11 @@ def set_threads(threads: Optional[int]) -> str:
         how = "--threads"
     elif os.environ.get("OMP_NUM_THREADS", "").strip():
         value = os.environ["OMP_NUM_THREADS"].strip()
-        if not value.isdecimal() or int(value) < 1:  # OpenMP would warn and fall back to all CPUs
+        first = value.split(",")[0]  # OpenMP's nested form N,M,...: the outer level is torch's
+        if not re.fullmatch(r"\d+(,\d+)*", value) or int(first) < 1:  # OpenMP would warn and use every CPU
             raise UserError(f"OMP_NUM_THREADS={value!r}: not a positive integer (unset it, or give --threads)")
         threads, how = torch.get_num_threads(), "OMP_NUM_THREADS"
-        if threads != int(value):
+        if threads != int(first):
             how += f"={value}; torch took {threads}"
     else:
         threads, how = default_threads(), "default: half the CPUs, --threads to change"
@@ -259,23 +261,26 @@ def read_json(path: str) -> dict:
 def read_jsonl(path: str):
     """Yield (where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"
     for messages. A line that is not JSON, or not UTF-8, is a UserError naming it."""
+    lineno = 0
     with open(path, "rb") as f:  # each line decoded on its own: an error names its line, not its chunk's
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
+        for raw in f:
             try:
-                line = raw.decode("utf-8")
+                text = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise UserError(f"{where}: not UTF-8 text") from None
-            if lineno == 1 and line.startswith("\ufeff"):
-                raise UserError(f"{where}: starts with a byte-order mark (save the file as UTF-8 without BOM)")
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (ValueError, RecursionError) as e:  # as read_json
-                raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") \
-                    from None
-            yield where, obj
+                raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+            for line in re.split(r"\r(?!\n)", text):  # a lone CR ends a line too (as text mode reads it)
+                lineno += 1
+                where = f"{path}:{lineno}"
+                if lineno == 1 and line.startswith("\ufeff"):
+                    raise UserError(f"{where}: starts with a byte-order mark (save the file as UTF-8 without BOM)")
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except (ValueError, RecursionError) as e:  # as read_json
+                    raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") \
+                        from None
+                yield where, obj
 
 
 def check_writable(path: Optional[str], flag: str):
@@ -293,10 +298,11 @@ def check_writable(path: Optional[str], flag: str):
         raise UserError(f"{flag} {path}: names a directory; give a file path")
     if os.path.exists(real) and not os.path.isfile(real):
         raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); give a file path")
-    for special in ("/dev", "/proc", "/sys"):  # /dev/stdout may resolve to the shell's redirection target
-        if any(p == special or p.startswith(special + "/") for p in (os.path.abspath(path), real)):
-            raise UserError(f"{flag} {path}: a device or process file, not a file path (the output is written "
-                            f"to a temporary file and renamed into place)")
+    given = os.path.abspath(path)  # /dev/stdout may resolve to the shell's redirection target: a rename there
+    if (given in ("/dev/stdout", "/dev/stderr", "/dev/stdin") or given.startswith("/dev/fd/")
+            or any(p.startswith(("/proc/", "/sys/")) for p in (given, real))):  # (/dev/shm is a folder like any)
+        raise UserError(f"{flag} {path}: a device or process file, not a file path (the output is written "
+                        f"to a temporary file and renamed into place)")
     folder = os.path.dirname(real)
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: directory {folder} does not exist")

@@ -401,8 +401,10 @@ def check_prompts(prompts: list[list[int]], target: Transformer, max_new_tokens:
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
-    """--chat's default: on when the tokenizer has a chat template."""
-    return chat if chat is not None else (tokenizer is not None and tokenizer.chat_template is not None)
+    """--chat's default: on when the tokenizer has a chat template (or names templates it cannot use: then
+    rendering a text says why, rather than sending it raw)."""
+    return chat if chat is not None else (tokenizer is not None and (
+        tokenizer.chat_template is not None or tokenizer.template_problem is not None))
 
 
 def encode_prompt(tokenizer: Optional[Tokenizer], prompt, *, chat: Optional[bool] = None,

@@ -43,6 +43,7 @@ What is notable here:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
@@ -816,8 +817,11 @@ def safetensors_files(directory: str) -> list[str]:
                 k = unlisted[0]
                 where = "does not list it" if k not in weight_map else f"maps it to {weight_map[k]!r}"
                 raise UserError(f"{path}: holds tensor {k!r}, but {index} {where}")
+        # A shard of the index's own series it does not name (model-0000N-of-0000M.safetensors) would be dropped;
+        # other files — a variant's shards (model.fp16-...), a consolidated copy — are not this checkpoint's,
+        # and transformers leaves them too.
         stray = sorted(f for f in os.listdir(directory)
-                       if f.startswith("model") and f.endswith(".safetensors") and f not in weight_map.values())
+                       if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in weight_map.values())
         if stray:
             raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
                             f"(its tensors would be left out; remove it or list them in the index)")

@@ -38,7 +38,7 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        self.chat_template, self.template_source = _read_chat_template(directory)
+        self.chat_template, self.template_source, self.template_problem = _read_chat_template(directory)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -64,6 +64,8 @@ class Tokenizer:
         opens the assistant's next turn. Without a template: ChatML as Qwen3 renders it (the last
         assistant turn after the last user turn carries an empty think block, and so does the
         generation prompt with thinking off)."""
+        if self.template_problem is not None:  # a template was meant, but none can be used: not the fallback
+            raise UserError(self.template_problem)
         if self.chat_template is None:
             return _chatml_fallback(messages, add_generation_prompt, thinking)
         return render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
@@ -146,30 +148,35 @@ def render_template(template: str, source: str, **context) -> str:
             signal.signal(signal.SIGALRM, previous)
 
 
-def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str]]:
-    """(template, the file it came from), or (None, None)."""
+def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(template, the file it came from, None), (None, None, None) without one, or (None, the file, why it
+    cannot be used) for a list of named templates without a usable "default"."""
     jinja = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja):
         try:
             with open(jinja, encoding="utf-8") as f:
-                return f.read(), jinja
+                return f.read(), jinja, None
         except UnicodeDecodeError:
             raise UserError(f"{jinja}: not UTF-8 text") from None
     path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(path):
-        return None, None
+        return None, None, None
     t = read_json(path).get("chat_template")
     if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]; a chat uses "default"
+        # Without a usable "default" no prompt can be rendered: said when one is (token ids and --no-chat
+        # never render, and run as before).
         if not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in t):
-            raise UserError(f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} objects")
+            return None, path, (f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} "
+                                f"objects")
         named = {d["name"]: d.get("template") for d in t}
         if "default" not in named:
-            raise UserError(f"{path}: 'chat_template' names no 'default' template (it has "
-                            f"{', '.join(map(repr, named)) or 'none'}); chat needs one")
+            return None, path, (f"{path}: 'chat_template' names no 'default' template (it has "
+                                f"{', '.join(map(repr, named)) or 'none'}); rendering a chat needs one (--no-chat "
+                                f"sends the raw text)")
         t = named["default"]
     if t is not None and not isinstance(t, str):
         raise UserError(f"{path}: 'chat_template' must be a string")
-    return t, path
+    return t, path, None
 
 
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:

@@ -262,16 +262,25 @@ def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> D
 # ----------------------------------------------------------------------------------------
 # What a run reads, by digest (the training state records them; --resume compares)
 
+DIGEST_CHUNK = 64 << 20  # bytes hashed by one thread at a time
+
+
 def data_digest(corpus: data.Corpus) -> str:
     """sha256 of the training rows, in order: their token ids (and for chat data the loss mask and each
-    token's document), as int32 in row-major order."""
-    h = hashlib.sha256()
+    token's document) as stored, with their shapes and dtypes — over 64 MiB chunks hashed in parallel
+    threads (hashlib lets go of the GIL), then over the chunks' digests: a corpus of 1.5G tokens costs
+    about a second a core rather than its 6 GB at one core's 1-2 GB/s."""
+    chunks, head = [], hashlib.sha256()
     for name, t in (("tokens", corpus.tokens), ("loss_mask", corpus.loss_mask), ("doc", corpus.doc)):
         if t is not None:
-            h.update(f"{name} {list(t.shape)}\n".encode())
-            for rows in t.split(4096):
-                h.update(rows.to(torch.int32).contiguous().numpy())
-    return h.hexdigest()
+            head.update(f"{name} {list(t.shape)} {t.dtype}\n".encode())
+            raw = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")  # the bytes, no copy
+            chunks += [raw[i:i + DIGEST_CHUNK] for i in range(0, len(raw), DIGEST_CHUNK)]
+    with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
+    for d in digests:
+        head.update(d)
+    return head.hexdigest()
 
 
 def target_digest(directory: str) -> str:

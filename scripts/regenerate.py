@@ -158,7 +158,9 @@ def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: 
     digest = hashlib.sha256()
     for where, cid, msgs, _ in convs:
         digest.update(json.dumps([where, cid, msgs]).encode() + b"\n")
-    return {"--target": args.target, "--drafter": args.drafter, "--prompts": args.prompts,
+    real = lambda d: os.path.realpath(d) if d is not None else None  # noqa: E731  (./m and /abs/m agree)
+    return {"--target": real(target_dir), "--drafter": real(drafter_dir), "--prompts": args.prompts,
+            "--dtype": args.dtype,  # another dtype rounds, and samples, otherwise
             "--max-prompts": args.max_prompts, "--num-shards": args.num_shards, "--shard-index": args.shard_index,
             "--max-context": args.max_context, "--max-new-tokens": args.max_new_tokens,
             "--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p, "--min-p": args.min_p,

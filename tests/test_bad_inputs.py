@@ -819,3 +819,14 @@ def test_a_terminal_that_cannot_show_tau_gets_an_escape_not_a_traceback(world, t
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "\\u03c4=" in p.stdout
+
+
+def test_named_templates_without_a_default_refuse_only_what_they_would_render(world, tmp_path, capsys):
+    """Token ids and --no-chat never render a template: they run as before; a text prompt is refused."""
+    t = target_with(world, tmp_path, files={"tokenizer_config.json": json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}]})})
+    assert speculate.main(["--target", t, "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
+    assert speculate.main(["--target", t, "--prompt", "hi", "--no-chat", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    _check_rc = speculate.main(["--target", t, "--prompt", "hi", "--max-new-tokens", "2"])
+    _check(capsys.readouterr().err, "names no 'default' template", _check_rc)
