@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -135,7 +136,7 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
     path = _cached_snapshot(repo, revision, cache, where)
     missing = _missing_weights(path) if path else None
-    if path and not missing:
+    if path and not missing and constants.HF_HUB_OFFLINE:
         return path
     if constants.HF_HUB_OFFLINE:
         raise UserError(f"{where}: " + (f"the cached snapshot {path} has no {missing}" if path else
@@ -150,7 +151,15 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         except Exception as e:  # network, authorization, disk: every way a download fails is one line
             raise UserError(f"{where}: {_download_error(e, repo, revision, cache)}") from None
 
-    path = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
+    if path and not missing:  # cached with its weights: online, the metadata a cache may lack (a tokenizer, a
+        try:                  # chat template, generation_config.json: others' downloads skip them) is fetched
+            path = download(revision, list(HUB_META_FILES))
+        except UserError as e:  # the hub out of reach: the snapshot as it is, said
+            print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
+                  file=sys.stderr)
+            return path
+    else:
+        path = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
     index = os.path.join(path, "model.safetensors.index.json")
     shards = _index_shards(index) if os.path.isfile(index) else ["model.safetensors"]
     path = download(os.path.basename(path), shards)  # ... fetched at the very commit the metadata came from

@@ -247,9 +247,10 @@ def test_download_fetches_only_what_a_run_reads(hub, repos, monkeypatch, capsys)
                    "tokenizer_config.json"]
     rc, local, _ = run(["--target", repos.a, "--prompt", "hello world", "--max-new-tokens", 6], capsys)
     assert out.splitlines()[0] == local.splitlines()[0]
-    # A second run finds it in the cache: nothing is downloaded again.
+    # A second run finds it in the cache and, online, asks the hub for the same files again (a cache filled by
+    # another program may lack the tokenizer or template): nothing new is downloaded.
     rc, _, err = run(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 6], capsys)
-    assert rc == 0 and len(calls) == 2 and f"--target org/tiny@{COMMIT_A}: {snap}\n" in err, err
+    assert rc == 0 and calls[2:] == calls[:2] and f"--target org/tiny@{COMMIT_A}: {snap}\n" in err, err
 
 
 def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch, capsys):
@@ -264,7 +265,23 @@ def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch,
     assert path == str(hub.cache / "models--org--sharded" / "snapshots" / COMMIT_B)
     assert not (Path(path) / "original").exists() and not (Path(path) / "pytorch_model.bin").exists()
     rc, _, err = run(["--target", f"org/sharded@{COMMIT_B}", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
-    assert rc == 0 and len(calls) == 2, err
+    assert rc == 0 and calls[2:] == calls[:2], err
+
+
+def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos, monkeypatch, capsys):
+    """A cache filled by another program (transformers' model download) holds the config and weights but not
+    the tokenizer, template or generation config: online they are fetched, not silently done without; with
+    the hub out of reach the snapshot is used as it is, and a note says so."""
+    put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json", "model.safetensors"])
+    hub.online()
+    calls = []
+    fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a)}, calls)
+    rc, _, err = run(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 2], capsys)
+    assert rc == 0 and calls[0]["allow_patterns"] == list(inputs.HUB_META_FILES), err
+    assert (hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A / "tokenizer.json").is_file()
+    fake_hub(monkeypatch, {}, [], fail=LocalEntryNotFoundError("Got: ConnectError: no network"))
+    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    assert rc == 0 and "the hub cannot be reached" in err and "using the cached snapshot" in err, err
 
 
 def test_a_partial_snapshot_is_completed_online(hub, repos, monkeypatch, capsys):
