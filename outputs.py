@@ -81,9 +81,10 @@ class Printer:
         if self.stop is not None:
             cut = self.stop.cut(text)
             final, text = final or len(cut) < len(text), cut
-        safe = len(text) if final else len(text) - self.hold
-        while not final and safe > self.shown and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 character
-            safe -= 1
+        end = len(text)
+        while not final and end > 0 and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character: not yet text
+            end -= 1
+        safe = end if final else end - self.hold  # held back: the start of a stop string still to come
         if safe > self.shown:
             self.out.write(text[self.shown:safe])
             self.out.flush()

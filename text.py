@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from common import UserError, read_json
+from common import Interrupted, UserError, read_json
 from model import ModelArgs, _eos_ids
 
 ROLES = ("system", "user", "assistant")  # the turns a conversation (a prompt, a training record) may hold
@@ -39,6 +39,7 @@ class Tokenizer:
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
         self.chat_template, self.template_source, self.template_problem = _read_chat_template(directory)
+        self.special_texts = _special_token_texts(directory)  # bos_token, eos_token, ...: what templates read
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -68,8 +69,12 @@ class Tokenizer:
             raise UserError(self.template_problem)
         if self.chat_template is None:
             return _chatml_fallback(messages, add_generation_prompt, thinking)
-        return render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
-                               add_generation_prompt=add_generation_prompt, enable_thinking=thinking)
+        text = render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
+                               add_generation_prompt=add_generation_prompt, enable_thinking=thinking,
+                               **self.special_texts)
+        if not text.strip():  # the template's doing, not the prompt's
+            raise UserError(f"{self.template_source}: the chat template renders this conversation as nothing")
+        return text
 
 
 def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool, thinking: bool = False) -> str:
@@ -128,7 +133,7 @@ def render_template(template: str, source: str, **context) -> str:
         signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
     try:
         if template not in _COMPILED:  # compiled once per template (training renders many conversations)
-            env = Boxed(trim_blocks=True, lstrip_blocks=True)
+            env = Boxed(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])  # as transformers
             env.globals["raise_exception"] = raise_exception
             _COMPILED.clear()
             _COMPILED[template] = env.from_string(template)
@@ -139,6 +144,8 @@ def render_template(template: str, source: str, **context) -> str:
             if size > TEMPLATE_CHARS:
                 raise SecurityError(f"its output grew past {TEMPLATE_CHARS:,} characters")
         return "".join(parts)
+    except Interrupted:  # Ctrl-C / SIGTERM while rendering: the run's interruption, not the template's fault
+        raise
     except Exception as e:  # every way a template can fail is the template's, and the user's to fix
         raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
@@ -146,6 +153,22 @@ def render_template(template: str, source: str, **context) -> str:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+
+
+def _special_token_texts(directory: str) -> dict:
+    """tokenizer_config.json's special tokens as texts ({"bos_token": "<s>", ...}), which transformers hands
+    a chat template: a string, or an object with its "content"."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    cfg = read_json(path)
+    out = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        v = cfg.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[key] = v
+    return out
 
 
 def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
@@ -169,8 +192,8 @@ def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], O
             return None, path, (f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} "
                                 f"objects")
         named = {d["name"]: d.get("template") for d in t}
-        if "default" not in named:
-            return None, path, (f"{path}: 'chat_template' names no 'default' template (it has "
+        if not isinstance(named.get("default"), str):
+            return None, path, (f"{path}: 'chat_template' names no 'default' template with a text (it has "
                                 f"{', '.join(map(repr, named)) or 'none'}); rendering a chat needs one (--no-chat "
                                 f"sends the raw text)")
         t = named["default"]
@@ -245,6 +268,12 @@ class StopStrings:
             raise UserError("--stop: stop strings need the target's tokenizer.json (to read the text)")
         if any(not s for s in strings):
             raise UserError("--stop: an empty stop string would end every request at once")
+        special = {t.content for t in tokenizer.tok.get_added_tokens_decoder().values() if t.special}
+        for s in strings:  # matched in the text without special tokens: it could never be found there
+            if s in special:
+                raise UserError(f"--stop {s!r}: a special token, which the text a stop string is matched in "
+                                f"leaves out; requests end at the target's stop tokens (generation_config.json's "
+                                f"eos_token_id), or --ignore-eos")
         return StopStrings(tokenizer, strings)
 
     def text(self, ids: Sequence[int]) -> str:

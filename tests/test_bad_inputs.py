@@ -276,7 +276,14 @@ CASES = [
         "--prompt-ids", "1"], "key 'top_k' must be an integer from -1 to 1073741824", False),
     ("template-list-no-default", "speculate", lambda w, t: P(target_with(w, t, files={
         "tokenizer_config.json": json.dumps({"chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}]})})),
-     "tokenizer_config.json: 'chat_template' names no 'default' template (it has 'tool_use')", False),
+     "tokenizer_config.json: 'chat_template' names no 'default' template with a text (it has 'tool_use')", False),
+    ("template-list-default-null", "speculate", lambda w, t: P(target_with(w, t, files={
+        "tokenizer_config.json": json.dumps({"chat_template": [{"name": "default", "template": None}]})})),
+     "names no 'default' template with a text", False),
+    ("template-renders-nothing", "speculate", lambda w, t: P(template("{# nothing #}")(w, t)),
+     "chat_template.jinja: the chat template renders this conversation as nothing", False),
+    ("stop-special-token", "speculate", lambda w, t: P(w / "target") + ["--stop", "<|im_start|>"],
+     "--stop '<|im_start|>': a special token", False),
     ("template-list-not-objects", "speculate", lambda w, t: P(target_with(w, t, files={
         "tokenizer_config.json": json.dumps({"chat_template": [1, 2]})})), "as a list must hold", False),
     ("gen-eos-negative", "speculate", lambda w, t: ["--target", target_with(
@@ -830,3 +837,45 @@ def test_named_templates_without_a_default_refuse_only_what_they_would_render(wo
     capsys.readouterr()
     _check_rc = speculate.main(["--target", t, "--prompt", "hi", "--max-new-tokens", "2"])
     _check(capsys.readouterr().err, "names no 'default' template", _check_rc)
+
+
+def test_an_interruption_while_rendering_a_template_is_the_runs_not_the_templates(monkeypatch):
+    """Ctrl-C inside a template's rendering ends the run as interrupted (130), not as a template error (2)."""
+    from common import Interrupted
+
+    class Stuck:
+        def generate(self, **context):
+            raise Interrupted(2)
+            yield ""
+
+    monkeypatch.setitem(text._COMPILED, "{{ x }}", Stuck())
+    with pytest.raises(Interrupted):
+        text.render_template("{{ x }}", "chat_template.jinja", x=1)
+
+
+def test_streaming_never_prints_the_start_of_a_stop_string_in_a_multibyte_character():
+    """A stop string's first character decoded, its second still bytes short of a character: what is
+    streamed holds back the character as well as the hold-back, so the stop's start is never printed."""
+    import io
+
+    from outputs import Printer
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    class Stop:
+        strings = ["\u4e2d\u6587"]
+
+        def cut(self, t):
+            i = t.find(self.strings[0])
+            return t if i < 0 else t[:i]
+
+    out = io.StringIO()
+    printer = Printer(Tok(), Stop(), 1, 1, out=out)
+    data = list("hi ".encode()) + list("\u4e2d\u6587".encode())
+    req = type("Req", (), {})()
+    for n in range(1, len(data) + 1):
+        req.output_ids, req.finish_reason = data[:n], "stop" if n == len(data) else None
+        printer.on_round(req)
+    assert out.getvalue() == "hi "

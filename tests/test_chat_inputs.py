@@ -92,6 +92,23 @@ def test_messages_records_render_as_transformers_does(qwen3_style, tmp_path, thi
         qwen3_style, CONVERSATIONS[0], thinking)[0]
 
 
+def test_a_template_reading_special_tokens_and_loop_controls_renders_as_transformers_does(qwen3_style, tmp_path):
+    """bos_token / eos_token from tokenizer_config.json, and {% break %} (transformers' loopcontrols)."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{{ bos_token }}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}")
+    d = copy_target(qwen3_style, tmp_path / "t")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template=template, bos_token="<|endoftext|>",
+                                                              eos_token={"content": "<|im_end|>"}))
+    conv = CONVERSATIONS[0]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=template,
+                                 bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    want = hf.apply_chat_template(conv, tokenize=False)
+    assert text.Tokenizer(str(d)).render_messages(conv, add_generation_prompt=False) == want
+    assert want.startswith("<|endoftext|>") and want.count("<|im_end|>") == 2
+
+
 @pytest.mark.parametrize("thinking", [False, True])
 def test_without_a_template_the_fallback_renders_qwen3s_format(qwen3_style, target_factory, thinking):
     """No template: text.py's ChatML fallback gives what Qwen3's format gives, system turns included."""
