@@ -192,11 +192,17 @@ def _ending(e: BaseException) -> tuple[int, str]:
     return 1, "failed"
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb's settings accept
+
+
 def start(args, job_type: str, config: dict) -> Log:
     """wandb.init with the flags (None where not given: wandb's environment variables apply)."""
     import wandb
 
     project = args.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:  # wandb's own message names neither
+        raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
     try:
         run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name, group=args.wandb_group,
                          tags=parse_tags(args.wandb_tags), job_type=job_type, config=config)

@@ -141,9 +141,9 @@ def offline(wandb_dir: Path, **extra):
     with pytest.MonkeyPatch.context() as mp:
         for k in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_ENTITY"):
             mp.delenv(k, raising=False)
-        env = dict(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true",
-                   WANDB_CONFIG_DIR=str(wandb_dir / "config"), WANDB_DATA_DIR=str(wandb_dir / "data"),
-                   WANDB_CACHE_DIR=str(wandb_dir / "cache"), **extra)
+        env = {**dict(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true",
+                      WANDB_CONFIG_DIR=str(wandb_dir / "config"), WANDB_DATA_DIR=str(wandb_dir / "data"),
+                      WANDB_CACHE_DIR=str(wandb_dir / "cache")), **extra}
         for k, v in env.items():
             mp.setenv(k, v)
         try:
@@ -413,3 +413,9 @@ def test_bad_wandb_flags_are_one_line_errors_before_any_run(tmp_path, program, f
     (runlog.Interrupted(signal.SIGTERM), 143, "interrupted"), (runlog.Interrupted(signal.SIGINT), 130, "interrupted")])
 def test_how_an_exception_ends_a_run(error, code, status):
     assert runlog._ending(error) == (code, status)
+
+
+def test_a_bad_wandb_mode_names_the_variable(tmp_path):
+    with offline(tmp_path, WANDB_MODE="bogus"):
+        rc, _, err = call(speculate.main, ["--prompt-ids", "1,2", "--max-new-tokens", 2, "--wandb"])
+    assert rc == 2 and err.strip().splitlines() == [err.strip()] and "WANDB_MODE='bogus'" in err, err
