@@ -15,6 +15,7 @@ What is notable here:
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional, Sequence
 
 from common import Interrupted, UserError, read_json
@@ -93,14 +94,48 @@ def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool, thin
 
 
 TEMPLATE_SECONDS = 10            # a chat template that renders longer than this is refused ...
-TEMPLATE_CHARS = 10_000_000      # ... and so is one whose output grows past this many characters
-TEMPLATE_BITS = 100_000          # the largest integer a template may compute (`**`) or string it may repeat (`*`)
+TEMPLATE_CHARS = 10_000_000      # ... and so is one whose output, or any string or list it makes, grows past this
+TEMPLATE_BITS = 100_000          # the largest integer (in bits) a template may compute
 _COMPILED: dict = {}             # the last template, compiled
+
+
+def _bounded_filter(f, name: str, bounded, widths):
+    """A Jinja filter that could grow a value past the box's caps, checked before it runs (it is one C
+    call the timer cannot stop) and after."""
+    from jinja2.sandbox import SecurityError
+
+    def checked(*args, **kwargs):
+        pos = [a for a in args if not hasattr(a, "filters") and not hasattr(a, "environment")]  # value, then args
+        value, rest = (pos[0], pos[1:]) if pos else (None, [])
+        if name == "center" and rest and isinstance(rest[0], int) and rest[0] > TEMPLATE_CHARS:
+            raise SecurityError("a width is too large")
+        if name == "indent" and rest and isinstance(rest[0], int) and rest[0] * (str(value).count("\n") + 1) > TEMPLATE_CHARS:
+            raise SecurityError("an indent is too large")
+        if name == "format" and isinstance(value, str):
+            widths(value)
+        if name == "join" and value is not None and not isinstance(value, str):
+            value = list(value)
+            if sum(len(str(x)) for x in value) > TEMPLATE_CHARS:
+                raise SecurityError("a join is too long")
+            args = tuple(value if a is pos[0] else a for a in args)
+        if name == "replace" and isinstance(value, str) and len(rest) >= 2:
+            old, new = str(rest[0]), str(rest[1])
+            hits = value.count(old) if old else len(value) + 1
+            if len(value) + hits * max(0, len(new) - len(old)) > TEMPLATE_CHARS:
+                raise SecurityError("a replacement is too long")
+        return bounded(f(*args, **kwargs))
+
+    for attr in ("jinja_pass_arg",):  # keep how jinja passes the environment / context / eval context
+        if hasattr(f, attr):
+            setattr(checked, attr, getattr(f, attr))
+    return checked
 
 
 def render_template(template: str, source: str, **context) -> str:
     """A chat template rendered in a box: Jinja's immutable sandbox, a time limit, a cap on the output
-    and on the numbers and repetitions it computes. Whatever goes wrong — a template error, a
+    and on every string, list and number it computes — checked before the operations that could make
+    one too large in a single C call the time limit cannot stop (`*`, `**`, `%`, str.format, center,
+    replace, join, ...), and after every operator and call. Whatever goes wrong — a template error, a
     ZeroDivisionError, a runaway loop or power — is one UserError naming `source` (the file)."""
     import signal
     import threading
@@ -108,18 +143,64 @@ def render_template(template: str, source: str, **context) -> str:
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+    def bounded(value):  # every value a template computes: no string or list past TEMPLATE_CHARS, no int past TEMPLATE_BITS
+        if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_CHARS:
+            raise SecurityError(f"a value of {len(value):,} items is too large")
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > TEMPLATE_BITS:
+            raise SecurityError("a number is too large")
+        return value
+
+    def widths(fmt):  # a format string's widths and precisions, before it pads anything
+        if any(int(n) > TEMPLATE_CHARS for n in re.findall(r"\d+", fmt)):
+            raise SecurityError("a format width is too large")
+
+    def grows(obj, args):  # what a str method would make, checked before it makes it (one C call, no timer)
+        s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+        if not isinstance(s, str):
+            return
+        if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int) \
+                and args[0] > TEMPLATE_CHARS:
+            raise SecurityError("a width is too large")
+        elif name in ("format", "format_map"):
+            widths(s)
+        elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+            hits = s.count(args[0]) if args[0] else len(s) + 1
+            if len(s) + hits * max(0, len(args[1]) - len(args[0])) > TEMPLATE_CHARS:
+                raise SecurityError("a replacement is too long")
+        elif name == "expandtabs" and args and isinstance(args[0], int) and args[0] * s.count("\t") > TEMPLATE_CHARS:
+            raise SecurityError("a tab expansion is too long")
+
     class Boxed(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"**", "*"})
+        intercepted_binops = frozenset({"**", "*", "%"})
 
         def call_binop(self, context, operator, left, right):
             ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right))
             if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
                 raise SecurityError(f"{left} ** {right} is too large")
+            if operator == "*" and ints and left.bit_length() + right.bit_length() > TEMPLATE_BITS:
+                raise SecurityError("a product is too large")
             if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
                 seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
                 if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
                     raise SecurityError("a repetition is too long")
-            return super().call_binop(context, operator, left, right)
+            if operator == "%" and isinstance(left, str):
+                widths(left)
+            return bounded(super().call_binop(context, operator, left, right))
+
+        def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access
+            if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
+                    getattr(value, "__self__", None), str):
+                widths(value.__self__)
+            return super().wrap_str_format(value)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's own signature)
+            if getattr(__obj, "__name__", "") == "join" and isinstance(getattr(__obj, "__self__", None), str) \
+                    and args:  # the pieces' total, before joining them
+                args = (list(args[0]),) + args[1:]
+                if sum(len(x) for x in args[0] if isinstance(x, str)) > TEMPLATE_CHARS:
+                    raise SecurityError("a join is too long")
+            grows(__obj, args)
+            return bounded(super().call(__context, __obj, *args, **kwargs))
 
     def raise_exception(msg):
         raise TemplateError(msg)
@@ -135,6 +216,8 @@ def render_template(template: str, source: str, **context) -> str:
         if template not in _COMPILED:  # compiled once per template (training renders many conversations)
             env = Boxed(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])  # as transformers
             env.globals["raise_exception"] = raise_exception
+            for name in ("center", "format", "indent", "join", "replace", "wordwrap"):  # filters that can grow a value
+                env.filters[name] = _bounded_filter(env.filters[name], name, bounded, widths)
             _COMPILED.clear()
             _COMPILED[template] = env.from_string(template)
         parts, size = [], 0

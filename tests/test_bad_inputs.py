@@ -358,6 +358,19 @@ CASES = [
     ("template-not-utf8", "speculate", lambda w, t: P(target_with(
         w, t, files={"chat_template.jinja": b"\xff\xfe{{ x }}"})), "not UTF-8", False),
     ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
+    ("template-int-product", "speculate", lambda w, t: P(template(
+        "{% set ns = namespace(n=2 ** 40000) %}{% for i in range(14) %}{% set ns.n = ns.n * ns.n %}{% endfor %}"
+        "{{ ns.n }}")(w, t)), "a product is too large", False),
+    ("template-center-filter", "speculate", lambda w, t: P(template("{{ 'x' | center(50000000) }}")(w, t)),
+     "a width is too large", False),
+    ("template-percent-width", "speculate", lambda w, t: P(template("{{ '%050000000d' % 1 }}")(w, t)),
+     "a format width is too large", False),
+    ("template-format-width", "speculate", lambda w, t: P(template("{{ '{:>50000000}'.format(1) }}")(w, t)),
+     "a format width is too large", False),
+    ("template-replace-growth", "speculate", lambda w, t: P(template(
+        "{% set s = 'a' * 10000 %}{{ s.replace('a', s) }}")(w, t)), "a replacement is too long", False),
+    ("template-join-growth", "speculate", lambda w, t: P(template(
+        "{% set s = 'a' * 10000 %}{{ s.join([s] * 10000) }}")(w, t)), "a join is too long", False),
     ("template-overflow", "speculate", lambda w, t: P(template("{{ (10 ** 400) * 1.0 }}")(w, t)), "chat_template.jinja", False),
     # ---- speculate.py: chat prompts (messages records, --system-prompt, --enable-thinking)
     ("system-prompt-with-ids", "speculate", lambda w, t: S(w) + ["--system-prompt", "be brief"],
