@@ -134,10 +134,13 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     from huggingface_hub import constants
 
     cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
-    path = _cached_snapshot(repo, revision, cache, where)
+    path, incomplete = _cached_snapshot(repo, revision, cache, where)
     missing = _missing_weights(path) if path else None
-    if path and not missing and constants.HF_HUB_OFFLINE:
+    if path and not missing and not incomplete and constants.HF_HUB_OFFLINE:
         return path
+    if path and incomplete and constants.HF_HUB_OFFLINE:  # the cache's own listing says files are missing
+        raise UserError(f"{where}: the cached snapshot {path} lacks files the repository has ({incomplete}); offline "
+                        f"mode (HF_HUB_OFFLINE) forbids downloading them")
     if constants.HF_HUB_OFFLINE:
         raise UserError(f"{where}: " + (f"the cached snapshot {path} has no {missing}" if path else
                                         f"no such local directory, and not in the Hugging Face cache ({cache})")
@@ -179,16 +182,21 @@ def hub_snapshot(path: str) -> Optional[str]:
     return None
 
 
-def _cached_snapshot(repo: str, revision: Optional[str], cache: str, where: str) -> Optional[str]:
-    """The snapshot directory of repo@revision in the Hugging Face cache, or None (nothing is downloaded)."""
+def _cached_snapshot(repo: str, revision: Optional[str], cache: str, where: str) -> tuple[Optional[str], Optional[str]]:
+    """(the snapshot directory of repo@revision in the Hugging Face cache, or None; what it lacks by the cache's
+    own listing of the repository, or None). Nothing is downloaded."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import LocalEntryNotFoundError
 
     try:
         return snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
-                                 allow_patterns=list(HUB_META_FILES))
-    except LocalEntryNotFoundError:  # not there (or there in part, by the cache's own listing)
-        return None
+                                 allow_patterns=list(HUB_META_FILES)), None
+    except LocalEntryNotFoundError as e:  # not there, or there in part (huggingface_hub >= 2: IncompleteSnapshotError)
+        path = getattr(e, "snapshot_path", None)
+        if path is None or not os.path.isdir(path):
+            return None, None
+        lacking = [f for f in HUB_META_FILES if f in str(e) and not os.path.exists(os.path.join(path, f))]
+        return path, ", ".join(lacking) or "some of its metadata files"
     except Interrupted:
         raise
     except Exception as e:

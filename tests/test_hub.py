@@ -160,6 +160,21 @@ def test_offline_and_not_cached_is_one_line(hub, repos, capsys):
     one_error_line(rc, err, "--target org/tiny@v9", "not in the Hugging Face cache")
 
 
+def test_offline_an_incomplete_snapshot_names_what_it_lacks(hub, repos, monkeypatch, capsys):
+    """huggingface_hub >= 2 knows, from its cached listing of the repository, that a snapshot lacks files: offline,
+    the line names the snapshot and the files, not 'not in the cache'."""
+    errors = pytest.importorskip("huggingface_hub.errors")
+    if not hasattr(errors, "IncompleteSnapshotError"):
+        pytest.skip("huggingface_hub < 2 has no IncompleteSnapshotError")
+    snap = put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json", "model.safetensors"])
+
+    def snapshot_download(repo_id, **kwargs):
+        raise errors.IncompleteSnapshotError("missing files: tokenizer.json, tokenizer_config.json", str(snap))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2"], capsys)
+    one_error_line(rc, err, "--target org/tiny", str(snap), "tokenizer.json, tokenizer_config.json", "HF_HUB_OFFLINE")
+
+
 def test_offline_cached_snapshot_without_weights_is_one_line(hub, repos, capsys):
     put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json", "tokenizer.json"])  # an interrupted download
     rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2"], capsys)
