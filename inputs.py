@@ -136,7 +136,12 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
     path, incomplete = _cached_snapshot(repo, revision, cache, where)
     missing = _missing_weights(path) if path else None
-    if path and not missing and not incomplete and constants.HF_HUB_OFFLINE:
+    # Complete: the weights and the metadata every Qwen3 repository has (a cache another program filled may
+    # hold the weights alone). Such a snapshot is used without asking the hub (a cached branch is not
+    # refreshed: give a commit, or update the cache), online or not.
+    complete = path and not missing and not incomplete and all(
+        os.path.isfile(os.path.join(path, f)) for f in SNAPSHOT_EXPECTED)
+    if complete or (path and not missing and not incomplete and constants.HF_HUB_OFFLINE):
         return path
     if path and incomplete and constants.HF_HUB_OFFLINE:  # the cache's own listing says files are missing
         raise UserError(f"{where}: the cached snapshot {path} lacks files the repository has ({incomplete}); offline "
@@ -154,8 +159,8 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         except Exception as e:  # network, authorization, disk: every way a download fails is one line
             raise UserError(f"{where}: {_download_error(e, repo, revision, cache)}") from None
 
-    if path and not missing:  # cached with its weights: online, the metadata a cache may lack (a tokenizer, a
-        try:                  # chat template, generation_config.json: others' downloads skip them) is fetched
+    if path and not missing:  # cached with its weights but not its tokenizer or generation config (others'
+        try:                  # downloads skip them): online, they are fetched
             path = download(revision, list(HUB_META_FILES))
         except UserError as e:  # the hub out of reach: the snapshot as it is, said
             print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
@@ -171,6 +176,10 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         raise UserError(f"{where}: {path} has no {missing} after the download: the repository lacks it (checkpoints "
                         f"are read as config.json and safetensors weights), or the hub could not be reached")
     return path
+
+
+#: What a cached snapshot must hold, besides config.json and its weights, to be used without asking the hub.
+SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def hub_snapshot(path: str) -> Optional[str]:
