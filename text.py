@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import string
 from typing import Optional, Sequence
 
 from common import Interrupted, UserError, read_json
@@ -99,25 +100,45 @@ TEMPLATE_BITS = 100_000          # the largest integer (in bits) a template may 
 _COMPILED: dict = {}             # the last template, compiled
 
 
-def _bounded_filter(f, name: str, bounded, widths):
+def _too_wide(fmt: str, args=(), kwargs=None) -> bool:
+    """Whether a format string (%-style or str.format) pads past TEMPLATE_CHARS: a width or precision in its
+    conversion specs (not any number in its text), or one taken from the arguments (`%*s`, `{:{}}`)."""
+    specs = [m.group(1, 2) for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)]
+    try:
+        parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
+    except ValueError:  # not a valid format string: str.format will say so
+        parsed = []
+    numbers = [int(n) for pair in specs for n in pair if n and n.isdigit()]
+    numbers += [int(n) for spec in parsed for n in re.findall(r"\d+", re.sub(r"\{[^}]*\}", "", spec))]
+    from_args = any("*" in (a or "") for pair in specs for a in pair) or any("{" in spec for spec in parsed)
+    if from_args:  # the width is one of the arguments: any integer among them
+        values = list(args) + list((kwargs or {}).values())
+        values += [v for a in args if isinstance(a, (tuple, list)) for v in a]
+        numbers += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return any(n > TEMPLATE_CHARS for n in numbers)
+
+
+def _bounded_filter(f, name: str, bounded):
     """A Jinja filter that could grow a value past the box's caps, checked before it runs (it is one C
     call the timer cannot stop) and after."""
     from jinja2.sandbox import SecurityError
 
+    skip = 1 if hasattr(f, "jinja_pass_arg") else 0  # a filter that takes the context / environment first
+
     def checked(*args, **kwargs):
-        pos = [a for a in args if not hasattr(a, "filters") and not hasattr(a, "environment")]  # value, then args
-        value, rest = (pos[0], pos[1:]) if pos else (None, [])
-        if name == "center" and rest and isinstance(rest[0], int) and rest[0] > TEMPLATE_CHARS:
-            raise SecurityError("a width is too large")
-        if name == "indent" and rest and isinstance(rest[0], int) and rest[0] * (str(value).count("\n") + 1) > TEMPLATE_CHARS:
-            raise SecurityError("an indent is too large")
-        if name == "format" and isinstance(value, str):
-            widths(value)
-        if name == "join" and value is not None and not isinstance(value, str):
+        value, rest = (args[skip], list(args[skip + 1:])) if len(args) > skip else (None, [])
+        width = kwargs.get("width", rest[0] if rest else None)
+        if name in ("center", "indent") and isinstance(width, int) and not isinstance(width, bool):
+            lines = str(value).count("\n") + 1 if name == "indent" else 1
+            if width * lines > TEMPLATE_CHARS:
+                raise SecurityError("a width is too large")
+        if name == "format" and isinstance(value, str) and _too_wide(value, rest, kwargs):
+            raise SecurityError("a format width is too large")
+        if name == "join" and value is not None and not isinstance(value, str) and hasattr(value, "__iter__"):
             value = list(value)
             if sum(len(str(x)) for x in value) > TEMPLATE_CHARS:
                 raise SecurityError("a join is too long")
-            args = tuple(value if a is pos[0] else a for a in args)
+            args = args[:skip] + (value,) + args[skip + 1:]
         if name == "replace" and isinstance(value, str) and len(rest) >= 2:
             old, new = str(rest[0]), str(rest[1])
             hits = value.count(old) if old else len(value) + 1
@@ -125,9 +146,8 @@ def _bounded_filter(f, name: str, bounded, widths):
                 raise SecurityError("a replacement is too long")
         return bounded(f(*args, **kwargs))
 
-    for attr in ("jinja_pass_arg",):  # keep how jinja passes the environment / context / eval context
-        if hasattr(f, attr):
-            setattr(checked, attr, getattr(f, attr))
+    if skip:  # keep how jinja passes the environment / context / eval context
+        checked.jinja_pass_arg = f.jinja_pass_arg
     return checked
 
 
@@ -150,11 +170,11 @@ def render_template(template: str, source: str, **context) -> str:
             raise SecurityError("a number is too large")
         return value
 
-    def widths(fmt):  # a format string's widths and precisions, before it pads anything
-        if any(int(n) > TEMPLATE_CHARS for n in re.findall(r"\d+", fmt)):
+    def widths(fmt, args=(), kwargs=None):  # a format string's widths and precisions, before it pads anything
+        if _too_wide(fmt, args, kwargs):
             raise SecurityError("a format width is too large")
 
-    def grows(obj, args):  # what a str method would make, checked before it makes it (one C call, no timer)
+    def grows(obj, args, kwargs=None):  # what a str method would make, checked before it makes it (one C call)
         s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
         if not isinstance(s, str):
             return
@@ -162,7 +182,7 @@ def render_template(template: str, source: str, **context) -> str:
                 and args[0] > TEMPLATE_CHARS:
             raise SecurityError("a width is too large")
         elif name in ("format", "format_map"):
-            widths(s)
+            widths(s, args, kwargs)
         elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
             hits = s.count(args[0]) if args[0] else len(s) + 1
             if len(s) + hits * max(0, len(args[1]) - len(args[0])) > TEMPLATE_CHARS:
@@ -184,14 +204,19 @@ def render_template(template: str, source: str, **context) -> str:
                 if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
                     raise SecurityError("a repetition is too long")
             if operator == "%" and isinstance(left, str):
-                widths(left)
+                widths(left, right if isinstance(right, (tuple, list)) else (right,))
             return bounded(super().call_binop(context, operator, left, right))
 
-        def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access
-            if getattr(value, "__name__", "") in ("format", "format_map") and isinstance(
-                    getattr(value, "__self__", None), str):
-                widths(value.__self__)
-            return super().wrap_str_format(value)
+        def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            fmt = value.__self__
+
+            def checked(*args, **kwargs):
+                widths(fmt, args, kwargs)
+                return bounded(wrapped(*args, **kwargs))
+            return checked
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's own signature)
             if getattr(__obj, "__name__", "") == "join" and isinstance(getattr(__obj, "__self__", None), str) \
@@ -199,7 +224,7 @@ def render_template(template: str, source: str, **context) -> str:
                 args = (list(args[0]),) + args[1:]
                 if sum(len(x) for x in args[0] if isinstance(x, str)) > TEMPLATE_CHARS:
                     raise SecurityError("a join is too long")
-            grows(__obj, args)
+            grows(__obj, args, kwargs)
             return bounded(super().call(__context, __obj, *args, **kwargs))
 
     def raise_exception(msg):
@@ -217,7 +242,7 @@ def render_template(template: str, source: str, **context) -> str:
             env = Boxed(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])  # as transformers
             env.globals["raise_exception"] = raise_exception
             for name in ("center", "format", "indent", "join", "replace", "wordwrap"):  # filters that can grow a value
-                env.filters[name] = _bounded_filter(env.filters[name], name, bounded, widths)
+                env.filters[name] = _bounded_filter(env.filters[name], name, bounded)
             _COMPILED.clear()
             _COMPILED[template] = env.from_string(template)
         parts, size = [], 0
@@ -353,10 +378,11 @@ class StopStrings:
             raise UserError("--stop: an empty stop string would end every request at once")
         special = {t.content for t in tokenizer.tok.get_added_tokens_decoder().values() if t.special}
         for s in strings:  # matched in the text without special tokens: it could never be found there
-            if s in special:
-                raise UserError(f"--stop {s!r}: a special token, which the text a stop string is matched in "
-                                f"leaves out; requests end at the target's stop tokens (generation_config.json's "
-                                f"eos_token_id), or --ignore-eos")
+            held = next((t for t in special if t and t in s), None)
+            if held is not None:
+                raise UserError(f"--stop {s!r}: holds the special token {held!r}, which the text a stop string is "
+                                f"matched in leaves out; requests end at the target's stop tokens "
+                                f"(generation_config.json's eos_token_id), or --ignore-eos")
         return StopStrings(tokenizer, strings)
 
     def text(self, ids: Sequence[int]) -> str:

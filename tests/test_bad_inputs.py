@@ -283,7 +283,15 @@ CASES = [
     ("template-renders-nothing", "speculate", lambda w, t: P(template("{# nothing #}")(w, t)),
      "chat_template.jinja: the chat template renders this conversation as nothing", False),
     ("stop-special-token", "speculate", lambda w, t: P(w / "target") + ["--stop", "<|im_start|>"],
-     "--stop '<|im_start|>': a special token", False),
+     "--stop '<|im_start|>': holds the special token '<|im_start|>'", False),
+    ("stop-holds-special-token", "speculate", lambda w, t: P(w / "target") + ["--stop", "<|im_end|>\n"],
+     "holds the special token '<|im_end|>'", False),
+    ("template-star-width", "speculate", lambda w, t: P(template("{{ '%*s' % (50000000, 'x') }}")(w, t)),
+     "a format width is too large", False),
+    ("template-nested-format-width", "speculate", lambda w, t: P(template("{{ '{:{}}'.format('x', 50000000) }}")(
+        w, t)), "a format width is too large", False),
+    ("template-center-keyword", "speculate", lambda w, t: P(template("{{ 'x' | center(width=50000000) }}")(w, t)),
+     "a width is too large", False),
     ("template-list-not-objects", "speculate", lambda w, t: P(target_with(w, t, files={
         "tokenizer_config.json": json.dumps({"chat_template": [1, 2]})})), "as a list must hold", False),
     ("gen-eos-negative", "speculate", lambda w, t: ["--target", target_with(
@@ -892,3 +900,16 @@ def test_streaming_never_prints_the_start_of_a_stop_string_in_a_multibyte_charac
         req.output_ids, req.finish_reason = data[:n], "stop" if n == len(data) else None
         printer.on_round(req)
     assert out.getvalue() == "hi "
+
+
+def test_the_template_box_leaves_ordinary_templates_as_jinja_renders_them():
+    """Undefined values through the wrapped filters, numbers in format strings that are not widths, the
+    filters with their usual arguments: the same text as jinja2's own sandbox, unwrapped."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    for t in ["{{ nothere | replace('a','b') }}|{{ nothere | join(', ') }}|{{ nothere | center(5) }}|{{ ['a'] | join(sep) }}",
+              "{{ 'Date: 20240615 %s' % 'x' }}|{{ 'id 123456789: {}'.format('x') }}|{{ 'build 123456789 %s' | format('x') }}",
+              "{{ ['a','b'] | join(', ') }}|{{ 'a-b' | replace('-', '+') }}|{{ 'x\ny' | indent(2, true) }}|"
+              "{{ '%s-%s' | format(1, 2) }}|{{ 'x' | center(9) }}|{{ '{:>5}'.format(1) }}|{{ '%05d' % 3 }}|{{ 3 * 4 }}"]:
+        assert text.render_template(t, "t.jinja") == plain.from_string(t).render(), t
