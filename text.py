@@ -118,37 +118,85 @@ def _too_wide(fmt: str, args=(), kwargs=None) -> bool:
     return any(n > TEMPLATE_CHARS for n in numbers)
 
 
-def _bounded_filter(f, name: str, bounded):
-    """A Jinja filter that could grow a value past the box's caps, checked before it runs (it is one C
-    call the timer cannot stop) and after."""
+# What a template may compute, checked before the operations that could pass the caps in one C call (the
+# timer cannot stop one) and, by `_bounded`, on every value after. Each raises jinja's SecurityError.
+
+def _refuse(why: str):
     from jinja2.sandbox import SecurityError
 
+    raise SecurityError(why)
+
+
+def _bounded(value):
+    """`value`, unless it is a string or list past TEMPLATE_CHARS or an integer past TEMPLATE_BITS."""
+    if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_CHARS:
+        _refuse(f"a value of {len(value):,} items is too large")
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > TEMPLATE_BITS:
+        _refuse("a number is too large")
+    return value
+
+
+def _check_width(width, lines: int = 1):  # center, ljust, rjust, zfill, indent
+    if isinstance(width, int) and not isinstance(width, bool) and width * lines > TEMPLATE_CHARS:
+        _refuse("a width is too large")
+
+
+def _check_format(fmt: str, args=(), kwargs=None):  # %, str.format, the format filter
+    if _too_wide(fmt, args, kwargs):
+        _refuse("a format width is too large")
+
+
+def _check_replace(s: str, old: str, new: str):  # str.replace, the replace filter
+    hits = s.count(old) if old else len(s) + 1
+    if len(s) + hits * max(0, len(new) - len(old)) > TEMPLATE_CHARS:
+        _refuse("a replacement is too long")
+
+
+def _joinable(items) -> list:  # str.join, the join filter: the pieces' total, before joining them
+    items = list(items)
+    if sum(len(str(x)) for x in items) > TEMPLATE_CHARS:
+        _refuse("a join is too long")
+    return items
+
+
+def _bounded_filter(f, name: str):
+    """A Jinja filter that could grow a value past the box's caps, checked before it runs and after."""
     skip = 1 if hasattr(f, "jinja_pass_arg") else 0  # a filter that takes the context / environment first
 
     def checked(*args, **kwargs):
         value, rest = (args[skip], list(args[skip + 1:])) if len(args) > skip else (None, [])
-        width = kwargs.get("width", rest[0] if rest else None)
-        if name in ("center", "indent") and isinstance(width, int) and not isinstance(width, bool):
-            lines = str(value).count("\n") + 1 if name == "indent" else 1
-            if width * lines > TEMPLATE_CHARS:
-                raise SecurityError("a width is too large")
-        if name == "format" and isinstance(value, str) and _too_wide(value, rest, kwargs):
-            raise SecurityError("a format width is too large")
-        if name == "join" and value is not None and not isinstance(value, str) and hasattr(value, "__iter__"):
-            value = list(value)
-            if sum(len(str(x)) for x in value) > TEMPLATE_CHARS:
-                raise SecurityError("a join is too long")
-            args = args[:skip] + (value,) + args[skip + 1:]
-        if name == "replace" and isinstance(value, str) and len(rest) >= 2:
-            old, new = str(rest[0]), str(rest[1])
-            hits = value.count(old) if old else len(value) + 1
-            if len(value) + hits * max(0, len(new) - len(old)) > TEMPLATE_CHARS:
-                raise SecurityError("a replacement is too long")
-        return bounded(f(*args, **kwargs))
+        if name in ("center", "indent"):
+            _check_width(kwargs.get("width", rest[0] if rest else None),
+                         str(value).count("\n") + 1 if name == "indent" else 1)
+        elif name == "format" and isinstance(value, str):
+            _check_format(value, rest, kwargs)
+        elif name == "join" and value is not None and not isinstance(value, str) and hasattr(value, "__iter__"):
+            args = args[:skip] + (_joinable(value),) + args[skip + 1:]
+        elif name == "replace" and isinstance(value, str) and len(rest) >= 2:
+            _check_replace(value, str(rest[0]), str(rest[1]))
+        return _bounded(f(*args, **kwargs))
 
     if skip:  # keep how jinja passes the environment / context / eval context
         checked.jinja_pass_arg = f.jinja_pass_arg
     return checked
+
+
+def _check_str_method(obj, args, kwargs):
+    """A bound str method a template calls, checked by what it would make."""
+    s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(s, str):
+        return args
+    if name in ("center", "ljust", "rjust", "zfill") and args:
+        _check_width(args[0])
+    elif name in ("format", "format_map"):
+        _check_format(s, args, kwargs)
+    elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+        _check_replace(s, args[0], args[1])
+    elif name == "expandtabs" and args:
+        _check_width(args[0], s.count("\t"))
+    elif name == "join" and args:
+        args = (_joinable(args[0]),) + tuple(args[1:])
+    return args
 
 
 def render_template(template: str, source: str, **context) -> str:
@@ -162,33 +210,6 @@ def render_template(template: str, source: str, **context) -> str:
 
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    def bounded(value):  # every value a template computes: no string or list past TEMPLATE_CHARS, no int past TEMPLATE_BITS
-        if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_CHARS:
-            raise SecurityError(f"a value of {len(value):,} items is too large")
-        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > TEMPLATE_BITS:
-            raise SecurityError("a number is too large")
-        return value
-
-    def widths(fmt, args=(), kwargs=None):  # a format string's widths and precisions, before it pads anything
-        if _too_wide(fmt, args, kwargs):
-            raise SecurityError("a format width is too large")
-
-    def grows(obj, args, kwargs=None):  # what a str method would make, checked before it makes it (one C call)
-        s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
-        if not isinstance(s, str):
-            return
-        if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int) \
-                and args[0] > TEMPLATE_CHARS:
-            raise SecurityError("a width is too large")
-        elif name in ("format", "format_map"):
-            widths(s, args, kwargs)
-        elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
-            hits = s.count(args[0]) if args[0] else len(s) + 1
-            if len(s) + hits * max(0, len(args[1]) - len(args[0])) > TEMPLATE_CHARS:
-                raise SecurityError("a replacement is too long")
-        elif name == "expandtabs" and args and isinstance(args[0], int) and args[0] * s.count("\t") > TEMPLATE_CHARS:
-            raise SecurityError("a tab expansion is too long")
 
     class Boxed(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"**", "*", "%"})
@@ -204,28 +225,22 @@ def render_template(template: str, source: str, **context) -> str:
                 if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
                     raise SecurityError("a repetition is too long")
             if operator == "%" and isinstance(left, str):
-                widths(left, right if isinstance(right, (tuple, list)) else (right,))
-            return bounded(super().call_binop(context, operator, left, right))
+                _check_format(left, right if isinstance(right, (tuple, list)) else (right,))
+            return _bounded(super().call_binop(context, operator, left, right))
 
         def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
             wrapped = super().wrap_str_format(value)
             if wrapped is None:
                 return None
-            fmt = value.__self__
 
             def checked(*args, **kwargs):
-                widths(fmt, args, kwargs)
-                return bounded(wrapped(*args, **kwargs))
+                _check_format(value.__self__, args, kwargs)
+                return _bounded(wrapped(*args, **kwargs))
             return checked
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's own signature)
-            if getattr(__obj, "__name__", "") == "join" and isinstance(getattr(__obj, "__self__", None), str) \
-                    and args:  # the pieces' total, before joining them
-                args = (list(args[0]),) + args[1:]
-                if sum(len(x) for x in args[0] if isinstance(x, str)) > TEMPLATE_CHARS:
-                    raise SecurityError("a join is too long")
-            grows(__obj, args, kwargs)
-            return bounded(super().call(__context, __obj, *args, **kwargs))
+            args = _check_str_method(__obj, args, kwargs)
+            return _bounded(super().call(__context, __obj, *args, **kwargs))
 
     def raise_exception(msg):
         raise TemplateError(msg)
@@ -242,7 +257,7 @@ def render_template(template: str, source: str, **context) -> str:
             env = Boxed(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])  # as transformers
             env.globals["raise_exception"] = raise_exception
             for name in ("center", "format", "indent", "join", "replace", "wordwrap"):  # filters that can grow a value
-                env.filters[name] = _bounded_filter(env.filters[name], name, bounded)
+                env.filters[name] = _bounded_filter(env.filters[name], name)
             _COMPILED.clear()
             _COMPILED[template] = env.from_string(template)
         parts, size = [], 0
