@@ -136,18 +136,15 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
     path, incomplete = _cached_snapshot(repo, revision, cache, where)
     missing = _missing_weights(path) if path else None
-    # Complete: the weights and the metadata every Qwen3 repository has (a cache another program filled may
-    # hold the weights alone). Such a snapshot is used without asking the hub (a cached branch is not
-    # refreshed: give a commit, or update the cache), online or not.
-    complete = path and not missing and not incomplete and all(
-        os.path.isfile(os.path.join(path, f)) for f in SNAPSHOT_EXPECTED)
-    if complete or (path and not missing and not incomplete and constants.HF_HUB_OFFLINE):
+    loadable = path and not missing and not incomplete  # the config and the weights there
+    # Used without asking the hub when it also holds the metadata every Qwen3 repository has (a cache another
+    # program filled may hold the weights alone), or offline. A cached branch is not refreshed: give a commit.
+    if loadable and (constants.HF_HUB_OFFLINE
+                     or all(os.path.isfile(os.path.join(path, f)) for f in SNAPSHOT_EXPECTED)):
         return path
-    if path and incomplete and constants.HF_HUB_OFFLINE:  # the cache's own listing says files are missing
-        raise UserError(f"{where}: the cached snapshot {path} lacks files the repository has ({incomplete}); offline "
-                        f"mode (HF_HUB_OFFLINE) forbids downloading them")
     if constants.HF_HUB_OFFLINE:
-        raise UserError(f"{where}: " + (f"the cached snapshot {path} has no {missing}" if path else
+        lacks = (f"lacks files the repository has ({incomplete})" if incomplete else f"has no {missing}")
+        raise UserError(f"{where}: " + (f"the cached snapshot {path} {lacks}" if path else
                                         f"no such local directory, and not in the Hugging Face cache ({cache})")
                         + "; offline mode (HF_HUB_OFFLINE) forbids downloading it")
 
@@ -159,15 +156,15 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         except Exception as e:  # network, authorization, disk: every way a download fails is one line
             raise UserError(f"{where}: {_download_error(e, repo, revision, cache)}") from None
 
-    if path and not missing:  # cached with its weights but not its tokenizer or generation config (others'
-        try:                  # downloads skip them): online, they are fetched
-            path = download(revision, list(HUB_META_FILES))
-        except UserError as e:  # the hub out of reach: the snapshot as it is, said
-            print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
-                  file=sys.stderr)
-            return path
-    else:
-        path = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
+    try:
+        path_now = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
+    except UserError as e:
+        if not (path and not missing):
+            raise
+        print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
+              file=sys.stderr)  # the hub out of reach: the snapshot with its weights as it is, said
+        return path
+    path = path_now
     index = os.path.join(path, "model.safetensors.index.json")
     shards = _index_shards(index) if os.path.isfile(index) else ["model.safetensors"]
     path = download(os.path.basename(path), shards)  # ... fetched at the very commit the metadata came from
