@@ -156,6 +156,8 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
         layout = "dspark"
         if shift_label is False:
             raise UserError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
+    elif projector == "dspark" and shift_label is False:
+        raise UserError(f"{source}: shift_label=false contradicts projector_type 'dspark' (the DSpark layout)")
     else:
         layout = "dspark" if (shift_label or projector == "dspark") else "dflash"
     if layout == "dflash" and block_size < 2:

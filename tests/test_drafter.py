@@ -344,6 +344,9 @@ REFUSALS = {
     "unknown_projector_type": (
         dict(spelling="specforge"), _set_nested("dflash_config", "projector_type", "eagle3"), None, None,
         r"unknown projector_type 'eagle3'"),
+    "dspark_projector_unshifted": (
+        dict(spelling="specforge"), _set_nested("dflash_config", "shift_label", False), None, None,
+        r"shift_label=false contradicts projector_type 'dspark'"),
     "dflash_layout_with_heads": (
         dict(extra_config={"architectures": ["DFlashDraftModel"]}), None, None, None,
         r"DFlash layout has no Markov or confidence head"),
