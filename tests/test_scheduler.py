@@ -386,6 +386,19 @@ def test_the_python_api_schedules_with_the_sps_table(env, tmp_path):
         speculate.generate(m, [1, 2, 3], max_new_tokens=4, sps_table=table)
 
 
+def test_a_sampled_hardware_run_repeats_with_the_same_table(env, tmp_path):
+    """--seed's promise under the hardware schedule: the same table, the same tokens. Without a table
+    every run profiles its own, and the note says how to keep one."""
+    table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 3, 1.0, lambda b: 1 + 0.3 * b)
+    runs = [cli(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 1, "--seed", 5, batch=3)
+            for _ in range(2)]
+    assert runs[0].outputs() == runs[1].outputs()
+    assert [r["verified"] for r in runs[0].rounds] == [r["verified"] for r in runs[1].rounds]
+    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                       "--max-new-tokens", 4, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware"])
+    assert rc == 0 and "not saved" in err and "--sps-table FILE" in err, err
+
+
 def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     path = tmp_path / "sps.json"
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
