@@ -316,11 +316,24 @@ def check_writable(path: Optional[str], flag: str):
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 
 
+# Names that loading reads from a model or checkpoint directory. A new output may sit beside a
+# checkpoint (train.py --eval-every writes its evaluations there), but not under one of these names,
+# which would change the model the next run loads (a stray index beside model.safetensors, a
+# chat_template.jinja that replaces the tokenizer's template).
+LOADED_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "latest")
+
+
+def loaded_name(name: str) -> bool:
+    return name in LOADED_NAMES or name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
+
+
 def check_outputs(outputs: dict, inputs=()):
     """Before any work: every output (flag -> path, None = not asked for) writable (`check_writable`),
     no two the same file, and none of them an input — a file the run reads (`inputs`: files, or
     directories whose files it reads, e.g. a checkpoint directory, where a file may be a link to one
-    elsewhere, as in the Hugging Face cache), whatever links lie between."""
+    elsewhere, as in the Hugging Face cache), whatever links lie between; nor a new file an input
+    directory's loading would read (`LOADED_NAMES`)."""
     seen = {}
     for flag, path in outputs.items():
         if path is None:
@@ -345,6 +358,9 @@ def check_outputs(outputs: dict, inputs=()):
                 files = set()
             if real in files or (os.path.dirname(real) == inp and os.path.exists(real)):
                 raise UserError(f"{flag} {path}: would overwrite a file of the input directory {src}")
+            if os.path.dirname(real) == inp and loaded_name(os.path.basename(real)):
+                raise UserError(f"{flag} {path}: a file named so in the input directory {src} would be read "
+                                f"as part of it by the next load; write it elsewhere")
 
 
 def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
