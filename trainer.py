@@ -24,7 +24,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Literal, Optional
@@ -153,9 +156,39 @@ def publish_checkpoint(out: str, step: int, write):
     """`write(directory)` writes a checkpoint's files; make it --out/checkpoint-<step>, atomically."""
     name = f"checkpoint-{step}"
     final, tmp = os.path.join(out, name), os.path.join(out, f".{name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in os.listdir(out):  # a killed save's leftovers
+        if stale.startswith(".checkpoint-") and stale.endswith(".tmp"):
+            shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
     os.makedirs(tmp)
-    write(tmp)  # each file written and fsynced by atomic_write
+    try:
+        write(tmp)  # each file written and fsynced by atomic_write; the long part, Ctrl-C stays live
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # The switch is short: Ctrl-C / SIGTERM wait until it is done, so an interrupted run leaves one
+    # checkpoint, named by `latest`, and no half-made links (SIGKILL is the kill tests' business).
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        _switch(out, name, final, tmp)
+        return
+    pending = []
+    handlers = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _switch(out, name, final, tmp)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        if pending:  # now delivered as it would have been
+            h = handlers[pending[0]]
+            if callable(h):
+                h(pending[0], None)
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), pending[0])
+
+
+def _switch(out: str, name: str, final: str, tmp: str):
+    """The written checkpoint `tmp` becomes `final`, `latest` names it, its model files are linked to
+    the top of --out, and the older checkpoints go."""
     if os.path.isdir(final):  # the same step again (a run resumed before its last save): the new one wins
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -344,6 +377,13 @@ def check_out_dir(args: TrainArgs, inputs):
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
+    folder = real if os.path.isdir(real) else parent  # where the first write lands: tried now, not after loading
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write in {folder} ({e.strerror})") from None
 
 
 def unfinished_run(directory: str) -> bool:

@@ -431,6 +431,68 @@ def test_run_stopped_before_its_first_checkpoint_leaves_out_usable(tiny_target, 
     assert rc == 2 and "already holds files" in err, err
 
 
+def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C while the files are written: the half-written checkpoint goes (it was left as
+    .checkpoint-N.tmp); Ctrl-C during the switch: it takes effect once the switch is done (two
+    checkpoints were left, or links half made)."""
+    import signal
+
+    import trainer
+
+    def write(directory):
+        with open(os.path.join(directory, "model.safetensors"), "w") as f:
+            f.write(directory)
+
+    out = tmp_path / "run"
+    out.mkdir()
+    trainer.publish_checkpoint(str(out), 1, write)
+
+    def interrupted(directory):
+        write(directory)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.publish_checkpoint(str(out), 2, interrupted)
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "latest", "model.safetensors"]
+
+    atomic_write = trainer.atomic_write
+
+    def signalled(path, data):  # the switch's `latest` write, with a Ctrl-C arriving just before it
+        os.kill(os.getpid(), signal.SIGINT)
+        atomic_write(path, data)
+
+    monkeypatch.setattr(trainer, "atomic_write", signalled)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.publish_checkpoint(str(out), 3, write)
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "latest", "model.safetensors"]
+    assert (out / "latest").read_text() == "checkpoint-3\n"
+    assert (out / "model.safetensors").read_text().endswith(".checkpoint-3.tmp")
+
+
+def test_an_unwritable_existing_out_is_refused_before_loading(tiny_target, tmp_path, monkeypatch):
+    """An existing, empty --out on a read-only filesystem: one line at the check (it failed with a
+    traceback at the first log write, after the target and data were loaded). Simulated: root may
+    write anywhere, so mkstemp refuses the folder as a read-only mount does."""
+    import errno
+    import tempfile
+
+    import trainer
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "ro"
+    out.mkdir()
+    mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):
+        if dir is not None and os.path.realpath(dir) == str(out):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(trainer.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(train, "load_target", lambda *a, **k: pytest.fail("loaded before --out was checked"))
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 1, *SMALL])
+    assert rc == 2 and f"--out {out}: cannot write in {out} (Read-only file system)" in err, err
+
+
 # ----------------------------------------------------------------------------------------
 # scripts/train_target.py, and a drafter on top of it from text
 
