@@ -436,12 +436,16 @@ def run(args: EvalArgs) -> dict:
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
     datasets = resolve_datasets(args, rank)
-    outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot}
-    check_outputs(outputs, inputs=[args.target, args.drafter, args.calibration, args.sps_table]
+    sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
+    outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
+               "--sps-table": None if sps_exists else args.sps_table}
+    check_outputs(outputs, inputs=[args.target, args.drafter, args.calibration, args.sps_table if sps_exists else None]
                   + [p for _, p, _ in datasets])
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs(outputs, inputs=[target_dir, drafter_dir])
+    if auto_compile(args.compile, args.device):  # the cache directory made (or refused) before any loading
+        args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
     with runlog.session(args, "eval", "eval.py", enabled=rank == 0) as log:  # --wandb: rank 0's run around the work
         return evaluate(args, kind, datasets, target_dir, drafter_dir, log, demo)
 
@@ -457,7 +461,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
     check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
-    cache_dir = use_compile_cache(args.compile_cache) if compile else None
+    cache_dir = args.compile_cache if compile else None
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")

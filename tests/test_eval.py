@@ -374,6 +374,25 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
     assert not (tmp_path / "r.json").exists()
 
 
+def test_sps_table_and_compile_cache_are_checked_before_loading(env, tmp_path, capsys, monkeypatch):
+    """As speculate.py does: a --sps-table that cannot be written and a --compile-cache that is a file
+    are refused before the models load (they were found after loading, and compiling); a directory
+    given as --sps-table is named as such (the error blamed --out)."""
+    monkeypatch.setattr(ev, "load_models", lambda *a, **k: pytest.fail("loaded before the outputs were checked"))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--max-new-tokens", 8, "--no-progress", "--out", tmp_path / "r.json"]
+    for extra, want in (
+            (["--scheduler", "hardware", "--sps-table", tmp_path / "no" / "s.json"], "--sps-table"),
+            (["--scheduler", "hardware", "--sps-table", tmp_path], f"--sps-table {tmp_path}: is a directory"),
+            (["--compile", "--compile-cache", afile], f"--compile-cache {afile}: not a directory")):
+        rc = ev.main([str(a) for a in base + extra])
+        err = capsys.readouterr().err
+        lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
+        assert rc == 2 and len(lines) == 1 and want in lines[0], err
+
+
 # ----------------------------------------------------------------------------------------
 # Metric helpers on hand-computed cases
 
