@@ -165,13 +165,18 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
               file=sys.stderr)  # the hub out of reach: the snapshot with its weights as it is, said
         return path
     path = path_now
-    index = os.path.join(path, "model.safetensors.index.json")
-    shards = _index_shards(index) if os.path.isfile(index) else ["model.safetensors"]
-    path = download(os.path.basename(path), shards)  # ... fetched at the very commit the metadata came from
+    if _missing_weights(path):  # (the weights of this very commit already there: nothing to ask)
+        index = os.path.join(path, "model.safetensors.index.json")
+        shards = _index_shards(index) if os.path.isfile(index) else ["model.safetensors"]
+        path = download(os.path.basename(path), shards)  # ... fetched at the very commit the metadata came from
     missing = _missing_weights(path)
     if missing:
         raise UserError(f"{where}: {path} has no {missing} after the download: the repository lacks it (checkpoints "
                         f"are read as config.json and safetensors weights), or the hub could not be reached")
+    lacking = [f for f in SNAPSHOT_EXPECTED if not os.path.isfile(os.path.join(path, f))]
+    if lacking:  # huggingface_hub returns the cached snapshot itself when the hub is out of reach
+        print(f"note: {where}: the snapshot {path} still has no {', '.join(lacking)} after asking the hub (out of "
+              f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
     return path
 
 

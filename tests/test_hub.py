@@ -90,10 +90,11 @@ def put(cache: Path, repo: str, src: Path, commit: str, refs=("main",), files=No
     return snapshot
 
 
-def fake_hub(monkeypatch, repositories: dict, calls: list, fail=None):
+def fake_hub(monkeypatch, repositories: dict, calls: list, fail=None, unreachable=False):
     """snapshot_download with the hub replaced by `repositories` ({repo id: (commit, local directory)}):
     lookups in the cache (local_files_only) go to the real function; a download is recorded in `calls`,
-    raises `fail` when given, and otherwise copies the files that match allow_patterns into the cache."""
+    raises `fail` when given, returns what the cache holds when `unreachable` (as huggingface_hub 2.x does on
+    a connection error), and otherwise copies the files that match allow_patterns into the cache."""
     def snapshot_download(repo_id, *, revision=None, cache_dir=None, local_files_only=False, allow_patterns=None,
                           **kwargs):
         if local_files_only:
@@ -102,6 +103,9 @@ def fake_hub(monkeypatch, repositories: dict, calls: list, fail=None):
         calls.append({"repo_id": repo_id, "revision": revision, "allow_patterns": allow_patterns})
         if fail is not None:
             raise fail
+        if unreachable:
+            return REAL_SNAPSHOT_DOWNLOAD(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True,
+                                          allow_patterns=allow_patterns, **kwargs)
         if repo_id not in repositories:
             raise RepositoryNotFoundError("404 Repository Not Found", response=_response(404))
         commit, src = repositories[repo_id]
@@ -294,11 +298,24 @@ def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos,
     assert rc == 0 and calls[0]["allow_patterns"] == list(inputs.HUB_META_FILES), err
     assert (hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A / "tokenizer.json").is_file()
     rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
-    assert rc == 0 and len(calls) == 2, err  # complete now: the hub is not asked again
+    assert rc == 0 and len(calls) == 1, err  # complete now: the hub is not asked again (nor for weights it had)
     put(hub.cache, "org/other", repos.a, COMMIT_B, files=["config.json", "model.safetensors"])
     fake_hub(monkeypatch, {}, [], fail=LocalEntryNotFoundError("Got: ConnectError: no network"))
     rc, _, err = run(["--target", "org/other", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
     assert rc == 0 and "the hub cannot be reached" in err and "using the cached snapshot" in err, err
+
+
+def test_the_hubs_own_fallback_to_the_cache_is_said(hub, repos, monkeypatch, capsys):
+    """huggingface_hub 2.x answers a connection error with the cached snapshot, raising nothing: the note
+    that it is used as it is was never printed (the run went on silently without its tokenizer), and the
+    weights were asked for again (another round of retries) though they were there."""
+    put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json", "model.safetensors"])
+    hub.online()
+    calls = []
+    fake_hub(monkeypatch, {}, calls, unreachable=True)
+    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    assert rc == 0 and len(calls) == 1, err
+    assert "still has no tokenizer.json, tokenizer_config.json, generation_config.json after asking the hub" in err
 
 
 def test_a_partial_snapshot_is_completed_online(hub, repos, monkeypatch, capsys):
