@@ -130,7 +130,7 @@ class EvalArgs(WandbFlags):
     current directory, refused when that file exists (so an earlier run's results are never replaced
     unasked)."""
     progress: bool = True
-    """Progress bars on stderr (rank 0 only)."""
+    """Progress on stderr (rank 0 only): a bar on a terminal, else a plain line at most once a minute."""
     calibration: Optional[str] = None
     """Apply STS temperatures from an earlier --calibration-out before the threshold (as speculate.py)."""
     calibration_split: float = 0.5
@@ -515,10 +515,20 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, args.sps_table, verbose=rank == 0))
 
-    bar = None
-    if args.progress and rank == 0:
+    bar, lines, shown = None, None, runlog.progress(args.progress and rank == 0)
+    total, done = sum(len(ps) for ps in prompts.values()), [0]
+    if shown == "bar":
         from tqdm import tqdm
-        bar = tqdm(total=sum(len(ps) for ps in prompts.values()), file=sys.stderr, unit="prompt", dynamic_ncols=True)
+        bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
+    elif shown == "lines":
+        lines = runlog.Lines()
+
+    def on_finish(req):
+        done[0] += world
+        if bar is not None:
+            bar.update(world)
+        if lines is not None:
+            lines.say(f"{name}: {min(done[0], total)}/{total} prompts of all datasets done")
     entries, parts = [], []
     for name, _, _ in datasets:
         try:  # a signal may land anywhere in here, writing --out included: what is done is written again, marked
@@ -528,8 +538,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
             if bar is not None:
                 bar.set_description(name)
             # All of the shard at once: continuous batching keeps the rows busy; the bar moves per request.
-            engine.generate(requests, args.max_new_tokens,
-                            on_finish=(lambda req: bar.update(world)) if bar is not None else None)
+            engine.generate(requests, args.max_new_tokens, on_finish=on_finish if shown else None)
             seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
             c = mt.unflatten(all_sum(mt.flatten(mt.count(requests, K, m.stop_ids)), device), K)
             entries.append(metrics(name, c, seconds))

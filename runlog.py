@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
 
@@ -235,6 +236,26 @@ def session(args, job_type: str, program: str, enabled: bool = True):
 
 # ----------------------------------------------------------------------------------------
 # speculate.py
+
+class Lines:
+    """Progress where stderr is not a terminal (a log file, a pipe, a batch job's output), in which a
+    tqdm bar's frames would pile up: `say(text)` prints a plain line at most every `every` seconds,
+    and always with `final=True`. `eval.py` and `train.py` use it in place of their bars there."""
+
+    def __init__(self, every: float = 60.0):
+        self.every, self.last = every, time.monotonic()
+
+    def say(self, text: str, final: bool = False):
+        now = time.monotonic()
+        if final or now - self.last >= self.every:
+            self.last = now
+            print(text, file=sys.stderr, flush=True)
+
+
+def progress(enabled: bool) -> Optional[str]:
+    """How to show progress: "bar" on a terminal, "lines" elsewhere (`Lines`), None when not asked for."""
+    return None if not enabled else "bar" if sys.stderr.isatty() else "lines"
+
 
 class DecodeWatch:
     """speculate.py's observer of one decode (`Engine.generate`'s callbacks): `on_round(request,

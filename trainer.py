@@ -37,6 +37,7 @@ import torch
 from common import (UserError, atomic_write, check_ranges, cli_main, peak_tflops, read_json, save_tensors,
                     write_json)
 from model import read_safetensors
+import runlog
 from runlog import WandbFlags, check as check_wandb
 
 STATE_TENSORS = "training_state.safetensors"
@@ -101,7 +102,7 @@ class TrainArgs(WandbFlags):
     log_every: int = 10
     """With --wandb: log the step's figures (loss terms, lr, grad norm, tokens/s, MFU, ETA) every this many steps."""
     progress: bool = True
-    """tqdm progress bar on stderr (rank 0): loss, tokens/s, MFU, ETA."""
+    """Progress on stderr (rank 0): a tqdm bar (loss, tokens/s, MFU, ETA) on a terminal, else a plain line a minute."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for the MFU estimate (default: the data-sheet dense bf16 figure of a known
     GPU — H100/H200 989, A100 312 — else no MFU). MFU = step_flops / step time / (peak x processes)."""
@@ -477,7 +478,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     main = run.rank == 0
     from tqdm import tqdm
 
-    bar = tqdm(total=end, initial=start, file=sys.stderr, disable=not (args.progress and main), dynamic_ncols=True)
+    shown = runlog.progress(args.progress and main)
+    bar = tqdm(total=end, initial=start, file=sys.stderr, disable=shown != "bar", dynamic_ncols=True)
+    lines = runlog.Lines() if shown == "lines" else None
     if main:  # one JSON line per step; a run resumed into its own --out drops the lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
@@ -537,6 +540,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", **{k: f"{v:.3f}" for k, v in metrics.items() if k in ("tau", "ppl")},
                         tok_s=f"{speed['tokens_per_second']:,.0f}",
                         **({"mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else {}))
+        if lines is not None:
+            lines.say(f"step {step + 1}/{end}: loss {metrics['loss']:.4f}, {speed['tokens_per_second']:,.0f} tokens/s, "
+                      f"{speed['eta_seconds'] / 60:.1f} min to go", final=step + 1 == end)
         record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
         if main:
             log.write(json.dumps({"step": step + 1, **record}) + "\n")

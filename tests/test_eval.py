@@ -258,7 +258,9 @@ def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
     assert p.stdout.count("gsm8k") == printed.count("gsm8k") == 3
 
 
-def test_seed_repeats_sampled_runs_and_resets_per_dataset(env, tmp_path, capsys):
+def test_seed_repeats_sampled_runs_and_resets_per_dataset(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar, as on a terminal
+
     def sampled(seed, datasets, out):
         res, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--seed", seed, "--batch-size", 2,
                                "--progress", datasets=datasets, out=out)
@@ -372,6 +374,15 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
     assert len(lines) == 1 and want in lines[0], err
     assert "Traceback" not in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_progress_off_a_terminal_is_plain_lines(env, tmp_path, capsys):
+    """stderr captured (not a terminal): no bar frames joined by carriage returns in it."""
+    out = tmp_path / "r.json"
+    rc = ev.main([str(a) for a in ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"],
+                                   "--datasets", "gsm8k", "--max-new-tokens", 8, "--out", out]])
+    err = capsys.readouterr().err
+    assert rc == 0 and "\r" not in err and "prompt/s" not in err, err
 
 
 def test_sps_table_and_compile_cache_are_checked_before_loading(env, tmp_path, capsys, monkeypatch):

@@ -41,7 +41,7 @@ _spec.loader.exec_module(train_target)
 # ----------------------------------------------------------------------------------------
 # Helpers
 
-def run_train(args, program=train) -> tuple[int, dict, str]:
+def run_train(args, program=train, progress=False) -> tuple[int, dict, str]:
     """program.run (train.py, or scripts/train_target.py) through its CLI parsing, in-process:
     (exit status, result or {}, stderr)."""
     import tyro
@@ -49,7 +49,7 @@ def run_train(args, program=train) -> tuple[int, dict, str]:
     err = io.StringIO()
     result = {}
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        a = tyro.cli(program.Args, args=[str(x) for x in args] + ["--no-progress"])
+        a = tyro.cli(program.Args, args=[str(x) for x in args] + ([] if progress else ["--no-progress"]))
         try:
             result = program.run(a)
             rc = 0
@@ -467,6 +467,18 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
     assert sorted(os.listdir(out)) == ["checkpoint-3", "latest", "model.safetensors"]
     assert (out / "latest").read_text() == "checkpoint-3\n"
     assert (out / "model.safetensors").read_text().endswith(".checkpoint-3.tmp")
+
+
+def test_progress_off_a_terminal_is_plain_lines(tiny_target, tmp_path, capsys):
+    """stderr in a file (here captured): no bar frames piling up in it (they did, one per step, joined by
+    carriage returns), a plain line instead — at the last step, and at most once a minute before it."""
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o", "--steps", 3,
+                            "--anchors-per-seq", 4, *SMALL], progress=True)
+    assert rc == 0, err
+    assert "\r" not in err and "it/s" not in err, err
+    assert [l for l in err.splitlines() if l.startswith("step ")] == [l for l in err.splitlines() if "step 3/3: loss" in l]
+    assert "step 3/3: loss" in err
 
 
 def test_an_unwritable_existing_out_is_refused_before_loading(tiny_target, tmp_path, monkeypatch):
