@@ -141,6 +141,10 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     if target_dir is None or drafter_dir is None:
         raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "
                         "(or neither, for the demo pair)")
+    if prompts_file is None:  # before any model loads
+        raise UserError("--prompts-file: needed with a --target other than the demo pair")
+    if not os.path.exists(prompts_file):  # (the rest of its checks are load_prompts')
+        raise UserError(f"{prompts_file}: prompts file not found")
     target_dir, drafter_dir = resolve_checkpoint(target_dir, "--target"), resolve_checkpoint(drafter_dir, "--drafter")
     check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[target_dir, drafter_dir])  # hub ids' snapshots
     if args.threads:
@@ -149,8 +153,6 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     compile = auto_compile(args.compile, dev)
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype)
     target, drafter = m.target, m.drafter
-    if prompts_file is None:
-        raise UserError("--prompts-file: needed with a --target other than the demo pair")
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
     sources = []
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)

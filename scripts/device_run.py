@@ -20,7 +20,12 @@ is reported and the next one still runs. Steps, most important first:
                (--steps triton-b32)
 Bench steps write DIR/<step>.json (bench's own JSON, rewritten after every batch size), env writes
 DIR/env.json, every step's output goes to DIR/log.txt, and DIR/summary.json gives each step's status
-(ok; skipped: it does nothing here; exit N; timed out; not run) and seconds. Exactness: bench asserts
+(ok; skipped: it does nothing here; exit N; timed out; interrupted; not run) and seconds. DIR and the
+files the steps write there are checked before the first step. Several calls may write one DIR (the
+second call above): summary.json keeps the earlier calls' steps (each entry names its call; "calls"
+gives each call's time and steps), a step run again replaces its entry and its file, and log.txt gets
+a header line per call. Ctrl-C (SIGINT) or SIGTERM stops the running step (and what it started), marks
+it interrupted in summary.json and ends with one line, exit 130 / 143. Exactness: bench asserts
 equal tokens only in float32; in bf16 it reports the requests whose tokens differ and the target's
 top-2 logit gap where they start.
 """
@@ -28,9 +33,11 @@ top-2 logit gap where they start.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -39,7 +46,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import UserError, write_json  # noqa: E402  (common needs neither tyro nor wandb)
+from common import UserError, check_writable, read_json, write_json  # noqa: E402  (common needs neither tyro nor wandb)
 
 SKIPPED = 3  # a step's exit status when it did nothing here (summary.json: "skipped", not "ok")
 
@@ -53,6 +60,12 @@ STEPS = {
     "suite": 300,
     "triton-b32": 300,
 }
+BENCH_STEPS = ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32")
+
+
+def result_file(step: str):
+    """The file a step writes in --out besides log.txt and summary.json (None: none)."""
+    return "env.json" if step == "env" else f"{step}.json" if step in BENCH_STEPS else None
 
 
 def bench_args(step: str, dry: bool, out: str) -> dict:
@@ -90,7 +103,7 @@ def run_step(step: str, dry: bool, out_dir: str):
         print(json.dumps(info))
         write_json(os.path.join(out_dir, "env.json"), info)
         return 0
-    if step in ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32"):
+    if step in BENCH_STEPS:
         import bench
 
         try:
@@ -121,6 +134,48 @@ def run_step(step: str, dry: bool, out_dir: str):
     raise SystemExit(f"unknown step {step!r}")
 
 
+def check_out(out: str, steps: list[str]):
+    """--out before any step: the folder made if missing, and every file this call writes there writable."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    for name in ("summary.json", "log.txt", *filter(None, map(result_file, steps))):
+        check_writable(os.path.join(out, name), "--out")
+
+
+def earlier_summary(path: str) -> dict:
+    """summary.json of the earlier calls into --out ({"calls": [...], "steps": [...]}), or an empty one."""
+    if not os.path.exists(path):
+        return {"calls": [], "steps": []}
+    old = read_json(path)
+    steps, calls = old.get("steps"), old.get("calls")
+    if not (isinstance(steps, list) and all(isinstance(s, dict) and isinstance(s.get("step"), str) for s in steps)
+            and isinstance(calls, (list, type(None)))):
+        raise UserError(f"{path}: not a summary of scripts/device_run.py; remove it, or give another --out")
+    if calls is None:  # written before calls were counted: one call
+        calls, steps = [{k: old[k] for k in ("dry_run", "budget_s") if k in old}], [dict(s, call=1) for s in steps]
+    return {"calls": calls, "steps": steps}
+
+
+def stop(p: subprocess.Popen):
+    """End a step's process and whatever it started (its process group): SIGTERM, SIGKILL after 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # none left
+            break
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    p.wait()
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "device_out"), help="where the results go (default: $OUT)")
@@ -148,44 +203,91 @@ def main() -> int:
             print("error: scripts/device_run.py needs a CUDA device (use --dry-run to check its plumbing on CPU)",
                   file=sys.stderr)
             return 2
-    os.makedirs(a.out, exist_ok=True)
-    t_end = time.monotonic() + a.budget
-    summary = {"dry_run": a.dry_run, "budget_s": a.budget, "steps": []}
-    for step in steps:
-        left = t_end - time.monotonic()
-        if left < 10:
-            summary["steps"].append({"step": step, "status": "not run: budget spent"})
-            continue
-        limit = min(STEPS[step], left)
-        print(f"=== {step} (at most {limit:.0f} s)", flush=True)
-        t0 = time.monotonic()
-        cmd = [sys.executable, os.path.abspath(__file__), "--step", step, "--out", a.out] + (["--dry-run"] if a.dry_run else [])
-        with open(os.path.join(a.out, "log.txt"), "a") as log:  # one log for all steps (few files come back)
-            log.write(f"=== {step}\n")
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            if a.dry_run and step.startswith("triton-"):  # the Triton kernels on CPU: their interpreter
-                env["TRITON_INTERPRET"] = "1"
-            p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    summary_path = os.path.join(a.out, "summary.json")
+    try:
+        check_out(a.out, steps)
+        summary = earlier_summary(summary_path)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    call = len(summary["calls"]) + 1
+    started = now()
+    summary["calls"].append({"call": call, "started": started, "steps": steps, "dry_run": a.dry_run,
+                             "budget_s": a.budget})
+    entries, mine = summary["steps"], []  # every call's steps; this call's statuses
 
-            def pump():  # echo and keep the step's output as it comes
-                for line in p.stdout:
-                    print(line, end="", flush=True)
-                    log.write(line)
-                    log.flush()
-            reader = threading.Thread(target=pump, daemon=True)
-            reader.start()
-            try:
-                p.wait(timeout=limit)
-                status = {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}")
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                status = "timed out"
-            reader.join(timeout=5)
-        summary["steps"].append({"step": step, "status": status, "seconds": round(time.monotonic() - t0, 1)})
-        print(f"=== {step}: {status} in {time.monotonic() - t0:.0f} s", flush=True)
-        write_json(os.path.join(a.out, "summary.json"), summary)
-    return 0 if all(s["status"] in ("ok", "skipped") for s in summary["steps"]) else 1
+    def put(entry: dict):  # this call's entry for a step replaces an earlier call's
+        i = next((i for i, e in enumerate(entries) if e["step"] == entry["step"]), None)
+        if i is None:
+            entries.append(entry)
+        else:
+            entries[i] = entry
+
+    with open(os.path.join(a.out, "log.txt"), "a") as log:
+        log.write(f"##### call {call} at {started}: --steps {','.join(steps)}{' --dry-run' if a.dry_run else ''}\n")
+    signals = []  # Ctrl-C / SIGTERM: the running step is stopped, no other starts
+    handlers = {s: signal.signal(s, lambda signum, frame: signals.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        t_end = time.monotonic() + a.budget
+        for step in steps:
+            left = t_end - time.monotonic()
+            if signals or left < 10:
+                status = "not run: " + ("interrupted" if signals else "budget spent")
+                mine.append(status)
+                if not any(e["step"] == step for e in entries):  # else an earlier call's result stays
+                    put({"step": step, "status": status, "call": call})
+                continue
+            limit = min(STEPS[step], left)
+            print(f"=== {step} (at most {limit:.0f} s)", flush=True)
+            t0 = time.monotonic()
+            entry = {"step": step, "status": "running", "call": call, "started": now()}
+            put(entry)
+            if result_file(step) and os.path.exists(os.path.join(a.out, result_file(step))):
+                os.remove(os.path.join(a.out, result_file(step)))  # an earlier call's, no longer in the summary
+            write_json(summary_path, summary)
+            cmd = [sys.executable, os.path.abspath(__file__), "--step", step, "--out", a.out] + (["--dry-run"] if a.dry_run else [])
+            with open(os.path.join(a.out, "log.txt"), "a") as log:  # one log for all steps (few files come back)
+                log.write(f"=== {step}\n")
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                if a.dry_run and step.startswith("triton-"):  # the Triton kernels on CPU: their interpreter
+                    env["TRITON_INTERPRET"] = "1"
+                # its own process group (no Ctrl-C of its own): stopped here, with what it started
+                p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, start_new_session=True)
+
+                def pump():  # echo and keep the step's output as it comes
+                    for line in p.stdout:
+                        print(line, end="", flush=True)
+                        log.write(line)
+                        log.flush()
+                reader = threading.Thread(target=pump, daemon=True)
+                reader.start()
+                while True:
+                    try:
+                        p.wait(timeout=0.2)
+                        status = {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}")
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if signals or time.monotonic() - t0 > limit:
+                        status = "interrupted" if signals else "timed out"
+                        stop(p)
+                        break
+                reader.join(timeout=5)
+            entry.update(status=status, seconds=round(time.monotonic() - t0, 1))
+            mine.append(status)
+            print(f"=== {step}: {status} in {time.monotonic() - t0:.0f} s", flush=True)
+            write_json(summary_path, summary)
+        write_json(summary_path, summary)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    if signals:
+        print(f"interrupted by {signal.Signals(signals[0]).name}: stopped; {summary_path} lists what finished",
+              file=sys.stderr)
+        return 128 + signals[0]
+    return 0 if all(s in ("ok", "skipped") for s in mine) else 1
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ each file's source, split, row count and license.
 Needs a network and `pip install datasets` (which brings huggingface_hub and pyarrow); neither
 is imported until a download starts, so --help and --list work without them. Existing files are
 never overwritten without --force, and every file is written whole or not at all (a temporary
-file in the same folder, then a rename). Exit status: 0 on success, 2 on a usage error (a file
-that exists, an unknown name, a missing package) with one line on stderr, 1 if a download fails.
+file in the same folder, then a rename); every output path is checked before the first download.
+Exit status: 0 on success, 2 on a usage error (a file that exists, an output path that is a directory,
+an unknown name, a missing package) with one line on stderr, 1 if a download fails, 130 / 143 when
+Ctrl-C (SIGINT) / SIGTERM stops it (one line; the files finished are kept, the one being written is not).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -179,6 +183,27 @@ class UsageError(Exception):
     """A mistake of the caller: exit status 2, one line on stderr."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: a KeyboardInterrupt (so no library's `except Exception` swallows it) with its signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+def check_output_file(path: str):
+    """Before any download: an output path must be a regular file (links followed), or nothing yet."""
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        raise UsageError(f"{path}: is a directory, not a file (remove it, or give another --out-dir)")
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise UsageError(f"{path}: is not a regular file (a device or a pipe); remove it, or give another --out-dir")
+
+
 def _need(module: str):
     """Import an optional dependency, or say how to install it."""
     import importlib
@@ -276,6 +301,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for src in SOURCES:
             print(src.describe())
         return 0
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         unknown = [n for n in args.names if n not in BY_NAME]
         if unknown:
@@ -292,6 +320,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
             raise UsageError(f"--out-dir {args.out_dir}: " + ("not a directory" if probe == os.path.abspath(
                 args.out_dir) else f"cannot be created ({probe} is not a writable directory)"))
+        for path in paths.values():
+            check_output_file(path)
         existing = [p for p in paths.values() if os.path.exists(p)]
         if existing and not args.force:  # checked for all before downloading anything
             raise UsageError(f"{existing[0]} exists (pass --force to replace it)"
@@ -315,6 +345,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:  # a download or a conversion that failed: say which, keep nothing half-written
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: write_records has removed its temporary file
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"interrupted by {signal.Signals(signum).name}: stopped; the files written before are kept, "
+              "no partial one", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
     return 0
 
 

@@ -15,10 +15,11 @@ What is notable here:
 - Sampling is reproducible whatever the batch, chunk or shard: turn t of conversation i samples from its
   own generator seeded --seed + i·1024 + t (the engine's per-request streams). Sampling is the authors':
   temperature 0.7, top-p 0.8, top-k 20 by default, exact under speculation; each record says so.
-- Output: JSON lines {"messages": [...], "source": "file:line", "id"?, "regenerated": {settings, finish
-  reasons, response tokens}}, in input order, appended chunk by chunk to OUT.partial (flushed to disk) and
-  renamed to OUT when complete. --num-shards/--shard-index split the prompts across processes (one per GPU);
-  concatenate their outputs.
+- Output: JSON lines {"messages": [...], "source": "file:line" (the prompts file's real path), "id"?,
+  "regenerated": {settings, finish reasons, response tokens}}, in input order, appended chunk by chunk to
+  OUT.partial (flushed to disk) and renamed to OUT when complete (an OUT that is a symbolic link: to the file
+  it names, beside which OUT.partial and OUT.partial.json go). --num-shards/--shard-index split the prompts
+  across processes (one per GPU); concatenate their outputs.
 - --resume continues an interrupted run's OUT.partial. OUT.partial.json beside it (written atomically after
   each chunk) holds what its records depend on (the model files, the prompts, the sampling and length flags)
   and how many conversations are done, the dropped ones included; a resume that differs in any of them is
@@ -109,12 +110,14 @@ def prompt_files(paths: str) -> list[str]:
 
 
 def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dict], int]]:
-    """(where, id, the messages kept (system and user), number of user turns) per prompt record."""
+    """(source: "file:line" by the file's real path, id, the messages kept (system and user), number of user
+    turns) per prompt record. The source is the same whichever way --prompts names the file (./p, /abs/p)."""
     out = []
     for path in prompt_files(paths):
         if not os.path.isfile(path):
             raise UserError(f"--prompts {path}: file not found")
-        for where, obj in read_jsonl(path):
+        real = os.path.realpath(path)
+        for where, obj in read_jsonl(path):  # `where` names the file as given: for messages
             msgs = None
             if isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"] \
                     and all(isinstance(t, str) for t in obj["turns"]):
@@ -130,7 +133,7 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
             if not msgs or not any(m["role"] == "user" for m in msgs):
                 raise UserError(f"{where}: expected {{\"turns\": [str]}}, {{\"prompt\": str}} or {{\"messages\": [...]}} "
                                 "with a user turn")
-            out.append((where, obj.get("id"), msgs, sum(m["role"] == "user" for m in msgs)))
+            out.append((real + where[len(path):], obj.get("id"), msgs, sum(m["role"] == "user" for m in msgs)))
     if not out:
         raise UserError(f"--prompts {paths}: no prompts")
     return out
@@ -159,7 +162,8 @@ def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: 
     for where, cid, msgs, _ in convs:
         digest.update(json.dumps([where, cid, msgs]).encode() + b"\n")
     real = lambda d: os.path.realpath(d) if d is not None else None  # noqa: E731  (./m and /abs/m agree)
-    return {"--target": real(target_dir), "--drafter": real(drafter_dir), "--prompts": args.prompts,
+    return {"--target": real(target_dir), "--drafter": real(drafter_dir),
+            "--prompts": ",".join(map(real, prompt_files(args.prompts))),
             "--dtype": args.dtype,  # another dtype rounds, and samples, otherwise
             "--max-prompts": args.max_prompts, "--num-shards": args.num_shards, "--shard-index": args.shard_index,
             "--max-context": args.max_context, "--max-new-tokens": args.max_new_tokens,
@@ -224,7 +228,8 @@ def run(args: Args) -> dict:
     if any(n > TURN_STRIDE for *_, n in convs):
         raise UserError(f"--prompts: a conversation has more than {TURN_STRIDE} user turns")
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
-    partial, done_path = args.out + ".partial", args.out + ".partial.json"
+    out_file = os.path.realpath(args.out)  # a link: the file it names is written (as atomic_write does), and
+    partial, done_path = out_file + ".partial", out_file + ".partial.json"  # OUT.partial(.json) go beside it
     check_outputs({"--out": args.out, "--out (its partial file)": partial, "--out (its resume file)": done_path},
                   inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])  # not a prompts file nor a model's
     key = resume_key(args, convs, target_dir, drafter_dir)
@@ -314,7 +319,7 @@ def run(args: Args) -> dict:
         # After the lines: a run killed in between leaves at most this chunk's last drops to be retried.
         write_json(done_path, dict(resume, consumed=cut + c0 + len(chunk), dropped=stats["dropped"]))
     bar.close()
-    os.replace(partial, args.out)
+    os.replace(partial, out_file)
     os.remove(done_path)
     seconds = time.perf_counter() - t0
     tau = stats["committed"] / stats["rounds"] if args.drafter and stats["rounds"] else None

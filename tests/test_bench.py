@@ -197,6 +197,76 @@ def test_device_script_dry_run(tmp_path):
         assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
 
 
+def device_run(argv, cwd, **kw):
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--dry-run", *argv],
+                          capture_output=True, text=True, timeout=300, cwd=cwd, **kw)
+
+
+def test_device_script_checks_out_before_any_step(tmp_path):
+    """--out that cannot be made, a file the steps write that is a directory, an earlier summary.json that is
+    not one: one line naming it and status 2 before the first step (the first was an OSError traceback)."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "o1" / "env.json").mkdir(parents=True)
+    (tmp_path / "o2" / "summary.json").mkdir(parents=True)
+    (tmp_path / "o3").mkdir()
+    (tmp_path / "o3" / "summary.json").write_text('{"steps": 3}')
+    for out, needle in (("afile/dr", "--out {}/afile/dr: cannot create it"), ("o1", "--out {}/o1/env.json: is a dir"),
+                        ("o2", "--out {}/o2/summary.json: is a dir"), ("o3", "{}/o3/summary.json: not a summary")):
+        p = device_run(["--steps", "env", "--out", out], tmp_path)
+        assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+        assert needle.format(tmp_path) in p.stderr, p.stderr
+    assert not (tmp_path / "o1" / "log.txt").exists()
+    assert (tmp_path / "o3" / "summary.json").read_text() == '{"steps": 3}'
+
+
+def test_device_script_calls_into_one_out_merge(tmp_path):
+    """A second call into the same --out (the GPU run's --steps triton-b32 call) keeps the first call's steps in
+    summary.json, each entry naming its call, replaces the steps it reruns, and heads its part of log.txt."""
+    assert device_run(["--steps", "env,triton", "--out", "out"], tmp_path).returncode == 0
+    assert device_run(["--steps", "env", "--out", "out"], tmp_path).returncode == 0
+    summary = json.load(open(tmp_path / "out" / "summary.json"))
+    assert [(s["step"], s["status"], s["call"]) for s in summary["steps"]] == [
+        ("env", "ok", 2), ("triton", "skipped", 1)]
+    assert [(c["call"], c["steps"]) for c in summary["calls"]] == [(1, ["env", "triton"]), (2, ["env"])]
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert log.count("##### call ") == 2 and "##### call 2 at " in log and log.count("=== env") == 2
+    assert json.load(open(tmp_path / "out" / "env.json"))["torch"]
+
+
+def test_device_script_interrupted_keeps_a_summary(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) mid-step: the step is stopped, summary.json says
+    what finished, the step interrupted and the rest not run; one line on stderr, no traceback, exit 130. The
+    step's file from an earlier call is removed when it runs again (the summary no longer lists it)."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "eager-b1.json").write_text("{}")  # an earlier call's: gone once the step runs again
+    p = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--dry-run", "--steps",
+                          "env,eager-b1,triton", "--out", "out"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    printed = []
+    for line in p.stdout:
+        printed.append(line)
+        if line.startswith("=== eager-b1 (at most"):
+            break
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert err.count("\n") == 1 and err.startswith("interrupted by SIGINT") and "Traceback" not in out, err + out
+    summary = json.load(open(tmp_path / "out" / "summary.json"))
+    assert [(s["step"], s["status"]) for s in summary["steps"]] == [
+        ("env", "ok"), ("eager-b1", "interrupted"), ("triton", "not run: interrupted")]
+    assert sorted(os.listdir(tmp_path / "out")) == ["env.json", "log.txt", "summary.json"]
+
+
 def test_reference_drafter_is_plain_and_equal(monkeypatch):
     """The reference loop's drafter is the engine's weights in plain modules — no fused projections, no
     packed GEMMs (this project's speed-ups, which the loop it is measured against does not have) —

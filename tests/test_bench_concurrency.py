@@ -134,3 +134,16 @@ def test_concurrency_bad_flags(flags, needle, capsys):
     assert bc.main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_prompts_file_needed_is_said_before_the_models_load(monkeypatch, capsys):
+    """Another pair than the demo's without --prompts-file: one line before any model loads (it came after)."""
+    monkeypatch.setattr(bc, "load_models", None)  # loading the models would be a TypeError
+    assert bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
+                    os.path.join(DEMO_DIR, "drafter")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prompts-file: needed") and err.count("\n") == 1, err
+    assert bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
+                    os.path.join(DEMO_DIR, "drafter"), "--prompts-file", "no-such.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: no-such.jsonl: prompts file not found\n", err

@@ -8,8 +8,10 @@ import os
 import importlib.util
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,66 @@ def test_unknown_name_and_bad_max_rows(tmp_path):
                             (str(tmp_path / "afile"), "not a directory")):
         r = run("gsm8k", "--out-dir", out_dir)
         assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+STUB_HUB = """
+import json, os, time
+
+def hf_hub_download(repo, filename, repo_type=None):  # the test's stand-in: no network
+    open(os.environ["STUB_CALLED"], "w").close()
+    if os.environ.get("STUB_HANG"):
+        time.sleep(120)
+    path = os.path.join(os.path.dirname(os.environ["STUB_CALLED"]), "rows.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps({"prompt": "Write a poem."}) + "\\n")
+    return path
+"""
+
+
+def stub_hub_env(tmp_path, **extra):
+    """Environment in which the script's huggingface_hub is a stub that marks tmp_path/called when asked."""
+    (tmp_path / "stub" / "huggingface_hub").mkdir(parents=True)
+    (tmp_path / "stub" / "huggingface_hub" / "__init__.py").write_text(STUB_HUB)
+    return dict(os.environ, PYTHONPATH=str(tmp_path / "stub"), STUB_CALLED=str(tmp_path / "called"), **extra)
+
+
+def test_download_through_the_stub_hub(tmp_path):
+    """The stand-in hub the tests below use: a run through it writes the converted file."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(SCRIPT), "arena-hard-v2", "--out-dir", str(out)], capture_output=True,
+                       text=True, timeout=120, env=stub_hub_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (out / "arena-hard-v2.jsonl").read_text() == '{"turns": ["Write a poem."]}\n'
+
+
+def test_output_path_that_is_a_directory_is_refused_before_downloading(tmp_path):
+    out = tmp_path / "out"
+    (out / "arena-hard-v2.jsonl").mkdir(parents=True)
+    r = subprocess.run([sys.executable, str(SCRIPT), "arena-hard-v2", "--out-dir", str(out), "--force"],
+                       capture_output=True, text=True, timeout=120, env=stub_hub_env(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"{out / 'arena-hard-v2.jsonl'}: is a directory" in r.stderr
+    assert not (tmp_path / "called").exists()  # nothing downloaded
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_download_is_one_line_and_leaves_no_partial_file(tmp_path, sig):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "gsm8k.jsonl").write_text("kept\n")  # another dataset's file, not touched
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "arena-hard-v2", "--out-dir", str(out)], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=stub_hub_env(tmp_path, STUB_HANG="1"))
+    t0 = time.time()
+    while not (tmp_path / "called").exists():  # the download has started (and the temporary file is open)
+        assert p.poll() is None, p.communicate()
+        assert time.time() - t0 < 60
+        time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + sig, err
+    lines = err.strip().splitlines()  # "arena-hard-v2: reading ...", then the interruption
+    assert len(lines) == 2 and lines[1].startswith(f"interrupted by {sig.name}"), err
+    assert sorted(f.name for f in out.iterdir()) == ["gsm8k.jsonl"]
 
 
 S = "\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -118,6 +118,37 @@ def test_resume_continues_a_torn_partial(tmp_path, monkeypatch):
     assert not partial.exists() and not (tmp_path / "r.jsonl.partial.json").exists() and out.exists()
 
 
+def test_resume_with_the_prompts_file_named_otherwise(tmp_path, monkeypatch):
+    """A run started with --prompts /abs/prompts.jsonl resumes with --prompts prompts.jsonl (the same file): the
+    file is compared, and the records name, by its real path."""
+    full, _ = regen(tmp_path, "full.jsonl", "--chunk-size", 1, "--max-prompts", 2)
+    partial = killed_run(tmp_path, monkeypatch, "r.jsonl", 3, "--chunk-size", 1, "--max-prompts", 2)
+    assert [json.loads(line) for line in open(partial)] == full[:1]
+    monkeypatch.chdir(tmp_path)
+    resumed, res = regen(tmp_path, "r.jsonl", "--chunk-size", 1, "--max-prompts", 2, "--resume", "--prompts",
+                         "prompts.jsonl")
+    assert resumed == full and res["responses"] == 1  # only the second conversation was generated
+    assert [r["source"] for r in resumed] == [f"{tmp_path.resolve() / 'prompts.jsonl'}:{i}" for i in (1, 2)]
+
+
+def test_out_that_is_a_link_writes_the_file_it_names(tmp_path, monkeypatch):
+    """--out LINK: the partial and resume files go beside the file LINK names, a resume through the link or the
+    file continues them, and the file is written, the link kept."""
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "real.jsonl"
+    target.write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(target)
+    killed_run(tmp_path, monkeypatch, "link.jsonl", 3, "--chunk-size", 1, "--max-prompts", 2)
+    assert (tmp_path / "data" / "real.jsonl.partial").is_file()
+    assert (tmp_path / "data" / "real.jsonl.partial.json").is_file()
+    assert not (tmp_path / "link.jsonl.partial").exists() and not (tmp_path / "link.jsonl.partial.json").exists()
+    recs, res = regen(tmp_path, "link.jsonl", "--chunk-size", 1, "--max-prompts", 2, "--resume")
+    assert len(recs) == 2 and res["responses"] == 1
+    assert (tmp_path / "link.jsonl").is_symlink() and os.readlink(tmp_path / "link.jsonl") == str(target)
+    assert [json.loads(line) for line in open(target)] == recs
+    assert sorted(os.listdir(tmp_path / "data")) == ["real.jsonl"]
+
+
 LONG = {"prompt": "x = 1 " * 40}  # over --max-context 64 - --max-new-tokens 12: dropped
 
 
