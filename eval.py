@@ -393,8 +393,9 @@ def budget(args: EvalArgs, demo: bool, prompts: dict, context: int, verbose: boo
     return context - longest
 
 
-def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
-    """(name, path, sample count) for every requested dataset whose file exists."""
+def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[str]]:
+    """(name, path, sample count) for every requested dataset whose file exists; and the files of the
+    known datasets that are missing (skipped, with a warning once every input has been checked)."""
     data_dir = args.data_dir or DATA_DIR
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir}: directory not found")
@@ -407,20 +408,19 @@ def resolve_datasets(args: EvalArgs, rank: int) -> list[tuple[str, str, int]]:
     twice = [n for i, n in enumerate(names) if n in names[:i]]
     if twice:
         raise UserError(f"--datasets: {twice[0]!r} is named twice")
-    out = []
+    out, skipped = [], []
     for name in names:
         path = os.path.join(data_dir, f"{name}.jsonl")
         if name not in DEFAULT_SAMPLES and not os.path.isfile(path):
             raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
                                   f"or any <name>.jsonl in {data_dir})")
         if not os.path.isfile(path):
-            if rank == 0:
-                print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
+            skipped.append(path)
             continue
         out.append((name, path, args.max_samples or DEFAULT_SAMPLES.get(name, 0)))  # 0: every row
     if not out:
         raise UserError(f"--datasets: none of {', '.join(names)} is in {data_dir}")
-    return out
+    return out, skipped
 
 
 def run(args: EvalArgs) -> dict:
@@ -435,7 +435,11 @@ def run(args: EvalArgs) -> dict:
     check_compile_flags(auto_compile(args.compile, args.device), args.compile_cache, args.verbose, args.compile_mode)
     kind = resolve_scheduler(args)
     rank, world, _ = torchrun_env()
-    datasets = resolve_datasets(args, rank)
+    if args.target is None:
+        raise UserError("--target: no target directory given")
+    if args.calibration_out and args.calibration_split == 0:
+        raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
+    datasets, skipped = resolve_datasets(args)
     sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
     outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
                "--sps-table": None if sps_exists else args.sps_table}
@@ -446,6 +450,8 @@ def run(args: EvalArgs) -> dict:
     check_outputs(outputs, inputs=[target_dir, drafter_dir])
     if auto_compile(args.compile, args.device):  # the cache directory made (or refused) before any loading
         args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
+    for path in skipped if rank == 0 else []:  # every input checked: what will not run is said
+        print(f"warning: {path} not found; skipping dataset {os.path.basename(path)[:-len('.jsonl')]}", file=sys.stderr)
     with runlog.session(args, "eval", "eval.py", enabled=rank == 0) as log:  # --wandb: rank 0's run around the work
         return evaluate(args, kind, datasets, target_dir, drafter_dir, log, demo)
 
@@ -465,8 +471,6 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     has_conf = drafter is not None and drafter.cfg.confidence_head
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
-    if args.calibration_out and args.calibration_split == 0:
-        raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
     K = drafter.cfg.num_drafts if drafter is not None else 0
 
     # Every rank tokenizes every dataset, so max_seq (and with it every cache shape) is the one

@@ -340,17 +340,17 @@ def test_default_sample_counts_and_missing_files(tmp_path, capsys):
     write_dataset(tmp_path, "gsm8k", ["a"])
     write_dataset(tmp_path, "custom", ["a", "b"])
     args = ev.EvalArgs(target="t", data_dir=str(tmp_path), datasets="gsm8k,aime25,custom")
-    got = ev.resolve_datasets(args, rank=0)
+    got, skipped = ev.resolve_datasets(args)
     assert [(n, c) for n, _, c in got] == [("gsm8k", 500), ("custom", 0)]
-    assert "aime25" in capsys.readouterr().err  # skipped with a warning
+    assert skipped == [os.path.join(tmp_path, "aime25.jsonl")]  # run() warns once every input is checked
     args.max_samples = 7
-    assert [c for _, _, c in ev.resolve_datasets(args, rank=0)] == [7, 7]
+    assert [c for _, _, c in ev.resolve_datasets(args)[0]] == [7, 7]
     assert ev.DEFAULT_SAMPLES == {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
                                   "livecodebench": 500, "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
 
 
 def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
-    (name, path, n), = ev.resolve_datasets(ev.EvalArgs(target="t", datasets="gsm8k"), 0)
+    (name, path, n), = ev.resolve_datasets(ev.EvalArgs(target="t", datasets="gsm8k"))[0]
     assert os.path.realpath(path) == os.path.realpath(REPO_ROOT / "data" / "eval" / "gsm8k.jsonl") and n == 500
 
 
@@ -397,11 +397,20 @@ def test_sps_table_and_compile_cache_are_checked_before_loading(env, tmp_path, c
     for extra, want in (
             (["--scheduler", "hardware", "--sps-table", tmp_path / "no" / "s.json"], "--sps-table"),
             (["--scheduler", "hardware", "--sps-table", tmp_path], f"--sps-table {tmp_path}: is a directory"),
-            (["--compile", "--compile-cache", afile], f"--compile-cache {afile}: not a directory")):
+            (["--compile", "--compile-cache", afile], f"--compile-cache {afile}: not a directory"),
+            (["--calibration-out", tmp_path / "t.json", "--calibration-split", 0], "--calibration-out needs STS")):
         rc = ev.main([str(a) for a in base + extra])
         err = capsys.readouterr().err
         lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
         assert rc == 2 and len(lines) == 1 and want in lines[0], err
+    # A missing known dataset's warning comes once every input is checked: never before an error.
+    rc = ev.main([str(a) for a in base[2:7] + ["gsm8k,aime25"] + base[8:]])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "error: --target: no target directory given\n", err
+    monkeypatch.undo()
+    rc = ev.main([str(a) for a in base[:7] + ["gsm8k,aime25"] + base[8:]])
+    err = capsys.readouterr().err
+    assert rc == 0 and f"warning: {os.path.join(env['data'], 'aime25.jsonl')} not found; skipping dataset aime25" in err
 
 
 # ----------------------------------------------------------------------------------------
