@@ -343,7 +343,7 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
     if verbose:
         pts = ", ".join(f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"]))
         print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}", file=sys.stderr)
-        if path is None:  # the verify lengths, and so a sampled request's random numbers, follow the table
+        if path is None and want.get("sampling"):  # the verify lengths, so a request's random numbers, follow it
             print("note: this SPS table is not saved, and another run profiles its own; sampled runs repeat "
                   "token for token only with the same table: --sps-table FILE saves it, and reads it back next "
                   "time", file=sys.stderr)

@@ -394,9 +394,12 @@ def test_a_sampled_hardware_run_repeats_with_the_same_table(env, tmp_path):
             for _ in range(2)]
     assert runs[0].outputs() == runs[1].outputs()
     assert [r["verified"] for r in runs[0].rounds] == [r["verified"] for r in runs[1].rounds]
-    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 4, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware"])
+    flags = ["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3", "--max-new-tokens", 4,
+             "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware"]
+    rc, err = run_err(flags + ["--temperature", 1])
     assert rc == 0 and "not saved" in err and "--sps-table FILE" in err, err
+    rc, err = run_err(flags)  # greedy: the same tokens whatever the table
+    assert rc == 0 and "profiled SPS" in err and "not saved" not in err, err
 
 
 def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
