@@ -12,12 +12,14 @@ held-out files differ from the pair's). One line on stdout says which corpus was
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import platform
 import shutil
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +36,8 @@ class CorpusArgs:
     """Split the running Python's standard library into the demo pair's training and held-out files."""
 
     corpus: str
-    """A new (or empty) directory to copy the training files into."""
+    """A new (or empty) directory to copy the training files into (made whole at the end, beside --out, not
+    in it: every file there is training text)."""
     out: str
     """The pair's directory: heldout.txt and corpus.json are written here (made if missing)."""
     stdlib: Optional[str] = None
@@ -53,20 +56,47 @@ def split(stdlib: str) -> tuple[list[str], list[str]]:
     return [f for f in files if f not in held], held
 
 
+def check_folder(path: str, flag: str, beside: bool = False):
+    """A folder this run fills (made if missing; `beside`: made beside it, then renamed to it) can be: the
+    nearest existing folder of it (of its parent) takes files."""
+    folder = os.path.realpath(path)
+    if beside:
+        folder = os.path.dirname(folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: cannot be made ({folder} is not a directory)")
+    try:  # what the writes will do, now: a read-only folder or filesystem
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe.", suffix=".tmp")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None
+
+
 def run(a: CorpusArgs):
     stdlib = a.stdlib or sysconfig.get_paths()["stdlib"]
     if os.path.exists(a.corpus) and (not os.path.isdir(a.corpus) or os.listdir(a.corpus)):
         raise UserError(f"--corpus {a.corpus}: exists and is not an empty directory")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise UserError(f"--out {a.out}: exists and is not a directory")
+    corpus, out = os.path.realpath(a.corpus), os.path.realpath(a.out)
+    if corpus == out or corpus.startswith(out + os.sep) or out.startswith(corpus + os.sep):
+        raise UserError(f"--out {a.out}: is (inside, or holds) --corpus {a.corpus}, whose every file is training text; "
+                        f"give them separate directories")
     listing, record = os.path.join(a.out, "heldout.txt"), os.path.join(a.out, "corpus.json")
     for path in (listing, record):  # another pair's record: its target saw that corpus
         if os.path.exists(path):
             raise UserError(f"--out {a.out}: already holds {os.path.basename(path)} (a pair's record); give a new "
                             f"directory")
+    check_folder(a.corpus, "--corpus", beside=True)
+    if os.path.ismount(corpus):
+        raise UserError(f"--corpus {a.corpus}: is a mount point (the corpus is made beside it and renamed to it); "
+                        f"give a new folder inside it")
+    check_folder(a.out, "--out")
+    if os.path.isdir(a.out):
+        check_outputs({"heldout.txt": listing, "corpus.json": record}, inputs=[a.same_as])
     train, held = split(stdlib)
-    os.makedirs(a.out, exist_ok=True)
-    check_outputs({"heldout.txt": listing, "corpus.json": record}, inputs=[a.same_as])
     running = os.path.realpath(stdlib) == os.path.realpath(sysconfig.get_paths()["stdlib"])
     info = {"source": "the Python standard library's top-level *.py files, sorted; file i held out when "
                       f"i % {HOLD_OUT_EVERY} == 0", "stdlib": os.path.abspath(stdlib),
@@ -83,15 +113,57 @@ def run(a: CorpusArgs):
                 raise UserError(f"--same-as {a.same_as}: {key} differs (that pair was built from Python "
                                 f"{want.get('python') or '?'}'s standard library, this is {info['python'] or '?'}'s "
                                 f"at {stdlib})")
-    os.makedirs(a.corpus, exist_ok=True)
-    for f in train:
-        shutil.copy(f, a.corpus)
-    atomic_write(listing, "".join(name + "\n" for name in info["heldout_files"]))
-    write_json(record, info)
+    write_corpus(a, train, info)
     print(f"corpus: {'Python ' + info['python'] if info['python'] else 'the'} standard library ({stdlib}): "
           f"{len(train)} training files "
           f"({info['training_bytes'] / 1e6:.1f} MB, sha256 {info['training_sha256'][:12]}), {len(held)} held out "
           f"(sha256 {info['heldout_sha256'][:12]}); recorded in {record}", flush=True)
+
+
+def missing_top(path: str) -> Optional[str]:
+    """The outermost folder of `path` that does not exist yet (what os.makedirs would make first), or None."""
+    top, p = None, os.path.realpath(path)
+    while not os.path.exists(p):
+        top, p = p, os.path.dirname(p)
+    return top
+
+
+def write_corpus(a: CorpusArgs, train: list[str], info: dict):
+    """The training files copied into a temporary folder beside --corpus, the record written into --out,
+    then the folder renamed to --corpus: a run that fails or is stopped (`Interrupted`) on the way removes
+    what it wrote and the folders it made, so that it can simply be run again."""
+    corpus = os.path.realpath(a.corpus)
+    listing, record = os.path.join(a.out, "heldout.txt"), os.path.join(a.out, "corpus.json")
+    made = [top for top in map(missing_top, (a.out, corpus)) if top is not None]
+    tmp, done = None, False
+    try:
+        os.makedirs(a.out, exist_ok=True)
+        os.makedirs(os.path.dirname(corpus), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(corpus), prefix="." + os.path.basename(corpus) + ".",
+                               suffix=".tmp")
+        for f in train:
+            shutil.copy(f, tmp)
+        atomic_write(listing, "".join(name + "\n" for name in info["heldout_files"]))
+        write_json(record, info)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the mode makedirs would
+        try:
+            os.replace(tmp, corpus)  # over an empty --corpus too
+        except OSError as e:
+            raise UserError(f"--corpus {a.corpus}: cannot be replaced by the copy ({e.strerror})") from None
+        done = True
+    finally:
+        if not done:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            for path in (listing, record):  # absent before this run (checked)
+                if os.path.exists(path):
+                    os.remove(path)
+            for top in made:  # the folders this run made, if still empty
+                for folder, _, _ in os.walk(top, topdown=False):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -27,7 +27,7 @@
 #           from the bf16 target on that data; 5. the drafter rounded to bfloat16 too;
 #        6. the held-out prompts, DIR/heldout.jsonl (scripts/demo_prompts.py).
 # Everything is built in a temporary directory and moved into DIR at the end: a run that fails or
-# is stopped leaves DIR as it was.
+# is stopped leaves DIR as it was (stopped while the pair moves in, DIR gets its old pair back).
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -74,8 +74,26 @@ BLOCK_SIZE=${BLOCK_SIZE:-7}
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
 PAIR=$WORK/pair  # what moves into $OUT at the end
+ITEMS=(target drafter heldout.txt heldout.jsonl corpus.json)
+STAGE="" HAD="" SWAP="" STOP="" MADE=0
+# Put the old pair back: what came into $OUT goes, what was moved aside (*.old) returns.
+rollback() {
+    local failed=0
+    for item in "${ITEMS[@]}"; do
+        if [ -e "$OUT/$item.old" ]; then rm -rf "${OUT:?}/$item" && mv "$OUT/$item.old" "$OUT/$item" || failed=1
+        elif [[ " $HAD " != *" $item "* ]]; then rm -rf "${OUT:?}/$item" || failed=1; fi
+    done
+    return $failed
+}
+cleanup() {
+    trap '' INT TERM  # another Ctrl-C does not cut the rollback short
+    if [ "$SWAP" = started ]; then rollback || echo "error: $OUT: the old pair not all put back (see *.old)" >&2; fi
+    if [ "$SWAP" = done ]; then for item in "${ITEMS[@]}"; do rm -rf "${OUT:?}/$item.old"; done; fi
+    rm -rf "$WORK" ${STAGE:+"$STAGE"}
+    if [ "$SWAP" != done ] && [ "$MADE" = 1 ]; then rmdir "$OUT" 2>/dev/null || true; fi
+}
+trap cleanup EXIT
 
 # SRC -> DST (made anew): model.safetensors with floating tensors rounded to bfloat16, config.json
 # saying so — the stored precision, so that the pair stays small.
@@ -127,13 +145,28 @@ to_bf16 "$WORK/drafter" "$PAIR/drafter"
 # 6. The held-out prompts, cut with this pair's tokenizer.
 python "$REPO/scripts/demo_prompts.py" --demo "$PAIR" --out "$PAIR/heldout.jsonl"
 
-# Into $OUT, item by item.
+# Into $OUT: the new pair first moved beside the old one (a copy if $WORK is on another filesystem), then
+# swapped in by renames, the old items moved aside as *.old. A stop (INT, TERM: the trap notes it, the
+# swap goes on to a safe point) or a failure before the end puts the old pair back (cleanup): DIR holds the
+# old pair or the new one, never a mix.
+[ -d "$OUT" ] || MADE=1
 mkdir -p "$OUT"
-for item in target drafter heldout.txt heldout.jsonl corpus.json; do
+trap 'STOP=130' INT
+trap 'STOP=143' TERM
+STAGE=$(mktemp -d "$OUT/.new-pair.XXXXXX")
+for item in "${ITEMS[@]}"; do
+    mv "$PAIR/$item" "$STAGE/$item"
     rm -rf "${OUT:?}/$item.old"
-    if [ -e "$OUT/$item" ]; then mv "$OUT/$item" "$OUT/$item.old"; fi
-    mv "$PAIR/$item" "$OUT/$item"
-    rm -rf "${OUT:?}/$item.old"
+    if [ -e "$OUT/$item" ]; then HAD+=" $item"; fi
 done
+[ -z "$STOP" ] || exit "$STOP"
+SWAP=started
+for item in "${ITEMS[@]}"; do
+    if [ -e "$OUT/$item" ]; then mv "$OUT/$item" "$OUT/$item.old"; fi
+    mv "$STAGE/$item" "$OUT/$item"
+done
+[ -z "$STOP" ] || exit "$STOP"
+SWAP=done  # the new pair is in; the old one goes at exit (cleanup)
+trap - INT TERM
 du -sh "$OUT"/target "$OUT"/drafter
 echo "the pair is in $OUT; $OUT/corpus.json says which corpus built it"

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runlog  # noqa: E402
-from common import (UserError, dist_init, resolve_device, resolve_dtype, save_tensors, torchrun_env,  # noqa: E402
-                    write_json)
+from common import (UserError, atomic_write, dist_init, resolve_device, resolve_dtype, save_tensors,  # noqa: E402
+                    torchrun_env, write_json)
 from data import EOS_TOKEN, MASK_TOKEN, Batches, micro_slices, read_texts, read_windows  # noqa: E402
 from model import ModelArgs, Transformer, init_random_, load_target  # noqa: E402
 from text import Tokenizer  # noqa: E402
@@ -138,28 +138,49 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
                {"eos_token_id": [eos_id] if eos_id is not None else [], "do_sample": False})
 
 
-def tokenizer_into(args: Args, texts: Optional[list[str]]) -> Tokenizer:
-    """The run's tokenizer, written to --out/tokenizer.json: the resumed run's, trained on the corpus, or copied."""
-    tok_path = os.path.join(args.out, "tokenizer.json")
+def tokenizer_source(args: Args) -> Optional[str]:
+    """The tokenizer.json the run copies into --out (None: one trained on --data), checked before any work: the
+    resumed run's (at the top of its --out: --resume DIR/checkpoint-<step> finds it in DIR), or --tokenizer's."""
     if args.resume:
-        if os.path.abspath(args.resume) != os.path.abspath(args.out):
-            shutil.copyfile(os.path.join(args.resume, "tokenizer.json"), tok_path)
-    elif args.tokenizer_from_corpus:
-        if texts is None:
+        here = os.path.realpath(args.resume)
+        folders = [args.resume]
+        if os.path.basename(here).startswith("checkpoint-"):  # a run's checkpoint: the tokenizer is the run's
+            folders.append(os.path.dirname(here))
+        for folder in folders:
+            if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+                return os.path.join(folder, "tokenizer.json")
+        raise UserError(f"--resume {args.resume}: no tokenizer.json in {' or '.join(folders)} (the run's tokenizer, "
+                        f"written at the top of its --out)")
+    if args.tokenizer_from_corpus:
+        if args.data is None:
             raise UserError("--tokenizer-from-corpus needs --data (text)")
-        train_bpe(texts, args.vocab_size).save(tok_path)
-    elif args.tokenizer is not None:
+        return None
+    if args.tokenizer is not None:
         src = os.path.join(args.tokenizer, "tokenizer.json") if os.path.isdir(args.tokenizer) else args.tokenizer
         if not os.path.isfile(src):
             raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
-        if os.path.abspath(src) != os.path.abspath(tok_path):
-            shutil.copyfile(src, tok_path)
+        return src
+    raise UserError("a target needs --tokenizer PATH or --tokenizer-from-corpus")
+
+
+def tokenizer_into(args: Args, src: Optional[str], texts: Optional[list[str]]) -> Tokenizer:
+    """The run's tokenizer, written to --out/tokenizer.json (atomically): `src` copied (nothing to do when it
+    is that file already, whatever links lie between), or trained on the corpus."""
+    tok_path = os.path.join(args.out, "tokenizer.json")
+    if src is None:
+        bpe = train_bpe(texts, args.vocab_size)
+        atomic_write(tok_path, lambda p: bpe.save(p))
+    elif os.path.realpath(src) != os.path.realpath(tok_path):
+        atomic_write(tok_path, lambda p: shutil.copyfile(src, p))
     return Tokenizer(args.out)
 
 
 def run(args: Args) -> dict:
     """Everything `python scripts/train_target.py` does; returns the loss history. Raises UserError on bad input."""
     check_train_args(args)
+    if args.heads % args.kv_heads:
+        raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    tokenizer_source(args)
     with runlog.session(args, "train", "scripts/train_target.py", enabled=torchrun_env()[0] == 0) as log:
         return train(args, log)
 
@@ -167,16 +188,21 @@ def run(args: Args) -> dict:
 def train(args: Args, log: Optional[runlog.Log]) -> dict:
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     dtype = resolve_dtype(args.dtype, device)
-    if not (args.resume or args.tokenizer_from_corpus or args.tokenizer):
-        raise UserError("a target needs --tokenizer PATH or --tokenizer-from-corpus")
-    os.makedirs(args.out, exist_ok=True)
+    src = tokenizer_source(args)
     texts = read_texts(args.data) if args.data is not None else None
-    tok = tokenizer_into(args, texts)
-    V = tok.tok.get_vocab_size(with_added_tokens=True)
-    eos = tok.tok.token_to_id(EOS_TOKEN)
-    windows = read_windows(args, tok, V, eos, texts)
-    if args.heads % args.kv_heads:
-        raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    made, fresh = not os.path.isdir(args.out), not os.path.isdir(args.out) or not os.listdir(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        tok = tokenizer_into(args, src, texts)
+        V = tok.tok.get_vocab_size(with_added_tokens=True)
+        eos = tok.tok.token_to_id(EOS_TOKEN)
+        windows = read_windows(args, tok, V, eos, texts)
+    except BaseException:  # e.g. too little text for one window: --out as it was, so the same --out works next time
+        if fresh and os.path.isfile(os.path.join(args.out, "tokenizer.json")):
+            os.remove(os.path.join(args.out, "tokenizer.json"))
+        if made and not os.listdir(args.out):
+            os.rmdir(args.out)
+        raise
     margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,

@@ -158,6 +158,78 @@ def test_demo_corpus_splits_records_and_checks_same_as(tmp_path, capsys):
                     "--same-as", str(pair / "corpus.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "training_sha256 differs" in err, err
+    assert not (tmp_path / "p2").exists() and not (tmp_path / "c2").exists()  # checked before anything is made
+
+
+def _stdlib(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for i in range(41):
+        (lib / f"m{i:02d}.py").write_text(f"x = {i}\n")
+    return lib
+
+
+def test_demo_corpus_stopped_leaves_nothing_and_runs_again(tmp_path, capsys, monkeypatch):
+    """SIGINT while the training files are copied: exit 130, no half-filled --corpus, no record in --out,
+    no temporary folder, the folders it made gone (an empty --corpus given stays as it was); the same
+    command then runs."""
+    import signal
+
+    _, dc = _scripts()
+    lib = _stdlib(tmp_path)
+    copy, copied = dc.shutil.copy, []
+
+    def stopped(src, dst):
+        copied.append(src)
+        if len(copied) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return copy(src, dst)
+
+    (tmp_path / "empty").mkdir()
+    for corpus in (tmp_path / "new" / "c", tmp_path / "empty"):
+        argv = ["--corpus", str(corpus), "--out", str(tmp_path / "pair"), "--stdlib", str(lib)]
+        monkeypatch.setattr(dc.shutil, "copy", stopped)
+        copied.clear()
+        assert dc.main(argv) == 130
+        assert "interrupted by SIGINT" in capsys.readouterr().err
+        assert sorted(os.listdir(tmp_path)) == ["empty", "lib"] and os.listdir(tmp_path / "empty") == []
+        monkeypatch.setattr(dc.shutil, "copy", copy)
+        assert dc.main(argv) == 0, capsys.readouterr().err
+        assert len(os.listdir(corpus)) == 38 and sorted(os.listdir(tmp_path / "pair")) == ["corpus.json", "heldout.txt"]
+        for p in (corpus, tmp_path / "pair", tmp_path / "new"):
+            dc.shutil.rmtree(p, ignore_errors=True)
+    capsys.readouterr()
+
+
+def test_demo_corpus_refuses_shared_or_unwritable_folders_before_any_work(tmp_path, capsys, monkeypatch):
+    """--corpus and --out the same folder, or one inside the other (corpus.json and heldout.txt would be read
+    as training text), or in a folder that takes no files (a read-only filesystem; as root chmod does not
+    stop writes, so the probe's failure is simulated): one line, exit 2, neither folder made."""
+    import errno
+    import tempfile
+
+    _, dc = _scripts()
+    lib = _stdlib(tmp_path)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):
+        if dir is not None and os.path.realpath(dir) == str(ro.resolve()):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    x = tmp_path / "x"
+    for corpus, out, needle in ((x, x, "separate directories"), (x / "c", x, "separate directories"),
+                                (x, x / "p", "separate directories"),
+                                (ro / "c", tmp_path / "p", f"--corpus {ro / 'c'}: cannot write in {ro}"),
+                                (tmp_path / "c", ro / "p", f"--out {ro / 'p'}: cannot write in {ro}"),
+                                (tmp_path / "c", ro, f"--out {ro}: cannot write in {ro}")):
+        assert dc.main(["--corpus", str(corpus), "--out", str(out), "--stdlib", str(lib)]) == 2, (corpus, out)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, (corpus, out, err)
+        assert sorted(os.listdir(tmp_path)) == ["lib", "ro"] and os.listdir(ro) == [], (corpus, out)
 
 
 def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
@@ -184,6 +256,80 @@ def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
     assert sorted(p.name for p in DEMO.iterdir()) == before
     assert {p: p.stat().st_mtime_ns for p in DEMO.rglob("*")} == mtimes
     assert os.listdir(full) == ["keep"] and not (tmp_path / "new").exists()
+
+
+# Stand-ins for train_demo.sh's programs: `python` writes what each step's --out names, saying $TAG (the
+# rounding step, `python - SRC DST`, copies); `mv` is mv, but first signals (Ctrl-C: INT to the process
+# group; SIG=TERM: TERM to the script alone) when its destination matches $STOP_AT, or fails when its
+# source matches $FAIL_FROM.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+if [ "$1" = - ]; then cat >/dev/null; cp "$2"/* "$3"/; exit 0; fi
+prog=$(basename "$1"); shift
+while [ $# -gt 0 ]; do case "$1" in --out) out=$2; shift ;; --corpus) corpus=$2; shift ;; esac; shift; done
+case "$prog" in
+    demo_corpus.py) mkdir -p "$corpus" "$out"; echo x > "$corpus/a.py"
+                    for f in heldout.txt corpus.json; do echo "$TAG" > "$out/$f"; done ;;
+    train_target.py|train.py) mkdir -p "$out"
+                    for f in config.json model.safetensors tokenizer.json generation_config.json; do
+                        echo "$TAG" > "$out/$f"; done ;;
+    *) echo "$TAG" > "$out" ;;
+esac
+"""
+FAKE_MV = r"""#!/usr/bin/env bash
+if [[ "${@: -1}" == $STOP_AT ]]; then
+    if [ "${SIG:-INT}" = TERM ]; then kill -TERM "$PPID"; else kill -INT 0; fi
+fi
+[[ "${@: -2:1}" != $FAIL_FROM ]] || exit 1
+exec MV "$@"
+"""
+
+
+def test_train_demo_sh_stopped_while_the_pair_moves_in_keeps_the_old_pair(tmp_path):
+    """The last step of scripts/train_demo.sh, the new pair into DIR, stopped (Ctrl-C, TERM) or failing at
+    any move: DIR holds its old pair again, exactly (no *.old, no staging folder left; a DIR the run made is
+    gone), and the exit status says why; not stopped, DIR holds the new pair whole. The training steps are
+    stand-ins (FAKE_PYTHON): only the script's own file handling runs."""
+    import shutil
+    import subprocess
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python").write_text(FAKE_PYTHON)
+    (bin_ / "mv").write_text(FAKE_MV.replace("MV", shutil.which("mv")))
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    script = str(REPO_ROOT / "scripts" / "train_demo.sh")
+
+    def build(out, tag, **env):
+        env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", TAG=tag, THREADS="1", **env)
+        return subprocess.run(["bash", script, "--out", str(out), "--force"], capture_output=True, text=True,
+                              timeout=60, env=env, start_new_session=True)  # `kill -INT 0` reaches it alone
+
+    def tree(d):
+        return {str(p.relative_to(d)): p.read_text() if p.is_file() else None for p in d.rglob("*")}
+
+    assert build(tmp_path / "new", "new").returncode == 0
+    new = tree(tmp_path / "new")
+    assert set(new) >= {"target", "drafter/model.safetensors", "heldout.txt", "heldout.jsonl", "corpus.json"}
+    assert set(new.values()) == {None, "new\n"}
+    out = tmp_path / "out"
+    assert build(out, "old").returncode == 0
+    old = tree(out)
+    assert old == {k: v and "old\n" for k, v in new.items()}
+    (out / "notes.txt").write_text("kept")  # not the pair's: stays
+    old = tree(out)
+    for env, rc in (({"STOP_AT": f"{out}/drafter"}, 130),  # Ctrl-C mid-swap: the new target is in
+                    ({"STOP_AT": f"{out}/target.old"}, 130),  # the first move aside
+                    ({"STOP_AT": f"{out}/corpus.json"}, 130),  # the last move in
+                    ({"STOP_AT": f"{out}/.new-pair.*/drafter"}, 130),  # moving the pair beside DIR
+                    ({"STOP_AT": f"{out}/drafter", "SIG": "TERM"}, 143),  # noted; the swap goes on, then undone
+                    ({"FAIL_FROM": f"{out}/.new-pair.*/heldout.jsonl"}, 1)):  # a move that fails
+        p = build(out, "new", **env)
+        assert p.returncode == rc and tree(out) == old, (env, p.returncode, p.stderr, tree(out))
+    p = build(tmp_path / "fresh", "new", STOP_AT=f"{tmp_path}/fresh/drafter")
+    assert p.returncode == 130 and not (tmp_path / "fresh").exists(), p.stderr
+    p = build(out, "new")
+    assert p.returncode == 0 and tree(out) == {**new, "notes.txt": "kept"}, p.stderr
 
 
 def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_path, capsys):

@@ -652,3 +652,72 @@ def test_train_target_script_runs_standalone(tmp_path):
                "--intermediate-size", 32, "--no-progress")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
     assert "--data " in r.stderr and "differs from the run's data" in r.stderr, r.stderr
+
+
+TINY_TARGET = ["--seq-len", 16, "--batch-size", 2, "--hidden-size", 16, "--layers", 2, "--heads", 2, "--kv-heads", 1,
+               "--head-dim", 8, "--intermediate-size", 32]
+
+
+def test_train_target_resumes_a_checkpoint_folder_or_through_a_link(tmp_path):
+    """--resume RUN/checkpoint-<step> takes the run's tokenizer from the top of RUN; --out a link to the run
+    resumed is resuming in place (no copy of its tokenizer onto itself); a checkpoint folder with no tokenizer
+    above it is one line, before --out is made."""
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    run, data = tmp_path / "run", ["--data", tmp_path / "corpus.txt", *TINY_TARGET]
+    rc, _, err = run_train([*data, "--tokenizer-from-corpus", "--vocab-size", 280, "--out", run, "--steps", 2],
+                           train_target)
+    assert rc == 0, err
+    rc, res, err = run_train([*data, "--resume", ckpt(run), "--out", tmp_path / "b", "--steps", 3], train_target)
+    assert rc == 0 and res["start"] == 2, err
+    assert (tmp_path / "b" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    (tmp_path / "link").symlink_to(run)
+    rc, res, err = run_train([*data, "--resume", run, "--out", tmp_path / "link", "--steps", 3], train_target)
+    assert rc == 0 and res["start"] == 2, err
+    assert ckpt(run).name == "checkpoint-3"
+    import shutil
+    shutil.copytree(ckpt(run), tmp_path / "alone" / "checkpoint-3")
+    alone = tmp_path / "alone"
+    rc, _, err = run_train([*data, "--resume", alone / "checkpoint-3", "--out", tmp_path / "c", "--steps", 4],
+                           train_target)
+    assert rc == 2 and err.count("\n") == 1 and f"no tokenizer.json in {alone / 'checkpoint-3'} or {alone} " in err, err
+    assert not (tmp_path / "c").exists()
+
+
+def test_train_target_stopped_before_training_leaves_out_as_it_was(tmp_path):
+    """Too little text for one window, found after the tokenizer was written: --out held tokenizer.json
+    alone, and the same command with more text was refused ("already holds files")."""
+    (tmp_path / "short.txt").write_text("def f(): pass\n")
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    out = tmp_path / "t"
+    flags = [*TINY_TARGET, "--tokenizer-from-corpus", "--vocab-size", 280, "--out", out, "--steps", 1]
+    rc, _, err = run_train(["--data", tmp_path / "short.txt", *flags], train_target)
+    assert rc == 2 and "fewer than one sequence" in err and not out.exists(), err
+    out.mkdir()
+    rc, _, err = run_train(["--data", tmp_path / "short.txt", *flags], train_target)
+    assert rc == 2 and os.listdir(out) == [], err
+    rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *flags], train_target)
+    assert rc == 0, err
+
+
+def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkeypatch):
+    """An existing, empty --out that takes no files (a read-only filesystem; root writes through chmod, so
+    the probe's failure is simulated) is one line before the tokenizer is trained."""
+    import errno
+    import tempfile
+
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    out = tmp_path / "ro"
+    out.mkdir()
+    mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):
+        if dir is not None and os.path.realpath(dir) == os.path.realpath(out):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(train_target, "train_bpe", lambda *a: pytest.fail("the tokenizer was trained first"))
+    rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *TINY_TARGET, "--tokenizer-from-corpus",
+                            "--vocab-size", 280, "--out", out, "--steps", 2], train_target)
+    assert rc == 2 and err == f"error: --out {out}: cannot write in {out} (Read-only file system)\n", err
+    assert os.listdir(out) == []
