@@ -541,8 +541,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                         tok_s=f"{speed['tokens_per_second']:,.0f}",
                         **({"mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else {}))
         if lines is not None:
-            lines.say(f"step {step + 1}/{end}: loss {metrics['loss']:.4f}, {speed['tokens_per_second']:,.0f} tokens/s, "
-                      f"{speed['eta_seconds'] / 60:.1f} min to go", final=step + 1 == end)
+            lines.say(f"step {step + 1}/{end}: loss {metrics['loss']:.4f}, {speed['tokens_per_second']:,.0f} tokens/s"
+                      + (f", MFU {speed['mfu']:.1%}" if "mfu" in speed else "")
+                      + f", {speed['eta_seconds'] / 60:.1f} min to go", final=step + 1 == end)
         record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
         if main:
             log.write(json.dumps({"step": step + 1, **record}) + "\n")

@@ -624,7 +624,8 @@ CASES = [
     ("conc-mode-eager-cpu", "concurrency", lambda w, t: ["--concurrency", "2", "--compile-mode", "default"],
      "--compile-mode", False),  # cpu runs eager unless --compile: the mode would be ignored
     ("conc-drafter-hub-not-cached", "concurrency", lambda w, t: ["--concurrency", "2", "--target", w / "target",
-                                                                 "--drafter", "org/none"], "--drafter org/none", False),
+                                                                 "--drafter", "org/none", "--prompts-file",
+                                                                 w / "prompts.jsonl"], "--drafter org/none", False),
 
     # ---- train.py
     ("train-steps-0", "train", lambda w, t: T(w, t) + ["--steps", "0"], "--steps", False),

@@ -383,7 +383,7 @@ def test_every_program_resolves_hub_ids(hub, repos, tmp_path, capsys, monkeypatc
     import regenerate
     (tmp_path / "conv.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     for main, args in ((bench_concurrency.main, ["--concurrency", 2, "--target", "org/missing", "--drafter",
-                                                 "org/missing-drafter"]),
+                                                 "org/missing-drafter", "--prompts-file", tmp_path / "conv.jsonl"]),
                        (regenerate.main, ["--target", "org/missing", "--prompts", tmp_path / "conv.jsonl", "--out",
                                           tmp_path / "regen.jsonl"])):
         rc = main([str(a) for a in args])

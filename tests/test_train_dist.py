@@ -164,7 +164,11 @@ def test_progress_and_eval_every(tiny_target, tmp_path):
     import io
     import contextlib
     import tyro
-    err = io.StringIO()
+    class Terminal(io.StringIO):  # the bar is drawn on a terminal only
+        def isatty(self):
+            return True
+
+    err = Terminal()
     args = tyro.cli(train.Args, args=[str(a) for a in [
         "--target", tiny_target.path, "--data", chats, "--out", tmp_path / "o", *SMALL, "--batch-size", 2,
         "--peak-tflops", 1, "--eval-every", 2, "--eval-datasets", "mt-bench", "--eval-data-dir", evals,
