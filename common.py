@@ -164,6 +164,8 @@ def free_memory(device) -> int:
 def resolve_device(device: Optional[str]) -> str:
     """--device: as given (checked), or cuda when available."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device {device!r}: cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available")
     return device
@@ -207,7 +209,12 @@ def set_threads(threads: Optional[int]) -> str:
 
 def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     """--dtype: as given, or bfloat16 on cuda and float32 on cpu."""
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype takes (weights and activations)
 
 
 def device_name(device) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import metrics
@@ -36,6 +36,9 @@ class Completion:
     num_rounds: int              # speculative rounds (autoregressive: one per token after the first)
     acceptance_length: Optional[float]  # τ of this request (None without rounds)
     prompt_ids: list[int]
+    # Its rounds as the trace records them (metrics.count(completions, K, stop_ids) pools them, as eval.py
+    # does); not in the output file, whose records the trace's rounds complement.
+    rounds: list[dict] = field(default_factory=list, repr=False)
 
 
 def text_of(ids: list[int], tokenizer: Optional[Tokenizer], stop: Optional[StopStrings]) -> Optional[str]:
@@ -50,7 +53,8 @@ def completion(req, tokenizer: Optional[Tokenizer], stop: Optional[StopStrings],
     """A finished `speculate.Request` as a Completion; τ counted as metrics.py counts it."""
     tau = metrics.acceptance_length(metrics.count([req], 0, stop_ids))
     return Completion(req.index, req.prompt, req.sample, text_of(req.output_ids, tokenizer, stop),
-                      list(req.output_ids), req.finish_reason, len(req.rounds), tau, list(req.prompt_ids))
+                      list(req.output_ids), req.finish_reason, len(req.rounds), tau, list(req.prompt_ids),
+                      list(req.rounds))
 
 
 def label(c: Completion, samples: int) -> str:
@@ -113,7 +117,8 @@ class OutputFile:
         self.file = StreamFile(path)
 
     def write(self, c: Completion):
-        self.file.write(json.dumps(asdict(c), ensure_ascii=False, allow_nan=False) + "\n")
+        record = {f.name: getattr(c, f.name) for f in fields(c) if f.name != "rounds"}
+        self.file.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
         self.file.sync()
 
     def close(self):

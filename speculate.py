@@ -266,6 +266,7 @@ class Engine:
                  compile_mode: Optional[str] = None, compile_verbose: bool = False, kernels: str = "torch"):
         if scheduler != "none" and (drafter is None or drafter.confidence_head is None):
             raise UserError(f"--scheduler {scheduler}: needs a --drafter with a confidence head")
+        check_sampling(temperature)  # (a negative one sampled from softmax(-logits), unseeded)
         self.target, self.drafter, self.stop_ids, self.stop_strings = target, drafter, set(stop_ids), stop_strings
         self.max_seq = max_seq
         self.max_batch, self.temperature, self.device, self.compiled = batch_size, temperature, device, compile
@@ -341,6 +342,11 @@ class Engine:
 
     def _generate(self, requests: list[Request], max_new_tokens: int, on_round, on_finish, on_step):
         B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
+        check_ranges(SimpleNamespace(max_new_tokens=max_new_tokens), max_new_tokens="[1, 10485760]")
+        if isinstance(max_new_tokens, float):
+            raise UserError(f"--max-new-tokens: invalid value {max_new_tokens!r} (expected an integer)")
+        check_prompts([r.prompt_ids for r in requests], self.target, max_new_tokens, where="Engine.generate: ",
+                      drafter=self.drafter)
         for req in requests:  # a row's cache must hold the prompt, the budget and a round's overshoot
             need = cache_length(len(req.prompt_ids), max_new_tokens, self.drafter)
             if need > self.max_seq:
@@ -497,10 +503,25 @@ class Engine:
 def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device: str = "cpu",
          dtype: Optional[str] = None, calibration: Optional[str] = None) -> Models:
     """The target (and drafter) for `generate`, loaded once: checkpoint directories, as on the command
-    line; with neither, the committed demo pair."""
+    line; with neither, the committed demo pair. `dtype`: "float32", "bfloat16" or "float16" (default
+    bfloat16 on cuda, float32 on cpu)."""
     if target is None and drafter is None:
         target, drafter = os.path.join(DEMO_DIR, "target"), os.path.join(DEMO_DIR, "drafter")
     return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration)
+
+
+def _api_numbers(integers: dict, reals: dict) -> dict:
+    """The Python API's numeric arguments as the flags' types: integers (numpy's too) as int, reals as
+    float; None stays None; anything else (a bool, a str, 2.5 for a count) is one UserError naming it."""
+    import numbers
+    out = {}
+    for kind, values in ((numbers.Integral, integers), (numbers.Real, reals)):
+        for name, v in values.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+                raise UserError(f"--{name.replace('_', '-')}: invalid value {v!r} "
+                                f"(expected {'an integer' if kind is numbers.Integral else 'a number'})")
+            out[name] = None if v is None else int(v) if kind is numbers.Integral else float(v)
+    return out
 
 
 def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Optional[float] = None,
@@ -508,40 +529,57 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
              stop: Sequence[str] = (), ignore_eos: bool = False, seed: int = 0, num_samples: int = 1,
              batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
              thinking: bool = False,
-             scheduler: str = "none", confidence_threshold: float = 0.0, compile: bool = False,
+             scheduler: Optional[str] = None, confidence_threshold: float = 0.0, compile: bool = False,
              compile_mode: Optional[str] = None, kernels: str = "torch",
              sps_table: Optional[str] = None) -> list[Completion]:
     """Decode prompts with the models from `load` and return one `Completion` per prompt and sample
     (text, ids, finish reason, rounds, τ), in order. `prompts`: one prompt or a list of them — a text,
-    a list of token ids or a conversation. Sampling as on the command line: with no sampling argument
-    the target's generation_config.json, else the arguments (temperature 0: greedy). The KV caches are
-    sized for the longest prompt and the budget; a request that cannot fit the context is refused.
+    a list of token ids or a conversation. `stop`: a stop string or a list of them. Sampling as on the
+    command line: with no sampling argument the target's generation_config.json, else the arguments
+    (temperature 0: greedy). `scheduler` and `confidence_threshold` as --scheduler and
+    --confidence-threshold (default: threshold when the threshold is above 0, else none). The KV caches
+    are sized for the longest prompt and the budget; a request that cannot fit the context is refused.
     Under the hardware and async schedulers the SPS table is read from `sps_table` (written there when
-    missing) or profiled first, as `--sps-table` does."""
+    missing) or profiled first, as `--sps-table` does. Every argument is checked as its flag is; the
+    errors (`UserError`) name the flag (--max-new-tokens for max_new_tokens)."""
+    if not isinstance(prompts, (str, list, tuple)):
+        raise UserError(f"prompts: expected a text, a list of token ids, a conversation (a list of messages) or a "
+                        f"list of these, got {type(prompts).__name__}")
     one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(
         isinstance(x, (int, dict)) for x in prompts))
     ids = [encode_prompt(m.tokenizer, p, chat=chat, system_prompt=system_prompt, thinking=thinking, where=f"prompt {i}")
            for i, p in enumerate([prompts] if one else prompts)]
     if not ids:
         raise UserError("generate: no prompts")
-    check_ranges(SimpleNamespace(max_new_tokens=max_new_tokens, num_samples=num_samples, batch_size=batch_size),
-                 max_new_tokens="[1, 10485760]", num_samples=f"[1, {MAX_REQUESTS}]", batch_size="[1, 65536]")
+    n = _api_numbers(dict(max_new_tokens=max_new_tokens, num_samples=num_samples, batch_size=batch_size, seed=seed,
+                          top_k=top_k),
+                     dict(temperature=temperature, top_p=top_p, min_p=min_p, confidence_threshold=confidence_threshold))
+    check_ranges(SimpleNamespace(**n), max_new_tokens="[1, 10485760]", num_samples=f"[1, {MAX_REQUESTS}]",
+                 batch_size="[1, 65536]", seed=f"[0, {2**62}]", confidence_threshold="[0, 1]")
+    for name in ("max_new_tokens", "seed", "num_samples", "confidence_threshold"):  # (no None for these)
+        if n[name] is None:
+            raise UserError(f"--{name.replace('_', '-')}: invalid value None")
+    max_new_tokens, seed, confidence_threshold = n["max_new_tokens"], n["seed"], n["confidence_threshold"]
+    if scheduler is not None and scheduler not in sched.KINDS:
+        raise UserError(f"--scheduler {scheduler!r}: one of {', '.join(sched.KINDS)}")
+    kind = resolve_scheduler(SimpleNamespace(scheduler=scheduler, confidence_threshold=confidence_threshold,
+                                             sps_table=sps_table))
+    check_compile_flags(compile, None, False, compile_mode)
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    StopStrings.check(stop)
     check_prompts(ids, m.target, max_new_tokens, drafter=m.drafter)
-    sampling = resolve_sampling(m, temperature, top_k, top_p, min_p)
-    requests = requests_for(ids, num_samples)
-    kind = scheduler if scheduler != "none" or confidence_threshold == 0 else "threshold"
+    sampling = resolve_sampling(m, n["temperature"], n["top_k"], n["top_p"], n["min_p"])
+    requests = requests_for(ids, n["num_samples"])
     check_schedulable(kind, m.drafter, confidence_threshold)
     stops = StopStrings.build(m.tokenizer, stop)
     engine = build_engine(m, m.drafter, requests, max_new_tokens, sampling=sampling, seed=seed,
-                          batch_size=batch_size or min(len(requests), 16), scheduler=kind,
+                          batch_size=n["batch_size"] or min(len(requests), 16), scheduler=kind,
                           threshold=confidence_threshold, compile=compile, kernels=kernels, stops=stops,
                           ignore_eos=ignore_eos, compile_mode=compile_mode)
     if kind in sched.SPS_KINDS:  # its steps per second by verify size: without them it verifies every draft
         if compile:
             engine.warmup()
         engine.scheduler.set_sps(sched.load_or_profile(engine, sps_table, verbose=False))
-    elif sps_table is not None:
-        raise UserError(f"sps_table {sps_table}: only the hardware and async schedulers read it")
     engine.generate(requests, max_new_tokens)
     return [completion(r, m.tokenizer, stops, engine.stop_ids) for r in requests]
 
@@ -716,11 +754,7 @@ def check_args(args: Args):
                                 f"(use --prompt-ids)")
     if args.chat and args.prompt_ids is not None:  # (--no-chat agrees with token ids: they are never rendered)
         raise UserError("--chat: --prompt-ids are token ids, never rendered; it would change nothing")
-    for s in args.stop:
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates: never in decoded text
-            raise UserError(f"--stop {s!r}: the text is not valid Unicode (a lone surrogate)") from None
+    StopStrings.check(args.stop)
     if args.calibration is not None and resolve_scheduler(args) == "none":
         raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
                         f"(--scheduler threshold, hardware or async); without one it changes nothing")

@@ -383,14 +383,26 @@ class StopStrings:
         self.tokenizer, self.strings = tokenizer, tuple(strings)
 
     @staticmethod
+    def check(strings: Sequence[str]):
+        """--stop's strings on their own, before anything loads: texts, none empty, valid Unicode."""
+        for s in strings:
+            if not isinstance(s, str):
+                raise UserError(f"--stop {s!r}: a stop string must be a str")
+            if not s:
+                raise UserError("--stop: an empty stop string would end every request at once")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates: never in decoded text
+                raise UserError(f"--stop {s!r}: the text is not valid Unicode (a lone surrogate)") from None
+
+    @staticmethod
     def build(tokenizer: Optional[Tokenizer], strings: Sequence[str]) -> Optional["StopStrings"]:
         """--stop's strings checked (None when there are none)."""
+        StopStrings.check(strings)
         if not strings:
             return None
         if tokenizer is None:
             raise UserError("--stop: stop strings need the target's tokenizer.json (to read the text)")
-        if any(not s for s in strings):
-            raise UserError("--stop: an empty stop string would end every request at once")
         special = {t.content for t in tokenizer.tok.get_added_tokens_decoder().values() if t.special}
         for s in strings:  # matched in the text without special tokens: it could never be found there
             held = next((t for t in special if t and t in s), None)

@@ -417,6 +417,75 @@ def test_readme_api_example_runs():
     assert out.getvalue().strip()
 
 
+API_REFUSALS = [
+    (dict(prompts=None), "prompts: expected a text"),
+    (dict(prompts=5), "prompts: expected a text"),
+    (dict(max_new_tokens=2.5), "--max-new-tokens: invalid value 2.5 (expected an integer)"),
+    (dict(num_samples=2.0), "--num-samples: invalid value 2.0"),
+    (dict(batch_size=1.5), "--batch-size: invalid value 1.5"),
+    (dict(seed=-1), "--seed: invalid value -1"),
+    (dict(seed=None), "--seed: invalid value None"),
+    (dict(seed=2 ** 64), "--seed: invalid value"),
+    (dict(temperature="0.5"), "--temperature: invalid value '0.5'"),
+    (dict(confidence_threshold=2), "--confidence-threshold: invalid value 2.0"),
+    (dict(confidence_threshold=-1), "--confidence-threshold: invalid value -1.0"),
+    (dict(scheduler="none", confidence_threshold=0.5), "only --scheduler threshold uses it"),
+    (dict(scheduler="hardware", confidence_threshold=0.5), "only --scheduler threshold uses it"),
+    (dict(scheduler="threshold"), "needs --confidence-threshold above 0"),
+    (dict(scheduler="bogus"), "--scheduler 'bogus': one of"),
+    (dict(sps_table="x.json"), "--sps-table x.json: only --scheduler hardware or async"),
+    (dict(stop=[5]), "--stop 5: a stop string must be a str"),
+    (dict(stop=["\ud800"]), "lone surrogate"),
+    (dict(compile_mode="default"), "--compile-mode default: only used with --compile"),
+]
+
+
+@pytest.mark.parametrize("bad,needle", API_REFUSALS, ids=[str(b) for b, _ in API_REFUSALS])
+def test_api_checks_its_arguments_as_the_flags(chat_target, bad, needle):
+    """What the command line refuses, generate() refuses too, before any work, naming the flag — it ran
+    (a threshold of 2 verified nothing, a scheduler/threshold pair was quietly changed), or failed deep in
+    torch (a float budget, a float or None seed)."""
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    kw = dict(prompts=[1, 2, 3], max_new_tokens=4, temperature=0)
+    kw.update(bad)
+    with pytest.raises(speculate.UserError, match=re.escape(needle)):
+        speculate.generate(m, kw.pop("prompts"), **kw)
+
+
+def test_api_takes_what_a_python_caller_passes(chat_target):
+    """A lone stop string is one stop string (it was split into characters); numpy numbers are numbers; the
+    completions carry their rounds, so metrics.py pools them as the command line's summary does; load()
+    and Engine check their arguments too."""
+    import numpy as np
+
+    import metrics
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    one = speculate.generate(m, "hello world", max_new_tokens=12, temperature=0, stop="world")
+    listed = speculate.generate(m, "hello world", max_new_tokens=12, temperature=0, stop=["world"])
+    assert one == listed
+    a = speculate.generate(m, [[7, 8, 9], [3, 4]], max_new_tokens=np.int64(10), temperature=np.float32(0.9),
+                           seed=np.int32(4))
+    b = speculate.generate(m, [[7, 8, 9], [3, 4]], max_new_tokens=10, temperature=0.9, seed=4)
+    assert [c.output_ids for c in a] == [c.output_ids for c in b]
+    c = metrics.count(b, m.drafter.cfg.num_drafts, m.stop_ids)
+    assert c["num_rounds"] == sum(x.num_rounds for x in b) > 0
+    assert metrics.acceptance_length(c) == pytest.approx(
+        sum(x.acceptance_length * x.num_rounds for x in b) / c["num_rounds"])
+    for kw, needle in ((dict(dtype="fp8"), "--dtype 'fp8': one of"), (dict(device="tpu"), "--device 'tpu'")):
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            speculate.load(target, drafter, **kw)
+    engine = speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=32)
+    for reqs, n, needle in (([speculate.Request(0, [1, 2, 10 ** 6])], 8, "outside the vocabulary"),
+                            ([speculate.Request(0, [])], 8, "empty prompt"),
+                            ([speculate.Request(0, [1, 2])], 0, "--max-new-tokens: invalid value 0")):
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            engine.generate(reqs, n)
+    with pytest.raises(speculate.UserError, match="--temperature: invalid value -1.0"):
+        speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=32, temperature=-1.0)
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)

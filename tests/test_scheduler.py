@@ -382,7 +382,7 @@ def test_the_python_api_schedules_with_the_sps_table(env, tmp_path):
     assert [c.output_ids for c in done] == tr.outputs()
     assert [c.num_rounds for c in done] == [tr.requests[i]["num_rounds"] for i in sorted(tr.requests)]
     assert sum(r["verified"] for r in tr.rounds) < K * len(tr.rounds)  # the table shortened verification
-    with pytest.raises(speculate.UserError, match="only the hardware and async schedulers"):
+    with pytest.raises(speculate.UserError, match="only --scheduler hardware or async uses it"):
         speculate.generate(m, [1, 2, 3], max_new_tokens=4, sps_table=table)
 
 
