@@ -140,7 +140,7 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     # Used without asking the hub when it also holds the metadata every Qwen3 repository has (a cache another
     # program filled may hold the weights alone), or offline. A cached branch is not refreshed: give a commit.
     if loadable and (constants.HF_HUB_OFFLINE
-                     or all(os.path.isfile(os.path.join(path, f)) for f in SNAPSHOT_EXPECTED)):
+                     or all(os.path.isfile(os.path.join(path, f)) for f in snapshot_expected(flag))):
         return path
     if constants.HF_HUB_OFFLINE:
         lacks = (f"lacks files the repository has ({incomplete})" if incomplete else f"has no {missing}")
@@ -173,15 +173,20 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     if missing:
         raise UserError(f"{where}: {path} has no {missing} after the download: the repository lacks it (checkpoints "
                         f"are read as config.json and safetensors weights), or the hub could not be reached")
-    lacking = [f for f in SNAPSHOT_EXPECTED if not os.path.isfile(os.path.join(path, f))]
+    lacking = [f for f in snapshot_expected(flag) if not os.path.isfile(os.path.join(path, f))]
     if lacking:  # huggingface_hub returns the cached snapshot itself when the hub is out of reach
         print(f"note: {where}: the snapshot {path} still has no {', '.join(lacking)} after asking the hub (out of "
               f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
     return path
 
 
-#: What a cached snapshot must hold, besides config.json and its weights, to be used without asking the hub.
+#: What a target's cached snapshot must hold, besides config.json and its weights, to be used without
+#: asking the hub (every Qwen3 repository has them). A drafter's repository holds its weights alone.
 SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def snapshot_expected(flag: str) -> tuple:
+    return () if flag == "--drafter" else SNAPSHOT_EXPECTED
 
 
 def hub_snapshot(path: str) -> Optional[str]:

@@ -318,6 +318,20 @@ def test_the_hubs_own_fallback_to_the_cache_is_said(hub, repos, monkeypatch, cap
     assert "still has no tokenizer.json, tokenizer_config.json, generation_config.json after asking the hub" in err
 
 
+def test_a_hub_drafter_is_downloaded_once_without_a_note(hub, repos, monkeypatch, capsys):
+    """A drafter's repository holds no tokenizer or generation config: nothing is missing, so no note (every
+    online run with a hub drafter said the hub was out of reach), and once cached it is not asked again."""
+    hub.online()
+    calls = []
+    fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a), "org/drafter": (COMMIT_B, repos.drafter)}, calls)
+    flags = ["--target", "org/tiny", "--drafter", "org/drafter", "--prompt-ids", "1,2", "--max-new-tokens", 4]
+    rc, _, err = run(flags, capsys)
+    assert rc == 0 and "note:" not in err, err
+    asked = len(calls)
+    rc, _, err = run(flags, capsys)
+    assert rc == 0 and "note:" not in err and len(calls) == asked, (calls, err)
+
+
 def test_a_partial_snapshot_is_completed_online(hub, repos, monkeypatch, capsys):
     put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json"])
     hub.online()
