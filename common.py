@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import platform
 import re
@@ -117,7 +118,7 @@ def check_ranges(args, **ranges: str):
             continue
         lo_closed, hi_closed = spec[0] == "[", spec[-1] == "]"
         lo, hi = (float(x) for x in spec[1:-1].split(","))
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value) and (
+        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value) and (
             (value >= lo if lo_closed else value > lo) and (value <= hi if hi_closed else value < hi))
         if not ok:
             raise UserError(f"{_flag(name)}: invalid value {value!r} (valid: {_describe(lo, hi, lo_closed, hi_closed)})")
@@ -321,6 +322,17 @@ def check_writable(path: Optional[str], flag: str):
         os.remove(tmp)
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
+def folder_write_problem(folder: str) -> Optional[str]:
+    """Why no file can be made in the existing `folder` (a read-only filesystem, no permission), or None;
+    found without making one, so another process listing the folder (a torchrun rank) sees nothing."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "Read-only file system"
+    except OSError as e:
+        return e.strerror
+    return None if os.access(folder, os.W_OK | os.X_OK) else "Permission denied"
 
 
 # Names that loading reads from a model or checkpoint directory. A new output may sit beside a

@@ -1,5 +1,6 @@
 """What a run tells as it goes: Weights & Biases logging for speculate.py, eval.py, train.py and
-scripts/train_target.py, and speculate.py's progress bar (README, "What a run logs").
+scripts/train_target.py, speculate.py's progress bar, and the choice between a bar (on a terminal) and
+plain progress lines (elsewhere) that eval.py and the training programs make (README, "What a run logs").
 
     python speculate.py ... --wandb --wandb-project P --wandb-name N --wandb-group G --wandb-tags a,b
 
@@ -240,7 +241,8 @@ def session(args, job_type: str, program: str, enabled: bool = True):
 class Lines:
     """Progress where stderr is not a terminal (a log file, a pipe, a batch job's output), in which a
     tqdm bar's frames would pile up: `say(text)` prints a plain line at most every `every` seconds,
-    and always with `final=True`. `eval.py` and `train.py` use it in place of their bars there."""
+    and always with `final=True`. eval.py and the training loop (train.py, scripts/train_target.py)
+    use it in place of their bars there."""
 
     def __init__(self, every: float = 60.0):
         self.every, self.last = every, time.monotonic()

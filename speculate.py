@@ -20,12 +20,13 @@ Without a drafter a round is the same with zero drafts: the target runs on the a
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from types import FunctionType, SimpleNamespace
-from typing import Annotated, Literal, NamedTuple, Optional, Sequence
+from typing import Annotated, Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -140,7 +141,7 @@ def kernel_set(name: str, device) -> kernels.KernelSet:
     `--kernels NAME` — what an Engine binds, and what the command lines check before loading models."""
     try:
         return kernels.kernel_set(name, device)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # Triton cannot run there; a name that is no kernel set
         raise UserError(f"--kernels {name}: {e}") from None
 
 
@@ -343,7 +344,7 @@ class Engine:
     def _generate(self, requests: list[Request], max_new_tokens: int, on_round, on_finish, on_step):
         B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
         check_ranges(SimpleNamespace(max_new_tokens=max_new_tokens), max_new_tokens="[1, 10485760]")
-        if isinstance(max_new_tokens, float):
+        if not isinstance(max_new_tokens, numbers.Integral):
             raise UserError(f"--max-new-tokens: invalid value {max_new_tokens!r} (expected an integer)")
         check_prompts([r.prompt_ids for r in requests], self.target, max_new_tokens, where="Engine.generate: ",
                       drafter=self.drafter)
@@ -513,7 +514,6 @@ def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device:
 def _api_numbers(integers: dict, reals: dict) -> dict:
     """The Python API's numeric arguments as the flags' types: integers (numpy's too) as int, reals as
     float; None stays None; anything else (a bool, a str, 2.5 for a count) is one UserError naming it."""
-    import numbers
     out = {}
     for kind, values in ((numbers.Integral, integers), (numbers.Real, reals)):
         for name, v in values.items():
@@ -526,7 +526,7 @@ def _api_numbers(integers: dict, reals: dict) -> dict:
 
 def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Optional[float] = None,
              top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-             stop: Sequence[str] = (), ignore_eos: bool = False, seed: int = 0, num_samples: int = 1,
+             stop: Union[str, Sequence[str], None] = (), ignore_eos: bool = False, seed: int = 0, num_samples: int = 1,
              batch_size: Optional[int] = None, chat: Optional[bool] = None, system_prompt: Optional[str] = None,
              thinking: bool = False,
              scheduler: Optional[str] = None, confidence_threshold: float = 0.0, compile: bool = False,
@@ -565,7 +565,12 @@ def generate(m: Models, prompts, *, max_new_tokens: int = 128, temperature: Opti
     kind = resolve_scheduler(SimpleNamespace(scheduler=scheduler, confidence_threshold=confidence_threshold,
                                              sps_table=sps_table))
     check_compile_flags(compile, None, False, compile_mode)
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    if stop is None or isinstance(stop, str):
+        stop = [] if stop is None else [stop]
+    elif isinstance(stop, (list, tuple)):
+        stop = list(stop)
+    else:
+        raise UserError(f"--stop {stop!r}: a stop string or a list of them")
     StopStrings.check(stop)
     check_prompts(ids, m.target, max_new_tokens, drafter=m.drafter)
     sampling = resolve_sampling(m, n["temperature"], n["top_k"], n["top_p"], n["min_p"])

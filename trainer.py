@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -34,8 +33,8 @@ from typing import ClassVar, Literal, Optional
 
 import torch
 
-from common import (UserError, atomic_write, check_ranges, cli_main, peak_tflops, read_json, save_tensors,
-                    write_json)
+from common import (UserError, atomic_write, check_ranges, cli_main, folder_write_problem, peak_tflops, read_json,
+                    save_tensors, write_json)
 from model import read_safetensors
 import runlog
 from runlog import WandbFlags, check as check_wandb
@@ -378,13 +377,10 @@ def check_out_dir(args: TrainArgs, inputs):
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
-    folder = real if os.path.isdir(real) else parent  # where the first write lands: tried now, not after loading
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write in {folder} ({e.strerror})") from None
+    folder = real if os.path.isdir(real) else parent  # where the first write lands: checked now, not after loading
+    problem = folder_write_problem(folder)
+    if problem:
+        raise UserError(f"--out {out}: cannot write in {folder} ({problem})")
 
 
 def unfinished_run(directory: str) -> bool:

@@ -156,7 +156,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
     sources = []
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)
-    check_prompts(prompts, target, args.max_new_tokens, sources=sources)
+    check_prompts(prompts, target, args.max_new_tokens, sources=sources, drafter=drafter)
     modes = ["autoregressive"] + schedulers
     hw, greedy = device_name(dev), args.temperature == 0
     print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {resolve_dtype(args.dtype, dev)}, {hw}, "

@@ -25,7 +25,8 @@ from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import UserError, atomic_write, check_outputs, cli_main, read_json, write_json  # noqa: E402
+from common import (UserError, atomic_write, check_outputs, cli_main, folder_write_problem, read_json,  # noqa: E402
+                    write_json)
 from demo_prompts import files_digest  # noqa: E402
 
 HOLD_OUT_EVERY = 20
@@ -66,12 +67,9 @@ def check_folder(path: str, flag: str, beside: bool = False):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: cannot be made ({folder} is not a directory)")
-    try:  # what the writes will do, now: a read-only folder or filesystem
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe.", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None
+    problem = folder_write_problem(folder)  # a read-only folder or filesystem
+    if problem:
+        raise UserError(f"{flag} {path}: cannot write in {folder} ({problem})")
 
 
 def run(a: CorpusArgs):

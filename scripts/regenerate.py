@@ -77,8 +77,9 @@ class Args:
     max_new_tokens: int = 4096
     """Token budget of one response (the authors': 4096)."""
     max_context: Optional[int] = None
-    """Longest prompt + response of one turn, the engine's cache length (default: the target's context, at most
-    8192); a conversation whose prompt leaves less than --max-new-tokens is dropped (counted)."""
+    """Longest prompt + response of one turn, the engine's cache length (default: the models' context — the
+    target's, and the drafter's positions — at most 8192); a conversation whose prompt leaves less than
+    --max-new-tokens is dropped (counted)."""
     batch_size: int = 16
     """Requests decoded together (continuous batching)."""
     chunk_size: int = 256
@@ -189,7 +190,7 @@ def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list
             if what:
                 raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; restore them, or "
                                 f"remove {partial} to start over")
-            then = saved["resume_key"].get(name)
+            then, now = saved["resume_key"].get(name), value  # as the key holds them (paths resolved)
             raise UserError(f"{flag} {'(not given)' if now is None else now}: {partial} was started with {flag} "
                             f"{'(not given)' if then is None else then}; resume with the same {flag}, or remove "
                             f"{partial} to start over")
@@ -246,10 +247,13 @@ def run(args: Args) -> dict:
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, seed=args.seed)
     if m.tokenizer is None:
         raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
-    context = args.max_context or min(m.target.args.max_position_embeddings, 8192)
-    if context > m.target.args.max_position_embeddings or context <= args.max_new_tokens:
+    limit = m.target.args.max_position_embeddings  # the drafter's positions too, as speculate.py checks them
+    if m.drafter is not None:
+        limit = min(limit, m.drafter.cfg.layers.max_position_embeddings)
+    context = args.max_context or min(limit, 8192)
+    if context > limit or context <= args.max_new_tokens:
         raise UserError(f"--max-context {context}: must exceed --max-new-tokens {args.max_new_tokens} and fit the "
-                        f"target's context of {m.target.args.max_position_embeddings}")
+                        f"models' context of {limit} (max_position_embeddings of the target and the drafter)")
     longest = context - args.max_new_tokens
     engine = Engine(m.target, m.drafter, batch_size=args.batch_size, max_seq=cache_length(longest, args.max_new_tokens,
                     m.drafter), temperature=args.temperature, filters=Filters(args.top_k, args.top_p, args.min_p),

@@ -364,3 +364,15 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
         return 1.0
     stat = ((obs - exp) ** 2 / exp).sum()
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def make_read_only(monkeypatch, *folders):
+    """Simulate read-only filesystems at `folders` (the tests run as root, whom chmod does not stop):
+    os.statvfs reports them mounted read-only, which is what `common.folder_write_problem` reads."""
+    from types import SimpleNamespace
+    real, targets = os.statvfs, {os.path.realpath(f) for f in folders}
+
+    def statvfs(path):
+        st = real(path)
+        return SimpleNamespace(f_flag=st.f_flag | os.ST_RDONLY) if os.path.realpath(path) in targets else st
+    monkeypatch.setattr(os, "statvfs", statvfs)

@@ -147,3 +147,19 @@ def test_prompts_file_needed_is_said_before_the_models_load(monkeypatch, capsys)
                     os.path.join(DEMO_DIR, "drafter"), "--prompts-file", "no-such.jsonl"]) == 2
     err = capsys.readouterr().err
     assert err == "error: no-such.jsonl: prompts file not found\n", err
+
+
+def test_a_prompt_past_the_drafters_context_is_refused_with_the_users_budget(tmp_path, capsys):
+    """As speculate.py checks it: the drafter's positions bound the prompt too, with --max-new-tokens named
+    (the engine refused it later, naming the warm-up's budget)."""
+    import shutil
+    drafter = tmp_path / "drafter"
+    shutil.copytree(os.path.join(DEMO_DIR, "drafter"), drafter)
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": list(range(1, 101))}) + "\n")
+    rc = bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter", str(drafter),
+                  "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "16", "--schedulers", "threshold"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "100 tokens + --max-new-tokens 16 exceed the drafter's context of 64" in err, err

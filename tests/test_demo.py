@@ -204,22 +204,14 @@ def test_demo_corpus_stopped_leaves_nothing_and_runs_again(tmp_path, capsys, mon
 def test_demo_corpus_refuses_shared_or_unwritable_folders_before_any_work(tmp_path, capsys, monkeypatch):
     """--corpus and --out the same folder, or one inside the other (corpus.json and heldout.txt would be read
     as training text), or in a folder that takes no files (a read-only filesystem; as root chmod does not
-    stop writes, so the probe's failure is simulated): one line, exit 2, neither folder made."""
-    import errno
-    import tempfile
+    stop writes, so the read-only mount is simulated): one line, exit 2, neither folder made."""
+    from conftest import make_read_only
 
     _, dc = _scripts()
     lib = _stdlib(tmp_path)
     ro = tmp_path / "ro"
     ro.mkdir()
-    mkstemp = tempfile.mkstemp
-
-    def read_only(*a, dir=None, **k):
-        if dir is not None and os.path.realpath(dir) == str(ro.resolve()):
-            raise OSError(errno.EROFS, "Read-only file system")
-        return mkstemp(*a, dir=dir, **k)
-
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    make_read_only(monkeypatch, ro)
     x = tmp_path / "x"
     for corpus, out, needle in ((x, x, "separate directories"), (x / "c", x, "separate directories"),
                                 (x, x / "p", "separate directories"),

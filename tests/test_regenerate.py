@@ -106,6 +106,20 @@ def test_regenerate_end_to_end_on_the_demo_pair(tmp_path):
     assert "4 conversations packed into" in err and len(out["losses"]) == 2
 
 
+def test_a_drafter_with_a_shorter_context_bounds_the_prompts(tmp_path):
+    """The models' context is the target's and the drafter's: a conversation past the drafter's is dropped
+    (counted), as one past the target's is — it stopped the whole run after loading ("exceed the drafter's
+    context"), the engine refusing what speculate.py refuses."""
+    drafter = tmp_path / "drafter"
+    shutil.copytree(DEMO / "drafter", drafter)
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    prompts = [{"prompt": "import os\n"}, {"prompt": "x = 1\n" * 40}]
+    recs, res = regen(tmp_path, "c.jsonl", "--drafter", drafter, prompts=prompts)
+    assert res["conversations"] == 1 and res["dropped"] == 1 and recs[0]["source"].endswith(":1")
+
+
 def test_resume_continues_a_torn_partial(tmp_path, monkeypatch):
     full, _ = regen(tmp_path, "full.jsonl", "--chunk-size", 1)
     out = tmp_path / "r.jsonl"

@@ -437,6 +437,8 @@ API_REFUSALS = [
     (dict(stop=[5]), "--stop 5: a stop string must be a str"),
     (dict(stop=["\ud800"]), "lone surrogate"),
     (dict(compile_mode="default"), "--compile-mode default: only used with --compile"),
+    (dict(kernels="bogus"), "--kernels bogus: unknown kernel set 'bogus'"),
+    (dict(stop=5), "--stop 5: a stop string or a list of them"),
 ]
 
 
@@ -462,6 +464,8 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
     import metrics
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
+    assert speculate.generate(m, "hello world", max_new_tokens=12, temperature=0, stop=None) == \
+        speculate.generate(m, "hello world", max_new_tokens=12, temperature=0)
     one = speculate.generate(m, "hello world", max_new_tokens=12, temperature=0, stop="world")
     listed = speculate.generate(m, "hello world", max_new_tokens=12, temperature=0, stop=["world"])
     assert one == listed
@@ -484,6 +488,10 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
             engine.generate(reqs, n)
     with pytest.raises(speculate.UserError, match="--temperature: invalid value -1.0"):
         speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=32, temperature=-1.0)
+    engine = speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=32, temperature=np.float32(0.5))
+    req = speculate.Request(0, [1, 2, 3])
+    engine.generate([req], np.int64(5))  # numpy numbers, as before the checks
+    assert len(req.output_ids) == 5
 
 
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):

@@ -481,25 +481,30 @@ def test_progress_off_a_terminal_is_plain_lines(tiny_target, tmp_path, capsys):
     assert "step 3/3: loss" in err
 
 
+def test_checking_out_makes_no_file_in_it(tmp_path, monkeypatch):
+    """Every torchrun rank checks --out: a probe file made there by one rank read as "already holds files"
+    to another listing it at that moment. The check reads the folder's mount and permissions instead."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import trainer
+    out = tmp_path / "o"
+    out.mkdir()
+    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: pytest.fail("a file made in --out"))
+    trainer.check_out_dir(SimpleNamespace(out=str(out), resume=None), inputs=[])
+    assert os.listdir(out) == []
+
+
 def test_an_unwritable_existing_out_is_refused_before_loading(tiny_target, tmp_path, monkeypatch):
     """An existing, empty --out on a read-only filesystem: one line at the check (it failed with a
     traceback at the first log write, after the target and data were loaded). Simulated: root may
-    write anywhere, so mkstemp refuses the folder as a read-only mount does."""
-    import errno
-    import tempfile
+    write anywhere, so the read-only mount is simulated."""
+    from conftest import make_read_only
 
-    import trainer
     ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
     out = tmp_path / "ro"
     out.mkdir()
-    mkstemp = tempfile.mkstemp
-
-    def read_only(*a, dir=None, **k):
-        if dir is not None and os.path.realpath(dir) == str(out):
-            raise OSError(errno.EROFS, "Read-only file system")
-        return mkstemp(*a, dir=dir, **k)
-
-    monkeypatch.setattr(trainer.tempfile, "mkstemp", read_only)
+    make_read_only(monkeypatch, out)
     monkeypatch.setattr(train, "load_target", lambda *a, **k: pytest.fail("loaded before --out was checked"))
     rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 1, *SMALL])
     assert rc == 2 and f"--out {out}: cannot write in {out} (Read-only file system)" in err, err
@@ -701,21 +706,13 @@ def test_train_target_stopped_before_training_leaves_out_as_it_was(tmp_path):
 
 def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkeypatch):
     """An existing, empty --out that takes no files (a read-only filesystem; root writes through chmod, so
-    the probe's failure is simulated) is one line before the tokenizer is trained."""
-    import errno
-    import tempfile
+    the read-only mount is simulated) is one line before the tokenizer is trained."""
+    from conftest import make_read_only
 
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
     out = tmp_path / "ro"
     out.mkdir()
-    mkstemp = tempfile.mkstemp
-
-    def read_only(*a, dir=None, **k):
-        if dir is not None and os.path.realpath(dir) == os.path.realpath(out):
-            raise OSError(errno.EROFS, "Read-only file system")
-        return mkstemp(*a, dir=dir, **k)
-
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    make_read_only(monkeypatch, out)
     monkeypatch.setattr(train_target, "train_bpe", lambda *a: pytest.fail("the tokenizer was trained first"))
     rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *TINY_TARGET, "--tokenizer-from-corpus",
                             "--vocab-size", 280, "--out", out, "--steps", 2], train_target)
