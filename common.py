@@ -12,6 +12,7 @@ dataclass; this module only holds what they would otherwise each write again:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -50,9 +51,11 @@ class UserError(Exception):
     """
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
     """SIGINT (Ctrl-C) or SIGTERM arrived: the program finishes what it can (prints what is done,
-    marks its outputs incomplete) and `cli_main` exits with 128 + the signal's number."""
+    marks its outputs incomplete) and `cli_main` exits with 128 + the signal's number. A BaseException,
+    as KeyboardInterrupt is: an `except Exception` (ours, a library's) around where the signal lands
+    would otherwise turn it into that code's error ("cannot load tokenizer (SIGINT)")."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -61,6 +64,29 @@ class Interrupted(Exception):
 
 def _interrupt(signum, frame):
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT / SIGTERM wait until the block is done, then act as they would have: for the short steps
+    that must not stop half-way (a checkpoint switched in, outputs published). Main thread only, where
+    handlers live; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    handlers = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        if pending:  # now delivered as it would have been
+            h = handlers[pending[0]]
+            if callable(h):
+                h(pending[0], None)
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), pending[0])
 
 
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True) -> int:
@@ -318,8 +344,10 @@ def check_writable(path: Optional[str], flag: str):
         raise UserError(f"{flag} {path}: not writable")
     try:  # what the atomic write will do, now: a name too long, a folder that refuses files, ...
         fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(real) + ".", suffix=".tmp")
-        os.close(fd)
-        os.remove(tmp)
+        try:
+            os.close(fd)
+        finally:  # (a signal landing here too)
+            os.remove(tmp)
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 

@@ -534,6 +534,12 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
         if lines is not None:
             lines.say(f"{name}: {min(done[0], total)}/{total} prompts of all datasets done")
     entries, parts = [], []
+
+    def stopped():  # what is done stays in --out, marked incomplete and interrupted
+        if rank == 0:
+            write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
+                                  "complete": False, "interrupted": True, "datasets": entries, "calibration": None})
+
     for name, _, _ in datasets:
         try:  # a signal may land anywhere in here, writing --out included: what is done is written again, marked
             ps = prompts[name]
@@ -555,26 +561,28 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
             if log is not None:
                 runlog.log_eval_dataset(log, entries[-1], args.step)
         except Interrupted:
-            if rank == 0:  # what is done stays in --out, marked incomplete and interrupted
-                write_json(args.out, {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts),
-                                      "complete": False, "interrupted": True, "datasets": entries,
-                                      "calibration": None})
+            stopped()
             raise
     if bar is not None:
         bar.close()
 
     calibration = None
-    if has_conf:
-        rec = concat_rounds(all_gather_list(parts))
-        if args.calibration is not None:  # back to the raw head's confidences: STS is fitted on raw logits
-            rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
-        calibration = calibration_report(rec, args.calibration_split, args.ece_bins, [e["dataset"] for e in entries])
-        if calibration is not None and kind != "none":
-            calibration["scheduled"] = kind
-            if rank == 0:
-                print(f"warning: calibration measured under --scheduler {kind}: the schedule chose from these "
-                      f"same confidences which drafts were verified, so the figures are biased (the authors "
-                      f"record calibration unscheduled)", file=sys.stderr)
+    try:
+        if has_conf:
+            rec = concat_rounds(all_gather_list(parts))
+            if args.calibration is not None:  # back to the raw head's confidences: STS is fitted on raw logits
+                rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
+            calibration = calibration_report(rec, args.calibration_split, args.ece_bins,
+                                             [e["dataset"] for e in entries])
+    except Interrupted:
+        stopped()
+        raise
+    if calibration is not None and kind != "none":
+        calibration["scheduled"] = kind
+        if rank == 0:
+            print(f"warning: calibration measured under --scheduler {kind}: the schedule chose from these "
+                  f"same confidences which drafts were verified, so the figures are biased (the authors "
+                  f"record calibration unscheduled)", file=sys.stderr)
 
     results = {"config": config(args, world, K, engine, drafter, chat, compile, m, prompts), "complete": True,
                "datasets": entries,

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from common import Interrupted, UserError, check_ranges, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
+from common import UserError, check_ranges, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
 from kernels import Filters
 from model import Transformer, load_target, random_target
 from text import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, ROLES, Tokenizer, generation_sampling, stop_token_ids
@@ -151,8 +151,6 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     def download(revision, files):
         try:
             return huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
-        except Interrupted:
-            raise
         except Exception as e:  # network, authorization, disk: every way a download fails is one line
             raise UserError(f"{where}: {_download_error(e, repo, revision, cache)}") from None
 
@@ -213,8 +211,6 @@ def _cached_snapshot(repo: str, revision: Optional[str], cache: str, where: str)
             return None, None
         lacking = [f for f in HUB_META_FILES if f in str(e) and not os.path.exists(os.path.join(path, f))]
         return path, ", ".join(lacking) or "some of its metadata files"
-    except Interrupted:
-        raise
     except Exception as e:
         raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
                         f"{_first_line(e)})") from None

@@ -208,8 +208,6 @@ def start(args, job_type: str, config: dict) -> Log:
     try:
         run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name, group=args.wandb_group,
                          tags=parse_tags(args.wandb_tags), job_type=job_type, config=config)
-    except Interrupted:
-        raise
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise UserError(f"--wandb: the run could not start ({first}); WANDB_MODE=offline logs without a network") \

@@ -41,7 +41,7 @@ import runlog
 import scheduler as sched
 from compiling import CompileMode, auto_compile, check_compile_flags, compiled, use_compile_cache
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
-                    device_name, free_memory, set_threads, sync)
+                    device_name, free_memory, set_threads, signals_deferred, sync)
 from kernels import NO_FILTERS
 from inputs import (Models, Sampling, auto_chat, check_chat_flags, check_prompts, check_sampling, encode_prompt,
                     load_models, load_prompts, resolve_checkpoint, resolve_sampling)
@@ -897,8 +897,7 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
     if drafter is not None or m.hub_snapshots:
         print(m.describe() + (" (random weights)" if args.random_init else ""), file=sys.stderr)
 
-    trace = StreamFile(trace_file) if trace_file else None
-    out = OutputFile(output_file) if output_file else None
+    trace = out = None  # made inside the try below: a signal at any moment leaves no temporary file
     printer = Printer(m.tokenizer, stops, len(requests), args.num_samples, show=show)
     name = "speculative" if drafter is not None else "autoregressive"
     watch = DecodeWatch(log, name, engine.K, engine.stop_ids, len(requests), args.log_every,
@@ -926,6 +925,8 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
 
     interrupted = None
     try:
+        trace = StreamFile(trace_file) if trace_file else None
+        out = OutputFile(output_file) if output_file else None
         engine.generate(requests, args.max_new_tokens, on_round, on_finish, watch.on_step)
     except Interrupted as e:
         interrupted = e
@@ -936,30 +937,31 @@ def decode(args: Args, m: Models, drafter, prompts: list[list[int]], trace_file:
         raise
     finally:
         watch.close()
-    done = [r for r in requests if r.finish_reason is not None]
-    completions = [completion(r, m.tokenizer, stops, engine.stop_ids) for r in done]  # in request order
-    printer.finish(completions)
+    with signals_deferred():  # what is done, printed and published whole; a signal now acts after it
+        done = [r for r in requests if r.finish_reason is not None]
+        completions = [completion(r, m.tokenizer, stops, engine.stop_ids) for r in done]  # in request order
+        printer.finish(completions)
 
-    c = metrics.count(done, engine.K, engine.stop_ids)
-    seconds = engine.prefill_seconds + engine.decode_seconds
-    summary = {
-        "summary": True,
-        "tokens_per_second": c["tokens"] / seconds if seconds > 0 else 0.0,
-        "acceptance_length": metrics.acceptance_length(c),
-        "accept_rate_by_position": metrics.accept_rate_by_position(c),
-        "verified_per_round": metrics.verified_per_round(c),
-        "scheduler": kind,
-        "prefill_seconds": engine.prefill_seconds,
-        "decode_seconds": engine.decode_seconds,
-        "compile_seconds": engine.compile_seconds,
-    }
-    if interrupted is not None:
-        summary.update(interrupted=True, finished_requests=len(done), requests=len(requests))
-    if trace:
-        trace.write(json.dumps(summary) + "\n")
-        trace.close()
-    if out:
-        out.close()
+        c = metrics.count(done, engine.K, engine.stop_ids)
+        seconds = engine.prefill_seconds + engine.decode_seconds
+        summary = {
+            "summary": True,
+            "tokens_per_second": c["tokens"] / seconds if seconds > 0 else 0.0,
+            "acceptance_length": metrics.acceptance_length(c),
+            "accept_rate_by_position": metrics.accept_rate_by_position(c),
+            "verified_per_round": metrics.verified_per_round(c),
+            "scheduler": kind,
+            "prefill_seconds": engine.prefill_seconds,
+            "decode_seconds": engine.decode_seconds,
+            "compile_seconds": engine.compile_seconds,
+        }
+        if interrupted is not None:
+            summary.update(interrupted=True, finished_requests=len(done), requests=len(requests))
+        if trace:
+            trace.write(json.dumps(summary) + "\n")
+            trace.close()
+        if out:
+            out.close()
     if log is not None:  # also when interrupted: what was finished, and the files as they were published
         runlog.log_decode(log, name, dict(summary, tokens=c["tokens"]), completions, prompts, m.tokenizer,
                           {"trace": trace_file, "outputs": output_file})

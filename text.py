@@ -19,7 +19,7 @@ import re
 import string
 from typing import Optional, Sequence
 
-from common import Interrupted, UserError, read_json
+from common import UserError, read_json
 from model import ModelArgs, _eos_ids
 
 ROLES = ("system", "user", "assistant")  # the turns a conversation (a prompt, a training record) may hold
@@ -267,8 +267,6 @@ def render_template(template: str, source: str, **context) -> str:
             if size > TEMPLATE_CHARS:
                 raise SecurityError(f"its output grew past {TEMPLATE_CHARS:,} characters")
         return "".join(parts)
-    except Interrupted:  # Ctrl-C / SIGTERM while rendering: the run's interruption, not the template's fault
-        raise
     except Exception as e:  # every way a template can fail is the template's, and the user's to fix
         raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None

@@ -24,9 +24,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Literal, Optional
@@ -34,7 +32,7 @@ from typing import ClassVar, Literal, Optional
 import torch
 
 from common import (UserError, atomic_write, check_ranges, cli_main, folder_write_problem, peak_tflops, read_json,
-                    save_tensors, write_json)
+                    save_tensors, signals_deferred, write_json)
 from model import read_safetensors
 import runlog
 from runlog import WandbFlags, check as check_wandb
@@ -159,31 +157,16 @@ def publish_checkpoint(out: str, step: int, write):
     for stale in os.listdir(out):  # a killed save's leftovers
         if stale.startswith(".checkpoint-") and stale.endswith(".tmp"):
             shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)
         write(tmp)  # each file written and fsynced by atomic_write; the long part, Ctrl-C stays live
+        # The switch is short: Ctrl-C / SIGTERM wait until it is done, so an interrupted run leaves one
+        # checkpoint, named by `latest`, and no half-made links (SIGKILL is the kill tests' business).
+        with signals_deferred():
+            _switch(out, name, final, tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone already once the switch renamed it)
         raise
-    # The switch is short: Ctrl-C / SIGTERM wait until it is done, so an interrupted run leaves one
-    # checkpoint, named by `latest`, and no half-made links (SIGKILL is the kill tests' business).
-    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
-        _switch(out, name, final, tmp)
-        return
-    pending = []
-    handlers = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        _switch(out, name, final, tmp)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        if pending:  # now delivered as it would have been
-            h = handlers[pending[0]]
-            if callable(h):
-                h(pending[0], None)
-            elif h == signal.SIG_DFL:
-                os.kill(os.getpid(), pending[0])
 
 
 def _switch(out: str, name: str, final: str, tmp: str):

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import metrics as mt  # noqa: E402
 from common import (AutoBool, UserError, atomic_write, check_outputs, check_ranges, check_writable,  # noqa: E402
-                    cli_main, read_json, read_jsonl, resolve_device, write_json)
+                    cli_main, read_json, read_jsonl, resolve_device, signals_deferred, write_json)
 from data import ROLES  # noqa: E402
 from inputs import check_sampling  # noqa: E402
 from kernels import Filters  # noqa: E402
@@ -323,8 +323,9 @@ def run(args: Args) -> dict:
         # After the lines: a run killed in between leaves at most this chunk's last drops to be retried.
         write_json(done_path, dict(resume, consumed=cut + c0 + len(chunk), dropped=stats["dropped"]))
     bar.close()
-    os.replace(partial, out_file)
-    os.remove(done_path)
+    with signals_deferred():  # OUT published and its resume file gone together: never one without the other
+        os.replace(partial, out_file)
+        os.remove(done_path)
     seconds = time.perf_counter() - t0
     tau = stats["committed"] / stats["rounds"] if args.drafter and stats["rounds"] else None
     print(f"{stats['conversations']} conversations ({stats['responses']} responses, {stats['tokens']} tokens) in "

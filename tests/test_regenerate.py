@@ -120,6 +120,24 @@ def test_a_drafter_with_a_shorter_context_bounds_the_prompts(tmp_path):
     assert res["conversations"] == 1 and res["dropped"] == 1 and recs[0]["source"].endswith(":1")
 
 
+def test_a_signal_while_out_is_published_leaves_no_resume_file(tmp_path, monkeypatch):
+    """SIGTERM between OUT's rename and its resume file's removal left OUT.partial.json beside a complete
+    OUT: the two steps now happen together, then the signal acts (143)."""
+    import signal
+    argv = argv_of(tmp_path, "p.jsonl", "--temperature", 0)
+    out, real = str(tmp_path / "p.jsonl"), os.replace
+
+    def replace(src, dst):
+        if dst == out:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert regenerate.main(argv) == 143
+    assert sorted(os.listdir(tmp_path)) == ["p.jsonl", "prompts.jsonl"]
+
+
 def test_resume_continues_a_torn_partial(tmp_path, monkeypatch):
     full, _ = regen(tmp_path, "full.jsonl", "--chunk-size", 1)
     out = tmp_path / "r.jsonl"

@@ -115,3 +115,66 @@ def test_eval_interrupted_while_writing_results_still_marks_them(pair, tmp_path,
     res = json.loads(out.read_text())
     assert res["complete"] is False and res["interrupted"] is True
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
+
+
+def test_eval_interrupted_while_calibrating_marks_the_results(pair, tmp_path, monkeypatch):
+    """After the last dataset, while the calibration is computed: --out was left "complete": false with no
+    "interrupted" (the handler covered the datasets only)."""
+    import eval as ev
+    from common import Interrupted
+
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
+    out = tmp_path / "results.json"
+
+    def interrupted(*a, **k):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(ev, "calibration_report", interrupted)
+    assert ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
+                    "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)]) == 130
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["interrupted"] is True and len(res["datasets"]) == 1
+
+
+def test_a_signal_after_decoding_waits_for_the_outputs(pair, tmp_path, monkeypatch, capsys):
+    """SIGINT while the finished completions are printed, after decoding: the trace and the output file
+    are published whole (they were left as .NAME.*.tmp), then the run stops with 130."""
+    import speculate
+
+    d, target, drafter = pair
+    real = speculate.Printer.finish
+
+    def finish_then_signal(self, completions):
+        os.kill(os.getpid(), signal.SIGINT)  # (handled by cli_main's handler, deferred until published)
+        real(self, completions)
+
+    monkeypatch.setattr(speculate.Printer, "finish", finish_then_signal)
+    rc = speculate.main(["--target", target, "--drafter", drafter, "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+                         "--trace-file", str(tmp_path / "t.jsonl"), "--output-file", str(tmp_path / "o.jsonl")])
+    assert rc == 130, capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "t.jsonl"]
+    assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])["summary"] is True
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 1
+
+
+def test_interrupted_is_not_an_error_of_the_code_it_lands_in(tmp_path, monkeypatch):
+    """Interrupted is a BaseException, as KeyboardInterrupt is: landing in the tokenizer's load (whose bare
+    `except Exception` named every failure a bad file) it stays the run's interruption."""
+    import text
+    from common import Interrupted
+
+    build_tokenizer(48).save(str(tmp_path / "tokenizer.json"))
+
+    import tokenizers
+
+    class Landing:
+        @staticmethod
+        def from_file(path):
+            raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(tokenizers, "Tokenizer", Landing)
+    with pytest.raises(Interrupted):
+        text.Tokenizer(str(tmp_path))
