@@ -234,7 +234,7 @@ def session(args, job_type: str, program: str, enabled: bool = True):
 
 
 # ----------------------------------------------------------------------------------------
-# speculate.py
+# Progress off a terminal (eval.py, the training loop)
 
 class Lines:
     """Progress where stderr is not a terminal (a log file, a pipe, a batch job's output), in which a
@@ -256,6 +256,9 @@ def progress(enabled: bool) -> Optional[str]:
     """How to show progress: "bar" on a terminal, "lines" elsewhere (`Lines`), None when not asked for."""
     return None if not enabled else "bar" if sys.stderr.isatty() else "lines"
 
+
+# ----------------------------------------------------------------------------------------
+# speculate.py
 
 class DecodeWatch:
     """speculate.py's observer of one decode (`Engine.generate`'s callbacks): `on_round(request,
