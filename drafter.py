@@ -228,8 +228,19 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
 # Heads
 
 class VanillaMarkov(nn.Module):
-    """b_k = W2 · W1[x_{k-1}]."""
-    kind = "vanilla"  # what code that treats one head type specially tests (not the class name)
+    """b_k = W2 · W1[x_{k-1}].
+
+    A new head subclasses this one (keeping `markov_w1`, which the loader reads the rank from and the
+    confidence head reads W1[x] from), names its own `kind`, and is listed in MARKOV_HEADS and
+    MARKOV_TYPES (and train.py's --markov). `kind` is what code that treats one head type specially
+    tests (kernels.py runs its Triton chain for "vanilla" only), so a subclass must set its own."""
+    kind = "vanilla"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kind" not in vars(cls):  # an inherited "vanilla" would send the new head to the vanilla kernel
+            raise TypeError(f"{cls.__name__}: a Markov head names its own `kind` (it would inherit "
+                            f"{cls.kind!r} and run as that head where one kind is treated specially)")
 
     def __init__(self, H: int, V: int, r: int):
         super().__init__()

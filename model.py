@@ -738,19 +738,27 @@ PRESETS = {  # the published configs' shapes (Hugging Face Qwen/Qwen3-*/config.j
 
 
 def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
-    """Fill a module in place: N(0, std) for matrices and embeddings, 1 for norms, 0 for biases."""
+    """Fill a module in place: N(0, std) for matrices and embeddings, 1 for norms (named `*norm.weight`, or
+    the weight of any norm module), 0 for biases. Then every submodule with an `init_()` method runs it (in
+    module order): a new head that wants its own initialisation says so there, as this fill overwrites
+    whatever its __init__ set."""
     device = next(module.parameters()).device
     if device.type == "meta":  # shapes only
         return module
     g = torch.Generator(device=device).manual_seed(seed)
+    norms = {id(m.weight) for m in module.modules()
+             if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, RMSNorm)) and getattr(m, "weight", None) is not None}
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or id(p) in norms:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=g)
+        for m in module.modules():
+            if callable(getattr(m, "init_", None)):
+                m.init_()
     return module
 
 

@@ -191,7 +191,10 @@ class Scheduler:
             return hardware_schedule(confidence, active, self.sps)
         if self.kind == "threshold":
             return threshold_schedule(confidence, self.threshold)
-        return torch.full(active.shape, self.K, dtype=torch.long, device=active.device)
+        if self.kind == "none":
+            return torch.full(active.shape, self.K, dtype=torch.long, device=active.device)
+        # A kind added to KINDS without its branch here must not run as "none" under its own name.
+        raise NotImplementedError(f"scheduler {self.kind!r}: Scheduler.__call__ has no branch for it")
 
     def bucket(self, n: int) -> int:
         """The token count n verify tokens are padded to: n itself without buckets, else the smallest

@@ -676,3 +676,21 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
         d.calibrate([0.5, 1.0, 2.0, 4.0])
         assert torch.equal(d.confidence(h, prev), torch.sigmoid(logit / torch.tensor([0.5, 1.0, 2.0, 4.0])))
         assert torch.equal(d.head_outputs(h, prev)[1], logit)  # training reads the same logits, uncalibrated
+
+
+def test_a_new_markov_head_must_name_its_own_kind():
+    """A new head subclassing VanillaMarkov without its own `kind` would inherit "vanilla", and kernels.py would
+    run the vanilla Triton chain in place of its step: refused where the class is written."""
+    with pytest.raises(TypeError, match="MLPMarkov: a Markov head names its own `kind`"):
+        class MLPMarkov(dm.VanillaMarkov):
+            def step(self, h, prev, state):
+                return self.markov_w2(torch.relu(self.markov_w1(prev))), state
+
+    class Named(dm.VanillaMarkov):
+        kind = "mlp"
+    assert Named.kind == "mlp" and not kernels_vanilla(Named(H, V, 4))
+
+
+def kernels_vanilla(head) -> bool:
+    import kernels
+    return kernels._is_vanilla_markov(head)

@@ -574,3 +574,12 @@ def test_triton_kernels_on_cpu_without_the_interpreter_are_refused(env, monkeypa
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
                        "--max-new-tokens", 4, "--kernels", "triton"])
     assert rc == 2 and "--kernels triton" in err and one_error_line(err), err
+
+
+def test_a_new_kind_without_its_branch_is_not_run_as_none(monkeypatch):
+    """A researcher's new schedule added to KINDS (so that flags and the engine accept it) but not given its
+    branch in Scheduler.__call__ must fail, not verify the whole block under its own name."""
+    monkeypatch.setattr(sched, "KINDS", sched.KINDS + ("mine",))
+    s = sched.Scheduler("mine", 4, 2)
+    with pytest.raises(NotImplementedError):
+        s(torch.full((2, 4), 0.9), torch.ones(2, dtype=torch.bool))

@@ -356,3 +356,37 @@ def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confid
 def test_word_tokenizer_has_chatml_specials():
     tok = build_tokenizer(64)
     assert tok.encode("<|im_start|>user\nhello<|im_end|>").ids == [IM_START_ID, 6, 18, IM_END_ID]
+
+
+def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target):
+    """build_drafter fills every parameter by name (N(0, std), norms 1, biases 0): a new head's LayerNorm not
+    named *norm, and a parameter it initialises itself (through `init_`), keep their meaning."""
+    import drafter as dr
+    from torch import nn
+
+    class ScaledMarkov(dr.VanillaMarkov):
+        kind = "scaled"
+
+        def __init__(self, H, V, r):
+            super().__init__(H, V, r)
+            self.ln = nn.LayerNorm(r)
+            self.scale = nn.Parameter(torch.ones(r))
+
+        def init_(self):
+            self.scale.fill_(1.0)
+
+        def step(self, h, prev, state):
+            return self.markov_w2(self.ln(self.markov_w1(prev)) * self.scale), state
+
+    target = mdl.load_target(str(tiny_target.path))
+    cls, types = dr.MARKOV_HEADS.get("scaled"), dr.MARKOV_TYPES
+    dr.MARKOV_HEADS["scaled"] = ScaledMarkov
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(train, "MARKOV_TYPES", types + ("scaled",))
+            d = train.build_drafter(train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8), target,
+                                    str(tiny_target.path), "cpu")
+    finally:
+        dr.MARKOV_HEADS.pop("scaled")
+    assert torch.equal(d.markov_head.ln.weight, torch.ones(8)) and torch.equal(d.markov_head.scale, torch.ones(8))
+    assert d.markov_head.markov_w1.weight.std() > 0  # the rest is filled as before
