@@ -47,7 +47,7 @@ import runlog
 import scheduler as sched
 from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, device_name,
                     dist_init, set_threads, torchrun_env, read_json, write_json)
-from inputs import auto_chat, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
+from inputs import auto_chat, calibration_note, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
 from compiling import CompileMode, auto_compile, check_compile_flags, use_compile_cache
@@ -465,6 +465,8 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, calibration=args.calibration,
                     seed=args.seed)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
+    if rank == 0 and (note := calibration_note(args.calibration, (args.drafter, drafter_dir), args.temperature)):
+        print(note, file=sys.stderr)
     check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
     cache_dir = args.compile_cache if compile else None
@@ -570,10 +572,19 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     try:
         if has_conf:
             rec = concat_rounds(all_gather_list(parts))
+            lost = 0
             if args.calibration is not None:  # back to the raw head's confidences: STS is fitted on raw logits
+                lost = saturated(rec["confidence"])
                 rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
             calibration = calibration_report(rec, args.calibration_split, args.ece_bins,
                                              [e["dataset"] for e in entries])
+            if lost:
+                calibration["unrecoverable"] = lost
+                if rank == 0:
+                    print(f"warning: --calibration {args.calibration}: {lost} recorded confidences are exactly 0 or 1 "
+                          f"in float32 (sigmoid(logit / T_k) saturated), so the raw head's values cannot be recovered "
+                          f"from them: the raw calibration figures and the STS temperatures are not the raw head's; "
+                          f"calibrate without --calibration", file=sys.stderr)
     except Interrupted:
         stopped()
         raise
@@ -600,6 +611,13 @@ def select(prompts: list, n: int, seed: int) -> list:
         random.Random(seed).shuffle(prompts)
         prompts = prompts[:n]
     return prompts
+
+
+def saturated(confidence: np.ndarray) -> int:
+    """How many recorded float32 confidences are exactly 0 or 1: sigmoid(logit / T) saturated there, and
+    `uncalibrate` (which clips them) cannot give the raw head's value back."""
+    c = np.asarray(confidence, dtype=np.float32)
+    return int(np.count_nonzero((c <= 0) | (c >= 1)))
 
 
 def uncalibrate(confidence: np.ndarray, temperatures: list[float]) -> np.ndarray:
@@ -714,7 +732,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
         write_json(args.calibration_out, {
             "temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
             "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
-            "drafter": args.drafter, "target": args.target, "datasets": [e["dataset"] for e in results["datasets"]],
+            "drafter": args.drafter, "target": args.target, "temperature": args.temperature, "datasets": [e["dataset"] for e in results["datasets"]],
             "split": calibration["split"], "fit_rounds": calibration["fit_rounds"], "bins": calibration["bins"],
             "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
             "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],

@@ -43,8 +43,8 @@ from compiling import CompileMode, auto_compile, check_compile_flags, compiled, 
 from common import (AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, cli_main,
                     device_name, free_memory, set_threads, signals_deferred, sync)
 from kernels import NO_FILTERS
-from inputs import (Models, Sampling, auto_chat, check_chat_flags, check_prompts, check_sampling, encode_prompt,
-                    load_models, load_prompts, resolve_checkpoint, resolve_sampling)
+from inputs import (Models, Sampling, auto_chat, calibration_note, check_chat_flags, check_prompts, check_sampling,
+                    encode_prompt, load_models, load_prompts, resolve_checkpoint, resolve_sampling)
 from cpu_kernels import gemm_note
 from model import Ragged, Transformer
 from outputs import Completion, OutputFile, Printer, completion
@@ -801,6 +801,8 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log], lead: Opt
                     calibration=args.calibration, seed=args.seed)
     check_schedulable(kind, m.drafter, args.confidence_threshold)
     sampling = resolve_sampling(m, args.temperature, args.top_k, args.top_p, args.min_p)
+    if note := calibration_note(args.calibration, (args.drafter, m.directories[1]), sampling.temperature):
+        print(note, file=sys.stderr)
     stops = StopStrings.build(m.tokenizer, args.stop)
     context = m.target.args.max_position_embeddings
     chat = auto_chat(args.chat, m.tokenizer)

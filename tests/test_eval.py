@@ -330,6 +330,39 @@ def test_sts_temperatures_do_not_depend_on_an_applied_calibration(env, tmp_path,
     assert json.load(open(second))["temperatures"] == temps
 
 
+def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
+    """The STS file records the drafter and the sampling temperature it was fitted at; eval.py and speculate.py
+    say so when they apply it to another drafter or at another temperature (its fit depends on both)."""
+    cal = tmp_path / "cal.json"
+    run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", cal, out="a.json")
+    assert json.load(open(cal))["temperature"] == 1.0 and json.load(open(cal))["drafter"] == str(env["drafter"])
+    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", cal, out="b.json")
+    assert "note: --calibration" not in err
+    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 0.5, "--calibration", cal, out="c.json")
+    assert f"note: --calibration {cal} was fitted at temperature 1 (this run: 0.5);" in err
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps({**json.load(open(cal)), "drafter": str(tmp_path / "older-drafter")}))
+    rc = speculate.main([str(a) for a in ("--target", env["target"], "--drafter", env["drafter"], "--prompt-ids",
+                                          "1,2,3", "--max-new-tokens", 4, "--confidence-threshold", 0.5,
+                                          "--calibration", moved, "--temperature", 0)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert (f"note: --calibration {moved} was fitted at drafter {tmp_path / 'older-drafter'} (this run: "
+            f"{env['drafter']}) and temperature 1 (this run: 0);") in err
+
+
+def test_a_saturating_calibration_is_not_passed_off_as_the_raw_head(env, tmp_path, capsys):
+    """With a sharpening --calibration (small T_k) the recorded float32 sigmoid(logit / T_k) reaches 1.0 and the
+    raw head's value is gone: the report must then say so instead of printing other figures as the raw head's."""
+    sharp = tmp_path / "sharp.json"
+    sharp.write_text(json.dumps({"temperatures": [1e-4] * K}))  # |logit| > 0.002 saturates sigmoid(logit / T)
+    plain, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, out="a.json")
+    assert "unrecoverable" not in plain["calibration"] and "cannot be recovered" not in err
+    res, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", sharp, out="b.json")
+    assert res["calibration"]["raw"] != plain["calibration"]["raw"]  # what the warning is for
+    assert res["calibration"]["unrecoverable"] > 0 and err.count("cannot be recovered") == 1
+
+
 def test_scheduled_calibration_warns(env, tmp_path, capsys):
     res, _, err = run_eval(env, tmp_path, capsys, "--confidence-threshold", 0.6, "--max-samples", 2)
     assert res["calibration"]["scheduled"] == "threshold"
