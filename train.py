@@ -400,6 +400,21 @@ def check_eval_args(args: Args):
             raise UserError(f"--eval-datasets: no {(missing or ['<name>'])[0]}.jsonl in {folder}")
 
 
+def check_unused_flags(args: Args):
+    """A flag whose feature is off would train the very same drafter (a sweep over it compares identical
+    runs): refused, as --log-every without --wandb is. Given = different from its default."""
+    off = ((("markov_rank",), args.markov == "none", "--markov none"),
+           (("alpha_conf",), not args.confidence, "--no-confidence"),
+           (("min_lr_frac",), args.schedule == "constant", "--schedule constant"),
+           (("eval_datasets", "eval_data_dir", "eval_samples", "eval_max_new_tokens"), not args.eval_every,
+            "no --eval-every"))
+    default = {f.name: f.default for f in fields(Args)}
+    for names, is_off, why in off:
+        given = [n for n in names if is_off and getattr(args, n) != default[n]]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} {getattr(args, given[0])}: changes nothing with {why}")
+
+
 def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
     """eval.py on the checkpoint just written (every rank decodes a shard), results in --out/eval_step<N>.json;
     returns what the training run logs at that step (--wandb): each dataset's figures and acceptance by
@@ -429,6 +444,7 @@ def run(args: Args) -> dict:
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]", alpha_tv="[0, 1e6]",
                      alpha_conf="[0, 1e6]")
     check_eval_args(args)
+    check_unused_flags(args)
     if args.target is not None:  # a hub id becomes its snapshot directory (--out is checked against that too)
         args = replace(args, target=resolve_checkpoint(args.target, "--target"))
         check_out_dir(args, inputs=[args.target])

@@ -61,7 +61,8 @@ class TrainArgs(WandbFlags):
 
     # Optimization
     steps: int = 1000
-    """Optimizer steps in the whole run (the learning-rate schedule spans them)."""
+    """Optimizer steps in the whole run (the learning-rate schedule spans them). --resume with another
+    --steps stretches the rest of the schedule to the new end: not the run that many steps from the start."""
     stop_at: Optional[int] = None
     """Stop after this step (checkpoint included) while the schedule still spans --steps; resume later."""
     batch_size: int = 4

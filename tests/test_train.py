@@ -276,10 +276,10 @@ def test_training_lowers_loss_and_decodes_losslessly(near_bigram, tmp_path, head
     with it equals the target alone, and its drafts get accepted (τ 1.0 untrained, ~2.1 here)."""
     tdir, ids = near_bigram
     out = tmp_path / "drafter"
-    flags = [] if heads == "dspark" else ["--markov", "none", "--no-confidence"]
+    flags = ["--markov-rank", 16] if heads == "dspark" else ["--markov", "none", "--no-confidence"]
     rc, res, err = run_train(["--target", tdir, "--data-ids", ids, "--out", out, "--steps", 30, "--lr", 3e-3,
                               "--warmup-frac", 0.0, "--seq-len", 32, "--batch-size", 4, "--anchors-per-seq", 16,
-                              "--block-size", 4, "--depth", 2, "--markov-rank", 16, *flags])
+                              "--block-size", 4, "--depth", 2, *flags])
     assert rc == 0, err
     losses = res["losses"]
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
@@ -718,3 +718,16 @@ def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkey
                             "--vocab-size", 280, "--out", out, "--steps", 2], train_target)
     assert rc == 2 and err == f"error: --out {out}: cannot write in {out} (Read-only file system)\n", err
     assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("flags,named", [(["--markov", "none", "--no-confidence", "--markov-rank", 64], "--markov-rank"),
+                                         (["--no-confidence", "--alpha-conf", 0.5], "--alpha-conf")])
+def test_a_flag_the_drafter_has_no_use_for_is_refused(tiny_target, tmp_path, flags, named):
+    """A head's flag given for a drafter without that head would train the very same drafter (a sweep over it
+    would compare identical runs): refused, as --log-every without --wandb is."""
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 64, seed=1)
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o", "--steps", 1,
+                            *flags])
+    assert rc == 2 and err.startswith(f"error: {named}") and "changes nothing with" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
