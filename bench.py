@@ -413,6 +413,8 @@ def check_args(args: BenchArgs) -> list[int]:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
                         f"bench.py builds its own pair: --model)")
     check_compile_flags(args.compile, args.compile_cache, args.verbose, args.compile_mode)
+    if args.target is not None and args.model != BenchArgs.__dataclass_fields__["model"].default:
+        raise UserError(f"--model {args.model}: --target gives the models (--model builds a pair only without it)")
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])

@@ -178,7 +178,12 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
         raise UserError(f"{weights_source}: tensor {spelled.get(first, first)!r} belongs to a Markov head, but "
                               f"{source} declares none (markov_head_type)")
     rank = 0
-    if mtype is not None:
+    if mtype is None:  # a rank with no head: the head the config describes is not there, say so
+        declared = _lookup(cfg, "markov_rank", source)
+        if declared not in (None, 0):
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
+                            f"(and the weights have none)")
+    else:
         w1 = tensors["markov_head.markov_w1.weight"]
         if w1.ndim != 2 or w1.shape[1] < 1:
             raise UserError(f"{weights_source}: tensor {spelled.get('markov_head.markov_w1.weight', 'markov_w1')!r} "
@@ -187,6 +192,12 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
         declared = _lookup(cfg, "markov_rank", source)
         if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared != rank):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
+
+    # The width the heads' shapes are read against (before they are: a wrong hidden_size is named as such).
+    norm = tensors.get("norm.weight")
+    if norm is not None and list(norm.shape) != [layers.hidden_size]:
+        raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
+                        f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
 
     # Confidence head.
     conf = _check_bool(_lookup(cfg, "enable_confidence_head", source, aliases=("use_confidence_head",)),

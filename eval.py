@@ -362,6 +362,9 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
     """(args with what was not given filled in, demo mode). Demo mode (no --target, no --drafter): the
     demo pair, and without --datasets and --data-dir its held-out prompts. --max-new-tokens stays None
     when not given: its default depends on the prompts (`budget`). A default --out that exists is refused."""
+    for flag, value in (("--data-dir", args.data_dir), ("--datasets", args.datasets)):
+        if value is not None and not value.strip():  # not the default folder or the nine datasets in its place
+            raise UserError(f"{flag}: empty value (leave the flag out for the default)")
     demo = args.target is None and args.drafter is None
     if demo:
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"))

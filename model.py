@@ -154,6 +154,9 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" in rope:
         out["rope_theta"] = _req(rope, "rope_theta", f"{source} rope_parameters", float)
+        if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:  # two spellings that disagree: no guess
+            raise UserError(f"{source}: conflicting values for 'rope_theta': top-level {cfg['rope_theta']!r}, "
+                            f"rope_parameters {rope['rope_theta']!r}")
     elif "rope_theta" in cfg:
         out["rope_theta"] = _req(cfg, "rope_theta", source, float)
     else:
@@ -172,7 +175,10 @@ def _read_layer_shape(cfg: dict, source: str) -> dict:
     layer_types = cfg.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)):
         raise UserError(f"{source}: layer_types other than full_attention are not supported")
-    if cfg.get("use_sliding_window", False):
+    sliding = cfg.get("use_sliding_window", False)
+    if sliding is not None and not isinstance(sliding, bool):  # "no", 0, {}: not read as a guess either way
+        raise UserError(f"{source}: key 'use_sliding_window' must be true or false, got {sliding!r}")
+    if sliding:
         raise UserError(f"{source}: use_sliding_window=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")

@@ -391,6 +391,8 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
 def check_eval_args(args: Args):
     """--eval-every's flags, and its benchmark files, before any training."""
     check_ranges(args, eval_every="[0, inf)", eval_samples="[1, inf)", eval_max_new_tokens="[1, inf)")
+    if args.eval_data_dir is not None and not args.eval_data_dir.strip():  # not eval.py's folder in its place
+        raise UserError("--eval-data-dir: empty path (leave the flag out for eval.py's data/eval)")
     if args.eval_every:
         import eval as evaluation
         folder = args.eval_data_dir or evaluation.DATA_DIR

@@ -350,6 +350,24 @@ CASES = [
      "rope_scaling type 'yarn' is not supported", False),
     ("config-model-type", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(model_type="llama")), "--prompt-ids", "1"], "model_type 'llama'", False),
+    ("config-rope-theta-two-values", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(rope_theta=5.0)), "--prompt-ids", "1"], "conflicting values for 'rope_theta'", True),
+    ("config-sliding-window-string", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(use_sliding_window="false")), "--prompt-ids", "1"],
+     "key 'use_sliding_window' must be true or false, got 'false'", False),
+    ("config-sliding-window-zero", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(use_sliding_window=0)), "--prompt-ids", "1"],
+     "key 'use_sliding_window' must be true or false, got 0", False),
+    ("drafter-markov-rank-without-head", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: (c.pop("markov_head_type"), c.update(enable_confidence_head=False, markov_rank=8)),
+        lambda ts: [ts.pop(k) for k in list(ts) if k.startswith(("markov_head.", "confidence_head."))])] + S(w)[4:],
+     "markov_rank is 8", False),
+    ("drafter-hidden-size-not-the-weights", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(hidden_size=2 * c["hidden_size"]))] + S(w)[4:], "hidden_size is 64 but tensor", False),
+    ("tokenizer-unk-not-in-vocab", "speculate", lambda w, t: P(target_with(w, t, files={"tokenizer.json": json.dumps(
+        {**json.loads((w / "target" / "tokenizer.json").read_text()), "model": {
+            **json.loads((w / "target" / "tokenizer.json").read_text())["model"], "unk_token": "<nope>"}})})),
+     "unk_token '<nope>' is not in its vocabulary", True),
     ("tied-embedding-missing", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(tie_word_embeddings=True), tensors=lambda ts: ts.pop("model.embed_tokens.weight")),
         "--prompt-ids", "1"], "'embed_tokens.weight' is missing", False),
@@ -542,6 +560,18 @@ CASES = [
     ("eval-datasets-path", "eval", lambda w, t: E(w)[:7] + ["../p"] + E(w)[8:], "not a dataset name", False),
     ("eval-datasets-empty", "eval", lambda w, t: E(w)[:7] + [","] + E(w)[8:], "no dataset named", False),
     ("eval-datasets-unknown", "eval", lambda w, t: E(w)[:7] + ["nosuch"] + E(w)[8:], "unknown dataset", False),
+    ("train-eval-flag-without-eval-every", "train", lambda w, t: T(w, t) + ["--eval-data-dir", w / "data"],
+     "--eval-data-dir", False),
+    ("train-alpha-conf-without-confidence", "train", lambda w, t: T(w, t) + ["--no-confidence", "--alpha-conf", "2"],
+     "--alpha-conf 2.0: changes nothing with --no-confidence", False),
+    ("train-min-lr-frac-constant", "train", lambda w, t: T(w, t) + ["--schedule", "constant", "--min-lr-frac", "0.1"],
+     "--min-lr-frac 0.1: changes nothing with --schedule constant", False),
+    ("bench-model-with-target", "bench", lambda w, t: ["--target", w / "target", "--drafter", w / "drafter",
+     "--no-compile", "--model", "qwen3-8b"], "--model qwen3-8b: --target gives the models", False),
+    ("eval-data-dir-empty", "eval", lambda w, t: E(w)[:5] + [""] + E(w)[6:], "--data-dir: empty value", True),
+    ("eval-datasets-empty-string", "eval", lambda w, t: E(w)[:7] + [""] + E(w)[8:], "--datasets: empty value", False),
+    ("train-eval-data-dir-empty", "train", lambda w, t: T(w, t) + ["--eval-every", "1", "--eval-data-dir", ""],
+     "--eval-data-dir: empty path", False),
     ("eval-data-dir-missing", "eval", lambda w, t: E(w)[:5] + [t / "nope"] + E(w)[6:], "directory not found", False),
     ("eval-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", w / "data" / "gsm8k.jsonl"], "input of this run", True),
     ("eval-out-empty", "eval", lambda w, t: E(w) + ["--out", ""], "--out: empty path", False),
