@@ -278,13 +278,38 @@ def sync(device):
 # ----------------------------------------------------------------------------------------
 # Files
 
+def optional_file(path: str) -> bool:
+    """Whether a file a checkpoint may have is there: True for a file, False for nothing at all; anything
+    else under its name (a folder, a broken link) is an error, not taken for an absent file."""
+    if os.path.isfile(path):
+        return True
+    if os.path.lexists(path):
+        raise UserError(f"{path}: not a file ({'a folder' if os.path.isdir(path) else 'a broken link'})")
+    return False
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json's object_pairs_hook: a key given twice is an error (json keeps the last one without a word)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
 def read_json(path: str) -> dict:
-    """Parse a JSON object file, turning every failure into one line that names the file."""
+    """Parse a JSON object file, turning every failure into one line that names the file (a key given
+    twice in one object included)."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
     try:
         with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+            obj = json.load(f, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:  # malformed, not UTF-8, a 5000-digit number, nested too deep
         raise UserError(f"{path}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") from None
     if not isinstance(obj, dict):
@@ -310,7 +335,7 @@ def read_jsonl(path: str):
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(line, object_pairs_hook=_unique_keys)
                 except (ValueError, RecursionError) as e:  # as read_json
                     raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") \
                         from None

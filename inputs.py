@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from common import UserError, check_ranges, parse_ints, read_json, read_jsonl, resolve_device, resolve_dtype
+from common import (UserError, check_ranges, optional_file, parse_ints, read_json, read_jsonl, resolve_device,
+                    resolve_dtype)
 from kernels import Filters
 from model import Transformer, load_target, random_target
 from text import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, ROLES, Tokenizer, generation_sampling, stop_token_ids
@@ -80,7 +81,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
         generation, generation_source = generation_sampling(target)
-        if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        if optional_file(os.path.join(target, "tokenizer.json")):
             tokenizer = Tokenizer(target)
         if drafter is not None:
             from drafter import load_drafter

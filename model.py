@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_kernels
-from common import UserError, read_json
+from common import UserError, optional_file, read_json
 from cpu_kernels import (Dense, column_major, column_major_, dense, pack_weight, packed_of, packed_rows,
                          packs_pay)
 
@@ -806,8 +806,8 @@ def safetensors_files(directory: str) -> list[str]:
     other `model*.safetensors` beside them (a shard the index forgot would be dropped without a word)."""
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        if os.path.exists(single):  # transformers would read the one file, this loader the shards: say which
+    if optional_file(index):
+        if os.path.lexists(single):  # transformers would read the one file, this loader the shards: say which
             raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
                             f"which is the checkpoint is ambiguous (remove one)")
         weight_map = read_json(index).get("weight_map")

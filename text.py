@@ -19,7 +19,7 @@ import re
 import string
 from typing import Optional, Sequence
 
-from common import UserError, read_json
+from common import UserError, optional_file, read_json
 from model import ModelArgs, _eos_ids
 
 ROLES = ("system", "user", "assistant")  # the turns a conversation (a prompt, a training record) may hold
@@ -283,7 +283,7 @@ def _special_token_texts(directory: str) -> dict:
     """tokenizer_config.json's special tokens as texts ({"bos_token": "<s>", ...}), which transformers hands
     a chat template: a string, or an object with its "content"."""
     path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(path):
+    if not optional_file(path):
         return {}
     cfg = read_json(path)
     out = {}
@@ -299,14 +299,14 @@ def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], O
     """(template, the file it came from, None), (None, None, None) without one, or (None, the file, why it
     cannot be used) for a list of named templates without a usable "default"."""
     jinja = os.path.join(directory, "chat_template.jinja")
-    if os.path.isfile(jinja):
+    if optional_file(jinja):
         try:
             with open(jinja, encoding="utf-8") as f:
                 return f.read(), jinja, None
         except UnicodeDecodeError:
             raise UserError(f"{jinja}: not UTF-8 text") from None
     path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(path):
+    if not optional_file(path):
         return None, None, None
     t = read_json(path).get("chat_template")
     if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]; a chat uses "default"
@@ -330,7 +330,7 @@ def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
     """EOS ids from generation_config.json (often a list) and config.json, in that order, deduplicated."""
     ids = []
     gen = os.path.join(directory, "generation_config.json")
-    if os.path.isfile(gen):
+    if optional_file(gen):
         ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size)
     ids += args.eos_token_ids
     return tuple(dict.fromkeys(ids))
@@ -349,7 +349,7 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
     each checked as the flags are: temperature in [1e-4, 1e4], top_k an integer up to 2^30 (0 or -1: off),
     top_p in (0, 1], min_p in [0, 1]."""
     path = os.path.join(directory, "generation_config.json")
-    if not os.path.isfile(path):
+    if not optional_file(path):
         return None, None
     cfg = read_json(path)
     do_sample = cfg.get("do_sample", False)

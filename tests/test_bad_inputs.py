@@ -77,6 +77,21 @@ def target_with(w, tmp, edit=None, tensors=None, files=None):
     return str(t)
 
 
+def folder_for(directory, name):
+    """The checkpoint `directory` with a folder where its file `name` was (or would be)."""
+    path = Path(directory) / name
+    if path.is_file():
+        path.unlink()
+    path.mkdir()
+    return str(directory)
+
+
+def duplicated_key(w, key):
+    """The target's config.json text with `key` given a second time (first)."""
+    text = (w / "target" / "config.json").read_text()
+    return text.replace("{", f'{{"{key}": 7, ', 1)
+
+
 def drafter_with(w, tmp, edit=None, tensors=None):
     """A copy of the drafter with config.json edited (`edit(cfg)`) or tensors replaced (`tensors(ts)`)."""
     d = tmp / "drafter"
@@ -364,6 +379,16 @@ CASES = [
      "markov_rank is 8", False),
     ("drafter-hidden-size-not-the-weights", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
         w, t, lambda c: c.update(hidden_size=2 * c["hidden_size"]))] + S(w)[4:], "hidden_size is 64 but tensor", False),
+    ("config-duplicate-key", "speculate", lambda w, t: ["--target", target_with(
+        w, t, files={"config.json": duplicated_key(w, "num_hidden_layers")}), "--prompt-ids", "1"],
+     "config.json: malformed JSON (key 'num_hidden_layers' appears twice)", False),
+    ("generation-config-folder", "speculate", lambda w, t: ["--target", folder_for(
+        target_with(w, t), "generation_config.json"), "--prompt-ids", "1"],
+     "generation_config.json: not a file (a folder)", False),
+    ("chat-template-folder", "speculate", lambda w, t: P(folder_for(target_with(w, t), "chat_template.jinja")),
+     "chat_template.jinja: not a file (a folder)", False),
+    ("tokenizer-json-folder", "speculate", lambda w, t: P(folder_for(target_with(w, t), "tokenizer.json")),
+     "tokenizer.json: not a file (a folder)", False),
     ("tokenizer-unk-not-in-vocab", "speculate", lambda w, t: P(target_with(w, t, files={"tokenizer.json": json.dumps(
         {**json.loads((w / "target" / "tokenizer.json").read_text()), "model": {
             **json.loads((w / "target" / "tokenizer.json").read_text())["model"], "unk_token": "<nope>"}})})),
