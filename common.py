@@ -305,7 +305,7 @@ def _unique_keys(pairs: list) -> dict:
 def read_json(path: str) -> dict:
     """Parse a JSON object file, turning every failure into one line that names the file (a key given
     twice in one object included)."""
-    if not os.path.isfile(path):
+    if not optional_file(path):
         raise UserError(f"{path}: file not found")
     try:
         with open(path, encoding="utf-8") as f:

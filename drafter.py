@@ -156,8 +156,12 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
         layout = "dspark"
         if shift_label is False:
             raise UserError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
+        if projector == "dflash":
+            raise UserError(f"{source}: projector_type 'dflash' contradicts architecture Qwen3DSparkModel (the DSpark layout)")
     elif projector == "dspark" and shift_label is False:
         raise UserError(f"{source}: shift_label=false contradicts projector_type 'dspark' (the DSpark layout)")
+    elif projector == "dflash" and shift_label:
+        raise UserError(f"{source}: shift_label=true contradicts projector_type 'dflash' (the DFlash layout)")
     else:
         layout = "dspark" if (shift_label or projector == "dspark") else "dflash"
     if layout == "dflash" and block_size < 2:
@@ -180,7 +184,7 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     rank = 0
     if mtype is None:  # a rank with no head: the head the config describes is not there, say so
         declared = _lookup(cfg, "markov_rank", source)
-        if declared not in (None, 0):
+        if isinstance(declared, bool) or declared not in (None, 0):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
                             f"(and the weights have none)")
     else:
@@ -203,6 +207,8 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
     conf = _check_bool(_lookup(cfg, "enable_confidence_head", source, aliases=("use_confidence_head",)),
                        "enable_confidence_head", source)
     has_conf = "confidence_head.proj.weight" in tensors
+    declared_with_markov = _check_bool(_lookup(cfg, "confidence_head_with_markov", source),
+                                       "confidence_head_with_markov", source)
     if conf and not has_conf:
         raise UserError(f"{weights_source}: the confidence head is enabled in {source} but the weights "
                               "have no confidence_head.proj.weight (or confidence_proj.weight)")
@@ -219,7 +225,7 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
                             f"expects [1, features]")
         width = proj.shape[-1]
         by_weights = width == layers.hidden_size + rank and rank > 0
-        declared = _check_bool(_lookup(cfg, "confidence_head_with_markov", source), "confidence_head_with_markov", source)
+        declared = declared_with_markov
         if declared and mtype is None:
             raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
         if declared is not None and declared != by_weights:

@@ -46,7 +46,7 @@ import plots
 import runlog
 import scheduler as sched
 from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, device_name,
-                    dist_init, set_threads, torchrun_env, read_json, write_json)
+                    dist_init, optional_file, set_threads, torchrun_env, read_json, write_json)
 from inputs import auto_chat, calibration_note, check_prompts, check_sampling, load_models, load_prompts, resolve_checkpoint
 from runlog import WandbFlags
 from scheduler import check_schedulable, resolve_scheduler
@@ -414,7 +414,7 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
     out, skipped = [], []
     for name in names:
         path = os.path.join(data_dir, f"{name}.jsonl")
-        if name not in DEFAULT_SAMPLES and not os.path.isfile(path):
+        if not optional_file(path) and name not in DEFAULT_SAMPLES:
             raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
                                   f"or any <name>.jsonl in {data_dir})")
         if not os.path.isfile(path):

@@ -90,10 +90,11 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         if d is None or d.confidence_head is None:
             raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
         temps, K = read_json(calibration).get("temperatures"), d.cfg.num_drafts
+        lo, hi = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max  # applied in float32
         if not isinstance(temps, list) or len(temps) != K or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in temps):
-            raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers "
-                            f"(one per draft position), got {temps!r}")
+                isinstance(x, (int, float)) and not isinstance(x, bool) and lo <= x <= hi for x in temps):
+            raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers from {lo:.3g} to "
+                            f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
         d.calibrate(temps)
     return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter))
 
@@ -317,7 +318,7 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         if tokenizer is None:
             raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
         for m in messages:
-            _check_text(m["content"], where)
+            check_text(m["content"], where)
         texts = [m["content"] for m in messages]
         if not texts[-1].strip():  # before rendering: a template would dress an empty question up
             raise UserError(f"{where}: empty prompt")
@@ -396,13 +397,14 @@ def check_chat_flags(*, chat: Optional[bool], prompt_ids: Optional[str], system_
         raise UserError(f"{flags[0]}: prompts are not rendered as chat here (--no-chat, or a tokenizer without "
                         f"a chat template: --chat renders Qwen3's format); it would change nothing")
     if system_prompt is not None:
-        _check_text(system_prompt, "--system-prompt")
+        check_text(system_prompt, "--system-prompt")
         if not system_prompt.strip():
             raise UserError("--system-prompt: empty (leave the flag out for no system turn)")
     return flags
 
 
-def _check_text(text: str, where: str):
+def check_text(text: str, where: str):
+    """A text that can be encoded (tokenizers refuse a lone surrogate with a TypeError)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -473,7 +475,7 @@ def encode_prompt(tokenizer: Optional[Tokenizer], prompt, *, chat: Optional[bool
     if thinking and not tokenizer.thinking_switch:
         raise UserError(f"thinking: the chat template ({tokenizer.template_source}) has no thinking switch")
     if isinstance(prompt, str):
-        _check_text(prompt, where)
+        check_text(prompt, where)
         if not chat:
             return tokenizer.encode(prompt)
         messages = [{"role": "user", "content": prompt}]
@@ -487,7 +489,7 @@ def encode_prompt(tokenizer: Optional[Tokenizer], prompt, *, chat: Optional[bool
             raise UserError(f"{where}: the conversation has its own system turn, and system_prompt gives another")
         messages = [{"role": "system", "content": system_prompt}] + messages
     for m in messages:
-        _check_text(m["content"], where)
+        check_text(m["content"], where)
     return tokenizer.encode(tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking))
 
 

@@ -21,6 +21,7 @@ measured on (`load_or_profile`). The flags' checks live here too (`resolve_sched
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -331,7 +332,7 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         for key, value in want.items():
             if key not in table:
                 raise UserError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
-            if table[key] != value:
+            if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):  # true is not 1
                 raise UserError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
                                 f"delete the file to profile again")
         sps = table.get("steps_per_second")

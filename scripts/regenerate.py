@@ -44,7 +44,7 @@ import metrics as mt  # noqa: E402
 from common import (AutoBool, UserError, atomic_write, check_outputs, check_ranges, check_writable,  # noqa: E402
                     cli_main, read_json, read_jsonl, resolve_device, signals_deferred, write_json)
 from data import ROLES  # noqa: E402
-from inputs import check_sampling  # noqa: E402
+from inputs import check_sampling, check_text  # noqa: E402
 from kernels import Filters  # noqa: E402
 from inputs import HUB_META_FILES, resolve_checkpoint  # noqa: E402
 from compiling import auto_compile  # noqa: E402
@@ -134,6 +134,10 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
             if not msgs or not any(m["role"] == "user" for m in msgs):
                 raise UserError(f"{where}: expected {{\"turns\": [str]}}, {{\"prompt\": str}} or {{\"messages\": [...]}} "
                                 "with a user turn")
+            for m in msgs:  # as speculate.py's prompts: valid Unicode, and no empty question to answer
+                check_text(m["content"], where)
+                if m["role"] == "user" and not m["content"].strip():
+                    raise UserError(f"{where}: empty user turn")
             out.append((real + where[len(path):], obj.get("id"), msgs, sum(m["role"] == "user" for m in msgs)))
     if not out:
         raise UserError(f"--prompts {paths}: no prompts")

@@ -377,6 +377,22 @@ CASES = [
         w, t, lambda c: (c.pop("markov_head_type"), c.update(enable_confidence_head=False, markov_rank=8)),
         lambda ts: [ts.pop(k) for k in list(ts) if k.startswith(("markov_head.", "confidence_head."))])] + S(w)[4:],
      "markov_rank is 8", False),
+    # a head key's type is checked with the head absent too (DeepSpec writes booleans, and a rank of 0)
+    ("drafter-with-markov-string-no-heads", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: (c.pop("markov_head_type"), c.update(enable_confidence_head=False, markov_rank=0,
+                                                            confidence_head_with_markov="yes")),
+        lambda ts: [ts.pop(k) for k in list(ts) if k.startswith(("markov_head.", "confidence_head."))])] + S(w)[4:], "'confidence_head_with_markov' must be true or false", False),
+    ("drafter-markov-rank-false-no-heads", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: (c.pop("markov_head_type"), c.pop("confidence_head_with_markov"),
+                         c.update(enable_confidence_head=False, markov_rank=False)),
+        lambda ts: [ts.pop(k) for k in list(ts) if k.startswith(("markov_head.", "confidence_head."))])] + S(w)[4:], "markov_rank is False", False),
+    # layout keys that contradict each other (DeepSpec never writes projector_type; z-lab writes neither key)
+    ("drafter-projector-dflash-on-dspark-arch", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(projector_type="dflash"))] + S(w)[4:], "projector_type 'dflash' contradicts", False),
+    ("drafter-projector-dflash-shift-label", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
+        w, t, lambda c: c.update(architectures=["DFlashDraftModel"], dflash_config={"projector_type": "dflash",
+                                                                                      "shift_label": True}))] + S(w)[4:],
+     "shift_label=true contradicts projector_type 'dflash'", False),
     ("drafter-hidden-size-not-the-weights", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
         w, t, lambda c: c.update(hidden_size=2 * c["hidden_size"]))] + S(w)[4:], "hidden_size is 64 but tensor", False),
     ("config-duplicate-key", "speculate", lambda w, t: ["--target", target_with(
@@ -554,6 +570,17 @@ CASES = [
     ("calibration-nan", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
                                                          prompts_file(t, '{"temperatures": [NaN, 1, 1, 1]}', "c.json")],
      "temperatures", False),
+    # float32 is what the temperatures are applied in: a 400-digit integer overflowed (a traceback), 1e39 became
+    # inf and 1e-46 became 0 (every confidence 0.5, or 0/1/NaN), silently
+    ("calibration-400-digits", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                prompts_file(t, '{"temperatures": [%s, 1, 1, 1]}' % ("9" * 400),
+                                                                             "c.json")], "'temperatures' must be", True),
+    ("calibration-float32-inf", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                 prompts_file(t, '{"temperatures": [1e39, 1, 1, 1]}', "c.json")],
+     "'temperatures' must be", False),
+    ("calibration-float32-zero", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                  prompts_file(t, '{"temperatures": [1e-46, 1, 1, 1]}', "c.json")],
+     "'temperatures' must be", False),
     ("scheduler-threshold-no-value", "speculate", lambda w, t: S(w) + ["--scheduler", "threshold"],
      "--confidence-threshold", False),
     ("sps-table-unscheduled", "speculate", lambda w, t: S(w) + ["--sps-table", t / "s.json"], "--sps-table", False),
@@ -597,6 +624,10 @@ CASES = [
     ("eval-datasets-empty-string", "eval", lambda w, t: E(w)[:7] + [""] + E(w)[8:], "--datasets: empty value", False),
     ("train-eval-data-dir-empty", "train", lambda w, t: T(w, t) + ["--eval-every", "1", "--eval-data-dir", ""],
      "--eval-data-dir: empty path", False),
+    ("calibration-folder", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration", t],
+     "not a file (a folder)", False),
+    ("eval-dataset-file-is-a-folder", "eval", lambda w, t: E(w)[:5] + [folder_for(
+        shutil.copytree(w / "data", t / "data"), "gsm8k.jsonl")] + E(w)[6:], "gsm8k.jsonl: not a file (a folder)", False),
     ("eval-data-dir-missing", "eval", lambda w, t: E(w)[:5] + [t / "nope"] + E(w)[6:], "directory not found", False),
     ("eval-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", w / "data" / "gsm8k.jsonl"], "input of this run", True),
     ("eval-out-empty", "eval", lambda w, t: E(w) + ["--out", ""], "--out: empty path", False),
@@ -842,6 +873,21 @@ def test_demo_mode_reads_the_sps_table_before_any_decoding(tmp_path, capsys, mon
     cap = capsys.readouterr()
     _check(cap.err, str(bad), rc)
     assert calls == [] and "--- autoregressive ---" not in cap.out and bad.read_text() == table
+
+
+@pytest.mark.parametrize("key,value", [("sampling", 0), ("batch_capacity", True), ("verify_width", 5.0)])
+def test_an_sps_table_key_of_another_type_is_refused(world, tmp_path, capsys, key, value):
+    """0 is not false, true is not 1, 5.0 is not 5: the identity keys are compared as the JSON values they are."""
+    table = tmp_path / "sps.json"
+    args = [str(a) for a in S(world)] + ["--scheduler", "hardware", "--sps-table", str(table)]
+    assert speculate.main(args) == 0
+    saved = json.loads(table.read_text())
+    assert saved[key] == value and type(saved[key]) is not type(value)  # equal in Python, another JSON value
+    saved[key] = value
+    table.write_text(json.dumps(saved))
+    capsys.readouterr()
+    rc = speculate.main(args)
+    _check(capsys.readouterr().err, f"{key} is {value!r} in the table", rc)
 
 
 def test_demo_mode_with_a_good_sps_table_shares_the_target_caches(tmp_path, capsys, monkeypatch):

@@ -279,3 +279,20 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, flags, ne
     assert regenerate.main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+@pytest.mark.parametrize("record,needle", [
+    ('{"prompt": "a\\udc80"}', "bad.jsonl:1: the text is not valid Unicode"),  # was a TypeError traceback
+    ('{"prompt": ""}', "bad.jsonl:1: empty user turn"),  # was answered, as speculate.py refuses to
+    ('{"turns": ["hi", "  "]}', "bad.jsonl:1: empty user turn"),
+    ('{"messages": [{"role": "user", "content": "\\n"}]}', "bad.jsonl:1: empty user turn"),
+])
+def test_bad_prompt_records_are_one_line_errors(tmp_path, capsys, monkeypatch, record, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text(record + "\n")
+    argv = ["--target", DEMO / "target", "--prompts", "bad.jsonl", "--out", "o.jsonl", "--max-new-tokens", 12,
+            "--no-progress", "--device", "cpu"]
+    assert regenerate.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not (tmp_path / "o.jsonl").exists()
