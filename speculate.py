@@ -247,6 +247,11 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
     return longest_prompt + max_new_tokens + 2 * width
 
 
+def rope_and_caches(model) -> list:
+    """What `setup_caches` (re-)allocates in a target or drafter: its RoPE table, then every layer's KV cache."""
+    return [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
+
+
 class Engine:
     """Requests through prefill and rounds in `batch_size` rows (continuous batching), with stop
     and budget handling.
@@ -277,6 +282,8 @@ class Engine:
         target.setup_caches(batch_size, max_seq)
         if drafter is not None:
             drafter.setup_caches(batch_size, max_seq)
+        # This engine's caches (`own_caches` puts them back when another engine replaced them).
+        self.caches = [rope_and_caches(m) if m is not None else None for m in (target, drafter)]
         self.K = drafter.cfg.num_drafts if drafter is not None else 0
         self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold, buckets=buckets,
                                          compiled=compile, device=device)
@@ -337,9 +344,26 @@ class Engine:
         compiled round never recompiles. Compiled and warmed up, guard evaluation is cut to what tells
         the graphs apart (`skip_guards`, __init__).
         """
+        self.own_caches()
         skip = self.compiled and self.warmed and self.skip_guards
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
             return self._generate(requests, max_new_tokens, on_round, on_finish, on_step)
+
+    def own_caches(self):
+        """Put this engine's caches back in the models. Engines on the same models share them, and
+        building one of another size re-allocates them (`setup_caches`): eager rounds would read any
+        caches, but a compiled round holds the very tensors it was compiled with (the CPU recipe's
+        frozen graphs keep the ones they only read as constants) and, with guard evaluation cut down
+        (`skip_guards`), nothing checks the new ones' shapes: it decoded other tokens, silently."""
+        for m, mine in zip((self.target, self.drafter), self.caches):
+            if m is None or all(a is b for a, b in zip(rope_and_caches(m), mine)):
+                continue
+            rope, *kvs = mine
+            for layer, kv in zip(m.layers, kvs):
+                layer.self_attn.kv_cache = kv
+            m.register_buffer("rope", rope, persistent=False)
+            if isinstance(m, Transformer):
+                m.max_batch, m.max_seq = kv.k.shape[:2]
 
     def _generate(self, requests: list[Request], max_new_tokens: int, on_round, on_finish, on_step):
         B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
@@ -456,6 +480,7 @@ class Engine:
         engine's own schedule). Noise comes from a throwaway generator, so the run's random stream
         (and every sampled token) is the same as without it; the cache rows it writes are rewritten
         by the next prefill before they are read."""
+        self.own_caches()
         B, dev, W = self.max_batch, self.device, self.K + 1
         zeros = lambda dtype=torch.long: torch.zeros(B, dtype=dtype, device=dev)  # distinct tensors: no aliasing guard
         noise = (kernels.round_noise(torch.Generator(device=dev).manual_seed(0), B, self.K,

@@ -382,3 +382,41 @@ def test_importing_the_programs_leaves_the_compiler_alone():
             "assert 'TORCHINDUCTOR_CACHE_DIR' not in os.environ, os.environ['TORCHINDUCTOR_CACHE_DIR']")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_warmed_engine_reused_after_another_engine_resized_the_caches(tmp_path):
+    """Engines on the same models share their caches, and building one of another size re-allocates
+    them (setup_caches). A compiled engine reused after that decodes as the eager one: it puts its own
+    caches back. Before, its graphs (the CPU recipe's hold the cache tensors they were compiled with;
+    guard evaluation cut down checks nothing else) went on with the old caches while the eager prefill
+    wrote the new ones: rounds read another prompt's context, with no error and no recompile."""
+    import torch._dynamo
+    from drafter import load_drafter
+    from model import load_target
+
+    target_dir = make_target(tmp_path / "target", attn_scale=1.0)  # the context matters: a stale one shows
+    target = load_target(target_dir)
+    drafter = load_drafter(make_drafter(tmp_path / "drafter", target_dir, oracle=False), target)
+    first, second = [[5, 17, 33, 2, 8], [9, 1]], [[40, 41, 42, 43, 44, 45, 46], [30, 12, 7]]
+
+    def run(engine, prompts):
+        reqs = [speculate.Request(i, p) for i, p in enumerate(prompts)]
+        engine.generate(reqs, 20)
+        return [(r.output_ids, [(x["draft"], x["accepted"]) for x in r.rounds]) for r in reqs]
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode():
+        eager = speculate.Engine(target, drafter, batch_size=2, max_seq=64)
+        expected = run(eager, second)
+        engine = speculate.Engine(target, drafter, batch_size=2, max_seq=64, compile=True)
+        engine.warmup()
+        run(engine, first)
+        speculate.Engine(target, drafter, batch_size=3, max_seq=96)  # another size: the shared caches re-allocated
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = run(engine, second)
+        written = target.layers[0].self_attn.kv_cache.k[0, len(second[0]):len(second[0]) + 8]
+        assert bool((written != 0).any()), "the rounds wrote caches the models no longer hold"
+        assert got == expected
+        assert run(eager, second) == expected  # (and the eager engine, after the compiled one took them back)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
