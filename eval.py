@@ -468,7 +468,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, calibration=args.calibration,
                     seed=args.seed)
     target, drafter, tokenizer, chat = m.target, m.drafter, m.tokenizer, auto_chat(args.chat, m.tokenizer)
-    if rank == 0 and (note := calibration_note(args.calibration, (args.drafter, drafter_dir), args.temperature)):
+    if rank == 0 and (note := calibration_note(args.calibration, drafter_dir, args.temperature)):
         print(note, file=sys.stderr)
     check_schedulable(kind, drafter, args.confidence_threshold)
     compile = auto_compile(args.compile, device)
@@ -602,7 +602,7 @@ def evaluate(args: EvalArgs, kind: str, datasets: list, target_dir: Optional[str
                "datasets": entries,
                "calibration": {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None}
     if rank == 0:
-        write_outputs(args, results, calibration, log)
+        write_outputs(args, results, calibration, log, drafter_dir)
     return results
 
 
@@ -713,7 +713,8 @@ def reliability_panels(calibration: dict, bins: int) -> list[dict]:
     return panels
 
 
-def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None):
+def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None,
+                  drafter_dir: Optional[str] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
     asked = [f for f, v in (("--calibration-out", args.calibration_out), ("--calibration-plot", args.calibration_plot))
@@ -735,7 +736,8 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
         write_json(args.calibration_out, {
             "temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
             "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
-            "drafter": args.drafter, "target": args.target, "temperature": args.temperature, "datasets": [e["dataset"] for e in results["datasets"]],
+            "drafter": args.drafter, "target": args.target, "datasets": [e["dataset"] for e in results["datasets"]],
+            "drafter_dir": os.path.realpath(drafter_dir) if drafter_dir else None, "temperature": args.temperature,
             "split": calibration["split"], "fit_rounds": calibration["fit_rounds"], "bins": calibration["bins"],
             "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
             "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],

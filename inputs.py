@@ -112,23 +112,23 @@ HUB_ID = re.compile(rf"(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<revision>[^@]*))
 _REVISION = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*")  # a git ref or a hash
 
 
-def calibration_note(calibration: Optional[str], drafter: tuple, temperature: float) -> Optional[str]:
+def calibration_note(calibration: Optional[str], drafter: Optional[str], temperature: float) -> Optional[str]:
     """A note when an STS file (eval.py --calibration-out) was fitted on another drafter or at another
     sampling temperature than this run's: c_k's calibration depends on both, so its temperatures may not
-    fit. `drafter`: this run's --drafter as given and the directory it was read from. Files without
-    those records (written before they were) are taken as they are."""
+    fit. `drafter`: the directory this run read its drafter from. Files without those records (written
+    before they were) are taken as they are."""
     if calibration is None:
         return None
     cal, other = read_json(calibration), []
-    fitted, names = cal.get("drafter"), [d for d in drafter if d is not None]
-    if isinstance(fitted, str) and names and all(os.path.realpath(fitted) != os.path.realpath(d) for d in names):
-        other.append(f"drafter {fitted} (this run: {names[0]})")
+    fitted = cal.get("drafter_dir")
+    if isinstance(fitted, str) and drafter is not None and fitted != os.path.realpath(drafter):
+        other.append(f"on drafter {fitted} (this run: {os.path.realpath(drafter)})")
     fitted_t = cal.get("temperature")
     if isinstance(fitted_t, (int, float)) and not isinstance(fitted_t, bool) and fitted_t != temperature:
-        other.append(f"temperature {fitted_t:g} (this run: {temperature:g})")
+        other.append(f"at temperature {fitted_t:g} (this run: {temperature:g})")
     if not other:
         return None
-    return (f"note: --calibration {calibration} was fitted at {' and '.join(other)}; its temperatures may not fit "
+    return (f"note: --calibration {calibration} was fitted {' and '.join(other)}; its temperatures may not fit "
             f"this run (eval.py --calibration-out refits them)")
 
 

@@ -826,7 +826,7 @@ def load_and_decode(args: Args, demo: bool, log: Optional[runlog.Log], lead: Opt
                     calibration=args.calibration, seed=args.seed)
     check_schedulable(kind, m.drafter, args.confidence_threshold)
     sampling = resolve_sampling(m, args.temperature, args.top_k, args.top_p, args.min_p)
-    if note := calibration_note(args.calibration, (args.drafter, m.directories[1]), sampling.temperature):
+    if note := calibration_note(args.calibration, m.directories[1], sampling.temperature):
         print(note, file=sys.stderr)
     stops = StopStrings.build(m.tokenizer, args.stop)
     context = m.target.args.max_position_embeddings

@@ -335,20 +335,21 @@ def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
     say so when they apply it to another drafter or at another temperature (its fit depends on both)."""
     cal = tmp_path / "cal.json"
     run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", cal, out="a.json")
-    assert json.load(open(cal))["temperature"] == 1.0 and json.load(open(cal))["drafter"] == str(env["drafter"])
+    fitted = json.load(open(cal))
+    assert fitted["temperature"] == 1.0 and fitted["drafter_dir"] == os.path.realpath(env["drafter"])
     _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", cal, out="b.json")
     assert "note: --calibration" not in err
     _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 0.5, "--calibration", cal, out="c.json")
     assert f"note: --calibration {cal} was fitted at temperature 1 (this run: 0.5);" in err
     moved = tmp_path / "moved.json"
-    moved.write_text(json.dumps({**json.load(open(cal)), "drafter": str(tmp_path / "older-drafter")}))
+    moved.write_text(json.dumps({**fitted, "drafter_dir": str(tmp_path / "older-drafter")}))
     rc = speculate.main([str(a) for a in ("--target", env["target"], "--drafter", env["drafter"], "--prompt-ids",
                                           "1,2,3", "--max-new-tokens", 4, "--confidence-threshold", 0.5,
                                           "--calibration", moved, "--temperature", 0)])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert (f"note: --calibration {moved} was fitted at drafter {tmp_path / 'older-drafter'} (this run: "
-            f"{env['drafter']}) and temperature 1 (this run: 0);") in err
+    assert (f"note: --calibration {moved} was fitted on drafter {tmp_path / 'older-drafter'} (this run: "
+            f"{os.path.realpath(env['drafter'])}) and at temperature 1 (this run: 0);") in err
 
 
 def test_a_saturating_calibration_is_not_passed_off_as_the_raw_head(env, tmp_path, capsys):
