@@ -225,11 +225,10 @@ def resolve_config(cfg: dict, tensors: dict, source: str, weights_source: str,
                             f"expects [1, features]")
         width = proj.shape[-1]
         by_weights = width == layers.hidden_size + rank and rank > 0
-        declared = declared_with_markov
-        if declared and mtype is None:
+        if declared_with_markov and mtype is None:
             raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
-        if declared is not None and declared != by_weights:
-            raise UserError(f"{source}: confidence_head_with_markov is {declared} but confidence_head.proj "
+        if declared_with_markov is not None and declared_with_markov != by_weights:
+            raise UserError(f"{source}: confidence_head_with_markov is {declared_with_markov} but confidence_head.proj "
                                   f"reads {width} features (hidden {layers.hidden_size}, markov rank {rank})")
         with_markov = by_weights
     if layout == "dflash" and (mtype or conf):

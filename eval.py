@@ -414,10 +414,11 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
     out, skipped = [], []
     for name in names:
         path = os.path.join(data_dir, f"{name}.jsonl")
-        if not optional_file(path) and name not in DEFAULT_SAMPLES:
+        present = optional_file(path)
+        if not present and name not in DEFAULT_SAMPLES:
             raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
                                   f"or any <name>.jsonl in {data_dir})")
-        if not os.path.isfile(path):
+        if not present:
             skipped.append(path)
             continue
         out.append((name, path, args.max_samples or DEFAULT_SAMPLES.get(name, 0)))  # 0: every row

@@ -40,8 +40,10 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        unk = getattr(self.tok.model, "unk_token", None)  # WordLevel, WordPiece, BPE: else the library raises a bare
-        if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):  # Exception at an unknown word
+        # A WordLevel/WordPiece/BPE unk_token it does not have: the library would raise a bare Exception at the
+        # first unknown word.
+        unk = getattr(self.tok.model, "unk_token", None)
+        if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):
             raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
         self.chat_template, self.template_source, self.template_problem = _read_chat_template(directory)
         self.special_texts = _special_token_texts(directory)  # bos_token, eos_token, ...: what templates read
