@@ -192,6 +192,15 @@ def test_a_position_no_round_tried_has_no_rate():
     assert table.splitlines()[-1].endswith("0.67" + " -" * (K - 1))
 
 
+def test_a_stop_token_in_a_rejected_draft_does_not_end_the_round():
+    """Only accepted drafts can end a round early: a stop token in the first rejected draft (or later)
+    is never committed, so the round counts as usual — accepted + 1 committed."""
+    EOS = 9
+    rd = dict(accepted=2, verified=4, draft=[1, 2, EOS, EOS], bonus=5)
+    assert metrics.round_counts(rd, {EOS}) == (2, 4, 3)
+    assert metrics.round_counts(dict(rd, accepted=0, draft=[EOS, 1, 2, 3]), {EOS}) == (0, 4, 1)
+
+
 def test_a_stop_token_inside_the_accepted_drafts_ends_the_round_there():
     """The last round of a request accepts drafts [5, EOS, 6, 7] (4 of 4, bonus 8): the authors'
     loop stops at the EOS — 2 drafts verified, 2 accepted, 2 tokens committed, no bonus — and

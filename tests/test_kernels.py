@@ -281,6 +281,18 @@ def test_verify_sampled_draft_with_zero_target_probability_is_always_rejected():
     assert chi2_pvalue(nxt, residual / residual.sum()) > P_MIN
 
 
+def test_verify_sampled_u_zero_never_accepts_a_token_the_target_cannot_produce():
+    """The acceptance test is strict, u·q(x) < p(x): with u = 0 exactly and p(x) = 0 the draft is
+    rejected (u·q(x) <= p(x) would accept a token the target never produces)."""
+    p0 = torch.tensor([0.5, 0.5, 0.0])
+    logits = torch.stack([_logits_of(p0), _logits_of(p0)])[None]      # [1, 2, 3]
+    q = torch.tensor([[[0.0, 0.0, 1.0]]])
+    drafts = torch.tensor([[2]])
+    u, noise = torch.zeros(1, 1), torch.ones(1, 3)
+    n, nxt = kernels.verify_sampled(drafts, q, logits, torch.tensor([1]), 1.0, None, u, noise)
+    assert n.tolist() == [0] and nxt.item() != 2
+
+
 def test_verify_sampled_residual_example():
     """p = [.5, .5, 0], q = [1, 0, 0], draft 0: accepted with probability 1/2; a rejection's
     correction is always token 1; after an acceptance the bonus is drawn from p_1."""

@@ -111,6 +111,20 @@ def test_filter_logits_equals_the_definition(f):
         assert (p > 0).any() and abs(p.sum().item() - 1) < 1e-5
 
 
+@pytest.mark.parametrize("p,top_p", [([.5, .25, .25], .5), ([.25, .25, .25, .125, .125], .75),
+                                     ([.5, .25, .125, .125], .875), ([.5, .5], .5)])
+def test_top_p_at_an_exact_cut_matches_transformers(p, top_p):
+    """Rows whose cumulative sums hit 1 - top_p exactly: the cut is transformers' (a token whose
+    ascending cumulative probability is <= 1 - p is dropped), which the margin-skipping test above
+    never reaches."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    z = torch.log(torch.tensor([p]))
+    want = TopPLogitsWarper(top_p)(None, z.clone())
+    got = kernels.filter_logits(z, Filters(0, top_p))
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), (got, want)
+
+
 def test_filters_off_change_nothing():
     logits = torch.randn(3, 4, 50)
     assert torch.equal(kernels.probs(logits, 0.7, Filters()), torch.softmax(logits / 0.7, dim=-1))

@@ -92,6 +92,14 @@ SMALL = ["--seq-len", 24, "--batch-size", 2, "--block-size", 4, "--depth", 2, "-
 # ----------------------------------------------------------------------------------------
 # Losses on hand-computed cases
 
+def test_default_losses_are_deepspecs_recipe():
+    """Without loss flags, training weighs slots by exp(-j/4) and the terms 0.1 / 0.9 / 1.0 (CE, TV,
+    confidence BCE), as DeepSpec trains the published drafters."""
+    args = train.Args(target="unused", data="unused", out="unused")
+    assert (args.gamma, args.alpha_ce, args.alpha_tv, args.alpha_conf) == (4.0, 0.1, 0.9, 1.0)
+    assert torch.allclose(train.slot_weights(7, args.gamma), torch.exp(-torch.arange(7.0) / 4))
+
+
 def test_slot_weights():
     w = train.slot_weights(4, 4.0)
     assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)]))

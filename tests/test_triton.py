@@ -332,6 +332,17 @@ def test_verify_sampled_hand_built(no_fallback):
     assert torch.equal(nxt, nxt_ref)
 
 
+def test_verify_sampled_u_zero_rejects_a_token_the_target_cannot_produce(no_fallback):
+    """As the reference: u·q(x) < p(x) is strict, so u = 0 with p(x) = 0 rejects."""
+    V = 40
+    logits = torch.randn((1, 2, V), generator=gen(15))
+    logits[0, 0, 7] = float("-inf")
+    q = torch.softmax(logits[:, :1], -1)
+    n, nxt = kernels.verify_sampled_triton(torch.tensor([[7]]), q, logits, torch.tensor([1]), 1.0, None,
+                                           torch.zeros(1, 1), torch.ones(1, V))
+    assert n.tolist() == [0] and nxt.item() != 7
+
+
 def test_verify_sampled_draws_like_reference_from_generator(no_fallback):
     B, K, V = 3, 4, 100
     for seed in range(3):
