@@ -38,16 +38,16 @@ from typing import Literal, Optional
 
 import torch
 
+import cpu_kernels
 import kernels
 import metrics
+from checkpoint import PRESETS, attach, init_random_, load_drafter, load_target, random_drafter, random_target, \
+    resolve_checkpoint
 from common import (UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints, resolve_device,
-                    resolve_dtype, sync, write_json)
-from drafter import Drafter, DrafterConfig, random_drafter
-from inputs import resolve_checkpoint
-from cpu_kernels import gemm_note
-from model import PRESETS, ModelArgs, Transformer, init_random_, load_target, random_target
-from compiling import CompileMode, check_compile_flags, use_compile_cache
-from speculate import Engine, Request, cache_length, kernel_set
+                    resolve_dtype, sync, use_compile_cache, write_json)
+from drafter import Drafter, DrafterConfig
+from model import ModelArgs, Transformer
+from speculate import CompileMode, Engine, Request, cache_length, kernels_for
 
 
 @dataclass
@@ -68,7 +68,7 @@ class BenchArgs:
     compile: bool = True
     """torch.compile the round (--no-compile for eager)."""
     compile_mode: Optional[CompileMode] = None
-    """torch.compile mode (default: the project's recipe, compiling.compiled: on cpu max-autotune with the
+    """torch.compile mode (default: the project's recipe, speculate.compiled: on cpu max-autotune with the
     weights frozen into the graph, on cuda reduce-overhead — CUDA graphs, no autotuning)."""
     compile_cache: Optional[str] = None
     """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
@@ -139,8 +139,8 @@ def bigram_pair(device, dtype, seed: int = 0, rank: int = 64, block_size: int = 
         drafter.norm.weight.fill_(1e-3)  # the block's own logits U are small next to the Markov term
         drafter.markov_head.markov_w1.weight.copy_(w1)
         drafter.markov_head.markov_w2.weight.copy_(target.lm_head.weight[:, :rank])
-    drafter.attach(target)
-    return target.fuse_(), drafter.eval().requires_grad_(False).fuse_()
+    attach(drafter, target)
+    return target, drafter.eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------------------
@@ -201,8 +201,8 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
-    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, device=device, compile=compile,
-                    compile_mode=mode, compile_verbose=verbose, kernels=kernels)
+    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, compile=compile, compile_mode=mode,
+                    compile_verbose=verbose, kernels=kernels)
     if compile:
         engine.warmup()
     room = max_seq - cache_length(0, 0, drafter)  # the prompt and budget the engine was sized for
@@ -325,18 +325,18 @@ def transformers_copy(target: Transformer):
         num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, attention_bias=a.attention_bias,
         tie_word_embeddings=a.tie_word_embeddings, max_position_embeddings=a.max_position_embeddings))
-    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in target.state_dict().items()}
+    from checkpoint import published
+    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v
+          for k, v in published(target.state_dict()).items()}
     hf.load_state_dict(sd, strict=True)
     w = target.lm_head.weight
     return hf.to(device=w.device, dtype=w.dtype).eval()
 
 
 def reference_drafter(drafter: Optional[Drafter], hf) -> Optional[Drafter]:
-    """The drafter as the reference implementations run it: the same weights in plain modules (nn.Linear
-    GEMMs, no fused projections, no packed weights: those are this project's engine's), reading the
-    embedding and lm_head of the reference target `hf` (transformers_copy). The engine's drafter is
-    fused and, on CPU, packed (`Drafter.fuse_`); sharing it would hand the reference loop this
-    project's speed-ups and understate the engine's lead over the loop it is measured against."""
+    """The drafter as the reference implementations run it: the same weights in plain modules (nn.Linear,
+    no CPU kernels: those are this project's engine's), reading the embedding and lm_head of the
+    reference target `hf` (transformers_copy)."""
     if drafter is None:
         return None
     plain = Drafter(drafter.cfg)
@@ -412,7 +412,10 @@ def check_args(args: BenchArgs) -> list[int]:
     if args.drafter is not None and args.target is None:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
                         f"bench.py builds its own pair: --model)")
-    check_compile_flags(args.compile, args.compile_cache, args.verbose, args.compile_mode)
+    for flag, given in (("--compile-mode", args.compile_mode), ("--compile-cache", args.compile_cache),
+                        ("--verbose", args.verbose)):
+        if given and not args.compile:
+            raise UserError(f"{flag}: only used with --compile (the run is eager)")
     if args.target is not None and args.model != BenchArgs.__dataclass_fields__["model"].default:
         raise UserError(f"--model {args.model}: --target gives the models (--model builds a pair only without it)")
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
@@ -430,7 +433,7 @@ def run(args: BenchArgs) -> list[dict]:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
-    kernel_set(args.kernels, dev)  # refused here, before any model is built
+    kernels_for(args.kernels, dev)  # refused here, before any model is built
     if args.reference and 1 not in batch_sizes:
         raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
                         f"has no 1")
@@ -444,7 +447,6 @@ def run(args: BenchArgs) -> list[dict]:
         want_reference = False
     t0 = time.perf_counter()
     if args.target is not None:
-        from drafter import load_drafter
         target = load_target(target_dir, dev, dtype)
         drafter = load_drafter(drafter_dir, target, dev, dtype) if args.drafter else None
         name = args.target
@@ -464,14 +466,17 @@ def run(args: BenchArgs) -> list[dict]:
     n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
     bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
     hw = device_name(dev)
-    gemms = gemm_note(target, args.compile)
+    for m in (target, drafter):
+        if m is not None:
+            cpu_kernels.install(m)
+    gemms = cpu_kernels.describe(target, args.compile)
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
           f"{hw}, torch {torch.__version__}, compile={args.compile}"
           + (" (guards skipped after warm-up)" if args.compile and args.skip_guards else "")
           + (f", kernels={args.kernels}" if args.kernels != "torch" else "")
           + (f" (cache {cache_dir})" if cache_dir else "")
           + (f"; {gemms}" if gemms else "")
-          + f"; built in {time.perf_counter() - t0:.1f} s; "
+          + f"; models built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator().manual_seed(args.seed)
     hf = transformers_copy(target) if want_reference else None
@@ -521,21 +526,27 @@ def run(args: BenchArgs) -> list[dict]:
             }
             rows.append(row)
             print(_row(row, bw), flush=True)
+            save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
         # Ratios within each repeat (adjacent runs), then their median and range.
         for num, den, what in (("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
                                ("speculative", "reference", "this engine / the reference loop at batch 1")):
             if num in runs and den in runs:
                 rs = [a["total_tokens_per_second"] / b["total_tokens_per_second"] for a, b in zip(runs[num], runs[den])]
                 ratios.append({"ratio": what, "median": statistics.median(rs), "runs": rs})
+                note = ""
+                if min(r["seconds"] for r in runs[num] if "seconds" in r) < 1:
+                    note += "; runs under a second: noise, give more --max-new-tokens or --repeats"
+                if num == "speculative" and den == "autoregressive" and B > 1 and dev == "cpu" and not args.compile:
+                    note += "; at batch > 1 eager speculation on a CPU verifies B x (K+1) tokens per round and may lose"
                 print(f"{what}: {statistics.median(rs):.2f}x (median of {len(rs)} interleaved repeats; "
-                      f"{min(rs):.2f}-{max(rs):.2f})", flush=True)
+                      f"{min(rs):.2f}-{max(rs):.2f}{note})", flush=True)
         save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
     print(f"peak memory: {peak_memory(dev):.2f} GiB ({'CUDA allocator' if dev == 'cuda' else 'process RSS'})")
     return rows
 
 
 def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: list[dict], complete: bool):
-    """--out, rewritten after every batch size: a run cut short (a device session's time limit)
+    """--out, rewritten after every batch size: a run cut short (a time limit on a borrowed GPU)
     still leaves what it measured, marked incomplete."""
     if args.out:
         write_json(args.out, {"config": asdict(args), "hardware": hw, "torch": torch.__version__,

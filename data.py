@@ -1,33 +1,18 @@
 """Training data (docs/algorithm.md, "Training data"): reading, chat rendering with a loss mask, packing,
-the step's batch, and where its anchors may fall.
+the step's batch and where its anchors may fall.
 
-Two kinds of data, told apart by what the records hold:
-- Continued pre-training style (text files, JSON lines with "text" or "turns", or --data-ids): the
-  documents are concatenated with EOS between them and cut into windows; every token is supervised,
-  anchors fall anywhere, and attention crosses document boundaries (the window is one stream).
-- Chat records (JSON lines with "messages" / "conversations", or "prompt" + "response"), as the
-  authors train: each conversation is rendered with the target's chat template in non-thinking mode;
-  the loss mask covers the assistant's tokens only (its content and the stop token that ends the turn,
-  not the template's header or empty think block: what the target generates after the generation
-  prompt); conversations are packed whole into rows by best fit (one longer than a row is cut to it),
-  each token labelled with its document in the row, and neither the target nor the drafter attends
-  across documents (`document_mask`, `drafter.block_mask`). Positions stay 0..T-1 along the row:
-  RoPE scores depend only on the distance between query and key, so a document at offset o with
-  attention confined to itself computes what it computes alone (tests/test_train_data.py checks it).
-- Anchors (`sample_anchors`) are drawn from the positions `anchor_candidates` allows: the anchor and its
-  successor both in the loss mask and in one document (everything but the last position for plain
-  text). A slot is supervised while its label stays inside the row, the mask and the anchor's
-  document (`supervised`: a prefix of the block).
-- `Batches`: step s's global batch is rows s·G .. s·G+G-1 of an endless stream of seeded shuffles,
-  a pure function of (seed, s, G), so neither resuming nor the number of processes changes it.
+Plain text (and --data-ids) is one stream cut into windows, every token supervised. Chat records are
+templated, thinking off, the loss on the assistant's tokens, conversations packed whole into rows and
+attending only within themselves: RoPE depends on distances only, so each computes what it does alone.
+Step s's global batch depends only on (seed, s, G): resuming or the process count do not change it.
 """
-
 from __future__ import annotations
 
 import bisect
 import hashlib
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,12 +28,10 @@ EOS_TOKEN = "<|endoftext|>"
 _SENTINEL = "\ue000{}\ue001"  # private-use characters: where an assistant message lands in the rendered text
 
 
-# ----------------------------------------------------------------------------------------
 # Reading
 
 def _chat_messages(obj, where: str) -> Optional[list[dict]]:
-    """The conversation of a chat record ("messages" / "conversations" or "prompt" + "response"), checked;
-    None if the record is not a chat record."""
+    """A chat record's conversation, checked; None for another record."""
     if not isinstance(obj, dict):
         return None
     if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
@@ -82,12 +65,11 @@ def _read_jsonl_docs(path: str, texts: list, chats: list):
 
 
 def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
-    """(plain texts, chat conversations as (where, messages)) of --data: one file, or every text file and
-    .jsonl under a directory (sorted, recursive; non-UTF-8 text files skipped)."""
+    """(plain texts, chat conversations as (where, messages)) of --data: a file, or the text files and .jsonl
+    under a directory (sorted, recursive; non-UTF-8 text skipped)."""
     if os.path.isfile(path):
         files = [path]
     elif os.path.isdir(path):
-        # .json files in a tree are often data of other kinds (the stdlib's tests have some): only .jsonl there.
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
                        if f.endswith(TEXT_SUFFIXES + (".jsonl",)))
         if not files:
@@ -115,7 +97,6 @@ def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
 
 
 def read_texts(path: str) -> list[str]:
-    """The plain documents of --data (chat records are a drafter's training data: train.py)."""
     texts, chats = read_documents(path)
     if chats:
         raise UserError(f"{chats[0][0]}: a chat record; this program trains on plain text")
@@ -123,7 +104,6 @@ def read_texts(path: str) -> list[str]:
 
 
 def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
-    """--data-ids: JSON lines of {"prompt_ids": [int]}, every id below vocab_size."""
     if not os.path.isfile(path):
         raise UserError(f"--data-ids {path}: file not found")
     out = []
@@ -141,7 +121,7 @@ def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
 
 
 def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], source: str) -> torch.Tensor:
-    """Concatenate the documents (separator between them) and cut [N, seq_len] windows; the tail is dropped."""
+    """The documents joined (separator between them), cut into [N, seq_len] windows; the tail dropped."""
     stream = []
     for d in docs:
         stream.extend(d)
@@ -154,8 +134,7 @@ def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], 
 
 
 def read_windows(args, tok, vocab_size: int, separator: Optional[int], texts: Optional[list[str]] = None) -> torch.Tensor:
-    """The [N, seq_len] windows of plain --data (tokenized by `tok`, documents joined by `separator`; `texts`:
-    --data already read) or of --data-ids (ids below vocab_size, joined as they are)."""
+    """The windows of plain --data (`texts`: already read) or of --data-ids."""
     if args.data is not None:
         texts = read_texts(args.data) if texts is None else texts
         docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
@@ -163,15 +142,12 @@ def read_windows(args, tok, vocab_size: int, separator: Optional[int], texts: Op
     return pack_windows(read_id_lists(args.data_ids, vocab_size), args.seq_len, None, f"--data-ids {args.data_ids}")
 
 
-# ----------------------------------------------------------------------------------------
 # Chat records: rendering and the loss mask
 
 def chat_spans(tok, messages: list[dict], stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
-    """(rendered text, character spans of the assistant turns) of a conversation, rendered whole with the
-    chat template in non-thinking mode. A span is the message's content plus the stop token that follows it
-    (one of `stop_texts`, e.g. "<|im_end|>"). The contents are found by rendering once more with a sentinel in
-    place of each assistant message, so a user turn quoting the same words cannot be mistaken for it; None
-    when the template changes an assistant's text (the mask could not be placed exactly)."""
+    """(rendered text, character spans of the assistant turns: content + the stop text after it). The
+    spans are found by rendering again with a sentinel for each assistant message (a user turn quoting it
+    is not mistaken for it); None when the template changes an assistant's text."""
     text = tok.render_messages(messages, add_generation_prompt=False, thinking=False)
     marked = [dict(m, content=_SENTINEL.format(i)) if m["role"] == "assistant" else m for i, m in enumerate(messages)]
     mtext = tok.render_messages(marked, add_generation_prompt=False, thinking=False)
@@ -199,7 +175,6 @@ def chat_spans(tok, messages: list[dict], stop_texts=()) -> Optional[tuple[str, 
 
 
 def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
-    """A token is in the loss mask when it starts inside an assistant span."""
     starts = [o[0] for o in offsets]
     mask = [False] * len(offsets)
     for s, e in spans:
@@ -210,9 +185,8 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
 
 def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=(),
                  seq_len: Optional[int] = None) -> tuple[list[tuple[list[int], list[bool]]], int]:
-    """(token ids, loss mask) of every conversation, and how many were skipped (template changed the
-    assistant text, or no position could be an anchor — within the first `seq_len` tokens, what packing
-    keeps of it: a response past the cut would take a row and give no block)."""
+    """(token ids, loss mask) of every conversation, and how many were skipped: the template changed the
+    response, or no anchor within the first `seq_len` tokens (what packing keeps)."""
     rendered = [chat_spans(tok, msgs, stop_texts) for _, msgs in chats]
     keep = [r for r in rendered if r is not None]
     encs = tok.tok.encode_batch([r[0] for r in keep], add_special_tokens=False) if keep else []
@@ -225,13 +199,12 @@ def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=(),
     return docs, len(chats) - len(docs)
 
 
-# ----------------------------------------------------------------------------------------
 # Packing and the corpus
 
 @dataclass
 class Corpus:
-    """Training rows: tokens [N, T]; loss_mask [N, T] bool (None: every token); doc [N, T] the document of
-    each token within its row, -1 for padding (None: the row is one stream, attention crosses documents)."""
+    """Training rows [N, T]: tokens; loss_mask (None: all); doc, each token's document in its row, -1 for
+    padding (None: one stream)."""
     tokens: torch.Tensor
     loss_mask: Optional[torch.Tensor] = None
     doc: Optional[torch.Tensor] = None
@@ -240,7 +213,6 @@ class Corpus:
         return len(self.tokens)
 
     def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(tokens int64, loss_mask, doc int64) of the rows `index`."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         doc = pick(self.doc)
         return self.tokens[index].long(), pick(self.loss_mask), None if doc is None else doc.long()
@@ -248,10 +220,8 @@ class Corpus:
 
 def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int,
                    pack: bool = True) -> tuple[Corpus, dict]:
-    """Best-fit-decreasing packing of whole documents into rows of seq_len (a longer one is cut to seq_len):
-    each document goes to the open row with the least room that still holds it; pack=False: one document
-    a row, in order (the authors' layout). Rows are padded with pad_id (doc -1, outside the mask). Returns
-    the corpus and counts (rows, documents, cut, fill)."""
+    """Best-fit-decreasing packing (a document longer than a row cut to it): each goes to the open row with
+    the least room that holds it; pack=False: one a row. Returns the corpus and counts."""
     lengths = [min(len(ids), seq_len) for ids, _ in docs]
     if not pack:  # every document opens a row of its own
         return _fill_rows(docs, lengths, [[i] for i in range(len(docs))], seq_len, pad_id)
@@ -282,7 +252,6 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_i
 
 
 def _fill_rows(docs, lengths: list[int], rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[Corpus, dict]:
-    """The corpus of `rows` (each a list of document indices, laid out in order) and packing's counts."""
     tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.int32)
     mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
     doc = torch.full((len(rows), seq_len), -1, dtype=torch.int16 if seq_len < 2 ** 15 else torch.int32)  # ids < seq_len
@@ -299,10 +268,27 @@ def _fill_rows(docs, lengths: list[int], rows: list[list[int]], seq_len: int, pa
     return Corpus(tokens, mask, doc), stats
 
 
+DIGEST_CHUNK = 64 << 20  # bytes one thread hashes at a time
+
+
+def digest(corpus: Corpus) -> str:
+    """sha256 of the rows as stored, over 64 MiB chunks hashed in parallel threads, then their digests."""
+    chunks, head = [], hashlib.sha256()
+    for name, t in (("tokens", corpus.tokens), ("loss_mask", corpus.loss_mask), ("doc", corpus.doc)):
+        if t is not None:
+            head.update(f"{name} {list(t.shape)} {t.dtype}\n".encode())
+            raw = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+            chunks += [raw[i:i + DIGEST_CHUNK] for i in range(0, len(raw), DIGEST_CHUNK)]
+    with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool:
+        for d in pool.map(lambda c: hashlib.sha256(c).digest(), chunks):
+            head.update(d)
+    return head.hexdigest()
+
+
 def load_corpus(args, target_args, say) -> Corpus:
-    """The training rows of --data (plain text or chat records) or --data-ids, for train.py's `args` (--target
-    given, `target_args` its ModelArgs); `say` prints a line (rank 0)."""
-    from text import Tokenizer, stop_token_ids
+    """train.py's rows of --data or --data-ids; `say` prints a line (rank 0)."""
+    from checkpoint import stop_token_ids
+    from text import Tokenizer
 
     if args.data is None and not args.pack:
         raise UserError("--no-pack: --data-ids are windows of a token stream; only chat records are packed")
@@ -331,23 +317,19 @@ def load_corpus(args, target_args, say) -> Corpus:
 
 
 def document_mask(doc: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool: query t may attend key s iff s <= t and both are in the same document (doc [B, T])."""
+    """[B, T, T] bool: t may attend s iff s <= t in the same document."""
     T = doc.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
     return (doc[:, :, None] == doc[:, None, :]) & causal
 
 
-# ----------------------------------------------------------------------------------------
 # The step's batch and anchors
 
 def seed_for(tag: str, *xs: int) -> int:
-    """A 60-bit seed from a tag and integers, so (seed, step) streams are independent of each other."""
     return int(hashlib.sha256(":".join([tag, *map(str, xs)]).encode()).hexdigest()[:15], 16)
 
 
 class Batches:
-    """Step s's global batch: indices s*G .. s*G+G-1 of an endless stream of shuffled epochs over n rows."""
-
     def __init__(self, n: int, batch_size: int, seed: int):
         self.n, self.G, self.seed = n, batch_size, seed
         self._perms = {}
@@ -364,14 +346,13 @@ class Batches:
 
 
 def micro_slices(batch_size: int, grad_accum: int, rank: int) -> list[slice]:
-    """A rank's micro-batches as slices of the step's global batch: rank r's micro-batch m holds rows
-    (r·A + m)·B .. (r·A + m + 1)·B, so 1 process x A=2 and 2 processes x A=1 take the same rows."""
+    """Rank r's micro-batch m: rows (r·A + m)·B .. +B of the global batch (1 x A=2 takes what 2 x A=1 do)."""
     B, A = batch_size, grad_accum
     return [slice((rank * A + m) * B, (rank * A + m + 1) * B) for m in range(A)]
 
 
 def anchor_candidates(loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[B, T-1] bool: a may be an anchor iff a and a+1 are in the loss mask and in one document (None: all)."""
+    """[B, T-1]: a may be an anchor iff a and a+1 are in the loss mask and one document (None: all)."""
     if loss_mask is None and doc is None:
         return None
     ok = torch.ones_like((loss_mask if loss_mask is not None else doc)[:, 1:], dtype=torch.bool)
@@ -384,9 +365,8 @@ def anchor_candidates(loss_mask: Optional[torch.Tensor], doc: Optional[torch.Ten
 
 def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator,
                    allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [batch, n] sorted, keep [batch, n]): n positions per row drawn without replacement from
-    0..seq_len-2 (the first label is in the row), only where `allowed` [batch, seq_len-1] is True. A row with
-    fewer than n allowed positions fills its last blocks with dummies (anchor 0, keep False)."""
+    """(anchors, keep) [batch, n]: n sorted positions a row, without replacement, where `allowed`; a row
+    with fewer fills its last blocks with dummies (anchor 0, keep False)."""
     keys = torch.rand(batch, seq_len - 1, generator=generator)
     if allowed is None:
         return keys.argsort(dim=1)[:, :n].sort(dim=1).values, torch.ones(batch, n, dtype=torch.bool)
@@ -399,8 +379,8 @@ def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator,
 
 def supervised(anchors: torch.Tensor, keep: torch.Tensor, K: int, seq_len: int, loss_mask: Optional[torch.Tensor],
                doc: Optional[torch.Tensor]) -> torch.Tensor:
-    """[B, N, K] bool: slot j of a kept block at anchor a is supervised iff its label a+j+1 and every earlier
-    label are inside the row, the loss mask and the anchor's document."""
+    """[B, N, K]: slot j of a kept block is supervised iff labels a+1..a+j+1 are in the row, the loss mask
+    and the anchor's document."""
     B, N = anchors.shape
     label = anchors[:, :, None] + 1 + torch.arange(K, device=anchors.device)  # [B, N, K]
     ok = label < seq_len

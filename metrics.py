@@ -1,27 +1,7 @@
-"""What a run's rounds mean in numbers: one definition of each metric, used by speculate.py (its
-summary line and trace), eval.py (per dataset, summed over ranks) and the benchmarks.
-
-Everything starts from raw counts (`count`), which add across requests, datasets and processes;
-the metrics are ratios of those sums, never averages of averages. A round record is one line of
-the trace: `verified` drafts went to the target, `accepted` of them survived, then one token more
-(the correction or bonus) was committed. A round is counted as the authors' evaluation counts it
-(DeepSpec's eval): when a stop token is among the accepted drafts, the round ends at that token —
-it has verified and accepted the drafts up to and including it, and commits those alone (no bonus).
-Tokens a last round produces past the token budget are counted, as theirs are.
-
-Under the authors' names and definitions (docs/algorithm.md, "Evaluation"):
-- `acceptance_length` τ: tokens committed per round = Σ committed / rounds;
-- `draft_tokens_per_proposal`: drafts sent to the target per round = Σ verified / rounds (the
-  verify budget; speculate.py's summary calls it `verified_per_round`);
-- `verify_rate`: Σ committed / (Σ verified + rounds), committed tokens per token the target verified;
-- `accept_rates_by_position[j]`: rounds that accepted more than j drafts ÷ rounds that verified more
-  than j (j = 0 .. K-1).
-And the paper's per-position acceptance (its Figure 2), conditional on the earlier drafts:
-- `accept_rate_by_position[k-1]`: rounds that accepted draft k ÷ rounds that accepted drafts 1..k-1
-  and verified draft k.
-A ratio with nothing behind it is None — also a conditional rate no round tried (undefined, not a
-position that always rejects: 0.0 would read as one).
-"""
+"""What a run's rounds mean in numbers, as the authors define them (docs/algorithm.md, "Evaluation"): ratios of
+raw counts (`count`) that add across requests, datasets and processes, never averages of averages. A round
+verifies drafts, accepts some, commits one token more; an accepted stop token ends it there (as DeepSpec counts).
+A ratio with nothing behind it is None (a position no round tried is undefined, not 0)."""
 
 from __future__ import annotations
 
@@ -32,8 +12,7 @@ LIST_KEYS = ("verified_at", "accepted_at", "tried", "ok")
 
 
 def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]:
-    """(accepted, verified, committed) of one round record; a stop token among the accepted drafts
-    ends the round at it."""
+    """(accepted, verified, committed) of one round record; an accepted stop token ends the round there."""
     n = rd["accepted"]
     for j, t in enumerate(rd["draft"][:n]):
         if t in stop_ids:
@@ -42,10 +21,9 @@ def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]
 
 
 def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
-    """Raw counts of finished requests (objects with `.rounds`, trace records, and `.output_ids`).
-    COUNT_KEYS are sums; per draft position j = 0..K-1: `verified_at` / `accepted_at` (rounds that
-    verified / accepted more than j drafts), `tried` (drafts 1..j accepted, draft j+1 verified) and
-    `ok` (drafts 1..j+1 accepted)."""
+    """Raw counts of finished requests (`.rounds` of trace records, `.output_ids`): COUNT_KEYS summed, and per
+    position j < K rounds that verified / accepted more than j (`verified_at` / `accepted_at`), that accepted
+    drafts 1..j and verified j+1 (`tried`) and that accepted 1..j+1 (`ok`)."""
     stop = set(stop_ids)
     rounds = [(round_counts(rd, stop), len(rd["draft"])) for r in requests for rd in r.rounds]
     c = {"num_samples": len(requests), "num_rounds": len(rounds),

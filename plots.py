@@ -1,16 +1,8 @@
-"""The figures the programs draw: eval.py's reliability diagram and bench.py's concurrency plot.
+"""The figures: eval.py's reliability diagram and the concurrency plot (scripts/bench_concurrency.py).
 
-What is notable here:
-- matplotlib is imported inside the functions, so a program that never plots never loads it.
-  Figures are built as `matplotlib.figure.Figure` objects, not through pyplot: no GUI backend is
-  picked (PNG renders with Agg), no process-wide state changes, and no global figure registry
-  holds on to a figure after it is saved.
-- The extension picks the format: .png (144 dpi) or .svg (text kept as text, so it stays
-  searchable and editable; no date and fixed ids, so a rerun gives the same file). Anything else
-  is a ValueError here, and `check_plot_path` lets a program refuse it before doing any work.
-- Files are written with common.atomic_write: whole or not at all.
-- This module only draws. ECE and AUROC arrive precomputed in the panel dicts (eval.py owns the
-  metrics); the one piece of math is `bin_stats`, the equal-width binning of the diagram.
+matplotlib is imported only when drawing, and figures are `Figure` objects, not pyplot: no GUI backend,
+no global state. The extension picks the format: .png, or .svg with text as text and no date (a rerun
+is the same file). Files are written whole or not at all. The metrics arrive precomputed.
 """
 
 from __future__ import annotations
@@ -24,15 +16,14 @@ from common import UserError, atomic_write
 
 FORMATS = (".png", ".svg")
 DPI = 144
-BINS = 15  # eval.py's ECE_BINS today: pass the bins of the ECE shown so bars and number agree
-PANELS_PER_ROW = 4  # reliability panels per row; a long block wraps instead of growing one wide strip
+BINS = 20  # eval.py's ECE_BINS
+PANELS_PER_ROW = 4  # a long block wraps
 MODE_COLOURS = {"autoregressive": "tab:gray", "none": "tab:blue", "threshold": "tab:orange",
                 "hardware": "tab:green", "async": "tab:red"}
-OTHER_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")  # modes added later
+OTHER_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
 def _format(path: str) -> Optional[str]:
-    """"png" or "svg" from the extension (any case), None for anything else."""
     ext = os.path.splitext(path)[1].lower()
     return ext[1:] if ext in FORMATS else None
 
@@ -42,14 +33,12 @@ def _bad_extension(path: str) -> str:
 
 
 def check_plot_path(path: Optional[str], flag: str):
-    """Fail before any work if a plot path's extension is not .png or .svg (None: the flag is unset).
-    The path's folder is common.check_writable's business."""
+    """Refuse, before any work, a plot path that is not .png or .svg."""
     if path is not None and _format(path) is None:
         raise UserError(f"{flag} {_bad_extension(path)}")
 
 
 def _save(fig, path: str, fmt: str):
-    """The figure at `path`, atomically (the temporary name ends in .tmp, hence format=)."""
     import matplotlib
 
     rc = {"svg.fonttype": "none", "svg.hashsalt": "dspark-fast"}
@@ -59,9 +48,8 @@ def _save(fig, path: str, fmt: str):
 
 
 def bin_stats(a, y, bins: int = BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per equal-width bin [b/bins, (b+1)/bins) (the last one closed, as eval.py's ECE bins):
-    (count int64 [bins], mean predicted float64 [bins], observed rate float64 [bins]); the means
-    are NaN in empty bins. `a` are probabilities in [0, 1], `y` the 0/1 outcomes."""
+    """(count, mean predicted, observed rate) per bin [b/bins, (b+1)/bins), the last closed, as
+    eval.py's ECE; NaN means in empty bins."""
     a, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
     idx = np.clip((a * bins).astype(np.int64), 0, bins - 1)
     count = np.bincount(idx, minlength=bins)
@@ -71,7 +59,6 @@ def bin_stats(a, y, bins: int = BINS) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def _title(panel: dict) -> str:
-    """"k=2  ECE 8.1% -> 2.3%  AUROC 0.712", leaving out what is None."""
     title = f"k={panel['position']}"
     eb, ea, auc = panel.get("ece_before"), panel.get("ece_after"), panel.get("auroc")
     if eb is not None:
@@ -82,14 +69,9 @@ def _title(panel: dict) -> str:
 
 
 def reliability_diagram(path: str, panels: list[dict], bins: int = BINS):
-    """One panel per draft position k: how many rounds fall in each bin of the predicted prefix
-    survival a_k (light gray, right axis), the diagonal (perfect calibration), the observed
-    survival rate per bin before STS (bars) and after STS (markers).
-
-    panels: [{"position": k, "before": (a, y), "after": (a, y) or None, "ece_before": float or None,
-    "ece_after": float or None, "auroc": float or None}]: a the predicted survival probabilities,
-    y the 0/1 outcomes; the numbers (eval.py's metrics, computed with the same `bins`) go in the
-    titles and may be left out."""
+    """One panel per position k: rounds per bin of a_k (gray), the diagonal, the observed survival
+    before STS (bars) and after (markers). panels: [{"position", "before": (a, y), "after": (a, y) or
+    None, and optionally "ece_before", "ece_after", "auroc" for the title}]."""
     fmt = _format(path)
     if fmt is None:
         raise ValueError(_bad_extension(path))
@@ -105,7 +87,7 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = BINS):
     ticks = np.linspace(0, 1, 6)
     for j, (ax, panel) in enumerate(zip(axes, panels)):
         count, _, observed = bin_stats(*panel["before"], bins)
-        hist = ax.twinx()  # counts on their own scale, drawn behind the rates
+        hist = ax.twinx()  # counts behind the rates
         hist.bar(centres, count, width=1 / bins, color="0.88", label="rounds")
         hist.set_ylim(0, max(int(count.max()), 1) / 0.9)
         hist.set_ylabel("rounds", color="0.45")
@@ -123,7 +105,7 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = BINS):
         ax.set(xlim=(0, 1), ylim=(0, 1), xticks=ticks, yticks=ticks, title=_title(panel),
                xlabel="predicted survival a_k", ylabel="observed survival")
         ax.title.set_fontsize("medium")
-        if j == 0:  # one legend for the figure: every panel draws the same things
+        if j == 0:  # every panel draws the same things
             handles, labels = ax.get_legend_handles_labels()
             more, more_labels = hist.get_legend_handles_labels()
             ax.legend(handles + more, labels + more_labels, loc="upper left", fontsize="small")
@@ -133,9 +115,8 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = BINS):
 
 
 def concurrency_plot(path: str, rows: list[dict]):
-    """Total and per-request tokens/s against concurrency (log2 axis, ticks at the measured levels),
-    one line per mode. rows: [{"concurrency": int, "mode": str, "total_tokens_per_second": float,
-    "per_request_tokens_per_second": float, ...}] (bench.py's rows; other keys are ignored)."""
+    """Total and per-request tokens/s against concurrency (log2 axis), one line per mode. rows:
+    [{"concurrency", "mode", "total_tokens_per_second", "per_request_tokens_per_second", ...}]."""
     fmt = _format(path)
     if fmt is None:
         raise ValueError(_bad_extension(path))
@@ -157,7 +138,7 @@ def concurrency_plot(path: str, rows: list[dict]):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, labels=[str(c) for c in levels])
         ax.minorticks_off()
-        ax.set_xlim(levels[0] / 2 ** 0.5, levels[-1] * 2 ** 0.5)  # half an octave each side; one level works too
+        ax.set_xlim(levels[0] / 2 ** 0.5, levels[-1] * 2 ** 0.5)  # half an octave each side
         ax.set_ylim(bottom=0)
         ax.set(title=title, xlabel="concurrency (requests in flight)", ylabel="tokens/s")
         ax.grid(alpha=0.3)

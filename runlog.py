@@ -1,29 +1,7 @@
-"""What a run tells as it goes: Weights & Biases logging for speculate.py, eval.py, train.py and
-scripts/train_target.py, speculate.py's progress bar, and the choice between a bar (on a terminal) and
-plain progress lines (elsewhere) that eval.py and the training programs make (README, "What a run logs").
-
-    python speculate.py ... --wandb --wandb-project P --wandb-name N --wandb-group G --wandb-tags a,b
-
-What is notable here:
-- One set of flags (`WandbFlags`), which every program's Args inherits. A flag that is not given goes
-  to wandb as None, so wandb's own environment variables apply (WANDB_ENTITY, WANDB_NAME,
-  WANDB_RUN_GROUP, WANDB_TAGS, and WANDB_MODE, WANDB_DIR, ...); the project is --wandb-project, else
-  WANDB_PROJECT, else dspark-fast. `check` refuses a --wandb-* flag without --wandb, before any work.
-- `session` starts the run before the work, so wandb's system metrics cover the work and a crash is
-  on record, and always finishes it: exit code 0 when the work returns; 2 after a UserError and 1
-  after any other exception (W&B shows "failed"); 128 + the signal after SIGINT / SIGTERM (130 / 143).
-  The summary says which in words (`status`: finished, failed or interrupted; `error`: the reason).
-- The run's config: the flags after their defaults, torch's version and the code's git commit at
-  the start (`start_config`); each program adds what it resolved once its models are loaded (device,
-  dtype, the checkpoints' config.json, sampling, ...) with `Log.config`.
-- wandb is imported only inside `session` with --wandb: a run without it never loads it.
-- `DecodeWatch` is speculate.py's observer of the engine: it counts rounds as they come and, every
-  --log-every rounds, logs the figures so far (tokens/s, τ, drafts verified per round, the histogram
-  of accepted lengths); with several requests it also drives a tqdm bar on stderr.
-- What each program logs at its end is written here too, one function each (`log_decode`,
-  `log_eval_dataset`, `log_eval`), so that the programs stay about their work and one file says what
-  a run records.
-"""
+"""What a run tells as it goes: Weights & Biases logging (`WandbFlags`, which every program's Args inherits),
+speculate.py's progress bar and figures (`DecodeWatch`), plain progress lines off a terminal (`Lines`). A W&B
+run starts before the work and always finishes: exit code 0, 2 after a UserError, 1 after another exception,
+128 + the signal; the summary's `status` and `error` say which. wandb is imported only with --wandb."""
 
 from __future__ import annotations
 
@@ -48,8 +26,8 @@ class WandbFlags:
     """The Weights & Biases flags every program shares (inherited by each program's Args)."""
 
     wandb: bool = False
-    """Log the run to Weights & Biases: config, figures as it goes, tables, charts and files (README,
-    "What a run logs"). WANDB_MODE=offline logs to ./wandb (or WANDB_DIR) without a network."""
+    """Log the run to Weights & Biases: config, figures as it goes, tables, charts and files
+    (docs/logging.md). WANDB_MODE=offline logs to ./wandb (or WANDB_DIR) without a network."""
     wandb_project: Optional[str] = None
     """Project of --wandb. Default: WANDB_PROJECT when set, else dspark-fast."""
     wandb_entity: Optional[str] = None
@@ -75,8 +53,7 @@ def parse_tags(text: Optional[str]) -> Optional[list[str]]:
 
 
 def check(args):
-    """The --wandb-* flags, before any work: each needs --wandb, none may be empty, the project name is
-    one W&B accepts."""
+    """The --wandb-* flags, before any work: each needs --wandb, none empty, a project name W&B accepts."""
     given = {f: getattr(args, f) for f in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group",
                                             "wandb_tags", "wandb_artifacts") if getattr(args, f, None)}
     for f in given:
@@ -95,12 +72,10 @@ def check(args):
         raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters and none of / \\ # ? % :")
 
 
-# ----------------------------------------------------------------------------------------
 # The run's configuration
 
 def code_version() -> dict:
-    """The git commit of this code (and whether tracked files differ from it), or None when it is not
-    a git checkout (an unpacked copy, no git installed)."""
+    """This code's git commit and whether tracked files differ from it (None outside a git checkout)."""
     here = os.path.dirname(os.path.abspath(__file__))
 
     def git(*cmd) -> Optional[str]:
@@ -118,8 +93,7 @@ def code_version() -> dict:
 
 
 def start_config(args, program: str) -> dict:
-    """What a run's config holds from its start: the program, the flags after their defaults, torch's
-    version and the code's commit."""
+    """A run's config from its start: the program, the flags, torch's version and the code's commit."""
     import torch
 
     return {"program": program, **asdict(args), "torch": torch.__version__, **code_version()}
@@ -127,8 +101,7 @@ def start_config(args, program: str) -> dict:
 
 def checkpoint_config(directory: Optional[str]) -> Optional[dict]:
     """A checkpoint directory's config.json as read (None without one: random weights, no drafter)."""
-    path = os.path.join(directory, "config.json") if directory else None
-    if path is None or not os.path.isfile(path):
+    if not directory or not os.path.isfile(path := os.path.join(directory, "config.json")):
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -137,7 +110,6 @@ def checkpoint_config(directory: Optional[str]) -> Optional[dict]:
         return None
 
 
-# ----------------------------------------------------------------------------------------
 # A run
 
 class Log:
@@ -146,12 +118,7 @@ class Log:
     def __init__(self, run, wandb):
         self.run, self.wandb = run, wandb
 
-    @property
-    def id(self) -> str:
-        return self.run.id
-
     def config(self, **values):
-        """Add what the program resolved to the run's config."""
         self.run.config.update(values, allow_val_change=True)
 
     def log(self, values: dict, step: Optional[int] = None):
@@ -165,13 +132,12 @@ class Log:
 
     def bar(self, key: str, columns: list[str], rows: Iterable, title: str, step: Optional[int] = None):
         """A bar chart of (label, value) rows, logged under `key` (its table as `key`_table)."""
-        table = self.table(columns, rows)
-        self.log({key: self.wandb.plot.bar(table, columns[0], columns[1], title=title)}, step=step)
+        self.log({key: self.wandb.plot.bar(self.table(columns, rows), columns[0], columns[1], title=title)}, step=step)
 
     def artifact(self, name: str, kind: str, paths: Iterable[str], metadata: Optional[dict] = None,
                  aliases: Optional[list[str]] = None):
         """Files as an artifact of this run, named `<run id>-<name>` (versions: wandb's)."""
-        art = self.wandb.Artifact(f"{self.id}-{name}", type=kind, metadata=metadata or {})
+        art = self.wandb.Artifact(f"{self.run.id}-{name}", type=kind, metadata=metadata or {})
         for p in paths:
             art.add_file(p)
         self.run.log_artifact(art, aliases=aliases)
@@ -182,7 +148,6 @@ class Log:
 
 
 def _ending(e: BaseException) -> tuple[int, str]:
-    """(exit code, status) of a run that ended with `e`."""
     if isinstance(e, Interrupted):
         return 128 + e.signum, "interrupted"
     if isinstance(e, KeyboardInterrupt):
@@ -217,9 +182,8 @@ def start(args, job_type: str, config: dict) -> Log:
 
 @contextlib.contextmanager
 def session(args, job_type: str, program: str, enabled: bool = True):
-    """The program's work inside a wandb run: yields a `Log` (None without --wandb, or when not
-    `enabled`, e.g. off rank 0 under torchrun), and finishes the run however the work ends — exit
-    code 0 and status "finished", or as `_ending` says, the exception then going on."""
+    """The work inside a wandb run: yields a `Log` (None without --wandb or `enabled`), and finishes the run
+    however the work ends (exit code 0 and "finished", or as `_ending` says, the exception going on)."""
     if not (args.wandb and enabled):
         yield None
         return
@@ -233,14 +197,10 @@ def session(args, job_type: str, program: str, enabled: bool = True):
     log.finish(0, "finished")
 
 
-# ----------------------------------------------------------------------------------------
-# Progress off a terminal (eval.py, the training loop)
+# Progress off a terminal
 
 class Lines:
-    """Progress where stderr is not a terminal (a log file, a pipe, a batch job's output), in which a
-    tqdm bar's frames would pile up: `say(text)` prints a plain line at most every `every` seconds,
-    and always with `final=True`. eval.py and the training loop (train.py, scripts/train_target.py)
-    use it in place of their bars there."""
+    """Progress off a terminal (no piled-up bar frames): a line at most every `every` s, always if `final`."""
 
     def __init__(self, every: float = 60.0):
         self.every, self.last = every, time.monotonic()
@@ -257,19 +217,11 @@ def progress(enabled: bool) -> Optional[str]:
     return None if not enabled else "bar" if sys.stderr.isatty() else "lines"
 
 
-# ----------------------------------------------------------------------------------------
 # speculate.py
 
 class DecodeWatch:
-    """speculate.py's observer of one decode (`Engine.generate`'s callbacks): `on_round(request,
-    record)` for each row's round, `on_step()` after each round of the batch, `on_finish(request)`.
-
-    The figures are kept as running sums (metrics.py's definitions: a stop token among the accepted
-    drafts ends the round there), so logging costs the same at round 10 and round 10 million. Every
-    `every` rounds of the batch, and at `close`, a W&B row under `<name>/`: round, requests done,
-    tokens, tokens/s (tokens over the engine's prefill + decode seconds so far), acceptance_length
-    τ, verified_per_round and the histogram of accepted drafts per round. `bar`: a tqdm bar on stderr
-    (requests done, tokens/s, τ)."""
+    """speculate.py's observer of one decode (`Engine.generate`'s callbacks): running sums of metrics.py's
+    figures, a W&B row under `<name>/` every `every` batch rounds and at `close`; with `bar`, a tqdm bar."""
 
     def __init__(self, log: Optional[Log], name: str, K: int, stop_ids, requests: int, every: int,
                  seconds: Callable[[], float], bar: bool = False):
@@ -331,7 +283,6 @@ class DecodeWatch:
         self.logged = self.steps
 
     def close(self):
-        """The last row (if rounds ran since the one before) and the bar's end."""
         if self.log is not None and self.steps > self.logged:
             self._log()
         if self.bar is not None:
@@ -340,10 +291,7 @@ class DecodeWatch:
 
 def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: list, tokenizer,
                files: dict[str, Optional[str]]):
-    """The end of one speculate.py decode: its summary figures under `<name>/` in the run's summary,
-    the acceptance by position as a chart (the paper's conditional rate) with a table of both rates,
-    the accepted-length distribution as a chart, a table of the requests (prompt, completion, tokens,
-    τ, finish reason) and the files written (trace, outputs) as artifacts."""
+    """A decode's end: its summary under `<name>/`, acceptance by position, the requests, its files as artifacts."""
     log.summary({f"{name}/{k}": v for k, v in summary.items() if k not in ("summary", "outputs")})
     rates = summary["accept_rate_by_position"]
     if rates:
@@ -363,71 +311,3 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
     for what, path in files.items():
         if path is not None and os.path.isfile(path):
             log.artifact(what, what, [path], metadata={"program": "speculate.py", "path": os.path.abspath(path)})
-
-
-# ----------------------------------------------------------------------------------------
-# eval.py
-
-def log_eval_dataset(log: Log, entry: dict, step: Optional[int]):
-    """One dataset's row of results.json, logged as soon as it is done, under `<dataset>/`."""
-    d = entry["dataset"]
-    row = {f"{d}/{k}": entry[k] for k in ("num_samples", "num_rounds", "num_tokens", "acceptance_length",
-                                          "draft_tokens_per_proposal", "verify_rate", "tokens_per_second",
-                                          "seconds") if entry[k] is not None}
-    row.update({f"{d}/accept_rate@{j}": r for j, r in enumerate(entry["accept_rates_by_position"]) if r is not None})
-    row.update({f"{d}/conditional_accept_rate@{j + 1}": r for j, r in enumerate(entry["accept_rate_by_position"])
-                if r is not None})
-    log.log(row, step=step)
-
-
-def log_eval(log: Log, results: dict, step: Optional[int], image: Optional[str], files: dict[str, Optional[str]]):
-    """The end of eval.py: a table of the datasets, the acceptance by position of each as one chart,
-    the calibration per position (ECE, AUROC, Brier; before / after STS on the held-out requests) as a
-    table, scalars and an ECE chart, the reliability diagram as an image, and results.json and the STS
-    temperatures as artifacts."""
-    wb = log.wandb
-    K = results["config"]["num_drafts"]
-    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
-            "tokens_per_second"]
-    out = {"acceptance": log.table(cols + [f"accept_rate@{j}" for j in range(K)],
-                                   ([e[c] for c in cols] + e["accept_rates_by_position"] for e in results["datasets"]))}
-    if K:
-        by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"],
-                           [(e["dataset"], j + 1, a, c) for e in results["datasets"]
-                            for j, (a, c) in enumerate(zip(e["accept_rates_by_position"], e["accept_rate_by_position"]))])
-        out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
-                                                      title="accept_rate@j by draft position (authors' definition)")
-    cal = results["calibration"]
-    if cal is not None:
-        sts = "temperatures" in cal
-        ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
-        out["calibration"] = log.table(
-            ccols + ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw", "heldout_brier_sts"],
-            ([m[c] for c in ccols] + ([cal["temperatures"][j], cal["raw_heldout"][j]["ece"], cal["sts_heldout"][j]["ece"],
-                                       cal["raw_heldout"][j]["brier"], cal["sts_heldout"][j]["brier"]] if sts else [None] * 5)
-             for j, m in enumerate(cal["raw"])))
-        for j, m in enumerate(cal["raw"]):
-            out.update({f"calibration/{k}_{j + 1}": m[k] for k in ("ece", "auroc", "brier") if m[k] is not None})
-            if sts:
-                out.update({f"calibration/temperature_{j + 1}": cal["temperatures"][j],
-                            **{f"calibration/heldout_{k}_{w}_{j + 1}": cal[f"{w}_heldout"][j][k]
-                               for k in ("ece", "brier") for w in ("raw", "sts") if cal[f"{w}_heldout"][j][k] is not None}})
-        for d, ms in cal.get("raw_by_dataset", {}).items():  # per dataset, as the authors report it
-            out.update({f"{d}/calibration/{k}_{m['position']}": m[k] for m in ms for k in ("ece", "auroc", "brier")
-                        if m[k] is not None})
-        positions = [m["position"] for m in cal["raw"]]
-        series = {"all rounds, raw": [m["ece"] for m in cal["raw"]]}
-        if sts:
-            series.update({"held-out, raw": [m["ece"] for m in cal["raw_heldout"]],
-                           "held-out, after STS": [m["ece"] for m in cal["sts_heldout"]]})
-        out["calibration/ece_by_position"] = wb.plot.line_series(
-            xs=positions, ys=[[float("nan") if v is None else v for v in s] for s in series.values()],
-            keys=list(series), title="ECE of the prefix survival a_k by position", xname="position")
-    if image is not None:
-        out["calibration/reliability_diagram"] = wb.Image(image)
-    log.log(out, step=step)
-    log.summary({k: v for k, v in out.items() if isinstance(v, (int, float))})
-    for what, path in files.items():
-        if path is not None and os.path.isfile(path):
-            log.artifact(what, what, [path], metadata={"program": "eval.py", "step": step,
-                                                       "path": os.path.abspath(path)})

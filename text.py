@@ -1,16 +1,7 @@
-"""Text and ids for a checkpoint directory: its tokenizer, its stop tokens, its chat template.
-
-What is notable here:
-- `tokenizer.json` goes through the `tokenizers` library; the chat template comes from
-  `chat_template.jinja` or `tokenizer_config.json`. Without a template, conversations (system,
-  user and assistant turns) are rendered in Qwen3's own ChatML, thinking off unless asked for
-  (off is what the published drafters were trained on).
-- A chat template is code shipped with a checkpoint: it is rendered in a box (`render_template`) —
-  Jinja's immutable sandbox, a time limit, caps on its output and on the numbers and repetitions it
-  computes — and whatever goes wrong is one line naming the template's file.
-- Stop ids come from generation_config.json and config.json, each checked against the vocabulary;
-  the default sampling settings come from generation_config.json (`generation_sampling`).
-"""
+"""Text and ids: a checkpoint's tokenizer and chat template, prompts read and encoded, stop strings. A template
+comes from chat_template.jinja or tokenizer_config.json (else Qwen3's ChatML, thinking off unless asked for, as
+the published drafters were trained); it is code shipped with a checkpoint, so it runs in a box
+(`render_template`). Every prompt, from a flag, a file or the Python API, goes through `encode`."""
 
 from __future__ import annotations
 
@@ -19,16 +10,15 @@ import re
 import string
 from typing import Optional, Sequence
 
-from common import UserError, optional_file, read_json
-from model import ModelArgs, _eos_ids
+from common import UserError, optional_file, parse_ints, read_json, read_jsonl
 
-ROLES = ("system", "user", "assistant")  # the turns a conversation (a prompt, a training record) may hold
+ROLES = ("system", "user", "assistant")
 QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-EMPTY_THINK = "<think>\n\n</think>\n\n"  # Qwen3's non-thinking mode: the answer opens with an empty think block
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # Qwen3's non-thinking mode opens the answer with an empty think block
 
 
 class Tokenizer:
-    """`tokenizer.json` through the `tokenizers` library, plus the directory's chat template."""
+    """tokenizer.json through the `tokenizers` library, plus the directory's chat template."""
 
     def __init__(self, directory: str):
         from tokenizers import Tokenizer as HFTokenizer
@@ -40,13 +30,15 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        # A WordLevel/WordPiece/BPE unk_token it does not have: the library would raise a bare Exception at the
-        # first unknown word.
-        unk = getattr(self.tok.model, "unk_token", None)
+        unk = getattr(self.tok.model, "unk_token", None)  # else a bare Exception at the first unknown word
         if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):
             raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
-        self.chat_template, self.template_source, self.template_problem = _read_chat_template(directory)
-        self.special_texts = _special_token_texts(directory)  # bos_token, eos_token, ...: what templates read
+        self.chat_template, self.template_source, self.template_problem = read_chat_template(directory)
+        config = os.path.join(directory, "tokenizer_config.json")
+        config = read_json(config) if optional_file(config) else {}
+        specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+                    if k in ("bos_token", "eos_token", "unk_token", "pad_token")}  # what templates read
+        self.special_texts = {k: v for k, v in specials.items() if isinstance(v, str)}
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -55,59 +47,70 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, prompt: str, thinking: bool = False, system: Optional[str] = None) -> str:
-        """One user turn (after a system turn when `system` is given) with the generation prompt; Qwen3's
-        format without a template."""
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        turns = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": prompt}]
-        return self.render_messages(messages, add_generation_prompt=True, thinking=thinking)
+        return self.render_messages(turns, add_generation_prompt=True, thinking=thinking)
 
     @property
     def thinking_switch(self) -> bool:
-        """Whether thinking can be turned on: the template reads `enable_thinking` (the fallback does too)."""
+        """Whether the template reads `enable_thinking` (the fallback does)."""
         return self.chat_template is None or "enable_thinking" in self.chat_template
 
     def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
-        """A conversation ([{"role", "content"}, ...]) through the chat template (in a box, as a template is
-        code from the checkpoint: `render_template`), with `enable_thinking` set; add_generation_prompt
-        opens the assistant's next turn. Without a template: ChatML as Qwen3 renders it (the last
-        assistant turn after the last user turn carries an empty think block, and so does the
-        generation prompt with thinking off)."""
-        if self.template_problem is not None:  # a template was meant, but none can be used: not the fallback
+        if self.template_problem is not None:
             raise UserError(self.template_problem)
-        if self.chat_template is None:
-            return _chatml_fallback(messages, add_generation_prompt, thinking)
+        if self.chat_template is None:  # Qwen3's ChatML
+            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+            out = [f"<|im_start|>{m['role']}\n"
+                   f"{EMPTY_THINK if m['role'] == 'assistant' and i == len(messages) - 1 and i > last_user else ''}"
+                   f"{m['content']}<|im_end|>\n" for i, m in enumerate(messages)]
+            return "".join(out) + ("<|im_start|>assistant\n" + ("" if thinking else EMPTY_THINK)
+                                   if add_generation_prompt else "")
         text = render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
                                add_generation_prompt=add_generation_prompt, enable_thinking=thinking,
                                **self.special_texts)
-        if not text.strip():  # the template's doing, not the prompt's
+        if not text.strip():
             raise UserError(f"{self.template_source}: the chat template renders this conversation as nothing")
         return text
 
 
-def _chatml_fallback(messages: Sequence[dict], add_generation_prompt: bool, thinking: bool = False) -> str:
-    """Qwen3's ChatML without its template: every turn, a system turn included, is
-    `<|im_start|>ROLE\nCONTENT<|im_end|>\n`; one user turn with the generation prompt, thinking off,
-    is exactly QWEN3_CHAT_FALLBACK. With thinking on, the generation prompt leaves the think block to
-    the model."""
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    out = []
-    for i, m in enumerate(messages):
-        think = EMPTY_THINK if m["role"] == "assistant" and i == len(messages) - 1 and i > last_user else ""
-        out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n" + ("" if thinking else EMPTY_THINK))
-    return "".join(out)
+def read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(template, its file, None); (None, None, None) without one; (None, file, why) for named templates
+    with no usable "default" (said only when a chat is rendered)."""
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if optional_file(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                return f.read(), jinja, None
+        except UnicodeDecodeError:
+            raise UserError(f"{jinja}: not UTF-8 text") from None
+    path = os.path.join(directory, "tokenizer_config.json")
+    t = read_json(path).get("chat_template") if optional_file(path) else None
+    if isinstance(t, list):  # [{"name": ..., "template": ...}]: a chat uses "default"
+        if not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in t):
+            return None, path, f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} objects"
+        named = {d["name"]: d.get("template") for d in t}
+        if not isinstance(named.get("default"), str):
+            return None, path, (f"{path}: 'chat_template' names no 'default' template with a text (it has "
+                                f"{', '.join(map(repr, named)) or 'none'}); rendering a chat needs one (--no-chat "
+                                f"sends the raw text)")
+        t = named["default"]
+    if t is not None and not isinstance(t, str):
+        raise UserError(f"{path}: 'chat_template' must be a string")
+    return t, path if t is not None else None, None
 
 
-TEMPLATE_SECONDS = 10            # a chat template that renders longer than this is refused ...
-TEMPLATE_CHARS = 10_000_000      # ... and so is one whose output, or any string or list it makes, grows past this
-TEMPLATE_BITS = 100_000          # the largest integer (in bits) a template may compute
-_COMPILED: dict = {}             # the last template, compiled
+# The box a chat template renders in: Jinja's immutable sandbox, a time limit, and caps on what it
+# computes — checked before the operations that could pass them in one C call the timer cannot stop
+# (repetition, powers, format widths, width arguments) and on every value after.
+
+TEMPLATE_SECONDS, TEMPLATE_CHARS, TEMPLATE_BITS = 10, 10_000_000, 100_000
+_COMPILED: dict = {}  # the last template, compiled
 
 
 def _too_wide(fmt: str, args=(), kwargs=None) -> bool:
-    """Whether a format string (%-style or str.format) pads past TEMPLATE_CHARS: a width or precision in its
-    conversion specs (not any number in its text), or one taken from the arguments (`%*s`, `{:{}}`)."""
+    """Whether a format string pads past TEMPLATE_CHARS: a width or precision in its specs, or one taken
+    from the arguments (`%*s`, `{:{}}`)."""
     specs = [m.group(1, 2) for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)]
     try:
         parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
@@ -122,9 +125,6 @@ def _too_wide(fmt: str, args=(), kwargs=None) -> bool:
         numbers += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
     return any(n > TEMPLATE_CHARS for n in numbers)
 
-
-# What a template may compute, checked before the operations that could pass the caps in one C call (the
-# timer cannot stop one) and, by `_bounded`, on every value after. Each raises jinja's SecurityError.
 
 def _refuse(why: str):
     from jinja2.sandbox import SecurityError
@@ -205,11 +205,6 @@ def _check_str_method(obj, args, kwargs):
 
 
 def render_template(template: str, source: str, **context) -> str:
-    """A chat template rendered in a box: Jinja's immutable sandbox, a time limit, a cap on the output
-    and on every string, list and number it computes — checked before the operations that could make
-    one too large in a single C call the time limit cannot stop (`*`, `**`, `%`, str.format, center,
-    replace, join, ...), and after every operator and call. Whatever goes wrong — a template error, a
-    ZeroDivisionError, a runaway loop or power — is one UserError naming `source` (the file)."""
     import signal
     import threading
 
@@ -281,163 +276,228 @@ def render_template(template: str, source: str, **context) -> str:
             signal.signal(signal.SIGALRM, previous)
 
 
-def _special_token_texts(directory: str) -> dict:
-    """tokenizer_config.json's special tokens as texts ({"bos_token": "<s>", ...}), which transformers hands
-    a chat template: a string, or an object with its "content"."""
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not optional_file(path):
-        return {}
-    cfg = read_json(path)
-    out = {}
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        v = cfg.get(key)
-        v = v.get("content") if isinstance(v, dict) else v
-        if isinstance(v, str):
-            out[key] = v
+# Prompts
+
+CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
+PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
+RECORD_SETTINGS = {"system": "--system-prompt", "system_prompt": "--system-prompt",  # keys only a flag sets
+                   "enable_thinking": "--enable-thinking", "max_new_tokens": "--max-new-tokens",
+                   "max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                   "top_p": "--top-p", "min_p": "--min-p", "stop": "--stop", "seed": "--seed",
+                   "num_samples": "--num-samples"}
+
+
+def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
+    """--chat's default: on when the tokenizer has a template (or names ones it cannot use)."""
+    return chat if chat is not None else (tokenizer is not None and (
+        tokenizer.chat_template is not None or tokenizer.template_problem is not None))
+
+
+def check_text(text: str, where: str):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # tokenizers refuse a lone surrogate with a TypeError
+        raise UserError(f"{where}: the text is not valid Unicode (a lone surrogate)") from None
+
+
+def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional[str], thinking: bool) -> list[str]:
+    """--system-prompt / --enable-thinking (returned if given): an error with token ids or without chat."""
+    flags = [f for f, on in (("--system-prompt", system_prompt is not None), ("--enable-thinking", thinking)) if on]
+    if flags and ids:
+        raise UserError(f"{flags[0]}: --prompt-ids are token ids, not a rendered chat; it would change nothing")
+    if flags and chat is False:
+        raise UserError(f"{flags[0]}: prompts are not rendered as chat here (--no-chat, or a tokenizer without "
+                        f"a chat template: --chat renders Qwen3's format); it would change nothing")
+    if system_prompt is not None:
+        check_text(system_prompt, "--system-prompt")
+        if not system_prompt.strip():
+            raise UserError("--system-prompt: empty (leave the flag out for no system turn)")
+    return flags
+
+
+def read_messages(messages, where: str) -> list[dict]:
+    """A conversation: {"role", "content"} objects, known roles, text content, the user's turn last."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            got = f"keys {', '.join(map(repr, m))}" if isinstance(m, dict) else f"a {type(m).__name__}"
+            raise UserError(f"{where}: messages[{i}] must be {{\"role\": str, \"content\": str}}, got {got}")
+        if m["role"] not in ROLES:
+            raise UserError(f"{where}: messages[{i}]: role {repr(m['role'])[:60]} is not one of {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise UserError(f"{where}: messages[{i}]: 'content' must be a string, got {type(m['content']).__name__}")
+    if messages[-1]["role"] != "user":
+        raise UserError(f"{where}: the last message must be the user's (the turn the model answers), not the "
+                        f"{messages[-1]['role']}'s")
+    return [dict(m) for m in messages]
+
+
+def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, system_prompt: Optional[str] = None,
+           thinking: bool = False, max_len: Optional[int] = None) -> list[int]:
+    """One prompt as ids: token ids as given; a text (a user turn) or a conversation through the chat template
+    (without chat: the text as it is). A text over `max_len` tokens is refused after a bounded prefix."""
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if system_prompt is not None or thinking:
+            raise UserError(f"{where}: token ids are not a rendered chat; the system prompt or thinking would "
+                            f"change nothing")
+        return list(prompt)
+    if tokenizer is None:
+        raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
+    if thinking and not tokenizer.thinking_switch:
+        raise UserError(f"--enable-thinking: the chat template ({tokenizer.template_source}) has no thinking switch "
+                        f"(it never reads enable_thinking)")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif not chat:
+        raise UserError(f"{where}: a messages record is a conversation, rendered only with a chat template, "
+                        f"and prompts are not rendered as chat here (--no-chat, or a tokenizer without a chat "
+                        f"template: --chat renders Qwen3's format)")
+    else:
+        messages = read_messages(prompt, where)
+    if system_prompt is not None:
+        if any(m["role"] == "system" for m in messages):
+            raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives "
+                            f"another; drop one")
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    texts = [m["content"] for m in messages]
+    for t in texts:
+        check_text(t, where)
+    if not texts[-1].strip():  # before rendering: a template would dress an empty question up
+        raise UserError(f"{where}: empty prompt")
+    if max_len is not None and sum(map(len, texts)) > CHARS_PER_TOKEN * max_len:  # e.g. a 100 MB prompt
+        if len(tokenizer.encode("\n".join(texts)[:CHARS_PER_TOKEN * max_len])) > max_len:
+            raise UserError(f"{where}: the prompt is longer than the {max_len} tokens the context leaves it")
+    if not chat:
+        return tokenizer.encode(texts[-1])
+    return tokenizer.encode(tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking))
+
+
+def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
+    """(where, prompt) of every record of a JSON-lines file: {"prompt": str}, {"prompt_ids": [int]},
+    {"turns": [str]} (the first turn, as the authors' evaluation) or {"messages": [...]}."""
+    if not os.path.isfile(prompts_file):
+        raise UserError(f"{prompts_file}: " + ("not a regular file (a pipe or a device): give a file"
+                                               if os.path.exists(prompts_file) else "prompts file not found"))
+    out = []
+    for where, row in read_jsonl(prompts_file):
+        setting = sorted(set(row) & set(RECORD_SETTINGS)) if isinstance(row, dict) else []
+        if setting:
+            raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
+                            f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
+        kinds = [k for k in PROMPT_KINDS if isinstance(row, dict) and k in row]
+        if len(kinds) > 1:
+            raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
+                            f"{' and '.join(kinds)}")
+        v = row[kinds[0]] if kinds else None
+        if kinds == ["prompt"] and isinstance(v, str):
+            out.append((where, v))
+        elif kinds == ["prompt_ids"] and isinstance(v, list):
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+                raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
+            out.append((where, v))
+        elif kinds == ["turns"] and isinstance(v, list) and v and all(isinstance(t, str) for t in v):
+            out.append((where, v[0]))
+        elif kinds == ["messages"]:
+            out.append((where, read_messages(v, where)))
+        else:
+            raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}}, {{\"turns\": [str]}} "
+                            f"or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
+    if not out:
+        raise UserError(f"{prompts_file}: no prompts")
     return out
 
 
-def _read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
-    """(template, the file it came from, None), (None, None, None) without one, or (None, the file, why it
-    cannot be used) for a list of named templates without a usable "default"."""
-    jinja = os.path.join(directory, "chat_template.jinja")
-    if optional_file(jinja):
-        try:
-            with open(jinja, encoding="utf-8") as f:
-                return f.read(), jinja, None
-        except UnicodeDecodeError:
-            raise UserError(f"{jinja}: not UTF-8 text") from None
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not optional_file(path):
-        return None, None, None
-    t = read_json(path).get("chat_template")
-    if isinstance(t, list):  # named templates: [{"name": ..., "template": ...}]; a chat uses "default"
-        # Without a usable "default" no prompt can be rendered: said when one is (token ids and --no-chat
-        # never render, and run as before).
-        if not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in t):
-            return None, path, (f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} "
-                                f"objects")
-        named = {d["name"]: d.get("template") for d in t}
-        if not isinstance(named.get("default"), str):
-            return None, path, (f"{path}: 'chat_template' names no 'default' template with a text (it has "
-                                f"{', '.join(map(repr, named)) or 'none'}); rendering a chat needs one (--no-chat "
-                                f"sends the raw text)")
-        t = named["default"]
-    if t is not None and not isinstance(t, str):
-        raise UserError(f"{path}: 'chat_template' must be a string")
-    return t, path, None
+def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
+                 prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None, max_len: Optional[int] = None,
+                 system_prompt: Optional[str] = None, thinking: bool = False, sources: Optional[list] = None):
+    """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from."""
+    given = [f for f, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("prompts_file", prompts_file))
+             if v is not None]
+    if len(given) != 1:
+        raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
+                        + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
+    flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt, thinking=thinking)
+    records = ([("--prompt", prompt)] if prompt is not None else
+               [("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))] if prompt_ids is not None else
+               read_prompts(prompts_file))
+    out = []
+    for where, p in records:
+        ids = isinstance(p, list) and all(isinstance(i, int) for i in p)
+        if ids and flags and where != "--prompt-ids":
+            raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; {flags[0]} "
+                            f"would change nothing for it")
+        out.append(encode(tokenizer, p, where, chat=chat, system_prompt=None if ids else system_prompt,
+                          thinking=thinking and not ids, max_len=max_len))
+        if sources is not None:
+            sources.append(where)
+    return out
 
 
-def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (often a list) and config.json, in that order, deduplicated."""
-    ids = []
-    gen = os.path.join(directory, "generation_config.json")
-    if optional_file(gen):
-        ids += _eos_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size)
-    ids += args.eos_token_ids
-    return tuple(dict.fromkeys(ids))
-
-
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # beyond these, logits / T overflow float32 or sampling is uniform noise
-MAX_TOP_K = 2**30  # the flag's and the file's bound
-
-
-def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
-    """The checkpoint's recommended sampling, from generation_config.json: (settings, path).
-
-    settings: None for greedy — no file, or `do_sample` false or absent (transformers' rule) — else
-    the keys of SAMPLING_KEYS the file gives (a missing key stays off; temperature 1.0 when missing),
-    each checked as the flags are: temperature in [1e-4, 1e4], top_k an integer up to 2^30 (0 or -1: off),
-    top_p in (0, 1], min_p in [0, 1]."""
-    path = os.path.join(directory, "generation_config.json")
-    if not optional_file(path):
-        return None, None
-    cfg = read_json(path)
-    do_sample = cfg.get("do_sample", False)
-    if not isinstance(do_sample, bool):
-        raise UserError(f"{path}: key 'do_sample' must be true or false, got {do_sample!r}")
-    if not do_sample:
-        return None, path
-    out = {"temperature": 1.0}
-    for key in SAMPLING_KEYS:
-        v = cfg.get(key)
-        if v is None:
-            continue
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-        ok = number and {"temperature": lambda x: MIN_TEMPERATURE <= x <= MAX_TEMPERATURE,
-                         "top_k": lambda x: x == int(x) and -1 <= x <= MAX_TOP_K,
-                         "top_p": lambda x: 0 < x <= 1, "min_p": lambda x: 0 <= x <= 1}[key](v)
-        if not ok:
-            valid = {"temperature": f"a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
-                     "top_k": f"an integer from -1 to {MAX_TOP_K} (0 or -1: off)",
-                     "top_p": "a number in (0, 1]", "min_p": "a number in [0, 1]"}[key]
-            raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
-        out[key] = max(int(v), 0) if key == "top_k" else float(v)
-    return out, path
+def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter=None, sources=None):
+    """Every prompt non-empty, inside the vocabulary, and fitting the target's and drafter's context with its budget."""
+    V, context = target.args.vocab_size, target.args.max_position_embeddings
+    if drafter is not None:
+        context = min(context, drafter.cfg.layers.max_position_embeddings)
+    for i, p in enumerate(prompts):
+        name = sources[i] if sources is not None else f"prompt {i}"
+        if not p:
+            raise UserError(f"{name}: empty prompt")
+        bad = [t for t in p if not 0 <= t < V]
+        if bad:
+            raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if len(p) + max_new_tokens > context:
+            raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed the "
+                            f"{'target' if context == target.args.max_position_embeddings else 'drafter'}'s "
+                            f"context of {context} (max_position_embeddings)")
 
 
 class StopStrings:
-    """--stop: a request ends at the first of these strings in its text (decoded with special tokens
-    skipped, as printed). The tokens are kept up to the one that completes the string; the text is cut
-    before it."""
+    """--stop: a request ends at the first of these in its text (special tokens skipped, as printed);
+    the ids are kept up to the token that completes it, the text is cut before it."""
 
     def __init__(self, tokenizer: Tokenizer, strings: Sequence[str]):
         self.tokenizer, self.strings = tokenizer, tuple(strings)
 
     @staticmethod
     def check(strings: Sequence[str]):
-        """--stop's strings on their own, before anything loads: texts, none empty, valid Unicode."""
         for s in strings:
             if not isinstance(s, str):
                 raise UserError(f"--stop {s!r}: a stop string must be a str")
             if not s:
                 raise UserError("--stop: an empty stop string would end every request at once")
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates: never in decoded text
-                raise UserError(f"--stop {s!r}: the text is not valid Unicode (a lone surrogate)") from None
+            check_text(s, f"--stop {s!r}")
 
     @staticmethod
     def build(tokenizer: Optional[Tokenizer], strings: Sequence[str]) -> Optional["StopStrings"]:
-        """--stop's strings checked (None when there are none)."""
-        StopStrings.check(strings)
         if not strings:
             return None
         if tokenizer is None:
             raise UserError("--stop: stop strings need the target's tokenizer.json (to read the text)")
         special = {t.content for t in tokenizer.tok.get_added_tokens_decoder().values() if t.special}
-        for s in strings:  # matched in the text without special tokens: it could never be found there
+        for s in strings:
             held = next((t for t in special if t and t in s), None)
-            if held is not None:
+            if held is not None:  # the text it is matched in leaves special tokens out
                 raise UserError(f"--stop {s!r}: holds the special token {held!r}, which the text a stop string is "
                                 f"matched in leaves out; requests end at the target's stop tokens "
                                 f"(generation_config.json's eos_token_id), or --ignore-eos")
         return StopStrings(tokenizer, strings)
 
-    def text(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def find(self, text: str) -> Optional[int]:
-        """Where the earliest stop string starts in text (None: nowhere)."""
         hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
         return min(hits) if hits else None
 
     def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
-        """None while no stop string is in the text of ids; else the fewest leading tokens whose text
-        holds one. `checked`: a count of leading tokens already known to hold none."""
-        if self.find(self.text(ids)) is None:
+        """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None."""
+        text = lambda n: self.tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731
+        if self.find(text(len(ids))) is None:
             return None
-        lo, hi = checked, len(ids)  # the text of ids[:lo] holds no stop string, that of ids[:hi] does
+        lo, hi = checked, len(ids)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.find(self.text(ids[:mid])) is None:
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if self.find(text(mid)) is None else (lo, mid)
         return hi
 
     def cut(self, text: str) -> str:
-        """The text before the earliest stop string."""
         at = self.find(text)
         return text if at is None else text[:at]

@@ -3,29 +3,13 @@
     python train.py --target DIR --data FILE_OR_DIR --out DIR [--steps N --block-size 7 --depth 5 ...]
     torchrun --nproc_per_node 8 train.py ... --batch-size 1 --grad-accum 64   # global batch 512
 
-What is notable here:
-- Online capture: every batch runs the frozen target once (no grad), cache-free and causal (within each
-  document of packed chat rows), for the context features of `target_layer_ids` and its final hidden
-  states; its logits only at the supervised positions (as DeepSpec), so no [B, T, V] tensor, no feature cache.
-- Data (data.py): plain text as one stream cut into windows, or chat records rendered with the chat template
-  (thinking off), a loss mask over the assistant's tokens, conversations packed whole per row.
-- Packed blocks: `--anchors-per-seq` K-slot blocks [x_a, m, .., m] per row at positions a..a+K-1 (slot j
-  predicts a+j+1), run at once by `Drafter.train_forward` under `drafter.block_mask`, equal to the inference
-  drafter block by block (tests check it); Markov inputs teacher-forced [x_a, labels[:-1]] through the heads'
-  own `step()`, confidence logits from the inference features (`Drafter.head_outputs`).
-- Losses as DeepSpec's loss.py: slot weights w_j = exp(-j/γ) (0 if unsupervised), each term Σ w·ℓ / Σ w over
-  the step's global batch; L = 0.1·CE + 0.9·‖p_d − p_t‖_1 + 1.0·BCE(conf logit, c* = 1 − ½‖p_d − p_t‖_1).
-- torchrun (gloo on CPU, NCCL on GPU): the drafter under DistributedDataParallel, the frozen target replicated
-  (an 8B bf16 target and a 1B drafter's float32 AdamW state fit an 80 GB card; sharding would save only the
-  drafter's ~17 GB). Step s's global batch (G = --batch-size x --grad-accum x world rows) and its anchors
-  depend only on (--seed, s, G); rank r's micro-batch m is rows (r·A + m)·B .. +B of it and adds its Σ w·ℓ
-  over the whole batch's Σ w (known before any forward). So 1 process x --grad-accum 2 and 2 processes x 1
-  give the same loss and gradient, up to float summation order.
-- Checkpoints in DeepSpec's layout (`drafter.save_drafter`), loaded like a published one; --eval-every runs
-  eval.py on a checkpoint; the MFU estimate counts `step_flops`. The training state records digests of the
-  training rows and of the target's files (`data_digest`, `target_digest`): --resume refuses other ones.
-- The loop — AdamW and its schedule, torchrun, crash-safe checkpoints, exact resume, progress — and its
-  shared flags (`TrainArgs`) are trainer.py's, shared with `scripts/train_target.py` (the demo's target).
+The target runs once a batch, no grad, for the features and, where a slot is supervised, its logits;
+the drafter runs all of a row's blocks at once. Each loss term is normalised by the step's global batch,
+so any split over processes gives the same step. The demo target's drafter, at demo scale (CPU, a few minutes):
+
+    python train.py --target demo/target --data "$(python -c 'import logging; print(logging.__path__[0])')" \
+        --out /tmp/demo-drafter --steps 120 --seq-len 128 --batch-size 8 --anchors-per-seq 32 --block-size 4 \
+        --depth 1 --markov-rank 64 --lr 5e-3 --device cpu
 """
 
 from __future__ import annotations
@@ -42,14 +26,15 @@ import torch.nn.functional as F
 
 import data
 import runlog
-from common import (UserError, check_ranges, device_name, dist_init, parse_ints, resolve_device, resolve_dtype,
-                    torchrun_env)
-from drafter import MARKOV_TYPES, Drafter, DrafterConfig, drafter_config_json, load_drafter_weights, save_drafter
-from inputs import resolve_checkpoint
-from model import ModelArgs, Transformer, init_random_, load_target, safetensors_files
+from checkpoint import attach, init_random_, load_drafter, load_target, published, resolve_checkpoint, weight_files
+from common import UserError, check_ranges, device_name, parse_ints, read_json, resolve_device, resolve_dtype, \
+    write_json
+from distributed import dist_init, rank0
+from drafter import Drafter, DrafterConfig
+from model import ModelArgs, Transformer
 from text import Tokenizer
-from trainer import (Run, TrainArgs, check_identity, check_out_dir, check_train_args, checkpoint_dir, optimize,
-                     save_state, train_main)
+from trainer import Run, TrainArgs, causal_flops, check_identity, check_out_dir, check_train_args, checkpoint_dir, \
+    layer_params, optimize, save_state, save_tensors, train_main
 
 
 @dataclass
@@ -57,22 +42,17 @@ class Args(TrainArgs):
     """Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training")."""
 
     target: Optional[str] = None
-    """Hugging Face Qwen3 directory of the frozen target, or a hub id ORG/NAME[@REVISION] taken from the
-    Hugging Face cache or downloaded into it (HF_HUB_OFFLINE=1: the cache only)."""
-
-    # Drafter shape and heads
+    """The frozen target: a Hugging Face Qwen3 directory, or a hub id ORG/NAME[@REVISION]."""
     block_size: int = 7
     """K: slots per block = drafts per round (DSpark "shift label" layout)."""
     depth: int = 5
     """Drafter decoder layers."""
     target_layer_ids: Optional[str] = None
-    """Comma-separated target layers whose outputs form the context feature (default: DeepSpec's
-    spacing, 1,9,17,25,33 for a 36-layer target; 0..L-2 for targets under 5 layers)."""
+    """Comma-separated target layers of the context feature (default: DeepSpec's, 1,9,17,25,33 at 36)."""
     mask_token_id: Optional[int] = None
-    """Fills the block slots after the anchor (default: the tokenizer's <|mask|>, else the first
-    embedding row past the tokenizer's vocabulary — 151669 for Qwen3 — else vocab_size-1)."""
+    """Fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's)."""
     markov: Literal["vanilla", "gated", "rnn", "none"] = "vanilla"
-    """Markov head type; none = no sequential stage (with --no-confidence: a DFlash-style drafter)."""
+    """Markov head; none = no sequential stage (with --no-confidence: a DFlash-style drafter)."""
     markov_rank: int = 256
     """r of the Markov head (W1: [V, r], W2: r -> V)."""
     confidence: bool = True
@@ -80,14 +60,9 @@ class Args(TrainArgs):
     confidence_with_markov: bool = True
     """The confidence head also reads W1[x_{k-1}] (needs a Markov head)."""
     anchors_per_seq: int = 512
-    """Blocks packed per sequence (DeepSpec: 512), at most --seq-len - 1: anchors drawn without replacement
-    from 0..seq_len-2 (chat data: where the anchor and its successor are in a response; a row with fewer
-    such positions fills the rest with unsupervised blocks). Per row: with packing, shared by the row's
-    conversations (see --pack)."""
+    """Blocks per sequence (DeepSpec: 512), at most --seq-len - 1 (chat data: anchors in a response)."""
     pack: bool = True
-    """Chat data: pack several conversations into each --seq-len row (best fit). --no-pack: one a row, as
-    DeepSpec trains — the anchor budget is then per conversation (the authors' density of blocks), at the
-    cost of the rows' padding."""
+    """Chat data: pack conversations into rows (best fit); --no-pack: one a row, as DeepSpec trains."""
     gamma: float = 4.0
     """Slot weights exp(-j/gamma), j = 0..K-1."""
     alpha_ce: float = 0.1
@@ -96,15 +71,12 @@ class Args(TrainArgs):
     """Weight of ‖p_draft − p_target‖_1."""
     alpha_conf: float = 1.0
     """Weight of the confidence BCE against 1 − ½‖p_draft − p_target‖_1."""
-
-    # Evaluation during training (eval.py on a checkpoint)
     eval_every: int = 0
-    """Every this many steps write the checkpoint and run eval.py on it (acceptance per dataset, recorded with
-    its step in --out/eval_step<N>.json and wandb); 0 = never. Decodes eagerly, sampled (T = 1)."""
+    """Every this many steps checkpoint and run eval.py on it (T = 1; --out/eval_step<N>.json); 0: never."""
     eval_datasets: str = "mt-bench,gsm8k"
-    """Comma-separated benchmark files of --eval-every (<name>.jsonl in --eval-data-dir)."""
+    """Comma-separated benchmarks of --eval-every (<name>.jsonl in --eval-data-dir)."""
     eval_data_dir: Optional[str] = None
-    """Directory of the --eval-every benchmark files (default: eval.py's, the shipped data/eval)."""
+    """Directory of the --eval-every benchmarks (default: eval.py's data/eval)."""
     eval_samples: int = 8
     """Prompts per dataset of --eval-every (the authors' seeded subset)."""
     eval_max_new_tokens: int = 256
@@ -116,26 +88,19 @@ class Args(TrainArgs):
     kind: ClassVar[str] = "drafter"
 
 
-# ----------------------------------------------------------------------------------------
-# Losses (the drafter's packed forward and heads are drafter.py's: train_forward, head_outputs)
+# Losses
 
 def slot_weights(K: int, gamma: float, device=None) -> torch.Tensor:
-    """w_j = exp(-j/γ), j = 0..K-1 (docs/algorithm.md, "Training": earlier slots count more under prefix acceptance)."""
+    """w_j = exp(-j/γ): under prefix acceptance earlier slots count more."""
     return torch.exp(-torch.arange(K, device=device, dtype=torch.float32) / gamma)
 
 
 def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamma: float, den=None) -> dict:
-    """The three terms of docs/algorithm.md's "Training", each a weighted mean over the supervised slots.
-
-    draft_logits, target_logits [..., K, V]; labels, valid [..., K]; conf_logits [..., K] or None.
-    With w = exp(-j/γ)·valid: term = Σ w·ℓ / Σ w over the whole batch (DeepSpec's normalization; `den`:
-    the Σ w of the step's global batch when these rows are a part of it), where ℓ is -log p_d(label) (ce),
-    ‖p_d − p_t‖_1 (tv), and BCE(σ(conf), c*) with the soft label c* = 1 − ½‖p_d − p_t‖_1, detached
-    (conf). Also returns `accept` = c* (detached) for logging.
-    """
+    """Each term Σ w·ℓ / Σ w (w = exp(-j/γ)·valid; `den`: the global Σ w), ℓ: -log p_d(label) (ce),
+    ‖p_d − p_t‖_1 (tv), BCE(conf, c*), c* = 1 − ½‖p_d − p_t‖_1 detached (conf; `accept`)."""
     K = draft_logits.shape[-2]
     w = slot_weights(K, gamma, draft_logits.device) * valid.float()
-    den = w.sum().clamp_min(1e-12) if den is None else den  # no supervised slot: every term is 0
+    den = w.sum().clamp_min(1e-12) if den is None else den
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     p_t = torch.softmax(target_logits.float(), dim=-1)
     ce = -logp.gather(-1, labels[..., None])[..., 0]
@@ -150,28 +115,24 @@ def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamm
 
 def total_loss(terms: dict, args: Args) -> torch.Tensor:
     loss = args.alpha_ce * terms["ce"] + args.alpha_tv * terms["tv"]
-    if "conf" in terms:
-        loss = loss + args.alpha_conf * terms["conf"]
-    return loss
+    return loss + args.alpha_conf * terms["conf"] if "conf" in terms else loss
 
 
 def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor, args: Args, *,
                  keep=None, loss_mask=None, doc=None, den=None):
-    """One batch: online capture, packed forward, heads, losses. Returns (loss, terms, valid).
-    keep [B, N]: real blocks (False: filler); loss_mask, doc [B, T]: chat rows (data.py); den: the global
-    batch's Σ w (default: these rows'). Slots are supervised as `data.supervised` says."""
+    """One batch -> (loss, terms, valid); keep [B, N]: real blocks."""
     K = drafter.cfg.num_slots
     B, T = tokens.shape
     keep = torch.ones_like(anchors, dtype=torch.bool) if keep is None else keep
-    with torch.no_grad():  # cache-free, causal (within each document of packed rows)
+    with torch.no_grad():
         mask = data.document_mask(doc) if doc is not None else None
         hidden_t, features = target.hidden(tokens, capture=drafter.cfg.target_layer_ids, mask=mask)
     h = drafter.train_forward(features, tokens, anchors, doc)  # [B, N, K, H]
-    slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)  # slot j sits at a+j, predicts a+j+1
+    slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)  # slot j at a+j predicts a+j+1
     valid = data.supervised(anchors, keep, K, T, loss_mask, doc)
     labels = tokens.gather(1, (slot_pos + 1).clamp(max=T - 1).view(B, -1)).view_as(slot_pos)
     prev = torch.cat([tokens.gather(1, anchors)[:, :, None], labels[:, :, :-1]], dim=-1)  # teacher-forced
-    with torch.no_grad():  # the target's distribution for the same token, only where it is needed
+    with torch.no_grad():
         idx = slot_pos.clamp(max=T - 1).view(B, -1, 1).expand(-1, -1, hidden_t.shape[-1])
         target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, anchors.shape[1], K, -1)
     z, conf = drafter.head_outputs(h, prev)
@@ -179,43 +140,26 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     return total_loss(terms, args), terms, valid
 
 
-def _layer_params(a: ModelArgs) -> int:
-    q, kv, H = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size
-    return 2 * H * q + 2 * H * kv + 3 * H * a.intermediate_size  # q, o; k, v; gate, up, down
-
-
 def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
-    """Model FLOPs of one optimizer step over G rows of T tokens with N blocks each — an ESTIMATE for MFU:
-    2 FLOPs per multiply-add of the matmuls (norms, softmax, RoPE, the Markov chain's gathers left out).
-      target (forward, no grad): 2·T·L·P_layer + 2·L·T²·q (causal QKᵀ and AV) + 2·N·K·H·V (lm_head at the
-        supervised positions), per row;
-      drafter (forward + backward = 3 x forward): context rows 2·T·(n·H·H + D·2·H·kv) (fc, each layer's k/v),
-        block rows 2·N·K·(D·P_layer + H·V + r·V) (layers, lm_head, Markov W2), attention 4·D·N·K·(T + N·K)·q
-        (the masked attention computes every score), per row;
-    with P_layer the q/k/v/o and MLP weights of a layer, q = heads·head_dim, kv = kv_heads·head_dim."""
-    K, H, V, L = d.num_slots, t.hidden_size, t.vocab_size, t.num_hidden_layers
-    q, kv, D = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, d.layers.num_hidden_layers
-    target = 2 * T * L * _layer_params(t) + 2 * L * T * T * q + 2 * N * K * H * V
+    """Matmul FLOPs of a step (for MFU): the target's forward, its lm_head at the N·K slots, and 3x the
+    drafter's: context rows (fc, k/v), block rows and their masked attention over T + N·K keys."""
+    K, H, V, D = d.num_slots, t.hidden_size, t.vocab_size, d.layers.num_hidden_layers
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     context = 2 * T * (len(d.target_layer_ids) * H * H + D * 2 * H * kv)
-    blocks = 2 * N * K * (D * _layer_params(d.layers) + H * V + d.markov_rank * V) + 4 * D * N * K * (T + N * K) * q
-    return float(G * (target + 3 * (context + blocks)))
+    blocks = 2 * N * K * (D * layer_params(d.layers) + H * V + d.markov_rank * V) + 4 * D * N * K * (T + N * K) * q
+    return float(G * (causal_flops(t, T) + 2 * N * K * H * V + 3 * (context + blocks)))
 
 
-
-# ----------------------------------------------------------------------------------------
-# Building the drafter
+# The drafter
 
 def default_layer_ids(L: int) -> tuple[int, ...]:
-    """DeepSpec's spacing: 1 + i(L-4)/4 for i = 0..4 (1, 9, 17, 25, 33 at 36 layers; 1, 10, .. 37 at 40);
-    for targets under 5 layers every layer but the last."""
+    """DeepSpec's spacing 1 + i(L-4)/4, i = 0..4; under 5 layers every layer but the last."""
     if L >= 5:
         return tuple(sorted({1 + i * (L - 4) // 4 for i in range(5)}))
     return tuple(range(0, L - 1)) or (-1,)
 
 
 def default_mask_token_id(target_dir: str, V: int) -> int:
-    """<|mask|> if the tokenizer has it; else the first embedding row past the tokenizer (151669 for Qwen3);
-    else the last id."""
     if os.path.isfile(os.path.join(target_dir, "tokenizer.json")):
         tok = Tokenizer(target_dir).tok
         mid = tok.token_to_id(data.MASK_TOKEN)
@@ -227,69 +171,79 @@ def default_mask_token_id(target_dir: str, V: int) -> int:
     return V - 1
 
 
-def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
-    t = target.args
-    ids = (parse_ints(args.target_layer_ids, "--target-layer-ids") if args.target_layer_ids
-           else default_layer_ids(t.num_hidden_layers))
-    if not ids:
-        raise UserError("--target-layer-ids: empty list")
-    if list(ids) != sorted(set(ids)):
-        raise UserError(f"--target-layer-ids: {list(ids)} must be strictly increasing")
-    ids = tuple(ids)
-    target.check_capture(ids, "--target-layer-ids")
+def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterConfig:
+    """The flags' drafter, as the loader reads it back."""
+    t, L = target.args, target.args.num_hidden_layers
+    ids = (tuple(parse_ints(args.target_layer_ids, "--target-layer-ids")) if args.target_layer_ids
+           else default_layer_ids(L))
+    if list(ids) != sorted(set(ids)) or ids[0] < -1 or ids[-1] > L - 2:
+        raise UserError(f"--target-layer-ids {args.target_layer_ids}: strictly increasing layer ids from -1 (the "
+                        f"embeddings) to {L - 2}, the target's last layer ({L - 1}) excluded")
     mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target_dir, t.vocab_size)
     if not 0 <= mask < t.vocab_size:
         raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{t.vocab_size - 1})")
     markov = None if args.markov == "none" else args.markov
-    assert markov is None or markov in MARKOV_TYPES
     if args.confidence and args.confidence_with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
-                              "add --no-confidence-with-markov")
-    layers = ModelArgs(**{f.name: getattr(t, f.name) for f in fields(ModelArgs)})
-    layers.num_hidden_layers = args.depth
-    layers.eos_token_ids = ()
-    cfg = DrafterConfig(layers=layers, block_size=args.block_size, target_layer_ids=ids, mask_token_id=mask,
-                        layout="dspark", markov_head_type=markov, markov_rank=args.markov_rank if markov else 0,
-                        confidence_head=args.confidence,
-                        confidence_with_markov=args.confidence and args.confidence_with_markov and markov is not None)
+                        "add --no-confidence-with-markov")
+    layers = replace(t, num_hidden_layers=args.depth, eos_token_ids=(), tie_word_embeddings=False)
+    return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, args.markov_rank if markov else 0,
+                         args.confidence, args.confidence and args.confidence_with_markov and markov is not None, L)
+
+
+def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
+    """A new drafter, randomly initialised."""
     with torch.device(device):
-        drafter = Drafter(cfg)
+        drafter = Drafter(drafter_config(args, target, target_dir))
     init_random_(drafter, args.seed, args.init_std)
-    drafter.attach(target)
+    attach(drafter, target)
     return drafter
 
 
-# ----------------------------------------------------------------------------------------
-# What a run reads, by digest (the training state records them; --resume compares)
+def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
+    """DeepSpec's drafter config.json: the target's, with the drafter's depth and keys."""
+    tcfg = read_json(os.path.join(target_dir, "config.json"))
+    out = {k: v for k, v in tcfg.items() if k not in ("architectures", "auto_map", "dtype", "torch_dtype")}
+    D = cfg.layers.num_hidden_layers
+    out.update(architectures=["Qwen3DSparkModel"], num_target_layers=tcfg["num_hidden_layers"], num_hidden_layers=D,
+               layer_types=["full_attention"] * D, tie_word_embeddings=False, torch_dtype="float32",
+               block_size=cfg.block_size, target_layer_ids=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
+               num_anchors=num_anchors, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+               enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_with_markov)
+    return out
 
-DIGEST_CHUNK = 64 << 20  # bytes hashed by one thread at a time
+
+def shared_weights(target_dir: str) -> dict:
+    """The target's embedding and lm_head as its files hold them (equal to the target at any dtype)."""
+    from safetensors import safe_open
+
+    found = {}
+    for path in weight_files(target_dir):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
+                    found[key.removeprefix("model.")] = f.get_tensor(key)
+    found.setdefault("lm_head.weight", found["embed_tokens.weight"].clone())
+    return found
 
 
-def data_digest(corpus: data.Corpus) -> str:
-    """sha256 of the training rows, in order: their token ids (and for chat data the loss mask and each
-    token's document) as stored, with their shapes and dtypes — over 64 MiB chunks hashed in parallel
-    threads (hashlib lets go of the GIL), then over the chunks' digests: a corpus of 1.5G tokens costs
-    about a second a core rather than its 6 GB at one core's 1-2 GB/s."""
-    chunks, head = [], hashlib.sha256()
-    for name, t in (("tokens", corpus.tokens), ("loss_mask", corpus.loss_mask), ("doc", corpus.doc)):
-        if t is not None:
-            head.update(f"{name} {list(t.shape)} {t.dtype}\n".encode())
-            raw = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")  # the bytes, no copy
-            chunks += [raw[i:i + DIGEST_CHUNK] for i in range(0, len(raw), DIGEST_CHUNK)]
-    with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
-    for d in digests:
-        head.update(d)
-    return head.hexdigest()
+def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, step: Optional[int] = None):
+    """config.json + model.safetensors, DeepSpec's layout."""
+    tensors = published({k: v.float() for k, v in drafter.state_dict().items()})
+    save_tensors(os.path.join(out, "model.safetensors"), {**tensors, **shared_weights(target_dir)}, step=step)
+    write_json(os.path.join(out, "config.json"), config_json(target_dir, drafter.cfg, num_anchors))
+
+
+def resumed_drafter(directory: str, cfg: DrafterConfig, target: Transformer, device) -> Drafter:
+    drafter = load_drafter(directory, target, device, torch.float32)
+    if drafter.cfg != cfg:
+        raise UserError(f"{directory}: holds another drafter than the flags build ({drafter.cfg.describe()})")
+    return drafter.requires_grad_(True)
 
 
 def target_digest(directory: str) -> str:
-    """sha256 over the target's config.json and weight files (each file's name and the sha256 of its
-    bytes): exact, where names, sizes and dates would not be. It costs one more read of every weight
-    file (from the page cache: load_target has just read them) and its hashing, the files in parallel
-    threads; sha256 runs at 1.2-2 GB/s a core, so an 8B bf16 target (16 GB in 5 shards) takes a few
-    seconds at each start of a run (every process under torchrun), a tiny one nothing."""
-    files = [os.path.join(directory, "config.json"), *safetensors_files(directory)]
+    """sha256 over config.json's and the weight files' names and sha256s."""
+    files = [os.path.join(directory, "config.json"), *weight_files(directory)]
 
     def one(path):
         with open(path, "rb") as f:
@@ -300,15 +254,10 @@ def target_digest(directory: str) -> str:
     return hashlib.sha256("".join(f"{os.path.basename(p)} {d}\n" for p, d in zip(files, digests)).encode()).hexdigest()
 
 
-# ----------------------------------------------------------------------------------------
-# The training loop (shared with scripts/train_target.py)
-
-# ----------------------------------------------------------------------------------------
-# Drafter distillation
+# The run
 
 class DraftStep(torch.nn.Module):
-    """One micro-batch's share of the step loss, as DDP wraps it (its forward must run through the wrapper):
-    the drafter is the submodule that trains; the target is held outside the module tree (frozen, replicated)."""
+    """A micro-batch's share of the step loss, for DDP (the frozen target outside the module tree)."""
 
     def __init__(self, drafter: Drafter, target: Transformer, args: Args):
         super().__init__()
@@ -318,7 +267,7 @@ class DraftStep(torch.nn.Module):
     def forward(self, tokens, anchors, keep, loss_mask, doc, den):
         loss, terms, valid = self.core(self.model, self._target[0], tokens, anchors, self.args, keep=keep,
                                        loss_mask=loss_mask, doc=doc, den=den)
-        with torch.no_grad():  # sums over this micro-batch (summarize_drafter turns them into metrics)
+        with torch.no_grad():  # sums, which `summarize` turns into metrics
             acc, v = terms["accept"], valid.float()
             tau = (((acc * v).cumprod(-1).sum(-1) + 1) * keep).sum()
             zero = loss.new_zeros(())
@@ -327,9 +276,8 @@ class DraftStep(torch.nn.Module):
         return loss, sums
 
 
-def summarize_drafter(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
-    """Logged numbers: the loss and its terms, acceptance per slot and the expected τ (DeepSpec's
-    tau_probabilistic: 1 + Σ_k Π_{i≤k} c*_i per real block)."""
+def summarize(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
+    """Loss terms, acceptance per slot, DeepSpec's expected τ (1 + Σ_k Π_{i≤k} c*_i a block)."""
     s = sums.tolist()
     out = {"loss": s[0], "ce": s[1], "tv": s[2], **({"conf": s[3]} if has_conf else {}), "tau": s[4] / max(s[5], 1)}
     out.update({f"accept@{j}": s[6 + j] / max(s[6 + K + j], 1) for j in range(K)})
@@ -337,36 +285,31 @@ def summarize_drafter(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
 
 
 def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
-    if args.target is None:
-        raise UserError("--target: no target directory given")
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
-    run = Run(rank, world, device, log)
     say = (lambda msg: print(msg, file=sys.stderr)) if rank == 0 else (lambda msg: None)  # noqa: E731
     dtype = resolve_dtype(args.dtype, device)
     target = load_target(args.target, device, dtype if device.startswith("cuda") else torch.float32)
     corpus = data.load_corpus(args, target.args, say)
-    identity = {"target": target_digest(args.target), "data": data_digest(corpus)}
-    if args.resume:  # the same target and data as the run resumed, or one line naming which differs
-        source = f"--data {args.data}" if args.data is not None else f"--data-ids {args.data_ids}"
-        check_identity(checkpoint_dir(args.resume), identity, {"target": f"--target {args.target}", "data": source})
-    drafter = build_drafter(args, target, args.target, device)
+    identity = {"target": target_digest(args.target), "data": data.digest(corpus)}
     if args.resume:
-        load_drafter_weights(drafter, checkpoint_dir(args.resume), args.target, args.anchors_per_seq)
+        where = checkpoint_dir(args.resume)
+        source = f"--data {args.data}" if args.data is not None else f"--data-ids {args.data_ids}"
+        check_identity(where, identity, {"target": f"--target {args.target}", "data": source})
+        drafter = resumed_drafter(where, drafter_config(args, target, args.target), target, device)
+    else:
+        drafter = build_drafter(args, target, args.target, device)
     T, K, G = args.seq_len, drafter.cfg.num_slots, args.batch_size * args.grad_accum * world
-    N = min(args.anchors_per_seq, T - 1)
-    banner = (drafter.cfg.describe() + f" | {sum(p.numel() for p in drafter.parameters()):,} trained parameters | "
-              f"{len(corpus)} sequences of {T} tokens, {N} anchors each | global batch {G} = {args.batch_size} x "
-              f"{args.grad_accum} x {world} process(es)")
-    if log is not None:  # what the flags resolved to, and what is trained
+    N, trained = min(args.anchors_per_seq, T - 1), sum(p.numel() for p in drafter.parameters())
+    flops = step_flops(target.args, drafter.cfg, G, T, N)
+    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of {T} tokens, "
+              f"{N} anchors each | global batch {G} = {args.batch_size} x {args.grad_accum} x {world} process(es)")
+    if log is not None:
         log.config(world_size=world, global_batch=G, hardware=device_name(device),
                    dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus), anchors_resolved=N,
-                   trained_parameters=sum(p.numel() for p in drafter.parameters()),
-                   step_flops=step_flops(target.args, drafter.cfg, G, T, N),
-                   target_config=runlog.checkpoint_config(args.target),
-                   drafter_config=drafter_config_json(args.target, drafter.cfg, args.anchors_per_seq),
+                   trained_parameters=trained, step_flops=flops, target_config=runlog.checkpoint_config(args.target),
+                   drafter_config=config_json(args.target, drafter.cfg, args.anchors_per_seq),
                    drafter_resolved=drafter.cfg.describe())
-    batches = data.Batches(len(corpus), G, args.seed)
-    w = slot_weights(K, args.gamma)
+    batches, w = data.Batches(len(corpus), G, args.seed), slot_weights(K, args.gamma)
     mine = data.micro_slices(args.batch_size, args.grad_accum, rank)
 
     def micro_batches(step):
@@ -384,14 +327,13 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
 
     evaluate = (lambda step: evaluate_checkpoint(args, step, device)) if args.eval_every else None
     return optimize(args, DraftStep(drafter, target, args), micro_batches,
-                    lambda sums: summarize_drafter(sums, K, drafter.cfg.confidence_head), save, run, dtype,
-                    len(corpus), step_flops(target.args, drafter.cfg, G, T, N), evaluate, banner)
+                    lambda sums: summarize(sums, K, drafter.cfg.confidence_head), save, Run(rank, world, device, log),
+                    dtype, len(corpus), flops, evaluate, banner)
 
 
 def check_eval_args(args: Args):
-    """--eval-every's flags, and its benchmark files, before any training."""
     check_ranges(args, eval_every="[0, inf)", eval_samples="[1, inf)", eval_max_new_tokens="[1, inf)")
-    if args.eval_data_dir is not None and not args.eval_data_dir.strip():  # not eval.py's folder in its place
+    if args.eval_data_dir is not None and not args.eval_data_dir.strip():
         raise UserError("--eval-data-dir: empty path (leave the flag out for eval.py's data/eval)")
     if args.eval_every:
         import eval as evaluation
@@ -403,8 +345,7 @@ def check_eval_args(args: Args):
 
 
 def check_unused_flags(args: Args):
-    """A flag whose feature is off would train the very same drafter (a sweep over it compares identical
-    runs): refused, as --log-every without --wandb is. Given = different from its default."""
+    """A flag whose feature is off would train the same drafter."""
     off = ((("markov_rank",), args.markov == "none", "--markov none"),
            (("alpha_conf",), not args.confidence, "--no-confidence"),
            (("min_lr_frac",), args.schedule == "constant", "--schedule constant"),
@@ -418,9 +359,7 @@ def check_unused_flags(args: Args):
 
 
 def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
-    """eval.py on the checkpoint just written (every rank decodes a shard), results in --out/eval_step<N>.json;
-    returns what the training run logs at that step (--wandb): each dataset's figures and acceptance by
-    position under eval/<dataset>/, the confidence head's ECE and Brier by position under eval/calibration/."""
+    """eval.py on the checkpoint just written, into --out/eval_step<N>.json; returns what to log."""
     import eval as evaluation
 
     e = evaluation.EvalArgs(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
@@ -441,16 +380,17 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
 
 
 def run(args: Args) -> dict:
-    """Everything `python train.py` does; returns the loss history. Raises UserError on bad input."""
+    """Everything `python train.py` does; returns the loss history."""
     check_train_args(args, block_size="[1, 256]", depth="[1, 1024]", markov_rank="[1, 65536]",
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]", alpha_tv="[0, 1e6]",
                      alpha_conf="[0, 1e6]")
     check_eval_args(args)
     check_unused_flags(args)
-    if args.target is not None:  # a hub id becomes its snapshot directory (--out is checked against that too)
-        args = replace(args, target=resolve_checkpoint(args.target, "--target"))
-        check_out_dir(args, inputs=[args.target])
-    with runlog.session(args, "train", "train.py", enabled=torchrun_env()[0] == 0) as log:  # --wandb: rank 0's run
+    if args.target is None:
+        raise UserError("--target: no target directory given")
+    args = replace(args, target=resolve_checkpoint(args.target, "--target"))  # --out is checked against it too
+    check_out_dir(args, inputs=[args.target])
+    with runlog.session(args, "train", "train.py", enabled=rank0()) as log:
         return train_drafter(args, log)
 
 

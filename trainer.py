@@ -1,21 +1,5 @@
-"""The optimisation loop the training programs share (train.py's drafter, scripts/train_target.py's
-small target): their common flags, the learning-rate schedule, crash-safe checkpoints and exact
-resume, and the step loop under torchrun.
-
-What is notable here:
-- AdamW (weight decay 0), linear warm-up over `--warmup-frac` from lr/W, cosine (or linear, constant) decay
-  to `--min-lr-frac`·lr at the last step, gradient-norm clip 1.0.
-- torchrun (gloo on CPU, NCCL on GPU): the trained module under DistributedDataParallel. Step s's global
-  batch (G = --batch-size x --grad-accum x world rows) depends only on (--seed, s, G) and each micro-batch's
-  loss share is normalised by the whole batch, so any split of the same G gives the same step.
-- Checkpoints (rank 0): --out/checkpoint-<step>/ written whole and renamed into place, then --out/latest
-  switched to it and the model's files linked to the top of --out; the previous one goes last. A kill at
-  any moment leaves a complete checkpoint that --resume takes; it validates it (steps agree across files,
-  tensors finite and of their parameters' shapes) and, where the program records them, that the run reads
-  the same data and target (`check_identity`). No RNG state to save; no pickle. A non-finite loss stops
-  the run before the optimizer steps.
-- Progress: tokens/s, an MFU estimate and the ETA in the bar, wandb and --out/train_log.jsonl.
-"""
+"""The loop of train.py and scripts/train_target.py: shared flags, AdamW, DDP under torchrun, crash-safe
+checkpoints (each renamed into place whole, then named by --out/latest) and exact resume."""
 
 from __future__ import annotations
 
@@ -31,15 +15,17 @@ from typing import ClassVar, Literal, Optional
 
 import torch
 
-from common import (UserError, atomic_write, check_ranges, cli_main, folder_write_problem, peak_tflops, read_json,
-                    save_tensors, signals_deferred, write_json)
-from model import read_safetensors
 import runlog
+from checkpoint import read_weights
+from common import UserError, atomic_write, check_ranges, cli_main, read_json, signals_deferred, write_json
+from distributed import peak_tflops, rank0
 from runlog import WandbFlags, check as check_wandb
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 LOG_JSONL = "train_log.jsonl"  # rank 0's metrics, one line per step
+LATEST = "latest"
+SPEED_WINDOW = 20  # steps tokens/s is averaged over: a compiling first step drops out
 
 
 @dataclass
@@ -47,112 +33,103 @@ class TrainArgs(WandbFlags):
     """What every training program here shares: data, output, the optimisation and how it runs."""
 
     data: Optional[str] = None
-    """A .txt/.py/.md/.rst file, a directory of such files and .jsonl (recursive, sorted), or JSON lines. Plain
-    text (files, {"text"}, {"turns"} joined by blank lines): documents joined by <|endoftext|>, cut into windows.
-    Chat records ({"messages": [{"role", "content"}]}, {"conversations"}, {"prompt", "response"}; train.py):
-    the chat template, loss on the assistant's tokens only, conversations packed whole per sequence."""
+    """A .txt/.py/.md/.rst file, JSON lines, or a directory of both (.jsonl; recursive). Plain text ({"text"},
+    {"turns"}): documents joined by <|endoftext|>, cut into windows. Chat records ({"messages"},
+    {"conversations"}, {"prompt", "response"}; train.py): templated, loss on the assistant's tokens, packed."""
     data_ids: Optional[str] = None
-    """Instead of --data: JSON lines of {"prompt_ids": [int]} (already tokenized, one stream as plain text)."""
+    """Instead of --data: JSON lines of {"prompt_ids": [int]} (one stream, as plain text)."""
     out: Optional[str] = None
     """Output directory: config.json + model.safetensors (+ the training state for --resume)."""
     resume: Optional[str] = None
-    """Continue from the training state in this directory (a previous --out), at its saved step; any number
-    of processes, if --batch-size x --grad-accum x processes is the saved run's global batch."""
-
-    # Optimization
+    """Continue the run saved in this directory (a previous --out), with any number of processes giving
+    the same global batch."""
     steps: int = 1000
-    """Optimizer steps in the whole run (the learning-rate schedule spans them). --resume with another
-    --steps stretches the rest of the schedule to the new end: not the run that many steps from the start."""
+    """Optimizer steps the schedule spans (resumed with more: the rest stretches to the new end)."""
     stop_at: Optional[int] = None
-    """Stop after this step (checkpoint included) while the schedule still spans --steps; resume later."""
+    """Stop after this step (checkpointed), the schedule still spanning --steps."""
     batch_size: int = 4
-    """Sequences per micro-batch per process; a step's global batch is --batch-size x --grad-accum x processes."""
+    """Sequences per micro-batch and process (global batch: x --grad-accum x processes)."""
     grad_accum: int = 1
-    """Micro-batches per process per optimizer step (gradients accumulated)."""
+    """Micro-batches per process and step (gradients accumulated)."""
     seq_len: int = 1024
-    """Tokens per sequence (plain text: a window of the stream; chat: a row of whole conversations, padded)."""
+    """Tokens per sequence (a window of plain text; a padded row of whole conversations)."""
     lr: float = 6e-4
     """Peak learning rate (AdamW)."""
     warmup_frac: float = 0.04
-    """Fraction of --steps with a linear warm-up from lr/W to lr."""
+    """Fraction of --steps warming up linearly from lr/W."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warm-up, down to --min-lr-frac x lr at the last step."""
+    """Decay after warm-up, to --min-lr-frac x lr at the end."""
     min_lr_frac: float = 0.0
-    """Final learning rate as a fraction of --lr (DeepSpec: 0)."""
+    """Final lr / --lr (DeepSpec: 0)."""
     weight_decay: float = 0.0
     """AdamW weight decay (DeepSpec: 0)."""
     grad_clip: float = 1.0
     """Gradient-norm clip (0 = off)."""
     seed: int = 0
-    """Initialization, batch order and anchors (step s's batch and anchors depend only on seed, s and the global batch)."""
+    """Initialization, batch order and anchors."""
     init_std: float = 0.02
-    """Std of the normal initialization of the trained matrices (norms 1, biases 0)."""
-
-    # Running
+    """Std of the trained matrices' normal init (norms 1, biases 0)."""
     device: Optional[Literal["cpu", "cuda"]] = None
     """Default: cuda when available (under torchrun: the rank's LOCAL_RANK GPU)."""
     dtype: Optional[Literal["float32", "bfloat16"]] = None
-    """Compute precision (autocast; weights and optimizer stay float32). Default: bfloat16 on cuda."""
+    """Autocast precision (weights, AdamW float32). Default: bfloat16 on cuda."""
     compile: bool = False
-    """torch.compile the training forward + loss (static shapes: every batch has the same B, T, N)."""
+    """torch.compile the training forward and loss."""
     save_every: int = 0
-    """Also write the checkpoint every this many steps (0: only at the end / --stop-at)."""
+    """Also checkpoint every this many steps (0: at the end only)."""
     log_every: int = 10
-    """With --wandb: log the step's figures (loss terms, lr, grad norm, tokens/s, MFU, ETA) every this many steps."""
+    """With --wandb: log the step's figures every this many steps."""
     progress: bool = True
-    """Progress on stderr (rank 0): a tqdm bar (loss, tokens/s, MFU, ETA) on a terminal, else a plain line a minute."""
+    """Progress on stderr: a bar on a terminal, else a line a minute."""
     peak_tflops: Optional[float] = None
-    """Peak TFLOP/s of one device for the MFU estimate (default: the data-sheet dense bf16 figure of a known
-    GPU — H100/H200 989, A100 312 — else no MFU). MFU = step_flops / step time / (peak x processes)."""
+    """One device's peak TFLOP/s for the MFU (default: a known GPU's dense bf16 figure, else no MFU)."""
     wandb_artifacts: bool = False
-    """With --wandb: upload every checkpoint written as a model artifact (aliases step-N, latest)."""
+    """With --wandb: upload every checkpoint as a model artifact."""
     dist_timeout: float = 1800.0
-    """Seconds a process waits for the others (joining torchrun's group, every collective) before giving up."""
+    """Seconds a process waits for the others before giving up."""
 
-    # What a resumed run must repeat: anything that changes the model, the data or the step function (and
-    # the global batch, checked apart: --batch-size x --grad-accum x processes). --steps may change (training
-    # longer): the rest of the schedule then stretches to the new end.
+    # What a resumed run must repeat (the global batch is checked apart; --steps may change).
     resume_keys: ClassVar[tuple[str, ...]] = ("seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac",
                                               "weight_decay", "grad_clip", "seed")
-    kind: ClassVar[str]  # what the program trains ("drafter", "target"): a state of another kind is not resumed
+    kind: ClassVar[str]  # what the program trains: a state of another kind is not resumed
 
-
-
-# ----------------------------------------------------------------------------------------
-# Schedule
 
 def lr_at(step: int, args: TrainArgs) -> float:
-    """Learning rate of update `step` (0-based): linear warm-up, then cosine / linear / constant decay."""
     W = math.ceil(args.warmup_frac * args.steps) if args.warmup_frac > 0 else 0
     if step < W:
         return args.lr * (step + 1) / W
     if args.schedule == "constant":
         return args.lr
-    progress = (step - W) / max(1, args.steps - 1 - W)  # 0 at the end of warm-up, 1 at the last step
-    progress = min(max(progress, 0.0), 1.0)
+    progress = min(max((step - W) / max(1, args.steps - 1 - W), 0.0), 1.0)  # 0 after warm-up, 1 at the end
     m = args.min_lr_frac
     if args.schedule == "cosine":
         return args.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * progress)))
     return args.lr * (m + (1 - m) * (1 - progress))
 
 
+def layer_params(a) -> int:
+    q, kv, H = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size
+    return 2 * H * q + 2 * H * kv + 3 * H * a.intermediate_size
 
-# ----------------------------------------------------------------------------------------
+
+def causal_flops(a, T: int) -> float:
+    """Matmul FLOPs (2 a multiply-add) of a causal forward over T tokens, lm_head left out."""
+    return 2 * T * a.num_hidden_layers * layer_params(a) + 2 * a.num_hidden_layers * T * T * a.num_attention_heads * a.head_dim
+
+
 # Checkpoints (safetensors + JSON, never pickle)
-#
-# --out/checkpoint-<step>/ holds one complete checkpoint: the model's files and the training state.
-# It is written into a temporary directory and renamed into place whole; then --out/latest (one line,
-# written atomically) switches to it, the model's files are linked to the top of --out (what
-# `--drafter OUT` loads), and only then the previous checkpoint goes. A kill at any moment leaves a
-# complete checkpoint that --resume takes: the one `latest` names, or, killed between the first
-# checkpoint's rename and `latest`, the only one there (`checkpoint_dir`). --resume validates the one
-# it takes: the step in every file agrees, every tensor is finite and has its parameter's shape.
 
-LATEST = "latest"
+def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
+    """A safetensors file, atomically; `step` goes into its metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    metadata = {"format": "pt", **({"step": str(step)} if step is not None else {})}
+    atomic_write(path, lambda p: save_file(tensors, p, metadata=metadata))
 
 
 def publish_checkpoint(out: str, step: int, write):
-    """`write(directory)` writes a checkpoint's files; make it --out/checkpoint-<step>, atomically."""
+    """--out/checkpoint-<step>, made whole by `write(directory)`, atomically."""
     name = f"checkpoint-{step}"
     final, tmp = os.path.join(out, name), os.path.join(out, f".{name}.tmp")
     for stale in os.listdir(out):  # a killed save's leftovers
@@ -160,25 +137,26 @@ def publish_checkpoint(out: str, step: int, write):
             shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
     try:
         os.makedirs(tmp)
-        write(tmp)  # each file written and fsynced by atomic_write; the long part, Ctrl-C stays live
-        # The switch is short: Ctrl-C / SIGTERM wait until it is done, so an interrupted run leaves one
-        # checkpoint, named by `latest`, and no half-made links (SIGKILL is the kill tests' business).
-        with signals_deferred():
+        write(tmp)
+        with signals_deferred():  # Ctrl-C waits for the switch: one checkpoint, named by `latest`
             _switch(out, name, final, tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # (gone already once the switch renamed it)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def _switch(out: str, name: str, final: str, tmp: str):
-    """The written checkpoint `tmp` becomes `final`, `latest` names it, its model files are linked to
-    the top of --out, and the older checkpoints go."""
-    if os.path.isdir(final):  # the same step again (a run resumed before its last save): the new one wins
+    """`tmp` becomes `final`, then `latest`, its model files linked to --out, the older ones gone."""
+    if os.path.isdir(final):  # the same step again (resumed before its last save): the new one wins
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(out)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     atomic_write(os.path.join(out, LATEST), name + "\n")
-    for f in sorted(os.listdir(final)):  # the exported model: hard links, each swapped in atomically
+    for f in sorted(os.listdir(final)):
         if not f.startswith("training_state"):
             link = os.path.join(out, f".{f}.tmp")
             if os.path.exists(link):
@@ -193,18 +171,8 @@ def _switch(out: str, name: str, final: str, tmp: str):
             shutil.rmtree(os.path.join(out, old), ignore_errors=True)
 
 
-def _fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def checkpoint_dir(resume: str) -> str:
-    """The complete checkpoint --resume DIR names: DIR/latest's; with no `latest` (a run killed between its
-    first checkpoint's rename and `latest`), the highest-numbered checkpoint-<step>/ there; or DIR itself (a
-    checkpoint directory, or the single-directory layout of older runs)."""
+    """--resume DIR's checkpoint: `latest`'s, else the highest one there, else DIR itself."""
     latest = os.path.join(resume, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -218,7 +186,7 @@ def checkpoint_dir(resume: str) -> str:
     steps = [int(n.removeprefix("checkpoint-")) for n in names
              if n.startswith("checkpoint-") and n.removeprefix("checkpoint-").isdecimal()
              and os.path.isfile(os.path.join(resume, n, STATE_JSON))]
-    if steps:  # each renamed into place whole: complete
+    if steps:
         return os.path.join(resume, f"checkpoint-{max(steps)}")
     if os.path.isfile(os.path.join(resume, LOG_JSONL)):
         raise UserError(f"--resume {resume}: the run there stopped before its first checkpoint, nothing to resume; "
@@ -228,13 +196,10 @@ def checkpoint_dir(resume: str) -> str:
 
 def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
                num_windows: int, world: int = 1, identity: Optional[dict] = None):
-    """The optimizer's moments by parameter name (safetensors) and the step, arguments and global batch (JSON);
-    `identity`: digests of what the run reads ({"data": .., "target": ..}), which `check_identity` compares."""
+    """AdamW's moments by parameter name; the step, flags and `identity` (digests of what the run reads)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    tensors = {}
-    for p, st in opt.state.items():
-        for key, val in st.items():
-            tensors[f"{key}.{names[id(p)]}"] = val if torch.is_tensor(val) else torch.tensor(val)
+    tensors = {f"{key}.{names[id(p)]}": val if torch.is_tensor(val) else torch.tensor(val)
+               for p, st in opt.state.items() for key, val in st.items()}
     save_tensors(os.path.join(out, STATE_TENSORS), tensors, step=step)
     write_json(os.path.join(out, STATE_JSON), {
         "step": step, "num_windows": num_windows, "kind": args.kind, "args": asdict(args), "world_size": world,
@@ -243,8 +208,6 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
 
 
 def check_checkpoint(directory: str, step: int):
-    """Every safetensors file of a checkpoint says it was written at `step` (files written by a run
-    before steps were recorded say nothing and pass)."""
     from safetensors import safe_open
 
     for f in sorted(os.listdir(directory)):
@@ -260,35 +223,28 @@ def check_checkpoint(directory: str, step: int):
 
 
 def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = None) -> dict:
-    """training_state.json of `directory`, after checking that `args` repeats the flags of the saved run
-    (`args.resume_keys`) and its global batch (with `world` processes; None: not known yet), and that it
-    trained the same kind of model."""
+    """The saved state, once `args` repeats its flags, kind and global batch."""
     meta = read_json(os.path.join(directory, STATE_JSON))
-    saved = meta.get("args")
-    step = meta.get("step")
+    saved, step = meta.get("args"), meta.get("step")
     if not isinstance(saved, dict) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise UserError(f"{os.path.join(directory, STATE_JSON)}: 'step' must be a step count and 'args' the saved "
                         f"flags (got step {step!r})")
-    kind = meta.get("kind", saved.get("mode"))  # older states: train.py's --mode
-    if kind is not None and kind != args.kind:
-        raise UserError(f"--resume {directory}: a {kind} training state, not a {args.kind} one")
+    if meta.get("kind") != args.kind:
+        raise UserError(f"--resume {directory}: a {meta.get('kind')} training state, not a {args.kind} one")
     now = asdict(args)
     for k in args.resume_keys:
         if k in saved and saved[k] != now[k]:
             raise UserError(f"--resume {directory}: --{k.replace('_', '-')} was {saved[k]!r}, now {now[k]!r} "
-                                  "(a resumed run must repeat the original flags)")
-    saved_g = meta.get("global_batch", saved.get("batch_size"))  # older states: one process, no accumulation
+                            "(a resumed run must repeat the original flags)")
     g = args.batch_size * args.grad_accum * (world or 1)
-    if world is not None and saved_g is not None and saved_g != g:
-        raise UserError(f"--resume {directory}: the saved run's global batch is {saved_g} sequences, now {g} "
-                        f"(--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} process(es))")
+    if world is not None and meta.get("global_batch") != g:
+        raise UserError(f"--resume {directory}: the saved run's global batch is {meta.get('global_batch')} sequences, "
+                        f"now {g} (--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} "
+                        f"process(es))")
     return meta
 
 
 def check_identity(directory: str, identity: dict, flags: dict):
-    """--resume: every digest of `identity` ({"data": .., "target": ..}, as `save_state` records them) is the
-    saved run's; `flags[what]` names the flag and value it comes from. A state that records none (written
-    before they were) is refused: that the run reads the same could not be checked."""
     saved = read_json(os.path.join(directory, STATE_JSON)).get("identity")
     saved = saved if isinstance(saved, dict) else {}
     for what, digest in identity.items():
@@ -302,16 +258,16 @@ def check_identity(directory: str, identity: dict, flags: dict):
 
 def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
                num_windows: int, world: int = 1) -> int:
-    """Restore the optimizer state saved by `save_state`; returns the step to continue from."""
+    """Restores `save_state`'s state; returns its step."""
     meta = check_resume_args(directory, args, world)
     path = os.path.join(directory, STATE_TENSORS)
     check_checkpoint(directory, meta["step"])
     if meta.get("num_windows") != num_windows:
         raise UserError(f"--resume {directory}: the data gave {meta.get('num_windows')} sequences, now "
-                              f"{num_windows} (a resumed run must read the same data)")
+                        f"{num_windows} (a resumed run must read the same data)")
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
-    tensors = read_safetensors([path], torch.float32, "cpu")  # finite floats, or one line
+    tensors = read_weights([path], torch.float32, "cpu")  # finite floats, or one line
     index = {n: i for i, (n, _) in enumerate(module.named_parameters())}
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     state = {}
@@ -322,33 +278,29 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
         if kind == "step" and t.numel() == 1 and int(t.item()) != meta["step"]:
             raise UserError(f"{path}: {key} is {int(t.item())}, the state says step {meta['step']} (a torn checkpoint)")
         if kind != "step" and tuple(t.shape) != shapes[name]:
-            raise UserError(f"{path}: optimizer state {key!r} has shape {list(t.shape)}, the parameter {list(shapes[name])}")
+            raise UserError(f"{path}: optimizer state {key!r} has shape {list(t.shape)}, the parameter "
+                            f"{list(shapes[name])}")
         state.setdefault(index[name], {})[kind] = t
-    sd = opt.state_dict()
     missing = [n for n, i in index.items() if i not in state]
     if state and missing:
         raise UserError(f"{path}: no optimizer state for parameter {missing[0]!r}")
+    sd = opt.state_dict()
     sd["state"] = state
     opt.load_state_dict(sd)
     return meta["step"]
 
 
-
-# ----------------------------------------------------------------------------------------
 # Flags and the loop
 
 def check_out_dir(args: TrainArgs, inputs):
-    """--out, before any work: a new directory (its parent exists and is writable), or the directory
-    being resumed (--resume DIR --out DIR); never a file, never a model or data the run reads."""
+    """--out: a new directory, or the one resumed; never one the run reads."""
     out = args.out
     if out is None:
         raise UserError("--out: no output directory given")
     if not out.strip():
         raise UserError("--out: empty path")
     real = os.path.realpath(out)
-    for src in inputs:
-        if src is None:
-            continue
+    for src in filter(None, inputs):
         inp = os.path.realpath(src)
         if real == inp or real.startswith(inp.rstrip(os.sep) + os.sep):
             raise UserError(f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
@@ -361,24 +313,30 @@ def check_out_dir(args: TrainArgs, inputs):
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
-    folder = real if os.path.isdir(real) else parent  # where the first write lands: checked now, not after loading
-    problem = folder_write_problem(folder)
+    folder = real if os.path.isdir(real) else parent
+    problem = folder_write_problem(folder)  # no probe file: another rank may be listing the folder
     if problem:
         raise UserError(f"--out {out}: cannot write in {folder} ({problem})")
 
 
+def folder_write_problem(folder: str) -> Optional[str]:
+    """Why no file can be made in `folder`, or None; found without making one (another rank may list it)."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "Read-only file system"
+    except OSError as e:
+        return e.strerror
+    return None if os.access(folder, os.W_OK | os.X_OK) else "Permission denied"
+
+
 def unfinished_run(directory: str) -> bool:
-    """Whether `directory` holds a run that stopped before its first checkpoint (failed, killed): its
-    train_log.jsonl and no checkpoint. --out may start afresh there (a run with a checkpoint is resumed,
-    never overwritten)."""
+    """Stopped before its first checkpoint."""
     names = os.listdir(directory)
     return (LOG_JSONL in names and LATEST not in names and STATE_JSON not in names
             and not any(n.startswith("checkpoint-") for n in names))
 
 
 def check_train_args(args: TrainArgs, **ranges: str):
-    """The shared flags' ranges (and `ranges`, a program's own), --out, one data source, and the saved
-    state of --resume. One-line UserErrors."""
     check_ranges(args, steps="[1, 100000000]", batch_size="[1, 1000000]", grad_accum="[1, 1000000]",
                  seq_len="[2, 10485760]", lr="(0, 10]", warmup_frac="[0, 1)", min_lr_frac="[0, 1]",
                  grad_clip="[0, 1e9]", weight_decay="[0, 10]", init_std="(0, 10]", seed=f"[0, {2**62}]", **ranges,
@@ -386,7 +344,7 @@ def check_train_args(args: TrainArgs, **ranges: str):
                  peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]")
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
-    check_wandb(args)  # --wandb-artifacts and the other --wandb-* flags need --wandb
+    check_wandb(args)
     data = args.data if args.data is not None else args.data_ids
     if not os.path.exists(data):
         raise UserError(f"--data{'' if args.data is not None else '-ids'} {data}: file or directory not found")
@@ -395,18 +353,8 @@ def check_train_args(args: TrainArgs, **ranges: str):
         check_resume_args(checkpoint_dir(args.resume), args)
 
 
-
-def _autocast(device: str, dtype: torch.dtype):
-    """Mixed precision for the forward: weights and AdamW state stay float32 (master weights)."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
-
-
 @dataclass
 class Run:
-    """Where this process stands: rank, world size and device, and the Weights & Biases run (rank 0 with
-    --wandb: a runlog.Log, started by the program's `run` around the work)."""
     rank: int
     world: int
     device: str
@@ -414,19 +362,10 @@ class Run:
 
     def barrier(self):
         if self.world > 1:
-            import torch.distributed as dist
-            dist.barrier()
-
-
-def log_artifact(run: Run, out: str, step: int):
-    """--wandb-artifacts: the model's files at the top of --out (what `--drafter OUT` loads) as a model
-    artifact of the run, versions aliased step-N and latest."""
-    files = [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.endswith((".json", ".safetensors"))]
-    run.wandb.artifact("checkpoint", "model", files, metadata={"step": step}, aliases=[f"step-{step}", "latest"])
+            torch.distributed.barrier()
 
 
 def _log_upto(path: str, step: int) -> list[str]:
-    """The lines of an earlier train_log.jsonl up to `step` (a killed run's torn last line dropped)."""
     out = []
     for line in open(path) if os.path.isfile(path) else []:
         with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -437,12 +376,7 @@ def _log_upto(path: str, step: int) -> list[str]:
 
 def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save, run: Run, dtype,
              num_rows: int, flops: Optional[float] = None, evaluate=None, banner: str = "") -> dict:
-    """AdamW steps from the resumed step to --stop-at / --steps. `step_module.model` is what trains;
-    `step_module(**mb)` -> (this micro-batch's share of the step loss, a 1-D tensor of sums) for each of
-    `micro_batches(step)` (this rank's, on its device); `summarize(sums over every micro-batch and rank)`
-    -> logged metrics with "loss"; `save(directory, step, optimizer)` writes a checkpoint's files (rank 0);
-    `evaluate(step)` (every rank, after a checkpoint, every --eval-every steps) -> metrics to log; `flops`:
-    one step's; `banner`: what is trained, said once the resumed state (if any) has been checked."""
+    """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`."""
     module, dev = step_module.model, run.device
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -453,7 +387,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     if banner and run.rank == 0:
         print(banner, file=sys.stderr)
     ddp = step_module
-    if run.world > 1:  # gradients averaged over ranks: each rank's loss is scaled by the world size below
+    if run.world > 1:  # gradients averaged over ranks: each rank's loss share is scaled by the world size
         ddp = torch.nn.parallel.DistributedDataParallel(step_module, device_ids=[dev] if dev.startswith("cuda") else None)
     main = run.rank == 0
     from tqdm import tqdm
@@ -461,26 +395,29 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     shown = runlog.progress(args.progress and main)
     bar = tqdm(total=end, initial=start, file=sys.stderr, disable=shown != "bar", dynamic_ncols=True)
     lines = runlog.Lines() if shown == "lines" else None
-    if main:  # one JSON line per step; a run resumed into its own --out drops the lines after its state's step
+    if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
         here = args.resume is not None and os.path.realpath(args.resume) == os.path.realpath(args.out)
-        if not here and os.path.exists(path):  # check_out_dir let it through: `unfinished_run`
+        if not here and os.path.exists(path):
             print(f"--out {args.out}: a run that stopped before its first checkpoint left its log there; "
                   "starting afresh", file=sys.stderr)
         atomic_write(path, "".join(_log_upto(path, start) if here else []))
         log = open(path, "a")
     tokens_per_step = args.batch_size * args.grad_accum * run.world * args.seq_len
-    peak = (args.peak_tflops or peak_tflops(dev) or 0) * 1e12  # MFU only against a known peak
+    peak = (args.peak_tflops or peak_tflops(dev) or 0) * 1e12
     eval_every = getattr(args, "eval_every", 0)
-    losses, times, t0 = [], [], time.time()
+    losses, times, speed = [], [], {}
 
     def checkpoint(step):
         if main:
             publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
             if args.wandb_artifacts:
-                log_artifact(run, args.out, step)
-        run.barrier()  # every rank may read it next (--eval-every)
+                files = [os.path.join(args.out, f) for f in sorted(os.listdir(args.out))
+                         if f.endswith((".json", ".safetensors"))]
+                run.wandb.artifact("checkpoint", "model", files, metadata={"step": step},
+                                   aliases=[f"step-{step}", "latest"])
+        run.barrier()  # every rank may read it next
         if evaluate is not None and eval_every and step % eval_every == 0:
             found = evaluate(step)
             if run.wandb is not None:
@@ -493,12 +430,11 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        sums = None
-        parts = micro_batches(step)
+        sums, parts = None, micro_batches(step)
         for m, mb in enumerate(parts):
             sync = run.world == 1 or m == len(parts) - 1  # all-reduce the gradients once, after the last
             with contextlib.nullcontext() if sync else ddp.no_sync():
-                with _autocast(dev, dtype):
+                with torch.autocast(dev.split(":")[0], dtype) if dtype != torch.float32 else contextlib.nullcontext():
                     share, s = ddp(**mb)
                 (share * run.world).backward()
             sums = s if sums is None else sums + s
@@ -512,18 +448,18 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         opt.step()
         losses.append(metrics["loss"])
         times.append(time.perf_counter() - t_step)
-        dt = sum(times[-20:]) / len(times[-20:])
+        dt = sum(times[-SPEED_WINDOW:]) / len(times[-SPEED_WINDOW:])  # tokens/s: this one figure, everywhere
         speed = {"tokens_per_second": tokens_per_step / dt, "eta_seconds": dt * (end - step - 1)}
         if flops is not None and peak:
             speed["mfu"] = flops / dt / (peak * run.world)
+        shown_mfu = f", MFU {speed['mfu']:.1%}" if "mfu" in speed else ""
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", **{k: f"{v:.3f}" for k, v in metrics.items() if k in ("tau", "ppl")},
                         tok_s=f"{speed['tokens_per_second']:,.0f}",
                         **({"mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else {}))
         if lines is not None:
             lines.say(f"step {step + 1}/{end}: loss {metrics['loss']:.4f}, {speed['tokens_per_second']:,.0f} tokens/s"
-                      + (f", MFU {speed['mfu']:.1%}" if "mfu" in speed else "")
-                      + f", {speed['eta_seconds'] / 60:.1f} min to go", final=step + 1 == end)
+                      f"{shown_mfu}, {speed['eta_seconds'] / 60:.1f} min to go", final=step + 1 == end)
         record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
         if main:
             log.write(json.dumps({"step": step + 1, **record}) + "\n")
@@ -538,23 +474,18 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         log.close()
     module.eval()
     checkpoint(end)
-    seconds, n = time.time() - t0, end - start
-    tokens_per_s = n * tokens_per_step / max(seconds, 1e-9)
     if main:
-        print(f"step {end}: loss {losses[-1]:.4f}, {n} steps in {seconds:.1f} s ({tokens_per_s:,.0f} tokens/s, "
-              f"{run.world} process(es)), {args.kind} written to {args.out}")
-    return {"start": start, "step": end, "losses": losses, "seconds": seconds, "step_seconds": times,
-            "tokens_per_second": tokens_per_s}
-
+        print(f"step {end}: loss {losses[-1]:.4f}, {speed['tokens_per_second']:,.0f} tokens/s over the last "
+              f"{min(len(times), SPEED_WINDOW)} steps ({run.world} process(es)), {args.kind} written to {args.out}")
+    return {"start": start, "step": end, "losses": losses, "step_seconds": times,
+            "tokens_per_second": speed["tokens_per_second"]}
 
 
 def train_main(args_class, run_fn, argv: Optional[list[str]] = None) -> int:
-    """A training program's main(): cli_main, leaving torchrun's process group at the end."""
     def run_and_leave(args):
         try:
             return run_fn(args)
         finally:
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-    return cli_main(args_class, run_and_leave, argv, inference=False)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    return cli_main(args_class, run_and_leave, argv, inference=False, rank0=rank0)

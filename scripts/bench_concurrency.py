@@ -42,10 +42,10 @@ import plots  # noqa: E402
 from bench import timed_generate  # noqa: E402
 from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints,  # noqa: E402
                     resolve_device, resolve_dtype, write_json)
+from checkpoint import load_models, resolve_checkpoint  # noqa: E402
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
-from inputs import check_prompts, load_models, load_prompts, resolve_checkpoint  # noqa: E402
-from compiling import CompileMode, auto_compile, check_compile_flags  # noqa: E402
-from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
+from speculate import DEMO_DIR, CompileMode, Engine, Request, cache_length  # noqa: E402
+from text import check_prompts, load_prompts  # noqa: E402
 
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
 
@@ -93,7 +93,7 @@ class ConcurrencyArgs:
     """torch.compile the rounds. Default: on for cuda, off for cpu, where a graph per concurrency and
     verify bucket would take longer to compile than to run."""
     compile_mode: Optional[CompileMode] = None
-    """torch.compile mode (default: compiling.compiled's recipe)."""
+    """torch.compile mode (default: speculate.compiled's recipe)."""
     threads: Optional[int] = None
     """torch threads on cpu (default: torch's own)."""
     seed: int = 0
@@ -131,7 +131,8 @@ def run(args: ConcurrencyArgs) -> list[dict]:
                         f"and --schedulers has neither")
     check_ranges(args, threshold="(0, 1]", repeats="[1, 1000]", requests_per_slot="[1, 100000]",
                  max_new_tokens="[1, 10485760]", temperature="[0, 10000]", threads="[1, 4096]", seed=f"[0, {2**62}]")
-    check_compile_flags(auto_compile(args.compile, args.device), None, False, args.compile_mode)  # cpu: eager by default
+    if args.compile_mode is not None and not (args.compile if args.compile is not None else args.device == "cuda"):
+        raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile (the run is eager)")
     demo = args.target is None and args.drafter is None
     prompts_file = args.prompts_file or (HELDOUT if demo else None)
     check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, prompts_file])
@@ -150,7 +151,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
-    compile = auto_compile(args.compile, dev)
+    compile = args.compile if args.compile is not None else dev.startswith("cuda")
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype)
     target, drafter = m.target, m.drafter
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
@@ -173,7 +174,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         # shares: so all of one concurrency's engines are built first, with one cache length, and
         # only then compiled or run — they all use the last allocation.
         engines = {mode: Engine(target, None if mode == "autoregressive" else drafter, batch_size=c, max_seq=max_seq,
-                                temperature=args.temperature, seed=args.seed, device=dev, stop_ids=m.stop_ids,
+                                temperature=args.temperature, seed=args.seed, stop_ids=m.stop_ids,
                                 scheduler="none" if mode == "autoregressive" else mode,
                                 threshold=args.threshold if mode == "threshold" else 0.0,
                                 ragged=True, compile=compile, compile_mode=args.compile_mode)  # one executor for all

@@ -1,13 +1,10 @@
 """The demo pair's text: the running Python's standard library, top-level *.py files, 5% held out.
 
-    python scripts/demo_corpus.py --corpus /tmp/corpus --out /tmp/pair   # what scripts/train_demo.sh runs first
+    python scripts/demo_corpus.py --corpus /tmp/corpus --out /tmp/pair   # scripts/train_demo.sh's first step
 
-The files are `sorted(stdlib/*.py)`; file i is held out (never trained on) when i % 20 == 0. The
-training files are copied into --corpus; --out receives heldout.txt (the held-out names) and
-corpus.json, which says which corpus this was: the Python version, the file counts, and sha256
-digests of the training and the held-out files. Another Python version has other files, so it builds
-another pair; the digests tell them apart (scripts/demo_prompts.py refuses a standard library whose
-held-out files differ from the pair's). One line on stdout says which corpus was used.
+File i of `sorted(stdlib/*.py)` is held out when i % 20 == 0; the others are copied into --corpus.
+--out gets heldout.txt and corpus.json: the Python version, file counts and digests of both parts
+(another Python's library builds another pair, and the digests tell them apart).
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (UserError, atomic_write, check_outputs, cli_main, folder_write_problem, read_json,  # noqa: E402
-                    write_json)
+from common import UserError, atomic_write, check_outputs, cli_main, read_json, write_json  # noqa: E402
 from demo_prompts import files_digest  # noqa: E402
+from trainer import folder_write_problem  # noqa: E402
 
 HOLD_OUT_EVERY = 20
 
@@ -37,19 +34,16 @@ class CorpusArgs:
     """Split the running Python's standard library into the demo pair's training and held-out files."""
 
     corpus: str
-    """A new (or empty) directory to copy the training files into (made whole at the end, beside --out, not
-    in it: every file there is training text)."""
+    """A new (or empty) directory for the training files (not inside --out: all of it is training text)."""
     out: str
-    """The pair's directory: heldout.txt and corpus.json are written here (made if missing)."""
+    """The pair's directory, for heldout.txt and corpus.json."""
     stdlib: Optional[str] = None
     """The standard library to read (default: the running Python's)."""
     same_as: Optional[str] = None
-    """A corpus.json the new corpus must equal (training and held-out digests): for rebuilding only the
-    drafter of an existing pair, whose target saw that corpus."""
+    """A corpus.json the new corpus must equal (rebuilding only a pair's drafter)."""
 
 
 def split(stdlib: str) -> tuple[list[str], list[str]]:
-    """(training files, held-out files): paths, sorted."""
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     if len(files) < HOLD_OUT_EVERY:
         raise UserError(f"{stdlib}: {len(files)} top-level *.py files; not a standard library (give --stdlib)")
@@ -58,8 +52,7 @@ def split(stdlib: str) -> tuple[list[str], list[str]]:
 
 
 def check_folder(path: str, flag: str, beside: bool = False):
-    """A folder this run fills (made if missing; `beside`: made beside it, then renamed to it) can be: the
-    nearest existing folder of it (of its parent) takes files."""
+    """The nearest existing folder of `path` (`beside`: its parent's) takes files."""
     folder = os.path.realpath(path)
     if beside:
         folder = os.path.dirname(folder)
@@ -98,7 +91,6 @@ def run(a: CorpusArgs):
     running = os.path.realpath(stdlib) == os.path.realpath(sysconfig.get_paths()["stdlib"])
     info = {"source": "the Python standard library's top-level *.py files, sorted; file i held out when "
                       f"i % {HOLD_OUT_EVERY} == 0", "stdlib": os.path.abspath(stdlib),
-            # the version is known only of the running Python's own library
             "python": platform.python_version() if running else None,
             "implementation": platform.python_implementation() if running else None,
             "training_files": len(train), "training_bytes": sum(os.path.getsize(f) for f in train),
@@ -119,7 +111,6 @@ def run(a: CorpusArgs):
 
 
 def missing_top(path: str) -> Optional[str]:
-    """The outermost folder of `path` that does not exist yet (what os.makedirs would make first), or None."""
     top, p = None, os.path.realpath(path)
     while not os.path.exists(p):
         top, p = p, os.path.dirname(p)
@@ -127,9 +118,7 @@ def missing_top(path: str) -> Optional[str]:
 
 
 def write_corpus(a: CorpusArgs, train: list[str], info: dict):
-    """The training files copied into a temporary folder beside --corpus, the record written into --out,
-    then the folder renamed to --corpus: a run that fails or is stopped (`Interrupted`) on the way removes
-    what it wrote and the folders it made, so that it can simply be run again."""
+    """Copy beside --corpus, write the record, rename: a run stopped on the way removes what it made."""
     corpus = os.path.realpath(a.corpus)
     listing, record = os.path.join(a.out, "heldout.txt"), os.path.join(a.out, "corpus.json")
     made = [top for top in map(missing_top, (a.out, corpus)) if top is not None]
@@ -145,7 +134,7 @@ def write_corpus(a: CorpusArgs, train: list[str], info: dict):
         write_json(record, info)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the folder the mode makedirs would
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 -> makedirs' mode
         try:
             os.replace(tmp, corpus)  # over an empty --corpus too
         except OSError as e:

@@ -1,17 +1,8 @@
-"""The demo pair's held-out prompts, cut from the standard-library files it never trained on.
+"""The demo pair's held-out prompts (committed as demo/heldout.jsonl), cut from the standard-library
+files it never trained on: prompt i is T tokens of held-out file i mod F, at (i // F + 1) / (ceil(N / F)
++ 1) of it. A library whose held-out files differ from demo/corpus.json's is refused.
 
-    python speculate.py --prompts-file demo/heldout.jsonl --max-new-tokens 128   # the committed prompts
-    python scripts/demo_prompts.py --out my_heldout.jsonl                          # cut them again
-
-demo/heldout.jsonl is committed, so the demo's figures do not depend on the Python that runs them.
-This script made it, and remakes it for a pair rebuilt by scripts/train_demo.sh (which runs it): N
-prompts of T tokens, JSON lines of {"prompt_ids": [...], "source": file, "start": token}. Prompt i
-comes from file i mod F of the F held-out files (demo/heldout.txt, in that order), starting at token
-(i // F + 1) / (ceil(N / F) + 1) of the file — deterministic, spread over each file.
-
-The files are read from a standard library (the running Python's by default, --stdlib otherwise), and
-another Python version's files differ: when demo/corpus.json records the held-out files' digest (the
-rebuild writes it), a standard library whose files differ from it is refused.
+    python scripts/demo_prompts.py --out my_heldout.jsonl
 """
 
 from __future__ import annotations
@@ -37,19 +28,18 @@ class PromptArgs:
     """Cut the demo pair's held-out prompts from the standard-library files in demo/heldout.txt."""
 
     out: str
-    """Where to write the prompts (JSON lines); the committed copy is demo/heldout.jsonl."""
+    """Where to write the prompts (JSON lines)."""
     num_prompts: int = 20
     """How many prompts."""
     prompt_tokens: int = 64
     """Tokens per prompt (demo tokenizer)."""
     demo: str = DEMO
-    """The demo pair's directory: target/tokenizer.json, heldout.txt, and corpus.json when present."""
+    """The demo pair's directory (target/, heldout.txt, corpus.json)."""
     stdlib: Optional[str] = None
-    """The standard library to read the held-out files from (default: the running Python's)."""
+    """The standard library to read (default: the running Python's)."""
 
 
 def files_digest(paths: list[str]) -> str:
-    """sha256 over the files' names and bytes, in the order given (names: basenames)."""
     h = hashlib.sha256()
     for p in paths:
         with open(p, "rb") as f:
@@ -59,8 +49,7 @@ def files_digest(paths: list[str]) -> str:
 
 
 def heldout_files(demo: str = DEMO, stdlib: Optional[str] = None) -> list[str]:
-    """Paths of the held-out files in `stdlib`, checked: every one present, and (when demo/corpus.json
-    records it) the same bytes the pair was built beside."""
+    """The held-out files in `stdlib`, checked."""
     stdlib = stdlib or sysconfig.get_paths()["stdlib"]
     listing = os.path.join(demo, "heldout.txt")
     if not os.path.isfile(listing):
@@ -86,8 +75,7 @@ def heldout_files(demo: str = DEMO, stdlib: Optional[str] = None) -> list[str]:
 
 def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = DEMO,
                     stdlib: Optional[str] = None) -> list[dict]:
-    """The prompts as records {"prompt_ids", "source", "start"} (UserError when a file is missing or
-    differs from the pair's)."""
+    """Records {"prompt_ids", "source", "start"}."""
     from text import Tokenizer
 
     paths = heldout_files(demo, stdlib)
@@ -113,7 +101,7 @@ def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = 
 def run(a: PromptArgs):
     check_ranges(a, num_prompts="[1, 100000]", prompt_tokens="[1, 100000]")
     check_outputs({"--out": a.out}, inputs=[os.path.join(a.demo, n) for n in ("heldout.txt", "corpus.json", "target")]
-                  + heldout_files(a.demo, a.stdlib))  # the held-out files it reads, wherever --stdlib resolved
+                  + heldout_files(a.demo, a.stdlib))
     prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo, a.stdlib)
     atomic_write(a.out, "".join(json.dumps(p) + "\n" for p in prompts))
     files = len({p["source"] for p in prompts})

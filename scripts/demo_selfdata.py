@@ -1,17 +1,7 @@
-"""The demo drafter's training data: the demo target's own greedy continuations of training-corpus prompts.
+"""The demo drafter's data: the demo target's greedy continuations (its own dialect, what the drafter
+must guess) of prompts cut from training file i mod F at seeded offsets, for `train.py --data-ids`.
 
     python scripts/demo_selfdata.py --target DIR/target --corpus CORPUS --out selfdata.jsonl
-
-A drafter is judged on what the target writes, not on the corpus: the demo decodes greedily, and a
-small target's greedy code is its own (repetitive) dialect of the library it read. So the drafter of
-scripts/train_demo.sh is distilled on that dialect: N prompts of P tokens are cut from the training
-files (never the held-out ones: the corpus directory holds only training files), the target continues
-each greedily for M tokens, and each prompt + continuation is one record {"prompt_ids": [...]} for
-`train.py --data-ids` (the stream is supervised everywhere, the labels being the target's own
-distributions). Prompt i comes from file i mod F of the F sorted files, at a seeded random token
-offset, so the data is a function of the corpus, the target and --seed.
-
-Progress goes to stderr; the file is written atomically when every continuation is done.
 """
 
 from __future__ import annotations
@@ -30,13 +20,13 @@ from common import UserError, atomic_write, check_outputs, check_ranges, cli_mai
 
 @dataclass
 class SelfDataArgs:
-    """The demo target's greedy continuations of training-corpus prompts, for `train.py --data-ids`."""
+    """The demo target's greedy continuations of corpus prompts."""
     target: str
-    """The demo target's directory (config.json, model.safetensors, tokenizer.json)."""
+    """The demo target's directory (with tokenizer.json)."""
     corpus: str
-    """The training corpus directory (scripts/demo_corpus.py --corpus): its *.py files, sorted."""
+    """The training corpus directory: its *.py files."""
     out: str
-    """Where to write the records (JSON lines of {"prompt_ids": [...]})."""
+    """Where to write the records."""
     num_prompts: int = 2048
     """How many prompts (one record each)."""
     prompt_tokens: int = 64
@@ -52,7 +42,6 @@ class SelfDataArgs:
 
 
 def corpus_prompts(files: list[str], tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
-    """`num` prompts of `length` tokens: prompt i from files[i % F] at a seeded random offset."""
     rng = random.Random(seed)
     docs = []
     for path in files:
@@ -86,10 +75,10 @@ def run(args: SelfDataArgs) -> int:
 
     import torch
 
-    import speculate
+    from speculate import Settings, load, make_engine, requests_for
     if args.threads:
         torch.set_num_threads(args.threads)
-    m = speculate.load(args.target)
+    m = load(args.target)
     if m.tokenizer is None:
         raise UserError(f"--target {args.target}: no tokenizer.json")
     prompts = corpus_prompts(files, m.tokenizer, args.num_prompts, args.prompt_tokens, args.seed)
@@ -97,9 +86,9 @@ def run(args: SelfDataArgs) -> int:
     if context > m.target.args.max_position_embeddings:
         raise UserError(f"--prompt-tokens + --new-tokens = {context}: more than the target's context "
                         f"({m.target.args.max_position_embeddings})")
-    engine = speculate.Engine(m.target, None, batch_size=min(args.batch_size, len(prompts)),
-                              max_seq=speculate.cache_length(args.prompt_tokens, args.new_tokens, None))
-    requests = [speculate.Request(i, p) for i, p in enumerate(prompts)]
+    s = Settings(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, batch_size=args.batch_size).check()
+    engine = make_engine(m, None, prompts, s, verbose=False)
+    requests = requests_for(prompts, 1)
     t0, done = time.perf_counter(), [0]
 
     def on_finish(req):

@@ -5,20 +5,11 @@
     python scripts/fetch_eval_data.py --out-dir /tmp/eval  # every dataset, somewhere else
     python scripts/fetch_eval_data.py gsm8k --force        # replace an existing file
 
-Each output line is one prompt, {"turns": [str, ...]}, written with json.dumps(...,
-ensure_ascii=False): the format eval.py and `speculate.py --prompts-file` read. The per-dataset
-conversions (`*_record` below) reproduce the files this repository ships byte for byte, given
-the same upstream rows; after writing, the script says whether a file matches the shipped copy
-(upstream datasets do change: a mismatch is reported, not an error). data/eval/README.md gives
-each file's source, split, row count and license.
-
-Needs a network and `pip install datasets` (which brings huggingface_hub and pyarrow); neither
-is imported until a download starts, so --help and --list work without them. Existing files are
-never overwritten without --force, and every file is written whole or not at all (a temporary
-file in the same folder, then a rename); every output path is checked before the first download.
-Exit status: 0 on success, 2 on a usage error (a file that exists, an output path that is a directory,
-an unknown name, a missing package) with one line on stderr, 1 if a download fails, 130 / 143 when
-Ctrl-C (SIGINT) / SIGTERM stops it (one line; the files finished are kept, the one being written is not).
+One {"turns": [str, ...]} per line, as eval.py reads. The conversions (`*_record`) reproduce the shipped
+files byte for byte from the same upstream rows; a file that differs is reported, not an error
+(data/eval/README.md: sources and licenses). Needs a network and `pip install datasets`, imported only
+when a download starts. Files are never replaced without --force and are written whole or not at all.
+Exit status: 0; 2 on a usage error (one line); 1 if a download fails; 130 / 143 on SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -37,10 +28,7 @@ from typing import Callable, Iterable, Iterator, Optional
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEFAULT_OUT = os.path.join(ROOT, "data", "eval")
 
-# ----------------------------------------------------------------------------------------
-# Record conversions: one upstream row -> {"turns": [...]}. Pure functions, no I/O.
-
-# Appended to every math question (GSM8K, MATH-500, AIME).
+# Record conversions: one upstream row -> {"turns": [...]}. MATH_SUFFIX follows every math question.
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -98,8 +86,8 @@ LCB_TAIL = "### Answer: (use the provided format with backticks)"
 
 
 def livecodebench_record(row: dict) -> dict:
-    """livecodebench/code_generation_lite: LiveCodeBench's code-generation prompt around the
-    `question_content`; with `starter_code` the answer must use it, without it a placeholder."""
+    """livecodebench/code_generation_lite: its prompt around `question_content`, and `starter_code`
+    or a placeholder."""
     starter = row.get("starter_code") or ""
     if starter:
         fmt, code = "Use the following code structure:", starter
@@ -116,7 +104,6 @@ def arena_hard_record(row: dict) -> dict:
 
 
 def check_record(record: dict, where: str) -> dict:
-    """A record must be {"turns": [non-empty strings]}."""
     turns = record.get("turns") if isinstance(record, dict) else None
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
         raise ValueError(f"{where}: expected a non-empty list of non-empty strings in 'turns', got {turns!r}")
@@ -124,12 +111,8 @@ def check_record(record: dict, where: str) -> dict:
 
 
 def record_line(record: dict) -> str:
-    """The JSON line of a record, as the shipped files have it."""
     return json.dumps(record, ensure_ascii=False) + "\n"
 
-
-# ----------------------------------------------------------------------------------------
-# Sources
 
 @dataclass(frozen=True)
 class Source:
@@ -184,7 +167,7 @@ class UsageError(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM: a KeyboardInterrupt (so no library's `except Exception` swallows it) with its signal."""
+    """SIGINT / SIGTERM, as a KeyboardInterrupt: no library's `except Exception` swallows it."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -196,7 +179,7 @@ def _interrupt(signum, frame):
 
 
 def check_output_file(path: str):
-    """Before any download: an output path must be a regular file (links followed), or nothing yet."""
+    """Before any download: a regular file (links followed), or nothing yet."""
     real = os.path.realpath(path)
     if os.path.isdir(real):
         raise UsageError(f"{path}: is a directory, not a file (remove it, or give another --out-dir)")
@@ -205,7 +188,6 @@ def check_output_file(path: str):
 
 
 def _need(module: str):
-    """Import an optional dependency, or say how to install it."""
     import importlib
 
     try:
@@ -215,14 +197,13 @@ def _need(module: str):
 
 
 def packages_needed(src: Source) -> tuple[str, ...]:
-    """The optional packages `upstream_rows(src)` imports."""
     if not src.files:
         return ("datasets",)
     return ("huggingface_hub", "pyarrow") if any(f.endswith(".parquet") for f in src.files) else ("huggingface_hub",)
 
 
 def check_packages(sources: Iterable[Source]):
-    """Fail before anything is downloaded or written when a package is missing."""
+    """A missing package, before anything is downloaded."""
     import importlib.util
 
     for src in sources:
@@ -250,11 +231,8 @@ def upstream_rows(src: Source) -> Iterator[dict]:
                     yield json.loads(line)
 
 
-# ----------------------------------------------------------------------------------------
-# Writing
-
 def write_records(src: Source, rows: Iterable[dict], path: str, max_rows: Optional[int] = None) -> tuple[int, str]:
-    """Convert `rows` and write them to `path` atomically; returns (records written, sha256 of the file)."""
+    """`rows` converted into `path`, atomically -> (records written, the file's sha256)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
@@ -342,7 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # a download or a conversion that failed: say which, keep nothing half-written
+    except Exception as e:  # a download or a conversion failed
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: write_records has removed its temporary file

@@ -2,21 +2,13 @@
 
     python scripts/train_target.py --data DIR --tokenizer-from-corpus --out DIR [--layers 4 --hidden-size 256 ...]
 
-What is notable here:
-- `--tokenizer-from-corpus` first trains a byte-level BPE tokenizer on --data (for the demo pair:
-  the Python standard library), with <|endoftext|> (document separator, EOS) and <|mask|> (the
-  drafter's mask token) as special tokens; or `--tokenizer` copies an existing one.
-- The forward is the target's own, cache-free and causal (`Transformer.hidden` without positions).
-- The output is a Hugging Face Qwen3 directory (config.json, model.safetensors with "model." names,
-  generation_config.json, tokenizer.json) that `model.load_target` and transformers both read.
-- Everything else — the flags of the optimisation, data reading (data.py), AdamW with warm-up and
-  decay, many processes under torchrun, checkpoints and exact --resume — is train.py's, imported, so
-  the two programs train alike.
+`--tokenizer-from-corpus` first trains a byte-level BPE tokenizer on --data, with <|endoftext|> (EOS)
+and <|mask|> (the drafter's mask) as special tokens. The output is a Hugging Face Qwen3 directory that
+checkpoint.load_target and transformers both read. The data and the loop are data.py's and trainer.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import shutil
@@ -30,13 +22,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runlog  # noqa: E402
-from common import (UserError, atomic_write, dist_init, resolve_device, resolve_dtype, save_tensors,  # noqa: E402
-                    torchrun_env, write_json)
-from data import EOS_TOKEN, MASK_TOKEN, Batches, micro_slices, read_texts, read_windows  # noqa: E402
-from model import ModelArgs, Transformer, init_random_, load_target  # noqa: E402
+from checkpoint import init_random_, load_target, published  # noqa: E402
+from common import UserError, atomic_write, resolve_device, resolve_dtype, write_json  # noqa: E402
+from data import EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest, micro_slices, read_texts, read_windows  # noqa: E402
+from distributed import dist_init, rank0  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from text import Tokenizer  # noqa: E402
-from trainer import (Run, TrainArgs, check_identity, check_train_args, checkpoint_dir, optimize,  # noqa: E402
-                     save_state, train_main)
+from trainer import (Run, TrainArgs, causal_flops, check_identity, check_train_args, checkpoint_dir,  # noqa: E402
+                     optimize, save_state, save_tensors, train_main)
 
 
 @dataclass
@@ -75,8 +68,7 @@ class Args(TrainArgs):
 
 
 def train_bpe(texts: list[str], vocab_size: int):
-    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 pre-tokenization; round-trips any text)
-    with the special tokens <|endoftext|> (document separator, EOS) and <|mask|> (the drafter's mask)."""
+    """A byte-level BPE tokenizer (GPT-2 pre-tokenization: round-trips any text)."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
@@ -89,15 +81,13 @@ def train_bpe(texts: list[str], vocab_size: int):
 
 
 def next_token_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a target on tokens [B, T]."""
     h, _ = model.hidden(tokens)  # cache-free, causal
     logits = model.lm_head(h[:, :-1]).float()  # [B, T-1, V]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 class TargetStep(torch.nn.Module):
-    """One micro-batch's share of the step loss (trainer.optimize): its mean cross-entropy x its share of the
-    global batch's rows (every row has T-1 predictions, so the shares sum to the global batch's mean)."""
+    """A micro-batch's mean cross-entropy x its share of the global batch's rows (they sum to its mean)."""
 
     def __init__(self, model: Transformer, share: float, compile: bool):
         super().__init__()
@@ -110,18 +100,16 @@ class TargetStep(torch.nn.Module):
 
 
 def target_flops(a: ModelArgs, G: int, T: int) -> float:
-    """One step's model FLOPs (an estimate): 3 x forward, forward = 2·T·(L·P_layer + H·V) + 2·L·T²·q per row."""
-    q, kv, H = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size
-    layer = 2 * H * q + 2 * H * kv + 3 * H * a.intermediate_size
-    return float(3 * G * (2 * T * (a.num_hidden_layers * layer + H * a.vocab_size) + 2 * a.num_hidden_layers * T * T * q))
+    """A step's matmul FLOPs (an estimate): 3 x the forward with its lm_head."""
+    return float(3 * G * (causal_flops(a, T) + 2 * T * a.hidden_size * a.vocab_size))
 
 
 def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optional[int] = None):
-    """A Hugging Face Qwen3 directory: config.json, model.safetensors ("model." names), generation_config.json."""
+    """A Hugging Face Qwen3 directory: config.json, model.safetensors, generation_config.json."""
     os.makedirs(out, exist_ok=True)
     a = model.args
-    tensors = {("" if k == "lm_head.weight" else "model.") + k: v.float()
-               for k, v in model.state_dict().items() if not (a.tie_word_embeddings and k == "lm_head.weight")}
+    tensors = {("" if k == "lm_head.weight" else "model.") + k: v.float() for k, v in published(model.state_dict()).items()
+               if not (a.tie_word_embeddings and k == "lm_head.weight")}
     save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
     cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
            "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
@@ -139,12 +127,12 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
 
 
 def tokenizer_source(args: Args) -> Optional[str]:
-    """The tokenizer.json the run copies into --out (None: one trained on --data), checked before any work: the
-    resumed run's (at the top of its --out: --resume DIR/checkpoint-<step> finds it in DIR), or --tokenizer's."""
+    """The tokenizer.json the run copies into --out (None: one trained on --data): the resumed run's (at the
+    top of its --out), or --tokenizer's."""
     if args.resume:
         here = os.path.realpath(args.resume)
         folders = [args.resume]
-        if os.path.basename(here).startswith("checkpoint-"):  # a run's checkpoint: the tokenizer is the run's
+        if os.path.basename(here).startswith("checkpoint-"):
             folders.append(os.path.dirname(here))
         for folder in folders:
             if os.path.isfile(os.path.join(folder, "tokenizer.json")):
@@ -164,8 +152,7 @@ def tokenizer_source(args: Args) -> Optional[str]:
 
 
 def tokenizer_into(args: Args, src: Optional[str], texts: Optional[list[str]]) -> Tokenizer:
-    """The run's tokenizer, written to --out/tokenizer.json (atomically): `src` copied (nothing to do when it
-    is that file already, whatever links lie between), or trained on the corpus."""
+    """The run's tokenizer in --out: `src` copied, or trained on the corpus."""
     tok_path = os.path.join(args.out, "tokenizer.json")
     if src is None:
         bpe = train_bpe(texts, args.vocab_size)
@@ -176,12 +163,11 @@ def tokenizer_into(args: Args, src: Optional[str], texts: Optional[list[str]]) -
 
 
 def run(args: Args) -> dict:
-    """Everything `python scripts/train_target.py` does; returns the loss history. Raises UserError on bad input."""
     check_train_args(args)
     if args.heads % args.kv_heads:
         raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     tokenizer_source(args)
-    with runlog.session(args, "train", "scripts/train_target.py", enabled=torchrun_env()[0] == 0) as log:
+    with runlog.session(args, "train", "scripts/train_target.py", enabled=rank0()) as log:
         return train(args, log)
 
 
@@ -197,7 +183,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
         V = tok.tok.get_vocab_size(with_added_tokens=True)
         eos = tok.tok.token_to_id(EOS_TOKEN)
         windows = read_windows(args, tok, V, eos, texts)
-    except BaseException:  # e.g. too little text for one window: --out as it was, so the same --out works next time
+    except BaseException:  # e.g. too little text: --out as it was, for the same command next time
         if fresh and os.path.isfile(os.path.join(args.out, "tokenizer.json")):
             os.remove(os.path.join(args.out, "tokenizer.json"))
         if made and not os.listdir(args.out):
@@ -208,12 +194,10 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
                       head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
                       max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
                       eos_token_ids=(eos,) if eos is not None else ())
-    # The training windows' digest: --resume refuses other data of the same size (train.data_digest's way).
-    digest = hashlib.sha256(f"tokens {list(windows.shape)}\n".encode() + windows.to(torch.int32).numpy().tobytes())
-    identity = {"data": digest.hexdigest()}
+    identity = {"data": digest(Corpus(windows))}  # --resume refuses other data
     if args.resume:
         check_identity(checkpoint_dir(args.resume), identity, {"data": f"--data {args.data}"})
-        model = load_target(checkpoint_dir(args.resume), device, torch.float32, fuse=False).requires_grad_(True)
+        model = load_target(checkpoint_dir(args.resume), device, torch.float32).requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
             raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
     else:
@@ -223,7 +207,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     G = args.batch_size * args.grad_accum * world
     banner = (f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
-    if log is not None:  # what the flags resolved to, and the model trained
+    if log is not None:
         log.config(world_size=world, global_batch=G, dtype_resolved=str(dtype).removeprefix("torch."),
                    num_sequences=len(windows), target_config=asdict(model.args))
     batches, mine = Batches(len(windows), G, args.seed), micro_slices(args.batch_size, args.grad_accum, rank)

@@ -368,7 +368,7 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
 
 def make_read_only(monkeypatch, *folders):
     """Simulate read-only filesystems at `folders` (the tests run as root, whom chmod does not stop):
-    os.statvfs reports them mounted read-only, which is what `common.folder_write_problem` reads."""
+    os.statvfs reports them mounted read-only, which is what `trainer.folder_write_problem` reads."""
     from types import SimpleNamespace
     real, targets = os.statvfs, {os.path.realpath(f) for f in folders}
 

@@ -42,7 +42,7 @@ import scheduler as sched  # noqa: E402
 import speculate  # noqa: E402
 from conftest import chi2_pvalue  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
-from model import load_target  # noqa: E402
+from checkpoint import load_target  # noqa: E402
 from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace, exact_joint,  # noqa: E402
                            run_cli, seq_index, set_confidence_bias, target_logits_after)
 from test_scheduler import K, PROMPTS, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
@@ -259,7 +259,7 @@ class HostReads:
 
 
 def engine_for(env, kind, batch=2, **kw):
-    from drafter import load_drafter
+    from checkpoint import load_drafter
 
     target = load_target(env["target"])
     engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=batch, max_seq=64,

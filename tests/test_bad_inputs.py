@@ -982,12 +982,10 @@ def test_an_interruption_while_rendering_a_template_is_the_runs_not_the_template
         text.render_template("{{ x }}", "chat_template.jinja", x=1)
 
 
-def test_streaming_never_prints_the_start_of_a_stop_string_in_a_multibyte_character():
+def test_streaming_never_prints_the_start_of_a_stop_string_in_a_multibyte_character(capsys):
     """A stop string's first character decoded, its second still bytes short of a character: what is
     streamed holds back the character as well as the hold-back, so the stop's start is never printed."""
-    import io
-
-    from outputs import Printer
+    from cli import Printer
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):
@@ -1000,14 +998,13 @@ def test_streaming_never_prints_the_start_of_a_stop_string_in_a_multibyte_charac
             i = t.find(self.strings[0])
             return t if i < 0 else t[:i]
 
-    out = io.StringIO()
-    printer = Printer(Tok(), Stop(), 1, 1, out=out)
+    printer = Printer(Tok(), Stop(), 1, 1)
     data = list("hi ".encode()) + list("\u4e2d\u6587".encode())
     req = type("Req", (), {})()
     for n in range(1, len(data) + 1):
         req.output_ids, req.finish_reason = data[:n], "stop" if n == len(data) else None
         printer.on_round(req)
-    assert out.getvalue() == "hi "
+    assert capsys.readouterr().out == "hi "
 
 
 def test_the_template_box_leaves_ordinary_templates_as_jinja_renders_them():

@@ -12,8 +12,8 @@ import pytest
 from drafters import make_drafter, make_target
 
 import bench
-from drafter import random_drafter
-from model import random_target
+from checkpoint import random_drafter
+from checkpoint import random_target
 
 
 def test_presets_on_meta():
@@ -118,7 +118,7 @@ def test_bad_flags(flags, needle, capsys):
 def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
     """bench.compare_outputs: float32 raises on any difference; bf16 reports each differing request with
     the target's top-2 logit gap where it starts (K+1-token verify vs 1-token step rounding)."""
-    from model import load_target
+    from checkpoint import load_target
 
     target = load_target(make_target(tmp_path / "t"))
     prompts = [[1, 2, 3], [4, 5]]
@@ -134,153 +134,22 @@ def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
     assert bench.compare_outputs(runs, prompts, target, exact=True, what="batch 2") == {}
 
 
-def device_run_module():
-    import importlib.util
-
-    from conftest import REPO_ROOT
-
-    spec = importlib.util.spec_from_file_location("device_run", REPO_ROOT / "scripts" / "device_run.py")
-    device_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(device_run)
-    return device_run
-
-
-def test_device_script_bench_steps_pass_bench_checks(tmp_path):
-    """Every bench step of scripts/device_run.py, real and dry, passes bench.py's own flag checks (the first
-    GPU call died there: eager-b1 had a --compile-mode without --compile); the dry run's arguments are the
-    real run's but for the device, the toy-layered preset and the sizes."""
-    device_run = device_run_module()
-    for step in ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32"):
-        real = device_run.bench_args(step, False, str(tmp_path / "out.json"))
-        dry = device_run.bench_args(step, True, str(tmp_path / "out.json"))
-        for args in (real, dry):
-            bench.check_args(bench.BenchArgs(**args))
-        assert real["device"] == "cuda" and real["model"] == "qwen3-8b" and real["dtype"] == "bfloat16"
-        assert real["batch_sizes"] == ("32" if step.endswith("b32") else "1")
-        assert real["compile"] == (step != "eager-b1") and real.get("compile_mode") == (
-            "reduce-overhead" if step != "eager-b1" else None)
-        assert real["kernels"] == ("triton" if step == "triton-b32" else "torch")
-        differ = {k for k in real if real[k] != dry[k]}
-        assert differ == {"model", "device", "prompt_len", "max_new_tokens", "repeats"} | (
-            {"batch_sizes"} if step.endswith("b32") else set()), differ
-        assert dry["model"] == "qwen3-tiny"
-
-
-def test_device_script_dry_run(tmp_path):
-    """scripts/device_run.py's plumbing end to end on CPU (small shapes, no CUDA): every step runs in
-    its own process and leaves its results, so the first GPU run is not where it is debugged. A relative
-    --out from another directory lands there; steps that do nothing here say "skipped"."""
-    import subprocess
-    import sys
-
-    from conftest import REPO_ROOT
-
-    script = str(REPO_ROOT / "scripts" / "device_run.py")
-    p = subprocess.run([sys.executable, script, "--dry-run", "--out", "out", "--steps", "env,eager-b1,triton,suite"],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    out = tmp_path / "out"
-    summary = json.load(open(out / "summary.json"))
-    assert [(s["step"], s["status"]) for s in summary["steps"]] == [
-        ("env", "ok"), ("eager-b1", "ok"), ("triton", "skipped"), ("suite", "skipped")]
-    res = json.load(open(out / "eager-b1.json"))
-    assert [r["mode"] for r in res["rows"]] == ["autoregressive", "speculative"]
-    assert "qwen3-tiny" in json.dumps(res) and "bfloat16" in json.dumps(res)
-    assert "=== eager-b1" in (out / "log.txt").read_text() and json.load(open(out / "env.json"))["torch"]
-    # One line and status 2 for its own bad flags; without CUDA and without --dry-run it says so.
-    (tmp_path / "afile").write_text("x")
-    for argv, needle in ((["--dry-run", "--steps", ""], "--steps: none given"),
-                         (["--dry-run", "--budget", "5"], "--budget 5"),
-                         (["--dry-run", "--out", str(tmp_path / "afile")], "is a file"),
-                         (["--out", str(out)], "needs a CUDA device")):
-        p = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
-
-
-def device_run(argv, cwd, **kw):
-    import subprocess
-
-    from conftest import REPO_ROOT
-
-    return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--dry-run", *argv],
-                          capture_output=True, text=True, timeout=300, cwd=cwd, **kw)
-
-
-def test_device_script_checks_out_before_any_step(tmp_path):
-    """--out that cannot be made, a file the steps write that is a directory, an earlier summary.json that is
-    not one: one line naming it and status 2 before the first step (the first was an OSError traceback)."""
-    (tmp_path / "afile").write_text("x")
-    (tmp_path / "o1" / "env.json").mkdir(parents=True)
-    (tmp_path / "o2" / "summary.json").mkdir(parents=True)
-    (tmp_path / "o3").mkdir()
-    (tmp_path / "o3" / "summary.json").write_text('{"steps": 3}')
-    for out, needle in (("afile/dr", "--out {}/afile/dr: cannot create it"), ("o1", "--out {}/o1/env.json: is a dir"),
-                        ("o2", "--out {}/o2/summary.json: is a dir"), ("o3", "{}/o3/summary.json: not a summary")):
-        p = device_run(["--steps", "env", "--out", out], tmp_path)
-        assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
-        assert needle.format(tmp_path) in p.stderr, p.stderr
-    assert not (tmp_path / "o1" / "log.txt").exists()
-    assert (tmp_path / "o3" / "summary.json").read_text() == '{"steps": 3}'
-
-
-def test_device_script_calls_into_one_out_merge(tmp_path):
-    """A second call into the same --out (the GPU run's --steps triton-b32 call) keeps the first call's steps in
-    summary.json, each entry naming its call, replaces the steps it reruns, and heads its part of log.txt."""
-    assert device_run(["--steps", "env,triton", "--out", "out"], tmp_path).returncode == 0
-    assert device_run(["--steps", "env", "--out", "out"], tmp_path).returncode == 0
-    summary = json.load(open(tmp_path / "out" / "summary.json"))
-    assert [(s["step"], s["status"], s["call"]) for s in summary["steps"]] == [
-        ("env", "ok", 2), ("triton", "skipped", 1)]
-    assert [(c["call"], c["steps"]) for c in summary["calls"]] == [(1, ["env", "triton"]), (2, ["env"])]
-    log = (tmp_path / "out" / "log.txt").read_text()
-    assert log.count("##### call ") == 2 and "##### call 2 at " in log and log.count("=== env") == 2
-    assert json.load(open(tmp_path / "out" / "env.json"))["torch"]
-
-
-def test_device_script_interrupted_keeps_a_summary(tmp_path):
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) mid-step: the step is stopped, summary.json says
-    what finished, the step interrupted and the rest not run; one line on stderr, no traceback, exit 130. The
-    step's file from an earlier call is removed when it runs again (the summary no longer lists it)."""
-    import os
-    import signal
-    import subprocess
-
-    from conftest import REPO_ROOT
-
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "eager-b1.json").write_text("{}")  # an earlier call's: gone once the step runs again
-    p = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "device_run.py"), "--dry-run", "--steps",
-                          "env,eager-b1,triton", "--out", "out"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True)
-    printed = []
-    for line in p.stdout:
-        printed.append(line)
-        if line.startswith("=== eager-b1 (at most"):
-            break
-    os.killpg(p.pid, signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err
-    assert err.count("\n") == 1 and err.startswith("interrupted by SIGINT") and "Traceback" not in out, err + out
-    summary = json.load(open(tmp_path / "out" / "summary.json"))
-    assert [(s["step"], s["status"]) for s in summary["steps"]] == [
-        ("env", "ok"), ("eager-b1", "interrupted"), ("triton", "not run: interrupted")]
-    assert sorted(os.listdir(tmp_path / "out")) == ["env.json", "log.txt", "summary.json"]
-
-
 def test_reference_drafter_is_plain_and_equal(monkeypatch):
-    """The reference loop's drafter is the engine's weights in plain modules — no fused projections, no
-    packed GEMMs (this project's speed-ups, which the loop it is measured against does not have) —
-    reading transformers' embedding and lm_head, and it drafts what the engine's drafter drafts."""
+    """The reference loop's drafter is the engine's weights in plain modules — no CPU kernels (this
+    project's speed-up, which the loop it is measured against does not have) — reading transformers'
+    embedding and lm_head, and it drafts what the engine's drafter drafts."""
     pytest.importorskip("transformers")
     import torch
 
     import cpu_kernels
-    monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", 0)  # pack the tiny pair's weights, as a large pair's are
+    import model
     target, drafter = bench.bigram_pair("cpu", torch.float32, 0)
     hf = bench.transformers_copy(target)
+    installed = cpu_kernels.install(drafter)
     plain = bench.reference_drafter(drafter, hf)
-    assert drafter.layers[0].self_attn.vkq_weight is not None and plain.layers[0].self_attn.vkq_weight is None
-    assert plain.fc.packed is None and all(getattr(m, "packed", None) is None for m in plain.modules())
+    assert not installed or any(type(m) is cpu_kernels.PanelLinear for m in drafter.modules())
+    assert all(type(m) is not cpu_kernels.PanelLinear for m in plain.modules())
+    assert all(layer.self_attn.attend is model.attend_cached for layer in plain.layers)
     assert plain.target.lm_head is hf.lm_head and plain.target.embed_tokens is hf.model.embed_tokens
     tokens = torch.randint(0, target.args.vocab_size - 1, (1, 12))
     with torch.no_grad():

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import copy_target, edit_json
 
-import inputs
+import text as inputs
 import speculate
 import text
 

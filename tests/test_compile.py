@@ -16,7 +16,7 @@ import torch
 
 from drafters import make_drafter, make_target
 
-import compiling
+import common
 import speculate
 
 
@@ -86,8 +86,8 @@ def test_two_compiled_engines_keep_their_own_graphs_with_guards_skipped(pair):
     each decoding with guard evaluation cut down. Each engine's round is code of its own
     (speculate.own_code), so the speculative engine never runs the autoregressive draft graph (which
     it did when both shared `draft`'s code: τ 1.00, every draft rejected)."""
-    from drafter import load_drafter
-    from model import load_target
+    from checkpoint import load_drafter
+    from checkpoint import load_target
 
     target = load_target(pair[0])
     drafter = load_drafter(pair[1], target)
@@ -145,14 +145,14 @@ def test_compiled_scheduled_round_equals_eager_one_graph_per_bucket(pair, tmp_pa
 
 
 def test_cpu_recipe_freezes_the_weights_into_the_graph(capfd):
-    """The CPU default of `compiling.compiled` freezes parameters (what lets max-autotune pick
+    """The CPU default of `speculate.compiled` freezes parameters (what lets max-autotune pick
     Inductor's packed C++ GEMMs): the graph sees the weights it compiled with, so an in-place edit
     afterwards is not seen (the documented contract), while a different module recompiles. With
     `verbose`, on an empty cache, Inductor's autotuning table is shown."""
     torch._dynamo.reset()
     lin, other = torch.nn.Linear(8, 8).requires_grad_(False), torch.nn.Linear(8, 8).requires_grad_(False)
     x = torch.randn(3, 8)
-    fn = compiling.compiled(lambda m, x: m(x).relu(), "cpu", verbose=True)
+    fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu", verbose=True)
     before = lin(x).relu()
     with fresh_inductor_cache():
         assert torch.allclose(fn(lin, x), before, atol=1e-5)
@@ -170,8 +170,8 @@ def test_compiled_async_round_reads_nothing_between_draft_and_verify(pair, monke
     recompiles nor reads a tensor's value on the host between draft and verify (test_async_scheduler's
     probe on every Python-level read), and emits the eager engine's tokens, capacities and schedule."""
     import torch._dynamo
-    from drafter import load_drafter
-    from model import load_target
+    from checkpoint import load_drafter
+    from checkpoint import load_target
     from test_async_scheduler import HostReads
 
     target_dir, drafter_dir = pair
@@ -218,7 +218,7 @@ def test_autotuning_is_silent_unless_verbose(capfd):
     torch._dynamo.utils.counters.clear()
     lin, x = torch.nn.Linear(24, 40).requires_grad_(False), torch.randn(3, 24)
     with fresh_inductor_cache():
-        fn = compiling.compiled(lambda m, x: m(x).relu(), "cpu")
+        fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu")
         assert torch.allclose(fn(lin, x), lin(x).relu(), atol=1e-5)
     out, err = capfd.readouterr()
     assert torch._dynamo.utils.counters["inductor"]["select_algorithm_autotune"] > 0  # it did autotune
@@ -236,7 +236,7 @@ def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monk
 
     clear_memory = getattr(inductor_utils, "clear_caches", None) or inductor_utils.clear_inductor_caches
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-this"))
-    where = compiling.use_compile_cache(str(tmp_path / "cc"))
+    where = common.use_compile_cache(str(tmp_path / "cc"))
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == where == str(tmp_path / "cc")
     lin, x = torch.nn.Linear(16, 56).requires_grad_(False), torch.randn(2, 16)
     for mode in ("default", None):
@@ -245,7 +245,7 @@ def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monk
             torch._dynamo.reset()
             clear_memory()
             torch._dynamo.utils.counters.clear()
-            fn = compiling.compiled(lambda m, x: m(x).relu(), "cpu", mode)
+            fn = speculate.compiled(lambda m, x: m(x).relu(), "cpu", mode)
             assert torch.allclose(fn(lin, x), lin(x).relu(), atol=1e-5)
             runs.append(dict(torch._dynamo.utils.counters["inductor"]))
         first, second = runs
@@ -258,10 +258,11 @@ def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monk
 
 
 def test_compile_modes_are_checked_and_run():
-    with pytest.raises(ValueError, match="not one of"):
-        compiling.compiled(lambda x: x, "cpu", "fastest")
+    from common import UserError
+    with pytest.raises(UserError, match="one of default"):
+        speculate.Settings(compile=True, compile_mode="fastest").check()
     torch._dynamo.reset()
-    fn = compiling.compiled(lambda x: (x * 2).sin(), "cpu", "max-autotune-no-cudagraphs")
+    fn = speculate.compiled(lambda x: (x * 2).sin(), "cpu", "max-autotune-no-cudagraphs")
     x = torch.randn(5)
     assert torch.allclose(fn(x), (x * 2).sin(), atol=1e-6)
 
@@ -275,7 +276,7 @@ def test_skipped_guards_still_tell_warmed_graphs_apart():
     def fn(x, y=None, scale: int = 2):
         return x * scale if y is None else x + y
 
-    f = compiling.compiled(fn, "cpu", "default")
+    f = speculate.compiled(fn, "cpu", "default")
     x, y = torch.randn(4), torch.randn(4)
     for args in ((x,), (x, y), (x, None, 3)):  # the warm-up: every variant compiled
         f(*args)
@@ -283,21 +284,18 @@ def test_skipped_guards_still_tell_warmed_graphs_apart():
         assert torch.equal(f(x), x * 2) and torch.equal(f(x, y), x + y) and torch.equal(f(x, None, 3), x * 3)
 
 
-def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
-    """A compiled `cpu_kernels.dense` on packed copies runs the few-row kernel as the opaque op
-    dspark::panel_linear — the eager result, bit for bit (the same kernel), with one thread or two —
-    and Inductor never sees oneDNN's copy; in a graph traced before `prepare_graphs`, Inductor's own
-    GEMM."""
+def test_compiled_panel_linear_calls_the_few_row_kernel_as_one_op():
+    """A compiled layer on the CPU kernels runs dspark::panel_linear as one opaque op — the eager
+    result, bit for bit (the same kernel), with one thread or two."""
     import cpu_kernels
 
     if cpu_kernels.unavailable() is not None:
         pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
     g = torch.Generator().manual_seed(60)
-    layer = cpu_kernels.Dense(32, 48).requires_grad_(False)
+    layer = torch.nn.Sequential(torch.nn.Linear(32, 48)).requires_grad_(False)
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(48, 32, generator=g))
-    layer.packed = cpu_kernels.pack_weight(layer.weight, min_elements=0)  # both copies
-    assert layer.packed.onednn is not None and layer.packed.panels is not None
+        layer[0].weight.copy_(torch.randn(48, 32, generator=g))
+    assert cpu_kernels.install(layer) and type(layer[0]) is cpu_kernels.PanelLinear
     x = torch.randn(1, 6, 32, generator=g)
     ops = []
 
@@ -312,12 +310,6 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
     try:
         torch.set_num_threads(1)
         with torch.no_grad():
-            if not cpu_kernels._graphs_prepared:  # not prepared: Inductor's own GEMM
-                torch.compile(f, backend=count, fullgraph=True)(x)
-                assert ops and not any("panel_linear" in op for op in ops)
-                torch._dynamo.reset()
-                ops.clear()
-            cpu_kernels.prepare_graphs()  # as compiling.compiled does
             compiled = torch.compile(f, fullgraph=True)
             assert torch.equal(compiled(x), f(x))
             torch.set_num_threads(2)
@@ -325,15 +317,15 @@ def test_compiled_dense_calls_the_few_row_kernel_as_one_op():
             torch.set_num_threads(1)
             torch._dynamo.reset()
             torch.compile(f, backend=count, fullgraph=True)(x)
-            assert any("panel_linear" in op for op in ops) and not any("mkldnn" in op for op in ops)
+            assert any("panel_linear" in op for op in ops)
     finally:
         torch.set_num_threads(before)
         torch._dynamo.reset()
 
 
 def test_compiled_attention_calls_the_few_token_kernel_as_one_op():
-    """A compiled `model.attend_cached` of a few tokens runs the CPU kernel as the opaque op
-    dspark::cached_attention — the eager result, bit for bit, with one thread or two."""
+    """A compiled `cpu_kernels.attend` of a few tokens runs dspark::cached_attention as one opaque op —
+    the eager result, bit for bit, with one thread or two."""
     import cpu_kernels
     import model
 
@@ -352,15 +344,14 @@ def test_compiled_attention_calls_the_few_token_kernel_as_one_op():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        cpu_kernels.prepare_graphs()  # as compiling.compiled does
-        eager = model.attend_cached(q, k, v, bias)
-        assert torch.equal(eager, cpu_kernels.cached_attention(q, k, v, bias))
-        compiled = torch.compile(model.attend_cached, fullgraph=True)
+        eager = cpu_kernels.attend(q, k, v, bias)
+        assert torch.allclose(eager, model.attend_cached(q, k, v, bias), atol=1e-5)
+        compiled = torch.compile(cpu_kernels.attend, fullgraph=True)
         assert torch.equal(compiled(q, k, v, bias), eager)
         torch.set_num_threads(2)
-        assert torch.equal(compiled(q, k, v, bias), eager) and torch.equal(model.attend_cached(q, k, v, bias), eager)
+        assert torch.equal(compiled(q, k, v, bias), eager) and torch.equal(cpu_kernels.attend(q, k, v, bias), eager)
         torch._dynamo.reset()
-        torch.compile(model.attend_cached, backend=count, fullgraph=True)(q, k, v, bias)
+        torch.compile(cpu_kernels.attend, backend=count, fullgraph=True)(q, k, v, bias)
         assert any("cached_attention" in op for op in ops)
     finally:
         torch.set_num_threads(before)
@@ -369,8 +360,8 @@ def test_compiled_attention_calls_the_few_token_kernel_as_one_op():
 
 def test_importing_the_programs_leaves_the_compiler_alone():
     """Importing the engine and the programs neither imports torch's compiler stack (about 1.5 s of
-    every start) nor sets TORCHINDUCTOR_CACHE_DIR, which compiling.use_compile_cache reads as the
-    user's choice (the few-row kernel's graph hook is prepared by compiling.compiled, not at import)."""
+    every start) nor sets TORCHINDUCTOR_CACHE_DIR, which common.use_compile_cache reads as the
+    user's choice."""
     import subprocess
     import sys
 
@@ -391,8 +382,8 @@ def test_a_warmed_engine_reused_after_another_engine_resized_the_caches(tmp_path
     guard evaluation cut down checks nothing else) went on with the old caches while the eager prefill
     wrote the new ones: rounds read another prompt's context, with no error and no recompile."""
     import torch._dynamo
-    from drafter import load_drafter
-    from model import load_target
+    from checkpoint import load_drafter
+    from checkpoint import load_target
 
     target_dir = make_target(tmp_path / "target", attn_scale=1.0)  # the context matters: a stale one shows
     target = load_target(target_dir)

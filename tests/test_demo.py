@@ -9,9 +9,10 @@ import torch
 
 from conftest import REPO_ROOT
 
+import cli
 import speculate
-from drafter import load_drafter
-from model import load_target
+from checkpoint import load_drafter
+from checkpoint import load_target
 from text import Tokenizer
 
 DEMO = REPO_ROOT / "demo"
@@ -22,7 +23,7 @@ def test_demo_pair_loads_strictly():
     drafter = load_drafter(str(DEMO / "drafter"), target)
     tok = Tokenizer(str(DEMO / "target"))
     assert tok.chat_template is None  # prompts go in raw
-    assert tok.decode(tok.encode(speculate.DEMO_PROMPT)) == speculate.DEMO_PROMPT
+    assert tok.decode(tok.encode(cli.DEMO_PROMPT)) == cli.DEMO_PROMPT
     assert target.args.vocab_size == tok.tok.get_vocab_size(with_added_tokens=True)
     assert drafter.cfg.confidence_head and drafter.cfg.num_drafts >= 4
     size = sum(os.path.getsize(p) for p in DEMO.rglob("*") if p.is_file())
@@ -39,7 +40,7 @@ def test_speculate_without_flags_runs_the_demo(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "--- prompt 1 of 21 (the figures cover all 21: this one, then the 20 of demo/heldout.jsonl) ---"
-    assert lines[1] == speculate.DEMO_PROMPT.splitlines()[0]
+    assert lines[1] == cli.DEMO_PROMPT.splitlines()[0]
     ar = [l for l in lines if l.startswith("autoregressive:")]
     sp = [l for l in lines if l.startswith("speculative:")]
     assert len(ar) == 1 and len(sp) == 1 and "tokens/s" in ar[0] and "τ=" in sp[0]
@@ -47,22 +48,22 @@ def test_speculate_without_flags_runs_the_demo(capsys):
     tokens = 128 * (1 + held)
     assert ar[0].startswith(f"autoregressive: {tokens} tokens") and sp[0].startswith(f"speculative: {tokens} tokens")
     assert [l for l in lines if l.startswith("--- request")] == [
-        "--- request 0 (prompt 0): 128 tokens, length, τ 1.00 ---", lines[lines.index("--- speculative ---") + 1]]
+        "--- request 1 of 21 (prompt 1): 128 tokens, length, τ 1.00 ---", lines[lines.index("--- speculative ---") + 1]]
     assert lines.count(f"({held} more completions not shown; --output-file FILE keeps every one)") == 2
     assert any(l.startswith("speed-up:") and l.endswith("identical: True)") for l in lines), out
 
 
 def test_demo_greedy_speculative_equals_autoregressive(tmp_path):
     trace = tmp_path / "t.jsonl"
-    args = speculate.Args(max_new_tokens=48, trace_file=str(trace))
+    args = cli.Args(max_new_tokens=48, trace_file=str(trace))
     with torch.inference_mode():
-        summary = speculate.run(args)
+        summary = cli.run(args)
     assert args.target is None and args.prompt is None  # the demo defaults do not rewrite the caller's Args
     assert summary["acceptance_length"] > 1.0
     tok = Tokenizer(str(DEMO / "target"))
     with torch.inference_mode():  # the same as asking for the demo pair and prompt by name
-        named = speculate.run(speculate.Args(target=str(DEMO / "target"), drafter=str(DEMO / "drafter"),
-                                             prompt_ids=",".join(map(str, tok.encode(speculate.DEMO_PROMPT))),
+        named = cli.run(cli.Args(target=str(DEMO / "target"), drafter=str(DEMO / "drafter"),
+                                             prompt_ids=",".join(map(str, tok.encode(cli.DEMO_PROMPT))),
                                              max_new_tokens=48))
     assert len(summary["outputs"]) == 1 + sum(1 for _ in open(DEMO / "heldout.jsonl"))
     assert named["outputs"] == summary["outputs"][:1]  # the demo prompt first, then the held-out ones

@@ -28,6 +28,7 @@ for _p in (str(HERE.parent), str(HERE)):
         sys.path.insert(0, _p)
 
 import drafter as dm  # noqa: E402
+import checkpoint  # noqa: E402
 import model  # noqa: E402
 import speculate  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
@@ -79,7 +80,7 @@ def ck(tmp_path_factory) -> Checkpoints:
 
 @pytest.fixture(scope="module")
 def target(ck):
-    return model.load_target(ck.target)
+    return checkpoint.load_target(ck.target)
 
 
 def edit_config(directory, fn):
@@ -162,9 +163,9 @@ def spelling_drafter(ck, spelling, markov="vanilla", **kw):
 
 @pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
 def test_spellings_resolve_to_the_same_config(ck, target, markov):
-    loaded = {s: dm.load_drafter(spelling_drafter(ck, s, markov), target) for s in SPELLINGS}
+    loaded = {s: checkpoint.load_drafter(spelling_drafter(ck, s, markov), target) for s in SPELLINGS}
     # The deepspec file without its embedding / lm_head copies is the same drafter too.
-    loaded["deepspec_no_embeddings"] = dm.load_drafter(
+    loaded["deepspec_no_embeddings"] = checkpoint.load_drafter(
         spelling_drafter(ck, "deepspec", markov, with_embeddings=False), target)
     ref = loaded["deepspec"].cfg
     assert ref.layout == "dspark" and ref.block_size == 4 and ref.num_drafts == 4 and ref.num_slots == 4
@@ -219,7 +220,7 @@ def test_weights_settle_what_config_leaves_open(ck, target, capsys, tmp_path, ca
     with open(os.path.join(dropped, "config.json")) as f:
         raw = json.load(f)
     assert not any(k in raw for k in drop)
-    d_full, d_dropped = dm.load_drafter(full, target), dm.load_drafter(dropped, target)
+    d_full, d_dropped = checkpoint.load_drafter(full, target), checkpoint.load_drafter(dropped, target)
     assert_same_config(d_dropped.cfg, d_full.cfg)
     assert d_dropped.cfg.markov_rank == kw.get("rank", V)
     assert d_dropped.cfg.confidence_with_markov == kw.get("confidence_with_markov", True)
@@ -364,8 +365,8 @@ def test_refusals(ck, target, capsys, case):
         edit_config(d, cfg_edit)
     if tensor_edit:
         edit_tensors(d, tensor_edit)
-    with pytest.raises(model.UserError, match=pattern):
-        dm.load_drafter(d, target)
+    with pytest.raises(checkpoint.UserError, match=pattern):
+        checkpoint.load_drafter(d, target)
 
     rc, out = run_cli(capsys, ck, d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", prompts=False)
     assert rc != 0
@@ -382,18 +383,18 @@ def test_refusals(ck, target, capsys, case):
 def test_refusal_names_the_tensor_as_spelled_in_the_file(ck, target, key, on_disk):
     d = ck.drafter(f"bad_spelled_{key}", spelling="specforge", confidence=key == "use_confidence_head")
     edit_config(d, _set_nested("dflash_config", key, None if key == "markov_head_type" else False))
-    with pytest.raises(model.UserError, match=re.escape(repr(on_disk))):
-        dm.load_drafter(d, target)
+    with pytest.raises(checkpoint.UserError, match=re.escape(repr(on_disk))):
+        checkpoint.load_drafter(d, target)
 
 
 def test_refusals_name_the_file(ck, target):
     d = ck.drafter("bad_file_named", extra_config={"markov_head_type": "lstm"})
-    with pytest.raises(model.UserError, match=re.escape(os.path.join(d, "config.json"))):
-        dm.load_drafter(d, target)
+    with pytest.raises(checkpoint.UserError, match=re.escape(os.path.join(d, "config.json"))):
+        checkpoint.load_drafter(d, target)
     d = ck.drafter("bad_tensor_file_named")
     edit_tensors(d, _drop_tensor("norm.weight"))
-    with pytest.raises(model.UserError, match=re.escape(os.path.join(d, "model.safetensors"))):
-        dm.load_drafter(d, target)
+    with pytest.raises(checkpoint.UserError, match=re.escape(os.path.join(d, "model.safetensors"))):
+        checkpoint.load_drafter(d, target)
 
 
 # ----------------------------------------------------------------------------------------
@@ -402,7 +403,7 @@ def test_refusals_name_the_file(ck, target):
 @pytest.mark.parametrize("block_size", [3, 5])
 def test_zlab_layout(ck, target, capsys, tmp_path, block_size):
     d = ck.drafter(f"zlab_b{block_size}", spelling="zlab", markov=None, confidence=False, block_size=block_size)
-    cfg = dm.load_drafter(d, target).cfg
+    cfg = checkpoint.load_drafter(d, target).cfg
     assert cfg.layout == "dflash"
     assert cfg.block_size == block_size and cfg.num_slots == block_size and cfg.num_drafts == block_size - 1
     assert cfg.markov_head_type is None and cfg.markov_rank == 0
@@ -423,7 +424,7 @@ def test_zlab_shift_label_export_is_dspark_layout(ck, target):
     """A DFlashDraftModel whose dflash_config says shift_label is the DSpark layout (K drafts)."""
     d = ck.drafter("zlab_shift", spelling="zlab", markov=None, confidence=False, block_size=4)
     edit_config(d, _set_nested("dflash_config", "shift_label", True))
-    cfg = dm.load_drafter(d, target).cfg
+    cfg = checkpoint.load_drafter(d, target).cfg
     assert cfg.layout == "dspark" and cfg.num_drafts == 4
 
 
@@ -451,7 +452,7 @@ def reference_block(drafter, embed, lm_head, feats, anchor, a):
     token at position a. Nothing of the drafter's forward, cache or attention code is used.
     """
     cfg, A = drafter.cfg, drafter.cfg.layers
-    W = {k: v.detach().to(torch.float64) for k, v in drafter.named_parameters()}
+    W = {k: v.detach().to(torch.float64) for k, v in checkpoint.published(dict(drafter.named_parameters())).items()}
     assert not any(k.endswith(".bias") for k in W if k.startswith("layers.")), "reference assumes no attention bias"
     eps, theta = A.rms_norm_eps, A.rope_theta
     nh, nkv, hd = A.num_attention_heads, A.num_key_value_heads, A.head_dim
@@ -522,8 +523,8 @@ REFERENCE_CASES = {
 @pytest.mark.parametrize("case", list(REFERENCE_CASES))
 def test_cached_drafter_matches_reference(ck, hf_target, case):
     kw = REFERENCE_CASES[case]
-    tgt = model.load_target(ck.target)  # private copy: its caches are resized here
-    d = dm.load_drafter(ck.drafter(f"ref_{case}", **kw), tgt)
+    tgt = checkpoint.load_target(ck.target)  # private copy: its caches are resized here
+    d = checkpoint.load_drafter(ck.drafter(f"ref_{case}", **kw), tgt)
     cfg = d.cfg
     embed, lm_head = tgt.embed_tokens.weight.double(), tgt.lm_head.weight.double()
     n_rounds, K = 12, cfg.num_drafts
@@ -654,7 +655,7 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
     """Each head says its kind (kernels test it, not the class name); commit_context caches exactly
     `context_kv` of the projected features; `confidence` is σ(confidence_logit / T), the logit
     training fits, with the Markov feature W1[prev] read by the same function."""
-    d = dm.load_drafter(ck.drafter(f"shared_{markov}", markov=markov, oracle=False, rank=8), target)
+    d = checkpoint.load_drafter(ck.drafter(f"shared_{markov}", markov=markov, oracle=False, rank=8), target)
     assert d.markov_head.kind == markov == d.cfg.markov_head_type
     T = 5
     feats = torch.randn(1, T, 2 * H, generator=torch.Generator().manual_seed(0))
@@ -663,7 +664,7 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
         d.commit_context(feats, torch.arange(T)[None])
         c = d.hidden_norm(d.fc(feats))
         for layer in d.layers:
-            k, v = dm.context_kv(layer.self_attn, c, model.Rope.at(d.rope[:T][None], c.dtype))
+            k, v = layer.self_attn.kv(c, model.Rope.at(d.rope[:T][None], c.dtype))
             cache = layer.self_attn.kv_cache
             assert torch.equal(cache.k[:, :T], k) and torch.equal(cache.v[:, :T], v)
         h, _ = d(torch.tensor([3]), torch.tensor([T]))
@@ -688,9 +689,4 @@ def test_a_new_markov_head_must_name_its_own_kind():
 
     class Named(dm.VanillaMarkov):
         kind = "mlp"
-    assert Named.kind == "mlp" and not kernels_vanilla(Named(H, V, 4))
-
-
-def kernels_vanilla(head) -> bool:
-    import kernels
-    return kernels._is_vanilla_markov(head)
+    assert Named.kind == "mlp"

@@ -1,11 +1,11 @@
-"""The same traces before and after a change of code or kernels (the before/after check of issue [7]).
+"""The same traces before and after a change of code or kernels.
 
 tests/golden/traces/ holds what speculate.py wrote, greedy, for fixed runs on the demo pair and on the
 committed small random pairs (tests/golden/pairs: every Markov head, the z-lab layout, the threshold
 and hardware schedules, batches with continuous batching, text prompts through the chat template),
 with the summary's timing fields removed. Each case is rerun here and must match line for line: every
 token, count, id and string exactly; real numbers (the confidences) to FLOAT_TOLERANCE, the rounding of
-another GEMM kernel (oneDNN's packed GEMMs on CPU, cpu_kernels.dense, moved them by at most 1e-6 and no token).
+another GEMM kernel (the CPU kernels move them by at most 1e-6 and no token).
 `python tests/golden/make_golden.py` rewrites them — only for a deliberate behaviour change.
 """
 

@@ -27,7 +27,7 @@ from drafters import make_drafter
 
 import bench
 import eval as ev
-import inputs
+import checkpoint as inputs
 import speculate
 import train
 

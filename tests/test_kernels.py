@@ -482,19 +482,21 @@ def test_verify_sampled_predrawn_noise_matches_race_over_residual():
         assert int(nxt[i]) == int(torch.argmax(dist / noise[i]))
 
 
-def test_rows_finite_flags_inf_and_nan_per_row():
-    """speculate.rows_finite (the row's largest and smallest values): True exactly for the rows whose
-    values are all finite, however large, and False for +inf, -inf or NaN anywhere in the row (a NaN
-    first, last or alone among finite values), in float32, bfloat16 and float64."""
+def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
+    """The round checks one value per row on the device — the committed token's logit — and the engine
+    turns a NaN or Inf there into a UserError naming the request and the round."""
     import speculate
-    x = torch.randn(7, 3, 7) * 1e30
-    x[1, 2, 6], x[2, 0, 0], x[3, 1, 3] = float("inf"), float("-inf"), float("nan")
-    x[4] = torch.finfo(torch.float32).max  # a sum of these would overflow
-    x[5, 0, 0], x[6, 2, 6] = float("nan"), float("nan")
-    want = [True, False, False, False, True, False, False]
-    assert speculate.rows_finite(x).tolist() == want == torch.isfinite(x).flatten(1).all(-1).tolist()
-    x[4] = 3e38
-    assert speculate.rows_finite(x.to(torch.bfloat16)).tolist() == want
-    x = x.to(torch.float64)
-    x[4] = 1e308
-    assert speculate.rows_finite(x).tolist() == want
+    from checkpoint import random_target
+
+    target = random_target("qwen3-tiny", dtype=torch.float32)
+    engine = speculate.Engine(target, None, batch_size=2, max_seq=16)
+    record, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                                torch.ones(2, dtype=torch.bool), None)
+    assert speculate.unpack(record, False)[0].finite
+    with torch.no_grad():
+        target.norm.weight[0] = float("nan")
+    record, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                                torch.ones(2, dtype=torch.bool), None)
+    assert not any(r.finite for r in speculate.unpack(record, False))
+    with pytest.raises(speculate.UserError, match="request 0, the prefill: the logits are not finite"):
+        engine.generate([speculate.Request(0, [1, 2])], 4)

@@ -19,16 +19,16 @@ from conftest import (
 )
 
 m = import_model()
-import cpu_kernels  # noqa: E402
+import checkpoint  # noqa: E402
 import text  # noqa: E402
-UserError = m.UserError
+from common import UserError  # noqa: E402
 
 ATOL = 1e-4
 
 
 def load(path, max_batch=4, max_seq=32, **kwargs):
     """load_target + setup_caches."""
-    model = m.load_target(str(path), **kwargs)
+    model = checkpoint.load_target(str(path), **kwargs)
     model.setup_caches(max_batch, max_seq)
     return model
 
@@ -83,7 +83,7 @@ def test_config_spellings_give_same_args(target_factory):
     cfg_top = json.loads((top.path / "config.json").read_text())
     assert "rope_parameters" in cfg_nested and "rope_theta" not in cfg_nested
     assert "rope_parameters" not in cfg_top and cfg_top["rope_theta"] == 10000.0
-    a, b = m.ModelArgs.from_hf_config(cfg_nested), m.ModelArgs.from_hf_config(cfg_top)
+    a, b = checkpoint.target_args(cfg_nested, 'c'), checkpoint.target_args(cfg_top, 'c')
     assert a == b
     assert a.rope_theta == 10000.0  # not the dataclass default of 1e6
     assert (a.vocab_size, a.hidden_size, a.intermediate_size, a.num_hidden_layers) == (64, 32, 64, 3)
@@ -208,15 +208,15 @@ def test_cache_free_forward_equals_cached_forward_and_hf(tiny_target):
     assert max_err(free, ref) <= ATOL
     assert max_err(free_feats, torch.cat([hidden[i + 1] for i in capture], dim=-1)) <= ATOL
     assert torch.equal(model.lm_head(h), free) and torch.equal(h_feats, free_feats)  # forward = lm_head ∘ hidden
-    assert torch.equal(m.rope_tables(16, 1e4, T, "cpu"), model.rope[:T])  # computed rows = the table's
-    for other in (m.load_target(str(tiny_target.path)), load(tiny_target.path, max_batch=2, max_seq=8)):
+    assert torch.equal(m.rope_table(16, 1e4, T, "cpu"), model.rope[:T])  # computed rows = the table's
+    for other in (checkpoint.load_target(str(tiny_target.path)), load(tiny_target.path, max_batch=2, max_seq=8)):
         with torch.no_grad():  # no cache at all / a cache table shorter than T
             assert torch.equal(other(tokens, capture=capture)[0], free)
 
 
 def test_cache_free_forward_trains(tiny_target):
     """With grad (target pre-training): gradients reach every parameter."""
-    model = m.load_target(str(tiny_target.path), fuse=False).requires_grad_(True)
+    model = checkpoint.load_target(str(tiny_target.path)).requires_grad_(True)
     tokens = random_tokens(2, 8, seed=14)
     logits, _ = model(tokens)
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
@@ -239,140 +239,35 @@ def fwd_all(model, tokens):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "attention_bias"])
-def test_fused_projections_equal_unfused_and_keep_the_published_layout(target_factory, bias):
-    """load_target fuses q/k/v and gate/up into one weight each (fuse=False: the reference). The
-    parameters become views of the fused weight — same memory, same names — so state_dict is the
-    checkpoint's, and outputs equal the unfused model's (only a one-row GEMM may round differently:
-    MKL's matrix-vector kernel depends on the weight's address alignment)."""
+def test_fused_projections_hold_the_published_weights(target_factory, bias):
+    """The model stores q, [k; v] and [gate; up]; `checkpoint.published` gives back the checkpoint's
+    names and tensors exactly, and `fused` inverts it."""
+    from safetensors.torch import load_file
     target = target_factory(attention_bias=bias, seed=3 if bias else 0)
-    fused, plain = load(target.path, max_batch=2, fuse=False), load(target.path, max_batch=2, fuse=False)
-    fused.fuse_(pack=False)
-    assert fused.layers[0].mlp.gate_up_weight is None  # gate-up: on CUDA by default (MLP.fuse_); here asked for
-    fused.fuse_(gate_up=True)
-    a, p = fused.layers[0].self_attn, plain.layers[0].self_attn
-    assert a.vkq_weight is not None and p.vkq_weight is None and plain.layers[0].mlp.gate_up_weight is None
-    assert (a.vkq_bias is not None) == bias
-    sd, ref = fused.state_dict(), plain.state_dict()
-    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
-    for layer in fused.layers:
-        at, mlp = layer.self_attn, layer.mlp
-        for lin, start in ((at.v_proj, 0), (at.k_proj, at.n_kv), (at.q_proj, 2 * at.n_kv)):  # rows [v; k; q]
-            assert lin.weight.data_ptr() == at.vkq_weight[start * at.head_dim:].data_ptr()
-        assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
-    tokens = random_tokens(2, 12, seed=31)
-    for x, y in zip(fwd_all(fused, tokens), fwd_all(plain, tokens)):
-        assert max_err(x, y) <= 1e-5
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(32))
-    rope = m.Rope.at(fused.rope[arange_positions(2, 3, 5)], torch.float32)
-    with torch.no_grad():
-        for got, want in zip(a.kv(x, rope), p.kv(x, rope)):  # the drafter's context rows: K and V alone
-            assert torch.equal(got, want)
-        for got, want in zip(a.project(x, rope), p.project(x, rope)):
-            assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("rows", [0, 1, 2, 6, 70])
-def test_dense_on_a_packed_weight_equals_linear(rows, monkeypatch):
-    """dense on pack_weight's copies equals F.linear to rounding, its bias added, any leading shape
-    kept: on the few-row kernel's panels from two rows on, with one thread or two (bit for bit
-    cpu_kernels.panel_linear, a row's result not depending on the rows beside it; one row of a weight
-    under PACK_MIN_ELEMENTS stays with MKL with one thread, goes to the kernel with two); without the panels (the kernels unavailable), F.linear
-    below two rows and oneDNN's GEMM from two rows on; and with autograd, F.linear (the gradient is
-    F.linear's)."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
-    g = torch.Generator().manual_seed(40)
-    w, b = torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
-    packed = cpu_kernels.pack_weight(w, min_elements=0)
-    assert packed.onednn is not None and (packed.panels is None) == (cpu_kernels.unavailable() is not None)
-    x = torch.randn(2, rows, 16, generator=g)[:1]  # a view: [1, rows, 16]
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for bias in (None, b):
-                got, want = cpu_kernels.dense(x, w, bias, packed), torch.nn.functional.linear(x, w, bias)
-                assert got.shape == want.shape == (1, rows, 32)
-                assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-                if packed.panels is not None and (rows > 1 or threads > 1):  # one row of a small weight: MKL with one thread
-                    assert torch.equal(got, cpu_kernels.panel_linear(x, packed.panels, bias))
-                    if rows > 1:
-                        assert torch.equal(cpu_kernels.panel_linear(x[:, 1:2], packed.panels, bias)[:, 0], got[:, 1])
-                elif rows > 2:
-                    assert torch.allclose(cpu_kernels.dense(x[:, :2], w, bias, packed)[:, 1], got[:, 1], rtol=1e-5, atol=1e-5)
-        if packed.panels is not None and rows:  # one row of a weight at the threshold or over: the kernel
-            monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", w.numel())
-            assert torch.equal(cpu_kernels.dense(x[:, :1], w, b, packed), cpu_kernels.panel_linear(x[:, :1], packed.panels, b))
-    finally:
-        torch.set_num_threads(before)
-    x = x.clone().requires_grad_(True)  # training through a packed layer (the drafter through the lm_head)
-    cpu_kernels.dense(x, w, b, packed).square().sum().backward()
-    want = torch.autograd.grad(torch.nn.functional.linear(x, w, b).square().sum(), x)[0]
-    assert x.grad is not None and torch.allclose(x.grad, want)
-
-
-def test_fuse_packs_on_cpu_in_float32_only_and_the_packed_model_matches(tiny_target, monkeypatch):
-    """load_target packs on CPU in float32 (packs_pay; not in bfloat16): panels of every GEMM weight
-    for the few-row kernel (where it is available), oneDNN's layout of those of PACK_MIN_ELEMENTS or
-    more; the [v; k] rows' panels are views of the fused weight's; nothing enters state_dict; and
-    the packed model's logits equal the plain one's to rounding — a prefill, a 6-token verify and a
-    one-token step through the cache. (The tiny target's weights are all under the default size:
-    given oneDNN copies here with the threshold at 0, none without.)"""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch built without oneDNN")
-    small = load(tiny_target.path, max_batch=2).layers[0]
-    if cpu_kernels.unavailable() is None:
-        a = small.self_attn
-        assert a.vkq_packed.onednn is None and small.mlp.down_proj.packed.onednn is None  # under the threshold
-        assert a.vkq_packed.panels is not None and small.mlp.down_proj.packed.panels is not None
-        assert a.vk_packed.panels.data_ptr() == a.vkq_packed.panels.data_ptr()  # the leading panels, a view
-        assert a.vk_packed.panels.shape[0] * cpu_kernels.PANEL == 2 * a.n_kv * a.head_dim
-    else:
-        assert small.self_attn.vkq_packed is None and small.mlp.down_proj.packed is None
-    assert small.mlp.gate_up_weight is None  # small halves stay apart on CPU (fused where they are packed)
-    monkeypatch.setattr(cpu_kernels, "PACK_MIN_ELEMENTS", 0)
-    packed, plain = load(tiny_target.path, max_batch=2), load(tiny_target.path, max_batch=2, fuse=False)
-    assert cpu_kernels.packs_pay(packed) and not cpu_kernels.packs_pay(load(tiny_target.path, dtype=torch.bfloat16))
-    layer = packed.layers[0]
-    assert layer.self_attn.vkq_packed.onednn is not None and layer.self_attn.vk_packed.onednn is not None
-    assert layer.self_attn.o_proj.packed.onednn is not None and layer.mlp.down_proj.packed.onednn is not None
-    assert layer.mlp.gate_up_packed is not None and not layer.mlp.gate_up_weight.is_contiguous()  # fused, column-major
-    for part, whole in ((layer.self_attn.q_proj, layer.self_attn.vkq_weight), (layer.mlp.up_proj, layer.mlp.gate_up_weight)):
-        assert part.weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # still views of it
-    assert packed.lm_head.packed is not None and list(packed.state_dict()) == list(plain.state_dict())
-    tokens = random_tokens(2, 12, seed=41)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):  # the panels; oneDNN and MKL
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                for start, length in ((0, 5), (5, 6), (11, 1)):
-                    pos = arange_positions(2, start, length)
-                    a, b = packed(tokens[:, start:start + length], pos)[0], plain(tokens[:, start:start + length], pos)[0]
-                    assert max_err(a, b) <= 1e-4
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_fused_model_refuses_to_train(tiny_target):
-    """Gradients of a fused layer would reach the fused copy, not the parameters: it says so instead."""
-    model = m.load_target(str(tiny_target.path)).requires_grad_(True)
-    with pytest.raises(RuntimeError, match="fuse"):
-        model(random_tokens(1, 4, seed=33))
-    with torch.no_grad():
-        model(random_tokens(1, 4, seed=33))  # inference with grad-requiring parameters is fine
+    model = load(target.path, max_batch=2)
+    want = {k.removeprefix("model."): v for k, v in load_file(str(target.path / "model.safetensors")).items()}
+    got = checkpoint.published(model.state_dict())
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    back, state = checkpoint.fused(got), model.state_dict()
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    assert (model.layers[0].self_attn.kv_proj.bias is not None) == bias
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_equals_the_written_out_reference(dtype):
-    """`Rope` (made once per forward; rotate_half's sign folded into sin, one roll) equals `apply_rope`
-    (HF's formula) bit for bit."""
+    """`Rope` (made once per forward; rotate_half's sign folded into sin, one roll) equals HF's formula
+    bit for bit."""
+    def apply_rope(x, cos_sin):
+        cos, sin = cos_sin[:, :, None, 0].to(x.dtype), cos_sin[:, :, None, 1].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
     g = torch.Generator().manual_seed(34)
-    table = m.rope_tables(16, 1e4, 40, "cpu")
+    table = m.rope_table(16, 1e4, 40, "cpu")
     positions = torch.randint(0, 40, (3, 5), generator=g)
     for heads in (4, 6):
         x = torch.randn(3, 5, heads, 16, generator=g).to(dtype)
-        assert torch.equal(m.Rope.at(table[positions], dtype)(x), m.apply_rope(x, table[positions]))
+        assert torch.equal(m.Rope.at(table[positions], dtype)(x), apply_rope(x, table[positions]))
 
 
 def test_attended_length_buckets_eagerly_and_is_the_whole_cache_compiled(monkeypatch):
@@ -469,18 +364,18 @@ def test_capture_embeddings_is_embedding_lookup(tiny_target):
     assert torch.equal(feats, model.embed_tokens.weight[tokens])
 
 
-def test_check_capture(tiny_target):
-    model = m.load_target(str(tiny_target.path))  # 3 layers: -1, 0, 1 allowed
-    model.check_capture([-1, 0, 1])
-    model.check_capture([])
-    with pytest.raises(UserError, match="last layer"):
-        model.check_capture([0, 2])
-    for bad in (3, 7, -2, True, 1.0, "0"):
-        with pytest.raises(UserError, match="outside") as e:
-            model.check_capture([0, bad])
-        assert repr(bad) in str(e.value)
-    with pytest.raises(UserError, match="^drafter.json: "):
-        model.check_capture([5], source="drafter.json")
+def test_capture_is_checked_when_a_drafter_is_attached(tiny_target):
+    """A drafter may read layers -1 (the embeddings) .. L-2 of its target, never the last."""
+    import dataclasses
+    model = checkpoint.load_target(str(tiny_target.path))  # 3 layers: -1, 0, 1 allowed
+    drafter = checkpoint.random_drafter(model, block_size=2, num_layers=1, rank=4)
+    for ok in ([-1, 0, 1], [0]):
+        drafter.cfg = dataclasses.replace(drafter.cfg, target_layer_ids=tuple(ok))
+        checkpoint.attach(drafter, model)
+    for bad, needle in ((2, "last layer"), (3, "outside"), (-2, "outside")):
+        drafter.cfg = dataclasses.replace(drafter.cfg, target_layer_ids=(0, bad))
+        with pytest.raises(UserError, match=f"^drafter target_layer_ids: .*{needle}"):
+            checkpoint.attach(drafter, model)
 
 
 # ----------------------------------------------------------------------------------------
@@ -493,28 +388,28 @@ def corrupt(tiny_target, tmp_path):
 def test_missing_directory(tmp_path):
     missing = tmp_path / "no_such_dir"
     with pytest.raises(UserError, match="no_such_dir.*not found"):
-        m.load_target(str(missing))
+        checkpoint.load_target(str(missing))
 
 
 def test_missing_config(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").unlink()
     with pytest.raises(UserError, match="config.json: file not found"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_malformed_config_json(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").write_text('{"vocab_size": 64,')
     with pytest.raises(UserError, match="config.json: malformed JSON"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_config_not_an_object(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").write_text("[1, 2]")
     with pytest.raises(UserError, match="config.json: expected a JSON object"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 @pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads"])
@@ -522,7 +417,7 @@ def test_config_missing_required_key(tiny_target, tmp_path, key):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop(key))
     with pytest.raises(UserError, match=f"config.json: missing key '{key}'"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 @pytest.mark.parametrize("value", ["32", 0, -4, True, 32.0])
@@ -530,21 +425,21 @@ def test_config_bad_integer(tiny_target, tmp_path, value):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(hidden_size=value))
     with pytest.raises(UserError, match="'hidden_size' must be an integer from 1 to"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_config_missing_rope_theta(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop("rope_parameters"))
     with pytest.raises(UserError, match="rope_theta"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_config_heads_not_multiple_of_kv_heads(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(num_key_value_heads=3))
     with pytest.raises(UserError, match="num_key_value_heads 3"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 @pytest.mark.parametrize("edit,culprit", [
@@ -556,7 +451,7 @@ def test_unsupported_architecture(tiny_target, tmp_path, edit, culprit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
     with pytest.raises(UserError, match="not supported") as e:
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
     assert culprit in str(e.value)
     assert "config.json" in str(e.value)
 
@@ -566,7 +461,7 @@ def test_a_config_without_max_position_embeddings_reads_as_transformers_reads_it
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop("max_position_embeddings"))
     cfg = json.loads((d / "config.json").read_text())
-    assert m.ModelArgs.from_hf_config(cfg).max_position_embeddings == \
+    assert checkpoint.target_args(cfg, "c").max_position_embeddings == \
         transformers.Qwen3Config(**cfg).max_position_embeddings
 
 
@@ -580,7 +475,7 @@ def test_unsupported_rope_type(tiny_target, tmp_path, edit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
     with pytest.raises(UserError, match="(rope_type|type) 'yarn' is not supported"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 @pytest.mark.parametrize("edit,culprit", [
@@ -593,14 +488,14 @@ def test_unsupported_features_are_refused(tiny_target, tmp_path, edit, culprit):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, edit)
     with pytest.raises(UserError, match=culprit):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_missing_tensor(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(UserError, match=r"parameter 'layers\.1\.mlp\.up_proj\.weight' is missing"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_extra_tensor(tiny_target, tmp_path):
@@ -608,7 +503,7 @@ def test_extra_tensor(tiny_target, tmp_path):
     edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
     with pytest.raises(UserError,
                        match=r"'layers\.0\.self_attn\.rotary_emb\.inv_freq' in the checkpoint matches no parameter"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_tensor_shape_mismatch(tiny_target, tmp_path):
@@ -616,28 +511,28 @@ def test_tensor_shape_mismatch(tiny_target, tmp_path):
     edit_tensors(d, lambda t: t.update({"model.layers.2.self_attn.k_norm.weight": torch.ones(17)}))
     with pytest.raises(UserError, match=r"'layers\.2\.self_attn\.k_norm\.weight' has shape \[17\], "
                                               r"the model expects \[16\]"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_config_disagrees_with_tensors(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(intermediate_size=48))
     with pytest.raises(UserError, match=r"mlp\.\w+_proj\.weight' has shape"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_no_weight_file(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "model.safetensors").unlink()
     with pytest.raises(UserError, match="no model.safetensors or model.safetensors.index.json"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_unreadable_weight_file(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "model.safetensors").write_bytes(b"\x00" * 5)
     with pytest.raises(UserError, match="model.safetensors: cannot read safetensors"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_tied_checkpoint_with_explicit_head(target_factory, tmp_path):
@@ -655,14 +550,14 @@ def test_tied_checkpoint_with_explicit_head(target_factory, tmp_path):
     bad = copy_target(target.path, tmp_path / "bad")
     edit_tensors(bad, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
     with pytest.raises(UserError, match="'lm_head.weight' differs from the embedding"):
-        m.load_target(str(bad))
+        checkpoint.load_target(str(bad))
 
 
 def test_untied_config_without_head(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(UserError, match="'lm_head.weight' is missing"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
@@ -685,7 +580,7 @@ def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
     victim = sorted(shards)[1]
     (d / victim).unlink()
     with pytest.raises(UserError, match=f"shard '{victim}' not found"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_sharded_duplicate_tensor(target_factory, tmp_path):
@@ -698,7 +593,7 @@ def test_sharded_duplicate_tensor(target_factory, tmp_path):
     key = next(iter(first))
     edit_tensors(d, lambda t: t.update({key: first[key]}), filename=shards[1])
     with pytest.raises(UserError, match=f"{shards[1]}: holds tensor {key!r}, but .* maps it to '{shards[0]}'"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_a_tensor_spelled_twice(tiny_target, tmp_path):
@@ -706,7 +601,7 @@ def test_a_tensor_spelled_twice(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.update({"norm.weight": t["model.norm.weight"] * 2}))
     with pytest.raises(UserError, match="appears twice"):
-        m.load_target(str(d))
+        checkpoint.load_target(str(d))
 
 
 def test_load_bfloat16(tiny_target):
@@ -749,20 +644,19 @@ def qwen3_param_count(V, H, I, L, nh, nkv, hd, tied):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_qwen3_8b_param_count_on_meta(tied):
     cfg = dict(QWEN3_8B_CONFIG, tie_word_embeddings=tied)
-    args = m.ModelArgs.from_hf_config(cfg)
+    args = checkpoint.target_args(cfg, "config.json")
     assert args.rope_theta == 1e6 and args.head_dim == 128 and args.eos_token_ids == (151645,)
     expected = qwen3_param_count(151936, 4096, 12288, 36, 32, 8, 128, tied)
     if not tied:
         assert expected == 8_190_735_360
     else:
         assert expected == 8_190_735_360 - 151936 * 4096
-    assert args.num_params == expected
-
-    model = m.Transformer(args, device="meta")
+    with torch.device("meta"):
+        model = m.Transformer(args)
     assert all(p.device.type == "meta" for p in model.parameters())
     a = model.layers[0].self_attn
     assert tuple(a.q_proj.weight.shape) == (4096, 4096)
-    assert tuple(a.k_proj.weight.shape) == (1024, 4096)
+    assert tuple(a.kv_proj.weight.shape) == (2048, 4096)
     assert tuple(a.o_proj.weight.shape) == (4096, 4096)
     assert tuple(a.q_norm.weight.shape) == (128,)
     assert tuple(model.layers[35].mlp.down_proj.weight.shape) == (4096, 12288)
@@ -774,14 +668,16 @@ def test_qwen3_8b_nested_rope_spelling():
     cfg = dict(QWEN3_8B_CONFIG)
     del cfg["rope_theta"], cfg["rope_scaling"]
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
-    assert m.ModelArgs.from_hf_config(cfg) == m.ModelArgs.from_hf_config(QWEN3_8B_CONFIG)
+    assert checkpoint.target_args(cfg, "c") == checkpoint.target_args(QWEN3_8B_CONFIG, "c")
 
 
 def test_num_params_matches_tiny_hf(target_factory):
     for tied in (False, True):
         target = target_factory(tie_word_embeddings=tied)
-        args = m.ModelArgs.from_hf_config(json.loads((target.path / "config.json").read_text()))
-        assert args.num_params == sum(p.numel() for p in target.hf_model.parameters())
+        args = checkpoint.target_args(json.loads((target.path / "config.json").read_text()), "c")
+        with torch.device("meta"):
+            ours = sum(p.numel() for p in m.Transformer(args).parameters())
+        assert ours == sum(p.numel() for p in target.hf_model.parameters())
 
 
 # ----------------------------------------------------------------------------------------
@@ -841,8 +737,8 @@ def test_missing_tokenizer(target_factory):
 
 
 def _stop_ids(path):
-    args = m.ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
-    return text.stop_token_ids(str(path), args)
+    args = checkpoint.target_args(json.loads((path / "config.json").read_text()), "config.json")
+    return checkpoint.stop_token_ids(str(path), args)
 
 
 def test_stop_token_ids_merge(target_factory):
@@ -878,7 +774,7 @@ def test_non_object_json_is_a_checkpoint_error(target_factory, tmp_path, filenam
         elif filename == "generation_config.json":
             _stop_ids(d)
         else:
-            m.load_target(str(d))
+            checkpoint.load_target(str(d))
 
 
 @pytest.mark.parametrize("shape", [(1, 6, 512), (2, 3, 12, 64), (1, 1, 256)])
@@ -889,47 +785,3 @@ def test_rms_norm_on_cpu_float32_is_the_formula_bit_for_bit(shape):
     x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.equal(m.rms_norm(x, w, 1e-6), want)
-
-
-def test_column_major_weights_keep_values_ties_and_results():
-    """`column_major_` re-lays CPU float32 weights with out >= in as the transpose of a contiguous
-    [in, out] tensor — same Parameter objects (a tied lm_head stays the embedding), same values — and
-    leaves in > out, other dtypes and already re-laid weights as they are; F.linear agrees to rounding."""
-    torch.manual_seed(0)
-    emb, wide, narrow = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
-    head = torch.nn.Linear(16, 64, bias=False)
-    head.weight = emb.weight
-    net = torch.nn.ModuleList([emb, wide, narrow, head])
-    before = {n: p.detach().clone() for n, p in net.named_parameters()}
-    x = torch.randn(3, 16)
-    want = torch.nn.functional.linear(x, wide.weight)
-    cpu_kernels.column_major_(net)
-    assert head.weight is emb.weight and not head.weight.is_contiguous() and head.weight.t().is_contiguous()
-    assert not wide.weight.is_contiguous() and narrow.weight.is_contiguous()  # out < in: kept row-major
-    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
-    assert torch.allclose(torch.nn.functional.linear(x, wide.weight), want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(emb(torch.tensor([3, 5])), before["0.weight"][[3, 5]])
-    assert not cpu_kernels.column_major_pays(torch.randn(48, 16, dtype=torch.bfloat16)) and not cpu_kernels.column_major_pays(wide.weight)
-    assert not cpu_kernels.column_major_pays(torch.randn(96, 16)[:48])  # rows of a larger (fused) weight: left a view
-
-
-def test_gemm_note_says_which_gemms_a_cpu_run_uses(tiny_target, monkeypatch):
-    """gemm_note: the few-row kernel at any thread count (in compiled graphs too), MKL/oneDNN or
-    Inductor's where the kernel is unavailable (with the reason) or nothing is packed; nothing outside
-    CPU float32."""
-    model = load(tiny_target.path)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            if cpu_kernels.unavailable() is None:
-                assert cpu_kernels.gemm_note(model) == "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
-                assert cpu_kernels.gemm_note(model, compiled=True) == ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token "
-                                                                       "attention too), one op each in the compiled graphs")
-        monkeypatch.setattr(cpu_kernels, "_kernels_why", "no C++ compiler 'g++' on PATH (set CXX)")
-        assert cpu_kernels.gemm_note(model) == "GEMMs: MKL/oneDNN (the few-row kernel is unavailable: no C++ compiler 'g++' on PATH (set CXX))"
-    finally:
-        torch.set_num_threads(before)
-    if cpu_kernels.unavailable() is None:
-        assert cpu_kernels.gemm_note(load(tiny_target.path, fuse=False)).startswith("GEMMs: MKL/oneDNN (no packed copies")
-    assert cpu_kernels.gemm_note(load(tiny_target.path, dtype=torch.bfloat16)) is None

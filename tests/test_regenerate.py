@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+import speculate
 from conftest import REPO_ROOT
 from test_train_data import run_train
 
@@ -62,7 +63,7 @@ def killed_run(tmp_path, monkeypatch, name, calls, *flags, prompts=None):
     """A run stopped at its `calls`-th engine.generate, as a kill stops it: its OUT.partial is left behind."""
     seen = []
 
-    class Engine(regenerate.Engine):
+    class Engine(speculate.Engine):
         def generate(self, *a, **k):
             seen.append(1)
             if len(seen) == calls:
@@ -70,7 +71,7 @@ def killed_run(tmp_path, monkeypatch, name, calls, *flags, prompts=None):
             return super().generate(*a, **k)
 
     with monkeypatch.context() as mp, pytest.raises(Killed):
-        mp.setattr(regenerate, "Engine", Engine)
+        mp.setattr(speculate, "Engine", Engine)  # what speculate.make_engine builds
         regen(tmp_path, name, *flags, prompts=prompts)
     return tmp_path / (name + ".partial")
 

@@ -21,10 +21,12 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import drafter as dr
 import model as mdl
 import text
 import speculate
+from common import UserError
 import train
 import trainer
 
@@ -53,7 +55,7 @@ def run_train(args, program=train, progress=False) -> tuple[int, dict, str]:
         try:
             result = program.run(a)
             rc = 0
-        except mdl.UserError as e:
+        except UserError as e:
             print(f"error: {e}", file=err)
             rc = 2
     return rc, result, err.getvalue()
@@ -180,7 +182,7 @@ def test_block_mask_is_the_definition():
 def test_training_forward_equals_inference_drafter(tiny_target, markov, confidence):
     """One packed batch of anchors: each block's h, U, Markov logits and confidence equal drafter.Drafter's
     cached path (commit_context of features < a, then drafter(anchor, a)), in float32."""
-    target = mdl.load_target(str(tiny_target.path))
+    target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
                       confidence_with_markov=markov != "none", init_std=0.3, seed=3)
     d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
@@ -220,7 +222,7 @@ def test_drafter_loss_equals_slow_reference(tiny_target):
     """drafter_loss on a packed batch == distill_losses over blocks built one by one from the definition:
     labels x_{a+j+1}, teacher-forced prev [x_a, labels[:-1]], the target's distribution at a+j, the
     inference drafter's logits and confidence, slots past the end unsupervised."""
-    target = mdl.load_target(str(tiny_target.path))
+    target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov="gated", markov_rank=8, init_std=0.3, seed=5)
     d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
     B, T, K = 2, 12, 4
@@ -267,7 +269,7 @@ def near_bigram(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("near_bigram")
     tdir = make_target(d / "target")
-    target = mdl.load_target(tdir)
+    target = checkpoint.load_target(tdir)
     x = torch.randint(0, target.args.vocab_size, (16, 3), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _ in range(29):  # batched greedy, cache-free
@@ -309,8 +311,8 @@ def test_training_lowers_loss_and_decodes_losslessly(near_bigram, tmp_path, head
                 "confidence_head.proj.bias"} <= names
     else:
         assert not any(n.startswith(("markov", "confidence")) for n in names)
-    target = mdl.load_target(tdir)
-    d = dr.load_drafter(str(out), target)
+    target = checkpoint.load_target(tdir)
+    d = checkpoint.load_drafter(str(out), target)
     assert d.cfg.layout == "dspark" and d.cfg.num_drafts == 4
     assert (d.cfg.markov_head_type, d.cfg.confidence_head) == (("vanilla", True) if heads == "dspark" else (None, False))
 
@@ -554,12 +556,12 @@ def test_train_target_from_corpus_then_drafter(tmp_path):
     assert rc == 0, err
     assert res["losses"][-1] < 0.7 * res["losses"][0], res["losses"]
 
-    target = mdl.load_target(str(out))
+    target = checkpoint.load_target(str(out))
     assert target.args.num_hidden_layers == 2 and target.args.vocab_size <= 300
     tok = text.Tokenizer(str(out))
     assert tok.decode(tok.encode(CORPUS)) == CORPUS  # byte-level BPE round-trips source text
     eos = tok.tok.token_to_id("<|endoftext|>")
-    assert text.stop_token_ids(str(out), target.args) == (eos,)
+    assert checkpoint.stop_token_ids(str(out), target.args) == (eos,)
     # transformers reads the directory too, with the same logits.
     import transformers
     hf = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).eval()
@@ -573,7 +575,7 @@ def test_train_target_from_corpus_then_drafter(tmp_path):
                               "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8,
                               "--anchors-per-seq", 8])
     assert rc == 0, err
-    d = dr.load_drafter(str(dout), target)
+    d = checkpoint.load_drafter(str(dout), target)
     assert d.cfg.mask_token_id == tok.tok.token_to_id("<|mask|>")
     assert d.cfg.target_layer_ids == (0,)
 
@@ -637,6 +639,32 @@ def test_mode_flag_is_gone(tiny_target, tmp_path, capsys):
     assert "--mode" in capsys.readouterr().err
 
 
+def demo_command() -> str:
+    """train.py's documented demo-scale command (its module docstring), continuation lines joined."""
+    doc = train.__doc__.replace("\\\n", " ")
+    line = next(l.strip() for l in doc.splitlines() if l.strip().startswith("python train.py --target demo/target"))
+    return " ".join(line.split())
+
+
+def test_demo_scale_training_command_runs(tmp_path):
+    """The documented demo-scale command, at 2 steps into a temporary --out: a drafter for demo/target that
+    the loader reads and that decodes losslessly (greedy speculative == the target alone)."""
+    cmd = demo_command()
+    assert "--steps 120" in cmd and "--out /tmp/demo-drafter" in cmd, cmd
+    out = tmp_path / "demo-drafter"
+    cmd = cmd.replace("--steps 120", "--steps 2").replace("--out /tmp/demo-drafter", f"--out {out}")
+    p = subprocess.run(["bash", "-c", cmd + " --no-progress"], capture_output=True, text=True, cwd=REPO_ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "step 2: loss" in p.stdout and "drafter written to" in p.stdout, p.stdout
+    m = speculate.load(str(REPO_ROOT / "demo" / "target"), str(out))
+    prompt = json.loads((REPO_ROOT / "demo" / "heldout.jsonl").read_text().splitlines()[0])["prompt_ids"]
+    spec = speculate.generate(m, [prompt], max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    alone = speculate.generate(speculate.load(str(REPO_ROOT / "demo" / "target")), [prompt], max_new_tokens=16,
+                               temperature=0.0, ignore_eos=True)
+    assert spec[0].output_ids == alone[0].output_ids
+
+
 def test_train_target_script_runs_standalone(tmp_path):
     """scripts/train_target.py as its own program: --help lists its flags with help text; a few steps on
     a tiny corpus write a target that loads."""
@@ -656,7 +684,7 @@ def test_train_target_script_runs_standalone(tmp_path):
                "--kv-heads", 1, "--head-dim", 8, "--intermediate-size", 32, "--no-progress")
     assert r.returncode == 0, r.stderr
     assert "step 3: loss" in r.stdout and "target written to" in r.stdout
-    assert mdl.load_target(str(out)).args.num_hidden_layers == 2
+    assert checkpoint.load_target(str(out)).args.num_hidden_layers == 2
     assert json.loads((ckpt(out) / "training_state.json").read_text())["kind"] == "target"
     # Resumed on other text (the same size): refused by the windows' digest, not trained on silently.
     (tmp_path / "other.txt").write_text(CORPUS[::-1] * 4)

@@ -16,11 +16,12 @@ import random
 import pytest
 import torch
 
+import checkpoint
 import data
 import drafter as dr
-import model as mdl
 import text
 import train
+from common import UserError
 
 from conftest import IM_END_ID, IM_START_ID, build_tokenizer
 
@@ -90,14 +91,14 @@ def test_render_messages_without_template_is_qwen3_chatml(target_factory):
 def test_bad_chat_records_are_one_line_errors(tmp_path, case, needle):
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps(case) + "\n")
-    with pytest.raises(mdl.UserError, match="d.jsonl:1") as e:
+    with pytest.raises(UserError, match="d.jsonl:1") as e:
         data.read_documents(str(p))
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mixing_chat_and_text_is_an_error(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"prompt": "a", "response": "b"}) + "\n")
-    with pytest.raises(mdl.UserError, match="mixes chat records"):
+    with pytest.raises(UserError, match="mixes chat records"):
         data.read_documents(str(tmp_path / "a.jsonl"))
 
 
@@ -199,7 +200,7 @@ def test_packed_row_computes_what_each_document_computes_alone(tiny_target):
     """The target's capture and the drafter's blocks of a packed row (positions 0..T-1 along the row, attention
     within each document) equal those of each document run alone from position 0, and drafter_loss on the
     row equals the losses of the blocks built one by one on the documents alone."""
-    target = mdl.load_target(str(tiny_target.path))
+    target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=3, depth=2, markov="gated", markov_rank=8, init_std=0.3, seed=5)
     d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
     g = torch.Generator().manual_seed(3)
@@ -275,7 +276,7 @@ def run_train(argv) -> tuple[int, dict, str]:
         try:
             result = train.run(tyro.cli(train.Args, args=[str(a) for a in argv] + ["--no-progress"]))
             rc = 0
-        except mdl.UserError as e:
+        except UserError as e:
             print(f"error: {e}", file=err)
             rc = 2
     return rc, result, err.getvalue()
@@ -289,7 +290,7 @@ def test_chat_records_train(tiny_target, tmp_path):
     assert "12 conversations packed into" in err and "0 skipped" in err
     assert "39 anchors each" in err  # --anchors-per-seq 512 clamped to the row
     assert len(res["losses"]) == 3 and all(x == x for x in res["losses"])
-    dr.load_drafter(str(tmp_path / "o"), mdl.load_target(str(tiny_target.path)))
+    checkpoint.load_drafter(str(tmp_path / "o"), checkpoint.load_target(str(tiny_target.path)))
     # --no-pack: one conversation a row (the authors' layout); on plain text it is refused.
     rc, res, err = run_train(["--target", tiny_target.path, "--data", chats, "--out", tmp_path / "n", "--steps", 2,
                               "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8,
@@ -319,11 +320,11 @@ DEEPSPEC_HEADS = {"vanilla": ("markov_head.markov_w1.weight", "markov_head.marko
 def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confidence):
     from safetensors import safe_open
 
-    target = mdl.load_target(str(tiny_target.path))
+    target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
                       confidence_with_markov=confidence and markov != "none")
     d = train.build_drafter(args, target, str(tiny_target.path), "cpu")
-    dr.save_drafter(str(tmp_path), d, str(tiny_target.path), 512)
+    train.save_drafter(str(tmp_path), d, str(tiny_target.path), 512)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
     assert all(k in cfg for k in DEEPSPEC_REQUIRED), [k for k in DEEPSPEC_REQUIRED if k not in cfg]
@@ -350,7 +351,7 @@ def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confid
             assert shape("markov_head.joint_proj.weight") == (3 * r, 2 * r + H)
         if confidence:
             assert shape("confidence_head.proj.weight") == (1, H + r) and shape("confidence_head.proj.bias") == (1,)
-    dr.load_drafter(str(tmp_path), target)  # and ours reads it
+    checkpoint.load_drafter(str(tmp_path), target)  # and ours reads it
 
 
 def test_word_tokenizer_has_chatml_specials():
@@ -378,14 +379,11 @@ def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target):
         def step(self, h, prev, state):
             return self.markov_w2(self.ln(self.markov_w1(prev)) * self.scale), state
 
-    target = mdl.load_target(str(tiny_target.path))
-    cls, types = dr.MARKOV_HEADS.get("scaled"), dr.MARKOV_TYPES
+    target = checkpoint.load_target(str(tiny_target.path))
     dr.MARKOV_HEADS["scaled"] = ScaledMarkov
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(train, "MARKOV_TYPES", types + ("scaled",))
-            d = train.build_drafter(train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8), target,
-                                    str(tiny_target.path), "cpu")
+        d = train.build_drafter(train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8), target,
+                                str(tiny_target.path), "cpu")
     finally:
         dr.MARKOV_HEADS.pop("scaled")
     assert torch.equal(d.markov_head.ln.weight, torch.ones(8)) and torch.equal(d.markov_head.scale, torch.ones(8))

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+import distributed
 import model as mdl
 import train
+from common import UserError
 import trainer
 
 from conftest import REPO_ROOT
@@ -98,11 +99,11 @@ def test_micro_batches_split_the_global_batch_alike(tiny_target, tmp_path):
     ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE=0"),
 ])
 def test_inconsistent_torchrun_variables_are_one_line_errors(env, needle):
-    with pytest.raises(common.UserError) as e:
-        common.torchrun_env(env)
+    with pytest.raises(UserError) as e:
+        distributed.torchrun_env(env)
     assert needle in str(e.value) and "\n" not in str(e.value)
-    assert common.torchrun_env({}) == (0, 1, 0)
-    assert common.torchrun_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) == (0, 1, 0)
+    assert distributed.torchrun_env({}) == (0, 1, 0)
+    assert distributed.torchrun_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) == (0, 1, 0)
 
 
 def test_a_missing_peer_times_out_with_a_message(tiny_target, tmp_path):

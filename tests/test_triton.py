@@ -224,8 +224,6 @@ def test_kernel_sets():
                                                   None)
     assert kernels.kernel_set("triton", "cpu") == (kernels.markov_chain_triton, kernels.verify_greedy_triton,
                                                    kernels.verify_sampled_triton, kernels.cached_attention_triton)
-    with pytest.raises(ValueError):
-        kernels.kernel_set("cuda-magic", "cpu")
 
 
 # ----------------------------------------------------------------------------------------
@@ -430,8 +428,8 @@ def tiny_pair(tmp_path_factory):
 @pytest.mark.parametrize("temperature,scheduler", [(0.0, "none"), (1.0, "none"), (0.0, "threshold")])
 def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monkeypatch, temperature, scheduler):
     import speculate
-    from drafter import load_drafter
-    from model import load_target
+    from checkpoint import load_drafter
+    from checkpoint import load_target
 
     target = load_target(tiny_pair[0])
     drafter = load_drafter(tiny_pair[1], target)
@@ -521,7 +519,7 @@ def attention_check(dev="cuda", shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, c
 
 def test_attention_check_runs_on_cpu(capsys):
     """The device check's attention part, on CPU in the interpreter at tiny shapes (its plumbing:
-    what a GPU session runs first time)."""
+    what a GPU run does first)."""
     assert attention_check("cpu", [(2, 4, 4, 2, 16, 70, (10, 60))], torch.float32, compile=False, reps=1) == 0
     out = capsys.readouterr().out
     assert out.count("attention B=2") == 2 and "ok=True" in out

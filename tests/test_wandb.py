@@ -1,4 +1,4 @@
-"""What a --wandb run records, read back from the offline run (README, "What a run logs").
+"""What a --wandb run records, read back from the offline run (docs/logging.md).
 
 Each program runs once per module (in-process, WANDB_MODE=offline, its own WANDB_DIR) on the committed
 demo pair, and the tests read its run-*.wandb file back: the LevelDB-style log wandb writes (a 7-byte

@@ -5,7 +5,7 @@
 
 The traces are what speculate.py writes for fixed runs on the demo pair and on small random pairs,
 with the summary's timing fields removed. `tests/test_golden.py` reruns every case and asserts the
-same lines: a change of code shape (issue [7]'s redesign) or of kernels must not change one token or
+same lines: a change of code shape or of kernels must not change one token or
 round, nor a confidence by more than rounding (test_golden.FLOAT_TOLERANCE). Regenerate only for a
 deliberate behaviour change, and say so in the commit.
 """
@@ -115,8 +115,8 @@ def step_time(b: int) -> float:
 def write_sps_table(path: str, batch: int, temperature: float = 0.0):
     """The hardware case's SPS table for this machine's identity keys, with `step_time`'s rates."""
     import speculate
-    from drafter import load_drafter
-    from model import load_target
+    from checkpoint import load_drafter
+    from checkpoint import load_target
 
     target = load_target(os.path.join(DEMO, "target"))
     drafter = load_drafter(os.path.join(DEMO, "drafter"), target)

@@ -1,0 +1,722 @@
+"""Where models come from: checkpoint directories or hub ids, checked once as they load (a config against
+tables of keys, types and ranges, the unimplemented refused by name; a drafter's config across every published
+spelling, its weights settling what it leaves open), or random weights in a published shape. Loading is strict;
+checkpoints spell q/k/v and gate/up apart, the models hold them fused (`fused`, `published`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from common import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, UserError, optional_file, read_json, resolve_device, \
+    resolve_dtype
+from drafter import MARKOV_HEADS, Drafter, DrafterConfig
+from model import ModelArgs, RMSNorm, Transformer
+
+REQUIRED, HALF = object(), object()  # HALF: head_dim's default, hidden_size / num_attention_heads
+# key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
+LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED), "hidden_size": (int, 1, 65_536, REQUIRED),
+              "intermediate_size": (int, 1, 1_048_576, REQUIRED), "num_hidden_layers": (int, 1, 1024, REQUIRED),
+              "num_attention_heads": (int, 1, 1024, REQUIRED), "num_key_value_heads": (int, 1, 1024, REQUIRED),
+              "head_dim": (int, 1, 4096, HALF), "max_position_embeddings": (int, 1, 10_485_760, 32768),
+              "rms_norm_eps": (float, 1e-12, 0.1, 1e-6), "rope_theta": (float, 1.0, 1e12, REQUIRED),
+              "attention_bias": (bool, 0, 0, False), "tie_word_embeddings": (bool, 0, 0, False)}
+MAX_BLOCK = 256  # drafter slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
+
+
+def checked(cfg: dict, key: str, source: str, kind=int, lo=None, hi=None):
+    """cfg[key] of `kind` inside [lo, hi]; else one line naming the key."""
+    v = cfg[key]
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
+        return v
+    ok = not isinstance(v, bool) and isinstance(v, (int,) if kind is int else (int, float))
+    if not ok or not lo <= v <= hi:
+        what = "an integer" if kind is int else "a number"
+        raise UserError(f"{source}: key {key!r} must be {what} from {lo:g} to {hi:g}, got {v!r}")
+    return kind(v)
+
+
+def layer_args(cfg: dict, source: str) -> ModelArgs:
+    """The decoder-layer shape of a Qwen3 config (target or drafter)."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{source}: expected a JSON object")
+    cfg = dict(cfg)
+    rope = cfg.get("rope_parameters")
+    for key in ("rope_parameters", "rope_scaling"):
+        r = cfg.get(key)
+        if r is not None and not isinstance(r, dict):
+            raise UserError(f"{source}: {key} must be an object, got {r!r}")
+        for spelling in ("rope_type", "type"):
+            if (r or {}).get(spelling) not in ("default", None):
+                raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported (only default RoPE)")
+    if rope and "rope_theta" in rope:
+        if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:
+            raise UserError(f"{source}: conflicting values for 'rope_theta': top-level {cfg['rope_theta']!r}, "
+                            f"rope_parameters {rope['rope_theta']!r}")
+        cfg["rope_theta"] = rope["rope_theta"]
+    out = {}
+    for key, (kind, lo, hi, default) in LAYER_KEYS.items():
+        if cfg.get(key) is not None or (key in cfg and default is not HALF):
+            out[key] = checked(cfg, key, source, kind, lo, hi)
+        elif default is REQUIRED:
+            where = " (top-level or in rope_parameters)" if key == "rope_theta" else ""
+            raise UserError(f"{source}: missing key {key!r}{where}")
+        elif default is not HALF:
+            out[key] = default
+    if "head_dim" not in out:  # older configs omit it; Qwen3's default
+        if out["hidden_size"] % out["num_attention_heads"]:
+            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["head_dim"] % 2:
+        raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), got {out['head_dim']}")
+    if out["num_attention_heads"] % out["num_key_value_heads"]:
+        raise UserError(f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
+                        f"num_key_value_heads {out['num_key_value_heads']}")
+    quant, types = cfg.get("quantization_config"), cfg.get("layer_types")
+    if quant is not None:
+        raise UserError(f"{source}: quantization_config ({quant.get('quant_method') if isinstance(quant, dict) else quant!r})"
+                        f": quantized checkpoints are not supported (use the unquantized one)")
+    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+        raise UserError(f"{source}: layer_types other than full_attention are not supported")
+    if cfg.get("use_sliding_window") is not None and checked(cfg, "use_sliding_window", source, bool):
+        raise UserError(f"{source}: use_sliding_window=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    return ModelArgs(**out)
+
+
+def token_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
+    """An id or a list of ids (eos_token_id), each inside the vocabulary."""
+    vals = [] if v is None else v if isinstance(v, list) else [v]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size for x in vals):
+        raise UserError(f"{source}: key {key!r} must be a token id below vocab_size {vocab_size} or a list of "
+                        f"them, got {v!r}")
+    return tuple(vals)
+
+
+def target_args(cfg: dict, source: str) -> ModelArgs:
+    args = layer_args(cfg, source)
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not archs or set(archs) != {"Qwen3ForCausalLM"}):
+        raise UserError(f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
+    if cfg.get("model_type") not in (None, "qwen3"):
+        raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported (supported: qwen3)")
+    args.eos_token_ids = token_ids(cfg.get("eos_token_id"), source, "eos_token_id", args.vocab_size)
+    return args
+
+
+# Drafter configs, in every spelling
+
+HEAD_RENAMES = {"markov_w1.weight": "markov_head.markov_w1.weight", "markov_w2.weight": "markov_head.markov_w2.weight",
+                "confidence_proj.weight": "confidence_head.proj.weight",
+                "confidence_proj.bias": "confidence_head.proj.bias"}
+
+
+def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
+    """`key` wherever a spelling puts it (`kind` bool: checked as one); spellings that disagree are an error."""
+    for nested in ("dspark_config", "dflash_config"):
+        if nested in cfg and not isinstance(cfg[nested], dict):
+            raise UserError(f"{source}: {nested!r} must be an object, got {cfg[nested]!r}")
+    found = {f"{where} {k!r}": d[k] for name in (key, *aliases)
+             for where, d, k in (("dspark_config", cfg.get("dspark_config"), name),
+                                 ("dflash_config", cfg.get("dflash_config"), name),
+                                 ("top-level", cfg, f"dspark_{name}"), ("top-level", cfg, name))
+             if isinstance(d, dict) and k in d}
+    values = list(found.values())
+    if any(type(v) is not type(values[0]) or v != values[0] for v in values[1:]):  # 4 and 4.0 disagree
+        raise UserError(f"{source}: conflicting values for {key!r}: " + ", ".join(f"{w}={v!r}" for w, v in found.items()))
+    v = values[0] if values else None
+    if kind is bool and v is not None and not isinstance(v, bool):
+        raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled: dict) -> DrafterConfig:
+    """The drafter config from config.json and the weights (`tensors`, renamed; `spelled`: the file's names)."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{source}: expected a JSON object")
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list):
+        raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
+                        f"got {archs!r}")
+    arch = archs[0] if len(archs) == 1 else None
+    if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
+        raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel or DFlashDraftModel)")
+    layers = layer_args(cfg, source)
+    block = lookup(cfg, "block_size", source)
+    if not integer(block) or not 1 <= block <= MAX_BLOCK:
+        raise UserError(f"{source}: 'block_size' must be an integer from 1 to {MAX_BLOCK}, got {block!r}")
+    ids = lookup(cfg, "target_layer_ids", source)
+    if not isinstance(ids, list) or not ids or not all(map(integer, ids)):
+        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
+    mask_id = lookup(cfg, "mask_token_id", source)
+    if not integer(mask_id) or not 0 <= mask_id < layers.vocab_size:
+        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_id!r}")
+    depth = lookup(cfg, "num_target_layers", source)
+    if depth is not None and (not integer(depth) or not 1 <= depth <= LAYER_KEYS["num_hidden_layers"][2]):
+        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {depth!r}")
+
+    # Layout: Qwen3DSparkModel is DSpark's; a DFlashDraftModel z-lab's DFlash unless its config says DSpark.
+    shift, projector = lookup(cfg, "shift_label", source, bool), lookup(cfg, "projector_type", source)
+    if projector not in (None, "dspark", "dflash"):
+        raise UserError(f"{source}: unknown projector_type {projector!r}")
+    if arch == "Qwen3DSparkModel" and shift is False:
+        raise UserError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
+    if arch == "Qwen3DSparkModel" and projector == "dflash":
+        raise UserError(f"{source}: projector_type 'dflash' contradicts architecture Qwen3DSparkModel (the DSpark layout)")
+    if projector == "dspark" and shift is False:
+        raise UserError(f"{source}: shift_label=false contradicts projector_type 'dspark' (the DSpark layout)")
+    if projector == "dflash" and shift:
+        raise UserError(f"{source}: shift_label=true contradicts projector_type 'dflash' (the DFlash layout)")
+    layout = "dspark" if arch == "Qwen3DSparkModel" or shift or projector == "dspark" else "dflash"
+    if layout == "dflash" and block < 2:
+        raise UserError(f"{source}: the DFlash layout needs block_size >= 2, got {block}")
+
+    # Markov head: declared by markov_head_type, its weights exactly that type's; the rank is W1's.
+    mtype = lookup(cfg, "markov_head_type", source)
+    mtype = None if mtype in ("none", "None", "") else mtype
+    if mtype is not None and mtype not in MARKOV_HEADS:
+        raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_HEADS)})")
+    declared, w1 = lookup(cfg, "markov_rank", source), tensors.get("markov_head.markov_w1.weight")
+    heads = sorted(k for k in tensors if k.startswith("markov_head."))
+    if mtype is not None and w1 is None:
+        raise UserError(f"{weights}: markov_head_type is {mtype!r} but the weights have no markov_w1 "
+                        f"(markov_head.markov_w1.weight or markov_w1.weight)")
+    if mtype is None and heads:
+        raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
+                        f"{source} declares none (markov_head_type)")
+    if mtype is None and (isinstance(declared, bool) or declared not in (None, 0)):
+        raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
+                        f"(and the weights have none)")
+    rank = 0
+    if mtype is not None:
+        if w1.ndim != 2 or w1.shape[1] < 1:
+            raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
+                            f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
+        rank = w1.shape[1]
+        if declared is not None and (not integer(declared) or declared != rank):
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
+    norm = tensors.get("norm.weight")
+    if norm is not None and list(norm.shape) != [layers.hidden_size]:
+        raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
+                        f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
+
+    # Confidence head; whether it reads W1[x] is settled by its width.
+    conf = lookup(cfg, "enable_confidence_head", source, bool, aliases=("use_confidence_head",))
+    with_markov = lookup(cfg, "confidence_head_with_markov", source, bool)
+    proj = tensors.get("confidence_head.proj.weight")
+    name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
+    if conf and proj is None:
+        raise UserError(f"{weights}: the confidence head is enabled in {source} but the weights "
+                        "have no confidence_head.proj.weight (or confidence_proj.weight)")
+    if proj is not None and not conf:
+        raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, but {source} does not enable one "
+                        f"(enable_confidence_head / use_confidence_head)")
+    by_weights = False
+    if conf:
+        if proj.ndim != 2:
+            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
+                            f"[1, features]")
+        by_weights = proj.shape[-1] == layers.hidden_size + rank and rank > 0
+        if with_markov and mtype is None:
+            raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+        if with_markov is not None and with_markov != by_weights:
+            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
+                            f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
+    if layout == "dflash" and (mtype or conf):
+        raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
+    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, depth)
+
+
+# Weights
+
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # rows [first; second]
+
+
+def fused(tensors: dict) -> dict:
+    """A checkpoint's names -> the models': k/v_proj -> kv_proj, gate/up_proj -> gate_up_proj."""
+    out = dict(tensors)
+    for whole, (a, b) in FUSED.items():
+        for name in [n for n in out if f".{a}." in n and n.replace(f".{a}.", f".{b}.") in out]:
+            out[name.replace(f".{a}.", f".{whole}.")] = torch.cat([out.pop(name), out.pop(name.replace(f".{a}.", f".{b}."))])
+    return out
+
+
+def published(state: dict) -> dict:
+    """The models' names and tensors -> a checkpoint's: fused rows split back."""
+    out = {}
+    for name, t in state.items():
+        module, _, kind = name.rpartition(".")
+        head, _, leaf = module.rpartition(".")
+        if leaf in FUSED:
+            for part, rows in zip(FUSED[leaf], t.chunk(2, 0)):
+                out[f"{head}.{part}.{kind}"] = rows
+        else:
+            out[name] = t
+    return out
+
+
+def safetensors_keys(path: str) -> set:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path}: cannot read safetensors ({e})") from None
+
+
+def weight_files(directory: str) -> list[str]:
+    """model.safetensors, or the shards the index names: each exactly its tensors, no unnamed shard beside."""
+    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
+    if not optional_file(index):
+        if os.path.isfile(single):
+            return [single]
+        raise UserError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    if os.path.lexists(single):
+        raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
+                        f"which is the checkpoint is ambiguous (remove one)")
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: missing or empty 'weight_map'")
+    for k, f in weight_map.items():
+        if not isinstance(f, str) or not f or os.path.basename(f) != f:
+            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name in the directory, got {f!r}")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        path = os.path.join(directory, f)
+        if not os.path.isfile(path):
+            raise UserError(f"{index}: shard {f!r} not found in {directory}")
+        held = safetensors_keys(path)
+        absent = sorted(k for k, v in weight_map.items() if v == f and k not in held)
+        if absent:
+            raise UserError(f"{index}: maps tensor {absent[0]!r} to {f!r}, which does not hold it")
+        for k in sorted(k for k in held if weight_map.get(k) != f):
+            where = "does not list it" if k not in weight_map else f"maps it to {weight_map[k]!r}"
+            raise UserError(f"{path}: holds tensor {k!r}, but {index} {where}")
+    stray = sorted(f for f in os.listdir(directory)
+                   if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in weight_map.values())
+    if stray:
+        raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
+                        f"(its tensors would be left out; remove it or list them in the index)")
+    return [os.path.join(directory, f) for f in files]
+
+
+def read_weights(files, dtype, device, rename=lambda k: k) -> dict:
+    """Every tensor of the files in `dtype` on `device`, renamed; each a plain float, finite once converted."""
+    from safetensors import SafetensorError, safe_open
+    out = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if rename(key) in out:
+                        raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+                    t = f.get_tensor(key)
+                    if t.dtype not in WEIGHT_DTYPES:
+                        what = ("a quantized format (not supported: use the unquantized checkpoint)"
+                                if t.is_floating_point() else "not a floating-point weight")
+                        raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, {what}")
+                    v = t.to(device, dtype)
+                    if not torch.isfinite(v).all():
+                        if not torch.isfinite(t).all():
+                            raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
+                        raise UserError(f"{path}: tensor {key!r} overflows {str(dtype).removeprefix('torch.')} "
+                                        f"(largest magnitude {t.abs().max().item():.4g}): load it in a wider dtype")
+                    out[rename(key)] = v
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{path}: cannot read safetensors ({e})") from None
+    return out
+
+
+def assign(module: nn.Module, tensors: dict, source: str):
+    """A checkpoint's tensors into `module` (on meta): each matches a parameter, every parameter is loaded."""
+    want = published({n: p for n, p in module.named_parameters()})
+    for name in sorted(tensors):
+        if name not in want:
+            raise UserError(f"{source}: tensor {name!r} in the checkpoint matches no parameter of the model")
+        if tensors[name].shape != want[name].shape:
+            raise UserError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                            f"the model expects {list(want[name].shape)}")
+    for name in want:
+        if name not in tensors:
+            raise UserError(f"{source}: parameter {name!r} is missing from the checkpoint")
+    module.load_state_dict(fused(tensors), strict=False, assign=True)
+
+
+def weights_source(files: list[str], directory: str) -> str:
+    return files[0] if len(files) == 1 else os.path.join(directory, "model.safetensors.index.json")
+
+
+def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
+    if not os.path.isdir(directory):
+        raise UserError(f"{directory}: target directory not found")
+    path = os.path.join(directory, "config.json")
+    args = target_args(read_json(path), path)
+    files = weight_files(directory)
+    tensors, source = read_weights(files, dtype, device, rename=lambda k: k.removeprefix("model.")), \
+        weights_source(files, directory)
+    if args.tie_word_embeddings and "lm_head.weight" in tensors:  # some exports write the tied head too
+        head, emb = tensors.pop("lm_head.weight"), tensors.get("embed_tokens.weight")
+        if emb is None:
+            raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing from the checkpoint (it holds "
+                            f"'lm_head.weight', and tie_word_embeddings is true)")
+        if head.shape != emb.shape or not torch.equal(head, emb):
+            raise UserError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
+    with torch.device("meta"):
+        model = Transformer(args)
+    assign(model, tensors, source)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def attach(drafter: Drafter, target: Transformer):
+    """Give the drafter the target's embedding and lm_head, once the two are seen to fit."""
+    t, a, c = target.args, drafter.cfg.layers, drafter.cfg
+    for key in ("vocab_size", "hidden_size"):
+        if getattr(a, key) != getattr(t, key):
+            raise UserError(f"drafter {key} {getattr(a, key)} differs from the target's {getattr(t, key)}")
+    L = t.num_hidden_layers
+    if c.num_target_layers is not None and c.num_target_layers != L:
+        raise UserError(f"drafter num_target_layers {c.num_target_layers} differs from the target's "
+                        f"num_hidden_layers {L}: it was built for another target")
+    for i in c.target_layer_ids:
+        if not -1 <= i < L:
+            raise UserError(f"drafter target_layer_ids: layer id {i!r} is outside the capturable layers -1..{L - 2}")
+        if i == L - 1:
+            raise UserError(f"drafter target_layer_ids: layer id {i} is the target's last layer; drafters read "
+                            f"layers before it")
+    drafter.attach(target)
+
+
+def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
+    if not os.path.isdir(directory):
+        raise UserError(f"{directory}: drafter directory not found")
+    path, files, spelled = os.path.join(directory, "config.json"), weight_files(directory), {}
+    source, raw = weights_source(files, directory), read_json(path)
+
+    def rename(key):
+        name = HEAD_RENAMES.get(key.removeprefix("model."), key.removeprefix("model."))
+        spelled[name] = key
+        return name
+
+    tensors = read_weights(files, dtype, device, rename)
+    cfg = drafter_config(raw, tensors, path, source, spelled)
+    for name, param in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight)):
+        t = tensors.pop(name, None)  # a copy of the target's, which is used: it must be the same
+        if t is not None and (t.shape != param.shape or not torch.equal(t.to(param.device, param.dtype), param)):
+            raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; drafters share the "
+                            f"target's embedding and lm_head")
+    with torch.device("meta"):
+        drafter = Drafter(cfg)
+    assign(drafter, tensors, source)
+    attach(drafter, target)
+    return drafter.eval().requires_grad_(False)
+
+
+# Random weights in a published shape
+
+PRESETS = {  # Hugging Face Qwen/Qwen3-*/config.json; qwen3-tiny: Qwen3's vocabulary with toy layers
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128),
+    "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8),
+}
+
+
+def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """N(0, std) matrices and embeddings, 1 norm weights, 0 biases; then each submodule's own `init_()`."""
+    device = next(module.parameters()).device
+    if device.type == "meta":
+        return module
+    g = torch.Generator(device=device).manual_seed(seed)
+    norms = {id(m.weight) for m in module.modules() if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, RMSNorm))
+             and getattr(m, "weight", None) is not None}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or id(p) in norms:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=g)
+        for m in module.modules():
+            if callable(getattr(m, "init_", None)):
+                m.init_()
+    return module
+
+
+def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+    args = ModelArgs(**PRESETS[preset])
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to(dtype).to_empty(device=device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return init_random_(model, seed).eval().requires_grad_(False)
+
+
+def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",
+                   rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
+    """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
+    t = target.args
+    ids = tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))  # 1, 9, .., 33 at 36 layers
+    layers = ModelArgs(**{f.name: getattr(t, f.name) for f in fields(ModelArgs)})
+    layers.num_hidden_layers = num_layers
+    cfg = DrafterConfig(layers, block_size, ids, t.vocab_size - 1, "dspark", markov, rank if markov else 0,
+                        confidence, confidence and markov is not None)
+    w = target.embed_tokens.weight
+    with torch.device("meta"):
+        drafter = Drafter(cfg)
+    drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
+    attach(drafter, target)
+    return drafter.eval().requires_grad_(False)
+
+
+# What a run loads: models, tokenizer, stop ids, sampling defaults
+
+@dataclass
+class Models:
+    target: Transformer
+    drafter: Optional[Drafter]
+    tokenizer: Optional[object]  # text.Tokenizer
+    stop_ids: tuple
+    dtype: torch.dtype
+    generation: Optional[dict] = None        # generation_config.json's sampling (None: greedy) ...
+    generation_source: Optional[str] = None  # ... and that file (None: none)
+    directories: tuple = (None, None)        # where the target and the drafter were read
+
+    @property
+    def hub_snapshots(self) -> list[str]:
+        return [f"{flag} {hub}: {path}" for flag, path in zip(("--target", "--drafter"), self.directories)
+                if path is not None and (hub := hub_snapshot(path))]
+
+    def describe(self) -> str:
+        d = self.drafter
+        return "\n".join(self.hub_snapshots + [d.cfg.describe() if d else "no drafter: autoregressive decoding"])
+
+
+def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
+                dtype: Optional[str] = None, random_init: Optional[str] = None, calibration: Optional[str] = None,
+                seed: int = 0, cpu_kernels: bool = True) -> Models:
+    """The target (and drafter) from directories or hub ids, or a random preset; `calibration`: STS
+    temperatures. CPU float32 installs the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
+    from text import Tokenizer
+
+    if random_init is None and target is None:
+        raise UserError("--target: no target directory given")
+    if random_init is not None and (target is not None or drafter is not None):
+        raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
+    target, drafter = resolve_checkpoint(target, "--target"), resolve_checkpoint(drafter, "--drafter")
+    dt = resolve_dtype(dtype, resolve_device(device))
+    tokenizer = d = generation = generation_source = None
+    if random_init is not None:
+        t = random_target(random_init, device, dt, seed)
+        d, stop_ids = random_drafter(t), ()
+    else:
+        t = load_target(target, device, dt)
+        stop_ids = stop_token_ids(target, t.args)
+        generation, generation_source = generation_sampling(target)
+        if optional_file(os.path.join(target, "tokenizer.json")):
+            tokenizer = Tokenizer(target)
+        d = load_drafter(drafter, t, device, dt) if drafter is not None else None
+    if calibration is not None:
+        if d is None or d.confidence_head is None:
+            raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
+        temps, K = read_json(calibration).get("temperatures"), d.cfg.num_drafts
+        lo, hi = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max  # applied in float32
+        if not isinstance(temps, list) or len(temps) != K or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and lo <= x <= hi for x in temps):
+            raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers from {lo:.3g} to "
+                            f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
+        d.calibrate(temps)
+    if cpu_kernels:
+        import cpu_kernels as backend
+        for m in (t, d):
+            if m is not None:
+                backend.install(m)
+    return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter))
+
+
+def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and config.json, in that order, deduplicated."""
+    gen = os.path.join(directory, "generation_config.json")
+    ids = token_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size) if optional_file(gen) else ()
+    return tuple(dict.fromkeys(ids + args.eos_token_ids))
+
+
+GENERATION_KEYS = {"temperature": (f"a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+                                   lambda x: MIN_TEMPERATURE <= x <= MAX_TEMPERATURE),
+                   "top_k": (f"an integer from -1 to {MAX_TOP_K} (0 or -1: off)", lambda x: x == int(x) and -1 <= x <= MAX_TOP_K),
+                   "top_p": ("a number in (0, 1]", lambda x: 0 < x <= 1), "min_p": ("a number in [0, 1]", lambda x: 0 <= x <= 1)}
+
+
+def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
+    """generation_config.json's (sampling, path): None for greedy (no do_sample), temperature 1.0 if unset."""
+    path = os.path.join(directory, "generation_config.json")
+    if not optional_file(path):
+        return None, None
+    cfg = read_json(path)
+    if not checked({"do_sample": cfg.get("do_sample", False)}, "do_sample", path, bool):
+        return None, path
+    out = {"temperature": 1.0}
+    for key, (valid, ok) in GENERATION_KEYS.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf") and ok(v)):
+            raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
+        out[key] = max(int(v), 0) if key == "top_k" else float(v)
+    return out, path
+
+
+# Hugging Face hub ids, ORG/NAME[@REVISION]: from the cache, or downloaded into it
+
+HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                  "tokenizer_config.json", "chat_template.jinja")  # what a run reads besides the weights
+SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # every Qwen3 repo has them
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the hub's rule for an owner or a name
+HUB_ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?:@(?P<revision>[^@]*))?")
+REVISION = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*")
+
+
+def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
+    """--target/--drafter as a local directory: a path as it is, else a hub id as huggingface_hub resolves it:
+    its complete cached snapshot, else downloaded (only the files a run reads) unless HF_HUB_OFFLINE."""
+    if spec is None or os.path.exists(spec):
+        return spec
+    if not spec.strip():
+        raise UserError(f"{flag}: empty (a checkpoint directory, or a Hugging Face hub id ORG/NAME)")
+    if os.path.isabs(spec) or spec.startswith((".", "~")):
+        return spec  # spelled as a path: the loader says it is not found
+    m = HUB_ID.fullmatch(spec)
+    repo, revision = (m["repo"], m["revision"]) if m else (None, None)
+    if m is None or ".." in repo or "--" in repo or (revision is not None and (
+            not REVISION.fullmatch(revision) or ".." in revision or len(revision) > 255)):
+        raise UserError(f"{flag} {spec}: not found as a directory, and not a Hugging Face hub id (ORG/NAME or "
+                        f"ORG/NAME@REVISION)")
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
+    expected = () if flag == "--drafter" else SNAPSHOT_EXPECTED
+    path, incomplete = cached_snapshot(repo, revision, cache, where)
+    missing = missing_weights(path) if path else None
+    if path and not missing and not incomplete and (
+            constants.HF_HUB_OFFLINE or all(os.path.isfile(os.path.join(path, f)) for f in expected)):
+        return path
+    if constants.HF_HUB_OFFLINE:
+        lacks = f"lacks files the repository has ({incomplete})" if incomplete else f"has no {missing}"
+        raise UserError(f"{where}: " + (f"the cached snapshot {path} {lacks}" if path else
+                                        f"no such local directory, and not in the Hugging Face cache ({cache})")
+                        + "; offline mode (HF_HUB_OFFLINE) forbids downloading it")
+
+    def download(revision, files):
+        try:
+            return huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
+        except Exception as e:  # network, authorization, disk: one line each
+            raise UserError(f"{where}: {download_error(e, repo, revision, cache)}") from None
+
+    try:
+        now = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
+    except UserError as e:
+        if not (path and not missing):
+            raise
+        print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
+              file=sys.stderr)
+        return path
+    if missing_weights(now):  # ... fetched at the very commit the metadata came from
+        index = os.path.join(now, "model.safetensors.index.json")
+        now = download(os.path.basename(now), index_shards(index) if os.path.isfile(index) else ["model.safetensors"])
+    if missing := missing_weights(now):
+        raise UserError(f"{where}: {now} has no {missing} after the download: the repository lacks it (checkpoints "
+                        f"are read as config.json and safetensors weights), or the hub could not be reached")
+    lacking = [f for f in expected if not os.path.isfile(os.path.join(now, f))]
+    if lacking:
+        print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} after asking the hub (out of "
+              f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
+    return now
+
+
+def hub_snapshot(path: str) -> Optional[str]:
+    """ORG/NAME@COMMIT when `path` is a snapshot directory of a Hugging Face cache."""
+    *_, folder, snapshots, commit = ["", ""] + os.path.normpath(path).split(os.sep)
+    repo = folder.removeprefix("models--")
+    if snapshots == "snapshots" and repo != folder and "--" in repo:
+        return repo.replace("--", "/", 1) + "@" + commit
+    return None
+
+
+def cached_snapshot(repo, revision, cache, where) -> tuple[Optional[str], Optional[str]]:
+    """(repo@revision's snapshot in the cache or None, what it lacks by the cache's own listing or None)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+    try:
+        return snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
+                                 allow_patterns=list(HUB_META_FILES)), None
+    except LocalEntryNotFoundError as e:  # absent, or present in part
+        path = getattr(e, "snapshot_path", None)
+        if path is None or not os.path.isdir(path):
+            return None, None
+        lacking = [f for f in HUB_META_FILES if f in str(e) and not os.path.exists(os.path.join(path, f))]
+        return path, ", ".join(lacking) or "some of its metadata files"
+    except Exception as e:
+        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
+                        f"{first_line(e)})") from None
+
+
+def index_shards(index: str) -> list[str]:
+    weight_map = read_json(index).get("weight_map")
+    shards = sorted({f for f in weight_map.values() if isinstance(f, str)}) if isinstance(weight_map, dict) else []
+    if not shards or any(os.path.basename(f) != f or not f.endswith(".safetensors") for f in shards):
+        raise UserError(f"{index}: 'weight_map' must map tensor names to .safetensors files beside it")
+    return shards
+
+
+def missing_weights(directory: str) -> Optional[str]:
+    """What a checkpoint directory lacks before it can be loaded (config.json, the weights), or None."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return "config.json"
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return None if os.path.isfile(os.path.join(directory, "model.safetensors")) else \
+            "model.safetensors (or model.safetensors.index.json)"
+    return next((f for f in index_shards(index) if not os.path.isfile(os.path.join(directory, f))), None)
+
+
+def download_error(e: Exception, repo: str, revision: Optional[str], cache: str) -> str:
+    from huggingface_hub.utils import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, \
+        RevisionNotFoundError
+    if isinstance(e, GatedRepoError):
+        return (f"{repo} is gated on the Hugging Face hub: accept its conditions on huggingface.co/{repo}, then log "
+                f"in (hf auth login, or HF_TOKEN)")
+    if isinstance(e, RepositoryNotFoundError):
+        return f"no repository {repo} on the Hugging Face hub (or it is private: log in with hf auth login, or set HF_TOKEN)"
+    if isinstance(e, RevisionNotFoundError):
+        return f"{repo} has no revision {revision!r} on the Hugging Face hub"
+    if isinstance(e, LocalEntryNotFoundError):
+        return f"not in the Hugging Face cache ({cache}), and the hub cannot be reached ({first_line(e)})"
+    return f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})"
+
+
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]

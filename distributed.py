@@ -1,0 +1,96 @@
+"""Several processes under torchrun (train.py, eval.py, scripts/train_target.py): torchrun's
+variables checked, the process group joined with a timeout; one process without them."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from common import UserError, device_name
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
+
+
+def peak_tflops(device) -> Optional[float]:
+    """The data-sheet dense bf16 peak of a known GPU, else None (CPUs: give it yourself)."""
+    if not str(device).startswith("cuda"):
+        return None
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name(device)), None)
+
+
+def rank0() -> bool:
+    """Whether this process speaks for the run (any process when torchrun's variables are broken)."""
+    try:
+        return torchrun_env()[0] == 0
+    except UserError:
+        return True
+
+
+def torchrun_env(environ=None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's variables, (0, 1, 0) without them. Variables that
+    contradict each other (WORLD_SIZE without RANK, a rank outside the world, no MASTER_ADDR/PORT for
+    several processes, ...) are a one-line UserError, not a hang or a traceback."""
+    env = os.environ if environ is None else environ
+    vals = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if name in env:
+            try:
+                vals[name] = int(env[name])
+            except ValueError:
+                raise UserError(f"torchrun environment: {name}={env[name]!r} is not an integer") from None
+    if "WORLD_SIZE" not in vals:
+        if vals:
+            raise UserError(f"torchrun environment: {', '.join(vals)} set without WORLD_SIZE "
+                            "(launch with torchrun, or unset them)")
+        return 0, 1, 0
+    world = vals["WORLD_SIZE"]
+    if world < 1:
+        raise UserError(f"torchrun environment: WORLD_SIZE={world} (valid: >= 1)")
+    if "RANK" not in vals:
+        if world == 1:
+            return 0, 1, vals.get("LOCAL_RANK", 0)
+        raise UserError(f"torchrun environment: WORLD_SIZE={world} but RANK is not set (launch with torchrun)")
+    rank = vals["RANK"]
+    if not 0 <= rank < world:
+        raise UserError(f"torchrun environment: RANK={rank} is outside WORLD_SIZE={world} (valid: 0 to {world - 1})")
+    if world > 1:
+        missing = [n for n in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if n not in env]
+        if missing:
+            raise UserError(f"torchrun environment: WORLD_SIZE={world} but {', '.join(missing)} not set "
+                            "(launch with torchrun)")
+        if vals["LOCAL_RANK"] < 0:
+            raise UserError(f"torchrun environment: LOCAL_RANK={vals['LOCAL_RANK']} (valid: >= 0)")
+    return rank, world, vals.get("LOCAL_RANK", 0)
+
+
+def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
+    """(rank, world size, device) after joining torchrun's process group (gloo on cpu, nccl on cuda, the
+    rank's LOCAL_RANK GPU); one process without torchrun's variables. Waiting for the other processes
+    (and every later collective) gives up after timeout_s with a one-line UserError."""
+    rank, world, local = torchrun_env()
+    if world == 1:
+        return 0, 1, device
+    import datetime
+
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available")
+        if local >= torch.cuda.device_count():
+            raise UserError(f"torchrun environment: LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # rendezvous failures come as RuntimeError, DistError, TimeoutError, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"rank {rank} of {world}: no process group at {where} within {timeout_s:g} s ({first}); "
+                            "start every process (torchrun --nproc_per_node N) or raise --dist-timeout") from None
+    return rank, world, device
