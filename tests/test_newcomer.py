@@ -18,10 +18,15 @@ Where this test departs from a newcomer's machine, and why:
 - The CPU torch line (`pip install torch==... --index-url .../cpu`) needs the network, which tests
   do not have: instead the environment's torch must be that version's CPU build.
 - A run of `python X --help` lines runs in one process (each file executed as `__main__` with
-  `--help`), not one process each: every start imports torch (~3 s each here, 14 of them).
-All of it took 45 s here (2-core machine, load ~3): venv 4 s, pip 4 s, the demo 6 s, eval 13 s,
-fourteen --help 3 s, bench's quick look 15 s. Beyond each command's exit status and output, the test
-checks that the --help block names every program and script, that --help wrote nothing, that the committed demo pair is unchanged at the end,
+  `--help`), not one process each: every start imports torch (~3 s each here).
+- `pip install -e .` builds through pip's build isolation, which downloads setuptools. Here it runs
+  as `pip install -e . --no-build-isolation --no-deps` with the setuptools the suite's Python has
+  (the new environment's own older copy, which cannot build an editable wheel, is removed first);
+  where no setuptools can, the test writes what the editable install would: a .pth line naming the
+  checkout. Right after it the README's Python API example (the `<!-- api-example -->` block) runs
+  from a folder outside the checkout, as someone who installed the project would run it.
+Beyond each command's exit status and output, the test checks that the --help block names every
+program and script, that --help wrote nothing, that the committed demo pair is unchanged at the end,
 and that whatever the commands wrote is ignored by .gitignore.
 """
 
@@ -67,11 +72,38 @@ def readme_steps(text: str) -> list[str]:
     return steps
 
 
+def api_example(text: str) -> str:
+    """The README's Python API example: the python block right after the `<!-- api-example -->` line."""
+    m = re.search(r"^<!-- api-example -->\s*```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    assert m, "README.md has no <!-- api-example --> python block"
+    return m.group(1)
+
+
+# Whether the environment's setuptools can build an editable wheel (bdist_wheel: setuptools >= 70.1,
+# or the wheel package beside an older one).
+CAN_BUILD = ("python -c 'import importlib.util as u, sys; "
+             "sys.exit(0 if u.find_spec(\"setuptools\") and (u.find_spec(\"setuptools.command.bdist_wheel\") "
+             "or u.find_spec(\"wheel\")) else 1)'")
+
+
 def test_readme_steps_are_found():
     """The parser on a small README: marked blocks only, continuations joined, comments dropped."""
     text = (f"x\n{MARK}\n\n```bash\npython a.py \\\n    --flag 1\n# a comment\nls\n```\n"
             f"```bash\nnot me\n```\n{MARK}\n```bash\nb\n```\n")
     assert readme_steps(text) == ["python a.py      --flag 1", "ls", "b"]
+
+
+def test_a_help_text_may_speak_of_warnings():
+    """A --help text may name warnings; a warning itself (on stderr, or in its own form) still fails."""
+    import pytest
+    ok = subprocess.CompletedProcess([], 0, "usage: x\n  --strict  turn warnings into errors\n", "")
+    clean("x --help", ok, help_text=True)
+    for bad in (subprocess.CompletedProcess([], 0, "usage: x\n", "x.py:3: UserWarning: old\n"),
+                subprocess.CompletedProcess([], 0, "usage: x\nWARNING: old flag\n", "")):
+        with pytest.raises(AssertionError, match="a warning"):
+            clean("x --help", bad, help_text=True)
+    with pytest.raises(AssertionError, match="a warning"):
+        clean("x", ok)
 
 
 def copy_checkout(dst: Path):
@@ -98,11 +130,15 @@ def digest(root: Path) -> dict:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def clean(cmd: str, p: subprocess.CompletedProcess):
+def clean(cmd: str, p: subprocess.CompletedProcess, help_text: bool = False):
+    """Exit 0, no traceback, no warning. A --help text (help_text) may speak of warnings: there stdout is
+    searched only for a warning's own form (`...Warning:`, `WARNING:`), stderr for the word."""
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"{cmd}: exit {p.returncode}\n{out[-3000:]}"
     assert "Traceback" not in out, f"{cmd}: a traceback\n{out[-3000:]}"
-    hit = re.search(r"^.*warning.*$", out, re.IGNORECASE | re.MULTILINE)
+    hit = (re.search(r"^.*warning.*$", p.stderr, re.IGNORECASE | re.MULTILINE)
+           or re.search(r"^.*warning\s*:.*$", p.stdout, re.IGNORECASE | re.MULTILINE) if help_text
+           else re.search(r"^.*warning.*$", out, re.IGNORECASE | re.MULTILINE))
     assert hit is None, f"{cmd}: a warning: {hit.group(0)!r}"
 
 
@@ -145,6 +181,9 @@ def test_a_newcomer_follows_the_readme(tmp_path):
         return p
 
     help_cmd = re.compile(r"^python (\S+\.py) --help$")
+    elsewhere = tmp_path / "elsewhere"  # outside the checkout: the API example runs from here
+    elsewhere.mkdir()
+    api_out = None
     helps = [help_cmd.match(s).group(1) for s in steps if help_cmd.match(s)]
     i = 0
     while i < len(steps):
@@ -180,6 +219,33 @@ def test_a_newcomer_follows_the_readme(tmp_path):
                             "and is followed on that torch only")
             assert p.stdout.strip() == want, f"{cmd}: the environment's torch is {p.stdout.strip()}, not {want}"
             i += 1
+        elif cmd == "pip install -e .":
+            assert "VIRTUAL_ENV" in env, "the README installs the project before making the virtual environment"
+            t0, n0 = time.monotonic(), len(timings)
+            how = "[offline: --no-build-isolation --no-deps]"
+            if sh(CAN_BUILD, "").returncode != 0:  # the venv's own setuptools (3.11 bundles 65.5) shadows the suite's
+                subprocess.run(["python", "-m", "pip", "uninstall", "-y", "-q", "setuptools"], cwd=repo, env=env,
+                               capture_output=True, timeout=120)
+            if sh(CAN_BUILD, "").returncode == 0:
+                p = sh(f"{cmd} --no-build-isolation --no-deps", "")
+                clean(cmd, p)
+            else:  # no setuptools here can build it: what an editable install of flat modules amounts to
+                venv_site = glob.glob(str(Path(env["VIRTUAL_ENV"]) / "lib" / "python*" / "site-packages"))[0]
+                (Path(venv_site) / "dspark_fast_checkout.pth").write_text(str(repo) + "\n")
+                how = "[no setuptools can build it offline: a .pth line naming the checkout]"
+            timings[n0:] = [(f"{cmd}  {how}", time.monotonic() - t0)]
+            example = elsewhere / "api_example.py"
+            example.write_text(api_example((repo / "README.md").read_text(encoding="utf-8")), encoding="utf-8")
+            t0 = time.monotonic()
+            api_out = subprocess.run(["python", str(example)], cwd=elsewhere, env=env, capture_output=True, text=True,
+                                     timeout=120)
+            timings.append(("the README's Python API example, run from outside the checkout", time.monotonic() - t0))
+            clean("the README's Python API example (run outside the checkout)", api_out)
+            assert api_out.stdout.strip(), "the API example printed nothing"
+            where = subprocess.run(["python", "-c", "import speculate; print(speculate.__file__)"], cwd=elsewhere,
+                                   env=env, capture_output=True, text=True, timeout=60)
+            assert Path(where.stdout.strip()).resolve().parent == repo.resolve(), where.stdout + where.stderr
+            i += 1
         elif help_cmd.match(cmd):
             run = []
             while i < len(steps) and help_cmd.match(steps[i]):
@@ -188,15 +254,16 @@ def test_a_newcomer_follows_the_readme(tmp_path):
             files = listing(repo)
             p = sh(f"python -c {shlex.quote(HELP_DRIVER)} " + " ".join(run),
                    f"python FILE --help for {len(run)} files, in one process")
-            clean("the --help lines", p)
+            clean("the --help lines", p, help_text=True)
             for path, r in json.loads(p.stdout.splitlines()[-1]).items():
-                clean(f"python {path} --help", subprocess.CompletedProcess([], r["code"], r["stdout"], r["stderr"]))
+                clean(f"python {path} --help", subprocess.CompletedProcess([], r["code"], r["stdout"], r["stderr"]),
+                      help_text=True)
                 assert "usage" in r["stdout"].lower(), f"python {path} --help: no usage\n{r['stdout'][:500]}"
             assert listing(repo) == files, "--help wrote files"
         else:
             files = listing(repo) if cmd.endswith(" --help") else None
             p = outputs[cmd] = sh(cmd)
-            clean(cmd, p)
+            clean(cmd, p, help_text=files is not None)
             if files is not None:
                 assert "usage" in (p.stdout + p.stderr).lower() and listing(repo) == files, cmd
             i += 1
@@ -205,7 +272,9 @@ def test_a_newcomer_follows_the_readme(tmp_path):
     print(f"README steps ({took:.0f} s in all):\n{report}")
 
     # What the steps must have covered: the install, the demo, eval, bench, every program's --help.
-    assert any(c.startswith("python -m venv") for c, _ in timings) and "pip install -r requirements.txt" in steps
+    assert any(c.startswith("python -m venv") for c, _ in timings)
+    assert any(s.split(" -c ")[0] == "pip install -r requirements.txt" for s in steps), steps
+    assert api_out is not None, "no `pip install -e .` step: the API example was not run from outside the checkout"
     assert "python speculate.py" in steps and "python eval.py" in steps
     assert any(s.startswith("python bench.py ") and "--help" not in s for s in steps)
     programs = {os.path.relpath(f, repo) for f in glob.glob(str(repo / "*.py"))
