@@ -1,174 +1,546 @@
-"""The GPU checks and timings in one device call, each step saving what it measured before the next.
+"""The GPU run: staged, checked, saved as it goes.
 
-    python scripts/device_run.py --out DIR               # on a CUDA machine (needs only torch + triton)
-    python scripts/device_run.py --dry-run --out DIR     # anywhere: the same steps on CPU with small shapes
-                                                         # (a toy-layered preset, bf16, compiled where the
-                                                         # step compiles, Triton in its interpreter)
+    python scripts/device_run.py --out DIR              # on a CUDA machine: needs torch and triton only
+    python scripts/device_run.py --dry-run --out DIR    # on CPU: every stage with small shapes
 
-A device session is short (minutes, compiling included), so every step runs in its own process
-under its own time limit, within one overall budget: a step that hangs, crashes or runs out of time
-is reported and the next one still runs. Steps, most important first:
-  env          the GPU, driver, torch and triton versions
-  eager-b1     bench.py on random-weight Qwen3-8B + a block-7, 5-layer DSpark drafter, bf16, batch 1, eager
-  compiled-b1  the same compiled (reduce-overhead: CUDA graphs without autotuning, which would take
-               most of the session for an 8B model's GEMM shapes)
-  triton       kernels.py's Triton kernels against the references on real shapes, and traced by torch.compile
-  compiled-b32 batch 32 compiled
-  suite        the CPU test suite under this machine's torch (when tyro is importable), in parallel
-  triton-b32   batch 32 compiled with --kernels triton (the Markov chain, acceptance and the cache
-               attention as kernels.py's Triton kernels): after the rest, or alone in a call of its own
-               (--steps triton-b32)
-Bench steps write DIR/<step>.json (bench's own JSON, rewritten after every batch size), env writes
-DIR/env.json, every step's output goes to DIR/log.txt, and DIR/summary.json gives each step's status
-(ok; skipped: it does nothing here; exit N; timed out; interrupted; not run) and seconds. DIR and the
-files the steps write there are checked before the first step. Several calls may write one DIR (the
-second call above): summary.json keeps the earlier calls' steps (each entry names its call; "calls"
-gives each call's time and steps), a step run again replaces its entry and its file, and log.txt gets
-a header line per call. Ctrl-C (SIGINT) or SIGTERM stops the running step (and what it started), marks
-it interrupted in summary.json and ends with one line, exit 130 / 143. Exactness: bench asserts
-equal tokens only in float32; in bf16 it reports the requests whose tokens differ and the target's
-top-2 logit gap where they start.
+Each stage runs in a process of its own under its own time cap; the caps sum to 470 s, so a call ends
+by itself within 8 minutes. In order, smallest first:
+  env           torch, triton, CUDA and driver versions, the GPU (env.json)
+  smoke         bench.py's constructed pair (bigram-35m, τ ≈ 5) in float32, compiled, batch 1 and 4:
+                bench asserts the speculative tokens equal autoregressive decoding's (CUDA graphs,
+                the fused weights and the folded SDPA, on the GPU)
+  compiled-b1   first the compiled verify's logits against eager's on 4 layers of Qwen3-8B's widths in
+                bf16 (check verify_logits); then bench.py on Qwen3-8B's shape, random weights, bf16,
+                compiled, batch 1, autoregressive and speculative
+  triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
+                and inside torch.compile, each check with its bf16 tolerance
+  compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
+  eager-b1      bench.py at batch 1, eager
+A stage writes DIR/<stage>.json when it starts and again after every row and check, so a stage stopped
+at its cap keeps what it finished: "checks" (name, max_diff, tolerance, ok), "rows" (bench.py's), "sdpa"
+(the backend torch picks for the cache attention at the stage's shapes, and those that could run it)
+and "warnings": what torch logged under TORCH_LOGS=perf_hints,recompiles,cudagraphs that makes a timing
+suspect (skipped CUDA graphs, a recompile, a re-recorded graph); each row carries those logged while
+bench ran up to it, and a note if its tokens differ from autoregressive decoding's (in bf16 reported,
+not asserted). DIR/log.txt gets every stage's output; DIR/summary.json each stage's status (ok; skipped:
+nothing to do here; exit N; timed out; interrupted; not run), seconds and failed checks. DIR and the
+files the stages write are checked before the first stage. Ctrl-C or SIGTERM stops the running stage
+and starts no other (exit 130 / 143).
+
+--dry-run: the tiny preset (qwen3-tiny) for every model, batch 2 for 32, a few tokens, Triton in its
+interpreter, torch.compile tracing with dynamo as on the GPU but running the graphs eagerly (Inductor's
+CPU code would take minutes per graph to build), and three times the caps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import importlib.util
 import json
+import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import UserError, check_writable, read_json, write_json  # noqa: E402  (common needs neither tyro nor wandb)
+from common import UserError, check_writable, write_json  # noqa: E402  (neither tyro nor wandb)
 
-SKIPPED = 3  # a step's exit status when it did nothing here (summary.json: "skipped", not "ok")
-
-# step -> (seconds it may take at most, what it runs)
-STEPS = {
-    "env": 60,
-    "eager-b1": 150,
-    "compiled-b1": 300,
-    "triton": 150,
-    "compiled-b32": 300,
-    "suite": 300,
-    "triton-b32": 300,
-}
-BENCH_STEPS = ("eager-b1", "compiled-b1", "compiled-b32", "triton-b32")
+# stage -> its time cap in seconds, in the order they run
+STAGES = {"env": 15, "smoke": 70, "compiled-b1": 150, "triton": 60, "compiled-b32": 125, "eager-b1": 50}
+DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
+BUDGET = 480      # seconds for all stages: the caps, and the time to stop the last one at its cap
+STOP_GRACE = 5    # a stage past its cap gets SIGTERM, then SIGKILL this much later
+SKIPPED = 3       # a stage's exit status when it has nothing to do here
+TORCH_LOGS = ("perf_hints", "recompiles", "cudagraphs")
+FLAGGED = ("skipping cudagraphs", "Recompiling", "Re-recording")  # log lines that make a timing suspect
 
 
-def result_file(step: str):
-    """The file a step writes in --out besides log.txt and summary.json (None: none)."""
-    return "env.json" if step == "env" else f"{step}.json" if step in BENCH_STEPS else None
+def stage_file(stage: str) -> str:
+    return "env.json" if stage == "env" else f"{stage}.json"
 
 
-def bench_args(step: str, dry: bool, out: str) -> dict:
-    """bench.BenchArgs fields for a bench step. The dry run's are the GPU run's — a random-weight preset
-    with the published vocabulary, bf16 (so the mismatch report's branch runs), compiled in the same mode
-    where the step compiles, the same kernel set (Triton's in its CPU interpreter) — on CPU, with toy
-    layers (qwen3-tiny), batch 2 for 32 and a few tokens."""
-    compiled = step.startswith(("compiled", "triton"))
-    args = dict(model="qwen3-8b", device="cuda", dtype="bfloat16", batch_sizes="32" if step.endswith("b32") else "1",
-                prompt_len=128, max_new_tokens=128, repeats=2, compile=compiled, reference=False, out=out,
-                kernels="triton" if step.startswith("triton-") else "torch")
-    if compiled:  # CUDA graphs without autotuning (which would take most of the session for an 8B model)
-        args["compile_mode"] = "reduce-overhead"
+# ----------------------------------------------------------------------------------------
+# In a stage's process
+
+def bench_args(stage: str, dry: bool, out: str) -> dict:
+    """bench.BenchArgs of a bench stage. The dry run's differ only in device, preset and sizes."""
+    if stage == "smoke":
+        a = dict(model="bigram-35m", dtype="float32", batch_sizes="1,4", prompt_len=32, max_new_tokens=64,
+                 repeats=1, compile=True)
+    else:
+        a = dict(model="qwen3-8b", dtype="bfloat16", batch_sizes="32" if stage == "compiled-b32" else "1",
+                 prompt_len=128, max_new_tokens=64 if stage == "eager-b1" else 128, repeats=2,
+                 compile=stage != "eager-b1")
+    # reduce-overhead: CUDA graphs without GEMM autotuning (which would take minutes for an 8B model's shapes)
+    a.update(device="cuda", reference=False, out=out, compile_mode="reduce-overhead" if a["compile"] else None)
     if dry:
-        args.update(model="qwen3-tiny", device="cpu", batch_sizes="2" if step.endswith("b32") else "1", prompt_len=8,
-                    max_new_tokens=8, repeats=1)
-    return args
+        a.update(device="cpu", prompt_len=8, max_new_tokens=4, repeats=1,
+                 batch_sizes={"1,4": "1,2", "32": "2"}.get(a["batch_sizes"], a["batch_sizes"]),
+                 model="qwen3-tiny")
+    return a
 
 
-def run_step(step: str, dry: bool, out_dir: str):
-    """One step, in this process (the parent runs each in a child under a time limit)."""
+class TorchLog(logging.Handler):
+    """What torch logs in this process (TORCH_LOGS); `flagged()`: the lines that make a timing suspect."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        from torch._logging._internal import log_registry
+
+        self.lines, self.last = [], None
+        for name in log_registry.get_log_qnames():  # torch's loggers keep their records from the root logger
+            logging.getLogger(name).addHandler(self)
+
+    def emit(self, record):
+        if record is not self.last:  # a record may pass two of torch's loggers
+            self.last = record
+            self.lines.append(record.getMessage()[:1000])
+
+    def mark(self) -> tuple[int, int]:
+        from torch._dynamo.utils import counters
+
+        return len(self.lines), counters["inductor"]["cudagraph_skips"]
+
+    def flagged(self, since: tuple[int, int] = (0, 0)) -> list[str]:
+        """The flagged lines logged since `mark()` gave `since`; and skipped CUDA graphs that torch
+        counted without a line (the log's name for them changed between versions)."""
+        out = [line for line in self.lines[since[0]:] if any(f in line for f in FLAGGED)]
+        skips = self.mark()[1] - since[1]
+        if skips and not any("skipping cudagraphs" in line for line in out):
+            out.append(f"skipping cudagraphs: {skips} graph(s), counted by torch")
+        return out
+
+
+class Stage:
+    """A stage's JSON file, written whole at once and after every row and check."""
+
+    def __init__(self, name: str, out: str, dry: bool):
+        self.path, self.log = os.path.join(out, stage_file(name)), TorchLog()
+        self.doc = {"stage": name, "dry_run": dry, "complete": False, "warnings": [], "checks": [], "sdpa": {},
+                    "rows": []}
+        self.save()
+
+    def save(self):
+        self.doc["warnings"] = self.log.flagged()
+        write_json(self.path, self.doc, indent=1)
+
+    def check(self, name: str, max_diff: float, tolerance: float, **info):
+        max_diff, tolerance = float(max_diff), float(tolerance)
+        ok = max_diff <= tolerance  # NaN fails
+        self.doc["checks"].append({"name": name, "max_diff": max_diff if math.isfinite(max_diff) else str(max_diff),
+                                   "tolerance": tolerance, "ok": ok, **info})
+        print(f"check {name}: max diff {max_diff:.3g}, tolerance {tolerance:.3g}: {'ok' if ok else 'FAILED'}",
+              flush=True)
+        self.save()
+
+
+def light_compile():
+    """--dry-run: torch.compile traces with dynamo (fullgraph, guards, recompiles) and runs the graphs eagerly."""
     import torch
 
-    if step == "env":
-        info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-                "cuda_available": torch.cuda.is_available()}
+    real = torch.compile
+
+    def compile(fn=None, **kw):
+        return real(fn, fullgraph=kw.get("fullgraph", False), dynamic=kw.get("dynamic"), backend="eager")
+    torch.compile = compile
+
+
+def unit_roundoff(dtype) -> float:
+    import torch
+
+    return torch.finfo(dtype).eps / 2  # 2^-8 for bf16
+
+
+@contextlib.contextmanager
+def sdpa_spy():
+    """The backend of each scaled_dot_product_attention call in the block, as torch chooses it."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    real, seen = F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         try:
-            import triton
-            info["triton"] = triton.__version__
-        except ImportError:
-            info["triton"] = None
-        if torch.cuda.is_available():
-            p = torch.cuda.get_device_properties(0)
-            info.update(gpu=p.name, memory_gib=p.total_memory / 2**30, multiprocessors=p.multi_processor_count)
-        print(json.dumps(info))
-        write_json(os.path.join(out_dir, "env.json"), info)
-        return 0
-    if step in BENCH_STEPS:
-        import bench
-
-        try:
-            with torch.inference_mode():
-                bench.run(bench.BenchArgs(**bench_args(step, dry, os.path.join(out_dir, f"{step}.json"))))
-        except UserError as e:  # as bench.py's command line says it
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    if step == "triton":
-        if dry:
-            print("dry run: the Triton device check needs CUDA; skipped")
-            return SKIPPED
-        return subprocess.call([sys.executable, os.path.join(ROOT, "tests", "test_triton.py"), "--device"], cwd=ROOT)
-    if step == "suite":
-        if importlib.util.find_spec("tyro") is None:
-            print("tyro is not importable here: the CLI tests need it; skipped")
-            return SKIPPED
-        if dry:
-            print("dry run: the suite is what CI runs; skipped")
-            return SKIPPED
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "tests"]
-        if importlib.util.find_spec("xdist") is not None:
-            cmd[-1:-1] = ["-n", "12"]
-        if importlib.util.find_spec("pytest_timeout") is not None:
-            cmd[-1:-1] = ["--timeout", "150"]
-        return subprocess.call(cmd, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"))
-    raise SystemExit(f"unknown step {step!r}")
-
-
-def check_out(out: str, steps: list[str]):
-    """--out before any step: the folder made if missing, and every file this call writes there writable."""
+            seen.append(SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                           enable_gqa=enable_gqa)).name)
+        except (RuntimeError, TypeError, ValueError) as e:  # a diagnostic: it must not stop the stage
+            seen.append(f"unknown ({type(e).__name__}: {str(e)[:200]})")
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    F.scaled_dot_product_attention = spy
     try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot create it ({e.strerror or e})") from None
-    for name in ("summary.json", "log.txt", *filter(None, map(result_file, steps))):
-        check_writable(os.path.join(out, name), "--out")
+        yield seen
+    finally:
+        F.scaled_dot_product_attention = real
 
 
-def earlier_summary(path: str) -> dict:
-    """summary.json of the earlier calls into --out ({"calls": [...], "steps": [...]}), or an empty one."""
-    if not os.path.exists(path):
-        return {"calls": [], "steps": []}
-    old = read_json(path)
-    steps, calls = old.get("steps"), old.get("calls")
-    if not (isinstance(steps, list) and all(isinstance(s, dict) and isinstance(s.get("step"), str) for s in steps)
-            and isinstance(calls, (list, type(None)))):
-        raise UserError(f"{path}: not a summary of scripts/device_run.py; remove it, or give another --out")
-    if calls is None:  # written before calls were counted: one call
-        calls, steps = [{k: old[k] for k in ("dry_run", "budget_s") if k in old}], [dict(s, call=1) for s in steps]
-    return {"calls": calls, "steps": steps}
+def sdpa_backend(args, batch: int, T: int, S: int, dtype, dev) -> dict:
+    """The SDPA backend of the cache attention (model.attend_cached, its mask folded for GQA as the model
+    folds it) for T query tokens over S cache positions: torch's pick, and each one that can run alone."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import model
+
+    H, Hkv, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    q = torch.randn((batch, T, H, hd), device=dev).to(dtype)
+    k, v = (torch.randn((batch, S, Hkv, hd), device=dev).to(dtype) for _ in range(2))
+    allowed = (S - T + torch.arange(T, device=dev))[None, :, None] >= torch.arange(S, device=dev)
+    group = H // Hkv if model.fold_gqa(dev) else 1
+    bias = model.cache_bias(allowed.expand(batch, T, S), group, dtype)
+    with sdpa_spy() as seen:
+        model.attend_cached(q, k, v, bias)
+    can = []
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"):
+        with contextlib.suppress(RuntimeError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # each refusing backend warns why
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                model.attend_cached(q, k, v, bias)
+            can.append(name)
+    return {"batch": batch, "query_tokens": T, "cache_positions": S, "dtype": str(dtype).replace("torch.", ""),
+            "folded_gqa": group > 1, "runs": seen[0], "can_run": can}
+
+
+def verify_logits(st: Stage, preset: str, layers: int, batch: int, dtype, dev, dry: bool):
+    """The compiled verify forward's logits against eager's on the same cache and tokens: a random target
+    of `preset`'s widths with `layers` layers (the tolerance grows with the depth; the layers are alike)."""
+    import torch
+
+    import speculate
+    from checkpoint import PRESETS, init_random_
+    from model import ModelArgs, Transformer
+
+    a = ModelArgs(**{**PRESETS[preset], "num_hidden_layers": layers})
+    with torch.device("meta"):
+        target = Transformer(a)
+    target = target.to(dtype).to_empty(device=dev)
+    if a.tie_word_embeddings:
+        target.lm_head.weight = target.embed_tokens.weight
+    target = init_random_(target, 0).eval().requires_grad_(False)
+    P, T = (8, 4) if dry else (128, 8)  # a prompt, then a verify of 8 tokens (a block of 7 drafts)
+    target.setup_caches(batch, P + 64)
+    g = torch.Generator(device=dev).manual_seed(0)
+    target(torch.randint(0, a.vocab_size, (batch, P), generator=g, device=dev),
+           torch.arange(P, device=dev).expand(batch, P))  # the prompt into the cache, eagerly
+    tokens = torch.randint(0, a.vocab_size, (batch, T), generator=g, device=dev)
+    positions = P + torch.arange(T, device=dev).expand(batch, T)
+    want = target(tokens, positions)[0].float()
+    fn = speculate.compiled(lambda x, p: target(x, p)[0], dev, "reduce-overhead")
+    t0, diff, agree = time.perf_counter(), 0.0, 1.0
+    for _ in range(3):  # with CUDA graphs: warm-up, recording, replay
+        if dev == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        got = fn(tokens, positions).float()
+        diff = max(diff, (got - want).abs().max().item())
+        agree = min(agree, (got.argmax(-1) == want.argmax(-1)).float().mean().item())
+    # Each side rounds the output of every residual branch (L attention, L MLP) and of the head to bf16,
+    # relative u each, so 2u apart; the stream adds them up: at most (2L + 1) * 2u at the logits' scale.
+    tol = (2 * layers + 1) * 2 * unit_roundoff(dtype) * want.abs().max().item()
+    st.check("verify_logits", diff, tol, preset=preset, layers=layers, batch=batch, query_tokens=T, cached=P,
+             max_abs_logit=want.abs().max().item(), argmax_agree=agree,
+             compile_seconds=round(time.perf_counter() - t0, 1))
+
+
+def bench_rows(st: Stage, args: dict):
+    """bench.run with these BenchArgs; its document, rewritten after every row, goes into the stage's file,
+    each row with the warnings logged up to it."""
+    import bench
+
+    since = st.log.mark()
+
+    def keep(path, doc, indent=None):
+        for row in doc["rows"]:
+            if "warnings" not in row:
+                differ = row.get("differing_requests") or []
+                row["warnings"] = st.log.flagged(since) + ([f"tokens differ from autoregressive decoding's in "
+                                                       f"{len(differ)} request runs (differing_requests)"]
+                                                      if differ else [])
+        st.doc.update(doc)
+        st.save()
+    bench.write_json = keep  # bench's only writer: its --out document
+    bench.run(bench.BenchArgs(**args))
+
+
+def bench_stage(st: Stage, stage: str, dry: bool):
+    import torch
+
+    import bench
+    from checkpoint import PRESETS
+    from model import ModelArgs
+
+    args = bench_args(stage, dry, st.path)
+    dev, dtype = args["device"], getattr(torch, args["dtype"])
+    margs = ModelArgs(**(bench.BIGRAM_35M if args["model"] == "bigram-35m" else PRESETS[args["model"]]))
+    verify = 6 if args["model"] == "bigram-35m" else 8  # its drafter's block + the anchor
+    S = args["prompt_len"] + args["max_new_tokens"] + 2 * verify  # the engine's cache (bench's max_seq)
+    for b in map(int, args["batch_sizes"].split(",")):
+        for what, T in (("verify", verify), ("step", 1)):
+            st.doc["sdpa"][f"b{b} {what}"] = sdpa_backend(margs, b, T, S, dtype, dev)
+    st.save()
+    if stage == "compiled-b1":
+        verify_logits(st, "qwen3-tiny" if dry else "qwen3-8b", 2 if dry else 4, 1, dtype, dev, dry)
+    try:
+        bench_rows(st, args)
+    except AssertionError as e:  # float32: bench asserts equal tokens
+        st.check("speculative_tokens_equal", 1, 0, error=str(e)[:1000])
+        raise
+    if args["dtype"] == "float32":
+        st.check("speculative_tokens_equal", 0, 0, note="bench.py asserts every run's tokens equal autoregressive "
+                                                        "decoding's in float32")
+
+
+# The Triton checks' shapes: Qwen3-8B's vocabulary, its drafter's block of 7 and Markov rank 256; its
+# attention in a verify of 8 tokens over a cache for 2048 new tokens after a 256-token prompt.
+CHAIN = [(1, 7, 151936, 256), (4, 7, 151936, 256)]  # (B, K, V, r); the Triton chain runs at B <= 4
+VERIFY = [(1, 7, 151936), (32, 7, 151936)]  # (B, K, V)
+ATTENTION = [(1, 8, 32, 8, 128, 2312, (300, 2000)), (32, 8, 32, 8, 128, 2312, (300, 1200, 2000))]
+DRY = dict(chain=[(1, 3, 1000, 64), (2, 3, 1000, 64)], verify=[(2, 3, 1000)],
+           attention=[(2, 4, 4, 2, 16, 70, (10, 60))])
+
+
+@contextlib.contextmanager
+def only_triton():
+    """The Triton functions' fallbacks raise in the block: no check compares a reference with itself."""
+    import kernels
+    import model
+
+    saved = {(m, n): getattr(m, n) for m, n in ((kernels, "markov_chain"), (kernels, "verify_greedy"),
+                                                (kernels, "verify_sampled"), (model, "attend_cached"))}
+
+    def fell_back(*a, **kw):
+        raise AssertionError("a Triton function fell back to its torch reference")
+    for m, n in saved:
+        setattr(m, n, fell_back)
+    try:
+        yield
+    finally:
+        for (m, n), f in saved.items():
+            setattr(m, n, f)
+
+
+def chain_gap(markov, U, anchor, drafts) -> tuple[float, float]:
+    """How far the chain's greedy picks trail the best reference score, z_k = U_k + W2·W1[x_{k-1}] at
+    the chain's own previous tokens, and the tolerance."""
+    import torch
+
+    bias = markov.markov_w2(markov.markov_w1(torch.cat([anchor[:, None], drafts[:, :-1]], 1)))
+    z = (U + bias).float()
+    gap = (z.amax(-1) - z.gather(-1, drafts[..., None])[..., 0]).max().item()
+    # The bias, then z, are rounded to the dtype on each side from sums taken in other orders: up to one
+    # unit in the last place (2u relative) apart each, so a pick may trail the best by twice that.
+    return gap, 2 * 2 * unit_roundoff(U.dtype) * (bias.float().abs().max() + z.abs().max()).item()
+
+
+def attention_tolerance(q, k, v, bias, want, backend: str) -> float:
+    """The bound on two correct attentions of these inputs: each side rounds the weights p to the
+    dtype before p·V (u·Σp|v| each), and the output (u·|o| each); a backend that keeps the scores s
+    in the dtype moves each p by up to 2u·|s| more (math)."""
+    import torch
+
+    import model
+
+    u = unit_roundoff(q.dtype)
+    spread = model.attend_cached(q.float(), k.float(), v.float().abs(), bias.float()).max().item()  # Σ p|v|
+    scores = 0.0
+    if backend == "MATH":
+        g = q.shape[2] // k.shape[2]
+        s = torch.einsum("bthd,bshd->bhts", q.float(), k.float().repeat_interleave(g, 2)) * q.shape[-1] ** -0.5
+        scores = s.abs().max().item()
+    return 2 * u * (spread * (1 + scores) + want.float().abs().max().item())
+
+
+def triton_stage(st: Stage, dry: bool) -> int:
+    import torch
+
+    import kernels
+    import model
+    from common import sync
+    from drafter import VanillaMarkov
+
+    if not kernels.HAVE_TRITON:
+        print("triton is not installed here: nothing to check")
+        return SKIPPED
+    dev, dtype, reps = ("cpu" if dry else "cuda"), torch.bfloat16, (0 if dry else 20)
+    kernels.kernel_set("triton", dev)  # builds the kernels; raises where Triton cannot run
+    ref_chain, ref_greedy, ref_sampled = kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled
+    ref_attention = model.attend_cached
+    shapes = DRY if dry else dict(chain=CHAIN, verify=VERIFY, attention=ATTENTION)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def us(fn):  # microseconds a call, the mean of `reps` after one
+        fn()
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(dev)
+        return round((time.perf_counter() - t0) / reps * 1e6, 1)
+
+    def timings(ref, fast):
+        return dict(reference_us=us(ref), triton_us=us(fast)) if reps else {}
+
+    for B, K, V, r in shapes["chain"]:
+        with torch.device(dev):
+            markov = VanillaMarkov(16, V, r).to(dtype).requires_grad_(False)
+        U = (2 * torch.randn((B, K, V), generator=g, device=dev)).to(dtype)
+        anchor = torch.randint(0, V, (B,), generator=g, device=dev)
+        h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
+        with only_triton():
+            drafts, _ = kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)
+        gap, tol = chain_gap(markov, U, anchor, drafts)
+        st.check(f"chain B={B} K={K} V={V} r={r}", gap, tol, measure="best reference score minus the score of "
+                 "the pick", **timings(lambda: ref_chain(U, h, anchor, markov, 0.0, None),
+                                      lambda: kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)))
+    for B, K, V in shapes["verify"]:
+        logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
+        drafts = torch.argmax(logits[:, :K], -1)
+        drafts = torch.where(torch.rand((B, K), generator=g, device=dev) < 0.2,
+                             torch.randint(0, V, (B, K), generator=g, device=dev), drafts)
+        vl = torch.randint(0, K + 1, (B,), generator=g, device=dev)
+        q = torch.softmax(logits[:, :K].float() + torch.randn((B, K, V), generator=g, device=dev), -1)
+        u = torch.rand((B, K), generator=g, device=dev)
+        noise = torch.empty((B, V), device=dev).exponential_(1, generator=g)
+        with only_triton():
+            greedy = kernels.verify_greedy_triton(drafts, logits, vl)
+            sampled = kernels.verify_sampled_triton(drafts, q, logits, vl, 1.0, None, u, noise)
+        # The same logits: argmax is exact, and the sampled tests compare float32 probabilities that
+        # differ in the last bits only, so no row may differ.
+        for name, got, want in (("verify_greedy", greedy, ref_greedy(drafts, logits, vl)),
+                                ("verify_sampled", sampled, ref_sampled(drafts, q, logits, vl, 1.0, None, u, noise))):
+            st.check(f"{name} B={B} K={K} V={V}", float(sum(int((a != b).sum()) for a, b in zip(got, want))), 0.0,
+                     measure="accepted counts and next tokens that differ")
+    adtype = torch.float16 if dry else dtype  # the interpreter's tl.dot multiplies bf16 as raw bits
+    for B, T, H, Hkv, hd, S, filled in shapes["attention"]:
+        q = torch.randn((B, T, H, hd), generator=g, device=dev).to(adtype)
+        k, v = (torch.randn((B, S, Hkv, hd), generator=g, device=dev).to(adtype) for _ in range(2))
+        for n in filled:
+            allowed = (n - T + torch.arange(T, device=dev))[None, :, None] >= torch.arange(S, device=dev)
+            allowed = allowed.expand(B, T, S)
+            ref_bias = model.cache_bias(allowed, H // Hkv if model.fold_gqa(dev) else 1, adtype)
+            bias = model.cache_bias(allowed, 1, adtype)
+            with sdpa_spy() as backend:
+                want = ref_attention(q, k, v, ref_bias)
+            with only_triton():
+                got = kernels.cached_attention_triton(q, k, v, bias)
+            st.check(f"attention B={B} T={T} H={H}/{Hkv} hd={hd} S={S} filled={n}",
+                     (got.float() - want.float()).abs().max().item(),
+                     attention_tolerance(q, k, v, ref_bias, want, backend[0]), reference_backend=backend[0],
+                     **timings(lambda: ref_attention(q, k, v, ref_bias),
+                               lambda: kernels.cached_attention_triton(q, k, v, bias)))
+    # The engine compiles the round whole (fullgraph, static shapes): the kernels must trace. In the
+    # interpreter, traced code takes the references (Triton's interpreter cannot run inside a graph).
+    B, K, V, r = shapes["chain"][0]
+    with torch.device(dev):
+        markov = VanillaMarkov(16, V, r).to(dtype).requires_grad_(False)
+    U = (2 * torch.randn((B, K, V), generator=g, device=dev)).to(dtype)
+    anchor = torch.randint(0, V, (B,), generator=g, device=dev)
+    h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
+    logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
+    vl = torch.full((B,), K, device=dev)
+
+    def step(U, anchor, logits, vl):
+        drafts, _ = kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)
+        return (drafts, *kernels.verify_greedy_triton(drafts, logits, vl))
+    with only_triton() if not dry else contextlib.nullcontext():
+        drafts, n, nxt = torch.compile(step, fullgraph=True, dynamic=False)(U, anchor, logits, vl)
+        got = torch.compile(kernels.cached_attention_triton, fullgraph=True, dynamic=False)(q, k, v, bias)
+    st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
+    st.check("compiled verify_greedy", float(sum(int((a != b).sum()) for a, b in zip((n, nxt), ref_greedy(
+        drafts, logits, vl)))), 0.0, triton_traced=not dry)
+    st.check("compiled attention", (got.float() - want.float()).abs().max().item(),
+             attention_tolerance(q, k, v, ref_bias, want, backend[0]), triton_traced=not dry)
+    return 0
+
+
+def env_stage(out: str, dry: bool):
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    def driver():
+        try:
+            p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    info = {"dry_run": dry, "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton, "driver_version": driver(),
+            "cuda_available": torch.cuda.is_available(), "gpu": None, "torch_logs": os.environ.get("TORCH_LOGS"),
+            "sdpa_enabled": {b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")()
+                             for b in ("flash", "mem_efficient", "cudnn", "math")
+                             if hasattr(torch.backends.cuda, f"{b}_sdp_enabled")}}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count,
+                    capability=f"{p.major}.{p.minor}", cudnn=torch.backends.cudnn.version())
+    print(json.dumps(info))
+    write_json(os.path.join(out, "env.json"), info)
+
+
+def run_stage(stage: str, dry: bool, out: str) -> int:
+    """One stage, in this process (the parent runs each in a child under its cap)."""
+    if stage == "env":
+        env_stage(out, dry)
+        return 0
+    import torch
+
+    from common import use_compile_cache
+
+    if dry:
+        light_compile()
+    use_compile_cache(None)  # bench's cache directory, for the logits check's graph too
+    st = Stage(stage, out, dry)
+    try:
+        with torch.inference_mode():
+            status = triton_stage(st, dry) if stage == "triton" else bench_stage(st, stage, dry) or 0
+    except BaseException as e:  # kept in the file too, then as Python reports it
+        st.doc["error"] = f"{type(e).__name__}: {e}"[:2000]
+        st.save()
+        raise
+    st.doc["complete"] = status == 0
+    st.save()
+    failed = [c["name"] for c in st.doc["checks"] if not c["ok"]]
+    if failed:
+        print(f"failed checks: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else status
+
+
+# ----------------------------------------------------------------------------------------
+# The parent: checks, then each stage in a child under its cap
+
+def torch_logs() -> str:
+    """TORCH_LOGS for the stages: the artifacts above that this torch has, after any given."""
+    from torch._logging._internal import log_registry
+
+    given = [x for x in os.environ.get("TORCH_LOGS", "").split(",") if x.strip()]
+    return ",".join(given + [a for a in TORCH_LOGS if log_registry.is_artifact(a) and a not in given])
 
 
 def stop(p: subprocess.Popen):
-    """End a step's process and whatever it started (its process group): SIGTERM, SIGKILL after 5 s."""
+    """End a stage's process and whatever it started (its process group): SIGTERM, then SIGKILL."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(p.pid, sig)
         except ProcessLookupError:  # none left
             break
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=STOP_GRACE if p.returncode is None else 0.5)
     p.wait()
 
 
@@ -176,109 +548,71 @@ def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "device_out"), help="where the results go (default: $OUT)")
-    ap.add_argument("--dry-run", action="store_true", help="run every step on CPU with small shapes (no CUDA needed)")
-    ap.add_argument("--budget", type=float, default=540, help="seconds for all steps together (default 540)")
-    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated steps, in order (default: {','.join(STEPS)})")
-    ap.add_argument("--step", help=argparse.SUPPRESS)  # internal: run one step in this process
-    a = ap.parse_args()
-    steps = [s.strip() for s in a.steps.split(",") if s.strip()]
-    bad = [s for s in steps if s not in STEPS]
-    problem = (f"--steps: unknown step {bad[0]!r} (known: {', '.join(STEPS)})" if bad else
-               "--steps: none given" if not steps else
-               f"--budget {a.budget:g}: must be a number of seconds from 10 to 3600" if not 10 <= a.budget <= 3600 else
-               f"--out {a.out}: is a file, not a directory" if os.path.exists(a.out) and not os.path.isdir(a.out)
-               else None)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    a.out = os.path.abspath(a.out)  # the steps run from the repository root
-    if a.step:
-        return run_step(a.step, a.dry_run, a.out)
-    if not a.dry_run:
-        import torch
-        if not torch.cuda.is_available():
-            print("error: scripts/device_run.py needs a CUDA device (use --dry-run to check its plumbing on CPU)",
-                  file=sys.stderr)
-            return 2
-    summary_path = os.path.join(a.out, "summary.json")
-    try:
-        check_out(a.out, steps)
-        summary = earlier_summary(summary_path)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    call = len(summary["calls"]) + 1
-    started = now()
-    summary["calls"].append({"call": call, "started": started, "steps": steps, "dry_run": a.dry_run,
-                             "budget_s": a.budget})
-    entries, mine = summary["steps"], []  # every call's steps; this call's statuses
+def stage_command(stage: str, out: str, dry: bool) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", out] + (["--dry-run"] if dry else [])
 
-    def put(entry: dict):  # this call's entry for a step replaces an earlier call's
-        i = next((i for i, e in enumerate(entries) if e["step"] == entry["step"]), None)
-        if i is None:
-            entries.append(entry)
-        else:
-            entries[i] = entry
 
-    with open(os.path.join(a.out, "log.txt"), "a") as log:
-        log.write(f"##### call {call} at {started}: --steps {','.join(steps)}{' --dry-run' if a.dry_run else ''}\n")
-    signals = []  # Ctrl-C / SIGTERM: the running step is stopped, no other starts
+def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict = STAGES) -> int:
+    t_start = time.monotonic()
+    t_end, logs = t_start + budget, torch_logs()
+    summary = {"dry_run": dry, "budget_s": budget, "started": now(), "torch_logs": logs,
+               "stages": [{"stage": s, "status": "not run", "cap_s": caps[s]} for s in stages]}
+    summary_path, log_path = os.path.join(out, "summary.json"), os.path.join(out, "log.txt")
+    with open(log_path, "a") as log:
+        log.write(f"##### {summary['started']}: --stages {','.join(stages)}{' --dry-run' if dry else ''}\n")
+    signals = []  # SIGINT / SIGTERM: the running stage is stopped, no other starts
     handlers = {s: signal.signal(s, lambda signum, frame: signals.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        t_end = time.monotonic() + a.budget
-        for step in steps:
-            left = t_end - time.monotonic()
-            if signals or left < 10:
-                status = "not run: " + ("interrupted" if signals else "budget spent")
-                mine.append(status)
-                if not any(e["step"] == step for e in entries):  # else an earlier call's result stays
-                    put({"step": step, "status": status, "call": call})
+        for entry in summary["stages"]:
+            stage, left = entry["stage"], t_end - time.monotonic() - STOP_GRACE
+            if signals or left < 5:
+                entry["status"] = "not run: " + ("interrupted" if signals else "budget spent")
                 continue
-            limit = min(STEPS[step], left)
-            print(f"=== {step} (at most {limit:.0f} s)", flush=True)
-            t0 = time.monotonic()
-            entry = {"step": step, "status": "running", "call": call, "started": now()}
-            put(entry)
-            if result_file(step) and os.path.exists(os.path.join(a.out, result_file(step))):
-                os.remove(os.path.join(a.out, result_file(step)))  # an earlier call's, no longer in the summary
+            limit = min(caps[stage], left)
+            path = os.path.join(out, stage_file(stage))
+            if os.path.exists(path):
+                os.remove(path)  # an earlier run's
+            entry.update(status="running", started=now(), limit_s=round(limit))
             write_json(summary_path, summary)
-            cmd = [sys.executable, os.path.abspath(__file__), "--step", step, "--out", a.out] + (["--dry-run"] if a.dry_run else [])
-            with open(os.path.join(a.out, "log.txt"), "a") as log:  # one log for all steps (few files come back)
-                log.write(f"=== {step}\n")
-                env = dict(os.environ, PYTHONUNBUFFERED="1")
-                if a.dry_run and step.startswith("triton-"):  # the Triton kernels on CPU: their interpreter
-                    env["TRITON_INTERPRET"] = "1"
-                # its own process group (no Ctrl-C of its own): stopped here, with what it started
-                p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
+            print(f"=== {stage} (at most {limit:.0f} s)", flush=True)
+            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS=logs)
+            if dry:  # the CPU kernels are not what a GPU runs; Triton on CPU is its interpreter
+                env.update(DSPARK_CPU_KERNELS="0", TRITON_INTERPRET="1" if stage == "triton" else "0")
+            t0 = time.monotonic()
+            with open(log_path, "a") as log:
+                log.write(f"=== {stage}\n")
+                log.flush()
+                # its own process group, out of reach of a terminal's Ctrl-C: stopped here with what it started
+                p = subprocess.Popen(stage_command(stage, out, dry), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     process_group=0)
 
-                def pump():  # echo and keep the step's output as it comes
+                def pump():  # echo the stage's output and keep it
                     for line in p.stdout:
                         print(line, end="", flush=True)
                         log.write(line)
                         log.flush()
                 reader = threading.Thread(target=pump, daemon=True)
                 reader.start()
-                while True:
-                    try:
+                while p.returncode is None and not signals and time.monotonic() - t0 <= limit:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         p.wait(timeout=0.2)
-                        status = {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}")
-                        break
-                    except subprocess.TimeoutExpired:
-                        pass
-                    if signals or time.monotonic() - t0 > limit:
-                        status = "interrupted" if signals else "timed out"
-                        stop(p)
-                        break
+                stopped = p.returncode is None
+                stop(p)  # and what it left running (compile workers)
+                # a Ctrl-C can reach a stage started that instant, before it has a process group of its own
+                status = ("interrupted" if signals else "timed out" if stopped else
+                          {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}"))
                 reader.join(timeout=5)
             entry.update(status=status, seconds=round(time.monotonic() - t0, 1))
-            mine.append(status)
-            print(f"=== {step}: {status} in {time.monotonic() - t0:.0f} s", flush=True)
+            with contextlib.suppress(OSError, ValueError):  # what the stage's file says (absent: nothing)
+                with open(path) as f:
+                    doc = json.load(f)
+                entry.update(failed_checks=[c["name"] for c in doc.get("checks", []) if not c["ok"]],
+                             warnings=len(doc.get("warnings", [])), rows=len(doc.get("rows", [])))
+            print(f"=== {stage}: {status} in {entry['seconds']:.0f} s", flush=True)
             write_json(summary_path, summary)
+        summary["seconds"] = round(time.monotonic() - t_start, 1)
         write_json(summary_path, summary)
     finally:
         for s, h in handlers.items():
@@ -287,7 +621,67 @@ def main() -> int:
         print(f"interrupted by {signal.Signals(signals[0]).name}: stopped; {summary_path} lists what finished",
               file=sys.stderr)
         return 128 + signals[0]
-    return 0 if all(s in ("ok", "skipped") for s in mine) else 1
+    return 0 if all(e["status"] in ("ok", "skipped") for e in summary["stages"]) else 1
+
+
+class Flags(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every program here says a bad flag
+        raise UserError(message)
+
+
+def parse(argv) -> argparse.Namespace:
+    ap = Flags(prog="scripts/device_run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "device_out"),
+                    help="the folder the results go to (default: $OUT, else device_out)")
+    ap.add_argument("--dry-run", action="store_true", help="run the stages on CPU with small shapes (no CUDA needed)")
+    ap.add_argument("--budget", type=float, default=BUDGET, help=f"seconds for all stages together (default {BUDGET})")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"comma-separated stages, run in the order given (default: {','.join(STAGES)})")
+    ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # a child: run one stage in this process
+    a = ap.parse_args(argv)
+    a.stages = [s.strip() for s in a.stages.split(",") if s.strip()]
+    unknown = [s for s in a.stages if s not in STAGES]
+    if unknown:
+        raise UserError(f"--stages: unknown stage {unknown[0]!r} (known: {', '.join(STAGES)})")
+    if not a.stages:
+        raise UserError("--stages: none given")
+    if len(set(a.stages)) < len(a.stages):
+        raise UserError(f"--stages {','.join(a.stages)}: a stage given twice")
+    if not 10 <= a.budget <= 3600:  # NaN fails too
+        raise UserError(f"--budget {a.budget:g}: must be a number of seconds from 10 to 3600")
+    if not a.out.strip():
+        raise UserError("--out: empty path")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise UserError(f"--out {a.out}: is a file, not a directory")
+    a.out = os.path.abspath(a.out)  # the stages run from the repository root
+    return a
+
+
+def check_out(out: str, stages: list[str]):
+    """--out before any stage: made if missing, and every file this run writes there writable."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    for name in ("summary.json", "log.txt", *map(stage_file, stages)):
+        check_writable(os.path.join(out, name), "--out")
+
+
+def main(argv=None) -> int:
+    try:
+        a = parse(argv)
+        if a.stage:
+            return run_stage(a.stage, a.dry_run, a.out)
+        if not a.dry_run:
+            import torch
+            if not torch.cuda.is_available():
+                raise UserError("no CUDA device here (--dry-run runs the stages on CPU)")
+        check_out(a.out, a.stages)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_stages(a.stages, a.out, a.dry_run, a.budget,
+                      {s: c * DRY_CAPS for s, c in STAGES.items()} if a.dry_run else STAGES)
 
 
 if __name__ == "__main__":

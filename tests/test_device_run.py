@@ -1,0 +1,191 @@
+"""scripts/device_run.py on CPU: its stages end to end in a dry run, and its plumbing (caps, flags, signals,
+what a stage stopped at its cap leaves), so that the GPU run is not where it is debugged."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import bench
+from conftest import REPO_ROOT
+
+SCRIPT = str(REPO_ROOT / "scripts" / "device_run.py")
+spec = importlib.util.spec_from_file_location("device_run", SCRIPT)
+device_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(device_run)
+
+BENCH_STAGES = ("smoke", "compiled-b1", "compiled-b32", "eager-b1")
+
+
+def test_caps_fit_one_call():
+    """The caps, and the time to stop the last stage at its cap, fit the default budget of 8 minutes."""
+    assert list(device_run.STAGES) == ["env", "smoke", "compiled-b1", "triton", "compiled-b32", "eager-b1"]
+    assert sum(device_run.STAGES.values()) + device_run.STOP_GRACE <= device_run.BUDGET <= 480
+
+
+def test_bench_stages_pass_bench_checks(tmp_path):
+    """Every bench stage's arguments, real and dry, pass bench.py's own flag checks; the dry run's differ only in
+    device, preset and sizes; smoke is float32 (bench then asserts equal tokens) at batch 1 and 4."""
+    for stage in BENCH_STAGES:
+        real = device_run.bench_args(stage, False, str(tmp_path / "out.json"))
+        dry = device_run.bench_args(stage, True, str(tmp_path / "out.json"))
+        for args in (real, dry):
+            bench.check_args(bench.BenchArgs(**args))
+        assert real["device"] == "cuda" and dry["device"] == "cpu" and dry["model"] == "qwen3-tiny"
+        assert real["compile"] == (stage != "eager-b1") and real["compile_mode"] == (
+            "reduce-overhead" if stage != "eager-b1" else None)
+        differ = {k for k in real if real[k] != dry[k]}
+        assert differ <= {"model", "device", "prompt_len", "max_new_tokens", "repeats", "batch_sizes"}, differ
+    smoke = device_run.bench_args("smoke", False, "x.json")
+    assert (smoke["model"], smoke["dtype"], smoke["batch_sizes"]) == ("bigram-35m", "float32", "1,4")
+    assert device_run.bench_args("compiled-b32", False, "x.json")["batch_sizes"] == "32"
+    assert device_run.bench_args("compiled-b1", False, "x.json")["model"] == "qwen3-8b"
+
+
+def test_torch_log_flags_recompiles_and_skipped_cuda_graphs():
+    """What makes a timing suspect is flagged: a recompile's log line, and skipped CUDA graphs that torch counted;
+    counted from a mark on, so a stage's rows carry only what was logged while they were measured."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._logging.set_logs(recompiles=True)
+    log = device_run.TorchLog()
+    try:
+        mark = log.mark()
+        f = torch.compile(lambda x: x * 2, backend="eager")
+        f(torch.ones(3))
+        f(torch.ones(3, dtype=torch.float64))
+        assert any(line.startswith("Recompiling") for line in log.flagged(mark))
+        counters["inductor"]["cudagraph_skips"] += 2
+        assert log.flagged(log.mark()) == [] and "skipping cudagraphs: 2 graph(s)" in log.flagged(mark)[-1]
+    finally:
+        counters["inductor"]["cudagraph_skips"] -= 2
+        torch._logging.set_logs()
+        from torch._logging._internal import log_registry
+        for name in log_registry.get_log_qnames():
+            logging.getLogger(name).removeHandler(log)
+
+
+def test_dry_run_every_stage(tmp_path):
+    """Every stage end to end on CPU (tiny preset, Triton's interpreter, compiled where the stage compiles), from
+    another directory with a relative --out: each stage's file with its rows and checks (every difference within
+    its tolerance), the SDPA backends, warnings on the stage and on every row, env.json, log.txt, summary.json.
+    Neither tyro nor wandb may be imported: the GPU machine has neither. About a minute and a half on two idle
+    cores; the timeout allows for a loaded machine."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    for name in ("tyro", "wandb"):
+        (blocked / f"{name}.py").write_text("raise ImportError('not on the GPU machine')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked)] + os.environ.get("PYTHONPATH", "").split(
+        os.pathsep)).rstrip(os.pathsep))
+    p = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", "out"], capture_output=True, text=True,
+                       timeout=420, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["stage"], s["status"]) for s in summary["stages"]] == [(s, "ok") for s in device_run.STAGES]
+    assert all(s["seconds"] > 0 and s["failed_checks"] == [] for s in summary["stages"])
+    assert {"perf_hints", "recompiles"} <= set(summary["torch_logs"].split(","))
+    env = json.loads((out / "env.json").read_text())
+    assert {"torch", "triton", "python", "cuda", "cuda_available", "driver_version", "gpu", "sdpa_enabled",
+            "torch_logs"} <= set(env) and env["driver_version"] is None and env["dry_run"] is True
+    log = (out / "log.txt").read_text()
+    for stage in device_run.STAGES:
+        assert f"=== {stage}\n" in log
+        if stage == "env":
+            continue
+        doc = json.loads((out / f"{stage}.json").read_text())
+        assert doc["stage"] == stage and doc["complete"] is True and doc["warnings"] == [] and "error" not in doc
+        for c in doc["checks"]:
+            assert c["ok"] and isinstance(c["max_diff"], float) and c["max_diff"] <= c["tolerance"], c
+        if stage == "triton":
+            names = [c["name"].split(" B=")[0] for c in doc["checks"]]
+            assert names == ["chain", "chain", "verify_greedy", "verify_sampled", "attention", "attention",
+                             "compiled chain", "compiled verify_greedy", "compiled attention"], names
+            assert all(c["tolerance"] > 0 for c in doc["checks"] if "chain" in c["name"] or "attention" in c["name"])
+            continue
+        batches = [1, 2] if stage == "smoke" else [2] if stage == "compiled-b32" else [1]
+        assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [
+            (m, b) for b in batches for m in ("autoregressive", "speculative")]
+        assert all(r["warnings"] == [] for r in doc["rows"])
+        assert doc["config"]["model"] == "qwen3-tiny" and doc["config"]["dtype"] == (
+            "float32" if stage == "smoke" else "bfloat16")
+        assert set(doc["sdpa"]) == {f"b{b} {w}" for b in batches for w in ("verify", "step")}
+        assert all(s["runs"] in s["can_run"] for s in doc["sdpa"].values())
+        assert [c["name"] for c in doc["checks"]] == {"smoke": ["speculative_tokens_equal"],
+                                                      "compiled-b1": ["verify_logits"]}.get(stage, [])
+
+
+def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, capsys):
+    """A stage past its cap is stopped and marked timed out; the rows and checks it had written stay, and the
+    summary names its failed checks; a stage the budget leaves no time for is not run."""
+    def command(stage, out, dry):
+        doc = {"stage": stage, "rows": [{"mode": "autoregressive"}], "checks": [{"name": "x", "ok": False}],
+               "warnings": ["Recompiling function f"]}
+        path = os.path.join(out, device_run.stage_file(stage))
+        return [sys.executable, "-c", f"import json, time; json.dump({doc!r}, open({path!r}, 'w')); "
+                                      f"print('wrote', flush=True); time.sleep(60)"]
+    monkeypatch.setattr(device_run, "stage_command", command)
+    assert device_run.run_stages(["smoke", "eager-b1"], str(tmp_path), True, 12, {"smoke": 2, "eager-b1": 60}) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    smoke, eager = summary["stages"]
+    assert smoke["status"] == "timed out" and smoke["rows"] == 1 and smoke["failed_checks"] == ["x"]
+    assert smoke["warnings"] == 1 and 2 <= smoke["seconds"] < 12
+    assert eager == {"stage": "eager-b1", "status": "not run: budget spent", "cap_s": 60}
+    assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == [{"mode": "autoregressive"}]
+    assert "wrote" in (tmp_path / "log.txt").read_text() and "=== smoke: timed out" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dry-run", "--stages", ""], "--stages: none given"),
+    (["--dry-run", "--stages", "smoke,bogus"], "--stages: unknown stage 'bogus'"),
+    (["--dry-run", "--stages", "env,env"], "a stage given twice"),
+    (["--dry-run", "--budget", "5"], "--budget 5: must be"),
+    (["--dry-run", "--budget", "nan"], "--budget nan: must be"),
+    (["--dry-run", "--budget", "x"], "argument --budget: invalid float value: 'x'"),
+    (["--dry-run", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--dry-run", "--out", ""], "--out: empty path"),
+    (["--dry-run", "--out", "afile"], "--out afile: is a file"),
+    (["--dry-run", "--out", "afile/dr"], "--out {}/afile/dr: cannot create it"),
+    (["--dry-run", "--out", "o1"], "--out {}/o1/smoke.json: is a directory"),
+    (["--out", "o2"], "no CUDA device here"),
+])
+def test_bad_flags_one_line_before_any_stage(argv, needle, tmp_path, monkeypatch, capsys):
+    """A bad flag or --out: one line, status 2, nothing run or written (a file a stage writes that is a folder)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "o1" / "smoke.json").mkdir(parents=True)
+    assert device_run.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and needle.format(tmp_path) in err, err
+    assert not (tmp_path / "o1" / "log.txt").exists() and not (tmp_path / "o2").exists()
+
+
+def test_help():
+    p = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "--dry-run" in p.stdout and "compiled-b32" in p.stdout
+
+
+def test_interrupted_keeps_a_summary(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) mid-stage: the stage is stopped, summary.json
+    says what finished, the stage interrupted and the rest not run; one line on stderr, no traceback, exit 130."""
+    p = subprocess.Popen([sys.executable, SCRIPT, "--dry-run", "--stages", "env,smoke,triton", "--out", "out"],
+                         cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         process_group=0)
+    for line in p.stdout:
+        if line.startswith("=== smoke (at most"):
+            break
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert err.count("\n") == 1 and err.startswith("interrupted by SIGINT") and "Traceback" not in out, err + out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(s["stage"], s["status"]) for s in summary["stages"]] == [
+        ("env", "ok"), ("smoke", "interrupted"), ("triton", "not run: interrupted")]
