@@ -47,7 +47,8 @@ def _build() -> Optional[str]:
     # -mavx2 -mfma: a build any AVX2 machine sharing the cache can run (the AVX-512 code is chosen at
     # run time); -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, one pool with torch's.
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-w"]
-    code = open(SOURCE, "rb").read()
+    with open(SOURCE, "rb") as f:
+        code = f.read()
     key = hashlib.sha256(code + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
     # One build folder per source and flags, compiling a copy kept there: every checkout of the same
     # source shares the build (ninja would rebuild for a source at another path).

@@ -533,7 +533,7 @@ def device_check(dev="cuda", shapes=DEVICE_SHAPES, fast=None):  # pragma: no cov
     """`python tests/test_triton.py --device`: real-shaped comparisons and timings on CUDA."""
     import time
     if dev == "cuda":
-        assert torch.cuda.is_available() and kernels.FAST_KERNELS and not kernels._TRITON_IMPORT_INTERPRET
+        assert torch.cuda.is_available() and kernels.HAVE_TRITON and not kernels._TRITON_IMPORT_INTERPRET
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     fast = fast or kernels.kernel_set("triton", dev)
     failures = 0
