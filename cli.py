@@ -167,7 +167,7 @@ def run(args: Args) -> dict:
                        drafter=resolve_checkpoint(args.drafter, "--drafter"))
         check_outputs({"--trace-file": args.trace_file, "--output-file": args.output_file},
                       inputs=[args.target, args.drafter])  # not inside the snapshots hub ids resolved to
-    with runlog.session(args, "speculate", "speculate.py") as log:
+    with runlog.logged_run(args, "speculate", "speculate.py") as log:
         return load_and_decode(args, s, demo, log, lead=DEMO_PROMPT if demo and no_prompt else None)
 
 

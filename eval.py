@@ -431,7 +431,7 @@ def run(args: EvalArgs) -> dict:
         args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
     for path in skipped if rank == 0 else []:
         print(f"warning: {path} not found; skipping dataset {os.path.basename(path)[:-len('.jsonl')]}", file=sys.stderr)
-    with runlog.session(args, "eval", "eval.py", enabled=rank == 0) as log:
+    with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
         return evaluate(args, s, datasets, target_dir, drafter_dir, log, demo)
 
 

@@ -181,7 +181,7 @@ def start(args, job_type: str, config: dict) -> Log:
 
 
 @contextlib.contextmanager
-def session(args, job_type: str, program: str, enabled: bool = True):
+def logged_run(args, job_type: str, program: str, enabled: bool = True):
     """The work inside a wandb run: yields a `Log` (None without --wandb or `enabled`), and finishes the run
     however the work ends (exit code 0 and "finished", or as `_ending` says, the exception going on)."""
     if not (args.wandb and enabled):

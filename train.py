@@ -390,7 +390,7 @@ def run(args: Args) -> dict:
         raise UserError("--target: no target directory given")
     args = replace(args, target=resolve_checkpoint(args.target, "--target"))  # --out is checked against it too
     check_out_dir(args, inputs=[args.target])
-    with runlog.session(args, "train", "train.py", enabled=rank0()) as log:
+    with runlog.logged_run(args, "train", "train.py", enabled=rank0()) as log:
         return train_drafter(args, log)
 
 

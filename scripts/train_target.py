@@ -167,7 +167,7 @@ def run(args: Args) -> dict:
     if args.heads % args.kv_heads:
         raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     tokenizer_source(args)
-    with runlog.session(args, "train", "scripts/train_target.py", enabled=rank0()) as log:
+    with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0()) as log:
         return train(args, log)
 
 

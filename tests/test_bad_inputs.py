@@ -496,7 +496,7 @@ CASES = [
      "byte-order mark", False),
     ("messages-second-line", "speculate", lambda w, t: M(w, t, messages([("user", "a")]) + messages([("system", "a")])),
      "p.jsonl:2: the last message", False),
-    # ---- speculate.py: hub ids (the session's Hugging Face cache is empty and offline: conftest.py)
+    # ---- speculate.py: hub ids (the tests' Hugging Face cache is empty and offline: conftest.py)
     ("target-hub-malformed", "speculate", lambda w, t: ["--target", "a/b/c", "--prompt-ids", "1"],
      "--target a/b/c: not found as a directory, and not a Hugging Face hub id", False),
     ("target-hub-empty-revision", "speculate", lambda w, t: ["--target", "org/name@", "--prompt-ids", "1"],
