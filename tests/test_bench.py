@@ -79,6 +79,10 @@ def test_bench_rows_and_reference_agree(tmp_path, capsys):
     assert all(len(r["runs"]) == 2 and r["median"] > 0 for r in result["ratios"])
     printed = capsys.readouterr().out
     assert "speculative / autoregressive at batch 1" in printed and "copy bandwidth" in printed
+    assert "models built in" in printed  # what the start line's seconds timed
+    ratio_lines = [l for l in printed.splitlines() if l.startswith("speculative / autoregressive")]
+    assert all("runs under a second: noise" in l for l in ratio_lines), ratio_lines  # 20 tokens: far under
+    assert "at batch > 1 eager speculation on a CPU" in ratio_lines[-1], ratio_lines
 
 
 def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):

@@ -262,3 +262,19 @@ def test_progress_bar_on_a_terminal_only_and_stdout_unchanged(tiny_target, tmp_p
     (tmp_path / "one.jsonl").write_text(json.dumps({"prompt_ids": PROMPTS[0]}) + "\n")
     _, one = run(["--prompts-file", tmp_path / "one.jsonl"], Terminal())
     assert "tok/s" not in one  # one request streams its text: no bar
+
+
+def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, capsys, monkeypatch):
+    """--compile prints what it is about to do (load, then compile, cached after a first compile) before
+    loading starts, so a long silent wait is explained."""
+    import cli
+
+    def stop(*args, **kwargs):
+        raise cli.UserError("stopped at loading")
+    monkeypatch.setattr(cli, "load_models", stop)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cc"))  # set by the run; restored after the test
+    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2, "--compile",
+                          "--compile-cache", tmp_path / "cc"], capsys)
+    lines = err.splitlines()
+    assert rc == 2 and lines[-1] == "error: stopped at loading", err
+    assert lines[0].startswith("loading the models; compiling the round next") and "cached in" in lines[0], err

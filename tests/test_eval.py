@@ -156,6 +156,8 @@ def test_calibration_records_match_trace(env, tmp_path, capsys):
         assert raw[k - 1]["ece"] == pytest.approx(ev.ece(a, y), abs=1e-9)
         assert raw[k - 1]["brier"] == pytest.approx(float(np.mean((a - y) ** 2)), abs=1e-9)
     assert "confidence calibration" in out
+    rows = [l for l in out.splitlines() if l.startswith(("dataset ", "gsm8k "))]
+    assert [l.split()[0] for l in rows] == ["dataset", "gsm8k"], out  # one dataset: the table printed once
 
 
 def test_counts_and_rates_by_hand():
