@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import tempfile
+import types
 import warnings
 from typing import Optional
 
@@ -97,12 +98,24 @@ class PanelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
-        if (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
-                and not torch.is_autocast_enabled("cpu")
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                                      or (b is not None and b.requires_grad)))):
-            return torch.ops.dspark.panel_linear(x, self.panels, b)
-        return F.linear(x, w, b)
+        return torch.ops.dspark.panel_linear(x, self.panels, b) if _on_kernel(x, w, b) else F.linear(x, w, b)
+
+
+def _on_kernel(x, w, b) -> bool:
+    return (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
+            and not torch.is_autocast_enabled("cpu")
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                                  or (b is not None and b.requires_grad))))
+
+
+def project(attn, x):
+    """`Attention.project` in one panel GEMM: q_proj's and kv_proj's panels stacked (a call costs a
+    fixed overhead that a few rows do not hide)."""
+    q, kv = attn.q_proj, attn.kv_proj
+    if not (_on_kernel(x, q.weight, q.bias) and _on_kernel(x, kv.weight, kv.bias)):
+        return q(x), kv(x)
+    return torch.ops.dspark.panel_linear(x, attn.qkv_panels, attn.qkv_bias).split(
+        [q.out_features, kv.out_features], -1)
 
 
 def _panels_of(w: torch.Tensor, copied: list) -> torch.Tensor:
@@ -150,6 +163,14 @@ def install(m: nn.Module) -> bool:
     for a in m.modules():
         if isinstance(a, model.Attention):
             a.attend = attend
+            q, kv = a.q_proj, a.kv_proj
+            if (type(q) is PanelLinear and type(kv) is PanelLinear and (q.bias is None) == (kv.bias is None)
+                    and getattr(a, "qkv_stamp", None) != (q.stamp, kv.stamp)):
+                a.qkv_stamp = (q.stamp, kv.stamp)
+                a.qkv_panels = torch.ops.dspark.panels(torch.cat([q.weight, kv.weight]).detach())
+                a.qkv_bias = None if q.bias is None else torch.cat([q.bias, kv.bias]).detach()
+                q.panels, kv.panels = a.qkv_panels.split([q.out_features // PANEL, kv.out_features // PANEL])
+                a.project = types.MethodType(project, a)
     return True
 
 
@@ -161,6 +182,8 @@ def uninstall(m: nn.Module):
             del x.panels, x.stamp
         elif isinstance(x, model.Attention) and x.attend is attend:
             x.attend = model.attend_cached
+            if "project" in vars(x):
+                del x.project, x.qkv_panels, x.qkv_bias, x.qkv_stamp
 
 
 def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:

@@ -196,10 +196,14 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
         self.attend = attend_cached  # attention over the cache; a backend may install another
 
-    def kv(self, x, rope: Rope):
-        """K (normed, rotated) and V of x [B, T, H]: [B, T, kv_heads, hd] each."""
+    def project(self, x):
+        """q_proj(x) and kv_proj(x); a backend may compute both in one pass over the weights."""
+        return self.q_proj(x), self.kv_proj(x)
+
+    def kv(self, x, rope: Rope, kv=None):
+        """K (normed, rotated) and V of x [B, T, H] (or of its kv_proj output): [B, T, kv_heads, hd] each."""
         B, T, _ = x.shape
-        k, v = self.kv_proj(x).view(B, T, 2 * self.n_kv, self.head_dim).chunk(2, dim=2)
+        k, v = (self.kv_proj(x) if kv is None else kv).view(B, T, 2 * self.n_kv, self.head_dim).chunk(2, dim=2)
         return rope(self.k_norm(k)), v
 
     def forward(self, x, rope: Rope, positions=None, mask=None, *, ragged: Optional[Ragged] = None,
@@ -207,8 +211,9 @@ class Attention(nn.Module):
         """x [B, T, H] -> [B, T, H]: through the cache at `positions`; else over `prefix_kv` then its
         own keys under `mask` (drafter training); else cache-free causal."""
         B, T, _ = x.shape
-        q = rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)))
-        k, v = self.kv(x, rope)
+        q, kv = self.project(x)
+        q = rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)))
+        k, v = self.kv(x, rope, kv)
         if positions is None:
             if prefix_kv is not None:
                 k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
