@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import torch
 
@@ -296,7 +297,12 @@ def test_train_demo_sh_stopped_while_the_pair_moves_in_keeps_the_old_pair(tmp_pa
     def build(out, tag, **env):
         env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", TAG=tag, THREADS="1", **env)
         return subprocess.run(["bash", script, "--out", str(out), "--force"], capture_output=True, text=True,
-                              timeout=60, env=env, start_new_session=True)  # `kill -INT 0` reaches it alone
+                              timeout=60, env=env, start_new_session=True,  # `kill -INT 0` reaches it alone
+                              preexec_fn=default_signals)
+
+    def default_signals():  # a shell started with SIGINT ignored (inherited) could not trap it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def tree(d):
         return {str(p.relative_to(d)): p.read_text() if p.is_file() else None for p in d.rglob("*")}

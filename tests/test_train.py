@@ -473,8 +473,12 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
         atomic_write(path, data)
 
     monkeypatch.setattr(trainer, "atomic_write", signalled)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.publish_checkpoint(str(out), 3, write)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # what a program starts with
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.publish_checkpoint(str(out), 3, write)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert sorted(os.listdir(out)) == ["checkpoint-3", "latest", "model.safetensors"]
     assert (out / "latest").read_text() == "checkpoint-3\n"
     assert (out / "model.safetensors").read_text().endswith(".checkpoint-3.tmp")
