@@ -152,26 +152,34 @@ def install(m: nn.Module) -> bool:
     Parameters and tied weights stay; the panels are a copy made now: install again after editing weights."""
     if not _cpu_float32(m) or unavailable() is not None:
         return False
-    linears = [x for x in m.modules() if type(x) in (nn.Linear, PanelLinear) and _fits(x.weight)]
+    fits = lambda x: type(x) in (nn.Linear, PanelLinear) and _fits(x.weight)  # noqa: E731
+    attentions = [a for a in m.modules() if isinstance(a, model.Attention)]
+    fused = [a for a in attentions
+             if fits(a.q_proj) and fits(a.kv_proj) and (a.q_proj.bias is None) == (a.kv_proj.bias is None)]
+    paired = {id(x) for a in fused for x in (a.q_proj, a.kv_proj)}  # their panels: views of the pair's
     copied: dict = {}  # storage -> the (weight, panels) made on it by this call
-    for lin in sorted(linears, key=lambda x: -x.weight.shape[0]):  # whole weights before rows of them
-        w = lin.weight
-        stamp = (w.data_ptr(), w.shape, None if w.is_inference() else w._version)
-        if getattr(lin, "stamp", None) != stamp:  # not installed yet, or the weight changed since
-            lin.panels, lin.stamp = _panels_of(w, copied.setdefault(w.untyped_storage().data_ptr(), [])), stamp
+    for lin in sorted((x for x in m.modules() if fits(x) and id(x) not in paired), key=lambda x: -x.weight.shape[0]):
+        if getattr(lin, "stamp", None) != _stamp(lin.weight):  # whole weights before rows of them (sorted)
+            lin.panels = _panels_of(lin.weight, copied.setdefault(lin.weight.untyped_storage().data_ptr(), []))
+            lin.stamp = _stamp(lin.weight)
         lin.__class__ = PanelLinear
-    for a in m.modules():
-        if isinstance(a, model.Attention):
-            a.attend = attend
-            q, kv = a.q_proj, a.kv_proj
-            if (type(q) is PanelLinear and type(kv) is PanelLinear and (q.bias is None) == (kv.bias is None)
-                    and getattr(a, "qkv_stamp", None) != (q.stamp, kv.stamp)):
-                a.qkv_stamp = (q.stamp, kv.stamp)
-                a.qkv_panels = torch.ops.dspark.panels(torch.cat([q.weight, kv.weight]).detach())
-                a.qkv_bias = None if q.bias is None else torch.cat([q.bias, kv.bias]).detach()
-                q.panels, kv.panels = a.qkv_panels.split([q.out_features // PANEL, kv.out_features // PANEL])
-                a.project = types.MethodType(project, a)
+    for a in fused:
+        q, kv = a.q_proj, a.kv_proj
+        if (getattr(q, "stamp", None), getattr(kv, "stamp", None)) != (_stamp(q.weight), _stamp(kv.weight)):
+            a.qkv_panels = torch.ops.dspark.panels(torch.cat([q.weight, kv.weight]).detach())
+            a.qkv_bias = None if q.bias is None else torch.cat([q.bias, kv.bias]).detach()
+            q.panels, kv.panels = a.qkv_panels.split([q.out_features // PANEL, kv.out_features // PANEL])
+            q.stamp, kv.stamp = _stamp(q.weight), _stamp(kv.weight)
+        q.__class__ = kv.__class__ = PanelLinear
+        a.project = types.MethodType(project, a)
+    for a in attentions:
+        a.attend = attend
     return True
+
+
+def _stamp(w: torch.Tensor) -> tuple:
+    """What tells a weight's panels are still its own: its storage, shape and version."""
+    return w.data_ptr(), w.shape, None if w.is_inference() else w._version
 
 
 def uninstall(m: nn.Module):
@@ -183,7 +191,7 @@ def uninstall(m: nn.Module):
         elif isinstance(x, model.Attention) and x.attend is attend:
             x.attend = model.attend_cached
             if "project" in vars(x):
-                del x.project, x.qkv_panels, x.qkv_bias, x.qkv_stamp
+                del x.project, x.qkv_panels, x.qkv_bias
 
 
 def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:
