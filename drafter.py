@@ -109,19 +109,6 @@ class ConfidenceHead(nn.Module):
         return self.proj(features).float()[..., 0]
 
 
-def block_mask(anchors, seq_len: int, K: int, doc=None) -> torch.Tensor:
-    """[B, N*K, seq_len + N*K], True = may attend: block i sees context p < anchors[:, i] (in its
-    document, with `doc`) and its own rows."""
-    B, N = anchors.shape
-    block_of = torch.arange(N * K, device=anchors.device) // K
-    anchor_of = anchors[:, block_of]  # [B, N*K]
-    context = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchor_of[:, :, None]
-    if doc is not None:
-        context = context & (doc[:, None, :] == doc.gather(1, anchor_of)[:, :, None])
-    own = (block_of[:, None] == block_of[None, :]).expand(B, N * K, N * K)
-    return torch.cat([context, own], dim=-1)
-
-
 class Drafter(nn.Module):
     """Parameter names follow DeepSpec's checkpoints (k/v and gate/up fused as the target's)."""
 
@@ -178,35 +165,6 @@ class Drafter(nn.Module):
         if cfg.layout == "dflash":
             h = h[:, 1:]  # slot 0 (the anchor's) drafts nothing
         return h, self.target.lm_head(h)
-
-    def train_forward(self, features, tokens, anchors, doc=None):
-        """Training: features [B, T, n*H], tokens [B, T], anchors [B, N] -> hidden [B, N, K, H], every
-        block [x_a, m, .., m] in one batch under `block_mask`."""
-        cfg, a = self.cfg, self.cfg.layers
-        K, (B, T), N, dev = cfg.num_slots, tokens.shape, anchors.shape[1], tokens.device
-        table = rope_table(a.head_dim, a.rope_theta, T + K, dev)
-        dtype = self.fc.weight.dtype
-        rope_ctx = Rope.at(table[:T][None].expand(B, T, 2, a.head_dim), dtype)
-        rope_blk = Rope.at(table[(anchors[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)], dtype)
-        block = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block[:, :, 0] = tokens.gather(1, anchors)
-        x = self.target.embed_tokens(block.view(B, N * K))
-        c = self.hidden_norm(self.fc(features))
-        mask = block_mask(anchors, T, K, doc)
-        for layer in self.layers:
-            x = layer(x, rope_blk, mask=mask, prefix_kv=layer.self_attn.kv(c, rope_ctx))
-        return self.norm(x).view(B, N, K, -1)
-
-    def head_outputs(self, h, prev):
-        """Training: z = U + b teacher-forced (prev [..., K] = [x_a, labels[:-1]]) and confidence logits."""
-        U = self.target.lm_head(h)
-        if self.markov_head is not None:
-            biases, state = [], None
-            for j in range(h.shape[-2]):
-                b, state = self.markov_head.step(h[..., j, :], prev[..., j], state)
-                biases.append(b)
-            U = U + torch.stack(biases, dim=-2)
-        return U, self.confidence_logit(h, prev)
 
     def calibrate(self, temperatures):
         """Divide draft k's confidence logit by temperatures[k] from now on (STS)."""

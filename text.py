@@ -101,29 +101,11 @@ def read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Op
 
 
 # The box a chat template renders in: Jinja's immutable sandbox, a time limit, and caps on what it
-# computes — checked before the operations that could pass them in one C call the timer cannot stop
-# (repetition, powers, format widths, width arguments) and on every value after.
+# computes, checked before the operations that could pass them in one C call the timer cannot stop
+# (repetition, powers, products, widths, replace, join) and on every value after.
 
 TEMPLATE_SECONDS, TEMPLATE_CHARS, TEMPLATE_BITS = 10, 10_000_000, 100_000
 _COMPILED: dict = {}  # the last template, compiled
-
-
-def _too_wide(fmt: str, args=(), kwargs=None) -> bool:
-    """Whether a format string pads past TEMPLATE_CHARS: a width or precision in its specs, or one taken
-    from the arguments (`%*s`, `{:{}}`)."""
-    specs = [m.group(1, 2) for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)]
-    try:
-        parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
-    except ValueError:  # not a valid format string: str.format will say so
-        parsed = []
-    numbers = [int(n) for pair in specs for n in pair if n and n.isdigit()]
-    numbers += [int(n) for spec in parsed for n in re.findall(r"\d+", re.sub(r"\{[^}]*\}", "", spec))]
-    from_args = any("*" in (a or "") for pair in specs for a in pair) or any("{" in spec for spec in parsed)
-    if from_args:  # the width is one of the arguments: any integer among them
-        values = list(args) + list((kwargs or {}).values())
-        values += [v for a in args if isinstance(a, (tuple, list)) for v in a]
-        numbers += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-    return any(n > TEMPLATE_CHARS for n in numbers)
 
 
 def _refuse(why: str):
@@ -132,76 +114,74 @@ def _refuse(why: str):
     raise SecurityError(why)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _bounded(value):
     """`value`, unless it is a string or list past TEMPLATE_CHARS or an integer past TEMPLATE_BITS."""
     if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_CHARS:
         _refuse(f"a value of {len(value):,} items is too large")
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > TEMPLATE_BITS:
+    if _int(value) and value.bit_length() > TEMPLATE_BITS:
         _refuse("a number is too large")
     return value
 
 
-def _check_width(width, lines: int = 1):  # center, ljust, rjust, zfill, indent
-    if isinstance(width, int) and not isinstance(width, bool) and width * lines > TEMPLATE_CHARS:
-        _refuse("a width is too large")
-
-
-def _check_format(fmt: str, args=(), kwargs=None):  # %, str.format, the format filter
-    if _too_wide(fmt, args, kwargs):
+def _check_format(fmt: str, args=(), kwargs=None):
+    """Refuse a format string (%, str.format, the format filter) that pads past TEMPLATE_CHARS: a width or
+    precision in its specs, or one taken from the arguments (`%*s`, `{:{}}`)."""
+    specs = [m.group(1, 2) for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)]
+    try:
+        parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
+    except ValueError:  # not a valid format string: str.format will say so
+        parsed = []
+    numbers = [int(n) for pair in specs for n in pair if n and n.isdigit()]
+    numbers += [int(n) for spec in parsed for n in re.findall(r"\d+", re.sub(r"\{[^}]*\}", "", spec))]
+    if any("*" in (a or "") for pair in specs for a in pair) or any("{" in spec for spec in parsed):
+        values = list(args) + list((kwargs or {}).values())  # the width is one of the arguments
+        numbers += [v for v in values + [x for a in args if isinstance(a, (tuple, list)) for x in a] if _int(v)]
+    if any(n > TEMPLATE_CHARS for n in numbers):
         _refuse("a format width is too large")
 
 
-def _check_replace(s: str, old: str, new: str):  # str.replace, the replace filter
-    hits = s.count(old) if old else len(s) + 1
-    if len(s) + hits * max(0, len(new) - len(old)) > TEMPLATE_CHARS:
-        _refuse("a replacement is too long")
-
-
-def _joinable(items) -> list:  # str.join, the join filter: the pieces' total, before joining them
+def _joinable(items) -> list:
+    """A join's pieces as a list, refused when together they pass TEMPLATE_CHARS."""
     items = list(items)
     if sum(len(str(x)) for x in items) > TEMPLATE_CHARS:
         _refuse("a join is too long")
     return items
 
 
+def _precheck(name: str, s, args, kwargs):
+    """Refuse a str method or filter `name` on `s` that would make more than TEMPLATE_CHARS."""
+    width = kwargs.get("width", args[0] if args else None)
+    if name in ("center", "ljust", "rjust", "zfill", "indent", "expandtabs") and _int(width):
+        lines = s.count("\t") if name == "expandtabs" else str(s).count("\n") + 1 if name == "indent" else 1
+        if width * lines > TEMPLATE_CHARS:
+            _refuse("a width is too large")
+    elif name in ("format", "format_map") and isinstance(s, str):
+        _check_format(s, args, kwargs)
+    elif name == "replace" and isinstance(s, str) and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        if len(s) + (s.count(old) if old else len(s) + 1) * max(0, len(new) - len(old)) > TEMPLATE_CHARS:
+            _refuse("a replacement is too long")
+
+
 def _bounded_filter(f, name: str):
-    """A Jinja filter that could grow a value past the box's caps, checked before it runs and after."""
+    """A Jinja filter that could grow a value past the caps, checked before it runs and after."""
     skip = 1 if hasattr(f, "jinja_pass_arg") else 0  # a filter that takes the context / environment first
 
     def checked(*args, **kwargs):
-        value, rest = (args[skip], list(args[skip + 1:])) if len(args) > skip else (None, [])
-        if name in ("center", "indent"):
-            _check_width(kwargs.get("width", rest[0] if rest else None),
-                         str(value).count("\n") + 1 if name == "indent" else 1)
-        elif name == "format" and isinstance(value, str):
-            _check_format(value, rest, kwargs)
-        elif name == "join" and value is not None and not isinstance(value, str) and hasattr(value, "__iter__"):
-            args = args[:skip] + (_joinable(value),) + args[skip + 1:]
-        elif name == "replace" and isinstance(value, str) and len(rest) >= 2:
-            _check_replace(value, str(rest[0]), str(rest[1]))
+        if len(args) > skip:
+            value, rest = args[skip], args[skip + 1:]
+            if name == "join" and value is not None and not isinstance(value, str) and hasattr(value, "__iter__"):
+                args = args[:skip] + (_joinable(value),) + rest
+            _precheck(name, value, rest, kwargs)
         return _bounded(f(*args, **kwargs))
 
     if skip:  # keep how jinja passes the environment / context / eval context
         checked.jinja_pass_arg = f.jinja_pass_arg
     return checked
-
-
-def _check_str_method(obj, args, kwargs):
-    """A bound str method a template calls, checked by what it would make."""
-    s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
-    if not isinstance(s, str):
-        return args
-    if name in ("center", "ljust", "rjust", "zfill") and args:
-        _check_width(args[0])
-    elif name in ("format", "format_map"):
-        _check_format(s, args, kwargs)
-    elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
-        _check_replace(s, args[0], args[1])
-    elif name == "expandtabs" and args:
-        _check_width(args[0], s.count("\t"))
-    elif name == "join" and args:
-        args = (_joinable(args[0]),) + tuple(args[1:])
-    return args
 
 
 def render_template(template: str, source: str, **context) -> str:
@@ -215,7 +195,7 @@ def render_template(template: str, source: str, **context) -> str:
         intercepted_binops = frozenset({"**", "*", "%"})
 
         def call_binop(self, context, operator, left, right):
-            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right))
+            ints = _int(left) and _int(right)
             if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
                 raise SecurityError(f"{left} ** {right} is too large")
             if operator == "*" and ints and left.bit_length() + right.bit_length() > TEMPLATE_BITS:
@@ -230,16 +210,18 @@ def render_template(template: str, source: str, **context) -> str:
 
         def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
             wrapped = super().wrap_str_format(value)
-            if wrapped is None:
-                return None
 
             def checked(*args, **kwargs):
                 _check_format(value.__self__, args, kwargs)
                 return _bounded(wrapped(*args, **kwargs))
-            return checked
+            return None if wrapped is None else checked
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's own signature)
-            args = _check_str_method(__obj, args, kwargs)
+            if isinstance(getattr(__obj, "__self__", None), str):  # a str method
+                name = getattr(__obj, "__name__", "")
+                if name == "join" and args:
+                    args = (_joinable(args[0]),) + tuple(args[1:])
+                _precheck(name, __obj.__self__, args, kwargs)
             return _bounded(super().call(__context, __obj, *args, **kwargs))
 
     def raise_exception(msg):

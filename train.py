@@ -31,7 +31,7 @@ from common import UserError, check_ranges, device_name, parse_ints, read_json, 
     write_json
 from distributed import dist_init, rank0
 from drafter import Drafter, DrafterConfig
-from model import ModelArgs, Transformer
+from model import ModelArgs, Rope, Transformer, rope_table
 from text import Tokenizer
 from trainer import Run, TrainArgs, causal_flops, check_identity, check_out_dir, check_train_args, checkpoint_dir, \
     layer_params, optimize, save_state, save_tensors, train_main
@@ -88,6 +88,52 @@ class Args(TrainArgs):
     kind: ClassVar[str] = "drafter"
 
 
+# The drafter in training: every block of a row at once, teacher-forced
+
+def block_mask(anchors, seq_len: int, K: int, doc=None) -> torch.Tensor:
+    """[B, N*K, seq_len + N*K], True = may attend: block i sees context p < anchors[:, i] (in its
+    document, with `doc`) and its own rows."""
+    B, N = anchors.shape
+    block_of = torch.arange(N * K, device=anchors.device) // K
+    anchor_of = anchors[:, block_of]  # [B, N*K]
+    context = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchor_of[:, :, None]
+    if doc is not None:
+        context = context & (doc[:, None, :] == doc.gather(1, anchor_of)[:, :, None])
+    own = (block_of[:, None] == block_of[None, :]).expand(B, N * K, N * K)
+    return torch.cat([context, own], dim=-1)
+
+
+def block_forward(drafter: Drafter, features, tokens, anchors, doc=None):
+    """features [B, T, n*H], tokens [B, T], anchors [B, N] -> hidden [B, N, K, H]: every block
+    [x_a, m, .., m] in one batch under `block_mask`, the context's K/V computed, not cached."""
+    cfg, a = drafter.cfg, drafter.cfg.layers
+    K, (B, T), N, dev = cfg.num_slots, tokens.shape, anchors.shape[1], tokens.device
+    table = rope_table(a.head_dim, a.rope_theta, T + K, dev)
+    dtype = drafter.fc.weight.dtype
+    rope_ctx = Rope.at(table[:T][None].expand(B, T, 2, a.head_dim), dtype)
+    rope_blk = Rope.at(table[(anchors[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)], dtype)
+    block = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block[:, :, 0] = tokens.gather(1, anchors)
+    x = drafter.target.embed_tokens(block.view(B, N * K))
+    c = drafter.hidden_norm(drafter.fc(features))
+    mask = block_mask(anchors, T, K, doc)
+    for layer in drafter.layers:
+        x = layer(x, rope_blk, mask=mask, prefix_kv=layer.self_attn.kv(c, rope_ctx))
+    return drafter.norm(x).view(B, N, K, -1)
+
+
+def head_outputs(drafter: Drafter, h, prev):
+    """z = U + b teacher-forced (prev [..., K] = [x_a, labels[:-1]]) and the confidence logits."""
+    U = drafter.target.lm_head(h)
+    if drafter.markov_head is not None:
+        biases, state = [], None
+        for j in range(h.shape[-2]):
+            b, state = drafter.markov_head.step(h[..., j, :], prev[..., j], state)
+            biases.append(b)
+        U = U + torch.stack(biases, dim=-2)
+    return U, drafter.confidence_logit(h, prev)
+
+
 # Losses
 
 def slot_weights(K: int, gamma: float, device=None) -> torch.Tensor:
@@ -127,7 +173,7 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     with torch.no_grad():
         mask = data.document_mask(doc) if doc is not None else None
         hidden_t, features = target.hidden(tokens, capture=drafter.cfg.target_layer_ids, mask=mask)
-    h = drafter.train_forward(features, tokens, anchors, doc)  # [B, N, K, H]
+    h = block_forward(drafter, features, tokens, anchors, doc)  # [B, N, K, H]
     slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)  # slot j at a+j predicts a+j+1
     valid = data.supervised(anchors, keep, K, T, loss_mask, doc)
     labels = tokens.gather(1, (slot_pos + 1).clamp(max=T - 1).view(B, -1)).view_as(slot_pos)
@@ -135,7 +181,7 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     with torch.no_grad():
         idx = slot_pos.clamp(max=T - 1).view(B, -1, 1).expand(-1, -1, hidden_t.shape[-1])
         target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, anchors.shape[1], K, -1)
-    z, conf = drafter.head_outputs(h, prev)
+    z, conf = head_outputs(drafter, h, prev)
     terms = distill_losses(z, target_logits, labels, valid, conf, args.gamma, den)
     return total_loss(terms, args), terms, valid
 

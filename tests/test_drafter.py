@@ -31,6 +31,7 @@ import drafter as dm  # noqa: E402
 import checkpoint  # noqa: E402
 import model  # noqa: E402
 import speculate  # noqa: E402
+import train  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
 
 V, H = 48, 32
@@ -676,7 +677,7 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
         assert torch.equal(d.confidence(h, prev), torch.sigmoid(logit))
         d.calibrate([0.5, 1.0, 2.0, 4.0])
         assert torch.equal(d.confidence(h, prev), torch.sigmoid(logit / torch.tensor([0.5, 1.0, 2.0, 4.0])))
-        assert torch.equal(d.head_outputs(h, prev)[1], logit)  # training reads the same logits, uncalibrated
+        assert torch.equal(train.head_outputs(d, h, prev)[1], logit)  # training reads the same logits, uncalibrated
 
 
 def test_a_new_markov_head_must_name_its_own_kind():

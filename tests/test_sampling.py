@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import sys
 
 import pytest
 import torch

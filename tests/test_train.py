@@ -23,8 +23,6 @@ import pytest
 import torch
 
 import checkpoint
-import drafter as dr
-import model as mdl
 import text
 import speculate
 from common import UserError
@@ -161,7 +159,7 @@ def test_lr_schedule():
 def test_block_mask_is_the_definition():
     T, K = 7, 3
     anchors = torch.tensor([[0, 2, 5], [1, 3, 4]])
-    m = dr.block_mask(anchors, T, K)
+    m = train.block_mask(anchors, T, K)
     B, N = anchors.shape
     assert m.shape == (B, N * K, T + N * K) and m.dtype == torch.bool
     for b in range(B):
@@ -196,11 +194,11 @@ def test_training_forward_equals_inference_drafter(tiny_target, markov, confiden
     anchors = torch.tensor([[0, 3, 7, 14]])  # empty context, middle, and a block running past the end
     with torch.no_grad():
         _, feats = target.hidden(tokens, capture=d.cfg.target_layer_ids)  # cache-free, causal
-        h = d.train_forward(feats, tokens, anchors)[0]  # [N, K, H]
+        h = train.block_forward(d, feats, tokens, anchors)[0]  # [N, K, H]
         labels = torch.cat([tokens[0], torch.zeros(K, dtype=torch.long)])
         for i, a in enumerate(anchors[0].tolist()):
             prev = torch.cat([tokens[0, a:a + 1], labels[a + 1:a + K]])[None]  # [1, K] teacher-forced
-            z, conf = d.head_outputs(h[i][None], prev)
+            z, conf = train.head_outputs(d, h[i][None], prev)
             d.setup_caches(1, T + K)
             if a > 0:
                 d.commit_context(feats[:, :a], torch.arange(a)[None])

@@ -188,7 +188,7 @@ def test_document_mask_by_definition():
             for k in range(6):
                 assert m[b, q, k] == (k <= q and doc[b, q] == doc[b, k])
     anchors = torch.tensor([[1, 3], [2, 4]])
-    bm = dr.block_mask(anchors, 6, 2, doc)
+    bm = train.block_mask(anchors, 6, 2, doc)
     for b in range(2):
         for row in range(4):
             a = anchors[b, row // 2].item()
@@ -220,7 +220,7 @@ def test_packed_row_computes_what_each_document_computes_alone(tiny_target):
             h, f = target.hidden(x[None], capture=d.cfg.target_layer_ids)
             assert torch.allclose(packed_h[0, s:s + len(x)], h[0], atol=1e-4)
             assert torch.allclose(packed_f[0, s:s + len(x)], f[0], atol=1e-4)
-        hb = d.train_forward(packed_f, tokens, anchors, doc)[0]
+        hb = train.block_forward(d, packed_f, tokens, anchors, doc)[0]
         keep = torch.ones_like(anchors, dtype=torch.bool)
         loss, terms, valid = train.drafter_loss(d, target, tokens, anchors, args, keep=keep, loss_mask=mask, doc=doc)
         z_ref, t_ref, lab_ref, val_ref, c_ref = [], [], [], [], []
@@ -362,7 +362,6 @@ def test_word_tokenizer_has_chatml_specials():
 def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target):
     """build_drafter fills every parameter by name (N(0, std), norms 1, biases 0): a new head's LayerNorm not
     named *norm, and a parameter it initialises itself (through `init_`), keep their meaning."""
-    import drafter as dr
     from torch import nn
 
     class ScaledMarkov(dr.VanillaMarkov):
