@@ -28,6 +28,7 @@ LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED), "hidden_size": (int,
               "rms_norm_eps": (float, 1e-12, 0.1, 1e-6), "rope_theta": (float, 1.0, 1e12, REQUIRED),
               "attention_bias": (bool, 0, 0, False), "tie_word_embeddings": (bool, 0, 0, False)}
 MAX_BLOCK = 256  # drafter slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
+LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash"}
 
 
 def checked(cfg: dict, key: str, source: str, kind=int, lo=None, hi=None):
@@ -155,34 +156,32 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
         raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel or DFlashDraftModel)")
     layers = layer_args(cfg, source)
-    block = lookup(cfg, "block_size", source)
-    if not integer(block) or not 1 <= block <= MAX_BLOCK:
-        raise UserError(f"{source}: 'block_size' must be an integer from 1 to {MAX_BLOCK}, got {block!r}")
-    ids = lookup(cfg, "target_layer_ids", source)
-    if not isinstance(ids, list) or not ids or not all(map(integer, ids)):
-        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
+    v = {k: lookup(cfg, k, source) for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")}
+    block, ids, mask_id, depth = v.values()
+    for key, ok, want in (
+            ("block_size", integer(block) and 1 <= block <= MAX_BLOCK, f"an integer from 1 to {MAX_BLOCK}"),
+            ("target_layer_ids", isinstance(ids, list) and ids and all(map(integer, ids)), "a non-empty list of layer ids"),
+            ("mask_token_id", integer(mask_id) and 0 <= mask_id < layers.vocab_size,
+             f"an id below vocab_size {layers.vocab_size}"),
+            ("num_target_layers", depth is None or integer(depth) and 1 <= depth <= LAYER_KEYS["num_hidden_layers"][2],
+             "a layer count")):
+        if not ok:
+            raise UserError(f"{source}: {key!r} must be {want}, got {v[key]!r}")
     if len(set(ids)) != len(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
-    mask_id = lookup(cfg, "mask_token_id", source)
-    if not integer(mask_id) or not 0 <= mask_id < layers.vocab_size:
-        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, got {mask_id!r}")
-    depth = lookup(cfg, "num_target_layers", source)
-    if depth is not None and (not integer(depth) or not 1 <= depth <= LAYER_KEYS["num_hidden_layers"][2]):
-        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {depth!r}")
 
     # Layout: Qwen3DSparkModel is DSpark's; a DFlashDraftModel z-lab's DFlash unless its config says DSpark.
     shift, projector = lookup(cfg, "shift_label", source, bool), lookup(cfg, "projector_type", source)
     if projector not in (None, "dspark", "dflash"):
         raise UserError(f"{source}: unknown projector_type {projector!r}")
-    if arch == "Qwen3DSparkModel" and shift is False:
-        raise UserError(f"{source}: shift_label=false contradicts architecture Qwen3DSparkModel")
-    if arch == "Qwen3DSparkModel" and projector == "dflash":
-        raise UserError(f"{source}: projector_type 'dflash' contradicts architecture Qwen3DSparkModel (the DSpark layout)")
-    if projector == "dspark" and shift is False:
-        raise UserError(f"{source}: shift_label=false contradicts projector_type 'dspark' (the DSpark layout)")
-    if projector == "dflash" and shift:
-        raise UserError(f"{source}: shift_label=true contradicts projector_type 'dflash' (the DFlash layout)")
-    layout = "dspark" if arch == "Qwen3DSparkModel" or shift or projector == "dspark" else "dflash"
+    said = [(who, lay) for who, lay in ((f"shift_label={str(shift).lower()}", {True: "dspark", False: "dflash"}.get(shift)),
+                                        (f"projector_type {projector!r}", projector),
+                                        ("architecture Qwen3DSparkModel", "dspark" if arch == "Qwen3DSparkModel" else None))
+            if lay]
+    for (who, lay), (other, its) in zip(said, said[1:]):
+        if lay != its:
+            raise UserError(f"{source}: {who} contradicts {other} (the {LAYOUT_NAMES[its]} layout)")
+    layout = said[0][1] if said else "dflash"
     if layout == "dflash" and block < 2:
         raise UserError(f"{source}: the DFlash layout needs block_size >= 2, got {block}")
 

@@ -124,8 +124,6 @@ class Scheduler:
 
     def __init__(self, kind: str, K: int, batch: int, *, threshold: float = 0.0,
                  buckets: Optional[list[int]] = None, compiled: bool = False, device="cpu"):
-        if kind not in KINDS:
-            raise ValueError(f"unknown scheduler {kind!r}")
         self.kind, self.K, self.threshold = kind, K, threshold
         top = batch * (K + 1)  # tokens of a round that verifies every draft of every row
         # Compiled: a few padded token counts, one graph each; SPS is profiled there (eager: the same points).
@@ -195,9 +193,6 @@ class Scheduler:
 
     def set_curve(self, sps: list[float]):
         """Use SPS(B) as given for B = 0 .. top: no fit, no routing (scripts/bench_concurrency.py --sps-synthetic)."""
-        if len(sps) != len(self.sps):
-            raise ValueError(f"an SPS curve needs {len(self.sps)} values (B = 0 .. {len(self.sps) - 1}), "
-                             f"got {len(sps)}")
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
         self.table, self.route = {"steps_per_second_by_tokens": list(sps)}, None
 
@@ -225,12 +220,9 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
         return None
     buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
     need = batch * (drafter.cfg.num_drafts + 1)
-    if buckets[-1] > need:  # a round never verifies more: its graph would only cost memory
-        raise UserError(f"--verify-buckets: the bucket {buckets[-1]} is above {need}, the tokens of a full round "
-                        f"(batch {batch} x {drafter.cfg.num_drafts + 1})")
-    if buckets[-1] < need:
-        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is below {need}, the tokens of a full "
-                        f"round (batch {batch} x {drafter.cfg.num_drafts + 1})")
+    if buckets[-1] != need:  # the largest holds a full round; a larger graph would only cost memory
+        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is {'above' if buckets[-1] > need else 'below'}"
+                        f" {need}, the tokens of a full round (batch {batch} x {drafter.cfg.num_drafts + 1})")
     return buckets
 
 
@@ -251,10 +243,8 @@ def profile(step: Callable[[int], object], points: list[int], sync: Callable[[],
 
 def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
     """The SPS table: read from `path` (matching `engine.sps_identity()`), else profiled (and written there)."""
-    want = engine.sps_identity()
-    points = engine.scheduler.profile_points
-    if path is not None and not os.path.isfile(path):
-        check_writable(path, "--sps-table")  # to be written: a directory or a missing folder fails now
+    want, points = engine.sps_identity(), engine.scheduler.profile_points
+    say = (lambda text: print(text, file=sys.stderr)) if verbose else (lambda text: None)
     if path is not None and os.path.isfile(path):
         table = read_json(path)
         for key, value in want.items():
@@ -267,23 +257,22 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         if not isinstance(sps, list) or len(sps) != len(points) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in sps):
             raise UserError(f"{path}: 'steps_per_second' must be {len(points)} positive numbers, one per profile point")
-        if verbose:
-            print(f"SPS table read from {path}", file=sys.stderr)
+        say(f"SPS table read from {path}")
         return table
+    if path is not None:
+        check_writable(path, "--sps-table")  # a directory or a missing folder fails before the profiling
     t0 = time.perf_counter()
     table = engine.profile_sps()
-    if verbose:
-        pts = ", ".join(f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"]))
-        print(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}", file=sys.stderr)
-        if path is None and want.get("sampling"):  # the verify lengths, so a request's random numbers, follow it
-            print("note: this SPS table is not saved, and another run profiles its own; sampled runs repeat "
-                  "token for token only with the same table: --sps-table FILE saves it, and reads it back next "
-                  "time", file=sys.stderr)
-    if path is not None:
-        try:
-            write_json(path, table, indent=1)
-        except OSError as e:
-            raise UserError(f"--sps-table {path}: cannot write the table ({e.strerror})") from None
-        if verbose:
-            print(f"SPS table written to {path}", file=sys.stderr)
+    pts = ", ".join(f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"]))
+    say(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}")
+    if path is None:
+        if want.get("sampling"):  # the verify lengths, so a request's random numbers, follow the table
+            say("note: this SPS table is not saved, and another run profiles its own; sampled runs repeat token "
+                "for token only with the same table: --sps-table FILE saves it, and reads it back next time")
+        return table
+    try:
+        write_json(path, table, indent=1)
+    except OSError as e:
+        raise UserError(f"--sps-table {path}: cannot write the table ({e.strerror})") from None
+    say(f"SPS table written to {path}")
     return table
