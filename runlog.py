@@ -54,11 +54,10 @@ def parse_tags(text: Optional[str]) -> Optional[list[str]]:
 
 def check(args):
     """The --wandb-* flags, before any work: each needs --wandb, none empty, a project name W&B accepts."""
-    given = {f: getattr(args, f) for f in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group",
-                                            "wandb_tags", "wandb_artifacts") if getattr(args, f, None)}
-    for f in given:
-        if not args.wandb:
-            raise UserError(f"--{f.replace('_', '-')}: needs --wandb")
+    given = [f for f in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags",
+                         "wandb_artifacts") if getattr(args, f, None)]
+    if given and not args.wandb:
+        raise UserError(f"--{given[0].replace('_', '-')}: needs --wandb")
     fields = getattr(type(args), "__dataclass_fields__", {})
     if not args.wandb and "log_every" in fields and args.log_every != fields["log_every"].default:
         raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, it changes nothing")
@@ -226,29 +225,22 @@ class DecodeWatch:
     def __init__(self, log: Optional[Log], name: str, K: int, stop_ids, requests: int, every: int,
                  seconds: Callable[[], float], bar: bool = False):
         self.log, self.name, self.K, self.stop, self.every, self.seconds = log, name, K, set(stop_ids), every, seconds
-        self.steps = self.rounds = self.accepted = self.verified = self.committed = self.tokens = self.done = 0
+        self.steps = self.rounds = self.verified = self.committed = self.tokens = self.done = self.logged = 0
         self.accepted_hist = [0] * (K + 1)  # rounds that accepted 0 .. K drafts
         self.seen: dict[int, int] = {}      # tokens of each request counted so far
-        self.logged = 0                     # the step of the last W&B row
-        self.bar = None
-        if bar:
+        if bar:  # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
             from tqdm import tqdm
-            # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
-            self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+        self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True,
+                        leave=False) if bar else None
         if log is not None:
             log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
 
-    def _count_tokens(self, req):
-        n = len(req.output_ids)
-        self.tokens += n - self.seen.get(req.index, 0)
-        self.seen[req.index] = n
-
     def on_round(self, req, rec: dict):
         a, v, c = metrics.round_counts(rec, self.stop)
-        self.rounds += 1
-        self.accepted, self.verified, self.committed = self.accepted + a, self.verified + v, self.committed + c
+        self.rounds, self.verified, self.committed = self.rounds + 1, self.verified + v, self.committed + c
         self.accepted_hist[min(a, self.K)] += 1
-        self._count_tokens(req)
+        self.tokens += len(req.output_ids) - self.seen.get(req.index, 0)
+        self.seen[req.index] = len(req.output_ids)
 
     def on_step(self):
         self.steps += 1
@@ -256,8 +248,7 @@ class DecodeWatch:
             self._log()
 
     def on_finish(self, req):
-        self._count_tokens(req)
-        self.seen.pop(req.index, None)
+        self.tokens += len(req.output_ids) - self.seen.pop(req.index, 0)
         self.done += 1
         if self.bar is not None:
             fig = self.figures()
