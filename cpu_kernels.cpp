@@ -1,13 +1,8 @@
-// CPU kernels (float32; x86-64 with AVX2 and FMA, AVX-512 where the CPU has it) for the shapes of a
-// speculative round, where BLAS libraries tune for more rows: a GEMM of a few rows against a weight
-// stored in panels (`panel_linear`) and attention of a few query tokens over the KV cache
-// (`cached_attention`). cpu_kernels.py builds them (torch.utils.cpp_extension) and installs them on
-// a model; F.linear and SDPA are their references (tests/test_cpu_kernels.py).
-//
-// Every output of the GEMM is one chain of fused multiply-adds over k = 0..K-1 in order (kept in
-// float32 between k-blocks), so its bits depend neither on the rows computed beside it, nor on the
-// blocking, nor on the thread computing it (at::parallel_for splits the panels), nor on the vector
-// width (AVX2 and AVX-512 agree).
+// CPU kernels (float32, AVX2 + FMA, AVX-512 where the CPU has it) for a speculative round's few rows:
+// a GEMM against a weight stored in panels (`panel_linear`) and attention of a few query tokens over
+// the KV cache (`cached_attention`); F.linear and SDPA are their references. Every GEMM output is one
+// chain of FMAs over k in order, so its bits depend on neither the other rows, the blocking, the
+// thread nor the vector width.
 #include <immintrin.h>
 #include <sys/mman.h>
 
@@ -28,16 +23,14 @@ namespace {
 
 constexpr long PANEL = 16;     // output columns per panel: a weight [N, K] is stored as panels [N/16][K][16]
 constexpr long KB = 256;       // k steps per block, when more than one tile's rows read the panels
-// How far ahead a tile prefetches: 64 k steps (4 KiB of a panel), and past its own panels when it
-// reads several (short panels end sooner).
+// How far ahead a tile prefetches: 64 k steps (4 KiB of a panel), or past its own panels when it reads several.
 template <int NP>
 long prefetch(long kstep, long pstride) {
     return NP > 1 ? std::max(NP * pstride, 64 * kstep) : 64 * kstep;
 }
 
-// A register tile: rows 0..MR-1 of x (row stride ldx) times NP panels over k = 0..kn-1 (panel j's
-// step k at p + j * pstride + k * kstep) into y (row stride ldy), starting from 0 when `first`, else
-// continuing the chains from y. One pass over the panels serves all MR rows.
+// A register tile: rows 0..MR-1 of x times NP panels (panel j's step k at p + j * pstride + k * kstep)
+// over k = 0..kn-1 into y, from 0 when `first`, else continuing y's chains; one pass serves all MR rows.
 using tile_fn = void (*)(const float *, long, const float *, long, long, long, float *, long, bool);
 
 template <int MR, int NP>
@@ -97,8 +90,8 @@ void tile_avx512(const float *x, long ldx, const float *p, long kstep, long pstr
 }
 #pragma GCC pop_options
 
-// Per ISA and number of rows r in a group (up to max_rows): the tile that takes np[r] panels at once
-// (its accumulators fill the registers), and the one-panel tile for a weight's last panels.
+// Per ISA and rows r in a group: the tile taking np[r] panels at once (filling the registers), and the
+// one-panel tile for a weight's last panels.
 struct Tiles {
     int max_rows;
     long cb;  // panels per column block, a multiple of every np
@@ -129,9 +122,8 @@ const Tiles &tiles() {
     return t;
 }
 
-// y [M, 16 * n_panels] (row stride ldy) = x [M, K] (row stride ldx) times n_panels panels (panel j's
-// step k at p + j * pstride + k * kstep): column blocks of t.cb panels, each read once for all rows,
-// in k-blocks of KB steps while more than one tile's rows share them (a block stays in cache).
+// y [M, 16 * n_panels] = x [M, K] times the panels: column blocks of t.cb panels, each read once for all
+// rows, in k-blocks of KB steps (kept in cache) while more than one tile's rows share them.
 static void gemm(const Tiles &t, const float *x, long ldx, const float *p, long kstep, long pstride, long n_panels,
                  long K, float *y, long ldy, long M) {
     for (long c0 = 0; c0 < n_panels; c0 += t.cb) {
@@ -156,13 +148,10 @@ static void gemm(const Tiles &t, const float *x, long ldx, const float *p, long 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention of a few query tokens over the KV cache: per batch row and K/V head, the query rows of
-// its GQA group (heads x tokens) times the keys (transposed into panels of 16 keys), a softmax per
-// row, times the values (read in place): two `gemm`s. Only keys 0..n-1 are read, n one past the last
-// key any query may see, so a static cache costs what is filled. Scores are FMA chains over the head
-// dimension, outputs chains over the keys in order, the softmax's max and sum lane by lane over
-// blocks of 8 keys; masked keys weigh exactly 0. So a row's result does not depend on the other rows
-// of the call nor on how many masked keys the cache holds past its own (given finite K/V).
+// Attention of a few query tokens over the KV cache: per batch row and K/V head, its GQA group's query
+// rows times the keys (transposed into panels), a softmax per row, times the values: two `gemm`s over
+// keys 0..n-1 only, n one past the last key any query may see. Masked keys weigh exactly 0, so a row's
+// result depends on neither the other rows nor the masked keys past its own.
 
 // exp(x) for 8 floats (Cephes' polynomial on x - n ln 2, about 1 ulp); exactly 0 below -87.3 (and -inf)
 static inline __m256 exp8(__m256 x) {
@@ -200,9 +189,8 @@ static void keys_to_panels(const float *kb, long ks, long n, long hd, float *kT)
         for (long c = 0; c < hd; c++) kT[(j / PANEL) * hd * PANEL + c * PANEL + j % PANEL] = kb[j * ks + c];
 }
 
-// Scores s[0..Sp-1] -> softmax numerators in place: s * scale + bias (-inf where the bias is, also
-// past the keys read), then exp(s - max). Returns 1 / their sum, or 0 when every
-// key is masked (the row's output is then 0, as SDPA's CPU kernel gives).
+// Scores s[0..Sp-1] -> softmax numerators exp(s * scale + bias - max) in place; returns 1 / their sum,
+// or 0 when every key is masked (the row's output is then 0, as SDPA's CPU kernel gives).
 static float softmax_row(float *s, long Sp, const float *bias, float scale) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 vmax = ninf, vsum = _mm256_setzero_ps();
@@ -227,9 +215,8 @@ static float softmax_row(float *s, long Sp, const float *bias, float scale) {
     return mx == -INFINITY ? 0.f : 1.f / sum;
 }
 
-// out [B, T, H * hd] (contiguous) = softmax(q kᵀ / sqrt(hd) + bias) v per head, head h reading K/V
-// head h / (H / Hkv); q [B, T, H, hd], k and v [B, S, Hkv, hd], bias [B, 1, T, S], each with stride 1
-// in its last dimension; hd % 16 == 0.
+// out [B, T, H * hd] = softmax(q kᵀ / sqrt(hd) + bias) v per head (GQA); q [B, T, H, hd], k and v
+// [B, S, Hkv, hd], bias [B, 1, T, S], each with stride 1 in its last dimension; hd % 16 == 0.
 static void attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &bias,
                       float *out) {
     const Tiles &t = tiles();
@@ -279,9 +266,8 @@ static void attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor
 // ---------------------------------------------------------------------------------------------
 // The operators: shapes checked (a bad call raises RuntimeError, never reads out of bounds).
 
-// nbytes of memory (64-byte aligned) for panels, cut from blocks of 64 MiB (or one of its own) mapped
-// 2 MiB-aligned on transparent huge pages (madvise, where the OS grants them): streamed through 4 KiB
-// pages a weight costs a TLB walk per page. A block lives as long as any tensor cut from it.
+// Memory for panels, cut from 64 MiB blocks on transparent huge pages (a weight streamed through 4 KiB
+// pages costs a TLB walk per page); a block lives as long as any tensor cut from it.
 static at::Tensor panel_memory(long nbytes) {
     static std::mutex mu;
     static at::Tensor *block = new at::Tensor();  // never destroyed: the process may end in any order

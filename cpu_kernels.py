@@ -182,18 +182,6 @@ def _stamp(w: torch.Tensor) -> tuple:
     return w.data_ptr(), w.shape, None if w.is_inference() else w._version
 
 
-def uninstall(m: nn.Module):
-    """Undo `install`: plain nn.Linear layers and `model.attend_cached`."""
-    for x in m.modules():
-        if type(x) is PanelLinear:
-            x.__class__ = nn.Linear
-            del x.panels, x.stamp
-        elif isinstance(x, model.Attention) and x.attend is attend:
-            x.attend = model.attend_cached
-            if "project" in vars(x):
-                del x.project, x.qkv_panels, x.qkv_bias
-
-
 def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:
     """Which GEMMs a CPU float32 run of `m` uses, in one line for a program's start (None otherwise)."""
     if not _cpu_float32(m):

@@ -1,6 +1,6 @@
 """cpu_kernels.py and cpu_kernels.cpp, the CPU backend: the few-row GEMM against F.linear, the few-token
 attention against model.attend_cached (SDPA), their invariants (a row's bits do not depend on the rows
-beside it, the thread count or the vector width; masked keys are not read), `install` / `uninstall` on
+beside it, the thread count or the vector width; masked keys are not read), `install` (and undoing it) on
 a model, the build's reasons when unavailable, and a compiled graph calling the operators."""
 
 from __future__ import annotations
@@ -229,6 +229,18 @@ def decode(m: model.Transformer) -> list:
         return [m(tokens[:, a:b], pos[:, a:b])[0] for a, b in ((0, 5), (5, 13), (13, 14))] + [m(tokens)[0]]
 
 
+def uninstall(m: nn.Module):
+    """Undo `install`: plain nn.Linear layers and `model.attend_cached`."""
+    for x in m.modules():
+        if type(x) is cpu_kernels.PanelLinear:
+            x.__class__ = nn.Linear
+            del x.panels, x.stamp
+        elif isinstance(x, model.Attention) and x.attend is cpu_kernels.attend:
+            x.attend = model.attend_cached
+            if "project" in vars(x):
+                del x.project, x.qkv_panels, x.qkv_bias
+
+
 @needs_kernels
 @pytest.mark.parametrize("tied", [False, True])
 def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
@@ -254,7 +266,7 @@ def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
     kept = [x.panels for x in linears]
     assert cpu_kernels.install(m) and all(x.panels is p for x, p in zip(linears, kept))  # idempotent
-    cpu_kernels.uninstall(m)
+    uninstall(m)
     assert all(type(x) is nn.Linear and not hasattr(x, "panels") for x in linears)
     assert all(layer.self_attn.attend is model.attend_cached for layer in m.layers)
     assert all(torch.equal(a, b) for a, b in zip(decode(m), want, strict=True))
