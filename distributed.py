@@ -94,3 +94,35 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
             raise UserError(f"rank {rank} of {world}: no process group at {where} within {timeout_s:g} s ({first}); "
                             "start every process (torchrun --nproc_per_node N) or raise --dist-timeout") from None
     return rank, world, device
+
+
+# Collectives: every rank a shard, raw counts summed (one process: the values as they are)
+
+def process_group():
+    """torch.distributed when this process is in a group, else None."""
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def all_sum(values: list[int], device: str) -> list[int]:
+    if (dist := process_group()) is None:
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: float, device: str) -> float:
+    if (dist := process_group()) is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_gather_list(items: list) -> list:
+    if (dist := process_group()) is None:
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]

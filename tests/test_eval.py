@@ -16,6 +16,7 @@ import torch
 from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, build_tokenizer
 from drafters import make_drafter, make_target
 
+import calibration as cal
 import eval as ev
 import metrics
 import speculate
@@ -153,7 +154,7 @@ def test_calibration_records_match_trace(env, tmp_path, capsys):
         a = np.prod(C[:, :k], axis=1)  # no threshold: every round verified every draft
         y = acc >= k
         assert raw[k - 1]["rounds"] == len(rounds) and raw[k - 1]["survived"] == int(y.sum())
-        assert raw[k - 1]["ece"] == pytest.approx(ev.ece(a, y), abs=1e-9)
+        assert raw[k - 1]["ece"] == pytest.approx(cal.ece(a, y), abs=1e-9)
         assert raw[k - 1]["brier"] == pytest.approx(float(np.mean((a - y) ** 2)), abs=1e-9)
     assert "confidence calibration" in out
     rows = [l for l in out.splitlines() if l.startswith(("dataset ", "gsm8k "))]
@@ -224,7 +225,7 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_round_there():
     # Calibration records stop there too: the round offers positions 1..2, both survived.
     recorded = speculate.Request(0, [1], req.output_ids, [dict(r, confidence=[0.5] * K, round=i)
                                                           for i, r in enumerate(rounds)])
-    arrays = ev.round_arrays([recorded], 0, K, [EOS])
+    arrays = cal.round_arrays([recorded], 0, K, [EOS])
     assert arrays["verified"].tolist() == [4, 2] and arrays["accepted"].tolist() == [2, 2]
 
 
@@ -464,30 +465,30 @@ def test_ece_hand_cases():
     # Bins of width 1/20: 0.05 and 0.06 share bin 1; 0.95 is in bin 19, the last, and so is 1.0.
     p, y = [0.05, 0.06, 0.95, 1.0], [0, 1, 1, 1]
     # bin 1: mean p 0.055, observed 0.5 -> 2/4 * 0.445; bin 19: mean p 0.975, observed 1 -> 2/4 * 0.025
-    assert ev.ece(p, y) == pytest.approx(0.5 * 0.445 + 0.5 * 0.025)
-    assert ev.ece([0.3, 0.3, 0.3], [1, 0, 0]) == pytest.approx(abs(1 / 3 - 0.3))
-    assert ev.ece([1 / 3], [1], bins=3) == pytest.approx(2 / 3)  # the bin edge belongs to the upper bin
-    assert ev.ece([], []) is None
-    assert ev.ece([0.2, 0.8], [0, 1], bins=1) == pytest.approx(0.0)  # one bin: |mean p - mean y|
+    assert cal.ece(p, y) == pytest.approx(0.5 * 0.445 + 0.5 * 0.025)
+    assert cal.ece([0.3, 0.3, 0.3], [1, 0, 0]) == pytest.approx(abs(1 / 3 - 0.3))
+    assert cal.ece([1 / 3], [1], bins=3) == pytest.approx(2 / 3)  # the bin edge belongs to the upper bin
+    assert cal.ece([], []) is None
+    assert cal.ece([0.2, 0.8], [0, 1], bins=1) == pytest.approx(0.0)  # one bin: |mean p - mean y|
 
 
 def test_auroc_hand_cases():
-    assert ev.auroc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0
-    assert ev.auroc([0.1, 0.2, 0.8, 0.9], [1, 1, 0, 0]) == 0.0
-    assert ev.auroc([0.5, 0.5, 0.5], [0, 1, 1]) == 0.5  # all tied
+    assert cal.auroc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0
+    assert cal.auroc([0.1, 0.2, 0.8, 0.9], [1, 1, 0, 0]) == 0.0
+    assert cal.auroc([0.5, 0.5, 0.5], [0, 1, 1]) == 0.5  # all tied
     # positives 0.4, 0.8; negatives 0.4, 0.2: pairs (0.4 vs 0.4) tie = 1/2, the other three win -> 3.5 / 4
-    assert ev.auroc([0.4, 0.8, 0.4, 0.2], [1, 1, 0, 0]) == pytest.approx(3.5 / 4)
-    assert ev.auroc([0.3, 0.4], [1, 1]) is None
+    assert cal.auroc([0.4, 0.8, 0.4, 0.2], [1, 1, 0, 0]) == pytest.approx(3.5 / 4)
+    assert cal.auroc([0.3, 0.4], [1, 1]) is None
 
 
 def test_brier_hand_cases():
-    assert ev.brier([0.5, 1.0, 0.0], [1, 1, 1]) == pytest.approx((0.25 + 0 + 1) / 3)
-    assert ev.brier([], []) is None
+    assert cal.brier([0.5, 1.0, 0.0], [1, 1, 1]) == pytest.approx((0.25 + 0 + 1) / 3)
+    assert cal.brier([], []) is None
 
 
 def test_survival_events_use_rounds_that_verified_k():
     C = np.array([[0.9, 0.5, 0.5], [0.8, 0.5, 0.5], [0.7, 0.4, 0.5]])
-    a, y = ev.survival_events(C, verified=[3, 1, 2], accepted=[3, 1, 1], k=2)
+    a, y = cal.survival_events(C, verified=[3, 1, 2], accepted=[3, 1, 1], k=2)
     assert a.tolist() == pytest.approx([0.45, 0.28]) and y.tolist() == [True, False]
 
 
@@ -511,21 +512,21 @@ def test_sts_lowers_ece_and_keeps_the_order():
     scales = [3.0, 0.4, 2.0, 1.5]
     C, ver, acc = synthetic_rounds(6000, scales)
     fit, held = slice(0, 3000), slice(3000, None)
-    temps = ev.fit_sts(C[fit], ver[fit], acc[fit])
+    temps = cal.fit_sts(C[fit], ver[fit], acc[fit])
     # The fitted temperatures undo the distortion: T_1 ~ s_1, and every T_k sharpens an
     # under-confident position and flattens an over-confident one. (Later T_k also absorb the
     # residual error of the earlier positions' fits, since they calibrate the product a_k.)
     assert temps[0] == pytest.approx(scales[0], rel=0.2)
     assert [t > 1 for t in temps] == [s > 1 for s in scales]
-    Cs = ev.apply_temperatures(C[held], temps)
+    Cs = cal.apply_temperatures(C[held], temps)
     for k in range(1, len(scales) + 1):
-        before = ev.ece(*ev.survival_events(C[held], ver[held], acc[held], k))
-        after = ev.ece(*ev.survival_events(Cs, ver[held], acc[held], k))
+        before = cal.ece(*cal.survival_events(C[held], ver[held], acc[held], k))
+        after = cal.ece(*cal.survival_events(Cs, ver[held], acc[held], k))
         assert after < 0.5 * before and after < 0.04, (k, before, after)
         # Monotone per position: the calibrated scores rank the rounds exactly as the raw ones do.
         assert np.array_equal(np.argsort(C[held][:, k - 1], kind="stable"), np.argsort(Cs[:, k - 1], kind="stable"))
-    a1_raw, y1 = ev.survival_events(C[held], ver[held], acc[held], 1)
-    assert ev.auroc(ev.survival_events(Cs, ver[held], acc[held], 1)[0], y1) == pytest.approx(ev.auroc(a1_raw, y1))
+    a1_raw, y1 = cal.survival_events(C[held], ver[held], acc[held], 1)
+    assert cal.auroc(cal.survival_events(Cs, ver[held], acc[held], 1)[0], y1) == pytest.approx(cal.auroc(a1_raw, y1))
 
 
 def test_sts_is_sequential_and_respects_verified():
@@ -533,7 +534,7 @@ def test_sts_is_sequential_and_respects_verified():
     C, ver, acc = synthetic_rounds(4000, [1.0, 1.0, 1.0])
     ver = np.minimum(ver, 2)
     acc = np.minimum(acc, ver)
-    temps = ev.fit_sts(C, ver, acc)
+    temps = cal.fit_sts(C, ver, acc)
     assert temps[:2] == pytest.approx([1.0, 1.0], rel=0.25) and temps[2] == 1.0
 
 
@@ -545,14 +546,14 @@ def test_calibration_report_splits_by_request_per_dataset():
     parts = [{"dataset": (i >= 200).astype(np.int32)[p], "request": ((i % 200) // 10)[p], "round": (i % 10)[p],
               "confidence": C.astype(np.float32)[p], "verified": ver[p], "accepted": acc[p]}
              for p in (perm[:150], perm[150:])]
-    rec = ev.concat_rounds(parts)
+    rec = cal.concat_rounds(parts)
     assert rec["dataset"].tolist() == (i >= 200).tolist() and rec["request"].tolist() == ((i % 200) // 10).tolist()
-    rep = ev.calibration_report(rec, 0.5)
+    rep = cal.calibration_report(rec, 0.5)
     assert rep["fit_rounds"] == 200 and rep["heldout_rounds"] == 200  # 10 of 20 requests per dataset
     fit = ((i % 200) // 10) < 10
-    assert rep["temperatures"] == ev.fit_sts(C.astype(np.float32)[fit], ver[fit], acc[fit])
+    assert rep["temperatures"] == cal.fit_sts(C.astype(np.float32)[fit], ver[fit], acc[fit])
     assert all(s["ece"] < r["ece"] for s, r in zip(rep["sts_heldout"], rep["raw_heldout"]))
-    assert "temperatures" not in ev.calibration_report(rec, 0.0)
+    assert "temperatures" not in cal.calibration_report(rec, 0.0)
 
 
 def test_calibration_is_reported_per_dataset_too():
@@ -562,7 +563,7 @@ def test_calibration_is_reported_per_dataset_too():
     rec = {"dataset": np.repeat(np.arange(2, dtype=np.int32), n), "request": np.tile(np.arange(n), 2),
            "round": np.zeros(2 * n, dtype=np.int64), "confidence": np.full((2 * n, 1), 0.5, dtype=np.float32),
            "verified": np.ones(2 * n, dtype=np.int64), "accepted": np.repeat([1, 0], n)}
-    rep = ev.calibration_report(rec, 0.0, names=["a", "b"])
+    rep = cal.calibration_report(rec, 0.0, names=["a", "b"])
     assert rep["raw"][0]["ece"] == pytest.approx(0.0)
     assert list(rep["raw_by_dataset"]) == ["a", "b"]
     assert [rep["raw_by_dataset"][d][0]["ece"] for d in "ab"] == pytest.approx([0.5, 0.5])

@@ -102,7 +102,7 @@ def test_reliability_diagram_without_sts_empty_bins_and_wrapping(tmp_path):
 
 
 def test_bin_stats_bins_as_eval_ece():
-    import eval as ev
+    import calibration as cal
 
     a = np.array([0.0, 0.1, 0.2, 0.3999, 0.61, 0.8, 0.99, 1.0])
     y = np.array([0, 1, 1, 0, 1, 1, 1, 0])
@@ -112,10 +112,10 @@ def test_bin_stats_bins_as_eval_ece():
     assert predicted[1] == pytest.approx((0.2 + 0.3999) / 2) and observed[4] == pytest.approx(2 / 3)
     for seed in range(3):  # the bars are the ones eval.py's ECE sums over
         a, y = events(500, seed, 1.5)
-        count, predicted, observed = plots.bin_stats(a, y, ev.ECE_BINS)
+        count, predicted, observed = plots.bin_stats(a, y, cal.ECE_BINS)
         seen = count > 0
         gap = (count[seen] * np.abs(observed[seen] - predicted[seen])).sum() / a.size
-        assert gap == pytest.approx(ev.ece(a, y, ev.ECE_BINS), abs=1e-12)
+        assert gap == pytest.approx(cal.ece(a, y, cal.ECE_BINS), abs=1e-12)
 
 
 # ----------------------------------------------------------------------------------------
