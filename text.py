@@ -1,7 +1,5 @@
-"""Text and ids: a checkpoint's tokenizer and chat template, prompts read and encoded, stop strings. A template
-comes from chat_template.jinja or tokenizer_config.json (else Qwen3's ChatML, thinking off unless asked for, as
-the published drafters were trained); it is code shipped with a checkpoint, so it runs in a box
-(`render_template`). Every prompt, from a flag, a file or the Python API, goes through `encode`."""
+"""Text and ids: a checkpoint's tokenizer and chat template (chat_template.jinja or tokenizer_config.json, else
+Qwen3's format; code shipped with a checkpoint, so it renders in a box), prompts read and encoded, stop strings."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from common import UserError, optional_file, parse_ints, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
 QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-EMPTY_THINK = "<think>\n\n</think>\n\n"  # Qwen3's non-thinking mode opens the answer with an empty think block
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
 
 
 class Tokenizer:
@@ -51,18 +49,12 @@ class Tokenizer:
             {"role": "user", "content": prompt}]
         return self.render_messages(turns, add_generation_prompt=True, thinking=thinking)
 
-    @property
-    def thinking_switch(self) -> bool:
-        """Whether the template reads `enable_thinking` (the fallback does)."""
-        return self.chat_template is None or "enable_thinking" in self.chat_template
-
     def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
         if self.template_problem is not None:
             raise UserError(self.template_problem)
         if self.chat_template is None:  # Qwen3's ChatML
-            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
             out = [f"<|im_start|>{m['role']}\n"
-                   f"{EMPTY_THINK if m['role'] == 'assistant' and i == len(messages) - 1 and i > last_user else ''}"
+                   f"{EMPTY_THINK if m['role'] == 'assistant' and i == len(messages) - 1 else ''}"
                    f"{m['content']}<|im_end|>\n" for i, m in enumerate(messages)]
             return "".join(out) + ("<|im_start|>assistant\n" + ("" if thinking else EMPTY_THINK)
                                    if add_generation_prompt else "")
@@ -75,8 +67,7 @@ class Tokenizer:
 
 
 def read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
-    """(template, its file, None); (None, None, None) without one; (None, file, why) for named templates
-    with no usable "default" (said only when a chat is rendered)."""
+    """(template, its file, None); (None, None, None) without one; (None, file, why) if unusable (said at a render)."""
     jinja = os.path.join(directory, "chat_template.jinja")
     if optional_file(jinja):
         try:
@@ -100,9 +91,8 @@ def read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Op
     return t, path if t is not None else None, None
 
 
-# The box a chat template renders in: Jinja's immutable sandbox, a time limit, and caps on what it
-# computes, checked before the operations that could pass them in one C call the timer cannot stop
-# (repetition, powers, products, widths, replace, join) and on every value after.
+# The box a chat template renders in: Jinja's immutable sandbox, a time limit, and caps on what it computes, checked
+# on every value, and before single C calls the timer cannot stop (repetition, powers, products, widths, replace, join).
 
 TEMPLATE_SECONDS, TEMPLATE_CHARS, TEMPLATE_BITS = 10, 10_000_000, 100_000
 _COMPILED: dict = {}  # the last template, compiled
@@ -128,8 +118,7 @@ def _bounded(value):
 
 
 def _check_format(fmt: str, args=(), kwargs=None):
-    """Refuse a format string (%, str.format, the format filter) that pads past TEMPLATE_CHARS: a width or
-    precision in its specs, or one taken from the arguments (`%*s`, `{:{}}`)."""
+    """Refuse a format string (%, str.format, |format) whose widths (in specs or arguments) pass TEMPLATE_CHARS."""
     specs = [m.group(1, 2) for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)]
     try:
         parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
@@ -262,11 +251,9 @@ def render_template(template: str, source: str, **context) -> str:
 
 CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
-RECORD_SETTINGS = {"system": "--system-prompt", "system_prompt": "--system-prompt",  # keys only a flag sets
-                   "enable_thinking": "--enable-thinking", "max_new_tokens": "--max-new-tokens",
-                   "max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
-                   "top_p": "--top-p", "min_p": "--min-p", "stop": "--stop", "seed": "--seed",
-                   "num_samples": "--num-samples"}
+RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {  # keys only a flag sets
+    k: "--" + k.replace("_", "-") for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature",
+                                            "top_k", "top_p", "min_p", "stop", "seed", "num_samples")}
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
@@ -317,47 +304,39 @@ def read_messages(messages, where: str) -> list[dict]:
 
 def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, system_prompt: Optional[str] = None,
            thinking: bool = False, max_len: Optional[int] = None) -> list[int]:
-    """One prompt as ids: token ids as given; a text (a user turn) or a conversation through the chat template
-    (without chat: the text as it is). A text over `max_len` tokens is refused after a bounded prefix."""
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    """One prompt as ids: token ids as given; a text (a user turn) or a conversation, rendered if `chat`."""
+    if isinstance(prompt, (list, tuple)) and all(_int(t) for t in prompt):
         if system_prompt is not None or thinking:
             raise UserError(f"{where}: token ids are not a rendered chat; the system prompt or thinking would "
                             f"change nothing")
         return list(prompt)
     if tokenizer is None:
         raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
-    if thinking and not tokenizer.thinking_switch:
+    if thinking and tokenizer.chat_template is not None and "enable_thinking" not in tokenizer.chat_template:
         raise UserError(f"--enable-thinking: the chat template ({tokenizer.template_source}) has no thinking switch "
                         f"(it never reads enable_thinking)")
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif not chat:
+    if not isinstance(prompt, str) and not chat:
         raise UserError(f"{where}: a messages record is a conversation, rendered only with a chat template, "
                         f"and prompts are not rendered as chat here (--no-chat, or a tokenizer without a chat "
                         f"template: --chat renders Qwen3's format)")
-    else:
-        messages = read_messages(prompt, where)
-    if system_prompt is not None:
-        if any(m["role"] == "system" for m in messages):
-            raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives "
-                            f"another; drop one")
-        messages = [{"role": "system", "content": system_prompt}] + messages
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else read_messages(prompt, where)
+    if system_prompt is not None and any(m["role"] == "system" for m in turns):
+        raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives another; "
+                        f"drop one")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + turns
     texts = [m["content"] for m in messages]
-    for t in texts:
-        check_text(t, where)
+    check_text("\n".join(texts), where)
     if not texts[-1].strip():  # before rendering: a template would dress an empty question up
         raise UserError(f"{where}: empty prompt")
-    if max_len is not None and sum(map(len, texts)) > CHARS_PER_TOKEN * max_len:  # e.g. a 100 MB prompt
+    if max_len is not None and sum(map(len, texts)) > CHARS_PER_TOKEN * max_len:  # e.g. 100 MB: refused from a prefix
         if len(tokenizer.encode("\n".join(texts)[:CHARS_PER_TOKEN * max_len])) > max_len:
             raise UserError(f"{where}: the prompt is longer than the {max_len} tokens the context leaves it")
-    if not chat:
-        return tokenizer.encode(texts[-1])
-    return tokenizer.encode(tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking))
+    text = tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking) if chat else texts[-1]
+    return tokenizer.encode(text)
 
 
 def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
-    """(where, prompt) of every record of a JSON-lines file: {"prompt": str}, {"prompt_ids": [int]},
-    {"turns": [str]} (the first turn, as the authors' evaluation) or {"messages": [...]}."""
+    """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
     if not os.path.isfile(prompts_file):
         raise UserError(f"{prompts_file}: " + ("not a regular file (a pipe or a device): give a file"
                                                if os.path.exists(prompts_file) else "prompts file not found"))
@@ -371,20 +350,17 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
         if len(kinds) > 1:
             raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
                             f"{' and '.join(kinds)}")
-        v = row[kinds[0]] if kinds else None
-        if kinds == ["prompt"] and isinstance(v, str):
-            out.append((where, v))
-        elif kinds == ["prompt_ids"] and isinstance(v, list):
-            if not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-                raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
-            out.append((where, v))
-        elif kinds == ["turns"] and isinstance(v, list) and v and all(isinstance(t, str) for t in v):
-            out.append((where, v[0]))
-        elif kinds == ["messages"]:
-            out.append((where, read_messages(v, where)))
-        else:
+        kind, v = (kinds[0], row[kinds[0]]) if kinds else (None, None)
+        if kind == "prompt_ids" and isinstance(v, list) and not all(_int(i) for i in v):
+            raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
+        if kind == "turns" and isinstance(v, list) and v and all(isinstance(t, str) for t in v):
+            v = v[0]  # the first turn, as the authors' evaluation
+        elif kind == "messages":
+            v = read_messages(v, where)
+        elif not (kind == "prompt" and isinstance(v, str) or kind == "prompt_ids" and isinstance(v, list)):
             raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}}, {{\"turns\": [str]}} "
                             f"or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
+        out.append((where, v))
     if not out:
         raise UserError(f"{prompts_file}: no prompts")
     return out
@@ -394,23 +370,21 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None, max_len: Optional[int] = None,
                  system_prompt: Optional[str] = None, thinking: bool = False, sources: Optional[list] = None):
     """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from."""
-    given = [f for f, v in (("prompt", prompt), ("prompt_ids", prompt_ids), ("prompts_file", prompts_file))
+    given = [f for f, v in (("--prompt", prompt), ("--prompt-ids", prompt_ids), ("--prompts-file", prompts_file))
              if v is not None]
     if len(given) != 1:
         raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
-                        + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
+                        + (f" (got {', '.join(given)})" if given else ""))
     flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt, thinking=thinking)
-    records = ([("--prompt", prompt)] if prompt is not None else
-               [("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))] if prompt_ids is not None else
-               read_prompts(prompts_file))
+    records = read_prompts(prompts_file) if prompts_file is not None else [
+        ("--prompt", prompt) if prompt is not None else ("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))]
     out = []
     for where, p in records:
-        ids = isinstance(p, list) and all(isinstance(i, int) for i in p)
-        if ids and flags and where != "--prompt-ids":
+        if flags and isinstance(p, list) and all(_int(i) for i in p):  # (--prompt-ids with a flag: refused above)
             raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; {flags[0]} "
                             f"would change nothing for it")
-        out.append(encode(tokenizer, p, where, chat=chat, system_prompt=None if ids else system_prompt,
-                          thinking=thinking and not ids, max_len=max_len))
+        out.append(encode(tokenizer, p, where, chat=chat, system_prompt=system_prompt, thinking=thinking,
+                          max_len=max_len))
         if sources is not None:
             sources.append(where)
     return out
@@ -418,9 +392,9 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
 
 def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter=None, sources=None):
     """Every prompt non-empty, inside the vocabulary, and fitting the target's and drafter's context with its budget."""
-    V, context = target.args.vocab_size, target.args.max_position_embeddings
-    if drafter is not None:
-        context = min(context, drafter.cfg.layers.max_position_embeddings)
+    V, context, whose = target.args.vocab_size, target.args.max_position_embeddings, "target"
+    if drafter is not None and drafter.cfg.layers.max_position_embeddings < context:
+        context, whose = drafter.cfg.layers.max_position_embeddings, "drafter"
     for i, p in enumerate(prompts):
         name = sources[i] if sources is not None else f"prompt {i}"
         if not p:
@@ -429,14 +403,12 @@ def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter
         if bad:
             raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
         if len(p) + max_new_tokens > context:
-            raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed the "
-                            f"{'target' if context == target.args.max_position_embeddings else 'drafter'}'s "
+            raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed the {whose}'s "
                             f"context of {context} (max_position_embeddings)")
 
 
 class StopStrings:
-    """--stop: a request ends at the first of these in its text (special tokens skipped, as printed);
-    the ids are kept up to the token that completes it, the text is cut before it."""
+    """--stop: a request ends at the first in its printed text: ids kept to the token completing it, text cut before."""
 
     def __init__(self, tokenizer: Tokenizer, strings: Sequence[str]):
         self.tokenizer, self.strings = tokenizer, tuple(strings)
@@ -466,8 +438,7 @@ class StopStrings:
         return StopStrings(tokenizer, strings)
 
     def find(self, text: str) -> Optional[int]:
-        hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
-        return min(hits) if hits else None
+        return min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=None)
 
     def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
         """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None."""
@@ -481,5 +452,4 @@ class StopStrings:
         return hi
 
     def cut(self, text: str) -> str:
-        at = self.find(text)
-        return text if at is None else text[:at]
+        return text[:self.find(text)]  # all of it when it holds none
