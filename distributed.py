@@ -112,6 +112,18 @@ def all_sum(values: list[int], device: str) -> list[int]:
     return t.tolist()
 
 
+def sum_counts(c: dict, device: str) -> dict:
+    """`metrics.count`'s raw counts (integers, and lists by position) summed across processes."""
+    keys = list(c)
+    total = all_sum([x for k in keys for x in (c[k] if isinstance(c[k], list) else [c[k]])], device)
+    out, i = {}, 0
+    for k in keys:
+        n = len(c[k]) if isinstance(c[k], list) else 1
+        out[k] = total[i:i + n] if isinstance(c[k], list) else total[i]
+        i += n
+    return out
+
+
 def all_max(value: float, device: str) -> float:
     if (dist := process_group()) is None:
         return value

@@ -30,7 +30,7 @@ from common import (AutoBool, Interrupted, UserError, check_outputs, check_range
                     optional_file, read_json, set_threads, write_json)
 from calibration import (ECE_BINS, STS_GRID, calibration_report, concat_rounds, reliability_panels, round_arrays,
                          saturated, uncalibrate)
-from distributed import all_gather_list, all_max, all_sum, dist_init, process_group, rank0, torchrun_env
+from distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
 from runlog import WandbFlags
 from speculate import DEMO_DIR, CompileMode, Request, Settings, make_engine
 from text import auto_chat, check_prompts, load_prompts
@@ -337,7 +337,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
                 bar.set_description(name)
             engine.generate(requests, s.max_new_tokens, on_finish=on_finish if shown else None)
             seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
-            c = mt.unflatten(all_sum(mt.flatten(mt.count(requests, K, m.stop_ids)), device), K)
+            c = sum_counts(mt.count(requests, K, m.stop_ids), device)
             entries.append(metrics(name, c, seconds))
             if has_conf:
                 parts.append(round_arrays(requests, len(entries) - 1, K, m.stop_ids))

@@ -37,18 +37,6 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
     return c
 
 
-def flatten(c: dict) -> list[int]:
-    """The counts as one list of integers (to sum across processes); `unflatten` inverts it."""
-    return [c[k] for k in COUNT_KEYS] + [x for k in LIST_KEYS for x in c[k]]
-
-
-def unflatten(values: list[int], K: int) -> dict:
-    c = dict(zip(COUNT_KEYS, values))
-    rest = values[len(COUNT_KEYS):]
-    c.update({k: rest[i * K:(i + 1) * K] for i, k in enumerate(LIST_KEYS)})
-    return c
-
-
 def acceptance_length(c: dict) -> Optional[float]:
     """τ = Σ committed / rounds."""
     return c["committed"] / c["num_rounds"] if c["num_rounds"] else None
