@@ -6,7 +6,6 @@ run starts before the work and always finishes: exit code 0, 2 after a UserError
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
 
 import metrics
-from common import Interrupted, UserError
+from common import Interrupted, UserError, read_json
 
 DEFAULT_PROJECT = "dspark-fast"
 TABLE_ROWS = 10_000  # a requests table longer than this keeps its first rows (wandb slows on huge tables)
@@ -91,22 +90,9 @@ def code_version() -> dict:
     return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None}
 
 
-def start_config(args, program: str) -> dict:
-    """A run's config from its start: the program, the flags, torch's version and the code's commit."""
-    import torch
-
-    return {"program": program, **asdict(args), "torch": torch.__version__, **code_version()}
-
-
 def checkpoint_config(directory: Optional[str]) -> Optional[dict]:
-    """A checkpoint directory's config.json as read (None without one: random weights, no drafter)."""
-    if not directory or not os.path.isfile(path := os.path.join(directory, "config.json")):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):  # the loader has read it already; this is only a record
-        return None
+    """A checkpoint directory's config.json, as loaded (None: random weights, or no drafter)."""
+    return read_json(os.path.join(directory, "config.json")) if directory else None
 
 
 # A run
@@ -186,7 +172,9 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
     if not (args.wandb and enabled):
         yield None
         return
-    log = start(args, job_type, start_config(args, program))
+    import torch
+
+    log = start(args, job_type, {"program": program, **asdict(args), "torch": torch.__version__, **code_version()})
     try:
         yield log
     except BaseException as e:
