@@ -18,18 +18,18 @@ import runlog
 from checkpoint import Models, load_models, resolve_checkpoint
 from common import AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, \
     cli_main, device_name, read_json, resolve_device, set_threads, signals_deferred, use_compile_cache
-from runlog import DecodeWatch, WandbFlags
-from speculate import (DEMO_DIR, MAX_REQUESTS, CompileMode, Completion, Engine, Request, Settings, completion, kernels_for,
-                       make_engine, requests_for, sampling_for)
+from speculate import (DEMO_DIR, MAX_REQUESTS, CompileMode, Completion, Engine, Request, Settings, completion,
+                       kernels_for, make_engine, requests_for, sampling_for)
 from text import StopStrings, auto_chat, check_chat_flags, check_prompts, encode, load_prompts
 
 # The demo's printed prompt, from the held-out shutil.py; demo/heldout.jsonl's 20 follow (figures over 21).
-DEMO_PROMPT = 'def copyfileobj(fsrc, fdst, length=0):\n    """copy data from file-like object fsrc to file-like object fdst"""\n'
-DEMO_PROMPTS_FILE = os.path.join(DEMO_DIR, "heldout.jsonl")
+DEMO_PROMPT = ('def copyfileobj(fsrc, fdst, length=0):\n'
+               '    """copy data from file-like object fsrc to file-like object fdst"""\n')
+END_RECORD = ("request", "output_ids", "num_rounds", "acceptance_length", "finish_reason")  # the trace's, of a request
 
 
 @dataclass
-class Args(WandbFlags):
+class Args(runlog.WandbFlags):
     """Speculative decoding with DSpark / DFlash drafters (baseline decoding without --drafter)."""
 
     target: Optional[str] = None
@@ -114,25 +114,18 @@ class Args(WandbFlags):
     """Instead of --target/--drafter: a real-shaped pair with random weights (speed without downloads)."""
 
 
-
-
-def settings_of(args: Args) -> Settings:
-    names = {f.name for f in fields(Settings)} - {"compile_verbose"}
-    return Settings(**{n: getattr(args, n) for n in names}, compile_verbose=args.verbose)
-
-
 def check_args(args: Args) -> Settings:
     """The flags alone, before anything is loaded or downloaded."""
-    s = settings_of(args).check()
+    names = {f.name for f in fields(Settings)} - {"compile_verbose"}
+    s = Settings(**{n: getattr(args, n) for n in names}, compile_verbose=args.verbose).check()
     check_ranges(args, log_every="[1, inf)")
     runlog.check(args)
     check_threads(args.threads)
-    if args.random_init is not None:  # no tokenizer: say so before building the model
-        for flag, given in (("--prompt", args.prompt is not None), ("--stop", bool(args.stop)),
-                            ("--system-prompt", args.system_prompt is not None)):
-            if given:
-                raise UserError(f"{flag}: text needs a tokenizer, and --random-init {args.random_init} has none "
-                                f"(use --prompt-ids)")
+    text = [f for f, on in (("--prompt", args.prompt is not None), ("--stop", bool(args.stop)),
+                            ("--system-prompt", args.system_prompt is not None)) if on]
+    if args.random_init is not None and text:  # no tokenizer: say so before building the model
+        raise UserError(f"{text[0]}: text needs a tokenizer, and --random-init {args.random_init} has none "
+                        f"(use --prompt-ids)")
     if args.chat and args.prompt_ids is not None:
         raise UserError("--chat: --prompt-ids are token ids, never rendered; it would change nothing")
     check_chat_flags(chat=args.chat, ids=args.prompt_ids is not None, system_prompt=args.system_prompt,
@@ -142,11 +135,10 @@ def check_args(args: Args) -> Settings:
                         f"(--scheduler threshold, hardware or async); without one it changes nothing")
     if args.compile_cache is not None and not s.compile:
         raise UserError("--compile-cache: only used with --compile (the run is eager)")
-    sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
+    sps_read = args.sps_table if args.sps_table is not None and os.path.isfile(args.sps_table) else None
     check_outputs({"--trace-file": args.trace_file, "--output-file": args.output_file,
-                   "--sps-table": None if sps_exists else args.sps_table},
-                  inputs=[args.target, args.drafter, args.prompts_file, args.calibration,
-                          args.sps_table if sps_exists else None])
+                   "--sps-table": None if sps_read else args.sps_table},  # read if it exists, else written
+                  inputs=[args.target, args.drafter, args.prompts_file, args.calibration, sps_read])
     resolve_device(args.device)
     kernels_for(args.kernels, args.device)
     return s
@@ -158,9 +150,8 @@ def run(args: Args) -> dict:
     no_prompt = args.prompt is None and args.prompt_ids is None and args.prompts_file is None
     if demo:
         args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"),
-                       prompts_file=DEMO_PROMPTS_FILE if no_prompt else args.prompts_file)
-    if args.compile is None:
-        args = replace(args, compile=args.device.startswith("cuda"))
+                       prompts_file=os.path.join(DEMO_DIR, "heldout.jsonl") if no_prompt else args.prompts_file)
+    args = replace(args, compile=args.device.startswith("cuda") if args.compile is None else args.compile)
     s = check_args(args)
     if args.random_init is None:
         args = replace(args, target=resolve_checkpoint(args.target, "--target"),
@@ -175,65 +166,57 @@ def load_and_decode(args: Args, s: Settings, demo: bool, log, lead: Optional[str
     """Load, read the prompts and decode them (the demo: autoregressive first, then speculative)."""
     threads = set_threads(args.threads)
     if s.compile:
-        args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
+        cache = use_compile_cache(args.compile_cache)
         print("loading the models; compiling the round next (a first compile takes minutes on a CPU, then it is "
-              f"cached in {args.compile_cache})", file=sys.stderr)
+              f"cached in {cache})", file=sys.stderr)
     m = load_models(args.target, args.drafter, device=args.device, dtype=args.dtype, random_init=args.random_init,
                     calibration=args.calibration, seed=args.seed)
     sampling = sampling_for(m, s)
-    if args.calibration is not None:
-        note = calibration_note(args.calibration, m.directories[1], sampling.temperature)
-        if note:
-            print(note, file=sys.stderr)
+    note = args.calibration and calibration_note(args.calibration, m.directories[1], sampling.temperature)
+    if note:
+        print(note, file=sys.stderr)
     context = m.target.args.max_position_embeddings
     chat = auto_chat(args.chat, m.tokenizer)
-    sources = []
-    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=args.prompt, prompt_ids=args.prompt_ids,
-                           prompts_file=args.prompts_file, max_len=max(context - s.max_new_tokens, 1),
-                           system_prompt=args.system_prompt, thinking=args.enable_thinking, sources=sources)
-    if lead is not None:  # the demo's first prompt, whose completion is printed
-        prompts.insert(0, encode(m.tokenizer, lead, "the demo prompt", chat=chat))
-        sources.insert(0, "the demo prompt")
+    sources = ["the demo prompt"] if lead is not None else []  # the demo's first prompt, whose completion is printed
+    prompts = [encode(m.tokenizer, lead, "the demo prompt", chat=chat)] if lead is not None else []
+    prompts += load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=args.prompt, prompt_ids=args.prompt_ids,
+                            prompts_file=args.prompts_file, max_len=max(context - s.max_new_tokens, 1),
+                            system_prompt=args.system_prompt, thinking=args.enable_thinking, sources=sources)
     check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
     if len(prompts) * s.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {s.num_samples}: {len(prompts)} prompts x {s.num_samples} samples is more "
                         f"than {MAX_REQUESTS:,} requests")
     if log is not None:
-        f = sampling.filters
         log.config(demo=demo, hardware=device_name(args.device), dtype_resolved=str(m.dtype).removeprefix("torch."),
                    threads_resolved=int(threads.split()[1]), scheduler_resolved=s.scheduler, chat_resolved=chat,
-                   compile_resolved=s.compile,
-                   sampling={"temperature": sampling.temperature, "top_k": f.top_k, "top_p": f.top_p,
-                             "min_p": f.min_p, "source": sampling.source},
+                   compile_resolved=s.compile, sampling={"temperature": sampling.temperature,
+                                                         **sampling.filters._asdict(), "source": sampling.source},
                    num_prompts=len(prompts), num_requests=len(prompts) * s.num_samples,
                    target_config=runlog.checkpoint_config(m.directories[0]),
                    drafter_config=runlog.checkpoint_config(m.directories[1]),
                    drafter_resolved=m.drafter.cfg.describe() if m.drafter is not None else None)
     import cpu_kernels
-    gemms = cpu_kernels.describe(m.target, s.compile)
-    announce = f"{threads}; " + (f"{gemms}; " if gemms else "") + sampling.describe()
+    announce = "; ".join(filter(None, [threads, cpu_kernels.describe(m.target, s.compile), sampling.describe()]))
     show = 1 if lead is not None else None
     engine = make_engine(m, m.drafter, prompts, s)
     if demo:  # the baseline by the same engine without the drafter, as many cache rows (shared caches)
-        text = m.tokenizer.decode(prompts[0]) if m.tokenizer is not None else prompts[0]
         more = (f" 1 of {len(prompts)} (the figures cover all {len(prompts)}: this one, then the "
                 f"{len(prompts) - 1} of demo/heldout.jsonl)" if lead is not None else "")
-        print(f"--- prompt{more} ---\n{text}")
+        print(f"--- prompt{more} ---\n{m.tokenizer.decode(prompts[0])}")  # the demo target has a tokenizer
         baseline = decode(args, s, m, make_engine(m, None, prompts, s, max_seq=engine.max_seq), prompts, None, None,
                           heading="autoregressive", announce=announce, log=log, show=show)
     summary = decode(args, s, m, engine, prompts, args.trace_file, args.output_file,
                      heading="speculative" if demo else None, announce=None if demo else announce, log=log, show=show)
     if demo and baseline["tokens_per_second"] > 0:
-        greedy = sampling.temperature == 0
         speed_up = summary["tokens_per_second"] / baseline["tokens_per_second"]
         seconds = summary["prefill_seconds"] + summary["decode_seconds"]
+        same, greedy = baseline["outputs"] == summary["outputs"], sampling.temperature == 0
         print(f"speed-up: {speed_up:.2f}x (speculative vs autoregressive tokens/s, same prompts, "
-              + (f"greedy outputs identical: {baseline['outputs'] == summary['outputs']})" if greedy else
+              + (f"greedy outputs identical: {same})" if greedy else
                  "sampled: the two follow the same distribution, not the same tokens)")
               + (f"; a {seconds:.1f} s run is noisy: use bench.py for figures" if seconds < 1 else ""))
         if log is not None:
-            log.summary({"speed_up": speed_up, **({"greedy_outputs_identical": baseline["outputs"] == summary["outputs"]}
-                                                  if greedy else {})})
+            log.summary({"speed_up": speed_up, **({"greedy_outputs_identical": same} if greedy else {})})
     return summary
 
 
@@ -253,9 +236,9 @@ class Printer:
     """Completions on stdout: one request streamed (holding back a possible stop string's start or an
     incomplete UTF-8 character), several labelled at the end (with `show`, only the first `show`)."""
 
-    def __init__(self, tokenizer, stop: Optional[StopStrings], n_requests: int, samples: int, show: Optional[int] = None):
-        self.tokenizer, self.stop, self.samples, self.n, self.show = tokenizer, stop, samples, n_requests, show
-        self.streaming = n_requests == 1 and tokenizer is not None
+    def __init__(self, tokenizer, stop: Optional[StopStrings], requests: int, samples: int, show: Optional[int] = None):
+        self.tokenizer, self.stop, self.samples, self.n, self.show = tokenizer, stop, samples, requests, show
+        self.streaming = requests == 1 and tokenizer is not None
         self.shown = 0
         self.hold = max((len(s) for s in self.stop.strings), default=1) - 1 if self.stop is not None else 0
 
@@ -263,25 +246,19 @@ class Printer:
         if not self.streaming:
             return
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        final = req.finish_reason is not None
-        if self.stop is not None:
-            cut = self.stop.cut(text)
-            final, text = final or len(cut) < len(text), cut
-        end = len(text)
-        while not final and end > 0 and text[end - 1] == "\ufffd":  # an incomplete UTF-8 character
-            end -= 1
-        safe = end if final else end - self.hold
+        final = req.finish_reason is not None  # a whole stop string in the text has ended the request
+        text = self.stop.cut(text) if self.stop is not None else text
+        safe = len(text) if final else len(text.rstrip("\ufffd")) - self.hold  # not an incomplete UTF-8 character
         if safe > self.shown:
-            sys.stdout.write(text[self.shown:safe])
-            sys.stdout.flush()
+            print(text[self.shown:safe], end="", flush=True)
             self.shown = safe
 
     def finish(self, completions: list[Completion]):
         if self.streaming:
-            if completions:
-                sys.stdout.write(completions[0].text[self.shown:] + "\n")
+            if completions:  # none if interrupted first
+                print(completions[0].text[self.shown:])
             return
-        shown = completions if self.show is None else completions[:self.show]
+        shown = completions[:self.show]
         for c in shown:
             if self.n > 1:
                 who = f"prompt {c.prompt + 1}" + (f", sample {c.sample + 1}" if self.samples > 1 else "")
@@ -305,9 +282,9 @@ def decode(args: Args, s: Settings, m: Models, engine: Engine, prompts: list[lis
     trace = out = interrupted = None
     printer = Printer(m.tokenizer, engine.stop_strings, len(requests), s.num_samples, show=show)
     name = "speculative" if engine.drafter is not None else "autoregressive"
-    watch = DecodeWatch(log, name, engine.K, engine.stop_ids, len(requests), args.log_every,
-                        lambda: engine.prefill_seconds + engine.decode_seconds,
-                        bar=args.progress and len(requests) > 1 and sys.stderr.isatty())
+    watch = runlog.DecodeWatch(log, name, engine.K, engine.stop_ids, len(requests), args.log_every,
+                               lambda: engine.prefill_seconds + engine.decode_seconds,
+                               bar=args.progress and len(requests) > 1 and sys.stderr.isatty())
     if heading:
         print(f"--- {heading} ---")
 
@@ -318,13 +295,12 @@ def decode(args: Args, s: Settings, m: Models, engine: Engine, prompts: list[lis
         watch.on_round(req, rec)
 
     def on_finish(req):
+        record = completion(req, m, engine).record()
         if trace:
-            trace.write(json.dumps({"request": req.index, "output_ids": req.output_ids, "num_rounds": len(req.rounds),
-                                    "acceptance_length": metrics.acceptance_length(metrics.count([req], 0, engine.stop_ids)),
-                                    "finish_reason": req.finish_reason}, allow_nan=False) + "\n")
+            trace.write(json.dumps({k: record[k] for k in END_RECORD}, allow_nan=False) + "\n")
             trace.sync()
         if out:
-            out.write(json.dumps(completion(req, m, engine).record(), ensure_ascii=False, allow_nan=False) + "\n")
+            out.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
             out.sync()
         watch.on_finish(req)
 
@@ -335,9 +311,8 @@ def decode(args: Args, s: Settings, m: Models, engine: Engine, prompts: list[lis
     except Interrupted as e:
         interrupted = e
     except BaseException:
-        for f in (trace, out):
-            if f:
-                f.abort()
+        for f in filter(None, (trace, out)):
+            f.abort()
         raise
     finally:
         watch.close()

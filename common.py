@@ -45,14 +45,17 @@ def _interrupt(signum, frame):
     raise Interrupted(signum)
 
 
+def _set_handlers(handler) -> dict:
+    """SIGINT and SIGTERM to `handler`; returns their handlers before (none set off the main thread: it cannot)."""
+    main = threading.current_thread() is threading.main_thread()
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+
+
 @contextlib.contextmanager
 def signals_deferred():
     """SIGINT / SIGTERM wait until the block is done (outputs published), then act (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     pending = []
-    handlers = {s: signal.signal(s, lambda n, f: pending.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = _set_handlers(lambda n, f: pending.append(n))
     try:
         yield
     finally:
@@ -72,13 +75,11 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
     exit 2, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 + the signal."""
     import tyro
 
-    args = tyro.cli(args_class, args=sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(args_class, args=argv)  # None: sys.argv[1:]
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
         if hasattr(stream, "reconfigure") and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = _set_handlers(_interrupt)
     try:
         with torch.inference_mode() if inference else contextlib.nullcontext():
             run(args)
@@ -154,9 +155,8 @@ def check_threads(threads: Optional[int]):
 
 
 def set_threads(threads: Optional[int]) -> str:
-    """torch's CPU threads: --threads, else OMP_NUM_THREADS, else half the usable CPUs (a second thread per
-    process slows decoding on a small shared machine). Returns the line saying which."""
-    check_threads(threads)
+    """torch's CPU threads: --threads (the caller ran `check_threads`), else OMP_NUM_THREADS, else half the usable
+    CPUs (a second thread per process slows decoding on a small shared machine). Returns the line saying which."""
     if threads is not None:
         how = "--threads"
     elif os.environ.get("OMP_NUM_THREADS", "").strip():
@@ -186,10 +186,9 @@ def free_memory(device) -> int:
     """Bytes still free on `device` (0: unknown, no check)."""
     if str(device).startswith("cuda"):
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    return 0
 
 
 def sync(device):
@@ -272,10 +271,8 @@ def read_jsonl(path: str):
 
 # Writing
 
-def check_writable(path: Optional[str], flag: str):
+def check_writable(path: str, flag: str):
     """Fail now if `path` cannot be written as a regular file (a link is judged by its target)."""
-    if path is None:
-        return
     if not path.strip():
         raise UserError(f"{flag}: empty path")
     real = os.path.realpath(path)
@@ -296,7 +293,7 @@ def check_writable(path: Optional[str], flag: str):
     if not os.access(folder, os.W_OK) or (os.path.exists(real) and not os.access(real, os.W_OK)):
         raise UserError(f"{flag} {path}: not writable")
     try:  # what the atomic write will do, now
-        tempfile.NamedTemporaryFile(dir=folder, prefix="." + os.path.basename(real) + ".", suffix=".tmp").close()
+        StreamFile(path).abort()
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 
@@ -336,32 +333,17 @@ def check_outputs(outputs: dict, inputs=()):
                                 f"as part of it by the next load; write it elsewhere")
 
 
-def _new_file_mode(path: str) -> int:
-    """The replaced file's mode, or what open() gives a new one."""
-    try:
-        return os.stat(path).st_mode & 0o777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
     """`path` whole or not at all (a synced temporary file renamed over it); `data`: text, bytes or `f(path)`."""
-    path = os.path.realpath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    f = StreamFile(path, "wb")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"" if callable(data) else data.encode() if isinstance(data, str) else data)
         if callable(data):
-            data(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, _new_file_mode(path))
-        os.replace(tmp, path)
+            data(f.tmp)
+        else:
+            f.write(data.encode() if isinstance(data, str) else data)
+        f.close()
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        f.abort()
 
 
 def write_json(path: str, obj, indent: Optional[int] = 2):
@@ -371,29 +353,33 @@ def write_json(path: str, obj, indent: Optional[int] = 2):
 class StreamFile:
     """A file written as a run goes, into a temporary file beside it: whole at `close()`, never at `abort()`."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, mode: str = "w"):
         self.path = os.path.realpath(path)
         fd, self.tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix="." + os.path.basename(self.path) + ".",
                                         suffix=".tmp")
-        self.f = os.fdopen(fd, "w")
+        self.f = os.fdopen(fd, mode)
 
-    def write(self, line: str):
-        self.f.write(line)
+    def write(self, data):
+        self.f.write(data)
 
     def sync(self):
         self.f.flush()
         os.fsync(self.f.fileno())
 
     def abort(self):
-        if not self.f.closed:
-            self.f.close()
+        self.f.close()
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
 
     def close(self):
-        if self.f.closed:
-            return
-        self.sync()
         self.f.close()
-        os.chmod(self.tmp, _new_file_mode(self.path))
+        with open(self.tmp, "rb+") as f:  # synced by name: atomic_write's `data(tmp)` may have made a new file
+            os.fsync(f.fileno())
+        try:
+            mode = os.stat(self.path).st_mode & 0o777
+        except OSError:  # a new file: what open() gives it
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(self.tmp, mode)
         os.replace(self.tmp, self.path)
