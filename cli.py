@@ -16,7 +16,7 @@ import tyro
 import metrics
 import runlog
 from checkpoint import Models, load_models, resolve_checkpoint
-from common import AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, check_threads, \
+from common import AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, \
     cli_main, device_name, read_json, resolve_device, set_threads, signals_deferred, use_compile_cache
 from speculate import (DEMO_DIR, MAX_REQUESTS, CompileMode, Completion, Engine, Request, Settings, completion,
                        kernels_for, make_engine, requests_for, sampling_for)
@@ -118,9 +118,8 @@ def check_args(args: Args) -> Settings:
     """The flags alone, before anything is loaded or downloaded."""
     names = {f.name for f in fields(Settings)} - {"compile_verbose"}
     s = Settings(**{n: getattr(args, n) for n in names}, compile_verbose=args.verbose).check()
-    check_ranges(args, log_every="[1, inf)")
+    check_ranges(args, log_every="[1, inf)", threads="[1, 4096]")
     runlog.check(args)
-    check_threads(args.threads)
     text = [f for f, on in (("--prompt", args.prompt is not None), ("--stop", bool(args.stop)),
                             ("--system-prompt", args.system_prompt is not None)) if on]
     if args.random_init is not None and text:  # no tokenizer: say so before building the model

@@ -149,13 +149,8 @@ def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
 
 
-def check_threads(threads: Optional[int]):
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4096):
-        raise UserError(f"--threads: invalid value {threads!r} (valid: 1 to 4096)")
-
-
 def set_threads(threads: Optional[int]) -> str:
-    """torch's CPU threads: --threads (the caller ran `check_threads`), else OMP_NUM_THREADS, else half the usable
+    """torch's CPU threads: --threads (checked by the caller), else OMP_NUM_THREADS, else half the usable
     CPUs (a second thread per process slows decoding on a small shared machine). Returns the line saying which."""
     if threads is not None:
         how = "--threads"

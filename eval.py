@@ -26,7 +26,7 @@ import plots
 import runlog
 from checkpoint import load_models, resolve_checkpoint
 from cli import calibration_note, use_compile_cache
-from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, check_threads, cli_main, device_name,
+from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, cli_main, device_name,
                     optional_file, read_json, set_threads, write_json)
 from calibration import (ECE_BINS, STS_GRID, calibration_report, concat_rounds, reliability_panels, round_arrays,
                          saturated, uncalibrate)
@@ -166,8 +166,7 @@ def check_flags(args: EvalArgs) -> Settings:
                  sps_table=args.sps_table, compile=args.device == "cuda" if args.compile is None else args.compile,
                  compile_mode=args.compile_mode, compile_verbose=args.verbose).check()
     check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)", ece_bins="[1, 10000]",
-                 step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
-    check_threads(args.threads)
+                 step=f"[0, {2**62}]", dist_timeout="(0, 86400]", threads="[1, 4096]")
     runlog.check(args)
     if args.compile_cache is not None and not s.compile:
         raise UserError("--compile-cache: only used with --compile (the run is eager)")
