@@ -212,14 +212,10 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
 
 def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = True) -> dict:
     """The round split into draft (block forward, Markov chain, confidence, schedule), verify (target
-    forward with capture, acceptance, context commit) and the rest (the host's work: noise, the
-    record read, committing tokens), measured inside the rounds of one more run: the engine's own
-    draft and verify calls are timed where it makes them, synchronised before and after, so both
-    intervals lie inside the round's own clock and the parts add up to that round (none negative).
-    The syncs cost a little on a GPU, so this run's round time (`split_round_ms`) is kept beside the
-    timed runs' `round_ms`. (Timing the halves alone, in a loop after the run, was not subtractable:
-    on a shared CPU they came out up to ~20% off the rounds they were subtracted from, more than an
-    eager round's rest, which gave negative rests.)"""
+    forward with capture, acceptance, context commit) and the rest (the host's work), timed where the
+    engine makes its draft and verify calls in one more run, synchronised around each, so the parts add
+    up to that run's rounds; the syncs cost a little on a GPU, so that run's `split_round_ms` is kept
+    beside the timed runs' `round_ms`."""
     dev, spent = engine.device, {"draft": 0.0, "verify": 0.0}
     calls = {"draft": engine.draft_fn, "verify": engine.verify_fn}
 
