@@ -1,14 +1,13 @@
-"""Where models come from: checkpoint directories or hub ids, checked once as they load (a config against
-tables of keys, types and ranges, the unimplemented refused by name; a drafter's config across every published
-spelling, its weights settling what it leaves open), or random weights in a published shape. Loading is strict;
-checkpoints spell q/k/v and gate/up apart, the models hold them fused (`fused`, `published`)."""
+"""Where models come from: checkpoint directories or hub ids, checked once as they load (a config against tables of
+keys, types and ranges, the unimplemented refused by name; a drafter's config in any published spelling, its weights
+settling what it leaves open), or random weights in a published shape. Files split k/v, gate/up; models fuse them."""
 
 from __future__ import annotations
 
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -34,21 +33,17 @@ LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash"}
 def checked(cfg: dict, key: str, source: str, kind=int, lo=None, hi=None):
     """cfg[key] of `kind` inside [lo, hi]; else one line naming the key."""
     v = cfg[key]
-    if kind is bool:
-        if not isinstance(v, bool):
-            raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
-        return v
-    ok = not isinstance(v, bool) and isinstance(v, (int,) if kind is int else (int, float))
-    if not ok or not lo <= v <= hi:
+    if kind is bool and not isinstance(v, bool):
+        raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
+    number = not isinstance(v, bool) and isinstance(v, (int,) if kind is int else (int, float))
+    if kind is not bool and not (number and lo <= v <= hi):
         what = "an integer" if kind is int else "a number"
         raise UserError(f"{source}: key {key!r} must be {what} from {lo:g} to {hi:g}, got {v!r}")
     return kind(v)
 
 
 def layer_args(cfg: dict, source: str) -> ModelArgs:
-    """The decoder-layer shape of a Qwen3 config (target or drafter)."""
-    if not isinstance(cfg, dict):
-        raise UserError(f"{source}: expected a JSON object")
+    """The decoder-layer shape of a Qwen3 config (target or drafter), as read_json reads it."""
     cfg = dict(cfg)
     rope = cfg.get("rope_parameters")
     for key in ("rope_parameters", "rope_scaling"):
@@ -94,11 +89,11 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
     return ModelArgs(**out)
 
 
-def token_ids(v, source: str, key: str, vocab_size: int) -> tuple[int, ...]:
-    """An id or a list of ids (eos_token_id), each inside the vocabulary."""
+def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
+    """eos_token_id: an id or a list of ids, each inside the vocabulary."""
     vals = [] if v is None else v if isinstance(v, list) else [v]
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size for x in vals):
-        raise UserError(f"{source}: key {key!r} must be a token id below vocab_size {vocab_size} or a list of "
+        raise UserError(f"{source}: key 'eos_token_id' must be a token id below vocab_size {vocab_size} or a list of "
                         f"them, got {v!r}")
     return tuple(vals)
 
@@ -110,8 +105,7 @@ def target_args(cfg: dict, source: str) -> ModelArgs:
         raise UserError(f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
     if cfg.get("model_type") not in (None, "qwen3"):
         raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported (supported: qwen3)")
-    args.eos_token_ids = token_ids(cfg.get("eos_token_id"), source, "eos_token_id", args.vocab_size)
-    return args
+    return replace(args, eos_token_ids=token_ids(cfg.get("eos_token_id"), source, args.vocab_size))
 
 
 # Drafter configs, in every spelling
@@ -135,9 +129,7 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
     if any(type(v) is not type(values[0]) or v != values[0] for v in values[1:]):  # 4 and 4.0 disagree
         raise UserError(f"{source}: conflicting values for {key!r}: " + ", ".join(f"{w}={v!r}" for w, v in found.items()))
     v = values[0] if values else None
-    if kind is bool and v is not None and not isinstance(v, bool):
-        raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
-    return v
+    return checked({key: v}, key, source, bool) if kind is bool and v is not None else v
 
 
 def integer(v) -> bool:
@@ -146,8 +138,7 @@ def integer(v) -> bool:
 
 def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled: dict) -> DrafterConfig:
     """The drafter config from config.json and the weights (`tensors`, renamed; `spelled`: the file's names)."""
-    if not isinstance(cfg, dict):
-        raise UserError(f"{source}: expected a JSON object")
+    layers = layer_args(cfg, source)
     archs = cfg.get("architectures")
     if not isinstance(archs, list):
         raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
@@ -155,7 +146,6 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     arch = archs[0] if len(archs) == 1 else None
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
         raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel or DFlashDraftModel)")
-    layers = layer_args(cfg, source)
     v = {k: lookup(cfg, k, source) for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")}
     block, ids, mask_id, depth = v.values()
     for key, ok, want in (
@@ -188,29 +178,25 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     # Markov head: declared by markov_head_type, its weights exactly that type's; the rank is W1's.
     mtype = lookup(cfg, "markov_head_type", source)
     mtype = None if mtype in ("none", "None", "") else mtype
-    if mtype is not None and mtype not in MARKOV_HEADS:
+    if mtype not in (None, *MARKOV_HEADS):
         raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_HEADS)})")
     declared, w1 = lookup(cfg, "markov_rank", source), tensors.get("markov_head.markov_w1.weight")
-    heads = sorted(k for k in tensors if k.startswith("markov_head."))
     if mtype is not None and w1 is None:
         raise UserError(f"{weights}: markov_head_type is {mtype!r} but the weights have no markov_w1 "
                         f"(markov_head.markov_w1.weight or markov_w1.weight)")
-    if mtype is None and heads:
+    if mtype is None and (heads := sorted(k for k in tensors if k.startswith("markov_head."))):
         raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
                         f"{source} declares none (markov_head_type)")
     if mtype is None and (isinstance(declared, bool) or declared not in (None, 0)):
         raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
                         f"(and the weights have none)")
-    rank = 0
-    if mtype is not None:
-        if w1.ndim != 2 or w1.shape[1] < 1:
-            raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
-                            f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
-        rank = w1.shape[1]
-        if declared is not None and (not integer(declared) or declared != rank):
-            raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
-    norm = tensors.get("norm.weight")
-    if norm is not None and list(norm.shape) != [layers.hidden_size]:
+    if mtype is not None and (w1.ndim != 2 or w1.shape[1] < 1):
+        raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
+                        f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
+    rank = w1.shape[1] if mtype is not None else 0
+    if mtype is not None and declared is not None and (not integer(declared) or declared != rank):
+        raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
+    if (norm := tensors.get("norm.weight")) is not None and list(norm.shape) != [layers.hidden_size]:
         raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
                         f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
 
@@ -225,17 +211,15 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if proj is not None and not conf:
         raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, but {source} does not enable one "
                         f"(enable_confidence_head / use_confidence_head)")
-    by_weights = False
-    if conf:
-        if proj.ndim != 2:
-            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
-                            f"[1, features]")
-        by_weights = proj.shape[-1] == layers.hidden_size + rank and rank > 0
-        if with_markov and mtype is None:
-            raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
-        if with_markov is not None and with_markov != by_weights:
-            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
-                            f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
+    if conf and proj.ndim != 2:
+        raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
+                        f"[1, features]")
+    by_weights = bool(conf) and rank > 0 and proj.shape[-1] == layers.hidden_size + rank
+    if conf and with_markov and mtype is None:
+        raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+    if conf and with_markov is not None and with_markov != by_weights:
+        raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
+                        f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
     if layout == "dflash" and (mtype or conf):
         raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
     return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, depth)
@@ -244,6 +228,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
 # Weights
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX = "model.safetensors.index.json"
 FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # rows [first; second]
 
 
@@ -270,18 +255,24 @@ def published(state: dict) -> dict:
     return out
 
 
-def safetensors_keys(path: str) -> set:
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            return set(f.keys())
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path}: cannot read safetensors ({e})") from None
+def absent(directory: str, names) -> list[str]:
+    return [f for f in names if not os.path.isfile(os.path.join(directory, f))]
+
+
+def read_index(index: str) -> dict:
+    """model.safetensors.index.json's weight_map: each tensor's shard, a file beside the index."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: missing or empty 'weight_map'")
+    for k, f in weight_map.items():
+        if not isinstance(f, str) or not f or os.path.basename(f) != f:
+            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name in the directory, got {f!r}")
+    return weight_map
 
 
 def weight_files(directory: str) -> list[str]:
-    """model.safetensors, or the shards the index names: each exactly its tensors, no unnamed shard beside."""
-    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, "model.safetensors.index.json")
+    """model.safetensors, or the shards the index names, with no unnamed shard beside them."""
+    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, INDEX)
     if not optional_file(index):
         if os.path.isfile(single):
             return [single]
@@ -289,40 +280,30 @@ def weight_files(directory: str) -> list[str]:
     if os.path.lexists(single):
         raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
                         f"which is the checkpoint is ambiguous (remove one)")
-    weight_map = read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise UserError(f"{index}: missing or empty 'weight_map'")
-    for k, f in weight_map.items():
-        if not isinstance(f, str) or not f or os.path.basename(f) != f:
-            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name in the directory, got {f!r}")
-    files = sorted(set(weight_map.values()))
-    for f in files:
-        path = os.path.join(directory, f)
-        if not os.path.isfile(path):
-            raise UserError(f"{index}: shard {f!r} not found in {directory}")
-        held = safetensors_keys(path)
-        absent = sorted(k for k, v in weight_map.items() if v == f and k not in held)
-        if absent:
-            raise UserError(f"{index}: maps tensor {absent[0]!r} to {f!r}, which does not hold it")
-        for k in sorted(k for k in held if weight_map.get(k) != f):
-            where = "does not list it" if k not in weight_map else f"maps it to {weight_map[k]!r}"
-            raise UserError(f"{path}: holds tensor {k!r}, but {index} {where}")
-    stray = sorted(f for f in os.listdir(directory)
-                   if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in weight_map.values())
-    if stray:
+    shards = sorted(set(read_index(index).values()))
+    if lacking := absent(directory, shards):
+        raise UserError(f"{index}: shard {lacking[0]!r} not found in {directory}")
+    if stray := sorted(f for f in os.listdir(directory)
+                       if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in shards):
         raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
                         f"(its tensors would be left out; remove it or list them in the index)")
-    return [os.path.join(directory, f) for f in files]
+    return [os.path.join(directory, f) for f in shards]
 
 
-def read_weights(files, dtype, device, rename=lambda k: k) -> dict:
-    """Every tensor of the files in `dtype` on `device`, renamed; each a plain float, finite once converted."""
+def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] = None) -> dict:
+    """Every tensor of `files` in `dtype` on `device`, renamed, finite plain floats; shards match `index` if given."""
     from safetensors import SafetensorError, safe_open
-    out = {}
+    weight_map, out = read_index(index) if index else {}, {}
     for path in files:
+        shard = os.path.basename(path)
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
+                if unheld := sorted({k for k, v in weight_map.items() if v == shard} - set(f.keys())):
+                    raise UserError(f"{index}: maps tensor {unheld[0]!r} to {shard!r}, which does not hold it")
                 for key in f.keys():
+                    if index and weight_map.get(key) != shard:
+                        where = "does not list it" if key not in weight_map else f"maps it to {weight_map[key]!r}"
+                        raise UserError(f"{path}: holds tensor {key!r}, but {index} {where}")
                     if rename(key) in out:
                         raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
                     t = f.get_tensor(key)
@@ -351,14 +332,16 @@ def assign(module: nn.Module, tensors: dict, source: str):
         if tensors[name].shape != want[name].shape:
             raise UserError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
                             f"the model expects {list(want[name].shape)}")
-    for name in want:
-        if name not in tensors:
-            raise UserError(f"{source}: parameter {name!r} is missing from the checkpoint")
+    if missing := [name for name in want if name not in tensors]:
+        raise UserError(f"{source}: parameter {missing[0]!r} is missing from the checkpoint")
     module.load_state_dict(fused(tensors), strict=False, assign=True)
 
 
-def weights_source(files: list[str], directory: str) -> str:
-    return files[0] if len(files) == 1 else os.path.join(directory, "model.safetensors.index.json")
+def checkpoint_weights(directory: str, dtype, device, rename) -> tuple[dict, str]:
+    """A directory's tensors (read_weights), and the file their errors name: the weights, or the shards' index."""
+    files, index = weight_files(directory), os.path.join(directory, INDEX)
+    tensors = read_weights(files, dtype, device, rename, index if os.path.isfile(index) else None)
+    return tensors, files[0] if len(files) == 1 else index
 
 
 def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
@@ -366,9 +349,7 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
         raise UserError(f"{directory}: target directory not found")
     path = os.path.join(directory, "config.json")
     args = target_args(read_json(path), path)
-    files = weight_files(directory)
-    tensors, source = read_weights(files, dtype, device, rename=lambda k: k.removeprefix("model.")), \
-        weights_source(files, directory)
+    tensors, source = checkpoint_weights(directory, dtype, device, lambda k: k.removeprefix("model."))
     if args.tie_word_embeddings and "lm_head.weight" in tensors:  # some exports write the tied head too
         head, emb = tensors.pop("lm_head.weight"), tensors.get("embed_tokens.weight")
         if emb is None:
@@ -386,11 +367,10 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
 
 def attach(drafter: Drafter, target: Transformer):
     """Give the drafter the target's embedding and lm_head, once the two are seen to fit."""
-    t, a, c = target.args, drafter.cfg.layers, drafter.cfg
+    t, a, c, L = target.args, drafter.cfg.layers, drafter.cfg, target.args.num_hidden_layers
     for key in ("vocab_size", "hidden_size"):
         if getattr(a, key) != getattr(t, key):
             raise UserError(f"drafter {key} {getattr(a, key)} differs from the target's {getattr(t, key)}")
-    L = t.num_hidden_layers
     if c.num_target_layers is not None and c.num_target_layers != L:
         raise UserError(f"drafter num_target_layers {c.num_target_layers} differs from the target's "
                         f"num_hidden_layers {L}: it was built for another target")
@@ -406,15 +386,15 @@ def attach(drafter: Drafter, target: Transformer):
 def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
     if not os.path.isdir(directory):
         raise UserError(f"{directory}: drafter directory not found")
-    path, files, spelled = os.path.join(directory, "config.json"), weight_files(directory), {}
-    source, raw = weights_source(files, directory), read_json(path)
+    path, spelled = os.path.join(directory, "config.json"), {}
+    raw = read_json(path)  # a bad config fails before the weights are read
 
     def rename(key):
         name = HEAD_RENAMES.get(key.removeprefix("model."), key.removeprefix("model."))
         spelled[name] = key
         return name
 
-    tensors = read_weights(files, dtype, device, rename)
+    tensors, source = checkpoint_weights(directory, dtype, device, rename)
     cfg = drafter_config(raw, tensors, path, source, spelled)
     for name, param in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight)):
         t = tensors.pop(name, None)  # a copy of the target's, which is used: it must be the same
@@ -438,8 +418,7 @@ PRESETS = {  # Hugging Face Qwen/Qwen3-*/config.json; qwen3-tiny: Qwen3's vocabu
     "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
                       num_key_value_heads=8, head_dim=128),
     "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8),
-}
+                       num_key_value_heads=2, head_dim=8)}
 
 
 def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
@@ -465,11 +444,10 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
 
 
 def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
-    args = ModelArgs(**PRESETS[preset])
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(ModelArgs(**PRESETS[preset]))
     model = model.to(dtype).to_empty(device=device)
-    if args.tie_word_embeddings:
+    if model.args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return init_random_(model, seed).eval().requires_grad_(False)
 
@@ -477,13 +455,10 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",
                    rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
     """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
-    t = target.args
+    t, w = target.args, target.embed_tokens.weight
     ids = tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))  # 1, 9, .., 33 at 36 layers
-    layers = ModelArgs(**{f.name: getattr(t, f.name) for f in fields(ModelArgs)})
-    layers.num_hidden_layers = num_layers
-    cfg = DrafterConfig(layers, block_size, ids, t.vocab_size - 1, "dspark", markov, rank if markov else 0,
-                        confidence, confidence and markov is not None)
-    w = target.embed_tokens.weight
+    cfg = DrafterConfig(replace(t, num_hidden_layers=num_layers), block_size, ids, t.vocab_size - 1, "dspark", markov,
+                        rank if markov else 0, confidence, confidence and markov is not None)
     with torch.device("meta"):
         drafter = Drafter(cfg)
     drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
@@ -517,8 +492,8 @@ class Models:
 def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
                 dtype: Optional[str] = None, random_init: Optional[str] = None, calibration: Optional[str] = None,
                 seed: int = 0, cpu_kernels: bool = True) -> Models:
-    """The target (and drafter) from directories or hub ids, or a random preset; `calibration`: STS
-    temperatures. CPU float32 installs the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
+    """The target (and drafter) from directories, hub ids or a random preset; `calibration`: STS temperatures.
+    CPU float32 models get the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
     from text import Tokenizer
 
     if random_init is None and target is None:
@@ -535,8 +510,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
         generation, generation_source = generation_sampling(target)
-        if optional_file(os.path.join(target, "tokenizer.json")):
-            tokenizer = Tokenizer(target)
+        tokenizer = Tokenizer(target) if optional_file(os.path.join(target, "tokenizer.json")) else None
         d = load_drafter(drafter, t, device, dt) if drafter is not None else None
     if calibration is not None:
         if d is None or d.confidence_head is None:
@@ -559,7 +533,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
     """EOS ids from generation_config.json and config.json, in that order, deduplicated."""
     gen = os.path.join(directory, "generation_config.json")
-    ids = token_ids(read_json(gen).get("eos_token_id"), gen, "eos_token_id", args.vocab_size) if optional_file(gen) else ()
+    ids = token_ids(read_json(gen).get("eos_token_id"), gen, args.vocab_size) if optional_file(gen) else ()
     return tuple(dict.fromkeys(ids + args.eos_token_ids))
 
 
@@ -579,8 +553,7 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
         return None, path
     out = {"temperature": 1.0}
     for key, (valid, ok) in GENERATION_KEYS.items():
-        v = cfg.get(key)
-        if v is None:
+        if (v := cfg.get(key)) is None:
             continue
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf") and ok(v)):
             raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
@@ -594,13 +567,12 @@ HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.in
                   "tokenizer_config.json", "chat_template.jinja")  # what a run reads besides the weights
 SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # every Qwen3 repo has them
 _PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the hub's rule for an owner or a name
-HUB_ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?:@(?P<revision>[^@]*))?")
-REVISION = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*")
+_REVISION = r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*"  # a branch, tag or commit
+HUB_ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?:@(?P<revision>{_REVISION}))?")
 
 
 def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
-    """--target/--drafter as a local directory: a path as it is, else a hub id as huggingface_hub resolves it:
-    its complete cached snapshot, else downloaded (only the files a run reads) unless HF_HUB_OFFLINE."""
+    """--target/--drafter: a path as it is; a hub id's complete cached snapshot, else its download (unless offline)."""
     if spec is None or os.path.exists(spec):
         return spec
     if not spec.strip():
@@ -608,20 +580,28 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     if os.path.isabs(spec) or spec.startswith((".", "~")):
         return spec  # spelled as a path: the loader says it is not found
     m = HUB_ID.fullmatch(spec)
-    repo, revision = (m["repo"], m["revision"]) if m else (None, None)
-    if m is None or ".." in repo or "--" in repo or (revision is not None and (
-            not REVISION.fullmatch(revision) or ".." in revision or len(revision) > 255)):
+    if m is None or ".." in spec or "--" in m["repo"] or len(m["revision"] or "") > 255:
         raise UserError(f"{flag} {spec}: not found as a directory, and not a Hugging Face hub id (ORG/NAME or "
                         f"ORG/NAME@REVISION)")
-    import huggingface_hub
-    from huggingface_hub import constants
+    from huggingface_hub import constants, snapshot_download, utils
 
+    repo, revision = m.group("repo", "revision")
     cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
+    path = incomplete = None
+    try:  # the cached snapshot, if any
+        path = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
+                                 allow_patterns=list(HUB_META_FILES))
+    except utils.LocalEntryNotFoundError as e:  # absent, or present in part (huggingface_hub >= 2 names what it lacks)
+        snapshot = getattr(e, "snapshot_path", None)
+        if snapshot is not None and os.path.isdir(snapshot):
+            lacking = [f for f in HUB_META_FILES if f in str(e) and not os.path.exists(os.path.join(snapshot, f))]
+            path, incomplete = snapshot, ", ".join(lacking) or "some of its metadata files"
+    except Exception as e:
+        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
+                        f"{first_line(e)})") from None
     expected = () if flag == "--drafter" else SNAPSHOT_EXPECTED
-    path, incomplete = cached_snapshot(repo, revision, cache, where)
     missing = missing_weights(path) if path else None
-    if path and not missing and not incomplete and (
-            constants.HF_HUB_OFFLINE or all(os.path.isfile(os.path.join(path, f)) for f in expected)):
+    if path and not missing and not incomplete and (constants.HF_HUB_OFFLINE or not absent(path, expected)):
         return path
     if constants.HF_HUB_OFFLINE:
         lacks = f"lacks files the repository has ({incomplete})" if incomplete else f"has no {missing}"
@@ -631,9 +611,18 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
 
     def download(revision, files):
         try:
-            return huggingface_hub.snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
-        except Exception as e:  # network, authorization, disk: one line each
-            raise UserError(f"{where}: {download_error(e, repo, revision, cache)}") from None
+            return snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
+        except Exception as e:  # network, authorization, disk: one line each (GatedRepoError before its base class)
+            said = {utils.GatedRepoError: f"{repo} is gated on the Hugging Face hub: accept its conditions on "
+                                          f"huggingface.co/{repo}, then log in (hf auth login, or HF_TOKEN)",
+                    utils.RepositoryNotFoundError: f"no repository {repo} on the Hugging Face hub (or it is private: "
+                                                   f"log in with hf auth login, or set HF_TOKEN)",
+                    utils.RevisionNotFoundError: f"{repo} has no revision {revision!r} on the Hugging Face hub",
+                    utils.LocalEntryNotFoundError: f"not in the Hugging Face cache ({cache}), and the hub cannot be "
+                                                   f"reached ({first_line(e)})"}
+            why = next((text for kind, text in said.items() if isinstance(e, kind)),
+                       f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})")
+            raise UserError(f"{where}: {why}") from None
 
     try:
         now = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
@@ -644,13 +633,11 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
               file=sys.stderr)
         return path
     if missing_weights(now):  # ... fetched at the very commit the metadata came from
-        index = os.path.join(now, "model.safetensors.index.json")
-        now = download(os.path.basename(now), index_shards(index) if os.path.isfile(index) else ["model.safetensors"])
+        now = download(os.path.basename(now), weight_names(now))
     if missing := missing_weights(now):
         raise UserError(f"{where}: {now} has no {missing} after the download: the repository lacks it (checkpoints "
                         f"are read as config.json and safetensors weights), or the hub could not be reached")
-    lacking = [f for f in expected if not os.path.isfile(os.path.join(now, f))]
-    if lacking:
+    if lacking := absent(now, expected):
         print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} after asking the hub (out of "
               f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
     return now
@@ -665,56 +652,21 @@ def hub_snapshot(path: str) -> Optional[str]:
     return None
 
 
-def cached_snapshot(repo, revision, cache, where) -> tuple[Optional[str], Optional[str]]:
-    """(repo@revision's snapshot in the cache or None, what it lacks by the cache's own listing or None)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import LocalEntryNotFoundError
-    try:
-        return snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
-                                 allow_patterns=list(HUB_META_FILES)), None
-    except LocalEntryNotFoundError as e:  # absent, or present in part
-        path = getattr(e, "snapshot_path", None)
-        if path is None or not os.path.isdir(path):
-            return None, None
-        lacking = [f for f in HUB_META_FILES if f in str(e) and not os.path.exists(os.path.join(path, f))]
-        return path, ", ".join(lacking) or "some of its metadata files"
-    except Exception as e:
-        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
-                        f"{first_line(e)})") from None
-
-
-def index_shards(index: str) -> list[str]:
-    weight_map = read_json(index).get("weight_map")
-    shards = sorted({f for f in weight_map.values() if isinstance(f, str)}) if isinstance(weight_map, dict) else []
-    if not shards or any(os.path.basename(f) != f or not f.endswith(".safetensors") for f in shards):
+def weight_names(directory: str) -> list[str]:
+    """The weight files a snapshot names: its index's shards, else model.safetensors."""
+    index = os.path.join(directory, INDEX)
+    names = sorted(set(read_index(index).values())) if os.path.isfile(index) else ["model.safetensors"]
+    if any(not f.endswith(".safetensors") for f in names):  # only weights are asked for
         raise UserError(f"{index}: 'weight_map' must map tensor names to .safetensors files beside it")
-    return shards
+    return names
 
 
 def missing_weights(directory: str) -> Optional[str]:
     """What a checkpoint directory lacks before it can be loaded (config.json, the weights), or None."""
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        return "config.json"
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        return None if os.path.isfile(os.path.join(directory, "model.safetensors")) else \
-            "model.safetensors (or model.safetensors.index.json)"
-    return next((f for f in index_shards(index) if not os.path.isfile(os.path.join(directory, f))), None)
-
-
-def download_error(e: Exception, repo: str, revision: Optional[str], cache: str) -> str:
-    from huggingface_hub.utils import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, \
-        RevisionNotFoundError
-    if isinstance(e, GatedRepoError):
-        return (f"{repo} is gated on the Hugging Face hub: accept its conditions on huggingface.co/{repo}, then log "
-                f"in (hf auth login, or HF_TOKEN)")
-    if isinstance(e, RepositoryNotFoundError):
-        return f"no repository {repo} on the Hugging Face hub (or it is private: log in with hf auth login, or set HF_TOKEN)"
-    if isinstance(e, RevisionNotFoundError):
-        return f"{repo} has no revision {revision!r} on the Hugging Face hub"
-    if isinstance(e, LocalEntryNotFoundError):
-        return f"not in the Hugging Face cache ({cache}), and the hub cannot be reached ({first_line(e)})"
-    return f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})"
+    lacking = absent(directory, ["config.json"]) or absent(directory, weight_names(directory))
+    if lacking == ["model.safetensors"] and not os.path.isfile(os.path.join(directory, INDEX)):
+        return "model.safetensors (or model.safetensors.index.json)"
+    return lacking[0] if lacking else None
 
 
 def first_line(e: Exception) -> str:
