@@ -236,23 +236,6 @@ def _rows(target_logits, K: int):
     return logits if logits.stride(-1) == 1 else logits.contiguous(), _cdiv(logits.shape[-1], TRITON_ROWS_BLOCK_V)
 
 
-def verify_greedy_triton(drafts, target_logits, verify_len):
-    B, K = drafts.shape
-    if not (_triton_ok(drafts, target_logits, verify_len) and target_logits.dtype in _ROUND_CODE):
-        return verify_greedy(drafts, target_logits, verify_len)
-    kern, dev = _kernels(), target_logits.device
-    logits, n_tiles = _rows(target_logits, K)
-    pval = torch.empty((B * (K + 1), n_tiles), dtype=torch.float32, device=dev)
-    pidx = torch.empty((B * (K + 1), n_tiles), dtype=torch.int32, device=dev)
-    kern["_rows_argmax_partial_kernel"][(B * (K + 1), n_tiles)](logits, logits.stride(0), pval, pidx, n_tiles,
-                                                                logits.shape[1], BLOCK_V=TRITON_ROWS_BLOCK_V)
-    n, nxt = (torch.empty((B,), dtype=torch.long, device=dev) for _ in range(2))
-    kern["_verify_greedy_reduce_kernel"][(B,)](pval, pidx, n_tiles, drafts.long().contiguous(),
-                                               verify_len.long().contiguous(), n, nxt, K, BLOCK_J=_pow2(K + 1),
-                                               BLOCK_T=_pow2(n_tiles), num_warps=8)
-    return n, nxt
-
-
 def verify_sampled_triton(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None,
                           *, filters: Filters = NO_FILTERS):
     """`verify_sampled` in four passes, p never materialised; filters run in torch first (then T = 1)."""
@@ -397,41 +380,6 @@ def _markov_reduce_kernel(pval_ptr, pidx_ptr, n_tiles, chain_ptr, s_chain, k, BL
     best = tl.max(val, axis=0)
     x = tl.min(tl.where(tmask & (val == best), idx, 2147483647), axis=0)
     tl.store(chain_ptr + b * s_chain + k + 1, x.to(tl.int64))
-
-
-def _rows_argmax_partial_kernel(x_ptr, s_row, pval_ptr, pidx_ptr, n_tiles, V, BLOCK_V: tl.constexpr):
-    """Per (row, V-tile) of a [rows, V] matrix: the tile's max and its first index."""
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
-    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
-    cmask = cols < V
-    x = tl.load(x_ptr + row * s_row + cols, mask=cmask, other=float("-inf")).to(tl.float32)
-    best = tl.max(x, axis=0)
-    idx = tl.min(tl.where(cmask & (x == best), cols, 2147483647), axis=0)
-    tl.store(pval_ptr + row * n_tiles + t, best)
-    tl.store(pidx_ptr + row * n_tiles + t, idx)
-
-
-def _verify_greedy_reduce_kernel(pval_ptr, pidx_ptr, n_tiles, drafts_ptr, vlen_ptr, n_ptr, next_ptr, K,
-                                 BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One row: argmax of each of the K+1 positions from its tiles, then n and the next token."""
-    b = tl.program_id(0).to(tl.int64)
-    js = tl.arange(0, BLOCK_J)
-    ts = tl.arange(0, BLOCK_T)
-    m2 = (js[:, None] <= K) & (ts[None, :] < n_tiles)
-    off = (b * (K + 1) + js[:, None]) * n_tiles + ts[None, :]
-    val = tl.load(pval_ptr + off, mask=m2, other=float("-inf"))
-    idx = tl.load(pidx_ptr + off, mask=m2, other=2147483647)
-    rbest = tl.max(val, axis=1)
-    best = tl.min(tl.where(m2 & (val == rbest[:, None]), idx, 2147483647), axis=1).to(tl.int64)  # [J]
-    is_draft = js < K
-    d = tl.load(drafts_ptr + b * K + js, mask=is_draft, other=-1)
-    vl = tl.load(vlen_ptr + b)
-    ok = (d == best) & (js < vl) & is_draft
-    n = tl.min(tl.where(is_draft & (ok == 0), js, K), axis=0)  # leading accepted drafts
-    nxt = tl.sum(tl.where(js == n, best, 0), axis=0)
-    tl.store(n_ptr + b, n.to(tl.int64))
-    tl.store(next_ptr + b, nxt.to(tl.int64))
 
 
 def _rows_softmax_partial_kernel(x_ptr, s_row, pmax_ptr, psum_ptr, n_tiles, V, temperature,
@@ -587,9 +535,9 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, m_ptr, l_pt
                  out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel", "_rows_argmax_partial_kernel",
-                  "_verify_greedy_reduce_kernel", "_rows_softmax_partial_kernel", "_verify_sampled_accept_kernel",
-                  "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel", "_cached_attention_kernel")
+TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel", "_rows_softmax_partial_kernel",
+                  "_verify_sampled_accept_kernel", "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel",
+                  "_cached_attention_kernel")
 
 
 class KernelSet(NamedTuple):
@@ -601,7 +549,8 @@ class KernelSet(NamedTuple):
 
 
 TORCH = KernelSet(markov_chain, verify_greedy, verify_sampled)
-TRITON = KernelSet(markov_chain_triton, verify_greedy_triton, verify_sampled_triton, cached_attention_triton)
+# Greedy acceptance is one argmax, a kernel the compiler writes as well: it stays torch's.
+TRITON = KernelSet(markov_chain_triton, verify_greedy, verify_sampled_triton, cached_attention_triton)
 
 
 def kernel_set(name: str, device) -> KernelSet:

@@ -313,8 +313,8 @@ def only_triton():
     import kernels
     import model
 
-    saved = {(m, n): getattr(m, n) for m, n in ((kernels, "markov_chain"), (kernels, "verify_greedy"),
-                                                (kernels, "verify_sampled"), (model, "attend_cached"))}
+    saved = {(m, n): getattr(m, n) for m, n in ((kernels, "markov_chain"), (kernels, "verify_sampled"),
+                                                (model, "attend_cached"))}
 
     def fell_back(*a, **kw):
         raise AssertionError("a Triton function fell back to its torch reference")
@@ -371,7 +371,7 @@ def triton_stage(st: Stage, dry: bool) -> int:
         return SKIPPED
     dev, dtype, reps = ("cpu" if dry else "cuda"), torch.bfloat16, (0 if dry else 20)
     kernels.kernel_set("triton", dev)  # builds the kernels; raises where Triton cannot run
-    ref_chain, ref_greedy, ref_sampled = kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled
+    ref_chain, ref_sampled = kernels.markov_chain, kernels.verify_sampled
     ref_attention = model.attend_cached
     shapes = DRY if dry else dict(chain=CHAIN, verify=VERIFY, attention=ATTENTION)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -410,14 +410,11 @@ def triton_stage(st: Stage, dry: bool) -> int:
         u = torch.rand((B, K), generator=g, device=dev)
         noise = torch.empty((B, V), device=dev).exponential_(1, generator=g)
         with only_triton():
-            greedy = kernels.verify_greedy_triton(drafts, logits, vl)
             sampled = kernels.verify_sampled_triton(drafts, q, logits, vl, 1.0, None, u, noise)
-        # The same logits: argmax is exact, and the sampled tests compare float32 probabilities that
-        # differ in the last bits only, so no row may differ.
-        for name, got, want in (("verify_greedy", greedy, ref_greedy(drafts, logits, vl)),
-                                ("verify_sampled", sampled, ref_sampled(drafts, q, logits, vl, 1.0, None, u, noise))):
-            st.check(f"{name} B={B} K={K} V={V}", float(sum(int((a != b).sum()) for a, b in zip(got, want))), 0.0,
-                     measure="accepted counts and next tokens that differ")
+        # The acceptance tests compare float32 probabilities that differ in the last bits only: no row may differ.
+        want = ref_sampled(drafts, q, logits, vl, 1.0, None, u, noise)
+        st.check(f"verify_sampled B={B} K={K} V={V}", float(sum(int((a != b).sum()) for a, b in zip(sampled, want))),
+                 0.0, measure="accepted counts and next tokens that differ")
     adtype = torch.float16 if dry else dtype  # the interpreter's tl.dot multiplies bf16 as raw bits
     for B, T, H, Hkv, hd, S, filled in shapes["attention"]:
         q = torch.randn((B, T, H, hd), generator=g, device=dev).to(adtype)
@@ -446,16 +443,18 @@ def triton_stage(st: Stage, dry: bool) -> int:
     h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
     logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
     vl = torch.full((B,), K, device=dev)
+    qd = torch.softmax(torch.randn((B, K, V), generator=g, device=dev), -1)
+    ud, nd = torch.rand((B, K), generator=g, device=dev), torch.empty((B, V), device=dev).exponential_(1, generator=g)
 
     def step(U, anchor, logits, vl):
         drafts, _ = kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)
-        return (drafts, *kernels.verify_greedy_triton(drafts, logits, vl))
+        return (drafts, *kernels.verify_sampled_triton(drafts, qd, logits, vl, 1.0, None, ud, nd))
     with only_triton() if not dry else contextlib.nullcontext():
         drafts, n, nxt = torch.compile(step, fullgraph=True, dynamic=False)(U, anchor, logits, vl)
         got = torch.compile(kernels.cached_attention_triton, fullgraph=True, dynamic=False)(q, k, v, bias)
     st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
-    st.check("compiled verify_greedy", float(sum(int((a != b).sum()) for a, b in zip((n, nxt), ref_greedy(
-        drafts, logits, vl)))), 0.0, triton_traced=not dry)
+    st.check("compiled verify_sampled", float(sum(int((a != b).sum()) for a, b in zip((n, nxt), ref_sampled(
+        drafts, qd, logits, vl, 1.0, None, ud, nd)))), 0.0, triton_traced=not dry)
     st.check("compiled attention", (got.float() - want.float()).abs().max().item(),
              attention_tolerance(q, k, v, ref_bias, want, backend[0]), triton_traced=not dry)
     return 0

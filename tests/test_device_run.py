@@ -107,8 +107,8 @@ def test_dry_run_every_stage(tmp_path):
             assert c["ok"] and isinstance(c["max_diff"], float) and c["max_diff"] <= c["tolerance"], c
         if stage == "triton":
             names = [c["name"].split(" B=")[0] for c in doc["checks"]]
-            assert names == ["chain", "chain", "verify_greedy", "verify_sampled", "attention", "attention",
-                             "compiled chain", "compiled verify_greedy", "compiled attention"], names
+            assert names == ["chain", "chain", "verify_sampled", "attention", "attention",
+                             "compiled chain", "compiled verify_sampled", "compiled attention"], names
             assert all(c["tolerance"] > 0 for c in doc["checks"] if "chain" in c["name"] or "attention" in c["name"])
             continue
         batches = [1, 2] if stage == "smoke" else [2] if stage == "compiled-b32" else [1]

@@ -60,7 +60,7 @@ if __name__ != "__main__" and not _INTERPRETED:
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 # The references, held before any test replaces the module's names.
-REF_CHAIN, REF_GREEDY, REF_SAMPLED = kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled
+REF_CHAIN, REF_SAMPLED = kernels.markov_chain, kernels.verify_sampled
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,7 @@ def no_fallback(monkeypatch):
     """Make the Triton functions' fallbacks fail loudly: a test using this really ran Triton."""
     def boom(*args, **kwargs):
         raise AssertionError("fell back to the plain-torch reference")
-    for name in ("markov_chain", "verify_greedy", "verify_sampled"):
+    for name in ("markov_chain", "verify_sampled"):
         monkeypatch.setattr(kernels, name, boom)
 
 
@@ -219,70 +219,11 @@ def test_markov_other_heads_fall_back_to_reference(head):
 
 def test_kernel_sets():
     """An engine binds one set: the references (the model's own attention), or the Triton versions
-    (refused where Triton cannot run)."""
+    (refused where Triton cannot run; greedy acceptance, one argmax, stays torch's)."""
     assert kernels.kernel_set("torch", "cpu") == (kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled,
                                                   None)
-    assert kernels.kernel_set("triton", "cpu") == (kernels.markov_chain_triton, kernels.verify_greedy_triton,
+    assert kernels.kernel_set("triton", "cpu") == (kernels.markov_chain_triton, kernels.verify_greedy,
                                                    kernels.verify_sampled_triton, kernels.cached_attention_triton)
-
-
-# ----------------------------------------------------------------------------------------
-# Greedy verification
-
-def test_verify_greedy_hand_built(no_fallback):
-    V, K = 70, 4
-    best = torch.tensor([[3, 40, 64, 69, 1], [3, 40, 64, 69, 1], [3, 40, 64, 69, 1], [3, 40, 64, 69, 1]])
-    logits = torch.full((4, K + 1, V), -1.0)
-    logits.scatter_(2, best[:, :, None], 2.0)
-    logits[1, 1, 63] = 2.0  # a tie at position 1: the first index, 40, stays the argmax
-    logits[1, 1, 45] = 2.0
-    drafts = best[:, :K].clone()
-    drafts[2, 2] = 0  # rejected at the third draft
-    verify_len = torch.tensor([4, 4, 4, 1])
-    n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
-    assert n.tolist() == [4, 4, 2, 1]
-    assert nxt.tolist() == [1, 1, 64, 40]
-    n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
-    assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
-    assert n.dtype == nxt.dtype == torch.long
-
-
-def test_verify_greedy_ties_and_ragged_tiles(no_fallback):
-    g = gen(11)
-    B, K, V = 3, 5, 100
-    logits = torch.randint(0, 3, (B, K + 1, V), generator=g).float()  # ties everywhere
-    drafts = torch.argmax(logits[:, :K], -1)
-    drafts[1, 3] = (drafts[1, 3] + 1) % V
-    verify_len = torch.tensor([5, 5, 2])
-    n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
-    n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
-    assert n.tolist() == n_ref.tolist() == [5, 3, 2]
-    assert torch.equal(nxt, nxt_ref)
-
-
-@pytest.mark.parametrize("B,K,V", [(1, 0, 100), (3, 0, 257), (3, 1, 100), (3, 7, 300)])
-def test_verify_greedy_random_equals_reference(B, K, V, no_fallback):
-    g = gen(B * 100 + K * 10 + V)
-    for trial in range(3):
-        logits = torch.randn((B, K + 1, V), generator=g)
-        drafts = torch.argmax(logits[:, :K], -1)
-        flip = torch.rand((B, K), generator=g) < 0.25
-        drafts = torch.where(flip, torch.randint(0, V, (B, K), generator=g), drafts)
-        verify_len = torch.randint(0, K + 1, (B,), generator=g)
-        n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
-        n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
-        assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref), trial
-
-
-def test_verify_greedy_bf16_logits(no_fallback):
-    g = gen(12)
-    B, K, V = 3, 3, 100
-    logits = torch.randn((B, K + 1, V), generator=g).bfloat16()  # bf16: many exact ties
-    drafts = torch.argmax(logits[:, :K], -1)
-    verify_len = torch.tensor([3, 1, 0])
-    n, nxt = kernels.verify_greedy_triton(drafts, logits, verify_len)
-    n_ref, nxt_ref = REF_GREEDY(drafts, logits, verify_len)
-    assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
 
 
 # ----------------------------------------------------------------------------------------
@@ -445,7 +386,7 @@ def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monke
         return [(r.output_ids, [(rd["draft"], rd["verified"], rd["accepted"]) for rd in r.rounds]) for r in reqs]
 
     want = decode(False)
-    for name in ("markov_chain", "verify_greedy", "verify_sampled"):  # from here on, only Triton may run
+    for name in ("markov_chain", "verify_sampled"):  # from here on, only Triton may run (greedy is torch's)
         monkeypatch.setattr(kernels, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
     verified = []  # the verification's attention: the Triton kernel's, on every layer of every round
 
@@ -564,15 +505,13 @@ def device_check(dev="cuda", shapes=DEVICE_SHAPES, fast=None):  # pragma: no cov
         logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
         drafts = torch.argmax(logits[:, :K], -1)
         vl = torch.randint(0, K + 1, (B,), generator=g, device=dev)
-        ok = all(torch.equal(x, y) for x, y in zip(fast[1](drafts, logits, vl),
-                                                   REF_GREEDY(drafts, logits, vl)))
         q = torch.softmax(logits[:, :K].float() + torch.randn((B, K, V), generator=g, device=dev), -1)
         u = torch.rand((B, K), generator=g, device=dev)
         bn = torch.empty((B, V), device=dev).exponential_(1, generator=g)
         ok2 = all(torch.equal(x, y) for x, y in zip(fast[2](drafts, q, logits, vl, 1.0, None, u, bn),
                                                     REF_SAMPLED(drafts, q, logits, vl, 1.0, None, u, bn)))
-        failures += (not ok) + (not ok2)
-        print(f"verify B={B} K={K} V={V} {dtype}: greedy ok={ok} sampled ok={ok2}")
+        failures += not ok2
+        print(f"verify B={B} K={K} V={V} {dtype}: sampled ok={ok2}")
     failures += attention_check(dev)
     # The engine compiles the round (fullgraph, static shapes): the Triton path must trace.
     B, K, V, r, dtype = shapes[0]
