@@ -230,12 +230,6 @@ def markov_chain_triton(base_logits, hidden, anchor, markov, temperature: float,
     return chain[:, 1:].contiguous(), (torch.softmax(z / temperature, dim=-1) if sampled else None)
 
 
-def _rows(target_logits, K: int):
-    """The verification passes' view of the logits, [B * (K+1), V], and their tile count."""
-    logits = target_logits.reshape(-1, target_logits.shape[-1])
-    return logits if logits.stride(-1) == 1 else logits.contiguous(), _cdiv(logits.shape[-1], TRITON_ROWS_BLOCK_V)
-
-
 def verify_sampled_triton(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None,
                           *, filters: Filters = NO_FILTERS):
     """`verify_sampled` in four passes, p never materialised; filters run in torch first (then T = 1)."""
@@ -248,7 +242,8 @@ def verify_sampled_triton(drafts, q, target_logits, verify_len, temperature: flo
     u = torch.rand((B, K), generator=generator, device=dev) if u is None else u
     noise = torch.empty((B, V), device=dev).exponential_(1, generator=generator) if noise is None else noise
     kern, T = _kernels(), float(temperature)
-    logits, n_tiles = _rows(target_logits, K)
+    logits, n_tiles = target_logits.reshape(B * (K + 1), V), _cdiv(V, TRITON_ROWS_BLOCK_V)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     qf = q.reshape(B * K, V).contiguous() if K else logits  # a pointer never read when K = 0
     d, vl = drafts.long().contiguous(), verify_len.long().contiguous()
     uf, nz = (u.float().contiguous() if K else logits), noise.float().contiguous()

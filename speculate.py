@@ -131,19 +131,15 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     options = {"max_autotune": True} if cpu_recipe else torch._inductor.list_mode_options(mode or "reduce-overhead")
     if hasattr(torch._inductor.config, "max_autotune_report_choices_stats"):
         options["max_autotune_report_choices_stats"] = False  # no JSON blob per autotuned op
+    select.PRINT_AUTOTUNE = verbose  # the autotuning tables, on stderr
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    if not cpu_recipe:
+        return graph
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        shown = getattr(select, "PRINT_AUTOTUNE", None)
-        select.PRINT_AUTOTUNE = verbose  # the autotuning tables, on stderr
-        try:
-            if not cpu_recipe:
-                return graph(*args, **kwargs)
-            with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
-                return graph(*args, **kwargs)
-        finally:
-            select.PRINT_AUTOTUNE = shown
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=True):
+            return graph(*args, **kwargs)
     return call
 
 
@@ -213,10 +209,7 @@ class Engine:
         self.bound = dict(temperature=temperature, filters=self.filters, ops=kernels_for(kernels, self.device))
         self.cuda_graphs = compile and self.device.type == "cuda"
         if compile and self.ragged:  # one verify graph per bucket, all expected
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name,
-                            getattr(torch._dynamo.config, name) + len(self.scheduler.profile_points) + 1)
+            torch._dynamo.config.recompile_limit += len(self.scheduler.profile_points) + 1
         self.prefill_seconds = self.decode_seconds = self.compile_seconds = 0.0
         self.warmed, self.skip_guards = False, True  # skip_guards False: evaluate every guard (bench.py)
 
