@@ -23,6 +23,7 @@ import torch
 
 import metrics as mt
 import plots
+import progress
 import runlog
 from checkpoint import load_models, resolve_checkpoint
 from cli import calibration_note, use_compile_cache
@@ -307,13 +308,13 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             print(m.describe(), file=sys.stderr)
     engine = make_engine(m, drafter, [p for ps in prompts.values() for p in ps], s, verbose=rank == 0)
 
-    bar, lines, shown = None, None, runlog.progress(args.progress and rank == 0)
+    bar, lines, shown = None, None, progress.show(args.progress and rank == 0)
     total, done = sum(len(ps) for ps in prompts.values()), [0]
     if shown == "bar":
         from tqdm import tqdm
         bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
     elif shown == "lines":
-        lines = runlog.Lines()
+        lines = progress.Lines()
 
     def on_finish(req):
         done[0] += world

@@ -1,7 +1,7 @@
 """What a run tells as it goes: Weights & Biases logging (`WandbFlags`, which every program's Args inherits),
-speculate.py's progress bar and figures (`DecodeWatch`), plain progress lines off a terminal (`Lines`). A W&B
-run starts before the work and always finishes: exit code 0, 2 after a UserError, 1 after another exception,
-128 + the signal; the summary's `status` and `error` say which. wandb is imported only with --wandb."""
+speculate.py's progress bar and figures (`DecodeWatch`). A W&B run starts before the work and always finishes:
+exit code 0, 2 after a UserError, 1 after another exception, 128 + the signal (the summary's `status` and `error`
+say which). wandb is imported only with --wandb."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
 
@@ -182,26 +181,6 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
         log.finish(code, status, f"{type(e).__name__}: {e}" if status == "failed" else str(e) or type(e).__name__)
         raise
     log.finish(0, "finished")
-
-
-# Progress off a terminal
-
-class Lines:
-    """Progress off a terminal (no piled-up bar frames): a line at most every `every` s, always if `final`."""
-
-    def __init__(self, every: float = 60.0):
-        self.every, self.last = every, time.monotonic()
-
-    def say(self, text: str, final: bool = False):
-        now = time.monotonic()
-        if final or now - self.last >= self.every:
-            self.last = now
-            print(text, file=sys.stderr, flush=True)
-
-
-def progress(enabled: bool) -> Optional[str]:
-    """How to show progress: "bar" on a terminal, "lines" elsewhere (`Lines`), None when not asked for."""
-    return None if not enabled else "bar" if sys.stderr.isatty() else "lines"
 
 
 # speculate.py

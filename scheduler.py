@@ -191,11 +191,6 @@ class Scheduler:
         self.table = table
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
 
-    def set_curve(self, sps: list[float]):
-        """Use SPS(B) as given for B = 0 .. top: no fit, no routing (scripts/bench_concurrency.py --sps-synthetic)."""
-        self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
-        self.table, self.route = {"steps_per_second_by_tokens": list(sps)}, None
-
 
 def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buckets: Optional[str]) -> str:
     """--scheduler's value (default: threshold if --confidence-threshold > 0, else none), checked with the flags."""

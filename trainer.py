@@ -15,7 +15,7 @@ from typing import ClassVar, Literal, Optional
 
 import torch
 
-import runlog
+import progress
 from checkpoint import read_weights
 from common import UserError, atomic_write, check_ranges, cli_main, read_json, signals_deferred, write_json
 from distributed import peak_tflops, rank0
@@ -100,11 +100,11 @@ def lr_at(step: int, args: TrainArgs) -> float:
         return args.lr * (step + 1) / W
     if args.schedule == "constant":
         return args.lr
-    progress = min(max((step - W) / max(1, args.steps - 1 - W), 0.0), 1.0)  # 0 after warm-up, 1 at the end
+    frac = min(max((step - W) / max(1, args.steps - 1 - W), 0.0), 1.0)  # 0 after warm-up, 1 at the end
     m = args.min_lr_frac
     if args.schedule == "cosine":
-        return args.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * progress)))
-    return args.lr * (m + (1 - m) * (1 - progress))
+        return args.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return args.lr * (m + (1 - m) * (1 - frac))
 
 
 def layer_params(a) -> int:
@@ -392,9 +392,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     main = run.rank == 0
     from tqdm import tqdm
 
-    shown = runlog.progress(args.progress and main)
+    shown = progress.show(args.progress and main)
     bar = tqdm(total=end, initial=start, file=sys.stderr, disable=shown != "bar", dynamic_ncols=True)
-    lines = runlog.Lines() if shown == "lines" else None
+    lines = progress.Lines() if shown == "lines" else None
     if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)

@@ -104,6 +104,12 @@ class ConcurrencyArgs:
     """Draw total and per-request tokens/s against concurrency into this file (.png or .svg)."""
 
 
+def use_curve(scheduler, sps: list[float]):
+    """The scheduler prices rounds by SPS(B) as given for B = 0 .. top (no fit, no bucket routing)."""
+    scheduler.sps.copy_(torch.tensor(sps, dtype=torch.float64))
+    scheduler.table, scheduler.route = {"steps_per_second_by_tokens": list(sps)}, None
+
+
 def cliffs_sps(top: int) -> list[float]:
     """--sps-synthetic cliffs: SPS(B) for B = 0 .. top, steps per time unit when a round verifies B
     tokens, 1 / (1 + ceil(B/16)/4) (B = 0 priced as 1). Only its shape matters to the schedulers."""
@@ -185,7 +191,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         profile_seconds, curve = {}, cliffs_sps(c * (drafter.cfg.num_drafts + 1)) if args.sps_synthetic else None
         for mode in [m for m in modes if m in SPS_KINDS]:  # SPS(B) depends on the batch capacity: once per c
             if curve is not None:
-                engines[mode].scheduler.set_curve(curve)
+                use_curve(engines[mode].scheduler, curve)
                 sps_tables.setdefault(c, {})[mode] = {"verify_tokens": list(range(len(curve))),
                                                       "steps_per_second": curve}
                 continue

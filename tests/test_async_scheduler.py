@@ -47,6 +47,12 @@ from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace, 
                            run_cli, seq_index, set_confidence_bias, target_logits_after)
 from test_scheduler import K, PROMPTS, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
 
+
+def use_curve(s, sps):
+    """Price rounds by SPS(B) as given for B = 0 .. top, as bench_concurrency's --sps-synthetic does."""
+    s.sps.copy_(torch.tensor(sps, dtype=torch.float64))
+
+
 torch.set_num_threads(1)
 
 
@@ -133,7 +139,7 @@ def test_capacity_search_steps_over_a_cliff_that_stops_algorithm_1():
 
 def test_the_capacity_never_reads_the_current_round():
     s = sched.Scheduler("async", 3, 2)
-    s.set_curve([1.0, 1.0, 1.0, 0.8, 0.8, 0.5, 0.5, 0.45, 0.45])
+    use_curve(s, [1.0, 1.0, 1.0, 0.8, 0.8, 0.5, 0.5, 0.45, 0.45])
     two_back = [[0.9, 0.8, 0.7], [0.6, 0.5, 0.4]]
     plans = []
     for last in ([[0.1, 0.1, 0.1], [0.2, 0.2, 0.2]], [[0.99, 0.99, 0.99], [0.99, 0.99, 0.99]]):
@@ -413,7 +419,7 @@ def test_appendix_a_counterexample_stays_exact_with_the_capacity_from_history(tw
     """The capacity comes from an earlier round (whatever it was), the selection from this one: x_1 is
     verified after A and after B alike, and the output is the target's (0.7, 0.3)."""
     s = sched.Scheduler("async", 2, 1)
-    s.set_curve(sps)
+    use_curve(s, sps)
     for conf in (two_back, [0.5, 0.5]):
         s.observe([conf])
     plan = s.plan(1)
