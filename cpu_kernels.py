@@ -5,6 +5,7 @@ rows nor the thread count. Built on first use (cached); `unavailable()` says why
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -27,11 +28,9 @@ _why: Optional[str] = ""    # why the kernels are unavailable; "" until the buil
 
 
 def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    return set()
 
 
 def _build() -> Optional[str]:

@@ -1,7 +1,6 @@
 """The DSpark / DFlash block drafter: context projection, block forward, Markov and confidence heads.
 Context K/V are cached once, when committed; the block's own K/V follow them, so one masked attention
-covers [context; block]. The embedding and lm_head are the target's.
-"""
+covers [context; block]. The embedding and lm_head are the target's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The hot math of a round: plain-torch references, and Triton versions with the same signatures and
 results that an engine may bind instead (`kernel_set`). Sampling is the exponential race, argmax(p/E),
-E ~ Exp(1): exact, no host sync; its noise is drawn outside compiled graphs, so a seed repeats a run.
-"""
+E ~ Exp(1): exact, no host sync; its noise is drawn outside compiled graphs, so a seed repeats a run."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
 
 
 def rows_noise(generators: list, K: int, V: int, device) -> Noise:
-    """Each row's noise from its request's generator (samples independent of neighbours); free rows
-    get placeholders."""
+    """Each row's noise from its request's generator (independent of its neighbours); free rows get placeholders."""
     free = Noise(torch.ones((1, K, V), device=device), torch.zeros((1, K), device=device),
                  torch.ones((1, V), device=device))
     rows = [round_noise(g, 1, K, V, device) if g is not None else free for g in generators]
@@ -549,8 +547,7 @@ TRITON = KernelSet(markov_chain_triton, verify_greedy, verify_sampled_triton, ca
 
 
 def kernel_set(name: str, device) -> KernelSet:
-    """"torch" or "triton", the Triton kernels built now, before a graph traces them; RuntimeError
-    when Triton cannot run on `device`."""
+    """"torch" or "triton" (built now, before a graph traces them); RuntimeError where Triton cannot run."""
     if name == "torch":
         return TORCH
     if not _triton_ok(torch.empty(0, device=device)):

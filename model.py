@@ -1,7 +1,6 @@
 """The target: a pure-PyTorch Qwen3 dense decoder with a static KV cache written at per-row
 positions (rollback is moving a length: a query at p reads only keys <= p). `capture=` returns the
-drafter's features from the same pass; `ragged=` runs requests of different lengths flattened.
-"""
+drafter's features from the same pass; `ragged=` runs requests of different lengths flattened."""
 
 from __future__ import annotations
 

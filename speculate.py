@@ -5,8 +5,7 @@ by the same engine (the baseline).
 
 Read top to bottom: `generate` (the Python API) -> `Engine.generate` (continuous batching) ->
 `Engine.round` -> `draft` (block forward, Markov chain, confidence, schedule) and `verify` (one
-target pass, acceptance, commit). The command line (cli.py) calls the API.
-"""
+target pass, acceptance, commit). The command line (cli.py) calls the API."""
 
 from __future__ import annotations
 
