@@ -99,7 +99,8 @@ class Args(runlog.WandbFlags):
     verbose: bool = False
     """With --compile: show what compiling prints (autotuning tables)."""
     kernels: Literal["torch", "triton"] = "torch"
-    """Markov chain, acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under TRITON_INTERPRET=1)."""
+    """Markov chain, sampled acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under
+    TRITON_INTERPRET=1)."""
     trace_file: Optional[str] = None
     """Write every round, request and a summary here as JSON lines (docs/trace-format.md)."""
     output_file: Optional[str] = None
