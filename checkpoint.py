@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from common import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, UserError, optional_file, read_json, resolve_device, \
-    resolve_dtype
+from common import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, UserError, first_line, optional_file, read_json, \
+    resolve_device, resolve_dtype
 from drafter import MARKOV_HEADS, Drafter, DrafterConfig
 from model import ModelArgs, RMSNorm, Transformer
 
@@ -667,7 +667,3 @@ def missing_weights(directory: str) -> Optional[str]:
     if lacking == ["model.safetensors"] and not os.path.isfile(os.path.join(directory, INDEX)):
         return "model.safetensors (or model.safetensors.index.json)"
     return lacking[0] if lacking else None
-
-
-def first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:300]

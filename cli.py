@@ -295,7 +295,7 @@ def decode(args: Args, s: Settings, m: Models, engine: Engine, prompts: list[lis
         watch.on_round(req, rec)
 
     def on_finish(req):
-        record = completion(req, m, engine).record()
+        record = completion(req, m, engine).record() if trace or out else None  # its text decoded once, if written
         if trace:
             trace.write(json.dumps({k: record[k] for k in END_RECORD}, allow_nan=False) + "\n")
             trace.sync()

@@ -29,6 +29,11 @@ MAX_TOP_K = 2**30
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message in one line (at most 300 characters), or its type's name."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
 class UserError(Exception):
     """A user mistake: printed as one line naming the file, key, flag or value, exit status 2."""
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from common import UserError, device_name
+from common import UserError, device_name, first_line
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
@@ -90,8 +90,8 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # rendezvous failures come as RuntimeError, DistError, TimeoutError, ...
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"rank {rank} of {world}: no process group at {where} within {timeout_s:g} s ({first}); "
+            raise UserError(f"rank {rank} of {world}: no process group at {where} within {timeout_s:g} s "
+                            f"({first_line(e)}); "
                             "start every process (torchrun --nproc_per_node N) or raise --dist-timeout") from None
     return rank, world, device
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
 
 import metrics
-from common import Interrupted, UserError, read_json
+from common import Interrupted, UserError, first_line, read_json
 
 DEFAULT_PROJECT = "dspark-fast"
 TABLE_ROWS = 10_000  # a requests table longer than this keeps its first rows (wandb slows on huge tables)
@@ -158,9 +158,8 @@ def start(args, job_type: str, config: dict) -> Log:
         run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name, group=args.wandb_group,
                          tags=parse_tags(args.wandb_tags), job_type=job_type, config=config)
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise UserError(f"--wandb: the run could not start ({first}); WANDB_MODE=offline logs without a network") \
-            from None
+        raise UserError(f"--wandb: the run could not start ({first_line(e)}); WANDB_MODE=offline logs without a "
+                        f"network") from None
     return Log(run, wandb)
 
 

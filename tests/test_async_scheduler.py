@@ -33,11 +33,12 @@ import pytest
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (_HERE, os.path.dirname(_HERE)):
+for _p in (_HERE, os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
 import kernels  # noqa: E402
+from bench_concurrency import use_curve  # noqa: E402
 import scheduler as sched  # noqa: E402
 import speculate  # noqa: E402
 from conftest import chi2_pvalue  # noqa: E402
@@ -46,12 +47,6 @@ from checkpoint import load_target  # noqa: E402
 from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace, exact_joint,  # noqa: E402
                            run_cli, seq_index, set_confidence_bias, target_logits_after)
 from test_scheduler import K, PROMPTS, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
-
-
-def use_curve(s, sps):
-    """Price rounds by SPS(B) as given for B = 0 .. top, as bench_concurrency's --sps-synthetic does."""
-    s.sps.copy_(torch.tensor(sps, dtype=torch.float64))
-
 
 torch.set_num_threads(1)
 
