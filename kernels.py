@@ -76,7 +76,7 @@ def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
 def rows_noise(generators: list, K: int, V: int, device) -> Noise:
     """Each row's noise from its request's generator (independent of its neighbours); free rows get placeholders."""
     free = Noise(torch.ones((1, K, V), device=device), torch.zeros((1, K), device=device),
-                 torch.ones((1, V), device=device))
+                 torch.ones((1, V), device=device)) if any(g is None for g in generators) else None
     rows = [round_noise(g, 1, K, V, device) if g is not None else free for g in generators]
     return Noise(*(torch.cat(parts) for parts in zip(*rows)))
 
