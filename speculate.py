@@ -295,7 +295,8 @@ class Engine:
                     if self.temperature > 0 else None
                 plan = self.scheduler.plan(sum(live)) if self.scheduler.kind == "async" else None
                 record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise, plan=plan)
-                anchor, anchor_pos = anchor.clone(), anchor_pos.clone()  # outlive the next graph replay
+                if self.cuda_graphs:  # outlive the next graph replay
+                    anchor, anchor_pos = anchor.clone(), anchor_pos.clone()
                 records = unpack(record, has_confidence)  # the one host read
                 if plan is not None:  # the history that sizes the round after next
                     self.scheduler.observe([rec.confidence for rec, on in zip(records, live) if on])
