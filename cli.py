@@ -13,14 +13,36 @@ from typing import Annotated, Literal, Optional
 
 import tyro
 
-import metrics
-import runlog
-from checkpoint import Models, load_models, resolve_checkpoint
-from common import AutoBool, Interrupted, StreamFile, UserError, check_outputs, check_ranges, \
-    cli_main, device_name, read_json, resolve_device, set_threads, signals_deferred, use_compile_cache
-from speculate import (DEMO_DIR, MAX_REQUESTS, CompileMode, Completion, Engine, Request, Settings, completion,
-                       kernels_for, make_engine, requests_for, sampling_for)
-from text import StopStrings, auto_chat, check_chat_flags, check_prompts, encode, load_prompts
+from speculate import (
+    DEMO_DIR,
+    MAX_REQUESTS,
+    CompileMode,
+    Completion,
+    Engine,
+    Request,
+    Settings,
+    completion,
+    kernels_for,
+    make_engine,
+    requests_for,
+    sampling_for,
+)
+from support import metrics, runlog
+from support.checkpoint import Models, load_models, resolve_checkpoint
+from support.cli import (
+    AutoBool,
+    Interrupted,
+    UserError,
+    check_ranges,
+    cli_main,
+    device_name,
+    resolve_device,
+    set_threads,
+    signals_deferred,
+    use_compile_cache,
+)
+from support.files import StreamFile, check_outputs, read_json
+from support.text import StopStrings, auto_chat, check_chat_flags, check_prompts, encode, load_prompts
 
 # The demo's printed prompt, from the held-out shutil.py; demo/heldout.jsonl's 20 follow (figures over 21).
 DEMO_PROMPT = ('def copyfileobj(fsrc, fdst, length=0):\n'
@@ -195,7 +217,7 @@ def load_and_decode(args: Args, s: Settings, demo: bool, log, lead: Optional[str
                    target_config=runlog.checkpoint_config(m.directories[0]),
                    drafter_config=runlog.checkpoint_config(m.directories[1]),
                    drafter_resolved=m.drafter.cfg.describe() if m.drafter is not None else None)
-    import cpu_kernels
+    from support import cpu_kernels
     announce = "; ".join(filter(None, [threads, cpu_kernels.describe(m.target, s.compile), sampling.describe()]))
     show = 1 if lead is not None else None
     engine = make_engine(m, m.drafter, prompts, s)

@@ -10,8 +10,18 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from model import DecoderLayer, ModelArgs, RMSNorm, Rope, Transformer, attended_length, cache_bias, fold_gqa, \
-    make_caches, rope_table
+from model import (
+    DecoderLayer,
+    ModelArgs,
+    RMSNorm,
+    Rope,
+    Transformer,
+    attended_length,
+    cache_bias,
+    fold_gqa,
+    make_caches,
+    rope_table,
+)
 
 
 @dataclass

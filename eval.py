@@ -21,20 +21,26 @@ from typing import Literal, Optional
 
 import torch
 
-import metrics as mt
-import plots
-import progress
-import runlog
-from checkpoint import load_models, resolve_checkpoint
 from cli import calibration_note, use_compile_cache
-from common import (AutoBool, Interrupted, UserError, check_outputs, check_ranges, cli_main, device_name,
-                    optional_file, read_json, set_threads, write_json)
-from calibration import (ECE_BINS, STS_GRID, calibration_report, concat_rounds, reliability_panels, round_arrays,
-                         saturated, uncalibrate)
-from distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
-from runlog import WandbFlags
 from speculate import DEMO_DIR, CompileMode, Request, Settings, make_engine
-from text import auto_chat, check_prompts, load_prompts
+from support import metrics as mt
+from support import plots, runlog
+from support.calibration import (
+    ECE_BINS,
+    STS_GRID,
+    calibration_report,
+    concat_rounds,
+    reliability_panels,
+    round_arrays,
+    saturated,
+    uncalibrate,
+)
+from support.checkpoint import load_models, resolve_checkpoint
+from support.cli import AutoBool, Interrupted, UserError, check_ranges, cli_main, device_name, set_threads
+from support.distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
+from support.files import check_outputs, optional_file, read_json, write_json
+from support.runlog import WandbFlags
+from support.text import auto_chat, check_prompts, load_prompts
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -308,13 +314,13 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             print(m.describe(), file=sys.stderr)
     engine = make_engine(m, drafter, [p for ps in prompts.values() for p in ps], s, verbose=rank == 0)
 
-    bar, lines, shown = None, None, progress.show(args.progress and rank == 0)
+    bar, lines, shown = None, None, runlog.show(args.progress and rank == 0)
     total, done = sum(len(ps) for ps in prompts.values()), [0]
     if shown == "bar":
         from tqdm import tqdm
         bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
     elif shown == "lines":
-        lines = progress.Lines()
+        lines = runlog.Lines()
 
     def on_finish(req):
         done[0] += world

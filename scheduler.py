@@ -13,7 +13,8 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from common import UserError, check_writable, parse_ints, read_json, write_json
+from support.cli import UserError, parse_ints
+from support.files import check_writable, read_json, write_json
 
 KINDS = ("none", "threshold", "hardware", "async")
 SPS_KINDS = ("hardware", "async")  # the schedules that read SPS(B)

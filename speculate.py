@@ -21,14 +21,13 @@ from typing import Literal, NamedTuple, Optional
 import torch
 
 import kernels
-import metrics
 import scheduler as sched
-from checkpoint import Models, load_models
-from common import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, UserError, check_ranges, free_memory, sync
 from kernels import NO_FILTERS, Filters
 from model import Ragged, Transformer
-from text import StopStrings, auto_chat, check_prompts, encode
-
+from support import metrics
+from support.checkpoint import Models, load_models
+from support.cli import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, UserError, check_ranges, free_memory, sync
+from support.text import StopStrings, auto_chat, check_prompts, encode
 
 # One round, in static shapes (what torch.compile captures)
 
@@ -367,7 +366,7 @@ class Engine:
 
     def sps_identity(self) -> dict:
         """What an SPS table was measured for; a table is reused only where all of it matches."""
-        from common import device_name
+        from support.cli import device_name
         a, d = self.target.args, self.drafter
         n = sum(p.numel() for p in {p.data_ptr(): p for p in self.target.parameters()}.values())
         return {"device": device_name(self.device), "torch": torch.__version__,

@@ -24,17 +24,36 @@ from typing import ClassVar, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-import data
-import runlog
-from checkpoint import attach, init_random_, load_drafter, load_target, published, resolve_checkpoint, weight_files
-from common import UserError, check_ranges, device_name, parse_ints, read_json, resolve_device, resolve_dtype, \
-    write_json
-from distributed import dist_init, rank0
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Rope, Transformer, rope_table
-from text import Tokenizer
-from trainer import Run, TrainArgs, causal_flops, check_identity, check_out_dir, check_train_args, checkpoint_dir, \
-    layer_params, optimize, save_state, save_tensors, train_main
+from support import data, runlog
+from support.checkpoint import (
+    attach,
+    init_random_,
+    load_drafter,
+    load_target,
+    published,
+    resolve_checkpoint,
+    weight_files,
+)
+from support.cli import UserError, check_ranges, device_name, parse_ints, resolve_device, resolve_dtype
+from support.distributed import dist_init, rank0
+from support.files import read_json, write_json
+from support.text import Tokenizer
+from support.trainer import (
+    Run,
+    TrainArgs,
+    causal_flops,
+    check_identity,
+    check_out_dir,
+    check_train_args,
+    checkpoint_dir,
+    layer_params,
+    optimize,
+    save_state,
+    save_tensors,
+    train_main,
+)
 
 
 @dataclass

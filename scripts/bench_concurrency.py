@@ -38,14 +38,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import plots  # noqa: E402
 from bench import timed_generate  # noqa: E402
-from common import (AutoBool, UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints,  # noqa: E402
-                    resolve_device, resolve_dtype, write_json)
-from checkpoint import load_models, resolve_checkpoint  # noqa: E402
+
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
 from speculate import DEMO_DIR, CompileMode, Engine, Request, cache_length  # noqa: E402
-from text import check_prompts, load_prompts  # noqa: E402
+from support import plots  # noqa: E402
+from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
+from support.cli import (
+    AutoBool,
+    UserError,
+    check_ranges,
+    cli_main,
+    device_name,
+    parse_ints,
+    resolve_device,
+    resolve_dtype,
+)
+from support.files import check_outputs, write_json  # noqa: E402
+from support.text import check_prompts, load_prompts  # noqa: E402
 
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
 

@@ -22,9 +22,11 @@ from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import UserError, atomic_write, check_outputs, cli_main, read_json, write_json  # noqa: E402
 from demo_prompts import files_digest  # noqa: E402
-from trainer import folder_write_problem  # noqa: E402
+
+from support.cli import UserError, cli_main
+from support.files import atomic_write, check_outputs, read_json, write_json  # noqa: E402
+from support.trainer import folder_write_problem  # noqa: E402
 
 HOLD_OUT_EVERY = 20
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from common import UserError, atomic_write, check_outputs, check_ranges, cli_main, read_json  # noqa: E402
+from support.cli import UserError, check_ranges, cli_main
+from support.files import atomic_write, check_outputs, read_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "demo")
@@ -76,7 +77,7 @@ def heldout_files(demo: str = DEMO, stdlib: Optional[str] = None) -> list[str]:
 def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = DEMO,
                     stdlib: Optional[str] = None) -> list[dict]:
     """Records {"prompt_ids", "source", "start"}."""
-    from text import Tokenizer
+    from support.text import Tokenizer
 
     paths = heldout_files(demo, stdlib)
     tok = Tokenizer(os.path.join(demo, "target"))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import UserError, atomic_write, check_outputs, check_ranges, cli_main  # noqa: E402
+from support.cli import UserError, check_ranges, cli_main
+from support.files import atomic_write, check_outputs  # noqa: E402
 
 
 @dataclass

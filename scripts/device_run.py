@@ -51,7 +51,8 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import UserError, check_writable, write_json  # noqa: E402  (neither tyro nor wandb)
+from support.cli import UserError
+from support.files import check_writable, write_json  # noqa: E402  (neither tyro nor wandb)
 
 # stage -> its time cap in seconds, in the order they run
 STAGES = {"env": 15, "smoke": 70, "compiled-b1": 150, "triton": 60, "compiled-b32": 125, "eager-b1": 50}
@@ -216,8 +217,8 @@ def verify_logits(st: Stage, preset: str, layers: int, batch: int, dtype, dev, d
     import torch
 
     import speculate
-    from checkpoint import PRESETS, init_random_
     from model import ModelArgs, Transformer
+    from support.checkpoint import PRESETS, init_random_
 
     a = ModelArgs(**{**PRESETS[preset], "num_hidden_layers": layers})
     with torch.device("meta"):
@@ -271,11 +272,11 @@ def bench_rows(st: Stage, args: dict):
 
 
 def bench_stage(st: Stage, stage: str, dry: bool):
+    import bench
     import torch
 
-    import bench
-    from checkpoint import PRESETS
     from model import ModelArgs
+    from support.checkpoint import PRESETS
 
     args = bench_args(stage, dry, st.path)
     dev, dtype = args["device"], getattr(torch, args["dtype"])
@@ -363,8 +364,8 @@ def triton_stage(st: Stage, dry: bool) -> int:
 
     import kernels
     import model
-    from common import sync
     from drafter import VanillaMarkov
+    from support.cli import sync
 
     if not kernels.HAVE_TRITON:
         print("triton is not installed here: nothing to check")
@@ -499,7 +500,7 @@ def run_stage(stage: str, dry: bool, out: str) -> int:
         return 0
     import torch
 
-    from common import use_compile_cache
+    from support.cli import use_compile_cache
 
     if dry:
         light_compile()

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
-import cpu_kernels  # noqa: E402
+from support import cpu_kernels  # noqa: E402
+from support.cli import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
 
 
 @dataclass

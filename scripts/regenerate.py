@@ -20,15 +20,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import metrics as mt  # noqa: E402
-from checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
-from common import (AutoBool, UserError, atomic_write, check_outputs, check_ranges, check_writable,  # noqa: E402
-                    cli_main, read_json, read_jsonl, resolve_device, signals_deferred, write_json)
 from speculate import Request, Settings, make_engine  # noqa: E402
-from text import ROLES, check_text, encode  # noqa: E402
+from support import metrics as mt  # noqa: E402
+from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
+from support.cli import AutoBool, UserError, check_ranges, cli_main, resolve_device, signals_deferred
+from support.files import atomic_write, check_outputs, check_writable, read_json, read_jsonl, write_json  # noqa: E402
+from support.text import ROLES, check_text, encode  # noqa: E402
 
 TURN_STRIDE = 1024  # request index = conversation * TURN_STRIDE + turn
 

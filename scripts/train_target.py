@@ -21,15 +21,26 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import runlog  # noqa: E402
-from checkpoint import init_random_, load_target, published  # noqa: E402
-from common import UserError, atomic_write, resolve_device, resolve_dtype, write_json  # noqa: E402
-from data import EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest, micro_slices, read_texts, read_windows  # noqa: E402
-from distributed import dist_init, rank0  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from text import Tokenizer  # noqa: E402
-from trainer import (Run, TrainArgs, causal_flops, check_identity, check_train_args, checkpoint_dir,  # noqa: E402
-                     optimize, save_state, save_tensors, train_main)
+from support import runlog  # noqa: E402
+from support.checkpoint import init_random_, load_target, published  # noqa: E402
+from support.cli import UserError, resolve_device, resolve_dtype
+from support.data import EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest, micro_slices, read_texts, read_windows  # noqa: E402
+from support.distributed import dist_init, rank0  # noqa: E402
+from support.files import atomic_write, write_json  # noqa: E402
+from support.text import Tokenizer  # noqa: E402
+from support.trainer import (  # noqa: E402
+    Run,
+    TrainArgs,
+    causal_flops,
+    check_identity,
+    check_train_args,
+    checkpoint_dir,
+    optimize,
+    save_state,
+    save_tensors,
+    train_main,
+)
 
 
 @dataclass
@@ -69,7 +80,8 @@ class Args(TrainArgs):
 
 def train_bpe(texts: list[str], vocab_size: int):
     """A byte-level BPE tokenizer (GPT-2 pre-tokenization: round-trips any text)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -61,6 +61,8 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+if str(REPO_ROOT / "scripts") not in sys.path:
+    sys.path.insert(1, str(REPO_ROOT / "scripts"))  # the programs there (bench.py, loc.py, ...) import by name
 
 
 def import_model():

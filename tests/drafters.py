@@ -46,7 +46,7 @@ def bigram_logits(target_dir) -> torch.Tensor:
     """[V, V]: row t = the target's logits after the single token t (float32)."""
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from checkpoint import load_target
+    from support.checkpoint import load_target
 
     target = load_target(str(target_dir))
     V = target.args.vocab_size

@@ -37,16 +37,28 @@ for _p in (_HERE, os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import kernels  # noqa: E402
 from bench_concurrency import use_curve  # noqa: E402
-import scheduler as sched  # noqa: E402
-import speculate  # noqa: E402
 from conftest import chi2_pvalue  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
-from checkpoint import load_target  # noqa: E402
-from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace, exact_joint,  # noqa: E402
-                           run_cli, seq_index, set_confidence_bias, target_logits_after)
-from test_scheduler import K, PROMPTS, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
+from test_lossless import (  # noqa: E402
+    N_SAMPLES,
+    P_MIN,
+    SAMPLE_PROMPT,
+    SV,
+    M,
+    check_trace,
+    exact_joint,
+    run_cli,
+    seq_index,
+    set_confidence_bias,
+    target_logits_after,
+)
+from test_scheduler import PROMPTS, K, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
+
+import kernels  # noqa: E402
+import scheduler as sched  # noqa: E402
+import speculate  # noqa: E402
+from support.checkpoint import load_target  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -260,7 +272,7 @@ class HostReads:
 
 
 def engine_for(env, kind, batch=2, **kw):
-    from checkpoint import load_drafter
+    from support.checkpoint import load_drafter
 
     target = load_target(env["target"])
     engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=batch, max_seq=64,

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, edit_config, edit_tensors, make_target_dir
 from drafters import make_drafter
 
@@ -29,13 +28,14 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import bench  # noqa: E402
 import bench_concurrency  # noqa: E402
+
 import eval as ev  # noqa: E402
-import text  # noqa: E402
 import speculate  # noqa: E402
 import train  # noqa: E402
+from support import text  # noqa: E402
 
 PROGRAMS = {"speculate": (speculate.main, "speculate.py"), "eval": (ev.main, "eval.py"),
-            "bench": (bench.main, "bench.py"), "concurrency": (bench_concurrency.main, "scripts/bench_concurrency.py"),
+            "bench": (bench.main, "scripts/bench.py"), "concurrency": (bench_concurrency.main, "scripts/bench_concurrency.py"),
             "train": (train.main, "train.py")}
 K = 4
 
@@ -970,7 +970,7 @@ def test_named_templates_without_a_default_refuse_only_what_they_would_render(wo
 
 def test_an_interruption_while_rendering_a_template_is_the_runs_not_the_templates(monkeypatch):
     """Ctrl-C inside a template's rendering ends the run as interrupted (130), not as a template error (2)."""
-    from common import Interrupted
+    from support.cli import Interrupted
 
     class Stuck:
         def generate(self, **context):

@@ -7,13 +7,11 @@ import logging
 import sys
 import warnings
 
+import bench
 import pytest
-
 from drafters import make_drafter, make_target
 
-import bench
-from checkpoint import random_drafter
-from checkpoint import random_target
+from support.checkpoint import random_drafter, random_target
 
 
 def test_presets_on_meta():
@@ -122,7 +120,7 @@ def test_bad_flags(flags, needle, capsys):
 def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
     """bench.compare_outputs: float32 raises on any difference; bf16 reports each differing request with
     the target's top-2 logit gap where it starts (K+1-token verify vs 1-token step rounding)."""
-    from checkpoint import load_target
+    from support.checkpoint import load_target
 
     target = load_target(make_target(tmp_path / "t"))
     prompts = [[1, 2, 3], [4, 5]]
@@ -145,8 +143,8 @@ def test_reference_drafter_is_plain_and_equal(monkeypatch):
     pytest.importorskip("transformers")
     import torch
 
-    import cpu_kernels
     import model
+    from support import cpu_kernels
     target, drafter = bench.bigram_pair("cpu", torch.float32, 0)
     hf = bench.transformers_copy(target)
     installed = cpu_kernels.install(drafter)

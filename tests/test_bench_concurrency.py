@@ -7,11 +7,11 @@ import os
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import bench_concurrency as bc  # noqa: E402
+
 from speculate import DEMO_DIR  # noqa: E402
 
 DEMO_K = json.load(open(os.path.join(DEMO_DIR, "drafter", "config.json")))["block_size"]  # drafts per round
@@ -101,7 +101,7 @@ def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
 
 
 def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
-    from text import Tokenizer
+    from support.text import Tokenizer
 
     pf = tmp_path / "p.jsonl"
     ids = Tokenizer(os.path.join(DEMO_DIR, "target")).encode("import os\n")

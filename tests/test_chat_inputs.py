@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import copy_target, edit_json
 
-import text as inputs
 import speculate
-import text
+from support import text
+from support import text as inputs
 
 # Qwen3's chat format, written here from its documented behaviour: a leading system message first; user
 # (and later system) turns as ChatML; an assistant turn keeps only the text after any </think>, and the

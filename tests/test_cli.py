@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
-import text as inputs
 import cli
 import speculate
+from support import text as inputs
 
 
 def run_cli(args, capsys):
@@ -139,7 +138,7 @@ def test_sampled_run_repeats_with_seed(tiny_target, tmp_path, capsys):
 
 
 def test_text_prompt_uses_chat_template(tiny_target, tmp_path, capsys):
-    from text import Tokenizer
+    from support.text import Tokenizer
 
     tok = Tokenizer(str(tiny_target.path))
     trace = tmp_path / "t.jsonl"

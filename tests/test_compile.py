@@ -13,11 +13,10 @@ import unittest.mock
 
 import pytest
 import torch
-
 from drafters import make_drafter, make_target
 
-import common
 import speculate
+from support import cli
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +85,7 @@ def test_two_compiled_engines_keep_their_own_graphs_with_guards_skipped(pair):
     each decoding with guard evaluation cut down. Each engine's round is code of its own
     (speculate.own_code), so the speculative engine never runs the autoregressive draft graph (which
     it did when both shared `draft`'s code: τ 1.00, every draft rejected)."""
-    from checkpoint import load_drafter
-    from checkpoint import load_target
+    from support.checkpoint import load_drafter, load_target
 
     target = load_target(pair[0])
     drafter = load_drafter(pair[1], target)
@@ -170,9 +168,9 @@ def test_compiled_async_round_reads_nothing_between_draft_and_verify(pair, monke
     recompiles nor reads a tensor's value on the host between draft and verify (test_async_scheduler's
     probe on every Python-level read), and emits the eager engine's tokens, capacities and schedule."""
     import torch._dynamo
-    from checkpoint import load_drafter
-    from checkpoint import load_target
     from test_async_scheduler import HostReads
+
+    from support.checkpoint import load_drafter, load_target
 
     target_dir, drafter_dir = pair
     prompts = [[5, 17, 33, 2, 8], [9, 1], [40, 41, 42, 43, 44, 45, 46]]
@@ -236,7 +234,7 @@ def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monk
 
     clear_memory = getattr(inductor_utils, "clear_caches", None) or inductor_utils.clear_inductor_caches
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-this"))
-    where = common.use_compile_cache(str(tmp_path / "cc"))
+    where = cli.use_compile_cache(str(tmp_path / "cc"))
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == where == str(tmp_path / "cc")
     lin, x = torch.nn.Linear(16, 56).requires_grad_(False), torch.randn(2, 16)
     for mode in ("default", None):
@@ -258,7 +256,7 @@ def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monk
 
 
 def test_compile_modes_are_checked_and_run():
-    from common import UserError
+    from support.cli import UserError
     with pytest.raises(UserError, match="one of default"):
         speculate.Settings(compile=True, compile_mode="fastest").check()
     torch._dynamo.reset()
@@ -287,7 +285,7 @@ def test_skipped_guards_still_tell_warmed_graphs_apart():
 def test_compiled_panel_linear_calls_the_few_row_kernel_as_one_op():
     """A compiled layer on the CPU kernels runs dspark::panel_linear as one opaque op — the eager
     result, bit for bit (the same kernel), with one thread or two."""
-    import cpu_kernels
+    from support import cpu_kernels
 
     if cpu_kernels.unavailable() is not None:
         pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
@@ -326,8 +324,8 @@ def test_compiled_panel_linear_calls_the_few_row_kernel_as_one_op():
 def test_compiled_attention_calls_the_few_token_kernel_as_one_op():
     """A compiled `cpu_kernels.attend` of a few tokens runs dspark::cached_attention as one opaque op —
     the eager result, bit for bit, with one thread or two."""
-    import cpu_kernels
     import model
+    from support import cpu_kernels
 
     if cpu_kernels.unavailable() is not None:
         pytest.skip(f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
@@ -360,7 +358,7 @@ def test_compiled_attention_calls_the_few_token_kernel_as_one_op():
 
 def test_importing_the_programs_leaves_the_compiler_alone():
     """Importing the engine and the programs neither imports torch's compiler stack (about 1.5 s of
-    every start) nor sets TORCHINDUCTOR_CACHE_DIR, which common.use_compile_cache reads as the
+    every start) nor sets TORCHINDUCTOR_CACHE_DIR, which cli.use_compile_cache reads as the
     user's choice."""
     import subprocess
     import sys
@@ -368,7 +366,8 @@ def test_importing_the_programs_leaves_the_compiler_alone():
     from conftest import REPO_ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    code = ("import os, sys; import speculate, bench, eval, train, model, kernels, cpu_kernels; "
+    code = ("import os, sys; sys.path.insert(0, 'scripts'); import speculate, bench, eval, train, model, kernels; "
+            "from support import cpu_kernels; "
             "assert 'torch._dynamo' not in sys.modules, 'dynamo imported'; "
             "assert 'TORCHINDUCTOR_CACHE_DIR' not in os.environ, os.environ['TORCHINDUCTOR_CACHE_DIR']")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
@@ -382,8 +381,8 @@ def test_a_warmed_engine_reused_after_another_engine_resized_the_caches(tmp_path
     guard evaluation cut down checks nothing else) went on with the old caches while the eager prefill
     wrote the new ones: rounds read another prompt's context, with no error and no recompile."""
     import torch._dynamo
-    from checkpoint import load_drafter
-    from checkpoint import load_target
+
+    from support.checkpoint import load_drafter, load_target
 
     target_dir = make_target(tmp_path / "target", attn_scale=1.0)  # the context matters: a stale one shows
     target = load_target(target_dir)

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import cpu_kernels
-import model
 from conftest import REPO_ROOT
+
+import model
+from support import cpu_kernels
 
 torch.set_num_threads(1)
 
@@ -200,7 +200,7 @@ def test_the_kernels_give_the_same_bits_at_every_thread_count_and_vector_width(t
         if "avx512f" not in f.read():
             return  # this process ran the AVX2 path already
     torch.save(want, tmp_path / "want.pt")
-    out = run_python("import torch, cpu_kernels, sys; sys.path.insert(0, 'tests'); import test_cpu_kernels as t; "
+    out = run_python("import torch, sys; from support import cpu_kernels; sys.path.insert(0, 'tests'); import test_cpu_kernels as t; "
                      f"want = torch.load({str(tmp_path / 'want.pt')!r}); "
                      "print(all(torch.equal(a, b) for a, b in zip(t.invariance_outputs(), want, strict=True)))",
                      DSPARK_CPU_KERNELS="avx2")
@@ -345,7 +345,7 @@ def test_unavailable_says_why(monkeypatch, tmp_path):
     """Turned off by DSPARK_CPU_KERNELS (0/off/false/no; in a fresh process, which then keeps the plain
     model), another machine, a CPU without AVX2/FMA, no compiler, a source that does not compile (one
     line, the compiler's error)."""
-    code = ("import cpu_kernels, model; m = model.Transformer(model.ModelArgs(vocab_size=64, hidden_size=32, "
+    code = ("import model; from support import cpu_kernels; m = model.Transformer(model.ModelArgs(vocab_size=64, hidden_size=32, "
             "intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)); "
             "print(cpu_kernels.unavailable()); print(cpu_kernels.install(m)); print(cpu_kernels.describe(m))")
     assert run_python(code, DSPARK_CPU_KERNELS=" Off ").splitlines() == [

@@ -7,14 +7,12 @@ import os
 import signal
 
 import torch
-
 from conftest import REPO_ROOT
 
 import cli
 import speculate
-from checkpoint import load_drafter
-from checkpoint import load_target
-from text import Tokenizer
+from support.checkpoint import load_drafter, load_target
+from support.text import Tokenizer
 
 DEMO = REPO_ROOT / "demo"
 
@@ -101,7 +99,7 @@ def test_committed_heldout_prompts_are_the_demo_pairs():
 
     import pytest
 
-    from common import UserError
+    from support.cli import UserError
 
     dp, _ = _scripts()
     rows = [json.loads(line) for line in open(DEMO / "heldout.jsonl")]

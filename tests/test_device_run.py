@@ -11,9 +11,8 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 import bench
+import pytest
 from conftest import REPO_ROOT
 
 SCRIPT = str(REPO_ROOT / "scripts" / "device_run.py")

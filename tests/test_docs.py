@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 PAGES = sorted([REPO_ROOT / "README.md", REPO_ROOT / "BENCHMARKS.md", *(REPO_ROOT / "docs").glob("*.md")])
@@ -108,8 +107,9 @@ def test_every_link_resolves(page: Path):
 
 def programs_and_modules() -> set[str]:
     return {p.relative_to(REPO_ROOT).as_posix() for p in
-            [*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("*.cpp"), *(REPO_ROOT / "scripts").glob("*.py"),
-             *(REPO_ROOT / "scripts").glob("*.sh")]}
+            [*REPO_ROOT.glob("*.py"), *(REPO_ROOT / "support").glob("*.py"), *(REPO_ROOT / "support").glob("*.cpp"),
+             *(REPO_ROOT / "scripts").glob("*.py"), *(REPO_ROOT / "scripts").glob("*.sh")]
+            if p.name != "__init__.py"}
 
 
 def test_the_code_map_names_every_file():
@@ -127,7 +127,7 @@ def test_no_mention_of_a_file_that_is_gone(page: Path):
     """A program, module or script named in the README or the docs exists (BENCHMARKS.md gives its
     commands as they ran, so it may name a script since removed, and says so)."""
     text = page.read_text(encoding="utf-8")
-    named = set(re.findall(r"(?<![\w/.-])((?:scripts/)?[A-Za-z_]\w*\.(?:py|sh|cpp))\b", text))
+    named = set(re.findall(r"(?<![\w/.-])((?:scripts/|support/)?[A-Za-z_]\w*\.(?:py|sh|cpp))\b", text))
     known = programs_and_modules() | {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "tests").glob("*.py")}
     bare = {Path(f).name for f in known}
     foreign = {"shutil.py"}  # the standard library's (the demo's first prompt is cut from it)

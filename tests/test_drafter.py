@@ -27,12 +27,13 @@ for _p in (str(HERE.parent), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from drafters import make_drafter, make_target  # noqa: E402
+
 import drafter as dm  # noqa: E402
-import checkpoint  # noqa: E402
 import model  # noqa: E402
 import speculate  # noqa: E402
 import train  # noqa: E402
-from drafters import make_drafter, make_target  # noqa: E402
+from support import checkpoint  # noqa: E402
 
 V, H = 48, 32
 MASK = V - 1

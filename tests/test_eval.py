@@ -12,15 +12,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, build_tokenizer
 from drafters import make_drafter, make_target
 
-import calibration as cal
-import distributed
 import eval as ev
-import metrics
 import speculate
+from support import calibration as cal
+from support import distributed, metrics
 
 torch.set_num_threads(1)
 
@@ -120,7 +118,7 @@ def authors_metrics(rounds, stop, K):
 
 @pytest.mark.parametrize("threshold,chat", [(0.0, True), (0.6, True), (0.0, False)])
 def test_metrics_equal_hand_count_from_speculate_trace(env, tmp_path, capsys, threshold, chat):
-    from checkpoint import load_target, stop_token_ids
+    from support.checkpoint import load_target, stop_token_ids
 
     assert stop_token_ids(env["target"], load_target(env["target"]).args) == (IM_END_ID,)
     extra = ["--confidence-threshold", threshold] + ([] if chat else ["--no-chat"])

@@ -4,9 +4,9 @@ conversions on fake rows, the atomic writer, and the conversions against the shi
 from __future__ import annotations
 
 import hashlib
-import os
 import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess

@@ -6,13 +6,12 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import gemm_bench  # noqa: E402
 
-import cpu_kernels  # noqa: E402
+from support import cpu_kernels  # noqa: E402
 
 FAST = ["--reps", "2", "--warmup", "1", "--copies", "2", "--threads", "1"]
 

@@ -20,8 +20,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden"))
 
 import make_golden  # noqa: E402
-import speculate  # noqa: E402
 
+import speculate  # noqa: E402
 
 FLOAT_TOLERANCE = 1e-5
 

@@ -16,20 +16,24 @@ import shutil
 import types
 from pathlib import Path
 
+import bench
 import huggingface_hub
 import pytest
-from huggingface_hub import constants
-from huggingface_hub.utils import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                   RevisionNotFoundError, filter_repo_objects)
-
 from conftest import make_target_dir
 from drafters import make_drafter
+from huggingface_hub import constants
+from huggingface_hub.utils import (
+    GatedRepoError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+    filter_repo_objects,
+)
 
-import bench
 import eval as ev
-import checkpoint as inputs
 import speculate
 import train
+from support import checkpoint as inputs
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 REAL_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download

@@ -18,8 +18,9 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import kernels  # noqa: E402
 from conftest import chi2_pvalue  # noqa: E402
+
+import kernels  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -486,7 +487,7 @@ def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
     """The round checks one value per row on the device — the committed token's logit — and the engine
     turns a NaN or Inf there into a UserError naming the request and the round."""
     import speculate
-    from checkpoint import random_target
+    from support.checkpoint import random_target
 
     target = random_target("qwen3-tiny", dtype=torch.float32)
     engine = speculate.Engine(target, None, batch_size=2, max_seq=16)

@@ -36,10 +36,11 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import kernels  # noqa: E402
-import speculate  # noqa: E402
 from conftest import chi2_pvalue  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
+
+import kernels  # noqa: E402
+import speculate  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -12,16 +12,27 @@ import json
 
 import pytest
 import torch
-
 from conftest import (
-    ENDOFTEXT_ID, IM_END_ID, IM_START_ID, QWEN3_LIKE_TEMPLATE, copy_target, edit_config, edit_json,
-    edit_tensors, hf_forward, import_model, random_tokens, write_json,
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    IM_START_ID,
+    QWEN3_LIKE_TEMPLATE,
+    copy_target,
+    edit_config,
+    edit_json,
+    edit_tensors,
+    hf_forward,
+    import_model,
+    random_tokens,
+    write_json,
 )
 
 m = import_model()
-import checkpoint  # noqa: E402
-import text  # noqa: E402
-from common import UserError  # noqa: E402
+from support import (
+    checkpoint,  # noqa: E402
+    text,  # noqa: E402
+)
+from support.cli import UserError  # noqa: E402
 
 ATOL = 1e-4
 

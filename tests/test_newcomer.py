@@ -276,14 +276,14 @@ def test_a_newcomer_follows_the_readme(tmp_path):
     assert any(s.split(" -c ")[0] == "pip install -r requirements.txt" for s in steps), steps
     assert api_out is not None, "no `pip install -e .` step: the API example was not run from outside the checkout"
     assert "python speculate.py" in steps and "python eval.py" in steps
-    assert any(s.startswith("python bench.py ") and "--help" not in s for s in steps)
+    assert any(s.startswith("python scripts/bench.py ") and "--help" not in s for s in steps)
     programs = {os.path.relpath(f, repo) for f in glob.glob(str(repo / "*.py"))
                 + glob.glob(str(repo / "scripts" / "*.py")) if '__name__ == "__main__"' in Path(f).read_text("utf-8")}
     assert set(helps) == programs, f"--help lines missing from the README: {sorted(programs - set(helps))}"
     shells = {os.path.relpath(f, repo) for f in glob.glob(str(repo / "scripts" / "*.sh"))}
     assert all(f"bash {s} --help" in steps for s in shells), shells
     # bench ran without transformers, as requirements.txt installs: its reference loop said it was skipped.
-    (bench_out,) = [p for c, p in outputs.items() if c.startswith("python bench.py ")]
+    (bench_out,) = [p for c, p in outputs.items() if c.startswith("python scripts/bench.py ")]
     assert "skipped: transformers is not installed" in bench_out.stderr, bench_out.stderr
     assert digest(repo / "demo") == demo_before, "the committed demo pair changed"
     new = sorted({Path(f).parts[0] + ("/" if (repo / Path(f).parts[0]).is_dir() else "")

@@ -11,11 +11,10 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
-
 from conftest import REPO_ROOT
 
-import plots
-from common import UserError
+from support import plots
+from support.cli import UserError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TAB_BLUE, TAB_ORANGE, TAB_GREEN = (31, 119, 180), (255, 127, 14), (44, 160, 44)
@@ -102,7 +101,7 @@ def test_reliability_diagram_without_sts_empty_bins_and_wrapping(tmp_path):
 
 
 def test_bin_stats_bins_as_eval_ece():
-    import calibration as cal
+    from support import calibration as cal
 
     a = np.array([0.0, 0.1, 0.2, 0.3999, 0.61, 0.8, 0.99, 1.0])
     y = np.array([0, 1, 1, 0, 1, 1, 1, 0])
@@ -185,5 +184,5 @@ def test_failed_save_writes_nothing(tmp_path, monkeypatch, figure):
 
 
 def test_import_does_not_load_matplotlib():
-    code = "import sys, plots; assert 'matplotlib' not in sys.modules"
+    code = "import sys; from support import plots; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)

@@ -16,10 +16,10 @@ import sys
 
 import pytest
 import torch
-
-import speculate
 from conftest import REPO_ROOT
 from test_train_data import run_train
+
+import speculate
 
 torch.set_num_threads(1)
 

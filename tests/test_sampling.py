@@ -25,11 +25,9 @@ import re
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, chi2_pvalue, make_target_dir
 from drafters import make_drafter, make_target
-from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, read_trace, run_cli, seq_index,
-                           target_logits_after)
+from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, run_cli, seq_index, target_logits_after
 from test_scheduler import write_sps_table
 
 import kernels
@@ -336,7 +334,7 @@ def test_bad_generation_config_values_are_one_line_errors(chat_target, tmp_path,
 # Stop strings, --ignore-eos, text out
 
 def test_stop_strings_cut_the_text_and_end_the_request(chat_target, tmp_path):
-    from text import Tokenizer
+    from support.text import Tokenizer
 
     d, target, drafter = chat_target
     tok = Tokenizer(target)
@@ -474,7 +472,7 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
     checks its arguments too."""
     import numpy as np
 
-    import metrics
+    from support import metrics
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
     assert speculate.generate(m, "hello world", max_new_tokens=12, temperature=0, stop=None) == \

@@ -34,14 +34,26 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from conftest import chi2_pvalue  # noqa: E402
+from drafters import make_drafter, make_target  # noqa: E402
+from test_lossless import (  # noqa: E402
+    N_SAMPLES,
+    P_MIN,
+    SAMPLE_PROMPT,
+    SV,
+    M,
+    check_trace,
+    exact_joint,
+    run_cli,
+    seq_index,
+    set_confidence_bias,
+    target_logits_after,
+)
+
 import scheduler as sched
 import speculate  # noqa: E402
-from drafters import make_drafter, make_target  # noqa: E402
-from checkpoint import load_target  # noqa: E402
 from model import Ragged  # noqa: E402
-from conftest import chi2_pvalue  # noqa: E402
-from test_lossless import (M, N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, check_trace,  # noqa: E402
-                           exact_joint, run_cli, seq_index, set_confidence_bias, target_logits_after)
+from support.checkpoint import load_target  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -257,7 +269,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 30, 2], [9], [40, 41, 42, 43, 44, 45, 46, 3]]
 
 def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None, compile=False):
     """An SPS table in speculate.py's format, for this configuration, with hand-chosen step times."""
-    from checkpoint import load_drafter
+    from support.checkpoint import load_drafter
 
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target)
@@ -486,7 +498,7 @@ def test_explicit_buckets_pad_the_ragged_batch_and_keep_the_output(env):
 @pytest.mark.parametrize("scheduler,ragged", [("none", False), ("none", True), ("threshold", True),
                                               ("autoregressive", True)])
 def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler, ragged):
-    from checkpoint import load_drafter
+    from support.checkpoint import load_drafter
 
     target = load_target(env["target"])
     drafter = load_drafter(env["drafter"], target)
@@ -515,7 +527,7 @@ def test_continuous_batching_refills_rows_and_keeps_outputs(env, scheduler, ragg
 
 
 def test_continuous_batching_with_requests_that_end_at_their_first_token(env):
-    from checkpoint import load_drafter
+    from support.checkpoint import load_drafter
 
     target = load_target(env["target"])
     drafter = load_drafter(env["drafter"], target)
@@ -541,7 +553,7 @@ def test_isotonic_equals_the_min_max_formula():
 
 
 def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
-    from checkpoint import load_drafter
+    from support.checkpoint import load_drafter
 
     target = load_target(env["target"])
     engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
@@ -559,7 +571,7 @@ def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
 
 
 def test_bucketed_sps_routes_to_the_fastest_bucket_that_fits(env):
-    from checkpoint import load_drafter
+    from support.checkpoint import load_drafter
 
     target = load_target(env["target"])
     engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,

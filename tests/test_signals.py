@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO_ROOT, build_tokenizer
 from drafters import make_drafter, make_target
 
@@ -93,7 +92,7 @@ def test_eval_interrupted_while_writing_results_still_marks_them(pair, tmp_path,
     import signal as sig
 
     import eval as ev
-    from common import Interrupted
+    from support.cli import Interrupted
 
     d, target, drafter = pair
     data = tmp_path / "data"
@@ -121,7 +120,7 @@ def test_eval_interrupted_while_calibrating_marks_the_results(pair, tmp_path, mo
     """After the last dataset, while the calibration is computed: --out was left "complete": false with no
     "interrupted" (the handler covered the datasets only)."""
     import eval as ev
-    from common import Interrupted
+    from support.cli import Interrupted
 
     d, target, drafter = pair
     data = tmp_path / "data"
@@ -164,8 +163,8 @@ def test_a_signal_after_decoding_waits_for_the_outputs(pair, tmp_path, monkeypat
 def test_interrupted_is_not_an_error_of_the_code_it_lands_in(tmp_path, monkeypatch):
     """Interrupted is a BaseException, as KeyboardInterrupt is: landing in the tokenizer's load (whose bare
     `except Exception` named every failure a bad file) it stays the run's interruption."""
-    import text
-    from common import Interrupted
+    from support import text
+    from support.cli import Interrupted
 
     build_tokenizer(48).save(str(tmp_path / "tokenizer.json"))
 

@@ -21,15 +21,12 @@ import sys
 
 import pytest
 import torch
-
-import checkpoint
-import text
-import speculate
-from common import UserError
-import train
-import trainer
-
 from conftest import REPO_ROOT
+
+import speculate
+import train
+from support import checkpoint, text, trainer
+from support.cli import UserError
 
 torch.set_num_threads(1)
 
@@ -363,6 +360,7 @@ def test_resume_refuses_other_data_or_target(tiny_target, tmp_path):
     (the same number of them) and another target (the same shapes, one weight scaled), naming the flag; a
     byte-identical copy of the target passes; a state that records no digests is refused."""
     import shutil
+
     from safetensors.torch import load_file, save_file
 
     ids = write_ids(tmp_path / "ids.jsonl", 6, 24, 64, seed=1)
@@ -446,7 +444,7 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
     checkpoints were left, or links half made)."""
     import signal
 
-    import trainer
+    from support import trainer
 
     def write(directory):
         with open(os.path.join(directory, "model.safetensors"), "w") as f:
@@ -500,7 +498,7 @@ def test_checking_out_makes_no_file_in_it(tmp_path, monkeypatch):
     import tempfile
     from types import SimpleNamespace
 
-    import trainer
+    from support import trainer
     out = tmp_path / "o"
     out.mkdir()
     monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: pytest.fail("a file made in --out"))

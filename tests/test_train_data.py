@@ -15,15 +15,12 @@ import random
 
 import pytest
 import torch
-
-import checkpoint
-import data
-import drafter as dr
-import text
-import train
-from common import UserError
-
 from conftest import IM_END_ID, IM_START_ID, build_tokenizer
+
+import drafter as dr
+import train
+from support import checkpoint, data, text
+from support.cli import UserError
 
 torch.set_num_threads(1)
 

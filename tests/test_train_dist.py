@@ -17,15 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import distributed
-import model as mdl
-import train
-from common import UserError
-import trainer
-
 from conftest import REPO_ROOT
 from test_train_data import run_train, write_chats
+
+import model as mdl
+import train
+from support import distributed, trainer
+from support.cli import UserError
 
 torch.set_num_threads(1)
 
@@ -162,8 +160,9 @@ def test_progress_and_eval_every(tiny_target, tmp_path):
     evals.mkdir()
     (evals / "mt-bench.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "print x")))
     chats = write_chats(tmp_path / "chat.jsonl", 12)
-    import io
     import contextlib
+    import io
+
     import tyro
     class Terminal(io.StringIO):  # the bar is drawn on a terminal only
         def isatty(self):

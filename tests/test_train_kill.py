@@ -14,12 +14,11 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT
 from drafters import make_target
 
 import train
-import trainer
+from support import trainer
 
 STEPS = 160
 KILLS = 10

@@ -369,8 +369,7 @@ def tiny_pair(tmp_path_factory):
 @pytest.mark.parametrize("temperature,scheduler", [(0.0, "none"), (1.0, "none"), (0.0, "threshold")])
 def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monkeypatch, temperature, scheduler):
     import speculate
-    from checkpoint import load_drafter
-    from checkpoint import load_target
+    from support.checkpoint import load_drafter, load_target
 
     target = load_target(tiny_pair[0])
     drafter = load_drafter(tiny_pair[1], target)

@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-
 from conftest import REPO_ROOT
 
 import eval as ev
-import runlog
 import speculate
 import train
+from support import runlog
 
 DEMO = REPO_ROOT / "demo"
 DEMO_K = json.loads((DEMO / "drafter" / "config.json").read_text())["block_size"]  # drafts per round
@@ -313,7 +312,7 @@ def test_eval_rows_charts_image_and_artifacts(evaluated):
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("wandb_train")
     corpus = d / "corpus.txt"
-    corpus.write_text((REPO_ROOT / "common.py").read_text()[:6000])
+    corpus.write_text((REPO_ROOT / "support" / "cli.py").read_text()[:6000])
     evals = d / "evals"
     evals.mkdir()
     (evals / "code.jsonl").write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in CODE[:2]))
@@ -401,7 +400,7 @@ def test_sigint_marks_a_logged_run_interrupted(tmp_path):
 def test_bad_wandb_flags_are_one_line_errors_before_any_run(tmp_path, program, flags, needle):
     base = {"speculate": (speculate.main, ["--prompt-ids", "1,2"]),
             "eval": (ev.main, ["--target", DEMO / "target", "--out", tmp_path / "r.json"]),
-            "train": (train.main, ["--target", DEMO / "target", "--data", REPO_ROOT / "common.py",
+            "train": (train.main, ["--target", DEMO / "target", "--data", REPO_ROOT / "support" / "cli.py",
                                    "--out", tmp_path / "o"])}
     main, argv = base[program]
     with offline(tmp_path):

@@ -115,8 +115,7 @@ def step_time(b: int) -> float:
 def write_sps_table(path: str, batch: int, temperature: float = 0.0):
     """The hardware case's SPS table for this machine's identity keys, with `step_time`'s rates."""
     import speculate
-    from checkpoint import load_drafter
-    from checkpoint import load_target
+    from support.checkpoint import load_drafter, load_target
 
     target = load_target(os.path.join(DEMO, "target"))
     drafter = load_drafter(os.path.join(DEMO, "drafter"), target)

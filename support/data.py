@@ -18,8 +18,9 @@ from typing import Optional
 
 import torch
 
-from common import UserError, read_jsonl
-from text import ROLES
+from support.cli import UserError
+from support.files import read_jsonl
+from support.text import ROLES
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -287,8 +288,8 @@ def digest(corpus: Corpus) -> str:
 
 def load_corpus(args, target_args, say) -> Corpus:
     """train.py's rows of --data or --data-ids; `say` prints a line (rank 0)."""
-    from checkpoint import stop_token_ids
-    from text import Tokenizer
+    from support.checkpoint import stop_token_ids
+    from support.text import Tokenizer
 
     if args.data is None and not args.pack:
         raise UserError("--no-pack: --data-ids are windows of a token stream; only chat records are packed")

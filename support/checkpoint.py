@@ -13,10 +13,18 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from common import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, UserError, first_line, optional_file, read_json, \
-    resolve_device, resolve_dtype
 from drafter import MARKOV_HEADS, Drafter, DrafterConfig
 from model import ModelArgs, RMSNorm, Transformer
+from support.cli import (
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
+    UserError,
+    first_line,
+    resolve_device,
+    resolve_dtype,
+)
+from support.files import optional_file, read_json
 
 REQUIRED, HALF = object(), object()  # HALF: head_dim's default, hidden_size / num_attention_heads
 # key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
@@ -494,7 +502,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
                 seed: int = 0, cpu_kernels: bool = True) -> Models:
     """The target (and drafter) from directories, hub ids or a random preset; `calibration`: STS temperatures.
     CPU float32 models get the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
-    from text import Tokenizer
+    from support.text import Tokenizer
 
     if random_init is None and target is None:
         raise UserError("--target: no target directory given")
@@ -523,7 +531,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
                             f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
         d.calibrate(temps)
     if cpu_kernels:
-        import cpu_kernels as backend
+        from support import cpu_kernels as backend
         for m in (t, d):
             if m is not None:
                 backend.install(m)

@@ -12,7 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from common import UserError, atomic_write
+from support.cli import UserError
+from support.files import atomic_write
 
 FORMATS = (".png", ".svg")
 DPI = 144

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-import metrics as mt
+from support import metrics as mt
 
 ECE_BINS = 20
 # STS's 1-D search space: temperatures for c_k's logit, geometric from 1/20 to 20 (1.0 included).

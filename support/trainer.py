@@ -15,11 +15,13 @@ from typing import ClassVar, Literal, Optional
 
 import torch
 
-import progress
-from checkpoint import read_weights
-from common import UserError, atomic_write, check_ranges, cli_main, read_json, signals_deferred, write_json
-from distributed import peak_tflops, rank0
-from runlog import WandbFlags, check as check_wandb
+from support import runlog
+from support.checkpoint import read_weights
+from support.cli import UserError, check_ranges, cli_main, signals_deferred
+from support.distributed import peak_tflops, rank0
+from support.files import atomic_write, read_json, write_json
+from support.runlog import WandbFlags
+from support.runlog import check as check_wandb
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
@@ -392,9 +394,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     main = run.rank == 0
     from tqdm import tqdm
 
-    shown = progress.show(args.progress and main)
+    shown = runlog.show(args.progress and main)
     bar = tqdm(total=end, initial=start, file=sys.stderr, disable=shown != "bar", dynamic_ncols=True)
-    lines = progress.Lines() if shown == "lines" else None
+    lines = runlog.Lines() if shown == "lines" else None
     if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)

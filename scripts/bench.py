@@ -1,8 +1,8 @@
 """Speed: autoregressive and speculative decoding side by side, in one run, on one machine.
 
-    python bench.py                                   # CPU: the constructed ~35M pair (τ ≈ 5)
-    python bench.py --model qwen3-8b --device cuda --batch-sizes 1,8,32
-    python bench.py --target DIR --drafter DIR         # real checkpoints
+    python scripts/bench.py                                   # CPU: the constructed ~35M pair (τ ≈ 5)
+    python scripts/bench.py --model qwen3-8b --device cuda --batch-sizes 1,8,32
+    python scripts/bench.py --target DIR --drafter DIR         # real checkpoints
 
 For each batch size it runs the project's engine without a drafter (autoregressive) and with
 one (speculative), after a warm-up that compiles the round, and reports what gpt-fast reports
@@ -28,6 +28,7 @@ stand-in for a trained pair with τ ≈ 5, not a language model.
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import sys
@@ -38,16 +39,35 @@ from typing import Literal, Optional
 
 import torch
 
-import cpu_kernels
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import kernels
-import metrics
-from checkpoint import PRESETS, attach, init_random_, load_drafter, load_target, random_drafter, random_target, \
-    resolve_checkpoint
-from common import (UserError, check_outputs, check_ranges, cli_main, device_name, parse_ints, resolve_device,
-                    resolve_dtype, sync, use_compile_cache, write_json)
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Transformer
 from speculate import CompileMode, Engine, Request, cache_length, kernels_for
+from support import cpu_kernels, metrics
+from support.checkpoint import (
+    PRESETS,
+    attach,
+    init_random_,
+    load_drafter,
+    load_target,
+    random_drafter,
+    random_target,
+    resolve_checkpoint,
+)
+from support.cli import (
+    UserError,
+    check_ranges,
+    cli_main,
+    device_name,
+    parse_ints,
+    resolve_device,
+    resolve_dtype,
+    sync,
+    use_compile_cache,
+)
+from support.files import check_outputs, write_json
 
 
 @dataclass
@@ -321,7 +341,7 @@ def transformers_copy(target: Transformer):
         num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, attention_bias=a.attention_bias,
         tie_word_embeddings=a.tie_word_embeddings, max_position_embeddings=a.max_position_embeddings))
-    from checkpoint import published
+    from support.checkpoint import published
     sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v
           for k, v in published(target.state_dict()).items()}
     hf.load_state_dict(sd, strict=True)

@@ -8,7 +8,8 @@ import re
 import string
 from typing import Optional, Sequence
 
-from common import UserError, optional_file, parse_ints, read_json, read_jsonl
+from support.cli import UserError, parse_ints
+from support.files import optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
 QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

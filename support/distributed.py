@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from common import UserError, device_name, first_line
+from support.cli import UserError, device_name, first_line
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}

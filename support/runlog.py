@@ -9,11 +9,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Optional
 
-import metrics
-from common import Interrupted, UserError, first_line, read_json
+from support import metrics
+from support.cli import Interrupted, UserError, first_line
+from support.files import read_json
 
 DEFAULT_PROJECT = "dspark-fast"
 TABLE_ROWS = 10_000  # a requests table longer than this keeps its first rows (wandb slows on huge tables)
@@ -73,7 +75,7 @@ def check(args):
 
 def code_version() -> dict:
     """This code's git commit and whether tracked files differ from it (None outside a git checkout)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding support/
 
     def git(*cmd) -> Optional[str]:
         try:
@@ -268,3 +270,22 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
     for what, path in files.items():
         if path is not None and os.path.isfile(path):
             log.artifact(what, what, [path], metadata={"program": "speculate.py", "path": os.path.abspath(path)})
+
+
+# Progress of a long run (eval.py, training): a bar on a terminal, elsewhere a plain line now and then.
+class Lines:
+    """Progress off a terminal (no piled-up bar frames): a line at most every `every` s, always if `final`."""
+
+    def __init__(self, every: float = 60.0):
+        self.every, self.last = every, time.monotonic()
+
+    def say(self, text: str, final: bool = False):
+        now = time.monotonic()
+        if final or now - self.last >= self.every:
+            self.last = now
+            print(text, file=sys.stderr, flush=True)
+
+
+def show(enabled: bool) -> Optional[str]:
+    """How to show progress: "bar" on a terminal, "lines" elsewhere (`Lines`), None when not asked for."""
+    return None if not enabled else "bar" if sys.stderr.isatty() else "lines"

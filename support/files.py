@@ -1,0 +1,182 @@
+"""Files: JSON and JSON-lines reading that names the line at fault, outputs checked before any work and
+written whole or not at all (a temporary file renamed into place)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from typing import Callable, Optional, Union
+
+from support.cli import UserError
+
+# Reading
+
+def optional_file(path: str) -> bool:
+    """True for a file, False for nothing; a folder or a broken link under its name is an error."""
+    if os.path.isfile(path):
+        return True
+    if os.path.lexists(path):
+        raise UserError(f"{path}: not a file ({'a folder' if os.path.isdir(path) else 'a broken link'})")
+    return False
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:  # json would keep the last one without a word
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _parse(text, where: str):
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # malformed, not UTF-8, a 5000-digit number, nested too deep
+        raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") from None
+
+
+def read_json(path: str) -> dict:
+    """A JSON object file; every failure one line naming the file."""
+    if not optional_file(path):
+        raise UserError(f"{path}: file not found")
+    with open(path, "rb") as f:
+        obj = _parse(f.read(), path)
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_jsonl(path: str):
+    """(where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"."""
+    lineno = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+            for line in re.split(r"\r(?!\n)", text):  # a lone CR ends a line too, as text mode reads it
+                lineno += 1
+                if lineno == 1 and line.startswith("\ufeff"):
+                    raise UserError(f"{path}:1: starts with a byte-order mark (save the file as UTF-8 without BOM)")
+                if line.strip():
+                    yield f"{path}:{lineno}", _parse(line, f"{path}:{lineno}")
+
+
+# Writing
+
+def check_writable(path: str, flag: str):
+    """Fail now if `path` cannot be written as a regular file (a link is judged by its target)."""
+    if not path.strip():
+        raise UserError(f"{flag}: empty path")
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        raise UserError(f"{flag} {path}: is a directory, not a file")
+    if path.endswith(os.sep):
+        raise UserError(f"{flag} {path}: names a directory; give a file path")
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); give a file path")
+    given = os.path.abspath(path)
+    if (given in ("/dev/stdout", "/dev/stderr", "/dev/stdin") or given.startswith("/dev/fd/")
+            or any(p.startswith(("/proc/", "/sys/")) for p in (given, real))):
+        raise UserError(f"{flag} {path}: a device or process file, not a file path (the output is written "
+                        f"to a temporary file and renamed into place)")
+    folder = os.path.dirname(real)
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(real) and not os.access(real, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable")
+    try:  # what the atomic write will do, now
+        StreamFile(path).abort()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
+LOADED_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "latest")  # what loading reads in a checkpoint directory
+
+
+def check_outputs(outputs: dict, inputs=()):
+    """Every output (flag -> path or None) writable, no two the same, none an input or a file in an input
+    directory (links followed), nor a new file that loading that directory would read."""
+    seen = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        check_writable(path, flag)
+        real = os.path.realpath(path)
+        if real in seen:
+            raise UserError(f"{flag} {path}: is also {seen[real]}'s output; give each output its own file")
+        seen[real] = flag
+        for src in filter(None, inputs):
+            inp = os.path.realpath(src)
+            if real == inp:
+                raise UserError(f"{flag} {path}: is an input of this run ({src}); refusing to overwrite it")
+            if not os.path.isdir(inp):
+                continue
+            try:
+                files = {os.path.realpath(os.path.join(inp, f)) for f in os.listdir(inp)}
+            except OSError:
+                files = set()
+            inside = os.path.dirname(real) == inp
+            if real in files or (inside and os.path.exists(real)):
+                raise UserError(f"{flag} {path}: would overwrite a file of the input directory {src}")
+            name = os.path.basename(real)
+            if inside and (name in LOADED_NAMES or name.endswith((".safetensors", ".safetensors.index.json"))):
+                raise UserError(f"{flag} {path}: a file named so in the input directory {src} would be read "
+                                f"as part of it by the next load; write it elsewhere")
+
+
+def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
+    """`path` whole or not at all (a synced temporary file renamed over it); `data`: text, bytes or `f(path)`."""
+    f = StreamFile(path, "wb")
+    try:
+        if callable(data):
+            data(f.tmp)
+        else:
+            f.write(data.encode() if isinstance(data, str) else data)
+        f.close()
+    finally:
+        f.abort()
+
+
+def write_json(path: str, obj, indent: Optional[int] = 2):
+    atomic_write(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
+
+
+class StreamFile:
+    """A file written as a run goes, into a temporary file beside it: whole at `close()`, never at `abort()`."""
+
+    def __init__(self, path: str, mode: str = "w"):
+        self.path = os.path.realpath(path)
+        fd, self.tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix="." + os.path.basename(self.path) + ".",
+                                        suffix=".tmp")
+        self.f = os.fdopen(fd, mode)
+
+    def write(self, data):
+        self.f.write(data)
+
+    def sync(self):
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def abort(self):
+        self.f.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+    def close(self):
+        self.f.close()
+        with open(self.tmp, "rb+") as f:  # synced by name: atomic_write's `data(tmp)` may have made a new file
+            os.fsync(f.fileno())
+        try:
+            mode = os.stat(self.path).st_mode & 0o777
+        except OSError:  # a new file: what open() gives it
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(self.tmp, mode)
+        os.replace(self.tmp, self.path)
