@@ -16,15 +16,14 @@ import os
 import random
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
-from typing import Literal, Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 
-from cli import calibration_note, use_compile_cache
-from speculate import DEMO_DIR, CompileMode, Request, Settings, make_engine
+from speculate import DEMO_DIR, Request, Settings, make_engine
+from support import flags, plots, runlog
 from support import metrics as mt
-from support import plots, runlog
 from support.calibration import (
     ECE_BINS,
     STS_GRID,
@@ -36,11 +35,22 @@ from support.calibration import (
     uncalibrate,
 )
 from support.checkpoint import load_models, resolve_checkpoint
-from support.cli import AutoBool, Interrupted, UserError, check_ranges, cli_main, device_name, set_threads
+from support.cli import (
+    Interrupted,
+    UserError,
+    check_ranges,
+    cli_main,
+    device_name,
+    flat,
+    flat_fields,
+    set_threads,
+    use_compile_cache,
+)
 from support.distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
 from support.files import check_outputs, optional_file, read_json, write_json
+from support.flags import Machine, Rendering, calibration_note
 from support.runlog import WandbFlags
-from support.text import auto_chat, check_prompts, load_prompts
+from support.text import auto_chat, check_chat_flags, check_prompts, load_prompts
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -71,40 +81,13 @@ class EvalArgs(WandbFlags):
     max_samples: Optional[int] = None
     """Prompts per dataset (default: the paper's count); a longer file is shuffled with
     random.Random(--seed) and cut, as the authors do."""
-    max_new_tokens: Optional[int] = None
-    """Token budget per request. Default: 2048 (the authors' script), 128 in demo mode, capped with a
-    note to what the context leaves the longest prompt; a value given that does not fit is an error."""
-    temperature: float = 1.0
-    """0 = greedy; the paper reports τ at 1.0."""
-    chat: AutoBool = None
-    """Render prompts with the target's chat template, thinking off (--no-chat: raw). Default: on when
-    the tokenizer has a template."""
-    batch_size: int = 1
-    """Requests decoded together (per process under torchrun)."""
-    confidence_threshold: float = 0.0
-    """Verify drafts only up to the first confidence below this; 0 = the whole block."""
-    scheduler: Optional[Literal["none", "threshold", "hardware", "async"]] = None
-    """How many drafts a round verifies, as speculate.py's --scheduler (default: threshold when
-    --confidence-threshold > 0, else none); hardware and async profile SPS(B) at start (per rank)."""
-    sps_table: Optional[str] = None
-    """With --scheduler hardware or async: read SPS(B) from this JSON, or profile and write it."""
-    seed: int = AUTHORS_SEED
-    """The authors' seed: it picks a long dataset's subset, and sample i draws from a stream seeded seed + i."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where to run (under torchrun with cuda: the rank's LOCAL_RANK GPU)."""
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
-    """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
-    threads: Optional[int] = None
-    """CPU threads per process. Default: OMP_NUM_THREADS, else half the CPUs (printed at start)."""
-    compile: AutoBool = None
-    """torch.compile the round. Default: on for cuda, off for cpu."""
-    compile_mode: Optional[CompileMode] = None
-    """With --compile: this torch.compile mode instead of the project's recipe (as speculate.py)."""
-    compile_cache: Optional[str] = None
-    """With --compile: torch.compile's cache directory. Default: $TORCHINDUCTOR_CACHE_DIR, else
-    ~/.cache/dspark-fast/inductor."""
-    verbose: bool = False
-    """With --compile: show what compiling prints (autotuning tables)."""
+    decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0, seed=AUTHORS_SEED))
+    """The decode settings, as speculate.py's, from the authors' protocol: temperature 1.0 (the paper's τ),
+    their seed (it also picks a long dataset's subset; sample i draws from a stream seeded seed + i), and
+    a budget of 2048 new tokens (128 in demo mode) capped with a note to what the context leaves the
+    longest prompt; a --max-new-tokens given that does not fit is an error."""
+    rendering: flat(Rendering) = field(default_factory=Rendering)
+    machine: flat(Machine) = field(default_factory=Machine)
     out: Optional[str] = None
     """Where to write the results (JSON); a file given is replaced. Default: results.json here, refused
     when it exists."""
@@ -167,16 +150,17 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
 
 
 def check_flags(args: EvalArgs) -> Settings:
-    """The flags alone; the decode flags shared with speculate.py are its `Settings`."""
-    s = Settings(max_new_tokens=args.max_new_tokens or BUDGET, temperature=args.temperature, seed=args.seed,
-                 batch_size=args.batch_size, scheduler=args.scheduler, confidence_threshold=args.confidence_threshold,
-                 sps_table=args.sps_table, compile=args.device == "cuda" if args.compile is None else args.compile,
-                 compile_mode=args.compile_mode, compile_verbose=args.verbose).check()
+    """The flags alone; the decode settings are speculate.py's, checked as there (the budget stays None
+    when not given: `budget` resolves it once the prompts are read)."""
+    s = flags.check_settings(args.decode, args.machine.device, budget=None)
+    flags.check_machine(args.machine, s.compile)
     check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)", ece_bins="[1, 10000]",
-                 step=f"[0, {2**62}]", dist_timeout="(0, 86400]", threads="[1, 4096]")
+                 step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     runlog.check(args)
-    if args.compile_cache is not None and not s.compile:
-        raise UserError("--compile-cache: only used with --compile (the run is eager)")
+    if s.num_samples != 1:
+        raise UserError(f"--num-samples {s.num_samples}: eval.py decodes each prompt once, as the authors do")
+    check_chat_flags(chat=args.rendering.chat, ids=False, system_prompt=args.rendering.system_prompt,
+                     thinking=args.rendering.enable_thinking)
     if args.target is None:
         raise UserError("--target: no target directory given")
     if s.scheduler != "none" and args.drafter is None:
@@ -226,10 +210,10 @@ def select(prompts: list, n: int, seed: int) -> list:
     return prompts
 
 
-def budget(args: EvalArgs, demo: bool, prompts: dict, context: int, verbose: bool = True) -> int:
-    """--max-new-tokens as given, or the default capped (with a note) to what the context leaves."""
-    if args.max_new_tokens is not None:
-        return args.max_new_tokens
+def budget(given: Optional[int], demo: bool, prompts: dict, context: int, verbose: bool = True) -> int:
+    """--max-new-tokens as given, or the protocol's budget capped (with a note) to what the context leaves."""
+    if given is not None:
+        return given
     want = DEMO_BUDGET if demo else BUDGET
     longest = max(len(p) for ps in prompts.values() for p in ps)
     if longest + want <= context:
@@ -249,16 +233,18 @@ def run(args: EvalArgs) -> dict:
     s = check_flags(args)
     rank = torchrun_env()[0]
     datasets, skipped = resolve_datasets(args)
-    sps_exists = args.sps_table is not None and os.path.isfile(args.sps_table)  # read if it exists, else written
+    sps = s.sps_table
+    sps_exists = sps is not None and os.path.isfile(sps)  # read if it exists, else written
     outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
-               "--sps-table": None if sps_exists else args.sps_table}
-    check_outputs(outputs, inputs=[args.target, args.drafter, args.calibration, args.sps_table if sps_exists else None]
+               "--sps-table": None if sps_exists else sps}
+    check_outputs(outputs, inputs=[args.target, args.drafter, args.calibration, sps if sps_exists else None]
                   + [p for _, p, _ in datasets])
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs(outputs, inputs=[target_dir, drafter_dir])  # not inside the snapshots hub ids resolved to
     if s.compile:
-        args = replace(args, compile_cache=use_compile_cache(args.compile_cache))
+        machine = replace(args.machine, compile_cache=use_compile_cache(args.machine.compile_cache))
+        args = replace(args, machine=machine)
     for path in skipped if rank == 0 else []:
         print(f"warning: {path} not found; skipping dataset {os.path.basename(path)[:-len('.jsonl')]}", file=sys.stderr)
     with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
@@ -268,11 +254,12 @@ def run(args: EvalArgs) -> dict:
 def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, drafter_dir: Optional[str],
              log: Optional[runlog.Log], demo: bool) -> dict:
     """Load; decode every dataset, reporting each as soon as it is done; calibrate; write."""
-    rank, world, device = dist_init(args.device, args.dist_timeout)
-    threads = set_threads(args.threads)
-    m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype, calibration=args.calibration,
-                    seed=args.seed)
-    drafter, chat = m.drafter, auto_chat(args.chat, m.tokenizer)
+    rank, world, device = dist_init(args.machine.device, args.dist_timeout)
+    threads = set_threads(args.machine.threads)
+    m = load_models(target_dir, drafter_dir, device=device, dtype=args.machine.dtype, calibration=args.calibration,
+                    seed=s.seed)
+    drafter = m.drafter
+    chat = auto_chat(args.rendering.chat, m.tokenizer)
     if rank == 0 and args.calibration and (note := calibration_note(args.calibration, drafter_dir, s.temperature)):
         print(note, file=sys.stderr)
     has_conf = drafter is not None and drafter.confidence_head is not None
@@ -288,12 +275,14 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     for name, path, n in datasets:
         sources = []
         ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
-                          max_len=max(context - (args.max_new_tokens or 1), 1), sources=sources)
-        chosen = select(list(zip(ps, sources)), n, args.seed)
+                          max_len=max(context - (s.max_new_tokens or 1), 1), sources=sources,
+                          system_prompt=args.rendering.system_prompt, thinking=args.rendering.enable_thinking)
+        chosen = select(list(zip(ps, sources)), n, s.seed)
         prompts[name] = [p for p, _ in chosen]
-        check_prompts(prompts[name], m.target, args.max_new_tokens or 1, drafter=drafter, sources=[w for _, w in chosen])
-    args = replace(args, max_new_tokens=budget(args, demo, prompts, context, verbose=rank == 0))
-    if (args.calibration_out or args.calibration_plot) and args.max_new_tokens == 1:
+        check_prompts(prompts[name], m.target, s.max_new_tokens or 1, drafter=drafter, sources=[w for _, w in chosen])
+    s.max_new_tokens = budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
+    args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))  # what results.json says ran
+    if (args.calibration_out or args.calibration_plot) and s.max_new_tokens == 1:
         raise UserError(f"--{'calibration-out' if args.calibration_out else 'calibration-plot'}: --max-new-tokens 1 "
                         f"ends every request at its first token, before any round: nothing to calibrate")
     if args.calibration_out and not any(math.floor(args.calibration_split * len(ps)) for ps in prompts.values()):
@@ -301,7 +290,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
                         f"{' / '.join(str(len(ps)) for ps in prompts.values())} requests leaves none to fit STS on; "
                         f"more --max-samples or a larger split")
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
-    s = replace(s, max_new_tokens=args.max_new_tokens, batch_size=max(1, min(args.batch_size, most)))
+    s.batch_size = max(1, min(s.batch_size, most))
     if log is not None:
         log.config(world_size=world, hardware=device_name(device), dtype_resolved=str(m.dtype).removeprefix("torch."),
                    threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler, chat_resolved=chat,
@@ -389,7 +378,7 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) ->
 
 
 def config(args: EvalArgs, world: int, K: int, engine, drafter, chat: bool, compile: bool, m, prompts: dict) -> dict:
-    return dict(asdict(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
+    return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
                 drafter_config=drafter.cfg.describe() if drafter else None, chat_resolved=chat,
                 compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
                 skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
@@ -472,7 +461,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
             "temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
             "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
             "drafter": args.drafter, "target": args.target, "datasets": [e["dataset"] for e in results["datasets"]],
-            "drafter_dir": os.path.realpath(drafter_dir) if drafter_dir else None, "temperature": args.temperature,
+            "drafter_dir": os.path.realpath(drafter_dir) if drafter_dir else None, "temperature": args.decode.temperature,
             "split": calibration["split"], "fit_rounds": calibration["fit_rounds"], "bins": calibration["bins"],
             "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
             "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],

@@ -1,144 +1,19 @@
-"""The hot math of a round: plain-torch references, and Triton versions with the same signatures and
-results that an engine may bind instead (`kernel_set`). Sampling is the exponential race, argmax(p/E),
-E ~ Exp(1): exact, no host sync; its noise is drawn outside compiled graphs, so a seed repeats a run."""
+"""Triton versions of a round's hot steps, each with the signature and the results of its torch
+reference: the Markov chain and sampled acceptance (sampling.py), the verification's attention over
+the KV cache (model.attend_cached). `--kernels triton` picks them (`check_backend`); each falls back to
+its reference where it cannot run (no triton, CPU tensors outside the interpreter, an unsupported
+dtype or shape). Sums run in another order: tokens agree except at near-ties."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, NamedTuple, Optional
 
 import torch
 
-
-class Filters(NamedTuple):
-    """After the temperature, in transformers' order: top-k (ties kept), top-p (the top token stays),
-    min-p. Target and drafter are filtered alike, so speculative sampling stays exact."""
-    top_k: int = 0       # 0: off
-    top_p: float = 1.0   # 1.0: off
-    min_p: float = 0.0   # 0.0: off
-
-    @property
-    def active(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-
-NO_FILTERS = Filters()
-
-
-def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
-    """z [..., V] (float32, already / T) with -inf outside the kept set."""
-    if 0 < f.top_k < z.shape[-1]:
-        z = z.masked_fill(z < torch.topk(z, f.top_k, dim=-1).values[..., -1:], float("-inf"))
-    if f.top_p < 1.0:  # as transformers: ascending, drop what stays within 1 - p; never the largest
-        ordered, order = torch.sort(z, dim=-1, stable=True)
-        drop = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1 - f.top_p
-        drop[..., -1] = False
-        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    if f.min_p > 0.0:
-        p = torch.softmax(z, dim=-1)
-        z = z.masked_fill(p < f.min_p * p.amax(dim=-1, keepdim=True), float("-inf"))
-    return z
-
-
-def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTERS) -> torch.Tensor:
-    """softmax(logits / T) in float32 over the tokens the filters keep."""
-    z = logits.float() / temperature
-    return torch.softmax(filter_logits(z, filters) if filters.active else z, dim=-1)
-
-
-def sample_from(p: torch.Tensor, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
-    """One id per row of p [..., V]; noise ~ Exp(1) of p's shape, or drawn."""
-    e = torch.empty_like(p).exponential_(1, generator=generator) if noise is None else noise
-    return torch.argmax(p / e, dim=-1)
-
-
-def sample(logits, temperature: float, generator, noise=None, *, filters: Filters = NO_FILTERS):
-    """argmax at T=0, else a draw from the filtered softmax(logits / T)."""
-    if temperature == 0:
-        return torch.argmax(logits, dim=-1)
-    return sample_from(probs(logits, temperature, filters), generator, noise)
-
-
-class Noise(NamedTuple):
-    """All the randomness of one sampled round, in draw order."""
-    chain: torch.Tensor  # [B, K, V] Exp(1): the Markov chain's races
-    u: torch.Tensor      # [B, K] uniforms of the acceptance tests
-    bonus: torch.Tensor  # [B, V] Exp(1): the correction / bonus race
-
-
-def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
-    chain = torch.empty((B, K, V), device=device).exponential_(1, generator=generator)
-    u = torch.rand((B, K), generator=generator, device=device)
-    return Noise(chain, u, torch.empty((B, V), device=device).exponential_(1, generator=generator))
-
-
-def rows_noise(generators: list, K: int, V: int, device) -> Noise:
-    """Each row's noise from its request's generator (independent of its neighbours); free rows get placeholders."""
-    free = Noise(torch.ones((1, K, V), device=device), torch.zeros((1, K), device=device),
-                 torch.ones((1, V), device=device)) if any(g is None for g in generators) else None
-    rows = [round_noise(g, 1, K, V, device) if g is not None else free for g in generators]
-    return Noise(*(torch.cat(parts) for parts in zip(*rows)))
-
-
-def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
-                 filters: Filters = NO_FILTERS):
-    """The sequential stage: z_k = U_k + b_k, b_k from the head's `step(h_k, x_{k-1}, state)` (no head:
-    DFlash). base_logits [B, K, V], hidden [B, K, H], anchor [B]; noise Exp(1) [B, K, V] or None.
-    Returns drafts [B, K] and q [B, K, V], the distributions drawn from (None at T=0)."""
-    drafts, qs, prev, state = [], [], anchor, None
-    for k in range(base_logits.shape[1]):
-        z = base_logits[:, k]
-        if markov is not None:
-            bias, state = markov.step(hidden[:, k], prev, state)
-            z = z + bias
-        if temperature == 0:
-            prev = torch.argmax(z, dim=-1)
-        else:
-            qs.append(probs(z, temperature, filters))
-            prev = sample_from(qs[-1], generator, None if noise is None else noise[:, k])
-        drafts.append(prev)
-    return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
-
-
-def verify_greedy(drafts, target_logits, verify_len):
-    """Accept x_k while it is the target's argmax and k <= ℓ (verify_len [B]); target_logits [B, K+1, V].
-    Returns accepted n [B] and the token committed after them [B]."""
-    K = drafts.shape[1]
-    best = torch.argmax(target_logits, dim=-1)
-    ok = (drafts == best[:, :K]) & (torch.arange(K, device=drafts.device) < verify_len[:, None])
-    n = torch.cumprod(ok.long(), dim=1).sum(1)
-    return n, best.gather(1, n[:, None])[:, 0]
-
-
-def verify_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None, *,
-                   filters: Filters = NO_FILTERS):
-    """Accept x_k if u_k·q_k(x_k) < p_{k-1}(x_k), k <= ℓ; at the first rejection the correction from
-    normalize(max(p - q, 0)), else the bonus from p_ℓ. Draws u [B, K], then a race over [B, V] (or
-    takes them). Returns accepted n [B] and the committed token [B]."""
-    B, K = drafts.shape
-    p = probs(target_logits, temperature, filters)  # [B, K+1, V]
-    if u is None:
-        u = torch.rand((B, K), generator=generator, device=drafts.device)
-    n = torch.zeros(B, dtype=torch.long, device=drafts.device)
-    if K:
-        p_x = p[:, :K].gather(2, drafts[:, :, None])[:, :, 0]
-        q_x = q.gather(2, drafts[:, :, None])[:, :, 0]
-        ok = (u * q_x < p_x) & (torch.arange(K, device=drafts.device) < verify_len[:, None])
-        n = torch.cumprod(ok.long(), dim=1).sum(1)
-    p_n = p.gather(1, n[:, None, None].expand(B, 1, p.shape[-1]))[:, 0]
-    if K:
-        q_n = q.gather(1, n.clamp(max=K - 1)[:, None, None].expand(B, 1, q.shape[-1]))[:, 0]
-        residual = torch.clamp(p_n - q_n, min=0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)  # p == q: never rejected
-        p_n = torch.where((n < verify_len)[:, None], residual, p_n)
-    return n, sample_from(p_n, generator, noise)
-
-
-# Triton versions: per-tile partial results, then a per-row reduction, with no host sync. Each
-# falls back to its reference where it cannot run (no triton, CPU tensors outside the interpreter,
-# an unsupported dtype or shape). Sums run in another order: tokens agree except at near-ties.
+from sampling import NO_FILTERS, Filters, filter_logits
+from sampling import accept_sampled as accept_sampled_reference
+from sampling import markov_chain as markov_chain_reference
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 triton = tl = None  # imported on first use: Triton picks interpreter or GPU when first imported
@@ -190,9 +65,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def markov_chain_triton(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
+def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
                         filters: Filters = NO_FILTERS):
-    """`markov_chain` for the vanilla head: per slot, tile keys (z/T - log E when sampled), then the
+    """`sampling.markov_chain` for the vanilla head: per slot, tile keys (z/T - log E when sampled), then the
     row's best written where the next slot reads it."""
     B, K, V = base_logits.shape
     w1, w2 = (markov.markov_w1.weight, markov.markov_w2.weight) if getattr(markov, "kind", None) == "vanilla" \
@@ -200,7 +75,8 @@ def markov_chain_triton(base_logits, hidden, anchor, markov, temperature: float,
     if (w1 is None or K == 0 or B > TRITON_CHAIN_MAX_BATCH or (filters.active and temperature != 0)
             or base_logits.dtype not in _ROUND_CODE or w2.dtype not in _ROUND_CODE or w1.dtype != w2.dtype
             or not _triton_ok(base_logits, anchor, w1, w2)):
-        return markov_chain(base_logits, hidden, anchor, markov, temperature, generator, noise, filters=filters)
+        return markov_chain_reference(base_logits, hidden, anchor, markov, temperature, generator, noise,
+                                      filters=filters)
     kern, dev, R = _kernels(), base_logits.device, w1.shape[1]
     u_all, w1c, w2c = base_logits.contiguous(), w1.contiguous(), w2.contiguous()
     sampled = temperature != 0
@@ -228,13 +104,14 @@ def markov_chain_triton(base_logits, hidden, anchor, markov, temperature: float,
     return chain[:, 1:].contiguous(), (torch.softmax(z / temperature, dim=-1) if sampled else None)
 
 
-def verify_sampled_triton(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None,
+def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None,
                           *, filters: Filters = NO_FILTERS):
-    """`verify_sampled` in four passes, p never materialised; filters run in torch first (then T = 1)."""
+    """`sampling.accept_sampled` in four passes, p never materialised; filters run in torch first (then T = 1)."""
     B, K = drafts.shape
     V, dev = target_logits.shape[-1], target_logits.device
     if not (_triton_ok(drafts, target_logits, verify_len, *([q] if K else [])) and target_logits.dtype in _ROUND_CODE):
-        return verify_sampled(drafts, q, target_logits, verify_len, temperature, generator, u, noise, filters=filters)
+        return accept_sampled_reference(drafts, q, target_logits, verify_len, temperature, generator, u, noise,
+                                        filters=filters)
     if filters.active:
         target_logits, temperature = filter_logits(target_logits.float() / temperature, filters), 1.0
     u = torch.rand((B, K), generator=generator, device=dev) if u is None else u
@@ -279,7 +156,7 @@ def attention_splits(programs: int, S: int) -> tuple[int, int]:
     return _cdiv(S, split_keys), split_keys
 
 
-def cached_attention_triton(q, k, v, bias):
+def cached_attention(q, k, v, bias):
     """`model.attend_cached` as one kernel: a program per (batch row, K/V head, query block), online
     softmax in float32, key blocks no row may see skipped; a row that sees no key gives zeros."""
     B, T, H, hd = q.shape
@@ -533,28 +410,15 @@ TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel"
                   "_cached_attention_kernel")
 
 
-class KernelSet(NamedTuple):
-    """One implementation of each; `attention` replaces the verification's attention over the cache."""
-    markov_chain: Callable
-    verify_greedy: Callable
-    verify_sampled: Callable
-    attention: Optional[Callable] = None
-
-
-TORCH = KernelSet(markov_chain, verify_greedy, verify_sampled)
-# Greedy acceptance is one argmax, a kernel the compiler writes as well: it stays torch's.
-TRITON = KernelSet(markov_chain_triton, verify_greedy, verify_sampled_triton, cached_attention_triton)
-
-
-def kernel_set(name: str, device) -> KernelSet:
-    """"torch" or "triton" (built now, before a graph traces them); RuntimeError where Triton cannot run."""
+def check_backend(name: str, device):
+    """--kernels: "torch" (sampling.py's references), or "triton" (built now, before a graph traces them);
+    RuntimeError where Triton cannot run."""
     if name == "torch":
-        return TORCH
+        return
     if not _triton_ok(torch.empty(0, device=device)):
         raise RuntimeError("the Triton kernels need the triton package and a CUDA device (on cpu, Triton's "
                            "interpreter: TRITON_INTERPRET=1)")
     _build_triton_kernels()
-    return TRITON
 
 
 _TRITON_KERNELS: dict = {}
@@ -578,5 +442,5 @@ def _build_triton_kernels() -> dict:
     return _TRITON_KERNELS
 
 
-def _kernels() -> dict:  # under torch.compile: what kernel_set built (no imports inside a graph)
+def _kernels() -> dict:  # under torch.compile: what check_backend built (no imports inside a graph)
     return _TRITON_KERNELS if torch.compiler.is_compiling() else _build_triton_kernels()

@@ -36,7 +36,7 @@ from support.checkpoint import (
     resolve_checkpoint,
     weight_files,
 )
-from support.cli import UserError, check_ranges, device_name, parse_ints, resolve_device, resolve_dtype
+from support.cli import UserError, check_ranges, device_name, from_flat, parse_ints, resolve_device, resolve_dtype
 from support.distributed import dist_init, rank0
 from support.files import read_json, write_json
 from support.text import Tokenizer
@@ -427,10 +427,11 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
     """eval.py on the checkpoint just written, into --out/eval_step<N>.json; returns what to log."""
     import eval as evaluation
 
-    e = evaluation.EvalArgs(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
-                            data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
-                            max_new_tokens=args.eval_max_new_tokens, device="cuda" if device.startswith("cuda") else "cpu",
-                            compile=False, progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
+    flags = dict(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
+                 data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
+                 max_new_tokens=args.eval_max_new_tokens, device="cuda" if device.startswith("cuda") else "cpu",
+                 compile=False, progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
+    e = from_flat(evaluation.EvalArgs, flags)
     with torch.inference_mode():
         results = evaluation.run(e)
     found = {}

@@ -33,19 +33,20 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels
+import sampling
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Transformer
-from speculate import CompileMode, Engine, Request, cache_length, kernels_for
-from support import cpu_kernels, metrics
+from speculate import Engine, Request, Settings, cache_length
+from support import cpu_kernels, flags, metrics
 from support.checkpoint import (
     PRESETS,
     attach,
@@ -61,13 +62,17 @@ from support.cli import (
     check_ranges,
     cli_main,
     device_name,
+    flat,
+    flat_fields,
     parse_ints,
     resolve_device,
     resolve_dtype,
+    set_threads,
     sync,
     use_compile_cache,
 )
 from support.files import check_outputs, write_json
+from support.flags import Machine
 
 
 @dataclass
@@ -81,23 +86,8 @@ class BenchArgs:
     """A Hugging Face Qwen3 directory (or hub id ORG/NAME[@REVISION]) instead of a preset."""
     drafter: Optional[str] = None
     """A drafter directory or hub id (with --target)."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where to run."""
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
-    """Default: bfloat16 on cuda, float32 on cpu."""
-    compile: bool = True
-    """torch.compile the round (--no-compile for eager)."""
-    compile_mode: Optional[CompileMode] = None
-    """torch.compile mode (default: the project's recipe, speculate.compiled: on cpu max-autotune with the
-    weights frozen into the graph, on cuda reduce-overhead — CUDA graphs, no autotuning)."""
-    compile_cache: Optional[str] = None
-    """The directory of torch.compile's on-disk caches, which later runs of the same shapes reuse.
-    Default: $TORCHINDUCTOR_CACHE_DIR when set, else ~/.cache/dspark-fast/inductor."""
-    kernels: Literal["torch", "triton"] = "torch"
-    """The engines' Markov chain, acceptance and verification attention: plain torch (the references),
-    or kernels.py's Triton kernels (cuda; on cpu only in Triton's interpreter, TRITON_INTERPRET=1)."""
-    verbose: bool = False
-    """Show what compiling prints (Inductor's autotuning tables, on stderr)."""
+    decode: flat(Settings) = field(default_factory=lambda: Settings(compile=True))
+    machine: flat(Machine) = field(default_factory=Machine)
     skip_guards: bool = True
     """Compiled: time the runs with torch.compile's guard evaluation cut to the guards that tell its
     graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)). Safe here: every graph is
@@ -107,17 +97,11 @@ class BenchArgs:
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
     """Tokens per (random) prompt."""
-    max_new_tokens: int = 128
-    """Tokens generated per request."""
     reference: Optional[bool] = None
     """Also time the transformers-target reference loop at batch 1 (default: on for cpu when transformers,
     a test-only dependency, is installed; without it the loop is skipped with a note)."""
-    threads: Optional[int] = None
-    """torch threads on cpu (default: torch's own)."""
     out: Optional[str] = None
     """Write the results as JSON here (rewritten after every batch size)."""
-    seed: int = 0
-    """Seed of the random weights and prompts."""
     repeats: int = 3
     """Timed runs per mode and batch size, interleaved in rotating order; the median is reported, and
     each speed-up is the median of the repeats' own ratios."""
@@ -400,12 +384,12 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     while len(generated) < max_new_tokens:
         if drafter is not None:
             hidden, base = drafter(anchor, torch.tensor([pos], device=device))
-            drafts, _ = kernels.markov_chain(base, hidden, anchor, drafter.markov_head, 0.0, None)
+            drafts, _ = sampling.markov_chain(base, hidden, anchor, drafter.markov_head, 0.0, None)
         else:
             drafts = anchor.new_zeros((1, 0))
         tokens = torch.cat([anchor[:, None], drafts], 1)
         out = hf(tokens, use_cache=True, output_hidden_states=drafter is not None, **cache)
-        n, nxt = kernels.verify_greedy(drafts, out.logits, torch.full((1,), K, device=device))
+        n, nxt = sampling.accept_greedy(drafts, out.logits, torch.full((1,), K, device=device))
         n = int(n)
         if K - n > 0:
             next(iter(cache.values())).crop(n - K)  # drop the rejected drafts' rows (negative: transformers 4 and 5)
@@ -419,37 +403,47 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     return generated[:max_new_tokens], time.perf_counter() - t0
 
 
+# The decode settings bench.py times; the others would change nothing here (it decodes greedily, one
+# batch size at a time from --batch-sizes, every draft verified).
+TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernels")
+
+
 def check_args(args: BenchArgs) -> list[int]:
     """The flags alone, before any device or model (scripts/device_run.py checks its steps' with it too);
     returns the batch sizes."""
     batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
-    check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]", max_new_tokens="[2, 10485760]",
-                 threads="[1, 4096]", seed=f"[0, {2**62}]")  # (one new token is the prefill's: no round to time)
+    default = Settings()
+    for f in fields(Settings):
+        if f.name not in TIMED and getattr(args.decode, f.name) != getattr(default, f.name):
+            raise UserError(f"--{f.name.replace('_', '-')}: bench.py times greedy decoding of every draft at "
+                            f"--batch-sizes; it would change nothing here")
+    s = flags.check_settings(args.decode, args.machine.device)
+    flags.check_machine(args.machine, s.compile)
+    check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]")
+    check_ranges(s, max_new_tokens="[2, 10485760]")  # (one new token is the prefill's: no round to time)
     if args.drafter is not None and args.target is None:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
                         f"bench.py builds its own pair: --model)")
-    for flag, given in (("--compile-mode", args.compile_mode), ("--compile-cache", args.compile_cache),
-                        ("--verbose", args.verbose)):
-        if given and not args.compile:
-            raise UserError(f"{flag}: only used with --compile (the run is eager)")
     if args.target is not None and args.model != BenchArgs.__dataclass_fields__["model"].default:
         raise UserError(f"--model {args.model}: --target gives the models (--model builds a pair only without it)")
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
-    return batch_sizes
+    return batch_sizes, s
 
 
 def run(args: BenchArgs) -> list[dict]:
-    batch_sizes = check_args(args)
+    batch_sizes, s = check_args(args)
     target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
     check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # hub ids: their snapshot directories
-    cache_dir = use_compile_cache(args.compile_cache) if args.compile else None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dev = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, dev)
-    kernels_for(args.kernels, dev)  # refused here, before any model is built
+    cache_dir = use_compile_cache(args.machine.compile_cache) if s.compile else None
+    threads = set_threads(args.machine.threads)
+    dev = resolve_device(args.machine.device)
+    dtype = resolve_dtype(args.machine.dtype, dev)
+    try:  # refused here, before any model is built
+        kernels.check_backend(s.kernels, dev)
+    except RuntimeError as e:
+        raise UserError(f"--kernels {s.kernels}: {e}") from None
     if args.reference and 1 not in batch_sizes:
         raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
                         f"has no 1")
@@ -467,16 +461,16 @@ def run(args: BenchArgs) -> list[dict]:
         drafter = load_drafter(drafter_dir, target, dev, dtype) if args.drafter else None
         name = args.target
     elif args.model == "bigram-35m":
-        target, drafter = bigram_pair(dev, dtype, args.seed)
+        target, drafter = bigram_pair(dev, dtype, s.seed)
         name = args.model
     else:
-        target = random_target(args.model, dev, dtype, args.seed)
+        target = random_target(args.model, dev, dtype, s.seed)
         drafter = random_drafter(target)
         name = f"{args.model} (random weights)"
     context = min([target.args.max_position_embeddings]
                   + ([drafter.cfg.layers.max_position_embeddings] if drafter is not None else []))
-    if args.prompt_len + args.max_new_tokens > context:  # positions past it were never trained: not a benchmark
-        raise UserError(f"--prompt-len {args.prompt_len} + --max-new-tokens {args.max_new_tokens} exceed the "
+    if args.prompt_len + s.max_new_tokens > context:  # positions past it were never trained: not a benchmark
+        raise UserError(f"--prompt-len {args.prompt_len} + --max-new-tokens {s.max_new_tokens} exceed the "
                         f"models' context of {context} positions (max_position_embeddings)")
     n_target = sum(p.numel() for p in {p.data_ptr(): p for p in target.parameters()}.values())
     n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
@@ -485,40 +479,40 @@ def run(args: BenchArgs) -> list[dict]:
     for m in (target, drafter):
         if m is not None:
             cpu_kernels.install(m)
-    gemms = cpu_kernels.describe(target, args.compile)
+    gemms = cpu_kernels.describe(target, s.compile)
     print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
-          f"{hw}, torch {torch.__version__}, compile={args.compile}"
-          + (" (guards skipped after warm-up)" if args.compile and args.skip_guards else "")
-          + (f", kernels={args.kernels}" if args.kernels != "torch" else "")
+          f"{hw}, torch {torch.__version__}, compile={s.compile}, {threads}"
+          + (" (guards skipped after warm-up)" if s.compile and args.skip_guards else "")
+          + (f", kernels={s.kernels}" if s.kernels != "torch" else "")
           + (f" (cache {cache_dir})" if cache_dir else "")
           + (f"; {gemms}" if gemms else "")
           + f"; models built in {time.perf_counter() - t0:.1f} s; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(s.seed)
     hf = transformers_copy(target) if want_reference else None
     ref_drafter = reference_drafter(drafter, hf) if hf is not None else None
     width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
-    max_seq = args.prompt_len + args.max_new_tokens + 2 * width
+    max_seq = args.prompt_len + s.max_new_tokens + 2 * width
     rows, ratios = [], []
     for B in batch_sizes:
         prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
-        engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, args.compile,
-                                                     args.compile_mode, args.verbose, args.kernels)}
+        engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, s.compile,
+                                                     s.compile_mode, s.verbose, s.kernels)}
         if drafter is not None:
-            engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, args.compile,
-                                                  args.compile_mode, args.verbose, args.kernels)
+            engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, s.compile,
+                                                  s.compile_mode, s.verbose, s.kernels)
         modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
         if "reference" in modes:  # its warm-up, as the engines had theirs
-            reference_generate(hf, ref_drafter, prompts[0], min(args.max_new_tokens, 8), dev, max_seq)
+            reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)
         runs = {m: [] for m in modes}
         for rep in range(args.repeats):
             k = rep % len(modes)  # interleaved, order rotated: a slow spell lands on every mode
             for m in modes[k:] + modes[:k]:
                 if m == "reference":
-                    ids, seconds = reference_generate(hf, ref_drafter, prompts[0], args.max_new_tokens, dev, max_seq)
+                    ids, seconds = reference_generate(hf, ref_drafter, prompts[0], s.max_new_tokens, dev, max_seq)
                     runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
                 else:
-                    runs[m].append(timed_generate(engines[m], prompts, args.max_new_tokens, args.skip_guards))
+                    runs[m].append(timed_generate(engines[m], prompts, s.max_new_tokens, args.skip_guards))
         differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
         for m in modes:
             tps = [r["total_tokens_per_second"] for r in runs[m]]
@@ -532,7 +526,7 @@ def run(args: BenchArgs) -> list[dict]:
             r = median_run(runs[m])
             row_extra = {"differing_requests": differ.get(m)} if differ else {}
             round_s = r["decode_seconds"] / r["steps"]
-            parts = round_split(engines[m], prompts, args.max_new_tokens, args.skip_guards)
+            parts = round_split(engines[m], prompts, s.max_new_tokens, args.skip_guards)
             row = {
                 "mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
                 "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
@@ -552,7 +546,7 @@ def run(args: BenchArgs) -> list[dict]:
                 note = ""
                 if min(r["seconds"] for r in runs[num] if "seconds" in r) < 1:
                     note += "; runs under a second: noise, give more --max-new-tokens or --repeats"
-                if num == "speculative" and den == "autoregressive" and B > 1 and dev == "cpu" and not args.compile:
+                if num == "speculative" and den == "autoregressive" and B > 1 and dev == "cpu" and not s.compile:
                     note += "; at batch > 1 eager speculation on a CPU verifies B x (K+1) tokens per round and may lose"
                 print(f"{what}: {statistics.median(rs):.2f}x (median of {len(rs)} interleaved repeats; "
                       f"{min(rs):.2f}-{max(rs):.2f}{note})", flush=True)
@@ -565,7 +559,7 @@ def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: lis
     """--out, rewritten after every batch size: a run cut short (a time limit on a borrowed GPU)
     still leaves what it measured, marked incomplete."""
     if args.out:
-        write_json(args.out, {"config": asdict(args), "hardware": hw, "torch": torch.__version__,
+        write_json(args.out, {"config": flat_fields(args), "hardware": hw, "torch": torch.__version__,
                               "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
                               "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
                                         f"{args.repeats} interleaved repeats; the round split (draft, verify, rest) from one "

@@ -77,6 +77,7 @@ def run(args: SelfDataArgs) -> int:
     import torch
 
     from speculate import Settings, load, make_engine, requests_for
+    from support import flags
     if args.threads:
         torch.set_num_threads(args.threads)
     m = load(args.target)
@@ -87,7 +88,8 @@ def run(args: SelfDataArgs) -> int:
     if context > m.target.args.max_position_embeddings:
         raise UserError(f"--prompt-tokens + --new-tokens = {context}: more than the target's context "
                         f"({m.target.args.max_position_embeddings})")
-    s = Settings(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, batch_size=args.batch_size).check()
+    s = Settings(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, batch_size=args.batch_size)
+    s = flags.check_settings(s, "cpu")
     engine = make_engine(m, None, prompts, s, verbose=False)
     requests = requests_for(prompts, 1)
     t0, done = time.perf_counter(), [0]

@@ -256,6 +256,8 @@ def bench_rows(st: Stage, args: dict):
     each row with the warnings logged up to it."""
     import bench
 
+    from support.cli import from_flat
+
     since = st.log.mark()
 
     def keep(path, doc, indent=None):
@@ -268,7 +270,7 @@ def bench_rows(st: Stage, args: dict):
         st.doc.update(doc)
         st.save()
     bench.write_json = keep  # bench's only writer: its --out document
-    bench.run(bench.BenchArgs(**args))
+    bench.run(from_flat(bench.BenchArgs, args))
 
 
 def bench_stage(st: Stage, stage: str, dry: bool):
@@ -314,8 +316,8 @@ def only_triton():
     import kernels
     import model
 
-    saved = {(m, n): getattr(m, n) for m, n in ((kernels, "markov_chain"), (kernels, "verify_sampled"),
-                                                (model, "attend_cached"))}
+    saved = {(m, n): getattr(m, n) for m, n in ((kernels, "markov_chain_reference"),
+                                                (kernels, "accept_sampled_reference"), (model, "attend_cached"))}
 
     def fell_back(*a, **kw):
         raise AssertionError("a Triton function fell back to its torch reference")
@@ -364,6 +366,7 @@ def triton_stage(st: Stage, dry: bool) -> int:
 
     import kernels
     import model
+    import sampling
     from drafter import VanillaMarkov
     from support.cli import sync
 
@@ -371,8 +374,8 @@ def triton_stage(st: Stage, dry: bool) -> int:
         print("triton is not installed here: nothing to check")
         return SKIPPED
     dev, dtype, reps = ("cpu" if dry else "cuda"), torch.bfloat16, (0 if dry else 20)
-    kernels.kernel_set("triton", dev)  # builds the kernels; raises where Triton cannot run
-    ref_chain, ref_sampled = kernels.markov_chain, kernels.verify_sampled
+    kernels.check_backend("triton", dev)  # builds the kernels; raises where Triton cannot run
+    ref_chain, ref_sampled = sampling.markov_chain, sampling.accept_sampled
     ref_attention = model.attend_cached
     shapes = DRY if dry else dict(chain=CHAIN, verify=VERIFY, attention=ATTENTION)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -396,11 +399,11 @@ def triton_stage(st: Stage, dry: bool) -> int:
         anchor = torch.randint(0, V, (B,), generator=g, device=dev)
         h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
         with only_triton():
-            drafts, _ = kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)
+            drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
         gap, tol = chain_gap(markov, U, anchor, drafts)
         st.check(f"chain B={B} K={K} V={V} r={r}", gap, tol, measure="best reference score minus the score of "
                  "the pick", **timings(lambda: ref_chain(U, h, anchor, markov, 0.0, None),
-                                      lambda: kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)))
+                                      lambda: kernels.markov_chain(U, h, anchor, markov, 0.0, None)))
     for B, K, V in shapes["verify"]:
         logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
         drafts = torch.argmax(logits[:, :K], -1)
@@ -411,7 +414,7 @@ def triton_stage(st: Stage, dry: bool) -> int:
         u = torch.rand((B, K), generator=g, device=dev)
         noise = torch.empty((B, V), device=dev).exponential_(1, generator=g)
         with only_triton():
-            sampled = kernels.verify_sampled_triton(drafts, q, logits, vl, 1.0, None, u, noise)
+            sampled = kernels.accept_sampled(drafts, q, logits, vl, 1.0, None, u, noise)
         # The acceptance tests compare float32 probabilities that differ in the last bits only: no row may differ.
         want = ref_sampled(drafts, q, logits, vl, 1.0, None, u, noise)
         st.check(f"verify_sampled B={B} K={K} V={V}", float(sum(int((a != b).sum()) for a, b in zip(sampled, want))),
@@ -428,12 +431,12 @@ def triton_stage(st: Stage, dry: bool) -> int:
             with sdpa_spy() as backend:
                 want = ref_attention(q, k, v, ref_bias)
             with only_triton():
-                got = kernels.cached_attention_triton(q, k, v, bias)
+                got = kernels.cached_attention(q, k, v, bias)
             st.check(f"attention B={B} T={T} H={H}/{Hkv} hd={hd} S={S} filled={n}",
                      (got.float() - want.float()).abs().max().item(),
                      attention_tolerance(q, k, v, ref_bias, want, backend[0]), reference_backend=backend[0],
                      **timings(lambda: ref_attention(q, k, v, ref_bias),
-                               lambda: kernels.cached_attention_triton(q, k, v, bias)))
+                               lambda: kernels.cached_attention(q, k, v, bias)))
     # The engine compiles the round whole (fullgraph, static shapes): the kernels must trace. In the
     # interpreter, traced code takes the references (Triton's interpreter cannot run inside a graph).
     B, K, V, r = shapes["chain"][0]
@@ -448,11 +451,11 @@ def triton_stage(st: Stage, dry: bool) -> int:
     ud, nd = torch.rand((B, K), generator=g, device=dev), torch.empty((B, V), device=dev).exponential_(1, generator=g)
 
     def step(U, anchor, logits, vl):
-        drafts, _ = kernels.markov_chain_triton(U, h, anchor, markov, 0.0, None)
-        return (drafts, *kernels.verify_sampled_triton(drafts, qd, logits, vl, 1.0, None, ud, nd))
+        drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
+        return (drafts, *kernels.accept_sampled(drafts, qd, logits, vl, 1.0, None, ud, nd))
     with only_triton() if not dry else contextlib.nullcontext():
         drafts, n, nxt = torch.compile(step, fullgraph=True, dynamic=False)(U, anchor, logits, vl)
-        got = torch.compile(kernels.cached_attention_triton, fullgraph=True, dynamic=False)(q, k, v, bias)
+        got = torch.compile(kernels.cached_attention, fullgraph=True, dynamic=False)(q, k, v, bias)
     st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
     st.check("compiled verify_sampled", float(sum(int((a != b).sum()) for a, b in zip((n, nxt), ref_sampled(
         drafts, qd, logits, vl, 1.0, None, ud, nd)))), 0.0, triton_traced=not dry)

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from speculate import Request, Settings, make_engine  # noqa: E402
+from support import flags  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
 from support.cli import AutoBool, UserError, check_ranges, cli_main, resolve_device, signals_deferred
@@ -191,7 +192,8 @@ def run(args: Args) -> dict:
     device = resolve_device(args.device)
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, batch_size=args.batch_size,
-                        compile=device.startswith("cuda") if args.compile is None else args.compile).check()
+                        compile=args.compile)
+    settings = flags.check_settings(settings, device)
     check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)", num_shards="[1, inf)",
                  shard_index=f"[0, {args.num_shards - 1}]")
     for flag in ("target", "prompts", "out"):

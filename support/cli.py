@@ -4,6 +4,7 @@ devices, threads and the compile cache."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import os
@@ -18,9 +19,50 @@ import torch
 
 try:  # tyro parses the flags; the engine and the Python API run without it
     import tyro
-    AutoBool = Annotated[Optional[bool], tyro.conf.DisallowNone]  # --flag / --no-flag, None = "auto"
 except ImportError:
+    tyro = None
+
+if tyro is not None:
+    AutoBool = Annotated[Optional[bool], tyro.conf.DisallowNone]  # --flag / --no-flag, None = "auto"
+    Repeated = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # --flag A --flag B
+else:
     AutoBool = Optional[bool]
+    Repeated = tuple[str, ...]
+
+
+def flat_fields(args) -> dict:
+    """A program's flags as one dict, the groups declared `flat` merged in (what its flags read)."""
+    out = {}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flat_fields(value))
+        else:
+            out[f.name] = value
+    return out
+
+
+def from_flat(args_class, values: dict):
+    """`args_class` built from flags given as one dict (as `flat_fields` gives them back)."""
+    kwargs = {}
+    rest = dict(values)
+    for f in dataclasses.fields(args_class):
+        group = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(group):
+            mine = {g.name for g in dataclasses.fields(group)} & set(rest)
+            kwargs[f.name] = dataclasses.replace(group, **{k: rest.pop(k) for k in mine})
+        elif f.name in rest:
+            kwargs[f.name] = rest.pop(f.name)
+    if rest:
+        raise TypeError(f"{args_class.__name__}: no flag {sorted(rest)[0]!r}")
+    return args_class(**kwargs)
+
+
+def flat(group):
+    """A dataclass field whose flags appear without a prefix (--max-new-tokens, not --decode.max-new-tokens)."""
+    if tyro is None:
+        return group
+    return Annotated[group, tyro.conf.arg(name="")]
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # beyond these logits / T overflow float32, or sampling is noise
 MAX_TOP_K = 2**30

@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from support import metrics
-from support.cli import Interrupted, UserError, first_line
+from support.cli import Interrupted, UserError, first_line, flat_fields
 from support.files import read_json
 
 DEFAULT_PROJECT = "dspark-fast"
@@ -174,7 +174,7 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
         return
     import torch
 
-    log = start(args, job_type, {"program": program, **asdict(args), "torch": torch.__version__, **code_version()})
+    log = start(args, job_type, {"program": program, **flat_fields(args), "torch": torch.__version__, **code_version()})
     try:
         yield log
     except BaseException as e:
@@ -215,8 +215,9 @@ class DecodeWatch:
         if self.log is not None and self.steps % self.every == 0:
             self._log()
 
-    def on_finish(self, req):
-        self.tokens += len(req.output_ids) - self.seen.pop(req.index, 0)
+    def on_finish(self, request: int, tokens: int):
+        """Request `request` ended with `tokens` output tokens."""
+        self.tokens += tokens - self.seen.pop(request, 0)
         self.done += 1
         if self.bar is not None:
             fig = self.figures()

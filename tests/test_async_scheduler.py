@@ -55,7 +55,7 @@ from test_lossless import (  # noqa: E402
 )
 from test_scheduler import PROMPTS, K, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
 
-import kernels  # noqa: E402
+import sampling  # noqa: E402
 import scheduler as sched  # noqa: E402
 import speculate  # noqa: E402
 from support.checkpoint import load_target  # noqa: E402
@@ -401,7 +401,7 @@ def appendix_a_first_tokens(lengths_for, n=40000, seed=0):
     verify_len = torch.where(drafts[:, 0] == A, ell[A], ell[B_])
     q = torch.full((n, 2, 2), 0.5)
     logits = torch.tensor([0.7, 0.3]).log().expand(n, 3, 2)
-    accepted, token = kernels.verify_sampled(drafts, q, logits, verify_len, 1.0, g)
+    accepted, token = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, g)
     return torch.where(accepted >= 1, drafts[:, 0], token), ell
 
 

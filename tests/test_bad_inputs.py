@@ -985,7 +985,7 @@ def test_an_interruption_while_rendering_a_template_is_the_runs_not_the_template
 def test_streaming_never_prints_the_start_of_a_stop_string_in_a_multibyte_character(capsys):
     """A stop string's first character decoded, its second still bytes short of a character: what is
     streamed holds back the character as well as the hold-back, so the stop's start is never printed."""
-    from cli import Printer
+    from support.report import Printer
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

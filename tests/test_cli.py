@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
-import cli
 import speculate
 from support import text as inputs
+from support.flags import Rendering
 
 
 def run_cli(args, capsys):
@@ -212,10 +212,10 @@ def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsy
     """--chat/--compile default to "auto" (None), resolved in one place; what a caller sets is kept."""
     import tyro
 
-    assert tyro.cli(cli.Args, args=[]).chat is None
-    assert tyro.cli(cli.Args, args=["--no-chat", "--compile"]) == cli.Args(chat=False, compile=True)
-    args = cli.Args(chat=False, compile=True)
-    assert (args.chat, args.compile) == (False, True)  # nothing rewrites them behind the caller's back
+    assert tyro.cli(speculate.Args, args=[]).rendering.chat is None
+    given = speculate.Args(rendering=Rendering(chat=False), decode=speculate.Settings(compile=True))
+    assert tyro.cli(speculate.Args, args=["--no-chat", "--compile"]) == given
+    assert (given.rendering.chat, given.decode.compile) == (False, True)  # nothing rewrites them behind the caller's back
 
     class Tok:
         chat_template = "{{ x }}"
@@ -224,7 +224,7 @@ def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsy
     with pytest.raises(SystemExit):
         speculate.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--compile, --no-compile" in help_text and "Default: on for cuda, off for cpu" in help_text
+    assert "--compile, --no-compile" in help_text and "None: on for cuda, off for cpu" in help_text
     assert "Default: on when the tokenizer has a template" in help_text
 
 
@@ -266,11 +266,11 @@ def test_progress_bar_on_a_terminal_only_and_stdout_unchanged(tiny_target, tmp_p
 def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, capsys, monkeypatch):
     """--compile prints what it is about to do (load, then compile, cached after a first compile) before
     loading starts, so a long silent wait is explained."""
-    import cli
+    from support.cli import UserError
 
     def stop(*args, **kwargs):
-        raise cli.UserError("stopped at loading")
-    monkeypatch.setattr(cli, "load_models", stop)
+        raise UserError("stopped at loading")
+    monkeypatch.setattr(speculate, "load_models", stop)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cc"))  # set by the run; restored after the test
     rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2, "--compile",
                           "--compile-cache", tmp_path / "cc"], capsys)

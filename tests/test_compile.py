@@ -16,7 +16,7 @@ import torch
 from drafters import make_drafter, make_target
 
 import speculate
-from support import cli
+from support import cli, flags
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +258,7 @@ def test_a_second_compile_of_the_same_graph_starts_from_the_cache(tmp_path, monk
 def test_compile_modes_are_checked_and_run():
     from support.cli import UserError
     with pytest.raises(UserError, match="one of default"):
-        speculate.Settings(compile=True, compile_mode="fastest").check()
+        flags.check_settings(speculate.Settings(compile=True, compile_mode="fastest"), "cpu")
     torch._dynamo.reset()
     fn = speculate.compiled(lambda x: (x * 2).sin(), "cpu", "max-autotune-no-cudagraphs")
     x = torch.randn(5)

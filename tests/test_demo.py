@@ -9,9 +9,9 @@ import signal
 import torch
 from conftest import REPO_ROOT
 
-import cli
 import speculate
 from support.checkpoint import load_drafter, load_target
+from support.flags import DEMO_PROMPT, Prompts
 from support.text import Tokenizer
 
 DEMO = REPO_ROOT / "demo"
@@ -22,7 +22,7 @@ def test_demo_pair_loads_strictly():
     drafter = load_drafter(str(DEMO / "drafter"), target)
     tok = Tokenizer(str(DEMO / "target"))
     assert tok.chat_template is None  # prompts go in raw
-    assert tok.decode(tok.encode(cli.DEMO_PROMPT)) == cli.DEMO_PROMPT
+    assert tok.decode(tok.encode(DEMO_PROMPT)) == DEMO_PROMPT
     assert target.args.vocab_size == tok.tok.get_vocab_size(with_added_tokens=True)
     assert drafter.cfg.confidence_head and drafter.cfg.num_drafts >= 4
     size = sum(os.path.getsize(p) for p in DEMO.rglob("*") if p.is_file())
@@ -39,7 +39,7 @@ def test_speculate_without_flags_runs_the_demo(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "--- prompt 1 of 21 (the figures cover all 21: this one, then the 20 of demo/heldout.jsonl) ---"
-    assert lines[1] == cli.DEMO_PROMPT.splitlines()[0]
+    assert lines[1] == DEMO_PROMPT.splitlines()[0]
     ar = [l for l in lines if l.startswith("autoregressive:")]
     sp = [l for l in lines if l.startswith("speculative:")]
     assert len(ar) == 1 and len(sp) == 1 and "tokens/s" in ar[0] and "τ=" in sp[0]
@@ -54,16 +54,18 @@ def test_speculate_without_flags_runs_the_demo(capsys):
 
 def test_demo_greedy_speculative_equals_autoregressive(tmp_path):
     trace = tmp_path / "t.jsonl"
-    args = cli.Args(max_new_tokens=48, trace_file=str(trace))
+    args = speculate.Args(decode=speculate.Settings(max_new_tokens=48), trace_file=str(trace))
     with torch.inference_mode():
-        summary = cli.run(args)
-    assert args.target is None and args.prompt is None  # the demo defaults do not rewrite the caller's Args
+        summary = speculate.run(args)
+    assert args.target is None and args.prompts.prompt is None  # the demo defaults do not rewrite the caller's Args
+    assert args.decode == speculate.Settings(max_new_tokens=48)
     assert summary["acceptance_length"] > 1.0
     tok = Tokenizer(str(DEMO / "target"))
     with torch.inference_mode():  # the same as asking for the demo pair and prompt by name
-        named = cli.run(cli.Args(target=str(DEMO / "target"), drafter=str(DEMO / "drafter"),
-                                             prompt_ids=",".join(map(str, tok.encode(cli.DEMO_PROMPT))),
-                                             max_new_tokens=48))
+        ids = ",".join(map(str, tok.encode(DEMO_PROMPT)))
+        named = speculate.run(speculate.Args(target=str(DEMO / "target"), drafter=str(DEMO / "drafter"),
+                                             prompts=Prompts(prompt_ids=ids),
+                                             decode=speculate.Settings(max_new_tokens=48)))
     assert len(summary["outputs"]) == 1 + sum(1 for _ in open(DEMO / "heldout.jsonl"))
     assert named["outputs"] == summary["outputs"][:1]  # the demo prompt first, then the held-out ones
     rows = [json.loads(l) for l in open(trace)]

@@ -15,6 +15,8 @@ import bench
 import pytest
 from conftest import REPO_ROOT
 
+from support.cli import from_flat
+
 SCRIPT = str(REPO_ROOT / "scripts" / "device_run.py")
 spec = importlib.util.spec_from_file_location("device_run", SCRIPT)
 device_run = importlib.util.module_from_spec(spec)
@@ -36,7 +38,7 @@ def test_bench_stages_pass_bench_checks(tmp_path):
         real = device_run.bench_args(stage, False, str(tmp_path / "out.json"))
         dry = device_run.bench_args(stage, True, str(tmp_path / "out.json"))
         for args in (real, dry):
-            bench.check_args(bench.BenchArgs(**args))
+            bench.check_args(from_flat(bench.BenchArgs, args))
         assert real["device"] == "cuda" and dry["device"] == "cpu" and dry["model"] == "qwen3-tiny"
         assert real["compile"] == (stage != "eager-b1") and real["compile_mode"] == (
             "reduce-overhead" if stage != "eager-b1" else None)

@@ -147,7 +147,7 @@ def code_names() -> tuple[dict, dict]:
     """Per project module, its top-level names; per class, its members (methods, class attributes, and
     what its methods assign to self)."""
     modules, classes = {}, {}
-    for f in [*REPO_ROOT.glob("*.py"), *(REPO_ROOT / "scripts").glob("*.py")]:
+    for f in [*REPO_ROOT.glob("*.py"), *(REPO_ROOT / "support").glob("*.py"), *(REPO_ROOT / "scripts").glob("*.py")]:
         tree = ast.parse(f.read_text(encoding="utf-8"))
         top = set()
         for node in tree.body:
@@ -158,7 +158,7 @@ def code_names() -> tuple[dict, dict]:
                     top |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 top |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        modules[f.stem if f.parent == REPO_ROOT else f"scripts/{f.stem}"] = top
+        modules[f"scripts/{f.stem}" if f.parent.name == "scripts" else f.stem] = top
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             members = classes.setdefault(cls.name, set())
             for node in ast.walk(cls):

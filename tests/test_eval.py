@@ -645,7 +645,7 @@ def test_demo_mode_defaults_resolve_to_the_demo_pair_and_its_heldout_prompts(mon
     args, demo = ev.resolve_defaults(ev.EvalArgs())
     assert demo and args.datasets == "heldout" and os.path.samefile(args.data_dir, REPO_ROOT / "demo")
     assert os.path.samefile(args.target, REPO_ROOT / "demo" / "target") and args.out == "results.json"
-    assert args.max_new_tokens is None and ev.DEMO_BUDGET == 128  # the budget is resolved against the prompts
+    assert args.decode.max_new_tokens is None and ev.DEMO_BUDGET == 128  # the budget is resolved against the prompts
     args, demo = ev.resolve_defaults(ev.EvalArgs(datasets="gsm8k"))
     assert demo and os.path.samefile(args.data_dir, ev.DATA_DIR)
     args, demo = ev.resolve_defaults(ev.EvalArgs(target="t"))

@@ -20,7 +20,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 
 from conftest import chi2_pvalue  # noqa: E402
 
-import kernels  # noqa: E402
+import sampling  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -85,7 +85,7 @@ def test_markov_chain_feeds_anchor_then_previous_draft(temperature):
     B, K, V = 6, 5, 11
     base, hidden, anchor = _inputs(B, K, V)
     head = RecordingHead(V, "next")
-    drafts, q = kernels.markov_chain(base, hidden, anchor, head, temperature, gen(1))
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, gen(1))
     assert drafts.shape == (B, K) and drafts.dtype == torch.long
     assert len(head.prevs) == K
     # The anchor feeds slot 1, and slot k receives the token drafted at slot k-1.
@@ -110,7 +110,7 @@ def test_markov_chain_sampled_prev_is_the_sampled_token(temperature):
     B, K, V = 64, 6, 9
     base, hidden, anchor = _inputs(B, K, V, scale=0.3)
     head = RecordingHead(V, "zero")
-    drafts, q = kernels.markov_chain(base, hidden, anchor, head, temperature, gen(3))
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, gen(3))
     assert torch.equal(head.prevs[0], anchor)
     for k in range(1, K):
         assert torch.equal(head.prevs[k], drafts[:, k - 1])
@@ -124,7 +124,7 @@ def test_markov_chain_q_is_the_distribution_drafted_from(temperature, with_head)
     B, K, V = 8, 4, 13
     base, hidden, anchor = _inputs(B, K, V, scale=2.0)
     head = RecordingHead(V, "mild") if with_head else None
-    drafts, q = kernels.markov_chain(base, hidden, anchor, head, temperature, gen(5))
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, gen(5))
     assert q is not None and q.shape == (B, K, V) and q.dtype == torch.float32
     for k in range(K):
         z = base[:, k] + (head.biases[k] if head is not None else 0)
@@ -136,11 +136,11 @@ def test_markov_chain_q_is_the_distribution_drafted_from(temperature, with_head)
 def test_markov_chain_q_is_none_at_t0_and_greedy_is_argmax():
     B, K, V = 5, 4, 10
     base, hidden, anchor = _inputs(B, K, V)
-    drafts, q = kernels.markov_chain(base, hidden, anchor, None, 0.0, gen(0))
+    drafts, q = sampling.markov_chain(base, hidden, anchor, None, 0.0, gen(0))
     assert q is None
     assert torch.equal(drafts, torch.argmax(base, dim=-1))
     head = RecordingHead(V, "zero")
-    drafts2, q2 = kernels.markov_chain(base, hidden, anchor, head, 0.0, None)
+    drafts2, q2 = sampling.markov_chain(base, hidden, anchor, head, 0.0, None)
     assert q2 is None and torch.equal(drafts2, drafts)
 
 
@@ -157,7 +157,7 @@ def test_markov_chain_without_head_samples_each_slot_from_its_own_logits():
     base = row.expand(B, K, V).contiguous()
     hidden = torch.zeros(B, K, 2)
     anchor = torch.zeros(B, dtype=torch.long)
-    drafts, q = kernels.markov_chain(base, hidden, anchor, None, T, gen(8))
+    drafts, q = sampling.markov_chain(base, hidden, anchor, None, T, gen(8))
     for k in range(K):
         assert bool(support[k, drafts[:, k]].all())
         assert chi2_pvalue(drafts[:, k], torch.softmax(row[k] / T, -1)) > P_MIN
@@ -167,7 +167,7 @@ def test_markov_chain_without_head_samples_each_slot_from_its_own_logits():
 def test_markov_chain_repeatable_with_seed():
     B, K, V = 16, 5, 9
     base, hidden, anchor = _inputs(B, K, V, scale=0.5)
-    runs = [kernels.markov_chain(base, hidden, anchor, RecordingHead(V, "zero"), 1.0, gen(s)) for s in (11, 11, 12)]
+    runs = [sampling.markov_chain(base, hidden, anchor, RecordingHead(V, "zero"), 1.0, gen(s)) for s in (11, 11, 12)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert not torch.equal(runs[0][0], runs[2][0])
 
@@ -201,7 +201,7 @@ def test_verify_greedy_counts_and_next_token():
         [5, 5, 5],
     ])
     verify_len = torch.full((6,), K)
-    n, nxt = kernels.verify_greedy(drafts, _onehot_logits(best, V), verify_len)
+    n, nxt = sampling.accept_greedy(drafts, _onehot_logits(best, V), verify_len)
     assert n.tolist() == [3, 0, 1, 2, 0, 3]
     assert nxt.tolist() == [4, 1, 2, 3, 1, 5]
     assert n.dtype == torch.long and nxt.dtype == torch.long
@@ -212,7 +212,7 @@ def test_verify_greedy_verify_len_caps_acceptance():
     best = torch.tensor([[1, 2, 3, 4, 6]] * 5)
     drafts = torch.tensor([[1, 2, 3, 4]] * 4 + [[1, 7, 3, 4]])
     verify_len = torch.tensor([0, 1, 2, 4, 3])
-    n, nxt = kernels.verify_greedy(drafts, _onehot_logits(best, V), verify_len)
+    n, nxt = sampling.accept_greedy(drafts, _onehot_logits(best, V), verify_len)
     # Stopped by ℓ: n = ℓ and the next token is argmax p_n (= p_ℓ); a rejection before ℓ wins.
     assert n.tolist() == [0, 1, 2, 4, 1]
     assert nxt.tolist() == [1, 2, 3, 6, 2]
@@ -221,7 +221,7 @@ def test_verify_greedy_verify_len_caps_acceptance():
 def test_verify_greedy_no_drafts_is_a_plain_step():
     V = 7
     logits = torch.randn(3, 1, V, generator=gen(2))
-    n, nxt = kernels.verify_greedy(torch.zeros(3, 0, dtype=torch.long), logits, torch.zeros(3, dtype=torch.long))
+    n, nxt = sampling.accept_greedy(torch.zeros(3, 0, dtype=torch.long), logits, torch.zeros(3, dtype=torch.long))
     assert n.tolist() == [0, 0, 0]
     assert torch.equal(nxt, logits[:, 0].argmax(-1))
 
@@ -239,10 +239,10 @@ def test_verify_sampled_p_equals_q_accepts_every_verified_draft(temperature):
     B, K, V = 500, 4, 9
     g = gen(3)
     target_logits = torch.randn(B, K + 1, V, generator=g) * 2
-    q = kernels.probs(target_logits[:, :K], temperature)
-    drafts = kernels.sample_from(q, g)
+    q = sampling.probs(target_logits[:, :K], temperature)
+    drafts = sampling.sample_from(q, g)
     verify_len = torch.randint(0, K + 1, (B,), generator=g)
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, verify_len, temperature, gen(4))
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, verify_len, temperature, gen(4))
     assert torch.equal(n, verify_len)
     assert bool(((nxt >= 0) & (nxt < V)).all())
 
@@ -256,12 +256,12 @@ def test_verify_sampled_bonus_comes_from_p_ell():
     row[1, 4:] = float("-inf")
     row[3, :4] = float("-inf")
     target_logits = row.expand(B, K + 1, V).contiguous()
-    q = kernels.probs(target_logits[:, :K], 1.0)
-    drafts = kernels.sample_from(q, g)
+    q = sampling.probs(target_logits[:, :K], 1.0)
+    drafts = sampling.sample_from(q, g)
     verify_len = torch.tensor([1, 3]).repeat(B // 2)
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, verify_len, 1.0, gen(6))
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, verify_len, 1.0, gen(6))
     assert torch.equal(n, verify_len)
-    p = kernels.probs(row, 1.0)
+    p = sampling.probs(row, 1.0)
     assert chi2_pvalue(nxt[verify_len == 1], p[1]) > P_MIN
     assert chi2_pvalue(nxt[verify_len == 3], p[3]) > P_MIN
 
@@ -274,7 +274,7 @@ def test_verify_sampled_draft_with_zero_target_probability_is_always_rejected():
     target_logits = torch.stack([_logits_of(p0), _logits_of(p0), _logits_of(p0)])[None].expand(B, K + 1, V)
     q = torch.stack([q0, q0])[None].expand(B, K, V).contiguous()
     drafts = torch.full((B, K), bad)
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(9))
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(9))
     assert n.tolist() == [0] * B
     assert not bool((nxt == bad).any())
     # The correction is drawn from normalize(max(p - q, 0)).
@@ -290,7 +290,7 @@ def test_verify_sampled_u_zero_never_accepts_a_token_the_target_cannot_produce()
     q = torch.tensor([[[0.0, 0.0, 1.0]]])
     drafts = torch.tensor([[2]])
     u, noise = torch.zeros(1, 1), torch.ones(1, 3)
-    n, nxt = kernels.verify_sampled(drafts, q, logits, torch.tensor([1]), 1.0, None, u, noise)
+    n, nxt = sampling.accept_sampled(drafts, q, logits, torch.tensor([1]), 1.0, None, u, noise)
     assert n.tolist() == [0] and nxt.item() != 2
 
 
@@ -303,7 +303,7 @@ def test_verify_sampled_residual_example():
     target_logits = torch.stack([_logits_of(p0), _logits_of(p1)])[None].expand(B, 2, V).contiguous()
     q = torch.tensor([1.0, 0.0, 0.0]).expand(B, 1, V).contiguous()
     drafts = torch.zeros(B, 1, dtype=torch.long)
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.ones(B, dtype=torch.long), 1.0, gen(10))
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.ones(B, dtype=torch.long), 1.0, gen(10))
     rate = n.float().mean().item()
     assert abs(rate - 0.5) < 4 * (0.25 / B) ** 0.5, rate
     assert bool((nxt[n == 0] == 1).all())
@@ -322,8 +322,8 @@ def test_verify_sampled_is_lossless_on_random_distributions():
     q_row = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)
     target_logits = tl_row.expand(B, K + 1, V).contiguous()
     q = q_row.expand(B, K, V).contiguous()
-    drafts = kernels.sample_from(q, g)
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(13))
+    drafts = sampling.sample_from(q, g)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(13))
     p = torch.softmax(tl_row, -1)
     first = torch.where(n >= 1, drafts[:, 0], nxt)
     assert chi2_pvalue(first, p[0]) > P_MIN
@@ -338,10 +338,10 @@ def test_verify_sampled_verify_len_caps_acceptance():
     B, K, V = 300, 4, 7
     g = gen(14)
     target_logits = torch.randn(B, K + 1, V, generator=g)
-    q = kernels.probs(target_logits[:, :K], 1.0)  # p == q: every verified draft passes
-    drafts = kernels.sample_from(q, g)
+    q = sampling.probs(target_logits[:, :K], 1.0)  # p == q: every verified draft passes
+    drafts = sampling.sample_from(q, g)
     verify_len = torch.tensor([0, 1, 2, 3, 4]).repeat(B // 5)
-    n, _ = kernels.verify_sampled(drafts, q, target_logits, verify_len, 1.0, gen(15))
+    n, _ = sampling.accept_sampled(drafts, q, target_logits, verify_len, 1.0, gen(15))
     assert torch.equal(n, verify_len)
 
 
@@ -349,7 +349,7 @@ def test_verify_sampled_no_drafts_samples_from_p0():
     B, V = 6000, 6
     row = torch.randn(1, V, generator=gen(16))
     target_logits = row.expand(B, 1, V).contiguous()
-    n, nxt = kernels.verify_sampled(torch.zeros(B, 0, dtype=torch.long), None, target_logits,
+    n, nxt = sampling.accept_sampled(torch.zeros(B, 0, dtype=torch.long), None, target_logits,
                                     torch.zeros(B, dtype=torch.long), 0.9, gen(17))
     assert n.tolist() == [0] * B
     assert chi2_pvalue(nxt, torch.softmax(row[0] / 0.9, -1)) > P_MIN
@@ -360,11 +360,11 @@ def test_verify_sampled_repeatable_with_seed():
     g = gen(18)
     target_logits = torch.randn(B, K + 1, V, generator=g)
     q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
-    drafts = kernels.sample_from(q, g)
+    drafts = sampling.sample_from(q, g)
     vl = torch.full((B,), K)
-    a = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
-    b = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
-    c = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, gen(2))
+    a = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
+    b = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
+    c = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, gen(2))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not (torch.equal(a[0], c[0]) and torch.equal(a[1], c[1]))
 
@@ -374,15 +374,15 @@ def test_verify_sampled_repeatable_with_seed():
 
 def test_sample_argmax_at_t0():
     logits = torch.randn(4, 3, 11, generator=gen(19))
-    assert torch.equal(kernels.sample(logits, 0.0, gen(0)), logits.argmax(-1))
-    assert torch.equal(kernels.sample(logits, 0, None), logits.argmax(-1))
+    assert torch.equal(sampling.sample(logits, 0.0, gen(0)), logits.argmax(-1))
+    assert torch.equal(sampling.sample(logits, 0, None), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_sample_frequencies_match_softmax(temperature):
     B, V = 20000, 7
     row = torch.randn(V, generator=gen(20)) * 1.5
-    ids = kernels.sample(row.expand(B, V), temperature, gen(21))
+    ids = sampling.sample(row.expand(B, V), temperature, gen(21))
     assert ids.shape == (B,)
     assert chi2_pvalue(ids, torch.softmax(row / temperature, -1)) > P_MIN
     # ... and not the distribution at another temperature (the check has power).
@@ -391,9 +391,9 @@ def test_sample_frequencies_match_softmax(temperature):
 
 def test_sample_repeatable_with_seed():
     logits = torch.randn(50, 9, generator=gen(22))
-    a = kernels.sample(logits, 1.0, gen(5))
-    assert torch.equal(a, kernels.sample(logits, 1.0, gen(5)))
-    assert not torch.equal(a, kernels.sample(logits, 1.0, gen(6)))
+    a = sampling.sample(logits, 1.0, gen(5))
+    assert torch.equal(a, sampling.sample(logits, 1.0, gen(5)))
+    assert not torch.equal(a, sampling.sample(logits, 1.0, gen(6)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -401,17 +401,17 @@ def test_sample_repeatable_with_seed():
 
 def test_round_noise_shapes_and_draw_order():
     B, K, V = 3, 4, 7
-    chain, u, bonus = kernels.round_noise(gen(30), B, K, V, "cpu")
+    chain, u, bonus = sampling.round_noise(gen(30), B, K, V, "cpu")
     assert chain.shape == (B, K, V) and u.shape == (B, K) and bonus.shape == (B, V)
     assert bool((chain > 0).all()) and bool((bonus > 0).all()) and bool(((u >= 0) & (u < 1)).all())
     g = gen(30)  # documented order: chain noise, then u, then the bonus noise
     assert torch.equal(chain, torch.empty(B, K, V).exponential_(1, generator=g))
     assert torch.equal(u, torch.rand(B, K, generator=g))
     assert torch.equal(bonus, torch.empty(B, V).exponential_(1, generator=g))
-    again = kernels.round_noise(gen(30), B, K, V, "cpu")
+    again = sampling.round_noise(gen(30), B, K, V, "cpu")
     assert all(torch.equal(a, b) for a, b in zip((chain, u, bonus), again))
     # K = 0 (the baseline) still works.
-    c0, u0, b0 = kernels.round_noise(gen(1), B, 0, V, "cpu")
+    c0, u0, b0 = sampling.round_noise(gen(1), B, 0, V, "cpu")
     assert c0.shape == (B, 0, V) and u0.shape == (B, 0) and b0.shape == (B, V)
 
 
@@ -421,7 +421,7 @@ def test_markov_chain_with_predrawn_noise(with_head):
     base, hidden, anchor = _inputs(B, K, V, scale=0.5)
     noise = torch.empty(B, K, V).exponential_(1, generator=gen(31))
     head = RecordingHead(V, "zero") if with_head else None
-    drafts, q = kernels.markov_chain(base, hidden, anchor, head, T, None, noise)
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, T, None, noise)
     # Each draft is the exponential race over its own q with its own slot's noise.
     assert torch.equal(drafts, torch.argmax(q / noise, dim=-1))
     torch.testing.assert_close(q, torch.softmax(base / T, -1))
@@ -429,7 +429,7 @@ def test_markov_chain_with_predrawn_noise(with_head):
         assert torch.equal(head.prevs[0], anchor)
         for k in range(1, K):
             assert torch.equal(head.prevs[k], drafts[:, k - 1])
-    again, _ = kernels.markov_chain(base, hidden, anchor, RecordingHead(V, "zero") if with_head else None, T, None,
+    again, _ = sampling.markov_chain(base, hidden, anchor, RecordingHead(V, "zero") if with_head else None, T, None,
                                     noise.clone())
     assert torch.equal(drafts, again)
 
@@ -453,7 +453,7 @@ def test_verify_sampled_acceptance_rule_with_given_u():
         [0.5001, 0.0, 0.0],  # first rejected -> n = 0 (later acceptances don't count)
     ])
     noise = torch.ones(B, V)  # the race then picks the argmax of the sampling distribution
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, None, u, noise)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, None, u, noise)
     assert n.tolist() == [3, 1, 1, 3, 3, 0]
     # Bonus rows: argmax p = token 1. Rejected rows: residual max(p - q, 0) = [.1, 0, .25, .05] -> token 2.
     assert nxt.tolist() == [1, 2, 2, 1, 1, 2]
@@ -464,11 +464,11 @@ def test_verify_sampled_predrawn_noise_matches_race_over_residual():
     g = gen(32)
     target_logits = torch.randn(B, K + 1, V, generator=g)
     q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
-    drafts = kernels.sample_from(q, g)
+    drafts = sampling.sample_from(q, g)
     u = torch.rand(B, K, generator=g)
     noise = torch.empty(B, V).exponential_(1, generator=g)
     vl = torch.randint(0, K + 1, (B,), generator=g)
-    n, nxt = kernels.verify_sampled(drafts, q, target_logits, vl, 1.0, None, u, noise)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, None, u, noise)
     p = torch.softmax(target_logits, -1)
     for i in range(B):
         m = 0

@@ -2,7 +2,7 @@
 generation_config.json as the default; per-request reproducibility; stop strings; the output file;
 streaming; the Python API.
 
-- `kernels.filter_logits` equals a by-definition filter written here with sorted Python lists.
+- `sampling.filter_logits` equals a by-definition filter written here with sorted Python lists.
 - The distribution tests of test_lossless.py, with filters: the first M generated tokens' joint
   distribution under speculative decoding equals the target's own filtered sampling, computed
   exactly from transformers' logits with the by-definition filter — for each filter and their
@@ -31,8 +31,9 @@ from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, ru
 from test_scheduler import write_sps_table
 
 import kernels
+import sampling
 import speculate
-from kernels import Filters
+from sampling import Filters
 
 torch.set_num_threads(1)
 
@@ -99,7 +100,7 @@ def test_filter_logits_equals_the_definition(f):
     logits = torch.randn(64, 40, generator=g) * 3
     logits[0, :5] = logits[0, 5]  # ties at the top
     T = 0.8
-    got = kernels.probs(logits, T, f).double()
+    got = sampling.probs(logits, T, f).double()
     for row, p in zip(logits, got):
         want = torch.tensor(filtered_by_definition(row.tolist(), T, f), dtype=torch.float64)
         if margins(row.tolist(), T, f) > 1e-4:  # away from a cut, the kept set is the same
@@ -118,14 +119,14 @@ def test_top_p_at_an_exact_cut_matches_transformers(p, top_p):
 
     z = torch.log(torch.tensor([p]))
     want = TopPLogitsWarper(top_p)(None, z.clone())
-    got = kernels.filter_logits(z, Filters(0, top_p))
+    got = sampling.filter_logits(z, Filters(0, top_p))
     assert torch.equal(torch.isinf(got), torch.isinf(want)), (got, want)
 
 
 def test_filters_off_change_nothing():
     logits = torch.randn(3, 4, 50)
-    assert torch.equal(kernels.probs(logits, 0.7, Filters()), torch.softmax(logits / 0.7, dim=-1))
-    assert torch.equal(kernels.filter_logits(logits, Filters(50, 1.0, 0.0)), logits)  # top-k = V keeps all
+    assert torch.equal(sampling.probs(logits, 0.7, Filters()), torch.softmax(logits / 0.7, dim=-1))
+    assert torch.equal(sampling.filter_logits(logits, Filters(50, 1.0, 0.0)), logits)  # top-k = V keeps all
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,11 +229,11 @@ def test_filtered_sampling_is_exact_in_rows_refilled_by_continuous_batching(fenv
 
 def test_chi_square_catches_verification_without_the_filters(fenv, monkeypatch):
     """The target's p left unfiltered in verification (the drafts still filtered): the check fails."""
-    orig = kernels.TORCH.verify_sampled
+    orig = sampling.accept_sampled
 
-    def unfiltered(*args, filters=kernels.NO_FILTERS, **kwargs):
+    def unfiltered(*args, filters=sampling.NO_FILTERS, **kwargs):
         return orig(*args, **kwargs)
-    monkeypatch.setattr(kernels, "TORCH", kernels.TORCH._replace(verify_sampled=unfiltered))
+    monkeypatch.setattr(sampling, "accept_sampled", unfiltered)
     f = Filters(3)
     tr = sampled(fenv, "random", 1.0, f)
     assert chi2_pvalue(seq_index(tr.outputs(), SV), filtered_joint(fenv, 1.0, f)) < P_MIN
@@ -244,7 +245,7 @@ def test_triton_kernels_apply_the_filters_alike(fenv, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     try:
-        kernels.kernel_set("triton", "cpu")
+        kernels.check_backend("triton", "cpu")
     except RuntimeError:
         pytest.skip("triton was imported outside its interpreter in this process")
     f = Filters(4, 0.9, 0.05)

@@ -141,17 +141,17 @@ def test_eval_interrupted_while_calibrating_marks_the_results(pair, tmp_path, mo
 def test_a_signal_after_decoding_waits_for_the_outputs(pair, tmp_path, monkeypatch, capsys):
     """SIGINT while the finished completions are printed, after decoding: the trace and the output file
     are published whole (they were left as .NAME.*.tmp), then the run stops with 130."""
-    import cli
     import speculate
+    from support.report import Printer
 
     d, target, drafter = pair
-    real = cli.Printer.finish
+    real = Printer.finish
 
     def finish_then_signal(self, completions):
         os.kill(os.getpid(), signal.SIGINT)  # (handled by cli_main's handler, deferred until published)
         real(self, completions)
 
-    monkeypatch.setattr(cli.Printer, "finish", finish_then_signal)
+    monkeypatch.setattr(Printer, "finish", finish_then_signal)
     rc = speculate.main(["--target", target, "--drafter", drafter, "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                          "--trace-file", str(tmp_path / "t.jsonl"), "--output-file", str(tmp_path / "o.jsonl")])
     assert rc == 130, capsys.readouterr().err

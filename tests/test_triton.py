@@ -50,6 +50,7 @@ finally:
     if _SAVED_ENV is None:
         os.environ.pop("TRITON_INTERPRET", None)
 
+import sampling  # noqa: E402
 from drafter import GatedMarkov, RNNMarkov, VanillaMarkov  # noqa: E402
 
 torch.set_num_threads(1)
@@ -60,7 +61,7 @@ if __name__ != "__main__" and not _INTERPRETED:
                 "TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 # The references, held before any test replaces the module's names.
-REF_CHAIN, REF_SAMPLED = kernels.markov_chain, kernels.verify_sampled
+REF_CHAIN, REF_SAMPLED = sampling.markov_chain, sampling.accept_sampled
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +79,7 @@ def no_fallback(monkeypatch):
     """Make the Triton functions' fallbacks fail loudly: a test using this really ran Triton."""
     def boom(*args, **kwargs):
         raise AssertionError("fell back to the plain-torch reference")
-    for name in ("markov_chain", "verify_sampled"):
+    for name in ("markov_chain_reference", "accept_sampled_reference"):
         monkeypatch.setattr(kernels, name, boom)
 
 
@@ -121,7 +122,7 @@ def test_markov_greedy_equals_reference(B, r, V, no_fallback):
     m = vanilla(V, r, seed=B + r + V)
     U, h, a = chain_inputs(B, K, V, seed=V)
     ref, q_ref = REF_CHAIN(U, h, a, m, 0.0, None)
-    out, q = kernels.markov_chain_triton(U, h, a, m, 0.0, None)
+    out, q = kernels.markov_chain(U, h, a, m, 0.0, None)
     assert q is None and q_ref is None
     assert out.dtype == torch.long and out.shape == (B, K)
     assert torch.equal(out, ref)
@@ -134,7 +135,7 @@ def test_markov_sampled_equals_reference_given_noise(B, r, V, no_fallback):
     U, h, a = chain_inputs(B, K, V, seed=2)
     noise = torch.empty((B, K, V)).exponential_(1, generator=gen(3))
     ref, q_ref = REF_CHAIN(U, h, a, m, T, None, noise)
-    out, q = kernels.markov_chain_triton(U, h, a, m, T, None, noise)
+    out, q = kernels.markov_chain(U, h, a, m, T, None, noise)
     assert torch.equal(out, ref)
     assert q.shape == (B, K, V) and q.dtype == torch.float32
     torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
@@ -145,7 +146,7 @@ def test_markov_sampled_draws_like_reference_from_generator(no_fallback):
     m = vanilla(V, r, seed=4)
     U, h, a = chain_inputs(B, K, V, seed=5)
     ref, q_ref = REF_CHAIN(U, h, a, m, T, gen(7))
-    out, q = kernels.markov_chain_triton(U, h, a, m, T, gen(7))
+    out, q = kernels.markov_chain(U, h, a, m, T, gen(7))
     assert torch.equal(out, ref)
     torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
 
@@ -156,7 +157,7 @@ def test_markov_greedy_ties_pick_the_first_index(no_fallback):
     m = vanilla(V, r, integer=True, seed=6)
     U, h, a = chain_inputs(B, K, V, seed=6, integer=True)
     ref, _ = REF_CHAIN(U, h, a, m, 0.0, None)
-    out, _ = kernels.markov_chain_triton(U, h, a, m, 0.0, None)
+    out, _ = kernels.markov_chain(U, h, a, m, 0.0, None)
     assert torch.equal(out, ref)
 
 
@@ -169,7 +170,7 @@ def test_markov_greedy_tie_across_tiles_picks_the_earlier_tile(no_fallback):
     U[0, 0, [70, 40, 99]] = 5.0   # tiles 2, 1 and 3 of 32: the first index is 40
     U[0, 1, [99, 96]] = 1.0       # both in the ragged last tile: 96
     h = torch.zeros((B, K, 16))
-    out, _ = kernels.markov_chain_triton(U, h, torch.tensor([0]), m, 0.0, None)
+    out, _ = kernels.markov_chain(U, h, torch.tensor([0]), m, 0.0, None)
     assert out.tolist() == [[40, 96]]
     assert out.tolist() == REF_CHAIN(U, h, torch.tensor([0]), m, 0.0, None)[0].tolist()
 
@@ -184,7 +185,7 @@ def test_markov_chain_feeds_previous_draft(no_fallback):
     U, h, _ = chain_inputs(B, K, V, seed=1)
     U = U.clamp(-1, 1)
     a = torch.tensor([5, 99])
-    out, _ = kernels.markov_chain_triton(U, h, a, m, 0.0, None)
+    out, _ = kernels.markov_chain(U, h, a, m, 0.0, None)
     assert out.tolist() == [[6, 7, 8, 9], [0, 1, 2, 3]]
 
 
@@ -197,7 +198,7 @@ def test_markov_bf16_rounds_z_like_torch(temperature, no_fallback):
     U = U * 37.3  # values whose sum with the integer bias needs rounding in bf16
     noise = torch.empty((B, K, V)).exponential_(1, generator=gen(10)) if temperature else None
     ref, q_ref = REF_CHAIN(U, h, a, m, temperature, None, noise)
-    out, q = kernels.markov_chain_triton(U, h, a, m, temperature, None, noise)
+    out, q = kernels.markov_chain(U, h, a, m, temperature, None, noise)
     assert torch.equal(out, ref)
     if temperature:
         torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
@@ -212,18 +213,17 @@ def test_markov_other_heads_fall_back_to_reference(head):
     noise = torch.empty((B, K, V)).exponential_(1, generator=gen(1))
     for T in (0.0, 0.9):
         ref, q_ref = REF_CHAIN(U, h, a, m, T, None, noise)
-        out, q = kernels.markov_chain_triton(U, h, a, m, T, None, noise)
+        out, q = kernels.markov_chain(U, h, a, m, T, None, noise)
         assert torch.equal(out, ref)
         assert (q is None) == (q_ref is None) and (q is None or torch.equal(q, q_ref))
 
 
-def test_kernel_sets():
-    """An engine binds one set: the references (the model's own attention), or the Triton versions
-    (refused where Triton cannot run; greedy acceptance, one argmax, stays torch's)."""
-    assert kernels.kernel_set("torch", "cpu") == (kernels.markov_chain, kernels.verify_greedy, kernels.verify_sampled,
-                                                  None)
-    assert kernels.kernel_set("triton", "cpu") == (kernels.markov_chain_triton, kernels.verify_greedy,
-                                                   kernels.verify_sampled_triton, kernels.cached_attention_triton)
+def test_check_backend():
+    """--kernels torch needs nothing; triton builds its kernels where it can run (here, its interpreter)
+    and is refused where it cannot."""
+    kernels.check_backend("torch", "cpu")
+    kernels.check_backend("triton", "cpu")
+    assert kernels._TRITON_KERNELS
 
 
 # ----------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_verify_sampled_equals_reference_given_u_and_noise(B, K, V, T, no_fallba
     seen_rejection = False
     for trial in range(3):
         drafts, q, logits, verify_len, u, noise = sampled_case(B, K, V, seed=trial + V + K, T=T)
-        n, nxt = kernels.verify_sampled_triton(drafts, q, logits, verify_len, T, None, u, noise)
+        n, nxt = kernels.accept_sampled(drafts, q, logits, verify_len, T, None, u, noise)
         n_ref, nxt_ref = REF_SAMPLED(drafts, q, logits, verify_len, T, None, u, noise)
         assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref), trial
         seen_rejection |= bool((n_ref < verify_len).any())
@@ -265,7 +265,7 @@ def test_verify_sampled_hand_built(no_fallback):
     verify_len = torch.tensor([3, 3])
     u = torch.full((2, K), 0.999)
     noise = torch.empty((2, V)).exponential_(1, generator=gen(14))
-    n, nxt = kernels.verify_sampled_triton(drafts, q, logits, verify_len, 1.0, None, u, noise)
+    n, nxt = kernels.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, noise)
     n_ref, nxt_ref = REF_SAMPLED(drafts, q, logits, verify_len, 1.0, None, u, noise)
     assert n.tolist() == n_ref.tolist() == [3, 1]
     assert torch.equal(nxt, nxt_ref)
@@ -277,7 +277,7 @@ def test_verify_sampled_u_zero_rejects_a_token_the_target_cannot_produce(no_fall
     logits = torch.randn((1, 2, V), generator=gen(15))
     logits[0, 0, 7] = float("-inf")
     q = torch.softmax(logits[:, :1], -1)
-    n, nxt = kernels.verify_sampled_triton(torch.tensor([[7]]), q, logits, torch.tensor([1]), 1.0, None,
+    n, nxt = kernels.accept_sampled(torch.tensor([[7]]), q, logits, torch.tensor([1]), 1.0, None,
                                            torch.zeros(1, 1), torch.ones(1, V))
     assert n.tolist() == [0] and nxt.item() != 7
 
@@ -286,7 +286,7 @@ def test_verify_sampled_draws_like_reference_from_generator(no_fallback):
     B, K, V = 3, 4, 100
     for seed in range(3):
         drafts, q, logits, verify_len, _, _ = sampled_case(B, K, V, seed=seed)
-        n, nxt = kernels.verify_sampled_triton(drafts, q, logits, verify_len, 1.0, gen(seed))
+        n, nxt = kernels.accept_sampled(drafts, q, logits, verify_len, 1.0, gen(seed))
         n_ref, nxt_ref = REF_SAMPLED(drafts, q, logits, verify_len, 1.0, gen(seed))
         assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
 
@@ -324,10 +324,10 @@ def test_cached_attention_equals_the_models(B, T, H, Hkv, hd, S, split, monkeypa
     want = model.attend_cached(q, k, v, model.cache_bias(allowed, 1, torch.float32))
     assert not want[0, 0].any()
     for group in (1, H // Hkv):
-        got = kernels.cached_attention_triton(q, k, v, model.cache_bias(allowed, group, torch.float32))
+        got = kernels.cached_attention(q, k, v, model.cache_bias(allowed, group, torch.float32))
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # other batch/token strides
-    assert torch.allclose(kernels.cached_attention_triton(strided, k, v, model.cache_bias(allowed, 1, torch.float32)),
+    assert torch.allclose(kernels.cached_attention(strided, k, v, model.cache_bias(allowed, 1, torch.float32)),
                           want, rtol=1e-5, atol=1e-5)
 
 
@@ -344,12 +344,12 @@ def test_cached_attention_reads_no_key_block_past_what_its_rows_may_see(split, m
     end = torch.tensor([[20, 21, 22, 23], [40, 41, 42, 43]])
     allowed = torch.arange(96) < end[..., None]
     bias = model.cache_bias(allowed, 1, torch.float32)
-    want = kernels.cached_attention_triton(q, k, v, bias)
+    want = kernels.cached_attention(q, k, v, bias)
     k2, v2 = k.clone(), v.clone()
     k2[0, 32:], v2[0, 32:], k2[1, 48:], v2[1, 48:] = float("nan"), float("nan"), float("nan"), float("nan")
-    assert torch.equal(kernels.cached_attention_triton(q, k2, v2, bias), want)
+    assert torch.equal(kernels.cached_attention(q, k2, v2, bias), want)
     k2[0, 30] = float("nan")  # masked, but in a block that is read: the kernel did read it
-    assert torch.isnan(kernels.cached_attention_triton(q, k2, v2, bias)[0]).any()
+    assert torch.isnan(kernels.cached_attention(q, k2, v2, bias)[0]).any()
 
 
 # ----------------------------------------------------------------------------------------
@@ -385,15 +385,19 @@ def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monke
         return [(r.output_ids, [(rd["draft"], rd["verified"], rd["accepted"]) for rd in r.rounds]) for r in reqs]
 
     want = decode(False)
-    for name in ("markov_chain", "verify_sampled"):  # from here on, only Triton may run (greedy is torch's)
+    # From here on, only Triton may run (greedy acceptance is torch's).
+    for name in ("markov_chain_reference", "accept_sampled_reference"):
         monkeypatch.setattr(kernels, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
+    for name in ("markov_chain", "accept_sampled"):
+        monkeypatch.setattr(sampling, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
+    triton_attention = kernels.cached_attention
     verified = []  # the verification's attention: the Triton kernel's, on every layer of every round
 
     def attention(q, k, v, bias):
         assert kernels._triton_ok(q, k, v, bias) and q.shape[-1] == 16  # no fallback to the model's
         verified.append(q.shape[1])
-        return kernels.cached_attention_triton(q, k, v, bias)
-    monkeypatch.setattr(kernels, "TRITON", kernels.TRITON._replace(attention=attention))
+        return triton_attention(q, k, v, bias)
+    monkeypatch.setattr(kernels, "cached_attention", attention)
     got = decode(True)
     assert got == want
     assert any(a >= 2 for _, rounds in want for _, _, a in rounds)
@@ -409,7 +413,7 @@ ATTENTION_SHAPES = [(1, 8, 32, 8, 128, 2312, (300, 2000)), (32, 8, 32, 8, 128, 2
 
 
 def attention_check(dev="cuda", shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, compile=True, reps=20):
-    """The cache attention on `dev`: kernels.cached_attention_triton against model.attend_cached (on
+    """The cache attention on `dev`: kernels.cached_attention against model.attend_cached (on
     CUDA: SDPA over the whole static cache, GQA folded, as a compiled graph runs it) at each filled
     length — agreement, and both timed — then traced by torch.compile(fullgraph). Returns failures."""
     import time
@@ -429,12 +433,12 @@ def attention_check(dev="cuda", shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, c
             group = H // Hkv if model.fold_gqa(dev) else 1
             ref_bias, bias = model.cache_bias(allowed, group, dtype), model.cache_bias(allowed, 1, dtype)
             want = model.attend_cached(q, k, v, ref_bias)
-            got = kernels.cached_attention_triton(q, k, v, bias)
+            got = kernels.cached_attention(q, k, v, bias)
             err = (got.float() - want.float()).abs().max().item()
             ok = err <= (2e-2 if dtype != torch.float32 else 1e-4)
             failures += not ok
             times = {}
-            for name, fn, b in (("sdpa", model.attend_cached, ref_bias), ("triton", kernels.cached_attention_triton, bias)):
+            for name, fn, b in (("sdpa", model.attend_cached, ref_bias), ("triton", kernels.cached_attention, bias)):
                 fn(q, k, v, b)
                 sync()
                 t0 = time.perf_counter()
@@ -447,8 +451,8 @@ def attention_check(dev="cuda", shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, c
     if compile:
         try:
             t0 = time.perf_counter()
-            got = torch.compile(kernels.cached_attention_triton, fullgraph=True, dynamic=False)(q, k, v, bias)
-            ok = torch.equal(got, kernels.cached_attention_triton(q, k, v, bias))
+            got = torch.compile(kernels.cached_attention, fullgraph=True, dynamic=False)(q, k, v, bias)
+            ok = torch.equal(got, kernels.cached_attention(q, k, v, bias))
             print(f"torch.compile(fullgraph) attention: ok={ok} ({time.perf_counter() - t0:.1f} s)")
         except Exception as e:  # noqa: BLE001 - report, do not hide
             ok = False
@@ -475,7 +479,8 @@ def device_check(dev="cuda", shapes=DEVICE_SHAPES, fast=None):  # pragma: no cov
     if dev == "cuda":
         assert torch.cuda.is_available() and kernels.HAVE_TRITON and not kernels._TRITON_IMPORT_INTERPRET
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    fast = fast or kernels.kernel_set("triton", dev)
+    kernels.check_backend("triton", dev)
+    fast = fast or (kernels.markov_chain, sampling.accept_greedy, kernels.accept_sampled)
     failures = 0
     for (B, K, V, r, dtype) in shapes:
         m = vanilla(V, r, seed=0, dtype=dtype).to(dev)

@@ -1,0 +1,338 @@
+"""Settings checked once, at the edge: the decode settings (`speculate.Settings`) for the Python API and
+every program; the flag groups programs share (`Machine`, `Prompts`); what the defaults resolve to
+(sampling from generation_config.json, compiling on CUDA); the command line's own combinations."""
+
+from __future__ import annotations
+
+import numbers
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Literal, Optional
+
+import torch
+
+import scheduler as sched
+from sampling import Filters
+from support.cli import (
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
+    AutoBool,
+    UserError,
+    check_ranges,
+    free_memory,
+    resolve_device,
+    set_threads,
+    use_compile_cache,
+)
+from support.files import check_outputs, read_json
+from support.text import StopStrings, auto_chat, check_chat_flags, encode, load_prompts
+
+MAX_REQUESTS = 10_000_000
+DEFAULT_BUDGET = 128  # new tokens per request when none is given (eval.py has the authors' own)
+
+# The decode settings' ranges and choices (a value outside is one line naming the flag).
+RANGES = {
+    "max_new_tokens": (int, "[1, 10485760]"),
+    "seed": (int, f"[0, {2**62}]"),
+    "num_samples": (int, f"[1, {MAX_REQUESTS}]"),
+    "batch_size": (int, "[1, 65536]"),
+    "top_k": (int, f"[0, {MAX_TOP_K}]"),
+    "temperature": (float, f"[0, {MAX_TEMPERATURE:g}]"),
+    "top_p": (float, "(0, 1]"),
+    "min_p": (float, "[0, 1]"),
+    "confidence_threshold": (float, "[0, 1]"),
+}
+REQUIRED = ("max_new_tokens", "seed", "num_samples", "batch_size", "confidence_threshold")
+CHOICES = {
+    "scheduler": sched.KINDS,
+    "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),  # speculate's
+    "kernels": ("torch", "triton"),
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
+    """A `speculate.Settings` for a run on `device`, checked: types, ranges, spellings, then combinations
+    (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
+    a tuple, and no budget given the default `budget` (None: left for the caller)."""
+    s = replace(s)  # the caller's settings stay as given
+    if s.max_new_tokens is None:
+        s.max_new_tokens = budget
+    for name, (kind, interval) in RANGES.items():
+        value = getattr(s, name)
+        if value is None:
+            if name in REQUIRED and not (name == "max_new_tokens" and budget is None):
+                raise UserError(f"{flag(name)}: invalid value None")
+            continue
+        want = numbers.Integral if kind is int else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, want):
+            expected = "an integer" if kind is int else "a number"
+            raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected})")
+        setattr(s, name, kind(value))
+    check_ranges(s, **{name: interval for name, (_, interval) in RANGES.items()})
+    for name, choices in CHOICES.items():
+        value = getattr(s, name)
+        if value is not None and value not in choices:
+            raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
+    if s.temperature is not None and 0 < s.temperature < MIN_TEMPERATURE:
+        raise UserError(f"--temperature: invalid value {s.temperature!r} (valid: 0 for greedy, or "
+                        f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
+    if isinstance(s.stop, str):
+        s.stop = (s.stop,)
+    elif s.stop is None:
+        s.stop = ()
+    if not isinstance(s.stop, (list, tuple)):
+        raise UserError(f"--stop {s.stop!r}: a stop string or a list of them")
+    s.stop = tuple(s.stop)
+    StopStrings.check(s.stop)
+    s.scheduler = sched.resolve(s.scheduler, s.confidence_threshold, s.sps_table, s.verify_buckets)
+    if s.compile is not None and not isinstance(s.compile, bool):
+        raise UserError(f"--compile: invalid value {s.compile!r} (True, False, or None for the default)")
+    s.compile = resolve_compile(s.compile, device)
+    if not s.compile:
+        if s.compile_mode is not None:
+            raise UserError(f"--compile-mode {s.compile_mode}: only used with --compile (the run is eager)")
+        if s.verbose:
+            raise UserError("--verbose: only used with --compile (the run is eager)")
+    return s
+
+
+def resolve_compile(compile: Optional[bool], device) -> bool:
+    """--compile's default: on for cuda, off for cpu (a first compile on a CPU takes minutes)."""
+    if compile is None:
+        return torch.device(device).type == "cuda"
+    return compile
+
+
+@dataclass
+class Sampling:
+    """How tokens are drawn, and where that came from (printed at start)."""
+    temperature: float
+    filters: Filters
+    source: str
+
+    def describe(self) -> str:
+        if self.temperature == 0:
+            return f"sampling: greedy ({self.source})"
+        f = self.filters
+        parts = [f"temperature {self.temperature:g}"]
+        if f.top_k:
+            parts.append(f"top-k {f.top_k}")
+        if f.top_p < 1:
+            parts.append(f"top-p {f.top_p:g}")
+        if f.min_p > 0:
+            parts.append(f"min-p {f.min_p:g}")
+        return f"sampling: {', '.join(parts)} ({self.source})"
+
+
+def sampling_for(m, s) -> Sampling:
+    """The settings' sampling if any is given (a filter alone: T = 1), else the target's
+    generation_config.json, else greedy."""
+    given = {}
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        if getattr(s, name) is not None:
+            given[name] = getattr(s, name)
+    if given:
+        source = "from " + ", ".join(flag(name) for name in given)
+    elif m.generation is not None:
+        given = m.generation
+        source = f"from {m.generation_source}"
+    elif m.generation_source is None:
+        given = {"temperature": 0.0}
+        source = "no sampling flag, and no generation_config.json"
+    else:
+        given = {"temperature": 0.0}
+        source = f"no sampling flag, and {m.generation_source} has do_sample false"
+    temperature = float(given.get("temperature", 1.0))
+    if temperature == 0:
+        return Sampling(temperature, Filters(), source)
+    filters = Filters(int(given.get("top_k") or 0), float(given.get("top_p", 1.0)), float(given.get("min_p", 0.0)))
+    return Sampling(temperature, filters, source)
+
+
+def check_cache_memory(m, drafter, batch: int, max_seq: int, device):
+    """The KV caches must fit in what is free on the device (where that is known)."""
+    per_token = 0
+    for a in [m.target.args] + ([drafter.cfg.layers] if drafter is not None else []):
+        per_token += 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
+    need = per_token * batch * max_seq * m.dtype.itemsize
+    free = free_memory(device)
+    if free and need > 0.9 * free:
+        raise UserError(f"the KV caches for --batch-size {batch} x {max_seq} positions need {need / 2**30:.1f} GiB; "
+                        f"{free / 2**30:.1f} GiB are free on {device}: lower --batch-size or --max-new-tokens")
+
+
+def prompt_list(prompts) -> list:
+    """The Python API's `prompts` as a list of prompts (one text, id list or conversation, or a list)."""
+    if not isinstance(prompts, (str, list, tuple)):
+        raise UserError(f"prompts: expected a text, a list of token ids, a conversation (a list of messages) or a "
+                        f"list of these, got {type(prompts).__name__}")
+    one = isinstance(prompts, str) or (prompts and all(isinstance(x, (int, dict)) for x in prompts))
+    if one:
+        return [prompts]
+    if not prompts:
+        raise UserError("generate: no prompts")
+    return list(prompts)
+
+
+# Flag groups shared by the programs
+
+@dataclass
+class Machine:
+    """Where and how a program runs."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where to run."""
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
+    threads: Optional[int] = None
+    """CPU threads. Default: OMP_NUM_THREADS, else half the CPUs (docs/performance.md)."""
+    compile_cache: Optional[str] = None
+    """With --compile: its cache directory. Default: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dspark-fast/inductor."""
+
+
+@dataclass
+class Prompts:
+    """What speculate.py decodes."""
+
+    prompt: Optional[str] = None
+    """One prompt as text (rendered with the chat template unless --no-chat)."""
+    prompt_ids: Optional[str] = None
+    """One prompt as comma-separated token ids, e.g. 1,2,3."""
+    prompts_file: Optional[str] = None
+    """JSON lines of {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (the first) or {"messages":
+    [{"role", "content"}, ...]} (ending with the user's turn). The demo's default: 21 held-out prompts."""
+
+
+@dataclass
+class Rendering:
+    """How text prompts become token ids."""
+
+    chat: AutoBool = None
+    """Render text prompts with the chat template, thinking off. Default: on when the tokenizer has a
+    template; --chat without one uses Qwen3's format."""
+    system_prompt: Optional[str] = None
+    """A system turn before every text prompt (chat rendering only)."""
+    enable_thinking: bool = False
+    """Render with the template's thinking on (the published drafters were trained with it off)."""
+
+
+def check_machine(machine: Machine, compile: bool):
+    check_ranges(machine, threads="[1, 4096]")
+    if machine.compile_cache is not None and not compile:
+        raise UserError("--compile-cache: only used with --compile (the run is eager)")
+
+
+def start(machine: Machine, s) -> str:
+    """Threads set and the compile cache chosen; returns the line that says how many threads."""
+    threads = set_threads(machine.threads)
+    if s.compile:
+        cache = use_compile_cache(machine.compile_cache)
+        print("loading the models; compiling the round next (a first compile takes minutes on a CPU, then it is "
+              f"cached in {cache})", file=sys.stderr)
+    return threads
+
+
+# speculate.py's command line
+
+# The demo's printed prompt, from the held-out shutil.py; demo/heldout.jsonl's 20 follow (figures over 21).
+DEMO_PROMPT = ('def copyfileobj(fsrc, fdst, length=0):\n'
+               '    """copy data from file-like object fsrc to file-like object fdst"""\n')
+
+
+def resolve_demo(args, demo_dir: str):
+    """(args, demo, lead): no --target, --drafter or --random-init is the demo pair on its held-out
+    prompts, led by DEMO_PROMPT (`lead`) unless a prompt is given; --compile's default resolved."""
+    p = args.prompts
+    demo = args.target is None and args.drafter is None and args.random_init is None
+    no_prompt = p.prompt is None and p.prompt_ids is None and p.prompts_file is None
+    lead = None
+    if demo:
+        args = replace(args, target=os.path.join(demo_dir, "target"), drafter=os.path.join(demo_dir, "drafter"))
+        if no_prompt:
+            args.prompts = replace(p, prompts_file=os.path.join(demo_dir, "heldout.jsonl"))
+            lead = DEMO_PROMPT
+    return args, demo, lead
+
+
+def check_command_line(args):
+    """speculate.py's flags alone, before anything is loaded or downloaded; returns the settings."""
+    import kernels
+    from support import runlog
+
+    s = check_settings(args.decode, args.machine.device)
+    check_machine(args.machine, s.compile)
+    check_ranges(args, log_every="[1, inf)")
+    runlog.check(args)
+    p = args.prompts
+    r = args.rendering
+    text = []
+    for name, given in (("--prompt", p.prompt is not None), ("--stop", bool(s.stop)),
+                        ("--system-prompt", r.system_prompt is not None)):
+        if given:
+            text.append(name)
+    if args.random_init is not None and text:  # no tokenizer: say so before building the model
+        raise UserError(f"{text[0]}: text needs a tokenizer, and --random-init {args.random_init} has none "
+                        f"(use --prompt-ids)")
+    if r.chat and p.prompt_ids is not None:
+        raise UserError("--chat: --prompt-ids are token ids, never rendered; it would change nothing")
+    check_chat_flags(chat=r.chat, ids=p.prompt_ids is not None, system_prompt=r.system_prompt,
+                     thinking=r.enable_thinking)
+    if args.calibration is not None and s.scheduler == "none":
+        raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
+                        f"(--scheduler threshold, hardware or async); without one it changes nothing")
+    check_files(args)
+    resolve_device(args.machine.device)
+    try:
+        kernels.check_backend(s.kernels, args.machine.device)
+    except RuntimeError as e:
+        raise UserError(f"--kernels {s.kernels}: {e}") from None
+    return s
+
+
+def check_files(args):
+    """The outputs writable, none an input (an SPS table is read if it exists, else written)."""
+    sps = args.decode.sps_table
+    sps_read = sps if sps is not None and os.path.isfile(sps) else None
+    outputs = {"--trace-file": args.trace_file, "--output-file": args.output_file,
+               "--sps-table": None if sps_read else sps}
+    inputs = [args.target, args.drafter, args.prompts.prompts_file, args.calibration, sps_read]
+    check_outputs(outputs, inputs=inputs)
+
+
+def read_prompts(p: Prompts, r: Rendering, m, s, lead: Optional[str]) -> tuple[list[list[int]], list[str]]:
+    """The prompts as ids and where each came from; the demo's lead prompt first."""
+    chat = auto_chat(r.chat, m.tokenizer)
+    context = m.target.args.max_position_embeddings
+    sources, prompts = [], []
+    if lead is not None:  # the demo's first prompt, whose completion is printed
+        sources.append("the demo prompt")
+        prompts.append(encode(m.tokenizer, lead, "the demo prompt", chat=chat))
+    prompts += load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=p.prompt, prompt_ids=p.prompt_ids,
+                            prompts_file=p.prompts_file, max_len=max(context - s.max_new_tokens, 1),
+                            system_prompt=r.system_prompt, thinking=r.enable_thinking, sources=sources)
+    if len(prompts) * s.num_samples > MAX_REQUESTS:
+        raise UserError(f"--num-samples {s.num_samples}: {len(prompts)} prompts x {s.num_samples} samples is more "
+                        f"than {MAX_REQUESTS:,} requests")
+    return prompts, sources
+
+
+def calibration_note(calibration: str, drafter: Optional[str], temperature: float) -> Optional[str]:
+    """A note when an STS file was fitted on another drafter or at another temperature than this run."""
+    cal = read_json(calibration)
+    fitted = cal.get("drafter_dir")
+    fitted_t = cal.get("temperature")
+    other = []
+    if isinstance(fitted, str) and drafter is not None and fitted != os.path.realpath(drafter):
+        other.append(f"on drafter {fitted} (this run: {os.path.realpath(drafter)})")
+    if isinstance(fitted_t, (int, float)) and not isinstance(fitted_t, bool) and fitted_t != temperature:
+        other.append(f"at temperature {fitted_t:g} (this run: {temperature:g})")
+    if not other:
+        return None
+    return (f"note: --calibration {calibration} was fitted {' and '.join(other)}; its temperatures may not fit "
+            f"this run (eval.py --calibration-out refits them)")

@@ -1,0 +1,269 @@
+"""What speculate.py shows and keeps of a decode: the completions on stdout (one request streamed), the
+trace and output files written as requests finish, W&B's running figures, the summary and its figures
+line; the demo's prompt and speed-up. Interrupted, what finished is kept and the summary says so."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Optional
+
+from support import metrics, runlog
+from support.cli import Interrupted, device_name, signals_deferred
+from support.files import StreamFile
+from support.flags import calibration_note, sampling_for
+from support.text import StopStrings
+
+END_RECORD = ("request", "output_ids", "num_rounds", "acceptance_length", "finish_reason")  # the trace's, of a request
+
+
+class Printer:
+    """Completions on stdout: one request streamed (holding back a possible stop string's start or an
+    incomplete UTF-8 character), several labelled at the end (with `show`, only the first `show`)."""
+
+    def __init__(self, tokenizer, stop: Optional[StopStrings], requests: int, samples: int, show: Optional[int] = None):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.samples = samples
+        self.n = requests
+        self.show = show
+        self.streaming = requests == 1 and tokenizer is not None
+        self.shown = 0
+        self.hold = 0
+        if stop is not None:
+            self.hold = max((len(s) for s in stop.strings), default=1) - 1
+
+    def on_round(self, req):
+        if not self.streaming:
+            return
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        final = req.finish_reason is not None  # a whole stop string in the text has ended the request
+        if self.stop is not None:
+            text = self.stop.cut(text)
+        safe = len(text)
+        if not final:  # not an incomplete UTF-8 character, nor a stop string's possible start
+            safe = len(text.rstrip("\ufffd")) - self.hold
+        if safe > self.shown:
+            print(text[self.shown:safe], end="", flush=True)
+            self.shown = safe
+
+    def finish(self, completions: list):
+        if self.streaming:
+            if completions:  # none if interrupted first
+                print(completions[0].text[self.shown:])
+            return
+        shown = completions[:self.show]
+        for c in shown:
+            if self.n > 1:
+                who = f"prompt {c.prompt + 1}"
+                if self.samples > 1:
+                    who += f", sample {c.sample + 1}"
+                tau = ""
+                if c.acceptance_length is not None:
+                    tau = f", τ {c.acceptance_length:.2f}"
+                print(f"--- request {c.request + 1} of {self.n} ({who}): {len(c.output_ids)} tokens, "
+                      f"{c.finish_reason}{tau} ---")
+            if c.text is not None:
+                print(c.text)
+            else:
+                print(",".join(map(str, c.output_ids)))
+        if len(shown) < len(completions):
+            print(f"({len(completions) - len(shown)} more completions not shown; --output-file FILE keeps every one)")
+
+
+def summarize(completions: list, engine, scheduler: str) -> tuple[dict, dict]:
+    """The trace's summary record of the finished requests, and their raw counts (metrics.py's)."""
+    c = metrics.count(completions, engine.K, engine.stop_ids)
+    seconds = engine.prefill_seconds + engine.decode_seconds
+    tokens_per_second = c["tokens"] / seconds if seconds > 0 else 0.0
+    summary = {"summary": True, "tokens_per_second": tokens_per_second,
+               "acceptance_length": metrics.acceptance_length(c),
+               "accept_rate_by_position": metrics.accept_rate_by_position(c),
+               "verified_per_round": metrics.verified_per_round(c), "scheduler": scheduler,
+               "prefill_seconds": engine.prefill_seconds, "decode_seconds": engine.decode_seconds,
+               "compile_seconds": engine.compile_seconds}
+    return summary, c
+
+
+def figures_line(name: str, summary: dict, c: dict, engine) -> str:
+    """The one line of figures printed after a decode."""
+    seconds = summary["prefill_seconds"] + summary["decode_seconds"]
+    tau = summary["acceptance_length"]
+    tau_text = "-" if tau is None else f"{tau:.2f}"
+    line = (f"{name}: {c['tokens']} tokens in {seconds:.2f} s, {summary['tokens_per_second']:.1f} tokens/s, "
+            f"τ={tau_text}")
+    if engine.drafter is not None and c["num_rounds"]:
+        rates = " ".join("-" if x is None else f"{x:.2f}" for x in summary["accept_rate_by_position"])
+        line += (f", accept by position [{rates}], verified {summary['verified_per_round']:.2f}/round "
+                 f"({summary['scheduler']})")
+    return line + f" (prefill {summary['prefill_seconds']:.2f} s, decode {summary['decode_seconds']:.2f} s)"
+
+
+class Decoding:
+    """One decode's callbacks (`speculate.decode`'s on_round / on_finish / on_step): the printer, the
+    trace and output files, W&B's watch; what finished, and the summary once it is over."""
+
+    def __init__(self, report: "Report", engine, name: str, files: bool):
+        self.report = report
+        self.engine = engine
+        self.name = name
+        args = report.args
+        self.trace_path = args.trace_file if files else None
+        self.out_path = args.output_file if files else None
+        self.trace = StreamFile(self.trace_path) if self.trace_path else None
+        self.out = StreamFile(self.out_path) if self.out_path else None
+        requests = len(report.prompts) * report.settings.num_samples
+        self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests, report.settings.num_samples,
+                               show=report.show)
+        bar = args.progress and requests > 1 and sys.stderr.isatty()
+        self.watch = runlog.DecodeWatch(report.log, name, engine.K, engine.stop_ids, requests, args.log_every,
+                                        lambda: engine.prefill_seconds + engine.decode_seconds, bar=bar)
+        self.done: list = []  # completions, as they finish
+        self.summary: Optional[dict] = None
+        self.counts: Optional[dict] = None
+
+    def on_round(self, req, record: dict):
+        if self.trace:
+            self.trace.write(json.dumps(record, allow_nan=False) + "\n")
+        self.printer.on_round(req)
+        self.watch.on_round(req, record)
+
+    def on_finish(self, c):
+        self.done.append(c)
+        if self.trace:
+            end = {k: getattr(c, k) for k in END_RECORD}
+            self.trace.write(json.dumps(end, allow_nan=False) + "\n")
+            self.trace.sync()
+        if self.out:
+            self.out.write(json.dumps(c.record(), ensure_ascii=False, allow_nan=False) + "\n")
+            self.out.sync()
+        self.watch.on_finish(c.request, len(c.output_ids))
+
+    def on_step(self):
+        self.watch.on_step()
+
+    def close(self, interrupted: bool):
+        """Print and publish what finished, whole (a signal now acts after it)."""
+        with signals_deferred():
+            done = sorted(self.done, key=lambda c: c.request)
+            self.printer.finish(done)
+            summary, counts = summarize(done, self.engine, self.report.settings.scheduler)
+            if interrupted:
+                summary.update(interrupted=True, finished_requests=len(done),
+                               requests=len(self.report.prompts) * self.report.settings.num_samples)
+            if self.trace:
+                self.trace.write(json.dumps(summary) + "\n")
+                self.trace.close()
+            if self.out:
+                self.out.close()
+        self.summary = summary
+        self.counts = counts
+        self.done = done
+
+    def abort(self):
+        for f in (self.trace, self.out):
+            if f is not None:
+                f.abort()
+
+
+class Report:
+    """What `python speculate.py` prints and writes around its decodes."""
+
+    def __init__(self, args, settings, models, prompts: list[list[int]], threads: str, log, *, demo: bool,
+                 lead: bool):
+        from support import cpu_kernels
+
+        self.args = args
+        self.settings = settings
+        self.models = models
+        self.prompts = prompts
+        self.log = log
+        self.demo = demo
+        self.show = 1 if lead else None  # the demo prints its lead prompt's completion only
+        self.sampling = sampling_for(models, settings)
+        note = None
+        if args.calibration:
+            note = calibration_note(args.calibration, models.directories[1], self.sampling.temperature)
+        if note:
+            print(note, file=sys.stderr)
+        parts = [threads, cpu_kernels.describe(models.target, settings.compile), self.sampling.describe()]
+        self.announce = "; ".join(p for p in parts if p)
+        if log is not None:
+            self.log_config(threads)
+
+    def log_config(self, threads: str):
+        m, s, args = self.models, self.settings, self.args
+        sampling = {"temperature": self.sampling.temperature, **self.sampling.filters._asdict(),
+                    "source": self.sampling.source}
+        drafter = m.drafter.cfg.describe() if m.drafter is not None else None
+        self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
+                        dtype_resolved=str(m.dtype).removeprefix("torch."), threads_resolved=int(threads.split()[1]),
+                        scheduler_resolved=s.scheduler, chat_resolved=args.rendering.chat, compile_resolved=s.compile,
+                        sampling=sampling, num_prompts=len(self.prompts),
+                        num_requests=len(self.prompts) * s.num_samples,
+                        target_config=runlog.checkpoint_config(m.directories[0]),
+                        drafter_config=runlog.checkpoint_config(m.directories[1]), drafter_resolved=drafter)
+
+    def show_prompt(self):
+        """The demo's first prompt, as the target reads it."""
+        more = ""
+        if self.show is not None:
+            n = len(self.prompts)
+            more = (f" 1 of {n} (the figures cover all {n}: this one, then the {n - 1} of "
+                    f"demo/heldout.jsonl)")
+        print(f"--- prompt{more} ---\n{self.models.tokenizer.decode(self.prompts[0])}")
+
+    @contextlib.contextmanager
+    def decoding(self, engine, heading: Optional[str] = None, files: bool = True, announce: bool = True):
+        """Around one decode: announce it, stream its outputs; afterwards print, write and log the summary
+        (interrupted: for what finished, then the interruption goes on; an error: the files are dropped)."""
+        if announce:
+            print(self.announce, file=sys.stderr)
+        if engine.drafter is not None or self.models.hub_snapshots:
+            random = " (random weights)" if self.args.random_init else ""
+            print(self.models.describe() + random, file=sys.stderr)
+        name = "speculative" if engine.drafter is not None else "autoregressive"
+        if heading:
+            print(f"--- {heading} ---")
+        d = Decoding(self, engine, name, files)
+        interrupted = None
+        try:
+            yield d
+        except Interrupted as e:
+            interrupted = e
+        except BaseException:
+            d.abort()
+            raise
+        finally:
+            d.watch.close()
+        d.close(interrupted is not None)
+        if self.log is not None:
+            runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done, self.prompts,
+                              self.models.tokenizer, {"trace": d.trace_path, "outputs": d.out_path})
+        if interrupted is not None:
+            raise interrupted
+        print(figures_line(name, d.summary, d.counts, engine))
+
+    def speed_up(self, baseline: Decoding, speculative: Decoding):
+        """The demo's last line: speculative against autoregressive tokens/s."""
+        summary = speculative.summary
+        if baseline.summary["tokens_per_second"] <= 0:
+            return
+        speed_up = summary["tokens_per_second"] / baseline.summary["tokens_per_second"]
+        same = [c.output_ids for c in baseline.done] == [c.output_ids for c in speculative.done]
+        seconds = summary["prefill_seconds"] + summary["decode_seconds"]
+        greedy = self.sampling.temperature == 0
+        if greedy:
+            how = f"greedy outputs identical: {same})"
+        else:
+            how = "sampled: the two follow the same distribution, not the same tokens)"
+        noisy = ""
+        if seconds < 1:
+            noisy = f"; a {seconds:.1f} s run is noisy: use scripts/bench.py for figures"
+        print(f"speed-up: {speed_up:.2f}x (speculative vs autoregressive tokens/s, same prompts, {how}{noisy}")
+        if self.log is not None:
+            figures = {"speed_up": speed_up}
+            if greedy:
+                figures["greedy_outputs_identical"] = same
+            self.log.summary(figures)

@@ -1,0 +1,77 @@
+"""support/flags.py: each decode setting is declared once (`speculate.Settings`), and the command line,
+the Python API, eval.py and bench.py read it with the same defaults, departing only where a program
+says why (eval.py: the authors' protocol; bench.py: it times compiled rounds)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import tyro
+
+import eval as ev
+import speculate
+from support import flags
+from support.cli import UserError, from_flat, flat_fields
+
+
+def test_the_command_line_and_the_api_agree_on_every_default():
+    parsed = tyro.cli(speculate.Args, args=[])
+    assert parsed.decode == speculate.Settings()
+    # generate() takes Settings' fields as keyword arguments and has no decode default of its own.
+    own = set(inspect.signature(speculate.generate).parameters) - {"m", "prompts", "settings"}
+    assert own == {"chat", "system_prompt", "thinking"}
+    assert not own & {f.name for f in fields(speculate.Settings)}
+
+
+def test_eval_and_bench_depart_only_where_they_say():
+    default = speculate.Settings()
+    protocol = tyro.cli(ev.EvalArgs, args=[]).decode
+    differ = {f.name for f in fields(default) if getattr(protocol, f.name) != getattr(default, f.name)}
+    assert differ == {"temperature", "seed"} and (protocol.temperature, protocol.seed) == (1.0, ev.AUTHORS_SEED)
+    import bench
+    timed = tyro.cli(bench.BenchArgs, args=[]).decode
+    differ = {f.name for f in fields(default) if getattr(timed, f.name) != getattr(default, f.name)}
+    assert differ == {"compile"} and timed.compile is True
+
+
+def test_every_decode_flag_reaches_the_settings():
+    argv = ["--max-new-tokens", "7", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9", "--min-p", "0.1",
+            "--stop", "a", "--stop", "b", "--ignore-eos", "--seed", "4", "--num-samples", "2", "--batch-size", "3",
+            "--scheduler", "threshold", "--confidence-threshold", "0.4", "--no-compile", "--kernels", "triton"]
+    s = tyro.cli(speculate.Args, args=argv).decode
+    assert s == speculate.Settings(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, stop=("a", "b"),
+                                   ignore_eos=True, seed=4, num_samples=2, batch_size=3, scheduler="threshold",
+                                   confidence_threshold=0.4, compile=False, kernels="triton")
+
+
+def test_check_settings_resolves_defaults_without_touching_the_callers():
+    given = speculate.Settings(confidence_threshold=0.5)
+    s = flags.check_settings(given, "cpu")
+    assert (s.max_new_tokens, s.scheduler, s.compile, s.stop) == (flags.DEFAULT_BUDGET, "threshold", False, ())
+    assert given == speculate.Settings(confidence_threshold=0.5)
+    assert flags.check_settings(speculate.Settings(), "cuda").compile is True  # on for cuda
+    assert flags.check_settings(speculate.Settings(), "cpu", budget=None).max_new_tokens is None
+
+
+@pytest.mark.parametrize("settings,needle", [
+    (dict(max_new_tokens=0), "--max-new-tokens: invalid value 0"),
+    (dict(temperature="hot"), "--temperature: invalid value 'hot' (expected a number)"),
+    (dict(compile=False, compile_mode="default"), "--compile-mode default: only used with --compile"),
+    (dict(compile=False, verbose=True), "--verbose: only used with --compile"),
+    (dict(kernels="cuda"), "--kernels 'cuda': one of torch, triton"),
+])
+def test_bad_settings_are_one_line_errors(settings, needle):
+    with pytest.raises(UserError, match=None) as e:
+        flags.check_settings(speculate.Settings(**settings), "cpu")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_flat_groups_round_trip():
+    args = from_flat(speculate.Args, {"max_new_tokens": 5, "device": "cpu", "prompt": "hi", "chat": False})
+    assert args.decode.max_new_tokens == 5 and args.prompts.prompt == "hi" and args.rendering.chat is False
+    values = flat_fields(args)
+    assert values["max_new_tokens"] == 5 and values["prompt"] == "hi" and "decode" not in values
+    with pytest.raises(TypeError, match="no flag 'nope'"):
+        from_flat(speculate.Args, {"nope": 1})
