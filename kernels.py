@@ -27,7 +27,8 @@ _ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    value = os.environ.get("TRITON_INTERPRET", "0").strip().lower()
+    return value in ("1", "true", "on", "yes")
 
 
 def _import_triton() -> bool:
@@ -39,10 +40,15 @@ def _import_triton() -> bool:
         except ImportError:
             HAVE_TRITON = False
             return False
-        triton, tl = _triton, _tl
-        probe = getattr(getattr(_tl, "standard", None), "sum", None)  # whoever imported first fixed the mode
-        _TRITON_IMPORT_INTERPRET = (type(probe).__name__ == "InterpretedFunction" if probe is not None
-                                    else _interpreting())
+        triton = _triton
+        tl = _tl
+        # whoever imported triton first fixed the mode
+        standard = getattr(_tl, "standard", None)
+        probe = getattr(standard, "sum", None)
+        if probe is not None:
+            _TRITON_IMPORT_INTERPRET = type(probe).__name__ == "InterpretedFunction"
+        else:
+            _TRITON_IMPORT_INTERPRET = _interpreting()
     return triton is not None
 
 
@@ -54,7 +60,9 @@ def _triton_ok(*tensors) -> bool:
         return not _TRITON_IMPORT_INTERPRET and all(t.is_cuda for t in tensors)
     if not _import_triton():
         return False
-    return _interpreting() if _TRITON_IMPORT_INTERPRET else all(t.is_cuda for t in tensors)
+    if _TRITON_IMPORT_INTERPRET:
+        return _interpreting()
+    return all(t.is_cuda for t in tensors)
 
 
 def _pow2(n: int) -> int:
@@ -65,80 +73,182 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _unit_stride(x):
+    """x, or a copy of it where its last dimension is strided (the kernels read rows densely)."""
+    if x.stride(-1) == 1:
+        return x
+    return x.contiguous()
+
+
 def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
-                        filters: Filters = NO_FILTERS):
+                 filters: Filters = NO_FILTERS):
     """`sampling.markov_chain` for the vanilla head: per slot, tile keys (z/T - log E when sampled), then the
     row's best written where the next slot reads it."""
     B, K, V = base_logits.shape
-    w1, w2 = (markov.markov_w1.weight, markov.markov_w2.weight) if getattr(markov, "kind", None) == "vanilla" \
-        else (None, None)
-    if (w1 is None or K == 0 or B > TRITON_CHAIN_MAX_BATCH or (filters.active and temperature != 0)
-            or base_logits.dtype not in _ROUND_CODE or w2.dtype not in _ROUND_CODE or w1.dtype != w2.dtype
+    w1 = w2 = None
+    if getattr(markov, "kind", None) == "vanilla":
+        w1 = markov.markov_w1.weight
+        w2 = markov.markov_w2.weight
+    if (w1 is None
+            or K == 0
+            or B > TRITON_CHAIN_MAX_BATCH
+            or (filters.active and temperature != 0)
+            or base_logits.dtype not in _ROUND_CODE
+            or w2.dtype not in _ROUND_CODE
+            or w1.dtype != w2.dtype
             or not _triton_ok(base_logits, anchor, w1, w2)):
-        return markov_chain_reference(base_logits, hidden, anchor, markov, temperature, generator, noise,
-                                      filters=filters)
-    kern, dev, R = _kernels(), base_logits.device, w1.shape[1]
-    u_all, w1c, w2c = base_logits.contiguous(), w1.contiguous(), w2.contiguous()
+        return markov_chain_reference(base_logits, hidden, anchor, markov, temperature, generator,
+                                      noise, filters=filters)
+    kern = _kernels()
+    dev = base_logits.device
+    R = w1.shape[1]
+    u_all = base_logits.contiguous()
+    w1c = w1.contiguous()
+    w2c = w2.contiguous()
     sampled = temperature != 0
     chain = torch.empty((B, K + 1), dtype=torch.long, device=dev)  # [anchor, x_1 .. x_K]
     chain[:, 0] = anchor
-    z = torch.empty((B, K, V) if sampled else (1, 1, 1), dtype=torch.float32, device=dev)
+    z_shape = (B, K, V) if sampled else (1, 1, 1)  # greedy: z is a pointer never written
+    z = torch.empty(z_shape, dtype=torch.float32, device=dev)
     n_tiles = _cdiv(V, TRITON_BLOCK_V)
     pval = torch.empty((B, n_tiles), dtype=torch.float32, device=dev)
     pidx = torch.empty((B, n_tiles), dtype=torch.int32, device=dev)
-    noise = noise.contiguous() if noise is not None else None
+    if noise is not None:
+        noise = noise.contiguous()
+    kernel_temperature = float(temperature) if sampled else 1.0
+    z_dtype = torch.promote_types(base_logits.dtype, w2.dtype)  # the reference's z = u + bias
+    bias_round = _ROUND_CODE[w2.dtype]
+    z_round = _ROUND_CODE[z_dtype]
+    BLOCK_R = min(TRITON_BLOCK_R, _pow2(R))
+    BLOCK_T = _pow2(n_tiles)
+    row_grid = (B,)
+    tile_grid = (B, n_tiles)
     for k in range(K):
-        if not sampled:
-            nz, noise_off, s_noise = z, 0, 0
+        if not sampled:  # greedy: the noise is a pointer never read
+            nz = z
+            noise_off = 0
+            s_noise = 0
         elif noise is not None:
-            nz, noise_off, s_noise = noise, k * noise.stride(1), noise.stride(0)
+            nz = noise
+            noise_off = k * noise.stride(1)
+            s_noise = noise.stride(0)
         else:  # the reference's draw order
-            nz, noise_off, s_noise = torch.empty((B, V), device=dev).exponential_(1, generator=generator), 0, V
-        kern["_markov_partial_kernel"][(B, n_tiles)](
-            u_all, k * u_all.stride(1), u_all.stride(0), chain, K + 1, k, w1c, R, w2c, R, nz, noise_off, s_noise,
-            z, k * V if sampled else 0, z.stride(0), pval, pidx, n_tiles, V, float(temperature) if sampled else 1.0,
-            R=R, SAMPLED=sampled, BIAS_ROUND=_ROUND_CODE[w2.dtype],
-            Z_ROUND=_ROUND_CODE[torch.promote_types(base_logits.dtype, w2.dtype)],
-            BLOCK_V=TRITON_BLOCK_V, BLOCK_R=min(TRITON_BLOCK_R, _pow2(R)))
-        kern["_markov_reduce_kernel"][(B,)](pval, pidx, n_tiles, chain, K + 1, k, BLOCK_T=_pow2(n_tiles), num_warps=8)
-    return chain[:, 1:].contiguous(), (torch.softmax(z / temperature, dim=-1) if sampled else None)
+            nz = torch.empty((B, V), device=dev).exponential_(1, generator=generator)
+            noise_off = 0
+            s_noise = V
+        u_off = k * u_all.stride(1)
+        z_off = k * V if sampled else 0
+        kern["_markov_partial_kernel"][tile_grid](
+            u_all, u_off, u_all.stride(0),
+            chain, K + 1, k,
+            w1c, R,
+            w2c, R,
+            nz, noise_off, s_noise,
+            z, z_off, z.stride(0),
+            pval, pidx,
+            n_tiles, V,
+            kernel_temperature,
+            R=R,
+            SAMPLED=sampled,
+            BIAS_ROUND=bias_round,
+            Z_ROUND=z_round,
+            BLOCK_V=TRITON_BLOCK_V,
+            BLOCK_R=BLOCK_R)
+        kern["_markov_reduce_kernel"][row_grid](
+            pval, pidx, n_tiles,
+            chain, K + 1, k,
+            BLOCK_T=BLOCK_T,
+            num_warps=8)
+    drafts = chain[:, 1:].contiguous()
+    if not sampled:
+        return drafts, None
+    q = torch.softmax(z / temperature, dim=-1)
+    return drafts, q
 
 
-def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None,
-                          *, filters: Filters = NO_FILTERS):
+def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator,
+                   u=None, noise=None, *, filters: Filters = NO_FILTERS):
     """`sampling.accept_sampled` in four passes, p never materialised; filters run in torch first (then T = 1)."""
     B, K = drafts.shape
-    V, dev = target_logits.shape[-1], target_logits.device
-    if not (_triton_ok(drafts, target_logits, verify_len, *([q] if K else [])) and target_logits.dtype in _ROUND_CODE):
-        return accept_sampled_reference(drafts, q, target_logits, verify_len, temperature, generator, u, noise,
-                                        filters=filters)
+    V = target_logits.shape[-1]
+    dev = target_logits.device
+    inputs = [drafts, target_logits, verify_len]
+    if K:
+        inputs.append(q)
+    if not (_triton_ok(*inputs) and target_logits.dtype in _ROUND_CODE):
+        return accept_sampled_reference(drafts, q, target_logits, verify_len, temperature,
+                                        generator, u, noise, filters=filters)
     if filters.active:
-        target_logits, temperature = filter_logits(target_logits.float() / temperature, filters), 1.0
-    u = torch.rand((B, K), generator=generator, device=dev) if u is None else u
-    noise = torch.empty((B, V), device=dev).exponential_(1, generator=generator) if noise is None else noise
-    kern, T = _kernels(), float(temperature)
-    logits, n_tiles = target_logits.reshape(B * (K + 1), V), _cdiv(V, TRITON_ROWS_BLOCK_V)
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    qf = q.reshape(B * K, V).contiguous() if K else logits  # a pointer never read when K = 0
-    d, vl = drafts.long().contiguous(), verify_len.long().contiguous()
-    uf, nz = (u.float().contiguous() if K else logits), noise.float().contiguous()
+        target_logits = filter_logits(target_logits.float() / temperature, filters)
+        temperature = 1.0
+    if u is None:
+        u = torch.rand((B, K), generator=generator, device=dev)
+    if noise is None:
+        noise = torch.empty((B, V), device=dev).exponential_(1, generator=generator)
+    kern = _kernels()
+    T = float(temperature)
+    rows = B * (K + 1)
+    logits = _unit_stride(target_logits.reshape(rows, V))
+    qf = logits  # K = 0: q and u are pointers never read
+    uf = logits
+    if K:
+        qf = q.reshape(B * K, V).contiguous()
+        uf = u.float().contiguous()
+    d = drafts.long().contiguous()
+    vl = verify_len.long().contiguous()
+    nz = noise.float().contiguous()
+    n_tiles = _cdiv(V, TRITON_ROWS_BLOCK_V)
+    BLOCK_J = _pow2(K + 1)
     BLOCK_T = _pow2(n_tiles)
-    pmax, psum = (torch.empty((B * (K + 1), n_tiles), dtype=torch.float32, device=dev) for _ in range(2))
-    kern["_rows_softmax_partial_kernel"][(B * (K + 1), n_tiles)](logits, logits.stride(0), pmax, psum, n_tiles, V, T,
-                                                                 BLOCK_V=TRITON_ROWS_BLOCK_V)
+    has_q = K > 0
+    row_grid = (B,)  # a program per batch row
+    tile_grid = (B, n_tiles)  # ... per batch row and V-tile
+    position_grid = (rows, n_tiles)  # ... per row of logits and V-tile
+    # 1. each position's max and sum of exp, per V-tile
+    pmax = torch.empty((rows, n_tiles), dtype=torch.float32, device=dev)
+    psum = torch.empty((rows, n_tiles), dtype=torch.float32, device=dev)
+    kern["_rows_softmax_partial_kernel"][position_grid](
+        logits, logits.stride(0),
+        pmax, psum,
+        n_tiles, V,
+        T,
+        BLOCK_V=TRITON_ROWS_BLOCK_V)
+    # 2. the drafts' acceptance: n, and the committed position's statistics
     n = torch.empty((B,), dtype=torch.long, device=dev)
     stat = torch.empty((B, 3), dtype=torch.float32, device=dev)
-    kern["_verify_sampled_accept_kernel"][(B,)](pmax, psum, n_tiles, logits, logits.stride(0), d, qf, qf.stride(0),
-                                                uf, vl, n, stat, K, T, BLOCK_J=_pow2(K + 1), BLOCK_T=BLOCK_T,
-                                                num_warps=8)
+    kern["_verify_sampled_accept_kernel"][row_grid](
+        pmax, psum, n_tiles,
+        logits, logits.stride(0),
+        d,
+        qf, qf.stride(0),
+        uf, vl,
+        n, stat,
+        K, T,
+        BLOCK_J=BLOCK_J,
+        BLOCK_T=BLOCK_T,
+        num_warps=8)
+    # 3. the bonus's and the correction's race, per V-tile
     pval = torch.empty((B, n_tiles, 2), dtype=torch.float32, device=dev)
     pidx = torch.empty((B, n_tiles, 2), dtype=torch.int32, device=dev)
     rsum = torch.empty((B, n_tiles), dtype=torch.float32, device=dev)
-    kern["_verify_sampled_race_kernel"][(B, n_tiles)](logits, logits.stride(0), qf, qf.stride(0), nz, nz.stride(0),
-                                                      n, stat, pval, pidx, rsum, n_tiles, V, K, T,
-                                                      HAS_Q=K > 0, BLOCK_V=TRITON_ROWS_BLOCK_V)
+    kern["_verify_sampled_race_kernel"][tile_grid](
+        logits, logits.stride(0),
+        qf, qf.stride(0),
+        nz, nz.stride(0),
+        n, stat,
+        pval, pidx, rsum,
+        n_tiles, V, K,
+        T,
+        HAS_Q=has_q,
+        BLOCK_V=TRITON_ROWS_BLOCK_V)
+    # 4. the next token
     nxt = torch.empty((B,), dtype=torch.long, device=dev)
-    kern["_verify_sampled_pick_kernel"][(B,)](pval, pidx, rsum, stat, nxt, n_tiles, HAS_Q=K > 0, BLOCK_T=BLOCK_T)
+    kern["_verify_sampled_pick_kernel"][row_grid](
+        pval, pidx, rsum, stat,
+        nxt,
+        n_tiles,
+        HAS_Q=has_q,
+        BLOCK_T=BLOCK_T)
     return n, nxt
 
 
@@ -151,7 +261,9 @@ TRITON_SPLIT_MIN_BLOCKS = 4       # ... each split at least this many blocks of 
 def attention_splits(programs: int, S: int) -> tuple[int, int]:
     """(splits, keys per split) of a cache of S keys for `programs` programs without splitting."""
     key_blocks = _cdiv(S, TRITON_BLOCK_N)
-    splits = max(1, min(_cdiv(TRITON_ATTENTION_PROGRAMS, programs), key_blocks // TRITON_SPLIT_MIN_BLOCKS))
+    fill = _cdiv(TRITON_ATTENTION_PROGRAMS, programs)  # splits to reach the target programs
+    most = key_blocks // TRITON_SPLIT_MIN_BLOCKS        # ... that leave each split enough blocks
+    splits = max(1, min(fill, most))
     split_keys = _cdiv(key_blocks, splits) * TRITON_BLOCK_N
     return _cdiv(S, split_keys), split_keys
 
@@ -160,35 +272,74 @@ def cached_attention(q, k, v, bias):
     """`model.attend_cached` as one kernel: a program per (batch row, K/V head, query block), online
     softmax in float32, key blocks no row may see skipped; a row that sees no key gives zeros."""
     B, T, H, hd = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    if not (_triton_ok(q, k, v, bias) and q.dtype in _ROUND_CODE and 16 <= hd <= 256 and hd & (hd - 1) == 0
-            and H % Hkv == 0 and bias.shape[2] in (T, T * (H // Hkv)) and S > 0
-            and not (_TRITON_IMPORT_INTERPRET and q.dtype == torch.bfloat16)):  # the interpreter's bf16 tl.dot is wrong
+    S = k.shape[1]
+    Hkv = k.shape[2]
+    if not (_triton_ok(q, k, v, bias)
+            and q.dtype in _ROUND_CODE
+            and 16 <= hd <= 256
+            and hd & (hd - 1) == 0
+            and H % Hkv == 0
+            and bias.shape[2] in (T, T * (H // Hkv))
+            and S > 0
+            # the interpreter's bf16 tl.dot is wrong
+            and not (_TRITON_IMPORT_INTERPRET and q.dtype == torch.bfloat16)):
         import model
         return model.attend_cached(q, k, v, bias)
     G = H // Hkv
-    q, k, v, bias = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, bias))
+    q = _unit_stride(q)
+    k = _unit_stride(k)
+    v = _unit_stride(v)
+    bias = _unit_stride(bias)
     out = torch.empty((B, T, H * hd), dtype=q.dtype, device=q.device)
-    BLOCK_M = min(TRITON_BLOCK_M, max(16, _pow2(T * G)))
-    row_blocks = _cdiv(T * G, BLOCK_M)
+    rows = T * G  # query rows per (batch row, K/V head)
+    BLOCK_M = min(TRITON_BLOCK_M, max(16, _pow2(rows)))
+    row_blocks = _cdiv(rows, BLOCK_M)
     programs = B * Hkv * row_blocks
     splits, split_keys = attention_splits(programs, S)
-    shape = (programs, splits, BLOCK_M) if splits > 1 else (1,)
-    m, l = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
-    acc = torch.empty((*shape, hd) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
-    _kernels()["_cached_attention_kernel"][(B * Hkv, row_blocks, splits)](
-        q, k, v, bias, out, m, l, acc, T, G, Hkv, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), bias.stride(2),
-        hd ** -0.5, S=S, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=TRITON_BLOCK_N, SPLIT_KEYS=split_keys, PARTIAL=splits > 1,
-        IEEE=q.dtype == torch.float32)
-    if splits == 1:
+    partial = splits > 1
+    shape = (1,)  # without splits: m, l and acc are pointers never written
+    acc_shape = (1,)
+    if partial:
+        shape = (programs, splits, BLOCK_M)
+        acc_shape = (*shape, hd)
+    m = torch.empty(shape, dtype=torch.float32, device=q.device)
+    l = torch.empty(shape, dtype=torch.float32, device=q.device)
+    acc = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
+    scale = hd ** -0.5
+    ieee = q.dtype == torch.float32  # float32 inputs: tl.dot in full float32 precision
+    grid = (B * Hkv, row_blocks, splits)
+    _kernels()["_cached_attention_kernel"][grid](
+        q, k, v, bias,
+        out, m, l, acc,
+        T, G, Hkv, H,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        bias.stride(0), bias.stride(2),
+        scale,
+        S=S,
+        HD=hd,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=TRITON_BLOCK_N,
+        SPLIT_KEYS=split_keys,
+        PARTIAL=partial,
+        IEEE=ieee)
+    if not partial:
         return out
-    top = m.amax(1, keepdim=True)  # combine the splits' softmax statistics
-    w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))
+    # combine the splits' softmax statistics
+    top = m.amax(1, keepdim=True)
+    top_safe = torch.where(top == float("-inf"), 0.0, top)
+    w = torch.exp(m - top_safe)
     den = (w * l).sum(1)
-    o = (w[..., None] * acc).sum(1) / torch.where(den > 0, den, 1.0)[..., None]
-    o = o.view(B, Hkv, row_blocks * BLOCK_M, hd)[:, :, :T * G].reshape(B, Hkv, T, G, hd)
-    return o.permute(0, 2, 1, 3, 4).reshape(B, T, H * hd).to(q.dtype)
+    o = (w[..., None] * acc).sum(1)
+    den_safe = torch.where(den > 0, den, 1.0)
+    o = o / den_safe[..., None]
+    o = o.view(B, Hkv, row_blocks * BLOCK_M, hd)
+    o = o[:, :, :rows]  # the last block's padding rows dropped
+    o = o.reshape(B, Hkv, T, G, hd)
+    o = o.permute(0, 2, 1, 3, 4)
+    o = o.reshape(B, T, H * hd)
+    return o.to(q.dtype)
 
 
 # The kernel sources, made Triton kernels by `_build_triton_kernels` (tl is bound on first use).
@@ -197,216 +348,350 @@ def _round_to(x, CODE: tl.constexpr):
     """float32 x rounded (to nearest even) to bfloat16 (CODE 1) or float16 (CODE 2), kept as float32."""
     if CODE == 1:
         b = x.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        lsb = (b >> 16) & 1  # ties go to the even bfloat16
+        b = ((b + 0x7FFF + lsb) >> 16) << 16
         x = b.to(tl.float32, bitcast=True)
     elif CODE == 2:
         x = x.to(tl.float16).to(tl.float32)
     return x
 
 
-def _markov_partial_kernel(u_ptr, u_off, s_u, chain_ptr, s_chain, k, w1_ptr, s_w1, w2_ptr, s_w2,
-                           noise_ptr, noise_off, s_noise, z_ptr, z_off, s_z, pval_ptr, pidx_ptr,
-                           n_tiles, V, temperature, R: tl.constexpr,
-                           SAMPLED: tl.constexpr, BIAS_ROUND: tl.constexpr, Z_ROUND: tl.constexpr,
-                           BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+def _markov_partial_kernel(u_ptr, u_off, s_u,
+                           chain_ptr, s_chain, k,
+                           w1_ptr, s_w1,
+                           w2_ptr, s_w2,
+                           noise_ptr, noise_off, s_noise,
+                           z_ptr, z_off, s_z,
+                           pval_ptr, pidx_ptr,
+                           n_tiles, V,
+                           temperature,
+                           R: tl.constexpr,
+                           SAMPLED: tl.constexpr,
+                           BIAS_ROUND: tl.constexpr,
+                           Z_ROUND: tl.constexpr,
+                           BLOCK_V: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
     """Pass 1 of a Markov step: one (row b, V-tile) -> that tile's best key and its first index."""
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
-    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    tile_start = t * BLOCK_V
+    cols = tile_start + tl.arange(0, BLOCK_V)
     cmask = cols < V
-    prev = tl.load(chain_ptr + b * s_chain + k).to(tl.int64)  # x_{k-1} (column 0: the anchor)
+    prev_ptr = chain_ptr + b * s_chain + k
+    prev = tl.load(prev_ptr).to(tl.int64)  # x_{k-1} (column 0: the anchor)
+    # the tile's bias W2 · W1[x_{k-1}], BLOCK_R ranks at a time
+    e_row = w1_ptr + prev * s_w1
+    w_rows = w2_ptr + cols.to(tl.int64)[:, None] * s_w2
     acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
     # R is a constexpr: Triton 3.6's interpreter cannot loop over a runtime bound.
     for r0 in range(0, R, BLOCK_R):
         rs = r0 + tl.arange(0, BLOCK_R)
         rmask = rs < R
-        e = tl.load(w1_ptr + prev * s_w1 + rs, mask=rmask, other=0.0).to(tl.float32)
-        w = tl.load(w2_ptr + cols.to(tl.int64)[:, None] * s_w2 + rs[None, :],
-                    mask=cmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+        e = tl.load(e_row + rs, mask=rmask, other=0.0).to(tl.float32)
+        w_ptrs = w_rows + rs[None, :]
+        w_mask = cmask[:, None] & rmask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * e[None, :], axis=1)
     bias = _round_to(acc, BIAS_ROUND)
-    u = tl.load(u_ptr + u_off + b * s_u + cols, mask=cmask, other=0.0).to(tl.float32)
+    u_row = u_ptr + u_off + b * s_u
+    u = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
     z = _round_to(u + bias, Z_ROUND)
     if SAMPLED:
-        tl.store(z_ptr + z_off + b * s_z + cols, z, mask=cmask)
-        noise = tl.load(noise_ptr + noise_off + b * s_noise + cols, mask=cmask, other=1.0)
+        z_row = z_ptr + z_off + b * s_z
+        tl.store(z_row + cols, z, mask=cmask)
+        noise_row = noise_ptr + noise_off + b * s_noise
+        noise = tl.load(noise_row + cols, mask=cmask, other=1.0)
         key = z / temperature - tl.log(noise)
     else:
         key = z
     key = tl.where(cmask, key, float("-inf"))
     best = tl.max(key, axis=0)
-    idx = tl.min(tl.where(key == best, cols, 2147483647), axis=0)
-    tl.store(pval_ptr + b * n_tiles + t, best)
-    tl.store(pidx_ptr + b * n_tiles + t, idx)
+    candidates = tl.where(key == best, cols, 2147483647)
+    idx = tl.min(candidates, axis=0)  # the first index of the best
+    tile = b * n_tiles + t
+    tl.store(pval_ptr + tile, best)
+    tl.store(pidx_ptr + tile, idx)
 
 
-def _markov_reduce_kernel(pval_ptr, pidx_ptr, n_tiles, chain_ptr, s_chain, k, BLOCK_T: tl.constexpr):
+def _markov_reduce_kernel(pval_ptr, pidx_ptr, n_tiles,
+                          chain_ptr, s_chain, k,
+                          BLOCK_T: tl.constexpr):
     """Pass 2: the row's best over its tiles (first index on ties) -> chain[b, k + 1] = x_k."""
     b = tl.program_id(0).to(tl.int64)
     ts = tl.arange(0, BLOCK_T)
     tmask = ts < n_tiles
-    val = tl.load(pval_ptr + b * n_tiles + ts, mask=tmask, other=float("-inf"))
-    idx = tl.load(pidx_ptr + b * n_tiles + ts, mask=tmask, other=2147483647)
+    tiles = b * n_tiles + ts
+    val = tl.load(pval_ptr + tiles, mask=tmask, other=float("-inf"))
+    idx = tl.load(pidx_ptr + tiles, mask=tmask, other=2147483647)
     best = tl.max(val, axis=0)
-    x = tl.min(tl.where(tmask & (val == best), idx, 2147483647), axis=0)
-    tl.store(chain_ptr + b * s_chain + k + 1, x.to(tl.int64))
+    is_best = tmask & (val == best)
+    candidates = tl.where(is_best, idx, 2147483647)
+    x = tl.min(candidates, axis=0)
+    x_ptr = chain_ptr + b * s_chain + k + 1
+    tl.store(x_ptr, x.to(tl.int64))
 
 
-def _rows_softmax_partial_kernel(x_ptr, s_row, pmax_ptr, psum_ptr, n_tiles, V, temperature,
+def _rows_softmax_partial_kernel(x_ptr, s_row,
+                                 pmax_ptr, psum_ptr,
+                                 n_tiles, V,
+                                 temperature,
                                  BLOCK_V: tl.constexpr):
     """Per (row, V-tile) of logits: max of x/T and the sum of exp(x/T − that max)."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
-    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    tile_start = t * BLOCK_V
+    cols = tile_start + tl.arange(0, BLOCK_V)
     cmask = cols < V
-    x = tl.load(x_ptr + row * s_row + cols, mask=cmask, other=0.0).to(tl.float32) / temperature
+    row_ptr = x_ptr + row * s_row
+    x = tl.load(row_ptr + cols, mask=cmask, other=0.0)
+    x = x.to(tl.float32) / temperature
     x = tl.where(cmask, x, float("-inf"))
     m = tl.max(x, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(x - m_safe), axis=0)
-    tl.store(pmax_ptr + row * n_tiles + t, m)
-    tl.store(psum_ptr + row * n_tiles + t, s)
+    numerator = tl.exp(x - m_safe)
+    s = tl.sum(numerator, axis=0)
+    tile = row * n_tiles + t
+    tl.store(pmax_ptr + tile, m)
+    tl.store(psum_ptr + tile, s)
 
 
-def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles, logits_ptr, s_lrow, drafts_ptr, q_ptr, s_qrow,
-                                  u_ptr, vlen_ptr, n_ptr, stat_ptr, K, temperature,
-                                  BLOCK_J: tl.constexpr, BLOCK_T: tl.constexpr):
+def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles,
+                                  logits_ptr, s_lrow,
+                                  drafts_ptr,
+                                  q_ptr, s_qrow,
+                                  u_ptr, vlen_ptr,
+                                  n_ptr, stat_ptr,
+                                  K, temperature,
+                                  BLOCK_J: tl.constexpr,
+                                  BLOCK_T: tl.constexpr):
     """One row: softmax max/sum of each position, the acceptance test u·q(x) < p(x), n, and the
     committed position's statistics (max, sum, rejected) for the last pass."""
     b = tl.program_id(0).to(tl.int64)
-    js = tl.arange(0, BLOCK_J)
+    js = tl.arange(0, BLOCK_J)  # positions 0 .. K; drafts at 0 .. K - 1
     ts = tl.arange(0, BLOCK_T)
-    m2 = (js[:, None] <= K) & (ts[None, :] < n_tiles)
-    off = (b * (K + 1) + js[:, None]) * n_tiles + ts[None, :]
-    tm = tl.load(pmax_ptr + off, mask=m2, other=float("-inf"))
-    ts_ = tl.load(psum_ptr + off, mask=m2, other=0.0)
-    M = tl.max(tm, axis=1)  # [J]
+    rows = b * (K + 1) + js  # the positions' rows of logits
+    # each position's max M and sum S, from its tiles'
+    tiles = rows[:, None] * n_tiles + ts[None, :]
+    is_position = js[:, None] <= K
+    is_tile = ts[None, :] < n_tiles
+    tile_mask = is_position & is_tile
+    tile_max = tl.load(pmax_ptr + tiles, mask=tile_mask, other=float("-inf"))
+    tile_sum = tl.load(psum_ptr + tiles, mask=tile_mask, other=0.0)
+    M = tl.max(tile_max, axis=1)  # [J]
     M_safe = tl.where(M == float("-inf"), 0.0, M)
-    S = tl.sum(tl.where(m2 & (tm > float("-inf")), ts_ * tl.exp(tm - M_safe[:, None]), 0.0), axis=1)
+    counted = tile_mask & (tile_max > float("-inf"))
+    tile_scale = tl.exp(tile_max - M_safe[:, None])
+    rescaled = tile_sum * tile_scale
+    S = tl.sum(tl.where(counted, rescaled, 0.0), axis=1)
+    # each draft x: p(x), q(x) and the test
     is_draft = js < K
-    d = tl.load(drafts_ptr + b * K + js, mask=is_draft, other=0).to(tl.int64)
-    lx = tl.load(logits_ptr + (b * (K + 1) + js) * s_lrow + d, mask=is_draft, other=0.0).to(tl.float32)
-    p_x = tl.exp(lx / temperature - M_safe) / tl.where(S > 0, S, 1.0)  # S is 0 only on padding lanes
-    q_x = tl.load(q_ptr + (b * K + js) * s_qrow + d, mask=is_draft, other=1.0).to(tl.float32)
-    u = tl.load(u_ptr + b * K + js, mask=is_draft, other=1.0).to(tl.float32)
+    drafts = b * K + js  # the drafts' places in drafts and u, and their rows of q
+    d = tl.load(drafts_ptr + drafts, mask=is_draft, other=0).to(tl.int64)
+    lx_ptrs = logits_ptr + rows * s_lrow + d
+    lx = tl.load(lx_ptrs, mask=is_draft, other=0.0).to(tl.float32)
+    S_safe = tl.where(S > 0, S, 1.0)  # S is 0 only on padding lanes
+    numerator = tl.exp(lx / temperature - M_safe)
+    p_x = numerator / S_safe
+    q_x_ptrs = q_ptr + drafts * s_qrow + d
+    q_x = tl.load(q_x_ptrs, mask=is_draft, other=1.0).to(tl.float32)
+    u = tl.load(u_ptr + drafts, mask=is_draft, other=1.0).to(tl.float32)
     vl = tl.load(vlen_ptr + b)
-    ok = (u * q_x < p_x) & (js < vl) & is_draft
-    n = tl.min(tl.where(is_draft & (ok == 0), js, K), axis=0)
+    accepted = u * q_x < p_x
+    verified = js < vl
+    ok = accepted & verified & is_draft
+    is_rejected = is_draft & (ok == 0)
+    candidates = tl.where(is_rejected, js, K)
+    n = tl.min(candidates, axis=0)  # the first rejected draft, else K
     rejected = n < vl  # read only when K > 0
     tl.store(n_ptr + b, n.to(tl.int64))
-    tl.store(stat_ptr + b * 3, tl.sum(tl.where(js == n, M_safe, 0.0), axis=0))
-    tl.store(stat_ptr + b * 3 + 1, tl.sum(tl.where(js == n, S, 0.0), axis=0))
-    tl.store(stat_ptr + b * 3 + 2, rejected.to(tl.float32))
+    # the committed position n's statistics
+    at_n = js == n
+    M_n = tl.sum(tl.where(at_n, M_safe, 0.0), axis=0)
+    S_n = tl.sum(tl.where(at_n, S, 0.0), axis=0)
+    stat = stat_ptr + b * 3
+    tl.store(stat, M_n)
+    tl.store(stat + 1, S_n)
+    tl.store(stat + 2, rejected.to(tl.float32))
 
 
-def _verify_sampled_race_kernel(logits_ptr, s_lrow, q_ptr, s_qrow, noise_ptr, s_noise, n_ptr, stat_ptr,
-                                pval_ptr, pidx_ptr, rsum_ptr, n_tiles, V, K, temperature,
-                                HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+def _verify_sampled_race_kernel(logits_ptr, s_lrow,
+                                q_ptr, s_qrow,
+                                noise_ptr, s_noise,
+                                n_ptr, stat_ptr,
+                                pval_ptr, pidx_ptr, rsum_ptr,
+                                n_tiles, V, K,
+                                temperature,
+                                HAS_Q: tl.constexpr,
+                                BLOCK_V: tl.constexpr):
     """Per (row, V-tile) of the committed position n: the race of p_n/E (bonus) and of
     max(p_n − q_n, 0)/E (correction), and the tile's residual mass."""
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
-    cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+    tile_start = t * BLOCK_V
+    cols = tile_start + tl.arange(0, BLOCK_V)
     cmask = cols < V
     n = tl.load(n_ptr + b)
-    M = tl.load(stat_ptr + b * 3)
-    S = tl.load(stat_ptr + b * 3 + 1)
-    x = tl.load(logits_ptr + (b * (K + 1) + n) * s_lrow + cols, mask=cmask, other=0.0).to(tl.float32)
-    p = tl.exp(x / temperature - M) / S
-    noise = tl.load(noise_ptr + b * s_noise + cols, mask=cmask, other=1.0)
+    stat = stat_ptr + b * 3
+    M = tl.load(stat)
+    S = tl.load(stat + 1)
+    row = b * (K + 1) + n  # the committed position's row of logits
+    x_row = logits_ptr + row * s_lrow
+    x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    numerator = tl.exp(x / temperature - M)
+    p = numerator / S
+    noise_row = noise_ptr + b * s_noise
+    noise = tl.load(noise_row + cols, mask=cmask, other=1.0)
+    tile = b * n_tiles + t
+    pair = tile * 2  # the tile's (bonus, correction) winners
     key_p = tl.where(cmask, p / noise, float("-inf"))
     best_p = tl.max(key_p, axis=0)
-    idx_p = tl.min(tl.where(cmask & (key_p == best_p), cols, 2147483647), axis=0)
-    tl.store(pval_ptr + (b * n_tiles + t) * 2, best_p)
-    tl.store(pidx_ptr + (b * n_tiles + t) * 2, idx_p)
+    is_best_p = cmask & (key_p == best_p)
+    candidates_p = tl.where(is_best_p, cols, 2147483647)
+    idx_p = tl.min(candidates_p, axis=0)
+    tl.store(pval_ptr + pair, best_p)
+    tl.store(pidx_ptr + pair, idx_p)
     if HAS_Q:
         nq = tl.minimum(n, K - 1)
-        q = tl.load(q_ptr + (b * K + nq) * s_qrow + cols, mask=cmask, other=0.0).to(tl.float32)
-        r = tl.where(cmask, tl.maximum(p - q, 0.0), 0.0)
+        q_row = q_ptr + (b * K + nq) * s_qrow
+        q = tl.load(q_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        residual = tl.maximum(p - q, 0.0)
+        r = tl.where(cmask, residual, 0.0)
         key_r = tl.where(cmask, r / noise, float("-inf"))
         best_r = tl.max(key_r, axis=0)
-        idx_r = tl.min(tl.where(cmask & (key_r == best_r), cols, 2147483647), axis=0)
-        tl.store(pval_ptr + (b * n_tiles + t) * 2 + 1, best_r)
-        tl.store(pidx_ptr + (b * n_tiles + t) * 2 + 1, idx_r)
-        tl.store(rsum_ptr + b * n_tiles + t, tl.sum(r, axis=0))
+        is_best_r = cmask & (key_r == best_r)
+        candidates_r = tl.where(is_best_r, cols, 2147483647)
+        idx_r = tl.min(candidates_r, axis=0)
+        mass = tl.sum(r, axis=0)
+        tl.store(pval_ptr + pair + 1, best_r)
+        tl.store(pidx_ptr + pair + 1, idx_r)
+        tl.store(rsum_ptr + tile, mass)
 
 
-def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr, next_ptr, n_tiles,
-                                HAS_Q: tl.constexpr, BLOCK_T: tl.constexpr):
+def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr,
+                                next_ptr,
+                                n_tiles,
+                                HAS_Q: tl.constexpr,
+                                BLOCK_T: tl.constexpr):
     """One row: the correction's winner if rejected with positive residual mass, else the bonus's."""
     b = tl.program_id(0).to(tl.int64)
     ts = tl.arange(0, BLOCK_T)
     tmask = ts < n_tiles
-    vp = tl.load(pval_ptr + (b * n_tiles + ts) * 2, mask=tmask, other=float("-inf"))
-    ip = tl.load(pidx_ptr + (b * n_tiles + ts) * 2, mask=tmask, other=2147483647)
-    bp = tl.max(vp, axis=0)
-    xp = tl.min(tl.where(tmask & (vp == bp), ip, 2147483647), axis=0)
-    x = xp
+    tiles = b * n_tiles + ts
+    pairs = tiles * 2  # the tiles' (bonus, correction) winners
+    val_p = tl.load(pval_ptr + pairs, mask=tmask, other=float("-inf"))
+    idx_p = tl.load(pidx_ptr + pairs, mask=tmask, other=2147483647)
+    best_p = tl.max(val_p, axis=0)
+    is_best_p = tmask & (val_p == best_p)
+    candidates_p = tl.where(is_best_p, idx_p, 2147483647)
+    x_p = tl.min(candidates_p, axis=0)
+    x = x_p
     if HAS_Q:
-        vr = tl.load(pval_ptr + (b * n_tiles + ts) * 2 + 1, mask=tmask, other=float("-inf"))
-        ir = tl.load(pidx_ptr + (b * n_tiles + ts) * 2 + 1, mask=tmask, other=2147483647)
-        br = tl.max(vr, axis=0)
-        xr = tl.min(tl.where(tmask & (vr == br), ir, 2147483647), axis=0)
-        mass = tl.sum(tl.load(rsum_ptr + b * n_tiles + ts, mask=tmask, other=0.0), axis=0)
-        rejected = tl.load(stat_ptr + b * 3 + 2) > 0.5
-        x = tl.where(rejected & (mass > 0), xr, xp)
+        val_r = tl.load(pval_ptr + pairs + 1, mask=tmask, other=float("-inf"))
+        idx_r = tl.load(pidx_ptr + pairs + 1, mask=tmask, other=2147483647)
+        best_r = tl.max(val_r, axis=0)
+        is_best_r = tmask & (val_r == best_r)
+        candidates_r = tl.where(is_best_r, idx_r, 2147483647)
+        x_r = tl.min(candidates_r, axis=0)
+        tile_mass = tl.load(rsum_ptr + tiles, mask=tmask, other=0.0)
+        mass = tl.sum(tile_mass, axis=0)
+        rejected_ptr = stat_ptr + b * 3 + 2
+        rejected = tl.load(rejected_ptr) > 0.5
+        corrected = rejected & (mass > 0)
+        x = tl.where(corrected, x_r, x_p)
     tl.store(next_ptr + b, x.to(tl.int64))
 
 
-def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, T, G, HKV, H,
-                             s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bb, s_bt, scale,
-                             S: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SPLIT_KEYS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr,
+                             out_ptr, m_ptr, l_ptr, acc_ptr,
+                             T, G, HKV, H,
+                             s_qb, s_qt, s_qh,
+                             s_kb, s_ks, s_kh,
+                             s_vb, s_vs, s_vh,
+                             s_bb, s_bt,
+                             scale,
+                             S: tl.constexpr,
+                             HD: tl.constexpr,
+                             BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr,
+                             SPLIT_KEYS: tl.constexpr,
+                             PARTIAL: tl.constexpr,
+                             IEEE: tl.constexpr):
     """One (batch row, K/V head, query block, key split): rows r = t * G + i (token t, head h * G + i);
     PARTIAL: the split's max, sum and weighted values go to m/l/acc."""
-    pid = tl.program_id(0).to(tl.int64)  # int64: b * s_kb passes 2^31 at batch 64 and a 32k context
+    # int64: b * s_kb passes 2^31 at batch 64 and a 32k context
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // HKV
     h = pid % HKV
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    block = tl.program_id(1)
+    split = tl.program_id(2)
+    first_row = block * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     rmask = rows < T * G
     t = rows // G
     head = h * G + rows % G
-    d = tl.arange(0, HD)
-    q = tl.load(q_ptr + b * s_qb + t[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=rmask[:, None],
-                other=0.0)
+    d = tl.arange(0, HD)[None, :]  # [1, HD]
+    q_rows = q_ptr + b * s_qb + t * s_qt + head * s_qh
+    q = tl.load(q_rows + d, mask=rmask, other=0.0)
+    # the rows of the bias, and the K/V head: the same for every key block
+    bias_rows = bias_ptr + b * s_bb + t * s_bt
+    k_head = k_ptr + b * s_kb + h * s_kh
+    v_head = v_ptr + b * s_vb + h * s_vh
+    first_key = split * SPLIT_KEYS
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
     for j in range(0, SPLIT_KEYS, BLOCK_N):
-        cols = tl.program_id(2) * SPLIT_KEYS + j + tl.arange(0, BLOCK_N)
+        cols = first_key + j + tl.arange(0, BLOCK_N)
         cmask = cols < S
-        bias = tl.load(bias_ptr + b * s_bb + t[:, None] * s_bt + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                       other=float("-inf")).to(tl.float32)
-        if tl.max(tl.max(bias, axis=1), axis=0) > float("-inf"):
-            kb = tl.load(k_ptr + b * s_kb + cols[:, None] * s_ks + h * s_kh + d[None, :], mask=cmask[:, None], other=0.0)
+        bias_ptrs = bias_rows + cols[None, :]
+        bias_mask = rmask & cmask[None, :]
+        bias = tl.load(bias_ptrs, mask=bias_mask, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(tl.max(bias, axis=1), axis=0)
+        if block_max > float("-inf"):  # else no row may see this block
+            kv_mask = cmask[:, None]
+            k_ptrs = k_head + cols[:, None] * s_ks + d
+            kb = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             if IEEE:
-                s = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale + bias
+                qk = tl.dot(q, tl.trans(kb), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(kb)).to(tl.float32) * scale + bias
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: p = 0
+                qk = tl.dot(q, tl.trans(kb)).to(tl.float32)
+            s = qk * scale + bias
+            m_ij = tl.max(s, axis=1)
+            m_new = tl.maximum(m_i, m_ij)
+            # a row that sees nothing yet: p = 0
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vb = tl.load(v_ptr + b * s_vb + cols[:, None] * s_vs + h * s_vh + d[None, :], mask=cmask[:, None], other=0.0)
+            l_ij = tl.sum(p, axis=1)
+            l_i = l_i * alpha + l_ij
+            v_ptrs = v_head + cols[:, None] * s_vs + d
+            vb = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None]
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+                acc += tl.dot(p, vb, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+                acc += tl.dot(p.to(vb.dtype), vb).to(tl.float32)
             m_i = m_new
     if PARTIAL:
-        at = ((pid * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)) * BLOCK_M
-        tl.store(m_ptr + at + tl.arange(0, BLOCK_M), m_i)
-        tl.store(l_ptr + at + tl.arange(0, BLOCK_M), l_i)
-        tl.store(acc_ptr + (at + tl.arange(0, BLOCK_M))[:, None] * HD + d[None, :], acc)
+        program = pid * tl.num_programs(1) + block
+        at = (program * tl.num_programs(2) + split) * BLOCK_M
+        slots = at + tl.arange(0, BLOCK_M)  # the split's rows of m, l and acc
+        tl.store(m_ptr + slots, m_i)
+        tl.store(l_ptr + slots, l_i)
+        acc_ptrs = acc_ptr + slots[:, None] * HD + d
+        tl.store(acc_ptrs, acc)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may see no key: zeros
-        tl.store(out_ptr + ((b * T + t[:, None]) * H + head[:, None]) * HD + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that may see no key: zeros
+        out = acc / l_safe[:, None]
+        out_rows = (b * T + t) * H + head  # out as [B * T * H, HD]
+        out_ptrs = out_ptr + out_rows * HD + d
+        out = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, out, mask=rmask)
 
 
-TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel", "_rows_softmax_partial_kernel",
-                  "_verify_sampled_accept_kernel", "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel",
+TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel",
+                  "_rows_softmax_partial_kernel", "_verify_sampled_accept_kernel",
+                  "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel",
                   "_cached_attention_kernel")
 
 
@@ -416,8 +701,8 @@ def check_backend(name: str, device):
     if name == "torch":
         return
     if not _triton_ok(torch.empty(0, device=device)):
-        raise RuntimeError("the Triton kernels need the triton package and a CUDA device (on cpu, Triton's "
-                           "interpreter: TRITON_INTERPRET=1)")
+        raise RuntimeError("the Triton kernels need the triton package and a CUDA device "
+                           "(on cpu, Triton's interpreter: TRITON_INTERPRET=1)")
     _build_triton_kernels()
 
 
@@ -430,9 +715,11 @@ def _build_triton_kernels() -> dict:
     `_round_to` by name, so the jitted helper replaces the module's)."""
     if not _TRITON_KERNELS and _import_triton():
         saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if _TRITON_IMPORT_INTERPRET else "0"  # read by triton.jit
+        # read by triton.jit
+        os.environ["TRITON_INTERPRET"] = "1" if _TRITON_IMPORT_INTERPRET else "0"
         try:
-            _TRITON_KERNELS.update({name: triton.jit(_PLAIN[name]) for name in TRITON_SOURCES})
+            jitted = {name: triton.jit(_PLAIN[name]) for name in TRITON_SOURCES}
+            _TRITON_KERNELS.update(jitted)
             globals()["_round_to"] = _TRITON_KERNELS["_round_to"]
         finally:
             if saved is None:
@@ -442,5 +729,7 @@ def _build_triton_kernels() -> dict:
     return _TRITON_KERNELS
 
 
-def _kernels() -> dict:  # under torch.compile: what check_backend built (no imports inside a graph)
-    return _TRITON_KERNELS if torch.compiler.is_compiling() else _build_triton_kernels()
+def _kernels() -> dict:
+    if torch.compiler.is_compiling():  # what check_backend built (no imports inside a graph)
+        return _TRITON_KERNELS
+    return _build_triton_kernels()
