@@ -1,6 +1,8 @@
-"""The DSpark / DFlash block drafter: context projection, block forward, Markov and confidence heads.
-Context K/V are cached once, when committed; the block's own K/V follow them, so one masked attention
-covers [context; block]. The embedding and lm_head are the target's."""
+"""The drafters. The DSpark / DFlash block drafter: context projection, block forward, Markov and
+confidence heads; context K/V are cached once, when committed, and the block's own K/V follow them,
+so one masked attention covers [context; block]. The Eagle3 drafter (the paper's autoregressive
+baseline): one layer stepped once per draft, carrying its hidden state. Both use the target's
+embedding and lm_head."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from model import (
+    Attention,
     DecoderLayer,
     ModelArgs,
     RMSNorm,
@@ -27,15 +30,15 @@ from model import (
 @dataclass
 class DrafterConfig:
     layers: ModelArgs  # the drafter's decoder layers (num_hidden_layers = its depth)
-    block_size: int  # K for the DSpark layout, B for the DFlash layout
+    block_size: int  # K for the DSpark layout, B for the DFlash layout, the chain's length for Eagle3
     target_layer_ids: tuple[int, ...]  # target layers whose outputs form the context feature
     mask_token_id: int  # fills the block slots after the anchor
-    layout: str  # "dspark" (shift label: K slots, K drafts) or "dflash" (B slots, B-1 drafts)
+    layout: str  # "dspark" (shift label: K slots, K drafts), "dflash" (B slots, B-1 drafts), "eagle3"
     markov_head_type: Optional[str]  # None, "vanilla", "gated" or "rnn"
     markov_rank: int  # r; 0 without a Markov head
     confidence_head: bool  # predicts P(x_k accepted | earlier accepted)
     confidence_with_markov: bool  # the confidence head also reads W1[x_{k-1}]
-    num_target_layers: Optional[int] = None  # the target depth it was built for, when its config says
+    num_target_layers: Optional[int] = None  # the target depth it was built for, if known
 
     @property
     def num_slots(self) -> int:
@@ -43,20 +46,38 @@ class DrafterConfig:
 
     @property
     def num_drafts(self) -> int:
-        return self.block_size if self.layout == "dspark" else self.block_size - 1
+        if self.layout == "dflash":
+            return self.block_size - 1  # slot 0 holds the anchor
+        return self.block_size
 
     def describe(self) -> str:
-        heads = f"markov={self.markov_head_type or 'off'}" + (f"(r={self.markov_rank})" if self.markov_head_type else "")
-        conf = "off" if not self.confidence_head else "on(+markov)" if self.confidence_with_markov else "on"
-        return (f"drafter: layout={self.layout} block_size={self.block_size} drafts/round={self.num_drafts} "
-                f"layers={self.layers.num_hidden_layers} target_layer_ids={list(self.target_layer_ids)} "
-                f"mask_token_id={self.mask_token_id} {heads} confidence={conf}")
+        if self.layout == "eagle3":
+            return (
+                f"drafter: layout=eagle3 (one-token steps) drafts/round={self.num_drafts} "
+                f"layers={self.layers.num_hidden_layers} target_layer_ids={list(self.target_layer_ids)}"
+            )
+        heads = f"markov={self.markov_head_type or 'off'}"
+        if self.markov_head_type:
+            heads += f"(r={self.markov_rank})"
+        if not self.confidence_head:
+            conf = "off"
+        elif self.confidence_with_markov:
+            conf = "on(+markov)"
+        else:
+            conf = "on"
+        return (
+            f"drafter: layout={self.layout} block_size={self.block_size} "
+            f"drafts/round={self.num_drafts} layers={self.layers.num_hidden_layers} "
+            f"target_layer_ids={list(self.target_layer_ids)} mask_token_id={self.mask_token_id} "
+            f"{heads} confidence={conf}"
+        )
 
 
 # Markov heads: b_k = step(h_k, x_{k-1}, state), added to the block's logits U_k slot by slot
 
 class VanillaMarkov(nn.Module):
-    """b_k = W2 · W1[x_{k-1}]. A new head subclasses it, names its `kind`, and joins MARKOV_HEADS."""
+    """b_k = W2 · W1[x_{k-1}]. A new head subclasses it, names its `kind`, and joins
+    MARKOV_HEADS."""
     kind = "vanilla"  # kernels.py has a Triton chain for this kind only
 
     def __init_subclass__(cls, **kwargs):
@@ -83,7 +104,8 @@ class GatedMarkov(VanillaMarkov):
 
     def step(self, h, prev, state):
         e = self.markov_w1(prev)
-        return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e), state
+        g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
+        return self.markov_w2(g * e), state
 
 
 class RNNMarkov(VanillaMarkov):
@@ -96,8 +118,10 @@ class RNNMarkov(VanillaMarkov):
 
     def step(self, h, prev, state):
         e = self.markov_w1(prev)
-        state = torch.zeros_like(e) if state is None else state
-        gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+        if state is None:
+            state = torch.zeros_like(e)
+        joint = self.joint_proj(torch.cat([state, e, h], dim=-1))
+        gate, cand, out = joint.chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(cand)
         return self.markov_w2(torch.tanh(out)), state
@@ -123,16 +147,27 @@ class Drafter(nn.Module):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.cfg, a = cfg, cfg.layers
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * a.hidden_size, a.hidden_size, bias=False)
+        self.cfg = cfg
+        a = cfg.layers
+        context_size = len(cfg.target_layer_ids) * a.hidden_size  # captured layers, concatenated
+        self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.markov_head = (MARKOV_HEADS[cfg.markov_head_type](a.hidden_size, a.vocab_size, cfg.markov_rank)
-                            if cfg.markov_head_type else None)
-        width = a.hidden_size + (cfg.markov_rank if cfg.confidence_with_markov else 0)
-        self.confidence_head = ConfidenceHead(width) if cfg.confidence_head else None
-        self._target = [None]  # the target's embedding and lm_head, kept out of this module's parameters
+        if cfg.markov_head_type:
+            head = MARKOV_HEADS[cfg.markov_head_type]
+            self.markov_head = head(a.hidden_size, a.vocab_size, cfg.markov_rank)
+        else:
+            self.markov_head = None
+        width = a.hidden_size
+        if cfg.confidence_with_markov:
+            width += cfg.markov_rank
+        if cfg.confidence_head:
+            self.confidence_head = ConfidenceHead(width)
+        else:
+            self.confidence_head = None
+        # the target's embedding and lm_head, kept out of this module's parameters
+        self._target = [None]
 
     @property
     def target(self) -> Transformer:
@@ -142,32 +177,43 @@ class Drafter(nn.Module):
         self._target[0] = target
 
     def setup_caches(self, max_batch: int, max_seq: int):
-        if make_caches(self.layers, max_batch, max_seq, self.fc.weight):
+        weight = self.fc.weight
+        if make_caches(self.layers, max_batch, max_seq, weight):
             a = self.cfg.layers
-            self.register_buffer("rope", rope_table(a.head_dim, a.rope_theta, max_seq, self.fc.weight.device),
-                                 persistent=False)
+            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
+            self.register_buffer("rope", rope, persistent=False)
 
-    def commit_context(self, features, positions, rows=None):
-        """Cache every layer's K/V of projected features [B, T, n*H] at positions [B, T]."""
+    def commit_context(self, features, positions, following=None, last=None, rows=None):
+        """Cache every layer's K/V of projected features [B, T, n*H] at positions [B, T] (the
+        tokens that follow them, `following`, and each row's `last` committed one: Eagle3's)."""
         c = self.hidden_norm(self.fc(features))
         rope = Rope.at(self.rope[positions], c.dtype)
         for layer in self.layers:
-            layer.self_attn.kv_cache.write(positions, *layer.self_attn.kv(c, rope), rows)
+            k, v = layer.self_attn.kv(c, rope)
+            layer.self_attn.kv_cache.write(positions, k, v, rows)
 
     def forward(self, anchor, anchor_pos):
-        """anchor [B] at anchor_pos [B] over context < anchor_pos -> hidden [B, K, H], logits U [B, K, V]."""
-        cfg, S, B = self.cfg, self.cfg.num_slots, anchor.shape[0]
-        tokens = torch.full((B, S), cfg.mask_token_id, dtype=torch.long, device=anchor.device)
+        """anchor [B] at anchor_pos [B] over context < anchor_pos -> hidden [B, K, H],
+        logits U [B, K, V]."""
+        cfg = self.cfg
+        S = cfg.num_slots
+        B = anchor.shape[0]
+        device = anchor.device
+        tokens = torch.full((B, S), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[:, 0] = anchor
-        positions = anchor_pos[:, None] + torch.arange(S, device=anchor.device)
+        positions = anchor_pos[:, None] + torch.arange(S, device=device)  # [B, S]
         x = self.target.embed_tokens(tokens)
         rope = Rope.at(self.rope[positions], x.dtype)
         # Non-causal: every block row sees the context and the whole block.
         end = anchor_pos + S
-        L = attended_length(end, self.layers[0].self_attn.kv_cache.k.shape[1])
-        g = cfg.layers.num_attention_heads // cfg.layers.num_key_value_heads if fold_gqa(anchor.device) else 1
-        mask = cache_bias((torch.arange(L, device=anchor.device) < end[:, None])[:, None, :].expand(B, S, L), g,
-                          x.dtype)
+        max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
+        L = attended_length(end, max_seq)
+        g = 1  # query rows per K/V head in the mask
+        if fold_gqa(device):
+            g = cfg.layers.num_attention_heads // cfg.layers.num_key_value_heads
+        allowed = torch.arange(L, device=device) < end[:, None]  # [B, L]
+        allowed = allowed[:, None, :].expand(B, S, L)
+        mask = cache_bias(allowed, g, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, positions, mask)
         h = self.norm(x)
@@ -177,7 +223,9 @@ class Drafter(nn.Module):
 
     def calibrate(self, temperatures):
         """Divide draft k's confidence logit by temperatures[k] from now on (STS)."""
-        self.confidence_head.temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.fc.weight.device)
+        device = self.fc.weight.device
+        t = torch.tensor(temperatures, dtype=torch.float32, device=device)  # [K]
+        self.confidence_head.temperature = t
 
     def confidence_logit(self, hidden, prev_tokens) -> Optional[torch.Tensor]:
         """float32 [..., K], before any temperature; prev_tokens = [x_0 .. x_{K-1}]."""
@@ -190,5 +238,94 @@ class Drafter(nn.Module):
     def confidence(self, hidden, prev_tokens) -> Optional[torch.Tensor]:
         """c_k = σ(logit / T_k) [B, K], T the STS temperatures if any; None without a head."""
         logit = self.confidence_logit(hidden, prev_tokens)
-        t = self.confidence_head.temperature if logit is not None else None
-        return None if logit is None else torch.sigmoid(logit if t is None else logit / t)
+        if logit is None:
+            return None
+        t = self.confidence_head.temperature
+        if t is not None:
+            logit = logit / t
+        return torch.sigmoid(logit)
+
+
+class Eagle3Layer(DecoderLayer):
+    """Eagle3's layer: attention reads [input_layernorm(embedding); hidden_norm(h)], 2H wide, and
+    adds to h; then Qwen3's MLP."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__(a)
+        self.self_attn = Attention(a, input_size=2 * a.hidden_size)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, h, embedded, rope, positions, mask, rows=None):
+        x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        h = h + self.self_attn(x, rope, positions, mask, rows=rows)
+        residual = h
+        x = self.post_attention_layernorm(h)
+        return residual + self.mlp(x)
+
+
+class Eagle3Drafter(nn.Module):
+    """DeepSpec's Eagle3 (its parameter names; k/v and gate/up fused). Position i reads the target's
+    features there, fc(f_i), and the next token x_{i+1}, at RoPE position i; its output h_i, normed
+    and through the lm_head, drafts x_{i+2}. Drafting, a step reads the previous step's un-normed h
+    instead of features. `carried` holds each row's h at its last committed position."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        a = cfg.layers
+        context_size = len(cfg.target_layer_ids) * a.hidden_size
+        self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(a)])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.markov_head = None
+        self.confidence_head = None
+        self._target = [None]
+
+    @property
+    def target(self) -> Transformer:
+        return self._target[0]
+
+    def attach(self, target: Transformer):
+        self._target[0] = target
+
+    def setup_caches(self, max_batch: int, max_seq: int):
+        weight = self.fc.weight
+        if make_caches(self.layers, max_batch, max_seq, weight):
+            a = self.cfg.layers
+            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
+            self.register_buffer("rope", rope, persistent=False)
+            carried = torch.zeros((max_batch, a.hidden_size), dtype=weight.dtype, device=weight.device)
+            self.register_buffer("carried", carried, persistent=False)
+
+    def extend(self, h, tokens, positions, rows=None):
+        """The layer over h [B, T, H] and the next tokens [B, T] at positions [B, T], through the
+        cache (each position sees the cache up to itself) -> the new h [B, T, H], un-normed."""
+        a = self.cfg.layers
+        embedded = self.target.embed_tokens(tokens)
+        rope = Rope.at(self.rope[positions], h.dtype)
+        max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
+        S = attended_length(positions + 1, max_seq)
+        g = 1  # query rows per K/V head in the mask
+        if fold_gqa(h.device):
+            g = a.num_attention_heads // a.num_key_value_heads
+        keys = torch.arange(S, device=h.device)
+        mask = cache_bias(positions[:, :, None] >= keys, g, h.dtype)
+        return self.layers[0](h, embedded, rope, positions, mask, rows=rows)
+
+    def commit_context(self, features, positions, following=None, last=None, rows=None):
+        """Positions [B, T] committed: their features [B, T, n*H] and the tokens after them,
+        `following` [B, T], rebuild the cache there; `carried` takes the h at each row's `last`."""
+        h = self.extend(self.fc(features), following, positions, rows)
+        batch = torch.arange(h.shape[0], device=h.device)
+        carried = h[batch, last]  # [B, H]
+        if rows is None:
+            rows = batch
+        self.carried.index_copy_(0, rows, carried)
+
+    def step(self, h, tokens, positions):
+        """One drafting step: h [B, H] and the draft just drawn, tokens [B], at positions [B]."""
+        h = self.extend(h[:, None], tokens[:, None], positions[:, None])
+        return h[:, 0]
+
+    def logits(self, h):
+        return self.target.lm_head(self.norm(h))

@@ -31,16 +31,20 @@ class ModelArgs:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, cast back, then scale, as Qwen3."""
-    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
-        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":  # PyTorch's fused op
+        normed = F.rms_norm(x, (x.shape[-1],), None, eps)
+        return weight * normed
     x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    normed = x32 * torch.rsqrt(variance + eps)
+    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
@@ -48,54 +52,72 @@ class RMSNorm(nn.Module):
 
 def rope_table(head_dim: int, theta: float, max_seq: int, device) -> torch.Tensor:
     """cos, sin for positions 0..max_seq-1: float32 [max_seq, 2, head_dim]."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    freqs = torch.outer(torch.arange(max_seq, device=device, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
+    inv_freq = 1.0 / theta ** exponents  # [head_dim / 2]
+    positions = torch.arange(max_seq, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # [max_seq, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq, head_dim]
     return torch.stack((emb.cos(), emb.sin()), dim=1)
 
 
 class Rope(NamedTuple):
-    """RoPE at a forward's positions, made once for all layers; rotate_half's sign folded into sin."""
+    """RoPE at a forward's positions, made once for all layers; rotate_half's sign is folded
+    into sin."""
     cos: torch.Tensor
     sin: torch.Tensor
 
     @staticmethod
     def at(cos_sin: torch.Tensor, dtype: torch.dtype) -> "Rope":
-        cos, sin = cos_sin[:, :, None, 0].to(dtype), cos_sin[:, :, None, 1].to(dtype)
+        cos = cos_sin[:, :, None, 0].to(dtype)  # [B, T, 1, hd]
+        sin = cos_sin[:, :, None, 1].to(dtype)
         half = sin.shape[-1] // 2
-        return Rope(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+        first = -sin[..., :half]  # rotate_half(x) = [-x2, x1]: the sign moves onto sin
+        second = sin[..., half:]
+        signed_sin = torch.cat((first, second), dim=-1)
+        return Rope(cos, signed_sin)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, heads, hd]
-        return x * self.cos + x.roll(x.shape[-1] // 2, -1) * self.sin
+        half = x.shape[-1] // 2
+        return x * self.cos + x.roll(half, -1) * self.sin
 
 
 class KVCache(nn.Module):
     def __init__(self, max_batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype, device):
         super().__init__()
         shape = (max_batch, max_seq, kv_heads, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
 
     def write(self, positions, k, v, rows=None):
         """k, v [B, T, kv_heads, hd] at positions [B, T] of rows 0..B-1, or of `rows` [B]."""
         if rows is None:
             rows = torch.arange(positions.shape[0], device=positions.device)
-        index = (rows[:, None].expand_as(positions), positions)
+        row_index = rows[:, None].expand_as(positions)  # [B, T]
+        index = (row_index, positions)
         self.k.index_put_(index, k)
         self.v.index_put_(index, v)
 
     def read(self, batch: int, rows, length: int):
         """K, V [B, length, kv_heads, hd] of rows 0..batch-1 (a view) or `rows` (a copy)."""
         if rows is None:
-            return self.k[:batch, :length], self.v[:batch, :length]
-        return self.k[rows, :length], self.v[rows, :length]
+            k = self.k[:batch, :length]
+            v = self.v[:batch, :length]
+        else:
+            k = self.k[rows, :length]
+            v = self.v[rows, :length]
+        return k, v
 
 
 def make_caches(layers, max_batch: int, max_seq: int, like: torch.Tensor):
-    """Give each layer a cache, unless it has one of this size (compiled graphs hold the old tensors)."""
+    """Give each layer a cache, unless it has one of this size and dtype (compiled graphs hold the
+    old tensors). True when it made new ones."""
     kv = layers[0].self_attn.kv_cache
-    if kv is not None and tuple(kv.k.shape[:2]) == (max_batch, max_seq) and kv.k.dtype == like.dtype:
-        return False
+    if kv is not None:
+        same_size = tuple(kv.k.shape[:2]) == (max_batch, max_seq)
+        if same_size and kv.k.dtype == like.dtype:
+            return False
     for layer in layers:
         a = layer.self_attn
         a.kv_cache = KVCache(max_batch, max_seq, a.n_kv, a.head_dim, like.dtype, like.device)
@@ -103,24 +125,34 @@ def make_caches(layers, max_batch: int, max_seq: int, like: torch.Tensor):
 
 
 def attend(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Cache-free attention: q [B, Tq, H, hd] over k, v [B, Tk, Hkv, hd] -> [B, Tq, H*hd] under mask
-    [B, Tq, Tk] (True = may attend), or causal."""
+    """Cache-free attention: q [B, Tq, H, hd] over k, v [B, Tk, Hkv, hd] -> [B, Tq, H*hd] under
+    mask [B, Tq, Tk] (True = may attend), or causal."""
     B, Tq, H, hd = q.shape
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None] if mask is not None else None,
-                                         is_causal=mask is None, enable_gqa=k.shape[2] != H)
-    return out.transpose(1, 2).reshape(B, Tq, H * hd)
+    enable_gqa = k.shape[2] != H
+    q = q.transpose(1, 2)  # [B, H, Tq, hd]
+    k = k.transpose(1, 2)
+    v = v.transpose(1, 2)
+    attn_mask = None
+    if mask is not None:
+        attn_mask = mask[:, None]  # [B, 1, Tq, Tk]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=mask is None, enable_gqa=enable_gqa
+    )
+    out = out.transpose(1, 2)  # [B, Tq, H, hd]
+    return out.reshape(B, Tq, H * hd)
 
 
 ATTEND_BUCKET = 64  # eager attention reads the filled cache prefix rounded up to this
 
 
 def attended_length(end: torch.Tensor, max_seq: int) -> int:
-    """Cache positions read when no query sees past `end`: compiled, all (a static shape); eager, the
-    filled prefix rounded up to ATTEND_BUCKET."""
+    """Cache positions read when no query sees past `end`: compiled, all (a static shape);
+    eager, the filled prefix rounded up to ATTEND_BUCKET."""
     if torch.compiler.is_compiling():
         return max_seq
-    return min(max_seq, -(-int(end.max()) // ATTEND_BUCKET) * ATTEND_BUCKET)
+    filled = int(end.max())
+    buckets = -(-filled // ATTEND_BUCKET)  # rounded up
+    return min(max_seq, buckets * ATTEND_BUCKET)
 
 
 def fold_gqa(device) -> bool:
@@ -131,28 +163,39 @@ def fold_gqa(device) -> bool:
 def cache_bias(allowed: torch.Tensor, group: int, dtype) -> torch.Tensor:
     """allowed [B, T, S] bool -> additive [B, 1, group*T, S], rows repeated per folded head."""
     B, T, S = allowed.shape
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-    return bias[:, None, None].expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    bias = bias[:, None, None]  # [B, 1, 1, T, S]
+    bias = bias.expand(B, 1, group, T, S)
+    return bias.reshape(B, 1, group * T, S)
 
 
 def attend_cached(q, k, v, bias) -> torch.Tensor:
     """q [B, T, H, hd] over cache k, v [B, S, Hkv, hd] under `cache_bias` -> [B, T, H*hd]; folded
     (bias rows g*T), head h reads K/V head h // g as g*T query rows."""
     B, T, H, hd = q.shape
-    Hkv, g = k.shape[2], bias.shape[2] // T
+    Hkv = k.shape[2]
+    g = bias.shape[2] // T
+    k = k.transpose(1, 2)  # [B, Hkv, S, hd]
+    v = v.transpose(1, 2)
     if g == 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=bias, enable_gqa=Hkv != H)
-        return out.transpose(1, 2).reshape(B, T, H * hd)
-    q = q.view(B, T, Hkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * T, hd)
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
-    return out.view(B, Hkv, g, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
+        q = q.transpose(1, 2)  # [B, H, T, hd]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=Hkv != H)
+        out = out.transpose(1, 2)  # [B, T, H, hd]
+        return out.reshape(B, T, H * hd)
+    q = q.view(B, T, Hkv, g, hd)
+    q = q.permute(0, 2, 3, 1, 4)  # [B, Hkv, g, T, hd]
+    q = q.reshape(B, Hkv, g * T, hd)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    out = out.view(B, Hkv, g, T, hd)
+    out = out.permute(0, 3, 1, 2, 4)  # [B, T, Hkv, g, hd]
+    return out.reshape(B, T, H * hd)
 
 
 @dataclass
 class Ragged:
-    """Where N flattened tokens sit in a padded [R, W] layout (request r: slots 0..counts[r]-1), for
-    attention (`pad`, `unpad`); tokens past sum(counts) land in spare slots nothing reads."""
+    """Where N flattened tokens sit in a padded [R, W] layout (request r: slots 0..counts[r]-1),
+    for attention (`pad`, `unpad`); tokens past sum(counts) land in spare slots nothing reads."""
     index: torch.Tensor  # [N] r * W + slot; padding R * W + i
     rows: torch.Tensor   # [N] the request of each token (padding: R - 1)
     slots: torch.Tensor  # [N] its slot (padding: 0)
@@ -167,29 +210,45 @@ class Ragged:
         rows = torch.searchsorted(ends, i, right=True)
         real = rows < R
         rows = rows.clamp(max=R - 1)
-        slots = torch.where(real, i - (ends - counts)[rows], 0)
-        return Ragged(torch.where(real, rows * W + slots, R * W + i), rows, slots, R, W)
+        starts = ends - counts
+        slots = torch.where(real, i - starts[rows], 0)
+        padded = rows * W + slots
+        spare = R * W + i
+        index = torch.where(real, padded, spare)
+        return Ragged(index, rows, slots, R, W)
 
     def flatten(self, x):  # [R, W, ...] -> [1, N, ...]
         return x[self.rows, self.slots][None]
 
     def pad(self, x):  # [1, N, ...] -> [R, W, ...], zeros where no token is
-        N, rest = x.shape[1], x.shape[2:]
-        out = x.new_zeros((self.R * self.W + N, *rest)).index_copy(0, self.index, x[0])
-        return out[:self.R * self.W].view(self.R, self.W, *rest)
+        N = x.shape[1]
+        rest = x.shape[2:]
+        size = self.R * self.W
+        out = x.new_zeros((size + N, *rest))
+        out = out.index_copy(0, self.index, x[0])
+        return out[:size].view(self.R, self.W, *rest)
 
     def unpad(self, x):  # [R, W, ...] -> [1, N, ...]; padding tokens read the last slot
-        index = self.index.clamp(max=self.R * self.W - 1)
-        return x.reshape(self.R * self.W, *x.shape[2:]).index_select(0, index)[None]
+        size = self.R * self.W
+        index = self.index.clamp(max=size - 1)
+        flat = x.reshape(size, *x.shape[2:])  # [R*W, ...]
+        return flat.index_select(0, index)[None]
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, input_size: Optional[int] = None):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=a.attention_bias)
-        self.kv_proj = nn.Linear(a.hidden_size, 2 * self.n_kv * a.head_dim, bias=a.attention_bias)  # [k; v]
-        self.o_proj = nn.Linear(self.n_heads * a.head_dim, a.hidden_size, bias=a.attention_bias)
+        self.n_heads = a.num_attention_heads
+        self.n_kv = a.num_key_value_heads
+        self.head_dim = a.head_dim
+        q_size = self.n_heads * a.head_dim
+        kv_size = 2 * self.n_kv * a.head_dim  # [k; v]
+        bias = a.attention_bias
+        if input_size is None:  # Eagle3's layer reads 2H: [embedding; hidden]
+            input_size = a.hidden_size
+        self.q_proj = nn.Linear(input_size, q_size, bias=bias)
+        self.kv_proj = nn.Linear(input_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, a.hidden_size, bias=bias)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.kv_cache: Optional[KVCache] = None
@@ -200,56 +259,96 @@ class Attention(nn.Module):
         return self.q_proj(x), self.kv_proj(x)
 
     def kv(self, x, rope: Rope, kv=None):
-        """K (normed, rotated) and V of x [B, T, H] (or of its kv_proj output): [B, T, kv_heads, hd] each."""
+        """K (normed, rotated) and V of x [B, T, H] (or of its kv_proj output `kv`):
+        [B, T, kv_heads, hd] each."""
         B, T, _ = x.shape
-        k, v = (self.kv_proj(x) if kv is None else kv).view(B, T, 2 * self.n_kv, self.head_dim).chunk(2, dim=2)
-        return rope(self.k_norm(k)), v
+        if kv is None:
+            kv = self.kv_proj(x)
+        kv = kv.view(B, T, 2 * self.n_kv, self.head_dim)
+        k, v = kv.chunk(2, dim=2)
+        k = self.k_norm(k)
+        return rope(k), v
 
-    def forward(self, x, rope: Rope, positions=None, mask=None, *, ragged: Optional[Ragged] = None,
-                rows=None, prefix_kv=None, attention=None):
-        """x [B, T, H] -> [B, T, H]: through the cache at `positions`; else over `prefix_kv` then its
-        own keys under `mask` (drafter training); else cache-free causal."""
+    def forward(
+        self,
+        x,
+        rope: Rope,
+        positions=None,
+        mask=None,
+        *,
+        ragged: Optional[Ragged] = None,
+        rows=None,
+        prefix_kv=None,
+        attention=None,
+        slots=None,
+    ):
+        """x [B, T, H] -> [B, T, H]: through the cache at `positions` (its K/V written there, or at
+        `slots`: a draft tree's); else over `prefix_kv` then its own keys under `mask` (drafter
+        training); else cache-free causal."""
         B, T, _ = x.shape
         q, kv = self.project(x)
-        q = rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        q = self.q_norm(q)
+        q = rope(q)
         k, v = self.kv(x, rope, kv)
         if positions is None:
             if prefix_kv is not None:
-                k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
-            return self.o_proj(attend(q, k, v, mask))
+                k = torch.cat([prefix_kv[0], k], 1)
+                v = torch.cat([prefix_kv[1], v], 1)
+            out = attend(q, k, v, mask)
+            return self.o_proj(out)
+        if ragged is not None:  # [1, N, heads, hd] -> [R, W, heads, hd]
+            q = ragged.pad(q)
+            k = ragged.pad(k)
+            v = ragged.pad(v)
+        if slots is None:
+            slots = positions
+        self.kv_cache.write(slots, k, v, rows)
+        batch = positions.shape[0]  # rows of the cache layout (R when ragged)
+        length = mask.shape[-1]  # cache positions attended
+        k, v = self.kv_cache.read(batch, rows, length)
+        attend_cache = attention or self.attend
+        out = attend_cache(q, k, v, mask)
         if ragged is not None:
-            q, k, v = ragged.pad(q), ragged.pad(k), ragged.pad(v)  # [R, W, heads, hd]
-        self.kv_cache.write(positions, k, v, rows)
-        k, v = self.kv_cache.read(positions.shape[0], rows, mask.shape[-1])
-        out = (attention or self.attend)(q, k, v, mask)
-        return self.o_proj(ragged.unpad(out) if ragged is not None else out)
+            out = ragged.unpad(out)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)  # [gate; up]
+        # gate and up fused: [gate; up]
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.self_attn, self.mlp = Attention(a), MLP(a)
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, rope, positions=None, mask=None, **kw):
-        x = x + self.self_attn(self.input_layernorm(x), rope, positions, mask, **kw)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        residual = x
+        x = self.input_layernorm(x)
+        x = self.self_attn(x, rope, positions, mask, **kw)
+        x = residual + x
+        residual = x
+        x = self.post_attention_layernorm(x)
+        x = self.mlp(x)
+        return residual + x
 
 
 class Transformer(nn.Module):
-    """Qwen3 causal LM; parameter names are Hugging Face's without `model.` (k/v, gate/up fused)."""
+    """Qwen3 causal LM; parameter names are Hugging Face's without `model.` (k/v and gate/up
+    fused)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -260,45 +359,137 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.max_batch = self.max_seq = 0
+        self.max_batch = 0
+        self.max_seq = 0
 
     def setup_caches(self, max_batch: int, max_seq: int):
         """Static KV caches and the RoPE table, kept when asked again for the same size."""
-        if make_caches(self.layers, max_batch, max_seq, self.embed_tokens.weight):
-            self.max_batch, self.max_seq = max_batch, max_seq
+        weight = self.embed_tokens.weight
+        if make_caches(self.layers, max_batch, max_seq, weight):
+            self.max_batch = max_batch
+            self.max_seq = max_seq
             a = self.args
-            self.register_buffer("rope", rope_table(a.head_dim, a.rope_theta, max_seq, self.embed_tokens.weight.device),
-                                 persistent=False)
+            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
+            self.register_buffer("rope", rope, persistent=False)
 
-    def hidden(self, tokens, positions=None, *, capture: Sequence[int] = (), ragged=None, rows=None, index=None,
-               mask=None, attention=None):
-        """tokens [B, T] -> (normed hidden [B, T, H], features [B, T, len(capture)*H] or None): the
-        outputs of layers `capture` (-1: embeddings). index [B]: one position per row."""
+    def hidden(
+        self,
+        tokens,
+        positions=None,
+        *,
+        capture: Sequence[int] = (),
+        ragged=None,
+        rows=None,
+        index=None,
+        mask=None,
+        attention=None,
+        tree: Optional["TreeSlots"] = None,
+    ):
+        """tokens [B, T] -> (normed hidden [B, T, H], features [B, T, len(capture)*H] or None):
+        the outputs of layers `capture` (-1: embeddings). index [B]: one position per row. `tree`:
+        the tokens are a draft tree's nodes, at RoPE `positions` (their depths) and cache slots of
+        their own, each seeing the context and its ancestors."""
+        a = self.args
         dtype = self.embed_tokens.weight.dtype
         if positions is None:
             B, T = tokens.shape
-            a = self.args
-            table = rope_table(a.head_dim, a.rope_theta, T, tokens.device)
-            rope = Rope.at(table[None].expand(B, T, *table.shape[1:]), dtype)
+            table = rope_table(a.head_dim, a.rope_theta, T, tokens.device)  # [T, 2, hd]
+            cos_sin = table[None].expand(B, T, *table.shape[1:])  # [B, T, 2, hd]
+            rope = Rope.at(cos_sin, dtype)
         else:  # RoPE and the mask once for every layer
-            S = attended_length(positions + 1, self.max_seq)
-            g = self.args.num_attention_heads // self.args.num_key_value_heads
-            g = g if fold_gqa(positions.device) and attention is None else 1
-            mask = cache_bias(positions[:, :, None] >= torch.arange(S, device=positions.device), g, dtype)
-            rope = Rope.at(self.rope[ragged.flatten(positions) if ragged is not None else positions], dtype)
+            slots = None
+            end = positions + 1  # no query sees past its own position
+            if tree is not None:
+                slots = tree.slots()
+                end = slots + 1
+            S = attended_length(end, self.max_seq)
+            g = 1  # query rows per K/V head in the mask
+            if fold_gqa(positions.device) and attention is None:
+                g = a.num_attention_heads // a.num_key_value_heads
+            keys = torch.arange(S, device=positions.device)
+            if tree is None:
+                allowed = positions[:, :, None] >= keys  # [B, T, S]
+            else:
+                allowed = tree.visible(keys)
+            mask = cache_bias(allowed, g, dtype)
+            rope_positions = positions
+            if ragged is not None:
+                rope_positions = ragged.flatten(positions)  # [1, N]
+            cos_sin = self.rope[rope_positions]  # [B, T, 2, hd]
+            rope = Rope.at(cos_sin, dtype)
         x = self.embed_tokens(tokens)
         captured = {-1: x}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, positions, mask, ragged=ragged, rows=rows, attention=attention)
+            if tree is None:
+                x = layer(x, rope, positions, mask, ragged=ragged, rows=rows, attention=attention)
+            else:
+                x = layer(x, rope, positions, mask, attention=attention, slots=slots)
             captured[i] = x
-        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        features = None
+        if capture:
+            outputs = [captured[i] for i in capture]
+            features = torch.cat(outputs, dim=-1)  # [B, T, len(capture)*H]
         if index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), index]
+            batch = torch.arange(x.shape[0], device=x.device)
+            x = x[batch, index]  # [B, H]
         return self.norm(x), features
 
-    def forward(self, tokens, positions=None, *, capture: Sequence[int] = (), logits_index=None, ragged=None,
-                rows=None, attention=None):
+    def forward(
+        self,
+        tokens,
+        positions=None,
+        *,
+        capture: Sequence[int] = (),
+        logits_index=None,
+        ragged=None,
+        rows=None,
+        attention=None,
+        tree: Optional["TreeSlots"] = None,
+    ):
         """(logits [B, T, V], or [B, V] at `logits_index`; features), as `hidden`."""
-        h, features = self.hidden(tokens, positions, capture=capture, ragged=ragged, rows=rows,
-                                  index=logits_index, attention=attention)
-        return self.lm_head(h), features
+        h, features = self.hidden(
+            tokens,
+            positions,
+            capture=capture,
+            ragged=ragged,
+            rows=rows,
+            index=logits_index,
+            attention=attention,
+            tree=tree,
+        )
+        logits = self.lm_head(h)
+        return logits, features
+
+    def move_cache(self, source, destination):
+        """Every layer's K/V at cache positions `source` [B, T] copied to `destination` [B, T] (all
+        read before any is written): a draft tree's accepted path moved to consecutive positions."""
+        rows = torch.arange(source.shape[0], device=source.device)[:, None]
+        for layer in self.layers:
+            cache = layer.self_attn.kv_cache
+            k = cache.k[rows, source]
+            v = cache.v[rows, source]
+            cache.k[rows, destination] = k
+            cache.v[rows, destination] = v
+
+
+class TreeSlots(NamedTuple):
+    """Where the T nodes of a batch of draft trees sit in the target's cache: node j of row b at
+    slot start[b] + j (its RoPE position is its depth's); node i sees every position before start[b]
+    and the slots of its ancestors and itself."""
+    start: torch.Tensor      # [B] the root's position (the anchor's)
+    ancestors: torch.Tensor  # [B, T, T] bool: [b, i, j] node j is node i or an ancestor of it
+
+    def slots(self) -> torch.Tensor:
+        T = self.ancestors.shape[1]
+        nodes = torch.arange(T, device=self.start.device)
+        return self.start[:, None] + nodes  # [B, T]
+
+    def visible(self, keys) -> torch.Tensor:
+        """[B, T, S] bool over cache positions `keys` [S]."""
+        B, T, _ = self.ancestors.shape
+        offset = keys[None, :] - self.start[:, None]  # [B, S] a key's node index, if in the tree
+        context = offset < 0
+        inside = (offset >= 0) & (offset < T)
+        node = offset.clamp(0, T - 1)[:, None, :].expand(B, T, keys.shape[0])
+        in_tree = self.ancestors.gather(2, node) & inside[:, None, :]
+        return context[:, None, :] | in_tree

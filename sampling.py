@@ -30,14 +30,17 @@ NO_FILTERS = Filters()
 def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
     """z [..., V] (float32, already / T) with -inf outside the kept set."""
     if 0 < f.top_k < z.shape[-1]:
-        kth = torch.topk(z, f.top_k, dim=-1).values[..., -1:]
+        largest = torch.topk(z, f.top_k, dim=-1).values
+        kth = largest[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
     if f.top_p < 1.0:
         # As transformers: ascending, drop what stays within 1 - p; never the largest.
         ordered, order = torch.sort(z, dim=-1, stable=True)
-        drop = torch.softmax(ordered, dim=-1).cumsum(dim=-1) <= 1 - f.top_p
+        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = below <= 1 - f.top_p
         drop[..., -1] = False
-        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        drop = drop.scatter(-1, order, drop)  # back to the vocabulary's order
+        z = z.masked_fill(drop, float("-inf"))
     if f.min_p > 0.0:
         p = torch.softmax(z, dim=-1)
         floor = f.min_p * p.amax(dim=-1, keepdim=True)
@@ -53,8 +56,8 @@ def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTER
     return torch.softmax(z, dim=-1)
 
 
-def sample_from(p: torch.Tensor, generator: Optional[torch.Generator], noise: Optional[torch.Tensor] = None):
-    """One id per row of p [..., V]; noise ~ Exp(1) of p's shape, or drawn."""
+def sample_from(p: torch.Tensor, generator, noise: Optional[torch.Tensor] = None):
+    """One id per row of p [..., V]; noise ~ Exp(1) of p's shape, or drawn from `generator`."""
     if noise is None:
         noise = torch.empty_like(p).exponential_(1, generator=generator)
     return torch.argmax(p / noise, dim=-1)
@@ -74,27 +77,30 @@ class Noise(NamedTuple):
     bonus: torch.Tensor  # [B, V] Exp(1): the correction / bonus race
 
 
+def exponential(shape: tuple, generator, device) -> torch.Tensor:
+    return torch.empty(shape, device=device).exponential_(1, generator=generator)
+
+
 def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
-    chain = torch.empty((B, K, V), device=device).exponential_(1, generator=generator)
+    chain = exponential((B, K, V), generator, device)
     u = torch.rand((B, K), generator=generator, device=device)
-    bonus = torch.empty((B, V), device=device).exponential_(1, generator=generator)
+    bonus = exponential((B, V), generator, device)
     return Noise(chain, u, bonus)
 
 
 def rows_noise(generators: list, K: int, V: int, device) -> Noise:
     """Each row's noise from its request's generator (independent of its neighbours); free rows
     (generator None) get placeholders."""
-    free = None
-    if any(g is None for g in generators):
-        free = Noise(torch.ones((1, K, V), device=device), torch.zeros((1, K), device=device),
-                     torch.ones((1, V), device=device))
     rows = []
     for g in generators:
-        if g is None:
-            rows.append(free)
-        else:
+        if g is not None:
             rows.append(round_noise(g, 1, K, V, device))
-    return Noise(*(torch.cat(parts) for parts in zip(*rows)))
+            continue
+        ones = torch.ones((1, K, V), device=device)
+        zeros = torch.zeros((1, K), device=device)
+        rows.append(Noise(ones, zeros, torch.ones((1, V), device=device)))
+    columns = zip(*rows)
+    return Noise(*(torch.cat(parts) for parts in columns))
 
 
 # Drafting: the Markov chain
@@ -126,18 +132,53 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     return torch.stack(drafts, 1), q
 
 
+def eagle3_chain(drafter, anchor_pos, K: int, temperature: float, generator, noise=None, *,
+                 filters: Filters = NO_FILTERS):
+    """Eagle3's drafting: x_k ~ softmax(lm_head(norm(h)) / T), then one step of its layer on (h, x_k)
+    at position a + k - 1 gives the next h; h starts as each row's carried state (anchor_pos [B] = a).
+    Returns drafts [B, K] and q [B, K, V] (None at T=0), as `markov_chain`."""
+    B = anchor_pos.shape[0]
+    h = drafter.carried[:B]
+    drafts = []
+    qs = []
+    for k in range(K):
+        z = drafter.logits(h)  # [B, V]
+        if temperature == 0:
+            token = torch.argmax(z, dim=-1)
+        else:
+            q = probs(z, temperature, filters)
+            noise_k = None if noise is None else noise[:, k]
+            token = sample_from(q, generator, noise_k)
+            qs.append(q)
+        drafts.append(token)
+        if k + 1 < K:  # the last draft's step would be read by nothing
+            h = drafter.step(h, token, anchor_pos + k)
+    q = torch.stack(qs, 1) if qs else None
+    return torch.stack(drafts, 1), q
+
+
 # Acceptance: the longest prefix of drafts the target keeps, then one token of its own
+
+def prefix_length(ok: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool -> [B]: how many leading entries of each row are True."""
+    return torch.cumprod(ok.long(), dim=1).sum(1)
+
+
+def verified_mask(drafts, verify_len) -> torch.Tensor:
+    """[B, K]: draft k goes to the target (k < ℓ)."""
+    positions = torch.arange(drafts.shape[1], device=drafts.device)
+    return positions < verify_len[:, None]
+
 
 def accept_greedy(drafts, target_logits, verify_len):
     """Accept x_k while it is the target's argmax and k <= ℓ (verify_len [B]); target_logits
     [B, K+1, V]. Returns accepted n [B] and the token committed after them [B]."""
     K = drafts.shape[1]
     best = torch.argmax(target_logits, dim=-1)  # [B, K+1]
-    verified = torch.arange(K, device=drafts.device) < verify_len[:, None]
-    ok = (drafts == best[:, :K]) & verified
-    n = torch.cumprod(ok.long(), dim=1).sum(1)
-    next_token = best.gather(1, n[:, None])[:, 0]
-    return n, next_token
+    ok = (drafts == best[:, :K]) & verified_mask(drafts, verify_len)
+    n = prefix_length(ok)
+    rows = torch.arange(drafts.shape[0], device=drafts.device)
+    return n, best[rows, n]
 
 
 def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None, *,
@@ -146,24 +187,191 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
     rejection the correction from normalize(max(p - q, 0)), else the bonus from p_ℓ. Draws u [B, K],
     then a race over [B, V] (or takes them). Returns accepted n [B] and the committed token [B]."""
     B, K = drafts.shape
-    V = target_logits.shape[-1]
+    device = drafts.device
+    rows = torch.arange(B, device=device)
     p = probs(target_logits, temperature, filters)  # [B, K+1, V]
     if u is None:
-        u = torch.rand((B, K), generator=generator, device=drafts.device)
-    n = torch.zeros(B, dtype=torch.long, device=drafts.device)
+        u = torch.rand((B, K), generator=generator, device=device)
+    n = torch.zeros(B, dtype=torch.long, device=device)
     if K:
-        p_x = p[:, :K].gather(2, drafts[:, :, None])[:, :, 0]
-        q_x = q.gather(2, drafts[:, :, None])[:, :, 0]
-        verified = torch.arange(K, device=drafts.device) < verify_len[:, None]
-        ok = (u * q_x < p_x) & verified
-        n = torch.cumprod(ok.long(), dim=1).sum(1)
-    p_n = p.gather(1, n[:, None, None].expand(B, 1, V))[:, 0]
+        drafted = drafts[:, :, None]
+        p_x = p[:, :K].gather(2, drafted)[:, :, 0]  # [B, K] p_{k-1}(x_k)
+        q_x = q.gather(2, drafted)[:, :, 0]         # [B, K] q_k(x_k)
+        ok = (u * q_x < p_x) & verified_mask(drafts, verify_len)
+        n = prefix_length(ok)
+    p_n = p[rows, n]  # [B, V] the target's distribution after the accepted drafts
     if K:
-        q_n = q.gather(1, n.clamp(max=K - 1)[:, None, None].expand(B, 1, V))[:, 0]
+        q_n = q[rows, n.clamp(max=K - 1)]
         residual = torch.clamp(p_n - q_n, min=0)
         mass = residual.sum(-1, keepdim=True)
         # p == q leaves no residual mass, and then x_k was never rejected: p_n is never read there.
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
+        normalized = residual / mass.clamp(min=1e-30)
+        residual = torch.where(mass > 0, normalized, p_n)
         rejected = n < verify_len
         p_n = torch.where(rejected[:, None], residual, p_n)
     return n, sample_from(p_n, generator, noise)
+
+
+# Draft trees: the block's distributions grown into a tree of `budget` nodes, verified in one pass
+
+class Tree(NamedTuple):
+    """B draft trees of N = budget nodes after the root (node 0, the anchor), in the order they were
+    chosen (best first: a parent before its children). A node the search never reached (too few
+    candidates for the budget) has parent -1 and is never followed."""
+    tokens: torch.Tensor   # [B, N+1]
+    parents: torch.Tensor  # [B, N+1] the parent's node index; the root's (and an unused node's) is -1
+    depths: torch.Tensor   # [B, N+1] the root's 0; node at depth d drafts the token at anchor + d
+
+
+def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperature: float = 1.0):
+    """Log-probabilities [B, V] at `temperature` of the children of nodes holding `tokens` [B] at
+    `depth` [B] (1-based depth of the children), and the Markov state they pass on. Without a Markov
+    head a position's distribution is its own (DFlash): the same for every parent."""
+    L = base_logits.shape[1]
+    rows = torch.arange(base_logits.shape[0], device=base_logits.device)
+    slot = (depth - 1).clamp(0, L - 1)
+    z = base_logits[rows, slot].float()
+    state = None
+    if markov is not None:
+        bias, state = markov.step(hidden[rows, slot], tokens, states)
+        z = z + bias.float()
+    return torch.log_softmax(z / temperature, dim=-1), state
+
+
+def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float = 1.0) -> Tree:
+    """The `budget` most likely continuations of each row's anchor, best first, as DDTree picks them:
+    a node's score is the sum of its path's log-probabilities (at `temperature`; DDTree's is 1), and
+    each step adds the best candidate child of any node in the tree, a node's candidates its top
+    min(budget, V) children in order. With a Markov head a child's distribution is conditioned on its
+    parent's token (and the rnn head's state along its path); without one, on its depth alone.
+    base_logits [B, L, V], hidden [B, L, H], anchor [B]. Ties go to the node chosen earlier."""
+    B, L, V = base_logits.shape
+    N = budget
+    k = min(budget, V)
+    device = base_logits.device
+    rows = torch.arange(B, device=device)
+    tokens = torch.zeros((B, N + 1), dtype=torch.long, device=device)
+    tokens[:, 0] = anchor
+    parents = torch.full((B, N + 1), -1, dtype=torch.long, device=device)
+    depths = torch.zeros((B, N + 1), dtype=torch.long, device=device)
+    scores = torch.zeros((B, N + 1), device=device)
+    # Each node's candidate children, best first, and the rank of the next one not yet in the tree.
+    # (A last column stays empty: where a node's candidates run out.)
+    child_tokens = torch.zeros((B, N + 1, k + 1), dtype=torch.long, device=device)
+    child_scores = torch.full((B, N + 1, k + 1), float("-inf"), device=device)
+    next_rank = torch.zeros((B, N + 1), dtype=torch.long, device=device)
+    states = None
+
+    def expand(node: int, node_tokens, node_depths, node_states, reached):
+        """Fill in `node`'s candidate children (none past depth L, or for a node not reached)."""
+        nonlocal states
+        logprobs, state = child_logprobs(base_logits, hidden, markov, node_depths + 1, node_tokens, node_states,
+                                         temperature)
+        best, ids = torch.topk(logprobs, k, dim=-1)
+        open_ = reached & (node_depths < L)
+        child_tokens[:, node, :k] = ids
+        child_scores[:, node, :k] = torch.where(open_[:, None], scores[:, node, None] + best, float("-inf"))
+        if state is not None:
+            if states is None:
+                states = state.new_zeros((B, N + 1, state.shape[-1]))
+            states[:, node] = state
+
+    everyone = torch.ones(B, dtype=torch.bool, device=device)
+    expand(0, anchor, depths[:, 0], None, everyone)
+    for node in range(1, N + 1):
+        candidates = child_scores.gather(2, next_rank[:, :, None])[:, :, 0]  # [B, N+1]
+        best_score, parent = candidates.max(dim=-1)
+        reached = best_score > float("-inf")
+        rank = next_rank[rows, parent]
+        token = child_tokens[rows, parent, rank]
+        next_rank[rows, parent] += reached.long()
+        tokens[:, node] = token
+        parents[:, node] = torch.where(reached, parent, -1)
+        depths[:, node] = depths[rows, parent] + 1
+        scores[:, node] = best_score
+        parent_states = None if states is None else states[rows, parent]
+        if node < N:
+            expand(node, token, depths[:, node], parent_states, reached)
+    return Tree(tokens, parents, depths)
+
+
+def ancestors(tree: Tree, depth: int) -> torch.Tensor:
+    """[B, N+1, N+1] bool: [b, i, j] is True where node j is node i or one of its ancestors (a tree at
+    most `depth` deep)."""
+    B, N1 = tree.parents.shape
+    device = tree.parents.device
+    seen = torch.eye(N1, dtype=torch.bool, device=device).expand(B, N1, N1).clone()
+    current = tree.parents
+    for _ in range(depth):
+        on_path = current >= 0
+        hops = current.clamp(min=0)
+        seen |= torch.nn.functional.one_hot(hops, N1).bool() & on_path[:, :, None]
+        current = torch.where(on_path, tree.parents.gather(1, hops), -1)
+    return seen
+
+
+def walk_tree(tree: Tree, target_tokens, depth: int):
+    """From the root, follow the child holding the target's token at the current node; stop at the
+    first node where none does. target_tokens [B, N+1]: the target's token at every node. Returns
+    the path [B, depth+1] (node indices from the root; after the last accepted node, that node
+    again), the accepted count n [B], and the target's token after the path [B]."""
+    B = tree.tokens.shape[0]
+    rows = torch.arange(B, device=tree.tokens.device)
+    current = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
+    accepted = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
+    path = [current]
+    for _ in range(depth):
+        wanted = target_tokens[rows, current]
+        match = (tree.parents == current[:, None]) & (tree.tokens == wanted[:, None])
+        found = match.any(dim=-1)
+        child = match.long().argmax(dim=-1)
+        current = torch.where(found, child, current)
+        accepted = accepted + found.long()
+        path.append(current)
+    return torch.stack(path, dim=1), accepted, target_tokens[rows, current]
+
+
+def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, int]]:
+    """One row's tree in plain Python, the reference `build_tree` is tested against: a heap of
+    candidates (score, path of ranks), each pop adding a node and pushing its next sibling and its
+    first child. children(tokens) -> (the best min(budget, V) tokens after the path `tokens`, their
+    log-probabilities), best first. Returns the nodes in order as (token, parent)."""
+    import heapq
+
+    if budget <= 0 or depth <= 0:
+        return []
+    nodes = []   # (token, parent node index; 0 is the root)
+    paths = [[]]  # each node's tokens from the root
+    options = [children([])]
+    first_tokens, first_scores = options[0]
+    heap = [(-first_scores[0], (0,), 0, 0)]  # (-score, ranks, parent, rank)
+    while heap and len(nodes) < budget:
+        negative, ranks, parent, rank = heapq.heappop(heap)
+        score = -negative
+        tokens, scores = options[parent]
+        nodes.append((tokens[rank], parent))
+        me = len(nodes)
+        paths.append(paths[parent] + [tokens[rank]])
+        if rank + 1 < len(tokens):  # the next sibling
+            sibling = score - scores[rank] + scores[rank + 1]
+            heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent, rank + 1))
+        if len(paths[me]) < depth:  # the first child
+            options.append(children(paths[me]))
+            child = score + options[me][1][0]
+            heapq.heappush(heap, (-child, ranks + (0,), me, 0))
+        else:
+            options.append(([], []))
+    return nodes
+
+
+def walk_tree_reference(nodes: list[tuple[int, int]], target_tokens: list[int]) -> tuple[list[int], int]:
+    """One row's walk in plain Python: from the root, the child holding the target's token at the
+    current node, until none does. Returns the path (node indices, the root's 0 first) and the
+    target's token after it."""
+    path = [0]
+    while True:
+        wanted = target_tokens[path[-1]]
+        child = [i + 1 for i, (token, parent) in enumerate(nodes) if parent == path[-1] and token == wanted]
+        if not child:
+            return path, wanted
+        path.append(child[0])

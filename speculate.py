@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
 from typing import Literal, NamedTuple, Optional
 
@@ -22,7 +22,7 @@ import torch
 import kernels
 import sampling
 import scheduler as sched
-from model import Ragged, Transformer
+from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
 from support import flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
@@ -83,27 +83,48 @@ class Settings:
     kernels: Literal["torch", "triton"] = "torch"
     """Markov chain, sampled acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under
     TRITON_INTERPRET=1)."""
+    tree_budget: int = 0
+    """Draft a tree of this many nodes a round instead of a chain (0: the chain): the block's most likely
+    continuations, best first (with a Markov head each branch is conditioned on its own parent's token),
+    verified in one target pass. Block drafters (DSpark, DFlash) without a confidence scheduler."""
+    tree_temperature: float = 0.3
+    """The temperature of the drafter's distributions a tree is ranked by. Below 1 the branches follow
+    what is likeliest to be the target's own token (a drafter distilled at T = 1 spreads its mass
+    thin); 1 is DDTree's choice. Measured on the demo: docs/performance.md."""
+    draft_length: Optional[int] = None
+    """An Eagle3 drafter's drafts per round (a chain of one-token steps). None: the checkpoint's
+    ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
 
 
 # One round, in static shapes (what torch.compile captures)
 
 class Proposal(NamedTuple):
-    drafts: torch.Tensor                # [B, K] x_1 .. x_K
+    drafts: torch.Tensor                # [B, K] x_1 .. x_K (a tree's nodes after the root)
     q: Optional[torch.Tensor]           # [B, K, V] the distributions they were drawn from (None at T=0)
     confidence: Optional[torch.Tensor]  # [B, K] c_1 .. c_K (None without a confidence head)
     verify_len: torch.Tensor            # [B] ℓ: how many drafts go to the target, 0 .. K
+    tree: Optional[sampling.Tree] = None  # a draft tree instead of a chain (--tree-budget)
 
 
 def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule, backend,
-          capacity=None) -> Proposal:
+          num_drafts: int, tree_budget: int = 0, tree_temperature: float = 1.0, capacity=None) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
-    noise: the chain's Exp(1) [B, K, V] (None at T=0); capacity: the async scheduler's C."""
+    noise: the chain's Exp(1) [B, K, V] (None at T=0); capacity: the async scheduler's C;
+    tree_budget: draft a tree of this many nodes instead of a chain."""
     B = anchor.shape[0]
     if drafter is None:
         no_drafts = anchor.new_zeros((B, 0))
         return Proposal(no_drafts, None, None, anchor.new_zeros((B,)))
+    if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
+        drafts, q = sampling.eagle3_chain(drafter, anchor_pos, num_drafts, temperature, None, noise, filters=filters)
+        verify_len = torch.full((B,), num_drafts, dtype=torch.long, device=anchor.device)
+        return Proposal(drafts, q, None, verify_len)
     # 1. Draft: the block in one parallel pass, then the Markov chain left to right, then confidences.
     hidden, base_logits = drafter(anchor, anchor_pos)  # [B, K, H], [B, K, V]
+    if tree_budget:  # ... or the tree of the block's most likely continuations, verified whole
+        tree = sampling.build_tree(base_logits, hidden, anchor, drafter.markov_head, tree_budget, tree_temperature)
+        every_node = torch.full((B,), tree_budget, dtype=torch.long, device=anchor.device)
+        return Proposal(tree.tokens[:, 1:], None, None, every_node, tree)
     if backend == "triton":
         chain = kernels.markov_chain
     else:
@@ -117,14 +138,17 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
 
 
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature, filters, u, bonus_noise,
-           backend, num_tokens: Optional[int] = None):
+           backend, num_tokens: Optional[int] = None, node_noise=None):
     """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens None:
     each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N (`model.Ragged`).
     Returns the round's record (`pack_record`), the next anchors and their positions."""
-    drafts, q, confidence, verify_len = proposal
+    drafts, q, confidence, verify_len, tree = proposal
     K = drafts.shape[1]
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
     attention = kernels.cached_attention if backend == "triton" else None
+    if tree is not None:
+        return verify_tree(target, drafter, anchor, anchor_pos, active, tree, temperature=temperature,
+                           filters=filters, noise=node_noise, attention=attention)
     # 3. Verify: the target scores the anchor and every draft in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
     positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
@@ -150,43 +174,116 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     # 5. Commit: the drafter's context gains rows a .. a+K; those past a+n are masked next round,
     # then overwritten. The target's rows past a+n are rolled back by moving the anchor alone.
     if drafter is not None:
-        drafter.commit_context(features, positions)
+        ahead = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, K+1]
+        kept = torch.arange(K + 1, device=anchor.device) < accepted[:, None]
+        following = torch.where(kept, ahead, next_token[:, None])  # the token after each committed one
+        drafter.commit_context(features, positions, following, accepted)
     B = anchor.shape[0]
-    chosen_logits = logits[torch.arange(B, device=anchor.device), accepted]  # [B, V]: where next_token came from
-    finite = torch.isfinite(chosen_logits.gather(1, next_token[:, None])[:, 0])
-    record = pack_record(drafts, verify_len, accepted, next_token, finite, confidence)
+    rows = torch.arange(B, device=anchor.device)
+    finite = torch.isfinite(logits[rows, accepted, next_token])  # the committed token's logit
+    record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token, finite=finite,
+                         confidence=confidence)
+    next_anchor = torch.where(active, next_token, anchor)
+    next_pos = torch.where(active, anchor_pos + accepted + 1, anchor_pos)
+    return record, next_anchor, next_pos
+
+
+def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature, filters, noise,
+                attention):
+    """Steps 3-5 for draft trees: one target pass scores every node (each sees the context and its own
+    ancestors, at the position of its depth); the target draws its own token at every node, and the
+    walk follows the child holding it from the root; the accepted path's K/V move to consecutive
+    positions. noise: Exp(1) [B, N+1, V], one race a node (None at T=0)."""
+    B, N1 = tree.tokens.shape
+    depth = drafter.cfg.num_drafts
+    device = anchor.device
+    rows = torch.arange(B, device=device)
+    capture = drafter.cfg.target_layer_ids
+    # 3. Verify: every node, in slots a .. a+N of the cache, at RoPE positions a + its depth.
+    slots = TreeSlots(anchor_pos, sampling.ancestors(tree, depth))
+    positions = anchor_pos[:, None] + tree.depths
+    logits, features = target(tree.tokens, positions, capture=capture, attention=attention, tree=slots)
+    # 4. Accept: the target's own token at each node; the walk stops where no child holds it.
+    if temperature == 0:
+        chosen = torch.argmax(logits, dim=-1)  # [B, N+1]
+    else:
+        chosen = sampling.sample_from(sampling.probs(logits, temperature, filters), None, noise)
+    path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
+    # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
+    steps = torch.arange(depth + 1, device=device)
+    committed = anchor_pos[:, None] + steps
+    target.move_cache(anchor_pos[:, None] + path, committed)
+    path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
+    following = torch.cat([path_tokens[:, 1:], next_token[:, None]], dim=1)
+    following = torch.where(steps < accepted[:, None], following, next_token[:, None])
+    drafter.commit_context(features[rows[:, None], path], committed, following, accepted)
+    last = path[rows, accepted]
+    finite = torch.isfinite(logits[rows, last, next_token])
+    parents = tree.parents[:, 1:]
+    reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
+    record = pack_record(drafts=tree.tokens[:, 1:], verified=reached, accepted=accepted, bonus=next_token,
+                         finite=finite, parents=parents, path=path[:, 1:])
     next_anchor = torch.where(active, next_token, anchor)
     next_pos = torch.where(active, anchor_pos + accepted + 1, anchor_pos)
     return record, next_anchor, next_pos
 
 
 class RoundRecord(NamedTuple):
-    """One row of a round's record, in `pack_record`'s order."""
-    drafts: list[int]
-    verified: int
+    """One row of a round's record (`record_widths`)."""
+    drafts: list[int]                  # a chain's drafts, or a tree's nodes after the root
+    verified: int                      # drafts sent to the target (a tree: its nodes)
     accepted: int
-    bonus: int                  # the token committed after the accepted drafts
-    finite: bool                # the committed token's logit was finite
+    bonus: int                         # the token committed after the accepted drafts
+    finite: bool                       # the committed token's logit was finite
     confidence: Optional[list[float]]
+    parents: Optional[list[int]] = None  # a tree's: each node's parent (0: the root; -1: not reached)
+    path: Optional[list[int]] = None     # a tree's accepted nodes, the first `accepted` of these
 
 
-def pack_record(drafts, verify_len, accepted, next_token, finite, confidence) -> torch.Tensor:
-    """The round's one device->host transfer, float64 [B, 2K + 4]: the K drafts, ℓ, n, the committed
-    token, its logit's finiteness, then the K confidences (zeros without a confidence head)."""
-    if confidence is None:
-        confidence = torch.zeros(drafts.shape, device=drafts.device)
-    columns = [drafts, verify_len[:, None], accepted[:, None], next_token[:, None], finite[:, None], confidence]
-    return torch.cat([c.double() for c in columns], dim=1)
+def record_widths(drafts: int, confidence: bool, tree_depth: int = 0) -> dict:
+    """The round record's columns in order, and their widths: the one place its layout is written.
+    `pack_record` fills it on the device (the round's one transfer to the host), `unpack` reads it."""
+    widths = {"drafts": drafts, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
+    widths["confidence"] = drafts if confidence else 0
+    if tree_depth:
+        widths["parents"] = drafts
+        widths["path"] = tree_depth
+    return widths
 
 
-def unpack(record: torch.Tensor, has_confidence: bool) -> list[RoundRecord]:
+def pack_record(**columns) -> torch.Tensor:
+    """float64 [B, Σ widths]: the given columns ([B] or [B, width]) in `record_widths`' order."""
+    order = ("drafts", "verified", "accepted", "bonus", "finite", "confidence", "parents", "path")
+    parts = []
+    for name in order:
+        column = columns.get(name)
+        if column is not None:
+            parts.append(column.reshape(column.shape[0], -1).double())
+    return torch.cat(parts, dim=1)
+
+
+def unpack(record: torch.Tensor, widths: dict) -> list[RoundRecord]:
     """`pack_record`'s rows, read on the host."""
-    K = (record.shape[1] - 4) // 2
     rows = []
     for r in record.tolist():
-        confidence = r[K + 4:] if has_confidence else None
-        drafts = [int(x) for x in r[:K]]
-        rows.append(RoundRecord(drafts, int(r[K]), int(r[K + 1]), int(r[K + 2]), bool(r[K + 3]), confidence))
+        values = {}
+        at = 0
+        for name, width in widths.items():
+            values[name] = r[at:at + width]
+            at += width
+        confidence = values["confidence"] or None
+        parents = values.get("parents")
+        path = values.get("path")
+        rows.append(RoundRecord(
+            drafts=[int(x) for x in values["drafts"]],
+            verified=int(values["verified"][0]),
+            accepted=int(values["accepted"][0]),
+            bonus=int(values["bonus"][0]),
+            finite=bool(values["finite"][0]),
+            confidence=confidence,
+            parents=None if parents is None else [int(x) for x in parents],
+            path=None if path is None else [int(x) for x in path],
+        ))
     return rows
 
 
@@ -199,12 +296,17 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     tokens = torch.tensor(padded, device=device)
     positions = torch.arange(P, device=device).expand(len(prompts), P)
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
-    logits, features = target(tokens, positions, capture=capture, logits_index=lens - 1, rows=rows)
-    if drafter is not None:
-        drafter.commit_context(features, positions, rows)
+    last = lens - 1
+    logits, features = target(tokens, positions, capture=capture, logits_index=last, rows=rows)
     first = sampling.sample(logits, temperature, None, noise, filters=filters)
     finite = torch.isfinite(logits).all(-1)
-    return torch.where(finite, first, -1), lens
+    first = torch.where(finite, first, -1)
+    if drafter is not None:
+        batch = torch.arange(len(prompts), device=device)
+        following = torch.roll(tokens, -1, dims=1)  # the token after each prompt position ...
+        following[batch, last] = first.clamp(min=0)  # ... the first new one after the last
+        drafter.commit_context(features, positions, following, last, rows)
+    return first, lens
 
 
 # Compiling: one graph per half of a round, static shapes; on a CPU frozen weights and a C++ wrapper,
@@ -261,16 +363,57 @@ class Request:
     sample: int = 0
 
 
-def cache_length(longest_prompt: int, max_new_tokens: int, drafter) -> int:
+def cache_length(longest_prompt: int, max_new_tokens: int, drafter, num_drafts: Optional[int] = None,
+                 tree_budget: int = 0) -> int:
     """Cache rows: prompt + budget + a round's window past a finished row's last anchor."""
     width = 1
     if drafter is not None:
-        width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1)
+        K = num_drafts or drafter.cfg.num_drafts
+        width = max(drafter.cfg.num_slots, K + 1, tree_budget + 1)
     return longest_prompt + max_new_tokens + 2 * width
 
 
 def caches(model) -> list:
     return [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
+
+
+def tree_depth(parents: list[int]) -> int:
+    """How deep a tree reaches, from its nodes' parents (0: the root; -1: a node not reached)."""
+    depths = [0]  # the root's
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return max(depths)
+
+
+@dataclass
+class Rows:
+    """The engine's batch rows during a decode: the request each one holds (None: free), its sampling
+    generator, and every row's anchor and its position on the device."""
+    requests: list
+    generators: list
+    anchor: torch.Tensor      # [B] each row's last committed token
+    anchor_pos: torch.Tensor  # [B] its position
+    live: Optional[list] = None              # which rows held a request when `mask` was made
+    mask: Optional[torch.Tensor] = None      # [B] bool, on the device
+
+    @staticmethod
+    def empty(batch: int, device) -> "Rows":
+        zeros = torch.zeros(batch, dtype=torch.long, device=device)
+        return Rows([None] * batch, [None] * batch, zeros, zeros.clone())
+
+    def free(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if r is None]
+
+    def busy(self) -> bool:
+        return any(r is not None for r in self.requests)
+
+    def active(self) -> torch.Tensor:
+        """[B] bool: the rows holding a request (copied to the device only when that changes)."""
+        live = [r is not None for r in self.requests]
+        if live != self.live:
+            self.live = live
+            self.mask = torch.tensor(live, device=self.anchor.device)
+        return self.mask
 
 
 class Engine:
@@ -281,7 +424,8 @@ class Engine:
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int, temperature: float = 0.0,
                  filters: Filters = NO_FILTERS, seed: int = 0, stop_ids=(), stop_strings=None, scheduler: str = "none",
                  threshold: float = 0.0, buckets=None, ragged: Optional[bool] = None, compile: bool = False,
-                 compile_mode: Optional[str] = None, compile_verbose: bool = False, kernels: str = "torch"):
+                 compile_mode: Optional[str] = None, compile_verbose: bool = False, kernels: str = "torch",
+                 num_drafts: Optional[int] = None, tree_budget: int = 0, tree_temperature: float = 1.0):
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)
@@ -298,7 +442,16 @@ class Engine:
             if m is not None:
                 m.setup_caches(batch_size, max_seq)
         self.caches = [caches(m) if m is not None else None for m in (target, drafter)]
-        self.K = drafter.cfg.num_drafts if drafter is not None else 0
+        self.K = 0  # drafts per round: the block drafter's, or an Eagle3 chain's (num_drafts)
+        if drafter is not None:
+            self.K = num_drafts or drafter.cfg.num_drafts
+        self.tree_budget = tree_budget
+        self.tree_temperature = tree_temperature
+        has_confidence = drafter is not None and drafter.confidence_head is not None
+        if tree_budget:  # a record holds the tree's nodes, their parents and the accepted path
+            self.widths = record_widths(tree_budget, False, self.K)
+        else:
+            self.widths = record_widths(self.K, has_confidence)
         self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold, buckets=buckets,
                                          compiled=compile, device=self.device)
         self.ragged = scheduler != "none" if ragged is None else ragged
@@ -321,8 +474,15 @@ class Engine:
         rows = (self.target, self.drafter, anchor, anchor_pos, active)
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
-        proposal = self.draft_fn(*rows, noise=noise.chain if noise else None, temperature=self.temperature,
-                                 filters=self.filters, schedule=self.scheduler, backend=self.backend,
+        chain_noise = None
+        node_noise = None
+        if noise is not None and self.tree_budget:
+            node_noise = noise.chain  # the target's race at every node
+        elif noise is not None:
+            chain_noise = noise.chain
+        proposal = self.draft_fn(*rows, noise=chain_noise, temperature=self.temperature, filters=self.filters,
+                                 schedule=self.scheduler, backend=self.backend, num_drafts=self.K,
+                                 tree_budget=self.tree_budget, tree_temperature=self.tree_temperature,
                                  capacity=plan.tensor if plan else None)
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
@@ -332,7 +492,7 @@ class Engine:
             num_tokens = n if verify_len is not None else self.scheduler.bucket(n)
         return self.verify_fn(*rows, proposal, temperature=self.temperature, filters=self.filters,
                               u=noise.u if noise else None, bonus_noise=noise.bonus if noise else None,
-                              backend=self.backend, num_tokens=num_tokens)
+                              backend=self.backend, num_tokens=num_tokens, node_noise=node_noise)
 
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
@@ -350,97 +510,105 @@ class Engine:
         (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs apart.
         on_round(request, record), on_finish(request), on_step() after each batch round."""
         self.own_caches()
-        skip = self.compiled and self.warmed and self.skip_guards
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
-            return self._generate(requests, max_new_tokens, on_round, on_finish, on_step)
-
-    def _generate(self, requests, max_new_tokens, on_round, on_finish, on_step):
-        B, K, V, dev = self.max_batch, self.K, self.target.args.vocab_size, self.device
-        has_confidence = self.drafter is not None and self.drafter.confidence_head is not None
-        waiting = list(reversed(requests))
-        rows: list[Optional[Request]] = [None] * B   # the request each row decodes
-        generators: list[Optional[torch.Generator]] = [None] * B
-        anchor = torch.zeros(B, dtype=torch.long, device=dev)
-        anchor_pos = torch.zeros(B, dtype=torch.long, device=dev)
         self.scheduler.reset()
-
-        def finish(req):
-            req.finished = time.perf_counter()
-            if on_finish is not None:
-                on_finish(req)
-
-        def admit():  # prefill waiting requests into free rows (again, if one ends at its first token)
-            nonlocal anchor, anchor_pos
-            while waiting and None in rows:
+        skip = self.compiled and self.warmed and self.skip_guards
+        rows = Rows.empty(self.max_batch, self.device)
+        waiting = list(reversed(requests))
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+            self.admit(rows, waiting, max_new_tokens, on_finish)
+            while rows.busy():
                 t0 = time.perf_counter()
-                free = [i for i, r in enumerate(rows) if r is None][:len(waiting)]
-                new = [waiting.pop() for _ in free]
-                noise = None
-                if self.temperature > 0:  # a request's samples depend only on the seed and its index
-                    for i, req in zip(free, new):
-                        generators[i] = torch.Generator(device=dev).manual_seed(self.seed + req.index)
-                    draws = [torch.empty(V, device=dev).exponential_(1, generator=generators[i]) for i in free]
-                    noise = torch.stack(draws)
-                index = torch.tensor(free, device=dev)
-                in_order = free == list(range(len(free)))
-                first, lens = prefill(self.target, self.drafter, [r.prompt_ids for r in new], self.temperature,
-                                      noise, dev, rows=None if in_order else index, filters=self.filters)
-                anchor = anchor.index_copy(0, index, first)
-                anchor_pos = anchor_pos.index_copy(0, index, lens)
-                for i, req, t in zip(free, new, first.tolist()):
-                    req.started = t0
-                    if t < 0:
-                        raise NonFinite(req.index, "the prefill")
-                    self._commit(req, [t], max_new_tokens)
-                    if req.finish_reason is None:
-                        rows[i] = req
-                    else:
-                        finish(req)
-                self.prefill_seconds += time.perf_counter() - t0
-
-        admit()
-        live = None
-        while any(r is not None for r in rows):
-            t0 = time.perf_counter()
-            if live != [r is not None for r in rows]:
-                live = [r is not None for r in rows]
-                active = torch.tensor(live, device=dev)
-            noise = None
-            if self.temperature > 0:
-                row_generators = [g if r is not None else None for g, r in zip(generators, rows)]
-                noise = sampling.rows_noise(row_generators, K, V, dev)
-            plan = None
-            if self.scheduler.kind == "async":
-                plan = self.scheduler.plan(sum(live))
-            record, anchor, anchor_pos = self.round(anchor, anchor_pos, active, noise, plan=plan)
-            if self.cuda_graphs:  # outlive the next graph replay
-                anchor = anchor.clone()
-                anchor_pos = anchor_pos.clone()
-            records = unpack(record, has_confidence)  # the one host read
-            if plan is not None:  # the history that sizes the round after next
-                self.scheduler.observe([rec.confidence for rec, on in zip(records, live) if on])
-            for i, (req, rec) in enumerate(zip(rows, records)):
-                if req is None:
-                    continue
-                if not rec.finite:
-                    raise NonFinite(req.index, f"round {len(req.rounds)}")
-                entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
-                         "draft": rec.drafts, "confidence": rec.confidence, "verified": rec.verified,
-                         "accepted": rec.accepted, "bonus": rec.bonus}
-                if plan is not None:
-                    entry.update(plan.trace())
-                req.rounds.append(entry)
-                self._commit(req, rec.drafts[:rec.accepted] + [rec.bonus], max_new_tokens)
-                if on_round is not None:
-                    on_round(req, entry)
-                if req.finish_reason is not None:
-                    rows[i] = None
-                    finish(req)
-            self.decode_seconds += time.perf_counter() - t0
-            if on_step is not None:
-                on_step()
-            admit()
+                self.step(rows, max_new_tokens, on_round, on_finish)
+                self.decode_seconds += time.perf_counter() - t0
+                if on_step is not None:
+                    on_step()
+                self.admit(rows, waiting, max_new_tokens, on_finish)
         return requests
+
+    def admit(self, rows: "Rows", waiting: list[Request], max_new_tokens: int, on_finish):
+        """Prefill waiting requests into free rows (again, while one ends at its first token)."""
+        V = self.target.args.vocab_size
+        while waiting and rows.free():
+            t0 = time.perf_counter()
+            free = rows.free()[:len(waiting)]
+            new = [waiting.pop() for _ in free]
+            noise = None
+            if self.temperature > 0:  # a request's samples depend only on the seed and its index
+                draws = []
+                for i, req in zip(free, new):
+                    rows.generators[i] = torch.Generator(device=self.device).manual_seed(self.seed + req.index)
+                    draws.append(sampling.exponential((V,), rows.generators[i], self.device))
+                noise = torch.stack(draws)
+            index = torch.tensor(free, device=self.device)
+            cache_rows = None
+            if free != list(range(len(free))):
+                cache_rows = index
+            prompts = [r.prompt_ids for r in new]
+            first, lens = prefill(self.target, self.drafter, prompts, self.temperature, noise, self.device,
+                                  rows=cache_rows, filters=self.filters)
+            rows.anchor = rows.anchor.index_copy(0, index, first)
+            rows.anchor_pos = rows.anchor_pos.index_copy(0, index, lens)
+            for i, req, token in zip(free, new, first.tolist()):
+                req.started = t0
+                if token < 0:
+                    raise NonFinite(req.index, "the prefill")
+                self._commit(req, [token], max_new_tokens)
+                if req.finish_reason is None:
+                    rows.requests[i] = req
+                else:
+                    self.finish(req, on_finish)
+            self.prefill_seconds += time.perf_counter() - t0
+
+    def step(self, rows: "Rows", max_new_tokens: int, on_round, on_finish):
+        """One round for every row, its record read once, each request's tokens committed."""
+        active = rows.active()
+        noise = None
+        if self.temperature > 0:
+            generators = [g if r is not None else None for g, r in zip(rows.generators, rows.requests)]
+            races = self.K  # one a draft; a tree's: one a node, the root's included
+            if self.tree_budget:
+                races = self.tree_budget + 1
+            noise = sampling.rows_noise(generators, races, self.target.args.vocab_size, self.device)
+        plan = None
+        if self.scheduler.kind == "async":
+            plan = self.scheduler.plan(sum(rows.live))
+        record, rows.anchor, rows.anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
+        if self.cuda_graphs:  # outlive the next graph replay
+            rows.anchor = rows.anchor.clone()
+            rows.anchor_pos = rows.anchor_pos.clone()
+        records = unpack(record, self.widths)  # the one host read
+        if plan is not None:  # the history that sizes the round after next
+            live = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
+            self.scheduler.observe(live)
+        for i, (req, rec) in enumerate(zip(rows.requests, records)):
+            if req is None:
+                continue
+            if not rec.finite:
+                raise NonFinite(req.index, f"round {len(req.rounds)}")
+            entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
+                     "draft": rec.drafts, "confidence": rec.confidence, "verified": rec.verified,
+                     "accepted": rec.accepted, "bonus": rec.bonus}
+            accepted = rec.drafts[:rec.accepted]
+            if rec.path is not None:  # a tree: its shape, and the nodes the walk took
+                path = rec.path[:rec.accepted]
+                entry.update(parents=rec.parents, path=path, depth=tree_depth(rec.parents))
+                accepted = [rec.drafts[node - 1] for node in path]
+            if plan is not None:
+                entry.update(plan.trace())
+            req.rounds.append(entry)
+            committed = accepted + [rec.bonus]
+            self._commit(req, committed, max_new_tokens)
+            if on_round is not None:
+                on_round(req, entry)
+            if req.finish_reason is not None:
+                rows.requests[i] = None
+                self.finish(req, on_finish)
+
+    @staticmethod
+    def finish(req: Request, on_finish):
+        req.finished = time.perf_counter()
+        if on_finish is not None:
+            on_finish(req)
 
     def _commit(self, req: Request, tokens: list[int], budget: int):
         """Append up to the budget and the first stop token; a stop string cuts after its last token."""
@@ -468,7 +636,8 @@ class Engine:
         noise = None
         if self.temperature > 0:
             generator = torch.Generator(device=dev).manual_seed(0)
-            noise = sampling.round_noise(generator, B, self.K, self.target.args.vocab_size, dev)
+            races = self.tree_budget + 1 if self.tree_budget else self.K
+            noise = sampling.round_noise(generator, B, races, self.target.args.vocab_size, dev)
         if num_tokens is None:
             inactive = torch.zeros(B, dtype=torch.bool, device=dev)
             return self.round(zeros, zeros.clone(), inactive, noise)[0].tolist()
@@ -533,8 +702,18 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *, ma
     if kind != "none" and (drafter is None or drafter.confidence_head is None):
         flag = "--confidence-threshold" if s.confidence_threshold > 0 else f"--scheduler {kind}:"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
+    eagle3 = drafter is not None and drafter.cfg.layout == "eagle3"
+    if s.draft_length is not None and not eagle3:
+        raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length is chosen; "
+                        f"{'a block drafter drafts its block' if drafter is not None else 'there is no --drafter'}")
+    if s.tree_budget and drafter is None:
+        raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter (without one the "
+                        f"decoding is autoregressive)")
+    if s.tree_budget and eagle3:
+        raise UserError(f"--tree-budget {s.tree_budget}: an Eagle3 drafter drafts a chain of one-token steps; "
+                        f"trees grow from a block drafter's distributions (DSpark or DFlash)")
     batch = min(s.batch_size, len(prompts) * s.num_samples)
-    need = cache_length(max(map(len, prompts)), s.max_new_tokens, drafter)
+    need = cache_length(max(map(len, prompts)), s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
     max_seq = max(need, max_seq or 0)
     drawn = flags.sampling_for(m, s)
     device = m.target.embed_tokens.weight.device
@@ -547,7 +726,8 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *, ma
                     filters=drawn.filters, seed=s.seed, stop_ids=stop_ids,
                     stop_strings=StopStrings.build(m.tokenizer, s.stop), scheduler=kind,
                     threshold=s.confidence_threshold, buckets=buckets, compile=s.compile, compile_mode=s.compile_mode,
-                    compile_verbose=s.verbose, kernels=s.kernels)
+                    compile_verbose=s.verbose, kernels=s.kernels, num_drafts=s.draft_length,
+                    tree_budget=s.tree_budget, tree_temperature=s.tree_temperature)
     if s.compile:
         engine.warmup()
         if verbose:
@@ -674,7 +854,8 @@ def run(args: Args) -> dict:
         engine = make_engine(m, m.drafter, prompts, s)
         if demo:  # the baseline first: the same engine without the drafter, as many cache rows
             report.show_prompt()
-            plain = make_engine(m, None, prompts, s, max_seq=engine.max_seq)
+            chain_only = replace(s, tree_budget=0, draft_length=None)  # what a drafter alone decides
+            plain = make_engine(m, None, prompts, chain_only, max_seq=engine.max_seq)
             with report.decoding(plain, "autoregressive", files=False) as baseline:
                 decode(m, prompts, s, plain, on_round=baseline.on_round, on_finish=baseline.on_finish,
                        on_step=baseline.on_step)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from drafter import MARKOV_HEADS, Drafter, DrafterConfig
+from drafter import MARKOV_HEADS, Drafter, DrafterConfig, Eagle3Drafter
 from model import ModelArgs, RMSNorm, Transformer
 from support.cli import (
     MAX_TEMPERATURE,
@@ -35,7 +35,8 @@ LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED), "hidden_size": (int,
               "rms_norm_eps": (float, 1e-12, 0.1, 1e-6), "rope_theta": (float, 1.0, 1e12, REQUIRED),
               "attention_bias": (bool, 0, 0, False), "tie_word_embeddings": (bool, 0, 0, False)}
 MAX_BLOCK = 256  # drafter slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
-LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash"}
+LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")  # DeepSpec's name, and its evaluator's alias
 
 
 def checked(cfg: dict, key: str, source: str, kind=int, lo=None, hi=None):
@@ -152,8 +153,11 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
         raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
                         f"got {archs!r}")
     arch = archs[0] if len(archs) == 1 else None
+    if arch in EAGLE3_ARCHITECTURES:
+        return eagle3_config(cfg, layers, source)
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
-        raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel or DFlashDraftModel)")
+        raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel, "
+                        f"DFlashDraftModel or Qwen3Eagle3Model)")
     v = {k: lookup(cfg, k, source) for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")}
     block, ids, mask_id, depth = v.values()
     for key, ok, want in (
@@ -231,6 +235,29 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if layout == "dflash" and (mtype or conf):
         raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
     return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, depth)
+
+
+def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
+    """DeepSpec's Eagle3 drafter: the target's config with one draft layer, the captured layers and the
+    chain length it was trained to unroll (ttt_length, the drafts a round proposes by default)."""
+    for key in ("target_layer_ids", "ttt_length"):
+        if key not in cfg:
+            raise UserError(f"{source}: missing key {key!r} (an Eagle3 drafter's config names it)")
+    ids = cfg["target_layer_ids"]
+    if not isinstance(ids, list) or not ids or not all(map(integer, ids)):
+        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
+    if ids != sorted(set(ids)):
+        raise UserError(f"{source}: 'target_layer_ids' {ids} must be strictly increasing")
+    gamma = checked(cfg, "ttt_length", source, int, 1, MAX_BLOCK)
+    depth = cfg.get("draft_num_hidden_layers", layers.num_hidden_layers)
+    if depth != 1:
+        raise UserError(f"{source}: an Eagle3 drafter has one layer (draft_num_hidden_layers / num_hidden_layers), "
+                        f"got {depth!r}")
+    targets = cfg.get("num_target_layers")
+    if targets is not None and not (integer(targets) and targets >= 1):
+        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
+    one_layer = replace(layers, num_hidden_layers=1)
+    return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, targets)
 
 
 # Weights
@@ -410,7 +437,10 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
             raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; drafters share the "
                             f"target's embedding and lm_head")
     with torch.device("meta"):
-        drafter = Drafter(cfg)
+        if cfg.layout == "eagle3":
+            drafter = Eagle3Drafter(cfg)
+        else:
+            drafter = Drafter(cfg)
     assign(drafter, tensors, source)
     attach(drafter, target)
     return drafter.eval().requires_grad_(False)

@@ -43,8 +43,12 @@ RANGES = {
     "top_p": (float, "(0, 1]"),
     "min_p": (float, "[0, 1]"),
     "confidence_threshold": (float, "[0, 1]"),
+    "draft_length": (int, "[1, 256]"),
+    "tree_budget": (int, "[0, 1024]"),
+    "tree_temperature": (float, f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
 }
-REQUIRED = ("max_new_tokens", "seed", "num_samples", "batch_size", "confidence_threshold")
+REQUIRED = ("max_new_tokens", "seed", "num_samples", "batch_size", "confidence_threshold", "tree_budget",
+            "tree_temperature")
 CHOICES = {
     "scheduler": sched.KINDS,
     "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),  # speculate's
@@ -91,6 +95,10 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
     s.stop = tuple(s.stop)
     StopStrings.check(s.stop)
     s.scheduler = sched.resolve(s.scheduler, s.confidence_threshold, s.sps_table, s.verify_buckets)
+    if s.tree_budget and s.scheduler != "none":
+        raise UserError(f"--tree-budget {s.tree_budget}: a draft tree is verified whole, and --scheduler "
+                        f"{s.scheduler} chooses how much of a chain to verify (its confidences score a chain's "
+                        f"prefixes, not a tree's branches): use one or the other")
     if s.compile is not None and not isinstance(s.compile, bool):
         raise UserError(f"--compile: invalid value {s.compile!r} (True, False, or None for the default)")
     s.compile = resolve_compile(s.compile, device)

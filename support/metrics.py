@@ -23,16 +23,28 @@ def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]
 def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
     """Raw counts of finished requests (`.rounds` of trace records, `.output_ids`): COUNT_KEYS summed, and per
     position j < K rounds that verified / accepted more than j (`verified_at` / `accepted_at`), that accepted
-    drafts 1..j and verified j+1 (`tried`) and that accepted 1..j+1 (`ok`)."""
+    drafts 1..j and verified j+1 (`tried`) and that accepted 1..j+1 (`ok`). A tree's positions are its depths:
+    it verified position j when it reached depth j + 1."""
     stop = set(stop_ids)
-    rounds = [(round_counts(rd, stop), len(rd["draft"])) for r in requests for rd in r.rounds]
-    c = {"num_samples": len(requests), "num_rounds": len(rounds),
-         "accepted": sum(a for (a, _, _), _ in rounds), "verified": sum(v for (_, v, _), _ in rounds),
-         "committed": sum(t for (_, _, t), _ in rounds), "drafted": sum(d for _, d in rounds),
-         "tokens": sum(len(r.output_ids) for r in requests)}
-    c["verified_at"] = [sum(1 for (_, v, _), _ in rounds if v > j) for j in range(K)]
-    c["accepted_at"] = [sum(1 for (a, _, _), _ in rounds if a > j) for j in range(K)]
-    c["tried"] = [sum(1 for (a, v, _), _ in rounds if a >= j and v > j) for j in range(K)]
+    c = {key: 0 for key in COUNT_KEYS}
+    c["num_samples"] = len(requests)
+    c["verified_at"] = [0] * K
+    c["accepted_at"] = [0] * K
+    c["tried"] = [0] * K
+    for r in requests:
+        c["tokens"] += len(r.output_ids)
+        for rd in r.rounds:
+            a, v, t = round_counts(rd, stop)
+            reach = min(v, rd.get("depth", v))
+            c["num_rounds"] += 1
+            c["accepted"] += a
+            c["verified"] += v
+            c["committed"] += t
+            c["drafted"] += len(rd["draft"])
+            for j in range(K):
+                c["verified_at"][j] += reach > j
+                c["accepted_at"][j] += a > j
+                c["tried"][j] += a >= j and reach > j
     c["ok"] = c["accepted_at"]
     return c
 

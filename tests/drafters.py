@@ -152,3 +152,50 @@ def make_drafter(path, target_dir, *, spelling="deepspec", markov="vanilla", con
         json.dump(cfg, f, indent=1)
     save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
     return str(path)
+
+
+def make_eagle3(path, target_dir, *, ttt_length=4, target_layer_ids=(0, 1), norm_scale=1.0, seed=2,
+                extra_config=None, drop=(), extra_tensors=None):
+    """Write an Eagle3 drafter as DeepSpec saves one (config.json: the target's, one layer, the Eagle3
+    keys; model.safetensors: separate q/k/v, the target's embedding and lm_head). Random weights;
+    norm_scale scales the final norm (small: a flat draft distribution). Returns the path."""
+    tcfg = json.load(open(os.path.join(target_dir, "config.json")))
+    tw = load_file(os.path.join(target_dir, "model.safetensors"))
+    H, V, I = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["intermediate_size"]
+    hd, nh, nkv = tcfg["head_dim"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=0.2):
+        return torch.randn(*shape, generator=g) * s
+
+    p = "layers.0."
+    w = {"fc.weight": rnd(H, len(target_layer_ids) * H), "norm.weight": norm_scale * (1 + rnd(H, s=0.1)),
+         p + "hidden_norm.weight": 1 + rnd(H, s=0.1), p + "input_layernorm.weight": 1 + rnd(H, s=0.1),
+         p + "post_attention_layernorm.weight": 1 + rnd(H, s=0.1),
+         p + "self_attn.q_proj.weight": rnd(nh * hd, 2 * H), p + "self_attn.k_proj.weight": rnd(nkv * hd, 2 * H),
+         p + "self_attn.v_proj.weight": rnd(nkv * hd, 2 * H), p + "self_attn.o_proj.weight": rnd(H, nh * hd),
+         p + "self_attn.q_norm.weight": 1 + rnd(hd, s=0.1), p + "self_attn.k_norm.weight": 1 + rnd(hd, s=0.1),
+         p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H),
+         p + "mlp.down_proj.weight": rnd(H, I),
+         "embed_tokens.weight": tw["model.embed_tokens.weight"].clone(),
+         "lm_head.weight": tw.get("lm_head.weight", tw["model.embed_tokens.weight"]).clone()}
+    for name in drop:
+        w.pop(name)
+    w.update(extra_tensors or {})
+    cfg = {k: v for k, v in tcfg.items() if k not in ("architectures", "auto_map", "dtype", "torch_dtype")}
+    cfg.update(architectures=["Qwen3Eagle3Model"], num_target_layers=tcfg["num_hidden_layers"], num_hidden_layers=1,
+               draft_num_hidden_layers=1, layer_types=["full_attention"], target_layer_ids=list(target_layer_ids),
+               ttt_length=ttt_length, step_loss_decay=0.8, tie_word_embeddings=False)
+    cfg.update(extra_config or {})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def make_any(path, target_dir, **opts):
+    """make_eagle3 where the options say eagle3=True, else make_drafter."""
+    if opts.pop("eagle3", False):
+        return make_eagle3(path, target_dir, **opts)
+    return make_drafter(path, target_dir, **opts)

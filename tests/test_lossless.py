@@ -37,7 +37,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
         sys.path.insert(0, _p)
 
 from conftest import chi2_pvalue  # noqa: E402
-from drafters import make_drafter, make_target  # noqa: E402
+from drafters import make_any, make_drafter, make_target  # noqa: E402
 
 import sampling  # noqa: E402
 import speculate  # noqa: E402
@@ -112,10 +112,17 @@ def _is_num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def accepted_drafts(r):
+    """The drafts a round accepted: a chain's first `accepted`, a tree's nodes along its path."""
+    if "path" in r:
+        return [r["draft"][node - 1] for node in r["path"]]
+    return r["draft"][:r["accepted"]]
+
+
 def counted(r, stop_ids=()):
     """(accepted, verified, committed) of a round as the metrics count it (docs/algorithm.md,
     "Evaluation"): a stop token among the accepted drafts ends the round at it, with no bonus."""
-    eos = [j for j, t in enumerate(r["draft"][:r["accepted"]]) if t in stop_ids]
+    eos = [j for j, t in enumerate(accepted_drafts(r)) if t in stop_ids]
     return (eos[0] + 1,) * 3 if eos else (r["accepted"], r["verified"], r["accepted"] + 1)
 
 
@@ -123,6 +130,7 @@ def recompute_accept_rates(rounds, K, stop_ids=()):
     rates = []
     for k in range(1, K + 1):
         av = [counted(r, stop_ids)[:2] for r in rounds]
+        av = [(a, min(v, r.get("depth", v))) for (a, v), r in zip(av, rounds)]  # a tree's positions: its depths
         tried = sum(1 for a, v in av if a >= k - 1 and v >= k)
         ok = sum(1 for a, _ in av if a >= k)
         rates.append(ok / tried if tried else None)  # no round tried draft k: undefined
@@ -130,8 +138,9 @@ def recompute_accept_rates(rounds, K, stop_ids=()):
 
 
 def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool, max_new: int,
-                stop_ids=()):
-    """Everything docs/trace-format.md promises about the trace, and the numbers' mutual consistency."""
+                stop_ids=(), tree_budget: int = 0):
+    """Everything docs/trace-format.md promises about the trace, and the numbers' mutual consistency.
+    K: drafts a round (with tree_budget, a tree's depth: the positions acceptance is counted by)."""
     assert sorted(tr.requests) == list(range(n_requests))
     position = {id(l): i for i, l in enumerate(tr.lines)}
     stop_ids = set(stop_ids)
@@ -161,7 +170,7 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
                 assert key in r, f"round line lacks {key!r}: {r}"
             assert _is_int(r["request"]) and _is_int(r["round"])
             assert _is_int(r["anchor"]) and _is_int(r["bonus"]) and 0 <= r["bonus"] < V
-            assert isinstance(r["draft"], list) and len(r["draft"]) == K
+            assert isinstance(r["draft"], list) and len(r["draft"]) == (tree_budget or K)
             assert all(_is_int(t) and 0 <= t < V for t in r["draft"])
             if confidence:
                 assert isinstance(r["confidence"], list) and len(r["confidence"]) == K
@@ -171,12 +180,14 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
             assert _is_int(r["verified"]) and _is_int(r["accepted"])
             assert 0 <= r["accepted"] <= r["verified"] <= len(r["draft"])
             assert r["anchor"] == committed[-1], f"round {j} of request {i}: anchor is not the last token"
-            if r["accepted"] < r["verified"]:
+            if tree_budget:
+                assert len(r["path"]) == r["accepted"] <= r["depth"] and len(r["parents"]) == tree_budget
+            elif r["accepted"] < r["verified"]:
                 # A rejected draft is never what replaces it (greedy: it was not the argmax;
                 # sampled: the residual max(p - q, 0) is 0 at a rejected token).
                 assert r["draft"][r["accepted"]] != r["bonus"], r
             assert len(committed) < len(out), f"request {i}: round {j} ran after the output was complete"
-            committed += r["draft"][:r["accepted"]] + [r["bonus"]]
+            committed += accepted_drafts(r) + [r["bonus"]]
         # The rounds stop as soon as the output is complete.
         if rounds:
             last_before = len(committed) - (rounds[-1]["accepted"] + 1)
@@ -219,6 +230,7 @@ DRAFTERS = {
     "random": (dict(markov="vanilla", oracle=False), True, K),
     "dflash": (dict(spelling="deepspec", markov=None, confidence=False), False, K),
     "zlab": (dict(spelling="zlab", markov=None, confidence=False), False, K - 1),
+    "eagle3": (dict(eagle3=True, ttt_length=K + 1), False, K + 1),
 }
 ORACLES = ("vanilla", "gated", "rnn")
 # make_drafter's confidence bias (1.0) keeps c_k above 0.5 nearly always; at 0.5 the tiny heads'
@@ -262,8 +274,11 @@ class GreedyEnv:
 def genv(tmp_path_factory) -> GreedyEnv:
     d = tmp_path_factory.mktemp("lossless_greedy")
     target = make_target(d / "target", attn_scale=0.01)
-    drafters = {name: make_drafter(d / name, target, block_size=K, **opts)
-                for name, (opts, _, _) in DRAFTERS.items()}
+    drafters = {}
+    for name, (opts, _, _) in DRAFTERS.items():
+        if not opts.get("eagle3"):
+            opts = dict(opts, block_size=K)
+        drafters[name] = make_any(d / name, target, **opts)
     for name, (_, conf, _) in DRAFTERS.items():
         if conf:
             set_confidence_bias(drafters[name], CONFIDENCE_BIAS)
@@ -423,6 +438,7 @@ SAMPLE_DRAFTERS = {
     "random": dict(markov="vanilla", oracle=False, block_size=K_S),
     "rnn-oracle": dict(markov="rnn", oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=K_S),
     "zlab": dict(spelling="zlab", markov=None, confidence=False, block_size=K_S + 1),
+    "eagle3": dict(eagle3=True, ttt_length=K_S, norm_scale=0.05),
 }
 
 
@@ -473,7 +489,7 @@ def seq_index(seqs, V):
 def senv(tmp_path_factory) -> SampleEnv:
     d = tmp_path_factory.mktemp("lossless_sampled")
     target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
-    drafters = {name: make_drafter(d / name, target, **opts) for name, opts in SAMPLE_DRAFTERS.items()}
+    drafters = {name: make_any(d / name, target, **opts) for name, opts in SAMPLE_DRAFTERS.items()}
     return SampleEnv(str(d), target, drafters, *target_logits_after(target, SAMPLE_PROMPT, M, SV))
 
 
@@ -497,8 +513,8 @@ SAMPLE_CASES = [(name, 1.0) for name in SAMPLE_DRAFTERS] + [("oracle", 0.6)]
 def test_sampled_output_follows_target_distribution(senv, drafter, temperature):
     tr = sample_run(senv, drafter, temperature)
     nd = K_S
-    check_trace(tr, n_requests=N_SAMPLES, K=nd, V=SV, confidence=SAMPLE_DRAFTERS[drafter].get("confidence", True),
-                max_new=M)
+    confidence = SAMPLE_DRAFTERS[drafter].get("confidence", not SAMPLE_DRAFTERS[drafter].get("eagle3"))
+    check_trace(tr, n_requests=N_SAMPLES, K=nd, V=SV, confidence=confidence, max_new=M)
     outs = tr.outputs()
     assert all(len(o) == M for o in outs)
     p = chi2_pvalue(seq_index(outs, SV), senv.joint(temperature))

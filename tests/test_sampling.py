@@ -26,7 +26,7 @@ import re
 import pytest
 import torch
 from conftest import REPO_ROOT, chi2_pvalue, make_target_dir
-from drafters import make_drafter, make_target
+from drafters import make_any, make_drafter, make_target
 from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, run_cli, seq_index, target_logits_after
 from test_scheduler import write_sps_table
 
@@ -136,6 +136,7 @@ SAMPLE_DRAFTERS = {
     "oracle": dict(markov="vanilla", oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2),
     "random": dict(markov="vanilla", oracle=False, block_size=2),
     "rnn-oracle": dict(markov="rnn", oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2),
+    "eagle3": dict(eagle3=True, ttt_length=2, norm_scale=0.05),
 }
 
 
@@ -143,7 +144,7 @@ SAMPLE_DRAFTERS = {
 def fenv(tmp_path_factory):
     d = tmp_path_factory.mktemp("sampling_filters")
     target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
-    drafters = {name: make_drafter(d / name, target, **opts) for name, opts in SAMPLE_DRAFTERS.items()}
+    drafters = {name: make_any(d / name, target, **opts) for name, opts in SAMPLE_DRAFTERS.items()}
     prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
     return dict(dir=str(d), target=target, drafters=drafters, prefixes=prefixes, logits=logits)
 
@@ -185,6 +186,7 @@ FILTER_CASES = [
     ("oracle", 1.0, Filters(0, 1.0, 0.26), "none"),
     ("rnn-oracle", 0.7, Filters(4, 0.7, 0.1), "none"),
     ("oracle", 1.0, Filters(3), "hardware"),
+    ("eagle3", 0.8, Filters(5, 0.8, 0.05), "none"),
 ]
 
 

@@ -1,0 +1,262 @@
+"""Draft trees (--tree-budget): built and walked as the plain-Python references say, DDTree's trees for a
+DFlash drafter, lossless greedy and sampled, through continuous batching, recorded in the trace.
+
+- sampling.build_tree / walk_tree (batched, on the device) equal build_tree_reference / walk_tree_reference
+  (a heap and a loop, one row) on random drafters with every Markov head and without one.
+- For a DFlash drafter the tree is DDTree's: the same nodes, parents and depths, and the same accepted
+  path, as liranringel/ddtree's build_ddtree_tree and follow_verified_tree (commit c96427a) gave on the
+  random logits in tests/golden/ddtree_trees.json (made by running that code; cases with exact ties
+  are left out: DDTree orders equal logits as torch.topk does and breaks equal scores by rank path).
+- Greedy output equals the target's with trees of several budgets, batched with rows that finish and
+  rows refilled; sampled output follows the target's law (chi-square, with filters too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import REPO_ROOT, chi2_pvalue
+from drafters import make_drafter, make_target
+from test_lossless import PROMPTS, SAMPLE_PROMPT, SV, M, check_trace, run_cli, seq_index, target_logits_after
+from test_sampling import filtered_joint
+from test_sampling import flags as sampling_flags
+
+import sampling
+from drafter import GatedMarkov, RNNMarkov, VanillaMarkov
+from sampling import Filters
+
+torch.set_num_threads(1)
+DDTREE = REPO_ROOT / "tests" / "golden" / "ddtree_trees.json"
+HEADS = {"none": None, "vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov}
+
+
+# ----------------------------------------------------------------------------------------
+# The fast path against the references
+
+def reference_children(base_logits, hidden, anchor, markov, k, temperature=1.0):
+    """children(path) for build_tree_reference: one row's chain rule through the Markov head."""
+    def children(path):
+        state = None
+        prev = torch.tensor([anchor])
+        for d, token in enumerate(path + [None]):
+            z = base_logits[None, d].float()
+            if markov is not None:
+                bias, state = markov.step(hidden[None, d], prev, state)
+                z = z + bias.float()
+            if token is None:
+                logprobs = torch.log_softmax(z / temperature, dim=-1)[0]
+                best, ids = torch.topk(logprobs, k)
+                return ids.tolist(), best.tolist()
+            prev = torch.tensor([token])
+    return children
+
+
+def as_nodes(tree: sampling.Tree, row: int) -> list[tuple[int, int]]:
+    parents = tree.parents[row, 1:].tolist()
+    tokens = tree.tokens[row, 1:].tolist()
+    return [(t, p) for t, p in zip(tokens, parents) if p >= 0]
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("budget", [1, 3, 8, 20])
+def test_build_and_walk_equal_the_references(head, budget):
+    torch.manual_seed(budget)
+    B, L, V, H, r = 3, 4, 11, 8, 5
+    base = 2 * torch.randn(B, L, V)
+    hidden = torch.randn(B, L, H)
+    anchor = torch.randint(0, V, (B,))
+    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    if markov is not None:
+        torch.nn.init.normal_(markov.markov_w2.weight, std=2.0)
+    with torch.no_grad():
+        tree = sampling.build_tree(base, hidden, anchor, markov, budget, temperature=0.7)
+        for b in range(B):
+            children = reference_children(base[b], hidden[b], int(anchor[b]), markov, min(budget, V), 0.7)
+            want = sampling.build_tree_reference(children, budget, L)
+            assert as_nodes(tree, b) == want, (b, as_nodes(tree, b), want)
+            depths = [0]
+            for _, parent in want:
+                depths.append(depths[parent] + 1)
+            assert tree.depths[b, :len(depths)].tolist() == depths
+        # The walk, on target tokens that follow the tree for a while and then leave it.
+        chosen = torch.randint(0, V, (B, budget + 1))
+        for b in range(B):
+            nodes = as_nodes(tree, b)
+            for i, (token, parent) in enumerate(nodes):
+                if torch.rand(()) < 0.8:
+                    chosen[b, parent] = token
+        path, accepted, following = sampling.walk_tree(tree, chosen, L)
+        for b in range(B):
+            want_path, want_next = sampling.walk_tree_reference(as_nodes(tree, b), chosen[b].tolist())
+            n = len(want_path) - 1
+            assert int(accepted[b]) == n and path[b, :n + 1].tolist() == want_path
+            assert path[b, n + 1:].tolist() == [want_path[-1]] * (L - n) and int(following[b]) == want_next
+
+
+def test_ancestors_of_a_hand_built_tree():
+    #      0
+    #    1   2
+    #    3     4
+    #    5
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3, -1]])
+    tree = sampling.Tree(torch.zeros(1, 7, dtype=torch.long), parents, torch.tensor([[0, 1, 1, 2, 2, 3, 0]]))
+    seen = sampling.ancestors(tree, 3)[0]
+    assert seen[5].nonzero().flatten().tolist() == [0, 1, 3, 5]
+    assert seen[4].nonzero().flatten().tolist() == [0, 2, 4]
+    assert seen[6].nonzero().flatten().tolist() == [6]  # a node the search never reached sees itself
+
+
+def ddtree_cases():
+    fixture = json.loads(DDTREE.read_text())
+    for case in fixture["cases"]:
+        if case["flags"]["topk_ties"] or case["flags"]["score_ties"]:
+            continue
+        yield pytest.param(case, fixture["logits_den"], id=case["id"])
+
+
+@pytest.mark.parametrize("case,den", list(ddtree_cases()))
+def test_a_dflash_tree_is_ddtrees(case, den):
+    logits = torch.tensor(case["logits_num"], dtype=torch.float32).reshape(case["depth"], case["vocab"]) / den
+    L, budget = case["depth"], case["budget"]
+    if budget <= 0 or L == 0:
+        pytest.skip("DDTree's tree is the root alone; a budget of 0 is the chain here")
+    tree = sampling.build_tree(logits[None], torch.zeros(1, L, 1), torch.tensor([0]), None, budget)
+    want = case["expected"]
+    n = len(want["node_tokens"])
+    assert tree.tokens[0, 1:n + 1].tolist() == want["node_tokens"]
+    assert tree.parents[0, :n + 1].tolist() == want["parents"]
+    assert tree.depths[0, 1:n + 1].tolist() == want["node_depths"]
+    assert (tree.parents[0, n + 1:] == -1).all()  # DDTree's heap ran dry there too
+    for walk in case["walks"]:
+        chosen = torch.zeros(1, budget + 1, dtype=torch.long)
+        chosen[0, :len(walk["target_tokens"])] = torch.tensor(walk["target_tokens"])
+        path, accepted, following = sampling.walk_tree(tree, chosen, L)
+        assert path[0, :len(walk["accepted"])].tolist() == walk["accepted"]
+        assert int(accepted[0]) == len(walk["accepted"]) - 1 and int(following[0]) == walk["next_token"]
+
+
+# ----------------------------------------------------------------------------------------
+# Decoding with trees
+
+@pytest.fixture(scope="module")
+def tenv(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trees")
+    target = make_target(d / "target", attn_scale=0.01)
+    drafters = {"vanilla": make_drafter(d / "vanilla", target, block_size=4, oracle=True, oracle_scale=4.0,
+                                        norm_scale=0.05),
+                "rnn": make_drafter(d / "rnn", target, markov="rnn", block_size=4, oracle=True, oracle_scale=4.0,
+                                    norm_scale=0.05),
+                "zlab": make_drafter(d / "zlab", target, spelling="zlab", markov=None, confidence=False,
+                                     block_size=5)}
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    V = json.load(open(os.path.join(target, "config.json")))["vocab_size"]
+    return dict(dir=str(d), target=target, drafters=drafters, prompts=str(prompts), V=V)
+
+
+def decode(env, *extra, drafter=None):
+    args = ["--target", env["target"], "--prompts-file", env["prompts"], "--max-new-tokens", 24, *extra]
+    if drafter is not None:
+        args += ["--drafter", env["drafters"][drafter]]
+    return run_cli(env["dir"], args)
+
+
+@pytest.mark.parametrize("drafter", ["vanilla", "rnn", "zlab"])
+def test_greedy_trees_are_lossless_through_continuous_batching(tenv, drafter):
+    want = decode(tenv, "--batch-size", 1).outputs()
+    depth = 4
+    for budget, batch in ((2, 3), (6, 1), (12, 3)):
+        tr = decode(tenv, "--tree-budget", budget, "--tree-temperature", 1.0, "--batch-size", batch, drafter=drafter)
+        assert tr.outputs() == want, (budget, batch)
+        for r in tr.rounds:
+            assert len(r["draft"]) == len(r["parents"]) == budget and r["confidence"] is None
+            assert r["accepted"] == len(r["path"]) <= r["depth"] <= depth
+            assert 1 <= r["verified"] <= budget
+            # The path is a chain of parent and child in the tree, from the root.
+            parent = 0
+            for node in r["path"]:
+                assert r["parents"][node - 1] == parent
+                parent = node
+        if drafter != "zlab":  # (the z-lab drafter's weights are random: rarely right)
+            deep = [r for r in tr.rounds if r["accepted"] >= 2]
+            assert deep, "the oracle drafter's trees should be walked deep at times"
+
+
+def test_the_walk_takes_a_branch_the_chain_would_not(tenv):
+    """A tree accepts more than the chain where the chain's first draft is wrong and a sibling is right."""
+    chain = decode(tenv, "--batch-size", 2, drafter="vanilla")
+    tree = decode(tenv, "--batch-size", 2, "--tree-budget", 16, "--tree-temperature", 1.0, drafter="vanilla")
+    assert tree.outputs() == chain.outputs()
+    branched = [r for r in tree.rounds if r["path"] and r["path"][0] != 1]  # left the best child at once
+    assert branched, "no round followed a sibling of the best first draft"
+    tau_chain = sum(r["accepted"] + 1 for r in chain.rounds) / len(chain.rounds)
+    tau_tree = sum(r["accepted"] + 1 for r in tree.rounds) / len(tree.rounds)
+    assert tau_tree > tau_chain
+
+
+SAMPLED = [("vanilla", 1.0, Filters()), ("vanilla", 0.8, Filters(5, 0.8, 0.05)), ("zlab", 1.0, Filters())]
+
+
+@pytest.mark.parametrize("drafter,temperature,f", SAMPLED, ids=[f"{d}-T{t}-{f}" for d, t, f in SAMPLED])
+def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, temperature, f):
+    d = tmp_path_factory.mktemp("trees_sampled")
+    target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
+    if drafter == "zlab":
+        path = make_drafter(d / "d", target, spelling="zlab", markov=None, confidence=False, block_size=3)
+    else:
+        path = make_drafter(d / "d", target, oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2)
+    prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
+    env = dict(dir=str(d), target=target, prefixes=prefixes, logits=logits)
+    n = 6000
+    tr = run_cli(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
+                     "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", 4,
+                     *sampling_flags(temperature, f)])
+    outs = tr.outputs()
+    assert all(len(o) == M for o in outs)
+    p = chi2_pvalue(seq_index(outs, SV), filtered_joint(env, temperature, f))
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    first = [r["accepted"] for r in tr.rounds if r["round"] == 0]
+    assert first.count(0) > 50 and sum(1 for a in first if a >= 2) > 50  # the walk stopped early and went deep
+
+
+def test_a_biased_walk_fails_the_same_check(tmp_path_factory, monkeypatch):
+    """The check has power: a walk that takes the best child whatever the target drew is caught."""
+    d = tmp_path_factory.mktemp("trees_biased")
+    target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
+    path = make_drafter(d / "d", target, oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2)
+    prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
+    env = dict(dir=str(d), target=target, prefixes=prefixes, logits=logits)
+    real = sampling.walk_tree
+
+    def greedy_walk(tree, chosen, depth):
+        best_child = tree.tokens[:, 1:2].expand_as(chosen)  # node 1: the root's best child
+        chosen = torch.where(torch.arange(chosen.shape[1]) == 0, best_child, chosen)
+        return real(tree, chosen, depth)
+    monkeypatch.setattr(sampling, "walk_tree", greedy_walk)
+    n = 6000
+    tr = run_cli(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
+                     "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", 4,
+                     "--temperature", 1.0])
+    assert chi2_pvalue(seq_index(tr.outputs(), SV), filtered_joint(env, 1.0, Filters())) < 1e-3
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tree-budget", 4], "--tree-budget 4: a tree is drafted by a --drafter"),
+    (["--tree-budget", 4, "--confidence-threshold", 0.5], "--tree-budget 4: a draft tree is verified whole"),
+    (["--tree-budget", -1], "--tree-budget: invalid value -1"),
+])
+def test_trees_refuse_what_they_cannot_do(tenv, capsys, flags, needle):
+    import speculate
+
+    drafter = [] if flags == ["--tree-budget", 4] else ["--drafter", tenv["drafters"]["vanilla"]]
+    rc = speculate.main([str(a) for a in ["--target", tenv["target"], "--prompt-ids", "1,2", *drafter, *flags]])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_check_trace_accepts_tree_rounds(tenv):
+    tr = decode(tenv, "--batch-size", 3, "--tree-budget", 5, drafter="vanilla")
+    check_trace(tr, n_requests=len(PROMPTS), K=4, V=tenv["V"], confidence=False, max_new=24, tree_budget=5)
