@@ -17,7 +17,7 @@ import random
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,6 +37,7 @@ from support.calibration import (
 from support.checkpoint import load_models, resolve_checkpoint
 from support.cli import (
     Interrupted,
+    Repeated,
     UserError,
     check_ranges,
     cli_main,
@@ -59,7 +60,8 @@ PAPER_DATASETS = tuple(DEFAULT_SAMPLES)
 AUTHORS_SEED = 980406
 BUDGET = 2048  # new tokens per request: the authors' script and DFlash's benchmarks
 DEMO_BUDGET = 128
-DEFAULT_OUT = "results.json"
+DEFAULT_OUT = "results.json"  # or results-2.json, -3, ...: the first name free (printed)
+TREE_BUDGETS = (4, 8, 16, 32, 64, 128, 256, 512)  # the budget curve's points below --tree-budget
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eval")
 
 
@@ -70,8 +72,9 @@ class EvalArgs(WandbFlags):
     target: Optional[str] = None
     """Qwen3 checkpoint directory or hub id ORG/NAME[@REVISION] (HF_HUB_OFFLINE=1: the cache only).
     Default, with no --drafter either: demo mode, the demo pair in demo/."""
-    drafter: Optional[str] = None
-    """Drafter directory or hub id (any DSpark / DFlash spelling); omitted: the autoregressive baseline."""
+    drafter: Repeated = ()
+    """Drafter directory or hub id (any DSpark / DFlash / Eagle3 spelling); repeat it to compare drafters in
+    one table, a row each; omitted: the autoregressive baseline."""
     data_dir: Optional[str] = None
     """Directory of <dataset>.jsonl files ("turns": the first turn is the prompt; or "prompt" /
     "prompt_ids"). Default: data/eval; in demo mode without --datasets: demo/."""
@@ -136,17 +139,28 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
     for flag, value in (("--data-dir", args.data_dir), ("--datasets", args.datasets)):
         if value is not None and not value.strip():
             raise UserError(f"{flag}: empty value (leave the flag out for the default)")
-    demo = args.target is None and args.drafter is None
+    drafters = args.drafter
+    if isinstance(drafters, str):  # one, as a string (the Python API's)
+        drafters = (drafters,)
+    args = replace(args, drafter=tuple(drafters))
+    demo = args.target is None and not args.drafter
     if demo:
-        args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=os.path.join(DEMO_DIR, "drafter"))
+        args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=(os.path.join(DEMO_DIR, "drafter"),))
         if args.datasets is None and args.data_dir is None:
             args = replace(args, data_dir=DEMO_DIR, datasets="heldout")
     if args.out is None:
-        if os.path.lexists(DEFAULT_OUT):
-            raise UserError(f"{DEFAULT_OUT}: exists (eval.py's default --out; an earlier run's results?); give "
-                            f"--out PATH, or --out {DEFAULT_OUT} to replace it")
-        args = replace(args, out=DEFAULT_OUT)
+        args = replace(args, out=free_name(DEFAULT_OUT))
     return replace(args, data_dir=args.data_dir or DATA_DIR, datasets=args.datasets or ",".join(PAPER_DATASETS)), demo
+
+
+def free_name(path: str) -> str:
+    """`path`, or the first of path-2, path-3, ... (before its extension) that does not exist yet."""
+    stem, extension = os.path.splitext(path)
+    n = 1
+    while os.path.lexists(path):
+        n += 1
+        path = f"{stem}-{n}{extension}"
+    return path
 
 
 def check_flags(args: EvalArgs) -> Settings:
@@ -163,9 +177,17 @@ def check_flags(args: EvalArgs) -> Settings:
                      thinking=args.rendering.enable_thinking)
     if args.target is None:
         raise UserError("--target: no target directory given")
-    if s.scheduler != "none" and args.drafter is None:
+    if s.scheduler != "none" and not args.drafter:
         flag = "--confidence-threshold" if s.confidence_threshold > 0 else f"--scheduler {s.scheduler}:"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
+    several = len(args.drafter) > 1 or s.tree_budget > 0
+    for flag, given in (("--calibration", args.calibration), ("--calibration-out", args.calibration_out),
+                        ("--calibration-plot", args.calibration_plot)):
+        if given and several:
+            raise UserError(f"{flag}: calibrates one drafter's confidence head; this run compares several rows "
+                            f"(more than one --drafter, or a --tree-budget curve)")
+    if len(set(args.drafter)) != len(args.drafter):
+        raise UserError("--drafter: the same drafter is given twice")
     if args.calibration_out and args.calibration_split == 0:
         raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
     return s
@@ -237,40 +259,74 @@ def run(args: EvalArgs) -> dict:
     sps_exists = sps is not None and os.path.isfile(sps)  # read if it exists, else written
     outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
                "--sps-table": None if sps_exists else sps}
-    check_outputs(outputs, inputs=[args.target, args.drafter, args.calibration, sps if sps_exists else None]
+    check_outputs(outputs, inputs=[args.target, *args.drafter, args.calibration, sps if sps_exists else None]
                   + [p for _, p, _ in datasets])
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
-    target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
-    check_outputs(outputs, inputs=[target_dir, drafter_dir])  # not inside the snapshots hub ids resolved to
+    target_dir = resolve_checkpoint(args.target, "--target")
+    drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
+    check_outputs(outputs, inputs=[target_dir, *drafter_dirs])  # not inside the snapshots hub ids resolved to
     if s.compile:
         machine = replace(args.machine, compile_cache=use_compile_cache(args.machine.compile_cache))
         args = replace(args, machine=machine)
     for path in skipped if rank == 0 else []:
         print(f"warning: {path} not found; skipping dataset {os.path.basename(path)[:-len('.jsonl')]}", file=sys.stderr)
     with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
-        return evaluate(args, s, datasets, target_dir, drafter_dir, log, demo)
+        return evaluate(args, s, datasets, target_dir, drafter_dirs, log, demo)
 
 
-def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, drafter_dir: Optional[str],
+class Row(NamedTuple):
+    """One row of the comparison: a drafter (None: autoregressive) at a tree budget (0: its chain)."""
+    label: str
+    directory: Optional[str]
+    drafter: object
+    tree_budget: int
+
+
+def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
+    """Every drafter's row; with --tree-budget N, a block drafter's at 0 (the chain), at each of
+    TREE_BUDGETS below N, and at N: the τ-per-budget curve."""
+    if not drafters:
+        return [Row("autoregressive", None, None, 0)]
+    rows = []
+    names = [os.path.basename(os.path.normpath(d)) for d in directories]
+    if len(set(names)) < len(names):
+        names = list(directories)
+    for name, directory, drafter in zip(names, directories, drafters):
+        budgets = [0]
+        if tree_budget and drafter.cfg.layout != "eagle3":
+            budgets += [b for b in TREE_BUDGETS if b < tree_budget] + [tree_budget]
+        for budget in budgets:
+            label = name if len(budgets) == 1 else f"{name} tree {budget}" if budget else f"{name} chain"
+            rows.append(Row(label, directory, drafter, budget))
+    return rows
+
+
+def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, drafter_dirs: list,
              log: Optional[runlog.Log], demo: bool) -> dict:
-    """Load; decode every dataset, reporting each as soon as it is done; calibrate; write."""
+    """Load; decode every dataset with every row's drafter, reporting each as soon as it is done;
+    calibrate (one drafter); write; then the rows side by side."""
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
-    m = load_models(target_dir, drafter_dir, device=device, dtype=args.machine.dtype, calibration=args.calibration,
+    first = drafter_dirs[0] if drafter_dirs else None
+    m = load_models(target_dir, first, device=device, dtype=args.machine.dtype, calibration=args.calibration,
                     seed=s.seed)
+    drafters = [m.drafter] if first is not None else []
+    for directory in drafter_dirs[1:]:
+        drafters.append(load_extra_drafter(directory, m))
+    rows = rows_of(drafters, drafter_dirs, s.tree_budget)
     drafter = m.drafter
     chat = auto_chat(args.rendering.chat, m.tokenizer)
-    if rank == 0 and args.calibration and (note := calibration_note(args.calibration, drafter_dir, s.temperature)):
+    if rank == 0 and args.calibration and (note := calibration_note(args.calibration, first, s.temperature)):
         print(note, file=sys.stderr)
-    has_conf = drafter is not None and drafter.confidence_head is not None
+    has_conf = len(rows) == 1 and drafter is not None and drafter.confidence_head is not None
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
-    K = drafter.cfg.num_drafts if drafter is not None else 0
+    K = max((d.cfg.num_drafts for d in drafters), default=0)
 
     # Every rank reads every dataset, so every cache shape is the one a single process would use.
     context = m.target.args.max_position_embeddings
-    if drafter is not None:
-        context = min(context, drafter.cfg.layers.max_position_embeddings)
+    for d in drafters:
+        context = min(context, d.cfg.layers.max_position_embeddings)
     prompts = {}
     for name, path, n in datasets:
         sources = []
@@ -279,7 +335,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
                           system_prompt=args.rendering.system_prompt, thinking=args.rendering.enable_thinking)
         chosen = select(list(zip(ps, sources)), n, s.seed)
         prompts[name] = [p for p, _ in chosen]
-        check_prompts(prompts[name], m.target, s.max_new_tokens or 1, drafter=drafter, sources=[w for _, w in chosen])
+        for d in drafters or [None]:
+            check_prompts(prompts[name], m.target, s.max_new_tokens or 1, drafter=d, sources=[w for _, w in chosen])
     s.max_new_tokens = budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
     args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))  # what results.json says ran
     if (args.calibration_out or args.calibration_plot) and s.max_new_tokens == 1:
@@ -295,55 +352,33 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
         log.config(world_size=world, hardware=device_name(device), dtype_resolved=str(m.dtype).removeprefix("torch."),
                    threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler, chat_resolved=chat,
                    compile_resolved=s.compile, num_drafts=K, datasets_resolved={n: len(ps) for n, ps in prompts.items()},
-                   target_config=runlog.checkpoint_config(target_dir), drafter_config=runlog.checkpoint_config(drafter_dir),
-                   drafter_resolved=drafter.cfg.describe() if drafter is not None else None)
+                   target_config=runlog.checkpoint_config(target_dir), drafter_config=runlog.checkpoint_config(first),
+                   drafter_resolved=[d.cfg.describe() for d in drafters], rows=[r.label for r in rows])
     if rank == 0:
         print(threads, file=sys.stderr)
-        if drafter is not None or m.hub_snapshots:
-            print(m.describe(), file=sys.stderr)
-    engine = make_engine(m, drafter, [p for ps in prompts.values() for p in ps], s, verbose=rank == 0)
-
-    bar, lines, shown = None, None, runlog.show(args.progress and rank == 0)
-    total, done = sum(len(ps) for ps in prompts.values()), [0]
-    if shown == "bar":
-        from tqdm import tqdm
-        bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
-    elif shown == "lines":
-        lines = runlog.Lines()
-
-    def on_finish(req):
-        done[0] += world
-        if bar is not None:
-            bar.update(world)
-        if lines is not None:
-            lines.say(f"{name}: {min(done[0], total)}/{total} prompts of all datasets done")
-
-    def results(complete: bool, calibration=None, **more) -> dict:
-        return {"config": config(args, world, K, engine, drafter, chat, s.compile, m, prompts), "complete": complete,
-                **more, "datasets": entries, "calibration": calibration}
-
-    entries, parts = [], []
+        for d in drafters:
+            print(d.cfg.describe(), file=sys.stderr)
+        for line in m.hub_snapshots:
+            print(line, file=sys.stderr)
+    run = Run(args, rank, world, device, log, prompts, len(rows) > 1)
+    done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}
+    calibration = None
     try:  # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
-        for name in prompts:
-            ps = prompts[name]
-            requests = [Request(i, ps[i]) for i in range(rank, len(ps), world)]  # interleaved shard
-            seconds0 = engine.prefill_seconds + engine.decode_seconds
-            if bar is not None:
-                bar.set_description(name)
-            engine.generate(requests, s.max_new_tokens, on_finish=on_finish if shown else None)
-            seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, device)
-            c = sum_counts(mt.count(requests, K, m.stop_ids), device)
-            entries.append(metrics(name, c, seconds))
+        for row in rows:
+            engine = make_engine(m, row.drafter, [p for ps in prompts.values() for p in ps],
+                                 replace(s, tree_budget=row.tree_budget), verbose=rank == 0)
+            entries, parts = [], []
+            done.append({"label": row.label, "drafter": row.directory, "tree_budget": row.tree_budget,
+                         "datasets": entries})
+
+            def results(complete: bool, calibration=None, **more) -> dict:
+                return {"config": config(args, world, K, engine, drafters, chat, s.compile, m, prompts),
+                        "complete": complete, **more, "datasets": done[0]["datasets"], "calibration": calibration,
+                        "rows": done}
+
+            run.decode_datasets(row, engine, s, entries, parts if has_conf else None, m.stop_ids, results)
             if has_conf:
-                parts.append(round_arrays(requests, len(entries) - 1, K, m.stop_ids))
-            if rank == 0:  # a crash later keeps what is done
-                (bar.write if bar is not None else print)(format_table(entries[-1:], header=len(entries) == 1))
-                write_json(args.out, results(False))
-            if log is not None:
-                log_dataset(log, entries[-1], args.step)
-        if bar is not None:
-            bar.close()
-        calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries]) if has_conf else None
+                calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries])
     except Interrupted:
         if rank == 0:
             write_json(args.out, results(False, interrupted=True))
@@ -354,10 +389,88 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             print(f"warning: calibration measured under --scheduler {s.scheduler}: the schedule chose from these "
                   f"same confidences which drafts were verified, so the figures are biased (the authors "
                   f"record calibration unscheduled)", file=sys.stderr)
-    out = results(True, {k: v for k, v in calibration.items() if not k.startswith("_")} if calibration else None)
+    public = None
+    if calibration:
+        public = {k: v for k, v in calibration.items() if not k.startswith("_")}
+    out = results(True, public)
     if rank == 0:
-        write_outputs(args, out, calibration, log, drafter_dir)
+        if len(rows) > 1:
+            print()
+            print(format_comparison(done, s.temperature))
+        write_outputs(args, out, calibration, log, first)
     return out
+
+
+def load_extra_drafter(directory: str, m):
+    """A second (third, ...) drafter for the loaded target, as load_models loads the first."""
+    from support import cpu_kernels
+    from support.checkpoint import load_drafter
+
+    drafter = load_drafter(directory, m.target, m.target.embed_tokens.weight.device, m.dtype)
+    cpu_kernels.install(drafter)
+    return drafter
+
+
+class Run:
+    """What every row's decode shares: the prompts, the progress shown, where results go."""
+
+    def __init__(self, args: EvalArgs, rank: int, world: int, device, log, prompts: dict, several: bool):
+        self.args = args
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.log = log
+        self.prompts = prompts
+        self.several = several
+        self.shown = runlog.show(args.progress and rank == 0)
+
+    def decode_datasets(self, row: Row, engine, s: Settings, entries: list, parts: Optional[list], stop_ids,
+                        results):
+        """Every dataset on `engine`, this rank's interleaved shard; its counts summed across ranks, its
+        table line printed and --out rewritten as each is done (a crash later keeps them)."""
+        prompts = self.prompts
+        total = sum(len(ps) for ps in prompts.values())
+        bar = None
+        lines = None
+        if self.shown == "bar":
+            from tqdm import tqdm
+            bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
+        elif self.shown == "lines":
+            lines = runlog.Lines()
+        done = [0]
+        K = engine.K
+
+        def on_finish(req):
+            done[0] += self.world
+            if bar is not None:
+                bar.update(self.world)
+            if lines is not None:
+                lines.say(f"{row.label}: {min(done[0], total)}/{total} prompts of all datasets done")
+
+        say = print
+        if bar is not None:
+            say = bar.write
+        if self.rank == 0 and self.several:
+            say(f"--- {row.label} ---")
+        for name, ps in prompts.items():
+            requests = [Request(i, ps[i]) for i in range(self.rank, len(ps), self.world)]  # interleaved shard
+            seconds0 = engine.prefill_seconds + engine.decode_seconds
+            if bar is not None:
+                bar.set_description(f"{row.label}: {name}" if self.several else name)
+            engine.generate(requests, s.max_new_tokens, on_finish=on_finish if self.shown else None)
+            seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, self.device)
+            c = sum_counts(mt.count(requests, K, stop_ids), self.device)
+            entries.append(metrics(name, c, seconds))
+            if parts is not None:
+                parts.append(round_arrays(requests, len(entries) - 1, K, stop_ids))
+            if self.rank == 0:
+                say(format_table(entries[-1:], header=len(entries) == 1))
+                write_json(self.args.out, results(False))
+            if self.log is not None:
+                prefix = f"{row.label}/" if self.several else ""
+                log_dataset(self.log, entries[-1], self.args.step, prefix)
+        if bar is not None:
+            bar.close()
 
 
 def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) -> Optional[dict]:
@@ -377,9 +490,11 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) ->
     return calibration
 
 
-def config(args: EvalArgs, world: int, K: int, engine, drafter, chat: bool, compile: bool, m, prompts: dict) -> dict:
+def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
+           prompts: dict) -> dict:
+    described = [d.cfg.describe() for d in drafters]
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
-                drafter_config=drafter.cfg.describe() if drafter else None, chat_resolved=chat,
+                drafter_config=described[0] if len(described) == 1 else described or None, chat_resolved=chat,
                 compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
                 skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
 
@@ -395,7 +510,7 @@ def format_table(entries: list[dict], header: bool = True) -> str:
     """The authors' columns in their order (#propose: drafts verified per round, "+1" the bonus), then
     samples, rounds, tokens/s and the paper's conditional acceptance by position."""
     K = max((len(e["accept_rates_by_position"]) for e in entries), default=0)
-    head = (f"{'dataset':<16}{'#propose':>10}{'accept_len':>11}{'verify_rate':>12}"
+    head = (f"{'dataset':<16}{'#propose':>10}{'τ':>11}{'verify_rate':>12}"
             + "".join(f"{f'accept_rate@{j}':>15}" for j in range(K))
             + f"{'samples':>9}{'rounds':>8}{'tok/s':>9}  conditional accept by position")
     lines = [head, "-" * len(head)] if header else []
@@ -406,6 +521,23 @@ def format_table(entries: list[dict], header: bool = True) -> str:
         lines.append(f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
                      f"{_fmt(e['verify_rate'], '.4f'):>12}" + "".join(f"{_fmt(r, '.4f'):>15}" for r in rates)
                      + f"{e['num_samples']:>9}{e['num_rounds']:>8}{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}")
+    return "\n".join(lines)
+
+
+def format_comparison(rows: list[dict], temperature: float) -> str:
+    """The paper's Table 1: τ per dataset, a row a drafter (and tree budget), and their mean."""
+    names = [e["dataset"] for e in rows[0]["datasets"]]
+    width = max([16] + [len(r["label"]) + 2 for r in rows])
+    columns = [max(10, len(n) + 2) for n in names]
+    head = f"{'τ at T=' + format(temperature, 'g'):<{width}}"
+    head += "".join(f"{n:>{w}}" for n, w in zip(names, columns)) + f"{'mean':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        taus = [e["acceptance_length"] for e in r["datasets"]]
+        known = [t for t in taus if t is not None]
+        mean = sum(known) / len(known) if known else None
+        cells = "".join(f"{_fmt(t):>{w}}" for t, w in zip(taus, columns))
+        lines.append(f"{r['label']:<{width}}{cells}{_fmt(mean):>9}")
     return "\n".join(lines)
 
 
@@ -475,9 +607,9 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
             log_results(log, results, args.step, image, {"results": args.out, "calibration": args.calibration_out})
 
 
-def log_dataset(log: runlog.Log, entry: dict, step: Optional[int]):
-    """One dataset's row of results.json under `<dataset>/`, as soon as it is done."""
-    d = entry["dataset"]
+def log_dataset(log: runlog.Log, entry: dict, step: Optional[int], prefix: str = ""):
+    """One dataset's row of results.json under `<prefix><dataset>/`, as soon as it is done."""
+    d = prefix + entry["dataset"]
     row = {f"{d}/{k}": entry[k] for k in ("num_samples", "num_rounds", "num_tokens", "acceptance_length",
                                           "draft_tokens_per_proposal", "verify_rate", "tokens_per_second",
                                           "seconds") if entry[k] is not None}
@@ -494,6 +626,13 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
             "tokens_per_second"]
     out = {"acceptance": log.table(cols + [f"accept_rate@{j}" for j in range(K)],
                                    ([e[c] for c in cols] + e["accept_rates_by_position"] for e in results["datasets"]))}
+    rows = results.get("rows") or []
+    if len(rows) > 1:  # every row: drafter (and tree budget) by dataset
+        compared = []
+        for row in rows:
+            for e in row["datasets"]:
+                compared.append([row["label"], row["tree_budget"]] + [e[c] for c in cols])
+        out["comparison"] = log.table(["row", "tree_budget"] + cols, compared)
     if K:
         by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"],
                            [(e["dataset"], j + 1, a, c) for e in results["datasets"]

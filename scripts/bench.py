@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ from support.checkpoint import (
     load_drafter,
     load_target,
     random_drafter,
+    random_eagle3,
     random_target,
     resolve_checkpoint,
 )
@@ -88,6 +89,9 @@ class BenchArgs:
     """A drafter directory or hub id (with --target)."""
     decode: flat(Settings) = field(default_factory=lambda: Settings(compile=True))
     machine: flat(Machine) = field(default_factory=Machine)
+    drafter_kind: Literal["dspark", "eagle3"] = "dspark"
+    """The random preset's drafter: DSpark (block 7, 5 layers, vanilla Markov r=256, confidence head) or
+    Eagle3 (one layer, a chain of 7). A --target's --drafter is what its checkpoint is."""
     skip_guards: bool = True
     """Compiled: time the runs with torch.compile's guard evaluation cut to the guards that tell its
     graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)). Safe here: every graph is
@@ -169,11 +173,13 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float) -> int:
+def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float, num_drafts: int = 0,
+                tree_budget: int = 0) -> int:
     """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
-    weights, with the lm_head read again for the block's logits and W2 once per Markov step. A lookup
-    table (the input embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few
-    rows a round, not read: not counted."""
+    weights, with the lm_head read again for the block's logits and W2 once per Markov step (a tree's:
+    once per node); an Eagle3 drafter's layer and the lm_head once per draft. A lookup table (the input
+    embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few rows a round, not
+    read: not counted."""
     a = target.args
     elt = target.lm_head.weight.element_size()
     read = {target.lm_head.weight.data_ptr()}  # a tied embedding is read whole, as the lm_head
@@ -185,9 +191,14 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
     total = nbytes(weights(target))
     total += int(2 * a.num_hidden_layers * batch * context * a.num_key_value_heads * a.head_dim * elt)
     if drafter is not None:
-        total += nbytes(weights(drafter)) + nbytes([target.lm_head.weight])
+        K = num_drafts or drafter.cfg.num_drafts
+        steps = 1  # drafter passes a round
+        if drafter.cfg.layout == "eagle3":
+            steps = K  # K - 1 drafting steps and the rebuild of what was committed
+        total += steps * (nbytes(weights(drafter)) + nbytes([target.lm_head.weight]))
         if drafter.markov_head is not None:
-            total += (drafter.cfg.num_drafts - 1) * nbytes([drafter.markov_head.markov_w2.weight])
+            markov_steps = tree_budget or K - 1
+            total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
         d = drafter.cfg.layers
         total += int(2 * d.num_hidden_layers * batch * context * d.num_key_value_heads * d.head_dim * elt)
     return total
@@ -201,12 +212,14 @@ def peak_memory(device) -> float:
 
 
 def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str],
-                verbose: bool = False, kernels: str = "torch") -> Engine:
+                verbose: bool = False, kernels: str = "torch", tree_budget: int = 0, tree_temperature: float = 1.0,
+                num_drafts: Optional[int] = None) -> Engine:
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, compile=compile, compile_mode=mode,
-                    compile_verbose=verbose, kernels=kernels)
+                    compile_verbose=verbose, kernels=kernels, tree_budget=tree_budget,
+                    tree_temperature=tree_temperature, num_drafts=num_drafts)
     if compile:
         engine.warmup()
     room = max_seq - cache_length(0, 0, drafter)  # the prompt and budget the engine was sized for
@@ -246,7 +259,8 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, s
     return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify,
             # nested intervals of one clock: only float rounding could take this below zero
             "rest_ms": max(0.0, round_ms - draft - verify),
-            "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) / len(pos))}
+            "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) / len(pos), engine.K,
+                                           engine.tree_budget)}
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = True) -> dict:
@@ -405,7 +419,8 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
 
 # The decode settings bench.py times; the others would change nothing here (it decodes greedily, one
 # batch size at a time from --batch-sizes, every draft verified).
-TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernels")
+TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernels", "tree_budget", "tree_temperature",
+         "draft_length")
 
 
 def check_args(args: BenchArgs) -> list[int]:
@@ -428,6 +443,9 @@ def check_args(args: BenchArgs) -> list[int]:
         raise UserError(f"--model {args.model}: --target gives the models (--model builds a pair only without it)")
     if args.target is None and args.model not in ("bigram-35m", *PRESETS):
         raise UserError(f"--model {args.model!r}: unknown (bigram-35m, {', '.join(PRESETS)})")
+    if args.drafter_kind != "dspark" and (args.target is not None or args.model == "bigram-35m"):
+        raise UserError(f"--drafter-kind {args.drafter_kind}: chooses a random preset's drafter (qwen3-*), not "
+                        f"{'a --target pair' if args.target else 'bigram-35m, whose drafter is constructed'}")
     check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
     return batch_sizes, s
 
@@ -448,6 +466,10 @@ def run(args: BenchArgs) -> list[dict]:
         raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
                         f"has no 1")
     want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
+    chain_only = s.tree_budget == 0 and args.drafter_kind == "dspark"
+    if args.reference and not chain_only:
+        raise UserError("--reference: the reference loop is a DSpark drafter's chain (no --tree-budget, no Eagle3)")
+    want_reference = want_reference and chain_only
     if want_reference and not transformers_available():
         if args.reference:
             raise UserError("--reference: the reference loop runs transformers' Qwen3, and transformers is not "
@@ -465,7 +487,10 @@ def run(args: BenchArgs) -> list[dict]:
         name = args.model
     else:
         target = random_target(args.model, dev, dtype, s.seed)
-        drafter = random_drafter(target)
+        if args.drafter_kind == "eagle3":
+            drafter = random_eagle3(target)
+        else:
+            drafter = random_drafter(target)
         name = f"{args.model} (random weights)"
     context = min([target.args.max_position_embeddings]
                   + ([drafter.cfg.layers.max_position_embeddings] if drafter is not None else []))
@@ -491,8 +516,7 @@ def run(args: BenchArgs) -> list[dict]:
     g = torch.Generator().manual_seed(s.seed)
     hf = transformers_copy(target) if want_reference else None
     ref_drafter = reference_drafter(drafter, hf) if hf is not None else None
-    width = max(drafter.cfg.num_slots, drafter.cfg.num_drafts + 1) if drafter is not None else 1
-    max_seq = args.prompt_len + s.max_new_tokens + 2 * width
+    max_seq = cache_length(args.prompt_len, s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
     rows, ratios = [], []
     for B in batch_sizes:
         prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
@@ -500,7 +524,8 @@ def run(args: BenchArgs) -> list[dict]:
                                                      s.compile_mode, s.verbose, s.kernels)}
         if drafter is not None:
             engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, s.compile,
-                                                  s.compile_mode, s.verbose, s.kernels)
+                                                  s.compile_mode, s.verbose, s.kernels, s.tree_budget,
+                                                  s.tree_temperature, s.draft_length)
         modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
         if "reference" in modes:  # its warm-up, as the engines had theirs
             reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)

@@ -3,8 +3,8 @@
     python scripts/device_run.py --out DIR              # on a CUDA machine: needs torch and triton only
     python scripts/device_run.py --dry-run --out DIR    # on CPU: every stage with small shapes
 
-Each stage runs in a process of its own under its own time cap; the caps sum to 470 s, so a call ends
-by itself within 8 minutes. In order, smallest first:
+Each stage runs in a process of its own under its own time cap; the default stages' caps sum to 520 s,
+so a call ends by itself within 9 minutes. In order, smallest first:
   env           torch, triton, CUDA and driver versions, the GPU (env.json)
   smoke         bench.py's constructed pair (bigram-35m, τ ≈ 5) in float32, compiled, batch 1 and 4:
                 bench asserts the speculative tokens equal autoregressive decoding's (CUDA graphs,
@@ -12,8 +12,13 @@ by itself within 8 minutes. In order, smallest first:
   compiled-b1   first the compiled verify's logits against eager's on 4 layers of Qwen3-8B's widths in
                 bf16 (check verify_logits); then bench.py on Qwen3-8B's shape, random weights, bf16,
                 compiled, batch 1, autoregressive and speculative
+  eagle3-b1     bench.py on Qwen3-8B's shape with a random Eagle3 drafter (one layer, a chain of 7),
+                bf16, compiled, batch 1: the paper's baseline beside compiled-b1's DSpark row
+  tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, draft trees of 16, 32 and 64 nodes
+                (compiled-b1 is the chain), bf16, compiled, batch 1
   triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
                 and inside torch.compile, each check with its bf16 tolerance
+and, asked for by --stages only (measured on 2026-11-30):
   compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
   eager-b1      bench.py at batch 1, eager
 A stage writes DIR/<stage>.json when it starts and again after every row and check, so a stage stopped
@@ -55,9 +60,12 @@ from support.cli import UserError
 from support.files import check_writable, write_json  # noqa: E402  (neither tyro nor wandb)
 
 # stage -> its time cap in seconds, in the order they run
-STAGES = {"env": 15, "smoke": 70, "compiled-b1": 150, "triton": 60, "compiled-b32": 125, "eager-b1": 50}
+STAGES = {"env": 15, "smoke": 50, "compiled-b1": 140, "eagle3-b1": 70, "tree-b1": 200, "triton": 45,
+          "compiled-b32": 125, "eager-b1": 50}
+DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")  # what a call runs unasked
+TREE_BUDGETS = (16, 32, 64)  # tree-b1's; the dry run's are 2 and 4
 DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
-BUDGET = 480      # seconds for all stages: the caps, and the time to stop the last one at its cap
+BUDGET = 530      # seconds for the default stages: the caps, and the time to stop the last one at its cap
 STOP_GRACE = 5    # a stage past its cap gets SIGTERM, then SIGKILL this much later
 SKIPPED = 3       # a stage's exit status when it has nothing to do here
 TORCH_LOGS = ("perf_hints", "recompiles", "cudagraphs")
@@ -78,8 +86,12 @@ def bench_args(stage: str, dry: bool, out: str) -> dict:
                  repeats=1, compile=True)
     else:
         a = dict(model="qwen3-8b", dtype="bfloat16", batch_sizes="32" if stage == "compiled-b32" else "1",
-                 prompt_len=128, max_new_tokens=64 if stage == "eager-b1" else 128, repeats=2,
+                 prompt_len=128, max_new_tokens=64 if stage in ("eager-b1", "tree-b1") else 128, repeats=2,
                  compile=stage != "eager-b1")
+    if stage == "eagle3-b1":
+        a.update(drafter_kind="eagle3")
+    if stage == "tree-b1":
+        a.update(repeats=1)
     # reduce-overhead: CUDA graphs without GEMM autotuning (which would take minutes for an 8B model's shapes)
     a.update(device="cuda", reference=False, out=out, compile_mode="reduce-overhead" if a["compile"] else None)
     if dry:
@@ -267,7 +279,10 @@ def bench_rows(st: Stage, args: dict):
                 row["warnings"] = st.log.flagged(since) + ([f"tokens differ from autoregressive decoding's in "
                                                        f"{len(differ)} request runs (differing_requests)"]
                                                       if differ else [])
+            row.setdefault("tree_budget", args.get("tree_budget", 0))
+        earlier = [row for row in st.doc.get("rows", []) if row["tree_budget"] != args.get("tree_budget", 0)]
         st.doc.update(doc)
+        st.doc["rows"] = earlier + doc["rows"]  # a tree stage's budgets, one bench run each
         st.save()
     bench.write_json = keep  # bench's only writer: its --out document
     bench.run(from_flat(bench.BenchArgs, args))
@@ -291,8 +306,14 @@ def bench_stage(st: Stage, stage: str, dry: bool):
     st.save()
     if stage == "compiled-b1":
         verify_logits(st, "qwen3-tiny" if dry else "qwen3-8b", 2 if dry else 4, 1, dtype, dev, dry)
+    budgets = [0]
+    if stage == "tree-b1":
+        budgets = list(TREE_BUDGETS) if not dry else [2, 4]
     try:
-        bench_rows(st, args)
+        for budget in budgets:
+            if budget:
+                args = dict(args, tree_budget=budget)
+            bench_rows(st, args)
     except AssertionError as e:  # float32: bench asserts equal tokens
         st.check("speculative_tokens_equal", 1, 0, error=str(e)[:1000])
         raise
@@ -638,8 +659,9 @@ def parse(argv) -> argparse.Namespace:
                     help="the folder the results go to (default: $OUT, else device_out)")
     ap.add_argument("--dry-run", action="store_true", help="run the stages on CPU with small shapes (no CUDA needed)")
     ap.add_argument("--budget", type=float, default=BUDGET, help=f"seconds for all stages together (default {BUDGET})")
-    ap.add_argument("--stages", default=",".join(STAGES),
-                    help=f"comma-separated stages, run in the order given (default: {','.join(STAGES)})")
+    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                    help=f"comma-separated stages, run in the order given (default: {','.join(DEFAULT_STAGES)}; "
+                         f"also: {', '.join(s for s in STAGES if s not in DEFAULT_STAGES)})")
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # a child: run one stage in this process
     a = ap.parse_args(argv)
     a.stages = [s.strip() for s in a.stages.split(",") if s.strip()]

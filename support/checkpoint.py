@@ -504,6 +504,18 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
     return drafter.eval().requires_grad_(False)
 
 
+def random_eagle3(target: Transformer, ttt_length: int = 7, seed: int = 1) -> Eagle3Drafter:
+    """An Eagle3 drafter shaped like DeepSpec's (one layer, five captured layers, a chain of 7)."""
+    t, w = target.args, target.embed_tokens.weight
+    ids = tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))  # 1, 9, .., 33 at 36 layers
+    cfg = DrafterConfig(replace(t, num_hidden_layers=1), ttt_length, ids, 0, "eagle3", None, 0, False, False)
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg)
+    drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
+    attach(drafter, target)
+    return drafter.eval().requires_grad_(False)
+
+
 # What a run loads: models, tokenizer, stop ids, sampling defaults
 
 @dataclass

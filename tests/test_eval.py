@@ -625,14 +625,17 @@ def test_default_budget_is_capped_to_the_context_with_a_note(env, tmp_path, caps
 
 
 def test_default_out_never_replaces_an_earlier_results_file(env, tmp_path, capsys, monkeypatch):
+    """A rerun with no new flags works and loses nothing: results.json, then results-2.json, ... (printed)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results.json").write_text("earlier\n")
     base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
             "--max-samples", "1", "--max-new-tokens", "4", "--no-progress"]
-    assert ev.main(base) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: results.json: exists") and "--out" in err, err
+    assert ev.main(base) == 0
+    assert "results written to results-2.json" in capsys.readouterr().err
+    assert ev.main(base) == 0
+    assert "results written to results-3.json" in capsys.readouterr().err
     assert (tmp_path / "results.json").read_text() == "earlier\n"
+    assert json.load(open(tmp_path / "results-3.json"))["complete"] is True
     assert ev.main(base + ["--out", "results.json"]) == 0  # named: replaced, as every named output is
     assert json.load(open(tmp_path / "results.json"))["complete"] is True
     assert "results written to results.json" in capsys.readouterr().err
@@ -650,3 +653,32 @@ def test_demo_mode_defaults_resolve_to_the_demo_pair_and_its_heldout_prompts(mon
     assert demo and os.path.samefile(args.data_dir, ev.DATA_DIR)
     args, demo = ev.resolve_defaults(ev.EvalArgs(target="t"))
     assert not demo and args.datasets == ",".join(ev.PAPER_DATASETS) and args.data_dir == ev.DATA_DIR
+
+
+def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, capsys):
+    """--drafter repeated: a row each, datasets as columns with the mean, as the paper's Table 1 reads;
+    --tree-budget N adds a block drafter's chain and its tree at 4, 8, ... N. results.json holds every row
+    (its top-level "datasets" are the first row's)."""
+    from drafters import make_eagle3
+
+    eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=3)
+    out = tmp_path / "r.json"
+    base = ["--target", env["target"], "--data-dir", env["data"], "--datasets", "gsm8k,mt-bench", "--max-samples", "2",
+            "--max-new-tokens", "12", "--no-progress", "--temperature", "0", "--out", str(out)]
+    assert ev.main(base + ["--drafter", env["drafter"], "--drafter", eagle3, "--tree-budget", "8"]) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("τ at T=0"):].splitlines()
+    assert table[0].split() == ["τ", "at", "T=0", "gsm8k", "mt-bench", "mean"]
+    labels = [line.rsplit(maxsplit=3)[0] for line in table[2:]]  # then two datasets' τ and the mean
+    assert labels == ["drafter chain", "drafter tree 4", "drafter tree 8", "eagle3"], table
+    res = json.loads(out.read_text())
+    assert [r["label"] for r in res["rows"]] == labels and [r["tree_budget"] for r in res["rows"]] == [0, 4, 8, 0]
+    assert res["datasets"] == res["rows"][0]["datasets"] and res["complete"] is True
+    for line, row in zip(table[2:], res["rows"]):
+        taus = [e["acceptance_length"] for e in row["datasets"]]
+        assert line.split()[-3:] == [f"{taus[0]:.2f}", f"{taus[1]:.2f}", f"{sum(taus) / 2:.2f}"]
+    assert all(e["num_samples"] == 2 for r in res["rows"] for e in r["datasets"])
+    assert ev.main(base + ["--drafter", env["drafter"], "--drafter", env["drafter"]]) == 2
+    assert "--drafter: the same drafter is given twice" in capsys.readouterr().err
+    assert ev.main(base + ["--drafter", env["drafter"], "--drafter", eagle3, "--calibration-out", str(tmp_path / "c.json")]) == 2
+    assert "compares several rows" in capsys.readouterr().err
