@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from speculate import DEMO_DIR, Request, Settings, make_engine
+from speculate import DEMO_DIR, Request, make_engine
 from support import flags, plots, runlog
 from support import metrics as mt
 from support.calibration import (
@@ -49,7 +49,7 @@ from support.cli import (
 )
 from support.distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
 from support.files import check_outputs, optional_file, read_json, write_json
-from support.flags import Machine, Rendering, calibration_note
+from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
 from support.text import auto_chat, check_chat_flags, check_prompts, load_prompts
 

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
-from typing import Literal, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,74 +26,12 @@ from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
 from support import flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
-from support.cli import AutoBool, Repeated, UserError, cli_main, flat, sync
+from support.cli import UserError, cli_main, sync
+from support.flags import Args, Settings
 from support.report import Report
 from support.text import StopStrings, auto_chat, check_prompts, encode
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-CompileMode = Literal[COMPILE_MODES]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # the committed demo pair
-
-
-@dataclass
-class Settings:
-    """How to decode: the Python API's keyword arguments, and the flags of the same names."""
-
-    max_new_tokens: Optional[int] = None
-    """Token budget per request (exact). None: 128 (eval.py: the authors' 2048, capped to what the
-    context leaves the longest prompt)."""
-    temperature: Optional[float] = None
-    """0 = greedy, else lossless sampling at this temperature. None: with no other sampling setting, the
-    target's generation_config.json (greedy without one); 1.0 with only filters given."""
-    top_k: Optional[int] = None
-    """Sample from the K most likely tokens only (0: off), in the target's and the drafter's alike."""
-    top_p: Optional[float] = None
-    """Then from the most likely tokens that make up probability P (1: off)."""
-    min_p: Optional[float] = None
-    """Then only tokens at least M times as likely as the most likely one (0: off)."""
-    stop: Repeated = ()
-    """End a request at this text (repeatable); the text is cut before it."""
-    ignore_eos: bool = False
-    """Do not stop at the target's EOS tokens."""
-    seed: int = 0
-    """Request i samples from its own generator seeded seed + i (independent of the batch, repeatable)."""
-    num_samples: int = 1
-    """Run every prompt this many times (independent samples)."""
-    batch_size: int = 1
-    """Requests decoded together; a finished request's row takes the next at once (continuous batching)."""
-    scheduler: Optional[Literal["none", "threshold", "hardware", "async"]] = None
-    """How many drafts a round verifies: none (all), threshold, hardware (the paper's Algorithm 1 over
-    SPS(B)) or async (its production variant, sized two rounds ahead). Default: threshold if
-    --confidence-threshold > 0, else none."""
-    confidence_threshold: float = 0.0
-    """Verify drafts only up to the first confidence below this; 0 = the whole block."""
-    sps_table: Optional[str] = None
-    """SPS(B) table for hardware/async: read if it exists (it must match this run), else profiled and
-    written there. Without it, profiled at start and not kept."""
-    verify_buckets: Optional[str] = None
-    """Comma-separated token counts a scheduled round's verification is padded to (one compiled graph
-    each). Default: compiled 1,2,3,4,6,8,12,... up to batch x (drafts + 1); eager, exact."""
-    compile: AutoBool = None
-    """torch.compile the round. None: on for cuda, off for cpu (a first compile takes minutes)."""
-    compile_mode: Optional[CompileMode] = None
-    """With --compile: this torch.compile mode instead of the recipe (cpu: max-autotune, frozen weights,
-    C++ wrapper; cuda: reduce-overhead). "default" is cached across runs but slower (docs/performance.md)."""
-    verbose: bool = False
-    """With --compile: show what compiling prints (autotuning tables)."""
-    kernels: Literal["torch", "triton"] = "torch"
-    """Markov chain, sampled acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under
-    TRITON_INTERPRET=1)."""
-    tree_budget: int = 0
-    """Draft a tree of this many nodes a round instead of a chain (0: the chain): the block's most likely
-    continuations, best first (with a Markov head each branch is conditioned on its own parent's token),
-    verified in one target pass. Block drafters (DSpark, DFlash) without a confidence scheduler."""
-    tree_temperature: float = 0.3
-    """The temperature of the drafter's distributions a tree is ranked by. Below 1 the branches follow
-    what is likeliest to be the target's own token (a drafter distilled at T = 1 spreads its mass
-    thin); 1 is DDTree's choice. Measured on the demo: docs/performance.md."""
-    draft_length: Optional[int] = None
-    """An Eagle3 drafter's drafts per round (a chain of one-token steps). None: the checkpoint's
-    ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
 
 
 # One round, in static shapes (what torch.compile captures)
@@ -807,34 +745,7 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
     return decode(m, ids, s, engine)
 
 
-# The command line: `python speculate.py --help`
-
-@dataclass
-class Args(runlog.WandbFlags):
-    """Speculative decoding with DSpark / DFlash drafters (autoregressive decoding without --drafter)."""
-
-    target: Optional[str] = None
-    """Qwen3 checkpoint directory, or a Hugging Face hub id ORG/NAME[@REVISION] (from the HF cache or
-    downloaded; HF_HUB_OFFLINE=1: the cache only). Default, with no --drafter or --random-init: demo/."""
-    drafter: Optional[str] = None
-    """Drafter directory or hub id (any DSpark / DFlash spelling); omitted: autoregressive decoding."""
-    decode: flat(Settings) = field(default_factory=Settings)
-    prompts: flat(flags.Prompts) = field(default_factory=flags.Prompts)
-    rendering: flat(flags.Rendering) = field(default_factory=flags.Rendering)
-    machine: flat(flags.Machine) = field(default_factory=flags.Machine)
-    calibration: Optional[str] = None
-    """Confidence temperatures from `eval.py --calibration-out`: c_k = σ(logit_k / T_k)."""
-    random_init: Optional[Literal["qwen3-4b", "qwen3-8b", "qwen3-14b"]] = None
-    """Instead of --target/--drafter: a real-shaped pair with random weights (speed without downloads)."""
-    trace_file: Optional[str] = None
-    """Write every round, request and a summary here as JSON lines (docs/trace-format.md)."""
-    output_file: Optional[str] = None
-    """Write one JSON record per request as it finishes (text, ids, finish reason, rounds, τ)."""
-    progress: bool = True
-    """A progress bar on stderr (a terminal) while several requests decode."""
-    log_every: int = 10
-    """With --wandb: log the figures so far every this many rounds."""
-
+# The command line: `python speculate.py --help` (its flags: support/flags.py)
 
 def run(args: Args) -> dict:
     """Everything `python speculate.py` does; returns the summary (and every request's output ids)."""

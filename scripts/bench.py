@@ -45,7 +45,7 @@ import kernels
 import sampling
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Transformer
-from speculate import Engine, Request, Settings, cache_length
+from speculate import Engine, Request, cache_length
 from support import cpu_kernels, flags, metrics
 from support.checkpoint import (
     PRESETS,
@@ -73,7 +73,7 @@ from support.cli import (
     use_compile_cache,
 )
 from support.files import check_outputs, write_json
-from support.flags import Machine
+from support.flags import Machine, Settings
 
 
 @dataclass

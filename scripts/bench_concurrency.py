@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import timed_generate  # noqa: E402
 
 from scheduler import KINDS, SPS_KINDS  # noqa: E402
-from speculate import DEMO_DIR, CompileMode, Engine, Request, cache_length  # noqa: E402
+from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
 from support import plots  # noqa: E402
 from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (
@@ -55,6 +55,7 @@ from support.cli import (
     resolve_dtype,
 )
 from support.files import check_outputs, write_json  # noqa: E402
+from support.flags import CompileMode  # noqa: E402
 from support.text import check_prompts, load_prompts  # noqa: E402
 
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)

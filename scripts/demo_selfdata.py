@@ -76,8 +76,9 @@ def run(args: SelfDataArgs) -> int:
 
     import torch
 
-    from speculate import Settings, load, make_engine, requests_for
+    from speculate import load, make_engine, requests_for
     from support import flags
+    from support.flags import Settings
     if args.threads:
         torch.set_num_threads(args.threads)
     m = load(args.target)

@@ -22,12 +22,13 @@ from typing import Literal, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from speculate import Request, Settings, make_engine  # noqa: E402
+from speculate import Request, make_engine  # noqa: E402
 from support import flags  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
 from support.cli import AutoBool, UserError, check_ranges, cli_main, resolve_device, signals_deferred
 from support.files import atomic_write, check_outputs, check_writable, read_json, read_jsonl, write_json  # noqa: E402
+from support.flags import Settings  # noqa: E402
 from support.text import ROLES, check_text, encode  # noqa: E402
 
 TURN_STRIDE = 1024  # request index = conversation * TURN_STRIDE + turn

@@ -14,7 +14,7 @@ import torch
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
 import speculate
-from support import text as inputs
+from support import text
 from support.flags import Rendering
 
 
@@ -219,8 +219,8 @@ def test_auto_defaults_resolve_the_same_through_the_cli_and_the_python_api(capsy
 
     class Tok:
         chat_template = "{{ x }}"
-    assert inputs.auto_chat(None, Tok()) is True and inputs.auto_chat(False, Tok()) is False
-    assert inputs.auto_chat(None, None) is False and inputs.auto_chat(True, None) is True
+    assert text.auto_chat(None, Tok()) is True and text.auto_chat(False, Tok()) is False
+    assert text.auto_chat(None, None) is False and text.auto_chat(True, None) is True
     with pytest.raises(SystemExit):
         speculate.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())

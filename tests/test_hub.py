@@ -1,4 +1,4 @@
-"""--target/--drafter as Hugging Face hub ids (inputs.resolve_checkpoint), against a cache built here.
+"""--target/--drafter as Hugging Face hub ids (checkpoint.resolve_checkpoint), against a cache built here.
 
 The cache is laid out as huggingface_hub writes it — `models--ORG--NAME/refs/<ref>` holding a commit
 hash, `snapshots/<hash>/<file>` a link to `blobs/<sha256>` — in a temporary directory that
@@ -33,7 +33,7 @@ from huggingface_hub.utils import (
 import eval as ev
 import speculate
 import train
-from support import checkpoint as inputs
+from support import checkpoint
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 REAL_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download
@@ -198,7 +198,7 @@ def test_offline_cached_snapshot_without_weights_is_one_line(hub, repos, capsys)
 def test_revisions_a_ref_name_and_a_commit_hash(hub, repos, capsys):
     snap_a = put(hub.cache, "org/tiny", repos.a, COMMIT_A, refs=("main",))
     snap_b = put(hub.cache, "org/tiny", repos.b, COMMIT_B, refs=("v2", "refs/pr/1"))
-    resolve = lambda spec: inputs.resolve_checkpoint(spec, "--target")  # noqa: E731
+    resolve = lambda spec: checkpoint.resolve_checkpoint(spec, "--target")  # noqa: E731
     assert resolve("org/tiny") == str(snap_a) == resolve("org/tiny@main") == resolve(f"org/tiny@{COMMIT_A}")
     assert resolve("org/tiny@v2") == str(snap_b) == resolve(f"org/tiny@{COMMIT_B}") == resolve("org/tiny@refs/pr/1")
     outs = {}
@@ -226,7 +226,7 @@ def test_a_local_directory_wins_over_an_id_of_the_same_spelling(hub, repos, tmp_
     put(hub.cache, "org/tiny", repos.b, COMMIT_B)
     monkeypatch.chdir(tmp_path)
     shutil.copytree(repos.a, tmp_path / "org" / "tiny")
-    assert inputs.resolve_checkpoint("org/tiny", "--target") == "org/tiny"
+    assert checkpoint.resolve_checkpoint("org/tiny", "--target") == "org/tiny"
     rc, local, err = run(["--target", "org/tiny", "--prompt-ids", "7,8,9", "--max-new-tokens", 8], capsys)
     assert rc == 0 and "Hugging Face" not in err, err
     rc, a, _ = run(["--target", repos.a, "--prompt-ids", "7,8,9", "--max-new-tokens", 8], capsys)
@@ -235,7 +235,7 @@ def test_a_local_directory_wins_over_an_id_of_the_same_spelling(hub, repos, tmp_
 
 def test_paths_are_left_to_the_loader(hub, tmp_path, capsys):
     for spec in (str(tmp_path / "missing"), "./missing/dir", "~/missing"):
-        assert inputs.resolve_checkpoint(spec, "--target") == spec
+        assert checkpoint.resolve_checkpoint(spec, "--target") == spec
     rc, _, err = run(["--target", tmp_path / "missing", "--prompt-ids", "1,2"], capsys)
     one_error_line(rc, err, "target directory not found")
 
@@ -263,7 +263,7 @@ def test_download_fetches_only_what_a_run_reads(hub, repos, monkeypatch, capsys)
     assert rc == 0, err
     snap = hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A
     assert f"--target org/tiny@{COMMIT_A}: {snap}\n" in err
-    assert calls == [{"repo_id": "org/tiny", "revision": None, "allow_patterns": list(inputs.HUB_META_FILES)},
+    assert calls == [{"repo_id": "org/tiny", "revision": None, "allow_patterns": list(checkpoint.HUB_META_FILES)},
                      {"repo_id": "org/tiny", "revision": COMMIT_A, "allow_patterns": ["model.safetensors"]}]
     got = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
     assert got == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -281,8 +281,8 @@ def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch,
     fake_hub(monkeypatch, {"org/sharded": (COMMIT_B, repos.sharded)}, calls)
     shards = sorted(set(json.loads((repos.sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
     assert len(shards) > 1
-    path = inputs.resolve_checkpoint(f"org/sharded@{COMMIT_B}", "--target")
-    assert calls == [{"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": list(inputs.HUB_META_FILES)},
+    path = checkpoint.resolve_checkpoint(f"org/sharded@{COMMIT_B}", "--target")
+    assert calls == [{"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": list(checkpoint.HUB_META_FILES)},
                      {"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": shards}]
     assert path == str(hub.cache / "models--org--sharded" / "snapshots" / COMMIT_B)
     assert not (Path(path) / "original").exists() and not (Path(path) / "pytorch_model.bin").exists()
@@ -299,7 +299,7 @@ def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos,
     calls = []
     fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a)}, calls)
     rc, _, err = run(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 2], capsys)
-    assert rc == 0 and calls[0]["allow_patterns"] == list(inputs.HUB_META_FILES), err
+    assert rc == 0 and calls[0]["allow_patterns"] == list(checkpoint.HUB_META_FILES), err
     assert (hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A / "tokenizer.json").is_file()
     rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
     assert rc == 0 and len(calls) == 1, err  # complete now: the hub is not asked again (nor for weights it had)

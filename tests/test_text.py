@@ -1,4 +1,4 @@
-"""Chat prompts: {"messages"} records, --system-prompt and --enable-thinking (inputs.load_prompts, text.py),
+"""Chat prompts: {"messages"} records, --system-prompt and --enable-thinking (text.load_prompts, text.py),
 rendered as transformers renders them and wired through speculate.py."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from conftest import copy_target, edit_json
 
 import speculate
 from support import text
-from support import text as inputs
 
 # Qwen3's chat format, written here from its documented behaviour: a leading system message first; user
 # (and later system) turns as ChatML; an assistant turn keeps only the text after any </think>, and the
@@ -82,7 +81,7 @@ def write_records(path, records):
 def test_messages_records_render_as_transformers_does(qwen3_style, tmp_path, thinking):
     pf = write_records(tmp_path / "m.jsonl", [{"messages": c} for c in CONVERSATIONS])
     tok = text.Tokenizer(str(qwen3_style))
-    ours = inputs.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf), thinking=thinking)
+    ours = text.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf), thinking=thinking)
     for conv, ids in zip(CONVERSATIONS, ours):
         want_text, want_ids = hf_ids(qwen3_style, conv, thinking)
         assert tok.render_messages(conv, add_generation_prompt=True, thinking=thinking) == want_text
@@ -126,12 +125,12 @@ def test_system_prompt_is_a_system_turn_for_every_text_prompt(qwen3_style, tmp_p
     system = "the world is a world"
     want = [hf_ids(qwen3_style, [{"role": "system", "content": system}, {"role": "user", "content": u}], False)[1]
             for u in ("hello world", "print ( x )", "for y in z")]
-    assert inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world", system_prompt=system) == want[:1]
+    assert text.load_prompts(tokenizer=tok, chat=True, prompt="hello world", system_prompt=system) == want[:1]
     pf = write_records(tmp_path / "p.jsonl", [{"prompt": "hello world"}, {"turns": ["print ( x )", "unused"]},
                                               {"messages": [{"role": "user", "content": "for y in z"}]}])
-    assert inputs.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf), system_prompt=system) == want
+    assert text.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf), system_prompt=system) == want
     # without it: no system turn, as before
-    assert inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world") == \
+    assert text.load_prompts(tokenizer=tok, chat=True, prompt="hello world") == \
         [hf_ids(qwen3_style, [{"role": "user", "content": "hello world"}], False)[1]]
 
 
@@ -151,11 +150,11 @@ def test_the_flags_reach_the_run(qwen3_style, tmp_path, capsys):
     with_flag = output("--prompt", "hello world", "--system-prompt", system)
     assert with_flag == output("--prompts-file", record)
     tok = text.Tokenizer(str(qwen3_style))
-    assert inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world", system_prompt=system) != \
-        inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world")
-    thinking = inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world", thinking=True)
+    assert text.load_prompts(tokenizer=tok, chat=True, prompt="hello world", system_prompt=system) != \
+        text.load_prompts(tokenizer=tok, chat=True, prompt="hello world")
+    thinking = text.load_prompts(tokenizer=tok, chat=True, prompt="hello world", thinking=True)
     assert thinking == [hf_ids(qwen3_style, [{"role": "user", "content": "hello world"}], True)[1]]
-    assert thinking != inputs.load_prompts(tokenizer=tok, chat=True, prompt="hello world")
+    assert thinking != text.load_prompts(tokenizer=tok, chat=True, prompt="hello world")
     thinking_record = write_records(tmp_path / "ids.jsonl", [{"prompt_ids": thinking[0]}])
     assert output("--prompt", "hello world", "--enable-thinking") == output("--prompts-file", thinking_record)
 
