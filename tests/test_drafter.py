@@ -692,3 +692,58 @@ def test_a_new_markov_head_must_name_its_own_kind():
     class Named(dm.VanillaMarkov):
         kind = "mlp"
     assert Named.kind == "mlp"
+
+
+# ----------------------------------------------------------------------------------------
+# Eagle3 checkpoints (DeepSpec's Qwen3Eagle3Model): what loads, and one line for what does not
+
+@pytest.fixture(scope="module")
+def eagle3_target(tmp_path_factory):
+    from drafters import make_target
+
+    return make_target(tmp_path_factory.mktemp("eagle3_target") / "target", num_hidden_layers=4)
+
+
+def test_an_eagle3_checkpoint_loads_as_deepspec_wrote_it(eagle3_target, tmp_path):
+    from drafters import make_eagle3
+
+    target = checkpoint.load_target(eagle3_target)
+    d = checkpoint.load_drafter(make_eagle3(tmp_path / "e", eagle3_target, ttt_length=5), target)
+    assert isinstance(d, dm.Eagle3Drafter) and d.cfg.layout == "eagle3" and d.cfg.num_drafts == 5
+    assert d.cfg.target_layer_ids == (0, 1) and d.cfg.layers.num_hidden_layers == 1
+    assert d.layers[0].self_attn.q_proj.weight.shape[1] == 2 * target.args.hidden_size  # [embedding; hidden]
+    assert d.markov_head is None and d.confidence_head is None
+    assert "layout=eagle3" in d.cfg.describe() and "drafts/round=5" in d.cfg.describe()
+
+
+EAGLE3_BAD = {
+    "no-ttt-length": (dict(drop_config=("ttt_length",)), "missing key 'ttt_length'"),
+    "ttt-length-0": (dict(extra_config={"ttt_length": 0}), "'ttt_length' must be an integer from 1 to 256"),
+    "two-layers": (dict(extra_config={"draft_num_hidden_layers": 2}), "an Eagle3 drafter has one layer"),
+    "ids-unsorted": (dict(extra_config={"target_layer_ids": [1, 0]}), "must be strictly increasing"),
+    "last-layer": (dict(target_layer_ids=(0, 3)), "layer id 3 is the target's last layer"),
+    "other-target": (dict(extra_config={"num_target_layers": 36}), "it was built for another target"),
+    "fc-width": (dict(extra_config={"target_layer_ids": [0, 1, 2]}), "'fc.weight' has shape"),
+    "missing-tensor": (dict(drop=("layers.0.hidden_norm.weight",)), "'layers.0.hidden_norm.weight' is missing"),
+    "extra-tensor": (dict(extra_tensors={"layers.0.gate.weight": torch.zeros(2)}), "'layers.0.gate.weight' in the "
+                                                                                    "checkpoint matches no parameter"),
+    "other-embedding": (dict(extra_tensors={"embed_tokens.weight": torch.zeros(48, 32)}), "differs from the target's"),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGLE3_BAD))
+def test_a_bad_eagle3_checkpoint_is_one_line(eagle3_target, tmp_path, case):
+    from drafters import make_eagle3
+
+    options, needle = EAGLE3_BAD[case]
+    config = options.pop("drop_config", ())
+    path = make_eagle3(tmp_path / "e", eagle3_target, **options)
+    if config:
+        cfg = json.loads((tmp_path / "e" / "config.json").read_text())
+        for key in config:
+            del cfg[key]
+        (tmp_path / "e" / "config.json").write_text(json.dumps(cfg))
+    target = checkpoint.load_target(eagle3_target)
+    with pytest.raises(checkpoint.UserError) as e:
+        checkpoint.load_drafter(path, target)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
