@@ -101,6 +101,12 @@ class BenchArgs:
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
     """Tokens per (random) prompt."""
+    prompts_file: Optional[str] = None
+    """Time these prompts instead of random ones (JSON lines, as speculate.py's --prompts-file, taken as
+    they are: no chat template), each a request through the batch's rows: e.g. demo/heldout.jsonl."""
+    tree_budgets: Optional[str] = None
+    """Comma-separated tree budgets timed beside the chain, a mode each ("tree N"), interleaved with the
+    others (e.g. 4,8,16,32,64); --tree-budget sets the speculative mode's own."""
     reference: Optional[bool] = None
     """Also time the transformers-target reference loop at batch 1 (default: on for cpu when transformers,
     a test-only dependency, is installed; without it the loop is skipped with a note)."""
@@ -423,6 +429,20 @@ TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernel
          "draft_length")
 
 
+def file_prompts(path: str, target_dir: Optional[str], vocab_size: int) -> list[list[int]]:
+    """--prompts-file's prompts as ids, as they are (text through the target's tokenizer, no template)."""
+    from support.text import Tokenizer, load_prompts
+
+    tokenizer = None
+    if target_dir is not None and os.path.isfile(os.path.join(target_dir, "tokenizer.json")):
+        tokenizer = Tokenizer(target_dir)
+    prompts = load_prompts(tokenizer=tokenizer, chat=False, prompts_file=path)
+    for i, p in enumerate(prompts):
+        if not p or max(p) >= vocab_size:
+            raise UserError(f"--prompts-file {path}: prompt {i + 1} is empty or outside the vocabulary")
+    return prompts
+
+
 def check_args(args: BenchArgs) -> list[int]:
     """The flags alone, before any device or model (scripts/device_run.py checks its steps' with it too);
     returns the batch sizes."""
@@ -435,6 +455,10 @@ def check_args(args: BenchArgs) -> list[int]:
     s = flags.check_settings(args.decode, args.machine.device)
     flags.check_machine(args.machine, s.compile)
     check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]")
+    if args.tree_budgets is not None:
+        parse_ints(args.tree_budgets, "--tree-budgets", positive=True, distinct=True)
+        if args.drafter_kind == "eagle3":
+            raise UserError("--tree-budgets: an Eagle3 drafter drafts a chain (trees grow from a block drafter)")
     check_ranges(s, max_new_tokens="[2, 10485760]")  # (one new token is the prefill's: no round to time)
     if args.drafter is not None and args.target is None:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
@@ -446,7 +470,7 @@ def check_args(args: BenchArgs) -> list[int]:
     if args.drafter_kind != "dspark" and (args.target is not None or args.model == "bigram-35m"):
         raise UserError(f"--drafter-kind {args.drafter_kind}: chooses a random preset's drafter (qwen3-*), not "
                         f"{'a --target pair' if args.target else 'bigram-35m, whose drafter is constructed'}")
-    check_outputs({"--out": args.out}, inputs=[args.target, args.drafter])
+    check_outputs({"--out": args.out}, inputs=[args.target, args.drafter, args.prompts_file])
     return batch_sizes, s
 
 
@@ -516,16 +540,30 @@ def run(args: BenchArgs) -> list[dict]:
     g = torch.Generator().manual_seed(s.seed)
     hf = transformers_copy(target) if want_reference else None
     ref_drafter = reference_drafter(drafter, hf) if hf is not None else None
-    max_seq = cache_length(args.prompt_len, s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
+    tree_budgets = []
+    if args.tree_budgets is not None:
+        tree_budgets = parse_ints(args.tree_budgets, "--tree-budgets")
+    given = None
+    longest = args.prompt_len
+    if args.prompts_file is not None:
+        given = file_prompts(args.prompts_file, target_dir, target.args.vocab_size)
+        longest = max(map(len, given))
+    widest = max([s.tree_budget] + tree_budgets)
+    max_seq = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, widest)
     rows, ratios = [], []
     for B in batch_sizes:
-        prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
+        prompts = given
+        if prompts is None:
+            prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
         engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, s.compile,
                                                      s.compile_mode, s.verbose, s.kernels)}
         if drafter is not None:
             engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, s.compile,
                                                   s.compile_mode, s.verbose, s.kernels, s.tree_budget,
                                                   s.tree_temperature, s.draft_length)
+            for budget in tree_budgets:
+                engines[f"tree {budget}"] = side_engine(target, drafter, B, max_seq, dev, s.compile, s.compile_mode,
+                                                        s.verbose, s.kernels, budget, s.tree_temperature)
         modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
         if "reference" in modes:  # its warm-up, as the engines had theirs
             reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)
@@ -563,8 +601,11 @@ def run(args: BenchArgs) -> list[dict]:
             print(_row(row, bw), flush=True)
             save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
         # Ratios within each repeat (adjacent runs), then their median and range.
-        for num, den, what in (("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
-                               ("speculative", "reference", "this engine / the reference loop at batch 1")):
+        pairs = [("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
+                 ("speculative", "reference", "this engine / the reference loop at batch 1")]
+        for budget in tree_budgets:
+            pairs.append((f"tree {budget}", "autoregressive", f"tree {budget} / autoregressive at batch {B}"))
+        for num, den, what in pairs:
             if num in runs and den in runs:
                 rs = [a["total_tokens_per_second"] / b["total_tokens_per_second"] for a, b in zip(runs[num], runs[den])]
                 ratios.append({"ratio": what, "median": statistics.median(rs), "runs": rs})
