@@ -396,7 +396,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
 
     shown = runlog.show(args.progress and main)
     bar = tqdm(total=end, initial=start, file=sys.stderr, disable=shown != "bar", dynamic_ncols=True)
-    lines = runlog.Lines() if shown == "lines" else None
+    lines = None
+    if shown == "lines":  # off a terminal: a line every 15 s, so a two-minute run shows how it goes
+        lines = runlog.Lines(every=15.0)
     if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
