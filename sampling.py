@@ -96,9 +96,10 @@ def rows_noise(generators: list, K: int, V: int, device) -> Noise:
         if g is not None:
             rows.append(round_noise(g, 1, K, V, device))
             continue
-        ones = torch.ones((1, K, V), device=device)
-        zeros = torch.zeros((1, K), device=device)
-        rows.append(Noise(ones, zeros, torch.ones((1, V), device=device)))
+        chain = torch.ones((1, K, V), device=device)
+        u = torch.zeros((1, K), device=device)
+        bonus = torch.ones((1, V), device=device)
+        rows.append(Noise(chain, u, bonus))
     columns = zip(*rows)
     return Noise(*(torch.cat(parts) for parts in columns))
 
@@ -250,16 +251,20 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     k = min(budget, V)
     device = base_logits.device
     rows = torch.arange(B, device=device)
-    tokens = torch.zeros((B, N + 1), dtype=torch.long, device=device)
+
+    def table(fill, *shape, dtype=torch.long):  # one entry a row and node (and candidate)
+        return torch.full((B, N + 1, *shape), fill, dtype=dtype, device=device)
+
+    tokens = table(0)
     tokens[:, 0] = anchor
-    parents = torch.full((B, N + 1), -1, dtype=torch.long, device=device)
-    depths = torch.zeros((B, N + 1), dtype=torch.long, device=device)
-    scores = torch.zeros((B, N + 1), device=device)
+    parents = table(-1)
+    depths = table(0)
+    scores = table(0.0, dtype=torch.float32)
     # Each node's candidate children, best first, and the rank of the next one not yet in the tree.
     # (A last column stays empty: where a node's candidates run out.)
-    child_tokens = torch.zeros((B, N + 1, k + 1), dtype=torch.long, device=device)
-    child_scores = torch.full((B, N + 1, k + 1), float("-inf"), device=device)
-    next_rank = torch.zeros((B, N + 1), dtype=torch.long, device=device)
+    child_tokens = table(0, k + 1)
+    child_scores = table(float("-inf"), k + 1, dtype=torch.float32)
+    next_rank = table(0)
     states = None
 
     def expand(node: int, node_tokens, node_depths, node_states, reached):
@@ -269,8 +274,9 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
                                          temperature)
         best, ids = torch.topk(logprobs, k, dim=-1)
         open_ = reached & (node_depths < L)
+        path_scores = scores[:, node, None] + best
         child_tokens[:, node, :k] = ids
-        child_scores[:, node, :k] = torch.where(open_[:, None], scores[:, node, None] + best, float("-inf"))
+        child_scores[:, node, :k] = torch.where(open_[:, None], path_scores, float("-inf"))
         if state is not None:
             if states is None:
                 states = state.new_zeros((B, N + 1, state.shape[-1]))
@@ -279,7 +285,7 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     everyone = torch.ones(B, dtype=torch.bool, device=device)
     expand(0, anchor, depths[:, 0], None, everyone)
     for node in range(1, N + 1):
-        candidates = child_scores.gather(2, next_rank[:, :, None])[:, :, 0]  # [B, N+1]
+        candidates = child_scores.gather(2, next_rank[:, :, None])[:, :, 0]  # [B, N+1]: one a node
         best_score, parent = candidates.max(dim=-1)
         reached = best_score > float("-inf")
         rank = next_rank[rows, parent]
@@ -300,12 +306,14 @@ def ancestors(tree: Tree, depth: int) -> torch.Tensor:
     most `depth` deep)."""
     B, N1 = tree.parents.shape
     device = tree.parents.device
-    seen = torch.eye(N1, dtype=torch.bool, device=device).expand(B, N1, N1).clone()
+    itself = torch.eye(N1, dtype=torch.bool, device=device)
+    seen = itself.expand(B, N1, N1).clone()
     current = tree.parents
     for _ in range(depth):
         on_path = current >= 0
         hops = current.clamp(min=0)
-        seen |= torch.nn.functional.one_hot(hops, N1).bool() & on_path[:, :, None]
+        ancestor = torch.nn.functional.one_hot(hops, N1).bool()
+        seen |= ancestor & on_path[:, :, None]
         current = torch.where(on_path, tree.parents.gather(1, hops), -1)
     return seen
 
@@ -322,7 +330,8 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
     path = [current]
     for _ in range(depth):
         wanted = target_tokens[rows, current]
-        match = (tree.parents == current[:, None]) & (tree.tokens == wanted[:, None])
+        children = tree.parents == current[:, None]
+        match = children & (tree.tokens == wanted[:, None])
         found = match.any(dim=-1)
         child = match.long().argmax(dim=-1)
         current = torch.where(found, child, current)
@@ -371,7 +380,11 @@ def walk_tree_reference(nodes: list[tuple[int, int]], target_tokens: list[int]) 
     path = [0]
     while True:
         wanted = target_tokens[path[-1]]
-        child = [i + 1 for i, (token, parent) in enumerate(nodes) if parent == path[-1] and token == wanted]
-        if not child:
+        child = None
+        for i, (token, parent) in enumerate(nodes):
+            if parent == path[-1] and token == wanted:
+                child = i + 1
+                break
+        if child is None:
             return path, wanted
-        path.append(child[0])
+        path.append(child)

@@ -31,21 +31,23 @@ from support.flags import Args, Settings
 from support.report import Report
 from support.text import StopStrings, auto_chat, check_prompts, encode
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")  # the committed demo pair
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
 
 
 # One round, in static shapes (what torch.compile captures)
 
 class Proposal(NamedTuple):
     drafts: torch.Tensor                # [B, K] x_1 .. x_K (a tree's nodes after the root)
-    q: Optional[torch.Tensor]           # [B, K, V] the distributions they were drawn from (None at T=0)
+    q: Optional[torch.Tensor]           # [B, K, V] what they were drawn from (None at T=0)
     confidence: Optional[torch.Tensor]  # [B, K] c_1 .. c_K (None without a confidence head)
     verify_len: torch.Tensor            # [B] ℓ: how many drafts go to the target, 0 .. K
     tree: Optional[sampling.Tree] = None  # a draft tree instead of a chain (--tree-budget)
 
 
-def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule, backend,
-          num_drafts: int, tree_budget: int = 0, tree_temperature: float = 1.0, capacity=None) -> Proposal:
+def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
+          backend, num_drafts: int, tree_budget: int = 0, tree_temperature: float = 1.0,
+          capacity=None) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
     noise: the chain's Exp(1) [B, K, V] (None at T=0); capacity: the async scheduler's C;
     tree_budget: draft a tree of this many nodes instead of a chain."""
@@ -54,20 +56,23 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
         no_drafts = anchor.new_zeros((B, 0))
         return Proposal(no_drafts, None, None, anchor.new_zeros((B,)))
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
-        drafts, q = sampling.eagle3_chain(drafter, anchor_pos, num_drafts, temperature, None, noise, filters=filters)
+        drafts, q = sampling.eagle3_chain(drafter, anchor_pos, num_drafts, temperature, None, noise,
+                                          filters=filters)
         verify_len = torch.full((B,), num_drafts, dtype=torch.long, device=anchor.device)
         return Proposal(drafts, q, None, verify_len)
-    # 1. Draft: the block in one parallel pass, then the Markov chain left to right, then confidences.
+    # 1. Draft: the block in one parallel pass, the Markov chain left to right, the confidences.
     hidden, base_logits = drafter(anchor, anchor_pos)  # [B, K, H], [B, K, V]
     if tree_budget:  # ... or the tree of the block's most likely continuations, verified whole
-        tree = sampling.build_tree(base_logits, hidden, anchor, drafter.markov_head, tree_budget, tree_temperature)
+        markov = drafter.markov_head
+        tree = sampling.build_tree(base_logits, hidden, anchor, markov, tree_budget, tree_temperature)
         every_node = torch.full((B,), tree_budget, dtype=torch.long, device=anchor.device)
         return Proposal(tree.tokens[:, 1:], None, None, every_node, tree)
     if backend == "triton":
         chain = kernels.markov_chain
     else:
         chain = sampling.markov_chain
-    drafts, q = chain(base_logits, hidden, anchor, drafter.markov_head, temperature, None, noise, filters=filters)
+    markov = drafter.markov_head
+    drafts, q = chain(base_logits, hidden, anchor, markov, temperature, None, noise, filters=filters)
     previous = torch.cat([anchor[:, None], drafts[:, :-1]], dim=1)  # x_0 .. x_{K-1}
     confidence = drafter.confidence(hidden, previous)
     # 2. Schedule: how many drafts each row sends to the target.
@@ -75,18 +80,20 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
     return Proposal(drafts, q, confidence, verify_len)
 
 
-def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature, filters, u, bonus_noise,
-           backend, num_tokens: Optional[int] = None, node_noise=None):
-    """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens None:
-    each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N (`model.Ragged`).
-    Returns the round's record (`pack_record`), the next anchors and their positions."""
+def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature, filters,
+           u, bonus_noise, backend, num_tokens: Optional[int] = None, node_noise=None):
+    """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens
+    None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
+    (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
+    positions."""
     drafts, q, confidence, verify_len, tree = proposal
     K = drafts.shape[1]
     capture = drafter.cfg.target_layer_ids if drafter is not None else ()
     attention = kernels.cached_attention if backend == "triton" else None
     if tree is not None:
-        return verify_tree(target, drafter, anchor, anchor_pos, active, tree, temperature=temperature,
-                           filters=filters, noise=node_noise, attention=attention)
+        return verify_tree(target, drafter, anchor, anchor_pos, active, tree,
+                           temperature=temperature, filters=filters, noise=node_noise,
+                           attention=attention)
     # 3. Verify: the target scores the anchor and every draft in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
     positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
@@ -95,39 +102,39 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     else:
         counts = torch.where(active, verify_len + 1, 0)
         ragged = Ragged.build(counts, positions, num_tokens)
-        logits, features = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged,
-                                  attention=attention)
+        flat = ragged.flatten(tokens)  # [1, N]
+        logits, features = target(flat, positions, capture=capture, ragged=ragged, attention=attention)
         logits = ragged.pad(logits)  # [B, K+1, V]
         if features is not None:
             features = ragged.pad(features)
     # 4. Accept: the longest prefix the rejection rule keeps, then one token of the target's own.
     if temperature == 0:
         accepted, next_token = sampling.accept_greedy(drafts, logits, verify_len)
-    elif backend == "triton":
-        accepted, next_token = kernels.accept_sampled(drafts, q, logits, verify_len, temperature, None, u,
-                                                      bonus_noise, filters=filters)
     else:
-        accepted, next_token = sampling.accept_sampled(drafts, q, logits, verify_len, temperature, None, u,
-                                                       bonus_noise, filters=filters)
+        accept = sampling.accept_sampled
+        if backend == "triton":
+            accept = kernels.accept_sampled
+        accepted, next_token = accept(drafts, q, logits, verify_len, temperature, None, u, bonus_noise,
+                                      filters=filters)
     # 5. Commit: the drafter's context gains rows a .. a+K; those past a+n are masked next round,
     # then overwritten. The target's rows past a+n are rolled back by moving the anchor alone.
     if drafter is not None:
         ahead = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, K+1]
         kept = torch.arange(K + 1, device=anchor.device) < accepted[:, None]
-        following = torch.where(kept, ahead, next_token[:, None])  # the token after each committed one
+        following = torch.where(kept, ahead, next_token[:, None])  # the token after each one
         drafter.commit_context(features, positions, following, accepted)
     B = anchor.shape[0]
     rows = torch.arange(B, device=anchor.device)
     finite = torch.isfinite(logits[rows, accepted, next_token])  # the committed token's logit
-    record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token, finite=finite,
-                         confidence=confidence)
+    record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
+                         finite=finite, confidence=confidence)
     next_anchor = torch.where(active, next_token, anchor)
     next_pos = torch.where(active, anchor_pos + accepted + 1, anchor_pos)
     return record, next_anchor, next_pos
 
 
-def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature, filters, noise,
-                attention):
+def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature,
+                filters, noise, attention):
     """Steps 3-5 for draft trees: one target pass scores every node (each sees the context and its own
     ancestors, at the position of its depth); the target draws its own token at every node, and the
     walk follows the child holding it from the root; the accepted path's K/V move to consecutive
@@ -140,7 +147,8 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     # 3. Verify: every node, in slots a .. a+N of the cache, at RoPE positions a + its depth.
     slots = TreeSlots(anchor_pos, sampling.ancestors(tree, depth))
     positions = anchor_pos[:, None] + tree.depths
-    logits, features = target(tree.tokens, positions, capture=capture, attention=attention, tree=slots)
+    logits, features = target(tree.tokens, positions, capture=capture, attention=attention,
+                              tree=slots)
     # 4. Accept: the target's own token at each node; the walk stops where no child holds it.
     if temperature == 0:
         chosen = torch.argmax(logits, dim=-1)  # [B, N+1]
@@ -159,8 +167,8 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     finite = torch.isfinite(logits[rows, last, next_token])
     parents = tree.parents[:, 1:]
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
-    record = pack_record(drafts=tree.tokens[:, 1:], verified=reached, accepted=accepted, bonus=next_token,
-                         finite=finite, parents=parents, path=path[:, 1:])
+    record = pack_record(drafts=tree.tokens[:, 1:], verified=reached, accepted=accepted,
+                         bonus=next_token, finite=finite, parents=parents, path=path[:, 1:])
     next_anchor = torch.where(active, next_token, anchor)
     next_pos = torch.where(active, anchor_pos + accepted + 1, anchor_pos)
     return record, next_anchor, next_pos
@@ -174,13 +182,14 @@ class RoundRecord(NamedTuple):
     bonus: int                         # the token committed after the accepted drafts
     finite: bool                       # the committed token's logit was finite
     confidence: Optional[list[float]]
-    parents: Optional[list[int]] = None  # a tree's: each node's parent (0: the root; -1: not reached)
+    parents: Optional[list[int]] = None  # a tree's nodes' parents (0: the root; -1: unreached)
     path: Optional[list[int]] = None     # a tree's accepted nodes, the first `accepted` of these
 
 
 def record_widths(drafts: int, confidence: bool, tree_depth: int = 0) -> dict:
-    """The round record's columns in order, and their widths: the one place its layout is written.
-    `pack_record` fills it on the device (the round's one transfer to the host), `unpack` reads it."""
+    """The round record's columns in order, and their widths: the one place its layout is
+    written. `pack_record` fills it on the device (the round's one transfer to the host),
+    `unpack` reads it."""
     widths = {"drafts": drafts, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
     widths["confidence"] = drafts if confidence else 0
     if tree_depth:
@@ -225,7 +234,8 @@ def unpack(record: torch.Tensor, widths: dict) -> list[RoundRecord]:
     return rows
 
 
-def prefill(target, drafter, prompts: list[list[int]], temperature, noise, device, rows=None, filters=NO_FILTERS):
+def prefill(target, drafter, prompts: list[list[int]], temperature, noise, device, rows=None,
+            filters=NO_FILTERS):
     """Prompts (right-padded) into cache rows 0..len-1, or `rows`, with the drafter's context. Returns
     each one's first token (-1: its logits are not finite) and its position."""
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -247,8 +257,8 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     return first, lens
 
 
-# Compiling: one graph per half of a round, static shapes; on a CPU frozen weights and a C++ wrapper,
-# on CUDA reduce-overhead (CUDA graphs).
+# Compiling: one graph per half of a round, static shapes; on a CPU frozen weights and a C++
+# wrapper, on CUDA reduce-overhead (CUDA graphs).
 
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     import torch._inductor.select_algorithm as select
@@ -275,7 +285,8 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
 def own_code(fn):
     """`fn` with a code object of its own: graphs are kept per code object, so the cut-down guards
     (`Engine.generate`) never mistake another engine's graph for this one's."""
-    copy = FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    code = fn.__code__.replace()
+    copy = FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 
@@ -284,8 +295,9 @@ def own_code(fn):
 
 class NonFinite(UserError):
     def __init__(self, request: int, where: str):
-        super().__init__(f"request {request}, {where}: the logits are not finite (NaN or Inf): check the checkpoints' "
-                         f"weights and config (rope_theta, rms_norm_eps) and --temperature")
+        super().__init__(f"request {request}, {where}: the logits are not finite (NaN or Inf): "
+                         f"check the checkpoints' weights and config (rope_theta, rms_norm_eps) "
+                         f"and --temperature")
 
 
 @dataclass
@@ -301,8 +313,8 @@ class Request:
     sample: int = 0
 
 
-def cache_length(longest_prompt: int, max_new_tokens: int, drafter, num_drafts: Optional[int] = None,
-                 tree_budget: int = 0) -> int:
+def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
+                 num_drafts: Optional[int] = None, tree_budget: int = 0) -> int:
     """Cache rows: prompt + budget + a round's window past a finished row's last anchor."""
     width = 1
     if drafter is not None:
@@ -313,6 +325,19 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter, num_drafts: 
 
 def caches(model) -> list:
     return [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
+
+
+def trace_record(req: Request, rec: RoundRecord) -> dict:
+    """A request's round as the trace writes it (docs/trace-format.md); a tree's adds its shape and
+    the nodes the walk took."""
+    entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
+             "draft": rec.drafts, "confidence": rec.confidence, "verified": rec.verified,
+             "accepted": rec.accepted, "bonus": rec.bonus}
+    if rec.path is not None:
+        entry["parents"] = rec.parents
+        entry["path"] = rec.path[:rec.accepted]
+        entry["depth"] = tree_depth(rec.parents)
+    return entry
 
 
 def tree_depth(parents: list[int]) -> int:
@@ -355,15 +380,18 @@ class Rows:
 
 
 class Engine:
-    """Requests through prefill and rounds in `batch_size` rows (continuous batching). A round is `draft`
-    then `verify`, one graph each when compiled; scheduled, the host reads the verify size between them
-    (a bucket when compiled), except "async", planned before. Its arguments were checked above it."""
+    """Requests through prefill and rounds in `batch_size` rows (continuous batching). A round
+    is `draft` then `verify`, one graph each when compiled; scheduled, the host reads the verify
+    size between them (a bucket when compiled), except "async", planned before. Its arguments
+    were checked above it."""
 
-    def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int, temperature: float = 0.0,
-                 filters: Filters = NO_FILTERS, seed: int = 0, stop_ids=(), stop_strings=None, scheduler: str = "none",
-                 threshold: float = 0.0, buckets=None, ragged: Optional[bool] = None, compile: bool = False,
-                 compile_mode: Optional[str] = None, compile_verbose: bool = False, kernels: str = "torch",
-                 num_drafts: Optional[int] = None, tree_budget: int = 0, tree_temperature: float = 1.0):
+    def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
+                 temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = 0, stop_ids=(),
+                 stop_strings=None, scheduler: str = "none", threshold: float = 0.0, buckets=None,
+                 ragged: Optional[bool] = None, compile: bool = False,
+                 compile_mode: Optional[str] = None, compile_verbose: bool = False,
+                 kernels: str = "torch", num_drafts: Optional[int] = None, tree_budget: int = 0,
+                 tree_temperature: float = 1.0):
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)
@@ -371,7 +399,9 @@ class Engine:
         self.max_batch = batch_size
         self.max_seq = max_seq
         self.temperature = temperature
-        self.filters = filters if temperature > 0 else NO_FILTERS  # greedy: argmax survives every filter
+        self.filters = NO_FILTERS  # greedy: the argmax survives every filter
+        if temperature > 0:
+            self.filters = filters
         self.seed = seed  # request i samples from its own generator, seeded seed + i
         self.backend = kernels
         self.compiled = compile
@@ -390,8 +420,8 @@ class Engine:
             self.widths = record_widths(tree_budget, False, self.K)
         else:
             self.widths = record_widths(self.K, has_confidence)
-        self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold, buckets=buckets,
-                                         compiled=compile, device=self.device)
+        self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold,
+                                         buckets=buckets, compiled=compile, device=self.device)
         self.ragged = scheduler != "none" if ragged is None else ragged
         self.draft_fn = draft
         self.verify_fn = verify
@@ -407,30 +437,38 @@ class Engine:
         self.warmed = False
         self.skip_guards = True  # False: evaluate every guard (bench.py)
 
-    def round(self, anchor, anchor_pos, active, noise: Optional[sampling.Noise], verify_len=None, plan=None):
+    def round(self, anchor, anchor_pos, active, noise: Optional[sampling.Noise], verify_len=None,
+              plan=None):
         """One round for every row. verify_len [B] (profiling): exactly these drafts; plan: async's."""
         rows = (self.target, self.drafter, anchor, anchor_pos, active)
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
-        chain_noise = None
+        if noise is None:  # greedy
+            noise = sampling.Noise(None, None, None)
+        chain_noise = noise.chain
         node_noise = None
-        if noise is not None and self.tree_budget:
-            node_noise = noise.chain  # the target's race at every node
-        elif noise is not None:
-            chain_noise = noise.chain
-        proposal = self.draft_fn(*rows, noise=chain_noise, temperature=self.temperature, filters=self.filters,
-                                 schedule=self.scheduler, backend=self.backend, num_drafts=self.K,
-                                 tree_budget=self.tree_budget, tree_temperature=self.tree_temperature,
-                                 capacity=plan.tensor if plan else None)
+        if self.tree_budget:  # the races are the target's, one at every node
+            chain_noise = None
+            node_noise = noise.chain
+        capacity = None
+        num_tokens = None
+        if plan is not None:
+            capacity = plan.tensor
+            num_tokens = plan.num_tokens
+        proposal = self.draft_fn(*rows, noise=chain_noise, temperature=self.temperature,
+                                 filters=self.filters, schedule=self.scheduler, backend=self.backend,
+                                 num_drafts=self.K, tree_budget=self.tree_budget,
+                                 tree_temperature=self.tree_temperature, capacity=capacity)
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
-        num_tokens = plan.num_tokens if plan else None
         if self.ragged and plan is None:  # the host read between the halves
             n = int(torch.where(active, proposal.verify_len + 1, 0).sum())
-            num_tokens = n if verify_len is not None else self.scheduler.bucket(n)
+            num_tokens = self.scheduler.bucket(n)
+            if verify_len is not None:  # profiling: exactly this size
+                num_tokens = n
         return self.verify_fn(*rows, proposal, temperature=self.temperature, filters=self.filters,
-                              u=noise.u if noise else None, bonus_noise=noise.bonus if noise else None,
-                              backend=self.backend, num_tokens=num_tokens, node_noise=node_noise)
+                              u=noise.u, bonus_noise=noise.bonus, backend=self.backend,
+                              num_tokens=num_tokens, node_noise=node_noise)
 
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
@@ -443,10 +481,11 @@ class Engine:
             if isinstance(m, Transformer):
                 m.max_batch, m.max_seq = mine[1].k.shape[:2]
 
-    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None, on_step=None):
-        """Decode `requests`, a finished one's row taking the next at once. Every round runs every row
-        (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs apart.
-        on_round(request, record), on_finish(request), on_step() after each batch round."""
+    def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None,
+                 on_step=None):
+        """Decode `requests`, a finished one's row taking the next at once. Every round runs every
+        row (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs
+        apart. on_round(request, record), on_finish(request), on_step() after each batch round."""
         self.own_caches()
         self.scheduler.reset()
         skip = self.compiled and self.warmed and self.skip_guards
@@ -474,16 +513,17 @@ class Engine:
             if self.temperature > 0:  # a request's samples depend only on the seed and its index
                 draws = []
                 for i, req in zip(free, new):
-                    rows.generators[i] = torch.Generator(device=self.device).manual_seed(self.seed + req.index)
-                    draws.append(sampling.exponential((V,), rows.generators[i], self.device))
+                    generator = torch.Generator(device=self.device)
+                    rows.generators[i] = generator.manual_seed(self.seed + req.index)
+                    draws.append(sampling.exponential((V,), generator, self.device))
                 noise = torch.stack(draws)
             index = torch.tensor(free, device=self.device)
             cache_rows = None
             if free != list(range(len(free))):
                 cache_rows = index
             prompts = [r.prompt_ids for r in new]
-            first, lens = prefill(self.target, self.drafter, prompts, self.temperature, noise, self.device,
-                                  rows=cache_rows, filters=self.filters)
+            first, lens = prefill(self.target, self.drafter, prompts, self.temperature, noise,
+                                  self.device, rows=cache_rows, filters=self.filters)
             rows.anchor = rows.anchor.index_copy(0, index, first)
             rows.anchor_pos = rows.anchor_pos.index_copy(0, index, lens)
             for i, req, token in zip(free, new, first.tolist()):
@@ -502,39 +542,37 @@ class Engine:
         active = rows.active()
         noise = None
         if self.temperature > 0:
-            generators = [g if r is not None else None for g, r in zip(rows.generators, rows.requests)]
+            generators = []  # the busy rows' (a free row's noise is a placeholder)
+            for generator, req in zip(rows.generators, rows.requests):
+                generators.append(generator if req is not None else None)
             races = self.K  # one a draft; a tree's: one a node, the root's included
             if self.tree_budget:
                 races = self.tree_budget + 1
-            noise = sampling.rows_noise(generators, races, self.target.args.vocab_size, self.device)
+            V = self.target.args.vocab_size
+            noise = sampling.rows_noise(generators, races, V, self.device)
         plan = None
         if self.scheduler.kind == "async":
             plan = self.scheduler.plan(sum(rows.live))
-        record, rows.anchor, rows.anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
+        record, anchor, anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
+        rows.anchor = anchor
+        rows.anchor_pos = anchor_pos
         if self.cuda_graphs:  # outlive the next graph replay
             rows.anchor = rows.anchor.clone()
             rows.anchor_pos = rows.anchor_pos.clone()
         records = unpack(record, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
-            live = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
-            self.scheduler.observe(live)
+            busy = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
+            self.scheduler.observe(busy)
         for i, (req, rec) in enumerate(zip(rows.requests, records)):
             if req is None:
                 continue
             if not rec.finite:
                 raise NonFinite(req.index, f"round {len(req.rounds)}")
-            entry = {"request": req.index, "round": len(req.rounds), "anchor": req.output_ids[-1],
-                     "draft": rec.drafts, "confidence": rec.confidence, "verified": rec.verified,
-                     "accepted": rec.accepted, "bonus": rec.bonus}
-            accepted = rec.drafts[:rec.accepted]
-            if rec.path is not None:  # a tree: its shape, and the nodes the walk took
-                path = rec.path[:rec.accepted]
-                entry.update(parents=rec.parents, path=path, depth=tree_depth(rec.parents))
-                accepted = [rec.drafts[node - 1] for node in path]
+            entry = trace_record(req, rec)
             if plan is not None:
                 entry.update(plan.trace())
             req.rounds.append(entry)
-            committed = accepted + [rec.bonus]
+            committed = metrics.accepted_tokens(entry) + [rec.bonus]
             self._commit(req, committed, max_new_tokens)
             if on_round is not None:
                 on_round(req, entry)

@@ -11,10 +11,17 @@ COUNT_KEYS = ("num_samples", "num_rounds", "accepted", "verified", "committed", 
 LIST_KEYS = ("verified_at", "accepted_at", "tried", "ok")
 
 
+def accepted_tokens(rd: dict) -> list[int]:
+    """The drafts a round accepted: a chain's first `accepted`, or a tree's nodes along its path."""
+    if "path" in rd:
+        return [rd["draft"][node - 1] for node in rd["path"]]
+    return rd["draft"][:rd["accepted"]]
+
+
 def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]:
-    """(accepted, verified, committed) of one round record; an accepted stop token ends the round there."""
+    """(accepted, verified, committed) of one round record; an accepted stop token ends it there."""
     n = rd["accepted"]
-    for j, t in enumerate(rd["draft"][:n]):
+    for j, t in enumerate(accepted_tokens(rd)):
         if t in stop_ids:
             return j + 1, j + 1, j + 1
     return n, rd["verified"], n + 1

@@ -260,3 +260,14 @@ def test_trees_refuse_what_they_cannot_do(tenv, capsys, flags, needle):
 def test_check_trace_accepts_tree_rounds(tenv):
     tr = decode(tenv, "--batch-size", 3, "--tree-budget", 5, drafter="vanilla")
     check_trace(tr, n_requests=len(PROMPTS), K=4, V=tenv["V"], confidence=False, max_new=24, tree_budget=5)
+
+
+def test_a_stop_token_on_the_path_ends_the_round_there_in_the_counts():
+    """metrics counts a tree round by its path's tokens: an accepted stop token ends it, as a chain's does."""
+    from support import metrics
+
+    rd = {"draft": [5, 9, 3, 7], "parents": [0, 0, 2, 3], "path": [2, 3, 4], "accepted": 3, "verified": 4,
+          "depth": 3}
+    assert metrics.accepted_tokens(rd) == [9, 3, 7]
+    assert metrics.round_counts(rd, {3}) == (2, 2, 2)
+    assert metrics.round_counts(rd, {5}) == (3, 4, 4)  # 5 is a node off the path
