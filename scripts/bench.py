@@ -46,7 +46,7 @@ import sampling
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Transformer
 from speculate import Engine, Request, cache_length
-from support import cpu_kernels, flags, metrics
+from support import cpu_kernels, flags, metrics, plots
 from support.checkpoint import (
     PRESETS,
     attach,
@@ -104,6 +104,9 @@ class BenchArgs:
     prompts_file: Optional[str] = None
     """Time these prompts instead of random ones (JSON lines, as speculate.py's --prompts-file, taken as
     they are: no chat template), each a request through the batch's rows: e.g. demo/heldout.jsonl."""
+    tree_plot: Optional[str] = None
+    """With --tree-budgets: draw τ and the speed-up over autoregressive decoding against the budget,
+    the chain beside them, at the first batch size (.png or .svg)."""
     tree_budgets: Optional[str] = None
     """Comma-separated tree budgets timed beside the chain, a mode each ("tree N"), interleaved with the
     others (e.g. 4,8,16,32,64); --tree-budget sets the speculative mode's own."""
@@ -470,7 +473,11 @@ def check_args(args: BenchArgs) -> list[int]:
     if args.drafter_kind != "dspark" and (args.target is not None or args.model == "bigram-35m"):
         raise UserError(f"--drafter-kind {args.drafter_kind}: chooses a random preset's drafter (qwen3-*), not "
                         f"{'a --target pair' if args.target else 'bigram-35m, whose drafter is constructed'}")
-    check_outputs({"--out": args.out}, inputs=[args.target, args.drafter, args.prompts_file])
+    if args.tree_plot is not None and args.tree_budgets is None:
+        raise UserError("--tree-plot: draws --tree-budgets' modes against the chain; give --tree-budgets")
+    plots.check_plot_path(args.tree_plot, "--tree-plot")
+    outputs = {"--out": args.out, "--tree-plot": args.tree_plot}
+    check_outputs(outputs, inputs=[args.target, args.drafter, args.prompts_file])
     return batch_sizes, s
 
 
@@ -609,6 +616,10 @@ def run(args: BenchArgs) -> list[dict]:
             if num in runs and den in runs:
                 rs = [a["total_tokens_per_second"] / b["total_tokens_per_second"] for a, b in zip(runs[num], runs[den])]
                 ratios.append({"ratio": what, "median": statistics.median(rs), "runs": rs})
+                if den == "autoregressive":  # the row's own speed-up (its median over the repeats)
+                    for row in rows:
+                        if row["mode"] == num and row["batch"] == B:
+                            row["speed_up"] = statistics.median(rs)
                 note = ""
                 if min(r["seconds"] for r in runs[num] if "seconds" in r) < 1:
                     note += "; runs under a second: noise, give more --max-new-tokens or --repeats"
@@ -617,6 +628,9 @@ def run(args: BenchArgs) -> list[dict]:
                 print(f"{what}: {statistics.median(rs):.2f}x (median of {len(rs)} interleaved repeats; "
                       f"{min(rs):.2f}-{max(rs):.2f}{note})", flush=True)
         save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
+        if args.tree_plot is not None and B == batch_sizes[0]:
+            at_b = [r for r in rows if r.get("batch") == B]
+            plots.tree_plot(args.tree_plot, at_b, f"{name}, batch {B}, {hw}")
     print(f"peak memory: {peak_memory(dev):.2f} GiB ({'CUDA allocator' if dev == 'cuda' else 'process RSS'})")
     return rows
 

@@ -145,3 +145,35 @@ def concurrency_plot(path: str, rows: list[dict]):
         ax.grid(alpha=0.3)
     axes[0].legend(title="mode", fontsize="small")
     _save(fig, path, fmt)
+
+
+def tree_plot(path: str, rows: list[dict], title: str):
+    """τ and speed-up over autoregressive decoding against the tree budget (log2 axis), the chain a
+    dashed line: scripts/bench.py --tree-plot. rows: bench's, one batch size ({"mode": "speculative" or
+    "tree N", "acceptance_length", "speed_up"})."""
+    fmt = _format(path)
+    if fmt is None:
+        raise ValueError(_bad_extension(path))
+    trees = sorted((int(r["mode"].split()[1]), r) for r in rows if r["mode"].startswith("tree "))
+    chain = next((r for r in rows if r["mode"] == "speculative"), None)
+    if not trees or chain is None:
+        raise ValueError(f"{path}: needs the chain's row and at least one tree's")
+    from matplotlib.figure import Figure
+
+    budgets = [b for b, _ in trees]
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    fig.suptitle(title)
+    axes = fig.subplots(1, 2)
+    for ax, key, label in ((axes[0], "acceptance_length", "τ (tokens committed a round)"),
+                           (axes[1], "speed_up", "tokens/s ÷ autoregressive tokens/s")):
+        ax.plot(budgets, [r[key] for _, r in trees], marker="o", color="tab:green", label="tree")
+        ax.axhline(chain[key], color="tab:blue", linestyle="--", label="chain")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, labels=[str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set(xlabel="tree budget (nodes a round)", ylabel=label)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1.0, color="tab:gray", linewidth=0.8)
+    axes[1].set_ylim(bottom=0)
+    axes[0].legend(fontsize="small")
+    _save(fig, path, fmt)

@@ -144,10 +144,38 @@ def test_concurrency_plot_one_level(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
+# Tree plot
+
+TREE_ROWS = [{"mode": "autoregressive", "acceptance_length": 1.0},
+             {"mode": "speculative", "acceptance_length": 5.75, "speed_up": 2.99}] + [
+    {"mode": f"tree {b}", "acceptance_length": 4.0 + b / 20, "speed_up": 2.5 - b / 40} for b in (4, 8, 16, 64)]
+
+
+def test_tree_plot_png_and_svg(tmp_path):
+    png, svg = tmp_path / "trees.png", tmp_path / "trees.svg"
+    plots.tree_plot(str(png), TREE_ROWS, "demo, batch 1")
+    rgb = read_png(png, 10 * plots.DPI, 4 * plots.DPI)
+    assert has_colour(rgb, TAB_GREEN) and has_colour(rgb, TAB_BLUE)  # the trees and the chain
+    plots.tree_plot(str(svg), TREE_ROWS, "demo, batch 1")
+    texts = svg_texts(svg)
+    assert {"tree", "chain", "demo, batch 1", "tree budget (nodes a round)", "τ (tokens committed a round)",
+            "tokens/s ÷ autoregressive tokens/s"} <= texts
+    assert {"4", "8", "16", "64"} <= texts  # x ticks at the measured budgets
+
+
+def test_tree_plot_needs_chain_and_trees(tmp_path):
+    for rows in (TREE_ROWS[:2], [r for r in TREE_ROWS if r["mode"] != "speculative"]):
+        with pytest.raises(ValueError, match="needs the chain's row and at least one tree's"):
+            plots.tree_plot(str(tmp_path / "t.png"), rows, "x")
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------
 # Paths and failures
 
 DRAW = {"reliability": lambda path: plots.reliability_diagram(path, PANELS[:1]),
-        "concurrency": lambda path: plots.concurrency_plot(path, ROWS)}
+        "concurrency": lambda path: plots.concurrency_plot(path, ROWS),
+        "trees": lambda path: plots.tree_plot(path, TREE_ROWS, "demo")}
 
 
 @pytest.mark.parametrize("figure", DRAW)
