@@ -176,7 +176,7 @@ def check_flags(args: EvalArgs) -> Settings:
     check_chat_flags(chat=args.rendering.chat, ids=False, system_prompt=args.rendering.system_prompt,
                      thinking=args.rendering.enable_thinking)
     if args.target is None:
-        raise UserError("--target: no target directory given")
+        raise UserError(f"--drafter {args.drafter[0]}: needs --target, the target it was trained for")
     if s.scheduler != "none" and not args.drafter:
         flag = "--confidence-threshold" if s.confidence_threshold > 0 else f"--scheduler {s.scheduler}:"
         raise UserError(f"{flag} needs a --drafter with a confidence head")

@@ -546,6 +546,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     CPU float32 models get the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
     from support.text import Tokenizer
 
+    if random_init is None and target is None and drafter is not None:  # drafters are trained on one target
+        raise UserError(f"--drafter {drafter}: needs --target, the target it was trained for")
     if random_init is None and target is None:
         raise UserError("--target: no target directory given")
     if random_init is not None and (target is not None or drafter is not None):
@@ -630,9 +632,10 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     if os.path.isabs(spec) or spec.startswith((".", "~")):
         return spec  # spelled as a path: the loader says it is not found
     m = HUB_ID.fullmatch(spec)
+    looked = f"; checked the local path {os.path.abspath(spec)}"  # a mistyped path shows where it was looked for
     if m is None or ".." in spec or "--" in m["repo"] or len(m["revision"] or "") > 255:
         raise UserError(f"{flag} {spec}: not found as a directory, and not a Hugging Face hub id (ORG/NAME or "
-                        f"ORG/NAME@REVISION)")
+                        f"ORG/NAME@REVISION){looked}")
     from huggingface_hub import constants, snapshot_download, utils
 
     repo, revision = m.group("repo", "revision")
@@ -657,9 +660,11 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         lacks = f"lacks files the repository has ({incomplete})" if incomplete else f"has no {missing}"
         raise UserError(f"{where}: " + (f"the cached snapshot {path} {lacks}" if path else
                                         f"no such local directory, and not in the Hugging Face cache ({cache})")
-                        + "; offline mode (HF_HUB_OFFLINE) forbids downloading it")
+                        + "; offline mode (HF_HUB_OFFLINE) forbids downloading it" + ("" if path else looked))
 
-    def download(revision, files):
+    def download(revision, files, either=False):
+        """The snapshot; `either`: nothing cached, so a failure that leaves the repository's existence open
+        says that neither a directory nor the hub has `spec` (it may be a mistyped path)."""
         try:
             return snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
         except Exception as e:  # network, authorization, disk: one line each (GatedRepoError before its base class)
@@ -672,10 +677,13 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
                                                    f"reached ({first_line(e)})"}
             why = next((text for kind, text in said.items() if isinstance(e, kind)),
                        f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})")
+            on_hub = isinstance(e, (utils.GatedRepoError, utils.RevisionNotFoundError))  # the repository exists
+            if either and not on_hub:
+                why = f"no such local directory, and {why}{looked}"
             raise UserError(f"{where}: {why}") from None
 
     try:
-        now = download(revision, list(HUB_META_FILES))  # the index says which weight files there are ...
+        now = download(revision, list(HUB_META_FILES), either=path is None)  # the index names the weight files ...
     except UserError as e:
         if not (path and not missing):
             raise

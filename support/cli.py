@@ -84,6 +84,18 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.written: Optional[list[str]] = None  # the files kept, set by whoever closed them (None: not said)
+        self.hint = ""  # with nothing written: how a run keeps its finished work
+
+    def kept(self) -> str:
+        """What the run kept, as the interruption's line says it."""
+        if self.written is None:
+            return "what was finished is kept"
+        if self.written:
+            return "what was written: " + ", ".join(self.written)
+        if self.hint:
+            return f"nothing was written ({self.hint})"
+        return "nothing was written"
 
 
 def _interrupt(signum, frame):
@@ -134,7 +146,7 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
         return 2
     except Interrupted as e:
         if rank0():
-            print(f"interrupted by {e}: stopped; what was finished is kept", file=sys.stderr)
+            print(f"interrupted by {e}: stopped; {e.kept()}", file=sys.stderr)
         return 128 + e.signum
     finally:
         for s, h in handlers.items():
@@ -143,6 +155,13 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
 
 
 # Flags
+
+def bound_text(x: float) -> str:
+    """A range's bound as printed: an integral one in full (10485760, not 1.04858e+07), others as :g gives them."""
+    if x.is_integer():
+        return str(int(x))
+    return f"{x:g}"
+
 
 def check_ranges(args, **ranges: str):
     """Every named field of `args` (None skipped) inside its interval, "[1, inf)", "(0, 1]", ... (never NaN)."""
@@ -155,9 +174,10 @@ def check_ranges(args, **ranges: str):
         ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value) and (
             (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi))
         if not ok:
-            left = f"{'>=' if lo_in else '>'} {lo:g}" if lo > -math.inf else ""
-            right = f"{'<=' if hi_in else '<'} {hi:g}" if hi < math.inf else ""
-            valid = f"{lo:g} to {hi:g}" if lo_in and hi_in and left and right else " and ".join(
+            lo_text, hi_text = bound_text(lo), bound_text(hi)
+            left = f"{'>=' if lo_in else '>'} {lo_text}" if lo > -math.inf else ""
+            right = f"{'<=' if hi_in else '<'} {hi_text}" if hi < math.inf else ""
+            valid = f"{lo_text} to {hi_text}" if lo_in and hi_in and left and right else " and ".join(
                 s for s in (left, right) if s) or "any number"
             raise UserError(f"--{name.replace('_', '-')}: invalid value {value!r} (valid: {valid})")
 

@@ -49,9 +49,19 @@ def read_json(path: str) -> dict:
     return obj
 
 
-def read_jsonl(path: str):
-    """(where, object) for every non-blank line of a JSON-lines file; `where` is "path:line"."""
+def not_json_lines(first: str, records: str) -> str:
+    """What a malformed line's error adds for a reader that names its `records`: the file's first non-blank
+    line not opening a JSON object or array, it is plain text and is said to be."""
+    if first.startswith(("{", "[")):
+        return f"each line is one whole JSON record, one of {records}"
+    return f"the file looks like plain text, not JSON lines: write one JSON object per line, each one of {records}"
+
+
+def read_jsonl(path: str, records: Optional[str] = None):
+    """(where, object) for every non-blank line of a JSON-lines file; `where` is "path:line". `records`: the
+    shapes a line may take, named when one is not JSON (`not_json_lines`; without it the error is the bare one)."""
     lineno = 0
+    first = None  # the first non-blank line
     with open(path, "rb") as f:
         for raw in f:
             try:
@@ -62,8 +72,17 @@ def read_jsonl(path: str):
                 lineno += 1
                 if lineno == 1 and line.startswith("\ufeff"):
                     raise UserError(f"{path}:1: starts with a byte-order mark (save the file as UTF-8 without BOM)")
-                if line.strip():
-                    yield f"{path}:{lineno}", _parse(line, f"{path}:{lineno}")
+                if not line.strip():
+                    continue
+                if first is None:
+                    first = line.lstrip()
+                try:
+                    obj = _parse(line, f"{path}:{lineno}")
+                except UserError as e:
+                    if records is None:
+                        raise
+                    raise UserError(f"{e}; {not_json_lines(first, records)}") from None
+                yield f"{path}:{lineno}", obj
 
 
 # Writing

@@ -365,6 +365,46 @@ def resolve_demo(args, demo_dir: str):
     return args, demo, lead
 
 
+def drafter_settings(args) -> list[tuple[str, str]]:
+    """(flag and value, what it does) of each setting given that only a drafter's round reads; those that need
+    another (--sps-table a --scheduler, --calibration a scheduled round) first, so each is named for itself."""
+    d = args.decode
+    given = []
+    if args.calibration is not None:
+        given.append((f"--calibration {args.calibration}", "calibrates a drafter's confidence head"))
+    if d.sps_table is not None:
+        given.append((f"--sps-table {d.sps_table}", "sizes the rounds of a drafter's scheduler"))
+    if d.verify_buckets is not None:
+        given.append((f"--verify-buckets {d.verify_buckets}", "pads the verification of a drafter's drafts"))
+    if d.confidence_threshold > 0:
+        given.append((f"--confidence-threshold {d.confidence_threshold:g}", "thresholds a drafter's confidences"))
+    if d.scheduler not in (None, "none"):
+        given.append((f"--scheduler {d.scheduler}", "chooses how many of a drafter's drafts a round verifies"))
+    if d.tree_budget > 0:
+        given.append((f"--tree-budget {d.tree_budget}", "a tree is drafted by a --drafter"))
+    if d.draft_length is not None:
+        given.append((f"--draft-length {d.draft_length}", "sets how many drafts an Eagle3 drafter proposes"))
+    if d.tree_temperature != Settings.tree_temperature:
+        given.append((f"--tree-temperature {d.tree_temperature:g}", "ranks the branches of a drafter's tree"))
+    return given
+
+
+def check_no_drafter(args, s):
+    """Without a drafter (no --drafter, no --random-init; the demo has one), a setting only a drafter reads, or
+    a sampling filter at --temperature 0, would change nothing: refused, not ignored in silence."""
+    if args.drafter is not None or args.random_init is not None:
+        return
+    given = drafter_settings(args)
+    if given:
+        flag_value, what = given[0]
+        raise UserError(f"{flag_value}: {what}; without a --drafter the decoding is autoregressive, so it would "
+                        f"change nothing (give a --drafter, or drop the flag)")
+    filters = [name for name in ("top_k", "top_p", "min_p") if getattr(s, name) is not None]
+    if s.temperature == 0 and filters:  # greedy: the most likely token, whatever a filter keeps
+        raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, and --temperature 0 "
+                        f"decodes greedily (the most likely token, filtered or not), so it would change nothing")
+
+
 def check_command_line(args):
     """speculate.py's flags alone, before anything is loaded or downloaded; returns the settings."""
     import kernels
@@ -374,6 +414,7 @@ def check_command_line(args):
     check_machine(args.machine, s.compile)
     check_ranges(args, log_every="[1, inf)")
     runlog.check(args)
+    check_no_drafter(args, s)
     p = args.prompts
     r = args.rendering
     text = []

@@ -237,13 +237,24 @@ class Report:
             raise
         finally:
             d.watch.close()
-        d.close(interrupted is not None)
+        try:
+            d.close(interrupted is not None)
+        except Interrupted as e:  # a signal while the outputs were published: they are whole, then it acts
+            self.kept(e, d)
+            raise
         if self.log is not None:
             runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done, self.prompts,
                               self.models.tokenizer, {"trace": d.trace_path, "outputs": d.out_path})
         if interrupted is not None:
+            self.kept(interrupted, d)
             raise interrupted
         print(figures_line(name, d.summary, d.counts, engine))
+
+    def kept(self, e: Interrupted, d: Decoding):
+        """Tell the interruption which files this decode kept (closed whole): cli_main's last line names them."""
+        e.written = [p for p in (d.trace_path, d.out_path) if p]
+        if not self.args.output_file:
+            e.hint = "--output-file FILE keeps finished requests"
 
     def speed_up(self, baseline: Decoding, speculative: Decoding):
         """The demo's last line: speculative against autoregressive tokens/s."""

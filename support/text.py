@@ -336,13 +336,17 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, sy
     return tokenizer.encode(text)
 
 
+RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
+                 '{"messages": [{"role": str, "content": str}, ...]}')  # a prompts file's records, as errors name them
+
+
 def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
     if not os.path.isfile(prompts_file):
         raise UserError(f"{prompts_file}: " + ("not a regular file (a pipe or a device): give a file"
                                                if os.path.exists(prompts_file) else "prompts file not found"))
     out = []
-    for where, row in read_jsonl(prompts_file):
+    for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
         setting = sorted(set(row) & set(RECORD_SETTINGS)) if isinstance(row, dict) else []
         if setting:
             raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
@@ -359,8 +363,7 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
         elif kind == "messages":
             v = read_messages(v, where)
         elif not (kind == "prompt" and isinstance(v, str) or kind == "prompt_ids" and isinstance(v, list)):
-            raise UserError(f"{where}: expected {{\"prompt\": str}}, {{\"prompt_ids\": [int]}}, {{\"turns\": [str]}} "
-                            f"or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
+            raise UserError(f"{where}: expected {RECORD_SHAPES}")
         out.append((where, v))
     if not out:
         raise UserError(f"{prompts_file}: no prompts")

@@ -277,3 +277,90 @@ def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, ca
     lines = err.splitlines()
     assert rc == 2 and lines[-1] == "error: stopped at loading", err
     assert lines[0].startswith("loading the models; compiling the round next") and "cached in" in lines[0], err
+
+
+def test_a_drafter_without_its_target_says_it_needs_the_target(capsys):
+    """--drafter alone (no --target): the line says the drafter needs the target it was trained for, not
+    only that no target directory was given."""
+    drafter = REPO_ROOT / "demo" / "drafter"
+    rc, _, err = run_cli(["--drafter", drafter, "--prompt-ids", "1,2"], capsys)
+    assert rc == 2 and err == f"error: --drafter {drafter}: needs --target, the target it was trained for\n", err
+
+
+def test_integral_range_bounds_print_as_integers():
+    """A range's integral bounds print in full (10485760, not 1.04858e+07); others as they were."""
+    from types import SimpleNamespace
+
+    from support import flags
+    from support.cli import UserError, check_ranges
+
+    with pytest.raises(UserError) as e:
+        flags.check_settings(speculate.Settings(max_new_tokens=0), "cpu")
+    assert str(e.value) == "--max-new-tokens: invalid value 0 (valid: 1 to 10485760)"
+    for spec, value, valid in (("[0, 4611686018427387904]", -1, "0 to 4611686018427387904"),
+                               ("(0, 0.5]", 0.75, "> 0 and <= 0.5"), ("[0.0001, 10000]", 0.0, "0.0001 to 10000"),
+                               ("[1, inf)", 0, ">= 1"), ("(-inf, 2.5e+07)", 3e7, "< 25000000")):
+        with pytest.raises(UserError) as e:
+            check_ranges(SimpleNamespace(x=value), x=spec)
+        assert str(e.value) == f"--x: invalid value {value!r} (valid: {valid})", spec
+
+
+NO_EFFECT = "without a --drafter the decoding is autoregressive, so it would change nothing"
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--confidence-threshold", 0.5], f"--confidence-threshold 0.5: thresholds a drafter's confidences; {NO_EFFECT}"),
+    (["--scheduler", "hardware"], f"--scheduler hardware: chooses how many of a drafter's drafts a round verifies; "
+                                  f"{NO_EFFECT}"),
+    (["--scheduler", "async"], f"--scheduler async: chooses how many of a drafter's drafts a round verifies; "
+                               f"{NO_EFFECT}"),
+    (["--scheduler", "hardware", "--sps-table", "SPS"], f"--sps-table SPS: sizes the rounds of a drafter's scheduler; "
+                                                         f"{NO_EFFECT}"),
+    (["--confidence-threshold", 0.5, "--verify-buckets", "4,8"],
+     f"--verify-buckets 4,8: pads the verification of a drafter's drafts; {NO_EFFECT}"),
+    (["--confidence-threshold", 0.5, "--calibration", "CAL"], f"--calibration CAL: calibrates a drafter's confidence "
+                                                              f"head; {NO_EFFECT}"),
+    (["--calibration", "CAL"], f"--calibration CAL: calibrates a drafter's confidence head; {NO_EFFECT}"),
+    (["--tree-budget", 4], f"--tree-budget 4: a tree is drafted by a --drafter; {NO_EFFECT}"),
+    (["--draft-length", 3], f"--draft-length 3: sets how many drafts an Eagle3 drafter proposes; {NO_EFFECT}"),
+    (["--tree-temperature", 1.0], f"--tree-temperature 1: ranks the branches of a drafter's tree; {NO_EFFECT}"),
+    (["--temperature", 0, "--top-k", 5], "--top-k 5: a sampling filter, and --temperature 0 decodes greedily"),
+    (["--temperature", 0, "--top-p", 0.9], "--top-p 0.9: a sampling filter, and --temperature 0 decodes greedily"),
+    (["--temperature", 0, "--min-p", 0.1], "--min-p 0.1: a sampling filter, and --temperature 0 decodes greedily"),
+])
+def test_a_setting_that_needs_a_drafter_is_refused_without_one(tiny_target, tmp_path, capsys, monkeypatch, flags,
+                                                                needle):
+    """Decode settings only a drafter reads (and a sampling filter at --temperature 0) would change nothing
+    without --drafter: refused with one line before anything loads, not ignored in silence."""
+    def loaded(*args, **kwargs):
+        pytest.fail("the models were loaded before the flags were refused")
+    monkeypatch.setattr(speculate, "load_models", loaded)
+    given = [str(tmp_path / "s.json") if f == "SPS" else str(tmp_path / "c.json") if f == "CAL" else f
+             for f in flags]
+    needle = needle.replace("SPS", str(tmp_path / "s.json")).replace("CAL", str(tmp_path / "c.json"))
+    rc, out, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2] + given,
+                           capsys)
+    _one_error_line(rc, out, err)
+    assert rc == 2 and err.startswith(f"error: {needle}"), err
+
+
+@pytest.mark.parametrize("extra", [["--drafter", "DRAFTER"], ["--random-init", "qwen3-8b"], []])
+def test_drafter_settings_pass_where_there_is_a_drafter(extra, tmp_path):
+    """The same settings are taken with a --drafter, with --random-init (it brings one) and in the demo
+    (which has one); without a drafter a sampling filter alone (T = 1), --scheduler none and the default
+    --tree-temperature are taken too."""
+    import tyro
+
+    from support import flags
+
+    extra = [str(REPO_ROOT / "demo" / "drafter") if x == "DRAFTER" else x for x in extra]
+    target = [] if extra[:1] != ["--drafter"] else ["--target", str(REPO_ROOT / "demo" / "target")]
+    for given in (["--confidence-threshold", "0.5"], ["--tree-budget", "4"], ["--tree-temperature", "1.0"],
+                  ["--temperature", "0", "--top-k", "5"]):
+        args = tyro.cli(flags.Args, args=target + extra + ["--prompt-ids", "1,2"] + given)
+        args, _, _ = flags.resolve_demo(args, str(REPO_ROOT / "demo"))
+        flags.check_command_line(args)
+    for given in (["--top-k", "5"], ["--scheduler", "none"], ["--tree-temperature", "0.3"], ["--temperature", "0"]):
+        args = tyro.cli(flags.Args, args=["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2"]
+                        + given)
+        flags.check_command_line(args)

@@ -415,3 +415,37 @@ def test_every_program_resolves_hub_ids(hub, repos, tmp_path, capsys, monkeypatc
     assert rc == 0, err
     assert f"--target org/tiny@{COMMIT_A}:" in err and json.loads((tmp_path / "r.json").read_text())["datasets"]
 
+
+
+@pytest.mark.parametrize("fail,needles", [
+    (LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened"),
+     ["not in the Hugging Face cache", "the hub cannot be reached", "Name or service not known"]),
+    (RepositoryNotFoundError("404 Repository Not Found", response=_response(404)),
+     ["no repository demo/targt on the Hugging Face hub"]),
+    (OSError(28, "No space left on device"), ["downloading from the Hugging Face hub failed", "No space left"]),
+    (None, ["not in the Hugging Face cache", "HF_HUB_OFFLINE"]),  # offline
+])
+def test_a_mistyped_path_that_reads_as_an_id_says_both(hub, tmp_path, monkeypatch, capsys, fail, needles):
+    """`--target demo/targt` (a typo for demo/target) is a path or a hub id: with neither there, the line says
+    both, naming the directory looked for (absolute) and keeping the hub's own reason."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo" / "target").mkdir(parents=True)
+    if fail is not None:
+        hub.online()
+        fake_hub(monkeypatch, {}, [], fail=fail)
+    rc, _, err = run(["--target", "demo/targt", "--prompt-ids", "1,2"], capsys)
+    line = one_error_line(rc, err, "--target demo/targt: no such local directory, and ", *needles)
+    assert line.endswith(f"; checked the local path {tmp_path / 'demo' / 'targt'}"), line
+
+
+@pytest.mark.parametrize("fail,needle", [
+    (GatedRepoError("403 gated", response=_response(403)), "gated"),
+    (RevisionNotFoundError("404 Revision Not Found", response=_response(404)), "no revision 'v7'"),
+])
+def test_an_id_the_hub_knows_is_not_said_to_be_a_path(hub, monkeypatch, capsys, fail, needle):
+    """The hub has the repository (gated, or without that revision): the id was meant, no directory is named."""
+    hub.online()
+    fake_hub(monkeypatch, {}, [], fail=fail)
+    rc, _, err = run(["--target", "org/tiny@v7", "--prompt-ids", "1,2"], capsys)
+    line = one_error_line(rc, err, "--target org/tiny@v7: ", needle)
+    assert "local" not in line, line

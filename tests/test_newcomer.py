@@ -163,6 +163,11 @@ print(json.dumps(done))
 '''
 
 
+# Imports each module named on its command line; prints {module: its file} as one JSON line.
+IMPORT_ALL = ("import importlib, json, sys; "
+              "print(json.dumps({m: importlib.import_module(m).__file__ for m in sys.argv[1:]}))")
+
+
 def test_a_newcomer_follows_the_readme(tmp_path):
     t_start = time.monotonic()
     steps = readme_steps((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
@@ -223,8 +228,9 @@ def test_a_newcomer_follows_the_readme(tmp_path):
             assert "VIRTUAL_ENV" in env, "the README installs the project before making the virtual environment"
             t0, n0 = time.monotonic(), len(timings)
             how = "[offline: --no-build-isolation --no-deps]"
+            python = str(Path(env["VIRTUAL_ENV"]) / "bin" / "python")  # the new environment's, named, not PATH's
             if sh(CAN_BUILD, "").returncode != 0:  # the venv's own setuptools (3.11 bundles 65.5) shadows the suite's
-                subprocess.run(["python", "-m", "pip", "uninstall", "-y", "-q", "setuptools"], cwd=repo, env=env,
+                subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", "setuptools"], cwd=repo, env=env,
                                capture_output=True, timeout=120)
             if sh(CAN_BUILD, "").returncode == 0:
                 p = sh(f"{cmd} --no-build-isolation --no-deps", "")
@@ -237,14 +243,26 @@ def test_a_newcomer_follows_the_readme(tmp_path):
             example = elsewhere / "api_example.py"
             example.write_text(api_example((repo / "README.md").read_text(encoding="utf-8")), encoding="utf-8")
             t0 = time.monotonic()
-            api_out = subprocess.run(["python", str(example)], cwd=elsewhere, env=env, capture_output=True, text=True,
+            api_out = subprocess.run([python, str(example)], cwd=elsewhere, env=env, capture_output=True, text=True,
                                      timeout=120)
             timings.append(("the README's Python API example, run from outside the checkout", time.monotonic() - t0))
             clean("the README's Python API example (run outside the checkout)", api_out)
             assert api_out.stdout.strip(), "the API example printed nothing"
-            where = subprocess.run(["python", "-c", "import speculate; print(speculate.__file__)"], cwd=elsewhere,
+            where = subprocess.run([python, "-c", "import speculate; print(speculate.__file__)"], cwd=elsewhere,
                                    env=env, capture_output=True, text=True, timeout=60)
             assert Path(where.stdout.strip()).resolve().parent == repo.resolve(), where.stdout + where.stderr
+            # Every module imports from outside the checkout: the programs and support/, each from the checkout.
+            modules = sorted(p.stem for p in repo.glob("*.py")) + sorted(
+                f"support.{p.stem}" for p in (repo / "support").glob("*.py") if p.stem != "__init__")
+            t0 = time.monotonic()
+            imported = subprocess.run([python, "-c", IMPORT_ALL, *modules], cwd=elsewhere, env=env,
+                                      capture_output=True, text=True, timeout=120)
+            timings.append((f"import every module ({len(modules)}) from outside the checkout", time.monotonic() - t0))
+            clean("importing every module from outside the checkout", imported)
+            files = json.loads(imported.stdout.splitlines()[-1])
+            assert sorted(files) == sorted(modules), imported.stdout
+            outside = {m: f for m, f in files.items() if not Path(f).resolve().is_relative_to(repo.resolve())}
+            assert not outside, f"imported from elsewhere than the checkout: {outside}"
             i += 1
         elif help_cmd.match(cmd):
             run = []
@@ -293,3 +311,21 @@ def test_a_newcomer_follows_the_readme(tmp_path):
                                  capture_output=True, text=True).stdout.split()
         assert sorted(ignored) == new, f"written by the README's steps, not in .gitignore: {set(new) - set(ignored)}"
     assert took < BUDGET_S, f"the README's steps took {took:.0f} s (budget {BUDGET_S} s)\n{report}"
+
+
+def test_pyproject_lists_every_module():
+    """`pip install -e .` installs what pyproject.toml names: every top-level module of the checkout in
+    py-modules (none named that is not there), and support/ in packages with its modules. Cheap, no install:
+    the walkthrough above imports them all from outside the checkout, where the install is run."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11's
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed, packages = set(config.get("py-modules", [])), set(config.get("packages", []))
+    here = {p.stem for p in REPO_ROOT.glob("*.py")}
+    assert not here - listed, f"pyproject.toml's py-modules lacks {sorted(here - listed)}: not installed"
+    assert not listed - here, f"pyproject.toml's py-modules names {sorted(listed - here)}, not in the checkout"
+    folders = {".".join(p.parent.relative_to(REPO_ROOT).parts) for p in (REPO_ROOT / "support").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert folders <= packages, f"pyproject.toml's packages lacks {sorted(folders - packages)}: not installed"
+    assert all((REPO_ROOT / f.replace(".", os.sep) / "__init__.py").is_file() for f in folders), folders

@@ -596,3 +596,55 @@ def test_a_new_kind_without_its_branch_is_not_run_as_none(monkeypatch):
     s = sched.Scheduler("mine", 4, 2)
     with pytest.raises(NotImplementedError):
         s(torch.full((2, 4), 0.9), torch.ones(2, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------------
+# Ties: a confidence equal to θ, an admission that leaves Θ unchanged, two capacities of equal worth
+
+@pytest.mark.parametrize("theta", [0.5, 0.75, 1.0])
+def test_a_confidence_equal_to_the_threshold_keeps_its_draft(theta):
+    """docs/trace-format.md: drafts are verified up to the first confidence below θ, so c = θ keeps a draft
+    (θ = 1.0 too: a float32 sigmoid saturates to exactly 1.0) and the next float32 below θ cuts there."""
+    at = torch.tensor(theta, dtype=torch.float32)
+    if theta == 1.0:
+        at = torch.sigmoid(torch.tensor(40.0))  # a confident head's logit
+        assert at.item() == 1.0
+    below = torch.nextafter(at, torch.tensor(0.0))
+    c = torch.stack([at, at, below, at]).repeat(3, 1)
+    c[1, 0] = below
+    c[2] = at
+    assert sched.threshold_schedule(c, theta).tolist() == [2, 0, 4]
+
+
+def test_algorithm_1_does_not_admit_a_candidate_that_leaves_the_objective_unchanged():
+    """The paper's rule admits while Θ improves: an admission giving exactly the same Θ stops it (sums and
+    products exact in binary, so the ties are true ties)."""
+    # R = 1, c = [0.5, 1.0] (a = 0.5, 0.5); SPS(1, 2, 3) = 1, 1, 0.75: Θ = 1, then 1.5 (admitted), then
+    # 2 x 0.75 = 1.5, no better: not admitted.
+    c = [[0.5, 1.0]]
+    sps = {1: 1.0, 2: 1.0, 3: 0.75}.get
+    assert theta_of(c, [True], [2], sps) == theta_of(c, [True], [1], sps) == 1.5
+    assert vectorised(c, [True], sps) == algorithm1_literal(c, [True], sps) == [1]
+    # SPS(1, 2, 3) = 1.5, 1, 4: the first admission ties Θ_0 (1.5 x 1 = 1 x 1.5): nothing is admitted, and
+    # the search stops there although admitting both would pay (2 x 4 = 8).
+    sps = {1: 1.5, 2: 1.0, 3: 4.0}.get
+    assert theta_of(c, [True], [1], sps) == theta_of(c, [True], [0], sps) == 1.5
+    assert vectorised(c, [True], sps) == algorithm1_literal(c, [True], sps) == [0]
+    # Two rows, c = [1, 0] and [0.5, 0]: the tie at the second row's first draft (3 x 0.875 = 3.5 x 0.75),
+    # so row 0 keeps its draft and row 1 gets none.
+    c = [[1.0, 0.0], [0.5, 0.0]]
+    sps = {1: 1.0, 2: 1.0, 3: 0.875, 4: 0.75, 5: 0.1, 6: 0.1}.get
+    assert theta_of(c, [True, True], [1, 1], sps) == theta_of(c, [True, True], [1, 0], sps) == 2.625
+    assert vectorised(c, [True, True], sps) == algorithm1_literal(c, [True, True], sps) == [1, 0]
+
+
+def test_capacity_search_returns_the_smallest_capacity_at_a_tie():
+    """Its docstring's promise: of the capacities that maximise (R + the C best survivals) x SPS(R + C), the
+    smallest, whether the tie is with the next capacity or one further on (exact binary sums)."""
+    c = [[0.5, 1.0]]  # R = 1, survivals 0.5, 0.5
+    for sps, want in (([1.0, 1.0, 1.0, 0.75], 1),  # C = 1: 1.5 x 1; C = 2: 2 x 0.75
+                      ([1.0, 1.5, 0.5, 0.75], 0),  # C = 0: 1 x 1.5 ties C = 2, C = 1 worse between them
+                      ([1.0, 1.5, 1.0, 0.5], 0)):  # C = 0 ties C = 1
+        worth = [(1 + sum([0.5, 0.5][:C])) * sps[1 + C] for C in range(3)]
+        assert min(C for C in range(3) if worth[C] == max(worth)) == want and worth.count(max(worth)) == 2
+        assert sched.capacity_search(c, 1, sps, 2) == want, sps

@@ -178,3 +178,35 @@ def test_interrupted_is_not_an_error_of_the_code_it_lands_in(tmp_path, monkeypat
     monkeypatch.setattr(tokenizers, "Tokenizer", Landing)
     with pytest.raises(Interrupted):
         text.Tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("files", [[], ["--output-file"], ["--trace-file", "--output-file"]])
+def test_the_interruption_line_says_what_was_written(pair, tmp_path, monkeypatch, capsys, files):
+    """Ctrl-C's line names the files the run kept, or says that nothing was written and how to keep the
+    finished requests (it said "what was finished is kept" with no file written)."""
+    import speculate
+    from support.cli import Interrupted
+    from support.report import Decoding
+
+    d, target, drafter = pair
+    real = Decoding.on_finish
+
+    def finish_then_interrupt(self, c):
+        real(self, c)
+        raise Interrupted(signal.SIGINT)  # as cli_main's handler raises it, after the first request ends
+
+    monkeypatch.setattr(Decoding, "on_finish", finish_then_interrupt)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [1 + i, 2, 3]}) + "\n" for i in range(3)))
+    paths = {"--trace-file": str(tmp_path / "t.jsonl"), "--output-file": str(tmp_path / "o.jsonl")}
+    given = [a for f in files for a in (f, paths[f])]
+    rc = speculate.main(["--target", target, "--drafter", drafter, "--prompts-file", str(prompts),
+                         "--max-new-tokens", "8"] + given)
+    err = capsys.readouterr().err
+    assert rc == 130, err
+    kept = (f"what was written: {', '.join(paths[f] for f in files)}" if files else
+            "nothing was written (--output-file FILE keeps finished requests)")
+    assert err.splitlines()[-1] == f"interrupted by SIGINT: stopped; {kept}", err
+    assert sorted(os.listdir(tmp_path)) == sorted(["p.jsonl"] + [os.path.basename(paths[f]) for f in files])
+    if files:
+        assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 1

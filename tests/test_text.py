@@ -166,3 +166,46 @@ def test_a_template_without_a_thinking_switch_refuses_enable_thinking(target_fac
     rc = speculate.main(["--target", str(t), "--prompt", "hello", "--enable-thinking", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "chat_template.jinja" in err and "enable_thinking" in err, err
+
+
+SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
+          '{"messages": [{"role": str, "content": str}, ...]}')
+
+
+@pytest.mark.parametrize("content,where,plain", [
+    ("def f(x):\n    return x\n", "p.txt:1", True),  # plain text: a prompt per line, or a source file
+    ("\n  hello world\n", "p.txt:2", True),  # the first non-blank line is the one that counts
+    ('{"prompt": "a"}\n{"prompt": "b",}\n', "p.txt:2", False),  # JSON lines with one bad line
+    ('{\n  "prompt": "a"\n}\n', "p.txt:1", False),  # one record spread over lines
+])
+def test_a_prompts_file_that_is_not_json_lines_names_the_accepted_records(tmp_path, capsys, content, where, plain):
+    """A malformed line's error names the records a prompts file may hold and, when the file looks like
+    plain text (its first line opens no JSON object or array), says so and asks for one JSON object a line."""
+    from support.cli import UserError
+
+    capsys.readouterr()
+    path = tmp_path / "p.txt"
+    path.write_text(content)
+    with pytest.raises(UserError) as e:
+        text.read_prompts(str(path))
+    line = str(e.value)
+    assert line.startswith(f"{tmp_path / where}: malformed JSON (") and line.endswith(SHAPES) and "\n" not in line
+    said = "the file looks like plain text, not JSON lines: write one JSON object per line, each one of "
+    assert (said in line) == plain and ("each line is one whole JSON record, one of " in line) != plain, line
+    from conftest import REPO_ROOT
+
+    target = str(REPO_ROOT / "demo" / "target")
+    rc = speculate.main(["--target", target, "--prompts-file", str(path), "--max-new-tokens", "2"])
+    assert rc == 2 and capsys.readouterr().err == f"error: {line}\n"
+
+
+def test_other_json_lines_readers_keep_the_bare_error(tmp_path):
+    """read_jsonl's other callers (training data, regenerate.py) get the error they had: no prompt shapes."""
+    from support.cli import UserError
+    from support.files import read_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("plain text\n")
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(str(path)))
+    assert str(e.value) == f"{path}:1: malformed JSON (Expecting value: line 1 column 1 (char 0))"

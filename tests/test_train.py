@@ -650,7 +650,7 @@ def demo_command() -> str:
 def test_demo_scale_training_command_runs(tmp_path):
     """The documented demo-scale command, at 2 steps into a temporary --out: a drafter for demo/target that
     the loader reads and that decodes losslessly (greedy speculative == the target alone)."""
-    cmd = demo_command()
+    cmd = demo_command().replace("python ", f'"{sys.executable}" ')  # the suite's interpreter, not PATH's python
     assert "--steps 120" in cmd and "--out /tmp/demo-drafter" in cmd, cmd
     out = tmp_path / "demo-drafter"
     cmd = cmd.replace("--steps 120", "--steps 2").replace("--out /tmp/demo-drafter", f"--out {out}")
