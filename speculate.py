@@ -13,6 +13,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, fields, replace
 from types import FunctionType
 from typing import NamedTuple, Optional
@@ -631,8 +632,11 @@ class Engine:
         sizes = [None]
         if self.ragged:
             sizes = s.buckets or [s.profile_points[-1]]
-        for n in sizes:
-            self.dummy_round(n)
+        with warnings.catch_warnings():
+            # Inductor's autotuner calls the deprecated tensor.storage(): torch's own, not the user's
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            for n in sizes:
+                self.dummy_round(n)
         self.compile_seconds += time.perf_counter() - t0
         self.warmed = True
 
@@ -707,7 +711,8 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *, ma
     if s.compile:
         engine.warmup()
         if verbose:
-            print(f"compiled the round in {engine.compile_seconds:.1f} s", file=sys.stderr)
+            what = "autoregressive" if drafter is None else "speculative"
+            print(f"compiled the {what} round in {engine.compile_seconds:.1f} s", file=sys.stderr)
     if kind in sched.SPS_KINDS:
         engine.scheduler.set_sps(sched.load_or_profile(engine, s.sps_table, verbose=verbose))
     return engine
