@@ -19,6 +19,7 @@ from model import (
     RMSNorm,
     Rope,
     Transformer,
+    attend,
     attended_length,
     cache_bias,
     fold_gqa,
@@ -261,6 +262,25 @@ class Eagle3Layer(DecoderLayer):
         residual = h
         x = self.post_attention_layernorm(h)
         return residual + self.mlp(x)
+
+    def unrolled(self, h, embedded, rope, mask, past=None):
+        """Training's cache-free pass (DeepSpec's training-time test): h [B, T, H] and the embedded
+        next tokens, attending to `past` (the earlier passes' K, V [B, S, kv_heads, hd]) and then
+        their own K/V under mask [B, T, S + T] -> (the new h, un-normed; the K, V so far)."""
+        a = self.self_attn
+        B, T, _ = h.shape
+        x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        q, kv = a.project(x)
+        q = q.view(B, T, a.n_heads, a.head_dim)
+        q = rope(a.q_norm(q))
+        k, v = a.kv(x, rope, kv)
+        if past is not None:  # the earlier passes' keys first, as `mask` orders them
+            k = torch.cat([past[0], k], dim=1)
+            v = torch.cat([past[1], v], dim=1)
+        h = h + a.o_proj(attend(q, k, v, mask))
+        residual = h
+        x = self.post_attention_layernorm(h)
+        return residual + self.mlp(x), (k, v)
 
 
 class Eagle3Drafter(nn.Module):

@@ -1,11 +1,14 @@
-"""Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training").
+"""Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training"), or train the
+paper's Eagle3 baseline as DeepSpec does (docs/training.md, "Eagle3").
 
     python train.py --target DIR --data FILE_OR_DIR --out DIR [--steps N --block-size 7 --depth 5 ...]
+    python train.py --drafter-kind eagle3 --target DIR --data FILE_OR_DIR --out DIR [--ttt-length 7 ...]
     torchrun --nproc_per_node 8 train.py ... --batch-size 1 --grad-accum 64   # global batch 512
 
 The target runs once a batch, no grad, for the features and, where a slot is supervised, its logits;
-the drafter runs all of a row's blocks at once. Each loss term is normalised by the step's global batch,
-so any split over processes gives the same step. The demo target's drafter, at demo scale (CPU, 35 s on a quiet 2-core machine):
+the drafter runs all of a row's blocks at once (Eagle3: every position of a row, one unrolled step after
+another). Each loss term is normalised by the step's global batch, so any split over processes gives the
+same step. The demo target's drafter, at demo scale (CPU, about a minute on 2 cores):
 
     python train.py --target demo/target --data "$(python -c 'import logging; print(logging.__path__[0])')" \
         --out /tmp/demo-drafter --steps 120 --seq-len 128 --batch-size 8 --anchors-per-seq 32 --block-size 4 \
@@ -24,7 +27,7 @@ from typing import ClassVar, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from drafter import Drafter, DrafterConfig
+from drafter import Drafter, DrafterConfig, Eagle3Drafter
 from model import ModelArgs, Rope, Transformer, rope_table
 from support import data, runlog
 from support.checkpoint import (
@@ -58,38 +61,46 @@ from support.trainer import (
 
 @dataclass
 class Args(TrainArgs):
-    """Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training")."""
+    """Distil a DSpark / DFlash drafter from a frozen target (docs/algorithm.md, "Training"), or train an
+    Eagle3 drafter as DeepSpec does (--drafter-kind eagle3; docs/training.md, "Eagle3")."""
 
     target: Optional[str] = None
     """The frozen target: a Hugging Face Qwen3 directory, or a hub id ORG/NAME[@REVISION]."""
+    drafter_kind: Literal["dspark", "eagle3"] = "dspark"
+    """dspark: a DSpark / DFlash block drafter, distilled; eagle3: the paper's autoregressive baseline, one
+    layer trained with DeepSpec's training-time-test loss (the DSpark-only flags then do not apply)."""
+    ttt_length: int = 7
+    """Eagle3: steps unrolled in training (training-time test), saved as the drafts a round proposes."""
+    step_loss_decay: float = 0.8
+    """Eagle3: step j's loss weighs step_loss_decay^j."""
     block_size: int = 7
-    """K: slots per block = drafts per round (DSpark "shift label" layout)."""
+    """DSpark: K, slots per block = drafts per round (DSpark "shift label" layout)."""
     depth: int = 5
-    """Drafter decoder layers."""
+    """DSpark: drafter decoder layers (Eagle3 has one)."""
     target_layer_ids: Optional[str] = None
     """Comma-separated target layers of the context feature (default: DeepSpec's, 1,9,17,25,33 at 36)."""
     mask_token_id: Optional[int] = None
-    """Fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's)."""
+    """DSpark: fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's)."""
     markov: Literal["vanilla", "gated", "rnn", "none"] = "vanilla"
-    """Markov head; none = no sequential stage (with --no-confidence: a DFlash-style drafter)."""
+    """DSpark: Markov head; none = no sequential stage (with --no-confidence: a DFlash-style drafter)."""
     markov_rank: int = 256
-    """r of the Markov head (W1: [V, r], W2: r -> V)."""
+    """DSpark: r of the Markov head (W1: [V, r], W2: r -> V)."""
     confidence: bool = True
-    """Train a confidence head."""
+    """DSpark: train a confidence head."""
     confidence_with_markov: bool = True
-    """The confidence head also reads W1[x_{k-1}] (needs a Markov head)."""
+    """DSpark: the confidence head also reads W1[x_{k-1}] (needs a Markov head)."""
     anchors_per_seq: int = 512
-    """Blocks per sequence (DeepSpec: 512), at most --seq-len - 1 (chat data: anchors in a response)."""
+    """DSpark: blocks per sequence (DeepSpec: 512), at most --seq-len - 1 (chat data: anchors in a response)."""
     pack: bool = True
     """Chat data: pack conversations into rows (best fit); --no-pack: one a row, as DeepSpec trains."""
     gamma: float = 4.0
-    """Slot weights exp(-j/gamma), j = 0..K-1."""
+    """DSpark: slot weights exp(-j/gamma), j = 0..K-1."""
     alpha_ce: float = 0.1
-    """Weight of the cross-entropy on the labels."""
+    """DSpark: weight of the cross-entropy on the labels."""
     alpha_tv: float = 0.9
-    """Weight of ‖p_draft − p_target‖_1."""
+    """DSpark: weight of ‖p_draft − p_target‖_1."""
     alpha_conf: float = 1.0
-    """Weight of the confidence BCE against 1 − ½‖p_draft − p_target‖_1."""
+    """DSpark: weight of the confidence BCE against 1 − ½‖p_draft − p_target‖_1."""
     eval_every: int = 0
     """Every this many steps checkpoint and run eval.py on it (T = 1; --out/eval_step<N>.json); 0: never."""
     eval_datasets: str = "mt-bench,gsm8k"
@@ -101,9 +112,10 @@ class Args(TrainArgs):
     eval_max_new_tokens: int = 256
     """Token budget per prompt of --eval-every."""
 
-    resume_keys: ClassVar[tuple[str, ...]] = TrainArgs.resume_keys + (
+    resume_keys: ClassVar[tuple[str, ...]] = ("drafter_kind",) + TrainArgs.resume_keys + (
         "block_size", "depth", "target_layer_ids", "mask_token_id", "markov", "markov_rank", "confidence",
-        "confidence_with_markov", "anchors_per_seq", "pack", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
+        "confidence_with_markov", "anchors_per_seq", "pack", "gamma", "alpha_ce", "alpha_tv", "alpha_conf",
+        "ttt_length", "step_loss_decay")
     kind: ClassVar[str] = "drafter"
 
 
@@ -215,6 +227,108 @@ def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     return float(G * (causal_flops(t, T) + 2 * N * K * H * V + 3 * (context + blocks)))
 
 
+# Eagle3: DeepSpec's training-time test (compute_eagle3_loss), every position of a row at once, step by step
+
+def ttt_mask(T: int, steps: int, doc=None, device=None) -> torch.Tensor:
+    """[B or 1, T, steps·T], True = may attend; step j reads the first (j+1)·T keys: query i sees step 0's
+    keys 0..i (in its document, with `doc`) and its own index i in steps 1..j."""
+    if doc is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]
+    else:
+        causal = data.document_mask(doc)
+    own = torch.eye(T, dtype=torch.bool, device=device).expand_as(causal)
+    return torch.cat([causal] + [own] * (steps - 1), dim=-1)
+
+
+def ttt_positions(loss_mask, doc, B: int, T: int, steps: int, device=None) -> torch.Tensor:
+    """[steps, B, T] bool, step j's supervised indices: pm_0 = the loss mask with each row's (document's)
+    last position off (no next token to learn there); pm_j[i] = pm_0[i + j] (off past the end), and i + j
+    in i's document."""
+    pm = torch.ones(B, T, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.bool()
+    last = torch.ones(B, T, dtype=torch.bool, device=device)  # the row's last position
+    if doc is not None:  # and each document's
+        last[:, :-1] = doc[:, 1:] != doc[:, :-1]
+    else:
+        last[:, :-1] = False
+    pm = pm & ~last
+    out = torch.zeros(steps, B, T, dtype=torch.bool, device=device)
+    for j in range(steps):
+        out[j, :, :T - j] = pm[:, j:]
+        if doc is not None:
+            out[j, :, :T - j] &= doc[:, :T - j] == doc[:, j:]
+    return out
+
+
+def ttt_forward(drafter: Eagle3Drafter, features, tokens, steps: int, doc=None) -> list[torch.Tensor]:
+    """DeepSpec's training-time test, cache-free: step j = 0..steps-1 reads, at index i, the token x_{i+j+1}
+    and h: fc(features_i) at step 0, step j-1's un-normed output after; RoPE at i + j; the keys of every
+    step so far (`ttt_mask`). Its output at i (normed, lm_head) drafts x_{i+j+2}, as the decode chain from
+    committed position i does at its draft j+1. Returns each step's h [B, T, H], un-normed."""
+    a = drafter.cfg.layers
+    (B, T), dev = tokens.shape, tokens.device
+    mask = ttt_mask(T, steps, doc, dev)
+    ahead = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)  # x_{i+1}; 0 past the end
+    table = rope_table(a.head_dim, a.rope_theta, T + steps, dev)
+    layer = drafter.layers[0]
+    h, past, out = drafter.fc(features), None, []
+    for j in range(steps):
+        rope = Rope.at(table[j:j + T][None].expand(B, T, 2, a.head_dim), drafter.fc.weight.dtype)
+        embedded = drafter.target.embed_tokens(ahead[:, j:j + T])
+        h, past = layer.unrolled(h, embedded, rope, mask[:, :, :(j + 1) * T], past)
+        out.append(h)
+    return out
+
+
+def ttt_loss(drafter: Eagle3Drafter, features, target_logits, tokens, steps: int, decay: float, loss_mask=None,
+             doc=None, den=None):
+    """DeepSpec's Eagle3 loss (compute_eagle3_loss): step j's soft cross-entropy against the target's softmax
+    at i+1+j (its distribution of x_{i+j+2}) where `ttt_positions` says, summed and divided by `den` (default
+    B·T, the padded batch), weighted decay^j. Returns (loss, stats): stats holds each step's loss and (no
+    grad) its supervised indices `valid`, its hits of the target's argmax `correct` and its acceptance
+    probabilities 1 − ½‖p_draft − p_target‖₁ `accept`."""
+    (B, T), V = tokens.shape, target_logits.shape[-1]
+    den = B * T if den is None else den
+    with torch.no_grad():  # index i: the target's distribution at i + 1; uniform past the end (never supervised)
+        p_t = torch.softmax(target_logits.float(), dim=-1)
+        p_t = torch.cat([p_t[:, 1:], p_t.new_full((B, steps + 1, V), 1.0 / V)], dim=1)
+        best = p_t.argmax(-1)
+        valid = ttt_positions(loss_mask, doc, B, T, steps, tokens.device)
+    loss, stats = 0.0, {"step": [], "valid": valid, "correct": [], "accept": []}
+    for j, h in enumerate(ttt_forward(drafter, features, tokens, steps, doc)):
+        logp = torch.log_softmax(drafter.logits(h).float(), dim=-1)
+        p_j = p_t[:, j:j + T]
+        ce = -(p_j * logp).sum(-1)  # [B, T]
+        step = torch.where(valid[j], ce, torch.zeros_like(ce)).sum() / den
+        loss = loss + decay ** j * step
+        stats["step"].append(step)
+        with torch.no_grad():
+            stats["correct"].append((logp.argmax(-1) == best[:, j:j + T]) & valid[j])
+            accept = (1 - 0.5 * (logp.exp() - p_j).abs().sum(-1)).clamp(0, 1)
+            stats["accept"].append(accept * valid[j])
+    return loss, stats
+
+
+def eagle3_loss(drafter: Eagle3Drafter, target: Transformer, tokens, args: Args, *, loss_mask=None, doc=None,
+                den=None):
+    """One batch -> (loss, stats): the target's features and logits online (no grad), then `ttt_loss`."""
+    with torch.no_grad():
+        mask = data.document_mask(doc) if doc is not None else None
+        hidden_t, features = target.hidden(tokens, capture=drafter.cfg.target_layer_ids, mask=mask)
+        target_logits = target.lm_head(hidden_t)
+    return ttt_loss(drafter, features, target_logits, tokens, args.ttt_length, args.step_loss_decay, loss_mask,
+                    doc, den)
+
+
+def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
+    """Matmul FLOPs of an Eagle3 step: the target's forward and lm_head at every position, and 3x the
+    drafter's: fc once, then each step's layer (2H wide q/k/v), lm_head and masked attention over (j+1)·T keys."""
+    H, V, I, S = t.hidden_size, t.vocab_size, t.intermediate_size, d.num_slots
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I
+    steps = 2 * T * S * (layer + H * V) + 4 * T * T * q * S * (S + 1) // 2
+    return float(G * (causal_flops(t, T) + 2 * T * H * V + 3 * (2 * T * len(d.target_layer_ids) * H * H + steps)))
+
+
 # The drafter
 
 def default_layer_ids(L: int) -> tuple[int, ...]:
@@ -236,14 +350,25 @@ def default_mask_token_id(target_dir: str, V: int) -> int:
     return V - 1
 
 
+def layer_ids(args: Args, L: int, lowest: int = -1) -> tuple[int, ...]:
+    """--target-layer-ids, checked against the target's L layers (Eagle3: decoder layers only, lowest 0)."""
+    ids = (tuple(parse_ints(args.target_layer_ids, "--target-layer-ids")) if args.target_layer_ids
+           else default_layer_ids(L))
+    if list(ids) != sorted(set(ids)) or ids[0] < lowest or ids[-1] > L - 2:
+        first = "-1 (the embeddings)" if lowest == -1 else f"{lowest} (Eagle3 reads decoder layers' outputs)"
+        raise UserError(f"--target-layer-ids {args.target_layer_ids or ','.join(map(str, ids))}: strictly increasing "
+                        f"layer ids from {first} to {L - 2}, the target's last layer ({L - 1}) excluded")
+    return ids
+
+
 def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterConfig:
     """The flags' drafter, as the loader reads it back."""
     t, L = target.args, target.args.num_hidden_layers
-    ids = (tuple(parse_ints(args.target_layer_ids, "--target-layer-ids")) if args.target_layer_ids
-           else default_layer_ids(L))
-    if list(ids) != sorted(set(ids)) or ids[0] < -1 or ids[-1] > L - 2:
-        raise UserError(f"--target-layer-ids {args.target_layer_ids}: strictly increasing layer ids from -1 (the "
-                        f"embeddings) to {L - 2}, the target's last layer ({L - 1}) excluded")
+    if args.drafter_kind == "eagle3":  # one layer, the chain's length; no mask token, no heads
+        layers = replace(t, num_hidden_layers=1, eos_token_ids=(), tie_word_embeddings=False)
+        return DrafterConfig(layers, args.ttt_length, layer_ids(args, L, lowest=0), 0, "eagle3", None, 0, False,
+                             False, L)
+    ids = layer_ids(args, L)
     mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target_dir, t.vocab_size)
     if not 0 <= mask < t.vocab_size:
         raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{t.vocab_size - 1})")
@@ -257,9 +382,10 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
 
 
 def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
-    """A new drafter, randomly initialised."""
+    """A new drafter, randomly initialised (the target's embedding and lm_head shared, frozen)."""
+    cfg = drafter_config(args, target, target_dir)
     with torch.device(device):
-        drafter = Drafter(drafter_config(args, target, target_dir))
+        drafter = Eagle3Drafter(cfg) if cfg.layout == "eagle3" else Drafter(cfg)
     init_random_(drafter, args.seed, args.init_std)
     attach(drafter, target)
     return drafter
@@ -278,6 +404,24 @@ def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
     return out
 
 
+def eagle3_config_json(target_dir: str, cfg: DrafterConfig, step_loss_decay: float) -> dict:
+    """DeepSpec's Eagle3 config.json (build_draft_config): the target's, one layer, the Eagle3 keys."""
+    tcfg = read_json(os.path.join(target_dir, "config.json"))
+    out = {k: v for k, v in tcfg.items() if k not in ("architectures", "auto_map", "dtype", "torch_dtype")}
+    out.update(architectures=["Qwen3Eagle3Model"], num_target_layers=tcfg["num_hidden_layers"], num_hidden_layers=1,
+               draft_num_hidden_layers=1, layer_types=["full_attention"], tie_word_embeddings=False,
+               torch_dtype="float32", target_layer_ids=list(cfg.target_layer_ids), ttt_length=cfg.block_size,
+               step_loss_decay=step_loss_decay)
+    return out
+
+
+def drafter_json(args: Args, cfg: DrafterConfig) -> dict:
+    """The config.json the flags' drafter is saved with."""
+    if cfg.layout == "eagle3":
+        return eagle3_config_json(args.target, cfg, args.step_loss_decay)
+    return config_json(args.target, cfg, args.anchors_per_seq)
+
+
 def shared_weights(target_dir: str) -> dict:
     """The target's embedding and lm_head as its files hold them (equal to the target at any dtype)."""
     from safetensors import safe_open
@@ -292,11 +436,13 @@ def shared_weights(target_dir: str) -> dict:
     return found
 
 
-def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, step: Optional[int] = None):
-    """config.json + model.safetensors, DeepSpec's layout."""
+def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, step: Optional[int] = None,
+                 config: Optional[dict] = None):
+    """config.json (`config`, else DSpark's) + model.safetensors, DeepSpec's layout: separate q/k/v and
+    gate/up, and copies of the target's embedding and lm_head."""
     tensors = published({k: v.float() for k, v in drafter.state_dict().items()})
     save_tensors(os.path.join(out, "model.safetensors"), {**tensors, **shared_weights(target_dir)}, step=step)
-    write_json(os.path.join(out, "config.json"), config_json(target_dir, drafter.cfg, num_anchors))
+    write_json(os.path.join(out, "config.json"), config or config_json(target_dir, drafter.cfg, num_anchors))
 
 
 def resumed_drafter(directory: str, cfg: DrafterConfig, target: Transformer, device) -> Drafter:
@@ -341,6 +487,47 @@ class DraftStep(torch.nn.Module):
         return loss, sums
 
 
+class Eagle3Step(torch.nn.Module):
+    """DraftStep's Eagle3 twin: a micro-batch's share of the step loss (`den` = the global B·T) and sums."""
+
+    def __init__(self, drafter: Eagle3Drafter, target: Transformer, args: Args):
+        super().__init__()
+        self.model, self._target, self.args = drafter, [target], args
+        self.core = torch.compile(eagle3_loss, dynamic=False) if args.compile else eagle3_loss
+
+    def forward(self, tokens, loss_mask, doc, den):
+        loss, stats = self.core(self.model, self._target[0], tokens, self.args, loss_mask=loss_mask, doc=doc, den=den)
+        return loss, eagle3_sums(loss, stats)
+
+
+@torch.no_grad()
+def eagle3_sums(loss, stats: dict) -> torch.Tensor:
+    """`ttt_loss`'s figures as sums over the batch, which add up across micro-batches and processes and
+    `summarize_eagle3` turns into metrics."""
+    valid = stats["valid"].float()  # [S, B, T]
+    correct = torch.stack(stats["correct"]).float()
+    accept = torch.stack(stats["accept"]).float()
+    start = valid[0]  # a chain starts where step 0 is supervised, as DeepSpec's τ counts them
+    tau_greedy = ((correct.cumprod(0).sum(0) + 1) * start).sum()
+    tau = ((accept.cumprod(0).sum(0) + 1) * start).sum()
+    head = torch.stack([loss.detach().float(), tau, tau_greedy, start.sum()])
+    steps = torch.stack(stats["step"]).detach().float()
+    return torch.cat([head, steps, correct.sum((1, 2)), accept.sum((1, 2)), valid.sum((1, 2))])
+
+
+def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
+    """The loss and each step's (loss@j, before its decay^j weight), top-1 agreement with the target's argmax
+    (acc@j) and acceptance probability at temperature 1 (accept@j); τ = 1 + Σ_k Π_{j≤k} accept@j per chain
+    (tau, as DSpark's) and its greedy twin over the hits (tau_greedy), DeepSpec's train metrics."""
+    s = sums.tolist()
+    n = max(s[3], 1)
+    out = {"loss": s[0], "tau": s[1] / n, "tau_greedy": s[2] / n}
+    out.update({f"loss@{j}": s[4 + j] for j in range(S)})
+    out.update({f"acc@{j}": s[4 + S + j] / max(s[4 + 3 * S + j], 1) for j in range(S)})
+    out.update({f"accept@{j}": s[4 + 2 * S + j] / max(s[4 + 3 * S + j], 1) for j in range(S)})
+    return out
+
+
 def summarize(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
     """Loss terms, acceptance per slot, DeepSpec's expected τ (1 + Σ_k Π_{i≤k} c*_i a block)."""
     s = sums.tolist()
@@ -363,6 +550,8 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         drafter = resumed_drafter(where, drafter_config(args, target, args.target), target, device)
     else:
         drafter = build_drafter(args, target, args.target, device)
+    if drafter.cfg.layout == "eagle3":
+        return train_eagle3(args, drafter, target, corpus, identity, Run(rank, world, device, log), dtype)
     T, K, G = args.seq_len, drafter.cfg.num_slots, args.batch_size * args.grad_accum * world
     N, trained = min(args.anchors_per_seq, T - 1), sum(p.numel() for p in drafter.parameters())
     flops = step_flops(target.args, drafter.cfg, G, T, N)
@@ -396,6 +585,40 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
                     dtype, len(corpus), flops, evaluate, banner)
 
 
+def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus, identity: dict,
+                 run: Run, dtype) -> dict:
+    """train_drafter's Eagle3 loop: every position of each row is a chain start, no anchors to draw."""
+    T, S, G = args.seq_len, drafter.cfg.num_slots, args.batch_size * args.grad_accum * run.world
+    trained = sum(p.numel() for p in drafter.parameters())
+    flops = eagle3_flops(target.args, drafter.cfg, G, T)
+    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of {T} tokens, "
+              f"{S} TTT steps, step weights {args.step_loss_decay}^j | global batch {G} = {args.batch_size} x "
+              f"{args.grad_accum} x {run.world} process(es)")
+    if run.wandb is not None:
+        run.wandb.config(world_size=run.world, global_batch=G, hardware=device_name(run.device),
+                         dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
+                         trained_parameters=trained, step_flops=flops,
+                         target_config=runlog.checkpoint_config(args.target),
+                         drafter_config=drafter_json(args, drafter.cfg), drafter_resolved=drafter.cfg.describe())
+    batches = data.Batches(len(corpus), G, args.seed)
+    mine = data.micro_slices(args.batch_size, args.grad_accum, run.rank)
+    den = torch.tensor(float(G * T))  # DeepSpec's B·T of the padded batch, over the global batch
+
+    def micro_batches(step):
+        tokens, mask, doc = corpus.rows(batches(step))
+        to = lambda t, sl: None if t is None else t[sl].to(run.device)  # noqa: E731
+        return [dict(tokens=to(tokens, sl), loss_mask=to(mask, sl), doc=to(doc, sl), den=den.to(run.device))
+                for sl in mine]
+
+    def save(directory, step, opt):
+        save_drafter(directory, drafter, args.target, 0, step=step, config=drafter_json(args, drafter.cfg))
+        save_state(directory, step, drafter, opt, args, len(corpus), run.world, identity)
+
+    evaluate = (lambda step: evaluate_checkpoint(args, step, run.device)) if args.eval_every else None
+    return optimize(args, Eagle3Step(drafter, target, args), micro_batches, lambda sums: summarize_eagle3(sums, S),
+                    save, run, dtype, len(corpus), flops, evaluate, banner)
+
+
 def check_eval_args(args: Args):
     check_ranges(args, eval_every="[0, inf)", eval_samples="[1, inf)", eval_max_new_tokens="[1, inf)")
     if args.eval_data_dir is not None and not args.eval_data_dir.strip():
@@ -409,9 +632,17 @@ def check_eval_args(args: Args):
             raise UserError(f"--eval-datasets: no {(missing or ['<name>'])[0]}.jsonl in {folder}")
 
 
+DSPARK_ONLY = ("block_size", "depth", "mask_token_id", "markov", "markov_rank", "confidence", "confidence_with_markov",
+               "anchors_per_seq", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
+EAGLE3_ONLY = ("ttt_length", "step_loss_decay")
+
+
 def check_unused_flags(args: Args):
     """A flag whose feature is off would train the same drafter."""
-    off = ((("markov_rank",), args.markov == "none", "--markov none"),
+    eagle3 = args.drafter_kind == "eagle3"
+    off = ((DSPARK_ONLY, eagle3, "--drafter-kind eagle3 (a DSpark drafter's flag)"),
+           (EAGLE3_ONLY, not eagle3, "--drafter-kind dspark (an Eagle3 drafter's flag)"),
+           (("markov_rank",), args.markov == "none", "--markov none"),
            (("alpha_conf",), not args.confidence, "--no-confidence"),
            (("min_lr_frac",), args.schedule == "constant", "--schedule constant"),
            (("eval_datasets", "eval_data_dir", "eval_samples", "eval_max_new_tokens"), not args.eval_every,
@@ -420,7 +651,10 @@ def check_unused_flags(args: Args):
     for names, is_off, why in off:
         given = [n for n in names if is_off and getattr(args, n) != default[n]]
         if given:
-            raise UserError(f"--{given[0].replace('_', '-')} {getattr(args, given[0])}: changes nothing with {why}")
+            value = getattr(args, given[0])
+            flag = f"--{'no-' if value is False else ''}{given[0].replace('_', '-')}"
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise UserError(f"{shown}: changes nothing with {why}")
 
 
 def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
@@ -449,7 +683,7 @@ def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history."""
     check_train_args(args, block_size="[1, 256]", depth="[1, 1024]", markov_rank="[1, 65536]",
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]", alpha_tv="[0, 1e6]",
-                     alpha_conf="[0, 1e6]")
+                     alpha_conf="[0, 1e6]", ttt_length="[1, 256]", step_loss_decay="(0, 1e3]")
     check_eval_args(args)
     check_unused_flags(args)
     if args.target is None:

@@ -4,9 +4,10 @@
 #
 # usage: bash scripts/train_demo.sh --out DIR [--force]     (from anywhere; ~45 min on 2 CPU cores)
 #
-#   --out DIR    where the pair goes: DIR/target, DIR/drafter, DIR/heldout.txt, DIR/heldout.jsonl and
-#                DIR/corpus.json. A DIR that exists and is not empty is refused without --force, so
-#                the committed pair is replaced only when asked: --out demo --force.
+#   --out DIR    where the pair goes: DIR/target, DIR/drafter (DIR/eagle3 with DRAFTER_KIND=eagle3 or
+#                both), DIR/heldout.txt, DIR/heldout.jsonl and DIR/corpus.json. A DIR that exists and
+#                is not empty is refused without --force, so the committed pair is replaced only when
+#                asked: --out demo --force.
 #   --force      replace what DIR holds (its pair and held-out files; anything else in DIR stays).
 #   -h, --help   this text.
 #
@@ -14,7 +15,9 @@
 # steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4) and TARGET_HIDDEN (256)
 # the target's shape, BLOCK_SIZE (7) the drafter's block, THREADS the CPU threads (all cores);
 # DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the one DIR/corpus.json
-# records).
+# records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the
+# paper's Eagle3 baseline, trained the same way on the same data: train.py --drafter-kind eagle3, its
+# chain BLOCK_SIZE long) or both.
 #
 # Steps: 0. the corpus (scripts/demo_corpus.py): the standard library's top-level *.py files, every
 #           20th held out (never trained on), named in DIR/heldout.txt; DIR/corpus.json and one printed
@@ -24,7 +27,8 @@
 #        3. the drafter's data: the bf16 target's greedy continuations of SELFDATA_PROMPTS training-corpus
 #           prompts (scripts/demo_selfdata.py) — what the demo's greedy decoding will ask it to guess;
 #        4. a block-7, depth-1 DSpark drafter (vanilla Markov rank 64, confidence head) distilled
-#           from the bf16 target on that data; 5. the drafter rounded to bfloat16 too;
+#           from the bf16 target on that data (and/or an Eagle3 drafter: DeepSpec's TTT loss, 7 steps,
+#           the same target layers, data, batch, lr and steps); 5. the drafter rounded to bfloat16 too;
 #        6. the held-out prompts, DIR/heldout.jsonl (scripts/demo_prompts.py).
 # Everything is built in a temporary directory and moved into DIR at the end: a run that fails or
 # is stopped leaves DIR as it was (stopped while the pair moves in, DIR gets its old pair back).
@@ -49,6 +53,12 @@ for v in TARGET_STEPS DRAFTER_STEPS SELFDATA_PROMPTS TARGET_LAYERS TARGET_HIDDEN
     [[ "$val" =~ ^[1-9][0-9]{0,8}$ ]] || fail "$v=$val: not a positive integer"
 done
 [ "${DRAFTER_ONLY:-0}" = 0 ] || [ "${DRAFTER_ONLY:-0}" = 1 ] || fail "DRAFTER_ONLY=$DRAFTER_ONLY: 0 or 1"
+case "${DRAFTER_KIND:-dspark}" in
+    dspark) DRAFTERS=(drafter) ;;
+    eagle3) DRAFTERS=(eagle3) ;;
+    both) DRAFTERS=(drafter eagle3) ;;
+    *) fail "DRAFTER_KIND=$DRAFTER_KIND: dspark, eagle3 or both" ;;
+esac
 if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then fail "--out $OUT: exists and is not a directory"; fi
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ "$FORCE" != 1 ]; then
     fail "--out $OUT: exists and is not empty; add --force to replace its pair"
@@ -75,7 +85,7 @@ THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
 WORK=$(mktemp -d)
 PAIR=$WORK/pair  # what moves into $OUT at the end
-ITEMS=(target drafter heldout.txt heldout.jsonl corpus.json)
+ITEMS=(target "${DRAFTERS[@]}" heldout.txt heldout.jsonl corpus.json)
 STAGE="" HAD="" SWAP="" STOP="" MADE=0
 # Put the old pair back: what came into $OUT goes, what was moved aside (*.old) returns.
 rollback() {
@@ -135,12 +145,22 @@ fi
 python "$REPO/scripts/demo_selfdata.py" --target "$PAIR/target" --corpus "$WORK/corpus" \
     --out "$WORK/selfdata.jsonl" --num-prompts "$SELFDATA_PROMPTS" --prompt-tokens 64 --new-tokens 192
 
-# 4-5. Drafter, distilled from the stored (bf16) target on that data.
+# 4-5. Drafter(s), trained from the stored (bf16) target on that data: the same rows, batch, lr, steps and
+# seed; the target layers are train.py's default for both (0,1,2 at 4 layers).
+for kind in "${DRAFTERS[@]}"; do
+if [ "$kind" = drafter ]; then
 python "$REPO/train.py" --target "$PAIR/target" --data-ids "$WORK/selfdata.jsonl" --out "$WORK/drafter" \
     --block-size "$BLOCK_SIZE" --depth 1 --markov vanilla --markov-rank 64 --confidence \
     --seq-len 256 --batch-size 8 --anchors-per-seq 64 --steps "$DRAFTER_STEPS" --lr 2e-3 \
     --seed 0 --device cpu --no-progress
-to_bf16 "$WORK/drafter" "$PAIR/drafter"
+else
+python "$REPO/train.py" --drafter-kind eagle3 --target "$PAIR/target" --data-ids "$WORK/selfdata.jsonl" \
+    --out "$WORK/eagle3" --ttt-length "$BLOCK_SIZE" --step-loss-decay 0.8 \
+    --seq-len 256 --batch-size 8 --steps "$DRAFTER_STEPS" --lr 2e-3 \
+    --seed 0 --device cpu --no-progress
+fi
+to_bf16 "$WORK/$kind" "$PAIR/$kind"
+done
 
 # 6. The held-out prompts, cut with this pair's tokenizer.
 python "$REPO/scripts/demo_prompts.py" --demo "$PAIR" --out "$PAIR/heldout.jsonl"
@@ -168,5 +188,5 @@ done
 [ -z "$STOP" ] || exit "$STOP"
 SWAP=done  # the new pair is in; the old one goes at exit (cleanup)
 trap - INT TERM
-du -sh "$OUT"/target "$OUT"/drafter
+for item in target "${DRAFTERS[@]}"; do du -sh "$OUT/$item"; done
 echo "the pair is in $OUT; $OUT/corpus.json says which corpus built it"

@@ -763,6 +763,24 @@ CASES = [
      "not a checkpoint directory", False),
     ("train-resume-other-flags", "train", lambda w, t: T(w, t) + ["--depth", "2", "--resume", w / "trained"],
      "--depth", False),
+    # ---- train.py --drafter-kind eagle3
+    ("train-eagle3-dspark-flag", "train", lambda w, t: T3(w, t) + ["--depth", "2"],
+     "--depth 2: changes nothing with --drafter-kind eagle3", True),
+    ("train-eagle3-no-confidence", "train", lambda w, t: T3(w, t) + ["--no-confidence"],
+     "--no-confidence: changes nothing with --drafter-kind eagle3", False),
+    ("train-eagle3-markov", "train", lambda w, t: T3(w, t) + ["--markov", "none"],
+     "--markov none: changes nothing with --drafter-kind eagle3", False),
+    ("train-ttt-length-with-dspark", "train", lambda w, t: T(w, t) + ["--ttt-length", "5"],
+     "--ttt-length 5: changes nothing with --drafter-kind dspark", False),
+    ("train-step-loss-decay-with-dspark", "train", lambda w, t: T(w, t) + ["--step-loss-decay", "0.5"],
+     "--step-loss-decay 0.5: changes nothing with --drafter-kind dspark", False),
+    ("train-eagle3-ttt-length-0", "train", lambda w, t: T3(w, t) + ["--ttt-length", "0"], "--ttt-length", False),
+    ("train-eagle3-decay-nan", "train", lambda w, t: T3(w, t) + ["--step-loss-decay", "nan"], "--step-loss-decay",
+     False),
+    ("train-eagle3-embeddings-feature", "train", lambda w, t: T3(w, t) + ["--target-layer-ids=-1,0"],
+     "Eagle3 reads decoder layers' outputs", False),
+    ("train-eagle3-resumes-dspark-run", "train", lambda w, t: T3(w, t) + ["--resume", w / "trained"],
+     "--drafter-kind was 'dspark', now 'eagle3'", False),
 ]
 
 
@@ -773,6 +791,11 @@ def messages(turns) -> str:
 
 def M(w, tmp, text):  # speculate on a prompts file of the given text, rendered with the world's chat template
     return ["--target", w / "target", "--prompts-file", prompts_file(tmp, text), "--max-new-tokens", "2"]
+
+
+def T3(w, tmp):  # train an Eagle3 drafter with the world's target and corpus
+    return ["--drafter-kind", "eagle3", "--target", w / "target", "--data", w / "corpus.txt", "--out", tmp / "out",
+            "--steps", "2", "--seq-len", "16", "--batch-size", "1", "--ttt-length", "2", "--no-progress"]
 
 
 def broken_run(w, tmp, state=None, moments=None, latest=None):
