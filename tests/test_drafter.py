@@ -506,9 +506,9 @@ def engine_round(tgt, d, anchor, apos):
     B = anchor.shape[0]
     engine = speculate.Engine(tgt, d, batch_size=B, max_seq=tgt.max_seq)  # same size: the caches are kept
     record, _, _ = engine.round(anchor, apos, torch.ones_like(anchor, dtype=torch.bool), None)
-    K = d.cfg.num_drafts
-    assert record.shape == (B, 2 * K + 4)
-    rec = speculate.unpack(record, has_confidence=False)
+    assert record.shape == (B, sum(engine.widths.values()))
+    assert engine.widths["drafts"] == d.cfg.num_drafts
+    rec = speculate.unpack(record, engine.widths)
     return (torch.tensor([r.drafts for r in rec]), torch.tensor([r.accepted for r in rec]),
             torch.tensor([r.bonus for r in rec]))
 

@@ -493,11 +493,11 @@ def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
     engine = speculate.Engine(target, None, batch_size=2, max_seq=16)
     record, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                                 torch.ones(2, dtype=torch.bool), None)
-    assert speculate.unpack(record, False)[0].finite
+    assert speculate.unpack(record, engine.widths)[0].finite
     with torch.no_grad():
         target.norm.weight[0] = float("nan")
     record, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                                 torch.ones(2, dtype=torch.bool), None)
-    assert not any(r.finite for r in speculate.unpack(record, False))
+    assert not any(r.finite for r in speculate.unpack(record, engine.widths))
     with pytest.raises(speculate.UserError, match="request 0, the prefill: the logits are not finite"):
         engine.generate([speculate.Request(0, [1, 2])], 4)
