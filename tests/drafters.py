@@ -161,7 +161,7 @@ def make_eagle3(path, target_dir, *, ttt_length=4, target_layer_ids=(0, 1), norm
     norm_scale scales the final norm (small: a flat draft distribution). Returns the path."""
     tcfg = json.load(open(os.path.join(target_dir, "config.json")))
     tw = load_file(os.path.join(target_dir, "model.safetensors"))
-    H, V, I = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["intermediate_size"]
+    H, I = tcfg["hidden_size"], tcfg["intermediate_size"]
     hd, nh, nkv = tcfg["head_dim"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
     g = torch.Generator().manual_seed(seed)
 

@@ -37,7 +37,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
         sys.path.insert(0, _p)
 
 from conftest import chi2_pvalue  # noqa: E402
-from drafters import make_any, make_drafter, make_target  # noqa: E402
+from drafters import make_any, make_target  # noqa: E402
 
 import sampling  # noqa: E402
 import speculate  # noqa: E402
