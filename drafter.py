@@ -314,8 +314,9 @@ class Eagle3Drafter(nn.Module):
             a = self.cfg.layers
             rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
             self.register_buffer("rope", rope, persistent=False)
-            carried = torch.zeros((max_batch, a.hidden_size), dtype=weight.dtype, device=weight.device)
-            self.register_buffer("carried", carried, persistent=False)
+            # A plain tensor, not a buffer: the CPU compile recipe freezes buffers into the graph as
+            # constants, and `carried` changes every round. The round passes it in as an input.
+            self.carried = torch.zeros((max_batch, a.hidden_size), dtype=weight.dtype, device=weight.device)
 
     def extend(self, h, tokens, positions, rows=None):
         """The layer over h [B, T, H] and the next tokens [B, T] at positions [B, T], through the

@@ -133,13 +133,12 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     return torch.stack(drafts, 1), q
 
 
-def eagle3_chain(drafter, anchor_pos, K: int, temperature: float, generator, noise=None, *,
+def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, noise=None, *,
                  filters: Filters = NO_FILTERS):
     """Eagle3's drafting: x_k ~ softmax(lm_head(norm(h)) / T), then one step of its layer on (h, x_k)
-    at position a + k - 1 gives the next h; h starts as each row's carried state (anchor_pos [B] = a).
+    at position a + k - 1 gives the next h; h [B, H] starts as each row's carried state (anchor_pos [B] = a).
     Returns drafts [B, K] and q [B, K, V] (None at T=0), as `markov_chain`."""
     B = anchor_pos.shape[0]
-    h = drafter.carried[:B]
     drafts = []
     qs = []
     for k in range(K):

@@ -48,16 +48,17 @@ class Proposal(NamedTuple):
 
 def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
           backend, num_drafts: int, tree_budget: int = 0, tree_temperature: float = 1.0,
-          capacity=None) -> Proposal:
+          capacity=None, carried=None) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
     noise: the chain's Exp(1) [B, K, V] (None at T=0); capacity: the async scheduler's C;
-    tree_budget: draft a tree of this many nodes instead of a chain."""
+    tree_budget: draft a tree of this many nodes instead of a chain; carried: an Eagle3 drafter's
+    `carried`, passed in so that a compiled graph reads it as an input (freezing would fold it)."""
     B = anchor.shape[0]
     if drafter is None:
         no_drafts = anchor.new_zeros((B, 0))
         return Proposal(no_drafts, None, None, anchor.new_zeros((B,)))
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
-        drafts, q = sampling.eagle3_chain(drafter, anchor_pos, num_drafts, temperature, None, noise,
+        drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, num_drafts, temperature, None, noise,
                                           filters=filters)
         verify_len = torch.full((B,), num_drafts, dtype=torch.long, device=anchor.device)
         return Proposal(drafts, q, None, verify_len)
@@ -325,7 +326,12 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
 
 
 def caches(model) -> list:
-    return [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
+    """What a model's graphs hold: its rope table and each layer's kv cache, then an Eagle3
+    drafter's carried state."""
+    held = [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
+    if hasattr(model, "carried"):
+        held.append(model.carried)
+    return held
 
 
 def trace_record(req: Request, rec: RoundRecord) -> dict:
@@ -459,7 +465,8 @@ class Engine:
         proposal = self.draft_fn(*rows, noise=chain_noise, temperature=self.temperature,
                                  filters=self.filters, schedule=self.scheduler, backend=self.backend,
                                  num_drafts=self.K, tree_budget=self.tree_budget,
-                                 tree_temperature=self.tree_temperature, capacity=capacity)
+                                 tree_temperature=self.tree_temperature, capacity=capacity,
+                                 carried=getattr(self.drafter, "carried", None))
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
         if self.ragged and plan is None:  # the host read between the halves
@@ -481,6 +488,8 @@ class Engine:
                 layer.self_attn.kv_cache = kv
             if isinstance(m, Transformer):
                 m.max_batch, m.max_seq = mine[1].k.shape[:2]
+            if hasattr(m, "carried"):
+                m.carried = mine[-1]
 
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None,
                  on_step=None):

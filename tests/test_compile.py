@@ -13,7 +13,7 @@ import unittest.mock
 
 import pytest
 import torch
-from drafters import make_drafter, make_target
+from drafters import make_drafter, make_eagle3, make_target
 
 import speculate
 from support import cli, flags
@@ -80,6 +80,33 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert stances == {"--no-compile": [False], "--compile": [True]}  # ... with the guards cut to what tells them apart
 
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "tree"])
+def test_compiled_eagle3_and_tree_rounds_equal_eager(pair, tmp_path, kind):
+    """An Eagle3 chain and a draft tree compile too, each round's two halves once, and decode what
+    the eager round decodes, drafts included: the draft graph reads Eagle3's carried state as the
+    verify graph left it (not as it was when compiled), and a tree keeps its static shapes."""
+    import torch._dynamo
+
+    target, drafter = pair
+    flags = ["--drafter", drafter, "--tree-budget", "6"]
+    if kind == "eagle3":
+        flags = ["--drafter", make_eagle3(tmp_path / "eagle3", target, ttt_length=4, norm_scale=0.05)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([5, 17, 33, 2, 8], [9, 1], [40, 41])))
+    traces = {}
+    torch._dynamo.reset()
+    for flag in ("--no-compile", "--compile"):
+        trace = tmp_path / f"{kind}{flag}.jsonl"
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            rc = speculate.main(["--target", target, *flags, "--prompts-file", str(prompts), "--batch-size", "2",
+                                 "--max-new-tokens", "16", "--trace-file", str(trace), flag])
+        assert rc == 0
+        traces[flag] = [json.loads(line) for line in open(trace)][:-1]
+    assert traces["--compile"] == traces["--no-compile"]
+    rounds = [r for r in traces["--compile"] if "draft" in r]
+    assert rounds and all(len(r["draft"]) == (4 if kind == "eagle3" else 6) for r in rounds)
 
 def test_two_compiled_engines_keep_their_own_graphs_with_guards_skipped(pair):
     """The demo's order: a speculative engine compiled, then an autoregressive one on the same target,
