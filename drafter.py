@@ -143,12 +143,38 @@ class ConfidenceHead(nn.Module):
         return self.proj(features).float()[..., 0]
 
 
-class Drafter(nn.Module):
-    """Parameter names follow DeepSpec's checkpoints (k/v and gate/up fused as the target's)."""
+class DrafterBase(nn.Module):
+    """What both drafters share: the target's embedding and lm_head, read through `target` and kept
+    out of the drafter's parameters, and the layers' caches with their RoPE table."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
+        self._target = [None]
+
+    @property
+    def target(self) -> Transformer:
+        return self._target[0]
+
+    def attach(self, target: Transformer):
+        self._target[0] = target
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> bool:
+        """Caches for max_batch rows of max_seq positions; True when new ones were made."""
+        weight = self.fc.weight
+        made = make_caches(self.layers, max_batch, max_seq, weight)
+        if made:
+            a = self.cfg.layers
+            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
+            self.register_buffer("rope", rope, persistent=False)
+        return made
+
+
+class Drafter(DrafterBase):
+    """Parameter names follow DeepSpec's checkpoints (k/v and gate/up fused as the target's)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
         a = cfg.layers
         context_size = len(cfg.target_layer_ids) * a.hidden_size  # captured layers, concatenated
         self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
@@ -167,22 +193,6 @@ class Drafter(nn.Module):
             self.confidence_head = ConfidenceHead(width)
         else:
             self.confidence_head = None
-        # the target's embedding and lm_head, kept out of this module's parameters
-        self._target = [None]
-
-    @property
-    def target(self) -> Transformer:
-        return self._target[0]
-
-    def attach(self, target: Transformer):
-        self._target[0] = target
-
-    def setup_caches(self, max_batch: int, max_seq: int):
-        weight = self.fc.weight
-        if make_caches(self.layers, max_batch, max_seq, weight):
-            a = self.cfg.layers
-            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
-            self.register_buffer("rope", rope, persistent=False)
 
     def commit_context(self, features, positions, following=None, last=None, rows=None):
         """Cache every layer's K/V of projected features [B, T, n*H] at positions [B, T] (the
@@ -283,15 +293,14 @@ class Eagle3Layer(DecoderLayer):
         return residual + self.mlp(x), (k, v)
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DrafterBase):
     """DeepSpec's Eagle3 (its parameter names; k/v and gate/up fused). Position i reads the target's
     features there, fc(f_i), and the next token x_{i+1}, at RoPE position i; its output h_i, normed
     and through the lm_head, drafts x_{i+2}. Drafting, a step reads the previous step's un-normed h
     instead of features. `carried` holds each row's h at its last committed position."""
 
     def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         a = cfg.layers
         context_size = len(cfg.target_layer_ids) * a.hidden_size
         self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
@@ -299,24 +308,17 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.markov_head = None
         self.confidence_head = None
-        self._target = [None]
 
-    @property
-    def target(self) -> Transformer:
-        return self._target[0]
-
-    def attach(self, target: Transformer):
-        self._target[0] = target
-
-    def setup_caches(self, max_batch: int, max_seq: int):
-        weight = self.fc.weight
-        if make_caches(self.layers, max_batch, max_seq, weight):
+    def setup_caches(self, max_batch: int, max_seq: int) -> bool:
+        made = super().setup_caches(max_batch, max_seq)
+        if made:
             a = self.cfg.layers
-            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
-            self.register_buffer("rope", rope, persistent=False)
-            # A plain tensor, not a buffer: the CPU compile recipe freezes buffers into the graph as
-            # constants, and `carried` changes every round. The round passes it in as an input.
+            weight = self.fc.weight
+            # Not a buffer, and handed to the draft graph as an input (speculate.draft's `carried`): the
+            # compiled CPU round freezes what a graph reads of a module without writing it, and the
+            # draft graph reads what the verify graph writes here.
             self.carried = torch.zeros((max_batch, a.hidden_size), dtype=weight.dtype, device=weight.device)
+        return made
 
     def extend(self, h, tokens, positions, rows=None):
         """The layer over h [B, T, H] and the next tokens [B, T] at positions [B, T], through the
