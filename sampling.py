@@ -31,19 +31,21 @@ def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
     """z [..., V] (float32, already / T) with -inf outside the kept set."""
     if 0 < f.top_k < z.shape[-1]:
         largest = torch.topk(z, f.top_k, dim=-1).values
-        kth = largest[..., -1:]
+        kth = largest[..., -1:]  # [..., 1]
         z = z.masked_fill(z < kth, float("-inf"))
     if f.top_p < 1.0:
         # As transformers: ascending, drop what stays within 1 - p; never the largest.
         ordered, order = torch.sort(z, dim=-1, stable=True)
-        below = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        p_ordered = torch.softmax(ordered, dim=-1)
+        below = p_ordered.cumsum(dim=-1)  # the mass up to each token, smallest first
         drop = below <= 1 - f.top_p
         drop[..., -1] = False
         drop = drop.scatter(-1, order, drop)  # back to the vocabulary's order
         z = z.masked_fill(drop, float("-inf"))
     if f.min_p > 0.0:
         p = torch.softmax(z, dim=-1)
-        floor = f.min_p * p.amax(dim=-1, keepdim=True)
+        p_max = p.amax(dim=-1, keepdim=True)
+        floor = f.min_p * p_max
         z = z.masked_fill(p < floor, float("-inf"))
     return z
 
@@ -67,7 +69,8 @@ def sample(logits, temperature: float, generator, noise=None, *, filters: Filter
     """argmax at T=0, else a draw from the filtered softmax(logits / T)."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    return sample_from(probs(logits, temperature, filters), generator, noise)
+    p = probs(logits, temperature, filters)
+    return sample_from(p, generator, noise)
 
 
 class Noise(NamedTuple):
@@ -100,11 +103,23 @@ def rows_noise(generators: list, K: int, V: int, device) -> Noise:
         u = torch.zeros((1, K), device=device)
         bonus = torch.ones((1, V), device=device)
         rows.append(Noise(chain, u, bonus))
-    columns = zip(*rows)
-    return Noise(*(torch.cat(parts) for parts in columns))
+    chains, uniforms, bonuses = zip(*rows)  # each one part a row
+    return Noise(torch.cat(chains), torch.cat(uniforms), torch.cat(bonuses))
 
 
 # Drafting: the Markov chain
+
+def draw(z, k: int, temperature: float, filters: Filters, generator, noise):
+    """Draft k from logits z [B, V]: the argmax at T=0, else a sample from q = probs(z), with the
+    chain's noise[:, k] when given. Returns the tokens [B] and q [B, V] (None at T=0)."""
+    if temperature == 0:
+        return torch.argmax(z, dim=-1), None
+    q = probs(z, temperature, filters)
+    noise_k = None
+    if noise is not None:
+        noise_k = noise[:, k]
+    return sample_from(q, generator, noise_k), q
+
 
 def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
                  filters: Filters = NO_FILTERS):
@@ -117,43 +132,40 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     prev = anchor
     state = None
     for k in range(base_logits.shape[1]):
-        z = base_logits[:, k]
+        z = base_logits[:, k]  # [B, V]
         if markov is not None:
-            bias, state = markov.step(hidden[:, k], prev, state)
+            h_k = hidden[:, k]  # [B, H]
+            bias, state = markov.step(h_k, prev, state)
             z = z + bias
-        if temperature == 0:
-            prev = torch.argmax(z, dim=-1)
-        else:
-            q = probs(z, temperature, filters)
-            noise_k = None if noise is None else noise[:, k]
-            prev = sample_from(q, generator, noise_k)
+        prev, q = draw(z, k, temperature, filters, generator, noise)
+        if q is not None:
             qs.append(q)
         drafts.append(prev)
-    q = torch.stack(qs, 1) if qs else None
+    q = None
+    if qs:
+        q = torch.stack(qs, 1)
     return torch.stack(drafts, 1), q
 
 
 def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, noise=None, *,
                  filters: Filters = NO_FILTERS):
     """Eagle3's drafting: x_k ~ softmax(lm_head(norm(h)) / T), then one step of its layer on (h, x_k)
-    at position a + k - 1 gives the next h; h [B, H] starts as each row's carried state (anchor_pos [B] = a).
-    Returns drafts [B, K] and q [B, K, V] (None at T=0), as `markov_chain`."""
-    B = anchor_pos.shape[0]
+    at position a + k - 1 gives the next h; h [B, H] starts as each row's carried state (the drafter's
+    `carried`; anchor_pos [B] = a). Returns drafts [B, K] and q [B, K, V] (None at T=0), as
+    `markov_chain`."""
     drafts = []
     qs = []
     for k in range(K):
         z = drafter.logits(h)  # [B, V]
-        if temperature == 0:
-            token = torch.argmax(z, dim=-1)
-        else:
-            q = probs(z, temperature, filters)
-            noise_k = None if noise is None else noise[:, k]
-            token = sample_from(q, generator, noise_k)
+        token, q = draw(z, k, temperature, filters, generator, noise)
+        if q is not None:
             qs.append(q)
         drafts.append(token)
         if k + 1 < K:  # the last draft's step would be read by nothing
             h = drafter.step(h, token, anchor_pos + k)
-    q = torch.stack(qs, 1) if qs else None
+    q = None
+    if qs:
+        q = torch.stack(qs, 1)
     return torch.stack(drafts, 1), q
 
 
@@ -161,7 +173,8 @@ def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, 
 
 def prefix_length(ok: torch.Tensor) -> torch.Tensor:
     """[B, K] bool -> [B]: how many leading entries of each row are True."""
-    return torch.cumprod(ok.long(), dim=1).sum(1)
+    leading = torch.cumprod(ok.long(), dim=1)  # 1 up to the first False, 0 from there
+    return leading.sum(1)
 
 
 def verified_mask(drafts, verify_len) -> torch.Tensor:
@@ -173,12 +186,15 @@ def verified_mask(drafts, verify_len) -> torch.Tensor:
 def accept_greedy(drafts, target_logits, verify_len):
     """Accept x_k while it is the target's argmax and k <= ℓ (verify_len [B]); target_logits
     [B, K+1, V]. Returns accepted n [B] and the token committed after them [B]."""
-    K = drafts.shape[1]
+    B, K = drafts.shape
     best = torch.argmax(target_logits, dim=-1)  # [B, K+1]
-    ok = (drafts == best[:, :K]) & verified_mask(drafts, verify_len)
+    agrees = drafts == best[:, :K]  # [B, K]
+    verified = verified_mask(drafts, verify_len)
+    ok = agrees & verified
     n = prefix_length(ok)
-    rows = torch.arange(drafts.shape[0], device=drafts.device)
-    return n, best[rows, n]
+    rows = torch.arange(B, device=drafts.device)
+    committed = best[rows, n]  # [B] the target's argmax after the accepted drafts
+    return n, committed
 
 
 def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None, *,
@@ -194,14 +210,18 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
         u = torch.rand((B, K), generator=generator, device=device)
     n = torch.zeros(B, dtype=torch.long, device=device)
     if K:
-        drafted = drafts[:, :, None]
-        p_x = p[:, :K].gather(2, drafted)[:, :, 0]  # [B, K] p_{k-1}(x_k)
+        drafted = drafts[:, :, None]  # [B, K, 1]
+        p_drafts = p[:, :K]  # [B, K, V] p_0 .. p_{K-1}, the target's at each draft
+        p_x = p_drafts.gather(2, drafted)[:, :, 0]  # [B, K] p_{k-1}(x_k)
         q_x = q.gather(2, drafted)[:, :, 0]         # [B, K] q_k(x_k)
-        ok = (u * q_x < p_x) & verified_mask(drafts, verify_len)
+        passed = u * q_x < p_x  # the rejection test
+        verified = verified_mask(drafts, verify_len)
+        ok = passed & verified
         n = prefix_length(ok)
     p_n = p[rows, n]  # [B, V] the target's distribution after the accepted drafts
     if K:
-        q_n = q[rows, n.clamp(max=K - 1)]
+        q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
+        q_n = q[rows, q_row]
         residual = torch.clamp(p_n - q_n, min=0)
         mass = residual.sum(-1, keepdim=True)
         # p == q leaves no residual mass, and then x_k was never rejected: p_n is never read there.
@@ -209,7 +229,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
         residual = torch.where(mass > 0, normalized, p_n)
         rejected = n < verify_len
         p_n = torch.where(rejected[:, None], residual, p_n)
-    return n, sample_from(p_n, generator, noise)
+    committed = sample_from(p_n, generator, noise)  # [B]
+    return n, committed
 
 
 # Draft trees: the block's distributions grown into a tree of `budget` nodes, verified in one pass
@@ -227,15 +248,17 @@ def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperatu
     """Log-probabilities [B, V] at `temperature` of the children of nodes holding `tokens` [B] at
     `depth` [B] (1-based depth of the children), and the Markov state they pass on. Without a Markov
     head a position's distribution is its own (DFlash): the same for every parent."""
-    L = base_logits.shape[1]
-    rows = torch.arange(base_logits.shape[0], device=base_logits.device)
-    slot = (depth - 1).clamp(0, L - 1)
-    z = base_logits[rows, slot].float()
+    B, L = base_logits.shape[:2]
+    rows = torch.arange(B, device=base_logits.device)
+    slot = (depth - 1).clamp(0, L - 1)  # [B] the block position drafting that depth
+    z = base_logits[rows, slot].float()  # [B, V]
     state = None
     if markov is not None:
-        bias, state = markov.step(hidden[rows, slot], tokens, states)
+        h = hidden[rows, slot]  # [B, H]
+        bias, state = markov.step(h, tokens, states)
         z = z + bias.float()
-    return torch.log_softmax(z / temperature, dim=-1), state
+    logprobs = torch.log_softmax(z / temperature, dim=-1)
+    return logprobs, state
 
 
 def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float = 1.0) -> Tree:
@@ -252,7 +275,8 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     rows = torch.arange(B, device=device)
 
     def table(fill, *shape, dtype=torch.long):  # one entry a row and node (and candidate)
-        return torch.full((B, N + 1, *shape), fill, dtype=dtype, device=device)
+        size = (B, N + 1, *shape)
+        return torch.full(size, fill, dtype=dtype, device=device)
 
     tokens = table(0)
     tokens[:, 0] = anchor
@@ -269,34 +293,42 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     def expand(node: int, node_tokens, node_depths, node_states, reached):
         """Fill in `node`'s candidate children (none past depth L, or for a node not reached)."""
         nonlocal states
-        logprobs, state = child_logprobs(base_logits, hidden, markov, node_depths + 1, node_tokens, node_states,
-                                         temperature)
-        best, ids = torch.topk(logprobs, k, dim=-1)
-        open_ = reached & (node_depths < L)
-        path_scores = scores[:, node, None] + best
+        child_depths = node_depths + 1
+        logprobs, state = child_logprobs(base_logits, hidden, markov, child_depths, node_tokens,
+                                         node_states, temperature)
+        best, ids = torch.topk(logprobs, k, dim=-1)  # [B, k] each, best first
+        open_ = reached & (node_depths < L)  # [B] a node that can have children
+        node_score = scores[:, node, None]  # [B, 1]
+        path_scores = node_score + best  # [B, k]
+        path_scores = torch.where(open_[:, None], path_scores, float("-inf"))
         child_tokens[:, node, :k] = ids
-        child_scores[:, node, :k] = torch.where(open_[:, None], path_scores, float("-inf"))
+        child_scores[:, node, :k] = path_scores
         if state is not None:
             if states is None:
-                states = state.new_zeros((B, N + 1, state.shape[-1]))
+                H = state.shape[-1]
+                states = state.new_zeros((B, N + 1, H))
             states[:, node] = state
 
     everyone = torch.ones(B, dtype=torch.bool, device=device)
     expand(0, anchor, depths[:, 0], None, everyone)
     for node in range(1, N + 1):
-        candidates = child_scores.gather(2, next_rank[:, :, None])[:, :, 0]  # [B, N+1]: one a node
+        next_child = next_rank[:, :, None]  # [B, N+1, 1]
+        candidates = child_scores.gather(2, next_child)[:, :, 0]  # [B, N+1]: one a node
         best_score, parent = candidates.max(dim=-1)
         reached = best_score > float("-inf")
         rank = next_rank[rows, parent]
         token = child_tokens[rows, parent, rank]
+        depth = depths[rows, parent] + 1
         next_rank[rows, parent] += reached.long()
         tokens[:, node] = token
         parents[:, node] = torch.where(reached, parent, -1)
-        depths[:, node] = depths[rows, parent] + 1
+        depths[:, node] = depth
         scores[:, node] = best_score
-        parent_states = None if states is None else states[rows, parent]
+        parent_states = None
+        if states is not None:
+            parent_states = states[rows, parent]
         if node < N:
-            expand(node, token, depths[:, node], parent_states, reached)
+            expand(node, token, depth, parent_states, reached)
     return Tree(tokens, parents, depths)
 
 
@@ -311,9 +343,10 @@ def ancestors(tree: Tree, depth: int) -> torch.Tensor:
     for _ in range(depth):
         on_path = current >= 0
         hops = current.clamp(min=0)
-        ancestor = torch.nn.functional.one_hot(hops, N1).bool()
+        ancestor = torch.nn.functional.one_hot(hops, N1).bool()  # [B, N+1, N+1]
         seen |= ancestor & on_path[:, :, None]
-        current = torch.where(on_path, tree.parents.gather(1, hops), -1)
+        next_hop = tree.parents.gather(1, hops)  # the ancestor's parent
+        current = torch.where(on_path, next_hop, -1)
     return seen
 
 
@@ -323,20 +356,23 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
     the path [B, depth+1] (node indices from the root; after the last accepted node, that node
     again), the accepted count n [B], and the target's token after the path [B]."""
     B = tree.tokens.shape[0]
-    rows = torch.arange(B, device=tree.tokens.device)
-    current = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
-    accepted = torch.zeros(B, dtype=torch.long, device=tree.tokens.device)
+    device = tree.tokens.device
+    rows = torch.arange(B, device=device)
+    current = torch.zeros(B, dtype=torch.long, device=device)
+    accepted = torch.zeros(B, dtype=torch.long, device=device)
     path = [current]
     for _ in range(depth):
-        wanted = target_tokens[rows, current]
-        children = tree.parents == current[:, None]
-        match = children & (tree.tokens == wanted[:, None])
+        wanted = target_tokens[rows, current]  # [B]
+        children = tree.parents == current[:, None]  # [B, N+1]
+        holding = tree.tokens == wanted[:, None]
+        match = children & holding
         found = match.any(dim=-1)
         child = match.long().argmax(dim=-1)
         current = torch.where(found, child, current)
         accepted = accepted + found.long()
         path.append(current)
-    return torch.stack(path, dim=1), accepted, target_tokens[rows, current]
+    after = target_tokens[rows, current]  # [B]
+    return torch.stack(path, dim=1), accepted, after
 
 
 def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, int]]:
@@ -350,23 +386,28 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
         return []
     nodes = []   # (token, parent node index; 0 is the root)
     paths = [[]]  # each node's tokens from the root
-    options = [children([])]
-    first_tokens, first_scores = options[0]
+    options = [children([])]  # each node's candidate children: (tokens, scores)
+    _, first_scores = options[0]
     heap = [(-first_scores[0], (0,), 0, 0)]  # (-score, ranks, parent, rank)
     while heap and len(nodes) < budget:
         negative, ranks, parent, rank = heapq.heappop(heap)
         score = -negative
         tokens, scores = options[parent]
-        nodes.append((tokens[rank], parent))
+        token = tokens[rank]
+        nodes.append((token, parent))
         me = len(nodes)
-        paths.append(paths[parent] + [tokens[rank]])
-        if rank + 1 < len(tokens):  # the next sibling
-            sibling = score - scores[rank] + scores[rank + 1]
-            heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent, rank + 1))
+        paths.append(paths[parent] + [token])
+        sibling_rank = rank + 1
+        if sibling_rank < len(tokens):  # the next sibling
+            sibling = score - scores[rank] + scores[sibling_rank]
+            sibling_ranks = ranks[:-1] + (sibling_rank,)
+            heapq.heappush(heap, (-sibling, sibling_ranks, parent, sibling_rank))
         if len(paths[me]) < depth:  # the first child
-            options.append(children(paths[me]))
-            child = score + options[me][1][0]
-            heapq.heappush(heap, (-child, ranks + (0,), me, 0))
+            child_tokens, child_scores = children(paths[me])
+            options.append((child_tokens, child_scores))
+            child = score + child_scores[0]
+            child_ranks = ranks + (0,)
+            heapq.heappush(heap, (-child, child_ranks, me, 0))
         else:
             options.append(([], []))
     return nodes
@@ -378,10 +419,11 @@ def walk_tree_reference(nodes: list[tuple[int, int]], target_tokens: list[int]) 
     target's token after it."""
     path = [0]
     while True:
-        wanted = target_tokens[path[-1]]
+        current = path[-1]
+        wanted = target_tokens[current]
         child = None
         for i, (token, parent) in enumerate(nodes):
-            if parent == path[-1] and token == wanted:
+            if parent == current and token == wanted:
                 child = i + 1
                 break
         if child is None:

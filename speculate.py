@@ -54,55 +54,67 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
     tree_budget: draft a tree of this many nodes instead of a chain; carried: an Eagle3 drafter's
     `carried`, passed in so that a compiled graph reads it as an input (freezing would fold it)."""
     B = anchor.shape[0]
+    device = anchor.device
     if drafter is None:
         no_drafts = anchor.new_zeros((B, 0))
-        return Proposal(no_drafts, None, None, anchor.new_zeros((B,)))
+        none_verified = anchor.new_zeros((B,))
+        return Proposal(no_drafts, None, None, none_verified)
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
-        drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, num_drafts, temperature, None, noise,
+        K = num_drafts
+        drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, K, temperature, None, noise,
                                           filters=filters)
-        verify_len = torch.full((B,), num_drafts, dtype=torch.long, device=anchor.device)
+        verify_len = torch.full((B,), K, dtype=torch.long, device=device)
         return Proposal(drafts, q, None, verify_len)
     # 1. Draft: the block in one parallel pass, the Markov chain left to right, the confidences.
     hidden, base_logits = drafter(anchor, anchor_pos)  # [B, K, H], [B, K, V]
+    markov = drafter.markov_head
     if tree_budget:  # ... or the tree of the block's most likely continuations, verified whole
-        markov = drafter.markov_head
-        tree = sampling.build_tree(base_logits, hidden, anchor, markov, tree_budget, tree_temperature)
-        every_node = torch.full((B,), tree_budget, dtype=torch.long, device=anchor.device)
-        return Proposal(tree.tokens[:, 1:], None, None, every_node, tree)
+        N = tree_budget
+        tree = sampling.build_tree(base_logits, hidden, anchor, markov, N, tree_temperature)
+        nodes = tree.tokens[:, 1:]  # [B, N] every node after the root
+        every_node = torch.full((B,), N, dtype=torch.long, device=device)
+        return Proposal(nodes, None, None, every_node, tree)
     if backend == "triton":
         chain = kernels.markov_chain
     else:
         chain = sampling.markov_chain
-    markov = drafter.markov_head
     drafts, q = chain(base_logits, hidden, anchor, markov, temperature, None, noise, filters=filters)
-    previous = torch.cat([anchor[:, None], drafts[:, :-1]], dim=1)  # x_0 .. x_{K-1}
+    x_0 = anchor[:, None]  # [B, 1]
+    previous = torch.cat([x_0, drafts[:, :-1]], dim=1)  # x_0 .. x_{K-1}
     confidence = drafter.confidence(hidden, previous)
     # 2. Schedule: how many drafts each row sends to the target.
     verify_len = schedule(confidence, active, capacity)
     return Proposal(drafts, q, confidence, verify_len)
 
 
-def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature, filters,
-           u, bonus_noise, backend, num_tokens: Optional[int] = None, node_noise=None):
+def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
+           filters, u, bonus_noise, backend, num_tokens: Optional[int] = None, node_noise=None):
     """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens
     None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
     (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
     positions."""
     drafts, q, confidence, verify_len, tree = proposal
-    K = drafts.shape[1]
-    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
-    attention = kernels.cached_attention if backend == "triton" else None
+    B, K = drafts.shape
+    device = anchor.device
+    capture = ()  # the target layers whose features the drafter reads
+    if drafter is not None:
+        capture = drafter.cfg.target_layer_ids
+    attention = None
+    if backend == "triton":
+        attention = kernels.cached_attention
     if tree is not None:
         return verify_tree(target, drafter, anchor, anchor_pos, active, tree,
                            temperature=temperature, filters=filters, noise=node_noise,
                            attention=attention)
     # 3. Verify: the target scores the anchor and every draft in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
-    positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
+    steps = torch.arange(K + 1, device=device)
+    positions = anchor_pos[:, None] + steps  # [B, K+1]
     if num_tokens is None:
         logits, features = target(tokens, positions, capture=capture, attention=attention)
     else:
-        counts = torch.where(active, verify_len + 1, 0)
+        sent = verify_len + 1  # [B] the anchor and ℓ drafts
+        counts = torch.where(active, sent, 0)
         ragged = Ragged.build(counts, positions, num_tokens)
         flat = ragged.flatten(tokens)  # [1, N]
         logits, features = target(flat, positions, capture=capture, ragged=ragged, attention=attention)
@@ -121,17 +133,19 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     # 5. Commit: the drafter's context gains rows a .. a+K; those past a+n are masked next round,
     # then overwritten. The target's rows past a+n are rolled back by moving the anchor alone.
     if drafter is not None:
-        ahead = torch.cat([drafts, next_token[:, None]], dim=1)  # [B, K+1]
-        kept = torch.arange(K + 1, device=anchor.device) < accepted[:, None]
-        following = torch.where(kept, ahead, next_token[:, None])  # the token after each one
+        bonus = next_token[:, None]  # [B, 1]
+        ahead = torch.cat([drafts, bonus], dim=1)  # [B, K+1]
+        kept = steps < accepted[:, None]
+        following = torch.where(kept, ahead, bonus)  # the token after each one
         drafter.commit_context(features, positions, following, accepted)
-    B = anchor.shape[0]
-    rows = torch.arange(B, device=anchor.device)
-    finite = torch.isfinite(logits[rows, accepted, next_token])  # the committed token's logit
+    rows = torch.arange(B, device=device)
+    committed_logit = logits[rows, accepted, next_token]  # [B]
+    finite = torch.isfinite(committed_logit)
     record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
     next_anchor = torch.where(active, next_token, anchor)
-    next_pos = torch.where(active, anchor_pos + accepted + 1, anchor_pos)
+    bonus_pos = anchor_pos + accepted + 1
+    next_pos = torch.where(active, bonus_pos, anchor_pos)
     return record, next_anchor, next_pos
 
 
@@ -141,13 +155,14 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     ancestors, at the position of its depth); the target draws its own token at every node, and the
     walk follows the child holding it from the root; the accepted path's K/V move to consecutive
     positions. noise: Exp(1) [B, N+1, V], one race a node (None at T=0)."""
-    B, N1 = tree.tokens.shape
+    B = tree.tokens.shape[0]
     depth = drafter.cfg.num_drafts
     device = anchor.device
     rows = torch.arange(B, device=device)
     capture = drafter.cfg.target_layer_ids
     # 3. Verify: every node, in slots a .. a+N of the cache, at RoPE positions a + its depth.
-    slots = TreeSlots(anchor_pos, sampling.ancestors(tree, depth))
+    visible = sampling.ancestors(tree, depth)  # [B, N+1, N+1] each node's ancestors and itself
+    slots = TreeSlots(anchor_pos, visible)
     positions = anchor_pos[:, None] + tree.depths
     logits, features = target(tree.tokens, positions, capture=capture, attention=attention,
                               tree=slots)
@@ -155,24 +170,32 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     if temperature == 0:
         chosen = torch.argmax(logits, dim=-1)  # [B, N+1]
     else:
-        chosen = sampling.sample_from(sampling.probs(logits, temperature, filters), None, noise)
+        p = sampling.probs(logits, temperature, filters)  # [B, N+1, V]
+        chosen = sampling.sample_from(p, None, noise)
     path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
     # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
     steps = torch.arange(depth + 1, device=device)
     committed = anchor_pos[:, None] + steps
-    target.move_cache(anchor_pos[:, None] + path, committed)
+    path_slots = anchor_pos[:, None] + path  # where the tree pass wrote the path's K/V
+    target.move_cache(path_slots, committed)
     path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
-    following = torch.cat([path_tokens[:, 1:], next_token[:, None]], dim=1)
-    following = torch.where(steps < accepted[:, None], following, next_token[:, None])
-    drafter.commit_context(features[rows[:, None], path], committed, following, accepted)
-    last = path[rows, accepted]
-    finite = torch.isfinite(logits[rows, last, next_token])
+    bonus = next_token[:, None]  # [B, 1]
+    ahead = torch.cat([path_tokens[:, 1:], bonus], dim=1)
+    kept = steps < accepted[:, None]
+    following = torch.where(kept, ahead, bonus)  # the token after each one
+    path_features = features[rows[:, None], path]
+    drafter.commit_context(path_features, committed, following, accepted)
+    last = path[rows, accepted]  # the last accepted node
+    committed_logit = logits[rows, last, next_token]  # [B]
+    finite = torch.isfinite(committed_logit)
+    nodes = tree.tokens[:, 1:]
     parents = tree.parents[:, 1:]
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
-    record = pack_record(drafts=tree.tokens[:, 1:], verified=reached, accepted=accepted,
-                         bonus=next_token, finite=finite, parents=parents, path=path[:, 1:])
+    record = pack_record(drafts=nodes, verified=reached, accepted=accepted, bonus=next_token,
+                         finite=finite, parents=parents, path=path[:, 1:])
     next_anchor = torch.where(active, next_token, anchor)
-    next_pos = torch.where(active, anchor_pos + accepted + 1, anchor_pos)
+    bonus_pos = anchor_pos + accepted + 1
+    next_pos = torch.where(active, bonus_pos, anchor_pos)
     return record, next_anchor, next_pos
 
 
@@ -193,7 +216,9 @@ def record_widths(drafts: int, confidence: bool, tree_depth: int = 0) -> dict:
     written. `pack_record` fills it on the device (the round's one transfer to the host),
     `unpack` reads it."""
     widths = {"drafts": drafts, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
-    widths["confidence"] = drafts if confidence else 0
+    widths["confidence"] = 0
+    if confidence:
+        widths["confidence"] = drafts
     if tree_depth:
         widths["parents"] = drafts
         widths["path"] = tree_depth
@@ -207,7 +232,8 @@ def pack_record(**columns) -> torch.Tensor:
     for name in order:
         column = columns.get(name)
         if column is not None:
-            parts.append(column.reshape(column.shape[0], -1).double())
+            B = column.shape[0]
+            parts.append(column.reshape(B, -1).double())
     return torch.cat(parts, dim=1)
 
 
@@ -220,18 +246,23 @@ def unpack(record: torch.Tensor, widths: dict) -> list[RoundRecord]:
         for name, width in widths.items():
             values[name] = r[at:at + width]
             at += width
+        drafts = [int(x) for x in values["drafts"]]
         confidence = values["confidence"] or None
-        parents = values.get("parents")
+        parents = values.get("parents")  # a tree's columns
+        if parents is not None:
+            parents = [int(x) for x in parents]
         path = values.get("path")
+        if path is not None:
+            path = [int(x) for x in path]
         rows.append(RoundRecord(
-            drafts=[int(x) for x in values["drafts"]],
+            drafts=drafts,
             verified=int(values["verified"][0]),
             accepted=int(values["accepted"][0]),
             bonus=int(values["bonus"][0]),
             finite=bool(values["finite"][0]),
             confidence=confidence,
-            parents=None if parents is None else [int(x) for x in parents],
-            path=None if path is None else [int(x) for x in path],
+            parents=parents,
+            path=path,
         ))
     return rows
 
@@ -240,19 +271,26 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
             filters=NO_FILTERS):
     """Prompts (right-padded) into cache rows 0..len-1, or `rows`, with the drafter's context. Returns
     each one's first token (-1: its logits are not finite) and its position."""
-    lens = torch.tensor([len(p) for p in prompts], device=device)
+    B = len(prompts)
+    lengths = [len(p) for p in prompts]
+    lens = torch.tensor(lengths, device=device)
     P = int(lens.max())
-    padded = [p + [p[-1]] * (P - len(p)) for p in prompts]
-    tokens = torch.tensor(padded, device=device)
-    positions = torch.arange(P, device=device).expand(len(prompts), P)
-    capture = drafter.cfg.target_layer_ids if drafter is not None else ()
+    padded = []  # each prompt right-padded with its last token
+    for p in prompts:
+        padding = [p[-1]] * (P - len(p))
+        padded.append(p + padding)
+    tokens = torch.tensor(padded, device=device)  # [B, P]
+    positions = torch.arange(P, device=device).expand(B, P)
+    capture = ()
+    if drafter is not None:
+        capture = drafter.cfg.target_layer_ids
     last = lens - 1
     logits, features = target(tokens, positions, capture=capture, logits_index=last, rows=rows)
     first = sampling.sample(logits, temperature, None, noise, filters=filters)
     finite = torch.isfinite(logits).all(-1)
     first = torch.where(finite, first, -1)
     if drafter is not None:
-        batch = torch.arange(len(prompts), device=device)
+        batch = torch.arange(B, device=device)
         following = torch.roll(tokens, -1, dims=1)  # the token after each prompt position ...
         following[batch, last] = first.clamp(min=0)  # ... the first new one after the last
         drafter.commit_context(features, positions, following, last, rows)
@@ -265,7 +303,8 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     import torch._inductor.select_algorithm as select
 
-    cpu_recipe = not str(device).startswith("cuda") and mode is None
+    on_cuda = str(device).startswith("cuda")
+    cpu_recipe = not on_cuda and mode is None
     if cpu_recipe:
         options = {"max_autotune": True}
     else:
@@ -326,8 +365,8 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
 
 
 def caches(model) -> list:
-    """What a model's graphs hold: its rope table and each layer's kv cache, then an Eagle3
-    drafter's carried state."""
+    """The tensors a model's compiled graphs hold: its RoPE table, each layer's KV cache and an
+    Eagle3 drafter's carried state."""
     held = [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
     if hasattr(model, "carried"):
         held.append(model.carried)
@@ -351,7 +390,10 @@ def tree_depth(parents: list[int]) -> int:
     """How deep a tree reaches, from its nodes' parents (0: the root; -1: a node not reached)."""
     depths = [0]  # the root's
     for parent in parents:
-        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+        if parent >= 0:
+            depths.append(depths[parent] + 1)
+        else:
+            depths.append(0)
     return max(depths)
 
 
@@ -393,9 +435,9 @@ class Engine:
     were checked above it."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
-                 temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = 0, stop_ids=(),
-                 stop_strings=None, scheduler: str = "none", threshold: float = 0.0, buckets=None,
-                 ragged: Optional[bool] = None, compile: bool = False,
+                 temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = 0,
+                 stop_ids=(), stop_strings=None, scheduler: str = "none", threshold: float = 0.0,
+                 buckets=None, ragged: Optional[bool] = None, compile: bool = False,
                  compile_mode: Optional[str] = None, compile_verbose: bool = False,
                  kernels: str = "torch", num_drafts: Optional[int] = None, tree_budget: int = 0,
                  tree_temperature: float = 1.0):
@@ -429,7 +471,9 @@ class Engine:
             self.widths = record_widths(self.K, has_confidence)
         self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold,
                                          buckets=buckets, compiled=compile, device=self.device)
-        self.ragged = scheduler != "none" if ragged is None else ragged
+        self.ragged = ragged
+        if ragged is None:  # by default, a scheduled engine sends each row's own number of drafts
+            self.ragged = scheduler != "none"
         self.draft_fn = draft
         self.verify_fn = verify
         if compile:
@@ -437,7 +481,8 @@ class Engine:
             self.verify_fn = compiled(own_code(verify), self.device, compile_mode, compile_verbose)
         self.cuda_graphs = compile and self.device.type == "cuda"
         if compile and self.ragged:  # one verify graph per bucket, all expected
-            torch._dynamo.config.recompile_limit += len(self.scheduler.profile_points) + 1
+            graphs = len(self.scheduler.profile_points) + 1
+            torch._dynamo.config.recompile_limit += graphs
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.compile_seconds = 0.0
@@ -462,15 +507,17 @@ class Engine:
         if plan is not None:
             capacity = plan.tensor
             num_tokens = plan.num_tokens
+        carried = getattr(self.drafter, "carried", None)  # Eagle3's h at each row's last commit
         proposal = self.draft_fn(*rows, noise=chain_noise, temperature=self.temperature,
                                  filters=self.filters, schedule=self.scheduler, backend=self.backend,
                                  num_drafts=self.K, tree_budget=self.tree_budget,
                                  tree_temperature=self.tree_temperature, capacity=capacity,
-                                 carried=getattr(self.drafter, "carried", None))
+                                 carried=carried)
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
         if self.ragged and plan is None:  # the host read between the halves
-            n = int(torch.where(active, proposal.verify_len + 1, 0).sum())
+            sent = proposal.verify_len + 1  # [B] the anchor and ℓ drafts
+            n = int(torch.where(active, sent, 0).sum())
             num_tokens = self.scheduler.bucket(n)
             if verify_len is not None:  # profiling: exactly this size
                 num_tokens = n
@@ -481,15 +528,18 @@ class Engine:
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
         for m, mine in zip((self.target, self.drafter), self.caches):
-            if m is None or all(a is b for a, b in zip(caches(m), mine)):
+            if m is None:
+                continue
+            current = caches(m)
+            if all(a is b for a, b in zip(current, mine)):
                 continue
             m.register_buffer("rope", mine[0], persistent=False)
             for layer, kv in zip(m.layers, mine[1:]):
                 layer.self_attn.kv_cache = kv
-            if isinstance(m, Transformer):
-                m.max_batch, m.max_seq = mine[1].k.shape[:2]
             if hasattr(m, "carried"):
                 m.carried = mine[-1]
+            if isinstance(m, Transformer):
+                m.max_batch, m.max_seq = mine[1].k.shape[:2]
 
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None,
                  on_step=None):
@@ -524,8 +574,10 @@ class Engine:
                 draws = []
                 for i, req in zip(free, new):
                     generator = torch.Generator(device=self.device)
-                    rows.generators[i] = generator.manual_seed(self.seed + req.index)
-                    draws.append(sampling.exponential((V,), generator, self.device))
+                    seed = self.seed + req.index
+                    rows.generators[i] = generator.manual_seed(seed)
+                    first_race = sampling.exponential((V,), generator, self.device)
+                    draws.append(first_race)
                 noise = torch.stack(draws)
             index = torch.tensor(free, device=self.device)
             cache_rows = None
@@ -552,9 +604,9 @@ class Engine:
         active = rows.active()
         noise = None
         if self.temperature > 0:
-            generators = []  # the busy rows' (a free row's noise is a placeholder)
-            for generator, req in zip(rows.generators, rows.requests):
-                generators.append(generator if req is not None else None)
+            generators = list(rows.generators)  # a free row's noise is a placeholder
+            for i in rows.free():
+                generators[i] = None
             races = self.K  # one a draft; a tree's: one a node, the root's included
             if self.tree_budget:
                 races = self.tree_budget + 1
@@ -571,7 +623,10 @@ class Engine:
             rows.anchor_pos = rows.anchor_pos.clone()
         records = unpack(record, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
-            busy = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
+            busy = []  # the confidences of the rows holding a request
+            for rec, req in zip(records, rows.requests):
+                if req is not None:
+                    busy.append(rec.confidence)
             self.scheduler.observe(busy)
         for i, (req, rec) in enumerate(zip(rows.requests, records)):
             if req is None:
@@ -617,22 +672,32 @@ class Engine:
         """A round at position 0 filling `num_tokens` verify tokens (None: the engine's schedule), for
         compiling and profiling: throwaway noise, cache rows rewritten before they are read."""
         self.own_caches()
-        B, dev, W = self.max_batch, self.device, self.K + 1
-        zeros = torch.zeros(B, dtype=torch.long, device=dev)
+        B = self.max_batch
+        dev = self.device
+        W = self.K + 1  # a row's verify tokens at most
+        zeros = torch.zeros(B, dtype=torch.long, device=dev)  # every row's anchor ...
+        anchor_pos = zeros.clone()  # ... and its position
         noise = None
         if self.temperature > 0:
             generator = torch.Generator(device=dev).manual_seed(0)
-            races = self.tree_budget + 1 if self.tree_budget else self.K
-            noise = sampling.round_noise(generator, B, races, self.target.args.vocab_size, dev)
+            races = self.K  # one a draft; a tree's: one a node
+            if self.tree_budget:
+                races = self.tree_budget + 1
+            V = self.target.args.vocab_size
+            noise = sampling.round_noise(generator, B, races, V, dev)
         if num_tokens is None:
             inactive = torch.zeros(B, dtype=torch.bool, device=dev)
-            return self.round(zeros, zeros.clone(), inactive, noise)[0].tolist()
-        counts = (num_tokens - W * torch.arange(B, device=dev)).clamp(0, W)  # fill rows in order
+            record = self.round(zeros, anchor_pos, inactive, noise)[0]
+            return record.tolist()
+        starts = W * torch.arange(B, device=dev)  # rows filled in order
+        counts = (num_tokens - starts).clamp(0, W)
         plan = None
         if self.scheduler.kind == "async":
             plan = self.scheduler.fixed(num_tokens)
+        active = counts > 0
         verify_len = (counts - 1).clamp(min=0)
-        return self.round(zeros, zeros.clone(), counts > 0, noise, verify_len=verify_len, plan=plan)[0].tolist()
+        record = self.round(zeros, anchor_pos, active, noise, verify_len=verify_len, plan=plan)[0]
+        return record.tolist()
 
     def warmup(self):
         """Compile every graph a round can call before anything is timed."""
@@ -651,25 +716,29 @@ class Engine:
 
     def profile_sps(self, reps: int = 7) -> dict:
         """SPS(B): this engine's rounds per second at every profile point."""
-        best = sched.profile(self.dummy_round, self.scheduler.profile_points, lambda: sync(self.device), reps)
-        return dict(self.sps_identity(), seconds_per_step=best, steps_per_second=[1 / s for s in best])
+        points = self.scheduler.profile_points
+        best = sched.profile(self.dummy_round, points, lambda: sync(self.device), reps)
+        rates = [1 / s for s in best]
+        return dict(self.sps_identity(), seconds_per_step=best, steps_per_second=rates)
 
     def sps_identity(self) -> dict:
         """What an SPS table was measured for; a table is reused only where all of it matches."""
         from support.cli import device_name
 
         a = self.target.args
-        unique = {p.data_ptr(): p for p in self.target.parameters()}
+        unique = {p.data_ptr(): p for p in self.target.parameters()}  # tied weights once
         n = sum(p.numel() for p in unique.values())
-        drafter = self.drafter.cfg.describe() if self.drafter is not None else None
-        return {"device": device_name(self.device), "torch": torch.__version__,
-                "target": f"Qwen3 {n} parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-                          f"vocab {a.vocab_size}",
-                "drafter": drafter,
-                "dtype": str(self.target.embed_tokens.weight.dtype).replace("torch.", ""),
-                "batch_capacity": self.max_batch, "verify_width": self.K + 1, "sampling": self.temperature > 0,
-                "compiled": self.compiled, "buckets": self.scheduler.buckets,
-                "profile_points": self.scheduler.profile_points}
+        target = (f"Qwen3 {n} parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+                  f"vocab {a.vocab_size}")
+        drafter = None
+        if self.drafter is not None:
+            drafter = self.drafter.cfg.describe()
+        dtype = str(self.target.embed_tokens.weight.dtype).replace("torch.", "")
+        sampled = self.temperature > 0
+        return {"device": device_name(self.device), "torch": torch.__version__, "target": target,
+                "drafter": drafter, "dtype": dtype, "batch_capacity": self.max_batch,
+                "verify_width": self.K + 1, "sampling": sampled, "compiled": self.compiled,
+                "buckets": self.scheduler.buckets, "profile_points": self.scheduler.profile_points}
 
 
 # The Python API: load once, generate many times. Its arguments are the flags, checked once here.
@@ -683,26 +752,35 @@ def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device:
     return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration)
 
 
-def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *, max_seq: Optional[int] = None,
-                verbose: bool = True) -> Engine:
+def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
+                max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
     """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq` rows),
     compiled and warmed up when asked, its SPS table read or profiled."""
-    kind = s.scheduler if drafter is not None else "none"
-    if kind != "none" and (drafter is None or drafter.confidence_head is None):
-        flag = "--confidence-threshold" if s.confidence_threshold > 0 else f"--scheduler {kind}:"
+    kind = "none"  # nothing to schedule without a drafter
+    if drafter is not None:
+        kind = s.scheduler
+    if kind != "none" and drafter.confidence_head is None:
+        flag = f"--scheduler {kind}:"
+        if s.confidence_threshold > 0:
+            flag = "--confidence-threshold"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
     eagle3 = drafter is not None and drafter.cfg.layout == "eagle3"
     if s.draft_length is not None and not eagle3:
-        raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length is chosen; "
-                        f"{'a block drafter drafts its block' if drafter is not None else 'there is no --drafter'}")
+        why = "there is no --drafter"
+        if drafter is not None:
+            why = "a block drafter drafts its block"
+        raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length "
+                        f"is chosen; {why}")
     if s.tree_budget and drafter is None:
-        raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter (without one the "
-                        f"decoding is autoregressive)")
+        raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter "
+                        f"(without one the decoding is autoregressive)")
     if s.tree_budget and eagle3:
         raise UserError(f"--tree-budget {s.tree_budget}: an Eagle3 drafter drafts a chain of one-token steps; "
                         f"trees grow from a block drafter's distributions (DSpark or DFlash)")
-    batch = min(s.batch_size, len(prompts) * s.num_samples)
-    need = cache_length(max(map(len, prompts)), s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
+    requests = len(prompts) * s.num_samples
+    batch = min(s.batch_size, requests)
+    longest = max(map(len, prompts))
+    need = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
     max_seq = max(need, max_seq or 0)
     drawn = flags.sampling_for(m, s)
     device = m.target.embed_tokens.weight.device
@@ -711,19 +789,22 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *, ma
     if kind != "none":
         buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)
     stop_ids = () if s.ignore_eos else m.stop_ids
-    engine = Engine(m.target, drafter, batch_size=batch, max_seq=max_seq, temperature=drawn.temperature,
-                    filters=drawn.filters, seed=s.seed, stop_ids=stop_ids,
-                    stop_strings=StopStrings.build(m.tokenizer, s.stop), scheduler=kind,
-                    threshold=s.confidence_threshold, buckets=buckets, compile=s.compile, compile_mode=s.compile_mode,
-                    compile_verbose=s.verbose, kernels=s.kernels, num_drafts=s.draft_length,
-                    tree_budget=s.tree_budget, tree_temperature=s.tree_temperature)
+    stop_strings = StopStrings.build(m.tokenizer, s.stop)
+    engine = Engine(m.target, drafter, batch_size=batch, max_seq=max_seq,
+                    temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
+                    stop_ids=stop_ids, stop_strings=stop_strings, scheduler=kind,
+                    threshold=s.confidence_threshold, buckets=buckets, compile=s.compile,
+                    compile_mode=s.compile_mode, compile_verbose=s.verbose, kernels=s.kernels,
+                    num_drafts=s.draft_length, tree_budget=s.tree_budget,
+                    tree_temperature=s.tree_temperature)
     if s.compile:
         engine.warmup()
         if verbose:
             what = "autoregressive" if drafter is None else "speculative"
             print(f"compiled the {what} round in {engine.compile_seconds:.1f} s", file=sys.stderr)
     if kind in sched.SPS_KINDS:
-        engine.scheduler.set_sps(sched.load_or_profile(engine, s.sps_table, verbose=verbose))
+        sps = sched.load_or_profile(engine, s.sps_table, verbose=verbose)
+        engine.scheduler.set_sps(sps)
     return engine
 
 
@@ -739,10 +820,12 @@ class Completion:
     num_rounds: int
     acceptance_length: Optional[float]  # τ
     prompt_ids: list[int]
-    rounds: list[dict] = field(default_factory=list, repr=False)  # trace records (not in the output file)
+    # trace records (not in the output file)
+    rounds: list[dict] = field(default_factory=list, repr=False)
 
     def record(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rounds"}
+        names = [f.name for f in fields(self) if f.name != "rounds"]
+        return {name: getattr(self, name) for name in names}
 
 
 def completion(req: Request, m: Models, engine: Engine) -> Completion:
@@ -751,9 +834,12 @@ def completion(req: Request, m: Models, engine: Engine) -> Completion:
         text = m.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         if engine.stop_strings:
             text = engine.stop_strings.cut(text)
-    tau = metrics.acceptance_length(metrics.count([req], 0, engine.stop_ids))
-    return Completion(req.index, req.prompt, req.sample, text, list(req.output_ids), req.finish_reason,
-                      len(req.rounds), tau, list(req.prompt_ids), list(req.rounds))
+    counts = metrics.count([req], 0, engine.stop_ids)
+    tau = metrics.acceptance_length(counts)
+    return Completion(request=req.index, prompt=req.prompt, sample=req.sample, text=text,
+                      output_ids=list(req.output_ids), finish_reason=req.finish_reason,
+                      num_rounds=len(req.rounds), acceptance_length=tau,
+                      prompt_ids=list(req.prompt_ids), rounds=list(req.rounds))
 
 
 def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
@@ -761,12 +847,13 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
     requests = []
     for i in range(len(prompts) * num_samples):
         prompt = i // num_samples
-        requests.append(Request(i, prompts[prompt], prompt=prompt, sample=i % num_samples))
+        sample = i % num_samples
+        requests.append(Request(i, prompts[prompt], prompt=prompt, sample=sample))
     return requests
 
 
-def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, on_round=None, on_finish=None,
-           on_step=None) -> list[Completion]:
+def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, on_round=None,
+           on_finish=None, on_step=None) -> list[Completion]:
     """Every prompt num_samples times on `engine`: the driver of `generate` and of the command line.
     on_round(request, record) after each round of a request, on_finish(completion) as each ends."""
     requests = requests_for(prompts, s.num_samples)
@@ -783,7 +870,8 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
              thinking: bool = False, **settings) -> list[Completion]:
     """One Completion per prompt and sample, in order. `prompts`: one or a list of texts, token-id
     lists or conversations ([{"role", "content"}, ...]). Other arguments: `Settings` (the flags)."""
-    unknown = set(settings) - {f.name for f in fields(Settings)}
+    known = {f.name for f in fields(Settings)}
+    unknown = set(settings) - known
     if unknown:
         raise TypeError(f"generate() got unexpected keyword argument {sorted(unknown)[0]!r}")
     device = m.target.embed_tokens.weight.device
@@ -791,7 +879,9 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
     chat = auto_chat(chat, m.tokenizer)
     ids = []
     for i, p in enumerate(flags.prompt_list(prompts)):
-        ids.append(encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt, thinking=thinking))
+        prompt_ids = encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt,
+                            thinking=thinking)
+        ids.append(prompt_ids)
     check_prompts(ids, m.target, s.max_new_tokens, drafter=m.drafter)
     engine = make_engine(m, m.drafter, ids, s, verbose=False)
     return decode(m, ids, s, engine)
@@ -808,8 +898,9 @@ def run(args: Args) -> dict:
         args.drafter = resolve_checkpoint(args.drafter, "--drafter")
         flags.check_files(args)  # not inside the snapshots hub ids resolved to
     with runlog.logged_run(args, "speculate", "speculate.py") as log:
-        threads = flags.start(args.machine, s)
-        m = load_models(args.target, args.drafter, device=args.machine.device, dtype=args.machine.dtype,
+        machine = args.machine
+        threads = flags.start(machine, s)
+        m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
@@ -817,7 +908,8 @@ def run(args: Args) -> dict:
         engine = make_engine(m, m.drafter, prompts, s)
         if demo:  # the baseline first: the same engine without the drafter, as many cache rows
             report.show_prompt()
-            chain_only = replace(s, tree_budget=0, draft_length=None)  # what a drafter alone decides
+            # tree_budget and draft_length: what a drafter alone decides
+            chain_only = replace(s, tree_budget=0, draft_length=None)
             plain = make_engine(m, None, prompts, chain_only, max_seq=engine.max_seq)
             with report.decoding(plain, "autoregressive", files=False) as baseline:
                 decode(m, prompts, s, plain, on_round=baseline.on_round, on_finish=baseline.on_finish,
