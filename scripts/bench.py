@@ -523,6 +523,14 @@ def run(args: BenchArgs) -> list[dict]:
         else:
             drafter = random_drafter(target)
         name = f"{args.model} (random weights)"
+    if drafter is not None and drafter.cfg.layout == "eagle3":  # a loaded checkpoint says its kind only now
+        if args.reference:
+            raise UserError(f"--reference: the reference loop is a DSpark drafter's chain, and --drafter "
+                            f"{args.drafter} is an Eagle3 drafter")
+        if args.tree_budgets is not None:
+            raise UserError(f"--tree-budgets: --drafter {args.drafter} is an Eagle3 drafter, which drafts a "
+                            f"chain (trees grow from a block drafter)")
+        want_reference = False
     context = min([target.args.max_position_embeddings]
                   + ([drafter.cfg.layers.max_position_embeddings] if drafter is not None else []))
     if args.prompt_len + s.max_new_tokens > context:  # positions past it were never trained: not a benchmark

@@ -9,7 +9,7 @@ import warnings
 
 import bench
 import pytest
-from drafters import make_drafter, make_target
+from drafters import make_drafter, make_eagle3, make_target
 
 from support.checkpoint import random_drafter, random_target
 
@@ -115,6 +115,25 @@ def test_bad_flags(flags, needle, capsys):
     assert bench.main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_an_eagle3_checkpoint_is_timed_without_the_dspark_reference(tmp_path, capsys):
+    """A loaded Eagle3 drafter says its kind only once loaded: the reference loop (a DSpark chain's) is
+    left out unasked, and asked for, or with --tree-budgets, is one line."""
+    target = make_target(tmp_path / "t")
+    eagle3 = make_eagle3(tmp_path / "e", target)
+    out = tmp_path / "bench.json"
+    flags = ["--target", target, "--drafter", eagle3, "--no-compile", "--batch-sizes", "1",
+             "--prompt-len", "6", "--max-new-tokens", "12", "--repeats", "1"]
+    assert bench.main(flags + ["--out", str(out)]) == 0, capsys.readouterr().err
+    modes = [r["mode"] for r in json.load(open(out))["rows"]]
+    assert "reference" not in modes and "speculative" in modes, modes
+    for extra, needle in [(["--reference", "True"], "is an Eagle3 drafter"),
+                          (["--tree-budgets", "4"], "is an Eagle3 drafter, which drafts a chain")]:
+        capsys.readouterr()
+        assert bench.main(flags + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {extra[0]}") and needle in err and err.count("\n") == 1, err
 
 
 def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
