@@ -102,12 +102,14 @@ def figures_line(name: str, summary: dict, c: dict, engine) -> str:
 
 class Decoding:
     """One decode's callbacks (`speculate.decode`'s on_round / on_finish / on_step): the printer, the
-    trace and output files, W&B's watch; what finished, and the summary once it is over."""
+    trace and output files, a tqdm bar and W&B's running figures (a row under `<name>/` every `--log-every`
+    batch rounds and at the end); what finished, and the summary once it is over."""
 
     def __init__(self, report: "Report", engine, name: str, files: bool):
         self.report = report
         self.engine = engine
         self.name = name
+        self.log = report.log
         args = report.args
         self.trace_path = args.trace_file if files else None
         self.out_path = args.output_file if files else None
@@ -116,18 +118,35 @@ class Decoding:
         requests = len(report.prompts) * report.settings.num_samples
         self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests, report.settings.num_samples,
                                show=report.show)
-        bar = args.progress and requests > 1 and sys.stderr.isatty()
-        self.watch = runlog.DecodeWatch(report.log, name, engine.K, engine.stop_ids, requests, args.log_every,
-                                        lambda: engine.prefill_seconds + engine.decode_seconds, bar=bar)
         self.done: list = []  # completions, as they finish
         self.summary: Optional[dict] = None
         self.counts: Optional[dict] = None
+        # running sums of metrics.py's counts, for the bar and W&B while requests are in flight
+        self.stop = set(engine.stop_ids)
+        self.running = {"num_rounds": 0, "verified": 0, "committed": 0, "tokens": 0}
+        self.accepted_hist = [0] * (engine.K + 1)  # rounds that accepted 0 .. K drafts
+        self.seen: dict[int, int] = {}             # tokens of each request counted so far
+        self.steps = self.logged = 0
+        self.bar = None
+        if args.progress and requests > 1 and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
+            self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+        if self.log is not None:
+            self.log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
 
     def on_round(self, req, record: dict):
         if self.trace:
             self.trace.write(json.dumps(record, allow_nan=False) + "\n")
         self.printer.on_round(req)
-        self.watch.on_round(req, record)
+        accepted, verified, committed = metrics.round_counts(record, self.stop)
+        self.running["num_rounds"] += 1
+        self.running["verified"] += verified
+        self.running["committed"] += committed
+        self.running["tokens"] += len(req.output_ids) - self.seen.get(req.index, 0)
+        self.seen[req.index] = len(req.output_ids)
+        self.accepted_hist[min(accepted, self.engine.K)] += 1
 
     def on_finish(self, c):
         self.done.append(c)
@@ -138,10 +157,43 @@ class Decoding:
         if self.out:
             self.out.write(json.dumps(c.record(), ensure_ascii=False, allow_nan=False) + "\n")
             self.out.sync()
-        self.watch.on_finish(c.request, len(c.output_ids))
+        self.running["tokens"] += len(c.output_ids) - self.seen.pop(c.request, 0)
+        if self.bar is not None:
+            fig = self.figures()
+            tau = fig[f"{self.name}/acceptance_length"]
+            self.bar.set_postfix_str(f"{fig[f'{self.name}/tokens_per_second']:.1f} tok/s, "
+                                     f"τ={'-' if tau is None else f'{tau:.2f}'}", refresh=False)
+            self.bar.update(1)
 
     def on_step(self):
-        self.watch.on_step()
+        self.steps += 1
+        if self.log is not None and self.steps % self.report.args.log_every == 0:
+            self.log_figures()
+
+    def figures(self) -> dict:
+        """The running figures, under `<name>/`."""
+        seconds = self.engine.prefill_seconds + self.engine.decode_seconds
+        tokens = self.running["tokens"]
+        figures = {"round": self.steps, "requests_done": len(self.done), "tokens": tokens,
+                   "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+                   "acceptance_length": metrics.acceptance_length(self.running),
+                   "verified_per_round": metrics.verified_per_round(self.running)}
+        return {f"{self.name}/{k}": v for k, v in figures.items()}
+
+    def log_figures(self):
+        import numpy as np
+
+        hist = self.log.wandb.Histogram(np_histogram=(self.accepted_hist, np.arange(self.engine.K + 2) - 0.5))
+        figures = {k: v for k, v in self.figures().items() if v is not None}
+        self.log.log({**figures, f"{self.name}/accepted_length": hist})
+        self.logged = self.steps
+
+    def stop_watching(self):
+        """The last W&B row, if rounds ran since the previous one; the bar goes."""
+        if self.log is not None and self.steps > self.logged:
+            self.log_figures()
+        if self.bar is not None:
+            self.bar.close()
 
     def close(self, interrupted: bool):
         """Print and publish what finished, whole (a signal now acts after it)."""
@@ -236,7 +288,7 @@ class Report:
             d.abort()
             raise
         finally:
-            d.watch.close()
+            d.stop_watching()
         try:
             d.close(interrupted is not None)
         except Interrupted as e:  # a signal while the outputs were published: they are whole, then it acts

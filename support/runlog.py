@@ -1,7 +1,8 @@
 """What a run tells as it goes: Weights & Biases logging (`WandbFlags`, which every program's Args inherits),
-speculate.py's progress bar and figures (`DecodeWatch`). A W&B run starts before the work and always finishes:
-exit code 0, 2 after a UserError, 1 after another exception, 128 + the signal (the summary's `status` and `error`
-say which). wandb is imported only with --wandb."""
+a decode's summary, requests and files (`log_decode`; its running figures: report.Decoding), progress of long
+runs (`Lines`). A W&B run starts before the work and always finishes: exit code 0, 2 after a UserError, 1 after
+another exception, 128 + the signal (the summary's `status` and `error` say which). wandb is imported only with
+--wandb."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
-from support import metrics
 from support.cli import Interrupted, UserError, first_line, flat_fields
 from support.files import read_json
 
@@ -185,69 +185,6 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
 
 
 # speculate.py
-
-class DecodeWatch:
-    """speculate.py's observer of one decode (`Engine.generate`'s callbacks): running sums of metrics.py's
-    figures, a W&B row under `<name>/` every `every` batch rounds and at `close`; with `bar`, a tqdm bar."""
-
-    def __init__(self, log: Optional[Log], name: str, K: int, stop_ids, requests: int, every: int,
-                 seconds: Callable[[], float], bar: bool = False):
-        self.log, self.name, self.K, self.stop, self.every, self.seconds = log, name, K, set(stop_ids), every, seconds
-        self.steps = self.rounds = self.verified = self.committed = self.tokens = self.done = self.logged = 0
-        self.accepted_hist = [0] * (K + 1)  # rounds that accepted 0 .. K drafts
-        self.seen: dict[int, int] = {}      # tokens of each request counted so far
-        if bar:  # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
-            from tqdm import tqdm
-        self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True,
-                        leave=False) if bar else None
-        if log is not None:
-            log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
-
-    def on_round(self, req, rec: dict):
-        a, v, c = metrics.round_counts(rec, self.stop)
-        self.rounds, self.verified, self.committed = self.rounds + 1, self.verified + v, self.committed + c
-        self.accepted_hist[min(a, self.K)] += 1
-        self.tokens += len(req.output_ids) - self.seen.get(req.index, 0)
-        self.seen[req.index] = len(req.output_ids)
-
-    def on_step(self):
-        self.steps += 1
-        if self.log is not None and self.steps % self.every == 0:
-            self._log()
-
-    def on_finish(self, request: int, tokens: int):
-        """Request `request` ended with `tokens` output tokens."""
-        self.tokens += tokens - self.seen.pop(request, 0)
-        self.done += 1
-        if self.bar is not None:
-            fig = self.figures()
-            tau = fig[f"{self.name}/acceptance_length"]
-            self.bar.set_postfix_str(f"{fig[f'{self.name}/tokens_per_second']:.1f} tok/s, "
-                                     f"τ={'-' if tau is None else f'{tau:.2f}'}", refresh=False)
-            self.bar.update(1)
-
-    def figures(self) -> dict:
-        s = self.seconds()
-        return {f"{self.name}/{k}": v for k, v in (
-            ("round", self.steps), ("requests_done", self.done), ("tokens", self.tokens),
-            ("tokens_per_second", self.tokens / s if s > 0 else 0.0),
-            ("acceptance_length", self.committed / self.rounds if self.rounds else None),
-            ("verified_per_round", self.verified / self.rounds if self.rounds else None))}
-
-    def _log(self):
-        import numpy as np
-
-        hist = self.log.wandb.Histogram(np_histogram=(self.accepted_hist, np.arange(self.K + 2) - 0.5))
-        self.log.log({**{k: v for k, v in self.figures().items() if v is not None},
-                      f"{self.name}/accepted_length": hist})
-        self.logged = self.steps
-
-    def close(self):
-        if self.log is not None and self.steps > self.logged:
-            self._log()
-        if self.bar is not None:
-            self.bar.close()
-
 
 def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: list, tokenizer,
                files: dict[str, Optional[str]]):
