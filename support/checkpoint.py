@@ -145,6 +145,16 @@ def integer(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def check_layer_ids(ids, targets, source: str):
+    """target_layer_ids (each layer once) and num_target_layers (None: not given), as every drafter names them."""
+    if not (isinstance(ids, list) and ids and all(map(integer, ids))):
+        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
+    if targets is not None and not (integer(targets) and 1 <= targets <= LAYER_KEYS["num_hidden_layers"][2]):
+        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
+
+
 def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled: dict) -> DrafterConfig:
     """The drafter config from config.json and the weights (`tensors`, renamed; `spelled`: the file's names)."""
     layers = layer_args(cfg, source)
@@ -158,19 +168,14 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
         raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel, "
                         f"DFlashDraftModel or Qwen3Eagle3Model)")
-    v = {k: lookup(cfg, k, source) for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")}
-    block, ids, mask_id, depth = v.values()
-    for key, ok, want in (
-            ("block_size", integer(block) and 1 <= block <= MAX_BLOCK, f"an integer from 1 to {MAX_BLOCK}"),
-            ("target_layer_ids", isinstance(ids, list) and ids and all(map(integer, ids)), "a non-empty list of layer ids"),
-            ("mask_token_id", integer(mask_id) and 0 <= mask_id < layers.vocab_size,
-             f"an id below vocab_size {layers.vocab_size}"),
-            ("num_target_layers", depth is None or integer(depth) and 1 <= depth <= LAYER_KEYS["num_hidden_layers"][2],
-             "a layer count")):
-        if not ok:
-            raise UserError(f"{source}: {key!r} must be {want}, got {v[key]!r}")
-    if len(set(ids)) != len(ids):
-        raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
+    block, ids, mask_id, targets = (lookup(cfg, key, source)
+                                    for key in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers"))
+    if not (integer(block) and 1 <= block <= MAX_BLOCK):
+        raise UserError(f"{source}: 'block_size' must be an integer from 1 to {MAX_BLOCK}, got {block!r}")
+    check_layer_ids(ids, targets, source)
+    if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
+        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, "
+                        f"got {mask_id!r}")
 
     # Layout: Qwen3DSparkModel is DSpark's; a DFlashDraftModel z-lab's DFlash unless its config says DSpark.
     shift, projector = lookup(cfg, "shift_label", source, bool), lookup(cfg, "projector_type", source)
@@ -189,25 +194,29 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
 
     # Markov head: declared by markov_head_type, its weights exactly that type's; the rank is W1's.
     mtype = lookup(cfg, "markov_head_type", source)
-    mtype = None if mtype in ("none", "None", "") else mtype
+    if mtype in ("none", "None", ""):
+        mtype = None
     if mtype not in (None, *MARKOV_HEADS):
         raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_HEADS)})")
     declared, w1 = lookup(cfg, "markov_rank", source), tensors.get("markov_head.markov_w1.weight")
-    if mtype is not None and w1 is None:
-        raise UserError(f"{weights}: markov_head_type is {mtype!r} but the weights have no markov_w1 "
-                        f"(markov_head.markov_w1.weight or markov_w1.weight)")
-    if mtype is None and (heads := sorted(k for k in tensors if k.startswith("markov_head."))):
-        raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
-                        f"{source} declares none (markov_head_type)")
-    if mtype is None and (isinstance(declared, bool) or declared not in (None, 0)):
-        raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
-                        f"(and the weights have none)")
-    if mtype is not None and (w1.ndim != 2 or w1.shape[1] < 1):
-        raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
-                        f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
-    rank = w1.shape[1] if mtype is not None else 0
-    if mtype is not None and declared is not None and (not integer(declared) or declared != rank):
-        raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
+    rank = 0
+    if mtype is None:
+        if heads := sorted(k for k in tensors if k.startswith("markov_head.")):
+            raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
+                            f"{source} declares none (markov_head_type)")
+        if isinstance(declared, bool) or declared not in (None, 0):
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
+                            f"(and the weights have none)")
+    else:
+        if w1 is None:
+            raise UserError(f"{weights}: markov_head_type is {mtype!r} but the weights have no markov_w1 "
+                            f"(markov_head.markov_w1.weight or markov_w1.weight)")
+        if w1.ndim != 2 or w1.shape[1] < 1:
+            raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
+                            f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
+        rank = w1.shape[1]
+        if declared is not None and (not integer(declared) or declared != rank):
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
     if (norm := tensors.get("norm.weight")) is not None and list(norm.shape) != [layers.hidden_size]:
         raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
                         f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
@@ -217,24 +226,26 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     with_markov = lookup(cfg, "confidence_head_with_markov", source, bool)
     proj = tensors.get("confidence_head.proj.weight")
     name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
-    if conf and proj is None:
-        raise UserError(f"{weights}: the confidence head is enabled in {source} but the weights "
-                        "have no confidence_head.proj.weight (or confidence_proj.weight)")
     if proj is not None and not conf:
         raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, but {source} does not enable one "
                         f"(enable_confidence_head / use_confidence_head)")
-    if conf and proj.ndim != 2:
-        raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
-                        f"[1, features]")
-    by_weights = bool(conf) and rank > 0 and proj.shape[-1] == layers.hidden_size + rank
-    if conf and with_markov and mtype is None:
-        raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
-    if conf and with_markov is not None and with_markov != by_weights:
-        raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
-                        f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
+    by_weights = False
+    if conf:
+        if proj is None:
+            raise UserError(f"{weights}: the confidence head is enabled in {source} but the weights "
+                            "have no confidence_head.proj.weight (or confidence_proj.weight)")
+        if proj.ndim != 2:
+            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
+                            f"[1, features]")
+        by_weights = rank > 0 and proj.shape[-1] == layers.hidden_size + rank
+        if with_markov and mtype is None:
+            raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+        if with_markov is not None and with_markov != by_weights:
+            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
+                            f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
     if layout == "dflash" and (mtype or conf):
         raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
-    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, depth)
+    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, targets)
 
 
 def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
@@ -243,19 +254,15 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
     for key in ("target_layer_ids", "ttt_length"):
         if key not in cfg:
             raise UserError(f"{source}: missing key {key!r} (an Eagle3 drafter's config names it)")
-    ids = cfg["target_layer_ids"]
-    if not isinstance(ids, list) or not ids or not all(map(integer, ids)):
-        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
-    if ids != sorted(set(ids)):
+    ids, targets = cfg["target_layer_ids"], cfg.get("num_target_layers")
+    check_layer_ids(ids, targets, source)
+    if ids != sorted(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} must be strictly increasing")
     gamma = checked(cfg, "ttt_length", source, int, 1, MAX_BLOCK)
     depth = cfg.get("draft_num_hidden_layers", layers.num_hidden_layers)
     if depth != 1:
         raise UserError(f"{source}: an Eagle3 drafter has one layer (draft_num_hidden_layers / num_hidden_layers), "
                         f"got {depth!r}")
-    targets = cfg.get("num_target_layers")
-    if targets is not None and not (integer(targets) and targets >= 1):
-        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
     one_layer = replace(layers, num_hidden_layers=1)
     return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, targets)
 
@@ -493,24 +500,29 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",
                    rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
     """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
-    t, w = target.args, target.embed_tokens.weight
-    ids = tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))  # 1, 9, .., 33 at 36 layers
-    cfg = DrafterConfig(replace(t, num_hidden_layers=num_layers), block_size, ids, t.vocab_size - 1, "dspark", markov,
-                        rank if markov else 0, confidence, confidence and markov is not None)
-    with torch.device("meta"):
-        drafter = Drafter(cfg)
-    drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
-    attach(drafter, target)
-    return drafter.eval().requires_grad_(False)
+    t = target.args
+    cfg = DrafterConfig(replace(t, num_hidden_layers=num_layers), block_size, five_layers(t), t.vocab_size - 1,
+                        "dspark", markov, rank if markov else 0, confidence, confidence and markov is not None)
+    return random_weights(Drafter, cfg, target, seed)
 
 
 def random_eagle3(target: Transformer, ttt_length: int = 7, seed: int = 1) -> Eagle3Drafter:
     """An Eagle3 drafter shaped like DeepSpec's (one layer, five captured layers, a chain of 7)."""
-    t, w = target.args, target.embed_tokens.weight
-    ids = tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))  # 1, 9, .., 33 at 36 layers
-    cfg = DrafterConfig(replace(t, num_hidden_layers=1), ttt_length, ids, 0, "eagle3", None, 0, False, False)
+    t = target.args
+    cfg = DrafterConfig(replace(t, num_hidden_layers=1), ttt_length, five_layers(t), 0, "eagle3", None, 0, False, False)
+    return random_weights(Eagle3Drafter, cfg, target, seed)
+
+
+def five_layers(t: ModelArgs) -> tuple[int, ...]:
+    """The target layers the published drafters capture: five, spread out (1, 9, .., 33 at 36 layers)."""
+    return tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))
+
+
+def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer, seed: int) -> Drafter:
+    """A drafter of `cfg` with random weights, in the target's dtype on its device, attached to it."""
+    w = target.embed_tokens.weight
     with torch.device("meta"):
-        drafter = Eagle3Drafter(cfg)
+        drafter = drafter_class(cfg)
     drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
     attach(drafter, target)
     return drafter.eval().requires_grad_(False)
