@@ -33,11 +33,10 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
     drafts 1..j and verified j+1 (`tried`) and that accepted 1..j+1 (`ok`). A tree's positions are its depths:
     it verified position j when it reached depth j + 1."""
     stop = set(stop_ids)
-    c = {key: 0 for key in COUNT_KEYS}
+    c = dict.fromkeys(COUNT_KEYS, 0)
     c["num_samples"] = len(requests)
-    c["verified_at"] = [0] * K
-    c["accepted_at"] = [0] * K
-    c["tried"] = [0] * K
+    for key in ("verified_at", "accepted_at", "tried"):
+        c[key] = [0] * K
     for r in requests:
         c["tokens"] += len(r.output_ids)
         for rd in r.rounds:

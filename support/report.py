@@ -115,7 +115,7 @@ class Decoding:
         self.out_path = args.output_file if files else None
         self.trace = StreamFile(self.trace_path) if self.trace_path else None
         self.out = StreamFile(self.out_path) if self.out_path else None
-        requests = len(report.prompts) * report.settings.num_samples
+        requests = report.requests
         self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests, report.settings.num_samples,
                                show=report.show)
         self.done: list = []  # completions, as they finish
@@ -202,8 +202,7 @@ class Decoding:
             self.printer.finish(done)
             summary, counts = summarize(done, self.engine, self.report.settings.scheduler)
             if interrupted:
-                summary.update(interrupted=True, finished_requests=len(done),
-                               requests=len(self.report.prompts) * self.report.settings.num_samples)
+                summary.update(interrupted=True, finished_requests=len(done), requests=self.report.requests)
             if self.trace:
                 self.trace.write(json.dumps(summary) + "\n")
                 self.trace.close()
@@ -230,6 +229,7 @@ class Report:
         self.settings = settings
         self.models = models
         self.prompts = prompts
+        self.requests = len(prompts) * settings.num_samples  # each prompt sampled num_samples times
         self.log = log
         self.demo = demo
         self.show = 1 if lead else None  # the demo prints its lead prompt's completion only
@@ -253,7 +253,7 @@ class Report:
                         dtype_resolved=str(m.dtype).removeprefix("torch."), threads_resolved=int(threads.split()[1]),
                         scheduler_resolved=s.scheduler, chat_resolved=args.rendering.chat, compile_resolved=s.compile,
                         sampling=sampling, num_prompts=len(self.prompts),
-                        num_requests=len(self.prompts) * s.num_samples,
+                        num_requests=self.requests,
                         target_config=runlog.checkpoint_config(m.directories[0]),
                         drafter_config=runlog.checkpoint_config(m.directories[1]), drafter_resolved=drafter)
 

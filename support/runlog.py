@@ -52,16 +52,18 @@ def parse_tags(text: Optional[str]) -> Optional[list[str]]:
     return tags
 
 
+NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags")  # WandbFlags' strings
+
+
 def check(args):
     """The --wandb-* flags, before any work: each needs --wandb, none empty, a project name W&B accepts."""
-    given = [f for f in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags",
-                         "wandb_artifacts") if getattr(args, f, None)]
+    given = [f for f in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, f, None)]
     if given and not args.wandb:
         raise UserError(f"--{given[0].replace('_', '-')}: needs --wandb")
     fields = getattr(type(args), "__dataclass_fields__", {})
     if not args.wandb and "log_every" in fields and args.log_every != fields["log_every"].default:
         raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, it changes nothing")
-    for f in ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags"):
+    for f in NAMING_FLAGS:
         value = getattr(args, f)
         if value is not None and not value.strip():
             raise UserError(f"--{f.replace('_', '-')}: empty")
