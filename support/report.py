@@ -159,10 +159,10 @@ class Decoding:
             self.out.sync()
         self.running["tokens"] += len(c.output_ids) - self.seen.pop(c.request, 0)
         if self.bar is not None:
-            fig = self.figures()
-            tau = fig[f"{self.name}/acceptance_length"]
-            self.bar.set_postfix_str(f"{fig[f'{self.name}/tokens_per_second']:.1f} tok/s, "
-                                     f"τ={'-' if tau is None else f'{tau:.2f}'}", refresh=False)
+            figures = self.figures()
+            tau = figures["acceptance_length"]
+            tau_text = "-" if tau is None else f"{tau:.2f}"
+            self.bar.set_postfix_str(f"{figures['tokens_per_second']:.1f} tok/s, τ={tau_text}", refresh=False)
             self.bar.update(1)
 
     def on_step(self):
@@ -171,20 +171,19 @@ class Decoding:
             self.log_figures()
 
     def figures(self) -> dict:
-        """The running figures, under `<name>/`."""
+        """The figures of the rounds so far (W&B's rows, the bar's)."""
         seconds = self.engine.prefill_seconds + self.engine.decode_seconds
         tokens = self.running["tokens"]
-        figures = {"round": self.steps, "requests_done": len(self.done), "tokens": tokens,
-                   "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
-                   "acceptance_length": metrics.acceptance_length(self.running),
-                   "verified_per_round": metrics.verified_per_round(self.running)}
-        return {f"{self.name}/{k}": v for k, v in figures.items()}
+        return {"round": self.steps, "requests_done": len(self.done), "tokens": tokens,
+                "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+                "acceptance_length": metrics.acceptance_length(self.running),
+                "verified_per_round": metrics.verified_per_round(self.running)}
 
     def log_figures(self):
         import numpy as np
 
         hist = self.log.wandb.Histogram(np_histogram=(self.accepted_hist, np.arange(self.engine.K + 2) - 0.5))
-        figures = {k: v for k, v in self.figures().items() if v is not None}
+        figures = {f"{self.name}/{k}": v for k, v in self.figures().items() if v is not None}
         self.log.log({**figures, f"{self.name}/accepted_length": hist})
         self.logged = self.steps
 
