@@ -39,13 +39,24 @@ LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")  # DeepSpec's name, and its evaluator's alias
 
 
+def integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is no count
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def checked(cfg: dict, key: str, source: str, kind=int, lo=None, hi=None):
     """cfg[key] of `kind` inside [lo, hi]; else one line naming the key."""
     v = cfg[key]
     if kind is bool and not isinstance(v, bool):
         raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
-    number = not isinstance(v, bool) and isinstance(v, (int,) if kind is int else (int, float))
-    if kind is not bool and not (number and lo <= v <= hi):
+    if kind is int:
+        ok = integer(v)
+    else:
+        ok = number(v)
+    if kind is not bool and not (ok and lo <= v <= hi):
         what = "an integer" if kind is int else "a number"
         raise UserError(f"{source}: key {key!r} must be {what} from {lo:g} to {hi:g}, got {v!r}")
     return kind(v)
@@ -101,7 +112,7 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
 def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
     """eos_token_id: an id or a list of ids, each inside the vocabulary."""
     vals = [] if v is None else v if isinstance(v, list) else [v]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size for x in vals):
+    if not all(integer(x) and 0 <= x < vocab_size for x in vals):
         raise UserError(f"{source}: key 'eos_token_id' must be a token id below vocab_size {vocab_size} or a list of "
                         f"them, got {v!r}")
     return tuple(vals)
@@ -139,10 +150,6 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
         raise UserError(f"{source}: conflicting values for {key!r}: " + ", ".join(f"{w}={v!r}" for w, v in found.items()))
     v = values[0] if values else None
     return checked({key: v}, key, source, bool) if kind is bool and v is not None else v
-
-
-def integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_layer_ids(ids, targets, source: str):
@@ -581,8 +588,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
         temps, K = read_json(calibration).get("temperatures"), d.cfg.num_drafts
         lo, hi = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max  # applied in float32
-        if not isinstance(temps, list) or len(temps) != K or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and lo <= x <= hi for x in temps):
+        if not isinstance(temps, list) or len(temps) != K or not all(number(x) and lo <= x <= hi for x in temps):
             raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers from {lo:.3g} to "
                             f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
         d.calibrate(temps)
@@ -619,7 +625,7 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
     for key, (valid, ok) in GENERATION_KEYS.items():
         if (v := cfg.get(key)) is None:
             continue
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf") and ok(v)):
+        if not (number(v) and abs(v) < float("inf") and ok(v)):
             raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
         out[key] = max(int(v), 0) if key == "top_k" else float(v)
     return out, path
