@@ -47,9 +47,8 @@ def number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def checked(cfg: dict, key: str, source: str, kind=int, lo=None, hi=None):
-    """cfg[key] of `kind` inside [lo, hi]; else one line naming the key."""
-    v = cfg[key]
+def checked(v, key: str, source: str, kind=int, lo=None, hi=None):
+    """`key`'s value `v`, of `kind` inside [lo, hi]; else one line naming the key."""
     if kind is bool and not isinstance(v, bool):
         raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
     if kind is int:
@@ -81,7 +80,7 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
     out = {}
     for key, (kind, lo, hi, default) in LAYER_KEYS.items():
         if cfg.get(key) is not None or (key in cfg and default is not HALF):
-            out[key] = checked(cfg, key, source, kind, lo, hi)
+            out[key] = checked(cfg[key], key, source, kind, lo, hi)
         elif default is REQUIRED:
             where = " (top-level or in rope_parameters)" if key == "rope_theta" else ""
             raise UserError(f"{source}: missing key {key!r}{where}")
@@ -102,7 +101,7 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
                         f": quantized checkpoints are not supported (use the unquantized one)")
     if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
         raise UserError(f"{source}: layer_types other than full_attention are not supported")
-    if cfg.get("use_sliding_window") is not None and checked(cfg, "use_sliding_window", source, bool):
+    if cfg.get("use_sliding_window") is not None and checked(cfg["use_sliding_window"], "use_sliding_window", source, bool):
         raise UserError(f"{source}: use_sliding_window=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
@@ -149,7 +148,7 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
     if any(type(v) is not type(values[0]) or v != values[0] for v in values[1:]):  # 4 and 4.0 disagree
         raise UserError(f"{source}: conflicting values for {key!r}: " + ", ".join(f"{w}={v!r}" for w, v in found.items()))
     v = values[0] if values else None
-    return checked({key: v}, key, source, bool) if kind is bool and v is not None else v
+    return checked(v, key, source, bool) if kind is bool and v is not None else v
 
 
 def check_layer_ids(ids, targets, source: str):
@@ -177,8 +176,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
                         f"DFlashDraftModel or Qwen3Eagle3Model)")
     block, ids, mask_id, targets = (lookup(cfg, key, source)
                                     for key in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers"))
-    if not (integer(block) and 1 <= block <= MAX_BLOCK):
-        raise UserError(f"{source}: 'block_size' must be an integer from 1 to {MAX_BLOCK}, got {block!r}")
+    block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
     check_layer_ids(ids, targets, source)
     if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
         raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, "
@@ -265,7 +263,7 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
     check_layer_ids(ids, targets, source)
     if ids != sorted(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} must be strictly increasing")
-    gamma = checked(cfg, "ttt_length", source, int, 1, MAX_BLOCK)
+    gamma = checked(cfg["ttt_length"], "ttt_length", source, int, 1, MAX_BLOCK)
     depth = cfg.get("draft_num_hidden_layers", layers.num_hidden_layers)
     if depth != 1:
         raise UserError(f"{source}: an Eagle3 drafter has one layer (draft_num_hidden_layers / num_hidden_layers), "
@@ -619,7 +617,7 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
     if not optional_file(path):
         return None, None
     cfg = read_json(path)
-    if not checked({"do_sample": cfg.get("do_sample", False)}, "do_sample", path, bool):
+    if not checked(cfg.get("do_sample", False), "do_sample", path, bool):
         return None, path
     out = {"temperature": 1.0}
     for key, (valid, ok) in GENERATION_KEYS.items():
