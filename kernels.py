@@ -356,6 +356,16 @@ def _round_to(x, CODE: tl.constexpr):
     return x
 
 
+def _first_max(values, indices, mask):
+    """The largest of `values` where `mask` holds, and the first of `indices` there holding it (as
+    torch.argmax picks among ties)."""
+    values = tl.where(mask, values, float("-inf"))
+    best = tl.max(values, axis=0)
+    is_best = mask & (values == best)
+    candidates = tl.where(is_best, indices, 2147483647)
+    return best, tl.min(candidates, axis=0)
+
+
 def _markov_partial_kernel(u_ptr, u_off, s_u,
                            chain_ptr, s_chain, k,
                            w1_ptr, s_w1,
@@ -404,10 +414,7 @@ def _markov_partial_kernel(u_ptr, u_off, s_u,
         key = z / temperature - tl.log(noise)
     else:
         key = z
-    key = tl.where(cmask, key, float("-inf"))
-    best = tl.max(key, axis=0)
-    candidates = tl.where(key == best, cols, 2147483647)
-    idx = tl.min(candidates, axis=0)  # the first index of the best
+    best, idx = _first_max(key, cols, cmask)
     tile = b * n_tiles + t
     tl.store(pval_ptr + tile, best)
     tl.store(pidx_ptr + tile, idx)
@@ -421,12 +428,9 @@ def _markov_reduce_kernel(pval_ptr, pidx_ptr, n_tiles,
     ts = tl.arange(0, BLOCK_T)
     tmask = ts < n_tiles
     tiles = b * n_tiles + ts
-    val = tl.load(pval_ptr + tiles, mask=tmask, other=float("-inf"))
-    idx = tl.load(pidx_ptr + tiles, mask=tmask, other=2147483647)
-    best = tl.max(val, axis=0)
-    is_best = tmask & (val == best)
-    candidates = tl.where(is_best, idx, 2147483647)
-    x = tl.min(candidates, axis=0)
+    val = tl.load(pval_ptr + tiles, mask=tmask)
+    idx = tl.load(pidx_ptr + tiles, mask=tmask)
+    _, x = _first_max(val, idx, tmask)
     x_ptr = chain_ptr + b * s_chain + k + 1
     tl.store(x_ptr, x.to(tl.int64))
 
@@ -543,11 +547,7 @@ def _verify_sampled_race_kernel(logits_ptr, s_lrow,
     noise = tl.load(noise_row + cols, mask=cmask, other=1.0)
     tile = b * n_tiles + t
     pair = tile * 2  # the tile's (bonus, correction) winners
-    key_p = tl.where(cmask, p / noise, float("-inf"))
-    best_p = tl.max(key_p, axis=0)
-    is_best_p = cmask & (key_p == best_p)
-    candidates_p = tl.where(is_best_p, cols, 2147483647)
-    idx_p = tl.min(candidates_p, axis=0)
+    best_p, idx_p = _first_max(p / noise, cols, cmask)
     tl.store(pval_ptr + pair, best_p)
     tl.store(pidx_ptr + pair, idx_p)
     if HAS_Q:
@@ -556,11 +556,7 @@ def _verify_sampled_race_kernel(logits_ptr, s_lrow,
         q = tl.load(q_row + cols, mask=cmask, other=0.0).to(tl.float32)
         residual = tl.maximum(p - q, 0.0)
         r = tl.where(cmask, residual, 0.0)
-        key_r = tl.where(cmask, r / noise, float("-inf"))
-        best_r = tl.max(key_r, axis=0)
-        is_best_r = cmask & (key_r == best_r)
-        candidates_r = tl.where(is_best_r, cols, 2147483647)
-        idx_r = tl.min(candidates_r, axis=0)
+        best_r, idx_r = _first_max(r / noise, cols, cmask)
         mass = tl.sum(r, axis=0)
         tl.store(pval_ptr + pair + 1, best_r)
         tl.store(pidx_ptr + pair + 1, idx_r)
@@ -578,20 +574,14 @@ def _verify_sampled_pick_kernel(pval_ptr, pidx_ptr, rsum_ptr, stat_ptr,
     tmask = ts < n_tiles
     tiles = b * n_tiles + ts
     pairs = tiles * 2  # the tiles' (bonus, correction) winners
-    val_p = tl.load(pval_ptr + pairs, mask=tmask, other=float("-inf"))
-    idx_p = tl.load(pidx_ptr + pairs, mask=tmask, other=2147483647)
-    best_p = tl.max(val_p, axis=0)
-    is_best_p = tmask & (val_p == best_p)
-    candidates_p = tl.where(is_best_p, idx_p, 2147483647)
-    x_p = tl.min(candidates_p, axis=0)
+    val_p = tl.load(pval_ptr + pairs, mask=tmask)
+    idx_p = tl.load(pidx_ptr + pairs, mask=tmask)
+    _, x_p = _first_max(val_p, idx_p, tmask)
     x = x_p
     if HAS_Q:
-        val_r = tl.load(pval_ptr + pairs + 1, mask=tmask, other=float("-inf"))
-        idx_r = tl.load(pidx_ptr + pairs + 1, mask=tmask, other=2147483647)
-        best_r = tl.max(val_r, axis=0)
-        is_best_r = tmask & (val_r == best_r)
-        candidates_r = tl.where(is_best_r, idx_r, 2147483647)
-        x_r = tl.min(candidates_r, axis=0)
+        val_r = tl.load(pval_ptr + pairs + 1, mask=tmask)
+        idx_r = tl.load(pidx_ptr + pairs + 1, mask=tmask)
+        _, x_r = _first_max(val_r, idx_r, tmask)
         tile_mass = tl.load(rsum_ptr + tiles, mask=tmask, other=0.0)
         mass = tl.sum(tile_mass, axis=0)
         rejected_ptr = stat_ptr + b * 3 + 2
@@ -689,7 +679,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr,
         tl.store(out_ptrs, out, mask=rmask)
 
 
-TRITON_SOURCES = ("_round_to", "_markov_partial_kernel", "_markov_reduce_kernel",
+TRITON_SOURCES = ("_round_to", "_first_max", "_markov_partial_kernel", "_markov_reduce_kernel",
                   "_rows_softmax_partial_kernel", "_verify_sampled_accept_kernel",
                   "_verify_sampled_race_kernel", "_verify_sampled_pick_kernel",
                   "_cached_attention_kernel")
@@ -712,7 +702,7 @@ _PLAIN = {name: globals()[name] for name in TRITON_SOURCES}
 
 def _build_triton_kernels() -> dict:
     """triton.jit the kernel sources, once, in the mode triton was imported in (the kernels call
-    `_round_to` by name, so the jitted helper replaces the module's)."""
+    their helpers by name, so the jitted sources replace the module's)."""
     if not _TRITON_KERNELS and _import_triton():
         saved = os.environ.get("TRITON_INTERPRET")
         # read by triton.jit
@@ -720,7 +710,7 @@ def _build_triton_kernels() -> dict:
         try:
             jitted = {name: triton.jit(_PLAIN[name]) for name in TRITON_SOURCES}
             _TRITON_KERNELS.update(jitted)
-            globals()["_round_to"] = _TRITON_KERNELS["_round_to"]
+            globals().update(jitted)
         finally:
             if saved is None:
                 del os.environ["TRITON_INTERPRET"]
