@@ -133,20 +133,33 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     # 5. Commit: the drafter's context gains rows a .. a+K; those past a+n are masked next round,
     # then overwritten. The target's rows past a+n are rolled back by moving the anchor alone.
     if drafter is not None:
-        bonus = next_token[:, None]  # [B, 1]
-        ahead = torch.cat([drafts, bonus], dim=1)  # [B, K+1]
-        kept = steps < accepted[:, None]
-        following = torch.where(kept, ahead, bonus)  # the token after each one
-        drafter.commit_context(features, positions, following, accepted)
+        commit_drafter(drafter, features, positions, drafts, accepted, next_token)
     rows = torch.arange(B, device=device)
     committed_logit = logits[rows, accepted, next_token]  # [B]
     finite = torch.isfinite(committed_logit)
     record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
+    next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
+    return record, next_anchor, next_pos
+
+
+def commit_drafter(drafter, features, positions, drafts, accepted, next_token):
+    """The drafter's context gains the verified positions [B, K+1], each with the token after it:
+    the next draft while it was accepted, then the bonus."""
+    bonus = next_token[:, None]  # [B, 1]
+    ahead = torch.cat([drafts, bonus], dim=1)  # [B, K+1]
+    steps = torch.arange(ahead.shape[1], device=ahead.device)
+    kept = steps < accepted[:, None]
+    following = torch.where(kept, ahead, bonus)
+    drafter.commit_context(features, positions, following, accepted)
+
+
+def advance(active, anchor, anchor_pos, accepted, next_token):
+    """The next round's anchors and their positions: an active row's bonus, after its accepted drafts."""
     next_anchor = torch.where(active, next_token, anchor)
     bonus_pos = anchor_pos + accepted + 1
     next_pos = torch.where(active, bonus_pos, anchor_pos)
-    return record, next_anchor, next_pos
+    return next_anchor, next_pos
 
 
 def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature,
@@ -179,12 +192,8 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     path_slots = anchor_pos[:, None] + path  # where the tree pass wrote the path's K/V
     target.move_cache(path_slots, committed)
     path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
-    bonus = next_token[:, None]  # [B, 1]
-    ahead = torch.cat([path_tokens[:, 1:], bonus], dim=1)
-    kept = steps < accepted[:, None]
-    following = torch.where(kept, ahead, bonus)  # the token after each one
     path_features = features[rows[:, None], path]
-    drafter.commit_context(path_features, committed, following, accepted)
+    commit_drafter(drafter, path_features, committed, path_tokens[:, 1:], accepted, next_token)
     last = path[rows, accepted]  # the last accepted node
     committed_logit = logits[rows, last, next_token]  # [B]
     finite = torch.isfinite(committed_logit)
@@ -193,9 +202,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
     record = pack_record(drafts=nodes, verified=reached, accepted=accepted, bonus=next_token,
                          finite=finite, parents=parents, path=path[:, 1:])
-    next_anchor = torch.where(active, next_token, anchor)
-    bonus_pos = anchor_pos + accepted + 1
-    next_pos = torch.where(active, bonus_pos, anchor_pos)
+    next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
     return record, next_anchor, next_pos
 
 
@@ -246,24 +253,14 @@ def unpack(record: torch.Tensor, widths: dict) -> list[RoundRecord]:
         for name, width in widths.items():
             values[name] = r[at:at + width]
             at += width
-        drafts = [int(x) for x in values["drafts"]]
-        confidence = values["confidence"] or None
-        parents = values.get("parents")  # a tree's columns
-        if parents is not None:
-            parents = [int(x) for x in parents]
-        path = values.get("path")
-        if path is not None:
-            path = [int(x) for x in path]
-        rows.append(RoundRecord(
-            drafts=drafts,
-            verified=int(values["verified"][0]),
-            accepted=int(values["accepted"][0]),
-            bonus=int(values["bonus"][0]),
-            finite=bool(values["finite"][0]),
-            confidence=confidence,
-            parents=parents,
-            path=path,
-        ))
+        for name in ("drafts", "parents", "path"):  # token and node columns (a tree's: the last two)
+            if name in values:
+                values[name] = [int(x) for x in values[name]]
+        for name in ("verified", "accepted", "bonus"):
+            values[name] = int(values[name][0])
+        values["finite"] = bool(values["finite"][0])
+        values["confidence"] = values["confidence"] or None
+        rows.append(RoundRecord(**values))
     return rows
 
 
@@ -464,6 +461,9 @@ class Engine:
             self.K = num_drafts or drafter.cfg.num_drafts
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
+        self.races = self.K  # a sampled round's races: one a draft; a tree's: one a node, the root's included
+        if tree_budget:
+            self.races = tree_budget + 1
         has_confidence = drafter is not None and drafter.confidence_head is not None
         if tree_budget:  # a record holds the tree's nodes, their parents and the accepted path
             self.widths = record_widths(tree_budget, False, self.K)
@@ -607,11 +607,8 @@ class Engine:
             generators = list(rows.generators)  # a free row's noise is a placeholder
             for i in rows.free():
                 generators[i] = None
-            races = self.K  # one a draft; a tree's: one a node, the root's included
-            if self.tree_budget:
-                races = self.tree_budget + 1
             V = self.target.args.vocab_size
-            noise = sampling.rows_noise(generators, races, V, self.device)
+            noise = sampling.rows_noise(generators, self.races, V, self.device)
         plan = None
         if self.scheduler.kind == "async":
             plan = self.scheduler.plan(sum(rows.live))
@@ -680,22 +677,18 @@ class Engine:
         noise = None
         if self.temperature > 0:
             generator = torch.Generator(device=dev).manual_seed(0)
-            races = self.K  # one a draft; a tree's: one a node
-            if self.tree_budget:
-                races = self.tree_budget + 1
             V = self.target.args.vocab_size
-            noise = sampling.round_noise(generator, B, races, V, dev)
-        if num_tokens is None:
-            inactive = torch.zeros(B, dtype=torch.bool, device=dev)
-            record = self.round(zeros, anchor_pos, inactive, noise)[0]
-            return record.tolist()
-        starts = W * torch.arange(B, device=dev)  # rows filled in order
-        counts = (num_tokens - starts).clamp(0, W)
+            noise = sampling.round_noise(generator, B, self.races, V, dev)
+        active = torch.zeros(B, dtype=torch.bool, device=dev)
+        verify_len = None
         plan = None
-        if self.scheduler.kind == "async":
-            plan = self.scheduler.fixed(num_tokens)
-        active = counts > 0
-        verify_len = (counts - 1).clamp(min=0)
+        if num_tokens is not None:
+            starts = W * torch.arange(B, device=dev)  # rows filled in order
+            counts = (num_tokens - starts).clamp(0, W)
+            active = counts > 0
+            verify_len = (counts - 1).clamp(min=0)
+            if self.scheduler.kind == "async":
+                plan = self.scheduler.fixed(num_tokens)
         record = self.round(zeros, anchor_pos, active, noise, verify_len=verify_len, plan=plan)[0]
         return record.tolist()
 
