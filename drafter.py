@@ -21,10 +21,8 @@ from model import (
     Transformer,
     attend,
     attended_length,
-    cache_bias,
-    fold_gqa,
+    cache_mask,
     make_caches,
-    rope_table,
 )
 
 
@@ -144,13 +142,17 @@ class ConfidenceHead(nn.Module):
 
 
 class DrafterBase(nn.Module):
-    """What both drafters share: the target's embedding and lm_head, read through `target` and kept
-    out of the drafter's parameters, and the layers' caches with their RoPE table."""
+    """What both drafters share: the projection of the target's captured features (`fc`), the
+    target's embedding and lm_head, read through `target` and kept out of the drafter's parameters,
+    and the layers' caches with their RoPE table."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
         self._target = [None]
+        a = cfg.layers
+        context_size = len(cfg.target_layer_ids) * a.hidden_size  # captured layers, concatenated
+        self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
 
     @property
     def target(self) -> Transformer:
@@ -161,13 +163,7 @@ class DrafterBase(nn.Module):
 
     def setup_caches(self, max_batch: int, max_seq: int) -> bool:
         """Caches for max_batch rows of max_seq positions; True when new ones were made."""
-        weight = self.fc.weight
-        made = make_caches(self.layers, max_batch, max_seq, weight)
-        if made:
-            a = self.cfg.layers
-            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
-            self.register_buffer("rope", rope, persistent=False)
-        return made
+        return make_caches(self, self.cfg.layers, max_batch, max_seq, self.fc.weight)
 
 
 class Drafter(DrafterBase):
@@ -176,8 +172,6 @@ class Drafter(DrafterBase):
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
         a = cfg.layers
-        context_size = len(cfg.target_layer_ids) * a.hidden_size  # captured layers, concatenated
-        self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -219,12 +213,9 @@ class Drafter(DrafterBase):
         end = anchor_pos + S
         max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
         L = attended_length(end, max_seq)
-        g = 1  # query rows per K/V head in the mask
-        if fold_gqa(device):
-            g = cfg.layers.num_attention_heads // cfg.layers.num_key_value_heads
         allowed = torch.arange(L, device=device) < end[:, None]  # [B, L]
         allowed = allowed[:, None, :].expand(B, S, L)
-        mask = cache_bias(allowed, g, x.dtype)
+        mask = cache_mask(allowed, cfg.layers, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, positions, mask)
         h = self.norm(x)
@@ -302,8 +293,6 @@ class Eagle3Drafter(DrafterBase):
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
         a = cfg.layers
-        context_size = len(cfg.target_layer_ids) * a.hidden_size
-        self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(a)])
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.markov_head = None
@@ -323,16 +312,12 @@ class Eagle3Drafter(DrafterBase):
     def extend(self, h, tokens, positions, rows=None):
         """The layer over h [B, T, H] and the next tokens [B, T] at positions [B, T], through the
         cache (each position sees the cache up to itself) -> the new h [B, T, H], un-normed."""
-        a = self.cfg.layers
         embedded = self.target.embed_tokens(tokens)
         rope = Rope.at(self.rope[positions], h.dtype)
         max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
         S = attended_length(positions + 1, max_seq)
-        g = 1  # query rows per K/V head in the mask
-        if fold_gqa(h.device):
-            g = a.num_attention_heads // a.num_key_value_heads
         keys = torch.arange(S, device=h.device)
-        mask = cache_bias(positions[:, :, None] >= keys, g, h.dtype)
+        mask = cache_mask(positions[:, :, None] >= keys, self.cfg.layers, h.dtype)
         return self.layers[0](h, embedded, rope, positions, mask, rows=rows)
 
     def commit_context(self, features, positions, following=None, last=None, rows=None):

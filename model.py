@@ -110,17 +110,19 @@ class KVCache(nn.Module):
         return k, v
 
 
-def make_caches(layers, max_batch: int, max_seq: int, like: torch.Tensor):
-    """Give each layer a cache, unless it has one of this size and dtype (compiled graphs hold the
-    old tensors). True when it made new ones."""
-    kv = layers[0].self_attn.kv_cache
+def make_caches(model: nn.Module, args: ModelArgs, max_batch: int, max_seq: int, like: torch.Tensor):
+    """Give each of `model.layers` a cache and `model` its RoPE table (`args`'), unless it has them at
+    this size and dtype (compiled graphs hold the old tensors). True when it made new ones."""
+    kv = model.layers[0].self_attn.kv_cache
     if kv is not None:
         same_size = tuple(kv.k.shape[:2]) == (max_batch, max_seq)
         if same_size and kv.k.dtype == like.dtype:
             return False
-    for layer in layers:
+    for layer in model.layers:
         a = layer.self_attn
         a.kv_cache = KVCache(max_batch, max_seq, a.n_kv, a.head_dim, like.dtype, like.device)
+    rope = rope_table(args.head_dim, args.rope_theta, max_seq, like.device)
+    model.register_buffer("rope", rope, persistent=False)
     return True
 
 
@@ -168,6 +170,15 @@ def cache_bias(allowed: torch.Tensor, group: int, dtype) -> torch.Tensor:
     bias = bias[:, None, None]  # [B, 1, 1, T, S]
     bias = bias.expand(B, 1, group, T, S)
     return bias.reshape(B, 1, group * T, S)
+
+
+def cache_mask(allowed: torch.Tensor, args: ModelArgs, dtype, fold: bool = True) -> torch.Tensor:
+    """`cache_bias` for a model of `args`, GQA folded where `fold_gqa` says (fold False: the caller's
+    attention reads the bias unfolded)."""
+    group = 1
+    if fold and fold_gqa(allowed.device):
+        group = args.num_attention_heads // args.num_key_value_heads
+    return cache_bias(allowed, group, dtype)
 
 
 def attend_cached(q, k, v, bias) -> torch.Tensor:
@@ -364,13 +375,9 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch: int, max_seq: int):
         """Static KV caches and the RoPE table, kept when asked again for the same size."""
-        weight = self.embed_tokens.weight
-        if make_caches(self.layers, max_batch, max_seq, weight):
+        if make_caches(self, self.args, max_batch, max_seq, self.embed_tokens.weight):
             self.max_batch = max_batch
             self.max_seq = max_seq
-            a = self.args
-            rope = rope_table(a.head_dim, a.rope_theta, max_seq, weight.device)
-            self.register_buffer("rope", rope, persistent=False)
 
     def hidden(
         self,
@@ -391,27 +398,24 @@ class Transformer(nn.Module):
         their own, each seeing the context and its ancestors."""
         a = self.args
         dtype = self.embed_tokens.weight.dtype
+        slots = None  # a tree's cache slots
         if positions is None:
             B, T = tokens.shape
             table = rope_table(a.head_dim, a.rope_theta, T, tokens.device)  # [T, 2, hd]
             cos_sin = table[None].expand(B, T, *table.shape[1:])  # [B, T, 2, hd]
             rope = Rope.at(cos_sin, dtype)
         else:  # RoPE and the mask once for every layer
-            slots = None
             end = positions + 1  # no query sees past its own position
             if tree is not None:
                 slots = tree.slots()
                 end = slots + 1
             S = attended_length(end, self.max_seq)
-            g = 1  # query rows per K/V head in the mask
-            if fold_gqa(positions.device) and attention is None:
-                g = a.num_attention_heads // a.num_key_value_heads
             keys = torch.arange(S, device=positions.device)
             if tree is None:
                 allowed = positions[:, :, None] >= keys  # [B, T, S]
             else:
                 allowed = tree.visible(keys)
-            mask = cache_bias(allowed, g, dtype)
+            mask = cache_mask(allowed, a, dtype, fold=attention is None)
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]
@@ -420,10 +424,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         captured = {-1: x}
         for i, layer in enumerate(self.layers):
-            if tree is None:
-                x = layer(x, rope, positions, mask, ragged=ragged, rows=rows, attention=attention)
-            else:
-                x = layer(x, rope, positions, mask, attention=attention, slots=slots)
+            x = layer(x, rope, positions, mask, ragged=ragged, rows=rows, attention=attention, slots=slots)
             captured[i] = x
         features = None
         if capture:
@@ -434,29 +435,9 @@ class Transformer(nn.Module):
             x = x[batch, index]  # [B, H]
         return self.norm(x), features
 
-    def forward(
-        self,
-        tokens,
-        positions=None,
-        *,
-        capture: Sequence[int] = (),
-        logits_index=None,
-        ragged=None,
-        rows=None,
-        attention=None,
-        tree: Optional["TreeSlots"] = None,
-    ):
-        """(logits [B, T, V], or [B, V] at `logits_index`; features), as `hidden`."""
-        h, features = self.hidden(
-            tokens,
-            positions,
-            capture=capture,
-            ragged=ragged,
-            rows=rows,
-            index=logits_index,
-            attention=attention,
-            tree=tree,
-        )
+    def forward(self, tokens, positions=None, *, logits_index=None, **options):
+        """(logits [B, T, V], or [B, V] at `logits_index`; features): `hidden` with its `options`."""
+        h, features = self.hidden(tokens, positions, index=logits_index, **options)
         logits = self.lm_head(h)
         return logits, features
 
