@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from sampling import NO_FILTERS, Filters, filter_logits
+from sampling import NO_FILTERS, Filters, exponential, filter_logits
 from sampling import accept_sampled as accept_sampled_reference
 from sampling import markov_chain as markov_chain_reference
 
@@ -124,27 +124,22 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     row_grid = (B,)
     tile_grid = (B, n_tiles)
     for k in range(K):
-        if not sampled:  # greedy: the noise is a pointer never read
-            nz = z
-            noise_off = 0
-            s_noise = 0
-        elif noise is not None:
-            nz = noise
-            noise_off = k * noise.stride(1)
-            s_noise = noise.stride(0)
-        else:  # the reference's draw order
-            nz = torch.empty((B, V), device=dev).exponential_(1, generator=generator)
-            noise_off = 0
-            s_noise = V
-        u_off = k * u_all.stride(1)
-        z_off = k * V if sampled else 0
+        u_k = u_all[:, k]  # [B, V] views: the kernel reads rows at their stride
+        z_k = z  # greedy: z and the noise are pointers never written or read
+        noise_k = z
+        if sampled:
+            z_k = z[:, k]
+            if noise is not None:
+                noise_k = noise[:, k]
+            else:  # the reference's draw order
+                noise_k = exponential((B, V), generator, dev)
         kern["_markov_partial_kernel"][tile_grid](
-            u_all, u_off, u_all.stride(0),
+            u_k, u_k.stride(0),
             chain, K + 1, k,
             w1c, R,
             w2c, R,
-            nz, noise_off, s_noise,
-            z, z_off, z.stride(0),
+            noise_k, noise_k.stride(0),
+            z_k, z_k.stride(0),
             pval, pidx,
             n_tiles, V,
             kernel_temperature,
@@ -184,7 +179,7 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
     if u is None:
         u = torch.rand((B, K), generator=generator, device=dev)
     if noise is None:
-        noise = torch.empty((B, V), device=dev).exponential_(1, generator=generator)
+        noise = exponential((B, V), generator, dev)
     kern = _kernels()
     T = float(temperature)
     rows = B * (K + 1)
@@ -366,12 +361,12 @@ def _first_max(values, indices, mask):
     return best, tl.min(candidates, axis=0)
 
 
-def _markov_partial_kernel(u_ptr, u_off, s_u,
+def _markov_partial_kernel(u_ptr, s_u,
                            chain_ptr, s_chain, k,
                            w1_ptr, s_w1,
                            w2_ptr, s_w2,
-                           noise_ptr, noise_off, s_noise,
-                           z_ptr, z_off, s_z,
+                           noise_ptr, s_noise,
+                           z_ptr, s_z,
                            pval_ptr, pidx_ptr,
                            n_tiles, V,
                            temperature,
@@ -403,13 +398,13 @@ def _markov_partial_kernel(u_ptr, u_off, s_u,
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * e[None, :], axis=1)
     bias = _round_to(acc, BIAS_ROUND)
-    u_row = u_ptr + u_off + b * s_u
+    u_row = u_ptr + b * s_u
     u = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
     z = _round_to(u + bias, Z_ROUND)
     if SAMPLED:
-        z_row = z_ptr + z_off + b * s_z
+        z_row = z_ptr + b * s_z
         tl.store(z_row + cols, z, mask=cmask)
-        noise_row = noise_ptr + noise_off + b * s_noise
+        noise_row = noise_ptr + b * s_noise
         noise = tl.load(noise_row + cols, mask=cmask, other=1.0)
         key = z / temperature - tl.log(noise)
     else:

@@ -27,7 +27,7 @@ from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
 from support import flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
-from support.cli import UserError, cli_main, sync
+from support.cli import UserError, cli_main, device_name, sync
 from support.flags import Args, Settings
 from support.report import Report
 from support.text import StopStrings, auto_chat, check_prompts, encode
@@ -272,10 +272,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     lengths = [len(p) for p in prompts]
     lens = torch.tensor(lengths, device=device)
     P = int(lens.max())
-    padded = []  # each prompt right-padded with its last token
-    for p in prompts:
-        padding = [p[-1]] * (P - len(p))
-        padded.append(p + padding)
+    padded = [p + [p[-1]] * (P - len(p)) for p in prompts]  # each right-padded with its last token
     tokens = torch.tensor(padded, device=device)  # [B, P]
     positions = torch.arange(P, device=device).expand(B, P)
     capture = ()
@@ -716,8 +713,6 @@ class Engine:
 
     def sps_identity(self) -> dict:
         """What an SPS table was measured for; a table is reused only where all of it matches."""
-        from support.cli import device_name
-
         a = self.target.args
         unique = {p.data_ptr(): p for p in self.target.parameters()}  # tied weights once
         n = sum(p.numel() for p in unique.values())
