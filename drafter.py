@@ -301,12 +301,10 @@ class Eagle3Drafter(DrafterBase):
     def setup_caches(self, max_batch: int, max_seq: int) -> bool:
         made = super().setup_caches(max_batch, max_seq)
         if made:
-            a = self.cfg.layers
-            weight = self.fc.weight
             # Not a buffer, and handed to the draft graph as an input (speculate.draft's `carried`): the
             # compiled CPU round freezes what a graph reads of a module without writing it, and the
             # draft graph reads what the verify graph writes here.
-            self.carried = torch.zeros((max_batch, a.hidden_size), dtype=weight.dtype, device=weight.device)
+            self.carried = self.fc.weight.new_zeros((max_batch, self.cfg.layers.hidden_size))
         return made
 
     def extend(self, h, tokens, positions, rows=None):

@@ -233,10 +233,10 @@ def record_widths(drafts: int, confidence: bool, tree_depth: int = 0) -> dict:
 
 
 def pack_record(**columns) -> torch.Tensor:
-    """float64 [B, Σ widths]: the given columns ([B] or [B, width]) in `record_widths`' order."""
-    order = ("drafts", "verified", "accepted", "bonus", "finite", "confidence", "parents", "path")
+    """float64 [B, Σ widths]: the given columns ([B] or [B, width]) in `record_widths`' order, the
+    order of RoundRecord's fields."""
     parts = []
-    for name in order:
+    for name in RoundRecord._fields:
         column = columns.get(name)
         if column is not None:
             B = column.shape[0]
@@ -617,10 +617,8 @@ class Engine:
             rows.anchor_pos = rows.anchor_pos.clone()
         records = unpack(record, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
-            busy = []  # the confidences of the rows holding a request
-            for rec, req in zip(records, rows.requests):
-                if req is not None:
-                    busy.append(rec.confidence)
+            # the confidences of the rows holding a request
+            busy = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
             self.scheduler.observe(busy)
         for i, (req, rec) in enumerate(zip(rows.requests, records)):
             if req is None:
