@@ -128,7 +128,7 @@ def make_caches(model: nn.Module, args: ModelArgs, max_batch: int, max_seq: int,
 
 def attend(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Cache-free attention: q [B, Tq, H, hd] over k, v [B, Tk, Hkv, hd] -> [B, Tq, H*hd] under
-    mask [B, Tq, Tk] (True = may attend), or causal."""
+    mask [B, Tq, Tk] (True = may attend, or an additive bias), or causal."""
     B, Tq, H, hd = q.shape
     enable_gqa = k.shape[2] != H
     q = q.transpose(1, 2)  # [B, H, Tq, hd]
@@ -187,13 +187,10 @@ def attend_cached(q, k, v, bias) -> torch.Tensor:
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
     g = bias.shape[2] // T
+    if g == 1:  # not folded: the cache-free attention under this bias
+        return attend(q, k, v, bias[:, 0])
     k = k.transpose(1, 2)  # [B, Hkv, S, hd]
     v = v.transpose(1, 2)
-    if g == 1:
-        q = q.transpose(1, 2)  # [B, H, T, hd]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=Hkv != H)
-        out = out.transpose(1, 2)  # [B, T, H, hd]
-        return out.reshape(B, T, H * hd)
     q = q.view(B, T, Hkv, g, hd)
     q = q.permute(0, 2, 3, 1, 4)  # [B, Hkv, g, T, hd]
     q = q.reshape(B, Hkv, g * T, hd)
