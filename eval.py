@@ -296,7 +296,11 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
         if tree_budget and drafter.cfg.layout != "eagle3":
             budgets += [b for b in TREE_BUDGETS if b < tree_budget] + [tree_budget]
         for budget in budgets:
-            label = name if len(budgets) == 1 else f"{name} tree {budget}" if budget else f"{name} chain"
+            label = name
+            if len(budgets) > 1 and budget:
+                label = f"{name} tree {budget}"
+            elif len(budgets) > 1:
+                label = f"{name} chain"
             rows.append(Row(label, directory, drafter, budget))
     return rows
 

@@ -128,7 +128,11 @@ class Scheduler:
         self.kind, self.K, self.threshold = kind, K, threshold
         top = batch * (K + 1)  # tokens of a round that verifies every draft of every row
         # Compiled: a few padded token counts, one graph each; SPS is profiled there (eager: the same points).
-        self.buckets = sorted(buckets) if buckets else (verify_buckets(top) if compiled else None)
+        self.buckets = None
+        if buckets:
+            self.buckets = sorted(buckets)
+        elif compiled:
+            self.buckets = verify_buckets(top)
         self.profile_points = self.buckets or verify_buckets(top)
         # SPS(B) by verify tokens: on the device for Algorithm 1, on the host for the async search.
         self.sps = (torch.ones(top + 1, dtype=torch.float64, device=device if kind == "hardware" else "cpu")

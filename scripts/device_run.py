@@ -625,8 +625,12 @@ def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict
                 stopped = p.returncode is None
                 stop(p)  # and what it left running (compile workers)
                 # a Ctrl-C can reach a stage started that instant, before it has a process group of its own
-                status = ("interrupted" if signals else "timed out" if stopped else
-                          {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}"))
+                if signals:
+                    status = "interrupted"
+                elif stopped:
+                    status = "timed out"
+                else:
+                    status = {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}")
                 reader.join(timeout=5)
             entry.update(status=status, seconds=round(time.monotonic() - t0, 1))
             with contextlib.suppress(OSError, ValueError):  # what the stage's file says (absent: nothing)

@@ -110,7 +110,12 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
 
 def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
     """eos_token_id: an id or a list of ids, each inside the vocabulary."""
-    vals = [] if v is None else v if isinstance(v, list) else [v]
+    if v is None:
+        vals = []
+    elif isinstance(v, list):
+        vals = v
+    else:
+        vals = [v]
     if not all(integer(x) and 0 <= x < vocab_size for x in vals):
         raise UserError(f"{source}: key 'eos_token_id' must be a token id below vocab_size {vocab_size} or a list of "
                         f"them, got {v!r}")

@@ -37,8 +37,11 @@ def _chat_messages(obj, where: str) -> Optional[list[dict]]:
         return None
     if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
         return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
-    key = "messages" if "messages" in obj else "conversations" if "conversations" in obj else None
-    if key is None:
+    if "messages" in obj:
+        key = "messages"
+    elif "conversations" in obj:
+        key = "conversations"
+    else:
         return None
     msgs = obj[key]
     if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
@@ -300,7 +303,8 @@ def load_corpus(args, target_args, say) -> Corpus:
     tok = Tokenizer(args.target)
     stops = stop_token_ids(args.target, target_args)
     sep = tok.tok.token_to_id(EOS_TOKEN)
-    sep = sep if sep is not None else (stops[0] if stops else None)
+    if sep is None and stops:
+        sep = stops[0]
     texts, chats = read_documents(args.data)
     if texts:
         if not args.pack:

@@ -228,4 +228,8 @@ class Lines:
 
 def show(enabled: bool) -> Optional[str]:
     """How to show progress: "bar" on a terminal, "lines" elsewhere (`Lines`), None when not asked for."""
-    return None if not enabled else "bar" if sys.stderr.isatty() else "lines"
+    if not enabled:
+        return None
+    if sys.stderr.isatty():
+        return "bar"
+    return "lines"

@@ -146,7 +146,11 @@ def _precheck(name: str, s, args, kwargs):
     """Refuse a str method or filter `name` on `s` that would make more than TEMPLATE_CHARS."""
     width = kwargs.get("width", args[0] if args else None)
     if name in ("center", "ljust", "rjust", "zfill", "indent", "expandtabs") and _int(width):
-        lines = s.count("\t") if name == "expandtabs" else str(s).count("\n") + 1 if name == "indent" else 1
+        lines = 1  # how many times the width is paid
+        if name == "expandtabs":
+            lines = s.count("\t")
+        elif name == "indent":
+            lines = str(s).count("\n") + 1
         if width * lines > TEMPLATE_CHARS:
             _refuse("a width is too large")
     elif name in ("format", "format_map") and isinstance(s, str):
