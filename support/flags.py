@@ -51,8 +51,6 @@ RANGES = {
     "tree_budget": (int, "[0, 1024]"),
     "tree_temperature": (float, f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
 }
-REQUIRED = ("max_new_tokens", "seed", "num_samples", "batch_size", "confidence_threshold", "tree_budget",
-            "tree_temperature")
 CHOICES = {
     "scheduler": sched.KINDS,
     "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
@@ -139,7 +137,7 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
     for name, (kind, interval) in RANGES.items():
         value = getattr(s, name)
         if value is None:
-            if name in REQUIRED and not (name == "max_new_tokens" and budget is None):
+            if getattr(Settings, name) is not None:  # None only where it is the default (resolved later)
                 raise UserError(f"{flag(name)}: invalid value None")
             continue
         want = numbers.Integral if kind is int else numbers.Real
@@ -170,20 +168,14 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
                         f"prefixes, not a tree's branches): use one or the other")
     if s.compile is not None and not isinstance(s.compile, bool):
         raise UserError(f"--compile: invalid value {s.compile!r} (True, False, or None for the default)")
-    s.compile = resolve_compile(s.compile, device)
+    if s.compile is None:  # on for cuda, off for cpu (a first compile on a CPU takes minutes)
+        s.compile = torch.device(device).type == "cuda"
     if not s.compile:
         if s.compile_mode is not None:
             raise UserError(f"--compile-mode {s.compile_mode}: only used with --compile (the run is eager)")
         if s.verbose:
             raise UserError("--verbose: only used with --compile (the run is eager)")
     return s
-
-
-def resolve_compile(compile: Optional[bool], device) -> bool:
-    """--compile's default: on for cuda, off for cpu (a first compile on a CPU takes minutes)."""
-    if compile is None:
-        return torch.device(device).type == "cuda"
-    return compile
 
 
 @dataclass
@@ -210,21 +202,18 @@ class Sampling:
 def sampling_for(m, s) -> Sampling:
     """The settings' sampling if any is given (a filter alone: T = 1), else the target's
     generation_config.json, else greedy."""
-    given = {}
-    for name in ("temperature", "top_k", "top_p", "min_p"):
-        if getattr(s, name) is not None:
-            given[name] = getattr(s, name)
+    names = ("temperature", "top_k", "top_p", "min_p")
+    given = {name: getattr(s, name) for name in names if getattr(s, name) is not None}
     if given:
         source = "from " + ", ".join(flag(name) for name in given)
     elif m.generation is not None:
         given = m.generation
         source = f"from {m.generation_source}"
-    elif m.generation_source is None:
-        given = {"temperature": 0.0}
-        source = "no sampling flag, and no generation_config.json"
     else:
         given = {"temperature": 0.0}
-        source = f"no sampling flag, and {m.generation_source} has do_sample false"
+        source = "no sampling flag, and no generation_config.json"
+        if m.generation_source is not None:
+            source = f"no sampling flag, and {m.generation_source} has do_sample false"
     temperature = float(given.get("temperature", 1.0))
     if temperature == 0:
         return Sampling(temperature, Filters(), source)
@@ -234,9 +223,8 @@ def sampling_for(m, s) -> Sampling:
 
 def check_cache_memory(m, drafter, batch: int, max_seq: int, device):
     """The KV caches must fit in what is free on the device (where that is known)."""
-    per_token = 0
-    for a in [m.target.args] + ([drafter.cfg.layers] if drafter is not None else []):
-        per_token += 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
+    configs = [m.target.args] + ([drafter.cfg.layers] if drafter is not None else [])
+    per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in configs)
     need = per_token * batch * max_seq * m.dtype.itemsize
     free = free_memory(device)
     if free and need > 0.9 * free:
@@ -369,24 +357,22 @@ def drafter_settings(args) -> list[tuple[str, str]]:
     """(flag and value, what it does) of each setting given that only a drafter's round reads; those that need
     another (--sps-table a --scheduler, --calibration a scheduled round) first, so each is named for itself."""
     d = args.decode
-    given = []
-    if args.calibration is not None:
-        given.append((f"--calibration {args.calibration}", "calibrates a drafter's confidence head"))
-    if d.sps_table is not None:
-        given.append((f"--sps-table {d.sps_table}", "sizes the rounds of a drafter's scheduler"))
-    if d.verify_buckets is not None:
-        given.append((f"--verify-buckets {d.verify_buckets}", "pads the verification of a drafter's drafts"))
-    if d.confidence_threshold > 0:
-        given.append((f"--confidence-threshold {d.confidence_threshold:g}", "thresholds a drafter's confidences"))
-    if d.scheduler not in (None, "none"):
-        given.append((f"--scheduler {d.scheduler}", "chooses how many of a drafter's drafts a round verifies"))
-    if d.tree_budget > 0:
-        given.append((f"--tree-budget {d.tree_budget}", "a tree is drafted by a --drafter"))
-    if d.draft_length is not None:
-        given.append((f"--draft-length {d.draft_length}", "sets how many drafts an Eagle3 drafter proposes"))
-    if d.tree_temperature != Settings.tree_temperature:
-        given.append((f"--tree-temperature {d.tree_temperature:g}", "ranks the branches of a drafter's tree"))
-    return given
+    settings = [  # (given, flag and value, what it does)
+        (args.calibration is not None, f"--calibration {args.calibration}", "calibrates a drafter's confidence head"),
+        (d.sps_table is not None, f"--sps-table {d.sps_table}", "sizes the rounds of a drafter's scheduler"),
+        (d.verify_buckets is not None, f"--verify-buckets {d.verify_buckets}",
+         "pads the verification of a drafter's drafts"),
+        (d.confidence_threshold > 0, f"--confidence-threshold {d.confidence_threshold:g}",
+         "thresholds a drafter's confidences"),
+        (d.scheduler not in (None, "none"), f"--scheduler {d.scheduler}",
+         "chooses how many of a drafter's drafts a round verifies"),
+        (d.tree_budget > 0, f"--tree-budget {d.tree_budget}", "a tree is drafted by a --drafter"),
+        (d.draft_length is not None, f"--draft-length {d.draft_length}",
+         "sets how many drafts an Eagle3 drafter proposes"),
+        (d.tree_temperature != Settings.tree_temperature, f"--tree-temperature {d.tree_temperature:g}",
+         "ranks the branches of a drafter's tree"),
+    ]
+    return [(flag_value, what) for given, flag_value, what in settings if given]
 
 
 def check_no_drafter(args, s):
@@ -417,11 +403,9 @@ def check_command_line(args):
     check_no_drafter(args, s)
     p = args.prompts
     r = args.rendering
-    text = []
-    for name, given in (("--prompt", p.prompt is not None), ("--stop", bool(s.stop)),
-                        ("--system-prompt", r.system_prompt is not None)):
-        if given:
-            text.append(name)
+    text_flags = (("--prompt", p.prompt is not None), ("--stop", bool(s.stop)),
+                  ("--system-prompt", r.system_prompt is not None))
+    text = [name for name, given in text_flags if given]
     if args.random_init is not None and text:  # no tokenizer: say so before building the model
         raise UserError(f"{text[0]}: text needs a tokenizer, and --random-init {args.random_init} has none "
                         f"(use --prompt-ids)")
