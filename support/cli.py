@@ -156,6 +156,11 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
 
 # Flags
 
+def flag(name: str) -> str:
+    """A field's flag: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
 def bound_text(x: float) -> str:
     """A range's bound as printed: an integral one in full (10485760, not 1.04858e+07), others as :g gives them."""
     if x.is_integer():
@@ -173,13 +178,14 @@ def check_ranges(args, **ranges: str):
         lo_in, hi_in = spec[0] == "[", spec[-1] == "]"
         ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value) and (
             (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi))
-        if not ok:
-            lo_text, hi_text = bound_text(lo), bound_text(hi)
-            left = f"{'>=' if lo_in else '>'} {lo_text}" if lo > -math.inf else ""
-            right = f"{'<=' if hi_in else '<'} {hi_text}" if hi < math.inf else ""
-            valid = f"{lo_text} to {hi_text}" if lo_in and hi_in and left and right else " and ".join(
-                s for s in (left, right) if s) or "any number"
-            raise UserError(f"--{name.replace('_', '-')}: invalid value {value!r} (valid: {valid})")
+        if ok:
+            continue
+        valid = f"{'>=' if lo_in else '>'} {bound_text(lo)}"  # every lower bound is finite
+        if lo_in and hi_in and hi < math.inf:
+            valid = f"{bound_text(lo)} to {bound_text(hi)}"
+        elif hi < math.inf:
+            valid += f" and {'<=' if hi_in else '<'} {bound_text(hi)}"
+        raise UserError(f"{flag(name)}: invalid value {value!r} (valid: {valid})")
 
 
 def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False) -> list[int]:

@@ -23,6 +23,7 @@ from support.cli import (
     Repeated,
     UserError,
     check_ranges,
+    flag,
     flat,
     free_memory,
     resolve_device,
@@ -121,10 +122,6 @@ class Settings:
     draft_length: Optional[int] = None
     """An Eagle3 drafter's drafts per round (a chain of one-token steps). None: the checkpoint's
     ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
