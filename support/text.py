@@ -8,7 +8,7 @@ import re
 import string
 from typing import Optional, Sequence
 
-from support.cli import UserError, parse_ints
+from support.cli import UserError, flag, parse_ints
 from support.files import optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
@@ -32,9 +32,9 @@ class Tokenizer:
         unk = getattr(self.tok.model, "unk_token", None)  # else a bare Exception at the first unknown word
         if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):
             raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
-        self.chat_template, self.template_source, self.template_problem = read_chat_template(directory)
-        config = os.path.join(directory, "tokenizer_config.json")
-        config = read_json(config) if optional_file(config) else {}
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        config = read_json(config_path) if optional_file(config_path) else {}
+        self.chat_template, self.template_source, self.template_problem = read_chat_template(directory, config)
         specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                     if k in ("bos_token", "eos_token", "unk_token", "pad_token")}  # what templates read
         self.special_texts = {k: v for k, v in specials.items() if isinstance(v, str)}
@@ -53,12 +53,16 @@ class Tokenizer:
     def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
         if self.template_problem is not None:
             raise UserError(self.template_problem)
-        if self.chat_template is None:  # Qwen3's ChatML
-            out = [f"<|im_start|>{m['role']}\n"
-                   f"{EMPTY_THINK if m['role'] == 'assistant' and i == len(messages) - 1 else ''}"
-                   f"{m['content']}<|im_end|>\n" for i, m in enumerate(messages)]
-            return "".join(out) + ("<|im_start|>assistant\n" + ("" if thinking else EMPTY_THINK)
-                                   if add_generation_prompt else "")
+        if self.chat_template is None:  # Qwen3's ChatML; a closing assistant turn opens with an empty think block
+            out = []
+            for i, m in enumerate(messages):
+                think = EMPTY_THINK if m["role"] == "assistant" and i == len(messages) - 1 else ""
+                out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
+            if add_generation_prompt:
+                out.append("<|im_start|>assistant\n")
+                if not thinking:
+                    out.append(EMPTY_THINK)
+            return "".join(out)
         text = render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
                                add_generation_prompt=add_generation_prompt, enable_thinking=thinking,
                                **self.special_texts)
@@ -67,8 +71,9 @@ class Tokenizer:
         return text
 
 
-def read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
-    """(template, its file, None); (None, None, None) without one; (None, file, why) if unusable (said at a render)."""
+def read_chat_template(directory: str, config: dict) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(template, its file, None); (None, None, None) without one; (None, file, why) if unusable (said at a render).
+    `config`: the directory's tokenizer_config.json ({} without one)."""
     jinja = os.path.join(directory, "chat_template.jinja")
     if optional_file(jinja):
         try:
@@ -77,7 +82,7 @@ def read_chat_template(directory: str) -> tuple[Optional[str], Optional[str], Op
         except UnicodeDecodeError:
             raise UserError(f"{jinja}: not UTF-8 text") from None
     path = os.path.join(directory, "tokenizer_config.json")
-    t = read_json(path).get("chat_template") if optional_file(path) else None
+    t = config.get("chat_template")
     if isinstance(t, list):  # [{"name": ..., "template": ...}]: a chat uses "default"
         if not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in t):
             return None, path, f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} objects"
@@ -146,11 +151,11 @@ def _precheck(name: str, s, args, kwargs):
     """Refuse a str method or filter `name` on `s` that would make more than TEMPLATE_CHARS."""
     width = kwargs.get("width", args[0] if args else None)
     if name in ("center", "ljust", "rjust", "zfill", "indent", "expandtabs") and _int(width):
-        lines = 1  # how many times the width is paid
-        if name == "expandtabs":
-            lines = s.count("\t")
-        elif name == "indent":
+        lines = 1  # how many times the width is paid: per line for indent, per tab for expandtabs
+        if name == "indent":
             lines = str(s).count("\n") + 1
+        elif name == "expandtabs":
+            lines = s.count("\t")
         if width * lines > TEMPLATE_CHARS:
             _refuse("a width is too large")
     elif name in ("format", "format_map") and isinstance(s, str):
@@ -168,7 +173,7 @@ def _bounded_filter(f, name: str):
     def checked(*args, **kwargs):
         if len(args) > skip:
             value, rest = args[skip], args[skip + 1:]
-            if name == "join" and value is not None and not isinstance(value, str) and hasattr(value, "__iter__"):
+            if name == "join" and hasattr(value, "__iter__"):
                 args = args[:skip] + (_joinable(value),) + rest
             _precheck(name, value, rest, kwargs)
         return _bounded(f(*args, **kwargs))
@@ -183,7 +188,7 @@ def render_template(template: str, source: str, **context) -> str:
     import threading
 
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Boxed(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"**", "*", "%"})
@@ -191,13 +196,13 @@ def render_template(template: str, source: str, **context) -> str:
         def call_binop(self, context, operator, left, right):
             ints = _int(left) and _int(right)
             if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
-                raise SecurityError(f"{left} ** {right} is too large")
+                _refuse(f"{left} ** {right} is too large")
             if operator == "*" and ints and left.bit_length() + right.bit_length() > TEMPLATE_BITS:
-                raise SecurityError("a product is too large")
+                _refuse("a product is too large")
             if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
                 seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
                 if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
-                    raise SecurityError("a repetition is too long")
+                    _refuse("a repetition is too long")
             if operator == "%" and isinstance(left, str):
                 _check_format(left, right if isinstance(right, (tuple, list)) else (right,))
             return _bounded(super().call_binop(context, operator, left, right))
@@ -241,7 +246,7 @@ def render_template(template: str, source: str, **context) -> str:
             parts.append(chunk)
             size += len(chunk)
             if size > TEMPLATE_CHARS:
-                raise SecurityError(f"its output grew past {TEMPLATE_CHARS:,} characters")
+                _refuse(f"its output grew past {TEMPLATE_CHARS:,} characters")
         return "".join(parts)
     except Exception as e:  # every way a template can fail is the template's, and the user's to fix
         raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
@@ -257,7 +262,7 @@ def render_template(template: str, source: str, **context) -> str:
 CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
 RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {  # keys only a flag sets
-    k: "--" + k.replace("_", "-") for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature",
+    k: flag(k) for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature",
                                             "top_k", "top_p", "min_p", "stop", "seed", "num_samples")}
 
 
