@@ -49,17 +49,9 @@ def read_json(path: str) -> dict:
     return obj
 
 
-def not_json_lines(first: str, records: str) -> str:
-    """What a malformed line's error adds for a reader that names its `records`: the file's first non-blank
-    line not opening a JSON object or array, it is plain text and is said to be."""
-    if first.startswith(("{", "[")):
-        return f"each line is one whole JSON record, one of {records}"
-    return f"the file looks like plain text, not JSON lines: write one JSON object per line, each one of {records}"
-
-
 def read_jsonl(path: str, records: Optional[str] = None):
     """(where, object) for every non-blank line of a JSON-lines file; `where` is "path:line". `records`: the
-    shapes a line may take, named when one is not JSON (`not_json_lines`; without it the error is the bare one)."""
+    shapes a line may take, named when one is not JSON (without it the error is the bare one)."""
     lineno = 0
     first = None  # the first non-blank line
     with open(path, "rb") as f:
@@ -81,7 +73,11 @@ def read_jsonl(path: str, records: Optional[str] = None):
                 except UserError as e:
                     if records is None:
                         raise
-                    raise UserError(f"{e}; {not_json_lines(first, records)}") from None
+                    hint = f"each line is one whole JSON record, one of {records}"
+                    if not first.startswith(("{", "[")):  # the first line opens no object or array: plain text
+                        hint = (f"the file looks like plain text, not JSON lines: write one JSON object per line, "
+                                f"each one of {records}")
+                    raise UserError(f"{e}; {hint}") from None
                 yield f"{path}:{lineno}", obj
 
 
