@@ -123,17 +123,18 @@ def _bounded(value):
     return value
 
 
-def _check_format(fmt: str, args=(), kwargs=None):
+def _check_format(fmt: str, args, kwargs: dict):
     """Refuse a format string (%, str.format, |format) whose widths (in specs or arguments) pass TEMPLATE_CHARS."""
-    specs = [m.group(1, 2) for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)]
+    percent = re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)
+    widths = [w for m in percent for w in m.group(1, 2) if w]  # digits, or "*": taken from the arguments
     try:
         parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
     except ValueError:  # not a valid format string: str.format will say so
         parsed = []
-    numbers = [int(n) for pair in specs for n in pair if n and n.isdigit()]
+    numbers = [int(w) for w in widths if w != "*"]
     numbers += [int(n) for spec in parsed for n in re.findall(r"\d+", re.sub(r"\{[^}]*\}", "", spec))]
-    if any("*" in (a or "") for pair in specs for a in pair) or any("{" in spec for spec in parsed):
-        values = list(args) + list((kwargs or {}).values())  # the width is one of the arguments
+    if "*" in widths or any("{" in spec for spec in parsed):
+        values = list(args) + list(kwargs.values())  # the width is one of the arguments
         numbers += [v for v in values + [x for a in args if isinstance(a, (tuple, list)) for x in a] if _int(v)]
     if any(n > TEMPLATE_CHARS for n in numbers):
         _refuse("a format width is too large")
@@ -204,7 +205,7 @@ def render_template(template: str, source: str, **context) -> str:
                 if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
                     _refuse("a repetition is too long")
             if operator == "%" and isinstance(left, str):
-                _check_format(left, right if isinstance(right, (tuple, list)) else (right,))
+                _check_format(left, right if isinstance(right, (tuple, list)) else (right,), {})
             return _bounded(super().call_binop(context, operator, left, right))
 
         def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
@@ -356,15 +357,18 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
                                                if os.path.exists(prompts_file) else "prompts file not found"))
     out = []
     for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
-        setting = sorted(set(row) & set(RECORD_SETTINGS)) if isinstance(row, dict) else []
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected {RECORD_SHAPES}")
+        setting = sorted(set(row) & set(RECORD_SETTINGS))
         if setting:
             raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
                             f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
-        kinds = [k for k in PROMPT_KINDS if isinstance(row, dict) and k in row]
+        kinds = [k for k in PROMPT_KINDS if k in row]
         if len(kinds) > 1:
             raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
                             f"{' and '.join(kinds)}")
-        kind, v = (kinds[0], row[kinds[0]]) if kinds else (None, None)
+        kind = kinds[0] if kinds else None
+        v = row.get(kind)
         if kind == "prompt_ids" and isinstance(v, list) and not all(_int(i) for i in v):
             raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
         if kind == "turns" and isinstance(v, list) and v and all(isinstance(t, str) for t in v):
@@ -389,8 +393,12 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
                         + (f" (got {', '.join(given)})" if given else ""))
     flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt, thinking=thinking)
-    records = read_prompts(prompts_file) if prompts_file is not None else [
-        ("--prompt", prompt) if prompt is not None else ("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))]
+    if prompts_file is not None:
+        records = read_prompts(prompts_file)
+    elif prompt is not None:
+        records = [("--prompt", prompt)]
+    else:
+        records = [("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))]
     out = []
     for where, p in records:
         if flags and isinstance(p, list) and all(_int(i) for i in p):  # (--prompt-ids with a flag: refused above)
