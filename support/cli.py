@@ -178,14 +178,13 @@ def check_ranges(args, **ranges: str):
         lo_in, hi_in = spec[0] == "[", spec[-1] == "]"
         ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value) and (
             (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi))
-        if ok:
-            continue
-        valid = f"{'>=' if lo_in else '>'} {bound_text(lo)}"  # every lower bound is finite
-        if lo_in and hi_in and hi < math.inf:
-            valid = f"{bound_text(lo)} to {bound_text(hi)}"
-        elif hi < math.inf:
-            valid += f" and {'<=' if hi_in else '<'} {bound_text(hi)}"
-        raise UserError(f"{flag(name)}: invalid value {value!r} (valid: {valid})")
+        if not ok:
+            lo_text, hi_text = bound_text(lo), bound_text(hi)
+            left = f"{'>=' if lo_in else '>'} {lo_text}" if lo > -math.inf else ""
+            right = f"{'<=' if hi_in else '<'} {hi_text}" if hi < math.inf else ""
+            valid = f"{lo_text} to {hi_text}" if lo_in and hi_in and left and right else " and ".join(
+                s for s in (left, right) if s) or "any number"
+            raise UserError(f"{flag(name)}: invalid value {value!r} (valid: {valid})")
 
 
 def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False) -> list[int]:

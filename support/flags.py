@@ -57,10 +57,7 @@ CHOICES = {
     "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "kernels": ("torch", "triton"),
 }
-
-
-COMPILE_MODES = CHOICES["compile_mode"]
-CompileMode = Literal[COMPILE_MODES]
+CompileMode = Literal[CHOICES["compile_mode"]]
 
 
 @dataclass

@@ -263,8 +263,8 @@ def render_template(template: str, source: str, **context) -> str:
 CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
 RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {  # keys only a flag sets
-    k: flag(k) for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature",
-                                            "top_k", "top_p", "min_p", "stop", "seed", "num_samples")}
+    k: flag(k) for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature", "top_k", "top_p",
+                         "min_p", "stop", "seed", "num_samples")}
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
