@@ -127,29 +127,39 @@ def block_mask(anchors, seq_len: int, K: int, doc=None) -> torch.Tensor:
     B, N = anchors.shape
     block_of = torch.arange(N * K, device=anchors.device) // K
     anchor_of = anchors[:, block_of]  # [B, N*K]
-    context = torch.arange(seq_len, device=anchors.device)[None, None, :] < anchor_of[:, :, None]
+    positions = torch.arange(seq_len, device=anchors.device)
+    context = positions[None, None, :] < anchor_of[:, :, None]
     if doc is not None:
-        context = context & (doc[:, None, :] == doc.gather(1, anchor_of)[:, :, None])
-    own = (block_of[:, None] == block_of[None, :]).expand(B, N * K, N * K)
+        anchor_doc = doc.gather(1, anchor_of)
+        context = context & (doc[:, None, :] == anchor_doc[:, :, None])
+    same_block = block_of[:, None] == block_of[None, :]
+    own = same_block.expand(B, N * K, N * K)
     return torch.cat([context, own], dim=-1)
 
 
 def block_forward(drafter: Drafter, features, tokens, anchors, doc=None):
     """features [B, T, n*H], tokens [B, T], anchors [B, N] -> hidden [B, N, K, H]: every block
     [x_a, m, .., m] in one batch under `block_mask`, the context's K/V computed, not cached."""
-    cfg, a = drafter.cfg, drafter.cfg.layers
-    K, (B, T), N, dev = cfg.num_slots, tokens.shape, anchors.shape[1], tokens.device
-    table = rope_table(a.head_dim, a.rope_theta, T + K, dev)
+    cfg = drafter.cfg
+    a = cfg.layers
+    K = cfg.num_slots
+    B, T = tokens.shape
+    N = anchors.shape[1]
+    dev = tokens.device
     dtype = drafter.fc.weight.dtype
+    table = rope_table(a.head_dim, a.rope_theta, T + K, dev)
+    # the context at 0..T-1; block slot j at its anchor + j
     rope_ctx = Rope.at(table[:T][None].expand(B, T, 2, a.head_dim), dtype)
-    rope_blk = Rope.at(table[(anchors[:, :, None] + torch.arange(K, device=dev)).view(B, N * K)], dtype)
+    slot_pos = anchors[:, :, None] + torch.arange(K, device=dev)
+    rope_blk = Rope.at(table[slot_pos.view(B, N * K)], dtype)
     block = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
     block[:, :, 0] = tokens.gather(1, anchors)
     x = drafter.target.embed_tokens(block.view(B, N * K))
     c = drafter.hidden_norm(drafter.fc(features))
     mask = block_mask(anchors, T, K, doc)
     for layer in drafter.layers:
-        x = layer(x, rope_blk, mask=mask, prefix_kv=layer.self_attn.kv(c, rope_ctx))
+        context_kv = layer.self_attn.kv(c, rope_ctx)
+        x = layer(x, rope_blk, mask=mask, prefix_kv=context_kv)
     return drafter.norm(x).view(B, N, K, -1)
 
 
@@ -157,33 +167,41 @@ def head_outputs(drafter: Drafter, h, prev):
     """z = U + b teacher-forced (prev [..., K] = [x_a, labels[:-1]]) and the confidence logits."""
     U = drafter.target.lm_head(h)
     if drafter.markov_head is not None:
-        biases, state = [], None
+        biases = []
+        state = None
         for j in range(h.shape[-2]):
             b, state = drafter.markov_head.step(h[..., j, :], prev[..., j], state)
             biases.append(b)
         U = U + torch.stack(biases, dim=-2)
-    return U, drafter.confidence_logit(h, prev)
+    conf = drafter.confidence_logit(h, prev)
+    return U, conf
 
 
 # Losses
 
 def slot_weights(K: int, gamma: float, device=None) -> torch.Tensor:
     """w_j = exp(-j/γ): under prefix acceptance earlier slots count more."""
-    return torch.exp(-torch.arange(K, device=device, dtype=torch.float32) / gamma)
+    j = torch.arange(K, device=device, dtype=torch.float32)
+    return torch.exp(-j / gamma)
 
 
-def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamma: float, den=None) -> dict:
+def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamma: float,
+                   den=None) -> dict:
     """Each term Σ w·ℓ / Σ w (w = exp(-j/γ)·valid; `den`: the global Σ w), ℓ: -log p_d(label) (ce),
     ‖p_d − p_t‖_1 (tv), BCE(conf, c*), c* = 1 − ½‖p_d − p_t‖_1 detached (conf; `accept`)."""
     K = draft_logits.shape[-2]
     w = slot_weights(K, gamma, draft_logits.device) * valid.float()
-    den = w.sum().clamp_min(1e-12) if den is None else den
+    if den is None:
+        den = w.sum().clamp_min(1e-12)
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     p_t = torch.softmax(target_logits.float(), dim=-1)
     ce = -logp.gather(-1, labels[..., None])[..., 0]
     l1 = (logp.exp() - p_t).abs().sum(-1)
     accept = (1 - 0.5 * l1).clamp(0, 1).detach()
-    out = {"ce": (ce * w).sum() / den, "tv": (l1 * w).sum() / den, "accept": accept}
+    out = {}
+    out["ce"] = (ce * w).sum() / den
+    out["tv"] = (l1 * w).sum() / den
+    out["accept"] = accept
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
         out["conf"] = (bce * w).sum() / den
@@ -192,29 +210,42 @@ def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamm
 
 def total_loss(terms: dict, args: Args) -> torch.Tensor:
     loss = args.alpha_ce * terms["ce"] + args.alpha_tv * terms["tv"]
-    return loss + args.alpha_conf * terms["conf"] if "conf" in terms else loss
+    if "conf" in terms:
+        loss = loss + args.alpha_conf * terms["conf"]
+    return loss
 
 
-def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor, args: Args, *,
-                 keep=None, loss_mask=None, doc=None, den=None):
+def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
+                 args: Args, *, keep=None, loss_mask=None, doc=None, den=None):
     """One batch -> (loss, terms, valid); keep [B, N]: real blocks."""
     K = drafter.cfg.num_slots
     B, T = tokens.shape
-    keep = torch.ones_like(anchors, dtype=torch.bool) if keep is None else keep
+    N = anchors.shape[1]
+    if keep is None:
+        keep = torch.ones_like(anchors, dtype=torch.bool)
     with torch.no_grad():
-        mask = data.document_mask(doc) if doc is not None else None
-        hidden_t, features = target.hidden(tokens, capture=drafter.cfg.target_layer_ids, mask=mask)
+        mask = None
+        if doc is not None:
+            mask = data.document_mask(doc)
+        capture = drafter.cfg.target_layer_ids
+        hidden_t, features = target.hidden(tokens, capture=capture, mask=mask)
     h = block_forward(drafter, features, tokens, anchors, doc)  # [B, N, K, H]
-    slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)  # slot j at a+j predicts a+j+1
+    # slot j at a+j predicts a+j+1
+    slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)
     valid = data.supervised(anchors, keep, K, T, loss_mask, doc)
-    labels = tokens.gather(1, (slot_pos + 1).clamp(max=T - 1).view(B, -1)).view_as(slot_pos)
-    prev = torch.cat([tokens.gather(1, anchors)[:, :, None], labels[:, :, :-1]], dim=-1)  # teacher-forced
+    label_pos = (slot_pos + 1).clamp(max=T - 1).view(B, -1)
+    labels = tokens.gather(1, label_pos).view_as(slot_pos)
+    # teacher-forced: each slot's previous token is the anchor's token or the label before it
+    anchor_tokens = tokens.gather(1, anchors)[:, :, None]
+    prev = torch.cat([anchor_tokens, labels[:, :, :-1]], dim=-1)
     with torch.no_grad():
-        idx = slot_pos.clamp(max=T - 1).view(B, -1, 1).expand(-1, -1, hidden_t.shape[-1])
-        target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, anchors.shape[1], K, -1)
+        H = hidden_t.shape[-1]
+        idx = slot_pos.clamp(max=T - 1).view(B, -1, 1).expand(-1, -1, H)
+        target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, N, K, -1)
     z, conf = head_outputs(drafter, h, prev)
     terms = distill_losses(z, target_logits, labels, valid, conf, args.gamma, den)
-    return total_loss(terms, args), terms, valid
+    loss = total_loss(terms, args)
+    return loss, terms, valid
 
 
 def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
