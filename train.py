@@ -251,11 +251,19 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
 def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     """Matmul FLOPs of a step (for MFU): the target's forward, its lm_head at the N·K slots, and 3x the
     drafter's: context rows (fc, k/v), block rows and their masked attention over T + N·K keys."""
-    K, H, V, D = d.num_slots, t.hidden_size, t.vocab_size, d.layers.num_hidden_layers
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    K = d.num_slots
+    H = t.hidden_size
+    V = t.vocab_size
+    D = d.layers.num_hidden_layers
+    q = t.num_attention_heads * t.head_dim
+    kv = t.num_key_value_heads * t.head_dim
+    slots = N * K
     context = 2 * T * (len(d.target_layer_ids) * H * H + D * 2 * H * kv)
-    blocks = 2 * N * K * (D * layer_params(d.layers) + H * V + d.markov_rank * V) + 4 * D * N * K * (T + N * K) * q
-    return float(G * (causal_flops(t, T) + 2 * N * K * H * V + 3 * (context + blocks)))
+    block_matmuls = 2 * slots * (D * layer_params(d.layers) + H * V + d.markov_rank * V)
+    block_attention = 4 * D * slots * (T + slots) * q
+    blocks = block_matmuls + block_attention
+    target = causal_flops(t, T) + 2 * slots * H * V
+    return float(G * (target + 3 * (context + blocks)))
 
 
 # Eagle3: DeepSpec's training-time test (compute_eagle3_loss), every position of a row at once, step by step
@@ -296,35 +304,46 @@ def ttt_forward(drafter: Eagle3Drafter, features, tokens, steps: int, doc=None) 
     step so far (`ttt_mask`). Its output at i (normed, lm_head) drafts x_{i+j+2}, as the decode chain from
     committed position i does at its draft j+1. Returns each step's h [B, T, H], un-normed."""
     a = drafter.cfg.layers
-    (B, T), dev = tokens.shape, tokens.device
+    B, T = tokens.shape
+    dev = tokens.device
+    dtype = drafter.fc.weight.dtype
     mask = ttt_mask(T, steps, doc, dev)
-    ahead = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)  # x_{i+1}; 0 past the end
+    # x_{i+1}; 0 past the end
+    ahead = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)
     table = rope_table(a.head_dim, a.rope_theta, T + steps, dev)
     layer = drafter.layers[0]
-    h, past, out = drafter.fc(features), None, []
+    h = drafter.fc(features)
+    past = None
+    out = []
     for j in range(steps):
-        rope = Rope.at(table[j:j + T][None].expand(B, T, 2, a.head_dim), drafter.fc.weight.dtype)
+        rope = Rope.at(table[j:j + T][None].expand(B, T, 2, a.head_dim), dtype)
         embedded = drafter.target.embed_tokens(ahead[:, j:j + T])
-        h, past = layer.unrolled(h, embedded, rope, mask[:, :, :(j + 1) * T], past)
+        step_mask = mask[:, :, :(j + 1) * T]
+        h, past = layer.unrolled(h, embedded, rope, step_mask, past)
         out.append(h)
     return out
 
 
-def ttt_loss(drafter: Eagle3Drafter, features, target_logits, tokens, steps: int, decay: float, loss_mask=None,
-             doc=None, den=None):
+def ttt_loss(drafter: Eagle3Drafter, features, target_logits, tokens, steps: int, decay: float,
+             loss_mask=None, doc=None, den=None):
     """DeepSpec's Eagle3 loss (compute_eagle3_loss): step j's soft cross-entropy against the target's softmax
     at i+1+j (its distribution of x_{i+j+2}) where `ttt_positions` says, summed and divided by `den` (default
     B·T, the padded batch), weighted decay^j. Returns (loss, stats): stats holds each step's loss and (no
     grad) its supervised indices `valid`, its hits of the target's argmax `correct` and its acceptance
     probabilities 1 − ½‖p_draft − p_target‖₁ `accept`."""
-    (B, T), V = tokens.shape, target_logits.shape[-1]
-    den = B * T if den is None else den
-    with torch.no_grad():  # index i: the target's distribution at i + 1; uniform past the end (never supervised)
+    B, T = tokens.shape
+    V = target_logits.shape[-1]
+    if den is None:
+        den = B * T
+    # index i: the target's distribution at i + 1; uniform past the end (never supervised)
+    with torch.no_grad():
         p_t = torch.softmax(target_logits.float(), dim=-1)
-        p_t = torch.cat([p_t[:, 1:], p_t.new_full((B, steps + 1, V), 1.0 / V)], dim=1)
+        uniform = p_t.new_full((B, steps + 1, V), 1.0 / V)
+        p_t = torch.cat([p_t[:, 1:], uniform], dim=1)
         best = p_t.argmax(-1)
         valid = ttt_positions(loss_mask, doc, B, T, steps, tokens.device)
-    loss, stats = 0.0, {"step": [], "valid": valid, "correct": [], "accept": []}
+    loss = 0.0
+    stats = {"step": [], "valid": valid, "correct": [], "accept": []}
     for j, h in enumerate(ttt_forward(drafter, features, tokens, steps, doc)):
         logp = torch.log_softmax(drafter.logits(h).float(), dim=-1)
         p_j = p_t[:, j:j + T]
@@ -333,31 +352,44 @@ def ttt_loss(drafter: Eagle3Drafter, features, target_logits, tokens, steps: int
         loss = loss + decay ** j * step
         stats["step"].append(step)
         with torch.no_grad():
-            stats["correct"].append((logp.argmax(-1) == best[:, j:j + T]) & valid[j])
-            accept = (1 - 0.5 * (logp.exp() - p_j).abs().sum(-1)).clamp(0, 1)
+            hits = logp.argmax(-1) == best[:, j:j + T]
+            stats["correct"].append(hits & valid[j])
+            l1 = (logp.exp() - p_j).abs().sum(-1)
+            accept = (1 - 0.5 * l1).clamp(0, 1)
             stats["accept"].append(accept * valid[j])
     return loss, stats
 
 
-def eagle3_loss(drafter: Eagle3Drafter, target: Transformer, tokens, args: Args, *, loss_mask=None, doc=None,
-                den=None):
+def eagle3_loss(drafter: Eagle3Drafter, target: Transformer, tokens, args: Args, *, loss_mask=None,
+                doc=None, den=None):
     """One batch -> (loss, stats): the target's features and logits online (no grad), then `ttt_loss`."""
     with torch.no_grad():
-        mask = data.document_mask(doc) if doc is not None else None
-        hidden_t, features = target.hidden(tokens, capture=drafter.cfg.target_layer_ids, mask=mask)
+        mask = None
+        if doc is not None:
+            mask = data.document_mask(doc)
+        capture = drafter.cfg.target_layer_ids
+        hidden_t, features = target.hidden(tokens, capture=capture, mask=mask)
         target_logits = target.lm_head(hidden_t)
-    return ttt_loss(drafter, features, target_logits, tokens, args.ttt_length, args.step_loss_decay, loss_mask,
-                    doc, den)
+    steps = args.ttt_length
+    decay = args.step_loss_decay
+    return ttt_loss(drafter, features, target_logits, tokens, steps, decay, loss_mask, doc, den)
 
 
 def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     """Matmul FLOPs of an Eagle3 step: the target's forward and lm_head at every position, and 3x the
     drafter's: fc once, then each step's layer (2H wide q/k/v), lm_head and masked attention over (j+1)·T keys."""
-    H, V, I, S = t.hidden_size, t.vocab_size, t.intermediate_size, d.num_slots
-    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    H = t.hidden_size
+    V = t.vocab_size
+    I = t.intermediate_size  # noqa: E741
+    S = d.num_slots
+    q = t.num_attention_heads * t.head_dim
+    kv = t.num_key_value_heads * t.head_dim
     layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I
+    # step j's attention reads (j+1)·T keys: Σ_j (j+1) = S(S+1)/2
     steps = 2 * T * S * (layer + H * V) + 4 * T * T * q * S * (S + 1) // 2
-    return float(G * (causal_flops(t, T) + 2 * T * H * V + 3 * (2 * T * len(d.target_layer_ids) * H * H + steps)))
+    fc = 2 * T * len(d.target_layer_ids) * H * H
+    target = causal_flops(t, T) + 2 * T * H * V
+    return float(G * (target + 3 * (fc + steps)))
 
 
 # The drafter
