@@ -415,24 +415,34 @@ def default_mask_token_id(target_dir: str, V: int) -> int:
 
 def layer_ids(args: Args, L: int, lowest: int = -1) -> tuple[int, ...]:
     """--target-layer-ids, checked against the target's L layers (Eagle3: decoder layers only, lowest 0)."""
-    ids = (tuple(parse_ints(args.target_layer_ids, "--target-layer-ids")) if args.target_layer_ids
-           else default_layer_ids(L))
-    if list(ids) != sorted(set(ids)) or ids[0] < lowest or ids[-1] > L - 2:
-        first = "-1 (the embeddings)" if lowest == -1 else f"{lowest} (Eagle3 reads decoder layers' outputs)"
-        raise UserError(f"--target-layer-ids {args.target_layer_ids or ','.join(map(str, ids))}: strictly increasing "
-                        f"layer ids from {first} to {L - 2}, the target's last layer ({L - 1}) excluded")
+    if args.target_layer_ids:
+        ids = tuple(parse_ints(args.target_layer_ids, "--target-layer-ids"))
+    else:
+        ids = default_layer_ids(L)
+    increasing = list(ids) == sorted(set(ids))
+    if not increasing or ids[0] < lowest or ids[-1] > L - 2:
+        if lowest == -1:
+            first = "-1 (the embeddings)"
+        else:
+            first = f"{lowest} (Eagle3 reads decoder layers' outputs)"
+        given = args.target_layer_ids or ",".join(map(str, ids))
+        raise UserError(f"--target-layer-ids {given}: strictly increasing layer ids from {first} to "
+                        f"{L - 2}, the target's last layer ({L - 1}) excluded")
     return ids
 
 
 def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterConfig:
     """The flags' drafter, as the loader reads it back."""
-    t, L = target.args, target.args.num_hidden_layers
+    t = target.args
+    L = t.num_hidden_layers
     if args.drafter_kind == "eagle3":  # one layer, the chain's length; no mask token, no heads
         layers = replace(t, num_hidden_layers=1, eos_token_ids=(), tie_word_embeddings=False)
-        return DrafterConfig(layers, args.ttt_length, layer_ids(args, L, lowest=0), 0, "eagle3", None, 0, False,
-                             False, L)
+        ids = layer_ids(args, L, lowest=0)
+        return DrafterConfig(layers, args.ttt_length, ids, 0, "eagle3", None, 0, False, False, L)
     ids = layer_ids(args, L)
-    mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token_id(target_dir, t.vocab_size)
+    mask = args.mask_token_id
+    if mask is None:
+        mask = default_mask_token_id(target_dir, t.vocab_size)
     if not 0 <= mask < t.vocab_size:
         raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{t.vocab_size - 1})")
     markov = None if args.markov == "none" else args.markov
@@ -440,41 +450,73 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                         "add --no-confidence-with-markov")
     layers = replace(t, num_hidden_layers=args.depth, eos_token_ids=(), tie_word_embeddings=False)
-    return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, args.markov_rank if markov else 0,
-                         args.confidence, args.confidence and args.confidence_with_markov and markov is not None, L)
+    rank = args.markov_rank if markov else 0
+    with_markov = args.confidence and args.confidence_with_markov and markov is not None
+    return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, rank, args.confidence,
+                         with_markov, L)
 
 
 def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
     """A new drafter, randomly initialised (the target's embedding and lm_head shared, frozen)."""
     cfg = drafter_config(args, target, target_dir)
     with torch.device(device):
-        drafter = Eagle3Drafter(cfg) if cfg.layout == "eagle3" else Drafter(cfg)
+        if cfg.layout == "eagle3":
+            drafter = Eagle3Drafter(cfg)
+        else:
+            drafter = Drafter(cfg)
     init_random_(drafter, args.seed, args.init_std)
     attach(drafter, target)
     return drafter
 
 
+TARGET_ONLY_KEYS = ("architectures", "auto_map", "dtype", "torch_dtype")
+
+
+def target_keys(tcfg: dict) -> dict:
+    """The target's config.json less the keys a drafter's config sets or drops."""
+    return {k: v for k, v in tcfg.items() if k not in TARGET_ONLY_KEYS}
+
+
 def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
     """DeepSpec's drafter config.json: the target's, with the drafter's depth and keys."""
     tcfg = read_json(os.path.join(target_dir, "config.json"))
-    out = {k: v for k, v in tcfg.items() if k not in ("architectures", "auto_map", "dtype", "torch_dtype")}
+    out = target_keys(tcfg)
     D = cfg.layers.num_hidden_layers
-    out.update(architectures=["Qwen3DSparkModel"], num_target_layers=tcfg["num_hidden_layers"], num_hidden_layers=D,
-               layer_types=["full_attention"] * D, tie_word_embeddings=False, torch_dtype="float32",
-               block_size=cfg.block_size, target_layer_ids=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
-               num_anchors=num_anchors, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
-               enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_with_markov)
+    out.update(
+        architectures=["Qwen3DSparkModel"],
+        num_target_layers=tcfg["num_hidden_layers"],
+        num_hidden_layers=D,
+        layer_types=["full_attention"] * D,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        block_size=cfg.block_size,
+        target_layer_ids=list(cfg.target_layer_ids),
+        mask_token_id=cfg.mask_token_id,
+        num_anchors=num_anchors,
+        markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type,
+        enable_confidence_head=cfg.confidence_head,
+        confidence_head_with_markov=cfg.confidence_with_markov,
+    )
     return out
 
 
 def eagle3_config_json(target_dir: str, cfg: DrafterConfig, step_loss_decay: float) -> dict:
     """DeepSpec's Eagle3 config.json (build_draft_config): the target's, one layer, the Eagle3 keys."""
     tcfg = read_json(os.path.join(target_dir, "config.json"))
-    out = {k: v for k, v in tcfg.items() if k not in ("architectures", "auto_map", "dtype", "torch_dtype")}
-    out.update(architectures=["Qwen3Eagle3Model"], num_target_layers=tcfg["num_hidden_layers"], num_hidden_layers=1,
-               draft_num_hidden_layers=1, layer_types=["full_attention"], tie_word_embeddings=False,
-               torch_dtype="float32", target_layer_ids=list(cfg.target_layer_ids), ttt_length=cfg.block_size,
-               step_loss_decay=step_loss_decay)
+    out = target_keys(tcfg)
+    out.update(
+        architectures=["Qwen3Eagle3Model"],
+        num_target_layers=tcfg["num_hidden_layers"],
+        num_hidden_layers=1,
+        draft_num_hidden_layers=1,
+        layer_types=["full_attention"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        target_layer_ids=list(cfg.target_layer_ids),
+        ttt_length=cfg.block_size,
+        step_loss_decay=step_loss_decay,
+    )
     return out
 
 
@@ -493,8 +535,9 @@ def shared_weights(target_dir: str) -> dict:
     for path in weight_files(target_dir):
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
-                if key.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
-                    found[key.removeprefix("model.")] = f.get_tensor(key)
+                name = key.removeprefix("model.")
+                if name in ("embed_tokens.weight", "lm_head.weight"):
+                    found[name] = f.get_tensor(key)
     found.setdefault("lm_head.weight", found["embed_tokens.weight"].clone())
     return found
 
@@ -504,8 +547,11 @@ def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, 
     """config.json (`config`, else DSpark's) + model.safetensors, DeepSpec's layout: separate q/k/v and
     gate/up, and copies of the target's embedding and lm_head."""
     tensors = published({k: v.float() for k, v in drafter.state_dict().items()})
-    save_tensors(os.path.join(out, "model.safetensors"), {**tensors, **shared_weights(target_dir)}, step=step)
-    write_json(os.path.join(out, "config.json"), config or config_json(target_dir, drafter.cfg, num_anchors))
+    tensors = {**tensors, **shared_weights(target_dir)}
+    save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
+    if not config:
+        config = config_json(target_dir, drafter.cfg, num_anchors)
+    write_json(os.path.join(out, "config.json"), config)
 
 
 def resumed_drafter(directory: str, cfg: DrafterConfig, target: Transformer, device) -> Drafter:
@@ -525,7 +571,8 @@ def target_digest(directory: str) -> str:
 
     with ThreadPoolExecutor(min(8, len(files))) as pool:
         digests = list(pool.map(one, files))
-    return hashlib.sha256("".join(f"{os.path.basename(p)} {d}\n" for p, d in zip(files, digests)).encode()).hexdigest()
+    listing = "".join(f"{os.path.basename(p)} {d}\n" for p, d in zip(files, digests))
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 # The run
