@@ -582,18 +582,23 @@ class DraftStep(torch.nn.Module):
 
     def __init__(self, drafter: Drafter, target: Transformer, args: Args):
         super().__init__()
-        self.model, self._target, self.args = drafter, [target], args
-        self.core = torch.compile(drafter_loss, dynamic=False) if args.compile else drafter_loss
+        self.model = drafter
+        self._target = [target]
+        self.args = args
+        self.core = drafter_loss
+        if args.compile:
+            self.core = torch.compile(drafter_loss, dynamic=False)
 
     def forward(self, tokens, anchors, keep, loss_mask, doc, den):
-        loss, terms, valid = self.core(self.model, self._target[0], tokens, anchors, self.args, keep=keep,
-                                       loss_mask=loss_mask, doc=doc, den=den)
+        loss, terms, valid = self.core(self.model, self._target[0], tokens, anchors, self.args,
+                                       keep=keep, loss_mask=loss_mask, doc=doc, den=den)
         with torch.no_grad():  # sums, which `summarize` turns into metrics
-            acc, v = terms["accept"], valid.float()
-            tau = (((acc * v).cumprod(-1).sum(-1) + 1) * keep).sum()
-            zero = loss.new_zeros(())
-            head = torch.stack([loss.detach(), terms["ce"], terms["tv"], terms.get("conf", zero), tau, keep.sum()])
-            sums = torch.cat([head.float(), (acc * v).sum((0, 1)), v.sum((0, 1))])
+            v = valid.float()
+            accepted = terms["accept"] * v
+            tau = ((accepted.cumprod(-1).sum(-1) + 1) * keep).sum()
+            conf = terms.get("conf", loss.new_zeros(()))
+            head = torch.stack([loss.detach(), terms["ce"], terms["tv"], conf, tau, keep.sum()])
+            sums = torch.cat([head.float(), accepted.sum((0, 1)), v.sum((0, 1))])
         return loss, sums
 
 
@@ -602,11 +607,16 @@ class Eagle3Step(torch.nn.Module):
 
     def __init__(self, drafter: Eagle3Drafter, target: Transformer, args: Args):
         super().__init__()
-        self.model, self._target, self.args = drafter, [target], args
-        self.core = torch.compile(eagle3_loss, dynamic=False) if args.compile else eagle3_loss
+        self.model = drafter
+        self._target = [target]
+        self.args = args
+        self.core = eagle3_loss
+        if args.compile:
+            self.core = torch.compile(eagle3_loss, dynamic=False)
 
     def forward(self, tokens, loss_mask, doc, den):
-        loss, stats = self.core(self.model, self._target[0], tokens, self.args, loss_mask=loss_mask, doc=doc, den=den)
+        loss, stats = self.core(self.model, self._target[0], tokens, self.args, loss_mask=loss_mask,
+                                doc=doc, den=den)
         return loss, eagle3_sums(loss, stats)
 
 
@@ -622,7 +632,8 @@ def eagle3_sums(loss, stats: dict) -> torch.Tensor:
     tau = ((accept.cumprod(0).sum(0) + 1) * start).sum()
     head = torch.stack([loss.detach().float(), tau, tau_greedy, start.sum()])
     steps = torch.stack(stats["step"]).detach().float()
-    return torch.cat([head, steps, correct.sum((1, 2)), accept.sum((1, 2)), valid.sum((1, 2))])
+    per_step = [steps, correct.sum((1, 2)), accept.sum((1, 2)), valid.sum((1, 2))]
+    return torch.cat([head, *per_step])
 
 
 def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
@@ -631,17 +642,26 @@ def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
     (tau, as DSpark's) and its greedy twin over the hits (tau_greedy), DeepSpec's train metrics."""
     s = sums.tolist()
     n = max(s[3], 1)
+    # after the 4 head figures: S step losses, S hit counts, S acceptance sums, S supervised counts
+    losses = s[4:4 + S]
+    hits = s[4 + S:4 + 2 * S]
+    accepted = s[4 + 2 * S:4 + 3 * S]
+    counts = [max(c, 1) for c in s[4 + 3 * S:4 + 4 * S]]
     out = {"loss": s[0], "tau": s[1] / n, "tau_greedy": s[2] / n}
-    out.update({f"loss@{j}": s[4 + j] for j in range(S)})
-    out.update({f"acc@{j}": s[4 + S + j] / max(s[4 + 3 * S + j], 1) for j in range(S)})
-    out.update({f"accept@{j}": s[4 + 2 * S + j] / max(s[4 + 3 * S + j], 1) for j in range(S)})
+    out.update({f"loss@{j}": losses[j] for j in range(S)})
+    out.update({f"acc@{j}": hits[j] / counts[j] for j in range(S)})
+    out.update({f"accept@{j}": accepted[j] / counts[j] for j in range(S)})
     return out
 
 
 def summarize(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
     """Loss terms, acceptance per slot, DeepSpec's expected τ (1 + Σ_k Π_{i≤k} c*_i a block)."""
     s = sums.tolist()
-    out = {"loss": s[0], "ce": s[1], "tv": s[2], **({"conf": s[3]} if has_conf else {}), "tau": s[4] / max(s[5], 1)}
+    out = {"loss": s[0], "ce": s[1], "tv": s[2]}
+    if has_conf:
+        out["conf"] = s[3]
+    out["tau"] = s[4] / max(s[5], 1)
+    # after the 6 head figures: K acceptance sums, then K supervised counts
     out.update({f"accept@{j}": s[6 + j] / max(s[6 + K + j], 1) for j in range(K)})
     return out
 
