@@ -668,62 +668,109 @@ def summarize(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
 
 def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
-    say = (lambda msg: print(msg, file=sys.stderr)) if rank == 0 else (lambda msg: None)  # noqa: E731
+
+    def say(msg):
+        if rank == 0:
+            print(msg, file=sys.stderr)
+
     dtype = resolve_dtype(args.dtype, device)
-    target = load_target(args.target, device, dtype if device.startswith("cuda") else torch.float32)
+    target_dtype = torch.float32
+    if device.startswith("cuda"):
+        target_dtype = dtype
+    target = load_target(args.target, device, target_dtype)
     corpus = data.load_corpus(args, target.args, say)
     identity = {"target": target_digest(args.target), "data": data.digest(corpus)}
     if args.resume:
         where = checkpoint_dir(args.resume)
-        source = f"--data {args.data}" if args.data is not None else f"--data-ids {args.data_ids}"
+        if args.data is not None:
+            source = f"--data {args.data}"
+        else:
+            source = f"--data-ids {args.data_ids}"
         check_identity(where, identity, {"target": f"--target {args.target}", "data": source})
-        drafter = resumed_drafter(where, drafter_config(args, target, args.target), target, device)
+        cfg = drafter_config(args, target, args.target)
+        drafter = resumed_drafter(where, cfg, target, device)
     else:
         drafter = build_drafter(args, target, args.target, device)
+    run = Run(rank, world, device, log)
     if drafter.cfg.layout == "eagle3":
-        return train_eagle3(args, drafter, target, corpus, identity, Run(rank, world, device, log), dtype)
-    T, K, G = args.seq_len, drafter.cfg.num_slots, args.batch_size * args.grad_accum * world
-    N, trained = min(args.anchors_per_seq, T - 1), sum(p.numel() for p in drafter.parameters())
+        return train_eagle3(args, drafter, target, corpus, identity, run, dtype)
+    T = args.seq_len
+    K = drafter.cfg.num_slots
+    G = args.batch_size * args.grad_accum * world
+    N = min(args.anchors_per_seq, T - 1)
+    trained = sum(p.numel() for p in drafter.parameters())
     flops = step_flops(target.args, drafter.cfg, G, T, N)
-    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of {T} tokens, "
-              f"{N} anchors each | global batch {G} = {args.batch_size} x {args.grad_accum} x {world} process(es)")
+    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of "
+              f"{T} tokens, {N} anchors each | global batch {G} = {args.batch_size} x {args.grad_accum} x "
+              f"{world} process(es)")
     if log is not None:
         log.config(world_size=world, global_batch=G, hardware=device_name(device),
-                   dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus), anchors_resolved=N,
-                   trained_parameters=trained, step_flops=flops, target_config=runlog.checkpoint_config(args.target),
+                   dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
+                   anchors_resolved=N, trained_parameters=trained, step_flops=flops,
+                   target_config=runlog.checkpoint_config(args.target),
                    drafter_config=config_json(args.target, drafter.cfg, args.anchors_per_seq),
                    drafter_resolved=drafter.cfg.describe())
-    batches, w = data.Batches(len(corpus), G, args.seed), slot_weights(K, args.gamma)
+    batches = data.Batches(len(corpus), G, args.seed)
+    w = slot_weights(K, args.gamma)
     mine = data.micro_slices(args.batch_size, args.grad_accum, rank)
 
     def micro_batches(step):
         tokens, mask, doc = corpus.rows(batches(step))
         g = torch.Generator().manual_seed(data.seed_for("anchors", args.seed, step))
-        anchors, keep = data.sample_anchors(G, T, N, g, data.anchor_candidates(mask, doc))
-        den = (w * data.supervised(anchors, keep, K, T, mask, doc).float()).sum().clamp_min(1e-12)
-        to = lambda t, sl: None if t is None else t[sl].to(device)  # noqa: E731
-        return [dict(tokens=to(tokens, sl), anchors=to(anchors, sl), keep=to(keep, sl), loss_mask=to(mask, sl),
-                     doc=to(doc, sl), den=den.to(device)) for sl in mine]
+        candidates = data.anchor_candidates(mask, doc)
+        anchors, keep = data.sample_anchors(G, T, N, g, candidates)
+        # the global batch's Σ w, shared by every micro-batch
+        supervised = data.supervised(anchors, keep, K, T, mask, doc).float()
+        den = (w * supervised).sum().clamp_min(1e-12)
+        out = []
+        for sl in mine:
+            out.append(dict(tokens=on_device(tokens, sl, device), anchors=on_device(anchors, sl, device),
+                            keep=on_device(keep, sl, device), loss_mask=on_device(mask, sl, device),
+                            doc=on_device(doc, sl, device), den=den.to(device)))
+        return out
 
     def save(directory, step, opt):
         save_drafter(directory, drafter, args.target, args.anchors_per_seq, step=step)
         save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
 
-    evaluate = (lambda step: evaluate_checkpoint(args, step, device)) if args.eval_every else None
-    return optimize(args, DraftStep(drafter, target, args), micro_batches,
-                    lambda sums: summarize(sums, K, drafter.cfg.confidence_head), save, Run(rank, world, device, log),
-                    dtype, len(corpus), flops, evaluate, banner)
+    def summarize_step(sums):
+        return summarize(sums, K, drafter.cfg.confidence_head)
+
+    evaluate = eval_hook(args, device)
+    step_module = DraftStep(drafter, target, args)
+    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus), flops,
+                    evaluate, banner)
+
+
+def on_device(t, sl, device):
+    """A micro-batch's rows of an optional batch tensor, on the device."""
+    if t is None:
+        return None
+    return t[sl].to(device)
+
+
+def eval_hook(args: Args, device: str):
+    """--eval-every's call on a step's checkpoint, or None."""
+    if not args.eval_every:
+        return None
+
+    def evaluate(step):
+        return evaluate_checkpoint(args, step, device)
+
+    return evaluate
 
 
 def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus, identity: dict,
                  run: Run, dtype) -> dict:
     """train_drafter's Eagle3 loop: every position of each row is a chain start, no anchors to draw."""
-    T, S, G = args.seq_len, drafter.cfg.num_slots, args.batch_size * args.grad_accum * run.world
+    T = args.seq_len
+    S = drafter.cfg.num_slots
+    G = args.batch_size * args.grad_accum * run.world
     trained = sum(p.numel() for p in drafter.parameters())
     flops = eagle3_flops(target.args, drafter.cfg, G, T)
-    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of {T} tokens, "
-              f"{S} TTT steps, step weights {args.step_loss_decay}^j | global batch {G} = {args.batch_size} x "
-              f"{args.grad_accum} x {run.world} process(es)")
+    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of "
+              f"{T} tokens, {S} TTT steps, step weights {args.step_loss_decay}^j | global batch {G} = "
+              f"{args.batch_size} x {args.grad_accum} x {run.world} process(es)")
     if run.wandb is not None:
         run.wandb.config(world_size=run.world, global_batch=G, hardware=device_name(run.device),
                          dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
@@ -736,17 +783,24 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
 
     def micro_batches(step):
         tokens, mask, doc = corpus.rows(batches(step))
-        to = lambda t, sl: None if t is None else t[sl].to(run.device)  # noqa: E731
-        return [dict(tokens=to(tokens, sl), loss_mask=to(mask, sl), doc=to(doc, sl), den=den.to(run.device))
-                for sl in mine]
+        out = []
+        for sl in mine:
+            out.append(dict(tokens=on_device(tokens, sl, run.device), loss_mask=on_device(mask, sl, run.device),
+                            doc=on_device(doc, sl, run.device), den=den.to(run.device)))
+        return out
 
     def save(directory, step, opt):
-        save_drafter(directory, drafter, args.target, 0, step=step, config=drafter_json(args, drafter.cfg))
+        config = drafter_json(args, drafter.cfg)
+        save_drafter(directory, drafter, args.target, 0, step=step, config=config)
         save_state(directory, step, drafter, opt, args, len(corpus), run.world, identity)
 
-    evaluate = (lambda step: evaluate_checkpoint(args, step, run.device)) if args.eval_every else None
-    return optimize(args, Eagle3Step(drafter, target, args), micro_batches, lambda sums: summarize_eagle3(sums, S),
-                    save, run, dtype, len(corpus), flops, evaluate, banner)
+    def summarize_step(sums):
+        return summarize_eagle3(sums, S)
+
+    evaluate = eval_hook(args, run.device)
+    step_module = Eagle3Step(drafter, target, args)
+    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus), flops,
+                    evaluate, banner)
 
 
 def check_eval_args(args: Args):
