@@ -112,10 +112,13 @@ class Args(TrainArgs):
     eval_max_new_tokens: int = 256
     """Token budget per prompt of --eval-every."""
 
-    resume_keys: ClassVar[tuple[str, ...]] = ("drafter_kind",) + TrainArgs.resume_keys + (
+    resume_keys: ClassVar[tuple[str, ...]] = (
+        "drafter_kind",
+        *TrainArgs.resume_keys,
         "block_size", "depth", "target_layer_ids", "mask_token_id", "markov", "markov_rank", "confidence",
         "confidence_with_markov", "anchors_per_seq", "pack", "gamma", "alpha_ce", "alpha_tv", "alpha_conf",
-        "ttt_length", "step_loss_decay")
+        "ttt_length", "step_loss_decay",
+    )
     kind: ClassVar[str] = "drafter"
 
 
@@ -811,33 +814,45 @@ def check_eval_args(args: Args):
         import eval as evaluation
         folder = args.eval_data_dir or evaluation.DATA_DIR
         names = [n for n in args.eval_datasets.split(",") if n.strip()]
-        missing = [n for n in names if not os.path.isfile(os.path.join(folder, f"{n.strip()}.jsonl"))]
+        missing = []
+        for n in names:
+            if not os.path.isfile(os.path.join(folder, f"{n.strip()}.jsonl")):
+                missing.append(n)
         if not names or missing:
-            raise UserError(f"--eval-datasets: no {(missing or ['<name>'])[0]}.jsonl in {folder}")
+            first = (missing or ["<name>"])[0]
+            raise UserError(f"--eval-datasets: no {first}.jsonl in {folder}")
 
 
-DSPARK_ONLY = ("block_size", "depth", "mask_token_id", "markov", "markov_rank", "confidence", "confidence_with_markov",
-               "anchors_per_seq", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
+DSPARK_ONLY = ("block_size", "depth", "mask_token_id", "markov", "markov_rank", "confidence",
+               "confidence_with_markov", "anchors_per_seq", "gamma", "alpha_ce", "alpha_tv", "alpha_conf")
 EAGLE3_ONLY = ("ttt_length", "step_loss_decay")
 
 
 def check_unused_flags(args: Args):
     """A flag whose feature is off would train the same drafter."""
     eagle3 = args.drafter_kind == "eagle3"
-    off = ((DSPARK_ONLY, eagle3, "--drafter-kind eagle3 (a DSpark drafter's flag)"),
-           (EAGLE3_ONLY, not eagle3, "--drafter-kind dspark (an Eagle3 drafter's flag)"),
-           (("markov_rank",), args.markov == "none", "--markov none"),
-           (("alpha_conf",), not args.confidence, "--no-confidence"),
-           (("min_lr_frac",), args.schedule == "constant", "--schedule constant"),
-           (("eval_datasets", "eval_data_dir", "eval_samples", "eval_max_new_tokens"), not args.eval_every,
-            "no --eval-every"))
+    eval_flags = ("eval_datasets", "eval_data_dir", "eval_samples", "eval_max_new_tokens")
+    # (flags, whether their feature is off, what turns it off)
+    off = (
+        (DSPARK_ONLY, eagle3, "--drafter-kind eagle3 (a DSpark drafter's flag)"),
+        (EAGLE3_ONLY, not eagle3, "--drafter-kind dspark (an Eagle3 drafter's flag)"),
+        (("markov_rank",), args.markov == "none", "--markov none"),
+        (("alpha_conf",), not args.confidence, "--no-confidence"),
+        (("min_lr_frac",), args.schedule == "constant", "--schedule constant"),
+        (eval_flags, not args.eval_every, "no --eval-every"),
+    )
     default = {f.name: f.default for f in fields(Args)}
     for names, is_off, why in off:
         given = [n for n in names if is_off and getattr(args, n) != default[n]]
         if given:
-            value = getattr(args, given[0])
-            flag = f"--{'no-' if value is False else ''}{given[0].replace('_', '-')}"
-            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            name = given[0]
+            value = getattr(args, name)
+            prefix = "no-" if value is False else ""
+            flag = f"--{prefix}{name.replace('_', '-')}"
+            if isinstance(value, bool):
+                shown = flag
+            else:
+                shown = f"{flag} {value}"
             raise UserError(f"{shown}: changes nothing with {why}")
 
 
@@ -845,29 +860,40 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
     """eval.py on the checkpoint just written, into --out/eval_step<N>.json; returns what to log."""
     import eval as evaluation
 
+    eval_device = "cpu"
+    if device.startswith("cuda"):
+        eval_device = "cuda"
     flags = dict(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
                  data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
-                 max_new_tokens=args.eval_max_new_tokens, device="cuda" if device.startswith("cuda") else "cpu",
-                 compile=False, progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
+                 max_new_tokens=args.eval_max_new_tokens, device=eval_device, compile=False, progress=False,
+                 out=os.path.join(args.out, f"eval_step{step}.json"))
     e = from_flat(evaluation.EvalArgs, flags)
     with torch.inference_mode():
         results = evaluation.run(e)
     found = {}
+    metrics = ("acceptance_length", "draft_tokens_per_proposal", "verify_rate", "tokens_per_second")
     for r in results["datasets"]:
-        found.update({f"eval/{r['dataset']}/{k}": r[k] for k in ("acceptance_length", "draft_tokens_per_proposal",
-                                                                 "verify_rate", "tokens_per_second") if r[k] is not None})
-        found.update({f"eval/{r['dataset']}/accept_rate@{j}": a for j, a in enumerate(r["accept_rates_by_position"])
-                      if a is not None})
-    for m in (results["calibration"] or {}).get("raw", []):
-        found.update({f"eval/calibration/{k}_{m['position']}": m[k] for k in ("ece", "brier") if m[k] is not None})
+        prefix = f"eval/{r['dataset']}"
+        for k in metrics:
+            if r[k] is not None:
+                found[f"{prefix}/{k}"] = r[k]
+        for j, a in enumerate(r["accept_rates_by_position"]):
+            if a is not None:
+                found[f"{prefix}/accept_rate@{j}"] = a
+    calibration = results["calibration"] or {}
+    for m in calibration.get("raw", []):
+        for k in ("ece", "brier"):
+            if m[k] is not None:
+                found[f"eval/calibration/{k}_{m['position']}"] = m[k]
     return found
 
 
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history."""
     check_train_args(args, block_size="[1, 256]", depth="[1, 1024]", markov_rank="[1, 65536]",
-                     anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]", alpha_tv="[0, 1e6]",
-                     alpha_conf="[0, 1e6]", ttt_length="[1, 256]", step_loss_decay="(0, 1e3]")
+                     anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]",
+                     alpha_tv="[0, 1e6]", alpha_conf="[0, 1e6]", ttt_length="[1, 256]",
+                     step_loss_decay="(0, 1e3]")
     check_eval_args(args)
     check_unused_flags(args)
     if args.target is None:
