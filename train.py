@@ -39,7 +39,15 @@ from support.checkpoint import (
     resolve_checkpoint,
     weight_files,
 )
-from support.cli import UserError, check_ranges, device_name, from_flat, parse_ints, resolve_device, resolve_dtype
+from support.cli import (
+    UserError,
+    check_ranges,
+    device_name,
+    from_flat,
+    parse_ints,
+    resolve_device,
+    resolve_dtype,
+)
 from support.distributed import dist_init, rank0
 from support.files import read_json, write_json
 from support.text import Tokenizer
@@ -286,7 +294,10 @@ def ttt_positions(loss_mask, doc, B: int, T: int, steps: int, device=None) -> to
     """[steps, B, T] bool, step j's supervised indices: pm_0 = the loss mask with each row's (document's)
     last position off (no next token to learn there); pm_j[i] = pm_0[i + j] (off past the end), and i + j
     in i's document."""
-    pm = torch.ones(B, T, dtype=torch.bool, device=device) if loss_mask is None else loss_mask.bool()
+    if loss_mask is None:
+        pm = torch.ones(B, T, dtype=torch.bool, device=device)
+    else:
+        pm = loss_mask.bool()
     last = torch.ones(B, T, dtype=torch.bool, device=device)  # the row's last position
     if doc is not None:  # and each document's
         last[:, :-1] = doc[:, 1:] != doc[:, :-1]
@@ -447,7 +458,8 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     if mask is None:
         mask = default_mask_token_id(target_dir, t.vocab_size)
     if not 0 <= mask < t.vocab_size:
-        raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{t.vocab_size - 1})")
+        last = t.vocab_size - 1
+        raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{last})")
     markov = None if args.markov == "none" else args.markov
     if args.confidence and args.confidence_with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
@@ -455,8 +467,8 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     layers = replace(t, num_hidden_layers=args.depth, eos_token_ids=(), tie_word_embeddings=False)
     rank = args.markov_rank if markov else 0
     with_markov = args.confidence and args.confidence_with_markov and markov is not None
-    return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, rank, args.confidence,
-                         with_markov, L)
+    return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, rank,
+                         args.confidence, with_markov, L)
 
 
 def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
@@ -545,8 +557,8 @@ def shared_weights(target_dir: str) -> dict:
     return found
 
 
-def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, step: Optional[int] = None,
-                 config: Optional[dict] = None):
+def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int,
+                 step: Optional[int] = None, config: Optional[dict] = None):
     """config.json (`config`, else DSpark's) + model.safetensors, DeepSpec's layout: separate q/k/v and
     gate/up, and copies of the target's embedding and lm_head."""
     tensors = published({k: v.float() for k, v in drafter.state_dict().items()})
@@ -560,7 +572,8 @@ def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int, 
 def resumed_drafter(directory: str, cfg: DrafterConfig, target: Transformer, device) -> Drafter:
     drafter = load_drafter(directory, target, device, torch.float32)
     if drafter.cfg != cfg:
-        raise UserError(f"{directory}: holds another drafter than the flags build ({drafter.cfg.describe()})")
+        held = drafter.cfg.describe()
+        raise UserError(f"{directory}: holds another drafter than the flags build ({held})")
     return drafter.requires_grad_(True)
 
 
@@ -618,8 +631,8 @@ class Eagle3Step(torch.nn.Module):
             self.core = torch.compile(eagle3_loss, dynamic=False)
 
     def forward(self, tokens, loss_mask, doc, den):
-        loss, stats = self.core(self.model, self._target[0], tokens, self.args, loss_mask=loss_mask,
-                                doc=doc, den=den)
+        loss, stats = self.core(self.model, self._target[0], tokens, self.args,
+                                loss_mask=loss_mask, doc=doc, den=den)
         return loss, eagle3_sums(loss, stats)
 
 
@@ -703,9 +716,9 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     N = min(args.anchors_per_seq, T - 1)
     trained = sum(p.numel() for p in drafter.parameters())
     flops = step_flops(target.args, drafter.cfg, G, T, N)
-    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of "
-              f"{T} tokens, {N} anchors each | global batch {G} = {args.batch_size} x {args.grad_accum} x "
-              f"{world} process(es)")
+    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | "
+              f"{len(corpus)} sequences of {T} tokens, {N} anchors each | "
+              f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world} process(es)")
     if log is not None:
         log.config(world_size=world, global_batch=G, hardware=device_name(device),
                    dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
@@ -727,9 +740,13 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         den = (w * supervised).sum().clamp_min(1e-12)
         out = []
         for sl in mine:
-            out.append(dict(tokens=on_device(tokens, sl, device), anchors=on_device(anchors, sl, device),
-                            keep=on_device(keep, sl, device), loss_mask=on_device(mask, sl, device),
-                            doc=on_device(doc, sl, device), den=den.to(device)))
+            mb = dict(tokens=on_device(tokens, sl, device))
+            mb["anchors"] = on_device(anchors, sl, device)
+            mb["keep"] = on_device(keep, sl, device)
+            mb["loss_mask"] = on_device(mask, sl, device)
+            mb["doc"] = on_device(doc, sl, device)
+            mb["den"] = den.to(device)
+            out.append(mb)
         return out
 
     def save(directory, step, opt):
@@ -741,8 +758,8 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
 
     evaluate = eval_hook(args, device)
     step_module = DraftStep(drafter, target, args)
-    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus), flops,
-                    evaluate, banner)
+    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
+                    flops, evaluate, banner)
 
 
 def on_device(t, sl, device):
@@ -763,23 +780,25 @@ def eval_hook(args: Args, device: str):
     return evaluate
 
 
-def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus, identity: dict,
-                 run: Run, dtype) -> dict:
+def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus,
+                 identity: dict, run: Run, dtype) -> dict:
     """train_drafter's Eagle3 loop: every position of each row is a chain start, no anchors to draw."""
     T = args.seq_len
     S = drafter.cfg.num_slots
     G = args.batch_size * args.grad_accum * run.world
     trained = sum(p.numel() for p in drafter.parameters())
     flops = eagle3_flops(target.args, drafter.cfg, G, T)
-    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | {len(corpus)} sequences of "
-              f"{T} tokens, {S} TTT steps, step weights {args.step_loss_decay}^j | global batch {G} = "
-              f"{args.batch_size} x {args.grad_accum} x {run.world} process(es)")
+    banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | "
+              f"{len(corpus)} sequences of {T} tokens, {S} TTT steps, "
+              f"step weights {args.step_loss_decay}^j | "
+              f"global batch {G} = {args.batch_size} x {args.grad_accum} x {run.world} process(es)")
     if run.wandb is not None:
         run.wandb.config(world_size=run.world, global_batch=G, hardware=device_name(run.device),
                          dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
                          trained_parameters=trained, step_flops=flops,
                          target_config=runlog.checkpoint_config(args.target),
-                         drafter_config=drafter_json(args, drafter.cfg), drafter_resolved=drafter.cfg.describe())
+                         drafter_config=drafter_json(args, drafter.cfg),
+                         drafter_resolved=drafter.cfg.describe())
     batches = data.Batches(len(corpus), G, args.seed)
     mine = data.micro_slices(args.batch_size, args.grad_accum, run.rank)
     den = torch.tensor(float(G * T))  # DeepSpec's B·T of the padded batch, over the global batch
@@ -788,8 +807,11 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
         tokens, mask, doc = corpus.rows(batches(step))
         out = []
         for sl in mine:
-            out.append(dict(tokens=on_device(tokens, sl, run.device), loss_mask=on_device(mask, sl, run.device),
-                            doc=on_device(doc, sl, run.device), den=den.to(run.device)))
+            mb = dict(tokens=on_device(tokens, sl, run.device))
+            mb["loss_mask"] = on_device(mask, sl, run.device)
+            mb["doc"] = on_device(doc, sl, run.device)
+            mb["den"] = den.to(run.device)
+            out.append(mb)
         return out
 
     def save(directory, step, opt):
@@ -802,12 +824,13 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
 
     evaluate = eval_hook(args, run.device)
     step_module = Eagle3Step(drafter, target, args)
-    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus), flops,
-                    evaluate, banner)
+    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
+                    flops, evaluate, banner)
 
 
 def check_eval_args(args: Args):
-    check_ranges(args, eval_every="[0, inf)", eval_samples="[1, inf)", eval_max_new_tokens="[1, inf)")
+    check_ranges(args, eval_every="[0, inf)", eval_samples="[1, inf)",
+                 eval_max_new_tokens="[1, inf)")
     if args.eval_data_dir is not None and not args.eval_data_dir.strip():
         raise UserError("--eval-data-dir: empty path (leave the flag out for eval.py's data/eval)")
     if args.eval_every:
@@ -865,13 +888,14 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
         eval_device = "cuda"
     flags = dict(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
                  data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
-                 max_new_tokens=args.eval_max_new_tokens, device=eval_device, compile=False, progress=False,
-                 out=os.path.join(args.out, f"eval_step{step}.json"))
+                 max_new_tokens=args.eval_max_new_tokens, device=eval_device, compile=False,
+                 progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
     e = from_flat(evaluation.EvalArgs, flags)
     with torch.inference_mode():
         results = evaluation.run(e)
     found = {}
-    metrics = ("acceptance_length", "draft_tokens_per_proposal", "verify_rate", "tokens_per_second")
+    metrics = ("acceptance_length", "draft_tokens_per_proposal", "verify_rate",
+               "tokens_per_second")
     for r in results["datasets"]:
         prefix = f"eval/{r['dataset']}"
         for k in metrics:
@@ -898,7 +922,9 @@ def run(args: Args) -> dict:
     check_unused_flags(args)
     if args.target is None:
         raise UserError("--target: no target directory given")
-    args = replace(args, target=resolve_checkpoint(args.target, "--target"))  # --out is checked against it too
+    # --out is checked against the resolved target too
+    target = resolve_checkpoint(args.target, "--target")
+    args = replace(args, target=target)
     check_out_dir(args, inputs=[args.target])
     with runlog.logged_run(args, "train", "train.py", enabled=rank0()) as log:
         return train_drafter(args, log)
