@@ -160,7 +160,8 @@ def block_forward(drafter: Drafter, features, tokens, anchors, doc=None):
     dtype = drafter.fc.weight.dtype
     table = rope_table(a.head_dim, a.rope_theta, T + K, dev)
     # the context at 0..T-1; block slot j at its anchor + j
-    rope_ctx = Rope.at(table[:T][None].expand(B, T, 2, a.head_dim), dtype)
+    ctx_table = table[:T][None].expand(B, T, 2, a.head_dim)
+    rope_ctx = Rope.at(ctx_table, dtype)
     slot_pos = anchors[:, :, None] + torch.arange(K, device=dev)
     rope_blk = Rope.at(table[slot_pos.view(B, N * K)], dtype)
     block = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
@@ -269,7 +270,9 @@ def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     q = t.num_attention_heads * t.head_dim
     kv = t.num_key_value_heads * t.head_dim
     slots = N * K
-    context = 2 * T * (len(d.target_layer_ids) * H * H + D * 2 * H * kv)
+    fc = len(d.target_layer_ids) * H * H
+    context_kv = D * 2 * H * kv
+    context = 2 * T * (fc + context_kv)
     block_matmuls = 2 * slots * (D * layer_params(d.layers) + H * V + d.markov_rank * V)
     block_attention = 4 * D * slots * (T + slots) * q
     blocks = block_matmuls + block_attention
@@ -300,15 +303,17 @@ def ttt_positions(loss_mask, doc, B: int, T: int, steps: int, device=None) -> to
         pm = loss_mask.bool()
     last = torch.ones(B, T, dtype=torch.bool, device=device)  # the row's last position
     if doc is not None:  # and each document's
-        last[:, :-1] = doc[:, 1:] != doc[:, :-1]
+        next_differs = doc[:, 1:] != doc[:, :-1]
+        last[:, :-1] = next_differs
     else:
         last[:, :-1] = False
     pm = pm & ~last
     out = torch.zeros(steps, B, T, dtype=torch.bool, device=device)
     for j in range(steps):
-        out[j, :, :T - j] = pm[:, j:]
+        n = T - j  # indices i with i + j in the row
+        out[j, :, :n] = pm[:, j:]
         if doc is not None:
-            out[j, :, :T - j] &= doc[:, :T - j] == doc[:, j:]
+            out[j, :, :n] &= doc[:, :n] == doc[:, j:]
     return out
 
 
@@ -330,7 +335,8 @@ def ttt_forward(drafter: Eagle3Drafter, features, tokens, steps: int, doc=None) 
     past = None
     out = []
     for j in range(steps):
-        rope = Rope.at(table[j:j + T][None].expand(B, T, 2, a.head_dim), dtype)
+        step_table = table[j:j + T][None].expand(B, T, 2, a.head_dim)
+        rope = Rope.at(step_table, dtype)
         embedded = drafter.target.embed_tokens(ahead[:, j:j + T])
         step_mask = mask[:, :, :(j + 1) * T]
         h, past = layer.unrolled(h, embedded, rope, step_mask, past)
@@ -399,8 +405,10 @@ def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     q = t.num_attention_heads * t.head_dim
     kv = t.num_key_value_heads * t.head_dim
     layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I
+    step_matmuls = 2 * T * S * (layer + H * V)
     # step j's attention reads (j+1)·T keys: Σ_j (j+1) = S(S+1)/2
-    steps = 2 * T * S * (layer + H * V) + 4 * T * T * q * S * (S + 1) // 2
+    step_attention = 4 * T * T * q * S * (S + 1) // 2
+    steps = step_matmuls + step_attention
     fc = 2 * T * len(d.target_layer_ids) * H * H
     target = causal_flops(t, T) + 2 * T * H * V
     return float(G * (target + 3 * (fc + steps)))
@@ -648,8 +656,10 @@ def eagle3_sums(loss, stats: dict) -> torch.Tensor:
     tau = ((accept.cumprod(0).sum(0) + 1) * start).sum()
     head = torch.stack([loss.detach().float(), tau, tau_greedy, start.sum()])
     steps = torch.stack(stats["step"]).detach().float()
-    per_step = [steps, correct.sum((1, 2)), accept.sum((1, 2)), valid.sum((1, 2))]
-    return torch.cat([head, *per_step])
+    hits = correct.sum((1, 2))
+    accepted = accept.sum((1, 2))
+    counts = valid.sum((1, 2))
+    return torch.cat([head, steps, hits, accepted, counts])
 
 
 def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
@@ -678,7 +688,9 @@ def summarize(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
         out["conf"] = s[3]
     out["tau"] = s[4] / max(s[5], 1)
     # after the 6 head figures: K acceptance sums, then K supervised counts
-    out.update({f"accept@{j}": s[6 + j] / max(s[6 + K + j], 1) for j in range(K)})
+    accepted = s[6:6 + K]
+    counts = [max(c, 1) for c in s[6 + K:6 + 2 * K]]
+    out.update({f"accept@{j}": accepted[j] / counts[j] for j in range(K)})
     return out
 
 
