@@ -252,7 +252,8 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     prev = torch.cat([anchor_tokens, labels[:, :, :-1]], dim=-1)
     with torch.no_grad():
         H = hidden_t.shape[-1]
-        idx = slot_pos.clamp(max=T - 1).view(B, -1, 1).expand(-1, -1, H)
+        slot_rows = slot_pos.clamp(max=T - 1).view(B, -1, 1)
+        idx = slot_rows.expand(-1, -1, H)
         target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, N, K, -1)
     z, conf = head_outputs(drafter, h, prev)
     terms = distill_losses(z, target_logits, labels, valid, conf, args.gamma, den)
@@ -273,7 +274,8 @@ def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     fc = len(d.target_layer_ids) * H * H
     context_kv = D * 2 * H * kv
     context = 2 * T * (fc + context_kv)
-    block_matmuls = 2 * slots * (D * layer_params(d.layers) + H * V + d.markov_rank * V)
+    per_slot = D * layer_params(d.layers) + H * V + d.markov_rank * V
+    block_matmuls = 2 * slots * per_slot
     block_attention = 4 * D * slots * (T + slots) * q
     blocks = block_matmuls + block_attention
     target = causal_flops(t, T) + 2 * slots * H * V
@@ -404,7 +406,8 @@ def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     S = d.num_slots
     q = t.num_attention_heads * t.head_dim
     kv = t.num_key_value_heads * t.head_dim
-    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I
+    attention = 2 * H * (q + 2 * kv) + q * H
+    layer = attention + 3 * H * I
     step_matmuls = 2 * T * S * (layer + H * V)
     # step j's attention reads (j+1)·T keys: Σ_j (j+1) = S(S+1)/2
     step_attention = 4 * T * T * q * S * (S + 1) // 2
@@ -595,7 +598,9 @@ def target_digest(directory: str) -> str:
 
     with ThreadPoolExecutor(min(8, len(files))) as pool:
         digests = list(pool.map(one, files))
-    listing = "".join(f"{os.path.basename(p)} {d}\n" for p, d in zip(files, digests))
+    listing = ""
+    for path, digest in zip(files, digests):
+        listing += f"{os.path.basename(path)} {digest}\n"
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
@@ -622,7 +627,9 @@ class DraftStep(torch.nn.Module):
             tau = ((accepted.cumprod(-1).sum(-1) + 1) * keep).sum()
             conf = terms.get("conf", loss.new_zeros(()))
             head = torch.stack([loss.detach(), terms["ce"], terms["tv"], conf, tau, keep.sum()])
-            sums = torch.cat([head.float(), accepted.sum((0, 1)), v.sum((0, 1))])
+            per_slot_accepted = accepted.sum((0, 1))
+            per_slot_counts = v.sum((0, 1))
+            sums = torch.cat([head.float(), per_slot_accepted, per_slot_counts])
         return loss, sums
 
 
