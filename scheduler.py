@@ -38,18 +38,30 @@ def hardware_schedule(confidence, active, sps) -> torch.Tensor:
     B, K = confidence.shape
     a_sorted, order = ranked(confidence, active)
     R = active.long().sum()
-    theta = (R + torch.cumsum(a_sorted, 0)) * sps[R + torch.arange(1, B * K + 1, device=a_sorted.device)]
-    before = torch.cat([R * sps[R[None]], theta[:-1]])  # the best Θ when candidate i is tried
-    take = torch.cumprod(((theta > before) & (a_sorted > 0)).long(), dim=0)
-    return torch.zeros(B * K, dtype=torch.long, device=a_sorted.device).scatter(0, order, take).view(B, K).sum(1)
+    tau = R + torch.cumsum(a_sorted, 0)  # τ with candidates 1 .. i admitted
+    verify_tokens = R + torch.arange(1, B * K + 1, device=a_sorted.device)
+    theta = tau * sps[verify_tokens]
+    anchors_only = R * sps[R[None]]
+    before = torch.cat([anchors_only, theta[:-1]])  # the best Θ when candidate i is tried
+    improves = (theta > before) & (a_sorted > 0)
+    take = torch.cumprod(improves.long(), dim=0)  # admitted up to the first that does not improve
+    return admitted_per_row(take, order, B, K)
+
+
+def admitted_per_row(take, order, B: int, K: int) -> torch.Tensor:
+    """ℓ [B] from `take` [B*K] (1: admitted), in the ranked order `order`."""
+    flat = torch.zeros(B * K, dtype=torch.long, device=take.device)
+    flat = flat.scatter(0, order, take)
+    return flat.view(B, K).sum(1)
 
 
 def top_capacity(confidence, active, capacity) -> torch.Tensor:
     """The async selection: the `capacity` (0-d, fixed before these drafts) best prefix survivals. Returns ℓ [B]."""
     B, K = confidence.shape
     a_sorted, order = ranked(confidence, active)
-    take = (torch.arange(B * K, device=a_sorted.device) < capacity) & (a_sorted > 0)
-    return torch.zeros(B * K, dtype=torch.long, device=a_sorted.device).scatter(0, order, take.long()).view(B, K).sum(1)
+    within = torch.arange(B * K, device=a_sorted.device) < capacity
+    take = within & (a_sorted > 0)
+    return admitted_per_row(take.long(), order, B, K)
 
 
 def capacity_search(confidence: list[list[float]], R: int, sps: list[float], limit: int) -> int:
@@ -63,11 +75,15 @@ def capacity_search(confidence: list[list[float]], R: int, sps: list[float], lim
             if prod > 0:
                 a.append(prod)
     a.sort(reverse=True)
-    best, C, tau = R * sps[R], 0, float(R)
+    best = R * sps[R]
+    C = 0
+    tau = float(R)
     for i, x in enumerate(a[:limit], start=1):
         tau += x
-        if tau * sps[R + i] > best:
-            best, C = tau * sps[R + i], i
+        theta = tau * sps[R + i]
+        if theta > best:
+            best = theta
+            C = i
     return C
 
 
@@ -86,11 +102,16 @@ class Plan(NamedTuple):
 
 def verify_buckets(max_tokens: int) -> list[int]:
     """Padded verify sizes 1, 2, 3, 4, 6, 8, 12, ... (at most a third padding) and max_tokens itself."""
-    out, b = [], 1
+    out = []
+    b = 1
     while b < max_tokens:
-        out += [b] + ([b * 3 // 2] if b >= 2 and b * 3 // 2 < max_tokens else [])
+        out.append(b)
+        between = b * 3 // 2
+        if b >= 2 and between < max_tokens:
+            out.append(between)
         b *= 2
-    return out + [max_tokens]
+    out.append(max_tokens)
+    return out
 
 
 def isotonic(y: list[float]) -> list[float]:
@@ -99,9 +120,14 @@ def isotonic(y: list[float]) -> list[float]:
     for v in y:
         blocks.append([v, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m2 * n2 + m1 * n1) / (n2 + n1), n2 + n1]
-    return [m for m, n in blocks for _ in range(n)]
+            m1, n1 = blocks.pop()
+            m2, n2 = blocks[-1]
+            n = n1 + n2
+            blocks[-1] = [(m2 * n2 + m1 * n1) / n, n]  # the two pooled into their mean
+    out = []
+    for mean, count in blocks:
+        out.extend([mean] * count)
+    return out
 
 
 def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]], top: int):
@@ -109,14 +135,22 @@ def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]
     holds it (route[B]); eager, the step time made non-decreasing (a dip is noise) and interpolated."""
     if buckets is not None:
         per = dict(zip(points, rates))
-        route = [0] + [max((b for b in buckets if b >= n), key=lambda b: (per[b], -b)) for n in range(1, top + 1)]
-        return [per[route[1]]] + [per[b] for b in route[1:]], route
-    seconds = torch.tensor(isotonic([1 / r for r in rates]), dtype=torch.float64)
+        route = [0]
+        for n in range(1, top + 1):
+            holding = [b for b in buckets if b >= n]
+            fastest = max(holding, key=lambda b: (per[b], -b))  # the smaller bucket at a tie
+            route.append(fastest)
+        sps = [per[route[1]]] + [per[b] for b in route[1:]]
+        return sps, route
+    step_seconds = isotonic([1 / r for r in rates])
+    seconds = torch.tensor(step_seconds, dtype=torch.float64)
     x = torch.tensor(points, dtype=torch.float64)
     at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
     hi = torch.searchsorted(x, at).clamp(1, len(points) - 1)
-    w = ((at - x[hi - 1]) / (x[hi] - x[hi - 1])).clamp(0, 1)
-    return (1 / (seconds[hi - 1] * (1 - w) + seconds[hi] * w)).tolist(), None
+    lo = hi - 1
+    w = ((at - x[lo]) / (x[hi] - x[lo])).clamp(0, 1)
+    interpolated = seconds[lo] * (1 - w) + seconds[hi] * w
+    return (1 / interpolated).tolist(), None
 
 
 class Scheduler:
@@ -125,7 +159,9 @@ class Scheduler:
 
     def __init__(self, kind: str, K: int, batch: int, *, threshold: float = 0.0,
                  buckets: Optional[list[int]] = None, compiled: bool = False, device="cpu"):
-        self.kind, self.K, self.threshold = kind, K, threshold
+        self.kind = kind
+        self.K = K
+        self.threshold = threshold
         top = batch * (K + 1)  # tokens of a round that verifies every draft of every row
         # Compiled: a few padded token counts, one graph each; SPS is profiled there (eager: the same points).
         self.buckets = None
@@ -135,11 +171,16 @@ class Scheduler:
             self.buckets = verify_buckets(top)
         self.profile_points = self.buckets or verify_buckets(top)
         # SPS(B) by verify tokens: on the device for Algorithm 1, on the host for the async search.
-        self.sps = (torch.ones(top + 1, dtype=torch.float64, device=device if kind == "hardware" else "cpu")
-                    if kind in SPS_KINDS else None)
+        self.sps = None
+        if kind == "hardware":
+            self.sps = torch.ones(top + 1, dtype=torch.float64, device=device)
+        elif kind == "async":
+            self.sps = torch.ones(top + 1, dtype=torch.float64)
         self.table: Optional[dict] = None  # the SPS table in use (set_sps)
         self.route: Optional[list[int]] = None
-        self.capacity = torch.zeros((), dtype=torch.long, device=device) if kind == "async" else None
+        self.capacity = None
+        if kind == "async":
+            self.capacity = torch.zeros((), dtype=torch.long, device=device)
         self.reset()
 
     def __call__(self, confidence: Optional[torch.Tensor], active: torch.Tensor,
@@ -175,24 +216,30 @@ class Scheduler:
     def plan(self, R: int) -> Plan:
         """The next round's capacity C and verify size for R rows, from the round two before (a pipelined engine
         has not read the last one yet), grown to fill its bucket; the first two rounds verify every draft."""
-        r, limit = self.rounds, R * self.K
+        r = self.rounds
+        limit = R * self.K
         if r < 2:
-            C, source = limit, "warmup"
+            C = limit
+            source = "warmup"
         else:
-            C, source = capacity_search(self.history[0], R, self.sps.tolist(), limit), r - 2
+            C = capacity_search(self.history[0], R, self.sps.tolist(), limit)
+            source = r - 2
         num_tokens = self.bucket(R + C)
-        return self.fixed(num_tokens, min(num_tokens - R, limit), source, r)
+        capacity = min(num_tokens - R, limit)  # grown to fill the bucket
+        return self.fixed(num_tokens, capacity, source, r)
 
     def fixed(self, num_tokens: int, capacity: Optional[int] = None, source: Union[int, str] = "fixed",
               round: int = -1) -> Plan:
         """A plan of exactly num_tokens verify tokens (capacity too by default: warm-up and profiling)."""
-        capacity = num_tokens if capacity is None else capacity
+        if capacity is None:
+            capacity = num_tokens
         self.capacity.fill_(capacity)  # in place: no host-to-device copy to wait for
         return Plan(capacity, source, round, num_tokens, self.capacity)
 
     def set_sps(self, table: dict):
         """Use a profiled SPS table (`profile`, or read by `load_or_profile`)."""
-        sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets, len(self.sps) - 1)
+        top = len(self.sps) - 1
+        sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets, top)
         self.table = table
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
 
