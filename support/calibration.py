@@ -14,39 +14,52 @@ from support import metrics as mt
 
 ECE_BINS = 20
 # STS's 1-D search space: temperatures for c_k's logit, geometric from 1/20 to 20 (1.0 included).
-STS_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
+_GEOMETRIC = np.geomspace(0.05, 20.0, 241)
+STS_GRID = np.unique(np.concatenate([_GEOMETRIC, [1.0]]))
 
 
 def ece(p, y, bins: int = ECE_BINS) -> Optional[float]:
     """Σ_b (n_b / N) |mean(y_b) - mean(p_b)| over bins [b/bins, (b+1)/bins), the last one closed."""
-    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    p = np.asarray(p, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
     if p.size == 0:
         return None
     idx = np.minimum((p * bins).astype(np.int64), bins - 1)
-    gap = np.abs(np.bincount(idx, weights=y, minlength=bins) - np.bincount(idx, weights=p, minlength=bins))
+    observed = np.bincount(idx, weights=y, minlength=bins)
+    predicted = np.bincount(idx, weights=p, minlength=bins)
+    gap = np.abs(observed - predicted)
     return float(gap.sum() / p.size)
 
 
 def auroc(p, y) -> Optional[float]:
     """Mann-Whitney U, ties sharing their mean rank; None with one class."""
-    p, y = np.asarray(p, dtype=np.float64), np.asarray(y).astype(bool)
+    p = np.asarray(p, dtype=np.float64)
+    y = np.asarray(y).astype(bool)
     n1 = int(y.sum())
     n0 = y.size - n1
     if n1 == 0 or n0 == 0:
         return None
     _, inverse, counts = np.unique(p, return_inverse=True, return_counts=True)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    ranks = (first + (counts + 1) / 2.0)[inverse]
-    return float((ranks[y].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
+    ends = np.cumsum(counts)
+    first = np.concatenate([[0], ends[:-1]])  # each distinct value's first 0-based rank
+    mean_rank = first + (counts + 1) / 2.0
+    ranks = mean_rank[inverse]
+    lowest = n1 * (n1 + 1) / 2.0  # the positives' rank sum when all rank lowest
+    u = ranks[y].sum() - lowest
+    return float(u / (n1 * n0))
 
 
 def brier(p, y) -> Optional[float]:
-    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    return float(np.mean((p - y) ** 2)) if p.size else None
+    p = np.asarray(p, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if p.size == 0:
+        return None
+    return float(np.mean((p - y) ** 2))
 
 
 def _logit(c):
-    c = np.clip(np.asarray(c, dtype=np.float64), 1e-12, 1 - 1e-12)  # float32 sigmoids reach 0 and 1 exactly
+    c = np.asarray(c, dtype=np.float64)
+    c = np.clip(c, 1e-12, 1 - 1e-12)  # float32 sigmoids reach 0 and 1 exactly
     return np.log(c) - np.log1p(-c)
 
 
@@ -56,12 +69,15 @@ def _sigmoid(x):
 
 def apply_temperatures(confidence, temperatures):
     """c_k -> σ(logit(c_k) / T_k)."""
-    return _sigmoid(_logit(confidence) / np.asarray(temperatures, dtype=np.float64))
+    t = np.asarray(temperatures, dtype=np.float64)
+    return _sigmoid(_logit(confidence) / t)
 
 
 def uncalibrate(confidence: np.ndarray, temperatures: list[float]) -> np.ndarray:
     """The raw head's c_k from recorded σ(logit_k / T_k)."""
-    return _sigmoid(_logit(confidence) * np.asarray(temperatures, dtype=np.float64)).astype(np.float32)
+    t = np.asarray(temperatures, dtype=np.float64)
+    raw = _sigmoid(_logit(confidence) * t)
+    return raw.astype(np.float32)
 
 
 def saturated(confidence: np.ndarray) -> int:
@@ -74,18 +90,31 @@ def survival_events(confidence, verified, accepted, k: int):
     """Prefix survival a_k = Π_{i≤k} c_i and the event "drafts 1..k accepted", over the rounds that
     verified draft k (1-based)."""
     mask = np.asarray(verified) >= k
-    a = np.prod(np.asarray(confidence, dtype=np.float64)[mask, :k], axis=1)
-    return a, (np.asarray(accepted)[mask] >= k)
+    c = np.asarray(confidence, dtype=np.float64)
+    a = np.prod(c[mask, :k], axis=1)
+    survived = np.asarray(accepted)[mask] >= k
+    return a, survived
 
 
 def position_metrics(confidence, verified, accepted, bins: int = ECE_BINS) -> list[dict]:
     out = []
     for k in range(1, np.shape(confidence)[1] + 1):
         a, y = survival_events(confidence, verified, accepted, k)
-        out.append({"position": k, "rounds": int(a.size), "survived": int(y.sum()),
-                    "mean_survival": float(a.mean()) if a.size else None,
-                    "observed_survival": float(y.mean()) if a.size else None,
-                    "ece": ece(a, y, bins), "auroc": auroc(a, y), "brier": brier(a, y)})
+        mean_survival = None
+        observed_survival = None
+        if a.size:
+            mean_survival = float(a.mean())
+            observed_survival = float(y.mean())
+        out.append({
+            "position": k,
+            "rounds": int(a.size),
+            "survived": int(y.sum()),
+            "mean_survival": mean_survival,
+            "observed_survival": observed_survival,
+            "ece": ece(a, y, bins),
+            "auroc": auroc(a, y),
+            "brier": brier(a, y),
+        })
     return out
 
 
@@ -95,15 +124,21 @@ def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS)
     C = np.asarray(confidence, dtype=np.float64)
     N, K = C.shape
     logits = _logit(C)
-    verified, accepted = np.asarray(verified), np.asarray(accepted)
-    temps, prefix = np.ones(K), np.ones(N)
+    verified = np.asarray(verified)
+    accepted = np.asarray(accepted)
+    temps = np.ones(K)
+    prefix = np.ones(N)  # a_{k-1} with positions 1..k-1 calibrated
     order = np.argsort(np.abs(np.log(grid)), kind="stable")
+    candidates = grid[order]  # nearest 1 first, so argmin's first minimum is the tie-break
     for k in range(K):
         mask = verified >= k + 1
         if mask.any():
             y = accepted[mask] >= k + 1
-            errs = [ece(prefix[mask] * _sigmoid(logits[mask, k] / t), y, bins) for t in grid[order]]
-            temps[k] = grid[order][int(np.argmin(errs))]
+            errs = []
+            for t in candidates:
+                a = prefix[mask] * _sigmoid(logits[mask, k] / t)
+                errs.append(ece(a, y, bins))
+            temps[k] = candidates[int(np.argmin(errs))]
         prefix = prefix * _sigmoid(logits[:, k] / temps[k])
     return [float(t) for t in temps]
 
@@ -111,19 +146,33 @@ def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS)
 def round_arrays(requests: list, dataset: int, K: int, stop_ids=()) -> dict:
     """Finished requests' rounds as arrays (confidence: the engine's float32 values); a round that
     accepted a stop token ends there (`metrics.round_counts`)."""
-    rounds = [(r.index, rd, mt.round_counts(rd, stop_ids)) for r in requests for rd in r.rounds]
-    n = len(rounds)
+    request = []
+    number = []
+    confidence = []
+    verified = []
+    accepted = []
+    for r in requests:
+        for rd in r.rounds:
+            counts = mt.round_counts(rd, stop_ids)  # (accepted, verified)
+            request.append(r.index)
+            number.append(rd["round"])
+            confidence.append(rd["confidence"])
+            verified.append(counts[1])
+            accepted.append(counts[0])
+    n = len(request)
     return {"dataset": np.full(n, dataset, dtype=np.int32),
-            "request": np.array([i for i, _, _ in rounds], dtype=np.int64).reshape(n),
-            "round": np.array([rd["round"] for _, rd, _ in rounds], dtype=np.int64).reshape(n),
-            "confidence": np.array([rd["confidence"] for _, rd, _ in rounds], dtype=np.float32).reshape(n, K),
-            "verified": np.array([c[1] for _, _, c in rounds], dtype=np.int64).reshape(n),
-            "accepted": np.array([c[0] for _, _, c in rounds], dtype=np.int64).reshape(n)}
+            "request": np.array(request, dtype=np.int64).reshape(n),
+            "round": np.array(number, dtype=np.int64).reshape(n),
+            "confidence": np.array(confidence, dtype=np.float32).reshape(n, K),
+            "verified": np.array(verified, dtype=np.int64).reshape(n),
+            "accepted": np.array(accepted, dtype=np.int64).reshape(n)}
 
 
 def concat_rounds(parts: list[dict]) -> dict:
-    rec = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    order = np.lexsort((rec["round"], rec["request"], rec["dataset"]))
+    rec = {}
+    for k in parts[0]:
+        rec[k] = np.concatenate([p[k] for p in parts])
+    order = np.lexsort((rec["round"], rec["request"], rec["dataset"]))  # by dataset, request, round
     return {k: v[order] for k, v in rec.items()}
 
 
@@ -132,39 +181,77 @@ def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
     """`raw` pooled over every round, `raw_by_dataset` per dataset (as the authors report it); with
     0 < split < 1, STS fitted on the first `split` of every dataset's requests, scored on the rest."""
     C = rec["confidence"].astype(np.float64)
-    if C.shape[0] == 0 or C.shape[1] == 0:
+    rounds, positions = C.shape
+    if rounds == 0 or positions == 0:
         return None
-    ver, acc, ds = rec["verified"], rec["accepted"], rec["dataset"]
-    report = {"positions": C.shape[1], "bins": bins, "rounds": int(C.shape[0]),
-              "raw": position_metrics(C, ver, acc, bins), "split": split,
-              "raw_by_dataset": {(names[d] if names else str(d)): position_metrics(
-                  C[ds == d], ver[ds == d], acc[ds == d], bins) for d in np.unique(ds)},
-              "_all": (C, ver, acc)}  # "_" entries are for the plot, not the JSON
+    ver = rec["verified"]
+    acc = rec["accepted"]
+    ds = rec["dataset"]
+    by_dataset = {}
+    for d in np.unique(ds):
+        name = str(d)
+        if names:
+            name = names[d]
+        rows = ds == d
+        by_dataset[name] = position_metrics(C[rows], ver[rows], acc[rows], bins)
+    report = {
+        "positions": positions,
+        "bins": bins,
+        "rounds": int(rounds),
+        "raw": position_metrics(C, ver, acc, bins),
+        "split": split,
+        "raw_by_dataset": by_dataset,
+        "_all": (C, ver, acc),  # "_" entries are for the plot, not the JSON
+    }
     if not 0 < split < 1:
         return report
-    fit = np.zeros(C.shape[0], dtype=bool)
+    # The fit part: the first `split` of every dataset's requests.
+    fit = np.zeros(rounds, dtype=bool)
     for d in np.unique(ds):
-        reqs = np.unique(rec["request"][ds == d])
-        fit |= (ds == d) & np.isin(rec["request"], reqs[:int(math.floor(split * len(reqs)))])
+        rows = ds == d
+        reqs = np.unique(rec["request"][rows])
+        n_fit = int(math.floor(split * len(reqs)))
+        fit |= rows & np.isin(rec["request"], reqs[:n_fit])
     if not fit.any() or fit.all():
         report["sts_note"] = "too few requests to split into fit and held-out parts; no STS"
         return report
     temps = fit_sts(C[fit], ver[fit], acc[fit], bins=bins)
-    Ch, vh, ah = C[~fit], ver[~fit], acc[~fit]
-    report.update(temperatures=temps, fit_rounds=int(fit.sum()), heldout_rounds=int((~fit).sum()),
-                  raw_heldout=position_metrics(Ch, vh, ah, bins),
-                  sts_heldout=position_metrics(apply_temperatures(Ch, temps), vh, ah, bins), _heldout=(Ch, vh, ah))
+    held = ~fit
+    Ch = C[held]
+    vh = ver[held]
+    ah = acc[held]
+    Cs = apply_temperatures(Ch, temps)
+    report["temperatures"] = temps
+    report["fit_rounds"] = int(fit.sum())
+    report["heldout_rounds"] = int(held.sum())
+    report["raw_heldout"] = position_metrics(Ch, vh, ah, bins)
+    report["sts_heldout"] = position_metrics(Cs, vh, ah, bins)
+    report["_heldout"] = (Ch, vh, ah)
     return report
 
 
 def reliability_panels(calibration: dict, bins: int) -> list[dict]:
     """Before / after STS on the held-out requests, or the raw head on every round without STS."""
-    C, ver, acc = calibration["_heldout"] if "_heldout" in calibration else calibration["_all"]
-    Cs = apply_temperatures(C, calibration["temperatures"]) if "_heldout" in calibration else None
+    Cs = None
+    if "_heldout" in calibration:
+        C, ver, acc = calibration["_heldout"]
+        Cs = apply_temperatures(C, calibration["temperatures"])
+    else:
+        C, ver, acc = calibration["_all"]
     panels = []
     for k in range(1, C.shape[1] + 1):
         before = survival_events(C, ver, acc, k)
-        after = survival_events(Cs, ver, acc, k) if Cs is not None else None
-        panels.append({"position": k, "before": before, "after": after, "ece_before": ece(*before, bins),
-                       "ece_after": ece(*after, bins) if after else None, "auroc": auroc(*before)})
+        after = None
+        ece_after = None
+        if Cs is not None:
+            after = survival_events(Cs, ver, acc, k)
+            ece_after = ece(*after, bins)
+        panels.append({
+            "position": k,
+            "before": before,
+            "after": after,
+            "ece_before": ece(*before, bins),
+            "ece_after": ece_after,
+            "auroc": auroc(*before),
+        })
     return panels
