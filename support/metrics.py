@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-COUNT_KEYS = ("num_samples", "num_rounds", "accepted", "verified", "committed", "drafted", "tokens")
+COUNT_KEYS = (
+    "num_samples", "num_rounds", "accepted", "verified", "committed", "drafted", "tokens",
+)
 LIST_KEYS = ("verified_at", "accepted_at", "tried", "ok")
 
 
@@ -23,7 +25,8 @@ def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]
     n = rd["accepted"]
     for j, t in enumerate(accepted_tokens(rd)):
         if t in stop_ids:
-            return j + 1, j + 1, j + 1
+            ended = j + 1  # the stop token is the last one accepted, verified and committed
+            return ended, ended, ended
     return n, rd["verified"], n + 1
 
 
@@ -41,7 +44,7 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
         c["tokens"] += len(r.output_ids)
         for rd in r.rounds:
             a, v, t = round_counts(rd, stop)
-            reach = min(v, rd.get("depth", v))
+            reach = min(v, rd.get("depth", v))  # a tree verified as deep as it reached
             c["num_rounds"] += 1
             c["accepted"] += a
             c["verified"] += v
@@ -50,31 +53,45 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
             for j in range(K):
                 c["verified_at"][j] += reach > j
                 c["accepted_at"][j] += a > j
-                c["tried"][j] += a >= j and reach > j
+                tried = a >= j and reach > j  # drafts 1..j accepted, position j verified
+                c["tried"][j] += tried
     c["ok"] = c["accepted_at"]
     return c
 
 
+def _ratio(part: int, whole: int) -> Optional[float]:
+    """part / whole, or None when whole is 0 (nothing behind the ratio)."""
+    if not whole:
+        return None
+    return part / whole
+
+
 def acceptance_length(c: dict) -> Optional[float]:
     """τ = Σ committed / rounds."""
-    return c["committed"] / c["num_rounds"] if c["num_rounds"] else None
+    if not c["num_rounds"]:
+        return None
+    return c["committed"] / c["num_rounds"]
 
 
 def verified_per_round(c: dict) -> Optional[float]:
     """Σ verified / rounds (the authors' draft_tokens_per_proposal)."""
-    return c["verified"] / c["num_rounds"] if c["num_rounds"] else None
+    if not c["num_rounds"]:
+        return None
+    return c["verified"] / c["num_rounds"]
 
 
 def verify_rate(c: dict) -> Optional[float]:
     """Σ committed / (Σ verified + rounds)."""
-    return c["committed"] / (c["verified"] + c["num_rounds"]) if c["num_rounds"] else None
+    if not c["num_rounds"]:
+        return None
+    return c["committed"] / (c["verified"] + c["num_rounds"])
 
 
 def accept_rates_by_position(c: dict) -> list[Optional[float]]:
     """The authors': rounds that accepted more than j drafts ÷ rounds that verified more than j."""
-    return [a / v if v else None for a, v in zip(c["accepted_at"], c["verified_at"])]
+    return [_ratio(a, v) for a, v in zip(c["accepted_at"], c["verified_at"])]
 
 
 def accept_rate_by_position(c: dict) -> list[Optional[float]]:
     """The paper's conditional rate of draft k: ok_k / tried_k (None where no round tried position k)."""
-    return [ok / tried if tried else None for ok, tried in zip(c["ok"], c["tried"])]
+    return [_ratio(ok, tried) for ok, tried in zip(c["ok"], c["tried"])]
