@@ -606,22 +606,30 @@ def target_digest(directory: str) -> str:
 
 # The run
 
-class DraftStep(torch.nn.Module):
-    """A micro-batch's share of the step loss, for DDP (the frozen target outside the module tree)."""
+class LossStep(torch.nn.Module):
+    """A micro-batch's share of the step loss and its sums, for DDP: the drafter is the module tree, the
+    frozen target stays outside it; `loss_fn` is compiled when asked."""
 
-    def __init__(self, drafter: Drafter, target: Transformer, args: Args):
+    def __init__(self, drafter, target: Transformer, args: Args, loss_fn):
         super().__init__()
         self.model = drafter
         self._target = [target]
         self.args = args
-        self.core = drafter_loss
+        self.core = loss_fn
         if args.compile:
-            self.core = torch.compile(drafter_loss, dynamic=False)
+            self.core = torch.compile(loss_fn, dynamic=False)
+
+
+class DraftStep(LossStep):
+    """The block drafter's step (DSpark / DFlash): the loss and the sums `summarize` turns into metrics."""
+
+    def __init__(self, drafter: Drafter, target: Transformer, args: Args):
+        super().__init__(drafter, target, args, drafter_loss)
 
     def forward(self, tokens, anchors, keep, loss_mask, doc, den):
         loss, terms, valid = self.core(self.model, self._target[0], tokens, anchors, self.args,
                                        keep=keep, loss_mask=loss_mask, doc=doc, den=den)
-        with torch.no_grad():  # sums, which `summarize` turns into metrics
+        with torch.no_grad():
             v = valid.float()
             accepted = terms["accept"] * v
             tau = ((accepted.cumprod(-1).sum(-1) + 1) * keep).sum()
@@ -633,17 +641,11 @@ class DraftStep(torch.nn.Module):
         return loss, sums
 
 
-class Eagle3Step(torch.nn.Module):
-    """DraftStep's Eagle3 twin: a micro-batch's share of the step loss (`den` = the global B·T) and sums."""
+class Eagle3Step(LossStep):
+    """The Eagle3 drafter's step: the loss (`den` = the global B·T) and the sums `summarize_eagle3` reads."""
 
     def __init__(self, drafter: Eagle3Drafter, target: Transformer, args: Args):
-        super().__init__()
-        self.model = drafter
-        self._target = [target]
-        self.args = args
-        self.core = eagle3_loss
-        if args.compile:
-            self.core = torch.compile(eagle3_loss, dynamic=False)
+        super().__init__(drafter, target, args, eagle3_loss)
 
     def forward(self, tokens, loss_mask, doc, den):
         loss, stats = self.core(self.model, self._target[0], tokens, self.args,
