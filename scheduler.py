@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from support.cli import UserError, parse_ints
+from support.cli import UserError, device_name, parse_ints, sync
 from support.files import check_writable, read_json, write_json
 
 KINDS = ("none", "threshold", "hardware", "async")
@@ -288,9 +288,36 @@ def profile(step: Callable[[int], object], points: list[int], sync: Callable[[],
     return best
 
 
+def sps_identity(engine) -> dict:
+    """What an engine's SPS table was measured for; a table is reused only where all of it matches."""
+    a = engine.target.args
+    unique = {p.data_ptr(): p for p in engine.target.parameters()}  # tied weights once
+    n = sum(p.numel() for p in unique.values())
+    target = (f"Qwen3 {n} parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+              f"vocab {a.vocab_size}")
+    drafter = None
+    if engine.drafter is not None:
+        drafter = engine.drafter.cfg.describe()
+    dtype = str(engine.target.embed_tokens.weight.dtype).replace("torch.", "")
+    sampled = engine.temperature > 0
+    return {"device": device_name(engine.device), "torch": torch.__version__, "target": target,
+            "drafter": drafter, "dtype": dtype, "batch_capacity": engine.max_batch,
+            "verify_width": engine.K + 1, "sampling": sampled, "compiled": engine.compiled,
+            "buckets": engine.scheduler.buckets, "profile_points": engine.scheduler.profile_points}
+
+
+def profile_sps(engine, reps: int = 7) -> dict:
+    """SPS(B): the engine's rounds per second at every profile point (dummy rounds of b verify tokens)."""
+    points = engine.scheduler.profile_points
+    best = profile(engine.dummy_round, points, lambda: sync(engine.device), reps)
+    rates = [1 / s for s in best]
+    return dict(sps_identity(engine), seconds_per_step=best, steps_per_second=rates)
+
+
 def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
-    """The SPS table: read from `path` (matching `engine.sps_identity()`), else profiled (and written there)."""
-    want, points = engine.sps_identity(), engine.scheduler.profile_points
+    """The SPS table: read from `path` (matching `sps_identity(engine)`), else profiled (and written there)."""
+    want = sps_identity(engine)
+    points = engine.scheduler.profile_points
     say = (lambda text: print(text, file=sys.stderr)) if verbose else (lambda text: None)
     if path is not None and os.path.isfile(path):
         table = read_json(path)
@@ -309,7 +336,7 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
     if path is not None:
         check_writable(path, "--sps-table")  # a directory or a missing folder fails before the profiling
     t0 = time.perf_counter()
-    table = engine.profile_sps()
+    table = profile_sps(engine)
     pts = ", ".join(f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"]))
     say(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}")
     if path is None:

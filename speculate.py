@@ -27,7 +27,7 @@ from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
 from support import flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
-from support.cli import UserError, cli_main, device_name, sync
+from support.cli import UserError, cli_main
 from support.flags import Args, Settings
 from support.report import Report
 from support.text import StopStrings, auto_chat, check_prompts, encode
@@ -702,30 +702,6 @@ class Engine:
         self.compile_seconds += time.perf_counter() - t0
         self.warmed = True
 
-    def profile_sps(self, reps: int = 7) -> dict:
-        """SPS(B): this engine's rounds per second at every profile point."""
-        points = self.scheduler.profile_points
-        best = sched.profile(self.dummy_round, points, lambda: sync(self.device), reps)
-        rates = [1 / s for s in best]
-        return dict(self.sps_identity(), seconds_per_step=best, steps_per_second=rates)
-
-    def sps_identity(self) -> dict:
-        """What an SPS table was measured for; a table is reused only where all of it matches."""
-        a = self.target.args
-        unique = {p.data_ptr(): p for p in self.target.parameters()}  # tied weights once
-        n = sum(p.numel() for p in unique.values())
-        target = (f"Qwen3 {n} parameters, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-                  f"vocab {a.vocab_size}")
-        drafter = None
-        if self.drafter is not None:
-            drafter = self.drafter.cfg.describe()
-        dtype = str(self.target.embed_tokens.weight.dtype).replace("torch.", "")
-        sampled = self.temperature > 0
-        return {"device": device_name(self.device), "torch": torch.__version__, "target": target,
-                "drafter": drafter, "dtype": dtype, "batch_capacity": self.max_batch,
-                "verify_width": self.K + 1, "sampling": sampled, "compiled": self.compiled,
-                "buckets": self.scheduler.buckets, "profile_points": self.scheduler.profile_points}
-
 
 # The Python API: load once, generate many times. Its arguments are the flags, checked once here.
 
@@ -742,27 +718,10 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                 max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
     """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq` rows),
     compiled and warmed up when asked, its SPS table read or profiled."""
+    flags.check_drafter_settings(s, drafter)
     kind = "none"  # nothing to schedule without a drafter
     if drafter is not None:
         kind = s.scheduler
-    if kind != "none" and drafter.confidence_head is None:
-        flag = f"--scheduler {kind}:"
-        if s.confidence_threshold > 0:
-            flag = "--confidence-threshold"
-        raise UserError(f"{flag} needs a --drafter with a confidence head")
-    eagle3 = drafter is not None and drafter.cfg.layout == "eagle3"
-    if s.draft_length is not None and not eagle3:
-        why = "there is no --drafter"
-        if drafter is not None:
-            why = "a block drafter drafts its block"
-        raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length "
-                        f"is chosen; {why}")
-    if s.tree_budget and drafter is None:
-        raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter "
-                        f"(without one the decoding is autoregressive)")
-    if s.tree_budget and eagle3:
-        raise UserError(f"--tree-budget {s.tree_budget}: an Eagle3 drafter drafts a chain of one-token steps; "
-                        f"trees grow from a block drafter's distributions (DSpark or DFlash)")
     requests = len(prompts) * s.num_samples
     batch = min(s.batch_size, requests)
     longest = max(map(len, prompts))

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import timed_generate  # noqa: E402
 
-from scheduler import KINDS, SPS_KINDS  # noqa: E402
+from scheduler import KINDS, SPS_KINDS, profile_sps  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
 from support import plots  # noqa: E402
 from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
@@ -207,7 +207,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
                                                       "steps_per_second": curve}
                 continue
             t0 = time.perf_counter()  # each engine's own round: async's has no host read inside
-            table = engines[mode].profile_sps()
+            table = profile_sps(engines[mode])
             engines[mode].scheduler.set_sps(table)
             profile_seconds[mode] = time.perf_counter() - t0
             sps_tables.setdefault(c, {})[mode] = {"verify_tokens": table["profile_points"],

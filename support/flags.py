@@ -369,6 +369,31 @@ def drafter_settings(args) -> list[tuple[str, str]]:
     return [(flag_value, what) for given, flag_value, what in settings if given]
 
 
+def check_drafter_settings(s, drafter):
+    """The settings that need a drafter of some kind, against the one loaded (None: autoregressive)."""
+    kind = "none"  # nothing to schedule without a drafter
+    if drafter is not None:
+        kind = s.scheduler
+    if kind != "none" and drafter.confidence_head is None:
+        name = f"--scheduler {kind}:"
+        if s.confidence_threshold > 0:
+            name = "--confidence-threshold"
+        raise UserError(f"{name} needs a --drafter with a confidence head")
+    eagle3 = drafter is not None and drafter.cfg.layout == "eagle3"
+    if s.draft_length is not None and not eagle3:
+        why = "there is no --drafter"
+        if drafter is not None:
+            why = "a block drafter drafts its block"
+        raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length "
+                        f"is chosen; {why}")
+    if s.tree_budget and drafter is None:
+        raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter "
+                        f"(without one the decoding is autoregressive)")
+    if s.tree_budget and eagle3:
+        raise UserError(f"--tree-budget {s.tree_budget}: an Eagle3 drafter drafts a chain of one-token steps; "
+                        f"trees grow from a block drafter's distributions (DSpark or DFlash)")
+
+
 def check_no_drafter(args, s):
     """Without a drafter (no --drafter, no --random-init; the demo has one), a setting only a drafter reads, or
     a sampling filter at --temperature 0, would change nothing: refused, not ignored in silence."""

@@ -279,7 +279,7 @@ def engine_for(env, kind, batch=2, **kw):
                               scheduler=kind, threshold=0.6 if kind == "threshold" else 0.0, **kw)
     if kind in sched.SPS_KINDS:
         points = engine.scheduler.profile_points
-        engine.scheduler.set_sps(dict(engine.sps_identity(), steps_per_second=[1 / (1 + 0.3 * b) for b in points]))
+        engine.scheduler.set_sps(dict(sched.sps_identity(engine), steps_per_second=[1 / (1 + 0.3 * b) for b in points]))
     return engine
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from drafters import make_drafter, make_eagle3, make_target
 
+import scheduler
 import speculate
 from support import cli, flags
 
@@ -210,7 +211,7 @@ def test_compiled_async_round_reads_nothing_between_draft_and_verify(pair, monke
         engine = speculate.Engine(target, load_drafter(drafter_dir, target), batch_size=2, max_seq=64,
                                   scheduler="async", buckets=[4, 10], compile=compile)
         # Four tokens twice as fast as ten: the capacity is 2 drafts or all 8, as the history says.
-        engine.scheduler.set_sps(dict(engine.sps_identity(), steps_per_second=[1.0, 0.55]))
+        engine.scheduler.set_sps(dict(scheduler.sps_identity(engine), steps_per_second=[1.0, 0.55]))
         reqs, rounds = [speculate.Request(i, p) for i, p in enumerate(prompts)], []
         with torch.inference_mode():
             if compile:

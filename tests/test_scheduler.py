@@ -276,7 +276,7 @@ def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time
     engine = speculate.Engine(target, drafter, batch_size=batch, max_seq=64, temperature=temperature,
                               scheduler="hardware", buckets=buckets, compile=compile)  # nothing compiles until called
     points = engine.scheduler.profile_points
-    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in points])
+    table = dict(sched.sps_identity(engine), steps_per_second=[1 / step_time(b) for b in points])
     table["seconds_per_step"] = [step_time(b) for b in points]
     with open(path, "w") as f:
         json.dump(table, f)
@@ -560,7 +560,7 @@ def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
                               scheduler="hardware")
     points = engine.scheduler.profile_points  # 1, 2, 3, 4, 6, 8, 10
     seconds = [1.0, 1.2, 1.1, 1.4, 1.6, 2.0, 2.2]  # a noisy dip at 3 tokens
-    engine.scheduler.set_sps(dict(engine.sps_identity(), steps_per_second=[1 / s for s in seconds]))
+    engine.scheduler.set_sps(dict(sched.sps_identity(engine), steps_per_second=[1 / s for s in seconds]))
     fit = sched.isotonic(seconds)
     assert fit[1] == fit[2] == pytest.approx(1.15)
     sps = engine.scheduler.sps.tolist()
@@ -577,7 +577,7 @@ def test_bucketed_sps_routes_to_the_fastest_bucket_that_fits(env):
     engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
                               scheduler="hardware", buckets=[2, 4, 10])
     s = engine.scheduler
-    s.set_sps(dict(engine.sps_identity(), steps_per_second=[5.0, 3.0, 4.0]))  # 10 measured faster than 4
+    s.set_sps(dict(sched.sps_identity(engine), steps_per_second=[5.0, 3.0, 4.0]))  # 10 measured faster than 4
     assert [s.bucket(n) for n in range(1, 11)] == [2, 2] + [10] * 8
     assert s.sps.tolist()[1:] == [5.0, 5.0] + [4.0] * 8
 

@@ -114,6 +114,7 @@ def step_time(b: int) -> float:
 
 def write_sps_table(path: str, batch: int, temperature: float = 0.0):
     """The hardware case's SPS table for this machine's identity keys, with `step_time`'s rates."""
+    import scheduler
     import speculate
     from support.checkpoint import load_drafter, load_target
 
@@ -121,7 +122,8 @@ def write_sps_table(path: str, batch: int, temperature: float = 0.0):
     drafter = load_drafter(os.path.join(DEMO, "drafter"), target)
     engine = speculate.Engine(target, drafter, batch_size=batch, max_seq=64, temperature=temperature,
                               scheduler="hardware")
-    table = dict(engine.sps_identity(), steps_per_second=[1 / step_time(b) for b in engine.scheduler.profile_points])
+    rates = [1 / step_time(b) for b in engine.scheduler.profile_points]
+    table = dict(scheduler.sps_identity(engine), steps_per_second=rates)
     with open(path, "w") as f:
         json.dump(table, f)
 
