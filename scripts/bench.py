@@ -481,11 +481,181 @@ def check_args(args: BenchArgs) -> list[int]:
     return batch_sizes, s
 
 
+def reference_wanted(args: BenchArgs, s: Settings, batch_sizes: list[int], dev: str) -> bool:
+    """Whether the transformers-target reference loop runs: asked for, or by default on a CPU; only at
+    batch 1, for a DSpark chain, with transformers installed (asked for without it: an error)."""
+    if args.reference and 1 not in batch_sizes:
+        raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
+                        f"has no 1")
+    chain_only = s.tree_budget == 0 and args.drafter_kind == "dspark"
+    if args.reference and not chain_only:
+        raise UserError("--reference: the reference loop is a DSpark drafter's chain (no --tree-budget, no Eagle3)")
+    wanted = args.reference
+    if wanted is None:
+        wanted = dev == "cpu"
+    if not (wanted and 1 in batch_sizes and chain_only):
+        return False
+    if transformers_available():
+        return True
+    if args.reference:
+        raise UserError("--reference: the reference loop runs transformers' Qwen3, and transformers is not "
+                        "installed (a test-only dependency: pip install -r requirements-dev.txt)")
+    print("note: the reference loop (transformers' Qwen3) is skipped: transformers is not installed "
+          "(test-only: pip install -r requirements-dev.txt to time it too)", file=sys.stderr, flush=True)
+    return False
+
+
+def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, dtype):
+    """(target, drafter or None, the name the results give the pair): the checkpoints, the constructed
+    bigram pair or a random preset."""
+    if args.target is not None:
+        target = load_target(target_dir, dev, dtype)
+        drafter = None
+        if args.drafter:
+            drafter = load_drafter(drafter_dir, target, dev, dtype)
+        return target, drafter, args.target
+    if args.model == "bigram-35m":
+        target, drafter = bigram_pair(dev, dtype, s.seed)
+        return target, drafter, args.model
+    target = random_target(args.model, dev, dtype, s.seed)
+    if args.drafter_kind == "eagle3":
+        drafter = random_eagle3(target)
+    else:
+        drafter = random_drafter(target)
+    return target, drafter, f"{args.model} (random weights)"
+
+
+def check_pair(args: BenchArgs, s: Settings, target: Transformer, drafter):
+    """What only the built pair can tell: a loaded drafter's kind, and the context the runs need."""
+    if drafter is not None and drafter.cfg.layout == "eagle3":
+        if args.reference:
+            raise UserError(f"--reference: the reference loop is a DSpark drafter's chain, and --drafter "
+                            f"{args.drafter} is an Eagle3 drafter")
+        if args.tree_budgets is not None:
+            raise UserError(f"--tree-budgets: --drafter {args.drafter} is an Eagle3 drafter, which drafts a "
+                            f"chain (trees grow from a block drafter)")
+    contexts = [target.args.max_position_embeddings]
+    if drafter is not None:
+        contexts.append(drafter.cfg.layers.max_position_embeddings)
+    context = min(contexts)
+    if args.prompt_len + s.max_new_tokens > context:  # positions past it were never trained: not a benchmark
+        raise UserError(f"--prompt-len {args.prompt_len} + --max-new-tokens {s.max_new_tokens} exceed the "
+                        f"models' context of {context} positions (max_position_embeddings)")
+
+
+def header(name: str, target, drafter, dtype, hw: str, s: Settings, args: BenchArgs, threads: str,
+           cache_dir, built_seconds: float, bw: float) -> str:
+    """The first line printed: what is timed, on what."""
+    unique = {p.data_ptr(): p for p in target.parameters()}  # tied weights once
+    n_target = sum(p.numel() for p in unique.values())
+    n_drafter = 0
+    if drafter is not None:
+        n_drafter = sum(p.numel() for p in drafter.parameters())
+    line = (f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
+            f"{hw}, torch {torch.__version__}, compile={s.compile}, {threads}")
+    if s.compile and args.skip_guards:
+        line += " (guards skipped after warm-up)"
+    if s.kernels != "torch":
+        line += f", kernels={s.kernels}"
+    if cache_dir:
+        line += f" (cache {cache_dir})"
+    gemms = cpu_kernels.describe(target, s.compile)
+    if gemms:
+        line += f"; {gemms}"
+    return line + f"; models built in {built_seconds:.1f} s; copy bandwidth {bw / 1e9:.1f} GB/s"
+
+
+def bench_engines(target, drafter, B: int, max_seq: int, dev: str, s: Settings,
+                  tree_budgets: list[int]) -> dict:
+    """The modes' engines at batch B, by name: autoregressive, speculative, and a tree per budget."""
+    engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, s.compile, s.compile_mode,
+                                             s.verbose, s.kernels)}
+    if drafter is None:
+        return engines
+    engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, s.compile, s.compile_mode,
+                                         s.verbose, s.kernels, s.tree_budget, s.tree_temperature,
+                                         s.draft_length)
+    for budget in tree_budgets:
+        engines[f"tree {budget}"] = side_engine(target, drafter, B, max_seq, dev, s.compile, s.compile_mode,
+                                                s.verbose, s.kernels, budget, s.tree_temperature)
+    return engines
+
+
+def interleaved_runs(modes: list[str], engines: dict, reference, prompts, s: Settings, dev: str,
+                     max_seq: int, repeats: int, skip_guards: bool) -> dict:
+    """Each mode's timed runs, `repeats` each, interleaved with the order rotated every repeat, so a slow
+    spell lands on every mode. `reference`: (transformers' target, its drafter) for the "reference" mode."""
+    runs = {m: [] for m in modes}
+    for rep in range(repeats):
+        k = rep % len(modes)
+        for m in modes[k:] + modes[:k]:
+            if m == "reference":
+                hf, ref_drafter = reference
+                ids, seconds = reference_generate(hf, ref_drafter, prompts[0], s.max_new_tokens, dev, max_seq)
+                runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
+            else:
+                runs[m].append(timed_generate(engines[m], prompts, s.max_new_tokens, skip_guards))
+    return runs
+
+
+def mode_row(m: str, B: int, runs: list[dict], engine, prompts, s: Settings, skip_guards: bool,
+             differ: dict) -> dict:
+    """An engine mode's results at batch B: the median run's figures and the round split (`differ`:
+    `compare_outputs`' counts, recorded on every row when any mode differed)."""
+    tps = [r["total_tokens_per_second"] for r in runs]
+    r = median_run(runs)
+    round_s = r["decode_seconds"] / r["steps"]
+    parts = round_split(engine, prompts, s.max_new_tokens, skip_guards)
+    row = {"mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
+           "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
+           "acceptance_length": r["acceptance_length"], "round_ms": 1e3 * round_s}
+    row.update(parts)
+    row["achieved_gbps"] = parts["bytes_per_round"] / round_s / 1e9
+    row["compile_seconds"] = engine.compile_seconds
+    if differ:
+        row["differing_requests"] = differ.get(m)
+    return row
+
+
+def speed_ups(runs: dict, rows: list[dict], B: int, tree_budgets: list[int], dev: str, s: Settings) -> list[dict]:
+    """The ratios within each repeat (adjacent runs), their median and range, printed; a row's own
+    speed-up over autoregressive decoding is set on it."""
+    pairs = [("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
+             ("speculative", "reference", "this engine / the reference loop at batch 1")]
+    for budget in tree_budgets:
+        pairs.append((f"tree {budget}", "autoregressive", f"tree {budget} / autoregressive at batch {B}"))
+    ratios = []
+    for num, den, what in pairs:
+        if num not in runs or den not in runs:
+            continue
+        rs = []
+        for a, b in zip(runs[num], runs[den]):
+            rs.append(a["total_tokens_per_second"] / b["total_tokens_per_second"])
+        median = statistics.median(rs)
+        ratios.append({"ratio": what, "median": median, "runs": rs})
+        if den == "autoregressive":
+            for row in rows:
+                if row["mode"] == num and row["batch"] == B:
+                    row["speed_up"] = median
+        note = ""
+        if min(r["seconds"] for r in runs[num] if "seconds" in r) < 1:
+            note += "; runs under a second: noise, give more --max-new-tokens or --repeats"
+        eager_cpu_batch = B > 1 and dev == "cpu" and not s.compile
+        if num == "speculative" and den == "autoregressive" and eager_cpu_batch:
+            note += "; at batch > 1 eager speculation on a CPU verifies B x (K+1) tokens per round and may lose"
+        print(f"{what}: {median:.2f}x (median of {len(rs)} interleaved repeats; "
+              f"{min(rs):.2f}-{max(rs):.2f}{note})", flush=True)
+    return ratios
+
+
 def run(args: BenchArgs) -> list[dict]:
     batch_sizes, s = check_args(args)
-    target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
+    target_dir = resolve_checkpoint(args.target, "--target")
+    drafter_dir = resolve_checkpoint(args.drafter, "--drafter")
     check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # hub ids: their snapshot directories
-    cache_dir = use_compile_cache(args.machine.compile_cache) if s.compile else None
+    cache_dir = None
+    if s.compile:
+        cache_dir = use_compile_cache(args.machine.compile_cache)
     threads = set_threads(args.machine.threads)
     dev = resolve_device(args.machine.device)
     dtype = resolve_dtype(args.machine.dtype, dev)
@@ -493,68 +663,28 @@ def run(args: BenchArgs) -> list[dict]:
         kernels.check_backend(s.kernels, dev)
     except RuntimeError as e:
         raise UserError(f"--kernels {s.kernels}: {e}") from None
-    if args.reference and 1 not in batch_sizes:
-        raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
-                        f"has no 1")
-    want_reference = (args.reference if args.reference is not None else dev == "cpu") and 1 in batch_sizes
-    chain_only = s.tree_budget == 0 and args.drafter_kind == "dspark"
-    if args.reference and not chain_only:
-        raise UserError("--reference: the reference loop is a DSpark drafter's chain (no --tree-budget, no Eagle3)")
-    want_reference = want_reference and chain_only
-    if want_reference and not transformers_available():
-        if args.reference:
-            raise UserError("--reference: the reference loop runs transformers' Qwen3, and transformers is not "
-                            "installed (a test-only dependency: pip install -r requirements-dev.txt)")
-        print("note: the reference loop (transformers' Qwen3) is skipped: transformers is not installed "
-              "(test-only: pip install -r requirements-dev.txt to time it too)", file=sys.stderr, flush=True)
-        want_reference = False
+    want_reference = reference_wanted(args, s, batch_sizes, dev)
     t0 = time.perf_counter()
-    if args.target is not None:
-        target = load_target(target_dir, dev, dtype)
-        drafter = load_drafter(drafter_dir, target, dev, dtype) if args.drafter else None
-        name = args.target
-    elif args.model == "bigram-35m":
-        target, drafter = bigram_pair(dev, dtype, s.seed)
-        name = args.model
-    else:
-        target = random_target(args.model, dev, dtype, s.seed)
-        if args.drafter_kind == "eagle3":
-            drafter = random_eagle3(target)
-        else:
-            drafter = random_drafter(target)
-        name = f"{args.model} (random weights)"
+    target, drafter, name = build_pair(args, s, target_dir, drafter_dir, dev, dtype)
+    check_pair(args, s, target, drafter)
     if drafter is not None and drafter.cfg.layout == "eagle3":  # a loaded checkpoint says its kind only now
-        if args.reference:
-            raise UserError(f"--reference: the reference loop is a DSpark drafter's chain, and --drafter "
-                            f"{args.drafter} is an Eagle3 drafter")
-        if args.tree_budgets is not None:
-            raise UserError(f"--tree-budgets: --drafter {args.drafter} is an Eagle3 drafter, which drafts a "
-                            f"chain (trees grow from a block drafter)")
         want_reference = False
-    context = min([target.args.max_position_embeddings]
-                  + ([drafter.cfg.layers.max_position_embeddings] if drafter is not None else []))
-    if args.prompt_len + s.max_new_tokens > context:  # positions past it were never trained: not a benchmark
-        raise UserError(f"--prompt-len {args.prompt_len} + --max-new-tokens {s.max_new_tokens} exceed the "
-                        f"models' context of {context} positions (max_position_embeddings)")
-    n_target = sum(p.numel() for p in {p.data_ptr(): p for p in target.parameters()}.values())
-    n_drafter = sum(p.numel() for p in drafter.parameters()) if drafter is not None else 0
-    bw = copy_bandwidth(dev, 1 << (30 if dev == "cuda" else 28))
-    hw = device_name(dev)
     for m in (target, drafter):
         if m is not None:
             cpu_kernels.install(m)
-    gemms = cpu_kernels.describe(target, s.compile)
-    print(f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
-          f"{hw}, torch {torch.__version__}, compile={s.compile}, {threads}"
-          + (" (guards skipped after warm-up)" if s.compile and args.skip_guards else "")
-          + (f", kernels={s.kernels}" if s.kernels != "torch" else "")
-          + (f" (cache {cache_dir})" if cache_dir else "")
-          + (f"; {gemms}" if gemms else "")
-          + f"; models built in {time.perf_counter() - t0:.1f} s; "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    built_seconds = time.perf_counter() - t0
+    copy_bytes = 1 << 28
+    if dev == "cuda":
+        copy_bytes = 1 << 30
+    bw = copy_bandwidth(dev, copy_bytes)
+    hw = device_name(dev)
+    print(header(name, target, drafter, dtype, hw, s, args, threads, cache_dir, built_seconds, bw), flush=True)
     g = torch.Generator().manual_seed(s.seed)
-    hf = transformers_copy(target) if want_reference else None
-    ref_drafter = reference_drafter(drafter, hf) if hf is not None else None
+    hf = None
+    ref_drafter = None
+    if want_reference:
+        hf = transformers_copy(target)
+        ref_drafter = reference_drafter(drafter, hf)
     tree_budgets = []
     if args.tree_budgets is not None:
         tree_budgets = parse_ints(args.tree_budgets, "--tree-budgets")
@@ -565,81 +695,45 @@ def run(args: BenchArgs) -> list[dict]:
         longest = max(map(len, given))
     widest = max([s.tree_budget] + tree_budgets)
     max_seq = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, widest)
-    rows, ratios = [], []
+    rows = []
+    ratios = []
     for B in batch_sizes:
         prompts = given
         if prompts is None:
             prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
-        engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, s.compile,
-                                                     s.compile_mode, s.verbose, s.kernels)}
-        if drafter is not None:
-            engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, s.compile,
-                                                  s.compile_mode, s.verbose, s.kernels, s.tree_budget,
-                                                  s.tree_temperature, s.draft_length)
-            for budget in tree_budgets:
-                engines[f"tree {budget}"] = side_engine(target, drafter, B, max_seq, dev, s.compile, s.compile_mode,
-                                                        s.verbose, s.kernels, budget, s.tree_temperature)
-        modes = list(engines) + (["reference"] if hf is not None and B == 1 else [])
-        if "reference" in modes:  # its warm-up, as the engines had theirs
+        engines = bench_engines(target, drafter, B, max_seq, dev, s, tree_budgets)
+        modes = list(engines)
+        if hf is not None and B == 1:
+            modes.append("reference")
+            # its warm-up, as the engines had theirs
             reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)
-        runs = {m: [] for m in modes}
-        for rep in range(args.repeats):
-            k = rep % len(modes)  # interleaved, order rotated: a slow spell lands on every mode
-            for m in modes[k:] + modes[:k]:
-                if m == "reference":
-                    ids, seconds = reference_generate(hf, ref_drafter, prompts[0], s.max_new_tokens, dev, max_seq)
-                    runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
-                else:
-                    runs[m].append(timed_generate(engines[m], prompts, s.max_new_tokens, args.skip_guards))
+        runs = interleaved_runs(modes, engines, (hf, ref_drafter), prompts, s, dev, max_seq, args.repeats,
+                                args.skip_guards)
         differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
         for m in modes:
-            tps = [r["total_tokens_per_second"] for r in runs[m]]
             if m == "reference":
-                row = {"mode": "reference (transformers target" + (", eager drafter)" if drafter is not None else ")"),
-                       "batch": 1,
-                       "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps}
+                tps = [r["total_tokens_per_second"] for r in runs[m]]
+                mode = "reference (transformers target)"
+                if drafter is not None:
+                    mode = "reference (transformers target, eager drafter)"
+                row = {"mode": mode, "batch": 1, "tokens_per_second": statistics.median(tps),
+                       "tokens_per_second_runs": tps}
                 rows.append(row)
                 print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
                 continue
-            r = median_run(runs[m])
-            row_extra = {"differing_requests": differ.get(m)} if differ else {}
-            round_s = r["decode_seconds"] / r["steps"]
-            parts = round_split(engines[m], prompts, s.max_new_tokens, args.skip_guards)
-            row = {
-                "mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
-                "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
-                "acceptance_length": r["acceptance_length"], "round_ms": 1e3 * round_s, **parts,
-                "achieved_gbps": parts["bytes_per_round"] / round_s / 1e9,
-                "compile_seconds": engines[m].compile_seconds, **row_extra,
-            }
+            row = mode_row(m, B, runs[m], engines[m], prompts, s, args.skip_guards, differ)
             rows.append(row)
             print(_row(row, bw), flush=True)
             save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
-        # Ratios within each repeat (adjacent runs), then their median and range.
-        pairs = [("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
-                 ("speculative", "reference", "this engine / the reference loop at batch 1")]
-        for budget in tree_budgets:
-            pairs.append((f"tree {budget}", "autoregressive", f"tree {budget} / autoregressive at batch {B}"))
-        for num, den, what in pairs:
-            if num in runs and den in runs:
-                rs = [a["total_tokens_per_second"] / b["total_tokens_per_second"] for a, b in zip(runs[num], runs[den])]
-                ratios.append({"ratio": what, "median": statistics.median(rs), "runs": rs})
-                if den == "autoregressive":  # the row's own speed-up (its median over the repeats)
-                    for row in rows:
-                        if row["mode"] == num and row["batch"] == B:
-                            row["speed_up"] = statistics.median(rs)
-                note = ""
-                if min(r["seconds"] for r in runs[num] if "seconds" in r) < 1:
-                    note += "; runs under a second: noise, give more --max-new-tokens or --repeats"
-                if num == "speculative" and den == "autoregressive" and B > 1 and dev == "cpu" and not s.compile:
-                    note += "; at batch > 1 eager speculation on a CPU verifies B x (K+1) tokens per round and may lose"
-                print(f"{what}: {statistics.median(rs):.2f}x (median of {len(rs)} interleaved repeats; "
-                      f"{min(rs):.2f}-{max(rs):.2f}{note})", flush=True)
+        ratios += speed_ups(runs, rows, B, tree_budgets, dev, s)
         save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
         if args.tree_plot is not None and B == batch_sizes[0]:
             at_b = [r for r in rows if r.get("batch") == B]
             plots.tree_plot(args.tree_plot, at_b, f"{name}, batch {B}, {hw}")
-    print(f"peak memory: {peak_memory(dev):.2f} GiB ({'CUDA allocator' if dev == 'cuda' else 'process RSS'})")
+    allocator = "process RSS"
+    if dev == "cuda":
+        allocator = "CUDA allocator"
+    print(f"peak memory: {peak_memory(dev):.2f} GiB ({allocator})")
     return rows
 
 
