@@ -246,7 +246,11 @@ class Scheduler:
 
 def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buckets: Optional[str]) -> str:
     """--scheduler's value (default: threshold if --confidence-threshold > 0, else none), checked with the flags."""
-    resolved = kind or ("threshold" if threshold > 0 else "none")
+    resolved = kind
+    if resolved is None:
+        resolved = "none"
+        if threshold > 0:
+            resolved = "threshold"
     if resolved == "threshold" and threshold <= 0:
         raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
     if kind in ("none", "hardware", "async") and threshold > 0:
@@ -267,9 +271,13 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
         return None
     buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
     need = batch * (drafter.cfg.num_drafts + 1)
-    if buckets[-1] != need:  # the largest holds a full round; a larger graph would only cost memory
-        raise UserError(f"--verify-buckets: the largest bucket {buckets[-1]} is {'above' if buckets[-1] > need else 'below'}"
-                        f" {need}, the tokens of a full round (batch {batch} x {drafter.cfg.num_drafts + 1})")
+    largest = buckets[-1]
+    if largest != need:  # the largest holds a full round; a larger graph would only cost memory
+        side = "below"
+        if largest > need:
+            side = "above"
+        raise UserError(f"--verify-buckets: the largest bucket {largest} is {side} {need}, the tokens of a "
+                        f"full round (batch {batch} x {drafter.cfg.num_drafts + 1})")
     return buckets
 
 
@@ -318,7 +326,11 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
     """The SPS table: read from `path` (matching `sps_identity(engine)`), else profiled (and written there)."""
     want = sps_identity(engine)
     points = engine.scheduler.profile_points
-    say = (lambda text: print(text, file=sys.stderr)) if verbose else (lambda text: None)
+
+    def say(text):
+        if verbose:
+            print(text, file=sys.stderr)
+
     if path is not None and os.path.isfile(path):
         table = read_json(path)
         for key, value in want.items():
@@ -328,8 +340,12 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
                 raise UserError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
                                 f"delete the file to profile again")
         sps = table.get("steps_per_second")
-        if not isinstance(sps, list) or len(sps) != len(points) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in sps):
+        well_formed = isinstance(sps, list) and len(sps) == len(points)
+        if well_formed:
+            for x in sps:
+                is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
+                well_formed = well_formed and is_number and 0 < x < float("inf")
+        if not well_formed:
             raise UserError(f"{path}: 'steps_per_second' must be {len(points)} positive numbers, one per profile point")
         say(f"SPS table read from {path}")
         return table
@@ -337,7 +353,8 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         check_writable(path, "--sps-table")  # a directory or a missing folder fails before the profiling
     t0 = time.perf_counter()
     table = profile_sps(engine)
-    pts = ", ".join(f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"]))
+    rates = [f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"])]
+    pts = ", ".join(rates)
     say(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}")
     if path is None:
         if want.get("sampling"):  # the verify lengths, so a request's random numbers, follow the table
