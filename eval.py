@@ -507,24 +507,35 @@ def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: boo
 # Output
 
 def _fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
+    if x is None:
+        return "-"
+    return format(x, spec)
 
 
 def format_table(entries: list[dict], header: bool = True) -> str:
     """The authors' columns in their order (#propose: drafts verified per round, "+1" the bonus), then
     samples, rounds, tokens/s and the paper's conditional acceptance by position."""
     K = max((len(e["accept_rates_by_position"]) for e in entries), default=0)
-    head = (f"{'dataset':<16}{'#propose':>10}{'τ':>11}{'verify_rate':>12}"
-            + "".join(f"{f'accept_rate@{j}':>15}" for j in range(K))
-            + f"{'samples':>9}{'rounds':>8}{'tok/s':>9}  conditional accept by position")
-    lines = [head, "-" * len(head)] if header else []
+    head = f"{'dataset':<16}{'#propose':>10}{'τ':>11}{'verify_rate':>12}"
+    for j in range(K):
+        head += f"{f'accept_rate@{j}':>15}"
+    head += f"{'samples':>9}{'rounds':>8}{'tok/s':>9}  conditional accept by position"
+    lines = []
+    if header:
+        lines = [head, "-" * len(head)]
     for e in entries:
-        rates = e["accept_rates_by_position"] + [None] * (K - len(e["accept_rates_by_position"]))
+        rates = e["accept_rates_by_position"]
+        rates = rates + [None] * (K - len(rates))  # a row with fewer drafts: its missing positions
         cond = " ".join(_fmt(r, ".2f") for r in e["accept_rate_by_position"])
-        propose = "-" if e["draft_tokens_per_proposal"] is None else f"{e['draft_tokens_per_proposal']:.2f}+1"
-        lines.append(f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
-                     f"{_fmt(e['verify_rate'], '.4f'):>12}" + "".join(f"{_fmt(r, '.4f'):>15}" for r in rates)
-                     + f"{e['num_samples']:>9}{e['num_rounds']:>8}{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}")
+        propose = "-"
+        if e["draft_tokens_per_proposal"] is not None:
+            propose = f"{e['draft_tokens_per_proposal']:.2f}+1"
+        line = f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
+        line += f"{_fmt(e['verify_rate'], '.4f'):>12}"
+        for r in rates:
+            line += f"{_fmt(r, '.4f'):>15}"
+        line += f"{e['num_samples']:>9}{e['num_rounds']:>8}{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -533,14 +544,21 @@ def format_comparison(rows: list[dict], temperature: float) -> str:
     names = [e["dataset"] for e in rows[0]["datasets"]]
     width = max([16] + [len(r["label"]) + 2 for r in rows])
     columns = [max(10, len(n) + 2) for n in names]
-    head = f"{'τ at T=' + format(temperature, 'g'):<{width}}"
-    head += "".join(f"{n:>{w}}" for n, w in zip(names, columns)) + f"{'mean':>9}"
+    title = "τ at T=" + format(temperature, "g")
+    head = f"{title:<{width}}"
+    for n, w in zip(names, columns):
+        head += f"{n:>{w}}"
+    head += f"{'mean':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         taus = [e["acceptance_length"] for e in r["datasets"]]
         known = [t for t in taus if t is not None]
-        mean = sum(known) / len(known) if known else None
-        cells = "".join(f"{_fmt(t):>{w}}" for t, w in zip(taus, columns))
+        mean = None
+        if known:
+            mean = sum(known) / len(known)
+        cells = ""
+        for t, w in zip(taus, columns):
+            cells += f"{_fmt(t):>{w}}"
         lines.append(f"{r['label']:<{width}}{cells}{_fmt(mean):>9}")
     return "\n".join(lines)
 
@@ -553,31 +571,61 @@ def format_calibration(cal: dict) -> str:
         head += f"{'T_k':>8}{'held-out ECE raw -> STS':>26}"
     lines += [head, "-" * len(head)]
     for j, m in enumerate(cal["raw"]):
-        line = (f"{m['position']:>3}{m['rounds']:>8}{_fmt(m['mean_survival'], '.3f'):>10}"
-                f"{_fmt(m['observed_survival'], '.3f'):>10}{_fmt(m['ece'], '.3f'):>8}{_fmt(m['auroc'], '.3f'):>8}"
-                f"{_fmt(m['brier'], '.3f'):>8}")
+        line = f"{m['position']:>3}{m['rounds']:>8}{_fmt(m['mean_survival'], '.3f'):>10}"
+        line += f"{_fmt(m['observed_survival'], '.3f'):>10}{_fmt(m['ece'], '.3f'):>8}"
+        line += f"{_fmt(m['auroc'], '.3f'):>8}{_fmt(m['brier'], '.3f'):>8}"
         if sts:
-            line += (f"{cal['temperatures'][j]:>8.3f}"
-                     f"{_fmt(cal['raw_heldout'][j]['ece'], '.3f') + ' -> ' + _fmt(cal['sts_heldout'][j]['ece'], '.3f'):>26}")
+            raw = _fmt(cal["raw_heldout"][j]["ece"], ".3f")
+            scaled = _fmt(cal["sts_heldout"][j]["ece"], ".3f")
+            change = f"{raw} -> {scaled}"
+            line += f"{cal['temperatures'][j]:>8.3f}{change:>26}"
         lines.append(line)
     if "sts_note" in cal:
         lines.append(cal["sts_note"])
     by = cal.get("raw_by_dataset") or {}
     if len(by) > 1:
         lines += ["", "ECE of a_k per dataset (the table above pools every dataset's rounds)"]
-        head = f"{'dataset':<16}{'rounds':>8}" + "".join(f"{f'k={k}':>7}" for k in range(1, cal["positions"] + 1))
+        head = f"{'dataset':<16}{'rounds':>8}"
+        for k in range(1, cal["positions"] + 1):
+            head += f"{f'k={k}':>7}"
         lines += [head, "-" * len(head)]
         for name, ms in by.items():
-            lines.append(f"{name:<16}{ms[0]['rounds']:>8}" + "".join(f"{_fmt(m['ece'], '.3f'):>7}" for m in ms))
+            line = f"{name:<16}{ms[0]['rounds']:>8}"
+            for m in ms:
+                line += f"{_fmt(m['ece'], '.3f'):>7}"
+            lines.append(line)
     return "\n".join(lines)
+
+
+def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_dir: Optional[str]) -> dict:
+    """--calibration-out's record: the fitted STS temperatures, what they were fitted on, and how."""
+    drafter_path = None
+    if drafter_dir:
+        drafter_path = os.path.realpath(drafter_dir)
+    return {
+        "temperatures": calibration["temperatures"],
+        "method": "sequential temperature scaling",
+        "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
+        "drafter": args.drafter,
+        "target": args.target,
+        "datasets": [e["dataset"] for e in results["datasets"]],
+        "drafter_dir": drafter_path,
+        "temperature": args.decode.temperature,
+        "split": calibration["split"],
+        "fit_rounds": calibration["fit_rounds"],
+        "bins": calibration["bins"],
+        "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
+        "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
+        "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]],
+    }
 
 
 def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None,
                   drafter_dir: Optional[str] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
-    asked = [f for f, v in (("--calibration-out", args.calibration_out), ("--calibration-plot", args.calibration_plot))
-             if v]
+    calibration_flags = (("--calibration-out", args.calibration_out), ("--calibration-plot", args.calibration_plot))
+    asked = [name for name, value in calibration_flags if value]
     if asked and calibration is None:
         raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), so there is "
                         f"nothing to calibrate; {args.out} has the rest")
@@ -588,48 +636,97 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
     print()
     print(format_calibration(calibration))
     if args.calibration_plot:
-        plots.reliability_diagram(args.calibration_plot, reliability_panels(calibration, args.ece_bins),
-                                  bins=args.ece_bins)
+        panels = reliability_panels(calibration, args.ece_bins)
+        plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
     if args.calibration_out:
         if "temperatures" not in calibration:
             raise UserError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
-        write_json(args.calibration_out, {
-            "temperatures": calibration["temperatures"], "method": "sequential temperature scaling",
-            "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
-            "drafter": args.drafter, "target": args.target, "datasets": [e["dataset"] for e in results["datasets"]],
-            "drafter_dir": os.path.realpath(drafter_dir) if drafter_dir else None, "temperature": args.decode.temperature,
-            "split": calibration["split"], "fit_rounds": calibration["fit_rounds"], "bins": calibration["bins"],
-            "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
-            "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
-            "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]]})
+        write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
     if log is not None:
         with tempfile.TemporaryDirectory() as tmp:  # wandb.Image wants a PNG
             image = args.calibration_plot
             if image is None or not image.lower().endswith(".png"):
                 image = os.path.join(tmp, "reliability_diagram.png")
-                plots.reliability_diagram(image, reliability_panels(calibration, args.ece_bins), bins=args.ece_bins)
-            log_results(log, results, args.step, image, {"results": args.out, "calibration": args.calibration_out})
+                panels = reliability_panels(calibration, args.ece_bins)
+                plots.reliability_diagram(image, panels, bins=args.ece_bins)
+            files = {"results": args.out, "calibration": args.calibration_out}
+            log_results(log, results, args.step, image, files)
+
+
+DATASET_FIGURES = ("num_samples", "num_rounds", "num_tokens", "acceptance_length", "draft_tokens_per_proposal",
+                   "verify_rate", "tokens_per_second", "seconds")
+CALIBRATION_FIGURES = ("ece", "auroc", "brier")
 
 
 def log_dataset(log: runlog.Log, entry: dict, step: Optional[int], prefix: str = ""):
     """One dataset's row of results.json under `<prefix><dataset>/`, as soon as it is done."""
     d = prefix + entry["dataset"]
-    row = {f"{d}/{k}": entry[k] for k in ("num_samples", "num_rounds", "num_tokens", "acceptance_length",
-                                          "draft_tokens_per_proposal", "verify_rate", "tokens_per_second",
-                                          "seconds") if entry[k] is not None}
-    row.update({f"{d}/accept_rate@{j}": r for j, r in enumerate(entry["accept_rates_by_position"]) if r is not None})
-    row.update({f"{d}/conditional_accept_rate@{j + 1}": r for j, r in enumerate(entry["accept_rate_by_position"])
-                if r is not None})
+    row = {}
+    for k in DATASET_FIGURES:
+        if entry[k] is not None:
+            row[f"{d}/{k}"] = entry[k]
+    for j, r in enumerate(entry["accept_rates_by_position"]):
+        if r is not None:
+            row[f"{d}/accept_rate@{j}"] = r
+    for j, r in enumerate(entry["accept_rate_by_position"]):
+        if r is not None:
+            row[f"{d}/conditional_accept_rate@{j + 1}"] = r
     log.log(row, step=step)
+
+
+def calibration_rows(cal: dict, columns: list[str]) -> list[list]:
+    """The W&B calibration table's rows: a position's figures, then (with STS) its temperature and the
+    held-out ECE and Brier before and after."""
+    sts = "temperatures" in cal
+    rows = []
+    for j, m in enumerate(cal["raw"]):
+        row = [m[c] for c in columns]
+        if sts:
+            row.append(cal["temperatures"][j])
+            for k in ("ece", "brier"):
+                for w in ("raw", "sts"):
+                    row.append(cal[f"{w}_heldout"][j][k])
+        else:
+            row += [None] * 5
+        rows.append(row)
+    return rows
+
+
+def calibration_scalars(cal: dict) -> dict:
+    """The calibration figures as W&B scalars: per position, per held-out split and per dataset."""
+    sts = "temperatures" in cal
+    out = {}
+    for j, m in enumerate(cal["raw"]):
+        for k in CALIBRATION_FIGURES:
+            if m[k] is not None:
+                out[f"calibration/{k}_{j + 1}"] = m[k]
+        if not sts:
+            continue
+        out[f"calibration/temperature_{j + 1}"] = cal["temperatures"][j]
+        for k in ("ece", "brier"):
+            for w in ("raw", "sts"):
+                value = cal[f"{w}_heldout"][j][k]
+                if value is not None:
+                    out[f"calibration/heldout_{k}_{w}_{j + 1}"] = value
+    for d, ms in cal.get("raw_by_dataset", {}).items():
+        for m in ms:
+            for k in CALIBRATION_FIGURES:
+                if m[k] is not None:
+                    out[f"{d}/calibration/{k}_{m['position']}"] = m[k]
+    return out
 
 
 def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Optional[str], files: dict):
     """The end of the run: tables, charts, scalars, the reliability diagram, the files."""
-    wb, K, cal = log.wandb, results["config"]["num_drafts"], results["calibration"]
+    wb = log.wandb
+    K = results["config"]["num_drafts"]
+    cal = results["calibration"]
     cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
             "tokens_per_second"]
-    out = {"acceptance": log.table(cols + [f"accept_rate@{j}" for j in range(K)],
-                                   ([e[c] for c in cols] + e["accept_rates_by_position"] for e in results["datasets"]))}
+    acceptance = []
+    for e in results["datasets"]:
+        acceptance.append([e[c] for c in cols] + e["accept_rates_by_position"])
+    out = {"acceptance": log.table(cols + [f"accept_rate@{j}" for j in range(K)], acceptance)}
     rows = results.get("rows") or []
     if len(rows) > 1:  # every row: drafter (and tree budget) by dataset
         compared = []
@@ -638,43 +735,38 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
                 compared.append([row["label"], row["tree_budget"]] + [e[c] for c in cols])
         out["comparison"] = log.table(["row", "tree_budget"] + cols, compared)
     if K:
-        by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"],
-                           [(e["dataset"], j + 1, a, c) for e in results["datasets"]
-                            for j, (a, c) in enumerate(zip(e["accept_rates_by_position"], e["accept_rate_by_position"]))])
+        by_position = []
+        for e in results["datasets"]:
+            pairs = zip(e["accept_rates_by_position"], e["accept_rate_by_position"])
+            for j, (a, c) in enumerate(pairs):
+                by_position.append((e["dataset"], j + 1, a, c))
+        by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"], by_position)
         out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
                                                       title="accept_rate@j by draft position (authors' definition)")
     if cal is not None:
-        sts = "temperatures" in cal
         ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
-        out["calibration"] = log.table(
-            ccols + ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw", "heldout_brier_sts"],
-            ([m[c] for c in ccols] + ([cal["temperatures"][j]] + [cal[f"{w}_heldout"][j][k] for k in ("ece", "brier")
-                                                                  for w in ("raw", "sts")] if sts else [None] * 5)
-             for j, m in enumerate(cal["raw"])))
-        for j, m in enumerate(cal["raw"]):
-            out.update({f"calibration/{k}_{j + 1}": m[k] for k in ("ece", "auroc", "brier") if m[k] is not None})
-            if sts:
-                out[f"calibration/temperature_{j + 1}"] = cal["temperatures"][j]
-                out.update({f"calibration/heldout_{k}_{w}_{j + 1}": cal[f"{w}_heldout"][j][k]
-                            for k in ("ece", "brier") for w in ("raw", "sts") if cal[f"{w}_heldout"][j][k] is not None})
-        for d, ms in cal.get("raw_by_dataset", {}).items():
-            out.update({f"{d}/calibration/{k}_{m['position']}": m[k] for m in ms for k in ("ece", "auroc", "brier")
-                        if m[k] is not None})
+        held_out = ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw", "heldout_brier_sts"]
+        out["calibration"] = log.table(ccols + held_out, calibration_rows(cal, ccols))
+        out.update(calibration_scalars(cal))
         series = {"all rounds, raw": cal["raw"]}
-        if sts:
-            series.update({"held-out, raw": cal["raw_heldout"], "held-out, after STS": cal["sts_heldout"]})
+        if "temperatures" in cal:
+            series["held-out, raw"] = cal["raw_heldout"]
+            series["held-out, after STS"] = cal["sts_heldout"]
+        ys = []
+        for ms in series.values():
+            ys.append([float("nan") if m["ece"] is None else m["ece"] for m in ms])
         out["calibration/ece_by_position"] = wb.plot.line_series(
-            xs=[m["position"] for m in cal["raw"]], keys=list(series), xname="position",
-            ys=[[float("nan") if m["ece"] is None else m["ece"] for m in ms] for ms in series.values()],
+            xs=[m["position"] for m in cal["raw"]], keys=list(series), xname="position", ys=ys,
             title="ECE of the prefix survival a_k by position")
     if image is not None:
         out["calibration/reliability_diagram"] = wb.Image(image)
     log.log(out, step=step)
-    log.summary({k: v for k, v in out.items() if isinstance(v, (int, float))})
+    scalars = {k: v for k, v in out.items() if isinstance(v, (int, float))}
+    log.summary(scalars)
     for what, path in files.items():
         if path is not None and os.path.isfile(path):
-            log.artifact(what, what, [path], metadata={"program": "eval.py", "step": step,
-                                                       "path": os.path.abspath(path)})
+            metadata = {"program": "eval.py", "step": step, "path": os.path.abspath(path)}
+            log.artifact(what, what, [path], metadata=metadata)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
