@@ -150,7 +150,11 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
             args = replace(args, data_dir=DEMO_DIR, datasets="heldout")
     if args.out is None:
         args = replace(args, out=free_name(DEFAULT_OUT))
-    return replace(args, data_dir=args.data_dir or DATA_DIR, datasets=args.datasets or ",".join(PAPER_DATASETS)), demo
+    if args.data_dir is None:
+        args = replace(args, data_dir=DATA_DIR)
+    if args.datasets is None:
+        args = replace(args, datasets=",".join(PAPER_DATASETS))
+    return args, demo
 
 
 def free_name(path: str) -> str:
@@ -178,11 +182,14 @@ def check_flags(args: EvalArgs) -> Settings:
     if args.target is None:
         raise UserError(f"--drafter {args.drafter[0]}: needs --target, the target it was trained for")
     if s.scheduler != "none" and not args.drafter:
-        flag = "--confidence-threshold" if s.confidence_threshold > 0 else f"--scheduler {s.scheduler}:"
+        flag = f"--scheduler {s.scheduler}:"
+        if s.confidence_threshold > 0:
+            flag = "--confidence-threshold"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
     several = len(args.drafter) > 1 or s.tree_budget > 0
-    for flag, given in (("--calibration", args.calibration), ("--calibration-out", args.calibration_out),
-                        ("--calibration-plot", args.calibration_plot)):
+    calibration_flags = (("--calibration", args.calibration), ("--calibration-out", args.calibration_out),
+                         ("--calibration-plot", args.calibration_plot))
+    for flag, given in calibration_flags:
         if given and several:
             raise UserError(f"{flag}: calibrates one drafter's confidence head; this run compares several rows "
                             f"(more than one --drafter, or a --tree-budget curve)")
@@ -198,26 +205,29 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
     data_dir = args.data_dir or DATA_DIR
     if not os.path.isdir(data_dir):
         raise UserError(f"--data-dir {data_dir}: directory not found")
-    names = [n.strip() for n in (args.datasets or ",".join(PAPER_DATASETS)).split(",") if n.strip()]
+    listed = args.datasets or ",".join(PAPER_DATASETS)
+    names = [n.strip() for n in listed.split(",") if n.strip()]
     if not names:
         raise UserError("--datasets: no dataset named")
-    bad = [n for n in names if n in (".", "..") or any(c in n for c in "/\\\0")]
-    if bad:
-        raise UserError(f"--datasets: {bad[0]!r} is not a dataset name (a <name>.jsonl in --data-dir)")
-    twice = [n for i, n in enumerate(names) if n in names[:i]]
-    if twice:
-        raise UserError(f"--datasets: {twice[0]!r} is named twice")
-    out, skipped = [], []
+    for name in names:
+        if name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise UserError(f"--datasets: {name!r} is not a dataset name (a <name>.jsonl in --data-dir)")
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise UserError(f"--datasets: {name!r} is named twice")
+    out = []
+    skipped = []
     for name in names:
         path = os.path.join(data_dir, f"{name}.jsonl")
         present = optional_file(path)
         if not present and name not in DEFAULT_SAMPLES:
             raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
                             f"or any <name>.jsonl in {data_dir})")
-        if present:
-            out.append((name, path, args.max_samples or DEFAULT_SAMPLES.get(name, 0)))  # 0: every row
-        else:
+        if not present:
             skipped.append(path)
+            continue
+        samples = args.max_samples or DEFAULT_SAMPLES.get(name, 0)  # 0: every row
+        out.append((name, path, samples))
     if not out:
         raise UserError(f"--datasets: none of {', '.join(names)} is in {data_dir}")
     return out, skipped
@@ -255,12 +265,16 @@ def run(args: EvalArgs) -> dict:
     s = check_flags(args)
     rank = torchrun_env()[0]
     datasets, skipped = resolve_datasets(args)
-    sps = s.sps_table
-    sps_exists = sps is not None and os.path.isfile(sps)  # read if it exists, else written
+    sps_read = None  # an SPS table is read if it exists, else written
+    sps_written = s.sps_table
+    if s.sps_table is not None and os.path.isfile(s.sps_table):
+        sps_read = s.sps_table
+        sps_written = None
     outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
-               "--sps-table": None if sps_exists else sps}
-    check_outputs(outputs, inputs=[args.target, *args.drafter, args.calibration, sps if sps_exists else None]
-                  + [p for _, p, _ in datasets])
+               "--sps-table": sps_written}
+    inputs = [args.target, *args.drafter, args.calibration, sps_read]
+    inputs += [path for _, path, _ in datasets]
+    check_outputs(outputs, inputs=inputs)
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir = resolve_checkpoint(args.target, "--target")
     drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
@@ -268,8 +282,10 @@ def run(args: EvalArgs) -> dict:
     if s.compile:
         machine = replace(args.machine, compile_cache=use_compile_cache(args.machine.compile_cache))
         args = replace(args, machine=machine)
-    for path in skipped if rank == 0 else []:
-        print(f"warning: {path} not found; skipping dataset {os.path.basename(path)[:-len('.jsonl')]}", file=sys.stderr)
+    if rank == 0:
+        for path in skipped:
+            name = os.path.basename(path)[:-len(".jsonl")]
+            print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
     with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
         return evaluate(args, s, datasets, target_dir, drafter_dirs, log, demo)
 
@@ -320,8 +336,10 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     rows = rows_of(drafters, drafter_dirs, s.tree_budget)
     drafter = m.drafter
     chat = auto_chat(args.rendering.chat, m.tokenizer)
-    if rank == 0 and args.calibration and (note := calibration_note(args.calibration, first, s.temperature)):
-        print(note, file=sys.stderr)
+    if rank == 0 and args.calibration:
+        note = calibration_note(args.calibration, first, s.temperature)
+        if note:
+            print(note, file=sys.stderr)
     has_conf = len(rows) == 1 and drafter is not None and drafter.confidence_head is not None
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
@@ -331,33 +349,26 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     context = m.target.args.max_position_embeddings
     for d in drafters:
         context = min(context, d.cfg.layers.max_position_embeddings)
-    prompts = {}
-    for name, path, n in datasets:
-        sources = []
-        ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
-                          max_len=max(context - (s.max_new_tokens or 1), 1), sources=sources,
-                          system_prompt=args.rendering.system_prompt, thinking=args.rendering.enable_thinking)
-        chosen = select(list(zip(ps, sources)), n, s.seed)
-        prompts[name] = [p for p, _ in chosen]
-        for d in drafters or [None]:
-            check_prompts(prompts[name], m.target, s.max_new_tokens or 1, drafter=d, sources=[w for _, w in chosen])
+    prompts = read_datasets(args, s, datasets, m, drafters, chat, context)
     s.max_new_tokens = budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
     args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))  # what results.json says ran
-    if (args.calibration_out or args.calibration_plot) and s.max_new_tokens == 1:
-        raise UserError(f"--{'calibration-out' if args.calibration_out else 'calibration-plot'}: --max-new-tokens 1 "
-                        f"ends every request at its first token, before any round: nothing to calibrate")
-    if args.calibration_out and not any(math.floor(args.calibration_split * len(ps)) for ps in prompts.values()):
-        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of "
-                        f"{' / '.join(str(len(ps)) for ps in prompts.values())} requests leaves none to fit STS on; "
-                        f"more --max-samples or a larger split")
-    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
+    check_calibration_room(args, s, prompts)
+    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())  # this rank's largest shard
     s.batch_size = max(1, min(s.batch_size, most))
     if log is not None:
-        log.config(world_size=world, hardware=device_name(device), dtype_resolved=str(m.dtype).removeprefix("torch."),
-                   threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler, chat_resolved=chat,
-                   compile_resolved=s.compile, num_drafts=K, datasets_resolved={n: len(ps) for n, ps in prompts.items()},
-                   target_config=runlog.checkpoint_config(target_dir), drafter_config=runlog.checkpoint_config(first),
-                   drafter_resolved=[d.cfg.describe() for d in drafters], rows=[r.label for r in rows])
+        log.config(world_size=world,
+                   hardware=device_name(device),
+                   dtype_resolved=str(m.dtype).removeprefix("torch."),
+                   threads_resolved=torch.get_num_threads(),
+                   scheduler_resolved=s.scheduler,
+                   chat_resolved=chat,
+                   compile_resolved=s.compile,
+                   num_drafts=K,
+                   datasets_resolved={n: len(ps) for n, ps in prompts.items()},
+                   target_config=runlog.checkpoint_config(target_dir),
+                   drafter_config=runlog.checkpoint_config(first),
+                   drafter_resolved=[d.cfg.describe() for d in drafters],
+                   rows=[r.label for r in rows])
     if rank == 0:
         print(threads, file=sys.stderr)
         for d in drafters:
@@ -368,19 +379,28 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}
     calibration = None
     try:  # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
+        every_prompt = [p for ps in prompts.values() for p in ps]
         for row in rows:
-            engine = make_engine(m, row.drafter, [p for ps in prompts.values() for p in ps],
-                                 replace(s, tree_budget=row.tree_budget), verbose=rank == 0)
-            entries, parts = [], []
+            row_settings = replace(s, tree_budget=row.tree_budget)
+            engine = make_engine(m, row.drafter, every_prompt, row_settings, verbose=rank == 0)
+            entries = []
+            parts = None  # each dataset's rounds, for the calibration
+            if has_conf:
+                parts = []
             done.append({"label": row.label, "drafter": row.directory, "tree_budget": row.tree_budget,
                          "datasets": entries})
 
             def results(complete: bool, calibration=None, **more) -> dict:
-                return {"config": config(args, world, K, engine, drafters, chat, s.compile, m, prompts),
-                        "complete": complete, **more, "datasets": done[0]["datasets"], "calibration": calibration,
-                        "rows": done}
+                """results.json: the first row's datasets at the top (one drafter's run), every row after."""
+                record = {"config": config(args, world, K, engine, drafters, chat, s.compile, m, prompts),
+                          "complete": complete}
+                record.update(more)
+                record["datasets"] = done[0]["datasets"]
+                record["calibration"] = calibration
+                record["rows"] = done
+                return record
 
-            run.decode_datasets(row, engine, s, entries, parts if has_conf else None, m.stop_ids, results)
+            run.decode_datasets(row, engine, s, entries, parts, m.stop_ids, results)
             if has_conf:
                 calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries])
     except Interrupted:
@@ -403,6 +423,41 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             print(format_comparison(done, s.temperature))
         write_outputs(args, out, calibration, log, first)
     return out
+
+
+def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list, chat: bool,
+                  context: int) -> dict:
+    """Each dataset's prompts as ids (the authors' subset), checked against the target and every drafter."""
+    budget_or_one = s.max_new_tokens or 1  # the budget is resolved from the prompts, after this
+    prompts = {}
+    for name, path, n in datasets:
+        sources = []
+        ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
+                          max_len=max(context - budget_or_one, 1), sources=sources,
+                          system_prompt=args.rendering.system_prompt, thinking=args.rendering.enable_thinking)
+        chosen = select(list(zip(ps, sources)), n, s.seed)
+        prompts[name] = [p for p, _ in chosen]
+        chosen_sources = [where for _, where in chosen]
+        for d in drafters or [None]:
+            check_prompts(prompts[name], m.target, budget_or_one, drafter=d, sources=chosen_sources)
+    return prompts
+
+
+def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
+    """The calibration flags need rounds to measure, and STS a held-out share of the requests to fit on."""
+    if (args.calibration_out or args.calibration_plot) and s.max_new_tokens == 1:
+        name = "--calibration-plot"
+        if args.calibration_out:
+            name = "--calibration-out"
+        raise UserError(f"{name}: --max-new-tokens 1 ends every request at its first token, before any round: "
+                        f"nothing to calibrate")
+    if not args.calibration_out:
+        return
+    fitted = [math.floor(args.calibration_split * len(ps)) for ps in prompts.values()]
+    if not any(fitted):
+        sizes = " / ".join(str(len(ps)) for ps in prompts.values())
+        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of {sizes} requests "
+                        f"leaves none to fit STS on; more --max-samples or a larger split")
 
 
 def load_extra_drafter(directory: str, m):
@@ -479,7 +534,8 @@ class Run:
 
 def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) -> Optional[dict]:
     """Every rank's rounds gathered; STS always fitted on the raw head, --calibration undone first."""
-    rec, lost = concat_rounds(all_gather_list(parts)), 0
+    rec = concat_rounds(all_gather_list(parts))
+    lost = 0  # confidences a --calibration saturated, which STS cannot undo
     if args.calibration is not None:
         lost = saturated(rec["confidence"])
         rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
