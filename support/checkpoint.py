@@ -95,13 +95,20 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise UserError(f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
                         f"num_key_value_heads {out['num_key_value_heads']}")
-    quant, types = cfg.get("quantization_config"), cfg.get("layer_types")
+    quant = cfg.get("quantization_config")
     if quant is not None:
-        raise UserError(f"{source}: quantization_config ({quant.get('quant_method') if isinstance(quant, dict) else quant!r})"
-                        f": quantized checkpoints are not supported (use the unquantized one)")
-    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
-        raise UserError(f"{source}: layer_types other than full_attention are not supported")
-    if cfg.get("use_sliding_window") is not None and checked(cfg["use_sliding_window"], "use_sliding_window", source, bool):
+        method = quant
+        if isinstance(quant, dict):
+            method = quant.get("quant_method")
+        raise UserError(f"{source}: quantization_config ({method!r}): quantized checkpoints are not supported "
+                        f"(use the unquantized one)")
+    types = cfg.get("layer_types")
+    if types is not None:
+        full = isinstance(types, list) and all(t == "full_attention" for t in types)
+        if not full:
+            raise UserError(f"{source}: layer_types other than full_attention are not supported")
+    sliding = cfg.get("use_sliding_window")
+    if sliding is not None and checked(sliding, "use_sliding_window", source, bool):
         raise UserError(f"{source}: use_sliding_window=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
@@ -125,7 +132,8 @@ def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
 def target_args(cfg: dict, source: str) -> ModelArgs:
     args = layer_args(cfg, source)
     archs = cfg.get("architectures")
-    if archs is not None and (not isinstance(archs, list) or not archs or set(archs) != {"Qwen3ForCausalLM"}):
+    qwen3 = isinstance(archs, list) and set(archs) == {"Qwen3ForCausalLM"}
+    if archs is not None and not qwen3:
         raise UserError(f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
     if cfg.get("model_type") not in (None, "qwen3"):
         raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported (supported: qwen3)")
@@ -144,16 +152,25 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
     for nested in ("dspark_config", "dflash_config"):
         if nested in cfg and not isinstance(cfg[nested], dict):
             raise UserError(f"{source}: {nested!r} must be an object, got {cfg[nested]!r}")
-    found = {f"{where} {k!r}": d[k] for name in (key, *aliases)
-             for where, d, k in (("dspark_config", cfg.get("dspark_config"), name),
-                                 ("dflash_config", cfg.get("dflash_config"), name),
-                                 ("top-level", cfg, f"dspark_{name}"), ("top-level", cfg, name))
-             if isinstance(d, dict) and k in d}
+    found = {}  # "where 'spelling'": its value
+    for name in (key, *aliases):
+        places = (("dspark_config", cfg.get("dspark_config"), name),
+                  ("dflash_config", cfg.get("dflash_config"), name),
+                  ("top-level", cfg, f"dspark_{name}"),
+                  ("top-level", cfg, name))
+        for where, d, k in places:
+            if isinstance(d, dict) and k in d:
+                found[f"{where} {k!r}"] = d[k]
     values = list(found.values())
-    if any(type(v) is not type(values[0]) or v != values[0] for v in values[1:]):  # 4 and 4.0 disagree
-        raise UserError(f"{source}: conflicting values for {key!r}: " + ", ".join(f"{w}={v!r}" for w, v in found.items()))
-    v = values[0] if values else None
-    return checked(v, key, source, bool) if kind is bool and v is not None else v
+    for v in values[1:]:
+        if type(v) is not type(values[0]) or v != values[0]:  # 4 and 4.0 disagree
+            spellings = ", ".join(f"{w}={v!r}" for w, v in found.items())
+            raise UserError(f"{source}: conflicting values for {key!r}: {spellings}")
+    if not values:
+        return None
+    if kind is bool and values[0] is not None:
+        return checked(values[0], key, source, bool)
+    return values[0]
 
 
 def check_layer_ids(ids, targets, source: str):
@@ -162,7 +179,8 @@ def check_layer_ids(ids, targets, source: str):
         raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
     if len(set(ids)) != len(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
-    if targets is not None and not (integer(targets) and 1 <= targets <= LAYER_KEYS["num_hidden_layers"][2]):
+    most_layers = LAYER_KEYS["num_hidden_layers"][2]
+    if targets is not None and not (integer(targets) and 1 <= targets <= most_layers):
         raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
 
 
@@ -173,14 +191,18 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if not isinstance(archs, list):
         raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
                         f"got {archs!r}")
-    arch = archs[0] if len(archs) == 1 else None
+    arch = None
+    if len(archs) == 1:
+        arch = archs[0]
     if arch in EAGLE3_ARCHITECTURES:
         return eagle3_config(cfg, layers, source)
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
         raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel, "
                         f"DFlashDraftModel or Qwen3Eagle3Model)")
-    block, ids, mask_id, targets = (lookup(cfg, key, source)
-                                    for key in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers"))
+    block = lookup(cfg, "block_size", source)
+    ids = lookup(cfg, "target_layer_ids", source)
+    mask_id = lookup(cfg, "mask_token_id", source)
+    targets = lookup(cfg, "num_target_layers", source)
     block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
     check_layer_ids(ids, targets, source)
     if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
@@ -188,17 +210,23 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
                         f"got {mask_id!r}")
 
     # Layout: Qwen3DSparkModel is DSpark's; a DFlashDraftModel z-lab's DFlash unless its config says DSpark.
-    shift, projector = lookup(cfg, "shift_label", source, bool), lookup(cfg, "projector_type", source)
+    shift = lookup(cfg, "shift_label", source, bool)
+    projector = lookup(cfg, "projector_type", source)
     if projector not in (None, "dspark", "dflash"):
         raise UserError(f"{source}: unknown projector_type {projector!r}")
-    said = [(who, lay) for who, lay in ((f"shift_label={str(shift).lower()}", {True: "dspark", False: "dflash"}.get(shift)),
-                                        (f"projector_type {projector!r}", projector),
-                                        ("architecture Qwen3DSparkModel", "dspark" if arch == "Qwen3DSparkModel" else None))
-            if lay]
+    said = []  # (what said it, the layout it says), in this order
+    if shift is not None:
+        said.append((f"shift_label={str(shift).lower()}", {True: "dspark", False: "dflash"}[shift]))
+    if projector is not None:
+        said.append((f"projector_type {projector!r}", projector))
+    if arch == "Qwen3DSparkModel":
+        said.append(("architecture Qwen3DSparkModel", "dspark"))
     for (who, lay), (other, its) in zip(said, said[1:]):
         if lay != its:
             raise UserError(f"{source}: {who} contradicts {other} (the {LAYOUT_NAMES[its]} layout)")
-    layout = said[0][1] if said else "dflash"
+    layout = "dflash"
+    if said:
+        layout = said[0][1]
     if layout == "dflash" and block < 2:
         raise UserError(f"{source}: the DFlash layout needs block_size >= 2, got {block}")
 
@@ -208,10 +236,12 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
         mtype = None
     if mtype not in (None, *MARKOV_HEADS):
         raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_HEADS)})")
-    declared, w1 = lookup(cfg, "markov_rank", source), tensors.get("markov_head.markov_w1.weight")
+    declared = lookup(cfg, "markov_rank", source)
+    w1 = tensors.get("markov_head.markov_w1.weight")
     rank = 0
     if mtype is None:
-        if heads := sorted(k for k in tensors if k.startswith("markov_head.")):
+        heads = sorted(k for k in tensors if k.startswith("markov_head."))
+        if heads:
             raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
                             f"{source} declares none (markov_head_type)")
         if isinstance(declared, bool) or declared not in (None, 0):
@@ -227,7 +257,8 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
         rank = w1.shape[1]
         if declared is not None and (not integer(declared) or declared != rank):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
-    if (norm := tensors.get("norm.weight")) is not None and list(norm.shape) != [layers.hidden_size]:
+    norm = tensors.get("norm.weight")
+    if norm is not None and list(norm.shape) != [layers.hidden_size]:
         raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
                         f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
 
@@ -264,7 +295,8 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
     for key in ("target_layer_ids", "ttt_length"):
         if key not in cfg:
             raise UserError(f"{source}: missing key {key!r} (an Eagle3 drafter's config names it)")
-    ids, targets = cfg["target_layer_ids"], cfg.get("num_target_layers")
+    ids = cfg["target_layer_ids"]
+    targets = cfg.get("num_target_layers")
     check_layer_ids(ids, targets, source)
     if ids != sorted(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} must be strictly increasing")
@@ -288,8 +320,12 @@ def fused(tensors: dict) -> dict:
     """A checkpoint's names -> the models': k/v_proj -> kv_proj, gate/up_proj -> gate_up_proj."""
     out = dict(tensors)
     for whole, (a, b) in FUSED.items():
-        for name in [n for n in out if f".{a}." in n and n.replace(f".{a}.", f".{b}.") in out]:
-            out[name.replace(f".{a}.", f".{whole}.")] = torch.cat([out.pop(name), out.pop(name.replace(f".{a}.", f".{b}."))])
+        for name in list(out):
+            partner = name.replace(f".{a}.", f".{b}.")
+            if f".{a}." not in name or partner not in out:
+                continue
+            rows = torch.cat([out.pop(name), out.pop(partner)])
+            out[name.replace(f".{a}.", f".{whole}.")] = rows
     return out
 
 
@@ -324,7 +360,8 @@ def read_index(index: str) -> dict:
 
 def weight_files(directory: str) -> list[str]:
     """model.safetensors, or the shards the index names, with no unnamed shard beside them."""
-    single, index = os.path.join(directory, "model.safetensors"), os.path.join(directory, INDEX)
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, INDEX)
     if not optional_file(index):
         if os.path.isfile(single):
             return [single]
@@ -333,10 +370,14 @@ def weight_files(directory: str) -> list[str]:
         raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
                         f"which is the checkpoint is ambiguous (remove one)")
     shards = sorted(set(read_index(index).values()))
-    if lacking := absent(directory, shards):
+    lacking = absent(directory, shards)
+    if lacking:
         raise UserError(f"{index}: shard {lacking[0]!r} not found in {directory}")
-    if stray := sorted(f for f in os.listdir(directory)
-                       if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in shards):
+    stray = []  # shard-named files the index leaves out
+    for f in sorted(os.listdir(directory)):
+        if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in shards:
+            stray.append(f)
+    if stray:
         raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
                         f"(its tensors would be left out; remove it or list them in the index)")
     return [os.path.join(directory, f) for f in shards]
@@ -345,23 +386,31 @@ def weight_files(directory: str) -> list[str]:
 def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] = None) -> dict:
     """Every tensor of `files` in `dtype` on `device`, renamed, finite plain floats; shards match `index` if given."""
     from safetensors import SafetensorError, safe_open
-    weight_map, out = read_index(index) if index else {}, {}
+    weight_map = {}
+    if index:
+        weight_map = read_index(index)
+    out = {}
     for path in files:
         shard = os.path.basename(path)
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                if unheld := sorted({k for k, v in weight_map.items() if v == shard} - set(f.keys())):
+                mapped_here = {k for k, v in weight_map.items() if v == shard}
+                unheld = sorted(mapped_here - set(f.keys()))
+                if unheld:
                     raise UserError(f"{index}: maps tensor {unheld[0]!r} to {shard!r}, which does not hold it")
                 for key in f.keys():
                     if index and weight_map.get(key) != shard:
-                        where = "does not list it" if key not in weight_map else f"maps it to {weight_map[key]!r}"
+                        where = "does not list it"
+                        if key in weight_map:
+                            where = f"maps it to {weight_map[key]!r}"
                         raise UserError(f"{path}: holds tensor {key!r}, but {index} {where}")
                     if rename(key) in out:
                         raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
                     t = f.get_tensor(key)
                     if t.dtype not in WEIGHT_DTYPES:
-                        what = ("a quantized format (not supported: use the unquantized checkpoint)"
-                                if t.is_floating_point() else "not a floating-point weight")
+                        what = "not a floating-point weight"
+                        if t.is_floating_point():
+                            what = "a quantized format (not supported: use the unquantized checkpoint)"
                         raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, {what}")
                     v = t.to(device, dtype)
                     if not torch.isfinite(v).all():
@@ -384,16 +433,24 @@ def assign(module: nn.Module, tensors: dict, source: str):
         if tensors[name].shape != want[name].shape:
             raise UserError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
                             f"the model expects {list(want[name].shape)}")
-    if missing := [name for name in want if name not in tensors]:
+    missing = [name for name in want if name not in tensors]
+    if missing:
         raise UserError(f"{source}: parameter {missing[0]!r} is missing from the checkpoint")
     module.load_state_dict(fused(tensors), strict=False, assign=True)
 
 
 def checkpoint_weights(directory: str, dtype, device, rename) -> tuple[dict, str]:
     """A directory's tensors (read_weights), and the file their errors name: the weights, or the shards' index."""
-    files, index = weight_files(directory), os.path.join(directory, INDEX)
-    tensors = read_weights(files, dtype, device, rename, index if os.path.isfile(index) else None)
-    return tensors, files[0] if len(files) == 1 else index
+    files = weight_files(directory)
+    index = os.path.join(directory, INDEX)
+    shards_index = None
+    if os.path.isfile(index):
+        shards_index = index
+    tensors = read_weights(files, dtype, device, rename, shards_index)
+    source = index  # the file errors name: the weights themselves when they are one file
+    if len(files) == 1:
+        source = files[0]
+    return tensors, source
 
 
 def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
@@ -403,7 +460,8 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
     args = target_args(read_json(path), path)
     tensors, source = checkpoint_weights(directory, dtype, device, lambda k: k.removeprefix("model."))
     if args.tie_word_embeddings and "lm_head.weight" in tensors:  # some exports write the tied head too
-        head, emb = tensors.pop("lm_head.weight"), tensors.get("embed_tokens.weight")
+        head = tensors.pop("lm_head.weight")
+        emb = tensors.get("embed_tokens.weight")
         if emb is None:
             raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing from the checkpoint (it holds "
                             f"'lm_head.weight', and tie_word_embeddings is true)")
@@ -419,7 +477,10 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
 
 def attach(drafter: Drafter, target: Transformer):
     """Give the drafter the target's embedding and lm_head, once the two are seen to fit."""
-    t, a, c, L = target.args, drafter.cfg.layers, drafter.cfg, target.args.num_hidden_layers
+    t = target.args
+    a = drafter.cfg.layers
+    c = drafter.cfg
+    L = t.num_hidden_layers
     for key in ("vocab_size", "hidden_size"):
         if getattr(a, key) != getattr(t, key):
             raise UserError(f"drafter {key} {getattr(a, key)} differs from the target's {getattr(t, key)}")
@@ -438,7 +499,8 @@ def attach(drafter: Drafter, target: Transformer):
 def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
     if not os.path.isdir(directory):
         raise UserError(f"{directory}: drafter directory not found")
-    path, spelled = os.path.join(directory, "config.json"), {}
+    path = os.path.join(directory, "config.json")
+    spelled = {}  # the models' names -> the file's
     raw = read_json(path)  # a bad config fails before the weights are read
 
     def rename(key):
@@ -448,9 +510,13 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
 
     tensors, source = checkpoint_weights(directory, dtype, device, rename)
     cfg = drafter_config(raw, tensors, path, source, spelled)
-    for name, param in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight)):
+    shared = (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight))
+    for name, param in shared:
         t = tensors.pop(name, None)  # a copy of the target's, which is used: it must be the same
-        if t is not None and (t.shape != param.shape or not torch.equal(t.to(param.device, param.dtype), param)):
+        if t is None:
+            continue
+        same = t.shape == param.shape and torch.equal(t.to(param.device, param.dtype), param)
+        if not same:
             raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; drafters share the "
                             f"target's embedding and lm_head")
     with torch.device("meta"):
@@ -482,8 +548,11 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
     if device.type == "meta":
         return module
     g = torch.Generator(device=device).manual_seed(seed)
-    norms = {id(m.weight) for m in module.modules() if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, RMSNorm))
-             and getattr(m, "weight", None) is not None}
+    norms = set()  # the norm layers' weights, by identity
+    for m in module.modules():
+        is_norm = isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, RMSNorm))
+        if is_norm and getattr(m, "weight", None) is not None:
+            norms.add(id(m.weight))
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight") or id(p) in norms:
@@ -511,21 +580,30 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
                    rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
     """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
     t = target.args
-    cfg = DrafterConfig(replace(t, num_hidden_layers=num_layers), block_size, five_layers(t), t.vocab_size - 1,
-                        "dspark", markov, rank if markov else 0, confidence, confidence and markov is not None)
+    layers = replace(t, num_hidden_layers=num_layers)
+    markov_rank = 0
+    if markov:
+        markov_rank = rank
+    reads_markov = confidence and markov is not None  # the confidence head reads W1[x] beside h
+    mask_id = t.vocab_size - 1
+    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", markov, markov_rank, confidence,
+                        reads_markov)
     return random_weights(Drafter, cfg, target, seed)
 
 
 def random_eagle3(target: Transformer, ttt_length: int = 7, seed: int = 1) -> Eagle3Drafter:
     """An Eagle3 drafter shaped like DeepSpec's (one layer, five captured layers, a chain of 7)."""
     t = target.args
-    cfg = DrafterConfig(replace(t, num_hidden_layers=1), ttt_length, five_layers(t), 0, "eagle3", None, 0, False, False)
+    one_layer = replace(t, num_hidden_layers=1)
+    cfg = DrafterConfig(one_layer, ttt_length, five_layers(t), 0, "eagle3", None, 0, False, False)
     return random_weights(Eagle3Drafter, cfg, target, seed)
 
 
 def five_layers(t: ModelArgs) -> tuple[int, ...]:
     """The target layers the published drafters capture: five, spread out (1, 9, .., 33 at 36 layers)."""
-    return tuple(sorted({1 + (t.num_hidden_layers - 4) * i // 4 for i in range(5)}))
+    spread = t.num_hidden_layers - 4
+    layers = {1 + spread * i // 4 for i in range(5)}
+    return tuple(sorted(layers))
 
 
 def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer, seed: int) -> Drafter:
@@ -533,7 +611,8 @@ def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer, seed:
     w = target.embed_tokens.weight
     with torch.device("meta"):
         drafter = drafter_class(cfg)
-    drafter = init_random_(drafter.to(w.dtype).to_empty(device=w.device), seed)
+    drafter = drafter.to(w.dtype).to_empty(device=w.device)
+    drafter = init_random_(drafter, seed)
     attach(drafter, target)
     return drafter.eval().requires_grad_(False)
 
@@ -553,12 +632,21 @@ class Models:
 
     @property
     def hub_snapshots(self) -> list[str]:
-        return [f"{flag} {hub}: {path}" for flag, path in zip(("--target", "--drafter"), self.directories)
-                if path is not None and (hub := hub_snapshot(path))]
+        """A line per model read from a hub snapshot: the flag, ORG/NAME@COMMIT and the directory."""
+        lines = []
+        for flag, path in zip(("--target", "--drafter"), self.directories):
+            if path is None:
+                continue
+            hub = hub_snapshot(path)
+            if hub:
+                lines.append(f"{flag} {hub}: {path}")
+        return lines
 
     def describe(self) -> str:
-        d = self.drafter
-        return "\n".join(self.hub_snapshots + [d.cfg.describe() if d else "no drafter: autoregressive decoding"])
+        drafter = "no drafter: autoregressive decoding"
+        if self.drafter:
+            drafter = self.drafter.cfg.describe()
+        return "\n".join(self.hub_snapshots + [drafter])
 
 
 def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
@@ -574,24 +662,36 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         raise UserError("--target: no target directory given")
     if random_init is not None and (target is not None or drafter is not None):
         raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
-    target, drafter = resolve_checkpoint(target, "--target"), resolve_checkpoint(drafter, "--drafter")
+    target = resolve_checkpoint(target, "--target")
+    drafter = resolve_checkpoint(drafter, "--drafter")
     dt = resolve_dtype(dtype, resolve_device(device))
-    tokenizer = d = generation = generation_source = None
+    tokenizer = None
+    d = None
+    generation = None
+    generation_source = None
     if random_init is not None:
         t = random_target(random_init, device, dt, seed)
-        d, stop_ids = random_drafter(t), ()
+        d = random_drafter(t)
+        stop_ids = ()
     else:
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
         generation, generation_source = generation_sampling(target)
-        tokenizer = Tokenizer(target) if optional_file(os.path.join(target, "tokenizer.json")) else None
-        d = load_drafter(drafter, t, device, dt) if drafter is not None else None
+        if optional_file(os.path.join(target, "tokenizer.json")):
+            tokenizer = Tokenizer(target)
+        if drafter is not None:
+            d = load_drafter(drafter, t, device, dt)
     if calibration is not None:
         if d is None or d.confidence_head is None:
             raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
-        temps, K = read_json(calibration).get("temperatures"), d.cfg.num_drafts
-        lo, hi = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max  # applied in float32
-        if not isinstance(temps, list) or len(temps) != K or not all(number(x) and lo <= x <= hi for x in temps):
+        temps = read_json(calibration).get("temperatures")
+        K = d.cfg.num_drafts
+        lo = torch.finfo(torch.float32).tiny  # the temperatures are applied in float32
+        hi = torch.finfo(torch.float32).max
+        well_formed = isinstance(temps, list) and len(temps) == K
+        if well_formed:
+            well_formed = all(number(x) and lo <= x <= hi for x in temps)
+        if not well_formed:
             raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers from {lo:.3g} to "
                             f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
         d.calibrate(temps)
@@ -606,14 +706,20 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
     """EOS ids from generation_config.json and config.json, in that order, deduplicated."""
     gen = os.path.join(directory, "generation_config.json")
-    ids = token_ids(read_json(gen).get("eos_token_id"), gen, args.vocab_size) if optional_file(gen) else ()
+    ids = ()
+    if optional_file(gen):
+        ids = token_ids(read_json(gen).get("eos_token_id"), gen, args.vocab_size)
     return tuple(dict.fromkeys(ids + args.eos_token_ids))
 
 
-GENERATION_KEYS = {"temperature": (f"a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
-                                   lambda x: MIN_TEMPERATURE <= x <= MAX_TEMPERATURE),
-                   "top_k": (f"an integer from -1 to {MAX_TOP_K} (0 or -1: off)", lambda x: x == int(x) and -1 <= x <= MAX_TOP_K),
-                   "top_p": ("a number in (0, 1]", lambda x: 0 < x <= 1), "min_p": ("a number in [0, 1]", lambda x: 0 <= x <= 1)}
+GENERATION_KEYS = {  # generation_config.json's sampling keys: (what is valid, the test)
+    "temperature": (f"a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+                    lambda x: MIN_TEMPERATURE <= x <= MAX_TEMPERATURE),
+    "top_k": (f"an integer from -1 to {MAX_TOP_K} (0 or -1: off)",
+              lambda x: x == int(x) and -1 <= x <= MAX_TOP_K),
+    "top_p": ("a number in (0, 1]", lambda x: 0 < x <= 1),
+    "min_p": ("a number in [0, 1]", lambda x: 0 <= x <= 1),
+}
 
 
 def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
@@ -626,11 +732,15 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
         return None, path
     out = {"temperature": 1.0}
     for key, (valid, ok) in GENERATION_KEYS.items():
-        if (v := cfg.get(key)) is None:
+        v = cfg.get(key)
+        if v is None:
             continue
         if not (number(v) and abs(v) < float("inf") and ok(v)):
             raise UserError(f"{path}: key {key!r} must be {valid}, got {v!r}")
-        out[key] = max(int(v), 0) if key == "top_k" else float(v)
+        if key == "top_k":
+            out[key] = max(int(v), 0)  # -1 is transformers' "off", as 0 is ours
+        else:
+            out[key] = float(v)
     return out, path
 
 
@@ -659,29 +769,46 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
                         f"ORG/NAME@REVISION){looked}")
     from huggingface_hub import constants, snapshot_download, utils
 
-    repo, revision = m.group("repo", "revision")
-    cache, where = constants.HF_HUB_CACHE, f"{flag} {spec}"
-    path = incomplete = None
+    repo = m["repo"]
+    revision = m["revision"]
+    cache = constants.HF_HUB_CACHE
+    where = f"{flag} {spec}"
+    path = None        # the cached snapshot ...
+    incomplete = None  # ... and the metadata files it lacks
     try:  # the cached snapshot, if any
         path = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
                                  allow_patterns=list(HUB_META_FILES))
     except utils.LocalEntryNotFoundError as e:  # absent, or present in part (huggingface_hub >= 2 names what it lacks)
         snapshot = getattr(e, "snapshot_path", None)
         if snapshot is not None and os.path.isdir(snapshot):
-            lacking = [f for f in HUB_META_FILES if f in str(e) and not os.path.exists(os.path.join(snapshot, f))]
-            path, incomplete = snapshot, ", ".join(lacking) or "some of its metadata files"
+            lacking = []
+            for f in HUB_META_FILES:
+                if f in str(e) and not os.path.exists(os.path.join(snapshot, f)):
+                    lacking.append(f)
+            path = snapshot
+            incomplete = ", ".join(lacking) or "some of its metadata files"
     except Exception as e:
         raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
                         f"{first_line(e)})") from None
-    expected = () if flag == "--drafter" else SNAPSHOT_EXPECTED
-    missing = missing_weights(path) if path else None
-    if path and not missing and not incomplete and (constants.HF_HUB_OFFLINE or not absent(path, expected)):
+    expected = SNAPSHOT_EXPECTED
+    if flag == "--drafter":
+        expected = ()
+    missing = None
+    if path:
+        missing = missing_weights(path)
+    whole = path and not missing and not incomplete
+    if whole and (constants.HF_HUB_OFFLINE or not absent(path, expected)):
         return path
     if constants.HF_HUB_OFFLINE:
-        lacks = f"lacks files the repository has ({incomplete})" if incomplete else f"has no {missing}"
-        raise UserError(f"{where}: " + (f"the cached snapshot {path} {lacks}" if path else
-                                        f"no such local directory, and not in the Hugging Face cache ({cache})")
-                        + "; offline mode (HF_HUB_OFFLINE) forbids downloading it" + ("" if path else looked))
+        if path:
+            lacks = f"has no {missing}"
+            if incomplete:
+                lacks = f"lacks files the repository has ({incomplete})"
+            why = f"the cached snapshot {path} {lacks}; offline mode (HF_HUB_OFFLINE) forbids downloading it"
+        else:
+            why = (f"no such local directory, and not in the Hugging Face cache ({cache}); offline mode "
+                   f"(HF_HUB_OFFLINE) forbids downloading it{looked}")
+        raise UserError(f"{where}: {why}")
 
     def download(revision, files, either=False):
         """The snapshot; `either`: nothing cached, so a failure that leaves the repository's existence open
@@ -696,8 +823,11 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
                     utils.RevisionNotFoundError: f"{repo} has no revision {revision!r} on the Hugging Face hub",
                     utils.LocalEntryNotFoundError: f"not in the Hugging Face cache ({cache}), and the hub cannot be "
                                                    f"reached ({first_line(e)})"}
-            why = next((text for kind, text in said.items() if isinstance(e, kind)),
-                       f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})")
+            why = f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})"
+            for kind, text in said.items():  # the first that matches
+                if isinstance(e, kind):
+                    why = text
+                    break
             on_hub = isinstance(e, (utils.GatedRepoError, utils.RevisionNotFoundError))  # the repository exists
             if either and not on_hub:
                 why = f"no such local directory, and {why}{looked}"
@@ -713,10 +843,12 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         return path
     if missing_weights(now):  # ... fetched at the very commit the metadata came from
         now = download(os.path.basename(now), weight_names(now))
-    if missing := missing_weights(now):
+    missing = missing_weights(now)
+    if missing:
         raise UserError(f"{where}: {now} has no {missing} after the download: the repository lacks it (checkpoints "
                         f"are read as config.json and safetensors weights), or the hub could not be reached")
-    if lacking := absent(now, expected):
+    lacking = absent(now, expected)
+    if lacking:
         print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} after asking the hub (out of "
               f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
     return now
@@ -734,7 +866,9 @@ def hub_snapshot(path: str) -> Optional[str]:
 def weight_names(directory: str) -> list[str]:
     """The weight files a snapshot names: its index's shards, else model.safetensors."""
     index = os.path.join(directory, INDEX)
-    names = sorted(set(read_index(index).values())) if os.path.isfile(index) else ["model.safetensors"]
+    names = ["model.safetensors"]
+    if os.path.isfile(index):
+        names = sorted(set(read_index(index).values()))
     if any(not f.endswith(".safetensors") for f in names):  # only weights are asked for
         raise UserError(f"{index}: 'weight_map' must map tensor names to .safetensors files beside it")
     return names
