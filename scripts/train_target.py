@@ -120,8 +120,13 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
     """A Hugging Face Qwen3 directory: config.json, model.safetensors, generation_config.json."""
     os.makedirs(out, exist_ok=True)
     a = model.args
-    tensors = {("" if k == "lm_head.weight" else "model.") + k: v.float() for k, v in published(model.state_dict()).items()
-               if not (a.tie_word_embeddings and k == "lm_head.weight")}
+    tensors = {}  # Hugging Face's names: the decoder under "model.", the lm_head (unless tied) beside it
+    for k, v in published(model.state_dict()).items():
+        if k == "lm_head.weight":
+            if not a.tie_word_embeddings:
+                tensors[k] = v.float()
+        else:
+            tensors["model." + k] = v.float()
     save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
     cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
            "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
@@ -187,8 +192,11 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     dtype = resolve_dtype(args.dtype, device)
     src = tokenizer_source(args)
-    texts = read_texts(args.data) if args.data is not None else None
-    made, fresh = not os.path.isdir(args.out), not os.path.isdir(args.out) or not os.listdir(args.out)
+    texts = None
+    if args.data is not None:
+        texts = read_texts(args.data)
+    made = not os.path.isdir(args.out)  # --out made here ...
+    fresh = made or not os.listdir(args.out)  # ... or empty before
     os.makedirs(args.out, exist_ok=True)
     try:
         tok = tokenizer_into(args, src, texts)
@@ -201,11 +209,14 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
         if made and not os.listdir(args.out):
             os.rmdir(args.out)
         raise
+    eos_ids = ()
+    if eos is not None:
+        eos_ids = (eos,)
     margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
                       max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
-                      eos_token_ids=(eos,) if eos is not None else ())
+                      eos_token_ids=eos_ids)
     identity = {"data": digest(Corpus(windows))}  # --resume refuses other data
     if args.resume:
         check_identity(checkpoint_dir(args.resume), identity, {"data": f"--data {args.data}"})
@@ -217,12 +228,14 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
             model = Transformer(margs)
         init_random_(model, args.seed, args.init_std)
     G = args.batch_size * args.grad_accum * world
-    banner = (f"target: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {V}, "
+    parameters = sum(p.numel() for p in model.parameters())
+    banner = (f"target: {parameters:,} parameters, vocab {V}, "
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
     if log is not None:
         log.config(world_size=world, global_batch=G, dtype_resolved=str(dtype).removeprefix("torch."),
                    num_sequences=len(windows), target_config=asdict(model.args))
-    batches, mine = Batches(len(windows), G, args.seed), micro_slices(args.batch_size, args.grad_accum, rank)
+    batches = Batches(len(windows), G, args.seed)
+    mine = micro_slices(args.batch_size, args.grad_accum, rank)
 
     def micro_batches(step):
         tokens = windows[batches(step)]
