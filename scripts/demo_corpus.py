@@ -106,7 +106,10 @@ def run(a: CorpusArgs):
                                 f"{want.get('python') or '?'}'s standard library, this is {info['python'] or '?'}'s "
                                 f"at {stdlib})")
     write_corpus(a, train, info)
-    print(f"corpus: {'Python ' + info['python'] if info['python'] else 'the'} standard library ({stdlib}): "
+    whose = "the"
+    if info["python"]:
+        whose = "Python " + info["python"]
+    print(f"corpus: {whose} standard library ({stdlib}): "
           f"{len(train)} training files "
           f"({info['training_bytes'] / 1e6:.1f} MB, sha256 {info['training_sha256'][:12]}), {len(held)} held out "
           f"(sha256 {info['heldout_sha256'][:12]}); recorded in {record}", flush=True)

@@ -122,12 +122,20 @@ def read(relative: str) -> str:
 
 
 def figures() -> dict:
-    per_file = {f: figures_of(read(f)) for f in ALGORITHM if os.path.isfile(os.path.join(ROOT, f))}
-    total = {k: sum(c[k] for c in per_file.values()) for k in next(iter(per_file.values()))}
+    per_file = {}
+    for f in ALGORITHM:
+        if os.path.isfile(os.path.join(ROOT, f)):
+            per_file[f] = figures_of(read(f))
+    total = {}  # the raw counts summed over the algorithm files
+    for counts in per_file.values():
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
     imported = closure("speculate")
-    return {"files": {f: summary(c) for f, c in per_file.items()}, "algorithm": summary(total),
+    imported_tokens = sum(figures_of(read(f))["code_tokens"] for f in imported)
+    return {"files": {f: summary(c) for f, c in per_file.items()},
+            "algorithm": summary(total),
             "speculate_imports": imported,
-            "speculate_import_tokens": sum(figures_of(read(f))["code_tokens"] for f in imported)}
+            "speculate_import_tokens": imported_tokens}
 
 
 def row(name: str, f: dict) -> str:
