@@ -22,8 +22,9 @@ import torch.nn.functional as F
 import model
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
-PANEL = 16                  # output columns per panel: a layer fits when its out_features is a multiple
-ATTENTION_MAX_TOKENS = 16   # query tokens up to which `attend` takes the kernel (beyond, SDPA: as fast)
+PANEL = 16  # output columns per panel: a layer fits when its out_features is a multiple
+# query tokens up to which `attend` takes the kernel (beyond, SDPA: as fast)
+ATTENTION_MAX_TOKENS = 16
 _why: Optional[str] = ""    # why the kernels are unavailable; "" until the build was tried
 
 
@@ -206,7 +207,8 @@ def install(m: nn.Module) -> bool:
     alone = [x for x in m.modules() if _linear_fits(x) and id(x) not in paired]
     copied: dict = {}  # storage -> the (weight, panels) made on it by this call
     for lin in sorted(alone, key=lambda x: -x.weight.shape[0]):
-        if getattr(lin, "stamp", None) != _stamp(lin.weight):  # whole weights before rows of them (sorted)
+        # whole weights before rows of them (sorted)
+        if getattr(lin, "stamp", None) != _stamp(lin.weight):
             storage = lin.weight.untyped_storage().data_ptr()
             lin.panels = _panels_of(lin.weight, copied.setdefault(storage, []))
             lin.stamp = _stamp(lin.weight)
@@ -221,7 +223,8 @@ def install(m: nn.Module) -> bool:
             a.qkv_bias = None
             if q.bias is not None:
                 a.qkv_bias = torch.cat([q.bias, kv.bias]).detach()
-            q.panels, kv.panels = a.qkv_panels.split([q.out_features // PANEL, kv.out_features // PANEL])
+            panel_counts = [q.out_features // PANEL, kv.out_features // PANEL]
+            q.panels, kv.panels = a.qkv_panels.split(panel_counts)
             q.stamp = _stamp(q.weight)
             kv.stamp = _stamp(kv.weight)
         q.__class__ = PanelLinear

@@ -87,7 +87,8 @@ def _read_jsonl_docs(path: str, texts: list, chats: list):
         elif turns is not None:
             texts.append("\n\n".join(turns))
         else:
-            kinds = '{"text": str}, {"turns": [str]}, {"messages": [...]} or {"prompt": str, "response": str}'
+            kinds = ('{"text": str}, {"turns": [str]}, {"messages": [...]} '
+                     'or {"prompt": str, "response": str}')
             raise UserError(f"{where}: expected {kinds}")
 
 
@@ -131,7 +132,8 @@ def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
     texts = [t for t in texts if t]
     if texts and chats:
         first_chat = chats[0][0]
-        raise UserError(f"--data {path}: mixes chat records ({first_chat}) with plain text; train on one kind")
+        raise UserError(
+            f"--data {path}: mixes chat records ({first_chat}) with plain text; train on one kind")
     if not texts and not chats:
         raise UserError(f"--data {path}: no text")
     return texts, chats
@@ -171,7 +173,8 @@ def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
     return out
 
 
-def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], source: str) -> torch.Tensor:
+def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int],
+                 source: str) -> torch.Tensor:
     """The documents joined (separator between them), cut into [N, seq_len] windows; the tail dropped."""
     stream = []
     for d in docs:
@@ -180,7 +183,8 @@ def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], 
             stream.append(separator)
     n = len(stream) // seq_len
     if n == 0:
-        raise UserError(f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
+        raise UserError(
+            f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
     kept = torch.tensor(stream[:n * seq_len], dtype=torch.long)
     return kept.view(n, seq_len)
 
@@ -200,7 +204,8 @@ def read_windows(args, tok, vocab_size: int, separator: Optional[int],
 
 # Chat records: rendering and the loss mask
 
-def chat_spans(tok, messages: list[dict], stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
+def chat_spans(tok, messages: list[dict],
+               stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
     """(rendered text, character spans of the assistant turns: content + the stop text after it). The
     spans are found by rendering again with a sentinel for each assistant message (a user turn quoting it
     is not mistaken for it); None when the template changes an assistant's text."""
@@ -289,7 +294,8 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def rows(self, index: torch.Tensor
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         tokens = self.tokens[index].long()
         loss_mask = None
         if self.loss_mask is not None:
@@ -394,11 +400,13 @@ def load_corpus(args, target_args, say) -> Corpus:
     from support.text import Tokenizer
 
     if args.data is None and not args.pack:
-        raise UserError("--no-pack: --data-ids are windows of a token stream; only chat records are packed")
+        raise UserError(
+            "--no-pack: --data-ids are windows of a token stream; only chat records are packed")
     if args.data is None:
         return Corpus(read_windows(args, None, target_args.vocab_size, None))
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
-        raise UserError(f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
+        raise UserError(
+            f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
     tok = Tokenizer(args.target)
     stops = stop_token_ids(args.target, target_args)
     sep = tok.tok.token_to_id(EOS_TOKEN)
@@ -407,8 +415,8 @@ def load_corpus(args, target_args, say) -> Corpus:
     texts, chats = read_documents(args.data)
     if texts:
         if not args.pack:
-            raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; only chat records "
-                            f"are packed")
+            raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; "
+                            f"only chat records are packed")
         return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
     stop_texts = [tok.decode([i]) for i in stops]
     docs, skipped = encode_chats(tok, chats, stop_texts, args.seq_len)
@@ -477,7 +485,8 @@ def micro_slices(batch_size: int, grad_accum: int, rank: int) -> list[slice]:
     return slices
 
 
-def anchor_candidates(loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def anchor_candidates(loss_mask: Optional[torch.Tensor],
+                      doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[B, T-1]: a may be an anchor iff a and a+1 are in the loss mask and one document (None: all)."""
     if loss_mask is None and doc is None:
         return None
@@ -513,8 +522,8 @@ def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator,
     return torch.where(keep, anchors, 0), keep
 
 
-def supervised(anchors: torch.Tensor, keep: torch.Tensor, K: int, seq_len: int, loss_mask: Optional[torch.Tensor],
-               doc: Optional[torch.Tensor]) -> torch.Tensor:
+def supervised(anchors: torch.Tensor, keep: torch.Tensor, K: int, seq_len: int,
+               loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> torch.Tensor:
     """[B, N, K]: slot j of a kept block is supervised iff labels a+1..a+j+1 are in the row, the loss mask
     and the anchor's document."""
     B, N = anchors.shape

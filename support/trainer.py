@@ -92,7 +92,8 @@ class TrainArgs(WandbFlags):
 
     # What a resumed run must repeat (the global batch is checked apart; --steps may change).
     resume_keys: ClassVar[tuple[str, ...]] = (
-        "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac", "weight_decay", "grad_clip", "seed",
+        "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac", "weight_decay", "grad_clip",
+        "seed",
     )
     kind: ClassVar[str]  # what the program trains: a state of another kind is not resumed
 
@@ -162,7 +163,8 @@ def publish_checkpoint(out: str, step: int, write):
 
 def _switch(out: str, name: str, final: str, tmp: str):
     """`tmp` becomes `final`, then `latest`, its model files linked to --out, the older ones gone."""
-    if os.path.isdir(final):  # the same step again (resumed before its last save): the new one wins
+    # the same step again (resumed before its last save): the new one wins
+    if os.path.isdir(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
     fd = os.open(out, os.O_RDONLY)
@@ -196,7 +198,8 @@ def checkpoint_dir(resume: str) -> str:
             name = f.read().strip()
         named = os.path.join(resume, name)
         if not name.startswith("checkpoint-") or not os.path.isdir(named):
-            raise UserError(f"{latest}: names {name!r}, which is not a checkpoint directory in {resume}")
+            raise UserError(
+                f"{latest}: names {name!r}, which is not a checkpoint directory in {resume}")
         return named
     if os.path.isfile(os.path.join(resume, STATE_JSON)):
         return resume
@@ -216,11 +219,12 @@ def checkpoint_dir(resume: str) -> str:
         raise UserError(
             f"--resume {resume}: the run there stopped before its first checkpoint, nothing to resume; "
             f"start it afresh with --out {resume} (without --resume)")
-    raise UserError(f"--resume {resume}: no {LATEST} and no {STATE_JSON} there (not a training directory)")
+    raise UserError(
+        f"--resume {resume}: no {LATEST} and no {STATE_JSON} there (not a training directory)")
 
 
-def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
-               num_windows: int, world: int = 1, identity: Optional[dict] = None):
+def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
+               args: TrainArgs, num_windows: int, world: int = 1, identity: Optional[dict] = None):
     """AdamW's moments by parameter name; the step, flags and `identity` (digests of what the run reads)."""
     names = {id(p): n for n, p in module.named_parameters()}
     tensors = {}
@@ -240,7 +244,8 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
     }
     if identity:
         meta["identity"] = identity
-    meta["note"] = "batch and anchors of step s depend only on (seed, s, global_batch): no RNG state to restore"
+    meta["note"] = ("batch and anchors of step s depend only on (seed, s, global_batch): "
+                    "no RNG state to restore")
     write_json(os.path.join(out, STATE_JSON), meta)
 
 
@@ -274,7 +279,8 @@ def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = No
         raise UserError(f"{state_json}: 'step' must be a step count and 'args' the saved "
                         f"flags (got step {step!r})")
     if meta.get("kind") != args.kind:
-        raise UserError(f"--resume {directory}: a {meta.get('kind')} training state, not a {args.kind} one")
+        raise UserError(
+            f"--resume {directory}: a {meta.get('kind')} training state, not a {args.kind} one")
     now = asdict(args)
     for k in args.resume_keys:
         if k in saved and saved[k] != now[k]:
@@ -306,8 +312,8 @@ def check_identity(directory: str, identity: dict, flags: dict):
                 f"a resumed run must use the same {what})")
 
 
-def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
-               num_windows: int, world: int = 1) -> int:
+def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
+               args: TrainArgs, num_windows: int, world: int = 1) -> int:
     """Restores `save_state`'s state; returns its step."""
     meta = check_resume_args(directory, args, world)
     path = os.path.join(directory, STATE_TENSORS)
@@ -360,7 +366,8 @@ def check_out_dir(args: TrainArgs, inputs):
         inp = os.path.realpath(src)
         inside = real.startswith(inp.rstrip(os.sep) + os.sep)
         if real == inp or inside:
-            raise UserError(f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
+            raise UserError(
+                f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
     if os.path.exists(real) and not os.path.isdir(real):
         raise UserError(f"--out {out}: is a file, not a directory")
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
@@ -371,7 +378,8 @@ def check_out_dir(args: TrainArgs, inputs):
             f"that run with --resume {out}")
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
+        raise UserError(
+            f"--out {out}: its parent directory {parent} does not exist or is not writable")
     folder = parent
     if os.path.isdir(real):
         folder = real
@@ -449,8 +457,9 @@ def _log_upto(path: str, step: int) -> list[str]:
     return out
 
 
-def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save, run: Run, dtype,
-             num_rows: int, flops: Optional[float] = None, evaluate=None, banner: str = "") -> dict:
+def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save,
+             run: Run, dtype, num_rows: int, flops: Optional[float] = None, evaluate=None,
+             banner: str = "") -> dict:
     """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`."""
     module = step_module.model
     dev = run.device
@@ -461,11 +470,13 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         start = load_state(checkpoint_dir(args.resume), module, opt, args, num_rows, run.world)
     end = args.stop_at or args.steps
     if start >= end:
-        raise UserError(f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
+        raise UserError(
+            f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
     if banner and run.rank == 0:
         print(banner, file=sys.stderr)
     ddp = step_module
-    if run.world > 1:  # gradients averaged over ranks: each rank's loss share is scaled by the world size
+    # gradients averaged over ranks: each rank's loss share is scaled by the world size
+    if run.world > 1:
         device_ids = None
         if dev.startswith("cuda"):
             device_ids = [dev]
@@ -477,12 +488,14 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     no_bar = shown != "bar"
     bar = tqdm(total=end, initial=start, file=sys.stderr, disable=no_bar, dynamic_ncols=True)
     lines = None
-    if shown == "lines":  # off a terminal: a line every 15 s, so a two-minute run shows how it goes
+    # off a terminal: a line every 15 s, so a two-minute run shows how it goes
+    if shown == "lines":
         lines = runlog.Lines(every=15.0)
     if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
-        here = args.resume is not None and os.path.realpath(args.resume) == os.path.realpath(args.out)
+        real_out = os.path.realpath(args.out)
+        here = args.resume is not None and os.path.realpath(args.resume) == real_out
         if not here and os.path.exists(path):
             print(f"--out {args.out}: a run that stopped before its first checkpoint left its log there; "
                   "starting afresh", file=sys.stderr)
@@ -508,7 +521,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                     if f.endswith((".json", ".safetensors")):
                         files.append(os.path.join(args.out, f))
                 aliases = [f"step-{step}", "latest"]
-                run.wandb.artifact("checkpoint", "model", files, metadata={"step": step}, aliases=aliases)
+                metadata = {"step": step}
+                run.wandb.artifact("checkpoint", "model", files, metadata=metadata, aliases=aliases)
         run.barrier()  # every rank may read it next
         if evaluate is not None and eval_every and step % eval_every == 0:
             found = evaluate(step)
@@ -525,7 +539,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         sums = None
         parts = micro_batches(step)
         for m, mb in enumerate(parts):
-            sync = run.world == 1 or m == len(parts) - 1  # all-reduce the gradients once, after the last
+            # all-reduce the gradients once, after the last
+            sync = run.world == 1 or m == len(parts) - 1
             gradient_sync = contextlib.nullcontext()
             if not sync:
                 gradient_sync = ddp.no_sync()
@@ -595,7 +610,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     checkpoint(end)
     if main:
         window = min(len(times), SPEED_WINDOW)
-        print(f"step {end}: loss {losses[-1]:.4f}, {speed['tokens_per_second']:,.0f} tokens/s over the last "
+        tokens_per_second = speed["tokens_per_second"]
+        print(f"step {end}: loss {losses[-1]:.4f}, {tokens_per_second:,.0f} tokens/s over the last "
               f"{window} steps ({run.world} process(es)), {args.kind} written to {args.out}")
     return {
         "start": start,
