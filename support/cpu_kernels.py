@@ -22,22 +22,29 @@ import torch.nn.functional as F
 import model
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
-PANEL = 16                  # output columns per panel: a layer fits when its out_features is a multiple
-ATTENTION_MAX_TOKENS = 16   # query tokens up to which `attend` takes the kernel (beyond, SDPA: as fast)
+PANEL = 16  # output columns per panel: a layer fits when its out_features is a multiple
+# query tokens up to which `attend` takes the kernel (beyond, SDPA: as fast)
+ATTENTION_MAX_TOKENS = 16
 _why: Optional[str] = ""    # why the kernels are unavailable; "" until the build was tried
 
 
 def _cpu_flags() -> set:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+        return set()
     return set()
 
 
 def _build() -> Optional[str]:
-    if os.environ.get("DSPARK_CPU_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+    setting = os.environ.get("DSPARK_CPU_KERNELS", "1").strip().lower()
+    if setting in ("0", "off", "false", "no"):
         return "turned off by DSPARK_CPU_KERNELS"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"they are for x86-64 Linux (this is {platform.system()} {platform.machine()})"
+    system = platform.system()
+    machine = platform.machine()
+    if system != "Linux" or machine not in ("x86_64", "AMD64"):
+        return f"they are for x86-64 Linux (this is {system} {machine})"
     if not {"avx2", "fma"} <= _cpu_flags():
         return "this CPU lacks AVX2 or FMA"
     cxx = os.environ.get("CXX", "c++")
@@ -49,7 +56,8 @@ def _build() -> Optional[str]:
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-w"]
     with open(SOURCE, "rb") as f:
         code = f.read()
-    key = hashlib.sha256(code + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:16]
+    build_line = " ".join(flags + [torch.__version__])
+    key = hashlib.sha256(code + build_line.encode()).hexdigest()[:16]
     # One build folder per source and flags, compiling a copy kept there: every checkout of the same
     # source shares the build (ninja would rebuild for a source at another path).
     folder = os.path.join(cpp_extension.get_default_build_root(), f"dspark_cpu_kernels_{key}")
@@ -62,19 +70,27 @@ def _build() -> Optional[str]:
             os.replace(f.name, copy)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpp_extension.load("dspark_cpu_kernels", [copy], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                               build_directory=folder, is_python_module=False, verbose=False)
+            cpp_extension.load(
+                "dspark_cpu_kernels", [copy], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                build_directory=folder, is_python_module=False, verbose=False)
     except Exception as e:  # a failed build, a broken toolchain: one line of why
         lines = str(e).strip().splitlines() or [type(e).__name__]
-        return f"building {SOURCE} failed: " + next((l.strip() for l in lines if "error:" in l), lines[0])[:300]
+        why = lines[0]  # the first line that reports an error, else the first line
+        for line in lines:
+            if "error:" in line:
+                why = line.strip()
+                break
+        return f"building {SOURCE} failed: " + why[:300]
 
     @torch.library.register_fake("dspark::panel_linear")
     def _(x, panels, bias):
-        return x.new_empty(*x.shape[:-1], panels.shape[0] * panels.shape[2])
+        out_features = panels.shape[0] * panels.shape[2]
+        return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("dspark::cached_attention")
     def _(q, k, v, bias):
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
+        width = q.shape[2] * q.shape[3]  # heads x head_dim
+        return q.new_empty(q.shape[0], q.shape[1], width)
     return None
 
 
@@ -87,8 +103,9 @@ def unavailable() -> Optional[str]:
 
 
 def _fits(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.shape[0] % PANEL == 0
-            and w.shape[1] > 0)
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return False
+    return w.shape[0] % PANEL == 0 and w.shape[1] > 0
 
 
 class PanelLinear(nn.Linear):
@@ -96,25 +113,33 @@ class PanelLinear(nn.Linear):
     panels: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        return torch.ops.dspark.panel_linear(x, self.panels, b) if _on_kernel(x, w, b) else F.linear(x, w, b)
+        w = self.weight
+        b = self.bias
+        if _on_kernel(x, w, b):
+            return torch.ops.dspark.panel_linear(x, self.panels, b)
+        return F.linear(x, w, b)
 
 
 def _on_kernel(x, w, b) -> bool:
-    return (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
-            and not torch.is_autocast_enabled("cpu")
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                                  or (b is not None and b.requires_grad))))
+    if x.dtype is not torch.float32 or w.dtype is not torch.float32:
+        return False
+    if not x.is_cpu or not w.is_cpu or torch.is_autocast_enabled("cpu"):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    needs_grad = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+    return not needs_grad
 
 
 def project(attn, x):
     """`Attention.project` in one panel GEMM: q_proj's and kv_proj's panels stacked (a call costs a
     fixed overhead that a few rows do not hide)."""
-    q, kv = attn.q_proj, attn.kv_proj
+    q = attn.q_proj
+    kv = attn.kv_proj
     if not (_on_kernel(x, q.weight, q.bias) and _on_kernel(x, kv.weight, kv.bias)):
         return q(x), kv(x)
-    return torch.ops.dspark.panel_linear(x, attn.qkv_panels, attn.qkv_bias).split(
-        [q.out_features, kv.out_features], -1)
+    qkv = torch.ops.dspark.panel_linear(x, attn.qkv_panels, attn.qkv_bias)
+    return qkv.split([q.out_features, kv.out_features], -1)
 
 
 def _panels_of(w: torch.Tensor, copied: list) -> torch.Tensor:
@@ -122,11 +147,15 @@ def _panels_of(w: torch.Tensor, copied: list) -> torch.Tensor:
     layers (tied) is copied once, and rows 16i.. of a weight copied already are a view of its copy."""
     K = w.shape[1]
     for base, panels in copied:
-        rows = (w.storage_offset() - base.storage_offset()) // K
+        offset = w.storage_offset() - base.storage_offset()
+        rows = offset // K
         if base is w:
             return panels
-        if (w.stride() == base.stride() == (K, 1) and base.shape[1] == K and rows % PANEL == 0
-                and 0 <= rows * K == w.storage_offset() - base.storage_offset() and rows + w.shape[0] <= base.shape[0]):
+        # w is whole rows rows..rows+len(w) of base, starting on a panel
+        row_major = w.stride() == base.stride() == (K, 1) and base.shape[1] == K
+        on_panel = rows % PANEL == 0 and 0 <= rows * K == offset
+        inside = rows + w.shape[0] <= base.shape[0]
+        if row_major and on_panel and inside:
             return panels[rows // PANEL:(rows + w.shape[0]) // PANEL]
     copied.append((w, torch.ops.dspark.panels(w.detach())))
     return copied[-1][1]
@@ -134,16 +163,29 @@ def _panels_of(w: torch.Tensor, copied: list) -> torch.Tensor:
 
 def attend(q, k, v, bias):
     """`model.attend_cached` on the kernel where it applies (CPU float32, no autograd, few tokens), else itself."""
-    if (q.is_cpu and q.dtype == k.dtype == v.dtype == bias.dtype == torch.float32
-            and q.shape[1] <= ATTENTION_MAX_TOKENS and q.shape[3] % PANEL == 0 and bias.shape[2] == q.shape[1]
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+    if _attention_fits(q, k, v, bias):
         return torch.ops.dspark.cached_attention(q, k, v, bias)
     return model.attend_cached(q, k, v, bias)
 
 
+def _attention_fits(q, k, v, bias) -> bool:
+    """CPU float32, few query tokens, head_dim a multiple of PANEL, no autograd."""
+    if not q.is_cpu:
+        return False
+    if not q.dtype == k.dtype == v.dtype == bias.dtype == torch.float32:
+        return False
+    T = q.shape[1]
+    if T > ATTENTION_MAX_TOKENS or q.shape[3] % PANEL != 0 or bias.shape[2] != T:
+        return False
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    return not (torch.is_grad_enabled() and needs_grad)
+
+
 def _cpu_float32(m: nn.Module) -> bool:
     p = next(m.parameters(), None)
-    return p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+    if p is None:
+        return False
+    return p.device.type == "cpu" and p.dtype == torch.float32
 
 
 def install(m: nn.Module) -> bool:
@@ -151,34 +193,59 @@ def install(m: nn.Module) -> bool:
     Parameters and tied weights stay; the panels are a copy made now: install again after editing weights."""
     if not _cpu_float32(m) or unavailable() is not None:
         return False
-    fits = lambda x: type(x) in (nn.Linear, PanelLinear) and _fits(x.weight)  # noqa: E731
     attentions = [a for a in m.modules() if isinstance(a, model.Attention)]
-    fused = [a for a in attentions
-             if fits(a.q_proj) and fits(a.kv_proj) and (a.q_proj.bias is None) == (a.kv_proj.bias is None)]
-    paired = {id(x) for a in fused for x in (a.q_proj, a.kv_proj)}  # their panels: views of the pair's
+    fused = []  # attentions whose q_proj and kv_proj run as one GEMM
+    for a in attentions:
+        if not (_linear_fits(a.q_proj) and _linear_fits(a.kv_proj)):
+            continue
+        if (a.q_proj.bias is None) == (a.kv_proj.bias is None):
+            fused.append(a)
+    paired = set()  # their panels: views of the pair's
+    for a in fused:
+        paired.add(id(a.q_proj))
+        paired.add(id(a.kv_proj))
+    alone = [x for x in m.modules() if _linear_fits(x) and id(x) not in paired]
     copied: dict = {}  # storage -> the (weight, panels) made on it by this call
-    for lin in sorted((x for x in m.modules() if fits(x) and id(x) not in paired), key=lambda x: -x.weight.shape[0]):
-        if getattr(lin, "stamp", None) != _stamp(lin.weight):  # whole weights before rows of them (sorted)
-            lin.panels = _panels_of(lin.weight, copied.setdefault(lin.weight.untyped_storage().data_ptr(), []))
+    for lin in sorted(alone, key=lambda x: -x.weight.shape[0]):
+        # whole weights before rows of them (sorted)
+        if getattr(lin, "stamp", None) != _stamp(lin.weight):
+            storage = lin.weight.untyped_storage().data_ptr()
+            lin.panels = _panels_of(lin.weight, copied.setdefault(storage, []))
             lin.stamp = _stamp(lin.weight)
         lin.__class__ = PanelLinear
     for a in fused:
-        q, kv = a.q_proj, a.kv_proj
-        if (getattr(q, "stamp", None), getattr(kv, "stamp", None)) != (_stamp(q.weight), _stamp(kv.weight)):
-            a.qkv_panels = torch.ops.dspark.panels(torch.cat([q.weight, kv.weight]).detach())
-            a.qkv_bias = None if q.bias is None else torch.cat([q.bias, kv.bias]).detach()
-            q.panels, kv.panels = a.qkv_panels.split([q.out_features // PANEL, kv.out_features // PANEL])
-            q.stamp, kv.stamp = _stamp(q.weight), _stamp(kv.weight)
-        q.__class__ = kv.__class__ = PanelLinear
+        q = a.q_proj
+        kv = a.kv_proj
+        stamps = (getattr(q, "stamp", None), getattr(kv, "stamp", None))
+        if stamps != (_stamp(q.weight), _stamp(kv.weight)):
+            weight = torch.cat([q.weight, kv.weight]).detach()
+            a.qkv_panels = torch.ops.dspark.panels(weight)
+            a.qkv_bias = None
+            if q.bias is not None:
+                a.qkv_bias = torch.cat([q.bias, kv.bias]).detach()
+            panel_counts = [q.out_features // PANEL, kv.out_features // PANEL]
+            q.panels, kv.panels = a.qkv_panels.split(panel_counts)
+            q.stamp = _stamp(q.weight)
+            kv.stamp = _stamp(kv.weight)
+        q.__class__ = PanelLinear
+        kv.__class__ = PanelLinear
         a.project = types.MethodType(project, a)
     for a in attentions:
         a.attend = attend
     return True
 
 
+def _linear_fits(x: nn.Module) -> bool:
+    """An nn.Linear (or one installed already) whose weight fits the panel kernel."""
+    return type(x) in (nn.Linear, PanelLinear) and _fits(x.weight)
+
+
 def _stamp(w: torch.Tensor) -> tuple:
     """What tells a weight's panels are still its own: its storage, shape and version."""
-    return w.data_ptr(), w.shape, None if w.is_inference() else w._version
+    version = None  # inference tensors keep no version counter
+    if not w.is_inference():
+        version = w._version
+    return w.data_ptr(), w.shape, version
 
 
 def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:
@@ -189,5 +256,7 @@ def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:
         return f"GEMMs: MKL (the CPU kernels are unavailable: {unavailable()})"
     if not any(type(x) is PanelLinear for x in m.modules()):
         return "GEMMs: MKL (the CPU kernels are not installed)"
-    return ("GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
-            + (", one op each in the compiled graphs" if compiled else ""))
+    line = "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"
+    if compiled:
+        line += ", one op each in the compiled graphs"
+    return line

@@ -26,17 +26,27 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
 MASK_TOKEN = "<|mask|>"
 EOS_TOKEN = "<|endoftext|>"
-_SENTINEL = "\ue000{}\ue001"  # private-use characters: where an assistant message lands in the rendered text
+# private-use characters: where an assistant message lands in the rendered text
+_SENTINEL = "\ue000{}\ue001"
 
 
 # Reading
+
+def _is_message(m) -> bool:
+    """{"role": system/user/assistant, "content": str}."""
+    if not isinstance(m, dict):
+        return False
+    return m.get("role") in ROLES and isinstance(m.get("content"), str)
+
 
 def _chat_messages(obj, where: str) -> Optional[list[dict]]:
     """A chat record's conversation, checked; None for another record."""
     if not isinstance(obj, dict):
         return None
     if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
-        return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["response"]}]
+        user = {"role": "user", "content": obj["prompt"]}
+        assistant = {"role": "assistant", "content": obj["response"]}
+        return [user, assistant]
     if "messages" in obj:
         key = "messages"
     elif "conversations" in obj:
@@ -44,28 +54,55 @@ def _chat_messages(obj, where: str) -> Optional[list[dict]]:
     else:
         return None
     msgs = obj[key]
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in ROLES
-                                             and isinstance(m.get("content"), str) for m in msgs):
-        raise UserError(f"{where}: {key!r} must be a list of {{\"role\": system/user/assistant, \"content\": str}}")
+    if not isinstance(msgs, list) or not all(_is_message(m) for m in msgs):
+        shape = '{"role": system/user/assistant, "content": str}'
+        raise UserError(f"{where}: {key!r} must be a list of {shape}")
     roles = [m["role"] for m in msgs if m["role"] != "system"]
     if not roles or roles[0] != "user" or "assistant" not in roles:
-        raise UserError(f"{where}: a conversation starts with a user message and has an assistant message")
+        raise UserError(
+            f"{where}: a conversation starts with a user message and has an assistant message")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def _turns(obj) -> Optional[list[str]]:
+    """A {"turns": [str, ...]} record's turns (at least one); None for another record."""
+    if not isinstance(obj, dict):
+        return None
+    turns = obj.get("turns")
+    if not isinstance(turns, list) or not turns:
+        return None
+    if not all(isinstance(t, str) for t in turns):
+        return None
+    return turns
 
 
 def _read_jsonl_docs(path: str, texts: list, chats: list):
     for where, obj in read_jsonl(path):
         msgs = _chat_messages(obj, where)
+        turns = _turns(obj)
         if msgs is not None:
             chats.append((where, msgs))
         elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
             texts.append(obj["text"])
-        elif (isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]
-              and all(isinstance(t, str) for t in obj["turns"])):
-            texts.append("\n\n".join(obj["turns"]))
+        elif turns is not None:
+            texts.append("\n\n".join(turns))
         else:
-            raise UserError(f"{where}: expected {{\"text\": str}}, {{\"turns\": [str]}}, {{\"messages\": [...]}} "
-                            "or {\"prompt\": str, \"response\": str}")
+            kinds = ('{"text": str}, {"turns": [str]}, {"messages": [...]} '
+                     'or {"prompt": str, "response": str}')
+            raise UserError(f"{where}: expected {kinds}")
+
+
+def _files_under(path: str) -> list[str]:
+    """The text files and .jsonl under a directory, sorted, recursive."""
+    suffixes = TEXT_SUFFIXES + (".jsonl",)
+    files = []
+    for d, _, names in os.walk(path):
+        for f in names:
+            if f.endswith(suffixes):
+                files.append(os.path.join(d, f))
+    if not files:
+        raise UserError(f"--data {path}: no {'/'.join(suffixes)} files in the directory")
+    return sorted(files)
 
 
 def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
@@ -74,13 +111,12 @@ def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
     if os.path.isfile(path):
         files = [path]
     elif os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                       if f.endswith(TEXT_SUFFIXES + (".jsonl",)))
-        if not files:
-            raise UserError(f"--data {path}: no {'/'.join(TEXT_SUFFIXES + ('.jsonl',))} files in the directory")
+        files = _files_under(path)
     else:
         raise UserError(f"--data {path}: file or directory not found")
-    texts, chats, skipped = [], [], []
+    texts = []
+    chats = []
+    skipped = []
     for f in files:
         if f.endswith(JSON_SUFFIXES):
             _read_jsonl_docs(f, texts, chats)
@@ -91,10 +127,13 @@ def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
         except UnicodeDecodeError:
             skipped.append(f)
     if skipped:
-        print(f"--data: skipped {len(skipped)} file(s) that are not UTF-8 (first: {skipped[0]})", file=sys.stderr)
+        print(f"--data: skipped {len(skipped)} file(s) that are not UTF-8 (first: {skipped[0]})",
+              file=sys.stderr)
     texts = [t for t in texts if t]
     if texts and chats:
-        raise UserError(f"--data {path}: mixes chat records ({chats[0][0]}) with plain text; train on one kind")
+        first_chat = chats[0][0]
+        raise UserError(
+            f"--data {path}: mixes chat records ({first_chat}) with plain text; train on one kind")
     if not texts and not chats:
         raise UserError(f"--data {path}: no text")
     return texts, chats
@@ -107,24 +146,35 @@ def read_texts(path: str) -> list[str]:
     return texts
 
 
+def _is_id_list(ids) -> bool:
+    """A non-empty list of ints (bools are not token ids)."""
+    if not isinstance(ids, list) or not ids:
+        return False
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+
 def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
     if not os.path.isfile(path):
         raise UserError(f"--data-ids {path}: file not found")
     out = []
     for where, obj in read_jsonl(path):
-        ids = obj.get("prompt_ids") if isinstance(obj, dict) else None
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        ids = None
+        if isinstance(obj, dict):
+            ids = obj.get("prompt_ids")
+        if not _is_id_list(ids):
             raise UserError(f"{where}: expected {{\"prompt_ids\": [int, ...]}}")
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
-            raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+            vocab = f"0..{vocab_size - 1}"
+            raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary ({vocab})")
         out.append(ids)
     if not out:
         raise UserError(f"--data-ids {path}: no sequences")
     return out
 
 
-def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], source: str) -> torch.Tensor:
+def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int],
+                 source: str) -> torch.Tensor:
     """The documents joined (separator between them), cut into [N, seq_len] windows; the tail dropped."""
     stream = []
     for d in docs:
@@ -133,33 +183,49 @@ def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int], 
             stream.append(separator)
     n = len(stream) // seq_len
     if n == 0:
-        raise UserError(f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
-    return torch.tensor(stream[:n * seq_len], dtype=torch.long).view(n, seq_len)
+        raise UserError(
+            f"{source}: {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len}")
+    kept = torch.tensor(stream[:n * seq_len], dtype=torch.long)
+    return kept.view(n, seq_len)
 
 
-def read_windows(args, tok, vocab_size: int, separator: Optional[int], texts: Optional[list[str]] = None) -> torch.Tensor:
+def read_windows(args, tok, vocab_size: int, separator: Optional[int],
+                 texts: Optional[list[str]] = None) -> torch.Tensor:
     """The windows of plain --data (`texts`: already read) or of --data-ids."""
     if args.data is not None:
-        texts = read_texts(args.data) if texts is None else texts
-        docs = [e.ids for e in tok.tok.encode_batch(texts, add_special_tokens=False)]
+        if texts is None:
+            texts = read_texts(args.data)
+        encodings = tok.tok.encode_batch(texts, add_special_tokens=False)
+        docs = [e.ids for e in encodings]
         return pack_windows(docs, args.seq_len, separator, f"--data {args.data}")
-    return pack_windows(read_id_lists(args.data_ids, vocab_size), args.seq_len, None, f"--data-ids {args.data_ids}")
+    id_lists = read_id_lists(args.data_ids, vocab_size)
+    return pack_windows(id_lists, args.seq_len, None, f"--data-ids {args.data_ids}")
 
 
 # Chat records: rendering and the loss mask
 
-def chat_spans(tok, messages: list[dict], stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
+def chat_spans(tok, messages: list[dict],
+               stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
     """(rendered text, character spans of the assistant turns: content + the stop text after it). The
     spans are found by rendering again with a sentinel for each assistant message (a user turn quoting it
     is not mistaken for it); None when the template changes an assistant's text."""
     text = tok.render_messages(messages, add_generation_prompt=False, thinking=False)
-    marked = [dict(m, content=_SENTINEL.format(i)) if m["role"] == "assistant" else m for i, m in enumerate(messages)]
+    marked = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            m = dict(m, content=_SENTINEL.format(i))
+        marked.append(m)
     mtext = tok.render_messages(marked, add_generation_prompt=False, thinking=False)
-    parts, spans, pos, length = [], [], 0, 0
+    # rebuild the text from the marked one, each sentinel replaced by its content, noting the spans
+    parts = []
+    spans = []
+    pos = 0
+    length = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        s = mtext.find(_SENTINEL.format(i), pos)
+        sentinel = _SENTINEL.format(i)
+        s = mtext.find(sentinel, pos)
         if s < 0:
             return None
         parts.append(mtext[pos:s])
@@ -167,13 +233,17 @@ def chat_spans(tok, messages: list[dict], stop_texts=()) -> Optional[tuple[str, 
         spans.append((length, length + len(m["content"])))
         parts.append(m["content"])
         length += len(m["content"])
-        pos = s + len(_SENTINEL.format(i))
+        pos = s + len(sentinel)
     parts.append(mtext[pos:])
     if "".join(parts) != text:
         return None
     out = []
     for s, e in spans:
-        stop = next((st for st in stop_texts if st and text.startswith(st, e)), "")
+        stop = ""
+        for st in stop_texts:
+            if st and text.startswith(st, e):
+                stop = st
+                break
         out.append((s, e + len(stop)))
     return text, out
 
@@ -182,7 +252,9 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
     starts = [o[0] for o in offsets]
     mask = [False] * len(offsets)
     for s, e in spans:
-        for t in range(bisect.bisect_left(starts, s), bisect.bisect_left(starts, e)):
+        first = bisect.bisect_left(starts, s)
+        end = bisect.bisect_left(starts, e)
+        for t in range(first, end):
             mask[t] = True
     return mask
 
@@ -193,12 +265,18 @@ def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=(),
     response, or no anchor within the first `seq_len` tokens (what packing keeps)."""
     rendered = [chat_spans(tok, msgs, stop_texts) for _, msgs in chats]
     keep = [r for r in rendered if r is not None]
-    encs = tok.tok.encode_batch([r[0] for r in keep], add_special_tokens=False) if keep else []
+    encs = []
+    if keep:
+        encs = tok.tok.encode_batch([r[0] for r in keep], add_special_tokens=False)
     docs = []
     for (_, spans), enc in zip(keep, encs):
         mask = token_mask(enc.offsets, spans)
-        kept = mask[:seq_len] if seq_len is not None else mask
-        if any(a and b for a, b in zip(kept, kept[1:])):  # some anchor with its successor in the response
+        kept = mask
+        if seq_len is not None:
+            kept = mask[:seq_len]
+        # some anchor with its successor in the response
+        has_anchor = any(a and b for a, b in zip(kept, kept[1:]))
+        if has_anchor:
             docs.append((enc.ids, mask))
     return docs, len(chats) - len(docs)
 
@@ -216,10 +294,16 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        doc = pick(self.doc)
-        return self.tokens[index].long(), pick(self.loss_mask), None if doc is None else doc.long()
+    def rows(self, index: torch.Tensor
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        tokens = self.tokens[index].long()
+        loss_mask = None
+        if self.loss_mask is not None:
+            loss_mask = self.loss_mask[index]
+        doc = None
+        if self.doc is not None:
+            doc = self.doc[index].long()
+        return tokens, loss_mask, doc
 
 
 def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int,
@@ -228,7 +312,8 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_i
     the least room that holds it; pack=False: one a row. Returns the corpus and counts."""
     lengths = [min(len(ids), seq_len) for ids, _ in docs]
     if not pack:  # every document opens a row of its own
-        return _fill_rows(docs, lengths, [[i] for i in range(len(docs))], seq_len, pad_id)
+        own_rows = [[i] for i in range(len(docs))]
+        return _fill_rows(docs, lengths, own_rows, seq_len, pad_id)
     order = sorted(range(len(docs)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     room: dict[int, list[int]] = {}  # free room -> rows with exactly that much left
@@ -237,7 +322,8 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_i
         n = lengths[i]
         k = bisect.bisect_left(rooms, n)
         if k == len(rooms):
-            r, free = len(rows), seq_len
+            r = len(rows)
+            free = seq_len
             rows.append([])
         else:
             free = rooms[k]
@@ -255,36 +341,55 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_i
     return _fill_rows(docs, lengths, rows, seq_len, pad_id)
 
 
-def _fill_rows(docs, lengths: list[int], rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[Corpus, dict]:
-    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.int32)
-    mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
-    doc = torch.full((len(rows), seq_len), -1, dtype=torch.int16 if seq_len < 2 ** 15 else torch.int32)  # ids < seq_len
+def _fill_rows(docs, lengths: list[int], rows: list[list[int]], seq_len: int,
+               pad_id: int) -> tuple[Corpus, dict]:
+    shape = (len(rows), seq_len)
+    tokens = torch.full(shape, pad_id, dtype=torch.int32)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    # document ids are < seq_len
+    doc_dtype = torch.int32
+    if seq_len < 2 ** 15:
+        doc_dtype = torch.int16
+    doc = torch.full(shape, -1, dtype=doc_dtype)
     for r, members in enumerate(rows):
         pos = 0
         for j, i in enumerate(members):
             n = lengths[i]
-            tokens[r, pos:pos + n] = torch.tensor(docs[i][0][:n], dtype=torch.int32)
-            mask[r, pos:pos + n] = torch.tensor(docs[i][1][:n])
-            doc[r, pos:pos + n] = j
+            ids, loss = docs[i]
+            span = slice(pos, pos + n)
+            tokens[r, span] = torch.tensor(ids[:n], dtype=torch.int32)
+            mask[r, span] = torch.tensor(loss[:n])
+            doc[r, span] = j
             pos += n
-    stats = {"rows": len(rows), "documents": len(docs), "cut": sum(len(ids) > seq_len for ids, _ in docs),
-             "fill": sum(lengths) / max(1, len(rows) * seq_len)}
+    cut = sum(len(ids) > seq_len for ids, _ in docs)
+    fill = sum(lengths) / max(1, len(rows) * seq_len)
+    stats = {"rows": len(rows), "documents": len(docs), "cut": cut, "fill": fill}
     return Corpus(tokens, mask, doc), stats
 
 
 DIGEST_CHUNK = 64 << 20  # bytes one thread hashes at a time
 
 
+def _sha256(chunk) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
 def digest(corpus: Corpus) -> str:
     """sha256 of the rows as stored, over 64 MiB chunks hashed in parallel threads, then their digests."""
-    chunks, head = [], hashlib.sha256()
-    for name, t in (("tokens", corpus.tokens), ("loss_mask", corpus.loss_mask), ("doc", corpus.doc)):
-        if t is not None:
-            head.update(f"{name} {list(t.shape)} {t.dtype}\n".encode())
-            raw = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
-            chunks += [raw[i:i + DIGEST_CHUNK] for i in range(0, len(raw), DIGEST_CHUNK)]
-    with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool:
-        for d in pool.map(lambda c: hashlib.sha256(c).digest(), chunks):
+    chunks = []
+    head = hashlib.sha256()
+    fields = (("tokens", corpus.tokens), ("loss_mask", corpus.loss_mask), ("doc", corpus.doc))
+    for name, t in fields:
+        if t is None:
+            continue
+        header = f"{name} {list(t.shape)} {t.dtype}\n"
+        head.update(header.encode())
+        raw = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+        for i in range(0, len(raw), DIGEST_CHUNK):
+            chunks.append(raw[i:i + DIGEST_CHUNK])
+    threads = min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads) as pool:
+        for d in pool.map(_sha256, chunks):
             head.update(d)
     return head.hexdigest()
 
@@ -295,11 +400,13 @@ def load_corpus(args, target_args, say) -> Corpus:
     from support.text import Tokenizer
 
     if args.data is None and not args.pack:
-        raise UserError("--no-pack: --data-ids are windows of a token stream; only chat records are packed")
+        raise UserError(
+            "--no-pack: --data-ids are windows of a token stream; only chat records are packed")
     if args.data is None:
         return Corpus(read_windows(args, None, target_args.vocab_size, None))
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
-        raise UserError(f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
+        raise UserError(
+            f"--data needs the target's tokenizer.json ({args.target}); or give --data-ids")
     tok = Tokenizer(args.target)
     stops = stop_token_ids(args.target, target_args)
     sep = tok.tok.token_to_id(EOS_TOKEN)
@@ -308,16 +415,24 @@ def load_corpus(args, target_args, say) -> Corpus:
     texts, chats = read_documents(args.data)
     if texts:
         if not args.pack:
-            raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; only chat records "
-                            f"are packed")
+            raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; "
+                            f"only chat records are packed")
         return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
-    docs, skipped = encode_chats(tok, chats, [tok.decode([i]) for i in stops], args.seq_len)
+    stop_texts = [tok.decode([i]) for i in stops]
+    docs, skipped = encode_chats(tok, chats, stop_texts, args.seq_len)
     if not docs:
         raise UserError(f"--data {args.data}: no conversation has a response to train on")
-    corpus, st = pack_documents(docs, args.seq_len, sep if sep is not None else 0, pack=args.pack)
-    say(f"--data: {st['documents']} conversations {'packed into' if args.pack else 'one a row:'} {st['rows']} "
-        f"sequences ({st['fill']:.0%} filled, {st['cut']} cut to --seq-len {args.seq_len}, {skipped} skipped: "
-        "nothing to train on within --seq-len, or the template rewrites the response)")
+    pad_id = 0
+    if sep is not None:
+        pad_id = sep
+    corpus, st = pack_documents(docs, args.seq_len, pad_id, pack=args.pack)
+    how = "one a row:"
+    if args.pack:
+        how = "packed into"
+    filled = f"{st['fill']:.0%} filled, {st['cut']} cut to --seq-len {args.seq_len}"
+    why_skipped = "nothing to train on within --seq-len, or the template rewrites the response"
+    say(f"--data: {st['documents']} conversations {how} {st['rows']} "
+        f"sequences ({filled}, {skipped} skipped: {why_skipped})")
     return corpus
 
 
@@ -325,18 +440,23 @@ def document_mask(doc: torch.Tensor) -> torch.Tensor:
     """[B, T, T] bool: t may attend s iff s <= t in the same document."""
     T = doc.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    return (doc[:, :, None] == doc[:, None, :]) & causal
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    return same_doc & causal
 
 
 # The step's batch and anchors
 
 def seed_for(tag: str, *xs: int) -> int:
-    return int(hashlib.sha256(":".join([tag, *map(str, xs)]).encode()).hexdigest()[:15], 16)
+    text = ":".join([tag, *map(str, xs)])
+    hex_digest = hashlib.sha256(text.encode()).hexdigest()
+    return int(hex_digest[:15], 16)
 
 
 class Batches:
     def __init__(self, n: int, batch_size: int, seed: int):
-        self.n, self.G, self.seed = n, batch_size, seed
+        self.n = n
+        self.G = batch_size
+        self.seed = seed
         self._perms = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -347,24 +467,39 @@ class Batches:
 
     def __call__(self, step: int) -> torch.Tensor:
         N = self.n
-        return torch.stack([self._perm(k // N)[k % N] for k in range(step * self.G, (step + 1) * self.G)])
+        rows = []
+        # the step's G positions in the endless sequence of epochs, each epoch a permutation
+        for k in range(step * self.G, (step + 1) * self.G):
+            rows.append(self._perm(k // N)[k % N])
+        return torch.stack(rows)
 
 
 def micro_slices(batch_size: int, grad_accum: int, rank: int) -> list[slice]:
     """Rank r's micro-batch m: rows (r·A + m)·B .. +B of the global batch (1 x A=2 takes what 2 x A=1 do)."""
-    B, A = batch_size, grad_accum
-    return [slice((rank * A + m) * B, (rank * A + m + 1) * B) for m in range(A)]
+    B = batch_size
+    A = grad_accum
+    slices = []
+    for m in range(A):
+        first = (rank * A + m) * B
+        slices.append(slice(first, first + B))
+    return slices
 
 
-def anchor_candidates(loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def anchor_candidates(loss_mask: Optional[torch.Tensor],
+                      doc: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[B, T-1]: a may be an anchor iff a and a+1 are in the loss mask and one document (None: all)."""
     if loss_mask is None and doc is None:
         return None
-    ok = torch.ones_like((loss_mask if loss_mask is not None else doc)[:, 1:], dtype=torch.bool)
+    like = doc
     if loss_mask is not None:
-        ok = ok & loss_mask[:, :-1] & loss_mask[:, 1:]
+        like = loss_mask
+    ok = torch.ones_like(like[:, 1:], dtype=torch.bool)
+    if loss_mask is not None:
+        both_in_loss = loss_mask[:, :-1] & loss_mask[:, 1:]
+        ok = ok & both_in_loss
     if doc is not None:
-        ok = ok & (doc[:, :-1] == doc[:, 1:])
+        same_doc = doc[:, :-1] == doc[:, 1:]
+        ok = ok & same_doc
     return ok
 
 
@@ -374,24 +509,35 @@ def sample_anchors(batch: int, seq_len: int, n: int, generator: torch.Generator,
     with fewer fills its last blocks with dummies (anchor 0, keep False)."""
     keys = torch.rand(batch, seq_len - 1, generator=generator)
     if allowed is None:
-        return keys.argsort(dim=1)[:, :n].sort(dim=1).values, torch.ones(batch, n, dtype=torch.bool)
+        picked = keys.argsort(dim=1)[:, :n]
+        anchors = picked.sort(dim=1).values
+        return anchors, torch.ones(batch, n, dtype=torch.bool)
     keys = keys.masked_fill(~allowed, 2.0)  # keys are < 1: the allowed positions come first
     picked = keys.argsort(dim=1)[:, :n]
-    keep = torch.arange(n)[None, :] < allowed.sum(1, keepdim=True).clamp(max=n)
-    anchors = torch.where(allowed.gather(1, picked), picked, seq_len).sort(dim=1).values
+    available = allowed.sum(1, keepdim=True).clamp(max=n)
+    keep = torch.arange(n)[None, :] < available
+    # a disallowed pick sorts last, past every real anchor
+    anchors = torch.where(allowed.gather(1, picked), picked, seq_len)
+    anchors = anchors.sort(dim=1).values
     return torch.where(keep, anchors, 0), keep
 
 
-def supervised(anchors: torch.Tensor, keep: torch.Tensor, K: int, seq_len: int, loss_mask: Optional[torch.Tensor],
-               doc: Optional[torch.Tensor]) -> torch.Tensor:
+def supervised(anchors: torch.Tensor, keep: torch.Tensor, K: int, seq_len: int,
+               loss_mask: Optional[torch.Tensor], doc: Optional[torch.Tensor]) -> torch.Tensor:
     """[B, N, K]: slot j of a kept block is supervised iff labels a+1..a+j+1 are in the row, the loss mask
     and the anchor's document."""
     B, N = anchors.shape
-    label = anchors[:, :, None] + 1 + torch.arange(K, device=anchors.device)  # [B, N, K]
+    offsets = torch.arange(K, device=anchors.device)
+    label = anchors[:, :, None] + 1 + offsets  # [B, N, K]
     ok = label < seq_len
     at = label.clamp(max=seq_len - 1).view(B, -1)
     if loss_mask is not None:
-        ok = ok & loss_mask.gather(1, at).view(B, N, K)
+        in_loss = loss_mask.gather(1, at).view(B, N, K)
+        ok = ok & in_loss
     if doc is not None:
-        ok = ok & (doc.gather(1, at).view(B, N, K) == doc.gather(1, anchors)[:, :, None])
-    return ok.int().cumprod(-1).bool() & keep[:, :, None]
+        label_doc = doc.gather(1, at).view(B, N, K)
+        anchor_doc = doc.gather(1, anchors)[:, :, None]
+        ok = ok & (label_doc == anchor_doc)
+    # a slot counts only if every slot before it does
+    prefix_ok = ok.int().cumprod(-1).bool()
+    return prefix_ok & keep[:, :, None]

@@ -91,32 +91,43 @@ class TrainArgs(WandbFlags):
     """Seconds a process waits for the others before giving up."""
 
     # What a resumed run must repeat (the global batch is checked apart; --steps may change).
-    resume_keys: ClassVar[tuple[str, ...]] = ("seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac",
-                                              "weight_decay", "grad_clip", "seed")
+    resume_keys: ClassVar[tuple[str, ...]] = (
+        "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac", "weight_decay", "grad_clip",
+        "seed",
+    )
     kind: ClassVar[str]  # what the program trains: a state of another kind is not resumed
 
 
 def lr_at(step: int, args: TrainArgs) -> float:
-    W = math.ceil(args.warmup_frac * args.steps) if args.warmup_frac > 0 else 0
+    W = 0
+    if args.warmup_frac > 0:
+        W = math.ceil(args.warmup_frac * args.steps)
     if step < W:
         return args.lr * (step + 1) / W
     if args.schedule == "constant":
         return args.lr
-    frac = min(max((step - W) / max(1, args.steps - 1 - W), 0.0), 1.0)  # 0 after warm-up, 1 at the end
+    decay_steps = max(1, args.steps - 1 - W)
+    frac = min(max((step - W) / decay_steps, 0.0), 1.0)  # 0 after warm-up, 1 at the end
     m = args.min_lr_frac
     if args.schedule == "cosine":
-        return args.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * frac)))
+        cosine = 0.5 * (1 + math.cos(math.pi * frac))
+        return args.lr * (m + (1 - m) * cosine)
     return args.lr * (m + (1 - m) * (1 - frac))
 
 
 def layer_params(a) -> int:
-    q, kv, H = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size
+    q = a.num_attention_heads * a.head_dim
+    kv = a.num_key_value_heads * a.head_dim
+    H = a.hidden_size
     return 2 * H * q + 2 * H * kv + 3 * H * a.intermediate_size
 
 
 def causal_flops(a, T: int) -> float:
     """Matmul FLOPs (2 a multiply-add) of a causal forward over T tokens, lm_head left out."""
-    return 2 * T * a.num_hidden_layers * layer_params(a) + 2 * a.num_hidden_layers * T * T * a.num_attention_heads * a.head_dim
+    L = a.num_hidden_layers
+    matmuls = 2 * T * L * layer_params(a)
+    attention = 2 * L * T * T * a.num_attention_heads * a.head_dim
+    return matmuls + attention
 
 
 # Checkpoints (safetensors + JSON, never pickle)
@@ -126,14 +137,17 @@ def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    metadata = {"format": "pt", **({"step": str(step)} if step is not None else {})}
+    metadata = {"format": "pt"}
+    if step is not None:
+        metadata["step"] = str(step)
     atomic_write(path, lambda p: save_file(tensors, p, metadata=metadata))
 
 
 def publish_checkpoint(out: str, step: int, write):
     """--out/checkpoint-<step>, made whole by `write(directory)`, atomically."""
     name = f"checkpoint-{step}"
-    final, tmp = os.path.join(out, name), os.path.join(out, f".{name}.tmp")
+    final = os.path.join(out, name)
+    tmp = os.path.join(out, f".{name}.tmp")
     for stale in os.listdir(out):  # a killed save's leftovers
         if stale.startswith(".checkpoint-") and stale.endswith(".tmp"):
             shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
@@ -149,7 +163,8 @@ def publish_checkpoint(out: str, step: int, write):
 
 def _switch(out: str, name: str, final: str, tmp: str):
     """`tmp` becomes `final`, then `latest`, its model files linked to --out, the older ones gone."""
-    if os.path.isdir(final):  # the same step again (resumed before its last save): the new one wins
+    # the same step again (resumed before its last save): the new one wins
+    if os.path.isdir(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
     fd = os.open(out, os.O_RDONLY)
@@ -159,15 +174,17 @@ def _switch(out: str, name: str, final: str, tmp: str):
         os.close(fd)
     atomic_write(os.path.join(out, LATEST), name + "\n")
     for f in sorted(os.listdir(final)):
-        if not f.startswith("training_state"):
-            link = os.path.join(out, f".{f}.tmp")
-            if os.path.exists(link):
-                os.remove(link)
-            try:
-                os.link(os.path.join(final, f), link)
-            except OSError:  # a filesystem without hard links
-                shutil.copyfile(os.path.join(final, f), link)
-            os.replace(link, os.path.join(out, f))
+        if f.startswith("training_state"):
+            continue
+        source = os.path.join(final, f)
+        link = os.path.join(out, f".{f}.tmp")
+        if os.path.exists(link):
+            os.remove(link)
+        try:
+            os.link(source, link)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(source, link)
+        os.replace(link, os.path.join(out, f))
     for old in os.listdir(out):
         if old.startswith("checkpoint-") and old != name:
             shutil.rmtree(os.path.join(out, old), ignore_errors=True)
@@ -179,110 +196,153 @@ def checkpoint_dir(resume: str) -> str:
     if os.path.isfile(latest):
         with open(latest) as f:
             name = f.read().strip()
-        if not name.startswith("checkpoint-") or not os.path.isdir(os.path.join(resume, name)):
-            raise UserError(f"{latest}: names {name!r}, which is not a checkpoint directory in {resume}")
-        return os.path.join(resume, name)
+        named = os.path.join(resume, name)
+        if not name.startswith("checkpoint-") or not os.path.isdir(named):
+            raise UserError(
+                f"{latest}: names {name!r}, which is not a checkpoint directory in {resume}")
+        return named
     if os.path.isfile(os.path.join(resume, STATE_JSON)):
         return resume
-    names = os.listdir(resume) if os.path.isdir(resume) else []
-    steps = [int(n.removeprefix("checkpoint-")) for n in names
-             if n.startswith("checkpoint-") and n.removeprefix("checkpoint-").isdecimal()
-             and os.path.isfile(os.path.join(resume, n, STATE_JSON))]
+    names = []
+    if os.path.isdir(resume):
+        names = os.listdir(resume)
+    steps = []
+    for n in names:
+        number = n.removeprefix("checkpoint-")
+        if not n.startswith("checkpoint-") or not number.isdecimal():
+            continue
+        if os.path.isfile(os.path.join(resume, n, STATE_JSON)):
+            steps.append(int(number))
     if steps:
         return os.path.join(resume, f"checkpoint-{max(steps)}")
     if os.path.isfile(os.path.join(resume, LOG_JSONL)):
-        raise UserError(f"--resume {resume}: the run there stopped before its first checkpoint, nothing to resume; "
-                        f"start it afresh with --out {resume} (without --resume)")
-    raise UserError(f"--resume {resume}: no {LATEST} and no {STATE_JSON} there (not a training directory)")
+        raise UserError(
+            f"--resume {resume}: the run there stopped before its first checkpoint, nothing to resume; "
+            f"start it afresh with --out {resume} (without --resume)")
+    raise UserError(
+        f"--resume {resume}: no {LATEST} and no {STATE_JSON} there (not a training directory)")
 
 
-def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
-               num_windows: int, world: int = 1, identity: Optional[dict] = None):
+def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
+               args: TrainArgs, num_windows: int, world: int = 1, identity: Optional[dict] = None):
     """AdamW's moments by parameter name; the step, flags and `identity` (digests of what the run reads)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    tensors = {f"{key}.{names[id(p)]}": val if torch.is_tensor(val) else torch.tensor(val)
-               for p, st in opt.state.items() for key, val in st.items()}
+    tensors = {}
+    for p, st in opt.state.items():
+        for key, val in st.items():
+            if not torch.is_tensor(val):
+                val = torch.tensor(val)
+            tensors[f"{key}.{names[id(p)]}"] = val
     save_tensors(os.path.join(out, STATE_TENSORS), tensors, step=step)
-    write_json(os.path.join(out, STATE_JSON), {
-        "step": step, "num_windows": num_windows, "kind": args.kind, "args": asdict(args), "world_size": world,
-        "global_batch": args.batch_size * args.grad_accum * world, **({"identity": identity} if identity else {}),
-        "note": "batch and anchors of step s depend only on (seed, s, global_batch): no RNG state to restore"})
+    meta = {
+        "step": step,
+        "num_windows": num_windows,
+        "kind": args.kind,
+        "args": asdict(args),
+        "world_size": world,
+        "global_batch": args.batch_size * args.grad_accum * world,
+    }
+    if identity:
+        meta["identity"] = identity
+    meta["note"] = ("batch and anchors of step s depend only on (seed, s, global_batch): "
+                    "no RNG state to restore")
+    write_json(os.path.join(out, STATE_JSON), meta)
 
 
 def check_checkpoint(directory: str, step: int):
     from safetensors import safe_open
 
     for f in sorted(os.listdir(directory)):
-        if f.endswith(".safetensors"):
-            path = os.path.join(directory, f)
-            try:
-                with safe_open(path, framework="pt") as st:
-                    saved = (st.metadata() or {}).get("step")
-            except Exception as e:  # noqa: BLE001 - a torn or foreign file
-                raise UserError(f"{path}: cannot read safetensors ({str(e)[:120]})") from None
-            if saved is not None and saved != str(step):
-                raise UserError(f"{path}: written at step {saved}, the training state says {step} (a torn checkpoint)")
+        if not f.endswith(".safetensors"):
+            continue
+        path = os.path.join(directory, f)
+        try:
+            with safe_open(path, framework="pt") as st:
+                metadata = st.metadata() or {}
+            saved = metadata.get("step")
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file
+            reason = str(e)[:120]
+            raise UserError(f"{path}: cannot read safetensors ({reason})") from None
+        if saved is not None and saved != str(step):
+            raise UserError(
+                f"{path}: written at step {saved}, the training state says {step} (a torn checkpoint)")
 
 
 def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = None) -> dict:
     """The saved state, once `args` repeats its flags, kind and global batch."""
-    meta = read_json(os.path.join(directory, STATE_JSON))
-    saved, step = meta.get("args"), meta.get("step")
-    if not isinstance(saved, dict) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise UserError(f"{os.path.join(directory, STATE_JSON)}: 'step' must be a step count and 'args' the saved "
+    state_json = os.path.join(directory, STATE_JSON)
+    meta = read_json(state_json)
+    saved = meta.get("args")
+    step = meta.get("step")
+    step_ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    if not isinstance(saved, dict) or not step_ok:
+        raise UserError(f"{state_json}: 'step' must be a step count and 'args' the saved "
                         f"flags (got step {step!r})")
     if meta.get("kind") != args.kind:
-        raise UserError(f"--resume {directory}: a {meta.get('kind')} training state, not a {args.kind} one")
+        raise UserError(
+            f"--resume {directory}: a {meta.get('kind')} training state, not a {args.kind} one")
     now = asdict(args)
     for k in args.resume_keys:
         if k in saved and saved[k] != now[k]:
-            raise UserError(f"--resume {directory}: --{k.replace('_', '-')} was {saved[k]!r}, now {now[k]!r} "
+            flag = k.replace("_", "-")
+            raise UserError(f"--resume {directory}: --{flag} was {saved[k]!r}, now {now[k]!r} "
                             "(a resumed run must repeat the original flags)")
     g = args.batch_size * args.grad_accum * (world or 1)
-    if world is not None and meta.get("global_batch") != g:
-        raise UserError(f"--resume {directory}: the saved run's global batch is {meta.get('global_batch')} sequences, "
-                        f"now {g} (--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} "
-                        f"process(es))")
+    saved_batch = meta.get("global_batch")
+    if world is not None and saved_batch != g:
+        how = f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} process(es)"
+        raise UserError(f"--resume {directory}: the saved run's global batch is {saved_batch} sequences, "
+                        f"now {g} ({how})")
     return meta
 
 
 def check_identity(directory: str, identity: dict, flags: dict):
     saved = read_json(os.path.join(directory, STATE_JSON)).get("identity")
-    saved = saved if isinstance(saved, dict) else {}
+    if not isinstance(saved, dict):
+        saved = {}
     for what, digest in identity.items():
+        flag = flags[what]
         if what not in saved:
-            raise UserError(f"--resume {directory}: the saved state records no digest of its {what} (written by an "
-                            f"older version), so {flags[what]} cannot be checked against it; start a new run")
+            raise UserError(
+                f"--resume {directory}: the saved state records no digest of its {what} (written by an "
+                f"older version), so {flag} cannot be checked against it; start a new run")
         if saved[what] != digest:
-            raise UserError(f"{flags[what]}: differs from the run's {what} (the one {directory} was trained with; "
-                            f"a resumed run must use the same {what})")
+            raise UserError(
+                f"{flag}: differs from the run's {what} (the one {directory} was trained with; "
+                f"a resumed run must use the same {what})")
 
 
-def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs,
-               num_windows: int, world: int = 1) -> int:
+def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
+               args: TrainArgs, num_windows: int, world: int = 1) -> int:
     """Restores `save_state`'s state; returns its step."""
     meta = check_resume_args(directory, args, world)
     path = os.path.join(directory, STATE_TENSORS)
     check_checkpoint(directory, meta["step"])
-    if meta.get("num_windows") != num_windows:
-        raise UserError(f"--resume {directory}: the data gave {meta.get('num_windows')} sequences, now "
+    saved_windows = meta.get("num_windows")
+    if saved_windows != num_windows:
+        raise UserError(f"--resume {directory}: the data gave {saved_windows} sequences, now "
                         f"{num_windows} (a resumed run must read the same data)")
     if not os.path.isfile(path):
         raise UserError(f"{path}: file not found")
     tensors = read_weights([path], torch.float32, "cpu")  # finite floats, or one line
-    index = {n: i for i, (n, _) in enumerate(module.named_parameters())}
-    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    index = {}
+    shapes = {}
+    for i, (n, p) in enumerate(module.named_parameters()):
+        index[n] = i
+        shapes[n] = tuple(p.shape)
     state = {}
     for key, t in tensors.items():
         kind, _, name = key.partition(".")
         if name not in index:
             raise UserError(f"{path}: optimizer state {key!r} matches no parameter")
         if kind == "step" and t.numel() == 1 and int(t.item()) != meta["step"]:
-            raise UserError(f"{path}: {key} is {int(t.item())}, the state says step {meta['step']} (a torn checkpoint)")
+            raise UserError(
+                f"{path}: {key} is {int(t.item())}, the state says step {meta['step']} (a torn checkpoint)")
         if kind != "step" and tuple(t.shape) != shapes[name]:
             raise UserError(f"{path}: optimizer state {key!r} has shape {list(t.shape)}, the parameter "
                             f"{list(shapes[name])}")
-        state.setdefault(index[name], {})[kind] = t
+        param_state = state.setdefault(index[name], {})
+        param_state[kind] = t
     missing = [n for n, i in index.items() if i not in state]
     if state and missing:
         raise UserError(f"{path}: no optimizer state for parameter {missing[0]!r}")
@@ -304,18 +364,25 @@ def check_out_dir(args: TrainArgs, inputs):
     real = os.path.realpath(out)
     for src in filter(None, inputs):
         inp = os.path.realpath(src)
-        if real == inp or real.startswith(inp.rstrip(os.sep) + os.sep):
-            raise UserError(f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
+        inside = real.startswith(inp.rstrip(os.sep) + os.sep)
+        if real == inp or inside:
+            raise UserError(
+                f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
     if os.path.exists(real) and not os.path.isdir(real):
         raise UserError(f"--out {out}: is a file, not a directory")
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
-    if os.path.isdir(real) and os.listdir(real) and not resuming_here and not unfinished_run(real):
-        raise UserError(f"--out {out}: already holds files (a previous run's?); give a new directory, or continue "
-                        f"that run with --resume {out}")
+    holds_files = os.path.isdir(real) and os.listdir(real)
+    if holds_files and not resuming_here and not unfinished_run(real):
+        raise UserError(
+            f"--out {out}: already holds files (a previous run's?); give a new directory, or continue "
+            f"that run with --resume {out}")
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out}: its parent directory {parent} does not exist or is not writable")
-    folder = real if os.path.isdir(real) else parent
+        raise UserError(
+            f"--out {out}: its parent directory {parent} does not exist or is not writable")
+    folder = parent
+    if os.path.isdir(real):
+        folder = real
     problem = folder_write_problem(folder)  # no probe file: another rank may be listing the folder
     if problem:
         raise UserError(f"--out {out}: cannot write in {folder} ({problem})")
@@ -328,29 +395,41 @@ def folder_write_problem(folder: str) -> Optional[str]:
             return "Read-only file system"
     except OSError as e:
         return e.strerror
-    return None if os.access(folder, os.W_OK | os.X_OK) else "Permission denied"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "Permission denied"
+    return None
 
 
 def unfinished_run(directory: str) -> bool:
     """Stopped before its first checkpoint."""
     names = os.listdir(directory)
-    return (LOG_JSONL in names and LATEST not in names and STATE_JSON not in names
-            and not any(n.startswith("checkpoint-") for n in names))
+    if LOG_JSONL not in names or LATEST in names or STATE_JSON in names:
+        return False
+    return not any(n.startswith("checkpoint-") for n in names)
 
 
 def check_train_args(args: TrainArgs, **ranges: str):
-    check_ranges(args, steps="[1, 100000000]", batch_size="[1, 1000000]", grad_accum="[1, 1000000]",
-                 seq_len="[2, 10485760]", lr="(0, 10]", warmup_frac="[0, 1)", min_lr_frac="[0, 1]",
-                 grad_clip="[0, 1e9]", weight_decay="[0, 10]", init_std="(0, 10]", seed=f"[0, {2**62}]", **ranges,
-                 log_every="[1, inf)", save_every="[0, inf)", stop_at=f"[1, {args.steps}]",
-                 peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]")
+    check_ranges(
+        args, steps="[1, 100000000]", batch_size="[1, 1000000]", grad_accum="[1, 1000000]",
+        seq_len="[2, 10485760]", lr="(0, 10]", warmup_frac="[0, 1)", min_lr_frac="[0, 1]",
+        grad_clip="[0, 1e9]", weight_decay="[0, 10]", init_std="(0, 10]", seed=f"[0, {2**62}]",
+        **ranges,
+        log_every="[1, inf)", save_every="[0, inf)", stop_at=f"[1, {args.steps}]",
+        peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]",
+    )
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
     check_wandb(args)
-    data = args.data if args.data is not None else args.data_ids
+    if args.data is not None:
+        flag = "--data"
+        data = args.data
+    else:
+        flag = "--data-ids"
+        data = args.data_ids
     if not os.path.exists(data):
-        raise UserError(f"--data{'' if args.data is not None else '-ids'} {data}: file or directory not found")
-    check_out_dir(args, inputs=[data, getattr(args, "target", None), getattr(args, "tokenizer", None)])
+        raise UserError(f"{flag} {data}: file or directory not found")
+    inputs = [data, getattr(args, "target", None), getattr(args, "tokenizer", None)]
+    check_out_dir(args, inputs=inputs)
     if args.resume:
         check_resume_args(checkpoint_dir(args.resume), args)
 
@@ -369,58 +448,81 @@ class Run:
 
 def _log_upto(path: str, step: int) -> list[str]:
     out = []
-    for line in open(path) if os.path.isfile(path) else []:
+    if not os.path.isfile(path):
+        return out
+    for line in open(path):
         with contextlib.suppress(ValueError, KeyError, TypeError):
             if json.loads(line)["step"] <= step and line.endswith("\n"):
                 out.append(line)
     return out
 
 
-def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save, run: Run, dtype,
-             num_rows: int, flops: Optional[float] = None, evaluate=None, banner: str = "") -> dict:
+def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save,
+             run: Run, dtype, num_rows: int, flops: Optional[float] = None, evaluate=None,
+             banner: str = "") -> dict:
     """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`."""
-    module, dev = step_module.model, run.device
+    module = step_module.model
+    dev = run.device
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    start = load_state(checkpoint_dir(args.resume), module, opt, args, num_rows, run.world) if args.resume else 0
+    start = 0
+    if args.resume:
+        start = load_state(checkpoint_dir(args.resume), module, opt, args, num_rows, run.world)
     end = args.stop_at or args.steps
     if start >= end:
-        raise UserError(f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
+        raise UserError(
+            f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
     if banner and run.rank == 0:
         print(banner, file=sys.stderr)
     ddp = step_module
-    if run.world > 1:  # gradients averaged over ranks: each rank's loss share is scaled by the world size
-        ddp = torch.nn.parallel.DistributedDataParallel(step_module, device_ids=[dev] if dev.startswith("cuda") else None)
+    # gradients averaged over ranks: each rank's loss share is scaled by the world size
+    if run.world > 1:
+        device_ids = None
+        if dev.startswith("cuda"):
+            device_ids = [dev]
+        ddp = torch.nn.parallel.DistributedDataParallel(step_module, device_ids=device_ids)
     main = run.rank == 0
     from tqdm import tqdm
 
     shown = runlog.show(args.progress and main)
-    bar = tqdm(total=end, initial=start, file=sys.stderr, disable=shown != "bar", dynamic_ncols=True)
+    no_bar = shown != "bar"
+    bar = tqdm(total=end, initial=start, file=sys.stderr, disable=no_bar, dynamic_ncols=True)
     lines = None
-    if shown == "lines":  # off a terminal: a line every 15 s, so a two-minute run shows how it goes
+    # off a terminal: a line every 15 s, so a two-minute run shows how it goes
+    if shown == "lines":
         lines = runlog.Lines(every=15.0)
     if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
-        here = args.resume is not None and os.path.realpath(args.resume) == os.path.realpath(args.out)
+        real_out = os.path.realpath(args.out)
+        here = args.resume is not None and os.path.realpath(args.resume) == real_out
         if not here and os.path.exists(path):
             print(f"--out {args.out}: a run that stopped before its first checkpoint left its log there; "
                   "starting afresh", file=sys.stderr)
-        atomic_write(path, "".join(_log_upto(path, start) if here else []))
+        kept_lines = []
+        if here:
+            kept_lines = _log_upto(path, start)
+        atomic_write(path, "".join(kept_lines))
         log = open(path, "a")
     tokens_per_step = args.batch_size * args.grad_accum * run.world * args.seq_len
-    peak = (args.peak_tflops or peak_tflops(dev) or 0) * 1e12
+    peak_tf = args.peak_tflops or peak_tflops(dev) or 0
+    peak = peak_tf * 1e12
     eval_every = getattr(args, "eval_every", 0)
-    losses, times, speed = [], [], {}
+    losses = []
+    times = []
+    speed = {}
 
     def checkpoint(step):
         if main:
             publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
             if args.wandb_artifacts:
-                files = [os.path.join(args.out, f) for f in sorted(os.listdir(args.out))
-                         if f.endswith((".json", ".safetensors"))]
-                run.wandb.artifact("checkpoint", "model", files, metadata={"step": step},
-                                   aliases=[f"step-{step}", "latest"])
+                files = []
+                for f in sorted(os.listdir(args.out)):
+                    if f.endswith((".json", ".safetensors")):
+                        files.append(os.path.join(args.out, f))
+                aliases = [f"step-{step}", "latest"]
+                metadata = {"step": step}
+                run.wandb.artifact("checkpoint", "model", files, metadata=metadata, aliases=aliases)
         run.barrier()  # every rank may read it next
         if evaluate is not None and eval_every and step % eval_every == 0:
             found = evaluate(step)
@@ -434,55 +536,90 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        sums, parts = None, micro_batches(step)
+        sums = None
+        parts = micro_batches(step)
         for m, mb in enumerate(parts):
-            sync = run.world == 1 or m == len(parts) - 1  # all-reduce the gradients once, after the last
-            with contextlib.nullcontext() if sync else ddp.no_sync():
-                with torch.autocast(dev.split(":")[0], dtype) if dtype != torch.float32 else contextlib.nullcontext():
+            # all-reduce the gradients once, after the last
+            sync = run.world == 1 or m == len(parts) - 1
+            gradient_sync = contextlib.nullcontext()
+            if not sync:
+                gradient_sync = ddp.no_sync()
+            precision = contextlib.nullcontext()
+            if dtype != torch.float32:
+                precision = torch.autocast(dev.split(":")[0], dtype)
+            with gradient_sync:
+                with precision:
                     share, s = ddp(**mb)
                 (share * run.world).backward()
-            sums = s if sums is None else sums + s
+            if sums is None:
+                sums = s
+            else:
+                sums = sums + s
         if run.world > 1:
             torch.distributed.all_reduce(sums)
         metrics = summarize(sums.double().cpu())
-        if not math.isfinite(metrics["loss"]):  # every rank sees the same sums: all stop here
-            raise UserError(f"step {step + 1}: the loss is {metrics['loss']} (not finite); stopped before the optimizer "
-                            f"step — the last complete checkpoint in {args.out} is kept")
-        gnorm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        loss = metrics["loss"]
+        if not math.isfinite(loss):  # every rank sees the same sums: all stop here
+            raise UserError(
+                f"step {step + 1}: the loss is {loss} (not finite); stopped before the optimizer "
+                f"step — the last complete checkpoint in {args.out} is kept")
+        max_norm = float("inf")
+        if args.grad_clip > 0:
+            max_norm = args.grad_clip
+        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
-        losses.append(metrics["loss"])
+        losses.append(loss)
         times.append(time.perf_counter() - t_step)
-        dt = sum(times[-SPEED_WINDOW:]) / len(times[-SPEED_WINDOW:])  # tokens/s: this one figure, everywhere
-        speed = {"tokens_per_second": tokens_per_step / dt, "eta_seconds": dt * (end - step - 1)}
+        recent = times[-SPEED_WINDOW:]
+        dt = sum(recent) / len(recent)  # tokens/s: this one figure, everywhere
+        tokens_per_second = tokens_per_step / dt
+        speed = {"tokens_per_second": tokens_per_second, "eta_seconds": dt * (end - step - 1)}
         if flops is not None and peak:
             speed["mfu"] = flops / dt / (peak * run.world)
-        shown_mfu = f", MFU {speed['mfu']:.1%}" if "mfu" in speed else ""
+        done = step + 1
+        # the bar's figures: loss, tau and ppl, tokens/s, MFU
+        postfix = {"loss": f"{loss:.4f}"}
+        for k, v in metrics.items():
+            if k in ("tau", "ppl"):
+                postfix[k] = f"{v:.3f}"
+        postfix["tok_s"] = f"{tokens_per_second:,.0f}"
+        shown_mfu = ""
+        if "mfu" in speed:
+            postfix["mfu"] = f"{speed['mfu']:.1%}"
+            shown_mfu = f", MFU {speed['mfu']:.1%}"
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}", **{k: f"{v:.3f}" for k, v in metrics.items() if k in ("tau", "ppl")},
-                        tok_s=f"{speed['tokens_per_second']:,.0f}",
-                        **({"mfu": f"{speed['mfu']:.1%}"} if "mfu" in speed else {}))
+        bar.set_postfix(**postfix)
         if lines is not None:
-            lines.say(f"step {step + 1}/{end}: loss {metrics['loss']:.4f}, {speed['tokens_per_second']:,.0f} tokens/s"
-                      f"{shown_mfu}, {speed['eta_seconds'] / 60:.1f} min to go", final=step + 1 == end)
+            minutes_left = speed["eta_seconds"] / 60
+            lines.say(f"step {done}/{end}: loss {loss:.4f}, {tokens_per_second:,.0f} tokens/s"
+                      f"{shown_mfu}, {minutes_left:.1f} min to go", final=done == end)
         record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
         if main:
-            log.write(json.dumps({"step": step + 1, **record}) + "\n")
+            log.write(json.dumps({"step": done, **record}) + "\n")
             log.flush()
-        if run.wandb is not None and ((step + 1) % args.log_every == 0 or step + 1 == end):
-            run.wandb.log(record, step=step + 1)
-        if step + 1 != end and ((args.save_every and (step + 1) % args.save_every == 0)
-                                or (eval_every and (step + 1) % eval_every == 0)):
-            checkpoint(step + 1)
+        if run.wandb is not None and (done % args.log_every == 0 or done == end):
+            run.wandb.log(record, step=done)
+        save_due = args.save_every and done % args.save_every == 0
+        eval_due = eval_every and done % eval_every == 0
+        if done != end and (save_due or eval_due):
+            checkpoint(done)
     bar.close()
     if main:
         log.close()
     module.eval()
     checkpoint(end)
     if main:
-        print(f"step {end}: loss {losses[-1]:.4f}, {speed['tokens_per_second']:,.0f} tokens/s over the last "
-              f"{min(len(times), SPEED_WINDOW)} steps ({run.world} process(es)), {args.kind} written to {args.out}")
-    return {"start": start, "step": end, "losses": losses, "step_seconds": times,
-            "tokens_per_second": speed["tokens_per_second"]}
+        window = min(len(times), SPEED_WINDOW)
+        tokens_per_second = speed["tokens_per_second"]
+        print(f"step {end}: loss {losses[-1]:.4f}, {tokens_per_second:,.0f} tokens/s over the last "
+              f"{window} steps ({run.world} process(es)), {args.kind} written to {args.out}")
+    return {
+        "start": start,
+        "step": end,
+        "losses": losses,
+        "step_seconds": times,
+        "tokens_per_second": speed["tokens_per_second"],
+    }
 
 
 def train_main(args_class, run_fn, argv: Optional[list[str]] = None) -> int:
