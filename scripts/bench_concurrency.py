@@ -9,7 +9,7 @@
 For every concurrency c, c x --requests-per-slot requests (the demo pair's 20 held-out code prompts,
 or --prompts-file, cycled) stream through c rows — continuous batching: a finished request's row
 takes the next waiting one — autoregressively and under each verification scheduler (--schedulers;
---threshold for the threshold one), greedy by default. All modes run the same executor — the round's
+--confidence-threshold for the threshold one), greedy by default. All modes run the same executor — the round's
 two halves with ragged verification, which also skips rows left free when the workload drains — so
 only the schedule differs between them. Each engine gets an untimed warm-up; the hardware and async
 schedulers' SPS(B) is profiled once per c, by each engine's own round (its seconds reported apart),
@@ -21,7 +21,9 @@ round) and total tokens/s ÷ the none scheduler's — and with --sps-synthetic t
 the rounds' tokens over their times as the synthetic curve prices them. Greedy outputs must be
 identical under every scheduler and autoregressively (lossless); a difference raises. A markdown
 table goes to stdout, --out writes JSON, --plot a PNG or SVG (plots.py). The demo pair is used
-unless --target/--drafter are given; on cpu the engines run eagerly unless --compile is given.
+unless --target/--drafter are given; on cpu the engines run eagerly unless --compile is given. The
+decode and machine flags are every program's (support.flags.Settings, Machine); a decode setting this
+benchmark does not read (--scheduler, --batch-size, --top-k, ...) is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
 import torch
@@ -42,20 +44,24 @@ from bench import timed_generate  # noqa: E402
 
 from scheduler import KINDS, SPS_KINDS, profile_sps  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
-from support import plots  # noqa: E402
+from support import flags, plots  # noqa: E402
 from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (
-    AutoBool,
     UserError,
     check_ranges,
     cli_main,
     device_name,
+    flag,
+    flat,
+    flat_fields,
     parse_ints,
     resolve_device,
     resolve_dtype,
+    set_threads,
+    use_compile_cache,
 )
 from support.files import check_outputs, write_json  # noqa: E402
-from support.flags import CompileMode  # noqa: E402
+from support.flags import Machine, Settings  # noqa: E402
 from support.text import check_prompts, load_prompts  # noqa: E402
 
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
@@ -81,34 +87,20 @@ class ConcurrencyArgs:
     more past every edge (B = 17, 33, ...), like kernels that work in 16-token tiles. The table then
     adds the modelled tokens/s: the rounds' tokens ÷ the sum of their synthetic times (prefill is
     not modelled)."""
-    threshold: float = 0.8
-    """The confidence threshold of the threshold scheduler, in (0, 1] (the demo drafter's first-draft
-    confidences sit mostly above 0.8, so 0.5 would cut almost nothing)."""
+    # 64 new tokens a request, greedy (every scheduler's output is checked equal), and θ 0.8 for the
+    # threshold scheduler: the demo drafter's first-draft confidences sit mostly above 0.8, so 0.5
+    # would cut almost nothing. --confidence-threshold must be in (0, 1] here.
+    decode: flat(Settings) = field(default_factory=lambda: Settings(max_new_tokens=64, temperature=0.0,
+                                                                    confidence_threshold=0.8))
+    machine: flat(Machine) = field(default_factory=Machine)
     requests_per_slot: int = 3
     """c x this many requests stream through the c rows (continuous batching: a finished request's
     row takes the next one), so one slow request does not idle the rest."""
     prompts_file: Optional[str] = None
     """JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]}, cycled to fill each
     batch (default: the demo pair's 20 held-out code prompts, demo/heldout.jsonl)."""
-    max_new_tokens: int = 64
-    """Tokens generated per request."""
-    temperature: float = 0.0
-    """0 = greedy (every scheduler's output is checked equal); above 0, sampled."""
     repeats: int = 3
     """Timed runs per mode and concurrency, interleaved in rotating order; the median is reported."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where to run."""
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
-    """Default: bfloat16 on cuda, float32 on cpu."""
-    compile: AutoBool = None
-    """torch.compile the rounds. Default: on for cuda, off for cpu, where a graph per concurrency and
-    verify bucket would take longer to compile than to run."""
-    compile_mode: Optional[CompileMode] = None
-    """torch.compile mode (default: speculate.compiled's recipe)."""
-    threads: Optional[int] = None
-    """torch threads on cpu (default: torch's own)."""
-    seed: int = 0
-    """Seed of the sampling generator."""
     out: Optional[str] = None
     """Write the results as JSON here."""
     plot: Optional[str] = None
@@ -137,6 +129,48 @@ def recording(engine, sizes: list):
     engine.verify_fn = verify_fn
 
 
+# The decode settings this benchmark reads; any other given would change nothing here (every
+# scheduler of --schedulers is timed at every --concurrency), so it is refused rather than ignored.
+READ = ("max_new_tokens", "temperature", "seed", "compile", "compile_mode", "confidence_threshold")
+# Settings whose part one of this benchmark's own flags plays, and what to give instead.
+OWN_FLAG = {
+    "scheduler": "bench_concurrency.py times every scheduler of --schedulers (e.g. --schedulers threshold)",
+    "batch_size": "bench_concurrency.py decodes --concurrency requests together (e.g. --concurrency 8)",
+}
+
+
+def check_settings(args: ConcurrencyArgs) -> Settings:
+    """The decode and machine flags alone, checked as every program checks them; returns the settings
+    with --compile resolved."""
+    default = Settings()
+    for f in fields(Settings):
+        given = getattr(args.decode, f.name)
+        if f.name in READ or given == getattr(default, f.name):
+            continue
+        if f.name in OWN_FLAG:
+            raise UserError(f"{flag(f.name)}: {OWN_FLAG[f.name]}")
+        read = ", ".join(flag(name) for name in READ)
+        raise UserError(f"{flag(f.name)}: bench_concurrency.py decodes with {read} only; it would change "
+                        f"nothing here")
+    if args.decode.temperature is None:  # (other programs read the target's generation_config.json)
+        raise UserError("--temperature None: give a temperature (0: greedy)")
+    s = flags.check_settings(args.decode, args.machine.device)
+    flags.check_machine(args.machine, s.compile)
+    # The threshold scheduler's θ: at 0 it would verify every draft, the none scheduler's schedule.
+    check_ranges(s, confidence_threshold="(0, 1]")
+    return s
+
+
+def recorded_flags(args: ConcurrencyArgs) -> dict:
+    """The flags as given, one key each (the --out file's config): the decode settings this benchmark
+    does not read are left out, as a --batch-size or --scheduler there would misdescribe the run."""
+    config = flat_fields(args)
+    for f in fields(Settings):
+        if f.name not in READ:
+            del config[f.name]
+    return config
+
+
 def run(args: ConcurrencyArgs) -> list[dict]:
     """Total and per-request tokens/s against concurrency for every scheduler (and autoregressive)."""
     levels = sorted(parse_ints(args.concurrency, "--concurrency", positive=True, distinct=True))
@@ -146,10 +180,8 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     if args.sps_synthetic and not set(schedulers) & set(SPS_KINDS):
         raise UserError(f"--sps-synthetic {args.sps_synthetic}: only the hardware and async schedulers read SPS(B), "
                         f"and --schedulers has neither")
-    check_ranges(args, threshold="(0, 1]", repeats="[1, 1000]", requests_per_slot="[1, 100000]",
-                 max_new_tokens="[1, 10485760]", temperature="[0, 10000]", threads="[1, 4096]", seed=f"[0, {2**62}]")
-    if args.compile_mode is not None and not (args.compile if args.compile is not None else args.device == "cuda"):
-        raise UserError(f"--compile-mode {args.compile_mode}: only used with --compile (the run is eager)")
+    s = check_settings(args)
+    check_ranges(args, repeats="[1, 1000]", requests_per_slot="[1, 100000]")
     demo = args.target is None and args.drafter is None
     prompts_file = args.prompts_file or (HELDOUT if demo else None)
     check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, prompts_file])
@@ -165,38 +197,39 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         raise UserError(f"{prompts_file}: prompts file not found")
     target_dir, drafter_dir = resolve_checkpoint(target_dir, "--target"), resolve_checkpoint(drafter_dir, "--drafter")
     check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[target_dir, drafter_dir])  # hub ids' snapshots
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dev = resolve_device(args.device)
-    compile = args.compile if args.compile is not None else dev.startswith("cuda")
-    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.dtype)
+    if s.compile:
+        use_compile_cache(args.machine.compile_cache)
+    set_threads(args.machine.threads)  # its line is not printed: the header's hardware names the threads
+    dev = resolve_device(args.machine.device)
+    dtype = resolve_dtype(args.machine.dtype, dev)
+    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype)
     target, drafter = m.target, m.drafter
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
     sources = []
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)
-    check_prompts(prompts, target, args.max_new_tokens, sources=sources, drafter=drafter)
+    check_prompts(prompts, target, s.max_new_tokens, sources=sources, drafter=drafter)
     modes = ["autoregressive"] + schedulers
-    hw, greedy = device_name(dev), args.temperature == 0
-    print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {resolve_dtype(args.dtype, dev)}, {hw}, "
-          f"torch {torch.__version__}, compile={compile}; {len(prompts)} prompts cycled, {args.max_new_tokens} "
-          f"new tokens each, {'greedy' if greedy else f'temperature {args.temperature}'}, threshold "
-          f"{args.threshold}, median of {args.repeats}"
+    hw, greedy = device_name(dev), s.temperature == 0
+    print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {dtype}, {hw}, "
+          f"torch {torch.__version__}, compile={s.compile}; {len(prompts)} prompts cycled, {s.max_new_tokens} "
+          f"new tokens each, {'greedy' if greedy else f'temperature {s.temperature}'}, threshold "
+          f"{s.confidence_threshold}, median of {args.repeats}"
           + (f", SPS(B) synthetic: {args.sps_synthetic}" if args.sps_synthetic else ""), flush=True)
 
     rows, sps_tables = [], {}
     for c in levels:
         batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]  # the workload
-        max_seq = cache_length(max(len(p) for p in batch), args.max_new_tokens, drafter)
+        max_seq = cache_length(max(len(p) for p in batch), s.max_new_tokens, drafter)
         # Building an engine (re)allocates the target's and drafter's caches, which every engine
         # shares: so all of one concurrency's engines are built first, with one cache length, and
         # only then compiled or run — they all use the last allocation.
         engines = {mode: Engine(target, None if mode == "autoregressive" else drafter, batch_size=c, max_seq=max_seq,
-                                temperature=args.temperature, seed=args.seed, stop_ids=m.stop_ids,
+                                temperature=s.temperature, seed=s.seed, stop_ids=m.stop_ids,
                                 scheduler="none" if mode == "autoregressive" else mode,
-                                threshold=args.threshold if mode == "threshold" else 0.0,
-                                ragged=True, compile=compile, compile_mode=args.compile_mode)  # one executor for all
+                                threshold=s.confidence_threshold if mode == "threshold" else 0.0,
+                                ragged=True, compile=s.compile, compile_mode=s.compile_mode)  # one executor for all
                    for mode in modes}
-        if compile:
+        if s.compile:
             for e in engines.values():
                 e.warmup()
         profile_seconds, curve = {}, cliffs_sps(c * (drafter.cfg.num_drafts + 1)) if args.sps_synthetic else None
@@ -216,7 +249,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         for mode in modes:
             recording(engines[mode], sizes[mode])
         for e in engines.values():  # untimed: settle allocators and caches, as bench.side_engine does
-            e.generate([Request(i, p) for i, p in enumerate(batch[:c])], min(args.max_new_tokens, 8))
+            e.generate([Request(i, p) for i, p in enumerate(batch[:c])], min(s.max_new_tokens, 8))
         runs = {mode: [] for mode in modes}
         for rep in range(args.repeats):
             # Interleaved, and the order rotated each repeat, so a slow spell on a shared machine
@@ -224,7 +257,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
             k = rep % len(modes)
             for mode in modes[k:] + modes[:k]:
                 sizes[mode].clear()
-                runs[mode].append(timed_generate(engines[mode], batch, args.max_new_tokens))
+                runs[mode].append(timed_generate(engines[mode], batch, s.max_new_tokens))
                 if curve is not None:  # the rounds' tokens (not the prefill's) over their synthetic time
                     runs[mode][-1]["modelled_tokens_per_second"] = \
                         (runs[mode][-1]["tokens"] - len(batch)) / sum(1 / curve[n] for n in sizes[mode])
@@ -259,8 +292,9 @@ def run(args: ConcurrencyArgs) -> list[dict]:
 
     print(table_markdown(rows))
     if args.out:
+        config = recorded_flags(args)
         write_json(args.out, {
-            "config": asdict(args), "hardware": hw, "torch": torch.__version__, "drafter": drafter.cfg.describe(),
+            "config": config, "hardware": hw, "torch": torch.__version__, "drafter": drafter.cfg.describe(),
             "prompts": len(prompts), "sps": sps_tables, "sps_synthetic": args.sps_synthetic, "rows": rows,
             "timing": "total tokens/s = all requests' tokens / (prefill + decode wall seconds); per-request "
                       "tokens/s = mean of a request's tokens / seconds from its admission to its last token; "

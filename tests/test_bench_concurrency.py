@@ -34,6 +34,12 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     assert all(CONCURRENCY_FIELDS <= set(r) for r in rows)
     assert set(result["sps"]) == {"1", "2"} and set(result["sps"]["2"]) == {"hardware", "async"}
     assert result["prompts"] == 20 and result["sps_synthetic"] is None
+    # The config records the flags this benchmark reads, by their names (θ as --confidence-threshold), not the
+    # decode settings it refuses.
+    config = result["config"]
+    assert config["confidence_threshold"] == 0.8 and config["max_new_tokens"] == 12 and config["temperature"] == 0.0
+    assert {"device", "dtype", "threads", "compile", "compile_mode", "seed", "concurrency"} <= set(config)
+    assert not {"threshold", "scheduler", "batch_size", "top_k"} & set(config)
     for r in rows:
         c = r["concurrency"]
         assert r["outputs_agree"] is True  # greedy: bench raises if any scheduler's tokens differ
@@ -121,7 +127,15 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--concurrency", "0"], "--concurrency: '0' must be"),
     (["--concurrency", "2", "--schedulers", "none,fast"], "--schedulers"),
     (["--concurrency", "2", "--schedulers", "none,threshold", "--sps-synthetic", "cliffs"], "--sps-synthetic"),
-    (["--concurrency", "2", "--threshold", "0"], "--threshold: invalid"),
+    (["--concurrency", "2", "--confidence-threshold", "0"], "--confidence-threshold: invalid"),
+    (["--concurrency", "2", "--confidence-threshold", "1.5"], "--confidence-threshold: invalid"),
+    (["--concurrency", "2", "--scheduler", "async"], "--scheduler: bench_concurrency.py times every scheduler of "
+                                                     "--schedulers"),
+    (["--concurrency", "2", "--batch-size", "8"], "--batch-size: bench_concurrency.py decodes --concurrency"),
+    (["--concurrency", "2", "--top-k", "5"], "--top-k: bench_concurrency.py decodes with --max-new-tokens"),
+    (["--concurrency", "2", "--temperature", "None"], "--temperature None"),
+    (["--concurrency", "2", "--threads", "0"], "--threads: invalid"),
+    (["--concurrency", "2", "--compile-cache", "c"], "--compile-cache: only used with --compile"),
     (["--concurrency", "2", "--repeats", "0"], "--repeats: invalid"),
     (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),
     (["--concurrency", "2", "--plot", "c.pdf"], "--plot c.pdf"),
