@@ -87,6 +87,40 @@ def prompt_files(paths: str) -> list[str]:
     return [p for p in paths.split(",") if p.strip()]
 
 
+def conversation_messages(obj, where: str) -> Optional[list[dict]]:
+    """A record's system and user messages (None: no form it takes is recognized)."""
+    if not isinstance(obj, dict):
+        return None
+    turns = obj.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        return [{"role": "user", "content": t} for t in turns]
+    if isinstance(obj.get("prompt"), str):
+        return [{"role": "user", "content": obj["prompt"]}]
+    raw = obj.get("messages", obj.get("conversations"))
+    if not isinstance(raw, list):
+        return None
+    for m in raw:
+        well_formed = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        if not well_formed:
+            raise UserError(f"{where}: messages must be {{\"role\": system/user/assistant, \"content\": str}}")
+    return [{"role": m["role"], "content": m["content"]} for m in raw if m["role"] != "assistant"]
+
+
+def user_turns(msgs: list[dict]) -> int:
+    return sum(m["role"] == "user" for m in msgs)
+
+
+def check_messages(msgs: Optional[list[dict]], where: str):
+    """A user turn at least, no empty one, and text the tokenizer takes."""
+    if not msgs or not any(m["role"] == "user" for m in msgs):
+        raise UserError(f"{where}: expected {{\"turns\": [str]}}, {{\"prompt\": str}} or "
+                        "{\"messages\": [...]} with a user turn")
+    for m in msgs:
+        check_text(m["content"], where)
+        if m["role"] == "user" and not m["content"].strip():
+            raise UserError(f"{where}: empty user turn")
+
+
 def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dict], int]]:
     """(source "file:line" by the real path, id, system and user messages, user turns) of each record."""
     out = []
@@ -95,26 +129,10 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
             raise UserError(f"--prompts {path}: file not found")
         real = os.path.realpath(path)
         for where, obj in read_jsonl(path):
-            msgs = None
-            if isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"] \
-                    and all(isinstance(t, str) for t in obj["turns"]):
-                msgs = [{"role": "user", "content": t} for t in obj["turns"]]
-            elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                msgs = [{"role": "user", "content": obj["prompt"]}]
-            elif isinstance(obj, dict) and isinstance(obj.get("messages", obj.get("conversations")), list):
-                raw = obj.get("messages", obj.get("conversations"))
-                if not all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-                           for m in raw):
-                    raise UserError(f"{where}: messages must be {{\"role\": system/user/assistant, \"content\": str}}")
-                msgs = [{"role": m["role"], "content": m["content"]} for m in raw if m["role"] != "assistant"]
-            if not msgs or not any(m["role"] == "user" for m in msgs):
-                raise UserError(f"{where}: expected {{\"turns\": [str]}}, {{\"prompt\": str}} or {{\"messages\": [...]}} "
-                                "with a user turn")
-            for m in msgs:
-                check_text(m["content"], where)
-                if m["role"] == "user" and not m["content"].strip():
-                    raise UserError(f"{where}: empty user turn")
-            out.append((real + where[len(path):], obj.get("id"), msgs, sum(m["role"] == "user" for m in msgs)))
+            msgs = conversation_messages(obj, where)
+            check_messages(msgs, where)
+            source = real + where[len(path):]
+            out.append((source, obj.get("id"), msgs, user_turns(msgs)))
     if not out:
         raise UserError(f"--prompts {paths}: no prompts")
     return out
@@ -129,10 +147,18 @@ def model_files(directory: Optional[str], flag: str) -> Optional[dict]:
     files = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        if (name in HUB_META_FILES or name.endswith(".safetensors")) and os.path.isfile(path):
+        read_by_a_run = name in HUB_META_FILES or name.endswith(".safetensors")
+        if read_by_a_run and os.path.isfile(path):
             st = os.stat(path)
             files[name] = [st.st_size, st.st_mtime_ns]
     return files
+
+
+def real_path(directory: Optional[str]) -> Optional[str]:
+    """./m and /abs/m agree."""
+    if directory is None:
+        return None
+    return os.path.realpath(directory)
 
 
 def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: Optional[str]) -> dict:
@@ -140,42 +166,70 @@ def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: 
     digest = hashlib.sha256()
     for where, cid, msgs, _ in convs:
         digest.update(json.dumps([where, cid, msgs]).encode() + b"\n")
-    real = lambda d: os.path.realpath(d) if d is not None else None  # noqa: E731  (./m and /abs/m agree)
-    return {"--target": real(target_dir), "--drafter": real(drafter_dir),
-            "--prompts": ",".join(map(real, prompt_files(args.prompts))),
-            "--dtype": args.dtype,
-            "--max-prompts": args.max_prompts, "--num-shards": args.num_shards, "--shard-index": args.shard_index,
-            "--max-context": args.max_context, "--max-new-tokens": args.max_new_tokens,
-            "--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p, "--min-p": args.min_p,
-            "--seed": args.seed, "--target files": model_files(target_dir, "--target"),
-            "--drafter files": model_files(drafter_dir, "--drafter"), "--prompts records": digest.hexdigest()}
+    prompts = ",".join(map(real_path, prompt_files(args.prompts)))
+    return {
+        "--target": real_path(target_dir),
+        "--drafter": real_path(drafter_dir),
+        "--prompts": prompts,
+        "--dtype": args.dtype,
+        "--max-prompts": args.max_prompts,
+        "--num-shards": args.num_shards,
+        "--shard-index": args.shard_index,
+        "--max-context": args.max_context,
+        "--max-new-tokens": args.max_new_tokens,
+        "--temperature": args.temperature,
+        "--top-k": args.top_k,
+        "--top-p": args.top_p,
+        "--min-p": args.min_p,
+        "--seed": args.seed,
+        "--target files": model_files(target_dir, "--target"),
+        "--drafter files": model_files(drafter_dir, "--drafter"),
+        "--prompts records": digest.hexdigest(),
+    }
 
 
-def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list) -> tuple[int, int, int, int]:
-    """(records kept, their bytes (a torn last line cut off), conversations done, dropped)."""
-    saved = read_json(done_path)
-    if not (isinstance(saved.get("resume_key"), dict) and isinstance(saved.get("consumed"), int)
-            and isinstance(saved.get("dropped"), int)):
+def shown(value) -> str:
+    """A flag's value in a message; None as "(not given)"."""
+    if value is None:
+        return "(not given)"
+    return f"{value}"
+
+
+def check_resume_file(saved: dict, partial: str, done_path: str):
+    """The resume file is regenerate.py's: a resume key and two counts."""
+    well_formed = isinstance(saved.get("resume_key"), dict)
+    well_formed = well_formed and isinstance(saved.get("consumed"), int)
+    well_formed = well_formed and isinstance(saved.get("dropped"), int)
+    if not well_formed:
         raise UserError(f"{done_path}: not a resume file of regenerate.py; remove it and {partial} to start over")
+
+
+def check_same_flags(saved_key: dict, key: dict, partial: str, args: Args):
+    """Every flag (and file or record digest) the records depend on is as when OUT.partial was started."""
     for name, value in key.items():
-        if name not in saved["resume_key"] or saved["resume_key"][name] != value:
-            flag, _, what = name.partition(" ")
-            now = getattr(args, flag[2:].replace("-", "_"))
-            if what:
-                raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; restore them, or "
-                                f"remove {partial} to start over")
-            then, now = saved["resume_key"].get(name), value
-            raise UserError(f"{flag} {'(not given)' if now is None else now}: {partial} was started with {flag} "
-                            f"{'(not given)' if then is None else then}; resume with the same {flag}, or remove "
-                            f"{partial} to start over")
-    if not 0 <= saved["consumed"] <= len(mine):
-        raise UserError(f"{done_path}: counts {saved['consumed']} conversations done of this run's {len(mine)}; "
-                        f"remove it and {partial} to start over")
-    position = {where: k for k, (_, (where, *_)) in enumerate(mine)}
-    kept, size, last = 0, 0, -1
+        if name in saved_key and saved_key[name] == value:
+            continue
+        flag, _, what = name.partition(" ")
+        now = getattr(args, flag[2:].replace("-", "_"))
+        if what:
+            raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; restore them, or "
+                            f"remove {partial} to start over")
+        then = saved_key.get(name)
+        raise UserError(f"{flag} {shown(value)}: {partial} was started with {flag} {shown(then)}; resume with "
+                        f"the same {flag}, or remove {partial} to start over")
+
+
+def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
+    """(whole records, their bytes, the position in `mine` of the last one's conversation or -1)."""
+    position = {}
+    for k, (_, (where, *_)) in enumerate(mine):
+        position[where] = k
+    kept = 0
+    size = 0
+    last = -1
     with open(partial, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
+            if not line.endswith(b"\n"):  # torn by the kill: cut off
                 break
             try:
                 source = json.loads(line).get("source")
@@ -184,45 +238,68 @@ def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list
             if not isinstance(source, str) or position.get(source, -1) <= last:
                 raise UserError(f"{partial}:{lineno}: not a record of this run's next conversation (source "
                                 f"{source!r}); remove {partial} to start over")
-            kept, size, last = kept + 1, size + len(line), position[source]
-    return kept, size, max(saved["consumed"], last + 1), saved["dropped"]
+            kept += 1
+            size += len(line)
+            last = position[source]
+    return kept, size, last
 
 
-def run(args: Args) -> dict:
-    """Everything `python scripts/regenerate.py` does; returns counts."""
-    device = resolve_device(args.device)
+def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list) -> tuple[int, int, int, int]:
+    """(records kept, their bytes (a torn last line cut off), conversations done, dropped)."""
+    saved = read_json(done_path)
+    check_resume_file(saved, partial, done_path)
+    check_same_flags(saved["resume_key"], key, partial, args)
+    consumed = saved["consumed"]
+    if not 0 <= consumed <= len(mine):
+        raise UserError(f"{done_path}: counts {consumed} conversations done of this run's {len(mine)}; "
+                        f"remove it and {partial} to start over")
+    kept, size, last = kept_records(partial, mine)
+    return kept, size, max(consumed, last + 1), saved["dropped"]
+
+
+# run()'s steps, in order
+
+def checked_settings(args: Args, device) -> Settings:
+    """The decoding settings and the flags' ranges, checked; the required flags given."""
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p, seed=args.seed, batch_size=args.batch_size,
                         compile=args.compile)
     settings = flags.check_settings(settings, device)
-    check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)", num_shards="[1, inf)",
-                 shard_index=f"[0, {args.num_shards - 1}]")
+    check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)",
+                 num_shards="[1, inf)", shard_index=f"[0, {args.num_shards - 1}]")
     for flag in ("target", "prompts", "out"):
         if getattr(args, flag) is None:
             raise UserError(f"--{flag}: not given")
     check_writable(args.out, "--out")
+    return settings
+
+
+def this_shards_conversations(args: Args) -> tuple[list, list]:
+    """(the conversations of every shard, (index, conversation) of this shard's)."""
     convs = read_conversations(args.prompts)[:args.max_prompts]
-    mine = [(i, c) for i, c in enumerate(convs) if i % args.num_shards == args.shard_index]
+    mine = []
+    for i, c in enumerate(convs):
+        if i % args.num_shards == args.shard_index:
+            mine.append((i, c))
     if any(n > TURN_STRIDE for *_, n in convs):
         raise UserError(f"--prompts: a conversation has more than {TURN_STRIDE} user turns")
-    target_dir, drafter_dir = resolve_checkpoint(args.target, "--target"), resolve_checkpoint(args.drafter, "--drafter")
-    out_file = os.path.realpath(args.out)  # a link: OUT.partial(.json) go beside the file it names
-    partial, done_path = out_file + ".partial", out_file + ".partial.json"
-    check_outputs({"--out": args.out, "--out (its partial file)": partial, "--out (its resume file)": done_path},
-                  inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])
-    key = resume_key(args, convs, target_dir, drafter_dir)
-    if os.path.isfile(partial) and os.path.getsize(partial) > 0:
-        if not args.resume:
-            raise UserError(f"{partial}: holds an earlier run's output; pass --resume to continue it, or remove it "
-                            "to start over")
-        if not os.path.exists(done_path):
-            raise UserError(f"{done_path}: not found, so what {partial} was made with is unknown; remove {partial} "
-                            "to start over")
-    resuming = args.resume and os.path.isfile(partial) and os.path.exists(done_path)
-    kept, size, cut, dropped = resume_point(partial, done_path, key, args, mine) if resuming else (0, 0, 0, 0)
-    m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype)
-    if m.tokenizer is None:
-        raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
+    return convs, mine
+
+
+def check_earlier_output(args: Args, partial: str, done_path: str):
+    """A non-empty OUT.partial is continued only with --resume and its resume file."""
+    if not (os.path.isfile(partial) and os.path.getsize(partial) > 0):
+        return
+    if not args.resume:
+        raise UserError(f"{partial}: holds an earlier run's output; pass --resume to continue it, or remove it "
+                        "to start over")
+    if not os.path.exists(done_path):
+        raise UserError(f"{done_path}: not found, so what {partial} was made with is unknown; remove {partial} "
+                        "to start over")
+
+
+def context_length(args: Args, m) -> int:
+    """Longest prompt + response of a turn: --max-context, or the models' context up to 8192."""
     limit = m.target.args.max_position_embeddings
     if m.drafter is not None:
         limit = min(limit, m.drafter.cfg.layers.max_position_embeddings)
@@ -230,12 +307,151 @@ def run(args: Args) -> dict:
     if context > limit or context <= args.max_new_tokens:
         raise UserError(f"--max-context {context}: must exceed --max-new-tokens {args.max_new_tokens} and fit the "
                         f"models' context of {limit} (max_position_embeddings of the target and the drafter)")
+    return context
+
+
+def record_setting(args: Args) -> dict:
+    """How every record was regenerated (each record's "regenerated", with its own finish reasons and lengths)."""
+    return {
+        "tool": "scripts/regenerate.py",
+        "target": args.target,
+        "drafter": args.drafter,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "enable_thinking": False,
+    }
+
+
+def new_conversation(index: int, where: str, cid, msgs: list[dict]) -> dict:
+    """A conversation being regenerated: its messages so far, those to come, each answer's finish and length."""
+    return dict(index=index, where=where, id=cid, history=[], pending=list(msgs), finish=[], ntok=[], alive=True)
+
+
+def turn_requests(chunk: list[dict], turn: int, m, longest: int, bar) -> tuple[list, list]:
+    """(requests, their conversations) of a turn: each live conversation's next user turn with what precedes it;
+    a conversation whose prompt exceeds `longest` is dropped (its remaining turns counted on the bar)."""
+    requests = []
+    owners = []
+    for c in chunk:
+        while c["alive"] and c["pending"] and c["pending"][0]["role"] != "user":  # system turns
+            c["history"].append(c["pending"].pop(0))
+        if not c["alive"] or not c["pending"]:
+            continue
+        c["history"].append(c["pending"].pop(0))
+        ids = encode(m.tokenizer, c["history"], c["where"], chat=True)
+        if len(ids) > longest:
+            c["alive"] = False
+            bar.update(1 + user_turns(c["pending"]))
+            continue
+        requests.append(Request(c["index"] * TURN_STRIDE + turn, ids))
+        owners.append(c)
+    return requests, owners
+
+
+def add_answers(owners: list[dict], requests: list, m, stats: dict):
+    """Each request's response as its conversation's assistant turn (the stop token left out)."""
+    for c, req in zip(owners, requests):
+        out = req.output_ids
+        if req.finish_reason == "stop":
+            out = out[:-1]
+        c["history"].append({"role": "assistant", "content": m.tokenizer.decode(out)})
+        c["finish"].append(req.finish_reason)
+        c["ntok"].append(len(out))
+        stats["responses"] += 1
+        stats["tokens"] += len(req.output_ids)
+
+
+def regenerate_chunk(chunk: list[dict], engine, m, longest: int, max_new_tokens: int, bar, stats: dict):
+    """Every turn of a chunk's conversations, a turn of all of them at a time."""
+    turns = max(user_turns(c["pending"]) for c in chunk)
+    for turn in range(turns):
+        requests, owners = turn_requests(chunk, turn, m, longest, bar)
+        engine.generate(requests, max_new_tokens, on_finish=lambda req: bar.update(1))
+        counts = mt.count(requests, engine.K, m.stop_ids)
+        stats["rounds"] += counts["num_rounds"]
+        stats["committed"] += counts["committed"]
+        add_answers(owners, requests, m, stats)
+
+
+def chunk_lines(chunk: list[dict], setting: dict, stats: dict) -> list[str]:
+    """The JSON lines of a chunk's conversations not dropped."""
+    lines = []
+    for c in chunk:
+        if not c["alive"]:
+            stats["dropped"] += 1
+            continue
+        rec = {"messages": c["history"], "source": c["where"]}
+        if c["id"] is not None:
+            rec["id"] = c["id"]
+        rec["regenerated"] = dict(setting, finish_reasons=c["finish"], response_tokens=c["ntok"])
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+        stats["conversations"] += 1
+    return lines
+
+
+def append_durably(path: str, lines: list[str]):
+    """The lines on disk before the resume file counts them."""
+    with open(path, "a") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(partial: str, out_file: str, done_path: str):
+    with signals_deferred():  # OUT published and its resume file gone together
+        os.replace(partial, out_file)
+        os.remove(done_path)
+
+
+def acceptance_length(args: Args, stats: dict) -> Optional[float]:
+    """τ, tokens committed a round (None without a drafter)."""
+    if not args.drafter or not stats["rounds"]:
+        return None
+    return stats["committed"] / stats["rounds"]
+
+
+def print_summary(stats: dict, seconds: float, tau: Optional[float], context: int, out: str):
+    rate = stats["tokens"] / max(seconds, 1e-9)
+    text = (f"{stats['conversations']} conversations ({stats['responses']} responses, {stats['tokens']} tokens) "
+            f"in {seconds:.1f} s, {rate:.1f} tokens/s")
+    if tau is not None:
+        text += f", τ={tau:.2f}"
+    text += (f"; {stats['dropped']} dropped (prompt over --max-context {context} - --max-new-tokens); "
+             f"written to {out}")
+    print(text)
+
+
+def run(args: Args) -> dict:
+    """Everything `python scripts/regenerate.py` does; returns counts."""
+    device = resolve_device(args.device)
+    settings = checked_settings(args, device)
+    convs, mine = this_shards_conversations(args)
+    target_dir = resolve_checkpoint(args.target, "--target")
+    drafter_dir = resolve_checkpoint(args.drafter, "--drafter")
+    out_file = os.path.realpath(args.out)  # a link: OUT.partial(.json) go beside the file it names
+    partial = out_file + ".partial"
+    done_path = out_file + ".partial.json"
+    outputs = {"--out": args.out, "--out (its partial file)": partial, "--out (its resume file)": done_path}
+    check_outputs(outputs, inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])
+    key = resume_key(args, convs, target_dir, drafter_dir)
+    check_earlier_output(args, partial, done_path)
+    resuming = args.resume and os.path.isfile(partial) and os.path.exists(done_path)
+    kept, size, cut, dropped = 0, 0, 0, 0
+    if resuming:
+        kept, size, cut, dropped = resume_point(partial, done_path, key, args, mine)
+
+    m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype)
+    if m.tokenizer is None:
+        raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
+    context = context_length(args, m)
     longest = context - args.max_new_tokens
     engine = make_engine(m, m.drafter, [[0] * longest] * args.batch_size, settings)  # sized for the longest
-    setting = {"tool": "scripts/regenerate.py", "target": args.target, "drafter": args.drafter,
-               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-               "max_new_tokens": args.max_new_tokens,
-               "seed": args.seed, "enable_thinking": False}
+    setting = record_setting(args)
+
     if resuming:
         os.truncate(partial, size)
     else:
@@ -244,65 +460,24 @@ def run(args: Args) -> dict:
     write_json(done_path, resume)
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(n for _, (*_, n) in mine), file=sys.stderr, disable=not args.progress, unit="response",
-               dynamic_ncols=True)
+    total = sum(n for _, (*_, n) in mine)
+    bar = tqdm(total=total, file=sys.stderr, disable=not args.progress, unit="response", dynamic_ncols=True)
     bar.update(sum(c[3] for _, c in mine[:cut]))
     stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0, "rounds": 0, "committed": 0}
     t0 = time.perf_counter()
     todo = mine[cut:]
     for c0 in range(0, len(todo), args.chunk_size):
-        chunk = [dict(index=i, where=w, id=cid, history=[], pending=list(msgs), finish=[], ntok=[], alive=True)
-                 for i, (w, cid, msgs, _) in todo[c0:c0 + args.chunk_size]]
-        for turn in range(max(sum(x["role"] == "user" for x in c["pending"]) for c in chunk)):
-            requests, owners = [], []
-            for c in chunk:
-                while c["alive"] and c["pending"] and c["pending"][0]["role"] != "user":  # system turns
-                    c["history"].append(c["pending"].pop(0))
-                if not c["alive"] or not c["pending"]:
-                    continue
-                c["history"].append(c["pending"].pop(0))
-                ids = encode(m.tokenizer, c["history"], c["where"], chat=True)
-                if len(ids) > longest:
-                    c["alive"] = False
-                    bar.update(1 + sum(x["role"] == "user" for x in c["pending"]))
-                    continue
-                requests.append(Request(c["index"] * TURN_STRIDE + turn, ids))
-                owners.append(c)
-            engine.generate(requests, args.max_new_tokens, on_finish=lambda req: bar.update(1))
-            c_ = mt.count(requests, engine.K, m.stop_ids)
-            stats["rounds"] += c_["num_rounds"]
-            stats["committed"] += c_["committed"]
-            for c, req in zip(owners, requests):
-                out = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids
-                c["history"].append({"role": "assistant", "content": m.tokenizer.decode(out)})
-                c["finish"].append(req.finish_reason)
-                c["ntok"].append(len(out))
-                stats["responses"] += 1
-                stats["tokens"] += len(req.output_ids)
-        lines = []
-        for c in chunk:
-            if not c["alive"]:
-                stats["dropped"] += 1
-                continue
-            rec = {"messages": c["history"], "source": c["where"], **({"id": c["id"]} if c["id"] is not None else {}),
-                   "regenerated": dict(setting, finish_reasons=c["finish"], response_tokens=c["ntok"])}
-            lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-            stats["conversations"] += 1
-        with open(partial, "a") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
+        chunk = []
+        for i, (where, cid, msgs, _) in todo[c0:c0 + args.chunk_size]:
+            chunk.append(new_conversation(i, where, cid, msgs))
+        regenerate_chunk(chunk, engine, m, longest, args.max_new_tokens, bar, stats)
+        append_durably(partial, chunk_lines(chunk, setting, stats))
         write_json(done_path, dict(resume, consumed=cut + c0 + len(chunk), dropped=stats["dropped"]))
     bar.close()
-    with signals_deferred():  # OUT published and its resume file gone together
-        os.replace(partial, out_file)
-        os.remove(done_path)
+    publish(partial, out_file, done_path)
     seconds = time.perf_counter() - t0
-    tau = stats["committed"] / stats["rounds"] if args.drafter and stats["rounds"] else None
-    print(f"{stats['conversations']} conversations ({stats['responses']} responses, {stats['tokens']} tokens) in "
-          f"{seconds:.1f} s, {stats['tokens'] / max(seconds, 1e-9):.1f} tokens/s"
-          + (f", τ={tau:.2f}" if tau is not None else "") + f"; {stats['dropped']} dropped (prompt over "
-          f"--max-context {context} - --max-new-tokens); written to {args.out}")
+    tau = acceptance_length(args, stats)
+    print_summary(stats, seconds, tau, context, args.out)
     return dict(stats, seconds=seconds, acceptance_length=tau, settings=setting, args=asdict(args))
 
 

@@ -46,9 +46,10 @@ def parse_tags(text: Optional[str]) -> Optional[list[str]]:
         return None
     tags = [t.strip() for t in text.split(",")]
     for t in tags:
-        if not 1 <= len(t) <= 64:
-            raise UserError(f"--wandb-tags {text!r}: " + (f"the tag {t[:20]!r}... is longer than 64 characters"
-                                                          if t else "an empty tag"))
+        if not t:
+            raise UserError(f"--wandb-tags {text!r}: an empty tag")
+        if len(t) > 64:
+            raise UserError(f"--wandb-tags {text!r}: the tag {t[:20]!r}... is longer than 64 characters")
     return tags
 
 
@@ -57,19 +58,27 @@ NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "w
 
 def check(args):
     """The --wandb-* flags, before any work: each needs --wandb, none empty, a project name W&B accepts."""
-    given = [f for f in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, f, None)]
+    given = []
+    for f in NAMING_FLAGS + ("wandb_artifacts",):
+        if getattr(args, f, None):
+            given.append(f)
     if given and not args.wandb:
-        raise UserError(f"--{given[0].replace('_', '-')}: needs --wandb")
+        flag = given[0].replace("_", "-")
+        raise UserError(f"--{flag}: needs --wandb")
     fields = getattr(type(args), "__dataclass_fields__", {})
-    if not args.wandb and "log_every" in fields and args.log_every != fields["log_every"].default:
+    log_every_set = "log_every" in fields and args.log_every != fields["log_every"].default
+    if not args.wandb and log_every_set:
         raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, it changes nothing")
     for f in NAMING_FLAGS:
         value = getattr(args, f)
         if value is not None and not value.strip():
-            raise UserError(f"--{f.replace('_', '-')}: empty")
+            flag = f.replace("_", "-")
+            raise UserError(f"--{flag}: empty")
     parse_tags(args.wandb_tags)
     project = args.wandb_project
-    if project is not None and (len(project) > 128 or any(c in project for c in "/\\#?%:")):
+    if project is None:
+        return
+    if len(project) > 128 or any(c in project for c in "/\\#?%:"):
         raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters and none of / \\ # ? % :")
 
 
@@ -90,7 +99,8 @@ def code_version() -> dict:
     if top is None or os.path.realpath(top) != os.path.realpath(here):
         return {"git_commit": None, "git_dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None}
+    dirty = bool(status) if status is not None else None
+    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": dirty}
 
 
 def checkpoint_config(directory: Optional[str]) -> Optional[dict]:
@@ -104,7 +114,8 @@ class Log:
     """A started wandb run and the few calls the programs make on it (`run` and `wandb` for the rest)."""
 
     def __init__(self, run, wandb):
-        self.run, self.wandb = run, wandb
+        self.run = run
+        self.wandb = wandb
 
     def config(self, **values):
         self.run.config.update(values, allow_val_change=True)
@@ -120,7 +131,8 @@ class Log:
 
     def bar(self, key: str, columns: list[str], rows: Iterable, title: str, step: Optional[int] = None):
         """A bar chart of (label, value) rows, logged under `key` (its table as `key`_table)."""
-        self.log({key: self.wandb.plot.bar(self.table(columns, rows), columns[0], columns[1], title=title)}, step=step)
+        chart = self.wandb.plot.bar(self.table(columns, rows), columns[0], columns[1], title=title)
+        self.log({key: chart}, step=step)
 
     def artifact(self, name: str, kind: str, paths: Iterable[str], metadata: Optional[dict] = None,
                  aliases: Optional[list[str]] = None):
@@ -131,7 +143,10 @@ class Log:
         self.run.log_artifact(art, aliases=aliases)
 
     def finish(self, exit_code: int, status: str, error: Optional[str] = None):
-        self.run.summary.update({"status": status, **({"error": error} if error else {})})
+        ending = {"status": status}
+        if error:
+            ending["error"] = error
+        self.run.summary.update(ending)
         self.run.finish(exit_code=exit_code)
 
 
@@ -142,8 +157,8 @@ def _ending(e: BaseException) -> tuple[int, str]:
         return 130, "interrupted"
     if isinstance(e, UserError):
         return 2, "failed"
-    if isinstance(e, SystemExit):
-        return (e.code if isinstance(e.code, int) else 1), "failed"
+    if isinstance(e, SystemExit) and isinstance(e.code, int):
+        return e.code, "failed"
     return 1, "failed"
 
 
@@ -159,8 +174,9 @@ def start(args, job_type: str, config: dict) -> Log:
     if mode is not None and mode not in WANDB_MODES:  # wandb's own message names neither
         raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
     try:
-        run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name, group=args.wandb_group,
-                         tags=parse_tags(args.wandb_tags), job_type=job_type, config=config)
+        run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name,
+                         group=args.wandb_group, tags=parse_tags(args.wandb_tags), job_type=job_type,
+                         config=config)
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
         raise UserError(f"--wandb: the run could not start ({first_line(e)}); WANDB_MODE=offline logs without a "
                         f"network") from None
@@ -176,12 +192,17 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
         return
     import torch
 
-    log = start(args, job_type, {"program": program, **flat_fields(args), "torch": torch.__version__, **code_version()})
+    config = {"program": program, **flat_fields(args), "torch": torch.__version__, **code_version()}
+    log = start(args, job_type, config)
     try:
         yield log
     except BaseException as e:
         code, status = _ending(e)
-        log.finish(code, status, f"{type(e).__name__}: {e}" if status == "failed" else str(e) or type(e).__name__)
+        if status == "failed":
+            error = f"{type(e).__name__}: {e}"
+        else:
+            error = str(e) or type(e).__name__  # a signal's name, or the exception's
+        log.finish(code, status, error)
         raise
     log.finish(0, "finished")
 
@@ -191,25 +212,37 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
 def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: list, tokenizer,
                files: dict[str, Optional[str]]):
     """A decode's end: its summary under `<name>/`, acceptance by position, the requests, its files as artifacts."""
-    log.summary({f"{name}/{k}": v for k, v in summary.items() if k not in ("summary", "outputs")})
+    figures = {}
+    for k, v in summary.items():
+        if k not in ("summary", "outputs"):
+            figures[f"{name}/{k}"] = v
+    log.summary(figures)
     rates = summary["accept_rate_by_position"]
     if rates:
-        log.bar(f"{name}/accept_rate_by_position", ["position", "accept_rate"],
-                [(k + 1, r) for k, r in enumerate(rates) if r is not None],
+        points = [(k + 1, r) for k, r in enumerate(rates) if r is not None]
+        log.bar(f"{name}/accept_rate_by_position", ["position", "accept_rate"], points,
                 f"{name}: acceptance of draft k (given 1..k-1 accepted)")
     rows = []
     for c in completions[:TABLE_ROWS]:
         ids = prompts[c.prompt]
-        text = tokenizer.decode(ids) if tokenizer is not None else ",".join(map(str, ids))
-        rows.append((c.request, c.prompt, c.sample, text, c.text if c.text is not None else
-                     ",".join(map(str, c.output_ids)), len(c.output_ids), c.num_rounds, c.acceptance_length,
-                     c.finish_reason))
-    log.log({f"{name}/requests": log.table(["request", "prompt_index", "sample", "prompt", "completion", "tokens",
-                                            "rounds", "acceptance_length", "finish_reason"], rows)})
+        if tokenizer is not None:
+            prompt = tokenizer.decode(ids)
+        else:
+            prompt = ",".join(map(str, ids))
+        completion = c.text
+        if completion is None:
+            completion = ",".join(map(str, c.output_ids))
+        rows.append((c.request, c.prompt, c.sample, prompt, completion, len(c.output_ids), c.num_rounds,
+                     c.acceptance_length, c.finish_reason))
+    columns = ["request", "prompt_index", "sample", "prompt", "completion", "tokens", "rounds",
+               "acceptance_length", "finish_reason"]
+    log.log({f"{name}/requests": log.table(columns, rows)})
     log.summary({f"{name}/requests_logged": len(rows)})
     for what, path in files.items():
-        if path is not None and os.path.isfile(path):
-            log.artifact(what, what, [path], metadata={"program": "speculate.py", "path": os.path.abspath(path)})
+        if path is None or not os.path.isfile(path):
+            continue
+        metadata = {"program": "speculate.py", "path": os.path.abspath(path)}
+        log.artifact(what, what, [path], metadata=metadata)
 
 
 # Progress of a long run (eval.py, training): a bar on a terminal, elsewhere a plain line now and then.
@@ -217,7 +250,8 @@ class Lines:
     """Progress off a terminal (no piled-up bar frames): a line at most every `every` s, always if `final`."""
 
     def __init__(self, every: float = 60.0):
-        self.every, self.last = every, time.monotonic()
+        self.every = every
+        self.last = time.monotonic()
 
     def say(self, text: str, final: bool = False):
         now = time.monotonic()
