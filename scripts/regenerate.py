@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +26,7 @@ from speculate import Request, make_engine  # noqa: E402
 from support import flags  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
-from support.cli import AutoBool, UserError, check_ranges, cli_main, resolve_device, signals_deferred
+from support.cli import UserError, check_ranges, cli_main, flag, flat, flat_fields, resolve_device, signals_deferred
 from support.files import atomic_write, check_outputs, check_writable, read_json, read_jsonl, write_json  # noqa: E402
 from support.flags import Settings  # noqa: E402
 from support.text import ROLES, check_text, encode  # noqa: E402
@@ -46,21 +46,14 @@ class Args:
     """Comma-separated JSON-lines files: "turns" [str], "prompt" str, or "messages" / "conversations"."""
     out: Optional[str] = None
     """The records' JSON-lines file (OUT.partial until complete)."""
-    temperature: float = 0.7
-    """Sampling temperature (the authors' Qwen3 setting); 0 = greedy."""
-    top_k: int = 20
-    """Sample from the K most likely tokens (the authors' 20; 0: off)."""
-    top_p: float = 0.8
-    """Then from the most likely tokens of probability P (the authors' 0.8; 1: off)."""
-    min_p: float = 0.0
-    """Then only tokens at least M times as likely as the likeliest (0: off)."""
-    max_new_tokens: int = 4096
-    """Token budget of one response (the authors': 4096)."""
+    # The decode settings, with the authors' Qwen3 sampling (temperature 0.7, top-k 20, top-p 0.8), their
+    # 4096-token responses and 16 requests decoded together; request conversation * 1024 + turn draws from
+    # the stream seeded --seed + its index. READ lists the settings regenerate.py reads.
+    decode: flat(Settings) = field(default_factory=lambda: Settings(
+        max_new_tokens=4096, temperature=0.7, top_k=20, top_p=0.8, min_p=0.0, batch_size=16))
     max_context: Optional[int] = None
     """Longest prompt + response of a turn (default: the models' context, at most 8192); longer prompts are
     dropped (counted)."""
-    batch_size: int = 16
-    """Requests decoded together (continuous batching)."""
     chunk_size: int = 256
     """Conversations generated, then written, at a time."""
     max_prompts: Optional[int] = None
@@ -69,16 +62,12 @@ class Args:
     """Split the conversations across this many processes (i to shard i mod N)."""
     shard_index: int = 0
     """This process's shard, 0 .. --num-shards - 1."""
-    seed: int = 0
-    """Turn t of conversation i samples from a stream seeded seed + i*1024 + t."""
     resume: bool = False
     """Continue an interrupted run's OUT.partial (refused if its flags, prompts or models differ)."""
     device: Optional[Literal["cpu", "cuda"]] = None
     """Default: cuda when available."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
-    compile: AutoBool = None
-    """torch.compile the round. Default: on for cuda, off for cpu."""
     progress: bool = True
     """A progress bar on stderr (responses generated)."""
 
@@ -176,12 +165,12 @@ def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: 
         "--num-shards": args.num_shards,
         "--shard-index": args.shard_index,
         "--max-context": args.max_context,
-        "--max-new-tokens": args.max_new_tokens,
-        "--temperature": args.temperature,
-        "--top-k": args.top_k,
-        "--top-p": args.top_p,
-        "--min-p": args.min_p,
-        "--seed": args.seed,
+        "--max-new-tokens": args.decode.max_new_tokens,
+        "--temperature": args.decode.temperature,
+        "--top-k": args.decode.top_k,
+        "--top-p": args.decode.top_p,
+        "--min-p": args.decode.min_p,
+        "--seed": args.decode.seed,
         "--target files": model_files(target_dir, "--target"),
         "--drafter files": model_files(drafter_dir, "--drafter"),
         "--prompts records": digest.hexdigest(),
@@ -210,7 +199,7 @@ def check_same_flags(saved_key: dict, key: dict, partial: str, args: Args):
         if name in saved_key and saved_key[name] == value:
             continue
         flag, _, what = name.partition(" ")
-        now = getattr(args, flag[2:].replace("-", "_"))
+        now = flat_fields(args)[flag[2:].replace("-", "_")]  # the decode settings' flags included
         if what:
             raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; restore them, or "
                             f"remove {partial} to start over")
@@ -259,17 +248,25 @@ def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list
 
 # run()'s steps, in order
 
+# The decode settings regenerate.py reads; another would change what a record means (--stop,
+# --num-samples) or is not offered here.
+READ = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "batch_size", "compile")
+
+
 def checked_settings(args: Args, device) -> Settings:
     """The decoding settings and the flags' ranges, checked; the required flags given."""
-    settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, min_p=args.min_p, seed=args.seed, batch_size=args.batch_size,
-                        compile=args.compile)
-    settings = flags.check_settings(settings, device)
+    default = Args().decode
+    for f in fields(Settings):
+        given = getattr(args.decode, f.name) != getattr(default, f.name)
+        if given and f.name not in READ:
+            read = ", ".join(flag(name) for name in READ)
+            raise UserError(f"{flag(f.name)}: regenerate.py decodes with {read} only; it would change nothing here")
+    settings = flags.check_settings(args.decode, device)
     check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)",
                  num_shards="[1, inf)", shard_index=f"[0, {args.num_shards - 1}]")
-    for flag in ("target", "prompts", "out"):
-        if getattr(args, flag) is None:
-            raise UserError(f"--{flag}: not given")
+    for name in ("target", "prompts", "out"):
+        if getattr(args, name) is None:
+            raise UserError(f"--{name}: not given")
     check_writable(args.out, "--out")
     return settings
 
@@ -304,8 +301,9 @@ def context_length(args: Args, m) -> int:
     if m.drafter is not None:
         limit = min(limit, m.drafter.cfg.layers.max_position_embeddings)
     context = args.max_context or min(limit, 8192)
-    if context > limit or context <= args.max_new_tokens:
-        raise UserError(f"--max-context {context}: must exceed --max-new-tokens {args.max_new_tokens} and fit the "
+    budget = args.decode.max_new_tokens
+    if context > limit or context <= budget:
+        raise UserError(f"--max-context {context}: must exceed --max-new-tokens {budget} and fit the "
                         f"models' context of {limit} (max_position_embeddings of the target and the drafter)")
     return context
 
@@ -316,12 +314,12 @@ def record_setting(args: Args) -> dict:
         "tool": "scripts/regenerate.py",
         "target": args.target,
         "drafter": args.drafter,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "max_new_tokens": args.max_new_tokens,
-        "seed": args.seed,
+        "temperature": args.decode.temperature,
+        "top_p": args.decode.top_p,
+        "top_k": args.decode.top_k,
+        "min_p": args.decode.min_p,
+        "max_new_tokens": args.decode.max_new_tokens,
+        "seed": args.decode.seed,
         "enable_thinking": False,
     }
 
@@ -448,8 +446,8 @@ def run(args: Args) -> dict:
     if m.tokenizer is None:
         raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
     context = context_length(args, m)
-    longest = context - args.max_new_tokens
-    engine = make_engine(m, m.drafter, [[0] * longest] * args.batch_size, settings)  # sized for the longest
+    longest = context - settings.max_new_tokens
+    engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)  # sized for the longest
     setting = record_setting(args)
 
     if resuming:
@@ -470,7 +468,7 @@ def run(args: Args) -> dict:
         chunk = []
         for i, (where, cid, msgs, _) in todo[c0:c0 + args.chunk_size]:
             chunk.append(new_conversation(i, where, cid, msgs))
-        regenerate_chunk(chunk, engine, m, longest, args.max_new_tokens, bar, stats)
+        regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, bar, stats)
         append_durably(partial, chunk_lines(chunk, setting, stats))
         write_json(done_path, dict(resume, consumed=cut + c0 + len(chunk), dropped=stats["dropped"]))
     bar.close()

@@ -268,6 +268,8 @@ def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatc
     (["--max-context", 12], "--max-context 12: must exceed --max-new-tokens 12"),
     (["--temperature", -1], "--temperature: invalid value -1.0"),
     (["--chunk-size", 0], "--chunk-size: invalid value 0"),
+    (["--num-samples", 2], "--num-samples: regenerate.py decodes with --max-new-tokens, --temperature"),
+    (["--stop", "x"], "--stop: regenerate.py decodes with"),
     (["--prompts", "nope.jsonl"], "--prompts nope.jsonl: file not found"),
     (["--prompts", "bad.jsonl"], "bad.jsonl:1: expected"),
 ])
