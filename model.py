@@ -31,7 +31,9 @@ class ModelArgs:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, cast back, then scale, as Qwen3."""
-    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":  # PyTorch's fused op
+    float32 = x.dtype == weight.dtype == torch.float32
+    on_cpu = x.device.type == "cpu"
+    if float32 and on_cpu:  # PyTorch's fused op
         normed = F.rms_norm(x, (x.shape[-1],), None, eps)
         return weight * normed
     x32 = x.float()
@@ -52,12 +54,15 @@ class RMSNorm(nn.Module):
 
 def rope_table(head_dim: int, theta: float, max_seq: int, device) -> torch.Tensor:
     """cos, sin for positions 0..max_seq-1: float32 [max_seq, 2, head_dim]."""
-    exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
+    even = torch.arange(0, head_dim, 2, device=device).float()
+    exponents = even / head_dim
     inv_freq = 1.0 / theta ** exponents  # [head_dim / 2]
     positions = torch.arange(max_seq, device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)  # [max_seq, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq, head_dim]
-    return torch.stack((emb.cos(), emb.sin()), dim=1)
+    cos = emb.cos()
+    sin = emb.sin()
+    return torch.stack((cos, sin), dim=1)
 
 
 class Rope(NamedTuple):
@@ -78,7 +83,8 @@ class Rope(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, heads, hd]
         half = x.shape[-1] // 2
-        return x * self.cos + x.roll(half, -1) * self.sin
+        rotated = x.roll(half, -1)
+        return x * self.cos + rotated * self.sin
 
 
 class KVCache(nn.Module):
@@ -110,7 +116,13 @@ class KVCache(nn.Module):
         return k, v
 
 
-def make_caches(model: nn.Module, args: ModelArgs, max_batch: int, max_seq: int, like: torch.Tensor):
+def make_caches(
+    model: nn.Module,
+    args: ModelArgs,
+    max_batch: int,
+    max_seq: int,
+    like: torch.Tensor,
+):
     """Give each of `model.layers` a cache and `model` its RoPE table (`args`'), unless it has them at
     this size and dtype (compiled graphs hold the old tensors). True when it made new ones."""
     kv = model.layers[0].self_attn.kv_cache
@@ -137,8 +149,9 @@ def attend(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
     attn_mask = None
     if mask is not None:
         attn_mask = mask[:, None]  # [B, 1, Tq, Tk]
+    causal = mask is None
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=mask is None, enable_gqa=enable_gqa
+        q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=enable_gqa
     )
     out = out.transpose(1, 2)  # [B, Tq, H, hd]
     return out.reshape(B, Tq, H * hd)
@@ -172,7 +185,12 @@ def cache_bias(allowed: torch.Tensor, group: int, dtype) -> torch.Tensor:
     return bias.reshape(B, 1, group * T, S)
 
 
-def cache_mask(allowed: torch.Tensor, args: ModelArgs, dtype, fold: bool = True) -> torch.Tensor:
+def cache_mask(
+    allowed: torch.Tensor,
+    args: ModelArgs,
+    dtype,
+    fold: bool = True,
+) -> torch.Tensor:
     """`cache_bias` for a model of `args`, GQA folded where `fold_gqa` says (fold False: the caller's
     attention reads the bias unfolded)."""
     group = 1
@@ -219,28 +237,33 @@ class Ragged:
         real = rows < R
         rows = rows.clamp(max=R - 1)
         starts = ends - counts
-        slots = torch.where(real, i - starts[rows], 0)
+        offsets = i - starts[rows]
+        slots = torch.where(real, offsets, 0)
         padded = rows * W + slots
         spare = R * W + i
         index = torch.where(real, padded, spare)
         return Ragged(index, rows, slots, R, W)
 
     def flatten(self, x):  # [R, W, ...] -> [1, N, ...]
-        return x[self.rows, self.slots][None]
+        tokens = x[self.rows, self.slots]  # [N, ...]
+        return tokens[None]
 
     def pad(self, x):  # [1, N, ...] -> [R, W, ...], zeros where no token is
         N = x.shape[1]
         rest = x.shape[2:]
         size = self.R * self.W
         out = x.new_zeros((size + N, *rest))
-        out = out.index_copy(0, self.index, x[0])
-        return out[:size].view(self.R, self.W, *rest)
+        tokens = x[0]
+        out = out.index_copy(0, self.index, tokens)
+        filled = out[:size]
+        return filled.view(self.R, self.W, *rest)
 
     def unpad(self, x):  # [R, W, ...] -> [1, N, ...]; padding tokens read the last slot
         size = self.R * self.W
         index = self.index.clamp(max=size - 1)
         flat = x.reshape(size, *x.shape[2:])  # [R*W, ...]
-        return flat.index_select(0, index)[None]
+        tokens = flat.index_select(0, index)  # [N, ...]
+        return tokens[None]
 
 
 class Attention(nn.Module):
@@ -264,7 +287,9 @@ class Attention(nn.Module):
 
     def project(self, x):
         """q_proj(x) and kv_proj(x); a backend may compute both in one pass over the weights."""
-        return self.q_proj(x), self.kv_proj(x)
+        q = self.q_proj(x)
+        kv = self.kv_proj(x)
+        return q, kv
 
     def kv(self, x, rope: Rope, kv=None):
         """K (normed, rotated) and V of x [B, T, H] (or of its kv_proj output `kv`):
@@ -301,8 +326,9 @@ class Attention(nn.Module):
         k, v = self.kv(x, rope, kv)
         if positions is None:
             if prefix_kv is not None:
-                k = torch.cat([prefix_kv[0], k], 1)
-                v = torch.cat([prefix_kv[1], v], 1)
+                prefix_k, prefix_v = prefix_kv
+                k = torch.cat([prefix_k, k], 1)
+                v = torch.cat([prefix_v, v], 1)
             out = attend(q, k, v, mask)
             return self.o_proj(out)
         if ragged is not None:  # [1, N, heads, hd] -> [R, W, heads, hd]
@@ -332,7 +358,8 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        x = F.silu(gate) * up
+        return self.down_proj(x)
 
 
 class DecoderLayer(nn.Module):
@@ -372,7 +399,8 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch: int, max_seq: int):
         """Static KV caches and the RoPE table, kept when asked again for the same size."""
-        if make_caches(self, self.args, max_batch, max_seq, self.embed_tokens.weight):
+        made = make_caches(self, self.args, max_batch, max_seq, self.embed_tokens.weight)
+        if made:
             self.max_batch = max_batch
             self.max_seq = max_seq
 
@@ -399,7 +427,8 @@ class Transformer(nn.Module):
         if positions is None:
             B, T = tokens.shape
             table = rope_table(a.head_dim, a.rope_theta, T, tokens.device)  # [T, 2, hd]
-            cos_sin = table[None].expand(B, T, *table.shape[1:])  # [B, T, 2, hd]
+            per_row = (B, T, *table.shape[1:])
+            cos_sin = table[None].expand(per_row)  # [B, T, 2, hd]
             rope = Rope.at(cos_sin, dtype)
         else:  # RoPE and the mask once for every layer
             end = positions + 1  # no query sees past its own position
@@ -420,8 +449,9 @@ class Transformer(nn.Module):
             rope = Rope.at(cos_sin, dtype)
         x = self.embed_tokens(tokens)
         captured = {-1: x}
+        options = dict(ragged=ragged, rows=rows, attention=attention, slots=slots)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, positions, mask, ragged=ragged, rows=rows, attention=attention, slots=slots)
+            x = layer(x, rope, positions, mask, **options)
             captured[i] = x
         features = None
         if capture:
@@ -441,7 +471,8 @@ class Transformer(nn.Module):
     def move_cache(self, source, destination):
         """Every layer's K/V at cache positions `source` [B, T] copied to `destination` [B, T] (all
         read before any is written): a draft tree's accepted path moved to consecutive positions."""
-        rows = torch.arange(source.shape[0], device=source.device)[:, None]
+        rows = torch.arange(source.shape[0], device=source.device)
+        rows = rows[:, None]  # [B, 1]
         for layer in self.layers:
             cache = layer.self_attn.kv_cache
             k = cache.k[rows, source]
@@ -468,6 +499,9 @@ class TreeSlots(NamedTuple):
         offset = keys[None, :] - self.start[:, None]  # [B, S] a key's node index, if in the tree
         context = offset < 0
         inside = (offset >= 0) & (offset < T)
-        node = offset.clamp(0, T - 1)[:, None, :].expand(B, T, keys.shape[0])
-        in_tree = self.ancestors.gather(2, node) & inside[:, None, :]
+        S = keys.shape[0]
+        node = offset.clamp(0, T - 1)
+        node = node[:, None, :].expand(B, T, S)
+        ancestor = self.ancestors.gather(2, node)
+        in_tree = ancestor & inside[:, None, :]
         return context[:, None, :] | in_tree

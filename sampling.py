@@ -21,7 +21,10 @@ class Filters(NamedTuple):
 
     @property
     def active(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+        top_k = self.top_k > 0
+        top_p = self.top_p < 1.0
+        min_p = self.min_p > 0.0
+        return top_k or top_p or min_p
 
 
 NO_FILTERS = Filters()
@@ -29,7 +32,8 @@ NO_FILTERS = Filters()
 
 def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
     """z [..., V] (float32, already / T) with -inf outside the kept set."""
-    if 0 < f.top_k < z.shape[-1]:
+    V = z.shape[-1]
+    if 0 < f.top_k < V:
         largest = torch.topk(z, f.top_k, dim=-1).values
         kth = largest[..., -1:]  # [..., 1]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -61,8 +65,10 @@ def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTER
 def sample_from(p: torch.Tensor, generator, noise: Optional[torch.Tensor] = None):
     """One id per row of p [..., V]; noise ~ Exp(1) of p's shape, or drawn from `generator`."""
     if noise is None:
-        noise = torch.empty_like(p).exponential_(1, generator=generator)
-    return torch.argmax(p / noise, dim=-1)
+        noise = torch.empty_like(p)
+        noise.exponential_(1, generator=generator)
+    race = p / noise
+    return torch.argmax(race, dim=-1)
 
 
 def sample(logits, temperature: float, generator, noise=None, *, filters: Filters = NO_FILTERS):
@@ -81,7 +87,8 @@ class Noise(NamedTuple):
 
 
 def exponential(shape: tuple, generator, device) -> torch.Tensor:
-    return torch.empty(shape, device=device).exponential_(1, generator=generator)
+    noise = torch.empty(shape, device=device)
+    return noise.exponential_(1, generator=generator)
 
 
 def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
@@ -104,7 +111,10 @@ def rows_noise(generators: list, K: int, V: int, device) -> Noise:
         bonus = torch.ones((1, V), device=device)
         rows.append(Noise(chain, u, bonus))
     chains, uniforms, bonuses = zip(*rows)  # each one part a row
-    return Noise(torch.cat(chains), torch.cat(uniforms), torch.cat(bonuses))
+    chain = torch.cat(chains)
+    u = torch.cat(uniforms)
+    bonus = torch.cat(bonuses)
+    return Noise(chain, u, bonus)
 
 
 # Drafting: the Markov chain
@@ -121,8 +131,17 @@ def draw(z, k: int, temperature: float, filters: Filters, generator, noise):
     return sample_from(q, generator, noise_k), q
 
 
-def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
-                 filters: Filters = NO_FILTERS):
+def markov_chain(
+    base_logits,
+    hidden,
+    anchor,
+    markov,
+    temperature: float,
+    generator,
+    noise=None,
+    *,
+    filters: Filters = NO_FILTERS,
+):
     """The sequential stage: z_k = U_k + b_k, with b_k from the head's `step(h_k, x_{k-1}, state)`
     (no head: DFlash, z_k = U_k). base_logits [B, K, V], hidden [B, K, H], anchor [B]; noise Exp(1)
     [B, K, V] or None. Returns drafts [B, K] and q [B, K, V], the distributions they were drawn
@@ -144,11 +163,21 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     q = None
     if qs:
         q = torch.stack(qs, 1)
-    return torch.stack(drafts, 1), q
+    tokens = torch.stack(drafts, 1)
+    return tokens, q
 
 
-def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, noise=None, *,
-                 filters: Filters = NO_FILTERS):
+def eagle3_chain(
+    drafter,
+    h,
+    anchor_pos,
+    K: int,
+    temperature: float,
+    generator,
+    noise=None,
+    *,
+    filters: Filters = NO_FILTERS,
+):
     """Eagle3's drafting: x_k ~ softmax(lm_head(norm(h)) / T), then one step of its layer on (h, x_k)
     at position a + k - 1 gives the next h; h [B, H] starts as each row's carried state (the drafter's
     `carried`; anchor_pos [B] = a). Returns drafts [B, K] and q [B, K, V] (None at T=0), as
@@ -166,7 +195,8 @@ def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, 
     q = None
     if qs:
         q = torch.stack(qs, 1)
-    return torch.stack(drafts, 1), q
+    tokens = torch.stack(drafts, 1)
+    return tokens, q
 
 
 # Acceptance: the longest prefix of drafts the target keeps, then one token of its own
@@ -179,7 +209,8 @@ def prefix_length(ok: torch.Tensor) -> torch.Tensor:
 
 def verified_mask(drafts, verify_len) -> torch.Tensor:
     """[B, K]: draft k goes to the target (k < ℓ)."""
-    positions = torch.arange(drafts.shape[1], device=drafts.device)
+    K = drafts.shape[1]
+    positions = torch.arange(K, device=drafts.device)
     return positions < verify_len[:, None]
 
 
@@ -197,8 +228,18 @@ def accept_greedy(drafts, target_logits, verify_len):
     return n, committed
 
 
-def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None, noise=None, *,
-                   filters: Filters = NO_FILTERS):
+def accept_sampled(
+    drafts,
+    q,
+    target_logits,
+    verify_len,
+    temperature: float,
+    generator,
+    u=None,
+    noise=None,
+    *,
+    filters: Filters = NO_FILTERS,
+):
     """Rejection sampling: accept x_k if u_k·q_k(x_k) < p_{k-1}(x_k) and k <= ℓ; at the first
     rejection the correction from normalize(max(p - q, 0)), else the bonus from p_ℓ. Draws u [B, K],
     then a race over [B, V] (or takes them). Returns accepted n [B] and the committed token [B]."""
@@ -222,10 +263,12 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
     if K:
         q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
         q_n = q[rows, q_row]
-        residual = torch.clamp(p_n - q_n, min=0)
+        excess = p_n - q_n
+        residual = torch.clamp(excess, min=0)
         mass = residual.sum(-1, keepdim=True)
         # p == q leaves no residual mass, and then x_k was never rejected: p_n is never read there.
-        normalized = residual / mass.clamp(min=1e-30)
+        safe_mass = mass.clamp(min=1e-30)
+        normalized = residual / safe_mass
         residual = torch.where(mass > 0, normalized, p_n)
         rejected = n < verify_len
         p_n = torch.where(rejected[:, None], residual, p_n)
@@ -257,7 +300,8 @@ def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperatu
         h = hidden[rows, slot]  # [B, H]
         bias, state = markov.step(h, tokens, states)
         z = z + bias.float()
-    logprobs = torch.log_softmax(z / temperature, dim=-1)
+    z = z / temperature
+    logprobs = torch.log_softmax(z, dim=-1)
     return logprobs, state
 
 
@@ -297,7 +341,8 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
         logprobs, state = child_logprobs(base_logits, hidden, markov, child_depths, node_tokens,
                                          node_states, temperature)
         best, ids = torch.topk(logprobs, k, dim=-1)  # [B, k] each, best first
-        open_ = reached & (node_depths < L)  # [B] a node that can have children
+        shallow = node_depths < L
+        open_ = reached & shallow  # [B] a node that can have children
         node_score = scores[:, node, None]  # [B, 1]
         path_scores = node_score + best  # [B, k]
         path_scores = torch.where(open_[:, None], path_scores, float("-inf"))
@@ -343,7 +388,8 @@ def ancestors(tree: Tree, depth: int) -> torch.Tensor:
     for _ in range(depth):
         on_path = current >= 0
         hops = current.clamp(min=0)
-        ancestor = torch.nn.functional.one_hot(hops, N1).bool()  # [B, N+1, N+1]
+        ancestor = torch.nn.functional.one_hot(hops, N1)  # [B, N+1, N+1]
+        ancestor = ancestor.bool()
         seen |= ancestor & on_path[:, :, None]
         next_hop = tree.parents.gather(1, hops)  # the ancestor's parent
         current = torch.where(on_path, next_hop, -1)
@@ -372,7 +418,8 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
         accepted = accepted + found.long()
         path.append(current)
     after = target_tokens[rows, current]  # [B]
-    return torch.stack(path, dim=1), accepted, after
+    nodes = torch.stack(path, dim=1)
+    return nodes, accepted, after
 
 
 def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, int]]:
@@ -396,14 +443,15 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
         token = tokens[rank]
         nodes.append((token, parent))
         me = len(nodes)
-        paths.append(paths[parent] + [token])
+        path = paths[parent] + [token]
+        paths.append(path)
         sibling_rank = rank + 1
         if sibling_rank < len(tokens):  # the next sibling
             sibling = score - scores[rank] + scores[sibling_rank]
             sibling_ranks = ranks[:-1] + (sibling_rank,)
             heapq.heappush(heap, (-sibling, sibling_ranks, parent, sibling_rank))
-        if len(paths[me]) < depth:  # the first child
-            child_tokens, child_scores = children(paths[me])
+        if len(path) < depth:  # the first child
+            child_tokens, child_scores = children(path)
             options.append((child_tokens, child_scores))
             child = score + child_scores[0]
             child_ranks = ranks + (0,)
@@ -413,7 +461,10 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
     return nodes
 
 
-def walk_tree_reference(nodes: list[tuple[int, int]], target_tokens: list[int]) -> tuple[list[int], int]:
+def walk_tree_reference(
+    nodes: list[tuple[int, int]],
+    target_tokens: list[int],
+) -> tuple[list[int], int]:
     """One row's walk in plain Python: from the root, the child holding the target's token at the
     current node, until none does. Returns the path (node indices, the root's 0 first) and the
     target's token after it."""
