@@ -116,13 +116,8 @@ class KVCache(nn.Module):
         return k, v
 
 
-def make_caches(
-    model: nn.Module,
-    args: ModelArgs,
-    max_batch: int,
-    max_seq: int,
-    like: torch.Tensor,
-):
+def make_caches(model: nn.Module, args: ModelArgs, max_batch: int, max_seq: int,
+                like: torch.Tensor):
     """Give each of `model.layers` a cache and `model` its RoPE table (`args`'), unless it has them at
     this size and dtype (compiled graphs hold the old tensors). True when it made new ones."""
     kv = model.layers[0].self_attn.kv_cache
@@ -185,12 +180,8 @@ def cache_bias(allowed: torch.Tensor, group: int, dtype) -> torch.Tensor:
     return bias.reshape(B, 1, group * T, S)
 
 
-def cache_mask(
-    allowed: torch.Tensor,
-    args: ModelArgs,
-    dtype,
-    fold: bool = True,
-) -> torch.Tensor:
+def cache_mask(allowed: torch.Tensor, args: ModelArgs, dtype,
+               fold: bool = True) -> torch.Tensor:
     """`cache_bias` for a model of `args`, GQA folded where `fold_gqa` says (fold False: the caller's
     attention reads the bias unfolded)."""
     group = 1
@@ -287,9 +278,7 @@ class Attention(nn.Module):
 
     def project(self, x):
         """q_proj(x) and kv_proj(x); a backend may compute both in one pass over the weights."""
-        q = self.q_proj(x)
-        kv = self.kv_proj(x)
-        return q, kv
+        return self.q_proj(x), self.kv_proj(x)
 
     def kv(self, x, rope: Rope, kv=None):
         """K (normed, rotated) and V of x [B, T, H] (or of its kv_proj output `kv`):

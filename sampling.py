@@ -21,10 +21,7 @@ class Filters(NamedTuple):
 
     @property
     def active(self) -> bool:
-        top_k = self.top_k > 0
-        top_p = self.top_p < 1.0
-        min_p = self.min_p > 0.0
-        return top_k or top_p or min_p
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 NO_FILTERS = Filters()
@@ -65,9 +62,8 @@ def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTER
 def sample_from(p: torch.Tensor, generator, noise: Optional[torch.Tensor] = None):
     """One id per row of p [..., V]; noise ~ Exp(1) of p's shape, or drawn from `generator`."""
     if noise is None:
-        noise = torch.empty_like(p)
-        noise.exponential_(1, generator=generator)
-    race = p / noise
+        noise = torch.empty_like(p).exponential_(1, generator=generator)
+    race = p / noise  # the exponential race: argmax(p / E) is a draw from p
     return torch.argmax(race, dim=-1)
 
 
@@ -87,8 +83,7 @@ class Noise(NamedTuple):
 
 
 def exponential(shape: tuple, generator, device) -> torch.Tensor:
-    noise = torch.empty(shape, device=device)
-    return noise.exponential_(1, generator=generator)
+    return torch.empty(shape, device=device).exponential_(1, generator=generator)
 
 
 def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
@@ -131,17 +126,8 @@ def draw(z, k: int, temperature: float, filters: Filters, generator, noise):
     return sample_from(q, generator, noise_k), q
 
 
-def markov_chain(
-    base_logits,
-    hidden,
-    anchor,
-    markov,
-    temperature: float,
-    generator,
-    noise=None,
-    *,
-    filters: Filters = NO_FILTERS,
-):
+def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
+                 filters: Filters = NO_FILTERS):
     """The sequential stage: z_k = U_k + b_k, with b_k from the head's `step(h_k, x_{k-1}, state)`
     (no head: DFlash, z_k = U_k). base_logits [B, K, V], hidden [B, K, H], anchor [B]; noise Exp(1)
     [B, K, V] or None. Returns drafts [B, K] and q [B, K, V], the distributions they were drawn
@@ -167,17 +153,8 @@ def markov_chain(
     return tokens, q
 
 
-def eagle3_chain(
-    drafter,
-    h,
-    anchor_pos,
-    K: int,
-    temperature: float,
-    generator,
-    noise=None,
-    *,
-    filters: Filters = NO_FILTERS,
-):
+def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, noise=None, *,
+                 filters: Filters = NO_FILTERS):
     """Eagle3's drafting: x_k ~ softmax(lm_head(norm(h)) / T), then one step of its layer on (h, x_k)
     at position a + k - 1 gives the next h; h [B, H] starts as each row's carried state (the drafter's
     `carried`; anchor_pos [B] = a). Returns drafts [B, K] and q [B, K, V] (None at T=0), as
@@ -228,18 +205,8 @@ def accept_greedy(drafts, target_logits, verify_len):
     return n, committed
 
 
-def accept_sampled(
-    drafts,
-    q,
-    target_logits,
-    verify_len,
-    temperature: float,
-    generator,
-    u=None,
-    noise=None,
-    *,
-    filters: Filters = NO_FILTERS,
-):
+def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None,
+                   noise=None, *, filters: Filters = NO_FILTERS):
     """Rejection sampling: accept x_k if u_k·q_k(x_k) < p_{k-1}(x_k) and k <= ℓ; at the first
     rejection the correction from normalize(max(p - q, 0)), else the bonus from p_ℓ. Draws u [B, K],
     then a race over [B, V] (or takes them). Returns accepted n [B] and the committed token [B]."""
@@ -461,10 +428,8 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
     return nodes
 
 
-def walk_tree_reference(
-    nodes: list[tuple[int, int]],
-    target_tokens: list[int],
-) -> tuple[list[int], int]:
+def walk_tree_reference(nodes: list[tuple[int, int]],
+                        target_tokens: list[int]) -> tuple[list[int], int]:
     """One row's walk in plain Python: from the root, the child holding the target's token at the
     current node, until none does. Returns the path (node indices, the root's 0 first) and the
     target's token after it."""
