@@ -33,11 +33,17 @@ class Tokenizer:
         if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):
             raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
         config_path = os.path.join(directory, "tokenizer_config.json")
-        config = read_json(config_path) if optional_file(config_path) else {}
+        config = {}
+        if optional_file(config_path):
+            config = read_json(config_path)
         self.chat_template, self.template_source, self.template_problem = read_chat_template(directory, config)
-        specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
-                    if k in ("bos_token", "eos_token", "unk_token", "pad_token")}  # what templates read
-        self.special_texts = {k: v for k, v in specials.items() if isinstance(v, str)}
+        self.special_texts = {}  # the special tokens' texts, which templates read
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(key)
+            if isinstance(value, dict):  # an AddedToken: {"content": ..., ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                self.special_texts[key] = value
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -46,8 +52,10 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, prompt: str, thinking: bool = False, system: Optional[str] = None) -> str:
-        turns = ([{"role": "system", "content": system}] if system is not None else []) + [
-            {"role": "user", "content": prompt}]
+        turns = []
+        if system is not None:
+            turns.append({"role": "system", "content": system})
+        turns.append({"role": "user", "content": prompt})
         return self.render_messages(turns, add_generation_prompt=True, thinking=thinking)
 
     def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
@@ -56,14 +64,17 @@ class Tokenizer:
         if self.chat_template is None:  # Qwen3's ChatML; a closing assistant turn opens with an empty think block
             out = []
             for i, m in enumerate(messages):
-                think = EMPTY_THINK if m["role"] == "assistant" and i == len(messages) - 1 else ""
+                think = ""
+                if m["role"] == "assistant" and i == len(messages) - 1:
+                    think = EMPTY_THINK
                 out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
             if add_generation_prompt:
                 out.append("<|im_start|>assistant\n")
                 if not thinking:
                     out.append(EMPTY_THINK)
             return "".join(out)
-        text = render_template(self.chat_template, self.template_source, messages=[dict(m) for m in messages],
+        copies = [dict(m) for m in messages]  # a template may not change the caller's
+        text = render_template(self.chat_template, self.template_source, messages=copies,
                                add_generation_prompt=add_generation_prompt, enable_thinking=thinking,
                                **self.special_texts)
         if not text.strip():
@@ -92,15 +103,19 @@ def read_chat_template(directory: str, config: dict) -> tuple[Optional[str], Opt
                                 f"{', '.join(map(repr, named)) or 'none'}); rendering a chat needs one (--no-chat "
                                 f"sends the raw text)")
         t = named["default"]
-    if t is not None and not isinstance(t, str):
+    if t is None:
+        return None, None, None
+    if not isinstance(t, str):
         raise UserError(f"{path}: 'chat_template' must be a string")
-    return t, path if t is not None else None, None
+    return t, path, None
 
 
 # The box a chat template renders in: Jinja's immutable sandbox, a time limit, and caps on what it computes, checked
 # on every value, and before single C calls the timer cannot stop (repetition, powers, products, widths, replace, join).
 
-TEMPLATE_SECONDS, TEMPLATE_CHARS, TEMPLATE_BITS = 10, 10_000_000, 100_000
+TEMPLATE_SECONDS = 10        # wall time a render may take
+TEMPLATE_CHARS = 10_000_000  # the longest string or list it may make
+TEMPLATE_BITS = 100_000      # the largest integer it may make
 _COMPILED: dict = {}  # the last template, compiled
 
 
@@ -125,17 +140,26 @@ def _bounded(value):
 
 def _check_format(fmt: str, args, kwargs: dict):
     """Refuse a format string (%, str.format, |format) whose widths (in specs or arguments) pass TEMPLATE_CHARS."""
-    percent = re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt)
-    widths = [w for m in percent for w in m.group(1, 2) if w]  # digits, or "*": taken from the arguments
+    widths = []  # %-style widths and precisions: digits, or "*" (taken from the arguments)
+    for m in re.finditer(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]", fmt):
+        widths += [w for w in m.group(1, 2) if w]
+    specs = []  # str.format's format specs
     try:
-        parsed = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None and spec]
+        for _, field, spec, _ in string.Formatter().parse(fmt):
+            if field is not None and spec:
+                specs.append(spec)
     except ValueError:  # not a valid format string: str.format will say so
-        parsed = []
+        specs = []
     numbers = [int(w) for w in widths if w != "*"]
-    numbers += [int(n) for spec in parsed for n in re.findall(r"\d+", re.sub(r"\{[^}]*\}", "", spec))]
-    if "*" in widths or any("{" in spec for spec in parsed):
+    for spec in specs:
+        literal = re.sub(r"\{[^}]*\}", "", spec)  # a nested {field} is an argument, counted below
+        numbers += [int(n) for n in re.findall(r"\d+", literal)]
+    if "*" in widths or any("{" in spec for spec in specs):
         values = list(args) + list(kwargs.values())  # the width is one of the arguments
-        numbers += [v for v in values + [x for a in args if isinstance(a, (tuple, list)) for x in a] if _int(v)]
+        for a in args:
+            if isinstance(a, (tuple, list)):
+                values += list(a)
+        numbers += [v for v in values if _int(v)]
     if any(n > TEMPLATE_CHARS for n in numbers):
         _refuse("a format width is too large")
 
@@ -150,7 +174,10 @@ def _joinable(items) -> list:
 
 def _precheck(name: str, s, args, kwargs):
     """Refuse a str method or filter `name` on `s` that would make more than TEMPLATE_CHARS."""
-    width = kwargs.get("width", args[0] if args else None)
+    width = None
+    if args:
+        width = args[0]
+    width = kwargs.get("width", width)
     if name in ("center", "ljust", "rjust", "zfill", "indent", "expandtabs") and _int(width):
         lines = 1  # how many times the width is paid: per line for indent, per tab for expandtabs
         if name == "indent":
@@ -162,18 +189,26 @@ def _precheck(name: str, s, args, kwargs):
     elif name in ("format", "format_map") and isinstance(s, str):
         _check_format(s, args, kwargs)
     elif name == "replace" and isinstance(s, str) and len(args) >= 2:
-        old, new = str(args[0]), str(args[1])
-        if len(s) + (s.count(old) if old else len(s) + 1) * max(0, len(new) - len(old)) > TEMPLATE_CHARS:
+        old = str(args[0])
+        new = str(args[1])
+        replaced = len(s) + 1  # "" matches between every character and at both ends
+        if old:
+            replaced = s.count(old)
+        growth = max(0, len(new) - len(old))
+        if len(s) + replaced * growth > TEMPLATE_CHARS:
             _refuse("a replacement is too long")
 
 
 def _bounded_filter(f, name: str):
     """A Jinja filter that could grow a value past the caps, checked before it runs and after."""
-    skip = 1 if hasattr(f, "jinja_pass_arg") else 0  # a filter that takes the context / environment first
+    skip = 0
+    if hasattr(f, "jinja_pass_arg"):  # a filter that takes the context / environment first
+        skip = 1
 
     def checked(*args, **kwargs):
         if len(args) > skip:
-            value, rest = args[skip], args[skip + 1:]
+            value = args[skip]
+            rest = args[skip + 1:]
             if name == "join" and hasattr(value, "__iter__"):
                 args = args[:skip] + (_joinable(value),) + rest
             _precheck(name, value, rest, kwargs)
@@ -196,16 +231,25 @@ def render_template(template: str, source: str, **context) -> str:
 
         def call_binop(self, context, operator, left, right):
             ints = _int(left) and _int(right)
-            if operator == "**" and ints and abs(left) > 1 and right > 0 and right * abs(left).bit_length() > TEMPLATE_BITS:
-                _refuse(f"{left} ** {right} is too large")
+            if operator == "**" and ints and abs(left) > 1 and right > 0:
+                if right * abs(left).bit_length() > TEMPLATE_BITS:
+                    _refuse(f"{left} ** {right} is too large")
             if operator == "*" and ints and left.bit_length() + right.bit_length() > TEMPLATE_BITS:
                 _refuse("a product is too large")
-            if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
-                seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            sequences = (str, list, tuple)
+            if operator == "*" and (isinstance(left, sequences) or isinstance(right, sequences)):
+                seq = left  # the sequence repeated, and how many times
+                n = right
+                if not isinstance(left, sequences):
+                    seq = right
+                    n = left
                 if isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
                     _refuse("a repetition is too long")
             if operator == "%" and isinstance(left, str):
-                _check_format(left, right if isinstance(right, (tuple, list)) else (right,), {})
+                values = right
+                if not isinstance(right, (tuple, list)):
+                    values = (right,)
+                _check_format(left, values, {})
             return _bounded(super().call_binop(context, operator, left, right))
 
         def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
@@ -214,7 +258,10 @@ def render_template(template: str, source: str, **context) -> str:
             def checked(*args, **kwargs):
                 _check_format(value.__self__, args, kwargs)
                 return _bounded(wrapped(*args, **kwargs))
-            return None if wrapped is None else checked
+
+            if wrapped is None:
+                return None
+            return checked
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's own signature)
             if isinstance(getattr(__obj, "__self__", None), str):  # a str method
@@ -269,8 +316,11 @@ RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
     """--chat's default: on when the tokenizer has a template (or names ones it cannot use)."""
-    return chat if chat is not None else (tokenizer is not None and (
-        tokenizer.chat_template is not None or tokenizer.template_problem is not None))
+    if chat is not None:
+        return chat
+    if tokenizer is None:
+        return False
+    return tokenizer.chat_template is not None or tokenizer.template_problem is not None
 
 
 def check_text(text: str, where: str):
@@ -282,7 +332,11 @@ def check_text(text: str, where: str):
 
 def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional[str], thinking: bool) -> list[str]:
     """--system-prompt / --enable-thinking (returned if given): an error with token ids or without chat."""
-    flags = [f for f, on in (("--system-prompt", system_prompt is not None), ("--enable-thinking", thinking)) if on]
+    flags = []
+    if system_prompt is not None:
+        flags.append("--system-prompt")
+    if thinking:
+        flags.append("--enable-thinking")
     if flags and ids:
         raise UserError(f"{flags[0]}: --prompt-ids are token ids, not a rendered chat; it would change nothing")
     if flags and chat is False:
@@ -301,7 +355,9 @@ def read_messages(messages, where: str) -> list[dict]:
         raise UserError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            got = f"keys {', '.join(map(repr, m))}" if isinstance(m, dict) else f"a {type(m).__name__}"
+            got = f"a {type(m).__name__}"
+            if isinstance(m, dict):
+                got = f"keys {', '.join(map(repr, m))}"
             raise UserError(f"{where}: messages[{i}] must be {{\"role\": str, \"content\": str}}, got {got}")
         if m["role"] not in ROLES:
             raise UserError(f"{where}: messages[{i}]: role {repr(m['role'])[:60]} is not one of {', '.join(ROLES)}")
@@ -330,19 +386,28 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, sy
         raise UserError(f"{where}: a messages record is a conversation, rendered only with a chat template, "
                         f"and prompts are not rendered as chat here (--no-chat, or a tokenizer without a chat "
                         f"template: --chat renders Qwen3's format)")
-    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else read_messages(prompt, where)
-    if system_prompt is not None and any(m["role"] == "system" for m in turns):
-        raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives another; "
-                        f"drop one")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + turns
+    if isinstance(prompt, str):
+        turns = [{"role": "user", "content": prompt}]
+    else:
+        turns = read_messages(prompt, where)
+    messages = turns
+    if system_prompt is not None:
+        if any(m["role"] == "system" for m in turns):
+            raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives "
+                            f"another; drop one")
+        messages = [{"role": "system", "content": system_prompt}] + turns
     texts = [m["content"] for m in messages]
-    check_text("\n".join(texts), where)
+    joined = "\n".join(texts)
+    check_text(joined, where)
     if not texts[-1].strip():  # before rendering: a template would dress an empty question up
         raise UserError(f"{where}: empty prompt")
-    if max_len is not None and sum(map(len, texts)) > CHARS_PER_TOKEN * max_len:  # e.g. 100 MB: refused from a prefix
-        if len(tokenizer.encode("\n".join(texts)[:CHARS_PER_TOKEN * max_len])) > max_len:
+    if max_len is not None:  # e.g. 100 MB: refused from a prefix, not tokenized whole
+        most_chars = CHARS_PER_TOKEN * max_len
+        if sum(map(len, texts)) > most_chars and len(tokenizer.encode(joined[:most_chars])) > max_len:
             raise UserError(f"{where}: the prompt is longer than the {max_len} tokens the context leaves it")
-    text = tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking) if chat else texts[-1]
+    if not chat:
+        return tokenizer.encode(texts[-1])
+    text = tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking)
     return tokenizer.encode(text)
 
 
@@ -353,8 +418,10 @@ RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
 def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
     if not os.path.isfile(prompts_file):
-        raise UserError(f"{prompts_file}: " + ("not a regular file (a pipe or a device): give a file"
-                                               if os.path.exists(prompts_file) else "prompts file not found"))
+        why = "prompts file not found"
+        if os.path.exists(prompts_file):
+            why = "not a regular file (a pipe or a device): give a file"
+        raise UserError(f"{prompts_file}: {why}")
     out = []
     for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
         if not isinstance(row, dict):
@@ -367,7 +434,9 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
         if len(kinds) > 1:
             raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
                             f"{' and '.join(kinds)}")
-        kind = kinds[0] if kinds else None
+        kind = None
+        if kinds:
+            kind = kinds[0]
         v = row.get(kind)
         if kind == "prompt_ids" and isinstance(v, list) and not all(_int(i) for i in v):
             raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
@@ -387,11 +456,13 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None, max_len: Optional[int] = None,
                  system_prompt: Optional[str] = None, thinking: bool = False, sources: Optional[list] = None):
     """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from."""
-    given = [f for f, v in (("--prompt", prompt), ("--prompt-ids", prompt_ids), ("--prompts-file", prompts_file))
-             if v is not None]
+    sources_given = (("--prompt", prompt), ("--prompt-ids", prompt_ids), ("--prompts-file", prompts_file))
+    given = [name for name, value in sources_given if value is not None]
     if len(given) != 1:
-        raise UserError("give exactly one of --prompt, --prompt-ids, --prompts-file"
-                        + (f" (got {', '.join(given)})" if given else ""))
+        got = ""
+        if given:
+            got = f" (got {', '.join(given)})"
+        raise UserError(f"give exactly one of --prompt, --prompt-ids, --prompts-file{got}")
     flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt, thinking=thinking)
     if prompts_file is not None:
         records = read_prompts(prompts_file)
@@ -413,11 +484,16 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
 
 def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter=None, sources=None):
     """Every prompt non-empty, inside the vocabulary, and fitting the target's and drafter's context with its budget."""
-    V, context, whose = target.args.vocab_size, target.args.max_position_embeddings, "target"
+    V = target.args.vocab_size
+    context = target.args.max_position_embeddings
+    whose = "target"
     if drafter is not None and drafter.cfg.layers.max_position_embeddings < context:
-        context, whose = drafter.cfg.layers.max_position_embeddings, "drafter"
+        context = drafter.cfg.layers.max_position_embeddings
+        whose = "drafter"
     for i, p in enumerate(prompts):
-        name = sources[i] if sources is not None else f"prompt {i}"
+        name = f"prompt {i}"
+        if sources is not None:
+            name = sources[i]
         if not p:
             raise UserError(f"{name}: empty prompt")
         bad = [t for t in p if not 0 <= t < V]
@@ -432,7 +508,8 @@ class StopStrings:
     """--stop: a request ends at the first in its printed text: ids kept to the token completing it, text cut before."""
 
     def __init__(self, tokenizer: Tokenizer, strings: Sequence[str]):
-        self.tokenizer, self.strings = tokenizer, tuple(strings)
+        self.tokenizer = tokenizer
+        self.strings = tuple(strings)
 
     @staticmethod
     def check(strings: Sequence[str]):
@@ -459,17 +536,26 @@ class StopStrings:
         return StopStrings(tokenizer, strings)
 
     def find(self, text: str) -> Optional[int]:
-        return min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=None)
+        """Where the first stop string in `text` starts, or None."""
+        found = [text.find(s) for s in self.strings]
+        starts = [i for i in found if i >= 0]
+        return min(starts, default=None)
 
     def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
         """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None."""
-        text = lambda n: self.tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731
+        def text(n):
+            return self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+
         if self.find(text(len(ids))) is None:
             return None
-        lo, hi = checked, len(ids)
+        lo = checked  # a bisection: text(lo) holds none, text(hi) holds one
+        hi = len(ids)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.find(text(mid)) is None else (lo, mid)
+            if self.find(text(mid)) is None:
+                lo = mid
+            else:
+                hi = mid
         return hi
 
     def cut(self, text: str) -> str:
