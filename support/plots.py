@@ -26,7 +26,9 @@ OTHER_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 def _format(path: str) -> Optional[str]:
     ext = os.path.splitext(path)[1].lower()
-    return ext[1:] if ext in FORMATS else None
+    if ext not in FORMATS:
+        return None
+    return ext[1:]
 
 
 def _bad_extension(path: str) -> str:
@@ -42,28 +44,40 @@ def check_plot_path(path: Optional[str], flag: str):
 def _save(fig, path: str, fmt: str):
     import matplotlib
 
-    rc = {"svg.fonttype": "none", "svg.hashsalt": "dspark-fast"}
+    rc = {"svg.fonttype": "none", "svg.hashsalt": "dspark-fast"}  # text as text, stable ids
+    metadata = None
+    if fmt == "svg":
+        metadata = {"Date": None}  # no date: a rerun writes the same file
+
+    def write(tmp):
+        fig.savefig(tmp, format=fmt, dpi=DPI, metadata=metadata)
+
     with matplotlib.rc_context(rc):
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=DPI,
-                                                   metadata={"Date": None} if fmt == "svg" else None))
+        atomic_write(path, write)
 
 
 def bin_stats(a, y, bins: int = BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(count, mean predicted, observed rate) per bin [b/bins, (b+1)/bins), the last closed, as
     eval.py's ECE; NaN means in empty bins."""
-    a, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
+    a = np.asarray(a, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
     idx = np.clip((a * bins).astype(np.int64), 0, bins - 1)
     count = np.bincount(idx, minlength=bins)
+    predicted = np.bincount(idx, weights=a, minlength=bins)
+    observed = np.bincount(idx, weights=y, minlength=bins)
     with np.errstate(invalid="ignore", divide="ignore"):  # 0/0 -> NaN in empty bins
-        return (count, np.bincount(idx, weights=a, minlength=bins) / count,
-                np.bincount(idx, weights=y, minlength=bins) / count)
+        return count, predicted / count, observed / count
 
 
 def _title(panel: dict) -> str:
     title = f"k={panel['position']}"
-    eb, ea, auc = panel.get("ece_before"), panel.get("ece_after"), panel.get("auroc")
+    eb = panel.get("ece_before")
+    ea = panel.get("ece_after")
+    auc = panel.get("auroc")
     if eb is not None:
-        title += f"  ECE {100 * eb:.1f}%" + (f" -> {100 * ea:.1f}%" if ea is not None else "")
+        title += f"  ECE {100 * eb:.1f}%"
+        if ea is not None:
+            title += f" -> {100 * ea:.1f}%"
     if auc is not None:
         title += f"  AUROC {auc:.3f}"
     return title
@@ -128,14 +142,19 @@ def concurrency_plot(path: str, rows: list[dict]):
     levels = sorted({r["concurrency"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))  # in the order measured
     others = iter(OTHER_COLOURS * len(modes))
-    colours = {m: MODE_COLOURS.get(m) or next(others) for m in modes}
+    colours = {}
+    for m in modes:
+        colours[m] = MODE_COLOURS.get(m) or next(others)
     fig = Figure(figsize=(10, 4), layout="constrained")
     axes = fig.subplots(1, 2)
-    for ax, (key, title) in zip(axes, (("total_tokens_per_second", "total tokens/s (all requests)"),
-                                       ("per_request_tokens_per_second", "per-request tokens/s"))):
+    panels = (("total_tokens_per_second", "total tokens/s (all requests)"),
+              ("per_request_tokens_per_second", "per-request tokens/s"))
+    for ax, (key, title) in zip(axes, panels):
         for m in modes:
             pts = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == m)
-            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", color=colours[m], label=m)
+            xs = [c for c, _ in pts]
+            ys = [v for _, v in pts]
+            ax.plot(xs, ys, marker="o", color=colours[m], label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, labels=[str(c) for c in levels])
         ax.minorticks_off()
@@ -154,8 +173,14 @@ def tree_plot(path: str, rows: list[dict], title: str):
     fmt = _format(path)
     if fmt is None:
         raise ValueError(_bad_extension(path))
-    trees = sorted((int(r["mode"].split()[1]), r) for r in rows if r["mode"].startswith("tree "))
-    chain = next((r for r in rows if r["mode"] == "speculative"), None)
+    trees = []  # (budget, row)
+    chain = None
+    for r in rows:
+        if r["mode"].startswith("tree "):
+            trees.append((int(r["mode"].split()[1]), r))
+        elif r["mode"] == "speculative" and chain is None:
+            chain = r
+    trees.sort(key=lambda pair: pair[0])
     if not trees or chain is None:
         raise ValueError(f"{path}: needs the chain's row and at least one tree's")
     from matplotlib.figure import Figure
@@ -164,9 +189,11 @@ def tree_plot(path: str, rows: list[dict], title: str):
     fig = Figure(figsize=(10, 4), layout="constrained")
     fig.suptitle(title)
     axes = fig.subplots(1, 2)
-    for ax, key, label in ((axes[0], "acceptance_length", "τ (tokens committed a round)"),
-                           (axes[1], "speed_up", "tokens/s ÷ autoregressive tokens/s")):
-        ax.plot(budgets, [r[key] for _, r in trees], marker="o", color="tab:green", label="tree")
+    panels = ((axes[0], "acceptance_length", "τ (tokens committed a round)"),
+              (axes[1], "speed_up", "tokens/s ÷ autoregressive tokens/s"))
+    for ax, key, label in panels:
+        values = [r[key] for _, r in trees]
+        ax.plot(budgets, values, marker="o", color="tab:green", label="tree")
         ax.axhline(chain[key], color="tab:blue", linestyle="--", label="chain")
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, labels=[str(b) for b in budgets])
