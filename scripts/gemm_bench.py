@@ -73,8 +73,9 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
         return []
     shapes = []
     for part in text.split(","):
+        spec = part.strip().lower()
         try:
-            a, b = (int(x) for x in part.strip().lower().split("x"))
+            a, b = [int(x) for x in spec.split("x")]
         except ValueError:
             raise UserError(f"{flag}: {part.strip()!r} is not two numbers AxB (e.g. 3072x512)") from None
         if not (1 <= a <= 1 << 20 and 1 <= b <= 1 << 20):
@@ -94,7 +95,8 @@ def interleaved_us(ways: dict, args: GemmArgs) -> dict:
     times = {k: [] for k in ways}
     for _ in range(args.reps):
         for k, f in ways.items():
-            i, calls = calls % args.copies, calls + 1
+            i = calls % args.copies
+            calls += 1
             t0 = time.perf_counter()
             f(i)
             times[k].append(time.perf_counter() - t0)
@@ -102,7 +104,19 @@ def interleaved_us(ways: dict, args: GemmArgs) -> dict:
 
 
 def cell(times: dict, way: str, width: int) -> str:
-    return f"{times[way]:>{width}.1f}" if way in times else f"{'n/a':>{width}}"
+    if way not in times:
+        return f"{'n/a':>{width}}"
+    return f"{times[way]:>{width}.1f}"
+
+
+def comparison(times: dict, ways: dict, base: str, width: int) -> tuple[str, float]:
+    """(base µs ÷ kernel µs, right-aligned in `width`; the largest |kernel - base| of one call), blank and 0
+    without the kernel."""
+    if "kernel" not in ways:
+        return f"{'':>{width}}", 0.0
+    ratio = f"{times[base] / times['kernel']:>{width - 1}.2f}x"
+    diff = (ways["kernel"](0) - ways[base](0)).abs().max().item()
+    return ratio, diff
 
 
 def gemm_table(shapes: list[tuple[int, int]], rows: list[int], args: GemmArgs, g: torch.Generator):
@@ -112,17 +126,20 @@ def gemm_table(shapes: list[tuple[int, int]], rows: list[int], args: GemmArgs, g
     for out, inp in shapes:
         ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
         fits = kernels and out % cpu_kernels.PANEL == 0
-        panels = [torch.ops.dspark.panels(w) for w in ws] if fits else []
+        panels = []
+        uses = "MKL"
+        if fits:
+            panels = [torch.ops.dspark.panels(w) for w in ws]
+            uses = "kernel"
         for r in rows:
             x = torch.randn(r, inp, generator=g)
             ways = {"mkl": lambda i: F.linear(x, ws[i])}
             if fits:
                 ways["kernel"] = lambda i: torch.ops.dspark.panel_linear(x, panels[i], None)
             times = interleaved_us(ways, args)
-            diff = (ways["kernel"](0) - ways["mkl"](0)).abs().max().item() if fits else 0.0
-            ratio = f"{times['mkl'] / times['kernel']:>9.2f}x" if fits else f"{'':>10}"
+            ratio, diff = comparison(times, ways, "mkl", 10)
             print(f"{out:>5}x{inp:<5} {r:>5} {cell(times, 'mkl', 9)} {cell(times, 'kernel', 10)} {ratio} "
-                  f"{diff:>11.2e}  {'kernel' if fits else 'MKL'}", flush=True)
+                  f"{diff:>11.2e}  {uses}", flush=True)
 
 
 def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, args: GemmArgs, g: torch.Generator):
@@ -134,16 +151,20 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
           "install uses")
     for T, S in sizes:
         qs = [torch.randn(1, T, H, hd, generator=g) for _ in range(args.copies)]
-        caches = [torch.randn(1, S, 2 * Hkv, hd, generator=g) for _ in range(args.copies)]  # [k; v] heads, a cache row
-        bias = cache_bias((torch.arange(S - T, S)[:, None] >= torch.arange(S))[None], 1, torch.float32)
+        # a cache row of [k; v] heads
+        caches = [torch.randn(1, S, 2 * Hkv, hd, generator=g) for _ in range(args.copies)]
+        positions = torch.arange(S - T, S)  # the tokens are the cache's last T positions
+        allowed = positions[:, None] >= torch.arange(S)
+        bias = cache_bias(allowed[None], 1, torch.float32)
         kv = [(c[:, :, :Hkv], c[:, :, Hkv:]) for c in caches]
         ways = {"sdpa": lambda i: attend_cached(qs[i], *kv[i], bias)}
         if kernels:
             ways["kernel"] = lambda i: torch.ops.dspark.cached_attention(qs[i], *kv[i], bias)
         times = interleaved_us(ways, args)
-        diff = (ways["kernel"](0) - ways["sdpa"](0)).abs().max().item() if kernels else 0.0
-        ratio = f"{times['sdpa'] / times['kernel']:>10.2f}x" if kernels else f"{'':>11}"
-        uses = "kernel" if kernels and T <= cpu_kernels.ATTENTION_MAX_TOKENS else "SDPA"
+        ratio, diff = comparison(times, ways, "sdpa", 11)
+        uses = "SDPA"
+        if kernels and T <= cpu_kernels.ATTENTION_MAX_TOKENS:
+            uses = "kernel"
         print(f"{T:>7} {S:>6} {cell(times, 'sdpa', 9)} {cell(times, 'kernel', 10)} {ratio} {diff:>11.2e}  {uses}",
               flush=True)
 
@@ -165,9 +186,13 @@ def run(args: GemmArgs) -> int:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
     why = cpu_kernels.unavailable()
-    wall, cpu = time.perf_counter(), time.process_time()
-    print(f"{device_name('cpu')}, torch {torch.__version__}, float32; median µs of {args.reps} interleaved calls, "
-          f"each on the next of {args.copies} copies" + (f"; the CPU kernels are unavailable: {why}" if why else ""))
+    wall = time.perf_counter()
+    cpu = time.process_time()
+    header = (f"{device_name('cpu')}, torch {torch.__version__}, float32; median µs of {args.reps} interleaved "
+              f"calls, each on the next of {args.copies} copies")
+    if why:
+        header += f"; the CPU kernels are unavailable: {why}"
+    print(header)
     if shapes:
         gemm_table(shapes, rows, args, g)
     if attention:
