@@ -17,7 +17,8 @@ so a call ends by itself within 9 minutes. In order, smallest first:
   tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, draft trees of 16, 32 and 64 nodes
                 (compiled-b1 is the chain), bf16, compiled, batch 1
   triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
-                and inside torch.compile, each check with its bf16 tolerance
+                and inside torch.compile, each check with its bf16 tolerance; each eager check times
+                the kernel beside its reference (the chain, the sampled verify, the cache attention)
 and, asked for by --stages only (measured on 2026-11-30):
   compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
   eager-b1      bench.py at batch 1, eager
@@ -62,7 +63,8 @@ from support.files import check_writable, write_json  # noqa: E402  (neither tyr
 # stage -> its time cap in seconds, in the order they run
 STAGES = {"env": 15, "smoke": 50, "compiled-b1": 140, "eagle3-b1": 70, "tree-b1": 200, "triton": 45,
           "compiled-b32": 125, "eager-b1": 50}
-DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")  # what a call runs unasked
+# what a call runs unasked
+DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
 TREE_BUDGETS = (16, 32, 64)  # tree-b1's; the dry run's are 2 and 4
 DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
 BUDGET = 530      # seconds for the default stages: the caps, and the time to stop the last one at its cap
@@ -73,7 +75,7 @@ FLAGGED = ("skipping cudagraphs", "Recompiling", "Re-recording")  # log lines th
 
 
 def stage_file(stage: str) -> str:
-    return "env.json" if stage == "env" else f"{stage}.json"
+    return f"{stage}.json"
 
 
 # ----------------------------------------------------------------------------------------
@@ -85,19 +87,26 @@ def bench_args(stage: str, dry: bool, out: str) -> dict:
         a = dict(model="bigram-35m", dtype="float32", batch_sizes="1,4", prompt_len=32, max_new_tokens=64,
                  repeats=1, compile=True)
     else:
-        a = dict(model="qwen3-8b", dtype="bfloat16", batch_sizes="32" if stage == "compiled-b32" else "1",
-                 prompt_len=128, max_new_tokens=64 if stage in ("eager-b1", "tree-b1") else 128, repeats=2,
-                 compile=stage != "eager-b1")
+        a = dict(model="qwen3-8b", dtype="bfloat16", batch_sizes="1", prompt_len=128, max_new_tokens=128,
+                 repeats=2, compile=True)
+    if stage == "compiled-b32":
+        a.update(batch_sizes="32")
+    if stage in ("eager-b1", "tree-b1"):
+        a.update(max_new_tokens=64)
+    if stage == "eager-b1":
+        a.update(compile=False)
     if stage == "eagle3-b1":
         a.update(drafter_kind="eagle3")
     if stage == "tree-b1":
         a.update(repeats=1)
-    # reduce-overhead: CUDA graphs without GEMM autotuning (which would take minutes for an 8B model's shapes)
-    a.update(device="cuda", reference=False, out=out, compile_mode="reduce-overhead" if a["compile"] else None)
+    a.update(device="cuda", reference=False, out=out, compile_mode=None)
+    if a["compile"]:
+        # CUDA graphs without GEMM autotuning (which would take minutes for an 8B model's shapes)
+        a.update(compile_mode="reduce-overhead")
     if dry:
-        a.update(device="cpu", prompt_len=8, max_new_tokens=4, repeats=1,
-                 batch_sizes={"1,4": "1,2", "32": "2"}.get(a["batch_sizes"], a["batch_sizes"]),
-                 model="qwen3-tiny")
+        dry_batches = {"1,4": "1,2", "32": "2"}
+        batches = dry_batches.get(a["batch_sizes"], a["batch_sizes"])
+        a.update(device="cpu", prompt_len=8, max_new_tokens=4, repeats=1, batch_sizes=batches, model="qwen3-tiny")
     return a
 
 
@@ -108,8 +117,10 @@ class TorchLog(logging.Handler):
         super().__init__(logging.DEBUG)
         from torch._logging._internal import log_registry
 
-        self.lines, self.last = [], None
-        for name in log_registry.get_log_qnames():  # torch's loggers keep their records from the root logger
+        self.lines = []
+        self.last = None
+        # torch's loggers keep their records from the root logger: a handler on each
+        for name in log_registry.get_log_qnames():
             logging.getLogger(name).addHandler(self)
 
     def emit(self, record):
@@ -125,9 +136,13 @@ class TorchLog(logging.Handler):
     def flagged(self, since: tuple[int, int] = (0, 0)) -> list[str]:
         """The flagged lines logged since `mark()` gave `since`; and skipped CUDA graphs that torch
         counted without a line (the log's name for them changed between versions)."""
-        out = [line for line in self.lines[since[0]:] if any(f in line for f in FLAGGED)]
+        out = []
+        for line in self.lines[since[0]:]:
+            if any(f in line for f in FLAGGED):
+                out.append(line)
         skips = self.mark()[1] - since[1]
-        if skips and not any("skipping cudagraphs" in line for line in out):
+        counted = any("skipping cudagraphs" in line for line in out)
+        if skips and not counted:
             out.append(f"skipping cudagraphs: {skips} graph(s), counted by torch")
         return out
 
@@ -136,9 +151,10 @@ class Stage:
     """A stage's JSON file, written whole at once and after every row and check."""
 
     def __init__(self, name: str, out: str, dry: bool):
-        self.path, self.log = os.path.join(out, stage_file(name)), TorchLog()
-        self.doc = {"stage": name, "dry_run": dry, "complete": False, "warnings": [], "checks": [], "sdpa": {},
-                    "rows": []}
+        self.path = os.path.join(out, stage_file(name))
+        self.log = TorchLog()
+        self.doc = {"stage": name, "dry_run": dry, "complete": False, "warnings": [], "checks": [],
+                    "sdpa": {}, "rows": []}
         self.save()
 
     def save(self):
@@ -146,12 +162,15 @@ class Stage:
         write_json(self.path, self.doc, indent=1)
 
     def check(self, name: str, max_diff: float, tolerance: float, **info):
-        max_diff, tolerance = float(max_diff), float(tolerance)
+        max_diff = float(max_diff)
+        tolerance = float(tolerance)
         ok = max_diff <= tolerance  # NaN fails
-        self.doc["checks"].append({"name": name, "max_diff": max_diff if math.isfinite(max_diff) else str(max_diff),
-                                   "tolerance": tolerance, "ok": ok, **info})
-        print(f"check {name}: max diff {max_diff:.3g}, tolerance {tolerance:.3g}: {'ok' if ok else 'FAILED'}",
-              flush=True)
+        recorded = max_diff
+        if not math.isfinite(max_diff):  # JSON has no NaN or Inf
+            recorded = str(max_diff)
+        self.doc["checks"].append({"name": name, "max_diff": recorded, "tolerance": tolerance, "ok": ok, **info})
+        verdict = "ok" if ok else "FAILED"
+        print(f"check {name}: max diff {max_diff:.3g}, tolerance {tolerance:.3g}: {verdict}", flush=True)
         self.save()
 
 
@@ -162,7 +181,8 @@ def light_compile():
     real = torch.compile
 
     def compile(fn=None, **kw):
-        return real(fn, fullgraph=kw.get("fullgraph", False), dynamic=kw.get("dynamic"), backend="eager")
+        fullgraph = kw.get("fullgraph", False)
+        return real(fn, fullgraph=fullgraph, dynamic=kw.get("dynamic"), backend="eager")
     torch.compile = compile
 
 
@@ -179,12 +199,14 @@ def sdpa_spy():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
 
-    real, seen = F.scaled_dot_product_attention, []
+    real = F.scaled_dot_product_attention
+    seen = []
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         try:
-            seen.append(SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                                           enable_gqa=enable_gqa)).name)
+            choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+            seen.append(SDPBackend(choice).name)
         except (RuntimeError, TypeError, ValueError) as e:  # a diagnostic: it must not stop the stage
             seen.append(f"unknown ({type(e).__name__}: {str(e)[:200]})")
         return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -204,11 +226,17 @@ def sdpa_backend(args, batch: int, T: int, S: int, dtype, dev) -> dict:
 
     import model
 
-    H, Hkv, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    H = args.num_attention_heads
+    Hkv = args.num_key_value_heads
+    hd = args.head_dim
     q = torch.randn((batch, T, H, hd), device=dev).to(dtype)
-    k, v = (torch.randn((batch, S, Hkv, hd), device=dev).to(dtype) for _ in range(2))
-    allowed = (S - T + torch.arange(T, device=dev))[None, :, None] >= torch.arange(S, device=dev)
-    group = H // Hkv if model.fold_gqa(dev) else 1
+    k = torch.randn((batch, S, Hkv, hd), device=dev).to(dtype)
+    v = torch.randn((batch, S, Hkv, hd), device=dev).to(dtype)
+    query_pos = S - T + torch.arange(T, device=dev)
+    allowed = query_pos[None, :, None] >= torch.arange(S, device=dev)
+    group = 1
+    if model.fold_gqa(dev):
+        group = H // Hkv
     bias = model.cache_bias(allowed.expand(batch, T, S), group, dtype)
     with sdpa_spy() as seen:
         model.attend_cached(q, k, v, bias)
@@ -219,7 +247,8 @@ def sdpa_backend(args, batch: int, T: int, S: int, dtype, dev) -> dict:
             with sdpa_kernel([getattr(SDPBackend, name)]):
                 model.attend_cached(q, k, v, bias)
             can.append(name)
-    return {"batch": batch, "query_tokens": T, "cache_positions": S, "dtype": str(dtype).replace("torch.", ""),
+    dtype_name = str(dtype).replace("torch.", "")
+    return {"batch": batch, "query_tokens": T, "cache_positions": S, "dtype": dtype_name,
             "folded_gqa": group > 1, "runs": seen[0], "can_run": can}
 
 
@@ -239,28 +268,38 @@ def verify_logits(st: Stage, preset: str, layers: int, batch: int, dtype, dev, d
     if a.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     target = init_random_(target, 0).eval().requires_grad_(False)
-    P, T = (8, 4) if dry else (128, 8)  # a prompt, then a verify of 8 tokens (a block of 7 drafts)
+    # a prompt of P tokens, then a verify of T (on the GPU 8: a block of 7 drafts)
+    P = 128
+    T = 8
+    if dry:
+        P = 8
+        T = 4
     target.setup_caches(batch, P + 64)
     g = torch.Generator(device=dev).manual_seed(0)
-    target(torch.randint(0, a.vocab_size, (batch, P), generator=g, device=dev),
-           torch.arange(P, device=dev).expand(batch, P))  # the prompt into the cache, eagerly
+    prompt = torch.randint(0, a.vocab_size, (batch, P), generator=g, device=dev)
+    prompt_positions = torch.arange(P, device=dev).expand(batch, P)
+    target(prompt, prompt_positions)  # the prompt into the cache, eagerly
     tokens = torch.randint(0, a.vocab_size, (batch, T), generator=g, device=dev)
     positions = P + torch.arange(T, device=dev).expand(batch, T)
     want = target(tokens, positions)[0].float()
     fn = speculate.compiled(lambda x, p: target(x, p)[0], dev, "reduce-overhead")
-    t0, diff, agree = time.perf_counter(), 0.0, 1.0
+    t0 = time.perf_counter()
+    diff = 0.0
+    agree = 1.0
     for _ in range(3):  # with CUDA graphs: warm-up, recording, replay
         if dev == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         got = fn(tokens, positions).float()
         diff = max(diff, (got - want).abs().max().item())
-        agree = min(agree, (got.argmax(-1) == want.argmax(-1)).float().mean().item())
+        same_argmax = got.argmax(-1) == want.argmax(-1)
+        agree = min(agree, same_argmax.float().mean().item())
+    compile_seconds = round(time.perf_counter() - t0, 1)
+    largest = want.abs().max().item()
     # Each side rounds the output of every residual branch (L attention, L MLP) and of the head to bf16,
     # relative u each, so 2u apart; the stream adds them up: at most (2L + 1) * 2u at the logits' scale.
-    tol = (2 * layers + 1) * 2 * unit_roundoff(dtype) * want.abs().max().item()
+    tol = (2 * layers + 1) * 2 * unit_roundoff(dtype) * largest
     st.check("verify_logits", diff, tol, preset=preset, layers=layers, batch=batch, query_tokens=T, cached=P,
-             max_abs_logit=want.abs().max().item(), argmax_agree=agree,
-             compile_seconds=round(time.perf_counter() - t0, 1))
+             max_abs_logit=largest, argmax_agree=agree, compile_seconds=compile_seconds)
 
 
 def bench_rows(st: Stage, args: dict):
@@ -273,14 +312,19 @@ def bench_rows(st: Stage, args: dict):
     since = st.log.mark()
 
     def keep(path, doc, indent=None):
+        budget = args.get("tree_budget", 0)
         for row in doc["rows"]:
             if "warnings" not in row:
+                row["warnings"] = st.log.flagged(since)
                 differ = row.get("differing_requests") or []
-                row["warnings"] = st.log.flagged(since) + ([f"tokens differ from autoregressive decoding's in "
-                                                       f"{len(differ)} request runs (differing_requests)"]
-                                                      if differ else [])
-            row.setdefault("tree_budget", args.get("tree_budget", 0))
-        earlier = [row for row in st.doc.get("rows", []) if row["tree_budget"] != args.get("tree_budget", 0)]
+                if differ:
+                    row["warnings"].append(f"tokens differ from autoregressive decoding's in {len(differ)} "
+                                           f"request runs (differing_requests)")
+            row.setdefault("tree_budget", budget)
+        earlier = []
+        for row in st.doc.get("rows", []):
+            if row["tree_budget"] != budget:
+                earlier.append(row)
         st.doc.update(doc)
         st.doc["rows"] = earlier + doc["rows"]  # a tree stage's budgets, one bench run each
         st.save()
@@ -296,19 +340,28 @@ def bench_stage(st: Stage, stage: str, dry: bool):
     from support.checkpoint import PRESETS
 
     args = bench_args(stage, dry, st.path)
-    dev, dtype = args["device"], getattr(torch, args["dtype"])
-    margs = ModelArgs(**(bench.BIGRAM_35M if args["model"] == "bigram-35m" else PRESETS[args["model"]]))
-    verify = 6 if args["model"] == "bigram-35m" else 8  # its drafter's block + the anchor
+    dev = args["device"]
+    dtype = getattr(torch, args["dtype"])
+    if args["model"] == "bigram-35m":
+        margs = ModelArgs(**bench.BIGRAM_35M)
+        verify = 6  # its drafter's block + the anchor
+    else:
+        margs = ModelArgs(**PRESETS[args["model"]])
+        verify = 8
     S = args["prompt_len"] + args["max_new_tokens"] + 2 * verify  # the engine's cache (bench's max_seq)
     for b in map(int, args["batch_sizes"].split(",")):
         for what, T in (("verify", verify), ("step", 1)):
             st.doc["sdpa"][f"b{b} {what}"] = sdpa_backend(margs, b, T, S, dtype, dev)
     st.save()
-    if stage == "compiled-b1":
-        verify_logits(st, "qwen3-tiny" if dry else "qwen3-8b", 2 if dry else 4, 1, dtype, dev, dry)
+    if stage == "compiled-b1" and dry:
+        verify_logits(st, "qwen3-tiny", 2, 1, dtype, dev, dry)
+    elif stage == "compiled-b1":
+        verify_logits(st, "qwen3-8b", 4, 1, dtype, dev, dry)
     budgets = [0]
-    if stage == "tree-b1":
-        budgets = list(TREE_BUDGETS) if not dry else [2, 4]
+    if stage == "tree-b1" and dry:
+        budgets = [2, 4]
+    elif stage == "tree-b1":
+        budgets = list(TREE_BUDGETS)
     try:
         for budget in budgets:
             if budget:
@@ -318,8 +371,8 @@ def bench_stage(st: Stage, stage: str, dry: bool):
         st.check("speculative_tokens_equal", 1, 0, error=str(e)[:1000])
         raise
     if args["dtype"] == "float32":
-        st.check("speculative_tokens_equal", 0, 0, note="bench.py asserts every run's tokens equal autoregressive "
-                                                        "decoding's in float32")
+        st.check("speculative_tokens_equal", 0, 0,
+                 note="bench.py asserts every run's tokens equal autoregressive decoding's in float32")
 
 
 # The Triton checks' shapes: Qwen3-8B's vocabulary, its drafter's block of 7 and Markov rank 256; its
@@ -337,18 +390,56 @@ def only_triton():
     import kernels
     import model
 
-    saved = {(m, n): getattr(m, n) for m, n in ((kernels, "markov_chain_reference"),
-                                                (kernels, "accept_sampled_reference"), (model, "attend_cached"))}
+    patched = [(kernels, "markov_chain_reference"), (kernels, "accept_sampled_reference"),
+               (model, "attend_cached")]
+    saved = {}
+    for module, name in patched:
+        saved[(module, name)] = getattr(module, name)
 
     def fell_back(*a, **kw):
         raise AssertionError("a Triton function fell back to its torch reference")
-    for m, n in saved:
-        setattr(m, n, fell_back)
+    for module, name in patched:
+        setattr(module, name, fell_back)
     try:
         yield
     finally:
-        for (m, n), f in saved.items():
-            setattr(m, n, f)
+        for (module, name), f in saved.items():
+            setattr(module, name, f)
+
+
+def microseconds(fn, dev: str, reps: int) -> float:
+    """Microseconds a call of `fn`: the mean of `reps` calls after one."""
+    from support.cli import sync
+
+    fn()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(dev)
+    seconds = (time.perf_counter() - t0) / reps
+    return round(seconds * 1e6, 1)
+
+
+def timings(reference, triton, dev: str, reps: int) -> dict:
+    """The torch reference's and the Triton function's microseconds a call."""
+    return {"reference_us": microseconds(reference, dev, reps), "triton_us": microseconds(triton, dev, reps)}
+
+
+def chain_inputs(B: int, K: int, V: int, r: int, dtype, dev: str, g):
+    """A vanilla Markov head of rank r, and a chain's base logits U [B, K, V], anchors [B] and hidden
+    states [B, K, 16] (the vanilla head does not read them)."""
+    import torch
+
+    from drafter import VanillaMarkov
+
+    with torch.device(dev):
+        markov = VanillaMarkov(16, V, r).to(dtype).requires_grad_(False)
+    U = 2 * torch.randn((B, K, V), generator=g, device=dev)
+    U = U.to(dtype)
+    anchor = torch.randint(0, V, (B,), generator=g, device=dev)
+    h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
+    return markov, U, anchor, h
 
 
 def chain_gap(markov, U, anchor, drafts) -> tuple[float, float]:
@@ -356,12 +447,70 @@ def chain_gap(markov, U, anchor, drafts) -> tuple[float, float]:
     the chain's own previous tokens, and the tolerance."""
     import torch
 
-    bias = markov.markov_w2(markov.markov_w1(torch.cat([anchor[:, None], drafts[:, :-1]], 1)))
+    previous = torch.cat([anchor[:, None], drafts[:, :-1]], dim=1)
+    bias = markov.markov_w2(markov.markov_w1(previous))
     z = (U + bias).float()
-    gap = (z.amax(-1) - z.gather(-1, drafts[..., None])[..., 0]).max().item()
+    picked = z.gather(-1, drafts[..., None])[..., 0]
+    gap = (z.amax(-1) - picked).max().item()
     # The bias, then z, are rounded to the dtype on each side from sums taken in other orders: up to one
     # unit in the last place (2u relative) apart each, so a pick may trail the best by twice that.
-    return gap, 2 * 2 * unit_roundoff(U.dtype) * (bias.float().abs().max() + z.abs().max()).item()
+    largest = (bias.float().abs().max() + z.abs().max()).item()
+    tolerance = 2 * 2 * unit_roundoff(U.dtype) * largest
+    return gap, tolerance
+
+
+def verify_inputs(B: int, K: int, V: int, dtype, dev: str, g):
+    """A sampled verify's inputs: drafts [B, K] (the target's argmax, a fifth replaced at random), q
+    [B, K, V], target logits [B, K+1, V], ℓ [B], the uniforms [B, K] and the bonus's Exp(1) [B, V]."""
+    import torch
+
+    logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
+    drafts = torch.argmax(logits[:, :K], -1)
+    replaced = torch.rand((B, K), generator=g, device=dev) < 0.2
+    random_tokens = torch.randint(0, V, (B, K), generator=g, device=dev)
+    drafts = torch.where(replaced, random_tokens, drafts)
+    verify_len = torch.randint(0, K + 1, (B,), generator=g, device=dev)
+    q_noise = torch.randn((B, K, V), generator=g, device=dev)
+    q = torch.softmax(logits[:, :K].float() + q_noise, -1)
+    u = torch.rand((B, K), generator=g, device=dev)
+    bonus_noise = torch.empty((B, V), device=dev).exponential_(1, generator=g)
+    return drafts, q, logits, verify_len, u, bonus_noise
+
+
+def differing(got, want) -> float:
+    """How many entries differ between two (accepted counts, next tokens) pairs."""
+    count = 0
+    for a, b in zip(got, want):
+        count += int((a != b).sum())
+    return float(count)
+
+
+def attention_inputs(B: int, T: int, H: int, Hkv: int, hd: int, S: int, dtype, dev: str, g):
+    """q [B, T, H, hd] and a cache's k, v [B, S, Hkv, hd]."""
+    import torch
+
+    q = torch.randn((B, T, H, hd), generator=g, device=dev).to(dtype)
+    k = torch.randn((B, S, Hkv, hd), generator=g, device=dev).to(dtype)
+    v = torch.randn((B, S, Hkv, hd), generator=g, device=dev).to(dtype)
+    return q, k, v
+
+
+def attention_biases(B: int, T: int, H: int, Hkv: int, S: int, filled: int, dtype, dev: str):
+    """The cache bias of T query tokens ending at position `filled` over S cache positions: as the model
+    folds it for the reference (GQA folded where it folds it), and unfolded for the Triton kernel."""
+    import torch
+
+    import model
+
+    query_pos = filled - T + torch.arange(T, device=dev)
+    allowed = query_pos[None, :, None] >= torch.arange(S, device=dev)
+    allowed = allowed.expand(B, T, S)
+    group = 1
+    if model.fold_gqa(dev):
+        group = H // Hkv
+    reference_bias = model.cache_bias(allowed, group, dtype)
+    triton_bias = model.cache_bias(allowed, 1, dtype)
+    return reference_bias, triton_bias
 
 
 def attention_tolerance(q, k, v, bias, want, backend: str) -> float:
@@ -373,115 +522,153 @@ def attention_tolerance(q, k, v, bias, want, backend: str) -> float:
     import model
 
     u = unit_roundoff(q.dtype)
-    spread = model.attend_cached(q.float(), k.float(), v.float().abs(), bias.float()).max().item()  # Σ p|v|
+    # Σ p|v|: the attention of |v|
+    spread = model.attend_cached(q.float(), k.float(), v.float().abs(), bias.float()).max().item()
     scores = 0.0
     if backend == "MATH":
-        g = q.shape[2] // k.shape[2]
-        s = torch.einsum("bthd,bshd->bhts", q.float(), k.float().repeat_interleave(g, 2)) * q.shape[-1] ** -0.5
+        group = q.shape[2] // k.shape[2]
+        keys = k.float().repeat_interleave(group, 2)
+        s = torch.einsum("bthd,bshd->bhts", q.float(), keys) * q.shape[-1] ** -0.5
         scores = s.abs().max().item()
-    return 2 * u * (spread * (1 + scores) + want.float().abs().max().item())
+    output = want.float().abs().max().item()
+    return 2 * u * (spread * (1 + scores) + output)
 
 
-def triton_stage(st: Stage, dry: bool) -> int:
+def chain_checks(st: Stage, shapes: list, dtype, dev: str, g, reps: int):
+    """The Triton Markov chain's greedy picks against the best reference score, and both timed."""
+    import kernels
+    import sampling
+
+    for B, K, V, r in shapes:
+        markov, U, anchor, h = chain_inputs(B, K, V, r, dtype, dev, g)
+        with only_triton():
+            drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
+        gap, tol = chain_gap(markov, U, anchor, drafts)
+        speed = timings(lambda: sampling.markov_chain(U, h, anchor, markov, 0.0, None),
+                        lambda: kernels.markov_chain(U, h, anchor, markov, 0.0, None), dev, reps)
+        st.check(f"chain B={B} K={K} V={V} r={r}", gap, tol,
+                 measure="best reference score minus the score of the pick", **speed)
+
+
+def sampled_verify(accept, inputs):
+    """`accept` (the reference or the Triton function) on `verify_inputs`' tensors at temperature 1."""
+    drafts, q, logits, verify_len, u, bonus_noise = inputs
+    return accept(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+
+
+def verify_checks(st: Stage, shapes: list, dtype, dev: str, g, reps: int):
+    """The Triton sampled verify's accepted counts and next tokens against the reference's, and both
+    timed. The acceptance tests compare float32 probabilities that differ in the last bits only: no
+    row may differ."""
+    import kernels
+    import sampling
+
+    for B, K, V in shapes:
+        inputs = verify_inputs(B, K, V, dtype, dev, g)
+        with only_triton():
+            got = sampled_verify(kernels.accept_sampled, inputs)
+        want = sampled_verify(sampling.accept_sampled, inputs)
+        speed = timings(lambda: sampled_verify(sampling.accept_sampled, inputs),
+                        lambda: sampled_verify(kernels.accept_sampled, inputs), dev, reps)
+        st.check(f"verify_sampled B={B} K={K} V={V}", differing(got, want), 0.0,
+                 measure="accepted counts and next tokens that differ", **speed)
+
+
+def attention_checks(st: Stage, shapes: list, dtype, dev: str, g, reps: int):
+    """The Triton attention over the KV cache against the model's SDPA at each fill, and both timed."""
+    import kernels
+    import model
+
+    for B, T, H, Hkv, hd, S, fills in shapes:
+        q, k, v = attention_inputs(B, T, H, Hkv, hd, S, dtype, dev, g)
+        for filled in fills:
+            reference_bias, bias = attention_biases(B, T, H, Hkv, S, filled, dtype, dev)
+            with sdpa_spy() as backends:
+                want = model.attend_cached(q, k, v, reference_bias)
+            with only_triton():
+                got = kernels.cached_attention(q, k, v, bias)
+            diff = (got.float() - want.float()).abs().max().item()
+            tol = attention_tolerance(q, k, v, reference_bias, want, backends[0])
+            speed = timings(lambda: model.attend_cached(q, k, v, reference_bias),
+                            lambda: kernels.cached_attention(q, k, v, bias), dev, reps)
+            st.check(f"attention B={B} T={T} H={H}/{Hkv} hd={hd} S={S} filled={filled}", diff, tol,
+                     reference_backend=backends[0], **speed)
+
+
+def compiled_checks(st: Stage, shapes: dict, dtype, adtype, dev: str, g, dry: bool):
+    """The engine compiles the round whole (fullgraph, static shapes), so the kernels must trace: the
+    chain and the sampled verify in one graph, the attention in another, each checked as above. In the
+    interpreter (the dry run), traced code takes the references: Triton's interpreter cannot run
+    inside a graph."""
     import torch
 
     import kernels
     import model
     import sampling
-    from drafter import VanillaMarkov
-    from support.cli import sync
+
+    B, K, V, r = shapes["chain"][0]
+    markov, U, anchor, h = chain_inputs(B, K, V, r, dtype, dev, g)
+    logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
+    verify_len = torch.full((B,), K, device=dev)
+    q = torch.softmax(torch.randn((B, K, V), generator=g, device=dev), -1)
+    u = torch.rand((B, K), generator=g, device=dev)
+    bonus_noise = torch.empty((B, V), device=dev).exponential_(1, generator=g)
+
+    def step(U, anchor, logits, verify_len):
+        drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
+        accepted, next_token = kernels.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+        return drafts, accepted, next_token
+
+    B, T, H, Hkv, hd, S, fills = shapes["attention"][0]
+    aq, ak, av = attention_inputs(B, T, H, Hkv, hd, S, adtype, dev, g)
+    reference_bias, bias = attention_biases(B, T, H, Hkv, S, fills[-1], adtype, dev)
+    with sdpa_spy() as backends:
+        want = model.attend_cached(aq, ak, av, reference_bias)
+    guard = contextlib.nullcontext()
+    if not dry:
+        guard = only_triton()
+    with guard:
+        compiled_step = torch.compile(step, fullgraph=True, dynamic=False)
+        drafts, accepted, next_token = compiled_step(U, anchor, logits, verify_len)
+        compiled_attention = torch.compile(kernels.cached_attention, fullgraph=True, dynamic=False)
+        got = compiled_attention(aq, ak, av, bias)
+    st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
+    reference = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+    st.check("compiled verify_sampled", differing((accepted, next_token), reference), 0.0,
+             triton_traced=not dry)
+    diff = (got.float() - want.float()).abs().max().item()
+    tol = attention_tolerance(aq, ak, av, reference_bias, want, backends[0])
+    st.check("compiled attention", diff, tol, triton_traced=not dry)
+
+
+def triton_stage(st: Stage, dry: bool) -> int:
+    """kernels.py's Triton kernels against their torch references, eager then compiled, each timed
+    beside its reference (the dry run times one call in the interpreter: it runs the code, says
+    nothing of the speed)."""
+    import torch
+
+    import kernels
 
     if not kernels.HAVE_TRITON:
         print("triton is not installed here: nothing to check")
         return SKIPPED
-    dev, dtype, reps = ("cpu" if dry else "cuda"), torch.bfloat16, (0 if dry else 20)
+    dev = "cuda"
+    reps = 20
+    shapes = dict(chain=CHAIN, verify=VERIFY, attention=ATTENTION)
+    if dry:
+        dev = "cpu"
+        reps = 1
+        shapes = DRY
+    dtype = torch.bfloat16
+    adtype = dtype
+    if dry:  # the interpreter's tl.dot multiplies bf16 as raw bits
+        adtype = torch.float16
     kernels.check_backend("triton", dev)  # builds the kernels; raises where Triton cannot run
-    ref_chain, ref_sampled = sampling.markov_chain, sampling.accept_sampled
-    ref_attention = model.attend_cached
-    shapes = DRY if dry else dict(chain=CHAIN, verify=VERIFY, attention=ATTENTION)
     g = torch.Generator(device=dev).manual_seed(0)
-
-    def us(fn):  # microseconds a call, the mean of `reps` after one
-        fn()
-        sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync(dev)
-        return round((time.perf_counter() - t0) / reps * 1e6, 1)
-
-    def timings(ref, fast):
-        return dict(reference_us=us(ref), triton_us=us(fast)) if reps else {}
-
-    for B, K, V, r in shapes["chain"]:
-        with torch.device(dev):
-            markov = VanillaMarkov(16, V, r).to(dtype).requires_grad_(False)
-        U = (2 * torch.randn((B, K, V), generator=g, device=dev)).to(dtype)
-        anchor = torch.randint(0, V, (B,), generator=g, device=dev)
-        h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
-        with only_triton():
-            drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
-        gap, tol = chain_gap(markov, U, anchor, drafts)
-        st.check(f"chain B={B} K={K} V={V} r={r}", gap, tol, measure="best reference score minus the score of "
-                 "the pick", **timings(lambda: ref_chain(U, h, anchor, markov, 0.0, None),
-                                      lambda: kernels.markov_chain(U, h, anchor, markov, 0.0, None)))
-    for B, K, V in shapes["verify"]:
-        logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
-        drafts = torch.argmax(logits[:, :K], -1)
-        drafts = torch.where(torch.rand((B, K), generator=g, device=dev) < 0.2,
-                             torch.randint(0, V, (B, K), generator=g, device=dev), drafts)
-        vl = torch.randint(0, K + 1, (B,), generator=g, device=dev)
-        q = torch.softmax(logits[:, :K].float() + torch.randn((B, K, V), generator=g, device=dev), -1)
-        u = torch.rand((B, K), generator=g, device=dev)
-        noise = torch.empty((B, V), device=dev).exponential_(1, generator=g)
-        with only_triton():
-            sampled = kernels.accept_sampled(drafts, q, logits, vl, 1.0, None, u, noise)
-        # The acceptance tests compare float32 probabilities that differ in the last bits only: no row may differ.
-        want = ref_sampled(drafts, q, logits, vl, 1.0, None, u, noise)
-        st.check(f"verify_sampled B={B} K={K} V={V}", float(sum(int((a != b).sum()) for a, b in zip(sampled, want))),
-                 0.0, measure="accepted counts and next tokens that differ")
-    adtype = torch.float16 if dry else dtype  # the interpreter's tl.dot multiplies bf16 as raw bits
-    for B, T, H, Hkv, hd, S, filled in shapes["attention"]:
-        q = torch.randn((B, T, H, hd), generator=g, device=dev).to(adtype)
-        k, v = (torch.randn((B, S, Hkv, hd), generator=g, device=dev).to(adtype) for _ in range(2))
-        for n in filled:
-            allowed = (n - T + torch.arange(T, device=dev))[None, :, None] >= torch.arange(S, device=dev)
-            allowed = allowed.expand(B, T, S)
-            ref_bias = model.cache_bias(allowed, H // Hkv if model.fold_gqa(dev) else 1, adtype)
-            bias = model.cache_bias(allowed, 1, adtype)
-            with sdpa_spy() as backend:
-                want = ref_attention(q, k, v, ref_bias)
-            with only_triton():
-                got = kernels.cached_attention(q, k, v, bias)
-            st.check(f"attention B={B} T={T} H={H}/{Hkv} hd={hd} S={S} filled={n}",
-                     (got.float() - want.float()).abs().max().item(),
-                     attention_tolerance(q, k, v, ref_bias, want, backend[0]), reference_backend=backend[0],
-                     **timings(lambda: ref_attention(q, k, v, ref_bias),
-                               lambda: kernels.cached_attention(q, k, v, bias)))
-    # The engine compiles the round whole (fullgraph, static shapes): the kernels must trace. In the
-    # interpreter, traced code takes the references (Triton's interpreter cannot run inside a graph).
-    B, K, V, r = shapes["chain"][0]
-    with torch.device(dev):
-        markov = VanillaMarkov(16, V, r).to(dtype).requires_grad_(False)
-    U = (2 * torch.randn((B, K, V), generator=g, device=dev)).to(dtype)
-    anchor = torch.randint(0, V, (B,), generator=g, device=dev)
-    h = torch.zeros((B, K, 16), device=dev, dtype=dtype)
-    logits = torch.randn((B, K + 1, V), generator=g, device=dev).to(dtype)
-    vl = torch.full((B,), K, device=dev)
-    qd = torch.softmax(torch.randn((B, K, V), generator=g, device=dev), -1)
-    ud, nd = torch.rand((B, K), generator=g, device=dev), torch.empty((B, V), device=dev).exponential_(1, generator=g)
-
-    def step(U, anchor, logits, vl):
-        drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
-        return (drafts, *kernels.accept_sampled(drafts, qd, logits, vl, 1.0, None, ud, nd))
-    with only_triton() if not dry else contextlib.nullcontext():
-        drafts, n, nxt = torch.compile(step, fullgraph=True, dynamic=False)(U, anchor, logits, vl)
-        got = torch.compile(kernels.cached_attention, fullgraph=True, dynamic=False)(q, k, v, bias)
-    st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
-    st.check("compiled verify_sampled", float(sum(int((a != b).sum()) for a, b in zip((n, nxt), ref_sampled(
-        drafts, qd, logits, vl, 1.0, None, ud, nd)))), 0.0, triton_traced=not dry)
-    st.check("compiled attention", (got.float() - want.float()).abs().max().item(),
-             attention_tolerance(q, k, v, ref_bias, want, backend[0]), triton_traced=not dry)
+    chain_checks(st, shapes["chain"], dtype, dev, g, reps)
+    verify_checks(st, shapes["verify"], dtype, dev, g, reps)
+    attention_checks(st, shapes["attention"], adtype, dev, g, reps)
+    compiled_checks(st, shapes, dtype, adtype, dev, g, dry)
     return 0
 
 
@@ -495,24 +682,31 @@ def env_stage(out: str, dry: bool):
         try:
             p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                capture_output=True, text=True, timeout=20)
-            return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
         except (OSError, subprocess.TimeoutExpired):
             return None
+        said = p.stdout.strip()
+        if p.returncode != 0 or not said:
+            return None
+        return said.splitlines()[0]
 
     try:
         triton = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton = None
+    sdpa_enabled = {}  # which SDPA backends torch may pick
+    for backend in ("flash", "mem_efficient", "cudnn", "math"):
+        enabled = getattr(torch.backends.cuda, f"{backend}_sdp_enabled", None)
+        if enabled is not None:
+            sdpa_enabled[backend] = enabled()
     info = {"dry_run": dry, "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton, "driver_version": driver(),
             "cuda_available": torch.cuda.is_available(), "gpu": None, "torch_logs": os.environ.get("TORCH_LOGS"),
-            "sdpa_enabled": {b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")()
-                             for b in ("flash", "mem_efficient", "cudnn", "math")
-                             if hasattr(torch.backends.cuda, f"{b}_sdp_enabled")}}
+            "sdpa_enabled": sdpa_enabled}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count,
-                    capability=f"{p.major}.{p.minor}", cudnn=torch.backends.cudnn.version())
+        info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1),
+                    multiprocessors=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                    cudnn=torch.backends.cudnn.version())
     print(json.dumps(info))
     write_json(os.path.join(out, "env.json"), info)
 
@@ -532,17 +726,27 @@ def run_stage(stage: str, dry: bool, out: str) -> int:
     st = Stage(stage, out, dry)
     try:
         with torch.inference_mode():
-            status = triton_stage(st, dry) if stage == "triton" else bench_stage(st, stage, dry) or 0
+            if stage == "triton":
+                status = triton_stage(st, dry)
+            else:
+                bench_stage(st, stage, dry)
+                status = 0
     except BaseException as e:  # kept in the file too, then as Python reports it
         st.doc["error"] = f"{type(e).__name__}: {e}"[:2000]
         st.save()
         raise
     st.doc["complete"] = status == 0
     st.save()
-    failed = [c["name"] for c in st.doc["checks"] if not c["ok"]]
+    failed = failed_checks(st.doc)
     if failed:
         print(f"failed checks: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else status
+        return 1
+    return status
+
+
+def failed_checks(doc: dict) -> list[str]:
+    """The names of a stage document's checks that failed."""
+    return [c["name"] for c in doc.get("checks", []) if not c["ok"]]
 
 
 # ----------------------------------------------------------------------------------------
@@ -552,8 +756,14 @@ def torch_logs() -> str:
     """TORCH_LOGS for the stages: the artifacts above that this torch has, after any given."""
     from torch._logging._internal import log_registry
 
-    given = [x for x in os.environ.get("TORCH_LOGS", "").split(",") if x.strip()]
-    return ",".join(given + [a for a in TORCH_LOGS if log_registry.is_artifact(a) and a not in given])
+    given = []
+    for name in os.environ.get("TORCH_LOGS", "").split(","):
+        if name.strip():
+            given.append(name)
+    for name in TORCH_LOGS:
+        if log_registry.is_artifact(name) and name not in given:
+            given.append(name)
+    return ",".join(given)
 
 
 def stop(p: subprocess.Popen):
@@ -573,25 +783,40 @@ def now() -> str:
 
 
 def stage_command(stage: str, out: str, dry: bool) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", out] + (["--dry-run"] if dry else [])
+    command = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", out]
+    if dry:
+        command.append("--dry-run")
+    return command
 
 
 def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict = STAGES) -> int:
     t_start = time.monotonic()
-    t_end, logs = t_start + budget, torch_logs()
-    summary = {"dry_run": dry, "budget_s": budget, "started": now(), "torch_logs": logs,
-               "stages": [{"stage": s, "status": "not run", "cap_s": caps[s]} for s in stages]}
-    summary_path, log_path = os.path.join(out, "summary.json"), os.path.join(out, "log.txt")
+    t_end = t_start + budget
+    logs = torch_logs()
+    entries = []
+    for stage in stages:
+        entries.append({"stage": stage, "status": "not run", "cap_s": caps[stage]})
+    summary = {"dry_run": dry, "budget_s": budget, "started": now(), "torch_logs": logs, "stages": entries}
+    summary_path = os.path.join(out, "summary.json")
+    log_path = os.path.join(out, "log.txt")
+    dry_flag = ""
+    if dry:
+        dry_flag = " --dry-run"
     with open(log_path, "a") as log:
-        log.write(f"##### {summary['started']}: --stages {','.join(stages)}{' --dry-run' if dry else ''}\n")
+        log.write(f"##### {summary['started']}: --stages {','.join(stages)}{dry_flag}\n")
     signals = []  # SIGINT / SIGTERM: the running stage is stopped, no other starts
-    handlers = {s: signal.signal(s, lambda signum, frame: signals.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handlers[sig] = signal.signal(sig, lambda signum, frame: signals.append(signum))
     try:
-        for entry in summary["stages"]:
-            stage, left = entry["stage"], t_end - time.monotonic() - STOP_GRACE
-            if signals or left < 5:
-                entry["status"] = "not run: " + ("interrupted" if signals else "budget spent")
+        for entry in entries:
+            stage = entry["stage"]
+            left = t_end - time.monotonic() - STOP_GRACE
+            if signals:
+                entry["status"] = "not run: interrupted"
+                continue
+            if left < 5:
+                entry["status"] = "not run: budget spent"
                 continue
             limit = min(caps[stage], left)
             path = os.path.join(out, stage_file(stage))
@@ -600,56 +825,82 @@ def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict
             entry.update(status="running", started=now(), limit_s=round(limit))
             write_json(summary_path, summary)
             print(f"=== {stage} (at most {limit:.0f} s)", flush=True)
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS=logs)
-            if dry:  # the CPU kernels are not what a GPU runs; Triton on CPU is its interpreter
-                env.update(DSPARK_CPU_KERNELS="0", TRITON_INTERPRET="1" if stage == "triton" else "0")
             t0 = time.monotonic()
-            with open(log_path, "a") as log:
-                log.write(f"=== {stage}\n")
-                log.flush()
-                # its own process group, out of reach of a terminal's Ctrl-C: stopped here with what it started
-                p = subprocess.Popen(stage_command(stage, out, dry), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                     process_group=0)
-
-                def pump():  # echo the stage's output and keep it
-                    for line in p.stdout:
-                        print(line, end="", flush=True)
-                        log.write(line)
-                        log.flush()
-                reader = threading.Thread(target=pump, daemon=True)
-                reader.start()
-                while p.returncode is None and not signals and time.monotonic() - t0 <= limit:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        p.wait(timeout=0.2)
-                stopped = p.returncode is None
-                stop(p)  # and what it left running (compile workers)
-                # a Ctrl-C can reach a stage started that instant, before it has a process group of its own
-                if signals:
-                    status = "interrupted"
-                elif stopped:
-                    status = "timed out"
-                else:
-                    status = {0: "ok", SKIPPED: "skipped"}.get(p.returncode, f"exit {p.returncode}")
-                reader.join(timeout=5)
+            status = run_child(stage, out, dry, limit, logs, log_path, signals)
             entry.update(status=status, seconds=round(time.monotonic() - t0, 1))
-            with contextlib.suppress(OSError, ValueError):  # what the stage's file says (absent: nothing)
-                with open(path) as f:
-                    doc = json.load(f)
-                entry.update(failed_checks=[c["name"] for c in doc.get("checks", []) if not c["ok"]],
-                             warnings=len(doc.get("warnings", [])), rows=len(doc.get("rows", [])))
+            entry.update(stage_outcome(path))
             print(f"=== {stage}: {status} in {entry['seconds']:.0f} s", flush=True)
             write_json(summary_path, summary)
         summary["seconds"] = round(time.monotonic() - t_start, 1)
         write_json(summary_path, summary)
     finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     if signals:
-        print(f"interrupted by {signal.Signals(signals[0]).name}: stopped; {summary_path} lists what finished",
-              file=sys.stderr)
+        name = signal.Signals(signals[0]).name
+        print(f"interrupted by {name}: stopped; {summary_path} lists what finished", file=sys.stderr)
         return 128 + signals[0]
-    return 0 if all(e["status"] in ("ok", "skipped") for e in summary["stages"]) else 1
+    for entry in entries:
+        if entry["status"] not in ("ok", "skipped"):
+            return 1
+    return 0
+
+
+def run_child(stage: str, out: str, dry: bool, limit: float, logs: str, log_path: str, signals: list) -> str:
+    """One stage in a process of its own, its output echoed and appended to log.txt, stopped at `limit`
+    seconds or at a signal. Returns its status."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS=logs)
+    if dry:  # the CPU kernels are not what a GPU runs; Triton on CPU is its interpreter
+        interpret = "0"
+        if stage == "triton":
+            interpret = "1"
+        env.update(DSPARK_CPU_KERNELS="0", TRITON_INTERPRET=interpret)
+    t0 = time.monotonic()
+    with open(log_path, "a") as log:
+        log.write(f"=== {stage}\n")
+        log.flush()
+        # its own process group, out of reach of a terminal's Ctrl-C: stopped here with what it started
+        p = subprocess.Popen(stage_command(stage, out, dry), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True, errors="replace",
+                             process_group=0)
+
+        def pump():  # echo the stage's output and keep it
+            for line in p.stdout:
+                print(line, end="", flush=True)
+                log.write(line)
+                log.flush()
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        while p.returncode is None and not signals and time.monotonic() - t0 <= limit:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=0.2)
+        stopped = p.returncode is None
+        stop(p)  # and what it left running (compile workers)
+        # a Ctrl-C can reach a stage started that instant, before it has a process group of its own
+        if signals:
+            status = "interrupted"
+        elif stopped:
+            status = "timed out"
+        elif p.returncode == 0:
+            status = "ok"
+        elif p.returncode == SKIPPED:
+            status = "skipped"
+        else:
+            status = f"exit {p.returncode}"
+        reader.join(timeout=5)
+    return status
+
+
+def stage_outcome(path: str) -> dict:
+    """What a stage's file says for the summary: its failed checks, warnings and rows (nothing when the
+    file is absent or unreadable)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {"failed_checks": failed_checks(doc), "warnings": len(doc.get("warnings", [])),
+            "rows": len(doc.get("rows", []))}
 
 
 class Flags(argparse.ArgumentParser):
@@ -658,17 +909,26 @@ class Flags(argparse.ArgumentParser):
 
 
 def parse(argv) -> argparse.Namespace:
-    ap = Flags(prog="scripts/device_run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Flags(prog="scripts/device_run.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "device_out"),
                     help="the folder the results go to (default: $OUT, else device_out)")
-    ap.add_argument("--dry-run", action="store_true", help="run the stages on CPU with small shapes (no CUDA needed)")
-    ap.add_argument("--budget", type=float, default=BUDGET, help=f"seconds for all stages together (default {BUDGET})")
-    ap.add_argument("--stages", default=",".join(DEFAULT_STAGES),
-                    help=f"comma-separated stages, run in the order given (default: {','.join(DEFAULT_STAGES)}; "
-                         f"also: {', '.join(s for s in STAGES if s not in DEFAULT_STAGES)})")
-    ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # a child: run one stage in this process
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run the stages on CPU with small shapes (no CUDA needed)")
+    ap.add_argument("--budget", type=float, default=BUDGET,
+                    help=f"seconds for all stages together (default {BUDGET})")
+    defaults = ",".join(DEFAULT_STAGES)
+    others = ", ".join(s for s in STAGES if s not in DEFAULT_STAGES)
+    ap.add_argument("--stages", default=defaults,
+                    help=f"comma-separated stages, run in the order given (default: {defaults}; also: {others})")
+    # a child: run one stage in this process
+    ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    a.stages = [s.strip() for s in a.stages.split(",") if s.strip()]
+    stages = []
+    for name in a.stages.split(","):
+        if name.strip():
+            stages.append(name.strip())
+    a.stages = stages
     unknown = [s for s in a.stages if s not in STAGES]
     if unknown:
         raise UserError(f"--stages: unknown stage {unknown[0]!r} (known: {', '.join(STAGES)})")
@@ -709,8 +969,10 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run_stages(a.stages, a.out, a.dry_run, a.budget,
-                      {s: c * DRY_CAPS for s, c in STAGES.items()} if a.dry_run else STAGES)
+    caps = STAGES
+    if a.dry_run:
+        caps = {stage: cap * DRY_CAPS for stage, cap in STAGES.items()}
+    return run_stages(a.stages, a.out, a.dry_run, a.budget, caps)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def test_dry_run_every_stage(tmp_path):
             assert names == ["chain", "chain", "verify_sampled", "attention", "attention",
                              "compiled chain", "compiled verify_sampled", "compiled attention"], names
             assert all(c["tolerance"] > 0 for c in doc["checks"] if "chain" in c["name"] or "attention" in c["name"])
+            timed = [c["name"] for c in doc["checks"] if c.get("reference_us", 0) > 0 and c.get("triton_us", 0) > 0]
+            assert timed == [c["name"] for c in doc["checks"][:5]], timed  # the eager checks, each timed
             continue
         batches = [1, 2] if stage == "smoke" else [2] if stage == "compiled-b32" else [1]
         budgets = [2, 4] if stage == "tree-b1" else [0]
