@@ -64,7 +64,8 @@ from support.files import check_outputs, write_json  # noqa: E402
 from support.flags import Machine, Settings  # noqa: E402
 from support.text import check_prompts, load_prompts  # noqa: E402
 
-HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")  # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
+# the demo pair's committed held-out prompts (scripts/demo_prompts.py)
+HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")
 
 
 @dataclass
@@ -171,138 +172,240 @@ def recorded_flags(args: ConcurrencyArgs) -> dict:
     return config
 
 
+TIMING = ("total tokens/s = all requests' tokens / (prefill + decode wall seconds); per-request tokens/s "
+          "= mean of a request's tokens / seconds from its admission to its last token; c x requests_per_slot "
+          "requests streamed through c rows (continuous batching); medians over repeats")
+
+
 def run(args: ConcurrencyArgs) -> list[dict]:
     """Total and per-request tokens/s against concurrency for every scheduler (and autoregressive)."""
-    levels = sorted(parse_ints(args.concurrency, "--concurrency", positive=True, distinct=True))
-    schedulers = [s.strip() for s in args.schedulers.split(",")]
-    if any(s not in KINDS for s in schedulers) or len(set(schedulers)) != len(schedulers):
-        raise UserError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(KINDS)}")
-    if args.sps_synthetic and not set(schedulers) & set(SPS_KINDS):
-        raise UserError(f"--sps-synthetic {args.sps_synthetic}: only the hardware and async schedulers read SPS(B), "
-                        f"and --schedulers has neither")
-    s = check_settings(args)
-    check_ranges(args, repeats="[1, 1000]", requests_per_slot="[1, 100000]")
-    demo = args.target is None and args.drafter is None
-    prompts_file = args.prompts_file or (HELDOUT if demo else None)
-    check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[args.target, args.drafter, prompts_file])
-    plots.check_plot_path(args.plot, "--plot")
-    target_dir = os.path.join(DEMO_DIR, "target") if demo else args.target
-    drafter_dir = os.path.join(DEMO_DIR, "drafter") if demo else args.drafter
-    if target_dir is None or drafter_dir is None:
-        raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "
-                        "(or neither, for the demo pair)")
-    if prompts_file is None:  # before any model loads
-        raise UserError("--prompts-file: needed with a --target other than the demo pair")
-    if not os.path.exists(prompts_file):  # (the rest of its checks are load_prompts')
-        raise UserError(f"{prompts_file}: prompts file not found")
-    target_dir, drafter_dir = resolve_checkpoint(target_dir, "--target"), resolve_checkpoint(drafter_dir, "--drafter")
-    check_outputs({"--out": args.out, "--plot": args.plot}, inputs=[target_dir, drafter_dir])  # hub ids' snapshots
+    levels, schedulers, s = check_args(args)
+    target_dir, drafter_dir, prompts_file = checked_inputs(args)
     if s.compile:
         use_compile_cache(args.machine.compile_cache)
     set_threads(args.machine.threads)  # its line is not printed: the header's hardware names the threads
     dev = resolve_device(args.machine.device)
     dtype = resolve_dtype(args.machine.dtype, dev)
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype)
-    target, drafter = m.target, m.drafter
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
     sources = []
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)
-    check_prompts(prompts, target, s.max_new_tokens, sources=sources, drafter=drafter)
+    check_prompts(prompts, m.target, s.max_new_tokens, sources=sources, drafter=m.drafter)
     modes = ["autoregressive"] + schedulers
-    hw, greedy = device_name(dev), s.temperature == 0
-    print(f"# {target_dir} + {drafter_dir} ({drafter.cfg.describe()}), {dtype}, {hw}, "
-          f"torch {torch.__version__}, compile={s.compile}; {len(prompts)} prompts cycled, {s.max_new_tokens} "
-          f"new tokens each, {'greedy' if greedy else f'temperature {s.temperature}'}, threshold "
-          f"{s.confidence_threshold}, median of {args.repeats}"
-          + (f", SPS(B) synthetic: {args.sps_synthetic}" if args.sps_synthetic else ""), flush=True)
-
-    rows, sps_tables = [], {}
+    hw = device_name(dev)
+    print(header(args, s, m, target_dir, drafter_dir, dtype, hw, len(prompts)), flush=True)
+    rows = []
+    sps_tables = {}
     for c in levels:
-        batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]  # the workload
-        max_seq = cache_length(max(len(p) for p in batch), s.max_new_tokens, drafter)
-        # Building an engine (re)allocates the target's and drafter's caches, which every engine
-        # shares: so all of one concurrency's engines are built first, with one cache length, and
-        # only then compiled or run — they all use the last allocation.
-        engines = {mode: Engine(target, None if mode == "autoregressive" else drafter, batch_size=c, max_seq=max_seq,
-                                temperature=s.temperature, seed=s.seed, stop_ids=m.stop_ids,
-                                scheduler="none" if mode == "autoregressive" else mode,
-                                threshold=s.confidence_threshold if mode == "threshold" else 0.0,
-                                ragged=True, compile=s.compile, compile_mode=s.compile_mode)  # one executor for all
-                   for mode in modes}
-        if s.compile:
-            for e in engines.values():
-                e.warmup()
-        profile_seconds, curve = {}, cliffs_sps(c * (drafter.cfg.num_drafts + 1)) if args.sps_synthetic else None
-        for mode in [m for m in modes if m in SPS_KINDS]:  # SPS(B) depends on the batch capacity: once per c
-            if curve is not None:
-                use_curve(engines[mode].scheduler, curve)
-                sps_tables.setdefault(c, {})[mode] = {"verify_tokens": list(range(len(curve))),
-                                                      "steps_per_second": curve}
-                continue
-            t0 = time.perf_counter()  # each engine's own round: async's has no host read inside
-            table = profile_sps(engines[mode])
-            engines[mode].scheduler.set_sps(table)
-            profile_seconds[mode] = time.perf_counter() - t0
-            sps_tables.setdefault(c, {})[mode] = {"verify_tokens": table["profile_points"],
-                                                  "steps_per_second": table["steps_per_second"]}
-        sizes = {mode: [] for mode in modes}
-        for mode in modes:
-            recording(engines[mode], sizes[mode])
-        for e in engines.values():  # untimed: settle allocators and caches, as bench.side_engine does
-            e.generate([Request(i, p) for i, p in enumerate(batch[:c])], min(s.max_new_tokens, 8))
-        runs = {mode: [] for mode in modes}
-        for rep in range(args.repeats):
-            # Interleaved, and the order rotated each repeat, so a slow spell on a shared machine
-            # lands on every mode rather than on whichever would run in it.
-            k = rep % len(modes)
-            for mode in modes[k:] + modes[:k]:
-                sizes[mode].clear()
-                runs[mode].append(timed_generate(engines[mode], batch, s.max_new_tokens))
-                if curve is not None:  # the rounds' tokens (not the prefill's) over their synthetic time
-                    runs[mode][-1]["modelled_tokens_per_second"] = \
-                        (runs[mode][-1]["tokens"] - len(batch)) / sum(1 / curve[n] for n in sizes[mode])
-        if greedy:  # lossless: every scheduler, every repeat, must emit the autoregressive tokens
-            want = runs["autoregressive"][0]["outputs"]
-            for mode in modes:
-                for rep, r in enumerate(runs[mode]):
-                    if r["outputs"] != want:
-                        i = next(i for i, (a, b) in enumerate(zip(r["outputs"], want)) if a != b)
-                        raise AssertionError(f"concurrency {c}: {mode} (repeat {rep}) emitted different tokens than "
-                                             f"autoregressive decoding for request {i}")
-        for mode in modes:
-            med = lambda key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
-            rows.append({
-                "concurrency": c, "mode": mode,
-                "total_tokens_per_second": med("total_tokens_per_second"),
-                "per_request_tokens_per_second": med("per_request_tokens_per_second"),
-                "acceptance_length": med("acceptance_length"), "verified_per_round": med("verified_per_round"),
-                "tokens": med("tokens"), "seconds": med("seconds"),
-                "total_tokens_per_second_runs": [r["total_tokens_per_second"] for r in runs[mode]],
-                "modelled_tokens_per_second": med("modelled_tokens_per_second") if curve else None,
-                "compile_seconds": engines[mode].compile_seconds,
-                "profile_seconds": profile_seconds.get(mode),
-                "outputs_agree": greedy or None,  # checked above; not checkable when sampling
-            })
-        none = next((r for r in rows if r["concurrency"] == c and r["mode"] == "none"), None)
-        for r in rows:
-            if r["concurrency"] == c:
-                r["vs_none"] = r["total_tokens_per_second"] / none["total_tokens_per_second"] if none else None
-        print(f"concurrency {c}: " + ", ".join(f"{r['mode']} {r['total_tokens_per_second']:.1f}" for r in rows
-                                               if r["concurrency"] == c) + " tok/s", file=sys.stderr, flush=True)
-
+        level_rows, tables = run_level(args, s, m, prompts, modes, c)
+        rows += level_rows
+        if tables:
+            sps_tables[c] = tables
+        speeds = []
+        for r in level_rows:
+            speeds.append(f"{r['mode']} {r['total_tokens_per_second']:.1f}")
+        print(f"concurrency {c}: {', '.join(speeds)} tok/s", file=sys.stderr, flush=True)
     print(table_markdown(rows))
     if args.out:
-        config = recorded_flags(args)
         write_json(args.out, {
-            "config": config, "hardware": hw, "torch": torch.__version__, "drafter": drafter.cfg.describe(),
-            "prompts": len(prompts), "sps": sps_tables, "sps_synthetic": args.sps_synthetic, "rows": rows,
-            "timing": "total tokens/s = all requests' tokens / (prefill + decode wall seconds); per-request "
-                      "tokens/s = mean of a request's tokens / seconds from its admission to its last token; "
-                      "c x requests_per_slot requests streamed through c rows (continuous batching); medians "
-                      "over repeats"}, indent=1)
+            "config": recorded_flags(args), "hardware": hw, "torch": torch.__version__,
+            "drafter": m.drafter.cfg.describe(), "prompts": len(prompts), "sps": sps_tables,
+            "sps_synthetic": args.sps_synthetic, "rows": rows, "timing": TIMING}, indent=1)
     if args.plot:
         plots.concurrency_plot(args.plot, rows)
     return rows
+
+
+def check_args(args: ConcurrencyArgs) -> tuple[list[int], list[str], Settings]:
+    """The concurrencies, the schedulers and the decode settings, checked."""
+    levels = sorted(parse_ints(args.concurrency, "--concurrency", positive=True, distinct=True))
+    schedulers = [name.strip() for name in args.schedulers.split(",")]
+    unknown = any(name not in KINDS for name in schedulers)
+    if unknown or len(set(schedulers)) != len(schedulers):
+        raise UserError(f"--schedulers: {args.schedulers!r} must be distinct names from {', '.join(KINDS)}")
+    if args.sps_synthetic and not set(schedulers) & set(SPS_KINDS):
+        raise UserError(f"--sps-synthetic {args.sps_synthetic}: only the hardware and async schedulers read "
+                        f"SPS(B), and --schedulers has neither")
+    s = check_settings(args)
+    check_ranges(args, repeats="[1, 1000]", requests_per_slot="[1, 100000]")
+    return levels, schedulers, s
+
+
+def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
+    """The target and drafter directories (hub ids resolved) and the prompts file, the demo pair's by
+    default; the outputs checked against them before any model loads."""
+    demo = args.target is None and args.drafter is None
+    target_dir = args.target
+    drafter_dir = args.drafter
+    prompts_file = args.prompts_file
+    if demo:
+        target_dir = os.path.join(DEMO_DIR, "target")
+        drafter_dir = os.path.join(DEMO_DIR, "drafter")
+        prompts_file = args.prompts_file or HELDOUT
+    outputs = {"--out": args.out, "--plot": args.plot}
+    check_outputs(outputs, inputs=[args.target, args.drafter, prompts_file])
+    plots.check_plot_path(args.plot, "--plot")
+    if target_dir is None or drafter_dir is None:
+        raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "
+                        "(or neither, for the demo pair)")
+    if prompts_file is None:
+        raise UserError("--prompts-file: needed with a --target other than the demo pair")
+    if not os.path.exists(prompts_file):  # (the rest of its checks are load_prompts')
+        raise UserError(f"{prompts_file}: prompts file not found")
+    target_dir = resolve_checkpoint(target_dir, "--target")
+    drafter_dir = resolve_checkpoint(drafter_dir, "--drafter")
+    check_outputs(outputs, inputs=[target_dir, drafter_dir])  # the snapshots hub ids resolved to
+    return target_dir, drafter_dir, prompts_file
+
+
+def header(args: ConcurrencyArgs, s: Settings, m, target_dir: str, drafter_dir: str, dtype, hw: str,
+           num_prompts: int) -> str:
+    """The run's first line: the pair, the machine and the settings."""
+    sampling = "greedy"
+    if s.temperature != 0:
+        sampling = f"temperature {s.temperature}"
+    line = (f"# {target_dir} + {drafter_dir} ({m.drafter.cfg.describe()}), {dtype}, {hw}, "
+            f"torch {torch.__version__}, compile={s.compile}; {num_prompts} prompts cycled, "
+            f"{s.max_new_tokens} new tokens each, {sampling}, threshold {s.confidence_threshold}, "
+            f"median of {args.repeats}")
+    if args.sps_synthetic:
+        line += f", SPS(B) synthetic: {args.sps_synthetic}"
+    return line
+
+
+def run_level(args: ConcurrencyArgs, s: Settings, m, prompts: list, modes: list[str], c: int):
+    """Every mode at concurrency c, interleaved: its rows and its SPS(B) tables."""
+    batch = []  # the workload
+    for i in range(c * args.requests_per_slot):
+        batch.append(prompts[i % len(prompts)])
+    engines = build_engines(s, m, modes, c, batch)
+    curve = None
+    if args.sps_synthetic:
+        curve = cliffs_sps(c * (m.drafter.cfg.num_drafts + 1))
+    sps_tables, profile_seconds = price_rounds(engines, curve)
+    sizes = {}
+    for mode in modes:
+        sizes[mode] = []
+        recording(engines[mode], sizes[mode])
+    for e in engines.values():  # untimed: settle allocators and caches, as bench.side_engine does
+        first = [Request(i, p) for i, p in enumerate(batch[:c])]
+        e.generate(first, min(s.max_new_tokens, 8))
+    runs = {mode: [] for mode in modes}
+    for rep in range(args.repeats):
+        # Interleaved, and the order rotated each repeat, so a slow spell on a shared machine
+        # lands on every mode rather than on whichever would run in it.
+        k = rep % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            sizes[mode].clear()
+            timed = timed_generate(engines[mode], batch, s.max_new_tokens)
+            if curve is not None:  # the rounds' tokens (not the prefill's) over their synthetic time
+                round_tokens = timed["tokens"] - len(batch)
+                modelled_seconds = sum(1 / curve[n] for n in sizes[mode])
+                timed["modelled_tokens_per_second"] = round_tokens / modelled_seconds
+            runs[mode].append(timed)
+    greedy = s.temperature == 0
+    if greedy:
+        check_lossless(runs, c)
+    rows = []
+    for mode in modes:
+        rows.append(level_row(runs[mode], c, mode, engines[mode], profile_seconds.get(mode), curve, greedy))
+    none = None
+    for r in rows:
+        if r["mode"] == "none":
+            none = r
+    for r in rows:
+        r["vs_none"] = None
+        if none is not None:
+            r["vs_none"] = r["total_tokens_per_second"] / none["total_tokens_per_second"]
+    return rows, sps_tables
+
+
+def build_engines(s: Settings, m, modes: list[str], c: int, batch: list) -> dict:
+    """One engine a mode, c rows each, all on one executor: ragged verification (free rows skipped),
+    compiled and warmed up when asked. Building an engine (re)allocates the target's and drafter's
+    caches, which every engine shares: so all of one concurrency's engines are built first, with one
+    cache length, and only then compiled or run; they all use the last allocation."""
+    longest = max(len(p) for p in batch)
+    max_seq = cache_length(longest, s.max_new_tokens, m.drafter)
+    engines = {}
+    for mode in modes:
+        drafter = m.drafter
+        scheduler = mode
+        threshold = 0.0
+        if mode == "autoregressive":
+            drafter = None
+            scheduler = "none"
+        if mode == "threshold":
+            threshold = s.confidence_threshold
+        engines[mode] = Engine(m.target, drafter, batch_size=c, max_seq=max_seq, temperature=s.temperature,
+                               seed=s.seed, stop_ids=m.stop_ids, scheduler=scheduler, threshold=threshold,
+                               ragged=True, compile=s.compile, compile_mode=s.compile_mode)
+    if s.compile:
+        for e in engines.values():
+            e.warmup()
+    return engines
+
+
+def price_rounds(engines: dict, curve: Optional[list[float]]) -> tuple[dict, dict]:
+    """SPS(B) for each engine whose scheduler reads it (once per concurrency: it depends on the batch
+    capacity): the synthetic curve, else profiled by the engine's own round (async's has no host read
+    inside). Returns the tables by mode and the seconds each profile took."""
+    tables = {}
+    profile_seconds = {}
+    for mode, engine in engines.items():
+        if mode not in SPS_KINDS:
+            continue
+        if curve is not None:
+            use_curve(engine.scheduler, curve)
+            tables[mode] = {"verify_tokens": list(range(len(curve))), "steps_per_second": curve}
+            continue
+        t0 = time.perf_counter()
+        table = profile_sps(engine)
+        engine.scheduler.set_sps(table)
+        profile_seconds[mode] = time.perf_counter() - t0
+        tables[mode] = {"verify_tokens": table["profile_points"], "steps_per_second": table["steps_per_second"]}
+    return tables, profile_seconds
+
+
+def check_lossless(runs: dict, c: int):
+    """Greedy is lossless: every scheduler, every repeat, emits the autoregressive tokens."""
+    want = runs["autoregressive"][0]["outputs"]
+    for mode, mode_runs in runs.items():
+        for rep, r in enumerate(mode_runs):
+            if r["outputs"] == want:
+                continue
+            first = len(want)  # the first request whose tokens differ
+            for i, (a, b) in enumerate(zip(r["outputs"], want)):
+                if a != b:
+                    first = i
+                    break
+            raise AssertionError(f"concurrency {c}: {mode} (repeat {rep}) emitted different tokens than "
+                                 f"autoregressive decoding for request {first}")
+
+
+def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curve, greedy: bool) -> dict:
+    """A mode's row at concurrency c: the medians over its repeats."""
+    def median(key):
+        return statistics.median(r[key] for r in runs)
+
+    modelled = None
+    if curve:
+        modelled = median("modelled_tokens_per_second")
+    outputs_agree = None  # not checkable when sampling
+    if greedy:
+        outputs_agree = True  # checked by check_lossless
+    return {
+        "concurrency": c, "mode": mode,
+        "total_tokens_per_second": median("total_tokens_per_second"),
+        "per_request_tokens_per_second": median("per_request_tokens_per_second"),
+        "acceptance_length": median("acceptance_length"), "verified_per_round": median("verified_per_round"),
+        "tokens": median("tokens"), "seconds": median("seconds"),
+        "total_tokens_per_second_runs": [r["total_tokens_per_second"] for r in runs],
+        "modelled_tokens_per_second": modelled,
+        "compile_seconds": engine.compile_seconds,
+        "profile_seconds": profile_seconds,
+        "outputs_agree": outputs_agree,
+    }
 
 
 def table_markdown(rows: list[dict]) -> str:
