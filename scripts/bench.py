@@ -182,8 +182,8 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float, num_drafts: int = 0,
-                tree_budget: int = 0) -> int:
+def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float,
+                num_drafts: int = 0, tree_budget: int = 0) -> int:
     """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
     weights, with the lm_head read again for the block's logits and W2 once per Markov step (a tree's:
     once per node); an Eagle3 drafter's layer and the lm_head once per draft. A lookup table (the input
@@ -194,11 +194,22 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
     read = {target.lm_head.weight.data_ptr()}  # a tied embedding is read whole, as the lm_head
 
     def weights(module):  # each tensor once, lookup tables left out
-        gathered = {m.weight.data_ptr() for m in module.modules() if isinstance(m, torch.nn.Embedding)} - read
-        return {p.data_ptr(): p for p in module.parameters() if p.data_ptr() not in gathered}.values()
+        gathered = set()
+        for m in module.modules():
+            if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in read:
+                gathered.add(m.weight.data_ptr())
+        once = {}
+        for p in module.parameters():
+            if p.data_ptr() not in gathered:
+                once[p.data_ptr()] = p
+        return once.values()
+
+    def kv_bytes(layers):  # K and V of every layer at the mean context
+        per_position = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * elt
+        return int(per_position * batch * context)
 
     total = nbytes(weights(target))
-    total += int(2 * a.num_hidden_layers * batch * context * a.num_key_value_heads * a.head_dim * elt)
+    total += kv_bytes(a)
     if drafter is not None:
         K = num_drafts or drafter.cfg.num_drafts
         steps = 1  # drafter passes a round
@@ -208,8 +219,7 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
         if drafter.markov_head is not None:
             markov_steps = tree_budget or K - 1
             total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
-        d = drafter.cfg.layers
-        total += int(2 * d.num_hidden_layers * batch * context * d.num_key_value_heads * d.head_dim * elt)
+        total += kv_bytes(drafter.cfg.layers)
     return total
 
 
@@ -221,8 +231,8 @@ def peak_memory(device) -> float:
 
 
 def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str],
-                verbose: bool = False, kernels: str = "torch", tree_budget: int = 0, tree_temperature: float = 1.0,
-                num_drafts: Optional[int] = None) -> Engine:
+                verbose: bool = False, kernels: str = "torch", tree_budget: int = 0,
+                tree_temperature: float = 1.0, num_drafts: Optional[int] = None) -> Engine:
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
@@ -232,17 +242,21 @@ def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool
     if compile:
         engine.warmup()
     room = max_seq - cache_length(0, 0, drafter)  # the prompt and budget the engine was sized for
-    engine.generate([Request(i, [1, 2, 3][:room - 1]) for i in range(batch)], min(8, room - min(3, room - 1)))
+    prompt = [1, 2, 3][:room - 1]
+    budget = min(8, room - len(prompt))
+    engine.generate([Request(i, prompt) for i in range(batch)], budget)
     return engine
 
 
-def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = True) -> dict:
+def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
+                skip_guards: bool = True) -> dict:
     """The round split into draft (block forward, Markov chain, confidence, schedule), verify (target
     forward with capture, acceptance, context commit) and the rest (the host's work), timed where the
     engine makes its draft and verify calls in one more run, synchronised around each, so the parts add
     up to that run's rounds; the syncs cost a little on a GPU, so that run's `split_round_ms` is kept
     beside the timed runs' `round_ms`."""
-    dev, spent = engine.device, {"draft": 0.0, "verify": 0.0}
+    dev = engine.device
+    spent = {"draft": 0.0, "verify": 0.0}
     calls = {"draft": engine.draft_fn, "verify": engine.verify_fn}
 
     def timed(part):
@@ -255,37 +269,47 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int, s
             return out
         return call
 
-    engine.draft_fn, engine.verify_fn = timed("draft"), timed("verify")
+    engine.draft_fn = timed("draft")
+    engine.verify_fn = timed("verify")
     try:
         r = timed_generate(engine, prompts, max_new_tokens, skip_guards)
     finally:
-        engine.draft_fn, engine.verify_fn = calls["draft"], calls["verify"]
+        engine.draft_fn = calls["draft"]
+        engine.verify_fn = calls["verify"]
     rounds = r["steps"]  # every prompt has its own row, so the batch ran this many rounds
     # Without a drafter the draft call only returns an empty block: host work, counted in the rest.
-    draft = 1e3 * spent["draft"] / rounds if engine.drafter is not None else 0.0
-    verify, round_ms = 1e3 * spent["verify"] / rounds, 1e3 * r["decode_seconds"] / rounds
-    pos = [len(q.prompt_ids) + (len(q.output_ids) - 1) / 2 for q in r["requests"]]  # the cache's mean length
-    return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify,
-            # nested intervals of one clock: only float rounding could take this below zero
-            "rest_ms": max(0.0, round_ms - draft - verify),
-            "bytes_per_round": round_bytes(engine.target, engine.drafter, len(pos), sum(pos) / len(pos), engine.K,
-                                           engine.tree_budget)}
+    draft = 0.0
+    if engine.drafter is not None:
+        draft = 1e3 * spent["draft"] / rounds
+    verify = 1e3 * spent["verify"] / rounds
+    round_ms = 1e3 * r["decode_seconds"] / rounds
+    # each request's mean cache length over its run
+    positions = [len(q.prompt_ids) + (len(q.output_ids) - 1) / 2 for q in r["requests"]]
+    context = sum(positions) / len(positions)
+    nbytes_read = round_bytes(engine.target, engine.drafter, len(positions), context, engine.K, engine.tree_budget)
+    # nested intervals of one clock: only float rounding could take the rest below zero
+    rest = max(0.0, round_ms - draft - verify)
+    return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify, "rest_ms": rest,
+            "bytes_per_round": nbytes_read}
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, skip_guards: bool = True) -> dict:
+def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
+                   skip_guards: bool = True) -> dict:
     """One measured run: every prompt a request, streamed through the engine's rows (continuous
     batching). Total tokens/s counts prefill and decode wall time (the engine's own clocks). A
     request's own tokens/s divides its tokens by the time from its admission to its last token.
     `skip_guards` (a compiled engine, after its warm-up): BenchArgs.skip_guards."""
     reqs = [Request(i, p) for i, p in enumerate(prompts)]
-    engine.prefill_seconds = engine.decode_seconds = 0.0
+    engine.prefill_seconds = 0.0
+    engine.decode_seconds = 0.0
     engine.skip_guards = skip_guards  # Engine.generate applies it once warmed up
     engine.generate(reqs, max_new_tokens)
     seconds = engine.prefill_seconds + engine.decode_seconds
     c = metrics.count(reqs, engine.K, engine.stop_ids)
+    speeds = [len(r.output_ids) / (r.finished - r.started) for r in reqs]
     return {
         "tokens": c["tokens"], "seconds": seconds, "total_tokens_per_second": c["tokens"] / seconds,
-        "per_request_tokens_per_second": sum(len(r.output_ids) / (r.finished - r.started) for r in reqs) / len(reqs),
+        "per_request_tokens_per_second": sum(speeds) / len(reqs),
         "acceptance_length": metrics.acceptance_length(c),
         "verified_per_round": metrics.verified_per_round(c),  # the verify budget per live request per round
         "prefill_seconds": engine.prefill_seconds, "decode_seconds": engine.decode_seconds,
@@ -308,14 +332,20 @@ def compare_outputs(runs: dict, prompts: list[list[int]], target: Transformer, e
                 if got == ref:
                     continue
                 if exact:
-                    raise AssertionError(f"{what}: {m} (repeat {rep}) emitted different tokens than autoregressive "
-                                         f"decoding (request {i})")
-                t = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+                    raise AssertionError(f"{what}: {m} (repeat {rep}) emitted different tokens than "
+                                         f"autoregressive decoding (request {i})")
+                t = min(len(got), len(ref))  # the first token that differs
+                for j, (a, b) in enumerate(zip(got, ref)):
+                    if a != b:
+                        t = j
+                        break
+                device = target.embed_tokens.weight.device
                 with torch.no_grad():  # the target alone, cache-free, on the prompt and the common prefix
-                    tokens = torch.tensor([prompts[i] + ref[:t]], device=target.embed_tokens.weight.device)
-                    top2 = target(tokens)[0][0, -1].float().topk(2).values
-                differ.setdefault(m, []).append({"request": i, "repeat": rep, "first_token": t,
-                                                 "logit_gap": float(top2[0] - top2[1])})
+                    tokens = torch.tensor([prompts[i] + ref[:t]], device=device)
+                    logits = target(tokens)[0]
+                    top2 = logits[0, -1].float().topk(2).values
+                gap = float(top2[0] - top2[1])
+                differ.setdefault(m, []).append({"request": i, "repeat": rep, "first_token": t, "logit_gap": gap})
     for m, d in differ.items():
         gaps = ", ".join(f"{x['logit_gap']:.3g}" for x in d[:8])
         print(f"{what}: {m} differs from autoregressive in {len(d)} request runs (not float32: rounding at "
@@ -325,7 +355,8 @@ def compare_outputs(runs: dict, prompts: list[list[int]], target: Transformer, e
 
 def median_run(runs: list[dict]) -> dict:
     """The run with the median total tokens/s (the upper one of an even count)."""
-    return sorted(runs, key=lambda r: r["total_tokens_per_second"])[len(runs) // 2]
+    by_speed = sorted(runs, key=lambda r: r["total_tokens_per_second"])
+    return by_speed[len(runs) // 2]
 
 
 def transformers_available() -> bool:
@@ -366,7 +397,8 @@ def reference_drafter(drafter: Optional[Drafter], hf) -> Optional[Drafter]:
     plain.load_state_dict(drafter.state_dict(), strict=True)
     w = drafter.fc.weight
     plain = plain.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
-    plain._target[0] = SimpleNamespace(embed_tokens=hf.model.embed_tokens, lm_head=hf.lm_head)  # its forward's two reads
+    # the two things its forward reads from the target
+    plain._target[0] = SimpleNamespace(embed_tokens=hf.model.embed_tokens, lm_head=hf.lm_head)
     return plain
 
 
@@ -382,7 +414,10 @@ def kv_cache(hf) -> dict:
         cache = DynamicCache(config=hf.config)
     except TypeError:  # transformers before the config argument
         cache = DynamicCache()
-    return {"cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values": cache}
+    keyword = "past_key_values"
+    if "cache" in inspect.signature(hf.forward).parameters:
+        keyword = "cache"
+    return {keyword: cache}
 
 
 def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_new_tokens: int,
@@ -390,10 +425,16 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     """The reference implementations' way, batch 1, greedy: transformers' Qwen3 with a
     DynamicCache as the target (cropped after every round), the drafter run eagerly (`reference_drafter`;
     its context cache sized max_seq)."""
-    ids = drafter.cfg.target_layer_ids if drafter is not None else ()
-    K = drafter.cfg.num_drafts if drafter is not None else 0
+    ids = ()
+    K = 0
     if drafter is not None:
+        ids = drafter.cfg.target_layer_ids
+        K = drafter.cfg.num_drafts
         drafter.setup_caches(1, max(max_seq, len(prompt) + max_new_tokens + 2 * (K + 1)))
+
+    def features(out):  # the captured layers' outputs, side by side
+        return torch.cat([out.hidden_states[i + 1] for i in ids], -1)
+
     sync(device)
     t0 = time.perf_counter()
     cache = kv_cache(hf)
@@ -401,7 +442,7 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     out = hf(x, use_cache=True, output_hidden_states=drafter is not None, **cache)
     pos = len(prompt)
     if drafter is not None:
-        drafter.commit_context(torch.cat([out.hidden_states[i + 1] for i in ids], -1), torch.arange(pos, device=device)[None])
+        drafter.commit_context(features(out), torch.arange(pos, device=device)[None])
     anchor = out.logits[:, -1].argmax(-1)
     generated = [int(anchor)]
     while len(generated) < max_new_tokens:
@@ -412,13 +453,14 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
             drafts = anchor.new_zeros((1, 0))
         tokens = torch.cat([anchor[:, None], drafts], 1)
         out = hf(tokens, use_cache=True, output_hidden_states=drafter is not None, **cache)
-        n, nxt = sampling.accept_greedy(drafts, out.logits, torch.full((1,), K, device=device))
+        verify_len = torch.full((1,), K, device=device)
+        n, nxt = sampling.accept_greedy(drafts, out.logits, verify_len)
         n = int(n)
         if K - n > 0:
-            next(iter(cache.values())).crop(n - K)  # drop the rejected drafts' rows (negative: transformers 4 and 5)
+            # drop the rejected drafts' rows (negative: transformers 4 and 5)
+            next(iter(cache.values())).crop(n - K)
         if drafter is not None:
-            drafter.commit_context(torch.cat([out.hidden_states[i + 1] for i in ids], -1),
-                                   pos + torch.arange(K + 1, device=device)[None])
+            drafter.commit_context(features(out), pos + torch.arange(K + 1, device=device)[None])
         generated += drafts[0, :n].tolist() + [int(nxt)]
         pos += n + 1
         anchor = nxt
@@ -740,20 +782,23 @@ def run(args: BenchArgs) -> list[dict]:
 def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: list[dict], complete: bool):
     """--out, rewritten after every batch size: a run cut short (a time limit on a borrowed GPU)
     still leaves what it measured, marked incomplete."""
-    if args.out:
-        write_json(args.out, {"config": flat_fields(args), "hardware": hw, "torch": torch.__version__,
-                              "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
-                              "timing": f"tokens/s = generated tokens / (prefill + decode seconds), median of "
-                                        f"{args.repeats} interleaved repeats; the round split (draft, verify, rest) from one "
-                                        f"more run with its halves timed in place and synchronised (split_round_ms)",
-                              "complete": complete, "rows": rows, "ratios": ratios}, indent=1)
+    if not args.out:
+        return
+    timing = (f"tokens/s = generated tokens / (prefill + decode seconds), median of {args.repeats} "
+              f"interleaved repeats; the round split (draft, verify, rest) from one more run with its "
+              f"halves timed in place and synchronised (split_round_ms)")
+    write_json(args.out, {"config": flat_fields(args), "hardware": hw, "torch": torch.__version__,
+                          "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
+                          "timing": timing, "complete": complete, "rows": rows, "ratios": ratios}, indent=1)
 
 
 def _row(r: dict, bw: float) -> str:
     floor_ms = r["bytes_per_round"] / bw * 1e3
-    return (f"{r['mode']:<48} b={r['batch']:<3}{r['tokens_per_second']:9.1f} tok/s  τ={r['acceptance_length']:.2f}  "
-            f"round {r['round_ms']:.2f} ms (split of a synced {r['split_round_ms']:.2f}: draft {r['draft_ms']:.2f}, "
-            f"verify {r['verify_ms']:.2f}, rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {r['round_ms'] / floor_ms:.2f}x floor  "
+    over_floor = r["round_ms"] / floor_ms
+    return (f"{r['mode']:<48} b={r['batch']:<3}{r['tokens_per_second']:9.1f} tok/s  "
+            f"τ={r['acceptance_length']:.2f}  round {r['round_ms']:.2f} ms (split of a synced "
+            f"{r['split_round_ms']:.2f}: draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f}, "
+            f"rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {over_floor:.2f}x floor  "
             f"compile {r['compile_seconds']:.1f} s")
 
 
