@@ -49,8 +49,14 @@ def split(stdlib: str) -> tuple[list[str], list[str]]:
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     if len(files) < HOLD_OUT_EVERY:
         raise UserError(f"{stdlib}: {len(files)} top-level *.py files; not a standard library (give --stdlib)")
-    held = [f for i, f in enumerate(files) if i % HOLD_OUT_EVERY == 0]
-    return [f for f in files if f not in held], held
+    train = []
+    held = []
+    for i, f in enumerate(files):
+        if i % HOLD_OUT_EVERY == 0:
+            held.append(f)
+        else:
+            train.append(f)
+    return train, held
 
 
 def check_folder(path: str, flag: str, beside: bool = False):
@@ -68,66 +74,99 @@ def check_folder(path: str, flag: str, beside: bool = False):
 
 
 def run(a: CorpusArgs):
-    stdlib = a.stdlib or sysconfig.get_paths()["stdlib"]
-    if os.path.exists(a.corpus) and (not os.path.isdir(a.corpus) or os.listdir(a.corpus)):
-        raise UserError(f"--corpus {a.corpus}: exists and is not an empty directory")
-    if os.path.exists(a.out) and not os.path.isdir(a.out):
-        raise UserError(f"--out {a.out}: exists and is not a directory")
-    corpus, out = os.path.realpath(a.corpus), os.path.realpath(a.out)
-    if corpus == out or corpus.startswith(out + os.sep) or out.startswith(corpus + os.sep):
-        raise UserError(f"--out {a.out}: is (inside, or holds) --corpus {a.corpus}, whose every file is training text; "
-                        f"give them separate directories")
-    listing, record = os.path.join(a.out, "heldout.txt"), os.path.join(a.out, "corpus.json")
-    for path in (listing, record):  # another pair's record: its target saw that corpus
-        if os.path.exists(path):
-            raise UserError(f"--out {a.out}: already holds {os.path.basename(path)} (a pair's record); give a new "
-                            f"directory")
-    check_folder(a.corpus, "--corpus", beside=True)
-    if os.path.ismount(corpus):
-        raise UserError(f"--corpus {a.corpus}: is a mount point (the corpus is made beside it and renamed to it); "
-                        f"give a new folder inside it")
-    check_folder(a.out, "--out")
-    if os.path.isdir(a.out):
-        check_outputs({"heldout.txt": listing, "corpus.json": record}, inputs=[a.same_as])
+    running_stdlib = sysconfig.get_paths()["stdlib"]
+    stdlib = a.stdlib or running_stdlib
+    listing, record = check_paths(a)
     train, held = split(stdlib)
-    running = os.path.realpath(stdlib) == os.path.realpath(sysconfig.get_paths()["stdlib"])
-    info = {"source": "the Python standard library's top-level *.py files, sorted; file i held out when "
-                      f"i % {HOLD_OUT_EVERY} == 0", "stdlib": os.path.abspath(stdlib),
-            "python": platform.python_version() if running else None,
-            "implementation": platform.python_implementation() if running else None,
-            "training_files": len(train), "training_bytes": sum(os.path.getsize(f) for f in train),
-            "training_sha256": files_digest(train),
-            "heldout_files": [os.path.basename(f) for f in held], "heldout_sha256": files_digest(held)}
+    info = corpus_record(stdlib, train, held)
     if a.same_as is not None:
         want = read_json(a.same_as)
         for key in ("training_sha256", "heldout_sha256"):
             if want.get(key) != info[key]:
+                built_from = want.get("python") or "?"
+                this = info["python"] or "?"
                 raise UserError(f"--same-as {a.same_as}: {key} differs (that pair was built from Python "
-                                f"{want.get('python') or '?'}'s standard library, this is {info['python'] or '?'}'s "
-                                f"at {stdlib})")
+                                f"{built_from}'s standard library, this is {this}'s at {stdlib})")
     write_corpus(a, train, info)
     whose = "the"
     if info["python"]:
         whose = "Python " + info["python"]
-    print(f"corpus: {whose} standard library ({stdlib}): "
-          f"{len(train)} training files "
-          f"({info['training_bytes'] / 1e6:.1f} MB, sha256 {info['training_sha256'][:12]}), {len(held)} held out "
+    megabytes = info["training_bytes"] / 1e6
+    print(f"corpus: {whose} standard library ({stdlib}): {len(train)} training files "
+          f"({megabytes:.1f} MB, sha256 {info['training_sha256'][:12]}), {len(held)} held out "
           f"(sha256 {info['heldout_sha256'][:12]}); recorded in {record}", flush=True)
 
 
+def check_paths(a: CorpusArgs) -> tuple[str, str]:
+    """--corpus and --out before anything is read: separate, new, and writable. Returns the paths of the
+    held-out listing and the record."""
+    if os.path.exists(a.corpus) and (not os.path.isdir(a.corpus) or os.listdir(a.corpus)):
+        raise UserError(f"--corpus {a.corpus}: exists and is not an empty directory")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise UserError(f"--out {a.out}: exists and is not a directory")
+    corpus = os.path.realpath(a.corpus)
+    out = os.path.realpath(a.out)
+    nested = corpus.startswith(out + os.sep) or out.startswith(corpus + os.sep)
+    if corpus == out or nested:
+        raise UserError(f"--out {a.out}: is (inside, or holds) --corpus {a.corpus}, whose every file is "
+                        f"training text; give them separate directories")
+    listing = os.path.join(a.out, "heldout.txt")
+    record = os.path.join(a.out, "corpus.json")
+    for path in (listing, record):  # another pair's record: its target saw that corpus
+        if os.path.exists(path):
+            raise UserError(f"--out {a.out}: already holds {os.path.basename(path)} (a pair's record); "
+                            f"give a new directory")
+    check_folder(a.corpus, "--corpus", beside=True)
+    if os.path.ismount(corpus):
+        raise UserError(f"--corpus {a.corpus}: is a mount point (the corpus is made beside it and renamed "
+                        f"to it); give a new folder inside it")
+    check_folder(a.out, "--out")
+    if os.path.isdir(a.out):
+        check_outputs({"heldout.txt": listing, "corpus.json": record}, inputs=[a.same_as])
+    return listing, record
+
+
+def corpus_record(stdlib: str, train: list[str], held: list[str]) -> dict:
+    """corpus.json: where the files came from, and digests of the training and held-out files. The
+    Python version only when `stdlib` is the running interpreter's (another's is not known here)."""
+    running = os.path.realpath(stdlib) == os.path.realpath(sysconfig.get_paths()["stdlib"])
+    python = None
+    implementation = None
+    if running:
+        python = platform.python_version()
+        implementation = platform.python_implementation()
+    source = ("the Python standard library's top-level *.py files, sorted; file i held out when "
+              f"i % {HOLD_OUT_EVERY} == 0")
+    training_bytes = sum(os.path.getsize(f) for f in train)
+    heldout_names = [os.path.basename(f) for f in held]
+    return {"source": source, "stdlib": os.path.abspath(stdlib), "python": python,
+            "implementation": implementation, "training_files": len(train), "training_bytes": training_bytes,
+            "training_sha256": files_digest(train), "heldout_files": heldout_names,
+            "heldout_sha256": files_digest(held)}
+
+
 def missing_top(path: str) -> Optional[str]:
-    top, p = None, os.path.realpath(path)
+    """The outermost folder of `path` that does not exist yet (None: it exists)."""
+    top = None
+    p = os.path.realpath(path)
     while not os.path.exists(p):
-        top, p = p, os.path.dirname(p)
+        top = p
+        p = os.path.dirname(p)
     return top
 
 
 def write_corpus(a: CorpusArgs, train: list[str], info: dict):
     """Copy beside --corpus, write the record, rename: a run stopped on the way removes what it made."""
     corpus = os.path.realpath(a.corpus)
-    listing, record = os.path.join(a.out, "heldout.txt"), os.path.join(a.out, "corpus.json")
-    made = [top for top in map(missing_top, (a.out, corpus)) if top is not None]
-    tmp, done = None, False
+    listing = os.path.join(a.out, "heldout.txt")
+    record = os.path.join(a.out, "corpus.json")
+    made = []  # the folders this run makes
+    for path in (a.out, corpus):
+        top = missing_top(path)
+        if top is not None:
+            made.append(top)
+    tmp = None
+    done = False
     try:
         os.makedirs(a.out, exist_ok=True)
         os.makedirs(os.path.dirname(corpus), exist_ok=True)
