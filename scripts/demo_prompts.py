@@ -41,11 +41,14 @@ class PromptArgs:
 
 
 def files_digest(paths: list[str]) -> str:
+    """sha256 over each file's name, length and bytes, in order."""
     h = hashlib.sha256()
     for p in paths:
         with open(p, "rb") as f:
             data = f.read()
-        h.update(os.path.basename(p).encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+        name = os.path.basename(p).encode()
+        length = str(len(data)).encode()
+        h.update(name + b"\0" + length + b"\0" + data)
     return h.hexdigest()
 
 
@@ -60,17 +63,21 @@ def heldout_files(demo: str = DEMO, stdlib: Optional[str] = None) -> list[str]:
     if not names:
         raise UserError(f"{listing}: lists no files")
     corpus = os.path.join(demo, "corpus.json")
-    built = read_json(corpus) if os.path.isfile(corpus) else {}
-    which = f"Python {built['python']}'s" if built.get("python") else "the one the pair was built from"
+    built = {}  # the pair's corpus record, if any
+    if os.path.isfile(corpus):
+        built = read_json(corpus)
+    which = "the one the pair was built from"
+    if built.get("python"):
+        which = f"Python {built['python']}'s"
     paths = [os.path.join(stdlib, n) for n in names]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
-        raise UserError(f"{missing[0]}: held-out file not in this standard library ({len(missing)} of {len(names)} "
-                        f"missing; the demo was cut from {which}); give --stdlib, or use the committed "
-                        f"demo/heldout.jsonl")
+        raise UserError(f"{missing[0]}: held-out file not in this standard library ({len(missing)} of "
+                        f"{len(names)} missing; the demo was cut from {which}); give --stdlib, or use the "
+                        f"committed demo/heldout.jsonl")
     if "heldout_sha256" in built and files_digest(paths) != built["heldout_sha256"]:
-        raise UserError(f"{stdlib}: its held-out files differ from {which} ({corpus}: heldout_sha256); give "
-                        f"--stdlib, or use the committed demo/heldout.jsonl")
+        raise UserError(f"{stdlib}: its held-out files differ from {which} ({corpus}: heldout_sha256); "
+                        f"give --stdlib, or use the committed demo/heldout.jsonl")
     return paths
 
 
@@ -87,26 +94,30 @@ def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = 
             with open(p, encoding="utf-8") as f:
                 ids.append(tok.encode(f.read()))
         except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"{p}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e.reason})") from None
+            why = getattr(e, "strerror", None) or e.reason
+            raise UserError(f"{p}: cannot read it as UTF-8 text ({why})") from None
     per_file = math.ceil(num_prompts / len(paths))
     prompts = []
     for i in range(num_prompts):
         doc = ids[i % len(paths)]
         start = (i // len(paths) + 1) * len(doc) // (per_file + 1)
         start = max(0, min(start, len(doc) - prompt_tokens))
-        prompts.append({"prompt_ids": doc[start:start + prompt_tokens],
-                        "source": os.path.basename(paths[i % len(paths)]), "start": start})
+        source = os.path.basename(paths[i % len(paths)])
+        prompts.append({"prompt_ids": doc[start:start + prompt_tokens], "source": source, "start": start})
     return prompts
 
 
 def run(a: PromptArgs):
     check_ranges(a, num_prompts="[1, 100000]", prompt_tokens="[1, 100000]")
-    check_outputs({"--out": a.out}, inputs=[os.path.join(a.demo, n) for n in ("heldout.txt", "corpus.json", "target")]
-                  + heldout_files(a.demo, a.stdlib))
+    inputs = [os.path.join(a.demo, name) for name in ("heldout.txt", "corpus.json", "target")]
+    inputs += heldout_files(a.demo, a.stdlib)
+    check_outputs({"--out": a.out}, inputs=inputs)
     prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo, a.stdlib)
-    atomic_write(a.out, "".join(json.dumps(p) + "\n" for p in prompts))
+    lines = [json.dumps(p) + "\n" for p in prompts]
+    atomic_write(a.out, "".join(lines))
     files = len({p["source"] for p in prompts})
-    print(f"wrote {a.num_prompts} prompts of up to {a.prompt_tokens} tokens from {files} held-out files to {a.out}")
+    print(f"wrote {a.num_prompts} prompts of up to {a.prompt_tokens} tokens from {files} held-out files "
+          f"to {a.out}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
