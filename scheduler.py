@@ -89,15 +89,21 @@ def capacity_search(confidence: list[list[float]], R: int, sps: list[float], lim
 
 class Plan(NamedTuple):
     """An async round's schedule, fixed before its drafts exist (`Scheduler.plan`)."""
-    capacity: int          # C: how many drafts the whole batch verifies at most
-    source: Union[int, str]  # the batch round whose confidences chose C, or "warmup"
-    round: int             # this round's number among the decode's batch rounds (all rows step together)
-    num_tokens: int        # the verify size: the active rows' anchors + C, padded to a bucket when compiled
-    tensor: torch.Tensor   # C as a 0-d tensor on the device: the draft graph's input
+    # C: how many drafts the whole batch verifies at most
+    capacity: int
+    # the batch round whose confidences chose C, or "warmup"
+    source: Union[int, str]
+    # this round's number among the decode's batch rounds (all rows step together)
+    round: int
+    # the verify size: the active rows' anchors + C, padded to a bucket when compiled
+    num_tokens: int
+    # C as a 0-d tensor on the device: the draft graph's input
+    tensor: torch.Tensor
 
     def trace(self) -> dict:
         """The keys it adds to a round record (docs/trace-format.md)."""
-        return {"batch_round": self.round, "capacity": self.capacity, "capacity_from_round": self.source}
+        return {"batch_round": self.round, "capacity": self.capacity,
+                "capacity_from_round": self.source}
 
 
 def verify_buckets(max_tokens: int) -> list[int]:
@@ -201,12 +207,14 @@ class Scheduler:
             return n
         if self.route is not None:
             return self.route[n]
-        return next(b for b in self.buckets if b >= n)  # the largest holds a full round (parse_buckets)
+        # the largest holds a full round (parse_buckets)
+        return next(b for b in self.buckets if b >= n)
 
     def reset(self):
         """Forget the history: a new decode starts with two warm-up rounds."""
-        self.history: list[list[list[float]]] = []  # the last two rounds' confidences, K per active row
-        self.rounds = 0                         # rounds observed in this decode
+        # the last two rounds' confidences, K per active row
+        self.history: list[list[list[float]]] = []
+        self.rounds = 0  # rounds observed in this decode
 
     def observe(self, confidence: list[list[float]]):
         """A finished round's confidences, one list per row that was active in it (its RoundRecords)."""
@@ -228,8 +236,8 @@ class Scheduler:
         capacity = min(num_tokens - R, limit)  # grown to fill the bucket
         return self.fixed(num_tokens, capacity, source, r)
 
-    def fixed(self, num_tokens: int, capacity: Optional[int] = None, source: Union[int, str] = "fixed",
-              round: int = -1) -> Plan:
+    def fixed(self, num_tokens: int, capacity: Optional[int] = None,
+              source: Union[int, str] = "fixed", round: int = -1) -> Plan:
         """A plan of exactly num_tokens verify tokens (capacity too by default: warm-up and profiling)."""
         if capacity is None:
             capacity = num_tokens
@@ -239,9 +247,11 @@ class Scheduler:
     def set_sps(self, table: dict):
         """Use a profiled SPS table (`profile`, or read by `load_or_profile`)."""
         top = len(self.sps) - 1
-        sps, self.route = sps_curve(self.profile_points, table["steps_per_second"], self.buckets, top)
+        steps_per_second = table["steps_per_second"]
+        sps, self.route = sps_curve(self.profile_points, steps_per_second, self.buckets, top)
         self.table = table
-        self.sps.copy_(torch.tensor(sps, dtype=torch.float64))  # in place: a compiled graph may hold it
+        # in place: a compiled graph may hold it
+        self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
 
 
 def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buckets: Optional[str]) -> str:
@@ -254,13 +264,14 @@ def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buc
     if resolved == "threshold" and threshold <= 0:
         raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
     if kind in ("none", "hardware", "async") and threshold > 0:
-        raise UserError(f"--confidence-threshold {threshold}: only --scheduler threshold uses it, not --scheduler {kind}")
+        raise UserError(f"--confidence-threshold {threshold}: only --scheduler threshold uses it, "
+                        f"not --scheduler {kind}")
     if sps_table is not None and resolved not in SPS_KINDS:
         raise UserError(f"--sps-table {sps_table}: only --scheduler hardware or async uses it")
     if buckets is not None:
         if resolved == "none":
-            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold, hardware or async) "
-                            "uses it")
+            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold, hardware "
+                            "or async) uses it")
         parse_ints(buckets, "--verify-buckets", positive=True, distinct=True)
     return resolved
 
@@ -281,7 +292,8 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
     return buckets
 
 
-def profile(step: Callable[[int], object], points: list[int], sync: Callable[[], None], reps: int = 7) -> list[float]:
+def profile(step: Callable[[int], object], points: list[int], sync: Callable[[], None],
+            reps: int = 7) -> list[float]:
     """Seconds of `step(b)`, a round verifying b tokens, at each of `points`: the fastest of `reps` sweeps (after
     an untimed one), so a slow spell on a shared machine lands on no point in particular."""
     best = [float("inf")] * len(points)
@@ -336,7 +348,8 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         for key, value in want.items():
             if key not in table:
                 raise UserError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
-            if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):  # true is not 1
+            # compared as JSON: true is not 1
+            if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):
                 raise UserError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
                                 f"delete the file to profile again")
         sps = table.get("steps_per_second")
@@ -346,20 +359,24 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
                 is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
                 well_formed = well_formed and is_number and 0 < x < float("inf")
         if not well_formed:
-            raise UserError(f"{path}: 'steps_per_second' must be {len(points)} positive numbers, one per profile point")
+            raise UserError(f"{path}: 'steps_per_second' must be {len(points)} positive numbers, one per "
+                            f"profile point")
         say(f"SPS table read from {path}")
         return table
     if path is not None:
-        check_writable(path, "--sps-table")  # a directory or a missing folder fails before the profiling
+        # a directory or a missing folder fails before the profiling
+        check_writable(path, "--sps-table")
     t0 = time.perf_counter()
     table = profile_sps(engine)
     rates = [f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"])]
     pts = ", ".join(rates)
     say(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}")
     if path is None:
-        if want.get("sampling"):  # the verify lengths, so a request's random numbers, follow the table
-            say("note: this SPS table is not saved, and another run profiles its own; sampled runs repeat token "
-                "for token only with the same table: --sps-table FILE saves it, and reads it back next time")
+        # the verify lengths, so a request's random numbers, follow the table
+        if want.get("sampling"):
+            say("note: this SPS table is not saved, and another run profiles its own; sampled runs repeat "
+                "token for token only with the same table: --sps-table FILE saves it, and reads it back "
+                "next time")
         return table
     try:
         write_json(path, table, indent=1)
