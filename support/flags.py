@@ -455,7 +455,6 @@ def check_command_line(args):
                         f"only a scheduled round reads the confidences "
                         f"(--scheduler threshold, hardware or async); "
                         f"without one it changes nothing")
-
     check_files(args)
     resolve_device(args.machine.device)
     try:
@@ -512,4 +511,3 @@ def calibration_note(calibration: str, drafter: Optional[str],
         return None
     return (f"note: --calibration {calibration} was fitted {' and '.join(other)}; "
             f"its temperatures may not fit this run (eval.py --calibration-out refits them)")
-

@@ -145,7 +145,6 @@ class Decoding:
             # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
             self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr,
                             dynamic_ncols=True, leave=False)
-
         if self.log is not None:
             self.log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
 
@@ -350,7 +349,6 @@ class Report:
             noisy = f"; a {seconds:.1f} s run is noisy: use scripts/bench.py for figures"
         print(f"speed-up: {speed_up:.2f}x "
               f"(speculative vs autoregressive tokens/s, same prompts, {how}{noisy}")
-
         if self.log is not None:
             figures = {"speed_up": speed_up}
             if greedy:

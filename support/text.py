@@ -468,7 +468,6 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
             raise UserError(f"{where}: a record gives one prompt, "
                             f"as one of {', '.join(PROMPT_KINDS)}; "
                             f"this one has {' and '.join(kinds)}")
-
         kind = None
         if kinds:
             kind = kinds[0]
@@ -577,7 +576,6 @@ class StopStrings:
                                 f"which the text a stop string is matched in leaves out; "
                                 f"requests end at the target's stop tokens "
                                 f"(generation_config.json's eos_token_id), or --ignore-eos")
-
         return StopStrings(tokenizer, strings)
 
     def find(self, text: str) -> Optional[int]:
