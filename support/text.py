@@ -85,8 +85,8 @@ class Tokenizer:
                                add_generation_prompt=add_generation_prompt,
                                enable_thinking=thinking, **self.special_texts)
         if not text.strip():
-            raise UserError(f"{self.template_source}: the chat template renders this conversation "
-                            f"as nothing")
+            raise UserError(f"{self.template_source}: "
+                            f"the chat template renders this conversation as nothing")
         return text
 
 
@@ -296,7 +296,7 @@ def render_template(template: str, source: str, **context) -> str:
     try:
         # compiled once per template (training renders many conversations)
         if template not in _COMPILED:
-            # as transformers
+            # the settings transformers renders chat templates with
             env = Boxed(trim_blocks=True, lstrip_blocks=True,
                         extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
