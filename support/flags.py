@@ -131,7 +131,8 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
     for name, (kind, interval) in RANGES.items():
         value = getattr(s, name)
         if value is None:
-            if getattr(Settings, name) is not None:  # None only where it is the default (resolved later)
+            # None only where it is the default (resolved later)
+            if getattr(Settings, name) is not None:
                 raise UserError(f"{flag(name)}: invalid value None")
             continue
         want = numbers.Integral if kind is int else numbers.Real
@@ -157,16 +158,19 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
     StopStrings.check(s.stop)
     s.scheduler = sched.resolve(s.scheduler, s.confidence_threshold, s.sps_table, s.verify_buckets)
     if s.tree_budget and s.scheduler != "none":
-        raise UserError(f"--tree-budget {s.tree_budget}: a draft tree is verified whole, and --scheduler "
-                        f"{s.scheduler} chooses how much of a chain to verify (its confidences score a chain's "
-                        f"prefixes, not a tree's branches): use one or the other")
+        raise UserError(f"--tree-budget {s.tree_budget}: a draft tree is verified whole, "
+                        f"and --scheduler {s.scheduler} chooses how much of a chain to verify "
+                        f"(its confidences score a chain's prefixes, not a tree's branches): "
+                        f"use one or the other")
     if s.compile is not None and not isinstance(s.compile, bool):
-        raise UserError(f"--compile: invalid value {s.compile!r} (True, False, or None for the default)")
+        raise UserError(f"--compile: invalid value {s.compile!r} "
+                        f"(True, False, or None for the default)")
     if s.compile is None:  # on for cuda, off for cpu (a first compile on a CPU takes minutes)
         s.compile = torch.device(device).type == "cuda"
     if not s.compile:
         if s.compile_mode is not None:
-            raise UserError(f"--compile-mode {s.compile_mode}: only used with --compile (the run is eager)")
+            raise UserError(f"--compile-mode {s.compile_mode}: only used with --compile "
+                            f"(the run is eager)")
         if s.verbose:
             raise UserError("--verbose: only used with --compile (the run is eager)")
     return s
@@ -211,7 +215,8 @@ def sampling_for(m, s) -> Sampling:
     temperature = float(given.get("temperature", 1.0))
     if temperature == 0:
         return Sampling(temperature, Filters(), source)
-    filters = Filters(int(given.get("top_k") or 0), float(given.get("top_p", 1.0)), float(given.get("min_p", 0.0)))
+    filters = Filters(int(given.get("top_k") or 0), float(given.get("top_p", 1.0)),
+                      float(given.get("min_p", 0.0)))
     return Sampling(temperature, filters, source)
 
 
@@ -222,16 +227,21 @@ def check_cache_memory(m, drafter, batch: int, max_seq: int, device):
     need = per_token * batch * max_seq * m.dtype.itemsize
     free = free_memory(device)
     if free and need > 0.9 * free:
-        raise UserError(f"the KV caches for --batch-size {batch} x {max_seq} positions need {need / 2**30:.1f} GiB; "
-                        f"{free / 2**30:.1f} GiB are free on {device}: lower --batch-size or --max-new-tokens")
+        raise UserError(f"the KV caches for --batch-size {batch} x {max_seq} positions "
+                        f"need {need / 2**30:.1f} GiB; "
+                        f"{free / 2**30:.1f} GiB are free on {device}: "
+                        f"lower --batch-size or --max-new-tokens")
 
 
 def prompt_list(prompts) -> list:
     """The Python API's `prompts` as a list of prompts (one text, id list or conversation, or a list)."""
     if not isinstance(prompts, (str, list, tuple)):
-        raise UserError(f"prompts: expected a text, a list of token ids, a conversation (a list of messages) or a "
-                        f"list of these, got {type(prompts).__name__}")
-    one = isinstance(prompts, str) or (prompts and all(isinstance(x, (int, dict)) for x in prompts))
+        raise UserError(f"prompts: expected a text, a list of token ids, "
+                        f"a conversation (a list of messages) or a list of these, "
+                        f"got {type(prompts).__name__}")
+    # one list of token ids, or one conversation
+    ids_or_turns = prompts and all(isinstance(x, (int, dict)) for x in prompts)
+    one = isinstance(prompts, str) or ids_or_turns
     if one:
         return [prompts]
     if not prompts:
@@ -320,7 +330,8 @@ def start(machine: Machine, s) -> str:
     threads = set_threads(machine.threads)
     if s.compile:
         cache = use_compile_cache(machine.compile_cache)
-        print("loading the models; compiling the round next (a first compile takes minutes on a CPU, then it is "
+        print("loading the models; compiling the round next "
+              "(a first compile takes minutes on a CPU, then it is "
               f"cached in {cache})", file=sys.stderr)
     return threads
 
@@ -340,7 +351,8 @@ def resolve_demo(args, demo_dir: str):
     no_prompt = p.prompt is None and p.prompt_ids is None and p.prompts_file is None
     lead = None
     if demo:
-        args = replace(args, target=os.path.join(demo_dir, "target"), drafter=os.path.join(demo_dir, "drafter"))
+        args = replace(args, target=os.path.join(demo_dir, "target"),
+                       drafter=os.path.join(demo_dir, "drafter"))
         if no_prompt:
             args.prompts = replace(p, prompts_file=os.path.join(demo_dir, "heldout.jsonl"))
             lead = DEMO_PROMPT
@@ -352,8 +364,10 @@ def drafter_settings(args) -> list[tuple[str, str]]:
     another (--sps-table a --scheduler, --calibration a scheduled round) first, so each is named for itself."""
     d = args.decode
     settings = [  # (given, flag and value, what it does)
-        (args.calibration is not None, f"--calibration {args.calibration}", "calibrates a drafter's confidence head"),
-        (d.sps_table is not None, f"--sps-table {d.sps_table}", "sizes the rounds of a drafter's scheduler"),
+        (args.calibration is not None, f"--calibration {args.calibration}",
+         "calibrates a drafter's confidence head"),
+        (d.sps_table is not None, f"--sps-table {d.sps_table}",
+         "sizes the rounds of a drafter's scheduler"),
         (d.verify_buckets is not None, f"--verify-buckets {d.verify_buckets}",
          "pads the verification of a drafter's drafts"),
         (d.confidence_threshold > 0, f"--confidence-threshold {d.confidence_threshold:g}",
@@ -363,8 +377,8 @@ def drafter_settings(args) -> list[tuple[str, str]]:
         (d.tree_budget > 0, f"--tree-budget {d.tree_budget}", "a tree is drafted by a --drafter"),
         (d.draft_length is not None, f"--draft-length {d.draft_length}",
          "sets how many drafts an Eagle3 drafter proposes"),
-        (d.tree_temperature != Settings.tree_temperature, f"--tree-temperature {d.tree_temperature:g}",
-         "ranks the branches of a drafter's tree"),
+        (d.tree_temperature != Settings.tree_temperature,
+         f"--tree-temperature {d.tree_temperature:g}", "ranks the branches of a drafter's tree"),
     ]
     return [(flag_value, what) for given, flag_value, what in settings if given]
 
@@ -390,7 +404,8 @@ def check_drafter_settings(s, drafter):
         raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter "
                         f"(without one the decoding is autoregressive)")
     if s.tree_budget and eagle3:
-        raise UserError(f"--tree-budget {s.tree_budget}: an Eagle3 drafter drafts a chain of one-token steps; "
+        raise UserError(f"--tree-budget {s.tree_budget}: "
+                        f"an Eagle3 drafter drafts a chain of one-token steps; "
                         f"trees grow from a block drafter's distributions (DSpark or DFlash)")
 
 
@@ -402,12 +417,14 @@ def check_no_drafter(args, s):
     given = drafter_settings(args)
     if given:
         flag_value, what = given[0]
-        raise UserError(f"{flag_value}: {what}; without a --drafter the decoding is autoregressive, so it would "
-                        f"change nothing (give a --drafter, or drop the flag)")
+        raise UserError(f"{flag_value}: {what}; "
+                        f"without a --drafter the decoding is autoregressive, "
+                        f"so it would change nothing (give a --drafter, or drop the flag)")
     filters = [name for name in ("top_k", "top_p", "min_p") if getattr(s, name) is not None]
     if s.temperature == 0 and filters:  # greedy: the most likely token, whatever a filter keeps
-        raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, and --temperature 0 "
-                        f"decodes greedily (the most likely token, filtered or not), so it would change nothing")
+        raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, "
+                        f"and --temperature 0 decodes greedily "
+                        f"(the most likely token, filtered or not), so it would change nothing")
 
 
 def check_command_line(args):
@@ -426,15 +443,18 @@ def check_command_line(args):
                   ("--system-prompt", r.system_prompt is not None))
     text = [name for name, given in text_flags if given]
     if args.random_init is not None and text:  # no tokenizer: say so before building the model
-        raise UserError(f"{text[0]}: text needs a tokenizer, and --random-init {args.random_init} has none "
-                        f"(use --prompt-ids)")
+        raise UserError(f"{text[0]}: text needs a tokenizer, "
+                        f"and --random-init {args.random_init} has none (use --prompt-ids)")
     if r.chat and p.prompt_ids is not None:
-        raise UserError("--chat: --prompt-ids are token ids, never rendered; it would change nothing")
+        raise UserError("--chat: --prompt-ids are token ids, never rendered; "
+                        "it would change nothing")
     check_chat_flags(chat=r.chat, ids=p.prompt_ids is not None, system_prompt=r.system_prompt,
                      thinking=r.enable_thinking)
     if args.calibration is not None and s.scheduler == "none":
-        raise UserError(f"--calibration {args.calibration}: only a scheduled round reads the confidences "
-                        f"(--scheduler threshold, hardware or async); without one it changes nothing")
+        raise UserError(f"--calibration {args.calibration}: "
+                        f"only a scheduled round reads the confidences "
+                        f"(--scheduler threshold, hardware or async); "
+                        f"without one it changes nothing")
     check_files(args)
     resolve_device(args.machine.device)
     try:
@@ -454,24 +474,29 @@ def check_files(args):
     check_outputs(outputs, inputs=inputs)
 
 
-def read_prompts(p: Prompts, r: Rendering, m, s, lead: Optional[str]) -> tuple[list[list[int]], list[str]]:
+def read_prompts(p: Prompts, r: Rendering, m, s,
+                 lead: Optional[str]) -> tuple[list[list[int]], list[str]]:
     """The prompts as ids and where each came from; the demo's lead prompt first."""
     chat = auto_chat(r.chat, m.tokenizer)
     context = m.target.args.max_position_embeddings
+    max_len = max(context - s.max_new_tokens, 1)
     sources, prompts = [], []
     if lead is not None:  # the demo's first prompt, whose completion is printed
         sources.append("the demo prompt")
         prompts.append(encode(m.tokenizer, lead, "the demo prompt", chat=chat))
-    prompts += load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=p.prompt, prompt_ids=p.prompt_ids,
-                            prompts_file=p.prompts_file, max_len=max(context - s.max_new_tokens, 1),
-                            system_prompt=r.system_prompt, thinking=r.enable_thinking, sources=sources)
+    prompts += load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=p.prompt,
+                            prompt_ids=p.prompt_ids, prompts_file=p.prompts_file, max_len=max_len,
+                            system_prompt=r.system_prompt, thinking=r.enable_thinking,
+                            sources=sources)
     if len(prompts) * s.num_samples > MAX_REQUESTS:
-        raise UserError(f"--num-samples {s.num_samples}: {len(prompts)} prompts x {s.num_samples} samples is more "
-                        f"than {MAX_REQUESTS:,} requests")
+        raise UserError(f"--num-samples {s.num_samples}: "
+                        f"{len(prompts)} prompts x {s.num_samples} samples "
+                        f"is more than {MAX_REQUESTS:,} requests")
     return prompts, sources
 
 
-def calibration_note(calibration: str, drafter: Optional[str], temperature: float) -> Optional[str]:
+def calibration_note(calibration: str, drafter: Optional[str],
+                     temperature: float) -> Optional[str]:
     """A note when an STS file was fitted on another drafter or at another temperature than this run."""
     cal = read_json(calibration)
     fitted = cal.get("drafter_dir")
@@ -479,9 +504,10 @@ def calibration_note(calibration: str, drafter: Optional[str], temperature: floa
     other = []
     if isinstance(fitted, str) and drafter is not None and fitted != os.path.realpath(drafter):
         other.append(f"on drafter {fitted} (this run: {os.path.realpath(drafter)})")
-    if isinstance(fitted_t, (int, float)) and not isinstance(fitted_t, bool) and fitted_t != temperature:
+    numeric = isinstance(fitted_t, (int, float)) and not isinstance(fitted_t, bool)
+    if numeric and fitted_t != temperature:
         other.append(f"at temperature {fitted_t:g} (this run: {temperature:g})")
     if not other:
         return None
-    return (f"note: --calibration {calibration} was fitted {' and '.join(other)}; its temperatures may not fit "
-            f"this run (eval.py --calibration-out refits them)")
+    return (f"note: --calibration {calibration} was fitted {' and '.join(other)}; "
+            f"its temperatures may not fit this run (eval.py --calibration-out refits them)")

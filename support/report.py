@@ -15,14 +15,16 @@ from support.files import StreamFile
 from support.flags import calibration_note, sampling_for
 from support.text import StopStrings
 
-END_RECORD = ("request", "output_ids", "num_rounds", "acceptance_length", "finish_reason")  # the trace's, of a request
+# the trace's, of a request
+END_RECORD = ("request", "output_ids", "num_rounds", "acceptance_length", "finish_reason")
 
 
 class Printer:
     """Completions on stdout: one request streamed (holding back a possible stop string's start or an
     incomplete UTF-8 character), several labelled at the end (with `show`, only the first `show`)."""
 
-    def __init__(self, tokenizer, stop: Optional[StopStrings], requests: int, samples: int, show: Optional[int] = None):
+    def __init__(self, tokenizer, stop: Optional[StopStrings], requests: int, samples: int,
+                 show: Optional[int] = None):
         self.tokenizer = tokenizer
         self.stop = stop
         self.samples = samples
@@ -38,7 +40,8 @@ class Printer:
         if not self.streaming:
             return
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        final = req.finish_reason is not None  # a whole stop string in the text has ended the request
+        # a whole stop string in the text has ended the request
+        final = req.finish_reason is not None
         if self.stop is not None:
             text = self.stop.cut(text)
         safe = len(text)
@@ -62,14 +65,15 @@ class Printer:
                 tau = ""
                 if c.acceptance_length is not None:
                     tau = f", τ {c.acceptance_length:.2f}"
-                print(f"--- request {c.request + 1} of {self.n} ({who}): {len(c.output_ids)} tokens, "
-                      f"{c.finish_reason}{tau} ---")
+                print(f"--- request {c.request + 1} of {self.n} ({who}): "
+                      f"{len(c.output_ids)} tokens, {c.finish_reason}{tau} ---")
             if c.text is not None:
                 print(c.text)
             else:
                 print(",".join(map(str, c.output_ids)))
         if len(shown) < len(completions):
-            print(f"({len(completions) - len(shown)} more completions not shown; --output-file FILE keeps every one)")
+            print(f"({len(completions) - len(shown)} more completions not shown; "
+                  f"--output-file FILE keeps every one)")
 
 
 def summarize(completions: list, engine, scheduler: str) -> tuple[dict, dict]:
@@ -91,13 +95,20 @@ def figures_line(name: str, summary: dict, c: dict, engine) -> str:
     seconds = summary["prefill_seconds"] + summary["decode_seconds"]
     tau = summary["acceptance_length"]
     tau_text = "-" if tau is None else f"{tau:.2f}"
-    line = (f"{name}: {c['tokens']} tokens in {seconds:.2f} s, {summary['tokens_per_second']:.1f} tokens/s, "
-            f"τ={tau_text}")
+    line = (f"{name}: {c['tokens']} tokens in {seconds:.2f} s, "
+            f"{summary['tokens_per_second']:.1f} tokens/s, τ={tau_text}")
     if engine.drafter is not None and c["num_rounds"]:
-        rates = " ".join("-" if x is None else f"{x:.2f}" for x in summary["accept_rate_by_position"])
-        line += (f", accept by position [{rates}], verified {summary['verified_per_round']:.2f}/round "
-                 f"({summary['scheduler']})")
-    return line + f" (prefill {summary['prefill_seconds']:.2f} s, decode {summary['decode_seconds']:.2f} s)"
+        rate_texts = []
+        for x in summary["accept_rate_by_position"]:
+            rate = "-"
+            if x is not None:
+                rate = f"{x:.2f}"
+            rate_texts.append(rate)
+        rates = " ".join(rate_texts)
+        line += (f", accept by position [{rates}], "
+                 f"verified {summary['verified_per_round']:.2f}/round ({summary['scheduler']})")
+    return line + (f" (prefill {summary['prefill_seconds']:.2f} s, "
+                   f"decode {summary['decode_seconds']:.2f} s)")
 
 
 class Decoding:
@@ -116,8 +127,8 @@ class Decoding:
         self.trace = StreamFile(self.trace_path) if self.trace_path else None
         self.out = StreamFile(self.out_path) if self.out_path else None
         requests = report.requests
-        self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests, report.settings.num_samples,
-                               show=report.show)
+        self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests,
+                               report.settings.num_samples, show=report.show)
         self.done: list = []  # completions, as they finish
         self.summary: Optional[dict] = None
         self.counts: Optional[dict] = None
@@ -132,7 +143,8 @@ class Decoding:
             from tqdm import tqdm
 
             # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
-            self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+            self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr,
+                            dynamic_ncols=True, leave=False)
         if self.log is not None:
             self.log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
 
@@ -162,7 +174,8 @@ class Decoding:
             figures = self.figures()
             tau = figures["acceptance_length"]
             tau_text = "-" if tau is None else f"{tau:.2f}"
-            self.bar.set_postfix_str(f"{figures['tokens_per_second']:.1f} tok/s, τ={tau_text}", refresh=False)
+            self.bar.set_postfix_str(f"{figures['tokens_per_second']:.1f} tok/s, τ={tau_text}",
+                                     refresh=False)
             self.bar.update(1)
 
     def on_step(self):
@@ -182,7 +195,9 @@ class Decoding:
     def log_figures(self):
         import numpy as np
 
-        hist = self.log.wandb.Histogram(np_histogram=(self.accepted_hist, np.arange(self.engine.K + 2) - 0.5))
+        # bins centred on 0 .. K accepted drafts
+        edges = np.arange(self.engine.K + 2) - 0.5
+        hist = self.log.wandb.Histogram(np_histogram=(self.accepted_hist, edges))
         figures = {f"{self.name}/{k}": v for k, v in self.figures().items() if v is not None}
         self.log.log({**figures, f"{self.name}/accepted_length": hist})
         self.logged = self.steps
@@ -201,7 +216,8 @@ class Decoding:
             self.printer.finish(done)
             summary, counts = summarize(done, self.engine, self.report.settings.scheduler)
             if interrupted:
-                summary.update(interrupted=True, finished_requests=len(done), requests=self.report.requests)
+                summary.update(interrupted=True, finished_requests=len(done),
+                               requests=self.report.requests)
             if self.trace:
                 self.trace.write(json.dumps(summary) + "\n")
                 self.trace.close()
@@ -220,25 +236,28 @@ class Decoding:
 class Report:
     """What `python speculate.py` prints and writes around its decodes."""
 
-    def __init__(self, args, settings, models, prompts: list[list[int]], threads: str, log, *, demo: bool,
-                 lead: bool):
+    def __init__(self, args, settings, models, prompts: list[list[int]], threads: str, log, *,
+                 demo: bool, lead: bool):
         from support import cpu_kernels
 
         self.args = args
         self.settings = settings
         self.models = models
         self.prompts = prompts
-        self.requests = len(prompts) * settings.num_samples  # each prompt sampled num_samples times
+        # each prompt sampled num_samples times
+        self.requests = len(prompts) * settings.num_samples
         self.log = log
         self.demo = demo
         self.show = 1 if lead else None  # the demo prints its lead prompt's completion only
         self.sampling = sampling_for(models, settings)
         note = None
         if args.calibration:
-            note = calibration_note(args.calibration, models.directories[1], self.sampling.temperature)
+            note = calibration_note(args.calibration, models.directories[1],
+                                    self.sampling.temperature)
         if note:
             print(note, file=sys.stderr)
-        parts = [threads, cpu_kernels.describe(models.target, settings.compile), self.sampling.describe()]
+        parts = [threads, cpu_kernels.describe(models.target, settings.compile),
+                 self.sampling.describe()]
         self.announce = "; ".join(p for p in parts if p)
         if log is not None:
             self.log_config(threads)
@@ -249,12 +268,14 @@ class Report:
                     "source": self.sampling.source}
         drafter = m.drafter.cfg.describe() if m.drafter is not None else None
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
-                        dtype_resolved=str(m.dtype).removeprefix("torch."), threads_resolved=int(threads.split()[1]),
-                        scheduler_resolved=s.scheduler, chat_resolved=args.rendering.chat, compile_resolved=s.compile,
+                        dtype_resolved=str(m.dtype).removeprefix("torch."),
+                        threads_resolved=int(threads.split()[1]), scheduler_resolved=s.scheduler,
+                        chat_resolved=args.rendering.chat, compile_resolved=s.compile,
                         sampling=sampling, num_prompts=len(self.prompts),
                         num_requests=self.requests,
                         target_config=runlog.checkpoint_config(m.directories[0]),
-                        drafter_config=runlog.checkpoint_config(m.directories[1]), drafter_resolved=drafter)
+                        drafter_config=runlog.checkpoint_config(m.directories[1]),
+                        drafter_resolved=drafter)
 
     def show_prompt(self):
         """The demo's first prompt, as the target reads it."""
@@ -266,7 +287,8 @@ class Report:
         print(f"--- prompt{more} ---\n{self.models.tokenizer.decode(self.prompts[0])}")
 
     @contextlib.contextmanager
-    def decoding(self, engine, heading: Optional[str] = None, files: bool = True, announce: bool = True):
+    def decoding(self, engine, heading: Optional[str] = None, files: bool = True,
+                 announce: bool = True):
         """Around one decode: announce it, stream its outputs; afterwards print, write and log the summary
         (interrupted: for what finished, then the interruption goes on; an error: the files are dropped)."""
         if announce:
@@ -290,12 +312,14 @@ class Report:
             d.stop_watching()
         try:
             d.close(interrupted is not None)
-        except Interrupted as e:  # a signal while the outputs were published: they are whole, then it acts
+        # a signal while the outputs were published: they are whole, then it acts
+        except Interrupted as e:
             self.kept(e, d)
             raise
         if self.log is not None:
-            runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done, self.prompts,
-                              self.models.tokenizer, {"trace": d.trace_path, "outputs": d.out_path})
+            runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done,
+                              self.prompts, self.models.tokenizer,
+                              {"trace": d.trace_path, "outputs": d.out_path})
         if interrupted is not None:
             self.kept(interrupted, d)
             raise interrupted
@@ -323,7 +347,8 @@ class Report:
         noisy = ""
         if seconds < 1:
             noisy = f"; a {seconds:.1f} s run is noisy: use scripts/bench.py for figures"
-        print(f"speed-up: {speed_up:.2f}x (speculative vs autoregressive tokens/s, same prompts, {how}{noisy}")
+        print(f"speed-up: {speed_up:.2f}x "
+              f"(speculative vs autoregressive tokens/s, same prompts, {how}{noisy}")
         if self.log is not None:
             figures = {"speed_up": speed_up}
             if greedy:

@@ -12,8 +12,10 @@ from support.cli import UserError, flag, parse_ints
 from support.files import optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
-QWEN3_CHAT_FALLBACK = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-EMPTY_THINK = "<think>\n\n</think>\n\n"  # opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
+QWEN3_CHAT_FALLBACK = ("<|im_start|>user\n{prompt}<|im_end|>\n"
+                       "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+# opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 class Tokenizer:
@@ -29,14 +31,16 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
             raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        unk = getattr(self.tok.model, "unk_token", None)  # else a bare Exception at the first unknown word
+        # else a bare Exception at the first unknown word
+        unk = getattr(self.tok.model, "unk_token", None)
         if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):
             raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
         config_path = os.path.join(directory, "tokenizer_config.json")
         config = {}
         if optional_file(config_path):
             config = read_json(config_path)
-        self.chat_template, self.template_source, self.template_problem = read_chat_template(directory, config)
+        template = read_chat_template(directory, config)
+        self.chat_template, self.template_source, self.template_problem = template
         self.special_texts = {}  # the special tokens' texts, which templates read
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = config.get(key)
@@ -51,17 +55,20 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, prompt: str, thinking: bool = False, system: Optional[str] = None) -> str:
+    def render_chat(self, prompt: str, thinking: bool = False,
+                    system: Optional[str] = None) -> str:
         turns = []
         if system is not None:
             turns.append({"role": "system", "content": system})
         turns.append({"role": "user", "content": prompt})
         return self.render_messages(turns, add_generation_prompt=True, thinking=thinking)
 
-    def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool = False) -> str:
+    def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool,
+                        thinking: bool = False) -> str:
         if self.template_problem is not None:
             raise UserError(self.template_problem)
-        if self.chat_template is None:  # Qwen3's ChatML; a closing assistant turn opens with an empty think block
+        # Qwen3's ChatML; a closing assistant turn opens with an empty think block
+        if self.chat_template is None:
             out = []
             for i, m in enumerate(messages):
                 think = ""
@@ -75,14 +82,16 @@ class Tokenizer:
             return "".join(out)
         copies = [dict(m) for m in messages]  # a template may not change the caller's
         text = render_template(self.chat_template, self.template_source, messages=copies,
-                               add_generation_prompt=add_generation_prompt, enable_thinking=thinking,
-                               **self.special_texts)
+                               add_generation_prompt=add_generation_prompt,
+                               enable_thinking=thinking, **self.special_texts)
         if not text.strip():
-            raise UserError(f"{self.template_source}: the chat template renders this conversation as nothing")
+            raise UserError(f"{self.template_source}: "
+                            f"the chat template renders this conversation as nothing")
         return text
 
 
-def read_chat_template(directory: str, config: dict) -> tuple[Optional[str], Optional[str], Optional[str]]:
+def read_chat_template(directory: str,
+                       config: dict) -> tuple[Optional[str], Optional[str], Optional[str]]:
     """(template, its file, None); (None, None, None) without one; (None, file, why) if unusable (said at a render).
     `config`: the directory's tokenizer_config.json ({} without one)."""
     jinja = os.path.join(directory, "chat_template.jinja")
@@ -96,12 +105,13 @@ def read_chat_template(directory: str, config: dict) -> tuple[Optional[str], Opt
     t = config.get("chat_template")
     if isinstance(t, list):  # [{"name": ..., "template": ...}]: a chat uses "default"
         if not all(isinstance(d, dict) and isinstance(d.get("name"), str) for d in t):
-            return None, path, f"{path}: 'chat_template' as a list must hold {{\"name\": ..., \"template\": ...}} objects"
+            return None, path, (f"{path}: 'chat_template' as a list must hold "
+                                f"{{\"name\": ..., \"template\": ...}} objects")
         named = {d["name"]: d.get("template") for d in t}
         if not isinstance(named.get("default"), str):
-            return None, path, (f"{path}: 'chat_template' names no 'default' template with a text (it has "
-                                f"{', '.join(map(repr, named)) or 'none'}); rendering a chat needs one (--no-chat "
-                                f"sends the raw text)")
+            return None, path, (f"{path}: 'chat_template' names no 'default' template with a text "
+                                f"(it has {', '.join(map(repr, named)) or 'none'}); "
+                                f"rendering a chat needs one (--no-chat sends the raw text)")
         t = named["default"]
     if t is None:
         return None, None, None
@@ -252,7 +262,8 @@ def render_template(template: str, source: str, **context) -> str:
                 _check_format(left, values, {})
             return _bounded(super().call_binop(context, operator, left, right))
 
-        def wrap_str_format(self, value):  # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
+        # jinja2 >= 3.1.5 wraps str.format at attribute access: check at the call
+        def wrap_str_format(self, value):
             wrapped = super().wrap_str_format(value)
 
             def checked(*args, **kwargs):
@@ -263,7 +274,8 @@ def render_template(template: str, source: str, **context) -> str:
                 return None
             return checked
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (jinja2's own signature)
+        # jinja2's own signature
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805
             if isinstance(getattr(__obj, "__self__", None), str):  # a str method
                 name = getattr(__obj, "__name__", "")
                 if name == "join" and args:
@@ -282,10 +294,14 @@ def render_template(template: str, source: str, **context) -> str:
         previous = signal.signal(signal.SIGALRM, out_of_time)
         signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
     try:
-        if template not in _COMPILED:  # compiled once per template (training renders many conversations)
-            env = Boxed(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])  # as transformers
+        # compiled once per template (training renders many conversations)
+        if template not in _COMPILED:
+            # the settings transformers renders chat templates with
+            env = Boxed(trim_blocks=True, lstrip_blocks=True,
+                        extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
-            for name in ("center", "format", "indent", "join", "replace", "wordwrap"):  # filters that can grow a value
+            # filters that can grow a value
+            for name in ("center", "format", "indent", "join", "replace", "wordwrap"):
                 env.filters[name] = _bounded_filter(env.filters[name], name)
             _COMPILED.clear()
             _COMPILED[template] = env.from_string(template)
@@ -296,7 +312,8 @@ def render_template(template: str, source: str, **context) -> str:
             if size > TEMPLATE_CHARS:
                 _refuse(f"its output grew past {TEMPLATE_CHARS:,} characters")
         return "".join(parts)
-    except Exception as e:  # every way a template can fail is the template's, and the user's to fix
+    # every way a template can fail is the template's, and the user's to fix
+    except Exception as e:
         raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     finally:
@@ -307,11 +324,13 @@ def render_template(template: str, source: str, **context) -> str:
 
 # Prompts
 
-CHARS_PER_TOKEN = 64  # a text this many characters per allowed token is tokenized only that far before refusing
+# a text this many characters per allowed token is tokenized only that far before refusing
+CHARS_PER_TOKEN = 64
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
-RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {  # keys only a flag sets
-    k: flag(k) for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature", "top_k", "top_p",
-                         "min_p", "stop", "seed", "num_samples")}
+# keys only a flag sets
+RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {
+    k: flag(k) for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature",
+                         "top_k", "top_p", "min_p", "stop", "seed", "num_samples")}
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
@@ -330,7 +349,8 @@ def check_text(text: str, where: str):
         raise UserError(f"{where}: the text is not valid Unicode (a lone surrogate)") from None
 
 
-def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional[str], thinking: bool) -> list[str]:
+def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional[str],
+                     thinking: bool) -> list[str]:
     """--system-prompt / --enable-thinking (returned if given): an error with token ids or without chat."""
     flags = []
     if system_prompt is not None:
@@ -338,10 +358,12 @@ def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional
     if thinking:
         flags.append("--enable-thinking")
     if flags and ids:
-        raise UserError(f"{flags[0]}: --prompt-ids are token ids, not a rendered chat; it would change nothing")
+        raise UserError(f"{flags[0]}: --prompt-ids are token ids, not a rendered chat; "
+                        f"it would change nothing")
     if flags and chat is False:
-        raise UserError(f"{flags[0]}: prompts are not rendered as chat here (--no-chat, or a tokenizer without "
-                        f"a chat template: --chat renders Qwen3's format); it would change nothing")
+        raise UserError(f"{flags[0]}: prompts are not rendered as chat here "
+                        f"(--no-chat, or a tokenizer without a chat template: "
+                        f"--chat renders Qwen3's format); it would change nothing")
     if system_prompt is not None:
         check_text(system_prompt, "--system-prompt")
         if not system_prompt.strip():
@@ -352,40 +374,48 @@ def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional
 def read_messages(messages, where: str) -> list[dict]:
     """A conversation: {"role", "content"} objects, known roles, text content, the user's turn last."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
+        raise UserError(f"{where}: 'messages' must be a non-empty list of "
+                        f"{{\"role\": str, \"content\": str}}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
             got = f"a {type(m).__name__}"
             if isinstance(m, dict):
                 got = f"keys {', '.join(map(repr, m))}"
-            raise UserError(f"{where}: messages[{i}] must be {{\"role\": str, \"content\": str}}, got {got}")
+            raise UserError(f"{where}: messages[{i}] must be {{\"role\": str, \"content\": str}}, "
+                            f"got {got}")
         if m["role"] not in ROLES:
-            raise UserError(f"{where}: messages[{i}]: role {repr(m['role'])[:60]} is not one of {', '.join(ROLES)}")
+            raise UserError(f"{where}: messages[{i}]: role {repr(m['role'])[:60]} "
+                            f"is not one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
-            raise UserError(f"{where}: messages[{i}]: 'content' must be a string, got {type(m['content']).__name__}")
+            raise UserError(f"{where}: messages[{i}]: 'content' must be a string, "
+                            f"got {type(m['content']).__name__}")
     if messages[-1]["role"] != "user":
-        raise UserError(f"{where}: the last message must be the user's (the turn the model answers), not the "
-                        f"{messages[-1]['role']}'s")
+        raise UserError(f"{where}: the last message must be the user's "
+                        f"(the turn the model answers), not the {messages[-1]['role']}'s")
     return [dict(m) for m in messages]
 
 
-def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, system_prompt: Optional[str] = None,
-           thinking: bool = False, max_len: Optional[int] = None) -> list[int]:
+def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
+           system_prompt: Optional[str] = None, thinking: bool = False,
+           max_len: Optional[int] = None) -> list[int]:
     """One prompt as ids: token ids as given; a text (a user turn) or a conversation, rendered if `chat`."""
     if isinstance(prompt, (list, tuple)) and all(_int(t) for t in prompt):
         if system_prompt is not None or thinking:
-            raise UserError(f"{where}: token ids are not a rendered chat; the system prompt or thinking would "
-                            f"change nothing")
+            raise UserError(f"{where}: token ids are not a rendered chat; "
+                            f"the system prompt or thinking would change nothing")
         return list(prompt)
     if tokenizer is None:
         raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
-    if thinking and tokenizer.chat_template is not None and "enable_thinking" not in tokenizer.chat_template:
-        raise UserError(f"--enable-thinking: the chat template ({tokenizer.template_source}) has no thinking switch "
-                        f"(it never reads enable_thinking)")
+    template = tokenizer.chat_template
+    if thinking and template is not None and "enable_thinking" not in template:
+        raise UserError(f"--enable-thinking: the chat template ({tokenizer.template_source}) "
+                        f"has no thinking switch (it never reads enable_thinking)")
     if not isinstance(prompt, str) and not chat:
-        raise UserError(f"{where}: a messages record is a conversation, rendered only with a chat template, "
-                        f"and prompts are not rendered as chat here (--no-chat, or a tokenizer without a chat "
-                        f"template: --chat renders Qwen3's format)")
+        raise UserError(f"{where}: a messages record is a conversation, "
+                        f"rendered only with a chat template, "
+                        f"and prompts are not rendered as chat here "
+                        f"(--no-chat, or a tokenizer without a chat template: "
+                        f"--chat renders Qwen3's format)")
     if isinstance(prompt, str):
         turns = [{"role": "user", "content": prompt}]
     else:
@@ -393,8 +423,8 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, sy
     messages = turns
     if system_prompt is not None:
         if any(m["role"] == "system" for m in turns):
-            raise UserError(f"{where}: the conversation has its own system turn, and --system-prompt gives "
-                            f"another; drop one")
+            raise UserError(f"{where}: the conversation has its own system turn, "
+                            f"and --system-prompt gives another; drop one")
         messages = [{"role": "system", "content": system_prompt}] + turns
     texts = [m["content"] for m in messages]
     joined = "\n".join(texts)
@@ -403,16 +433,19 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool, sy
         raise UserError(f"{where}: empty prompt")
     if max_len is not None:  # e.g. 100 MB: refused from a prefix, not tokenized whole
         most_chars = CHARS_PER_TOKEN * max_len
-        if sum(map(len, texts)) > most_chars and len(tokenizer.encode(joined[:most_chars])) > max_len:
-            raise UserError(f"{where}: the prompt is longer than the {max_len} tokens the context leaves it")
+        past_chars = sum(map(len, texts)) > most_chars
+        if past_chars and len(tokenizer.encode(joined[:most_chars])) > max_len:
+            raise UserError(f"{where}: the prompt is longer than the {max_len} tokens "
+                            f"the context leaves it")
     if not chat:
         return tokenizer.encode(texts[-1])
     text = tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking)
     return tokenizer.encode(text)
 
 
+# a prompts file's records, as errors name them
 RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
-                 '{"messages": [{"role": str, "content": str}, ...]}')  # a prompts file's records, as errors name them
+                 '{"messages": [{"role": str, "content": str}, ...]}')
 
 
 def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
@@ -432,8 +465,9 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
                             f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
         kinds = [k for k in PROMPT_KINDS if k in row]
         if len(kinds) > 1:
-            raise UserError(f"{where}: a record gives one prompt, as one of {', '.join(PROMPT_KINDS)}; this one has "
-                            f"{' and '.join(kinds)}")
+            raise UserError(f"{where}: a record gives one prompt, "
+                            f"as one of {', '.join(PROMPT_KINDS)}; "
+                            f"this one has {' and '.join(kinds)}")
         kind = None
         if kinds:
             kind = kinds[0]
@@ -444,7 +478,8 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
             v = v[0]  # the first turn, as the authors' evaluation
         elif kind == "messages":
             v = read_messages(v, where)
-        elif not (kind == "prompt" and isinstance(v, str) or kind == "prompt_ids" and isinstance(v, list)):
+        elif not (kind == "prompt" and isinstance(v, str)
+                  or kind == "prompt_ids" and isinstance(v, list)):
             raise UserError(f"{where}: expected {RECORD_SHAPES}")
         out.append((where, v))
     if not out:
@@ -453,17 +488,20 @@ def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
 
 
 def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
-                 prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None, max_len: Optional[int] = None,
-                 system_prompt: Optional[str] = None, thinking: bool = False, sources: Optional[list] = None):
+                 prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None,
+                 max_len: Optional[int] = None, system_prompt: Optional[str] = None,
+                 thinking: bool = False, sources: Optional[list] = None):
     """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from."""
-    sources_given = (("--prompt", prompt), ("--prompt-ids", prompt_ids), ("--prompts-file", prompts_file))
+    sources_given = (("--prompt", prompt), ("--prompt-ids", prompt_ids),
+                     ("--prompts-file", prompts_file))
     given = [name for name, value in sources_given if value is not None]
     if len(given) != 1:
         got = ""
         if given:
             got = f" (got {', '.join(given)})"
         raise UserError(f"give exactly one of --prompt, --prompt-ids, --prompts-file{got}")
-    flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt, thinking=thinking)
+    flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt,
+                             thinking=thinking)
     if prompts_file is not None:
         records = read_prompts(prompts_file)
     elif prompt is not None:
@@ -472,17 +510,19 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         records = [("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))]
     out = []
     for where, p in records:
-        if flags and isinstance(p, list) and all(_int(i) for i in p):  # (--prompt-ids with a flag: refused above)
-            raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; {flags[0]} "
-                            f"would change nothing for it")
-        out.append(encode(tokenizer, p, where, chat=chat, system_prompt=system_prompt, thinking=thinking,
-                          max_len=max_len))
+        # (--prompt-ids with a flag: refused above)
+        if flags and isinstance(p, list) and all(_int(i) for i in p):
+            raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; "
+                            f"{flags[0]} would change nothing for it")
+        out.append(encode(tokenizer, p, where, chat=chat, system_prompt=system_prompt,
+                          thinking=thinking, max_len=max_len))
         if sources is not None:
             sources.append(where)
     return out
 
 
-def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter=None, sources=None):
+def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter=None,
+                  sources=None):
     """Every prompt non-empty, inside the vocabulary, and fitting the target's and drafter's context with its budget."""
     V = target.args.vocab_size
     context = target.args.max_position_embeddings
@@ -500,8 +540,8 @@ def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter
         if bad:
             raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
         if len(p) + max_new_tokens > context:
-            raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} exceed the {whose}'s "
-                            f"context of {context} (max_position_embeddings)")
+            raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} "
+                            f"exceed the {whose}'s context of {context} (max_position_embeddings)")
 
 
 class StopStrings:
@@ -525,13 +565,16 @@ class StopStrings:
         if not strings:
             return None
         if tokenizer is None:
-            raise UserError("--stop: stop strings need the target's tokenizer.json (to read the text)")
-        special = {t.content for t in tokenizer.tok.get_added_tokens_decoder().values() if t.special}
+            raise UserError("--stop: stop strings need the target's tokenizer.json "
+                            "(to read the text)")
+        added = tokenizer.tok.get_added_tokens_decoder().values()
+        special = {t.content for t in added if t.special}
         for s in strings:
             held = next((t for t in special if t and t in s), None)
             if held is not None:  # the text it is matched in leaves special tokens out
-                raise UserError(f"--stop {s!r}: holds the special token {held!r}, which the text a stop string is "
-                                f"matched in leaves out; requests end at the target's stop tokens "
+                raise UserError(f"--stop {s!r}: holds the special token {held!r}, "
+                                f"which the text a stop string is matched in leaves out; "
+                                f"requests end at the target's stop tokens "
                                 f"(generation_config.json's eos_token_id), or --ignore-eos")
         return StopStrings(tokenizer, strings)
 
