@@ -28,15 +28,22 @@ from support.files import optional_file, read_json
 
 REQUIRED, HALF = object(), object()  # HALF: head_dim's default, hidden_size / num_attention_heads
 # key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
-LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED), "hidden_size": (int, 1, 65_536, REQUIRED),
-              "intermediate_size": (int, 1, 1_048_576, REQUIRED), "num_hidden_layers": (int, 1, 1024, REQUIRED),
-              "num_attention_heads": (int, 1, 1024, REQUIRED), "num_key_value_heads": (int, 1, 1024, REQUIRED),
-              "head_dim": (int, 1, 4096, HALF), "max_position_embeddings": (int, 1, 10_485_760, 32768),
-              "rms_norm_eps": (float, 1e-12, 0.1, 1e-6), "rope_theta": (float, 1.0, 1e12, REQUIRED),
-              "attention_bias": (bool, 0, 0, False), "tie_word_embeddings": (bool, 0, 0, False)}
+LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
+              "hidden_size": (int, 1, 65_536, REQUIRED),
+              "intermediate_size": (int, 1, 1_048_576, REQUIRED),
+              "num_hidden_layers": (int, 1, 1024, REQUIRED),
+              "num_attention_heads": (int, 1, 1024, REQUIRED),
+              "num_key_value_heads": (int, 1, 1024, REQUIRED),
+              "head_dim": (int, 1, 4096, HALF),
+              "max_position_embeddings": (int, 1, 10_485_760, 32768),
+              "rms_norm_eps": (float, 1e-12, 0.1, 1e-6),
+              "rope_theta": (float, 1.0, 1e12, REQUIRED),
+              "attention_bias": (bool, 0, 0, False),
+              "tie_word_embeddings": (bool, 0, 0, False)}
 MAX_BLOCK = 256  # drafter slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
 LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
-EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")  # DeepSpec's name, and its evaluator's alias
+# DeepSpec's name, and its evaluator's alias
+EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")
 
 
 def integer(v) -> bool:
@@ -71,10 +78,12 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
             raise UserError(f"{source}: {key} must be an object, got {r!r}")
         for spelling in ("rope_type", "type"):
             if (r or {}).get(spelling) not in ("default", None):
-                raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported (only default RoPE)")
+                raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported "
+                                "(only default RoPE)")
     if rope and "rope_theta" in rope:
         if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:
-            raise UserError(f"{source}: conflicting values for 'rope_theta': top-level {cfg['rope_theta']!r}, "
+            raise UserError(f"{source}: conflicting values for 'rope_theta': "
+                            f"top-level {cfg['rope_theta']!r}, "
                             f"rope_parameters {rope['rope_theta']!r}")
         cfg["rope_theta"] = rope["rope_theta"]
     out = {}
@@ -88,20 +97,22 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
             out[key] = default
     if "head_dim" not in out:  # older configs omit it; Qwen3's default
         if out["hidden_size"] % out["num_attention_heads"]:
-            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
+            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple "
+                            "of num_attention_heads")
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     if out["head_dim"] % 2:
-        raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), got {out['head_dim']}")
+        raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), "
+                        f"got {out['head_dim']}")
     if out["num_attention_heads"] % out["num_key_value_heads"]:
-        raise UserError(f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
-                        f"num_key_value_heads {out['num_key_value_heads']}")
+        raise UserError(f"{source}: num_attention_heads {out['num_attention_heads']} "
+                        f"is not a multiple of num_key_value_heads {out['num_key_value_heads']}")
     quant = cfg.get("quantization_config")
     if quant is not None:
         method = quant
         if isinstance(quant, dict):
             method = quant.get("quant_method")
-        raise UserError(f"{source}: quantization_config ({method!r}): quantized checkpoints are not supported "
-                        f"(use the unquantized one)")
+        raise UserError(f"{source}: quantization_config ({method!r}): "
+                        "quantized checkpoints are not supported (use the unquantized one)")
     types = cfg.get("layer_types")
     if types is not None:
         full = isinstance(types, list) and all(t == "full_attention" for t in types)
@@ -124,8 +135,8 @@ def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
     else:
         vals = [v]
     if not all(integer(x) and 0 <= x < vocab_size for x in vals):
-        raise UserError(f"{source}: key 'eos_token_id' must be a token id below vocab_size {vocab_size} or a list of "
-                        f"them, got {v!r}")
+        raise UserError(f"{source}: key 'eos_token_id' must be a token id "
+                        f"below vocab_size {vocab_size} or a list of them, got {v!r}")
     return tuple(vals)
 
 
@@ -134,9 +145,11 @@ def target_args(cfg: dict, source: str) -> ModelArgs:
     archs = cfg.get("architectures")
     qwen3 = isinstance(archs, list) and set(archs) == {"Qwen3ForCausalLM"}
     if archs is not None and not qwen3:
-        raise UserError(f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
+        raise UserError(f"{source}: architectures {archs!r} not supported "
+                        "(supported: Qwen3ForCausalLM)")
     if cfg.get("model_type") not in (None, "qwen3"):
-        raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported (supported: qwen3)")
+        raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported "
+                        "(supported: qwen3)")
     return replace(args, eos_token_ids=token_ids(cfg.get("eos_token_id"), source, args.vocab_size))
 
 
