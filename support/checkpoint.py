@@ -155,7 +155,8 @@ def target_args(cfg: dict, source: str) -> ModelArgs:
 
 # Drafter configs, in every spelling
 
-HEAD_RENAMES = {"markov_w1.weight": "markov_head.markov_w1.weight", "markov_w2.weight": "markov_head.markov_w2.weight",
+HEAD_RENAMES = {"markov_w1.weight": "markov_head.markov_w1.weight",
+                "markov_w2.weight": "markov_head.markov_w2.weight",
                 "confidence_proj.weight": "confidence_head.proj.weight",
                 "confidence_proj.bias": "confidence_head.proj.bias"}
 
@@ -189,7 +190,8 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
 def check_layer_ids(ids, targets, source: str):
     """target_layer_ids (each layer once) and num_target_layers (None: not given), as every drafter names them."""
     if not (isinstance(ids, list) and ids and all(map(integer, ids))):
-        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
+        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, "
+                        f"got {ids!r}")
     if len(set(ids)) != len(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
     most_layers = LAYER_KEYS["num_hidden_layers"][2]
@@ -197,21 +199,22 @@ def check_layer_ids(ids, targets, source: str):
         raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
 
 
-def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled: dict) -> DrafterConfig:
+def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
+                   spelled: dict) -> DrafterConfig:
     """The drafter config from config.json and the weights (`tensors`, renamed; `spelled`: the file's names)."""
     layers = layer_args(cfg, source)
     archs = cfg.get("architectures")
     if not isinstance(archs, list):
-        raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
-                        f"got {archs!r}")
+        raise UserError(f"{source}: 'architectures' must be a list naming the drafter "
+                        f"(e.g. [\"Qwen3DSparkModel\"]), got {archs!r}")
     arch = None
     if len(archs) == 1:
         arch = archs[0]
     if arch in EAGLE3_ARCHITECTURES:
         return eagle3_config(cfg, layers, source)
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
-        raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel, "
-                        f"DFlashDraftModel or Qwen3Eagle3Model)")
+        raise UserError(f"{source}: architectures {archs!r} is not a known drafter "
+                        "(Qwen3DSparkModel, DFlashDraftModel or Qwen3Eagle3Model)")
     block = lookup(cfg, "block_size", source)
     ids = lookup(cfg, "target_layer_ids", source)
     mask_id = lookup(cfg, "mask_token_id", source)
@@ -219,8 +222,8 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
     check_layer_ids(ids, targets, source)
     if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
-        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, "
-                        f"got {mask_id!r}")
+        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size "
+                        f"{layers.vocab_size}, got {mask_id!r}")
 
     # Layout: Qwen3DSparkModel is DSpark's; a DFlashDraftModel z-lab's DFlash unless its config says DSpark.
     shift = lookup(cfg, "shift_label", source, bool)
@@ -229,14 +232,16 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
         raise UserError(f"{source}: unknown projector_type {projector!r}")
     said = []  # (what said it, the layout it says), in this order
     if shift is not None:
-        said.append((f"shift_label={str(shift).lower()}", {True: "dspark", False: "dflash"}[shift]))
+        shift_layout = {True: "dspark", False: "dflash"}[shift]
+        said.append((f"shift_label={str(shift).lower()}", shift_layout))
     if projector is not None:
         said.append((f"projector_type {projector!r}", projector))
     if arch == "Qwen3DSparkModel":
         said.append(("architecture Qwen3DSparkModel", "dspark"))
     for (who, lay), (other, its) in zip(said, said[1:]):
         if lay != its:
-            raise UserError(f"{source}: {who} contradicts {other} (the {LAYOUT_NAMES[its]} layout)")
+            raise UserError(f"{source}: {who} contradicts {other} "
+                            f"(the {LAYOUT_NAMES[its]} layout)")
     layout = "dflash"
     if said:
         layout = said[0][1]
@@ -248,32 +253,37 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if mtype in ("none", "None", ""):
         mtype = None
     if mtype not in (None, *MARKOV_HEADS):
-        raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_HEADS)})")
+        raise UserError(f"{source}: unknown markov_head_type {mtype!r} "
+                        f"(known: {', '.join(MARKOV_HEADS)})")
     declared = lookup(cfg, "markov_rank", source)
     w1 = tensors.get("markov_head.markov_w1.weight")
     rank = 0
     if mtype is None:
         heads = sorted(k for k in tensors if k.startswith("markov_head."))
         if heads:
-            raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
-                            f"{source} declares none (markov_head_type)")
+            head_name = spelled.get(heads[0], heads[0])
+            raise UserError(f"{weights}: tensor {head_name!r} belongs to a Markov head, "
+                            f"but {source} declares none (markov_head_type)")
         if isinstance(declared, bool) or declared not in (None, 0):
-            raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
-                            f"(and the weights have none)")
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type "
+                            "declares no Markov head (and the weights have none)")
     else:
         if w1 is None:
-            raise UserError(f"{weights}: markov_head_type is {mtype!r} but the weights have no markov_w1 "
-                            f"(markov_head.markov_w1.weight or markov_w1.weight)")
+            raise UserError(f"{weights}: markov_head_type is {mtype!r} "
+                            "but the weights have no markov_w1 "
+                            "(markov_head.markov_w1.weight or markov_w1.weight)")
         if w1.ndim != 2 or w1.shape[1] < 1:
-            raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
-                            f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
+            w1_name = spelled.get("markov_head.markov_w1.weight")
+            raise UserError(f"{weights}: tensor {w1_name!r} has shape {list(w1.shape)}, "
+                            "the Markov head expects [vocab_size, rank >= 1]")
         rank = w1.shape[1]
         if declared is not None and (not integer(declared) or declared != rank):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
     norm = tensors.get("norm.weight")
     if norm is not None and list(norm.shape) != [layers.hidden_size]:
+        norm_name = spelled.get("norm.weight", "norm.weight")
         raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
-                        f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
+                        f"{norm_name!r} has shape {list(norm.shape)}")
 
     # Confidence head; whether it reads W1[x] is settled by its width.
     conf = lookup(cfg, "enable_confidence_head", source, bool, aliases=("use_confidence_head",))
@@ -281,25 +291,30 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     proj = tensors.get("confidence_head.proj.weight")
     name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
     if proj is not None and not conf:
-        raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, but {source} does not enable one "
-                        f"(enable_confidence_head / use_confidence_head)")
+        raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, "
+                        f"but {source} does not enable one "
+                        "(enable_confidence_head / use_confidence_head)")
     by_weights = False
     if conf:
         if proj is None:
-            raise UserError(f"{weights}: the confidence head is enabled in {source} but the weights "
-                            "have no confidence_head.proj.weight (or confidence_proj.weight)")
+            raise UserError(f"{weights}: the confidence head is enabled in {source} "
+                            "but the weights have no confidence_head.proj.weight "
+                            "(or confidence_proj.weight)")
         if proj.ndim != 2:
-            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
-                            f"[1, features]")
+            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, "
+                            "the confidence head expects [1, features]")
         by_weights = rank > 0 and proj.shape[-1] == layers.hidden_size + rank
         if with_markov and mtype is None:
-            raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+            raise UserError(f"{source}: confidence_head_with_markov is true "
+                            "but there is no Markov head")
         if with_markov is not None and with_markov != by_weights:
-            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
-                            f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
+            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} "
+                            f"but confidence_head.proj reads {proj.shape[-1]} features "
+                            f"(hidden {layers.hidden_size}, markov rank {rank})")
     if layout == "dflash" and (mtype or conf):
         raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
-    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, targets)
+    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf),
+                         by_weights, targets)
 
 
 def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
@@ -316,8 +331,8 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
     gamma = checked(cfg["ttt_length"], "ttt_length", source, int, 1, MAX_BLOCK)
     depth = cfg.get("draft_num_hidden_layers", layers.num_hidden_layers)
     if depth != 1:
-        raise UserError(f"{source}: an Eagle3 drafter has one layer (draft_num_hidden_layers / num_hidden_layers), "
-                        f"got {depth!r}")
+        raise UserError(f"{source}: an Eagle3 drafter has one layer "
+                        f"(draft_num_hidden_layers / num_hidden_layers), got {depth!r}")
     one_layer = replace(layers, num_hidden_layers=1)
     return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, targets)
 
@@ -326,7 +341,8 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX = "model.safetensors.index.json"
-FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # rows [first; second]
+# rows [first; second]
+FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def fused(tensors: dict) -> dict:
