@@ -383,7 +383,8 @@ def read_index(index: str) -> dict:
         raise UserError(f"{index}: missing or empty 'weight_map'")
     for k, f in weight_map.items():
         if not isinstance(f, str) or not f or os.path.basename(f) != f:
-            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name in the directory, got {f!r}")
+            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name "
+                            f"in the directory, got {f!r}")
     return weight_map
 
 
@@ -396,8 +397,8 @@ def weight_files(directory: str) -> list[str]:
             return [single]
         raise UserError(f"{directory}: no model.safetensors or model.safetensors.index.json")
     if os.path.lexists(single):
-        raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
-                        f"which is the checkpoint is ambiguous (remove one)")
+        raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json "
+                        "are there; which is the checkpoint is ambiguous (remove one)")
     shards = sorted(set(read_index(index).values()))
     lacking = absent(directory, shards)
     if lacking:
@@ -407,8 +408,9 @@ def weight_files(directory: str) -> list[str]:
         if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in shards:
             stray.append(f)
     if stray:
-        raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
-                        f"(its tensors would be left out; remove it or list them in the index)")
+        stray_path = os.path.join(directory, stray[0])
+        raise UserError(f"{stray_path}: a weight file that {index} does not name "
+                        "(its tensors would be left out; remove it or list them in the index)")
     return [os.path.join(directory, f) for f in shards]
 
 
@@ -426,7 +428,8 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                 mapped_here = {k for k, v in weight_map.items() if v == shard}
                 unheld = sorted(mapped_here - set(f.keys()))
                 if unheld:
-                    raise UserError(f"{index}: maps tensor {unheld[0]!r} to {shard!r}, which does not hold it")
+                    raise UserError(f"{index}: maps tensor {unheld[0]!r} to {shard!r}, "
+                                    "which does not hold it")
                 for key in f.keys():
                     if index and weight_map.get(key) != shard:
                         where = "does not list it"
@@ -439,14 +442,19 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                     if t.dtype not in WEIGHT_DTYPES:
                         what = "not a floating-point weight"
                         if t.is_floating_point():
-                            what = "a quantized format (not supported: use the unquantized checkpoint)"
-                        raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, {what}")
+                            what = ("a quantized format "
+                                    "(not supported: use the unquantized checkpoint)")
+                        stored = str(t.dtype).removeprefix("torch.")
+                        raise UserError(f"{path}: tensor {key!r} is {stored}, {what}")
                     v = t.to(device, dtype)
                     if not torch.isfinite(v).all():
                         if not torch.isfinite(t).all():
                             raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
-                        raise UserError(f"{path}: tensor {key!r} overflows {str(dtype).removeprefix('torch.')} "
-                                        f"(largest magnitude {t.abs().max().item():.4g}): load it in a wider dtype")
+                        wanted = str(dtype).removeprefix("torch.")
+                        largest = t.abs().max().item()
+                        raise UserError(f"{path}: tensor {key!r} overflows {wanted} "
+                                        f"(largest magnitude {largest:.4g}): "
+                                        "load it in a wider dtype")
                     out[rename(key)] = v
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path}: cannot read safetensors ({e})") from None
@@ -458,7 +466,8 @@ def assign(module: nn.Module, tensors: dict, source: str):
     want = published({n: p for n, p in module.named_parameters()})
     for name in sorted(tensors):
         if name not in want:
-            raise UserError(f"{source}: tensor {name!r} in the checkpoint matches no parameter of the model")
+            raise UserError(f"{source}: tensor {name!r} in the checkpoint "
+                            "matches no parameter of the model")
         if tensors[name].shape != want[name].shape:
             raise UserError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
                             f"the model expects {list(want[name].shape)}")
@@ -487,15 +496,19 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
         raise UserError(f"{directory}: target directory not found")
     path = os.path.join(directory, "config.json")
     args = target_args(read_json(path), path)
-    tensors, source = checkpoint_weights(directory, dtype, device, lambda k: k.removeprefix("model."))
-    if args.tie_word_embeddings and "lm_head.weight" in tensors:  # some exports write the tied head too
+    tensors, source = checkpoint_weights(directory, dtype, device,
+                                         lambda k: k.removeprefix("model."))
+    # some exports write the tied head too
+    if args.tie_word_embeddings and "lm_head.weight" in tensors:
         head = tensors.pop("lm_head.weight")
         emb = tensors.get("embed_tokens.weight")
         if emb is None:
-            raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing from the checkpoint (it holds "
-                            f"'lm_head.weight', and tie_word_embeddings is true)")
+            raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing "
+                            "from the checkpoint (it holds 'lm_head.weight', "
+                            "and tie_word_embeddings is true)")
         if head.shape != emb.shape or not torch.equal(head, emb):
-            raise UserError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
+            raise UserError(f"{source}: tie_word_embeddings is true "
+                            "but 'lm_head.weight' differs from the embedding")
     with torch.device("meta"):
         model = Transformer(args)
     assign(model, tensors, source)
@@ -511,21 +524,26 @@ def attach(drafter: Drafter, target: Transformer):
     c = drafter.cfg
     L = t.num_hidden_layers
     for key in ("vocab_size", "hidden_size"):
-        if getattr(a, key) != getattr(t, key):
-            raise UserError(f"drafter {key} {getattr(a, key)} differs from the target's {getattr(t, key)}")
+        drafter_has = getattr(a, key)
+        target_has = getattr(t, key)
+        if drafter_has != target_has:
+            raise UserError(f"drafter {key} {drafter_has} differs from the target's {target_has}")
     if c.num_target_layers is not None and c.num_target_layers != L:
-        raise UserError(f"drafter num_target_layers {c.num_target_layers} differs from the target's "
-                        f"num_hidden_layers {L}: it was built for another target")
+        raise UserError(f"drafter num_target_layers {c.num_target_layers} "
+                        f"differs from the target's num_hidden_layers {L}: "
+                        "it was built for another target")
     for i in c.target_layer_ids:
         if not -1 <= i < L:
-            raise UserError(f"drafter target_layer_ids: layer id {i!r} is outside the capturable layers -1..{L - 2}")
+            raise UserError(f"drafter target_layer_ids: layer id {i!r} is outside "
+                            f"the capturable layers -1..{L - 2}")
         if i == L - 1:
-            raise UserError(f"drafter target_layer_ids: layer id {i} is the target's last layer; drafters read "
-                            f"layers before it")
+            raise UserError(f"drafter target_layer_ids: layer id {i} "
+                            "is the target's last layer; drafters read layers before it")
     drafter.attach(target)
 
 
-def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
+def load_drafter(directory: str, target: Transformer, device="cpu",
+                 dtype=torch.float32) -> Drafter:
     if not os.path.isdir(directory):
         raise UserError(f"{directory}: drafter directory not found")
     path = os.path.join(directory, "config.json")
@@ -539,15 +557,16 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
 
     tensors, source = checkpoint_weights(directory, dtype, device, rename)
     cfg = drafter_config(raw, tensors, path, source, spelled)
-    shared = (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight))
+    shared = (("embed_tokens.weight", target.embed_tokens.weight),
+              ("lm_head.weight", target.lm_head.weight))
     for name, param in shared:
         t = tensors.pop(name, None)  # a copy of the target's, which is used: it must be the same
         if t is None:
             continue
         same = t.shape == param.shape and torch.equal(t.to(param.device, param.dtype), param)
         if not same:
-            raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; drafters share the "
-                            f"target's embedding and lm_head")
+            raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; "
+                            "drafters share the target's embedding and lm_head")
     with torch.device("meta"):
         if cfg.layout == "eagle3":
             drafter = Eagle3Drafter(cfg)
@@ -560,15 +579,17 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
 
 # Random weights in a published shape
 
-PRESETS = {  # Hugging Face Qwen/Qwen3-*/config.json; qwen3-tiny: Qwen3's vocabulary with toy layers
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128),
-    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-                      num_key_value_heads=8, head_dim=128),
-    "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8)}
+# Hugging Face Qwen/Qwen3-*/config.json; qwen3-tiny: Qwen3's vocabulary with toy layers
+PRESETS = {
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128),
+    "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)}
 
 
 def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
@@ -605,8 +626,9 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
     return init_random_(model, seed).eval().requires_grad_(False)
 
 
-def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",
-                   rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
+def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5,
+                   markov: Optional[str] = "vanilla", rank: int = 256, confidence: bool = True,
+                   seed: int = 1) -> Drafter:
     """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
     t = target.args
     layers = replace(t, num_hidden_layers=num_layers)
@@ -615,8 +637,8 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
         markov_rank = rank
     reads_markov = confidence and markov is not None  # the confidence head reads W1[x] beside h
     mask_id = t.vocab_size - 1
-    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", markov, markov_rank, confidence,
-                        reads_markov)
+    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", markov,
+                        markov_rank, confidence, reads_markov)
     return random_weights(Drafter, cfg, target, seed)
 
 
@@ -679,13 +701,15 @@ class Models:
 
 
 def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
-                dtype: Optional[str] = None, random_init: Optional[str] = None, calibration: Optional[str] = None,
-                seed: int = 0, cpu_kernels: bool = True) -> Models:
+                dtype: Optional[str] = None, random_init: Optional[str] = None,
+                calibration: Optional[str] = None, seed: int = 0,
+                cpu_kernels: bool = True) -> Models:
     """The target (and drafter) from directories, hub ids or a random preset; `calibration`: STS temperatures.
     CPU float32 models get the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
     from support.text import Tokenizer
 
-    if random_init is None and target is None and drafter is not None:  # drafters are trained on one target
+    # drafters are trained on one target
+    if random_init is None and target is None and drafter is not None:
         raise UserError(f"--drafter {drafter}: needs --target, the target it was trained for")
     if random_init is None and target is None:
         raise UserError("--target: no target directory given")
@@ -712,7 +736,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             d = load_drafter(drafter, t, device, dt)
     if calibration is not None:
         if d is None or d.confidence_head is None:
-            raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
+            raise UserError(f"--calibration {calibration}: needs a --drafter "
+                            "with a confidence head")
         temps = read_json(calibration).get("temperatures")
         K = d.cfg.num_drafts
         lo = torch.finfo(torch.float32).tiny  # the temperatures are applied in float32
@@ -721,8 +746,9 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         if well_formed:
             well_formed = all(number(x) and lo <= x <= hi for x in temps)
         if not well_formed:
-            raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers from {lo:.3g} to "
-                            f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
+            raise UserError(f"{calibration}: 'temperatures' must be a list "
+                            f"of {K} positive numbers from {lo:.3g} to {hi:.3g} "
+                            f"(one per draft position), got {repr(temps)[:200]}")
         d.calibrate(temps)
     if cpu_kernels:
         from support import cpu_kernels as backend
