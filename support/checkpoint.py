@@ -801,11 +801,15 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
 
 # Hugging Face hub ids, ORG/NAME[@REVISION]: from the cache, or downloaded into it
 
-HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                  "tokenizer_config.json", "chat_template.jinja")  # what a run reads besides the weights
-SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # every Qwen3 repo has them
-_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the hub's rule for an owner or a name
-_REVISION = r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*"  # a branch, tag or commit
+# what a run reads besides the weights
+HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                  "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# every Qwen3 repo has them
+SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# the hub's rule for an owner or a name
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+# a branch, tag or commit
+_REVISION = r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*"
 HUB_ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?:@(?P<revision>{_REVISION}))?")
 
 
@@ -814,14 +818,16 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     if spec is None or os.path.exists(spec):
         return spec
     if not spec.strip():
-        raise UserError(f"{flag}: empty (a checkpoint directory, or a Hugging Face hub id ORG/NAME)")
+        raise UserError(f"{flag}: empty (a checkpoint directory, "
+                        "or a Hugging Face hub id ORG/NAME)")
     if os.path.isabs(spec) or spec.startswith((".", "~")):
         return spec  # spelled as a path: the loader says it is not found
     m = HUB_ID.fullmatch(spec)
-    looked = f"; checked the local path {os.path.abspath(spec)}"  # a mistyped path shows where it was looked for
+    # a mistyped path shows where it was looked for
+    looked = f"; checked the local path {os.path.abspath(spec)}"
     if m is None or ".." in spec or "--" in m["repo"] or len(m["revision"] or "") > 255:
-        raise UserError(f"{flag} {spec}: not found as a directory, and not a Hugging Face hub id (ORG/NAME or "
-                        f"ORG/NAME@REVISION){looked}")
+        raise UserError(f"{flag} {spec}: not found as a directory, "
+                        f"and not a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION){looked}")
     from huggingface_hub import constants, snapshot_download, utils
 
     repo = m["repo"]
@@ -833,7 +839,8 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     try:  # the cached snapshot, if any
         path = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
                                  allow_patterns=list(HUB_META_FILES))
-    except utils.LocalEntryNotFoundError as e:  # absent, or present in part (huggingface_hub >= 2 names what it lacks)
+    # absent, or present in part (huggingface_hub >= 2 names what it lacks)
+    except utils.LocalEntryNotFoundError as e:
         snapshot = getattr(e, "snapshot_path", None)
         if snapshot is not None and os.path.isdir(snapshot):
             lacking = []
@@ -843,8 +850,8 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
             path = snapshot
             incomplete = ", ".join(lacking) or "some of its metadata files"
     except Exception as e:
-        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
-                        f"{first_line(e)})") from None
+        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} "
+                        f"({type(e).__name__}: {first_line(e)})") from None
     expected = SNAPSHOT_EXPECTED
     if flag == "--drafter":
         expected = ()
@@ -859,53 +866,66 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
             lacks = f"has no {missing}"
             if incomplete:
                 lacks = f"lacks files the repository has ({incomplete})"
-            why = f"the cached snapshot {path} {lacks}; offline mode (HF_HUB_OFFLINE) forbids downloading it"
+            why = (f"the cached snapshot {path} {lacks}; "
+                   "offline mode (HF_HUB_OFFLINE) forbids downloading it")
         else:
-            why = (f"no such local directory, and not in the Hugging Face cache ({cache}); offline mode "
-                   f"(HF_HUB_OFFLINE) forbids downloading it{looked}")
+            why = (f"no such local directory, and not in the Hugging Face cache ({cache}); "
+                   f"offline mode (HF_HUB_OFFLINE) forbids downloading it{looked}")
         raise UserError(f"{where}: {why}")
 
     def download(revision, files, either=False):
         """The snapshot; `either`: nothing cached, so a failure that leaves the repository's existence open
         says that neither a directory nor the hub has `spec` (it may be a mistyped path)."""
         try:
-            return snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
-        except Exception as e:  # network, authorization, disk: one line each (GatedRepoError before its base class)
-            said = {utils.GatedRepoError: f"{repo} is gated on the Hugging Face hub: accept its conditions on "
-                                          f"huggingface.co/{repo}, then log in (hf auth login, or HF_TOKEN)",
-                    utils.RepositoryNotFoundError: f"no repository {repo} on the Hugging Face hub (or it is private: "
-                                                   f"log in with hf auth login, or set HF_TOKEN)",
-                    utils.RevisionNotFoundError: f"{repo} has no revision {revision!r} on the Hugging Face hub",
-                    utils.LocalEntryNotFoundError: f"not in the Hugging Face cache ({cache}), and the hub cannot be "
-                                                   f"reached ({first_line(e)})"}
-            why = f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})"
+            return snapshot_download(repo, revision=revision, cache_dir=cache,
+                                     allow_patterns=files)
+        # network, authorization, disk: one line each (GatedRepoError before its base class)
+        except Exception as e:
+            gated = (f"{repo} is gated on the Hugging Face hub: "
+                     f"accept its conditions on huggingface.co/{repo}, "
+                     "then log in (hf auth login, or HF_TOKEN)")
+            not_found = (f"no repository {repo} on the Hugging Face hub "
+                         "(or it is private: log in with hf auth login, or set HF_TOKEN)")
+            no_revision = f"{repo} has no revision {revision!r} on the Hugging Face hub"
+            unreachable = (f"not in the Hugging Face cache ({cache}), "
+                           f"and the hub cannot be reached ({first_line(e)})")
+            said = {utils.GatedRepoError: gated,
+                    utils.RepositoryNotFoundError: not_found,
+                    utils.RevisionNotFoundError: no_revision,
+                    utils.LocalEntryNotFoundError: unreachable}
+            why = (f"downloading from the Hugging Face hub failed "
+                   f"({type(e).__name__}: {first_line(e)})")
             for kind, text in said.items():  # the first that matches
                 if isinstance(e, kind):
                     why = text
                     break
-            on_hub = isinstance(e, (utils.GatedRepoError, utils.RevisionNotFoundError))  # the repository exists
+            # the repository exists
+            on_hub = isinstance(e, (utils.GatedRepoError, utils.RevisionNotFoundError))
             if either and not on_hub:
                 why = f"no such local directory, and {why}{looked}"
             raise UserError(f"{where}: {why}") from None
 
     try:
-        now = download(revision, list(HUB_META_FILES), either=path is None)  # the index names the weight files ...
+        # the index names the weight files ...
+        now = download(revision, list(HUB_META_FILES), either=path is None)
     except UserError as e:
         if not (path and not missing):
             raise
-        print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
-              file=sys.stderr)
+        print(f"note: {e}; using the cached snapshot {path} as it is "
+              "(HF_HUB_OFFLINE=1 skips this check)", file=sys.stderr)
         return path
     if missing_weights(now):  # ... fetched at the very commit the metadata came from
         now = download(os.path.basename(now), weight_names(now))
     missing = missing_weights(now)
     if missing:
-        raise UserError(f"{where}: {now} has no {missing} after the download: the repository lacks it (checkpoints "
-                        f"are read as config.json and safetensors weights), or the hub could not be reached")
+        raise UserError(f"{where}: {now} has no {missing} after the download: "
+                        "the repository lacks it (checkpoints are read as config.json "
+                        "and safetensors weights), or the hub could not be reached")
     lacking = absent(now, expected)
     if lacking:
-        print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} after asking the hub (out of "
-              f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
+        print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} "
+              "after asking the hub (out of reach, or the repository lacks them); "
+              "using it as it is", file=sys.stderr)
     return now
 
 
@@ -925,7 +945,8 @@ def weight_names(directory: str) -> list[str]:
     if os.path.isfile(index):
         names = sorted(set(read_index(index).values()))
     if any(not f.endswith(".safetensors") for f in names):  # only weights are asked for
-        raise UserError(f"{index}: 'weight_map' must map tensor names to .safetensors files beside it")
+        raise UserError(f"{index}: 'weight_map' must map tensor names "
+                        "to .safetensors files beside it")
     return names
 
 
