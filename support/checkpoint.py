@@ -28,15 +28,22 @@ from support.files import optional_file, read_json
 
 REQUIRED, HALF = object(), object()  # HALF: head_dim's default, hidden_size / num_attention_heads
 # key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
-LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED), "hidden_size": (int, 1, 65_536, REQUIRED),
-              "intermediate_size": (int, 1, 1_048_576, REQUIRED), "num_hidden_layers": (int, 1, 1024, REQUIRED),
-              "num_attention_heads": (int, 1, 1024, REQUIRED), "num_key_value_heads": (int, 1, 1024, REQUIRED),
-              "head_dim": (int, 1, 4096, HALF), "max_position_embeddings": (int, 1, 10_485_760, 32768),
-              "rms_norm_eps": (float, 1e-12, 0.1, 1e-6), "rope_theta": (float, 1.0, 1e12, REQUIRED),
-              "attention_bias": (bool, 0, 0, False), "tie_word_embeddings": (bool, 0, 0, False)}
+LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
+              "hidden_size": (int, 1, 65_536, REQUIRED),
+              "intermediate_size": (int, 1, 1_048_576, REQUIRED),
+              "num_hidden_layers": (int, 1, 1024, REQUIRED),
+              "num_attention_heads": (int, 1, 1024, REQUIRED),
+              "num_key_value_heads": (int, 1, 1024, REQUIRED),
+              "head_dim": (int, 1, 4096, HALF),
+              "max_position_embeddings": (int, 1, 10_485_760, 32768),
+              "rms_norm_eps": (float, 1e-12, 0.1, 1e-6),
+              "rope_theta": (float, 1.0, 1e12, REQUIRED),
+              "attention_bias": (bool, 0, 0, False),
+              "tie_word_embeddings": (bool, 0, 0, False)}
 MAX_BLOCK = 256  # drafter slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
 LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
-EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")  # DeepSpec's name, and its evaluator's alias
+# DeepSpec's name, and its evaluator's alias
+EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")
 
 
 def integer(v) -> bool:
@@ -71,10 +78,12 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
             raise UserError(f"{source}: {key} must be an object, got {r!r}")
         for spelling in ("rope_type", "type"):
             if (r or {}).get(spelling) not in ("default", None):
-                raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported (only default RoPE)")
+                raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported "
+                                "(only default RoPE)")
     if rope and "rope_theta" in rope:
         if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:
-            raise UserError(f"{source}: conflicting values for 'rope_theta': top-level {cfg['rope_theta']!r}, "
+            raise UserError(f"{source}: conflicting values for 'rope_theta': "
+                            f"top-level {cfg['rope_theta']!r}, "
                             f"rope_parameters {rope['rope_theta']!r}")
         cfg["rope_theta"] = rope["rope_theta"]
     out = {}
@@ -88,20 +97,22 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
             out[key] = default
     if "head_dim" not in out:  # older configs omit it; Qwen3's default
         if out["hidden_size"] % out["num_attention_heads"]:
-            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple of num_attention_heads")
+            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple "
+                            "of num_attention_heads")
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     if out["head_dim"] % 2:
-        raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), got {out['head_dim']}")
+        raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), "
+                        f"got {out['head_dim']}")
     if out["num_attention_heads"] % out["num_key_value_heads"]:
-        raise UserError(f"{source}: num_attention_heads {out['num_attention_heads']} is not a multiple of "
-                        f"num_key_value_heads {out['num_key_value_heads']}")
+        raise UserError(f"{source}: num_attention_heads {out['num_attention_heads']} "
+                        f"is not a multiple of num_key_value_heads {out['num_key_value_heads']}")
     quant = cfg.get("quantization_config")
     if quant is not None:
         method = quant
         if isinstance(quant, dict):
             method = quant.get("quant_method")
-        raise UserError(f"{source}: quantization_config ({method!r}): quantized checkpoints are not supported "
-                        f"(use the unquantized one)")
+        raise UserError(f"{source}: quantization_config ({method!r}): "
+                        "quantized checkpoints are not supported (use the unquantized one)")
     types = cfg.get("layer_types")
     if types is not None:
         full = isinstance(types, list) and all(t == "full_attention" for t in types)
@@ -124,8 +135,8 @@ def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
     else:
         vals = [v]
     if not all(integer(x) and 0 <= x < vocab_size for x in vals):
-        raise UserError(f"{source}: key 'eos_token_id' must be a token id below vocab_size {vocab_size} or a list of "
-                        f"them, got {v!r}")
+        raise UserError(f"{source}: key 'eos_token_id' must be a token id "
+                        f"below vocab_size {vocab_size} or a list of them, got {v!r}")
     return tuple(vals)
 
 
@@ -134,15 +145,18 @@ def target_args(cfg: dict, source: str) -> ModelArgs:
     archs = cfg.get("architectures")
     qwen3 = isinstance(archs, list) and set(archs) == {"Qwen3ForCausalLM"}
     if archs is not None and not qwen3:
-        raise UserError(f"{source}: architectures {archs!r} not supported (supported: Qwen3ForCausalLM)")
+        raise UserError(f"{source}: architectures {archs!r} not supported "
+                        "(supported: Qwen3ForCausalLM)")
     if cfg.get("model_type") not in (None, "qwen3"):
-        raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported (supported: qwen3)")
+        raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported "
+                        "(supported: qwen3)")
     return replace(args, eos_token_ids=token_ids(cfg.get("eos_token_id"), source, args.vocab_size))
 
 
 # Drafter configs, in every spelling
 
-HEAD_RENAMES = {"markov_w1.weight": "markov_head.markov_w1.weight", "markov_w2.weight": "markov_head.markov_w2.weight",
+HEAD_RENAMES = {"markov_w1.weight": "markov_head.markov_w1.weight",
+                "markov_w2.weight": "markov_head.markov_w2.weight",
                 "confidence_proj.weight": "confidence_head.proj.weight",
                 "confidence_proj.bias": "confidence_head.proj.bias"}
 
@@ -176,7 +190,8 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
 def check_layer_ids(ids, targets, source: str):
     """target_layer_ids (each layer once) and num_target_layers (None: not given), as every drafter names them."""
     if not (isinstance(ids, list) and ids and all(map(integer, ids))):
-        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, got {ids!r}")
+        raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, "
+                        f"got {ids!r}")
     if len(set(ids)) != len(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
     most_layers = LAYER_KEYS["num_hidden_layers"][2]
@@ -184,21 +199,22 @@ def check_layer_ids(ids, targets, source: str):
         raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
 
 
-def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled: dict) -> DrafterConfig:
+def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
+                   spelled: dict) -> DrafterConfig:
     """The drafter config from config.json and the weights (`tensors`, renamed; `spelled`: the file's names)."""
     layers = layer_args(cfg, source)
     archs = cfg.get("architectures")
     if not isinstance(archs, list):
-        raise UserError(f"{source}: 'architectures' must be a list naming the drafter (e.g. [\"Qwen3DSparkModel\"]), "
-                        f"got {archs!r}")
+        raise UserError(f"{source}: 'architectures' must be a list naming the drafter "
+                        f"(e.g. [\"Qwen3DSparkModel\"]), got {archs!r}")
     arch = None
     if len(archs) == 1:
         arch = archs[0]
     if arch in EAGLE3_ARCHITECTURES:
         return eagle3_config(cfg, layers, source)
     if arch not in ("Qwen3DSparkModel", "DFlashDraftModel"):
-        raise UserError(f"{source}: architectures {archs!r} is not a known drafter (Qwen3DSparkModel, "
-                        f"DFlashDraftModel or Qwen3Eagle3Model)")
+        raise UserError(f"{source}: architectures {archs!r} is not a known drafter "
+                        "(Qwen3DSparkModel, DFlashDraftModel or Qwen3Eagle3Model)")
     block = lookup(cfg, "block_size", source)
     ids = lookup(cfg, "target_layer_ids", source)
     mask_id = lookup(cfg, "mask_token_id", source)
@@ -206,8 +222,8 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
     check_layer_ids(ids, targets, source)
     if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
-        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size {layers.vocab_size}, "
-                        f"got {mask_id!r}")
+        raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size "
+                        f"{layers.vocab_size}, got {mask_id!r}")
 
     # Layout: Qwen3DSparkModel is DSpark's; a DFlashDraftModel z-lab's DFlash unless its config says DSpark.
     shift = lookup(cfg, "shift_label", source, bool)
@@ -216,14 +232,16 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
         raise UserError(f"{source}: unknown projector_type {projector!r}")
     said = []  # (what said it, the layout it says), in this order
     if shift is not None:
-        said.append((f"shift_label={str(shift).lower()}", {True: "dspark", False: "dflash"}[shift]))
+        shift_layout = {True: "dspark", False: "dflash"}[shift]
+        said.append((f"shift_label={str(shift).lower()}", shift_layout))
     if projector is not None:
         said.append((f"projector_type {projector!r}", projector))
     if arch == "Qwen3DSparkModel":
         said.append(("architecture Qwen3DSparkModel", "dspark"))
     for (who, lay), (other, its) in zip(said, said[1:]):
         if lay != its:
-            raise UserError(f"{source}: {who} contradicts {other} (the {LAYOUT_NAMES[its]} layout)")
+            raise UserError(f"{source}: {who} contradicts {other} "
+                            f"(the {LAYOUT_NAMES[its]} layout)")
     layout = "dflash"
     if said:
         layout = said[0][1]
@@ -235,32 +253,37 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     if mtype in ("none", "None", ""):
         mtype = None
     if mtype not in (None, *MARKOV_HEADS):
-        raise UserError(f"{source}: unknown markov_head_type {mtype!r} (known: {', '.join(MARKOV_HEADS)})")
+        raise UserError(f"{source}: unknown markov_head_type {mtype!r} "
+                        f"(known: {', '.join(MARKOV_HEADS)})")
     declared = lookup(cfg, "markov_rank", source)
     w1 = tensors.get("markov_head.markov_w1.weight")
     rank = 0
     if mtype is None:
         heads = sorted(k for k in tensors if k.startswith("markov_head."))
         if heads:
-            raise UserError(f"{weights}: tensor {spelled.get(heads[0], heads[0])!r} belongs to a Markov head, but "
-                            f"{source} declares none (markov_head_type)")
+            head_name = spelled.get(heads[0], heads[0])
+            raise UserError(f"{weights}: tensor {head_name!r} belongs to a Markov head, "
+                            f"but {source} declares none (markov_head_type)")
         if isinstance(declared, bool) or declared not in (None, 0):
-            raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type declares no Markov head "
-                            f"(and the weights have none)")
+            raise UserError(f"{source}: markov_rank is {declared!r} but markov_head_type "
+                            "declares no Markov head (and the weights have none)")
     else:
         if w1 is None:
-            raise UserError(f"{weights}: markov_head_type is {mtype!r} but the weights have no markov_w1 "
-                            f"(markov_head.markov_w1.weight or markov_w1.weight)")
+            raise UserError(f"{weights}: markov_head_type is {mtype!r} "
+                            "but the weights have no markov_w1 "
+                            "(markov_head.markov_w1.weight or markov_w1.weight)")
         if w1.ndim != 2 or w1.shape[1] < 1:
-            raise UserError(f"{weights}: tensor {spelled.get('markov_head.markov_w1.weight')!r} has shape "
-                            f"{list(w1.shape)}, the Markov head expects [vocab_size, rank >= 1]")
+            w1_name = spelled.get("markov_head.markov_w1.weight")
+            raise UserError(f"{weights}: tensor {w1_name!r} has shape {list(w1.shape)}, "
+                            "the Markov head expects [vocab_size, rank >= 1]")
         rank = w1.shape[1]
         if declared is not None and (not integer(declared) or declared != rank):
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
     norm = tensors.get("norm.weight")
     if norm is not None and list(norm.shape) != [layers.hidden_size]:
+        norm_name = spelled.get("norm.weight", "norm.weight")
         raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
-                        f"{spelled.get('norm.weight', 'norm.weight')!r} has shape {list(norm.shape)}")
+                        f"{norm_name!r} has shape {list(norm.shape)}")
 
     # Confidence head; whether it reads W1[x] is settled by its width.
     conf = lookup(cfg, "enable_confidence_head", source, bool, aliases=("use_confidence_head",))
@@ -268,25 +291,30 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str, spelled:
     proj = tensors.get("confidence_head.proj.weight")
     name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
     if proj is not None and not conf:
-        raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, but {source} does not enable one "
-                        f"(enable_confidence_head / use_confidence_head)")
+        raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, "
+                        f"but {source} does not enable one "
+                        "(enable_confidence_head / use_confidence_head)")
     by_weights = False
     if conf:
         if proj is None:
-            raise UserError(f"{weights}: the confidence head is enabled in {source} but the weights "
-                            "have no confidence_head.proj.weight (or confidence_proj.weight)")
+            raise UserError(f"{weights}: the confidence head is enabled in {source} "
+                            "but the weights have no confidence_head.proj.weight "
+                            "(or confidence_proj.weight)")
         if proj.ndim != 2:
-            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, the confidence head expects "
-                            f"[1, features]")
+            raise UserError(f"{weights}: tensor {name!r} has shape {list(proj.shape)}, "
+                            "the confidence head expects [1, features]")
         by_weights = rank > 0 and proj.shape[-1] == layers.hidden_size + rank
         if with_markov and mtype is None:
-            raise UserError(f"{source}: confidence_head_with_markov is true but there is no Markov head")
+            raise UserError(f"{source}: confidence_head_with_markov is true "
+                            "but there is no Markov head")
         if with_markov is not None and with_markov != by_weights:
-            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} but confidence_head.proj reads "
-                            f"{proj.shape[-1]} features (hidden {layers.hidden_size}, markov rank {rank})")
+            raise UserError(f"{source}: confidence_head_with_markov is {with_markov} "
+                            f"but confidence_head.proj reads {proj.shape[-1]} features "
+                            f"(hidden {layers.hidden_size}, markov rank {rank})")
     if layout == "dflash" and (mtype or conf):
         raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
-    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf), by_weights, targets)
+    return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf),
+                         by_weights, targets)
 
 
 def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
@@ -303,8 +331,8 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
     gamma = checked(cfg["ttt_length"], "ttt_length", source, int, 1, MAX_BLOCK)
     depth = cfg.get("draft_num_hidden_layers", layers.num_hidden_layers)
     if depth != 1:
-        raise UserError(f"{source}: an Eagle3 drafter has one layer (draft_num_hidden_layers / num_hidden_layers), "
-                        f"got {depth!r}")
+        raise UserError(f"{source}: an Eagle3 drafter has one layer "
+                        f"(draft_num_hidden_layers / num_hidden_layers), got {depth!r}")
     one_layer = replace(layers, num_hidden_layers=1)
     return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, targets)
 
@@ -313,7 +341,8 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX = "model.safetensors.index.json"
-FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # rows [first; second]
+# rows [first; second]
+FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def fused(tensors: dict) -> dict:
@@ -354,7 +383,8 @@ def read_index(index: str) -> dict:
         raise UserError(f"{index}: missing or empty 'weight_map'")
     for k, f in weight_map.items():
         if not isinstance(f, str) or not f or os.path.basename(f) != f:
-            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name in the directory, got {f!r}")
+            raise UserError(f"{index}: weight_map[{k!r}] must be a shard file name "
+                            f"in the directory, got {f!r}")
     return weight_map
 
 
@@ -367,8 +397,8 @@ def weight_files(directory: str) -> list[str]:
             return [single]
         raise UserError(f"{directory}: no model.safetensors or model.safetensors.index.json")
     if os.path.lexists(single):
-        raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json are there; "
-                        f"which is the checkpoint is ambiguous (remove one)")
+        raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json "
+                        "are there; which is the checkpoint is ambiguous (remove one)")
     shards = sorted(set(read_index(index).values()))
     lacking = absent(directory, shards)
     if lacking:
@@ -378,8 +408,9 @@ def weight_files(directory: str) -> list[str]:
         if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f) and f not in shards:
             stray.append(f)
     if stray:
-        raise UserError(f"{os.path.join(directory, stray[0])}: a weight file that {index} does not name "
-                        f"(its tensors would be left out; remove it or list them in the index)")
+        stray_path = os.path.join(directory, stray[0])
+        raise UserError(f"{stray_path}: a weight file that {index} does not name "
+                        "(its tensors would be left out; remove it or list them in the index)")
     return [os.path.join(directory, f) for f in shards]
 
 
@@ -397,7 +428,8 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                 mapped_here = {k for k, v in weight_map.items() if v == shard}
                 unheld = sorted(mapped_here - set(f.keys()))
                 if unheld:
-                    raise UserError(f"{index}: maps tensor {unheld[0]!r} to {shard!r}, which does not hold it")
+                    raise UserError(f"{index}: maps tensor {unheld[0]!r} to {shard!r}, "
+                                    "which does not hold it")
                 for key in f.keys():
                     if index and weight_map.get(key) != shard:
                         where = "does not list it"
@@ -410,14 +442,19 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                     if t.dtype not in WEIGHT_DTYPES:
                         what = "not a floating-point weight"
                         if t.is_floating_point():
-                            what = "a quantized format (not supported: use the unquantized checkpoint)"
-                        raise UserError(f"{path}: tensor {key!r} is {str(t.dtype).removeprefix('torch.')}, {what}")
+                            what = ("a quantized format "
+                                    "(not supported: use the unquantized checkpoint)")
+                        stored = str(t.dtype).removeprefix("torch.")
+                        raise UserError(f"{path}: tensor {key!r} is {stored}, {what}")
                     v = t.to(device, dtype)
                     if not torch.isfinite(v).all():
                         if not torch.isfinite(t).all():
                             raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
-                        raise UserError(f"{path}: tensor {key!r} overflows {str(dtype).removeprefix('torch.')} "
-                                        f"(largest magnitude {t.abs().max().item():.4g}): load it in a wider dtype")
+                        wanted = str(dtype).removeprefix("torch.")
+                        largest = t.abs().max().item()
+                        raise UserError(f"{path}: tensor {key!r} overflows {wanted} "
+                                        f"(largest magnitude {largest:.4g}): "
+                                        "load it in a wider dtype")
                     out[rename(key)] = v
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path}: cannot read safetensors ({e})") from None
@@ -429,7 +466,8 @@ def assign(module: nn.Module, tensors: dict, source: str):
     want = published({n: p for n, p in module.named_parameters()})
     for name in sorted(tensors):
         if name not in want:
-            raise UserError(f"{source}: tensor {name!r} in the checkpoint matches no parameter of the model")
+            raise UserError(f"{source}: tensor {name!r} in the checkpoint "
+                            "matches no parameter of the model")
         if tensors[name].shape != want[name].shape:
             raise UserError(f"{source}: tensor {name!r} has shape {list(tensors[name].shape)}, "
                             f"the model expects {list(want[name].shape)}")
@@ -458,15 +496,19 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
         raise UserError(f"{directory}: target directory not found")
     path = os.path.join(directory, "config.json")
     args = target_args(read_json(path), path)
-    tensors, source = checkpoint_weights(directory, dtype, device, lambda k: k.removeprefix("model."))
-    if args.tie_word_embeddings and "lm_head.weight" in tensors:  # some exports write the tied head too
+    tensors, source = checkpoint_weights(directory, dtype, device,
+                                         lambda k: k.removeprefix("model."))
+    # some exports write the tied head too
+    if args.tie_word_embeddings and "lm_head.weight" in tensors:
         head = tensors.pop("lm_head.weight")
         emb = tensors.get("embed_tokens.weight")
         if emb is None:
-            raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing from the checkpoint (it holds "
-                            f"'lm_head.weight', and tie_word_embeddings is true)")
+            raise UserError(f"{source}: parameter 'embed_tokens.weight' is missing "
+                            "from the checkpoint (it holds 'lm_head.weight', "
+                            "and tie_word_embeddings is true)")
         if head.shape != emb.shape or not torch.equal(head, emb):
-            raise UserError(f"{source}: tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
+            raise UserError(f"{source}: tie_word_embeddings is true "
+                            "but 'lm_head.weight' differs from the embedding")
     with torch.device("meta"):
         model = Transformer(args)
     assign(model, tensors, source)
@@ -482,21 +524,26 @@ def attach(drafter: Drafter, target: Transformer):
     c = drafter.cfg
     L = t.num_hidden_layers
     for key in ("vocab_size", "hidden_size"):
-        if getattr(a, key) != getattr(t, key):
-            raise UserError(f"drafter {key} {getattr(a, key)} differs from the target's {getattr(t, key)}")
+        drafter_has = getattr(a, key)
+        target_has = getattr(t, key)
+        if drafter_has != target_has:
+            raise UserError(f"drafter {key} {drafter_has} differs from the target's {target_has}")
     if c.num_target_layers is not None and c.num_target_layers != L:
-        raise UserError(f"drafter num_target_layers {c.num_target_layers} differs from the target's "
-                        f"num_hidden_layers {L}: it was built for another target")
+        raise UserError(f"drafter num_target_layers {c.num_target_layers} "
+                        f"differs from the target's num_hidden_layers {L}: "
+                        "it was built for another target")
     for i in c.target_layer_ids:
         if not -1 <= i < L:
-            raise UserError(f"drafter target_layer_ids: layer id {i!r} is outside the capturable layers -1..{L - 2}")
+            raise UserError(f"drafter target_layer_ids: layer id {i!r} is outside "
+                            f"the capturable layers -1..{L - 2}")
         if i == L - 1:
-            raise UserError(f"drafter target_layer_ids: layer id {i} is the target's last layer; drafters read "
-                            f"layers before it")
+            raise UserError(f"drafter target_layer_ids: layer id {i} "
+                            "is the target's last layer; drafters read layers before it")
     drafter.attach(target)
 
 
-def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.float32) -> Drafter:
+def load_drafter(directory: str, target: Transformer, device="cpu",
+                 dtype=torch.float32) -> Drafter:
     if not os.path.isdir(directory):
         raise UserError(f"{directory}: drafter directory not found")
     path = os.path.join(directory, "config.json")
@@ -510,15 +557,16 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
 
     tensors, source = checkpoint_weights(directory, dtype, device, rename)
     cfg = drafter_config(raw, tensors, path, source, spelled)
-    shared = (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight))
+    shared = (("embed_tokens.weight", target.embed_tokens.weight),
+              ("lm_head.weight", target.lm_head.weight))
     for name, param in shared:
         t = tensors.pop(name, None)  # a copy of the target's, which is used: it must be the same
         if t is None:
             continue
         same = t.shape == param.shape and torch.equal(t.to(param.device, param.dtype), param)
         if not same:
-            raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; drafters share the "
-                            f"target's embedding and lm_head")
+            raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; "
+                            "drafters share the target's embedding and lm_head")
     with torch.device("meta"):
         if cfg.layout == "eagle3":
             drafter = Eagle3Drafter(cfg)
@@ -531,15 +579,17 @@ def load_drafter(directory: str, target: Transformer, device="cpu", dtype=torch.
 
 # Random weights in a published shape
 
-PRESETS = {  # Hugging Face Qwen/Qwen3-*/config.json; qwen3-tiny: Qwen3's vocabulary with toy layers
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128),
-    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-                      num_key_value_heads=8, head_dim=128),
-    "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8)}
+# Hugging Face Qwen/Qwen3-*/config.json; qwen3-tiny: Qwen3's vocabulary with toy layers
+PRESETS = {
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128),
+    "qwen3-tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)}
 
 
 def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
@@ -576,8 +626,9 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
     return init_random_(model, seed).eval().requires_grad_(False)
 
 
-def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5, markov: Optional[str] = "vanilla",
-                   rank: int = 256, confidence: bool = True, seed: int = 1) -> Drafter:
+def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5,
+                   markov: Optional[str] = "vanilla", rank: int = 256, confidence: bool = True,
+                   seed: int = 1) -> Drafter:
     """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
     t = target.args
     layers = replace(t, num_hidden_layers=num_layers)
@@ -586,8 +637,8 @@ def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5
         markov_rank = rank
     reads_markov = confidence and markov is not None  # the confidence head reads W1[x] beside h
     mask_id = t.vocab_size - 1
-    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", markov, markov_rank, confidence,
-                        reads_markov)
+    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", markov,
+                        markov_rank, confidence, reads_markov)
     return random_weights(Drafter, cfg, target, seed)
 
 
@@ -650,13 +701,15 @@ class Models:
 
 
 def load_models(target: Optional[str], drafter: Optional[str] = None, *, device: str = "cpu",
-                dtype: Optional[str] = None, random_init: Optional[str] = None, calibration: Optional[str] = None,
-                seed: int = 0, cpu_kernels: bool = True) -> Models:
+                dtype: Optional[str] = None, random_init: Optional[str] = None,
+                calibration: Optional[str] = None, seed: int = 0,
+                cpu_kernels: bool = True) -> Models:
     """The target (and drafter) from directories, hub ids or a random preset; `calibration`: STS temperatures.
     CPU float32 models get the CPU kernels (not with cpu_kernels=False or DSPARK_CPU_KERNELS=0)."""
     from support.text import Tokenizer
 
-    if random_init is None and target is None and drafter is not None:  # drafters are trained on one target
+    # drafters are trained on one target
+    if random_init is None and target is None and drafter is not None:
         raise UserError(f"--drafter {drafter}: needs --target, the target it was trained for")
     if random_init is None and target is None:
         raise UserError("--target: no target directory given")
@@ -683,7 +736,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             d = load_drafter(drafter, t, device, dt)
     if calibration is not None:
         if d is None or d.confidence_head is None:
-            raise UserError(f"--calibration {calibration}: needs a --drafter with a confidence head")
+            raise UserError(f"--calibration {calibration}: needs a --drafter "
+                            "with a confidence head")
         temps = read_json(calibration).get("temperatures")
         K = d.cfg.num_drafts
         lo = torch.finfo(torch.float32).tiny  # the temperatures are applied in float32
@@ -692,8 +746,9 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         if well_formed:
             well_formed = all(number(x) and lo <= x <= hi for x in temps)
         if not well_formed:
-            raise UserError(f"{calibration}: 'temperatures' must be a list of {K} positive numbers from {lo:.3g} to "
-                            f"{hi:.3g} (one per draft position), got {repr(temps)[:200]}")
+            raise UserError(f"{calibration}: 'temperatures' must be a list "
+                            f"of {K} positive numbers from {lo:.3g} to {hi:.3g} "
+                            f"(one per draft position), got {repr(temps)[:200]}")
         d.calibrate(temps)
     if cpu_kernels:
         from support import cpu_kernels as backend
@@ -746,11 +801,15 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
 
 # Hugging Face hub ids, ORG/NAME[@REVISION]: from the cache, or downloaded into it
 
-HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                  "tokenizer_config.json", "chat_template.jinja")  # what a run reads besides the weights
-SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # every Qwen3 repo has them
-_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"  # the hub's rule for an owner or a name
-_REVISION = r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*"  # a branch, tag or commit
+# what a run reads besides the weights
+HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                  "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# every Qwen3 repo has them
+SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# the hub's rule for an owner or a name
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+# a branch, tag or commit
+_REVISION = r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_+-][A-Za-z0-9_.+-]*)*"
 HUB_ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?:@(?P<revision>{_REVISION}))?")
 
 
@@ -759,14 +818,16 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     if spec is None or os.path.exists(spec):
         return spec
     if not spec.strip():
-        raise UserError(f"{flag}: empty (a checkpoint directory, or a Hugging Face hub id ORG/NAME)")
+        raise UserError(f"{flag}: empty (a checkpoint directory, "
+                        "or a Hugging Face hub id ORG/NAME)")
     if os.path.isabs(spec) or spec.startswith((".", "~")):
         return spec  # spelled as a path: the loader says it is not found
     m = HUB_ID.fullmatch(spec)
-    looked = f"; checked the local path {os.path.abspath(spec)}"  # a mistyped path shows where it was looked for
+    # a mistyped path shows where it was looked for
+    looked = f"; checked the local path {os.path.abspath(spec)}"
     if m is None or ".." in spec or "--" in m["repo"] or len(m["revision"] or "") > 255:
-        raise UserError(f"{flag} {spec}: not found as a directory, and not a Hugging Face hub id (ORG/NAME or "
-                        f"ORG/NAME@REVISION){looked}")
+        raise UserError(f"{flag} {spec}: not found as a directory, "
+                        f"and not a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION){looked}")
     from huggingface_hub import constants, snapshot_download, utils
 
     repo = m["repo"]
@@ -778,7 +839,8 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     try:  # the cached snapshot, if any
         path = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
                                  allow_patterns=list(HUB_META_FILES))
-    except utils.LocalEntryNotFoundError as e:  # absent, or present in part (huggingface_hub >= 2 names what it lacks)
+    # absent, or present in part (huggingface_hub >= 2 names what it lacks)
+    except utils.LocalEntryNotFoundError as e:
         snapshot = getattr(e, "snapshot_path", None)
         if snapshot is not None and os.path.isdir(snapshot):
             lacking = []
@@ -788,8 +850,8 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
             path = snapshot
             incomplete = ", ".join(lacking) or "some of its metadata files"
     except Exception as e:
-        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} ({type(e).__name__}: "
-                        f"{first_line(e)})") from None
+        raise UserError(f"{where}: cannot read the Hugging Face cache {cache} "
+                        f"({type(e).__name__}: {first_line(e)})") from None
     expected = SNAPSHOT_EXPECTED
     if flag == "--drafter":
         expected = ()
@@ -804,53 +866,66 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
             lacks = f"has no {missing}"
             if incomplete:
                 lacks = f"lacks files the repository has ({incomplete})"
-            why = f"the cached snapshot {path} {lacks}; offline mode (HF_HUB_OFFLINE) forbids downloading it"
+            why = (f"the cached snapshot {path} {lacks}; "
+                   "offline mode (HF_HUB_OFFLINE) forbids downloading it")
         else:
-            why = (f"no such local directory, and not in the Hugging Face cache ({cache}); offline mode "
-                   f"(HF_HUB_OFFLINE) forbids downloading it{looked}")
+            why = (f"no such local directory, and not in the Hugging Face cache ({cache}); "
+                   f"offline mode (HF_HUB_OFFLINE) forbids downloading it{looked}")
         raise UserError(f"{where}: {why}")
 
     def download(revision, files, either=False):
         """The snapshot; `either`: nothing cached, so a failure that leaves the repository's existence open
         says that neither a directory nor the hub has `spec` (it may be a mistyped path)."""
         try:
-            return snapshot_download(repo, revision=revision, cache_dir=cache, allow_patterns=files)
-        except Exception as e:  # network, authorization, disk: one line each (GatedRepoError before its base class)
-            said = {utils.GatedRepoError: f"{repo} is gated on the Hugging Face hub: accept its conditions on "
-                                          f"huggingface.co/{repo}, then log in (hf auth login, or HF_TOKEN)",
-                    utils.RepositoryNotFoundError: f"no repository {repo} on the Hugging Face hub (or it is private: "
-                                                   f"log in with hf auth login, or set HF_TOKEN)",
-                    utils.RevisionNotFoundError: f"{repo} has no revision {revision!r} on the Hugging Face hub",
-                    utils.LocalEntryNotFoundError: f"not in the Hugging Face cache ({cache}), and the hub cannot be "
-                                                   f"reached ({first_line(e)})"}
-            why = f"downloading from the Hugging Face hub failed ({type(e).__name__}: {first_line(e)})"
+            return snapshot_download(repo, revision=revision, cache_dir=cache,
+                                     allow_patterns=files)
+        # network, authorization, disk: one line each (GatedRepoError before its base class)
+        except Exception as e:
+            gated = (f"{repo} is gated on the Hugging Face hub: "
+                     f"accept its conditions on huggingface.co/{repo}, "
+                     "then log in (hf auth login, or HF_TOKEN)")
+            not_found = (f"no repository {repo} on the Hugging Face hub "
+                         "(or it is private: log in with hf auth login, or set HF_TOKEN)")
+            no_revision = f"{repo} has no revision {revision!r} on the Hugging Face hub"
+            unreachable = (f"not in the Hugging Face cache ({cache}), "
+                           f"and the hub cannot be reached ({first_line(e)})")
+            said = {utils.GatedRepoError: gated,
+                    utils.RepositoryNotFoundError: not_found,
+                    utils.RevisionNotFoundError: no_revision,
+                    utils.LocalEntryNotFoundError: unreachable}
+            why = (f"downloading from the Hugging Face hub failed "
+                   f"({type(e).__name__}: {first_line(e)})")
             for kind, text in said.items():  # the first that matches
                 if isinstance(e, kind):
                     why = text
                     break
-            on_hub = isinstance(e, (utils.GatedRepoError, utils.RevisionNotFoundError))  # the repository exists
+            # the repository exists
+            on_hub = isinstance(e, (utils.GatedRepoError, utils.RevisionNotFoundError))
             if either and not on_hub:
                 why = f"no such local directory, and {why}{looked}"
             raise UserError(f"{where}: {why}") from None
 
     try:
-        now = download(revision, list(HUB_META_FILES), either=path is None)  # the index names the weight files ...
+        # the index names the weight files ...
+        now = download(revision, list(HUB_META_FILES), either=path is None)
     except UserError as e:
         if not (path and not missing):
             raise
-        print(f"note: {e}; using the cached snapshot {path} as it is (HF_HUB_OFFLINE=1 skips this check)",
-              file=sys.stderr)
+        print(f"note: {e}; using the cached snapshot {path} as it is "
+              "(HF_HUB_OFFLINE=1 skips this check)", file=sys.stderr)
         return path
     if missing_weights(now):  # ... fetched at the very commit the metadata came from
         now = download(os.path.basename(now), weight_names(now))
     missing = missing_weights(now)
     if missing:
-        raise UserError(f"{where}: {now} has no {missing} after the download: the repository lacks it (checkpoints "
-                        f"are read as config.json and safetensors weights), or the hub could not be reached")
+        raise UserError(f"{where}: {now} has no {missing} after the download: "
+                        "the repository lacks it (checkpoints are read as config.json "
+                        "and safetensors weights), or the hub could not be reached")
     lacking = absent(now, expected)
     if lacking:
-        print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} after asking the hub (out of "
-              f"reach, or the repository lacks them); using it as it is", file=sys.stderr)
+        print(f"note: {where}: the snapshot {now} still has no {', '.join(lacking)} "
+              "after asking the hub (out of reach, or the repository lacks them); "
+              "using it as it is", file=sys.stderr)
     return now
 
 
@@ -870,7 +945,8 @@ def weight_names(directory: str) -> list[str]:
     if os.path.isfile(index):
         names = sorted(set(read_index(index).values()))
     if any(not f.endswith(".safetensors") for f in names):  # only weights are asked for
-        raise UserError(f"{index}: 'weight_map' must map tensor names to .safetensors files beside it")
+        raise UserError(f"{index}: 'weight_map' must map tensor names "
+                        "to .safetensors files beside it")
     return names
 
 

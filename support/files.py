@@ -18,7 +18,8 @@ def optional_file(path: str) -> bool:
     if os.path.isfile(path):
         return True
     if os.path.lexists(path):
-        raise UserError(f"{path}: not a file ({'a folder' if os.path.isdir(path) else 'a broken link'})")
+        what = "a folder" if os.path.isdir(path) else "a broken link"
+        raise UserError(f"{path}: not a file ({what})")
     return False
 
 
@@ -34,8 +35,10 @@ def _unique_keys(pairs: list) -> dict:
 def _parse(text, where: str):
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
-    except (ValueError, RecursionError) as e:  # malformed, not UTF-8, a 5000-digit number, nested too deep
-        raise UserError(f"{where}: malformed JSON ({str(e).splitlines()[0][:200] or type(e).__name__})") from None
+    # malformed, not UTF-8, a 5000-digit number, nested too deep
+    except (ValueError, RecursionError) as e:
+        reason = str(e).splitlines()[0][:200] or type(e).__name__
+        raise UserError(f"{where}: malformed JSON ({reason})") from None
 
 
 def read_json(path: str) -> dict:
@@ -60,10 +63,12 @@ def read_jsonl(path: str, records: Optional[str] = None):
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
-            for line in re.split(r"\r(?!\n)", text):  # a lone CR ends a line too, as text mode reads it
+            # a lone CR ends a line too, as text mode reads it
+            for line in re.split(r"\r(?!\n)", text):
                 lineno += 1
                 if lineno == 1 and line.startswith("\ufeff"):
-                    raise UserError(f"{path}:1: starts with a byte-order mark (save the file as UTF-8 without BOM)")
+                    raise UserError(f"{path}:1: starts with a byte-order mark "
+                                    "(save the file as UTF-8 without BOM)")
                 if not line.strip():
                     continue
                 if first is None:
@@ -74,9 +79,10 @@ def read_jsonl(path: str, records: Optional[str] = None):
                     if records is None:
                         raise
                     hint = f"each line is one whole JSON record, one of {records}"
-                    if not first.startswith(("{", "[")):  # the first line opens no object or array: plain text
-                        hint = (f"the file looks like plain text, not JSON lines: write one JSON object per line, "
-                                f"each one of {records}")
+                    # the first line opens no object or array: plain text
+                    if not first.startswith(("{", "[")):
+                        hint = ("the file looks like plain text, not JSON lines: "
+                                f"write one JSON object per line, each one of {records}")
                     raise UserError(f"{e}; {hint}") from None
                 yield f"{path}:{lineno}", obj
 
@@ -93,12 +99,13 @@ def check_writable(path: str, flag: str):
     if path.endswith(os.sep):
         raise UserError(f"{flag} {path}: names a directory; give a file path")
     if os.path.exists(real) and not os.path.isfile(real):
-        raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); give a file path")
+        raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); "
+                        "give a file path")
     given = os.path.abspath(path)
     if (given in ("/dev/stdout", "/dev/stderr", "/dev/stdin") or given.startswith("/dev/fd/")
             or any(p.startswith(("/proc/", "/sys/")) for p in (given, real))):
-        raise UserError(f"{flag} {path}: a device or process file, not a file path (the output is written "
-                        f"to a temporary file and renamed into place)")
+        raise UserError(f"{flag} {path}: a device or process file, not a file path "
+                        "(the output is written to a temporary file and renamed into place)")
     folder = os.path.dirname(real)
     if not os.path.isdir(folder):
         raise UserError(f"{flag} {path}: directory {folder} does not exist")
@@ -124,12 +131,14 @@ def check_outputs(outputs: dict, inputs=()):
         check_writable(path, flag)
         real = os.path.realpath(path)
         if real in seen:
-            raise UserError(f"{flag} {path}: is also {seen[real]}'s output; give each output its own file")
+            raise UserError(f"{flag} {path}: is also {seen[real]}'s output; "
+                            "give each output its own file")
         seen[real] = flag
         for src in filter(None, inputs):
             inp = os.path.realpath(src)
             if real == inp:
-                raise UserError(f"{flag} {path}: is an input of this run ({src}); refusing to overwrite it")
+                raise UserError(f"{flag} {path}: is an input of this run ({src}); "
+                                "refusing to overwrite it")
             if not os.path.isdir(inp):
                 continue
             try:
@@ -138,11 +147,14 @@ def check_outputs(outputs: dict, inputs=()):
                 files = set()
             inside = os.path.dirname(real) == inp
             if real in files or (inside and os.path.exists(real)):
-                raise UserError(f"{flag} {path}: would overwrite a file of the input directory {src}")
+                raise UserError(f"{flag} {path}: would overwrite a file "
+                                f"of the input directory {src}")
             name = os.path.basename(real)
-            if inside and (name in LOADED_NAMES or name.endswith((".safetensors", ".safetensors.index.json"))):
-                raise UserError(f"{flag} {path}: a file named so in the input directory {src} would be read "
-                                f"as part of it by the next load; write it elsewhere")
+            weights = name.endswith((".safetensors", ".safetensors.index.json"))
+            if inside and (name in LOADED_NAMES or weights):
+                raise UserError(f"{flag} {path}: a file named so in the input directory {src} "
+                                "would be read as part of it by the next load; "
+                                "write it elsewhere")
 
 
 def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
@@ -167,8 +179,9 @@ class StreamFile:
 
     def __init__(self, path: str, mode: str = "w"):
         self.path = os.path.realpath(path)
-        fd, self.tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix="." + os.path.basename(self.path) + ".",
-                                        suffix=".tmp")
+        folder = os.path.dirname(self.path)
+        prefix = "." + os.path.basename(self.path) + "."
+        fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
         self.f = os.fdopen(fd, mode)
 
     def write(self, data):
@@ -185,7 +198,8 @@ class StreamFile:
 
     def close(self):
         self.f.close()
-        with open(self.tmp, "rb+") as f:  # synced by name: atomic_write's `data(tmp)` may have made a new file
+        # synced by name: atomic_write's `data(tmp)` may have made a new file
+        with open(self.tmp, "rb+") as f:
             os.fsync(f.fileno())
         try:
             mode = os.stat(self.path).st_mode & 0o777
