@@ -175,37 +175,78 @@ def check_ranges(args, **ranges: str):
         if value is None:
             continue
         lo, hi = (float(x) for x in spec[1:-1].split(","))
-        lo_in, hi_in = spec[0] == "[", spec[-1] == "]"
-        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value) and (
-            (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi))
-        if not ok:
-            lo_text, hi_text = bound_text(lo), bound_text(hi)
-            left = f"{'>=' if lo_in else '>'} {lo_text}" if lo > -math.inf else ""
-            right = f"{'<=' if hi_in else '<'} {hi_text}" if hi < math.inf else ""
-            valid = f"{lo_text} to {hi_text}" if lo_in and hi_in and left and right else " and ".join(
-                s for s in (left, right) if s) or "any number"
+        lo_in = spec[0] == "["
+        hi_in = spec[-1] == "]"
+        if not in_range(value, lo, hi, lo_in, hi_in):
+            valid = range_text(lo, hi, lo_in, hi_in)
             raise UserError(f"{flag(name)}: invalid value {value!r} (valid: {valid})")
+
+
+def in_range(value, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
+    """Whether `value` is a real number (not a bool, not NaN) inside the interval; lo_in, hi_in: the
+    bounds are in it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        return False
+    above = value > lo
+    if lo_in:
+        above = value >= lo
+    below = value < hi
+    if hi_in:
+        below = value <= hi
+    return above and below
+
+
+def range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    """An interval as an error names it: "1 to 100", ">= 0", "> 0 and <= 1", "any number"."""
+    lo_text = bound_text(lo)
+    hi_text = bound_text(hi)
+    finite_lo = lo > -math.inf
+    finite_hi = hi < math.inf
+    if lo_in and hi_in and finite_lo and finite_hi:
+        return f"{lo_text} to {hi_text}"
+    parts = []
+    if finite_lo and lo_in:
+        parts.append(f">= {lo_text}")
+    elif finite_lo:
+        parts.append(f"> {lo_text}")
+    if finite_hi and hi_in:
+        parts.append(f"<= {hi_text}")
+    elif finite_hi:
+        parts.append(f"< {hi_text}")
+    return " and ".join(parts) or "any number"
 
 
 def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False) -> list[int]:
     """"1,2,3" -> [1, 2, 3]: ASCII digits (at most 18, an optional minus), no empty fields."""
     fields = [x.strip() for x in text.split(",")]
     for x in fields:
-        digits = x[1:] if x.startswith("-") else x
+        digits = x.removeprefix("-")
         if not (digits.isascii() and digits.isdigit()):
-            raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers"
-                            + (" (an empty field)" if not x else f" ({x!r})"))
+            which = f"({x!r})"
+            if not x:
+                which = "(an empty field)"
+            raise UserError(f"{flag}: {text!r} is not a comma-separated list of integers {which}")
         if len(digits) > 18:
             raise UserError(f"{flag}: {x[:20]}... is too large")
     values = [int(x) for x in fields]
-    if (positive and any(v < 1 for v in values)) or (distinct and len(set(values)) != len(values)):
-        what = " ".join(w for w, on in (("distinct", distinct), ("positive", positive)) if on)
-        raise UserError(f"{flag}: {text!r} must be {what} integers")
+    not_positive = positive and any(v < 1 for v in values)
+    repeated = distinct and len(set(values)) != len(values)
+    if not_positive or repeated:
+        wanted = []
+        if distinct:
+            wanted.append("distinct")
+        if positive:
+            wanted.append("positive")
+        raise UserError(f"{flag}: {text!r} must be {' '.join(wanted)} integers")
     return values
 
 
 def resolve_device(device: Optional[str]) -> str:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """--device, checked; by default cuda where there is one, else cpu."""
+    if not device:
+        device = "cpu"
+        if torch.cuda.is_available():
+            device = "cuda"
     if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise UserError(f"--device {device!r}: cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -214,9 +255,14 @@ def resolve_device(device: Optional[str]) -> str:
 
 
 def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
+    """--dtype, checked; by default bfloat16 on cuda, float32 on cpu."""
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    return getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    if dtype is None:
+        dtype = "float32"
+        if device.startswith("cuda"):
+            dtype = "bfloat16"
+    return getattr(torch, dtype)
 
 
 def set_threads(threads: Optional[int]) -> str:
@@ -229,11 +275,13 @@ def set_threads(threads: Optional[int]) -> str:
         first = value.split(",")[0]  # OpenMP's nested form N,M,...: the outer level is torch's
         if not re.fullmatch(r"\d+(,\d+)*", value) or int(first) < 1:
             raise UserError(f"OMP_NUM_THREADS={value!r}: not a positive integer (unset it, or give --threads)")
-        threads, how = torch.get_num_threads(), "OMP_NUM_THREADS"
+        threads = torch.get_num_threads()
+        how = "OMP_NUM_THREADS"
         if threads != int(first):
             how += f"={value}; torch took {threads}"
     else:
-        threads, how = max(1, len(os.sched_getaffinity(0)) // 2), "default: half the CPUs, --threads to change"
+        threads = max(1, len(os.sched_getaffinity(0)) // 2)
+        how = "default: half the CPUs, --threads to change"
     torch.set_num_threads(threads)
     return f"threads: {threads} ({how})"
 
@@ -243,7 +291,10 @@ def device_name(device) -> str:
         return torch.cuda.get_device_name(device)
     name = f"{platform.machine()} CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
     return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
