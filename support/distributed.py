@@ -18,7 +18,11 @@ def peak_tflops(device) -> Optional[float]:
     """The data-sheet dense bf16 peak of a known GPU, else None (CPUs: give it yourself)."""
     if not str(device).startswith("cuda"):
         return None
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name(device)), None)
+    name = device_name(device)
+    for model, peak in PEAK_TFLOPS.items():
+        if model in name:
+            return peak
+    return None
 
 
 def rank0() -> bool:
@@ -114,13 +118,22 @@ def all_sum(values: list[int], device: str) -> list[int]:
 
 def sum_counts(c: dict, device: str) -> dict:
     """`metrics.count`'s raw counts (integers, and lists by position) summed across processes."""
-    keys = list(c)
-    total = all_sum([x for k in keys for x in (c[k] if isinstance(c[k], list) else [c[k]])], device)
-    out, i = {}, 0
-    for k in keys:
-        n = len(c[k]) if isinstance(c[k], list) else 1
-        out[k] = total[i:i + n] if isinstance(c[k], list) else total[i]
-        i += n
+    flat = []  # every count in order, a list's entries one by one
+    for value in c.values():
+        if isinstance(value, list):
+            flat += value
+        else:
+            flat.append(value)
+    total = all_sum(flat, device)
+    out = {}
+    i = 0
+    for key, value in c.items():
+        if isinstance(value, list):
+            out[key] = total[i:i + len(value)]
+            i += len(value)
+        else:
+            out[key] = total[i]
+            i += 1
     return out
 
 
