@@ -552,11 +552,19 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) ->
 
 def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
            prompts: dict) -> dict:
+    """results.json's config: the flags as given, and what the run resolved them to."""
     described = [d.cfg.describe() for d in drafters]
+    drafter_config = described or None  # one drafter: its description; several: a list
+    if len(described) == 1:
+        drafter_config = described[0]
+    skipped = []  # datasets asked for that have no prompts here
+    for name in args.datasets.split(","):
+        if name.strip() and name.strip() not in prompts:
+            skipped.append(name)
+    dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
-                drafter_config=described[0] if len(described) == 1 else described or None, chat_resolved=chat,
-                compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
-                skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
+                drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
+                dtype_resolved=dtype, skipped=skipped)
 
 
 # ----------------------------------------------------------------------------------------
