@@ -559,7 +559,8 @@ def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: boo
         drafter_config = described[0]
     skipped = []  # datasets asked for that have no prompts here
     for name in args.datasets.split(","):
-        if name.strip() and name.strip() not in prompts:
+        name = name.strip()
+        if name and name not in prompts:
             skipped.append(name)
     dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,

@@ -683,3 +683,24 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     assert "--drafter: the same drafter is given twice" in capsys.readouterr().err
     assert ev.main(base + ["--drafter", env["drafter"], "--drafter", eagle3, "--calibration-out", str(tmp_path / "c.json")]) == 2
     assert "compares several rows" in capsys.readouterr().err
+
+
+def test_results_config_names_the_drafters_and_the_skipped_datasets():
+    """results.json's config: one drafter's description as it is, several as a list, none as None; the
+    datasets asked for without prompts are listed as skipped, by name."""
+    from types import SimpleNamespace
+
+    def drafter(name):
+        return SimpleNamespace(cfg=SimpleNamespace(describe=lambda: name))
+
+    args = ev.EvalArgs(target="t", datasets="gsm8k, aime25,custom")
+    engine = SimpleNamespace(compile_seconds=1.5)
+    m = SimpleNamespace(dtype=torch.float32)
+    prompts = {"gsm8k": [[1]], "custom": [[2]]}
+    for drafters, want in [([], None), ([drafter("a")], "a"), ([drafter("a"), drafter("b")], ["a", "b"])]:
+        c = ev.config(args, 2, 7, engine, drafters, True, False, m, prompts)
+        assert c["drafter_config"] == want
+        assert c["skipped"] == ["aime25"]  # as named, without the space around it
+        assert (c["world_size"], c["num_drafts"], c["compile_seconds"]) == (2, 7, 1.5)
+        assert (c["chat_resolved"], c["compile_resolved"], c["dtype_resolved"]) == (True, False, "float32")
+        assert c["datasets"] == "gsm8k, aime25,custom"
