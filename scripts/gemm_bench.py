@@ -113,18 +113,21 @@ def comparison(times: dict, ways: dict, base: str, width: int) -> tuple[str, flo
     """(base µs ÷ kernel µs, right-aligned in `width`; the largest |kernel - base| of one call), blank and 0
     without the kernel."""
     if "kernel" not in ways:
-        return f"{'':>{width}}", 0.0
-    ratio = f"{times[base] / times['kernel']:>{width - 1}.2f}x"
-    diff = (ways["kernel"](0) - ways[base](0)).abs().max().item()
-    return ratio, diff
+        return " " * width, 0.0
+    speed_up = times[base] / times["kernel"]
+    ratio = f"{speed_up:>{width - 1}.2f}x"
+    difference = ways["kernel"](0) - ways[base](0)
+    return ratio, difference.abs().max().item()
 
 
 def gemm_table(shapes: list[tuple[int, int]], rows: list[int], args: GemmArgs, g: torch.Generator):
     kernels = cpu_kernels.unavailable() is None
-    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'kernel µs':>10} {'MKL/kernel':>10} {'max |diff|':>11}  "
-          "install uses")
+    print(f"{'weight':>11} {'rows':>5} {'MKL µs':>9} {'kernel µs':>10} {'MKL/kernel':>10} "
+          f"{'max |diff|':>11}  install uses")
     for out, inp in shapes:
-        ws = [torch.randn(out, inp, generator=g) / inp ** 0.5 for _ in range(args.copies)]
+        ws = []  # the copies of the weight, scaled as a layer's
+        for _ in range(args.copies):
+            ws.append(torch.randn(out, inp, generator=g) / inp ** 0.5)
         fits = kernels and out % cpu_kernels.PANEL == 0
         panels = []
         uses = "MKL"
@@ -138,25 +141,29 @@ def gemm_table(shapes: list[tuple[int, int]], rows: list[int], args: GemmArgs, g
                 ways["kernel"] = lambda i: torch.ops.dspark.panel_linear(x, panels[i], None)
             times = interleaved_us(ways, args)
             ratio, diff = comparison(times, ways, "mkl", 10)
-            print(f"{out:>5}x{inp:<5} {r:>5} {cell(times, 'mkl', 9)} {cell(times, 'kernel', 10)} {ratio} "
-                  f"{diff:>11.2e}  {uses}", flush=True)
+            mkl = cell(times, "mkl", 9)
+            kernel = cell(times, "kernel", 10)
+            print(f"{out:>5}x{inp:<5} {r:>5} {mkl} {kernel} {ratio} {diff:>11.2e}  {uses}", flush=True)
 
 
-def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, args: GemmArgs, g: torch.Generator):
+def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, args: GemmArgs,
+                    g: torch.Generator):
     """SDPA and the few-token kernel per TOKENSxKEYS."""
     from model import attend_cached, cache_bias
     kernels = cpu_kernels.unavailable() is None
     print(f"attention, {H} query heads, {Hkv} K/V heads, head dim {hd}")
-    print(f"{'tokens':>7} {'keys':>6} {'SDPA µs':>9} {'kernel µs':>10} {'SDPA/kernel':>11} {'max |diff|':>11}  "
-          "install uses")
+    print(f"{'tokens':>7} {'keys':>6} {'SDPA µs':>9} {'kernel µs':>10} {'SDPA/kernel':>11} "
+          f"{'max |diff|':>11}  install uses")
     for T, S in sizes:
-        qs = [torch.randn(1, T, H, hd, generator=g) for _ in range(args.copies)]
-        # a cache row of [k; v] heads
-        caches = [torch.randn(1, S, 2 * Hkv, hd, generator=g) for _ in range(args.copies)]
+        qs = []
+        kv = []  # each copy's cache row of [k; v] heads, as k and v views
+        for _ in range(args.copies):
+            qs.append(torch.randn(1, T, H, hd, generator=g))
+            cache = torch.randn(1, S, 2 * Hkv, hd, generator=g)
+            kv.append((cache[:, :, :Hkv], cache[:, :, Hkv:]))
         positions = torch.arange(S - T, S)  # the tokens are the cache's last T positions
         allowed = positions[:, None] >= torch.arange(S)
         bias = cache_bias(allowed[None], 1, torch.float32)
-        kv = [(c[:, :, :Hkv], c[:, :, Hkv:]) for c in caches]
         ways = {"sdpa": lambda i: attend_cached(qs[i], *kv[i], bias)}
         if kernels:
             ways["kernel"] = lambda i: torch.ops.dspark.cached_attention(qs[i], *kv[i], bias)
@@ -165,8 +172,9 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
         uses = "SDPA"
         if kernels and T <= cpu_kernels.ATTENTION_MAX_TOKENS:
             uses = "kernel"
-        print(f"{T:>7} {S:>6} {cell(times, 'sdpa', 9)} {cell(times, 'kernel', 10)} {ratio} {diff:>11.2e}  {uses}",
-              flush=True)
+        sdpa = cell(times, "sdpa", 9)
+        kernel = cell(times, "kernel", 10)
+        print(f"{T:>7} {S:>6} {sdpa} {kernel} {ratio} {diff:>11.2e}  {uses}", flush=True)
 
 
 def run(args: GemmArgs) -> int:
