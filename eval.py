@@ -47,7 +47,15 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
+from support.distributed import (
+    all_gather_list,
+    all_max,
+    dist_init,
+    process_group,
+    rank0,
+    sum_counts,
+    torchrun_env,
+)
 from support.files import check_outputs, optional_file, read_json, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
@@ -145,7 +153,9 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
     args = replace(args, drafter=tuple(drafters))
     demo = args.target is None and not args.drafter
     if demo:
-        args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=(os.path.join(DEMO_DIR, "drafter"),))
+        target = os.path.join(DEMO_DIR, "target")
+        drafter = os.path.join(DEMO_DIR, "drafter")
+        args = replace(args, target=target, drafter=(drafter,))
         if args.datasets is None and args.data_dir is None:
             args = replace(args, data_dir=DEMO_DIR, datasets="heldout")
     if args.out is None:
@@ -176,7 +186,8 @@ def check_flags(args: EvalArgs) -> Settings:
                  step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     runlog.check(args)
     if s.num_samples != 1:
-        raise UserError(f"--num-samples {s.num_samples}: eval.py decodes each prompt once, as the authors do")
+        raise UserError(f"--num-samples {s.num_samples}: eval.py decodes each prompt once, "
+                        f"as the authors do")
     check_chat_flags(chat=args.rendering.chat, ids=False, system_prompt=args.rendering.system_prompt,
                      thinking=args.rendering.enable_thinking)
     if args.target is None:
@@ -251,11 +262,12 @@ def budget(given: Optional[int], demo: bool, prompts: dict, context: int, verbos
     if longest + want <= context:
         return want
     if longest >= context:
-        raise UserError(f"a prompt of {longest} tokens fills the {context}-token context; no room for new tokens")
+        raise UserError(f"a prompt of {longest} tokens fills the {context}-token context; "
+                        f"no room for new tokens")
     if verbose:
-        print(f"note: --max-new-tokens {context - longest}: the default {want} capped to what the {context}-token "
-              f"context leaves the longest prompt ({longest} tokens); give --max-new-tokens to choose",
-              file=sys.stderr)
+        print(f"note: --max-new-tokens {context - longest}: the default {want} capped to what the "
+              f"{context}-token context leaves the longest prompt ({longest} tokens); "
+              f"give --max-new-tokens to choose", file=sys.stderr)
     return context - longest
 
 
@@ -270,15 +282,16 @@ def run(args: EvalArgs) -> dict:
     if s.sps_table is not None and os.path.isfile(s.sps_table):
         sps_read = s.sps_table
         sps_written = None
-    outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
-               "--sps-table": sps_written}
+    outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
+               "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
     inputs = [args.target, *args.drafter, args.calibration, sps_read]
     inputs += [path for _, path, _ in datasets]
     check_outputs(outputs, inputs=inputs)
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir = resolve_checkpoint(args.target, "--target")
     drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
-    check_outputs(outputs, inputs=[target_dir, *drafter_dirs])  # not inside the snapshots hub ids resolved to
+    # the outputs not inside the snapshots hub ids resolved to either
+    check_outputs(outputs, inputs=[target_dir, *drafter_dirs])
     if s.compile:
         machine = replace(args.machine, compile_cache=use_compile_cache(args.machine.compile_cache))
         args = replace(args, machine=machine)
@@ -351,7 +364,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
         context = min(context, d.cfg.layers.max_position_embeddings)
     prompts = read_datasets(args, s, datasets, m, drafters, chat, context)
     s.max_new_tokens = budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
-    args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))  # what results.json says ran
+    # what results.json says ran
+    args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))
     check_calibration_room(args, s, prompts)
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())  # this rank's largest shard
     s.batch_size = max(1, min(s.batch_size, most))
@@ -512,7 +526,8 @@ class Run:
         if self.rank == 0 and self.several:
             say(f"--- {row.label} ---")
         for name, ps in prompts.items():
-            requests = [Request(i, ps[i]) for i in range(self.rank, len(ps), self.world)]  # interleaved shard
+            mine = range(self.rank, len(ps), self.world)  # this rank's interleaved shard
+            requests = [Request(i, ps[i]) for i in mine]
             seconds0 = engine.prefill_seconds + engine.decode_seconds
             if bar is not None:
                 bar.set_description(f"{row.label}: {name}" if self.several else name)
@@ -629,7 +644,9 @@ def format_comparison(rows: list[dict], temperature: float) -> str:
 
 
 def format_calibration(cal: dict) -> str:
-    lines = [f"confidence calibration (prefix survival a_k vs drafts 1..k accepted; ECE with {cal['bins']} bins)"]
+    title = (f"confidence calibration (prefix survival a_k vs drafts 1..k accepted; "
+             f"ECE with {cal['bins']} bins)")
+    lines = [title]
     head = f"{'k':>3}{'rounds':>8}{'mean a_k':>10}{'observed':>10}{'ECE':>8}{'AUROC':>8}{'Brier':>8}"
     sts = "temperatures" in cal
     if sts:
@@ -689,7 +706,8 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
                   drafter_dir: Optional[str] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
-    calibration_flags = (("--calibration-out", args.calibration_out), ("--calibration-plot", args.calibration_plot))
+    calibration_flags = (("--calibration-out", args.calibration_out),
+                         ("--calibration-plot", args.calibration_plot))
     asked = [name for name, value in calibration_flags if value]
     if asked and calibration is None:
         raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), so there is "
@@ -718,8 +736,8 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
             log_results(log, results, args.step, image, files)
 
 
-DATASET_FIGURES = ("num_samples", "num_rounds", "num_tokens", "acceptance_length", "draft_tokens_per_proposal",
-                   "verify_rate", "tokens_per_second", "seconds")
+DATASET_FIGURES = ("num_samples", "num_rounds", "num_tokens", "acceptance_length",
+                   "draft_tokens_per_proposal", "verify_rate", "tokens_per_second", "seconds")
 CALIBRATION_FIGURES = ("ece", "auroc", "brier")
 
 
@@ -786,8 +804,8 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
     wb = log.wandb
     K = results["config"]["num_drafts"]
     cal = results["calibration"]
-    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
-            "tokens_per_second"]
+    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal",
+            "verify_rate", "tokens_per_second"]
     acceptance = []
     for e in results["datasets"]:
         acceptance.append([e[c] for c in cols] + e["accept_rates_by_position"])
@@ -806,11 +824,13 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
             for j, (a, c) in enumerate(pairs):
                 by_position.append((e["dataset"], j + 1, a, c))
         by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"], by_position)
+        title = "accept_rate@j by draft position (authors' definition)"
         out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
-                                                      title="accept_rate@j by draft position (authors' definition)")
+                                                      title=title)
     if cal is not None:
         ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
-        held_out = ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw", "heldout_brier_sts"]
+        held_out = ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw",
+                    "heldout_brier_sts"]
         out["calibration"] = log.table(ccols + held_out, calibration_rows(cal, ccols))
         out.update(calibration_scalars(cal))
         series = {"all rounds, raw": cal["raw"]}
