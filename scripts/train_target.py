@@ -154,14 +154,16 @@ def tokenizer_source(args: Args) -> Optional[str]:
         for folder in folders:
             if os.path.isfile(os.path.join(folder, "tokenizer.json")):
                 return os.path.join(folder, "tokenizer.json")
-        raise UserError(f"--resume {args.resume}: no tokenizer.json in {' or '.join(folders)} (the run's tokenizer, "
-                        f"written at the top of its --out)")
+        raise UserError(f"--resume {args.resume}: no tokenizer.json in {' or '.join(folders)} "
+                        f"(the run's tokenizer, written at the top of its --out)")
     if args.tokenizer_from_corpus:
         if args.data is None:
             raise UserError("--tokenizer-from-corpus needs --data (text)")
         return None
     if args.tokenizer is not None:
-        src = os.path.join(args.tokenizer, "tokenizer.json") if os.path.isdir(args.tokenizer) else args.tokenizer
+        src = args.tokenizer  # a tokenizer.json, or a folder holding one
+        if os.path.isdir(src):
+            src = os.path.join(src, "tokenizer.json")
         if not os.path.isfile(src):
             raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
         return src
@@ -212,15 +214,17 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     eos_ids = ()
     if eos is not None:
         eos_ids = (eos,)
+    context = max(args.max_position_embeddings, args.seq_len)
     margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      head_dim=args.head_dim, rope_theta=args.rope_theta, tie_word_embeddings=args.tie_word_embeddings,
-                      max_position_embeddings=max(args.max_position_embeddings, args.seq_len),
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=args.rope_theta,
+                      tie_word_embeddings=args.tie_word_embeddings, max_position_embeddings=context,
                       eos_token_ids=eos_ids)
     identity = {"data": digest(Corpus(windows))}  # --resume refuses other data
     if args.resume:
         check_identity(checkpoint_dir(args.resume), identity, {"data": f"--data {args.data}"})
-        model = load_target(checkpoint_dir(args.resume), device, torch.float32).requires_grad_(True)
+        model = load_target(checkpoint_dir(args.resume), device, torch.float32)
+        model.requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
             raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
     else:
@@ -249,8 +253,11 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
         save_target(directory, model, eos, step=step)
         save_state(directory, step, model, opt, args, len(windows), world, identity)
 
-    return optimize(args, TargetStep(model, args.batch_size / G, args.compile), micro_batches, summarize, save,
-                    Run(rank, world, device, log), dtype, len(windows), target_flops(margs, G, args.seq_len), banner=banner)
+    step_module = TargetStep(model, args.batch_size / G, args.compile)
+    run_state = Run(rank, world, device, log)
+    flops = target_flops(margs, G, args.seq_len)
+    return optimize(args, step_module, micro_batches, summarize, save, run_state, dtype, len(windows), flops,
+                    banner=banner)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
