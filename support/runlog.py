@@ -49,11 +49,13 @@ def parse_tags(text: Optional[str]) -> Optional[list[str]]:
         if not t:
             raise UserError(f"--wandb-tags {text!r}: an empty tag")
         if len(t) > 64:
-            raise UserError(f"--wandb-tags {text!r}: the tag {t[:20]!r}... is longer than 64 characters")
+            raise UserError(f"--wandb-tags {text!r}: the tag {t[:20]!r}... is longer than "
+                            f"64 characters")
     return tags
 
 
-NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags")  # WandbFlags' strings
+# WandbFlags' strings
+NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
 
 
 def check(args):
@@ -68,7 +70,8 @@ def check(args):
     fields = getattr(type(args), "__dataclass_fields__", {})
     log_every_set = "log_every" in fields and args.log_every != fields["log_every"].default
     if not args.wandb and log_every_set:
-        raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, it changes nothing")
+        raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, "
+                        f"it changes nothing")
     for f in NAMING_FLAGS:
         value = getattr(args, f)
         if value is not None and not value.strip():
@@ -79,14 +82,16 @@ def check(args):
     if project is None:
         return
     if len(project) > 128 or any(c in project for c in "/\\#?%:"):
-        raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters and none of / \\ # ? % :")
+        raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters "
+                        f"and none of / \\ # ? % :")
 
 
 # The run's configuration
 
 def code_version() -> dict:
     """This code's git commit and whether tracked files differ from it (None outside a git checkout)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding support/
+    # the checkout holding support/
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*cmd) -> Optional[str]:
         try:
@@ -162,7 +167,8 @@ def _ending(e: BaseException) -> tuple[int, str]:
     return 1, "failed"
 
 
-WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb's settings accept
+# what wandb's settings accept
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
 def start(args, job_type: str, config: dict) -> Log:
@@ -178,8 +184,8 @@ def start(args, job_type: str, config: dict) -> Log:
                          group=args.wandb_group, tags=parse_tags(args.wandb_tags), job_type=job_type,
                          config=config)
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
-        raise UserError(f"--wandb: the run could not start ({first_line(e)}); WANDB_MODE=offline logs without a "
-                        f"network") from None
+        raise UserError(f"--wandb: the run could not start ({first_line(e)}); "
+                        f"WANDB_MODE=offline logs without a network") from None
     return Log(run, wandb)
 
 
