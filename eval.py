@@ -47,7 +47,15 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.distributed import all_gather_list, all_max, dist_init, process_group, rank0, sum_counts, torchrun_env
+from support.distributed import (
+    all_gather_list,
+    all_max,
+    dist_init,
+    process_group,
+    rank0,
+    sum_counts,
+    torchrun_env,
+)
 from support.files import check_outputs, optional_file, read_json, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
@@ -84,7 +92,8 @@ class EvalArgs(WandbFlags):
     max_samples: Optional[int] = None
     """Prompts per dataset (default: the paper's count); a longer file is shuffled with
     random.Random(--seed) and cut, as the authors do."""
-    decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0, seed=AUTHORS_SEED))
+    decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0,
+                                                                    seed=AUTHORS_SEED))
     """The decode settings, as speculate.py's, from the authors' protocol: temperature 1.0 (the paper's τ),
     their seed (it also picks a long dataset's subset; sample i draws from a stream seeded seed + i), and
     a budget of 2048 new tokens (128 in demo mode) capped with a note to what the context leaves the
@@ -124,7 +133,8 @@ def metrics(name: str, c: dict, seconds: float) -> dict:
         "accept_rates_by_position": mt.accept_rates_by_position(c),
         "num_rounds": c["num_rounds"],
         "num_tokens": c["tokens"],
-        "accept_rate_by_position": mt.accept_rate_by_position(c),  # the paper's Figure 2: conditional
+        # the paper's Figure 2: conditional
+        "accept_rate_by_position": mt.accept_rate_by_position(c),
         "counts": {k: c[k] for k in mt.COUNT_KEYS + mt.LIST_KEYS},
         "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
         "seconds": seconds,
@@ -145,7 +155,9 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
     args = replace(args, drafter=tuple(drafters))
     demo = args.target is None and not args.drafter
     if demo:
-        args = replace(args, target=os.path.join(DEMO_DIR, "target"), drafter=(os.path.join(DEMO_DIR, "drafter"),))
+        demo_target = os.path.join(DEMO_DIR, "target")
+        demo_drafter = os.path.join(DEMO_DIR, "drafter")
+        args = replace(args, target=demo_target, drafter=(demo_drafter,))
         if args.datasets is None and args.data_dir is None:
             args = replace(args, data_dir=DEMO_DIR, datasets="heldout")
     if args.out is None:
@@ -172,27 +184,32 @@ def check_flags(args: EvalArgs) -> Settings:
     when not given: `budget` resolves it once the prompts are read)."""
     s = flags.check_settings(args.decode, args.machine.device, budget=None)
     flags.check_machine(args.machine, s.compile)
-    check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)", ece_bins="[1, 10000]",
-                 step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
+    check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)",
+                 ece_bins="[1, 10000]", step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     runlog.check(args)
     if s.num_samples != 1:
-        raise UserError(f"--num-samples {s.num_samples}: eval.py decodes each prompt once, as the authors do")
-    check_chat_flags(chat=args.rendering.chat, ids=False, system_prompt=args.rendering.system_prompt,
+        raise UserError(f"--num-samples {s.num_samples}: "
+                        "eval.py decodes each prompt once, as the authors do")
+    check_chat_flags(chat=args.rendering.chat, ids=False,
+                     system_prompt=args.rendering.system_prompt,
                      thinking=args.rendering.enable_thinking)
     if args.target is None:
-        raise UserError(f"--drafter {args.drafter[0]}: needs --target, the target it was trained for")
+        raise UserError(f"--drafter {args.drafter[0]}: "
+                        "needs --target, the target it was trained for")
     if s.scheduler != "none" and not args.drafter:
         flag = f"--scheduler {s.scheduler}:"
         if s.confidence_threshold > 0:
             flag = "--confidence-threshold"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
     several = len(args.drafter) > 1 or s.tree_budget > 0
-    calibration_flags = (("--calibration", args.calibration), ("--calibration-out", args.calibration_out),
+    calibration_flags = (("--calibration", args.calibration),
+                         ("--calibration-out", args.calibration_out),
                          ("--calibration-plot", args.calibration_plot))
     for flag, given in calibration_flags:
         if given and several:
-            raise UserError(f"{flag}: calibrates one drafter's confidence head; this run compares several rows "
-                            f"(more than one --drafter, or a --tree-budget curve)")
+            raise UserError(f"{flag}: calibrates one drafter's confidence head; "
+                            "this run compares several rows "
+                            "(more than one --drafter, or a --tree-budget curve)")
     if len(set(args.drafter)) != len(args.drafter):
         raise UserError("--drafter: the same drafter is given twice")
     if args.calibration_out and args.calibration_split == 0:
@@ -211,7 +228,8 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
         raise UserError("--datasets: no dataset named")
     for name in names:
         if name in (".", "..") or any(c in name for c in "/\\\0"):
-            raise UserError(f"--datasets: {name!r} is not a dataset name (a <name>.jsonl in --data-dir)")
+            raise UserError(f"--datasets: {name!r} is not a dataset name "
+                            "(a <name>.jsonl in --data-dir)")
     for i, name in enumerate(names):
         if name in names[:i]:
             raise UserError(f"--datasets: {name!r} is named twice")
@@ -221,8 +239,9 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
         path = os.path.join(data_dir, f"{name}.jsonl")
         present = optional_file(path)
         if not present and name not in DEFAULT_SAMPLES:
-            raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
-                            f"or any <name>.jsonl in {data_dir})")
+            known = ", ".join(PAPER_DATASETS)
+            raise UserError(f"--datasets: unknown dataset {name!r} "
+                            f"(known: {known}; or any <name>.jsonl in {data_dir})")
         if not present:
             skipped.append(path)
             continue
@@ -242,7 +261,8 @@ def select(prompts: list, n: int, seed: int) -> list:
     return prompts
 
 
-def budget(given: Optional[int], demo: bool, prompts: dict, context: int, verbose: bool = True) -> int:
+def budget(given: Optional[int], demo: bool, prompts: dict, context: int,
+           verbose: bool = True) -> int:
     """--max-new-tokens as given, or the protocol's budget capped (with a note) to what the context leaves."""
     if given is not None:
         return given
@@ -251,10 +271,13 @@ def budget(given: Optional[int], demo: bool, prompts: dict, context: int, verbos
     if longest + want <= context:
         return want
     if longest >= context:
-        raise UserError(f"a prompt of {longest} tokens fills the {context}-token context; no room for new tokens")
+        raise UserError(f"a prompt of {longest} tokens fills the {context}-token context; "
+                        "no room for new tokens")
     if verbose:
-        print(f"note: --max-new-tokens {context - longest}: the default {want} capped to what the {context}-token "
-              f"context leaves the longest prompt ({longest} tokens); give --max-new-tokens to choose",
+        print(f"note: --max-new-tokens {context - longest}: "
+              f"the default {want} capped to what the {context}-token context "
+              f"leaves the longest prompt ({longest} tokens); "
+              "give --max-new-tokens to choose",
               file=sys.stderr)
     return context - longest
 
@@ -270,17 +293,19 @@ def run(args: EvalArgs) -> dict:
     if s.sps_table is not None and os.path.isfile(s.sps_table):
         sps_read = s.sps_table
         sps_written = None
-    outputs = {"--out": args.out, "--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot,
-               "--sps-table": sps_written}
+    outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
+               "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
     inputs = [args.target, *args.drafter, args.calibration, sps_read]
     inputs += [path for _, path, _ in datasets]
     check_outputs(outputs, inputs=inputs)
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir = resolve_checkpoint(args.target, "--target")
     drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
-    check_outputs(outputs, inputs=[target_dir, *drafter_dirs])  # not inside the snapshots hub ids resolved to
+    # not inside the snapshots hub ids resolved to
+    check_outputs(outputs, inputs=[target_dir, *drafter_dirs])
     if s.compile:
-        machine = replace(args.machine, compile_cache=use_compile_cache(args.machine.compile_cache))
+        compile_cache = use_compile_cache(args.machine.compile_cache)
+        machine = replace(args.machine, compile_cache=compile_cache)
         args = replace(args, machine=machine)
     if rank == 0:
         for path in skipped:
