@@ -353,8 +353,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
     first = drafter_dirs[0] if drafter_dirs else None
-    m = load_models(target_dir, first, device=device, dtype=args.machine.dtype, calibration=args.calibration,
-                    seed=s.seed)
+    m = load_models(target_dir, first, device=device, dtype=args.machine.dtype,
+                    calibration=args.calibration, seed=s.seed)
     drafters = [m.drafter] if first is not None else []
     for directory in drafter_dirs[1:]:
         drafters.append(load_extra_drafter(directory, m))
@@ -367,7 +367,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             print(note, file=sys.stderr)
     has_conf = len(rows) == 1 and drafter is not None and drafter.confidence_head is not None
     if (args.calibration_out or args.calibration_plot) and not has_conf:
-        raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
+        raise UserError("--calibration-out / --calibration-plot "
+                        "need a --drafter with a confidence head")
     K = max((d.cfg.num_drafts for d in drafters), default=0)
 
     # Every rank reads every dataset, so every cache shape is the one a single process would use.
@@ -376,9 +377,11 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
         context = min(context, d.cfg.layers.max_position_embeddings)
     prompts = read_datasets(args, s, datasets, m, drafters, chat, context)
     s.max_new_tokens = budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
-    args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))  # what results.json says ran
+    # what results.json says ran
+    args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))
     check_calibration_room(args, s, prompts)
-    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())  # this rank's largest shard
+    # this rank's largest shard
+    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     s.batch_size = max(1, min(s.batch_size, most))
     if log is not None:
         log.config(world_size=world,
@@ -403,7 +406,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     run = Run(args, rank, world, device, log, prompts, len(rows) > 1)
     done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}
     calibration = None
-    try:  # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
+    # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
+    try:
         every_prompt = [p for ps in prompts.values() for p in ps]
         for row in rows:
             row_settings = replace(s, tree_budget=row.tree_budget)
@@ -412,13 +416,13 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             parts = None  # each dataset's rounds, for the calibration
             if has_conf:
                 parts = []
-            done.append({"label": row.label, "drafter": row.directory, "tree_budget": row.tree_budget,
-                         "datasets": entries})
+            done.append({"label": row.label, "drafter": row.directory,
+                         "tree_budget": row.tree_budget, "datasets": entries})
 
             def results(complete: bool, calibration=None, **more) -> dict:
                 """results.json: the first row's datasets at the top (one drafter's run), every row after."""
-                record = {"config": config(args, world, K, engine, drafters, chat, s.compile, m, prompts),
-                          "complete": complete}
+                run_config = config(args, world, K, engine, drafters, chat, s.compile, m, prompts)
+                record = {"config": run_config, "complete": complete}
                 record.update(more)
                 record["datasets"] = done[0]["datasets"]
                 record["calibration"] = calibration
@@ -435,9 +439,10 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     if calibration is not None and s.scheduler != "none":
         calibration["scheduled"] = s.scheduler
         if rank == 0:
-            print(f"warning: calibration measured under --scheduler {s.scheduler}: the schedule chose from these "
-                  f"same confidences which drafts were verified, so the figures are biased (the authors "
-                  f"record calibration unscheduled)", file=sys.stderr)
+            print(f"warning: calibration measured under --scheduler {s.scheduler}: "
+                  "the schedule chose from these same confidences which drafts were verified, "
+                  "so the figures are biased (the authors record calibration unscheduled)",
+                  file=sys.stderr)
     public = None
     if calibration:
         public = {k: v for k, v in calibration.items() if not k.startswith("_")}
@@ -459,12 +464,14 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
         sources = []
         ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
                           max_len=max(context - budget_or_one, 1), sources=sources,
-                          system_prompt=args.rendering.system_prompt, thinking=args.rendering.enable_thinking)
+                          system_prompt=args.rendering.system_prompt,
+                          thinking=args.rendering.enable_thinking)
         chosen = select(list(zip(ps, sources)), n, s.seed)
         prompts[name] = [p for p, _ in chosen]
         chosen_sources = [where for _, where in chosen]
         for d in drafters or [None]:
-            check_prompts(prompts[name], m.target, budget_or_one, drafter=d, sources=chosen_sources)
+            check_prompts(prompts[name], m.target, budget_or_one, drafter=d,
+                          sources=chosen_sources)
     return prompts
 
 
@@ -474,15 +481,16 @@ def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
         name = "--calibration-plot"
         if args.calibration_out:
             name = "--calibration-out"
-        raise UserError(f"{name}: --max-new-tokens 1 ends every request at its first token, before any round: "
-                        f"nothing to calibrate")
+        raise UserError(f"{name}: --max-new-tokens 1 ends every request at its first token, "
+                        "before any round: nothing to calibrate")
     if not args.calibration_out:
         return
     fitted = [math.floor(args.calibration_split * len(ps)) for ps in prompts.values()]
     if not any(fitted):
         sizes = " / ".join(str(len(ps)) for ps in prompts.values())
-        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of {sizes} requests "
-                        f"leaves none to fit STS on; more --max-samples or a larger split")
+        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} "
+                        f"of {sizes} requests leaves none to fit STS on; "
+                        "more --max-samples or a larger split")
 
 
 def load_extra_drafter(directory: str, m):
@@ -498,7 +506,8 @@ def load_extra_drafter(directory: str, m):
 class Run:
     """What every row's decode shares: the prompts, the progress shown, where results go."""
 
-    def __init__(self, args: EvalArgs, rank: int, world: int, device, log, prompts: dict, several: bool):
+    def __init__(self, args: EvalArgs, rank: int, world: int, device, log, prompts: dict,
+                 several: bool):
         self.args = args
         self.rank = rank
         self.world = world
@@ -508,8 +517,8 @@ class Run:
         self.several = several
         self.shown = runlog.show(args.progress and rank == 0)
 
-    def decode_datasets(self, row: Row, engine, s: Settings, entries: list, parts: Optional[list], stop_ids,
-                        results):
+    def decode_datasets(self, row: Row, engine, s: Settings, entries: list,
+                        parts: Optional[list], stop_ids, results):
         """Every dataset on `engine`, this rank's interleaved shard; its counts summed across ranks, its
         table line printed and --out rewritten as each is done (a crash later keeps them)."""
         prompts = self.prompts
@@ -529,7 +538,8 @@ class Run:
             if bar is not None:
                 bar.update(self.world)
             if lines is not None:
-                lines.say(f"{row.label}: {min(done[0], total)}/{total} prompts of all datasets done")
+                finished = min(done[0], total)
+                lines.say(f"{row.label}: {finished}/{total} prompts of all datasets done")
 
         say = print
         if bar is not None:
@@ -537,12 +547,16 @@ class Run:
         if self.rank == 0 and self.several:
             say(f"--- {row.label} ---")
         for name, ps in prompts.items():
-            requests = [Request(i, ps[i]) for i in range(self.rank, len(ps), self.world)]  # interleaved shard
+            # interleaved shard
+            shard = range(self.rank, len(ps), self.world)
+            requests = [Request(i, ps[i]) for i in shard]
             seconds0 = engine.prefill_seconds + engine.decode_seconds
             if bar is not None:
                 bar.set_description(f"{row.label}: {name}" if self.several else name)
-            engine.generate(requests, s.max_new_tokens, on_finish=on_finish if self.shown else None)
-            seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, self.device)
+            engine.generate(requests, s.max_new_tokens,
+                            on_finish=on_finish if self.shown else None)
+            elapsed = engine.prefill_seconds + engine.decode_seconds - seconds0
+            seconds = all_max(elapsed, self.device)
             c = sum_counts(mt.count(requests, K, stop_ids), self.device)
             entries.append(metrics(name, c, seconds))
             if parts is not None:
