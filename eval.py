@@ -577,25 +577,30 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) ->
     lost = 0  # confidences a --calibration saturated, which STS cannot undo
     if args.calibration is not None:
         lost = saturated(rec["confidence"])
-        rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
+        temperatures = read_json(args.calibration)["temperatures"]
+        rec["confidence"] = uncalibrate(rec["confidence"], temperatures)
     calibration = calibration_report(rec, args.calibration_split, args.ece_bins, names)
     if lost:
         calibration["unrecoverable"] = lost
         if rank == 0:
-            print(f"warning: --calibration {args.calibration}: {lost} recorded confidences are exactly 0 or 1 "
-                  f"in float32 (sigmoid(logit / T_k) saturated), so the raw head's values cannot be recovered "
-                  f"from them: the raw calibration figures and the STS temperatures are not the raw head's; "
-                  f"calibrate without --calibration", file=sys.stderr)
+            print(f"warning: --calibration {args.calibration}: "
+                  f"{lost} recorded confidences are exactly 0 or 1 in float32 "
+                  "(sigmoid(logit / T_k) saturated), "
+                  "so the raw head's values cannot be recovered from them: "
+                  "the raw calibration figures and the STS temperatures are not the raw head's; "
+                  "calibrate without --calibration", file=sys.stderr)
     return calibration
 
 
-def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
-           prompts: dict) -> dict:
+def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool,
+           compile: bool, m, prompts: dict) -> dict:
     described = [d.cfg.describe() for d in drafters]
-    return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
-                drafter_config=described[0] if len(described) == 1 else described or None, chat_resolved=chat,
-                compile_resolved=compile, dtype_resolved=str(m.dtype).removeprefix("torch."),
-                skipped=[n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts])
+    drafter_config = described[0] if len(described) == 1 else described or None
+    skipped = [n for n in args.datasets.split(",") if n.strip() and n.strip() not in prompts]
+    return dict(flat_fields(args), world_size=world, num_drafts=K,
+                compile_seconds=engine.compile_seconds, drafter_config=drafter_config,
+                chat_resolved=chat, compile_resolved=compile,
+                dtype_resolved=str(m.dtype).removeprefix("torch."), skipped=skipped)
 
 
 # ----------------------------------------------------------------------------------------
@@ -629,7 +634,8 @@ def format_table(entries: list[dict], header: bool = True) -> str:
         line += f"{_fmt(e['verify_rate'], '.4f'):>12}"
         for r in rates:
             line += f"{_fmt(r, '.4f'):>15}"
-        line += f"{e['num_samples']:>9}{e['num_rounds']:>8}{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
+        line += f"{e['num_samples']:>9}{e['num_rounds']:>8}"
+        line += f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -659,8 +665,11 @@ def format_comparison(rows: list[dict], temperature: float) -> str:
 
 
 def format_calibration(cal: dict) -> str:
-    lines = [f"confidence calibration (prefix survival a_k vs drafts 1..k accepted; ECE with {cal['bins']} bins)"]
-    head = f"{'k':>3}{'rounds':>8}{'mean a_k':>10}{'observed':>10}{'ECE':>8}{'AUROC':>8}{'Brier':>8}"
+    title = ("confidence calibration (prefix survival a_k vs drafts 1..k accepted; "
+             f"ECE with {cal['bins']} bins)")
+    lines = [title]
+    head = f"{'k':>3}{'rounds':>8}{'mean a_k':>10}{'observed':>10}"
+    head += f"{'ECE':>8}{'AUROC':>8}{'Brier':>8}"
     sts = "temperatures" in cal
     if sts:
         head += f"{'T_k':>8}{'held-out ECE raw -> STS':>26}"
@@ -692,7 +701,8 @@ def format_calibration(cal: dict) -> str:
     return "\n".join(lines)
 
 
-def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_dir: Optional[str]) -> dict:
+def calibration_file(args: EvalArgs, results: dict, calibration: dict,
+                     drafter_dir: Optional[str]) -> dict:
     """--calibration-out's record: the fitted STS temperatures, what they were fitted on, and how."""
     drafter_path = None
     if drafter_dir:
@@ -715,15 +725,16 @@ def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_d
     }
 
 
-def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None,
-                  drafter_dir: Optional[str] = None):
+def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
+                  log: Optional[runlog.Log] = None, drafter_dir: Optional[str] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
-    calibration_flags = (("--calibration-out", args.calibration_out), ("--calibration-plot", args.calibration_plot))
+    calibration_flags = (("--calibration-out", args.calibration_out),
+                         ("--calibration-plot", args.calibration_plot))
     asked = [name for name, value in calibration_flags if value]
     if asked and calibration is None:
-        raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), so there is "
-                        f"nothing to calibrate; {args.out} has the rest")
+        raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
+                        f"so there is nothing to calibrate; {args.out} has the rest")
     if calibration is None:
         if log is not None:
             log_results(log, results, args.step, None, {"results": args.out})
@@ -748,8 +759,8 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], lo
             log_results(log, results, args.step, image, files)
 
 
-DATASET_FIGURES = ("num_samples", "num_rounds", "num_tokens", "acceptance_length", "draft_tokens_per_proposal",
-                   "verify_rate", "tokens_per_second", "seconds")
+DATASET_FIGURES = ("num_samples", "num_rounds", "num_tokens", "acceptance_length",
+                   "draft_tokens_per_proposal", "verify_rate", "tokens_per_second", "seconds")
 CALIBRATION_FIGURES = ("ece", "auroc", "brier")
 
 
@@ -811,13 +822,14 @@ def calibration_scalars(cal: dict) -> dict:
     return out
 
 
-def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Optional[str], files: dict):
+def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Optional[str],
+                files: dict):
     """The end of the run: tables, charts, scalars, the reliability diagram, the files."""
     wb = log.wandb
     K = results["config"]["num_drafts"]
     cal = results["calibration"]
-    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal", "verify_rate",
-            "tokens_per_second"]
+    cols = ["dataset", "num_samples", "num_rounds", "acceptance_length",
+            "draft_tokens_per_proposal", "verify_rate", "tokens_per_second"]
     acceptance = []
     for e in results["datasets"]:
         acceptance.append([e[c] for c in cols] + e["accept_rates_by_position"])
@@ -835,12 +847,16 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
             pairs = zip(e["accept_rates_by_position"], e["accept_rate_by_position"])
             for j, (a, c) in enumerate(pairs):
                 by_position.append((e["dataset"], j + 1, a, c))
-        by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"], by_position)
-        out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
-                                                      title="accept_rate@j by draft position (authors' definition)")
+        columns = ["dataset", "position", "accept_rate", "conditional_accept_rate"]
+        by_pos = log.table(columns, by_position)
+        title = "accept_rate@j by draft position (authors' definition)"
+        out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate",
+                                                      stroke="dataset", title=title)
     if cal is not None:
-        ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
-        held_out = ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw", "heldout_brier_sts"]
+        ccols = ["position", "rounds", "mean_survival", "observed_survival",
+                 "ece", "auroc", "brier"]
+        held_out = ["temperature", "heldout_ece_raw", "heldout_ece_sts",
+                    "heldout_brier_raw", "heldout_brier_sts"]
         out["calibration"] = log.table(ccols + held_out, calibration_rows(cal, ccols))
         out.update(calibration_scalars(cal))
         series = {"all rounds, raw": cal["raw"]}
