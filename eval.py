@@ -92,7 +92,8 @@ class EvalArgs(WandbFlags):
     max_samples: Optional[int] = None
     """Prompts per dataset (default: the paper's count); a longer file is shuffled with
     random.Random(--seed) and cut, as the authors do."""
-    decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0, seed=AUTHORS_SEED))
+    decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0,
+                                                                    seed=AUTHORS_SEED))
     """The decode settings, as speculate.py's, from the authors' protocol: temperature 1.0 (the paper's τ),
     their seed (it also picks a long dataset's subset; sample i draws from a stream seeded seed + i), and
     a budget of 2048 new tokens (128 in demo mode) capped with a note to what the context leaves the
@@ -132,7 +133,8 @@ def metrics(name: str, c: dict, seconds: float) -> dict:
         "accept_rates_by_position": mt.accept_rates_by_position(c),
         "num_rounds": c["num_rounds"],
         "num_tokens": c["tokens"],
-        "accept_rate_by_position": mt.accept_rate_by_position(c),  # the paper's Figure 2: conditional
+        # the paper's Figure 2: conditional
+        "accept_rate_by_position": mt.accept_rate_by_position(c),
         "counts": {k: c[k] for k in mt.COUNT_KEYS + mt.LIST_KEYS},
         "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
         "seconds": seconds,
@@ -182,8 +184,8 @@ def check_flags(args: EvalArgs) -> Settings:
     when not given: `budget` resolves it once the prompts are read)."""
     s = flags.check_settings(args.decode, args.machine.device, budget=None)
     flags.check_machine(args.machine, s.compile)
-    check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)", ece_bins="[1, 10000]",
-                 step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
+    check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)",
+                 ece_bins="[1, 10000]", step=f"[0, {2**62}]", dist_timeout="(0, 86400]")
     runlog.check(args)
     if s.num_samples != 1:
         raise UserError(f"--num-samples {s.num_samples}: eval.py decodes each prompt once, "
@@ -191,19 +193,22 @@ def check_flags(args: EvalArgs) -> Settings:
     check_chat_flags(chat=args.rendering.chat, ids=False, system_prompt=args.rendering.system_prompt,
                      thinking=args.rendering.enable_thinking)
     if args.target is None:
-        raise UserError(f"--drafter {args.drafter[0]}: needs --target, the target it was trained for")
+        raise UserError(f"--drafter {args.drafter[0]}: "
+                        "needs --target, the target it was trained for")
     if s.scheduler != "none" and not args.drafter:
         flag = f"--scheduler {s.scheduler}:"
         if s.confidence_threshold > 0:
             flag = "--confidence-threshold"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
     several = len(args.drafter) > 1 or s.tree_budget > 0
-    calibration_flags = (("--calibration", args.calibration), ("--calibration-out", args.calibration_out),
+    calibration_flags = (("--calibration", args.calibration),
+                         ("--calibration-out", args.calibration_out),
                          ("--calibration-plot", args.calibration_plot))
     for flag, given in calibration_flags:
         if given and several:
-            raise UserError(f"{flag}: calibrates one drafter's confidence head; this run compares several rows "
-                            f"(more than one --drafter, or a --tree-budget curve)")
+            raise UserError(f"{flag}: calibrates one drafter's confidence head; "
+                            "this run compares several rows "
+                            "(more than one --drafter, or a --tree-budget curve)")
     if len(set(args.drafter)) != len(args.drafter):
         raise UserError("--drafter: the same drafter is given twice")
     if args.calibration_out and args.calibration_split == 0:
@@ -222,7 +227,8 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
         raise UserError("--datasets: no dataset named")
     for name in names:
         if name in (".", "..") or any(c in name for c in "/\\\0"):
-            raise UserError(f"--datasets: {name!r} is not a dataset name (a <name>.jsonl in --data-dir)")
+            raise UserError(f"--datasets: {name!r} is not a dataset name "
+                            "(a <name>.jsonl in --data-dir)")
     for i, name in enumerate(names):
         if name in names[:i]:
             raise UserError(f"--datasets: {name!r} is named twice")
@@ -232,8 +238,9 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
         path = os.path.join(data_dir, f"{name}.jsonl")
         present = optional_file(path)
         if not present and name not in DEFAULT_SAMPLES:
-            raise UserError(f"--datasets: unknown dataset {name!r} (known: {', '.join(PAPER_DATASETS)}; "
-                            f"or any <name>.jsonl in {data_dir})")
+            known = ", ".join(PAPER_DATASETS)
+            raise UserError(f"--datasets: unknown dataset {name!r} "
+                            f"(known: {known}; or any <name>.jsonl in {data_dir})")
         if not present:
             skipped.append(path)
             continue
@@ -253,7 +260,8 @@ def select(prompts: list, n: int, seed: int) -> list:
     return prompts
 
 
-def budget(given: Optional[int], demo: bool, prompts: dict, context: int, verbose: bool = True) -> int:
+def budget(given: Optional[int], demo: bool, prompts: dict, context: int,
+           verbose: bool = True) -> int:
     """--max-new-tokens as given, or the protocol's budget capped (with a note) to what the context leaves."""
     if given is not None:
         return given
@@ -293,7 +301,8 @@ def run(args: EvalArgs) -> dict:
     # the outputs not inside the snapshots hub ids resolved to either
     check_outputs(outputs, inputs=[target_dir, *drafter_dirs])
     if s.compile:
-        machine = replace(args.machine, compile_cache=use_compile_cache(args.machine.compile_cache))
+        compile_cache = use_compile_cache(args.machine.compile_cache)
+        machine = replace(args.machine, compile_cache=compile_cache)
         args = replace(args, machine=machine)
     if rank == 0:
         for path in skipped:
@@ -341,8 +350,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
     first = drafter_dirs[0] if drafter_dirs else None
-    m = load_models(target_dir, first, device=device, dtype=args.machine.dtype, calibration=args.calibration,
-                    seed=s.seed)
+    m = load_models(target_dir, first, device=device, dtype=args.machine.dtype,
+                    calibration=args.calibration, seed=s.seed)
     drafters = [m.drafter] if first is not None else []
     for directory in drafter_dirs[1:]:
         drafters.append(load_extra_drafter(directory, m))
@@ -355,7 +364,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             print(note, file=sys.stderr)
     has_conf = len(rows) == 1 and drafter is not None and drafter.confidence_head is not None
     if (args.calibration_out or args.calibration_plot) and not has_conf:
-        raise UserError("--calibration-out / --calibration-plot need a --drafter with a confidence head")
+        raise UserError("--calibration-out / --calibration-plot "
+                        "need a --drafter with a confidence head")
     K = max((d.cfg.num_drafts for d in drafters), default=0)
 
     # Every rank reads every dataset, so every cache shape is the one a single process would use.
@@ -367,7 +377,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     # what results.json says ran
     args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))
     check_calibration_room(args, s, prompts)
-    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())  # this rank's largest shard
+    # this rank's largest shard
+    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     s.batch_size = max(1, min(s.batch_size, most))
     if log is not None:
         log.config(world_size=world,
@@ -392,7 +403,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     run = Run(args, rank, world, device, log, prompts, len(rows) > 1)
     done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}
     calibration = None
-    try:  # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
+    # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
+    try:
         every_prompt = [p for ps in prompts.values() for p in ps]
         for row in rows:
             row_settings = replace(s, tree_budget=row.tree_budget)
@@ -401,13 +413,13 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
             parts = None  # each dataset's rounds, for the calibration
             if has_conf:
                 parts = []
-            done.append({"label": row.label, "drafter": row.directory, "tree_budget": row.tree_budget,
-                         "datasets": entries})
+            done.append({"label": row.label, "drafter": row.directory,
+                         "tree_budget": row.tree_budget, "datasets": entries})
 
             def results(complete: bool, calibration=None, **more) -> dict:
                 """results.json: the first row's datasets at the top (one drafter's run), every row after."""
-                record = {"config": config(args, world, K, engine, drafters, chat, s.compile, m, prompts),
-                          "complete": complete}
+                run_config = config(args, world, K, engine, drafters, chat, s.compile, m, prompts)
+                record = {"config": run_config, "complete": complete}
                 record.update(more)
                 record["datasets"] = done[0]["datasets"]
                 record["calibration"] = calibration
@@ -424,9 +436,10 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     if calibration is not None and s.scheduler != "none":
         calibration["scheduled"] = s.scheduler
         if rank == 0:
-            print(f"warning: calibration measured under --scheduler {s.scheduler}: the schedule chose from these "
-                  f"same confidences which drafts were verified, so the figures are biased (the authors "
-                  f"record calibration unscheduled)", file=sys.stderr)
+            print(f"warning: calibration measured under --scheduler {s.scheduler}: "
+                  "the schedule chose from these same confidences which drafts were verified, "
+                  "so the figures are biased (the authors record calibration unscheduled)",
+                  file=sys.stderr)
     public = None
     if calibration:
         public = {k: v for k, v in calibration.items() if not k.startswith("_")}
@@ -448,12 +461,14 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
         sources = []
         ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
                           max_len=max(context - budget_or_one, 1), sources=sources,
-                          system_prompt=args.rendering.system_prompt, thinking=args.rendering.enable_thinking)
+                          system_prompt=args.rendering.system_prompt,
+                          thinking=args.rendering.enable_thinking)
         chosen = select(list(zip(ps, sources)), n, s.seed)
         prompts[name] = [p for p, _ in chosen]
         chosen_sources = [where for _, where in chosen]
         for d in drafters or [None]:
-            check_prompts(prompts[name], m.target, budget_or_one, drafter=d, sources=chosen_sources)
+            check_prompts(prompts[name], m.target, budget_or_one, drafter=d,
+                          sources=chosen_sources)
     return prompts
 
 
@@ -463,15 +478,16 @@ def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
         name = "--calibration-plot"
         if args.calibration_out:
             name = "--calibration-out"
-        raise UserError(f"{name}: --max-new-tokens 1 ends every request at its first token, before any round: "
-                        f"nothing to calibrate")
+        raise UserError(f"{name}: --max-new-tokens 1 ends every request at its first token, "
+                        "before any round: nothing to calibrate")
     if not args.calibration_out:
         return
     fitted = [math.floor(args.calibration_split * len(ps)) for ps in prompts.values()]
     if not any(fitted):
         sizes = " / ".join(str(len(ps)) for ps in prompts.values())
-        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} of {sizes} requests "
-                        f"leaves none to fit STS on; more --max-samples or a larger split")
+        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} "
+                        f"of {sizes} requests leaves none to fit STS on; "
+                        "more --max-samples or a larger split")
 
 
 def load_extra_drafter(directory: str, m):
@@ -487,7 +503,8 @@ def load_extra_drafter(directory: str, m):
 class Run:
     """What every row's decode shares: the prompts, the progress shown, where results go."""
 
-    def __init__(self, args: EvalArgs, rank: int, world: int, device, log, prompts: dict, several: bool):
+    def __init__(self, args: EvalArgs, rank: int, world: int, device, log, prompts: dict,
+                 several: bool):
         self.args = args
         self.rank = rank
         self.world = world
@@ -497,8 +514,8 @@ class Run:
         self.several = several
         self.shown = runlog.show(args.progress and rank == 0)
 
-    def decode_datasets(self, row: Row, engine, s: Settings, entries: list, parts: Optional[list], stop_ids,
-                        results):
+    def decode_datasets(self, row: Row, engine, s: Settings, entries: list,
+                        parts: Optional[list], stop_ids, results):
         """Every dataset on `engine`, this rank's interleaved shard; its counts summed across ranks, its
         table line printed and --out rewritten as each is done (a crash later keeps them)."""
         prompts = self.prompts
@@ -518,7 +535,8 @@ class Run:
             if bar is not None:
                 bar.update(self.world)
             if lines is not None:
-                lines.say(f"{row.label}: {min(done[0], total)}/{total} prompts of all datasets done")
+                finished = min(done[0], total)
+                lines.say(f"{row.label}: {finished}/{total} prompts of all datasets done")
 
         say = print
         if bar is not None:
@@ -531,8 +549,10 @@ class Run:
             seconds0 = engine.prefill_seconds + engine.decode_seconds
             if bar is not None:
                 bar.set_description(f"{row.label}: {name}" if self.several else name)
-            engine.generate(requests, s.max_new_tokens, on_finish=on_finish if self.shown else None)
-            seconds = all_max(engine.prefill_seconds + engine.decode_seconds - seconds0, self.device)
+            engine.generate(requests, s.max_new_tokens,
+                            on_finish=on_finish if self.shown else None)
+            elapsed = engine.prefill_seconds + engine.decode_seconds - seconds0
+            seconds = all_max(elapsed, self.device)
             c = sum_counts(mt.count(requests, K, stop_ids), self.device)
             entries.append(metrics(name, c, seconds))
             if parts is not None:
@@ -553,15 +573,18 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) ->
     lost = 0  # confidences a --calibration saturated, which STS cannot undo
     if args.calibration is not None:
         lost = saturated(rec["confidence"])
-        rec["confidence"] = uncalibrate(rec["confidence"], read_json(args.calibration)["temperatures"])
+        temperatures = read_json(args.calibration)["temperatures"]
+        rec["confidence"] = uncalibrate(rec["confidence"], temperatures)
     calibration = calibration_report(rec, args.calibration_split, args.ece_bins, names)
     if lost:
         calibration["unrecoverable"] = lost
         if rank == 0:
-            print(f"warning: --calibration {args.calibration}: {lost} recorded confidences are exactly 0 or 1 "
-                  f"in float32 (sigmoid(logit / T_k) saturated), so the raw head's values cannot be recovered "
-                  f"from them: the raw calibration figures and the STS temperatures are not the raw head's; "
-                  f"calibrate without --calibration", file=sys.stderr)
+            print(f"warning: --calibration {args.calibration}: "
+                  f"{lost} recorded confidences are exactly 0 or 1 in float32 "
+                  "(sigmoid(logit / T_k) saturated), "
+                  "so the raw head's values cannot be recovered from them: "
+                  "the raw calibration figures and the STS temperatures are not the raw head's; "
+                  "calibrate without --calibration", file=sys.stderr)
     return calibration
 
 
@@ -614,7 +637,8 @@ def format_table(entries: list[dict], header: bool = True) -> str:
         line += f"{_fmt(e['verify_rate'], '.4f'):>12}"
         for r in rates:
             line += f"{_fmt(r, '.4f'):>15}"
-        line += f"{e['num_samples']:>9}{e['num_rounds']:>8}{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
+        line += f"{e['num_samples']:>9}{e['num_rounds']:>8}"
+        line += f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -679,7 +703,8 @@ def format_calibration(cal: dict) -> str:
     return "\n".join(lines)
 
 
-def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_dir: Optional[str]) -> dict:
+def calibration_file(args: EvalArgs, results: dict, calibration: dict,
+                     drafter_dir: Optional[str]) -> dict:
     """--calibration-out's record: the fitted STS temperatures, what they were fitted on, and how."""
     drafter_path = None
     if drafter_dir:
@@ -702,16 +727,16 @@ def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_d
     }
 
 
-def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict], log: Optional[runlog.Log] = None,
-                  drafter_dir: Optional[str] = None):
+def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
+                  log: Optional[runlog.Log] = None, drafter_dir: Optional[str] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
     calibration_flags = (("--calibration-out", args.calibration_out),
                          ("--calibration-plot", args.calibration_plot))
     asked = [name for name, value in calibration_flags if value]
     if asked and calibration is None:
-        raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), so there is "
-                        f"nothing to calibrate; {args.out} has the rest")
+        raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
+                        f"so there is nothing to calibrate; {args.out} has the rest")
     if calibration is None:
         if log is not None:
             log_results(log, results, args.step, None, {"results": args.out})
@@ -799,7 +824,8 @@ def calibration_scalars(cal: dict) -> dict:
     return out
 
 
-def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Optional[str], files: dict):
+def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Optional[str],
+                files: dict):
     """The end of the run: tables, charts, scalars, the reliability diagram, the files."""
     wb = log.wandb
     K = results["config"]["num_drafts"]
