@@ -18,7 +18,8 @@ from support.cli import Interrupted, UserError, first_line, flat_fields
 from support.files import read_json
 
 DEFAULT_PROJECT = "dspark-fast"
-TABLE_ROWS = 10_000  # a requests table longer than this keeps its first rows (wandb slows on huge tables)
+# a requests table longer than this keeps its first rows (wandb slows on huge tables)
+TABLE_ROWS = 10_000
 
 
 @dataclass
@@ -49,11 +50,13 @@ def parse_tags(text: Optional[str]) -> Optional[list[str]]:
         if not t:
             raise UserError(f"--wandb-tags {text!r}: an empty tag")
         if len(t) > 64:
-            raise UserError(f"--wandb-tags {text!r}: the tag {t[:20]!r}... is longer than 64 characters")
+            raise UserError(f"--wandb-tags {text!r}: the tag {t[:20]!r}... "
+                            "is longer than 64 characters")
     return tags
 
 
-NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags")  # WandbFlags' strings
+# WandbFlags' strings
+NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
 
 
 def check(args):
@@ -68,7 +71,8 @@ def check(args):
     fields = getattr(type(args), "__dataclass_fields__", {})
     log_every_set = "log_every" in fields and args.log_every != fields["log_every"].default
     if not args.wandb and log_every_set:
-        raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, it changes nothing")
+        raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; "
+                        "without it, it changes nothing")
     for f in NAMING_FLAGS:
         value = getattr(args, f)
         if value is not None and not value.strip():
@@ -78,15 +82,19 @@ def check(args):
     project = args.wandb_project
     if project is None:
         return
-    if len(project) > 128 or any(c in project for c in "/\\#?%:"):
-        raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters and none of / \\ # ? % :")
+    too_long = len(project) > 128
+    bad_character = any(c in project for c in "/\\#?%:")
+    if too_long or bad_character:
+        raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters "
+                        "and none of / \\ # ? % :")
 
 
 # The run's configuration
 
 def code_version() -> dict:
     """This code's git commit and whether tracked files differ from it (None outside a git checkout)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding support/
+    # the checkout holding support/
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*cmd) -> Optional[str]:
         try:
@@ -129,7 +137,8 @@ class Log:
     def table(self, columns: list[str], rows: Iterable) -> object:
         return self.wandb.Table(columns=columns, data=[list(r) for r in rows])
 
-    def bar(self, key: str, columns: list[str], rows: Iterable, title: str, step: Optional[int] = None):
+    def bar(self, key: str, columns: list[str], rows: Iterable, title: str,
+            step: Optional[int] = None):
         """A bar chart of (label, value) rows, logged under `key` (its table as `key`_table)."""
         chart = self.wandb.plot.bar(self.table(columns, rows), columns[0], columns[1], title=title)
         self.log({key: chart}, step=step)
@@ -162,7 +171,8 @@ def _ending(e: BaseException) -> tuple[int, str]:
     return 1, "failed"
 
 
-WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # what wandb's settings accept
+# what wandb's settings accept
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
 def start(args, job_type: str, config: dict) -> Log:
@@ -175,11 +185,12 @@ def start(args, job_type: str, config: dict) -> Log:
         raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
     try:
         run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name,
-                         group=args.wandb_group, tags=parse_tags(args.wandb_tags), job_type=job_type,
-                         config=config)
-    except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
-        raise UserError(f"--wandb: the run could not start ({first_line(e)}); WANDB_MODE=offline logs without a "
-                        f"network") from None
+                         group=args.wandb_group, tags=parse_tags(args.wandb_tags),
+                         job_type=job_type, config=config)
+    # not logged in, no network, a bad WANDB_* variable: say it in one line
+    except Exception as e:
+        raise UserError(f"--wandb: the run could not start ({first_line(e)}); "
+                        "WANDB_MODE=offline logs without a network") from None
     return Log(run, wandb)
 
 
@@ -192,7 +203,8 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
         return
     import torch
 
-    config = {"program": program, **flat_fields(args), "torch": torch.__version__, **code_version()}
+    config = {"program": program, **flat_fields(args), "torch": torch.__version__,
+              **code_version()}
     log = start(args, job_type, config)
     try:
         yield log
@@ -232,8 +244,8 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
         completion = c.text
         if completion is None:
             completion = ",".join(map(str, c.output_ids))
-        rows.append((c.request, c.prompt, c.sample, prompt, completion, len(c.output_ids), c.num_rounds,
-                     c.acceptance_length, c.finish_reason))
+        rows.append((c.request, c.prompt, c.sample, prompt, completion, len(c.output_ids),
+                     c.num_rounds, c.acceptance_length, c.finish_reason))
     columns = ["request", "prompt_index", "sample", "prompt", "completion", "tokens", "rounds",
                "acceptance_length", "finish_reason"]
     log.log({f"{name}/requests": log.table(columns, rows)})
