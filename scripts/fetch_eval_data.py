@@ -76,11 +76,15 @@ def lbpp_record(row: dict) -> dict:
 
 def swe_bench_record(row: dict) -> dict:
     """princeton-nlp/SWE-bench_Lite: the issue text (`problem_statement`) between a header and a request."""
-    return {"turns": [f"Problem Statement:\n{row['problem_statement']}\nPlease fix the issue described above."]}
+    text = (f"Problem Statement:\n{row['problem_statement']}\n"
+            "Please fix the issue described above.")
+    return {"turns": [text]}
 
 
-LCB_HEAD = ("You are an expert Python programmer. You will be given a question (problem specification) and "
-            "will generate a correct Python program that matches the specification and passes all tests. "
+LCB_HEAD = ("You are an expert Python programmer. "
+            "You will be given a question (problem specification) and "
+            "will generate a correct Python program that matches the specification "
+            "and passes all tests. "
             "You will NOT return anything except for the program")
 LCB_TAIL = "### Answer: (use the provided format with backticks)"
 
@@ -105,8 +109,10 @@ def arena_hard_record(row: dict) -> dict:
 
 def check_record(record: dict, where: str) -> dict:
     turns = record.get("turns") if isinstance(record, dict) else None
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-        raise ValueError(f"{where}: expected a non-empty list of non-empty strings in 'turns', got {turns!r}")
+    strings = isinstance(turns, list) and all(isinstance(t, str) and t for t in turns)
+    if not strings or not turns:
+        raise ValueError(f"{where}: expected a non-empty list of non-empty strings in 'turns', "
+                         f"got {turns!r}")
     return record
 
 
@@ -121,12 +127,16 @@ class Source:
     split: str
     convert: Callable[[dict], dict]
     config: Optional[str] = None    # datasets config (subset) name
-    files: tuple[str, ...] = ()     # read these files of the repo instead of load_dataset (jsonl or parquet)
+    # read these files of the repo instead of load_dataset (jsonl or parquet)
+    files: tuple[str, ...] = ()
     sha256: Optional[str] = None    # the copy shipped in data/eval/, when there is one
     note: str = ""
 
     def describe(self) -> str:
-        where = ", ".join(self.files) if self.files else f"config={self.config or '-'} split={self.split}"
+        if self.files:
+            where = ", ".join(self.files)
+        else:
+            where = f"config={self.config or '-'} split={self.split}"
         return f"{self.name:14s} {self.repo}  ({where}){'  ' + self.note if self.note else ''}"
 
 
@@ -182,9 +192,11 @@ def check_output_file(path: str):
     """Before any download: a regular file (links followed), or nothing yet."""
     real = os.path.realpath(path)
     if os.path.isdir(real):
-        raise UsageError(f"{path}: is a directory, not a file (remove it, or give another --out-dir)")
+        raise UsageError(f"{path}: is a directory, not a file "
+                         "(remove it, or give another --out-dir)")
     if os.path.exists(real) and not os.path.isfile(real):
-        raise UsageError(f"{path}: is not a regular file (a device or a pipe); remove it, or give another --out-dir")
+        raise UsageError(f"{path}: is not a regular file (a device or a pipe); "
+                         "remove it, or give another --out-dir")
 
 
 def _need(module: str):
@@ -193,13 +205,15 @@ def _need(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UsageError(f"this needs the {module.split('.')[0]!r} package: pip install datasets") from None
+        package = module.split(".")[0]
+        raise UsageError(f"this needs the {package!r} package: pip install datasets") from None
 
 
 def packages_needed(src: Source) -> tuple[str, ...]:
     if not src.files:
         return ("datasets",)
-    return ("huggingface_hub", "pyarrow") if any(f.endswith(".parquet") for f in src.files) else ("huggingface_hub",)
+    has_parquet = any(f.endswith(".parquet") for f in src.files)
+    return ("huggingface_hub", "pyarrow") if has_parquet else ("huggingface_hub",)
 
 
 def check_packages(sources: Iterable[Source]):
@@ -231,7 +245,8 @@ def upstream_rows(src: Source) -> Iterator[dict]:
                     yield json.loads(line)
 
 
-def write_records(src: Source, rows: Iterable[dict], path: str, max_rows: Optional[int] = None) -> tuple[int, str]:
+def write_records(src: Source, rows: Iterable[dict], path: str,
+                  max_rows: Optional[int] = None) -> tuple[int, str]:
     """`rows` converted into `path`, atomically -> (records written, the file's sha256)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -262,14 +277,18 @@ def write_records(src: Source, rows: Iterable[dict], path: str, max_rows: Option
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Rebuild data/eval/<name>.jsonl ({\"turns\": [...]} per line) from the public datasets "
+        description="Rebuild data/eval/<name>.jsonl ({\"turns\": [...]} per line) "
+                    "from the public datasets "
                     "(needs a network and `pip install datasets`).")
     p.add_argument("names", nargs="*", metavar="NAME",
                    help=f"datasets to build (default: all): {', '.join(BY_NAME)}")
-    p.add_argument("--out-dir", default=DEFAULT_OUT, help="where to write <name>.jsonl (default: data/eval)")
+    p.add_argument("--out-dir", default=DEFAULT_OUT,
+                   help="where to write <name>.jsonl (default: data/eval)")
     p.add_argument("--force", action="store_true", help="replace files that already exist")
-    p.add_argument("--max-rows", type=int, default=None, help="write at most this many records per file (smoke tests)")
-    p.add_argument("--list", action="store_true", help="print the known datasets and their sources, then exit")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="write at most this many records per file (smoke tests)")
+    p.add_argument("--list", action="store_true",
+                   help="print the known datasets and their sources, then exit")
     return p.parse_args(argv)
 
 
@@ -292,12 +311,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         paths = {s.name: os.path.join(args.out_dir, f"{s.name}.jsonl") for s in chosen}
         if not args.out_dir.strip():
             raise UsageError("--out-dir: empty")
-        probe = os.path.abspath(args.out_dir)  # it, or the nearest folder that exists, must take files
+        # it, or the nearest folder that exists, must take files
+        probe = os.path.abspath(args.out_dir)
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-            raise UsageError(f"--out-dir {args.out_dir}: " + ("not a directory" if probe == os.path.abspath(
-                args.out_dir) else f"cannot be created ({probe} is not a writable directory)"))
+            if probe == os.path.abspath(args.out_dir):
+                problem = "not a directory"
+            else:
+                problem = f"cannot be created ({probe} is not a writable directory)"
+            raise UsageError(f"--out-dir {args.out_dir}: " + problem)
         for path in paths.values():
             check_output_file(path)
         existing = [p for p in paths.values() if os.path.exists(p)]
@@ -323,10 +346,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:  # a download or a conversion failed
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: write_records has removed its temporary file
+    # Ctrl-C or SIGTERM: write_records has removed its temporary file
+    except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"interrupted by {signal.Signals(signum).name}: stopped; the files written before are kept, "
-              "no partial one", file=sys.stderr)
+        print(f"interrupted by {signal.Signals(signum).name}: stopped; "
+              "the files written before are kept, no partial one", file=sys.stderr)
         return 128 + signum
     finally:
         for s, h in handlers.items():

@@ -26,8 +26,10 @@ from speculate import Request, make_engine  # noqa: E402
 from support import flags  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
-from support.cli import UserError, check_ranges, cli_main, flag, flat, flat_fields, resolve_device, signals_deferred
-from support.files import atomic_write, check_outputs, check_writable, read_json, read_jsonl, write_json  # noqa: E402
+from support.cli import (UserError, check_ranges, cli_main, flag, flat, flat_fields,
+                         resolve_device, signals_deferred)
+from support.files import (atomic_write, check_outputs, check_writable, read_json,  # noqa: E402
+                           read_jsonl, write_json)
 from support.flags import Settings  # noqa: E402
 from support.text import ROLES, check_text, encode  # noqa: E402
 
@@ -89,9 +91,11 @@ def conversation_messages(obj, where: str) -> Optional[list[dict]]:
     if not isinstance(raw, list):
         return None
     for m in raw:
-        well_formed = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        well_formed = isinstance(m, dict) and m.get("role") in ROLES
+        well_formed = well_formed and isinstance(m.get("content"), str)
         if not well_formed:
-            raise UserError(f"{where}: messages must be {{\"role\": system/user/assistant, \"content\": str}}")
+            raise UserError(f"{where}: messages must be "
+                            "{\"role\": system/user/assistant, \"content\": str}")
     return [{"role": m["role"], "content": m["content"]} for m in raw if m["role"] != "assistant"]
 
 
@@ -150,7 +154,8 @@ def real_path(directory: Optional[str]) -> Optional[str]:
     return os.path.realpath(directory)
 
 
-def resume_key(args: Args, convs: list, target_dir: Optional[str], drafter_dir: Optional[str]) -> dict:
+def resume_key(args: Args, convs: list, target_dir: Optional[str],
+               drafter_dir: Optional[str]) -> dict:
     """What OUT.partial's records depend on, by flag: a resume must agree."""
     digest = hashlib.sha256()
     for where, cid, msgs, _ in convs:
@@ -190,7 +195,8 @@ def check_resume_file(saved: dict, partial: str, done_path: str):
     well_formed = well_formed and isinstance(saved.get("consumed"), int)
     well_formed = well_formed and isinstance(saved.get("dropped"), int)
     if not well_formed:
-        raise UserError(f"{done_path}: not a resume file of regenerate.py; remove it and {partial} to start over")
+        raise UserError(f"{done_path}: not a resume file of regenerate.py; "
+                        f"remove it and {partial} to start over")
 
 
 def check_same_flags(saved_key: dict, key: dict, partial: str, args: Args):
@@ -199,13 +205,14 @@ def check_same_flags(saved_key: dict, key: dict, partial: str, args: Args):
         if name in saved_key and saved_key[name] == value:
             continue
         flag, _, what = name.partition(" ")
-        now = flat_fields(args)[flag[2:].replace("-", "_")]  # the decode settings' flags included
+        # the decode settings' flags included
+        now = flat_fields(args)[flag[2:].replace("-", "_")]
         if what:
-            raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; restore them, or "
-                            f"remove {partial} to start over")
+            raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; "
+                            f"restore them, or remove {partial} to start over")
         then = saved_key.get(name)
-        raise UserError(f"{flag} {shown(value)}: {partial} was started with {flag} {shown(then)}; resume with "
-                        f"the same {flag}, or remove {partial} to start over")
+        raise UserError(f"{flag} {shown(value)}: {partial} was started with {flag} {shown(then)}; "
+                        f"resume with the same {flag}, or remove {partial} to start over")
 
 
 def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
@@ -225,22 +232,25 @@ def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
             except (ValueError, AttributeError, RecursionError):
                 source = None
             if not isinstance(source, str) or position.get(source, -1) <= last:
-                raise UserError(f"{partial}:{lineno}: not a record of this run's next conversation (source "
-                                f"{source!r}); remove {partial} to start over")
+                raise UserError(f"{partial}:{lineno}: "
+                                "not a record of this run's next conversation "
+                                f"(source {source!r}); remove {partial} to start over")
             kept += 1
             size += len(line)
             last = position[source]
     return kept, size, last
 
 
-def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list) -> tuple[int, int, int, int]:
+def resume_point(partial: str, done_path: str, key: dict, args: Args,
+                 mine: list) -> tuple[int, int, int, int]:
     """(records kept, their bytes (a torn last line cut off), conversations done, dropped)."""
     saved = read_json(done_path)
     check_resume_file(saved, partial, done_path)
     check_same_flags(saved["resume_key"], key, partial, args)
     consumed = saved["consumed"]
     if not 0 <= consumed <= len(mine):
-        raise UserError(f"{done_path}: counts {consumed} conversations done of this run's {len(mine)}; "
+        raise UserError(f"{done_path}: counts {consumed} conversations done "
+                        f"of this run's {len(mine)}; "
                         f"remove it and {partial} to start over")
     kept, size, last = kept_records(partial, mine)
     return kept, size, max(consumed, last + 1), saved["dropped"]
@@ -250,7 +260,8 @@ def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list
 
 # The decode settings regenerate.py reads; another would change what a record means (--stop,
 # --num-samples) or is not offered here.
-READ = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "batch_size", "compile")
+READ = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "batch_size",
+        "compile")
 
 
 def checked_settings(args: Args, device) -> Settings:
@@ -260,7 +271,8 @@ def checked_settings(args: Args, device) -> Settings:
         given = getattr(args.decode, f.name) != getattr(default, f.name)
         if given and f.name not in READ:
             read = ", ".join(flag(name) for name in READ)
-            raise UserError(f"{flag(f.name)}: regenerate.py decodes with {read} only; it would change nothing here")
+            raise UserError(f"{flag(f.name)}: regenerate.py decodes with {read} only; "
+                            "it would change nothing here")
     settings = flags.check_settings(args.decode, device)
     check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)",
                  num_shards="[1, inf)", shard_index=f"[0, {args.num_shards - 1}]")
@@ -288,11 +300,11 @@ def check_earlier_output(args: Args, partial: str, done_path: str):
     if not (os.path.isfile(partial) and os.path.getsize(partial) > 0):
         return
     if not args.resume:
-        raise UserError(f"{partial}: holds an earlier run's output; pass --resume to continue it, or remove it "
-                        "to start over")
+        raise UserError(f"{partial}: holds an earlier run's output; "
+                        "pass --resume to continue it, or remove it to start over")
     if not os.path.exists(done_path):
-        raise UserError(f"{done_path}: not found, so what {partial} was made with is unknown; remove {partial} "
-                        "to start over")
+        raise UserError(f"{done_path}: not found, so what {partial} was made with is unknown; "
+                        f"remove {partial} to start over")
 
 
 def context_length(args: Args, m) -> int:
@@ -303,8 +315,9 @@ def context_length(args: Args, m) -> int:
     context = args.max_context or min(limit, 8192)
     budget = args.decode.max_new_tokens
     if context > limit or context <= budget:
-        raise UserError(f"--max-context {context}: must exceed --max-new-tokens {budget} and fit the "
-                        f"models' context of {limit} (max_position_embeddings of the target and the drafter)")
+        raise UserError(f"--max-context {context}: must exceed --max-new-tokens {budget} "
+                        f"and fit the models' context of {limit} "
+                        "(max_position_embeddings of the target and the drafter)")
     return context
 
 
@@ -326,7 +339,8 @@ def record_setting(args: Args) -> dict:
 
 def new_conversation(index: int, where: str, cid, msgs: list[dict]) -> dict:
     """A conversation being regenerated: its messages so far, those to come, each answer's finish and length."""
-    return dict(index=index, where=where, id=cid, history=[], pending=list(msgs), finish=[], ntok=[], alive=True)
+    return dict(index=index, where=where, id=cid, history=[], pending=list(msgs),
+                finish=[], ntok=[], alive=True)
 
 
 def turn_requests(chunk: list[dict], turn: int, m, longest: int, bar) -> tuple[list, list]:
@@ -363,7 +377,8 @@ def add_answers(owners: list[dict], requests: list, m, stats: dict):
         stats["tokens"] += len(req.output_ids)
 
 
-def regenerate_chunk(chunk: list[dict], engine, m, longest: int, max_new_tokens: int, bar, stats: dict):
+def regenerate_chunk(chunk: list[dict], engine, m, longest: int, max_new_tokens: int, bar,
+                     stats: dict):
     """Every turn of a chunk's conversations, a turn of all of them at a time."""
     turns = max(user_turns(c["pending"]) for c in chunk)
     for turn in range(turns):
@@ -414,11 +429,13 @@ def acceptance_length(args: Args, stats: dict) -> Optional[float]:
 
 def print_summary(stats: dict, seconds: float, tau: Optional[float], context: int, out: str):
     rate = stats["tokens"] / max(seconds, 1e-9)
-    text = (f"{stats['conversations']} conversations ({stats['responses']} responses, {stats['tokens']} tokens) "
+    text = (f"{stats['conversations']} conversations "
+            f"({stats['responses']} responses, {stats['tokens']} tokens) "
             f"in {seconds:.1f} s, {rate:.1f} tokens/s")
     if tau is not None:
         text += f", τ={tau:.2f}"
-    text += (f"; {stats['dropped']} dropped (prompt over --max-context {context} - --max-new-tokens); "
+    text += (f"; {stats['dropped']} dropped "
+             f"(prompt over --max-context {context} - --max-new-tokens); "
              f"written to {out}")
     print(text)
 
@@ -433,7 +450,8 @@ def run(args: Args) -> dict:
     out_file = os.path.realpath(args.out)  # a link: OUT.partial(.json) go beside the file it names
     partial = out_file + ".partial"
     done_path = out_file + ".partial.json"
-    outputs = {"--out": args.out, "--out (its partial file)": partial, "--out (its resume file)": done_path}
+    outputs = {"--out": args.out, "--out (its partial file)": partial,
+               "--out (its resume file)": done_path}
     check_outputs(outputs, inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])
     key = resume_key(args, convs, target_dir, drafter_dir)
     check_earlier_output(args, partial, done_path)
@@ -447,21 +465,25 @@ def run(args: Args) -> dict:
         raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
     context = context_length(args, m)
     longest = context - settings.max_new_tokens
-    engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)  # sized for the longest
+    # sized for the longest
+    engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)
     setting = record_setting(args)
 
     if resuming:
         os.truncate(partial, size)
     else:
         atomic_write(partial, "")
-    resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut, "dropped": dropped}
+    resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut,
+              "dropped": dropped}
     write_json(done_path, resume)
     from tqdm import tqdm
 
     total = sum(n for _, (*_, n) in mine)
-    bar = tqdm(total=total, file=sys.stderr, disable=not args.progress, unit="response", dynamic_ncols=True)
+    bar = tqdm(total=total, file=sys.stderr, disable=not args.progress, unit="response",
+               dynamic_ncols=True)
     bar.update(sum(c[3] for _, c in mine[:cut]))
-    stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0, "rounds": 0, "committed": 0}
+    stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0, "rounds": 0,
+             "committed": 0}
     t0 = time.perf_counter()
     todo = mine[cut:]
     for c0 in range(0, len(todo), args.chunk_size):
@@ -470,7 +492,8 @@ def run(args: Args) -> dict:
             chunk.append(new_conversation(i, where, cid, msgs))
         regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, bar, stats)
         append_durably(partial, chunk_lines(chunk, setting, stats))
-        write_json(done_path, dict(resume, consumed=cut + c0 + len(chunk), dropped=stats["dropped"]))
+        consumed = cut + c0 + len(chunk)
+        write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
     bar.close()
     publish(partial, out_file, done_path)
     seconds = time.perf_counter() - t0

@@ -25,7 +25,8 @@ from model import ModelArgs, Transformer  # noqa: E402
 from support import runlog  # noqa: E402
 from support.checkpoint import init_random_, load_target, published  # noqa: E402
 from support.cli import UserError, resolve_device, resolve_dtype
-from support.data import EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest, micro_slices, read_texts, read_windows  # noqa: E402
+from support.data import (EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest,  # noqa: E402
+                          micro_slices, read_texts, read_windows)
 from support.distributed import dist_init, rank0  # noqa: E402
 from support.files import atomic_write, write_json  # noqa: E402
 from support.text import Tokenizer  # noqa: E402
@@ -73,8 +74,8 @@ class Args(TrainArgs):
     """The lm_head is the embedding matrix (saves V x hidden parameters in a small model)."""
 
     resume_keys: ClassVar[tuple[str, ...]] = TrainArgs.resume_keys + (
-        "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size", "rope_theta",
-        "tie_word_embeddings")
+        "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size",
+        "rope_theta", "tie_word_embeddings")
     kind: ClassVar[str] = "target"
 
 
@@ -86,8 +87,9 @@ def train_bpe(texts: list[str], vocab_size: int):
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, MASK_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -120,7 +122,8 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
     """A Hugging Face Qwen3 directory: config.json, model.safetensors, generation_config.json."""
     os.makedirs(out, exist_ok=True)
     a = model.args
-    tensors = {}  # Hugging Face's names: the decoder under "model.", the lm_head (unless tied) beside it
+    # Hugging Face's names: the decoder under "model.", the lm_head (unless tied) beside it
+    tensors = {}
     for k, v in published(model.state_dict()).items():
         if k == "lm_head.weight":
             if not a.tie_word_embeddings:
@@ -128,10 +131,12 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
         else:
             tensors["model." + k] = v.float()
     save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": a.vocab_size,
-           "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+           "vocab_size": a.vocab_size, "hidden_size": a.hidden_size,
+           "intermediate_size": a.intermediate_size,
            "num_hidden_layers": a.num_hidden_layers, "num_attention_heads": a.num_attention_heads,
-           "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim, "hidden_act": "silu",
+           "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
+           "hidden_act": "silu",
            "max_position_embeddings": a.max_position_embeddings, "rms_norm_eps": a.rms_norm_eps,
            "rope_theta": a.rope_theta, "attention_bias": False, "attention_dropout": 0.0,
            "tie_word_embeddings": a.tie_word_embeddings, "use_sliding_window": False,
@@ -226,7 +231,8 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
         model = load_target(checkpoint_dir(args.resume), device, torch.float32)
         model.requires_grad_(True)
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
-            raise UserError(f"--resume {args.resume}: the saved target's shape differs from the flags")
+            raise UserError(f"--resume {args.resume}: "
+                            "the saved target's shape differs from the flags")
     else:
         with torch.device(device):
             model = Transformer(margs)
@@ -236,7 +242,8 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     banner = (f"target: {parameters:,} parameters, vocab {V}, "
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
     if log is not None:
-        log.config(world_size=world, global_batch=G, dtype_resolved=str(dtype).removeprefix("torch."),
+        dtype_name = str(dtype).removeprefix("torch.")
+        log.config(world_size=world, global_batch=G, dtype_resolved=dtype_name,
                    num_sequences=len(windows), target_config=asdict(model.args))
     batches = Batches(len(windows), G, args.seed)
     mine = micro_slices(args.batch_size, args.grad_accum, rank)

@@ -44,7 +44,8 @@ def torchrun_env(environ=None) -> tuple[int, int, int]:
             try:
                 vals[name] = int(env[name])
             except ValueError:
-                raise UserError(f"torchrun environment: {name}={env[name]!r} is not an integer") from None
+                raise UserError(f"torchrun environment: {name}={env[name]!r} "
+                                "is not an integer") from None
     if "WORLD_SIZE" not in vals:
         if vals:
             raise UserError(f"torchrun environment: {', '.join(vals)} set without WORLD_SIZE "
@@ -56,14 +57,17 @@ def torchrun_env(environ=None) -> tuple[int, int, int]:
     if "RANK" not in vals:
         if world == 1:
             return 0, 1, vals.get("LOCAL_RANK", 0)
-        raise UserError(f"torchrun environment: WORLD_SIZE={world} but RANK is not set (launch with torchrun)")
+        raise UserError(f"torchrun environment: WORLD_SIZE={world} but RANK is not set "
+                        "(launch with torchrun)")
     rank = vals["RANK"]
     if not 0 <= rank < world:
-        raise UserError(f"torchrun environment: RANK={rank} is outside WORLD_SIZE={world} (valid: 0 to {world - 1})")
+        raise UserError(f"torchrun environment: RANK={rank} is outside WORLD_SIZE={world} "
+                        f"(valid: 0 to {world - 1})")
     if world > 1:
         missing = [n for n in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if n not in env]
         if missing:
-            raise UserError(f"torchrun environment: WORLD_SIZE={world} but {', '.join(missing)} not set "
+            names = ", ".join(missing)
+            raise UserError(f"torchrun environment: WORLD_SIZE={world} but {names} not set "
                             "(launch with torchrun)")
         if vals["LOCAL_RANK"] < 0:
             raise UserError(f"torchrun environment: LOCAL_RANK={vals['LOCAL_RANK']} (valid: >= 0)")
@@ -84,8 +88,9 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available")
-        if local >= torch.cuda.device_count():
-            raise UserError(f"torchrun environment: LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s)")
+        gpus = torch.cuda.device_count()
+        if local >= gpus:
+            raise UserError(f"torchrun environment: LOCAL_RANK={local} but only {gpus} GPU(s)")
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     if not dist.is_initialized():
@@ -93,10 +98,13 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
         try:
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as e:  # rendezvous failures come as RuntimeError, DistError, TimeoutError, ...
-            raise UserError(f"rank {rank} of {world}: no process group at {where} within {timeout_s:g} s "
+        # rendezvous failures come as RuntimeError, DistError, TimeoutError, ...
+        except Exception as e:
+            raise UserError(f"rank {rank} of {world}: no process group at {where} "
+                            f"within {timeout_s:g} s "
                             f"({first_line(e)}); "
-                            "start every process (torchrun --nproc_per_node N) or raise --dist-timeout") from None
+                            "start every process (torchrun --nproc_per_node N) "
+                            "or raise --dist-timeout") from None
     return rank, world, device
 
 

@@ -18,7 +18,8 @@ from support.cli import Interrupted, UserError, first_line, flat_fields
 from support.files import read_json
 
 DEFAULT_PROJECT = "dspark-fast"
-TABLE_ROWS = 10_000  # a requests table longer than this keeps its first rows (wandb slows on huge tables)
+# a requests table longer than this keeps its first rows (wandb slows on huge tables)
+TABLE_ROWS = 10_000
 
 
 @dataclass
@@ -134,7 +135,8 @@ class Log:
     def table(self, columns: list[str], rows: Iterable) -> object:
         return self.wandb.Table(columns=columns, data=[list(r) for r in rows])
 
-    def bar(self, key: str, columns: list[str], rows: Iterable, title: str, step: Optional[int] = None):
+    def bar(self, key: str, columns: list[str], rows: Iterable, title: str,
+            step: Optional[int] = None):
         """A bar chart of (label, value) rows, logged under `key` (its table as `key`_table)."""
         chart = self.wandb.plot.bar(self.table(columns, rows), columns[0], columns[1], title=title)
         self.log({key: chart}, step=step)
@@ -198,7 +200,8 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
         return
     import torch
 
-    config = {"program": program, **flat_fields(args), "torch": torch.__version__, **code_version()}
+    config = {"program": program, **flat_fields(args), "torch": torch.__version__,
+              **code_version()}
     log = start(args, job_type, config)
     try:
         yield log
@@ -238,8 +241,8 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
         completion = c.text
         if completion is None:
             completion = ",".join(map(str, c.output_ids))
-        rows.append((c.request, c.prompt, c.sample, prompt, completion, len(c.output_ids), c.num_rounds,
-                     c.acceptance_length, c.finish_reason))
+        rows.append((c.request, c.prompt, c.sample, prompt, completion, len(c.output_ids),
+                     c.num_rounds, c.acceptance_length, c.finish_reason))
     columns = ["request", "prompt_index", "sample", "prompt", "completion", "tokens", "rounds",
                "acceptance_length", "finish_reason"]
     log.log({f"{name}/requests": log.table(columns, rows)})
