@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import timed_generate  # noqa: E402
+from bench import compare_outputs, timed_generate  # noqa: E402
 
 from scheduler import KINDS, SPS_KINDS, profile_sps  # noqa: E402
 from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
@@ -304,8 +304,8 @@ def run_level(args: ConcurrencyArgs, s: Settings, m, prompts: list, modes: list[
                 timed["modelled_tokens_per_second"] = round_tokens / modelled_seconds
             runs[mode].append(timed)
     greedy = s.temperature == 0
-    if greedy:
-        check_lossless(runs, c)
+    if greedy:  # lossless: every scheduler, every repeat, emits the autoregressive tokens
+        compare_outputs(runs, batch, m.target, exact=True, what=f"concurrency {c}")
     rows = []
     for mode in modes:
         rows.append(level_row(runs[mode], c, mode, engines[mode], profile_seconds.get(mode), curve, greedy))
@@ -367,22 +367,6 @@ def price_rounds(engines: dict, curve: Optional[list[float]]) -> tuple[dict, dic
     return tables, profile_seconds
 
 
-def check_lossless(runs: dict, c: int):
-    """Greedy is lossless: every scheduler, every repeat, emits the autoregressive tokens."""
-    want = runs["autoregressive"][0]["outputs"]
-    for mode, mode_runs in runs.items():
-        for rep, r in enumerate(mode_runs):
-            if r["outputs"] == want:
-                continue
-            first = len(want)  # the first request whose tokens differ
-            for i, (a, b) in enumerate(zip(r["outputs"], want)):
-                if a != b:
-                    first = i
-                    break
-            raise AssertionError(f"concurrency {c}: {mode} (repeat {rep}) emitted different tokens than "
-                                 f"autoregressive decoding for request {first}")
-
-
 def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curve, greedy: bool) -> dict:
     """A mode's row at concurrency c: the medians over its repeats."""
     def median(key):
@@ -393,7 +377,7 @@ def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curv
         modelled = median("modelled_tokens_per_second")
     outputs_agree = None  # not checkable when sampling
     if greedy:
-        outputs_agree = True  # checked by check_lossless
+        outputs_agree = True  # checked by compare_outputs
     return {
         "concurrency": c, "mode": mode,
         "total_tokens_per_second": median("total_tokens_per_second"),
