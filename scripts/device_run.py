@@ -228,16 +228,10 @@ def sdpa_backend(args, batch: int, T: int, S: int, dtype, dev) -> dict:
 
     H = args.num_attention_heads
     Hkv = args.num_key_value_heads
-    hd = args.head_dim
-    q = torch.randn((batch, T, H, hd), device=dev).to(dtype)
-    k = torch.randn((batch, S, Hkv, hd), device=dev).to(dtype)
-    v = torch.randn((batch, S, Hkv, hd), device=dev).to(dtype)
-    query_pos = S - T + torch.arange(T, device=dev)
-    allowed = query_pos[None, :, None] >= torch.arange(S, device=dev)
-    group = 1
-    if model.fold_gqa(dev):
-        group = H // Hkv
-    bias = model.cache_bias(allowed.expand(batch, T, S), group, dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = attention_inputs(batch, T, H, Hkv, args.head_dim, S, dtype, dev, g)
+    bias, _ = attention_biases(batch, T, H, Hkv, S, S, dtype, dev)  # the last T of S positions
+    folded = model.fold_gqa(dev) and H > Hkv
     with sdpa_spy() as seen:
         model.attend_cached(q, k, v, bias)
     can = []
@@ -249,7 +243,7 @@ def sdpa_backend(args, batch: int, T: int, S: int, dtype, dev) -> dict:
             can.append(name)
     dtype_name = str(dtype).replace("torch.", "")
     return {"batch": batch, "query_tokens": T, "cache_positions": S, "dtype": dtype_name,
-            "folded_gqa": group > 1, "runs": seen[0], "can_run": can}
+            "folded_gqa": folded, "runs": seen[0], "can_run": can}
 
 
 def verify_logits(st: Stage, preset: str, layers: int, batch: int, dtype, dev, dry: bool):
