@@ -74,8 +74,7 @@ def check_folder(path: str, flag: str, beside: bool = False):
 
 
 def run(a: CorpusArgs):
-    running_stdlib = sysconfig.get_paths()["stdlib"]
-    stdlib = a.stdlib or running_stdlib
+    stdlib = a.stdlib or sysconfig.get_paths()["stdlib"]
     listing, record = check_paths(a)
     train, held = split(stdlib)
     info = corpus_record(stdlib, train, held)
