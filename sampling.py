@@ -254,7 +254,7 @@ class Tree(NamedTuple):
     depths: torch.Tensor   # [B, N+1] the root's 0; node at depth d drafts the token at anchor + d
 
 
-def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperature: float = 1.0):
+def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperature: float):
     """Log-probabilities [B, V] at `temperature` of the children of nodes holding `tokens` [B] at
     `depth` [B] (1-based depth of the children), and the Markov state they pass on. Without a Markov
     head a position's distribution is its own (DFlash): the same for every parent."""
@@ -272,7 +272,7 @@ def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperatu
     return logprobs, state
 
 
-def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float = 1.0) -> Tree:
+def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> Tree:
     """The `budget` most likely continuations of each row's anchor, best first, as DDTree picks them:
     a node's score is the sum of its path's log-probabilities (at `temperature`; DDTree's is 1), and
     each step adds the best candidate child of any node in the tree, a node's candidates its top

@@ -47,8 +47,8 @@ class Proposal(NamedTuple):
 
 
 def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
-          backend, num_drafts: int, tree_budget: int = 0, tree_temperature: float = 1.0,
-          capacity=None, carried=None) -> Proposal:
+          backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity=None,
+          carried=None) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
     noise: the chain's Exp(1) [B, K, V] (None at T=0); capacity: the async scheduler's C;
     tree_budget: draft a tree of this many nodes instead of a chain; carried: an Eagle3 drafter's
@@ -434,7 +434,7 @@ class Engine:
                  buckets=None, ragged: Optional[bool] = None, compile: bool = False,
                  compile_mode: Optional[str] = None, compile_verbose: bool = False,
                  kernels: str = "torch", num_drafts: Optional[int] = None, tree_budget: int = 0,
-                 tree_temperature: float = 1.0):
+                 tree_temperature: float = Settings.tree_temperature):
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)

@@ -230,16 +230,15 @@ def peak_memory(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def side_engine(target, drafter, batch: int, max_seq: int, device, compile: bool, mode: Optional[str],
-                verbose: bool = False, kernels: str = "torch", tree_budget: int = 0,
-                tree_temperature: float = 1.0, num_drafts: Optional[int] = None) -> Engine:
+def side_engine(target, drafter, batch: int, max_seq: int, s: Settings, tree_budget: int = 0) -> Engine:
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
-    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, compile=compile, compile_mode=mode,
-                    compile_verbose=verbose, kernels=kernels, tree_budget=tree_budget,
-                    tree_temperature=tree_temperature, num_drafts=num_drafts)
-    if compile:
+    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, compile=s.compile,
+                    compile_mode=s.compile_mode, compile_verbose=s.verbose, kernels=s.kernels,
+                    tree_budget=tree_budget, tree_temperature=s.tree_temperature,
+                    num_drafts=s.draft_length)
+    if s.compile:
         engine.warmup()
     room = max_seq - cache_length(0, 0, drafter)  # the prompt and budget the engine was sized for
     prompt = [1, 2, 3][:room - 1]
@@ -607,19 +606,14 @@ def header(name: str, target, drafter, dtype, hw: str, s: Settings, args: BenchA
     return line + f"; models built in {built_seconds:.1f} s; copy bandwidth {bw / 1e9:.1f} GB/s"
 
 
-def bench_engines(target, drafter, B: int, max_seq: int, dev: str, s: Settings,
-                  tree_budgets: list[int]) -> dict:
+def bench_engines(target, drafter, B: int, max_seq: int, s: Settings, tree_budgets: list[int]) -> dict:
     """The modes' engines at batch B, by name: autoregressive, speculative, and a tree per budget."""
-    engines = {"autoregressive": side_engine(target, None, B, max_seq, dev, s.compile, s.compile_mode,
-                                             s.verbose, s.kernels)}
+    engines = {"autoregressive": side_engine(target, None, B, max_seq, s)}
     if drafter is None:
         return engines
-    engines["speculative"] = side_engine(target, drafter, B, max_seq, dev, s.compile, s.compile_mode,
-                                         s.verbose, s.kernels, s.tree_budget, s.tree_temperature,
-                                         s.draft_length)
+    engines["speculative"] = side_engine(target, drafter, B, max_seq, s, s.tree_budget)
     for budget in tree_budgets:
-        engines[f"tree {budget}"] = side_engine(target, drafter, B, max_seq, dev, s.compile, s.compile_mode,
-                                                s.verbose, s.kernels, budget, s.tree_temperature)
+        engines[f"tree {budget}"] = side_engine(target, drafter, B, max_seq, s, budget)
     return engines
 
 
@@ -743,7 +737,7 @@ def run(args: BenchArgs) -> list[dict]:
         prompts = given
         if prompts is None:
             prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
-        engines = bench_engines(target, drafter, B, max_seq, dev, s, tree_budgets)
+        engines = bench_engines(target, drafter, B, max_seq, s, tree_budgets)
         modes = list(engines)
         if hf is not None and B == 1:
             modes.append("reference")

@@ -25,6 +25,21 @@ def test_the_command_line_and_the_api_agree_on_every_default():
     assert not own & {f.name for f in fields(speculate.Settings)}
 
 
+def test_the_engine_defaults_are_the_apis_resolved_on_a_cpu():
+    # Engine takes resolved settings under the engine's names; a default it has is the API's,
+    # resolved as check_settings and sampling_for resolve it for a target without a generation config.
+    api = flags.check_settings(speculate.Settings(), "cpu")
+    no_generation_config = flags.sampling_for(speculate.Models(None, None, None, (), None), api)
+    expected = {"temperature": no_generation_config.temperature, "seed": api.seed,
+                "scheduler": api.scheduler, "threshold": api.confidence_threshold,
+                "compile": api.compile, "compile_mode": api.compile_mode,
+                "compile_verbose": api.verbose, "kernels": api.kernels, "num_drafts": api.draft_length,
+                "tree_budget": api.tree_budget, "tree_temperature": api.tree_temperature}
+    params = inspect.signature(speculate.Engine).parameters
+    defaults = {name: params[name].default for name in expected}
+    assert defaults == expected
+
+
 def test_eval_and_bench_depart_only_where_they_say():
     default = speculate.Settings()
     protocol = tyro.cli(ev.EvalArgs, args=[]).decode

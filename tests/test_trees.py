@@ -123,7 +123,9 @@ def test_a_dflash_tree_is_ddtrees(case, den):
     L, budget = case["depth"], case["budget"]
     if budget <= 0 or L == 0:
         pytest.skip("DDTree's tree is the root alone; a budget of 0 is the chain here")
-    tree = sampling.build_tree(logits[None], torch.zeros(1, L, 1), torch.tensor([0]), None, budget)
+    untempered = 1.0  # DDTree ranks by the drafter's own distributions
+    tree = sampling.build_tree(logits[None], torch.zeros(1, L, 1), torch.tensor([0]), None, budget,
+                               untempered)
     want = case["expected"]
     n = len(want["node_tokens"])
     assert tree.tokens[0, 1:n + 1].tolist() == want["node_tokens"]
