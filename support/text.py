@@ -448,7 +448,7 @@ RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
                  '{"messages": [{"role": str, "content": str}, ...]}')
 
 
-def read_prompts(prompts_file: str) -> list[tuple[str, object]]:
+def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
     if not os.path.isfile(prompts_file):
         why = "prompts file not found"
@@ -503,7 +503,7 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
     flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt,
                              thinking=thinking)
     if prompts_file is not None:
-        records = read_prompts(prompts_file)
+        records = read_prompts_file(prompts_file)
     elif prompt is not None:
         records = [("--prompt", prompt)]
     else:

@@ -187,7 +187,7 @@ def test_a_prompts_file_that_is_not_json_lines_names_the_accepted_records(tmp_pa
     path = tmp_path / "p.txt"
     path.write_text(content)
     with pytest.raises(UserError) as e:
-        text.read_prompts(str(path))
+        text.read_prompts_file(str(path))
     line = str(e.value)
     assert line.startswith(f"{tmp_path / where}: malformed JSON (") and line.endswith(SHAPES) and "\n" not in line
     said = "the file looks like plain text, not JSON lines: write one JSON object per line, each one of "
