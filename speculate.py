@@ -844,7 +844,7 @@ def run(args: Args) -> dict:
         flags.check_files(args)  # not inside the snapshots hub ids resolved to
     with runlog.logged_run(args, "speculate", "speculate.py") as log:
         machine = args.machine
-        threads = flags.start(machine, s)
+        threads = flags.start_machine(machine, s)
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)

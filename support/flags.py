@@ -325,7 +325,7 @@ def check_machine(machine: Machine, compile: bool):
         raise UserError("--compile-cache: only used with --compile (the run is eager)")
 
 
-def start(machine: Machine, s) -> str:
+def start_machine(machine: Machine, s) -> str:
     """Threads set and the compile cache chosen; returns the line that says how many threads."""
     threads = set_threads(machine.threads)
     if s.compile:
