@@ -385,7 +385,7 @@ def regenerate_chunk(chunk: list[dict], engine, m, longest: int, max_new_tokens:
         requests, owners = turn_requests(chunk, turn, m, longest, bar)
         engine.generate(requests, max_new_tokens, on_finish=lambda req: bar.update(1))
         counts = mt.count(requests, engine.K, m.stop_ids)
-        stats["rounds"] += counts["num_rounds"]
+        stats["num_rounds"] += counts["num_rounds"]
         stats["committed"] += counts["committed"]
         add_answers(owners, requests, m, stats)
 
@@ -418,13 +418,6 @@ def publish(partial: str, out_file: str, done_path: str):
     with signals_deferred():  # OUT published and its resume file gone together
         os.replace(partial, out_file)
         os.remove(done_path)
-
-
-def acceptance_length(args: Args, stats: dict) -> Optional[float]:
-    """τ, tokens committed a round (None without a drafter)."""
-    if not args.drafter or not stats["rounds"]:
-        return None
-    return stats["committed"] / stats["rounds"]
 
 
 def print_summary(stats: dict, seconds: float, tau: Optional[float], context: int, out: str):
@@ -482,8 +475,8 @@ def run(args: Args) -> dict:
     bar = tqdm(total=total, file=sys.stderr, disable=not args.progress, unit="response",
                dynamic_ncols=True)
     bar.update(sum(c[3] for _, c in mine[:cut]))
-    stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0, "rounds": 0,
-             "committed": 0}
+    stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0,
+             "num_rounds": 0, "committed": 0}
     t0 = time.perf_counter()
     todo = mine[cut:]
     for c0 in range(0, len(todo), args.chunk_size):
@@ -497,7 +490,9 @@ def run(args: Args) -> dict:
     bar.close()
     publish(partial, out_file, done_path)
     seconds = time.perf_counter() - t0
-    tau = acceptance_length(args, stats)
+    tau = None  # τ: tokens committed a round, with a drafter
+    if args.drafter:
+        tau = mt.acceptance_length(stats)
     print_summary(stats, seconds, tau, context, args.out)
     return dict(stats, seconds=seconds, acceptance_length=tau, settings=setting, args=asdict(args))
 
