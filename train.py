@@ -689,7 +689,7 @@ def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
     return out
 
 
-def summarize(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
+def summarize_block(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
     """Loss terms, acceptance per slot, DeepSpec's expected τ (1 + Σ_k Π_{i≤k} c*_i a block)."""
     s = sums.tolist()
     out = {"loss": s[0], "ce": s[1], "tv": s[2]}
@@ -775,7 +775,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
 
     def summarize_step(sums):
-        return summarize(sums, K, drafter.cfg.confidence_head)
+        return summarize_block(sums, K, drafter.cfg.confidence_head)
 
     evaluate = eval_hook(args, device)
     step_module = DraftStep(drafter, target, args)
