@@ -621,7 +621,7 @@ class LossStep(torch.nn.Module):
 
 
 class DraftStep(LossStep):
-    """The block drafter's step (DSpark / DFlash): the loss and the sums `summarize` turns into metrics."""
+    """The block drafter's step (DSpark / DFlash): the loss and the sums `summarize_block` turns into metrics."""
 
     def __init__(self, drafter: Drafter, target: Transformer, args: Args):
         super().__init__(drafter, target, args, drafter_loss)
