@@ -257,12 +257,14 @@ class Eagle3Layer(DecoderLayer):
         self.self_attn = Attention(a, input_size=2 * a.hidden_size)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
+    def attention_input(self, h, embedded):
+        """The attention's input, [input_layernorm(embedded); hidden_norm(h)]: [B, T, 2H]."""
+        return torch.cat([self.input_layernorm(embedded), self.hidden_norm(h)], dim=-1)
+
     def forward(self, h, embedded, rope, positions, mask, rows=None):
-        x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        x = self.attention_input(h, embedded)
         h = h + self.self_attn(x, rope, positions, mask, rows=rows)
-        residual = h
-        x = self.post_attention_layernorm(h)
-        return residual + self.mlp(x)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def unrolled(self, h, embedded, rope, mask, past=None):
         """Training's cache-free pass (DeepSpec's training-time test): h [B, T, H] and the embedded
@@ -270,7 +272,7 @@ class Eagle3Layer(DecoderLayer):
         their own K/V under mask [B, T, S + T] -> (the new h, un-normed; the K, V so far)."""
         a = self.self_attn
         B, T, _ = h.shape
-        x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        x = self.attention_input(h, embedded)
         q, kv = a.project(x)
         q = q.view(B, T, a.n_heads, a.head_dim)
         q = rope(a.q_norm(q))
@@ -279,9 +281,8 @@ class Eagle3Layer(DecoderLayer):
             k = torch.cat([past[0], k], dim=1)
             v = torch.cat([past[1], v], dim=1)
         h = h + a.o_proj(attend(q, k, v, mask))
-        residual = h
-        x = self.post_attention_layernorm(h)
-        return residual + self.mlp(x), (k, v)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, (k, v)
 
 
 class Eagle3Drafter(DrafterBase):
