@@ -58,6 +58,8 @@ CHOICES = {
     "kernels": ("torch", "triton"),
 }
 CompileMode = Literal[CHOICES["compile_mode"]]
+SchedulerKind = Literal[CHOICES["scheduler"]]
+KernelsChoice = Literal[CHOICES["kernels"]]
 
 
 @dataclass
@@ -86,7 +88,7 @@ class Settings:
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
     """Requests decoded together; a finished request's row takes the next at once (continuous batching)."""
-    scheduler: Optional[Literal["none", "threshold", "hardware", "async"]] = None
+    scheduler: Optional[SchedulerKind] = None
     """How many drafts a round verifies: none (all), threshold, hardware (the paper's Algorithm 1 over
     SPS(B)) or async (its production variant, sized two rounds ahead). Default: threshold if
     --confidence-threshold > 0, else none."""
@@ -105,7 +107,7 @@ class Settings:
     C++ wrapper; cuda: reduce-overhead). "default" is cached across runs but slower (docs/performance.md)."""
     verbose: bool = False
     """With --compile: show what compiling prints (autotuning tables)."""
-    kernels: Literal["torch", "triton"] = "torch"
+    kernels: KernelsChoice = "torch"
     """Markov chain, sampled acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under
     TRITON_INTERPRET=1)."""
     tree_budget: int = 0
