@@ -38,7 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from support import cpu_kernels  # noqa: E402
-from support.cli import UserError, check_ranges, cli_main, device_name, parse_ints  # noqa: E402
+from support.cli import (SEED_RANGE, UserError, check_ranges, cli_main, device_name,  # noqa: E402
+                         parse_ints)
 
 
 @dataclass
@@ -178,7 +179,7 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
 
 
 def run(args: GemmArgs) -> int:
-    check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=f"[0, {2**62}]",
+    check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=SEED_RANGE,
                  copies="[1, 1024]")
     shapes = parse_shapes(args.shapes)
     attention = parse_shapes(args.attention, "--attention")

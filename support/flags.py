@@ -19,6 +19,7 @@ from support.cli import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_TEMPERATURE,
+    SEED_RANGE,
     AutoBool,
     Repeated,
     UserError,
@@ -40,7 +41,7 @@ DEFAULT_BUDGET = 128  # new tokens per request when none is given (eval.py has t
 # The decode settings' ranges and choices (a value outside is one line naming the flag).
 RANGES = {
     "max_new_tokens": (int, "[1, 10485760]"),
-    "seed": (int, f"[0, {2**62}]"),
+    "seed": (int, SEED_RANGE),
     "num_samples": (int, f"[1, {MAX_REQUESTS}]"),
     "batch_size": (int, "[1, 65536]"),
     "top_k": (int, f"[0, {MAX_TOP_K}]"),

@@ -17,7 +17,7 @@ import torch
 
 from support import runlog
 from support.checkpoint import read_weights
-from support.cli import UserError, check_ranges, cli_main, signals_deferred
+from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, signals_deferred
 from support.distributed import peak_tflops, rank0
 from support.files import atomic_write, read_json, write_json
 from support.runlog import WandbFlags
@@ -412,7 +412,7 @@ def check_train_args(args: TrainArgs, **ranges: str):
     check_ranges(
         args, steps="[1, 100000000]", batch_size="[1, 1000000]", grad_accum="[1, 1000000]",
         seq_len="[2, 10485760]", lr="(0, 10]", warmup_frac="[0, 1)", min_lr_frac="[0, 1]",
-        grad_clip="[0, 1e9]", weight_decay="[0, 10]", init_std="(0, 10]", seed=f"[0, {2**62}]",
+        grad_clip="[0, 1e9]", weight_decay="[0, 10]", init_std="(0, 10]", seed=SEED_RANGE,
         **ranges,
         log_every="[1, inf)", save_every="[0, inf)", stop_at=f"[1, {args.steps}]",
         peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]",
