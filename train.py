@@ -40,6 +40,7 @@ from support.checkpoint import (
     weight_files,
 )
 from support.cli import (
+    MAX_BLOCK,
     UserError,
     check_ranges,
     device_name,
@@ -935,9 +936,9 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
 
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history."""
-    check_train_args(args, block_size="[1, 256]", depth="[1, 1024]", markov_rank="[1, 65536]",
+    check_train_args(args, block_size=f"[1, {MAX_BLOCK}]", depth="[1, 1024]", markov_rank="[1, 65536]",
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]",
-                     alpha_tv="[0, 1e6]", alpha_conf="[0, 1e6]", ttt_length="[1, 256]",
+                     alpha_tv="[0, 1e6]", alpha_conf="[0, 1e6]", ttt_length=f"[1, {MAX_BLOCK}]",
                      step_loss_decay="(0, 1e3]")
     check_eval_args(args)
     check_unused_flags(args)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from drafter import MARKOV_HEADS, Drafter, DrafterConfig, Eagle3Drafter
 from model import ModelArgs, RMSNorm, Transformer
 from support.cli import (
+    MAX_BLOCK,
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_TEMPERATURE,
@@ -40,7 +41,6 @@ LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
               "rope_theta": (float, 1.0, 1e12, REQUIRED),
               "attention_bias": (bool, 0, 0, False),
               "tie_word_embeddings": (bool, 0, 0, False)}
-MAX_BLOCK = 256  # drafter slots per block: published drafters use 7 (DSpark) and 16 (DFlash)
 LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 # DeepSpec's name, and its evaluator's alias
 EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")

@@ -66,6 +66,7 @@ def flat(group):
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # beyond these logits / T overflow float32, or sampling is noise
 MAX_TOP_K = 2**30
+MAX_BLOCK = 256  # drafts a round at most: published drafters use 7 (DSpark) and 16 (DFlash)
 SEED_RANGE = f"[0, {2**62}]"  # any program's --seed: room left for seed + a request's index
 DTYPES = ("float32", "bfloat16", "float16")
 

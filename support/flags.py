@@ -16,6 +16,7 @@ import torch
 import scheduler as sched
 from sampling import Filters
 from support.cli import (
+    MAX_BLOCK,
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_TEMPERATURE,
@@ -49,7 +50,7 @@ RANGES = {
     "top_p": (float, "(0, 1]"),
     "min_p": (float, "[0, 1]"),
     "confidence_threshold": (float, "[0, 1]"),
-    "draft_length": (int, "[1, 256]"),
+    "draft_length": (int, f"[1, {MAX_BLOCK}]"),
     "tree_budget": (int, "[0, 1024]"),
     "tree_temperature": (float, f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
 }
