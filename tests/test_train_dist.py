@@ -32,7 +32,9 @@ SMALL = ["--seq-len", 40, "--block-size", 3, "--depth", 1, "--markov-rank", 8, "
 
 
 def torchrun(argv, cwd, nproc=2, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT, SIGSEGV) prints every thread's Python
+    # stack into the stderr a failing assertion shows.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(REPO_ROOT / "train.py"), *map(str, argv), "--no-progress", "--device", "cpu"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
