@@ -401,8 +401,20 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
         for line in m.hub_snapshots:
             print(line, file=sys.stderr)
     run = Run(args, rank, world, device, log, prompts, len(rows) > 1)
-    done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}
+    done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}, once its engine is built
     calibration = None
+    engine = None  # the latest row's
+
+    def results(complete: bool, calibration=None, **more) -> dict:
+        """results.json: the first row's datasets at the top (one drafter's run), every row after."""
+        run_config = config(args, world, K, engine, drafters, chat, s.compile, m, prompts)
+        record = {"config": run_config, "complete": complete}
+        record.update(more)
+        record["datasets"] = done[0]["datasets"]
+        record["calibration"] = calibration
+        record["rows"] = done
+        return record
+
     # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
     try:
         every_prompt = [p for ps in prompts.values() for p in ps]
@@ -415,22 +427,13 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
                 parts = []
             done.append({"label": row.label, "drafter": row.directory,
                          "tree_budget": row.tree_budget, "datasets": entries})
-
-            def results(complete: bool, calibration=None, **more) -> dict:
-                """results.json: the first row's datasets at the top (one drafter's run), every row after."""
-                run_config = config(args, world, K, engine, drafters, chat, s.compile, m, prompts)
-                record = {"config": run_config, "complete": complete}
-                record.update(more)
-                record["datasets"] = done[0]["datasets"]
-                record["calibration"] = calibration
-                record["rows"] = done
-                return record
-
             run.decode_datasets(row, engine, s, entries, parts, m.stop_ids, results)
             if has_conf:
                 calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries])
-    except Interrupted:
-        if rank == 0:
+    except Interrupted as e:
+        if not done:  # stopped while the first engine compiled or profiled: no results yet
+            e.written = []
+        elif rank == 0:
             write_json(args.out, results(False, interrupted=True))
         raise
     if calibration is not None and s.scheduler != "none":

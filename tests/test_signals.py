@@ -116,6 +116,32 @@ def test_eval_interrupted_while_writing_results_still_marks_them(pair, tmp_path,
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
 
 
+def test_eval_interrupted_while_its_first_engine_is_built_says_nothing_was_written(pair, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """A signal while the first engine is made (compiling, or profiling SPS(B): minutes on a CPU), before
+    any dataset is decoded: the interruption's one line and exit status, and no results file."""
+    import signal as sig
+
+    import eval as ev
+    from support.cli import Interrupted
+
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
+    out = tmp_path / "results.json"
+
+    def signalled(*args, **kwargs):
+        raise Interrupted(sig.SIGINT)
+
+    monkeypatch.setattr(ev, "make_engine", signalled)
+    assert ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
+                    "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "interrupted by SIGINT: stopped; nothing was written", err
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_eval_interrupted_while_calibrating_marks_the_results(pair, tmp_path, monkeypatch):
     """After the last dataset, while the calibration is computed: --out was left "complete": false with no
     "interrupted" (the handler covered the datasets only)."""
