@@ -452,7 +452,9 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
     if not os.path.isfile(prompts_file):
         why = "prompts file not found"
-        if os.path.exists(prompts_file):
+        if os.path.isdir(prompts_file):
+            why = "is a directory, not a file"
+        elif os.path.exists(prompts_file):
             why = "not a regular file (a pipe or a device): give a file"
         raise UserError(f"{prompts_file}: {why}")
     out = []

@@ -216,6 +216,8 @@ CASES = [
     ("no-prompt", "speculate", lambda w, t: S(w)[:4] + S(w)[6:], "exactly one", False),
     ("prompts-missing", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", t / "none.jsonl"] + S(w)[6:],
      "none.jsonl: prompts file not found", False),
+    ("prompts-a-directory", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", t] + S(w)[6:],
+     "is a directory, not a file", False),
     ("prompts-bad-json", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, '{"prompt": \n')]
      + S(w)[6:], "p.jsonl:1: malformed JSON", True),
     ("prompts-not-utf8", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, b'{"prompt": "\xff"}\n')]
