@@ -56,7 +56,7 @@ from support.distributed import (
     sum_counts,
     torchrun_env,
 )
-from support.files import check_outputs, optional_file, read_json, write_json
+from support.files import check_outputs, directory_problem, optional_file, read_json, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
 from support.text import auto_chat, check_chat_flags, check_prompts, load_prompts
@@ -219,8 +219,9 @@ def check_flags(args: EvalArgs) -> Settings:
 def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[str]]:
     """(name, path, sample count) of the datasets present; the known ones' missing files."""
     data_dir = args.data_dir or DATA_DIR
-    if not os.path.isdir(data_dir):
-        raise UserError(f"--data-dir {data_dir}: directory not found")
+    problem = directory_problem(data_dir)
+    if problem:
+        raise UserError(f"--data-dir {data_dir}: {problem}")
     listed = args.datasets or ",".join(PAPER_DATASETS)
     names = [n.strip() for n in listed.split(",") if n.strip()]
     if not names:

@@ -28,8 +28,8 @@ from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (UserError, check_ranges, cli_main, flag, flat, flat_fields,
                          resolve_device, signals_deferred)
-from support.files import (atomic_write, check_outputs, check_writable, read_json,  # noqa: E402
-                           read_jsonl, write_json)
+from support.files import (atomic_write, check_outputs, check_writable,  # noqa: E402
+                           directory_problem, file_problem, read_json, read_jsonl, write_json)
 from support.flags import Settings  # noqa: E402
 from support.text import ROLES, check_text, encode  # noqa: E402
 
@@ -118,8 +118,9 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
     """(source "file:line" by the real path, id, system and user messages, user turns) of each record."""
     out = []
     for path in prompt_files(paths):
-        if not os.path.isfile(path):
-            raise UserError(f"--prompts {path}: file not found")
+        problem = file_problem(path)
+        if problem:
+            raise UserError(f"--prompts {path}: {problem}")
         real = os.path.realpath(path)
         for where, obj in read_jsonl(path):
             msgs = conversation_messages(obj, where)
@@ -135,8 +136,9 @@ def model_files(directory: Optional[str], flag: str) -> Optional[dict]:
     """[size, mtime] of each file a run reads from a checkpoint directory."""
     if directory is None:
         return None
-    if not os.path.isdir(directory):
-        raise UserError(f"{flag} {directory}: checkpoint directory not found")
+    problem = directory_problem(directory, "checkpoint directory")
+    if problem:
+        raise UserError(f"{flag} {directory}: {problem}")
     files = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)

@@ -25,7 +25,7 @@ from support.cli import (
     resolve_device,
     resolve_dtype,
 )
-from support.files import optional_file, read_json
+from support.files import directory_problem, optional_file, read_json
 
 REQUIRED, HALF = object(), object()  # HALF: head_dim's default, hidden_size / num_attention_heads
 # key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
@@ -492,8 +492,9 @@ def checkpoint_weights(directory: str, dtype, device, rename) -> tuple[dict, str
 
 
 def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
-    if not os.path.isdir(directory):
-        raise UserError(f"{directory}: target directory not found")
+    problem = directory_problem(directory, "target directory")
+    if problem:
+        raise UserError(f"{directory}: {problem}")
     path = os.path.join(directory, "config.json")
     args = target_args(read_json(path), path)
     tensors, source = checkpoint_weights(directory, dtype, device,
@@ -544,8 +545,9 @@ def attach(drafter: Drafter, target: Transformer):
 
 def load_drafter(directory: str, target: Transformer, device="cpu",
                  dtype=torch.float32) -> Drafter:
-    if not os.path.isdir(directory):
-        raise UserError(f"{directory}: drafter directory not found")
+    problem = directory_problem(directory, "drafter directory")
+    if problem:
+        raise UserError(f"{directory}: {problem}")
     path = os.path.join(directory, "config.json")
     spelled = {}  # the models' names -> the file's
     raw = read_json(path)  # a bad config fails before the weights are read

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from support.cli import UserError
-from support.files import read_jsonl
+from support.files import file_problem, read_jsonl
 from support.text import ROLES
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
@@ -154,8 +154,9 @@ def _is_id_list(ids) -> bool:
 
 
 def read_id_lists(path: str, vocab_size: int) -> list[list[int]]:
-    if not os.path.isfile(path):
-        raise UserError(f"--data-ids {path}: file not found")
+    problem = file_problem(path)
+    if problem:
+        raise UserError(f"--data-ids {path}: {problem}")
     out = []
     for where, obj in read_jsonl(path):
         ids = None

@@ -13,13 +13,42 @@ from support.cli import UserError
 
 # Reading
 
-def optional_file(path: str) -> bool:
-    """True for a file, False for nothing; a folder or a broken link under its name is an error."""
+def wrong_kind(path: str) -> str:
+    """What stands at `path` where another kind of thing was wanted (it exists, or is a link)."""
+    if os.path.isdir(path):
+        return "is a directory, not a file"
     if os.path.isfile(path):
+        return "is a file, not a directory"
+    if not os.path.exists(path):
+        return "is a broken link"
+    return "is not a regular file (a device or a pipe)"
+
+
+def file_problem(path: str, what: str = "file") -> Optional[str]:
+    """Why `path` is not a file to read ("`what` not found", or what stands there), or None."""
+    if os.path.isfile(path):
+        return None
+    if os.path.lexists(path):
+        return wrong_kind(path)
+    return f"{what} not found"
+
+
+def directory_problem(path: str, what: str = "directory") -> Optional[str]:
+    """Why `path` is not a directory to read ("`what` not found", or what stands there), or None."""
+    if os.path.isdir(path):
+        return None
+    if os.path.lexists(path):
+        return wrong_kind(path)
+    return f"{what} not found"
+
+
+def optional_file(path: str) -> bool:
+    """True for a file, False for nothing; anything else under its name is an error."""
+    problem = file_problem(path)
+    if problem is None:
         return True
     if os.path.lexists(path):
-        what = "a folder" if os.path.isdir(path) else "a broken link"
-        raise UserError(f"{path}: not a file ({what})")
+        raise UserError(f"{path}: {problem}")
     return False
 
 

@@ -9,7 +9,7 @@ import string
 from typing import Optional, Sequence
 
 from support.cli import UserError, flag, parse_ints
-from support.files import optional_file, read_json, read_jsonl
+from support.files import file_problem, optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
 QWEN3_CHAT_FALLBACK = ("<|im_start|>user\n{prompt}<|im_end|>\n"
@@ -25,8 +25,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = os.path.join(directory, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: file not found")
+        problem = file_problem(path)
+        if problem:
+            raise UserError(f"{path}: {problem}")
         try:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # the library raises bare Exceptions for malformed files
@@ -450,13 +451,9 @@ RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
 
 def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
-    if not os.path.isfile(prompts_file):
-        why = "prompts file not found"
-        if os.path.isdir(prompts_file):
-            why = "is a directory, not a file"
-        elif os.path.exists(prompts_file):
-            why = "not a regular file (a pipe or a device): give a file"
-        raise UserError(f"{prompts_file}: {why}")
+    problem = file_problem(prompts_file, "prompts file")
+    if problem:
+        raise UserError(f"{prompts_file}: {problem}")
     out = []
     for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
         if not isinstance(row, dict):

@@ -19,7 +19,7 @@ from support import runlog
 from support.checkpoint import read_weights
 from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, signals_deferred
 from support.distributed import peak_tflops, rank0
-from support.files import atomic_write, read_json, write_json
+from support.files import atomic_write, file_problem, read_json, write_json
 from support.runlog import WandbFlags
 from support.runlog import check as check_wandb
 
@@ -322,8 +322,9 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
     if saved_windows != num_windows:
         raise UserError(f"--resume {directory}: the data gave {saved_windows} sequences, now "
                         f"{num_windows} (a resumed run must read the same data)")
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: file not found")
+    problem = file_problem(path)
+    if problem:
+        raise UserError(f"{path}: {problem}")
     tensors = read_weights([path], torch.float32, "cpu")  # finite floats, or one line
     index = {}
     shapes = {}

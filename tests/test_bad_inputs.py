@@ -264,7 +264,7 @@ CASES = [
                                                            "--trace-file", t / "x.json"], "also", False),
     # ---- speculate.py: the target
     ("target-missing", "speculate", lambda w, t: ["--target", t / "nope", "--prompt-ids", "1"], "not found", True),
-    ("target-is-file", "speculate", lambda w, t: ["--target", w / "cal.json", "--prompt-ids", "1"], "not found", False),
+    ("target-is-file", "speculate", lambda w, t: ["--target", w / "cal.json", "--prompt-ids", "1"], "cal.json: is a file, not a directory", False),
     ("rope-nan", "speculate", lambda w, t: ["--target", target_with(w, t, nan_rope), "--prompt-ids", "1"],
      "rope_theta", True),
     ("rope-inf", "speculate", lambda w, t: ["--target", target_with(
@@ -402,11 +402,11 @@ CASES = [
      "config.json: malformed JSON (key 'num_hidden_layers' appears twice)", False),
     ("generation-config-folder", "speculate", lambda w, t: ["--target", folder_for(
         target_with(w, t), "generation_config.json"), "--prompt-ids", "1"],
-     "generation_config.json: not a file (a folder)", False),
+     "generation_config.json: is a directory, not a file", False),
     ("chat-template-folder", "speculate", lambda w, t: P(folder_for(target_with(w, t), "chat_template.jinja")),
-     "chat_template.jinja: not a file (a folder)", False),
+     "chat_template.jinja: is a directory, not a file", False),
     ("tokenizer-json-folder", "speculate", lambda w, t: P(folder_for(target_with(w, t), "tokenizer.json")),
-     "tokenizer.json: not a file (a folder)", False),
+     "tokenizer.json: is a directory, not a file", False),
     ("tokenizer-unk-not-in-vocab", "speculate", lambda w, t: P(target_with(w, t, files={"tokenizer.json": json.dumps(
         {**json.loads((w / "target" / "tokenizer.json").read_text()), "model": {
             **json.loads((w / "target" / "tokenizer.json").read_text())["model"], "unk_token": "<nope>"}})})),
@@ -627,10 +627,12 @@ CASES = [
     ("train-eval-data-dir-empty", "train", lambda w, t: T(w, t) + ["--eval-every", "1", "--eval-data-dir", ""],
      "--eval-data-dir: empty path", False),
     ("calibration-folder", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration", t],
-     "not a file (a folder)", False),
+     "is a directory, not a file", False),
     ("eval-dataset-file-is-a-folder", "eval", lambda w, t: E(w)[:5] + [folder_for(
-        shutil.copytree(w / "data", t / "data"), "gsm8k.jsonl")] + E(w)[6:], "gsm8k.jsonl: not a file (a folder)", False),
+        shutil.copytree(w / "data", t / "data"), "gsm8k.jsonl")] + E(w)[6:], "gsm8k.jsonl: is a directory, not a file", False),
     ("eval-data-dir-missing", "eval", lambda w, t: E(w)[:5] + [t / "nope"] + E(w)[6:], "directory not found", False),
+    ("eval-data-dir-a-file", "eval", lambda w, t: E(w)[:5] + [w / "target" / "config.json"] + E(w)[6:],
+     "config.json: is a file, not a directory", False),
     ("eval-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", w / "data" / "gsm8k.jsonl"], "input of this run", True),
     ("eval-out-empty", "eval", lambda w, t: E(w) + ["--out", ""], "--out: empty path", False),
     ("eval-out-dev", "eval", lambda w, t: E(w) + ["--out", "/dev/full"], "not a regular file", True),

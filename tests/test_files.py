@@ -1,0 +1,51 @@
+"""support/files.py's input checks: what stands at a path that should be a file or a directory to read,
+said in the words every program's one-line error uses."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support.cli import UserError
+from support.files import directory_problem, file_problem, optional_file
+
+
+@pytest.fixture
+def places(tmp_path):
+    """A file, a directory, a broken link and a named pipe, by name."""
+    (tmp_path / "file").write_text("{}")
+    (tmp_path / "dir").mkdir()
+    os.symlink(tmp_path / "gone", tmp_path / "broken")
+    os.mkfifo(tmp_path / "pipe")
+    return {name: str(tmp_path / name) for name in ("file", "dir", "broken", "pipe", "missing")}
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("file", None),
+    ("dir", "is a directory, not a file"),
+    ("broken", "is a broken link"),
+    ("pipe", "is not a regular file (a device or a pipe)"),
+    ("missing", "prompts file not found"),
+])
+def test_what_stands_where_a_file_is_wanted(places, name, expected):
+    assert file_problem(places[name], "prompts file") == expected
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("dir", None),
+    ("file", "is a file, not a directory"),
+    ("broken", "is a broken link"),
+    ("pipe", "is not a regular file (a device or a pipe)"),
+    ("missing", "directory not found"),
+])
+def test_what_stands_where_a_directory_is_wanted(places, name, expected):
+    assert directory_problem(places[name]) == expected
+
+
+def test_an_optional_file_is_a_file_or_nothing(places):
+    assert optional_file(places["file"]) is True
+    assert optional_file(places["missing"]) is False
+    for name in ("dir", "broken", "pipe"):
+        with pytest.raises(UserError, match=f"^{places[name]}: is "):
+            optional_file(places[name])
