@@ -264,7 +264,8 @@ CASES = [
                                                            "--trace-file", t / "x.json"], "also", False),
     # ---- speculate.py: the target
     ("target-missing", "speculate", lambda w, t: ["--target", t / "nope", "--prompt-ids", "1"], "not found", True),
-    ("target-is-file", "speculate", lambda w, t: ["--target", w / "cal.json", "--prompt-ids", "1"], "cal.json: is a file, not a directory", False),
+    ("target-is-file", "speculate", lambda w, t: ["--target", w / "cal.json", "--prompt-ids", "1"],
+     "cal.json: is a file, not a directory", False),
     ("rope-nan", "speculate", lambda w, t: ["--target", target_with(w, t, nan_rope), "--prompt-ids", "1"],
      "rope_theta", True),
     ("rope-inf", "speculate", lambda w, t: ["--target", target_with(
