@@ -16,7 +16,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from support.cli import SEED_RANGE, UserError, check_ranges, cli_main
-from support.files import atomic_write, check_outputs  # noqa: E402
+from support.files import atomic_write, check_outputs, directory_problem  # noqa: E402
 
 
 @dataclass
@@ -66,8 +66,9 @@ def corpus_prompts(files: list[str], tokenizer, num: int, length: int, seed: int
 def run(args: SelfDataArgs) -> int:
     check_ranges(args, num_prompts="[1, 1000000]", prompt_tokens="[1, 4096]", new_tokens="[1, 4096]",
                  batch_size="[1, 1024]", seed=SEED_RANGE, threads="[0, 1024]")
-    if not os.path.isdir(args.corpus):
-        raise UserError(f"--corpus {args.corpus}: not a directory")
+    problem = directory_problem(args.corpus)
+    if problem:
+        raise UserError(f"--corpus {args.corpus}: {problem}")
     files = sorted(os.path.join(args.corpus, n) for n in os.listdir(args.corpus)
                    if n.endswith(".py") and os.path.isfile(os.path.join(args.corpus, n)))
     if not files:

@@ -355,7 +355,7 @@ def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_
         done = speculate.generate(m, [r[:4]], max_new_tokens=6, temperature=0.0, ignore_eos=True)
         assert done[0].output_ids == r[4:]
     capsys.readouterr()
-    for bad, needle in ((["--corpus", str(tmp_path / "none")], "not a directory"),
+    for bad, needle in ((["--corpus", str(tmp_path / "none")], "directory not found"),
                         (["--out", str(corpus / "a.py")], "--out"), (["--num-prompts", "0"], "--num-prompts")):
         args = list(argv)
         for flag, value in zip(bad[::2], bad[1::2]):
