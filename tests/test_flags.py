@@ -29,7 +29,8 @@ def test_the_engine_defaults_are_the_apis_resolved_on_a_cpu():
     # Engine takes resolved settings under the engine's names; a default it has is the API's,
     # resolved as check_settings and sampling_for resolve it for a target without a generation config.
     api = flags.check_settings(speculate.Settings(), "cpu")
-    no_generation_config = flags.sampling_for(speculate.Models(None, None, None, (), None), api)
+    models = speculate.Models(target=None, drafter=None, tokenizer=None, stop_ids=(), dtype=None)
+    no_generation_config = flags.sampling_for(models, api)
     expected = {"temperature": no_generation_config.temperature, "seed": api.seed,
                 "scheduler": api.scheduler, "threshold": api.confidence_threshold,
                 "compile": api.compile, "compile_mode": api.compile_mode,
