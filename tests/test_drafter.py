@@ -716,6 +716,32 @@ def test_an_eagle3_checkpoint_loads_as_deepspec_wrote_it(eagle3_target, tmp_path
     assert "layout=eagle3" in d.cfg.describe() and "drafts/round=5" in d.cfg.describe()
 
 
+def test_an_engine_takes_back_an_eagle3_drafters_carried_state(eagle3_target, tmp_path):
+    """Another engine of another size re-allocates the shared models' caches, the Eagle3 drafter's carried
+    state among them; an engine used again takes all of its own back (its compiled graphs hold them) and
+    decodes as before."""
+    from drafters import make_eagle3
+
+    target = checkpoint.load_target(eagle3_target)
+    d = checkpoint.load_drafter(make_eagle3(tmp_path / "e", eagle3_target, ttt_length=4), target)
+    prompts = [[5, 17, 33, 2, 8], [9, 1]]
+
+    def run(engine):
+        reqs = [speculate.Request(i, p) for i, p in enumerate(prompts)]
+        engine.generate(reqs, 12)
+        return [r.output_ids for r in reqs]
+
+    with torch.inference_mode():
+        first = speculate.Engine(target, d, batch_size=2, max_seq=64)
+        expected = run(first)
+        other = speculate.Engine(target, d, batch_size=3, max_seq=96)
+        assert d.carried is other.caches[1][-1] and d.carried.shape[0] == 3
+        got = run(first)
+    assert got == expected
+    assert all(a is b for a, b in zip(speculate.caches(d), first.caches[1]))
+    assert d.carried is first.caches[1][-1] and d.carried.shape[0] == 2
+
+
 EAGLE3_BAD = {
     "no-ttt-length": (dict(drop_config=("ttt_length",)), "missing key 'ttt_length'"),
     "ttt-length-0": (dict(extra_config={"ttt_length": 0}), "'ttt_length' must be an integer from 1 to 256"),
