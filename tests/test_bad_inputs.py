@@ -216,6 +216,11 @@ CASES = [
     ("no-prompt", "speculate", lambda w, t: S(w)[:4] + S(w)[6:], "exactly one", False),
     ("prompts-missing", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", t / "none.jsonl"] + S(w)[6:],
      "none.jsonl: prompts file not found", False),
+    ("requests-over-the-limit", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
+        t, '{"prompt_ids": [1]}\n{"prompt_ids": [2]}\n')] + S(w)[6:] + ["--num-samples", "5000001"],
+     "2 prompts x 5000001 samples is more than 10,000,000 requests", False),
+    ("draft-length-block-drafter", "speculate", lambda w, t: S(w) + ["--draft-length", "3"],
+     "--draft-length 3: only an Eagle3 drafter's chain length is chosen; a block drafter drafts its block", False),
     ("prompts-a-directory", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", t] + S(w)[6:],
      "is a directory, not a file", False),
     ("prompts-bad-json", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, '{"prompt": \n')]

@@ -5,6 +5,7 @@ a checkpoint brings them."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -61,6 +62,11 @@ def test_missing_directory(tmp_path):
         checkpoint.load_target(str(missing))
 
 
+def test_models_need_a_target(tmp_path):
+    with pytest.raises(UserError, match="^--target: no target directory given$"):
+        checkpoint.load_models(None)
+
+
 def test_missing_config(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").unlink()
@@ -109,6 +115,18 @@ def test_config_heads_not_multiple_of_kv_heads(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.update(num_key_value_heads=3))
     with pytest.raises(UserError, match="num_key_value_heads 3"):
+        checkpoint.load_target(str(d))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(rope_parameters="fast"), "rope_parameters must be an object, got 'fast'"),
+    (lambda c: (c.pop("head_dim"), c.update(hidden_size=33)),
+     "no head_dim and hidden_size is not a multiple of num_attention_heads"),
+], ids=["rope-not-an-object", "no-head-dim"])
+def test_config_shapes_that_cannot_be_read(tiny_target, tmp_path, edit, needle):
+    d = corrupt(tiny_target, tmp_path)
+    edit_config(d, edit)
+    with pytest.raises(UserError, match=re.escape(needle)):
         checkpoint.load_target(str(d))
 
 
@@ -250,6 +268,13 @@ def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
     victim = sorted(shards)[1]
     (d / victim).unlink()
     with pytest.raises(UserError, match=f"shard '{victim}' not found"):
+        checkpoint.load_target(str(d))
+
+
+def test_an_index_without_a_weight_map(target_factory, tmp_path):
+    d = copy_target(target_factory(max_shard_size="20KB").path, tmp_path / "ckpt")
+    edit_json(d / "model.safetensors.index.json", lambda index: index.update(weight_map={}))
+    with pytest.raises(UserError, match="model.safetensors.index.json: missing or empty 'weight_map'"):
         checkpoint.load_target(str(d))
 
 

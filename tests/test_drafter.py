@@ -300,6 +300,12 @@ REFUSALS = {
     "confidence_with_markov_declared_true": (
         dict(confidence_with_markov=False, extra_config={"confidence_head_with_markov": True}), None, None, None,
         r"confidence_head_with_markov is True but confidence_head\.proj reads 32 features"),
+    "confidence_with_markov_without_a_markov_head": (
+        dict(markov=None, confidence_with_markov=False, extra_config={"confidence_head_with_markov": True}),
+        None, None, None, r"confidence_head_with_markov is true but there is no Markov head"),
+    "dflash_block_of_one": (
+        dict(markov=None, confidence=False, block_size=1, extra_config={"architectures": ["DFlashDraftModel"]}),
+        None, None, None, r"the DFlash layout needs block_size >= 2, got 1"),
     "conflicting_block_size": (
         dict(spelling="dspark_config", block_size=5, extra_config={"block_size": 4}), None, None, None,
         r"conflicting values for 'block_size'.*5.*4|conflicting values for 'block_size'.*4.*5"),

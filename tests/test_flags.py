@@ -77,6 +77,7 @@ def test_check_settings_resolves_defaults_without_touching_the_callers():
     (dict(compile=False, compile_mode="default"), "--compile-mode default: only used with --compile"),
     (dict(compile=False, verbose=True), "--verbose: only used with --compile"),
     (dict(kernels="cuda"), "--kernels 'cuda': one of torch, triton"),
+    (dict(compile="yes"), "--compile: invalid value 'yes' (True, False, or None for the default)"),
 ])
 def test_bad_settings_are_one_line_errors(settings, needle):
     with pytest.raises(UserError, match=None) as e:
@@ -91,3 +92,11 @@ def test_flat_groups_round_trip():
     assert values["max_new_tokens"] == 5 and values["prompt"] == "hi" and "decode" not in values
     with pytest.raises(TypeError, match="no flag 'nope'"):
         from_flat(speculate.Args, {"nope": 1})
+
+
+def test_the_api_refuses_what_only_the_api_can_give():
+    with pytest.raises(UserError, match="^generate: no prompts$"):
+        flags.prompt_list([])
+    s = flags.check_settings(speculate.Settings(draft_length=3), "cpu")
+    with pytest.raises(UserError, match="only an Eagle3 drafter's chain length is chosen; there is no --drafter"):
+        flags.check_drafter_settings(s, None)
