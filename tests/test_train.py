@@ -90,6 +90,15 @@ SMALL = ["--seq-len", 24, "--batch-size", 2, "--block-size", 4, "--depth", 2, "-
 # ----------------------------------------------------------------------------------------
 # Losses on hand-computed cases
 
+def test_default_layer_ids_are_deepspecs_spacing():
+    """1 + i(L-4)/4, i = 0..4: the published drafters' ids for Qwen3-4B/8B (36 layers) and 14B (40)."""
+    assert train.default_layer_ids(36) == (1, 9, 17, 25, 33)
+    assert train.default_layer_ids(40) == (1, 10, 19, 28, 37)
+    assert train.default_layer_ids(5) == (1, 2)  # a shallow target's spacing collapses
+    assert train.default_layer_ids(3) == (0, 1)  # under 5 layers: every layer but the last
+    assert train.default_layer_ids(1) == (-1,)  # one layer: the embeddings
+
+
 def test_default_losses_are_deepspecs_recipe():
     """Without loss flags, training weighs slots by exp(-j/4) and the terms 0.1 / 0.9 / 1.0 (CE, TV,
     confidence BCE), as DeepSpec trains the published drafters."""
@@ -353,6 +362,21 @@ def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     # ... and train the same kind of model: scripts/train_target.py does not resume a drafter's state.
     rc, _, err = run_train(["--data-ids", ids, "--out", tmp_path / "e", "--resume", tmp_path / "b"], train_target)
     assert rc == 2 and "a drafter training state, not a target one" in err
+
+
+def test_resume_refuses_a_checkpoint_holding_another_drafter(tiny_target, tmp_path):
+    """The flags a run records are checked first; a checkpoint whose config.json was changed since (here
+    its mask token) is refused too, by the drafter it holds, before any step."""
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64, seed=1)
+    common = ["--target", tiny_target.path, "--data-ids", ids, "--steps", 2, "--anchors-per-seq", 4, *SMALL]
+    rc, _, err = run_train(common + ["--out", tmp_path / "a", "--stop-at", 1])
+    assert rc == 0, err
+    config = ckpt(tmp_path / "a") / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg["mask_token_id"] = (cfg["mask_token_id"] + 1) % cfg["vocab_size"]
+    config.write_text(json.dumps(cfg))
+    rc, _, err = run_train(common + ["--out", tmp_path / "b", "--resume", tmp_path / "a"])
+    assert rc == 2 and "holds another drafter than the flags build" in err, err
 
 
 def test_resume_refuses_other_data_or_target(tiny_target, tmp_path):
