@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO_ROOT
-from test_train_data import run_train
+from test_train import run_train
 
 import speculate
 

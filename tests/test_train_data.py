@@ -8,14 +8,13 @@ Everything runs on conftest's tiny word-level target (vocab 64, a Qwen3-like Cha
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import random
 
 import pytest
 import torch
 from conftest import IM_END_ID, IM_START_ID, build_tokenizer
+from test_train import run_train
 
 import drafter as dr
 import train
@@ -97,6 +96,59 @@ def test_mixing_chat_and_text_is_an_error(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"prompt": "a", "response": "b"}) + "\n")
     with pytest.raises(UserError, match="mixes chat records"):
         data.read_documents(str(tmp_path / "a.jsonl"))
+
+
+def test_data_that_holds_nothing_to_train_on_is_one_line(tmp_path, capsys):
+    (tmp_path / "none").mkdir()
+    with pytest.raises(UserError, match="none: no .txt/.py/.md/.rst/.jsonl files in the directory"):
+        data.read_documents(str(tmp_path / "none"))
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    with pytest.raises(UserError, match="blank: no text"):
+        data.read_documents(str(tmp_path / "blank"))
+    # A file that is not UTF-8 is skipped with a line; the rest is read.
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_bytes(b"\xff\xfe not utf-8")
+    (tmp_path / "mixed" / "b.txt").write_text("hello")
+    assert data.read_documents(str(tmp_path / "mixed")) == (["hello"], [])
+    assert "skipped 1 file(s) that are not UTF-8" in capsys.readouterr().err
+    # A program that pre-trains on plain text refuses chat records.
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    with pytest.raises(UserError, match="chat.jsonl:1: a chat record; this program trains on plain text"):
+        data.read_texts(str(tmp_path / "chat.jsonl"))
+
+
+@pytest.mark.parametrize("lines,needle", [
+    ([{"prompt_ids": []}], 'ids.jsonl:1: expected {"prompt_ids": [int, ...]}'),
+    ([{"prompt_ids": [1, True]}], 'ids.jsonl:1: expected {"prompt_ids": [int, ...]}'),
+    ([], "ids.jsonl: no sequences"),
+])
+def test_bad_token_id_data_is_one_line(tmp_path, lines, needle):
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(UserError) as e:
+        data.read_id_lists(str(path), 64)
+    assert needle in str(e.value)
+
+
+def test_what_train_cannot_make_rows_of_is_refused(tiny_target, target_factory, tmp_path):
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt_ids": list(range(30))}) + "\n")
+    small = ["--steps", 1, "--seq-len", 16, "--block-size", 2, "--depth", 1, "--markov-rank", 8]
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "a", "--no-pack",
+                            *small])
+    assert rc == 2 and "--no-pack: --data-ids are windows of a token stream" in err, err
+    no_tokenizer = target_factory(with_tokenizer=False).path
+    (tmp_path / "plain.txt").write_text("hello world . " * 50)
+    rc, _, err = run_train(["--target", no_tokenizer, "--data", tmp_path / "plain.txt", "--out", tmp_path / "b",
+                            *small])
+    assert rc == 2 and "--data needs the target's tokenizer.json" in err, err
+    # Every response starts past --seq-len: no conversation leaves a block to supervise.
+    long_prompt = {"prompt": " ".join(["hello"] * 40), "response": "world"}
+    (tmp_path / "chats.jsonl").write_text(json.dumps(long_prompt) + "\n")
+    rc, _, err = run_train(["--target", tiny_target.path, "--data", tmp_path / "chats.jsonl", "--out", tmp_path / "c",
+                            *small])
+    assert rc == 2 and "no conversation has a response to train on" in err, err
 
 
 def test_anchor_rule_and_supervision_by_definition():
@@ -263,20 +315,6 @@ def write_chats(path, n, seed=0):
                                     {"role": "user", "content": say(2)}, {"role": "assistant", "content": say(6)}]}
             f.write(json.dumps(rec) + "\n")
     return path
-
-
-def run_train(argv) -> tuple[int, dict, str]:
-    import tyro
-
-    err, result = io.StringIO(), {}
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            result = train.run(tyro.cli(train.Args, args=[str(a) for a in argv] + ["--no-progress"]))
-            rc = 0
-        except UserError as e:
-            print(f"error: {e}", file=err)
-            rc = 2
-    return rc, result, err.getvalue()
 
 
 def test_chat_records_train(tiny_target, tmp_path):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
-from test_train_data import run_train, write_chats
+from test_train import run_train
+from test_train_data import write_chats
 
 import model as mdl
 import train
