@@ -132,7 +132,7 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
     s = replace(s)  # the caller's settings stay as given
     if s.max_new_tokens is None:
         s.max_new_tokens = budget
-    for name, (kind, interval) in RANGES.items():
+    for name, (kind, _) in RANGES.items():
         value = getattr(s, name)
         if value is None:
             # None only where it is the default (resolved later)
