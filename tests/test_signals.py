@@ -236,3 +236,29 @@ def test_the_interruption_line_says_what_was_written(pair, tmp_path, monkeypatch
     assert sorted(os.listdir(tmp_path)) == sorted(["p.jsonl"] + [os.path.basename(paths[f]) for f in files])
     if files:
         assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 1
+
+
+def test_an_error_in_the_middle_of_a_decode_leaves_no_output_files(pair, tmp_path, monkeypatch, capsys):
+    """A decode that fails part way (here a non-finite logit in a later round, as NonFinite says it) is
+    one error line, and the trace and output files it was writing are dropped, temporaries and all:
+    no file half a run's."""
+    import speculate
+    from support.report import Decoding
+
+    d, target, drafter = pair
+    real = Decoding.on_finish
+
+    def finish_then_fail(self, c):
+        real(self, c)
+        raise speculate.NonFinite(1, "round 2")
+
+    monkeypatch.setattr(Decoding, "on_finish", finish_then_fail)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [1 + i, 2, 3]}) + "\n" for i in range(3)))
+    rc = speculate.main(["--target", target, "--drafter", drafter, "--prompts-file", str(prompts),
+                         "--max-new-tokens", "8", "--trace-file", str(tmp_path / "t.jsonl"),
+                         "--output-file", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.splitlines()[-1].startswith("error: request 1, round 2: the logits are not finite"), err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == ["p.jsonl"]
