@@ -86,31 +86,48 @@ def test_eval_interrupted_leaves_results_marked_incomplete(pair, tmp_path):
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
 
 
-def test_eval_interrupted_while_writing_results_still_marks_them(pair, tmp_path, monkeypatch):
-    """A signal that lands while eval.py rewrites --out after a dataset (its file already in place, the
-    write not yet returned) still leaves the results marked interrupted, with what was done."""
-    import signal as sig
-
+def eval_in_process(pair, tmp_path, datasets: str) -> tuple[int, object]:
+    """eval.py's main, in this process, on datasets (comma-separated) of one prompt each: its exit
+    status and the --out path."""
     import eval as ev
-    from support.cli import Interrupted
 
     d, target, drafter = pair
     data = tmp_path / "data"
     data.mkdir()
-    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
-    (data / "second.jsonl").write_text(json.dumps({"turns": ["y"]}) + "\n")
+    for name in datasets.split(","):
+        (data / f"{name}.jsonl").write_text(json.dumps({"turns": [name]}) + "\n")
     out = tmp_path / "results.json"
+    rc = ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", datasets,
+                  "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)])
+    return rc, out
+
+
+def raises_interrupted(signum):
+    """A stand-in for a function that a signal interrupts (as cli_main's handler raises it)."""
+    from support.cli import Interrupted
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(signum)
+
+    return interrupted
+
+
+def test_eval_interrupted_while_writing_results_still_marks_them(pair, tmp_path, monkeypatch):
+    """A signal that lands while eval.py rewrites --out after a dataset (its file already in place, the
+    write not yet returned) still leaves the results marked interrupted, with what was done."""
+    import eval as ev
+
     real, calls = ev.write_json, []
 
     def write_then_signal(path, obj):
         real(path, obj)
         calls.append(obj)
         if len(calls) == 1:  # the first dataset's results, written: SIGTERM arrives now
-            raise Interrupted(sig.SIGTERM)
+            raises_interrupted(signal.SIGTERM)()
 
     monkeypatch.setattr(ev, "write_json", write_then_signal)
-    assert ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first,second",
-                    "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)]) == 143
+    rc, out = eval_in_process(pair, tmp_path, "first,second")
+    assert rc == 143
     res = json.loads(out.read_text())
     assert res["complete"] is False and res["interrupted"] is True
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
@@ -120,24 +137,12 @@ def test_eval_interrupted_while_its_first_engine_is_built_says_nothing_was_writt
                                                                                     monkeypatch, capsys):
     """A signal while the first engine is made (compiling, or profiling SPS(B): minutes on a CPU), before
     any dataset is decoded: the interruption's one line and exit status, and no results file."""
-    import signal as sig
-
     import eval as ev
-    from support.cli import Interrupted
 
-    d, target, drafter = pair
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
-    out = tmp_path / "results.json"
-
-    def signalled(*args, **kwargs):
-        raise Interrupted(sig.SIGINT)
-
-    monkeypatch.setattr(ev, "make_engine", signalled)
-    assert ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
-                    "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)]) == 130
+    monkeypatch.setattr(ev, "make_engine", raises_interrupted(signal.SIGINT))
+    rc, out = eval_in_process(pair, tmp_path, "first")
     err = capsys.readouterr().err
+    assert rc == 130, err
     assert err.splitlines()[-1] == "interrupted by SIGINT: stopped; nothing was written", err
     assert "Traceback" not in err and not out.exists()
 
@@ -146,20 +151,10 @@ def test_eval_interrupted_while_calibrating_marks_the_results(pair, tmp_path, mo
     """After the last dataset, while the calibration is computed: --out was left "complete": false with no
     "interrupted" (the handler covered the datasets only)."""
     import eval as ev
-    from support.cli import Interrupted
 
-    d, target, drafter = pair
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "first.jsonl").write_text(json.dumps({"turns": ["x"]}) + "\n")
-    out = tmp_path / "results.json"
-
-    def interrupted(*a, **k):
-        raise Interrupted(signal.SIGINT)
-
-    monkeypatch.setattr(ev, "calibration_report", interrupted)
-    assert ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
-                    "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out)]) == 130
+    monkeypatch.setattr(ev, "calibration_report", raises_interrupted(signal.SIGINT))
+    rc, out = eval_in_process(pair, tmp_path, "first")
+    assert rc == 130
     res = json.loads(out.read_text())
     assert res["complete"] is False and res["interrupted"] is True and len(res["datasets"]) == 1
 
