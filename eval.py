@@ -405,10 +405,10 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     run = Run(args, rank, world, device, log, prompts, len(rows) > 1)
     done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}, once its engine is built
     calibration = None
-    engine = None  # the latest row's
 
     def results(complete: bool, calibration=None, **more) -> dict:
-        """results.json: the first row's datasets at the top (one drafter's run), every row after."""
+        """results.json: the first row's datasets at the top (one drafter's run), every row after;
+        called once a row has its engine (the latest row's goes into the config)."""
         run_config = config(args, world, K, engine, drafters, chat, s.compile, m, prompts)
         record = {"config": run_config, "complete": complete}
         record.update(more)

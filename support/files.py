@@ -24,22 +24,23 @@ def wrong_kind(path: str) -> str:
     return "is not a regular file (a device or a pipe)"
 
 
-def file_problem(path: str, what: str = "file") -> Optional[str]:
-    """Why `path` is not a file to read ("`what` not found", or what stands there), or None."""
-    if os.path.isfile(path):
+def path_problem(path: str, is_wanted: Callable[[str], bool], what: str) -> Optional[str]:
+    """Why `path` is not what `is_wanted` accepts ("`what` not found", or what stands there), or None."""
+    if is_wanted(path):
         return None
     if os.path.lexists(path):
         return wrong_kind(path)
     return f"{what} not found"
+
+
+def file_problem(path: str, what: str = "file") -> Optional[str]:
+    """Why `path` is not a file to read, or None."""
+    return path_problem(path, os.path.isfile, what)
 
 
 def directory_problem(path: str, what: str = "directory") -> Optional[str]:
-    """Why `path` is not a directory to read ("`what` not found", or what stands there), or None."""
-    if os.path.isdir(path):
-        return None
-    if os.path.lexists(path):
-        return wrong_kind(path)
-    return f"{what} not found"
+    """Why `path` is not a directory to read, or None."""
+    return path_problem(path, os.path.isdir, what)
 
 
 def optional_file(path: str) -> bool:
