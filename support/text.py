@@ -12,8 +12,6 @@ from support.cli import UserError, flag, parse_ints
 from support.files import file_problem, optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
-QWEN3_CHAT_FALLBACK = ("<|im_start|>user\n{prompt}<|im_end|>\n"
-                       "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 # opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 

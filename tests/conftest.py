@@ -100,6 +100,8 @@ QWEN3_LIKE_TEMPLATE = (
     "    {%- endif %}\n"
     "{%- endif %}\n"
 )
+#: What Qwen3's template renders for one user prompt without thinking (`{p}`: the prompt).
+CHAT_NO_THINK = "<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 def vocabulary(vocab_size: int) -> list[str]:

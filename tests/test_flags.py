@@ -13,7 +13,7 @@ import tyro
 import eval as ev
 import speculate
 from support import flags
-from support.cli import UserError, from_flat, flat_fields
+from support.cli import UserError, flat_fields, from_flat
 
 
 def test_the_command_line_and_the_api_agree_on_every_default():
