@@ -195,7 +195,7 @@ def check_output_file(path: str):
         raise UsageError(f"{path}: is a directory, not a file "
                          "(remove it, or give another --out-dir)")
     if os.path.exists(real) and not os.path.isfile(real):
-        raise UsageError(f"{path}: is not a regular file (a device or a pipe); "
+        raise UsageError(f"{path}: is a device or a pipe, not a file; "
                          "remove it, or give another --out-dir")
 
 

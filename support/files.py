@@ -13,34 +13,38 @@ from support.cli import UserError
 
 # Reading
 
-def wrong_kind(path: str) -> str:
-    """What stands at `path` where another kind of thing was wanted (it exists, or is a link)."""
-    if os.path.isdir(path):
-        return "is a directory, not a file"
-    if os.path.isfile(path):
-        return "is a file, not a directory"
+def wrong_kind(path: str, wanted: str) -> str:
+    """What stands at `path` where a `wanted` ("file" or "directory") was looked for (it exists, or is a link)."""
     if not os.path.exists(path):
         return "is a broken link"
-    return "is not a regular file (a device or a pipe)"
+    stands = "a device or a pipe"
+    if os.path.isdir(path):
+        stands = "a directory"
+    elif os.path.isfile(path):
+        stands = "a file"
+    return f"is {stands}, not a {wanted}"
 
 
-def path_problem(path: str, is_wanted: Callable[[str], bool], what: str) -> Optional[str]:
-    """Why `path` is not what `is_wanted` accepts ("`what` not found", or what stands there), or None."""
+def path_problem(path: str, wanted: str, what: str) -> Optional[str]:
+    """Why `path` is not a `wanted` ("file" or "directory"): "`what` not found", or what stands there; or None."""
+    is_wanted = os.path.isfile
+    if wanted == "directory":
+        is_wanted = os.path.isdir
     if is_wanted(path):
         return None
     if os.path.lexists(path):
-        return wrong_kind(path)
+        return wrong_kind(path, wanted)
     return f"{what} not found"
 
 
 def file_problem(path: str, what: str = "file") -> Optional[str]:
     """Why `path` is not a file to read, or None."""
-    return path_problem(path, os.path.isfile, what)
+    return path_problem(path, "file", what)
 
 
 def directory_problem(path: str, what: str = "directory") -> Optional[str]:
     """Why `path` is not a directory to read, or None."""
-    return path_problem(path, os.path.isdir, what)
+    return path_problem(path, "directory", what)
 
 
 def optional_file(path: str) -> bool:
@@ -129,8 +133,7 @@ def check_writable(path: str, flag: str):
     if path.endswith(os.sep):
         raise UserError(f"{flag} {path}: names a directory; give a file path")
     if os.path.exists(real) and not os.path.isfile(real):
-        raise UserError(f"{flag} {path}: is not a regular file (a device or a pipe); "
-                        "give a file path")
+        raise UserError(f"{flag} {path}: is a device or a pipe, not a file; give a file path")
     given = os.path.abspath(path)
     if (given in ("/dev/stdout", "/dev/stderr", "/dev/stdin") or given.startswith("/dev/fd/")
             or any(p.startswith(("/proc/", "/sys/")) for p in (given, real))):

@@ -25,7 +25,7 @@ def places(tmp_path):
     ("file", None),
     ("dir", "is a directory, not a file"),
     ("broken", "is a broken link"),
-    ("pipe", "is not a regular file (a device or a pipe)"),
+    ("pipe", "is a device or a pipe, not a file"),
     ("missing", "prompts file not found"),
 ])
 def test_what_stands_where_a_file_is_wanted(places, name, expected):
@@ -36,7 +36,7 @@ def test_what_stands_where_a_file_is_wanted(places, name, expected):
     ("dir", None),
     ("file", "is a file, not a directory"),
     ("broken", "is a broken link"),
-    ("pipe", "is not a regular file (a device or a pipe)"),
+    ("pipe", "is a device or a pipe, not a directory"),
     ("missing", "directory not found"),
 ])
 def test_what_stands_where_a_directory_is_wanted(places, name, expected):
