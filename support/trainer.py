@@ -427,11 +427,15 @@ def check_train_args(args: TrainArgs, **ranges: str):
     else:
         flag = "--data-ids"
         data = args.data_ids
+    if not data.strip():
+        raise UserError(f"{flag}: empty path")
     if not os.path.exists(data):
         raise UserError(f"{flag} {data}: file or directory not found")
+    if args.resume is not None and not args.resume.strip():
+        raise UserError("--resume: empty path (leave the flag out to start afresh)")
     inputs = [data, getattr(args, "target", None), getattr(args, "tokenizer", None)]
     check_out_dir(args, inputs=inputs)
-    if args.resume:
+    if args.resume is not None:
         check_resume_args(checkpoint_dir(args.resume), args)
 
 

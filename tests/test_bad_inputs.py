@@ -632,6 +632,8 @@ CASES = [
     ("eval-datasets-empty-string", "eval", lambda w, t: E(w)[:7] + [""] + E(w)[8:], "--datasets: empty value", False),
     ("train-eval-data-dir-empty", "train", lambda w, t: T(w, t) + ["--eval-every", "1", "--eval-data-dir", ""],
      "--eval-data-dir: empty path", False),
+    ("train-resume-empty-path", "train", lambda w, t: T(w, t) + ["--resume", ""], "--resume: empty path", False),
+    ("train-data-empty-path", "train", lambda w, t: T(w, t) + ["--data", ""], "--data: empty path", False),
     ("calibration-folder", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration", t],
      "is a directory, not a file", False),
     ("eval-dataset-file-is-a-folder", "eval", lambda w, t: E(w)[:5] + [folder_for(
