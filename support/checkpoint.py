@@ -737,6 +737,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         if drafter is not None:
             d = load_drafter(drafter, t, device, dt)
     if calibration is not None:
+        if not calibration.strip():
+            raise UserError("--calibration: empty path")
         if d is None or d.confidence_head is None:
             raise UserError(f"--calibration {calibration}: needs a --drafter "
                             "with a confidence head")

@@ -449,6 +449,8 @@ RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
 
 def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
+    if not prompts_file.strip():
+        raise UserError("--prompts-file: empty path")
     problem = file_problem(prompts_file, "prompts file")
     if problem:
         raise UserError(f"{prompts_file}: {problem}")
