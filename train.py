@@ -441,7 +441,7 @@ def default_mask_token_id(target_dir: str, V: int) -> int:
 
 def layer_ids(args: Args, L: int, lowest: int = -1) -> tuple[int, ...]:
     """--target-layer-ids, checked against the target's L layers (Eagle3: decoder layers only, lowest 0)."""
-    if args.target_layer_ids:
+    if args.target_layer_ids is not None:
         ids = tuple(parse_ints(args.target_layer_ids, "--target-layer-ids"))
     else:
         ids = default_layer_ids(L)

@@ -639,6 +639,8 @@ CASES = [
     ("prompts-file-empty-path", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", ""] + S(w)[6:],
      "--prompts-file: empty path", False),
     ("train-resume-empty-path", "train", lambda w, t: T(w, t) + ["--resume", ""], "--resume: empty path", False),
+    ("train-layer-ids-empty", "train", lambda w, t: T(w, t) + ["--target-layer-ids", ""],
+     "--target-layer-ids: '' is not a comma-separated list", False),
     ("train-data-empty-path", "train", lambda w, t: T(w, t) + ["--data", ""], "--data: empty path", False),
     ("calibration-folder", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration", t],
      "is a directory, not a file", False),
