@@ -14,7 +14,7 @@ from support.cli import UserError
 # Reading
 
 def wrong_kind(path: str, wanted: str) -> str:
-    """What stands at `path` where a `wanted` ("file" or "directory") was looked for (it exists, or is a link)."""
+    """What stands at `path` where a `wanted` ("file", "directory", ...) was looked for (it exists, or is a link)."""
     if not os.path.exists(path):
         return "is a broken link"
     stands = "a device or a pipe"

@@ -19,7 +19,7 @@ from support import runlog
 from support.checkpoint import read_weights
 from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, signals_deferred
 from support.distributed import peak_tflops, rank0
-from support.files import atomic_write, file_problem, read_json, write_json
+from support.files import atomic_write, directory_problem, file_problem, read_json, wrong_kind, write_json
 from support.runlog import WandbFlags
 from support.runlog import check as check_wandb
 
@@ -192,6 +192,9 @@ def _switch(out: str, name: str, final: str, tmp: str):
 
 def checkpoint_dir(resume: str) -> str:
     """--resume DIR's checkpoint: `latest`'s, else the highest one there, else DIR itself."""
+    problem = directory_problem(resume, "training directory")
+    if problem:
+        raise UserError(f"--resume {resume}: {problem}")
     latest = os.path.join(resume, LATEST)
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -203,11 +206,8 @@ def checkpoint_dir(resume: str) -> str:
         return named
     if os.path.isfile(os.path.join(resume, STATE_JSON)):
         return resume
-    names = []
-    if os.path.isdir(resume):
-        names = os.listdir(resume)
     steps = []
-    for n in names:
+    for n in os.listdir(resume):
         number = n.removeprefix("checkpoint-")
         if not n.startswith("checkpoint-") or not number.isdecimal():
             continue
@@ -370,7 +370,7 @@ def check_out_dir(args: TrainArgs, inputs):
             raise UserError(
                 f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
     if os.path.exists(real) and not os.path.isdir(real):
-        raise UserError(f"--out {out}: is a file, not a directory")
+        raise UserError(f"--out {out}: {wrong_kind(real, 'directory')}")
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
     holds_files = os.path.isdir(real) and os.listdir(real)
     if holds_files and not resuming_here and not unfinished_run(real):
@@ -429,8 +429,11 @@ def check_train_args(args: TrainArgs, **ranges: str):
         data = args.data_ids
     if not data.strip():
         raise UserError(f"{flag}: empty path")
-    if not os.path.exists(data):
-        raise UserError(f"{flag} {data}: file or directory not found")
+    if not os.path.isfile(data) and not os.path.isdir(data):
+        problem = "file or directory not found"
+        if os.path.lexists(data):
+            problem = wrong_kind(data, "file or directory")
+        raise UserError(f"{flag} {data}: {problem}")
     if args.resume is not None and not args.resume.strip():
         raise UserError("--resume: empty path (leave the flag out to start afresh)")
     inputs = [data, getattr(args, "target", None), getattr(args, "tokenizer", None)]
