@@ -60,7 +60,7 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.files import check_outputs, write_json  # noqa: E402
+from support.files import check_outputs, file_problem, write_json  # noqa: E402
 from support.flags import Machine, Settings  # noqa: E402
 from support.text import check_prompts, load_prompts  # noqa: E402
 
@@ -250,8 +250,9 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
                         "(or neither, for the demo pair)")
     if prompts_file is None:
         raise UserError("--prompts-file: needed with a --target other than the demo pair")
-    if not os.path.exists(prompts_file):  # (the rest of its checks are load_prompts')
-        raise UserError(f"{prompts_file}: prompts file not found")
+    problem = file_problem(prompts_file, "prompts file")  # (the rest of its checks are load_prompts')
+    if problem:
+        raise UserError(f"--prompts-file {prompts_file}: {problem}")
     target_dir = resolve_checkpoint(target_dir, "--target")
     drafter_dir = resolve_checkpoint(drafter_dir, "--drafter")
     check_outputs(outputs, inputs=[target_dir, drafter_dir])  # the snapshots hub ids resolved to

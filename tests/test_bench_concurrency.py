@@ -160,7 +160,11 @@ def test_prompts_file_needed_is_said_before_the_models_load(monkeypatch, capsys)
     assert bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
                     os.path.join(DEMO_DIR, "drafter"), "--prompts-file", "no-such.jsonl"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: no-such.jsonl: prompts file not found\n", err
+    assert err == "error: --prompts-file no-such.jsonl: prompts file not found\n", err
+    assert bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
+                    os.path.join(DEMO_DIR, "drafter"), "--prompts-file", DEMO_DIR]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --prompts-file {DEMO_DIR}: is a directory, not a file\n", err
 
 
 def test_a_prompt_past_the_drafters_context_is_refused_with_the_users_budget(tmp_path, capsys):
