@@ -50,7 +50,7 @@ from support.cli import (
     resolve_dtype,
 )
 from support.distributed import dist_init, rank0
-from support.files import read_json, write_json
+from support.files import directory_problem, read_json, write_json
 from support.text import Tokenizer
 from support.trainer import (
     Run,
@@ -858,14 +858,18 @@ def check_eval_args(args: Args):
     if args.eval_every:
         import eval as evaluation
         folder = args.eval_data_dir or evaluation.DATA_DIR
+        problem = directory_problem(folder, "data directory")
+        if problem:
+            raise UserError(f"--eval-data-dir {folder}: {problem}")
         names = [n for n in args.eval_datasets.split(",") if n.strip()]
+        if not names:
+            raise UserError(f"--eval-datasets {args.eval_datasets!r}: no dataset named")
         missing = []
         for n in names:
             if not os.path.isfile(os.path.join(folder, f"{n.strip()}.jsonl")):
                 missing.append(n)
-        if not names or missing:
-            first = (missing or ["<name>"])[0]
-            raise UserError(f"--eval-datasets: no {first}.jsonl in {folder}")
+        if missing:
+            raise UserError(f"--eval-datasets: no {missing[0]}.jsonl in {folder}")
 
 
 DSPARK_ONLY = ("block_size", "depth", "mask_token_id", "markov", "markov_rank", "confidence",
