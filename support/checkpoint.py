@@ -494,7 +494,7 @@ def checkpoint_weights(directory: str, dtype, device, rename) -> tuple[dict, str
 def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
     problem = directory_problem(directory, "target directory")
     if problem:
-        raise UserError(f"{directory}: {problem}")
+        raise UserError(f"--target {directory}: {problem}")
     path = os.path.join(directory, "config.json")
     args = target_args(read_json(path), path)
     tensors, source = checkpoint_weights(directory, dtype, device,
@@ -547,7 +547,7 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
                  dtype=torch.float32) -> Drafter:
     problem = directory_problem(directory, "drafter directory")
     if problem:
-        raise UserError(f"{directory}: {problem}")
+        raise UserError(f"--drafter {directory}: {problem}")
     path = os.path.join(directory, "config.json")
     spelled = {}  # the models' names -> the file's
     raw = read_json(path)  # a bad config fails before the weights are read

@@ -1076,3 +1076,12 @@ def test_the_template_box_leaves_ordinary_templates_as_jinja_renders_them():
               "{{ ['a','b'] | join(', ') }}|{{ 'a-b' | replace('-', '+') }}|{{ 'x\ny' | indent(2, true) }}|"
               "{{ '%s-%s' | format(1, 2) }}|{{ 'x' | center(9) }}|{{ '{:>5}'.format(1) }}|{{ '%05d' % 3 }}|{{ 3 * 4 }}"]:
         assert text.render_template(t, "t.jinja") == plain.from_string(t).render(), t
+
+
+def test_a_checkpoint_path_that_is_not_a_directory_names_its_flag(world, capsys):
+    """The flag is named, as for a hub id: `--drafter PATH: is a file, not a directory`."""
+    cal = world / "cal.json"
+    cases = {"--target": ["--target", cal], "--drafter": ["--target", world / "target", "--drafter", cal]}
+    for flag, argv in cases.items():
+        rc = speculate.main([str(a) for a in argv] + ["--prompt-ids", "1"])
+        _check(capsys.readouterr().err, f"error: {flag} {cal}: is a file, not a directory", rc)
