@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from support.cli import UserError
-from support.files import check_writable, write_json  # noqa: E402  (neither tyro nor wandb)
+from support.files import check_writable, write_json, wrong_kind  # noqa: E402  (neither tyro nor wandb)
 
 # stage -> its time cap in seconds, in the order they run
 STAGES = {"env": 15, "smoke": 50, "compiled-b1": 140, "eagle3-b1": 70, "tree-b1": 200, "triton": 45,
@@ -935,7 +935,7 @@ def parse(argv) -> argparse.Namespace:
     if not a.out.strip():
         raise UserError("--out: empty path")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
-        raise UserError(f"--out {a.out}: is a file, not a directory")
+        raise UserError(f"--out {a.out}: {wrong_kind(a.out, 'directory')}")
     a.out = os.path.abspath(a.out)  # the stages run from the repository root
     return a
 
