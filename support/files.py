@@ -13,8 +13,14 @@ from support.cli import UserError
 
 # Reading
 
+# what each kind of input path may be
+WANTED = {"file": os.path.isfile,
+          "directory": os.path.isdir,
+          "file or directory": lambda path: os.path.isfile(path) or os.path.isdir(path)}
+
+
 def wrong_kind(path: str, wanted: str) -> str:
-    """What stands at `path` where a `wanted` ("file", "directory", ...) was looked for (it exists, or is a link)."""
+    """What stands at `path` where a `wanted` (a key of WANTED) was looked for (it exists, or is a link)."""
     if not os.path.exists(path):
         return "is a broken link"
     stands = "a device or a pipe"
@@ -26,11 +32,8 @@ def wrong_kind(path: str, wanted: str) -> str:
 
 
 def path_problem(path: str, wanted: str, what: str) -> Optional[str]:
-    """Why `path` is not a `wanted` ("file" or "directory"): "`what` not found", or what stands there; or None."""
-    is_wanted = os.path.isfile
-    if wanted == "directory":
-        is_wanted = os.path.isdir
-    if is_wanted(path):
+    """Why `path` is not a `wanted` (a key of WANTED): "`what` not found", or what stands there; or None."""
+    if WANTED[wanted](path):
         return None
     if os.path.lexists(path):
         return wrong_kind(path, wanted)

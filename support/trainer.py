@@ -19,7 +19,15 @@ from support import runlog
 from support.checkpoint import read_weights
 from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, signals_deferred
 from support.distributed import peak_tflops, rank0
-from support.files import atomic_write, directory_problem, file_problem, read_json, wrong_kind, write_json
+from support.files import (
+    atomic_write,
+    directory_problem,
+    file_problem,
+    path_problem,
+    read_json,
+    write_json,
+    wrong_kind,
+)
 from support.runlog import WandbFlags
 from support.runlog import check as check_wandb
 
@@ -429,10 +437,8 @@ def check_train_args(args: TrainArgs, **ranges: str):
         data = args.data_ids
     if not data.strip():
         raise UserError(f"{flag}: empty path")
-    if not os.path.isfile(data) and not os.path.isdir(data):
-        problem = "file or directory not found"
-        if os.path.lexists(data):
-            problem = wrong_kind(data, "file or directory")
+    problem = path_problem(data, "file or directory", "file or directory")
+    if problem:
         raise UserError(f"{flag} {data}: {problem}")
     if args.resume is not None and not args.resume.strip():
         raise UserError("--resume: empty path (leave the flag out to start afresh)")
