@@ -301,6 +301,24 @@ def random_tokens(batch: int, length: int, vocab_size: int = 64, seed: int = 0) 
     return torch.randint(0, vocab_size, (batch, length), generator=g)
 
 
+def target_with_caches(path, max_batch=4, max_seq=32, **kwargs):
+    """support/checkpoint.load_target, its caches set up for `max_batch` rows of `max_seq`."""
+    from support import checkpoint
+
+    model = checkpoint.load_target(str(path), **kwargs)
+    model.setup_caches(max_batch, max_seq)
+    return model
+
+
+def arange_positions(batch: int, start: int, length: int) -> torch.Tensor:
+    return torch.arange(start, start + length).expand(batch, length).contiguous()
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
 # ----------------------------------------------------------------------------------------
 # Fixtures
 

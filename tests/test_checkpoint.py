@@ -15,13 +15,16 @@ from conftest import (
     IM_END_ID,
     IM_START_ID,
     QWEN3_LIKE_TEMPLATE,
+    arange_positions,
     copy_target,
     edit_config,
     edit_json,
     edit_tensors,
     hf_forward,
     import_model,
+    max_err,
     random_tokens,
+    target_with_caches,
     write_json,
 )
 
@@ -34,21 +37,6 @@ from support.cli import UserError  # noqa: E402
 
 ATOL = 1e-4
 
-
-def load(path, max_batch=4, max_seq=32, **kwargs):
-    """load_target + setup_caches."""
-    model = checkpoint.load_target(str(path), **kwargs)
-    model.setup_caches(max_batch, max_seq)
-    return model
-
-
-def arange_positions(batch: int, start: int, length: int) -> torch.Tensor:
-    return torch.arange(start, start + length).expand(batch, length).contiguous()
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a.float() - b.float()).abs().max().item()
 
 # ----------------------------------------------------------------------------------------
 # Loading: errors name the culprit
@@ -228,7 +216,7 @@ def test_tied_checkpoint_with_explicit_head(target_factory, tmp_path):
     target = target_factory(tie_word_embeddings=True)
     d = copy_target(target.path, tmp_path / "ok")
     edit_tensors(d, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
-    model = load(d)
+    model = target_with_caches(d)
     assert model.lm_head.weight is model.embed_tokens.weight
     tokens = random_tokens(1, 5, seed=13)
     ref, _ = hf_forward(target.hf_model, tokens)
@@ -258,8 +246,8 @@ def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
     assert len(shards) > 1
     tokens = random_tokens(1, 9, seed=14)
     with torch.no_grad():
-        a, _ = load(sharded.path)(tokens, arange_positions(1, 0, 9))
-        b, _ = load(tiny_target.path)(tokens, arange_positions(1, 0, 9))
+        a, _ = target_with_caches(sharded.path)(tokens, arange_positions(1, 0, 9))
+        b, _ = target_with_caches(tiny_target.path)(tokens, arange_positions(1, 0, 9))
     ref, _ = hf_forward(sharded.hf_model, tokens)
     assert torch.equal(a, b)
     assert max_err(a, ref) <= ATOL
@@ -301,7 +289,7 @@ def test_a_tensor_spelled_twice(tiny_target, tmp_path):
 
 
 def test_load_bfloat16(tiny_target):
-    model = load(tiny_target.path, dtype=torch.bfloat16)
+    model = target_with_caches(tiny_target.path, dtype=torch.bfloat16)
     params = dict(model.named_parameters())
     assert params and all(p.dtype == torch.bfloat16 for p in params.values())
     assert not any(p.requires_grad for p in params.values())

@@ -14,9 +14,12 @@ import pytest
 import torch
 from conftest import (
     IM_END_ID,
+    arange_positions,
     hf_forward,
     import_model,
+    max_err,
     random_tokens,
+    target_with_caches,
 )
 
 m = import_model()
@@ -28,22 +31,6 @@ from support.cli import UserError  # noqa: E402
 ATOL = 1e-4
 
 
-def load(path, max_batch=4, max_seq=32, **kwargs):
-    """load_target + setup_caches."""
-    model = checkpoint.load_target(str(path), **kwargs)
-    model.setup_caches(max_batch, max_seq)
-    return model
-
-
-def arange_positions(batch: int, start: int, length: int) -> torch.Tensor:
-    return torch.arange(start, start + length).expand(batch, length).contiguous()
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a.float() - b.float()).abs().max().item()
-
-
 # ----------------------------------------------------------------------------------------
 # Logits against Hugging Face
 
@@ -51,7 +38,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_prefill_and_cached_decode_match_hf(target_factory, tied, rope_spelling):
     target = target_factory(tie_word_embeddings=tied, rope_spelling=rope_spelling)
-    model = load(target.path)
+    model = target_with_caches(target.path)
     if tied:
         assert model.lm_head.weight is model.embed_tokens.weight
     else:
@@ -95,7 +82,7 @@ def test_config_spellings_give_same_args(target_factory):
 
 def test_attention_bias_and_other_theta_match_hf(target_factory):
     target = target_factory(attention_bias=True, rope_theta=1e6, seed=3)
-    model = load(target.path)
+    model = target_with_caches(target.path)
     assert model.args.attention_bias and model.args.rope_theta == 1e6
     tokens = random_tokens(1, 12, seed=4)
     ref, _ = hf_forward(target.hf_model, tokens)
@@ -108,7 +95,7 @@ def test_attention_bias_and_other_theta_match_hf(target_factory):
 
 def test_rollback_by_rewriting_positions(tiny_target):
     """Moving the length pointer back and writing new tokens gives the new sequence's logits."""
-    model = load(tiny_target.path)
+    model = target_with_caches(tiny_target.path)
     tokens = random_tokens(1, 12, seed=5)
     with torch.no_grad():
         model(tokens, arange_positions(1, 0, 12))  # cache holds 12 positions
@@ -121,7 +108,7 @@ def test_rollback_by_rewriting_positions(tiny_target):
 def test_setup_caches_keeps_same_size_buffers(tiny_target):
     """Asked again for the size it has, setup_caches keeps every buffer (compiled graphs hold them);
     any other size allocates new ones."""
-    model = load(tiny_target.path, max_batch=2, max_seq=16)
+    model = target_with_caches(tiny_target.path, max_batch=2, max_seq=16)
     buffers = lambda: [model.rope] + [b for l in model.layers for b in (l.self_attn.kv_cache.k, l.self_attn.kv_cache.v)]
     first = buffers()
     model.setup_caches(2, 16)
@@ -135,7 +122,7 @@ def test_setup_caches_keeps_same_size_buffers(tiny_target):
 def test_ragged_batch_rows_match_hf_alone(tiny_target):
     """Rows of lengths 5 and 9; row 0 right-padded with junk at positions 5..8."""
     hf = tiny_target.hf_model
-    model = load(tiny_target.path, max_batch=4)  # max_batch > B on purpose
+    model = target_with_caches(tiny_target.path, max_batch=4)  # max_batch > B on purpose
     row0 = random_tokens(1, 5, seed=7)
     row1 = random_tokens(1, 9, seed=8)
     junk = torch.full((1, 4), 17)
@@ -175,7 +162,7 @@ def test_ragged_batch_rows_match_hf_alone(tiny_target):
 
 
 def test_logits_index_selects_one_position_per_row(tiny_target):
-    model = load(tiny_target.path)
+    model = target_with_caches(tiny_target.path)
     tokens = random_tokens(3, 6, seed=10)
     positions = arange_positions(3, 0, 6)
     with torch.no_grad():
@@ -197,7 +184,7 @@ def test_cache_free_forward_equals_cached_forward_and_hf(tiny_target):
     T, capture = 12, (-1, 0, 1)
     tokens = random_tokens(2, T, seed=13)
     ref, hidden = hf_forward(tiny_target.hf_model, tokens)
-    model = load(tiny_target.path, max_batch=2, max_seq=16)
+    model = target_with_caches(tiny_target.path, max_batch=2, max_seq=16)
     cache = [t.clone() for l in model.layers for t in (l.self_attn.kv_cache.k, l.self_attn.kv_cache.v)]
     with torch.no_grad():
         free, free_feats = model(tokens, capture=capture)
@@ -211,7 +198,9 @@ def test_cache_free_forward_equals_cached_forward_and_hf(tiny_target):
     assert max_err(free_feats, torch.cat([hidden[i + 1] for i in capture], dim=-1)) <= ATOL
     assert torch.equal(model.lm_head(h), free) and torch.equal(h_feats, free_feats)  # forward = lm_head ∘ hidden
     assert torch.equal(m.rope_table(16, 1e4, T, "cpu"), model.rope[:T])  # computed rows = the table's
-    for other in (checkpoint.load_target(str(tiny_target.path)), load(tiny_target.path, max_batch=2, max_seq=8)):
+    no_cache = checkpoint.load_target(str(tiny_target.path))
+    short_cache = target_with_caches(tiny_target.path, max_batch=2, max_seq=8)
+    for other in (no_cache, short_cache):
         with torch.no_grad():  # no cache at all / a cache table shorter than T
             assert torch.equal(other(tokens, capture=capture)[0], free)
 
@@ -246,7 +235,7 @@ def test_fused_projections_hold_the_published_weights(target_factory, bias):
     names and tensors exactly, and `fused` inverts it."""
     from safetensors.torch import load_file
     target = target_factory(attention_bias=bias, seed=3 if bias else 0)
-    model = load(target.path, max_batch=2)
+    model = target_with_caches(target.path, max_batch=2)
     want = {k.removeprefix("model."): v for k, v in load_file(str(target.path / "model.safetensors")).items()}
     got = checkpoint.published(model.state_dict())
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -307,7 +296,7 @@ def test_bucketed_cache_forward_equals_whole_cache_forward(tiny_target, monkeypa
     """The eager forward reads the cache up to its longest row's end (rounded up); reading all of it,
     as the compiled forward does, gives the same logits."""
     tokens = random_tokens(2, 12, seed=36)
-    model = load(tiny_target.path, max_batch=2, max_seq=100)
+    model = target_with_caches(tiny_target.path, max_batch=2, max_seq=100)
     bucketed = fwd_all(model, tokens)
     seen = []
     real = m.attended_length
@@ -342,7 +331,7 @@ def test_cuda_cached_attention_runs_without_the_math_kernel():
 
 @pytest.mark.parametrize("capture", [(-1,), (0,), (1,), (1, -1, 0), (0, 1)])
 def test_capture_matches_hf_hidden_states(tiny_target, capture):
-    model = load(tiny_target.path)
+    model = target_with_caches(tiny_target.path)
     tokens = random_tokens(2, 10, seed=11)
     _, hidden = hf_forward(tiny_target.hf_model, tokens)
     assert len(hidden) == 4  # embeddings + 3 layers
@@ -359,7 +348,7 @@ def test_capture_matches_hf_hidden_states(tiny_target, capture):
 
 
 def test_capture_embeddings_is_embedding_lookup(tiny_target):
-    model = load(tiny_target.path)
+    model = target_with_caches(tiny_target.path)
     tokens = random_tokens(1, 4, seed=12)
     with torch.no_grad():
         _, feats = model(tokens, arange_positions(1, 0, 4), capture=(-1,))
