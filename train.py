@@ -228,6 +228,17 @@ def total_loss(terms: dict, args: Args) -> torch.Tensor:
     return loss
 
 
+@torch.no_grad()
+def target_features(target: Transformer, drafter, tokens, doc=None):
+    """The target's last hidden states and the features of the layers `drafter` reads, every document
+    of a packed row (`doc`) attending only to itself."""
+    mask = None
+    if doc is not None:
+        mask = data.document_mask(doc)
+    capture = drafter.cfg.target_layer_ids
+    return target.hidden(tokens, capture=capture, mask=mask)
+
+
 def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
                  args: Args, *, keep=None, loss_mask=None, doc=None, den=None):
     """One batch -> (loss, terms, valid); keep [B, N]: real blocks."""
@@ -236,12 +247,7 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     N = anchors.shape[1]
     if keep is None:
         keep = torch.ones_like(anchors, dtype=torch.bool)
-    with torch.no_grad():
-        mask = None
-        if doc is not None:
-            mask = data.document_mask(doc)
-        capture = drafter.cfg.target_layer_ids
-        hidden_t, features = target.hidden(tokens, capture=capture, mask=mask)
+    hidden_t, features = target_features(target, drafter, tokens, doc)
     h = block_forward(drafter, features, tokens, anchors, doc)  # [B, N, K, H]
     # slot j at a+j predicts a+j+1
     slot_pos = anchors[:, :, None] + torch.arange(K, device=tokens.device)
@@ -386,12 +392,8 @@ def ttt_loss(drafter: Eagle3Drafter, features, target_logits, tokens, steps: int
 def eagle3_loss(drafter: Eagle3Drafter, target: Transformer, tokens, args: Args, *, loss_mask=None,
                 doc=None, den=None):
     """One batch -> (loss, stats): the target's features and logits online (no grad), then `ttt_loss`."""
+    hidden_t, features = target_features(target, drafter, tokens, doc)
     with torch.no_grad():
-        mask = None
-        if doc is not None:
-            mask = data.document_mask(doc)
-        capture = drafter.cfg.target_layer_ids
-        hidden_t, features = target.hidden(tokens, capture=capture, mask=mask)
         target_logits = target.lm_head(hidden_t)
     steps = args.ttt_length
     decay = args.step_loss_decay
