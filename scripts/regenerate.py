@@ -270,11 +270,16 @@ def checked_settings(args: Args, device) -> Settings:
     """The decoding settings and the flags' ranges, checked; the required flags given."""
     default = Args().decode
     for f in fields(Settings):
-        given = getattr(args.decode, f.name) != getattr(default, f.name)
+        value = getattr(args.decode, f.name)
+        given = value != getattr(default, f.name)
         if given and f.name not in READ:
             read = ", ".join(flag(name) for name in READ)
             raise UserError(f"{flag(f.name)}: regenerate.py decodes with {read} only; "
                             "it would change nothing here")
+        # None means "the default" only where regenerate.py's default is None: the records and
+        # the resume key write these settings as given
+        if given and value is None:
+            raise UserError(f"{flag(f.name)}: invalid value None")
     settings = flags.check_settings(args.decode, device)
     check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)",
                  num_shards="[1, inf)", shard_index=f"[0, {args.num_shards - 1}]")

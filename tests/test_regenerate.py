@@ -267,6 +267,9 @@ def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatc
     (["--shard-index", 2, "--num-shards", 2], "--shard-index: invalid value 2"),
     (["--max-context", 12], "--max-context 12: must exceed --max-new-tokens 12"),
     (["--temperature", -1], "--temperature: invalid value -1.0"),
+    # None is not regenerate.py's default for these (was a TypeError traceback for --max-new-tokens)
+    (["--max-new-tokens", "None"], "--max-new-tokens: invalid value None"),
+    (["--temperature", "None"], "--temperature: invalid value None"),
     (["--chunk-size", 0], "--chunk-size: invalid value 0"),
     (["--num-samples", 2], "--num-samples: regenerate.py decodes with --max-new-tokens, --temperature"),
     (["--stop", "x"], "--stop: regenerate.py decodes with"),
