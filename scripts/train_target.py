@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import ModelArgs, Transformer  # noqa: E402
 from support import runlog  # noqa: E402
-from support.checkpoint import init_random_, load_target, published  # noqa: E402
+from support.checkpoint import LAYER_KEYS, init_random_, load_target, published  # noqa: E402
 from support.cli import UserError, resolve_device, resolve_dtype
 from support.data import (EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest,  # noqa: E402
                           micro_slices, read_texts, read_windows)
@@ -186,10 +186,30 @@ def tokenizer_into(args: Args, src: Optional[str], texts: Optional[list[str]]) -
     return Tokenizer(args.out)
 
 
+# The shape flags and the config keys they write: each flag is held to the range the loader
+# allows that key, so that what this writes loads.
+SHAPE_KEYS = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+              "intermediate_size": "intermediate_size", "rope_theta": "rope_theta",
+              "max_position_embeddings": "max_position_embeddings"}
+# a byte-level BPE's alphabet (256 bytes) and the two special tokens
+SMALLEST_VOCAB = 258
+
+
+def shape_ranges() -> dict:
+    ranges = {"vocab_size": f"[{SMALLEST_VOCAB}, {LAYER_KEYS['vocab_size'][2]}]"}
+    for name, key in SHAPE_KEYS.items():
+        _, lo, hi, _ = LAYER_KEYS[key]
+        ranges[name] = f"[{lo}, {hi}]"
+    return ranges
+
+
 def run(args: Args) -> dict:
-    check_train_args(args)
+    check_train_args(args, **shape_ranges())
     if args.heads % args.kv_heads:
         raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.head_dim % 2:
+        raise UserError(f"--head-dim {args.head_dim}: must be even (RoPE rotates its two halves)")
     tokenizer_source(args)
     with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0()) as log:
         return train(args, log)

@@ -783,6 +783,27 @@ def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkey
     assert os.listdir(out) == []
 
 
+@pytest.mark.parametrize("flags,needle", [
+    # each used to train (0 layers, 0 heads, a tokenizer of 258 tokens) or end in a traceback
+    (["--layers", 0], "--layers: invalid value 0 (valid: 1 to 1024)"),
+    (["--hidden-size", -1], "--hidden-size: invalid value -1 (valid: 1 to 65536)"),
+    (["--kv-heads", 0], "--kv-heads: invalid value 0"),
+    (["--intermediate-size", 0], "--intermediate-size: invalid value 0"),
+    (["--vocab-size", 100], "--vocab-size: invalid value 100 (valid: 258 to 10000000)"),
+    (["--rope-theta", "nan"], "--rope-theta: invalid value nan"),
+    # a config the loader would refuse to read back
+    (["--rope-theta", 1e20], "--rope-theta: invalid value 1e+20 (valid: 1 to 1000000000000)"),
+    (["--head-dim", 7], "--head-dim 7: must be even"),
+])
+def test_train_target_refuses_a_shape_the_loader_would_not_read(tmp_path, flags, needle):
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *TINY_TARGET, "--tokenizer-from-corpus",
+                            "--vocab-size", 280, "--out", tmp_path / "t", "--steps", 1, *flags], train_target)
+    assert rc == 2 and err.startswith(f"error: {needle}"), err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "t").exists()
+
+
 @pytest.mark.parametrize("flags,named", [(["--markov", "none", "--no-confidence", "--markov-rank", 64], "--markov-rank"),
                                          (["--no-confidence", "--alpha-conf", 0.5], "--alpha-conf")])
 def test_a_flag_the_drafter_has_no_use_for_is_refused(tiny_target, tmp_path, flags, named):
