@@ -21,7 +21,7 @@ import hashlib
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -62,6 +62,7 @@ from support.trainer import (
     checkpoint_dir,
     layer_params,
     optimize,
+    refuse_unused,
     save_state,
     save_tensors,
     train_main,
@@ -883,28 +884,13 @@ def check_unused_flags(args: Args):
     """A flag whose feature is off would train the same drafter."""
     eagle3 = args.drafter_kind == "eagle3"
     eval_flags = ("eval_datasets", "eval_data_dir", "eval_samples", "eval_max_new_tokens")
-    # (flags, whether their feature is off, what turns it off)
-    off = (
+    refuse_unused(args, [
         (DSPARK_ONLY, eagle3, "--drafter-kind eagle3 (a DSpark drafter's flag)"),
         (EAGLE3_ONLY, not eagle3, "--drafter-kind dspark (an Eagle3 drafter's flag)"),
         (("markov_rank",), args.markov == "none", "--markov none"),
         (("alpha_conf",), not args.confidence, "--no-confidence"),
-        (("min_lr_frac",), args.schedule == "constant", "--schedule constant"),
         (eval_flags, not args.eval_every, "no --eval-every"),
-    )
-    default = {f.name: f.default for f in fields(Args)}
-    for names, is_off, why in off:
-        given = [n for n in names if is_off and getattr(args, n) != default[n]]
-        if given:
-            name = given[0]
-            value = getattr(args, name)
-            prefix = "no-" if value is False else ""
-            flag = f"--{prefix}{name.replace('_', '-')}"
-            if isinstance(value, bool):
-                shown = flag
-            else:
-                shown = f"{flag} {value}"
-            raise UserError(f"{shown}: changes nothing with {why}")
+    ])
 
 
 def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:

@@ -38,6 +38,7 @@ from support.trainer import (  # noqa: E402
     check_train_args,
     checkpoint_dir,
     optimize,
+    refuse_unused,
     save_state,
     save_tensors,
     train_main,
@@ -105,8 +106,11 @@ class TargetStep(torch.nn.Module):
 
     def __init__(self, model: Transformer, share: float, compile: bool):
         super().__init__()
-        self.model, self.share = model, share
-        self.core = torch.compile(next_token_loss, dynamic=False) if compile else next_token_loss
+        self.model = model
+        self.share = share
+        self.core = next_token_loss
+        if compile:
+            self.core = torch.compile(next_token_loss, dynamic=False)
 
     def forward(self, tokens):
         loss = self.core(self.model, tokens) * self.share
@@ -157,8 +161,10 @@ def tokenizer_source(args: Args) -> Optional[str]:
         if os.path.basename(here).startswith("checkpoint-"):
             folders.append(os.path.dirname(here))
         for folder in folders:
-            if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-                return os.path.join(folder, "tokenizer.json")
+            kept = os.path.join(folder, "tokenizer.json")
+            if os.path.isfile(kept):
+                check_same_tokenizer(args, kept)
+                return kept
         raise UserError(f"--resume {args.resume}: no tokenizer.json in {' or '.join(folders)} "
                         f"(the run's tokenizer, written at the top of its --out)")
     if args.tokenizer_from_corpus:
@@ -166,13 +172,29 @@ def tokenizer_source(args: Args) -> Optional[str]:
             raise UserError("--tokenizer-from-corpus needs --data (text)")
         return None
     if args.tokenizer is not None:
-        src = args.tokenizer  # a tokenizer.json, or a folder holding one
-        if os.path.isdir(src):
-            src = os.path.join(src, "tokenizer.json")
-        if not os.path.isfile(src):
-            raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
-        return src
+        return given_tokenizer(args)
     raise UserError("a target needs --tokenizer PATH or --tokenizer-from-corpus")
+
+
+def given_tokenizer(args: Args) -> str:
+    """--tokenizer's tokenizer.json: the path, or the one in the folder it names."""
+    src = args.tokenizer
+    if os.path.isdir(src):
+        src = os.path.join(src, "tokenizer.json")
+    if not os.path.isfile(src):
+        raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
+    return src
+
+
+def check_same_tokenizer(args: Args, kept: str):
+    """A resumed run goes on with its own tokenizer: a --tokenizer given must be that one."""
+    if args.tokenizer is None:
+        return
+    src = given_tokenizer(args)
+    with open(src, "rb") as given, open(kept, "rb") as run:
+        same = given.read() == run.read()
+    if not same:
+        raise UserError(f"--tokenizer {args.tokenizer}: differs from the resumed run's {kept}")
 
 
 def tokenizer_into(args: Args, src: Optional[str], texts: Optional[list[str]]) -> Tokenizer:
@@ -206,6 +228,9 @@ def shape_ranges() -> dict:
 
 def run(args: Args) -> dict:
     check_train_args(args, **shape_ranges())
+    if args.tokenizer is not None and args.tokenizer_from_corpus:
+        raise UserError("give --tokenizer or --tokenizer-from-corpus, not both")
+    refuse_unused(args, [(("vocab_size",), not args.tokenizer_from_corpus, "no --tokenizer-from-corpus")])
     if args.heads % args.kv_heads:
         raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if args.head_dim % 2:

@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -417,6 +417,24 @@ def unfinished_run(directory: str) -> bool:
     return not any(n.startswith("checkpoint-") for n in names)
 
 
+def refuse_unused(args, off):
+    """A flag whose feature is off would train the same model (a sweep over it would compare identical
+    runs). off: (flag names, whether their feature is off, what turns it off), in order."""
+    default = {f.name: f.default for f in fields(args)}
+    for names, is_off, why in off:
+        given = [n for n in names if is_off and getattr(args, n) != default[n]]
+        if not given:
+            continue
+        name = given[0]
+        value = getattr(args, name)
+        prefix = "no-" if value is False else ""
+        flag = f"--{prefix}{name.replace('_', '-')}"
+        shown = f"{flag} {value}"
+        if isinstance(value, bool):
+            shown = flag
+        raise UserError(f"{shown}: changes nothing with {why}")
+
+
 def check_train_args(args: TrainArgs, **ranges: str):
     check_ranges(
         args, steps="[1, 100000000]", batch_size="[1, 1000000]", grad_accum="[1, 1000000]",
@@ -426,6 +444,7 @@ def check_train_args(args: TrainArgs, **ranges: str):
         log_every="[1, inf)", save_every="[0, inf)", stop_at=f"[1, {args.steps}]",
         peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]",
     )
+    refuse_unused(args, [(("min_lr_frac",), args.schedule == "constant", "--schedule constant")])
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
     check_wandb(args)

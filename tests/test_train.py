@@ -751,6 +751,24 @@ def test_train_target_resumes_a_checkpoint_folder_or_through_a_link(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_train_target_resumed_takes_only_its_own_tokenizer(tmp_path):
+    """A resumed run goes on with the tokenizer at the top of its --out: a --tokenizer given beside --resume
+    must be that one (another was ignored without a word)."""
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    run, data = tmp_path / "run", ["--data", tmp_path / "corpus.txt", *TINY_TARGET]
+    rc, _, err = run_train([*data, "--tokenizer-from-corpus", "--vocab-size", 280, "--out", run, "--steps", 2],
+                           train_target)
+    assert rc == 0, err
+    (tmp_path / "other.json").write_text("{}")
+    resume = [*data, "--resume", run, "--out", run, "--steps", 3]
+    rc, _, err = run_train([*resume, "--tokenizer", tmp_path / "other.json"], train_target)
+    assert rc == 2 and err == (f"error: --tokenizer {tmp_path / 'other.json'}: differs from the resumed run's "
+                               f"{run / 'tokenizer.json'}\n"), err
+    (tmp_path / "same.json").write_bytes((run / "tokenizer.json").read_bytes())
+    rc, res, err = run_train([*resume, "--tokenizer", tmp_path / "same.json"], train_target)
+    assert rc == 0 and res["start"] == 2, err
+
+
 def test_train_target_stopped_before_training_leaves_out_as_it_was(tmp_path):
     """Too little text for one window, found after the tokenizer was written: --out held tokenizer.json
     alone, and the same command with more text was refused ("already holds files")."""
@@ -794,9 +812,16 @@ def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkey
     # a config the loader would refuse to read back
     (["--rope-theta", 1e20], "--rope-theta: invalid value 1e+20 (valid: 1 to 1000000000000)"),
     (["--head-dim", 7], "--head-dim 7: must be even"),
+    # read silently before: one tokenizer would have been ignored, or a flag changed nothing
+    (["--tokenizer", "corpus.txt"], "give --tokenizer or --tokenizer-from-corpus, not both"),
+    (["--no-tokenizer-from-corpus", "--tokenizer", "tok.json"],
+     "--vocab-size 280: changes nothing with no --tokenizer-from-corpus"),
+    (["--schedule", "constant", "--min-lr-frac", 0.1], "--min-lr-frac 0.1: changes nothing with --schedule constant"),
 ])
-def test_train_target_refuses_a_shape_the_loader_would_not_read(tmp_path, flags, needle):
+def test_train_target_refuses_bad_or_unused_flags_before_any_work(tmp_path, monkeypatch, flags, needle):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    (tmp_path / "tok.json").write_text("{}")
     rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *TINY_TARGET, "--tokenizer-from-corpus",
                             "--vocab-size", 280, "--out", tmp_path / "t", "--steps", 1, *flags], train_target)
     assert rc == 2 and err.startswith(f"error: {needle}"), err
