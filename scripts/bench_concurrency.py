@@ -241,7 +241,8 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
     if demo:
         target_dir = os.path.join(DEMO_DIR, "target")
         drafter_dir = os.path.join(DEMO_DIR, "drafter")
-        prompts_file = args.prompts_file or HELDOUT
+        if prompts_file is None:
+            prompts_file = HELDOUT
     outputs = {"--out": args.out, "--plot": args.plot}
     check_outputs(outputs, inputs=[args.target, args.drafter, prompts_file])
     plots.check_plot_path(args.plot, "--plot")
@@ -250,6 +251,8 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
                         "(or neither, for the demo pair)")
     if prompts_file is None:
         raise UserError("--prompts-file: needed with a --target other than the demo pair")
+    if not prompts_file.strip():
+        raise UserError("--prompts-file: empty path")
     problem = file_problem(prompts_file, "prompts file")  # (the rest of its checks are load_prompts')
     if problem:
         raise UserError(f"--prompts-file {prompts_file}: {problem}")

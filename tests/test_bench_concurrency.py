@@ -141,6 +141,7 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--concurrency", "2", "--plot", "c.pdf"], "--plot c.pdf"),
     (["--concurrency", "2", "--target", "somewhere"], "give both"),
     (["--concurrency", "2", "--prompts-file", "/nonexistent.jsonl"], "prompts file not found"),
+    (["--prompts-file", ""], "--prompts-file: empty path"),  # was the demo's prompts, without a word
     (["--concurrency", "2", "--plot", "/nonexistent/c.png"], "--plot /nonexistent/c.png: directory"),
     (["--out", "/"], "--out /: is a directory"),
 ])
