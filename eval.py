@@ -306,12 +306,8 @@ def run(args: EvalArgs) -> dict:
         compile_cache = use_compile_cache(args.machine.compile_cache)
         machine = replace(args.machine, compile_cache=compile_cache)
         args = replace(args, machine=machine)
-    if rank == 0:
-        for path in skipped:
-            name = os.path.basename(path)[:-len(".jsonl")]
-            print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
     with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
-        return evaluate(args, s, datasets, target_dir, drafter_dirs, log, demo)
+        return evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
 
 
 class Row(NamedTuple):
@@ -345,10 +341,11 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
     return rows
 
 
-def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, drafter_dirs: list,
-             log: Optional[runlog.Log], demo: bool) -> dict:
+def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_dir: str,
+             drafter_dirs: list, log: Optional[runlog.Log], demo: bool) -> dict:
     """Load; decode every dataset with every row's drafter, reporting each as soon as it is done;
-    calibrate (one drafter); write; then the rows side by side."""
+    calibrate (one drafter); write; then the rows side by side. skipped: the missing datasets' files,
+    said once the models have loaded (a run that stops before then is one line)."""
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
     first = drafter_dirs[0] if drafter_dirs else None
@@ -358,6 +355,10 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, target_dir: str, draft
     for directory in drafter_dirs[1:]:
         drafters.append(load_extra_drafter(directory, m))
     rows = rows_of(drafters, drafter_dirs, s.tree_budget)
+    if rank == 0:
+        for path in skipped:
+            name = os.path.basename(path)[:-len(".jsonl")]
+            print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
     drafter = m.drafter
     chat = auto_chat(args.rendering.chat, m.tokenizer)
     if rank == 0 and args.calibration:

@@ -453,6 +453,10 @@ def test_sps_table_and_compile_cache_are_checked_before_loading(env, tmp_path, c
     assert err == f"error: --drafter {env['drafter']}: needs --target, the target it was trained for\n", err
     assert rc == 2
     monkeypatch.undo()
+    # ... nor before a checkpoint found unreadable while loading
+    rc = ev.main([str(a) for a in ["--target", afile] + base[2:7] + ["gsm8k,aime25"] + base[8:]])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"error: --target {afile}: is a file, not a directory\n", err
     rc = ev.main([str(a) for a in base[:7] + ["gsm8k,aime25"] + base[8:]])
     err = capsys.readouterr().err
     assert rc == 0 and f"warning: {os.path.join(env['data'], 'aime25.jsonl')} not found; skipping dataset aime25" in err
