@@ -486,9 +486,8 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
                          args.confidence, with_markov, L)
 
 
-def build_drafter(args: Args, target: Transformer, target_dir: str, device) -> Drafter:
-    """A new drafter, randomly initialised (the target's embedding and lm_head shared, frozen)."""
-    cfg = drafter_config(args, target, target_dir)
+def build_drafter(cfg: DrafterConfig, args: Args, target: Transformer, device) -> Drafter:
+    """A new drafter of `cfg`, randomly initialised (the target's embedding and lm_head shared, frozen)."""
     with torch.device(device):
         if cfg.layout == "eagle3":
             drafter = Eagle3Drafter(cfg)
@@ -719,6 +718,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     if device.startswith("cuda"):
         target_dtype = dtype
     target = load_target(args.target, device, target_dtype)
+    cfg = drafter_config(args, target, args.target)  # the flags against the target, before the data is read
     corpus = data.load_corpus(args, target.args, say)
     identity = {"target": target_digest(args.target), "data": data.digest(corpus)}
     if args.resume:
@@ -728,10 +728,9 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         else:
             source = f"--data-ids {args.data_ids}"
         check_identity(where, identity, {"target": f"--target {args.target}", "data": source})
-        cfg = drafter_config(args, target, args.target)
         drafter = resumed_drafter(where, cfg, target, device)
     else:
-        drafter = build_drafter(args, target, args.target, device)
+        drafter = build_drafter(cfg, args, target, device)
     run = Run(rank, world, device, log)
     if drafter.cfg.layout == "eagle3":
         return train_eagle3(args, drafter, target, corpus, identity, run, dtype)

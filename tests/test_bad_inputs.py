@@ -1087,3 +1087,16 @@ def test_a_checkpoint_path_that_is_not_a_directory_names_its_flag(world, capsys)
     for flag, argv in cases.items():
         rc = speculate.main([str(a) for a in argv] + ["--prompt-ids", "1"])
         _check(capsys.readouterr().err, f"error: {flag} {cal}: is a file, not a directory", rc)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--target-layer-ids", "none"], "--target-layer-ids: 'none' is not a comma-separated list"),
+    (["--markov", "none", "--markov-rank", "256"], "--confidence-with-markov needs a Markov head"),
+    (["--mask-token-id", "100000"], "--mask-token-id: 100000 is outside the vocabulary"),
+])
+def test_the_drafter_flags_are_checked_before_the_data_is_read(world, tmp_path, capsys, monkeypatch, flags, needle):
+    """The drafter's flags against the target come before the corpus is read (reading a chat corpus says what
+    it packed: a line before the error, and minutes on a large one)."""
+    monkeypatch.setattr(train.data, "load_corpus", lambda *a, **k: pytest.fail("the data was read first"))
+    rc = train.main([str(a) for a in T(world, tmp_path) + flags])
+    _check(capsys.readouterr().err, needle, rc)

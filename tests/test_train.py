@@ -190,7 +190,8 @@ def test_training_forward_equals_inference_drafter(tiny_target, markov, confiden
     target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
                       confidence_with_markov=markov != "none", init_std=0.3, seed=3)
-    d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
+    cfg = train.drafter_config(args, target, str(tiny_target.path))
+    d = train.build_drafter(cfg, args, target, "cpu").eval()
     with torch.no_grad():  # non-trivial norms, so a swapped or skipped one would show
         for n, p in d.named_parameters():
             if n.endswith("norm.weight"):
@@ -229,7 +230,8 @@ def test_drafter_loss_equals_slow_reference(tiny_target):
     inference drafter's logits and confidence, slots past the end unsupervised."""
     target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov="gated", markov_rank=8, init_std=0.3, seed=5)
-    d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
+    cfg = train.drafter_config(args, target, str(tiny_target.path))
+    d = train.build_drafter(cfg, args, target, "cpu").eval()
     B, T, K = 2, 12, 4
     tokens = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([[0, 4, 9], [2, 3, 10]])

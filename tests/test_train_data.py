@@ -251,7 +251,8 @@ def test_packed_row_computes_what_each_document_computes_alone(tiny_target):
     row equals the losses of the blocks built one by one on the documents alone."""
     target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=3, depth=2, markov="gated", markov_rank=8, init_std=0.3, seed=5)
-    d = train.build_drafter(args, target, str(tiny_target.path), "cpu").eval()
+    cfg = train.drafter_config(args, target, str(tiny_target.path))
+    d = train.build_drafter(cfg, args, target, "cpu").eval()
     g = torch.Generator().manual_seed(3)
     lens = [5, 7, 4]
     docs = [torch.randint(0, 64, (n,), generator=g) for n in lens]
@@ -358,7 +359,8 @@ def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confid
     target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
                       confidence_with_markov=confidence and markov != "none")
-    d = train.build_drafter(args, target, str(tiny_target.path), "cpu")
+    cfg = train.drafter_config(args, target, str(tiny_target.path))
+    d = train.build_drafter(cfg, args, target, "cpu")
     train.save_drafter(str(tmp_path), d, str(tiny_target.path), 512)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
@@ -416,8 +418,9 @@ def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target):
     target = checkpoint.load_target(str(tiny_target.path))
     dr.MARKOV_HEADS["scaled"] = ScaledMarkov
     try:
-        d = train.build_drafter(train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8), target,
-                                str(tiny_target.path), "cpu")
+        args = train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8)
+        cfg = train.drafter_config(args, target, str(tiny_target.path))
+        d = train.build_drafter(cfg, args, target, "cpu")
     finally:
         dr.MARKOV_HEADS.pop("scaled")
     assert torch.equal(d.markov_head.ln.weight, torch.ones(8)) and torch.equal(d.markov_head.scale, torch.ones(8))
