@@ -85,6 +85,11 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
 
     import torch.distributed as dist
 
+    # Its functions take the default group as an argument default, bound at import. Imported after
+    # the group is made (by DDP, torch.compile or a meta tensor's init, through torch._dynamo), they
+    # would keep the group alive past destroy_process_group, and its threads running into exit.
+    import torch.distributed.nn.functional  # noqa: F401
+
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available")

@@ -1,7 +1,8 @@
 """train.py at several processes and micro-batches: a 2-process gloo run (torchrun) gives the loss curve of
 one process with the same global batch, a run stopped and resumed at another world size continues it exactly,
-torchrun's variables and a missing peer are one-line errors, every new flag's bad values too; the progress
-figures (tokens/s, MFU) and --eval-every (what --wandb records: test_wandb.py).
+torchrun's variables and a missing peer are one-line errors, every new flag's bad values too; no gloo thread
+outlives the process group; the progress figures (tokens/s, MFU) and --eval-every (what --wandb records:
+test_wandb.py).
 
 Tiny models (conftest's word-level target), a few steps each; the torchrun runs are subprocesses.
 """
@@ -121,6 +122,39 @@ def test_a_missing_peer_times_out_with_a_message(tiny_target, tmp_path):
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]  # torch's own C++ log lines may come first
     assert last.startswith("error: rank 0 of 2: no process group at 127.0.0.1") and "--dist-timeout" in last, p.stderr
+
+
+LEFT_THREADS = """
+import os, sys, torch, torch.distributed as dist
+from support.distributed import dist_init
+dist_init("cpu", 60)
+with torch.device("meta"):
+    torch.nn.Embedding(4, 2)  # its random init imports torch._dynamo, as load_target's model does
+torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+dist.destroy_process_group()
+print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads' names from /proc")
+def test_no_gloo_thread_outlives_the_process_group(tmp_path):
+    """After destroy_process_group no gloo thread is left to run into the interpreter's exit: modules
+    imported after the group is made (by DDP, by a meta tensor's init) must not keep it alive."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "left_threads.py"
+    script.write_text(LEFT_THREADS)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert "gloo" not in out, out
 
 
 @pytest.mark.parametrize("flags,needle", [
