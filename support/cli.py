@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import numbers
 import os
@@ -128,18 +129,91 @@ def signals_deferred():
                 os.kill(os.getpid(), pending[0])
 
 
+def flag_names(args_class) -> list[str]:
+    """The flags of a program's dataclass, its flat groups' included (bool flags without --no-)."""
+    names = []
+    for f in dataclasses.fields(args_class):
+        group = None
+        if f.default_factory is not dataclasses.MISSING:
+            group = f.default_factory()
+        if dataclasses.is_dataclass(group):
+            names += flag_names(type(group))
+        else:
+            names.append(flag(f.name))
+    return names
+
+
+def parse_error_line(event, args_class) -> Optional[str]:
+    """One of tyro's parse-error events as one line; None for a kind not rendered here (tyro's box)."""
+    kind = type(event).__name__
+    if kind == "UnrecognizedArgs":
+        first = event.tokens[0]
+        if not first.startswith("--"):
+            return f"{first}: unexpected (no flag before it takes a value; --help lists the flags)"
+        name = first.split("=")[0]
+        hint = "--help lists the flags"
+        close = difflib.get_close_matches(name, flag_names(args_class), n=1, cutoff=0.75)
+        if close:
+            hint = f"did you mean {close[0]}?"
+        return f"{name}: no such flag ({hint})"
+    if kind == "MissingArgs":
+        missing = []
+        for needed in event.missing_arguments:
+            missing.append("/".join(needed.arg.lowered.name_or_flags))
+        return f"{', '.join(missing)}: required (--help says what each takes)"
+    argument = getattr(event, "argument", None)
+    if argument is None:
+        return None
+    name = "/".join(argument.lowered.name_or_flags)
+    expected = argument.lowered.metavar
+    if kind == "InvalidChoice":
+        return f"{name} {event.value}: not one of {expected}"
+    if kind == "BadValue" and event.reason == "too_few_values":
+        return f"{name}: no value given (expects {expected})"
+    if kind == "BadValue":
+        return f"{name} {event.offending_value}: takes no value"
+    if kind == "InstantiationFailure":
+        # a union's message lists each member type's failure; the last is the value's own type
+        lines = [line.strip() for line in event.message.splitlines() if line.strip()]
+        causes = [line for line in lines if line.startswith("- ")]
+        why = lines[0]
+        if causes:
+            why = causes[-1].split(": ", 1)[-1]
+        return f"{name}: expects {expected} ({why})"
+    return None
+
+
+def parse_flags(args_class, argv: Optional[list[str]]):
+    """tyro's parse of `argv` (None: sys.argv[1:]); a value, flag or choice it rejects is a one-line
+    UserError. tyro's hook for that is private (tyro 1.0, as constraints.txt pins); a tyro without
+    it prints its own box and exits 2."""
+    if tyro is None:
+        raise UserError("the command line needs tyro: pip install -r requirements.txt")
+    try:
+        from tyro._errors import on_parse_error
+    except ImportError:
+        return tyro.cli(args_class, args=argv)
+
+    def refuse(event):
+        line = parse_error_line(event, args_class)
+        if line is not None:
+            raise UserError(line)
+
+    with on_parse_error(refuse):
+        return tyro.cli(args_class, args=argv)
+
+
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,
              rank0: Callable[[], bool] = lambda: True) -> int:
-    """A program's main(): tyro's flags, then `run(args)`; a UserError is one line on stderr (rank 0) and
-    exit 2, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 + the signal."""
-    import tyro
-
-    args = tyro.cli(args_class, args=argv)  # None: sys.argv[1:]
+    """A program's main(): tyro's flags, then `run(args)`; a UserError (a bad flag's included) is one
+    line on stderr (rank 0) and exit 2, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 +
+    the signal."""
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
         if hasattr(stream, "reconfigure") and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
     handlers = _set_handlers(_interrupt)
     try:
+        args = parse_flags(args_class, argv)
         with torch.inference_mode() if inference else contextlib.nullcontext():
             run(args)
     except UserError as e:

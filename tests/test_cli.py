@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -15,6 +16,7 @@ from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_confi
 
 import speculate
 from support import text
+from support.cli import cli_main
 from support.flags import Rendering
 
 
@@ -186,6 +188,37 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
     cases.append((["--target", broken, "--prompt-ids", "1,2"], ["config.json", "malformed"]))
     for args, needles in cases:
         _one_error_line(*run_cli(args, capsys), *needles)
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--max-new-tokens", "abc"], "--max-new-tokens: expects {None}|INT (invalid literal for int() with base 10: 'abc')"),
+    (["--batch-size", "1.5"], "--batch-size: expects INT (invalid literal for int() with base 10: '1.5')"),
+    (["--scheduler", "foo"], "--scheduler foo: not one of {None,none,threshold,hardware,async}"),
+    (["--max-new-token", "5"], "--max-new-token: no such flag (did you mean --max-new-tokens?)"),
+    (["--nope"], "--nope: no such flag (--help lists the flags)"),
+    (["--max-new-tokens"], "--max-new-tokens: no value given (expects {None}|INT)"),
+    (["--compile", "x"], "x: unexpected (no flag before it takes a value; --help lists the flags)"),
+])
+def test_flags_tyro_rejects_are_one_line_errors(capsys, argv, line):
+    """A malformed value, an unknown flag or choice, a missing value: one line naming the flag (tyro's
+    parse-error events, a close flag suggested), exit status 2, before anything is read."""
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [f"error: {line}"], err
+
+
+@dataclasses.dataclass
+class NeedsTwo:
+    corpus: str
+    """Where the corpus goes."""
+    out: str
+    """Where the rest goes."""
+
+
+def test_missing_required_flags_are_one_line(capsys):
+    rc = cli_main(NeedsTwo, lambda args: None, ["--out", "o"])
+    assert rc == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --corpus: required (--help says what each takes)"]
 
 
 def test_subprocess_exit_status_and_stderr(tiny_target, tmp_path):
