@@ -275,8 +275,13 @@ def write_records(src: Source, rows: Iterable[dict], path: str,
     return count, digest.hexdigest()
 
 
+class Flags(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage and then the error
+        raise UsageError(message)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Flags(
         description="Rebuild data/eval/<name>.jsonl ({\"turns\": [...]} per line) "
                     "from the public datasets "
                     "(needs a network and `pip install datasets`).")
@@ -293,7 +298,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.list:
         for src in SOURCES:
             print(src.describe())

@@ -86,6 +86,11 @@ def test_unknown_name_and_bad_max_rows(tmp_path):
                             (str(tmp_path / "afile"), "not a directory")):
         r = run("gsm8k", "--out-dir", out_dir)
         assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    # argparse's own refusals too: one line, without its usage line
+    for argv, needle in ((["--bogus"], "unrecognized arguments: --bogus"), (["--max-rows", "x"], "'x'")):
+        r = run(*argv, "--out-dir", str(tmp_path))
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
 
 
 STUB_HUB = """
