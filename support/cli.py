@@ -148,8 +148,11 @@ def parse_error_line(event, args_class) -> Optional[str]:
     kind = type(event).__name__
     if kind == "UnrecognizedArgs":
         first = event.tokens[0]
-        if not first.startswith("--"):
-            return f"{first}: unexpected (no flag before it takes a value; --help lists the flags)"
+        if not re.match(r"--?[A-Za-z]", first):  # a value, not a flag
+            shown = first
+            if not first.strip():
+                shown = repr(first)
+            return f"{shown}: unexpected (no flag before it takes a value; --help lists the flags)"
         name = first.split("=")[0]
         hint = "--help lists the flags"
         close = difflib.get_close_matches(name, flag_names(args_class), n=1, cutoff=0.75)

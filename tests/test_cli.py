@@ -198,6 +198,8 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
     (["--nope"], "--nope: no such flag (--help lists the flags)"),
     (["--max-new-tokens"], "--max-new-tokens: no value given (expects {None}|INT)"),
     (["--compile", "x"], "x: unexpected (no flag before it takes a value; --help lists the flags)"),
+    (["-x"], "-x: no such flag (--help lists the flags)"),
+    ([""], "'': unexpected (no flag before it takes a value; --help lists the flags)"),
 ])
 def test_flags_tyro_rejects_are_one_line_errors(capsys, argv, line):
     """A malformed value, an unknown flag or choice, a missing value: one line naming the flag (tyro's
