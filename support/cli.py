@@ -198,7 +198,10 @@ def parse_flags(args_class, argv: Optional[list[str]]):
         return tyro.cli(args_class, args=argv)
 
     def refuse(event):
-        line = parse_error_line(event, args_class)
+        try:
+            line = parse_error_line(event, args_class)
+        except AttributeError:  # another tyro's private events: its own box
+            return
         if line is not None:
             raise UserError(line)
 

@@ -15,7 +15,7 @@ import torch
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
 import speculate
-from support import text
+from support import cli, text
 from support.cli import cli_main
 from support.flags import Rendering
 
@@ -207,6 +207,17 @@ def test_flags_tyro_rejects_are_one_line_errors(capsys, argv, line):
     rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and out == ""
     assert err.strip().splitlines() == [f"error: {line}"], err
+
+
+def test_a_tyro_whose_parse_events_differ_prints_its_own_box(capsys, monkeypatch):
+    """The hook reads tyro's private events; where their fields differ, tyro's own message, not a traceback."""
+    def other_fields(event, args_class):
+        raise AttributeError("'UnrecognizedArgs' object has no attribute 'tokens'")
+    monkeypatch.setattr(cli, "parse_error_line", other_fields)
+    with pytest.raises(SystemExit) as e:
+        speculate.main(["--nope"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--nope" in err and "Traceback" not in err
 
 
 @dataclasses.dataclass
