@@ -154,10 +154,13 @@ def parse_error_line(event, args_class) -> Optional[str]:
                 shown = repr(first)
             return f"{shown}: unexpected (no flag before it takes a value; --help lists the flags)"
         name = first.split("=")[0]
+        known = flag_names(args_class)
+        close = [known_flag for known_flag in known if known_flag.startswith(name)]  # a flag cut short
+        if not close:  # or misspelt
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         hint = "--help lists the flags"
-        close = difflib.get_close_matches(name, flag_names(args_class), n=1, cutoff=0.75)
         if close:
-            hint = f"did you mean {close[0]}?"
+            hint = f"did you mean {' or '.join(close[:3])}?"
         return f"{name}: no such flag ({hint})"
     if kind == "MissingArgs":
         missing = []

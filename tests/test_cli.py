@@ -195,6 +195,7 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
     (["--batch-size", "1.5"], "--batch-size: expects INT (invalid literal for int() with base 10: '1.5')"),
     (["--scheduler", "foo"], "--scheduler foo: not one of {None,none,threshold,hardware,async}"),
     (["--max-new-token", "5"], "--max-new-token: no such flag (did you mean --max-new-tokens?)"),
+    (["--temp", "0"], "--temp: no such flag (did you mean --temperature?)"),
     (["--nope"], "--nope: no such flag (--help lists the flags)"),
     (["--max-new-tokens"], "--max-new-tokens: no value given (expects {None}|INT)"),
     (["--compile", "x"], "x: unexpected (no flag before it takes a value; --help lists the flags)"),
