@@ -17,7 +17,7 @@ import torch
 
 from support import runlog
 from support.checkpoint import read_weights
-from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, signals_deferred
+from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, flag, signals_deferred
 from support.distributed import peak_tflops, rank0
 from support.files import (
     atomic_write,
@@ -292,8 +292,7 @@ def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = No
     now = asdict(args)
     for k in args.resume_keys:
         if k in saved and saved[k] != now[k]:
-            flag = k.replace("_", "-")
-            raise UserError(f"--resume {directory}: --{flag} was {saved[k]!r}, now {now[k]!r} "
+            raise UserError(f"--resume {directory}: {flag(k)} was {saved[k]!r}, now {now[k]!r} "
                             "(a resumed run must repeat the original flags)")
     g = args.batch_size * args.grad_accum * (world or 1)
     saved_batch = meta.get("global_batch")
@@ -309,14 +308,14 @@ def check_identity(directory: str, identity: dict, flags: dict):
     if not isinstance(saved, dict):
         saved = {}
     for what, digest in identity.items():
-        flag = flags[what]
+        given = flags[what]
         if what not in saved:
             raise UserError(
                 f"--resume {directory}: the saved state records no digest of its {what} (written by an "
-                f"older version), so {flag} cannot be checked against it; start a new run")
+                f"older version), so {given} cannot be checked against it; start a new run")
         if saved[what] != digest:
             raise UserError(
-                f"{flag}: differs from the run's {what} (the one {directory} was trained with; "
+                f"{given}: differs from the run's {what} (the one {directory} was trained with; "
                 f"a resumed run must use the same {what})")
 
 
@@ -427,11 +426,11 @@ def refuse_unused(args, off):
             continue
         name = given[0]
         value = getattr(args, name)
-        prefix = "no-" if value is False else ""
-        flag = f"--{prefix}{name.replace('_', '-')}"
-        shown = f"{flag} {value}"
-        if isinstance(value, bool):
-            shown = flag
+        shown = f"{flag(name)} {value}"
+        if value is True:
+            shown = flag(name)
+        if value is False:
+            shown = flag("no_" + name)
         raise UserError(f"{shown}: changes nothing with {why}")
 
 
