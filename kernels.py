@@ -338,6 +338,8 @@ def cached_attention(q, k, v, bias):
 
 
 # The kernel sources, made Triton kernels by `_build_triton_kernels` (tl is bound on first use).
+# A launch passes a Python float as fp32, but a kernel inside a torch.compile graph gets it as fp64:
+# each kernel makes its float arguments fp32 first, so both compute alike (and fp32 loop state stays fp32).
 
 def _round_to(x, CODE: tl.constexpr):
     """float32 x rounded (to nearest even) to bfloat16 (CODE 1) or float16 (CODE 2), kept as float32."""
@@ -377,6 +379,7 @@ def _markov_partial_kernel(u_ptr, s_u,
                            BLOCK_V: tl.constexpr,
                            BLOCK_R: tl.constexpr):
     """Pass 1 of a Markov step: one (row b, V-tile) -> that tile's best key and its first index."""
+    temperature = tl.cast(temperature, tl.float32)
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     tile_start = t * BLOCK_V
@@ -436,6 +439,7 @@ def _rows_softmax_partial_kernel(x_ptr, s_row,
                                  temperature,
                                  BLOCK_V: tl.constexpr):
     """Per (row, V-tile) of logits: max of x/T and the sum of exp(x/T − that max)."""
+    temperature = tl.cast(temperature, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     tile_start = t * BLOCK_V
@@ -465,6 +469,7 @@ def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles,
                                   BLOCK_T: tl.constexpr):
     """One row: softmax max/sum of each position, the acceptance test u·q(x) < p(x), n, and the
     committed position's statistics (max, sum, rejected) for the last pass."""
+    temperature = tl.cast(temperature, tl.float32)
     b = tl.program_id(0).to(tl.int64)
     js = tl.arange(0, BLOCK_J)  # positions 0 .. K; drafts at 0 .. K - 1
     ts = tl.arange(0, BLOCK_T)
@@ -524,6 +529,7 @@ def _verify_sampled_race_kernel(logits_ptr, s_lrow,
                                 BLOCK_V: tl.constexpr):
     """Per (row, V-tile) of the committed position n: the race of p_n/E (bonus) and of
     max(p_n − q_n, 0)/E (correction), and the tile's residual mass."""
+    temperature = tl.cast(temperature, tl.float32)
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1)
     tile_start = t * BLOCK_V
@@ -621,6 +627,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr,
     bias_rows = bias_ptr + b * s_bb + t * s_bt
     k_head = k_ptr + b * s_kb + h * s_kh
     v_head = v_ptr + b * s_vb + h * s_vh
+    scale = tl.cast(scale, tl.float32)
     first_key = split * SPLIT_KEYS
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -21,7 +21,9 @@ The interpreter is slow; the whole file takes tens of seconds on two cores.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -467,6 +469,106 @@ def test_attention_check_runs_on_cpu(capsys):
     assert attention_check("cpu", [(2, 4, 4, 2, 16, 70, (10, 60))], torch.float32, compile=False, reps=1) == 0
     out = capsys.readouterr().out
     assert out.count("attention B=2") == 2 and "ok=True" in out
+
+
+# ----------------------------------------------------------------------------------------
+# Each kernel as a torch.compile graph launches it
+
+class LaunchRecorder:
+    """A jitted kernel that keeps the arguments of each launch, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def inductor_launch(name: str, args: tuple, kwargs: dict) -> dict:
+    """A recorded launch as tests/triton_lowering.py reads it: keyword arguments are the constexprs
+    (launch options such as num_warps left out), the others typed as Inductor types them."""
+    kernel = kernels._TRITON_KERNELS[name]
+    if isinstance(kernel, LaunchRecorder):
+        kernel = kernel.kernel
+    signature = {}
+    constexprs = {}
+    for i, argument in enumerate(kernel.arg_names):
+        if argument in kwargs:
+            signature[argument] = "constexpr"
+            constexprs[argument] = kwargs[argument]
+        else:
+            signature[argument] = inductor_type(args[i])
+    return {"kernel": name, "signature": signature, "constexprs": constexprs}
+
+
+def inductor_type(value) -> str:
+    """How Inductor types a user kernel's runtime argument: a Python float is fp64 (a plain launch
+    makes it fp32)."""
+    if isinstance(value, torch.Tensor):
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                 torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}
+        return "*" + names[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        if -2 ** 31 <= value < 2 ** 31:
+            return "i32"
+        return "i64"
+    assert isinstance(value, float), type(value)
+    return "fp64"
+
+
+def test_every_kernel_lowers_with_float_arguments_as_a_compiled_graph_passes_them(monkeypatch):
+    """Inside a torch.compile graph, Inductor passes a kernel's Python floats (the temperature, the
+    attention's scale) as fp64 where a plain launch passes fp32. Each kernel, on the arguments of real
+    launches (greedy and sampled chains, sampled verification with and without drafts, attention in
+    one pass and split), lowers so typed through Triton's GPU front end, and computes in fp32: no f64
+    beyond the function's arguments and their one conversion. (An fp64 scale once broke the attention
+    kernel's compile on the GPU.)"""
+    import model
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    kernels.check_backend("triton", "cpu")
+    recorders = {}
+    for name in kernels.TRITON_SOURCES:
+        if name.endswith("_kernel"):
+            recorders[name] = LaunchRecorder(kernels._TRITON_KERNELS[name])
+            monkeypatch.setitem(kernels._TRITON_KERNELS, name, recorders[name])
+    m = vanilla(100, 16)
+    U, h, a = chain_inputs(2, 3, 100)
+    kernels.markov_chain(U, h, a, m, 0.0, None)
+    kernels.markov_chain(U, h, a, m, 0.8, gen())
+    for K in (3, 0):
+        drafts, q, logits, verify_len, u, noise = sampled_case(2, K, 100, seed=K)
+        kernels.accept_sampled(drafts, q, logits, verify_len, 0.7, None, u, noise)
+    monkeypatch.setattr(kernels, "TRITON_BLOCK_N", 16)
+    for split_min_blocks in (1000, 1):
+        monkeypatch.setattr(kernels, "TRITON_SPLIT_MIN_BLOCKS", split_min_blocks)
+        q, k, v, allowed = attention_case(1, 2, 4, 2, 16, 40)
+        kernels.cached_attention(q, k, v, model.cache_bias(allowed, 2, torch.float32))
+    launches = []
+    for name, recorder in recorders.items():
+        assert recorder.launches, name
+        for args, kwargs in recorder.launches:
+            launches.append(inductor_launch(name, args, kwargs))
+    unique = {json.dumps(launch, sort_keys=True): launch for launch in launches}
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    lowering = os.path.join(_HERE, "triton_lowering.py")
+    done = subprocess.run([sys.executable, lowering], input=json.dumps(list(unique.values())),
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert len(results) == len(unique)
+    assert {result["kernel"] for result in results} == set(recorders)
+    for result in results:
+        assert "error" not in result, result
+        computed = [line for line in result["f64"] if not line.startswith("tt.func")]
+        conversions = [line for line in computed if "arith.truncf" in line]
+        assert computed == conversions, (result["kernel"], computed[:3])
 
 
 DEVICE_SHAPES = [(1, 7, 151936, 256, torch.bfloat16), (4, 7, 151936, 256, torch.float32),
