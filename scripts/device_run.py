@@ -592,9 +592,9 @@ def attention_checks(st: Stage, shapes: list, dtype, dev: str, g, reps: int):
 
 def compiled_checks(st: Stage, shapes: dict, dtype, adtype, dev: str, g, dry: bool):
     """The engine compiles the round whole (fullgraph, static shapes), so the kernels must trace: the
-    chain and the sampled verify in one graph, the attention in another, each checked as above. In the
-    interpreter (the dry run), traced code takes the references: Triton's interpreter cannot run
-    inside a graph."""
+    chain and the sampled verify in one graph, the attention in another, each checked as above, and a
+    graph that does not compile a failed check with its error. In the interpreter (the dry run), traced
+    code takes the references: Triton's interpreter cannot run inside a graph."""
     import torch
 
     import kernels
@@ -614,26 +614,43 @@ def compiled_checks(st: Stage, shapes: dict, dtype, adtype, dev: str, g, dry: bo
         accepted, next_token = kernels.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
         return drafts, accepted, next_token
 
+    outputs = compiled_run(st, ("compiled chain", "compiled verify_sampled"), step, dry,
+                           U, anchor, logits, verify_len)
+    if outputs is not None:
+        drafts, accepted, next_token = outputs
+        st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
+        reference = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+        st.check("compiled verify_sampled", differing((accepted, next_token), reference), 0.0,
+                 triton_traced=not dry)
     B, T, H, Hkv, hd, S, fills = shapes["attention"][0]
     aq, ak, av = attention_inputs(B, T, H, Hkv, hd, S, adtype, dev, g)
     reference_bias, bias = attention_biases(B, T, H, Hkv, S, fills[-1], adtype, dev)
     with sdpa_spy() as backends:
         want = model.attend_cached(aq, ak, av, reference_bias)
+    got = compiled_run(st, ("compiled attention",), kernels.cached_attention, dry, aq, ak, av, bias)
+    if got is not None:
+        diff = (got.float() - want.float()).abs().max().item()
+        tol = attention_tolerance(aq, ak, av, reference_bias, want, backends[0])
+        st.check("compiled attention", diff, tol, triton_traced=not dry)
+
+
+def compiled_run(st: Stage, checks: tuple, fn, dry: bool, *args):
+    """fn compiled whole and run on args, the Triton functions' fallbacks refused (on the GPU); where it
+    fails, each of `checks` is recorded failed with the error, and None returned."""
+    import torch
+
     guard = contextlib.nullcontext()
     if not dry:
         guard = only_triton()
-    with guard:
-        compiled_step = torch.compile(step, fullgraph=True, dynamic=False)
-        drafts, accepted, next_token = compiled_step(U, anchor, logits, verify_len)
-        compiled_attention = torch.compile(kernels.cached_attention, fullgraph=True, dynamic=False)
-        got = compiled_attention(aq, ak, av, bias)
-    st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
-    reference = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
-    st.check("compiled verify_sampled", differing((accepted, next_token), reference), 0.0,
-             triton_traced=not dry)
-    diff = (got.float() - want.float()).abs().max().item()
-    tol = attention_tolerance(aq, ak, av, reference_bias, want, backends[0])
-    st.check("compiled attention", diff, tol, triton_traced=not dry)
+    try:
+        with guard:
+            graph = torch.compile(fn, fullgraph=True, dynamic=False)
+            return graph(*args)
+    except Exception as e:  # noqa: BLE001 - recorded as the checks' failure, the stage goes on
+        error = f"{type(e).__name__}: {e}"[:2000]
+        for name in checks:
+            st.check(name, math.inf, 0.0, error=error, triton_traced=not dry)
+        return None
 
 
 def triton_stage(st: Stage, dry: bool) -> int:

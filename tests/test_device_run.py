@@ -151,6 +151,35 @@ def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, c
     assert "wrote" in (tmp_path / "log.txt").read_text() and "=== smoke: timed out" in capsys.readouterr().out
 
 
+def test_a_graph_that_does_not_compile_is_a_failed_check(tmp_path, monkeypatch):
+    """The triton stage's compiled checks: where one graph fails to compile, its checks fail with the
+    error, and the others are still made (on the H100 the attention's compile error had ended the stage
+    before the chain's and the verify's compiled checks were written)."""
+    import torch
+
+    import kernels
+
+    real = torch.compile
+
+    def compile(fn=None, **kw):
+        if fn is kernels.cached_attention:
+            def broken(*args):
+                raise RuntimeError("the attention kernel did not lower")
+            return broken
+        return real(fn, fullgraph=True, dynamic=False, backend="eager")
+    monkeypatch.setattr(torch, "compile", compile)
+    st = device_run.Stage("triton", str(tmp_path), True)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        device_run.compiled_checks(st, device_run.DRY, torch.bfloat16, torch.float16, "cpu", g, True)
+    doc = json.loads((tmp_path / "triton.json").read_text())
+    verdicts = [(c["name"], c["ok"]) for c in doc["checks"]]
+    assert verdicts == [("compiled chain", True), ("compiled verify_sampled", True), ("compiled attention", False)]
+    failed = doc["checks"][-1]
+    assert failed["max_diff"] == "inf" and failed["error"] == "RuntimeError: the attention kernel did not lower"
+    assert device_run.failed_checks(doc) == ["compiled attention"]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--dry-run", "--stages", ""], "--stages: none given"),
     (["--dry-run", "--stages", "smoke,bogus"], "--stages: unknown stage 'bogus'"),
