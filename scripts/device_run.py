@@ -19,7 +19,8 @@ so a call ends by itself within 9 minutes. In order, smallest first:
                 nodes (its compile took 70 s at 16 on an H100), so 64 would not fit the stage's cap
   triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
                 and inside torch.compile, each check with its bf16 tolerance; each eager check times
-                the kernel beside its reference (the chain, the sampled verify, the cache attention)
+                the kernel beside its reference (the chain, the sampled verify, the cache attention),
+                launched call by call and replayed from a CUDA graph as a compiled round runs them
 and, asked for by --stages only (measured on 2026-11-30):
   compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
   eager-b1      bench.py at batch 1, eager
@@ -416,9 +417,34 @@ def microseconds(fn, dev: str, reps: int) -> float:
     return round(seconds * 1e6, 1)
 
 
+def graph_microseconds(fn, reps: int) -> float:
+    """Microseconds a replay of `fn` captured in a CUDA graph, as a compiled round runs it (no launch
+    overhead between its kernels): the mean of `reps` replays after one."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: Triton builds, the allocator settles
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return microseconds(graph.replay, "cuda", reps)
+
+
 def timings(reference, triton, dev: str, reps: int) -> dict:
-    """The torch reference's and the Triton function's microseconds a call."""
-    return {"reference_us": microseconds(reference, dev, reps), "triton_us": microseconds(triton, dev, reps)}
+    """The torch reference's and the Triton function's microseconds a call, launched one by one; on a
+    GPU also replayed from a CUDA graph (a function that cannot be captured: the error instead)."""
+    speed = {"reference_us": microseconds(reference, dev, reps), "triton_us": microseconds(triton, dev, reps)}
+    if dev != "cuda":
+        return speed
+    try:
+        speed["reference_graph_us"] = graph_microseconds(reference, reps)
+        speed["triton_graph_us"] = graph_microseconds(triton, reps)
+    except Exception as e:  # noqa: BLE001 - a timing that could not be taken, said so
+        speed["graph_error"] = f"{type(e).__name__}: {e}"[:500]
+    return speed
 
 
 def chain_inputs(B: int, K: int, V: int, r: int, dtype, dev: str, g):

@@ -151,6 +151,22 @@ def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, c
     assert "wrote" in (tmp_path / "log.txt").read_text() and "=== smoke: timed out" in capsys.readouterr().out
 
 
+def test_timings_on_a_gpu_add_cuda_graph_replays_or_why_not(monkeypatch):
+    """A kernel and its reference are timed call by call everywhere, and on a GPU also replayed from a
+    CUDA graph, as a compiled round runs them; a capture that fails leaves its error, not a crash."""
+    monkeypatch.setattr(device_run, "microseconds", lambda fn, dev, reps: 10.0)
+    monkeypatch.setattr(device_run, "graph_microseconds", lambda fn, reps: fn())
+    assert device_run.timings(lambda: 1.0, lambda: 2.0, "cpu", 3) == {"reference_us": 10.0, "triton_us": 10.0}
+    assert device_run.timings(lambda: 1.0, lambda: 2.0, "cuda", 3) == {
+        "reference_us": 10.0, "triton_us": 10.0, "reference_graph_us": 1.0, "triton_graph_us": 2.0}
+
+    def uncapturable():
+        raise RuntimeError("operation not permitted when stream is capturing")
+    speed = device_run.timings(lambda: 1.0, uncapturable, "cuda", 3)
+    assert speed == {"reference_us": 10.0, "triton_us": 10.0, "reference_graph_us": 1.0,
+                     "graph_error": "RuntimeError: operation not permitted when stream is capturing"}
+
+
 def test_a_graph_that_does_not_compile_is_a_failed_check(tmp_path, monkeypatch):
     """The triton stage's compiled checks: where one graph fails to compile, its checks fail with the
     error, and the others are still made (on the H100 the attention's compile error had ended the stage
