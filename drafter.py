@@ -130,7 +130,8 @@ MARKOV_HEADS = {"vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = σ(w · [h_k ; W1[x_{k-1}]] + b) (the Markov feature when the checkpoint has it)."""
+    """The confidence logit w · [h_k ; W1[x_{k-1}]] + b (the Markov feature when the checkpoint has it);
+    Drafter.confidence makes it c_k = σ(logit / T_k) with the calibrated `temperature`."""
 
     def __init__(self, in_features: int):
         super().__init__()

@@ -3,7 +3,10 @@ drafts a block, and the acceptance rules that keep speculative decoding exact.
 
 Sampling is the exponential race, argmax(p / E) with E ~ Exp(1): exact, and no host sync. A round's
 noise is drawn outside compiled graphs (`Noise`), so a seed repeats a run token for token. These are
-the references; kernels.py has Triton versions of the chain and of sampled acceptance."""
+the references; kernels.py has Triton versions of the chain and of sampled acceptance.
+
+Drafts are numbered as in the paper: x_1 .. x_K after the anchor x_0, draft x_k tested against the
+target's p_{k-1}. Tensors count from 0: drafts[:, j] holds x_{j+1}, tested against p[:, j]."""
 
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
 
 def rows_noise(generators: list, K: int, V: int, device) -> Noise:
     """Each row's noise from its request's generator (independent of its neighbours); free rows
-    (generator None) get placeholders."""
+    (generator None), whose tokens are thrown away, get placeholders."""
     rows = []
     for g in generators:
         if g is not None:
@@ -105,7 +108,7 @@ def rows_noise(generators: list, K: int, V: int, device) -> Noise:
         u = torch.zeros((1, K), device=device)
         bonus = torch.ones((1, V), device=device)
         rows.append(Noise(chain, u, bonus))
-    chains, uniforms, bonuses = zip(*rows)  # each one part a row
+    chains, uniforms, bonuses = zip(*rows)  # the rows' chain noise, u and bonus noise, apart
     chain = torch.cat(chains)
     u = torch.cat(uniforms)
     bonus = torch.cat(bonuses)
@@ -185,7 +188,7 @@ def prefix_length(ok: torch.Tensor) -> torch.Tensor:
 
 
 def verified_mask(drafts, verify_len) -> torch.Tensor:
-    """[B, K]: draft k goes to the target (k < ℓ)."""
+    """[B, K]: which drafts go to the target, drafts[:, j] where j < ℓ (x_1 .. x_ℓ)."""
     K = drafts.shape[1]
     positions = torch.arange(K, device=drafts.device)
     return positions < verify_len[:, None]
@@ -220,8 +223,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
     if K:
         drafted = drafts[:, :, None]  # [B, K, 1]
         p_drafts = p[:, :K]  # [B, K, V] p_0 .. p_{K-1}, the target's at each draft
-        p_x = p_drafts.gather(2, drafted)[:, :, 0]  # [B, K] p_{k-1}(x_k)
-        q_x = q.gather(2, drafted)[:, :, 0]         # [B, K] q_k(x_k)
+        p_x = p_drafts.gather(2, drafted)[:, :, 0]  # [B, K] p_{k-1}(x_k) in column k - 1
+        q_x = q.gather(2, drafted)[:, :, 0]         # [B, K] q_k(x_k) in column k - 1
         passed = u * q_x < p_x  # the rejection test
         verified = verified_mask(drafts, verify_len)
         ok = passed & verified
@@ -230,13 +233,11 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
     if K:
         q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
         q_n = q[rows, q_row]
-        excess = p_n - q_n
-        residual = torch.clamp(excess, min=0)
-        mass = residual.sum(-1, keepdim=True)
-        # p == q leaves no residual mass, and then x_k was never rejected: p_n is never read there.
+        excess = torch.clamp(p_n - q_n, min=0)
+        mass = excess.sum(-1, keepdim=True)
+        # no mass only where p_n = q_n, where no draft is rejected: p_n stands in, never drawn from
         safe_mass = mass.clamp(min=1e-30)
-        normalized = residual / safe_mass
-        residual = torch.where(mass > 0, normalized, p_n)
+        residual = torch.where(mass > 0, excess / safe_mass, p_n)  # normalize(max(p - q, 0))
         rejected = n < verify_len
         p_n = torch.where(rejected[:, None], residual, p_n)
     committed = sample_from(p_n, generator, noise)  # [B]
