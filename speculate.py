@@ -61,8 +61,8 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
         return Proposal(no_drafts, None, None, none_verified)
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
         K = num_drafts
-        drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, K, temperature, None, noise,
-                                          filters=filters)
+        drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, K, temperature,
+                                          generator=None, noise=noise, filters=filters)
         verify_len = torch.full((B,), K, dtype=torch.long, device=device)
         return Proposal(drafts, q, None, verify_len)
     # 1. Draft: the block in one parallel pass, the Markov chain left to right, the confidences.
@@ -78,7 +78,8 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
         chain = kernels.markov_chain
     else:
         chain = sampling.markov_chain
-    drafts, q = chain(base_logits, hidden, anchor, markov, temperature, None, noise, filters=filters)
+    drafts, q = chain(base_logits, hidden, anchor, markov, temperature, generator=None, noise=noise,
+                      filters=filters)
     x_0 = anchor[:, None]  # [B, 1]
     previous = torch.cat([x_0, drafts[:, :-1]], dim=1)  # x_0 .. x_{K-1}
     confidence = drafter.confidence(hidden, previous)
@@ -128,10 +129,11 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
         accept = sampling.accept_sampled
         if backend == "triton":
             accept = kernels.accept_sampled
-        accepted, next_token = accept(drafts, q, logits, verify_len, temperature, None, u, bonus_noise,
-                                      filters=filters)
-    # 5. Commit: the drafter's context gains rows a .. a+K; those past a+n are masked next round,
-    # then overwritten. The target's rows past a+n are rolled back by moving the anchor alone.
+        accepted, next_token = accept(drafts, q, logits, verify_len, temperature, generator=None, u=u,
+                                      noise=bonus_noise, filters=filters)
+    # 5. Commit: the drafter's context cache gets the target's features at positions a .. a+K. Past
+    # a+n they are stale, as are the target's: the anchor moves to a+n+1, and every position a later
+    # pass reads past its anchor is one that pass writes first.
     if drafter is not None:
         commit_drafter(drafter, features, positions, drafts, accepted, next_token)
     rows = torch.arange(B, device=device)
@@ -184,7 +186,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
         chosen = torch.argmax(logits, dim=-1)  # [B, N+1]
     else:
         p = sampling.probs(logits, temperature, filters)  # [B, N+1, V]
-        chosen = sampling.sample_from(p, None, noise)
+        chosen = sampling.sample_from(p, generator=None, noise=noise)
     path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
     # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
     steps = torch.arange(depth + 1, device=device)
@@ -280,7 +282,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
         capture = drafter.cfg.target_layer_ids
     last = lens - 1
     logits, features = target(tokens, positions, capture=capture, logits_index=last, rows=rows)
-    first = sampling.sample(logits, temperature, None, noise, filters=filters)
+    first = sampling.sample(logits, temperature, generator=None, noise=noise, filters=filters)
     finite = torch.isfinite(logits).all(-1)
     first = torch.where(finite, first, -1)
     if drafter is not None:
