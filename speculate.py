@@ -190,12 +190,12 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
     # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
     steps = torch.arange(depth + 1, device=device)
-    committed = anchor_pos[:, None] + steps
+    path_positions = anchor_pos[:, None] + steps  # where the path's tokens belong
     path_slots = anchor_pos[:, None] + path  # where the tree pass wrote the path's K/V
-    target.move_cache(path_slots, committed)
+    target.move_cache(path_slots, path_positions)
     path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
     path_features = features[rows[:, None], path]
-    commit_drafter(drafter, path_features, committed, path_tokens[:, 1:], accepted, next_token)
+    commit_drafter(drafter, path_features, path_positions, path_tokens[:, 1:], accepted, next_token)
     last = path[rows, accepted]  # the last accepted node
     committed_logit = logits[rows, last, next_token]  # [B]
     finite = torch.isfinite(committed_logit)
@@ -352,7 +352,9 @@ class Request:
 
 def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
                  num_drafts: Optional[int] = None, tree_budget: int = 0) -> int:
-    """Cache rows: prompt + budget + a round's window past a finished row's last anchor."""
+    """Cache positions: prompt + budget + two rounds' windows. A round can move a row's anchor up to a
+    window past its budget (the host cuts the tokens, not the anchor), and a finished row's idle rounds
+    still write a window from there."""
     width = 1
     if drafter is not None:
         K = num_drafts or drafter.cfg.num_drafts
@@ -428,7 +430,7 @@ class Engine:
     """Requests through prefill and rounds in `batch_size` rows (continuous batching). A round
     is `draft` then `verify`, one graph each when compiled; scheduled, the host reads the verify
     size between them (a bucket when compiled), except "async", planned before. Its arguments
-    were checked above it."""
+    were checked at the edge (flags, `load`, `generate`)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = 0,
