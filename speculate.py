@@ -88,6 +88,12 @@ def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, fi
     return Proposal(drafts, q, confidence, verify_len)
 
 
+def tokens_sent(verify_len, active) -> torch.Tensor:
+    """[B] the tokens each row sends the target: the anchor and ℓ drafts, none from a free row."""
+    sent = verify_len + 1
+    return torch.where(active, sent, 0)
+
+
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
            filters, u, bonus_noise, backend, num_tokens: Optional[int] = None, node_noise=None):
     """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens
@@ -114,8 +120,7 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     if num_tokens is None:
         logits, features = target(tokens, positions, capture=capture, attention=attention)
     else:
-        sent = verify_len + 1  # [B] the anchor and ℓ drafts
-        counts = torch.where(active, sent, 0)
+        counts = tokens_sent(verify_len, active)
         ragged = Ragged.build(counts, positions, num_tokens)
         flat = ragged.flatten(tokens)  # [1, N]
         logits, features = target(flat, positions, capture=capture, ragged=ragged, attention=attention)
@@ -517,8 +522,7 @@ class Engine:
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
         if self.ragged and plan is None:  # the host read between the halves
-            sent = proposal.verify_len + 1  # [B] the anchor and ℓ drafts
-            n = int(torch.where(active, sent, 0).sum())
+            n = int(tokens_sent(proposal.verify_len, active).sum())
             num_tokens = self.scheduler.bucket(n)
             if verify_len is not None:  # profiling: exactly this size
                 num_tokens = n
@@ -622,8 +626,8 @@ class Engine:
         records = unpack(record, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
             # the confidences of the rows holding a request
-            busy = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
-            self.scheduler.observe(busy)
+            held = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
+            self.scheduler.observe(held)
         for i, (req, rec) in enumerate(zip(rows.requests, records)):
             if req is None:
                 continue
