@@ -80,7 +80,8 @@ def sample(logits, temperature: float, generator, noise=None, *, filters: Filter
 
 class Noise(NamedTuple):
     """All the randomness of one sampled round, in draw order."""
-    chain: torch.Tensor  # [B, K, V] Exp(1): the drafts' races
+    # [B, K, V] Exp(1): the drafts' races; in a tree's round [B, N+1, V], the target's at its nodes
+    chain: torch.Tensor
     u: torch.Tensor      # [B, K] uniforms of the acceptance tests
     bonus: torch.Tensor  # [B, V] Exp(1): the correction / bonus race
 

@@ -467,14 +467,15 @@ class Engine:
             self.K = num_drafts or drafter.cfg.num_drafts
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
-        self.races = self.K  # a sampled round's races: one a draft; a tree's: one a node, the root's included
+        # the races a sampled round draws: one a draft, or with a tree one a node (the root's included)
+        self.races = self.K
         if tree_budget:
             self.races = tree_budget + 1
         has_confidence = drafter is not None and drafter.confidence_head is not None
         if tree_budget:  # a record holds the tree's nodes, their parents and the accepted path
-            self.widths = record_widths(tree_budget, False, self.K)
+            self.widths = record_widths(drafts=tree_budget, confidence=False, tree_depth=self.K)
         else:
-            self.widths = record_widths(self.K, has_confidence)
+            self.widths = record_widths(drafts=self.K, confidence=has_confidence)
         self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold,
                                          buckets=buckets, compiled=compile, device=self.device)
         self.ragged = ragged
@@ -498,7 +499,7 @@ class Engine:
     def round(self, anchor, anchor_pos, active, noise: Optional[sampling.Noise], verify_len=None,
               plan=None):
         """One round for every row. verify_len [B] (profiling): exactly these drafts; plan: async's."""
-        rows = (self.target, self.drafter, anchor, anchor_pos, active)
+        shared = (self.target, self.drafter, anchor, anchor_pos, active)  # both halves' first arguments
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
         if noise is None:  # greedy
@@ -514,7 +515,7 @@ class Engine:
             capacity = plan.tensor
             num_tokens = plan.num_tokens
         carried = getattr(self.drafter, "carried", None)  # Eagle3's h at each row's last commit
-        proposal = self.draft_fn(*rows, noise=chain_noise, temperature=self.temperature,
+        proposal = self.draft_fn(*shared, noise=chain_noise, temperature=self.temperature,
                                  filters=self.filters, schedule=self.scheduler, backend=self.backend,
                                  num_drafts=self.K, tree_budget=self.tree_budget,
                                  tree_temperature=self.tree_temperature, capacity=capacity,
@@ -526,7 +527,7 @@ class Engine:
             num_tokens = self.scheduler.bucket(n)
             if verify_len is not None:  # profiling: exactly this size
                 num_tokens = n
-        return self.verify_fn(*rows, proposal, temperature=self.temperature, filters=self.filters,
+        return self.verify_fn(*shared, proposal, temperature=self.temperature, filters=self.filters,
                               u=noise.u, bonus_noise=noise.bonus, backend=self.backend,
                               num_tokens=num_tokens, node_noise=node_noise)
 
