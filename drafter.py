@@ -29,10 +29,10 @@ from model import (
 @dataclass
 class DrafterConfig:
     layers: ModelArgs  # the drafter's decoder layers (num_hidden_layers = its depth)
-    block_size: int  # K for the DSpark layout, B for the DFlash layout, the chain's length for Eagle3
+    block_size: int  # slots: K for the DSpark layout, K + 1 for DFlash's, the chain's length for Eagle3
     target_layer_ids: tuple[int, ...]  # target layers whose outputs form the context feature
     mask_token_id: int  # fills the block slots after the anchor
-    layout: str  # "dspark" (shift label: K slots, K drafts), "dflash" (B slots, B-1 drafts), "eagle3"
+    layout: str  # "dspark" (shift label: K slots, K drafts), "dflash" (K + 1 slots, K drafts), "eagle3"
     markov_head_type: Optional[str]  # None, "vanilla", "gated" or "rnn"
     markov_rank: int  # r; 0 without a Markov head
     confidence_head: bool  # predicts P(x_k accepted | earlier accepted)
@@ -108,7 +108,8 @@ class GatedMarkov(VanillaMarkov):
 
 
 class RNNMarkov(VanillaMarkov):
-    """A gated recurrent state: joint_proj([s ; W1[x] ; h]) -> gate, candidate, output."""
+    """A gated recurrent state s along the chain: [g ; c ; o] = joint_proj([s ; W1[x_{k-1}] ; h_k]);
+    b_k = W2 · tanh(o), and s becomes σ(g) ⊙ s + (1 − σ(g)) ⊙ tanh(c) (zeros before the first step)."""
     kind = "rnn"
 
     def __init__(self, H: int, V: int, r: int):
@@ -213,9 +214,9 @@ class Drafter(DrafterBase):
         # Non-causal: every block row sees the context and the whole block.
         end = anchor_pos + S
         max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
-        L = attended_length(end, max_seq)
-        allowed = torch.arange(L, device=device) < end[:, None]  # [B, L]
-        allowed = allowed[:, None, :].expand(B, S, L)
+        attended = attended_length(end, max_seq)  # the cache positions the block reads
+        allowed = torch.arange(attended, device=device) < end[:, None]  # [B, attended]
+        allowed = allowed[:, None, :].expand(B, S, attended)
         mask = cache_mask(allowed, cfg.layers, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, positions, mask)

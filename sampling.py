@@ -250,7 +250,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
 class Tree(NamedTuple):
     """B draft trees of N = budget nodes after the root (node 0, the anchor), in the order they were
     chosen (best first: a parent before its children). A node the search never reached (too few
-    candidates for the budget) has parent -1 and is never followed."""
+    candidates for the budget) has parent -1 and is never followed; its token and depth are
+    placeholders."""
     tokens: torch.Tensor   # [B, N+1]
     parents: torch.Tensor  # [B, N+1] the parent's node index; the root's (and an unused node's) is -1
     depths: torch.Tensor   # [B, N+1] the root's 0; node at depth d drafts the token at anchor + d
@@ -283,7 +284,7 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     base_logits [B, L, V], hidden [B, L, H], anchor [B]. Ties go to the node chosen earlier."""
     B, L, V = base_logits.shape
     N = budget
-    k = min(budget, V)
+    width = min(budget, V)  # candidate children a node
     device = base_logits.device
     rows = torch.arange(B, device=device)
 
@@ -297,9 +298,9 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     depths = table(0)
     scores = table(0.0, dtype=torch.float32)
     # Each node's candidate children, best first, and the rank of the next one not yet in the tree.
-    # (A last column stays empty: where a node's candidates run out.)
-    child_tokens = table(0, k + 1)
-    child_scores = table(float("-inf"), k + 1, dtype=torch.float32)
+    # (A last column stays at -inf: a node whose next rank reaches it has no candidate left.)
+    child_tokens = table(0, width + 1)
+    child_scores = table(float("-inf"), width + 1, dtype=torch.float32)
     next_rank = table(0)
     states = None
 
@@ -309,14 +310,14 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
         child_depths = node_depths + 1
         logprobs, state = child_logprobs(base_logits, hidden, markov, child_depths, node_tokens,
                                          node_states, temperature)
-        best, ids = torch.topk(logprobs, k, dim=-1)  # [B, k] each, best first
+        best, ids = torch.topk(logprobs, width, dim=-1)  # [B, width] each, best first
         shallow = node_depths < L
         open_ = reached & shallow  # [B] a node that can have children
         node_score = scores[:, node, None]  # [B, 1]
-        path_scores = node_score + best  # [B, k]
+        path_scores = node_score + best  # [B, width]
         path_scores = torch.where(open_[:, None], path_scores, float("-inf"))
-        child_tokens[:, node, :k] = ids
-        child_scores[:, node, :k] = path_scores
+        child_tokens[:, node, :width] = ids
+        child_scores[:, node, :width] = path_scores
         if state is not None:
             if states is None:
                 H = state.shape[-1]
