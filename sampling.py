@@ -146,10 +146,11 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
             h_k = hidden[:, k]  # [B, H]
             bias, state = markov.step(h_k, prev, state)
             z = z + bias
-        prev, q = draw(z, k, temperature, filters, generator, noise)
+        token, q = draw(z, k, temperature, filters, generator, noise)
         if q is not None:
             qs.append(q)
-        drafts.append(prev)
+        drafts.append(token)
+        prev = token  # the next step's x_{k-1}
     q = None
     if qs:
         q = torch.stack(qs, 1)
