@@ -617,7 +617,8 @@ class Engine:
             noise = sampling.rows_noise(generators, self.races, V, self.device)
         plan = None
         if self.scheduler.kind == "async":
-            plan = self.scheduler.plan(sum(rows.live))
+            held = len(rows.requests) - len(rows.free())
+            plan = self.scheduler.plan(held)
         record, anchor, anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
         rows.anchor = anchor
         rows.anchor_pos = anchor_pos
@@ -627,8 +628,8 @@ class Engine:
         records = unpack(record, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
             # the confidences of the rows holding a request
-            held = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
-            self.scheduler.observe(held)
+            confidences = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
+            self.scheduler.observe(confidences)
         for i, (req, rec) in enumerate(zip(rows.requests, records)):
             if req is None:
                 continue
