@@ -355,15 +355,14 @@ def ancestors(tree: Tree, depth: int) -> torch.Tensor:
     device = tree.parents.device
     itself = torch.eye(N1, dtype=torch.bool, device=device)
     seen = itself.expand(B, N1, N1).clone()
-    current = tree.parents
+    up = tree.parents  # [B, N+1] each node's ancestor this many hops up (-1: past the root)
     for _ in range(depth):
-        on_path = current >= 0
-        hops = current.clamp(min=0)
-        ancestor = torch.nn.functional.one_hot(hops, N1)  # [B, N+1, N+1]
-        ancestor = ancestor.bool()
-        seen |= ancestor & on_path[:, :, None]
-        next_hop = tree.parents.gather(1, hops)  # the ancestor's parent
-        current = torch.where(on_path, next_hop, -1)
+        on_path = up >= 0
+        index = up.clamp(min=0)
+        is_ancestor = torch.nn.functional.one_hot(index, N1).bool()  # [B, N+1, N+1]
+        seen |= is_ancestor & on_path[:, :, None]
+        next_up = tree.parents.gather(1, index)  # that ancestor's parent
+        up = torch.where(on_path, next_up, -1)
     return seen
 
 
