@@ -46,7 +46,7 @@ class Proposal(NamedTuple):
     tree: Optional[sampling.Tree] = None  # a draft tree instead of a chain (--tree-budget)
 
 
-def draft(target, drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
+def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
           backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity=None,
           carried=None) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
@@ -499,7 +499,6 @@ class Engine:
     def round(self, anchor, anchor_pos, active, noise: Optional[sampling.Noise], verify_len=None,
               plan=None):
         """One round for every row. verify_len [B] (profiling): exactly these drafts; plan: async's."""
-        shared = (self.target, self.drafter, anchor, anchor_pos, active)  # both halves' first arguments
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
         if noise is None:  # greedy
@@ -515,11 +514,11 @@ class Engine:
             capacity = plan.tensor
             num_tokens = plan.num_tokens
         carried = getattr(self.drafter, "carried", None)  # Eagle3's h at each row's last commit
-        proposal = self.draft_fn(*shared, noise=chain_noise, temperature=self.temperature,
-                                 filters=self.filters, schedule=self.scheduler, backend=self.backend,
-                                 num_drafts=self.K, tree_budget=self.tree_budget,
-                                 tree_temperature=self.tree_temperature, capacity=capacity,
-                                 carried=carried)
+        proposal = self.draft_fn(self.drafter, anchor, anchor_pos, active, noise=chain_noise,
+                                 temperature=self.temperature, filters=self.filters,
+                                 schedule=self.scheduler, backend=self.backend, num_drafts=self.K,
+                                 tree_budget=self.tree_budget, tree_temperature=self.tree_temperature,
+                                 capacity=capacity, carried=carried)
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
         if self.ragged and plan is None:  # the host read between the halves
@@ -527,9 +526,10 @@ class Engine:
             num_tokens = self.scheduler.bucket(n)
             if verify_len is not None:  # profiling: exactly this size
                 num_tokens = n
-        return self.verify_fn(*shared, proposal, temperature=self.temperature, filters=self.filters,
-                              u=noise.u, bonus_noise=noise.bonus, backend=self.backend,
-                              num_tokens=num_tokens, node_noise=node_noise)
+        return self.verify_fn(self.target, self.drafter, anchor, anchor_pos, active, proposal,
+                              temperature=self.temperature, filters=self.filters, u=noise.u,
+                              bonus_noise=noise.bonus, backend=self.backend, num_tokens=num_tokens,
+                              node_noise=node_noise)
 
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
