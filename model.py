@@ -437,11 +437,15 @@ class Transformer(nn.Module):
             cos_sin = self.rope[rope_positions]  # [B, T, 2, hd]
             rope = Rope.at(cos_sin, dtype)
         x = self.embed_tokens(tokens)
-        captured = {-1: x}
+        wanted = set(capture)  # only these outputs are kept (eagerly, the others are freed layer by layer)
+        captured = {}
+        if -1 in wanted:
+            captured[-1] = x
         options = dict(ragged=ragged, rows=rows, attention=attention, slots=slots)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, positions, mask, **options)
-            captured[i] = x
+            if i in wanted:
+                captured[i] = x
         features = None
         if capture:
             outputs = [captured[i] for i in capture]
