@@ -22,7 +22,7 @@ _TRITON_IMPORT_INTERPRET = None
 TRITON_BLOCK_V = 128        # vocabulary entries per program of the chain
 TRITON_ROWS_BLOCK_V = 1024  # ... of the verification passes (fewer tiles for the per-row reductions)
 TRITON_BLOCK_R = 64         # Markov-rank chunk held in registers
-TRITON_CHAIN_MAX_BATCH = 4  # the chain reads W2 once per row: measured faster at batch 1, slower at 16
+TRITON_CHAIN_MAX_BATCH = 4  # the chain reads W2 once a row (grows with B): above this, the reference
 _ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -83,7 +83,8 @@ def _unit_stride(x):
 def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
                  filters: Filters = NO_FILTERS):
     """`sampling.markov_chain` for the vanilla head: per slot, tile keys (z/T - log E when sampled), then the
-    row's best written where the next slot reads it."""
+    row's best written where the next slot reads it. z/T - log E is log(q/E) up to a constant of the row,
+    so its argmax is the reference's exponential race; z is rounded to the weights' dtype as torch's is."""
     B, K, V = base_logits.shape
     w1 = w2 = None
     if getattr(markov, "kind", None) == "vanilla":
@@ -254,7 +255,7 @@ TRITON_SPLIT_MIN_BLOCKS = 4       # ... each split at least this many blocks of 
 
 
 def attention_splits(programs: int, S: int) -> tuple[int, int]:
-    """(splits, keys per split) of a cache of S keys for `programs` programs without splitting."""
+    """(splits, keys per split) of a cache of S keys, `programs` being the grid before any split."""
     key_blocks = _cdiv(S, TRITON_BLOCK_N)
     fill = _cdiv(TRITON_ATTENTION_PROGRAMS, programs)  # splits to reach the target programs
     most = key_blocks // TRITON_SPLIT_MIN_BLOCKS        # ... that leave each split enough blocks
@@ -264,8 +265,11 @@ def attention_splits(programs: int, S: int) -> tuple[int, int]:
 
 
 def cached_attention(q, k, v, bias):
-    """`model.attend_cached` as one kernel: a program per (batch row, K/V head, query block), online
-    softmax in float32, key blocks no row may see skipped; a row that sees no key gives zeros."""
+    """`model.attend_cached` as one kernel: q [B, T, H, hd] over k, v [B, S, Hkv, hd] under `model.cache_bias`
+    [B, 1, T or G*T, S], -> [B, T, H*hd]. A program per (batch row, K/V head, block of query rows, split of
+    the keys); its rows are t*G + i (token t, head h*G + i), and it reads bias rows 0..T-1 only (folded
+    rows repeat them per head). Online softmax in float32, key blocks no row may see skipped; a row
+    that sees no key gives zeros."""
     B, T, H, hd = q.shape
     S = k.shape[1]
     Hkv = k.shape[2]
@@ -688,8 +692,8 @@ TRITON_SOURCES = ("_round_to", "_first_max", "_markov_partial_kernel", "_markov_
 
 
 def check_backend(name: str, device):
-    """--kernels: "torch" (sampling.py's references), or "triton" (built now, before a graph traces them);
-    RuntimeError where Triton cannot run."""
+    """--kernels: "torch" (the references in sampling.py and model.py), or "triton" (built now, before a
+    graph traces them); RuntimeError where Triton cannot run."""
     if name == "torch":
         return
     if not _triton_ok(torch.empty(0, device=device)):
