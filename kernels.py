@@ -507,16 +507,16 @@ def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles,
     accepted = u * q_x < p_x
     verified = js < vl
     ok = accepted & verified & is_draft
-    is_rejected = is_draft & (ok == 0)
-    candidates = tl.where(is_rejected, js, K)
-    n = tl.min(candidates, axis=0)  # the first rejected draft, else K
+    stops = is_draft & (ok == 0)  # a draft that fails the test or is not verified
+    candidates = tl.where(stops, js, K)
+    n = tl.min(candidates, axis=0)  # the first stop, else K: sampling.prefix_length(ok)
     rejected = n < vl  # read only when K > 0
     tl.store(n_ptr + b, n.to(tl.int64))
     # the committed position n's statistics
     at_n = js == n
     M_n = tl.sum(tl.where(at_n, M_safe, 0.0), axis=0)
     S_n = tl.sum(tl.where(at_n, S, 0.0), axis=0)
-    stat = stat_ptr + b * 3
+    stat = stat_ptr + b * 3  # the row's (max, sum, rejected), read by the race and the pick
     tl.store(stat, M_n)
     tl.store(stat + 1, S_n)
     tl.store(stat + 2, rejected.to(tl.float32))
