@@ -430,7 +430,8 @@ class Transformer(nn.Module):
                 allowed = positions[:, :, None] >= keys  # [B, T, S]
             else:
                 allowed = tree.visible(keys)
-            mask = cache_mask(allowed, a, dtype, fold=attention is None)
+            unfolded = attention is not None  # a kernel passed in (kernels.cached_attention) folds GQA itself
+            mask = cache_mask(allowed, a, dtype, fold=not unfolded)
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]
