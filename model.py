@@ -430,7 +430,7 @@ class Transformer(nn.Module):
                 allowed = positions[:, :, None] >= keys  # [B, T, S]
             else:
                 allowed = tree.visible(keys)
-            unfolded = attention is not None  # a kernel passed in (kernels.cached_attention) folds GQA itself
+            unfolded = attention is not None  # a kernel passed in folds GQA itself
             mask = cache_mask(allowed, a, dtype, fold=not unfolded)
             rope_positions = positions
             if ragged is not None:
@@ -438,7 +438,7 @@ class Transformer(nn.Module):
             cos_sin = self.rope[rope_positions]  # [B, T, 2, hd]
             rope = Rope.at(cos_sin, dtype)
         x = self.embed_tokens(tokens)
-        wanted = set(capture)  # only these outputs are kept (eagerly, the others are freed layer by layer)
+        wanted = set(capture)  # only these layers' outputs are kept
         captured = {}
         if -1 in wanted:
             captured[-1] = x
