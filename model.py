@@ -430,8 +430,8 @@ class Transformer(nn.Module):
                 allowed = positions[:, :, None] >= keys  # [B, T, S]
             else:
                 allowed = tree.visible(keys)
-            unfolded = attention is not None  # a kernel passed in folds GQA itself
-            mask = cache_mask(allowed, a, dtype, fold=not unfolded)
+            fold = attention is None  # a kernel passed in folds GQA itself
+            mask = cache_mask(allowed, a, dtype, fold=fold)
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]
