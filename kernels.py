@@ -84,7 +84,8 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
                  filters: Filters = NO_FILTERS):
     """`sampling.markov_chain` for the vanilla head: per slot, tile keys (z/T - log E when sampled), then the
     row's best written where the next slot reads it. z/T - log E is log(q/E) up to a constant of the row,
-    so its argmax is the reference's exponential race; z is rounded to the weights' dtype as torch's is."""
+    so its argmax is the reference's exponential race; the bias and z are rounded to the dtypes torch
+    gives them (W2's, and U + bias's)."""
     B, K, V = base_logits.shape
     w1 = w2 = None
     if getattr(markov, "kind", None) == "vanilla":
