@@ -488,12 +488,9 @@ class LaunchRecorder:
         return launch
 
 
-def inductor_launch(name: str, args: tuple, kwargs: dict) -> dict:
-    """A recorded launch as tests/triton_lowering.py reads it: keyword arguments are the constexprs
-    (launch options such as num_warps left out), the others typed as Inductor types them."""
-    kernel = kernels._TRITON_KERNELS[name]
-    if isinstance(kernel, LaunchRecorder):
-        kernel = kernel.kernel
+def inductor_launch(name: str, kernel, args: tuple, kwargs: dict) -> dict:
+    """A recorded launch of `kernel` as tests/triton_lowering.py reads it: keyword arguments are the
+    constexprs (launch options such as num_warps left out), the others typed as Inductor types them."""
     signature = {}
     constexprs = {}
     for i, argument in enumerate(kernel.arg_names):
@@ -554,7 +551,7 @@ def test_every_kernel_lowers_with_float_arguments_as_a_compiled_graph_passes_the
     for name, recorder in recorders.items():
         assert recorder.launches, name
         for args, kwargs in recorder.launches:
-            launches.append(inductor_launch(name, args, kwargs))
+            launches.append(inductor_launch(name, recorder.kernel, args, kwargs))
     unique = {json.dumps(launch, sort_keys=True): launch for launch in launches}
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     lowering = os.path.join(_HERE, "triton_lowering.py")
