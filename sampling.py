@@ -258,94 +258,104 @@ class Tree(NamedTuple):
     depths: torch.Tensor   # [B, N+1] the root's 0; node at depth d drafts the token at anchor + d
 
 
-def child_logprobs(base_logits, hidden, markov, depth, tokens, states, temperature: float):
-    """Log-probabilities [B, V] at `temperature` of the children of nodes holding `tokens` [B] at
-    `depth` [B] (1-based depth of the children), and the Markov state they pass on. Without a Markov
-    head a position's distribution is its own (DFlash): the same for every parent."""
-    B, L = base_logits.shape[:2]
-    rows = torch.arange(B, device=base_logits.device)
-    slot = (depth - 1).clamp(0, L - 1)  # [B] the block position drafting that depth
-    z = base_logits[rows, slot].float()  # [B, V]
+def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temperature: float):
+    """Log-probabilities at `temperature` of the children, at `depth` (1-based), of M nodes a row
+    holding `tokens` [B, M], and the Markov state [B, M, S] they pass on (None without one); `states`
+    is what the nodes' own parents passed them. [B, M, V], or [B, 1, V] without a Markov head: a
+    position's distribution is then its own (DFlash), the same for every parent."""
+    B, M = tokens.shape
+    z = base_logits[:, depth - 1, None].float()  # [B, 1, V]
     state = None
     if markov is not None:
-        h = hidden[rows, slot]  # [B, H]
-        bias, state = markov.step(h, tokens, states)
-        z = z + bias.float()
+        h = hidden[:, depth - 1, None].expand(B, M, -1)  # [B, M, H]
+        flat_states = None
+        if states is not None:
+            flat_states = states.flatten(0, 1)
+        bias, state = markov.step(h.flatten(0, 1), tokens.flatten(), flat_states)
+        z = z + bias.float().unflatten(0, (B, M))
+        if state is not None:
+            state = state.unflatten(0, (B, M))
     z = z / temperature
     logprobs = torch.log_softmax(z, dim=-1)
     return logprobs, state
 
 
-def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> Tree:
-    """The `budget` most likely continuations of each row's anchor, best first, as DDTree picks them:
-    a node's score is the sum of its path's log-probabilities (at `temperature`; DDTree's is 1), and
-    each step adds the best candidate child of any node in the tree, a node's candidates its top
-    min(budget, V) children in order. With a Markov head a child's distribution is conditioned on its
-    parent's token (and the rnn head's state along its path); without one, on its depth alone.
-    base_logits [B, L, V], hidden [B, L, H], anchor [B]. Ties go to the node chosen earlier."""
+def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> dict:
+    """`build_tree`'s search, a depth a step: of the children of the nodes kept at the depth above,
+    the `budget` best (all of them where fewer) are kept. Returns every kept node, depth by depth, as
+    [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after the root's
+    0. A node's candidates are its min(budget, V) likeliest children: one outside them has `budget`
+    better siblings. With a Markov head each depth computes [B, budget, V] log-probabilities."""
     B, L, V = base_logits.shape
     N = budget
     width = min(budget, V)  # candidate children a node
-    device = base_logits.device
-    rows = torch.arange(B, device=device)
-
-    def table(fill, *shape, dtype=torch.long):  # one entry a row and node (and candidate)
-        size = (B, N + 1, *shape)
-        return torch.full(size, fill, dtype=dtype, device=device)
-
-    tokens = table(0)
-    tokens[:, 0] = anchor
-    parents = table(-1)
-    depths = table(0)
-    scores = table(0.0, dtype=torch.float32)
-    # Each node's candidate children, best first, and the rank of the next one not yet in the tree.
-    # (A last column stays at -inf: a node whose next rank reaches it has no candidate left.)
-    child_tokens = table(0, width + 1)
-    child_scores = table(float("-inf"), width + 1, dtype=torch.float32)
-    next_rank = table(0)
+    # The nodes kept at the depth being expanded, M a row: the root alone at first.
+    tokens = anchor[:, None]  # [B, M]
+    scores = torch.zeros(B, 1, device=anchor.device)
     states = None
-
-    def expand(node: int, node_tokens, node_depths, node_states, reached):
-        """Fill in `node`'s candidate children (none past depth L, or for a node not reached)."""
-        nonlocal states
-        child_depths = node_depths + 1
-        logprobs, state = child_logprobs(base_logits, hidden, markov, child_depths, node_tokens,
-                                         node_states, temperature)
-        best, ids = torch.topk(logprobs, width, dim=-1)  # [B, width] each, best first
-        shallow = node_depths < L
-        open_ = reached & shallow  # [B] a node that can have children
-        node_score = scores[:, node, None]  # [B, 1]
-        path_scores = node_score + best  # [B, width]
-        path_scores = torch.where(open_[:, None], path_scores, float("-inf"))
-        child_tokens[:, node, :width] = ids
-        child_scores[:, node, :width] = path_scores
+    first = 0  # the number of the first of them (the root's 0)
+    kept = {"tokens": [], "scores": [], "parents": [], "depths": []}  # each depth's, [B, M] each
+    for depth in range(1, L + 1):
+        logprobs, state = child_logprobs(base_logits, hidden, markov, depth, tokens, states,
+                                         temperature)  # [B, M or 1, V]
+        best, ids = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width], likeliest first
+        M = tokens.shape[1]
+        candidate_scores = (scores[:, :, None] + best).flatten(1)  # [B, M * width], parent by parent
+        candidate_tokens = ids.expand(B, M, width).flatten(1)
+        order = torch.sort(candidate_scores, dim=1, descending=True, stable=True).indices
+        best_first = order[:, :N]
+        parent = best_first // width  # the parent's index among the nodes kept at the depth above
+        tokens = candidate_tokens.gather(1, best_first)
+        scores = candidate_scores.gather(1, best_first)
         if state is not None:
-            if states is None:
-                H = state.shape[-1]
-                states = state.new_zeros((B, N + 1, H))
-            states[:, node] = state
+            S = state.shape[-1]
+            states = state.gather(1, parent[:, :, None].expand(-1, -1, S))
+        kept["tokens"].append(tokens)
+        kept["scores"].append(scores)
+        kept["parents"].append(first + parent)
+        kept["depths"].append(torch.full_like(tokens, depth))
+        first = first + M
+    return {name: torch.cat(parts, dim=1) for name, parts in kept.items()}
 
-    everyone = torch.ones(B, dtype=torch.bool, device=device)
-    expand(0, anchor, depths[:, 0], None, everyone)
-    for node in range(1, N + 1):
-        next_child = next_rank[:, :, None]  # [B, N+1, 1]
-        candidates = child_scores.gather(2, next_child)[:, :, 0]  # [B, N+1]: one a node
-        best_score, parent = candidates.max(dim=-1)
-        reached = best_score > float("-inf")
-        rank = next_rank[rows, parent]
-        token = child_tokens[rows, parent, rank]
-        depth = depths[rows, parent] + 1
-        next_rank[rows, parent] += reached.long()
-        tokens[:, node] = token
-        parents[:, node] = torch.where(reached, parent, -1)
-        depths[:, node] = depth
-        scores[:, node] = best_score
-        parent_states = None
-        if states is not None:
-            parent_states = states[rows, parent]
-        if node < N:
-            expand(node, token, depth, parent_states, reached)
-    return Tree(tokens, parents, depths)
+
+def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> Tree:
+    """The `budget` most likely continuations of each row's anchor, best first, as DDTree picks them:
+    a node's score is the sum of its path's log-probabilities (at `temperature`; DDTree's is 1).
+    With a Markov head a child's distribution is conditioned on its parent's token (and the rnn
+    head's state along its path); without one, on its depth alone. base_logits [B, L, V], hidden
+    [B, L, H], anchor [B].
+
+    DDTree grows the tree best first, a node a step. Scores only fall along a path, so its tree is
+    the `budget` best nodes of all, and each of those has fewer than `budget` better nodes at its
+    own depth, its parent among them. So this grows it a depth a step, L steps whatever the budget:
+    the children of the nodes kept at the depth above, of which the `budget` best are kept; then the
+    `budget` best of all depths, best first. Of equal scores the shallower node comes first (so a
+    parent precedes a child as likely as itself), then the earlier parent, then the likelier child
+    (DDTree orders equal scores by the ranks from the root: the trees differ only there)."""
+    B = anchor.shape[0]
+    N = budget
+    every = best_by_depth(base_logits, hidden, anchor, markov, budget, temperature)
+    C = every["scores"].shape[1]
+    if C < N:  # too few candidates for the budget (a tiny vocabulary): placeholders, never reached
+        placeholders = {"tokens": 0, "scores": float("-inf"), "parents": 0, "depths": 0}
+        for name, fill in placeholders.items():
+            column = every[name].new_full((B, N - C), fill)
+            every[name] = torch.cat([every[name], column], dim=1)
+    # The budget best of all depths; a parent is never worse than its child, so it comes first.
+    order = torch.sort(every["scores"], dim=1, descending=True, stable=True).indices
+    chosen = order[:, :N]  # [B, N] the tree's nodes after the root, as indices among the kept
+    numbers = torch.arange(1, N + 1, device=anchor.device).expand(B, N)
+    kept = every["parents"].shape[1]
+    node_of = anchor.new_zeros((B, 1 + kept))  # by number (the root's 0): the node's index in the tree
+    node_of.scatter_(1, 1 + chosen, numbers)
+    parent_node = node_of.gather(1, every["parents"].gather(1, chosen))
+    reached = every["scores"].gather(1, chosen) > float("-inf")
+    parent_node = torch.where(reached, parent_node, -1)
+    root = anchor[:, None]
+    tree_tokens = torch.cat([root, every["tokens"].gather(1, chosen)], dim=1)  # [B, N+1]
+    tree_parents = torch.cat([torch.full_like(root, -1), parent_node], dim=1)
+    tree_depths = torch.cat([torch.zeros_like(root), every["depths"].gather(1, chosen)], dim=1)
+    return Tree(tree_tokens, tree_parents, tree_depths)
 
 
 def ancestors(tree: Tree, depth: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ so a call ends by itself within 9 minutes. In order, smallest first:
   eagle3-b1     bench.py on Qwen3-8B's shape with a random Eagle3 drafter (one layer, a chain of 7),
                 bf16, compiled, batch 1: the paper's baseline beside compiled-b1's DSpark row
   tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, draft trees of 16 and 32 nodes
-                (compiled-b1 is the chain), bf16, compiled, batch 1; a tree's draft graph, and its
-                compile, grow with its nodes (BENCHMARKS.md), so 64 would not fit the stage's cap
+                (compiled-b1 is the chain), bf16, compiled, batch 1; each budget is a bench run of its
+                own, so a third would not fit the stage's cap
   triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
                 and inside torch.compile, each check with its bf16 tolerance; each eager check times
                 the kernel beside its reference (the chain, the sampled verify, the cache attention),

@@ -96,6 +96,25 @@ def test_build_and_walk_equal_the_references(head, budget):
             assert path[b, n + 1:].tolist() == [want_path[-1]] * (L - n) and int(following[b]) == want_next
 
 
+@pytest.mark.parametrize("head", ["none", "rnn"])
+def test_a_budget_past_every_candidate_leaves_the_rest_unreached(head):
+    """A vocabulary of 3 and 2 positions hold 12 nodes; a budget of 20 reaches those and no more."""
+    torch.manual_seed(7)
+    B, L, V, H, r, budget = 2, 2, 3, 8, 5, 20
+    base = 2 * torch.randn(B, L, V)
+    hidden = torch.randn(B, L, H)
+    anchor = torch.randint(0, V, (B,))
+    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    with torch.no_grad():
+        tree = sampling.build_tree(base, hidden, anchor, markov, budget, temperature=1.0)
+        for b in range(B):
+            children = reference_children(base[b], hidden[b], int(anchor[b]), markov, V)
+            want = sampling.build_tree_reference(children, budget, L)
+            assert len(want) == V + V * V
+            assert as_nodes(tree, b) == want
+            assert tree.parents[b, len(want) + 1:].tolist() == [-1] * (budget - len(want))
+
+
 def test_ancestors_of_a_hand_built_tree():
     #      0
     #    1   2
