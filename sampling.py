@@ -264,15 +264,17 @@ def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temp
     is what the nodes' own parents passed them. [B, M, V], or [B, 1, V] without a Markov head: a
     position's distribution is then its own (DFlash), the same for every parent."""
     B, M = tokens.shape
-    z = base_logits[:, depth - 1, None].float()  # [B, 1, V]
+    slot = depth - 1  # the block position drafting that depth
+    z = base_logits[:, slot, None].float()  # [B, 1, V]
     state = None
     if markov is not None:
-        h = hidden[:, depth - 1, None].expand(B, M, -1)  # [B, M, H]
+        h = hidden[:, slot, None].expand(B, M, -1)  # [B, M, H]: the Markov head runs on B * M rows
         flat_states = None
         if states is not None:
             flat_states = states.flatten(0, 1)
         bias, state = markov.step(h.flatten(0, 1), tokens.flatten(), flat_states)
-        z = z + bias.float().unflatten(0, (B, M))
+        bias = bias.float().unflatten(0, (B, M))
+        z = z + bias
         if state is not None:
             state = state.unflatten(0, (B, M))
     z = z / temperature
@@ -309,7 +311,8 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature:
         scores = candidate_scores.gather(1, best_first)
         if state is not None:
             S = state.shape[-1]
-            states = state.gather(1, parent[:, :, None].expand(-1, -1, S))
+            parent_rows = parent[:, :, None].expand(-1, -1, S)
+            states = state.gather(1, parent_rows)  # each kept node's parent's
         kept["tokens"].append(tokens)
         kept["scores"].append(scores)
         kept["parents"].append(first + parent)
@@ -352,9 +355,11 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     reached = every["scores"].gather(1, chosen) > float("-inf")
     parent_node = torch.where(reached, parent_node, -1)
     root = anchor[:, None]
-    tree_tokens = torch.cat([root, every["tokens"].gather(1, chosen)], dim=1)  # [B, N+1]
+    chosen_tokens = every["tokens"].gather(1, chosen)
+    chosen_depths = every["depths"].gather(1, chosen)
+    tree_tokens = torch.cat([root, chosen_tokens], dim=1)  # [B, N+1]
     tree_parents = torch.cat([torch.full_like(root, -1), parent_node], dim=1)
-    tree_depths = torch.cat([torch.zeros_like(root), every["depths"].gather(1, chosen)], dim=1)
+    tree_depths = torch.cat([torch.zeros_like(root), chosen_depths], dim=1)
     return Tree(tree_tokens, tree_parents, tree_depths)
 
 
