@@ -14,7 +14,7 @@ so a call ends by itself within 9 minutes. In order, smallest first:
                 compiled, batch 1, autoregressive and speculative
   eagle3-b1     bench.py on Qwen3-8B's shape with a random Eagle3 drafter (one layer, a chain of 7),
                 bf16, compiled, batch 1: the paper's baseline beside compiled-b1's DSpark row
-  tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, draft trees of 16 and 32 nodes
+  tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, draft trees of 16 and 64 nodes
                 (compiled-b1 is the chain), bf16, compiled, batch 1; each budget is a bench run of its
                 own, so a third would not fit the stage's cap
   triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
@@ -67,7 +67,7 @@ STAGES = {"env": 15, "smoke": 50, "compiled-b1": 110, "eagle3-b1": 70, "tree-b1"
           "compiled-b32": 125, "eager-b1": 50}
 # what a call runs unasked
 DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
-TREE_BUDGETS = (16, 32)  # tree-b1's, smallest first, a bench run each; the dry run's are 2 and 4
+TREE_BUDGETS = (16, 64)  # tree-b1's, smallest first, a bench run each; the dry run's are 2 and 4
 DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
 BUDGET = 530      # seconds for the default stages: the caps, and the time to stop the last one at its cap
 STOP_GRACE = 5    # a stage past its cap gets SIGTERM, then SIGKILL this much later
