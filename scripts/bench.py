@@ -186,7 +186,7 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
                 num_drafts: int = 0, tree_budget: int = 0) -> int:
     """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
     weights, with the lm_head read again for the block's logits and W2 once per Markov step (a tree's:
-    once per node); an Eagle3 drafter's layer and the lm_head once per draft. A lookup table (the input
+    once per depth, for all its nodes); an Eagle3 drafter's layer and the lm_head once per draft. A lookup table (the input
     embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few rows a round, not
     read: not counted."""
     a = target.args
@@ -217,7 +217,9 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
             steps = K  # K - 1 drafting steps and the rebuild of what was committed
         total += steps * (nbytes(weights(drafter)) + nbytes([target.lm_head.weight]))
         if drafter.markov_head is not None:
-            markov_steps = tree_budget or K - 1
+            markov_steps = K - 1
+            if tree_budget:
+                markov_steps = K
             total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
         total += kv_bytes(drafter.cfg.layers)
     return total
@@ -275,7 +277,7 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     finally:
         engine.draft_fn = calls["draft"]
         engine.verify_fn = calls["verify"]
-    rounds = r["steps"]  # every prompt has its own row, so the batch ran this many rounds
+    rounds = r["steps"]
     # Without a drafter the draft call only returns an empty block: host work, counted in the rest.
     draft = 0.0
     if engine.drafter is not None:
@@ -285,7 +287,8 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     # each request's mean cache length over its run
     positions = [len(q.prompt_ids) + (len(q.output_ids) - 1) / 2 for q in r["requests"]]
     context = sum(positions) / len(positions)
-    nbytes_read = round_bytes(engine.target, engine.drafter, len(positions), context, engine.K, engine.tree_budget)
+    rows = min(engine.max_batch, len(positions))  # the rows a round decodes
+    nbytes_read = round_bytes(engine.target, engine.drafter, rows, context, engine.K, engine.tree_budget)
     # nested intervals of one clock: only float rounding could take the rest below zero
     rest = max(0.0, round_ms - draft - verify)
     return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify, "rest_ms": rest,
@@ -302,7 +305,13 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
     engine.prefill_seconds = 0.0
     engine.decode_seconds = 0.0
     engine.skip_guards = skip_guards  # Engine.generate applies it once warmed up
-    engine.generate(reqs, max_new_tokens)
+    rounds = 0
+
+    def count_round():
+        nonlocal rounds
+        rounds += 1
+
+    engine.generate(reqs, max_new_tokens, on_step=count_round)
     seconds = engine.prefill_seconds + engine.decode_seconds
     c = metrics.count(reqs, engine.K, engine.stop_ids)
     speeds = [len(r.output_ids) / (r.finished - r.started) for r in reqs]
@@ -312,7 +321,7 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
         "acceptance_length": metrics.acceptance_length(c),
         "verified_per_round": metrics.verified_per_round(c),  # the verify budget per live request per round
         "prefill_seconds": engine.prefill_seconds, "decode_seconds": engine.decode_seconds,
-        "steps": max(len(r.rounds) for r in reqs),  # rounds the batch ran (with every prompt in at once)
+        "steps": rounds,  # rounds the batch ran, more prompts than rows streamed through them
         "outputs": [r.output_ids for r in reqs], "requests": reqs,
     }
 
@@ -643,7 +652,7 @@ def mode_row(m: str, B: int, runs: list[dict], engine, prompts, s: Settings, ski
     round_s = r["decode_seconds"] / r["steps"]
     parts = round_split(engine, prompts, s.max_new_tokens, skip_guards)
     row = {"mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
-           "decode_tokens_per_second": (r["tokens"] - B) / r["decode_seconds"],
+           "decode_tokens_per_second": (r["tokens"] - len(prompts)) / r["decode_seconds"],
            "acceptance_length": r["acceptance_length"], "round_ms": 1e3 * round_s}
     row.update(parts)
     row["achieved_gbps"] = parts["bytes_per_round"] / round_s / 1e9

@@ -182,3 +182,29 @@ def test_reference_drafter_is_plain_and_equal(monkeypatch):
             outs.append(d(tokens[:, -1], torch.tensor([12])))
     for a, b in zip(*outs):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_round_is_the_engines_own_when_prompts_outnumber_rows(tmp_path):
+    """More prompts than rows stream through them: a round's time divides by the rounds the engine ran
+    (at one row, every request's rounds in turn), and decode tokens leave out each request's first
+    token (its prefill's), not one a row."""
+    import torch
+
+    import speculate
+    from support.checkpoint import load_models
+    from support.flags import Settings
+
+    target_dir = make_target(tmp_path / "t")
+    models = load_models(target_dir, make_drafter(tmp_path / "d", target_dir))
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    for rows, rounds_of in ((1, sum), (3, max)):
+        engine = speculate.Engine(models.target, models.drafter, batch_size=rows, max_seq=64)
+        with torch.no_grad():
+            r = bench.timed_generate(engine, prompts, 12)
+        per_request = [len(q.rounds) for q in r["requests"]]
+        assert r["steps"] == rounds_of(per_request), (rows, per_request)
+        row = bench.mode_row("speculative", rows, [r], engine, prompts, Settings(max_new_tokens=12),
+                             skip_guards=False, differ={})
+        decoded = sum(len(q.output_ids) - 1 for q in r["requests"])
+        assert row["decode_tokens_per_second"] * r["decode_seconds"] == pytest.approx(decoded)
+        assert row["round_ms"] == pytest.approx(1e3 * r["decode_seconds"] / r["steps"])
