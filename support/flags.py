@@ -116,7 +116,8 @@ class Settings:
     """Draft a tree of this many nodes a round instead of a chain (0: the chain): the block's most likely
     continuations, best first (with a Markov head each branch is conditioned on its own parent's token),
     verified in one target pass. Block drafters (DSpark, DFlash) without a confidence scheduler. The tree
-    is built a depth a step, each depth over up to this many nodes."""
+    is built a depth a step, each depth over up to this many nodes (with a Markov head, their
+    log-probabilities over the whole vocabulary at once: batch x budget x vocabulary floats)."""
     tree_temperature: float = 0.3
     """The temperature of the drafter's distributions a tree is ranked by. Below 1 the branches follow
     what is likeliest to be the target's own token (a drafter distilled at T = 1 spreads its mass
