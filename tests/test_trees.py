@@ -115,6 +115,33 @@ def test_a_budget_past_every_candidate_leaves_the_rest_unreached(head):
             assert tree.parents[b, len(want) + 1:].tolist() == [-1] * (budget - len(want))
 
 
+def test_the_compiled_build_does_not_grow_with_the_budget():
+    """The build goes a depth a step: its graph is as large at 32 nodes as at 4 (one a node would grow
+    with them, and so would its compile)."""
+    B, L, V, H, r = 2, 4, 64, 8, 5
+    base = torch.randn(B, L, V)
+    hidden = torch.randn(B, L, H)
+    anchor = torch.randint(0, V, (B,))
+    markov = RNNMarkov(H, V, r)
+    sizes = {}
+    for budget in (4, 32):
+        counted = []
+
+        def counting(graph_module, example_inputs):
+            counted.append(len(graph_module.graph.nodes))
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        build = torch.compile(sampling.build_tree, backend=counting, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            tree = build(base, hidden, anchor, markov, budget, 0.7)
+            want = sampling.build_tree(base, hidden, anchor, markov, budget, 0.7)
+        assert all(torch.equal(a, b) for a, b in zip(tree, want))
+        sizes[budget] = sum(counted)
+    torch._dynamo.reset()
+    assert sizes[4] == sizes[32], sizes
+
+
 def test_ancestors_of_a_hand_built_tree():
     #      0
     #    1   2
