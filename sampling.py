@@ -251,8 +251,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
 class Tree(NamedTuple):
     """B draft trees of N = budget nodes after the root (node 0, the anchor), in the order they were
     chosen (best first: a parent before its children). A node the search never reached (too few
-    candidates for the budget) has parent -1 and is never followed; its token and depth are
-    placeholders."""
+    candidates for the budget, or a path of probability 0) has parent -1 and is never followed; its
+    token and depth are placeholders."""
     tokens: torch.Tensor   # [B, N+1]
     parents: torch.Tensor  # [B, N+1] the parent's node index; the root's (and an unused node's) is -1
     depths: torch.Tensor   # [B, N+1] the root's 0; node at depth d drafts the token at anchor + d
@@ -260,9 +260,10 @@ class Tree(NamedTuple):
 
 def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temperature: float):
     """Log-probabilities at `temperature` of the children, at `depth` (1-based), of M nodes a row
-    holding `tokens` [B, M], and the Markov state [B, M, S] they pass on (None without one); `states`
-    is what the nodes' own parents passed them. [B, M, V], or [B, 1, V] without a Markov head: a
-    position's distribution is then its own (DFlash), the same for every parent."""
+    at depth - 1 holding `tokens` [B, M], and the Markov state [B, M, S] they pass on (None when
+    the head carries none); `states` is what the nodes' own parents passed them. [B, M, V], or
+    [B, 1, V] without a Markov head: a position's distribution is then its own (DFlash), the same
+    for every parent."""
     B, M = tokens.shape
     slot = depth - 1  # the block position drafting that depth
     z = base_logits[:, slot, None].float()  # [B, 1, V]
@@ -284,10 +285,11 @@ def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temp
 
 def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> dict:
     """`build_tree`'s search, a depth a step: of the children of the nodes kept at the depth above,
-    the `budget` best (all of them where fewer) are kept. Returns every kept node, depth by depth, as
-    [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after the root's
-    0. A node's candidates are its min(budget, V) likeliest children: one outside them has `budget`
-    better siblings. With a Markov head each depth computes [B, budget, V] log-probabilities."""
+    the `budget` best (all of them where fewer) are kept. Returns every kept node, depth by depth,
+    as [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after the
+    root's 0. A node's candidates are its min(budget, V) likeliest children: one outside them has
+    `budget` better siblings. With a Markov head a depth computes up to [B, budget, V]
+    log-probabilities."""
     B, L, V = base_logits.shape
     N = budget
     width = min(budget, V)  # candidate children a node
@@ -300,10 +302,11 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature:
     for depth in range(1, L + 1):
         logprobs, state = child_logprobs(base_logits, hidden, markov, depth, tokens, states,
                                          temperature)  # [B, M or 1, V]
-        best, ids = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width], likeliest first
+        top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
         M = tokens.shape[1]
-        candidate_scores = (scores[:, :, None] + best).flatten(1)  # [B, M * width], parent by parent
-        candidate_tokens = ids.expand(B, M, width).flatten(1)
+        child_scores = scores[:, :, None] + top_logprobs  # [B, M, width]
+        candidate_scores = child_scores.flatten(1)  # parent by parent
+        candidate_tokens = top_tokens.expand(B, M, width).flatten(1)
         order = torch.sort(candidate_scores, dim=1, descending=True, stable=True).indices
         best_first = order[:, :N]
         parent = best_first // width  # the parent's index among the nodes kept at the depth above
@@ -333,8 +336,9 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     own depth, its parent among them. So this grows it a depth a step, L steps whatever the budget:
     the children of the nodes kept at the depth above, of which the `budget` best are kept; then the
     `budget` best of all depths, best first. Of equal scores the shallower node comes first (so a
-    parent precedes a child as likely as itself), then the earlier parent, then the likelier child
-    (DDTree orders equal scores by the ranks from the root: the trees differ only there)."""
+    parent precedes a child as likely as itself), then the earlier parent, then torch.topk's order
+    among a parent's equally likely children (DDTree orders equal scores by the ranks from the root:
+    the trees differ only there)."""
     B = anchor.shape[0]
     N = budget
     every = best_by_depth(base_logits, hidden, anchor, markov, budget, temperature)
@@ -344,12 +348,15 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
         for name, fill in placeholders.items():
             column = every[name].new_full((B, N - C), fill)
             every[name] = torch.cat([every[name], column], dim=1)
-    # The budget best of all depths; a parent is never worse than its child, so it comes first.
+    # The budget best of all depths. A parent is never worse than its child, and of equal scores the
+    # stable sort keeps the shallower first: a chosen node's parent is chosen, and comes before it.
     order = torch.sort(every["scores"], dim=1, descending=True, stable=True).indices
     chosen = order[:, :N]  # [B, N] the tree's nodes after the root, as indices among the kept
     numbers = torch.arange(1, N + 1, device=anchor.device).expand(B, N)
-    kept = every["parents"].shape[1]
-    node_of = anchor.new_zeros((B, 1 + kept))  # by number (the root's 0): the node's index in the tree
+    kept_count = every["parents"].shape[1]
+    # A kept node's number (the root's 0) -> its index in the tree; only chosen nodes' parents, all
+    # chosen, are looked up (the rest stay 0).
+    node_of = anchor.new_zeros((B, 1 + kept_count))
     node_of.scatter_(1, 1 + chosen, numbers)
     parent_node = node_of.gather(1, every["parents"].gather(1, chosen))
     reached = every["scores"].gather(1, chosen) > float("-inf")
@@ -411,7 +418,8 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
     """One row's tree in plain Python, the reference `build_tree` is tested against: a heap of
     candidates (score, path of ranks), each pop adding a node and pushing its next sibling and its
     first child. children(tokens) -> (the best min(budget, V) tokens after the path `tokens`, their
-    log-probabilities), best first. Returns the nodes in order as (token, parent)."""
+    log-probabilities, finite), best first. Returns the nodes in order as (token, parent). Equal
+    scores go to the smaller ranks from the root, as in DDTree."""
     import heapq
 
     if budget <= 0 or depth <= 0:
