@@ -183,12 +183,12 @@ def nbytes(tensors) -> int:
 
 
 def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float,
-                num_drafts: int = 0, tree_budget: int = 0) -> int:
+                num_drafts: int = 0) -> int:
     """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
-    weights, with the lm_head read again for the block's logits and W2 once per Markov step (a tree's:
-    once per depth, for all its nodes); an Eagle3 drafter's layer and the lm_head once per draft. A lookup table (the input
-    embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few rows a round, not
-    read: not counted."""
+    weights, with the lm_head read again for the block's logits and W2 once per Markov step (K a round,
+    a tree's once a depth for all its nodes); an Eagle3 drafter's layer and the lm_head once per draft.
+    A lookup table (the input embedding unless it is the tied lm_head, the Markov head's W1) is
+    gathered a few rows a round, not read: not counted."""
     a = target.args
     elt = target.lm_head.weight.element_size()
     read = {target.lm_head.weight.data_ptr()}  # a tied embedding is read whole, as the lm_head
@@ -217,9 +217,7 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
             steps = K  # K - 1 drafting steps and the rebuild of what was committed
         total += steps * (nbytes(weights(drafter)) + nbytes([target.lm_head.weight]))
         if drafter.markov_head is not None:
-            markov_steps = K - 1
-            if tree_budget:
-                markov_steps = K
+            markov_steps = K - 1  # W2 is in the drafter's weights once: a round's K Markov steps
             total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
         total += kv_bytes(drafter.cfg.layers)
     return total
@@ -288,7 +286,7 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     positions = [len(q.prompt_ids) + (len(q.output_ids) - 1) / 2 for q in r["requests"]]
     context = sum(positions) / len(positions)
     rows = min(engine.max_batch, len(positions))  # the rows a round decodes
-    nbytes_read = round_bytes(engine.target, engine.drafter, rows, context, engine.K, engine.tree_budget)
+    nbytes_read = round_bytes(engine.target, engine.drafter, rows, context, engine.K)
     # nested intervals of one clock: only float rounding could take the rest below zero
     rest = max(0.0, round_ms - draft - verify)
     return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify, "rest_ms": rest,
