@@ -369,7 +369,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot "
                         "need a --drafter with a confidence head")
-    K = max((d.cfg.num_drafts for d in drafters), default=0)
+    # drafts a round, as the engines take it: an Eagle3 chain's --draft-length, else the checkpoint's
+    K = max((s.draft_length or d.cfg.num_drafts for d in drafters), default=0)
 
     # Every rank reads every dataset, so every cache shape is the one a single process would use.
     context = m.target.args.max_position_embeddings
@@ -430,7 +431,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                 parts = []
             done.append({"label": row.label, "drafter": row.directory,
                          "tree_budget": row.tree_budget, "datasets": entries})
-            run.decode_datasets(row, engine, s, entries, parts, m.stop_ids, results)
+            run.decode_datasets(row, engine, s, entries, parts, engine.stop_ids, results)
             if has_conf:
                 calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries])
     except Interrupted as e:

@@ -228,6 +228,24 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_round_there():
     assert arrays["verified"].tolist() == [4, 2] and arrays["accepted"].tolist() == [2, 2]
 
 
+def test_ignore_eos_counts_rounds_as_they_were_decoded(env, tmp_path, capsys, monkeypatch):
+    """--ignore-eos decodes past an accepted stop token, so its rounds are counted without one (the
+    target's EOS stays a stop token otherwise)."""
+    seen = []
+    count = metrics.count
+
+    def recording(requests, K, stop_ids=()):
+        seen.append(set(stop_ids))
+        return count(requests, K, stop_ids)
+
+    monkeypatch.setattr(ev.mt, "count", recording)
+    run_eval(env, tmp_path, capsys, "--ignore-eos", datasets="gsm8k")
+    assert seen and all(stop == set() for stop in seen)
+    seen.clear()
+    run_eval(env, tmp_path, capsys, datasets="gsm8k")
+    assert seen and all(IM_END_ID in stop for stop in seen)
+
+
 # ----------------------------------------------------------------------------------------
 # Invariance: batches and processes
 
