@@ -707,6 +707,39 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     assert "compares several rows" in capsys.readouterr().err
 
 
+def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, capsys):
+    """--draft-length sets an Eagle3 chain's drafts a round: results.json's num_drafts and the W&B
+    acceptance table follow it, not the checkpoint's ttt_length."""
+    from types import SimpleNamespace
+
+    from drafters import make_eagle3
+
+    from support import eval_log, runlog
+
+    eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=4)
+    out = tmp_path / "r.json"
+    args = ["--target", env["target"], "--drafter", eagle3, "--draft-length", "2", "--data-dir", env["data"],
+            "--datasets", "gsm8k", "--max-samples", "2", "--max-new-tokens", "12", "--temperature", "0",
+            "--no-progress", "--out", str(out)]
+    assert ev.main(args) == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["config"]["num_drafts"] == 2
+    assert all(len(e["accept_rates_by_position"]) == 2 for e in res["datasets"])
+
+    class Table:  # as wandb.Table: every row as wide as the columns
+        def __init__(self, columns, data):
+            assert all(len(row) == len(columns) for row in data), (columns, data)
+            self.columns = columns
+
+    logged = {}
+    run = SimpleNamespace(log=lambda values, step=None: logged.update(values),
+                          summary=SimpleNamespace(update=lambda values: None))
+    plot = SimpleNamespace(line=lambda *a, **k: None)
+    log = runlog.Log(run, SimpleNamespace(Table=Table, plot=plot))
+    eval_log.log_results(log, res, step=None, image=None, files={})
+    assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
+
+
 def test_results_config_names_the_drafters_and_the_skipped_datasets():
     """results.json's config: one drafter's description as it is, several as a list, none as None; the
     datasets asked for without prompts are listed as skipped, by name."""
