@@ -30,11 +30,22 @@ def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]
     return n, rd["verified"], n + 1
 
 
+def path_reach(rd: dict, accepted: int) -> int:
+    """How deep a tree round's drafts reach along its first `accepted` path nodes: one deeper than they
+    when the last of them (the root when none) has a child, a draft sent after them."""
+    last = 0  # the root
+    if accepted:
+        last = rd["path"][accepted - 1]
+    has_child = last in rd["parents"]
+    return accepted + has_child
+
+
 def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
     """Raw counts of finished requests (`.rounds` of trace records, `.output_ids`): COUNT_KEYS summed, and per
     position j < K rounds that verified / accepted more than j (`verified_at` / `accepted_at`), that accepted
     drafts 1..j and verified j+1 (`tried`) and that accepted 1..j+1 (`ok`). A tree's positions are its depths:
-    it verified position j when it reached depth j + 1."""
+    it verified position j when it reached depth j + 1, and tried it after accepting j drafts when the
+    path's last node had a child."""
     stop = set(stop_ids)
     c = dict.fromkeys(COUNT_KEYS, 0)
     c["num_samples"] = len(requests)
@@ -45,6 +56,9 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
         for rd in r.rounds:
             a, v, t = round_counts(rd, stop)
             reach = min(v, rd.get("depth", v))  # a tree verified as deep as it reached
+            sent = reach  # ... and as deep as its drafts after the accepted ones reach
+            if "path" in rd:
+                sent = min(v, path_reach(rd, a))
             c["num_rounds"] += 1
             c["accepted"] += a
             c["verified"] += v
@@ -53,7 +67,7 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
             for j in range(K):
                 c["verified_at"][j] += reach > j
                 c["accepted_at"][j] += a > j
-                tried = a >= j and reach > j  # drafts 1..j accepted, position j verified
+                tried = a >= j and sent > j  # drafts 1..j accepted, draft j + 1 sent
                 c["tried"][j] += tried
     c["ok"] = c["accepted_at"]
     return c

@@ -179,6 +179,21 @@ def test_counts_and_rates_by_hand():
     assert distributed.sum_counts(c, "cpu") == c  # one process: the counts as they are
 
 
+def test_a_tree_tries_a_position_where_its_path_has_a_child():
+    """A tree sends draft k after accepting drafts 1..k-1 only where the accepted path's last node has
+    a child; reaching depth k elsewhere in the tree is not trying it."""
+    #      0
+    #    1   2      a walk that accepts node 2 (depth 1) stops at a leaf;
+    #    3          one that accepts 1 and 3 had node 4 sent after them
+    #    4
+    leaf = dict(accepted=1, verified=4, draft=[5, 6, 7, 8], parents=[0, 0, 1, 3], path=[2], depth=3, bonus=9)
+    deep = dict(leaf, accepted=2, path=[1, 3])
+    c = metrics.count([speculate.Request(0, [1], [1, 6, 9, 5, 7, 9], [leaf, deep])], K)
+    assert c["tried"][:3] == [2, 1, 1] and c["ok"][:3] == [2, 1, 0]
+    assert c["verified_at"][:3] == [2, 2, 2]  # the authors' rates count the depth the tree reached
+    assert metrics.accept_rate_by_position(c)[:3] == [1.0, 1.0, 0.0]
+
+
 def test_a_position_no_round_tried_has_no_rate():
     """Every round verifies one draft (a threshold schedule): positions 2..K were never tried, so their
     conditional rate is undefined (None, as the authors' code gives), not 0.0 — which would read as a

@@ -126,11 +126,21 @@ def counted(r, stop_ids=()):
     return (eos[0] + 1,) * 3 if eos else (r["accepted"], r["verified"], r["accepted"] + 1)
 
 
+def sent(r, a, v):
+    """How deep the drafts a round sent reach past its accepted ones: a chain's ℓ; a tree's path, one
+    node deeper where the last accepted node (the root when none) has a child."""
+    if "path" not in r:
+        return v
+    last = r["path"][a - 1] if a else 0
+    children = [node for node, parent in enumerate(r["parents"], 1) if parent == last]
+    return min(v, a + (1 if children else 0))
+
+
 def recompute_accept_rates(rounds, K, stop_ids=()):
     rates = []
     for k in range(1, K + 1):
         av = [counted(r, stop_ids)[:2] for r in rounds]
-        av = [(a, min(v, r.get("depth", v))) for (a, v), r in zip(av, rounds)]  # a tree's positions: its depths
+        av = [(a, sent(r, a, v)) for (a, v), r in zip(av, rounds)]
         tried = sum(1 for a, v in av if a >= k - 1 and v >= k)
         ok = sum(1 for a, _ in av if a >= k)
         rates.append(ok / tried if tried else None)  # no round tried draft k: undefined
