@@ -632,10 +632,16 @@ def interleaved_runs(modes: list[str], engines: dict, reference, prompts, s: Set
     for rep in range(repeats):
         k = rep % len(modes)
         for m in modes[k:] + modes[:k]:
-            if m == "reference":
+            if m == "reference":  # batch 1: the prompts one after another, as the engine's one row takes them
                 hf, ref_drafter = reference
-                ids, seconds = reference_generate(hf, ref_drafter, prompts[0], s.max_new_tokens, dev, max_seq)
-                runs[m].append({"outputs": [ids], "total_tokens_per_second": len(ids) / seconds})
+                outputs = []
+                seconds = 0.0
+                for prompt in prompts:
+                    ids, spent = reference_generate(hf, ref_drafter, prompt, s.max_new_tokens, dev, max_seq)
+                    outputs.append(ids)
+                    seconds += spent
+                tokens = sum(len(ids) for ids in outputs)
+                runs[m].append({"outputs": outputs, "total_tokens_per_second": tokens / seconds})
             else:
                 runs[m].append(timed_generate(engines[m], prompts, s.max_new_tokens, skip_guards))
     return runs

@@ -83,6 +83,30 @@ def test_bench_rows_and_reference_agree(tmp_path, capsys):
     assert "at batch > 1 eager speculation on a CPU" in ratio_lines[-1], ratio_lines
 
 
+def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsys, monkeypatch):
+    """With a --prompts-file at batch 1 the engine's row takes every prompt in turn; the reference loop's
+    timed run does too (its tokens/s over all of them, its outputs checked against each)."""
+    pytest.importorskip("transformers")
+    target = make_target(tmp_path / "t")
+    drafter = make_drafter(tmp_path / "d", target, oracle=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in ([1, 2, 3], [4, 5], [6, 7, 8, 9])))
+    decoded = []
+    generate = bench.reference_generate
+
+    def recording(hf, drafter, prompt, max_new_tokens, *rest):
+        if max_new_tokens == 9:  # the timed runs (the warm-up decodes min(8, the budget))
+            decoded.append(prompt)
+        return generate(hf, drafter, prompt, max_new_tokens, *rest)
+
+    monkeypatch.setattr(bench, "reference_generate", recording)
+    capsys.readouterr()
+    flags = ["--target", target, "--drafter", drafter, "--no-compile", "--prompts-file", str(prompts),
+             "--max-new-tokens", "9", "--repeats", "1", "--reference", "True", "--out", str(tmp_path / "b.json")]
+    assert bench.main(flags) == 0, capsys.readouterr().err
+    assert decoded == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+
 def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
     """transformers is test-only: without it the default skips the reference loop with one line on
     stderr, and asking for it (--reference True) is a one-line error before anything is built."""
