@@ -186,7 +186,8 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
                 num_drafts: int = 0) -> int:
     """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
     weights, with the lm_head read again for the block's logits and W2 once per Markov step (K a round,
-    a tree's once a depth for all its nodes); an Eagle3 drafter's layer and the lm_head once per draft.
+    a tree's once a depth for all its nodes); an Eagle3 drafter's layer, its cache and the lm_head once
+    per draft, its fc (the committed features' projection) once.
     A lookup table (the input embedding unless it is the tied lm_head, the Markov head's W1) is
     gathered a few rows a round, not read: not counted."""
     a = target.args
@@ -215,11 +216,13 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
         steps = 1  # drafter passes a round
         if drafter.cfg.layout == "eagle3":
             steps = K  # K - 1 drafting steps and the rebuild of what was committed
-        total += steps * (nbytes(weights(drafter)) + nbytes([target.lm_head.weight]))
+        projection = nbytes([drafter.fc.weight])  # the committed features' fc: once a round
+        per_pass = nbytes(weights(drafter)) - projection + nbytes([target.lm_head.weight])
+        total += projection + steps * per_pass
         if drafter.markov_head is not None:
             markov_steps = K - 1  # W2 is in the drafter's weights once: a round's K Markov steps
             total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
-        total += kv_bytes(drafter.cfg.layers)
+        total += steps * kv_bytes(drafter.cfg.layers)
     return total
 
 
