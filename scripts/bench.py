@@ -745,6 +745,9 @@ def run(args: BenchArgs) -> list[dict]:
     if args.prompts_file is not None:
         given = file_prompts(args.prompts_file, target_dir, target.args.vocab_size)
         longest = max(map(len, given))
+        if max(batch_sizes) > len(given):  # rows without a request would run idle every round
+            raise UserError(f"--batch-sizes {args.batch_sizes}: more rows than the {len(given)} prompts of "
+                            f"--prompts-file {args.prompts_file}")
     widest = max([s.tree_budget] + tree_budgets)
     max_seq = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, widest)
     rows = []

@@ -105,6 +105,10 @@ def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsy
              "--max-new-tokens", "9", "--repeats", "1", "--reference", "True", "--out", str(tmp_path / "b.json")]
     assert bench.main(flags) == 0, capsys.readouterr().err
     assert decoded == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    # more rows than prompts: a row would never hold a request, and the batch would not be what it says
+    assert bench.main(flags + ["--reference", "False", "--batch-sizes", "1,4"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-sizes 1,4: more rows than the 3 prompts of --prompts-file" in err and err.count("\n") == 1, err
 
 
 def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
