@@ -227,10 +227,29 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
 
 
 def peak_memory(device) -> float:
-    """GiB: the CUDA allocator's peak, or on cpu the process's peak resident set."""
+    """GiB: the CUDA allocator's peak, or on cpu the process's peak resident set, since the last
+    `reset_peak_memory`."""
     if str(device).startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**30
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):  # in kB
+                    return int(line.split()[1]) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def reset_peak_memory(device):
+    """Count `peak_memory` from here: the bandwidth probe's buffers are not the run's. On a CPU this
+    takes Linux's /proc/self/clear_refs; elsewhere the peak keeps the probe."""
+    if str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident set starts again from the current one
+    except OSError:
+        pass
 
 
 def side_engine(target, drafter, batch: int, max_seq: int, s: Settings, tree_budget: int = 0) -> Engine:
@@ -729,6 +748,7 @@ def run(args: BenchArgs) -> list[dict]:
     if dev == "cuda":
         copy_bytes = 1 << 30
     bw = copy_bandwidth(dev, copy_bytes)
+    reset_peak_memory(dev)
     hw = device_name(dev)
     print(header(name, target, drafter, dtype, hw, s, args, threads, cache_dir, built_seconds, bw), flush=True)
     g = torch.Generator().manual_seed(s.seed)

@@ -236,3 +236,22 @@ def test_a_round_is_the_engines_own_when_prompts_outnumber_rows(tmp_path):
         decoded = sum(len(q.output_ids) - 1 for q in r["requests"])
         assert row["decode_tokens_per_second"] * r["decode_seconds"] == pytest.approx(decoded)
         assert row["round_ms"] == pytest.approx(1e3 * r["decode_seconds"] / r["steps"])
+
+
+def test_the_bandwidth_probe_is_not_the_runs_peak_memory():
+    """bench.py measures the copy bandwidth with two large buffers before the run; the peak it reports
+    starts after them (on Linux, where a process can reset its peak resident set)."""
+    import os
+
+    import torch
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("the peak resident set can be reset only on Linux")
+    bench.copy_bandwidth("cpu", 1 << 28)
+    with_probe = bench.peak_memory("cpu")
+    bench.reset_peak_memory("cpu")
+    after = bench.peak_memory("cpu")
+    assert after < with_probe - 0.3, (with_probe, after)  # the probe's 2 x 256 MiB are gone
+    x = torch.ones(2**27 // 4)  # 128 MiB more than now
+    assert bench.peak_memory("cpu") > after + 0.1
+    del x
