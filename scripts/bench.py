@@ -182,9 +182,8 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, context: float,
-                num_drafts: int = 0) -> int:
-    """Bytes one round reads: target weights, KV cache at `context` (the run's mean), and the drafter's
+def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float, num_drafts: int = 0) -> int:
+    """Bytes one round reads: target weights, its KV cache at `cached` positions (all rows'), and the drafter's
     weights, with the lm_head read again for the block's logits and W2 once per Markov step (K a round,
     a tree's once a depth for all its nodes); an Eagle3 drafter's layer, its cache and the lm_head once
     per draft, its fc (the committed features' projection) once.
@@ -205,9 +204,9 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], batch: int, con
                 once[p.data_ptr()] = p
         return once.values()
 
-    def kv_bytes(layers):  # K and V of every layer at the mean context
+    def kv_bytes(layers):  # K and V of every layer at the cached positions
         per_position = 2 * layers.num_hidden_layers * layers.num_key_value_heads * layers.head_dim * elt
-        return int(per_position * batch * context)
+        return int(per_position * cached)
 
     total = nbytes(weights(target))
     total += kv_bytes(a)
@@ -304,15 +303,24 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
         draft = 1e3 * spent["draft"] / rounds
     verify = 1e3 * spent["verify"] / rounds
     round_ms = 1e3 * r["decode_seconds"] / rounds
-    # each request's mean cache length over its run
-    positions = [len(q.prompt_ids) + (len(q.output_ids) - 1) / 2 for q in r["requests"]]
-    context = sum(positions) / len(positions)
-    rows = min(engine.max_batch, len(positions))  # the rows a round decodes
-    nbytes_read = round_bytes(engine.target, engine.drafter, rows, context, engine.K)
+    cached = cached_per_round(r["requests"], rounds)
+    nbytes_read = round_bytes(engine.target, engine.drafter, cached, engine.K)
     # nested intervals of one clock: only float rounding could take the rest below zero
     rest = max(0.0, round_ms - draft - verify)
     return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify, "rest_ms": rest,
             "bytes_per_round": nbytes_read}
+
+
+def cached_per_round(requests: list[Request], rounds: int) -> float:
+    """The cache positions a round's rows hold, all rows together, on average over the `rounds` the
+    engine ran: each request's length at each of its rounds (rows without a request hold none)."""
+    positions = 0
+    for q in requests:
+        length = len(q.prompt_ids) + 1  # the prompt and the prefill's token
+        for rd in q.rounds:
+            positions += length
+            length += rd["accepted"] + 1
+    return positions / rounds
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int,

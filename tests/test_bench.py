@@ -255,3 +255,17 @@ def test_the_bandwidth_probe_is_not_the_runs_peak_memory():
     x = torch.ones(2**27 // 4)  # 128 MiB more than now
     assert bench.peak_memory("cpu") > after + 0.1
     del x
+
+
+def test_a_rounds_cache_is_what_its_rows_hold():
+    """The KV a round reads: each request's cache at each of its rounds (prompt, the prefill's token, the
+    tokens committed before), summed over the rows and averaged over the rounds the engine ran; a row
+    without a request holds none."""
+    from speculate import Request
+
+    first = Request(0, [1, 2, 3], [7, 8, 9, 1, 2, 3], [{"accepted": 1}, {"accepted": 2}])
+    second = Request(1, [4, 5], [6], [{"accepted": 0}])
+    # batch 2: round 1 holds 4 + 3 positions, round 2 only the first request's 4 + 2
+    assert bench.cached_per_round([first, second], rounds=2) == (4 + 3 + 6) / 2
+    # one row, the requests in turn: three rounds
+    assert bench.cached_per_round([first, second], rounds=3) == (4 + 6 + 3) / 3
