@@ -663,10 +663,9 @@ def format_comparison(rows: list[dict], temperature: float) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         taus = [e["acceptance_length"] for e in r["datasets"]]
-        known = [t for t in taus if t is not None]
-        mean = None
-        if known:
-            mean = sum(known) / len(known)
+        mean = None  # over every dataset, or undefined: rows must average the same datasets
+        if taus and None not in taus:
+            mean = sum(taus) / len(taus)
         cells = ""
         for t, w in zip(taus, columns):
             cells += f"{_fmt(t):>{w}}"

@@ -755,6 +755,19 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
 
 
+def test_a_rows_mean_tau_is_over_every_dataset_or_undefined():
+    """Table 1's mean: a row with a dataset of no rounds (τ undefined) has no mean, rather than one
+    over fewer datasets than the other rows'."""
+    def row(label, taus):
+        return {"label": label, "datasets": [{"dataset": f"d{i}", "acceptance_length": t}
+                                             for i, t in enumerate(taus)]}
+
+    table = ev.format_comparison([row("a", [2.0, 4.0]), row("b", [3.0, None])], temperature=0)
+    lines = table.splitlines()
+    assert lines[2].split() == ["a", "2.00", "4.00", "3.00"]
+    assert lines[3].split() == ["b", "3.00", "-", "-"]
+
+
 def test_results_config_names_the_drafters_and_the_skipped_datasets():
     """results.json's config: one drafter's description as it is, several as a list, none as None; the
     datasets asked for without prompts are listed as skipped, by name."""
