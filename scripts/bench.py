@@ -182,13 +182,14 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float, num_drafts: int = 0) -> int:
-    """Bytes one round reads: target weights, its KV cache at `cached` positions (all rows'), and the drafter's
-    weights, with the lm_head read again for the block's logits and W2 once per Markov step (K a round,
-    a tree's once a depth for all its nodes); an Eagle3 drafter's layer, its cache and the lm_head once
-    per draft, its fc (the committed features' projection) once.
-    A lookup table (the input embedding unless it is the tied lm_head, the Markov head's W1) is
-    gathered a few rows a round, not read: not counted."""
+def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
+                num_drafts: int = 0) -> int:
+    """Bytes one round reads: target weights, its KV cache at `cached` positions (all rows'), and the
+    drafter's weights, with the lm_head read again for the block's logits and W2 once per Markov step
+    (K a round, a tree's once a depth for all its nodes); an Eagle3 drafter's layer, its cache and the
+    lm_head once per draft, its fc (the committed features' projection) once. A lookup table (the
+    input embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few rows a
+    round, not read: not counted."""
     a = target.args
     elt = target.lm_head.weight.element_size()
     read = {target.lm_head.weight.data_ptr()}  # a tied embedding is read whole, as the lm_head
