@@ -43,7 +43,9 @@ def test_sigkill_during_saves_then_resume_equals_uninterrupted(tmp_path):
              "--anchors-per-seq", 4, "--block-size", 3, "--depth", 1, "--markov-rank", 4, "--save-every", 1,
              "--device", "cpu", "--no-progress"]
     flags = [str(a) for a in flags]
+    t0 = time.time()
     assert train.main(flags + ["--out", str(tmp_path / "straight")]) == 0
+    step_seconds = (time.time() - t0) / STEPS  # (over) a step's time on this machine, saves included
 
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
@@ -57,7 +59,7 @@ def test_sigkill_during_saves_then_resume_equals_uninterrupted(tmp_path):
         while p.poll() is None and ((out / "latest").read_text() if (out / "latest").exists() else None) == before:
             assert time.time() - t0 < 60, "no checkpoint appeared"
             time.sleep(0.01)  # wait for this run's first save, then kill it a little later: mid-save, often
-        time.sleep(rng.uniform(0, 0.25))
+        time.sleep(rng.uniform(0, 3 * step_seconds))  # a few steps on: the kills stay well inside the run
         if p.poll() is not None:  # it finished before the kill: the loop has no more to interrupt
             break
         p.send_signal(signal.SIGKILL)
