@@ -75,7 +75,7 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
                 files: dict):
     """The end of the run: tables, charts, scalars, the reliability diagram, the files."""
     wb = log.wandb
-    # the positions the first row's engine measured (an Eagle3 chain's --draft-length, not the config's)
+    # the positions the first row's engine measured (a later row's may be more: the config has the most)
     K = max((len(e["accept_rates_by_position"]) for e in results["datasets"]), default=0)
     cal = results["calibration"]
     cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal",

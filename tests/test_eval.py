@@ -753,6 +753,10 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
     log = runlog.Log(run, SimpleNamespace(Table=Table, plot=plot))
     eval_log.log_results(log, res, step=None, image=None, files={})
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
+    # a comparison whose later row drafts more (num_drafts is the largest): the table is the first row's
+    wider = dict(res, config=dict(res["config"], num_drafts=4))
+    eval_log.log_results(log, wider, step=None, image=None, files={})
+    assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
 
 
 def test_a_rows_mean_tau_is_over_every_dataset_or_undefined():
