@@ -75,28 +75,40 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
                 files: dict):
     """The end of the run: tables, charts, scalars, the reliability diagram, the files."""
     wb = log.wandb
-    # the positions the first row's engine measured (a later row's may be more: the config has the most)
-    K = max((len(e["accept_rates_by_position"]) for e in results["datasets"]), default=0)
     cal = results["calibration"]
+    # one drafter's run: its datasets; a comparison: every row's, each labelled with its row
+    rows = results.get("rows") or []
+    several = len(rows) > 1
+    if not several:
+        rows = [{"label": None, "tree_budget": None, "datasets": results["datasets"]}]
+    K = 0  # the most positions any row measured (an Eagle3 row may draft more than a block drafter)
+    for row in rows:
+        for e in row["datasets"]:
+            K = max(K, len(e["accept_rates_by_position"]))
     cols = ["dataset", "num_samples", "num_rounds", "acceptance_length", "draft_tokens_per_proposal",
             "verify_rate", "tokens_per_second"]
+    lead = []
+    if several:
+        lead = ["row", "tree_budget"]
     acceptance = []
-    for e in results["datasets"]:
-        acceptance.append([e[c] for c in cols] + e["accept_rates_by_position"])
-    out = {"acceptance": log.table(cols + [f"accept_rate@{j}" for j in range(K)], acceptance)}
-    rows = results.get("rows") or []
-    if len(rows) > 1:  # every row: drafter (and tree budget) by dataset
-        compared = []
-        for row in rows:
-            for e in row["datasets"]:
-                compared.append([row["label"], row["tree_budget"]] + [e[c] for c in cols])
-        out["comparison"] = log.table(["row", "tree_budget"] + cols, compared)
-    if K:
-        by_position = []
-        for e in results["datasets"]:
-            pairs = zip(e["accept_rates_by_position"], e["accept_rate_by_position"])
+    by_position = []
+    for row in rows:
+        for e in row["datasets"]:
+            rates = e["accept_rates_by_position"]
+            padding = [None] * (K - len(rates))
+            cells = [e[c] for c in cols] + rates + padding
+            if several:
+                cells = [row["label"], row["tree_budget"]] + cells
+            acceptance.append(cells)
+            series = e["dataset"]
+            if several:
+                series = f"{row['label']}: {e['dataset']}"
+            pairs = zip(rates, e["accept_rate_by_position"])
             for j, (a, c) in enumerate(pairs):
-                by_position.append((e["dataset"], j + 1, a, c))
+                by_position.append((series, j + 1, a, c))
+    rate_cols = [f"accept_rate@{j}" for j in range(K)]
+    out = {"acceptance": log.table(lead + cols + rate_cols, acceptance)}
+    if K:
         by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"], by_position)
         title = "accept_rate@j by draft position (authors' definition)"
         out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",

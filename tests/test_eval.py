@@ -753,10 +753,52 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
     log = runlog.Log(run, SimpleNamespace(Table=Table, plot=plot))
     eval_log.log_results(log, res, step=None, image=None, files={})
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
-    # a comparison whose later row drafts more (num_drafts is the largest): the table is the first row's
+    # a config with more drafts than any row measured: the table is as wide as the rows' rates
     wider = dict(res, config=dict(res["config"], num_drafts=4))
     eval_log.log_results(log, wider, step=None, image=None, files={})
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
+
+
+def test_wandb_tables_and_chart_hold_every_row_of_a_comparison():
+    """Several rows (drafters, tree budgets): W&B's acceptance table and by-position chart hold each
+    row's datasets, labelled by row, as wide as the row that drafts most."""
+    from types import SimpleNamespace
+
+    from support import eval_log, runlog
+
+    def entry(dataset, rates):
+        conditional = [None] + rates[1:]
+        return {"dataset": dataset, "num_samples": 2, "num_rounds": 5, "acceptance_length": 2.0,
+                "draft_tokens_per_proposal": 3.0, "verify_rate": 1.0, "tokens_per_second": 9.0,
+                "accept_rates_by_position": rates, "accept_rate_by_position": conditional}
+
+    chain = {"label": "d chain", "tree_budget": 0, "datasets": [entry("gsm8k", [0.9, 0.5])]}
+    eagle3 = {"label": "e3", "tree_budget": 0,
+              "datasets": [entry("gsm8k", [0.8, 0.6, 0.4, 0.2]), entry("mbpp", [0.7, 0.5, 0.3, 0.1])]}
+    res = {"datasets": chain["datasets"], "rows": [chain, eagle3], "calibration": None}
+    tables = {}
+
+    class Table:  # as wandb.Table: every row as wide as the columns
+        def __init__(self, columns, data):
+            assert all(len(row) == len(columns) for row in data), (columns, data)
+            self.columns = columns
+            self.data = data
+
+    def line(table, x, y, stroke, title):
+        tables["chart"] = table
+
+    logged = {}
+    run = SimpleNamespace(log=lambda values, step=None: logged.update(values),
+                          summary=SimpleNamespace(update=lambda values: None))
+    log = runlog.Log(run, SimpleNamespace(Table=Table, plot=SimpleNamespace(line=line)))
+    eval_log.log_results(log, res, step=None, image=None, files={})
+    table = logged["acceptance"]
+    assert table.columns[:3] == ["row", "tree_budget", "dataset"]
+    assert table.columns[-4:] == [f"accept_rate@{j}" for j in range(4)]
+    assert [r[:3] for r in table.data] == [["d chain", 0, "gsm8k"], ["e3", 0, "gsm8k"], ["e3", 0, "mbpp"]]
+    assert table.data[0][-2:] == [None, None]  # the chain measured two positions
+    series = [r[0] for r in tables["chart"].data]
+    assert series == ["d chain: gsm8k"] * 2 + ["e3: gsm8k"] * 4 + ["e3: mbpp"] * 4
 
 
 def test_a_rows_mean_tau_is_over_every_dataset_or_undefined():
