@@ -216,8 +216,13 @@ class Decoding:
             self.printer.finish(done)
             summary, counts = summarize(done, self.engine, self.report.settings.scheduler)
             if interrupted:
+                # the throughput of the time spent: every token decoded, unfinished requests' too
+                decoded = self.running["tokens"]
+                seconds = summary["prefill_seconds"] + summary["decode_seconds"]
+                tokens_per_second = decoded / seconds if seconds > 0 else 0.0
                 summary.update(interrupted=True, finished_requests=len(done),
-                               requests=self.report.requests)
+                               requests=self.report.requests, decoded_tokens=decoded,
+                               tokens_per_second=tokens_per_second)
             if self.trace:
                 self.trace.write(json.dumps(summary) + "\n")
                 self.trace.close()

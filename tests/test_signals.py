@@ -61,6 +61,16 @@ def test_speculate_interrupted_keeps_finished_requests(pair, tmp_path, sig, code
     assert summary["summary"] and summary["interrupted"] is True and summary["requests"] == 400
     ends = [x for x in lines if "output_ids" in x]
     assert 1 <= summary["finished_requests"] == len(ends) < 400
+    # tokens/s counts every token decoded in the time: the finished requests' and those in flight
+    decoded = sum(len(x["output_ids"]) for x in ends)
+    finished = {x["request"] for x in ends}
+    in_flight = {x["request"] for x in lines if "round" in x and x["request"] not in finished}
+    for r in in_flight:
+        rounds = [x for x in lines if x.get("round") is not None and x["request"] == r]
+        decoded += 1 + sum(x["accepted"] + 1 for x in rounds)  # its first token, then each round's
+    assert summary["decoded_tokens"] == decoded >= sum(len(x["output_ids"]) for x in ends)
+    seconds = summary["prefill_seconds"] + summary["decode_seconds"]
+    assert summary["tokens_per_second"] == pytest.approx(decoded / seconds)
     printed = out.splitlines()
     labels = [line for line in printed if line.startswith("--- request ")]
     assert len(labels) == len(ends) and len(printed) == 2 * len(ends)  # the finished completions, no statistics line
