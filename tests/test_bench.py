@@ -145,15 +145,24 @@ def test_bad_flags(flags, needle, capsys):
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
 
 
-def test_an_eagle3_checkpoint_is_timed_without_the_dspark_reference(tmp_path, capsys):
+def test_an_eagle3_checkpoint_is_timed_without_the_dspark_reference(tmp_path, capsys, monkeypatch):
     """A loaded Eagle3 drafter says its kind only once loaded: the reference loop (a DSpark chain's) is
-    left out unasked, and asked for, or with --tree-budgets, is one line."""
+    left out unasked, and asked for, or with --tree-budgets, is one line. (The run's peak memory
+    counts from after the bandwidth probe.)"""
     target = make_target(tmp_path / "t")
     eagle3 = make_eagle3(tmp_path / "e", target)
     out = tmp_path / "bench.json"
     flags = ["--target", target, "--drafter", eagle3, "--no-compile", "--batch-sizes", "1",
              "--prompt-len", "6", "--max-new-tokens", "12", "--repeats", "1"]
+    calls = []
+    for name in ("copy_bandwidth", "reset_peak_memory", "peak_memory"):
+        def spy(*args, _name=name, _real=getattr(bench, name)):
+            calls.append(_name)
+            return _real(*args)
+        monkeypatch.setattr(bench, name, spy)
     assert bench.main(flags + ["--out", str(out)]) == 0, capsys.readouterr().err
+    assert calls[:2] == ["copy_bandwidth", "reset_peak_memory"] and calls.count("copy_bandwidth") == 1
+    assert "peak_memory" in calls and "peak_memory" not in calls[:2]
     modes = [r["mode"] for r in json.load(open(out))["rows"]]
     assert "reference" not in modes and "speculative" in modes, modes
     for extra, needle in [(["--reference", "True"], "is an Eagle3 drafter"),
@@ -236,6 +245,10 @@ def test_a_round_is_the_engines_own_when_prompts_outnumber_rows(tmp_path):
         decoded = sum(len(q.output_ids) - 1 for q in r["requests"])
         assert row["decode_tokens_per_second"] * r["decode_seconds"] == pytest.approx(decoded)
         assert row["round_ms"] == pytest.approx(1e3 * r["decode_seconds"] / r["steps"])
+        # the bytes a round reads: the KV its rows hold round by round (greedy: the split's run is this one)
+        cached = bench.cached_per_round(r["requests"], r["steps"])
+        want = bench.round_bytes(models.target, models.drafter, cached, engine.K)
+        assert row["bytes_per_round"] == want
 
 
 def test_the_bandwidth_probe_is_not_the_runs_peak_memory():
