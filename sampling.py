@@ -285,21 +285,24 @@ def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temp
 
 def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> dict:
     """`build_tree`'s search, a depth a step: of the children of the nodes kept at the depth above,
-    the `budget` best (all of them where fewer) are kept. Returns every kept node, depth by depth,
-    as [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after the
-    root's 0. A node's candidates are its min(budget, V) likeliest children: one outside them has
-    `budget` better siblings. With a Markov head a depth computes up to [B, budget, V]
+    the best are kept, as many as a tree of `budget` nodes can hold at that depth (budget - d + 1 at
+    depth d, none past depth `budget`; all of them where fewer). Returns every kept node, depth by
+    depth, as [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after
+    the root's 0. A node's candidates are its likeliest children, as many: one outside them has as
+    many better siblings. With a Markov head a depth computes up to [B, budget, V]
     log-probabilities."""
     B, L, V = base_logits.shape
-    N = budget
-    width = min(budget, V)  # candidate children a node
     # The nodes kept at the depth being expanded, M a row: the root alone at first.
     tokens = anchor[:, None]  # [B, M]
     scores = torch.zeros(B, 1, device=anchor.device)
     states = None
     first = 0  # the number of the first of them (the root's 0)
     kept = {"tokens": [], "scores": [], "parents": [], "depths": []}  # each depth's, [B, M] each
-    for depth in range(1, L + 1):
+    deepest = min(L, budget)  # a node at depth d comes with its d - 1 ancestors
+    for depth in range(1, deepest + 1):
+        # ... so a tree of `budget` nodes holds at most budget - depth + 1 of this depth
+        room = budget - depth + 1
+        width = min(room, V)  # candidate children a node
         logprobs, state = child_logprobs(base_logits, hidden, markov, depth, tokens, states,
                                          temperature)  # [B, M or 1, V]
         top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
@@ -308,7 +311,7 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature:
         candidate_scores = child_scores.flatten(1)  # parent by parent
         candidate_tokens = top_tokens.expand(B, M, width).flatten(1)
         order = torch.sort(candidate_scores, dim=1, descending=True, stable=True).indices
-        best_first = order[:, :N]
+        best_first = order[:, :room]
         parent = best_first // width  # the parent's index among the nodes kept at the depth above
         tokens = candidate_tokens.gather(1, best_first)
         scores = candidate_scores.gather(1, best_first)
@@ -333,9 +336,10 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
 
     DDTree grows the tree best first, a node a step. Scores only fall along a path, so its tree is
     the `budget` best nodes of all, and each of those has fewer than `budget` better nodes at its
-    own depth, its parent among them. So this grows it a depth a step, L steps whatever the budget:
-    the children of the nodes kept at the depth above, of which the `budget` best are kept; then the
-    `budget` best of all depths, best first. Of equal scores the shallower node comes first (so a
+    own depth, its parent among them (and fewer than budget - d + 1 at depth d: it comes with its
+    d - 1 ancestors). So this grows it a depth a step, at most L steps whatever the budget: the
+    children of the nodes kept at the depth above, of which the best are kept; then the `budget`
+    best of all depths, best first. Of equal scores the shallower node comes first (so a
     parent precedes a child as likely as itself), then the earlier parent, then torch.topk's order
     among a parent's equally likely children (DDTree orders equal scores by the ranks from the root:
     the trees differ only there)."""
