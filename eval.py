@@ -102,8 +102,8 @@ class EvalArgs(WandbFlags):
     rendering: flat(Rendering) = field(default_factory=Rendering)
     machine: flat(Machine) = field(default_factory=Machine)
     out: Optional[str] = None
-    """Where to write the results (JSON); a file given is replaced. Default: results.json here, refused
-    when it exists."""
+    """Where to write the results (JSON); a file given is replaced. Default: results.json here, or when
+    it exists results-2.json, -3, ...: the first name free (printed)."""
     progress: bool = True
     """Progress on stderr (rank 0): a bar on a terminal, else a line at most once a minute."""
     calibration: Optional[str] = None

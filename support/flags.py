@@ -281,7 +281,8 @@ class Prompts:
     """One prompt as comma-separated token ids, e.g. 1,2,3."""
     prompts_file: Optional[str] = None
     """JSON lines of {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (the first) or {"messages":
-    [{"role", "content"}, ...]} (ending with the user's turn). The demo's default: 21 held-out prompts."""
+    [{"role", "content"}, ...]} (ending with the user's turn). The demo's default: its 20 held-out
+    prompts, after a lead prompt whose completion it prints."""
 
 
 @dataclass

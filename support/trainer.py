@@ -90,7 +90,7 @@ class TrainArgs(WandbFlags):
     log_every: int = 10
     """With --wandb: log the step's figures every this many steps."""
     progress: bool = True
-    """Progress on stderr: a bar on a terminal, else a line a minute."""
+    """Progress on stderr: a bar on a terminal, else a line every 15 s and at the last step."""
     peak_tflops: Optional[float] = None
     """One device's peak TFLOP/s for the MFU (default: a known GPU's dense bf16 figure, else no MFU)."""
     wandb_artifacts: bool = False
@@ -611,9 +611,12 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         done = step + 1
         # the bar's figures: loss, tau and ppl, tokens/s, MFU
         postfix = {"loss": f"{loss:.4f}"}
+        shown_quality = ""  # the line's τ (a drafter) or perplexity (the demo target)
         for k, v in metrics.items():
             if k in ("tau", "ppl"):
                 postfix[k] = f"{v:.3f}"
+                name = {"tau": "τ", "ppl": "ppl"}[k]
+                shown_quality += f", {name} {v:.3f}"
         postfix["tok_s"] = f"{tokens_per_second:,.0f}"
         shown_mfu = ""
         if "mfu" in speed:
@@ -623,8 +626,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         bar.set_postfix(**postfix)
         if lines is not None:
             minutes_left = speed["eta_seconds"] / 60
-            lines.say(f"step {done}/{end}: loss {loss:.4f}, {tokens_per_second:,.0f} tokens/s"
-                      f"{shown_mfu}, {minutes_left:.1f} min to go", final=done == end)
+            lines.say(f"step {done}/{end}: loss {loss:.4f}{shown_quality}, {tokens_per_second:,.0f} "
+                      f"tokens/s{shown_mfu}, {minutes_left:.1f} min to go", final=done == end)
         record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
         if main:
             log.write(json.dumps({"step": done, **record}) + "\n")
