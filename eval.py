@@ -323,6 +323,11 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
     TREE_BUDGETS below N, and at N: the τ-per-budget curve."""
     if not drafters:
         return [Row("autoregressive", None, None, 0)]
+    block_drafters = [d for d in drafters if d.cfg.layout != "eagle3"]
+    if tree_budget and not block_drafters:
+        raise UserError(f"--tree-budget {tree_budget}: trees grow from a block drafter's "
+                        f"distributions (DSpark or DFlash), and every --drafter is an Eagle3 "
+                        f"drafter, which drafts a chain: it would change nothing")
     rows = []
     names = [os.path.basename(os.path.normpath(d)) for d in directories]
     if len(set(names)) < len(names):

@@ -534,11 +534,15 @@ def check_args(args: BenchArgs) -> list[int]:
         if f.name not in TIMED and getattr(args.decode, f.name) != getattr(default, f.name):
             raise UserError(f"--{f.name.replace('_', '-')}: bench.py times greedy decoding of every draft at "
                             f"--batch-sizes; it would change nothing here")
-    s = flags.check_settings(args.decode, args.machine.device)
+    trees = args.decode.tree_budget > 0 or args.tree_budgets is not None
+    s = flags.check_settings(args.decode, args.machine.device, trees=trees)
     flags.check_machine(args.machine, s.compile)
     check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]")
     if args.tree_budgets is not None:
-        parse_ints(args.tree_budgets, "--tree-budgets", positive=True, distinct=True)
+        budgets = parse_ints(args.tree_budgets, "--tree-budgets", positive=True, distinct=True)
+        if max(budgets) > flags.MAX_TREE_BUDGET:
+            raise UserError(f"--tree-budgets {args.tree_budgets}: at most {flags.MAX_TREE_BUDGET} nodes a "
+                            f"tree, as --tree-budget")
         if args.drafter_kind == "eagle3":
             raise UserError("--tree-budgets: an Eagle3 drafter drafts a chain (trees grow from a block drafter)")
     check_ranges(s, max_new_tokens="[2, 10485760]")  # (one new token is the prefill's: no round to time)
@@ -605,7 +609,12 @@ def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, 
 
 
 def check_pair(args: BenchArgs, s: Settings, target: Transformer, drafter):
-    """What only the built pair can tell: a loaded drafter's kind, and the context the runs need."""
+    """What only the built pair can tell: a loaded drafter's kind (and whether there is one), and the
+    context the runs need."""
+    if drafter is None and args.tree_budgets is not None:
+        raise UserError(f"--tree-budgets {args.tree_budgets}: a tree is drafted by a --drafter (without "
+                        f"one bench.py times autoregressive decoding alone)")
+    flags.check_drafter_settings(s, drafter)  # --draft-length, --tree-budget: as speculate.py
     if drafter is not None and drafter.cfg.layout == "eagle3":
         if args.reference:
             raise UserError(f"--reference: the reference loop is a DSpark drafter's chain, and --drafter "
@@ -829,7 +838,10 @@ def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: lis
     timing = (f"tokens/s = generated tokens / (prefill + decode seconds), median of {args.repeats} "
               f"interleaved repeats; the round split (draft, verify, rest) from one more run with its "
               f"halves timed in place and synchronised (split_round_ms)")
-    write_json(args.out, {"config": flat_fields(args), "hardware": hw, "torch": torch.__version__,
+    config = flat_fields(args)
+    if args.target is not None:  # the checkpoints are the pair; --model builds one only without them
+        config["model"] = None
+    write_json(args.out, {"config": config, "hardware": hw, "torch": torch.__version__,
                           "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
                           "timing": timing, "complete": complete, "rows": rows, "ratios": ratios}, indent=1)
 

@@ -37,6 +37,7 @@ from support.runlog import WandbFlags
 from support.text import StopStrings, auto_chat, check_chat_flags, encode, load_prompts
 
 MAX_REQUESTS = 10_000_000
+MAX_TREE_BUDGET = 1024  # a draft tree's nodes at most
 DEFAULT_BUDGET = 128  # new tokens per request when none is given (eval.py has the authors' own)
 
 # The decode settings' ranges and choices (a value outside is one line naming the flag).
@@ -51,7 +52,7 @@ RANGES = {
     "min_p": (float, "[0, 1]"),
     "confidence_threshold": (float, "[0, 1]"),
     "draft_length": (int, f"[1, {MAX_BLOCK}]"),
-    "tree_budget": (int, "[0, 1024]"),
+    "tree_budget": (int, f"[0, {MAX_TREE_BUDGET}]"),
     "tree_temperature": (float, f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
 }
 CHOICES = {
@@ -127,10 +128,11 @@ class Settings:
     ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
 
 
-def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
+def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Optional[bool] = None):
     """A `Settings` for a run on `device`, checked: types, ranges, spellings, then combinations
     (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
-    a tuple, and no budget given the default `budget` (None: left for the caller)."""
+    a tuple, and no budget given the default `budget` (None: left for the caller). trees: whether the
+    run drafts trees (None: a --tree-budget was given; bench.py's --tree-budgets say it too)."""
     s = replace(s)  # the caller's settings stay as given
     if s.max_new_tokens is None:
         s.max_new_tokens = budget
@@ -168,6 +170,12 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET):
                         f"and --scheduler {s.scheduler} chooses how much of a chain to verify "
                         f"(its confidences score a chain's prefixes, not a tree's branches): "
                         f"use one or the other")
+    if trees is None:
+        trees = s.tree_budget > 0
+    if not trees and s.tree_temperature != Settings.tree_temperature:
+        raise UserError(f"--tree-temperature {s.tree_temperature:g}: ranks the branches of a draft "
+                        f"tree, and no --tree-budget is given (a chain is drafted): it would change "
+                        f"nothing")
     if s.compile is not None and not isinstance(s.compile, bool):
         raise UserError(f"--compile: invalid value {s.compile!r} "
                         f"(True, False, or None for the default)")
@@ -384,8 +392,6 @@ def drafter_settings(args) -> list[tuple[str, str]]:
         (d.tree_budget > 0, f"--tree-budget {d.tree_budget}", "a tree is drafted by a --drafter"),
         (d.draft_length is not None, f"--draft-length {d.draft_length}",
          "sets how many drafts an Eagle3 drafter proposes"),
-        (d.tree_temperature != Settings.tree_temperature,
-         f"--tree-temperature {d.tree_temperature:g}", "ranks the branches of a drafter's tree"),
     ]
     return [(flag_value, what) for given, flag_value, what in settings if given]
 

@@ -138,6 +138,8 @@ def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
     (["--threads", "-1"], "--threads: invalid"),
     (["--out", "/"], "--out /: is a directory"),
     (["--kernels", "triton"], "--kernels triton: the Triton kernels need"),  # cpu, outside the interpreter
+    (["--tree-budgets", "4,2000"], "--tree-budgets 4,2000: at most 1024 nodes"),
+    (["--tree-temperature", "0.5"], "--tree-temperature 0.5: ranks the branches of a draft tree"),
 ])
 def test_bad_flags(flags, needle, capsys):
     assert bench.main(flags) == 2
@@ -166,11 +168,33 @@ def test_an_eagle3_checkpoint_is_timed_without_the_dspark_reference(tmp_path, ca
     modes = [r["mode"] for r in json.load(open(out))["rows"]]
     assert "reference" not in modes and "speculative" in modes, modes
     for extra, needle in [(["--reference", "True"], "is an Eagle3 drafter"),
-                          (["--tree-budgets", "4"], "is an Eagle3 drafter, which drafts a chain")]:
+                          (["--tree-budgets", "4"], "is an Eagle3 drafter, which drafts a chain"),
+                          (["--tree-budget", "4"], "an Eagle3 drafter drafts a chain")]:
         capsys.readouterr()
         assert bench.main(flags + extra) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {extra[0]}") and needle in err and err.count("\n") == 1, err
+
+
+def test_settings_a_pair_cannot_use_are_refused_once_it_is_loaded(tmp_path, capsys):
+    """As speculate.py: --draft-length is an Eagle3 chain's (a block drafter's engine would draft part
+    of its block and decode other tokens), and trees need a drafter; the results name no --model
+    when the checkpoints are the pair."""
+    target = make_target(tmp_path / "t")
+    drafter = make_drafter(tmp_path / "d", target)
+    capsys.readouterr()  # what building the checkpoints printed
+    base = ["--target", target, "--no-compile", "--prompt-len", "6", "--max-new-tokens", "4", "--repeats", "1",
+            "--reference", "False"]
+    for extra, needle in [(["--drafter", drafter, "--draft-length", "3"], "a block drafter drafts its block"),
+                          (["--draft-length", "3"], "there is no --drafter"),
+                          (["--tree-budget", "4"], "a tree is drafted by a --drafter"),
+                          (["--tree-budgets", "4"], "a tree is drafted by a --drafter")]:
+        assert bench.main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {extra[-2]} ") and needle in err and err.count("\n") == 1, err
+    out = tmp_path / "b.json"
+    assert bench.main(base + ["--drafter", drafter, "--out", str(out)]) == 0
+    assert json.load(open(out))["config"]["model"] is None
 
 
 def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):

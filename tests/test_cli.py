@@ -370,7 +370,7 @@ NO_EFFECT = "without a --drafter the decoding is autoregressive, so it would cha
     (["--calibration", "CAL"], f"--calibration CAL: calibrates a drafter's confidence head; {NO_EFFECT}"),
     (["--tree-budget", 4], f"--tree-budget 4: a tree is drafted by a --drafter; {NO_EFFECT}"),
     (["--draft-length", 3], f"--draft-length 3: sets how many drafts an Eagle3 drafter proposes; {NO_EFFECT}"),
-    (["--tree-temperature", 1.0], f"--tree-temperature 1: ranks the branches of a drafter's tree; {NO_EFFECT}"),
+    (["--tree-temperature", 1.0], "--tree-temperature 1: ranks the branches of a draft tree, and no --tree-budget"),
     (["--temperature", 0, "--top-k", 5], "--top-k 5: a sampling filter, and --temperature 0 decodes greedily"),
     (["--temperature", 0, "--top-p", 0.9], "--top-p 0.9: a sampling filter, and --temperature 0 decodes greedily"),
     (["--temperature", 0, "--min-p", 0.1], "--min-p 0.1: a sampling filter, and --temperature 0 decodes greedily"),
@@ -391,6 +391,20 @@ def test_a_setting_that_needs_a_drafter_is_refused_without_one(tiny_target, tmp_
     assert rc == 2 and err.startswith(f"error: {needle}"), err
 
 
+@pytest.mark.parametrize("drafter", ["drafter", "eagle3"])
+def test_a_tree_temperature_without_a_tree_is_refused(drafter, capsys):
+    """--tree-temperature ranks a tree's branches: with a chain (a block drafter without --tree-budget,
+    or an Eagle3 drafter) it would change nothing, on the command line and in the API alike."""
+    from support.cli import UserError
+
+    pair = ["--target", str(REPO_ROOT / "demo" / "target"), "--drafter", str(REPO_ROOT / "demo" / drafter)]
+    rc, out, err = run_cli(pair + ["--prompt-ids", "1,2", "--tree-temperature", "0.5"], capsys)
+    _one_error_line(rc, out, err, "--tree-temperature 0.5", "no --tree-budget")
+    m = speculate.load(str(REPO_ROOT / "demo" / "target"), str(REPO_ROOT / "demo" / drafter))
+    with pytest.raises(UserError, match="--tree-temperature 0.5: ranks the branches"):
+        speculate.generate(m, [[1, 2]], max_new_tokens=2, tree_temperature=0.5)
+
+
 @pytest.mark.parametrize("extra", [["--drafter", "DRAFTER"], ["--random-init", "qwen3-8b"], []])
 def test_drafter_settings_pass_where_there_is_a_drafter(extra, tmp_path):
     """The same settings are taken with a --drafter, with --random-init (it brings one) and in the demo
@@ -402,8 +416,8 @@ def test_drafter_settings_pass_where_there_is_a_drafter(extra, tmp_path):
 
     extra = [str(REPO_ROOT / "demo" / "drafter") if x == "DRAFTER" else x for x in extra]
     target = [] if extra[:1] != ["--drafter"] else ["--target", str(REPO_ROOT / "demo" / "target")]
-    for given in (["--confidence-threshold", "0.5"], ["--tree-budget", "4"], ["--tree-temperature", "1.0"],
-                  ["--temperature", "0", "--top-k", "5"]):
+    for given in (["--confidence-threshold", "0.5"], ["--tree-budget", "4"],
+                  ["--tree-budget", "4", "--tree-temperature", "1.0"], ["--temperature", "0", "--top-k", "5"]):
         args = tyro.cli(flags.Args, args=target + extra + ["--prompt-ids", "1,2"] + given)
         args, _, _ = flags.resolve_demo(args, str(REPO_ROOT / "demo"))
         flags.check_command_line(args)

@@ -720,6 +720,13 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     assert "--drafter: the same drafter is given twice" in capsys.readouterr().err
     assert ev.main(base + ["--drafter", env["drafter"], "--drafter", eagle3, "--calibration-out", str(tmp_path / "c.json")]) == 2
     assert "compares several rows" in capsys.readouterr().err
+    # a curve needs a block drafter; a tree temperature needs a curve
+    assert ev.main(base + ["--drafter", eagle3, "--tree-budget", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tree-budget 8: trees grow from a block drafter") and err.count("\n") == 1, err
+    assert ev.main(base + ["--drafter", env["drafter"], "--tree-temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tree-temperature 0.5: ranks the branches") and err.count("\n") == 1, err
 
 
 def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, capsys):
