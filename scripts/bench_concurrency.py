@@ -187,6 +187,11 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     dev = resolve_device(args.machine.device)
     dtype = resolve_dtype(args.machine.dtype, dev)
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype)
+    scheduled = [name for name in schedulers if name != "none"]
+    if scheduled and m.drafter.confidence_head is None:
+        raise UserError(f"--schedulers {args.schedulers}: {', '.join(scheduled)} read a drafter's "
+                        f"confidence head, and --drafter {drafter_dir} has none (an Eagle3 drafter "
+                        f"verifies every draft): use --schedulers none")
     chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
     sources = []
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)

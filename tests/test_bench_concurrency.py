@@ -182,3 +182,16 @@ def test_a_prompt_past_the_drafters_context_is_refused_with_the_users_budget(tmp
                   "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "16", "--schedulers", "threshold"])
     err = capsys.readouterr().err
     assert rc == 2 and "100 tokens + --max-new-tokens 16 exceed the drafter's context of 64" in err, err
+
+
+def test_schedulers_that_read_confidences_need_a_drafter_with_a_confidence_head(tmp_path, capsys):
+    """An Eagle3 drafter has no confidence head: the scheduled modes are refused with one line (the
+    async one failed inside the profile, the others ran as `none` under their names); `none` runs."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    base = ["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
+            os.path.join(DEMO_DIR, "eagle3"), "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4"]
+    capsys.readouterr()
+    assert bc.main(base + ["--schedulers", "none,threshold"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --schedulers none,threshold: threshold read") and err.count("\n") == 1, err
+    assert bc.main(base + ["--schedulers", "none"]) == 0
