@@ -326,10 +326,14 @@ def render_template(template: str, source: str, **context) -> str:
 # a text this many characters per allowed token is tokenized only that far before refusing
 CHARS_PER_TOKEN = 64
 PROMPT_KINDS = ("prompt", "prompt_ids", "turns", "messages")
-# keys only a flag sets
+# keys only a flag sets: the prompt's rendering and every decode setting (flags.Settings' fields,
+# a test holds them equal; text.py cannot import flags.py, which imports it)
+DECODE_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "stop", "ignore_eos",
+                   "seed", "num_samples", "batch_size", "scheduler", "confidence_threshold",
+                   "sps_table", "verify_buckets", "compile", "compile_mode", "verbose", "kernels",
+                   "tree_budget", "tree_temperature", "draft_length")
 RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {
-    k: flag(k) for k in ("system_prompt", "enable_thinking", "max_new_tokens", "temperature",
-                         "top_k", "top_p", "min_p", "stop", "seed", "num_samples")}
+    k: flag(k) for k in ("system_prompt", "enable_thinking") + DECODE_SETTINGS}
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:

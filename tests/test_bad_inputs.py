@@ -496,6 +496,8 @@ CASES = [
                                                             % ",".join(["1"] * 200)), "p.jsonl:2: 200 tokens", False),
     ("prompt-record-setting", "speculate", lambda w, t: M(w, t, '{"prompt": "hi", "system": "be brief"}\n'),
      "p.jsonl:1: a record cannot set 'system'; that is the run's --system-prompt", False),
+    ("prompt-record-tree-budget", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1], "tree_budget": 4}\n'),
+     "p.jsonl:1: a record cannot set 'tree_budget'; that is the run's --tree-budget", False),
     ("turns-later-not-text", "speculate", lambda w, t: M(w, t, '{"turns": ["hi", 5]}\n'), "p.jsonl:1: expected",
      False),
     ("jsonl-not-utf8-by-line", "speculate", lambda w, t: M(w, t, b'{"prompt_ids": [1, 2]}\n' * 499

@@ -52,6 +52,15 @@ def test_eval_and_bench_depart_only_where_they_say():
     assert differ == {"compile"} and timed.compile is True
 
 
+def test_a_prompts_file_record_cannot_set_any_decode_setting():
+    """text.py lists the decode settings a record may not set (it cannot import flags.py): every one
+    of Settings' fields, so a new setting is refused in a record rather than ignored as metadata."""
+    from support.text import DECODE_SETTINGS, RECORD_SETTINGS
+
+    assert DECODE_SETTINGS == tuple(f.name for f in fields(speculate.Settings))
+    assert RECORD_SETTINGS["tree_budget"] == "--tree-budget"
+
+
 def test_every_decode_flag_reaches_the_settings():
     argv = ["--max-new-tokens", "7", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9", "--min-p", "0.1",
             "--stop", "a", "--stop", "b", "--ignore-eos", "--seed", "4", "--num-samples", "2", "--batch-size", "3",
