@@ -933,6 +933,10 @@ def run(args: Args) -> dict:
                      step_loss_decay="(0, 1e3]")
     check_eval_args(args)
     check_unused_flags(args)
+    eagle3 = args.drafter_kind == "eagle3"
+    if eagle3 and args.ttt_length >= args.seq_len:  # step j predicts position i + j + 1 of a sequence
+        raise UserError(f"--ttt-length {args.ttt_length}: the chain unrolls within each --seq-len "
+                        f"{args.seq_len} sequence, so at most {args.seq_len - 1} steps")
     if args.target is None:
         raise UserError("--target: no target directory given")
     # --out is checked against the resolved target too

@@ -281,6 +281,7 @@ def test_two_processes_equal_one_on_packed_chats(tiny_target, tmp_path):
     (["--ttt-length", 0], "--ttt-length"),
     (["--step-loss-decay", 0], "--step-loss-decay"),
     (["--drafter-kind", "dspark", "--ttt-length", 5], "--ttt-length 5: changes nothing with --drafter-kind dspark"),
+    (["--ttt-length", 24], "--ttt-length 24: the chain unrolls within each --seq-len 24 sequence, so at most 23"),
 ])
 def test_flags_that_do_not_apply_are_one_line_errors(tiny_target, tmp_path, capsys, flags, needle):
     """A DSpark flag with eagle3 (or an Eagle3 flag with dspark) would train the same drafter: refused in
