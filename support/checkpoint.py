@@ -80,6 +80,12 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
             if (r or {}).get(spelling) not in ("default", None):
                 raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported "
                                 "(only default RoPE)")
+        r = r or {}
+        kind = r.get("rope_type") or r.get("type")
+        factor = r.get("factor", 1)
+        if kind is None and factor != 1:  # a scaling without its kind: not default RoPE, nor any one
+            raise UserError(f"{source}: {key} has a 'factor' of {factor!r} and no 'rope_type' "
+                            "(only default RoPE is supported)")
     if rope and "rope_theta" in rope:
         if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:
             raise UserError(f"{source}: conflicting values for 'rope_theta': "
@@ -330,7 +336,7 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
         raise UserError(f"{source}: 'target_layer_ids' {ids} must be strictly increasing")
     gamma = checked(cfg["ttt_length"], "ttt_length", source, int, 1, MAX_BLOCK)
     depth = cfg.get("draft_num_hidden_layers", layers.num_hidden_layers)
-    if depth != 1:
+    if not integer(depth) or depth != 1:
         raise UserError(f"{source}: an Eagle3 drafter has one layer "
                         f"(draft_num_hidden_layers / num_hidden_layers), got {depth!r}")
     one_layer = replace(layers, num_hidden_layers=1)

@@ -372,6 +372,9 @@ CASES = [
     ("config-rope-type-hidden", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(rope_scaling={"rope_type": None, "type": "yarn", "factor": 4.0})), "--prompt-ids", "1"],
      "rope_scaling type 'yarn' is not supported", False),
+    ("config-rope-factor-no-type", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(rope_scaling={"factor": 4.0})), "--prompt-ids", "1"],
+     "rope_scaling has a 'factor' of 4.0 and no 'rope_type'", False),
     ("config-model-type", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(model_type="llama")), "--prompt-ids", "1"], "model_type 'llama'", False),
     ("config-rope-theta-two-values", "speculate", lambda w, t: ["--target", target_with(

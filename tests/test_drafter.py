@@ -752,6 +752,7 @@ EAGLE3_BAD = {
     "no-ttt-length": (dict(drop_config=("ttt_length",)), "missing key 'ttt_length'"),
     "ttt-length-0": (dict(extra_config={"ttt_length": 0}), "'ttt_length' must be an integer from 1 to 256"),
     "two-layers": (dict(extra_config={"draft_num_hidden_layers": 2}), "an Eagle3 drafter has one layer"),
+    "layers-true": (dict(extra_config={"draft_num_hidden_layers": True}), "an Eagle3 drafter has one layer"),
     "ids-unsorted": (dict(extra_config={"target_layer_ids": [1, 0]}), "must be strictly increasing"),
     "last-layer": (dict(target_layer_ids=(0, 3)), "layer id 3 is the target's last layer"),
     "other-target": (dict(extra_config={"num_target_layers": 36}), "it was built for another target"),
