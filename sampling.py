@@ -288,9 +288,9 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature:
     the best are kept, as many as a tree of `budget` nodes can hold at that depth (budget - d + 1 at
     depth d, none past depth `budget`; all of them where fewer). Returns every kept node, depth by
     depth, as [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after
-    the root's 0. A node's candidates are its likeliest children, as many: one outside them has as
-    many better siblings. With a Markov head a depth computes up to [B, budget, V]
-    log-probabilities."""
+    the root's 0. Each parent offers as many of its likeliest children: a child outside them has as
+    many better siblings, so it cannot be kept. With a Markov head a depth computes up to
+    [B, budget, V] log-probabilities."""
     B, L, V = base_logits.shape
     # The nodes kept at the depth being expanded, M a row: the root alone at first.
     tokens = anchor[:, None]  # [B, M]
