@@ -18,6 +18,7 @@ from support.files import check_writable, read_json, write_json
 
 KINDS = ("none", "threshold", "hardware", "async")
 SPS_KINDS = ("hardware", "async")  # the schedules that read SPS(B)
+SCHEDULED = ", ".join(KINDS[1:])  # the kinds that read a confidence head, for messages
 
 
 def threshold_schedule(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -267,11 +268,11 @@ def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buc
         raise UserError(f"--confidence-threshold {threshold}: only --scheduler threshold uses it, "
                         f"not --scheduler {kind}")
     if sps_table is not None and resolved not in SPS_KINDS:
-        raise UserError(f"--sps-table {sps_table}: only --scheduler hardware or async uses it")
+        raise UserError(f"--sps-table {sps_table}: only --scheduler {' or '.join(SPS_KINDS)} uses it")
     if buckets is not None:
         if resolved == "none":
-            raise UserError("--verify-buckets: only a scheduled round (--scheduler threshold, hardware "
-                            "or async) uses it")
+            raise UserError(f"--verify-buckets: only a scheduled round (--scheduler {SCHEDULED}) "
+                            f"uses it")
         parse_ints(buckets, "--verify-buckets", positive=True, distinct=True)
     return resolved
 

@@ -27,7 +27,7 @@ from typing import ClassVar, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from drafter import Drafter, DrafterConfig, Eagle3Drafter
+from drafter import MARKOV_HEADS, Drafter, DrafterConfig, Eagle3Drafter
 from model import ModelArgs, Rope, Transformer, rope_table
 from support import data, runlog
 from support.checkpoint import (
@@ -91,8 +91,9 @@ class Args(TrainArgs):
     """Comma-separated target layers of the context feature (default: DeepSpec's, 1,9,17,25,33 at 36)."""
     mask_token_id: Optional[int] = None
     """DSpark: fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's)."""
-    markov: Literal["vanilla", "gated", "rnn", "none"] = "vanilla"
-    """DSpark: Markov head; none = no sequential stage (with --no-confidence: a DFlash-style drafter)."""
+    markov: Literal[(*MARKOV_HEADS, "none")] = "vanilla"
+    """DSpark: Markov head (drafter.MARKOV_HEADS); none = no sequential stage (with --no-confidence: a
+    DFlash-style drafter)."""
     markov_rank: int = 256
     """DSpark: r of the Markov head (W1: [V, r], W2: r -> V)."""
     confidence: bool = True

@@ -466,7 +466,7 @@ def check_command_line(args):
     if args.calibration is not None and s.scheduler == "none":
         raise UserError(f"--calibration {args.calibration}: "
                         f"only a scheduled round reads the confidences "
-                        f"(--scheduler threshold, hardware or async); "
+                        f"(--scheduler {sched.SCHEDULED}); "
                         f"without one it changes nothing")
     check_files(args)
     resolve_device(args.machine.device)

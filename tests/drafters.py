@@ -19,6 +19,8 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafter import MARKOV_HEADS
+
 SPELLINGS = ("deepspec", "dspark_config", "dspark_prefix", "specforge", "zlab")
 
 
@@ -109,6 +111,11 @@ def make_drafter(path, target_dir, *, spelling="deepspec", markov="vanilla", con
                 jw[2 * r:, r:2 * r] = 6 * torch.eye(r)
             w["markov_head.joint_proj.weight"] = jw
             w["markov_head.joint_proj.bias"] = torch.zeros(3 * r)
+        # a head of another kind: its own further parameters, drawn at random
+        head = MARKOV_HEADS[markov](H, V, r)
+        for name, value in head.state_dict().items():
+            if f"markov_head.{name}" not in w:
+                w[f"markov_head.{name}"] = rnd(*value.shape)
     if confidence:
         w["confidence_head.proj.weight"] = rnd(1, H + (r if confidence_with_markov else 0), s=0.5)
         w["confidence_head.proj.bias"] = torch.tensor([1.0])

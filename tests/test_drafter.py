@@ -163,7 +163,7 @@ def spelling_drafter(ck, spelling, markov="vanilla", **kw):
     return ck.drafter(f"sp_{spelling}_{markov}_{sorted(kw.items())}", spelling=spelling, **kw)
 
 
-@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_spellings_resolve_to_the_same_config(ck, target, markov):
     loaded = {s: checkpoint.load_drafter(spelling_drafter(ck, s, markov), target) for s in SPELLINGS}
     # The deepspec file without its embedding / lm_head copies is the same drafter too.
@@ -184,7 +184,7 @@ def test_spellings_resolve_to_the_same_config(ck, target, markov):
 
 
 @pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_spellings_give_identical_traces(ck, capsys, tmp_path, markov, mode):
     traces = {s: trace_of(capsys, ck, tmp_path, spelling_drafter(ck, s, markov), mode, s) for s in SPELLINGS}
     traces["deepspec_no_embeddings"] = trace_of(
@@ -658,7 +658,36 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
 # ----------------------------------------------------------------------------------------
 # What inference and training share: Markov head kinds, context K/V, confidence features.
 
-@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+def test_a_new_markov_head_is_one_class(ck, tmp_path, monkeypatch):
+    """A head added to drafter.MARKOV_HEADS alone is loaded from a checkpoint that names it and decodes
+    losslessly (docs/hacking.md): the checks, the chain, trees and training read the registry."""
+    from torch import nn
+
+    class ScaledMarkov(dm.VanillaMarkov):
+        """b_k = σ(w · h_k) · W2 · W1[x_{k-1}]."""
+        kind = "scaled"
+
+        def __init__(self, H: int, V: int, r: int):
+            super().__init__(H, V, r)
+            self.scale_proj = nn.Linear(H, 1)
+
+        def step(self, h, prev, state):
+            bias, state = super().step(h, prev, state)
+            return torch.sigmoid(self.scale_proj(h)) * bias, state
+
+    monkeypatch.setitem(dm.MARKOV_HEADS, "scaled", ScaledMarkov)
+    path = make_drafter(tmp_path / "scaled", ck.target, markov="scaled", oracle_scale=4.0, norm_scale=0.05)
+    m = speculate.load(ck.target, path)
+    assert m.drafter.markov_head.kind == "scaled"
+    plain = speculate.load(ck.target)
+    settings = dict(max_new_tokens=16, temperature=0.0)
+    for tree_budget in (0, 6):
+        got = speculate.generate(m, PROMPTS, tree_budget=tree_budget, **settings)
+        want = speculate.generate(plain, PROMPTS, **settings)
+        assert [c.output_ids for c in got] == [c.output_ids for c in want]
+
+
+@pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_heads_shared_by_inference_and_training(ck, target, markov):
     """Each head says its kind (kernels test it, not the class name); commit_context caches exactly
     `context_kv` of the projected features; `confidence` is σ(confidence_logit / T), the logit

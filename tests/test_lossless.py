@@ -41,6 +41,7 @@ from drafters import make_any, make_target  # noqa: E402
 
 import sampling  # noqa: E402
 import speculate  # noqa: E402
+from drafter import MARKOV_HEADS  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -233,16 +234,15 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
 # Greedy: a near-bigram target where the oracle drafters are right often but not always
 
 DRAFTERS = {
-    # name: (make_drafter options, has confidence head, drafts per round)
-    "vanilla": (dict(markov="vanilla", oracle=True, oracle_scale=4.0, norm_scale=0.05), True, K),
-    "gated": (dict(markov="gated", oracle=True, oracle_scale=4.0, norm_scale=0.05), True, K),
-    "rnn": (dict(markov="rnn", oracle=True, oracle_scale=4.0, norm_scale=0.05), True, K),
+    # name: (make_drafter options, has confidence head, drafts per round); every Markov head first
+    **{head: (dict(markov=head, oracle=True, oracle_scale=4.0, norm_scale=0.05), True, K)
+       for head in MARKOV_HEADS},
     "random": (dict(markov="vanilla", oracle=False), True, K),
     "dflash": (dict(spelling="deepspec", markov=None, confidence=False), False, K),
     "zlab": (dict(spelling="zlab", markov=None, confidence=False), False, K - 1),
     "eagle3": (dict(eagle3=True, ttt_length=K + 1), False, K + 1),
 }
-ORACLES = ("vanilla", "gated", "rnn")
+ORACLES = ("vanilla", "gated", "rnn")  # heads whose oracle weights make the chain right often
 # make_drafter's confidence bias (1.0) keeps c_k above 0.5 nearly always; at 0.5 the tiny heads'
 # confidences straddle the 0.5 threshold, so the threshold cuts rounds at every length.
 CONFIDENCE_BIAS = 0.5

@@ -25,6 +25,7 @@ from conftest import REPO_ROOT
 
 import speculate
 import train
+from drafter import MARKOV_HEADS
 from support import checkpoint, text, trainer
 from support.cli import UserError
 
@@ -183,7 +184,7 @@ def test_block_mask_is_the_definition():
 # ----------------------------------------------------------------------------------------
 # Training forward == inference
 
-@pytest.mark.parametrize("markov,confidence", [("vanilla", True), ("gated", True), ("rnn", True), ("none", False)])
+@pytest.mark.parametrize("markov,confidence", [(head, True) for head in MARKOV_HEADS] + [("none", False)])
 def test_training_forward_equals_inference_drafter(tiny_target, markov, confidence):
     """One packed batch of anchors: each block's h, U, Markov logits and confidence equal drafter.Drafter's
     cached path (commit_context of features < a, then drafter(anchor, a)), in float32."""

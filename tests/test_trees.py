@@ -25,12 +25,12 @@ from test_sampling import filtered_joint
 from test_sampling import flags as sampling_flags
 
 import sampling
-from drafter import GatedMarkov, RNNMarkov, VanillaMarkov
+from drafter import MARKOV_HEADS, RNNMarkov
 from sampling import Filters
 
 torch.set_num_threads(1)
 DDTREE = REPO_ROOT / "tests" / "golden" / "ddtree_trees.json"
-HEADS = {"none": None, "vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov}
+HEADS = {"none": None, **MARKOV_HEADS}
 
 
 # ----------------------------------------------------------------------------------------
