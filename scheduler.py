@@ -264,7 +264,7 @@ def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buc
             resolved = "threshold"
     if resolved == "threshold" and threshold <= 0:
         raise UserError("--scheduler threshold: needs --confidence-threshold above 0")
-    if kind in ("none", "hardware", "async") and threshold > 0:
+    if kind not in (None, "threshold") and threshold > 0:
         raise UserError(f"--confidence-threshold {threshold}: only --scheduler threshold uses it, "
                         f"not --scheduler {kind}")
     if sps_table is not None and resolved not in SPS_KINDS:
