@@ -18,7 +18,7 @@ from support.files import check_writable, read_json, write_json
 
 KINDS = ("none", "threshold", "hardware", "async")
 SPS_KINDS = ("hardware", "async")  # the schedules that read SPS(B)
-SCHEDULED = ", ".join(KINDS[1:])  # the kinds that read a confidence head, for messages
+SCHEDULED = ", ".join(k for k in KINDS if k != "none")  # the kinds that read confidences, for messages
 
 
 def threshold_schedule(confidence: torch.Tensor, threshold: float) -> torch.Tensor:

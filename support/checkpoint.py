@@ -76,11 +76,11 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         r = cfg.get(key)
         if r is not None and not isinstance(r, dict):
             raise UserError(f"{source}: {key} must be an object, got {r!r}")
+        r = r or {}
         for spelling in ("rope_type", "type"):
-            if (r or {}).get(spelling) not in ("default", None):
+            if r.get(spelling) not in ("default", None):
                 raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported "
                                 "(only default RoPE)")
-        r = r or {}
         kind = r.get("rope_type") or r.get("type")
         factor = r.get("factor", 1)
         if kind is None and factor != 1:  # a scaling without its kind: not default RoPE, nor any one
