@@ -79,35 +79,45 @@ def sample(logits, temperature: float, generator, noise=None, *, filters: Filter
 
 
 class Noise(NamedTuple):
-    """All the randomness of one sampled round, in draw order."""
-    # [B, K, V] Exp(1): the drafts' races; in a tree's round [B, N+1, V], the target's at its nodes
+    """All the randomness of one sampled round, in draw order (a row's shapes: `noise_shape`)."""
+    # Exp(1) races: the chain's drafts [B, K, V]; a sampled tree's children [B, R, V], R = `tree_parents`
     chain: torch.Tensor
-    u: torch.Tensor      # [B, K] uniforms of the acceptance tests
-    bonus: torch.Tensor  # [B, V] Exp(1): the correction / bonus race
+    u: torch.Tensor      # uniforms of the acceptance tests: [B, K]; a tree's [B, N+1, N]
+    bonus: torch.Tensor  # Exp(1): the correction / bonus race [B, V]; a tree's at each node [B, N+1, V]
+
+
+def noise_shape(K: int, V: int, tree_budget: int = 0) -> Noise:
+    """One row's shapes of a round's noise: a chain of K drafts, or a sampled tree of `tree_budget`
+    nodes at most K deep."""
+    if not tree_budget:
+        return Noise(chain=(K, V), u=(K,), bonus=(V,))
+    N = tree_budget
+    R = tree_parents(N, K, V)
+    return Noise(chain=(R, V), u=(N + 1, N), bonus=(N + 1, V))
 
 
 def exponential(shape: tuple, generator, device) -> torch.Tensor:
     return torch.empty(shape, device=device).exponential_(1, generator=generator)
 
 
-def round_noise(generator, B: int, K: int, V: int, device) -> Noise:
-    chain = exponential((B, K, V), generator, device)
-    u = torch.rand((B, K), generator=generator, device=device)
-    bonus = exponential((B, V), generator, device)
+def round_noise(generator, B: int, shape: Noise, device) -> Noise:
+    chain = exponential((B, *shape.chain), generator, device)
+    u = torch.rand((B, *shape.u), generator=generator, device=device)
+    bonus = exponential((B, *shape.bonus), generator, device)
     return Noise(chain, u, bonus)
 
 
-def rows_noise(generators: list, K: int, V: int, device) -> Noise:
+def rows_noise(generators: list, shape: Noise, device) -> Noise:
     """Each row's noise from its request's generator (independent of its neighbours); free rows
     (generator None), whose tokens are thrown away, get placeholders."""
     rows = []
     for g in generators:
         if g is not None:
-            rows.append(round_noise(g, 1, K, V, device))
+            rows.append(round_noise(g, 1, shape, device))
             continue
-        chain = torch.ones((1, K, V), device=device)
-        u = torch.zeros((1, K), device=device)
-        bonus = torch.ones((1, V), device=device)
+        chain = torch.ones((1, *shape.chain), device=device)
+        u = torch.zeros((1, *shape.u), device=device)
+        bonus = torch.ones((1, *shape.bonus), device=device)
         rows.append(Noise(chain, u, bonus))
     chains, uniforms, bonuses = zip(*rows)  # the rows' chain noise, u and bonus noise, apart
     chain = torch.cat(chains)
@@ -250,18 +260,20 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
 
 class Tree(NamedTuple):
     """B draft trees of N = budget nodes after the root (node 0, the anchor), in the order they were
-    chosen (best first: a parent before its children). A node the search never reached (too few
-    candidates for the budget, or a path of probability 0) has parent -1 and is never followed; its
-    token and depth are placeholders."""
+    chosen (best first: a parent before its children, siblings in the order they were drawn). A node
+    the search never reached (too few candidates for the budget, or a path of probability 0) has
+    parent -1 and is never followed; its token and depth are placeholders."""
     tokens: torch.Tensor   # [B, N+1]
     parents: torch.Tensor  # [B, N+1] the parent's node index; the root's (and an unused node's) is -1
     depths: torch.Tensor   # [B, N+1] the root's 0; node at depth d drafts the token at anchor + d
+    # a sampled tree's [B, N+1, V]: the distribution each node's children were drawn from
+    q: Optional[torch.Tensor] = None
 
 
-def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temperature: float):
-    """Log-probabilities at `temperature` of the children, at `depth` (1-based), of M nodes a row
-    at depth - 1 holding `tokens` [B, M], and the Markov state [B, M, S] they pass on (None when
-    the head carries none); `states` is what the nodes' own parents passed them. [B, M, V], or
+def child_logits(base_logits, hidden, markov, depth: int, tokens, states):
+    """The drafter's logits (float32) for the children, at `depth` (1-based), of M nodes a row at
+    depth - 1 holding `tokens` [B, M], and the Markov state [B, M, S] they pass on (None when the
+    head carries none); `states` is what the nodes' own parents passed them. [B, M, V], or
     [B, 1, V] without a Markov head: a position's distribution is then its own (DFlash), the same
     for every parent."""
     B, M = tokens.shape
@@ -278,35 +290,63 @@ def child_logprobs(base_logits, hidden, markov, depth: int, tokens, states, temp
         z = z + bias
         if state is not None:
             state = state.unflatten(0, (B, M))
-    z = z / temperature
-    logprobs = torch.log_softmax(z, dim=-1)
-    return logprobs, state
+    return z, state
 
 
-def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> dict:
+def tree_parents(budget: int, depth: int, V: int) -> int:
+    """How many nodes `best_by_depth` draws children for: the root, then the nodes it keeps at each
+    depth but the last (a sampled tree's races, one over the vocabulary for each)."""
+    total = 0
+    M = 1  # the nodes kept at the depth above: the root alone at first
+    for d in range(1, min(depth, budget) + 1):
+        total += M
+        room = budget - d + 1
+        M = min(room, M * min(room, V))
+    return total
+
+
+def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_temperature: float, *,
+                  temperature: float = 0.0, filters: Filters = NO_FILTERS, noise=None) -> dict:
     """`build_tree`'s search, a depth a step: of the children of the nodes kept at the depth above,
     the best are kept, as many as a tree of `budget` nodes can hold at that depth (budget - d + 1 at
     depth d, none past depth `budget`; all of them where fewer). Returns every kept node, depth by
-    depth, as [B, C] each: tokens, scores, depths and parents. Kept nodes are numbered from 1, after
-    the root's 0. Each parent offers as many of its likeliest children: a child outside them has as
-    many better siblings, so it cannot be kept. With a Markov head a depth computes up to
-    [B, budget, V] log-probabilities."""
+    depth, as [B, C] each: tokens, scores, depths and parents; sampled, also "q" [B, 1 + C, V], the
+    distribution each drew its children from (the root's first; zeros at the last depth). Kept nodes
+    are numbered from 1, after the root's 0. Each parent offers as many of its likeliest children:
+    a child outside them has as many better siblings, so it cannot be kept. With a Markov head a
+    depth computes up to [B, budget, V] log-probabilities.
+
+    Sampled (temperature > 0), a parent's children are drawn without replacement from q =
+    probs(logits, temperature, filters), in the order of the race q / noise (noise [B, R, V] Exp(1),
+    R = `tree_parents`, a row for each parent); its i-th child's score is still the i-th best
+    log-probability at `tree_temperature`, whichever token was drawn, so whether a child is kept
+    never depends on which token it holds (what keeps multi-draft rejection sampling exact)."""
     B, L, V = base_logits.shape
+    sampled = temperature > 0
     # The nodes kept at the depth being expanded, M a row: the root alone at first.
     tokens = anchor[:, None]  # [B, M]
     scores = torch.zeros(B, 1, device=anchor.device)
     states = None
     first = 0  # the number of the first of them (the root's 0)
     kept = {"tokens": [], "scores": [], "parents": [], "depths": []}  # each depth's, [B, M] each
+    drawn_from = []  # sampled: each depth's parents' q, [B, M, V]
     deepest = min(L, budget)  # a node at depth d comes with its d - 1 ancestors
     for depth in range(1, deepest + 1):
         # ... so a tree of `budget` nodes holds at most budget - depth + 1 of this depth
         room = budget - depth + 1
         width = min(room, V)  # candidate children a node
-        logprobs, state = child_logprobs(base_logits, hidden, markov, depth, tokens, states,
-                                         temperature)  # [B, M or 1, V]
-        top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
         M = tokens.shape[1]
+        z, state = child_logits(base_logits, hidden, markov, depth, tokens, states)  # [B, M or 1, V]
+        logprobs = torch.log_softmax(z / tree_temperature, dim=-1)
+        top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
+        if sampled:
+            q = probs(z, temperature, filters).expand(B, M, V)
+            races = noise[:, first:first + M]  # [B, M, V] each parent's own
+            top_tokens = torch.topk(q / races, width, dim=-1).indices  # drawn without replacement
+            support = (q > 0).sum(dim=-1, keepdim=True)  # [B, M, 1] the tokens q can draw
+            ranks = torch.arange(width, device=anchor.device)
+            top_logprobs = top_logprobs.masked_fill(ranks >= support, float("-inf"))
+            drawn_from.append(q)
         child_scores = scores[:, :, None] + top_logprobs  # [B, M, width]
         candidate_scores = child_scores.flatten(1)  # parent by parent
         candidate_tokens = top_tokens.expand(B, M, width).flatten(1)
@@ -324,12 +364,17 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, temperature:
         kept["parents"].append(first + parent)
         kept["depths"].append(torch.full_like(tokens, depth))
         first = first + M
-    return {name: torch.cat(parts, dim=1) for name, parts in kept.items()}
+    every = {name: torch.cat(parts, dim=1) for name, parts in kept.items()}
+    if sampled:
+        leaves = base_logits.new_zeros((B, tokens.shape[1], V), dtype=torch.float32)
+        every["q"] = torch.cat(drawn_from + [leaves], dim=1)
+    return every
 
 
-def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: float) -> Tree:
+def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperature: float, *,
+               temperature: float = 0.0, filters: Filters = NO_FILTERS, noise=None) -> Tree:
     """The `budget` most likely continuations of each row's anchor, best first, as DDTree picks them:
-    a node's score is the sum of its path's log-probabilities (at `temperature`; DDTree's is 1).
+    a node's score is the sum of its path's log-probabilities (at `tree_temperature`; DDTree's is 1).
     With a Markov head a child's distribution is conditioned on its parent's token (and the rnn
     head's state along its path); without one, on its depth alone. base_logits [B, L, V], hidden
     [B, L, H], anchor [B].
@@ -342,15 +387,24 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     best of all depths, best first. Of equal scores the shallower node comes first (so a
     parent precedes a child as likely as itself), then the earlier parent, then torch.topk's order
     among a parent's equally likely children (DDTree orders equal scores by the ranks from the root:
-    the trees differ only there)."""
+    the trees differ only there).
+
+    Sampled (temperature > 0, with the race noise [B, R, V]), each node's children are drawn
+    without replacement from its q instead of being its likeliest, and kept by rank
+    (`best_by_depth`); the tree carries every node's q for `choose_at_nodes`."""
     B = anchor.shape[0]
     N = budget
-    every = best_by_depth(base_logits, hidden, anchor, markov, budget, temperature)
+    every = best_by_depth(base_logits, hidden, anchor, markov, budget, tree_temperature,
+                          temperature=temperature, filters=filters, noise=noise)
     C = every["scores"].shape[1]
     if C < N:  # too few candidates for the budget (a tiny vocabulary): placeholders, never reached
-        placeholders = {"tokens": 0, "scores": float("-inf"), "parents": 0, "depths": 0}
+        placeholders = {"tokens": 0, "scores": float("-inf"), "parents": 0, "depths": 0, "q": 0.0}
         for name, fill in placeholders.items():
-            column = every[name].new_full((B, N - C), fill)
+            if name not in every:
+                continue
+            shape = list(every[name].shape)
+            shape[1] = N - C
+            column = every[name].new_full(shape, fill)
             every[name] = torch.cat([every[name], column], dim=1)
     # The budget best of all depths. A parent is never worse than its child, and of equal scores the
     # stable sort keeps the shallower first: a chosen node's parent is chosen, and comes before it.
@@ -371,7 +425,12 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, temperature: fl
     tree_tokens = torch.cat([root, chosen_tokens], dim=1)  # [B, N+1]
     tree_parents = torch.cat([torch.full_like(root, -1), parent_node], dim=1)
     tree_depths = torch.cat([torch.zeros_like(root), chosen_depths], dim=1)
-    return Tree(tree_tokens, tree_parents, tree_depths)
+    tree_q = None
+    if "q" in every:  # each node's q: the root's, then the chosen nodes' by their numbers
+        numbered = torch.cat([torch.zeros_like(root), 1 + chosen], dim=1)  # [B, N+1]
+        V = every["q"].shape[-1]
+        tree_q = every["q"].gather(1, numbered[:, :, None].expand(-1, -1, V))
+    return Tree(tree_tokens, tree_parents, tree_depths, tree_q)
 
 
 def ancestors(tree: Tree, depth: int) -> torch.Tensor:
@@ -390,6 +449,45 @@ def ancestors(tree: Tree, depth: int) -> torch.Tensor:
         next_up = tree.parents.gather(1, index)  # that ancestor's parent
         up = torch.where(on_path, next_up, -1)
     return seen
+
+
+def choose_at_nodes(tree: Tree, p, u, noise):
+    """The token the walk takes at every node of a sampled tree: multi-draft rejection sampling
+    (SpecInfer's, over children drawn without replacement as Sequoia verifies them). At a node with
+    the target's p and children c_1 .. c_k, drawn in that order from q: accept c_i if
+    u_i·q_i(c_i) < p_i(c_i); else p_{i+1} = normalize(max(p_i - q_i, 0)) and q_{i+1} is q_i without
+    c_i, renormalized; every child rejected, a draw from p_{k+1}. The token follows p whatever k.
+    p [B, N+1, V] the target's (filtered) distribution at each node; u [B, N+1, N] uniforms; noise
+    [B, N+1, V] Exp(1), the final draw's race. Returns [B, N+1]."""
+    B, N1, V = p.shape
+    device = p.device
+    q = tree.q
+    nodes = torch.arange(N1, device=device)
+    is_child = tree.parents[:, None, :] == nodes[None, :, None]  # [B, parent, child]
+    rank = is_child.long().cumsum(dim=-1) - 1  # a child's place among its siblings: the draw order
+    chosen = torch.zeros((B, N1), dtype=torch.long, device=device)
+    done = torch.zeros((B, N1), dtype=torch.bool, device=device)
+    for i in range(N1 - 1):  # the i-th child of every node at once
+        is_ith = is_child & (rank == i)
+        testing = is_ith.any(dim=-1) & ~done  # [B, N+1] nodes with an i-th child, none accepted yet
+        child = is_ith.long().argmax(dim=-1)
+        token = tree.tokens.gather(1, child)  # [B, N+1]
+        p_x = p.gather(2, token[:, :, None])[:, :, 0]
+        q_x = q.gather(2, token[:, :, None])[:, :, 0]
+        accept = testing & (u[:, :, i] * q_x < p_x)
+        chosen = torch.where(accept, token, chosen)
+        done = done | accept
+        rejected = testing & ~accept
+        excess = torch.clamp(p - q, min=0)
+        mass = excess.sum(dim=-1, keepdim=True)
+        # no mass only where p = q, where nothing is rejected: p stands in, never drawn from
+        residual = torch.where(mass > 0, excess / mass.clamp(min=1e-30), p)
+        p = torch.where(rejected[:, :, None], residual, p)
+        without = q.scatter(2, token[:, :, None], 0.0)  # q_{i+1}: c_i cannot be drawn again
+        left = without.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        q = torch.where(rejected[:, :, None], without / left, q)
+    drawn = sample_from(p, None, noise)
+    return torch.where(done, chosen, drawn)
 
 
 def walk_tree(tree: Tree, target_tokens, depth: int):
@@ -456,6 +554,27 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
         else:
             options.append(([], []))
     return nodes
+
+
+def choose_reference(p: list[float], q: list[float], children: list[int], u: list[float],
+                     race: list[float]) -> int:
+    """One node's multi-draft rejection sampling in plain Python, the reference `choose_at_nodes` is
+    tested against: the node's target p and draft q over the vocabulary, its children's tokens in
+    the order they were drawn, a uniform for each, and the final draw's race."""
+    for child, u_i in zip(children, u):
+        if u_i * q[child] < p[child]:
+            return child
+        excess = [max(a - b, 0.0) for a, b in zip(p, q)]
+        mass = sum(excess)
+        if mass > 0:
+            p = [e / mass for e in excess]
+        q = list(q)
+        q[child] = 0.0
+        left = sum(q)
+        if left > 0:
+            q = [x / left for x in q]
+    raced = [a / e for a, e in zip(p, race)]  # the exponential race: its argmax is a draw from p
+    return raced.index(max(raced))
 
 
 def walk_tree_reference(nodes: list[tuple[int, int]],

@@ -50,9 +50,10 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
           backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity=None,
           carried=None) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
-    noise: the chain's Exp(1) [B, K, V] (None at T=0); capacity: the async scheduler's C;
-    tree_budget: draft a tree of this many nodes instead of a chain; carried: an Eagle3 drafter's
-    `carried`, passed in so that a compiled graph reads it as an input (freezing would fold it)."""
+    noise: the chain's Exp(1) [B, K, V], or a sampled tree's [B, R, V] (None at T=0); capacity: the
+    async scheduler's C; tree_budget: draft a tree of this many nodes instead of a chain; carried: an
+    Eagle3 drafter's `carried`, passed in so that a compiled graph reads it as an input (freezing
+    would fold it)."""
     B = anchor.shape[0]
     device = anchor.device
     if drafter is None:
@@ -70,7 +71,8 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     markov = drafter.markov_head
     if tree_budget:  # ... or the tree of the block's most likely continuations, verified whole
         N = tree_budget
-        tree = sampling.build_tree(base_logits, hidden, anchor, markov, N, tree_temperature)
+        tree = sampling.build_tree(base_logits, hidden, anchor, markov, N, tree_temperature,
+                                   temperature=temperature, filters=filters, noise=noise)
         nodes = tree.tokens[:, 1:]  # [B, N] every node after the root
         every_node = torch.full((B,), N, dtype=torch.long, device=device)
         return Proposal(nodes, None, None, every_node, tree)
@@ -95,7 +97,7 @@ def tokens_sent(verify_len, active) -> torch.Tensor:
 
 
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
-           filters, u, bonus_noise, backend, num_tokens: Optional[int] = None, node_noise=None):
+           filters, u, bonus_noise, backend, num_tokens: Optional[int] = None):
     """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens
     None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
     (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
@@ -111,7 +113,7 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
         attention = kernels.cached_attention
     if tree is not None:
         return verify_tree(target, drafter, anchor, anchor_pos, active, tree,
-                           temperature=temperature, filters=filters, noise=node_noise,
+                           temperature=temperature, filters=filters, u=u, noise=bonus_noise,
                            attention=attention)
     # 3. Verify: the target scores the anchor and every draft in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
@@ -170,11 +172,12 @@ def advance(active, anchor, anchor_pos, accepted, next_token):
 
 
 def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature,
-                filters, noise, attention):
+                filters, u, noise, attention):
     """Steps 3-5 for draft trees: one target pass scores every node (each sees the context and its own
-    ancestors, at the position of its depth); the target draws its own token at every node, and the
-    walk follows the child holding it from the root; the accepted path's K/V move to consecutive
-    positions. noise: Exp(1) [B, N+1, V], one race a node (None at T=0)."""
+    ancestors, at the position of its depth); the target's token at every node (its argmax, or
+    multi-draft rejection sampling over the node's sampled children), and the walk follows the child
+    holding it from the root; the accepted path's K/V move to consecutive positions. u [B, N+1, N]
+    and noise Exp(1) [B, N+1, V]: `choose_at_nodes`' (None at T=0)."""
     B = tree.tokens.shape[0]
     depth = drafter.cfg.num_drafts
     device = anchor.device
@@ -186,12 +189,12 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     positions = anchor_pos[:, None] + tree.depths
     logits, features = target(tree.tokens, positions, capture=capture, attention=attention,
                               tree=slots)
-    # 4. Accept: the target's own token at each node; the walk stops where no child holds it.
+    # 4. Accept: the token each node's acceptance gives; the walk stops where no child holds it.
     if temperature == 0:
-        chosen = torch.argmax(logits, dim=-1)  # [B, N+1]
+        chosen = torch.argmax(logits, dim=-1)  # [B, N+1] the target's own
     else:
         p = sampling.probs(logits, temperature, filters)  # [B, N+1, V]
-        chosen = sampling.sample_from(p, generator=None, noise=noise)
+        chosen = sampling.choose_at_nodes(tree, p, u, noise)
     path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
     # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
     steps = torch.arange(depth + 1, device=device)
@@ -467,10 +470,8 @@ class Engine:
             self.K = num_drafts or drafter.cfg.num_drafts
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
-        # the races a sampled round draws: one a draft, or with a tree one a node (the root's included)
-        self.races = self.K
-        if tree_budget:
-            self.races = tree_budget + 1
+        V = target.args.vocab_size
+        self.noise_shape = sampling.noise_shape(self.K, V, tree_budget)  # a sampled round's, a row
         has_confidence = drafter is not None and drafter.confidence_head is not None
         if tree_budget:  # a record holds the tree's nodes, their parents and the accepted path
             self.widths = record_widths(drafts=tree_budget, confidence=False, tree_depth=self.K)
@@ -503,18 +504,13 @@ class Engine:
             torch.compiler.cudagraph_mark_step_begin()
         if noise is None:  # greedy
             noise = sampling.Noise(None, None, None)
-        chain_noise = noise.chain
-        node_noise = None
-        if self.tree_budget:  # the races are the target's, one at every node
-            chain_noise = None
-            node_noise = noise.chain
         capacity = None
         num_tokens = None
         if plan is not None:
             capacity = plan.tensor
             num_tokens = plan.num_tokens
         carried = getattr(self.drafter, "carried", None)  # Eagle3's h at each row's last commit
-        proposal = self.draft_fn(self.drafter, anchor, anchor_pos, active, noise=chain_noise,
+        proposal = self.draft_fn(self.drafter, anchor, anchor_pos, active, noise=noise.chain,
                                  temperature=self.temperature, filters=self.filters,
                                  schedule=self.scheduler, backend=self.backend, num_drafts=self.K,
                                  tree_budget=self.tree_budget, tree_temperature=self.tree_temperature,
@@ -528,8 +524,7 @@ class Engine:
                 num_tokens = n
         return self.verify_fn(self.target, self.drafter, anchor, anchor_pos, active, proposal,
                               temperature=self.temperature, filters=self.filters, u=noise.u,
-                              bonus_noise=noise.bonus, backend=self.backend, num_tokens=num_tokens,
-                              node_noise=node_noise)
+                              bonus_noise=noise.bonus, backend=self.backend, num_tokens=num_tokens)
 
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
@@ -613,8 +608,7 @@ class Engine:
             generators = list(rows.generators)  # a free row's noise is a placeholder
             for i in rows.free():
                 generators[i] = None
-            V = self.target.args.vocab_size
-            noise = sampling.rows_noise(generators, self.races, V, self.device)
+            noise = sampling.rows_noise(generators, self.noise_shape, self.device)
         plan = None
         if self.scheduler.kind == "async":
             held = len(rows.requests) - len(rows.free())
@@ -682,8 +676,7 @@ class Engine:
         noise = None
         if self.temperature > 0:
             generator = torch.Generator(device=dev).manual_seed(0)
-            V = self.target.args.vocab_size
-            noise = sampling.round_noise(generator, B, self.races, V, dev)
+            noise = sampling.round_noise(generator, B, self.noise_shape, dev)
         active = torch.zeros(B, dtype=torch.bool, device=dev)
         verify_len = None
         plan = None

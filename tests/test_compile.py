@@ -83,15 +83,18 @@ def test_compiled_round_equals_eager_and_never_recompiles(pair, tmp_path, capfd)
 
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "tree"])
+@pytest.mark.parametrize("kind", ["eagle3", "tree", "sampled-tree"])
 def test_compiled_eagle3_and_tree_rounds_equal_eager(pair, tmp_path, kind):
-    """An Eagle3 chain and a draft tree compile too, each round's two halves once, and decode what
-    the eager round decodes, drafts included: the draft graph reads Eagle3's carried state as the
-    verify graph left it (not as it was when compiled), and a tree keeps its static shapes."""
+    """An Eagle3 chain and a draft tree (greedy, and sampled: its children drawn, multi-draft
+    rejection sampling at each node) compile too, each round's two halves once, and decode what the
+    eager round decodes, drafts included: the draft graph reads Eagle3's carried state as the verify
+    graph left it (not as it was when compiled), and a tree keeps its static shapes."""
     import torch._dynamo
 
     target, drafter = pair
     flags = ["--drafter", drafter, "--tree-budget", "6"]
+    if kind == "sampled-tree":
+        flags += ["--temperature", "1"]
     if kind == "eagle3":
         flags = ["--drafter", make_eagle3(tmp_path / "eagle3", target, ttt_length=4, norm_scale=0.05)]
     prompts = tmp_path / "p.jsonl"

@@ -72,7 +72,7 @@ def test_build_and_walk_equal_the_references(head, budget):
     if markov is not None:
         torch.nn.init.normal_(markov.markov_w2.weight, std=2.0)
     with torch.no_grad():
-        tree = sampling.build_tree(base, hidden, anchor, markov, budget, temperature=0.7)
+        tree = sampling.build_tree(base, hidden, anchor, markov, budget, tree_temperature=0.7)
         for b in range(B):
             children = reference_children(base[b], hidden[b], int(anchor[b]), markov, min(budget, V), 0.7)
             want = sampling.build_tree_reference(children, budget, L)
@@ -106,7 +106,7 @@ def test_a_budget_past_every_candidate_leaves_the_rest_unreached(head):
     anchor = torch.randint(0, V, (B,))
     markov = None if HEADS[head] is None else HEADS[head](H, V, r)
     with torch.no_grad():
-        tree = sampling.build_tree(base, hidden, anchor, markov, budget, temperature=1.0)
+        tree = sampling.build_tree(base, hidden, anchor, markov, budget, tree_temperature=1.0)
         for b in range(B):
             children = reference_children(base[b], hidden[b], int(anchor[b]), markov, V)
             want = sampling.build_tree_reference(children, budget, L)
@@ -136,7 +136,8 @@ def test_the_compiled_build_does_not_grow_with_the_budget():
         with torch.no_grad():
             tree = build(base, hidden, anchor, markov, budget, 0.7)
             want = sampling.build_tree(base, hidden, anchor, markov, budget, 0.7)
-        assert all(torch.equal(a, b) for a, b in zip(tree, want))
+        assert tree.q is None and want.q is None  # not sampled
+        assert all(torch.equal(a, b) for a, b in zip(tree[:3], want[:3]))
         sizes[budget] = sum(counted)
     torch._dynamo.reset()
     assert sizes[4] == sizes[32], sizes
@@ -184,6 +185,141 @@ def test_a_dflash_tree_is_ddtrees(case, den):
         path, accepted, following = sampling.walk_tree(tree, chosen, L)
         assert path[0, :len(walk["accepted"])].tolist() == walk["accepted"]
         assert int(accepted[0]) == len(walk["accepted"]) - 1 and int(following[0]) == walk["next_token"]
+
+
+# ----------------------------------------------------------------------------------------
+# Sampled trees: children drawn without replacement, multi-draft rejection sampling at each node
+
+def sampled_children(base_logits, hidden, anchor, markov, k, tree_temperature, temperature, f, race):
+    """children(path) for build_tree_reference when every parent draws with the same race [V]: its
+    children are the race's order over q, scored by rank (the best log-probabilities at
+    tree_temperature, none past q's support). Also returns q(path), the distribution drawn from."""
+    def logits(path):
+        state = None
+        prev = torch.tensor([anchor])
+        for d, token in enumerate(path + [None]):
+            z = base_logits[None, d].float()
+            if markov is not None:
+                bias, state = markov.step(hidden[None, d], prev, state)
+                z = z + bias.float()
+            if token is None:
+                return z
+            prev = torch.tensor([token])
+
+    def q_of(path):
+        return sampling.probs(logits(path), temperature, f)[0]
+
+    def children(path):
+        q = q_of(path)
+        drawn = torch.topk(q / race, k).indices.tolist()
+        scores = torch.topk(torch.log_softmax(logits(path)[0] / tree_temperature, -1), k).values.tolist()
+        support = int((q > 0).sum())
+        return drawn[:support], scores[:support]
+    return children, q_of
+
+
+@pytest.mark.parametrize("head", ["none", "vanilla", "rnn"])
+@pytest.mark.parametrize("budget,f", [(3, Filters()), (8, Filters(4, 0.9)), (20, Filters())])
+def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f):
+    """With one race for every parent, each node's children are that race's order over its q, kept
+    by rank: the heap on those children gives the same tree, and each node carries its q."""
+    torch.manual_seed(budget)
+    B, L, V, H, r = 2, 4, 11, 8, 5
+    base = 2 * torch.randn(B, L, V)
+    hidden = torch.randn(B, L, H)
+    anchor = torch.randint(0, V, (B,))
+    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    R = sampling.tree_parents(budget, L, V)
+    race = torch.empty(B, V).exponential_(1)
+    noise = race[:, None].expand(B, R, V)
+    with torch.no_grad():
+        tree = sampling.build_tree(base, hidden, anchor, markov, budget, 0.7, temperature=0.9, filters=f,
+                                   noise=noise)
+        for b in range(B):
+            children, q_of = sampled_children(base[b], hidden[b], int(anchor[b]), markov, min(budget, V), 0.7,
+                                              0.9, f, race[b])
+            want = sampling.build_tree_reference(children, budget, L)
+            assert as_nodes(tree, b) == want
+            paths = [[]]
+            for token, parent in want:
+                paths.append(paths[parent] + [token])
+            for node, path in enumerate(paths):
+                if len(path) < min(L, budget):  # the deepest nodes draw no children
+                    torch.testing.assert_close(tree.q[b, node], q_of(path))
+
+
+@pytest.mark.parametrize("budget,L,V", [(1, 4, 11), (5, 3, 7), (16, 7, 50), (20, 2, 3), (64, 7, 4096)])
+def test_a_sampled_build_reads_one_race_for_each_parent(budget, L, V):
+    """tree_parents counts the parents the build draws children for: the rows of noise it reads."""
+    base = torch.randn(1, L, V)
+    with torch.no_grad():
+        every = sampling.best_by_depth(base, None, torch.tensor([0]), None, budget, 1.0, temperature=1.0,
+                                       noise=torch.ones(1, sampling.tree_parents(budget, L, V), V))
+    deepest = int(every["depths"].max())
+    leaves = int((every["depths"] == deepest).sum())
+    assert every["q"].shape[1] - leaves == sampling.tree_parents(budget, L, V)
+
+
+def random_sampled_tree(B, V, budget, seed):
+    torch.manual_seed(seed)
+    L, H, r = 3, 8, 5
+    base = torch.randn(B, L, V, dtype=torch.float64)
+    markov = MARKOV_HEADS["vanilla"](H, V, r).double()
+    hidden = torch.randn(B, L, H, dtype=torch.float64)
+    anchor = torch.randint(0, V, (B,))
+    R = sampling.tree_parents(budget, L, V)
+    noise = torch.empty(B, R, V, dtype=torch.float64).exponential_(1)
+    with torch.no_grad():
+        return sampling.build_tree(base, hidden, anchor, markov, budget, 1.0, temperature=1.0, noise=noise)
+
+
+@pytest.mark.parametrize("budget", [1, 4, 12])
+def test_choose_at_nodes_equals_the_reference(budget):
+    B, V = 4, 9
+    tree = random_sampled_tree(B, V, budget, seed=budget)
+    p = torch.softmax(2 * torch.randn(B, budget + 1, V, dtype=torch.float64), -1)
+    p[0, 0, :3] = 0  # a target that cannot draw some of what the drafter can
+    p[0, 0] /= p[0, 0].sum()
+    u = torch.rand(B, budget + 1, budget, dtype=torch.float64)
+    race = torch.empty(B, budget + 1, V, dtype=torch.float64).exponential_(1)
+    chosen = sampling.choose_at_nodes(tree, p, u, race)
+    for b in range(B):
+        for node in range(budget + 1):
+            children = [int(t) for t, parent in zip(tree.tokens[b], tree.parents[b]) if parent == node]
+            want = sampling.choose_reference(p[b, node].tolist(), tree.q[b, node].tolist(), children,
+                                             u[b, node].tolist(), race[b, node].tolist())
+            assert int(chosen[b, node]) == want, (b, node, children)
+
+
+def one_node_draws(p, q, k, n, sort_children=False):
+    """n draws of choose_at_nodes at a root with k children drawn from q without replacement."""
+    V = p.shape[0]
+    race = torch.empty(n, V, dtype=torch.float64).exponential_(1)
+    children = torch.topk(q / race, k, dim=-1).indices  # [n, k] each root's draws, in order
+    if sort_children:  # the likeliest first, whatever was drawn: what the rule must not be given
+        children = children.gather(1, torch.argsort(q[children], dim=1, descending=True))
+    root = torch.zeros(n, 1, dtype=torch.long)
+    tree = sampling.Tree(tokens=torch.cat([root, children], 1),
+                         parents=torch.cat([torch.full((n, 1), -1), torch.zeros(n, k, dtype=torch.long)], 1),
+                         depths=torch.cat([root, torch.ones(n, k, dtype=torch.long)], 1),
+                         q=q.expand(n, k + 1, V))
+    u = torch.rand(n, k + 1, k, dtype=torch.float64)
+    final = torch.empty(n, k + 1, V, dtype=torch.float64).exponential_(1)
+    return sampling.choose_at_nodes(tree, p.expand(n, k + 1, V), u, final)[:, 0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_multi_draft_rejection_sampling_draws_from_the_target(k):
+    """Whatever the number of children, the token a node gives follows p (chi-square over 60,000 draws),
+    with p and q far apart and p zero where q is not."""
+    torch.manual_seed(k)
+    n = 60000
+    p = torch.tensor([0.0, 0.05, 0.1, 0.15, 0.3, 0.4], dtype=torch.float64)
+    q = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04], dtype=torch.float64)
+    assert chi2_pvalue(one_node_draws(p, q, k, n), p) > 1e-3
+    if k > 1:  # the check has power: the same children, tested likeliest first, are caught
+        biased = one_node_draws(p, q, k, n, sort_children=True)
+        assert chi2_pvalue(biased, p) < 1e-3
 
 
 # ----------------------------------------------------------------------------------------
@@ -245,11 +381,13 @@ def test_the_walk_takes_a_branch_the_chain_would_not(tenv):
     assert tau_tree > tau_chain
 
 
-SAMPLED = [("vanilla", 1.0, Filters()), ("vanilla", 0.8, Filters(5, 0.8, 0.05)), ("zlab", 1.0, Filters())]
+SAMPLED = [("vanilla", 1.0, Filters(), 4), ("vanilla", 0.8, Filters(5, 0.8, 0.05), 4), ("zlab", 1.0, Filters(), 4),
+           ("vanilla", 1.0, Filters(), 9)]
 
 
-@pytest.mark.parametrize("drafter,temperature,f", SAMPLED, ids=[f"{d}-T{t}-{f}" for d, t, f in SAMPLED])
-def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, temperature, f):
+@pytest.mark.parametrize("drafter,temperature,f,budget", SAMPLED,
+                         ids=[f"{d}-T{t}-{f}-{b}" for d, t, f, b in SAMPLED])
+def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, temperature, f, budget):
     d = tmp_path_factory.mktemp("trees_sampled")
     target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
     if drafter == "zlab":
@@ -260,7 +398,7 @@ def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, tempera
     env = dict(dir=str(d), target=target, prefixes=prefixes, logits=logits)
     n = 6000
     tr = run_cli(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
-                     "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", 4,
+                     "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", budget,
                      *sampling_flags(temperature, f)])
     outs = tr.outputs()
     assert all(len(o) == M for o in outs)
