@@ -115,14 +115,16 @@ class Settings:
     TRITON_INTERPRET=1)."""
     tree_budget: int = 0
     """Draft a tree of this many nodes a round instead of a chain (0: the chain): the block's most likely
-    continuations, best first (with a Markov head each branch is conditioned on its own parent's token),
-    verified in one target pass. Block drafters (DSpark, DFlash) without a confidence scheduler. The tree
+    continuations, best first (with a Markov head each branch is conditioned on its own parent's token;
+    sampled, a node's children are drawn, and verified by multi-draft rejection sampling), verified in
+    one target pass. Block drafters (DSpark, DFlash) without a confidence scheduler. The tree
     is built a depth a step, each depth over up to this many nodes (with a Markov head, their
     log-probabilities over the whole vocabulary at once: batch x budget x vocabulary floats)."""
     tree_temperature: float = 0.3
-    """The temperature of the drafter's distributions a tree is ranked by. Below 1 the branches follow
-    what is likeliest to be the target's own token (a drafter distilled at T = 1 spreads its mass
-    thin); 1 is DDTree's choice. Measured on the demo: docs/performance.md."""
+    """The temperature of the drafter's distributions a tree is ranked by (greedy: which tokens a node's
+    children are; sampled, where they are drawn at --temperature: how many each node draws). Below 1
+    the tree goes deeper along what is likeliest to be the target's own token (a drafter distilled at
+    T = 1 spreads its mass thin); 1 is DDTree's choice. Measured on the demo: docs/performance.md."""
     draft_length: Optional[int] = None
     """An Eagle3 drafter's drafts per round (a chain of one-token steps). None: the checkpoint's
     ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
