@@ -429,7 +429,8 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
     if "q" in every:  # each node's q: the root's, then the chosen nodes' by their numbers
         numbered = torch.cat([torch.zeros_like(root), 1 + chosen], dim=1)  # [B, N+1]
         V = every["q"].shape[-1]
-        tree_q = every["q"].gather(1, numbered[:, :, None].expand(-1, -1, V))
+        rows = numbered[:, :, None].expand(-1, -1, V)
+        tree_q = every["q"].gather(1, rows)
     return Tree(tree_tokens, tree_parents, tree_depths, tree_q)
 
 
@@ -472,8 +473,9 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         testing = is_ith.any(dim=-1) & ~done  # [B, N+1] nodes with an i-th child, none accepted yet
         child = is_ith.long().argmax(dim=-1)
         token = tree.tokens.gather(1, child)  # [B, N+1]
-        p_x = p.gather(2, token[:, :, None])[:, :, 0]
-        q_x = q.gather(2, token[:, :, None])[:, :, 0]
+        drawn = token[:, :, None]
+        p_x = p.gather(2, drawn)[:, :, 0]
+        q_x = q.gather(2, drawn)[:, :, 0]
         accept = testing & (u[:, :, i] * q_x < p_x)
         chosen = torch.where(accept, token, chosen)
         done = done | accept
@@ -481,13 +483,15 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         excess = torch.clamp(p - q, min=0)
         mass = excess.sum(dim=-1, keepdim=True)
         # no mass only where p = q, where nothing is rejected: p stands in, never drawn from
-        residual = torch.where(mass > 0, excess / mass.clamp(min=1e-30), p)
+        safe_mass = mass.clamp(min=1e-30)
+        residual = torch.where(mass > 0, excess / safe_mass, p)
         p = torch.where(rejected[:, :, None], residual, p)
-        without = q.scatter(2, token[:, :, None], 0.0)  # q_{i+1}: c_i cannot be drawn again
+        without = q.scatter(2, drawn, 0.0)  # q_{i+1}: c_i cannot be drawn again
         left = without.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-        q = torch.where(rejected[:, :, None], without / left, q)
-    drawn = sample_from(p, None, noise)
-    return torch.where(done, chosen, drawn)
+        renormalized = without / left
+        q = torch.where(rejected[:, :, None], renormalized, q)
+    from_residual = sample_from(p, None, noise)
+    return torch.where(done, chosen, from_residual)
 
 
 def walk_tree(tree: Tree, target_tokens, depth: int):
