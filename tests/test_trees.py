@@ -382,7 +382,7 @@ def test_the_walk_takes_a_branch_the_chain_would_not(tenv):
 
 
 SAMPLED = [("vanilla", 1.0, Filters(), 4), ("vanilla", 0.8, Filters(5, 0.8, 0.05), 4), ("zlab", 1.0, Filters(), 4),
-           ("vanilla", 1.0, Filters(), 9)]
+           ("rnn", 1.0, Filters(), 9)]  # the rnn drafter drafts 3 deep: the whole joint from one round
 
 
 @pytest.mark.parametrize("drafter,temperature,f,budget", SAMPLED,
@@ -392,6 +392,9 @@ def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, tempera
     target = make_target(d / "target", vocab_size=SV, attn_scale=0.05)
     if drafter == "zlab":
         path = make_drafter(d / "d", target, spelling="zlab", markov=None, confidence=False, block_size=3)
+    elif drafter == "rnn":
+        path = make_drafter(d / "d", target, markov="rnn", oracle=True, oracle_scale=1.0, norm_scale=0.05,
+                            block_size=3)
     else:
         path = make_drafter(d / "d", target, oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2)
     prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
