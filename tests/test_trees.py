@@ -36,21 +36,28 @@ HEADS = {"none": None, **MARKOV_HEADS}
 # ----------------------------------------------------------------------------------------
 # The fast path against the references
 
+def path_logits(base_logits, hidden, anchor, markov, path):
+    """One row's drafter logits [1, V] for the token after `path` (the tokens after the anchor): the
+    chain rule through the Markov head."""
+    state = None
+    prev = torch.tensor([anchor])
+    for d, token in enumerate(path + [None]):
+        z = base_logits[None, d].float()
+        if markov is not None:
+            bias, state = markov.step(hidden[None, d], prev, state)
+            z = z + bias.float()
+        if token is None:
+            return z
+        prev = torch.tensor([token])
+
+
 def reference_children(base_logits, hidden, anchor, markov, k, temperature=1.0):
-    """children(path) for build_tree_reference: one row's chain rule through the Markov head."""
+    """children(path) for build_tree_reference: the k likeliest tokens after the path."""
     def children(path):
-        state = None
-        prev = torch.tensor([anchor])
-        for d, token in enumerate(path + [None]):
-            z = base_logits[None, d].float()
-            if markov is not None:
-                bias, state = markov.step(hidden[None, d], prev, state)
-                z = z + bias.float()
-            if token is None:
-                logprobs = torch.log_softmax(z / temperature, dim=-1)[0]
-                best, ids = torch.topk(logprobs, k)
-                return ids.tolist(), best.tolist()
-            prev = torch.tensor([token])
+        z = path_logits(base_logits, hidden, anchor, markov, path)
+        logprobs = torch.log_softmax(z / temperature, dim=-1)[0]
+        best, ids = torch.topk(logprobs, k)
+        return ids.tolist(), best.tolist()
     return children
 
 
@@ -195,16 +202,7 @@ def sampled_children(base_logits, hidden, anchor, markov, k, tree_temperature, t
     children are the race's order over q, scored by rank (the best log-probabilities at
     tree_temperature, none past q's support). Also returns q(path), the distribution drawn from."""
     def logits(path):
-        state = None
-        prev = torch.tensor([anchor])
-        for d, token in enumerate(path + [None]):
-            z = base_logits[None, d].float()
-            if markov is not None:
-                bias, state = markov.step(hidden[None, d], prev, state)
-                z = z + bias.float()
-            if token is None:
-                return z
-            prev = torch.tensor([token])
+        return path_logits(base_logits, hidden, anchor, markov, path)
 
     def q_of(path):
         return sampling.probs(logits(path), temperature, f)[0]
