@@ -61,6 +61,16 @@ def reference_children(base_logits, hidden, anchor, markov, k, temperature=1.0):
     return children
 
 
+def drafter_outputs(B, L, V, H, r, head):
+    """A block drafter's round, random: base logits [B, L, V], hidden states [B, L, H], anchors [B],
+    and a Markov head of rank r (None for "none")."""
+    base = 2 * torch.randn(B, L, V)
+    hidden = torch.randn(B, L, H)
+    anchor = torch.randint(0, V, (B,))
+    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    return base, hidden, anchor, markov
+
+
 def as_nodes(tree: sampling.Tree, row: int) -> list[tuple[int, int]]:
     parents = tree.parents[row, 1:].tolist()
     tokens = tree.tokens[row, 1:].tolist()
@@ -72,10 +82,7 @@ def as_nodes(tree: sampling.Tree, row: int) -> list[tuple[int, int]]:
 def test_build_and_walk_equal_the_references(head, budget):
     torch.manual_seed(budget)
     B, L, V, H, r = 3, 4, 11, 8, 5
-    base = 2 * torch.randn(B, L, V)
-    hidden = torch.randn(B, L, H)
-    anchor = torch.randint(0, V, (B,))
-    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    base, hidden, anchor, markov = drafter_outputs(B, L, V, H, r, head)
     if markov is not None:
         torch.nn.init.normal_(markov.markov_w2.weight, std=2.0)
     with torch.no_grad():
@@ -108,10 +115,7 @@ def test_a_budget_past_every_candidate_leaves_the_rest_unreached(head):
     """A vocabulary of 3 and 2 positions hold 12 nodes; a budget of 20 reaches those and no more."""
     torch.manual_seed(7)
     B, L, V, H, r, budget = 2, 2, 3, 8, 5, 20
-    base = 2 * torch.randn(B, L, V)
-    hidden = torch.randn(B, L, H)
-    anchor = torch.randint(0, V, (B,))
-    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    base, hidden, anchor, markov = drafter_outputs(B, L, V, H, r, head)
     with torch.no_grad():
         tree = sampling.build_tree(base, hidden, anchor, markov, budget, tree_temperature=1.0)
         for b in range(B):
@@ -223,10 +227,7 @@ def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f):
     by rank: the heap on those children gives the same tree, and each node carries its q."""
     torch.manual_seed(budget)
     B, L, V, H, r = 2, 4, 11, 8, 5
-    base = 2 * torch.randn(B, L, V)
-    hidden = torch.randn(B, L, H)
-    anchor = torch.randint(0, V, (B,))
-    markov = None if HEADS[head] is None else HEADS[head](H, V, r)
+    base, hidden, anchor, markov = drafter_outputs(B, L, V, H, r, head)
     R = sampling.tree_parents(budget, L, V)
     race = torch.empty(B, V).exponential_(1)
     noise = race[:, None].expand(B, R, V)
