@@ -239,12 +239,16 @@ class Drafter(DrafterBase):
             hidden = torch.cat([hidden, self.markov_head.markov_w1(prev_tokens)], dim=-1)
         return self.confidence_head(hidden)
 
-    def confidence(self, hidden, prev_tokens) -> Optional[torch.Tensor]:
-        """c_k = σ(logit / T_k) [B, K], T the STS temperatures if any; None without a head."""
+    def confidence(self, hidden, prev_tokens, slot: Optional[int] = None) -> Optional[torch.Tensor]:
+        """c_k = σ(logit / T_k) [B, K], T the STS temperatures if any; None without a head. With
+        `slot`, every row of hidden [B, M, H] is that block position's (a tree's nodes at one depth),
+        each after its own prev_tokens [B, M], and T is that position's."""
         logit = self.confidence_logit(hidden, prev_tokens)
         if logit is None:
             return None
         t = self.confidence_head.temperature
+        if t is not None and slot is not None:
+            t = t[slot]
         if t is not None:
             logit = logit / t
         return torch.sigmoid(logit)

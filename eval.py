@@ -360,6 +360,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     for directory in drafter_dirs[1:]:
         drafters.append(load_extra_drafter(directory, m))
     rows = rows_of(drafters, drafter_dirs, s.tree_budget)
+    tree_drafters = [row.drafter for row in rows if row.tree_budget]
+    flags.check_tree_temperature(s, tree_drafters, flags.sampling_for(m, s).temperature)
     if rank == 0:
         for path in skipped:
             name = os.path.basename(path)[:-len(".jsonl")]

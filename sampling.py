@@ -309,7 +309,8 @@ def tree_parents(budget: int, depth: int, V: int) -> int:
 
 
 def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_temperature: float, *,
-                  temperature: float = 0.0, filters: Filters = NO_FILTERS, noise=None) -> dict:
+                  temperature: float = 0.0, filters: Filters = NO_FILTERS, noise=None,
+                  survival=None) -> dict:
     """`build_tree`'s search, a depth a step: of the children of the nodes kept at the depth above,
     the best are kept, as many as a tree of `budget` nodes can hold at that depth (budget - d + 1 at
     depth d, none past depth `budget`; all of them where fewer). Returns every kept node, depth by
@@ -323,7 +324,10 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
     probs(logits, temperature, filters), in the order of the race q / noise (noise [B, R, V] Exp(1),
     R = `tree_parents`, a row for each parent); its i-th child's score is still the i-th best
     log-probability at `tree_temperature`, whichever token was drawn, so whether a child is kept
-    never depends on which token it holds (what keeps multi-draft rejection sampling exact)."""
+    never depends on which token it holds (what keeps multi-draft rejection sampling exact). With
+    `survival` (depth, parents [B, M]) -> c [B, M], the chance that a draft after each parent
+    survives, the i-th child (from 0) scores log c + i log(1 - c) instead: the chance that the
+    rejection rule keeps it, were each child kept with chance c."""
     B, L, V = base_logits.shape
     sampled = temperature > 0
     # The nodes kept at the depth being expanded, M a row: the root alone at first.
@@ -340,14 +344,18 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
         width = min(room, V)  # candidate children a node
         M = tokens.shape[1]
         z, state = child_logits(base_logits, hidden, markov, depth, tokens, states)  # [B, M or 1, V]
-        logprobs = torch.log_softmax(z / tree_temperature, dim=-1)
-        top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
+        ranks = torch.arange(width, device=anchor.device)
+        if sampled and survival is not None:  # the i-th child's score, whatever it holds
+            c = survival(depth, tokens).clamp(1e-6, 1 - 1e-6)[:, :, None]  # [B, M, 1]
+            top_logprobs = torch.log(c) + ranks * torch.log1p(-c)  # [B, M, width]
+        else:  # the likeliest children and their log-probabilities
+            logprobs = torch.log_softmax(z / tree_temperature, dim=-1)
+            top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
         if sampled:
             q = probs(z, temperature, filters).expand(B, M, V)
             races = noise[:, first:first + M]  # [B, M, V] each parent's own
             top_tokens = torch.topk(q / races, width, dim=-1).indices  # drawn without replacement
             support = (q > 0).sum(dim=-1, keepdim=True)  # [B, M, 1] the tokens q can draw
-            ranks = torch.arange(width, device=anchor.device)
             top_logprobs = top_logprobs.masked_fill(ranks >= support, float("-inf"))
             drawn_from.append(q)
         child_scores = scores[:, :, None] + top_logprobs  # [B, M, width]
@@ -375,7 +383,8 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
 
 
 def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperature: float, *,
-               temperature: float = 0.0, filters: Filters = NO_FILTERS, noise=None) -> Tree:
+               temperature: float = 0.0, filters: Filters = NO_FILTERS, noise=None,
+               survival=None) -> Tree:
     """The `budget` most likely continuations of each row's anchor, best first, as DDTree picks them:
     a node's score is the sum of its path's log-probabilities (at `tree_temperature`; DDTree's is 1).
     With a Markov head a child's distribution is conditioned on its parent's token (and the rnn
@@ -393,12 +402,12 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
     the trees differ only there).
 
     Sampled (temperature > 0, with the race noise [B, R, V]), each node's children are drawn
-    without replacement from its q instead of being its likeliest, and kept by rank
-    (`best_by_depth`); the tree carries every node's q for `choose_at_nodes`."""
+    without replacement from its q instead of being its likeliest, and kept by rank, or by
+    `survival` (`best_by_depth`); the tree carries every node's q for `choose_at_nodes`."""
     B = anchor.shape[0]
     N = budget
     every = best_by_depth(base_logits, hidden, anchor, markov, budget, tree_temperature,
-                          temperature=temperature, filters=filters, noise=noise)
+                          temperature=temperature, filters=filters, noise=noise, survival=survival)
     C = every["scores"].shape[1]
     if C < N:  # too few candidates for the budget (a tiny vocabulary): placeholders, never reached
         placeholders = {"tokens": 0, "scores": float("-inf"), "parents": 0, "depths": 0, "q": 0.0}

@@ -71,8 +71,12 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     markov = drafter.markov_head
     if tree_budget:  # ... or the tree of the block's most likely continuations, verified whole
         N = tree_budget
+        survival = None  # sampled, the confidence head shapes the tree where there is one
+        if temperature > 0 and drafter.confidence_head is not None:
+            survival = functools.partial(tree_survival, drafter, hidden)
         tree = sampling.build_tree(base_logits, hidden, anchor, markov, N, tree_temperature,
-                                   temperature=temperature, filters=filters, noise=noise)
+                                   temperature=temperature, filters=filters, noise=noise,
+                                   survival=survival)
         nodes = tree.tokens[:, 1:]  # [B, N] every node after the root
         every_node = torch.full((B,), N, dtype=torch.long, device=device)
         return Proposal(nodes, None, None, every_node, tree)
@@ -88,6 +92,15 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     # 2. Schedule: how many drafts each row sends to the target.
     verify_len = schedule(confidence, active, capacity)
     return Proposal(drafts, q, confidence, verify_len)
+
+
+def tree_survival(drafter, hidden, depth: int, parents) -> torch.Tensor:
+    """[B, M]: the confidence head's chance that a draft at `depth` survives after each of a tree's
+    nodes `parents` [B, M] at depth - 1 (the chain's c at that position, were it that branch)."""
+    B, M = parents.shape
+    slot = depth - 1
+    h = hidden[:, slot, None].expand(B, M, -1)  # [B, M, H]
+    return drafter.confidence(h, parents, slot=slot)
 
 
 def tokens_sent(verify_len, active) -> torch.Tensor:
@@ -731,6 +744,8 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     need = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
     max_seq = max(need, max_seq or 0)
     drawn = flags.sampling_for(m, s)
+    if s.tree_budget:
+        flags.check_tree_temperature(s, [drafter], drawn.temperature)
     device = m.target.embed_tokens.weight.device
     flags.check_cache_memory(m, drafter, batch, max_seq, device)
     buckets = None

@@ -124,9 +124,10 @@ class Settings:
     positions, 370 at 64 (batch x those x vocabulary floats a round)."""
     tree_temperature: float = 0.3
     """The temperature of the drafter's distributions a tree is ranked by (greedy: which tokens a node's
-    children are; sampled, where they are drawn at --temperature: how many each node draws). Below 1
-    the tree goes deeper along what is likeliest to be the target's own token (a drafter distilled at
-    T = 1 spreads its mass thin); 1 is DDTree's choice. Measured on the demo: docs/performance.md."""
+    children are; sampled, where they are drawn at --temperature: how many each node draws, unless
+    the drafter has a confidence head, which then shapes the tree: an error there). Below 1 the tree
+    goes deeper along what is likeliest to be the target's own token (a drafter distilled at T = 1
+    spreads its mass thin); 1 is DDTree's choice. Measured on the demo: docs/performance.md."""
     draft_length: Optional[int] = None
     """An Eagle3 drafter's drafts per round (a chain of one-token steps). None: the checkpoint's
     ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
@@ -424,6 +425,20 @@ def check_drafter_settings(s, drafter):
         raise UserError(f"--tree-budget {s.tree_budget}: "
                         f"an Eagle3 drafter drafts a chain of one-token steps; "
                         f"trees grow from a block drafter's distributions (DSpark or DFlash)")
+
+
+def check_tree_temperature(s, drafters: list, temperature: float):
+    """--tree-temperature ranks the branches of greedy trees and of sampled trees whose drafter has no
+    confidence head (with one, the head shapes a sampled tree): refused where it would rank none of
+    the trees that `drafters` (the drafters that grow one) draft at `temperature`."""
+    if s.tree_temperature == Settings.tree_temperature or not drafters:
+        return
+    shaped_by_head = [temperature > 0 and d.confidence_head is not None for d in drafters]
+    if all(shaped_by_head):
+        raise UserError(f"--tree-temperature {s.tree_temperature:g}: a sampled tree from a drafter "
+                        f"with a confidence head is shaped by the head (each node's chance that a "
+                        f"draft after it survives), so it would change nothing; it ranks the "
+                        f"branches of greedy trees and of drafters without one")
 
 
 def check_no_drafter(args, s):

@@ -14,6 +14,7 @@ DFlash drafter, lossless greedy and sampled, through continuous batching, record
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -201,10 +202,12 @@ def test_a_dflash_tree_is_ddtrees(case, den):
 # ----------------------------------------------------------------------------------------
 # Sampled trees: children drawn without replacement, multi-draft rejection sampling at each node
 
-def sampled_children(base_logits, hidden, anchor, markov, k, tree_temperature, temperature, f, race):
+def sampled_children(base_logits, hidden, anchor, markov, k, tree_temperature, temperature, f, race,
+                     survival=None):
     """children(path) for build_tree_reference when every parent draws with the same race [V]: its
     children are the race's order over q, scored by rank (the best log-probabilities at
-    tree_temperature, none past q's support). Also returns q(path), the distribution drawn from."""
+    tree_temperature, or with `survival` log c + i log(1 - c); none past q's support). Also returns
+    q(path), the distribution drawn from."""
     def logits(path):
         return path_logits(base_logits, hidden, anchor, markov, path)
 
@@ -215,6 +218,10 @@ def sampled_children(base_logits, hidden, anchor, markov, k, tree_temperature, t
         q = q_of(path)
         drawn = torch.topk(q / race, k).indices.tolist()
         scores = torch.topk(torch.log_softmax(logits(path)[0] / tree_temperature, -1), k).values.tolist()
+        if survival is not None:
+            parent = (path or [anchor])[-1]
+            c = float(survival(len(path) + 1, torch.tensor([[parent]]))[0, 0].clamp(1e-6, 1 - 1e-6))
+            scores = [math.log(c) + i * math.log1p(-c) for i in range(k)]
         support = int((q > 0).sum())
         return drawn[:support], scores[:support]
     return children, q_of
@@ -222,21 +229,29 @@ def sampled_children(base_logits, hidden, anchor, markov, k, tree_temperature, t
 
 @pytest.mark.parametrize("head", ["none", "vanilla", "rnn"])
 @pytest.mark.parametrize("budget,f", [(3, Filters()), (8, Filters(4, 0.9)), (20, Filters())])
-def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f):
+@pytest.mark.parametrize("shape", ["rank", "survival"])
+def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f, shape):
     """With one race for every parent, each node's children are that race's order over its q, kept
-    by rank: the heap on those children gives the same tree, and each node carries its q."""
+    by rank (or by a survival chance per depth and parent token): the heap on those children gives
+    the same tree, and each node carries its q."""
     torch.manual_seed(budget)
     B, L, V, H, r = 2, 4, 11, 8, 5
     base, hidden, anchor, markov = drafter_outputs(B, L, V, H, r, head)
     R = sampling.tree_parents(budget, L, V)
     race = torch.empty(B, V).exponential_(1)
     noise = race[:, None].expand(B, R, V)
+    chances = torch.rand(B, L + 1, V)  # a survival chance for each row, depth and parent token
+
+    def survival_of(rows: slice):
+        if shape == "rank":
+            return None
+        return lambda depth, parents: chances[rows, depth].gather(1, parents)  # parents [B, M]
     with torch.no_grad():
         tree = sampling.build_tree(base, hidden, anchor, markov, budget, 0.7, temperature=0.9, filters=f,
-                                   noise=noise)
+                                   noise=noise, survival=survival_of(slice(None)))
         for b in range(B):
             children, q_of = sampled_children(base[b], hidden[b], int(anchor[b]), markov, min(budget, V), 0.7,
-                                              0.9, f, race[b])
+                                              0.9, f, race[b], survival_of(slice(b, b + 1)))
             want = sampling.build_tree_reference(children, budget, L)
             assert as_nodes(tree, b) == want
             paths = [[]]
@@ -380,8 +395,10 @@ def test_the_walk_takes_a_branch_the_chain_would_not(tenv):
     assert tau_tree > tau_chain
 
 
+# vanilla and rnn drafters have a confidence head, which shapes their sampled trees; "ranked" is a
+# vanilla drafter without one (ranked at --tree-temperature), as is zlab (no Markov head either)
 SAMPLED = [("vanilla", 1.0, Filters(), 4), ("vanilla", 0.8, Filters(5, 0.8, 0.05), 4), ("zlab", 1.0, Filters(), 4),
-           ("rnn", 1.0, Filters(), 9)]  # the rnn drafter drafts 3 deep: the whole joint from one round
+           ("rnn", 1.0, Filters(), 9), ("ranked", 1.0, Filters(), 6)]  # rnn drafts 3 deep: the joint in a round
 
 
 @pytest.mark.parametrize("drafter,temperature,f,budget", SAMPLED,
@@ -394,6 +411,9 @@ def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, tempera
     elif drafter == "rnn":
         path = make_drafter(d / "d", target, markov="rnn", oracle=True, oracle_scale=1.0, norm_scale=0.05,
                             block_size=3)
+    elif drafter == "ranked":
+        path = make_drafter(d / "d", target, oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2,
+                            confidence=False)
     else:
         path = make_drafter(d / "d", target, oracle=True, oracle_scale=1.0, norm_scale=0.05, block_size=2)
     prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
@@ -435,6 +455,8 @@ def test_a_biased_walk_fails_the_same_check(tmp_path_factory, monkeypatch):
     (["--tree-budget", 4], "--tree-budget 4: a tree is drafted by a --drafter"),
     (["--tree-budget", 4, "--confidence-threshold", 0.5], "--tree-budget 4: a draft tree is verified whole"),
     (["--tree-budget", -1], "--tree-budget: invalid value -1"),
+    (["--tree-budget", 4, "--temperature", 1, "--tree-temperature", 0.5],
+     "--tree-temperature 0.5: a sampled tree from a drafter with a confidence head is shaped by the head"),
 ])
 def test_trees_refuse_what_they_cannot_do(tenv, capsys, flags, needle):
     import speculate
@@ -443,6 +465,36 @@ def test_trees_refuse_what_they_cannot_do(tenv, capsys, flags, needle):
     rc = speculate.main([str(a) for a in ["--target", tenv["target"], "--prompt-ids", "1,2", *drafter, *flags]])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("drafter,temperature", [("zlab", 1), ("vanilla", 0)])
+def test_tree_temperature_is_taken_where_it_ranks_the_tree(tenv, drafter, temperature):
+    """Sampled without a confidence head, or greedy, --tree-temperature ranks the branches."""
+    tr = decode(tenv, "--tree-budget", 4, "--temperature", temperature, "--tree-temperature", 0.5,
+                drafter=drafter)
+    assert tr.rounds
+
+
+def test_a_trees_survival_is_the_chains_confidence_at_that_position(tenv):
+    """tree_survival scores a tree's nodes at one depth as the chain's confidence at that position
+    (its calibrated temperature included), each after its own parent token."""
+    import speculate
+    from support.checkpoint import load_drafter, load_target
+
+    target = load_target(tenv["target"])
+    d = load_drafter(tenv["drafters"]["vanilla"], target)
+    K = d.cfg.num_drafts
+    d.calibrate([0.5 + k for k in range(K)])
+    torch.manual_seed(0)
+    B, H = 3, d.cfg.layers.hidden_size
+    hidden = torch.randn(B, K, H)
+    previous = torch.randint(0, tenv["V"], (B, K))
+    with torch.no_grad():
+        chain = d.confidence(hidden, previous)  # [B, K]
+        for depth in range(1, K + 1):
+            parents = previous[:, depth - 1:depth]  # [B, 1] the chain's token before that depth
+            tree = speculate.tree_survival(d, hidden, depth, parents)
+            torch.testing.assert_close(tree[:, 0], chain[:, depth - 1])
 
 
 def test_check_trace_accepts_tree_rounds(tenv):
