@@ -747,7 +747,10 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     if s.tree_budget:
         flags.check_tree_temperature(s, [drafter], drawn.temperature)
     device = m.target.embed_tokens.weight.device
-    flags.check_cache_memory(m, drafter, batch, max_seq, device)
+    tree_bytes = 0
+    if s.tree_budget and drawn.temperature > 0:
+        tree_bytes = flags.sampled_tree_bytes(m, drafter, s.tree_budget)
+    flags.check_cache_memory(m, drafter, batch, max_seq, device, tree_bytes)
     buckets = None
     if kind != "none":
         buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)

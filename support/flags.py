@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import torch
 
 import scheduler as sched
-from sampling import Filters
+from sampling import Filters, tree_parents
 from support.cli import (
     MAX_BLOCK,
     MAX_TEMPERATURE,
@@ -121,7 +121,8 @@ class Settings:
     is built a depth a step, each depth over up to this many nodes (with a Markov head, their
     log-probabilities over the whole vocabulary at once: batch x budget x vocabulary floats).
     Sampled, each node that draws children has a race over the vocabulary: 82 at 16 nodes with 7
-    positions, 370 at 64 (batch x those x vocabulary floats a round)."""
+    positions, 370 at 64 (batch x those x vocabulary floats a round, counted with the KV caches
+    against the memory free before decoding)."""
     tree_temperature: float = 0.3
     """The temperature of the drafter's distributions a tree is ranked by (greedy: which tokens a node's
     children are; sampled, where they are drawn at --temperature: how many each node draws, unless
@@ -239,17 +240,33 @@ def sampling_for(m, s) -> Sampling:
     return Sampling(temperature, filters, source)
 
 
-def check_cache_memory(m, drafter, batch: int, max_seq: int, device):
-    """The KV caches must fit in what is free on the device (where that is known)."""
+def sampled_tree_bytes(m, drafter, tree_budget: int) -> int:
+    """What a sampled tree's round holds a row, at least: its races and the distributions its kept
+    nodes draw from (`sampling.tree_parents` rows of the vocabulary each), and the tree's nodes' and
+    the target's at them (budget + 1 rows each), in float32."""
+    V = m.target.args.vocab_size
+    parents = tree_parents(tree_budget, drafter.cfg.num_drafts, V)
+    rows = 2 * parents + 2 * (tree_budget + 1)
+    return 4 * rows * V
+
+
+def check_cache_memory(m, drafter, batch: int, max_seq: int, device, tree_bytes: int = 0):
+    """The KV caches, and a sampled tree's round (`tree_bytes` a row), must fit in what is free on
+    the device (where that is known)."""
     configs = [m.target.args] + ([drafter.cfg.layers] if drafter is not None else [])
     per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in configs)
     need = per_token * batch * max_seq * m.dtype.itemsize
+    trees = tree_bytes * batch
     free = free_memory(device)
-    if free and need > 0.9 * free:
-        raise UserError(f"the KV caches for --batch-size {batch} x {max_seq} positions "
-                        f"need {need / 2**30:.1f} GiB; "
-                        f"{free / 2**30:.1f} GiB are free on {device}: "
-                        f"lower --batch-size or --max-new-tokens")
+    if not free or need + trees <= 0.9 * free:
+        return
+    what = f"the KV caches for --batch-size {batch} x {max_seq} positions need {need / 2**30:.1f} GiB"
+    fix = "lower --batch-size or --max-new-tokens"
+    if trees:
+        what += (f", and a sampled tree's races and distributions over the vocabulary "
+                 f"{trees / 2**30:.1f} GiB a round")
+        fix = "lower --batch-size, --max-new-tokens or --tree-budget"
+    raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 
 
 def prompt_list(prompts) -> list:

@@ -497,6 +497,22 @@ def test_a_trees_survival_is_the_chains_confidence_at_that_position(tenv):
             torch.testing.assert_close(tree[:, 0], chain[:, depth - 1])
 
 
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_a_sampled_trees_round_counts_against_free_memory(tenv, capsys, monkeypatch, temperature):
+    """What a sampled tree's round holds (its races and distributions over the vocabulary) is added to
+    the KV caches' need before decoding, and said; a greedy tree's is not."""
+    import speculate
+    from support import flags
+
+    monkeypatch.setattr(flags, "free_memory", lambda device: 10_000)  # bytes: too little for anything
+    rc = speculate.main([str(a) for a in ["--target", tenv["target"], "--drafter", tenv["drafters"]["vanilla"],
+                                          "--prompt-ids", "1,2", "--tree-budget", 4, "--temperature", temperature]])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "the KV caches for --batch-size 1" in err, err
+    assert ("sampled tree's races" in err) == (temperature > 0)
+    assert err.endswith("--tree-budget") == (temperature > 0)
+
+
 def test_check_trace_accepts_tree_rounds(tenv):
     tr = decode(tenv, "--batch-size", 3, "--tree-budget", 5, drafter="vanilla")
     check_trace(tr, n_requests=len(PROMPTS), K=4, V=tenv["V"], confidence=False, max_new=24, tree_budget=5)
