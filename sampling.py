@@ -98,7 +98,7 @@ def noise_shape(K: int, V: int, tree_budget: int = 0) -> Noise:
 
 def exponential(shape: tuple, generator, device) -> torch.Tensor:
     """Exp(1) draws (float32) as -log(U), U uniform in double precision: exact but for a 2^-53 chance
-    of U = 0 (a race that cannot win), and on a CPU 2.5 times as fast as `Tensor.exponential_`."""
+    of U = 0 (a race that cannot win); cheaper on a CPU than `Tensor.exponential_` (BENCHMARKS.md)."""
     u = torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
     return u.log_().neg_().float()
 
