@@ -744,8 +744,6 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     need = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
     max_seq = max(need, max_seq or 0)
     drawn = flags.sampling_for(m, s)
-    if s.tree_budget:
-        flags.check_tree_temperature(s, [drafter], drawn.temperature)
     device = m.target.embed_tokens.weight.device
     tree_bytes = 0
     if s.tree_budget and drawn.temperature > 0:
@@ -849,6 +847,7 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
                             thinking=thinking)
         ids.append(prompt_ids)
     check_prompts(ids, m.target, s.max_new_tokens, drafter=m.drafter)
+    flags.check_tree_temperature(s, [m.drafter], flags.sampling_for(m, s).temperature)
     engine = make_engine(m, m.drafter, ids, s, verbose=False)
     return decode(m, ids, s, engine)
 
@@ -868,6 +867,7 @@ def run(args: Args) -> dict:
         threads = flags.start_machine(machine, s)
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
+        flags.check_tree_temperature(s, [m.drafter], flags.sampling_for(m, s).temperature)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)

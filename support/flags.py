@@ -447,11 +447,12 @@ def check_drafter_settings(s, drafter):
 def check_tree_temperature(s, drafters: list, temperature: float):
     """--tree-temperature ranks the branches of greedy trees and of sampled trees whose drafter has no
     confidence head (with one, the head shapes a sampled tree): refused where it would rank none of
-    the trees that `drafters` (the drafters that grow one) draft at `temperature`."""
-    if s.tree_temperature == Settings.tree_temperature or not drafters:
+    the trees that `drafters` (those that grow one; None: no drafter) draft at `temperature`. Checked
+    at the edge (speculate.py, `generate`, eval.py) over every drafter a run decodes with."""
+    drafters = [d for d in drafters if d is not None]
+    if not s.tree_budget or s.tree_temperature == Settings.tree_temperature or not drafters:
         return
-    shaped_by_head = [temperature > 0 and d.confidence_head is not None for d in drafters]
-    if all(shaped_by_head):
+    if all(temperature > 0 and d.confidence_head is not None for d in drafters):
         raise UserError(f"--tree-temperature {s.tree_temperature:g}: a sampled tree from a drafter "
                         f"with a confidence head is shaped by the head (each node's chance that a "
                         f"draft after it survives), so it would change nothing; it ranks the "

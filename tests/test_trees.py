@@ -475,6 +475,30 @@ def test_tree_temperature_is_taken_where_it_ranks_the_tree(tenv, drafter, temper
     assert tr.rounds
 
 
+def test_tree_temperature_is_refused_only_where_it_ranks_no_tree(tenv):
+    """With drafters with and without a confidence head (eval.py's rows), --tree-temperature ranks the
+    second's sampled trees: taken; with only the first, refused. An engine built for the first alone
+    (one of eval.py's rows) is not refused: the check is the run's, made once at its edge."""
+    from types import SimpleNamespace
+
+    import speculate
+    from support import flags
+    from support.cli import UserError
+
+    s = flags.Settings(tree_budget=4, tree_temperature=0.5)
+    head, no_head = SimpleNamespace(confidence_head=object()), SimpleNamespace(confidence_head=None)
+    flags.check_tree_temperature(s, [head, no_head], 1.0)
+    flags.check_tree_temperature(s, [head], 0.0)  # greedy: ranked
+    with pytest.raises(UserError, match="--tree-temperature 0.5: a sampled tree"):
+        flags.check_tree_temperature(s, [head], 1.0)
+    m = speculate.load(tenv["target"], tenv["drafters"]["vanilla"])
+    with pytest.raises(UserError, match="--tree-temperature 0.5: a sampled tree"):
+        speculate.generate(m, [[1, 2]], max_new_tokens=2, temperature=1.0, tree_budget=4, tree_temperature=0.5)
+    settings = flags.check_settings(flags.Settings(max_new_tokens=2, temperature=1.0, tree_budget=4,
+                                                   tree_temperature=0.5), "cpu")
+    speculate.make_engine(m, m.drafter, [[1, 2]], settings, verbose=False)
+
+
 def test_a_trees_survival_is_the_chains_confidence_at_that_position(tenv):
     """tree_survival scores a tree's nodes at one depth as the chain's confidence at that position
     (its calibrated temperature included), each after its own parent token."""
