@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from speculate import DEMO_DIR, Request, make_engine
+from speculate import DEMO_DIR, Request, make_engine, size_engine
 from support import flags, plots, runlog
 from support import metrics as mt
 from support.calibration import (
@@ -391,6 +391,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     # this rank's largest shard
     most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
     s.batch_size = max(1, min(s.batch_size, most))
+    every_prompt = [p for ps in prompts.values() for p in ps]
+    for row in rows:  # each row's engine, checked before the first decodes
+        size_engine(m, row.drafter, every_prompt, replace(s, tree_budget=row.tree_budget))
     if log is not None:
         log.config(world_size=world,
                    hardware=device_name(device),
@@ -428,7 +431,6 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
 
     # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
     try:
-        every_prompt = [p for ps in prompts.values() for p in ps]
         for row in rows:
             row_settings = replace(s, tree_budget=row.tree_budget)
             engine = make_engine(m, row.drafter, every_prompt, row_settings, verbose=rank == 0)

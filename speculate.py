@@ -730,34 +730,49 @@ def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device:
     return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration)
 
 
-def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
-                max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
-    """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq` rows),
-    compiled and warmed up when asked, its SPS table read or profiled."""
+class EngineSize(NamedTuple):
+    batch: int                       # cache rows: the batch size, at most the requests
+    max_seq: int                     # positions a row
+    buckets: Optional[list[int]]     # --verify-buckets, checked against the drafter
+
+
+def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
+                max_seq: Optional[int] = None) -> EngineSize:
+    """What an engine for `drafter` (None: autoregressive) holds for the prompts (at least `max_seq`
+    positions a row), after the settings that depend on the drafter are checked and the caches (and a
+    sampled tree's round) are checked against free memory: a refusal comes before any decoding."""
     flags.check_drafter_settings(s, drafter)
-    kind = "none"  # nothing to schedule without a drafter
-    if drafter is not None:
-        kind = s.scheduler
     requests = len(prompts) * s.num_samples
     batch = min(s.batch_size, requests)
     longest = max(map(len, prompts))
     need = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, s.tree_budget)
     max_seq = max(need, max_seq or 0)
-    drawn = flags.sampling_for(m, s)
     device = m.target.embed_tokens.weight.device
     tree_bytes = 0
-    if s.tree_budget and drawn.temperature > 0:
+    if s.tree_budget and flags.sampling_for(m, s).temperature > 0:
         tree_bytes = flags.sampled_tree_bytes(m, drafter, s.tree_budget)
     flags.check_cache_memory(m, drafter, batch, max_seq, device, tree_bytes)
     buckets = None
-    if kind != "none":
+    if drafter is not None and s.scheduler != "none":
         buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)
+    return EngineSize(batch, max_seq, buckets)
+
+
+def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
+                max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
+    """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq` rows),
+    compiled and warmed up when asked, its SPS table read or profiled."""
+    size = size_engine(m, drafter, prompts, s, max_seq)
+    kind = "none"  # nothing to schedule without a drafter
+    if drafter is not None:
+        kind = s.scheduler
+    drawn = flags.sampling_for(m, s)
     stop_ids = () if s.ignore_eos else m.stop_ids
     stop_strings = StopStrings.build(m.tokenizer, s.stop)
-    engine = Engine(m.target, drafter, batch_size=batch, max_seq=max_seq,
+    engine = Engine(m.target, drafter, batch_size=size.batch, max_seq=size.max_seq,
                     temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
                     stop_ids=stop_ids, stop_strings=stop_strings, scheduler=kind,
-                    threshold=s.confidence_threshold, buckets=buckets, compile=s.compile,
+                    threshold=s.confidence_threshold, buckets=size.buckets, compile=s.compile,
                     compile_mode=s.compile_mode, compile_verbose=s.verbose, kernels=s.kernels,
                     num_drafts=s.draft_length, tree_budget=s.tree_budget,
                     tree_temperature=s.tree_temperature)

@@ -729,6 +729,32 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     assert err.startswith("error: --tree-temperature 0.5: ranks the branches") and err.count("\n") == 1, err
 
 
+def test_every_rows_engine_is_checked_before_the_first_decodes(env, tmp_path, capsys, monkeypatch):
+    """A row that cannot run (here the largest sampled tree, over the free memory) is refused before
+    any row decodes: no engine is built, nothing is written."""
+    from support import flags
+
+    monkeypatch.setattr(flags, "free_memory", lambda device: 2**40)
+    real_tree_bytes = flags.sampled_tree_bytes
+
+    def tree_bytes(m, drafter, budget):
+        if budget == 8:
+            return 2**50
+        return real_tree_bytes(m, drafter, budget)
+
+    monkeypatch.setattr(flags, "sampled_tree_bytes", tree_bytes)
+    built = []
+    monkeypatch.setattr(ev, "make_engine", lambda *args, **kwargs: built.append(args))
+    out = tmp_path / "r.json"
+    args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"],
+            "--datasets", "gsm8k", "--max-samples", "2", "--max-new-tokens", "12", "--no-progress",
+            "--temperature", "1", "--tree-budget", "8", "--out", str(out)]
+    assert ev.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the KV caches for --batch-size") and err[-1].endswith("--tree-budget")
+    assert not built and not out.exists()
+
+
 def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, capsys):
     """--draft-length sets an Eagle3 chain's drafts a round: results.json's num_drafts and the W&B
     acceptance table follow it, not the checkpoint's ttt_length."""
