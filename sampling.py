@@ -471,39 +471,55 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     u_i·q_i(c_i) < p_i(c_i); else p_{i+1} = normalize(max(p_i - q_i, 0)) and q_{i+1} is q_i without
     c_i, renormalized; every child rejected, a draw from p_{k+1}. The token follows p whatever k.
     p [B, N+1, V] the target's (filtered) distribution at each node; u [B, N+1, N] uniforms; noise
-    [B, N+1, V] Exp(1), the final draw's race. Returns [B, N+1]."""
+    [B, N+1, V] Exp(1), the final draw's race. Returns [B, N+1].
+
+    The nodes are taken most children first: of N children in all, at most N // i nodes have an
+    i-th, so the i-th children's step reads only that many rows of p and q, not N+1."""
     B, N1, V = p.shape
+    N = N1 - 1
     device = p.device
-    q = tree.q
     nodes = torch.arange(N1, device=device)
     is_child = tree.parents[:, None, :] == nodes[None, :, None]  # [B, parent, child]
     rank = is_child.long().cumsum(dim=-1) - 1  # a child's place among its siblings: the draw order
+    counts = is_child.sum(dim=-1)  # [B, N+1] each node's children
+    order = torch.argsort(counts, dim=1, descending=True, stable=True)  # most children first
+    by_count = order[:, :, None]
+    is_child = is_child.gather(1, by_count.expand(B, N1, N1))
+    rank = rank.gather(1, by_count.expand(B, N1, N1))
+    p = p.gather(1, by_count.expand(B, N1, V))  # copies: the steps below update them in place
+    q = tree.q.gather(1, by_count.expand(B, N1, V))
+    u = u.gather(1, by_count.expand(B, N1, N))
+    noise = noise.gather(1, by_count.expand(B, N1, V))
     chosen = torch.zeros((B, N1), dtype=torch.long, device=device)
     done = torch.zeros((B, N1), dtype=torch.bool, device=device)
-    for i in range(N1 - 1):  # the i-th child of every node at once
-        is_ith = is_child & (rank == i)
-        testing = is_ith.any(dim=-1) & ~done  # [B, N+1] nodes with an i-th child, none accepted yet
+    for i in range(N):  # the (i+1)-th child of every node at once
+        m = N // (i + 1)  # the nodes that may have one come first
+        is_ith = is_child[:, :m] & (rank[:, :m] == i)
+        testing = is_ith.any(dim=-1) & ~done[:, :m]  # [B, m] nodes with one, none accepted yet
         child = is_ith.long().argmax(dim=-1)
-        token = tree.tokens.gather(1, child)  # [B, N+1]
+        token = tree.tokens.gather(1, child)  # [B, m]
         drawn = token[:, :, None]
-        p_x = p.gather(2, drawn)[:, :, 0]
-        q_x = q.gather(2, drawn)[:, :, 0]
-        accept = testing & (u[:, :, i] * q_x < p_x)
-        chosen = torch.where(accept, token, chosen)
-        done = done | accept
+        p_i = p[:, :m]
+        q_i = q[:, :m]
+        p_x = p_i.gather(2, drawn)[:, :, 0]
+        q_x = q_i.gather(2, drawn)[:, :, 0]
+        accept = testing & (u[:, :m, i] * q_x < p_x)
+        chosen[:, :m] = torch.where(accept, token, chosen[:, :m])
+        done[:, :m] |= accept
         rejected = testing & ~accept
-        excess = torch.clamp(p - q, min=0)
+        excess = torch.clamp(p_i - q_i, min=0)
         mass = excess.sum(dim=-1, keepdim=True)
         # no mass only where p = q, where nothing is rejected: p stands in, never drawn from
         safe_mass = mass.clamp(min=1e-30)
-        residual = torch.where(mass > 0, excess / safe_mass, p)
-        p = torch.where(rejected[:, :, None], residual, p)
-        without = q.scatter(2, drawn, 0.0)  # q_{i+1}: c_i cannot be drawn again
+        residual = torch.where(mass > 0, excess / safe_mass, p_i)
+        p[:, :m] = torch.where(rejected[:, :, None], residual, p_i)
+        without = q_i.scatter(2, drawn, 0.0)  # q_{i+1}: c_i cannot be drawn again
         left = without.sum(dim=-1, keepdim=True).clamp(min=1e-30)
         renormalized = without / left
-        q = torch.where(rejected[:, :, None], renormalized, q)
+        q[:, :m] = torch.where(rejected[:, :, None], renormalized, q_i)
     from_residual = sample_from(p, None, noise)
-    return torch.where(done, chosen, from_residual)
+    by_count_chosen = torch.where(done, chosen, from_residual)
+    return torch.zeros_like(chosen).scatter(1, order, by_count_chosen)  # back in the nodes' order
 
 
 def walk_tree(tree: Tree, target_tokens, depth: int):

@@ -287,7 +287,7 @@ def random_sampled_tree(B, V, budget, seed):
         return sampling.build_tree(base, hidden, anchor, markov, budget, 1.0, temperature=1.0, noise=noise)
 
 
-@pytest.mark.parametrize("budget", [1, 4, 12])
+@pytest.mark.parametrize("budget", [1, 4, 12, 24])
 def test_choose_at_nodes_equals_the_reference(budget):
     B, V = 4, 9
     tree = random_sampled_tree(B, V, budget, seed=budget)
