@@ -330,6 +330,7 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
     rejection rule keeps it, were each child kept with chance c."""
     B, L, V = base_logits.shape
     sampled = temperature > 0
+    batch = torch.arange(B, device=anchor.device)[:, None]
     # The nodes kept at the depth being expanded, M a row: the root alone at first.
     tokens = anchor[:, None]  # [B, M]
     scores = torch.zeros(B, 1, device=anchor.device)
@@ -367,9 +368,7 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
         tokens = candidate_tokens.gather(1, best_first)
         scores = candidate_scores.gather(1, best_first)
         if state is not None:
-            S = state.shape[-1]
-            parent_rows = parent[:, :, None].expand(-1, -1, S)
-            states = state.gather(1, parent_rows)  # each kept node's parent's
+            states = state[batch, parent]  # each kept node's parent's
         kept["tokens"].append(tokens)
         kept["scores"].append(scores)
         kept["parents"].append(first + parent)
@@ -440,9 +439,8 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
     tree_q = None
     if "q" in every:  # each node's q: the root's, then the chosen nodes' by their numbers
         numbered = torch.cat([torch.zeros_like(root), 1 + chosen], dim=1)  # [B, N+1]
-        V = every["q"].shape[-1]
-        rows = numbered[:, :, None].expand(-1, -1, V)
-        tree_q = every["q"].gather(1, rows)
+        batch = torch.arange(B, device=anchor.device)[:, None]
+        tree_q = every["q"][batch, numbered]
     return Tree(tree_tokens, tree_parents, tree_depths, tree_q)
 
 
@@ -483,13 +481,13 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     rank = is_child.long().cumsum(dim=-1) - 1  # a child's place among its siblings: the draw order
     counts = is_child.sum(dim=-1)  # [B, N+1] each node's children
     order = torch.argsort(counts, dim=1, descending=True, stable=True)  # most children first
-    by_count = order[:, :, None]
-    is_child = is_child.gather(1, by_count.expand(B, N1, N1))
-    rank = rank.gather(1, by_count.expand(B, N1, N1))
-    p = p.gather(1, by_count.expand(B, N1, V))  # copies: the steps below update them in place
-    q = tree.q.gather(1, by_count.expand(B, N1, V))
-    u = u.gather(1, by_count.expand(B, N1, N))
-    noise = noise.gather(1, by_count.expand(B, N1, V))
+    batch = torch.arange(B, device=device)[:, None]
+    is_child = is_child[batch, order]
+    rank = rank[batch, order]
+    p = p[batch, order]  # copies: the steps below update them in place
+    q = tree.q[batch, order]
+    u = u[batch, order]
+    noise = noise[batch, order]
     chosen = torch.zeros((B, N1), dtype=torch.long, device=device)
     done = torch.zeros((B, N1), dtype=torch.bool, device=device)
     for i in range(N):  # the (i+1)-th child of every node at once
