@@ -13,8 +13,11 @@ same algorithm the way the reference implementations do — transformers' Qwen3 
 cache as the target and the drafter eager in plain modules (its weights unfused and unpacked) — on
 the same prompt. The modes' --repeats timed runs
 are interleaved (order rotated each repeat); tokens/s is their median, and each speed-up is the
-median of the ratios within a repeat, with its range. Every run must emit the autoregressive
-tokens; a difference raises.
+median of the ratios within a repeat, with its range. Decoding is greedy (a checkpoint's
+generation_config.json is not read), and every run must emit the autoregressive tokens (a difference
+raises); with `--temperature T` every mode samples at T instead
+(seeded, no filters; the reference loop, greedy, is left out), and the tokens are not compared: they
+follow the same law but differ run to run (tests/test_lossless.py tests the law).
 
 The schedulers under load (tokens/s against concurrency) are scripts/bench_concurrency.py.
 
@@ -256,7 +259,8 @@ def side_engine(target, drafter, batch: int, max_seq: int, s: Settings, tree_bud
     """An engine for the side-by-side runs, compiled (warm-up) and settled by one short untimed run.
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
-    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, compile=s.compile,
+    engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=s.temperature,
+                    seed=s.seed, compile=s.compile,
                     compile_mode=s.compile_mode, compile_verbose=s.verbose, kernels=s.kernels,
                     tree_budget=tree_budget, tree_temperature=s.tree_temperature,
                     num_drafts=s.draft_length)
@@ -505,10 +509,10 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     return generated[:max_new_tokens], time.perf_counter() - t0
 
 
-# The decode settings bench.py times; the others would change nothing here (it decodes greedily, one
-# batch size at a time from --batch-sizes, every draft verified).
+# The decode settings bench.py times; the others would change nothing here (it decodes greedily or at
+# --temperature without filters, one batch size at a time from --batch-sizes, every draft verified).
 TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernels", "tree_budget", "tree_temperature",
-         "draft_length")
+         "draft_length", "temperature")
 
 
 def file_prompts(path: str, target_dir: Optional[str], vocab_size: int) -> list[list[int]]:
@@ -532,10 +536,12 @@ def check_args(args: BenchArgs) -> list[int]:
     default = Settings()
     for f in fields(Settings):
         if f.name not in TIMED and getattr(args.decode, f.name) != getattr(default, f.name):
-            raise UserError(f"--{f.name.replace('_', '-')}: bench.py times greedy decoding of every draft at "
-                            f"--batch-sizes; it would change nothing here")
+            raise UserError(f"--{f.name.replace('_', '-')}: bench.py times decoding of every draft at "
+                            f"--batch-sizes, greedy or at --temperature; it would change nothing here")
     trees = args.decode.tree_budget > 0 or args.tree_budgets is not None
     s = flags.check_settings(args.decode, args.machine.device, trees=trees)
+    if s.temperature is None:  # no checkpoint's generation_config decides here
+        s.temperature = 0.0
     flags.check_machine(args.machine, s.compile)
     check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]")
     if args.tree_budgets is not None:
@@ -573,10 +579,13 @@ def reference_wanted(args: BenchArgs, s: Settings, batch_sizes: list[int], dev: 
     chain_only = s.tree_budget == 0 and args.drafter_kind == "dspark"
     if args.reference and not chain_only:
         raise UserError("--reference: the reference loop is a DSpark drafter's chain (no --tree-budget, no Eagle3)")
+    if args.reference and s.temperature > 0:
+        raise UserError(f"--reference: the reference loop decodes greedily, and --temperature "
+                        f"{s.temperature:g} samples")
     wanted = args.reference
     if wanted is None:
         wanted = dev == "cpu"
-    if not (wanted and 1 in batch_sizes and chain_only):
+    if not (wanted and 1 in batch_sizes and chain_only and s.temperature == 0):
         return False
     if transformers_available():
         return True
@@ -645,6 +654,8 @@ def header(name: str, target, drafter, dtype, hw: str, s: Settings, args: BenchA
         line += " (guards skipped after warm-up)"
     if s.kernels != "torch":
         line += f", kernels={s.kernels}"
+    if s.temperature > 0:
+        line += f", sampled at temperature {s.temperature:g}"
     if cache_dir:
         line += f" (cache {cache_dir})"
     gemms = cpu_kernels.describe(target, s.compile)
@@ -802,7 +813,9 @@ def run(args: BenchArgs) -> list[dict]:
             reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)
         runs = interleaved_runs(modes, engines, (hf, ref_drafter), prompts, s, dev, max_seq, args.repeats,
                                 args.skip_guards)
-        differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
+        differ = {}
+        if s.temperature == 0:  # sampled, the modes' tokens differ run to run (their law is the same)
+            differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
         for m in modes:
             if m == "reference":
                 tps = [r["total_tokens_per_second"] for r in runs[m]]

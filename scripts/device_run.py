@@ -24,6 +24,9 @@ so a call ends by itself within 9 minutes. In order, smallest first:
 and, asked for by --stages only (measured on 2026-11-30):
   compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
   eager-b1      bench.py at batch 1, eager
+  tree-sampled-b1  tree-b1 sampled at temperature 1 (the chain too): children drawn, multi-draft
+                rejection sampling at every node; random weights, so the round's milliseconds and
+                its split are the figures, not τ
 A stage writes DIR/<stage>.json when it starts and again after every row and check, so a stage stopped
 at its cap keeps what it finished: "checks" (name, max_diff, tolerance, ok), "rows" (bench.py's), "sdpa"
 (the backend torch picks for the cache attention at the stage's shapes, and those that could run it)
@@ -64,10 +67,11 @@ from support.files import check_writable, write_json, wrong_kind  # noqa: E402  
 
 # stage -> its time cap in seconds, in the order they run
 STAGES = {"env": 15, "smoke": 50, "compiled-b1": 110, "eagle3-b1": 70, "tree-b1": 230, "triton": 45,
-          "compiled-b32": 125, "eager-b1": 50}
+          "compiled-b32": 125, "eager-b1": 50, "tree-sampled-b1": 230}
 # what a call runs unasked
 DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
-TREE_BUDGETS = (16, 64)  # tree-b1's, smallest first, a bench run each; the dry run's are 2 and 4
+TREE_BUDGETS = (16, 64)  # the tree stages', smallest first, a bench run each; the dry run's are 2 and 4
+TREE_STAGES = ("tree-b1", "tree-sampled-b1")
 DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
 BUDGET = 530      # seconds for the default stages: the caps, and the time to stop the last one at its cap
 STOP_GRACE = 5    # a stage past its cap gets SIGTERM, then SIGKILL this much later
@@ -93,14 +97,16 @@ def bench_args(stage: str, dry: bool, out: str) -> dict:
                  repeats=2, compile=True)
     if stage == "compiled-b32":
         a.update(batch_sizes="32")
-    if stage in ("eager-b1", "tree-b1"):
+    if stage in ("eager-b1", *TREE_STAGES):
         a.update(max_new_tokens=64)
     if stage == "eager-b1":
         a.update(compile=False)
     if stage == "eagle3-b1":
         a.update(drafter_kind="eagle3")
-    if stage == "tree-b1":
+    if stage in TREE_STAGES:
         a.update(repeats=1)
+    if stage == "tree-sampled-b1":
+        a.update(temperature=1.0)
     a.update(device="cuda", reference=False, out=out, compile_mode=None)
     if a["compile"]:
         # CUDA graphs without GEMM autotuning (which would take minutes for an 8B model's shapes)
@@ -354,9 +360,9 @@ def bench_stage(st: Stage, stage: str, dry: bool):
     elif stage == "compiled-b1":
         verify_logits(st, "qwen3-8b", 4, 1, dtype, dev, dry)
     budgets = [0]
-    if stage == "tree-b1" and dry:
+    if stage in TREE_STAGES and dry:
         budgets = [2, 4]
-    elif stage == "tree-b1":
+    elif stage in TREE_STAGES:
         budgets = list(TREE_BUDGETS)
     try:
         for budget in budgets:

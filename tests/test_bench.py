@@ -111,6 +111,33 @@ def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsy
     assert "--batch-sizes 1,4: more rows than the 3 prompts of --prompts-file" in err and err.count("\n") == 1, err
 
 
+def test_sampled_modes_are_timed_without_the_greedy_reference(tmp_path, capsys):
+    """--temperature T: every mode samples at T (trees too), the tokens are not compared, the reference
+    loop (greedy) is left out, and asked for it is refused; a filter would change nothing timed."""
+    target = make_target(tmp_path / "t")
+    drafter = make_drafter(tmp_path / "d", target, oracle=True, oracle_scale=4.0, norm_scale=0.05)
+    out = tmp_path / "bench.json"
+    flags = ["--target", target, "--drafter", drafter, "--no-compile", "--prompt-len", "6",
+             "--max-new-tokens", "16", "--repeats", "1", "--temperature", "1"]
+    capsys.readouterr()
+    rc = bench.main(flags + ["--batch-sizes", "1,2", "--tree-budgets", "3", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "sampled at temperature 1" in printed.out.splitlines()[0]
+    result = json.load(open(out))
+    assert result["config"]["temperature"] == 1
+    assert [(r["mode"], r["batch"]) for r in result["rows"]] == [
+        ("autoregressive", 1), ("speculative", 1), ("tree 3", 1),
+        ("autoregressive", 2), ("speculative", 2), ("tree 3", 2)]
+    assert all(r["acceptance_length"] > 1 for r in result["rows"] if r["mode"] != "autoregressive")
+    assert bench.main(flags + ["--reference", "True"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --reference: the reference loop decodes greedily"), err
+    assert bench.main(flags + ["--top-k", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --top-k: bench.py times decoding of every draft"), err
+
+
 def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
     """transformers is test-only: without it the default skips the reference loop with one line on
     stderr, and asking for it (--reference True) is a one-line error before anything is built."""

@@ -22,14 +22,14 @@ spec = importlib.util.spec_from_file_location("device_run", SCRIPT)
 device_run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(device_run)
 
-BENCH_STAGES = ("smoke", "compiled-b1", "eagle3-b1", "tree-b1", "compiled-b32", "eager-b1")
+BENCH_STAGES = ("smoke", "compiled-b1", "eagle3-b1", "tree-b1", "compiled-b32", "eager-b1", "tree-sampled-b1")
 
 
 def test_caps_fit_one_call():
     """The default stages' caps, and the time to stop the last one at its cap, fit the default budget of
     under 9 minutes (a call may take 10)."""
     assert list(device_run.STAGES) == ["env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton",
-                                       "compiled-b32", "eager-b1"]
+                                       "compiled-b32", "eager-b1", "tree-sampled-b1"]
     assert device_run.DEFAULT_STAGES == ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
     caps = sum(device_run.STAGES[s] for s in device_run.DEFAULT_STAGES)
     assert caps + device_run.STOP_GRACE <= device_run.BUDGET <= 540
@@ -52,6 +52,8 @@ def test_bench_stages_pass_bench_checks(tmp_path):
     assert (smoke["model"], smoke["dtype"], smoke["batch_sizes"]) == ("bigram-35m", "float32", "1,4")
     assert device_run.bench_args("compiled-b32", False, "x.json")["batch_sizes"] == "32"
     assert device_run.bench_args("compiled-b1", False, "x.json")["model"] == "qwen3-8b"
+    sampled = device_run.bench_args("tree-sampled-b1", False, "x.json")
+    assert sampled["temperature"] == 1.0 and "temperature" not in device_run.bench_args("tree-b1", False, "x")
 
 
 def test_torch_log_flags_recompiles_and_skipped_cuda_graphs():
