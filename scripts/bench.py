@@ -624,6 +624,7 @@ def check_pair(args: BenchArgs, s: Settings, target: Transformer, drafter):
         raise UserError(f"--tree-budgets {args.tree_budgets}: a tree is drafted by a --drafter (without "
                         f"one bench.py times autoregressive decoding alone)")
     flags.check_drafter_settings(s, drafter)  # --draft-length, --tree-budget: as speculate.py
+    flags.check_tree_temperature(s, [drafter], s.temperature)
     if drafter is not None and drafter.cfg.layout == "eagle3":
         if args.reference:
             raise UserError(f"--reference: the reference loop is a DSpark drafter's chain, and --drafter "

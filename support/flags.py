@@ -448,9 +448,10 @@ def check_tree_temperature(s, drafters: list, temperature: float):
     """--tree-temperature ranks the branches of greedy trees and of sampled trees whose drafter has no
     confidence head (with one, the head shapes a sampled tree): refused where it would rank none of
     the trees that `drafters` (those that grow one; None: no drafter) draft at `temperature`. Checked
-    at the edge (speculate.py, `generate`, eval.py) over every drafter a run decodes with."""
+    at the edge (speculate.py, `generate`, eval.py, bench.py) over every drafter a run decodes with,
+    after `check_settings` (which refuses it where no tree is drafted)."""
     drafters = [d for d in drafters if d is not None]
-    if not s.tree_budget or s.tree_temperature == Settings.tree_temperature or not drafters:
+    if s.tree_temperature == Settings.tree_temperature or not drafters:
         return
     if all(temperature > 0 and d.confidence_head is not None for d in drafters):
         raise UserError(f"--tree-temperature {s.tree_temperature:g}: a sampled tree from a drafter "

@@ -136,6 +136,10 @@ def test_sampled_modes_are_timed_without_the_greedy_reference(tmp_path, capsys):
     assert bench.main(flags + ["--top-k", "5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --top-k: bench.py times decoding of every draft"), err
+    # the drafter's confidence head shapes its sampled trees: a tree temperature would rank nothing
+    assert bench.main(flags + ["--tree-budgets", "3", "--tree-temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tree-temperature 0.5: a sampled tree from a drafter"), err
 
 
 def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
