@@ -497,24 +497,26 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         child = is_ith.long().argmax(dim=-1)
         token = tree.tokens.gather(1, child)  # [B, m]
         drawn = token[:, :, None]
-        p_i = p[:, :m]
+        p_i = p[:, :m]  # views of the first m rows: the updates below write them in place
         q_i = q[:, :m]
+        chosen_i = chosen[:, :m]
+        done_i = done[:, :m]
         p_x = p_i.gather(2, drawn)[:, :, 0]
         q_x = q_i.gather(2, drawn)[:, :, 0]
         accept = testing & (u[:, :m, i] * q_x < p_x)
-        chosen[:, :m] = torch.where(accept, token, chosen[:, :m])
-        done[:, :m] |= accept
-        rejected = testing & ~accept
+        chosen_i.copy_(torch.where(accept, token, chosen_i))
+        done_i |= accept
+        rejected = (testing & ~accept)[:, :, None]  # [B, m, 1]
         excess = torch.clamp(p_i - q_i, min=0)
         mass = excess.sum(dim=-1, keepdim=True)
         # no mass only where p = q, where nothing is rejected: p stands in, never drawn from
         safe_mass = mass.clamp(min=1e-30)
         residual = torch.where(mass > 0, excess / safe_mass, p_i)
-        p[:, :m] = torch.where(rejected[:, :, None], residual, p_i)
         without = q_i.scatter(2, drawn, 0.0)  # q_{i+1}: c_i cannot be drawn again
         left = without.sum(dim=-1, keepdim=True).clamp(min=1e-30)
         renormalized = without / left
-        q[:, :m] = torch.where(rejected[:, :, None], renormalized, q_i)
+        p_i.copy_(torch.where(rejected, residual, p_i))
+        q_i.copy_(torch.where(rejected, renormalized, q_i))
     from_residual = sample_from(p, None, noise)
     by_count_chosen = torch.where(done, chosen, from_residual)
     return torch.zeros_like(chosen).scatter(1, order, by_count_chosen)  # back in the nodes' order
