@@ -13,6 +13,7 @@ DFlash drafter, lossless greedy and sampled, through continuous batching, record
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -36,6 +37,85 @@ HEADS = {"none": None, **MARKOV_HEADS}
 
 # ----------------------------------------------------------------------------------------
 # The fast path against the references
+
+def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, int]]:
+    """One row's tree in plain Python, the reference `sampling.build_tree` is tested against: a heap
+    of candidates (score, path of ranks), each pop adding a node and pushing its next sibling and
+    its first child. children(tokens) -> (the best min(budget, V) tokens after the path `tokens`,
+    their log-probabilities, finite), best first. Returns the nodes in order as (token, parent).
+    Equal scores go to the smaller ranks from the root, as in DDTree."""
+    if budget <= 0 or depth <= 0:
+        return []
+    nodes = []   # (token, parent node index; 0 is the root)
+    paths = [[]]  # each node's tokens from the root
+    options = [children([])]  # each node's candidate children: (tokens, scores)
+    _, first_scores = options[0]
+    heap = [(-first_scores[0], (0,), 0, 0)]  # (-score, ranks, parent, rank)
+    while heap and len(nodes) < budget:
+        negative, ranks, parent, rank = heapq.heappop(heap)
+        score = -negative
+        tokens, scores = options[parent]
+        token = tokens[rank]
+        nodes.append((token, parent))
+        me = len(nodes)
+        path = paths[parent] + [token]
+        paths.append(path)
+        sibling_rank = rank + 1
+        if sibling_rank < len(tokens):  # the next sibling
+            sibling = score - scores[rank] + scores[sibling_rank]
+            sibling_ranks = ranks[:-1] + (sibling_rank,)
+            heapq.heappush(heap, (-sibling, sibling_ranks, parent, sibling_rank))
+        if len(path) < depth:  # the first child
+            child_tokens, child_scores = children(path)
+            options.append((child_tokens, child_scores))
+            child = score + child_scores[0]
+            child_ranks = ranks + (0,)
+            heapq.heappush(heap, (-child, child_ranks, me, 0))
+        else:
+            options.append(([], []))
+    return nodes
+
+
+def choose_reference(p: list[float], q: list[float], children: list[int], u: list[float],
+                     race: list[float]) -> int:
+    """One node's multi-draft rejection sampling in plain Python, the reference
+    `sampling.choose_at_nodes` is tested against: the node's target p and draft q over the
+    vocabulary, its children's tokens in the order they were drawn, a uniform for each, and the
+    final draw's race."""
+    for child, u_i in zip(children, u):
+        if u_i * q[child] < p[child]:
+            return child
+        excess = [max(a - b, 0.0) for a, b in zip(p, q)]
+        mass = sum(excess)
+        if mass > 0:
+            p = [e / mass for e in excess]
+        q = list(q)
+        q[child] = 0.0
+        left = sum(q)
+        if left > 0:
+            q = [x / left for x in q]
+    raced = [a / e for a, e in zip(p, race)]  # the exponential race: its argmax is a draw from p
+    return raced.index(max(raced))
+
+
+def walk_tree_reference(nodes: list[tuple[int, int]],
+                        target_tokens: list[int]) -> tuple[list[int], int]:
+    """One row's walk in plain Python, the reference `sampling.walk_tree` is tested against: from
+    the root, the child holding the target's token at the current node, until none does. Returns
+    the path (node indices, the root's 0 first) and the target's token after it."""
+    path = [0]
+    while True:
+        current = path[-1]
+        wanted = target_tokens[current]
+        child = None
+        for i, (token, parent) in enumerate(nodes):
+            if parent == current and token == wanted:
+                child = i + 1
+                break
+        if child is None:
+            return path, wanted
+        path.append(child)
+
 
 def path_logits(base_logits, hidden, anchor, markov, path):
     """One row's drafter logits [1, V] for the token after `path` (the tokens after the anchor): the
@@ -90,7 +170,7 @@ def test_build_and_walk_equal_the_references(head, budget):
         tree = sampling.build_tree(base, hidden, anchor, markov, budget, tree_temperature=0.7)
         for b in range(B):
             children = reference_children(base[b], hidden[b], int(anchor[b]), markov, min(budget, V), 0.7)
-            want = sampling.build_tree_reference(children, budget, L)
+            want = build_tree_reference(children, budget, L)
             assert as_nodes(tree, b) == want, (b, as_nodes(tree, b), want)
             depths = [0]
             for _, parent in want:
@@ -105,7 +185,7 @@ def test_build_and_walk_equal_the_references(head, budget):
                     chosen[b, parent] = token
         path, accepted, following = sampling.walk_tree(tree, chosen, L)
         for b in range(B):
-            want_path, want_next = sampling.walk_tree_reference(as_nodes(tree, b), chosen[b].tolist())
+            want_path, want_next = walk_tree_reference(as_nodes(tree, b), chosen[b].tolist())
             n = len(want_path) - 1
             assert int(accepted[b]) == n and path[b, :n + 1].tolist() == want_path
             assert path[b, n + 1:].tolist() == [want_path[-1]] * (L - n) and int(following[b]) == want_next
@@ -121,7 +201,7 @@ def test_a_budget_past_every_candidate_leaves_the_rest_unreached(head):
         tree = sampling.build_tree(base, hidden, anchor, markov, budget, tree_temperature=1.0)
         for b in range(B):
             children = reference_children(base[b], hidden[b], int(anchor[b]), markov, V)
-            want = sampling.build_tree_reference(children, budget, L)
+            want = build_tree_reference(children, budget, L)
             assert len(want) == V + V * V
             assert as_nodes(tree, b) == want
             assert tree.parents[b, len(want) + 1:].tolist() == [-1] * (budget - len(want))
@@ -252,7 +332,7 @@ def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f, shape):
         for b in range(B):
             children, q_of = sampled_children(base[b], hidden[b], int(anchor[b]), markov, min(budget, V), 0.7,
                                               0.9, f, race[b], survival_of(slice(b, b + 1)))
-            want = sampling.build_tree_reference(children, budget, L)
+            want = build_tree_reference(children, budget, L)
             assert as_nodes(tree, b) == want
             paths = [[]]
             for token, parent in want:
@@ -300,7 +380,7 @@ def test_choose_at_nodes_equals_the_reference(budget):
     for b in range(B):
         for node in range(budget + 1):
             children = [int(t) for t, parent in zip(tree.tokens[b], tree.parents[b]) if parent == node]
-            want = sampling.choose_reference(p[b, node].tolist(), tree.q[b, node].tolist(), children,
+            want = choose_reference(p[b, node].tolist(), tree.q[b, node].tolist(), children,
                                              u[b, node].tolist(), race[b, node].tolist())
             assert int(chosen[b, node]) == want, (b, node, children)
 
