@@ -74,7 +74,8 @@ class Settings:
     context leaves the longest prompt)."""
     temperature: Optional[float] = None
     """0 = greedy, else lossless sampling at this temperature. None: with no other sampling setting, the
-    target's generation_config.json (greedy without one); 1.0 with only filters given."""
+    target's generation_config.json (greedy without one; bench.py: greedy); 1.0 with only filters
+    given."""
     top_k: Optional[int] = None
     """Sample from the K most likely tokens only (0: off), in the target's and the drafter's alike."""
     top_p: Optional[float] = None
