@@ -133,6 +133,19 @@ def test_dry_run_every_stage(tmp_path):
                                                       "compiled-b1": ["verify_logits"]}.get(stage, [])
 
 
+def test_dry_run_of_the_sampled_tree_stage(tmp_path):
+    """tree-sampled-b1, asked for by --stages, end to end on CPU: tree-b1's rows (budgets 2 and 4 in a
+    dry run), every one sampled at temperature 1, with no check that compares tokens."""
+    p = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path / "out"),
+                        "--stages", "tree-sampled-b1"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "tree-sampled-b1.json").read_text())
+    assert doc["complete"] is True and doc["checks"] == [] and doc["config"]["temperature"] == 1.0
+    assert [(r["mode"], r["tree_budget"]) for r in doc["rows"]] == [
+        (m, t) for t in (2, 4) for m in ("autoregressive", "speculative")]
+    assert all(r["acceptance_length"] >= 1 for r in doc["rows"])
+
+
 def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, capsys):
     """A stage past its cap is stopped and marked timed out; the rows and checks it had written stay, and the
     summary names its failed checks; a stage the budget leaves no time for is not run."""
