@@ -15,9 +15,9 @@ the same prompt. The modes' --repeats timed runs
 are interleaved (order rotated each repeat); tokens/s is their median, and each speed-up is the
 median of the ratios within a repeat, with its range. Decoding is greedy (a checkpoint's
 generation_config.json is not read), and every run must emit the autoregressive tokens (a difference
-raises); with `--temperature T` every mode samples at T instead
-(seeded, no filters; the reference loop, greedy, is left out), and the tokens are not compared: they
-follow the same law but differ run to run (tests/test_lossless.py tests the law).
+raises); with `--temperature T` every mode samples at T instead (seeded, no filters; the reference
+loop, greedy, is left out), and the tokens are not compared: they follow the same law but differ run
+to run (tests/test_lossless.py tests the law).
 
 The schedulers under load (tokens/s against concurrency) are scripts/bench_concurrency.py.
 
@@ -260,8 +260,8 @@ def side_engine(target, drafter, batch: int, max_seq: int, s: Settings, tree_bud
     Every engine of one batch size gets the same max_seq, so they share the target's cache buffers
     (setup_caches keeps them) and alternating between them recompiles nothing."""
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=s.temperature,
-                    seed=s.seed, compile=s.compile,
-                    compile_mode=s.compile_mode, compile_verbose=s.verbose, kernels=s.kernels,
+                    seed=s.seed, compile=s.compile, compile_mode=s.compile_mode,
+                    compile_verbose=s.verbose, kernels=s.kernels,
                     tree_budget=tree_budget, tree_temperature=s.tree_temperature,
                     num_drafts=s.draft_length)
     if s.compile:
