@@ -111,9 +111,18 @@ def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsy
     assert "--batch-sizes 1,4: more rows than the 3 prompts of --prompts-file" in err and err.count("\n") == 1, err
 
 
-def test_sampled_modes_are_timed_without_the_greedy_reference(tmp_path, capsys):
+def test_sampled_modes_are_timed_without_the_greedy_reference(tmp_path, capsys, monkeypatch):
     """--temperature T: every mode samples at T (trees too), the tokens are not compared, the reference
     loop (greedy) is left out, and asked for it is refused; a filter would change nothing timed."""
+    engines = []
+    engine_class = bench.Engine
+
+    def recorded(*args, **kwargs):
+        engine = engine_class(*args, **kwargs)
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(bench, "Engine", recorded)
     target = make_target(tmp_path / "t")
     drafter = make_drafter(tmp_path / "d", target, oracle=True, oracle_scale=4.0, norm_scale=0.05)
     out = tmp_path / "bench.json"
@@ -130,6 +139,7 @@ def test_sampled_modes_are_timed_without_the_greedy_reference(tmp_path, capsys):
         ("autoregressive", 1), ("speculative", 1), ("tree 3", 1),
         ("autoregressive", 2), ("speculative", 2), ("tree 3", 2)]
     assert all(r["acceptance_length"] > 1 for r in result["rows"] if r["mode"] != "autoregressive")
+    assert len(engines) == 6 and all(e.temperature == 1.0 for e in engines)
     assert bench.main(flags + ["--reference", "True"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --reference: the reference loop decodes greedily"), err
