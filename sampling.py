@@ -83,7 +83,7 @@ class Noise(NamedTuple):
     # Exp(1) races: the chain's drafts [B, K, V]; a sampled tree's children [B, R, V], R = `tree_parents`
     chain: torch.Tensor
     u: torch.Tensor      # uniforms of the acceptance tests: [B, K]; a tree's [B, N+1, N]
-    bonus: torch.Tensor  # Exp(1): the correction / bonus race [B, V]; a tree's at each node [B, N+1, V]
+    bonus: torch.Tensor  # Exp(1): the correction / bonus race [B, V], a tree's too (`choose_at_nodes`)
 
 
 def noise_shape(K: int, V: int, tree_budget: int = 0) -> Noise:
@@ -93,7 +93,7 @@ def noise_shape(K: int, V: int, tree_budget: int = 0) -> Noise:
         return Noise(chain=(K, V), u=(K,), bonus=(V,))
     N = tree_budget
     R = tree_parents(N, K, V)
-    return Noise(chain=(R, V), u=(N + 1, N), bonus=(N + 1, V))
+    return Noise(chain=(R, V), u=(N + 1, N), bonus=(V,))
 
 
 def exponential(shape: tuple, generator, device) -> torch.Tensor:
@@ -469,7 +469,10 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     u_i·q_i(c_i) < p_i(c_i); else p_{i+1} = normalize(max(p_i - q_i, 0)) and q_{i+1} is q_i without
     c_i, renormalized; every child rejected, a draw from p_{k+1}. The token follows p whatever k.
     p [B, N+1, V] the target's (filtered) distribution at each node; u [B, N+1, N] uniforms; noise
-    [B, N+1, V] Exp(1), the final draw's race. Returns [B, N+1].
+    [B, V] Exp(1), the final draw's race, one for all the nodes: a rejected child gets no mass in the
+    residuals after it (its test failed, so p_i <= q_i there), so the walk stops at the first node
+    where no child was accepted, and that node's final draw is the only one it takes; which node that
+    is never depends on the race. Returns [B, N+1].
 
     The nodes are taken most children first: of N children in all, at most N // i nodes have an
     i-th, so the i-th children's step reads only that many rows of p and q, not N+1."""
@@ -487,7 +490,6 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     p = p[batch, order]  # copies: the steps below update them in place
     q = tree.q[batch, order]
     u = u[batch, order]
-    noise = noise[batch, order]
     chosen = torch.zeros((B, N1), dtype=torch.long, device=device)
     done = torch.zeros((B, N1), dtype=torch.bool, device=device)
     for i in range(N):  # the (i+1)-th child of every node at once
@@ -517,7 +519,7 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         renormalized = without / left
         p_i.copy_(torch.where(rejected, residual, p_i))
         q_i.copy_(torch.where(rejected, renormalized, q_i))
-    from_residual = sample_from(p, None, noise)
+    from_residual = sample_from(p, None, noise[:, None, :])  # [B, N+1]: every node's, one race
     by_count_chosen = torch.where(done, chosen, from_residual)
     return torch.zeros_like(chosen).scatter(1, order, by_count_chosen)  # back in the nodes' order
 

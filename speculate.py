@@ -190,7 +190,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     ancestors, at the position of its depth); the target's token at every node (its argmax, or
     multi-draft rejection sampling over the node's sampled children), and the walk follows the child
     holding it from the root; the accepted path's K/V move to consecutive positions. u [B, N+1, N]
-    and noise Exp(1) [B, N+1, V]: `choose_at_nodes`' (None at T=0)."""
+    and noise Exp(1) [B, V]: `choose_at_nodes`' (None at T=0)."""
     B = tree.tokens.shape[0]
     depth = drafter.cfg.num_drafts
     device = anchor.device

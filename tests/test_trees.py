@@ -77,14 +77,14 @@ def build_tree_reference(children, budget: int, depth: int) -> list[tuple[int, i
 
 
 def choose_reference(p: list[float], q: list[float], children: list[int], u: list[float],
-                     race: list[float]) -> int:
+                     race: list[float]) -> tuple[int, bool]:
     """One node's multi-draft rejection sampling in plain Python, the reference
     `sampling.choose_at_nodes` is tested against: the node's target p and draft q over the
     vocabulary, its children's tokens in the order they were drawn, a uniform for each, and the
-    final draw's race."""
+    final draw's race. Returns the token and whether a child was accepted."""
     for child, u_i in zip(children, u):
         if u_i * q[child] < p[child]:
-            return child
+            return child, True
         excess = [max(a - b, 0.0) for a, b in zip(p, q)]
         mass = sum(excess)
         if mass > 0:
@@ -95,7 +95,7 @@ def choose_reference(p: list[float], q: list[float], children: list[int], u: lis
         if left > 0:
             q = [x / left for x in q]
     raced = [a / e for a, e in zip(p, race)]  # the exponential race: its argmax is a draw from p
-    return raced.index(max(raced))
+    return raced.index(max(raced)), False
 
 
 def walk_tree_reference(nodes: list[tuple[int, int]],
@@ -375,14 +375,16 @@ def test_choose_at_nodes_equals_the_reference(budget):
     p[0, 0, :3] = 0  # a target that cannot draw some of what the drafter can
     p[0, 0] /= p[0, 0].sum()
     u = torch.rand(B, budget + 1, budget, dtype=torch.float64)
-    race = torch.empty(B, budget + 1, V, dtype=torch.float64).exponential_(1)
+    race = torch.empty(B, V, dtype=torch.float64).exponential_(1)  # one final race for all the nodes
     chosen = sampling.choose_at_nodes(tree, p, u, race)
     for b in range(B):
         for node in range(budget + 1):
             children = [int(t) for t, parent in zip(tree.tokens[b], tree.parents[b]) if parent == node]
-            want = choose_reference(p[b, node].tolist(), tree.q[b, node].tolist(), children,
-                                             u[b, node].tolist(), race[b, node].tolist())
+            want, accepted = choose_reference(p[b, node].tolist(), tree.q[b, node].tolist(), children,
+                                              u[b, node].tolist(), race[b].tolist())
             assert int(chosen[b, node]) == want, (b, node, children)
+            # what lets the nodes share one final race: the walk stops where no child was accepted
+            assert accepted or want not in children, (b, node, children)
 
 
 def one_node_draws(p, q, k, n, sort_children=False):
@@ -398,7 +400,7 @@ def one_node_draws(p, q, k, n, sort_children=False):
                          depths=torch.cat([root, torch.ones(n, k, dtype=torch.long)], 1),
                          q=q.expand(n, k + 1, V))
     u = torch.rand(n, k + 1, k, dtype=torch.float64)
-    final = torch.empty(n, k + 1, V, dtype=torch.float64).exponential_(1)
+    final = torch.empty(n, V, dtype=torch.float64).exponential_(1)
     return sampling.choose_at_nodes(tree, p.expand(n, k + 1, V), u, final)[:, 0]
 
 
