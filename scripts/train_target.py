@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelArgs, Transformer  # noqa: E402
 from support import runlog  # noqa: E402
 from support.checkpoint import LAYER_KEYS, init_random_, load_target, published  # noqa: E402
-from support.cli import UserError, resolve_device, resolve_dtype
+from support.cli import UserError, device_name, resolve_device, resolve_dtype
 from support.data import (EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest,  # noqa: E402
                           micro_slices, read_texts, read_windows)
 from support.distributed import dist_init, rank0  # noqa: E402
@@ -288,8 +288,9 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
     if log is not None:
         dtype_name = str(dtype).removeprefix("torch.")
-        log.config(world_size=world, global_batch=G, dtype_resolved=dtype_name,
-                   num_sequences=len(windows), target_config=asdict(model.args))
+        log.config(world_size=world, global_batch=G, hardware=device_name(device),
+                   dtype_resolved=dtype_name, num_sequences=len(windows),
+                   target_config=asdict(model.args))
     batches = Batches(len(windows), G, args.seed)
     mine = micro_slices(args.batch_size, args.grad_accum, rank)
 

@@ -103,7 +103,8 @@ class Settings:
     written there. Without it, profiled at start and not kept."""
     verify_buckets: Optional[str] = None
     """Comma-separated token counts a scheduled round's verification is padded to (one compiled graph
-    each). Default: compiled 1,2,3,4,6,8,12,... up to batch x (drafts + 1); eager, exact."""
+    each), the largest batch x (drafts + 1). Default: compiled 1,2,3,4,6,8,12,... up to that; eager,
+    exact."""
     compile: AutoBool = None
     """torch.compile the round. None: on for cuda, off for cpu (a first compile takes minutes)."""
     compile_mode: Optional[CompileMode] = None
