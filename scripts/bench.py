@@ -66,6 +66,7 @@ from support.cli import (
     check_ranges,
     cli_main,
     device_name,
+    flag,
     flat,
     flat_fields,
     parse_ints,
@@ -103,7 +104,7 @@ class BenchArgs:
     batch_sizes: str = "1"
     """Comma-separated batch sizes, e.g. 1,8,32."""
     prompt_len: int = 64
-    """Tokens per (random) prompt."""
+    """Tokens per random prompt (not with --prompts-file)."""
     prompts_file: Optional[str] = None
     """Time these prompts instead of random ones (JSON lines, as speculate.py's --prompts-file, taken as
     they are: no chat template), each a request through the batch's rows: e.g. demo/heldout.jsonl."""
@@ -509,23 +510,31 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
     return generated[:max_new_tokens], time.perf_counter() - t0
 
 
-# The decode settings bench.py times; the others would change nothing here (it decodes greedily or at
-# --temperature without filters, one batch size at a time from --batch-sizes, every draft verified).
+# The decode settings bench.py times with (greedy or at --temperature without filters, one batch size at a
+# time from --batch-sizes, every draft verified); any other given is refused, naming what to use instead.
 TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernels", "tree_budget", "tree_temperature",
          "draft_length", "temperature")
+# What to use instead of a setting bench.py does not time with (the others: speculate.py).
+INSTEAD = {
+    "ignore_eos": "its requests never stop at an EOS token anyway (each decodes --max-new-tokens)",
+    "batch_size": "it times each batch size of --batch-sizes (e.g. --batch-sizes 1,8)",
+    "scheduler": "scripts/bench_concurrency.py times the schedulers (--schedulers)",
+    "confidence_threshold": "scripts/bench_concurrency.py times the threshold scheduler at it",
+}
 
 
-def file_prompts(path: str, target_dir: Optional[str], vocab_size: int) -> list[list[int]]:
-    """--prompts-file's prompts as ids, as they are (text through the target's tokenizer, no template)."""
-    from support.text import Tokenizer, load_prompts
+def file_prompts(path: str, target_dir: Optional[str], target: Transformer, drafter,
+                 max_new_tokens: int) -> list[list[int]]:
+    """--prompts-file's prompts as ids, as they are (text through the target's tokenizer, no template),
+    checked as speculate.py checks its own (each named file:line)."""
+    from support.text import Tokenizer, check_prompts, load_prompts
 
     tokenizer = None
     if target_dir is not None and os.path.isfile(os.path.join(target_dir, "tokenizer.json")):
         tokenizer = Tokenizer(target_dir)
-    prompts = load_prompts(tokenizer=tokenizer, chat=False, prompts_file=path)
-    for i, p in enumerate(prompts):
-        if not p or max(p) >= vocab_size:
-            raise UserError(f"--prompts-file {path}: prompt {i + 1} is empty or outside the vocabulary")
+    sources = []
+    prompts = load_prompts(tokenizer=tokenizer, chat=False, prompts_file=path, sources=sources)
+    check_prompts(prompts, target, max_new_tokens, drafter=drafter, sources=sources)
     return prompts
 
 
@@ -535,15 +544,27 @@ def check_args(args: BenchArgs) -> list[int]:
     batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
     default = Settings()
     for f in fields(Settings):
-        if f.name not in TIMED and getattr(args.decode, f.name) != getattr(default, f.name):
-            raise UserError(f"--{f.name.replace('_', '-')}: bench.py times decoding of every draft at "
-                            f"--batch-sizes, greedy or at --temperature; it would change nothing here")
+        value = getattr(args.decode, f.name)
+        if f.name in TIMED or value == getattr(default, f.name):
+            continue
+        shown = f"{flag(f.name)} {value}"
+        if isinstance(value, bool):  # --ignore-eos
+            shown = flag(f.name)
+        if isinstance(value, tuple):  # --stop, repeatable: the first
+            shown = f"{flag(f.name)} {value[0]!r}"
+        instead = INSTEAD.get(f.name, "speculate.py decodes with it and reports tokens/s")
+        raise UserError(f"{shown}: bench.py does not time decoding with it; {instead}")
     trees = args.decode.tree_budget > 0 or args.tree_budgets is not None
     s = flags.check_settings(args.decode, args.machine.device, trees=trees)
     if s.temperature is None:  # no checkpoint's generation_config decides here
         s.temperature = 0.0
     flags.check_machine(args.machine, s.compile)
+    if not args.skip_guards and not s.compile:
+        raise UserError("--no-skip-guards: only used with --compile (the run is eager)")
     check_ranges(args, repeats="[1, 1000]", prompt_len="[1, 1000000]")
+    if args.prompts_file is not None and args.prompt_len != BenchArgs.prompt_len:
+        raise UserError(f"--prompt-len {args.prompt_len}: the random prompts' length, and --prompts-file "
+                        f"{args.prompts_file} gives the prompts; it would change nothing")
     if args.tree_budgets is not None:
         budgets = parse_ints(args.tree_budgets, "--tree-budgets", positive=True, distinct=True)
         if max(budgets) > flags.MAX_TREE_BUDGET:
@@ -619,7 +640,7 @@ def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, 
 
 def check_pair(args: BenchArgs, s: Settings, target: Transformer, drafter):
     """What only the built pair can tell: a loaded drafter's kind (and whether there is one), and the
-    context the runs need."""
+    context random prompts need (a --prompts-file's own: `file_prompts`)."""
     if drafter is None and args.tree_budgets is not None:
         raise UserError(f"--tree-budgets {args.tree_budgets}: a tree is drafted by a --drafter (without "
                         f"one bench.py times autoregressive decoding alone)")
@@ -636,7 +657,8 @@ def check_pair(args: BenchArgs, s: Settings, target: Transformer, drafter):
     if drafter is not None:
         contexts.append(drafter.cfg.layers.max_position_embeddings)
     context = min(contexts)
-    if args.prompt_len + s.max_new_tokens > context:  # positions past it were never trained: not a benchmark
+    # positions past it were never trained: not a benchmark (a --prompts-file's prompts: `file_prompts`)
+    if args.prompts_file is None and args.prompt_len + s.max_new_tokens > context:
         raise UserError(f"--prompt-len {args.prompt_len} + --max-new-tokens {s.max_new_tokens} exceed the "
                         f"models' context of {context} positions (max_position_embeddings)")
 
@@ -768,6 +790,14 @@ def run(args: BenchArgs) -> list[dict]:
     t0 = time.perf_counter()
     target, drafter, name = build_pair(args, s, target_dir, drafter_dir, dev, dtype)
     check_pair(args, s, target, drafter)
+    given = None
+    longest = args.prompt_len
+    if args.prompts_file is not None:
+        given = file_prompts(args.prompts_file, target_dir, target, drafter, s.max_new_tokens)
+        longest = max(map(len, given))
+        if max(batch_sizes) > len(given):  # rows without a request would run idle every round
+            raise UserError(f"--batch-sizes {args.batch_sizes}: more rows than the {len(given)} prompts of "
+                            f"--prompts-file {args.prompts_file}")
     if drafter is not None and drafter.cfg.layout == "eagle3":  # a loaded checkpoint says its kind only now
         want_reference = False
     for m in (target, drafter):
@@ -790,14 +820,6 @@ def run(args: BenchArgs) -> list[dict]:
     tree_budgets = []
     if args.tree_budgets is not None:
         tree_budgets = parse_ints(args.tree_budgets, "--tree-budgets")
-    given = None
-    longest = args.prompt_len
-    if args.prompts_file is not None:
-        given = file_prompts(args.prompts_file, target_dir, target.args.vocab_size)
-        longest = max(map(len, given))
-        if max(batch_sizes) > len(given):  # rows without a request would run idle every round
-            raise UserError(f"--batch-sizes {args.batch_sizes}: more rows than the {len(given)} prompts of "
-                            f"--prompts-file {args.prompts_file}")
     widest = max([s.tree_budget] + tree_budgets)
     max_seq = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, widest)
     rows = []

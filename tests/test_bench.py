@@ -145,7 +145,7 @@ def test_sampled_modes_are_timed_without_the_greedy_reference(tmp_path, capsys, 
     assert err.startswith("error: --reference: the reference loop decodes greedily"), err
     assert bench.main(flags + ["--top-k", "5"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --top-k: bench.py times decoding of every draft"), err
+    assert err.startswith("error: --top-k 5: bench.py does not time decoding with it; speculate.py"), err
     # the drafter's confidence head shapes its sampled trees: a tree temperature would rank nothing
     assert bench.main(flags + ["--tree-budgets", "3", "--tree-temperature", "0.5"]) == 2
     err = capsys.readouterr().err
@@ -181,11 +181,74 @@ def test_reference_loop_without_transformers(tmp_path, capsys, monkeypatch):
     (["--kernels", "triton"], "--kernels triton: the Triton kernels need"),  # cpu, outside the interpreter
     (["--tree-budgets", "4,2000"], "--tree-budgets 4,2000: at most 1024 nodes"),
     (["--tree-temperature", "0.5"], "--tree-temperature 0.5: ranks the branches of a draft tree"),
+    # decode flags bench.py does not time with: what does, where something does
+    (["--temperature", "1", "--top-k", "5"], "--top-k 5: bench.py does not time decoding with it; speculate.py "
+                                             "decodes with it and reports tokens/s"),
+    (["--stop", "foo"], "--stop 'foo': bench.py does not time decoding with it; speculate.py decodes with it"),
+    (["--scheduler", "threshold", "--confidence-threshold", "0.5"],
+     "--scheduler threshold: bench.py does not time decoding with it; scripts/bench_concurrency.py times the "
+     "schedulers"),
+    (["--confidence-threshold", "0.5"], "--confidence-threshold 0.5: bench.py does not time decoding with it; "
+                                        "scripts/bench_concurrency.py times the threshold scheduler"),
+    (["--batch-size", "4"], "--batch-size 4: bench.py does not time decoding with it; it times each batch size "
+                            "of --batch-sizes"),
+    (["--ignore-eos"], "--ignore-eos: bench.py does not time decoding with it; its requests never stop at an EOS"),
+    # flags that would change nothing in this run
+    (["--no-compile", "--no-skip-guards"], "--no-skip-guards: only used with --compile (the run is eager)"),
+    (["--prompts-file", "demo/heldout.jsonl", "--prompt-len", "8"],
+     "--prompt-len 8: the random prompts' length, and --prompts-file demo/heldout.jsonl gives the prompts"),
 ])
 def test_bad_flags(flags, needle, capsys):
     assert bench.main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+
+
+def test_guards_and_prompt_len_are_refused_only_where_unused():
+    """--no-skip-guards is a compiled run's (bench.py compiles by default), and --prompt-len at its default
+    says nothing beside a --prompts-file: both pass the flags' checks."""
+    from support.cli import parse_flags
+
+    args = parse_flags(bench.BenchArgs, ["--no-skip-guards", "--prompts-file", "demo/heldout.jsonl"])
+    batch_sizes, s = bench.check_args(args)
+    assert s.compile and not args.skip_guards and batch_sizes == [1]
+
+
+def test_a_prompts_files_own_prompts_must_fit_the_context(tmp_path, capsys):
+    """With --prompts-file the file's prompts are timed, so each of them (not --prompt-len's random length)
+    must fit the models' context with --max-new-tokens: named file:line, as speculate.py names it."""
+    target = make_target(tmp_path / "t", max_position_embeddings=64)
+    drafter = make_drafter(tmp_path / "d", target)
+    capsys.readouterr()  # what building the checkpoints printed
+    prompts = tmp_path / "p.jsonl"
+    flags = ["--target", target, "--drafter", drafter, "--no-compile", "--repeats", "1", "--reference", "False",
+             "--prompts-file", str(prompts)]
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + json.dumps({"prompt_ids": [5] * 61}) + "\n")
+    assert bench.main(flags + ["--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {prompts}:2: 61 tokens + --max-new-tokens 4 exceed the target's context of 64 "
+                   f"(max_position_embeddings)\n"), err
+    # short prompts leave room for a budget that --prompt-len's 64 random tokens would not: timed
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n")
+    out = tmp_path / "b.json"
+    assert bench.main(flags + ["--max-new-tokens", "40", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert [r["mode"] for r in json.load(open(out))["rows"]] == ["autoregressive", "speculative"]
+
+
+def test_a_prompts_files_ids_are_checked_as_speculate_py_checks_them(tmp_path, capsys):
+    """An empty prompt, or an id outside the target's vocabulary, is one line naming the file's line (and
+    the id), before anything is timed."""
+    target = make_target(tmp_path / "t")  # a vocabulary of 48
+    capsys.readouterr()
+    prompts = tmp_path / "p.jsonl"
+    flags = ["--target", target, "--no-compile", "--repeats", "1", "--reference", "False", "--max-new-tokens", "4",
+             "--prompts-file", str(prompts)]
+    for ids, why in [([1, 48, 2], "token id 48 is outside the vocabulary (0..47)"), ([], "empty prompt")]:
+        prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + json.dumps({"prompt_ids": ids}) + "\n")
+        assert bench.main(flags) == 2
+        printed = capsys.readouterr()
+        assert printed.err == f"error: {prompts}:2: {why}\n", printed.err
+        assert printed.out == ""  # refused before the bandwidth probe and the header
 
 
 def test_an_eagle3_checkpoint_is_timed_without_the_dspark_reference(tmp_path, capsys, monkeypatch):
