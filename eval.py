@@ -201,6 +201,8 @@ def check_flags(args: EvalArgs) -> Settings:
         if s.confidence_threshold > 0:
             flag = "--confidence-threshold"
         raise UserError(f"{flag} needs a --drafter with a confidence head")
+    if not args.drafter:
+        flags.check_no_drafter(args)
     several = len(args.drafter) > 1 or s.tree_budget > 0
     calibration_flags = (("--calibration", args.calibration),
                          ("--calibration-out", args.calibration_out),
@@ -210,11 +212,26 @@ def check_flags(args: EvalArgs) -> Settings:
             raise UserError(f"{flag}: calibrates one drafter's confidence head; "
                             "this run compares several rows "
                             "(more than one --drafter, or a --tree-budget curve)")
+    tuning = calibration_tuning(args)
+    if tuning and (several or not args.drafter):
+        raise UserError(f"{tuning[0]}: shapes the calibration report of one drafter's confidence "
+                        f"head, and this run reports none (no --drafter, more than one, "
+                        f"or a --tree-budget curve): it would change nothing")
     if len(set(args.drafter)) != len(args.drafter):
         raise UserError("--drafter: the same drafter is given twice")
     if args.calibration_out and args.calibration_split == 0:
         raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
     return s
+
+
+def calibration_tuning(args: EvalArgs) -> list[str]:
+    """--calibration-split and --ece-bins where given (not at their defaults), flag and value."""
+    given = []
+    if args.calibration_split != EvalArgs.calibration_split:
+        given.append(f"--calibration-split {args.calibration_split:g}")
+    if args.ece_bins != EvalArgs.ece_bins:
+        given.append(f"--ece-bins {args.ece_bins}")
+    return given
 
 
 def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[str]]:
@@ -224,9 +241,11 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
     if problem:
         raise UserError(f"--data-dir {data_dir}: {problem}")
     listed = args.datasets or ",".join(PAPER_DATASETS)
-    names = [n.strip() for n in listed.split(",") if n.strip()]
-    if not names:
+    names = [n.strip() for n in listed.split(",")]
+    if not any(names):
         raise UserError("--datasets: no dataset named")
+    if not all(names):
+        raise UserError(f"--datasets {listed}: an empty name between commas")
     for name in names:
         if name in (".", "..") or any(c in name for c in "/\\\0"):
             raise UserError(f"--datasets: {name!r} is not a dataset name "
@@ -271,10 +290,7 @@ def budget(given: Optional[int], demo: bool, prompts: dict, context: int,
     longest = max(len(p) for ps in prompts.values() for p in ps)
     if longest + want <= context:
         return want
-    if longest >= context:
-        raise UserError(f"a prompt of {longest} tokens fills the {context}-token context; "
-                        f"no room for new tokens")
-    if verbose:
+    if verbose:  # read_datasets left every prompt room for one new token at least
         print(f"note: --max-new-tokens {context - longest}: the default {want} capped to what the "
               f"{context}-token context leaves the longest prompt ({longest} tokens); "
               f"give --max-new-tokens to choose", file=sys.stderr)
@@ -297,6 +313,7 @@ def run(args: EvalArgs) -> dict:
     inputs = [args.target, *args.drafter, args.calibration, sps_read]
     inputs += [path for _, path, _ in datasets]
     check_outputs(outputs, inputs=inputs)
+    flags.check_calibration_file(args.calibration)
     plots.check_plot_path(args.calibration_plot, "--calibration-plot")
     target_dir = resolve_checkpoint(args.target, "--target")
     drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
@@ -376,6 +393,10 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     if (args.calibration_out or args.calibration_plot) and not has_conf:
         raise UserError("--calibration-out / --calibration-plot "
                         "need a --drafter with a confidence head")
+    tuning = calibration_tuning(args)
+    if tuning and not has_conf:
+        raise UserError(f"{tuning[0]}: shapes the calibration report of a confidence head, "
+                        f"and --drafter {first} has none: it would change nothing")
     # drafts a round, as the engines take it: an Eagle3 chain's --draft-length, else the checkpoint's
     K = max((s.draft_length or d.cfg.num_drafts for d in drafters), default=0)
 
@@ -483,7 +504,7 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
         prompts[name] = [p for p, _ in chosen]
         chosen_sources = [where for _, where in chosen]
         for d in drafters or [None]:
-            check_prompts(prompts[name], m.target, budget_or_one, drafter=d,
+            check_prompts(prompts[name], m.target, s.max_new_tokens, drafter=d,
                           sources=chosen_sources)
     return prompts
 

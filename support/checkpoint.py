@@ -524,8 +524,9 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
     return model.eval().requires_grad_(False)
 
 
-def attach(drafter: Drafter, target: Transformer):
-    """Give the drafter the target's embedding and lm_head, once the two are seen to fit."""
+def attach(drafter: Drafter, target: Transformer, where: str = "the drafter"):
+    """Give the drafter the target's embedding and lm_head, once the two are seen to fit (a refusal
+    names `where`: the drafter's config file, when it has one)."""
     t = target.args
     a = drafter.cfg.layers
     c = drafter.cfg
@@ -534,17 +535,17 @@ def attach(drafter: Drafter, target: Transformer):
         drafter_has = getattr(a, key)
         target_has = getattr(t, key)
         if drafter_has != target_has:
-            raise UserError(f"drafter {key} {drafter_has} differs from the target's {target_has}")
+            raise UserError(f"{where}: {key} {drafter_has} differs from the target's {target_has}")
     if c.num_target_layers is not None and c.num_target_layers != L:
-        raise UserError(f"drafter num_target_layers {c.num_target_layers} "
+        raise UserError(f"{where}: num_target_layers {c.num_target_layers} "
                         f"differs from the target's num_hidden_layers {L}: "
                         "it was built for another target")
     for i in c.target_layer_ids:
         if not -1 <= i < L:
-            raise UserError(f"drafter target_layer_ids: layer id {i!r} is outside "
+            raise UserError(f"{where}: target_layer_ids: layer id {i!r} is outside "
                             f"the capturable layers -1..{L - 2}")
         if i == L - 1:
-            raise UserError(f"drafter target_layer_ids: layer id {i} "
+            raise UserError(f"{where}: target_layer_ids: layer id {i} "
                             "is the target's last layer; drafters read layers before it")
     drafter.attach(target)
 
@@ -581,7 +582,7 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
         else:
             drafter = Drafter(cfg)
     assign(drafter, tensors, source)
-    attach(drafter, target)
+    attach(drafter, target, path)
     return drafter.eval().requires_grad_(False)
 
 

@@ -32,7 +32,7 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.files import check_outputs, read_json
+from support.files import check_outputs, file_problem, read_json
 from support.runlog import WandbFlags
 from support.text import StopStrings, auto_chat, check_chat_flags, encode, load_prompts
 
@@ -164,6 +164,11 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     if s.temperature is not None and 0 < s.temperature < MIN_TEMPERATURE:
         raise UserError(f"--temperature: invalid value {s.temperature!r} (valid: 0 for greedy, or "
                         f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
+    filters = [name for name in ("top_k", "top_p", "min_p") if getattr(s, name) is not None]
+    if s.temperature == 0 and filters:  # greedy: the most likely token, whatever a filter keeps
+        raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, "
+                        f"and --temperature 0 decodes greedily "
+                        f"(the most likely token, filtered or not), so it would change nothing")
     if isinstance(s.stop, str):
         s.stop = (s.stop,)
     elif s.stop is None:
@@ -462,22 +467,15 @@ def check_tree_temperature(s, drafters: list, temperature: float):
                         f"branches of greedy trees and of drafters without one")
 
 
-def check_no_drafter(args, s):
-    """Without a drafter (no --drafter, no --random-init; the demo has one), a setting only a drafter reads, or
-    a sampling filter at --temperature 0, would change nothing: refused, not ignored in silence."""
-    if args.drafter is not None or args.random_init is not None:
-        return
+def check_no_drafter(args):
+    """Without a drafter a setting only a drafter reads would change nothing: refused, not ignored in
+    silence (speculate.py: no --drafter and no --random-init, the demo having one; eval.py: no --drafter)."""
     given = drafter_settings(args)
     if given:
         flag_value, what = given[0]
         raise UserError(f"{flag_value}: {what}; "
                         f"without a --drafter the decoding is autoregressive, "
                         f"so it would change nothing (give a --drafter, or drop the flag)")
-    filters = [name for name in ("top_k", "top_p", "min_p") if getattr(s, name) is not None]
-    if s.temperature == 0 and filters:  # greedy: the most likely token, whatever a filter keeps
-        raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, "
-                        f"and --temperature 0 decodes greedily "
-                        f"(the most likely token, filtered or not), so it would change nothing")
 
 
 def check_command_line(args):
@@ -489,7 +487,8 @@ def check_command_line(args):
     check_machine(args.machine, s.compile)
     check_ranges(args, log_every="[1, inf)")
     runlog.check(args)
-    check_no_drafter(args, s)
+    if args.drafter is None and args.random_init is None:
+        check_no_drafter(args)
     p = args.prompts
     r = args.rendering
     text_flags = (("--prompt", p.prompt is not None), ("--stop", bool(s.stop)),
@@ -525,6 +524,18 @@ def check_files(args):
                "--sps-table": None if sps_read else sps}
     inputs = [args.target, args.drafter, args.prompts.prompts_file, args.calibration, sps_read]
     check_outputs(outputs, inputs=inputs)
+    check_calibration_file(args.calibration)
+
+
+def check_calibration_file(path: Optional[str]):
+    """--calibration names a file that is there (its contents are checked where the drafter loads)."""
+    if path is None:
+        return
+    if not path.strip():
+        raise UserError("--calibration: empty path")
+    problem = file_problem(path, "calibration file")
+    if problem:
+        raise UserError(f"--calibration {path}: {problem}")
 
 
 def read_prompts(p: Prompts, r: Rendering, m, s,

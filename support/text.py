@@ -524,9 +524,10 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
     return out
 
 
-def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter=None,
+def check_prompts(prompts: list[list[int]], target, max_new_tokens: Optional[int], drafter=None,
                   sources=None):
-    """Every prompt non-empty, inside the vocabulary, and fitting the target's and drafter's context with its budget."""
+    """Every prompt non-empty, inside the vocabulary, and fitting the target's and drafter's context with its
+    budget (None: a budget not chosen yet, so room for one new token)."""
     V = target.args.vocab_size
     context = target.args.max_position_embeddings
     whose = "target"
@@ -542,7 +543,10 @@ def check_prompts(prompts: list[list[int]], target, max_new_tokens: int, drafter
         bad = [t for t in p if not 0 <= t < V]
         if bad:
             raise UserError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{V - 1})")
-        if len(p) + max_new_tokens > context:
+        if max_new_tokens is None and len(p) >= context:
+            raise UserError(f"{name}: {len(p)} tokens fill the {whose}'s context of {context} "
+                            f"(max_position_embeddings): no room for a new token")
+        if max_new_tokens is not None and len(p) + max_new_tokens > context:
             raise UserError(f"{name}: {len(p)} tokens + --max-new-tokens {max_new_tokens} "
                             f"exceed the {whose}'s context of {context} (max_position_embeddings)")
 

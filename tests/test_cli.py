@@ -391,6 +391,19 @@ def test_a_setting_that_needs_a_drafter_is_refused_without_one(tiny_target, tmp_
     assert rc == 2 and err.startswith(f"error: {needle}"), err
 
 
+def test_a_sampling_filter_at_temperature_0_is_refused_with_a_drafter_too(capsys):
+    """Greedy decoding drafts and accepts argmaxes, whatever a filter keeps: with a drafter as without
+    one, a filter at --temperature 0 is refused, on the command line and in the API alike."""
+    from support.cli import UserError
+
+    pair = ["--target", str(REPO_ROOT / "demo" / "target"), "--drafter", str(REPO_ROOT / "demo" / "drafter")]
+    rc, out, err = run_cli(pair + ["--prompt-ids", "1,2", "--temperature", "0", "--top-p", "0.5"], capsys)
+    _one_error_line(rc, out, err, "--top-p 0.5: a sampling filter, and --temperature 0 decodes greedily")
+    m = speculate.load()
+    with pytest.raises(UserError, match="--min-p 0.1: a sampling filter"):
+        speculate.generate(m, [[1, 2]], max_new_tokens=2, temperature=0, min_p=0.1)
+
+
 @pytest.mark.parametrize("drafter", ["drafter", "eagle3"])
 def test_a_tree_temperature_without_a_tree_is_refused(drafter, capsys):
     """--tree-temperature ranks a tree's branches: with a chain (a block drafter without --tree-budget,
@@ -417,7 +430,7 @@ def test_drafter_settings_pass_where_there_is_a_drafter(extra, tmp_path):
     extra = [str(REPO_ROOT / "demo" / "drafter") if x == "DRAFTER" else x for x in extra]
     target = [] if extra[:1] != ["--drafter"] else ["--target", str(REPO_ROOT / "demo" / "target")]
     for given in (["--confidence-threshold", "0.5"], ["--tree-budget", "4"],
-                  ["--tree-budget", "4", "--tree-temperature", "1.0"], ["--temperature", "0", "--top-k", "5"]):
+                  ["--tree-budget", "4", "--tree-temperature", "1.0"]):
         args = tyro.cli(flags.Args, args=target + extra + ["--prompt-ids", "1,2"] + given)
         args, _, _ = flags.resolve_demo(args, str(REPO_ROOT / "demo"))
         flags.check_command_line(args)

@@ -330,15 +330,15 @@ REFUSALS = {
     "head_weight_under_two_spellings": (
         dict(), None, _add_tensor("markov_w1.weight", (V, V)), None, r"markov_w1\.weight.*twice"),
     "hidden_size_differs": (
-        dict(with_embeddings=False), None, None, dict(hidden_size=48), r"hidden_size 48 differs from the target's 32"),
+        dict(with_embeddings=False), None, None, dict(hidden_size=48), r"config\.json: hidden_size 48 differs from the target's 32"),
     "vocab_size_differs": (
-        dict(with_embeddings=False), None, None, dict(vocab_size=64), r"vocab_size 64 differs from the target's 48"),
+        dict(with_embeddings=False), None, None, dict(vocab_size=64), r"config\.json: vocab_size 64 differs from the target's 48"),
     "embeddings_copy_from_another_target": (
         dict(), None, None, dict(hidden_size=48), r"embed_tokens\.weight.*differs from the target"),
     "target_layer_is_last": (
-        dict(target_layer_ids=(0, 2)), None, None, None, r"target_layer_ids.*layer id 2 is the target's last layer"),
+        dict(target_layer_ids=(0, 2)), None, None, None, r"config\.json: target_layer_ids.*layer id 2 is the target's last layer"),
     "target_layer_out_of_range": (
-        dict(target_layer_ids=(0, 7)), None, None, None, r"target_layer_ids.*layer id 7 is outside"),
+        dict(target_layer_ids=(0, 7)), None, None, None, r"config\.json: target_layer_ids.*layer id 7 is outside"),
     "target_layer_negative": (
         dict(target_layer_ids=(-2, 0)), None, None, None, r"target_layer_ids.*layer id -2 is outside"),
     "embed_copy_differs": (

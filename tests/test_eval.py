@@ -432,10 +432,16 @@ def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
 
 
 @pytest.mark.parametrize("case", ["missing-data-dir", "unknown-dataset", "none-present",
-                                  "bad-split", "plot-without-head", "too-long"])
+                                  "bad-split", "plot-without-head", "too-long", "tree-without-drafter",
+                                  "filter-at-greedy", "split-without-drafter", "bins-with-a-tree-curve",
+                                  "empty-dataset-name", "missing-calibration", "prompt-fills-context"])
 def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
     base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
             "--max-new-tokens", 8, "--no-progress", "--out", tmp_path / "r.json"]
+    no_drafter = base[:2] + base[4:]
+    long = tmp_path / "long"  # a prompt longer than the target's 256 positions, and no budget given
+    write_dataset(long, "gsm8k", [])
+    (long / "gsm8k.jsonl").write_text(json.dumps({"prompt_ids": [1] * 300}) + "\n")
     args, want = {
         "missing-data-dir": (base[:5] + [tmp_path / "nope"] + base[6:], "nope"),
         "unknown-dataset": (base[:7] + ["gsm8k,nosuchset"] + base[8:], "nosuchset"),
@@ -443,6 +449,15 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
         "bad-split": (base + ["--calibration-split", 1.5], "--calibration-split"),
         "plot-without-head": (base[:2] + base[4:] + ["--calibration-plot", tmp_path / "p.png"], "confidence head"),
         "too-long": (base[:9] + [10_000] + base[10:], "max-new-tokens"),
+        "tree-without-drafter": (no_drafter + ["--tree-budget", 4], "--tree-budget 4: a tree is drafted by a --drafter"),
+        "filter-at-greedy": (base + ["--temperature", 0, "--top-k", 5], "--top-k 5: a sampling filter"),
+        "split-without-drafter": (no_drafter + ["--calibration-split", 0.3], "--calibration-split 0.3: shapes the"),
+        "bins-with-a-tree-curve": (base + ["--tree-budget", 4, "--ece-bins", 5], "--ece-bins 5: shapes the"),
+        "empty-dataset-name": (base[:7] + ["gsm8k,"] + base[8:], "an empty name between commas"),
+        "missing-calibration": (base + ["--calibration", tmp_path / "nope.json"],
+                                f"--calibration {tmp_path / 'nope.json'}: calibration file not found"),
+        "prompt-fills-context": (base[:5] + [long] + base[6:8] + base[10:],
+                                 "gsm8k.jsonl:1: 300 tokens fill the target's context of 256"),
     }[case]
     rc = ev.main([str(a) for a in args])
     err = capsys.readouterr().err
@@ -450,6 +465,20 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
     lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and want in lines[0], err
     assert "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_calibration_tuning_without_a_confidence_head_is_refused(tmp_path, capsys):
+    """--ece-bins shapes the report of a confidence head: refused once the drafter is seen to have none
+    (the demo's Eagle3 drafter), before any decoding."""
+    demo = REPO_ROOT / "demo"
+    args = ["--target", demo / "target", "--drafter", demo / "eagle3", "--data-dir", demo, "--datasets", "heldout",
+            "--max-samples", 1, "--max-new-tokens", 4, "--no-progress", "--out", tmp_path / "r.json",
+            "--ece-bins", 5]
+    rc = ev.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: --ece-bins 5: shapes the calibration report of a confidence head, and --drafter {demo / 'eagle3'}")
     assert not (tmp_path / "r.json").exists()
 
 
