@@ -22,6 +22,7 @@ from support.cli import (
     MIN_TEMPERATURE,
     UserError,
     first_line,
+    free_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -629,6 +630,16 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
 def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ModelArgs(**PRESETS[preset]))
+    weights = sum(p.numel() for p in model.parameters())
+    if model.args.tie_word_embeddings:
+        weights -= model.lm_head.weight.numel()  # one matrix, shared
+    need = weights * dtype.itemsize
+    free = free_memory(device)
+    if free and need > 0.9 * free:
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise UserError(f"--random-init {preset}: its target's weights need {need / 2**30:.1f} GiB in "
+                        f"{dtype_name}; {free / 2**30:.1f} GiB are free on {device}: "
+                        f"choose a smaller preset or a narrower --dtype")
     model = model.to(dtype).to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

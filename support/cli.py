@@ -384,9 +384,20 @@ def device_name(device) -> str:
 
 
 def free_memory(device) -> int:
-    """Bytes still free on `device` (0: unknown, no check)."""
-    if str(device).startswith("cuda"):
+    """Bytes still free on `device` (0: unknown, no check; "meta" holds nothing). On a CPU, what Linux
+    says is available: free pages and the page cache it can reclaim (the free pages alone, where it
+    does not say)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]
+    if kind != "cpu":
+        return 0
+    with contextlib.suppress(ValueError, OSError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    kib = int(line.split()[1])
+                    return kib * 1024
     with contextlib.suppress(ValueError, OSError, AttributeError):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return 0

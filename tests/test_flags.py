@@ -5,15 +5,17 @@ says why (eval.py: the authors' protocol; bench.py: it times compiled rounds).""
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import fields
 
 import pytest
+import torch
 import tyro
 
 import eval as ev
 import speculate
 from support import flags
-from support.cli import UserError, flat_fields, from_flat
+from support.cli import UserError, flat_fields, free_memory, from_flat
 
 
 def test_the_command_line_and_the_api_agree_on_every_default():
@@ -109,3 +111,23 @@ def test_the_api_refuses_what_only_the_api_can_give():
     s = flags.check_settings(speculate.Settings(draft_length=3), "cpu")
     with pytest.raises(UserError, match="only an Eagle3 drafter's chain length is chosen; there is no --drafter"):
         flags.check_drafter_settings(s, None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
+def test_free_memory_on_a_cpu_is_what_linux_says_is_available():
+    """The memory checks compare against MemAvailable (free pages and the page cache Linux can reclaim),
+    not the free pages alone, which a large page cache shrinks far below what a run can take."""
+    with open("/proc/meminfo") as f:
+        lines = [line for line in f if line.startswith("MemAvailable:")]
+    available = int(lines[0].split()[1]) * 1024
+    assert abs(free_memory("cpu") - available) < 0.05 * available
+
+
+def test_a_random_preset_larger_than_free_memory_is_refused(monkeypatch):
+    """--random-init's weights are counted before they are allocated: one line, not an allocator traceback."""
+    from support import checkpoint
+
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: 2**30)
+    with pytest.raises(UserError, match=r"^--random-init qwen3-4b: its target's weights need [\d.]+ GiB in "
+                                        r"float32; 1\.0 GiB are free on cpu"):
+        checkpoint.random_target("qwen3-4b", "cpu", torch.float32)
