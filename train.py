@@ -37,10 +37,12 @@ from support.checkpoint import (
     load_target,
     published,
     resolve_checkpoint,
+    target_args,
     weight_files,
 )
 from support.cli import (
     MAX_BLOCK,
+    AutoBool,
     UserError,
     check_ranges,
     device_name,
@@ -98,10 +100,11 @@ class Args(TrainArgs):
     """DSpark: r of the Markov head (W1: [V, r], W2: r -> V)."""
     confidence: bool = True
     """DSpark: train a confidence head."""
-    confidence_with_markov: bool = True
-    """DSpark: the confidence head also reads W1[x_{k-1}] (needs a Markov head)."""
+    confidence_with_markov: AutoBool = None
+    """DSpark: the confidence head also reads W1[x_{k-1}] (needs a Markov head). None (left out): on."""
     anchors_per_seq: int = 512
-    """DSpark: blocks per sequence (DeepSpec: 512), at most --seq-len - 1 (chat data: anchors in a response)."""
+    """DSpark: blocks per sequence (DeepSpec: 512), at most --seq-len - 1 (the default: cut to it; chat
+    data: anchors in a response)."""
     pack: bool = True
     """Chat data: pack conversations into rows (best fit); --no-pack: one a row, as DeepSpec trains."""
     gamma: float = 4.0
@@ -477,12 +480,12 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
         last = t.vocab_size - 1
         raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{last})")
     markov = None if args.markov == "none" else args.markov
-    if args.confidence and args.confidence_with_markov and markov is None:
+    with_markov = args.confidence and args.confidence_with_markov is not False  # None: on
+    if with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                         "add --no-confidence-with-markov")
     layers = replace(t, num_hidden_layers=args.depth, eos_token_ids=(), tie_word_embeddings=False)
     rank = args.markov_rank if markov else 0
-    with_markov = args.confidence and args.confidence_with_markov and markov is not None
     return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, rank,
                          args.confidence, with_markov, L)
 
@@ -888,7 +891,7 @@ def check_unused_flags(args: Args):
         (DSPARK_ONLY, eagle3, "--drafter-kind eagle3 (a DSpark drafter's flag)"),
         (EAGLE3_ONLY, not eagle3, "--drafter-kind dspark (an Eagle3 drafter's flag)"),
         (("markov_rank",), args.markov == "none", "--markov none"),
-        (("alpha_conf",), not args.confidence, "--no-confidence"),
+        (("alpha_conf", "confidence_with_markov"), not args.confidence, "--no-confidence"),
         (eval_flags, not args.eval_every, "no --eval-every"),
     ])
 
@@ -928,13 +931,27 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
 
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history."""
+    given = args  # check_unused_flags tells a flag left out (None) from one given
+    args = replace(args, confidence_with_markov=args.confidence_with_markov is not False)
     check_train_args(args, block_size=f"[1, {MAX_BLOCK}]", depth="[1, 1024]", markov_rank="[1, 65536]",
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]",
                      alpha_tv="[0, 1e6]", alpha_conf="[0, 1e6]", ttt_length=f"[1, {MAX_BLOCK}]",
                      step_loss_decay="(0, 1e3]")
     check_eval_args(args)
-    check_unused_flags(args)
+    check_unused_flags(given)
     eagle3 = args.drafter_kind == "eagle3"
+    T = args.seq_len
+    # the default (DeepSpec's 512) is cut to a shorter --seq-len; a value given must fit
+    if args.anchors_per_seq != Args.anchors_per_seq and args.anchors_per_seq >= T:
+        raise UserError(f"--anchors-per-seq {args.anchors_per_seq}: a --seq-len {T} sequence has "
+                        f"at most {T - 1} anchors (--seq-len - 1)")
+    weights = [args.alpha_ce, args.alpha_tv]
+    named = "--alpha-ce, --alpha-tv (--no-confidence)"
+    if args.confidence:
+        weights.append(args.alpha_conf)
+        named = "--alpha-ce, --alpha-tv, --alpha-conf"
+    if not any(weights):
+        raise UserError(f"{named}: every loss weight is 0, so nothing would be trained")
     if eagle3 and args.ttt_length >= args.seq_len:  # step j predicts position i + j + 1 of a sequence
         raise UserError(f"--ttt-length {args.ttt_length}: the chain unrolls within each --seq-len "
                         f"{args.seq_len} sequence, so at most {args.seq_len - 1} steps")
@@ -944,6 +961,14 @@ def run(args: Args) -> dict:
     target = resolve_checkpoint(args.target, "--target")
     args = replace(args, target=target)
     check_out_dir(args, inputs=[args.target])
+    problem = directory_problem(target, "target directory")
+    if problem:
+        raise UserError(f"--target {target}: {problem}")
+    config = os.path.join(target, "config.json")
+    context = target_args(read_json(config), config).max_position_embeddings
+    if T > context:
+        raise UserError(f"--seq-len {T}: longer than the context of --target {target} "
+                        f"(max_position_embeddings {context})")
     with runlog.logged_run(args, "train", "train.py", enabled=rank0()) as log:
         return train_drafter(args, log)
 

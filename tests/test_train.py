@@ -833,7 +833,12 @@ def test_train_target_refuses_bad_or_unused_flags_before_any_work(tmp_path, monk
 
 
 @pytest.mark.parametrize("flags,named", [(["--markov", "none", "--no-confidence", "--markov-rank", 64], "--markov-rank"),
-                                         (["--no-confidence", "--alpha-conf", 0.5], "--alpha-conf")])
+                                         (["--no-confidence", "--alpha-conf", 0.5], "--alpha-conf"),
+                                         # the default's value, given: refused as well
+                                         (["--no-confidence", "--confidence-with-markov"],
+                                          "--confidence-with-markov"),
+                                         (["--no-confidence", "--no-confidence-with-markov"],
+                                          "--no-confidence-with-markov")])
 def test_a_flag_the_drafter_has_no_use_for_is_refused(tiny_target, tmp_path, flags, named):
     """A head's flag given for a drafter without that head would train the very same drafter (a sweep over it
     would compare identical runs): refused, as --log-every without --wandb is."""
@@ -843,3 +848,49 @@ def test_a_flag_the_drafter_has_no_use_for_is_refused(tiny_target, tmp_path, fla
     assert rc == 2 and err.startswith(f"error: {named}") and "changes nothing with" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flags,line", [
+    # each used to train, exit 0: 63 anchors instead, a loss of 0, positions past the target's context
+    (["--seq-len", 64, "--anchors-per-seq", 1000],
+     "--anchors-per-seq 1000: a --seq-len 64 sequence has at most 63 anchors (--seq-len - 1)"),
+    (["--seq-len", 24, "--anchors-per-seq", 24],
+     "--anchors-per-seq 24: a --seq-len 24 sequence has at most 23 anchors (--seq-len - 1)"),
+    (["--alpha-ce", 0, "--alpha-tv", 0, "--alpha-conf", 0],
+     "--alpha-ce, --alpha-tv, --alpha-conf: every loss weight is 0, so nothing would be trained"),
+    (["--no-confidence", "--alpha-ce", 0, "--alpha-tv", 0],
+     "--alpha-ce, --alpha-tv (--no-confidence): every loss weight is 0, so nothing would be trained"),
+    (["--seq-len", 17],
+     "--seq-len 17: longer than the context of --target {target} (max_position_embeddings 16)"),
+])
+def test_a_run_that_could_not_train_as_asked_is_refused(tiny_target, tmp_path, flags, line):
+    """Flags that the run would have clamped, ignored or run past the target's context: one line naming them,
+    exit 2, before any work (the target's context read from the config.json of a copy that says 16)."""
+    from conftest import copy_target, edit_json
+
+    target = copy_target(tiny_target.path, tmp_path / "t16")
+    edit_json(target / "config.json", lambda c: c.update(max_position_embeddings=16))
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 64, seed=1)
+    rc, _, err = run_train(["--target", target, "--data-ids", ids, "--out", tmp_path / "o", "--steps", 1,
+                            "--seq-len", 16, *SMALL[2:], *flags])
+    assert rc == 2 and err == f"error: {line.format(target=target)}\n", err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_run_trains_at_the_bounds_it_refuses_past(tiny_target, tmp_path):
+    """--anchors-per-seq --seq-len - 1, --seq-len the target's context (128) and one loss weight above 0
+    train; DeepSpec's default 512 anchors are cut to a shorter --seq-len; --confidence-with-markov left out
+    is on, saved as such, so a run saved with it (or before it could be left out) resumes."""
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 128, 64, seed=1)
+    base = ["--target", tiny_target.path, "--data-ids", ids, "--alpha-tv", 0, "--alpha-conf", 0, *SMALL[2:]]
+    rc, _, err = run_train([*base, "--out", tmp_path / "a", "--steps", 1, "--seq-len", 24,
+                            "--anchors-per-seq", 23])
+    assert rc == 0 and "sequences of 24 tokens, 23 anchors each" in err, err
+    run = [*base, "--out", tmp_path / "b", "--steps", 2, "--seq-len", 128]
+    rc, _, err = run_train([*run, "--stop-at", 1])
+    assert rc == 0 and "sequences of 128 tokens, 127 anchors each" in err, err
+    state = json.loads((tmp_path / "b" / "checkpoint-1" / "training_state.json").read_text())
+    assert state["args"]["confidence_with_markov"] is True
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["confidence_head_with_markov"] is True
+    rc, res, err = run_train([*run, "--resume", tmp_path / "b"])
+    assert rc == 0 and res["start"] == 1, err

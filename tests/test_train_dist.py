@@ -117,7 +117,7 @@ def test_a_missing_peer_times_out_with_a_message(tiny_target, tmp_path):
     ids = tmp_path / "ids.jsonl"
     ids.write_text(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n")  # the data is checked before the peers
     p = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "--target", str(tiny_target.path), "--data-ids",
-                        str(ids), "--out", str(tmp_path / "o"), "--dist-timeout", "2",
+                        str(ids), "--out", str(tmp_path / "o"), "--dist-timeout", "2", "--seq-len", "16",
                         "--device", "cpu"], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]  # torch's own C++ log lines may come first
