@@ -280,6 +280,10 @@ def checked_settings(args: Args, device) -> Settings:
         # the resume key write these settings as given
         if given and value is None:
             raise UserError(f"{flag(f.name)}: invalid value None")
+    if args.decode.temperature == 0:  # greedy: the authors' filters, where left as they are, do not apply
+        for name in ("top_k", "top_p", "min_p"):
+            if getattr(args.decode, name) == getattr(default, name):
+                setattr(args.decode, name, None)
     settings = flags.check_settings(args.decode, device)
     check_ranges(args, max_context="[2, inf)", chunk_size="[1, inf)", max_prompts="[1, inf)",
                  num_shards="[1, inf)", shard_index=f"[0, {args.num_shards - 1}]")
