@@ -3,6 +3,7 @@ Qwen3's format; code shipped with a checkpoint, so it renders in a box), prompts
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import string
@@ -449,6 +450,8 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
 # a prompts file's records, as errors name them
 RECORD_SHAPES = ('{"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} or '
                  '{"messages": [{"role": str, "content": str}, ...]}')
+KIND_SHAPES = {"prompt": "a string", "prompt_ids": "a list of integers",
+               "turns": "a non-empty list of strings"}
 
 
 def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
@@ -481,9 +484,13 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
             v = v[0]  # the first turn, as the authors' evaluation
         elif kind == "messages":
             v = read_messages(v, where)
+        elif kind is None:
+            keys = ", ".join(sorted(row)) or "none"
+            raise UserError(f"{where}: expected {RECORD_SHAPES} (this record's keys: {keys})")
         elif not (kind == "prompt" and isinstance(v, str)
                   or kind == "prompt_ids" and isinstance(v, list)):
-            raise UserError(f"{where}: expected {RECORD_SHAPES}")
+            got = json.dumps(v, ensure_ascii=False)[:80]
+            raise UserError(f"{where}: {kind!r} must be {KIND_SHAPES[kind]}, got {got}")
         out.append((where, v))
     if not out:
         raise UserError(f"{prompts_file}: no prompts")

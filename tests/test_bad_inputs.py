@@ -242,7 +242,7 @@ CASES = [
     ("prompts-list-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, "[1, 2]\n")]
      + S(w)[6:], "expected", False),
     ("prompts-empty-turns", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
-        t, '{"turns": []}\n')] + S(w)[6:], "expected", False),
+        t, '{"turns": []}\n')] + S(w)[6:], "'turns' must be a non-empty list of strings, got []", False),
     ("prompt-too-long", "speculate", lambda w, t: S(w)[:4] + ["--prompt", "hello " * 100000] + S(w)[6:],
      "longer than", False),
     ("prompt-ids-too-long", "speculate", lambda w, t: S(w)[:5] + [",".join(["5"] * 200)] + S(w)[6:],
@@ -501,7 +501,12 @@ CASES = [
      "p.jsonl:1: a record cannot set 'system'; that is the run's --system-prompt", False),
     ("prompt-record-tree-budget", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1], "tree_budget": 4}\n'),
      "p.jsonl:1: a record cannot set 'tree_budget'; that is the run's --tree-budget", False),
-    ("turns-later-not-text", "speculate", lambda w, t: M(w, t, '{"turns": ["hi", 5]}\n'), "p.jsonl:1: expected",
+    ("prompt-not-text", "speculate", lambda w, t: M(w, t, '{"prompt": 5}\n'),
+     "p.jsonl:1: 'prompt' must be a string, got 5", False),
+    ("record-without-a-prompt", "speculate", lambda w, t: M(w, t, '{"text": "hi", "id": 3}\n'),
+     "...]} (this record's keys: id, text)", False),
+    ("turns-later-not-text", "speculate", lambda w, t: M(w, t, '{"turns": ["hi", 5]}\n'),
+     "p.jsonl:1: 'turns' must be a non-empty list of strings, got [\"hi\", 5]",
      False),
     ("jsonl-not-utf8-by-line", "speculate", lambda w, t: M(w, t, b'{"prompt_ids": [1, 2]}\n' * 499
                                                           + b'{"prompt": "caf\xe9"}\n' + b'{"prompt_ids": [1]}\n' * 99),
@@ -619,7 +624,7 @@ CASES = [
     ("eval-calibration-no-rounds", "eval", lambda w, t: E(w)[:9] + ["1"] + E(w)[10:] + [
         "--calibration-out", t / "c.json"], "--max-new-tokens 1 ends every request", False),
     ("eval-turns-later-not-text", "eval", lambda w, t: E(w)[:5] + [data_dir(t, '{"turns": ["a", 5]}\n')] + E(w)[6:],
-     "gsm8k.jsonl:1: expected", False),
+     "gsm8k.jsonl:1: 'turns' must be a non-empty list of strings", False),
     ("eval-prompt-named-by-line", "eval", lambda w, t: E(w)[:5] + [data_dir(
         t, '{"turns": ["a"]}\n' * 3 + '{"prompt_ids": [99]}\n')] + E(w)[6:], "gsm8k.jsonl:4: token id 99", False),
     ("eval-datasets-twice", "eval", lambda w, t: E(w)[:7] + ["gsm8k,gsm8k"] + E(w)[8:], "named twice", True),
