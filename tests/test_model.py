@@ -365,7 +365,7 @@ def test_capture_is_checked_when_a_drafter_is_attached(tiny_target):
         checkpoint.attach(drafter, model)
     for bad, needle in ((2, "last layer"), (3, "outside"), (-2, "outside")):
         drafter.cfg = dataclasses.replace(drafter.cfg, target_layer_ids=(0, bad))
-        with pytest.raises(UserError, match=f"^drafter target_layer_ids: .*{needle}"):
+        with pytest.raises(UserError, match=f"^the drafter: target_layer_ids: .*{needle}"):
             checkpoint.attach(drafter, model)
 
 
