@@ -232,14 +232,19 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
 
 def peak_memory(device) -> float:
     """GiB: the CUDA allocator's peak, or on cpu the process's peak resident set, since the last
-    `reset_peak_memory`."""
+    `reset_peak_memory`. Linux updates the peak (VmHWM) only now and then, so the resident set now
+    (VmRSS) counts too."""
     if str(device).startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**30
     if os.path.exists("/proc/self/status"):
+        kib = {}
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):  # in kB
-                    return int(line.split()[1]) / 2**20
+                name, _, value = line.partition(":")
+                if name in ("VmHWM", "VmRSS"):  # in kB
+                    kib[name] = int(value.split()[0])
+        if kib:
+            return max(kib.values()) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
