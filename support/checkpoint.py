@@ -627,7 +627,9 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
     return module
 
 
-def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+def check_preset_memory(preset: str, device, dtype: torch.dtype, flag: str):
+    """A preset's target weights, counted on the meta device, must fit in what is free on `device`
+    (`flag` names the preset: --random-init, or bench.py's --model)."""
     with torch.device("meta"):
         model = Transformer(ModelArgs(**PRESETS[preset]))
     weights = sum(p.numel() for p in model.parameters())
@@ -637,9 +639,14 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
     free = free_memory(device)
     if free and need > 0.9 * free:
         dtype_name = str(dtype).removeprefix("torch.")
-        raise UserError(f"--random-init {preset}: its target's weights need {need / 2**30:.1f} GiB in "
+        raise UserError(f"{flag} {preset}: its target's weights need {need / 2**30:.1f} GiB in "
                         f"{dtype_name}; {free / 2**30:.1f} GiB are free on {device}: "
                         f"choose a smaller preset or a narrower --dtype")
+
+
+def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**PRESETS[preset]))
     model = model.to(dtype).to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -743,6 +750,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     generation = None
     generation_source = None
     if random_init is not None:
+        check_preset_memory(random_init, device, dt, "--random-init")
         t = random_target(random_init, device, dt, seed)
         d = random_drafter(t)
         stop_ids = ()

@@ -9,7 +9,6 @@ import os
 from dataclasses import fields
 
 import pytest
-import torch
 import tyro
 
 import eval as ev
@@ -130,4 +129,4 @@ def test_a_random_preset_larger_than_free_memory_is_refused(monkeypatch):
     monkeypatch.setattr(checkpoint, "free_memory", lambda device: 2**30)
     with pytest.raises(UserError, match=r"^--random-init qwen3-4b: its target's weights need [\d.]+ GiB in "
                                         r"float32; 1\.0 GiB are free on cpu"):
-        checkpoint.random_target("qwen3-4b", "cpu", torch.float32)
+        checkpoint.load_models(None, random_init="qwen3-4b", device="cpu", dtype="float32")
