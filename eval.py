@@ -196,11 +196,6 @@ def check_flags(args: EvalArgs) -> Settings:
     if args.target is None:
         raise UserError(f"--drafter {args.drafter[0]}: "
                         "needs --target, the target it was trained for")
-    if s.scheduler != "none" and not args.drafter:
-        flag = f"--scheduler {s.scheduler}:"
-        if s.confidence_threshold > 0:
-            flag = "--confidence-threshold"
-        raise UserError(f"{flag} needs a --drafter with a confidence head")
     if not args.drafter:
         flags.check_no_drafter(args)
     several = len(args.drafter) > 1 or s.tree_budget > 0
