@@ -156,13 +156,20 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     # pass reads past its anchor is one that pass writes first.
     if drafter is not None:
         commit_drafter(drafter, features, positions, drafts, accepted, next_token)
-    rows = torch.arange(B, device=device)
-    committed_logit = logits[rows, accepted, next_token]  # [B]
-    finite = torch.isfinite(committed_logit)
+    read = torch.minimum(steps, accepted[:, None])  # rows 0 .. n: the accepted drafts', the bonus's
+    finite = finite_rows(logits, read)
     record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
     next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
     return record, next_anchor, next_pos
+
+
+def finite_rows(logits, read) -> torch.Tensor:
+    """[B]: whether every logit is finite in the rows `read` [B, R] of logits [B, T, V], those the
+    accepted drafts were tested against and the committed token came from. One NaN makes a sampled
+    row's softmax all NaN, whichever token the race then returns."""
+    row_finite = torch.isfinite(logits).all(dim=-1)  # [B, T]
+    return row_finite.gather(1, read).all(dim=1)
 
 
 def commit_drafter(drafter, features, positions, drafts, accepted, next_token):
@@ -217,9 +224,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
     path_features = features[rows[:, None], path]
     commit_drafter(drafter, path_features, path_positions, path_tokens[:, 1:], accepted, next_token)
-    last = path[rows, accepted]  # the last accepted node
-    committed_logit = logits[rows, last, next_token]  # [B]
-    finite = torch.isfinite(committed_logit)
+    finite = finite_rows(logits, path)  # the accepted nodes', then the last one's again
     nodes = tree.tokens[:, 1:]
     parents = tree.parents[:, 1:]
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
@@ -235,7 +240,7 @@ class RoundRecord(NamedTuple):
     verified: int                      # drafts sent to the target (a tree: its nodes)
     accepted: int
     bonus: int                         # the token committed after the accepted drafts
-    finite: bool                       # the committed token's logit was finite
+    finite: bool                       # the logits the round's tokens came from were finite
     confidence: Optional[list[float]]
     parents: Optional[list[int]] = None  # a tree's nodes' parents (0: the root; -1: unreached)
     path: Optional[list[int]] = None     # a tree's accepted nodes, the first `accepted` of these

@@ -496,8 +496,8 @@ def test_verify_sampled_predrawn_noise_matches_race_over_residual():
 
 
 def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
-    """The round checks one value per row on the device — the committed token's logit — and the engine
-    turns a NaN or Inf there into a UserError naming the request and the round."""
+    """The round checks on the device the logits its tokens came from, and the engine turns a NaN or
+    Inf there into a UserError naming the request and the round."""
     import speculate
     from support.checkpoint import random_target
 
@@ -513,3 +513,36 @@ def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
     assert not any(r.finite for r in speculate.unpack(record, engine.widths))
     with pytest.raises(speculate.UserError, match="request 0, the prefill: the logits are not finite"):
         engine.generate([speculate.Request(0, [1, 2])], 4)
+
+
+@pytest.mark.parametrize("drafts", ["none", "chain", "tree"])
+def test_one_nan_logit_in_a_sampled_round_is_caught(drafts):
+    """Sampled, one NaN in the vocabulary makes the row's softmax all NaN and the race still returns a
+    token, whose own logit may be finite: the record checks every logit of the rows it read."""
+    import speculate
+
+    m = speculate.load()  # the demo pair
+    target = m.target
+    drafter = None
+    if drafts != "none":
+        drafter = m.drafter
+    tree_budget = 0
+    if drafts == "tree":
+        tree_budget = 4
+    with torch.no_grad():  # the demo ties the head to the embedding: untie it, then spoil one token
+        target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.clone())
+    engine = speculate.Engine(target, drafter, batch_size=2, max_seq=32, temperature=1.0,
+                              tree_budget=tree_budget)
+    B = 2
+    anchor = torch.full((B,), 5, dtype=torch.long)
+    anchor_pos = torch.zeros(B, dtype=torch.long)
+    active = torch.ones(B, dtype=torch.bool)
+    noise = sampling.round_noise(gen(0), B, engine.noise_shape, torch.device("cpu"))
+    record, _, _ = engine.round(anchor, anchor_pos, active, noise)
+    assert all(r.finite for r in speculate.unpack(record, engine.widths))
+    with torch.no_grad():
+        target.lm_head.weight[7] = float("nan")
+    record, _, _ = engine.round(anchor, anchor_pos, active, noise)
+    rows = speculate.unpack(record, engine.widths)
+    assert not any(r.finite for r in rows)
+    assert all(r.bonus != 7 for r in rows)  # the race did not pick the NaN token: only the row test sees it
