@@ -3,8 +3,8 @@ by the same engine (the baseline).
 
     python speculate.py --target DIR --drafter DIR --prompt "..." --max-new-tokens 128
 
-Read top to bottom: the decode settings; one round (`draft`, then `verify`: one target pass, the
-acceptance rule, the commit); the engine that runs rounds for a batch of requests; the Python API
+Read top to bottom: one round (`draft`, then `verify`: one target pass, the acceptance rule, the
+commit); the engine that runs rounds for a batch of requests; the Python API
 (`load`, `generate`, and `decode`, the driver the command line uses too); the command line (`main`)."""
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
 
 
-# One round, in static shapes (what torch.compile captures)
+# One round, in static shapes (what torch.compile captures):
+#   1. Draft: K tokens after each row's anchor, a chain or a tree (`draft`)
+#   2. Schedule: how many drafts each row sends the target (`draft`)
+#   3. Verify: one target pass over the anchor and the drafts, capturing features (`verify`)
+#   4. Accept: the longest prefix the rejection rule keeps, then one token of the target's own
+#   5. Commit: the target's features into the drafter's context; the next anchors
 
 class Proposal(NamedTuple):
     drafts: torch.Tensor                # [B, K] x_1 .. x_K (a tree's nodes after the root)
@@ -59,27 +64,27 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     if drafter is None:
         no_drafts = anchor.new_zeros((B, 0))
         none_verified = anchor.new_zeros((B,))
-        return Proposal(no_drafts, None, None, none_verified)
+        return Proposal(drafts=no_drafts, q=None, confidence=None, verify_len=none_verified)
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
         K = num_drafts
         drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, K, temperature,
                                           generator=None, noise=noise, filters=filters)
         verify_len = torch.full((B,), K, dtype=torch.long, device=device)
-        return Proposal(drafts, q, None, verify_len)
+        return Proposal(drafts=drafts, q=q, confidence=None, verify_len=verify_len)
     # 1. Draft: the block in one parallel pass, the Markov chain left to right, the confidences.
     hidden, base_logits = drafter(anchor, anchor_pos)  # [B, K, H], [B, K, V]
     markov = drafter.markov_head
     if tree_budget:  # ... or the tree of the block's most likely continuations, verified whole
         N = tree_budget
-        survival = None  # sampled, the confidence head shapes the tree where there is one
+        survival = None  # the children ranked at tree_temperature, unless ...
         if temperature > 0 and drafter.confidence_head is not None:
-            survival = functools.partial(tree_survival, drafter, hidden)
+            survival = functools.partial(tree_survival, drafter, hidden)  # ... the head shapes it
         tree = sampling.build_tree(base_logits, hidden, anchor, markov, N, tree_temperature,
                                    temperature=temperature, filters=filters, noise=noise,
                                    survival=survival)
         nodes = tree.tokens[:, 1:]  # [B, N] every node after the root
         every_node = torch.full((B,), N, dtype=torch.long, device=device)
-        return Proposal(nodes, None, None, every_node, tree)
+        return Proposal(drafts=nodes, q=None, confidence=None, verify_len=every_node, tree=tree)
     if backend == "triton":
         chain = kernels.markov_chain
     else:
@@ -91,7 +96,7 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     confidence = drafter.confidence(hidden, previous)
     # 2. Schedule: how many drafts each row sends to the target.
     verify_len = schedule(confidence, active, capacity)
-    return Proposal(drafts, q, confidence, verify_len)
+    return Proposal(drafts=drafts, q=q, confidence=confidence, verify_len=verify_len)
 
 
 def tree_survival(drafter, hidden, depth: int, parents) -> torch.Tensor:
@@ -111,23 +116,23 @@ def tokens_sent(verify_len, active) -> torch.Tensor:
 
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
            filters, u, bonus_noise, backend, num_tokens: Optional[int] = None):
-    """Steps 3-5: one target pass over [x_0 .. x_ℓ] with capture, acceptance, commit. num_tokens
-    None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
+    """Steps 3-5: one target pass over each row's anchor and drafts with capture, acceptance, commit.
+    num_tokens None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
     (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
     positions."""
     drafts, q, confidence, verify_len, tree = proposal
     B, K = drafts.shape
     device = anchor.device
-    capture = ()  # the target layers whose features the drafter reads
-    if drafter is not None:
-        capture = drafter.cfg.target_layer_ids
     attention = None
     if backend == "triton":
         attention = kernels.cached_attention
     if tree is not None:
         return verify_tree(target, drafter, anchor, anchor_pos, active, tree,
-                           temperature=temperature, filters=filters, u=u, noise=bonus_noise,
+                           temperature=temperature, filters=filters, u=u, bonus_noise=bonus_noise,
                            attention=attention)
+    capture = ()  # the target layers whose features the drafter reads
+    if drafter is not None:
+        capture = drafter.cfg.target_layer_ids
     # 3. Verify: the target scores the anchor and every draft in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
     steps = torch.arange(K + 1, device=device)
@@ -180,7 +185,7 @@ def commit_drafter(drafter, features, positions, drafts, accepted, next_token):
     steps = torch.arange(ahead.shape[1], device=ahead.device)
     kept = steps < accepted[:, None]
     following = torch.where(kept, ahead, bonus)
-    drafter.commit_context(features, positions, following, accepted)
+    drafter.commit_context(features, positions, following, last=accepted)
 
 
 def advance(active, anchor, anchor_pos, accepted, next_token):
@@ -192,12 +197,12 @@ def advance(active, anchor, anchor_pos, accepted, next_token):
 
 
 def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature,
-                filters, u, noise, attention):
+                filters, u, bonus_noise, attention):
     """Steps 3-5 for draft trees: one target pass scores every node (each sees the context and its own
     ancestors, at the position of its depth); the target's token at every node (its argmax, or
     multi-draft rejection sampling over the node's sampled children), and the walk follows the child
     holding it from the root; the accepted path's K/V move to consecutive positions. u [B, N+1, N]
-    and noise Exp(1) [B, V]: `choose_at_nodes`' (None at T=0)."""
+    and bonus_noise Exp(1) [B, V]: `choose_at_nodes`' (None at T=0)."""
     B = tree.tokens.shape[0]
     depth = drafter.cfg.num_drafts
     device = anchor.device
@@ -214,7 +219,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
         chosen = torch.argmax(logits, dim=-1)  # [B, N+1] the target's own
     else:
         p = sampling.probs(logits, temperature, filters)  # [B, N+1, V]
-        chosen = sampling.choose_at_nodes(tree, p, u, noise)
+        chosen = sampling.choose_at_nodes(tree, p, u, bonus_noise)
     path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
     # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
     steps = torch.arange(depth + 1, device=device)
@@ -237,7 +242,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
 class RoundRecord(NamedTuple):
     """One row of a round's record (`record_widths`)."""
     drafts: list[int]                  # a chain's drafts, or a tree's nodes after the root
-    verified: int                      # drafts sent to the target (a tree: its nodes)
+    verified: int                      # drafts sent to the target (a tree: the nodes its search reached)
     accepted: int
     bonus: int                         # the token committed after the accepted drafts
     finite: bool                       # the logits the round's tokens came from were finite
@@ -247,8 +252,8 @@ class RoundRecord(NamedTuple):
 
 
 def record_widths(drafts: int, confidence: bool, tree_depth: int = 0) -> dict:
-    """The round record's columns in order, and their widths: the one place its layout is
-    written. `pack_record` fills it on the device (the round's one transfer to the host),
+    """The round record's columns and their widths, in RoundRecord's field order: the one place its
+    layout is written. `pack_record` fills it on the device (the round's one transfer to the host),
     `unpack` reads it."""
     widths = {"drafts": drafts, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
     widths["confidence"] = 0
@@ -287,7 +292,7 @@ def unpack(record: torch.Tensor, widths: dict) -> list[RoundRecord]:
         for name in ("verified", "accepted", "bonus"):
             values[name] = int(values[name][0])
         values["finite"] = bool(values["finite"][0])
-        values["confidence"] = values["confidence"] or None
+        values["confidence"] = values["confidence"] or None  # width 0: no confidence head
         rows.append(RoundRecord(**values))
     return rows
 
@@ -517,7 +522,9 @@ class Engine:
 
     def round(self, anchor, anchor_pos, active, noise: Optional[sampling.Noise], verify_len=None,
               plan=None):
-        """One round for every row. verify_len [B] (profiling): exactly these drafts; plan: async's."""
+        """The device half of a round for every row: draft, the host's read of the verify size where
+        scheduled, verify. verify_len [B] (profiling): exactly these drafts; plan: async's. Returns
+        `verify`'s record, next anchors and positions."""
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
         if noise is None:  # greedy
@@ -536,10 +543,10 @@ class Engine:
         if verify_len is not None:
             proposal = proposal._replace(verify_len=verify_len)
         if self.ragged and plan is None:  # the host read between the halves
-            n = int(tokens_sent(proposal.verify_len, active).sum())
-            num_tokens = self.scheduler.bucket(n)
+            sent = int(tokens_sent(proposal.verify_len, active).sum())
+            num_tokens = self.scheduler.bucket(sent)
             if verify_len is not None:  # profiling: exactly this size
-                num_tokens = n
+                num_tokens = sent
         return self.verify_fn(self.target, self.drafter, anchor, anchor_pos, active, proposal,
                               temperature=self.temperature, filters=self.filters, u=noise.u,
                               bonus_noise=noise.bonus, backend=self.backend, num_tokens=num_tokens)
@@ -611,7 +618,7 @@ class Engine:
                 req.started = t0
                 if token < 0:
                     raise NonFinite(req.index, "the prefill")
-                self._commit(req, [token], max_new_tokens)
+                self.append_output(req, [token], max_new_tokens)
                 if req.finish_reason is None:
                     rows.requests[i] = req
                 else:
@@ -619,7 +626,8 @@ class Engine:
             self.prefill_seconds += time.perf_counter() - t0
 
     def step(self, rows: "Rows", max_new_tokens: int, on_round, on_finish):
-        """One round for every row, its record read once, each request's tokens committed."""
+        """One round of the engine: each row's noise, `round`, its record read once on the host, each
+        request's new tokens appended to its output."""
         active = rows.active()
         noise = None
         if self.temperature > 0:
@@ -652,7 +660,7 @@ class Engine:
                 entry.update(plan.trace())
             req.rounds.append(entry)
             committed = metrics.accepted_tokens(entry) + [rec.bonus]
-            self._commit(req, committed, max_new_tokens)
+            self.append_output(req, committed, max_new_tokens)
             if on_round is not None:
                 on_round(req, entry)
             if req.finish_reason is not None:
@@ -665,7 +673,7 @@ class Engine:
         if on_finish is not None:
             on_finish(req)
 
-    def _commit(self, req: Request, tokens: list[int], budget: int):
+    def append_output(self, req: Request, tokens: list[int], budget: int):
         """Append up to the budget and the first stop token; a stop string cuts after its last token."""
         before = len(req.output_ids)
         for t in tokens:
@@ -705,8 +713,8 @@ class Engine:
             verify_len = (counts - 1).clamp(min=0)
             if self.scheduler.kind == "async":
                 plan = self.scheduler.fixed(num_tokens)
-        record = self.round(zeros, anchor_pos, active, noise, verify_len=verify_len, plan=plan)[0]
-        return record.tolist()
+        record, _, _ = self.round(zeros, anchor_pos, active, noise, verify_len=verify_len, plan=plan)
+        return record.tolist()  # the host's read: waits for the round
 
     def warmup(self):
         """Compile every graph a round can call before anything is timed."""
@@ -765,12 +773,11 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
 
 def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                 max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
-    """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq` rows),
+    """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq`
+    positions a row),
     compiled and warmed up when asked, its SPS table read or profiled."""
     size = size_engine(m, drafter, prompts, s, max_seq)
-    kind = "none"  # nothing to schedule without a drafter
-    if drafter is not None:
-        kind = s.scheduler
+    kind = flags.scheduler_kind(s, drafter)
     drawn = flags.sampling_for(m, s)
     stop_ids = () if s.ignore_eos else m.stop_ids
     stop_strings = StopStrings.build(m.tokenizer, s.stop)
@@ -818,7 +825,7 @@ def completion(req: Request, m: Models, engine: Engine) -> Completion:
         text = m.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         if engine.stop_strings:
             text = engine.stop_strings.cut(text)
-    counts = metrics.count([req], 0, engine.stop_ids)
+    counts = metrics.count([req], K=0, stop_ids=engine.stop_ids)  # K=0: no per-position counts
     tau = metrics.acceptance_length(counts)
     return Completion(request=req.index, prompt=req.prompt, sample=req.sample, text=text,
                       output_ids=list(req.output_ids), finish_reason=req.finish_reason,
@@ -892,20 +899,21 @@ def run(args: Args) -> dict:
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)
         engine = make_engine(m, m.drafter, prompts, s)
-        if demo:  # the baseline first: the same engine without the drafter, as many cache rows
+        if demo:  # the baseline first: the same engine without the drafter, as long cache rows
             report.show_prompt()
-            # tree_budget and draft_length: what a drafter alone decides
-            chain_only = replace(s, tree_budget=0, draft_length=None)
-            plain = make_engine(m, None, prompts, chain_only, max_seq=engine.max_seq)
+            # without the settings only a drafter reads (check_drafter_settings)
+            no_drafter = replace(s, tree_budget=0, draft_length=None)
+            plain = make_engine(m, None, prompts, no_drafter, max_seq=engine.max_seq)
             with report.decoding(plain, "autoregressive", files=False) as baseline:
                 decode(m, prompts, s, plain, on_round=baseline.on_round, on_finish=baseline.on_finish,
                        on_step=baseline.on_step)
         heading = "speculative" if demo else None
-        with report.decoding(engine, heading, announce=not demo) as run:
-            decode(m, prompts, s, engine, on_round=run.on_round, on_finish=run.on_finish, on_step=run.on_step)
+        with report.decoding(engine, heading, announce=not demo) as speculative:
+            decode(m, prompts, s, engine, on_round=speculative.on_round, on_finish=speculative.on_finish,
+                   on_step=speculative.on_step)
         if demo:
-            report.speed_up(baseline, run)
-        return dict(run.summary, outputs=[c.output_ids for c in run.done])
+            report.speed_up(baseline, speculative)
+        return dict(speculative.summary, outputs=[c.output_ids for c in speculative.done])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -425,11 +425,16 @@ def drafter_settings(args) -> list[tuple[str, str]]:
     return [(flag_value, what) for given, flag_value, what in settings if given]
 
 
+def scheduler_kind(s, drafter) -> str:
+    """The scheduler a run uses: --scheduler's, or "none" without a drafter (nothing to schedule)."""
+    if drafter is None:
+        return "none"
+    return s.scheduler
+
+
 def check_drafter_settings(s, drafter):
     """The settings that need a drafter of some kind, against the one loaded (None: autoregressive)."""
-    kind = "none"  # nothing to schedule without a drafter
-    if drafter is not None:
-        kind = s.scheduler
+    kind = scheduler_kind(s, drafter)
     if kind != "none" and drafter.confidence_head is None:
         name = f"--scheduler {kind}:"
         if s.confidence_threshold > 0:
