@@ -103,7 +103,8 @@ class GatedMarkov(VanillaMarkov):
 
     def step(self, h, prev, state):
         e = self.markov_w1(prev)
-        g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
+        gate_input = torch.cat([h, e], dim=-1)
+        g = torch.sigmoid(self.gate_proj(gate_input))
         return self.markov_w2(g * e), state
 
 
@@ -151,7 +152,7 @@ class DrafterBase(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
-        self._target = [None]
+        self._target = [None]  # in a list: an attribute would make the target a submodule
         a = cfg.layers
         context_size = len(cfg.target_layer_ids) * a.hidden_size  # captured layers, concatenated
         self.fc = nn.Linear(context_size, a.hidden_size, bias=False)
@@ -166,6 +167,11 @@ class DrafterBase(nn.Module):
     def setup_caches(self, max_batch: int, max_seq: int) -> bool:
         """Caches for max_batch rows of max_seq positions; True when new ones were made."""
         return make_caches(self, self.cfg.layers, max_batch, max_seq, self.fc.weight)
+
+    @property
+    def max_seq(self) -> int:
+        """The positions a row of the caches holds."""
+        return self.layers[0].self_attn.kv_cache.k.shape[1]
 
 
 class Drafter(DrafterBase):
@@ -213,8 +219,7 @@ class Drafter(DrafterBase):
         rope = Rope.at(self.rope[positions], x.dtype)
         # Non-causal: every block row sees the context and the whole block.
         end = anchor_pos + S
-        max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
-        attended = attended_length(end, max_seq)  # the cache positions the block reads
+        attended = attended_length(end, self.max_seq)  # the cache positions the block reads
         allowed = torch.arange(attended, device=device) < end[:, None]  # [B, attended]
         allowed = allowed[:, None, :].expand(B, S, attended)
         mask = cache_mask(allowed, cfg.layers, x.dtype)
@@ -277,16 +282,13 @@ class Eagle3Layer(DecoderLayer):
         next tokens, attending to `past` (the earlier passes' K, V [B, S, kv_heads, hd]) and then
         their own K/V under mask [B, T, S + T] -> (the new h, un-normed; the K, V so far)."""
         a = self.self_attn
-        B, T, _ = h.shape
         x = self.attention_input(h, embedded)
-        q, kv = a.project(x)
-        q = q.view(B, T, a.n_heads, a.head_dim)
-        q = rope(a.q_norm(q))
-        k, v = a.kv(x, rope, kv)
+        q, k, v = a.qkv(x, rope)
         if past is not None:  # the earlier passes' keys first, as `mask` orders them
             k = torch.cat([past[0], k], dim=1)
             v = torch.cat([past[1], v], dim=1)
-        h = h + a.o_proj(attend(q, k, v, mask))
+        out = attend(q, k, v, mask)
+        h = h + a.o_proj(out)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, (k, v)
 
@@ -319,10 +321,10 @@ class Eagle3Drafter(DrafterBase):
         cache (each position sees the cache up to itself) -> the new h [B, T, H], un-normed."""
         embedded = self.target.embed_tokens(tokens)
         rope = Rope.at(self.rope[positions], h.dtype)
-        max_seq = self.layers[0].self_attn.kv_cache.k.shape[1]
-        S = attended_length(positions + 1, max_seq)
+        S = attended_length(positions + 1, self.max_seq)
         keys = torch.arange(S, device=h.device)
-        mask = cache_mask(positions[:, :, None] >= keys, self.cfg.layers, h.dtype)
+        allowed = positions[:, :, None] >= keys  # [B, T, S] causal over the cache
+        mask = cache_mask(allowed, self.cfg.layers, h.dtype)
         return self.layers[0](h, embedded, rope, positions, mask, rows=rows)
 
     def commit_context(self, features, positions, following=None, last=None, rows=None):

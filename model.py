@@ -266,19 +266,29 @@ class Attention(nn.Module):
         q_size = self.n_heads * a.head_dim
         kv_size = 2 * self.n_kv * a.head_dim  # [k; v]
         bias = a.attention_bias
-        if input_size is None:  # Eagle3's layer reads 2H: [embedding; hidden]
-            input_size = a.hidden_size
+        if input_size is None:
+            input_size = a.hidden_size  # the residual stream (Eagle3's layer reads 2H: [embedding; hidden])
         self.q_proj = nn.Linear(input_size, q_size, bias=bias)
         self.kv_proj = nn.Linear(input_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, a.hidden_size, bias=bias)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.kv_cache: Optional[KVCache] = None
-        self.attend = attend_cached  # attention over the cache; a backend may install another
+        self.cache_attention = attend_cached  # a backend may install its own (`cpu_kernels.install`)
 
     def project(self, x):
         """q_proj(x) and kv_proj(x); a backend may compute both in one pass over the weights."""
         return self.q_proj(x), self.kv_proj(x)
+
+    def qkv(self, x, rope: Rope):
+        """q [B, T, heads, hd] and K, V [B, T, kv_heads, hd] of x, q and K normed and rotated."""
+        B, T, _ = x.shape
+        q, kv = self.project(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        q = self.q_norm(q)
+        q = rope(q)
+        k, v = self.kv(x, rope, kv)
+        return q, k, v
 
     def kv(self, x, rope: Rope, kv=None):
         """K (normed, rotated) and V of x [B, T, H] (or of its kv_proj output `kv`):
@@ -307,12 +317,7 @@ class Attention(nn.Module):
         """x [B, T, H] -> [B, T, H]: through the cache at `positions` (its K/V written there, or at
         `slots`: a draft tree's); else over `prefix_kv` then its own keys under `mask` (drafter
         training); else cache-free causal."""
-        B, T, _ = x.shape
-        q, kv = self.project(x)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        q = self.q_norm(q)
-        q = rope(q)
-        k, v = self.kv(x, rope, kv)
+        q, k, v = self.qkv(x, rope)
         if positions is None:
             if prefix_kv is not None:
                 prefix_k, prefix_v = prefix_kv
@@ -330,8 +335,8 @@ class Attention(nn.Module):
         batch = positions.shape[0]  # rows of the cache layout (R when ragged)
         length = mask.shape[-1]  # cache positions attended
         k, v = self.kv_cache.read(batch, rows, length)
-        attend_cache = attention or self.attend
-        out = attend_cache(q, k, v, mask)
+        cache_attention = attention or self.cache_attention  # a kernel passed in wins
+        out = cache_attention(q, k, v, mask)
         if ragged is not None:
             out = ragged.unpad(out)
         return self.o_proj(out)
@@ -407,9 +412,12 @@ class Transformer(nn.Module):
         tree: Optional["TreeSlots"] = None,
     ):
         """tokens [B, T] -> (normed hidden [B, T, H], features [B, T, len(capture)*H] or None):
-        the outputs of layers `capture` (-1: embeddings). index [B]: one position per row. `tree`:
-        the tokens are a draft tree's nodes, at RoPE `positions` (their depths) and cache slots of
-        their own, each seeing the context and its ancestors."""
+        the outputs of layers `capture` (-1: embeddings). index [B]: one position per row.
+        With `positions` [B, T] the pass goes through the KV cache (in cache `rows`, or 0 .. B-1),
+        `mask` unread; `ragged`: the tokens are [1, N], flattened from positions' layout; `attention`:
+        a kernel in place of the cache attention. Without, a cache-free pass: causal, or under `mask`.
+        `tree`: the tokens are a draft tree's nodes, at RoPE `positions` (their depths) and cache
+        slots of their own, each seeing the context and its ancestors."""
         a = self.args
         dtype = self.embed_tokens.weight.dtype
         slots = None  # a tree's cache slots
@@ -419,9 +427,10 @@ class Transformer(nn.Module):
             per_row = (B, T, *table.shape[1:])
             cos_sin = table[None].expand(per_row)  # [B, T, 2, hd]
             rope = Rope.at(cos_sin, dtype)
-        else:  # RoPE and the mask once for every layer
-            end = positions + 1  # no query sees past its own position
-            if tree is not None:
+        else:  # through the cache: RoPE and the mask once for every layer
+            if tree is None:
+                end = positions + 1  # no query sees past its own position
+            else:
                 slots = tree.slots()
                 end = slots + 1
             S = attended_length(end, self.max_seq)
@@ -431,7 +440,7 @@ class Transformer(nn.Module):
             else:
                 allowed = tree.visible(keys)
             fold = attention is None  # a kernel passed in folds GQA itself
-            mask = cache_mask(allowed, a, dtype, fold=fold)
+            mask = cache_mask(allowed, a, dtype, fold=fold)  # additive, for the cache attention
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]

@@ -231,7 +231,7 @@ def install(m: nn.Module) -> bool:
         kv.__class__ = PanelLinear
         a.project = types.MethodType(project, a)
     for a in attentions:
-        a.attend = attend
+        a.cache_attention = attend
     return True
 
 

@@ -335,7 +335,7 @@ def test_reference_drafter_is_plain_and_equal(monkeypatch):
     plain = bench.reference_drafter(drafter, hf)
     assert not installed or any(type(m) is cpu_kernels.PanelLinear for m in drafter.modules())
     assert all(type(m) is not cpu_kernels.PanelLinear for m in plain.modules())
-    assert all(layer.self_attn.attend is model.attend_cached for layer in plain.layers)
+    assert all(layer.self_attn.cache_attention is model.attend_cached for layer in plain.layers)
     assert plain.target.lm_head is hf.lm_head and plain.target.embed_tokens is hf.model.embed_tokens
     tokens = torch.randint(0, target.args.vocab_size - 1, (1, 12))
     with torch.no_grad():

@@ -235,8 +235,8 @@ def uninstall(m: nn.Module):
         if type(x) is cpu_kernels.PanelLinear:
             x.__class__ = nn.Linear
             del x.panels, x.stamp
-        elif isinstance(x, model.Attention) and x.attend is cpu_kernels.attend:
-            x.attend = model.attend_cached
+        elif isinstance(x, model.Attention) and x.cache_attention is cpu_kernels.attend:
+            x.cache_attention = model.attend_cached
             if "project" in vars(x):
                 del x.project, x.qkv_panels, x.qkv_bias
 
@@ -256,7 +256,7 @@ def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
     assert (m.lm_head.weight is m.embed_tokens.weight) == tied
     linears = [x for x in m.modules() if isinstance(x, nn.Linear)]
     assert len(linears) == 11 and all(type(x) is cpu_kernels.PanelLinear for x in linears)
-    assert all(layer.self_attn.attend is cpu_kernels.attend for layer in m.layers)
+    assert all(layer.self_attn.cache_attention is cpu_kernels.attend for layer in m.layers)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = decode(m)
     ran = {e.key: e.count for e in prof.key_averages()}
@@ -268,7 +268,7 @@ def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
     assert cpu_kernels.install(m) and all(x.panels is p for x, p in zip(linears, kept))  # idempotent
     uninstall(m)
     assert all(type(x) is nn.Linear and not hasattr(x, "panels") for x in linears)
-    assert all(layer.self_attn.attend is model.attend_cached for layer in m.layers)
+    assert all(layer.self_attn.cache_attention is model.attend_cached for layer in m.layers)
     assert all(torch.equal(a, b) for a, b in zip(decode(m), want, strict=True))
 
 
@@ -390,7 +390,7 @@ def test_a_compiled_graph_calls_the_operators_and_matches_eager():
     bias = prefix_bias(torch.arange(17, 25)[None], 24)
 
     def step(x, k, v, bias):
-        return attn.attend(lin(x).view(1, 8, 4, 16), k, v, bias)
+        return attn.cache_attention(lin(x).view(1, 8, 4, 16), k, v, bias)
 
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, fullgraph=True, backend=counter)
