@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from model import attend_cached as cached_attention_reference
 from sampling import NO_FILTERS, Filters, exponential, filter_logits
 from sampling import accept_sampled as accept_sampled_reference
 from sampling import markov_chain as markov_chain_reference
@@ -23,6 +24,7 @@ TRITON_BLOCK_V = 128        # vocabulary entries per program of the chain
 TRITON_ROWS_BLOCK_V = 1024  # ... of the verification passes (fewer tiles for the per-row reductions)
 TRITON_BLOCK_R = 64         # Markov-rank chunk held in registers
 TRITON_CHAIN_MAX_BATCH = 4  # the chain reads W2 once a row (grows with B): above this, the reference
+# the dtypes the kernels take, each with `_round_to`'s code: 0 float32 (kept), 1 bfloat16, 2 float16
 _ROUND_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -42,7 +44,8 @@ def _import_triton() -> bool:
             return False
         triton = _triton
         tl = _tl
-        # whoever imported triton first fixed the mode
+        # whoever imported triton first fixed the mode: under the interpreter its language functions
+        # are InterpretedFunctions, whatever TRITON_INTERPRET says now
         standard = getattr(_tl, "standard", None)
         probe = getattr(standard, "sum", None)
         if probe is not None:
@@ -104,7 +107,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     kern = _kernels()
     dev = base_logits.device
     R = w1.shape[1]
-    u_all = base_logits.contiguous()
+    base = base_logits.contiguous()
     w1c = w1.contiguous()
     w2c = w2.contiguous()
     sampled = temperature != 0
@@ -126,7 +129,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     row_grid = (B,)
     tile_grid = (B, n_tiles)
     for k in range(K):
-        u_k = u_all[:, k]  # [B, V] views: the kernel reads rows at their stride
+        base_k = base[:, k]  # [B, V] views: the kernel reads rows at their stride
         z_k = z  # greedy: z and the noise are pointers never written or read
         noise_k = z
         if sampled:
@@ -136,10 +139,10 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
             else:  # the reference's draw order
                 noise_k = exponential((B, V), generator, dev)
         kern["_markov_partial_kernel"][tile_grid](
-            u_k, u_k.stride(0),
-            chain, K + 1, k,
-            w1c, R,
-            w2c, R,
+            base_k, base_k.stride(0),
+            chain, chain.stride(0), k,
+            w1c, w1c.stride(0),
+            w2c, w2c.stride(0),
             noise_k, noise_k.stride(0),
             z_k, z_k.stride(0),
             pval, pidx,
@@ -153,7 +156,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
             BLOCK_R=BLOCK_R)
         kern["_markov_reduce_kernel"][row_grid](
             pval, pidx, n_tiles,
-            chain, K + 1, k,
+            chain, chain.stride(0), k,
             BLOCK_T=BLOCK_T,
             num_warps=8)
     drafts = chain[:, 1:].contiguous()
@@ -262,7 +265,8 @@ def attention_splits(programs: int, S: int) -> tuple[int, int]:
     most = key_blocks // TRITON_SPLIT_MIN_BLOCKS        # ... that leave each split enough blocks
     splits = max(1, min(fill, most))
     split_keys = _cdiv(key_blocks, splits) * TRITON_BLOCK_N
-    return _cdiv(S, split_keys), split_keys
+    splits = _cdiv(S, split_keys)  # rounding split_keys up can leave fewer
+    return splits, split_keys
 
 
 def cached_attention(q, k, v, bias):
@@ -283,8 +287,7 @@ def cached_attention(q, k, v, bias):
             and S > 0
             # the interpreter's bf16 tl.dot is wrong
             and not (_TRITON_IMPORT_INTERPRET and q.dtype == torch.bfloat16)):
-        import model
-        return model.attend_cached(q, k, v, bias)
+        return cached_attention_reference(q, k, v, bias)
     G = H // Hkv
     q = _unit_stride(q)
     k = _unit_stride(k)
@@ -368,7 +371,7 @@ def _first_max(values, indices, mask):
     return best, tl.min(candidates, axis=0)
 
 
-def _markov_partial_kernel(u_ptr, s_u,
+def _markov_partial_kernel(base_ptr, s_base,
                            chain_ptr, s_chain, k,
                            w1_ptr, s_w1,
                            w2_ptr, s_w2,
@@ -391,7 +394,7 @@ def _markov_partial_kernel(u_ptr, s_u,
     cols = tile_start + tl.arange(0, BLOCK_V)
     cmask = cols < V
     prev_ptr = chain_ptr + b * s_chain + k
-    prev = tl.load(prev_ptr).to(tl.int64)  # x_{k-1} (column 0: the anchor)
+    prev = tl.load(prev_ptr).to(tl.int64)  # chain[b, k]: the anchor at k = 0, else the last draft
     # the tile's bias W2 · W1[x_{k-1}], BLOCK_R ranks at a time
     e_row = w1_ptr + prev * s_w1
     w_rows = w2_ptr + cols.to(tl.int64)[:, None] * s_w2
@@ -406,9 +409,9 @@ def _markov_partial_kernel(u_ptr, s_u,
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * e[None, :], axis=1)
     bias = _round_to(acc, BIAS_ROUND)
-    u_row = u_ptr + b * s_u
-    u = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
-    z = _round_to(u + bias, Z_ROUND)
+    base_row = base_ptr + b * s_base
+    base = tl.load(base_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    z = _round_to(base + bias, Z_ROUND)
     if SAMPLED:
         z_row = z_ptr + b * s_z
         tl.store(z_row + cols, z, mask=cmask)
@@ -426,7 +429,8 @@ def _markov_partial_kernel(u_ptr, s_u,
 def _markov_reduce_kernel(pval_ptr, pidx_ptr, n_tiles,
                           chain_ptr, s_chain, k,
                           BLOCK_T: tl.constexpr):
-    """Pass 2: the row's best over its tiles (first index on ties) -> chain[b, k + 1] = x_k."""
+    """Pass 2: the row's best over its tiles (first index on ties) -> chain[b, k + 1], this step's
+    draft."""
     b = tl.program_id(0).to(tl.int64)
     ts = tl.arange(0, BLOCK_T)
     tmask = ts < n_tiles
@@ -494,16 +498,16 @@ def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles,
     S = tl.sum(tl.where(counted, rescaled, 0.0), axis=1)
     # each draft x: p(x), q(x) and the test
     is_draft = js < K
-    drafts = b * K + js  # the drafts' places in drafts and u, and their rows of q
-    d = tl.load(drafts_ptr + drafts, mask=is_draft, other=0).to(tl.int64)
-    lx_ptrs = logits_ptr + rows * s_lrow + d
+    draft_at = b * K + js  # the drafts' places in drafts and u, and their rows of q
+    drafted = tl.load(drafts_ptr + draft_at, mask=is_draft, other=0).to(tl.int64)
+    lx_ptrs = logits_ptr + rows * s_lrow + drafted
     lx = tl.load(lx_ptrs, mask=is_draft, other=0.0).to(tl.float32)
     S_safe = tl.where(S > 0, S, 1.0)  # S is 0 only on padding lanes
     numerator = tl.exp(lx / temperature - M_safe)
     p_x = numerator / S_safe
-    q_x_ptrs = q_ptr + drafts * s_qrow + d
+    q_x_ptrs = q_ptr + draft_at * s_qrow + drafted
     q_x = tl.load(q_x_ptrs, mask=is_draft, other=1.0).to(tl.float32)
-    u = tl.load(u_ptr + drafts, mask=is_draft, other=1.0).to(tl.float32)
+    u = tl.load(u_ptr + draft_at, mask=is_draft, other=1.0).to(tl.float32)
     vl = tl.load(vlen_ptr + b)
     accepted = u * q_x < p_x
     verified = js < vl
@@ -557,7 +561,7 @@ def _verify_sampled_race_kernel(logits_ptr, s_lrow,
     tl.store(pval_ptr + pair, best_p)
     tl.store(pidx_ptr + pair, idx_p)
     if HAS_Q:
-        nq = tl.minimum(n, K - 1)
+        nq = tl.minimum(n, K - 1)  # n = K: nothing rejected, the residual unread
         q_row = q_ptr + (b * K + nq) * s_qrow
         q = tl.load(q_row + cols, mask=cmask, other=0.0).to(tl.float32)
         residual = tl.maximum(p - q, 0.0)
