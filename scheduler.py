@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from sampling import prefix_length
 from support.cli import UserError, device_name, parse_ints, sync
 from support.files import check_writable, read_json, write_json
 
@@ -23,14 +24,18 @@ SCHEDULED = ", ".join(k for k in KINDS if k != "none")  # the kinds that read co
 
 def threshold_schedule(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """ℓ [B]: the drafts before the first confidence below the threshold (0 if c_1 < θ)."""
-    return torch.cumprod((confidence >= threshold).long(), dim=1).sum(1)
+    confident = confidence >= threshold  # [B, K]
+    return prefix_length(confident)
 
 
 def ranked(confidence, active):
     """The candidates (r, j) by prefix survival a_{r,j} = Π_{i<=j} c_{r,i}, descending (stable: j-1 before j
-    at a tie, so every row's admitted drafts are a prefix); inactive rows offer nothing."""
-    a = torch.cumprod(confidence.double(), dim=1) * active[:, None]
-    return torch.sort(a.reshape(-1), descending=True, stable=True)
+    at a tie, so every row's admitted drafts are a prefix); inactive rows offer nothing. Returns the sorted
+    survivals [B*K] and each one's flat index r*K + j."""
+    survival = torch.cumprod(confidence.double(), dim=1)  # [B, K] a_{r,j}
+    offered = torch.where(active[:, None], survival, 0.0)  # a free row's, whatever it holds: 0
+    flat = offered.reshape(-1)
+    return torch.sort(flat, descending=True, stable=True)
 
 
 def hardware_schedule(confidence, active, sps) -> torch.Tensor:
@@ -92,7 +97,7 @@ class Plan(NamedTuple):
     """An async round's schedule, fixed before its drafts exist (`Scheduler.plan`)."""
     # C: how many drafts the whole batch verifies at most
     capacity: int
-    # the batch round whose confidences chose C, or "warmup"
+    # the batch round whose confidences chose C, "warmup", or "fixed" (`Scheduler.fixed`)
     source: Union[int, str]
     # this round's number among the decode's batch rounds (all rows step together)
     round: int
@@ -147,7 +152,8 @@ def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]
             holding = [b for b in buckets if b >= n]
             fastest = max(holding, key=lambda b: (per[b], -b))  # the smaller bucket at a tie
             route.append(fastest)
-        sps = [per[route[1]]] + [per[b] for b in route[1:]]
+        sps = [per[b] for b in route[1:]]
+        sps.insert(0, sps[0])  # SPS(0): a placeholder, only ever multiplied by R = 0
         return sps, route
     step_seconds = isotonic([1 / r for r in rates])
     seconds = torch.tensor(step_seconds, dtype=torch.float64)
@@ -183,7 +189,6 @@ class Scheduler:
             self.sps = torch.ones(top + 1, dtype=torch.float64, device=device)
         elif kind == "async":
             self.sps = torch.ones(top + 1, dtype=torch.float64)
-        self.table: Optional[dict] = None  # the SPS table in use (set_sps)
         self.route: Optional[list[int]] = None
         self.capacity = None
         if kind == "async":
@@ -192,6 +197,8 @@ class Scheduler:
 
     def __call__(self, confidence: Optional[torch.Tensor], active: torch.Tensor,
                  capacity: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ℓ [B], inside the draft graph. confidence [B, K] (None only for "none"); capacity: async's
+        0-d C (`Plan.tensor`), passed in so that a compiled graph reads it as an input."""
         if self.kind == "async":
             return top_capacity(confidence, active, capacity)
         if self.kind == "hardware":
@@ -231,7 +238,8 @@ class Scheduler:
             C = limit
             source = "warmup"
         else:
-            C = capacity_search(self.history[0], R, self.sps.tolist(), limit)
+            two_before = self.history[0]  # round r - 2's confidences (r - 1's is history[-1], unread)
+            C = capacity_search(two_before, R, self.sps.tolist(), limit)
             source = r - 2
         num_tokens = self.bucket(R + C)
         capacity = min(num_tokens - R, limit)  # grown to fill the bucket
@@ -241,7 +249,7 @@ class Scheduler:
               source: Union[int, str] = "fixed", round: int = -1) -> Plan:
         """A plan of exactly num_tokens verify tokens (capacity too by default: warm-up and profiling)."""
         if capacity is None:
-            capacity = num_tokens
+            capacity = num_tokens  # no fewer than the drafts on offer: every one is taken
         self.capacity.fill_(capacity)  # in place: no host-to-device copy to wait for
         return Plan(capacity, source, round, num_tokens, self.capacity)
 
@@ -250,7 +258,6 @@ class Scheduler:
         top = len(self.sps) - 1
         steps_per_second = table["steps_per_second"]
         sps, self.route = sps_curve(self.profile_points, steps_per_second, self.buckets, top)
-        self.table = table
         # in place: a compiled graph may hold it
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
 
@@ -293,17 +300,17 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
     return buckets
 
 
-def profile(step: Callable[[int], object], points: list[int], sync: Callable[[], None],
+def profile(step: Callable[[int], object], points: list[int], wait: Callable[[], None],
             reps: int = 7) -> list[float]:
     """Seconds of `step(b)`, a round verifying b tokens, at each of `points`: the fastest of `reps` sweeps (after
     an untimed one), so a slow spell on a shared machine lands on no point in particular."""
     best = [float("inf")] * len(points)
     for sweep in range(reps + 1):
         for i, b in enumerate(points):
-            sync()
+            wait()
             t = time.perf_counter()
             step(b)
-            sync()
+            wait()
             if sweep:
                 best[i] = min(best[i], time.perf_counter() - t)
     return best

@@ -111,7 +111,7 @@ class ConcurrencyArgs:
 def use_curve(scheduler, sps: list[float]):
     """The scheduler prices rounds by SPS(B) as given for B = 0 .. top (no fit, no bucket routing)."""
     scheduler.sps.copy_(torch.tensor(sps, dtype=torch.float64))
-    scheduler.table, scheduler.route = {"steps_per_second_by_tokens": list(sps)}, None
+    scheduler.route = None
 
 
 def cliffs_sps(top: int) -> list[float]:

@@ -154,6 +154,18 @@ def greedy_path_is_unimodal(c, active, sps):
     return True
 
 
+def test_a_free_rows_confidences_never_reach_the_schedule():
+    """A free row offers nothing whatever its confidences hold: NaN there (garbage in a free row's
+    cache) leaves the active rows' verify lengths as they are."""
+    active = torch.tensor([True, False])
+    sps = torch.ones(2 * 4 + 1, dtype=torch.float64)
+    for spoiled in (0.9, float("nan")):
+        confidence = torch.full((2, 3), 0.9)
+        confidence[1] = spoiled
+        assert sched.hardware_schedule(confidence, active, sps).tolist() == [3, 0]
+        assert sched.top_capacity(confidence, active, torch.tensor(2)).tolist() == [2, 0]
+
+
 def test_equals_brute_force_where_the_objective_is_unimodal():
     rng = random.Random(1)
     checked = 0
