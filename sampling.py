@@ -31,7 +31,7 @@ NO_FILTERS = Filters()
 
 
 def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
-    """z [..., V] (float32, already / T) with -inf outside the kept set."""
+    """z [..., V] (float32, already / T) -> z with -inf outside the kept set."""
     V = z.shape[-1]
     if 0 < f.top_k < V:
         largest = torch.topk(z, f.top_k, dim=-1).values
@@ -42,9 +42,9 @@ def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
         ordered, order = torch.sort(z, dim=-1, stable=True)
         p_ordered = torch.softmax(ordered, dim=-1)
         below = p_ordered.cumsum(dim=-1)  # the mass up to each token, smallest first
-        drop = below <= 1 - f.top_p
-        drop[..., -1] = False
-        drop = drop.scatter(-1, order, drop)  # back to the vocabulary's order
+        drop_sorted = below <= 1 - f.top_p
+        drop_sorted[..., -1] = False  # the largest always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # the vocabulary's order
         z = z.masked_fill(drop, float("-inf"))
     if f.min_p > 0.0:
         p = torch.softmax(z, dim=-1)
@@ -80,7 +80,8 @@ def sample(logits, temperature: float, generator, noise=None, *, filters: Filter
 
 class Noise(NamedTuple):
     """All the randomness of one sampled round, in draw order (a row's shapes: `noise_shape`)."""
-    # Exp(1) races: the chain's drafts [B, K, V]; a sampled tree's children [B, R, V], R = `tree_parents`
+    # Exp(1) races: the chain's drafts [B, K, V]; a sampled tree's children [B, R, V]
+    # (R = `tree_parent_count`)
     chain: torch.Tensor
     u: torch.Tensor      # uniforms of the acceptance tests: [B, K]; a tree's [B, N+1, N]
     bonus: torch.Tensor  # Exp(1): the correction / bonus race [B, V], a tree's too (`choose_at_nodes`)
@@ -92,7 +93,7 @@ def noise_shape(K: int, V: int, tree_budget: int = 0) -> Noise:
     if not tree_budget:
         return Noise(chain=(K, V), u=(K,), bonus=(V,))
     N = tree_budget
-    R = tree_parents(N, K, V)
+    R = tree_parent_count(N, K, V)
     return Noise(chain=(R, V), u=(N + 1, N), bonus=(V,))
 
 
@@ -104,6 +105,8 @@ def exponential(shape: tuple, generator, device) -> torch.Tensor:
 
 
 def round_noise(generator, B: int, shape: Noise, device) -> Noise:
+    """B rows' noise from one generator, in Noise's order (a row's draws depend on B: `rows_noise`
+    gives each row its own)."""
     chain = exponential((B, *shape.chain), generator, device)
     u = torch.rand((B, *shape.u), generator=generator, device=device)
     bonus = exponential((B, *shape.bonus), generator, device)
@@ -131,16 +134,26 @@ def rows_noise(generators: list, shape: Noise, device) -> Noise:
 
 # Drafting: the Markov chain
 
-def draw(z, k: int, temperature: float, filters: Filters, generator, noise):
-    """Draft k from logits z [B, V]: the argmax at T=0, else a sample from q = probs(z), with the
-    chain's noise[:, k] when given. Returns the tokens [B] and q [B, V] (None at T=0)."""
+def draw(z, j: int, temperature: float, filters: Filters, generator, noise):
+    """The chain's draft in column j (x_{j+1}) from logits z [B, V]: the argmax at T=0, else a sample
+    from q = probs(z), with the chain's noise[:, j] when given. Returns the tokens [B] and q [B, V]
+    (None at T=0)."""
     if temperature == 0:
         return torch.argmax(z, dim=-1), None
     q = probs(z, temperature, filters)
-    noise_k = None
+    noise_j = None
     if noise is not None:
-        noise_k = noise[:, k]
-    return sample_from(q, generator, noise_k), q
+        noise_j = noise[:, j]
+    return sample_from(q, generator, noise_j), q
+
+
+def stack_chain(drafts: list, qs: list):
+    """A chain's columns stacked: drafts [B, K] and q [B, K, V] (None at T=0)."""
+    tokens = torch.stack(drafts, 1)
+    q = None
+    if qs:
+        q = torch.stack(qs, 1)
+    return tokens, q
 
 
 def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
@@ -153,22 +166,18 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     qs = []
     prev = anchor
     state = None
-    for k in range(base_logits.shape[1]):
-        z = base_logits[:, k]  # [B, V]
+    for j in range(base_logits.shape[1]):  # column j drafts x_{j+1}
+        z = base_logits[:, j]  # [B, V] U_{j+1}
         if markov is not None:
-            h_k = hidden[:, k]  # [B, H]
-            bias, state = markov.step(h_k, prev, state)
+            h = hidden[:, j]  # [B, H]
+            bias, state = markov.step(h, prev, state)
             z = z + bias
-        token, q = draw(z, k, temperature, filters, generator, noise)
+        token, q = draw(z, j, temperature, filters, generator, noise)
         if q is not None:
             qs.append(q)
         drafts.append(token)
-        prev = token  # the next step's x_{k-1}
-    q = None
-    if qs:
-        q = torch.stack(qs, 1)
-    tokens = torch.stack(drafts, 1)
-    return tokens, q
+        prev = token  # what the next column conditions on
+    return stack_chain(drafts, qs)
 
 
 def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, noise=None, *,
@@ -179,19 +188,15 @@ def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, 
     `markov_chain`."""
     drafts = []
     qs = []
-    for k in range(K):
+    for j in range(K):  # column j drafts x_{j+1}
         z = drafter.logits(h)  # [B, V]
-        token, q = draw(z, k, temperature, filters, generator, noise)
+        token, q = draw(z, j, temperature, filters, generator, noise)
         if q is not None:
             qs.append(q)
         drafts.append(token)
-        if k + 1 < K:  # the last draft's step would be read by nothing
-            h = drafter.step(h, token, anchor_pos + k)
-    q = None
-    if qs:
-        q = torch.stack(qs, 1)
-    tokens = torch.stack(drafts, 1)
-    return tokens, q
+        if j + 1 < K:  # the last draft's step would be read by nothing
+            h = drafter.step(h, token, anchor_pos + j)  # x_{j+1} at position a + j
+    return stack_chain(drafts, qs)
 
 
 # Acceptance: the longest prefix of drafts the target keeps, then one token of its own
@@ -207,6 +212,15 @@ def verified_mask(drafts, verify_len) -> torch.Tensor:
     K = drafts.shape[1]
     positions = torch.arange(K, device=drafts.device)
     return positions < verify_len[:, None]
+
+
+def residual(p, q):
+    """normalize(max(p - q, 0)), the distribution after a rejection. It has no mass only where p = q,
+    where nothing is rejected: p stands in there, never drawn from."""
+    excess = torch.clamp(p - q, min=0)
+    mass = excess.sum(dim=-1, keepdim=True)
+    safe_mass = mass.clamp(min=1e-30)
+    return torch.where(mass > 0, excess / safe_mass, p)
 
 
 def accept_greedy(drafts, target_logits, verify_len):
@@ -245,17 +259,14 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
         ok = passed & verified
         n = prefix_length(ok)
     p_n = p[rows, n]  # [B, V] the target's distribution after the accepted drafts
+    final = p_n  # nothing drafted: the bonus
     if K:
         q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
         q_n = q[rows, q_row]
-        excess = torch.clamp(p_n - q_n, min=0)
-        mass = excess.sum(-1, keepdim=True)
-        # no mass only where p_n = q_n, where no draft is rejected: p_n stands in, never drawn from
-        safe_mass = mass.clamp(min=1e-30)
-        residual = torch.where(mass > 0, excess / safe_mass, p_n)  # normalize(max(p - q, 0))
+        corrected = residual(p_n, q_n)
         rejected = n < verify_len
-        p_n = torch.where(rejected[:, None], residual, p_n)
-    committed = sample_from(p_n, generator, noise)  # [B]
+        final = torch.where(rejected[:, None], corrected, p_n)  # what the committed token follows
+    committed = sample_from(final, generator, noise)  # [B]
     return n, committed
 
 
@@ -296,7 +307,7 @@ def child_logits(base_logits, hidden, markov, depth: int, tokens, states):
     return z, state
 
 
-def tree_parents(budget: int, depth: int, V: int) -> int:
+def tree_parent_count(budget: int, depth: int, V: int) -> int:
     """How many nodes `best_by_depth` draws children for: the root, then the nodes it keeps at each
     depth but the last (a sampled tree's races, one over the vocabulary for each)."""
     total = 0
@@ -322,7 +333,7 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
 
     Sampled (temperature > 0), a parent's children are drawn without replacement from q =
     probs(logits, temperature, filters), in the order of the race q / noise (noise [B, R, V] Exp(1),
-    R = `tree_parents`, a row for each parent); its i-th child's score is still the i-th best
+    R = `tree_parent_count`, a row for each parent); its i-th child's score is still the i-th best
     log-probability at `tree_temperature`, whichever token was drawn, so whether a child is kept
     never depends on which token it holds (what keeps multi-draft rejection sampling exact). With
     `survival` (depth, parents [B, M]) -> c [B, M], the chance that a draft after each parent
@@ -346,15 +357,16 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
         M = tokens.shape[1]
         z, state = child_logits(base_logits, hidden, markov, depth, tokens, states)  # [B, M or 1, V]
         ranks = torch.arange(width, device=anchor.device)
-        if sampled and survival is not None:  # the i-th child's score, whatever it holds
+        # The i-th child's score, from its rank alone when sampled, never from the token it holds
+        if sampled and survival is not None:
             c = survival(depth, tokens).clamp(1e-6, 1 - 1e-6)[:, :, None]  # [B, M, 1]
             top_logprobs = torch.log(c) + ranks * torch.log1p(-c)  # [B, M, width]
-        else:  # the likeliest children and their log-probabilities
+        else:  # the i-th best log-probability (greedy: the likeliest children themselves)
             logprobs = torch.log_softmax(z / tree_temperature, dim=-1)
             top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
-        if sampled:
+        if sampled:  # the children: drawn without replacement from q
             q = probs(z, temperature, filters).expand(B, M, V)
-            races = noise[:, first:first + M]  # [B, M, V] each parent's own
+            races = noise[:, first:first + M]  # [B, M, V] each parent's own (its row: its number)
             top_tokens = torch.topk(q / races, width, dim=-1).indices  # drawn without replacement
             support = (q > 0).sum(dim=-1, keepdim=True)  # [B, M, 1] the tokens q can draw
             top_logprobs = top_logprobs.masked_fill(ranks >= support, float("-inf"))
@@ -422,11 +434,12 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
     order = torch.sort(every["scores"], dim=1, descending=True, stable=True).indices
     chosen = order[:, :N]  # [B, N] the tree's nodes after the root, as indices among the kept
     numbers = torch.arange(1, N + 1, device=anchor.device).expand(B, N)
+    chosen_numbers = 1 + chosen  # [B, N] the chosen kept nodes' numbers (the root's 0)
     kept_count = every["parents"].shape[1]
     # A kept node's number (the root's 0) -> its index in the tree; only chosen nodes' parents, all
     # chosen, are looked up (the rest stay 0).
     node_of = anchor.new_zeros((B, 1 + kept_count))
-    node_of.scatter_(1, 1 + chosen, numbers)
+    node_of.scatter_(1, chosen_numbers, numbers)
     parent_node = node_of.gather(1, every["parents"].gather(1, chosen))
     reached = every["scores"].gather(1, chosen) > float("-inf")
     parent_node = torch.where(reached, parent_node, -1)
@@ -438,9 +451,9 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
     tree_depths = torch.cat([torch.zeros_like(root), chosen_depths], dim=1)
     tree_q = None
     if "q" in every:  # each node's q: the root's, then the chosen nodes' by their numbers
-        numbered = torch.cat([torch.zeros_like(root), 1 + chosen], dim=1)  # [B, N+1]
+        q_rows = torch.cat([torch.zeros_like(root), chosen_numbers], dim=1)  # [B, N+1]
         batch = torch.arange(B, device=anchor.device)[:, None]
-        tree_q = every["q"][batch, numbered]
+        tree_q = every["q"][batch, q_rows]
     return Tree(tree_tokens, tree_parents, tree_depths, tree_q)
 
 
@@ -496,7 +509,7 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         m = N // (i + 1)  # the nodes that may have one come first
         is_ith = is_child[:, :m] & (rank[:, :m] == i)
         testing = is_ith.any(dim=-1) & ~done[:, :m]  # [B, m] nodes with one, none accepted yet
-        child = is_ith.long().argmax(dim=-1)
+        child = is_ith.long().argmax(dim=-1)  # [B, m] its node index (columns kept the tree's order)
         token = tree.tokens.gather(1, child)  # [B, m]
         drawn = token[:, :, None]
         p_i = p[:, :m]  # views of the first m rows: the updates below write them in place
@@ -509,19 +522,16 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         chosen_i.copy_(torch.where(accept, token, chosen_i))
         done_i |= accept
         rejected = (testing & ~accept)[:, :, None]  # [B, m, 1]
-        excess = torch.clamp(p_i - q_i, min=0)
-        mass = excess.sum(dim=-1, keepdim=True)
-        # no mass only where p = q, where nothing is rejected: p stands in, never drawn from
-        safe_mass = mass.clamp(min=1e-30)
-        residual = torch.where(mass > 0, excess / safe_mass, p_i)
+        corrected = residual(p_i, q_i)
         without = q_i.scatter(2, drawn, 0.0)  # q_{i+1}: c_i cannot be drawn again
         left = without.sum(dim=-1, keepdim=True).clamp(min=1e-30)
         renormalized = without / left
-        p_i.copy_(torch.where(rejected, residual, p_i))
+        p_i.copy_(torch.where(rejected, corrected, p_i))
         q_i.copy_(torch.where(rejected, renormalized, q_i))
     from_residual = sample_from(p, None, noise[:, None, :])  # [B, N+1]: every node's, one race
-    by_count_chosen = torch.where(done, chosen, from_residual)
-    return torch.zeros_like(chosen).scatter(1, order, by_count_chosen)  # back in the nodes' order
+    chosen_sorted = torch.where(done, chosen, from_residual)  # rows still most children first
+    unsorted = torch.zeros_like(chosen)
+    return unsorted.scatter(1, order, chosen_sorted)  # back in the nodes' order
 
 
 def walk_tree(tree: Tree, target_tokens, depth: int):

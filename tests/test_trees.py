@@ -317,7 +317,7 @@ def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f, shape):
     torch.manual_seed(budget)
     B, L, V, H, r = 2, 4, 11, 8, 5
     base, hidden, anchor, markov = drafter_outputs(B, L, V, H, r, head)
-    R = sampling.tree_parents(budget, L, V)
+    R = sampling.tree_parent_count(budget, L, V)
     race = torch.empty(B, V).exponential_(1)
     noise = race[:, None].expand(B, R, V)
     chances = torch.rand(B, L + 1, V)  # a survival chance for each row, depth and parent token
@@ -344,14 +344,14 @@ def test_a_sampled_build_equals_the_heap_on_its_draws(head, budget, f, shape):
 
 @pytest.mark.parametrize("budget,L,V", [(1, 4, 11), (5, 3, 7), (16, 7, 50), (20, 2, 3), (64, 7, 4096)])
 def test_a_sampled_build_reads_one_race_for_each_parent(budget, L, V):
-    """tree_parents counts the parents the build draws children for: the rows of noise it reads."""
+    """tree_parent_count counts the parents the build draws children for: the rows of noise it reads."""
     base = torch.randn(1, L, V)
     with torch.no_grad():
         every = sampling.best_by_depth(base, None, torch.tensor([0]), None, budget, 1.0, temperature=1.0,
-                                       noise=torch.ones(1, sampling.tree_parents(budget, L, V), V))
+                                       noise=torch.ones(1, sampling.tree_parent_count(budget, L, V), V))
     deepest = int(every["depths"].max())
     leaves = int((every["depths"] == deepest).sum())
-    assert every["q"].shape[1] - leaves == sampling.tree_parents(budget, L, V)
+    assert every["q"].shape[1] - leaves == sampling.tree_parent_count(budget, L, V)
 
 
 def random_sampled_tree(B, V, budget, seed):
@@ -361,7 +361,7 @@ def random_sampled_tree(B, V, budget, seed):
     markov = MARKOV_HEADS["vanilla"](H, V, r).double()
     hidden = torch.randn(B, L, H, dtype=torch.float64)
     anchor = torch.randint(0, V, (B,))
-    R = sampling.tree_parents(budget, L, V)
+    R = sampling.tree_parent_count(budget, L, V)
     noise = torch.empty(B, R, V, dtype=torch.float64).exponential_(1)
     with torch.no_grad():
         return sampling.build_tree(base, hidden, anchor, markov, budget, 1.0, temperature=1.0, noise=noise)
