@@ -5,7 +5,7 @@ paper's Eagle3 baseline as DeepSpec does (docs/training.md, "Eagle3").
     python train.py --drafter-kind eagle3 --target DIR --data FILE_OR_DIR --out DIR [--ttt-length 7 ...]
     torchrun --nproc_per_node 8 train.py ... --batch-size 1 --grad-accum 64   # global batch 512
 
-The target runs once a batch, no grad, for the features and, where a slot is supervised, its logits;
+The target runs once a batch, no grad, for the features and its logits at the drafter's slots;
 the drafter runs all of a row's blocks at once (Eagle3: every position of a row, one unrolled step after
 another). Each loss term is normalised by the step's global batch, so any split over processes gives the
 same step. The demo target's drafter, at demo scale (CPU, about a minute on 2 cores):
@@ -173,26 +173,28 @@ def block_forward(drafter: Drafter, features, tokens, anchors, doc=None):
     block = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
     block[:, :, 0] = tokens.gather(1, anchors)
     x = drafter.target.embed_tokens(block.view(B, N * K))
-    c = drafter.hidden_norm(drafter.fc(features))
+    context = drafter.hidden_norm(drafter.fc(features))  # [B, T, H] what every block attends to
     mask = block_mask(anchors, T, K, doc)
     for layer in drafter.layers:
-        context_kv = layer.self_attn.kv(c, rope_ctx)
+        context_kv = layer.self_attn.kv(context, rope_ctx)
         x = layer(x, rope_blk, mask=mask, prefix_kv=context_kv)
     return drafter.norm(x).view(B, N, K, -1)
 
 
 def head_outputs(drafter: Drafter, h, prev):
     """z = U + b teacher-forced (prev [..., K] = [x_a, labels[:-1]]) and the confidence logits."""
-    U = drafter.target.lm_head(h)
+    U = drafter.target.lm_head(h)  # [..., K, V] the block's own logits
+    z = U
     if drafter.markov_head is not None:
+        # b_j, s_j = step(h_j, prev_j, s_{j-1}): the chain of decoding, on the labels instead of draws
         biases = []
         state = None
         for j in range(h.shape[-2]):
             b, state = drafter.markov_head.step(h[..., j, :], prev[..., j], state)
             biases.append(b)
-        U = U + torch.stack(biases, dim=-2)
+        z = U + torch.stack(biases, dim=-2)
     conf = drafter.confidence_logit(h, prev)
-    return U, conf
+    return z, conf
 
 
 # Losses
@@ -212,14 +214,17 @@ def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamm
     if den is None:
         den = w.sum().clamp_min(1e-12)
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    p_d = logp.exp()
     p_t = torch.softmax(target_logits.float(), dim=-1)
-    ce = -logp.gather(-1, labels[..., None])[..., 0]
-    l1 = (logp.exp() - p_t).abs().sum(-1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]  # -log p_d(x_{a+j+1})
+    l1 = (p_d - p_t).abs().sum(-1)  # ‖p_d − p_t‖_1, twice the total variation ("tv", DeepSpec's name)
+    # 1 − ½‖p_d − p_t‖_1 = Σ_v min(p_d, p_t): the chance speculative sampling accepts the slot's draft,
+    # the confidence head's target
     accept = (1 - 0.5 * l1).clamp(0, 1).detach()
     out = {}
     out["ce"] = (ce * w).sum() / den
     out["tv"] = (l1 * w).sum() / den
-    out["accept"] = accept
+    out["accept"] = accept  # [B, N, K], not a loss: the step's τ and accept@j read it
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
         out["conf"] = (bce * w).sum() / den
@@ -227,6 +232,7 @@ def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamm
 
 
 def total_loss(terms: dict, args: Args) -> torch.Tensor:
+    """α_ce·ce + α_tv·tv + α_conf·conf, each term already Σ w·ℓ / Σ w."""
     loss = args.alpha_ce * terms["ce"] + args.alpha_tv * terms["tv"]
     if "conf" in terms:
         loss = loss + args.alpha_conf * terms["conf"]
@@ -262,11 +268,12 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
     # teacher-forced: each slot's previous token is the anchor's token or the label before it
     anchor_tokens = tokens.gather(1, anchors)[:, :, None]
     prev = torch.cat([anchor_tokens, labels[:, :, :-1]], dim=-1)
-    with torch.no_grad():
+    with torch.no_grad():  # the target's logits at a+j: its distribution of slot j's label
         H = hidden_t.shape[-1]
-        slot_rows = slot_pos.clamp(max=T - 1).view(B, -1, 1)
+        slot_rows = slot_pos.clamp(max=T - 1).view(B, -1, 1)  # past T: unsupervised, any row
         idx = slot_rows.expand(-1, -1, H)
-        target_logits = target.lm_head(hidden_t.gather(1, idx)).view(B, N, K, -1)
+        slot_hidden = hidden_t.gather(1, idx)  # [B, N*K, H]
+        target_logits = target.lm_head(slot_hidden).view(B, N, K, -1)
     z, conf = head_outputs(drafter, h, prev)
     terms = distill_losses(z, target_logits, labels, valid, conf, args.gamma, den)
     loss = total_loss(terms, args)
@@ -315,12 +322,11 @@ def ttt_positions(loss_mask, doc, B: int, T: int, steps: int, device=None) -> to
         pm = torch.ones(B, T, dtype=torch.bool, device=device)
     else:
         pm = loss_mask.bool()
-    last = torch.ones(B, T, dtype=torch.bool, device=device)  # the row's last position
+    last = torch.zeros(B, T, dtype=torch.bool, device=device)
+    last[:, -1] = True  # the row's last position
     if doc is not None:  # and each document's
         next_differs = doc[:, 1:] != doc[:, :-1]
         last[:, :-1] = next_differs
-    else:
-        last[:, :-1] = False
     pm = pm & ~last
     out = torch.zeros(steps, B, T, dtype=torch.bool, device=device)
     for j in range(steps):
@@ -373,18 +379,18 @@ def ttt_loss(drafter: Eagle3Drafter, features, target_logits, tokens, steps: int
     with torch.no_grad():
         p_t = torch.softmax(target_logits.float(), dim=-1)
         uniform = p_t.new_full((B, steps + 1, V), 1.0 / V)
-        p_t = torch.cat([p_t[:, 1:], uniform], dim=1)
-        best = p_t.argmax(-1)
+        p_next = torch.cat([p_t[:, 1:], uniform], dim=1)
+        best = p_next.argmax(-1)
         valid = ttt_positions(loss_mask, doc, B, T, steps, tokens.device)
     loss = 0.0
     stats = {"step": [], "valid": valid, "correct": [], "accept": []}
     for j, h in enumerate(ttt_forward(drafter, features, tokens, steps, doc)):
         logp = torch.log_softmax(drafter.logits(h).float(), dim=-1)
-        p_j = p_t[:, j:j + T]
+        p_j = p_next[:, j:j + T]
         ce = -(p_j * logp).sum(-1)  # [B, T]
-        step = torch.where(valid[j], ce, torch.zeros_like(ce)).sum() / den
-        loss = loss + decay ** j * step
-        stats["step"].append(step)
+        step_loss = torch.where(valid[j], ce, torch.zeros_like(ce)).sum() / den
+        loss = loss + decay ** j * step_loss
+        stats["step"].append(step_loss)
         with torch.no_grad():
             hits = logp.argmax(-1) == best[:, j:j + T]
             stats["correct"].append(hits & valid[j])
@@ -471,7 +477,9 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     if args.drafter_kind == "eagle3":  # one layer, the chain's length; no mask token, no heads
         layers = replace(t, num_hidden_layers=1, eos_token_ids=(), tie_word_embeddings=False)
         ids = layer_ids(args, L, lowest=0)
-        return DrafterConfig(layers, args.ttt_length, ids, 0, "eagle3", None, 0, False, False, L)
+        return DrafterConfig(layers=layers, block_size=args.ttt_length, target_layer_ids=ids,
+                             mask_token_id=0, layout="eagle3", markov_head_type=None, markov_rank=0,
+                             confidence_head=False, confidence_with_markov=False, num_target_layers=L)
     ids = layer_ids(args, L)
     mask = args.mask_token_id
     if mask is None:
@@ -480,14 +488,16 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
         last = t.vocab_size - 1
         raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{last})")
     markov = None if args.markov == "none" else args.markov
-    with_markov = args.confidence and args.confidence_with_markov is not False  # None: on
+    with_markov = args.confidence and args.confidence_with_markov is not False  # None (left out): on
     if with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                         "add --no-confidence-with-markov")
     layers = replace(t, num_hidden_layers=args.depth, eos_token_ids=(), tie_word_embeddings=False)
     rank = args.markov_rank if markov else 0
-    return DrafterConfig(layers, args.block_size, ids, mask, "dspark", markov, rank,
-                         args.confidence, with_markov, L)
+    return DrafterConfig(layers=layers, block_size=args.block_size, target_layer_ids=ids,
+                         mask_token_id=mask, layout="dspark", markov_head_type=markov, markov_rank=rank,
+                         confidence_head=args.confidence, confidence_with_markov=with_markov,
+                         num_target_layers=L)
 
 
 def build_drafter(cfg: DrafterConfig, args: Args, target: Transformer, device) -> Drafter:
@@ -613,6 +623,13 @@ def target_digest(directory: str) -> str:
 
 # The run
 
+# A step's sums, added up across micro-batches and processes: these figures first, in this order, then
+# the block drafter's K acceptance sums and K supervised counts; Eagle3's S step losses, S hit counts,
+# S acceptance sums and S supervised counts.
+BLOCK_FIGURES = ("loss", "ce", "tv", "conf", "tau", "blocks")
+EAGLE3_FIGURES = ("loss", "tau", "tau_greedy", "chains")
+
+
 class LossStep(torch.nn.Module):
     """A micro-batch's share of the step loss and its sums, for DDP: the drafter is the module tree, the
     frozen target stays outside it; `loss_fn` is compiled when asked."""
@@ -622,9 +639,9 @@ class LossStep(torch.nn.Module):
         self.model = drafter
         self._target = [target]
         self.args = args
-        self.core = loss_fn
+        self.loss_fn = loss_fn
         if args.compile:
-            self.core = torch.compile(loss_fn, dynamic=False)
+            self.loss_fn = torch.compile(loss_fn, dynamic=False)
 
 
 class DraftStep(LossStep):
@@ -634,17 +651,20 @@ class DraftStep(LossStep):
         super().__init__(drafter, target, args, drafter_loss)
 
     def forward(self, tokens, anchors, keep, loss_mask, doc, den):
-        loss, terms, valid = self.core(self.model, self._target[0], tokens, anchors, self.args,
+        loss, terms, valid = self.loss_fn(self.model, self._target[0], tokens, anchors, self.args,
                                        keep=keep, loss_mask=loss_mask, doc=doc, den=den)
         with torch.no_grad():
             v = valid.float()
             accepted = terms["accept"] * v
-            tau = ((accepted.cumprod(-1).sum(-1) + 1) * keep).sum()
+            expected_run = accepted.cumprod(-1).sum(-1)  # [B, N] Σ_k Π_{i≤k} c*_i
+            tau = ((expected_run + 1) * keep).sum()  # and the bonus token, over real blocks
             conf = terms.get("conf", loss.new_zeros(()))
-            head = torch.stack([loss.detach(), terms["ce"], terms["tv"], conf, tau, keep.sum()])
+            figures = {"loss": loss.detach(), "ce": terms["ce"], "tv": terms["tv"], "conf": conf, "tau": tau,
+                       "blocks": keep.sum()}
+            head = torch.stack([figures[name].float() for name in BLOCK_FIGURES])
             per_slot_accepted = accepted.sum((0, 1))
             per_slot_counts = v.sum((0, 1))
-            sums = torch.cat([head.float(), per_slot_accepted, per_slot_counts])
+            sums = torch.cat([head, per_slot_accepted, per_slot_counts])
         return loss, sums
 
 
@@ -655,8 +675,8 @@ class Eagle3Step(LossStep):
         super().__init__(drafter, target, args, eagle3_loss)
 
     def forward(self, tokens, loss_mask, doc, den):
-        loss, stats = self.core(self.model, self._target[0], tokens, self.args,
-                                loss_mask=loss_mask, doc=doc, den=den)
+        loss, stats = self.loss_fn(self.model, self._target[0], tokens, self.args,
+                                   loss_mask=loss_mask, doc=doc, den=den)
         return loss, eagle3_sums(loss, stats)
 
 
@@ -670,7 +690,8 @@ def eagle3_sums(loss, stats: dict) -> torch.Tensor:
     start = valid[0]  # a chain starts where step 0 is supervised, as DeepSpec's τ counts them
     tau_greedy = ((correct.cumprod(0).sum(0) + 1) * start).sum()
     tau = ((accept.cumprod(0).sum(0) + 1) * start).sum()
-    head = torch.stack([loss.detach().float(), tau, tau_greedy, start.sum()])
+    figures = {"loss": loss.detach(), "tau": tau, "tau_greedy": tau_greedy, "chains": start.sum()}
+    head = torch.stack([figures[name].float() for name in EAGLE3_FIGURES])
     steps = torch.stack(stats["step"]).detach().float()
     hits = correct.sum((1, 2))
     accepted = accept.sum((1, 2))
@@ -683,13 +704,14 @@ def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
     (acc@j) and acceptance probability at temperature 1 (accept@j); τ = 1 + Σ_k Π_{j≤k} accept@j per chain
     (tau, as DSpark's) and its greedy twin over the hits (tau_greedy), DeepSpec's train metrics."""
     s = sums.tolist()
-    n = max(s[3], 1)
-    # after the 4 head figures: S step losses, S hit counts, S acceptance sums, S supervised counts
-    losses = s[4:4 + S]
-    hits = s[4 + S:4 + 2 * S]
-    accepted = s[4 + 2 * S:4 + 3 * S]
-    counts = [max(c, 1) for c in s[4 + 3 * S:4 + 4 * S]]
-    out = {"loss": s[0], "tau": s[1] / n, "tau_greedy": s[2] / n}
+    first = len(EAGLE3_FIGURES)
+    head = dict(zip(EAGLE3_FIGURES, s[:first]))
+    n = max(head["chains"], 1)
+    losses = s[first:first + S]
+    hits = s[first + S:first + 2 * S]
+    accepted = s[first + 2 * S:first + 3 * S]
+    counts = [max(c, 1) for c in s[first + 3 * S:first + 4 * S]]
+    out = {"loss": head["loss"], "tau": head["tau"] / n, "tau_greedy": head["tau_greedy"] / n}
     out.update({f"loss@{j}": losses[j] for j in range(S)})
     out.update({f"acc@{j}": hits[j] / counts[j] for j in range(S)})
     out.update({f"accept@{j}": accepted[j] / counts[j] for j in range(S)})
@@ -699,13 +721,14 @@ def summarize_eagle3(sums: torch.Tensor, S: int) -> dict:
 def summarize_block(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
     """Loss terms, acceptance per slot, DeepSpec's expected τ (1 + Σ_k Π_{i≤k} c*_i a block)."""
     s = sums.tolist()
-    out = {"loss": s[0], "ce": s[1], "tv": s[2]}
+    first = len(BLOCK_FIGURES)
+    head = dict(zip(BLOCK_FIGURES, s[:first]))
+    out = {"loss": head["loss"], "ce": head["ce"], "tv": head["tv"]}
     if has_conf:
-        out["conf"] = s[3]
-    out["tau"] = s[4] / max(s[5], 1)
-    # after the 6 head figures: K acceptance sums, then K supervised counts
-    accepted = s[6:6 + K]
-    counts = [max(c, 1) for c in s[6 + K:6 + 2 * K]]
+        out["conf"] = head["conf"]
+    out["tau"] = head["tau"] / max(head["blocks"], 1)
+    accepted = s[first:first + K]
+    counts = [max(c, 1) for c in s[first + K:first + 2 * K]]
     out.update({f"accept@{j}": accepted[j] / counts[j] for j in range(K)})
     return out
 
@@ -872,8 +895,9 @@ def check_eval_args(args: Args):
             raise UserError(f"--eval-datasets {args.eval_datasets!r}: no dataset named")
         missing = []
         for n in names:
-            if not os.path.isfile(os.path.join(folder, f"{n.strip()}.jsonl")):
-                missing.append(n)
+            name = n.strip()
+            if not os.path.isfile(os.path.join(folder, f"{name}.jsonl")):
+                missing.append(name)
         if missing:
             raise UserError(f"--eval-datasets: no {missing[0]}.jsonl in {folder}")
 

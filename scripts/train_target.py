@@ -108,12 +108,12 @@ class TargetStep(torch.nn.Module):
         super().__init__()
         self.model = model
         self.share = share
-        self.core = next_token_loss
+        self.loss_fn = next_token_loss
         if compile:
-            self.core = torch.compile(next_token_loss, dynamic=False)
+            self.loss_fn = torch.compile(next_token_loss, dynamic=False)
 
     def forward(self, tokens):
-        loss = self.core(self.model, tokens) * self.share
+        loss = self.loss_fn(self.model, tokens) * self.share
         return loss, loss.detach().float()[None]
 
 
