@@ -393,13 +393,22 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
     return longest_prompt + max_new_tokens + 2 * width
 
 
-def caches(model) -> list:
-    """The tensors a model's compiled graphs hold: its RoPE table, each layer's KV cache and an
-    Eagle3 drafter's carried state."""
-    held = [model.rope] + [layer.self_attn.kv_cache for layer in model.layers]
-    if hasattr(model, "carried"):
-        held.append(model.carried)
-    return held
+class Caches(NamedTuple):
+    """The tensors a model's compiled graphs hold (`caches`)."""
+    rope: torch.Tensor
+    kv: list                         # each layer's KVCache
+    carried: Optional[torch.Tensor]  # an Eagle3 drafter's state at each row's last commit
+
+    def same(self, other: "Caches") -> bool:
+        """Whether both hold the very same tensors."""
+        pairs = [(self.rope, other.rope), (self.carried, other.carried), *zip(self.kv, other.kv)]
+        return all(a is b for a, b in pairs)
+
+
+def caches(model) -> Caches:
+    kv = [layer.self_attn.kv_cache for layer in model.layers]
+    carried = getattr(model, "carried", None)
+    return Caches(model.rope, kv, carried)
 
 
 def trace_record(req: Request, rec: RoundRecord) -> dict:
@@ -556,16 +565,15 @@ class Engine:
         for m, mine in zip((self.target, self.drafter), self.caches):
             if m is None:
                 continue
-            current = caches(m)
-            if all(a is b for a, b in zip(current, mine)):
+            if caches(m).same(mine):
                 continue
-            m.register_buffer("rope", mine[0], persistent=False)
-            for layer, kv in zip(m.layers, mine[1:]):
+            m.register_buffer("rope", mine.rope, persistent=False)
+            for layer, kv in zip(m.layers, mine.kv):
                 layer.self_attn.kv_cache = kv
-            if hasattr(m, "carried"):
-                m.carried = mine[-1]
+            if mine.carried is not None:
+                m.carried = mine.carried
             if isinstance(m, Transformer):
-                m.max_batch, m.max_seq = mine[1].k.shape[:2]
+                m.max_batch, m.max_seq = mine.kv[0].k.shape[:2]
 
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None,
                  on_step=None):
