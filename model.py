@@ -73,8 +73,8 @@ class Rope(NamedTuple):
 
     @staticmethod
     def at(cos_sin: torch.Tensor, dtype: torch.dtype) -> "Rope":
-        cos = cos_sin[:, :, None, 0].to(dtype)  # [B, T, 1, hd]
-        sin = cos_sin[:, :, None, 1].to(dtype)
+        cos = cos_sin[:, :, 0].unsqueeze(2).to(dtype)  # [B, T, 1, hd]: the same for every head
+        sin = cos_sin[:, :, 1].unsqueeze(2).to(dtype)
         half = sin.shape[-1] // 2
         first = -sin[..., :half]  # rotate_half(x) = [-x2, x1]: the sign moves onto sin
         second = sin[..., half:]
@@ -83,7 +83,7 @@ class Rope(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, heads, hd]
         half = x.shape[-1] // 2
-        rotated = x.roll(half, -1)
+        rotated = x.roll(half, -1)  # [x1, x2] -> [x2, x1]: rotate_half, its sign in sin
         return x * self.cos + rotated * self.sin
 
 
