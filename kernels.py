@@ -609,7 +609,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr,
                              s_vb, s_vs, s_vh,
                              s_bb, s_bt,
                              scale,
-                             S: tl.constexpr,
+                             S: tl.constexpr,  # constexpr for Triton 3.6's interpreter, as R is
                              HD: tl.constexpr,
                              BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr,
