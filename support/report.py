@@ -135,7 +135,7 @@ class Decoding:
         # running sums of metrics.py's counts, for the bar and W&B while requests are in flight
         self.stop = set(engine.stop_ids)
         self.running = {"num_rounds": 0, "verified": 0, "committed": 0, "tokens": 0}
-        self.accepted_hist = [0] * (engine.K + 1)  # rounds that accepted 0 .. K drafts
+        self.length_hist = [0] * (engine.K + 2)  # rounds that committed 0 .. K+1 tokens
         self.seen: dict[int, int] = {}             # tokens of each request counted so far
         self.steps = self.logged = 0
         self.bar = None
@@ -158,7 +158,7 @@ class Decoding:
         self.running["committed"] += committed
         self.running["tokens"] += len(req.output_ids) - self.seen.get(req.index, 0)
         self.seen[req.index] = len(req.output_ids)
-        self.accepted_hist[min(accepted, self.engine.K)] += 1
+        self.length_hist[committed] += 1  # the round's accepted length, bonus included
 
     def on_finish(self, c):
         self.done.append(c)
@@ -195,9 +195,9 @@ class Decoding:
     def log_figures(self):
         import numpy as np
 
-        # bins centred on 0 .. K accepted drafts
-        edges = np.arange(self.engine.K + 2) - 0.5
-        hist = self.log.wandb.Histogram(np_histogram=(self.accepted_hist, edges))
+        # bins centred on 0 .. K+1 committed tokens (0: never; 1: no draft accepted)
+        edges = np.arange(self.engine.K + 3) - 0.5
+        hist = self.log.wandb.Histogram(np_histogram=(self.length_hist, edges))
         figures = {f"{self.name}/{k}": v for k, v in self.figures().items() if v is not None}
         self.log.log({**figures, f"{self.name}/accepted_length": hist})
         self.logged = self.steps

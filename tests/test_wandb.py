@@ -205,13 +205,14 @@ def test_speculate_logs_figures_while_decoding(spec):
         assert last[f"{name}/requests_done"] == 3 and last[f"{name}/tokens"] == 3 * 16
         assert last[f"{name}/tokens_per_second"] > 0
         hist = last[f"{name}/accepted_length.values"]
-        assert len(hist) == K + 1 and last[f"{name}/accepted_length._type"] == "histogram"
+        assert len(hist) == K + 2 and last[f"{name}/accepted_length._type"] == "histogram"
+        assert hist[0] == 0  # a round commits one token at least
         # the last row's τ and verified/round are the summary's (one definition, metrics.py)
         assert last[f"{name}/acceptance_length"] == pytest.approx(run.summary[f"{name}/acceptance_length"])
         assert last[f"{name}/verified_per_round"] == pytest.approx(run.summary[f"{name}/verified_per_round"])
-        # Σ (accepted + 1) over the histogram's rounds = τ x rounds (no stop token in 16 tokens of code)
+        # the histogram's mean is τ: Σ length x rounds = τ x all rounds
         rounds_total = sum(hist)
-        assert sum((a + 1) * n for a, n in enumerate(hist)) == pytest.approx(
+        assert sum(length * n for length, n in enumerate(hist)) == pytest.approx(
             last[f"{name}/acceptance_length"] * rounds_total)
     assert run.summary["speculative/acceptance_length"] > 1 == run.summary["autoregressive/acceptance_length"]
 
