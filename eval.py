@@ -721,7 +721,8 @@ def format_calibration(cal: dict) -> str:
         lines.append(cal["sts_note"])
     by = cal.get("raw_by_dataset") or {}
     if len(by) > 1:
-        lines += ["", "ECE of a_k per dataset (the table above pools every dataset's rounds)"]
+        lines += ["", "ECE of a_k per dataset (the table above pools every dataset's rounds; "
+                      "rounds: those that sent draft 1)"]
         head = f"{'dataset':<16}{'rounds':>8}"
         for k in range(1, cal["positions"] + 1):
             head += f"{f'k={k}':>7}"
