@@ -110,7 +110,7 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
     out = {"acceptance": log.table(lead + cols + rate_cols, acceptance)}
     if K:
         by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"], by_position)
-        title = "accept_rate@j by draft position (authors' definition)"
+        title = "accept_rate@j at draft position j + 1 (authors' definition)"
         out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
                                                       title=title)
     if cal is not None:
