@@ -196,10 +196,14 @@ class Drafter(DrafterBase):
         else:
             self.confidence_head = None
 
+    def context(self, features):
+        """The target's captured features [B, T, n*H] projected to what a block attends to [B, T, H]."""
+        return self.hidden_norm(self.fc(features))
+
     def commit_context(self, features, positions, following=None, last=None, rows=None):
         """Cache every layer's K/V of projected features [B, T, n*H] at positions [B, T] (the
         tokens that follow them, `following`, and each row's `last` committed one: Eagle3's)."""
-        c = self.hidden_norm(self.fc(features))
+        c = self.context(features)
         rope = Rope.at(self.rope[positions], c.dtype)
         for layer in self.layers:
             k, v = layer.self_attn.kv(c, rope)

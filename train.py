@@ -173,7 +173,7 @@ def block_forward(drafter: Drafter, features, tokens, anchors, doc=None):
     block = torch.full((B, N, K), cfg.mask_token_id, dtype=torch.long, device=dev)
     block[:, :, 0] = tokens.gather(1, anchors)
     x = drafter.target.embed_tokens(block.view(B, N * K))
-    context = drafter.hidden_norm(drafter.fc(features))  # [B, T, H] what every block attends to
+    context = drafter.context(features)  # [B, T, H] what every block attends to
     mask = block_mask(anchors, T, K, doc)
     for layer in drafter.layers:
         context_kv = layer.self_attn.kv(context, rope_ctx)
@@ -585,15 +585,12 @@ def shared_weights(target_dir: str) -> dict:
     return found
 
 
-def save_drafter(out: str, drafter: Drafter, target_dir: str, num_anchors: int,
-                 step: Optional[int] = None, config: Optional[dict] = None):
-    """config.json (`config`, else DSpark's) + model.safetensors, DeepSpec's layout: separate q/k/v and
+def save_drafter(out: str, drafter: Drafter, target_dir: str, config: dict, step: Optional[int] = None):
+    """config.json (`drafter_json`'s) + model.safetensors, DeepSpec's layout: separate q/k/v and
     gate/up, and copies of the target's embedding and lm_head."""
     tensors = published({k: v.float() for k, v in drafter.state_dict().items()})
     tensors = {**tensors, **shared_weights(target_dir)}
     save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
-    if not config:
-        config = config_json(target_dir, drafter.cfg, num_anchors)
     write_json(os.path.join(out, "config.json"), config)
 
 
@@ -770,13 +767,13 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | "
               f"{len(corpus)} sequences of {T} tokens, {N} anchors each | "
               f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world} process(es)")
-    if log is not None:
-        log.config(world_size=world, global_batch=G, hardware=device_name(device),
-                   dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
-                   anchors_resolved=N, trained_parameters=trained, step_flops=flops,
-                   target_config=runlog.checkpoint_config(args.target),
-                   drafter_config=config_json(args.target, drafter.cfg, args.anchors_per_seq),
-                   drafter_resolved=drafter.cfg.describe())
+    if run.wandb is not None:
+        run.wandb.config(world_size=world, global_batch=G, hardware=device_name(device),
+                         dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
+                         anchors_resolved=N, trained_parameters=trained, step_flops=flops,
+                         target_config=runlog.checkpoint_config(args.target),
+                         drafter_config=drafter_json(args, drafter.cfg),
+                         drafter_resolved=drafter.cfg.describe())
     batches = data.Batches(len(corpus), G, args.seed)
     w = slot_weights(K, args.gamma)
     mine = data.micro_slices(args.batch_size, args.grad_accum, rank)
@@ -786,7 +783,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         g = torch.Generator().manual_seed(data.seed_for("anchors", args.seed, step))
         candidates = data.anchor_candidates(mask, doc)
         anchors, keep = data.sample_anchors(G, T, N, g, candidates)
-        # the global batch's Σ w, shared by every micro-batch
+        # the global batch's Σ w (w as distill_losses weighs a slot), shared by every micro-batch
         supervised = data.supervised(anchors, keep, K, T, mask, doc).float()
         den = (w * supervised).sum().clamp_min(1e-12)
         out = []
@@ -801,7 +798,8 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         return out
 
     def save(directory, step, opt):
-        save_drafter(directory, drafter, args.target, args.anchors_per_seq, step=step)
+        config = drafter_json(args, drafter.cfg)
+        save_drafter(directory, drafter, args.target, config, step=step)
         save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
 
     def summarize_step(sums):
@@ -867,7 +865,7 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
 
     def save(directory, step, opt):
         config = drafter_json(args, drafter.cfg)
-        save_drafter(directory, drafter, args.target, 0, step=step, config=config)
+        save_drafter(directory, drafter, args.target, config, step=step)
         save_state(directory, step, drafter, opt, args, len(corpus), run.world, identity)
 
     def summarize_step(sums):
