@@ -105,8 +105,8 @@ def figures_line(name: str, summary: dict, c: dict, engine) -> str:
                 rate = f"{x:.2f}"
             rate_texts.append(rate)
         rates = " ".join(rate_texts)
-        line += (f", accept by position [{rates}], "
-                 f"verified {summary['verified_per_round']:.2f}/round ({summary['scheduler']})")
+        line += (f", conditional accept by position [{rates}], "
+                 f"drafts verified {summary['verified_per_round']:.2f}/round ({summary['scheduler']})")
     return line + (f" (prefill {summary['prefill_seconds']:.2f} s, "
                    f"decode {summary['decode_seconds']:.2f} s)")
 
