@@ -6,11 +6,13 @@ head's calibration (ECE / AUROC / Brier, Sequential Temperature Scaling). docs/e
     torchrun --nproc_per_node 8 eval.py ...          # every rank a shard of every dataset
 
 Decoding is speculate.py's engine. Metrics are ratios of raw counts summed across ranks, and sample i
-draws from a stream seeded seed + i, so N processes report what one does.
+draws from a stream seeded seed + i, so N processes report what one does. "The authors'" figures are
+those of DeepSpec's evaluation (the paper's code); "ours" are this project's additions.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -22,8 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from speculate import DEMO_DIR, Request, make_engine, size_engine
-from support import flags, plots, runlog
-from support import metrics as mt
+from support import flags, metrics, plots, runlog
 from support.calibration import (
     ECE_BINS,
     STS_GRID,
@@ -123,20 +124,21 @@ class EvalArgs(WandbFlags):
     """Under torchrun: seconds to wait for the other processes before giving up."""
 
 
-def metrics(name: str, c: dict, seconds: float) -> dict:
+def dataset_entry(name: str, c: dict, seconds: float) -> dict:
     """A dataset's entry of results.json from its summed counts: the authors' metrics, then ours."""
     return {
         "dataset": name,
         "num_samples": c["num_samples"],
-        "acceptance_length": mt.acceptance_length(c),
-        "draft_tokens_per_proposal": mt.verified_per_round(c),
-        "verify_rate": mt.verify_rate(c),
-        "accept_rates_by_position": mt.accept_rates_by_position(c),
+        "acceptance_length": metrics.acceptance_length(c),
+        "draft_tokens_per_proposal": metrics.verified_per_round(c),
+        "verify_rate": metrics.verify_rate(c),
+        # the authors': rounds that accepted more than j drafts / rounds that verified more than j
+        "accept_rates_by_position": metrics.accept_rates_by_position(c),
         "num_rounds": c["num_rounds"],
         "num_tokens": c["tokens"],
-        # the paper's Figure 2: conditional
-        "accept_rate_by_position": mt.accept_rate_by_position(c),
-        "counts": {k: c[k] for k in mt.COUNT_KEYS + mt.LIST_KEYS},
+        # the paper's Figure 2: draft k's acceptance given drafts 1 .. k-1 were accepted
+        "accept_rate_by_position": metrics.accept_rate_by_position(c),
+        "counts": {k: c[k] for k in metrics.COUNT_KEYS + metrics.LIST_KEYS},
         "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
         "seconds": seconds,
     }
@@ -146,7 +148,7 @@ def metrics(name: str, c: dict, seconds: float) -> dict:
 # Inputs, checked before anything loads; the run
 
 def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
-    """(args with the defaults filled in, demo mode); --max-new-tokens stays None (see `budget`)."""
+    """(args with the defaults filled in, demo mode); --max-new-tokens stays None (see `token_budget`)."""
     for flag, value in (("--data-dir", args.data_dir), ("--datasets", args.datasets)):
         if value is not None and not value.strip():
             raise UserError(f"{flag}: empty value (leave the flag out for the default)")
@@ -182,7 +184,7 @@ def free_name(path: str) -> str:
 
 def check_flags(args: EvalArgs) -> Settings:
     """The flags alone; the decode settings are speculate.py's, checked as there (the budget stays None
-    when not given: `budget` resolves it once the prompts are read)."""
+    when not given: `token_budget` resolves it once the prompts are read)."""
     s = flags.check_settings(args.decode, args.machine.device, budget=None)
     flags.check_machine(args.machine, s.compile)
     check_ranges(args, max_samples="[1, 10000000]", calibration_split="[0, 1)",
@@ -199,14 +201,17 @@ def check_flags(args: EvalArgs) -> Settings:
     if not args.drafter:
         flags.check_no_drafter(args)
     several = len(args.drafter) > 1 or s.tree_budget > 0
-    calibration_flags = (("--calibration", args.calibration),
-                         ("--calibration-out", args.calibration_out),
-                         ("--calibration-plot", args.calibration_plot))
-    for flag, given in calibration_flags:
-        if given and several:
+    calibration_flags = []
+    if args.calibration:
+        calibration_flags.append("--calibration")
+    calibration_flags += calibration_outputs(args)
+    for flag in calibration_flags:
+        if several:
             raise UserError(f"{flag}: calibrates one drafter's confidence head; "
                             "this run compares several rows "
                             "(more than one --drafter, or a --tree-budget curve)")
+    if calibration_outputs(args) and not args.drafter:
+        raise UserError(f"{calibration_outputs(args)[0]}: needs a --drafter with a confidence head")
     tuning = calibration_tuning(args)
     if tuning and (several or not args.drafter):
         raise UserError(f"{tuning[0]}: shapes the calibration report of one drafter's confidence "
@@ -217,6 +222,12 @@ def check_flags(args: EvalArgs) -> Settings:
     if args.calibration_out and args.calibration_split == 0:
         raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
     return s
+
+
+def calibration_outputs(args: EvalArgs) -> list[str]:
+    """The calibration files asked for, as their flags."""
+    given = {"--calibration-out": args.calibration_out, "--calibration-plot": args.calibration_plot}
+    return [flag for flag, path in given.items() if path]
 
 
 def calibration_tuning(args: EvalArgs) -> list[str]:
@@ -230,12 +241,13 @@ def calibration_tuning(args: EvalArgs) -> list[str]:
 
 
 def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[str]]:
-    """(name, path, sample count) of the datasets present; the known ones' missing files."""
-    data_dir = args.data_dir or DATA_DIR
+    """(name, path, sample count) of the datasets present; the known ones' missing files (after
+    `resolve_defaults`)."""
+    data_dir = args.data_dir
     problem = directory_problem(data_dir)
     if problem:
         raise UserError(f"--data-dir {data_dir}: {problem}")
-    listed = args.datasets or ",".join(PAPER_DATASETS)
+    listed = args.datasets
     names = [n.strip() for n in listed.split(",")]
     if not any(names):
         raise UserError("--datasets: no dataset named")
@@ -260,11 +272,16 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
         if not present:
             skipped.append(path)
             continue
-        samples = args.max_samples or DEFAULT_SAMPLES.get(name, 0)  # 0: every row
+        samples = args.max_samples or DEFAULT_SAMPLES.get(name, 0)  # 0: every prompt in the file
         out.append((name, path, samples))
     if not out:
         raise UserError(f"--datasets: none of {', '.join(names)} is in {data_dir}")
     return out, skipped
+
+
+def dataset_name(path: str) -> str:
+    """The dataset a --data-dir file holds: its name without .jsonl."""
+    return os.path.basename(path)[:-len(".jsonl")]
 
 
 def select(prompts: list, n: int, seed: int) -> list:
@@ -276,8 +293,8 @@ def select(prompts: list, n: int, seed: int) -> list:
     return prompts
 
 
-def budget(given: Optional[int], demo: bool, prompts: dict, context: int,
-           verbose: bool = True) -> int:
+def token_budget(given: Optional[int], demo: bool, prompts: dict, context: int,
+                 verbose: bool = True) -> int:
     """--max-new-tokens as given, or the protocol's budget capped (with a note) to what the context leaves."""
     if given is not None:
         return given
@@ -296,13 +313,9 @@ def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results."""
     args, demo = resolve_defaults(args)
     s = check_flags(args)
-    rank = torchrun_env()[0]
+    rank, _, _ = torchrun_env()
     datasets, skipped = resolve_datasets(args)
-    sps_read = None  # an SPS table is read if it exists, else written
-    sps_written = s.sps_table
-    if s.sps_table is not None and os.path.isfile(s.sps_table):
-        sps_read = s.sps_table
-        sps_written = None
+    sps_read, sps_written = flags.sps_paths(s.sps_table)
     outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
                "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
     inputs = [args.target, *args.drafter, args.calibration, sps_read]
@@ -348,13 +361,14 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
         budgets = [0]
         if tree_budget and drafter.cfg.layout != "eagle3":
             budgets += [b for b in TREE_BUDGETS if b < tree_budget] + [tree_budget]
-        for budget in budgets:
-            label = name
-            if len(budgets) > 1 and budget:
-                label = f"{name} tree {budget}"
-            elif len(budgets) > 1:
+        for row_budget in budgets:
+            if len(budgets) == 1:
+                label = name
+            elif row_budget == 0:
                 label = f"{name} chain"
-            rows.append(Row(label, directory, drafter, budget))
+            else:
+                label = f"{name} tree {row_budget}"
+            rows.append(Row(label, directory, drafter, row_budget))
     return rows
 
 
@@ -376,31 +390,23 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     flags.check_tree_temperature(s, tree_drafters, flags.sampling_for(m, s).temperature)
     if rank == 0:
         for path in skipped:
-            name = os.path.basename(path)[:-len(".jsonl")]
-            print(f"warning: {path} not found; skipping dataset {name}", file=sys.stderr)
-    drafter = m.drafter
+            print(f"warning: {path} not found; skipping dataset {dataset_name(path)}", file=sys.stderr)
     chat = auto_chat(args.rendering.chat, m.tokenizer)
     if rank == 0 and args.calibration:
         note = calibration_note(args.calibration, first, s.temperature)
         if note:
             print(note, file=sys.stderr)
-    has_conf = len(rows) == 1 and drafter is not None and drafter.confidence_head is not None
-    if (args.calibration_out or args.calibration_plot) and not has_conf:
-        raise UserError("--calibration-out / --calibration-plot "
-                        "need a --drafter with a confidence head")
-    tuning = calibration_tuning(args)
-    if tuning and not has_conf:
-        raise UserError(f"{tuning[0]}: shapes the calibration report of a confidence head, "
-                        f"and --drafter {first} has none: it would change nothing")
+    calibrates = reports_calibration(args, rows, m, first)
     # drafts a round, as the engines take it: an Eagle3 chain's --draft-length, else the checkpoint's
     K = max((s.draft_length or d.cfg.num_drafts for d in drafters), default=0)
 
-    # Every rank reads every dataset, so every cache shape is the one a single process would use.
+    # Every rank reads every dataset, so its caches are as long as a single process's (and its batch
+    # is its shard's).
     context = m.target.args.max_position_embeddings
     for d in drafters:
         context = min(context, d.cfg.layers.max_position_embeddings)
     prompts = read_datasets(args, s, datasets, m, drafters, chat, context)
-    s.max_new_tokens = budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
+    s.max_new_tokens = token_budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
     # what results.json says ran
     args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))
     check_calibration_room(args, s, prompts)
@@ -430,18 +436,18 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             print(d.cfg.describe(), file=sys.stderr)
         for line in m.hub_snapshots:
             print(line, file=sys.stderr)
-    run = Run(args, rank, world, device, log, prompts, len(rows) > 1)
+    decoder = RowDecoder(args, rank, world, device, log, prompts, len(rows) > 1)
     done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}, once its engine is built
     calibration = None
 
-    def results(complete: bool, calibration=None, **more) -> dict:
+    def results(engine, complete: bool, public_calibration=None, **more) -> dict:
         """results.json: the first row's datasets at the top (one drafter's run), every row after;
-        called once a row has its engine (the latest row's goes into the config)."""
-        run_config = config(args, world, K, engine, drafters, chat, s.compile, m, prompts)
+        `engine`: the latest row's (its compile time goes into the config)."""
+        run_config = config(args, world, K, engine, drafters, chat, s.compile, m, skipped)
         record = {"config": run_config, "complete": complete}
         record.update(more)
         record["datasets"] = done[0]["datasets"]
-        record["calibration"] = calibration
+        record["calibration"] = public_calibration
         record["rows"] = done
         return record
 
@@ -452,18 +458,19 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             engine = make_engine(m, row.drafter, every_prompt, row_settings, verbose=rank == 0)
             entries = []
             parts = None  # each dataset's rounds, for the calibration
-            if has_conf:
+            if calibrates:
                 parts = []
             done.append({"label": row.label, "drafter": row.directory,
                          "tree_budget": row.tree_budget, "datasets": entries})
-            run.decode_datasets(row, engine, s, entries, parts, engine.stop_ids, results)
-            if has_conf:
+            snapshot = functools.partial(results, engine, False)
+            decoder.decode_datasets(row, engine, s, entries, parts, snapshot)
+            if calibrates:
                 calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries])
     except Interrupted as e:
         if not done:  # stopped while the first engine compiled or profiled: no results yet
             e.written = []
         elif rank == 0:
-            write_json(args.out, results(False, interrupted=True))
+            write_json(args.out, results(engine, False, interrupted=True))
         raise
     if calibration is not None and s.scheduler != "none":
         calibration["scheduled"] = s.scheduler
@@ -475,13 +482,29 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     public = None
     if calibration:
         public = {k: v for k, v in calibration.items() if not k.startswith("_")}
-    out = results(True, public)
+    out = results(engine, True, public)
     if rank == 0:
         if len(rows) > 1:
             print()
             print(format_comparison(done, s.temperature))
         write_outputs(args, out, calibration, log, first)
     return out
+
+
+def reports_calibration(args: EvalArgs, rows: list, m, first: Optional[str]) -> bool:
+    """Whether the run measures the calibration report: one row, a drafter with a confidence head.
+    The flags that shape or write the report are refused where it is not measured."""
+    one_row = len(rows) == 1
+    has_head = m.drafter is not None and m.drafter.confidence_head is not None
+    calibrates = one_row and has_head
+    asked = calibration_outputs(args)
+    if asked and not calibrates:
+        raise UserError(f"{asked[0]}: needs a --drafter with a confidence head")
+    tuning = calibration_tuning(args)
+    if tuning and not calibrates:
+        raise UserError(f"{tuning[0]}: shapes the calibration report of a confidence head, "
+                        f"and --drafter {first} has none: it would change nothing")
+    return calibrates
 
 
 def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list, chat: bool,
@@ -506,11 +529,9 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
 
 def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
     """The calibration flags need rounds to measure, and STS a held-out share of the requests to fit on."""
-    if (args.calibration_out or args.calibration_plot) and s.max_new_tokens == 1:
-        name = "--calibration-plot"
-        if args.calibration_out:
-            name = "--calibration-out"
-        raise UserError(f"{name}: --max-new-tokens 1 ends every request at its first token, "
+    asked = calibration_outputs(args)
+    if asked and s.max_new_tokens == 1:
+        raise UserError(f"{asked[0]}: --max-new-tokens 1 ends every request at its first token, "
                         "before any round: nothing to calibrate")
     if not args.calibration_out:
         return
@@ -532,7 +553,61 @@ def load_extra_drafter(directory: str, m):
     return drafter
 
 
-class Run:
+class Progress:
+    """Rank 0's count of every rank's prompts done, as a tqdm bar, lines or nothing (`runlog.show`).
+    A rank sees only its own shard finish: a dataset's count moves `world` prompts a request this
+    rank finishes, at most the dataset's size, and is exact once the dataset is done."""
+
+    def __init__(self, shown: Optional[str], label: str, total: int, world: int):
+        self.label = label
+        self.total = total
+        self.world = world
+        self.finished = 0  # the prompts of the datasets done
+        self.current = 0   # ... and of the one being decoded
+        self.size = 0      # that one's prompts
+        self.bar = None
+        self.lines = None
+        if shown == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
+        elif shown == "lines":
+            self.lines = runlog.Lines()
+
+    def say(self, text: str):
+        """A line that does not break the bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text)
+
+    def start(self, description: str, size: int):
+        self.size = size
+        self.current = 0
+        if self.bar is not None:
+            self.bar.set_description(description)
+
+    def on_finish(self, req):
+        self.current = min(self.current + self.world, self.size)
+        self.show()
+
+    def end_dataset(self):
+        self.finished += self.size
+        self.current = 0
+        self.show()
+
+    def show(self):
+        done = self.finished + self.current
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+        if self.lines is not None:
+            self.lines.say(f"{self.label}: {done}/{self.total} prompts of all datasets done")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class RowDecoder:
     """What every row's decode shares: the prompts, the progress shown, where results go."""
 
     def __init__(self, args: EvalArgs, rank: int, world: int, device, log, prompts: dict,
@@ -547,56 +622,46 @@ class Run:
         self.shown = runlog.show(args.progress and rank == 0)
 
     def decode_datasets(self, row: Row, engine, s: Settings, entries: list,
-                        parts: Optional[list], stop_ids, results):
+                        parts: Optional[list], snapshot):
         """Every dataset on `engine`, this rank's interleaved shard; its counts summed across ranks, its
-        table line printed and --out rewritten as each is done (a crash later keeps them)."""
-        prompts = self.prompts
-        total = sum(len(ps) for ps in prompts.values())
-        bar = None
-        lines = None
-        if self.shown == "bar":
-            from tqdm import tqdm
-            bar = tqdm(total=total, file=sys.stderr, unit="prompt", dynamic_ncols=True)
-        elif self.shown == "lines":
-            lines = runlog.Lines()
-        done = [0]
+        entry appended to `entries` (its rounds to `parts`, for the calibration), its table line
+        printed and --out rewritten with `snapshot()` as each is done (a crash later keeps them)."""
+        total = sum(len(ps) for ps in self.prompts.values())
+        progress = Progress(self.shown, row.label, total, self.world)
+        on_finish = None
+        if self.shown:
+            on_finish = progress.on_finish
         K = engine.K
-
-        def on_finish(req):
-            done[0] += self.world
-            if bar is not None:
-                bar.update(self.world)
-            if lines is not None:
-                finished = min(done[0], total)
-                lines.say(f"{row.label}: {finished}/{total} prompts of all datasets done")
-
-        say = print
-        if bar is not None:
-            say = bar.write
         if self.rank == 0 and self.several:
-            say(f"--- {row.label} ---")
-        for name, ps in prompts.items():
+            progress.say(f"--- {row.label} ---")
+        for index, (name, ps) in enumerate(self.prompts.items()):
             mine = range(self.rank, len(ps), self.world)  # this rank's interleaved shard
             requests = [Request(i, ps[i]) for i in mine]
+            description = name
+            if self.several:
+                description = f"{row.label}: {name}"
+            progress.start(description, len(ps))
             seconds0 = engine.prefill_seconds + engine.decode_seconds
-            if bar is not None:
-                bar.set_description(f"{row.label}: {name}" if self.several else name)
-            engine.generate(requests, s.max_new_tokens,
-                            on_finish=on_finish if self.shown else None)
+            engine.generate(requests, s.max_new_tokens, on_finish=on_finish)
             elapsed = engine.prefill_seconds + engine.decode_seconds - seconds0
-            seconds = all_max(elapsed, self.device)
-            c = sum_counts(mt.count(requests, K, stop_ids), self.device)
-            entries.append(metrics(name, c, seconds))
+            seconds = all_max(elapsed, self.device)  # the slowest rank's
+            counts = sum_counts(metrics.count(requests, K, engine.stop_ids), self.device)
+            entry = dataset_entry(name, counts, seconds)
+            entries.append(entry)
             if parts is not None:
-                parts.append(round_arrays(requests, len(entries) - 1, K, stop_ids))
+                parts.append(round_arrays(requests, index, K, engine.stop_ids))
+            if self.shown:
+                progress.end_dataset()
             if self.rank == 0:
-                say(format_table(entries[-1:], header=len(entries) == 1))
-                write_json(self.args.out, results(False))
+                first_dataset = index == 0
+                progress.say(format_table([entry], header=first_dataset))
+                write_json(self.args.out, snapshot())
             if self.log is not None:
-                prefix = f"{row.label}/" if self.several else ""
-                log_dataset(self.log, entries[-1], self.args.step, prefix)
-        if bar is not None:
-            bar.close()
+                prefix = ""
+                if self.several:
+                    prefix = f"{row.label}/"
+                log_dataset(self.log, entry, self.args.step, prefix)
+        progress.close()
 
 
 def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) -> Optional[dict]:
@@ -621,17 +686,16 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) ->
 
 
 def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
-           prompts: dict) -> dict:
+           skipped_files: list) -> dict:
     """results.json's config: the flags as given, and what the run resolved them to."""
     described = [d.cfg.describe() for d in drafters]
-    drafter_config = described or None  # one drafter: its description; several: a list
-    if len(described) == 1:
+    if not described:
+        drafter_config = None
+    elif len(described) == 1:
         drafter_config = described[0]
-    skipped = []  # datasets asked for that have no prompts here
-    for name in args.datasets.split(","):
-        name = name.strip()
-        if name and name not in prompts:
-            skipped.append(name)
+    else:
+        drafter_config = described
+    skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
@@ -763,9 +827,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
                   log: Optional[runlog.Log] = None, drafter_dir: Optional[str] = None):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
-    calibration_flags = (("--calibration-out", args.calibration_out),
-                         ("--calibration-plot", args.calibration_plot))
-    asked = [name for name, value in calibration_flags if value]
+    asked = calibration_outputs(args)
     if asked and calibration is None:
         raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
                         f"so there is nothing to calibrate; {args.out} has the rest")

@@ -153,12 +153,12 @@ def round_arrays(requests: list, dataset: int, K: int, stop_ids=()) -> dict:
     accepted = []
     for r in requests:
         for rd in r.rounds:
-            counts = mt.round_counts(rd, stop_ids)  # (accepted, verified)
+            round_accepted, round_verified, _ = mt.round_counts(rd, stop_ids)
             request.append(r.index)
             number.append(rd["round"])
             confidence.append(rd["confidence"])
-            verified.append(counts[1])
-            accepted.append(counts[0])
+            verified.append(round_verified)
+            accepted.append(round_accepted)
     n = len(request)
     return {"dataset": np.full(n, dataset, dtype=np.int32),
             "request": np.array(request, dtype=np.int64).reshape(n),

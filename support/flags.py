@@ -521,12 +521,18 @@ def check_command_line(args):
     return s
 
 
+def sps_paths(sps_table: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(read, written): an --sps-table is read if it exists, else written."""
+    if sps_table is not None and os.path.isfile(sps_table):
+        return sps_table, None
+    return None, sps_table
+
+
 def check_files(args):
-    """The outputs writable, none an input (an SPS table is read if it exists, else written)."""
-    sps = args.decode.sps_table
-    sps_read = sps if sps is not None and os.path.isfile(sps) else None
+    """The outputs writable, none an input."""
+    sps_read, sps_written = sps_paths(args.decode.sps_table)
     outputs = {"--trace-file": args.trace_file, "--output-file": args.output_file,
-               "--sps-table": None if sps_read else sps}
+               "--sps-table": sps_written}
     inputs = [args.target, args.drafter, args.prompts.prompts_file, args.calibration, sps_read]
     check_outputs(outputs, inputs=inputs)
     check_calibration_file(args.calibration)

@@ -165,7 +165,7 @@ def test_counts_and_rates_by_hand():
               [(0, 4), (1, 4), (4, 4), (2, 2), (0, 0), (3, 4), (1, 1)]]
     reqs = [speculate.Request(0, [1], [1, 2], rounds[:4]), speculate.Request(1, [1], [3], rounds[4:])]
     c = metrics.count(reqs, K)
-    entry = ev.metrics("x", c, 1.0)
+    entry = ev.dataset_entry("x", c, 1.0)
     assert entry["accept_rate_by_position"] == [5 / 6, 3 / 4, 2 / 2, 1 / 2] == metrics.accept_rate_by_position(c)
     assert entry["acceptance_length"] == (11 + 7) / 7 and entry["draft_tokens_per_proposal"] == 19 / 7
     assert entry["verify_rate"] == (11 + 7) / (19 + 7)
@@ -204,7 +204,7 @@ def test_a_position_no_round_tried_has_no_rate():
     assert metrics.accept_rates_by_position(c) == [2 / 3] + [None] * (K - 1)
     none = metrics.count([speculate.Request(0, [1], [1])], K)  # no round at all
     assert metrics.accept_rate_by_position(none) == [None] * K
-    table = ev.format_table([ev.metrics("x", c, 1.0)])
+    table = ev.format_table([ev.dataset_entry("x", c, 1.0)])
     assert table.splitlines()[-1].endswith("0.67" + " -" * (K - 1))
 
 
@@ -227,7 +227,7 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_round_there():
     req = speculate.Request(0, [1], [1, 2, 3, 5, EOS], rounds)
     c = metrics.count([req], K, stop_ids=[EOS])
     want = authors_metrics(rounds, {EOS}, K)
-    entry = ev.metrics("x", c, 1.0)
+    entry = ev.dataset_entry("x", c, 1.0)
     for key, value in want.items():
         assert entry[key] == pytest.approx(value, abs=1e-12), key
     assert entry["acceptance_length"] == (3 + 2) / 2 and entry["draft_tokens_per_proposal"] == (4 + 2) / 2
@@ -253,7 +253,7 @@ def test_ignore_eos_counts_rounds_as_they_were_decoded(env, tmp_path, capsys, mo
         seen.append(set(stop_ids))
         return count(requests, K, stop_ids)
 
-    monkeypatch.setattr(ev.mt, "count", recording)
+    monkeypatch.setattr(ev.metrics, "count", recording)
     run_eval(env, tmp_path, capsys, "--ignore-eos", datasets="gsm8k")
     assert seen and all(stop == set() for stop in seen)
     seen.clear()
@@ -427,7 +427,8 @@ def test_default_sample_counts_and_missing_files(tmp_path, capsys):
 
 
 def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
-    (name, path, n), = ev.resolve_datasets(ev.EvalArgs(target="t", datasets="gsm8k"))[0]
+    args, _ = ev.resolve_defaults(ev.EvalArgs(target="t", datasets="gsm8k"))
+    (name, path, n), = ev.resolve_datasets(args)[0]
     assert os.path.realpath(path) == os.path.realpath(REPO_ROOT / "data" / "eval" / "gsm8k.jsonl") and n == 500
 
 
@@ -482,6 +483,31 @@ def test_calibration_tuning_without_a_confidence_head_is_refused(tmp_path, capsy
     assert not (tmp_path / "r.json").exists()
 
 
+def test_progress_counts_every_ranks_prompts_and_never_past_a_dataset():
+    """Rank 0 sees its own shard finish and counts `world` prompts each: 20 prompts over 8 ranks give
+    rank 0 three requests, which count 20, not 24; a finished dataset's count is exact."""
+    progress = ev.Progress(None, "row", total=25, world=8)
+    progress.start("a", 20)
+    for _ in range(3):
+        progress.on_finish(None)
+    assert progress.finished + progress.current == 20
+    progress.end_dataset()
+    progress.start("b", 5)
+    progress.on_finish(None)
+    assert progress.finished + progress.current == 25
+    progress.end_dataset()
+    assert progress.finished == 25 and progress.current == 0
+
+
+def test_calibration_files_without_a_drafter_are_refused_before_loading(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ev, "load_models", lambda *a, **k: pytest.fail("loaded before the flags were checked"))
+    for flag in ("--calibration-out", "--calibration-plot"):
+        rc = ev.main([str(a) for a in ["--target", env["target"], "--data-dir", env["data"], "--datasets", "gsm8k",
+                                       flag, tmp_path / "c.png", "--out", tmp_path / "r.json"]])
+        err = capsys.readouterr().err
+        assert rc == 2 and err == f"error: {flag}: needs a --drafter with a confidence head\n", err
+
+
 def test_progress_off_a_terminal_is_plain_lines(env, tmp_path, capsys):
     """stderr captured (not a terminal): no bar frames joined by carriage returns in it."""
     out = tmp_path / "r.json"
@@ -522,6 +548,7 @@ def test_sps_table_and_compile_cache_are_checked_before_loading(env, tmp_path, c
     rc = ev.main([str(a) for a in base[:7] + ["gsm8k,aime25"] + base[8:]])
     err = capsys.readouterr().err
     assert rc == 0 and f"warning: {os.path.join(env['data'], 'aime25.jsonl')} not found; skipping dataset aime25" in err
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["skipped"] == ["aime25"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -878,7 +905,7 @@ def test_a_rows_mean_tau_is_over_every_dataset_or_undefined():
 
 def test_results_config_names_the_drafters_and_the_skipped_datasets():
     """results.json's config: one drafter's description as it is, several as a list, none as None; the
-    datasets asked for without prompts are listed as skipped, by name."""
+    datasets asked for without a file are listed as skipped, by name."""
     from types import SimpleNamespace
 
     def drafter(name):
@@ -887,9 +914,9 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
     args = ev.EvalArgs(target="t", datasets="gsm8k, aime25,custom")
     engine = SimpleNamespace(compile_seconds=1.5)
     m = SimpleNamespace(dtype=torch.float32)
-    prompts = {"gsm8k": [[1]], "custom": [[2]]}
+    skipped_files = [os.path.join("data", "eval", "aime25.jsonl")]  # resolve_datasets' second list
     for drafters, want in [([], None), ([drafter("a")], "a"), ([drafter("a"), drafter("b")], ["a", "b"])]:
-        c = ev.config(args, 2, 7, engine, drafters, True, False, m, prompts)
+        c = ev.config(args, 2, 7, engine, drafters, True, False, m, skipped_files)
         assert c["drafter_config"] == want
         assert c["skipped"] == ["aime25"]  # as named, without the space around it
         assert (c["world_size"], c["num_drafts"], c["compile_seconds"]) == (2, 7, 1.5)
