@@ -201,17 +201,16 @@ def check_flags(args: EvalArgs) -> Settings:
     if not args.drafter:
         flags.check_no_drafter(args)
     several = len(args.drafter) > 1 or s.tree_budget > 0
-    calibration_flags = []
+    outputs = calibration_outputs(args)
+    calibration_flags = list(outputs)
     if args.calibration:
-        calibration_flags.append("--calibration")
-    calibration_flags += calibration_outputs(args)
-    for flag in calibration_flags:
-        if several:
-            raise UserError(f"{flag}: calibrates one drafter's confidence head; "
-                            "this run compares several rows "
-                            "(more than one --drafter, or a --tree-budget curve)")
-    if calibration_outputs(args) and not args.drafter:
-        raise UserError(f"{calibration_outputs(args)[0]}: needs a --drafter with a confidence head")
+        calibration_flags.insert(0, "--calibration")
+    if calibration_flags and several:
+        raise UserError(f"{calibration_flags[0]}: calibrates one drafter's confidence head; "
+                        "this run compares several rows "
+                        "(more than one --drafter, or a --tree-budget curve)")
+    if outputs and not args.drafter:
+        raise UserError(f"{outputs[0]}: needs a --drafter with a confidence head")
     tuning = calibration_tuning(args)
     if tuning and (several or not args.drafter):
         raise UserError(f"{tuning[0]}: shapes the calibration report of one drafter's confidence "
