@@ -584,7 +584,7 @@ class Engine:
         self.scheduler.reset()
         skip = self.compiled and self.warmed and self.skip_guards
         rows = Rows.empty(self.max_batch, self.device)
-        waiting = list(reversed(requests))
+        waiting = list(reversed(requests))  # pop() takes them in order
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
             self.admit(rows, waiting, max_new_tokens, on_finish)
             while rows.busy():
@@ -614,7 +614,7 @@ class Engine:
                     draws.append(first_race)
                 noise = torch.stack(draws)
             index = torch.tensor(free, device=self.device)
-            cache_rows = None
+            cache_rows = None  # rows 0 .. n-1: the prefill writes them without an index
             if free != list(range(len(free))):
                 cache_rows = index
             prompts = [r.prompt_ids for r in new]
