@@ -162,19 +162,20 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     if drafter is not None:
         commit_drafter(drafter, features, positions, drafts, accepted, next_token)
     read = torch.minimum(steps, accepted[:, None])  # rows 0 .. n: the accepted drafts', the bonus's
-    finite = finite_rows(logits, read)
+    finite = finite_rows(logits).gather(1, read).all(dim=1)
     record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
     next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
     return record, next_anchor, next_pos
 
 
-def finite_rows(logits, read) -> torch.Tensor:
-    """[B]: whether every logit is finite in the rows `read` [B, R] of logits [B, T, V], those the
-    accepted drafts were tested against and the committed token came from. One NaN makes a sampled
-    row's softmax all NaN, whichever token the race then returns."""
-    row_finite = torch.isfinite(logits).all(dim=-1)  # [B, T]
-    return row_finite.gather(1, read).all(dim=1)
+def finite_rows(logits) -> torch.Tensor:
+    """[...]: whether every logit of each row of logits [..., V] is finite. One NaN makes a sampled
+    row's softmax all NaN, whichever token the race then returns. A NaN or an infinity anywhere in a
+    row shows in its max or its min: two reductions, no [..., V] temporaries."""
+    row_max = logits.amax(dim=-1)
+    row_min = logits.amin(dim=-1)
+    return torch.isfinite(row_max) & torch.isfinite(row_min)
 
 
 def commit_drafter(drafter, features, positions, drafts, accepted, next_token):
@@ -229,7 +230,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
     path_features = features[rows[:, None], path]
     commit_drafter(drafter, path_features, path_positions, path_tokens[:, 1:], accepted, next_token)
-    finite = finite_rows(logits, path)  # the accepted nodes', then the last one's again
+    finite = finite_rows(logits).gather(1, path).all(dim=1)  # the accepted nodes', the last one's again
     nodes = tree.tokens[:, 1:]
     parents = tree.parents[:, 1:]
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
@@ -314,7 +315,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     last = lens - 1
     logits, features = target(tokens, positions, capture=capture, logits_index=last, rows=rows)
     first = sampling.sample(logits, temperature, generator=None, noise=noise, filters=filters)
-    finite = torch.isfinite(logits).all(-1)
+    finite = finite_rows(logits)
     first = torch.where(finite, first, -1)
     if drafter is not None:
         batch = torch.arange(B, device=device)
