@@ -201,8 +201,8 @@ class Drafter(DrafterBase):
         return self.hidden_norm(self.fc(features))
 
     def commit_context(self, features, positions, following=None, last=None, rows=None):
-        """Cache every layer's K/V of projected features [B, T, n*H] at positions [B, T] (the
-        tokens that follow them, `following`, and each row's `last` committed one: Eagle3's)."""
+        """Cache every layer's K/V of projected features [B, T, n*H] at positions [B, T]. `following`
+        and `last` (the tokens after them, each row's last committed one) are read by Eagle3's only."""
         c = self.context(features)
         rope = Rope.at(self.rope[positions], c.dtype)
         for layer in self.layers:
@@ -331,9 +331,10 @@ class Eagle3Drafter(DrafterBase):
         mask = cache_mask(allowed, self.cfg.layers, h.dtype)
         return self.layers[0](h, embedded, rope, positions, mask, rows=rows)
 
-    def commit_context(self, features, positions, following=None, last=None, rows=None):
+    def commit_context(self, features, positions, following, last, rows=None):
         """Positions [B, T] committed: their features [B, T, n*H] and the tokens after them,
-        `following` [B, T], rebuild the cache there; `carried` takes the h at each row's `last`."""
+        `following` [B, T], rebuild the cache there; `carried` takes the h at each row's `last` [B]
+        (an index into T)."""
         h = self.extend(self.fc(features), following, positions, rows)
         batch = torch.arange(h.shape[0], device=h.device)
         carried = h[batch, last]  # [B, H]
