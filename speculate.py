@@ -4,8 +4,9 @@ by the same engine (the baseline).
     python speculate.py --target DIR --drafter DIR --prompt "..." --max-new-tokens 128
 
 Read top to bottom: one round (`draft`, then `verify`: one target pass, the acceptance rule, the
-commit); the engine that runs rounds for a batch of requests; the Python API
-(`load`, `generate`, and `decode`, the driver the command line uses too); the command line (`main`)."""
+commit); the engine that runs rounds for a batch of requests; the Python API (`load`, `generate`,
+and `decode`, the driver the command line uses too); the command line (`main`). The decode settings
+are declared once, in support/flags.py (`Settings`)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
     (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
     positions."""
     drafts, q, confidence, verify_len, tree = proposal
-    B, K = drafts.shape
+    K = drafts.shape[1]
     device = anchor.device
     attention = None
     if backend == "triton":
