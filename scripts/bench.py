@@ -1,19 +1,21 @@
 """Speed: autoregressive and speculative decoding side by side, in one run, on one machine.
 
-    python scripts/bench.py                                   # CPU: the constructed ~35M pair (τ ≈ 5)
+    python scripts/bench.py                                   # CPU: the constructed ~35M pair (τ ≈ 5-6)
     python scripts/bench.py --model qwen3-8b --device cuda --batch-sizes 1,8,32
     python scripts/bench.py --target DIR --drafter DIR         # real checkpoints
 
 For each batch size it runs the project's engine without a drafter (autoregressive) and with
-one (speculative), after a warm-up that compiles the round, and reports what gpt-fast reports
-and more: tokens/s, τ, time per round split into draft / verify / the rest, the bytes a round
-reads, achieved GB/s against a measured copy bandwidth (the memory-bandwidth floor), compile
-seconds and peak memory. With `--reference` (the default on CPU at batch 1) it also runs the
+one (speculative), after a warm-up that compiles the round, and reports: tokens/s (every row's
+tokens, as gpt-fast reports at batch 1), τ, time per round split into draft / verify (the target
+pass, the acceptance and the drafter's context commit) / the rest, the bytes a round reads, achieved
+GB/s against a measured copy bandwidth (the memory-bandwidth floor), compile seconds and the
+process's peak memory. With `--reference` (the default on CPU at batch 1) it also runs the
 same algorithm the way the reference implementations do — transformers' Qwen3 with a dynamic
 cache as the target and the drafter eager in plain modules (its weights unfused and unpacked) — on
 the same prompt. The modes' --repeats timed runs
-are interleaved (order rotated each repeat); tokens/s is their median, and each speed-up is the
-median of the ratios within a repeat, with its range. Decoding is greedy (a checkpoint's
+are interleaved (order rotated each repeat); a row's figures are its median run's (by tokens/s, the
+upper of an even count), and each speed-up is the median of the ratios within a repeat, with its
+range. Decoding is greedy (a checkpoint's
 generation_config.json is not read), and every run must emit the autoregressive tokens (a difference
 raises); with `--temperature T` every mode samples at T instead (seeded, no filters; the reference
 loop, greedy, is left out), and the tokens are not compared: they follow the same law but differ run
@@ -26,7 +28,7 @@ output is scaled to almost nothing, so its next token is (nearly) a function of 
 token, and whose final norm keeps only `r` features, so that function has rank r. The drafter's
 Markov head is given exactly that table (W1 = the target's final features per token, W2 = the
 target's lm_head columns): the drafter is right whenever the target is a bigram model. It is a
-stand-in for a trained pair with τ ≈ 5, not a language model.
+stand-in for a trained pair with τ ≈ 5-6, not a language model.
 """
 
 from __future__ import annotations
@@ -190,9 +192,10 @@ def nbytes(tensors) -> int:
 def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
                 num_drafts: int = 0) -> int:
     """Bytes one round reads: target weights, its KV cache at `cached` positions (all rows'), and the
-    drafter's weights, with the lm_head read again for the block's logits and W2 once per Markov step
-    (K a round, a tree's once a depth for all its nodes); an Eagle3 drafter's layer, its cache and the
-    lm_head once per draft, its fc (the committed features' projection) once. A lookup table (the
+    drafter's weights, with the lm_head read again for the block's logits, W2 once per Markov step
+    (K a round, a tree's once a depth for all its nodes) and each layer's kv_proj again for the
+    committed features; an Eagle3 drafter's layer, its cache and the lm_head once per draft, its fc
+    (the committed features' projection) once. A lookup table (the
     input embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few rows a
     round, not read: not counted."""
     a = target.args
@@ -227,6 +230,8 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
         if drafter.markov_head is not None:
             markov_steps = K - 1  # W2 is in the drafter's weights once: a round's K Markov steps
             total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
+        if drafter.cfg.layout != "eagle3":  # the commit projects the features to every layer's K/V
+            total += nbytes([layer.self_attn.kv_proj.weight for layer in drafter.layers])
         total += steps * kv_bytes(drafter.cfg.layers)
     return total
 
@@ -733,10 +738,10 @@ def mode_row(m: str, B: int, runs: list[dict], engine, prompts, s: Settings, ski
     """An engine mode's results at batch B: the median run's figures and the round split (`differ`:
     `compare_outputs`' counts, recorded on every row when any mode differed)."""
     tps = [r["total_tokens_per_second"] for r in runs]
-    r = median_run(runs)
+    r = median_run(runs)  # every figure of the row is this run's
     round_s = r["decode_seconds"] / r["steps"]
     parts = round_split(engine, prompts, s.max_new_tokens, skip_guards)
-    row = {"mode": m, "batch": B, "tokens_per_second": statistics.median(tps), "tokens_per_second_runs": tps,
+    row = {"mode": m, "batch": B, "tokens_per_second": r["total_tokens_per_second"], "tokens_per_second_runs": tps,
            "decode_tokens_per_second": (r["tokens"] - len(prompts)) / r["decode_seconds"],
            "acceptance_length": r["acceptance_length"], "round_ms": 1e3 * round_s}
     row.update(parts)
@@ -852,7 +857,8 @@ def run(args: BenchArgs) -> list[dict]:
                 mode = "reference (transformers target)"
                 if drafter is not None:
                     mode = "reference (transformers target, eager drafter)"
-                row = {"mode": mode, "batch": 1, "tokens_per_second": statistics.median(tps),
+                median = median_run(runs[m])
+                row = {"mode": mode, "batch": 1, "tokens_per_second": median["total_tokens_per_second"],
                        "tokens_per_second_runs": tps}
                 rows.append(row)
                 print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
@@ -895,7 +901,7 @@ def _row(r: dict, bw: float) -> str:
     return (f"{r['mode']:<48} b={r['batch']:<3}{r['tokens_per_second']:9.1f} tok/s  "
             f"τ={r['acceptance_length']:.2f}  round {r['round_ms']:.2f} ms (split of a synced "
             f"{r['split_round_ms']:.2f}: draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f}, "
-            f"rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s = {over_floor:.2f}x floor  "
+            f"rest {r['rest_ms']:.2f})  {r['achieved_gbps']:.1f} GB/s (round {over_floor:.2f}x the floor)  "
             f"compile {r['compile_seconds']:.1f} s")
 
 

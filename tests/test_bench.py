@@ -379,6 +379,31 @@ def test_a_round_is_the_engines_own_when_prompts_outnumber_rows(tmp_path):
         assert row["bytes_per_round"] == want
 
 
+def test_a_rounds_bytes_count_every_read_of_a_weight():
+    """round_bytes by hand, for a DSpark drafter: the target's weights once, the drafter's once, the
+    lm_head again for the block's logits, W2 at each of K - 1 more Markov steps, every layer's kv_proj
+    again for the committed features; lookup tables (the untied input embedding, W1) not at all. With
+    no cache positions, no KV."""
+    import torch
+
+    target = random_target("qwen3-tiny", dtype=torch.float32)
+    drafter = random_drafter(target, block_size=4, num_layers=2, rank=16)
+    K = drafter.cfg.num_drafts
+
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    assert target.lm_head.weight is not target.embed_tokens.weight
+    target_weights = [p for p in target.parameters() if p is not target.embed_tokens.weight]
+    assert bench.round_bytes(target, None, 0) == size(target_weights)
+    markov = drafter.markov_head
+    drafter_weights = [p for p in drafter.parameters() if p is not markov.markov_w1.weight]
+    kv_projections = [layer.self_attn.kv_proj.weight for layer in drafter.layers]
+    want = size(target_weights) + size(drafter_weights) + size([target.lm_head.weight])
+    want += (K - 1) * size([markov.markov_w2.weight]) + size(kv_projections)
+    assert bench.round_bytes(target, drafter, 0) == want
+
+
 def test_the_bandwidth_probe_is_not_the_runs_peak_memory():
     """bench.py measures the copy bandwidth with two large buffers before the run; the peak it reports
     starts after them (on Linux, where a process can reset its peak resident set)."""
