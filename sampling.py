@@ -359,7 +359,8 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
         ranks = torch.arange(width, device=anchor.device)
         # The i-th child's score, from its rank alone when sampled, never from the token it holds
         if sampled and survival is not None:
-            c = survival(depth, tokens).clamp(1e-6, 1 - 1e-6)[:, :, None]  # [B, M, 1]
+            survive = survival(depth, tokens)  # [B, M]
+            c = survive.clamp(1e-6, 1 - 1e-6)[:, :, None]  # [B, M, 1]: log c, log(1 - c) finite
             top_logprobs = torch.log(c) + ranks * torch.log1p(-c)  # [B, M, width]
         else:  # the i-th best log-probability (greedy: the likeliest children themselves)
             logprobs = torch.log_softmax(z / tree_temperature, dim=-1)
