@@ -138,7 +138,8 @@ class ConfidenceHead(nn.Module):
     def __init__(self, in_features: int):
         super().__init__()
         self.proj = nn.Linear(in_features, 1)
-        self.temperature: Optional[torch.Tensor] = None  # [K], Sequential Temperature Scaling
+        # [K], Sequential Temperature Scaling (`calibrate`): a buffer, so that .to() moves it, not saved
+        self.register_buffer("temperature", None, persistent=False)
 
     def forward(self, features):  # the logit, float32 [..., K]
         return self.proj(features).float()[..., 0]

@@ -655,6 +655,20 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
         assert rc != 0 and len(out.err.strip().splitlines()) == 1 and "sts.json" in out.err, out.err
 
 
+def test_calibration_temperatures_move_with_the_drafter_and_are_not_saved():
+    """The STS temperatures travel with .to() (a drafter moved after `calibrate` reads them on its own
+    device) and stay out of the state dict (a checkpoint holds the head, not a run's calibration)."""
+    from support.checkpoint import random_drafter, random_target
+
+    target = random_target("qwen3-tiny", dtype=torch.float32)
+    d = random_drafter(target, block_size=4, num_layers=1, rank=16)
+    d.calibrate([0.5, 1.0, 2.0, 4.0])
+    assert not any("temperature" in k for k in d.state_dict())
+    d = d.to(torch.float64).to("meta")
+    t = d.confidence_head.temperature
+    assert t.device.type == "meta" and t.dtype == torch.float64
+
+
 # ----------------------------------------------------------------------------------------
 # What inference and training share: Markov head kinds, context K/V, confidence features.
 
