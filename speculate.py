@@ -326,10 +326,12 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     return first, lens
 
 
-# Compiling: one graph per half of a round, static shapes; on a CPU frozen weights and a C++
-# wrapper, on CUDA reduce-overhead (CUDA graphs).
+# Compiling: one graph per half of a round (a scheduled verify, one per bucket), static shapes; on a
+# CPU frozen weights and a C++ wrapper, on CUDA reduce-overhead (CUDA graphs).
 
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
+    """`fn` compiled whole: the project's recipe for `device`, or `mode` (--compile-mode) instead, which
+    on a CPU also leaves out freezing and the C++ wrapper."""
     import torch._inductor.select_algorithm as select
 
     on_cuda = str(device).startswith("cuda")
@@ -523,7 +525,8 @@ class Engine:
             self.verify_fn = compiled(own_code(verify), self.device, compile_mode, compile_verbose)
         self.cuda_graphs = compile and self.device.type == "cuda"
         if compile and self.ragged:  # one verify graph per bucket, all expected
-            graphs = len(self.scheduler.profile_points) + 1
+            graphs = len(self.scheduler.profile_points) + 1  # the buckets' and the draft's
+            # the limit is the process's: each such engine raises it by its own graphs
             torch._dynamo.config.recompile_limit += graphs
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
