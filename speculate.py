@@ -525,7 +525,7 @@ class Engine:
             self.verify_fn = compiled(own_code(verify), self.device, compile_mode, compile_verbose)
         self.cuda_graphs = compile and self.device.type == "cuda"
         if compile and self.ragged:  # one verify graph per bucket, all expected
-            graphs = len(self.scheduler.profile_points) + 1  # the buckets' and the draft's
+            graphs = len(self.scheduler.profile_points) + 1
             # the limit is the process's: each such engine raises it by its own graphs
             torch._dynamo.config.recompile_limit += graphs
         self.prefill_seconds = 0.0
