@@ -79,8 +79,8 @@ class ConcurrencyArgs:
     """A Hugging Face Qwen3 directory or hub id ORG/NAME[@REVISION] (default: the demo pair's, demo/target)."""
     drafter: Optional[str] = None
     """A drafter directory or hub id, with a confidence head (default: demo/drafter)."""
-    schedulers: str = "none,threshold,hardware,async"
-    """The verification schedulers to compare (none, threshold, hardware, async)."""
+    schedulers: str = ",".join(KINDS)
+    """The verification schedulers to compare (default: every one, scheduler.KINDS)."""
     sps_synthetic: Optional[Literal["cliffs"]] = None
     """Instead of profiling SPS(B) for hardware and async, give both a synthetic step function (to
     compare their decisions where Algorithm 1's early stop hurts). cliffs: a round of B verify tokens

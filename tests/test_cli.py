@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
 
+import scheduler as sched
 import speculate
 from support import cli, text
 from support.cli import cli_main
@@ -193,7 +194,7 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
 @pytest.mark.parametrize("argv,line", [
     (["--max-new-tokens", "abc"], "--max-new-tokens: expects {None}|INT (invalid literal for int() with base 10: 'abc')"),
     (["--batch-size", "1.5"], "--batch-size: expects INT (invalid literal for int() with base 10: '1.5')"),
-    (["--scheduler", "foo"], "--scheduler foo: not one of {None,none,threshold,hardware,async}"),
+    (["--scheduler", "foo"], f"--scheduler foo: not one of {{None,{','.join(sched.KINDS)}}}"),
     (["--max-new-token", "5"], "--max-new-token: no such flag (did you mean --max-new-tokens?)"),
     (["--temp", "0"], "--temp: no such flag (did you mean --temperature?)"),
     (["--nope"], "--nope: no such flag (--help lists the flags)"),

@@ -396,7 +396,7 @@ def test_word_tokenizer_has_chatml_specials():
     assert tok.encode("<|im_start|>user\nhello<|im_end|>").ids == [IM_START_ID, 6, 18, IM_END_ID]
 
 
-def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target):
+def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target, monkeypatch):
     """build_drafter fills every parameter by name (N(0, std), norms 1, biases 0): a new head's LayerNorm not
     named *norm, and a parameter it initialises itself (through `init_`), keep their meaning."""
     from torch import nn
@@ -416,12 +416,9 @@ def test_a_new_heads_norms_and_own_init_survive_the_random_fill(tiny_target):
             return self.markov_w2(self.ln(self.markov_w1(prev)) * self.scale), state
 
     target = checkpoint.load_target(str(tiny_target.path))
-    dr.MARKOV_HEADS["scaled"] = ScaledMarkov
-    try:
-        args = train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8)
-        cfg = train.drafter_config(args, target, str(tiny_target.path))
-        d = train.build_drafter(cfg, args, target, "cpu")
-    finally:
-        dr.MARKOV_HEADS.pop("scaled")
+    monkeypatch.setitem(dr.MARKOV_HEADS, "scaled", ScaledMarkov)  # a head of that name comes back after
+    args = train.Args(block_size=3, depth=1, markov="scaled", markov_rank=8)
+    cfg = train.drafter_config(args, target, str(tiny_target.path))
+    d = train.build_drafter(cfg, args, target, "cpu")
     assert torch.equal(d.markov_head.ln.weight, torch.ones(8)) and torch.equal(d.markov_head.scale, torch.ones(8))
     assert d.markov_head.markov_w1.weight.std() > 0  # the rest is filled as before
