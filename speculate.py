@@ -144,8 +144,9 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
         counts = tokens_sent(verify_len, active)
         ragged = Ragged.build(counts, positions, num_tokens)
         flat = ragged.flatten(tokens)  # [1, N]
+        # positions stay [B, K+1]: the cache is written and masked per row, `ragged` maps the tokens
         logits, features = target(flat, positions, capture=capture, ragged=ragged, attention=attention)
-        logits = ragged.pad(logits)  # [B, K+1, V]
+        logits = ragged.pad(logits)  # [B, K+1, V]: zeros past a row's 1 + ℓ tokens, never read
         if features is not None:
             features = ragged.pad(features)
     # 4. Accept: the longest prefix the rejection rule keeps, then one token of the target's own.
@@ -200,11 +201,11 @@ def advance(active, anchor, anchor_pos, accepted, next_token):
 
 def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree, *, temperature,
                 filters, u, bonus_noise, attention):
-    """Steps 3-5 for draft trees: one target pass scores every node (each sees the context and its own
-    ancestors, at the position of its depth); the target's token at every node (its argmax, or
-    multi-draft rejection sampling over the node's sampled children), and the walk follows the child
-    holding it from the root; the accepted path's K/V move to consecutive positions. u [B, N+1, N]
-    and bonus_noise Exp(1) [B, V]: `choose_at_nodes`' (None at T=0)."""
+    """Steps 3-5 for draft trees. 3: one target pass scores every node, each seeing the context and its
+    own ancestors, at the position of its depth. 4: the target's token at every node (its argmax, or
+    multi-draft rejection sampling over the node's sampled children); from the root, the walk follows
+    the child holding it. 5: the accepted path's K/V move to consecutive positions. u [B, N+1, N] and
+    bonus_noise Exp(1) [B, V]: `choose_at_nodes`' (None at T=0)."""
     B = tree.tokens.shape[0]
     depth = drafter.cfg.num_drafts
     device = anchor.device
