@@ -236,21 +236,30 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
     return total
 
 
+def proc_kib(path: str, names: tuple) -> dict:
+    """The kB figures `names` of a /proc file ("Name:   123 kB" lines); {} where it is not there."""
+    kib = {}
+    if not os.path.exists(path):
+        return kib
+    with open(path) as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in names:
+                kib[name] = int(value.split()[0])
+    return kib
+
+
 def peak_memory(device) -> float:
     """GiB: the CUDA allocator's peak, or on cpu the process's peak resident set, since the last
-    `reset_peak_memory`. Linux updates the peak (VmHWM) only now and then, so the resident set now
-    (VmRSS) counts too."""
+    `reset_peak_memory`. Linux's counters behind the peak (VmHWM) and the resident set (VmRSS) can
+    trail the pages just touched, so the resident set counted from the page tables now
+    (smaps_rollup's Rss) counts too."""
     if str(device).startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**30
-    if os.path.exists("/proc/self/status"):
-        kib = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name in ("VmHWM", "VmRSS"):  # in kB
-                    kib[name] = int(value.split()[0])
-        if kib:
-            return max(kib.values()) / 2**20
+    kib = proc_kib("/proc/self/status", ("VmHWM", "VmRSS"))
+    kib.update(proc_kib("/proc/self/smaps_rollup", ("Rss",)))
+    if kib:
+        return max(kib.values()) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
