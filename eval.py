@@ -627,9 +627,6 @@ class RowDecoder:
         printed and --out rewritten with `snapshot()` as each is done (a crash later keeps them)."""
         total = sum(len(ps) for ps in self.prompts.values())
         progress = Progress(self.shown, row.label, total, self.world)
-        on_finish = None
-        if self.shown:
-            on_finish = progress.on_finish
         K = engine.K
         if self.rank == 0 and self.several:
             progress.say(f"--- {row.label} ---")
@@ -641,7 +638,7 @@ class RowDecoder:
                 description = f"{row.label}: {name}"
             progress.start(description, len(ps))
             seconds0 = engine.prefill_seconds + engine.decode_seconds
-            engine.generate(requests, s.max_new_tokens, on_finish=on_finish)
+            engine.generate(requests, s.max_new_tokens, on_finish=progress.on_finish)
             elapsed = engine.prefill_seconds + engine.decode_seconds - seconds0
             seconds = all_max(elapsed, self.device)  # the slowest rank's
             counts = sum_counts(metrics.count(requests, K, engine.stop_ids), self.device)
@@ -649,8 +646,7 @@ class RowDecoder:
             entries.append(entry)
             if parts is not None:
                 parts.append(round_arrays(requests, index, K, engine.stop_ids))
-            if self.shown:
-                progress.end_dataset()
+            progress.end_dataset()
             if self.rank == 0:
                 first_dataset = index == 0
                 progress.say(format_table([entry], header=first_dataset))
