@@ -4,7 +4,8 @@
     python scripts/device_run.py --dry-run --out DIR    # on CPU: every stage with small shapes
 
 Each stage runs in a process of its own under its own time cap; the default stages' caps sum to 520 s,
-so a call ends by itself within 9 minutes. In order, smallest first:
+so a call ends by itself within 9 minutes. The caps are set from a cold H100 (BENCHMARKS.md): compiling
+for Qwen3-8B's shape takes most of each stage, 40-100 s a round. In order, smallest first:
   env           torch, triton, CUDA and driver versions, the GPU (env.json)
   smoke         bench.py's constructed pair (bigram-35m, τ ≈ 5) in float32, compiled, batch 1 and 4:
                 bench asserts the speculative tokens equal autoregressive decoding's (CUDA graphs,
@@ -14,19 +15,19 @@ so a call ends by itself within 9 minutes. In order, smallest first:
                 compiled, batch 1, autoregressive and speculative
   eagle3-b1     bench.py on Qwen3-8B's shape with a random Eagle3 drafter (one layer, a chain of 7),
                 bf16, compiled, batch 1: the paper's baseline beside compiled-b1's DSpark row
-  tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, draft trees of 16 and 64 nodes
-                (compiled-b1 is the chain), bf16, compiled, batch 1; each budget is a bench run of its
-                own, so a third would not fit the stage's cap
+  tree-b1       bench.py on Qwen3-8B's shape, DSpark drafter, a draft tree of 16 nodes (compiled-b1 is
+                the chain), bf16, compiled, batch 1; a second budget, a bench run of its own with its
+                own compiles, would not fit the stage's cap
   triton        kernels.py's Triton kernels against their torch references on Qwen3-8B's shapes, eager
                 and inside torch.compile, each check with its bf16 tolerance; each eager check times
                 the kernel beside its reference (the chain, the sampled verify, the cache attention),
                 launched call by call and replayed from a CUDA graph as a compiled round runs them
-and, asked for by --stages only (measured on 2026-11-30):
+and, asked for by --stages only:
   compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
   eager-b1      bench.py at batch 1, eager
-  tree-sampled-b1  tree-b1 sampled at temperature 1 (the chain too): children drawn, multi-draft
-                rejection sampling at every node; random weights, so the round's milliseconds and
-                its split are the figures, not τ
+  tree-sampled-b1  tree-b1 sampled at temperature 1 (autoregressive decoding too): children
+                drawn, multi-draft rejection sampling at every node; random weights, so the round's
+                milliseconds and its split are the figures, not τ
 A stage writes DIR/<stage>.json when it starts and again after every row and check, so a stage stopped
 at its cap keeps what it finished: "checks" (name, max_diff, tolerance, ok), "rows" (bench.py's), "sdpa"
 (the backend torch picks for the cache attention at the stage's shapes, and those that could run it)
@@ -66,11 +67,11 @@ from support.cli import UserError
 from support.files import check_writable, write_json, wrong_kind  # noqa: E402  (neither tyro nor wandb)
 
 # stage -> its time cap in seconds, in the order they run
-STAGES = {"env": 15, "smoke": 50, "compiled-b1": 110, "eagle3-b1": 70, "tree-b1": 230, "triton": 45,
-          "compiled-b32": 125, "eager-b1": 50, "tree-sampled-b1": 230}
+STAGES = {"env": 15, "smoke": 60, "compiled-b1": 150, "eagle3-b1": 100, "tree-b1": 150, "triton": 45,
+          "compiled-b32": 125, "eager-b1": 50, "tree-sampled-b1": 180}
 # what a call runs unasked
 DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
-TREE_BUDGETS = (16, 64)  # the tree stages', smallest first, a bench run each; the dry run's are 2 and 4
+TREE_BUDGETS = (16,)  # the tree stages', smallest first, a bench run each; the dry run's are 2 and 4
 TREE_STAGES = ("tree-b1", "tree-sampled-b1")
 DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
 BUDGET = 530      # seconds for the default stages: the caps, and the time to stop the last one at its cap
