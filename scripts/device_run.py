@@ -25,6 +25,8 @@ for Qwen3-8B's shape takes most of each stage, 40-100 s a round. In order, small
 and, asked for by --stages only:
   compiled-b32  bench.py at batch 32, compiled (whole blocks verified: one verify graph per engine)
   eager-b1      bench.py at batch 1, eager
+  kernels-b1    compiled-b1's bench run with --kernels triton: the Triton chain, sampled verify and cache
+                attention inside the compiled round (compare with compiled-b1's rows)
   tree-sampled-b1  tree-b1 sampled at temperature 1 (autoregressive decoding too): children
                 drawn, multi-draft rejection sampling at every node; random weights, so the round's
                 milliseconds and its split are the figures, not τ
@@ -68,7 +70,7 @@ from support.files import check_writable, write_json, wrong_kind  # noqa: E402  
 
 # stage -> its time cap in seconds, in the order they run
 STAGES = {"env": 15, "smoke": 60, "compiled-b1": 150, "eagle3-b1": 100, "tree-b1": 150, "triton": 45,
-          "compiled-b32": 125, "eager-b1": 50, "tree-sampled-b1": 180}
+          "compiled-b32": 125, "eager-b1": 50, "tree-sampled-b1": 180, "kernels-b1": 140}
 # what a call runs unasked
 DEFAULT_STAGES = ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
 TREE_BUDGETS = (16,)  # the tree stages', smallest first, a bench run each; the dry run's are 2 and 4
@@ -104,6 +106,8 @@ def bench_args(stage: str, dry: bool, out: str) -> dict:
         a.update(compile=False)
     if stage == "eagle3-b1":
         a.update(drafter_kind="eagle3")
+    if stage == "kernels-b1":
+        a.update(kernels="triton")
     if stage in TREE_STAGES:
         a.update(repeats=1)
     if stage == "tree-sampled-b1":
@@ -897,7 +901,7 @@ def run_child(stage: str, out: str, dry: bool, limit: float, logs: str, log_path
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS=logs)
     if dry:  # the CPU kernels are not what a GPU runs; Triton on CPU is its interpreter
         interpret = "0"
-        if stage == "triton":
+        if stage in ("triton", "kernels-b1"):
             interpret = "1"
         env.update(DSPARK_CPU_KERNELS="0", TRITON_INTERPRET=interpret)
     t0 = time.monotonic()

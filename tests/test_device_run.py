@@ -22,14 +22,15 @@ spec = importlib.util.spec_from_file_location("device_run", SCRIPT)
 device_run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(device_run)
 
-BENCH_STAGES = ("smoke", "compiled-b1", "eagle3-b1", "tree-b1", "compiled-b32", "eager-b1", "tree-sampled-b1")
+BENCH_STAGES = ("smoke", "compiled-b1", "eagle3-b1", "tree-b1", "compiled-b32", "eager-b1", "tree-sampled-b1",
+                "kernels-b1")
 
 
 def test_caps_fit_one_call():
     """The default stages' caps, and the time to stop the last one at its cap, fit the default budget of
     under 9 minutes (a call may take 10)."""
     assert list(device_run.STAGES) == ["env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton",
-                                       "compiled-b32", "eager-b1", "tree-sampled-b1"]
+                                       "compiled-b32", "eager-b1", "tree-sampled-b1", "kernels-b1"]
     assert device_run.DEFAULT_STAGES == ("env", "smoke", "compiled-b1", "eagle3-b1", "tree-b1", "triton")
     caps = sum(device_run.STAGES[s] for s in device_run.DEFAULT_STAGES)
     assert caps + device_run.STOP_GRACE <= device_run.BUDGET <= 540
@@ -52,6 +53,8 @@ def test_bench_stages_pass_bench_checks(tmp_path):
     assert (smoke["model"], smoke["dtype"], smoke["batch_sizes"]) == ("bigram-35m", "float32", "1,4")
     assert device_run.bench_args("compiled-b32", False, "x.json")["batch_sizes"] == "32"
     assert device_run.bench_args("compiled-b1", False, "x.json")["model"] == "qwen3-8b"
+    assert device_run.bench_args("kernels-b1", False, "x.json")["kernels"] == "triton"
+    assert "kernels" not in device_run.bench_args("compiled-b1", False, "x.json")  # bench's default: torch
     sampled = device_run.bench_args("tree-sampled-b1", False, "x.json")
     assert sampled["temperature"] == 1.0 and "temperature" not in device_run.bench_args("tree-b1", False, "x")
 
@@ -144,6 +147,17 @@ def test_dry_run_of_the_sampled_tree_stage(tmp_path):
     assert [(r["mode"], r["tree_budget"]) for r in doc["rows"]] == [
         (m, t) for t in (2, 4) for m in ("autoregressive", "speculative")]
     assert all(r["acceptance_length"] >= 1 for r in doc["rows"])
+
+
+def test_dry_run_of_the_triton_round_stage(tmp_path):
+    """kernels-b1, asked for by --stages, end to end on CPU: compiled-b1's rows with --kernels triton, the
+    kernels in Triton's interpreter (traced code takes the references there)."""
+    p = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", str(tmp_path / "out"),
+                        "--stages", "kernels-b1"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "kernels-b1.json").read_text())
+    assert doc["complete"] is True and doc["config"]["kernels"] == "triton"
+    assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [("autoregressive", 1), ("speculative", 1)]
 
 
 def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, capsys):
