@@ -233,10 +233,19 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
         if rank0():
             print(f"interrupted by {e}: stopped; {e.kept()}", file=sys.stderr)
         return 128 + e.signum
+    except BrokenPipeError:  # stdout's reader went away (`| head`): a shell's quiet SIGPIPE exit
+        quiet_stdout()
+        return 128 + signal.SIGPIPE
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
     return 0
+
+
+def quiet_stdout():
+    """Point stdout at /dev/null, so that the interpreter's last flush finds no broken pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 # Flags

@@ -218,7 +218,10 @@ class StreamFile:
         folder = os.path.dirname(self.path)
         prefix = "." + os.path.basename(self.path) + "."
         fd, self.tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
-        self.f = os.fdopen(fd, mode)
+        if "b" in mode:
+            self.f = os.fdopen(fd, mode)
+        else:  # UTF-8 whatever the locale: the records hold text as it is (ensure_ascii=False)
+            self.f = os.fdopen(fd, mode, encoding="utf-8")
 
     def write(self, data):
         self.f.write(data)

@@ -124,8 +124,6 @@ class Decoding:
         args = report.args
         self.trace_path = args.trace_file if files else None
         self.out_path = args.output_file if files else None
-        self.trace = StreamFile(self.trace_path) if self.trace_path else None
-        self.out = StreamFile(self.out_path) if self.out_path else None
         requests = report.requests
         self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests,
                                report.settings.num_samples, show=report.show)
@@ -147,6 +145,9 @@ class Decoding:
                             dynamic_ncols=True, leave=False)
         if self.log is not None:
             self.log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
+        # last: nothing after them can fail and leave their temporary files behind
+        self.trace = StreamFile(self.trace_path) if self.trace_path else None
+        self.out = StreamFile(self.out_path) if self.out_path else None
 
     def on_round(self, req, record: dict):
         if self.trace:
@@ -210,10 +211,10 @@ class Decoding:
             self.bar.close()
 
     def close(self, interrupted: bool):
-        """Print and publish what finished, whole (a signal now acts after it)."""
+        """Publish and print what finished, whole (a signal now acts after it). The files come first,
+        so that a reader who went away (`| head`) cannot cost them."""
         with signals_deferred():
             done = sorted(self.done, key=lambda c: c.request)
-            self.printer.finish(done)
             summary, counts = summarize(done, self.engine, self.report.settings.scheduler)
             if interrupted:
                 # the throughput of the time spent: every token decoded, unfinished requests' too
@@ -228,6 +229,7 @@ class Decoding:
                 self.trace.close()
             if self.out:
                 self.out.close()
+            self.printer.finish(done)
         self.summary = summary
         self.counts = counts
         self.done = done

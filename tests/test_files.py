@@ -49,3 +49,21 @@ def test_an_optional_file_is_a_file_or_nothing(places):
     for name in ("dir", "broken", "pipe"):
         with pytest.raises(UserError, match=f"^{places[name]}: is "):
             optional_file(places[name])
+
+
+def test_a_stream_file_writes_utf8_whatever_the_locale(tmp_path):
+    """Output records keep their text as it is (ensure_ascii=False): under an ASCII locale the file is still
+    UTF-8, where the locale's encoding failed mid-run with UnicodeEncodeError."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    path = tmp_path / "o.jsonl"
+    code = (f"from support.files import StreamFile; f = StreamFile({str(path)!r}); "
+            "f.write('\\u4e2d\\u6587 \\u03c4\\n'); f.close()")  # escaped: the command line is ASCII
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), LC_ALL="C", LANG="C", PYTHONUTF8="0",
+               PYTHONCOERCECLOCALE="0")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert path.read_bytes() == "中文 τ\n".encode("utf-8")

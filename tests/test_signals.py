@@ -267,3 +267,23 @@ def test_an_error_in_the_middle_of_a_decode_leaves_no_output_files(pair, tmp_pat
     assert rc == 2 and err.splitlines()[-1].startswith("error: request 1, round 2: the logits are not finite"), err
     assert "Traceback" not in err
     assert sorted(os.listdir(tmp_path)) == ["p.jsonl"]
+
+
+def test_a_reader_that_goes_away_costs_no_file_and_no_traceback(pair, tmp_path):
+    """`python speculate.py ... | head`: stdout's pipe breaks when the completions are printed. The trace and
+    the output file were published first, whole; the run ends quietly with a shell's SIGPIPE status (it
+    left both as temporary files and printed a BrokenPipeError traceback)."""
+    d, target, drafter = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [1 + i, 2, 3]}) + "\n" for i in range(3)))
+    p = start([REPO_ROOT / "speculate.py", "--target", target, "--drafter", drafter, "--prompts-file", prompts,
+               "--max-new-tokens", 8, "--trace-file", tmp_path / "t.jsonl", "--output-file", tmp_path / "o.jsonl"],
+              tmp_path)
+    p.stdout.close()  # the reader is gone before anything is printed
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert p.returncode == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "p.jsonl", "t.jsonl"]
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
+    assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])["summary"] is True
