@@ -199,7 +199,7 @@ def check_flags(args: EvalArgs) -> Settings:
         raise UserError(f"--drafter {args.drafter[0]}: "
                         "needs --target, the target it was trained for")
     if not args.drafter:
-        flags.check_no_drafter(args)
+        flags.check_no_drafter(args.decode, args.calibration)
     several = len(args.drafter) > 1 or s.tree_budget > 0
     outputs = calibration_outputs(args)
     calibration_flags = list(outputs)

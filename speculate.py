@@ -884,6 +884,8 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
         raise TypeError(f"generate() got unexpected keyword argument {sorted(unknown)[0]!r}")
     device = m.target.embed_tokens.weight.device
     s = flags.check_settings(Settings(**settings), device)
+    if m.drafter is None:
+        flags.check_no_drafter(s)
     chat = auto_chat(chat, m.tokenizer)
     ids = []
     for i, p in enumerate(flags.prompt_list(prompts)):

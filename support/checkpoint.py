@@ -21,6 +21,7 @@ from support.cli import (
     MAX_TOP_K,
     MIN_TEMPERATURE,
     UserError,
+    bound_text,
     first_line,
     free_memory,
     resolve_device,
@@ -65,7 +66,8 @@ def checked(v, key: str, source: str, kind=int, lo=None, hi=None):
         ok = number(v)
     if kind is not bool and not (ok and lo <= v <= hi):
         what = "an integer" if kind is int else "a number"
-        raise UserError(f"{source}: key {key!r} must be {what} from {lo:g} to {hi:g}, got {v!r}")
+        valid = f"from {bound_text(float(lo))} to {bound_text(float(hi))}"
+        raise UserError(f"{source}: key {key!r} must be {what} {valid}, got {v!r}")
     return kind(v)
 
 
@@ -150,8 +152,10 @@ def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
 def target_args(cfg: dict, source: str) -> ModelArgs:
     args = layer_args(cfg, source)
     archs = cfg.get("architectures")
-    qwen3 = isinstance(archs, list) and set(archs) == {"Qwen3ForCausalLM"}
-    if archs is not None and not qwen3:
+    names = isinstance(archs, list) and all(isinstance(a, str) for a in archs)
+    if archs is not None and not names:
+        raise UserError(f"{source}: 'architectures' must be a list of names, got {archs!r}")
+    if archs is not None and set(archs) != {"Qwen3ForCausalLM"}:
         raise UserError(f"{source}: architectures {archs!r} not supported "
                         "(supported: Qwen3ForCausalLM)")
     if cfg.get("model_type") not in (None, "qwen3"):
@@ -428,6 +432,7 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
     if index:
         weight_map = read_index(index)
     out = {}
+    spelled = {}  # each tensor's name as renamed -> as stored
     for path in files:
         shard = os.path.basename(path)
         try:
@@ -443,8 +448,13 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                         if key in weight_map:
                             where = f"maps it to {weight_map[key]!r}"
                         raise UserError(f"{path}: holds tensor {key!r}, but {index} {where}")
-                    if rename(key) in out:
+                    name = rename(key)
+                    if name in spelled and spelled[name] == key:
                         raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
+                    if name in spelled:
+                        raise UserError(f"{path}: tensors {spelled[name]!r} and {key!r} are two "
+                                        f"spellings of one weight (keep one)")
+                    spelled[name] = key
                     t = f.get_tensor(key)
                     if t.dtype not in WEIGHT_DTYPES:
                         what = "not a floating-point weight"
@@ -462,7 +472,7 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                         raise UserError(f"{path}: tensor {key!r} overflows {wanted} "
                                         f"(largest magnitude {largest:.4g}): "
                                         "load it in a wider dtype")
-                    out[rename(key)] = v
+                    out[name] = v
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path}: cannot read safetensors ({e})") from None
     return out
@@ -744,7 +754,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
     target = resolve_checkpoint(target, "--target")
     drafter = resolve_checkpoint(drafter, "--drafter")
-    dt = resolve_dtype(dtype, resolve_device(device))
+    device = resolve_device(device)
+    dt = resolve_dtype(dtype, device)
     tokenizer = None
     d = None
     generation = None
@@ -844,8 +855,12 @@ HUB_ID = re.compile(rf"(?P<repo>{_PART}/{_PART})(?:@(?P<revision>{_REVISION}))?"
 
 
 def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
-    """--target/--drafter: a path as it is; a hub id's complete cached snapshot, else its download (unless offline)."""
-    if spec is None or os.path.exists(spec):
+    """--target/--drafter: a path as it is (~ expanded, as a shell does not after --target=); a hub id's
+    complete cached snapshot, else its download (unless offline)."""
+    if spec is None:
+        return None
+    spec = os.path.expanduser(spec)
+    if os.path.exists(spec):
         return spec
     if not spec.strip():
         raise UserError(f"{flag}: empty (a checkpoint directory, "

@@ -279,7 +279,9 @@ def check_ranges(args, **ranges: str):
 def in_range(value, lo: float, hi: float, lo_in: bool, hi_in: bool) -> bool:
     """Whether `value` is a real number (not a bool, not NaN) inside the interval; lo_in, hi_in: the
     bounds are in it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    if value != value:  # NaN (math.isnan would overflow on an integer past a float's range)
         return False
     above = value > lo
     if lo_in:

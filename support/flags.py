@@ -13,6 +13,7 @@ from typing import Literal, Optional
 
 import torch
 
+import kernels
 import scheduler as sched
 from sampling import Filters, tree_parent_count
 from support.cli import (
@@ -152,15 +153,30 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
                 raise UserError(f"{flag(name)}: invalid value None")
             continue
         want = numbers.Integral if kind is int else numbers.Real
+        expected = "an integer" if kind is int else "a number"
         if isinstance(value, bool) or not isinstance(value, want):
-            expected = "an integer" if kind is int else "a number"
             raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected})")
-        setattr(s, name, kind(value))
+        try:
+            setattr(s, name, kind(value))
+        except OverflowError:  # an integer too large for a float
+            raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected} in range)") from None
+    for name in ("ignore_eos", "verbose"):
+        value = getattr(s, name)
+        if not isinstance(value, bool):
+            raise UserError(f"{flag(name)}: invalid value {value!r} (True or False)")
+    for name in ("sps_table", "verify_buckets"):
+        value = getattr(s, name)
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{flag(name)}: invalid value {value!r} (a string, or None)")
     check_ranges(s, **{name: interval for name, (_, interval) in RANGES.items()})
     for name, choices in CHOICES.items():
         value = getattr(s, name)
         if value is not None and value not in choices:
             raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
+    try:
+        kernels.check_backend(s.kernels, device)
+    except RuntimeError as e:
+        raise UserError(f"--kernels {s.kernels}: {e}") from None
     if s.temperature is not None and 0 < s.temperature < MIN_TEMPERATURE:
         raise UserError(f"--temperature: invalid value {s.temperature!r} (valid: 0 for greedy, or "
                         f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
@@ -282,13 +298,17 @@ def prompt_list(prompts) -> list:
         raise UserError(f"prompts: expected a text, a list of token ids, "
                         f"a conversation (a list of messages) or a list of these, "
                         f"got {type(prompts).__name__}")
-    # one list of token ids, or one conversation
-    ids_or_turns = prompts and all(isinstance(x, (int, dict)) for x in prompts)
-    one = isinstance(prompts, str) or ids_or_turns
-    if one:
+    if isinstance(prompts, str):
         return [prompts]
     if not prompts:
         raise UserError("generate: no prompts")
+    is_id = [isinstance(x, numbers.Integral) for x in prompts]  # numpy's integers too
+    is_turn = [isinstance(x, dict) for x in prompts]
+    if all(is_id) or all(is_turn):  # one list of token ids, or one conversation
+        return [prompts]
+    if any(is_id):
+        raise UserError("prompts: a list mixing token ids and other prompts "
+                        "(each prompt's token ids are a list of their own)")
     return list(prompts)
 
 
@@ -403,12 +423,11 @@ def resolve_demo(args, demo_dir: str):
     return args, demo, lead
 
 
-def drafter_settings(args) -> list[tuple[str, str]]:
+def drafter_settings(d: Settings, calibration: Optional[str] = None) -> list[tuple[str, str]]:
     """(flag and value, what it does) of each setting given that only a drafter's round reads; those that need
     another (--sps-table a --scheduler, --calibration a scheduled round) first, so each is named for itself."""
-    d = args.decode
     settings = [  # (given, flag and value, what it does)
-        (args.calibration is not None, f"--calibration {args.calibration}",
+        (calibration is not None, f"--calibration {calibration}",
          "calibrates a drafter's confidence head"),
         (d.sps_table is not None, f"--sps-table {d.sps_table}",
          "sizes the rounds of a drafter's scheduler"),
@@ -436,10 +455,11 @@ def check_drafter_settings(s, drafter):
     """The settings that need a drafter of some kind, against the one loaded (None: autoregressive)."""
     kind = scheduler_kind(s, drafter)
     if kind != "none" and drafter.confidence_head is None:
-        name = f"--scheduler {kind}:"
+        name = f"--scheduler {kind}"
         if s.confidence_threshold > 0:
-            name = "--confidence-threshold"
-        raise UserError(f"{name} needs a --drafter with a confidence head")
+            name = f"--confidence-threshold {s.confidence_threshold:g}"
+        raise UserError(f"{name}: the --drafter has no confidence head, whose confidences a scheduled "
+                        f"round reads")
     eagle3 = drafter is not None and drafter.cfg.layout == "eagle3"
     if s.draft_length is not None and not eagle3:
         why = "there is no --drafter"
@@ -472,10 +492,11 @@ def check_tree_temperature(s, drafters: list, temperature: float):
                         f"branches of greedy trees and of drafters without one")
 
 
-def check_no_drafter(args):
+def check_no_drafter(s: Settings, calibration: Optional[str] = None):
     """Without a drafter a setting only a drafter reads would change nothing: refused, not ignored in
-    silence (speculate.py: no --drafter and no --random-init, the demo having one; eval.py: no --drafter)."""
-    given = drafter_settings(args)
+    silence (speculate.py: no --drafter and no --random-init, the demo having one; eval.py: no --drafter;
+    `generate` with models that have none)."""
+    given = drafter_settings(s, calibration)
     if given:
         flag_value, what = given[0]
         raise UserError(f"{flag_value}: {what}; "
@@ -485,7 +506,6 @@ def check_no_drafter(args):
 
 def check_command_line(args):
     """speculate.py's flags alone, before anything is loaded or downloaded; returns the settings."""
-    import kernels
     from support import runlog
 
     s = check_settings(args.decode, args.machine.device)
@@ -493,7 +513,7 @@ def check_command_line(args):
     check_ranges(args, log_every="[1, inf)")
     runlog.check(args)
     if args.drafter is None and args.random_init is None:
-        check_no_drafter(args)
+        check_no_drafter(args.decode, args.calibration)
     p = args.prompts
     r = args.rendering
     text_flags = (("--prompt", p.prompt is not None), ("--stop", bool(s.stop)),
@@ -514,10 +534,6 @@ def check_command_line(args):
                         f"without one it changes nothing")
     check_files(args)
     resolve_device(args.machine.device)
-    try:
-        kernels.check_backend(s.kernels, args.machine.device)
-    except RuntimeError as e:
-        raise UserError(f"--kernels {s.kernels}: {e}") from None
     return s
 
 

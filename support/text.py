@@ -4,6 +4,7 @@ Qwen3's format; code shipped with a checkpoint, so it renders in a box), prompts
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import string
@@ -136,7 +137,7 @@ def _refuse(why: str):
 
 
 def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy's integers too
 
 
 def _bounded(value):
@@ -407,7 +408,10 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
         if system_prompt is not None or thinking:
             raise UserError(f"{where}: token ids are not a rendered chat; "
                             f"the system prompt or thinking would change nothing")
-        return list(prompt)
+        return [int(t) for t in prompt]
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, numbers.Integral) for t in prompt):
+        odd = next(t for t in prompt if not _int(t))
+        raise UserError(f"{where}: token ids hold {odd!r}, which is not a token id")
     if tokenizer is None:
         raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
     template = tokenizer.chat_template

@@ -188,7 +188,9 @@ def env(tmp_path_factory):
     (["--scheduler", "async", "--confidence-threshold", "0.5"], "--scheduler threshold"),
     (["--scheduler", "async", "--verify-buckets", "2,4"], "largest bucket 4"),
     (["--scheduler", "threshold", "--confidence-threshold", "0.5", "--sps-table", "x.json"], "hardware or async"),
-    (["--scheduler", "async", "--drafter-plain"], "--scheduler async: needs a --drafter with a confidence head"),
+    (["--scheduler", "async", "--drafter-plain"], "--scheduler async: the --drafter has no confidence head"),
+    (["--confidence-threshold", "0.5", "--drafter-plain"],
+     "--confidence-threshold 0.5: the --drafter has no confidence head"),
 ])
 def test_bad_async_flags_are_refused(env, flags, needle):
     drafter = env["plain"] if "--drafter-plain" in flags else env["drafter"]

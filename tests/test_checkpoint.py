@@ -93,6 +93,47 @@ def test_config_bad_integer(tiny_target, tmp_path, value):
         checkpoint.load_target(str(d))
 
 
+def test_a_configs_bounds_are_printed_in_full(tiny_target, tmp_path):
+    """A bound is written as a number a user can type (10485760, not 1.04858e+07)."""
+    d = corrupt(tiny_target, tmp_path)
+    edit_config(d, lambda c: c.update(max_position_embeddings=None))
+    with pytest.raises(UserError, match="'max_position_embeddings' must be an integer from 1 to 10485760, got None"):
+        checkpoint.load_target(str(d))
+
+
+@pytest.mark.parametrize("archs", ["Qwen3ForCausalLM", [["Qwen3ForCausalLM"]], [3]])
+def test_architectures_must_be_a_list_of_names(tiny_target, tmp_path, archs):
+    """A string said "'Qwen3ForCausalLM' not supported (supported: Qwen3ForCausalLM)"; a nested list was a
+    traceback."""
+    d = corrupt(tiny_target, tmp_path)
+    edit_config(d, lambda c: c.update(architectures=archs))
+    with pytest.raises(UserError, match="config.json: 'architectures' must be a list of names"):
+        checkpoint.load_target(str(d))
+
+
+def test_a_checkpoint_path_may_start_with_a_tilde(tiny_target, monkeypatch):
+    """`--target=~/models/x`: the shell leaves ~ alone after `=`, so the loader expands it."""
+    monkeypatch.setenv("HOME", str(tiny_target.path.parent))
+    spec = "~/" + tiny_target.path.name
+    assert checkpoint.resolve_checkpoint(spec, "--target") == str(tiny_target.path)
+
+
+def test_load_models_loads_on_the_device_it_resolves(tiny_target, monkeypatch):
+    """No device given: the weights go where the dtype was chosen for (they went to the raw None, which
+    on a CUDA machine meant bfloat16 weights on the CPU)."""
+    seen = {}
+
+    def load_target(path, device, dtype):
+        seen.update(device=device, dtype=dtype)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(checkpoint, "load_target", load_target)
+    monkeypatch.setattr(checkpoint, "resolve_device", lambda device: "cpu")
+    with pytest.raises(UserError, match="stop here"):
+        checkpoint.load_models(str(tiny_target.path), device=None)
+    assert seen == {"device": "cpu", "dtype": torch.float32}
+
+
 def test_config_missing_rope_theta(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop("rope_parameters"))
@@ -284,7 +325,7 @@ def test_a_tensor_spelled_twice(tiny_target, tmp_path):
     """'model.norm.weight' and 'norm.weight' name one parameter: the second is refused, not a silent overwrite."""
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.update({"norm.weight": t["model.norm.weight"] * 2}))
-    with pytest.raises(UserError, match="appears twice"):
+    with pytest.raises(UserError, match="tensors 'model.norm.weight' and 'norm.weight' are two spellings of one weight"):
         checkpoint.load_target(str(d))
 
 

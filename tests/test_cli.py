@@ -439,3 +439,51 @@ def test_drafter_settings_pass_where_there_is_a_drafter(extra, tmp_path):
         args = tyro.cli(flags.Args, args=["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2"]
                         + given)
         flags.check_command_line(args)
+
+
+@pytest.mark.parametrize("setting", [dict(scheduler="hardware"), dict(confidence_threshold=0.5),
+                                     dict(scheduler="threshold", confidence_threshold=0.5, verify_buckets="1,2")])
+def test_the_api_refuses_a_drafters_setting_without_a_drafter(setting):
+    """generate() with models that have no drafter refuses what only a drafter's round reads, as the command
+    line does (it decoded autoregressively and said nothing)."""
+    from support.cli import UserError
+
+    m = speculate.load(str(REPO_ROOT / "demo" / "target"))
+    with pytest.raises(UserError, match="without a --drafter the decoding is autoregressive"):
+        speculate.generate(m, [[1, 2]], max_new_tokens=2, **setting)
+
+
+def test_triton_kernels_where_triton_cannot_run_are_refused_by_every_program(monkeypatch, capsys):
+    """--kernels triton on a CPU without Triton's interpreter: one line from speculate.py, eval.py and the API
+    alike (eval.py and the API fell back to the torch kernels in silence)."""
+    import eval as ev
+    import kernels
+    from support.cli import UserError
+
+    monkeypatch.setattr(kernels, "_triton_ok", lambda *tensors: False)
+    target = str(REPO_ROOT / "demo" / "target")
+    rc, out, err = run_cli(["--target", target, "--prompt-ids", "1,2", "--kernels", "triton"], capsys)
+    _one_error_line(rc, out, err, "--kernels triton: the Triton kernels need")
+    rc = ev.main(["--target", target, "--kernels", "triton", "--max-samples", "1"])
+    _one_error_line(rc, *capsys.readouterr(), "--kernels triton: the Triton kernels need")
+    m = speculate.load(target)
+    with pytest.raises(UserError, match="--kernels triton: the Triton kernels need"):
+        speculate.generate(m, [[1, 2]], max_new_tokens=2, kernels="triton")
+
+
+def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():
+    """numpy's integers are token ids, as they are settings; a list that mixes ids with something else is
+    named for what it is (it was called a conversation without a chat template)."""
+    import numpy as np
+
+    from support.cli import UserError
+
+    m = speculate.load(str(REPO_ROOT / "demo" / "target"))
+    plain = speculate.generate(m, [5, 6], max_new_tokens=3)
+    numpy_ids = speculate.generate(m, [np.int64(5), np.int64(6)], max_new_tokens=3)
+    assert numpy_ids[0].output_ids == plain[0].output_ids
+    assert numpy_ids[0].prompt_ids == [5, 6] and all(type(t) is int for t in numpy_ids[0].prompt_ids)
+    with pytest.raises(UserError, match="^prompt 0: token ids hold True, which is not a token id$"):
+        speculate.generate(m, [True, 5], max_new_tokens=3)
+    with pytest.raises(UserError, match="^prompts: a list mixing token ids and other prompts"):
+        speculate.generate(m, [5, "a"], max_new_tokens=3)

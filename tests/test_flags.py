@@ -130,3 +130,20 @@ def test_a_random_preset_larger_than_free_memory_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"^--random-init qwen3-4b: its target's weights need [\d.]+ GiB in "
                                         r"float32; 1\.0 GiB are free on cpu"):
         checkpoint.load_models(None, random_init="qwen3-4b", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("setting,message", [
+    (dict(ignore_eos="no"), "--ignore-eos: invalid value 'no' (True or False)"),
+    (dict(verbose=1), "--verbose: invalid value 1 (True or False)"),
+    (dict(verify_buckets=[1, 8]), "--verify-buckets: invalid value [1, 8] (a string, or None)"),
+    (dict(sps_table=5), "--sps-table: invalid value 5 (a string, or None)"),
+    (dict(temperature=10**400), "--temperature: invalid value"),
+    (dict(top_k=10**400), "--top-k: invalid value"),
+])
+def test_the_api_checks_every_settings_type(setting, message):
+    """A setting of the wrong type from the API is one line naming it (ignore_eos="no" ignored the EOS token
+    in silence; a list of buckets, a number for a table and an integer past a float's range were
+    tracebacks)."""
+    with pytest.raises(UserError) as e:
+        flags.check_settings(speculate.Settings(**setting), "cpu")
+    assert str(e.value).startswith(message), str(e.value)

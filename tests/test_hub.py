@@ -234,8 +234,9 @@ def test_a_local_directory_wins_over_an_id_of_the_same_spelling(hub, repos, tmp_
 
 
 def test_paths_are_left_to_the_loader(hub, tmp_path, capsys):
-    for spec in (str(tmp_path / "missing"), "./missing/dir", "~/missing"):
+    for spec in (str(tmp_path / "missing"), "./missing/dir"):
         assert checkpoint.resolve_checkpoint(spec, "--target") == spec
+    assert checkpoint.resolve_checkpoint("~/missing", "--target") == os.path.expanduser("~/missing")
     rc, _, err = run(["--target", tmp_path / "missing", "--prompt-ids", "1,2"], capsys)
     one_error_line(rc, err, "target directory not found")
 

@@ -513,6 +513,16 @@ def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
     assert not any(r.finite for r in speculate.unpack(record, engine.widths))
     with pytest.raises(speculate.UserError, match="request 0, the prefill: the logits are not finite"):
         engine.generate([speculate.Request(0, [1, 2])], 4)
+    # a decode whose weights go bad after its first round: the round's check, not the prefill's, says so
+    with torch.no_grad():
+        target.norm.weight[0] = 1.0
+
+    def spoil(request, record):
+        with torch.no_grad():
+            target.norm.weight[0] = float("nan")
+
+    with pytest.raises(speculate.UserError, match="^request 0, round 1: the logits are not finite"):
+        engine.generate([speculate.Request(0, [1, 2])], 4, on_round=spoil)
 
 
 @pytest.mark.parametrize("drafts", ["none", "chain", "tree"])
