@@ -440,3 +440,31 @@ def test_appendix_a_counterexample_stays_exact_with_the_capacity_from_history(tw
     algorithm_1 = lambda c: int(sched.hardware_schedule(c.double(), torch.tensor([True]), PAPER_SPS))  # noqa: E731
     y, ell = appendix_a_first_tokens(algorithm_1)
     assert ell == {A: 0, B_: 0} and chi2_pvalue(y, torch.tensor([0.7, 0.3])) > P_MIN
+
+
+def test_each_decode_starts_with_two_warm_up_rounds(env):
+    """A second decode on the same engine plans from its own rounds: its first two verify every draft
+    again, not from the history the first decode left."""
+    engine = engine_for(env, "async")
+    requests = [speculate.Request(i, p) for i, p in enumerate(PROMPTS[:2])]
+    again = [speculate.Request(i, p) for i, p in enumerate(PROMPTS[:2])]
+    with torch.inference_mode():
+        engine.generate(requests, 16)
+        assert engine.scheduler.rounds > 2
+        engine.generate(again, 16)
+    rounds = sorted(again[0].rounds, key=lambda r: r["batch_round"])
+    assert [r["capacity_from_round"] for r in rounds[:3]] == ["warmup", "warmup", 0]
+
+
+def test_a_plan_grows_its_capacity_to_fill_the_bucket(monkeypatch):
+    """The verify size is the smallest bucket holding R + C tokens; the padding is not wasted: the capacity
+    grows to fill it (at most every draft)."""
+    s = sched.Scheduler("async", 4, 2, buckets=[4, 10])
+    plan = s.plan(2)  # warm-up: every draft of both rows
+    assert (plan.num_tokens, plan.capacity, plan.source) == (10, 8, "warmup")
+    s.observe([[0.9] * 4, [0.9] * 4])
+    s.observe([[0.9] * 4, [0.9] * 4])
+    monkeypatch.setattr(sched, "capacity_search", lambda *args: 1)
+    plan = s.plan(2)
+    assert (plan.num_tokens, plan.capacity, plan.source) == (4, 2, 0)
+    assert int(s.capacity) == 2  # the graph's input, filled in place

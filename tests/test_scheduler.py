@@ -498,6 +498,14 @@ def test_bad_scheduler_flags_are_refused(env, flags, needle):
     assert rc == 2 and needle in err and one_error_line(err), err
 
 
+def test_a_verify_is_padded_to_the_smallest_bucket_that_holds_it():
+    """With buckets (and no SPS table to route by) n tokens verify as the smallest bucket holding them;
+    without, as themselves."""
+    s = sched.Scheduler("threshold", 4, 2, threshold=0.5, buckets=[9, 4, 10])
+    assert [s.bucket(n) for n in (1, 4, 5, 9, 10)] == [4, 4, 9, 9, 10]
+    assert sched.Scheduler("threshold", 4, 2, threshold=0.5).bucket(5) == 5
+
+
 def test_explicit_buckets_pad_the_ragged_batch_and_keep_the_output(env):
     ref = cli(env, drafter=False, batch=3).outputs()
     tr = cli(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, "--verify-buckets", "4,9,15", batch=3)

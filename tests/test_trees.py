@@ -550,11 +550,22 @@ def test_trees_refuse_what_they_cannot_do(tenv, capsys, flags, needle):
 
 
 @pytest.mark.parametrize("drafter,temperature", [("zlab", 1), ("vanilla", 0)])
-def test_tree_temperature_is_taken_where_it_ranks_the_tree(tenv, drafter, temperature):
-    """Sampled without a confidence head, or greedy, --tree-temperature ranks the branches."""
+def test_tree_temperature_is_taken_where_it_ranks_the_tree(tenv, drafter, temperature, monkeypatch):
+    """Sampled without a confidence head, or greedy, --tree-temperature ranks the branches: every tree the
+    run builds is built at it."""
+    import sampling
+
+    built_at = []
+    real = sampling.build_tree
+
+    def build_tree(base_logits, hidden, anchor, markov, N, tree_temperature, **kw):
+        built_at.append(tree_temperature)
+        return real(base_logits, hidden, anchor, markov, N, tree_temperature, **kw)
+
+    monkeypatch.setattr(sampling, "build_tree", build_tree)
     tr = decode(tenv, "--tree-budget", 4, "--temperature", temperature, "--tree-temperature", 0.5,
                 drafter=drafter)
-    assert tr.rounds
+    assert tr.rounds and built_at and set(built_at) == {0.5}
 
 
 def test_tree_temperature_is_refused_only_where_it_ranks_no_tree(tenv):
