@@ -215,8 +215,8 @@ def parse_flags(args_class, argv: Optional[list[str]]):
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,
              rank0: Callable[[], bool] = lambda: True) -> int:
     """A program's main(): tyro's flags, then `run(args)`; a UserError (a bad flag's included) is one
-    line on stderr (rank 0) and exit 2, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 +
-    the signal."""
+    line on stderr (rank 0) and exit 2, a file the system refused one line and exit 1, SIGINT/SIGTERM
+    raise `Interrupted` in the run and exit 128 + the signal."""
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
         if hasattr(stream, "reconfigure") and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
@@ -236,6 +236,12 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
     except BrokenPipeError:  # stdout's reader went away (`| head`): a shell's quiet SIGPIPE exit
         quiet_stdout()
         return 128 + signal.SIGPIPE
+    except OSError as e:  # a file the system refused (no permission, a full disk): one line naming it
+        if e.filename is None:
+            raise
+        if rank0():
+            print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
@@ -423,15 +429,24 @@ def use_compile_cache(path: Optional[str]) -> str:
     """Inductor's caches: --compile-cache, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dspark-fast/inductor
     ($XDG_CACHE_HOME for ~/.cache), which unlike Inductor's /tmp default survives a reboot."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    where = os.path.abspath(os.path.expanduser(path or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                                               or os.path.join(cache, "dspark-fast", "inductor")))
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    source = "$TORCHINDUCTOR_CACHE_DIR"  # named in every error: where the path came from
+    if path is not None:
+        given = path
+        source = "--compile-cache"
+    if given is not None and not given.strip():
+        raise UserError(f"{source}: empty (a directory for the compiled graphs)")
+    if given is None:
+        given = os.path.join(cache, "dspark-fast", "inductor")
+        source = "the compile cache"
+    where = os.path.abspath(os.path.expanduser(given))
     if os.path.exists(where) and not os.path.isdir(where):
-        raise UserError(f"--compile-cache {where}: not a directory")
+        raise UserError(f"{source} {where}: not a directory")
     try:
         os.makedirs(where, exist_ok=True)
     except OSError as e:
-        raise UserError(f"--compile-cache {where}: cannot create the directory ({e.strerror})") from None
+        raise UserError(f"{source} {where}: cannot create the directory ({e.strerror})") from None
     if not os.access(where, os.W_OK | os.X_OK):
-        raise UserError(f"--compile-cache {where}: the directory is not writable")
+        raise UserError(f"{source} {where}: the directory is not writable")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
     return where

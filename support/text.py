@@ -117,7 +117,7 @@ def read_chat_template(directory: str,
     if t is None:
         return None, None, None
     if not isinstance(t, str):
-        raise UserError(f"{path}: 'chat_template' must be a string")
+        return None, path, f"{path}: 'chat_template' must be a string, got {type(t).__name__}"
     return t, path, None
 
 

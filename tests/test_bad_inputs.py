@@ -301,6 +301,9 @@ CASES = [
     ("template-list-no-default", "speculate", lambda w, t: P(target_with(w, t, files={
         "tokenizer_config.json": json.dumps({"chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}]})})),
      "tokenizer_config.json: 'chat_template' names no 'default' template with a text (it has 'tool_use')", False),
+    ("template-not-a-string", "speculate", lambda w, t: P(target_with(w, t, files={
+        "tokenizer_config.json": json.dumps({"chat_template": 5})})),
+     "tokenizer_config.json: 'chat_template' must be a string, got int", False),
     ("template-list-default-null", "speculate", lambda w, t: P(target_with(w, t, files={
         "tokenizer_config.json": json.dumps({"chat_template": [{"name": "default", "template": None}]})})),
      "names no 'default' template with a text", False),
@@ -1027,15 +1030,18 @@ def test_a_terminal_that_cannot_show_tau_gets_an_escape_not_a_traceback(world, t
     assert "\\u03c4=" in p.stdout
 
 
-def test_named_templates_without_a_default_refuse_only_what_they_would_render(world, tmp_path, capsys):
+@pytest.mark.parametrize("chat_template,needle", [
+    ([{"name": "tool_use", "template": "{{ 1 }}"}], "names no 'default' template"),
+    (5, "'chat_template' must be a string, got int"),
+])
+def test_unusable_templates_refuse_only_what_they_would_render(world, tmp_path, capsys, chat_template, needle):
     """Token ids and --no-chat never render a template: they run as before; a text prompt is refused."""
-    t = target_with(world, tmp_path, files={"tokenizer_config.json": json.dumps(
-        {"chat_template": [{"name": "tool_use", "template": "{{ 1 }}"}]})})
+    t = target_with(world, tmp_path, files={"tokenizer_config.json": json.dumps({"chat_template": chat_template})})
     assert speculate.main(["--target", t, "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
     assert speculate.main(["--target", t, "--prompt", "hi", "--no-chat", "--max-new-tokens", "2"]) == 0
     capsys.readouterr()
     _check_rc = speculate.main(["--target", t, "--prompt", "hi", "--max-new-tokens", "2"])
-    _check(capsys.readouterr().err, "names no 'default' template", _check_rc)
+    _check(capsys.readouterr().err, needle, _check_rc)
 
 
 def test_an_interruption_while_rendering_a_template_is_the_runs_not_the_templates(monkeypatch):

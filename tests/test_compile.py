@@ -442,3 +442,20 @@ def test_a_warmed_engine_reused_after_another_engine_resized_the_caches(tmp_path
         assert got == expected
         assert run(eager, second) == expected  # (and the eager engine, after the compiled one took them back)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_compile_cache_error_names_where_its_path_came_from(tmp_path, monkeypatch):
+    """A bad $TORCHINDUCTOR_CACHE_DIR is named as itself, not as a --compile-cache nobody gave; an empty one is
+    refused, not replaced by the default in silence."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(afile))
+    with pytest.raises(cli.UserError, match=f"^\\$TORCHINDUCTOR_CACHE_DIR {afile}: not a directory$"):
+        cli.use_compile_cache(None)
+    with pytest.raises(cli.UserError, match=f"^--compile-cache {afile}: not a directory$"):
+        cli.use_compile_cache(str(afile))
+    with pytest.raises(cli.UserError, match="^--compile-cache: empty"):
+        cli.use_compile_cache("  ")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    with pytest.raises(cli.UserError, match="^\\$TORCHINDUCTOR_CACHE_DIR: empty"):
+        cli.use_compile_cache(None)
