@@ -18,13 +18,18 @@ _GEOMETRIC = np.geomspace(0.05, 20.0, 241)
 STS_GRID = np.unique(np.concatenate([_GEOMETRIC, [1.0]]))
 
 
+def bin_index(p: np.ndarray, bins: int) -> np.ndarray:
+    """Each probability's bin among [b/bins, (b+1)/bins), the last one closed."""
+    return np.clip((p * bins).astype(np.int64), 0, bins - 1)
+
+
 def ece(p, y, bins: int = ECE_BINS) -> Optional[float]:
     """Σ_b (n_b / N) |mean(y_b) - mean(p_b)| over bins [b/bins, (b+1)/bins), the last one closed."""
     p = np.asarray(p, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     if p.size == 0:
         return None
-    idx = np.minimum((p * bins).astype(np.int64), bins - 1)
+    idx = bin_index(p, bins)
     observed = np.bincount(idx, weights=y, minlength=bins)
     predicted = np.bincount(idx, weights=p, minlength=bins)
     gap = np.abs(observed - predicted)

@@ -2,7 +2,8 @@
 
 matplotlib is imported only when drawing, and figures are `Figure` objects, not pyplot: no GUI backend,
 no global state. The extension picks the format: .png, or .svg with text as text and no date (a rerun
-is the same file). Files are written whole or not at all. The metrics arrive precomputed.
+is the same file). Files are written whole or not at all. The metrics arrive precomputed; the
+reliability diagram bins its points as the ECE does.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from typing import Optional
 
 import numpy as np
 
+from support.calibration import ECE_BINS, bin_index
 from support.cli import UserError
 from support.files import atomic_write
 
 FORMATS = (".png", ".svg")
 DPI = 144
-BINS = 20  # eval.py's ECE_BINS
 PANELS_PER_ROW = 4  # a long block wraps
 MODE_COLOURS = {"autoregressive": "tab:gray", "none": "tab:blue", "threshold": "tab:orange",
                 "hardware": "tab:green", "async": "tab:red"}
@@ -56,12 +57,11 @@ def _save(fig, path: str, fmt: str):
         atomic_write(path, write)
 
 
-def bin_stats(a, y, bins: int = BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(count, mean predicted, observed rate) per bin [b/bins, (b+1)/bins), the last closed, as
-    eval.py's ECE; NaN means in empty bins."""
+def bin_stats(a, y, bins: int = ECE_BINS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(count, mean predicted, observed rate) per bin, the bins of the ECE; NaN means in empty bins."""
     a = np.asarray(a, dtype=np.float64).ravel()
     y = np.asarray(y, dtype=np.float64).ravel()
-    idx = np.clip((a * bins).astype(np.int64), 0, bins - 1)
+    idx = bin_index(a, bins)
     count = np.bincount(idx, minlength=bins)
     predicted = np.bincount(idx, weights=a, minlength=bins)
     observed = np.bincount(idx, weights=y, minlength=bins)
@@ -83,7 +83,7 @@ def _title(panel: dict) -> str:
     return title
 
 
-def reliability_diagram(path: str, panels: list[dict], bins: int = BINS):
+def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS):
     """One panel per position k: rounds per bin of a_k (gray), the diagonal, the observed survival
     before STS (bars) and after (markers). panels: [{"position", "before": (a, y), "after": (a, y) or
     None, and optionally "ece_before", "ece_after", "auroc" for the title}]."""

@@ -9,6 +9,8 @@ import json
 import sys
 from typing import Optional
 
+import torch
+
 from support import metrics, runlog
 from support.cli import Interrupted, device_name, signals_deferred
 from support.files import StreamFile
@@ -276,7 +278,7 @@ class Report:
         drafter = m.drafter.cfg.describe() if m.drafter is not None else None
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
                         dtype_resolved=str(m.dtype).removeprefix("torch."),
-                        threads_resolved=int(threads.split()[1]), scheduler_resolved=s.scheduler,
+                        threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
                         chat_resolved=args.rendering.chat, compile_resolved=s.compile,
                         sampling=sampling, num_prompts=len(self.prompts),
                         num_requests=self.requests,
