@@ -568,7 +568,7 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
         raise UserError(f"--drafter {directory}: {problem}")
     path = os.path.join(directory, "config.json")
     spelled = {}  # the models' names -> the file's
-    raw = read_json(path)  # a bad config fails before the weights are read
+    raw = read_json(path)  # malformed JSON fails before the weights are read; its keys are checked with them
 
     def rename(key):
         name = HEAD_RENAMES.get(key.removeprefix("model."), key.removeprefix("model."))

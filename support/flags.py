@@ -409,7 +409,7 @@ DEMO_PROMPT = ('def copyfileobj(fsrc, fdst, length=0):\n'
 
 def resolve_demo(args, demo_dir: str):
     """(args, demo, lead): no --target, --drafter or --random-init is the demo pair on its held-out
-    prompts, led by DEMO_PROMPT (`lead`) unless a prompt is given; --compile's default resolved."""
+    prompts, led by DEMO_PROMPT (`lead`) unless a prompt is given."""
     p = args.prompts
     demo = args.target is None and args.drafter is None and args.random_init is None
     no_prompt = p.prompt is None and p.prompt_ids is None and p.prompts_file is None
