@@ -22,9 +22,9 @@ import pytest
 import torch
 from conftest import REPO_ROOT, chi2_pvalue
 from drafters import make_drafter, make_target
+from test_generate import filtered_joint
+from test_generate import flags as sampling_flags
 from test_lossless import PROMPTS, SAMPLE_PROMPT, SV, M, check_trace, run_cli, seq_index, target_logits_after
-from test_sampling import filtered_joint
-from test_sampling import flags as sampling_flags
 
 import sampling
 from drafter import MARKOV_HEADS, RNNMarkov

@@ -1,6 +1,6 @@
-"""Sampling controls: top-k, top-p and min-p, exact under speculation; the target's
-generation_config.json as the default; per-request reproducibility; stop strings; the output file;
-streaming; the Python API.
+"""Decoding settings end to end, through `speculate.main` and `speculate.generate`: top-k, top-p and
+min-p, exact under speculation; the target's generation_config.json as the default; per-request
+reproducibility; stop strings; the output file; streaming; the Python API.
 
 - `sampling.filter_logits` equals a by-definition filter written here with sorted Python lists.
 - The distribution tests of test_lossless.py, with filters: the first M generated tokens' joint
