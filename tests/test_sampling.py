@@ -1,8 +1,11 @@
-"""Unit tests of kernels.py: the Markov chain, greedy and sampled verification, and sampling.
+"""Unit tests of sampling.py: the Markov chain, greedy and sampled acceptance, sampling, and the
+pre-drawn noise.
 
-Everything here is hand-built tensors (no checkpoints). Distributional claims are checked with
-a chi-square goodness-of-fit test on a large batch drawn from a seeded `torch.Generator`, so the
-tests are deterministic; the p-value threshold (1e-3) is far from where the seeded draws land.
+Everything here is hand-built tensors (no checkpoints), except the last two tests, which run a round's
+finite check through `speculate.Engine` on a random target and on the demo pair. Distributional claims
+are checked with a chi-square goodness-of-fit test on a large batch drawn from a seeded
+`torch.Generator`, so the tests are deterministic; the p-value threshold (1e-3) is far from where the
+seeded draws land.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def test_markov_chain_repeatable_with_seed():
 
 
 # ----------------------------------------------------------------------------------------
-# verify_greedy
+# accept_greedy
 
 def _onehot_logits(best: torch.Tensor, V: int, noise_seed: int = 0) -> torch.Tensor:
     """[B, K+1, V] logits whose argmax at each position is `best` [B, K+1] (small noise elsewhere)."""
@@ -182,7 +185,7 @@ def _onehot_logits(best: torch.Tensor, V: int, noise_seed: int = 0) -> torch.Ten
     return logits + torch.nn.functional.one_hot(best, V).float() * 5
 
 
-def test_verify_greedy_counts_and_next_token():
+def test_accept_greedy_counts_and_next_token():
     V, K = 10, 3
     best = torch.tensor([
         [1, 2, 3, 4],  # all accepted -> bonus = best[3]
@@ -207,7 +210,7 @@ def test_verify_greedy_counts_and_next_token():
     assert n.dtype == torch.long and nxt.dtype == torch.long
 
 
-def test_verify_greedy_verify_len_caps_acceptance():
+def test_accept_greedy_verify_len_caps_acceptance():
     V = 10
     best = torch.tensor([[1, 2, 3, 4, 6]] * 5)
     drafts = torch.tensor([[1, 2, 3, 4]] * 4 + [[1, 7, 3, 4]])
@@ -218,7 +221,7 @@ def test_verify_greedy_verify_len_caps_acceptance():
     assert nxt.tolist() == [1, 2, 3, 6, 2]
 
 
-def test_verify_greedy_no_drafts_is_a_plain_step():
+def test_accept_greedy_no_drafts_is_a_plain_step():
     V = 7
     logits = torch.randn(3, 1, V, generator=gen(2))
     n, nxt = sampling.accept_greedy(torch.zeros(3, 0, dtype=torch.long), logits, torch.zeros(3, dtype=torch.long))
@@ -227,7 +230,7 @@ def test_verify_greedy_no_drafts_is_a_plain_step():
 
 
 # ----------------------------------------------------------------------------------------
-# verify_sampled
+# accept_sampled
 
 def _logits_of(p: torch.Tensor) -> torch.Tensor:
     """Logits whose softmax at T=1 is p (zeros become -inf)."""
@@ -235,7 +238,7 @@ def _logits_of(p: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_verify_sampled_p_equals_q_accepts_every_verified_draft(temperature):
+def test_accept_sampled_p_equals_q_accepts_every_verified_draft(temperature):
     B, K, V = 500, 4, 9
     g = gen(3)
     target_logits = torch.randn(B, K + 1, V, generator=g) * 2
@@ -247,7 +250,7 @@ def test_verify_sampled_p_equals_q_accepts_every_verified_draft(temperature):
     assert bool(((nxt >= 0) & (nxt < V)).all())
 
 
-def test_verify_sampled_bonus_comes_from_p_ell():
+def test_accept_sampled_bonus_comes_from_p_ell():
     """All ℓ verified drafts accepted: the next token is drawn from p_ℓ, not p_K."""
     B, K, V = 6000, 3, 8
     g = gen(5)
@@ -266,7 +269,7 @@ def test_verify_sampled_bonus_comes_from_p_ell():
     assert chi2_pvalue(nxt[verify_len == 3], p[3]) > P_MIN
 
 
-def test_verify_sampled_draft_with_zero_target_probability_is_always_rejected():
+def test_accept_sampled_draft_with_zero_target_probability_is_always_rejected():
     B, K, V = 2000, 2, 6
     bad = 2
     p0 = torch.tensor([0.3, 0.2, 0.0, 0.25, 0.15, 0.1])
@@ -282,7 +285,7 @@ def test_verify_sampled_draft_with_zero_target_probability_is_always_rejected():
     assert chi2_pvalue(nxt, residual / residual.sum()) > P_MIN
 
 
-def test_verify_sampled_u_zero_never_accepts_a_token_the_target_cannot_produce():
+def test_accept_sampled_u_zero_never_accepts_a_token_the_target_cannot_produce():
     """The acceptance test is strict, u·q(x) < p(x): with u = 0 exactly and p(x) = 0 the draft is
     rejected (u·q(x) <= p(x) would accept a token the target never produces)."""
     p0 = torch.tensor([0.5, 0.5, 0.0])
@@ -294,7 +297,7 @@ def test_verify_sampled_u_zero_never_accepts_a_token_the_target_cannot_produce()
     assert n.tolist() == [0] and nxt.item() != 2
 
 
-def test_verify_sampled_residual_example():
+def test_accept_sampled_residual_example():
     """p = [.5, .5, 0], q = [1, 0, 0], draft 0: accepted with probability 1/2; a rejection's
     correction is always token 1; after an acceptance the bonus is drawn from p_1."""
     B, V = 4000, 3
@@ -313,7 +316,7 @@ def test_verify_sampled_residual_example():
     assert chi2_pvalue(first, p0) > P_MIN
 
 
-def test_verify_sampled_is_lossless_on_random_distributions():
+def test_accept_sampled_is_lossless_on_random_distributions():
     """One round over random p, q: the first committed token (draft if accepted, else the
     correction) is distributed as p_0, and the second (given the first draft accepted) as p_1."""
     B, K, V = 20000, 2, 5
@@ -334,7 +337,7 @@ def test_verify_sampled_is_lossless_on_random_distributions():
     assert abs(rate - torch.minimum(p[0], q_row[0]).sum().item()) < 4 * (0.25 / B) ** 0.5
 
 
-def test_verify_sampled_verify_len_caps_acceptance():
+def test_accept_sampled_verify_len_caps_acceptance():
     B, K, V = 300, 4, 7
     g = gen(14)
     target_logits = torch.randn(B, K + 1, V, generator=g)
@@ -345,7 +348,7 @@ def test_verify_sampled_verify_len_caps_acceptance():
     assert torch.equal(n, verify_len)
 
 
-def test_verify_sampled_no_drafts_samples_from_p0():
+def test_accept_sampled_no_drafts_samples_from_p0():
     B, V = 6000, 6
     row = torch.randn(1, V, generator=gen(16))
     target_logits = row.expand(B, 1, V).contiguous()
@@ -355,7 +358,7 @@ def test_verify_sampled_no_drafts_samples_from_p0():
     assert chi2_pvalue(nxt, torch.softmax(row[0] / 0.9, -1)) > P_MIN
 
 
-def test_verify_sampled_repeatable_with_seed():
+def test_accept_sampled_repeatable_with_seed():
     B, K, V = 64, 3, 8
     g = gen(18)
     target_logits = torch.randn(B, K + 1, V, generator=g)
@@ -446,7 +449,7 @@ def test_markov_chain_with_predrawn_noise(with_head):
     assert torch.equal(drafts, again)
 
 
-def test_verify_sampled_acceptance_rule_with_given_u():
+def test_accept_sampled_acceptance_rule_with_given_u():
     """Accept x_k iff u_k < p(x_k) / q(x_k), over the prefix: exact decisions for chosen u."""
     V, K = 4, 3
     p_row = torch.tensor([0.2, 0.4, 0.3, 0.1])   # every p_j
@@ -471,7 +474,7 @@ def test_verify_sampled_acceptance_rule_with_given_u():
     assert nxt.tolist() == [1, 2, 2, 1, 1, 2]
 
 
-def test_verify_sampled_predrawn_noise_matches_race_over_residual():
+def test_accept_sampled_predrawn_noise_matches_race_over_residual():
     B, K, V = 256, 2, 6
     g = gen(32)
     target_logits = torch.randn(B, K + 1, V, generator=g)
