@@ -387,7 +387,7 @@ def test_sampled_output_follows_the_target(senv, drafter):
 
 
 # ----------------------------------------------------------------------------------------
-# The paper's Appendix A counterexample, through the real acceptance kernel
+# The paper's Appendix A counterexample, through the real acceptance function
 
 A, B_ = 0, 1
 PAPER_SPS = torch.tensor([1.0, 1.0, 0.5, 0.45], dtype=torch.float64)  # SPS(B) for B = 0 .. 3 (SPS(0) unused)
@@ -396,7 +396,7 @@ PAPER_SPS = torch.tensor([1.0, 1.0, 0.5, 0.45], dtype=torch.float64)  # SPS(B) f
 def appendix_a_first_tokens(lengths_for, n=40000, seed=0):
     """One request (R = 1), two drafts; vocabulary {A, B}; target p = (0.7, 0.3), draft q = (0.5, 0.5);
     c_1 = 0.8, and c_2 = 0.9 after x_1 = A, 0 after B. lengths_for(c [1, 2]) -> ℓ. Returns the first
-    committed token of n independent rounds, accepted by `kernels.verify_sampled`."""
+    committed token of n independent rounds, accepted by `sampling.accept_sampled`."""
     g = torch.Generator().manual_seed(seed)
     drafts = torch.multinomial(torch.tensor([0.5, 0.5]), 2 * n, replacement=True, generator=g).view(n, 2)
     ell = {x1: lengths_for(torch.tensor([[0.8, 0.9 if x1 == A else 0.0]])) for x1 in (A, B_)}
