@@ -2,12 +2,11 @@
 min-p, exact under speculation; the target's generation_config.json as the default; per-request
 reproducibility; stop strings; the output file; streaming; the Python API.
 
-- `sampling.filter_logits` equals a by-definition filter written here with sorted Python lists.
 - The distribution tests of test_lossless.py, with filters: the first M generated tokens' joint
   distribution under speculative decoding equals the target's own filtered sampling, computed
-  exactly from transformers' logits with the by-definition filter — for each filter and their
-  combination with a temperature, under the none, threshold and hardware schedules, in rows refilled
-  by continuous batching, and with the Triton kernels (in Triton's interpreter, where installed).
+  exactly from transformers' logits with test_sampling.py's by-definition filter — for each filter
+  and their combination with a temperature, under the none, threshold and hardware schedules, in rows
+  refilled by continuous batching, and with the Triton kernels (in Triton's interpreter, where installed).
   The filter parameters are chosen with a margin from every boundary (no cumulative probability or
   probability ratio within 2e-4 of the cut; float32 rounding is ~1e-6), so float32 against float64 cannot move a token across.
 - A biased engine (the target's p not filtered in verification) fails the same check.
@@ -19,7 +18,6 @@ import collections
 import contextlib
 import io
 import json
-import math
 import os
 import re
 
@@ -28,6 +26,7 @@ import torch
 from conftest import REPO_ROOT, chi2_pvalue, make_target_dir
 from drafters import make_any, make_drafter, make_target
 from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, run_cli, seq_index, target_logits_after
+from test_sampling import filtered_by_definition, margins
 from test_scheduler import write_sps_table
 
 import kernels
@@ -36,97 +35,6 @@ import speculate
 from sampling import Filters
 
 torch.set_num_threads(1)
-
-
-# ----------------------------------------------------------------------------------------
-# The filters, by definition
-
-def filtered_by_definition(logits, temperature: float, f: Filters) -> list[float]:
-    """Probabilities after temperature, top-k, top-p (renormalised over top-k's survivors; the most
-    likely tokens whose mass reaches p, the first always kept) and min-p, for one row, in Python."""
-    z = [float(x) / temperature for x in logits]
-    V = len(z)
-    order = sorted(range(V), key=lambda i: -z[i])
-    keep = set(range(V))
-    if 0 < f.top_k < V:
-        kth = z[order[f.top_k - 1]]
-        keep = {i for i in keep if z[i] >= kth}
-
-    def probs_of(kept):
-        mx = max(z[i] for i in kept)
-        e = {i: math.exp(z[i] - mx) for i in kept}
-        s = sum(e.values())
-        return {i: e[i] / s for i in kept}
-
-    if f.top_p < 1:
-        p = probs_of(keep)
-        cum, kept = 0.0, set()
-        for i in [i for i in order if i in keep]:
-            if cum < f.top_p:
-                kept.add(i)
-            cum += p[i]
-        keep = kept
-    if f.min_p > 0:
-        p = probs_of(keep)
-        mx = max(p.values())
-        keep = {i for i in keep if p[i] >= f.min_p * mx}
-    p = probs_of(keep)
-    return [p.get(i, 0.0) for i in range(V)]
-
-
-def margins(logits, temperature: float, f: Filters) -> float:
-    """How far the row is from flipping a token across a top-p or min-p cut (relative units)."""
-    z = [float(x) / temperature for x in logits]
-    order = sorted(range(len(z)), key=lambda i: -z[i])
-    kept = order[:f.top_k] if f.top_k else order
-    mx = max(z[i] for i in kept)
-    e = [math.exp(z[i] - mx) for i in kept]
-    p = [x / sum(e) for x in e]
-    out = [1.0]
-    if f.top_p < 1:
-        cum = 0.0
-        for x in p:
-            out.append(abs(cum - f.top_p))
-            cum += x
-    if f.min_p > 0:
-        out += [abs(x / p[0] - f.min_p) for x in p]
-    return min(out)
-
-
-@pytest.mark.parametrize("f", [Filters(3), Filters(0, 0.7), Filters(0, 1.0, 0.2), Filters(5, 0.9, 0.05),
-                               Filters(1), Filters(0, 1e-6), Filters(0, 1.0, 1.0), Filters(100)])
-def test_filter_logits_equals_the_definition(f):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 40, generator=g) * 3
-    logits[0, :5] = logits[0, 5]  # ties at the top
-    T = 0.8
-    got = sampling.probs(logits, T, f).double()
-    for row, p in zip(logits, got):
-        want = torch.tensor(filtered_by_definition(row.tolist(), T, f), dtype=torch.float64)
-        if margins(row.tolist(), T, f) > 1e-4:  # away from a cut, the kept set is the same
-            assert torch.equal(p > 0, want > 0), (row, p, want)
-            assert torch.allclose(p, want, atol=1e-6)
-        assert (p > 0).any() and abs(p.sum().item() - 1) < 1e-5
-
-
-@pytest.mark.parametrize("p,top_p", [([.5, .25, .25], .5), ([.25, .25, .25, .125, .125], .75),
-                                     ([.5, .25, .125, .125], .875), ([.5, .5], .5)])
-def test_top_p_at_an_exact_cut_matches_transformers(p, top_p):
-    """Rows whose cumulative sums hit 1 - top_p exactly: the cut is transformers' (a token whose
-    ascending cumulative probability is <= 1 - p is dropped), which the margin-skipping test above
-    never reaches."""
-    from transformers.generation.logits_process import TopPLogitsWarper
-
-    z = torch.log(torch.tensor([p]))
-    want = TopPLogitsWarper(top_p)(None, z.clone())
-    got = sampling.filter_logits(z, Filters(0, top_p))
-    assert torch.equal(torch.isinf(got), torch.isinf(want)), (got, want)
-
-
-def test_filters_off_change_nothing():
-    logits = torch.randn(3, 4, 50)
-    assert torch.equal(sampling.probs(logits, 0.7, Filters()), torch.softmax(logits / 0.7, dim=-1))
-    assert torch.equal(sampling.filter_logits(logits, Filters(50, 1.0, 0.0)), logits)  # top-k = V keeps all
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Unit tests of sampling.py: the Markov chain, greedy and sampled acceptance, sampling, and the
-pre-drawn noise.
+"""Unit tests of sampling.py: the Markov chain, greedy and sampled acceptance, sampling, the top-k,
+top-p and min-p filters (`sampling.filter_logits` against a by-definition filter written here with
+sorted Python lists, which test_generate.py's distribution tests use too), and the pre-drawn noise.
 
 Everything here is hand-built tensors (no checkpoints), except the last two tests, which run a round's
 finite check through `speculate.Engine` on a random target and on the demo pair. Distributional claims
@@ -10,6 +11,7 @@ seeded draws land.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -24,6 +26,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 from conftest import chi2_pvalue  # noqa: E402
 
 import sampling  # noqa: E402
+from sampling import Filters  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -397,6 +400,97 @@ def test_sample_repeatable_with_seed():
     a = sampling.sample(logits, 1.0, gen(5))
     assert torch.equal(a, sampling.sample(logits, 1.0, gen(5)))
     assert not torch.equal(a, sampling.sample(logits, 1.0, gen(6)))
+
+
+# ----------------------------------------------------------------------------------------
+# The filters, by definition
+
+def filtered_by_definition(logits, temperature: float, f: Filters) -> list[float]:
+    """Probabilities after temperature, top-k, top-p (renormalised over top-k's survivors; the most
+    likely tokens whose mass reaches p, the first always kept) and min-p, for one row, in Python."""
+    z = [float(x) / temperature for x in logits]
+    V = len(z)
+    order = sorted(range(V), key=lambda i: -z[i])
+    keep = set(range(V))
+    if 0 < f.top_k < V:
+        kth = z[order[f.top_k - 1]]
+        keep = {i for i in keep if z[i] >= kth}
+
+    def probs_of(kept):
+        mx = max(z[i] for i in kept)
+        e = {i: math.exp(z[i] - mx) for i in kept}
+        s = sum(e.values())
+        return {i: e[i] / s for i in kept}
+
+    if f.top_p < 1:
+        p = probs_of(keep)
+        cum, kept = 0.0, set()
+        for i in [i for i in order if i in keep]:
+            if cum < f.top_p:
+                kept.add(i)
+            cum += p[i]
+        keep = kept
+    if f.min_p > 0:
+        p = probs_of(keep)
+        mx = max(p.values())
+        keep = {i for i in keep if p[i] >= f.min_p * mx}
+    p = probs_of(keep)
+    return [p.get(i, 0.0) for i in range(V)]
+
+
+def margins(logits, temperature: float, f: Filters) -> float:
+    """How far the row is from flipping a token across a top-p or min-p cut (relative units)."""
+    z = [float(x) / temperature for x in logits]
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    kept = order[:f.top_k] if f.top_k else order
+    mx = max(z[i] for i in kept)
+    e = [math.exp(z[i] - mx) for i in kept]
+    p = [x / sum(e) for x in e]
+    out = [1.0]
+    if f.top_p < 1:
+        cum = 0.0
+        for x in p:
+            out.append(abs(cum - f.top_p))
+            cum += x
+    if f.min_p > 0:
+        out += [abs(x / p[0] - f.min_p) for x in p]
+    return min(out)
+
+
+@pytest.mark.parametrize("f", [Filters(3), Filters(0, 0.7), Filters(0, 1.0, 0.2), Filters(5, 0.9, 0.05),
+                               Filters(1), Filters(0, 1e-6), Filters(0, 1.0, 1.0), Filters(100)])
+def test_filter_logits_equals_the_definition(f):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 40, generator=g) * 3
+    logits[0, :5] = logits[0, 5]  # ties at the top
+    T = 0.8
+    got = sampling.probs(logits, T, f).double()
+    for row, p in zip(logits, got):
+        want = torch.tensor(filtered_by_definition(row.tolist(), T, f), dtype=torch.float64)
+        if margins(row.tolist(), T, f) > 1e-4:  # away from a cut, the kept set is the same
+            assert torch.equal(p > 0, want > 0), (row, p, want)
+            assert torch.allclose(p, want, atol=1e-6)
+        assert (p > 0).any() and abs(p.sum().item() - 1) < 1e-5
+
+
+@pytest.mark.parametrize("p,top_p", [([.5, .25, .25], .5), ([.25, .25, .25, .125, .125], .75),
+                                     ([.5, .25, .125, .125], .875), ([.5, .5], .5)])
+def test_top_p_at_an_exact_cut_matches_transformers(p, top_p):
+    """Rows whose cumulative sums hit 1 - top_p exactly: the cut is transformers' (a token whose
+    ascending cumulative probability is <= 1 - p is dropped), which the margin-skipping test above
+    never reaches."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    z = torch.log(torch.tensor([p]))
+    want = TopPLogitsWarper(top_p)(None, z.clone())
+    got = sampling.filter_logits(z, Filters(0, top_p))
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), (got, want)
+
+
+def test_filters_off_change_nothing():
+    logits = torch.randn(3, 4, 50)
+    assert torch.equal(sampling.probs(logits, 0.7, Filters()), torch.softmax(logits / 0.7, dim=-1))
+    assert torch.equal(sampling.filter_logits(logits, Filters(50, 1.0, 0.0)), logits)  # top-k = V keeps all
 
 
 # ----------------------------------------------------------------------------------------
