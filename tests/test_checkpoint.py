@@ -1,6 +1,7 @@
 """support/checkpoint.py: strict loading and its one-line errors (each names the file, key or tensor at
-fault), sharded and bf16 checkpoints; and support/text.py's tokenizer, chat template and stop tokens as
-a checkpoint brings them."""
+fault), sharded and bf16 checkpoints, a config's two RoPE spellings read into the same arguments, and
+the target layers a drafter may read checked when it attaches; and support/text.py's tokenizer, chat
+template and stop tokens as a checkpoint brings them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from conftest import (
     target_with_caches,
     write_json,
 )
+from test_model import QWEN3_8B_CONFIG
 
 m = import_model()
 from support import (
@@ -343,6 +345,45 @@ def test_load_bfloat16(tiny_target):
     assert torch.isfinite(logits.float()).all()
     # bf16 rounding only: close to the float32 reference relative to the logits' scale
     assert max_err(logits, ref) <= 0.1 * ref.abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------
+# A config read into the model's arguments; a drafter attached to its target
+
+def test_config_spellings_give_same_args(target_factory):
+    nested = target_factory(rope_spelling="nested")
+    top = target_factory(rope_spelling="top")
+    cfg_nested = json.loads((nested.path / "config.json").read_text())
+    cfg_top = json.loads((top.path / "config.json").read_text())
+    assert "rope_parameters" in cfg_nested and "rope_theta" not in cfg_nested
+    assert "rope_parameters" not in cfg_top and cfg_top["rope_theta"] == 10000.0
+    a, b = checkpoint.target_args(cfg_nested, 'c'), checkpoint.target_args(cfg_top, 'c')
+    assert a == b
+    assert a.rope_theta == 10000.0  # not the dataclass default of 1e6
+    assert (a.vocab_size, a.hidden_size, a.intermediate_size, a.num_hidden_layers) == (64, 32, 64, 3)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (4, 2, 16)
+    assert a.eos_token_ids == (IM_END_ID,)
+
+
+def test_qwen3_8b_nested_rope_spelling():
+    cfg = dict(QWEN3_8B_CONFIG)
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    assert checkpoint.target_args(cfg, "c") == checkpoint.target_args(QWEN3_8B_CONFIG, "c")
+
+
+def test_capture_is_checked_when_a_drafter_is_attached(tiny_target):
+    """A drafter may read layers -1 (the embeddings) .. L-2 of its target, never the last."""
+    import dataclasses
+    model = checkpoint.load_target(str(tiny_target.path))  # 3 layers: -1, 0, 1 allowed
+    drafter = checkpoint.random_drafter(model, block_size=2, num_layers=1, rank=4)
+    for ok in ([-1, 0, 1], [0]):
+        drafter.cfg = dataclasses.replace(drafter.cfg, target_layer_ids=tuple(ok))
+        checkpoint.attach(drafter, model)
+    for bad, needle in ((2, "last layer"), (3, "outside"), (-2, "outside")):
+        drafter.cfg = dataclasses.replace(drafter.cfg, target_layer_ids=(0, bad))
+        with pytest.raises(UserError, match=f"^the drafter: target_layer_ids: .*{needle}"):
+            checkpoint.attach(drafter, model)
 
 
 # ----------------------------------------------------------------------------------------
