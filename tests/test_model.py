@@ -1,8 +1,9 @@
 """model.py against transformers' Qwen3 on tiny random checkpoints (float32, CPU).
 
-Covers: logits for prefill / cached decode / chunks / rollback / ragged batches, the cache-free
-causal forward, captured layer features, the fast paths against their references, and the parameter
-count of a Qwen3-8B-shaped config. Loading and its errors, reading a config and attaching a drafter:
+Covers: logits for prefill / cached decode / chunks / rollback / ragged batches, ragged verification
+(`Ragged`: the flattened tokens of requests with different counts against each request run alone), the
+cache-free causal forward, captured layer features, the fast paths against their references, and the
+parameter count of a Qwen3-8B-shaped config. Loading and its errors, reading a config and attaching a drafter:
 tests/test_checkpoint.py.
 """
 
@@ -155,6 +156,70 @@ def test_logits_index_selects_one_position_per_row(tiny_target):
     assert picked.shape == (3, 64)
     assert max_err(picked, full[torch.arange(3), idx]) <= 1e-5
     assert feats.shape == (3, 6, 32)  # features are not indexed
+
+
+# ----------------------------------------------------------------------------------------
+# Ragged verification equals per-request verification
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    from drafters import make_target
+
+    return make_target(tmp_path_factory.mktemp("ragged") / "target", attn_scale=1.0, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("counts,pad", [([2, 0, 5, 1], 0), ([5, 5, 5, 5], 0), ([1, 3, 0, 2], 7), ([0, 0, 1, 0], 3)])
+def test_ragged_forward_equals_per_request_forward(small_target, counts, pad):
+    target = checkpoint.load_target(small_target)
+    R, W, P = 4, 5, 9
+    g = torch.Generator().manual_seed(len(counts) + pad + sum(counts))
+    prompts = torch.randint(0, 48, (R, P), generator=g)
+    lens = torch.tensor([9, 4, 7, 6])  # rows at different positions
+    tokens = torch.randint(0, 48, (R, W), generator=g)
+    positions = lens[:, None] + torch.arange(W)
+    capture = (0, 1)
+    with torch.no_grad():
+        target.setup_caches(R, 32)
+        target(prompts, torch.arange(P).expand(R, P))
+        before = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in target.layers]
+        counts_t = torch.tensor(counts)
+        n = int(counts_t.sum()) + pad
+        ragged = m.Ragged.build(counts_t, positions, n)
+        logits, feats = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged)
+        assert logits.shape == (1, n, 48) and feats.shape == (1, n, 2 * 32)
+        after = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in target.layers]
+        start = 0
+        for r in range(R):
+            c = counts[r]
+            # The reference: this request alone, from the same cache.
+            for layer, (k, v) in zip(target.layers, before):
+                layer.self_attn.kv_cache.k.copy_(k)
+                layer.self_attn.kv_cache.v.copy_(v)
+            if c:
+                ref_logits, ref_feats = target(tokens[:, :c], positions[:, :c], capture=capture)
+                torch.testing.assert_close(logits[0, start:start + c], ref_logits[r], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(feats[0, start:start + c], ref_feats[r], rtol=1e-5, atol=1e-5)
+                for layer, (k, v) in zip(target.layers, after):  # the cache rows it wrote
+                    sl = slice(int(lens[r]), int(lens[r]) + c)
+                    torch.testing.assert_close(k[r, sl], layer.self_attn.kv_cache.k[r, sl], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(v[r, sl], layer.self_attn.kv_cache.v[r, sl], rtol=1e-5, atol=1e-5)
+            for (k0, v0), (k1, v1) in zip(before, after):  # committed rows are untouched
+                assert torch.equal(k0[r, :int(lens[r])], k1[r, :int(lens[r])])
+            start += c
+        assert start + pad == n and torch.isfinite(logits).all()  # padding computes garbage, never NaN
+
+
+def test_ragged_pad_and_unpad_are_inverse():
+    counts, W = torch.tensor([3, 0, 2]), 4
+    ragged = m.Ragged.build(counts, torch.zeros(3, W, dtype=torch.long), 7)
+    x = torch.arange(7.0)[None, :, None]
+    padded = ragged.pad(x)
+    assert padded.shape == (3, W, 1)
+    assert padded[0, :3, 0].tolist() == [0, 1, 2] and padded[2, :2, 0].tolist() == [3, 4]
+    assert padded.sum() == 0 + 1 + 2 + 3 + 4  # padding tokens 5, 6 went nowhere
+    back = ragged.unpad(padded)
+    assert back[0, :5, 0].tolist() == [0, 1, 2, 3, 4]
+    assert back[0, 5:, 0].tolist() == [padded[-1, -1, 0].item()] * 2  # padding reads the last slot
 
 
 # ----------------------------------------------------------------------------------------
