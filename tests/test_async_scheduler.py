@@ -48,7 +48,7 @@ from test_lossless import (  # noqa: E402
     M,
     check_trace,
     exact_joint,
-    run_cli,
+    run_traced,
     seq_index,
     set_confidence_bias,
     target_logits_after,
@@ -370,10 +370,10 @@ def senv(tmp_path_factory):
 
 @pytest.mark.parametrize("drafter", ["oracle", "parity"])
 def test_sampled_output_follows_the_target(senv, drafter):
-    tr = run_cli(senv["dir"], ["--target", senv["target"], "--drafter", senv["drafters"][drafter],
-                               "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)), "--num-samples", N_SAMPLES,
-                               "--batch-size", BATCH_S, "--max-new-tokens", M, "--temperature", 1.0,
-                               "--scheduler", "async", "--sps-table", senv["tables"][drafter]])
+    tr = run_traced(senv["dir"], ["--target", senv["target"], "--drafter", senv["drafters"][drafter],
+                                  "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)), "--num-samples", N_SAMPLES,
+                                  "--batch-size", BATCH_S, "--max-new-tokens", M, "--temperature", 1.0,
+                                  "--scheduler", "async", "--sps-table", senv["tables"][drafter]])
     check_trace(tr, n_requests=N_SAMPLES, K=2, V=SV, confidence=True, max_new=M)
     s = sched.Scheduler("async", 2, BATCH_S)
     s.set_sps(json.load(open(senv["tables"][drafter])))

@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, chi2_pvalue, make_target_dir
 from drafters import make_any, make_drafter, make_target
-from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, run_cli, seq_index, target_logits_after
+from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, run_traced, seq_index, target_logits_after
 from test_sampling import filtered_by_definition, margins
 from test_scheduler import write_sps_table
 
@@ -83,7 +83,7 @@ def sampled(env, drafter, temperature, f, *extra, prompt_args=None):
     args = ["--target", env["target"], "--drafter", env["drafters"][drafter], "--num-samples", N_SAMPLES,
             "--batch-size", N_SAMPLES, "--max-new-tokens", M, *flags(temperature, f), *extra]
     args += prompt_args or ["--prompt-ids", ",".join(map(str, SAMPLE_PROMPT))]
-    return run_cli(env["dir"], args)
+    return run_traced(env["dir"], args)
 
 
 # (drafter, temperature, filters, schedule). The parameters sit at least 1e-3 from every cut
@@ -128,9 +128,9 @@ def test_filtered_sampling_is_exact_in_rows_refilled_by_continuous_batching(fenv
     pf = tmp_path / "mixed.jsonl"
     pf.write_text(json.dumps({"prompt_ids": long_prompt}) + "\n" + json.dumps({"prompt_ids": SAMPLE_PROMPT}) + "\n")
     half = N_SAMPLES // 2
-    tr = run_cli(fenv["dir"], ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"], "--prompts-file",
-                               pf, "--num-samples", half, "--batch-size", half // 2, "--max-new-tokens", M,
-                               *flags(T, f)])
+    tr = run_traced(fenv["dir"], ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"], "--prompts-file",
+                                  pf, "--num-samples", half, "--batch-size", half // 2, "--max-new-tokens", M,
+                                  *flags(T, f)])
     outs = tr.outputs()[half:]  # SAMPLE_PROMPT's samples, decoded in rows that held the long prompt
     joint = filtered_joint(fenv, T, f)
     p = chi2_pvalue(seq_index(outs, SV), joint)
@@ -161,8 +161,8 @@ def test_triton_kernels_apply_the_filters_alike(fenv, monkeypatch):
     f = Filters(4, 0.9, 0.05)
     base = ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"], "--num-samples", 24,
             "--batch-size", 8, "--max-new-tokens", 6, "--prompt-ids", "1,2,3", *flags(0.9, f), "--seed", 5]
-    a = run_cli(fenv["dir"], base)
-    b = run_cli(fenv["dir"], base + ["--kernels", "triton"])
+    a = run_traced(fenv["dir"], base)
+    b = run_traced(fenv["dir"], base + ["--kernels", "triton"])
     assert a.outputs() == b.outputs()
 
 
@@ -174,10 +174,10 @@ def test_sampled_outputs_are_identical_across_batch_sizes_and_refills(fenv, tmp_
     pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([1, 2, 3], [4], [5, 6, 7, 0, 1], [2, 2])))
     runs = {}
     for bs in (1, 3, 8):
-        runs[bs] = run_cli(fenv["dir"], ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"],
-                                         "--prompts-file", pf, "--num-samples", 3, "--batch-size", bs,
-                                         "--max-new-tokens", 9, "--temperature", 1.0, "--top-k", 5, "--top-p", 0.95,
-                                         "--seed", 11])
+        runs[bs] = run_traced(fenv["dir"], ["--target", fenv["target"], "--drafter", fenv["drafters"]["oracle"],
+                                            "--prompts-file", pf, "--num-samples", 3, "--batch-size", bs,
+                                            "--max-new-tokens", 9, "--temperature", 1.0, "--top-k", 5, "--top-p", 0.95,
+                                            "--seed", 11])
     assert runs[1].outputs() == runs[3].outputs() == runs[8].outputs()
     assert len({tuple(o) for o in runs[1].outputs()}) > 6  # genuinely random samples
 

@@ -93,7 +93,7 @@ def read_trace(path) -> Trace:
 _counter = itertools.count()
 
 
-def run_cli(workdir, args) -> Trace:
+def run_traced(workdir, args) -> Trace:
     """speculate.main in-process with a fresh --trace-file; asserts exit status 0."""
     path = os.path.join(str(workdir), f"trace{next(_counter)}.jsonl")
     out, err = io.StringIO(), io.StringIO()
@@ -276,7 +276,7 @@ class GreedyEnv:
                 args += ["--drafter", self.drafters[drafter]]
             if threshold:
                 args += ["--confidence-threshold", threshold]
-            self.cache[key] = run_cli(self.dir, args)
+            self.cache[key] = run_traced(self.dir, args)
         return self.cache[key]
 
 
@@ -396,7 +396,7 @@ def test_eos_inside_accepted_run_ends_the_row(genv, tmp_path):
                 "--batch-size", bs]
         if drafter:
             args += ["--drafter", genv.drafters[drafter]]
-        tr = run_cli(tmp_path, args)
+        tr = run_traced(tmp_path, args)
         check_trace(tr, n_requests=len(PROMPTS), K=K if drafter else 0, V=genv.V, confidence=bool(drafter),
                     max_new=MAX_NEW, stop_ids=(eos,))
         for i, (got, full) in enumerate(zip(tr.outputs(), outs)):
@@ -425,8 +425,8 @@ def test_batch_row_finishing_with_overshoot_keeps_the_batch_going(genv, tmp_path
     pf.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [5]}\n')
     args = ["--target", genv.target, "--drafter", genv.drafters["vanilla"], "--prompts-file", pf,
             "--max-new-tokens", 6]
-    ref = run_cli(tmp_path, args + ["--batch-size", 1])
-    got = run_cli(tmp_path, args + ["--batch-size", 2])
+    ref = run_traced(tmp_path, args + ["--batch-size", 1])
+    got = run_traced(tmp_path, args + ["--batch-size", 2])
     assert got.outputs() == ref.outputs()
     # The scenario really happened: request 1 overshot its budget in its last round while
     # request 0 still had rounds to go.
@@ -507,7 +507,7 @@ def sample_run(senv: SampleEnv, drafter: str, temperature: float = 1.0, seed: in
     args = ["--target", senv.target, "--drafter", senv.drafters[drafter],
             "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)), "--num-samples", N_SAMPLES,
             "--batch-size", N_SAMPLES, "--max-new-tokens", M, "--temperature", temperature, "--seed", seed]
-    return run_cli(senv.dir, args)
+    return run_traced(senv.dir, args)
 
 
 def test_exact_joint_is_not_degenerate(senv):
@@ -575,7 +575,7 @@ def test_same_seed_same_trace_other_seed_differs(genv):
         args = ["--target", genv.target, "--drafter", genv.drafters["vanilla"], "--prompts-file",
                 genv.prompts_file, "--max-new-tokens", 20, "--batch-size", bs, "--temperature", 1.0,
                 "--seed", seed, "--num-samples", 2, "--confidence-threshold", 0.5]
-        tr = run_cli(genv.dir, args)
+        tr = run_traced(genv.dir, args)
         check_trace(tr, n_requests=2 * len(PROMPTS), K=K, V=genv.V, confidence=True, max_new=20)
         return tr
 
@@ -594,9 +594,9 @@ def test_sampled_output_exact_in_rows_refilled_by_continuous_batching(senv, tmp_
     pf = tmp_path / "mixed.jsonl"
     pf.write_text(json.dumps({"prompt_ids": long_prompt}) + "\n" + json.dumps({"prompt_ids": SAMPLE_PROMPT}) + "\n")
     half = N_SAMPLES // 2
-    tr = run_cli(senv.dir, ["--target", senv.target, "--drafter", senv.drafters["oracle"], "--prompts-file", pf,
-                            "--num-samples", half, "--batch-size", half // 2, "--max-new-tokens", M,
-                            "--temperature", 1.0])
+    tr = run_traced(senv.dir, ["--target", senv.target, "--drafter", senv.drafters["oracle"], "--prompts-file", pf,
+                               "--num-samples", half, "--batch-size", half // 2, "--max-new-tokens", M,
+                               "--temperature", 1.0])
     outs = tr.outputs()  # requests 0..half-1: the long prompt; half..: SAMPLE_PROMPT, in refilled rows
     assert all(len(o) == M for o in outs)
     p = chi2_pvalue(seq_index(outs[half:], SV), senv.joint())

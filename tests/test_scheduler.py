@@ -42,7 +42,7 @@ from test_lossless import (  # noqa: E402
     M,
     check_trace,
     exact_joint,
-    run_cli,
+    run_traced,
     seq_index,
     set_confidence_bias,
     target_logits_after,
@@ -246,7 +246,7 @@ def env(tmp_path_factory):
 def cli(env, *extra, batch=1, drafter=True, max_new=32):
     args = ["--target", env["target"], "--prompts-file", env["prompts"], "--max-new-tokens", max_new,
             "--batch-size", batch] + (["--drafter", env["drafter"]] if drafter else []) + list(extra)
-    return run_cli(env["dir"], args)
+    return run_traced(env["dir"], args)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -303,9 +303,10 @@ def test_sampled_output_follows_the_target_under_the_hardware_scheduler(tmp_path
     # τ/(R+B), which ends near 0.58 here — inside the spread of a_1 (0.55-0.82) and a_2
     # (0.33-0.63) — so rounds verify 0, 1 or 2 drafts depending on the row's confidences.
     table = write_sps_table(d / "sps.json", target, drafter, N_SAMPLES, 1.0, lambda b: N_SAMPLES + b)
-    tr = run_cli(str(d), ["--target", target, "--drafter", drafter, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
-                          "--num-samples", N_SAMPLES, "--batch-size", N_SAMPLES, "--max-new-tokens", M,
-                          "--temperature", 1.0, "--scheduler", "hardware", "--sps-table", table])
+    tr = run_traced(str(d), ["--target", target, "--drafter", drafter, "--prompt-ids",
+                             ",".join(map(str, SAMPLE_PROMPT)), "--num-samples", N_SAMPLES, "--batch-size", N_SAMPLES,
+                             "--max-new-tokens", M, "--temperature", 1.0, "--scheduler", "hardware", "--sps-table",
+                             table])
     check_trace(tr, n_requests=N_SAMPLES, K=2, V=SV, confidence=True, max_new=M)
     first = [r["verified"] for r in tr.rounds if r["round"] == 0]
     assert all(first.count(v) > 50 for v in (0, 1, 2)), {v: first.count(v) for v in (0, 1, 2)}

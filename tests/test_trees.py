@@ -24,7 +24,7 @@ from conftest import REPO_ROOT, chi2_pvalue
 from drafters import make_drafter, make_target
 from test_generate import filtered_joint
 from test_generate import flags as sampling_flags
-from test_lossless import PROMPTS, SAMPLE_PROMPT, SV, M, check_trace, run_cli, seq_index, target_logits_after
+from test_lossless import PROMPTS, SAMPLE_PROMPT, SV, M, check_trace, run_traced, seq_index, target_logits_after
 
 import sampling
 from drafter import MARKOV_HEADS, RNNMarkov
@@ -441,7 +441,7 @@ def decode(env, *extra, drafter=None):
     args = ["--target", env["target"], "--prompts-file", env["prompts"], "--max-new-tokens", 24, *extra]
     if drafter is not None:
         args += ["--drafter", env["drafters"][drafter]]
-    return run_cli(env["dir"], args)
+    return run_traced(env["dir"], args)
 
 
 @pytest.mark.parametrize("drafter", ["vanilla", "rnn", "zlab"])
@@ -501,9 +501,9 @@ def test_sampled_trees_follow_the_targets_law(tmp_path_factory, drafter, tempera
     prefixes, logits = target_logits_after(target, SAMPLE_PROMPT, M, SV)
     env = dict(dir=str(d), target=target, prefixes=prefixes, logits=logits)
     n = 6000
-    tr = run_cli(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
-                     "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", budget,
-                     *sampling_flags(temperature, f)])
+    tr = run_traced(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
+                        "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", budget,
+                        *sampling_flags(temperature, f)])
     outs = tr.outputs()
     assert all(len(o) == M for o in outs)
     p = chi2_pvalue(seq_index(outs, SV), filtered_joint(env, temperature, f))
@@ -527,9 +527,9 @@ def test_a_biased_walk_fails_the_same_check(tmp_path_factory, monkeypatch):
         return real(tree, chosen, depth)
     monkeypatch.setattr(sampling, "walk_tree", greedy_walk)
     n = 6000
-    tr = run_cli(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
-                     "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", 4,
-                     "--temperature", 1.0])
+    tr = run_traced(d, ["--target", target, "--drafter", path, "--prompt-ids", ",".join(map(str, SAMPLE_PROMPT)),
+                        "--num-samples", n, "--batch-size", n, "--max-new-tokens", M, "--tree-budget", 4,
+                        "--temperature", 1.0])
     assert chi2_pvalue(seq_index(tr.outputs(), SV), filtered_joint(env, 1.0, Filters())) < 1e-3
 
 
