@@ -53,7 +53,7 @@ from test_lossless import (  # noqa: E402
     set_confidence_bias,
     target_logits_after,
 )
-from test_scheduler import PROMPTS, K, cli, one_error_line, run_err, theta_of, write_sps_table  # noqa: E402
+from test_scheduler import PROMPTS, K, one_error_line, run_env_traced, run_err, theta_of, write_sps_table  # noqa: E402
 
 import sampling  # noqa: E402
 import scheduler as sched  # noqa: E402
@@ -230,10 +230,10 @@ def sps_scheduler(table_path, batch):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_output_equals_the_target(env, batch):
-    ref = cli(env, drafter=False).outputs()
+    ref = run_env_traced(env, drafter=False).outputs()
     table = write_sps_table(os.path.join(env["dir"], f"sps_async{batch}.json"), env["target"], env["drafter"], batch,
                             0.0, lambda b: 1 + 0.3 * b)
-    tr = cli(env, "--scheduler", "async", "--sps-table", table, batch=batch)
+    tr = run_env_traced(env, "--scheduler", "async", "--sps-table", table, batch=batch)
     check_trace(tr, n_requests=len(PROMPTS), K=K, V=48, confidence=True, max_new=32)
     assert tr.outputs() == ref
     assert tr.summary["scheduler"] == "async"

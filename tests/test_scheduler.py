@@ -243,7 +243,8 @@ def env(tmp_path_factory):
     return dict(dir=str(d), target=target, drafter=drafter, plain=plain, prompts=str(pf))
 
 
-def cli(env, *extra, batch=1, drafter=True, max_new=32):
+def run_env_traced(env, *extra, batch=1, drafter=True, max_new=32):
+    """speculate.main on env's target and prompts file (env's drafter too unless drafter=False): its Trace."""
     args = ["--target", env["target"], "--prompts-file", env["prompts"], "--max-new-tokens", max_new,
             "--batch-size", batch] + (["--drafter", env["drafter"]] if drafter else []) + list(extra)
     return run_traced(env["dir"], args)
@@ -251,14 +252,14 @@ def cli(env, *extra, batch=1, drafter=True, max_new=32):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_output_equals_the_target_under_every_scheduler(env, batch):
-    ref = cli(env, drafter=False).outputs()
+    ref = run_env_traced(env, drafter=False).outputs()
     # A fixed cost per round plus 0.3 of it per verified token: with these confidences (c ~ 0.5-0.8)
     # the hardware schedule verifies 1 to 3 drafts of 4.
     table = write_sps_table(os.path.join(env["dir"], f"sps{batch}.json"), env["target"], env["drafter"], batch, 0.0,
                             lambda b: 1 + 0.3 * b)
-    runs = {"none": cli(env, "--scheduler", "none", batch=batch),
-            "threshold": cli(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, batch=batch),
-            "hardware": cli(env, "--scheduler", "hardware", "--sps-table", table, batch=batch)}
+    runs = {"none": run_env_traced(env, "--scheduler", "none", batch=batch),
+            "threshold": run_env_traced(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, batch=batch),
+            "hardware": run_env_traced(env, "--scheduler", "hardware", "--sps-table", table, batch=batch)}
     for name, tr in runs.items():
         check_trace(tr, n_requests=len(PROMPTS), K=K, V=48, confidence=True, max_new=32)
         assert tr.outputs() == ref, name
@@ -283,12 +284,12 @@ def test_hardware_schedule_follows_the_table_at_batch_one(env, calibrated):
         with open(cal, "w") as f:
             json.dump({"temperatures": [0.5, 2.0, 1.0, 3.0]}, f)
         extra = ["--calibration", cal]
-    tr = cli(env, "--scheduler", "hardware", "--sps-table", table, *extra)
+    tr = run_env_traced(env, "--scheduler", "hardware", "--sps-table", table, *extra)
     sps = lambda b: 1 / (1 + 0.6 * b)
     for r in tr.rounds:
         assert r["verified"] == algorithm1_literal([r["confidence"]], [True], sps)[0], r
     if calibrated:
-        plain = cli(env, "--scheduler", "hardware", "--sps-table", table)
+        plain = run_env_traced(env, "--scheduler", "hardware", "--sps-table", table)
         first, first_plain = tr.rounds[0]["confidence"], plain.rounds[0]["confidence"]
         logit = lambda c: math.log(c / (1 - c))
         assert logit(first[0]) == pytest.approx(logit(first_plain[0]) / 0.5, rel=1e-4)
@@ -336,7 +337,7 @@ def test_the_python_api_schedules_with_the_sps_table(env, tmp_path):
     does: the same rounds as the CLI with the same table. Before, it kept the placeholder table and
     verified every draft — the whole-block schedule under another name."""
     table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 3, 0.0, lambda b: 1 + 0.3 * b)
-    tr = cli(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 0, batch=3)
+    tr = run_env_traced(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 0, batch=3)
     m = speculate.load(env["target"], env["drafter"])
     done = speculate.generate(m, [json.loads(line)["prompt_ids"] for line in open(env["prompts"])], max_new_tokens=32,
                               temperature=0.0, batch_size=3, scheduler="hardware", sps_table=table)
@@ -351,7 +352,8 @@ def test_a_sampled_hardware_run_repeats_with_the_same_table(env, tmp_path):
     """--seed's promise under the hardware schedule: the same table, the same tokens. Without a table
     every run profiles its own, and the note says how to keep one."""
     table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 3, 1.0, lambda b: 1 + 0.3 * b)
-    runs = [cli(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 1, "--seed", 5, batch=3)
+    runs = [run_env_traced(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 1, "--seed", 5,
+                           batch=3)
             for _ in range(2)]
     assert runs[0].outputs() == runs[1].outputs()
     assert [r["verified"] for r in runs[0].rounds] == [r["verified"] for r in runs[1].rounds]
@@ -443,8 +445,9 @@ def test_a_verify_is_padded_to_the_smallest_bucket_that_holds_it():
 
 
 def test_explicit_buckets_pad_the_ragged_batch_and_keep_the_output(env):
-    ref = cli(env, drafter=False, batch=3).outputs()
-    tr = cli(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, "--verify-buckets", "4,9,15", batch=3)
+    ref = run_env_traced(env, drafter=False, batch=3).outputs()
+    tr = run_env_traced(env, "--scheduler", "threshold", "--confidence-threshold", 0.6, "--verify-buckets", "4,9,15",
+                        batch=3)
     assert tr.outputs() == ref
 
 
