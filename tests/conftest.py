@@ -16,6 +16,7 @@ Main entry points
 - `hf_forward(hf_model, tokens)`: HF logits and hidden states for reference comparisons.
 - `import_model()`: the repository's `model.py` module.
 - `chi2_pvalue(samples, probs)`: the goodness-of-fit test of the distribution tests.
+- `run_captured(args)`: `speculate.main(args)` in-process: (exit status, stdout, stderr).
 
 Conventions: all tiny models are float32 on CPU; `max_position_embeddings` is small (128)
 so caches stay small; ids of the special tokens are fixed (see `SPECIAL_TOKENS`).
@@ -26,6 +27,8 @@ gain from threads, and spinning worker threads slow the suite badly on a shared,
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -317,6 +320,19 @@ def arange_positions(batch: int, start: int, length: int) -> torch.Tensor:
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------
+# Running the programs in-process
+
+def run_captured(args) -> tuple[int, str, str]:
+    """speculate.main in-process on `args` (str() of each), its output captured: (exit status, stdout, stderr)."""
+    import speculate
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = speculate.main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
 
 
 # ----------------------------------------------------------------------------------------

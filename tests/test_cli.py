@@ -12,20 +12,13 @@ import sys
 
 import pytest
 import torch
-from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config
+from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config, run_captured
 
 import scheduler as sched
 import speculate
 from support import cli, text
 from support.cli import cli_main
 from support.flags import Rendering
-
-
-def run_cli(args, capsys):
-    """speculate.main in-process: (exit status, stdout, stderr)."""
-    rc = speculate.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def read_trace(path):
@@ -52,13 +45,13 @@ def hf_greedy(hf, prompt, max_new_tokens, stop_ids):
 PROMPTS = [[7, 12, 30, 9, 41], [20, 21], [50, 8, 8, 33, 14, 19, 60, 2, 44]]
 
 
-def test_greedy_equals_transformers(tiny_target, tmp_path, capsys):
+def test_greedy_equals_transformers(tiny_target, tmp_path):
     trace = tmp_path / "t.jsonl"
     pf = tmp_path / "p.jsonl"
     pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
     # Batch of prompts with different lengths, decoded together.
-    rc, out, err = run_cli(["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 24,
-                            "--batch-size", 3, "--trace-file", trace], capsys)
+    rc, out, err = run_captured(["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 24,
+                                 "--batch-size", 3, "--trace-file", trace])
     assert rc == 0, err
     _, requests, summary = read_trace(trace)
     stop = {IM_END_ID, ENDOFTEXT_ID}
@@ -68,19 +61,19 @@ def test_greedy_equals_transformers(tiny_target, tmp_path, capsys):
     assert summary["acceptance_length"] == 1.0 and summary["accept_rate_by_position"] == []
     # Batch size 1 gives the same.
     for i, p in enumerate(PROMPTS):
-        rc, out, err = run_cli(["--target", tiny_target.path, "--prompt-ids", ",".join(map(str, p)),
-                                "--max-new-tokens", 24, "--trace-file", trace], capsys)
+        rc, out, err = run_captured(["--target", tiny_target.path, "--prompt-ids", ",".join(map(str, p)),
+                                     "--max-new-tokens", 24, "--trace-file", trace])
         assert rc == 0, err
         by_index = {r["request"]: r for r in requests}  # end lines come in the order requests finish
         assert read_trace(trace)[1][0]["output_ids"] == by_index[i]["output_ids"]
 
 
-def test_budget_eos_and_round_records(target_factory, tmp_path, capsys):
+def test_budget_eos_and_round_records(target_factory, tmp_path):
     # No stop tokens at all: every request produces exactly the budget.
     t = target_factory(eos_token_id=None, generation_eos_token_id=None)
     trace = tmp_path / "t.jsonl"
-    rc, _, err = run_cli(["--target", t.path, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
-                          "--num-samples", 2, "--batch-size", 2, "--trace-file", trace], capsys)
+    rc, _, err = run_captured(["--target", t.path, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
+                               "--num-samples", 2, "--batch-size", 2, "--trace-file", trace])
     assert rc == 0, err
     rounds, requests, _ = read_trace(trace)
     assert [len(r["output_ids"]) for r in requests] == [17, 17]
@@ -97,28 +90,28 @@ def test_budget_eos_and_round_records(target_factory, tmp_path, capsys):
     first = out.index(eos)
     t2 = copy_target(t.path, tmp_path / "eos")
     edit_config(t2, lambda c: c.update(eos_token_id=eos))
-    rc, _, err = run_cli(["--target", t2, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
-                          "--trace-file", trace], capsys)
+    rc, _, err = run_captured(["--target", t2, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
+                               "--trace-file", trace])
     assert rc == 0, err
     req = read_trace(trace)[1][0]
     assert req["output_ids"] == out[:first + 1] and req["finish_reason"] == "stop"
 
 
-def test_mixed_batch_rows_stop_independently(target_factory, tmp_path, capsys):
+def test_mixed_batch_rows_stop_independently(target_factory, tmp_path):
     t = target_factory(eos_token_id=None, generation_eos_token_id=None)
     trace = tmp_path / "t.jsonl"
     singles = []
     for p in PROMPTS:
-        rc, _, err = run_cli(["--target", t.path, "--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", 12,
-                              "--trace-file", trace], capsys)
+        rc, _, err = run_captured(["--target", t.path, "--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", 12,
+                                   "--trace-file", trace])
         singles.append(read_trace(trace)[1][0]["output_ids"])
     eos = singles[0][3]  # a token row 0 reaches early; other rows may or may not reach it
     t2 = copy_target(t.path, tmp_path / "eos")
     edit_config(t2, lambda c: c.update(eos_token_id=eos))
     pf = tmp_path / "p.jsonl"
     pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
-    rc, _, err = run_cli(["--target", t2, "--prompts-file", pf, "--max-new-tokens", 12, "--batch-size", 3,
-                          "--trace-file", trace], capsys)
+    rc, _, err = run_captured(["--target", t2, "--prompts-file", pf, "--max-new-tokens", 12, "--batch-size", 3,
+                               "--trace-file", trace])
     assert rc == 0, err
     for req, single in zip(sorted(read_trace(trace)[1], key=lambda r: r["request"]), singles):
         expect = single[:single.index(eos) + 1] if eos in single else single
@@ -126,13 +119,13 @@ def test_mixed_batch_rows_stop_independently(target_factory, tmp_path, capsys):
         assert req["finish_reason"] == ("stop" if eos in single else "length")
 
 
-def test_sampled_run_repeats_with_seed(tiny_target, tmp_path, capsys):
+def test_sampled_run_repeats_with_seed(tiny_target, tmp_path):
     outs = []
     for seed in (5, 5, 6):
         trace = tmp_path / f"t{len(outs)}.jsonl"
-        rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "9,10,11", "--max-new-tokens", 20,
-                              "--temperature", 1.0, "--seed", seed, "--num-samples", 3, "--batch-size", 3,
-                              "--trace-file", trace], capsys)
+        rc, _, err = run_captured(["--target", tiny_target.path, "--prompt-ids", "9,10,11", "--max-new-tokens", 20,
+                                   "--temperature", 1.0, "--seed", seed, "--num-samples", 3, "--batch-size", 3,
+                                   "--trace-file", trace])
         assert rc == 0, err
         outs.append([r["output_ids"] for r in read_trace(trace)[1]])
     assert outs[0] == outs[1]
@@ -140,7 +133,7 @@ def test_sampled_run_repeats_with_seed(tiny_target, tmp_path, capsys):
     assert len({tuple(o) for o in outs[0]}) > 1  # the samples are independent
 
 
-def test_text_prompt_uses_chat_template(tiny_target, tmp_path, capsys):
+def test_text_prompt_uses_chat_template(tiny_target, tmp_path):
     from support.text import Tokenizer
 
     tok = Tokenizer(str(tiny_target.path))
@@ -149,7 +142,7 @@ def test_text_prompt_uses_chat_template(tiny_target, tmp_path, capsys):
     for flag in ("--chat", "--no-chat", None):
         args = ["--target", tiny_target.path, "--prompt", "def hello ( x ) :", "--max-new-tokens", 5,
                 "--trace-file", trace] + ([flag] if flag else [])
-        rc, out, err = run_cli(args, capsys)
+        rc, out, err = run_captured(args)
         assert rc == 0, err
         outs[flag] = read_trace(trace)[1][0]["output_ids"]
         assert out.splitlines()[0] == tok.decode(outs[flag], skip_special_tokens=True)  # printed without specials
@@ -170,7 +163,7 @@ def _one_error_line(rc, out, err, *needles):
         assert str(n) in lines[0], (n, lines[0])
 
 
-def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
+def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path):
     t = str(tiny_target.path)
     cases = [
         (["--target", tmp_path / "nope", "--prompt-ids", "1,2"], ["nope"]),
@@ -188,7 +181,7 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
     (broken / "config.json").write_text("{not json")
     cases.append((["--target", broken, "--prompt-ids", "1,2"], ["config.json", "malformed"]))
     for args, needles in cases:
-        _one_error_line(*run_cli(args, capsys), *needles)
+        _one_error_line(*run_captured(args), *needles)
 
 
 @pytest.mark.parametrize("argv,line", [
@@ -203,10 +196,10 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path, capsys):
     (["-x"], "-x: no such flag (--help lists the flags)"),
     ([""], "'': unexpected (no flag before it takes a value; --help lists the flags)"),
 ])
-def test_flags_tyro_rejects_are_one_line_errors(capsys, argv, line):
+def test_flags_tyro_rejects_are_one_line_errors(argv, line):
     """A malformed value, an unknown flag or choice, a missing value: one line naming the flag (tyro's
     parse-error events, a close flag suggested), exit status 2, before anything is read."""
-    rc, out, err = run_cli(argv, capsys)
+    rc, out, err = run_captured(argv)
     assert rc == 2 and out == ""
     assert err.strip().splitlines() == [f"error: {line}"], err
 
@@ -249,10 +242,10 @@ def test_subprocess_exit_status_and_stderr(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize("where,needle", [("missing-folder", "does not exist"), ("directory", "is a directory")])
-def test_unwritable_trace_file_is_refused_before_any_work(tiny_target, tmp_path, capsys, where, needle):
+def test_unwritable_trace_file_is_refused_before_any_work(tiny_target, tmp_path, where, needle):
     path = tmp_path / "no" / "t.jsonl" if where == "missing-folder" else tmp_path
-    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2,
-                          "--trace-file", path], capsys)
+    rc, _, err = run_captured(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2,
+                               "--trace-file", path])
     assert rc == 2 and needle in err and err.strip().splitlines()[-1].startswith("error: --trace-file"), err
 
 
@@ -311,7 +304,7 @@ def test_progress_bar_on_a_terminal_only_and_stdout_unchanged(tiny_target, tmp_p
     assert "tok/s" not in one  # one request streams its text: no bar
 
 
-def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, capsys, monkeypatch):
+def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, monkeypatch):
     """--compile prints what it is about to do (load, then compile, cached after a first compile) before
     loading starts, so a long silent wait is explained."""
     from support.cli import UserError
@@ -320,18 +313,18 @@ def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, ca
         raise UserError("stopped at loading")
     monkeypatch.setattr(speculate, "load_models", stop)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cc"))  # set by the run; restored after the test
-    rc, _, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2, "--compile",
-                          "--compile-cache", tmp_path / "cc"], capsys)
+    rc, _, err = run_captured(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2, "--compile",
+                               "--compile-cache", tmp_path / "cc"])
     lines = err.splitlines()
     assert rc == 2 and lines[-1] == "error: stopped at loading", err
     assert lines[0].startswith("loading the models; compiling the round next") and "cached in" in lines[0], err
 
 
-def test_a_drafter_without_its_target_says_it_needs_the_target(capsys):
+def test_a_drafter_without_its_target_says_it_needs_the_target():
     """--drafter alone (no --target): the line says the drafter needs the target it was trained for, not
     only that no target directory was given."""
     drafter = REPO_ROOT / "demo" / "drafter"
-    rc, _, err = run_cli(["--drafter", drafter, "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--drafter", drafter, "--prompt-ids", "1,2"])
     assert rc == 2 and err == f"error: --drafter {drafter}: needs --target, the target it was trained for\n", err
 
 
@@ -376,7 +369,7 @@ NO_EFFECT = "without a --drafter the decoding is autoregressive, so it would cha
     (["--temperature", 0, "--top-p", 0.9], "--top-p 0.9: a sampling filter, and --temperature 0 decodes greedily"),
     (["--temperature", 0, "--min-p", 0.1], "--min-p 0.1: a sampling filter, and --temperature 0 decodes greedily"),
 ])
-def test_a_setting_that_needs_a_drafter_is_refused_without_one(tiny_target, tmp_path, capsys, monkeypatch, flags,
+def test_a_setting_that_needs_a_drafter_is_refused_without_one(tiny_target, tmp_path, monkeypatch, flags,
                                                                 needle):
     """Decode settings only a drafter reads (and a sampling filter at --temperature 0) would change nothing
     without --drafter: refused with one line before anything loads, not ignored in silence."""
@@ -386,19 +379,18 @@ def test_a_setting_that_needs_a_drafter_is_refused_without_one(tiny_target, tmp_
     given = [str(tmp_path / "s.json") if f == "SPS" else str(tmp_path / "c.json") if f == "CAL" else f
              for f in flags]
     needle = needle.replace("SPS", str(tmp_path / "s.json")).replace("CAL", str(tmp_path / "c.json"))
-    rc, out, err = run_cli(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2] + given,
-                           capsys)
+    rc, out, err = run_captured(["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2] + given)
     _one_error_line(rc, out, err)
     assert rc == 2 and err.startswith(f"error: {needle}"), err
 
 
-def test_a_sampling_filter_at_temperature_0_is_refused_with_a_drafter_too(capsys):
+def test_a_sampling_filter_at_temperature_0_is_refused_with_a_drafter_too():
     """Greedy decoding drafts and accepts argmaxes, whatever a filter keeps: with a drafter as without
     one, a filter at --temperature 0 is refused, on the command line and in the API alike."""
     from support.cli import UserError
 
     pair = ["--target", str(REPO_ROOT / "demo" / "target"), "--drafter", str(REPO_ROOT / "demo" / "drafter")]
-    rc, out, err = run_cli(pair + ["--prompt-ids", "1,2", "--temperature", "0", "--top-p", "0.5"], capsys)
+    rc, out, err = run_captured(pair + ["--prompt-ids", "1,2", "--temperature", "0", "--top-p", "0.5"])
     _one_error_line(rc, out, err, "--top-p 0.5: a sampling filter, and --temperature 0 decodes greedily")
     m = speculate.load()
     with pytest.raises(UserError, match="--min-p 0.1: a sampling filter"):
@@ -406,13 +398,13 @@ def test_a_sampling_filter_at_temperature_0_is_refused_with_a_drafter_too(capsys
 
 
 @pytest.mark.parametrize("drafter", ["drafter", "eagle3"])
-def test_a_tree_temperature_without_a_tree_is_refused(drafter, capsys):
+def test_a_tree_temperature_without_a_tree_is_refused(drafter):
     """--tree-temperature ranks a tree's branches: with a chain (a block drafter without --tree-budget,
     or an Eagle3 drafter) it would change nothing, on the command line and in the API alike."""
     from support.cli import UserError
 
     pair = ["--target", str(REPO_ROOT / "demo" / "target"), "--drafter", str(REPO_ROOT / "demo" / drafter)]
-    rc, out, err = run_cli(pair + ["--prompt-ids", "1,2", "--tree-temperature", "0.5"], capsys)
+    rc, out, err = run_captured(pair + ["--prompt-ids", "1,2", "--tree-temperature", "0.5"])
     _one_error_line(rc, out, err, "--tree-temperature 0.5", "no --tree-budget")
     m = speculate.load(str(REPO_ROOT / "demo" / "target"), str(REPO_ROOT / "demo" / drafter))
     with pytest.raises(UserError, match="--tree-temperature 0.5: ranks the branches"):
@@ -462,7 +454,7 @@ def test_triton_kernels_where_triton_cannot_run_are_refused_by_every_program(mon
 
     monkeypatch.setattr(kernels, "_triton_ok", lambda *tensors: False)
     target = str(REPO_ROOT / "demo" / "target")
-    rc, out, err = run_cli(["--target", target, "--prompt-ids", "1,2", "--kernels", "triton"], capsys)
+    rc, out, err = run_captured(["--target", target, "--prompt-ids", "1,2", "--kernels", "triton"])
     _one_error_line(rc, out, err, "--kernels triton: the Triton kernels need")
     rc = ev.main(["--target", target, "--kernels", "triton", "--max-samples", "1"])
     _one_error_line(rc, *capsys.readouterr(), "--kernels triton: the Triton kernels need")

@@ -23,7 +23,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO_ROOT, chi2_pvalue, make_target_dir
+from conftest import REPO_ROOT, chi2_pvalue, make_target_dir, run_captured
 from drafters import make_any, make_drafter, make_target
 from test_lossless import N_SAMPLES, P_MIN, SAMPLE_PROMPT, SV, M, read_trace, run_traced, seq_index, target_logits_after
 from test_sampling import filtered_by_definition, margins
@@ -193,13 +193,6 @@ def chat_target(tmp_path_factory):
     return d, str(d / "target"), drafter
 
 
-def cli(args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = speculate.main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
-
-
 def with_generation_config(src, dst, **settings):
     import shutil
     shutil.copytree(src, dst)
@@ -215,18 +208,18 @@ def test_generation_config_sampling_is_the_default(chat_target, tmp_path):
                                      top_p=0.9)
     base = ["--drafter", drafter, "--prompt-ids", "5,6,7", "--max-new-tokens", 12, "--num-samples", 4,
             "--batch-size", 2, "--seed", 3]
-    rc, out_default, err = cli(["--target", sampler, *base, "--output-file", tmp_path / "a.jsonl"])
+    rc, out_default, err = run_captured(["--target", sampler, *base, "--output-file", tmp_path / "a.jsonl"])
     assert rc == 0, err
     assert f"sampling: temperature 0.7, top-k 6, top-p 0.9 (from {sampler}/generation_config.json)" in err
-    rc, _, err2 = cli(["--target", sampler, *base, "--temperature", 0.7, "--top-k", 6, "--top-p", 0.9,
-                       "--output-file", tmp_path / "b.jsonl"])
+    rc, _, err2 = run_captured(["--target", sampler, *base, "--temperature", 0.7, "--top-k", 6, "--top-p", 0.9,
+                                "--output-file", tmp_path / "b.jsonl"])
     assert rc == 0 and "(from --temperature, --top-k, --top-p)" in err2
     read = lambda p: [r["output_ids"] for r in sorted(map(json.loads, open(p)), key=lambda r: r["request"])]
     assert read(tmp_path / "a.jsonl") == read(tmp_path / "b.jsonl")  # the same settings, the same samples
     assert len({tuple(o) for o in read(tmp_path / "a.jsonl")}) > 1  # it sampled
     # --temperature 0 is greedy whatever the file says; the file's do_sample false is greedy too
-    rc, _, err3 = cli(["--target", sampler, *base, "--temperature", 0, "--output-file", tmp_path / "c.jsonl"])
-    rc, _, err4 = cli(["--target", target, *base, "--output-file", tmp_path / "d.jsonl"])
+    rc, _, err3 = run_captured(["--target", sampler, *base, "--temperature", 0, "--output-file", tmp_path / "c.jsonl"])
+    rc, _, err4 = run_captured(["--target", target, *base, "--output-file", tmp_path / "d.jsonl"])
     assert "sampling: greedy (from --temperature)" in err3 and "has do_sample false" in err4
     assert read(tmp_path / "c.jsonl") == read(tmp_path / "d.jsonl")
     assert len({tuple(o) for o in read(tmp_path / "c.jsonl")}) == 1
@@ -237,7 +230,7 @@ def test_generation_config_sampling_is_the_default(chat_target, tmp_path):
 def test_bad_generation_config_values_are_one_line_errors(chat_target, tmp_path, key, value):
     d, target, drafter = chat_target
     bad = with_generation_config(target, tmp_path / "bad", **{key: value})
-    rc, out, err = cli(["--target", bad, "--prompt-ids", "1,2", "--max-new-tokens", 2])
+    rc, out, err = run_captured(["--target", bad, "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 2 and len(err.splitlines()) == 1 and "generation_config.json" in err and repr(key) in err, err
 
 
@@ -251,13 +244,14 @@ def test_stop_strings_cut_the_text_and_end_the_request(chat_target, tmp_path):
     tok = Tokenizer(target)
     base = ["--target", target, "--drafter", drafter, "--prompt", "hello world", "--max-new-tokens", 40,
             "--ignore-eos"]
-    rc, out, err = cli(base + ["--output-file", tmp_path / "full.jsonl"])
+    rc, out, err = run_captured(base + ["--output-file", tmp_path / "full.jsonl"])
     assert rc == 0, err
     full = json.loads(open(tmp_path / "full.jsonl").read())
     words = full["text"].split()
     assert len(words) > 12 and full["finish_reason"] == "length"
     stop = " ".join(words[6:8])  # two words from the middle of the greedy text
-    rc, out, err = cli(base + ["--stop", stop, "--stop", "never-generated", "--output-file", tmp_path / "cut.jsonl"])
+    rc, out, err = run_captured(base + ["--stop", stop, "--stop", "never-generated", "--output-file",
+                                        tmp_path / "cut.jsonl"])
     assert rc == 0, err
     cut = json.loads(open(tmp_path / "cut.jsonl").read())
     assert cut["finish_reason"] == "stop"
@@ -274,9 +268,9 @@ def test_output_file_records_and_labelled_printing(chat_target, tmp_path):
     d, target, drafter = chat_target
     pf = tmp_path / "p.jsonl"
     pf.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt_ids": [3, 4, 5]}) + "\n")
-    rc, out, err = cli(["--target", target, "--drafter", drafter, "--prompts-file", pf, "--num-samples", 2,
-                        "--batch-size", 3, "--max-new-tokens", 8, "--temperature", 1.0, "--output-file",
-                        tmp_path / "o.jsonl", "--trace-file", tmp_path / "t.jsonl"])
+    rc, out, err = run_captured(["--target", target, "--drafter", drafter, "--prompts-file", pf, "--num-samples", 2,
+                                 "--batch-size", 3, "--max-new-tokens", 8, "--temperature", 1.0, "--output-file",
+                                 tmp_path / "o.jsonl", "--trace-file", tmp_path / "t.jsonl"])
     assert rc == 0, err
     recs = sorted(map(json.loads, open(tmp_path / "o.jsonl")), key=lambda r: r["request"])
     assert [(r["request"], r["prompt"], r["sample"]) for r in recs] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
@@ -316,12 +310,13 @@ def test_ignore_eos_runs_to_the_budget(chat_target):
                                                ("--threads", "0", "--threads")])
 def test_bad_sampling_flags_are_one_line_errors(chat_target, flag, value, needle):
     d, target, drafter = chat_target
-    rc, out, err = cli(["--target", target, "--prompt", "hi", "--max-new-tokens", 2, flag, value])
+    rc, out, err = run_captured(["--target", target, "--prompt", "hi", "--max-new-tokens", 2, flag, value])
     assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_stop_strings_without_a_tokenizer_are_an_error(fenv):
-    rc, out, err = cli(["--target", fenv["target"], "--prompt-ids", "1,2", "--max-new-tokens", 2, "--stop", "x"])
+    rc, out, err = run_captured(["--target", fenv["target"], "--prompt-ids", "1,2", "--max-new-tokens", 2, "--stop",
+                                 "x"])
     assert rc == 2 and "--stop" in err and "tokenizer" in err
 
 
@@ -421,9 +416,9 @@ def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
                              num_samples=2, batch_size=3)
     pf = tmp_path / "p.jsonl"
     pf.write_text(json.dumps({"prompt": "hello world"}) + "\n" + json.dumps({"prompt_ids": [7, 8, 9]}) + "\n")
-    rc, out, err = cli(["--target", target, "--drafter", drafter, "--prompts-file", pf, "--max-new-tokens", 10,
-                        "--temperature", 0.9, "--top-k", 5, "--seed", 4, "--num-samples", 2, "--batch-size", 1,
-                        "--output-file", tmp_path / "o.jsonl"])
+    rc, out, err = run_captured(["--target", target, "--drafter", drafter, "--prompts-file", pf, "--max-new-tokens", 10,
+                                 "--temperature", 0.9, "--top-k", 5, "--seed", 4, "--num-samples", 2, "--batch-size", 1,
+                                 "--output-file", tmp_path / "o.jsonl"])
     assert rc == 0, err
     recs = sorted(map(json.loads, open(tmp_path / "o.jsonl")), key=lambda r: r["request"])
     assert [c.output_ids for c in api] == [r["output_ids"] for r in recs]
