@@ -21,7 +21,8 @@ from support.cli import cli_main
 from support.flags import Rendering
 
 
-def read_trace(path):
+def read_trace_parts(path):
+    """A trace file's (round lines, request end lines, summary line); exactly one summary, the last line."""
     lines = [json.loads(l) for l in open(path)]
     rounds = [l for l in lines if "round" in l]
     requests = [l for l in lines if "output_ids" in l]
@@ -53,7 +54,7 @@ def test_greedy_equals_transformers(tiny_target, tmp_path):
     rc, out, err = run_captured(["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 24,
                                  "--batch-size", 3, "--trace-file", trace])
     assert rc == 0, err
-    _, requests, summary = read_trace(trace)
+    _, requests, summary = read_trace_parts(trace)
     stop = {IM_END_ID, ENDOFTEXT_ID}
     for req, p in zip(sorted(requests, key=lambda r: r["request"]), PROMPTS):
         assert req["output_ids"] == hf_greedy(tiny_target.hf_model, p, 24, stop)
@@ -65,7 +66,7 @@ def test_greedy_equals_transformers(tiny_target, tmp_path):
                                      "--max-new-tokens", 24, "--trace-file", trace])
         assert rc == 0, err
         by_index = {r["request"]: r for r in requests}  # end lines come in the order requests finish
-        assert read_trace(trace)[1][0]["output_ids"] == by_index[i]["output_ids"]
+        assert read_trace_parts(trace)[1][0]["output_ids"] == by_index[i]["output_ids"]
 
 
 def test_budget_eos_and_round_records(target_factory, tmp_path):
@@ -75,7 +76,7 @@ def test_budget_eos_and_round_records(target_factory, tmp_path):
     rc, _, err = run_captured(["--target", t.path, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
                                "--num-samples", 2, "--batch-size", 2, "--trace-file", trace])
     assert rc == 0, err
-    rounds, requests, _ = read_trace(trace)
+    rounds, requests, _ = read_trace_parts(trace)
     assert [len(r["output_ids"]) for r in requests] == [17, 17]
     assert all(r["finish_reason"] == "length" and r["num_rounds"] == 16 for r in requests)
     assert all(r["draft"] == [] and r["accepted"] == 0 and r["verified"] == 0 and r["confidence"] is None
@@ -93,7 +94,7 @@ def test_budget_eos_and_round_records(target_factory, tmp_path):
     rc, _, err = run_captured(["--target", t2, "--prompt-ids", "3,4,5", "--max-new-tokens", 17,
                                "--trace-file", trace])
     assert rc == 0, err
-    req = read_trace(trace)[1][0]
+    req = read_trace_parts(trace)[1][0]
     assert req["output_ids"] == out[:first + 1] and req["finish_reason"] == "stop"
 
 
@@ -104,7 +105,7 @@ def test_mixed_batch_rows_stop_independently(target_factory, tmp_path):
     for p in PROMPTS:
         rc, _, err = run_captured(["--target", t.path, "--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", 12,
                                    "--trace-file", trace])
-        singles.append(read_trace(trace)[1][0]["output_ids"])
+        singles.append(read_trace_parts(trace)[1][0]["output_ids"])
     eos = singles[0][3]  # a token row 0 reaches early; other rows may or may not reach it
     t2 = copy_target(t.path, tmp_path / "eos")
     edit_config(t2, lambda c: c.update(eos_token_id=eos))
@@ -113,7 +114,7 @@ def test_mixed_batch_rows_stop_independently(target_factory, tmp_path):
     rc, _, err = run_captured(["--target", t2, "--prompts-file", pf, "--max-new-tokens", 12, "--batch-size", 3,
                                "--trace-file", trace])
     assert rc == 0, err
-    for req, single in zip(sorted(read_trace(trace)[1], key=lambda r: r["request"]), singles):
+    for req, single in zip(sorted(read_trace_parts(trace)[1], key=lambda r: r["request"]), singles):
         expect = single[:single.index(eos) + 1] if eos in single else single
         assert req["output_ids"] == expect
         assert req["finish_reason"] == ("stop" if eos in single else "length")
@@ -127,7 +128,7 @@ def test_sampled_run_repeats_with_seed(tiny_target, tmp_path):
                                    "--temperature", 1.0, "--seed", seed, "--num-samples", 3, "--batch-size", 3,
                                    "--trace-file", trace])
         assert rc == 0, err
-        outs.append([r["output_ids"] for r in read_trace(trace)[1]])
+        outs.append([r["output_ids"] for r in read_trace_parts(trace)[1]])
     assert outs[0] == outs[1]
     assert outs[0] != outs[2]
     assert len({tuple(o) for o in outs[0]}) > 1  # the samples are independent
@@ -144,7 +145,7 @@ def test_text_prompt_uses_chat_template(tiny_target, tmp_path):
                 "--trace-file", trace] + ([flag] if flag else [])
         rc, out, err = run_captured(args)
         assert rc == 0, err
-        outs[flag] = read_trace(trace)[1][0]["output_ids"]
+        outs[flag] = read_trace_parts(trace)[1][0]["output_ids"]
         assert out.splitlines()[0] == tok.decode(outs[flag], skip_special_tokens=True)  # printed without specials
     chat_ids = tok.encode(tok.render_chat("def hello ( x ) :"))
     assert chat_ids[:1] == [tok.encode("<|im_start|>")[0]]
