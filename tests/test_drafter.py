@@ -102,7 +102,9 @@ def edit_tensors(directory, fn):
     save_file({k: v.contiguous() for k, v in w.items()}, path)
 
 
-def run_cli(capsys, ck, drafter_dir, *extra, trace=None, prompts=True):
+def run_drafter_captured(capsys, ck, drafter_dir, *extra, trace=None, prompts=True):
+    """speculate.main on ck's target and `drafter_dir` (with prompts: ck's prompts file, batch size 2, 14 new
+    tokens): (exit status, capsys's captured output)."""
     argv = ["--target", ck.target, "--drafter", drafter_dir]
     if prompts:
         argv += ["--prompts-file", ck.prompts, "--batch-size", "2", "--max-new-tokens", "14"]
@@ -114,7 +116,7 @@ def run_cli(capsys, ck, drafter_dir, *extra, trace=None, prompts=True):
     return rc, out
 
 
-def read_trace(path):
+def read_trace_untimed(path):
     """Trace lines with the summary's timing fields removed."""
     lines = []
     with open(path) as f:
@@ -130,9 +132,9 @@ def read_trace(path):
 
 def trace_of(capsys, ck, tmp_path, drafter_dir, mode, name="trace"):
     path = tmp_path / f"{name}.jsonl"
-    rc, out = run_cli(capsys, ck, drafter_dir, *mode, trace=path)
+    rc, out = run_drafter_captured(capsys, ck, drafter_dir, *mode, trace=path)
     assert rc == 0, out.err
-    return read_trace(path)
+    return read_trace_untimed(path)
 
 
 def assert_same_config(a: dm.DrafterConfig, b: dm.DrafterConfig):
@@ -376,7 +378,7 @@ def test_refusals(ck, target, capsys, case):
     with pytest.raises(checkpoint.UserError, match=pattern):
         checkpoint.load_drafter(d, target)
 
-    rc, out = run_cli(capsys, ck, d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", prompts=False)
+    rc, out = run_drafter_captured(capsys, ck, d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", prompts=False)
     assert rc != 0
     lines = out.err.splitlines()
     assert len(lines) == 1, out.err
@@ -600,8 +602,8 @@ DESCRIBE_CASES = {
 def test_resolved_config_printed_once(ck, capsys, case):
     kw, expected = DESCRIBE_CASES[case]
     d = ck.drafter(f"describe_{case}", **kw)
-    rc, out = run_cli(capsys, ck, d, "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--num-samples", "3",
-                      prompts=False)
+    rc, out = run_drafter_captured(capsys, ck, d, "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--num-samples",
+                                   "3", prompts=False)
     assert rc == 0, out.err
     lines = [l for l in out.err.splitlines() if l.startswith("drafter:")]
     assert len(lines) == 1, out.err
@@ -635,15 +637,15 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
     base = tmp_path / "base.jsonl"
     # The temperatures act where a schedule reads the confidences: a threshold that admits everything.
     scheduled = ["--confidence-threshold", "1e-12"]
-    rc, out = run_cli(capsys, ck, d, *scheduled, trace=base)
+    rc, out = run_drafter_captured(capsys, ck, d, *scheduled, trace=base)
     assert rc == 0, out.err
     temps = [0.5, 1.0, 2.0, 4.0]
     cal = tmp_path / "sts.json"
     cal.write_text(json.dumps({"temperatures": temps}))
     scaled = tmp_path / "scaled.jsonl"
-    rc, out = run_cli(capsys, ck, d, *scheduled, "--calibration", str(cal), trace=scaled)
+    rc, out = run_drafter_captured(capsys, ck, d, *scheduled, "--calibration", str(cal), trace=scaled)
     assert rc == 0, out.err
-    r0, r1 = rounds_of(read_trace(base)), rounds_of(read_trace(scaled))
+    r0, r1 = rounds_of(read_trace_untimed(base)), rounds_of(read_trace_untimed(scaled))
     assert [r["draft"] for r in r0] == [r["draft"] for r in r1]  # greedy drafts do not depend on it
     for a, b in zip(r0, r1):
         for c, c_cal, t in zip(a["confidence"], b["confidence"], temps):
@@ -651,7 +653,7 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
             assert c_cal == pytest.approx(1 / (1 + math.exp(-logit / t)), rel=1e-4, abs=1e-6)
     for bad in ({"temperatures": [1.0, 2.0]}, {"temperatures": [1, 1, 0, 1]}, {"nothing": 1}, [1, 2]):
         cal.write_text(json.dumps(bad))
-        rc, out = run_cli(capsys, ck, d, *scheduled, "--calibration", str(cal))
+        rc, out = run_drafter_captured(capsys, ck, d, *scheduled, "--calibration", str(cal))
         assert rc != 0 and len(out.err.strip().splitlines()) == 1 and "sts.json" in out.err, out.err
 
 
