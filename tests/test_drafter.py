@@ -27,6 +27,7 @@ for _p in (str(HERE.parent), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from conftest import edit_config, edit_tensors  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
 
 import drafter as dm  # noqa: E402
@@ -83,23 +84,6 @@ def ck(tmp_path_factory) -> Checkpoints:
 @pytest.fixture(scope="module")
 def target(ck):
     return checkpoint.load_target(ck.target)
-
-
-def edit_config(directory, fn):
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    fn(cfg)
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=1)
-
-
-def edit_tensors(directory, fn):
-    from safetensors.torch import load_file, save_file
-    path = os.path.join(directory, "model.safetensors")
-    w = load_file(path)
-    fn(w)
-    save_file({k: v.contiguous() for k, v in w.items()}, path)
 
 
 def run_drafter_captured(capsys, ck, drafter_dir, *extra, trace=None, prompts=True):
