@@ -53,7 +53,15 @@ from test_lossless import (  # noqa: E402
     set_confidence_bias,
     target_logits_after,
 )
-from test_scheduler import PROMPTS, K, one_error_line, run_env_traced, run_err, theta_of, write_sps_table  # noqa: E402
+from test_scheduler import (  # noqa: E402
+    PROMPTS,
+    K,
+    is_one_error_line,
+    run_env_traced,
+    run_err,
+    theta_of,
+    write_sps_table,
+)
 
 import sampling  # noqa: E402
 import scheduler as sched  # noqa: E402
@@ -196,7 +204,7 @@ def test_bad_async_flags_are_refused(env, flags, needle):
     drafter = env["plain"] if "--drafter-plain" in flags else env["drafter"]
     rc, err = run_err(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3", "--max-new-tokens", 4]
                       + [f for f in flags if f != "--drafter-plain"])
-    assert rc == 2 and needle in err and one_error_line(err), err
+    assert rc == 2 and needle in err and is_one_error_line(err), err
 
 
 def capacity_checks(rounds, table_or_scheduler, K_):

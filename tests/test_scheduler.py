@@ -326,7 +326,7 @@ def run_err(args):
     return rc, err.getvalue()
 
 
-def one_error_line(err: str) -> bool:
+def is_one_error_line(err: str) -> bool:
     """The failure is one `error: ...` line, the last thing on stderr (after the drafter's description)."""
     lines = err.strip().splitlines()
     return sum(l.startswith("error:") for l in lines) == 1 and lines[-1].startswith("error:")
@@ -383,7 +383,7 @@ def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
                        "--max-new-tokens", 8, "--batch-size", 3, "--num-samples", 3, "--scheduler", "hardware",
                        "--sps-table", path])
-    assert rc == 2 and "batch_capacity" in err and one_error_line(err), err
+    assert rc == 2 and "batch_capacity" in err and is_one_error_line(err), err
 
 
 def _bad_table(path, edit):
@@ -396,7 +396,7 @@ def test_sps_table_paths_that_cannot_work_are_refused(env, tmp_path):
     for path, needle in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.json", "does not exist")):
         rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
                            "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
-        assert rc == 2 and needle in err and one_error_line(err), err
+        assert rc == 2 and needle in err and is_one_error_line(err), err
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -411,7 +411,7 @@ def test_a_malformed_or_foreign_sps_table_is_refused(env, tmp_path, edit, needle
     _bad_table(path, edit)
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
                        "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
-    assert rc == 2 and needle in err and str(path) in err and one_error_line(err), err
+    assert rc == 2 and needle in err and str(path) in err and is_one_error_line(err), err
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -433,7 +433,7 @@ def test_bad_scheduler_flags_are_refused(env, flags, needle):
         drafter = env["plain"]
     rc, err = run_err(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3",
                        "--max-new-tokens", 4] + flags)
-    assert rc == 2 and needle in err and one_error_line(err), err
+    assert rc == 2 and needle in err and is_one_error_line(err), err
 
 
 def test_a_verify_is_padded_to_the_smallest_bucket_that_holds_it():
@@ -545,7 +545,7 @@ def test_triton_kernels_on_cpu_without_the_interpreter_are_refused(env, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
                        "--max-new-tokens", 4, "--kernels", "triton"])
-    assert rc == 2 and "--kernels triton" in err and one_error_line(err), err
+    assert rc == 2 and "--kernels triton" in err and is_one_error_line(err), err
 
 
 def test_a_new_kind_without_its_branch_is_not_run_as_none(monkeypatch):
