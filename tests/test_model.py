@@ -3,8 +3,8 @@
 Covers: logits for prefill / cached decode / chunks / rollback / ragged batches, ragged verification
 (`Ragged`: the flattened tokens of requests with different counts against each request run alone), the
 cache-free causal forward, captured layer features, the fast paths against their references, and the
-parameter count of a Qwen3-8B-shaped config. Loading and its errors, reading a config and attaching a drafter:
-tests/test_checkpoint.py.
+parameter count of a Qwen3-8B-shaped config. Loading and its errors, reading a config and attaching a
+drafter: tests/test_checkpoint.py.
 """
 
 from __future__ import annotations
