@@ -480,3 +480,25 @@ def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():
         speculate.generate(m, [True, 5], max_new_tokens=3)
     with pytest.raises(UserError, match="^prompts: a list mixing token ids and other prompts"):
         speculate.generate(m, [5, "a"], max_new_tokens=3)
+
+
+def test_a_file_the_system_refuses_is_one_line(tmp_path, capsys):
+    """An OSError that names its file (no permission, a full disk) is one line naming it and exit 1, not a
+    traceback; one that names none is the code's and stays a traceback."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Nothing:
+        pass
+
+    def refused(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "prompts.jsonl"))
+
+    assert cli_main(Nothing, refused, []) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'prompts.jsonl'}: Permission denied\n"
+
+    def nameless(args):
+        raise OSError("something else")
+
+    with pytest.raises(OSError, match="something else"):
+        cli_main(Nothing, nameless, [])

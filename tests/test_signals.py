@@ -287,27 +287,3 @@ def test_a_reader_that_goes_away_costs_no_file_and_no_traceback(pair, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "p.jsonl", "t.jsonl"]
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
     assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])["summary"] is True
-
-
-def test_a_file_the_system_refuses_is_one_line(tmp_path, capsys):
-    """An OSError that names its file (no permission, a full disk) is one line naming it and exit 1, not a
-    traceback; one that names none is the code's and stays a traceback."""
-    from dataclasses import dataclass
-
-    from support.cli import cli_main
-
-    @dataclass
-    class Nothing:
-        pass
-
-    def refused(args):
-        raise PermissionError(13, "Permission denied", str(tmp_path / "prompts.jsonl"))
-
-    assert cli_main(Nothing, refused, []) == 1
-    assert capsys.readouterr().err == f"error: {tmp_path / 'prompts.jsonl'}: Permission denied\n"
-
-    def nameless(args):
-        raise OSError("something else")
-
-    with pytest.raises(OSError, match="something else"):
-        cli_main(Nothing, nameless, [])
