@@ -314,7 +314,8 @@ REFUSALS = {
         dict(), None, _add_tensor("layers.0.self_attn.q_norm.weight", (8,)), None,
         r"'layers\.0\.self_attn\.q_norm\.weight' has shape \[8\]"),
     "head_weight_under_two_spellings": (
-        dict(), None, _add_tensor("markov_w1.weight", (V, V)), None, r"markov_w1\.weight.*twice"),
+        dict(), None, _add_tensor("markov_w1.weight", (V, V)), None,
+        r"markov_w1\.weight' are two spellings of one weight"),
     "hidden_size_differs": (
         dict(with_embeddings=False), None, None, dict(hidden_size=48), r"config\.json: hidden_size 48 differs from the target's 32"),
     "vocab_size_differs": (
