@@ -38,7 +38,7 @@ for _p in (_HERE, os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "
         sys.path.insert(0, _p)
 
 from bench_concurrency import use_curve  # noqa: E402
-from conftest import chi2_pvalue  # noqa: E402
+from conftest import chi2_pvalue, run_captured  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
 from test_lossless import (  # noqa: E402
     N_SAMPLES,
@@ -58,7 +58,6 @@ from test_scheduler import (  # noqa: E402
     K,
     is_one_error_line,
     run_env_traced,
-    run_err,
     theta_of,
     write_sps_table,
 )
@@ -202,8 +201,8 @@ def env(tmp_path_factory):
 ])
 def test_bad_async_flags_are_refused(env, flags, needle):
     drafter = env["plain"] if "--drafter-plain" in flags else env["drafter"]
-    rc, err = run_err(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3", "--max-new-tokens", 4]
-                      + [f for f in flags if f != "--drafter-plain"])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3", "--max-new-tokens", 4]
+                              + [f for f in flags if f != "--drafter-plain"])
     assert rc == 2 and needle in err and is_one_error_line(err), err
 
 

@@ -15,8 +15,6 @@ ragged forward itself: test_model.py), and the `--scheduler` / `--sps-table` / `
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import json
 import math
@@ -32,7 +30,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from conftest import chi2_pvalue  # noqa: E402
+from conftest import chi2_pvalue, run_captured  # noqa: E402
 from drafters import make_drafter, make_target  # noqa: E402
 from test_lossless import (  # noqa: E402
     N_SAMPLES,
@@ -319,13 +317,6 @@ def test_sampled_output_follows_the_target_under_the_hardware_scheduler(tmp_path
 # ----------------------------------------------------------------------------------------
 # The SPS table and the flags
 
-def run_err(args):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = speculate.main([str(a) for a in args])
-    return rc, err.getvalue()
-
-
 def is_one_error_line(err: str) -> bool:
     """The failure is one `error: ...` line, the last thing on stderr (after the drafter's description)."""
     lines = err.strip().splitlines()
@@ -359,16 +350,16 @@ def test_a_sampled_hardware_run_repeats_with_the_same_table(env, tmp_path):
     assert [r["verified"] for r in runs[0].rounds] == [r["verified"] for r in runs[1].rounds]
     flags = ["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3", "--max-new-tokens", 4,
              "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware"]
-    rc, err = run_err(flags + ["--temperature", 1])
+    rc, _, err = run_captured(flags + ["--temperature", 1])
     assert rc == 0 and "not saved" in err and "--sps-table FILE" in err, err
-    rc, err = run_err(flags)  # greedy: the same tokens whatever the table
+    rc, _, err = run_captured(flags)  # greedy: the same tokens whatever the table
     assert rc == 0 and "profiled SPS" in err and "not saved" not in err, err
 
 
 def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     path = tmp_path / "sps.json"
-    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 8, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware", "--sps-table", path])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                               "--max-new-tokens", 8, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware", "--sps-table", path])
     assert rc == 0, err
     assert "profiled SPS(B)" in err and "written to" in err
     table = json.load(open(path))
@@ -376,13 +367,13 @@ def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     assert table["profile_points"] == sched.verify_buckets(2 * (K + 1))
     assert len(table["steps_per_second"]) == len(table["profile_points"])
     assert all(s > 0 for s in table["steps_per_second"])
-    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 8, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware", "--sps-table", path])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                               "--max-new-tokens", 8, "--batch-size", 2, "--num-samples", 2, "--scheduler", "hardware", "--sps-table", path])
     assert rc == 0 and "read from" in err and "profiled SPS" not in err, err
     # Another batch capacity: refused, naming the key.
-    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 8, "--batch-size", 3, "--num-samples", 3, "--scheduler", "hardware",
-                       "--sps-table", path])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                               "--max-new-tokens", 8, "--batch-size", 3, "--num-samples", 3, "--scheduler", "hardware",
+                               "--sps-table", path])
     assert rc == 2 and "batch_capacity" in err and is_one_error_line(err), err
 
 
@@ -394,8 +385,8 @@ def _bad_table(path, edit):
 
 def test_sps_table_paths_that_cannot_work_are_refused(env, tmp_path):
     for path, needle in ((tmp_path, "is a directory"), (tmp_path / "no" / "x.json", "does not exist")):
-        rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                           "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
+        rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                                   "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
         assert rc == 2 and needle in err and is_one_error_line(err), err
 
 
@@ -409,8 +400,8 @@ def test_a_malformed_or_foreign_sps_table_is_refused(env, tmp_path, edit, needle
     path = tmp_path / "sps.json"
     write_sps_table(path, env["target"], env["drafter"], 1, 0.0, lambda b: 1.0 + b)
     _bad_table(path, edit)
-    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                               "--max-new-tokens", 4, "--scheduler", "hardware", "--sps-table", path])
     assert rc == 2 and needle in err and str(path) in err and is_one_error_line(err), err
 
 
@@ -431,8 +422,8 @@ def test_bad_scheduler_flags_are_refused(env, flags, needle):
     if "--drafter-plain" in flags:
         flags = [f for f in flags if f != "--drafter-plain"]
         drafter = env["plain"]
-    rc, err = run_err(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 4] + flags)
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", drafter, "--prompt-ids", "1,2,3",
+                               "--max-new-tokens", 4] + flags)
     assert rc == 2 and needle in err and is_one_error_line(err), err
 
 
@@ -543,8 +534,8 @@ def test_bucketed_sps_routes_to_the_fastest_bucket_that_fits(env):
 
 def test_triton_kernels_on_cpu_without_the_interpreter_are_refused(env, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rc, err = run_err(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
-                       "--max-new-tokens", 4, "--kernels", "triton"])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
+                               "--max-new-tokens", 4, "--kernels", "triton"])
     assert rc == 2 and "--kernels triton" in err and is_one_error_line(err), err
 
 
