@@ -193,6 +193,7 @@ def check_trace(tr: Trace, *, n_requests: int, K: int, V: int, confidence: bool,
             assert r["anchor"] == committed[-1], f"round {j} of request {i}: anchor is not the last token"
             if tree_budget:
                 assert len(r["path"]) == r["accepted"] <= r["depth"] and len(r["parents"]) == tree_budget
+                assert r["verified"] == sum(p >= 0 for p in r["parents"]), r  # the nodes the search reached
             elif r["accepted"] < r["verified"]:
                 # A rejected draft is never what replaces it (greedy: it was not the argmax;
                 # sampled: the residual max(p - q, 0) is 0 at a rejected token).

@@ -644,3 +644,12 @@ def test_a_stop_token_on_the_path_ends_the_round_there_in_the_counts():
     assert metrics.accepted_tokens(rd) == [9, 3, 7]
     assert metrics.round_counts(rd, {3}) == (2, 2, 2)
     assert metrics.round_counts(rd, {5}) == (3, 4, 4)  # 5 is a node off the path
+
+
+def test_a_tree_counts_as_verified_the_nodes_its_search_reached(tenv):
+    """Sampled under --top-k 1 a node has one child the target could take, so a budget past the tree's
+    depth leaves nodes unreached: a round's `verified` counts the nodes reached, not the budget."""
+    tr = decode(tenv, "--tree-budget", 12, "--temperature", 1, "--top-k", 1, drafter="zlab")
+    reached = [sum(p >= 0 for p in r["parents"]) for r in tr.rounds]
+    assert [r["verified"] for r in tr.rounds] == reached
+    assert min(reached) < 12, reached
