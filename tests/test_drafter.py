@@ -717,6 +717,48 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
         assert torch.equal(train.head_outputs(d, h, prev)[1], logit)  # training reads the same logits, uncalibrated
 
 
+def test_each_markov_head_steps_as_its_docstring_writes_it():
+    """Each head's step against its formula written out with its weight matrices (vanilla: W2 W1[x]; gated:
+    a sigmoid gate on W1[x] from [h ; W1[x]]; rnn: a state carried from step to step, zeros before the first)."""
+    H, V, r = 6, 11, 4
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 3, H, generator=g)  # [B, steps, H]
+    prev = torch.tensor([[1, 5, 9], [0, 10, 3]])
+    heads = {}
+    for kind, cls in dm.MARKOV_HEADS.items():
+        torch.manual_seed(1)
+        heads[kind] = cls(H, V, r)
+    with torch.no_grad():
+        vanilla = heads["vanilla"]
+        W1, W2 = vanilla.markov_w1.weight, vanilla.markov_w2.weight
+        for k in range(3):
+            b, state = vanilla.step(h[:, k], prev[:, k], None)
+            assert torch.allclose(b, W1[prev[:, k]] @ W2.T) and state is None
+
+        gated = heads["gated"]
+        W1, W2 = gated.markov_w1.weight, gated.markov_w2.weight
+        Wg, bg = gated.gate_proj.weight, gated.gate_proj.bias
+        for k in range(3):
+            e = W1[prev[:, k]]
+            gate = torch.sigmoid(torch.cat([h[:, k], e], -1) @ Wg.T + bg)
+            b, _ = gated.step(h[:, k], prev[:, k], None)
+            assert torch.allclose(b, (gate * e) @ W2.T, atol=1e-6)
+
+        rnn = heads["rnn"]
+        W1, W2 = rnn.markov_w1.weight, rnn.markov_w2.weight
+        Wj, bj = rnn.joint_proj.weight, rnn.joint_proj.bias
+        s = torch.zeros(2, r)
+        state = None
+        for k in range(3):
+            e = W1[prev[:, k]]
+            joint = torch.cat([s, e, h[:, k]], -1) @ Wj.T + bj
+            gate, cand, out = joint[:, :r], joint[:, r:2 * r], joint[:, 2 * r:]
+            want = torch.tanh(out) @ W2.T
+            s = torch.sigmoid(gate) * s + (1 - torch.sigmoid(gate)) * torch.tanh(cand)
+            b, state = rnn.step(h[:, k], prev[:, k], state)
+            assert torch.allclose(b, want, atol=1e-6) and torch.allclose(state, s, atol=1e-6)
+
+
 def test_a_new_markov_head_must_name_its_own_kind():
     """A new head subclassing VanillaMarkov without its own `kind` would inherit "vanilla", and kernels.py would
     run the vanilla Triton chain in place of its step: refused where the class is written."""
