@@ -354,6 +354,31 @@ def test_a_sampled_build_reads_one_race_for_each_parent(budget, L, V):
     assert every["q"].shape[1] - leaves == sampling.tree_parent_count(budget, L, V)
 
 
+def test_each_parent_draws_its_children_from_its_own_race():
+    """Node n's children come from row n of the noise (the root's row 0, then the nodes by number): with
+    every q the same, each row's race makes a different three tokens the likeliest, and each node's
+    children are among its own row's three."""
+    V, L, budget = 16, 2, 3
+    base = torch.zeros(1, L, V)  # q uniform at both depths, for every parent (no Markov head)
+    rows = sampling.tree_parent_count(budget, L, V)  # the root and the 3 nodes of depth 1
+    noise = torch.ones(1, rows, V)
+    favourites = {}
+    for row in range(rows):
+        three = (4 * row, 4 * row + 1, 4 * row + 2)
+        for rank, token in enumerate(three):
+            noise[0, row, token] = 1e-3 * (rank + 1)  # q / race: the first of the three, then ...
+        favourites[row] = three
+    with torch.no_grad():
+        every = sampling.best_by_depth(base, None, torch.tensor([5]), None, budget, 1.0, temperature=1.0,
+                                       noise=noise)
+    tokens = every["tokens"][0].tolist()
+    parents = every["parents"][0].tolist()
+    depths = every["depths"][0].tolist()
+    assert depths == [1, 1, 1, 2, 2]
+    for token, parent in zip(tokens, parents):
+        assert token in favourites[parent], (token, parent, favourites[parent])
+
+
 def random_sampled_tree(B, V, budget, seed):
     torch.manual_seed(seed)
     L, H, r = 3, 8, 5
