@@ -717,6 +717,7 @@ class Models:
     generation: Optional[dict] = None        # generation_config.json's sampling (None: greedy) ...
     generation_source: Optional[str] = None  # ... and that file (None: none)
     directories: tuple = (None, None)        # where the target and the drafter were read
+    generation_problem: Optional[str] = None  # why that file is unusable, said only where it is used
 
     @property
     def hub_snapshots(self) -> list[str]:
@@ -760,6 +761,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     d = None
     generation = None
     generation_source = None
+    generation_problem = None
     if random_init is not None:
         check_preset_memory(random_init, device, dt, "--random-init")
         t = random_target(random_init, device, dt, seed)
@@ -768,7 +770,11 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     else:
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
-        generation, generation_source = generation_sampling(target)
+        try:
+            generation, generation_source = generation_sampling(target)
+        except UserError as e:  # a sampling flag replaces the file: refused only where it is read
+            generation_source = os.path.join(target, "generation_config.json")
+            generation_problem = str(e)
         if optional_file(os.path.join(target, "tokenizer.json")):
             tokenizer = Tokenizer(target)
         if drafter is not None:
@@ -796,7 +802,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         for m in (t, d):
             if m is not None:
                 backend.install(m)
-    return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter))
+    return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter),
+                  generation_problem)
 
 
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:

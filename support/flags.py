@@ -247,6 +247,9 @@ def sampling_for(m, s) -> Sampling:
     given = {name: getattr(s, name) for name in names if getattr(s, name) is not None}
     if given:
         source = "from " + ", ".join(flag(name) for name in given)
+    elif m.generation_problem is not None:
+        raise UserError(f"{m.generation_problem} (or give --temperature, --top-k, --top-p or --min-p, "
+                        f"which replace the file)")
     elif m.generation is not None:
         given = m.generation
         source = f"from {m.generation_source}"

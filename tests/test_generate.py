@@ -232,6 +232,10 @@ def test_bad_generation_config_values_are_one_line_errors(chat_target, tmp_path,
     bad = with_generation_config(target, tmp_path / "bad", **{key: value})
     rc, out, err = run_captured(["--target", bad, "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 2 and len(err.splitlines()) == 1 and "generation_config.json" in err and repr(key) in err, err
+    assert "which replace the file" in err, err
+    # a sampling flag replaces the file entirely: it is not read, so not refused
+    rc, out, err = run_captured(["--target", bad, "--prompt-ids", "1,2", "--max-new-tokens", 2, "--temperature", 0.7])
+    assert rc == 0, err
 
 
 # ----------------------------------------------------------------------------------------
