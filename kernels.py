@@ -701,6 +701,8 @@ def check_backend(name: str, device):
     graph traces them); RuntimeError where Triton cannot run."""
     if name == "torch":
         return
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is available")
     if not _triton_ok(torch.empty(0, device=device)):
         raise RuntimeError("the Triton kernels need the triton package and a CUDA device "
                            "(on cpu, Triton's interpreter: TRITON_INTERPRET=1)")

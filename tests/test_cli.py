@@ -464,6 +464,15 @@ def test_triton_kernels_where_triton_cannot_run_are_refused_by_every_program(mon
         speculate.generate(m, [[1, 2]], max_new_tokens=2, kernels="triton")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_triton_kernels_on_cuda_without_cuda_are_one_line(capsys):
+    """--kernels triton --device cuda where torch has no CUDA: one line, not torch's AssertionError from
+    building a tensor on the device."""
+    rc = speculate.main(["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2", "--kernels", "triton",
+                         "--device", "cuda"])
+    assert rc == 2 and capsys.readouterr().err == "error: --kernels triton: no CUDA device is available\n"
+
+
 def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():
     """numpy's integers are token ids, as they are settings; a list that mixes ids with something else is
     named for what it is (it was called a conversation without a chat template)."""
