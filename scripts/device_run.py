@@ -4,8 +4,8 @@
     python scripts/device_run.py --dry-run --out DIR    # on CPU: every stage with small shapes
 
 Each stage runs in a process of its own under its own time cap; the default stages' caps sum to 520 s,
-so a call ends by itself within 9 minutes. The caps are set from a cold H100 (BENCHMARKS.md): compiling
-for Qwen3-8B's shape takes most of each stage, 40-100 s a round. In order, smallest first:
+so a call ends by itself within 9 minutes. The caps come from a cold H100's compile times, which take
+most of each stage (BENCHMARKS.md, "A cold H100 run"). In order, smallest first:
   env           torch, triton, CUDA and driver versions, the GPU (env.json)
   smoke         bench.py's constructed pair (bigram-35m, τ ≈ 5) in float32, compiled, batch 1 and 4:
                 bench asserts the speculative tokens equal autoregressive decoding's (CUDA graphs,
