@@ -138,13 +138,18 @@ class Decoding:
         self.length_hist = [0] * (engine.K + 2)  # rounds that committed 0 .. K+1 tokens
         self.seen: dict[int, int] = {}             # tokens of each request counted so far
         self.steps = self.logged = 0
+        self.requests = requests
         self.bar = None
-        if args.progress and requests > 1 and sys.stderr.isatty():
+        self.lines = None
+        shown = runlog.show(args.progress and requests > 1)
+        if shown == "bar":
             from tqdm import tqdm
 
             # leave=False: the bar is wiped at the end, so stderr keeps only its lines (settings, errors)
             self.bar = tqdm(total=requests, desc=name, unit="req", file=sys.stderr,
                             dynamic_ncols=True, leave=False)
+        elif shown == "lines":
+            self.lines = runlog.Lines()
         if self.log is not None:
             self.log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
         # last: nothing after them can fail and leave their temporary files behind
@@ -173,13 +178,17 @@ class Decoding:
             self.out.write(json.dumps(c.record(), ensure_ascii=False, allow_nan=False) + "\n")
             self.out.sync()
         self.running["tokens"] += len(c.output_ids) - self.seen.pop(c.request, 0)
+        if self.bar is None and self.lines is None:
+            return
+        figures = self.figures()
+        tau = figures["acceptance_length"]
+        tau_text = "-" if tau is None else f"{tau:.2f}"
+        speed = f"{figures['tokens_per_second']:.1f} tok/s, τ={tau_text}"
         if self.bar is not None:
-            figures = self.figures()
-            tau = figures["acceptance_length"]
-            tau_text = "-" if tau is None else f"{tau:.2f}"
-            self.bar.set_postfix_str(f"{figures['tokens_per_second']:.1f} tok/s, τ={tau_text}",
-                                     refresh=False)
+            self.bar.set_postfix_str(speed, refresh=False)
             self.bar.update(1)
+        else:
+            self.lines.say(f"{self.name}: {len(self.done)}/{self.requests} requests done, {speed}")
 
     def on_step(self):
         self.steps += 1

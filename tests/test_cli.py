@@ -305,6 +305,27 @@ def test_progress_bar_on_a_terminal_only_and_stdout_unchanged(tiny_target, tmp_p
     assert "tok/s" not in one  # one request streams its text: no bar
 
 
+def test_progress_lines_off_a_terminal(tiny_target, tmp_path, monkeypatch):
+    """Off a terminal (a batch job's log) several requests print plain progress lines on stderr, at most
+    one every `Lines.every` seconds (here 0, so one a request); standard output is unchanged."""
+    from support import runlog
+
+    init = runlog.Lines.__init__
+    monkeypatch.setattr(runlog.Lines, "__init__", lambda self, every=60.0: init(self, 0.0))
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    rc, out, err = run_captured(["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 6,
+                                 "--batch-size", 2])
+    assert rc == 0, err
+    lines = [line for line in err.splitlines() if "requests done" in line]
+    assert len(lines) == len(PROMPTS), err  # one a request finished (no drafter: autoregressive only)
+    assert lines[-1].startswith(f"autoregressive: {len(PROMPTS)}/{len(PROMPTS)} requests done, ")
+    assert "tok/s, τ=" in lines[-1]
+    rc, _, quiet = run_captured(["--target", tiny_target.path, "--prompts-file", pf, "--max-new-tokens", 6,
+                                 "--batch-size", 2, "--no-progress"])
+    assert rc == 0 and "requests done" not in quiet
+
+
 def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, monkeypatch):
     """--compile prints what it is about to do (load, then compile, cached after a first compile) before
     loading starts, so a long silent wait is explained."""
