@@ -56,14 +56,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, prompt: str, thinking: bool = False,
-                    system: Optional[str] = None) -> str:
-        turns = []
-        if system is not None:
-            turns.append({"role": "system", "content": system})
-        turns.append({"role": "user", "content": prompt})
-        return self.render_messages(turns, add_generation_prompt=True, thinking=thinking)
-
     def render_messages(self, messages: Sequence[dict], *, add_generation_prompt: bool,
                         thinking: bool = False) -> str:
         if self.template_problem is not None:
@@ -482,8 +474,6 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
         if kinds:
             kind = kinds[0]
         v = row.get(kind)
-        if kind == "prompt_ids" and isinstance(v, list) and not all(_int(i) for i in v):
-            raise UserError(f"{where}: 'prompt_ids' must be a list of integers")
         if kind == "turns" and isinstance(v, list) and v and all(isinstance(t, str) for t in v):
             v = v[0]  # the first turn, as the authors' evaluation
         elif kind == "messages":
@@ -492,7 +482,7 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
             keys = ", ".join(sorted(row)) or "none"
             raise UserError(f"{where}: expected {RECORD_SHAPES} (this record's keys: {keys})")
         elif not (kind == "prompt" and isinstance(v, str)
-                  or kind == "prompt_ids" and isinstance(v, list)):
+                  or kind == "prompt_ids" and isinstance(v, list) and all(_int(i) for i in v)):
             got = json.dumps(v, ensure_ascii=False)[:80]
             raise UserError(f"{where}: {kind!r} must be {KIND_SHAPES[kind]}, got {got}")
         out.append((where, v))

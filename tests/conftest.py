@@ -414,3 +414,11 @@ def make_read_only(monkeypatch, *folders):
         st = real(path)
         return SimpleNamespace(f_flag=st.f_flag | os.ST_RDONLY) if os.path.realpath(path) in targets else st
     monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def render_chat(tok, prompt, thinking=False, system=None):
+    """A one-question chat through Tokenizer.render_messages (with the system turn, if any)."""
+    turns = [{"role": "user", "content": prompt}]
+    if system is not None:
+        turns.insert(0, {"role": "system", "content": system})
+    return tok.render_messages(turns, add_generation_prompt=True, thinking=thinking)

@@ -25,6 +25,7 @@ from conftest import (
     import_model,
     max_err,
     random_tokens,
+    render_chat,
     target_with_caches,
     write_json,
 )
@@ -403,9 +404,9 @@ def test_encode_decode_round_trip(tiny_target):
 def test_render_chat_with_template(tiny_target):
     tok = text.Tokenizer(str(tiny_target.path))
     assert tok.chat_template == QWEN3_LIKE_TEMPLATE
-    out = tok.render_chat("hello world")
+    out = render_chat(tok, "hello world")
     assert out == CHAT_NO_THINK.format(p="hello world")
-    assert tok.render_chat("hello world", thinking=True) == (
+    assert render_chat(tok, "hello world", thinking=True) == (
         "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(out)
     assert ids[0] == IM_START_ID and IM_END_ID in ids
@@ -414,14 +415,14 @@ def test_render_chat_with_template(tiny_target):
 def test_render_chat_fallback_without_template(target_factory):
     tok = text.Tokenizer(str(target_factory(chat_template=False).path))
     assert tok.chat_template is None
-    assert tok.render_chat("hello") == CHAT_NO_THINK.format(p="hello")
+    assert render_chat(tok, "hello") == CHAT_NO_THINK.format(p="hello")
 
 
 def test_render_chat_from_jinja_file(target_factory):
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}" \
                "{% if add_generation_prompt %} [assistant]{% endif %}"
     tok = text.Tokenizer(str(target_factory(chat_template=template, chat_template_file=True).path))
-    assert tok.render_chat("hi") == "[user] hi [assistant]"
+    assert render_chat(tok, "hi") == "[user] hi [assistant]"
 
 
 def test_render_chat_template_error(target_factory, tmp_path):
@@ -429,7 +430,7 @@ def test_render_chat_template_error(target_factory, tmp_path):
     edit_json(d / "tokenizer_config.json",
               lambda c: c.update(chat_template="{{ raise_exception('no system role') }}"))
     with pytest.raises(UserError, match="no system role"):
-        text.Tokenizer(str(d)).render_chat("hi")
+        render_chat(text.Tokenizer(str(d)), "hi")
 
 
 def test_missing_tokenizer(target_factory):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config, run_captured
+from conftest import ENDOFTEXT_ID, IM_END_ID, REPO_ROOT, copy_target, edit_config, render_chat, run_captured
 
 import scheduler as sched
 import speculate
@@ -147,7 +147,7 @@ def test_text_prompt_uses_chat_template(tiny_target, tmp_path):
         assert rc == 0, err
         outs[flag] = read_trace_parts(trace)[1][0]["output_ids"]
         assert out.splitlines()[0] == tok.decode(outs[flag], skip_special_tokens=True)  # printed without specials
-    chat_ids = tok.encode(tok.render_chat("def hello ( x ) :"))
+    chat_ids = tok.encode(render_chat(tok, "def hello ( x ) :"))
     assert chat_ids[:1] == [tok.encode("<|im_start|>")[0]]
     assert outs["--chat"] == outs[None]  # the directory has a template: chat is the default
     assert outs["--chat"] == hf_greedy(tiny_target.hf_model, chat_ids, 5, {IM_END_ID, ENDOFTEXT_ID})

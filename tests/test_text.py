@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import copy_target, edit_json
+from conftest import copy_target, edit_json, render_chat
 
 import speculate
 from support import text
@@ -115,7 +115,7 @@ def test_without_a_template_the_fallback_renders_qwen3s_format(qwen3_style, targ
     for conv in CONVERSATIONS:
         assert plain.render_messages(conv, add_generation_prompt=True, thinking=thinking) == \
             hf_ids(qwen3_style, conv, thinking)[0]
-    assert plain.render_chat("hello", system="x = 1", thinking=thinking) == (
+    assert render_chat(plain, "hello", system="x = 1", thinking=thinking) == (
         "<|im_start|>system\nx = 1<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
         + ("" if thinking else "<think>\n\n</think>\n\n"))
 
