@@ -55,7 +55,6 @@ from support import cpu_kernels, flags, metrics, plots
 from support.checkpoint import (
     PRESETS,
     attach,
-    check_preset_memory,
     init_random_,
     load_drafter,
     load_target,
@@ -650,8 +649,7 @@ def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, 
     if args.model == "bigram-35m":
         target, drafter = bigram_pair(dev, dtype, s.seed)
         return target, drafter, args.model
-    check_preset_memory(args.model, dev, dtype, "--model")
-    target = random_target(args.model, dev, dtype, s.seed)
+    target = random_target(args.model, dev, dtype, s.seed, "--model")
     if args.drafter_kind == "eagle3":
         drafter = random_eagle3(target)
     else:

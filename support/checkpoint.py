@@ -43,7 +43,7 @@ LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
               "rope_theta": (float, 1.0, 1e12, REQUIRED),
               "attention_bias": (bool, 0, 0, False),
               "tie_word_embeddings": (bool, 0, 0, False)}
-LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+LAYOUT_NAMES = {"dspark": "DSpark", "dflash": "DFlash"}
 # DeepSpec's name, and its evaluator's alias
 EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "Eagle3DraftModel")
 
@@ -153,11 +153,12 @@ def target_args(cfg: dict, source: str) -> ModelArgs:
     args = layer_args(cfg, source)
     archs = cfg.get("architectures")
     names = isinstance(archs, list) and all(isinstance(a, str) for a in archs)
-    if archs is not None and not names:
-        raise UserError(f"{source}: 'architectures' must be a list of names, got {archs!r}")
-    if archs is not None and set(archs) != {"Qwen3ForCausalLM"}:
-        raise UserError(f"{source}: architectures {archs!r} not supported "
-                        "(supported: Qwen3ForCausalLM)")
+    if archs is not None:
+        if not names:
+            raise UserError(f"{source}: 'architectures' must be a list of names, got {archs!r}")
+        if set(archs) != {"Qwen3ForCausalLM"}:
+            raise UserError(f"{source}: architectures {archs!r} not supported "
+                            "(supported: Qwen3ForCausalLM)")
     if cfg.get("model_type") not in (None, "qwen3"):
         raise UserError(f"{source}: model_type {cfg['model_type']!r} not supported "
                         "(supported: qwen3)")
@@ -205,9 +206,9 @@ def check_layer_ids(ids, targets, source: str):
                         f"got {ids!r}")
     if len(set(ids)) != len(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
-    most_layers = LAYER_KEYS["num_hidden_layers"][2]
-    if targets is not None and not (integer(targets) and 1 <= targets <= most_layers):
-        raise UserError(f"{source}: 'num_target_layers' must be a layer count, got {targets!r}")
+    if targets is not None:
+        most_layers = LAYER_KEYS["num_hidden_layers"][2]
+        checked(targets, "num_target_layers", source, int, 1, most_layers)
 
 
 def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
@@ -272,7 +273,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
     if mtype is None:
         heads = sorted(k for k in tensors if k.startswith("markov_head."))
         if heads:
-            head_name = spelled.get(heads[0], heads[0])
+            head_name = spelled[heads[0]]
             raise UserError(f"{weights}: tensor {head_name!r} belongs to a Markov head, "
                             f"but {source} declares none (markov_head_type)")
         if isinstance(declared, bool) or declared not in (None, 0):
@@ -284,7 +285,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
                             "but the weights have no markov_w1 "
                             "(markov_head.markov_w1.weight or markov_w1.weight)")
         if w1.ndim != 2 or w1.shape[1] < 1:
-            w1_name = spelled.get("markov_head.markov_w1.weight")
+            w1_name = spelled["markov_head.markov_w1.weight"]
             raise UserError(f"{weights}: tensor {w1_name!r} has shape {list(w1.shape)}, "
                             "the Markov head expects [vocab_size, rank >= 1]")
         rank = w1.shape[1]
@@ -292,7 +293,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
             raise UserError(f"{source}: markov_rank is {declared!r} but markov_w1 has rank {rank}")
     norm = tensors.get("norm.weight")
     if norm is not None and list(norm.shape) != [layers.hidden_size]:
-        norm_name = spelled.get("norm.weight", "norm.weight")
+        norm_name = spelled["norm.weight"]
         raise UserError(f"{source}: hidden_size is {layers.hidden_size} but tensor "
                         f"{norm_name!r} has shape {list(norm.shape)}")
 
@@ -300,7 +301,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
     conf = lookup(cfg, "enable_confidence_head", source, bool, aliases=("use_confidence_head",))
     with_markov = lookup(cfg, "confidence_head_with_markov", source, bool)
     proj = tensors.get("confidence_head.proj.weight")
-    name = spelled.get("confidence_head.proj.weight", "confidence_head.proj.weight")
+    name = spelled.get("confidence_head.proj.weight")
     if proj is not None and not conf:
         raise UserError(f"{weights}: tensor {name!r} belongs to a confidence head, "
                         f"but {source} does not enable one "
@@ -449,8 +450,6 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                             where = f"maps it to {weight_map[key]!r}"
                         raise UserError(f"{path}: holds tensor {key!r}, but {index} {where}")
                     name = rename(key)
-                    if name in spelled and spelled[name] == key:
-                        raise UserError(f"{path}: tensor {key!r} appears twice in the checkpoint")
                     if name in spelled:
                         raise UserError(f"{path}: tensors {spelled[name]!r} and {key!r} are two "
                                         f"spellings of one weight (keep one)")
@@ -480,7 +479,7 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
 
 def assign(module: nn.Module, tensors: dict, source: str):
     """A checkpoint's tensors into `module` (on meta): each matches a parameter, every parameter is loaded."""
-    want = published({n: p for n, p in module.named_parameters()})
+    want = published(dict(module.named_parameters()))
     for name in sorted(tensors):
         if name not in want:
             raise UserError(f"{source}: tensor {name!r} in the checkpoint "
@@ -637,9 +636,10 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
     return module
 
 
-def check_preset_memory(preset: str, device, dtype: torch.dtype, flag: str):
-    """A preset's target weights, counted on the meta device, must fit in what is free on `device`
-    (`flag` names the preset: --random-init, or bench.py's --model)."""
+def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0,
+                  flag: str = "--random-init") -> Transformer:
+    """A preset's target with random weights, counted on the meta device first: they must fit in what is free
+    on `device` (`flag` names the preset: --random-init, or bench.py's --model)."""
     with torch.device("meta"):
         model = Transformer(ModelArgs(**PRESETS[preset]))
     weights = sum(p.numel() for p in model.parameters())
@@ -652,11 +652,6 @@ def check_preset_memory(preset: str, device, dtype: torch.dtype, flag: str):
         raise UserError(f"{flag} {preset}: its target's weights need {need / 2**30:.1f} GiB in "
                         f"{dtype_name}; {free / 2**30:.1f} GiB are free on {device}: "
                         f"choose a smaller preset or a narrower --dtype")
-
-
-def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(ModelArgs(**PRESETS[preset]))
     model = model.to(dtype).to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -664,27 +659,22 @@ def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0
 
 
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5,
-                   markov: Optional[str] = "vanilla", rank: int = 256, confidence: bool = True,
-                   seed: int = 1) -> Drafter:
-    """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256) on the target's device."""
+                   rank: int = 256) -> Drafter:
+    """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256, a vanilla Markov head and a
+    confidence head reading W1[x]) on the target's device."""
     t = target.args
     layers = replace(t, num_hidden_layers=num_layers)
-    markov_rank = 0
-    if markov:
-        markov_rank = rank
-    reads_markov = confidence and markov is not None  # the confidence head reads W1[x] beside h
     mask_id = t.vocab_size - 1
-    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", markov,
-                        markov_rank, confidence, reads_markov)
-    return random_weights(Drafter, cfg, target, seed)
+    cfg = DrafterConfig(layers, block_size, five_layers(t), mask_id, "dspark", "vanilla", rank, True, True)
+    return random_weights(Drafter, cfg, target)
 
 
-def random_eagle3(target: Transformer, ttt_length: int = 7, seed: int = 1) -> Eagle3Drafter:
+def random_eagle3(target: Transformer) -> Eagle3Drafter:
     """An Eagle3 drafter shaped like DeepSpec's (one layer, five captured layers, a chain of 7)."""
     t = target.args
     one_layer = replace(t, num_hidden_layers=1)
-    cfg = DrafterConfig(one_layer, ttt_length, five_layers(t), 0, "eagle3", None, 0, False, False)
-    return random_weights(Eagle3Drafter, cfg, target, seed)
+    cfg = DrafterConfig(one_layer, 7, five_layers(t), 0, "eagle3", None, 0, False, False)
+    return random_weights(Eagle3Drafter, cfg, target)
 
 
 def five_layers(t: ModelArgs) -> tuple[int, ...]:
@@ -694,13 +684,13 @@ def five_layers(t: ModelArgs) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer, seed: int) -> Drafter:
+def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer) -> Drafter:
     """A drafter of `cfg` with random weights, in the target's dtype on its device, attached to it."""
     w = target.embed_tokens.weight
     with torch.device("meta"):
         drafter = drafter_class(cfg)
     drafter = drafter.to(w.dtype).to_empty(device=w.device)
-    drafter = init_random_(drafter, seed)
+    drafter = init_random_(drafter, 1)
     attach(drafter, target)
     return drafter.eval().requires_grad_(False)
 
@@ -747,9 +737,9 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     from support.text import Tokenizer
 
     # drafters are trained on one target
-    if random_init is None and target is None and drafter is not None:
-        raise UserError(f"--drafter {drafter}: needs --target, the target it was trained for")
     if random_init is None and target is None:
+        if drafter is not None:
+            raise UserError(f"--drafter {drafter}: needs --target, the target it was trained for")
         raise UserError("--target: no target directory given")
     if random_init is not None and (target is not None or drafter is not None):
         raise UserError("--random-init builds its own target and drafter: drop --target/--drafter")
@@ -763,7 +753,6 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     generation_source = None
     generation_problem = None
     if random_init is not None:
-        check_preset_memory(random_init, device, dt, "--random-init")
         t = random_target(random_init, device, dt, seed)
         d = random_drafter(t)
         stop_ids = ()
@@ -833,7 +822,7 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
     cfg = read_json(path)
     if not checked(cfg.get("do_sample", False), "do_sample", path, bool):
         return None, path
-    out = {"temperature": 1.0}
+    out = {}  # no temperature: 1.0 (flags.sampling_for)
     for key, (valid, ok) in GENERATION_KEYS.items():
         v = cfg.get(key)
         if v is None:
