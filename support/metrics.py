@@ -82,23 +82,17 @@ def _ratio(part: int, whole: int) -> Optional[float]:
 
 def acceptance_length(c: dict) -> Optional[float]:
     """τ = Σ committed / rounds."""
-    if not c["num_rounds"]:
-        return None
-    return c["committed"] / c["num_rounds"]
+    return _ratio(c["committed"], c["num_rounds"])
 
 
 def verified_per_round(c: dict) -> Optional[float]:
     """Σ verified / rounds (the authors' draft_tokens_per_proposal)."""
-    if not c["num_rounds"]:
-        return None
-    return c["verified"] / c["num_rounds"]
+    return _ratio(c["verified"], c["num_rounds"])
 
 
 def verify_rate(c: dict) -> Optional[float]:
     """Σ committed / (Σ verified + rounds)."""
-    if not c["num_rounds"]:
-        return None
-    return c["committed"] / (c["verified"] + c["num_rounds"])
+    return _ratio(c["committed"], c["verified"] + c["num_rounds"])
 
 
 def accept_rates_by_position(c: dict) -> list[Optional[float]]:

@@ -36,7 +36,7 @@ class Printer:
         self.shown = 0
         self.hold = 0
         if stop is not None:
-            self.hold = max((len(s) for s in stop.strings), default=1) - 1
+            self.hold = max(map(len, stop.strings)) - 1
 
     def on_round(self, req):
         if not self.streaming:
@@ -78,11 +78,9 @@ class Printer:
                   f"--output-file FILE keeps every one)")
 
 
-def summarize(completions: list, engine, scheduler: str) -> tuple[dict, dict]:
+def summarize(completions: list, engine, scheduler: str, tokens_per_second: float) -> tuple[dict, dict]:
     """The trace's summary record of the finished requests, and their raw counts (metrics.py's)."""
     c = metrics.count(completions, engine.K, engine.stop_ids)
-    seconds = engine.prefill_seconds + engine.decode_seconds
-    tokens_per_second = c["tokens"] / seconds if seconds > 0 else 0.0
     summary = {"summary": True, "tokens_per_second": tokens_per_second,
                "acceptance_length": metrics.acceptance_length(c),
                "accept_rate_by_position": metrics.accept_rate_by_position(c),
@@ -92,21 +90,21 @@ def summarize(completions: list, engine, scheduler: str) -> tuple[dict, dict]:
     return summary, c
 
 
+def figure(x: Optional[float]) -> str:
+    """A ratio as printed: two decimals, "-" where nothing is behind it."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}"
+
+
 def figures_line(name: str, summary: dict, c: dict, engine) -> str:
     """The one line of figures printed after a decode."""
     seconds = summary["prefill_seconds"] + summary["decode_seconds"]
-    tau = summary["acceptance_length"]
-    tau_text = "-" if tau is None else f"{tau:.2f}"
+    tau = figure(summary["acceptance_length"])
     line = (f"{name}: {c['tokens']} tokens in {seconds:.2f} s, "
-            f"{summary['tokens_per_second']:.1f} tokens/s, τ={tau_text}")
+            f"{summary['tokens_per_second']:.1f} tokens/s, τ={tau}")
     if engine.drafter is not None and c["num_rounds"]:
-        rate_texts = []
-        for x in summary["accept_rate_by_position"]:
-            rate = "-"
-            if x is not None:
-                rate = f"{x:.2f}"
-            rate_texts.append(rate)
-        rates = " ".join(rate_texts)
+        rates = " ".join(map(figure, summary["accept_rate_by_position"]))
         line += (f", conditional accept by position [{rates}], "
                  f"drafts verified {summary['verified_per_round']:.2f}/round ({summary['scheduler']})")
     return line + (f" (prefill {summary['prefill_seconds']:.2f} s, "
@@ -181,9 +179,8 @@ class Decoding:
         if self.bar is None and self.lines is None:
             return
         figures = self.figures()
-        tau = figures["acceptance_length"]
-        tau_text = "-" if tau is None else f"{tau:.2f}"
-        speed = f"{figures['tokens_per_second']:.1f} tok/s, τ={tau_text}"
+        tau = figure(figures["acceptance_length"])
+        speed = f"{figures['tokens_per_second']:.1f} tok/s, τ={tau}"
         if self.bar is not None:
             self.bar.set_postfix_str(speed, refresh=False)
             self.bar.update(1)
@@ -226,15 +223,13 @@ class Decoding:
         so that a reader who went away (`| head`) cannot cost them."""
         with signals_deferred():
             done = sorted(self.done, key=lambda c: c.request)
-            summary, counts = summarize(done, self.engine, self.report.settings.scheduler)
+            # the throughput of the time spent: every token decoded (interrupted: unfinished requests' too)
+            figures = self.figures()
+            summary, counts = summarize(done, self.engine, self.report.settings.scheduler,
+                                        figures["tokens_per_second"])
             if interrupted:
-                # the throughput of the time spent: every token decoded, unfinished requests' too
-                decoded = self.running["tokens"]
-                seconds = summary["prefill_seconds"] + summary["decode_seconds"]
-                tokens_per_second = decoded / seconds if seconds > 0 else 0.0
                 summary.update(interrupted=True, finished_requests=len(done),
-                               requests=self.report.requests, decoded_tokens=decoded,
-                               tokens_per_second=tokens_per_second)
+                               requests=self.report.requests, decoded_tokens=figures["tokens"])
             if self.trace:
                 self.trace.write(json.dumps(summary) + "\n")
                 self.trace.close()
@@ -278,9 +273,9 @@ class Report:
                  self.sampling.describe()]
         self.announce = "; ".join(p for p in parts if p)
         if log is not None:
-            self.log_config(threads)
+            self.log_config()
 
-    def log_config(self, threads: str):
+    def log_config(self):
         m, s, args = self.models, self.settings, self.args
         sampling = {"temperature": self.sampling.temperature, **self.sampling.filters._asdict(),
                     "source": self.sampling.source}
