@@ -33,7 +33,6 @@ def _cpu_flags() -> set:
         for line in f:
             if line.startswith("flags"):
                 return set(line.split(":", 1)[1].split())
-        return set()
     return set()
 
 
@@ -102,12 +101,6 @@ def unavailable() -> Optional[str]:
     return _why
 
 
-def _fits(w: torch.Tensor) -> bool:
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
-        return False
-    return w.shape[0] % PANEL == 0 and w.shape[1] > 0
-
-
 class PanelLinear(nn.Linear):
     """nn.Linear on the panel kernel (the same Parameters); autograd, autocast, other dtypes or devices: F.linear."""
     panels: torch.Tensor
@@ -125,10 +118,8 @@ def _on_kernel(x, w, b) -> bool:
         return False
     if not x.is_cpu or not w.is_cpu or torch.is_autocast_enabled("cpu"):
         return False
-    if not torch.is_grad_enabled():
-        return True
     needs_grad = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
-    return not needs_grad
+    return not (torch.is_grad_enabled() and needs_grad)
 
 
 def project(attn, x):
@@ -200,10 +191,7 @@ def install(m: nn.Module) -> bool:
             continue
         if (a.q_proj.bias is None) == (a.kv_proj.bias is None):
             fused.append(a)
-    paired = set()  # their panels: views of the pair's
-    for a in fused:
-        paired.add(id(a.q_proj))
-        paired.add(id(a.kv_proj))
+    paired = {id(lin) for a in fused for lin in (a.q_proj, a.kv_proj)}  # their panels: views of the pair's
     alone = [x for x in m.modules() if _linear_fits(x) and id(x) not in paired]
     copied: dict = {}  # storage -> the (weight, panels) made on it by this call
     for lin in sorted(alone, key=lambda x: -x.weight.shape[0]):
@@ -237,7 +225,12 @@ def install(m: nn.Module) -> bool:
 
 def _linear_fits(x: nn.Module) -> bool:
     """An nn.Linear (or one installed already) whose weight fits the panel kernel."""
-    return type(x) in (nn.Linear, PanelLinear) and _fits(x.weight)
+    if type(x) not in (nn.Linear, PanelLinear):
+        return False
+    w = x.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return False
+    return w.shape[0] % PANEL == 0 and w.shape[1] > 0
 
 
 def _stamp(w: torch.Tensor) -> tuple:
@@ -252,8 +245,9 @@ def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:
     """Which GEMMs a CPU float32 run of `m` uses, in one line for a program's start (None otherwise)."""
     if not _cpu_float32(m):
         return None
-    if unavailable() is not None:
-        return f"GEMMs: MKL (the CPU kernels are unavailable: {unavailable()})"
+    why = unavailable()
+    if why is not None:
+        return f"GEMMs: MKL (the CPU kernels are unavailable: {why})"
     if not any(type(x) is PanelLinear for x in m.modules()):
         return "GEMMs: MKL (the CPU kernels are not installed)"
     line = "GEMMs: the few-row kernel (cpu_kernels.cpp; few-token attention too)"

@@ -9,7 +9,7 @@ import re
 import tempfile
 from typing import Callable, Optional, Union
 
-from support.cli import UserError
+from support.cli import UserError, first_line
 
 # Reading
 
@@ -74,8 +74,7 @@ def _parse(text, where: str):
         return json.loads(text, object_pairs_hook=_unique_keys)
     # malformed, not UTF-8, a 5000-digit number, nested too deep
     except (ValueError, RecursionError) as e:
-        reason = str(e).splitlines()[0][:200] or type(e).__name__
-        raise UserError(f"{where}: malformed JSON ({reason})") from None
+        raise UserError(f"{where}: malformed JSON ({first_line(e)})") from None
 
 
 def read_json(path: str) -> dict:

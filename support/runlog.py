@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from support.cli import Interrupted, UserError, first_line, flat_fields
+from support.cli import Interrupted, UserError, first_line, flag, flat_fields
 from support.files import read_json
 
 DEFAULT_PROJECT = "dspark-fast"
@@ -61,23 +61,18 @@ NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "w
 
 def check(args):
     """The --wandb-* flags, before any work: each needs --wandb, none empty, a project name W&B accepts."""
-    given = []
-    for f in NAMING_FLAGS + ("wandb_artifacts",):
-        if getattr(args, f, None):
-            given.append(f)
+    given = [name for name in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, name, None)]
     if given and not args.wandb:
-        flag = given[0].replace("_", "-")
-        raise UserError(f"--{flag}: needs --wandb")
+        raise UserError(f"{flag(given[0])}: needs --wandb")
     fields = getattr(type(args), "__dataclass_fields__", {})
     log_every_set = "log_every" in fields and args.log_every != fields["log_every"].default
     if not args.wandb and log_every_set:
         raise UserError(f"--log-every {args.log_every}: only paces what --wandb logs; without it, "
                         f"it changes nothing")
-    for f in NAMING_FLAGS:
-        value = getattr(args, f)
+    for name in NAMING_FLAGS:
+        value = getattr(args, name)
         if value is not None and not value.strip():
-            flag = f.replace("_", "-")
-            raise UserError(f"--{flag}: empty")
+            raise UserError(f"{flag(name)}: empty")
     parse_tags(args.wandb_tags)
     project = args.wandb_project
     if project is None:
@@ -135,11 +130,10 @@ class Log:
     def table(self, columns: list[str], rows: Iterable) -> object:
         return self.wandb.Table(columns=columns, data=[list(r) for r in rows])
 
-    def bar(self, key: str, columns: list[str], rows: Iterable, title: str,
-            step: Optional[int] = None):
+    def bar(self, key: str, columns: list[str], rows: Iterable, title: str):
         """A bar chart of (label, value) rows, logged under `key` (its table as `key`_table)."""
         chart = self.wandb.plot.bar(self.table(columns, rows), columns[0], columns[1], title=title)
-        self.log({key: chart}, step=step)
+        self.log({key: chart})
 
     def artifact(self, name: str, kind: str, paths: Iterable[str], metadata: Optional[dict] = None,
                  aliases: Optional[list[str]] = None):
@@ -221,10 +215,7 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True):
 def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: list, tokenizer,
                files: dict[str, Optional[str]]):
     """A decode's end: its summary under `<name>/`, acceptance by position, the requests, its files as artifacts."""
-    figures = {}
-    for k, v in summary.items():
-        if k not in ("summary", "outputs"):
-            figures[f"{name}/{k}"] = v
+    figures = {f"{name}/{k}": v for k, v in summary.items() if k != "summary"}
     log.summary(figures)
     rates = summary["accept_rate_by_position"]
     if rates:
