@@ -280,7 +280,7 @@ def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buc
         if resolved == "none":
             raise UserError(f"--verify-buckets: only a scheduled round (--scheduler {SCHEDULED}) "
                             f"uses it")
-        parse_ints(buckets, "--verify-buckets", positive=True, distinct=True)
+        parse_ints(buckets, "--verify-buckets", distinct_positive=True)
     return resolved
 
 
@@ -288,7 +288,7 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
     """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
     if text is None:
         return None
-    buckets = sorted(parse_ints(text, "--verify-buckets", positive=True, distinct=True))
+    buckets = sorted(parse_ints(text, "--verify-buckets", distinct_positive=True))
     need = batch * (drafter.cfg.num_drafts + 1)
     largest = buckets[-1]
     if largest != need:  # the largest holds a full round; a larger graph would only cost memory

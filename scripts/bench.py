@@ -560,7 +560,7 @@ def file_prompts(path: str, target_dir: Optional[str], target: Transformer, draf
 def check_args(args: BenchArgs) -> list[int]:
     """The flags alone, before any device or model (scripts/device_run.py checks its steps' with it too);
     returns the batch sizes."""
-    batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", positive=True, distinct=True)
+    batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", distinct_positive=True)
     default = Settings()
     for f in fields(Settings):
         value = getattr(args.decode, f.name)
@@ -585,7 +585,7 @@ def check_args(args: BenchArgs) -> list[int]:
         raise UserError(f"--prompt-len {args.prompt_len}: the random prompts' length, and --prompts-file "
                         f"{args.prompts_file} gives the prompts; it would change nothing")
     if args.tree_budgets is not None:
-        budgets = parse_ints(args.tree_budgets, "--tree-budgets", positive=True, distinct=True)
+        budgets = parse_ints(args.tree_budgets, "--tree-budgets", distinct_positive=True)
         if max(budgets) > flags.MAX_TREE_BUDGET:
             raise UserError(f"--tree-budgets {args.tree_budgets}: at most {flags.MAX_TREE_BUDGET} nodes a "
                             f"tree, as --tree-budget")
@@ -663,6 +663,8 @@ def check_pair(args: BenchArgs, s: Settings, target: Transformer, drafter):
     if drafter is None and args.tree_budgets is not None:
         raise UserError(f"--tree-budgets {args.tree_budgets}: a tree is drafted by a --drafter (without "
                         f"one bench.py times autoregressive decoding alone)")
+    if drafter is None:
+        flags.check_no_drafter(s)
     flags.check_drafter_settings(s, drafter)  # --draft-length, --tree-budget: as speculate.py
     flags.check_tree_temperature(s, [drafter], s.temperature)
     if drafter is not None and drafter.cfg.layout == "eagle3":

@@ -223,7 +223,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
 
 def check_args(args: ConcurrencyArgs) -> tuple[list[int], list[str], Settings]:
     """The concurrencies, the schedulers and the decode settings, checked."""
-    levels = sorted(parse_ints(args.concurrency, "--concurrency", positive=True, distinct=True))
+    levels = sorted(parse_ints(args.concurrency, "--concurrency", distinct_positive=True))
     schedulers = [name.strip() for name in args.schedulers.split(",")]
     unknown = any(name not in KINDS for name in schedulers)
     if unknown or len(set(schedulers)) != len(schedulers):

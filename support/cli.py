@@ -234,7 +234,9 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
             print(f"interrupted by {e}: stopped; {e.kept()}", file=sys.stderr)
         return 128 + e.signum
     except BrokenPipeError:  # stdout's reader went away (`| head`): a shell's quiet SIGPIPE exit
-        quiet_stdout()
+        # stdout on /dev/null, so that the interpreter's last flush finds no broken pipe either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except OSError as e:  # a file the system refused (no permission, a full disk): one line naming it
         if e.filename is None:
@@ -246,12 +248,6 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
         for s, h in handlers.items():
             signal.signal(s, h)
     return 0
-
-
-def quiet_stdout():
-    """Point stdout at /dev/null, so that the interpreter's last flush finds no broken pipe either."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
 
 
 # Flags
@@ -318,7 +314,7 @@ def range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
     return " and ".join(parts) or "any number"
 
 
-def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool = False) -> list[int]:
+def parse_ints(text: str, flag: str, *, distinct_positive: bool = False) -> list[int]:
     """"1,2,3" -> [1, 2, 3]: ASCII digits (at most 18, an optional minus), no empty fields."""
     fields = [x.strip() for x in text.split(",")]
     for x in fields:
@@ -331,15 +327,9 @@ def parse_ints(text: str, flag: str, *, positive: bool = False, distinct: bool =
         if len(digits) > 18:
             raise UserError(f"{flag}: {x[:20]}... is too large")
     values = [int(x) for x in fields]
-    not_positive = positive and any(v < 1 for v in values)
-    repeated = distinct and len(set(values)) != len(values)
-    if not_positive or repeated:
-        wanted = []
-        if distinct:
-            wanted.append("distinct")
-        if positive:
-            wanted.append("positive")
-        raise UserError(f"{flag}: {text!r} must be {' '.join(wanted)} integers")
+    repeated = len(set(values)) != len(values)
+    if distinct_positive and (min(values) < 1 or repeated):
+        raise UserError(f"{flag}: {text!r} must be distinct positive integers")
     return values
 
 
@@ -358,12 +348,12 @@ def resolve_device(device: Optional[str]) -> str:
 
 def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     """--dtype, checked; by default bfloat16 on cuda, float32 on cpu."""
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     if dtype is None:
         dtype = "float32"
         if device.startswith("cuda"):
             dtype = "bfloat16"
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     return getattr(torch, dtype)
 
 

@@ -17,6 +17,7 @@ import kernels
 import scheduler as sched
 from sampling import Filters, tree_parent_count
 from support.cli import (
+    DTYPES,
     MAX_BLOCK,
     MAX_TEMPERATURE,
     MAX_TOP_K,
@@ -61,9 +62,6 @@ CHOICES = {
     "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "kernels": ("torch", "triton"),
 }
-CompileMode = Literal[CHOICES["compile_mode"]]
-SchedulerKind = Literal[CHOICES["scheduler"]]
-KernelsChoice = Literal[CHOICES["kernels"]]
 
 
 @dataclass
@@ -93,7 +91,7 @@ class Settings:
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
     """Requests decoded together; a finished request's row takes the next at once (continuous batching)."""
-    scheduler: Optional[SchedulerKind] = None
+    scheduler: Optional[Literal[CHOICES["scheduler"]]] = None
     """How many drafts a round verifies: none (all), threshold, hardware (the paper's Algorithm 1 over
     SPS(B)) or async (its production variant, sized two rounds ahead). Default: threshold if
     --confidence-threshold > 0, else none."""
@@ -108,12 +106,12 @@ class Settings:
     exact."""
     compile: AutoBool = None
     """torch.compile the round. None: on for cuda, off for cpu (a first compile takes minutes)."""
-    compile_mode: Optional[CompileMode] = None
+    compile_mode: Optional[Literal[CHOICES["compile_mode"]]] = None
     """With --compile: this torch.compile mode instead of the recipe (cpu: max-autotune, frozen weights,
     C++ wrapper; cuda: reduce-overhead). "default" is cached across runs but slower (docs/performance.md)."""
     verbose: bool = False
     """With --compile: show what compiling prints (autotuning tables)."""
-    kernels: KernelsChoice = "torch"
+    kernels: Literal[CHOICES["kernels"]] = "torch"
     """Markov chain, sampled acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under
     TRITON_INTERPRET=1)."""
     tree_budget: int = 0
@@ -259,10 +257,10 @@ def sampling_for(m, s) -> Sampling:
         if m.generation_source is not None:
             source = f"no sampling flag, and {m.generation_source} has do_sample false"
     temperature = float(given.get("temperature", 1.0))
-    if temperature == 0:
-        return Sampling(temperature, Filters(), source)
-    filters = Filters(int(given.get("top_k") or 0), float(given.get("top_p", 1.0)),
-                      float(given.get("min_p", 0.0)))
+    filters = Filters()
+    if temperature != 0:
+        filters = Filters(int(given.get("top_k") or 0), float(given.get("top_p", 1.0)),
+                          float(given.get("min_p", 0.0)))
     return Sampling(temperature, filters, source)
 
 
@@ -323,7 +321,7 @@ class Machine:
 
     device: Literal["cpu", "cuda"] = "cpu"
     """Where to run."""
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    dtype: Optional[Literal[DTYPES]] = None
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
     threads: Optional[int] = None
     """CPU threads. Default: OMP_NUM_THREADS, else half the CPUs (docs/performance.md)."""
@@ -426,27 +424,6 @@ def resolve_demo(args, demo_dir: str):
     return args, demo, lead
 
 
-def drafter_settings(d: Settings, calibration: Optional[str] = None) -> list[tuple[str, str]]:
-    """(flag and value, what it does) of each setting given that only a drafter's round reads; those that need
-    another (--sps-table a --scheduler, --calibration a scheduled round) first, so each is named for itself."""
-    settings = [  # (given, flag and value, what it does)
-        (calibration is not None, f"--calibration {calibration}",
-         "calibrates a drafter's confidence head"),
-        (d.sps_table is not None, f"--sps-table {d.sps_table}",
-         "sizes the rounds of a drafter's scheduler"),
-        (d.verify_buckets is not None, f"--verify-buckets {d.verify_buckets}",
-         "pads the verification of a drafter's drafts"),
-        (d.confidence_threshold > 0, f"--confidence-threshold {d.confidence_threshold:g}",
-         "thresholds a drafter's confidences"),
-        (d.scheduler not in (None, "none"), f"--scheduler {d.scheduler}",
-         "chooses how many of a drafter's drafts a round verifies"),
-        (d.tree_budget > 0, f"--tree-budget {d.tree_budget}", "a tree is drafted by a --drafter"),
-        (d.draft_length is not None, f"--draft-length {d.draft_length}",
-         "sets how many drafts an Eagle3 drafter proposes"),
-    ]
-    return [(flag_value, what) for given, flag_value, what in settings if given]
-
-
 def scheduler_kind(s, drafter) -> str:
     """The scheduler a run uses: --scheduler's, or "none" without a drafter (nothing to schedule)."""
     if drafter is None:
@@ -455,24 +432,20 @@ def scheduler_kind(s, drafter) -> str:
 
 
 def check_drafter_settings(s, drafter):
-    """The settings that need a drafter of some kind, against the one loaded (None: autoregressive)."""
-    kind = scheduler_kind(s, drafter)
-    if kind != "none" and drafter.confidence_head is None:
-        name = f"--scheduler {kind}"
+    """The settings that need a drafter of some kind, against the one loaded (None: autoregressive, whose
+    settings `check_no_drafter` refused)."""
+    if drafter is None:
+        return
+    if s.scheduler != "none" and drafter.confidence_head is None:
+        name = f"--scheduler {s.scheduler}"
         if s.confidence_threshold > 0:
             name = f"--confidence-threshold {s.confidence_threshold:g}"
         raise UserError(f"{name}: the --drafter has no confidence head, whose confidences a scheduled "
                         f"round reads")
-    eagle3 = drafter is not None and drafter.cfg.layout == "eagle3"
+    eagle3 = drafter.cfg.layout == "eagle3"
     if s.draft_length is not None and not eagle3:
-        why = "there is no --drafter"
-        if drafter is not None:
-            why = "a block drafter drafts its block"
         raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length "
-                        f"is chosen; {why}")
-    if s.tree_budget and drafter is None:
-        raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a --drafter "
-                        f"(without one the decoding is autoregressive)")
+                        f"is chosen; a block drafter drafts its block")
     if s.tree_budget and eagle3:
         raise UserError(f"--tree-budget {s.tree_budget}: "
                         f"an Eagle3 drafter drafts a chain of one-token steps; "
@@ -498,13 +471,28 @@ def check_tree_temperature(s, drafters: list, temperature: float):
 def check_no_drafter(s: Settings, calibration: Optional[str] = None):
     """Without a drafter a setting only a drafter reads would change nothing: refused, not ignored in
     silence (speculate.py: no --drafter and no --random-init, the demo having one; eval.py: no --drafter;
-    `generate` with models that have none)."""
-    given = drafter_settings(s, calibration)
-    if given:
-        flag_value, what = given[0]
-        raise UserError(f"{flag_value}: {what}; "
-                        f"without a --drafter the decoding is autoregressive, "
-                        f"so it would change nothing (give a --drafter, or drop the flag)")
+    `generate` with models that have none). Those that need another (--sps-table a --scheduler,
+    --calibration a scheduled round) come first, so each is named for itself."""
+    settings = [  # (given, flag and value, what it does)
+        (calibration is not None, f"--calibration {calibration}",
+         "calibrates a drafter's confidence head"),
+        (s.sps_table is not None, f"--sps-table {s.sps_table}",
+         "sizes the rounds of a drafter's scheduler"),
+        (s.verify_buckets is not None, f"--verify-buckets {s.verify_buckets}",
+         "pads the verification of a drafter's drafts"),
+        (s.confidence_threshold > 0, f"--confidence-threshold {s.confidence_threshold:g}",
+         "thresholds a drafter's confidences"),
+        (s.scheduler not in (None, "none"), f"--scheduler {s.scheduler}",
+         "chooses how many of a drafter's drafts a round verifies"),
+        (s.tree_budget > 0, f"--tree-budget {s.tree_budget}", "a tree is drafted by a --drafter"),
+        (s.draft_length is not None, f"--draft-length {s.draft_length}",
+         "sets how many drafts an Eagle3 drafter proposes"),
+    ]
+    for given, flag_value, what in settings:
+        if given:
+            raise UserError(f"{flag_value}: {what}; "
+                            f"without a --drafter the decoding is autoregressive, "
+                            f"so it would change nothing (give a --drafter, or drop the flag)")
 
 
 def check_command_line(args):

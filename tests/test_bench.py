@@ -290,7 +290,7 @@ def test_settings_a_pair_cannot_use_are_refused_once_it_is_loaded(tmp_path, caps
     base = ["--target", target, "--no-compile", "--prompt-len", "6", "--max-new-tokens", "4", "--repeats", "1",
             "--reference", "False"]
     for extra, needle in [(["--drafter", drafter, "--draft-length", "3"], "a block drafter drafts its block"),
-                          (["--draft-length", "3"], "there is no --drafter"),
+                          (["--draft-length", "3"], "without a --drafter"),
                           (["--tree-budget", "4"], "a tree is drafted by a --drafter"),
                           (["--tree-budgets", "4"], "a tree is drafted by a --drafter")]:
         assert bench.main(base + extra) == 2

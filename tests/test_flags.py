@@ -108,8 +108,8 @@ def test_the_api_refuses_what_only_the_api_can_give():
     with pytest.raises(UserError, match="^generate: no prompts$"):
         flags.prompt_list([])
     s = flags.check_settings(speculate.Settings(draft_length=3), "cpu")
-    with pytest.raises(UserError, match="only an Eagle3 drafter's chain length is chosen; there is no --drafter"):
-        flags.check_drafter_settings(s, None)
+    with pytest.raises(UserError, match="--draft-length 3: sets how many drafts an Eagle3 drafter proposes; without a --drafter"):
+        flags.check_no_drafter(s)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
