@@ -388,15 +388,15 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.max_batch = 0
-        self.max_seq = 0
 
     def setup_caches(self, max_batch: int, max_seq: int):
         """Static KV caches and the RoPE table, kept when asked again for the same size."""
-        made = make_caches(self, self.args, max_batch, max_seq, self.embed_tokens.weight)
-        if made:
-            self.max_batch = max_batch
-            self.max_seq = max_seq
+        make_caches(self, self.args, max_batch, max_seq, self.embed_tokens.weight)
+
+    @property
+    def max_seq(self) -> int:
+        """The positions a row of the caches holds."""
+        return self.layers[0].self_attn.kv_cache.k.shape[1]
 
     def hidden(
         self,
@@ -426,7 +426,6 @@ class Transformer(nn.Module):
             table = rope_table(a.head_dim, a.rope_theta, T, tokens.device)  # [T, 2, hd]
             per_row = (B, T, *table.shape[1:])
             cos_sin = table[None].expand(per_row)  # [B, T, 2, hd]
-            rope = Rope.at(cos_sin, dtype)
         else:  # through the cache: RoPE and the mask once for every layer
             if tree is None:
                 end = positions + 1  # no query sees past its own position
@@ -445,7 +444,7 @@ class Transformer(nn.Module):
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]
             cos_sin = self.rope[rope_positions]  # [B, T, 2, hd]
-            rope = Rope.at(cos_sin, dtype)
+        rope = Rope.at(cos_sin, dtype)
         x = self.embed_tokens(tokens)
         wanted = set(capture)  # only these layers' outputs are kept
         captured = {}

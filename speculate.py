@@ -578,8 +578,6 @@ class Engine:
                 layer.self_attn.kv_cache = kv
             if mine.carried is not None:
                 m.carried = mine.carried
-            if isinstance(m, Transformer):
-                m.max_batch, m.max_seq = mine.kv[0].k.shape[:2]
 
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None,
                  on_step=None):
