@@ -257,9 +257,9 @@ class Drafter(DrafterBase):
         if logit is None:
             return None
         t = self.confidence_head.temperature
-        if t is not None and slot is not None:
-            t = t[slot]
         if t is not None:
+            if slot is not None:
+                t = t[slot]
             logit = logit / t
         return torch.sigmoid(logit)
 

@@ -44,7 +44,8 @@ def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
         below = p_ordered.cumsum(dim=-1)  # the mass up to each token, smallest first
         drop_sorted = below <= 1 - f.top_p
         drop_sorted[..., -1] = False  # the largest always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # the vocabulary's order
+        drop = torch.zeros_like(drop_sorted)
+        drop = drop.scatter(-1, order, drop_sorted)  # the vocabulary's order
         z = z.masked_fill(drop, float("-inf"))
     if f.min_p > 0.0:
         p = torch.softmax(z, dim=-1)
@@ -57,8 +58,7 @@ def filter_logits(z: torch.Tensor, f: Filters) -> torch.Tensor:
 def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTERS) -> torch.Tensor:
     """softmax(logits / T) in float32 over the tokens the filters keep."""
     z = logits.float() / temperature
-    if filters.active:
-        z = filter_logits(z, filters)
+    z = filter_logits(z, filters)
     return torch.softmax(z, dim=-1)
 
 
@@ -244,11 +244,11 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
     then a race over [B, V] (or takes them). Returns accepted n [B] and the committed token [B]."""
     B, K = drafts.shape
     device = drafts.device
-    rows = torch.arange(B, device=device)
     p = probs(target_logits, temperature, filters)  # [B, K+1, V]
     if u is None:
         u = torch.rand((B, K), generator=generator, device=device)
     n = torch.zeros(B, dtype=torch.long, device=device)
+    final = p[:, 0]  # nothing drafted: the bonus from p_0
     if K:
         drafted = drafts[:, :, None]  # [B, K, 1]
         p_drafts = p[:, :K]  # [B, K, V] p_0 .. p_{K-1}, the target's at each draft
@@ -258,9 +258,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
         verified = verified_mask(drafts, verify_len)
         ok = passed & verified
         n = prefix_length(ok)
-    p_n = p[rows, n]  # [B, V] the target's distribution after the accepted drafts
-    final = p_n  # nothing drafted: the bonus
-    if K:
+        rows = torch.arange(B, device=device)
+        p_n = p[rows, n]  # [B, V] the target's distribution after the accepted drafts
         q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
         q_n = q[rows, q_row]
         corrected = residual(p_n, q_n)
@@ -296,10 +295,12 @@ def child_logits(base_logits, hidden, markov, depth: int, tokens, states):
     state = None
     if markov is not None:
         h = hidden[:, slot, None].expand(B, M, -1)  # [B, M, H]: the Markov head runs on B * M rows
+        flat_h = h.flatten(0, 1)
+        flat_tokens = tokens.flatten()
         flat_states = None
         if states is not None:
             flat_states = states.flatten(0, 1)
-        bias, state = markov.step(h.flatten(0, 1), tokens.flatten(), flat_states)
+        bias, state = markov.step(flat_h, flat_tokens, flat_states)
         bias = bias.float().unflatten(0, (B, M))
         z = z + bias
         if state is not None:
@@ -368,7 +369,8 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
         if sampled:  # the children: drawn without replacement from q
             q = probs(z, temperature, filters).expand(B, M, V)
             races = noise[:, first:first + M]  # [B, M, V] each parent's own (its row: its number)
-            top_tokens = torch.topk(q / races, width, dim=-1).indices  # drawn without replacement
+            race = q / races
+            top_tokens = torch.topk(race, width, dim=-1).indices  # drawn without replacement
             support = (q > 0).sum(dim=-1, keepdim=True)  # [B, M, 1] the tokens q can draw
             top_logprobs = top_logprobs.masked_fill(ranks >= support, float("-inf"))
             drawn_from.append(q)
@@ -387,9 +389,12 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
         kept["parents"].append(first + parent)
         kept["depths"].append(torch.full_like(tokens, depth))
         first = first + M
-    every = {name: torch.cat(parts, dim=1) for name, parts in kept.items()}
+    every = {}
+    for name, parts in kept.items():
+        every[name] = torch.cat(parts, dim=1)
     if sampled:
-        leaves = base_logits.new_zeros((B, tokens.shape[1], V), dtype=torch.float32)
+        deepest_count = tokens.shape[1]  # the last depth's nodes draw no children
+        leaves = base_logits.new_zeros((B, deepest_count, V), dtype=torch.float32)
         every["q"] = torch.cat(drawn_from + [leaves], dim=1)
     return every
 
@@ -432,27 +437,32 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
             every[name] = torch.cat([every[name], column], dim=1)
     # The budget best of all depths. A parent is never worse than its child, and of equal scores the
     # stable sort keeps the shallower first: a chosen node's parent is chosen, and comes before it.
-    order = torch.sort(every["scores"], dim=1, descending=True, stable=True).indices
+    scores = every["scores"]
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     chosen = order[:, :N]  # [B, N] the tree's nodes after the root, as indices among the kept
-    numbers = torch.arange(1, N + 1, device=anchor.device).expand(B, N)
+    numbers = torch.arange(1, N + 1, device=anchor.device)  # the tree's nodes after the root
+    numbers = numbers.expand(B, N)
     chosen_numbers = 1 + chosen  # [B, N] the chosen kept nodes' numbers (the root's 0)
     kept_count = every["parents"].shape[1]
     # A kept node's number (the root's 0) -> its index in the tree; only chosen nodes' parents, all
     # chosen, are looked up (the rest stay 0).
     node_of = anchor.new_zeros((B, 1 + kept_count))
     node_of.scatter_(1, chosen_numbers, numbers)
-    parent_node = node_of.gather(1, every["parents"].gather(1, chosen))
-    reached = every["scores"].gather(1, chosen) > float("-inf")
+    chosen_parents = every["parents"].gather(1, chosen)  # their parents' numbers
+    parent_node = node_of.gather(1, chosen_parents)
+    reached = scores.gather(1, chosen) > float("-inf")
     parent_node = torch.where(reached, parent_node, -1)
     root = anchor[:, None]
     chosen_tokens = every["tokens"].gather(1, chosen)
     chosen_depths = every["depths"].gather(1, chosen)
     tree_tokens = torch.cat([root, chosen_tokens], dim=1)  # [B, N+1]
-    tree_parents = torch.cat([torch.full_like(root, -1), parent_node], dim=1)
-    tree_depths = torch.cat([torch.zeros_like(root), chosen_depths], dim=1)
+    no_parent = torch.full_like(root, -1)
+    zero = torch.zeros_like(root)  # the root's depth, and its row of q
+    tree_parents = torch.cat([no_parent, parent_node], dim=1)
+    tree_depths = torch.cat([zero, chosen_depths], dim=1)
     tree_q = None
     if "q" in every:  # each node's q: the root's, then the chosen nodes' by their numbers
-        q_rows = torch.cat([torch.zeros_like(root), chosen_numbers], dim=1)  # [B, N+1]
+        q_rows = torch.cat([zero, chosen_numbers], dim=1)  # [B, N+1]
         batch = torch.arange(B, device=anchor.device)[:, None]
         tree_q = every["q"][batch, q_rows]
     return Tree(tree_tokens, tree_parents, tree_depths, tree_q)
@@ -494,7 +504,7 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     N = N1 - 1
     device = p.device
     nodes = torch.arange(N1, device=device)
-    is_child = tree.parents[:, None, :] == nodes[None, :, None]  # [B, parent, child]
+    is_child = tree.parents[:, None, :] == nodes[:, None]  # [B, parent, child]
     rank = is_child.long().cumsum(dim=-1) - 1  # a child's place among its siblings: the draw order
     counts = is_child.sum(dim=-1)  # [B, N+1] each node's children
     order = torch.argsort(counts, dim=1, descending=True, stable=True)  # most children first
@@ -508,21 +518,26 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     done = torch.zeros((B, N1), dtype=torch.bool, device=device)
     for i in range(N):  # the (i+1)-th child of every node at once
         m = N // (i + 1)  # the nodes that may have one come first
-        is_ith = is_child[:, :m] & (rank[:, :m] == i)
-        testing = is_ith.any(dim=-1) & ~done[:, :m]  # [B, m] nodes with one, none accepted yet
-        child = is_ith.long().argmax(dim=-1)  # [B, m] its node index (columns kept the tree's order)
-        token = tree.tokens.gather(1, child)  # [B, m]
-        drawn = token[:, :, None]
         p_i = p[:, :m]  # views of the first m rows: the updates below write them in place
         q_i = q[:, :m]
         chosen_i = chosen[:, :m]
         done_i = done[:, :m]
+        u_i = u[:, :m, i]
+        children_i = is_child[:, :m]
+        rank_i = rank[:, :m]
+        is_ith = children_i & (rank_i == i)
+        testing = is_ith.any(dim=-1) & ~done_i  # [B, m] nodes with one, none accepted yet
+        child = is_ith.long().argmax(dim=-1)  # [B, m] its node index (columns kept the tree's order)
+        token = tree.tokens.gather(1, child)  # [B, m]
+        drawn = token[:, :, None]
         p_x = p_i.gather(2, drawn)[:, :, 0]
         q_x = q_i.gather(2, drawn)[:, :, 0]
-        accept = testing & (u[:, :m, i] * q_x < p_x)
+        passed = u_i * q_x < p_x  # the rejection test
+        accept = testing & passed
         chosen_i.copy_(torch.where(accept, token, chosen_i))
         done_i |= accept
-        rejected = (testing & ~accept)[:, :, None]  # [B, m, 1]
+        rejected = testing & ~accept
+        rejected = rejected[:, :, None]  # [B, m, 1]
         corrected = residual(p_i, q_i)
         without = q_i.scatter(2, drawn, 0.0)  # q_{i+1}: c_i cannot be drawn again
         left = without.sum(dim=-1, keepdim=True).clamp(min=1e-30)
