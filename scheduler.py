@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -56,7 +56,7 @@ def hardware_schedule(confidence, active, sps) -> torch.Tensor:
 
 def admitted_per_row(take, order, B: int, K: int) -> torch.Tensor:
     """ℓ [B] from `take` [B*K] (1: admitted), in the ranked order `order`."""
-    flat = torch.zeros(B * K, dtype=torch.long, device=take.device)
+    flat = torch.zeros_like(order)
     flat = flat.scatter(0, order, take)
     return flat.view(B, K).sum(1)
 
@@ -185,14 +185,13 @@ class Scheduler:
         self.profile_points = self.buckets or verify_buckets(top)
         # SPS(B) by verify tokens: on the device for Algorithm 1, on the host for the async search.
         self.sps = None
+        self.capacity = None  # async's C, the draft graph's input (`fixed`)
         if kind == "hardware":
             self.sps = torch.ones(top + 1, dtype=torch.float64, device=device)
         elif kind == "async":
             self.sps = torch.ones(top + 1, dtype=torch.float64)
-        self.route: Optional[list[int]] = None
-        self.capacity = None
-        if kind == "async":
             self.capacity = torch.zeros((), dtype=torch.long, device=device)
+        self.route: Optional[list[int]] = None
         self.reset()
 
     def __call__(self, confidence: Optional[torch.Tensor], active: torch.Tensor,
@@ -254,7 +253,7 @@ class Scheduler:
         return Plan(capacity, source, round, num_tokens, self.capacity)
 
     def set_sps(self, table: dict):
-        """Use a profiled SPS table (`profile`, or read by `load_or_profile`)."""
+        """Use a profiled SPS table (`profile_sps`, or read by `load_or_profile`)."""
         top = len(self.sps) - 1
         steps_per_second = table["steps_per_second"]
         sps, self.route = sps_curve(self.profile_points, steps_per_second, self.buckets, top)
@@ -288,7 +287,7 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
     """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
     if text is None:
         return None
-    buckets = sorted(parse_ints(text, "--verify-buckets", distinct_positive=True))
+    buckets = sorted(parse_ints(text, "--verify-buckets"))  # checked in `resolve`
     need = batch * (drafter.cfg.num_drafts + 1)
     largest = buckets[-1]
     if largest != need:  # the largest holds a full round; a larger graph would only cost memory
@@ -298,22 +297,6 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
         raise UserError(f"--verify-buckets: the largest bucket {largest} is {side} {need}, the tokens of a "
                         f"full round (batch {batch} x {drafter.cfg.num_drafts + 1})")
     return buckets
-
-
-def profile(step: Callable[[int], object], points: list[int], wait: Callable[[], None],
-            reps: int = 7) -> list[float]:
-    """Seconds of `step(b)`, a round verifying b tokens, at each of `points`: the fastest of `reps` sweeps (after
-    an untimed one), so a slow spell on a shared machine lands on no point in particular."""
-    best = [float("inf")] * len(points)
-    for sweep in range(reps + 1):
-        for i, b in enumerate(points):
-            wait()
-            t = time.perf_counter()
-            step(b)
-            wait()
-            if sweep:
-                best[i] = min(best[i], time.perf_counter() - t)
-    return best
 
 
 def sps_identity(engine) -> dict:
@@ -334,10 +317,20 @@ def sps_identity(engine) -> dict:
             "buckets": engine.scheduler.buckets, "profile_points": engine.scheduler.profile_points}
 
 
-def profile_sps(engine, reps: int = 7) -> dict:
-    """SPS(B): the engine's rounds per second at every profile point (dummy rounds of b verify tokens)."""
+def profile_sps(engine) -> dict:
+    """SPS(B): the engine's rounds per second at every profile point (a dummy round of b verify tokens): the
+    fastest of 7 timed sweeps (after an untimed one), so a slow spell on a shared machine lands on no point in
+    particular."""
     points = engine.scheduler.profile_points
-    best = profile(engine.dummy_round, points, lambda: sync(engine.device), reps)
+    best = [float("inf")] * len(points)
+    for sweep in range(1 + 7):  # an untimed sweep, then 7 timed
+        for i, b in enumerate(points):
+            sync(engine.device)
+            t = time.perf_counter()
+            engine.dummy_round(b)
+            sync(engine.device)
+            if sweep:
+                best[i] = min(best[i], time.perf_counter() - t)
     rates = [1 / s for s in best]
     return dict(sps_identity(engine), seconds_per_step=best, steps_per_second=rates)
 
