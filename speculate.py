@@ -46,15 +46,15 @@ DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
 
 class Proposal(NamedTuple):
     drafts: torch.Tensor                # [B, K] x_1 .. x_K (a tree's nodes after the root)
-    q: Optional[torch.Tensor]           # [B, K, V] what they were drawn from (None at T=0)
-    confidence: Optional[torch.Tensor]  # [B, K] c_1 .. c_K (None without a confidence head)
     verify_len: torch.Tensor            # [B] ℓ: how many drafts go to the target, 0 .. K
+    q: Optional[torch.Tensor] = None           # [B, K, V] what they were drawn from (None at T=0)
+    confidence: Optional[torch.Tensor] = None  # [B, K] c_1 .. c_K (None without a confidence head)
     tree: Optional[sampling.Tree] = None  # a draft tree instead of a chain (--tree-budget)
 
 
 def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
-          backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity=None,
-          carried=None) -> Proposal:
+          backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity,
+          carried) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
     noise: the chain's Exp(1) [B, K, V], or a sampled tree's [B, R, V] (None at T=0); capacity: the
     async scheduler's C; tree_budget: draft a tree of this many nodes instead of a chain; carried: an
@@ -65,13 +65,13 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     if drafter is None:
         no_drafts = anchor.new_zeros((B, 0))
         none_verified = anchor.new_zeros((B,))
-        return Proposal(drafts=no_drafts, q=None, confidence=None, verify_len=none_verified)
+        return Proposal(drafts=no_drafts, verify_len=none_verified)
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
         K = num_drafts
         drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, K, temperature,
                                           generator=None, noise=noise, filters=filters)
         verify_len = torch.full((B,), K, dtype=torch.long, device=device)
-        return Proposal(drafts=drafts, q=q, confidence=None, verify_len=verify_len)
+        return Proposal(drafts=drafts, verify_len=verify_len, q=q)
     # 1. Draft: the block in one parallel pass, the Markov chain left to right, the confidences.
     hidden, base_logits = drafter(anchor, anchor_pos)  # [B, K, H], [B, K, V]
     markov = drafter.markov_head
@@ -85,7 +85,7 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
                                    survival=survival)
         nodes = tree.tokens[:, 1:]  # [B, N] every node after the root
         every_node = torch.full((B,), N, dtype=torch.long, device=device)
-        return Proposal(drafts=nodes, q=None, confidence=None, verify_len=every_node, tree=tree)
+        return Proposal(drafts=nodes, verify_len=every_node, tree=tree)
     if backend == "triton":
         chain = kernels.markov_chain
     else:
@@ -116,12 +116,12 @@ def tokens_sent(verify_len, active) -> torch.Tensor:
 
 
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
-           filters, u, bonus_noise, backend, num_tokens: Optional[int] = None):
+           filters, u, bonus_noise, backend, num_tokens: Optional[int]):
     """Steps 3-5: one target pass over each row's anchor and drafts with capture, acceptance, commit.
     num_tokens None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
     (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
     positions."""
-    drafts, q, confidence, verify_len, tree = proposal
+    drafts, verify_len, q, confidence, tree = proposal
     K = drafts.shape[1]
     device = anchor.device
     attention = None
@@ -307,7 +307,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     B = len(prompts)
     lengths = [len(p) for p in prompts]
     lens = torch.tensor(lengths, device=device)
-    P = int(lens.max())
+    P = max(lengths)
     padded = [p + [p[-1]] * (P - len(p)) for p in prompts]  # each right-padded with its last token
     tokens = torch.tensor(padded, device=device)  # [B, P]
     positions = torch.arange(P, device=device).expand(B, P)
@@ -341,8 +341,7 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
         options = {"max_autotune": True}
     else:
         options = torch._inductor.list_mode_options(mode or "reduce-overhead")
-    if hasattr(torch._inductor.config, "max_autotune_report_choices_stats"):
-        options["max_autotune_report_choices_stats"] = False  # no JSON blob per autotuned op
+    options["max_autotune_report_choices_stats"] = False  # no JSON blob per autotuned op
     select.PRINT_AUTOTUNE = verbose  # the autotuning tables, on stderr
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     if not cpu_recipe:
@@ -491,17 +490,15 @@ class Engine:
         self.max_batch = batch_size
         self.max_seq = max_seq
         self.temperature = temperature
-        self.filters = NO_FILTERS  # greedy: the argmax survives every filter
-        if temperature > 0:
-            self.filters = filters
+        self.filters = filters  # greedy: none (flags.sampling_for)
         self.seed = seed  # request i samples from its own generator, seeded seed + i
         self.backend = kernels
         self.compiled = compile
         self.device = target.embed_tokens.weight.device
-        for m in (target, drafter):
-            if m is not None:
-                m.setup_caches(batch_size, max_seq)
-        self.caches = [caches(m) if m is not None else None for m in (target, drafter)]
+        self.models = [m for m in (target, drafter) if m is not None]
+        for m in self.models:
+            m.setup_caches(batch_size, max_seq)
+        self.caches = [caches(m) for m in self.models]
         self.K = 0  # drafts per round: the block drafter's, or an Eagle3 chain's (num_drafts)
         if drafter is not None:
             self.K = num_drafts or drafter.cfg.num_drafts
@@ -568,9 +565,7 @@ class Engine:
 
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
-        for m, mine in zip((self.target, self.drafter), self.caches):
-            if m is None:
-                continue
+        for m, mine in zip(self.models, self.caches):
             if caches(m).same(mine):
                 continue
             m.register_buffer("rope", mine.rope, persistent=False)
@@ -652,11 +647,11 @@ class Engine:
             held = len(rows.requests) - len(rows.free())
             plan = self.scheduler.plan(held)
         record, anchor, anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
+        if self.cuda_graphs:  # outlive the next graph replay
+            anchor = anchor.clone()
+            anchor_pos = anchor_pos.clone()
         rows.anchor = anchor
         rows.anchor_pos = anchor_pos
-        if self.cuda_graphs:  # outlive the next graph replay
-            rows.anchor = rows.anchor.clone()
-            rows.anchor_pos = rows.anchor_pos.clone()
         records = unpack(record, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
             # the confidences of the rows holding a request
@@ -778,7 +773,7 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
         tree_bytes = flags.sampled_tree_bytes(m, drafter, s.tree_budget)
     flags.check_cache_memory(m, drafter, batch, max_seq, device, tree_bytes)
     buckets = None
-    if drafter is not None and s.scheduler != "none":
+    if drafter is not None:
         buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)
     return EngineSize(batch, max_seq, buckets)
 
