@@ -161,7 +161,8 @@ def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]
     at = torch.arange(top + 1, dtype=torch.float64).clamp(min=points[0])
     hi = torch.searchsorted(x, at).clamp(1, len(points) - 1)
     lo = hi - 1
-    w = ((at - x[lo]) / (x[hi] - x[lo])).clamp(0, 1)
+    span = x[hi] - x[lo]
+    w = ((at - x[lo]) / span).clamp(0, 1)  # the weight of the point above
     interpolated = seconds[lo] * (1 - w) + seconds[hi] * w
     return (1 / interpolated).tolist(), None
 
@@ -369,7 +370,8 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         check_writable(path, "--sps-table")
     t0 = time.perf_counter()
     table = profile_sps(engine)
-    rates = [f"{b}: {r:.1f}" for b, r in zip(points, table["steps_per_second"])]
+    measured = table["steps_per_second"]
+    rates = [f"{b}: {r:.1f}" for b, r in zip(points, measured)]
     pts = ", ".join(rates)
     say(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}")
     if path is None:

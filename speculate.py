@@ -308,7 +308,10 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     lengths = [len(p) for p in prompts]
     lens = torch.tensor(lengths, device=device)
     P = max(lengths)
-    padded = [p + [p[-1]] * (P - len(p)) for p in prompts]  # each right-padded with its last token
+    padded = []
+    for p in prompts:  # each right-padded with its last token
+        padding = [p[-1]] * (P - len(p))
+        padded.append(p + padding)
     tokens = torch.tensor(padded, device=device)  # [B, P]
     positions = torch.arange(P, device=device).expand(B, P)
     capture = ()
@@ -405,7 +408,8 @@ class Caches(NamedTuple):
 
     def same(self, other: "Caches") -> bool:
         """Whether both hold the very same tensors."""
-        pairs = [(self.rope, other.rope), (self.carried, other.carried), *zip(self.kv, other.kv)]
+        kv_pairs = list(zip(self.kv, other.kv))
+        pairs = [(self.rope, other.rope), (self.carried, other.carried)] + kv_pairs
         return all(a is b for a, b in pairs)
 
 
