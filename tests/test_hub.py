@@ -19,7 +19,7 @@ from pathlib import Path
 import bench
 import huggingface_hub
 import pytest
-from conftest import make_target_dir
+from conftest import make_target_dir, run_captured
 from drafters import make_drafter
 from huggingface_hub import constants
 from huggingface_hub.utils import (
@@ -31,7 +31,6 @@ from huggingface_hub.utils import (
 )
 
 import eval as ev
-import speculate
 import train
 from support import checkpoint
 
@@ -135,40 +134,34 @@ def one_error_line(rc, err, *needles):
     return lines[0]
 
 
-def run(args, capsys):
-    rc = speculate.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 # ----------------------------------------------------------------------------------------
 # Offline: the cache, or a one-line error
 
-def test_offline_cached_ids_decode_end_to_end_as_the_directories_do(hub, repos, tmp_path, capsys):
+def test_offline_cached_ids_decode_end_to_end_as_the_directories_do(hub, repos, tmp_path):
     put(hub.cache, "org/tiny", repos.a, COMMIT_A)
     put(hub.cache, "org/drafter", repos.drafter, COMMIT_B)
     base = ["--prompt", "hello world", "--max-new-tokens", 6]
-    rc, by_id, err = run(["--target", "org/tiny", "--drafter", "org/drafter"] + base, capsys)
+    rc, by_id, err = run_captured(["--target", "org/tiny", "--drafter", "org/drafter"] + base)
     assert rc == 0, err
     snap = hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A
     assert f"--target org/tiny@{COMMIT_A}: {snap}\n" in err  # the id and commit read, once all is checked
     assert f"--drafter org/drafter@{COMMIT_B}: {hub.cache / 'models--org--drafter' / 'snapshots' / COMMIT_B}\n" in err
-    rc, by_dir, err = run(["--target", repos.a, "--drafter", repos.drafter] + base, capsys)
+    rc, by_dir, err = run_captured(["--target", repos.a, "--drafter", repos.drafter] + base)
     assert rc == 0, err
     assert by_id.splitlines()[0] == by_dir.splitlines()[0]  # the same text, from the same weights
 
 
-def test_offline_and_not_cached_is_one_line(hub, repos, capsys):
+def test_offline_and_not_cached_is_one_line(hub, repos):
     put(hub.cache, "org/tiny", repos.a, COMMIT_A)
-    rc, _, err = run(["--target", "org/other", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/other", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--target org/other", "not in the Hugging Face cache", str(hub.cache), "HF_HUB_OFFLINE")
-    rc, _, err = run(["--target", "org/tiny", "--drafter", "org/nodrafter", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--drafter", "org/nodrafter", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--drafter org/nodrafter", "HF_HUB_OFFLINE")
-    rc, _, err = run(["--target", "org/tiny@v9", "--prompt-ids", "1,2"], capsys)  # a ref the cache does not have
+    rc, _, err = run_captured(["--target", "org/tiny@v9", "--prompt-ids", "1,2"])  # a ref the cache does not have
     one_error_line(rc, err, "--target org/tiny@v9", "not in the Hugging Face cache")
 
 
-def test_offline_an_incomplete_snapshot_names_what_it_lacks(hub, repos, monkeypatch, capsys):
+def test_offline_an_incomplete_snapshot_names_what_it_lacks(hub, repos, monkeypatch):
     """huggingface_hub >= 2 knows, from its cached listing of the repository, that a snapshot lacks files: offline,
     the line names the snapshot and the files, not 'not in the cache'."""
     errors = pytest.importorskip("huggingface_hub.errors")
@@ -179,23 +172,23 @@ def test_offline_an_incomplete_snapshot_names_what_it_lacks(hub, repos, monkeypa
     def snapshot_download(repo_id, **kwargs):
         raise errors.IncompleteSnapshotError("missing files: tokenizer.json, tokenizer_config.json", str(snap))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--target org/tiny", str(snap), "tokenizer.json, tokenizer_config.json", "HF_HUB_OFFLINE")
 
 
-def test_offline_cached_snapshot_without_weights_is_one_line(hub, repos, capsys):
+def test_offline_cached_snapshot_without_weights_is_one_line(hub, repos):
     put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json", "tokenizer.json"])  # an interrupted download
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--target org/tiny", "has no model.safetensors", "HF_HUB_OFFLINE")
     shards = sorted(p.name for p in repos.sharded.glob("model-*.safetensors"))
     assert len(shards) > 1
     put(hub.cache, "org/sharded", repos.sharded, COMMIT_A,
         files=["config.json", "model.safetensors.index.json"] + shards[:-1])  # the last shard missing
-    rc, _, err = run(["--target", "org/sharded", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/sharded", "--prompt-ids", "1,2"])
     one_error_line(rc, err, f"has no {shards[-1]}")
 
 
-def test_revisions_a_ref_name_and_a_commit_hash(hub, repos, capsys):
+def test_revisions_a_ref_name_and_a_commit_hash(hub, repos):
     snap_a = put(hub.cache, "org/tiny", repos.a, COMMIT_A, refs=("main",))
     snap_b = put(hub.cache, "org/tiny", repos.b, COMMIT_B, refs=("v2", "refs/pr/1"))
     resolve = lambda spec: checkpoint.resolve_checkpoint(spec, "--target")  # noqa: E731
@@ -203,7 +196,7 @@ def test_revisions_a_ref_name_and_a_commit_hash(hub, repos, capsys):
     assert resolve("org/tiny@v2") == str(snap_b) == resolve(f"org/tiny@{COMMIT_B}") == resolve("org/tiny@refs/pr/1")
     outs = {}
     for spec in ("org/tiny", "org/tiny@v2", f"org/tiny@{COMMIT_B}"):
-        rc, out, err = run(["--target", spec, "--prompt-ids", "7,8,9", "--max-new-tokens", 8], capsys)
+        rc, out, err = run_captured(["--target", spec, "--prompt-ids", "7,8,9", "--max-new-tokens", 8])
         assert rc == 0, err
         outs[spec] = out.splitlines()[0]
     assert outs["org/tiny@v2"] == outs[f"org/tiny@{COMMIT_B}"] != outs["org/tiny"]  # two different models
@@ -211,44 +204,44 @@ def test_revisions_a_ref_name_and_a_commit_hash(hub, repos, capsys):
 
 @pytest.mark.parametrize("spec", ["a/b/c", "@", "org/name@", "org", "org/na..me", "org/-name", "org/name@x..y",
                                   "org/name@a b", "org--x/name", "org/name@v1@v2", " "])
-def test_malformed_ids_are_one_line(hub, spec, capsys):
-    rc, _, err = run(["--target", spec, "--prompt-ids", "1,2"], capsys)
+def test_malformed_ids_are_one_line(hub, spec):
+    rc, _, err = run_captured(["--target", spec, "--prompt-ids", "1,2"])
     line = one_error_line(rc, err, "--target")
     assert "not a Hugging Face hub id" in line or "empty" in line
 
 
-def test_empty_target_is_one_line(hub, capsys):
-    rc, _, err = run(["--target", "", "--prompt-ids", "1,2"], capsys)
+def test_empty_target_is_one_line(hub):
+    rc, _, err = run_captured(["--target", "", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--target: empty")
 
 
-def test_a_local_directory_wins_over_an_id_of_the_same_spelling(hub, repos, tmp_path, monkeypatch, capsys):
+def test_a_local_directory_wins_over_an_id_of_the_same_spelling(hub, repos, tmp_path, monkeypatch):
     put(hub.cache, "org/tiny", repos.b, COMMIT_B)
     monkeypatch.chdir(tmp_path)
     shutil.copytree(repos.a, tmp_path / "org" / "tiny")
     assert checkpoint.resolve_checkpoint("org/tiny", "--target") == "org/tiny"
-    rc, local, err = run(["--target", "org/tiny", "--prompt-ids", "7,8,9", "--max-new-tokens", 8], capsys)
+    rc, local, err = run_captured(["--target", "org/tiny", "--prompt-ids", "7,8,9", "--max-new-tokens", 8])
     assert rc == 0 and "Hugging Face" not in err, err
-    rc, a, _ = run(["--target", repos.a, "--prompt-ids", "7,8,9", "--max-new-tokens", 8], capsys)
+    rc, a, _ = run_captured(["--target", repos.a, "--prompt-ids", "7,8,9", "--max-new-tokens", 8])
     assert local.splitlines()[0] == a.splitlines()[0]
 
 
-def test_paths_are_left_to_the_loader(hub, tmp_path, capsys):
+def test_paths_are_left_to_the_loader(hub, tmp_path):
     for spec in (str(tmp_path / "missing"), "./missing/dir"):
         assert checkpoint.resolve_checkpoint(spec, "--target") == spec
     assert checkpoint.resolve_checkpoint("~/missing", "--target") == os.path.expanduser("~/missing")
-    rc, _, err = run(["--target", tmp_path / "missing", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", tmp_path / "missing", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "target directory not found")
 
 
-def test_an_output_inside_the_snapshot_is_refused(hub, repos, tmp_path, capsys):
+def test_an_output_inside_the_snapshot_is_refused(hub, repos, tmp_path):
     """The snapshot's files are links into blobs/: an output named by the link is still an input."""
     snap = put(hub.cache, "org/tiny", repos.a, COMMIT_A)
     before = (snap / "config.json").read_bytes()
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--trace-file", snap / "config.json"], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2", "--trace-file", snap / "config.json"])
     one_error_line(rc, err, "--trace-file", "input directory")
     blob = (snap / "config.json").resolve()
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--trace-file", blob], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2", "--trace-file", blob])
     one_error_line(rc, err, "--trace-file", "input directory")
     assert (snap / "config.json").read_bytes() == before
 
@@ -256,11 +249,11 @@ def test_an_output_inside_the_snapshot_is_refused(hub, repos, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------
 # Online: the cache first, else a download of only what a run reads
 
-def test_download_fetches_only_what_a_run_reads(hub, repos, monkeypatch, capsys):
+def test_download_fetches_only_what_a_run_reads(hub, repos, monkeypatch):
     hub.online()
     calls = []
     fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a)}, calls)
-    rc, out, err = run(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 6], capsys)
+    rc, out, err = run_captured(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 6])
     assert rc == 0, err
     snap = hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A
     assert f"--target org/tiny@{COMMIT_A}: {snap}\n" in err
@@ -269,14 +262,14 @@ def test_download_fetches_only_what_a_run_reads(hub, repos, monkeypatch, capsys)
     got = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
     assert got == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json"]
-    rc, local, _ = run(["--target", repos.a, "--prompt", "hello world", "--max-new-tokens", 6], capsys)
+    rc, local, _ = run_captured(["--target", repos.a, "--prompt", "hello world", "--max-new-tokens", 6])
     assert out.splitlines()[0] == local.splitlines()[0]
     # A second run finds it complete in the cache: the hub is not asked.
-    rc, _, err = run(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 6], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 6])
     assert rc == 0 and len(calls) == 2 and f"--target org/tiny@{COMMIT_A}: {snap}\n" in err, err
 
 
-def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch, capsys):
+def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch):
     hub.online()
     calls = []
     fake_hub(monkeypatch, {"org/sharded": (COMMIT_B, repos.sharded)}, calls)
@@ -287,11 +280,11 @@ def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch,
                      {"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": shards}]
     assert path == str(hub.cache / "models--org--sharded" / "snapshots" / COMMIT_B)
     assert not (Path(path) / "original").exists() and not (Path(path) / "pytorch_model.bin").exists()
-    rc, _, err = run(["--target", f"org/sharded@{COMMIT_B}", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    rc, _, err = run_captured(["--target", f"org/sharded@{COMMIT_B}", "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 0 and len(calls) == 2, err
 
 
-def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos, monkeypatch, capsys):
+def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos, monkeypatch):
     """A cache filled by another program (transformers' model download) holds the config and weights but not
     the tokenizer, template or generation config: online they are fetched, not silently done without; with
     the hub out of reach the snapshot is used as it is, and a note says so."""
@@ -299,18 +292,18 @@ def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos,
     hub.online()
     calls = []
     fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a)}, calls)
-    rc, _, err = run(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 2], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 2])
     assert rc == 0 and calls[0]["allow_patterns"] == list(checkpoint.HUB_META_FILES), err
     assert (hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A / "tokenizer.json").is_file()
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 0 and len(calls) == 1, err  # complete now: the hub is not asked again (nor for weights it had)
     put(hub.cache, "org/other", repos.a, COMMIT_B, files=["config.json", "model.safetensors"])
     fake_hub(monkeypatch, {}, [], fail=LocalEntryNotFoundError("Got: ConnectError: no network"))
-    rc, _, err = run(["--target", "org/other", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    rc, _, err = run_captured(["--target", "org/other", "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 0 and "the hub cannot be reached" in err and "using the cached snapshot" in err, err
 
 
-def test_the_hubs_own_fallback_to_the_cache_is_said(hub, repos, monkeypatch, capsys):
+def test_the_hubs_own_fallback_to_the_cache_is_said(hub, repos, monkeypatch):
     """huggingface_hub 2.x answers a connection error with the cached snapshot, raising nothing: the note
     that it is used as it is was never printed (the run went on silently without its tokenizer), and the
     weights were asked for again (another round of retries) though they were there."""
@@ -318,31 +311,31 @@ def test_the_hubs_own_fallback_to_the_cache_is_said(hub, repos, monkeypatch, cap
     hub.online()
     calls = []
     fake_hub(monkeypatch, {}, calls, unreachable=True)
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 0 and len(calls) == 1, err
     assert "still has no tokenizer.json, tokenizer_config.json, generation_config.json after asking the hub" in err
 
 
-def test_a_hub_drafter_is_downloaded_once_without_a_note(hub, repos, monkeypatch, capsys):
+def test_a_hub_drafter_is_downloaded_once_without_a_note(hub, repos, monkeypatch):
     """A drafter's repository holds no tokenizer or generation config: nothing is missing, so no note (every
     online run with a hub drafter said the hub was out of reach), and once cached it is not asked again."""
     hub.online()
     calls = []
     fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a), "org/drafter": (COMMIT_B, repos.drafter)}, calls)
     flags = ["--target", "org/tiny", "--drafter", "org/drafter", "--prompt-ids", "1,2", "--max-new-tokens", 4]
-    rc, _, err = run(flags, capsys)
+    rc, _, err = run_captured(flags)
     assert rc == 0 and "note:" not in err, err
     asked = len(calls)
-    rc, _, err = run(flags, capsys)
+    rc, _, err = run_captured(flags)
     assert rc == 0 and "note:" not in err and len(calls) == asked, (calls, err)
 
 
-def test_a_partial_snapshot_is_completed_online(hub, repos, monkeypatch, capsys):
+def test_a_partial_snapshot_is_completed_online(hub, repos, monkeypatch):
     put(hub.cache, "org/tiny", repos.a, COMMIT_A, files=["config.json"])
     hub.online()
     calls = []
     fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a)}, calls)
-    rc, _, err = run(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 0 and [c["revision"] for c in calls] == [None, COMMIT_A], err
 
 
@@ -355,23 +348,23 @@ def test_a_partial_snapshot_is_completed_online(hub, repos, monkeypatch, capsys)
      ["the hub cannot be reached", "Name or service not known"]),
     (OSError(28, "No space left on device"), ["downloading from the Hugging Face hub failed", "No space left"]),
 ])
-def test_a_failing_download_is_one_line(hub, monkeypatch, capsys, fail, needles):
+def test_a_failing_download_is_one_line(hub, monkeypatch, fail, needles):
     hub.online()
     calls = []
     fake_hub(monkeypatch, {}, calls, fail=fail)
-    rc, _, err = run(["--target", "org/tiny@v7", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny@v7", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--target org/tiny@v7", *needles)
     assert calls and calls[0]["repo_id"] == "org/tiny" and calls[0]["revision"] == "v7"
 
 
-def test_a_repository_without_safetensors_is_one_line(hub, repos, tmp_path, monkeypatch, capsys):
+def test_a_repository_without_safetensors_is_one_line(hub, repos, tmp_path, monkeypatch):
     bin_only = tmp_path / "bin-only"
     bin_only.mkdir()
     shutil.copy(repos.a / "config.json", bin_only)
     (bin_only / "pytorch_model.bin").write_bytes(b"weights in the old format")
     hub.online()
     fake_hub(monkeypatch, {"org/old": (COMMIT_A, bin_only)}, [])
-    rc, _, err = run(["--target", "org/old", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/old", "--prompt-ids", "1,2"])
     one_error_line(rc, err, "--target org/old", "has no model.safetensors")
 
 
@@ -426,7 +419,7 @@ def test_every_program_resolves_hub_ids(hub, repos, tmp_path, capsys, monkeypatc
     (OSError(28, "No space left on device"), ["downloading from the Hugging Face hub failed", "No space left"]),
     (None, ["not in the Hugging Face cache", "HF_HUB_OFFLINE"]),  # offline
 ])
-def test_a_mistyped_path_that_reads_as_an_id_says_both(hub, tmp_path, monkeypatch, capsys, fail, needles):
+def test_a_mistyped_path_that_reads_as_an_id_says_both(hub, tmp_path, monkeypatch, fail, needles):
     """`--target demo/targt` (a typo for demo/target) is a path or a hub id: with neither there, the line says
     both, naming the directory looked for (absolute) and keeping the hub's own reason."""
     monkeypatch.chdir(tmp_path)
@@ -434,7 +427,7 @@ def test_a_mistyped_path_that_reads_as_an_id_says_both(hub, tmp_path, monkeypatc
     if fail is not None:
         hub.online()
         fake_hub(monkeypatch, {}, [], fail=fail)
-    rc, _, err = run(["--target", "demo/targt", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "demo/targt", "--prompt-ids", "1,2"])
     line = one_error_line(rc, err, "--target demo/targt: no such local directory, and ", *needles)
     assert line.endswith(f"; checked the local path {tmp_path / 'demo' / 'targt'}"), line
 
@@ -443,10 +436,10 @@ def test_a_mistyped_path_that_reads_as_an_id_says_both(hub, tmp_path, monkeypatc
     (GatedRepoError("403 gated", response=_response(403)), "gated"),
     (RevisionNotFoundError("404 Revision Not Found", response=_response(404)), "no revision 'v7'"),
 ])
-def test_an_id_the_hub_knows_is_not_said_to_be_a_path(hub, monkeypatch, capsys, fail, needle):
+def test_an_id_the_hub_knows_is_not_said_to_be_a_path(hub, monkeypatch, fail, needle):
     """The hub has the repository (gated, or without that revision): the id was meant, no directory is named."""
     hub.online()
     fake_hub(monkeypatch, {}, [], fail=fail)
-    rc, _, err = run(["--target", "org/tiny@v7", "--prompt-ids", "1,2"], capsys)
+    rc, _, err = run_captured(["--target", "org/tiny@v7", "--prompt-ids", "1,2"])
     line = one_error_line(rc, err, "--target org/tiny@v7: ", needle)
     assert "local" not in line, line
