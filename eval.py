@@ -649,7 +649,7 @@ class RowDecoder:
             progress.end_dataset()
             if self.rank == 0:
                 first_dataset = index == 0
-                progress.say(format_table([entry], header=first_dataset))
+                progress.say(format_table(entry, header=first_dataset))
                 write_json(self.args.out, snapshot())
             if self.log is not None:
                 prefix = ""
@@ -706,31 +706,29 @@ def _fmt(x, spec=".2f"):
     return format(x, spec)
 
 
-def format_table(entries: list[dict], header: bool = True) -> str:
-    """The authors' columns in their order (#propose: drafts verified per round, "+1" the bonus), then
-    samples, rounds, tokens/s and the paper's conditional acceptance by position."""
-    K = max((len(e["accept_rates_by_position"]) for e in entries), default=0)
+def format_table(e: dict, header: bool = True) -> str:
+    """A dataset's line of the table, under its header when `header`: the authors' columns in their
+    order (#propose: drafts verified per round, "+1" the bonus), then samples, rounds, tokens/s and the
+    paper's conditional acceptance by position."""
+    rates = e["accept_rates_by_position"]
     head = f"{'dataset':<16}{'#propose':>10}{'τ':>11}{'verify_rate':>12}"
-    for j in range(K):
+    for j in range(len(rates)):
         head += f"{f'accept_rate@{j}':>15}"
     head += f"{'samples':>9}{'rounds':>8}{'tok/s':>9}  conditional accept by position"
     lines = []
     if header:
         lines = [head, "-" * len(head)]
-    for e in entries:
-        rates = e["accept_rates_by_position"]
-        rates = rates + [None] * (K - len(rates))  # a row with fewer drafts: its missing positions
-        cond = " ".join(_fmt(r, ".2f") for r in e["accept_rate_by_position"])
-        propose = "-"
-        if e["draft_tokens_per_proposal"] is not None:
-            propose = f"{e['draft_tokens_per_proposal']:.2f}+1"
-        line = f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
-        line += f"{_fmt(e['verify_rate'], '.4f'):>12}"
-        for r in rates:
-            line += f"{_fmt(r, '.4f'):>15}"
-        line += f"{e['num_samples']:>9}{e['num_rounds']:>8}"
-        line += f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
-        lines.append(line)
+    cond = " ".join(_fmt(r) for r in e["accept_rate_by_position"])
+    propose = "-"
+    if e["draft_tokens_per_proposal"] is not None:
+        propose = f"{e['draft_tokens_per_proposal']:.2f}+1"
+    line = f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
+    line += f"{_fmt(e['verify_rate'], '.4f'):>12}"
+    for r in rates:
+        line += f"{_fmt(r, '.4f'):>15}"
+    line += f"{e['num_samples']:>9}{e['num_rounds']:>8}"
+    line += f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
+    lines.append(line)
     return "\n".join(lines)
 
 

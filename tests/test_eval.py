@@ -204,7 +204,7 @@ def test_a_position_no_round_tried_has_no_rate():
     assert metrics.accept_rates_by_position(c) == [2 / 3] + [None] * (K - 1)
     none = metrics.count([speculate.Request(0, [1], [1])], K)  # no round at all
     assert metrics.accept_rate_by_position(none) == [None] * K
-    table = ev.format_table([ev.dataset_entry("x", c, 1.0)])
+    table = ev.format_table(ev.dataset_entry("x", c, 1.0))
     assert table.splitlines()[-1].endswith("0.67" + " -" * (K - 1))
 
 
