@@ -817,7 +817,7 @@ def calibration_file(args: EvalArgs, results: dict, calibration: dict,
 
 
 def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
-                  log: Optional[runlog.Log] = None, drafter_dir: Optional[str] = None):
+                  log: Optional[runlog.Log], drafter_dir: Optional[str]):
     write_json(args.out, results)
     print(f"results written to {args.out}", file=sys.stderr)
     asked = calibration_outputs(args)
@@ -830,8 +830,8 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
         return
     print()
     print(format_calibration(calibration))
+    panels = reliability_panels(calibration, args.ece_bins)
     if args.calibration_plot:
-        panels = reliability_panels(calibration, args.ece_bins)
         plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
     if args.calibration_out:
         if "temperatures" not in calibration:
@@ -842,7 +842,6 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
             image = args.calibration_plot
             if image is None or not image.lower().endswith(".png"):
                 image = os.path.join(tmp, "reliability_diagram.png")
-                panels = reliability_panels(calibration, args.ece_bins)
                 plots.reliability_diagram(image, panels, bins=args.ece_bins)
             files = {"results": args.out, "calibration": args.calibration_out}
             log_results(log, results, args.step, image, files)
