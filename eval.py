@@ -792,12 +792,8 @@ def format_calibration(cal: dict) -> str:
     return "\n".join(lines)
 
 
-def calibration_file(args: EvalArgs, results: dict, calibration: dict,
-                     drafter_dir: Optional[str]) -> dict:
+def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_dir: str) -> dict:
     """--calibration-out's record: the fitted STS temperatures, what they were fitted on, and how."""
-    drafter_path = None
-    if drafter_dir:
-        drafter_path = os.path.realpath(drafter_dir)
     return {
         "temperatures": calibration["temperatures"],
         "method": "sequential temperature scaling",
@@ -805,7 +801,7 @@ def calibration_file(args: EvalArgs, results: dict, calibration: dict,
         "drafter": args.drafter,
         "target": args.target,
         "datasets": [e["dataset"] for e in results["datasets"]],
-        "drafter_dir": drafter_path,
+        "drafter_dir": os.path.realpath(drafter_dir),
         "temperature": args.decode.temperature,
         "split": calibration["split"],
         "fit_rounds": calibration["fit_rounds"],
