@@ -776,7 +776,7 @@ def format_calibration(cal: dict) -> str:
         lines.append(line)
     if "sts_note" in cal:
         lines.append(cal["sts_note"])
-    by = cal.get("raw_by_dataset") or {}
+    by = cal["raw_by_dataset"]
     if len(by) > 1:
         lines += ["", "ECE of a_k per dataset (the table above pools every dataset's rounds; "
                       "rounds: those that sent draft 1)"]

@@ -63,7 +63,7 @@ def calibration_scalars(cal: dict) -> dict:
                 value = cal[f"{w}_heldout"][j][k]
                 if value is not None:
                     out[f"calibration/heldout_{k}_{w}_{j + 1}"] = value
-    for d, ms in cal.get("raw_by_dataset", {}).items():
+    for d, ms in cal["raw_by_dataset"].items():
         for m in ms:
             for k in CALIBRATION_FIGURES:
                 if m[k] is not None:
