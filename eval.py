@@ -831,7 +831,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
         plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
     if args.calibration_out:
         if "temperatures" not in calibration:
-            raise UserError(f"--calibration-out: {calibration.get('sts_note', 'no STS')}")
+            raise UserError(f"--calibration-out: {calibration['sts_note']}")
         write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
     if log is not None:
         with tempfile.TemporaryDirectory() as tmp:  # wandb.Image wants a PNG
