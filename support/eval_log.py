@@ -76,11 +76,9 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
     """The end of the run: tables, charts, scalars, the reliability diagram, the files."""
     wb = log.wandb
     cal = results["calibration"]
-    # one drafter's run: its datasets; a comparison: every row's, each labelled with its row
-    rows = results.get("rows") or []
+    # every row's datasets, each labelled with its row in a comparison (one drafter's run has one row)
+    rows = results["rows"]
     several = len(rows) > 1
-    if not several:
-        rows = [{"label": None, "tree_budget": None, "datasets": results["datasets"]}]
     K = 0  # the most positions any row measured (an Eagle3 row may draft more than a block drafter)
     for row in rows:
         for e in row["datasets"]:
