@@ -293,7 +293,7 @@ def select(prompts: list, n: int, seed: int) -> list:
 
 
 def token_budget(given: Optional[int], demo: bool, prompts: dict, context: int,
-                 verbose: bool = True) -> int:
+                 verbose: bool) -> int:
     """--max-new-tokens as given, or the protocol's budget capped (with a note) to what the context leaves."""
     if given is not None:
         return given

@@ -101,7 +101,7 @@ def survival_events(confidence, verified, accepted, k: int):
     return a, survived
 
 
-def position_metrics(confidence, verified, accepted, bins: int = ECE_BINS) -> list[dict]:
+def position_metrics(confidence, verified, accepted, bins: int) -> list[dict]:
     out = []
     for k in range(1, np.shape(confidence)[1] + 1):
         a, y = survival_events(confidence, verified, accepted, k)
@@ -148,7 +148,7 @@ def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS)
     return [float(t) for t in temps]
 
 
-def round_arrays(requests: list, dataset: int, K: int, stop_ids=()) -> dict:
+def round_arrays(requests: list, dataset: int, K: int, stop_ids) -> dict:
     """Finished requests' rounds as arrays (confidence: the engine's float32 values); a round that
     accepted a stop token ends there (`metrics.round_counts`)."""
     request = []

@@ -13,7 +13,7 @@ DATASET_FIGURES = ("num_samples", "num_rounds", "num_tokens", "acceptance_length
 CALIBRATION_FIGURES = ("ece", "auroc", "brier")
 
 
-def log_dataset(log: runlog.Log, entry: dict, step: Optional[int], prefix: str = ""):
+def log_dataset(log: runlog.Log, entry: dict, step: Optional[int], prefix: str):
     """One dataset's row of results.json under `<prefix><dataset>/`, as soon as it is done."""
     d = prefix + entry["dataset"]
     row = {}
