@@ -123,7 +123,7 @@ def position_metrics(confidence, verified, accepted, bins: int) -> list[dict]:
     return out
 
 
-def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS) -> list[float]:
+def fit_sts(confidence, verified, accepted, bins: int = ECE_BINS) -> list[float]:
     """Sequential Temperature Scaling: for k = 1..K in order, the T_k minimising the ECE of a_k with
     the earlier positions calibrated. Ties go to the T nearest 1; a position never verified keeps 1."""
     C = np.asarray(confidence, dtype=np.float64)
@@ -133,8 +133,8 @@ def fit_sts(confidence, verified, accepted, grid=STS_GRID, bins: int = ECE_BINS)
     accepted = np.asarray(accepted)
     temps = np.ones(K)
     prefix = np.ones(N)  # a_{k-1} with positions 1..k-1 calibrated
-    order = np.argsort(np.abs(np.log(grid)), kind="stable")
-    candidates = grid[order]  # nearest 1 first, so argmin's first minimum is the tie-break
+    order = np.argsort(np.abs(np.log(STS_GRID)), kind="stable")
+    candidates = STS_GRID[order]  # nearest 1 first, so argmin's first minimum is the tie-break
     for k in range(K):
         mask = verified >= k + 1
         if mask.any():
