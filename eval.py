@@ -826,7 +826,7 @@ def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
         return
     print()
     print(format_calibration(calibration))
-    panels = reliability_panels(calibration, args.ece_bins)
+    panels = reliability_panels(calibration)
     if args.calibration_plot:
         plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
     if args.calibration_out:

@@ -235,8 +235,10 @@ def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
     return report
 
 
-def reliability_panels(calibration: dict, bins: int) -> list[dict]:
-    """Before / after STS on the held-out requests, or the raw head on every round without STS."""
+def reliability_panels(calibration: dict) -> list[dict]:
+    """Before / after STS on the held-out requests, or the raw head on every round without STS, in the
+    report's ECE bins."""
+    bins = calibration["bins"]
     Cs = None
     if "_heldout" in calibration:
         C, ver, acc = calibration["_heldout"]
