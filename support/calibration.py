@@ -183,8 +183,8 @@ def concat_rounds(parts: list[dict]) -> dict:
 
 def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
                        names: Optional[list[str]] = None) -> Optional[dict]:
-    """`raw` pooled over every round, `raw_by_dataset` per dataset (as the authors report it); with
-    0 < split < 1, STS fitted on the first `split` of every dataset's requests, scored on the rest."""
+    """`raw` pooled over every round, `raw_by_dataset` per dataset (as the authors report it); unless
+    split is 0, STS fitted on the first `split` (< 1) of every dataset's requests, scored on the rest."""
     C = rec["confidence"].astype(np.float64)
     rounds, positions = C.shape
     if rounds == 0 or positions == 0:
@@ -208,7 +208,7 @@ def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
         "raw_by_dataset": by_dataset,
         "_all": (C, ver, acc),  # "_" entries are for the plot, not the JSON
     }
-    if not 0 < split < 1:
+    if split == 0:  # no STS (--calibration-split is checked to be in [0, 1))
         return report
     # The fit part: the first `split` of every dataset's requests.
     fit = np.zeros(rounds, dtype=bool)
