@@ -166,11 +166,11 @@ def round_arrays(requests: list, dataset: int, K: int, stop_ids) -> dict:
             accepted.append(round_accepted)
     n = len(request)
     return {"dataset": np.full(n, dataset, dtype=np.int32),
-            "request": np.array(request, dtype=np.int64).reshape(n),
-            "round": np.array(number, dtype=np.int64).reshape(n),
-            "confidence": np.array(confidence, dtype=np.float32).reshape(n, K),
-            "verified": np.array(verified, dtype=np.int64).reshape(n),
-            "accepted": np.array(accepted, dtype=np.int64).reshape(n)}
+            "request": np.array(request, dtype=np.int64),
+            "round": np.array(number, dtype=np.int64),
+            "confidence": np.array(confidence, dtype=np.float32).reshape(n, K),  # (0, K) with no rounds
+            "verified": np.array(verified, dtype=np.int64),
+            "accepted": np.array(accepted, dtype=np.int64)}
 
 
 def concat_rounds(parts: list[dict]) -> dict:
