@@ -124,8 +124,9 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
         ys = []
         for ms in series.values():
             ys.append([float("nan") if m["ece"] is None else m["ece"] for m in ms])
+        positions = [m["position"] for m in cal["raw"]]
         out["calibration/ece_by_position"] = wb.plot.line_series(
-            xs=[m["position"] for m in cal["raw"]], keys=list(series), xname="position", ys=ys,
+            xs=positions, keys=list(series), xname="position", ys=ys,
             title="ECE of the prefix survival a_k by position")
     if image is not None:
         out["calibration/reliability_diagram"] = wb.Image(image)
