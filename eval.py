@@ -264,11 +264,11 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
     for name in names:
         path = os.path.join(data_dir, f"{name}.jsonl")
         present = optional_file(path)
-        if not present and name not in DEFAULT_SAMPLES:
-            known = ", ".join(PAPER_DATASETS)
-            raise UserError(f"--datasets: unknown dataset {name!r} "
-                            f"(known: {known}; or any <name>.jsonl in {data_dir})")
         if not present:
+            if name not in DEFAULT_SAMPLES:
+                known = ", ".join(PAPER_DATASETS)
+                raise UserError(f"--datasets: unknown dataset {name!r} "
+                                f"(known: {known}; or any <name>.jsonl in {data_dir})")
             skipped.append(path)
             continue
         samples = args.max_samples or DEFAULT_SAMPLES.get(name, 0)  # 0: every prompt in the file
