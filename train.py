@@ -808,7 +808,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     evaluate = eval_hook(args, device)
     step_module = DraftStep(drafter, target, args)
     return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
-                    flops, evaluate, banner)
+                    flops, banner, evaluate)
 
 
 def on_device(t, sl, device):
@@ -874,7 +874,7 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
     evaluate = eval_hook(args, run.device)
     step_module = Eagle3Step(drafter, target, args)
     return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
-                    flops, evaluate, banner)
+                    flops, banner, evaluate)
 
 
 def check_eval_args(args: Args):

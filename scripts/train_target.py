@@ -310,7 +310,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     run_state = Run(rank, world, device, log)
     flops = target_flops(margs, G, args.seq_len)
     return optimize(args, step_module, micro_batches, summarize, save, run_state, dtype, len(windows), flops,
-                    banner=banner)
+                    banner)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -490,8 +490,7 @@ def _log_upto(path: str, step: int) -> list[str]:
 
 
 def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save,
-             run: Run, dtype, num_rows: int, flops: Optional[float] = None, evaluate=None,
-             banner: str = "") -> dict:
+             run: Run, dtype, num_rows: int, flops: float, banner: str, evaluate=None) -> dict:
     """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`."""
     module = step_module.model
     dev = run.device
@@ -504,7 +503,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     if start >= end:
         raise UserError(
             f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
-    if banner and run.rank == 0:
+    main = run.rank == 0
+    if main:
         print(banner, file=sys.stderr)
     ddp = step_module
     # gradients averaged over ranks: each rank's loss share is scaled by the world size
@@ -513,7 +513,6 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         if dev.startswith("cuda"):
             device_ids = [dev]
         ddp = torch.nn.parallel.DistributedDataParallel(step_module, device_ids=device_ids)
-    main = run.rank == 0
     from tqdm import tqdm
 
     shown = runlog.show(args.progress and main)
@@ -606,7 +605,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         dt = sum(recent) / len(recent)  # tokens/s: this one figure, everywhere
         tokens_per_second = tokens_per_step / dt
         speed = {"tokens_per_second": tokens_per_second, "eta_seconds": dt * (end - step - 1)}
-        if flops is not None and peak:
+        if peak:
             speed["mfu"] = flops / dt / (peak * run.world)
         done = step + 1
         # the bar's figures: loss, tau and ppl, tokens/s, MFU
