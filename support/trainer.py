@@ -232,7 +232,7 @@ def checkpoint_dir(resume: str) -> str:
 
 
 def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
-               args: TrainArgs, num_windows: int, world: int = 1, identity: Optional[dict] = None):
+               args: TrainArgs, num_windows: int, world: int, identity: dict):
     """AdamW's moments by parameter name; the step, flags and `identity` (digests of what the run reads)."""
     names = {id(p): n for n, p in module.named_parameters()}
     tensors = {}
@@ -249,11 +249,10 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
         "args": asdict(args),
         "world_size": world,
         "global_batch": args.batch_size * args.grad_accum * world,
+        "identity": identity,
+        "note": ("batch and anchors of step s depend only on (seed, s, global_batch): "
+                 "no RNG state to restore"),
     }
-    if identity:
-        meta["identity"] = identity
-    meta["note"] = ("batch and anchors of step s depend only on (seed, s, global_batch): "
-                    "no RNG state to restore")
     write_json(os.path.join(out, STATE_JSON), meta)
 
 
