@@ -275,8 +275,9 @@ def check_checkpoint(directory: str, step: int):
                 f"{path}: written at step {saved}, the training state says {step} (a torn checkpoint)")
 
 
-def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = None) -> dict:
-    """The saved state, once `args` repeats its flags, kind and global batch."""
+def check_resume_args(directory: str, args: TrainArgs):
+    """The saved state's step and flags are readable, and `args` repeats its flags and kind (the global
+    batch, which needs the world size, is `load_state`'s)."""
     state_json = os.path.join(directory, STATE_JSON)
     meta = read_json(state_json)
     saved = meta.get("args")
@@ -293,13 +294,6 @@ def check_resume_args(directory: str, args: TrainArgs, world: Optional[int] = No
         if k in saved and saved[k] != now[k]:
             raise UserError(f"--resume {directory}: {flag(k)} was {saved[k]!r}, now {now[k]!r} "
                             "(a resumed run must repeat the original flags)")
-    g = args.batch_size * args.grad_accum * (world or 1)
-    saved_batch = meta.get("global_batch")
-    if world is not None and saved_batch != g:
-        how = f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} process(es)"
-        raise UserError(f"--resume {directory}: the saved run's global batch is {saved_batch} sequences, "
-                        f"now {g} ({how})")
-    return meta
 
 
 def check_identity(directory: str, identity: dict, flags: dict):
@@ -319,9 +313,15 @@ def check_identity(directory: str, identity: dict, flags: dict):
 
 
 def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
-               args: TrainArgs, num_windows: int, world: int = 1) -> int:
-    """Restores `save_state`'s state; returns its step."""
-    meta = check_resume_args(directory, args, world)
+               args: TrainArgs, num_windows: int, world: int) -> int:
+    """Restores `save_state`'s state, its flags already checked (`check_train_args`); returns its step."""
+    meta = read_json(os.path.join(directory, STATE_JSON))
+    g = args.batch_size * args.grad_accum * world
+    saved_batch = meta.get("global_batch")
+    if saved_batch != g:
+        how = f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} process(es)"
+        raise UserError(f"--resume {directory}: the saved run's global batch is {saved_batch} sequences, "
+                        f"now {g} ({how})")
     path = os.path.join(directory, STATE_TENSORS)
     check_checkpoint(directory, meta["step"])
     saved_windows = meta.get("num_windows")
