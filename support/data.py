@@ -192,10 +192,8 @@ def pack_windows(docs: list[list[int]], seq_len: int, separator: Optional[int],
 
 def read_windows(args, tok, vocab_size: int, separator: Optional[int],
                  texts: Optional[list[str]] = None) -> torch.Tensor:
-    """The windows of plain --data (`texts`: already read) or of --data-ids."""
+    """The windows of plain --data (its `texts`, already read) or of --data-ids."""
     if args.data is not None:
-        if texts is None:
-            texts = read_texts(args.data)
         encodings = tok.tok.encode_batch(texts, add_special_tokens=False)
         docs = [e.ids for e in encodings]
         return pack_windows(docs, args.seq_len, separator, f"--data {args.data}")
