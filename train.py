@@ -22,6 +22,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -805,7 +806,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     def summarize_step(sums):
         return summarize_block(sums, K, drafter.cfg.confidence_head)
 
-    evaluate = eval_hook(args, device)
+    evaluate = partial(evaluate_checkpoint, args, device=device)  # at --eval-every's steps
     step_module = DraftStep(drafter, target, args)
     return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
                     flops, banner, evaluate)
@@ -816,17 +817,6 @@ def on_device(t, sl, device):
     if t is None:
         return None
     return t[sl].to(device)
-
-
-def eval_hook(args: Args, device: str):
-    """--eval-every's call on a step's checkpoint, or None."""
-    if not args.eval_every:
-        return None
-
-    def evaluate(step):
-        return evaluate_checkpoint(args, step, device)
-
-    return evaluate
 
 
 def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus,
@@ -871,7 +861,7 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
     def summarize_step(sums):
         return summarize_eagle3(sums, S)
 
-    evaluate = eval_hook(args, run.device)
+    evaluate = partial(evaluate_checkpoint, args, device=run.device)  # at --eval-every's steps
     step_module = Eagle3Step(drafter, target, args)
     return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
                     flops, banner, evaluate)

@@ -490,7 +490,8 @@ def _log_upto(path: str, step: int) -> list[str]:
 
 def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save,
              run: Run, dtype, num_rows: int, flops: float, banner: str, evaluate=None) -> dict:
-    """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`."""
+    """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`;
+    `evaluate(step)` on the checkpoints of --eval-every's steps (train.py's flag)."""
     module = step_module.model
     dev = run.device
     params = [p for p in module.parameters() if p.requires_grad]
@@ -554,7 +555,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                 metadata = {"step": step}
                 run.wandb.artifact("checkpoint", "model", files, metadata=metadata, aliases=aliases)
         run.barrier()  # every rank may read it next
-        if evaluate is not None and eval_every and step % eval_every == 0:
+        if eval_every and step % eval_every == 0:
             found = evaluate(step)
             if run.wandb is not None:
                 run.wandb.log(found, step=step)
