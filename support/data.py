@@ -107,13 +107,10 @@ def _files_under(path: str) -> list[str]:
 
 def read_documents(path: str) -> tuple[list[str], list[tuple[str, list[dict]]]]:
     """(plain texts, chat conversations as (where, messages)) of --data: a file, or the text files and .jsonl
-    under a directory (sorted, recursive; non-UTF-8 text skipped)."""
-    if os.path.isfile(path):
-        files = [path]
-    elif os.path.isdir(path):
+    under a directory (sorted, recursive; non-UTF-8 text skipped). check_train_args has found it there."""
+    files = [path]
+    if os.path.isdir(path):
         files = _files_under(path)
-    else:
-        raise UserError(f"--data {path}: file or directory not found")
     texts = []
     chats = []
     skipped = []
