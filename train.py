@@ -789,12 +789,14 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         den = (w * supervised).sum().clamp_min(1e-12)
         out = []
         for sl in mine:
-            mb = dict(tokens=on_device(tokens, sl, device))
-            mb["anchors"] = on_device(anchors, sl, device)
-            mb["keep"] = on_device(keep, sl, device)
-            mb["loss_mask"] = on_device(mask, sl, device)
-            mb["doc"] = on_device(doc, sl, device)
-            mb["den"] = den.to(device)
+            mb = {
+                "tokens": on_device(tokens, sl, device),
+                "anchors": on_device(anchors, sl, device),
+                "keep": on_device(keep, sl, device),
+                "loss_mask": on_device(mask, sl, device),
+                "doc": on_device(doc, sl, device),
+                "den": den.to(device),
+            }
             out.append(mb)
         return out
 
@@ -846,10 +848,12 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
         tokens, mask, doc = corpus.rows(batches(step))
         out = []
         for sl in mine:
-            mb = dict(tokens=on_device(tokens, sl, run.device))
-            mb["loss_mask"] = on_device(mask, sl, run.device)
-            mb["doc"] = on_device(doc, sl, run.device)
-            mb["den"] = den.to(run.device)
+            mb = {
+                "tokens": on_device(tokens, sl, run.device),
+                "loss_mask": on_device(mask, sl, run.device),
+                "doc": on_device(doc, sl, run.device),
+                "den": den.to(run.device),
+            }
             out.append(mb)
         return out
 
