@@ -882,16 +882,16 @@ def check_eval_args(args: Args):
         problem = directory_problem(folder, "data directory")
         if problem:
             raise UserError(f"--eval-data-dir {folder}: {problem}")
-        names = [n for n in args.eval_datasets.split(",") if n.strip()]
+        names = []
+        for n in args.eval_datasets.split(","):
+            name = n.strip()
+            if name:
+                names.append(name)
         if not names:
             raise UserError(f"--eval-datasets {args.eval_datasets!r}: no dataset named")
-        missing = []
-        for n in names:
-            name = n.strip()
+        for name in names:
             if not os.path.isfile(os.path.join(folder, f"{name}.jsonl")):
-                missing.append(name)
-        if missing:
-            raise UserError(f"--eval-datasets: no {missing[0]}.jsonl in {folder}")
+                raise UserError(f"--eval-datasets: no {name}.jsonl in {folder}")
 
 
 DSPARK_ONLY = ("block_size", "depth", "mask_token_id", "markov", "markov_rank", "confidence",
