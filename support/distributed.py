@@ -14,9 +14,9 @@ from support.cli import UserError, device_name, first_line
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
 
 
-def peak_tflops(device) -> Optional[float]:
+def peak_tflops(device: str) -> Optional[float]:
     """The data-sheet dense bf16 peak of a known GPU, else None (CPUs: give it yourself)."""
-    if not str(device).startswith("cuda"):
+    if not device.startswith("cuda"):
         return None
     name = device_name(device)
     for model, peak in PEAK_TFLOPS.items():
@@ -100,9 +100,12 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
         device = f"cuda:{local}"
     if not dist.is_initialized():
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        backend = "gloo"
+        if device.startswith("cuda"):
+            backend = "nccl"
+        timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, timeout=timeout)
         # rendezvous failures come as RuntimeError, DistError, TimeoutError, ...
         except Exception as e:
             raise UserError(f"rank {rank} of {world}: no process group at {where} "
@@ -118,7 +121,9 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
 def process_group():
     """torch.distributed when this process is in a group, else None."""
     import torch.distributed as dist
-    return dist if dist.is_available() and dist.is_initialized() else None
+    if dist.is_available() and dist.is_initialized():
+        return dist
+    return None
 
 
 def all_sum(values: list[int], device: str) -> list[int]:
