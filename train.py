@@ -757,8 +757,15 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     else:
         drafter = build_drafter(cfg, args, target, device)
     run = Run(rank, world, device, log)
+
+    def save(directory, step, opt):
+        config = drafter_json(args, drafter.cfg)
+        save_drafter(directory, drafter, args.target, config, step=step)
+        save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
+
+    evaluate = partial(evaluate_checkpoint, args, device=device)  # at --eval-every's steps
     if drafter.cfg.layout == "eagle3":
-        return train_eagle3(args, drafter, target, corpus, identity, run, dtype)
+        return train_eagle3(args, drafter, target, corpus, run, dtype, save, evaluate)
     T = args.seq_len
     K = drafter.cfg.num_slots
     G = args.batch_size * args.grad_accum * world
@@ -800,15 +807,9 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
             out.append(mb)
         return out
 
-    def save(directory, step, opt):
-        config = drafter_json(args, drafter.cfg)
-        save_drafter(directory, drafter, args.target, config, step=step)
-        save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
-
     def summarize_step(sums):
         return summarize_block(sums, K, drafter.cfg.confidence_head)
 
-    evaluate = partial(evaluate_checkpoint, args, device=device)  # at --eval-every's steps
     step_module = DraftStep(drafter, target, args)
     return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
                     flops, banner, evaluate)
@@ -821,9 +822,10 @@ def on_device(t, sl, device):
     return t[sl].to(device)
 
 
-def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus,
-                 identity: dict, run: Run, dtype) -> dict:
-    """train_drafter's Eagle3 loop: every position of each row is a chain start, no anchors to draw."""
+def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus, run: Run,
+                 dtype, save, evaluate) -> dict:
+    """train_drafter's Eagle3 loop (`save` and `evaluate` its): every position of each row is a chain start,
+    no anchors to draw."""
     T = args.seq_len
     S = drafter.cfg.num_slots
     G = args.batch_size * args.grad_accum * run.world
@@ -857,15 +859,9 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
             out.append(mb)
         return out
 
-    def save(directory, step, opt):
-        config = drafter_json(args, drafter.cfg)
-        save_drafter(directory, drafter, args.target, config, step=step)
-        save_state(directory, step, drafter, opt, args, len(corpus), run.world, identity)
-
     def summarize_step(sums):
         return summarize_eagle3(sums, S)
 
-    evaluate = partial(evaluate_checkpoint, args, device=run.device)  # at --eval-every's steps
     step_module = Eagle3Step(drafter, target, args)
     return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
                     flops, banner, evaluate)
