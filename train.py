@@ -488,13 +488,17 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     if not 0 <= mask < t.vocab_size:
         last = t.vocab_size - 1
         raise UserError(f"--mask-token-id: {mask} is outside the vocabulary (0..{last})")
-    markov = None if args.markov == "none" else args.markov
+    markov = args.markov
+    if markov == "none":
+        markov = None
     with_markov = args.confidence and args.confidence_with_markov is not False  # None (left out): on
     if with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                         "add --no-confidence-with-markov")
     layers = replace(t, num_hidden_layers=args.depth, eos_token_ids=(), tie_word_embeddings=False)
-    rank = args.markov_rank if markov else 0
+    rank = 0
+    if markov is not None:
+        rank = args.markov_rank
     return DrafterConfig(layers=layers, block_size=args.block_size, target_layer_ids=ids,
                          mask_token_id=mask, layout="dspark", markov_head_type=markov, markov_rank=rank,
                          confidence_head=args.confidence, confidence_with_markov=with_markov,
