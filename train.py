@@ -222,10 +222,11 @@ def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamm
     # 1 − ½‖p_d − p_t‖_1 = Σ_v min(p_d, p_t): the chance speculative sampling accepts the slot's draft,
     # the confidence head's target
     accept = (1 - 0.5 * l1).clamp(0, 1).detach()
-    out = {}
-    out["ce"] = (ce * w).sum() / den
-    out["tv"] = (l1 * w).sum() / den
-    out["accept"] = accept  # [B, N, K], not a loss: the step's τ and accept@j read it
+    out = {
+        "ce": (ce * w).sum() / den,
+        "tv": (l1 * w).sum() / den,
+        "accept": accept,  # [B, N, K], not a loss: the step's τ and accept@j read it
+    }
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
         out["conf"] = (bce * w).sum() / den
