@@ -201,7 +201,7 @@ def read_windows(args, tok, vocab_size: int, separator: Optional[int],
 # Chat records: rendering and the loss mask
 
 def chat_spans(tok, messages: list[dict],
-               stop_texts=()) -> Optional[tuple[str, list[tuple[int, int]]]]:
+               stop_texts: list[str]) -> Optional[tuple[str, list[tuple[int, int]]]]:
     """(rendered text, character spans of the assistant turns: content + the stop text after it). The
     spans are found by rendering again with a sentinel for each assistant message (a user turn quoting it
     is not mistaken for it); None when the template changes an assistant's text."""
@@ -255,7 +255,7 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
     return mask
 
 
-def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts=(),
+def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts: list[str],
                  seq_len: Optional[int] = None) -> tuple[list[tuple[list[int], list[bool]]], int]:
     """(token ids, loss mask) of every conversation, and how many were skipped: the template changed the
     response, or no anchor within the first `seq_len` tokens (what packing keeps)."""
