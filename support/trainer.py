@@ -470,7 +470,7 @@ class Run:
     rank: int
     world: int
     device: str
-    wandb: object = None
+    wandb: Optional[runlog.Log]  # None: no --wandb (and off rank 0)
 
     def barrier(self):
         if self.world > 1:
