@@ -242,7 +242,7 @@ def total_loss(terms: dict, args: Args) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_features(target: Transformer, drafter, tokens, doc=None):
+def target_features(target: Transformer, drafter, tokens, doc):
     """The target's last hidden states and the features of the layers `drafter` reads, every document
     of a packed row (`doc`) attending only to itself."""
     mask = None
