@@ -239,6 +239,23 @@ def calibration_tuning(args: EvalArgs) -> list[str]:
     return given
 
 
+def dataset_names(listed: str, flag: str, dir_flag: str) -> list[str]:
+    """A comma-separated list of dataset names (eval.py's --datasets, train.py's --eval-datasets), checked:
+    at least one, none empty, none a path, none twice."""
+    names = [n.strip() for n in listed.split(",")]
+    if not any(names):
+        raise UserError(f"{flag} {listed!r}: no dataset named")
+    if not all(names):
+        raise UserError(f"{flag} {listed}: an empty name between commas")
+    for name in names:
+        if name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise UserError(f"{flag}: {name!r} is not a dataset name (a <name>.jsonl in {dir_flag})")
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise UserError(f"{flag}: {name!r} is named twice")
+    return names
+
+
 def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[str]]:
     """(name, path, sample count) of the datasets present; the known ones' missing files (after
     `resolve_defaults`)."""
@@ -246,19 +263,7 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
     problem = directory_problem(data_dir)
     if problem:
         raise UserError(f"--data-dir {data_dir}: {problem}")
-    listed = args.datasets
-    names = [n.strip() for n in listed.split(",")]
-    if not any(names):
-        raise UserError("--datasets: no dataset named")
-    if not all(names):
-        raise UserError(f"--datasets {listed}: an empty name between commas")
-    for name in names:
-        if name in (".", "..") or any(c in name for c in "/\\\0"):
-            raise UserError(f"--datasets: {name!r} is not a dataset name "
-                            "(a <name>.jsonl in --data-dir)")
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise UserError(f"--datasets: {name!r} is named twice")
+    names = dataset_names(args.datasets, "--datasets", "--data-dir")
     out = []
     skipped = []
     for name in names:

@@ -883,13 +883,7 @@ def check_eval_args(args: Args):
         problem = directory_problem(folder, "data directory")
         if problem:
             raise UserError(f"--eval-data-dir {folder}: {problem}")
-        names = []
-        for n in args.eval_datasets.split(","):
-            name = n.strip()
-            if name:
-                names.append(name)
-        if not names:
-            raise UserError(f"--eval-datasets {args.eval_datasets!r}: no dataset named")
+        names = evaluation.dataset_names(args.eval_datasets, "--eval-datasets", "--eval-data-dir")
         for name in names:
             if not os.path.isfile(os.path.join(folder, f"{name}.jsonl")):
                 raise UserError(f"--eval-datasets: no {name}.jsonl in {folder}")
