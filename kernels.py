@@ -12,7 +12,7 @@ import os
 import torch
 
 from model import attend_cached as cached_attention_reference
-from sampling import NO_FILTERS, Filters, exponential, filter_logits
+from sampling import NO_FILTERS, Filters, filter_logits
 from sampling import accept_sampled as accept_sampled_reference
 from sampling import markov_chain as markov_chain_reference
 
@@ -83,7 +83,7 @@ def _unit_stride(x):
     return x.contiguous()
 
 
-def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
+def markov_chain(base_logits, hidden, anchor, markov, temperature: float, noise, *,
                  filters: Filters = NO_FILTERS):
     """`sampling.markov_chain` for the vanilla head: per slot, tile keys (z/T - log E when sampled), then the
     row's best written where the next slot reads it. z/T - log E is log(q/E) up to a constant of the row,
@@ -100,8 +100,8 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
             or base_logits.dtype not in _ROUND_CODE
             or w2.dtype not in _ROUND_CODE
             or not _triton_ok(base_logits)):
-        return markov_chain_reference(base_logits, hidden, anchor, markov, temperature, generator,
-                                      noise, filters=filters)
+        return markov_chain_reference(base_logits, hidden, anchor, markov, temperature, noise,
+                                      filters=filters)
     kern = _kernels()
     dev = base_logits.device
     R = w1.shape[1]
@@ -116,7 +116,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     n_tiles = _cdiv(V, TRITON_BLOCK_V)
     pval = torch.empty((B, n_tiles), dtype=torch.float32, device=dev)
     pidx = torch.empty((B, n_tiles), dtype=torch.int32, device=dev)
-    if noise is not None:
+    if sampled:
         noise = noise.contiguous()
     z_dtype = torch.promote_types(base_logits.dtype, w2.dtype)  # the reference's z = u + bias
     bias_round = _ROUND_CODE[w2.dtype]
@@ -131,10 +131,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
         noise_k = z
         if sampled:
             z_k = z[:, k]
-            if noise is not None:
-                noise_k = noise[:, k]
-            else:  # the reference's draw order
-                noise_k = exponential((B, V), generator, dev)
+            noise_k = noise[:, k]
         kern["_markov_partial_kernel"][tile_grid](
             base_k, base_k.stride(0),
             chain, chain.stride(0), k,
@@ -163,22 +160,18 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     return drafts, q
 
 
-def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator,
-                   u=None, noise=None, *, filters: Filters = NO_FILTERS):
+def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, noise, *,
+                   filters: Filters = NO_FILTERS):
     """`sampling.accept_sampled` in four passes, p never materialised; filters run in torch first (then T = 1)."""
     B, K = drafts.shape
     V = target_logits.shape[-1]
     dev = target_logits.device
     if not (_triton_ok(target_logits) and target_logits.dtype in _ROUND_CODE):
         return accept_sampled_reference(drafts, q, target_logits, verify_len, temperature,
-                                        generator, u, noise, filters=filters)
+                                        u, noise, filters=filters)
     if filters.active:
         target_logits = filter_logits(target_logits.float() / temperature, filters)
         temperature = 1.0
-    if u is None:
-        u = torch.rand((B, K), generator=generator, device=dev)
-    if noise is None:
-        noise = exponential((B, V), generator, dev)
     kern = _kernels()
     T = float(temperature)
     rows = B * (K + 1)

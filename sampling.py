@@ -62,20 +62,19 @@ def probs(logits: torch.Tensor, temperature: float, filters: Filters = NO_FILTER
     return torch.softmax(z, dim=-1)
 
 
-def sample_from(p: torch.Tensor, generator, noise: Optional[torch.Tensor] = None):
-    """One id per row of p [..., V]; noise ~ Exp(1) of p's shape, or drawn from `generator`."""
-    if noise is None:
-        noise = exponential(p.shape, generator, p.device)
+def sample_from(p: torch.Tensor, noise: torch.Tensor):
+    """One id per row of p [..., V]; noise ~ Exp(1) of p's shape."""
     race = p / noise  # the exponential race: argmax(p / E) is a draw from p
     return torch.argmax(race, dim=-1)
 
 
-def sample(logits, temperature: float, generator, noise=None, *, filters: Filters = NO_FILTERS):
-    """argmax at T=0, else a draw from the filtered softmax(logits / T)."""
+def sample(logits, temperature: float, noise, *, filters: Filters = NO_FILTERS):
+    """argmax at T=0, else a draw from the filtered softmax(logits / T) raced against noise, Exp(1)
+    of logits' shape (None at T=0)."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
     p = probs(logits, temperature, filters)
-    return sample_from(p, generator, noise)
+    return sample_from(p, noise)
 
 
 class Noise(NamedTuple):
@@ -134,17 +133,15 @@ def rows_noise(generators: list, shape: Noise, device) -> Noise:
 
 # Drafting: the Markov chain
 
-def draw(z, j: int, temperature: float, filters: Filters, generator, noise):
+def draw(z, j: int, temperature: float, filters: Filters, noise):
     """The chain's draft in column j (x_{j+1}) from logits z [B, V]: the argmax at T=0, else a sample
-    from q = probs(z), with the chain's noise[:, j] when given. Returns the tokens [B] and q [B, V]
-    (None at T=0)."""
+    from q = probs(z) with the chain's noise[:, j]. Returns the tokens [B] and q [B, V] (None at
+    T=0)."""
     if temperature == 0:
         return torch.argmax(z, dim=-1), None
     q = probs(z, temperature, filters)
-    noise_j = None
-    if noise is not None:
-        noise_j = noise[:, j]
-    return sample_from(q, generator, noise_j), q
+    noise_j = noise[:, j]
+    return sample_from(q, noise_j), q
 
 
 def stack_chain(drafts: list, qs: list):
@@ -156,12 +153,12 @@ def stack_chain(drafts: list, qs: list):
     return tokens, q
 
 
-def markov_chain(base_logits, hidden, anchor, markov, temperature: float, generator, noise=None, *,
+def markov_chain(base_logits, hidden, anchor, markov, temperature: float, noise, *,
                  filters: Filters = NO_FILTERS):
     """The sequential stage: z_k = U_k + b_k, with b_k from the head's `step(h_k, x_{k-1}, state)`
     (no head: DFlash, z_k = U_k). base_logits [B, K, V], hidden [B, K, H], anchor [B]; noise Exp(1)
-    [B, K, V] or None. Returns drafts [B, K] and q [B, K, V], the distributions they were drawn
-    from (None at T=0)."""
+    [B, K, V] (None at T=0). Returns drafts [B, K] and q [B, K, V], the distributions they were
+    drawn from (None at T=0)."""
     drafts = []
     qs = []
     prev = anchor
@@ -172,7 +169,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
             h = hidden[:, j]  # [B, H]
             bias, state = markov.step(h, prev, state)
             z = z + bias
-        token, q = draw(z, j, temperature, filters, generator, noise)
+        token, q = draw(z, j, temperature, filters, noise)
         if q is not None:
             qs.append(q)
         drafts.append(token)
@@ -180,7 +177,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, genera
     return stack_chain(drafts, qs)
 
 
-def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, noise=None, *,
+def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, noise, *,
                  filters: Filters = NO_FILTERS):
     """Eagle3's drafting: x_k ~ softmax(lm_head(norm(h)) / T), then one step of its layer on (h, x_k)
     at position a + k - 1 gives the next h; h [B, H] starts as each row's carried state (the drafter's
@@ -190,7 +187,7 @@ def eagle3_chain(drafter, h, anchor_pos, K: int, temperature: float, generator, 
     qs = []
     for j in range(K):  # column j drafts x_{j+1}
         z = drafter.logits(h)  # [B, V]
-        token, q = draw(z, j, temperature, filters, generator, noise)
+        token, q = draw(z, j, temperature, filters, noise)
         if q is not None:
             qs.append(q)
         drafts.append(token)
@@ -237,16 +234,14 @@ def accept_greedy(drafts, target_logits, verify_len):
     return n, committed
 
 
-def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, generator, u=None,
-                   noise=None, *, filters: Filters = NO_FILTERS):
+def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, noise, *,
+                   filters: Filters = NO_FILTERS):
     """Rejection sampling: accept x_k if u_k·q_k(x_k) < p_{k-1}(x_k) and k <= ℓ; at the first
-    rejection the correction from normalize(max(p - q, 0)), else the bonus from p_ℓ. Draws u [B, K],
-    then a race over [B, V] (or takes them). Returns accepted n [B] and the committed token [B]."""
+    rejection the correction from normalize(max(p - q, 0)), else the bonus from p_ℓ, raced with
+    noise Exp(1) [B, V]; u [B, K] uniforms. Returns accepted n [B] and the committed token [B]."""
     B, K = drafts.shape
     device = drafts.device
     p = probs(target_logits, temperature, filters)  # [B, K+1, V]
-    if u is None:
-        u = torch.rand((B, K), generator=generator, device=device)
     n = torch.zeros(B, dtype=torch.long, device=device)
     final = p[:, 0]  # nothing drafted: the bonus from p_0
     if K:
@@ -265,7 +260,7 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, gen
         corrected = residual(p_n, q_n)
         rejected = n < verify_len
         final = torch.where(rejected[:, None], corrected, p_n)  # what the committed token follows
-    committed = sample_from(final, generator, noise)  # [B]
+    committed = sample_from(final, noise)  # [B]
     return n, committed
 
 
@@ -544,7 +539,7 @@ def choose_at_nodes(tree: Tree, p, u, noise):
         renormalized = without / left
         p_i.copy_(torch.where(rejected, corrected, p_i))
         q_i.copy_(torch.where(rejected, renormalized, q_i))
-    from_residual = sample_from(p, None, noise[:, None, :])  # [B, N+1]: every node's, one race
+    from_residual = sample_from(p, noise[:, None, :])  # [B, N+1]: every node's, one race
     chosen_sorted = torch.where(done, chosen, from_residual)  # rows still most children first
     unsorted = torch.zeros_like(chosen)
     return unsorted.scatter(1, order, chosen_sorted)  # back in the nodes' order

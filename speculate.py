@@ -69,7 +69,7 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     if drafter.cfg.layout == "eagle3":  # 1. Draft: K one-token steps; every draft verified
         K = num_drafts
         drafts, q = sampling.eagle3_chain(drafter, carried[:B], anchor_pos, K, temperature,
-                                          generator=None, noise=noise, filters=filters)
+                                          noise=noise, filters=filters)
         verify_len = torch.full((B,), K, dtype=torch.long, device=device)
         return Proposal(drafts=drafts, verify_len=verify_len, q=q)
     # 1. Draft: the block in one parallel pass, the Markov chain left to right, the confidences.
@@ -90,7 +90,7 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
         chain = kernels.markov_chain
     else:
         chain = sampling.markov_chain
-    drafts, q = chain(base_logits, hidden, anchor, markov, temperature, generator=None, noise=noise,
+    drafts, q = chain(base_logits, hidden, anchor, markov, temperature, noise=noise,
                       filters=filters)
     x_0 = anchor[:, None]  # [B, 1]
     previous = torch.cat([x_0, drafts[:, :-1]], dim=1)  # x_0 .. x_{K-1}
@@ -156,7 +156,7 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
         accept = sampling.accept_sampled
         if backend == "triton":
             accept = kernels.accept_sampled
-        accepted, next_token = accept(drafts, q, logits, verify_len, temperature, generator=None, u=u,
+        accepted, next_token = accept(drafts, q, logits, verify_len, temperature, u=u,
                                       noise=bonus_noise, filters=filters)
     # 5. Commit: the drafter's context cache gets the target's features at positions a .. a+K. Past
     # a+n they are stale, as are the target's: the anchor moves to a+n+1, and every position a later
@@ -319,7 +319,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
         capture = drafter.cfg.target_layer_ids
     last = lens - 1
     logits, features = target(tokens, positions, capture=capture, logits_index=last, rows=rows)
-    first = sampling.sample(logits, temperature, generator=None, noise=noise, filters=filters)
+    first = sampling.sample(logits, temperature, noise=noise, filters=filters)
     finite = finite_rows(logits)
     first = torch.where(finite, first, -1)
     if drafter is not None:

@@ -585,7 +585,7 @@ def chain_checks(st: Stage, shapes: list, dtype, dev: str, g, reps: int):
 def sampled_verify(accept, inputs):
     """`accept` (the reference or the Triton function) on `verify_inputs`' tensors at temperature 1."""
     drafts, q, logits, verify_len, u, bonus_noise = inputs
-    return accept(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+    return accept(drafts, q, logits, verify_len, 1.0, u, bonus_noise)
 
 
 def verify_checks(st: Stage, shapes: list, dtype, dev: str, g, reps: int):
@@ -648,7 +648,7 @@ def compiled_checks(st: Stage, shapes: dict, dtype, adtype, dev: str, g, dry: bo
 
     def step(U, anchor, logits, verify_len):
         drafts, _ = kernels.markov_chain(U, h, anchor, markov, 0.0, None)
-        accepted, next_token = kernels.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+        accepted, next_token = kernels.accept_sampled(drafts, q, logits, verify_len, 1.0, u, bonus_noise)
         return drafts, accepted, next_token
 
     outputs = compiled_run(st, ("compiled chain", "compiled verify_sampled"), step, dry,
@@ -656,7 +656,7 @@ def compiled_checks(st: Stage, shapes: dict, dtype, adtype, dev: str, g, dry: bo
     if outputs is not None:
         drafts, accepted, next_token = outputs
         st.check("compiled chain", *chain_gap(markov, U, anchor, drafts), triton_traced=not dry)
-        reference = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, None, u, bonus_noise)
+        reference = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, u, bonus_noise)
         st.check("compiled verify_sampled", differing((accepted, next_token), reference), 0.0,
                  triton_traced=not dry)
     B, T, H, Hkv, hd, S, fills = shapes["attention"][0]

@@ -410,7 +410,10 @@ def appendix_a_first_tokens(lengths_for, n=40000, seed=0):
     verify_len = torch.where(drafts[:, 0] == A, ell[A], ell[B_])
     q = torch.full((n, 2, 2), 0.5)
     logits = torch.tensor([0.7, 0.3]).log().expand(n, 3, 2)
-    accepted, token = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, g)
+    # the acceptance's uniforms, then its race's noise, in a round's order
+    u = torch.rand((n, 2), generator=g)
+    noise = sampling.exponential((n, 2), g, "cpu")
+    accepted, token = sampling.accept_sampled(drafts, q, logits, verify_len, 1.0, u, noise)
     return torch.where(accepted >= 1, drafts[:, 0], token), ell
 
 

@@ -37,6 +37,27 @@ def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def chain_noise(B: int, K: int, V: int, seed: int) -> torch.Tensor:
+    """A chain's Exp(1) noise [B, K, V] from a seeded generator, as a round draws it
+    (`sampling.round_noise`)."""
+    return sampling.exponential((B, K, V), gen(seed), "cpu")
+
+
+def acceptance_noise(B: int, K: int, V: int, seed: int):
+    """The acceptance's uniforms u [B, K], then its race's Exp(1) noise [B, V], from a seeded
+    generator in a round's order (`sampling.round_noise`)."""
+    g = gen(seed)
+    u = torch.rand((B, K), generator=g)
+    noise = sampling.exponential((B, V), g, "cpu")
+    return u, noise
+
+
+def draw_from(p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """One id per row of p, raced against Exp(1) noise drawn from g."""
+    noise = sampling.exponential(p.shape, g, "cpu")
+    return sampling.sample_from(p, noise)
+
+
 def test_chi2_helper_has_power():
     g = gen(0)
     p = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -91,7 +112,8 @@ def test_markov_chain_feeds_anchor_then_previous_draft(temperature):
     B, K, V = 6, 5, 11
     base, hidden, anchor = _inputs(B, K, V)
     head = RecordingHead(V, "next")
-    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, gen(1))
+    noise = chain_noise(B, K, V, seed=1)
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, noise)
     assert drafts.shape == (B, K) and drafts.dtype == torch.long
     assert len(head.prevs) == K
     # The anchor feeds slot 1, and slot k receives the token drafted at slot k-1.
@@ -116,7 +138,8 @@ def test_markov_chain_sampled_prev_is_the_sampled_token(temperature):
     B, K, V = 64, 6, 9
     base, hidden, anchor = _inputs(B, K, V, scale=0.3)
     head = RecordingHead(V, "zero")
-    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, gen(3))
+    noise = chain_noise(B, K, V, seed=3)
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, noise)
     assert torch.equal(head.prevs[0], anchor)
     for k in range(1, K):
         assert torch.equal(head.prevs[k], drafts[:, k - 1])
@@ -130,7 +153,8 @@ def test_markov_chain_q_is_the_distribution_drafted_from(temperature, with_head)
     B, K, V = 8, 4, 13
     base, hidden, anchor = _inputs(B, K, V, scale=2.0)
     head = RecordingHead(V, "mild") if with_head else None
-    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, gen(5))
+    noise = chain_noise(B, K, V, seed=5)
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, temperature, noise)
     assert q is not None and q.shape == (B, K, V) and q.dtype == torch.float32
     for k in range(K):
         z = base[:, k] + (head.biases[k] if head is not None else 0)
@@ -142,7 +166,8 @@ def test_markov_chain_q_is_the_distribution_drafted_from(temperature, with_head)
 def test_markov_chain_q_is_none_at_t0_and_greedy_is_argmax():
     B, K, V = 5, 4, 10
     base, hidden, anchor = _inputs(B, K, V)
-    drafts, q = sampling.markov_chain(base, hidden, anchor, None, 0.0, gen(0))
+    noise = chain_noise(B, K, V, seed=0)  # read by nothing at T=0
+    drafts, q = sampling.markov_chain(base, hidden, anchor, None, 0.0, noise)
     assert q is None
     assert torch.equal(drafts, torch.argmax(base, dim=-1))
     head = RecordingHead(V, "zero")
@@ -163,7 +188,8 @@ def test_markov_chain_without_head_samples_each_slot_from_its_own_logits():
     base = row.expand(B, K, V).contiguous()
     hidden = torch.zeros(B, K, 2)
     anchor = torch.zeros(B, dtype=torch.long)
-    drafts, q = sampling.markov_chain(base, hidden, anchor, None, T, gen(8))
+    noise = chain_noise(B, K, V, seed=8)
+    drafts, q = sampling.markov_chain(base, hidden, anchor, None, T, noise)
     for k in range(K):
         assert bool(support[k, drafts[:, k]].all())
         assert chi2_pvalue(drafts[:, k], torch.softmax(row[k] / T, -1)) > P_MIN
@@ -173,7 +199,10 @@ def test_markov_chain_without_head_samples_each_slot_from_its_own_logits():
 def test_markov_chain_repeatable_with_seed():
     B, K, V = 16, 5, 9
     base, hidden, anchor = _inputs(B, K, V, scale=0.5)
-    runs = [sampling.markov_chain(base, hidden, anchor, RecordingHead(V, "zero"), 1.0, gen(s)) for s in (11, 11, 12)]
+    runs = []
+    for seed in (11, 11, 12):
+        noise = chain_noise(B, K, V, seed)
+        runs.append(sampling.markov_chain(base, hidden, anchor, RecordingHead(V, "zero"), 1.0, noise))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert not torch.equal(runs[0][0], runs[2][0])
 
@@ -246,9 +275,10 @@ def test_accept_sampled_p_equals_q_accepts_every_verified_draft(temperature):
     g = gen(3)
     target_logits = torch.randn(B, K + 1, V, generator=g) * 2
     q = sampling.probs(target_logits[:, :K], temperature)
-    drafts = sampling.sample_from(q, g)
+    drafts = draw_from(q, g)
     verify_len = torch.randint(0, K + 1, (B,), generator=g)
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, verify_len, temperature, gen(4))
+    u, noise = acceptance_noise(B, K, V, seed=4)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, verify_len, temperature, u, noise)
     assert torch.equal(n, verify_len)
     assert bool(((nxt >= 0) & (nxt < V)).all())
 
@@ -263,9 +293,10 @@ def test_accept_sampled_bonus_comes_from_p_ell():
     row[3, :4] = float("-inf")
     target_logits = row.expand(B, K + 1, V).contiguous()
     q = sampling.probs(target_logits[:, :K], 1.0)
-    drafts = sampling.sample_from(q, g)
+    drafts = draw_from(q, g)
     verify_len = torch.tensor([1, 3]).repeat(B // 2)
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, verify_len, 1.0, gen(6))
+    u, noise = acceptance_noise(B, K, V, seed=6)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, verify_len, 1.0, u, noise)
     assert torch.equal(n, verify_len)
     p = sampling.probs(row, 1.0)
     assert chi2_pvalue(nxt[verify_len == 1], p[1]) > P_MIN
@@ -280,7 +311,8 @@ def test_accept_sampled_draft_with_zero_target_probability_is_always_rejected():
     target_logits = torch.stack([_logits_of(p0), _logits_of(p0), _logits_of(p0)])[None].expand(B, K + 1, V)
     q = torch.stack([q0, q0])[None].expand(B, K, V).contiguous()
     drafts = torch.full((B, K), bad)
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(9))
+    u, noise = acceptance_noise(B, K, V, seed=9)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, u, noise)
     assert n.tolist() == [0] * B
     assert not bool((nxt == bad).any())
     # The correction is drawn from normalize(max(p - q, 0)).
@@ -296,7 +328,7 @@ def test_accept_sampled_u_zero_never_accepts_a_token_the_target_cannot_produce()
     q = torch.tensor([[[0.0, 0.0, 1.0]]])
     drafts = torch.tensor([[2]])
     u, noise = torch.zeros(1, 1), torch.ones(1, 3)
-    n, nxt = sampling.accept_sampled(drafts, q, logits, torch.tensor([1]), 1.0, None, u, noise)
+    n, nxt = sampling.accept_sampled(drafts, q, logits, torch.tensor([1]), 1.0, u, noise)
     assert n.tolist() == [0] and nxt.item() != 2
 
 
@@ -309,7 +341,8 @@ def test_accept_sampled_residual_example():
     target_logits = torch.stack([_logits_of(p0), _logits_of(p1)])[None].expand(B, 2, V).contiguous()
     q = torch.tensor([1.0, 0.0, 0.0]).expand(B, 1, V).contiguous()
     drafts = torch.zeros(B, 1, dtype=torch.long)
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.ones(B, dtype=torch.long), 1.0, gen(10))
+    u, noise = acceptance_noise(B, 1, V, seed=10)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.ones(B, dtype=torch.long), 1.0, u, noise)
     rate = n.float().mean().item()
     assert abs(rate - 0.5) < 4 * (0.25 / B) ** 0.5, rate
     assert bool((nxt[n == 0] == 1).all())
@@ -328,8 +361,9 @@ def test_accept_sampled_is_lossless_on_random_distributions():
     q_row = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)
     target_logits = tl_row.expand(B, K + 1, V).contiguous()
     q = q_row.expand(B, K, V).contiguous()
-    drafts = sampling.sample_from(q, g)
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, gen(13))
+    drafts = draw_from(q, g)
+    u, noise = acceptance_noise(B, K, V, seed=13)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, u, noise)
     p = torch.softmax(tl_row, -1)
     first = torch.where(n >= 1, drafts[:, 0], nxt)
     assert chi2_pvalue(first, p[0]) > P_MIN
@@ -345,9 +379,10 @@ def test_accept_sampled_verify_len_caps_acceptance():
     g = gen(14)
     target_logits = torch.randn(B, K + 1, V, generator=g)
     q = sampling.probs(target_logits[:, :K], 1.0)  # p == q: every verified draft passes
-    drafts = sampling.sample_from(q, g)
+    drafts = draw_from(q, g)
     verify_len = torch.tensor([0, 1, 2, 3, 4]).repeat(B // 5)
-    n, _ = sampling.accept_sampled(drafts, q, target_logits, verify_len, 1.0, gen(15))
+    u, noise = acceptance_noise(B, K, V, seed=15)
+    n, _ = sampling.accept_sampled(drafts, q, target_logits, verify_len, 1.0, u, noise)
     assert torch.equal(n, verify_len)
 
 
@@ -355,8 +390,9 @@ def test_accept_sampled_no_drafts_samples_from_p0():
     B, V = 6000, 6
     row = torch.randn(1, V, generator=gen(16))
     target_logits = row.expand(B, 1, V).contiguous()
+    u, noise = acceptance_noise(B, 0, V, seed=17)
     n, nxt = sampling.accept_sampled(torch.zeros(B, 0, dtype=torch.long), None, target_logits,
-                                    torch.zeros(B, dtype=torch.long), 0.9, gen(17))
+                                    torch.zeros(B, dtype=torch.long), 0.9, u, noise)
     assert n.tolist() == [0] * B
     assert chi2_pvalue(nxt, torch.softmax(row[0] / 0.9, -1)) > P_MIN
 
@@ -366,11 +402,14 @@ def test_accept_sampled_repeatable_with_seed():
     g = gen(18)
     target_logits = torch.randn(B, K + 1, V, generator=g)
     q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
-    drafts = sampling.sample_from(q, g)
+    drafts = draw_from(q, g)
     vl = torch.full((B,), K)
-    a = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
-    b = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, gen(1))
-    c = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, gen(2))
+    u_a, noise_a = acceptance_noise(B, K, V, seed=1)
+    u_b, noise_b = acceptance_noise(B, K, V, seed=1)
+    u_c, noise_c = acceptance_noise(B, K, V, seed=2)
+    a = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, u_a, noise_a)
+    b = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, u_b, noise_b)
+    c = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, u_c, noise_c)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not (torch.equal(a[0], c[0]) and torch.equal(a[1], c[1]))
 
@@ -380,7 +419,8 @@ def test_accept_sampled_repeatable_with_seed():
 
 def test_sample_argmax_at_t0():
     logits = torch.randn(4, 3, 11, generator=gen(19))
-    assert torch.equal(sampling.sample(logits, 0.0, gen(0)), logits.argmax(-1))
+    noise = sampling.exponential(logits.shape, gen(0), "cpu")  # read by nothing at T=0
+    assert torch.equal(sampling.sample(logits, 0.0, noise), logits.argmax(-1))
     assert torch.equal(sampling.sample(logits, 0, None), logits.argmax(-1))
 
 
@@ -388,7 +428,8 @@ def test_sample_argmax_at_t0():
 def test_sample_frequencies_match_softmax(temperature):
     B, V = 20000, 7
     row = torch.randn(V, generator=gen(20)) * 1.5
-    ids = sampling.sample(row.expand(B, V), temperature, gen(21))
+    noise = sampling.exponential((B, V), gen(21), "cpu")
+    ids = sampling.sample(row.expand(B, V), temperature, noise)
     assert ids.shape == (B,)
     assert chi2_pvalue(ids, torch.softmax(row / temperature, -1)) > P_MIN
     # ... and not the distribution at another temperature (the check has power).
@@ -397,9 +438,12 @@ def test_sample_frequencies_match_softmax(temperature):
 
 def test_sample_repeatable_with_seed():
     logits = torch.randn(50, 9, generator=gen(22))
-    a = sampling.sample(logits, 1.0, gen(5))
-    assert torch.equal(a, sampling.sample(logits, 1.0, gen(5)))
-    assert not torch.equal(a, sampling.sample(logits, 1.0, gen(6)))
+    noise_a = sampling.exponential(logits.shape, gen(5), "cpu")
+    noise_b = sampling.exponential(logits.shape, gen(5), "cpu")
+    noise_c = sampling.exponential(logits.shape, gen(6), "cpu")
+    a = sampling.sample(logits, 1.0, noise_a)
+    assert torch.equal(a, sampling.sample(logits, 1.0, noise_b))
+    assert not torch.equal(a, sampling.sample(logits, 1.0, noise_c))
 
 
 # ----------------------------------------------------------------------------------------
@@ -530,7 +574,7 @@ def test_markov_chain_with_predrawn_noise(with_head):
     base, hidden, anchor = _inputs(B, K, V, scale=0.5)
     noise = torch.empty(B, K, V).exponential_(1, generator=gen(31))
     head = RecordingHead(V, "zero") if with_head else None
-    drafts, q = sampling.markov_chain(base, hidden, anchor, head, T, None, noise)
+    drafts, q = sampling.markov_chain(base, hidden, anchor, head, T, noise)
     # Each draft is the exponential race over its own q with its own slot's noise.
     assert torch.equal(drafts, torch.argmax(q / noise, dim=-1))
     torch.testing.assert_close(q, torch.softmax(base / T, -1))
@@ -538,7 +582,7 @@ def test_markov_chain_with_predrawn_noise(with_head):
         assert torch.equal(head.prevs[0], anchor)
         for k in range(1, K):
             assert torch.equal(head.prevs[k], drafts[:, k - 1])
-    again, _ = sampling.markov_chain(base, hidden, anchor, RecordingHead(V, "zero") if with_head else None, T, None,
+    again, _ = sampling.markov_chain(base, hidden, anchor, RecordingHead(V, "zero") if with_head else None, T,
                                     noise.clone())
     assert torch.equal(drafts, again)
 
@@ -562,7 +606,7 @@ def test_accept_sampled_acceptance_rule_with_given_u():
         [0.5001, 0.0, 0.0],  # first rejected -> n = 0 (later acceptances don't count)
     ])
     noise = torch.ones(B, V)  # the race then picks the argmax of the sampling distribution
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, None, u, noise)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, torch.full((B,), K), 1.0, u, noise)
     assert n.tolist() == [3, 1, 1, 3, 3, 0]
     # Bonus rows: argmax p = token 1. Rejected rows: residual max(p - q, 0) = [.1, 0, .25, .05] -> token 2.
     assert nxt.tolist() == [1, 2, 2, 1, 1, 2]
@@ -573,11 +617,11 @@ def test_accept_sampled_predrawn_noise_matches_race_over_residual():
     g = gen(32)
     target_logits = torch.randn(B, K + 1, V, generator=g)
     q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
-    drafts = sampling.sample_from(q, g)
+    drafts = draw_from(q, g)
     u = torch.rand(B, K, generator=g)
     noise = torch.empty(B, V).exponential_(1, generator=g)
     vl = torch.randint(0, K + 1, (B,), generator=g)
-    n, nxt = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, None, u, noise)
+    n, nxt = sampling.accept_sampled(drafts, q, target_logits, vl, 1.0, u, noise)
     p = torch.softmax(target_logits, -1)
     for i in range(B):
         m = 0
