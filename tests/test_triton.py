@@ -235,7 +235,7 @@ def sampled_case(B, K, V, seed, T=1.0):
 
 
 @pytest.mark.parametrize("B,K,V,T", [(3, 4, 100, 1.0), (1, 7, 257, 0.7), (3, 0, 100, 1.0), (3, 2, 300, 1.5)])
-def test_verify_sampled_equals_reference_given_u_and_noise(B, K, V, T, no_fallback):
+def test_accept_sampled_equals_reference_given_u_and_noise(B, K, V, T, no_fallback):
     seen_rejection = False
     for trial in range(3):
         drafts, q, logits, verify_len, u, noise = sampled_case(B, K, V, seed=trial + V + K, T=T)
@@ -246,7 +246,7 @@ def test_verify_sampled_equals_reference_given_u_and_noise(B, K, V, T, no_fallba
     assert seen_rejection or K == 0  # the correction path was exercised
 
 
-def test_verify_sampled_hand_built(no_fallback):
+def test_accept_sampled_hand_built(no_fallback):
     """p = q: every verified draft passes and the bonus races p_ℓ; a draft with p(x) = 0 is
     rejected and the correction comes from max(p − q, 0)."""
     V, K = 40, 3
@@ -263,7 +263,7 @@ def test_verify_sampled_hand_built(no_fallback):
     assert torch.equal(nxt, nxt_ref)
 
 
-def test_verify_sampled_u_zero_rejects_a_token_the_target_cannot_produce(no_fallback):
+def test_accept_sampled_u_zero_rejects_a_token_the_target_cannot_produce(no_fallback):
     """As the reference: u·q(x) < p(x) is strict, so u = 0 with p(x) = 0 rejects."""
     V = 40
     logits = torch.randn((1, 2, V), generator=gen(15))
