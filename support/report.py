@@ -136,7 +136,6 @@ class Decoding:
         self.length_hist = [0] * (engine.K + 2)  # rounds that committed 0 .. K+1 tokens
         self.seen: dict[int, int] = {}             # tokens of each request counted so far
         self.steps = self.logged = 0
-        self.requests = requests
         self.bar = None
         self.lines = None
         shown = runlog.show(args.progress and requests > 1)
@@ -185,7 +184,7 @@ class Decoding:
             self.bar.set_postfix_str(speed, refresh=False)
             self.bar.update(1)
         else:
-            self.lines.say(f"{self.name}: {len(self.done)}/{self.requests} requests done, {speed}")
+            self.lines.say(f"{self.name}: {len(self.done)}/{self.report.requests} requests done, {speed}")
 
     def on_step(self):
         self.steps += 1
