@@ -691,8 +691,8 @@ def test_a_new_markov_head_is_one_class(ck, tmp_path, monkeypatch):
 @pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_heads_shared_by_inference_and_training(ck, target, markov):
     """Each head says its kind (kernels test it, not the class name); commit_context caches exactly
-    `context_kv` of the projected features; `confidence` is σ(confidence_logit / T), the logit
-    training fits, with the Markov feature W1[prev] read by the same function."""
+    each layer's `Attention.kv` of the projected features; `confidence` is σ(confidence_logit / T),
+    the logit training fits, with the Markov feature W1[prev] read by the same function."""
     d = checkpoint.load_drafter(ck.drafter(f"shared_{markov}", markov=markov, oracle=False, rank=8), target)
     assert d.markov_head.kind == markov == d.cfg.markov_head_type
     T = 5

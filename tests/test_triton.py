@@ -292,7 +292,7 @@ def attention_case(B, T, H, Hkv, hd, S, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("B,T,H,Hkv,hd,S", [(2, 3, 4, 2, 16, 40), (1, 8, 8, 2, 32, 70), (3, 1, 4, 4, 16, 33),
                                             (1, 8, 8, 1, 64, 16)])
 def test_cached_attention_equals_the_models(B, T, H, Hkv, hd, S, split, monkeypatch):
-    """cached_attention_triton = model.attend_cached (the CPU kernel's / SDPA's result) to float32
+    """kernels.cached_attention = model.attend_cached (the CPU kernel's / SDPA's result) to float32
     rounding, with the mask one row per token or folded for GQA (rows i*T + t), across several key
     blocks with a ragged last one and several blocks of query rows, the keys in one pass or split
     among programs (a split that sees nothing included); a row that may see no key gives zeros; q may
