@@ -1,4 +1,5 @@
-"""The figures: eval.py's reliability diagram and the concurrency plot (scripts/bench_concurrency.py).
+"""The figures: eval.py's reliability diagram, the concurrency plot (scripts/bench_concurrency.py) and τ and
+speed against the tree budget (scripts/bench.py --tree-plot).
 
 matplotlib is imported only when drawing, and figures are `Figure` objects, not pyplot: no GUI backend,
 no global state. The extension picks the format: .png, or .svg with text as text and no date (a rerun
