@@ -10,7 +10,8 @@ For the algorithm files (model.py, drafter.py, sampling.py, kernels.py, speculat
 - conditional expressions (`a if c else b`) per 1,000 code lines.
 Then the code tokens of everything `python speculate.py` can import from the project: every module
 reachable from speculate.py through an import statement anywhere in a file (lazy imports included),
-support/ package modules included. The anchors' figures, measured the same way, are printed beside.
+support/ package modules included. The anchor's figures (gpt-fast's model.py + generate.py), measured the
+same way, are printed beside.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHM = ("model.py", "drafter.py", "sampling.py", "kernels.py", "speculate.py")
-# gpt-fast's model.py + generate.py, measured by this script's rules (docs/performance.md's peers).
+# gpt-fast's model.py + generate.py, measured by this script's rules: the row printed beside ours.
 ANCHOR = {"name": "gpt-fast model+generate", "code_tokens": 5775, "nodes_per_line": 10.0, "long_lines": 0.059,
           "conditionals_per_1000": 5}
 LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
