@@ -471,8 +471,8 @@ def check_tree_temperature(s, drafters: list, temperature: float):
 def check_no_drafter(s: Settings, calibration: Optional[str] = None):
     """Without a drafter a setting only a drafter reads would change nothing: refused, not ignored in
     silence (speculate.py: no --drafter and no --random-init, the demo having one; eval.py: no --drafter;
-    `generate` with models that have none). Those that need another (--sps-table a --scheduler,
-    --calibration a scheduled round) come first, so each is named for itself."""
+    bench.py: a --target without one; `generate` with models that have none). Those that need another
+    (--sps-table a --scheduler, --calibration a scheduled round) come first, so each is named for itself."""
     settings = [  # (given, flag and value, what it does)
         (calibration is not None, f"--calibration {calibration}",
          "calibrates a drafter's confidence head"),
