@@ -461,7 +461,7 @@ def _verify_sampled_accept_kernel(pmax_ptr, psum_ptr, n_tiles,
                                   BLOCK_J: tl.constexpr,
                                   BLOCK_T: tl.constexpr):
     """One row: softmax max/sum of each position, the acceptance test u·q(x) < p(x), n, and the
-    committed position's statistics (max, sum, rejected) for the last pass."""
+    committed position's statistics (max, sum, rejected) for passes 3 and 4 (race, pick)."""
     temperature = tl.cast(temperature, tl.float32)
     b = tl.program_id(0).to(tl.int64)
     js = tl.arange(0, BLOCK_J)  # positions 0 .. K; drafts at 0 .. K - 1
