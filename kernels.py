@@ -96,7 +96,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, noise,
         w2 = markov.markov_w2.weight
     if (w1 is None
             or B > TRITON_CHAIN_MAX_BATCH
-            or (filters.active and temperature != 0)
+            or filters.active
             or base_logits.dtype not in _ROUND_CODE
             or w2.dtype not in _ROUND_CODE
             or not _triton_ok(base_logits)):
