@@ -229,14 +229,14 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, 
         HAS_Q=has_q,
         BLOCK_V=TRITON_ROWS_BLOCK_V)
     # 4. the next token
-    nxt = torch.empty((B,), dtype=torch.long, device=dev)
+    next_token = torch.empty((B,), dtype=torch.long, device=dev)
     kern["_verify_sampled_pick_kernel"][row_grid](
         pval, pidx, rsum, stat,
-        nxt,
+        next_token,
         n_tiles,
         HAS_Q=has_q,
         BLOCK_T=BLOCK_T)
-    return n, nxt
+    return n, next_token
 
 
 TRITON_BLOCK_N = 64               # keys per step of the attention loop

@@ -222,7 +222,7 @@ def residual(p, q):
 
 def accept_greedy(drafts, target_logits, verify_len):
     """Accept x_k while it is the target's argmax and k <= ℓ (verify_len [B]); target_logits
-    [B, K+1, V]. Returns accepted n [B] and the token committed after them [B]."""
+    [B, K+1, V]. Returns accepted n [B] and next_token [B], the token committed after them."""
     B, K = drafts.shape
     best = torch.argmax(target_logits, dim=-1)  # [B, K+1]
     agrees = drafts == best[:, :K]  # [B, K]
@@ -230,15 +230,16 @@ def accept_greedy(drafts, target_logits, verify_len):
     ok = agrees & verified
     n = prefix_length(ok)
     rows = torch.arange(B, device=drafts.device)
-    committed = best[rows, n]  # [B] the target's argmax after the accepted drafts
-    return n, committed
+    next_token = best[rows, n]  # [B] the target's argmax after the accepted drafts
+    return n, next_token
 
 
 def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, noise, *,
                    filters: Filters = NO_FILTERS):
     """Rejection sampling: accept x_k if u_k·q_k(x_k) < p_{k-1}(x_k) and k <= ℓ; at the first
     rejection the correction from normalize(max(p - q, 0)), else the bonus from p_ℓ, raced with
-    noise Exp(1) [B, V]; u [B, K] uniforms. Returns accepted n [B] and the committed token [B]."""
+    noise Exp(1) [B, V]; u [B, K] uniforms. Returns accepted n [B] and next_token [B], the token
+    committed after them."""
     B, K = drafts.shape
     device = drafts.device
     p = probs(target_logits, temperature, filters)  # [B, K+1, V]
@@ -259,9 +260,9 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, 
         q_n = q[rows, q_row]
         corrected = residual(p_n, q_n)
         rejected = n < verify_len
-        final = torch.where(rejected[:, None], corrected, p_n)  # what the committed token follows
-    committed = sample_from(final, noise)  # [B]
-    return n, committed
+        final = torch.where(rejected[:, None], corrected, p_n)  # what the next token follows
+    next_token = sample_from(final, noise)  # [B]
+    return n, next_token
 
 
 # Draft trees: the block's distributions grown into a tree of `budget` nodes, verified in one pass
@@ -549,7 +550,7 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
     """From the root, follow the child holding the target's token at the current node; stop at the
     first node where none does. target_tokens [B, N+1]: the target's token at every node. Returns
     the path [B, depth+1] (node indices from the root; after the last accepted node, that node
-    again), the accepted count n [B], and the target's token after the path [B]."""
+    again), the accepted count n [B], and next_token [B], the target's token after the path."""
     B = tree.tokens.shape[0]
     device = tree.tokens.device
     rows = torch.arange(B, device=device)
@@ -566,6 +567,6 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
         current = torch.where(found, child, current)
         accepted = accepted + found.long()
         path.append(current)
-    after = target_tokens[rows, current]  # [B]
+    next_token = target_tokens[rows, current]  # [B]
     nodes = torch.stack(path, dim=1)
-    return nodes, accepted, after
+    return nodes, accepted, next_token
