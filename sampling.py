@@ -229,8 +229,8 @@ def accept_greedy(drafts, target_logits, verify_len):
     verified = verified_mask(drafts, verify_len)
     ok = agrees & verified
     n = prefix_length(ok)
-    rows = torch.arange(B, device=drafts.device)
-    next_token = best[rows, n]  # [B] the target's argmax after the accepted drafts
+    batch = torch.arange(B, device=drafts.device)
+    next_token = best[batch, n]  # [B] the target's argmax after the accepted drafts
     return n, next_token
 
 
@@ -254,10 +254,10 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, 
         verified = verified_mask(drafts, verify_len)
         ok = passed & verified
         n = prefix_length(ok)
-        rows = torch.arange(B, device=device)
-        p_n = p[rows, n]  # [B, V] the target's distribution after the accepted drafts
+        batch = torch.arange(B, device=device)
+        p_n = p[batch, n]  # [B, V] the target's distribution after the accepted drafts
         q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
-        q_n = q[rows, q_row]
+        q_n = q[batch, q_row]
         corrected = residual(p_n, q_n)
         rejected = n < verify_len
         final = torch.where(rejected[:, None], corrected, p_n)  # what the next token follows
@@ -553,12 +553,12 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
     again), the accepted count n [B], and next_token [B], the target's token after the path."""
     B = tree.tokens.shape[0]
     device = tree.tokens.device
-    rows = torch.arange(B, device=device)
+    batch = torch.arange(B, device=device)
     current = torch.zeros(B, dtype=torch.long, device=device)
     accepted = torch.zeros(B, dtype=torch.long, device=device)
     path = [current]
     for _ in range(depth):
-        wanted = target_tokens[rows, current]  # [B]
+        wanted = target_tokens[batch, current]  # [B]
         children = tree.parents == current[:, None]  # [B, N+1]
         holding = tree.tokens == wanted[:, None]
         match = children & holding
@@ -567,6 +567,6 @@ def walk_tree(tree: Tree, target_tokens, depth: int):
         current = torch.where(found, child, current)
         accepted = accepted + found.long()
         path.append(current)
-    next_token = target_tokens[rows, current]  # [B]
+    next_token = target_tokens[batch, current]  # [B]
     nodes = torch.stack(path, dim=1)
     return nodes, accepted, next_token
