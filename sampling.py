@@ -464,15 +464,15 @@ def build_tree(base_logits, hidden, anchor, markov, budget: int, tree_temperatur
     return Tree(tree_tokens, tree_parents, tree_depths, tree_q)
 
 
-def ancestors(tree: Tree, depth: int) -> torch.Tensor:
+def ancestors(tree: Tree, max_depth: int) -> torch.Tensor:
     """[B, N+1, N+1] bool: [b, i, j] is True where node j is node i or one of its ancestors (a tree at
-    most `depth` deep)."""
+    most `max_depth` deep)."""
     B, N1 = tree.parents.shape
     device = tree.parents.device
     itself = torch.eye(N1, dtype=torch.bool, device=device)
     seen = itself.expand(B, N1, N1).clone()
     up = tree.parents  # [B, N+1] each node's ancestor this many hops up (-1: past the root)
-    for _ in range(depth):
+    for _ in range(max_depth):
         on_path = up >= 0
         index = up.clamp(min=0)
         is_ancestor = torch.nn.functional.one_hot(index, N1).bool()  # [B, N+1, N+1]
@@ -546,18 +546,19 @@ def choose_at_nodes(tree: Tree, p, u, noise):
     return unsorted.scatter(1, order, chosen_sorted)  # back in the nodes' order
 
 
-def walk_tree(tree: Tree, target_tokens, depth: int):
+def walk_tree(tree: Tree, target_tokens, max_depth: int):
     """From the root, follow the child holding the target's token at the current node; stop at the
-    first node where none does. target_tokens [B, N+1]: the target's token at every node. Returns
-    the path [B, depth+1] (node indices from the root; after the last accepted node, that node
-    again), the accepted count n [B], and next_token [B], the target's token after the path."""
+    first node where none does (a tree at most `max_depth` deep). target_tokens [B, N+1]: the
+    target's token at every node. Returns the path [B, max_depth+1] (node indices from the root;
+    after the last accepted node, that node again), the accepted count n [B], and next_token [B],
+    the target's token after the path."""
     B = tree.tokens.shape[0]
     device = tree.tokens.device
     batch = torch.arange(B, device=device)
     current = torch.zeros(B, dtype=torch.long, device=device)
     accepted = torch.zeros(B, dtype=torch.long, device=device)
     path = [current]
-    for _ in range(depth):
+    for _ in range(max_depth):
         wanted = target_tokens[batch, current]  # [B]
         children = tree.parents == current[:, None]  # [B, N+1]
         holding = tree.tokens == wanted[:, None]
