@@ -359,9 +359,9 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
             survive = survival(depth, tokens)  # [B, M]
             c = survive.clamp(1e-6, 1 - 1e-6)[:, :, None]  # [B, M, 1]: log c, log(1 - c) finite
             top_logprobs = torch.log(c) + ranks * torch.log1p(-c)  # [B, M, width]
-        else:  # the i-th best log-probability (greedy: the likeliest children themselves)
+        else:  # the i-th best log-probability
             logprobs = torch.log_softmax(z / tree_temperature, dim=-1)
-            top_logprobs, top_tokens = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
+            top_logprobs, likeliest = torch.topk(logprobs, width, dim=-1)  # [B, M or 1, width]
         if sampled:  # the children: drawn without replacement from q
             q = probs(z, temperature, filters).expand(B, M, V)
             races = noise[:, first:first + M]  # [B, M, V] each parent's own (its row: its number)
@@ -370,6 +370,8 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
             support = (q > 0).sum(dim=-1, keepdim=True)  # [B, M, 1] the tokens q can draw
             top_logprobs = top_logprobs.masked_fill(ranks >= support, float("-inf"))
             drawn_from.append(q)
+        else:  # greedy: the likeliest children themselves
+            top_tokens = likeliest  # [B, M or 1, width]
         child_scores = scores[:, :, None] + top_logprobs  # [B, M, width]
         candidate_scores = child_scores.flatten(1)  # parent by parent
         candidate_tokens = top_tokens.expand(B, M, width).flatten(1)
