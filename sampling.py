@@ -79,21 +79,21 @@ def sample(logits, temperature: float, noise, *, filters: Filters = NO_FILTERS):
 
 class Noise(NamedTuple):
     """All the randomness of one sampled round, in draw order (a row's shapes: `noise_shape`)."""
-    # Exp(1) races: the chain's drafts [B, K, V]; a sampled tree's children [B, R, V]
+    # Exp(1) races of drafting: a chain's drafts [B, K, V]; a sampled tree's children [B, R, V]
     # (R = `tree_parent_count`)
-    chain: torch.Tensor
+    draft: torch.Tensor
     u: torch.Tensor      # uniforms of the acceptance tests: [B, K]; a tree's [B, N+1, N]
     bonus: torch.Tensor  # Exp(1): the correction / bonus race [B, V], a tree's too (`choose_at_nodes`)
 
 
 def noise_shape(K: int, V: int, tree_budget: int = 0) -> Noise:
-    """One row's shapes of a round's noise: a chain of K drafts, or a sampled tree of `tree_budget`
-    nodes at most K deep."""
+    """One row's shapes of a round's noise, as a `Noise` of shapes without the batch: a chain of K
+    drafts, or a sampled tree of `tree_budget` nodes at most K deep."""
     if not tree_budget:
-        return Noise(chain=(K, V), u=(K,), bonus=(V,))
+        return Noise(draft=(K, V), u=(K,), bonus=(V,))
     N = tree_budget
     R = tree_parent_count(N, K, V)
-    return Noise(chain=(R, V), u=(N + 1, N), bonus=(V,))
+    return Noise(draft=(R, V), u=(N + 1, N), bonus=(V,))
 
 
 def exponential(shape: tuple, generator, device) -> torch.Tensor:
@@ -106,10 +106,10 @@ def exponential(shape: tuple, generator, device) -> torch.Tensor:
 def round_noise(generator, B: int, shape: Noise, device) -> Noise:
     """B rows' noise from one generator, in Noise's order (a row's draws depend on B: `rows_noise`
     gives each row its own)."""
-    chain = exponential((B, *shape.chain), generator, device)
+    draft = exponential((B, *shape.draft), generator, device)
     u = torch.rand((B, *shape.u), generator=generator, device=device)
     bonus = exponential((B, *shape.bonus), generator, device)
-    return Noise(chain, u, bonus)
+    return Noise(draft, u, bonus)
 
 
 def rows_noise(generators: list, shape: Noise, device) -> Noise:
@@ -120,15 +120,15 @@ def rows_noise(generators: list, shape: Noise, device) -> Noise:
         if g is not None:
             rows.append(round_noise(g, 1, shape, device))
             continue
-        chain = torch.ones((1, *shape.chain), device=device)
+        draft = torch.ones((1, *shape.draft), device=device)
         u = torch.zeros((1, *shape.u), device=device)
         bonus = torch.ones((1, *shape.bonus), device=device)
-        rows.append(Noise(chain, u, bonus))
-    chains, uniforms, bonuses = zip(*rows)  # the rows' chain noise, u and bonus noise, apart
-    chain = torch.cat(chains)
+        rows.append(Noise(draft, u, bonus))
+    draft_races, uniforms, bonuses = zip(*rows)  # the rows' draft noise, u and bonus noise, apart
+    draft = torch.cat(draft_races)
     u = torch.cat(uniforms)
     bonus = torch.cat(bonuses)
-    return Noise(chain, u, bonus)
+    return Noise(draft, u, bonus)
 
 
 # Drafting: the Markov chain

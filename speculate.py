@@ -551,7 +551,7 @@ class Engine:
             capacity = plan.tensor
             num_tokens = plan.num_tokens
         carried = getattr(self.drafter, "carried", None)  # Eagle3's h at each row's last commit
-        proposal = self.draft_fn(self.drafter, anchor, anchor_pos, active, noise=noise.chain,
+        proposal = self.draft_fn(self.drafter, anchor, anchor_pos, active, noise=noise.draft,
                                  temperature=self.temperature, filters=self.filters,
                                  schedule=self.scheduler, backend=self.backend, num_drafts=self.K,
                                  tree_budget=self.tree_budget, tree_temperature=self.tree_temperature,

@@ -554,15 +554,15 @@ def test_exponential_draws_follow_exp1():
 
 def test_round_noise_shapes_and_draw_order():
     B, K, V = 3, 4, 7
-    chain, u, bonus = sampling.round_noise(gen(30), B, sampling.noise_shape(K, V), "cpu")
-    assert chain.shape == (B, K, V) and u.shape == (B, K) and bonus.shape == (B, V)
-    assert bool((chain > 0).all()) and bool((bonus > 0).all()) and bool(((u >= 0) & (u < 1)).all())
-    g = gen(30)  # documented order: chain noise, then u, then the bonus noise
-    assert torch.equal(chain, sampling.exponential((B, K, V), g, "cpu"))
+    draft, u, bonus = sampling.round_noise(gen(30), B, sampling.noise_shape(K, V), "cpu")
+    assert draft.shape == (B, K, V) and u.shape == (B, K) and bonus.shape == (B, V)
+    assert bool((draft > 0).all()) and bool((bonus > 0).all()) and bool(((u >= 0) & (u < 1)).all())
+    g = gen(30)  # documented order: the drafting's noise, then u, then the bonus noise
+    assert torch.equal(draft, sampling.exponential((B, K, V), g, "cpu"))
     assert torch.equal(u, torch.rand(B, K, generator=g))
     assert torch.equal(bonus, sampling.exponential((B, V), g, "cpu"))
     again = sampling.round_noise(gen(30), B, sampling.noise_shape(K, V), "cpu")
-    assert all(torch.equal(a, b) for a, b in zip((chain, u, bonus), again))
+    assert all(torch.equal(a, b) for a, b in zip((draft, u, bonus), again))
     # K = 0 (the baseline) still works.
     c0, u0, b0 = sampling.round_noise(gen(1), B, sampling.noise_shape(0, V), "cpu")
     assert c0.shape == (B, 0, V) and u0.shape == (B, 0) and b0.shape == (B, V)
