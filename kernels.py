@@ -111,7 +111,9 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, noise,
     sampled = temperature != 0
     chain = torch.empty((B, K + 1), dtype=torch.long, device=dev)  # [anchor, x_1 .. x_K]
     chain[:, 0] = anchor
-    z_shape = (B, K, V) if sampled else (1, 1, 1)  # greedy: z is a pointer never written
+    z_shape = (1, 1, 1)  # greedy: z is a pointer never written
+    if sampled:
+        z_shape = (B, K, V)
     z = torch.empty(z_shape, dtype=torch.float32, device=dev)
     n_tiles = _cdiv(V, TRITON_BLOCK_V)
     pval = torch.empty((B, n_tiles), dtype=torch.float32, device=dev)
@@ -702,8 +704,10 @@ def _build_triton_kernels() -> dict:
     their helpers by name, so the jitted sources replace the module's)."""
     if not _TRITON_KERNELS and _import_triton():
         saved = os.environ.get("TRITON_INTERPRET")
-        # read by triton.jit
-        os.environ["TRITON_INTERPRET"] = "1" if _TRITON_IMPORT_INTERPRET else "0"
+        interpret = "0"
+        if _TRITON_IMPORT_INTERPRET:
+            interpret = "1"
+        os.environ["TRITON_INTERPRET"] = interpret  # read by triton.jit
         try:
             jitted = {name: triton.jit(_PLAIN[name]) for name in TRITON_SOURCES}
             _TRITON_KERNELS.update(jitted)
