@@ -1,8 +1,9 @@
 """Triton versions of a round's hot steps, each with the signature and the results of its torch
 reference: the Markov chain and sampled acceptance (sampling.py), the verification's attention over
-the KV cache (model.attend_cached). `--kernels triton` picks them (`check_backend`); each falls back to
-its reference where it cannot run (no triton, CPU tensors outside the interpreter, an unsupported
-dtype or shape). Sums run in another order: tokens agree except at near-ties."""
+the KV cache (model.attend_cached). Under `--kernels triton`, `speculate.draft` and `verify` call
+them, and `check_backend` (at the edge) builds them. Each falls back to its reference where it
+cannot run (no triton, CPU tensors outside the interpreter, an unsupported dtype or shape). Sums
+run in another order: tokens agree except at near-ties."""
 
 from __future__ import annotations
 
