@@ -333,7 +333,7 @@ def best_by_depth(base_logits, hidden, anchor, markov, budget: int, tree_tempera
     R = `tree_parent_count`, a row for each parent); its i-th child's score is still the i-th best
     log-probability at `tree_temperature`, whichever token was drawn, so whether a child is kept
     never depends on which token it holds (what keeps multi-draft rejection sampling exact). With
-    `survival` (depth, parents [B, M]) -> c [B, M], the chance that a draft after each parent
+    `survival` (depth, parent_tokens [B, M]) -> c [B, M], the chance that a draft after each parent
     survives, the i-th child (from 0) scores log c + i log(1 - c) instead: the chance that the
     rejection rule keeps it, were each child kept with chance c."""
     B, L, V = base_logits.shape
