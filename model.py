@@ -409,14 +409,14 @@ class Transformer(nn.Module):
         index=None,
         mask=None,
         attention=None,
-        tree: Optional["TreeSlots"] = None,
+        tree_slots: Optional["TreeSlots"] = None,
     ):
         """tokens [B, T] -> (normed hidden [B, T, H], features [B, T, len(capture)*H] or None):
         the outputs of layers `capture` (-1: embeddings). index [B]: one position per row.
         With `positions` [B, T] the pass goes through the KV cache (in cache `rows`, or 0 .. B-1),
         `mask` unread; `ragged`: the tokens are [1, N], flattened from positions' layout; `attention`:
         a kernel in place of the cache attention. Without, a cache-free pass: causal, or under `mask`.
-        `tree`: the tokens are a draft tree's nodes, at RoPE `positions` (their depths) and cache
+        `tree_slots`: the tokens are a draft tree's nodes, at RoPE `positions` (their depths) and cache
         slots of their own, each seeing the context and its ancestors."""
         a = self.args
         dtype = self.embed_tokens.weight.dtype
@@ -427,17 +427,17 @@ class Transformer(nn.Module):
             per_row = (B, T, *table.shape[1:])
             cos_sin = table[None].expand(per_row)  # [B, T, 2, hd]
         else:  # through the cache: RoPE and the mask once for every layer
-            if tree is None:
+            if tree_slots is None:
                 end = positions + 1  # no query sees past its own position
             else:
-                slots = tree.slots()
+                slots = tree_slots.slots()
                 end = slots + 1
             S = attended_length(end, self.max_seq)
             keys = torch.arange(S, device=positions.device)
-            if tree is None:
+            if tree_slots is None:
                 allowed = positions[:, :, None] >= keys  # [B, T, S]
             else:
-                allowed = tree.visible(keys)
+                allowed = tree_slots.visible(keys)
             fold = attention is None  # a kernel passed in folds GQA itself
             mask = cache_mask(allowed, a, dtype, fold=fold)  # additive, for the cache attention
             rope_positions = positions

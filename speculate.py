@@ -212,11 +212,11 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     rows = torch.arange(B, device=device)
     capture = drafter.cfg.target_layer_ids
     # 3. Verify: every node, in slots a .. a+N of the cache, at RoPE positions a + its depth.
-    visible = sampling.ancestors(tree, depth)  # [B, N+1, N+1] each node's ancestors and itself
-    slots = TreeSlots(anchor_pos, visible)
+    ancestry = sampling.ancestors(tree, depth)  # [B, N+1, N+1] each node's ancestors and itself
+    tree_slots = TreeSlots(anchor_pos, ancestry)
     positions = anchor_pos[:, None] + tree.depths
     logits, features = target(tree.tokens, positions, capture=capture, attention=attention,
-                              tree=slots)
+                              tree_slots=tree_slots)
     # 4. Accept: the token each node's acceptance gives; the walk stops where no child holds it.
     if temperature == 0:
         chosen = torch.argmax(logits, dim=-1)  # [B, N+1] the target's own
