@@ -485,7 +485,7 @@ class Engine:
                  stop_ids=(), stop_strings=None, scheduler: str = "none", threshold: float = 0.0,
                  buckets=None, ragged: Optional[bool] = None, compile: bool = False,
                  compile_mode: Optional[str] = None, compile_verbose: bool = False,
-                 kernels: str = "torch", num_drafts: Optional[int] = None, tree_budget: int = 0,
+                 backend: str = Settings.kernels, num_drafts: Optional[int] = None, tree_budget: int = 0,
                  tree_temperature: float = Settings.tree_temperature):
         self.target = target
         self.drafter = drafter
@@ -496,7 +496,7 @@ class Engine:
         self.temperature = temperature
         self.filters = filters  # greedy: none (flags.sampling_for)
         self.seed = seed  # request i samples from its own generator, seeded seed + i
-        self.backend = kernels
+        self.backend = backend
         self.compiled = compile
         self.device = target.embed_tokens.weight.device
         self.models = [m for m in (target, drafter) if m is not None]
@@ -796,7 +796,7 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                     temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
                     stop_ids=stop_ids, stop_strings=stop_strings, scheduler=kind,
                     threshold=s.confidence_threshold, buckets=size.buckets, compile=s.compile,
-                    compile_mode=s.compile_mode, compile_verbose=s.verbose, kernels=s.kernels,
+                    compile_mode=s.compile_mode, compile_verbose=s.verbose, backend=s.kernels,
                     num_drafts=s.draft_length, tree_budget=s.tree_budget,
                     tree_temperature=s.tree_temperature)
     if s.compile:

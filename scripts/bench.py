@@ -281,7 +281,7 @@ def side_engine(target, drafter, batch: int, max_seq: int, s: Settings, tree_bud
     (setup_caches keeps them) and alternating between them recompiles nothing."""
     engine = Engine(target, drafter, batch_size=batch, max_seq=max_seq, temperature=s.temperature,
                     seed=s.seed, compile=s.compile, compile_mode=s.compile_mode,
-                    compile_verbose=s.verbose, kernels=s.kernels,
+                    compile_verbose=s.verbose, backend=s.kernels,
                     tree_budget=tree_budget, tree_temperature=s.tree_temperature,
                     num_drafts=s.draft_length)
     if s.compile:

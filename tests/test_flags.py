@@ -35,7 +35,7 @@ def test_the_engine_defaults_are_the_apis_resolved_on_a_cpu():
     expected = {"temperature": no_generation_config.temperature, "seed": api.seed,
                 "scheduler": api.scheduler, "threshold": api.confidence_threshold,
                 "compile": api.compile, "compile_mode": api.compile_mode,
-                "compile_verbose": api.verbose, "kernels": api.kernels, "num_drafts": api.draft_length,
+                "compile_verbose": api.verbose, "backend": api.kernels, "num_drafts": api.draft_length,
                 "tree_budget": api.tree_budget, "tree_temperature": api.tree_temperature}
     params = inspect.signature(speculate.Engine).parameters
     defaults = {name: params[name].default for name in expected}

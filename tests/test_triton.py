@@ -362,7 +362,7 @@ def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monke
     def decode(triton):
         engine = speculate.Engine(target, drafter, batch_size=2, max_seq=64, temperature=temperature,
                                   threshold=0.6 if scheduler == "threshold" else 0.0, scheduler=scheduler,
-                                  kernels="triton" if triton else "torch")
+                                  backend="triton" if triton else "torch")
         reqs = [speculate.Request(i, p, [], []) for i, p in enumerate(prompts)]
         with torch.inference_mode():
             engine.generate(reqs, 16)
