@@ -357,6 +357,16 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     return call
 
 
+def captures_cuda_graphs(device, mode: Optional[str] = None) -> bool:
+    """Whether `compiled(fn, device, mode)` captures CUDA graphs: only on CUDA, and there with the
+    recipe (reduce-overhead) or max-autotune, not default or max-autotune-no-cudagraphs."""
+    on_cuda = str(device).startswith("cuda")
+    if not on_cuda:
+        return False
+    options = torch._inductor.list_mode_options(mode or "reduce-overhead")
+    return bool(options.get("triton.cudagraphs"))
+
+
 def own_code(fn):
     """`fn` with a code object of its own: graphs are kept per code object, so the cut-down guards
     (`Engine.generate`) never mistake another engine's graph for this one's."""
@@ -525,7 +535,7 @@ class Engine:
         if compile:
             self.draft_fn = compiled(own_code(draft), self.device, compile_mode, compile_verbose)
             self.verify_fn = compiled(own_code(verify), self.device, compile_mode, compile_verbose)
-        self.cuda_graphs = compile and self.device.type == "cuda"
+        self.cuda_graphs = compile and captures_cuda_graphs(self.device, compile_mode)
         if compile and self.ragged:  # one verify graph per bucket, all expected
             graphs = len(self.scheduler.profile_points) + 1
             # the limit is the process's: each such engine raises it by its own graphs

@@ -297,6 +297,16 @@ def test_compile_modes_are_checked_and_run():
     assert torch.allclose(fn(x), (x * 2).sin(), atol=1e-6)
 
 
+def test_cuda_graphs_only_where_the_compile_mode_captures_them():
+    """An engine marks a CUDA-graph step and clones what must outlive a replay only when `compiled`
+    really captures graphs: on CUDA, with the recipe or a mode that turns them on."""
+    for mode in (None, "reduce-overhead", "max-autotune"):
+        assert speculate.captures_cuda_graphs("cuda", mode)
+        assert not speculate.captures_cuda_graphs("cpu", mode)
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        assert not speculate.captures_cuda_graphs("cuda:0", mode)
+
+
 def test_skipped_guards_still_tell_warmed_graphs_apart():
     """bench.py times compiled runs with guard evaluation cut to the differentiating guards
     (BenchArgs.skip_guards): the engines' graphs share code (draft with and without a drafter, verify
