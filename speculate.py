@@ -330,7 +330,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
     return first, lens
 
 
-# Compiling: one graph per half of a round (a scheduled verify, one per bucket), static shapes; on a
+# Compiling: one graph per half of a round (a ragged verify, one per bucket), static shapes; on a
 # CPU frozen weights and a C++ wrapper, on CUDA reduce-overhead (CUDA graphs).
 
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
@@ -486,9 +486,9 @@ class Rows:
 
 class Engine:
     """Requests through prefill and rounds in `batch_size` rows (continuous batching). A round
-    is `draft` then `verify`, one graph each when compiled; scheduled, the host reads the verify
-    size between them (a bucket when compiled), except "async", planned before. Its arguments
-    were checked at the edge (flags, `load`, `generate`)."""
+    is `draft` then `verify`, one graph each when compiled; ragged (by default when scheduled), the
+    host reads the verify size between them (a bucket when compiled), except "async", planned before.
+    Its arguments were checked at the edge (flags, `size_engine`, `generate`)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = 0,
@@ -549,7 +549,7 @@ class Engine:
     def round(self, anchor, anchor_pos, active, noise: Optional[sampling.Noise], verify_len=None,
               plan=None):
         """The device half of a round for every row: draft, the host's read of the verify size where
-        scheduled, verify. verify_len [B] (profiling): exactly these drafts; plan: async's. Returns
+        ragged, verify. verify_len [B] (profiling): exactly these drafts; plan: async's. Returns
         `verify`'s record, next anchors and positions."""
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
