@@ -119,7 +119,7 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
            filters, u, bonus_noise, backend, num_tokens: Optional[int]):
     """Steps 3-5: one target pass over each row's anchor and drafts with capture, acceptance, commit.
     num_tokens None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
-    (`model.Ragged`). Returns the round's record (`pack_record`), the next anchors and their
+    (`model.Ragged`). Returns the round's packed record (`pack_record`), the next anchors and their
     positions."""
     drafts, verify_len, q, confidence, tree = proposal
     K = drafts.shape[1]
@@ -165,10 +165,10 @@ def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, t
         commit_drafter(drafter, features, positions, drafts, accepted, next_token)
     read = torch.minimum(steps, accepted[:, None])  # rows 0 .. n: the accepted drafts', the bonus's
     finite = finite_rows(logits).gather(1, read).all(dim=1)
-    record = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
+    packed = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
     next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
-    return record, next_anchor, next_pos
+    return packed, next_anchor, next_pos
 
 
 def finite_rows(logits) -> torch.Tensor:
@@ -236,10 +236,10 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     nodes = tree.tokens[:, 1:]
     parents = tree.parents[:, 1:]
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
-    record = pack_record(drafts=nodes, verified=reached, accepted=accepted, bonus=next_token,
+    packed = pack_record(drafts=nodes, verified=reached, accepted=accepted, bonus=next_token,
                          finite=finite, parents=parents, path=path[:, 1:])
     next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
-    return record, next_anchor, next_pos
+    return packed, next_anchor, next_pos
 
 
 class RoundRecord(NamedTuple):
@@ -280,10 +280,10 @@ def pack_record(**columns) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def unpack(record: torch.Tensor, widths: dict) -> list[RoundRecord]:
+def unpack(packed: torch.Tensor, widths: dict) -> list[RoundRecord]:
     """`pack_record`'s rows, read on the host."""
     rows = []
-    for r in record.tolist():
+    for r in packed.tolist():
         values = {}
         at = 0
         for name, width in widths.items():
@@ -550,7 +550,7 @@ class Engine:
               plan=None):
         """The device half of a round for every row: draft, the host's read of the verify size where
         ragged, verify. verify_len [B] (profiling): exactly these drafts; plan: async's. Returns
-        `verify`'s record, next anchors and positions."""
+        `verify`'s packed record, next anchors and positions."""
         if self.cuda_graphs:  # one CUDA-graph generation per round: verify reads draft's outputs
             torch.compiler.cudagraph_mark_step_begin()
         if noise is None:  # greedy
@@ -592,7 +592,8 @@ class Engine:
                  on_step=None):
         """Decode `requests`, a finished one's row taking the next at once. Every round runs every
         row (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs
-        apart. on_round(request, record), on_finish(request), on_step() after each batch round."""
+        apart. on_round(request, entry): the round's trace entry (`trace_record`); on_finish(request),
+        on_step() after each batch round."""
         self.own_caches()
         self.scheduler.reset()
         skip = self.compiled and self.warmed and self.skip_guards
@@ -647,8 +648,8 @@ class Engine:
             self.prefill_seconds += time.perf_counter() - t0
 
     def step(self, rows: "Rows", max_new_tokens: int, on_round, on_finish):
-        """One round of the engine: each row's noise, `round`, its record read once on the host, each
-        request's new tokens appended to its output."""
+        """One round of the engine: each row's noise, `round`, its packed record read once on the host,
+        each request's new tokens appended to its output."""
         active = rows.active()
         noise = None
         if self.temperature > 0:
@@ -660,13 +661,13 @@ class Engine:
         if self.scheduler.kind == "async":
             held = len(rows.requests) - len(rows.free())
             plan = self.scheduler.plan(held)
-        record, anchor, anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
+        packed, anchor, anchor_pos = self.round(rows.anchor, rows.anchor_pos, active, noise, plan=plan)
         if self.cuda_graphs:  # outlive the next graph replay
             anchor = anchor.clone()
             anchor_pos = anchor_pos.clone()
         rows.anchor = anchor
         rows.anchor_pos = anchor_pos
-        records = unpack(record, self.widths)  # the one host read
+        records = unpack(packed, self.widths)  # the one host read
         if plan is not None:  # the history that sizes the round after next
             # the confidences of the rows holding a request
             confidences = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
@@ -734,8 +735,8 @@ class Engine:
             verify_len = (counts - 1).clamp(min=0)
             if self.scheduler.kind == "async":
                 plan = self.scheduler.fixed(num_tokens)
-        record, _, _ = self.round(zeros, anchor_pos, active, noise, verify_len=verify_len, plan=plan)
-        return record.tolist()  # the host's read: waits for the round
+        packed, _, _ = self.round(zeros, anchor_pos, active, noise, verify_len=verify_len, plan=plan)
+        return packed.tolist()  # the host's read: waits for the round
 
     def warmup(self):
         """Compile every graph a round can call before anything is timed."""
@@ -870,7 +871,8 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
 def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, on_round=None,
            on_finish=None, on_step=None) -> list[Completion]:
     """Every prompt num_samples times on `engine`: the driver of `generate` and of the command line.
-    on_round(request, record) after each round of a request, on_finish(completion) as each ends."""
+    on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
+    on_finish(completion) as each ends."""
     requests = requests_for(prompts, s.num_samples)
 
     def finished(req):

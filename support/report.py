@@ -153,11 +153,11 @@ class Decoding:
         self.trace = StreamFile(self.trace_path) if self.trace_path else None
         self.out = StreamFile(self.out_path) if self.out_path else None
 
-    def on_round(self, req, record: dict):
+    def on_round(self, req, entry: dict):
         if self.trace:
-            self.trace.write(json.dumps(record, allow_nan=False) + "\n")
+            self.trace.write(json.dumps(entry, allow_nan=False) + "\n")
         self.printer.on_round(req)
-        accepted, verified, committed = metrics.round_counts(record, self.stop)
+        accepted, verified, committed = metrics.round_counts(entry, self.stop)
         self.running["num_rounds"] += 1
         self.running["verified"] += verified
         self.running["committed"] += committed

@@ -495,13 +495,13 @@ def hf_features(hf, tokens, layer_ids):
 
 def engine_round(tgt, d, anchor, apos):
     """One greedy round of the real engine (`speculate.Engine.round`: draft, then verify); returns
-    (drafts, accepted, next) from the round's host record."""
+    (drafts, accepted, next) from the round's packed record, read on the host."""
     B = anchor.shape[0]
     engine = speculate.Engine(tgt, d, batch_size=B, max_seq=tgt.max_seq)  # same size: the caches are kept
-    record, _, _ = engine.round(anchor, apos, torch.ones_like(anchor, dtype=torch.bool), None)
-    assert record.shape == (B, sum(engine.widths.values()))
+    packed, _, _ = engine.round(anchor, apos, torch.ones_like(anchor, dtype=torch.bool), None)
+    assert packed.shape == (B, sum(engine.widths.values()))
     assert engine.widths["drafts"] == d.cfg.num_drafts
-    rec = speculate.unpack(record, engine.widths)
+    rec = speculate.unpack(packed, engine.widths)
     return (torch.tensor([r.drafts for r in rec]), torch.tensor([r.accepted for r in rec]),
             torch.tensor([r.bonus for r in rec]))
 

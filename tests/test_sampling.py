@@ -644,21 +644,21 @@ def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
 
     target = random_target("qwen3-tiny", dtype=torch.float32)
     engine = speculate.Engine(target, None, batch_size=2, max_seq=16)
-    record, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+    packed, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                                 torch.ones(2, dtype=torch.bool), None)
-    assert speculate.unpack(record, engine.widths)[0].finite
+    assert speculate.unpack(packed, engine.widths)[0].finite
     with torch.no_grad():
         target.norm.weight[0] = float("nan")
-    record, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+    packed, _, _ = engine.round(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                                 torch.ones(2, dtype=torch.bool), None)
-    assert not any(r.finite for r in speculate.unpack(record, engine.widths))
+    assert not any(r.finite for r in speculate.unpack(packed, engine.widths))
     with pytest.raises(speculate.UserError, match="request 0, the prefill: the logits are not finite"):
         engine.generate([speculate.Request(0, [1, 2])], 4)
     # a decode whose weights go bad after its first round: the round's check, not the prefill's, says so
     with torch.no_grad():
         target.norm.weight[0] = 1.0
 
-    def spoil(request, record):
+    def spoil(request, entry):
         with torch.no_grad():
             target.norm.weight[0] = float("nan")
 
@@ -689,11 +689,11 @@ def test_one_nan_logit_in_a_sampled_round_is_caught(drafts):
     anchor_pos = torch.zeros(B, dtype=torch.long)
     active = torch.ones(B, dtype=torch.bool)
     noise = sampling.round_noise(gen(0), B, engine.noise_shape, torch.device("cpu"))
-    record, _, _ = engine.round(anchor, anchor_pos, active, noise)
-    assert all(r.finite for r in speculate.unpack(record, engine.widths))
+    packed, _, _ = engine.round(anchor, anchor_pos, active, noise)
+    assert all(r.finite for r in speculate.unpack(packed, engine.widths))
     with torch.no_grad():
         target.lm_head.weight[7] = float("nan")
-    record, _, _ = engine.round(anchor, anchor_pos, active, noise)
-    rows = speculate.unpack(record, engine.widths)
+    packed, _, _ = engine.round(anchor, anchor_pos, active, noise)
+    rows = speculate.unpack(packed, engine.widths)
     assert not any(r.finite for r in rows)
     assert all(r.bonus != 7 for r in rows)  # the race did not pick the NaN token: only the row test sees it
