@@ -207,12 +207,12 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     the child holding it. 5: the accepted path's K/V move to consecutive positions. u [B, N+1, N] and
     bonus_noise Exp(1) [B, V]: `choose_at_nodes`' (None at T=0)."""
     B = tree.tokens.shape[0]
-    depth = drafter.cfg.num_drafts
+    max_depth = drafter.cfg.num_drafts
     device = anchor.device
     rows = torch.arange(B, device=device)
     capture = drafter.cfg.target_layer_ids
     # 3. Verify: every node, in slots a .. a+N of the cache, at RoPE positions a + its depth.
-    ancestry = sampling.ancestors(tree, depth)  # [B, N+1, N+1] each node's ancestors and itself
+    ancestry = sampling.ancestors(tree, max_depth)  # [B, N+1, N+1] each node's ancestors and itself
     tree_slots = TreeSlots(anchor_pos, ancestry)
     positions = anchor_pos[:, None] + tree.depths
     logits, features = target(tree.tokens, positions, capture=capture, attention=attention,
@@ -223,13 +223,13 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     else:
         p = sampling.probs(logits, temperature, filters)  # [B, N+1, V]
         chosen = sampling.choose_at_nodes(tree, p, u, bonus_noise)
-    path, accepted, next_token = sampling.walk_tree(tree, chosen, depth)  # path [B, depth+1]
-    # 5. Commit: the path's K/V to positions a .. a+depth, its features to the drafter's context.
-    steps = torch.arange(depth + 1, device=device)
+    path, accepted, next_token = sampling.walk_tree(tree, chosen, max_depth)  # path [B, max_depth+1]
+    # 5. Commit: the path's K/V to positions a .. a+max_depth, its features to the drafter's context.
+    steps = torch.arange(max_depth + 1, device=device)
     path_positions = anchor_pos[:, None] + steps  # where the path's tokens belong
     path_slots = anchor_pos[:, None] + path  # where the tree pass wrote the path's K/V
     target.move_cache(path_slots, path_positions)
-    path_tokens = tree.tokens.gather(1, path)  # [B, depth+1], from the anchor
+    path_tokens = tree.tokens.gather(1, path)  # [B, max_depth+1], from the anchor
     path_features = features[rows[:, None], path]
     commit_drafter(drafter, path_features, path_positions, path_tokens[:, 1:], accepted, next_token)
     finite = finite_rows(logits).gather(1, path).all(dim=1)  # the accepted nodes', the last one's again
@@ -254,17 +254,17 @@ class RoundRecord(NamedTuple):
     path: Optional[list[int]] = None     # a tree's accepted nodes, the first `accepted` of these
 
 
-def record_widths(drafts: int, confidence: bool, tree_depth: int = 0) -> dict:
+def record_widths(draft_width: int, confidence: bool, path_width: int = 0) -> dict:
     """The round record's columns and their widths, in RoundRecord's field order: the one place its
     layout is written. `pack_record` fills it on the device (the round's one transfer to the host),
-    `unpack` reads it."""
-    widths = {"drafts": drafts, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
+    `unpack` reads it. path_width: a tree's deepest path (0: a chain, without parents and path)."""
+    widths = {"drafts": draft_width, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
     widths["confidence"] = 0
     if confidence:
-        widths["confidence"] = drafts
-    if tree_depth:
-        widths["parents"] = drafts
-        widths["path"] = tree_depth
+        widths["confidence"] = draft_width
+    if path_width:
+        widths["parents"] = draft_width
+        widths["path"] = path_width
     return widths
 
 
@@ -522,9 +522,9 @@ class Engine:
         self.noise_shape = sampling.noise_shape(self.K, V, tree_budget)  # a sampled round's, a row
         has_confidence = drafter is not None and drafter.confidence_head is not None
         if tree_budget:  # a record holds the tree's nodes, their parents and the accepted path
-            self.widths = record_widths(drafts=tree_budget, confidence=False, tree_depth=self.K)
+            self.widths = record_widths(draft_width=tree_budget, confidence=False, path_width=self.K)
         else:
-            self.widths = record_widths(drafts=self.K, confidence=has_confidence)
+            self.widths = record_widths(draft_width=self.K, confidence=has_confidence)
         self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold,
                                          buckets=buckets, compiled=compile, device=self.device)
         self.ragged = ragged
