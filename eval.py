@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from speculate import DEMO_DIR, Request, make_engine, size_engine
+from speculate import DEMO_DIR, Request, drafts_per_round, make_engine, size_engine
 from support import flags, metrics, plots, runlog
 from support.calibration import (
     ECE_BINS,
@@ -401,8 +401,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         if note:
             print(note, file=sys.stderr)
     calibrates = reports_calibration(args, rows, m, first)
-    # drafts a round, as the engines take it: an Eagle3 chain's --draft-length, else the checkpoint's
-    K = max((s.draft_length or d.cfg.num_drafts for d in drafters), default=0)
+    # drafts a round, as the engines take it
+    K = max((drafts_per_round(d, s.draft_length) for d in drafters), default=0)
 
     # Every rank reads every dataset, so its caches are as long as a single process's (and its batch
     # is its shard's).

@@ -398,6 +398,13 @@ class Request:
     sample: int = 0
 
 
+def drafts_per_round(drafter, num_drafts: Optional[int] = None) -> int:
+    """K: an Eagle3 chain's `num_drafts` (--draft-length), else the drafter's own; 0 without a drafter."""
+    if drafter is None:
+        return 0
+    return num_drafts or drafter.cfg.num_drafts
+
+
 def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
                  num_drafts: Optional[int] = None, tree_budget: int = 0) -> int:
     """Cache positions: prompt + budget + two rounds' windows. A round can move a row's anchor up to a
@@ -405,7 +412,7 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
     still write a window from there."""
     width = 1
     if drafter is not None:
-        K = num_drafts or drafter.cfg.num_drafts
+        K = drafts_per_round(drafter, num_drafts)
         width = max(drafter.cfg.num_slots, K + 1, tree_budget + 1)
     return longest_prompt + max_new_tokens + 2 * width
 
@@ -513,9 +520,7 @@ class Engine:
         for m in self.models:
             m.setup_caches(batch_size, max_seq)
         self.caches = [caches(m) for m in self.models]
-        self.K = 0  # drafts per round: the block drafter's, or an Eagle3 chain's (num_drafts)
-        if drafter is not None:
-            self.K = num_drafts or drafter.cfg.num_drafts
+        self.K = drafts_per_round(drafter, num_drafts)
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
         V = target.args.vocab_size

@@ -50,7 +50,7 @@ import kernels
 import sampling
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Transformer
-from speculate import Engine, Request, cache_length
+from speculate import Engine, Request, cache_length, drafts_per_round
 from support import cpu_kernels, flags, metrics, plots
 from support.checkpoint import (
     PRESETS,
@@ -219,7 +219,7 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
     total = nbytes(weights(target))
     total += kv_bytes(a)
     if drafter is not None:
-        K = num_drafts or drafter.cfg.num_drafts
+        K = drafts_per_round(drafter, num_drafts)
         steps = 1  # drafter passes a round
         if drafter.cfg.layout == "eagle3":
             steps = K  # K - 1 drafting steps and the rebuild of what was committed
