@@ -45,10 +45,10 @@ DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
 #   5. Commit: the target's features into the drafter's context; the next anchors
 
 class Proposal(NamedTuple):
-    drafts: torch.Tensor                # [B, K] x_1 .. x_K (a tree's nodes after the root)
-    verify_len: torch.Tensor            # [B] ℓ: how many drafts go to the target, 0 .. K
-    q: Optional[torch.Tensor] = None           # [B, K, V] what they were drawn from (None at T=0)
-    confidence: Optional[torch.Tensor] = None  # [B, K] c_1 .. c_K (None without a confidence head)
+    drafts: torch.Tensor                # [B, K] x_1 .. x_K; a tree's [B, N], its nodes after the root
+    verify_len: torch.Tensor            # [B] ℓ: how many drafts go to the target, 0 .. K (a tree: N)
+    q: Optional[torch.Tensor] = None           # [B, K, V] what they were drawn from (None at T=0; a tree's: tree.q)
+    confidence: Optional[torch.Tensor] = None  # [B, K] c_1 .. c_K (None without a confidence head, or for a tree)
     tree: Optional[sampling.Tree] = None  # a draft tree instead of a chain (--tree-budget)
 
 
@@ -723,7 +723,7 @@ class Engine:
         self.own_caches()
         B = self.max_batch
         dev = self.device
-        W = self.K + 1  # a row's verify tokens at most
+        W = self.K + 1  # a chain row's verify tokens at most (a tree's rows each verify all N + 1 nodes)
         zeros = torch.zeros(B, dtype=torch.long, device=dev)  # every row's anchor ...
         anchor_pos = zeros.clone()  # ... and its position
         noise = None
