@@ -314,7 +314,7 @@ def sps_identity(engine) -> dict:
     sampled = engine.temperature > 0
     return {"device": device_name(engine.device), "torch": torch.__version__, "target": target,
             "drafter": drafter, "dtype": dtype, "batch_capacity": engine.max_batch,
-            "verify_width": engine.K + 1, "sampling": sampled, "compiled": engine.compiled,
+            "verify_width": engine.K + 1, "sampling": sampled, "compiled": engine.is_compiled,
             "buckets": engine.scheduler.buckets, "profile_points": engine.scheduler.profile_points}
 
 

@@ -514,12 +514,12 @@ class Engine:
         self.filters = filters  # greedy: none (flags.sampling_for)
         self.seed = seed  # request i samples from its own generator, seeded seed + i
         self.backend = backend
-        self.compiled = compile
+        self.is_compiled = compile
         self.device = target.embed_tokens.weight.device
         self.models = [m for m in (target, drafter) if m is not None]
         for m in self.models:
             m.setup_caches(batch_size, max_seq)
-        self.caches = [caches(m) for m in self.models]
+        self.held = [caches(m) for m in self.models]  # each model's, for `own_caches` to put back
         self.K = drafts_per_round(drafter, num_drafts)
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
@@ -584,7 +584,7 @@ class Engine:
 
     def own_caches(self):
         """Put this engine's caches back (another engine may have replaced them; graphs hold these)."""
-        for m, mine in zip(self.models, self.caches):
+        for m, mine in zip(self.models, self.held):
             if caches(m).same(mine):
                 continue
             m.register_buffer("rope", mine.rope, persistent=False)
@@ -601,7 +601,7 @@ class Engine:
         on_step() after each batch round."""
         self.own_caches()
         self.scheduler.reset()
-        skip = self.compiled and self.warmed and self.skip_guards
+        skip = self.is_compiled and self.warmed and self.skip_guards
         rows = Rows.empty(self.max_batch, self.device)
         waiting = list(reversed(requests))  # pop() takes them in order
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):

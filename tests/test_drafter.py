@@ -813,11 +813,11 @@ def test_an_engine_takes_back_an_eagle3_drafters_carried_state(eagle3_target, tm
         first = speculate.Engine(target, d, batch_size=2, max_seq=64)
         expected = run(first)
         other = speculate.Engine(target, d, batch_size=3, max_seq=96)
-        assert d.carried is other.caches[1].carried and d.carried.shape[0] == 3
+        assert d.carried is other.held[1].carried and d.carried.shape[0] == 3
         got = run(first)
     assert got == expected
-    assert speculate.caches(d).same(first.caches[1])
-    assert d.carried is first.caches[1].carried and d.carried.shape[0] == 2
+    assert speculate.caches(d).same(first.held[1])
+    assert d.carried is first.held[1].carried and d.carried.shape[0] == 2
 
 
 EAGLE3_BAD = {
