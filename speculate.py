@@ -498,12 +498,13 @@ class Engine:
     Its arguments were checked at the edge (flags, `size_engine`, `generate`)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
-                 temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = 0,
-                 stop_ids=(), stop_strings=None, scheduler: str = "none", threshold: float = 0.0,
+                 temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
+                 stop_ids=(), stop_strings=None, scheduler: str = "none",
+                 threshold: float = Settings.confidence_threshold,
                  buckets=None, ragged: Optional[bool] = None, compile: bool = False,
                  compile_mode: Optional[str] = None, compile_verbose: bool = False,
-                 backend: str = Settings.kernels, num_drafts: Optional[int] = None, tree_budget: int = 0,
-                 tree_temperature: float = Settings.tree_temperature):
+                 backend: str = Settings.kernels, num_drafts: Optional[int] = None,
+                 tree_budget: int = Settings.tree_budget, tree_temperature: float = Settings.tree_temperature):
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)
