@@ -807,7 +807,9 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     size = size_engine(m, drafter, prompts, s, max_seq)
     kind = flags.scheduler_kind(s, drafter)
     drawn = flags.sampling_for(m, s)
-    stop_ids = () if s.ignore_eos else m.stop_ids
+    stop_ids = m.stop_ids
+    if s.ignore_eos:
+        stop_ids = ()
     stop_strings = StopStrings.build(m.tokenizer, s.stop)
     engine = Engine(m.target, drafter, batch_size=size.batch, max_seq=size.max_seq,
                     temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
@@ -819,7 +821,9 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     if s.compile:
         engine.warmup()
         if verbose:
-            what = "autoregressive" if drafter is None else "speculative"
+            what = "speculative"
+            if drafter is None:
+                what = "autoregressive"
             print(f"compiled the {what} round in {engine.compile_seconds:.1f} s", file=sys.stderr)
     else:  # one untimed full round, so that first-call costs (a GPU library's set-up) time no decode
         full_round = engine.scheduler.profile_points[-1]  # every row sends every draft
@@ -942,7 +946,9 @@ def run(args: Args) -> dict:
             with report.decoding(plain, "autoregressive", files=False) as baseline:
                 decode(m, prompts, s, plain, on_round=baseline.on_round, on_finish=baseline.on_finish,
                        on_step=baseline.on_step)
-        heading = "speculative" if demo else None
+        heading = None
+        if demo:
+            heading = "speculative"
         with report.decoding(engine, heading, announce=not demo) as speculative:
             decode(m, prompts, s, engine, on_round=speculative.on_round, on_finish=speculative.on_finish,
                    on_step=speculative.on_step)
