@@ -117,20 +117,29 @@ def tokens_sent(verify_len, active) -> torch.Tensor:
 
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
            filters, u, bonus_noise, backend, num_tokens: Optional[int]):
-    """Steps 3-5: one target pass over each row's anchor and drafts with capture, acceptance, commit.
-    num_tokens None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens flattened and padded to N
-    (`model.Ragged`). Returns the round's packed record (`pack_record`), the next anchors and their
+    """Steps 3-5, the round's second half (its graph when compiled): `verify_chain`, or `verify_tree`
+    for a draft tree. Returns the round's packed record (`pack_record`), the next anchors and their
     positions."""
-    drafts, verify_len, q, confidence, tree = proposal
-    K = drafts.shape[1]
-    device = anchor.device
-    attention = None
+    attention = None  # the target's own cache attention, or the Triton kernel
     if backend == "triton":
         attention = kernels.cached_attention
-    if tree is not None:
-        return verify_tree(target, drafter, anchor, anchor_pos, active, tree,
+    if proposal.tree is not None:
+        return verify_tree(target, drafter, anchor, anchor_pos, active, proposal.tree,
                            temperature=temperature, filters=filters, u=u, bonus_noise=bonus_noise,
                            attention=attention)
+    return verify_chain(target, drafter, anchor, anchor_pos, active, proposal, temperature=temperature,
+                        filters=filters, u=u, bonus_noise=bonus_noise, backend=backend,
+                        attention=attention, num_tokens=num_tokens)
+
+
+def verify_chain(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
+                 filters, u, bonus_noise, backend, attention, num_tokens: Optional[int]):
+    """Steps 3-5 for a chain: one target pass over each row's anchor and drafts with capture,
+    acceptance, commit. num_tokens None: each row sends its K+1 slots; N: the rows' 1 + ℓ tokens
+    flattened and padded to N (`model.Ragged`). attention: the cache attention `verify` chose."""
+    drafts, verify_len, q, confidence, _ = proposal
+    K = drafts.shape[1]
+    device = anchor.device
     capture = ()  # the target layers whose features the drafter reads
     if drafter is not None:
         capture = drafter.cfg.target_layer_ids
