@@ -40,10 +40,6 @@ class DrafterConfig:
     num_target_layers: Optional[int] = None  # the target depth it was built for, if known
 
     @property
-    def num_slots(self) -> int:
-        return self.block_size
-
-    @property
     def num_drafts(self) -> int:
         if self.layout == "dflash":
             return self.block_size - 1  # slot 0 holds the anchor
@@ -214,7 +210,7 @@ class Drafter(DrafterBase):
         """anchor [B] at anchor_pos [B] over context < anchor_pos -> hidden [B, K, H],
         logits U [B, K, V]."""
         cfg = self.cfg
-        S = cfg.num_slots
+        S = cfg.block_size
         B = anchor.shape[0]
         device = anchor.device
         tokens = torch.full((B, S), cfg.mask_token_id, dtype=torch.long, device=device)

@@ -422,7 +422,7 @@ def cache_length(longest_prompt: int, max_new_tokens: int, drafter,
     width = 1
     if drafter is not None:
         K = drafts_per_round(drafter, num_drafts)
-        width = max(drafter.cfg.num_slots, K + 1, tree_budget + 1)
+        width = max(drafter.cfg.block_size, K + 1, tree_budget + 1)
     return longest_prompt + max_new_tokens + 2 * width
 
 

@@ -160,7 +160,7 @@ def block_forward(drafter: Drafter, features, tokens, anchors, doc=None):
     [x_a, m, .., m] in one batch under `block_mask`, the context's K/V computed, not cached."""
     cfg = drafter.cfg
     a = cfg.layers
-    K = cfg.num_slots
+    K = cfg.block_size
     B, T = tokens.shape
     N = anchors.shape[1]
     dev = tokens.device
@@ -255,7 +255,7 @@ def target_features(target: Transformer, drafter, tokens, doc):
 def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, anchors: torch.Tensor,
                  args: Args, *, keep=None, loss_mask=None, doc=None, den=None):
     """One batch -> (loss, terms, valid); keep [B, N]: real blocks."""
-    K = drafter.cfg.num_slots
+    K = drafter.cfg.block_size
     B, T = tokens.shape
     N = anchors.shape[1]
     if keep is None:
@@ -285,7 +285,7 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
 def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     """Matmul FLOPs of a step (for MFU): the target's forward, its lm_head at the N·K slots, and 3x the
     drafter's: context rows (fc, k/v), block rows and their masked attention over T + N·K keys."""
-    K = d.num_slots
+    K = d.block_size
     H = t.hidden_size
     V = t.vocab_size
     D = d.layers.num_hidden_layers
@@ -419,7 +419,7 @@ def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     H = t.hidden_size
     V = t.vocab_size
     I = t.intermediate_size  # noqa: E741
-    S = d.num_slots
+    S = d.block_size
     q = t.num_attention_heads * t.head_dim
     kv = t.num_key_value_heads * t.head_dim
     attention = 2 * H * (q + 2 * kv) + q * H
@@ -772,7 +772,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     if drafter.cfg.layout == "eagle3":
         return train_eagle3(args, drafter, target, corpus, run, dtype, save, evaluate)
     T = args.seq_len
-    K = drafter.cfg.num_slots
+    K = drafter.cfg.block_size
     G = args.batch_size * args.grad_accum * world
     N = min(args.anchors_per_seq, T - 1)
     trained = sum(p.numel() for p in drafter.parameters())
@@ -832,7 +832,7 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
     """train_drafter's Eagle3 loop (`save` and `evaluate` its): every position of each row is a chain start,
     no anchors to draw."""
     T = args.seq_len
-    S = drafter.cfg.num_slots
+    S = drafter.cfg.block_size
     G = args.batch_size * args.grad_accum * run.world
     trained = sum(p.numel() for p in drafter.parameters())
     flops = eagle3_flops(target.args, drafter.cfg, G, T)

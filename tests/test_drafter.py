@@ -156,7 +156,7 @@ def test_spellings_resolve_to_the_same_config(ck, target, markov):
     loaded["deepspec_no_embeddings"] = checkpoint.load_drafter(
         spelling_drafter(ck, "deepspec", markov, with_embeddings=False), target)
     ref = loaded["deepspec"].cfg
-    assert ref.layout == "dspark" and ref.block_size == 4 and ref.num_drafts == 4 and ref.num_slots == 4
+    assert ref.layout == "dspark" and ref.block_size == 4 and ref.num_drafts == 4
     assert ref.markov_head_type == markov and ref.markov_rank == V
     assert ref.confidence_head and ref.confidence_with_markov
     assert ref.target_layer_ids == (0, 1) and ref.mask_token_id == MASK
@@ -400,7 +400,7 @@ def test_zlab_layout(ck, target, capsys, tmp_path, block_size):
     d = ck.drafter(f"zlab_b{block_size}", spelling="zlab", markov=None, confidence=False, block_size=block_size)
     cfg = checkpoint.load_drafter(d, target).cfg
     assert cfg.layout == "dflash"
-    assert cfg.block_size == block_size and cfg.num_slots == block_size and cfg.num_drafts == block_size - 1
+    assert cfg.block_size == block_size and cfg.num_drafts == block_size - 1
     assert cfg.markov_head_type is None and cfg.markov_rank == 0
     assert not cfg.confidence_head and not cfg.confidence_with_markov
     assert cfg.target_layer_ids == (0, 1) and cfg.mask_token_id == MASK
@@ -451,7 +451,7 @@ def reference_block(drafter, embed, lm_head, feats, anchor, a):
     assert not any(k.endswith(".bias") for k in W if k.startswith("layers.")), "reference assumes no attention bias"
     eps, theta = A.rms_norm_eps, A.rope_theta
     nh, nkv, hd = A.num_attention_heads, A.num_key_value_heads, A.head_dim
-    S = cfg.num_slots
+    S = cfg.block_size
 
     c = _rms(feats @ W["fc.weight"].T, W["hidden_norm.weight"], eps)  # [a, H]
     x = embed[torch.tensor([anchor] + [cfg.mask_token_id] * (S - 1))]  # [S, H]
@@ -523,7 +523,7 @@ def test_cached_drafter_matches_reference(ck, hf_target, case):
     cfg = d.cfg
     embed, lm_head = tgt.embed_tokens.weight.double(), tgt.lm_head.weight.double()
     n_rounds, K = 12, cfg.num_drafts
-    max_seq = max(map(len, PROMPTS)) + n_rounds * (K + 1) + cfg.num_slots + 1
+    max_seq = max(map(len, PROMPTS)) + n_rounds * (K + 1) + cfg.block_size + 1
     tgt.setup_caches(len(PROMPTS), max_seq)
     d.setup_caches(len(PROMPTS), max_seq)
     accepted_seen = []

@@ -257,7 +257,7 @@ def test_packed_row_computes_what_each_document_computes_alone(tiny_target):
     lens = [5, 7, 4]
     docs = [torch.randint(0, 64, (n,), generator=g) for n in lens]
     tokens = torch.cat(docs + [torch.zeros(2, dtype=torch.long)])[None]  # + 2 padding tokens
-    T, K = tokens.shape[1], d.cfg.num_slots
+    T, K = tokens.shape[1], d.cfg.block_size
     doc = torch.tensor([[i for i, n in enumerate(lens) for _ in range(n)] + [-1, -1]])
     mask = torch.ones(1, T, dtype=torch.bool)
     mask[0, -2:] = False
