@@ -220,8 +220,10 @@ class Ragged:
     W: int
 
     @staticmethod
-    def build(counts: torch.Tensor, positions: torch.Tensor, num_tokens: int) -> "Ragged":
-        R, W = positions.shape
+    def build(counts: torch.Tensor, width: int, num_tokens: int) -> "Ragged":
+        """counts [R]: each request's tokens, at most `width` (W); num_tokens: N, the flattened length."""
+        R = counts.shape[0]
+        W = width
         ends = torch.cumsum(counts, 0)
         i = torch.arange(num_tokens, device=counts.device)
         rows = torch.searchsorted(ends, i, right=True)
@@ -443,7 +445,7 @@ class Transformer(nn.Module):
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]
-            cos_sin = self.rope[rope_positions]  # [B, T, 2, hd]
+            cos_sin = self.rope[rope_positions]  # [B, T, 2, hd] ([1, N, 2, hd] ragged)
         rope = Rope.at(cos_sin, dtype)
         x = self.embed_tokens(tokens)
         wanted = set(capture)  # only these layers' outputs are kept

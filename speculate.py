@@ -151,7 +151,7 @@ def verify_chain(target, drafter, anchor, anchor_pos, active, proposal: Proposal
         logits, features = target(tokens, positions, capture=capture, attention=attention)
     else:
         counts = tokens_sent(verify_len, active)
-        ragged = Ragged.build(counts, positions, num_tokens)
+        ragged = Ragged.build(counts, K + 1, num_tokens)
         flat = ragged.flatten(tokens)  # [1, N]
         # positions stay [B, K+1]: the cache is written and masked per row, `ragged` maps the tokens
         logits, features = target(flat, positions, capture=capture, ragged=ragged, attention=attention)

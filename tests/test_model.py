@@ -184,7 +184,7 @@ def test_ragged_forward_equals_per_request_forward(small_target, counts, pad):
         before = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in target.layers]
         counts_t = torch.tensor(counts)
         n = int(counts_t.sum()) + pad
-        ragged = m.Ragged.build(counts_t, positions, n)
+        ragged = m.Ragged.build(counts_t, W, n)
         logits, feats = target(ragged.flatten(tokens), positions, capture=capture, ragged=ragged)
         assert logits.shape == (1, n, 48) and feats.shape == (1, n, 2 * 32)
         after = [(l.self_attn.kv_cache.k.clone(), l.self_attn.kv_cache.v.clone()) for l in target.layers]
@@ -211,7 +211,7 @@ def test_ragged_forward_equals_per_request_forward(small_target, counts, pad):
 
 def test_ragged_pad_and_unpad_are_inverse():
     counts, W = torch.tensor([3, 0, 2]), 4
-    ragged = m.Ragged.build(counts, torch.zeros(3, W, dtype=torch.long), 7)
+    ragged = m.Ragged.build(counts, W, 7)
     x = torch.arange(7.0)[None, :, None]
     padded = ragged.pad(x)
     assert padded.shape == (3, W, 1)
