@@ -100,13 +100,13 @@ def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, s
     return Proposal(drafts=drafts, q=q, confidence=confidence, verify_len=verify_len)
 
 
-def tree_survival(drafter, hidden, depth: int, parents) -> torch.Tensor:
-    """[B, M]: the confidence head's chance that a draft at `depth` survives after each of a tree's
-    nodes `parents` [B, M] at depth - 1 (the chain's c at that position, were it that branch)."""
-    B, M = parents.shape
+def tree_survival(drafter, hidden, depth: int, parent_tokens) -> torch.Tensor:
+    """[B, M]: the confidence head's chance that a draft at `depth` survives after each of M tree nodes
+    at depth - 1 holding `parent_tokens` [B, M] (the chain's c at that position, were it that branch)."""
+    B, M = parent_tokens.shape
     slot = depth - 1
     h = hidden[:, slot, None].expand(B, M, -1)  # [B, M, H]
-    return drafter.confidence(h, parents, slot=slot)
+    return drafter.confidence(h, parent_tokens, slot=slot)
 
 
 def tokens_sent(verify_len, active) -> torch.Tensor:

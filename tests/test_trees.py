@@ -634,8 +634,8 @@ def test_a_trees_survival_is_the_chains_confidence_at_that_position(tenv):
     with torch.no_grad():
         chain = d.confidence(hidden, previous)  # [B, K]
         for depth in range(1, K + 1):
-            parents = previous[:, depth - 1:depth]  # [B, 1] the chain's token before that depth
-            tree = speculate.tree_survival(d, hidden, depth, parents)
+            parent_tokens = previous[:, depth - 1:depth]  # [B, 1] the chain's token before that depth
+            tree = speculate.tree_survival(d, hidden, depth, parent_tokens)
             torch.testing.assert_close(tree[:, 0], chain[:, depth - 1])
 
 
