@@ -172,8 +172,8 @@ def verify_chain(target, drafter, anchor, anchor_pos, active, proposal: Proposal
     # pass reads past its anchor is one that pass writes first.
     if drafter is not None:
         commit_drafter(drafter, features, positions, drafts, accepted, next_token)
-    read = torch.minimum(steps, accepted[:, None])  # rows 0 .. n: the accepted drafts', the bonus's
-    finite = finite_rows(logits).gather(1, read).all(dim=1)
+    used = torch.minimum(steps, accepted[:, None])  # logits 0 .. n: the accepted drafts', the next token's
+    finite = finite_rows(logits).gather(1, used).all(dim=1)
     packed = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
     next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
@@ -218,7 +218,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     B = tree.tokens.shape[0]
     max_depth = drafter.cfg.num_drafts
     device = anchor.device
-    rows = torch.arange(B, device=device)
+    batch = torch.arange(B, device=device)
     capture = drafter.cfg.target_layer_ids
     # 3. Verify: every node, in slots a .. a+N of the cache, at RoPE positions a + its depth.
     ancestry = sampling.ancestors(tree, max_depth)  # [B, N+1, N+1] each node's ancestors and itself
@@ -239,7 +239,7 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     path_slots = anchor_pos[:, None] + path  # where the tree pass wrote the path's K/V
     target.move_cache(path_slots, path_positions)
     path_tokens = tree.tokens.gather(1, path)  # [B, max_depth+1], from the anchor
-    path_features = features[rows[:, None], path]
+    path_features = features[batch[:, None], path]
     commit_drafter(drafter, path_features, path_positions, path_tokens[:, 1:], accepted, next_token)
     finite = finite_rows(logits).gather(1, path).all(dim=1)  # the accepted nodes', the last one's again
     nodes = tree.tokens[:, 1:]
