@@ -256,7 +256,7 @@ class RoundRecord(NamedTuple):
     drafts: list[int]                  # a chain's drafts, or a tree's nodes after the root
     verified: int                      # drafts sent to the target (a tree: the nodes its search reached)
     accepted: int
-    bonus: int                         # the token committed after the accepted drafts
+    bonus: int                         # the next token: the bonus, or the correction after a rejection
     finite: bool                       # the logits the round's tokens came from were finite
     confidence: Optional[list[float]]
     parents: Optional[list[int]] = None  # a tree's nodes' parents (0: the root; -1: unreached)
@@ -696,8 +696,8 @@ class Engine:
             if plan is not None:
                 entry.update(plan.trace())
             req.rounds.append(entry)
-            committed = metrics.accepted_tokens(entry) + [rec.bonus]
-            self.append_output(req, committed, max_new_tokens)
+            new_tokens = metrics.accepted_tokens(entry) + [rec.bonus]
+            self.append_output(req, new_tokens, max_new_tokens)
             if on_round is not None:
                 on_round(req, entry)
             if req.finish_reason is not None:
