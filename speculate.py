@@ -47,9 +47,10 @@ DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
 class Proposal(NamedTuple):
     drafts: torch.Tensor                # [B, K] x_1 .. x_K; a tree's [B, N], its nodes after the root
     verify_len: torch.Tensor            # [B] ℓ: how many drafts go to the target, 0 .. K (a tree: N)
-    q: Optional[torch.Tensor] = None           # [B, K, V] what they were drawn from (None at T=0; a tree's: tree.q)
-    confidence: Optional[torch.Tensor] = None  # [B, K] c_1 .. c_K (None without a confidence head, or for a tree)
-    tree: Optional[sampling.Tree] = None  # a draft tree instead of a chain (--tree-budget)
+    q: Optional[torch.Tensor] = None           # [B, K, V] what they were drawn from (None at T=0)
+    confidence: Optional[torch.Tensor] = None  # [B, K] c_1 .. c_K (None without a confidence head)
+    # --tree-budget: a draft tree instead of a chain, holding its own q (q and confidence are None)
+    tree: Optional[sampling.Tree] = None
 
 
 def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
@@ -513,7 +514,8 @@ class Engine:
                  buckets=None, ragged: Optional[bool] = None, compile: bool = False,
                  compile_mode: Optional[str] = None, compile_verbose: bool = False,
                  backend: str = Settings.kernels, num_drafts: Optional[int] = None,
-                 tree_budget: int = Settings.tree_budget, tree_temperature: float = Settings.tree_temperature):
+                 tree_budget: int = Settings.tree_budget,
+                 tree_temperature: float = Settings.tree_temperature):
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)
