@@ -515,16 +515,16 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
         tokens = torch.cat([anchor[:, None], drafts], 1)
         out = hf(tokens, use_cache=True, output_hidden_states=drafter is not None, **cache)
         verify_len = torch.full((1,), K, device=device)
-        n, nxt = sampling.accept_greedy(drafts, out.logits, verify_len)
+        n, next_token = sampling.accept_greedy(drafts, out.logits, verify_len)
         n = int(n)
         if K - n > 0:
             # drop the rejected drafts' rows (negative: transformers 4 and 5)
             next(iter(cache.values())).crop(n - K)
         if drafter is not None:
             drafter.commit_context(features(out), pos + torch.arange(K + 1, device=device)[None])
-        generated += drafts[0, :n].tolist() + [int(nxt)]
+        generated += drafts[0, :n].tolist() + [int(next_token)]
         pos += n + 1
-        anchor = nxt
+        anchor = next_token
     sync(device)
     return generated[:max_new_tokens], time.perf_counter() - t0
 
