@@ -379,8 +379,8 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
 def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_dir: str,
              drafter_dirs: list, log: Optional[runlog.Log], demo: bool) -> dict:
     """Load; decode every dataset with every row's drafter, reporting each as soon as it is done;
-    calibrate (one drafter); write; then the rows side by side. skipped: the missing datasets' files,
-    said once the models have loaded (a run that stops before then is one line)."""
+    calibrate (one drafter); print the rows side by side, then write. skipped: the missing datasets'
+    files, said once the models have loaded (a run that stops before then is one line)."""
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
     first = drafter_dirs[0] if drafter_dirs else None
