@@ -199,7 +199,8 @@ def _switch(out: str, name: str, final: str, tmp: str):
 
 
 def checkpoint_dir(resume: str) -> str:
-    """--resume DIR's checkpoint: `latest`'s, else the highest one there, else DIR itself."""
+    """--resume DIR's checkpoint: `latest`'s, else DIR itself when it holds a training state (a checkpoint
+    named directly), else the highest checkpoint-<step> there."""
     problem = directory_problem(resume, "training directory")
     if problem:
         raise UserError(f"--resume {resume}: {problem}")
