@@ -363,7 +363,8 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
 # Flags and the loop
 
 def check_out_dir(args: TrainArgs, inputs):
-    """--out: a new directory, or the one resumed; never one the run reads."""
+    """--out: a new directory, the one resumed, or one a run left before its first checkpoint (that starts
+    afresh); never one the run reads."""
     out = args.out
     if out is None:
         raise UserError("--out: no output directory given")
