@@ -963,7 +963,7 @@ def run(args: Args) -> dict:
         named = "--alpha-ce, --alpha-tv, --alpha-conf"
     if not any(weights):
         raise UserError(f"{named}: every loss weight is 0, so nothing would be trained")
-    if eagle3 and args.ttt_length >= T:  # step j predicts position i + j + 1 of a sequence
+    if eagle3 and args.ttt_length >= T:  # step j reads token i + j + 1 of its sequence
         raise UserError(f"--ttt-length {args.ttt_length}: the chain unrolls within each --seq-len "
                         f"{T} sequence, so at most {T - 1} steps")
     if args.target is None:
