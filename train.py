@@ -436,10 +436,13 @@ def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
 # The drafter
 
 def default_layer_ids(L: int) -> tuple[int, ...]:
-    """DeepSpec's spacing 1 + i(L-4)/4, i = 0..4; under 5 layers every layer but the last."""
+    """DeepSpec's spacing 1 + i(L-4)/4, i = 0..4; under 5 layers every layer but the last; one layer: the
+    embeddings (-1)."""
     if L >= 5:
         return tuple(sorted({1 + i * (L - 4) // 4 for i in range(5)}))
-    return tuple(range(0, L - 1)) or (-1,)
+    if L == 1:
+        return (-1,)
+    return tuple(range(0, L - 1))
 
 
 def default_mask_token_id(target_dir: str, V: int) -> int:
