@@ -532,7 +532,8 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
 
 
 def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
-    """The calibration flags need rounds to measure, and STS a held-out share of the requests to fit on."""
+    """The calibration flags need rounds to measure, and --calibration-out requests to fit STS on (the
+    first --calibration-split of a dataset's)."""
     asked = calibration_outputs(args)
     if asked and s.max_new_tokens == 1:
         raise UserError(f"{asked[0]}: --max-new-tokens 1 ends every request at its first token, "
