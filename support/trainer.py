@@ -536,7 +536,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         if here:
             kept_lines = _log_upto(path, start)
         atomic_write(path, "".join(kept_lines))
-        log = open(path, "a")
+        log_file = open(path, "a")
     tokens_per_step = args.batch_size * args.grad_accum * run.world * args.seq_len
     peak_tf = args.peak_tflops or peak_tflops(dev) or 0
     peak = peak_tf * 1e12
@@ -631,8 +631,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                       f"tokens/s{shown_mfu}, {minutes_left:.1f} min to go", final=done == end)
         record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
         if main:
-            log.write(json.dumps({"step": done, **record}) + "\n")
-            log.flush()
+            log_file.write(json.dumps({"step": done, **record}) + "\n")
+            log_file.flush()
         if run.wandb is not None and (done % args.log_every == 0 or done == end):
             run.wandb.log(record, step=done)
         save_due = args.save_every and done % args.save_every == 0
@@ -641,7 +641,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
             checkpoint(done)
     bar.close()
     if main:
-        log.close()
+        log_file.close()
     module.eval()
     checkpoint(end)
     if main:
