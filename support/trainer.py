@@ -610,7 +610,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         if peak:
             speed["mfu"] = flops / dt / (peak * run.world)
         done = step + 1
-        # the bar's figures: loss, tau and ppl, tokens/s, MFU
+        # the bar's figures: loss, tau or ppl, tokens/s, MFU
         postfix = {"loss": f"{loss:.4f}"}
         shown_quality = ""  # the line's τ (a drafter) or perplexity (the demo target)
         for k, v in metrics.items():
