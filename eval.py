@@ -126,6 +126,9 @@ class EvalArgs(WandbFlags):
 
 def dataset_entry(name: str, c: dict, seconds: float) -> dict:
     """A dataset's entry of results.json from its summed counts: the authors' metrics, then ours."""
+    tokens_per_second = None
+    if seconds > 0:
+        tokens_per_second = c["tokens"] / seconds
     return {
         "dataset": name,
         "num_samples": c["num_samples"],
@@ -139,7 +142,7 @@ def dataset_entry(name: str, c: dict, seconds: float) -> dict:
         # the paper's Figure 2: draft k's acceptance given drafts 1 .. k-1 were accepted
         "accept_rate_by_position": metrics.accept_rate_by_position(c),
         "counts": {k: c[k] for k in metrics.COUNT_KEYS + metrics.LIST_KEYS},
-        "tokens_per_second": c["tokens"] / seconds if seconds > 0 else None,
+        "tokens_per_second": tokens_per_second,
         "seconds": seconds,
     }
 
@@ -302,7 +305,9 @@ def token_budget(given: Optional[int], demo: bool, prompts: dict, context: int,
     """--max-new-tokens as given, or the protocol's budget capped (with a note) to what the context leaves."""
     if given is not None:
         return given
-    want = DEMO_BUDGET if demo else BUDGET
+    want = BUDGET
+    if demo:
+        want = DEMO_BUDGET
     longest = max(len(p) for ps in prompts.values() for p in ps)
     if longest + want <= context:
         return want
@@ -383,10 +388,14 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     files, said once the models have loaded (a run that stops before then is one line)."""
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
-    first = drafter_dirs[0] if drafter_dirs else None
+    first = None
+    if drafter_dirs:
+        first = drafter_dirs[0]
     m = load_models(target_dir, first, device=device, dtype=args.machine.dtype,
                     calibration=args.calibration, seed=s.seed)
-    drafters = [m.drafter] if first is not None else []
+    drafters = []
+    if first is not None:
+        drafters.append(m.drafter)
     for directory in drafter_dirs[1:]:
         drafters.append(load_extra_drafter(directory, m))
     rows = rows_of(drafters, drafter_dirs, s.tree_budget)
