@@ -123,7 +123,13 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
             series["held-out, after STS"] = cal["sts_heldout"]
         ys = []
         for ms in series.values():
-            ys.append([float("nan") if m["ece"] is None else m["ece"] for m in ms])
+            eces = []
+            for m in ms:
+                value = m["ece"]
+                if value is None:  # a position no round verified has no ECE
+                    value = float("nan")
+                eces.append(value)
+            ys.append(eces)
         positions = [m["position"] for m in cal["raw"]]
         out["calibration/ece_by_position"] = wb.plot.line_series(
             xs=positions, keys=list(series), xname="position", ys=ys,
