@@ -93,7 +93,8 @@ class Args(TrainArgs):
     target_layer_ids: Optional[str] = None
     """Comma-separated target layers of the context feature (default: DeepSpec's, 1,9,17,25,33 at 36)."""
     mask_token_id: Optional[int] = None
-    """DSpark: fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's)."""
+    """DSpark: fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's,
+    else the vocabulary's last)."""
     markov: Literal[(*MARKOV_HEADS, "none")] = "vanilla"
     """DSpark: Markov head (drafter.MARKOV_HEADS); none = no sequential stage (with --no-confidence: a
     DFlash-style drafter)."""
