@@ -198,8 +198,10 @@ def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
     try:
         if callable(data):
             data(f.tmp)
+        elif isinstance(data, str):
+            f.write(data.encode())
         else:
-            f.write(data.encode() if isinstance(data, str) else data)
+            f.write(data)
         f.close()
     finally:
         f.abort()
