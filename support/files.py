@@ -79,8 +79,9 @@ def _parse(text, where: str):
 
 def read_json(path: str) -> dict:
     """A JSON object file; every failure one line naming the file."""
-    if not optional_file(path):
-        raise UserError(f"{path}: file not found")
+    problem = file_problem(path)
+    if problem:
+        raise UserError(f"{path}: {problem}")
     with open(path, "rb") as f:
         obj = _parse(f.read(), path)
     if not isinstance(obj, dict):
