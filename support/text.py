@@ -153,17 +153,17 @@ def _check_format(fmt: str, args, kwargs: dict):
                 specs.append(spec)
     except ValueError:  # not a valid format string: str.format will say so
         specs = []
-    numbers = [int(w) for w in widths if w != "*"]
+    sizes = [int(w) for w in widths if w != "*"]  # every width or precision the format may ask for
     for spec in specs:
         literal = re.sub(r"\{[^}]*\}", "", spec)  # a nested {field} is an argument, counted below
-        numbers += [int(n) for n in re.findall(r"\d+", literal)]
+        sizes += [int(n) for n in re.findall(r"\d+", literal)]
     if "*" in widths or any("{" in spec for spec in specs):
         values = list(args) + list(kwargs.values())  # the width is one of the arguments
         for a in args:
             if isinstance(a, (tuple, list)):
                 values += list(a)
-        numbers += [v for v in values if _int(v)]
-    if any(n > TEMPLATE_CHARS for n in numbers):
+        sizes += [v for v in values if _int(v)]
+    if any(n > TEMPLATE_CHARS for n in sizes):
         _refuse("a format width is too large")
 
 
