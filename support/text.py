@@ -307,8 +307,10 @@ def render_template(template: str, source: str, **context) -> str:
         return "".join(parts)
     # every way a template can fail is the template's, and the user's to fix
     except Exception as e:
-        raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        detail = ""
+        if str(e):
+            detail = str(e).splitlines()[0][:200]
+        raise UserError(f"{source}: cannot render the chat template ({type(e).__name__}: {detail})") from None
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
