@@ -57,15 +57,17 @@ def number(v) -> bool:
 
 
 def checked(v, key: str, source: str, kind=int, lo=None, hi=None):
-    """`key`'s value `v`, of `kind` inside [lo, hi]; else one line naming the key."""
-    if kind is bool and not isinstance(v, bool):
-        raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
+    """`key`'s value `v`: true or false for a bool, else of `kind` inside [lo, hi]; else one line naming the key."""
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise UserError(f"{source}: key {key!r} must be true or false, got {v!r}")
+        return v
+    ok = number(v)
+    what = "a number"
     if kind is int:
         ok = integer(v)
-    else:
-        ok = number(v)
-    if kind is not bool and not (ok and lo <= v <= hi):
-        what = "an integer" if kind is int else "a number"
+        what = "an integer"
+    if not (ok and lo <= v <= hi):
         valid = f"from {bound_text(float(lo))} to {bound_text(float(hi))}"
         raise UserError(f"{source}: key {key!r} must be {what} {valid}, got {v!r}")
     return kind(v)
