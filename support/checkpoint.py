@@ -102,7 +102,9 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         if cfg.get(key) is not None or (key in cfg and default is not HALF):
             out[key] = checked(cfg[key], key, source, kind, lo, hi)
         elif default is REQUIRED:
-            where = " (top-level or in rope_parameters)" if key == "rope_theta" else ""
+            where = ""
+            if key == "rope_theta":
+                where = " (top-level or in rope_parameters)"
             raise UserError(f"{source}: missing key {key!r}{where}")
         elif default is not HALF:
             out[key] = default
