@@ -902,7 +902,7 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         expected = ()
     missing = None
     if path:
-        missing = missing_weights(path)
+        missing = missing_file(path)
     whole = path and not missing and not incomplete
     if whole and (constants.HF_HUB_OFFLINE or not absent(path, expected)):
         return path
@@ -959,9 +959,9 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         print(f"note: {e}; using the cached snapshot {path} as it is "
               "(HF_HUB_OFFLINE=1 skips this check)", file=sys.stderr)
         return path
-    if missing_weights(now):  # ... fetched at the very commit the metadata came from
+    if missing_file(now):  # ... fetched at the very commit the metadata came from
         now = download(os.path.basename(now), weight_names(now))
-    missing = missing_weights(now)
+    missing = missing_file(now)
     if missing:
         raise UserError(f"{where}: {now} has no {missing} after the download: "
                         "the repository lacks it (checkpoints are read as config.json "
@@ -995,7 +995,7 @@ def weight_names(directory: str) -> list[str]:
     return names
 
 
-def missing_weights(directory: str) -> Optional[str]:
+def missing_file(directory: str) -> Optional[str]:
     """What a checkpoint directory lacks before it can be loaded (config.json, the weights), or None."""
     lacking = absent(directory, ["config.json"]) or absent(directory, weight_names(directory))
     if lacking == ["model.safetensors"] and not os.path.isfile(os.path.join(directory, INDEX)):
