@@ -1000,4 +1000,6 @@ def missing_file(directory: str) -> Optional[str]:
     lacking = absent(directory, ["config.json"]) or absent(directory, weight_names(directory))
     if lacking == ["model.safetensors"] and not os.path.isfile(os.path.join(directory, INDEX)):
         return "model.safetensors (or model.safetensors.index.json)"
-    return lacking[0] if lacking else None
+    if not lacking:
+        return None
+    return lacking[0]
