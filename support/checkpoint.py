@@ -203,16 +203,16 @@ def lookup(cfg: dict, key: str, source: str, kind=None, aliases: tuple = ()):
     return values[0]
 
 
-def check_layer_ids(ids, targets, source: str):
+def check_layer_ids(ids, num_target_layers, source: str):
     """target_layer_ids (each layer once) and num_target_layers (None: not given), as every drafter names them."""
     if not (isinstance(ids, list) and ids and all(map(integer, ids))):
         raise UserError(f"{source}: 'target_layer_ids' must be a non-empty list of layer ids, "
                         f"got {ids!r}")
     if len(set(ids)) != len(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} names a layer twice")
-    if targets is not None:
+    if num_target_layers is not None:
         most_layers = LAYER_KEYS["num_hidden_layers"][2]
-        checked(targets, "num_target_layers", source, int, 1, most_layers)
+        checked(num_target_layers, "num_target_layers", source, int, 1, most_layers)
 
 
 def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
@@ -234,9 +234,9 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
     block = lookup(cfg, "block_size", source)
     ids = lookup(cfg, "target_layer_ids", source)
     mask_id = lookup(cfg, "mask_token_id", source)
-    targets = lookup(cfg, "num_target_layers", source)
+    num_target_layers = lookup(cfg, "num_target_layers", source)
     block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
-    check_layer_ids(ids, targets, source)
+    check_layer_ids(ids, num_target_layers, source)
     if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
         raise UserError(f"{source}: 'mask_token_id' must be an id below vocab_size "
                         f"{layers.vocab_size}, got {mask_id!r}")
@@ -330,7 +330,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
     if layout == "dflash" and (mtype or conf):
         raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
     return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf),
-                         by_weights, targets)
+                         by_weights, num_target_layers)
 
 
 def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
@@ -340,8 +340,8 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
         if key not in cfg:
             raise UserError(f"{source}: missing key {key!r} (an Eagle3 drafter's config names it)")
     ids = cfg["target_layer_ids"]
-    targets = cfg.get("num_target_layers")
-    check_layer_ids(ids, targets, source)
+    num_target_layers = cfg.get("num_target_layers")
+    check_layer_ids(ids, num_target_layers, source)
     if ids != sorted(ids):
         raise UserError(f"{source}: 'target_layer_ids' {ids} must be strictly increasing")
     gamma = checked(cfg["ttt_length"], "ttt_length", source, int, 1, MAX_BLOCK)
@@ -350,7 +350,7 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
         raise UserError(f"{source}: an Eagle3 drafter has one layer "
                         f"(draft_num_hidden_layers / num_hidden_layers), got {depth!r}")
     one_layer = replace(layers, num_hidden_layers=1)
-    return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, targets)
+    return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, num_target_layers)
 
 
 # Weights
