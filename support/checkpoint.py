@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from drafter import MARKOV_HEADS, Drafter, DrafterConfig, Eagle3Drafter
+from drafter import MARKOV_HEADS, Drafter, DrafterBase, DrafterConfig, Eagle3Drafter
 from model import ModelArgs, RMSNorm, Transformer
 from support.cli import (
     MAX_BLOCK,
@@ -538,7 +538,7 @@ def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transforme
     return model.eval().requires_grad_(False)
 
 
-def attach(drafter: Drafter, target: Transformer, where: str = "the drafter"):
+def attach(drafter: DrafterBase, target: Transformer, where: str = "the drafter"):
     """Give the drafter the target's embedding and lm_head, once the two are seen to fit (a refusal
     names `where`: the drafter's config file, when it has one)."""
     t = target.args
@@ -565,7 +565,7 @@ def attach(drafter: Drafter, target: Transformer, where: str = "the drafter"):
 
 
 def load_drafter(directory: str, target: Transformer, device="cpu",
-                 dtype=torch.float32) -> Drafter:
+                 dtype=torch.float32) -> DrafterBase:
     problem = directory_problem(directory, "drafter directory")
     if problem:
         raise UserError(f"--drafter {directory}: {problem}")
@@ -688,7 +688,7 @@ def five_layers(t: ModelArgs) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer) -> Drafter:
+def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer) -> DrafterBase:
     """A drafter of `cfg` with random weights, in the target's dtype on its device, attached to it."""
     w = target.embed_tokens.weight
     with torch.device("meta"):
@@ -704,7 +704,7 @@ def random_weights(drafter_class, cfg: DrafterConfig, target: Transformer) -> Dr
 @dataclass
 class Models:
     target: Transformer
-    drafter: Optional[Drafter]
+    drafter: Optional[DrafterBase]  # a Drafter or an Eagle3Drafter
     tokenizer: Optional[object]  # text.Tokenizer
     stop_ids: tuple
     dtype: torch.dtype
