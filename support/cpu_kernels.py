@@ -194,8 +194,8 @@ def install(m: nn.Module) -> bool:
     paired = {id(lin) for a in fused for lin in (a.q_proj, a.kv_proj)}  # their panels: views of the pair's
     alone = [x for x in m.modules() if _linear_fits(x) and id(x) not in paired]
     copied: dict = {}  # storage -> the (weight, panels) made on it by this call
+    # tallest first: a whole weight is copied before the rows of it that other layers hold
     for lin in sorted(alone, key=lambda x: -x.weight.shape[0]):
-        # whole weights before rows of them (sorted)
         if getattr(lin, "stamp", None) != _stamp(lin.weight):
             storage = lin.weight.untyped_storage().data_ptr()
             lin.panels = _panels_of(lin.weight, copied.setdefault(storage, []))
