@@ -160,7 +160,7 @@ def attend(q, k, v, bias):
 
 
 def _attention_fits(q, k, v, bias) -> bool:
-    """CPU float32, few query tokens, head_dim a multiple of PANEL, no autograd."""
+    """CPU float32, few query tokens with a bias row each (GQA unfolded), head_dim a multiple of PANEL, no autograd."""
     if not q.is_cpu:
         return False
     if not q.dtype == k.dtype == v.dtype == bias.dtype == torch.float32:
