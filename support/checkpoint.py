@@ -29,7 +29,8 @@ from support.cli import (
 )
 from support.files import directory_problem, optional_file, read_json
 
-REQUIRED, HALF = object(), object()  # HALF: head_dim's default, hidden_size / num_attention_heads
+REQUIRED = object()  # a key without a default
+PER_HEAD = object()  # head_dim's default: hidden_size / num_attention_heads
 # key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
 LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
               "hidden_size": (int, 1, 65_536, REQUIRED),
@@ -37,7 +38,7 @@ LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
               "num_hidden_layers": (int, 1, 1024, REQUIRED),
               "num_attention_heads": (int, 1, 1024, REQUIRED),
               "num_key_value_heads": (int, 1, 1024, REQUIRED),
-              "head_dim": (int, 1, 4096, HALF),
+              "head_dim": (int, 1, 4096, PER_HEAD),
               "max_position_embeddings": (int, 1, 10_485_760, 32768),
               "rms_norm_eps": (float, 1e-12, 0.1, 1e-6),
               "rope_theta": (float, 1.0, 1e12, REQUIRED),
@@ -99,14 +100,14 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         cfg["rope_theta"] = rope["rope_theta"]
     out = {}
     for key, (kind, lo, hi, default) in LAYER_KEYS.items():
-        if cfg.get(key) is not None or (key in cfg and default is not HALF):
+        if cfg.get(key) is not None or (key in cfg and default is not PER_HEAD):
             out[key] = checked(cfg[key], key, source, kind, lo, hi)
         elif default is REQUIRED:
             where = ""
             if key == "rope_theta":
                 where = " (top-level or in rope_parameters)"
             raise UserError(f"{source}: missing key {key!r}{where}")
-        elif default is not HALF:
+        elif default is not PER_HEAD:
             out[key] = default
     if "head_dim" not in out:  # older configs omit it; Qwen3's default
         if out["hidden_size"] % out["num_attention_heads"]:
