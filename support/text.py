@@ -298,7 +298,8 @@ def render_template(template: str, source: str, **context) -> str:
                 env.filters[name] = _bounded_filter(env.filters[name], name)
             _COMPILED.clear()
             _COMPILED[template] = env.from_string(template)
-        parts, size = [], 0
+        parts = []  # the rendered chunks so far, and how many characters they hold
+        size = 0
         for chunk in _COMPILED[template].generate(**context):
             parts.append(chunk)
             size += len(chunk)
