@@ -234,7 +234,7 @@ def _linear_fits(x: nn.Module) -> bool:
 
 
 def _stamp(w: torch.Tensor) -> tuple:
-    """What tells a weight's panels are still its own: its storage, shape and version."""
+    """What tells a weight's panels are still its own: its data's address, shape and version."""
     version = None  # inference tensors keep no version counter
     if not w.is_inference():
         version = w._version
