@@ -1,7 +1,8 @@
 """How many drafts a round verifies (the paper's §3.2.2 and §5.2; docs/algorithm.md): inside the draft graph,
 verify lengths ℓ [B] from the drafts' confidences ("none", "threshold", "hardware": Algorithm 1 over SPS(B),
 the measured rounds/s at B verify tokens; "async": a capacity searched on the host from two rounds earlier).
-Host side: the verify sizes (compiled, a few buckets) and the SPS table, profiled from the engine's rounds."""
+Host side: the verify sizes (a few buckets: --verify-buckets, by default when compiled) and the SPS table,
+profiled from the engine's rounds."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class Plan(NamedTuple):
     source: Union[int, str]
     # this round's number among the decode's batch rounds (all rows step together)
     round: int
-    # the verify size: the active rows' anchors + C, padded to a bucket when compiled
+    # the verify size: the active rows' anchors + C, padded to a bucket where the scheduler has buckets
     num_tokens: int
     # C as a 0-d tensor on the device: the draft graph's input
     tensor: torch.Tensor
@@ -144,7 +145,7 @@ def isotonic(y: list[float]) -> list[float]:
 
 def sps_curve(points: list[int], rates: list[float], buckets: Optional[list[int]], top: int):
     """(SPS(B) for B = 0 .. top, route) from steps/s at `points`: bucketed, B goes to the fastest bucket that
-    holds it (route[B]); eager, the step time made non-decreasing (a dip is noise) and interpolated."""
+    holds it (route[B]); without buckets, the step time made non-decreasing (a dip is noise) and interpolated."""
     if buckets is not None:
         per = dict(zip(points, rates))
         route = [0]
@@ -177,7 +178,8 @@ class Scheduler:
         self.K = K
         self.threshold = threshold
         top = batch * (K + 1)  # tokens of a round that verifies every draft of every row
-        # Compiled: a few padded token counts, one graph each; SPS is profiled there (eager: the same points).
+        # Buckets (--verify-buckets, else by default when compiled): a few padded token counts, one graph each
+        # when compiled; SPS is profiled there (without buckets: at the default's points).
         self.buckets = None
         if buckets:
             self.buckets = sorted(buckets)
