@@ -131,7 +131,6 @@ class Decoding:
         self.summary: Optional[dict] = None
         self.counts: Optional[dict] = None
         # running sums of metrics.py's counts, for the bar and W&B while requests are in flight
-        self.stop = set(engine.stop_ids)
         self.running = {"num_rounds": 0, "verified": 0, "committed": 0, "tokens": 0}
         self.length_hist = [0] * (engine.K + 2)  # rounds that committed 0 .. K+1 tokens
         self.seen: dict[int, int] = {}             # tokens of each request counted so far
@@ -157,7 +156,7 @@ class Decoding:
         if self.trace:
             self.trace.write(json.dumps(entry, allow_nan=False) + "\n")
         self.printer.on_round(req)
-        accepted, verified, committed = metrics.round_counts(entry, self.stop)
+        accepted, verified, committed = metrics.round_counts(entry, self.engine.stop_ids)
         self.running["num_rounds"] += 1
         self.running["verified"] += verified
         self.running["committed"] += committed
