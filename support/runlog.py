@@ -245,7 +245,7 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
         log.artifact(what, what, [path], metadata=metadata)
 
 
-# Progress of a long run (eval.py, training): a bar on a terminal, elsewhere a plain line now and then.
+# Progress of a long run (speculate.py, eval.py, training): a bar on a terminal, elsewhere a plain line now and then.
 class Lines:
     """Progress off a terminal (no piled-up bar frames): a line at most every `every` s, always if `final`."""
 
