@@ -60,7 +60,8 @@ NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "w
 
 
 def check(args):
-    """The --wandb-* flags, before any work: each needs --wandb, none empty, a project name W&B accepts."""
+    """The --wandb-* flags and --log-every, before any work: each given needs --wandb, none empty, a project
+    name W&B accepts."""
     given = [name for name in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, name, None)]
     if given and not args.wandb:
         raise UserError(f"{flag(given[0])}: needs --wandb")
