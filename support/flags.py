@@ -16,6 +16,7 @@ import torch
 import kernels
 import scheduler as sched
 from sampling import Filters, tree_parent_count
+from support import runlog
 from support.cli import (
     DTYPES,
     MAX_BLOCK,
@@ -497,8 +498,6 @@ def check_no_drafter(s: Settings, calibration: Optional[str] = None):
 
 def check_command_line(args):
     """speculate.py's flags alone, before anything is loaded or downloaded; returns the settings."""
-    from support import runlog
-
     s = check_settings(args.decode, args.machine.device)
     check_machine(args.machine, s.compile)
     check_ranges(args, log_every="[1, inf)")
