@@ -151,8 +151,11 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
             if getattr(Settings, name) is not None:
                 raise UserError(f"{flag(name)}: invalid value None")
             continue
-        want = numbers.Integral if kind is int else numbers.Real
-        expected = "an integer" if kind is int else "a number"
+        want = numbers.Real
+        expected = "a number"
+        if kind is int:
+            want = numbers.Integral
+            expected = "an integer"
         if isinstance(value, bool) or not isinstance(value, want):
             raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected})")
         try:
@@ -278,7 +281,9 @@ def sampled_tree_bytes(m, drafter, tree_budget: int) -> int:
 def check_cache_memory(m, drafter, batch: int, max_seq: int, device, tree_bytes: int = 0):
     """The KV caches, and a sampled tree's round (`tree_bytes` a row), must fit in what is free on
     the device (where that is known)."""
-    configs = [m.target.args] + ([drafter.cfg.layers] if drafter is not None else [])
+    configs = [m.target.args]
+    if drafter is not None:
+        configs.append(drafter.cfg.layers)
     per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in configs)
     need = per_token * batch * max_seq * m.dtype.itemsize
     trees = tree_bytes * batch
