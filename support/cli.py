@@ -74,7 +74,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def first_line(e: BaseException) -> str:
     """An exception's message in one line (at most 300 characters), or its type's name."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return lines[0][:300]
 
 
 class UserError(Exception):
