@@ -48,7 +48,9 @@ def from_flat(args_class, values: dict):
     kwargs = {}
     rest = dict(values)
     for f in dataclasses.fields(args_class):
-        group = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        group = None
+        if f.default_factory is not dataclasses.MISSING:
+            group = f.default_factory()
         if dataclasses.is_dataclass(group):
             mine = {g.name for g in dataclasses.fields(group)} & set(rest)
             kwargs[f.name] = dataclasses.replace(group, **{k: rest.pop(k) for k in mine})
@@ -111,7 +113,9 @@ def _interrupt(signum, frame):
 def _set_handlers(handler) -> dict:
     """SIGINT and SIGTERM to `handler`; returns their handlers before (none set off the main thread: it cannot)."""
     main = threading.current_thread() is threading.main_thread()
-    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    if not main:
+        return {}
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 @contextlib.contextmanager
@@ -226,7 +230,10 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
     handlers = _set_handlers(_interrupt)
     try:
         args = parse_flags(args_class, argv)
-        with torch.inference_mode() if inference else contextlib.nullcontext():
+        mode = contextlib.nullcontext()
+        if inference:
+            mode = torch.inference_mode()
+        with mode:
             run(args)
     except UserError as e:
         if rank0():
