@@ -95,19 +95,25 @@ def code_version() -> dict:
             p = subprocess.run(["git", *cmd], cwd=here, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.SubprocessError):
             return None
-        return p.stdout.strip() if p.returncode == 0 else None
+        if p.returncode != 0:
+            return None
+        return p.stdout.strip()
 
     top = git("rev-parse", "--show-toplevel")  # this directory's own repository, not one around it
     if top is None or os.path.realpath(top) != os.path.realpath(here):
         return {"git_commit": None, "git_dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
-    dirty = bool(status) if status is not None else None
+    dirty = None
+    if status is not None:
+        dirty = bool(status)
     return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": dirty}
 
 
 def checkpoint_config(directory: Optional[str]) -> Optional[dict]:
     """A checkpoint directory's config.json, as loaded (None: random weights, or no drafter)."""
-    return read_json(os.path.join(directory, "config.json")) if directory else None
+    if not directory:
+        return None
+    return read_json(os.path.join(directory, "config.json"))
 
 
 # A run
