@@ -122,8 +122,11 @@ class Decoding:
         self.name = name
         self.log = report.log
         args = report.args
-        self.trace_path = args.trace_file if files else None
-        self.out_path = args.output_file if files else None
+        self.trace_path = None
+        self.out_path = None
+        if files:
+            self.trace_path = args.trace_file
+            self.out_path = args.output_file
         requests = report.requests
         self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests,
                                report.settings.num_samples, show=report.show)
@@ -149,8 +152,12 @@ class Decoding:
         if self.log is not None:
             self.log.run.define_metric(f"{name}/*", step_metric=f"{name}/round")
         # last: nothing after them can fail and leave their temporary files behind
-        self.trace = StreamFile(self.trace_path) if self.trace_path else None
-        self.out = StreamFile(self.out_path) if self.out_path else None
+        self.trace = None
+        self.out = None
+        if self.trace_path:
+            self.trace = StreamFile(self.trace_path)
+        if self.out_path:
+            self.out = StreamFile(self.out_path)
 
     def on_round(self, req, entry: dict):
         if self.trace:
@@ -194,8 +201,11 @@ class Decoding:
         """The figures of the rounds so far (W&B's rows, the bar's)."""
         seconds = self.engine.prefill_seconds + self.engine.decode_seconds
         tokens = self.running["tokens"]
+        tokens_per_second = 0.0
+        if seconds > 0:
+            tokens_per_second = tokens / seconds
         return {"round": self.steps, "requests_done": len(self.done), "tokens": tokens,
-                "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+                "tokens_per_second": tokens_per_second,
                 "acceptance_length": metrics.acceptance_length(self.running),
                 "verified_per_round": metrics.verified_per_round(self.running)}
 
@@ -259,7 +269,9 @@ class Report:
         self.requests = len(prompts) * settings.num_samples
         self.log = log
         self.demo = demo
-        self.show = 1 if lead else None  # the demo prints its lead prompt's completion only
+        self.show = None
+        if lead:  # the demo prints its lead prompt's completion only
+            self.show = 1
         self.sampling = sampling_for(models, settings)
         note = None
         if args.calibration:
@@ -277,7 +289,9 @@ class Report:
         m, s, args = self.models, self.settings, self.args
         sampling = {"temperature": self.sampling.temperature, **self.sampling.filters._asdict(),
                     "source": self.sampling.source}
-        drafter = m.drafter.cfg.describe() if m.drafter is not None else None
+        drafter = None
+        if m.drafter is not None:
+            drafter = m.drafter.cfg.describe()
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
                         dtype_resolved=str(m.dtype).removeprefix("torch."),
                         threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
@@ -305,9 +319,13 @@ class Report:
         if announce:
             print(self.announce, file=sys.stderr)
         if engine.drafter is not None or self.models.hub_snapshots:
-            random = " (random weights)" if self.args.random_init else ""
+            random = ""
+            if self.args.random_init:
+                random = " (random weights)"
             print(self.models.describe() + random, file=sys.stderr)
-        name = "speculative" if engine.drafter is not None else "autoregressive"
+        name = "autoregressive"
+        if engine.drafter is not None:
+            name = "speculative"
         if heading:
             print(f"--- {heading} ---")
         d = Decoding(self, engine, name, files)
