@@ -17,7 +17,7 @@ from support.files import StreamFile
 from support.flags import calibration_note, sampling_for
 from support.text import StopStrings
 
-# the trace's, of a request
+# the keys of the trace's end record, written once a request finishes (docs/trace-format.md)
 END_RECORD = ("request", "output_ids", "num_rounds", "acceptance_length", "finish_reason")
 
 
