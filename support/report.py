@@ -113,8 +113,8 @@ def figures_line(name: str, summary: dict, c: dict, engine) -> str:
 
 class Decoding:
     """One decode's callbacks (`speculate.decode`'s on_round / on_finish / on_step): the printer, the
-    trace and output files, a tqdm bar and W&B's running figures (a row under `<name>/` every `--log-every`
-    batch rounds and at the end); what finished, and the summary once it is over."""
+    trace and output files, a tqdm bar (off a terminal, progress lines) and W&B's running figures (a row under
+    `<name>/` every `--log-every` batch rounds and at the end); what finished, and the summary once it is over."""
 
     def __init__(self, report: "Report", engine, name: str, files: bool):
         self.report = report
