@@ -223,7 +223,8 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
              rank0: Callable[[], bool] = lambda: True) -> int:
     """A program's main(): tyro's flags, then `run(args)`; a UserError (a bad flag's included) is one
     line on stderr (rank 0) and exit 2, a file the system refused one line and exit 1, SIGINT/SIGTERM
-    raise `Interrupted` in the run and exit 128 + the signal."""
+    raise `Interrupted` in the run and exit 128 + the signal, and a reader of stdout that went away
+    (`| head`) exits quietly, 128 + SIGPIPE."""
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
         if hasattr(stream, "reconfigure") and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
