@@ -8,7 +8,7 @@ paper's Eagle3 baseline as DeepSpec does (docs/training.md, "Eagle3").
 The target runs once a batch, no grad, for the features and its logits at the drafter's slots;
 the drafter runs all of a row's blocks at once (Eagle3: every position of a row, one unrolled step after
 another). Each loss term is normalised by the step's global batch, so any split over processes gives the
-same step. The demo target's drafter, at demo scale (CPU, about a minute on 2 cores):
+same step. The demo target's drafter, at demo scale on a CPU (docs/training.md has its time):
 
     python train.py --target demo/target --data "$(python -c 'import logging; print(logging.__path__[0])')" \
         --out /tmp/demo-drafter --steps 120 --seq-len 128 --batch-size 8 --anchors-per-seq 32 --block-size 4 \
