@@ -354,8 +354,8 @@ class Rendering:
     """How text prompts become token ids."""
 
     chat: AutoBool = None
-    """Render text prompts with the chat template, thinking off. Default: on when the tokenizer has a
-    template; --chat without one uses Qwen3's format."""
+    """Render text prompts with the chat template, thinking off unless --enable-thinking. Default: on when
+    the tokenizer has a template; --chat without one uses Qwen3's format."""
     system_prompt: Optional[str] = None
     """A system turn before every text prompt (chat rendering only)."""
     enable_thinking: bool = False
