@@ -908,6 +908,8 @@ def check_unused_flags(args: Args):
         (("markov_rank",), args.markov == "none", "--markov none"),
         (("alpha_conf", "confidence_with_markov"), not args.confidence, "--no-confidence"),
         (eval_flags, not args.eval_every, "no --eval-every"),
+        (("pack",), args.data_ids is not None,
+         "--data-ids (windows of a token stream; only chat records are packed)"),
     ])
 
 

@@ -396,9 +396,6 @@ def load_corpus(args, target_args, say) -> Corpus:
     from support.text import Tokenizer
 
     if args.data is None:
-        if not args.pack:
-            raise UserError("--no-pack: --data-ids are windows of a token stream; "
-                            "only chat records are packed")
         return Corpus(read_windows(args, None, target_args.vocab_size, None))
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
         raise UserError(
