@@ -557,9 +557,9 @@ def file_prompts(path: str, target_dir: Optional[str], target: Transformer, draf
     return prompts
 
 
-def check_args(args: BenchArgs) -> list[int]:
-    """The flags alone, before any device or model (scripts/device_run.py checks its steps' with it too);
-    returns the batch sizes."""
+def check_args(args: BenchArgs) -> tuple[list[int], Settings]:
+    """The flags alone, before any device or model (tests/test_device_run.py checks device_run.py's bench
+    stages with it too); returns the batch sizes and the checked decode settings."""
     batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes", distinct_positive=True)
     default = Settings()
     for f in fields(Settings):
