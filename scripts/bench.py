@@ -745,7 +745,7 @@ def interleaved_runs(modes: list[str], engines: dict, reference, prompts, s: Set
 def mode_row(m: str, B: int, runs: list[dict], engine, prompts, s: Settings, skip_guards: bool,
              differ: dict) -> dict:
     """An engine mode's results at batch B: the median run's figures and the round split (`differ`:
-    `compare_outputs`' counts, recorded on every row when any mode differed)."""
+    `compare_outputs`' differing request runs by mode, recorded on every row when any mode differed)."""
     tps = [r["total_tokens_per_second"] for r in runs]
     r = median_run(runs)  # every figure of the row is this run's
     round_s = r["decode_seconds"] / r["steps"]
