@@ -441,8 +441,12 @@ def transformers_copy(target: Transformer):
         rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, attention_bias=a.attention_bias,
         tie_word_embeddings=a.tie_word_embeddings, max_position_embeddings=a.max_position_embeddings))
     from support.checkpoint import published
-    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v
-          for k, v in published(target.state_dict()).items()}
+    sd = {}
+    for k, v in published(target.state_dict()).items():
+        name = "model." + k  # transformers keeps the body under .model, the lm_head beside it
+        if k == "lm_head.weight":
+            name = k
+        sd[name] = v
     hf.load_state_dict(sd, strict=True)
     w = target.lm_head.weight
     return hf.to(device=w.device, dtype=w.dtype).eval()
