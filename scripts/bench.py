@@ -321,7 +321,7 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     finally:
         engine.draft_fn = calls["draft"]
         engine.verify_fn = calls["verify"]
-    rounds = r["steps"]
+    rounds = r["rounds"]
     # Without a drafter the draft call only returns an empty block: host work, counted in the rest.
     draft = 0.0
     if engine.drafter is not None:
@@ -374,7 +374,7 @@ def timed_generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int
         "acceptance_length": metrics.acceptance_length(c),
         "verified_per_round": metrics.verified_per_round(c),  # the verify budget per live request per round
         "prefill_seconds": engine.prefill_seconds, "decode_seconds": engine.decode_seconds,
-        "steps": rounds,  # rounds the batch ran, more prompts than rows streamed through them
+        "rounds": rounds,  # rounds the batch ran, more prompts than rows streamed through them
         "outputs": [r.output_ids for r in reqs], "requests": reqs,
     }
 
@@ -752,7 +752,7 @@ def mode_row(m: str, B: int, runs: list[dict], engine, prompts, s: Settings, ski
     `compare_outputs`' differing request runs by mode, recorded on every row when any mode differed)."""
     tps = [r["total_tokens_per_second"] for r in runs]
     r = median_run(runs)  # every figure of the row is this run's
-    round_s = r["decode_seconds"] / r["steps"]
+    round_s = r["decode_seconds"] / r["rounds"]
     parts = round_split(engine, prompts, s.max_new_tokens, skip_guards)
     row = {"mode": m, "batch": B, "tokens_per_second": r["total_tokens_per_second"], "tokens_per_second_runs": tps,
            "decode_tokens_per_second": (r["tokens"] - len(prompts)) / r["decode_seconds"],

@@ -367,14 +367,14 @@ def test_a_round_is_the_engines_own_when_prompts_outnumber_rows(tmp_path):
         with torch.no_grad():
             r = bench.timed_generate(engine, prompts, 12)
         per_request = [len(q.rounds) for q in r["requests"]]
-        assert r["steps"] == rounds_of(per_request), (rows, per_request)
+        assert r["rounds"] == rounds_of(per_request), (rows, per_request)
         row = bench.mode_row("speculative", rows, [r], engine, prompts, Settings(max_new_tokens=12),
                              skip_guards=False, differ={})
         decoded = sum(len(q.output_ids) - 1 for q in r["requests"])
         assert row["decode_tokens_per_second"] * r["decode_seconds"] == pytest.approx(decoded)
-        assert row["round_ms"] == pytest.approx(1e3 * r["decode_seconds"] / r["steps"])
+        assert row["round_ms"] == pytest.approx(1e3 * r["decode_seconds"] / r["rounds"])
         # the bytes a round reads: the KV its rows hold round by round (greedy: the split's run is this one)
-        cached = bench.cached_per_round(r["requests"], r["steps"])
+        cached = bench.cached_per_round(r["requests"], r["rounds"])
         want = bench.round_bytes(models.target, models.drafter, cached, engine.K)
         assert row["bytes_per_round"] == want
 
