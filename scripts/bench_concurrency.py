@@ -403,16 +403,26 @@ def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curv
 
 def table_markdown(rows: list[dict]) -> str:
     modelled = any(r.get("modelled_tokens_per_second") is not None for r in rows)
-    lines = ["| concurrency | mode | total tok/s | per-request tok/s | τ | verified drafts / request / round "
-             "| total ÷ none | SPS profile s |" + (" modelled tok/s (synthetic SPS) |" if modelled else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if modelled else "")]
+    head = ("| concurrency | mode | total tok/s | per-request tok/s | τ | verified drafts / request / round "
+            "| total ÷ none | SPS profile s |")
+    rule = "|---|---|---|---|---|---|---|---|"
+    if modelled:
+        head += " modelled tok/s (synthetic SPS) |"
+        rule += "---|"
+    lines = [head, rule]
     for r in rows:
-        ratio = f"{r['vs_none']:.2f}×" if r["vs_none"] is not None else "—"
-        prof = f"{r['profile_seconds']:.1f}" if r["profile_seconds"] is not None else ""
-        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
-                     f"| {r['per_request_tokens_per_second']:.1f} | {r['acceptance_length']:.2f} "
-                     f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |"
-                     + (f" {r['modelled_tokens_per_second']:.3f} |" if modelled else ""))
+        ratio = "—"
+        if r["vs_none"] is not None:
+            ratio = f"{r['vs_none']:.2f}×"
+        prof = ""
+        if r["profile_seconds"] is not None:
+            prof = f"{r['profile_seconds']:.1f}"
+        line = (f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
+                f"| {r['per_request_tokens_per_second']:.1f} | {r['acceptance_length']:.2f} "
+                f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |")
+        if modelled:
+            line += f" {r['modelled_tokens_per_second']:.3f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
