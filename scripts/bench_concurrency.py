@@ -116,7 +116,7 @@ def use_curve(scheduler, sps: list[float]):
 
 def cliffs_sps(top: int) -> list[float]:
     """--sps-synthetic cliffs: SPS(B) for B = 0 .. top, steps per time unit when a round verifies B
-    tokens, 1 / (1 + ceil(B/16)/4) (B = 0 priced as 1). Only its shape matters to the schedulers."""
+    tokens, 1 / (1 + ceil(B/16)/4) (B = 0 priced as B = 1). Only its shape matters to the schedulers."""
     return [1 / (1 + math.ceil(max(b, 1) / 16) / 4) for b in range(top + 1)]
 
 
