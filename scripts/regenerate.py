@@ -132,13 +132,13 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
     return out
 
 
-def model_files(directory: Optional[str], flag: str) -> Optional[dict]:
+def model_files(directory: Optional[str], flag_name: str) -> Optional[dict]:
     """[size, mtime] of each file a run reads from a checkpoint directory."""
     if directory is None:
         return None
     problem = directory_problem(directory, "checkpoint directory")
     if problem:
-        raise UserError(f"{flag} {directory}: {problem}")
+        raise UserError(f"{flag_name} {directory}: {problem}")
     files = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
@@ -206,15 +206,15 @@ def check_same_flags(saved_key: dict, key: dict, partial: str, args: Args):
     for name, value in key.items():
         if name in saved_key and saved_key[name] == value:
             continue
-        flag, _, what = name.partition(" ")
+        flag_name, _, what = name.partition(" ")
         # the decode settings' flags included
-        now = flat_fields(args)[flag[2:].replace("-", "_")]
+        now = flat_fields(args)[flag_name[2:].replace("-", "_")]
         if what:
-            raise UserError(f"{flag} {now}: its {what} changed since {partial} was started; "
+            raise UserError(f"{flag_name} {now}: its {what} changed since {partial} was started; "
                             f"restore them, or remove {partial} to start over")
         then = saved_key.get(name)
-        raise UserError(f"{flag} {shown(value)}: {partial} was started with {flag} {shown(then)}; "
-                        f"resume with the same {flag}, or remove {partial} to start over")
+        raise UserError(f"{flag_name} {shown(value)}: {partial} was started with {flag_name} {shown(then)}; "
+                        f"resume with the same {flag_name}, or remove {partial} to start over")
 
 
 def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
