@@ -26,10 +26,26 @@ from speculate import Request, make_engine  # noqa: E402
 from support import flags  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
-from support.cli import (UserError, check_ranges, cli_main, flag, flat, flat_fields,
-                         resolve_device, signals_deferred)
-from support.files import (atomic_write, check_outputs, check_writable,  # noqa: E402
-                           directory_problem, file_problem, read_json, read_jsonl, write_json)
+from support.cli import (  # noqa: E402
+    UserError,
+    check_ranges,
+    cli_main,
+    flag,
+    flat,
+    flat_fields,
+    resolve_device,
+    signals_deferred,
+)
+from support.files import (  # noqa: E402
+    atomic_write,
+    check_outputs,
+    check_writable,
+    directory_problem,
+    file_problem,
+    read_json,
+    read_jsonl,
+    write_json,
+)
 from support.flags import Settings  # noqa: E402
 from support.text import ROLES, check_text, encode  # noqa: E402
 
