@@ -299,7 +299,8 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     forward with capture, acceptance, context commit) and the rest (the host's work), timed where the
     engine makes its draft and verify calls in one more run, synchronised around each, so the parts add
     up to that run's rounds; the syncs cost a little on a GPU, so that run's `split_round_ms` is kept
-    beside the timed runs' `round_ms`."""
+    beside the timed runs' `round_ms`. Also the bytes a round of that run reads (`round_bytes` at its
+    rows' mean cached length: `bytes_per_round`)."""
     dev = engine.device
     spent = {"draft": 0.0, "verify": 0.0}
     calls = {"draft": engine.draft_fn, "verify": engine.verify_fn}
