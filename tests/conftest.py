@@ -298,6 +298,11 @@ def hf_forward(hf_model, tokens: torch.Tensor):
     return out.logits, out.hidden_states
 
 
+def gen(seed: int = 0) -> torch.Generator:
+    """A CPU generator seeded with `seed`."""
+    return torch.Generator().manual_seed(seed)
+
+
 def random_tokens(batch: int, length: int, vocab_size: int = 64, seed: int = 0) -> torch.Tensor:
     """Deterministic random token ids [batch, length] (int64)."""
     g = torch.Generator().manual_seed(seed)

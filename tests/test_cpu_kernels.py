@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, gen
 
 import model
 from support import cpu_kernels
@@ -23,10 +23,6 @@ torch.set_num_threads(1)
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.unavailable() is not None,
                                    reason=f"the CPU kernels are unavailable: {cpu_kernels.unavailable()}")
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def panels(w: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from conftest import chi2_pvalue  # noqa: E402
+from conftest import chi2_pvalue, gen  # noqa: E402
 
 import sampling  # noqa: E402
 from sampling import Filters  # noqa: E402
@@ -31,10 +31,6 @@ from sampling import Filters  # noqa: E402
 torch.set_num_threads(1)
 
 P_MIN = 1e-3  # chi-square p-value below which a distribution is declared different
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def chain_noise(B: int, K: int, V: int, seed: int) -> torch.Tensor:

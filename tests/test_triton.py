@@ -85,6 +85,8 @@ def no_fallback(monkeypatch):
         monkeypatch.setattr(kernels, name, boom)
 
 
+# conftest's `gen`, written again here: `python tests/test_triton.py --device` runs this file as a
+# script, and importing conftest would set the test session's environment (offline hub, Inductor cache).
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
