@@ -141,7 +141,8 @@ def rounds_of(trace):
 # ----------------------------------------------------------------------------------------
 # 1. Spellings
 
-SPELLINGS = ("deepspec", "dspark_config", "dspark_prefix", "specforge")
+# The spellings of drafters.SPELLINGS that carry the Markov and confidence heads (z-lab's has none).
+HEAD_SPELLINGS = ("deepspec", "dspark_config", "dspark_prefix", "specforge")
 
 
 def spelling_drafter(ck, spelling, markov="vanilla", **kw):
@@ -151,7 +152,7 @@ def spelling_drafter(ck, spelling, markov="vanilla", **kw):
 
 @pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_spellings_resolve_to_the_same_config(ck, target, markov):
-    loaded = {s: checkpoint.load_drafter(spelling_drafter(ck, s, markov), target) for s in SPELLINGS}
+    loaded = {s: checkpoint.load_drafter(spelling_drafter(ck, s, markov), target) for s in HEAD_SPELLINGS}
     # The deepspec file without its embedding / lm_head copies is the same drafter too.
     loaded["deepspec_no_embeddings"] = checkpoint.load_drafter(
         spelling_drafter(ck, "deepspec", markov, with_embeddings=False), target)
@@ -172,7 +173,7 @@ def test_spellings_resolve_to_the_same_config(ck, target, markov):
 @pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_spellings_give_identical_traces(ck, capsys, tmp_path, markov, mode):
-    traces = {s: trace_of(capsys, ck, tmp_path, spelling_drafter(ck, s, markov), mode, s) for s in SPELLINGS}
+    traces = {s: trace_of(capsys, ck, tmp_path, spelling_drafter(ck, s, markov), mode, s) for s in HEAD_SPELLINGS}
     traces["deepspec_no_embeddings"] = trace_of(
         capsys, ck, tmp_path, spelling_drafter(ck, "deepspec", markov, with_embeddings=False), mode, "noemb")
     ref = traces["deepspec"]
