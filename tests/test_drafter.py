@@ -47,7 +47,9 @@ SAMPLED = ("--temperature", "1.0", "--seed", "7")
 # ----------------------------------------------------------------------------------------
 # Fixtures and helpers
 
-def slug(name: str) -> str:
+def file_name(name: str) -> str:
+    """`name` as a directory name: each run of characters other than letters, digits and `_.=-` made one
+    `_`, none left at either end."""
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name).strip("_")
 
 
@@ -64,13 +66,13 @@ class Checkpoints:
         self._drafters, self._targets = {}, {}
 
     def drafter(self, name: str, target: str = None, **kw) -> str:
-        name = slug(name)
+        name = file_name(name)
         if name not in self._drafters:
             self._drafters[name] = make_drafter(self.base / "drafters" / name, target or self.target, **kw)
         return self._drafters[name]
 
     def alt_target(self, name: str, **kw) -> str:
-        name = slug(name)
+        name = file_name(name)
         if name not in self._targets:
             self._targets[name] = make_target(self.base / "targets" / name, **kw)
         return self._targets[name]
