@@ -50,7 +50,6 @@ from test_lossless import (  # noqa: E402
     exact_joint,
     run_traced,
     seq_index,
-    set_confidence_bias,
     target_logits_after,
 )
 from test_scheduler import (  # noqa: E402
@@ -58,6 +57,7 @@ from test_scheduler import (  # noqa: E402
     K,
     is_one_error_line,
     run_env_traced,
+    scheduler_env,
     theta_of,
     write_sps_table,
 )
@@ -179,16 +179,8 @@ def test_the_capacity_never_reads_the_current_round():
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """test_scheduler's pair: K = 4 drafts, confidences straddling 0.5-0.7 (schedules of every length)."""
-    d = tmp_path_factory.mktemp("async")
-    target = make_target(d / "target", attn_scale=0.01)
-    drafter = make_drafter(d / "drafter", target, block_size=K, markov="vanilla", oracle=True, oracle_scale=4.0,
-                           norm_scale=0.05)
-    set_confidence_bias(drafter, 0.5)
-    plain = make_drafter(d / "dflash", target, block_size=K, markov=None, confidence=False)
-    pf = d / "prompts.jsonl"
-    pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
-    return dict(dir=str(d), target=target, drafter=drafter, plain=plain, prompts=str(pf))
+    """test_scheduler's checkpoints: K = 4 drafts, confidences straddling 0.5-0.7 (schedules of every length)."""
+    return scheduler_env(tmp_path_factory.mktemp("async"))
 
 
 @pytest.mark.parametrize("flags,needle", [

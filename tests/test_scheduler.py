@@ -228,9 +228,8 @@ def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    d = tmp_path_factory.mktemp("scheduler")
+def scheduler_env(d):
+    """A target, a drafter with K = 4 drafts and a plain DFlash drafter in d, and PROMPTS as a prompts file."""
     target = make_target(d / "target", attn_scale=0.01)
     drafter = make_drafter(d / "drafter", target, block_size=K, markov="vanilla", oracle=True, oracle_scale=4.0,
                            norm_scale=0.05)
@@ -239,6 +238,11 @@ def env(tmp_path_factory):
     pf = d / "prompts.jsonl"
     pf.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
     return dict(dir=str(d), target=target, drafter=drafter, plain=plain, prompts=str(pf))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return scheduler_env(tmp_path_factory.mktemp("scheduler"))
 
 
 def run_env_traced(env, *extra, batch=1, drafter=True, max_new=32):
