@@ -58,6 +58,16 @@ def bigram_logits(target_dir) -> torch.Tensor:
     return logits[:, 0].float()
 
 
+def weight_sampler(seed):
+    """rnd(*shape, s=0.2): a tensor of that shape drawn from N(0, s^2), every call from one generator
+    seeded with `seed` (the same calls in the same order give the same weights)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=0.2):
+        return torch.randn(*shape, generator=g) * s
+    return rnd
+
+
 def make_drafter(path, target_dir, *, spelling="deepspec", markov="vanilla", confidence=True,
                  confidence_with_markov=True, block_size=4, num_layers=2, rank=None, target_layer_ids=(0, 1),
                  oracle=True, oracle_scale=1.0, norm_scale=1.0, seed=1, extra_config=None, drop_config=(),
@@ -73,10 +83,7 @@ def make_drafter(path, target_dir, *, spelling="deepspec", markov="vanilla", con
     H, V, I = tcfg["hidden_size"], tcfg["vocab_size"], tcfg["intermediate_size"]
     hd, nh, nkv = tcfg["head_dim"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
     r = rank or (V if oracle else 8)
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, s=0.2):
-        return torch.randn(*shape, generator=g) * s
+    rnd = weight_sampler(seed)
 
     w = {}
     for i in range(num_layers):
@@ -170,10 +177,7 @@ def make_eagle3(path, target_dir, *, ttt_length=4, target_layer_ids=(0, 1), norm
     tw = load_file(os.path.join(target_dir, "model.safetensors"))
     H, I = tcfg["hidden_size"], tcfg["intermediate_size"]
     hd, nh, nkv = tcfg["head_dim"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, s=0.2):
-        return torch.randn(*shape, generator=g) * s
+    rnd = weight_sampler(seed)
 
     p = "layers.0."
     w = {"fc.weight": rnd(H, len(target_layer_ids) * H), "norm.weight": norm_scale * (1 + rnd(H, s=0.1)),
