@@ -215,7 +215,7 @@ def tiny(tied: bool = False) -> model.Transformer:
     return m
 
 
-def decode(m: model.Transformer) -> list:
+def decode_logits(m: model.Transformer) -> list:
     """A prefill of 5 tokens, a verify of 8 and a one-token step through the cache, and the cache-free
     forward: their logits."""
     g = gen(90)
@@ -244,7 +244,7 @@ def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
     lm_head unchanged) and every attention on the kernel; the logits equal the plain model's to rounding.
     A second install copies nothing; uninstall gives back the plain model, bit for bit."""
     plain = tiny(tied)
-    want = decode(plain)
+    want = decode_logits(plain)
     m = copy.deepcopy(plain)
     params = {k: v for k, v in m.state_dict(keep_vars=True).items()}
     assert cpu_kernels.install(m)
@@ -254,7 +254,7 @@ def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
     assert len(linears) == 11 and all(type(x) is cpu_kernels.PanelLinear for x in linears)
     assert all(layer.self_attn.cache_attention is cpu_kernels.attend for layer in m.layers)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got = decode(m)
+        got = decode_logits(m)
     ran = {e.key: e.count for e in prof.key_averages()}
     # 11 layers, 9 calls a forward: each attention's q and [k; v] are one call
     assert ran.get("dspark::panel_linear") == 4 * 9 and ran.get("dspark::cached_attention") == 3 * 2, ran
@@ -265,7 +265,7 @@ def test_install_gives_the_plain_models_logits_and_uninstall_restores_it(tied):
     uninstall(m)
     assert all(type(x) is nn.Linear and not hasattr(x, "panels") for x in linears)
     assert all(layer.self_attn.cache_attention is model.attend_cached for layer in m.layers)
-    assert all(torch.equal(a, b) for a, b in zip(decode(m), want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(decode_logits(m), want, strict=True))
 
 
 @needs_kernels
