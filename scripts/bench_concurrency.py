@@ -19,7 +19,9 @@ prefill + decode wall seconds), per-request tokens/s (the mean of a request's to
 from its admission to its end), τ, the verify budget (drafts sent to the target per request per
 round) and total tokens/s ÷ the none scheduler's — and with --sps-synthetic the modelled tokens/s:
 the rounds' tokens over their times as the synthetic curve prices them. Greedy outputs must be
-identical under every scheduler and autoregressively (lossless); a difference raises. A markdown
+identical under every scheduler and autoregressively (lossless): in float32 a difference raises; in
+bf16/fp16, where a near-tie can flip an argmax, differences are counted as bench.py counts them and
+the mode's row says its outputs did not agree. A markdown
 table goes to stdout, --out writes JSON, --plot a PNG or SVG (plots.py). The demo pair is used
 unless --target/--drafter are given; on cpu the engines run eagerly unless --compile is given. The
 decode and machine flags are every program's (support.flags.Settings, Machine); a decode setting this
@@ -313,11 +315,17 @@ def run_level(args: ConcurrencyArgs, s: Settings, m, prompts: list, modes: list[
                 timed["modelled_tokens_per_second"] = round_tokens / modelled_seconds
             runs[mode].append(timed)
     greedy = s.temperature == 0
+    differ = {}
     if greedy:  # lossless: every scheduler, every repeat, emits the autoregressive tokens
-        compare_outputs(runs, batch, m.target, exact=True, what=f"concurrency {c}")
+        # float32: a difference raises; bf16/fp16: near-tie flips are counted, as bench.py does
+        exact = m.dtype == torch.float32
+        differ = compare_outputs(runs, batch, m.target, exact=exact, what=f"concurrency {c}")
     rows = []
     for mode in modes:
-        rows.append(level_row(runs[mode], c, mode, engines[mode], profile_seconds.get(mode), curve, greedy))
+        agree = None  # not checkable when sampling
+        if greedy:
+            agree = mode not in differ
+        rows.append(level_row(runs[mode], c, mode, engines[mode], profile_seconds.get(mode), curve, agree))
     none = None
     for r in rows:
         if r["mode"] == "none":
@@ -376,17 +384,16 @@ def price_rounds(engines: dict, curve: Optional[list[float]]) -> tuple[dict, dic
     return tables, profile_seconds
 
 
-def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curve, greedy: bool) -> dict:
-    """A mode's row at concurrency c: the medians over its repeats."""
+def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curve,
+              outputs_agree: Optional[bool]) -> dict:
+    """A mode's row at concurrency c: the medians over its repeats. outputs_agree: its tokens were the
+    autoregressive ones in every repeat (`compare_outputs`; None when sampling)."""
     def median(key):
         return statistics.median(r[key] for r in runs)
 
     modelled = None
     if curve:
         modelled = median("modelled_tokens_per_second")
-    outputs_agree = None  # not checkable when sampling
-    if greedy:
-        outputs_agree = True  # checked by compare_outputs
     return {
         "concurrency": c, "mode": mode,
         "total_tokens_per_second": median("total_tokens_per_second"),
