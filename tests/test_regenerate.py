@@ -302,3 +302,15 @@ def test_bad_prompt_records_are_one_line_errors(tmp_path, capsys, monkeypatch, r
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_resumed_runs_summary_says_which_figures_are_its_own(capsys):
+    """The conversations and drops count the file written; responses, tokens and tokens/s are this run's, and
+    a resumed run says how many conversations it took over."""
+    stats = {"conversations": 4, "responses": 2, "tokens": 30, "dropped": 2}
+    regenerate.print_summary(stats, 3.0, None, 64, "o.jsonl", resumed=2)
+    regenerate.print_summary(stats, 3.0, None, 64, "o.jsonl", resumed=0)
+    resumed, fresh = capsys.readouterr().out.splitlines()
+    assert resumed.startswith("4 conversations (2 from the run resumed; this run 2 responses, 30 tokens) in 3.0 s, "
+                              "10.0 tokens/s; 2 dropped")
+    assert fresh.startswith("4 conversations (2 responses, 30 tokens) in 3.0 s, 10.0 tokens/s; 2 dropped")
