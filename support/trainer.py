@@ -363,14 +363,17 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
 # Flags and the loop
 
 def check_out_dir(args: TrainArgs, inputs):
-    """--out: a new directory, the one resumed, or one a run left before its first checkpoint (that starts
-    afresh); never one the run reads."""
+    """--out: a new directory, the training directory resumed, or one a run left before its first checkpoint
+    (that starts afresh); never one the run reads, the checkpoint resumed included."""
     out = args.out
     if out is None:
         raise UserError("--out: no output directory given")
     if not out.strip():
         raise UserError("--out: empty path")
     real = os.path.realpath(out)
+    inputs = list(inputs)
+    if args.resume is not None:  # the checkpoint it reads is an input: its files stay as they are
+        inputs.append(checkpoint_dir(args.resume))
     for src in filter(None, inputs):
         inp = os.path.realpath(src)
         inside = real.startswith(inp.rstrip(os.sep) + os.sep)

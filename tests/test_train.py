@@ -382,6 +382,23 @@ def test_resume_refuses_a_checkpoint_holding_another_drafter(tiny_target, tmp_pa
     assert rc == 2 and "holds another drafter than the flags build" in err, err
 
 
+def test_resume_never_writes_into_the_checkpoint_it_reads(tiny_target, tmp_path):
+    """A checkpoint named directly is resumed into a new directory; --out naming that checkpoint (or a folder
+    inside it) is refused before any step, its files untouched."""
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64, seed=1)
+    common = ["--target", tiny_target.path, "--data-ids", ids, "--steps", 3, "--anchors-per-seq", 4, *SMALL]
+    rc, _, err = run_train(common + ["--out", tmp_path / "run", "--stop-at", 2])
+    assert rc == 0, err
+    checkpoint = ckpt(tmp_path / "run")
+    before = {f.name: f.read_bytes() for f in checkpoint.iterdir()}
+    for out in (checkpoint, checkpoint / "more"):
+        rc, _, err = run_train(common + ["--out", out, "--resume", checkpoint])
+        assert rc == 2 and f"--out {out}: is (inside) {checkpoint}, which this run reads" in err, err
+    assert {f.name: f.read_bytes() for f in checkpoint.iterdir()} == before
+    rc, summary, err = run_train(common + ["--out", tmp_path / "next", "--resume", checkpoint])
+    assert rc == 0 and summary["start"] == 2 and summary["step"] == 3, err
+
+
 def test_resume_refuses_other_data_or_target(tiny_target, tmp_path):
     """The training state records digests of the data and the target: --resume refuses other token windows
     (the same number of them) and another target (the same shapes, one weight scaled), naming the flag; a
