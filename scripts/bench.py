@@ -58,9 +58,7 @@ from support.checkpoint import (
     init_random_,
     load_drafter,
     load_target,
-    random_drafter,
-    random_eagle3,
-    random_target,
+    random_pair,
     resolve_checkpoint,
 )
 from support.cli import (
@@ -654,11 +652,8 @@ def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, 
     if args.model == "bigram-35m":
         target, drafter = bigram_pair(dev, dtype, s.seed)
         return target, drafter, args.model
-    target = random_target(args.model, dev, dtype, s.seed, "--model")
-    if args.drafter_kind == "eagle3":
-        drafter = random_eagle3(target)
-    else:
-        drafter = random_drafter(target)
+    eagle3 = args.drafter_kind == "eagle3"
+    target, drafter = random_pair(args.model, dev, dtype, s.seed, eagle3=eagle3, flag="--model")
     return target, drafter, f"{args.model} (random weights)"
 
 

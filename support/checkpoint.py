@@ -641,26 +641,45 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modu
     return module
 
 
-def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0,
-                  flag: str = "--random-init") -> Transformer:
-    """A preset's target with random weights, counted on the meta device first: they must fit in what is free
-    on `device` (`flag` names the preset: --random-init, or bench.py's --model)."""
+def random_target(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+    """A preset's target with random weights (on the meta device, its shapes alone)."""
     with torch.device("meta"):
         model = Transformer(ModelArgs(**PRESETS[preset]))
-    weights = sum(p.numel() for p in model.parameters())
-    if model.args.tie_word_embeddings:
-        weights -= model.lm_head.weight.numel()  # one matrix, shared
-    need = weights * dtype.itemsize
-    free = free_memory(device)
-    if free and need > 0.9 * free:
-        dtype_name = str(dtype).removeprefix("torch.")
-        raise UserError(f"{flag} {preset}: its target's weights need {need / 2**30:.1f} GiB in "
-                        f"{dtype_name}; {free / 2**30:.1f} GiB are free on {device}: "
-                        f"choose a smaller preset or a narrower --dtype")
     model = model.to(dtype).to_empty(device=device)
     if model.args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return init_random_(model, seed).eval().requires_grad_(False)
+
+
+def random_pair(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0, *, eagle3: bool = False,
+                flag: str = "--random-init") -> tuple[Transformer, DrafterBase]:
+    """A preset's target and a drafter shaped like the published ones (`random_drafter`, or `random_eagle3`),
+    with random weights. Counted on the meta device first, their weights and the copy the CPU kernels make
+    of them (`cpu_kernels.copied_bytes`) must fit in what is free on `device` (`flag` names the preset:
+    --random-init, or bench.py's --model)."""
+    from support import cpu_kernels
+
+    make_drafter = random_drafter
+    if eagle3:
+        make_drafter = random_eagle3
+    shapes = [random_target(preset, "meta", dtype)]
+    shapes.append(make_drafter(shapes[0]))
+    weights = 0
+    copies = 0
+    for m in shapes:
+        weights += sum(p.numel() for p in m.parameters()) * dtype.itemsize
+        copies += cpu_kernels.copied_bytes(m, device, dtype)
+    need = weights + copies
+    free = free_memory(device)
+    if free and need > 0.9 * free:
+        dtype_name = str(dtype).removeprefix("torch.")
+        what = f"its target's and drafter's weights need {need / 2**30:.1f} GiB in {dtype_name}"
+        if copies:
+            what += f" (the CPU kernels' copy of them {copies / 2**30:.1f} GiB)"
+        raise UserError(f"{flag} {preset}: {what}; {free / 2**30:.1f} GiB are free on {device}: "
+                        f"choose a smaller preset or a narrower --dtype")
+    target = random_target(preset, device, dtype, seed)
+    return target, make_drafter(target)
 
 
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5,
@@ -758,8 +777,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     generation_source = None
     generation_problem = None
     if random_init is not None:
-        t = random_target(random_init, device, dt, seed)
-        d = random_drafter(t)
+        t, d = random_pair(random_init, device, dt, seed)
         stop_ids = ()
     else:
         t = load_target(target, device, dt)

@@ -223,6 +223,16 @@ def install(m: nn.Module) -> bool:
     return True
 
 
+def copied_bytes(m: nn.Module, device, dtype: torch.dtype) -> int:
+    """What `install` would copy of `m` (built on any device, meta included) once it is on `device` in
+    `dtype`: its fitting linear layers' weights on a CPU in float32 with the kernels available, else 0."""
+    on_cpu = torch.device(device).type == "cpu"
+    if not on_cpu or dtype != torch.float32 or unavailable() is not None:
+        return 0
+    fitting = [x.weight for x in m.modules() if type(x) is nn.Linear and x.weight.shape[0] % PANEL == 0]
+    return sum(w.numel() for w in fitting) * dtype.itemsize
+
+
 def _linear_fits(x: nn.Module) -> bool:
     """An nn.Linear (or one installed already) whose weight fits the panel kernel."""
     if type(x) not in (nn.Linear, PanelLinear):

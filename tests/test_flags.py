@@ -9,6 +9,7 @@ import os
 from dataclasses import fields
 
 import pytest
+import torch
 import tyro
 
 import eval as ev
@@ -127,8 +128,28 @@ def test_a_random_preset_larger_than_free_memory_is_refused(monkeypatch):
     from support import checkpoint
 
     monkeypatch.setattr(checkpoint, "free_memory", lambda device: 2**30)
-    with pytest.raises(UserError, match=r"^--random-init qwen3-4b: its target's weights need [\d.]+ GiB in "
-                                        r"float32; 1\.0 GiB are free on cpu"):
+    with pytest.raises(UserError, match=r"^--random-init qwen3-4b: its target's and drafter's weights need [\d.]+ "
+                                        r"GiB in float32.*; 1\.0 GiB are free on cpu"):
+        checkpoint.load_models(None, random_init="qwen3-4b", device="cpu", dtype="float32")
+
+
+def test_a_random_preset_counts_its_drafter_and_the_cpu_kernels_copy(monkeypatch):
+    """The check counts what the run holds: a memory that the target's weights alone fit in (qwen3-4b in
+    float32, with a tenth to spare) is refused for the drafter beside them (and, where the CPU kernels are
+    built, their copy of both), before anything is allocated."""
+    from support import checkpoint
+
+    target = checkpoint.random_target("qwen3-4b", "meta", torch.float32)
+    target_bytes = sum(p.numel() for p in target.parameters()) * 4
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: int(target_bytes / 0.9) + 1)
+    shapes_only = checkpoint.random_target
+
+    def random_target(preset, device, dtype, seed=0):
+        assert device == "meta", "weights allocated before the memory check"
+        return shapes_only(preset, device, dtype, seed)
+
+    monkeypatch.setattr(checkpoint, "random_target", random_target)
+    with pytest.raises(UserError, match=r"^--random-init qwen3-4b: its target's and drafter's weights need"):
         checkpoint.load_models(None, random_init="qwen3-4b", device="cpu", dtype="float32")
 
 
