@@ -113,7 +113,7 @@ class BenchArgs:
     the chain beside them, at the first batch size (.png or .svg)."""
     tree_budgets: Optional[str] = None
     """Comma-separated tree budgets timed beside the chain, a mode each ("tree N"), interleaved with the
-    others (e.g. 4,8,16,32,64); --tree-budget sets the speculative mode's own."""
+    others (e.g. 4,8,16,32,64). Not with --tree-budget, which makes the speculative mode itself a tree."""
     reference: Optional[bool] = None
     """Also time the transformers-target reference loop at batch 1 (default: on for cpu when transformers,
     a test-only dependency, is installed; without it the loop is skipped with a note)."""
@@ -594,6 +594,9 @@ def check_args(args: BenchArgs) -> tuple[list[int], Settings]:
                             f"tree, as --tree-budget")
         if args.drafter_kind == "eagle3":
             raise UserError("--tree-budgets: an Eagle3 drafter drafts a chain (trees grow from a block drafter)")
+        if s.tree_budget:  # the trees are timed beside the chain, which --tree-budget would replace
+            raise UserError(f"--tree-budget {s.tree_budget}: makes the speculative mode a tree, and "
+                            f"--tree-budgets {args.tree_budgets} times trees beside the chain: give one of them")
     check_ranges(s, max_new_tokens="[2, 10485760]")  # (one new token is the prefill's: no round to time)
     if args.drafter is not None and args.target is None:
         raise UserError(f"--drafter {args.drafter}: needs the --target it was trained for (without --target, "
@@ -700,6 +703,8 @@ def header(name: str, target, drafter, dtype, hw: str, s: Settings, args: BenchA
         line += f", kernels={s.kernels}"
     if s.temperature > 0:
         line += f", sampled at temperature {s.temperature:g}"
+    if s.tree_budget:
+        line += f", speculative: a tree of {s.tree_budget} nodes"
     if cache_dir:
         line += f" (cache {cache_dir})"
     gemms = cpu_kernels.describe(target, s.compile)

@@ -299,6 +299,13 @@ def test_settings_a_pair_cannot_use_are_refused_once_it_is_loaded(tmp_path, caps
     out = tmp_path / "b.json"
     assert bench.main(base + ["--drafter", drafter, "--out", str(out)]) == 0
     assert json.load(open(out))["config"]["model"] is None
+    # --tree-budget makes the speculative mode a tree: said in the header, never drawn as the chain
+    capsys.readouterr()
+    assert bench.main(base + ["--drafter", drafter, "--tree-budget", "3", "--tree-budgets", "4,8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tree-budget 3: makes the speculative mode a tree") and err.count("\n") == 1, err
+    assert bench.main(base + ["--drafter", drafter, "--tree-budget", "3"]) == 0
+    assert "speculative: a tree of 3 nodes" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_outputs_must_match_in_float32_and_are_counted_otherwise(tmp_path):
