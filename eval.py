@@ -352,9 +352,10 @@ class Row(NamedTuple):
     tree_budget: int
 
 
-def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
+def rows_of(drafters: list, directories: list, tree_budget: int, draft_length: Optional[int]) -> list[Row]:
     """Every drafter's row; with --tree-budget N, a block drafter's at 0 (the chain), at each of
-    TREE_BUDGETS below N, and at N: the τ-per-budget curve."""
+    TREE_BUDGETS below N, and at N: the τ-per-budget curve. --draft-length is an Eagle3 row's chain
+    (`row_settings`)."""
     if not drafters:
         return [Row("autoregressive", None, None, 0)]
     block_drafters = [d for d in drafters if d.cfg.layout != "eagle3"]
@@ -362,6 +363,9 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
         raise UserError(f"--tree-budget {tree_budget}: trees grow from a block drafter's "
                         f"distributions (DSpark or DFlash), and every --drafter is an Eagle3 "
                         f"drafter, which drafts a chain: it would change nothing")
+    if draft_length is not None and len(block_drafters) == len(drafters):
+        raise UserError(f"--draft-length {draft_length}: only an Eagle3 drafter's chain length "
+                        f"is chosen, and no --drafter is one (a block drafter drafts its block)")
     rows = []
     names = [os.path.basename(os.path.normpath(d)) for d in directories]
     if len(set(names)) < len(names):
@@ -381,6 +385,15 @@ def rows_of(drafters: list, directories: list, tree_budget: int) -> list[Row]:
     return rows
 
 
+def row_settings(s: Settings, row: Row) -> Settings:
+    """The settings a row decodes with: its tree budget, and --draft-length for an Eagle3 chain only (a
+    block drafter drafts its block)."""
+    draft_length = None
+    if row.drafter is not None and row.drafter.cfg.layout == "eagle3":
+        draft_length = s.draft_length
+    return replace(s, tree_budget=row.tree_budget, draft_length=draft_length)
+
+
 def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_dir: str,
              drafter_dirs: list, log: Optional[runlog.Log], demo: bool) -> dict:
     """Load; decode every dataset with every row's drafter, reporting each as soon as it is done;
@@ -398,7 +411,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         drafters.append(m.drafter)
     for directory in drafter_dirs[1:]:
         drafters.append(load_extra_drafter(directory, m))
-    rows = rows_of(drafters, drafter_dirs, s.tree_budget)
+    rows = rows_of(drafters, drafter_dirs, s.tree_budget, s.draft_length)
     tree_drafters = [row.drafter for row in rows if row.tree_budget]
     flags.check_tree_temperature(s, tree_drafters, flags.sampling_for(m, s).temperature)
     if rank == 0:
@@ -411,7 +424,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             print(note, file=sys.stderr)
     calibrates = reports_calibration(args, rows, m, first)
     # drafts a round, as the engines take it
-    K = max((drafts_per_round(d, s.draft_length) for d in drafters), default=0)
+    K = 0
+    for row in rows:
+        K = max(K, drafts_per_round(row.drafter, row_settings(s, row).draft_length))
 
     # Every rank reads every dataset, so its caches are as long as a single process's (and its batch
     # is its shard's).
@@ -428,7 +443,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     s.batch_size = max(1, min(s.batch_size, most))
     every_prompt = [p for ps in prompts.values() for p in ps]
     for row in rows:  # each row's engine, checked before the first decodes
-        size_engine(m, row.drafter, every_prompt, replace(s, tree_budget=row.tree_budget))
+        size_engine(m, row.drafter, every_prompt, row_settings(s, row))
     if log is not None:
         log.config(world_size=world,
                    hardware=device_name(device),
@@ -467,8 +482,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
     try:
         for row in rows:
-            row_settings = replace(s, tree_budget=row.tree_budget)
-            engine = make_engine(m, row.drafter, every_prompt, row_settings, verbose=rank == 0)
+            engine = make_engine(m, row.drafter, every_prompt, row_settings(s, row), verbose=rank == 0)
             entries = []
             parts = None  # each dataset's rounds, for the calibration
             if calibrates:

@@ -848,6 +848,27 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
 
 
+def test_draft_length_sets_the_eagle3_rows_of_a_comparison(env, tmp_path, capsys):
+    """Beside a block drafter, --draft-length is the Eagle3 row's chain (the block drafter drafts its
+    block, as a tree budget is the block drafter's alone); with block drafters only it is refused."""
+    from drafters import make_eagle3
+
+    eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=4)
+    out = tmp_path / "r.json"
+    common = ["--target", env["target"], "--data-dir", env["data"], "--datasets", "gsm8k", "--max-samples", "2",
+              "--max-new-tokens", "12", "--temperature", "0", "--no-progress", "--draft-length", "2"]
+    assert ev.main(common + ["--drafter", env["drafter"], "--drafter", eagle3, "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    block, chain = json.loads(out.read_text())["rows"]
+    assert len(block["datasets"][0]["accept_rates_by_position"]) == K
+    assert len(chain["datasets"][0]["accept_rates_by_position"]) == 2
+    capsys.readouterr()
+    assert ev.main(common + ["--drafter", env["drafter"], "--out", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --draft-length 2: only an Eagle3 drafter's chain length is chosen") and \
+        err.count("\n") == 1, err
+
+
 def test_wandb_tables_and_chart_hold_every_row_of_a_comparison():
     """Several rows (drafters, tree budgets): W&B's acceptance table and by-position chart hold each
     row's datasets, labelled by row, as wide as the row that drafts most."""
