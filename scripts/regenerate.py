@@ -133,11 +133,15 @@ def check_messages(msgs: Optional[list[dict]], where: str):
 def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dict], int]]:
     """(source "file:line" by the real path, id, system and user messages, user turns) of each record."""
     out = []
+    seen = {}  # each file's real path: the path that named it
     for path in prompt_files(paths):
         problem = file_problem(path)
         if problem:
             raise UserError(f"--prompts {path}: {problem}")
         real = os.path.realpath(path)
+        if real in seen:  # its conversations would be written twice
+            raise UserError(f"--prompts {paths}: names {seen[real]} twice")
+        seen[real] = path
         for where, obj in read_jsonl(path):
             msgs = conversation_messages(obj, where)
             check_messages(msgs, where)

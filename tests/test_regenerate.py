@@ -275,6 +275,8 @@ def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatc
     (["--stop", "x"], "--stop: regenerate.py decodes with"),
     (["--prompts", "nope.jsonl"], "--prompts nope.jsonl: file not found"),
     (["--prompts", "bad.jsonl"], "bad.jsonl:1: expected"),
+    # its conversations would be written twice (a link to it is the same file)
+    (["--prompts", "p.jsonl,./p.jsonl"], "--prompts p.jsonl,./p.jsonl: names p.jsonl twice"),
 ])
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, flags, needle):
     monkeypatch.chdir(tmp_path)
