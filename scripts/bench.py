@@ -38,7 +38,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 from typing import Literal, Optional
 
@@ -799,6 +799,8 @@ def speed_ups(runs: dict, rows: list[dict], B: int, tree_budgets: list[int], dev
 
 def run(args: BenchArgs) -> list[dict]:
     batch_sizes, s = check_args(args)
+    # what the --out config says ran: greedy when no temperature is given
+    args = replace(args, decode=replace(args.decode, temperature=s.temperature))
     target_dir = resolve_checkpoint(args.target, "--target")
     drafter_dir = resolve_checkpoint(args.drafter, "--drafter")
     check_outputs({"--out": args.out}, inputs=[target_dir, drafter_dir])  # hub ids: their snapshot directories

@@ -298,7 +298,8 @@ def test_settings_a_pair_cannot_use_are_refused_once_it_is_loaded(tmp_path, caps
         assert err.startswith(f"error: {extra[-2]} ") and needle in err and err.count("\n") == 1, err
     out = tmp_path / "b.json"
     assert bench.main(base + ["--drafter", drafter, "--out", str(out)]) == 0
-    assert json.load(open(out))["config"]["model"] is None
+    config = json.load(open(out))["config"]
+    assert config["model"] is None and config["temperature"] == 0  # what ran: greedy, no temperature given
     # --tree-budget makes the speculative mode a tree: said in the header, never drawn as the chain
     capsys.readouterr()
     assert bench.main(base + ["--drafter", drafter, "--tree-budget", "3", "--tree-budgets", "4,8"]) == 2
