@@ -257,7 +257,8 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
         raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "
                         "(or neither, for the demo pair)")
     if prompts_file is None:
-        raise UserError("--prompts-file: needed with a --target other than the demo pair")
+        raise UserError("--prompts-file: needed with --target/--drafter (without either, the demo pair "
+                        "and its held-out prompts)")
     if not prompts_file.strip():
         raise UserError("--prompts-file: empty path")
     problem = file_problem(prompts_file, "prompts file")  # (the rest of its checks are load_prompts')

@@ -152,12 +152,13 @@ def test_concurrency_bad_flags(flags, needle, capsys):
 
 
 def test_prompts_file_needed_is_said_before_the_models_load(monkeypatch, capsys):
-    """Another pair than the demo's without --prompts-file: one line before any model loads (it came after)."""
+    """A pair named by --target/--drafter (here the demo's own, spelled out) without --prompts-file: one line
+    before any model loads (it came after), which does not call it another pair than the demo's."""
     monkeypatch.setattr(bc, "load_models", None)  # loading the models would be a TypeError
     assert bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
                     os.path.join(DEMO_DIR, "drafter")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --prompts-file: needed") and err.count("\n") == 1, err
+    assert err.startswith("error: --prompts-file: needed with --target/--drafter") and err.count("\n") == 1, err
     assert bc.main(["--concurrency", "1", "--target", os.path.join(DEMO_DIR, "target"), "--drafter",
                     os.path.join(DEMO_DIR, "drafter"), "--prompts-file", "no-such.jsonl"]) == 2
     err = capsys.readouterr().err
