@@ -31,7 +31,7 @@ from support.checkpoint import Models, load_models, resolve_checkpoint
 from support.cli import UserError, cli_main
 from support.flags import Args, Settings
 from support.report import Report
-from support.text import StopStrings, auto_chat, check_prompts, encode
+from support.text import StopStrings, check_prompts, encode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
@@ -916,7 +916,7 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
     s = flags.check_settings(Settings(**settings), device)
     if m.drafter is None:
         flags.check_no_drafter(s)
-    chat = auto_chat(chat, m.tokenizer)
+    chat = flags.check_rendering(m.tokenizer, chat, system_prompt, thinking)
     ids = []
     for i, p in enumerate(flags.prompt_list(prompts)):
         prompt_ids = encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt,

@@ -299,6 +299,21 @@ def check_cache_memory(m, drafter, batch: int, max_seq: int, device, tree_bytes:
     raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 
 
+def check_rendering(tokenizer, chat, system_prompt, thinking) -> bool:
+    """`generate`'s chat, system_prompt and thinking, checked as --chat, --system-prompt and
+    --enable-thinking are: their types, then what the command line refuses of them. Returns chat resolved
+    for `tokenizer` (`auto_chat`)."""
+    if chat is not None and not isinstance(chat, bool):
+        raise UserError(f"--chat: invalid value {chat!r} (True, False or None)")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise UserError(f"--system-prompt: invalid value {system_prompt!r} (a string, or None)")
+    if not isinstance(thinking, bool):
+        raise UserError(f"--enable-thinking: invalid value {thinking!r} (True or False)")
+    chat = auto_chat(chat, tokenizer)
+    check_chat_flags(chat=chat, ids=False, system_prompt=system_prompt, thinking=thinking)
+    return chat
+
+
 def prompt_list(prompts) -> list:
     """The Python API's `prompts` as a list of prompts (one text, id list or conversation, or a list)."""
     if not isinstance(prompts, (str, list, tuple)):

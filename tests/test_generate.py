@@ -360,6 +360,15 @@ API_REFUSALS = [
     (dict(compile_mode="default"), "--compile-mode default: only used with --compile"),
     (dict(kernels="bogus"), "--kernels 'bogus': one of torch, triton"),
     (dict(stop=5), "--stop 5: a stop string or a list of them"),
+    # the prompt's rendering, as --chat, --system-prompt and --enable-thinking (a system turn or thinking
+    # without chat was dropped in silence; a non-string system prompt was a TypeError)
+    (dict(prompts="hi", chat=False, system_prompt="Be brief."), "--system-prompt: prompts are not rendered as chat"),
+    (dict(prompts="hi", chat=False, thinking=True), "--enable-thinking: prompts are not rendered as chat"),
+    (dict(prompts="hi", system_prompt=""), "--system-prompt: empty"),
+    (dict(prompts="hi", system_prompt=5), "--system-prompt: invalid value 5 (a string, or None)"),
+    (dict(prompts="hi", thinking="no"), "--enable-thinking: invalid value 'no' (True or False)"),
+    (dict(prompts="hi", thinking=None), "--enable-thinking: invalid value None (True or False)"),
+    (dict(prompts="hi", chat="no"), "--chat: invalid value 'no' (True, False or None)"),
 ]
 
 
