@@ -119,6 +119,7 @@ def read_chat_template(directory: str,
 TEMPLATE_SECONDS = 10        # wall time a render may take
 TEMPLATE_CHARS = 10_000_000  # the longest string or list it may make
 TEMPLATE_BITS = 100_000      # the largest integer it may make
+TEMPLATE_INDENT = 64         # the widest indent its tojson may take
 _COMPILED: dict = {}  # the last template, compiled
 
 
@@ -222,12 +223,36 @@ def _bounded_filter(f, name: str):
     return checked
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' `tojson` filter: the JSON as it is (jinja's own escapes HTML characters and sorts keys)."""
+    if _int(indent) and indent > TEMPLATE_INDENT:
+        _refuse(f"tojson's indent {indent} is too wide")
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """transformers' `strftime_now` global: today's date in a template (Llama 3's say it)."""
+    from datetime import datetime
+
+    return datetime.now().strftime(format)
+
+
 def render_template(template: str, source: str, **context) -> str:
     import signal
     import threading
 
     from jinja2 import TemplateError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """{% generation %} .. {% endgeneration %}: transformers marks the assistant's tokens with it (for
+        training masks); rendered here as what it holds."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     class Boxed(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"**", "*", "%"})
@@ -291,8 +316,10 @@ def render_template(template: str, source: str, **context) -> str:
         if template not in _COMPILED:
             # the settings transformers renders chat templates with
             env = Boxed(trim_blocks=True, lstrip_blocks=True,
-                        extensions=["jinja2.ext.loopcontrols"])
+                        extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _bounded_filter(_tojson, "tojson")
             # filters that can grow a value
             for name in ("center", "format", "indent", "join", "replace", "wordwrap"):
                 env.filters[name] = _bounded_filter(env.filters[name], name)

@@ -107,6 +107,33 @@ def test_a_template_reading_special_tokens_and_loop_controls_renders_as_transfor
     assert want.startswith("<|endoftext|>") and want.count("<|im_end|>") == 2
 
 
+@pytest.mark.parametrize("template", [
+    # {% generation %} marks the assistant's tokens for transformers' training masks (it was an unknown tag)
+    "{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}",
+    # transformers' tojson keeps the characters and the keys' order (jinja's escaped them and sorted the keys)
+    "{% for m in messages %}{{ m['content'] | tojson }}{{ m | tojson(indent=2) }}{% endfor %}",
+    # strftime_now, as Llama 3's templates date the system turn (it was undefined)
+    "{{ strftime_now('%Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+])
+def test_transformers_template_extensions_render_as_transformers_does(qwen3_style, tmp_path, template):
+    from transformers import PreTrainedTokenizerFast
+
+    d = copy_target(qwen3_style, tmp_path / "t")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template=template))
+    conv = [{"role": "user", "content": "a<b & 'c' é"}, {"role": "assistant", "content": "ok"}]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=template)
+    want = hf.apply_chat_template(conv, tokenize=False)
+    assert text.Tokenizer(str(d)).render_messages(conv, add_generation_prompt=False) == want
+
+
+def test_a_templates_tojson_indent_is_bounded():
+    from support.cli import UserError
+
+    with pytest.raises(UserError, match="cannot render the chat template .*tojson's indent 10000000 is too wide"):
+        text.render_template("{{ messages | tojson(indent=10000000) }}", "t.json", messages=[{"role": "user"}])
+
+
 @pytest.mark.parametrize("thinking", [False, True])
 def test_without_a_template_the_fallback_renders_qwen3s_format(qwen3_style, target_factory, thinking):
     """No template: text.py's ChatML fallback gives what Qwen3's format gives, system turns included."""
