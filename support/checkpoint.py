@@ -573,6 +573,11 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
     path = os.path.join(directory, "config.json")
     spelled = {}  # the models' names -> the file's
     raw = read_json(path)  # malformed JSON fails before the weights are read; its keys are checked with them
+    vocab = target.args.vocab_size
+    draft_vocab = raw.get("draft_vocab_size", vocab)
+    if draft_vocab != vocab:  # before the weights, whose int64 vocabulary maps are no weights
+        raise UserError(f"{path}: 'draft_vocab_size' {draft_vocab!r}: a reduced draft vocabulary (EAGLE-3's "
+                        f"d2t/t2d maps) is not implemented; drafters here draft over the target's {vocab} tokens")
 
     def rename(key):
         name = HEAD_RENAMES.get(key.removeprefix("model."), key.removeprefix("model."))
