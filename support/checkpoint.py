@@ -737,6 +737,7 @@ class Models:
     generation_source: Optional[str] = None  # ... and that file (None: none)
     directories: tuple = (None, None)        # where the target and the drafter were read
     generation_problem: Optional[str] = None  # why that file is unusable, said only where it is used
+    generation_unapplied: tuple = ()  # what that file asks for that is not applied here ("key value" each)
 
     @property
     def hub_snapshots(self) -> list[str]:
@@ -781,6 +782,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
     generation = None
     generation_source = None
     generation_problem = None
+    unapplied = ()
     if random_init is not None:
         t, d = random_pair(random_init, device, dt, seed)
         stop_ids = ()
@@ -788,7 +790,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
         try:
-            generation, generation_source = generation_sampling(target)
+            generation, generation_source, unapplied = generation_sampling(target)
         except UserError as e:  # a sampling flag replaces the file: refused only where it is read
             generation_source = os.path.join(target, "generation_config.json")
             generation_problem = str(e)
@@ -820,7 +822,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             if m is not None:
                 backend.install(m)
     return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter),
-                  generation_problem)
+                  generation_problem, unapplied)
 
 
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:
@@ -842,14 +844,25 @@ GENERATION_KEYS = {  # generation_config.json's sampling keys: (what is valid, t
 }
 
 
-def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
-    """generation_config.json's (sampling, path): None for greedy (no do_sample), temperature 1.0 if unset."""
+# generation_config.json's sampling keys this decoding does not apply, each with its value that changes nothing
+UNAPPLIED_KEYS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "typical_p": 1.0,
+                  "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0}
+
+
+def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str], tuple]:
+    """generation_config.json's (sampling, path, what it asks for that is not applied here, "key value"
+    each): None for greedy (no do_sample), temperature 1.0 if unset."""
     path = os.path.join(directory, "generation_config.json")
     if not optional_file(path):
-        return None, None
+        return None, None, ()
     cfg = read_json(path)
     if not checked(cfg.get("do_sample", False), "do_sample", path, bool):
-        return None, path
+        return None, path, ()
+    unapplied = []
+    for key, neutral in UNAPPLIED_KEYS.items():
+        v = cfg.get(key)
+        if v is not None and v != neutral:
+            unapplied.append(f"{key} {v!r}")
     out = {}  # no temperature: 1.0 (flags.sampling_for)
     for key, (valid, ok) in GENERATION_KEYS.items():
         v = cfg.get(key)
@@ -861,7 +874,7 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str]]:
             out[key] = max(int(v), 0)  # -1 is transformers' "off", as 0 is ours
         else:
             out[key] = float(v)
-    return out, path
+    return out, path, tuple(unapplied)
 
 
 # Hugging Face hub ids, ORG/NAME[@REVISION]: from the cache, or downloaded into it

@@ -255,6 +255,8 @@ def sampling_for(m, s) -> Sampling:
     elif m.generation is not None:
         given = m.generation
         source = f"from {m.generation_source}"
+        if m.generation_unapplied:
+            source += f"; not applied here: {', '.join(m.generation_unapplied)}"
     else:
         given = {"temperature": 0.0}
         source = "no sampling flag, and no generation_config.json"

@@ -225,6 +225,18 @@ def test_generation_config_sampling_is_the_default(chat_target, tmp_path):
     assert len({tuple(o) for o in read(tmp_path / "c.jsonl")}) == 1
 
 
+def test_generation_config_sampling_not_applied_is_said(chat_target, tmp_path):
+    """A penalty the file sets is not applied here: the sampling line says so (it was left out in silence);
+    one set to the value that changes nothing is not named."""
+    d, target, drafter = chat_target
+    sampler = with_generation_config(target, tmp_path / "sampler", temperature=0.7, repetition_penalty=1.05,
+                                     typical_p=1.0)
+    rc, _, err = run_captured(["--target", sampler, "--prompt-ids", "5,6,7", "--max-new-tokens", 4])
+    assert rc == 0, err
+    assert (f"sampling: temperature 0.7 (from {sampler}/generation_config.json; not applied here: "
+            f"repetition_penalty 1.05)") in err, err
+
+
 @pytest.mark.parametrize("key,value", [("top_p", 0), ("top_p", 1.5), ("top_k", 2.5), ("min_p", -0.1),
                                        ("temperature", 0), ("temperature", "hot"), ("do_sample", "yes")])
 def test_bad_generation_config_values_are_one_line_errors(chat_target, tmp_path, key, value):
