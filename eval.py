@@ -492,7 +492,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             snapshot = functools.partial(results, engine, False)
             decoder.decode_datasets(row, engine, s, entries, parts, snapshot)
             if calibrates:
-                calibration = calibrate(args, rank, parts, [e["dataset"] for e in entries])
+                names = [e["dataset"] for e in entries]
+                counts = [len(ps) for ps in prompts.values()]
+                calibration = calibrate(args, rank, parts, names, counts)
     except Interrupted as e:
         if not done:  # stopped while the first engine compiled or profiled: no results yet
             e.written = []
@@ -688,15 +690,16 @@ class RowDecoder:
         progress.close()
 
 
-def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str]) -> Optional[dict]:
-    """Every rank's rounds gathered; STS always fitted on the raw head, --calibration undone first."""
+def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str], counts: list[int]) -> Optional[dict]:
+    """Every rank's rounds gathered; STS always fitted on the raw head, --calibration undone first. counts:
+    each dataset's requests."""
     rec = concat_rounds(all_gather_list(parts))
     lost = 0  # confidences a --calibration saturated, which STS cannot undo
     if args.calibration is not None:
         lost = saturated(rec["confidence"])
         temperatures = read_json(args.calibration)["temperatures"]
         rec["confidence"] = uncalibrate(rec["confidence"], temperatures)
-    calibration = calibration_report(rec, args.calibration_split, args.ece_bins, names)
+    calibration = calibration_report(rec, args.calibration_split, counts, args.ece_bins, names)
     if lost:
         calibration["unrecoverable"] = lost
         if rank == 0:

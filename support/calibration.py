@@ -181,10 +181,12 @@ def concat_rounds(parts: list[dict]) -> dict:
     return {k: v[order] for k, v in rec.items()}
 
 
-def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
+def calibration_report(rec: dict, split: float, requests: list[int], bins: int = ECE_BINS,
                        names: Optional[list[str]] = None) -> Optional[dict]:
     """`raw` pooled over every round, `raw_by_dataset` per dataset (as the authors report it); unless
-    split is 0, STS fitted on the first `split` (< 1) of every dataset's requests, scored on the rest."""
+    split is 0, STS fitted on the first `split` (< 1) of every dataset's requests (`requests`: how many
+    each dataset has, numbered from 0; one that ended at its first token adds no round), scored on the
+    rest."""
     C = rec["confidence"].astype(np.float64)
     rounds, positions = C.shape
     if rounds == 0 or positions == 0:
@@ -213,10 +215,8 @@ def calibration_report(rec: dict, split: float, bins: int = ECE_BINS,
     # The fit part: the first `split` of every dataset's requests.
     fit = np.zeros(rounds, dtype=bool)
     for d in np.unique(ds):
-        rows = ds == d
-        reqs = np.unique(rec["request"][rows])
-        n_fit = int(math.floor(split * len(reqs)))
-        fit |= rows & np.isin(rec["request"], reqs[:n_fit])
+        boundary = math.floor(split * requests[d])
+        fit |= (ds == d) & (rec["request"] < boundary)
     if not fit.any() or fit.all():
         report["sts_note"] = "too few requests to split into fit and held-out parts; no STS"
         return report

@@ -641,12 +641,24 @@ def test_calibration_report_splits_by_request_per_dataset():
              for p in (perm[:150], perm[150:])]
     rec = cal.concat_rounds(parts)
     assert rec["dataset"].tolist() == (i >= 200).tolist() and rec["request"].tolist() == ((i % 200) // 10).tolist()
-    rep = cal.calibration_report(rec, 0.5)
+    rep = cal.calibration_report(rec, 0.5, [20, 20])
     assert rep["fit_rounds"] == 200 and rep["heldout_rounds"] == 200  # 10 of 20 requests per dataset
     fit = ((i % 200) // 10) < 10
     assert rep["temperatures"] == cal.fit_sts(C.astype(np.float32)[fit], ver[fit], acc[fit])
     assert all(s["ece"] < r["ece"] for s, r in zip(rep["sts_heldout"], rep["raw_heldout"]))
-    assert "temperatures" not in cal.calibration_report(rec, 0.0)
+    assert "temperatures" not in cal.calibration_report(rec, 0.0, [20, 20])
+
+
+def test_the_calibration_split_counts_every_request_even_one_without_rounds():
+    """The first half of 6 requests is requests 0-2 though request 4 ended at its first token (no rounds):
+    the fit part is fixed before the run, as eval.py checks its size then (it counted only the requests
+    with rounds: 0-1 here)."""
+    C, ver, acc = synthetic_rounds(50, [2.0, 2.0])
+    rec = {"dataset": np.zeros(50, dtype=np.int32), "request": np.repeat([0, 1, 2, 3, 5], 10),
+           "round": np.tile(np.arange(10), 5), "confidence": C.astype(np.float32), "verified": ver,
+           "accepted": acc}
+    rep = cal.calibration_report(rec, 0.5, [6])
+    assert rep["fit_rounds"] == 30 and rep["heldout_rounds"] == 20
 
 
 def test_calibration_is_reported_per_dataset_too():
@@ -656,7 +668,7 @@ def test_calibration_is_reported_per_dataset_too():
     rec = {"dataset": np.repeat(np.arange(2, dtype=np.int32), n), "request": np.tile(np.arange(n), 2),
            "round": np.zeros(2 * n, dtype=np.int64), "confidence": np.full((2 * n, 1), 0.5, dtype=np.float32),
            "verified": np.ones(2 * n, dtype=np.int64), "accepted": np.repeat([1, 0], n)}
-    rep = cal.calibration_report(rec, 0.0, names=["a", "b"])
+    rep = cal.calibration_report(rec, 0.0, [n, n], names=["a", "b"])
     assert rep["raw"][0]["ece"] == pytest.approx(0.0)
     assert list(rep["raw_by_dataset"]) == ["a", "b"]
     assert [rep["raw_by_dataset"][d][0]["ece"] for d in "ab"] == pytest.approx([0.5, 0.5])
