@@ -47,7 +47,8 @@ class TrainArgs(WandbFlags):
     {"turns"}): documents joined by <|endoftext|>, cut into windows. Chat records ({"messages"},
     {"conversations"}, {"prompt", "response"}; train.py): templated, loss on the assistant's tokens, packed."""
     data_ids: Optional[str] = None
-    """Instead of --data: JSON lines of {"prompt_ids": [int]} (one stream, as plain text)."""
+    """Instead of --data: JSON lines of {"prompt_ids": [int]}, one stream as plain text but joined as they
+    are (no separator: a record ending a document carries its own end token)."""
     out: Optional[str] = None
     """Output directory: config.json + model.safetensors (+ the training state for --resume)."""
     resume: Optional[str] = None
