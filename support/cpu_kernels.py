@@ -229,7 +229,7 @@ def copied_bytes(m: nn.Module, device, dtype: torch.dtype) -> int:
     on_cpu = torch.device(device).type == "cpu"
     if not on_cpu or dtype != torch.float32 or unavailable() is not None:
         return 0
-    fitting = [x.weight for x in m.modules() if type(x) is nn.Linear and x.weight.shape[0] % PANEL == 0]
+    fitting = [x.weight for x in m.modules() if type(x) is nn.Linear and _panel_shaped(x.weight)]
     return sum(w.numel() for w in fitting) * dtype.itemsize
 
 
@@ -238,9 +238,14 @@ def _linear_fits(x: nn.Module) -> bool:
     if type(x) not in (nn.Linear, PanelLinear):
         return False
     w = x.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+    if w.device.type != "cpu" or w.dtype != torch.float32:
         return False
-    return w.shape[0] % PANEL == 0 and w.shape[1] > 0
+    return _panel_shaped(w)
+
+
+def _panel_shaped(w: torch.Tensor) -> bool:
+    """A matrix whose rows fill whole panels."""
+    return w.dim() == 2 and w.shape[0] % PANEL == 0 and w.shape[1] > 0
 
 
 def _stamp(w: torch.Tensor) -> tuple:
