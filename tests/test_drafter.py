@@ -837,7 +837,8 @@ EAGLE3_BAD = {
                                                                                     "checkpoint matches no parameter"),
     "other-embedding": (dict(extra_tensors={"embed_tokens.weight": torch.zeros(48, 32)}), "differs from the target's"),
     # EAGLE-3's own layout (its int64 d2t map was refused as "not a floating-point weight")
-    "draft-vocab": (dict(extra_config={"draft_vocab_size": 16}, extra_tensors={"d2t": torch.zeros(16, dtype=torch.long)}),
+    "draft-vocab": (dict(extra_config={"draft_vocab_size": 16},
+                         extra_tensors={"d2t": torch.zeros(16, dtype=torch.long)}),
                     "'draft_vocab_size' 16: a reduced draft vocabulary (EAGLE-3's d2t/t2d maps) is not implemented"),
 }
 
