@@ -115,8 +115,10 @@ def lr_at(step: int, args: TrainArgs) -> float:
         return args.lr * (step + 1) / W
     if args.schedule == "constant":
         return args.lr
-    decay_steps = max(1, args.steps - 1 - W)
-    frac = min(max((step - W) / decay_steps, 0.0), 1.0)  # 0 after warm-up, 1 at the end
+    decay_steps = args.steps - 1 - W  # the steps after the first past warm-up
+    frac = 1.0  # 0 after warm-up, 1 at the last step: the last, where it is the first past warm-up
+    if decay_steps > 0:
+        frac = min(max((step - W) / decay_steps, 0.0), 1.0)
     m = args.min_lr_frac
     if args.schedule == "cosine":
         cosine = 0.5 * (1 + math.cos(math.pi * frac))

@@ -158,6 +158,9 @@ def test_lr_schedule():
     assert trainer.lr_at(4 + 19, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 95)))  # 0 at step 4, 1 at 99
     lin = train.Args(steps=11, lr=1.0, warmup_frac=0.0, schedule="linear", min_lr_frac=0.1)
     assert [round(trainer.lr_at(s, lin), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
+    # one step past warm-up is the last: it is at the end of the decay (it stayed at the peak)
+    two = train.Args(steps=2, lr=1.0, warmup_frac=0.08)
+    assert [trainer.lr_at(s, two) for s in range(2)] == [1.0, pytest.approx(0.0, abs=1e-12)]
 
 
 # ----------------------------------------------------------------------------------------
