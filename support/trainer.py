@@ -154,8 +154,9 @@ def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
     atomic_write(path, lambda p: save_file(tensors, p, metadata=metadata))
 
 
-def publish_checkpoint(out: str, step: int, write):
-    """--out/checkpoint-<step>, made whole by `write(directory)`, atomically."""
+def publish_checkpoint(out: str, step: int, write) -> list[str]:
+    """--out/checkpoint-<step>, made whole by `write(directory)`, atomically. Returns its model files as
+    linked to the top of --out."""
     name = f"checkpoint-{step}"
     final = os.path.join(out, name)
     tmp = os.path.join(out, f".{name}.tmp")
@@ -166,14 +167,15 @@ def publish_checkpoint(out: str, step: int, write):
         os.makedirs(tmp)
         write(tmp)
         with signals_deferred():  # Ctrl-C waits for the switch: one checkpoint, named by `latest`
-            _switch(out, name, final, tmp)
+            return _switch(out, name, final, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _switch(out: str, name: str, final: str, tmp: str):
-    """`tmp` becomes `final`, then `latest`, its model files linked to --out, the older ones gone."""
+def _switch(out: str, name: str, final: str, tmp: str) -> list[str]:
+    """`tmp` becomes `final`, then `latest`, its model files linked to --out (returned), the older ones
+    gone."""
     # the same step again (resumed before its last save): the new one wins
     if os.path.isdir(final):
         shutil.rmtree(final)
@@ -184,6 +186,7 @@ def _switch(out: str, name: str, final: str, tmp: str):
     finally:
         os.close(fd)
     atomic_write(os.path.join(out, LATEST), name + "\n")
+    linked = []
     for f in sorted(os.listdir(final)):
         if f.startswith("training_state"):
             continue
@@ -196,9 +199,11 @@ def _switch(out: str, name: str, final: str, tmp: str):
         except OSError:  # a filesystem without hard links
             shutil.copyfile(source, link)
         os.replace(link, os.path.join(out, f))
+        linked.append(os.path.join(out, f))
     for old in os.listdir(out):
         if old.startswith("checkpoint-") and old != name:
             shutil.rmtree(os.path.join(out, old), ignore_errors=True)
+    return linked
 
 
 def checkpoint_dir(resume: str) -> str:
@@ -553,12 +558,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
 
     def checkpoint(step):
         if main:
-            publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
-            if args.wandb_artifacts:
-                files = []
-                for f in sorted(os.listdir(args.out)):
-                    if f.endswith((".json", ".safetensors")):
-                        files.append(os.path.join(args.out, f))
+            files = publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
+            if args.wandb_artifacts:  # the checkpoint's model files, not whatever else --out holds
                 aliases = [f"step-{step}", "latest"]
                 metadata = {"step": step}
                 run.wandb.artifact("checkpoint", "model", files, metadata=metadata, aliases=aliases)

@@ -499,7 +499,10 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
 
     out = tmp_path / "run"
     out.mkdir()
-    trainer.publish_checkpoint(str(out), 1, write)
+    (out / "notes.json").write_text("{}")  # a file of the user's in --out: not the checkpoint's
+    # the model files linked to the top of --out (what --wandb-artifacts logs), the training state left out
+    assert trainer.publish_checkpoint(str(out), 1, write) == [str(out / "model.safetensors")]
+    (out / "notes.json").unlink()
 
     def interrupted(directory):
         write(directory)
