@@ -15,7 +15,7 @@ from support import metrics, runlog
 from support.cli import Interrupted, device_name, signals_deferred
 from support.files import StreamFile
 from support.flags import calibration_note, sampling_for
-from support.text import StopStrings
+from support.text import StopStrings, auto_chat
 
 # the keys of the trace's end record, written once a request finishes (docs/trace-format.md)
 END_RECORD = ("request", "output_ids", "num_rounds", "acceptance_length", "finish_reason")
@@ -295,7 +295,7 @@ class Report:
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
                         dtype_resolved=str(m.dtype).removeprefix("torch."),
                         threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
-                        chat_resolved=args.rendering.chat, compile_resolved=s.compile,
+                        chat_resolved=auto_chat(args.rendering.chat, m.tokenizer), compile_resolved=s.compile,
                         sampling=sampling, num_prompts=len(self.prompts),
                         num_requests=self.requests,
                         target_config=runlog.checkpoint_config(m.directories[0]),

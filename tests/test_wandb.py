@@ -185,6 +185,7 @@ def test_speculate_config_names_and_finish(spec):
     assert c["program"] == "speculate.py" and c["max_new_tokens"] == 16 and c["batch_size"] == 2  # the flags
     assert c["target"] == str(DEMO / "target") and c["device"] == "cpu" and c["dtype_resolved"] == "float32"
     assert c["sampling"]["temperature"] == 0 and c["scheduler_resolved"] == "none" and c["compile_resolved"] is False
+    assert c["chat_resolved"] is False  # the demo's tokenizer has no template (--chat not given: None)
     assert c["target_config"]["vocab_size"] == 4096 and c["drafter_config"] is not None and c["demo"] is True
     assert c["torch"] and "git_dirty" in c
     head = git_head()
