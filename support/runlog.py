@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -163,6 +164,8 @@ def _ending(e: BaseException) -> tuple[int, str]:
         return 128 + e.signum, "interrupted"
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted"
+    if isinstance(e, BrokenPipeError):  # stdout's reader went away (`| head`): cli_main's quiet exit
+        return 128 + signal.SIGPIPE, "interrupted"
     if isinstance(e, UserError):
         return 2, "failed"
     if isinstance(e, SystemExit) and isinstance(e.code, int):

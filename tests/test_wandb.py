@@ -413,7 +413,8 @@ def test_bad_wandb_flags_are_one_line_errors_before_any_run(tmp_path, program, f
 
 @pytest.mark.parametrize("error,code,status", [
     (runlog.UserError("x"), 2, "failed"), (ValueError("x"), 1, "failed"), (KeyboardInterrupt(), 130, "interrupted"),
-    (runlog.Interrupted(signal.SIGTERM), 143, "interrupted"), (runlog.Interrupted(signal.SIGINT), 130, "interrupted")])
+    (runlog.Interrupted(signal.SIGTERM), 143, "interrupted"), (runlog.Interrupted(signal.SIGINT), 130, "interrupted"),
+    (BrokenPipeError(), 141, "interrupted")])  # `| head`: the process's quiet exit, not a bug's 1
 def test_how_an_exception_ends_a_run(error, code, status):
     assert runlog._ending(error) == (code, status)
 
