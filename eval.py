@@ -46,6 +46,7 @@ from support.cli import (
     flat,
     flat_fields,
     set_threads,
+    signals_deferred,
     use_compile_cache,
 )
 from support.distributed import (
@@ -846,33 +847,37 @@ def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_d
 
 def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
                   log: Optional[runlog.Log], drafter_dir: Optional[str]):
-    write_json(args.out, results)
-    print(f"results written to {args.out}", file=sys.stderr)
     asked = calibration_outputs(args)
-    if asked and calibration is None:
-        raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
-                        f"so there is nothing to calibrate; {args.out} has the rest")
-    if calibration is None:
-        if log is not None:
-            log_results(log, results, args.step, None, {"results": args.out})
+    panels = None
+    # --out and the calibration's files are published together: a signal waits for the last of them
+    with signals_deferred():
+        write_json(args.out, results)
+        print(f"results written to {args.out}", file=sys.stderr)
+        if asked and calibration is None:
+            raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
+                            f"so there is nothing to calibrate; {args.out} has the rest")
+        if calibration is not None:
+            print()
+            print(format_calibration(calibration))
+            panels = reliability_panels(calibration)
+            if args.calibration_plot:
+                plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
+            if args.calibration_out:
+                if "temperatures" not in calibration:
+                    raise UserError(f"--calibration-out: {calibration['sts_note']}")
+                write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
+    if log is None:
         return
-    print()
-    print(format_calibration(calibration))
-    panels = reliability_panels(calibration)
-    if args.calibration_plot:
-        plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
-    if args.calibration_out:
-        if "temperatures" not in calibration:
-            raise UserError(f"--calibration-out: {calibration['sts_note']}")
-        write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
-    if log is not None:
-        with tempfile.TemporaryDirectory() as tmp:  # wandb.Image wants a PNG
-            image = args.calibration_plot
-            if image is None or not image.lower().endswith(".png"):
-                image = os.path.join(tmp, "reliability_diagram.png")
-                plots.reliability_diagram(image, panels, bins=args.ece_bins)
-            files = {"results": args.out, "calibration": args.calibration_out}
-            log_results(log, results, args.step, image, files)
+    if calibration is None:
+        log_results(log, results, args.step, None, {"results": args.out})
+        return
+    with tempfile.TemporaryDirectory() as tmp:  # wandb.Image wants a PNG
+        image = args.calibration_plot
+        if image is None or not image.lower().endswith(".png"):
+            image = os.path.join(tmp, "reliability_diagram.png")
+            plots.reliability_diagram(image, panels, bins=args.ece_bins)
+        files = {"results": args.out, "calibration": args.calibration_out}
+        log_results(log, results, args.step, image, files)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -169,6 +169,35 @@ def test_eval_interrupted_while_calibrating_marks_the_results(pair, tmp_path, mo
     assert res["complete"] is False and res["interrupted"] is True and len(res["datasets"]) == 1
 
 
+def test_eval_interrupted_between_its_results_and_calibration_writes_both(pair, tmp_path, monkeypatch, capsys):
+    """SIGINT right after the finished results are written: the calibration file is written too, then the
+    run stops with 130 (it stopped there, leaving "complete" results beside an older calibration file)."""
+    import eval as ev
+
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "first.jsonl").write_text("".join(json.dumps({"turns": [w]}) + "\n" for w in "abcd"))
+    out = tmp_path / "results.json"
+    calibration = tmp_path / "sts.json"
+    calibration.write_text("{}")  # an earlier run's
+    real = ev.write_json
+
+    def write_then_signal(path, obj):
+        real(path, obj)
+        if path == str(out) and obj["complete"]:
+            os.kill(os.getpid(), signal.SIGINT)  # (handled by cli_main's handler, deferred until published)
+
+    monkeypatch.setattr(ev, "write_json", write_then_signal)
+    rc = ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
+                  "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out),
+                  "--calibration-out", str(calibration)])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.splitlines()[-1].startswith("interrupted by SIGINT"), err
+    assert json.loads(out.read_text())["complete"] is True
+    assert len(json.loads(calibration.read_text())["temperatures"]) == 4
+
+
 def test_a_signal_after_decoding_waits_for_the_outputs(pair, tmp_path, monkeypatch, capsys):
     """SIGINT while the finished completions are printed, after decoding: the trace and the output file
     are published whole (they were left as .NAME.*.tmp), then the run stops with 130."""
