@@ -107,7 +107,16 @@ class Interrupted(BaseException):
 
 
 def _interrupt(signum, frame):
+    _set_handlers(_exit_now)  # a second signal while the first unwinds the run is no second exception
     raise Interrupted(signum)
+
+
+def _exit_now(signum, frame):
+    """A second SIGINT / SIGTERM while the first stops the run: exit at once (outputs are whole or absent,
+    never torn: each is published by a rename)."""
+    name = signal.Signals(signum).name
+    os.write(2, f"interrupted again by {name}: exiting now\n".encode())
+    os._exit(128 + signum)
 
 
 def _set_handlers(handler) -> dict:

@@ -96,6 +96,27 @@ def test_eval_interrupted_leaves_results_marked_incomplete(pair, tmp_path):
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
 
 
+def test_a_second_signal_while_the_first_unwinds_the_run_exits_at_once():
+    """The first SIGINT / SIGTERM raises Interrupted and hands any second one to _exit_now, which exits
+    with 128 + the signal and one line (a second Ctrl-C landing in the first's line or its unwinding was a
+    traceback and status 1); cli_main puts the caller's handlers back either way."""
+    from support import cli
+
+    previous = cli._set_handlers(cli._interrupt)
+    try:
+        with pytest.raises(cli.Interrupted):
+            cli._interrupt(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) is cli._exit_now and signal.getsignal(signal.SIGTERM) is cli._exit_now
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    code = ("import os, signal; from support import cli; cli._set_handlers(cli._exit_now); "
+            "os.kill(os.getpid(), signal.SIGTERM); print('not reached')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert (p.returncode, p.stdout, p.stderr) == (143, "", "interrupted again by SIGTERM: exiting now\n")
+
+
 def eval_in_process(pair, tmp_path, datasets: str) -> tuple[int, object]:
     """eval.py's main, in this process, on datasets (comma-separated) of one prompt each: its exit
     status and the --out path."""
