@@ -456,7 +456,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    num_drafts=K,
                    datasets_resolved={n: len(ps) for n, ps in prompts.items()},
                    target_config=runlog.checkpoint_config(target_dir),
-                   drafter_config=runlog.checkpoint_config(first),
+                   drafter_config=one_or_list([runlog.checkpoint_config(d) for d in drafter_dirs]),
                    drafter_resolved=[d.cfg.describe() for d in drafters],
                    rows=[r.label for r in rows])
     if rank == 0:
@@ -713,16 +713,19 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str], co
     return calibration
 
 
+def one_or_list(values: list):
+    """How a run's config names its drafters: none as None, one as itself, several as a list in row order."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return values
+
+
 def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
            skipped_files: list) -> dict:
     """results.json's config: the flags as given, and what the run resolved them to."""
-    described = [d.cfg.describe() for d in drafters]
-    if not described:
-        drafter_config = None
-    elif len(described) == 1:
-        drafter_config = described[0]
-    else:
-        drafter_config = described
+    drafter_config = one_or_list([d.cfg.describe() for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -305,6 +306,26 @@ def test_eval_rows_charts_image_and_artifacts(evaluated):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and row["calibration/reliability_diagram.width"] > 600
     assert_file_artifact(run, "results", "results", paths["out"])
     assert_file_artifact(run, "calibration", "calibration", paths["cal"])
+
+
+def test_eval_logs_every_drafters_config(tmp_path):
+    """With several drafters, drafter_config holds each one's config.json, in row order."""
+    other = tmp_path / "drafter-b"
+    shutil.copytree(DEMO / "drafter", other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["note"] = "b"  # a key the loader does not read, kept as written
+    (other / "config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text(json.dumps({"turns": [CODE[0]]}) + "\n")
+    with offline(tmp_path):
+        rc, _, err = call(ev.main, [
+            "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--drafter", other, "--data-dir", data,
+            "--datasets", "code", "--max-new-tokens", 4, "--no-progress", "--wandb"])
+    assert rc == 0, err
+    run = read_run(tmp_path)
+    first = json.loads((DEMO / "drafter" / "config.json").read_text())
+    assert run.config["drafter_config"] == [first, cfg]
 
 
 # ----------------------------------------------------------------------------------------
