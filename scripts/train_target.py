@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import ModelArgs, Transformer  # noqa: E402
 from support import runlog  # noqa: E402
-from support.checkpoint import LAYER_KEYS, init_random_, load_target, published  # noqa: E402
+from support.checkpoint import init_random_, load_target, published  # noqa: E402
 from support.cli import UserError, device_name, resolve_device, resolve_dtype
+from support.configs import LAYER_KEYS  # noqa: E402
 from support.data import (EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest,  # noqa: E402
                           micro_slices, read_texts, read_windows)
 from support.distributed import dist_init, rank0  # noqa: E402

@@ -34,6 +34,7 @@ from test_model import QWEN3_8B_CONFIG
 m = import_model()
 from support import (
     checkpoint,  # noqa: E402
+    configs,  # noqa: E402
     text,  # noqa: E402
 )
 from support.cli import UserError  # noqa: E402
@@ -182,7 +183,7 @@ def test_a_config_without_max_position_embeddings_reads_as_transformers_reads_it
     d = corrupt(tiny_target, tmp_path)
     edit_config(d, lambda c: c.pop("max_position_embeddings"))
     cfg = json.loads((d / "config.json").read_text())
-    assert checkpoint.target_args(cfg, "c").max_position_embeddings == \
+    assert configs.target_args(cfg, "c").max_position_embeddings == \
         transformers.Qwen3Config(**cfg).max_position_embeddings
 
 
@@ -358,7 +359,7 @@ def test_config_spellings_give_same_args(target_factory):
     cfg_top = json.loads((top.path / "config.json").read_text())
     assert "rope_parameters" in cfg_nested and "rope_theta" not in cfg_nested
     assert "rope_parameters" not in cfg_top and cfg_top["rope_theta"] == 10000.0
-    a, b = checkpoint.target_args(cfg_nested, 'c'), checkpoint.target_args(cfg_top, 'c')
+    a, b = configs.target_args(cfg_nested, 'c'), configs.target_args(cfg_top, 'c')
     assert a == b
     assert a.rope_theta == 10000.0  # not the dataclass default of 1e6
     assert (a.vocab_size, a.hidden_size, a.intermediate_size, a.num_hidden_layers) == (64, 32, 64, 3)
@@ -370,7 +371,7 @@ def test_qwen3_8b_nested_rope_spelling():
     cfg = dict(QWEN3_8B_CONFIG)
     del cfg["rope_theta"], cfg["rope_scaling"]
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
-    assert checkpoint.target_args(cfg, "c") == checkpoint.target_args(QWEN3_8B_CONFIG, "c")
+    assert configs.target_args(cfg, "c") == configs.target_args(QWEN3_8B_CONFIG, "c")
 
 
 def test_capture_is_checked_when_a_drafter_is_attached(tiny_target):
@@ -440,7 +441,7 @@ def test_missing_tokenizer(target_factory):
 
 
 def _stop_ids(path):
-    args = checkpoint.target_args(json.loads((path / "config.json").read_text()), "config.json")
+    args = configs.target_args(json.loads((path / "config.json").read_text()), "config.json")
     return checkpoint.stop_token_ids(str(path), args)
 
 

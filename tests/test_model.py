@@ -25,6 +25,7 @@ from conftest import (
 m = import_model()
 from support import (
     checkpoint,  # noqa: E402
+    configs,  # noqa: E402
     )
 
 ATOL = 1e-4
@@ -427,7 +428,7 @@ def qwen3_param_count(V, H, I, L, nh, nkv, hd, tied):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_qwen3_8b_param_count_on_meta(tied):
     cfg = dict(QWEN3_8B_CONFIG, tie_word_embeddings=tied)
-    args = checkpoint.target_args(cfg, "config.json")
+    args = configs.target_args(cfg, "config.json")
     assert args.rope_theta == 1e6 and args.head_dim == 128 and args.eos_token_ids == (151645,)
     expected = qwen3_param_count(151936, 4096, 12288, 36, 32, 8, 128, tied)
     if not tied:
@@ -450,7 +451,7 @@ def test_qwen3_8b_param_count_on_meta(tied):
 def test_num_params_matches_tiny_hf(target_factory):
     for tied in (False, True):
         target = target_factory(tie_word_embeddings=tied)
-        args = checkpoint.target_args(json.loads((target.path / "config.json").read_text()), "c")
+        args = configs.target_args(json.loads((target.path / "config.json").read_text()), "c")
         with torch.device("meta"):
             ours = sum(p.numel() for p in m.Transformer(args).parameters())
         assert ours == sum(p.numel() for p in target.hf_model.parameters())
