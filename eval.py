@@ -17,7 +17,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
@@ -27,10 +26,8 @@ from speculate import DEMO_DIR, Request, drafts_per_round, make_engine, size_eng
 from support import flags, metrics, plots, runlog
 from support.calibration import (
     ECE_BINS,
-    STS_GRID,
     calibration_report,
     concat_rounds,
-    reliability_panels,
     round_arrays,
     saturated,
     uncalibrate,
@@ -46,7 +43,6 @@ from support.cli import (
     flat,
     flat_fields,
     set_threads,
-    signals_deferred,
     use_compile_cache,
 )
 from support.distributed import (
@@ -58,7 +54,7 @@ from support.distributed import (
     sum_counts,
     torchrun_env,
 )
-from support.eval_log import log_dataset, log_results
+from support.eval_report import format_comparison, format_table, log_dataset, write_outputs
 from support.files import check_outputs, directory_problem, optional_file, read_json, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
@@ -517,7 +513,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         if len(rows) > 1:
             print()
             print(format_comparison(done, s.temperature))
-        write_outputs(args, out, calibration, log, first)
+        write_outputs(args, calibration_outputs(args), out, calibration, log, first)
     return out
 
 
@@ -731,156 +727,6 @@ def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: boo
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
                 dtype_resolved=dtype, skipped=skipped)
-
-
-# ----------------------------------------------------------------------------------------
-# Output
-
-def _fmt(x, spec=".2f"):
-    if x is None:
-        return "-"
-    return format(x, spec)
-
-
-def format_table(e: dict, header: bool = True) -> str:
-    """A dataset's line of the table, under its header when `header`: the authors' columns in their
-    order (#propose: drafts verified per round, "+1" the bonus), then samples, rounds, tokens/s and the
-    paper's conditional acceptance by position."""
-    rates = e["accept_rates_by_position"]
-    head = f"{'dataset':<16}{'#propose':>10}{'τ':>11}{'verify_rate':>12}"
-    for j in range(len(rates)):
-        head += f"{f'accept_rate@{j}':>15}"
-    head += f"{'samples':>9}{'rounds':>8}{'tok/s':>9}  conditional accept by position"
-    lines = []
-    if header:
-        lines = [head, "-" * len(head)]
-    cond = " ".join(_fmt(r) for r in e["accept_rate_by_position"])
-    propose = "-"
-    if e["draft_tokens_per_proposal"] is not None:
-        propose = f"{e['draft_tokens_per_proposal']:.2f}+1"
-    line = f"{e['dataset']:<16}{propose:>10}{_fmt(e['acceptance_length']):>11}"
-    line += f"{_fmt(e['verify_rate'], '.4f'):>12}"
-    for r in rates:
-        line += f"{_fmt(r, '.4f'):>15}"
-    line += f"{e['num_samples']:>9}{e['num_rounds']:>8}"
-    line += f"{_fmt(e['tokens_per_second'], '.1f'):>9}  {cond}"
-    lines.append(line)
-    return "\n".join(lines)
-
-
-def format_comparison(rows: list[dict], temperature: float) -> str:
-    """The paper's Table 1: τ per dataset, a row a drafter (and tree budget), and their mean."""
-    names = [e["dataset"] for e in rows[0]["datasets"]]
-    width = max([16] + [len(r["label"]) + 2 for r in rows])
-    columns = [max(10, len(n) + 2) for n in names]
-    title = "τ at T=" + format(temperature, "g")
-    head = f"{title:<{width}}"
-    for n, w in zip(names, columns):
-        head += f"{n:>{w}}"
-    head += f"{'mean':>9}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        taus = [e["acceptance_length"] for e in r["datasets"]]
-        mean = None  # over every dataset, or undefined: rows must average the same datasets
-        if taus and None not in taus:
-            mean = sum(taus) / len(taus)
-        cells = ""
-        for t, w in zip(taus, columns):
-            cells += f"{_fmt(t):>{w}}"
-        lines.append(f"{r['label']:<{width}}{cells}{_fmt(mean):>9}")
-    return "\n".join(lines)
-
-
-def format_calibration(cal: dict) -> str:
-    title = (f"confidence calibration (prefix survival a_k vs drafts 1..k accepted; "
-             f"ECE with {cal['bins']} bins)")
-    lines = [title]
-    head = f"{'k':>3}{'rounds':>8}{'mean a_k':>10}{'observed':>10}{'ECE':>8}{'AUROC':>8}{'Brier':>8}"
-    sts = "temperatures" in cal
-    if sts:
-        head += f"{'T_k':>8}{'held-out ECE raw -> STS':>26}"
-    lines += [head, "-" * len(head)]
-    for j, m in enumerate(cal["raw"]):
-        line = f"{m['position']:>3}{m['rounds']:>8}{_fmt(m['mean_survival'], '.3f'):>10}"
-        line += f"{_fmt(m['observed_survival'], '.3f'):>10}{_fmt(m['ece'], '.3f'):>8}"
-        line += f"{_fmt(m['auroc'], '.3f'):>8}{_fmt(m['brier'], '.3f'):>8}"
-        if sts:
-            raw = _fmt(cal["raw_heldout"][j]["ece"], ".3f")
-            scaled = _fmt(cal["sts_heldout"][j]["ece"], ".3f")
-            change = f"{raw} -> {scaled}"
-            line += f"{cal['temperatures'][j]:>8.3f}{change:>26}"
-        lines.append(line)
-    if "sts_note" in cal:
-        lines.append(cal["sts_note"])
-    by = cal["raw_by_dataset"]
-    if len(by) > 1:
-        lines += ["", "ECE of a_k per dataset (the table above pools every dataset's rounds; "
-                      "rounds: those that sent draft 1)"]
-        head = f"{'dataset':<16}{'rounds':>8}"
-        for k in range(1, cal["positions"] + 1):
-            head += f"{f'k={k}':>7}"
-        lines += [head, "-" * len(head)]
-        for name, ms in by.items():
-            line = f"{name:<16}{ms[0]['rounds']:>8}"
-            for m in ms:
-                line += f"{_fmt(m['ece'], '.3f'):>7}"
-            lines.append(line)
-    return "\n".join(lines)
-
-
-def calibration_file(args: EvalArgs, results: dict, calibration: dict, drafter_dir: str) -> dict:
-    """--calibration-out's record: the fitted STS temperatures, what they were fitted on, and how."""
-    return {
-        "temperatures": calibration["temperatures"],
-        "method": "sequential temperature scaling",
-        "apply": "c_k = sigmoid(logit_k / T_k) on the head's raw logit, before the threshold",
-        "drafter": args.drafter,
-        "target": args.target,
-        "datasets": [e["dataset"] for e in results["datasets"]],
-        "drafter_dir": os.path.realpath(drafter_dir),
-        "temperature": args.decode.temperature,
-        "split": calibration["split"],
-        "fit_rounds": calibration["fit_rounds"],
-        "bins": calibration["bins"],
-        "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
-        "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],
-        "heldout_ece_sts": [m["ece"] for m in calibration["sts_heldout"]],
-    }
-
-
-def write_outputs(args: EvalArgs, results: dict, calibration: Optional[dict],
-                  log: Optional[runlog.Log], drafter_dir: Optional[str]):
-    asked = calibration_outputs(args)
-    panels = None
-    # --out and the calibration's files are published together: a signal waits for the last of them
-    with signals_deferred():
-        write_json(args.out, results)
-        print(f"results written to {args.out}", file=sys.stderr)
-        if asked and calibration is None:
-            raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
-                            f"so there is nothing to calibrate; {args.out} has the rest")
-        if calibration is not None:
-            print()
-            print(format_calibration(calibration))
-            panels = reliability_panels(calibration)
-            if args.calibration_plot:
-                plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
-            if args.calibration_out:
-                if "temperatures" not in calibration:
-                    raise UserError(f"--calibration-out: {calibration['sts_note']}")
-                write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
-    if log is None:
-        return
-    if calibration is None:
-        log_results(log, results, args.step, None, {"results": args.out})
-        return
-    with tempfile.TemporaryDirectory() as tmp:  # wandb.Image wants a PNG
-        image = args.calibration_plot
-        if image is None or not image.lower().endswith(".png"):
-            image = os.path.join(tmp, "reliability_diagram.png")
-            plots.reliability_diagram(image, panels, bins=args.ece_bins)
-        files = {"results": args.out, "calibration": args.calibration_out}
-        log_results(log, results, args.step, image, files)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -18,7 +18,7 @@ from drafters import make_drafter, make_target
 import eval as ev
 import speculate
 from support import calibration as cal
-from support import distributed, metrics
+from support import distributed, eval_report, metrics
 
 torch.set_num_threads(1)
 
@@ -204,7 +204,7 @@ def test_a_position_no_round_tried_has_no_rate():
     assert metrics.accept_rates_by_position(c) == [2 / 3] + [None] * (K - 1)
     none = metrics.count([speculate.Request(0, [1], [1])], K)  # no round at all
     assert metrics.accept_rate_by_position(none) == [None] * K
-    table = ev.format_table(ev.dataset_entry("x", c, 1.0))
+    table = eval_report.format_table(ev.dataset_entry("x", c, 1.0))
     assert table.splitlines()[-1].endswith("0.67" + " -" * (K - 1))
 
 
@@ -350,8 +350,12 @@ def test_the_subset_is_the_authors_seeded_shuffle():
 def test_rows_are_printed_and_results_written_as_each_dataset_finishes(env, tmp_path, capsys, monkeypatch):
     writes = []
     real = ev.write_json
-    monkeypatch.setattr(ev, "write_json", lambda path, obj, **kw: (writes.append(json.loads(json.dumps(obj))),
-                                                                    real(path, obj, **kw)))
+
+    def write_json(path, obj, **kw):
+        writes.append(json.loads(json.dumps(obj)))
+        real(path, obj, **kw)
+    monkeypatch.setattr(ev, "write_json", write_json)  # each dataset's results as it finishes
+    monkeypatch.setattr(eval_report, "write_json", write_json)  # the run's, complete
     res, out, _ = run_eval(env, tmp_path, capsys, "--max-samples", 2, "--step", 1200)
     progress = [w for w in writes if "datasets" in w]
     assert [(len(w["datasets"]), w["complete"]) for w in progress] == [(1, False), (2, False), (2, True)]
@@ -673,7 +677,7 @@ def test_calibration_is_reported_per_dataset_too():
     assert list(rep["raw_by_dataset"]) == ["a", "b"]
     assert [rep["raw_by_dataset"][d][0]["ece"] for d in "ab"] == pytest.approx([0.5, 0.5])
     assert [rep["raw_by_dataset"][d][0]["rounds"] for d in "ab"] == [n, n]
-    text = ev.format_calibration(rep)
+    text = eval_report.format_calibration(rep)
     assert "per dataset" in text and text.splitlines()[-1].split() == ["b", str(n), "0.500"]
 
 
@@ -830,7 +834,7 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
 
     from drafters import make_eagle3
 
-    from support import eval_log, runlog
+    from support import runlog
 
     eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=4)
     out = tmp_path / "r.json"
@@ -852,11 +856,11 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
                           summary=SimpleNamespace(update=lambda values: None))
     plot = SimpleNamespace(line=lambda *a, **k: None)
     log = runlog.Log(run, SimpleNamespace(Table=Table, plot=plot))
-    eval_log.log_results(log, res, step=None, image=None, files={})
+    eval_report.log_results(log, res, step=None, image=None, files={})
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
     # a config with more drafts than any row measured: the table is as wide as the rows' rates
     wider = dict(res, config=dict(res["config"], num_drafts=4))
-    eval_log.log_results(log, wider, step=None, image=None, files={})
+    eval_report.log_results(log, wider, step=None, image=None, files={})
     assert logged["acceptance"].columns[-2:] == ["accept_rate@0", "accept_rate@1"]
 
 
@@ -886,7 +890,7 @@ def test_wandb_tables_and_chart_hold_every_row_of_a_comparison():
     row's datasets, labelled by row, as wide as the row that drafts most."""
     from types import SimpleNamespace
 
-    from support import eval_log, runlog
+    from support import runlog
 
     def entry(dataset, rates):
         conditional = [None] + rates[1:]
@@ -913,7 +917,7 @@ def test_wandb_tables_and_chart_hold_every_row_of_a_comparison():
     run = SimpleNamespace(log=lambda values, step=None: logged.update(values),
                           summary=SimpleNamespace(update=lambda values: None))
     log = runlog.Log(run, SimpleNamespace(Table=Table, plot=SimpleNamespace(line=line)))
-    eval_log.log_results(log, res, step=None, image=None, files={})
+    eval_report.log_results(log, res, step=None, image=None, files={})
     table = logged["acceptance"]
     assert table.columns[:3] == ["row", "tree_budget", "dataset"]
     assert table.columns[-4:] == [f"accept_rate@{j}" for j in range(4)]
@@ -930,7 +934,7 @@ def test_a_rows_mean_tau_is_over_every_dataset_or_undefined():
         return {"label": label, "datasets": [{"dataset": f"d{i}", "acceptance_length": t}
                                              for i, t in enumerate(taus)]}
 
-    table = ev.format_comparison([row("a", [2.0, 4.0]), row("b", [3.0, None])], temperature=0)
+    table = eval_report.format_comparison([row("a", [2.0, 4.0]), row("b", [3.0, None])], temperature=0)
     lines = table.splitlines()
     assert lines[2].split() == ["a", "2.00", "4.00", "3.00"]
     assert lines[3].split() == ["b", "3.00", "-", "-"]

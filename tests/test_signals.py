@@ -194,6 +194,7 @@ def test_eval_interrupted_between_its_results_and_calibration_writes_both(pair, 
     """SIGINT right after the finished results are written: the calibration file is written too, then the
     run stops with 130 (it stopped there, leaving "complete" results beside an older calibration file)."""
     import eval as ev
+    from support import eval_report
 
     d, target, drafter = pair
     data = tmp_path / "data"
@@ -202,14 +203,14 @@ def test_eval_interrupted_between_its_results_and_calibration_writes_both(pair, 
     out = tmp_path / "results.json"
     calibration = tmp_path / "sts.json"
     calibration.write_text("{}")  # an earlier run's
-    real = ev.write_json
+    real = eval_report.write_json
 
     def write_then_signal(path, obj):
         real(path, obj)
         if path == str(out) and obj["complete"]:
             os.kill(os.getpid(), signal.SIGINT)  # (handled by cli_main's handler, deferred until published)
 
-    monkeypatch.setattr(ev, "write_json", write_then_signal)
+    monkeypatch.setattr(eval_report, "write_json", write_then_signal)
     rc = ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
                   "--max-new-tokens", "8", "--no-chat", "--no-progress", "--out", str(out),
                   "--calibration-out", str(calibration)])
