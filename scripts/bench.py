@@ -187,10 +187,11 @@ def nbytes(tensors) -> int:
 
 
 def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
-                num_drafts: int = 0) -> int:
+                num_drafts: int = 0, tree_budget: int = 0) -> int:
     """Bytes one round reads: target weights, its KV cache at `cached` positions (all rows'), and the
     drafter's weights, with the lm_head read again for the block's logits, W2 once per Markov step
-    (K a round, a tree's once a depth for all its nodes) and each layer's kv_proj again for the
+    (K a round; a tree of `tree_budget` nodes, once a depth for all its nodes: min(K, tree_budget))
+    and each layer's kv_proj again for the
     committed features; an Eagle3 drafter's layer, its cache and the lm_head once per draft, its fc
     (the committed features' projection) once. A lookup table (the
     input embedding unless it is the tied lm_head, the Markov head's W1) is gathered a few rows a
@@ -225,8 +226,11 @@ def round_bytes(target: Transformer, drafter: Optional[Drafter], cached: float,
         per_pass = nbytes(weights(drafter)) - projection + nbytes([target.lm_head.weight])
         total += projection + steps * per_pass
         if drafter.markov_head is not None:
-            markov_steps = K - 1  # W2 is in the drafter's weights once: a round's K Markov steps
-            total += markov_steps * nbytes([drafter.markov_head.markov_w2.weight])
+            markov_steps = K  # a chain's K drafts; a tree's depths, as many as it has nodes at most
+            if tree_budget:
+                markov_steps = min(K, tree_budget)
+            extra_reads = markov_steps - 1  # W2 is in the drafter's weights once
+            total += extra_reads * nbytes([drafter.markov_head.markov_w2.weight])
         if drafter.cfg.layout != "eagle3":  # the commit projects the features to every layer's K/V
             total += nbytes([layer.self_attn.kv_proj.weight for layer in drafter.layers])
         total += steps * kv_bytes(drafter.cfg.layers)
@@ -328,7 +332,7 @@ def round_split(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     verify = 1e3 * spent["verify"] / rounds
     round_ms = 1e3 * r["decode_seconds"] / rounds
     cached = cached_per_round(r["requests"], rounds)
-    nbytes_read = round_bytes(engine.target, engine.drafter, cached, engine.K)
+    nbytes_read = round_bytes(engine.target, engine.drafter, cached, engine.K, engine.tree_budget)
     # nested intervals of one clock: only float rounding could take the rest below zero
     rest = max(0.0, round_ms - draft - verify)
     return {"split_round_ms": round_ms, "draft_ms": draft, "verify_ms": verify, "rest_ms": rest,

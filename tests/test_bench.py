@@ -385,6 +385,12 @@ def test_a_round_is_the_engines_own_when_prompts_outnumber_rows(tmp_path):
         cached = bench.cached_per_round(r["requests"], r["rounds"])
         want = bench.round_bytes(models.target, models.drafter, cached, engine.K)
         assert row["bytes_per_round"] == want
+    # a tree shallower than the block reads the Markov head's W2 once a depth
+    engine = speculate.Engine(models.target, models.drafter, batch_size=1, max_seq=64, tree_budget=2)
+    parts = bench.round_split(engine, prompts, 12, skip_guards=False)
+    r = bench.timed_generate(engine, prompts, 12)
+    cached = bench.cached_per_round(r["requests"], r["rounds"])
+    assert parts["bytes_per_round"] == bench.round_bytes(models.target, models.drafter, cached, engine.K, 2)
 
 
 def test_a_rounds_bytes_count_every_read_of_a_weight():
@@ -408,8 +414,12 @@ def test_a_rounds_bytes_count_every_read_of_a_weight():
     drafter_weights = [p for p in drafter.parameters() if p is not markov.markov_w1.weight]
     kv_projections = [layer.self_attn.kv_proj.weight for layer in drafter.layers]
     want = size(target_weights) + size(drafter_weights) + size([target.lm_head.weight])
-    want += (K - 1) * size([markov.markov_w2.weight]) + size(kv_projections)
+    w2 = size([markov.markov_w2.weight])
+    want += (K - 1) * w2 + size(kv_projections)
     assert bench.round_bytes(target, drafter, 0) == want
+    for budget in (1, 2, K, K + 3):  # a tree reads W2 once a depth, and has min(K, budget) depths
+        depths = min(K, budget)
+        assert bench.round_bytes(target, drafter, 0, K, budget) == want - (K - depths) * w2
 
 
 PROBE_THEN_PEAK = """
