@@ -78,6 +78,8 @@ TREE_STAGES = ("tree-b1", "tree-sampled-b1")
 DRY_CAPS = 3      # a dry run's caps are three times these: a small shared CPU is slower than the GPU
 BUDGET = 530      # seconds for the default stages: the caps, and the time to stop the last one at its cap
 STOP_GRACE = 5    # a stage past its cap gets SIGTERM, then SIGKILL this much later
+SHORTEST_STAGE = 5  # a stage left less time than this is not started
+MIN_BUDGET = 20   # the smallest --budget: time for the first stage to start, and to stop it
 SKIPPED = 3       # a stage's exit status when it has nothing to do here
 TORCH_LOGS = ("perf_hints", "recompiles", "cudagraphs")
 FLAGGED = ("skipping cudagraphs", "Recompiling", "Re-recording")  # log lines that make a timing suspect
@@ -864,8 +866,9 @@ def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict
             if signals:
                 entry["status"] = "not run: interrupted"
                 continue
-            if left < 5:
+            if left < SHORTEST_STAGE:
                 entry["status"] = "not run: budget spent"
+                print(f"=== {stage}: not run, the budget is spent", flush=True)
                 continue
             limit = min(caps[stage], left)
             path = os.path.join(out, stage_file(stage))
@@ -985,8 +988,8 @@ def parse(argv) -> argparse.Namespace:
         raise UserError("--stages: none given")
     if len(set(a.stages)) < len(a.stages):
         raise UserError(f"--stages {','.join(a.stages)}: a stage given twice")
-    if not 10 <= a.budget <= 3600:  # NaN fails too
-        raise UserError(f"--budget {a.budget:g}: must be a number of seconds from 10 to 3600")
+    if not MIN_BUDGET <= a.budget <= 3600:  # NaN fails too
+        raise UserError(f"--budget {a.budget:g}: must be a number of seconds from {MIN_BUDGET} to 3600")
     if not a.out.strip():
         raise UserError("--out: empty path")
     if os.path.exists(a.out) and not os.path.isdir(a.out):

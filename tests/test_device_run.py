@@ -180,7 +180,9 @@ def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, c
     assert smoke["warnings"] == 1 and 2 <= smoke["seconds"] < 12
     assert eager == {"stage": "eager-b1", "status": "not run: budget spent", "cap_s": 60}
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == [{"mode": "autoregressive"}]
-    assert "wrote" in (tmp_path / "log.txt").read_text() and "=== smoke: timed out" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in (tmp_path / "log.txt").read_text() and "=== smoke: timed out" in printed
+    assert "=== eager-b1: not run, the budget is spent" in printed
 
 
 def test_timings_on_a_gpu_add_cuda_graph_replays_or_why_not(monkeypatch):
@@ -233,6 +235,7 @@ def test_a_graph_that_does_not_compile_is_a_failed_check(tmp_path, monkeypatch):
     (["--dry-run", "--stages", "smoke,bogus"], "--stages: unknown stage 'bogus'"),
     (["--dry-run", "--stages", "env,env"], "a stage given twice"),
     (["--dry-run", "--budget", "5"], "--budget 5: must be"),
+    (["--dry-run", "--budget", "12"], "--budget 12: must be a number of seconds from 20 to 3600"),
     (["--dry-run", "--budget", "nan"], "--budget nan: must be"),
     (["--dry-run", "--budget", "x"], "argument --budget: invalid float value: 'x'"),
     (["--dry-run", "--bogus"], "unrecognized arguments: --bogus"),
