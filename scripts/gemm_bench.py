@@ -38,8 +38,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from support import cpu_kernels  # noqa: E402
-from support.cli import (SEED_RANGE, UserError, check_ranges, cli_main, device_name,  # noqa: E402
-                         parse_ints)
+from support.cli import (  # noqa: E402
+    SEED_RANGE,
+    UserError,
+    check_ranges,
+    cli_main,
+    device_name,
+    free_memory,
+    parse_ints,
+)
 
 
 @dataclass
@@ -178,6 +185,23 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
         print(f"{T:>7} {S:>6} {sdpa} {kernel} {ratio} {diff:>11.2e}  {uses}", flush=True)
 
 
+def check_memory(args: GemmArgs, shapes: list, rows: list[int], attention: list, heads: list[int], free: int):
+    """Refuse a table row whose tensors do not fit in `free` bytes (0: unknown), before any is built."""
+    if not free:
+        return
+    H, Hkv, hd = heads
+    need = {}  # the flag's value: the float32 bytes its row holds at once
+    for out, inp in shapes:
+        weights = 2 * args.copies * out * inp  # the copies, and as many in panels
+        need[f"--shapes {out}x{inp}"] = 4 * (weights + max(rows) * (inp + out))
+    for T, S in attention:
+        need[f"--attention {T}x{S}"] = 4 * args.copies * (T * H + S * 2 * Hkv) * hd
+    for what, nbytes in need.items():
+        if nbytes > free:
+            raise UserError(f"{what}: needs {nbytes / 2**30:.1f} GiB at --copies {args.copies}; "
+                            f"{free / 2**30:.1f} GiB are free (fewer --copies, or a smaller shape)")
+
+
 def run(args: GemmArgs) -> int:
     check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=SEED_RANGE,
                  copies="[1, 1024]")
@@ -192,6 +216,7 @@ def run(args: GemmArgs) -> int:
     rows = parse_ints(args.rows, "--rows")
     if any(r < 1 or r > 65536 for r in rows):
         raise UserError(f"--rows {args.rows}: each must be in 1..65536")
+    check_memory(args, shapes, rows, attention, heads, free_memory("cpu"))
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(args.seed)
     why = cpu_kernels.unavailable()

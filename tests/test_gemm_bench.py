@@ -67,3 +67,12 @@ def test_gemm_bench_bad_input_is_one_line(capsys):
         assert gemm_bench.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(start) and err.count("\n") == 1, err
+
+
+def test_gemm_bench_refuses_a_shape_that_does_not_fit_before_building_it(capsys):
+    """A weight of 2^40 floats is within the shapes' range, not within memory: one line, not the allocator's."""
+    assert gemm_bench.main(["--shapes", "1048576x1048576", "--copies", "1", "--rows", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --shapes 1048576x1048576: needs 8192.0 GiB at --copies 1") and err.count("\n") == 1
+    assert gemm_bench.main(["--shapes", "none", "--attention", "1x1048576", "--copies", "1024"]) == 2
+    assert capsys.readouterr().err.startswith("error: --attention 1x1048576: needs")
