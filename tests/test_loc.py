@@ -53,3 +53,5 @@ def test_main_prints_every_algorithm_file_and_the_total(capsys):
         assert name in out
     assert "algorithm files" in out
     assert "python speculate.py imports" in out
+    anchor = next(line for line in out.splitlines() if line.startswith(loc.ANCHOR_NAME))
+    assert anchor.split()[-5:] == ["5,773", "606", "10.0", "5.9%", "5"]  # its lines counted, as ours
