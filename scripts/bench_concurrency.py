@@ -160,7 +160,8 @@ def check_settings(args: ConcurrencyArgs) -> Settings:
     s = flags.check_settings(args.decode, args.machine.device)
     flags.check_machine(args.machine, s.compile)
     # The threshold scheduler's θ: at 0 it would verify every draft, the none scheduler's schedule.
-    check_ranges(s, confidence_threshold="(0, 1]")
+    # (one new token is the prefill's: no round to time)
+    check_ranges(s, confidence_threshold="(0, 1]", max_new_tokens="[2, 10485760]")
     return s
 
 
@@ -390,7 +391,10 @@ def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curv
     """A mode's row at concurrency c: the medians over its repeats. outputs_agree: its tokens were the
     autoregressive ones in every repeat (`compare_outputs`; None when sampling)."""
     def median(key):
-        return statistics.median(r[key] for r in runs)
+        values = [r[key] for r in runs]
+        if None in values:  # τ when no round ran: every request stopped at its first token
+            return None
+        return statistics.median(values)
 
     modelled = None
     if curve:
@@ -425,9 +429,14 @@ def table_markdown(rows: list[dict]) -> str:
         prof = ""
         if r["profile_seconds"] is not None:
             prof = f"{r['profile_seconds']:.1f}"
+        tau = "—"  # no round ran: every request stopped at its first token
+        if r["acceptance_length"] is not None:
+            tau = f"{r['acceptance_length']:.2f}"
+        verified = "—"
+        if r["verified_per_round"] is not None:
+            verified = f"{r['verified_per_round']:.2f}"
         line = (f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
-                f"| {r['per_request_tokens_per_second']:.1f} | {r['acceptance_length']:.2f} "
-                f"| {r['verified_per_round']:.2f} | {ratio} | {prof} |")
+                f"| {r['per_request_tokens_per_second']:.1f} | {tau} | {verified} | {ratio} | {prof} |")
         if modelled:
             line += f" {r['modelled_tokens_per_second']:.3f} |"
         lines.append(line)

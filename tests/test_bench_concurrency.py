@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO_ROOT
@@ -138,6 +139,7 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--concurrency", "2", "--compile-cache", "c"], "--compile-cache: only used with --compile"),
     (["--concurrency", "2", "--repeats", "0"], "--repeats: invalid"),
     (["--max-new-tokens", "0"], "--max-new-tokens: invalid"),
+    (["--max-new-tokens", "1"], "--max-new-tokens: invalid value 1"),  # the prefill's token: no round
     (["--concurrency", "2", "--plot", "c.pdf"], "--plot c.pdf"),
     (["--concurrency", "2", "--target", "somewhere"], "give both"),
     (["--concurrency", "2", "--prompts-file", "/nonexistent.jsonl"], "prompts file not found"),
@@ -216,3 +218,15 @@ def test_low_precision_counts_differences_instead_of_raising(monkeypatch, tmp_pa
     assert seen == [False]
     agree = {r["mode"]: r["outputs_agree"] for r in json.load(open(out))["rows"]}
     assert agree == {"autoregressive": True, "none": True, "hardware": False}
+
+
+def test_a_level_where_no_round_ran_prints_no_tau():
+    """Requests that all stop at their first token run no round: τ and the verified drafts are none, shown
+    as a dash in the table (a number formatted from None was a traceback after every level had run)."""
+    run = {"total_tokens_per_second": 10.0, "per_request_tokens_per_second": 10.0, "acceptance_length": None,
+           "verified_per_round": None, "tokens": 4, "seconds": 0.4}
+    engine = SimpleNamespace(compile_seconds=0.0)
+    row = bc.level_row([run, dict(run, total_tokens_per_second=12.0)], 2, "none", engine, None, None, True)
+    assert row["acceptance_length"] is None and row["total_tokens_per_second"] == 11.0
+    row["vs_none"] = 1.0
+    assert bc.table_markdown([row]).splitlines()[-1] == "| 2 | none | 11.0 | 10.0 | — | — | 1.00× |  |"
