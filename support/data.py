@@ -20,7 +20,7 @@ import torch
 
 from support.cli import UserError
 from support.files import file_problem, read_jsonl
-from support.text import ROLES
+from support.text import ROLES, check_text
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -81,11 +81,16 @@ def _read_jsonl_docs(path: str, texts: list, chats: list):
         msgs = _chat_messages(obj, where)
         turns = _turns(obj)
         if msgs is not None:
+            for m in msgs:
+                check_text(m["content"], where)
             chats.append((where, msgs))
         elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            check_text(obj["text"], where)
             texts.append(obj["text"])
         elif turns is not None:
-            texts.append("\n\n".join(turns))
+            text = "\n\n".join(turns)
+            check_text(text, where)
+            texts.append(text)
         else:
             kinds = ('{"text": str}, {"turns": [str]}, {"messages": [...]} '
                      'or {"prompt": str, "response": str}')

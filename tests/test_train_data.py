@@ -83,6 +83,12 @@ def test_render_messages_without_template_is_qwen3_chatml(target_factory):
     ({"messages": [{"role": "robot", "content": "a"}]}, "must be a list of"),
     ({"conversations": "hello"}, "must be a list of"),
     ({"something": 1}, "expected {\"text\": str}"),
+    # a lone surrogate, which JSON can spell and the tokenizer refuses with a TypeError
+    ({"messages": [{"role": "user", "content": "a \ud800"}, {"role": "assistant", "content": "b"}]},
+     "not valid Unicode"),
+    ({"prompt": "a", "response": "b \udfff"}, "not valid Unicode"),
+    ({"text": "a \ud800 b"}, "not valid Unicode"),
+    ({"turns": ["a", "\ud800"]}, "not valid Unicode"),
 ])
 def test_bad_chat_records_are_one_line_errors(tmp_path, case, needle):
     p = tmp_path / "d.jsonl"
