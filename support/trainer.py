@@ -18,6 +18,7 @@ import torch
 from support import runlog
 from support.checkpoint import read_weights
 from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, flag, signals_deferred
+from support.data import JSON_SUFFIXES, TEXT_SUFFIXES
 from support.distributed import peak_tflops, rank0
 from support.files import (
     atomic_write,
@@ -43,9 +44,10 @@ class TrainArgs(WandbFlags):
     """What every training program here shares: data, output, the optimisation and how it runs."""
 
     data: Optional[str] = None
-    """A .txt/.py/.md/.rst file, JSON lines, or a directory of both (.jsonl; recursive). Plain text ({"text"},
-    {"turns"}): documents joined by <|endoftext|>, cut into windows. Chat records ({"messages"},
-    {"conversations"}, {"prompt", "response"}; train.py): templated, loss on the assistant's tokens, packed."""
+    """A .txt/.py/.md/.rst file, a .jsonl/.json file of JSON lines, or a directory of both (.jsonl;
+    recursive). Plain text ({"text"}, {"turns"}): documents joined by <|endoftext|>, cut into windows.
+    Chat records ({"messages"}, {"conversations"}, {"prompt", "response"}; train.py): templated, loss on
+    the assistant's tokens, packed."""
     data_ids: Optional[str] = None
     """Instead of --data: JSON lines of {"prompt_ids": [int]}, one stream as plain text but joined as they
     are (no separator: a record ending a document carries its own end token)."""
@@ -470,6 +472,9 @@ def check_train_args(args: TrainArgs, **ranges: str):
     problem = path_problem(data, "file or directory", "file or directory")
     if problem:
         raise UserError(f"{flag} {data}: {problem}")
+    if args.data is not None and os.path.isfile(data) and not data.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
+        raise UserError(f"--data {data}: a file is read by its suffix: {'/'.join(TEXT_SUFFIXES)} as text, "
+                        f"{'/'.join(JSON_SUFFIXES)} as JSON lines (rename it to say which)")
     if args.resume is not None and not args.resume.strip():
         raise UserError("--resume: empty path (leave the flag out to start afresh)")
     inputs = [data, getattr(args, "target", None), getattr(args, "tokenizer", None)]

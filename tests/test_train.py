@@ -658,6 +658,7 @@ def test_text_jsonl_data(tiny_target, tmp_path):
     ("last_layer", "last layer"),
     ("both_data", "exactly one of --data, --data-ids"),
     ("no_tokenizer", "--tokenizer"),
+    ("unknown_suffix", "a file is read by its suffix: .txt/.py/.md/.rst as text, .jsonl/.json as JSON lines"),
 ])
 def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, case, needle):
     ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 64)
@@ -671,8 +672,10 @@ def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, case, nee
         "last_layer": base + ["--data-ids", ids, "--target-layer-ids", "0,2"],
         "both_data": base + ["--data-ids", ids, "--data", ids],
         "no_tokenizer": ["--data", ids, "--out", tmp_path / "o"],  # scripts/train_target.py
+        "unknown_suffix": base + ["--data", tmp_path / "chats.ndjson"],  # read as text, it trained on JSON's braces
     }[case]
     (tmp_path / "x.jsonl").write_text("{not json\n")
+    (tmp_path / "chats.ndjson").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     if case == "bad_ids":  # make sure an out-of-range id is there
         (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt_ids": [1, 2, 64] * 10}) + "\n")
     program = train_target if case == "no_tokenizer" else train
