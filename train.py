@@ -38,7 +38,6 @@ from support.checkpoint import (
     load_target,
     published,
     resolve_checkpoint,
-    target_args,
     weight_files,
 )
 from support.cli import (
@@ -52,6 +51,7 @@ from support.cli import (
     resolve_device,
     resolve_dtype,
 )
+from support.configs import target_args
 from support.distributed import dist_init, rank0
 from support.files import directory_problem, read_json, write_json
 from support.text import Tokenizer
