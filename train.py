@@ -23,6 +23,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
+from types import SimpleNamespace
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -54,7 +55,7 @@ from support.cli import (
 from support.configs import target_args
 from support.distributed import dist_init, rank0
 from support.files import directory_problem, read_json, write_json
-from support.text import Tokenizer
+from support.text import Tokenizer, auto_chat
 from support.trainer import (
     Run,
     TrainArgs,
@@ -753,6 +754,8 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         target_dtype = dtype
     target = load_target(args.target, device, target_dtype)
     cfg = drafter_config(args, target, args.target)  # the flags against the target, before the data is read
+    if args.eval_every:
+        check_eval_prompts(args, target, device)
     corpus = data.load_corpus(args, target.args, say)
     identity = {"target": target_digest(args.target), "data": data.digest(corpus)}
     if args.resume:
@@ -913,8 +916,8 @@ def check_unused_flags(args: Args):
     ])
 
 
-def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
-    """eval.py on the checkpoint just written, into --out/eval_step<N>.json; returns what to log."""
+def eval_args(args: Args, step: int, device: str):
+    """eval.py's flags for the checkpoint written at `step` (--eval-every's), into --out/eval_step<N>.json."""
     import eval as evaluation
 
     eval_device = "cpu"
@@ -924,7 +927,33 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
                  data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
                  max_new_tokens=args.eval_max_new_tokens, device=eval_device, compile=False,
                  progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
-    e = from_flat(evaluation.EvalArgs, flags)
+    return from_flat(evaluation.EvalArgs, flags)
+
+
+def check_eval_prompts(args: Args, target: Transformer, device: str):
+    """The evaluation's prompts read and checked against the target as eval.py reads them, before the first
+    step: a prompt that cannot run is found now, not at the first --eval-every step."""
+    import eval as evaluation
+
+    e, _ = evaluation.resolve_defaults(eval_args(args, 0, device))
+    s = evaluation.check_flags(e)
+    datasets, _ = evaluation.resolve_datasets(e)
+    tokenizer = Tokenizer(args.target)
+    chat = auto_chat(e.rendering.chat, tokenizer)
+    models = SimpleNamespace(tokenizer=tokenizer, target=target)  # what read_datasets reads of the models
+    context = target.args.max_position_embeddings
+    try:
+        evaluation.read_datasets(e, s, datasets, models, [], chat, context)
+    except UserError as err:  # named for eval.py's flags: --max-new-tokens is --eval-max-new-tokens here
+        raise UserError(f"--eval-every {args.eval_every}: eval.py would refuse it ({err}; "
+                        f"its --max-new-tokens is --eval-max-new-tokens here)") from None
+
+
+def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
+    """eval.py on the checkpoint just written; returns what to log."""
+    import eval as evaluation
+
+    e = eval_args(args, step, device)
     with torch.inference_mode():
         results = evaluation.run(e)
     found = {}
@@ -986,6 +1015,9 @@ def run(args: Args) -> dict:
     if T > context:
         raise UserError(f"--seq-len {T}: longer than the context of --target {target} "
                         f"(max_position_embeddings {context})")
+    if args.eval_every and args.eval_max_new_tokens >= context:
+        raise UserError(f"--eval-max-new-tokens {args.eval_max_new_tokens}: leaves no room for a prompt in "
+                        f"the context of --target {target} (max_position_embeddings {context})")
     with runlog.logged_run(args, "train", "train.py", enabled=rank0()) as log:
         return train_drafter(args, log)
 

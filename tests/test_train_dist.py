@@ -177,6 +177,31 @@ def test_new_flags_bad_values_are_one_line_errors(tiny_target, tmp_path, capsys,
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
+@pytest.mark.parametrize("records,flags,needle", [
+    # a budget the target's context cannot hold with any prompt: the flag, before anything loads
+    (['{"turns": ["hello world"]}'], ["--eval-max-new-tokens", 128],
+     "--eval-max-new-tokens 128: leaves no room for a prompt in the context of --target"),
+    # a prompt too long for the budget, and a malformed record: eval.py's refusal, before the first step
+    (['{"turns": ["hello world"]}'], ["--eval-max-new-tokens", 126],
+     "--eval-every 2: eval.py would refuse it ("),
+    (['{"turns": ["hello world"]}', '{bad'], ["--eval-max-new-tokens", 8],
+     "--eval-every 2: eval.py would refuse it ("),
+])
+def test_an_evaluation_that_would_fail_is_refused_before_the_first_step(tiny_target, tmp_path, capsys, records,
+                                                                         flags, needle):
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "mt-bench.jsonl").write_text("".join(r + "\n" for r in records))
+    ids = tmp_path / "x.jsonl"
+    ids.write_text(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n")
+    rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o",
+                                      *SMALL, "--steps", 4, "--eval-every", 2, "--eval-datasets", "mt-bench",
+                                      "--eval-data-dir", evals, *flags]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: ") and needle in err[-1], err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").glob("checkpoint-*"))  # no step ran
+
+
 def test_step_flops_by_hand():
     t = mdl.ModelArgs(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=2)
