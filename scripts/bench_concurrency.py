@@ -64,7 +64,7 @@ from support.cli import (
 )
 from support.files import check_outputs, file_problem, write_json  # noqa: E402
 from support.flags import Machine, Settings  # noqa: E402
-from support.text import check_prompts, load_prompts  # noqa: E402
+from support.text import auto_chat, check_prompts, load_prompts  # noqa: E402
 
 # the demo pair's committed held-out prompts (scripts/demo_prompts.py)
 HELDOUT = os.path.join(DEMO_DIR, "heldout.jsonl")
@@ -101,7 +101,8 @@ class ConcurrencyArgs:
     row takes the next one), so one slow request does not idle the rest."""
     prompts_file: Optional[str] = None
     """JSON lines of {"prompt": str}, {"prompt_ids": [int]} or {"turns": [str]}, cycled to fill each
-    batch (default: the demo pair's 20 held-out code prompts, demo/heldout.jsonl)."""
+    batch (default: the demo pair's 20 held-out code prompts, demo/heldout.jsonl). Text is rendered with
+    the target's chat template where it has one, as speculate.py renders it by default."""
     repeats: int = 3
     """Timed runs per mode and concurrency, interleaved in rotating order; the median is reported."""
     out: Optional[str] = None
@@ -195,7 +196,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
         raise UserError(f"--schedulers {args.schedulers}: {', '.join(scheduled)} read a drafter's "
                         f"confidence head, and --drafter {drafter_dir} has none (an Eagle3 drafter "
                         f"verifies every draft): use --schedulers none")
-    chat = m.tokenizer is not None and m.tokenizer.chat_template is not None
+    chat = auto_chat(None, m.tokenizer)  # speculate.py's default: a template it cannot use is an error
     sources = []
     prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)
     check_prompts(prompts, m.target, s.max_new_tokens, sources=sources, drafter=m.drafter)

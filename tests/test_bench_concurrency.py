@@ -187,6 +187,23 @@ def test_a_prompt_past_the_drafters_context_is_refused_with_the_users_budget(tmp
     assert rc == 2 and "100 tokens + --max-new-tokens 16 exceed the drafter's context of 64" in err, err
 
 
+def test_a_chat_template_that_cannot_be_used_is_refused_as_speculate_refuses_it(tmp_path, capsys):
+    """A template list without a "default" one: text prompts would go in as raw text, unlike a usable
+    template's; speculate.py refuses such a target, and so does this benchmark (one line, before timing)."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(os.path.join(DEMO_DIR, "target"), target)
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use",
+                                                                               "template": "x"}]}))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def foo"}) + "\n")
+    rc = bc.main(["--concurrency", "1", "--target", str(target), "--drafter", os.path.join(DEMO_DIR, "drafter"),
+                  "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4", "--schedulers", "none",
+                  "--repeats", "1", "--requests-per-slot", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "names no 'default' template" in err and err.count("\n") == 1, err
+
+
 def test_schedulers_that_read_confidences_need_a_drafter_with_a_confidence_head(tmp_path, capsys):
     """An Eagle3 drafter has no confidence head: the scheduled modes are refused with one line (the
     async one failed inside the profile, the others ran as `none` under their names); `none` runs."""
