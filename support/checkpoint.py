@@ -478,7 +478,8 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         if d is None or d.confidence_head is None:
             raise UserError(f"--calibration {calibration}: needs a --drafter "
                             "with a confidence head")
-        temps = read_json(calibration).get("temperatures")
+        cal = read_json(calibration)
+        temps = cal.get("temperatures")
         K = d.cfg.num_drafts
         lo = torch.finfo(torch.float32).tiny  # the temperatures are applied in float32
         hi = torch.finfo(torch.float32).max
@@ -489,6 +490,15 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             raise UserError(f"{calibration}: 'temperatures' must be a list "
                             f"of {K} positive numbers from {lo:.3g} to {hi:.3g} "
                             f"(one per draft position), got {repr(temps)[:200]}")
+        # what it was fitted on, which a note compares with the run (eval.py writes both)
+        fitted_t = cal.get("temperature")
+        if fitted_t is not None and not (number(fitted_t) and 0 <= fitted_t <= MAX_TEMPERATURE):
+            raise UserError(f"{calibration}: 'temperature' (the sampling temperature it was fitted at) "
+                            f"must be a number from 0 to {MAX_TEMPERATURE:g}, got {repr(fitted_t)[:200]}")
+        fitted_dir = cal.get("drafter_dir")
+        if fitted_dir is not None and not isinstance(fitted_dir, str):
+            raise UserError(f"{calibration}: 'drafter_dir' (the drafter it was fitted on) must be a path, "
+                            f"got {repr(fitted_dir)[:200]}")
         d.calibrate(temps)
     if cpu_kernels:
         from support import cpu_kernels as backend

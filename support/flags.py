@@ -600,15 +600,15 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
 
 def calibration_note(calibration: str, drafter: Optional[str],
                      temperature: float) -> Optional[str]:
-    """A note when an STS file was fitted on another drafter or at another temperature than this run."""
+    """A note when an STS file was fitted on another drafter or at another temperature than this run
+    (its keys checked where the drafter loads)."""
     cal = read_json(calibration)
     fitted = cal.get("drafter_dir")
     fitted_t = cal.get("temperature")
     other = []
-    if isinstance(fitted, str) and drafter is not None and fitted != os.path.realpath(drafter):
+    if fitted is not None and drafter is not None and fitted != os.path.realpath(drafter):
         other.append(f"on drafter {fitted} (this run: {os.path.realpath(drafter)})")
-    numeric = isinstance(fitted_t, (int, float)) and not isinstance(fitted_t, bool)
-    if numeric and fitted_t != temperature:
+    if fitted_t is not None and fitted_t != temperature:
         other.append(f"at temperature {fitted_t:g} (this run: {temperature:g})")
     if not other:
         return None

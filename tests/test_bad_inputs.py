@@ -603,6 +603,18 @@ CASES = [
     ("calibration-float32-zero", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
                                                                   prompts_file(t, '{"temperatures": [1e-46, 1, 1, 1]}', "c.json")],
      "'temperatures' must be", False),
+    # what the file was fitted on, compared with the run in a note: a 400-digit temperature overflowed there
+    ("calibration-fitted-temperature-huge", "speculate", lambda w, t: S(w) + [
+        "--confidence-threshold", "0.5", "--calibration",
+        prompts_file(t, '{"temperatures": [1, 1, 1, 1], "temperature": %s}' % ("9" * 400), "c.json")],
+     "'temperature' (the sampling temperature it was fitted at) must be a number from 0 to 10000", False),
+    ("calibration-fitted-temperature-nan", "eval", lambda w, t: E(w) + [
+        "--calibration", prompts_file(t, '{"temperatures": [1, 1, 1, 1], "temperature": NaN}', "c.json")],
+     "'temperature' (the sampling temperature it was fitted at) must be", False),
+    ("calibration-fitted-drafter-not-a-path", "speculate", lambda w, t: S(w) + [
+        "--confidence-threshold", "0.5", "--calibration",
+        prompts_file(t, '{"temperatures": [1, 1, 1, 1], "drafter_dir": 5}', "c.json")],
+     "'drafter_dir' (the drafter it was fitted on) must be a path, got 5", False),
     ("scheduler-threshold-no-value", "speculate", lambda w, t: S(w) + ["--scheduler", "threshold"],
      "--confidence-threshold", False),
     ("sps-table-unscheduled", "speculate", lambda w, t: S(w) + ["--sps-table", t / "s.json"], "--sps-table", False),
