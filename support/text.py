@@ -45,10 +45,15 @@ class Tokenizer:
         self.special_texts = {}  # the special tokens' texts, which templates read
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = config.get(key)
+            if value is None:
+                continue
+            text = value
             if isinstance(value, dict):  # an AddedToken: {"content": ..., ...}
-                value = value.get("content")
-            if isinstance(value, str):
-                self.special_texts[key] = value
+                text = value.get("content")
+            if not isinstance(text, str):
+                raise UserError(f"{config_path}: {key!r} must be a string or {{\"content\": str}}, "
+                                f"got {repr(value)[:80]}")
+            self.special_texts[key] = text
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

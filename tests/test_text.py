@@ -10,6 +10,7 @@ from conftest import copy_target, edit_json, render_chat
 
 import speculate
 from support import text
+from support.cli import UserError
 
 # Qwen3's chat format, written here from its documented behaviour: a leading system message first; user
 # (and later system) turns as ChatML; an assistant turn keeps only the text after any </think>, and the
@@ -107,6 +108,18 @@ def test_a_template_reading_special_tokens_and_loop_controls_renders_as_transfor
     assert want.startswith("<|endoftext|>") and want.count("<|im_end|>") == 2
 
 
+@pytest.mark.parametrize("value", [5, ["<|im_end|>"], {"content": 7}, {"lstrip": False}])
+def test_a_special_token_of_another_type_is_one_line(qwen3_style, tmp_path, value):
+    """A special token a template reads is a string or an AddedToken {"content": str}; another value was
+    dropped without a word, and the template rendered it as nothing."""
+    d = copy_target(qwen3_style, tmp_path / "t")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(eos_token=value))
+    with pytest.raises(UserError, match=r"tokenizer_config.json: 'eos_token' must be a string or "
+                                        r"\{\"content\": str\}, got ") as e:
+        text.Tokenizer(str(d))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("template", [
     # {% generation %} marks the assistant's tokens for transformers' training masks (it was an unknown tag)
     "{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
@@ -128,8 +141,6 @@ def test_transformers_template_extensions_render_as_transformers_does(qwen3_styl
 
 
 def test_a_templates_tojson_indent_is_bounded():
-    from support.cli import UserError
-
     with pytest.raises(UserError, match="cannot render the chat template .*tojson's indent 10000000 is too wide"):
         text.render_template("{{ messages | tojson(indent=10000000) }}", "t.json", messages=[{"role": "user"}])
 
