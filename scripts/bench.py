@@ -770,6 +770,21 @@ def mode_row(m: str, B: int, runs: list[dict], engine, prompts, s: Settings, ski
     return row
 
 
+def reference_row(runs: list[dict], with_drafter: bool, differ: dict) -> dict:
+    """The reference loop's results (batch 1): the median run's tokens/s, and, as on the engines' rows,
+    `compare_outputs`' differing request runs when any mode differed."""
+    mode = "reference (transformers target)"
+    if with_drafter:
+        mode = "reference (transformers target, eager drafter)"
+    tps = [r["total_tokens_per_second"] for r in runs]
+    median = median_run(runs)
+    row = {"mode": mode, "batch": 1, "tokens_per_second": median["total_tokens_per_second"],
+           "tokens_per_second_runs": tps}
+    if differ:
+        row["differing_requests"] = differ.get("reference")
+    return row
+
+
 def speed_ups(runs: dict, rows: list[dict], B: int, tree_budgets: list[int], dev: str, s: Settings) -> list[dict]:
     """The ratios within each repeat (adjacent runs), their median and range, printed; a row's own
     speed-up over autoregressive decoding is set on it."""
@@ -873,13 +888,7 @@ def run(args: BenchArgs) -> list[dict]:
             differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
         for m in modes:
             if m == "reference":
-                tps = [r["total_tokens_per_second"] for r in runs[m]]
-                mode = "reference (transformers target)"
-                if drafter is not None:
-                    mode = "reference (transformers target, eager drafter)"
-                median = median_run(runs[m])
-                row = {"mode": mode, "batch": 1, "tokens_per_second": median["total_tokens_per_second"],
-                       "tokens_per_second_runs": tps}
+                row = reference_row(runs[m], drafter is not None, differ)
                 rows.append(row)
                 print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
                 continue

@@ -464,3 +464,15 @@ def test_a_rounds_cache_is_what_its_rows_hold():
     assert bench.cached_per_round([first, second], rounds=2) == (4 + 3 + 6) / 2
     # one row, the requests in turn: three rounds
     assert bench.cached_per_round([first, second], rounds=3) == (4 + 6 + 3) / 3
+
+
+def test_the_reference_rows_differences_are_recorded_as_the_engines_are():
+    """In bf16 the reference loop may differ from autoregressive decoding at a near-tie: its row in --out
+    names the differing request runs, as an engine row does (it printed them and recorded nothing)."""
+    runs = [{"total_tokens_per_second": 9.0}, {"total_tokens_per_second": 11.0}]
+    differing = [{"request": 0, "repeat": 1, "first_token": 5, "logit_gap": 0.0}]
+    row = bench.reference_row(runs, True, {"reference": differing})
+    assert row == {"mode": "reference (transformers target, eager drafter)", "batch": 1, "tokens_per_second": 11.0,
+                   "tokens_per_second_runs": [9.0, 11.0], "differing_requests": differing}
+    assert bench.reference_row(runs, False, {"speculative": differing})["differing_requests"] is None
+    assert "differing_requests" not in bench.reference_row(runs, False, {})  # every mode agreed
