@@ -324,7 +324,7 @@ def run(args: EvalArgs) -> dict:
     sps_read, sps_written = flags.sps_paths(s.sps_table)
     outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
                "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
-    inputs = [args.target, *args.drafter, args.calibration, sps_read]
+    inputs = [args.target, *args.drafter, args.calibration, sps_read, args.machine.compile_cache]
     inputs += [path for _, path, _ in datasets]
     check_outputs(outputs, inputs=inputs)
     flags.check_calibration_file(args.calibration)

@@ -616,7 +616,8 @@ def check_args(args: BenchArgs) -> tuple[list[int], Settings]:
         raise UserError("--tree-plot: draws --tree-budgets' modes against the chain; give --tree-budgets")
     plots.check_plot_path(args.tree_plot, "--tree-plot")
     outputs = {"--out": args.out, "--tree-plot": args.tree_plot}
-    check_outputs(outputs, inputs=[args.target, args.drafter, args.prompts_file])
+    inputs = [args.target, args.drafter, args.prompts_file, args.machine.compile_cache]
+    check_outputs(outputs, inputs=inputs)
     return batch_sizes, s
 
 

@@ -253,7 +253,7 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
         if prompts_file is None:
             prompts_file = HELDOUT
     outputs = {"--out": args.out, "--plot": args.plot}
-    check_outputs(outputs, inputs=[args.target, args.drafter, prompts_file])
+    check_outputs(outputs, inputs=[args.target, args.drafter, prompts_file, args.machine.compile_cache])
     plots.check_plot_path(args.plot, "--plot")
     if target_dir is None or drafter_dir is None:
         raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "

@@ -561,7 +561,9 @@ def check_files(args):
     sps_read, sps_written = sps_paths(args.decode.sps_table)
     outputs = {"--trace-file": args.trace_file, "--output-file": args.output_file,
                "--sps-table": sps_written}
-    inputs = [args.target, args.drafter, args.prompts.prompts_file, args.calibration, sps_read]
+    # the compile cache is read and written as the run goes: no output may take its name
+    inputs = [args.target, args.drafter, args.prompts.prompts_file, args.calibration, sps_read,
+              args.machine.compile_cache]
     check_outputs(outputs, inputs=inputs)
     check_calibration_file(args.calibration)
 

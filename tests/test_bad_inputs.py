@@ -627,6 +627,17 @@ CASES = [
     ("compile-cache-eager", "speculate", lambda w, t: S(w) + ["--compile-cache", t / "cc"], "--compile-cache", False),
     ("compile-cache-file", "speculate", lambda w, t: S(w) + ["--compile", "--compile-cache",
                                                             prompts_file(t, "x", "cc")], "not a directory", False),
+    # the compile cache is made as a directory when compiling starts: an output of its name failed at the end
+    ("trace-file-is-the-compile-cache", "speculate", lambda w, t: S(w) + [
+        "--compile", "--compile-cache", t / "cc", "--trace-file", t / "cc"], "is an input of this run", False),
+    ("eval-out-is-the-compile-cache", "eval", lambda w, t: E(w) + [
+        "--compile", "--compile-cache", t / "cc", "--out", t / "cc"], "is an input of this run", False),
+    ("bench-out-is-the-compile-cache", "bench", lambda w, t: [
+        "--target", w / "target", "--drafter", w / "drafter", "--compile-cache", t / "cc", "--out", t / "cc"],
+     "is an input of this run", False),
+    ("concurrency-out-is-the-compile-cache", "concurrency", lambda w, t: [
+        "--target", w / "target", "--drafter", w / "drafter", "--concurrency", "1", "--compile",
+        "--compile-cache", t / "cc", "--out", t / "cc"], "is an input of this run", False),
     ("random-init-and-target", "speculate", lambda w, t: S(w) + ["--random-init", "qwen3-8b"], "--random-init", False),
     ("cuda-without-gpu", "speculate", lambda w, t: S(w) + ["--device", "cuda"], "--device cuda", False),
     ("memory-too-big", "speculate", lambda w, t: ["--target", target_with(
