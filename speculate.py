@@ -803,7 +803,7 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     tree_bytes = 0
     if s.tree_budget and flags.sampling_for(m, s).temperature > 0:
         tree_bytes = flags.sampled_tree_bytes(m, drafter, s.tree_budget)
-    flags.check_cache_memory(m, drafter, batch, max_seq, device, tree_bytes)
+    flags.check_cache_memory(m.target, drafter, batch, max_seq, device, tree_bytes)
     buckets = None
     if drafter is not None:
         buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)

@@ -49,6 +49,7 @@ from speculate import DEMO_DIR, Engine, Request, cache_length  # noqa: E402
 from support import flags, plots  # noqa: E402
 from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (
+    Interrupted,
     UserError,
     check_ranges,
     cli_main,
@@ -106,7 +107,7 @@ class ConcurrencyArgs:
     repeats: int = 3
     """Timed runs per mode and concurrency, interleaved in rotating order; the median is reported."""
     out: Optional[str] = None
-    """Write the results as JSON here."""
+    """Write the results as JSON here, after every concurrency level ("complete": false until the last)."""
     plot: Optional[str] = None
     """Draw total and per-request tokens/s against concurrency into this file (.png or .svg)."""
 
@@ -203,26 +204,45 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     modes = ["autoregressive"] + schedulers
     hw = device_name(dev)
     print(header(args, s, m, target_dir, drafter_dir, dtype, hw, len(prompts)), flush=True)
+    # the largest level's caches, the longest prompt's length a row: checked before the first level runs
+    longest = max(len(p) for p in prompts)
+    max_seq = cache_length(longest, s.max_new_tokens, m.drafter)
+    flags.check_cache_memory(m.target, m.drafter, levels[-1], max_seq, dev, rows="--concurrency")
     rows = []
     sps_tables = {}
-    for c in levels:
-        level_rows, tables = run_level(args, s, m, prompts, modes, c)
-        rows += level_rows
-        if tables:
-            sps_tables[c] = tables
-        speeds = []
-        for r in level_rows:
-            speeds.append(f"{r['mode']} {r['total_tokens_per_second']:.1f}")
-        print(f"concurrency {c}: {', '.join(speeds)} tok/s", file=sys.stderr, flush=True)
+    try:
+        for c in levels:
+            level_rows, tables = run_level(args, s, m, prompts, modes, c)
+            rows += level_rows
+            if tables:
+                sps_tables[c] = tables
+            speeds = []
+            for r in level_rows:
+                speeds.append(f"{r['mode']} {r['total_tokens_per_second']:.1f}")
+            print(f"concurrency {c}: {', '.join(speeds)} tok/s", file=sys.stderr, flush=True)
+            save(args, hw, m, len(prompts), sps_tables, rows, complete=c == levels[-1])
+    except Interrupted as e:  # the last line says what was kept: --out, once a level has finished
+        e.written = []
+        if args.out and rows:
+            e.written = [args.out]
+        if not args.out:
+            e.hint = "--out FILE keeps each finished level"
+        raise
     print(table_markdown(rows))
-    if args.out:
-        write_json(args.out, {
-            "config": recorded_flags(args), "hardware": hw, "torch": torch.__version__,
-            "drafter": m.drafter.cfg.describe(), "prompts": len(prompts), "sps": sps_tables,
-            "sps_synthetic": args.sps_synthetic, "rows": rows, "timing": TIMING}, indent=1)
     if args.plot:
         plots.concurrency_plot(args.plot, rows)
     return rows
+
+
+def save(args: ConcurrencyArgs, hw: str, m, prompts: int, sps_tables: dict, rows: list[dict], complete: bool):
+    """--out, rewritten after every concurrency level: a run cut short still leaves the levels it
+    measured, marked incomplete."""
+    if not args.out:
+        return
+    write_json(args.out, {
+        "config": recorded_flags(args), "hardware": hw, "torch": torch.__version__,
+        "drafter": m.drafter.cfg.describe(), "prompts": prompts, "sps": sps_tables,
+        "sps_synthetic": args.sps_synthetic, "rows": rows, "complete": complete, "timing": TIMING}, indent=1)
 
 
 def check_args(args: ConcurrencyArgs) -> tuple[list[int], list[str], Settings]:

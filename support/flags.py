@@ -280,24 +280,26 @@ def sampled_tree_bytes(m, drafter, tree_budget: int) -> int:
     return 4 * rows * V
 
 
-def check_cache_memory(m, drafter, batch: int, max_seq: int, device, tree_bytes: int = 0):
+def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_bytes: int = 0,
+                       rows: str = "--batch-size"):
     """The KV caches, and a sampled tree's round (`tree_bytes` a row), must fit in what is free on
-    the device (where that is known)."""
-    configs = [m.target.args]
+    the device (where that is known); `rows`: the flag that sets `batch`."""
+    configs = [target.args]
     if drafter is not None:
         configs.append(drafter.cfg.layers)
     per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in configs)
-    need = per_token * batch * max_seq * m.dtype.itemsize
+    itemsize = target.embed_tokens.weight.element_size()  # the caches are the model's dtype
+    need = per_token * batch * max_seq * itemsize
     trees = tree_bytes * batch
     free = free_memory(device)
     if not free or need + trees <= 0.9 * free:
         return
-    what = f"the KV caches for --batch-size {batch} x {max_seq} positions need {need / 2**30:.1f} GiB"
-    fix = "lower --batch-size or --max-new-tokens"
+    what = f"the KV caches for {rows} {batch} x {max_seq} positions need {need / 2**30:.1f} GiB"
+    fix = f"lower {rows} or --max-new-tokens"
     if trees:
         what += (f", and a sampled tree's races and distributions over the vocabulary "
                  f"{trees / 2**30:.1f} GiB a round")
-        fix = "lower --batch-size, --max-new-tokens or --tree-budget"
+        fix = f"lower {rows}, --max-new-tokens or --tree-budget"
     raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 
 

@@ -476,3 +476,17 @@ def test_the_reference_rows_differences_are_recorded_as_the_engines_are():
                    "tokens_per_second_runs": [9.0, 11.0], "differing_requests": differing}
     assert bench.reference_row(runs, False, {"speculative": differing})["differing_requests"] is None
     assert "differing_requests" not in bench.reference_row(runs, False, {})  # every mode agreed
+
+
+def test_caches_past_free_memory_are_refused_before_any_timing(monkeypatch, capsys):
+    """The largest batch's KV caches are checked against free memory as speculate.py checks its batch: one
+    line naming --batch-sizes (an allocator traceback came after the models were built)."""
+    from support import flags
+
+    monkeypatch.setattr(flags, "free_memory", lambda device: 1 << 20)
+    from speculate import DEMO_DIR
+
+    rc = bench.main(["--target", f"{DEMO_DIR}/target", "--drafter", f"{DEMO_DIR}/drafter", "--no-compile",
+                     "--batch-sizes", "1,8", "--max-new-tokens", "4", "--reference", "False"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: the KV caches for --batch-sizes 8 x " in err and "lower --batch-sizes" in err, err

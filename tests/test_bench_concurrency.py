@@ -68,6 +68,44 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("\n| 2 | ") == 5 and "| total ÷ none |" in printed and "modelled" not in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by plots.py (tests/test_plots.py checks the figure)
+    assert result["complete"] is True
+
+
+def test_an_interrupted_run_keeps_the_levels_it_finished(tmp_path, capsys, monkeypatch):
+    """--out is rewritten after every level, marked incomplete until the last: SIGTERM during the second
+    level leaves the first's rows, and the last line names the file (it said so and kept nothing)."""
+    import signal
+
+    from support.cli import Interrupted
+
+    real = bc.run_level
+
+    def run_level(args, s, m, prompts, modes, c):
+        if c == 2:
+            raise Interrupted(signal.SIGTERM)
+        return real(args, s, m, prompts, modes, c)
+
+    monkeypatch.setattr(bc, "run_level", run_level)
+    out = tmp_path / "conc.json"
+    argv = ["--concurrency", "1,2", "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1",
+            "--schedulers", "none"]
+    assert bc.main(argv + ["--out", str(out)]) == 143
+    assert f"what was written: {out}" in capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["complete"] is False and {r["concurrency"] for r in result["rows"]} == {1}
+    assert bc.main(argv) == 143
+    assert "nothing was written (--out FILE keeps each finished level)" in capsys.readouterr().err
+
+
+def test_caches_past_free_memory_are_refused_before_the_first_level(monkeypatch, capsys):
+    """The largest level's KV caches are checked against free memory as speculate.py checks its batch:
+    one line naming --concurrency (an allocator traceback came after the models were built)."""
+    from support import flags
+
+    monkeypatch.setattr(flags, "free_memory", lambda device: 1 << 20)
+    assert bc.main(["--concurrency", "1,64", "--max-new-tokens", "4", "--schedulers", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the KV caches for --concurrency 64 x ") and "lower --concurrency" in err, err
 
 
 def test_concurrency_outputs_that_differ_fail_loudly(monkeypatch):
