@@ -105,7 +105,8 @@ class EvalArgs(WandbFlags):
     progress: bool = True
     """Progress on stderr (rank 0): a bar on a terminal, else a line at most once a minute."""
     calibration: Optional[str] = None
-    """Apply STS temperatures from an earlier --calibration-out before the threshold (as speculate.py)."""
+    """Apply STS temperatures from an earlier --calibration-out to the confidences a schedule reads (as
+    speculate.py: with --scheduler threshold, hardware or async)."""
     calibration_split: float = 0.5
     """STS fits on this fraction of every dataset's requests (the first) and is scored on the rest;
     0 = no STS (the raw head's calibration is still reported)."""
@@ -211,6 +212,7 @@ def check_flags(args: EvalArgs) -> Settings:
                         "(more than one --drafter, or a --tree-budget curve)")
     if outputs and not args.drafter:
         raise UserError(f"{outputs[0]}: needs a --drafter with a confidence head")
+    flags.check_calibration_scheduled(args.calibration, s.scheduler)
     tuning = calibration_tuning(args)
     if tuning and (several or not args.drafter):
         raise UserError(f"{tuning[0]}: shapes the calibration report of one drafter's confidence "

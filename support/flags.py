@@ -541,11 +541,7 @@ def check_command_line(args):
                         "it would change nothing")
     check_chat_flags(chat=r.chat, ids=p.prompt_ids is not None, system_prompt=r.system_prompt,
                      thinking=r.enable_thinking)
-    if args.calibration is not None and s.scheduler == "none":
-        raise UserError(f"--calibration {args.calibration}: "
-                        f"only a scheduled round reads the confidences "
-                        f"(--scheduler {sched.SCHEDULED}); "
-                        f"without one it changes nothing")
+    check_calibration_scheduled(args.calibration, s.scheduler)
     check_files(args)
     resolve_device(args.machine.device)
     return s
@@ -568,6 +564,15 @@ def check_files(args):
               args.machine.compile_cache]
     check_outputs(outputs, inputs=inputs)
     check_calibration_file(args.calibration)
+
+
+def check_calibration_scheduled(calibration: Optional[str], scheduler: str):
+    """--calibration scales the confidences a schedule reads: without a schedule it changes nothing."""
+    if calibration is not None and scheduler == "none":
+        raise UserError(f"--calibration {calibration}: "
+                        f"only a scheduled round reads the confidences "
+                        f"(--scheduler {sched.SCHEDULED}); "
+                        f"without one it changes nothing")
 
 
 def check_calibration_file(path: Optional[str]):

@@ -609,7 +609,7 @@ CASES = [
         prompts_file(t, '{"temperatures": [1, 1, 1, 1], "temperature": %s}' % ("9" * 400), "c.json")],
      "'temperature' (the sampling temperature it was fitted at) must be a number from 0 to 10000", False),
     ("calibration-fitted-temperature-nan", "eval", lambda w, t: E(w) + [
-        "--calibration", prompts_file(t, '{"temperatures": [1, 1, 1, 1], "temperature": NaN}', "c.json")],
+        "--confidence-threshold", "0.5", "--calibration", prompts_file(t, '{"temperatures": [1, 1, 1, 1], "temperature": NaN}', "c.json")],
      "'temperature' (the sampling temperature it was fitted at) must be", False),
     ("calibration-fitted-drafter-not-a-path", "speculate", lambda w, t: S(w) + [
         "--confidence-threshold", "0.5", "--calibration",
@@ -671,8 +671,8 @@ CASES = [
      "--eval-data-dir: empty path", False),
     ("calibration-empty-path", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration", ""],
      "--calibration: empty path", False),
-    ("eval-calibration-empty-path", "eval", lambda w, t: E(w) + ["--calibration", ""], "--calibration: empty path",
-     False),
+    ("eval-calibration-empty-path", "eval", lambda w, t: E(w) + ["--confidence-threshold", "0.5", "--calibration", ""],
+     "--calibration: empty path", False),
     ("prompts-file-empty-path", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", ""] + S(w)[6:],
      "--prompts-file: empty path", False),
     ("train-resume-empty-path", "train", lambda w, t: T(w, t) + ["--resume", ""], "--resume: empty path", False),

@@ -372,8 +372,9 @@ def test_sts_temperatures_do_not_depend_on_an_applied_calibration(env, tmp_path,
     run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", first, out="a.json")
     temps = json.load(open(first))["temperatures"]
     assert temps != [1.0] * K
+    # a threshold no confidence falls below: the rounds are the first run's, the confidences scaled by T_k
     run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", first, "--calibration-out", second,
-             out="b.json")
+             "--confidence-threshold", 1e-9, out="b.json")
     assert json.load(open(second))["temperatures"] == temps
 
 
@@ -384,9 +385,11 @@ def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
     run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", cal, out="a.json")
     fitted = json.load(open(cal))
     assert fitted["temperature"] == 1.0 and fitted["drafter_dir"] == os.path.realpath(env["drafter"])
-    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", cal, out="b.json")
+    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", cal,
+                         "--confidence-threshold", 0.5, out="b.json")
     assert "note: --calibration" not in err
-    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 0.5, "--calibration", cal, out="c.json")
+    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 0.5, "--calibration", cal,
+                         "--confidence-threshold", 0.5, out="c.json")
     assert f"note: --calibration {cal} was fitted at temperature 1 (this run: 0.5);" in err
     moved = tmp_path / "moved.json"
     moved.write_text(json.dumps({**fitted, "drafter_dir": str(tmp_path / "older-drafter")}))
@@ -406,7 +409,8 @@ def test_a_saturating_calibration_is_not_passed_off_as_the_raw_head(env, tmp_pat
     sharp.write_text(json.dumps({"temperatures": [1e-4] * K}))  # |logit| > 0.002 saturates sigmoid(logit / T)
     plain, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, out="a.json")
     assert "unrecoverable" not in plain["calibration"] and "cannot be recovered" not in err
-    res, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", sharp, out="b.json")
+    res, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", sharp,
+                           "--confidence-threshold", 1e-9, out="b.json")
     assert res["calibration"]["raw"] != plain["calibration"]["raw"]  # what the warning is for
     assert res["calibration"]["unrecoverable"] > 0 and err.count("cannot be recovered") == 1
 
@@ -439,7 +443,8 @@ def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
 @pytest.mark.parametrize("case", ["missing-data-dir", "unknown-dataset", "none-present",
                                   "bad-split", "plot-without-head", "too-long", "tree-without-drafter",
                                   "filter-at-greedy", "split-without-drafter", "bins-with-a-tree-curve",
-                                  "empty-dataset-name", "missing-calibration", "prompt-fills-context"])
+                                  "empty-dataset-name", "missing-calibration", "calibration-unscheduled",
+                                  "prompt-fills-context"])
 def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
     base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
             "--max-new-tokens", 8, "--no-progress", "--out", tmp_path / "r.json"]
@@ -459,8 +464,11 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
         "split-without-drafter": (no_drafter + ["--calibration-split", 0.3], "--calibration-split 0.3: shapes the"),
         "bins-with-a-tree-curve": (base + ["--tree-budget", 4, "--ece-bins", 5], "--ece-bins 5: shapes the"),
         "empty-dataset-name": (base[:7] + ["gsm8k,"] + base[8:], "an empty name between commas"),
-        "missing-calibration": (base + ["--calibration", tmp_path / "nope.json"],
+        "missing-calibration": (base + ["--confidence-threshold", 0.5, "--calibration", tmp_path / "nope.json"],
                                 f"--calibration {tmp_path / 'nope.json'}: calibration file not found"),
+        # under the none schedule nothing reads the confidences --calibration scales (as speculate.py refuses it)
+        "calibration-unscheduled": (base + ["--calibration", tmp_path / "nope.json"],
+                                    "only a scheduled round reads the confidences"),
         "prompt-fills-context": (base[:5] + [long] + base[6:8] + base[10:],
                                  "gsm8k.jsonl:1: 300 tokens fill the target's context of 256"),
     }[case]
