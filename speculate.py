@@ -892,8 +892,14 @@ def requests_for(prompts: list[list[int]], num_samples: int) -> list[Request]:
 def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, on_round=None,
            on_finish=None, on_step=None) -> list[Completion]:
     """Every prompt num_samples times on `engine`: the driver of `generate` and of the command line.
+    Of `s` it reads num_samples and max_new_tokens; everything else is the engine's, as it was built.
     on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
     on_finish(completion) as each ends."""
+    longest = max(map(len, prompts))
+    need = cache_length(longest, s.max_new_tokens, engine.drafter, engine.K, engine.tree_budget)
+    if need > engine.max_seq:  # an engine reused for longer prompts or a larger budget than it was built for
+        raise UserError(f"a {longest}-token prompt and --max-new-tokens {s.max_new_tokens} need {need} cache "
+                        f"positions a row, and the engine holds {engine.max_seq}: make_engine for these prompts")
     requests = requests_for(prompts, s.num_samples)
 
     def finished(req):

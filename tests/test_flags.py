@@ -113,6 +113,18 @@ def test_the_api_refuses_what_only_the_api_can_give():
         flags.check_no_drafter(s)
 
 
+def test_decode_refuses_prompts_longer_than_its_engine_was_sized_for():
+    """An engine built for short prompts and reused for a longer one: one line (it was an IndexError inside
+    the round); prompts it was sized for decode on it."""
+    m = speculate.load()
+    s = flags.check_settings(speculate.Settings(max_new_tokens=8), "cpu")
+    engine = speculate.make_engine(m, m.drafter, [[1, 2, 3]], s, verbose=False)
+    assert len(speculate.decode(m, [[4, 5]], s, engine)[0].output_ids) == 8
+    with pytest.raises(UserError, match=r"^a 200-token prompt and --max-new-tokens 8 need \d+ cache positions a "
+                                        r"row, and the engine holds \d+: make_engine for these prompts$"):
+        speculate.decode(m, [list(range(5, 205))], s, engine)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
 def test_free_memory_on_a_cpu_is_what_linux_says_is_available():
     """The memory checks compare against MemAvailable (free pages and the page cache Linux can reclaim),
