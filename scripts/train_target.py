@@ -26,12 +26,21 @@ from support import runlog  # noqa: E402
 from support.checkpoint import init_random_, load_target, published  # noqa: E402
 from support.cli import UserError, device_name, resolve_device, resolve_dtype
 from support.configs import LAYER_KEYS  # noqa: E402
-from support.data import (EOS_TOKEN, MASK_TOKEN, Batches, Corpus, digest,  # noqa: E402
-                          micro_slices, read_texts, read_windows)
+from support.data import (  # noqa: E402
+    EOS_TOKEN,
+    MASK_TOKEN,
+    Batches,
+    Corpus,
+    digest,
+    micro_slices,
+    read_texts,
+    read_windows,
+)
 from support.distributed import dist_init, rank0  # noqa: E402
-from support.files import atomic_write, write_json  # noqa: E402
+from support.files import atomic_write, read_json, write_json  # noqa: E402
 from support.text import Tokenizer  # noqa: E402
 from support.trainer import (  # noqa: E402
+    STATE_JSON,
     Run,
     TrainArgs,
     causal_flops,
@@ -77,7 +86,7 @@ class Args(TrainArgs):
 
     resume_keys: ClassVar[tuple[str, ...]] = TrainArgs.resume_keys + (
         "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size",
-        "rope_theta", "tie_word_embeddings")
+        "rope_theta", "max_position_embeddings", "tie_word_embeddings")
     kind: ClassVar[str] = "target"
 
 
@@ -188,7 +197,14 @@ def given_tokenizer(args: Args) -> str:
 
 
 def check_same_tokenizer(args: Args, kept: str):
-    """A resumed run goes on with its own tokenizer: a --tokenizer given must be that one."""
+    """A resumed run goes on with its own tokenizer: a --tokenizer given must be that one, and a
+    --tokenizer-from-corpus must ask for the vocabulary it was trained to."""
+    if args.tokenizer_from_corpus:
+        state = os.path.join(checkpoint_dir(args.resume), STATE_JSON)
+        trained = read_json(state).get("args", {}).get("vocab_size")
+        if trained is not None and trained != args.vocab_size:
+            raise UserError(f"--vocab-size {args.vocab_size}: the resumed run's tokenizer {kept} was trained "
+                            f"to --vocab-size {trained} (a resumed run goes on with its own tokenizer)")
     if args.tokenizer is None:
         return
     src = given_tokenizer(args)

@@ -104,7 +104,7 @@ class TrainArgs(WandbFlags):
     # What a resumed run must repeat (the global batch is checked apart; --steps may change).
     resume_keys: ClassVar[tuple[str, ...]] = (
         "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac", "weight_decay", "grad_clip",
-        "seed",
+        "seed", "init_std",
     )
     kind: ClassVar[str]  # what the program trains: a state of another kind is not resumed
 

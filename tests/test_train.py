@@ -798,6 +798,24 @@ def test_train_target_resumed_takes_only_its_own_tokenizer(tmp_path):
     assert rc == 0 and res["start"] == 2, err
 
 
+def test_train_target_resumed_refuses_a_vocabulary_or_context_it_would_not_use(tmp_path):
+    """A resumed run's tokenizer and config are its own: --tokenizer-from-corpus with another --vocab-size, or
+    another --max-position-embeddings, changed nothing and exited 0; each is now refused in one line."""
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    run, data = tmp_path / "run", ["--data", tmp_path / "corpus.txt", *TINY_TARGET]
+    first = [*data, "--tokenizer-from-corpus", "--vocab-size", 280]
+    rc, _, err = run_train([*first, "--out", run, "--steps", 2], train_target)
+    assert rc == 0, err
+    resume = ["--resume", run, "--out", run, "--steps", 3]
+    rc, _, err = run_train([*data, "--tokenizer-from-corpus", "--vocab-size", 500, *resume], train_target)
+    assert rc == 2 and err.startswith("error: --vocab-size 500: the resumed run's tokenizer ") and \
+        "was trained to --vocab-size 280" in err, err
+    rc, _, err = run_train([*first, "--max-position-embeddings", 999, *resume], train_target)
+    assert rc == 2 and "--max-position-embeddings was 4096, now 999" in err, err
+    rc, res, err = run_train([*first, *resume], train_target)
+    assert rc == 0 and res["start"] == 2, err
+
+
 def test_train_target_stopped_before_training_leaves_out_as_it_was(tmp_path):
     """Too little text for one window, found after the tokenizer was written: --out held tokenizer.json
     alone, and the same command with more text was refused ("already holds files")."""
