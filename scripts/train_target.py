@@ -38,7 +38,7 @@ from support.data import (  # noqa: E402
 )
 from support.distributed import dist_init, rank0  # noqa: E402
 from support.files import atomic_write, read_json, write_json  # noqa: E402
-from support.text import Tokenizer  # noqa: E402
+from support.text import Tokenizer, read_tokenizer_file  # noqa: E402
 from support.trainer import (  # noqa: E402
     STATE_JSON,
     Run,
@@ -193,6 +193,7 @@ def given_tokenizer(args: Args) -> str:
         src = os.path.join(src, "tokenizer.json")
     if not os.path.isfile(src):
         raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
+    read_tokenizer_file(src)  # before it is copied into --out: an error names the file given
     return src
 
 

@@ -18,24 +18,29 @@ ROLES = ("system", "user", "assistant")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
+def read_tokenizer_file(path: str):
+    """A tokenizer.json through the `tokenizers` library, checked: a file it loads, whose unk token exists."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    problem = file_problem(path)
+    if problem:
+        raise UserError(f"{path}: {problem}")
+    try:
+        tok = HFTokenizer.from_file(path)
+    except Exception as e:  # the library raises bare Exceptions for malformed files
+        raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+    # else a bare Exception at the first unknown word
+    unk = getattr(tok.model, "unk_token", None)
+    if unk is not None and unk not in tok.get_vocab(with_added_tokens=True):
+        raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
+    return tok
+
+
 class Tokenizer:
     """tokenizer.json through the `tokenizers` library, plus the directory's chat template."""
 
     def __init__(self, directory: str):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = os.path.join(directory, "tokenizer.json")
-        problem = file_problem(path)
-        if problem:
-            raise UserError(f"{path}: {problem}")
-        try:
-            self.tok = HFTokenizer.from_file(path)
-        except Exception as e:  # the library raises bare Exceptions for malformed files
-            raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-        # else a bare Exception at the first unknown word
-        unk = getattr(self.tok.model, "unk_token", None)
-        if unk is not None and unk not in self.tok.get_vocab(with_added_tokens=True):
-            raise UserError(f"{path}: the tokenizer's unk_token {unk!r} is not in its vocabulary")
+        self.tok = read_tokenizer_file(os.path.join(directory, "tokenizer.json"))
         config_path = os.path.join(directory, "tokenizer_config.json")
         config = {}
         if optional_file(config_path):

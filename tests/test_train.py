@@ -816,6 +816,17 @@ def test_train_target_resumed_refuses_a_vocabulary_or_context_it_would_not_use(t
     assert rc == 0 and res["start"] == 2, err
 
 
+def test_train_target_names_the_tokenizer_given_when_it_cannot_load(tmp_path):
+    """A --tokenizer that is not a tokenizer was reported under its copy in --out (then removed)."""
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    (tmp_path / "bad.json").write_text('{"version": "1.0", "model": 5}')
+    out = tmp_path / "t"
+    rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *TINY_TARGET, "--tokenizer", tmp_path / "bad.json",
+                            "--out", out, "--steps", 1], train_target)
+    assert rc == 2 and err.startswith(f"error: {tmp_path / 'bad.json'}: cannot load tokenizer (") and \
+        err.count("\n") == 1 and not out.exists(), err
+
+
 def test_train_target_stopped_before_training_leaves_out_as_it_was(tmp_path):
     """Too little text for one window, found after the tokenizer was written: --out held tokenizer.json
     alone, and the same command with more text was refused ("already holds files")."""
