@@ -12,10 +12,10 @@
 #   -h, --help   this text.
 #
 # Environment: TARGET_STEPS (500), DRAFTER_STEPS (2000) and SELFDATA_PROMPTS (2048) set the training
-# steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4) and TARGET_HIDDEN (256)
-# the target's shape, BLOCK_SIZE (7) the drafter's block, THREADS the CPU threads (all cores);
-# DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the one DIR/corpus.json
-# records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the
+# steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4) and TARGET_HIDDEN
+# (256; a multiple of 128) the target's shape, BLOCK_SIZE (7) the drafter's block, THREADS the CPU
+# threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the
+# one DIR/corpus.json records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the
 # paper's Eagle3 baseline, trained the same way on the same data: train.py --drafter-kind eagle3, its
 # chain BLOCK_SIZE long) or both.
 #
@@ -80,7 +80,7 @@ SELFDATA_PROMPTS=${SELFDATA_PROMPTS:-2048}
 TARGET_LAYERS=${TARGET_LAYERS:-4}
 TARGET_HIDDEN=${TARGET_HIDDEN:-256}
 BLOCK_SIZE=${BLOCK_SIZE:-7}
-[ $((TARGET_HIDDEN % 64)) = 0 ] || fail "TARGET_HIDDEN=$TARGET_HIDDEN: a multiple of 64 (heads of 64)"
+[ $((TARGET_HIDDEN % 128)) = 0 ] || fail "TARGET_HIDDEN=$TARGET_HIDDEN: a multiple of 128 (heads of 64, two of them sharing each K/V head)"
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
 WORK=$(mktemp -d)

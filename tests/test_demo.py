@@ -243,6 +243,9 @@ def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
                               (["--out", str(full)], {}, "add --force"),
                               (["--out", str(DEMO)], {}, "add --force"),
                               (["--out", str(tmp_path / "new")], {"TARGET_STEPS": "0"}, "TARGET_STEPS=0"),
+                              # heads of 64 in pairs sharing a K/V head: 64 failed later, naming flags not given
+                              (["--out", str(tmp_path / "new")], {"TARGET_HIDDEN": "64"},
+                               "TARGET_HIDDEN=64: a multiple of 128"),
                               (["--out", str(full / "keep" / "sub")], {}, "cannot be created")):
         p = subprocess.run(["bash", script, *argv], capture_output=True, text=True, timeout=30, cwd=tmp_path,
                            env=dict(os.environ, **env))
