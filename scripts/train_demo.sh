@@ -15,9 +15,9 @@
 # steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4) and TARGET_HIDDEN
 # (256; a multiple of 128) the target's shape, BLOCK_SIZE (7) the drafter's block, THREADS the CPU
 # threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the
-# one DIR/corpus.json records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the
-# paper's Eagle3 baseline, trained the same way on the same data: train.py --drafter-kind eagle3, its
-# chain BLOCK_SIZE long) or both.
+# one DIR/corpus.json records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter),
+# eagle3 (DIR/eagle3, the paper's Eagle3 baseline, trained the same way on the same data: train.py
+# --drafter-kind eagle3, its chain BLOCK_SIZE long) or both.
 #
 # Steps: 0. the corpus (scripts/demo_corpus.py): the standard library's top-level *.py files, every
 #           20th held out (never trained on), named in DIR/heldout.txt; DIR/corpus.json and one printed
