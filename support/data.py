@@ -261,11 +261,12 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
 
 
 def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts: list[str],
-                 seq_len: Optional[int] = None) -> tuple[list[tuple[list[int], list[bool]]], int]:
-    """(token ids, loss mask) of every conversation, and how many were skipped: the template changed the
-    response, or no anchor within the first `seq_len` tokens (what packing keeps)."""
+                 seq_len: Optional[int] = None) -> tuple[list[tuple[list[int], list[bool]]], int, int]:
+    """(token ids, loss mask) of every conversation, and how many were skipped for each reason: the
+    template rewrote the response, or no anchor lies within the first `seq_len` tokens (what packing keeps)."""
     rendered = [chat_spans(tok, msgs, stop_texts) for _, msgs in chats]
     keep = [r for r in rendered if r is not None]
+    rewritten = len(chats) - len(keep)
     encs = []
     if keep:
         encs = tok.tok.encode_batch([r[0] for r in keep], add_special_tokens=False)
@@ -279,7 +280,8 @@ def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts: list[str]
         has_anchor = any(a and b for a, b in zip(kept, kept[1:]))
         if has_anchor:
             docs.append((enc.ids, mask))
-    return docs, len(chats) - len(docs)
+    short = len(keep) - len(docs)
+    return docs, rewritten, short
 
 
 # Packing and the corpus
@@ -417,9 +419,11 @@ def load_corpus(args, target_args, say) -> Corpus:
                             f"only chat records are packed")
         return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
     stop_texts = [tok.decode([i]) for i in stops]
-    docs, skipped = encode_chats(tok, chats, stop_texts, args.seq_len)
+    docs, rewritten, short = encode_chats(tok, chats, stop_texts, args.seq_len)
+    why_skipped = (f"{rewritten} whose response the chat template rewrites, "
+                   f"{short} without two response tokens in their first --seq-len {args.seq_len}")
     if not docs:
-        raise UserError(f"--data {args.data}: no conversation has a response to train on")
+        raise UserError(f"--data {args.data}: no conversation has a response to train on ({why_skipped})")
     pad_id = 0
     if sep is not None:
         pad_id = sep
@@ -428,9 +432,8 @@ def load_corpus(args, target_args, say) -> Corpus:
     if args.pack:
         how = "packed into"
     filled = f"{st['fill']:.0%} filled, {st['cut']} cut to --seq-len {args.seq_len}"
-    why_skipped = "nothing to train on within --seq-len, or the template rewrites the response"
     say(f"--data: {st['documents']} conversations {how} {st['rows']} "
-        f"sequences ({filled}, {skipped} skipped: {why_skipped})")
+        f"sequences ({filled}, {rewritten + short} skipped: {why_skipped})")
     return corpus
 
 

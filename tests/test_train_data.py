@@ -53,8 +53,8 @@ def data_vocab(vocab_size):
 
 def test_chat_loss_mask_is_the_assistant_tokens(tiny_target):
     tok = text.Tokenizer(str(tiny_target.path))
-    docs, skipped = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>", "<|endoftext|>"])
-    assert skipped == 0 and len(docs) == 1
+    docs, rewritten, short = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>", "<|endoftext|>"])
+    assert rewritten == short == 0 and len(docs) == 1
     ids, mask = docs[0]
     assert (ids, mask) == reference_chat(CONVERSATION)
     # prompt + response records are one user turn and one assistant turn
@@ -63,7 +63,7 @@ def test_chat_loss_mask_is_the_assistant_tokens(tiny_target):
     # A template that rewrites the assistant's text: the mask cannot be placed, the record is skipped.
     tok.chat_template = tok.chat_template.replace("message['content']", "message['content'] | upper")
     assert data.chat_spans(tok, CONVERSATION, ["<|im_end|>"]) is None
-    assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"]) == ([], 1)
+    assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"]) == ([], 1, 0)
 
 
 def test_render_messages_without_template_is_qwen3_chatml(target_factory):
@@ -154,7 +154,8 @@ def test_what_train_cannot_make_rows_of_is_refused(tiny_target, target_factory, 
     (tmp_path / "chats.jsonl").write_text(json.dumps(long_prompt) + "\n")
     rc, _, err = run_train(["--target", tiny_target.path, "--data", tmp_path / "chats.jsonl", "--out", tmp_path / "c",
                             *small])
-    assert rc == 2 and "no conversation has a response to train on" in err, err
+    assert rc == 2 and ("no conversation has a response to train on (0 whose response the chat template "
+                        "rewrites, 1 without two response tokens in their first --seq-len 16)") in err, err
 
 
 def test_anchor_rule_and_supervision_by_definition():
@@ -229,9 +230,9 @@ def test_no_pack_is_one_conversation_a_row_as_the_authors_train():
 def test_a_response_past_the_cut_is_skipped(tiny_target):
     """A conversation whose response starts after --seq-len tokens would take a row and give no block."""
     tok = text.Tokenizer(str(tiny_target.path))
-    docs, skipped = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"])
+    docs, _, _ = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"])
     first = docs[0][1].index(True)
-    assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"], seq_len=first + 1) == ([], 1)
+    assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"], seq_len=first + 1) == ([], 0, 1)
     assert len(data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"], seq_len=first + 2)[0]) == 1
 
 
