@@ -103,8 +103,13 @@ def _files_under(path: str) -> list[str]:
     files = []
     for d, _, names in os.walk(path):
         for f in names:
-            if f.endswith(suffixes):
-                files.append(os.path.join(d, f))
+            if not f.endswith(suffixes):
+                continue
+            name = os.path.join(d, f)
+            problem = file_problem(name)  # a pipe would hang the read; a broken link fail it
+            if problem:
+                raise UserError(f"--data {path}: {name}: {problem}")
+            files.append(name)
     if not files:
         raise UserError(f"--data {path}: no {'/'.join(suffixes)} files in the directory")
     return sorted(files)

@@ -9,6 +9,7 @@ Everything runs on conftest's tiny word-level target (vocab 64, a Qwen3-like Cha
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -96,6 +97,19 @@ def test_bad_chat_records_are_one_line_errors(tmp_path, case, needle):
     with pytest.raises(UserError, match="d.jsonl:1") as e:
         data.read_documents(str(p))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: os.mkfifo(p), "is a device or a pipe, not a file"),  # its read never returned
+    (lambda p: os.symlink(p.parent / "gone.txt", p), "is a broken link"),  # an OSError traceback
+])
+def test_a_data_directorys_file_that_cannot_be_read_is_one_line(tmp_path, make, needle):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("hello world\n")
+    make(d / "b.txt")
+    with pytest.raises(UserError, match=f"^--data {d}: {d / 'b.txt'}: .*{needle}"):
+        data.read_documents(str(d))
 
 
 def test_mixing_chat_and_text_is_an_error(tmp_path):
