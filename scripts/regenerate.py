@@ -212,10 +212,14 @@ def shown(value) -> str:
 
 
 def check_resume_file(saved: dict, partial: str, done_path: str):
-    """The resume file is regenerate.py's: a resume key and two counts."""
+    """The resume file is regenerate.py's: a resume key and two counts, conversations consumed and, of
+    them, dropped."""
+    consumed = saved.get("consumed")
+    dropped = saved.get("dropped")
     well_formed = isinstance(saved.get("resume_key"), dict)
-    well_formed = well_formed and isinstance(saved.get("consumed"), int)
-    well_formed = well_formed and isinstance(saved.get("dropped"), int)
+    for count in (consumed, dropped):
+        well_formed = well_formed and isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    well_formed = well_formed and dropped <= consumed
     if not well_formed:
         raise UserError(f"{done_path}: not a resume file of regenerate.py; "
                         f"remove it and {partial} to start over")

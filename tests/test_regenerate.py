@@ -243,6 +243,11 @@ def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
     ({"o.jsonl.partial": "{}\n"}, [], "o.jsonl.partial: holds an earlier run's output; pass --resume"),
     ({"o.jsonl.partial": '{"mess'}, [], "o.jsonl.partial: holds an earlier run's output; pass --resume"),
     ({"o.jsonl.partial": '{"source": "p.jsonl:1"}\n'}, ["--resume"], "o.jsonl.partial.json: not found"),
+    # counts the summary prints as the run's: none negative, a boolean or more dropped than consumed
+    *[({"o.jsonl.partial": '{"source": "p.jsonl:1"}\n',
+        "o.jsonl.partial.json": json.dumps({"resume_key": {}, "consumed": consumed, "dropped": dropped})},
+       ["--resume"], "o.jsonl.partial.json: not a resume file of regenerate.py")
+      for consumed, dropped in ((2, -7), (2, True), (True, 0), (1, 10**22))],
 ])
 def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatch, files, flags, needle):
     """No input overwritten, an earlier run's work not truncated, a directory in the way said: before any work."""
