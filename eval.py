@@ -32,7 +32,7 @@ from support.calibration import (
     saturated,
     uncalibrate,
 )
-from support.checkpoint import load_models, resolve_checkpoint
+from support.checkpoint import hub_snapshot, load_models, resolve_checkpoint
 from support.cli import (
     Interrupted,
     Repeated,
@@ -351,6 +351,15 @@ class Row(NamedTuple):
     tree_budget: int
 
 
+def row_name(directory: str) -> str:
+    """A drafter's name in the comparison: a hub snapshot's ORG/NAME, else its directory's name."""
+    hub = hub_snapshot(directory)
+    if hub is not None:
+        repo, _, _ = hub.partition("@")
+        return repo
+    return os.path.basename(os.path.normpath(directory))
+
+
 def rows_of(drafters: list, directories: list, tree_budget: int, draft_length: Optional[int]) -> list[Row]:
     """Every drafter's row; with --tree-budget N, a block drafter's at 0 (the chain), at each of
     TREE_BUDGETS below N, and at N: the τ-per-budget curve. --draft-length is an Eagle3 row's chain
@@ -366,7 +375,7 @@ def rows_of(drafters: list, directories: list, tree_budget: int, draft_length: O
         raise UserError(f"--draft-length {draft_length}: only an Eagle3 drafter's chain length "
                         f"is chosen, and no --drafter is one (a block drafter drafts its block)")
     rows = []
-    names = [os.path.basename(os.path.normpath(d)) for d in directories]
+    names = [row_name(d) for d in directories]
     if len(set(names)) < len(names):
         names = list(directories)
     for name, directory, drafter in zip(names, directories, drafters):

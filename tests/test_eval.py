@@ -967,3 +967,18 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
         assert (c["world_size"], c["num_drafts"], c["compile_seconds"]) == (2, 7, 1.5)
         assert (c["chat_resolved"], c["compile_resolved"], c["dtype_resolved"]) == (True, False, "float32")
         assert c["datasets"] == "gsm8k, aime25,custom"
+
+
+def test_hub_drafters_are_named_by_their_repository_in_the_comparison():
+    """A drafter read from a Hugging Face cache snapshot is its ORG/NAME in the table and results.json's rows
+    (it was the snapshot folder's name: the 40-digit commit); a local directory is its folder's name."""
+    from types import SimpleNamespace
+
+    dspark = SimpleNamespace(cfg=SimpleNamespace(layout="dspark"))
+    eagle3 = SimpleNamespace(cfg=SimpleNamespace(layout="eagle3"))
+    hub = os.path.join("cache", "models--org--dr", "snapshots", "d" * 40)
+    rows = ev.rows_of([dspark, eagle3], [hub, os.path.join("runs", "eagle3")], 0, None)
+    assert [r.label for r in rows] == ["org/dr", "eagle3"]
+    # the same repository at two revisions: the full paths tell them apart
+    other = os.path.join("cache", "models--org--dr", "snapshots", "e" * 40)
+    assert [r.label for r in ev.rows_of([dspark, dspark], [hub, other], 0, None)] == [hub, other]
