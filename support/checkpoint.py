@@ -528,25 +528,36 @@ GENERATION_KEYS = {  # generation_config.json's sampling keys: (what is valid, t
 }
 
 
-# generation_config.json's sampling keys this decoding does not apply, each with its value that changes nothing
-UNAPPLIED_KEYS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "typical_p": 1.0,
-                  "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0}
+# generation_config.json's keys this decoding does not apply, each with its value that changes nothing:
+# those that change greedy decoding too, then those that change sampling only
+UNAPPLIED_KEYS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "no_repeat_ngram_size": 0, "num_beams": 1, "min_new_tokens": 0, "min_length": 0,
+                  "bad_words_ids": [], "suppress_tokens": [], "begin_suppress_tokens": [],
+                  "forced_eos_token_id": None, "max_new_tokens": None, "max_length": None}
+UNAPPLIED_SAMPLING_KEYS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str], tuple]:
     """generation_config.json's (sampling, path, what it asks for that is not applied here, "key value"
-    each): None for greedy (no do_sample), temperature 1.0 if unset."""
+    each): sampling None for greedy (no do_sample), temperature 1.0 if unset."""
     path = os.path.join(directory, "generation_config.json")
     if not optional_file(path):
         return None, None, ()
     cfg = read_json(path)
-    if not checked(cfg.get("do_sample", False), "do_sample", path, bool):
-        return None, path, ()
+    do_sample = checked(cfg.get("do_sample", False), "do_sample", path, bool)
+    unapplied_keys = dict(UNAPPLIED_KEYS)
+    if do_sample:
+        unapplied_keys.update(UNAPPLIED_SAMPLING_KEYS)
     unapplied = []
-    for key, neutral in UNAPPLIED_KEYS.items():
+    for key, neutral in unapplied_keys.items():
         v = cfg.get(key)
         if v is not None and v != neutral:
-            unapplied.append(f"{key} {v!r}")
+            shown = repr(v)
+            if len(shown) > 60:  # a long list of token ids
+                shown = shown[:57] + "..."
+            unapplied.append(f"{key} {shown}")
+    if not do_sample:
+        return None, path, tuple(unapplied)
     out = {}  # no temperature: 1.0 (flags.sampling_for)
     for key, (valid, ok) in GENERATION_KEYS.items():
         v = cfg.get(key)

@@ -262,6 +262,8 @@ def sampling_for(m, s) -> Sampling:
         source = "no sampling flag, and no generation_config.json"
         if m.generation_source is not None:
             source = f"no sampling flag, and {m.generation_source} has do_sample false"
+        if m.generation_unapplied:
+            source += f"; not applied here: {', '.join(m.generation_unapplied)}"
     temperature = float(given.get("temperature", 1.0))
     filters = Filters()
     if temperature != 0:

@@ -235,6 +235,13 @@ def test_generation_config_sampling_not_applied_is_said(chat_target, tmp_path):
     assert rc == 0, err
     assert (f"sampling: temperature 0.7 (from {sampler}/generation_config.json; not applied here: "
             f"repetition_penalty 1.05)") in err, err
+    # greedy too: what changes transformers' greedy search is named, a sampling-only key is not
+    greedy = with_generation_config(target, tmp_path / "greedy", do_sample=False, repetition_penalty=1.5,
+                                    num_beams=4, suppress_tokens=[0, 200], typical_p=0.9, bad_words_ids=[])
+    rc, _, err = run_captured(["--target", greedy, "--prompt-ids", "5,6,7", "--max-new-tokens", 4])
+    assert rc == 0, err
+    assert (f"sampling: greedy (no sampling flag, and {greedy}/generation_config.json has do_sample false; "
+            f"not applied here: repetition_penalty 1.5, num_beams 4, suppress_tokens [0, 200])") in err, err
 
 
 @pytest.mark.parametrize("key,value", [("top_p", 0), ("top_p", 1.5), ("top_k", 2.5), ("min_p", -0.1),
