@@ -94,14 +94,26 @@ def prompt_files(paths: str) -> list[str]:
     return [p for p in paths.split(",") if p.strip()]
 
 
+# the keys a record gives its prompt under, one of them a record
+PROMPT_KEYS = ("turns", "prompt", "messages", "conversations")
+
+
 def conversation_messages(obj, where: str) -> Optional[list[dict]]:
-    """A record's system and user messages (None: no form it takes is recognized)."""
+    """A record's system and user messages (None: no form it takes is recognized); a record giving two
+    prompts, or one of the wrong shape, is an error."""
     if not isinstance(obj, dict):
         return None
-    turns = obj.get("turns")
-    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+    given = [key for key in PROMPT_KEYS if key in obj]
+    if len(given) > 1:
+        raise UserError(f"{where}: a record gives one prompt, and this one has {' and '.join(given)}")
+    if "turns" in obj:
+        turns = obj["turns"]
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise UserError(f"{where}: 'turns' must be a non-empty list of strings")
         return [{"role": "user", "content": t} for t in turns]
-    if isinstance(obj.get("prompt"), str):
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise UserError(f"{where}: 'prompt' must be a string")
         return [{"role": "user", "content": obj["prompt"]}]
     raw = obj.get("messages", obj.get("conversations"))
     if not isinstance(raw, list):

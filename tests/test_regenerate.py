@@ -279,7 +279,7 @@ def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatc
     (["--num-samples", 2], "--num-samples: regenerate.py decodes with --max-new-tokens, --temperature"),
     (["--stop", "x"], "--stop: regenerate.py decodes with"),
     (["--prompts", "nope.jsonl"], "--prompts nope.jsonl: file not found"),
-    (["--prompts", "bad.jsonl"], "bad.jsonl:1: expected"),
+    (["--prompts", "bad.jsonl"], "bad.jsonl:1: 'turns' must be a non-empty list of strings"),
     # its conversations would be written twice (a link to it is the same file)
     (["--prompts", "p.jsonl,./p.jsonl"], "--prompts p.jsonl,./p.jsonl: names p.jsonl twice"),
 ])
@@ -299,6 +299,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, flags, ne
     ('{"prompt": ""}', "bad.jsonl:1: empty user turn"),  # was answered, as speculate.py refuses to
     ('{"turns": ["hi", "  "]}', "bad.jsonl:1: empty user turn"),
     ('{"messages": [{"role": "user", "content": "\\n"}]}', "bad.jsonl:1: empty user turn"),
+    # two prompts in one record, or one of the wrong shape: one was answered and the other dropped
+    ('{"turns": ["def foo"], "prompt": "class Bar"}', "bad.jsonl:1: a record gives one prompt, and this one has "
+                                                    "turns and prompt"),
+    ('{"messages": [{"role": "user", "content": "x"}], "conversations": []}', "has messages and conversations"),
+    ('{"turns": [5]}', "bad.jsonl:1: 'turns' must be a non-empty list of strings"),
+    ('{"prompt": 5}', "bad.jsonl:1: 'prompt' must be a string"),
 ])
 def test_bad_prompt_records_are_one_line_errors(tmp_path, capsys, monkeypatch, record, needle):
     monkeypatch.chdir(tmp_path)
