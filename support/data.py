@@ -76,8 +76,18 @@ def _turns(obj) -> Optional[list[str]]:
     return turns
 
 
+# the forms a record takes, one of them a record ("prompt" comes with "response")
+RECORD_FORMS = ("text", "turns", "messages", "conversations", "prompt")
+
+
 def _read_jsonl_docs(path: str, texts: list, chats: list):
     for where, obj in read_jsonl(path):
+        forms = []
+        if isinstance(obj, dict):
+            forms = [key for key in RECORD_FORMS if key in obj]
+        if len(forms) > 1:  # one would be trained on, the other dropped
+            raise UserError(f"{where}: a record is one document or conversation, "
+                            f"and this one has {' and '.join(forms)}")
         msgs = _chat_messages(obj, where)
         turns = _turns(obj)
         if msgs is not None:

@@ -90,6 +90,12 @@ def test_render_messages_without_template_is_qwen3_chatml(target_factory):
     ({"prompt": "a", "response": "b \udfff"}, "not valid Unicode"),
     ({"text": "a \ud800 b"}, "not valid Unicode"),
     ({"turns": ["a", "\ud800"]}, "not valid Unicode"),
+    # two forms in one record: one was trained on, the other dropped
+    ({"prompt": "a", "response": "b", "messages": [{"role": "user", "content": "x"}]},
+     "a record is one document or conversation, and this one has messages and prompt"),
+    ({"text": "hello", "turns": ["other"]}, "this one has text and turns"),
+    ({"text": 5, "turns": ["t"]}, "this one has text and turns"),
+    ({"prompt": "p", "text": "q"}, "this one has text and prompt"),
 ])
 def test_bad_chat_records_are_one_line_errors(tmp_path, case, needle):
     p = tmp_path / "d.jsonl"
