@@ -366,7 +366,12 @@ DECODE_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "
                    "seed", "num_samples", "batch_size", "scheduler", "confidence_threshold",
                    "sps_table", "verify_buckets", "compile", "compile_mode", "verbose", "kernels",
                    "tree_budget", "tree_temperature", "draft_length")
-RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"} | {
+# a record's key that would set what a flag sets: ours, and the spellings of OpenAI's, vLLM's and
+# transformers' requests
+RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens",
+                   "max_completion_tokens": "--max-new-tokens", "max_length": "--max-new-tokens",
+                   "n": "--num-samples", "do_sample": "--temperature", "stop_token_ids": "--stop",
+                   "thinking": "--enable-thinking", "chat_template_kwargs": "--enable-thinking"} | {
     k: flag(k) for k in ("system_prompt", "enable_thinking") + DECODE_SETTINGS}
 
 

@@ -504,6 +504,11 @@ CASES = [
      "p.jsonl:1: a record cannot set 'system'; that is the run's --system-prompt", False),
     ("prompt-record-tree-budget", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1], "tree_budget": 4}\n'),
      "p.jsonl:1: a record cannot set 'tree_budget'; that is the run's --tree-budget", False),
+    # a request's settings as OpenAI, vLLM and transformers spell them were ignored as metadata
+    *[(f"prompt-record-{key}", "speculate", lambda w, t, key=key: M(w, t, '{"prompt": "hi", "%s": 1}\n' % key),
+       f"p.jsonl:1: a record cannot set '{key}'; that is the run's {flag}", False)
+      for key, flag in (("n", "--num-samples"), ("max_length", "--max-new-tokens"), ("do_sample", "--temperature"),
+                        ("stop_token_ids", "--stop"), ("chat_template_kwargs", "--enable-thinking"))],
     ("prompt-not-text", "speculate", lambda w, t: M(w, t, '{"prompt": 5}\n'),
      "p.jsonl:1: 'prompt' must be a string, got 5", False),
     ("record-without-a-prompt", "speculate", lambda w, t: M(w, t, '{"text": "hi", "id": 3}\n'),
