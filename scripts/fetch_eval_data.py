@@ -108,11 +108,17 @@ def arena_hard_record(row: dict) -> dict:
 
 
 def check_record(record: dict, where: str) -> dict:
+    """A record eval.py reads: turns of text, none blank, each valid Unicode."""
     turns = record.get("turns") if isinstance(record, dict) else None
-    strings = isinstance(turns, list) and all(isinstance(t, str) and t for t in turns)
+    strings = isinstance(turns, list) and all(isinstance(t, str) and t.strip() for t in turns)
     if not strings or not turns:
-        raise ValueError(f"{where}: expected a non-empty list of non-empty strings in 'turns', "
-                         f"got {turns!r}")
+        raise ValueError(f"{where}: expected a non-empty list of non-blank strings in 'turns', "
+                         f"got {repr(turns)[:200]}")
+    for t in turns:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: a turn is not valid Unicode (a lone surrogate)") from None
     return record
 
 
@@ -239,10 +245,15 @@ def upstream_rows(src: Source) -> Iterator[dict]:
         if name.endswith(".parquet"):
             yield from _need("pyarrow.parquet").read_table(path).to_pylist()
             continue
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
+        with open(path, encoding="utf-8-sig") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{src.repo} {name}:{number}: malformed JSON ({e.msg})") from None
+                yield row
 
 
 def write_records(src: Source, rows: Iterable[dict], path: str,
@@ -257,7 +268,12 @@ def write_records(src: Source, rows: Iterable[dict], path: str,
             for i, row in enumerate(rows):
                 if max_rows is not None and count >= max_rows:
                     break
-                line = record_line(check_record(src.convert(row), f"{src.repo} row {i}"))
+                where = f"{src.repo} row {i}"
+                try:
+                    record = src.convert(row)
+                except (KeyError, TypeError, AttributeError, IndexError) as e:  # a row of another shape
+                    raise ValueError(f"{where}: cannot convert ({type(e).__name__}: {e})") from None
+                line = record_line(check_record(record, where))
                 f.write(line)
                 digest.update(line.encode("utf-8"))
                 count += 1

@@ -194,6 +194,28 @@ def test_check_record_refuses_empty_turns():
         fe.check_record({"turns": []}, "row 0")
     with pytest.raises(ValueError):
         fe.check_record({"turns": [""]}, "row 0")
+    with pytest.raises(ValueError, match="non-blank"):  # eval.py refuses a blank prompt: it was written
+        fe.check_record({"turns": ["   "]}, "row 0")
+    with pytest.raises(ValueError, match="row 0: a turn is not valid Unicode"):  # a UnicodeEncodeError, unnamed
+        fe.check_record({"turns": ["a\ud800"]}, "row 0")
+
+
+def test_rows_that_cannot_be_read_or_converted_are_named(tmp_path):
+    """An upstream row of another shape (a KeyError) or a line that is not JSON was an error naming no row."""
+    src = fe.BY_NAME["gsm8k"]
+    with pytest.raises(ValueError, match=r"^openai/gsm8k row 1: cannot convert \(KeyError: 'question'\)$"):
+        fe.write_records(src, iter([{"question": "Q1"}, {"uid": 1}]), str(tmp_path / "g.jsonl"))
+    assert not (tmp_path / "g.jsonl").exists()
+    stub = tmp_path / "stub" / "huggingface_hub"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(STUB_HUB.replace('f.write(json.dumps({"prompt": "Write a poem."}) + "\\n")',
+                                                        'f.write(\'{"prompt": "a"}\\nnot json\\n\')'))
+    r = subprocess.run([sys.executable, str(SCRIPT), "arena-hard-v2", "--out-dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path / "stub"), STUB_CALLED=str(tmp_path / "called")))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and last.startswith("error: ") and last.endswith(
+        "lmarena-ai/arena-hard-auto data/arena-hard-v2.0/question.jsonl:2: malformed JSON (Expecting value)"), r.stderr
 
 
 def test_write_records_is_atomic_and_counts(tmp_path):
