@@ -479,7 +479,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     def results(engine, complete: bool, public_calibration=None, **more) -> dict:
         """results.json: the first row's datasets at the top (one drafter's run), every row after;
         `engine`: the latest row's (its compile time goes into the config)."""
-        run_config = config(args, world, K, engine, drafters, chat, s.compile, m, skipped)
+        revisions = hub_revisions([args.target, *args.drafter], [target_dir, *drafter_dirs])
+        run_config = config(args, world, K, engine, drafters, chat, s.compile, m, skipped, revisions)
         record = {"config": run_config, "complete": complete}
         record.update(more)
         record["datasets"] = done[0]["datasets"]
@@ -729,15 +730,27 @@ def one_or_list(values: list):
     return values
 
 
+def hub_revisions(given: list[str], directories: list[str]) -> dict:
+    """Each hub id given (--target, --drafter) and the snapshot it resolved to, ORG/NAME@COMMIT: a branch
+    such as main moves, and the commit says which weights ran."""
+    revisions = {}
+    for spec, directory in zip(given, directories):
+        hub = hub_snapshot(directory)
+        if hub is not None:
+            revisions[spec] = hub
+    return revisions
+
+
 def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
-           skipped_files: list) -> dict:
-    """results.json's config: the flags as given, and what the run resolved them to."""
+           skipped_files: list, revisions: Optional[dict] = None) -> dict:
+    """results.json's config: the flags as given, and what the run resolved them to (`revisions`:
+    `hub_revisions`)."""
     drafter_config = one_or_list([d.cfg.describe() for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
-                dtype_resolved=dtype, skipped=skipped)
+                dtype_resolved=dtype, skipped=skipped, hub_revisions=revisions or {})
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -408,6 +408,11 @@ def test_every_program_resolves_hub_ids(hub, repos, tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert rc == 0, err
     assert f"--target org/tiny@{COMMIT_A}:" in err and json.loads((tmp_path / "r.json").read_text())["datasets"]
+    # results.json says which commits the ids resolved to (a branch moves), and names the row by its repository
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["config"]["hub_revisions"] == {"org/tiny": f"org/tiny@{COMMIT_A}",
+                                                  "org/drafter": f"org/drafter@{COMMIT_B}"}
+    assert [r["label"] for r in results["rows"]] == ["org/drafter"]
 
 
 
