@@ -639,11 +639,12 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     if whole and (constants.HF_HUB_OFFLINE or not absent(path, expected)):
         return path
     if constants.HF_HUB_OFFLINE:
+        if path and not missing:  # the config and the weights: used as the hub out of reach uses it
+            print(f"note: {where}: the cached snapshot {path} lacks files the repository has ({incomplete}); "
+                  "offline (HF_HUB_OFFLINE) it is used as it is", file=sys.stderr)
+            return path
         if path:
-            lacks = f"has no {missing}"
-            if incomplete:
-                lacks = f"lacks files the repository has ({incomplete})"
-            why = (f"the cached snapshot {path} {lacks}; "
+            why = (f"the cached snapshot {path} has no {missing}; "
                    "offline mode (HF_HUB_OFFLINE) forbids downloading it")
         else:
             why = (f"no such local directory, and not in the Hugging Face cache ({cache}); "
@@ -664,8 +665,9 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
             not_found = (f"no repository {repo} on the Hugging Face hub "
                          "(or it is private: log in with hf auth login, or set HF_TOKEN)")
             no_revision = f"{repo} has no revision {revision!r} on the Hugging Face hub"
-            unreachable = (f"not in the Hugging Face cache ({cache}), "
-                           f"and the hub cannot be reached ({first_line(e)})")
+            unreachable = f"the hub cannot be reached ({first_line(e)})"
+            if either:  # (a snapshot in part is in the cache otherwise)
+                unreachable = f"not in the Hugging Face cache ({cache}), and {unreachable}"
             said = {utils.GatedRepoError: gated,
                     utils.RepositoryNotFoundError: not_found,
                     utils.RevisionNotFoundError: no_revision,
