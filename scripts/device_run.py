@@ -357,20 +357,26 @@ def bench_stage(st: Stage, stage: str, dry: bool):
     else:
         margs = ModelArgs(**PRESETS[args["model"]])
         verify = 8
-    S = args["prompt_len"] + args["max_new_tokens"] + 2 * verify  # the engine's cache (bench's max_seq)
-    for b in map(int, args["batch_sizes"].split(",")):
-        for what, T in (("verify", verify), ("step", 1)):
-            st.doc["sdpa"][f"b{b} {what}"] = sdpa_backend(margs, b, T, S, dtype, dev)
-    st.save()
-    if stage == "compiled-b1" and dry:
-        verify_logits(st, "qwen3-tiny", 2, 1, dtype, dev, dry)
-    elif stage == "compiled-b1":
-        verify_logits(st, "qwen3-8b", 4, 1, dtype, dev, dry)
     budgets = [0]
     if stage in TREE_STAGES and dry:
         budgets = [2, 4]
     elif stage in TREE_STAGES:
         budgets = list(TREE_BUDGETS)
+    for budget in budgets:  # the shapes each bench run's attention sees: a tree verifies its nodes and the anchor
+        queries = verify
+        name = "verify"
+        if budget:
+            queries = budget + 1
+            name = f"tree {budget} verify"
+        S = args["prompt_len"] + args["max_new_tokens"] + 2 * max(verify, queries)  # the engine's cache (max_seq)
+        for b in map(int, args["batch_sizes"].split(",")):
+            for what, T in ((name, queries), ("step", 1)):
+                st.doc["sdpa"][f"b{b} {what}"] = sdpa_backend(margs, b, T, S, dtype, dev)
+    st.save()
+    if stage == "compiled-b1" and dry:
+        verify_logits(st, "qwen3-tiny", 2, 1, dtype, dev, dry)
+    elif stage == "compiled-b1":
+        verify_logits(st, "qwen3-8b", 4, 1, dtype, dev, dry)
     try:
         for budget in budgets:
             if budget:

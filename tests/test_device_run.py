@@ -133,7 +133,10 @@ def test_dry_run_every_stage(tmp_path):
         assert all(r["warnings"] == [] for r in doc["rows"])
         assert doc["config"]["model"] == "qwen3-tiny" and doc["config"]["dtype"] == (
             "float32" if stage == "smoke" else "bfloat16")
-        assert set(doc["sdpa"]) == {f"b{b} {w}" for b in batches for w in ("verify", "step")}
+        verifies = ["verify"]
+        if stage == "tree-b1":  # a tree's attention: its nodes and the anchor, over its longer cache
+            verifies = ["tree 2 verify", "tree 4 verify"]
+        assert set(doc["sdpa"]) == {f"b{b} {w}" for b in batches for w in verifies + ["step"]}
         assert all(s["runs"] in s["can_run"] for s in doc["sdpa"].values())
         assert [c["name"] for c in doc["checks"]] == {"smoke": ["speculative_tokens_equal"],
                                                       "compiled-b1": ["verify_logits"]}.get(stage, [])
