@@ -74,7 +74,10 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eva
 
 @dataclass
 class EvalArgs(WandbFlags):
-    """Acceptance length and per-position acceptance per dataset; confidence calibration."""
+    """Acceptance length and per-position acceptance per dataset; confidence calibration.
+
+    The decode flags mean what they mean in speculate.py (their help is written for it), with the
+    authors' protocol as defaults, shown below; --num-samples is refused (each prompt decodes once)."""
 
     target: Optional[str] = None
     """Qwen3 checkpoint directory or hub id ORG/NAME[@REVISION] (HF_HUB_OFFLINE=1: the cache only).

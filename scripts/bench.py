@@ -540,6 +540,7 @@ def reference_generate(hf, drafter: Optional[Drafter], prompt: list[int], max_ne
 # time from --batch-sizes, every draft verified); any other given is refused, naming what to use instead.
 TIMED = ("max_new_tokens", "seed", "compile", "compile_mode", "verbose", "kernels", "tree_budget", "tree_temperature",
          "draft_length", "temperature")
+BenchArgs.__doc__ = flags.reads_only(BenchArgs.__doc__, "bench.py", TIMED)
 # What to use instead of a setting bench.py does not time with (the others: speculate.py).
 INSTEAD = {
     "ignore_eos": "its requests never stop at an EOS token anyway (each decodes --max-new-tokens)",

@@ -137,6 +137,7 @@ def recording(engine, sizes: list):
 # The decode settings this benchmark reads; any other given would change nothing here (every
 # scheduler of --schedulers is timed at every --concurrency), so it is refused rather than ignored.
 READ = ("max_new_tokens", "temperature", "seed", "compile", "compile_mode", "confidence_threshold")
+ConcurrencyArgs.__doc__ = flags.reads_only(ConcurrencyArgs.__doc__, "bench_concurrency.py", READ)
 # Settings whose part one of this benchmark's own flags plays, and what to give instead.
 OWN_FLAG = {
     "scheduler": "bench_concurrency.py times every scheduler of --schedulers (e.g. --schedulers threshold)",

@@ -300,6 +300,7 @@ def resume_point(partial: str, done_path: str, key: dict, args: Args,
 # --num-samples) or is not offered here.
 READ = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "batch_size",
         "compile")
+Args.__doc__ = flags.reads_only(Args.__doc__, "regenerate.py", READ)
 
 
 def checked_settings(args: Args, device) -> Settings:

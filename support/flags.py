@@ -568,6 +568,14 @@ def check_files(args):
     check_calibration_file(args.calibration)
 
 
+def reads_only(description: str, program: str, names) -> str:
+    """A program's --help description, saying which decode flags it reads of those it lists (it refuses
+    the others); their help is written for speculate.py, their defaults shown are the program's."""
+    read = ", ".join(flag(name) for name in names)
+    return (f"{description}\n\nOf the decode flags below, {program} reads {read}; any other is refused. "
+            f"Their help says what they do in speculate.py; the defaults shown are {program}'s.")
+
+
 def check_calibration_scheduled(calibration: Optional[str], scheduler: str):
     """--calibration scales the confidences a schedule reads: without a schedule it changes nothing."""
     if calibration is not None and scheduler == "none":

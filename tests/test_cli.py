@@ -532,3 +532,20 @@ def test_a_file_the_system_refuses_is_one_line(tmp_path, capsys):
 
     with pytest.raises(OSError, match="something else"):
         cli_main(Nothing, nameless, [])
+
+
+@pytest.mark.parametrize("script,reads,refused", [
+    ("scripts/bench.py", "bench.py reads --max-new-tokens, --seed,", ["--batch-size", "--top-k"]),
+    ("scripts/bench_concurrency.py", "bench_concurrency.py reads --max-new-tokens, --temperature,", ["--top-k"]),
+    ("scripts/regenerate.py", "regenerate.py reads --max-new-tokens, --temperature,", ["--scheduler"]),
+])
+def test_a_scripts_help_says_which_decode_flags_it_reads(script, reads, refused):
+    """The scripts list speculate.py's decode flags with speculate.py's help text; their description says
+    which they read (the others, listed too, are refused whatever their value)."""
+    p = subprocess.run([sys.executable, str(REPO_ROOT / script), "--help"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert p.returncode == 0, p.stderr
+    description = " ".join(p.stdout.split("╭")[0].split())
+    assert reads in description and "; any other is refused." in description, description
+    for name in refused:
+        assert name not in description.split("; any other")[0]
