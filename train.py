@@ -574,11 +574,17 @@ def eagle3_config_json(target_dir: str, cfg: DrafterConfig, step_loss_decay: flo
     return out
 
 
+def anchors_per_row(args: Args) -> int:
+    """The anchors a row trains: --anchors-per-seq, at most --seq-len - 1 (the default, DeepSpec's 512, is
+    cut to a shorter sequence; a value given is checked to fit)."""
+    return min(args.anchors_per_seq, args.seq_len - 1)
+
+
 def drafter_json(args: Args, cfg: DrafterConfig) -> dict:
-    """The config.json the flags' drafter is saved with."""
+    """The config.json the flags' drafter is saved with (num_anchors: as trained)."""
     if cfg.layout == "eagle3":
         return eagle3_config_json(args.target, cfg, args.step_loss_decay)
-    return config_json(args.target, cfg, args.anchors_per_seq)
+    return config_json(args.target, cfg, anchors_per_row(args))
 
 
 def shared_weights(target_dir: str) -> dict:
@@ -781,7 +787,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     T = args.seq_len
     K = drafter.cfg.block_size
     G = args.batch_size * args.grad_accum * world
-    N = min(args.anchors_per_seq, T - 1)
+    N = anchors_per_row(args)
     trained = sum(p.numel() for p in drafter.parameters())
     flops = step_flops(target.args, drafter.cfg, G, T, N)
     banner = (f"{drafter.cfg.describe()} | {trained:,} trained parameters | "

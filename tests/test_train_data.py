@@ -379,6 +379,16 @@ DEEPSPEC_HEADS = {"vanilla": ("markov_head.markov_w1.weight", "markov_head.marko
                   "rnn": ("markov_head.joint_proj.weight", "markov_head.joint_proj.bias")}
 
 
+def test_num_anchors_is_what_a_row_trained(tiny_target):
+    """--anchors-per-seq's default (DeepSpec's 512) is cut to --seq-len - 1: the config records the 63 a 64-token
+    row trained, as the banner and W&B's anchors_resolved say (it said 512)."""
+    target = checkpoint.load_target(str(tiny_target.path))
+    for seq_len, want in ((64, 63), (1024, 512)):
+        args = train.Args(target=str(tiny_target.path), block_size=4, depth=2, markov_rank=8, seq_len=seq_len)
+        cfg = train.drafter_config(args, target, str(tiny_target.path))
+        assert train.drafter_json(args, cfg)["num_anchors"] == want
+
+
 @pytest.mark.parametrize("markov,confidence", [("vanilla", True), ("rnn", True), ("none", False)])
 def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confidence):
     from safetensors import safe_open
