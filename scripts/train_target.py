@@ -182,7 +182,9 @@ def tokenizer_source(args: Args) -> Optional[str]:
             raise UserError("--tokenizer-from-corpus needs --data (text)")
         return None
     if args.tokenizer is not None:
-        return given_tokenizer(args)
+        src = given_tokenizer(args)
+        read_tokenizer_file(src)  # before it is copied into --out: an error names the file given
+        return src
     raise UserError("a target needs --tokenizer PATH or --tokenizer-from-corpus")
 
 
@@ -193,7 +195,6 @@ def given_tokenizer(args: Args) -> str:
         src = os.path.join(src, "tokenizer.json")
     if not os.path.isfile(src):
         raise UserError(f"--tokenizer {args.tokenizer}: no tokenizer.json")
-    read_tokenizer_file(src)  # before it is copied into --out: an error names the file given
     return src
 
 
