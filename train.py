@@ -888,6 +888,9 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
 def check_eval_args(args: Args):
     check_ranges(args, eval_every="[0, inf)", eval_samples="[1, inf)",
                  eval_max_new_tokens="[1, inf)")
+    if args.eval_every > args.steps:
+        raise UserError(f"--eval-every {args.eval_every}: past --steps {args.steps}, "
+                        "so no evaluation would run")
     if args.eval_data_dir is not None and not args.eval_data_dir.strip():
         raise UserError("--eval-data-dir: empty path (leave the flag out for eval.py's data/eval)")
     if args.eval_every:

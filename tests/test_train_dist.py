@@ -165,6 +165,7 @@ def test_no_gloo_thread_outlives_the_process_group(tmp_path):
     (["--eval-samples", 0], "--eval-samples: invalid value 0"),
     (["--eval-max-new-tokens", 0], "--eval-max-new-tokens: invalid value 0"),
     (["--eval-every", 2, "--eval-datasets", "nope"], "--eval-datasets: no nope.jsonl"),
+    (["--eval-every", 5, "--steps", 4], "--eval-every 5: past --steps 4, so no evaluation would run"),
     (["--wandb-artifacts"], "--wandb-artifacts: needs --wandb"),
     (["--anchors-per-seq", 0], "--anchors-per-seq: invalid value 0"),
 ])
