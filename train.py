@@ -104,7 +104,8 @@ class Args(TrainArgs):
     confidence: bool = True
     """DSpark: train a confidence head."""
     confidence_with_markov: AutoBool = None
-    """DSpark: the confidence head also reads W1[x_{k-1}] (needs a Markov head). None (left out): on."""
+    """DSpark: the confidence head also reads W1[x_{k-1}] (needs a Markov head). None (left out): on
+    with a Markov head, off with --markov none."""
     anchors_per_seq: int = 512
     """DSpark: blocks per sequence (DeepSpec: 512), at most --seq-len - 1 (the default: cut to it; chat
     data: anchors in a response)."""
@@ -497,7 +498,7 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     markov = args.markov
     if markov == "none":
         markov = None
-    with_markov = args.confidence and args.confidence_with_markov is not False  # None (left out): on
+    with_markov = args.confidence and args.confidence_with_markov is not False  # None (left out): run()'s
     if with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                         "add --no-confidence-with-markov")
@@ -987,7 +988,10 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history."""
     given = args  # check_unused_flags tells a flag left out (None) from one given
-    args = replace(args, confidence_with_markov=args.confidence_with_markov is not False)
+    with_markov = args.confidence_with_markov
+    if with_markov is None:  # left out: as the Markov head goes
+        with_markov = args.markov != "none"
+    args = replace(args, confidence_with_markov=with_markov)
     check_train_args(args, block_size=f"[1, {MAX_BLOCK}]", depth="[1, 1024]", markov_rank="[1, 65536]",
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]",
                      alpha_tv="[0, 1e6]", alpha_conf="[0, 1e6]", ttt_length=f"[1, {MAX_BLOCK}]",

@@ -794,7 +794,8 @@ CASES = [
 
     # ---- train.py
     ("train-steps-0", "train", lambda w, t: T(w, t) + ["--steps", "0"], "--steps", False),
-    ("train-markov-none-with-its-confidence-feature", "train", lambda w, t: T(w, t)[:-3] + ["--markov", "none"],
+    ("train-markov-none-with-its-confidence-feature", "train", lambda w, t: T(w, t)[:-3] + [
+        "--markov", "none", "--confidence-with-markov"],
      "--confidence-with-markov needs a Markov head (--markov none given): add --no-confidence-with-markov", False),
     ("eval-num-samples", "eval", lambda w, t: E(w) + ["--num-samples", "2"],
      "--num-samples 2: eval.py decodes each prompt once, as the authors do", False),

@@ -339,6 +339,19 @@ def ckpt(out):
     return out / (out / "latest").read_text().strip()
 
 
+def test_markov_none_alone_trains_a_confidence_head_without_the_markov_feature(tiny_target, tmp_path):
+    """--confidence-with-markov left out follows the Markov head: --markov none alone was refused, naming a
+    flag not given."""
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 64)
+    out = tmp_path / "o"
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 1, *SMALL[:-2],
+                            "--markov", "none"])
+    assert rc == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["markov_rank"] == 0 and cfg["enable_confidence_head"] is True
+    assert cfg["confidence_head_with_markov"] is False
+
+
 def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     ids = write_ids(tmp_path / "ids.jsonl", 6, 24, 64, seed=1)
     common = ["--target", tiny_target.path, "--data-ids", ids, "--steps", 6, "--anchors-per-seq", 5,
