@@ -68,7 +68,6 @@ from support.cli import (
     device_name,
     flag,
     flat,
-    flat_fields,
     parse_ints,
     resolve_device,
     resolve_dtype,
@@ -919,7 +918,7 @@ def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: lis
     timing = (f"tokens/s = generated tokens / (prefill + decode seconds), median of {args.repeats} "
               f"interleaved repeats; the round split (draft, verify, rest) from one more run with its "
               f"halves timed in place and synchronised (split_round_ms)")
-    config = flat_fields(args)
+    config = flags.recorded_flags(args, TIMED)
     if args.target is not None:  # the checkpoints are the pair; --model builds one only without them
         config["model"] = None
     write_json(args.out, {"config": config, "hardware": hw, "torch": torch.__version__,

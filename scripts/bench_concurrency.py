@@ -56,7 +56,6 @@ from support.cli import (
     device_name,
     flag,
     flat,
-    flat_fields,
     parse_ints,
     resolve_device,
     resolve_dtype,
@@ -168,16 +167,6 @@ def check_settings(args: ConcurrencyArgs) -> Settings:
     return s
 
 
-def recorded_flags(args: ConcurrencyArgs) -> dict:
-    """The flags as given, one key each (the --out file's config): the decode settings this benchmark
-    does not read are left out, as a --batch-size or --scheduler there would misdescribe the run."""
-    config = flat_fields(args)
-    for f in fields(Settings):
-        if f.name not in READ:
-            del config[f.name]
-    return config
-
-
 TIMING = ("total tokens/s = all requests' tokens / (prefill + decode wall seconds); per-request tokens/s "
           "= mean of a request's tokens / seconds from its admission to its last token; c x requests_per_slot "
           "requests streamed through c rows (continuous batching); medians over repeats")
@@ -241,7 +230,7 @@ def save(args: ConcurrencyArgs, hw: str, m, prompts: int, sps_tables: dict, rows
     if not args.out:
         return
     write_json(args.out, {
-        "config": recorded_flags(args), "hardware": hw, "torch": torch.__version__,
+        "config": flags.recorded_flags(args, READ), "hardware": hw, "torch": torch.__version__,
         "drafter": m.drafter.cfg.describe(), "prompts": prompts, "sps": sps_tables,
         "sps_synthetic": args.sps_synthetic, "rows": rows, "complete": complete, "timing": TIMING}, indent=1)
 

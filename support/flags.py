@@ -8,7 +8,7 @@ from __future__ import annotations
 import numbers
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Optional
 
 import torch
@@ -30,6 +30,7 @@ from support.cli import (
     check_ranges,
     flag,
     flat,
+    flat_fields,
     free_memory,
     resolve_device,
     set_threads,
@@ -574,6 +575,16 @@ def reads_only(description: str, program: str, names) -> str:
     read = ", ".join(flag(name) for name in names)
     return (f"{description}\n\nOf the decode flags below, {program} reads {read}; any other is refused. "
             f"Their help says what they do in speculate.py; the defaults shown are {program}'s.")
+
+
+def recorded_flags(args, read) -> dict:
+    """A program's flags as given, one key each (its --out file's config), less the decode settings it does
+    not `read`: a --batch-size or --scheduler there would misdescribe the run."""
+    config = flat_fields(args)
+    for f in fields(Settings):
+        if f.name not in read:
+            del config[f.name]
+    return config
 
 
 def check_calibration_scheduled(calibration: Optional[str], scheduler: str):

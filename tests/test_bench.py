@@ -300,6 +300,8 @@ def test_settings_a_pair_cannot_use_are_refused_once_it_is_loaded(tmp_path, caps
     assert bench.main(base + ["--drafter", drafter, "--out", str(out)]) == 0
     config = json.load(open(out))["config"]
     assert config["model"] is None and config["temperature"] == 0  # what ran: greedy, no temperature given
+    # the decode settings bench.py refuses are not recorded as if they had run (batch_size 1 beside --batch-sizes)
+    assert not {"batch_size", "scheduler", "num_samples", "top_k"} & set(config) and "batch_sizes" in config
     # --tree-budget makes the speculative mode a tree: said in the header, never drawn as the chain
     capsys.readouterr()
     assert bench.main(base + ["--drafter", drafter, "--tree-budget", "3", "--tree-budgets", "4,8"]) == 2
