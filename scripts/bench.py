@@ -621,9 +621,10 @@ def check_args(args: BenchArgs) -> tuple[list[int], Settings]:
     return batch_sizes, s
 
 
-def reference_wanted(args: BenchArgs, s: Settings, batch_sizes: list[int], dev: str) -> bool:
+def reference_wanted(args: BenchArgs, s: Settings, batch_sizes: list[int], dev: str) -> tuple[bool, str]:
     """Whether the transformers-target reference loop runs: asked for, or by default on a CPU; only at
-    batch 1, for a DSpark chain, with transformers installed (asked for without it: an error)."""
+    batch 1, for a DSpark chain, with transformers installed (asked for without it: an error). With it, a
+    note to print once the flags are checked: why the default loop is skipped ("" when it is not)."""
     if args.reference and 1 not in batch_sizes:
         raise UserError(f"--reference: the reference loop runs at batch 1, and --batch-sizes {args.batch_sizes} "
                         f"has no 1")
@@ -636,16 +637,17 @@ def reference_wanted(args: BenchArgs, s: Settings, batch_sizes: list[int], dev: 
     wanted = args.reference
     if wanted is None:
         wanted = dev == "cpu"
-    if not (wanted and 1 in batch_sizes and chain_only and s.temperature == 0):
-        return False
+    if not wanted:
+        return False, ""
+    if not (1 in batch_sizes and chain_only and s.temperature == 0):  # the default, where it cannot run
+        return False, "note: the reference loop is skipped: it times a DSpark drafter's chain, greedy, at batch 1"
     if transformers_available():
-        return True
+        return True, ""
     if args.reference:
         raise UserError("--reference: the reference loop runs transformers' Qwen3, and transformers is not "
                         "installed (a test-only dependency: pip install -r requirements-dev.txt)")
-    print("note: the reference loop (transformers' Qwen3) is skipped: transformers is not installed "
-          "(test-only: pip install -r requirements-dev.txt to time it too)", file=sys.stderr, flush=True)
-    return False
+    return False, ("note: the reference loop (transformers' Qwen3) is skipped: transformers is not installed "
+                   "(test-only: pip install -r requirements-dev.txt to time it too)")
 
 
 def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, dtype):
@@ -834,7 +836,7 @@ def run(args: BenchArgs) -> list[dict]:
         kernels.check_backend(s.kernels, dev)
     except RuntimeError as e:
         raise UserError(f"--kernels {s.kernels}: {e}") from None
-    want_reference = reference_wanted(args, s, batch_sizes, dev)
+    want_reference, reference_note = reference_wanted(args, s, batch_sizes, dev)
     t0 = time.perf_counter()
     target, drafter, name = build_pair(args, s, target_dir, drafter_dir, dev, dtype)
     check_pair(args, s, target, drafter)
@@ -846,8 +848,15 @@ def run(args: BenchArgs) -> list[dict]:
         if max(batch_sizes) > len(given):  # rows without a request would run idle every round
             raise UserError(f"--batch-sizes {args.batch_sizes}: more rows than the {len(given)} prompts of "
                             f"--prompts-file {args.prompts_file}")
-    if drafter is not None and drafter.cfg.layout == "eagle3":  # a loaded checkpoint says its kind only now
+    if want_reference and drafter is not None and drafter.cfg.layout == "eagle3":  # a checkpoint's kind, known now
+        if args.reference:
+            raise UserError(f"--reference: the reference loop is a DSpark drafter's chain, and --drafter "
+                            f"{args.drafter} is an Eagle3 drafter")
+        reference_note = ("note: the reference loop is skipped: it times a DSpark drafter's chain, "
+                          "and --drafter is Eagle3")
         want_reference = False
+    if reference_note:  # once the pair and the prompts are checked
+        print(reference_note, file=sys.stderr, flush=True)
     for m in (target, drafter):
         if m is not None:
             cpu_kernels.install(m)

@@ -492,3 +492,20 @@ def test_caches_past_free_memory_are_refused_before_any_timing(monkeypatch, caps
                      "--batch-sizes", "1,8", "--max-new-tokens", "4", "--reference", "False"])
     err = capsys.readouterr().err
     assert rc == 2 and "error: the KV caches for --batch-sizes 8 x " in err and "lower --batch-sizes" in err, err
+
+
+def test_the_default_reference_loop_says_when_it_is_skipped(capsys):
+    """On a CPU the reference loop runs by default, a DSpark chain greedy at batch 1: for a tree or an Eagle3
+    checkpoint it was left out without a word; asked for with an Eagle3 checkpoint it was dropped too."""
+    from speculate import DEMO_DIR
+
+    base = ["--target", f"{DEMO_DIR}/target", "--no-compile", "--max-new-tokens", "4", "--repeats", "1",
+            "--prompt-len", "4"]
+    for extra, rc_want in ((["--drafter", f"{DEMO_DIR}/drafter", "--tree-budget", "3"], 0),
+                           (["--drafter", f"{DEMO_DIR}/eagle3"], 0)):
+        assert bench.main(base + extra) == rc_want
+        err = capsys.readouterr().err
+        assert "note: the reference loop is skipped: it times a DSpark drafter's chain" in err, err
+    assert bench.main(base + ["--drafter", f"{DEMO_DIR}/eagle3", "--reference", "True"]) == 2
+    err = capsys.readouterr().err
+    assert "--reference: the reference loop is a DSpark drafter's chain, and --drafter" in err, err
