@@ -144,10 +144,15 @@ def row(name: str, f: dict) -> str:
             f"{100 * f['long_lines']:>8.1f}%{f['conditionals_per_1000']:>9.0f}")
 
 
+class Flags(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every program here says a bad flag
+        self.exit(2, f"error: {message}\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    argparse.ArgumentParser(description="Print how the code reads: code tokens, AST nodes per code line, long "
-                            "lines and conditional expressions of the algorithm files, and the code tokens of "
-                            "what `python speculate.py` imports. A mirror, not a gate.").parse_args(argv)
+    Flags(description="Print how the code reads: code tokens, AST nodes per code line, long lines and "
+                      "conditional expressions of the algorithm files, and the code tokens of what "
+                      "`python speculate.py` imports. A mirror, not a gate.").parse_args(argv)
     f = figures()
     print(f"{'':<26}{'tokens':>8}{'lines':>7}{'nodes/l':>9}{'100+ ch':>9}{'if-else/1k':>11}")
     for name, fig in f["files"].items():

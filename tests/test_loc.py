@@ -55,3 +55,12 @@ def test_main_prints_every_algorithm_file_and_the_total(capsys):
     assert "python speculate.py imports" in out
     anchor = next(line for line in out.splitlines() if line.startswith(loc.ANCHOR_NAME))
     assert anchor.split()[-5:] == ["5,773", "606", "10.0", "5.9%", "5"]  # its lines counted, as ours
+
+
+def test_a_bad_flag_is_one_line(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        loc.main(["--bogus"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --bogus\n"
