@@ -55,7 +55,7 @@ from support.distributed import (
     torchrun_env,
 )
 from support.eval_report import format_comparison, format_table, log_dataset, write_outputs
-from support.files import check_outputs, directory_problem, optional_file, read_json, write_json
+from support.files import check_outputs, directory_problem, optional_file, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
 from support.text import auto_chat, check_chat_flags, check_prompts, load_prompts
@@ -506,7 +506,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             if calibrates:
                 names = [e["dataset"] for e in entries]
                 counts = [len(ps) for ps in prompts.values()]
-                calibration = calibrate(args, rank, parts, names, counts)
+                applied = row.drafter.confidence_head.temperature  # what --calibration set as the models loaded
+                calibration = calibrate(args, rank, parts, names, counts, applied)
     except Interrupted as e:
         if not done:  # stopped while the first engine compiled or profiled: no results yet
             e.written = []
@@ -702,15 +703,15 @@ class RowDecoder:
         progress.close()
 
 
-def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str], counts: list[int]) -> Optional[dict]:
-    """Every rank's rounds gathered; STS always fitted on the raw head, --calibration undone first. counts:
-    each dataset's requests."""
+def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str], counts: list[int],
+              applied: Optional[torch.Tensor]) -> Optional[dict]:
+    """Every rank's rounds gathered; STS always fitted on the raw head, --calibration undone first (`applied`:
+    the temperatures the drafter's confidence head applied, None without). counts: each dataset's requests."""
     rec = concat_rounds(all_gather_list(parts))
     lost = 0  # confidences a --calibration saturated, which STS cannot undo
-    if args.calibration is not None:
+    if applied is not None:
         lost = saturated(rec["confidence"])
-        temperatures = read_json(args.calibration)["temperatures"]
-        rec["confidence"] = uncalibrate(rec["confidence"], temperatures)
+        rec["confidence"] = uncalibrate(rec["confidence"], applied.tolist())
     calibration = calibration_report(rec, args.calibration_split, counts, args.ece_bins, names)
     if lost:
         calibration["unrecoverable"] = lost

@@ -378,6 +378,24 @@ def test_sts_temperatures_do_not_depend_on_an_applied_calibration(env, tmp_path,
     assert json.load(open(second))["temperatures"] == temps
 
 
+def test_the_calibration_undone_is_the_one_applied(env, tmp_path, capsys, monkeypatch):
+    """The report undoes the temperatures the drafter applied as it loaded, not the file read again at the end
+    (replaced meanwhile, e.g. by a concurrent run's --calibration-out, it undid other ones, or failed)."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"temperatures": [2.0] * K}))
+    flags = ("--temperature", 1.0, "--calibration", cal, "--confidence-threshold", 1e-9)
+    want, _, _ = run_eval(env, tmp_path, capsys, *flags, out="a.json")
+    real = ev.load_models
+
+    def load_then_replace(*args, **kwargs):
+        m = real(*args, **kwargs)
+        cal.write_text(json.dumps({"temperatures": [9.0] * K}))  # the file is rewritten while the run goes on
+        return m
+    monkeypatch.setattr(ev, "load_models", load_then_replace)
+    got, _, _ = run_eval(env, tmp_path, capsys, *flags, out="b.json")
+    assert got["calibration"]["raw"] == want["calibration"]["raw"]
+
+
 def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
     """The STS file records the drafter and the sampling temperature it was fitted at; eval.py and speculate.py
     say so when they apply it to another drafter or at another temperature (its fit depends on both)."""
