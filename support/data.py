@@ -80,8 +80,12 @@ def _turns(obj) -> Optional[list[str]]:
 RECORD_FORMS = ("text", "turns", "messages", "conversations", "prompt")
 
 
+# a --data record's shapes, as a malformed line's error names them
+DATA_RECORDS = '{"text": str}, {"turns": [str]}, {"messages": [...]} or {"prompt": str, "response": str}'
+
+
 def _read_jsonl_docs(path: str, texts: list, chats: list):
-    for where, obj in read_jsonl(path):
+    for where, obj in read_jsonl(path, records=DATA_RECORDS):
         forms = []
         if isinstance(obj, dict):
             forms = [key for key in RECORD_FORMS if key in obj]
@@ -102,9 +106,7 @@ def _read_jsonl_docs(path: str, texts: list, chats: list):
             check_text(text, where)
             texts.append(text)
         else:
-            kinds = ('{"text": str}, {"turns": [str]}, {"messages": [...]} '
-                     'or {"prompt": str, "response": str}')
-            raise UserError(f"{where}: expected {kinds}")
+            raise UserError(f"{where}: expected {DATA_RECORDS}")
 
 
 def _files_under(path: str) -> list[str]:
@@ -279,7 +281,12 @@ def encode_chats(tok, chats: list[tuple[str, list[dict]]], stop_texts: list[str]
                  seq_len: Optional[int] = None) -> tuple[list[tuple[list[int], list[bool]]], int, int]:
     """(token ids, loss mask) of every conversation, and how many were skipped for each reason: the
     template rewrote the response, or no anchor lies within the first `seq_len` tokens (what packing keeps)."""
-    rendered = [chat_spans(tok, msgs, stop_texts) for _, msgs in chats]
+    rendered = []
+    for where, msgs in chats:
+        try:
+            rendered.append(chat_spans(tok, msgs, stop_texts))
+        except UserError as e:  # a template that refuses the conversation (raise_exception): say which
+            raise UserError(f"{where}: {e}") from None
     keep = [r for r in rendered if r is not None]
     rewritten = len(chats) - len(keep)
     encs = []

@@ -65,6 +65,20 @@ def test_chat_loss_mask_is_the_assistant_tokens(tiny_target):
     tok.chat_template = tok.chat_template.replace("message['content']", "message['content'] | upper")
     assert data.chat_spans(tok, CONVERSATION, ["<|im_end|>"]) is None
     assert data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"]) == ([], 1, 0)
+    # A template that refuses a conversation: the error names the record, not the template alone.
+    tok.chat_template = "{{ raise_exception('System role not supported') }}"
+    with pytest.raises(UserError, match=r"^x:7: .*cannot render the chat template .*System role not supported"):
+        data.encode_chats(tok, [("x:7", CONVERSATION)], ["<|im_end|>"])
+
+
+def test_a_json_array_in_data_is_told_apart_from_json_lines(tmp_path):
+    """A JSON array of records (a common dataset format) got the bare JSON error; the line now says what
+    each line holds."""
+    p = tmp_path / "arr.json"
+    p.write_text('[\n  {"text": "a"}\n]\n')
+    with pytest.raises(UserError, match=r"arr.json:1: malformed JSON .*; each line is one whole JSON record, "
+                                        r"one of \{\"text\": str\}"):
+        data.read_documents(str(p))
 
 
 def test_render_messages_without_template_is_qwen3_chatml(target_factory):
