@@ -23,7 +23,7 @@ from typing import Literal, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from speculate import Request, make_engine  # noqa: E402
-from support import flags  # noqa: E402
+from support import flags, runlog  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (  # noqa: E402
@@ -87,7 +87,7 @@ class Args:
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
     progress: bool = True
-    """A progress bar on stderr (responses generated)."""
+    """Progress on stderr (responses generated): a bar on a terminal, else a line at most once a minute."""
 
 
 def prompt_files(paths: str) -> list[str]:
@@ -525,9 +525,13 @@ def run(args: Args) -> dict:
     from tqdm import tqdm
 
     total = sum(n for _, (*_, n) in mine)
-    bar = tqdm(total=total, file=sys.stderr, disable=not args.progress, unit="response",
-               dynamic_ncols=True)
-    bar.update(sum(c[3] for _, c in mine[:cut]))
+    before = sum(c[3] for _, c in mine[:cut])  # the responses of the run resumed
+    how = runlog.show(args.progress)  # off a terminal, a line now and then: no bar frames in a log
+    bar = tqdm(total=total, file=sys.stderr, disable=how != "bar", unit="response", dynamic_ncols=True)
+    bar.update(before)
+    lines = None
+    if how == "lines":
+        lines = runlog.Lines()
     stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0,
              "num_rounds": 0, "committed": 0}
     t0 = time.perf_counter()
@@ -540,6 +544,9 @@ def run(args: Args) -> dict:
         append_durably(partial, chunk_lines(chunk, setting, stats))
         consumed = cut + c0 + len(chunk)
         write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
+        if lines is not None:
+            done = before + stats["responses"]
+            lines.say(f"regenerate.py: {done}/{total} responses", final=consumed == len(mine))
     bar.close()
     publish(partial, out_file, done_path)
     seconds = time.perf_counter() - t0

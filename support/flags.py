@@ -407,7 +407,8 @@ class Args(WandbFlags):
     output_file: Optional[str] = None
     """Write one JSON record per request as it finishes (text, ids, finish reason, rounds, τ)."""
     progress: bool = True
-    """A progress bar on stderr (a terminal) while several requests decode."""
+    """Progress on stderr while several requests decode: a bar on a terminal, else a line at most once
+    a minute."""
     log_every: int = 10
     """With --wandb: log the figures so far every this many rounds."""
 

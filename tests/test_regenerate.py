@@ -327,3 +327,13 @@ def test_a_resumed_runs_summary_says_which_figures_are_its_own(capsys):
     assert resumed.startswith("4 conversations (2 from the run resumed; this run 2 responses, 30 tokens) in 3.0 s, "
                               "10.0 tokens/s; 2 dropped")
     assert fresh.startswith("4 conversations (2 responses, 30 tokens) in 3.0 s, 10.0 tokens/s; 2 dropped")
+
+
+def test_progress_off_a_terminal_is_lines_not_bar_frames(tmp_path, capsys):
+    """A long regeneration's stderr is often a log file: there the progress is a plain line (the last one at
+    the end), not tqdm's carriage-return frames."""
+    argv = argv_of(tmp_path, "o.jsonl", "--progress")
+    assert regenerate.main(argv) == 0
+    err = capsys.readouterr().err
+    total = sum(len(p.get("turns", [1])) for p in PROMPTS)
+    assert f"regenerate.py: {total}/{total} responses\n" in err and "\r" not in err, err
