@@ -559,7 +559,8 @@ def file_prompts(path: str, target_dir: Optional[str], target: Transformer, draf
     if target_dir is not None and os.path.isfile(os.path.join(target_dir, "tokenizer.json")):
         tokenizer = Tokenizer(target_dir)
     sources = []
-    prompts = load_prompts(tokenizer=tokenizer, chat=False, prompts_file=path, sources=sources)
+    prompts = load_prompts(tokenizer=tokenizer, chat=False, prompts_file=path, sources=sources,
+                           no_chat_why="bench.py takes prompts as they are: prompt, prompt_ids or turns records")
     check_prompts(prompts, target, max_new_tokens, drafter=drafter, sources=sources)
     return prompts
 

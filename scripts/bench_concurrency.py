@@ -189,7 +189,9 @@ def run(args: ConcurrencyArgs) -> list[dict]:
                         f"verifies every draft): use --schedulers none")
     chat = auto_chat(None, m.tokenizer)  # speculate.py's default: a template it cannot use is an error
     sources = []
-    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources)
+    no_chat_why = "the target's tokenizer has no chat template: give prompt, prompt_ids or turns records"
+    prompts = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=prompts_file, sources=sources,
+                           no_chat_why=no_chat_why)
     check_prompts(prompts, m.target, s.max_new_tokens, sources=sources, drafter=m.drafter)
     modes = ["autoregressive"] + schedulers
     hw = device_name(dev)

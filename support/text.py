@@ -437,9 +437,13 @@ def read_messages(messages, where: str) -> list[dict]:
     return [dict(m) for m in messages]
 
 
+# why a conversation is not rendered, in a program whose --chat decides
+NO_CHAT_WHY = "--no-chat, or a tokenizer without a chat template: --chat renders Qwen3's format"
+
+
 def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
            system_prompt: Optional[str] = None, thinking: bool = False,
-           max_len: Optional[int] = None) -> list[int]:
+           max_len: Optional[int] = None, no_chat_why: str = NO_CHAT_WHY) -> list[int]:
     """One prompt as ids: token ids as given; a text (a user turn) or a conversation, rendered if `chat`."""
     if isinstance(prompt, (list, tuple)) and all(_int(t) for t in prompt):
         if system_prompt is not None or thinking:
@@ -458,9 +462,7 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
     if not isinstance(prompt, str) and not chat:
         raise UserError(f"{where}: a messages record is a conversation, "
                         f"rendered only with a chat template, "
-                        f"and prompts are not rendered as chat here "
-                        f"(--no-chat, or a tokenizer without a chat template: "
-                        f"--chat renders Qwen3's format)")
+                        f"and prompts are not rendered as chat here ({no_chat_why})")
     if isinstance(prompt, str):
         turns = [{"role": "user", "content": prompt}]
     else:
@@ -539,8 +541,9 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
 def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None,
                  max_len: Optional[int] = None, system_prompt: Optional[str] = None,
-                 thinking: bool = False, sources: Optional[list] = None):
-    """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from."""
+                 thinking: bool = False, sources: Optional[list] = None, no_chat_why: str = NO_CHAT_WHY):
+    """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from
+    (`no_chat_why`: why a conversation is not rendered, as the program decides)."""
     sources_given = (("--prompt", prompt), ("--prompt-ids", prompt_ids),
                      ("--prompts-file", prompts_file))
     given = [name for name, value in sources_given if value is not None]
@@ -564,7 +567,7 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
             raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; "
                             f"{flags[0]} would change nothing for it")
         out.append(encode(tokenizer, p, where, chat=chat, system_prompt=system_prompt,
-                          thinking=thinking, max_len=max_len))
+                          thinking=thinking, max_len=max_len, no_chat_why=no_chat_why))
         if sources is not None:
             sources.append(where)
     return out

@@ -492,6 +492,11 @@ CASES = [
         {"role": "user", "content": "b"}]}) + "\n"), "prompt and messages", True),
     ("messages-no-chat", "speculate", lambda w, t: M(w, t, messages([("user", "a")])) + ["--no-chat"],
      "p.jsonl:1: a messages record is a conversation", False),
+    # the scripts have no --chat: their line says what they take instead
+    ("bench-prompts-messages", "bench", lambda w, t: ["--target", w / "target", "--drafter", w / "drafter",
+     "--no-compile", "--prompts-file", prompts_file(t, '{"messages": [{"role": "user", "content": "hi"}]}\n')],
+     "prompts are not rendered as chat here (bench.py takes prompts as they are: prompt, prompt_ids or turns "
+     "records)", False),
     ("messages-surrogate", "speculate", lambda w, t: M(w, t, '{"messages": [{"role": "user", "content": "a\\udc80"}]}\n'),
      "not valid Unicode", False),
     ("prompt-empty-under-chat", "speculate", lambda w, t: M(w, t, '{"turns": [""]}\n'), "p.jsonl:1: empty prompt",
