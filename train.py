@@ -52,7 +52,7 @@ from support.cli import (
     resolve_device,
     resolve_dtype,
 )
-from support.configs import target_args
+from support.configs import config_json, eagle3_config_json, target_args
 from support.distributed import dist_init, rank0
 from support.files import directory_problem, read_json, write_json
 from support.text import Tokenizer, auto_chat
@@ -522,57 +522,6 @@ def build_drafter(cfg: DrafterConfig, args: Args, target: Transformer, device) -
     init_random_(drafter, args.seed, args.init_std)
     attach(drafter, target)
     return drafter
-
-
-TARGET_ONLY_KEYS = ("architectures", "auto_map", "dtype", "torch_dtype")
-
-
-def target_keys(tcfg: dict) -> dict:
-    """The target's config.json less the keys a drafter's config sets or drops."""
-    return {k: v for k, v in tcfg.items() if k not in TARGET_ONLY_KEYS}
-
-
-def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
-    """DeepSpec's drafter config.json: the target's, with the drafter's depth and keys."""
-    tcfg = read_json(os.path.join(target_dir, "config.json"))
-    out = target_keys(tcfg)
-    D = cfg.layers.num_hidden_layers
-    out.update(
-        architectures=["Qwen3DSparkModel"],
-        num_target_layers=tcfg["num_hidden_layers"],
-        num_hidden_layers=D,
-        layer_types=["full_attention"] * D,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        block_size=cfg.block_size,
-        target_layer_ids=list(cfg.target_layer_ids),
-        mask_token_id=cfg.mask_token_id,
-        num_anchors=num_anchors,
-        markov_rank=cfg.markov_rank,
-        markov_head_type=cfg.markov_head_type,
-        enable_confidence_head=cfg.confidence_head,
-        confidence_head_with_markov=cfg.confidence_with_markov,
-    )
-    return out
-
-
-def eagle3_config_json(target_dir: str, cfg: DrafterConfig, step_loss_decay: float) -> dict:
-    """DeepSpec's Eagle3 config.json (build_draft_config): the target's, one layer, the Eagle3 keys."""
-    tcfg = read_json(os.path.join(target_dir, "config.json"))
-    out = target_keys(tcfg)
-    out.update(
-        architectures=["Qwen3Eagle3Model"],
-        num_target_layers=tcfg["num_hidden_layers"],
-        num_hidden_layers=1,
-        draft_num_hidden_layers=1,
-        layer_types=["full_attention"],
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        target_layer_ids=list(cfg.target_layer_ids),
-        ttt_length=cfg.block_size,
-        step_loss_decay=step_loss_decay,
-    )
-    return out
 
 
 def anchors_per_row(args: Args) -> int:

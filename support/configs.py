@@ -1,14 +1,16 @@
 """What a checkpoint's config.json says, checked once as it loads: a target's against tables of keys, types
 and ranges, the unimplemented refused by name; a drafter's in any published spelling, its weights settling
-what it leaves open."""
+what it leaves open. And the config.json a trained drafter is written with, in DeepSpec's spelling."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from drafter import MARKOV_HEADS, DrafterConfig
 from model import ModelArgs
 from support.cli import MAX_BLOCK, UserError, bound_text
+from support.files import read_json
 
 REQUIRED = object()  # a key without a default
 PER_HEAD = object()  # head_dim's default: hidden_size / num_attention_heads
@@ -333,3 +335,56 @@ def eagle3_config(cfg: dict, layers: ModelArgs, source: str) -> DrafterConfig:
                         f"(draft_num_hidden_layers / num_hidden_layers), got {depth!r}")
     one_layer = replace(layers, num_hidden_layers=1)
     return DrafterConfig(one_layer, gamma, tuple(ids), 0, "eagle3", None, 0, False, False, num_target_layers)
+
+
+# Written: a trained drafter's config.json, in DeepSpec's spelling
+
+TARGET_ONLY_KEYS = ("architectures", "auto_map", "dtype", "torch_dtype")
+
+
+def target_keys(tcfg: dict) -> dict:
+    """The target's config.json less the keys a drafter's config sets or drops."""
+    return {k: v for k, v in tcfg.items() if k not in TARGET_ONLY_KEYS}
+
+
+def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
+    """DeepSpec's drafter config.json: the target's, with the drafter's depth and keys."""
+    tcfg = read_json(os.path.join(target_dir, "config.json"))
+    out = target_keys(tcfg)
+    D = cfg.layers.num_hidden_layers
+    out.update(
+        architectures=["Qwen3DSparkModel"],
+        num_target_layers=tcfg["num_hidden_layers"],
+        num_hidden_layers=D,
+        layer_types=["full_attention"] * D,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        block_size=cfg.block_size,
+        target_layer_ids=list(cfg.target_layer_ids),
+        mask_token_id=cfg.mask_token_id,
+        num_anchors=num_anchors,
+        markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type,
+        enable_confidence_head=cfg.confidence_head,
+        confidence_head_with_markov=cfg.confidence_with_markov,
+    )
+    return out
+
+
+def eagle3_config_json(target_dir: str, cfg: DrafterConfig, step_loss_decay: float) -> dict:
+    """DeepSpec's Eagle3 config.json (build_draft_config): the target's, one layer, the Eagle3 keys."""
+    tcfg = read_json(os.path.join(target_dir, "config.json"))
+    out = target_keys(tcfg)
+    out.update(
+        architectures=["Qwen3Eagle3Model"],
+        num_target_layers=tcfg["num_hidden_layers"],
+        num_hidden_layers=1,
+        draft_num_hidden_layers=1,
+        layer_types=["full_attention"],
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        target_layer_ids=list(cfg.target_layer_ids),
+        ttt_length=cfg.block_size,
+        step_loss_decay=step_loss_decay,
+    )
+    return out

@@ -19,7 +19,7 @@ from test_train import run_train
 
 import drafter as dr
 import train
-from support import checkpoint, data, text
+from support import checkpoint, configs, data, text
 from support.cli import UserError
 
 torch.set_num_threads(1)
@@ -412,7 +412,7 @@ def test_checkpoint_is_what_deepspec_reads(tiny_target, tmp_path, markov, confid
                       confidence_with_markov=confidence and markov != "none")
     cfg = train.drafter_config(args, target, str(tiny_target.path))
     d = train.build_drafter(cfg, args, target, "cpu")
-    train.save_drafter(str(tmp_path), d, str(tiny_target.path), train.config_json(str(tiny_target.path), d.cfg, 512))
+    train.save_drafter(str(tmp_path), d, str(tiny_target.path), configs.config_json(str(tiny_target.path), d.cfg, 512))
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
     assert all(k in cfg for k in DEEPSPEC_REQUIRED), [k for k in DEEPSPEC_REQUIRED if k not in cfg]
