@@ -194,13 +194,16 @@ static void keys_to_panels(const float *kb, long ks, long n, long hd, float *kT)
 static float softmax_row(float *s, long Sp, const float *bias, float scale) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 vmax = ninf, vsum = _mm256_setzero_ps();
+    __m256 vnan = _mm256_setzero_ps();  // a NaN score (max_ps drops NaN): the row is NaN, as SDPA's
     for (long j = 0; j < Sp; j += 8) {
         const __m256 b = _mm256_loadu_ps(bias + j);
         const __m256 x = _mm256_blendv_ps(_mm256_fmadd_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(scale), b), ninf,
                                           _mm256_cmp_ps(b, ninf, _CMP_EQ_OQ));
         _mm256_storeu_ps(s + j, x);
         vmax = _mm256_max_ps(vmax, x);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     }
+    if (_mm256_movemask_ps(vnan)) return NAN;
     float lanes[8], mx = -INFINITY, sum = 0.f;
     _mm256_storeu_ps(lanes, vmax);
     for (float l : lanes) mx = std::max(mx, l);

@@ -152,6 +152,28 @@ def test_cached_attention_takes_any_mask_and_a_row_that_sees_nothing_gives_zeros
 
 
 @needs_kernels
+def test_cached_attention_keeps_a_nan_query_or_key_nan_as_sdpa_does():
+    """A NaN in a query or in a key a query reads makes those rows NaN, as SDPA's: the engine's check for
+    non-finite logits then refuses a corrupt checkpoint (the kernel's max and exp dropped the NaN: finite
+    garbage that decoded)."""
+    g = gen(72)
+    T, H, Hkv, hd, S = 3, 4, 2, 16, 20
+    q, k, v = (torch.randn(1, n, h, hd, generator=g) for n, h in ((T, H), (S, Hkv), (S, Hkv)))
+    bias = prefix_bias(torch.tensor([[S - 2, S - 1, S]]), S)
+    for where in ("q", "k"):
+        qn, kn = q.clone(), k.clone()
+        if where == "q":
+            qn[0, 1, 2, 0] = float("nan")  # token 1, head 2
+        else:
+            kn[0, 5, 1, 3] = float("nan")  # a key every token reads, of K/V head 1 (heads 2 and 3)
+        got = cached_attention(qn, kn, v, bias).view(1, T, H, hd)
+        want = sdpa(qn, kn, v, bias).view(1, T, H, hd)
+        assert torch.equal(got.isnan().any(-1), want.isnan().any(-1)) and want.isnan().any(), where
+        finite = ~want.isnan()
+        assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_cached_attention_refuses_what_does_not_fit():
     q, k, b = torch.randn(1, 2, 4, 16), torch.randn(1, 5, 2, 16), torch.zeros(1, 1, 2, 5)
     three = k[:, :, :1].expand(1, 5, 3, 16)  # 3 K/V heads for 4 query heads
