@@ -223,6 +223,10 @@ def check_flags(args: EvalArgs) -> Settings:
                         f"or a --tree-budget curve): it would change nothing")
     if len(set(args.drafter)) != len(args.drafter):
         raise UserError("--drafter: the same drafter is given twice")
+    if s.sps_table is not None and several:
+        raise UserError(f"--sps-table {s.sps_table}: holds one engine's SPS(B), and this run compares "
+                        f"several rows (more than one --drafter, or a --tree-budget curve): give it to a "
+                        f"run of one row")
     if args.calibration_out and args.calibration_split == 0:
         raise UserError("--calibration-out needs STS: a --calibration-split between 0 and 1")
     return s
@@ -396,6 +400,20 @@ def rows_of(drafters: list, directories: list, tree_budget: int, draft_length: O
     return rows
 
 
+def row_engine(m, row: Row, prompts: list, s: Settings, rank: int):
+    """A row's engine. Under torchrun with --sps-table, rank 0 builds its engine first, profiling and
+    writing the table if it is not there, and the other ranks read that table (each profiling and writing
+    its own, they raced for the file)."""
+    dist = process_group()
+    shared_table = dist is not None and s.sps_table is not None
+    if shared_table and rank != 0:
+        dist.barrier()  # rank 0 has its table written
+    engine = make_engine(m, row.drafter, prompts, s, verbose=rank == 0)
+    if shared_table and rank == 0:
+        dist.barrier()
+    return engine
+
+
 def row_settings(s: Settings, row: Row) -> Settings:
     """The settings a row decodes with: its tree budget, and --draft-length for an Eagle3 chain only (a
     block drafter drafts its block)."""
@@ -449,8 +467,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     # what results.json says ran
     args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))
     check_calibration_room(args, s, prompts)
-    # this rank's largest shard
-    most = max(len(range(rank, len(ps), world)) for ps in prompts.values())
+    # the largest shard of any rank (rank 0's): every rank's engine has one batch size, so that under
+    # hardware and async scheduling they share one SPS table
+    most = max(len(range(0, len(ps), world)) for ps in prompts.values())
     s.batch_size = max(1, min(s.batch_size, most))
     every_prompt = [p for ps in prompts.values() for p in ps]
     for row in rows:  # each row's engine, checked before the first decodes
@@ -494,7 +513,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
     try:
         for row in rows:
-            engine = make_engine(m, row.drafter, every_prompt, row_settings(s, row), verbose=rank == 0)
+            engine = row_engine(m, row, every_prompt, row_settings(s, row), rank)
             entries = []
             parts = None  # each dataset's rounds, for the calibration
             if calibrates:

@@ -301,6 +301,26 @@ def test_torchrun_two_processes_equal_one(env, tmp_path, capsys):
     assert p.stdout.count("gsm8k") == printed.count("gsm8k") == 2
 
 
+def test_torchrun_ranks_share_one_sps_table(env, tmp_path):
+    """Under torchrun with unequal shards (3 and 2 prompts) and --sps-table, every rank's engine has one batch
+    size and rank 0 alone profiles and writes the table: the same command then reads it back (each rank wrote
+    its own, for its own batch, and the rerun refused the file that was kept)."""
+    table = tmp_path / "sps.json"
+    envvars = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO_ROOT / "eval.py"), "--target", env["target"], "--drafter", env["drafter"],
+           "--data-dir", env["data"], "--datasets", "gsm8k", "--max-samples", "5", "--max-new-tokens", "8",
+           "--temperature", "0", "--batch-size", "4", "--scheduler", "hardware", "--sps-table", str(table),
+           "--no-progress"]
+    for run in ("first", "second"):
+        p = subprocess.run(cmd + ["--out", str(tmp_path / f"{run}.json")], capture_output=True, text=True,
+                           env=envvars, cwd=tmp_path, timeout=300)
+        assert p.returncode == 0, (run, p.stderr[-3000:])
+    assert json.loads(table.read_text())["batch_capacity"] == 3  # the larger shard's
+    first, second = (json.loads((tmp_path / f"{run}.json").read_text()) for run in ("first", "second"))
+    assert strip_timing(first["datasets"]) == strip_timing(second["datasets"])
+
+
 def test_seed_repeats_sampled_runs_and_resets_per_dataset(env, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar, as on a terminal
 
@@ -461,7 +481,7 @@ def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
 @pytest.mark.parametrize("case", ["missing-data-dir", "unknown-dataset", "none-present",
                                   "bad-split", "plot-without-head", "too-long", "tree-without-drafter",
                                   "filter-at-greedy", "split-without-drafter", "bins-with-a-tree-curve",
-                                  "empty-dataset-name", "missing-calibration", "calibration-unscheduled",
+                                  "empty-dataset-name", "missing-calibration", "calibration-unscheduled", "sps-table-several-rows",
                                   "prompt-fills-context"])
 def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
     base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
@@ -484,6 +504,11 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
         "empty-dataset-name": (base[:7] + ["gsm8k,"] + base[8:], "an empty name between commas"),
         "missing-calibration": (base + ["--confidence-threshold", 0.5, "--calibration", tmp_path / "nope.json"],
                                 f"--calibration {tmp_path / 'nope.json'}: calibration file not found"),
+        # one SPS table for several engines: the second row refused the first's table after its whole decode
+        "sps-table-several-rows": (base + ["--scheduler", "hardware", "--sps-table", tmp_path / "s.json",
+                                           "--drafter", tmp_path / "another-drafter"],
+                                   "--sps-table " + str(tmp_path / "s.json") +
+                                   ": holds one engine's SPS(B), and this run compares several rows"),
         # under the none schedule nothing reads the confidences --calibration scales (as speculate.py refuses it)
         "calibration-unscheduled": (base + ["--calibration", tmp_path / "nope.json"],
                                     "only a scheduled round reads the confidences"),
