@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model
+from support.cli import UserError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
 PANEL = 16  # output columns per panel: a layer fits when its out_features is a multiple
@@ -36,10 +37,20 @@ def _cpu_flags() -> set:
     return set()
 
 
+# DSPARK_CPU_KERNELS: on (the default), off, or the AVX2 path on a CPU with AVX-512 (cpu_kernels.cpp reads it)
+SETTINGS = {"on": ("1", "on", "true", "yes"), "off": ("0", "off", "false", "no"), "avx2": ("avx2",)}
+
+
 def _build() -> Optional[str]:
-    setting = os.environ.get("DSPARK_CPU_KERNELS", "1").strip().lower()
-    if setting in ("0", "off", "false", "no"):
+    given = os.environ.get("DSPARK_CPU_KERNELS", "1")
+    setting = given.strip().lower()
+    known = [value for values in SETTINGS.values() for value in values]
+    if setting not in known:
+        raise UserError(f"DSPARK_CPU_KERNELS={given!r}: one of {', '.join(known)} (unset: on)")
+    if setting in SETTINGS["off"]:
         return "turned off by DSPARK_CPU_KERNELS"
+    if setting in SETTINGS["avx2"]:
+        os.environ["DSPARK_CPU_KERNELS"] = "avx2"  # as the C++ side compares it: " AVX2 " picked AVX-512 there
     system = platform.system()
     machine = platform.machine()
     if system != "Linux" or machine not in ("x86_64", "AMD64"):

@@ -359,6 +359,21 @@ def test_describe_names_the_gemms():
 # ----------------------------------------------------------------------------------------
 # The build
 
+def test_a_setting_it_does_not_know_is_one_line(monkeypatch):
+    """DSPARK_CPU_KERNELS=fasle ran the kernels without a word; " AVX2 " was off's opposite in Python but
+    not 'avx2' to the C++ side, which kept AVX-512."""
+    from support.cli import UserError
+
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "fasle")
+    with pytest.raises(UserError, match=r"^DSPARK_CPU_KERNELS='fasle': one of 1, on, true, yes, 0, off, false, no, "
+                                        r"avx2 \(unset: on\)$"):
+        cpu_kernels._build()
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", " AVX2 ")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx"})  # stop before building
+    cpu_kernels._build()
+    assert os.environ["DSPARK_CPU_KERNELS"] == "avx2"
+
+
 def test_unavailable_says_why(monkeypatch, tmp_path):
     """Turned off by DSPARK_CPU_KERNELS (0/off/false/no; in a fresh process, which then keeps the plain
     model), another machine, a CPU without AVX2/FMA, no compiler, a source that does not compile (one
