@@ -216,7 +216,7 @@ def install(m: nn.Module) -> bool:
         q = a.q_proj
         kv = a.kv_proj
         stamps = (getattr(q, "stamp", None), getattr(kv, "stamp", None))
-        if stamps != (_stamp(q.weight), _stamp(kv.weight)):
+        if stamps != (_fused_stamp(q), _fused_stamp(kv)):
             weight = torch.cat([q.weight, kv.weight]).detach()
             a.qkv_panels = torch.ops.dspark.panels(weight)
             a.qkv_bias = None
@@ -224,8 +224,8 @@ def install(m: nn.Module) -> bool:
                 a.qkv_bias = torch.cat([q.bias, kv.bias]).detach()
             panel_counts = [q.out_features // PANEL, kv.out_features // PANEL]
             q.panels, kv.panels = a.qkv_panels.split(panel_counts)
-            q.stamp = _stamp(q.weight)
-            kv.stamp = _stamp(kv.weight)
+            q.stamp = _fused_stamp(q)
+            kv.stamp = _fused_stamp(kv)
         q.__class__ = PanelLinear
         kv.__class__ = PanelLinear
         a.project = types.MethodType(project, a)
@@ -265,6 +265,14 @@ def _stamp(w: torch.Tensor) -> tuple:
     if not w.is_inference():
         version = w._version
     return w.data_ptr(), w.shape, version
+
+
+def _fused_stamp(lin: nn.Module) -> tuple:
+    """A fused projection's weight and bias stamps: the fused bias is a copy too."""
+    bias = None
+    if lin.bias is not None:
+        bias = _stamp(lin.bias)
+    return _stamp(lin.weight), bias
 
 
 def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:

@@ -348,6 +348,24 @@ def test_install_copies_each_weight_once_and_again_after_an_edit():
 
 
 @needs_kernels
+def test_install_again_after_a_bias_edit_takes_the_new_bias():
+    """The fused q/kv projection's bias is a copy too: an edit in place is taken by the next install (it kept
+    the old one: only the weights were compared)."""
+    args = model.ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True)
+    m = model.Transformer(args).eval()
+    assert cpu_kernels.install(m)
+    a = m.layers[0].self_attn
+    x = torch.randn(1, 3, 32)
+    with torch.no_grad():
+        a.q_proj.bias.add_(1.0)
+        cpu_kernels.install(m)
+        q, _ = a.project(x)
+        want = F.linear(x, a.q_proj.weight, a.q_proj.bias)
+    assert torch.allclose(q.reshape(want.shape), want, atol=1e-5)
+
+
+@needs_kernels
 def test_describe_names_the_gemms():
     m = tiny()
     assert cpu_kernels.describe(m) == "GEMMs: MKL (the CPU kernels are not installed)"
