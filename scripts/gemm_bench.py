@@ -117,15 +117,15 @@ def cell(times: dict, way: str, width: int) -> str:
     return f"{times[way]:>{width}.1f}"
 
 
-def comparison(times: dict, ways: dict, base: str, width: int) -> tuple[str, float]:
-    """(base µs ÷ kernel µs, right-aligned in `width`; the largest |kernel - base| of one call), blank and 0
-    without the kernel."""
+def comparison(times: dict, ways: dict, base: str, width: int) -> tuple[str, str]:
+    """(base µs ÷ kernel µs, right-aligned in `width`; the largest |kernel - base| of one call, in 11), both
+    "n/a" without the kernel: no figure where nothing was compared."""
     if "kernel" not in ways:
-        return " " * width, 0.0
+        return f"{'n/a':>{width}}", f"{'n/a':>11}"
     speed_up = times[base] / times["kernel"]
     ratio = f"{speed_up:>{width - 1}.2f}x"
     difference = ways["kernel"](0) - ways[base](0)
-    return ratio, difference.abs().max().item()
+    return ratio, f"{difference.abs().max().item():>11.2e}"
 
 
 def gemm_table(shapes: list[tuple[int, int]], rows: list[int], args: GemmArgs, g: torch.Generator):
@@ -151,7 +151,7 @@ def gemm_table(shapes: list[tuple[int, int]], rows: list[int], args: GemmArgs, g
             ratio, diff = comparison(times, ways, "mkl", 10)
             mkl = cell(times, "mkl", 9)
             kernel = cell(times, "kernel", 10)
-            print(f"{out:>5}x{inp:<5} {r:>5} {mkl} {kernel} {ratio} {diff:>11.2e}  {uses}", flush=True)
+            print(f"{out:>5}x{inp:<5} {r:>5} {mkl} {kernel} {ratio} {diff}  {uses}", flush=True)
 
 
 def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, args: GemmArgs,
@@ -182,7 +182,7 @@ def attention_table(sizes: list[tuple[int, int]], H: int, Hkv: int, hd: int, arg
             uses = "kernel"
         sdpa = cell(times, "sdpa", 9)
         kernel = cell(times, "kernel", 10)
-        print(f"{T:>7} {S:>6} {sdpa} {kernel} {ratio} {diff:>11.2e}  {uses}", flush=True)
+        print(f"{T:>7} {S:>6} {sdpa} {kernel} {ratio} {diff}  {uses}", flush=True)
 
 
 def check_memory(args: GemmArgs, shapes: list, rows: list[int], attention: list, heads: list[int], free: int):
