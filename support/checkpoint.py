@@ -361,6 +361,33 @@ def random_pair(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0, 
     return target, make_drafter(target)
 
 
+def check_target_memory(directory: str, device, dtype: torch.dtype):
+    """The target's weights in `dtype`, and the copy the CPU kernels make of them, must fit in what is free
+    on `device`: counted from its config.json on the meta device, before a weight is read (the drafter, a
+    tenth of it or less, is not counted)."""
+    from support import cpu_kernels
+
+    problem = directory_problem(directory, "target directory")
+    if problem:
+        raise UserError(f"--target {directory}: {problem}")
+    path = os.path.join(directory, "config.json")
+    args = target_args(read_json(path), path)
+    with torch.device("meta"):
+        shape = Transformer(args)
+    weights = sum(p.numel() for p in shape.parameters()) * dtype.itemsize
+    copies = cpu_kernels.copied_bytes(shape, device, dtype)
+    need = weights + copies
+    free = free_memory(device)
+    if not free or need <= 0.9 * free:
+        return
+    dtype_name = str(dtype).removeprefix("torch.")
+    what = f"its weights need {need / 2**30:.1f} GiB in {dtype_name}"
+    if copies:
+        what += f" (the CPU kernels' copy of them {copies / 2**30:.1f} GiB)"
+    raise UserError(f"--target {directory}: {what}; {free / 2**30:.1f} GiB are free on {device}: "
+                    f"a narrower --dtype, or a smaller model")
+
+
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5,
                    rank: int = 256) -> Drafter:
     """A DSpark drafter shaped like the published ones (block 7, 5 layers, r 256, a vanilla Markov head and a
@@ -461,6 +488,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         t, d = random_pair(random_init, device, dt, seed)
         stop_ids = ()
     else:
+        check_target_memory(target, device, dt)
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
         try:

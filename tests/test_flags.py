@@ -145,6 +145,20 @@ def test_a_random_preset_larger_than_free_memory_is_refused(monkeypatch):
         checkpoint.load_models(None, random_init="qwen3-4b", device="cpu", dtype="float32")
 
 
+def test_a_target_directory_larger_than_free_memory_is_refused_before_reading_it(monkeypatch):
+    """A checkpoint's weights in the run's dtype, with the CPU kernels' copy, are counted from its config.json
+    before a weight is read (a float32 Qwen3-4B on a 24 GB CPU was killed by the OOM killer, no message)."""
+    from speculate import DEMO_DIR
+    from support import checkpoint
+
+    target = f"{DEMO_DIR}/target"
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(checkpoint, "load_target", None)  # reading the weights would be a TypeError
+    with pytest.raises(UserError, match=rf"^--target {target}: its weights need [\d.]+ GiB in float32"
+                                        rf".*; 0\.0 GiB are free on cpu: a narrower --dtype, or a smaller model$"):
+        checkpoint.load_models(target, device="cpu", dtype="float32")
+
+
 def test_a_random_preset_counts_its_drafter_and_the_cpu_kernels_copy(monkeypatch):
     """The check counts what the run holds: a memory that the target's weights alone fit in (qwen3-4b in
     float32, with a tenth to spare) is refused for the drafter beside them (and, where the CPU kernels are
