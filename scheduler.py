@@ -302,6 +302,9 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
     return buckets
 
 
+SPS_RANGE = (1e-6, 1e9)  # rounds per second a table may hold: a minute-long round to a nanosecond one
+
+
 def sps_identity(engine) -> dict:
     """What an engine's SPS table was measured for; a table is reused only where all of it matches."""
     a = engine.target.args
@@ -317,6 +320,7 @@ def sps_identity(engine) -> dict:
     return {"device": device_name(engine.device), "torch": torch.__version__, "target": target,
             "drafter": drafter, "dtype": dtype, "batch_capacity": engine.max_batch,
             "verify_width": engine.K + 1, "sampling": sampled, "compiled": engine.is_compiled,
+            "compile_mode": engine.compile_mode, "kernels": engine.backend,
             "buckets": engine.scheduler.buckets, "profile_points": engine.scheduler.profile_points}
 
 
@@ -361,10 +365,11 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         if well_formed:
             for x in sps:
                 is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
-                well_formed = well_formed and is_number and 0 < x < float("inf")
+                # compared exactly: a 400-digit integer is no float, and the schedule's products overflow past these
+                well_formed = well_formed and is_number and SPS_RANGE[0] <= x <= SPS_RANGE[1]
         if not well_formed:
-            raise UserError(f"{path}: 'steps_per_second' must be {len(points)} positive numbers, one per "
-                            f"profile point")
+            raise UserError(f"{path}: 'steps_per_second' must be {len(points)} numbers from {SPS_RANGE[0]:g} to "
+                            f"{SPS_RANGE[1]:g}, one per profile point")
         say(f"SPS table read from {path}")
         return table
     if path is not None:

@@ -526,6 +526,7 @@ class Engine:
         self.filters = filters  # greedy: none (flags.sampling_for)
         self.seed = seed  # request i samples from its own generator, seeded seed + i
         self.backend = backend
+        self.compile_mode = compile_mode
         self.is_compiled = compile
         self.device = target.embed_tokens.weight.device
         self.models = [m for m in (target, drafter) if m is not None]

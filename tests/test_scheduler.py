@@ -399,6 +399,12 @@ def test_sps_table_paths_that_cannot_work_are_refused(env, tmp_path):
     (lambda t: t.update(steps_per_second=[-1.0] * len(t["profile_points"])), "steps_per_second"),
     (lambda t: t.pop("dtype"), "dtype"),
     (lambda t: t.update(drafter="something else"), "drafter"),
+    # rates whose schedule overflows: a traceback (bucketed), or inf everywhere and nothing verified
+    (lambda t: t.update(steps_per_second=[10**400] * len(t["profile_points"])), "steps_per_second"),
+    (lambda t: t.update(steps_per_second=[1e-320] * len(t["profile_points"])), "steps_per_second"),
+    # measured with another backend or compile mode: another round's speed
+    (lambda t: t.update(kernels="triton"), "kernels is 'triton' in the table but 'torch' in this run"),
+    (lambda t: t.update(compile_mode="reduce-overhead"), "compile_mode is 'reduce-overhead' in the table"),
 ])
 def test_a_malformed_or_foreign_sps_table_is_refused(env, tmp_path, edit, needle):
     path = tmp_path / "sps.json"
