@@ -195,7 +195,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     check_prompts(prompts, m.target, s.max_new_tokens, sources=sources, drafter=m.drafter)
     modes = ["autoregressive"] + schedulers
     hw = device_name(dev)
-    print(header(args, s, m, target_dir, drafter_dir, dtype, hw, len(prompts)), flush=True)
+    print(header(args, s, m, target_dir, drafter_dir, dtype, hw, len(prompts), schedulers), flush=True)
     # the largest level's caches, the longest prompt's length a row: checked before the first level runs
     longest = max(len(p) for p in prompts)
     max_seq = cache_length(longest, s.max_new_tokens, m.drafter)
@@ -248,6 +248,10 @@ def check_args(args: ConcurrencyArgs) -> tuple[list[int], list[str], Settings]:
         raise UserError(f"--sps-synthetic {args.sps_synthetic}: only the hardware and async schedulers read "
                         f"SPS(B), and --schedulers has neither")
     s = check_settings(args)
+    default = ConcurrencyArgs().decode.confidence_threshold
+    if "threshold" not in schedulers and s.confidence_threshold != default:
+        raise UserError(f"--confidence-threshold {s.confidence_threshold:g}: only the threshold scheduler reads "
+                        f"it, and --schedulers {args.schedulers} has none: it would change nothing")
     check_ranges(args, repeats="[1, 1000]", requests_per_slot="[1, 100000]")
     return levels, schedulers, s
 
@@ -285,15 +289,17 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
 
 
 def header(args: ConcurrencyArgs, s: Settings, m, target_dir: str, drafter_dir: str, dtype, hw: str,
-           num_prompts: int) -> str:
+           num_prompts: int, schedulers: list[str]) -> str:
     """The run's first line: the pair, the machine and the settings."""
     sampling = "greedy"
     if s.temperature != 0:
         sampling = f"temperature {s.temperature}"
+    threshold = ""
+    if "threshold" in schedulers:
+        threshold = f"threshold {s.confidence_threshold}, "
     line = (f"# {target_dir} + {drafter_dir} ({m.drafter.cfg.describe()}), {dtype}, {hw}, "
             f"torch {torch.__version__}, compile={s.compile}; {num_prompts} prompts cycled, "
-            f"{s.max_new_tokens} new tokens each, {sampling}, threshold {s.confidence_threshold}, "
-            f"median of {args.repeats}")
+            f"{s.max_new_tokens} new tokens each, {sampling}, {threshold}median of {args.repeats}")
     if args.sps_synthetic:
         line += f", SPS(B) synthetic: {args.sps_synthetic}"
     return line

@@ -168,6 +168,8 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
     (["--concurrency", "2", "--schedulers", "none,threshold", "--sps-synthetic", "cliffs"], "--sps-synthetic"),
     (["--concurrency", "2", "--confidence-threshold", "0"], "--confidence-threshold: invalid"),
     (["--concurrency", "2", "--confidence-threshold", "1.5"], "--confidence-threshold: invalid"),
+    (["--concurrency", "2", "--schedulers", "none,hardware", "--confidence-threshold", "0.5"],
+     "--confidence-threshold 0.5: only the threshold scheduler reads it"),
     (["--concurrency", "2", "--scheduler", "async"], "--scheduler: bench_concurrency.py times every scheduler of "
                                                      "--schedulers"),
     (["--concurrency", "2", "--batch-size", "8"], "--batch-size: bench_concurrency.py decodes --concurrency"),
