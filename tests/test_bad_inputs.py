@@ -1146,7 +1146,8 @@ def test_a_checkpoint_path_that_is_not_a_directory_names_its_flag(world, capsys)
 
 @pytest.mark.parametrize("flags,needle", [
     (["--target-layer-ids", "none"], "--target-layer-ids: 'none' is not a comma-separated list"),
-    (["--markov", "none", "--markov-rank", "256"], "--confidence-with-markov needs a Markov head"),
+    (["--markov", "none", "--markov-rank", "256", "--confidence-with-markov"],
+     "--confidence-with-markov needs a Markov head"),
     (["--mask-token-id", "100000"], "--mask-token-id: 100000 is outside the vocabulary"),
 ])
 def test_the_drafter_flags_are_checked_before_the_data_is_read(world, tmp_path, capsys, monkeypatch, flags, needle):
