@@ -10,8 +10,10 @@ import torch
 
 from support.cli import UserError, device_name, first_line
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
+# Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates: the first
+# whose name the GPU's holds, so the PCIe and NVL cards come before the SXM ones of their name.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H800 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0,
+               "H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0}
 
 
 def peak_tflops(device: str) -> Optional[float]:
