@@ -358,7 +358,10 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
                 raise UserError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
             # compared as JSON: true is not 1
             if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):
-                raise UserError(f"{path}: {key} is {table[key]!r} in the table but {value!r} in this run; "
+                what = key
+                if key == "batch_capacity":  # the engine's rows: --batch-size, at most the requests
+                    what = "batch_capacity (--batch-size, or the requests where fewer)"
+                raise UserError(f"{path}: {what} is {table[key]!r} in the table but {value!r} in this run; "
                                 f"delete the file to profile again")
         sps = table.get("steps_per_second")
         well_formed = isinstance(sps, list) and len(sps) == len(points)

@@ -378,7 +378,8 @@ def test_sps_table_is_profiled_written_and_read_back(env, tmp_path):
     rc, _, err = run_captured(["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3",
                                "--max-new-tokens", 8, "--batch-size", 3, "--num-samples", 3, "--scheduler", "hardware",
                                "--sps-table", path])
-    assert rc == 2 and "batch_capacity" in err and is_one_error_line(err), err
+    assert rc == 2 and "batch_capacity (--batch-size, or the requests where fewer) is 2 in the table but 3" in err
+    assert is_one_error_line(err), err
 
 
 def _bad_table(path, edit):
