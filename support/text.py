@@ -453,6 +453,10 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
     if isinstance(prompt, (list, tuple)) and any(isinstance(t, numbers.Integral) for t in prompt):
         odd = next(t for t in prompt if not _int(t))
         raise UserError(f"{where}: token ids hold {odd!r}, which is not a token id")
+    conversation = isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+    if not (isinstance(prompt, str) or conversation):  # a tensor, an array, a list of lists
+        raise UserError(f"{where}: expected a text, a list of token ids or a conversation (a list of "
+                        f"{{\"role\", \"content\"}} messages), got {type(prompt).__name__} {repr(prompt)[:60]}")
     if tokenizer is None:
         raise UserError(f"{where}: a text prompt needs the target's tokenizer.json")
     template = tokenizer.chat_template

@@ -510,6 +510,11 @@ def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():
         speculate.generate(m, [True, 5], max_new_tokens=3)
     with pytest.raises(UserError, match="^prompts: a list mixing token ids and other prompts"):
         speculate.generate(m, [5, "a"], max_new_tokens=3)
+    # an array, a tensor or a list of lists among the prompts is named for what it is, not a conversation
+    for prompt, kind in ((np.array([1, 2]), "ndarray"), (torch.tensor([1, 2]), "Tensor"), ([[1]], "list")):
+        with pytest.raises(UserError, match=rf"^prompt 0: expected a text, a list of token ids or a conversation "
+                                            rf".*, got {kind} "):
+            speculate.generate(m, [prompt], max_new_tokens=3)
 
 
 def test_a_file_the_system_refuses_is_one_line(tmp_path, capsys):
