@@ -559,6 +559,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     eval_every = getattr(args, "eval_every", 0)
     losses = []
     times = []
+    pauses = 0.0  # seconds of checkpoints and evaluations between steps, which the ETA spreads over them
     speed = {}
 
     def checkpoint(step):
@@ -618,7 +619,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         recent = times[-SPEED_WINDOW:]
         dt = sum(recent) / len(recent)  # tokens/s: this one figure, everywhere
         tokens_per_second = tokens_per_step / dt
-        speed = {"tokens_per_second": tokens_per_second, "eta_seconds": dt * (end - step - 1)}
+        left = end - step - 1
+        pause_per_step = pauses / (step + 1 - start)  # the checkpoints' and evaluations' share so far
+        speed = {"tokens_per_second": tokens_per_second, "eta_seconds": (dt + pause_per_step) * left}
         if peak:
             speed["mfu"] = flops / dt / (peak * run.world)
         done = step + 1
@@ -650,7 +653,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         save_due = args.save_every and done % args.save_every == 0
         eval_due = eval_every and done % eval_every == 0
         if done != end and (save_due or eval_due):
+            t_pause = time.perf_counter()
             checkpoint(done)
+            pauses += time.perf_counter() - t_pause
     bar.close()
     if main:
         log_file.close()

@@ -352,6 +352,28 @@ def test_markov_none_alone_trains_a_confidence_head_without_the_markov_feature(t
     assert cfg["confidence_head_with_markov"] is False
 
 
+def test_the_eta_counts_the_checkpoints_between_steps(tiny_target, tmp_path, monkeypatch):
+    """A run that checkpoints (or evaluates) every step spends that time every step: the ETA counts it, the
+    steps' own time beside it (it counted the steps alone)."""
+    import time
+
+    real = train.save_state
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train, "save_state", slow_save)
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 64)
+    out = tmp_path / "o"
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 4,
+                            "--save-every", 1, *SMALL])
+    assert rc == 0, err
+    log = [json.loads(line) for line in open(out / trainer.LOG_JSONL)]
+    step_2 = log[1]
+    assert step_2["step"] == 2 and step_2["eta_seconds"] >= 2 * 0.3 / 2, step_2  # 2 steps left, 0.3 s in 2 steps
+    assert log[-1]["eta_seconds"] == 0
+
+
 def test_resume_equals_uninterrupted_run(tiny_target, tmp_path):
     ids = write_ids(tmp_path / "ids.jsonl", 6, 24, 64, seed=1)
     common = ["--target", tiny_target.path, "--data-ids", ids, "--steps", 6, "--anchors-per-seq", 5,
