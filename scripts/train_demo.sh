@@ -71,6 +71,9 @@ while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
 if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ ! -f "$OUT/target/model.safetensors" ]; then
     fail "DRAFTER_ONLY=1: $OUT/target/model.safetensors not found (the target to keep)"
 fi
+if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ ! -f "$OUT/corpus.json" ]; then
+    fail "DRAFTER_ONLY=1: $OUT/corpus.json not found (it says which corpus the target was trained on)"
+fi
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
@@ -125,7 +128,7 @@ chmod a+r "$2"/*  # safetensors writes its file owner-only (0600); the pair is f
 
 # 0. The corpus: stdlib top-level *.py minus the held-out 5%; says which Python's library it is.
 SAME=()
-if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ -f "$OUT/corpus.json" ]; then SAME=(--same-as "$OUT/corpus.json"); fi
+if [ "${DRAFTER_ONLY:-0}" = 1 ]; then SAME=(--same-as "$OUT/corpus.json"); fi
 python "$REPO/scripts/demo_corpus.py" --corpus "$WORK/corpus" --out "$PAIR" "${SAME[@]}"
 
 # 1-2. Tokenizer + target.

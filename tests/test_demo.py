@@ -239,6 +239,9 @@ def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep").write_text("x")
+    kept = tmp_path / "kept"  # a pair's target without the corpus record beside it
+    (kept / "target").mkdir(parents=True)
+    (kept / "target" / "model.safetensors").write_bytes(b"")
     for argv, env, needle in (([], {}, "--out DIR"), (["--bogus"], {}, "--bogus: unknown argument"),
                               (["--out", str(full)], {}, "add --force"),
                               (["--out", str(DEMO)], {}, "add --force"),
@@ -246,7 +249,10 @@ def test_train_demo_sh_asks_before_touching_a_pair(tmp_path):
                               # heads of 64 in pairs sharing a K/V head: 64 failed later, naming flags not given
                               (["--out", str(tmp_path / "new")], {"TARGET_HIDDEN": "64"},
                                "TARGET_HIDDEN=64: a multiple of 128"),
-                              (["--out", str(full / "keep" / "sub")], {}, "cannot be created")):
+                              (["--out", str(full / "keep" / "sub")], {}, "cannot be created"),
+                              # the kept target's corpus cannot be checked without its record
+                              (["--out", str(kept), "--force"], {"DRAFTER_ONLY": "1"},
+                               "DRAFTER_ONLY=1: " + str(kept / "corpus.json") + " not found")):
         p = subprocess.run(["bash", script, *argv], capture_output=True, text=True, timeout=30, cwd=tmp_path,
                            env=dict(os.environ, **env))
         assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and needle in p.stderr, (argv, p)
