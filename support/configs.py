@@ -132,8 +132,9 @@ def token_ids(v, source: str, vocab_size: int) -> tuple[int, ...]:
     else:
         vals = [v]
     if not all(integer(x) and 0 <= x < vocab_size for x in vals):
-        raise UserError(f"{source}: key 'eos_token_id' must be a token id "
-                        f"below vocab_size {vocab_size} or a list of them, got {v!r}")
+        bad = next(x for x in vals if not (integer(x) and 0 <= x < vocab_size))
+        raise UserError(f"{source}: key 'eos_token_id' must be a token id below vocab_size {vocab_size} "
+                        f"or a list of them, got {repr(v)[:80]} (holding {repr(bad)[:40]})")
     return tuple(vals)
 
 

@@ -461,6 +461,11 @@ def test_stop_token_ids_bad_value(target_factory, tmp_path):
     write_json(d / "generation_config.json", {"eos_token_id": ["<|im_end|>"]})
     with pytest.raises(UserError, match="generation_config.json: key 'eos_token_id'"):
         _stop_ids(d)
+    # a long list is cut in the line, which names the value at fault (it printed all of it: 600 KB)
+    write_json(d / "generation_config.json", {"eos_token_id": [0] * 200_000 + [-1]})
+    with pytest.raises(UserError, match=r"got \[0, 0, .*\(holding -1\)$") as e:
+        _stop_ids(d)
+    assert len(str(e.value)) < 400
 
 
 # ----------------------------------------------------------------------------------------
