@@ -75,7 +75,7 @@ from support.cli import (
     sync,
     use_compile_cache,
 )
-from support.files import check_outputs, write_json
+from support.files import check_outputs, optional_file, write_json
 from support.flags import Machine, Settings
 
 
@@ -556,7 +556,7 @@ def file_prompts(path: str, target_dir: Optional[str], target: Transformer, draf
     from support.text import Tokenizer, check_prompts, load_prompts
 
     tokenizer = None
-    if target_dir is not None and os.path.isfile(os.path.join(target_dir, "tokenizer.json")):
+    if target_dir is not None and optional_file(os.path.join(target_dir, "tokenizer.json")):
         tokenizer = Tokenizer(target_dir)
     sources = []
     prompts = load_prompts(tokenizer=tokenizer, chat=False, prompts_file=path, sources=sources,

@@ -509,3 +509,22 @@ def test_the_default_reference_loop_says_when_it_is_skipped(capsys):
     assert bench.main(base + ["--drafter", f"{DEMO_DIR}/eagle3", "--reference", "True"]) == 2
     err = capsys.readouterr().err
     assert "--reference: the reference loop is a DSpark drafter's chain, and --drafter" in err, err
+
+
+def test_a_tokenizer_json_that_is_a_directory_is_named(tmp_path, capsys):
+    """A target whose tokenizer.json is a directory was read as one without a tokenizer ('a text prompt needs
+    the target's tokenizer.json'); it is named for what it is, as speculate.py names it."""
+    import shutil
+
+    from speculate import DEMO_DIR
+
+    target = tmp_path / "target"
+    shutil.copytree(f"{DEMO_DIR}/target", target)
+    (target / "tokenizer.json").unlink()
+    (target / "tokenizer.json").mkdir()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    rc = bench.main(["--target", str(target), "--no-compile", "--prompts-file", str(prompts), "--max-new-tokens", "4",
+                     "--reference", "False"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tokenizer.json: is a directory" in err and err.count("\n") == 1, err
