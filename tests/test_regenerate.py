@@ -324,9 +324,10 @@ def test_a_resumed_runs_summary_says_which_figures_are_its_own(capsys):
     regenerate.print_summary(stats, 3.0, None, 64, "o.jsonl", resumed=2)
     regenerate.print_summary(stats, 3.0, None, 64, "o.jsonl", resumed=0)
     resumed, fresh = capsys.readouterr().out.splitlines()
-    assert resumed.startswith("4 conversations (2 from the run resumed; this run 2 responses, 30 tokens) in 3.0 s, "
+    assert resumed.startswith("4 conversations (2 from the run resumed; this run generated 2 responses, 30 tokens) "
+                              "in 3.0 s, "
                               "10.0 tokens/s; 2 dropped")
-    assert fresh.startswith("4 conversations (2 responses, 30 tokens) in 3.0 s, 10.0 tokens/s; 2 dropped")
+    assert fresh.startswith("4 conversations (generated 2 responses, 30 tokens) in 3.0 s, 10.0 tokens/s; 2 dropped")
 
 
 def test_progress_off_a_terminal_is_lines_not_bar_frames(tmp_path, capsys):
