@@ -334,29 +334,15 @@ def random_pair(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0, 
                 flag: str = "--random-init") -> tuple[Transformer, DrafterBase]:
     """A preset's target and a drafter shaped like the published ones (`random_drafter`, or `random_eagle3`),
     with random weights. Counted on the meta device first, their weights and the copy the CPU kernels make
-    of them (`cpu_kernels.copied_bytes`) must fit in what is free on `device` (`flag` names the preset:
-    --random-init, or bench.py's --model)."""
-    from support import cpu_kernels
-
+    of them must fit in what is free on `device` (`check_memory`; `flag` names the preset: --random-init,
+    or bench.py's --model)."""
     make_drafter = random_drafter
     if eagle3:
         make_drafter = random_eagle3
     shapes = [random_target(preset, "meta", dtype)]
     shapes.append(make_drafter(shapes[0]))
-    weights = 0
-    copies = 0
-    for m in shapes:
-        weights += sum(p.numel() for p in m.parameters()) * dtype.itemsize
-        copies += cpu_kernels.copied_bytes(m, device, dtype)
-    need = weights + copies
-    free = free_memory(device)
-    if free and need > 0.9 * free:
-        dtype_name = str(dtype).removeprefix("torch.")
-        what = f"its target's and drafter's weights need {need / 2**30:.1f} GiB in {dtype_name}"
-        if copies:
-            what += f" (the CPU kernels' copy of them {copies / 2**30:.1f} GiB)"
-        raise UserError(f"{flag} {preset}: {what}; {free / 2**30:.1f} GiB are free on {device}: "
-                        f"choose a smaller preset or a narrower --dtype")
+    check_memory(shapes, device, dtype, f"{flag} {preset}: its target's and drafter's weights",
+                 "choose a smaller preset or a narrower --dtype")
     target = random_target(preset, device, dtype, seed)
     return target, make_drafter(target)
 
@@ -365,8 +351,6 @@ def check_target_memory(directory: str, device, dtype: torch.dtype):
     """The target's weights in `dtype`, and the copy the CPU kernels make of them, must fit in what is free
     on `device`: counted from its config.json on the meta device, before a weight is read (the drafter, a
     tenth of it or less, is not counted)."""
-    from support import cpu_kernels
-
     problem = directory_problem(directory, "target directory")
     if problem:
         raise UserError(f"--target {directory}: {problem}")
@@ -374,18 +358,28 @@ def check_target_memory(directory: str, device, dtype: torch.dtype):
     args = target_args(read_json(path), path)
     with torch.device("meta"):
         shape = Transformer(args)
-    weights = sum(p.numel() for p in shape.parameters()) * dtype.itemsize
-    copies = cpu_kernels.copied_bytes(shape, device, dtype)
+    check_memory([shape], device, dtype, f"--target {directory}: its weights", "a narrower --dtype, or a smaller model")
+
+
+def check_memory(shapes: list, device, dtype: torch.dtype, whose: str, fix: str):
+    """Models (`shapes`, on the meta device) in `dtype`, with the copy the CPU kernels would make of them, must
+    fit in what is free on `device` (where that is known); `whose` and `fix` begin and end the refusal."""
+    from support import cpu_kernels
+
+    weights = 0
+    copies = 0
+    for m in shapes:
+        weights += sum(p.numel() for p in m.parameters()) * dtype.itemsize
+        copies += cpu_kernels.copied_bytes(m, device, dtype)
     need = weights + copies
     free = free_memory(device)
     if not free or need <= 0.9 * free:
         return
     dtype_name = str(dtype).removeprefix("torch.")
-    what = f"its weights need {need / 2**30:.1f} GiB in {dtype_name}"
+    what = f"{whose} need {need / 2**30:.1f} GiB in {dtype_name}"
     if copies:
         what += f" (the CPU kernels' copy of them {copies / 2**30:.1f} GiB)"
-    raise UserError(f"--target {directory}: {what}; {free / 2**30:.1f} GiB are free on {device}: "
-                    f"a narrower --dtype, or a smaller model")
+    raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 
 
 def random_drafter(target: Transformer, block_size: int = 7, num_layers: int = 5,
