@@ -999,7 +999,9 @@ def test_an_sps_table_key_of_another_type_is_refused(world, tmp_path, capsys, ke
     table.write_text(json.dumps(saved))
     capsys.readouterr()
     rc = speculate.main(args)
-    _check(capsys.readouterr().err, f"{key} is {value!r} in the table", rc)
+    err = capsys.readouterr().err
+    _check(err, f" is {value!r} in the table but", rc)
+    assert f"sps.json: {key}" in err, err
 
 
 def test_demo_mode_with_a_good_sps_table_shares_the_target_caches(tmp_path, capsys, monkeypatch):
