@@ -54,6 +54,7 @@ from support.cli import (
 )
 from support.configs import config_json, eagle3_config_json, target_args
 from support.distributed import dist_init, rank0
+from support.eval_report import dataset_figures
 from support.files import directory_problem, read_json, write_json
 from support.text import Tokenizer, auto_chat
 from support.trainer import (
@@ -916,16 +917,8 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
     with torch.inference_mode():
         results = evaluation.run(e)
     found = {}
-    metrics = ("acceptance_length", "draft_tokens_per_proposal", "verify_rate",
-               "tokens_per_second")
-    for r in results["datasets"]:
-        prefix = f"eval/{r['dataset']}"
-        for k in metrics:
-            if r[k] is not None:
-                found[f"{prefix}/{k}"] = r[k]
-        for j, a in enumerate(r["accept_rates_by_position"]):
-            if a is not None:
-                found[f"{prefix}/accept_rate@{j}"] = a
+    for r in results["datasets"]:  # as eval.py logs them, under eval/
+        found.update(dataset_figures(r, "eval/"))
     calibration = results["calibration"] or {}
     for m in calibration.get("raw", []):
         for k in ("ece", "brier"):

@@ -21,6 +21,12 @@ CALIBRATION_FIGURES = ("ece", "auroc", "brier")
 
 def log_dataset(log: runlog.Log, entry: dict, step: Optional[int], prefix: str):
     """One dataset's row of results.json under `<prefix><dataset>/`, as soon as it is done."""
+    log.log(dataset_figures(entry, prefix), step=step)
+
+
+def dataset_figures(entry: dict, prefix: str) -> dict:
+    """A dataset's row of results.json as W&B figures under `<prefix><dataset>/` (eval.py's, and train.py's
+    evaluations under eval/)."""
     d = prefix + entry["dataset"]
     row = {}
     for k in DATASET_FIGURES:
@@ -32,7 +38,7 @@ def log_dataset(log: runlog.Log, entry: dict, step: Optional[int], prefix: str):
     for j, r in enumerate(entry["accept_rate_by_position"]):
         if r is not None:
             row[f"{d}/conditional_accept_rate@{j + 1}"] = r
-    log.log(row, step=step)
+    return row
 
 
 def calibration_rows(cal: dict, columns: list[str]) -> list[list]:

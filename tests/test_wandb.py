@@ -365,6 +365,7 @@ def test_train_logs_throughput_evals_and_checkpoints(trained):
         assert steps[s]["tokens_per_second"] > 0 and 0 < steps[s]["mfu"]
     assert steps[2]["eta_seconds"] == 0
     assert "eval/code/acceptance_length" in steps[2] and "eval/code/accept_rate@0" in steps[2]
+    assert steps[2]["eval/code/num_samples"] == 2 and "eval/code/conditional_accept_rate@1" in steps[2]  # as eval.py
     assert "eval/calibration/brier_1" in steps[2]
     art = run.artifact("checkpoint")
     assert art.type == "model" and {"step-2", "latest"} <= set(art.aliases)
