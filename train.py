@@ -479,6 +479,13 @@ def layer_ids(args: Args, L: int, lowest: int = -1) -> tuple[int, ...]:
     return ids
 
 
+def markov_feature(args: Args) -> bool:
+    """--confidence-with-markov as given; left out, on with a Markov head and off without."""
+    if args.confidence_with_markov is None:
+        return args.markov != "none"
+    return args.confidence_with_markov
+
+
 def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterConfig:
     """The flags' drafter, as the loader reads it back."""
     t = target.args
@@ -499,7 +506,7 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     markov = args.markov
     if markov == "none":
         markov = None
-    with_markov = args.confidence and args.confidence_with_markov is not False  # None (left out): run()'s
+    with_markov = args.confidence and markov_feature(args)
     if with_markov and markov is None:
         raise UserError("--confidence-with-markov needs a Markov head (--markov none given): "
                         "add --no-confidence-with-markov")
@@ -930,10 +937,7 @@ def evaluate_checkpoint(args: Args, step: int, device: str) -> dict:
 def run(args: Args) -> dict:
     """Everything `python train.py` does; returns the loss history."""
     given = args  # check_unused_flags tells a flag left out (None) from one given
-    with_markov = args.confidence_with_markov
-    if with_markov is None:  # left out: as the Markov head goes
-        with_markov = args.markov != "none"
-    args = replace(args, confidence_with_markov=with_markov)
+    args = replace(args, confidence_with_markov=markov_feature(args))
     check_train_args(args, block_size=f"[1, {MAX_BLOCK}]", depth="[1, 1024]", markov_rank="[1, 65536]",
                      anchors_per_seq="[1, 1000000]", gamma="(0, 1e6]", alpha_ce="[0, 1e6]",
                      alpha_tv="[0, 1e6]", alpha_conf="[0, 1e6]", ttt_length=f"[1, {MAX_BLOCK}]",
