@@ -215,7 +215,7 @@ def check_flags(args: EvalArgs) -> Settings:
                         "(more than one --drafter, or a --tree-budget curve)")
     if outputs and not args.drafter:
         raise UserError(f"{outputs[0]}: needs a --drafter with a confidence head")
-    flags.check_calibration_scheduled(args.calibration, s.scheduler)
+    flags.check_calibration_read(args.calibration, s)
     tuning = calibration_tuning(args)
     if tuning and (several or not args.drafter):
         raise UserError(f"{tuning[0]}: shapes the calibration report of one drafter's confidence "

@@ -930,7 +930,9 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
                             thinking=thinking)
         ids.append(prompt_ids)
     check_prompts(ids, m.target, s.max_new_tokens, drafter=m.drafter)
-    flags.check_tree_temperature(s, [m.drafter], flags.sampling_for(m, s).temperature)
+    temperature = flags.sampling_for(m, s).temperature
+    flags.check_tree_temperature(s, [m.drafter], temperature)
+    flags.check_calibration_read(m.calibration, s, temperature)
     engine = make_engine(m, m.drafter, ids, s, verbose=False)
     return decode(m, ids, s, engine)
 
@@ -950,7 +952,9 @@ def run(args: Args) -> dict:
         threads = flags.start_machine(machine, s)
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
-        flags.check_tree_temperature(s, [m.drafter], flags.sampling_for(m, s).temperature)
+        temperature = flags.sampling_for(m, s).temperature
+        flags.check_tree_temperature(s, [m.drafter], temperature)
+        flags.check_calibration_read(args.calibration, s, temperature)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)

@@ -433,6 +433,7 @@ class Models:
     directories: tuple = (None, None)        # where the target and the drafter were read
     generation_problem: Optional[str] = None  # why that file is unusable, said only where it is used
     generation_unapplied: tuple = ()  # what that file asks for that is not applied here ("key value" each)
+    calibration: Optional[str] = None  # the STS temperatures file the drafter's head applies
 
     @property
     def hub_snapshots(self) -> list[str]:
@@ -528,7 +529,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             if m is not None:
                 backend.install(m)
     return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter),
-                  generation_problem, unapplied)
+                  generation_problem, unapplied, calibration)
 
 
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:

@@ -545,7 +545,7 @@ def check_command_line(args):
                         "it would change nothing")
     check_chat_flags(chat=r.chat, ids=p.prompt_ids is not None, system_prompt=r.system_prompt,
                      thinking=r.enable_thinking)
-    check_calibration_scheduled(args.calibration, s.scheduler)
+    check_calibration_read(args.calibration, s)
     check_files(args)
     resolve_device(args.machine.device)
     return s
@@ -588,13 +588,23 @@ def recorded_flags(args, read) -> dict:
     return config
 
 
-def check_calibration_scheduled(calibration: Optional[str], scheduler: str):
-    """--calibration scales the confidences a schedule reads: without a schedule it changes nothing."""
-    if calibration is not None and scheduler == "none":
-        raise UserError(f"--calibration {calibration}: "
-                        f"only a scheduled round reads the confidences "
-                        f"(--scheduler {sched.SCHEDULED}); "
-                        f"without one it changes nothing")
+def check_calibration_read(calibration: Optional[str], s, temperature: Optional[float] = None):
+    """--calibration scales the confidences that a schedule reads and that shape a sampled draft tree (the
+    head ranks each node's children): refused where nothing reads them. temperature: the run's, None
+    before the models load (a tree may then be sampled)."""
+    if calibration is None or s.scheduler != "none":
+        return
+    if s.tree_budget and temperature is None:
+        return
+    if s.tree_budget and temperature > 0:
+        return
+    if s.tree_budget:
+        raise UserError(f"--calibration {calibration}: a greedy draft tree ranks its branches by the "
+                        f"drafter's probabilities (--tree-temperature), not by the confidences; "
+                        f"it would change nothing")
+    raise UserError(f"--calibration {calibration}: "
+                    f"only a scheduled round (--scheduler {sched.SCHEDULED}) or a sampled draft tree "
+                    f"reads the confidences; without either it changes nothing")
 
 
 def check_calibration_file(path: Optional[str]):

@@ -511,7 +511,8 @@ def test_bad_input_is_one_line_error(env, tmp_path, capsys, case):
                                    ": holds one engine's SPS(B), and this run compares several rows"),
         # under the none schedule nothing reads the confidences --calibration scales (as speculate.py refuses it)
         "calibration-unscheduled": (base + ["--calibration", tmp_path / "nope.json"],
-                                    "only a scheduled round reads the confidences"),
+                                    "only a scheduled round (--scheduler threshold, hardware, async) or a sampled "
+                                    "draft tree reads the confidences"),
         "prompt-fills-context": (base[:5] + [long] + base[6:8] + base[10:],
                                  "gsm8k.jsonl:1: 300 tokens fill the target's context of 256"),
     }[case]

@@ -17,6 +17,7 @@ import heapq
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -637,6 +638,35 @@ def test_a_trees_survival_is_the_chains_confidence_at_that_position(tenv):
             parent_tokens = previous[:, depth - 1:depth]  # [B, 1] the chain's token before that depth
             tree = speculate.tree_survival(d, hidden, depth, parent_tokens)
             torch.testing.assert_close(tree[:, 0], chain[:, depth - 1])
+
+
+def test_calibration_is_taken_where_the_head_shapes_a_sampled_tree(tenv, tmp_path, capsys):
+    """A sampled tree's branches are ranked by the confidence head, which --calibration scales: taken, and it
+    changes the trees; a greedy tree's are not (refused, as an unscheduled chain is, on the command line and
+    in generate). It was refused for every unscheduled run, and the API applied it wherever it changed nothing."""
+    import speculate
+
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": [0.05] * 4}))
+    sampled = ["--tree-budget", 6, "--temperature", 1, "--seed", 3]
+    plain = decode(tenv, *sampled, drafter="vanilla")
+    calibrated = decode(tenv, *sampled, "--calibration", cal, drafter="vanilla")
+    shapes = [[r["parents"] for r in tr.rounds] for tr in (plain, calibrated)]
+    assert shapes[0] != shapes[1]
+    base = ["--target", tenv["target"], "--drafter", tenv["drafters"]["vanilla"], "--prompt-ids", "1,2",
+            "--calibration", cal]
+    for extra, needle in ((["--tree-budget", 4, "--temperature", 0], "a greedy draft tree ranks its branches"),
+                          (["--temperature", 1], "only a scheduled round (--scheduler")):
+        rc = speculate.main([str(a) for a in base + extra])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+    m = speculate.load(tenv["target"], tenv["drafters"]["vanilla"], calibration=str(cal))
+    speculate.generate(m, [[1, 2]], max_new_tokens=4, temperature=1.0, tree_budget=4)
+    for kw, needle in ((dict(tree_budget=4, temperature=0), "a greedy draft tree ranks its branches"),
+                       (dict(temperature=1.0), "only a scheduled round (--scheduler")):
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            speculate.generate(m, [[1, 2]], max_new_tokens=4, **kw)
+    speculate.generate(m, [[1, 2]], max_new_tokens=4, temperature=1.0, confidence_threshold=0.5)
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
