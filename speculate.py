@@ -777,6 +777,9 @@ class Engine:
 def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device: str = "cpu",
          dtype: Optional[str] = None, calibration: Optional[str] = None) -> Models:
     """The models for `generate`: checkpoint directories or hub ids; with neither, the demo pair."""
+    target = flags.path_argument(target, "--target")
+    drafter = flags.path_argument(drafter, "--drafter")
+    calibration = flags.path_argument(calibration, "--calibration")
     if target is None and drafter is None:
         target = os.path.join(DEMO_DIR, "target")
         drafter = os.path.join(DEMO_DIR, "drafter")

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Optional
 
+import numpy as np
 import torch
 
 import kernels
@@ -163,6 +164,8 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
             setattr(s, name, kind(value))
         except OverflowError:  # an integer too large for a float
             raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected} in range)") from None
+    for name in ("ignore_eos", "verbose", "compile"):
+        setattr(s, name, python_bool(getattr(s, name)))
     for name in ("ignore_eos", "verbose"):
         value = getattr(s, name)
         if not isinstance(value, bool):
@@ -306,10 +309,29 @@ def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_b
     raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 
 
+def path_argument(value, name: str) -> Optional[str]:
+    """An API path argument (`load`'s target, drafter, calibration) as its flag takes it: a str or an
+    os.PathLike, None where not given."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"{name}: invalid value {value!r} (a path or hub id: a str or an os.PathLike)")
+    return value
+
+
+def python_bool(value):
+    """A numpy boolean as Python's (numpy numbers are taken as Python's too); anything else as given."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
 def check_rendering(tokenizer, chat, system_prompt, thinking) -> bool:
     """`generate`'s chat, system_prompt and thinking, checked as --chat, --system-prompt and
     --enable-thinking are: their types, then what the command line refuses of them. Returns chat resolved
     for `tokenizer` (`auto_chat`)."""
+    chat = python_bool(chat)
+    thinking = python_bool(thinking)
     if chat is not None and not isinstance(chat, bool):
         raise UserError(f"--chat: invalid value {chat!r} (True, False or None)")
     if system_prompt is not None and not isinstance(system_prompt, str):

@@ -441,6 +441,30 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
     assert len(req.output_ids) == 5
 
 
+def test_api_takes_paths_and_numpy_booleans_and_names_a_wrong_type(chat_target, tmp_path):
+    """load() takes pathlib paths as it takes strings (a Path calibration was an AttributeError) and names a
+    wrong type (an int target was a TypeError from posixpath); numpy booleans are booleans, as numpy numbers
+    are numbers (np.True_ was refused as 'not True or False')."""
+    import pathlib
+
+    import numpy as np
+    d, target, drafter = chat_target
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": [1.0] * 3}))
+    m = speculate.load(pathlib.Path(target), pathlib.Path(drafter), calibration=cal)
+    assert m.calibration == str(cal)
+    for kw, needle in ((dict(target=5), "--target: invalid value 5 (a path or hub id"),
+                       (dict(target=target, drafter=[drafter]), "--drafter: invalid value ["),
+                       (dict(target=target, drafter=drafter, calibration=3), "--calibration: invalid value 3")):
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            speculate.load(**kw)
+    plain = speculate.load(target, drafter)
+    want = speculate.generate(plain, "hello world", max_new_tokens=6, temperature=0, ignore_eos=True, chat=False)
+    got = speculate.generate(plain, "hello world", max_new_tokens=6, temperature=0, ignore_eos=np.bool_(True),
+                             chat=np.bool_(False), thinking=np.bool_(False), compile=np.bool_(False))
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
