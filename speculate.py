@@ -797,6 +797,7 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     """What an engine for `drafter` (None: autoregressive) holds for the prompts (at least `max_seq`
     positions a row), after the settings that depend on the drafter are checked and the caches (and a
     sampled tree's round) are checked against free memory: a refusal comes before any decoding."""
+    flags.check_engine_inputs(prompts, s, m.target, drafter)
     flags.check_drafter_settings(s, drafter)
     requests = len(prompts) * s.num_samples
     batch = min(s.batch_size, requests)
@@ -899,6 +900,7 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
     Of `s` it reads num_samples and max_new_tokens; everything else is the engine's, as it was built.
     on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
     on_finish(completion) as each ends."""
+    flags.check_engine_inputs(prompts, s, m.target, engine.drafter)
     longest = max(map(len, prompts))
     need = cache_length(longest, s.max_new_tokens, engine.drafter, engine.K, engine.tree_budget)
     if need > engine.max_seq:  # an engine reused for longer prompts or a larger budget than it was built for
@@ -932,7 +934,6 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
         prompt_ids = encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt,
                             thinking=thinking)
         ids.append(prompt_ids)
-    check_prompts(ids, m.target, s.max_new_tokens, drafter=m.drafter)
     temperature = flags.sampling_for(m, s).temperature
     flags.check_tree_temperature(s, [m.drafter], temperature)
     flags.check_calibration_read(m.calibration, s, temperature)

@@ -39,7 +39,7 @@ from support.cli import (
 )
 from support.files import check_outputs, file_problem, read_json
 from support.runlog import WandbFlags
-from support.text import StopStrings, auto_chat, check_chat_flags, encode, load_prompts
+from support.text import StopStrings, auto_chat, check_chat_flags, check_prompts, encode, load_prompts
 
 MAX_REQUESTS = 10_000_000
 MAX_TREE_BUDGET = 1024  # a draft tree's nodes at most
@@ -361,6 +361,23 @@ def prompt_list(prompts) -> list:
         raise UserError("prompts: a list mixing token ids and other prompts "
                         "(each prompt's token ids are a list of their own)")
     return list(prompts)
+
+
+def check_engine_inputs(prompts, s, target, drafter):
+    """`make_engine`'s and `decode`'s token-id prompts, checked as `generate` checks what it encodes, and
+    their settings checked (`check_settings` resolves the scheduler)."""
+    if not isinstance(s, Settings) or s.scheduler is None:
+        raise UserError("settings: not checked; pass support.flags.check_settings(Settings(...), device)")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise UserError(f"prompts: a non-empty list of token-id lists, got {repr(prompts)[:80]}")
+    for i, p in enumerate(prompts):
+        ids = isinstance(p, (list, tuple))
+        if ids:
+            ids = all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)
+        if not ids:
+            raise UserError(f"prompt {i}: a list of token ids, got {repr(p)[:80]} "
+                            f"(generate encodes text and conversations)")
+    check_prompts(prompts, target, s.max_new_tokens, drafter=drafter)
 
 
 # Flag groups shared by the programs

@@ -465,6 +465,30 @@ def test_api_takes_paths_and_numpy_booleans_and_names_a_wrong_type(chat_target, 
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
 
 
+def test_make_engine_and_decode_check_their_prompts_and_settings(chat_target):
+    """The documented driver checks what it is given as generate does: an empty list, an empty prompt, text,
+    an id outside the vocabulary and unchecked settings were a ValueError, IndexError or TypeError from deep
+    inside (the embedding's own, for the id)."""
+    from support import flags
+    from support.flags import Settings
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    s = flags.check_settings(Settings(max_new_tokens=4, temperature=0), "cpu")
+    ids = [[10, 20, 30], [5, 6]]
+    engine = speculate.make_engine(m, m.drafter, ids, s, verbose=False)
+    assert len(speculate.decode(m, ids, s, engine)) == 2
+    for prompts, settings, needle in (([], s, "prompts: a non-empty list of token-id lists"),
+                                      ([[]], s, "prompt 0: empty prompt"),
+                                      (["abc"], s, "prompt 0: a list of token ids, got 'abc'"),
+                                      ([[1, 2], [True]], s, "prompt 1: a list of token ids"),
+                                      ([[99999]], s, "prompt 0: token id 99999 is outside the vocabulary"),
+                                      (ids, Settings(), "settings: not checked")):
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            speculate.decode(m, prompts, settings, engine)
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            speculate.make_engine(m, m.drafter, prompts, settings, verbose=False)
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
