@@ -70,7 +70,8 @@ def _build() -> Optional[str]:
     key = hashlib.sha256(code + build_line.encode()).hexdigest()[:16]
     # One build folder per source and flags, compiling a copy kept there: every checkout of the same
     # source shares the build (ninja would rebuild for a source at another path).
-    folder = os.path.join(cpp_extension.get_default_build_root(), f"dspark_cpu_kernels_{key}")
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folder = os.path.join(root, f"dspark_cpu_kernels_{key}")
     try:
         os.makedirs(folder, exist_ok=True)
         copy = os.path.join(folder, "cpu_kernels.cpp")

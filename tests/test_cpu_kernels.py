@@ -421,6 +421,8 @@ def test_unavailable_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))  # not the real build's folder
     why = cpu_kernels._build()
     assert why.startswith(f"building {bad} failed: ") and "error" in why and "\n" not in why
+    # built where TORCH_EXTENSIONS_DIR says, as torch's extensions are (it went to ~/.cache in any case)
+    assert [p.name[:19] for p in (tmp_path / "build").iterdir()] == ["dspark_cpu_kernels_"]
 
 
 # ----------------------------------------------------------------------------------------
