@@ -411,12 +411,15 @@ def device_name(device) -> str:
 
 
 def free_memory(device) -> int:
-    """Bytes still free on `device` (0: unknown, no check; "meta" holds nothing). On a CPU, what Linux
-    says is available: free pages and the page cache it can reclaim (the free pages alone, where it
-    does not say)."""
+    """Bytes still free on `device` (0: unknown, no check; "meta" holds nothing). On CUDA, what the card
+    has free and torch's allocator holds unused; on a CPU, what Linux says is available: free pages and
+    the page cache it can reclaim (the free pages alone, where it does not say)."""
     kind = torch.device(device).type
     if kind == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+        device = torch.device(device)
+        free = torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached
     if kind != "cpu":
         return 0
     with contextlib.suppress(ValueError, OSError):

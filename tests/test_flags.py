@@ -125,6 +125,39 @@ def test_decode_refuses_prompts_longer_than_its_engine_was_sized_for():
         speculate.decode(m, [list(range(5, 205))], s, engine)
 
 
+def test_the_caches_a_model_holds_count_as_free_for_its_next_engine(monkeypatch):
+    """Load once, generate many times: the caches the last engine left on the models are reused or freed by
+    the next, so they count as free. Here the device has `budget` bytes and what the models hold is in use
+    (as the allocator sees it): an engine of the same size again was refused, its own caches counted."""
+    import gc
+
+    m = speculate.load()
+    s = flags.check_settings(speculate.Settings(max_new_tokens=64, batch_size=4, num_samples=4), "cpu")
+
+    def held():
+        layers = list(m.target.layers) + list(m.drafter.layers)
+        return sum(l.self_attn.kv_cache.k.nbytes + l.self_attn.kv_cache.v.nbytes for l in layers)
+
+    speculate.make_engine(m, m.drafter, [[1, 2, 3]], s, verbose=False)
+    need = held()
+    assert need > 0
+    budget = int(need / 0.9) + 1024  # room for one engine's caches
+    monkeypatch.setattr(flags, "free_memory", lambda device: budget - held())
+    gc.collect()
+    speculate.make_engine(m, m.drafter, [[1, 2, 3]], s, verbose=False)
+    bigger = flags.check_settings(speculate.Settings(max_new_tokens=128, batch_size=4, num_samples=4), "cpu")
+    with pytest.raises(UserError, match="the KV caches for --batch-size 4"):
+        speculate.make_engine(m, m.drafter, [[1, 2, 3]], bigger, verbose=False)
+
+
+def test_free_memory_on_cuda_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """Freed tensors stay reserved by torch's caching allocator, which reuses them: free for the caches."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 9 << 30)
+    assert free_memory("cuda") == 8 << 30
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
 def test_free_memory_on_a_cpu_is_what_linux_says_is_available():
     """The memory checks compare against MemAvailable (free pages and the page cache Linux can reclaim),
