@@ -26,7 +26,7 @@ import sampling
 import scheduler as sched
 from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
-from support import flags, metrics, runlog
+from support import cpu_kernels, flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
 from support.cli import UserError, cli_main
 from support.flags import Args, Settings
@@ -613,6 +613,8 @@ class Engine:
         apart. on_round(request, entry): the round's trace entry (`trace_record`); on_finish(request),
         on_step() after each batch round."""
         self.own_caches()
+        for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
+            cpu_kernels.refresh(m)
         self.scheduler.reset()
         skip = self.is_compiled and self.warmed and self.skip_guards
         rows = Rows.empty(self.max_batch, self.device)

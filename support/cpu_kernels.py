@@ -235,6 +235,13 @@ def install(m: nn.Module) -> bool:
     return True
 
 
+def refresh(m: nn.Module):
+    """`install` again where it was installed: the panels of weights edited since (an ablation,
+    load_state_dict) are copied anew, so an eager run decodes with the weights as they are now."""
+    if any(isinstance(x, PanelLinear) for x in m.modules()):
+        install(m)
+
+
 def copied_bytes(m: nn.Module, device, dtype: torch.dtype) -> int:
     """What `install` would copy of `m` (built on any device, meta included) once it is on `device` in
     `dtype`: its fitting linear layers' weights on a CPU in float32 with the kernels available, else 0."""

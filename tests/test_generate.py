@@ -489,6 +489,35 @@ def test_make_engine_and_decode_check_their_prompts_and_settings(chat_target):
             speculate.make_engine(m, m.drafter, prompts, settings, verbose=False)
 
 
+def test_weights_edited_between_calls_decode_as_edited(chat_target):
+    """An ablation between two calls (every MLP's down_proj zeroed in place) decodes as the plain model with
+    that edit does: the CPU kernels' panel copies follow (they decoded the unedited weights in silence), on
+    an engine reused across the edit too."""
+    from support import flags
+    from support.flags import Settings
+    d, target, drafter = chat_target
+    prompts = [[7, 8, 9], [3, 4]]
+    from support.checkpoint import load_models
+    plain = load_models(target, drafter, cpu_kernels=False)
+    m = speculate.load(target, drafter)
+    before = [c.output_ids for c in speculate.generate(m, prompts, max_new_tokens=12, temperature=0)]
+    s = flags.check_settings(Settings(max_new_tokens=12, temperature=0), "cpu")
+    engine = speculate.make_engine(m, m.drafter, prompts, s, verbose=False)
+    with torch.no_grad():
+        for models in (plain, m):
+            for layer in models.target.layers:
+                layer.mlp.down_proj.weight.zero_()
+    want = [c.output_ids for c in speculate.generate(plain, prompts, max_new_tokens=12, temperature=0)]
+    assert want != before
+    assert [c.output_ids for c in speculate.generate(m, prompts, max_new_tokens=12, temperature=0)] == want
+    with torch.no_grad():
+        for models in (plain, m):
+            for layer in models.target.layers:
+                layer.mlp.down_proj.weight.fill_(0.01)
+    want = [c.output_ids for c in speculate.generate(plain, prompts, max_new_tokens=12, temperature=0)]
+    assert [c.output_ids for c in speculate.decode(m, prompts, s, engine)] == want
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
