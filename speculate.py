@@ -821,35 +821,36 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                 max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
     """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq`
     positions a row), compiled and warmed up when asked (eager: one untimed round), its SPS table
-    read or profiled."""
-    size = size_engine(m, drafter, prompts, s, max_seq)
-    kind = flags.scheduler_kind(s, drafter)
-    drawn = flags.sampling_for(m, s)
-    stop_ids = m.stop_ids
-    if s.ignore_eos:
-        stop_ids = ()
-    stop_strings = StopStrings.build(m.tokenizer, s.stop)
-    engine = Engine(m.target, drafter, batch_size=size.batch, max_seq=size.max_seq,
-                    temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
-                    stop_ids=stop_ids, stop_strings=stop_strings, scheduler=kind,
-                    threshold=s.confidence_threshold, buckets=size.buckets, compile=s.compile,
-                    compile_mode=s.compile_mode, compile_verbose=s.verbose, backend=s.kernels,
-                    num_drafts=s.draft_length, tree_budget=s.tree_budget,
-                    tree_temperature=s.tree_temperature)
-    if s.compile:
-        engine.warmup()
-        if verbose:
-            what = "speculative"
-            if drafter is None:
-                what = "autoregressive"
-            print(f"compiled the {what} round in {engine.compile_seconds:.1f} s", file=sys.stderr)
-    else:  # one untimed full round, so that first-call costs (a GPU library's set-up) time no decode
-        full_round = engine.scheduler.profile_points[-1]  # every row sends every draft
-        engine.dummy_round(full_round)
-    if kind in sched.SPS_KINDS:
-        sps = sched.load_or_profile(engine, s.sps_table, verbose=verbose)
-        engine.scheduler.set_sps(sps)
-    return engine
+    read or profiled. One thread at a time sets up or runs an engine on `m`."""
+    with m.lock:  # the models' caches become this engine's
+        size = size_engine(m, drafter, prompts, s, max_seq)
+        kind = flags.scheduler_kind(s, drafter)
+        drawn = flags.sampling_for(m, s)
+        stop_ids = m.stop_ids
+        if s.ignore_eos:
+            stop_ids = ()
+        stop_strings = StopStrings.build(m.tokenizer, s.stop)
+        engine = Engine(m.target, drafter, batch_size=size.batch, max_seq=size.max_seq,
+                        temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
+                        stop_ids=stop_ids, stop_strings=stop_strings, scheduler=kind,
+                        threshold=s.confidence_threshold, buckets=size.buckets, compile=s.compile,
+                        compile_mode=s.compile_mode, compile_verbose=s.verbose, backend=s.kernels,
+                        num_drafts=s.draft_length, tree_budget=s.tree_budget,
+                        tree_temperature=s.tree_temperature)
+        if s.compile:
+            engine.warmup()
+            if verbose:
+                what = "speculative"
+                if drafter is None:
+                    what = "autoregressive"
+                print(f"compiled the {what} round in {engine.compile_seconds:.1f} s", file=sys.stderr)
+        else:  # one untimed full round, so that first-call costs (a GPU library's set-up) time no decode
+            full_round = engine.scheduler.profile_points[-1]  # every row sends every draft
+            engine.dummy_round(full_round)
+        if kind in sched.SPS_KINDS:
+            sps = sched.load_or_profile(engine, s.sps_table, verbose=verbose)
+            engine.scheduler.set_sps(sps)
+        return engine
 
 
 @dataclass
@@ -914,7 +915,8 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
         if on_finish is not None:
             on_finish(completion(req, m, engine))
 
-    engine.generate(requests, s.max_new_tokens, on_round, finished, on_step)
+    with m.lock:  # another thread's engine would put its caches in the models mid-decode
+        engine.generate(requests, s.max_new_tokens, on_round, finished, on_step)
     return [completion(r, m, engine) for r in requests]
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -434,6 +435,8 @@ class Models:
     generation_problem: Optional[str] = None  # why that file is unusable, said only where it is used
     generation_unapplied: tuple = ()  # what that file asks for that is not applied here ("key value" each)
     calibration: Optional[str] = None  # the STS temperatures file the drafter's head applies
+    # held by whatever sets up or runs an engine on these models (their caches are the engine's)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def hub_snapshots(self) -> list[str]:

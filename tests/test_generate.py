@@ -518,6 +518,34 @@ def test_weights_edited_between_calls_decode_as_edited(chat_target):
     assert [c.output_ids for c in speculate.decode(m, prompts, s, engine)] == want
 
 
+def test_threads_sharing_models_take_turns(chat_target):
+    """Two threads calling generate on one Models (a thread pool, a web server): each call's output is the
+    one it gives alone. The models' caches belong to one engine at a time; a second thread's engine put
+    its own in mid-decode (other tokens in silence, or an error from the attention kernel)."""
+    import threading
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    calls = {"a": ([[7, 8, 9], [3, 4]], dict(max_new_tokens=24, temperature=0)),
+             "b": ([[5, 6], [1, 2, 3], [9]], dict(max_new_tokens=32, temperature=0, batch_size=2))}
+    want = {name: [c.output_ids for c in speculate.generate(m, p, **kw)] for name, (p, kw) in calls.items()}
+    got = {name: [] for name in calls}
+
+    def work(name):
+        prompts, kw = calls[name]
+        for _ in range(4):
+            try:
+                got[name].append([c.output_ids for c in speculate.generate(m, prompts, **kw)])
+            except Exception as e:  # noqa: BLE001 - recorded, compared below
+                got[name].append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {name: [want[name]] * 4 for name in calls}
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
