@@ -809,7 +809,7 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     device = m.target.embed_tokens.weight.device
     tree_bytes = 0
     if s.tree_budget and flags.sampling_for(m, s).temperature > 0:
-        tree_bytes = flags.sampled_tree_bytes(m, drafter, s.tree_budget)
+        tree_bytes = flags.sampled_tree_bytes(m.target, drafter, s.tree_budget)
     flags.check_cache_memory(m.target, drafter, batch, max_seq, device, tree_bytes)
     buckets = None
     if drafter is not None:

@@ -880,7 +880,10 @@ def run(args: BenchArgs) -> list[dict]:
         tree_budgets = parse_ints(args.tree_budgets, "--tree-budgets")
     widest = max([s.tree_budget] + tree_budgets)
     max_seq = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, widest)
-    flags.check_cache_memory(target, drafter, max(batch_sizes), max_seq, dev, rows="--batch-sizes")
+    tree_bytes = 0
+    if widest and s.temperature > 0:
+        tree_bytes = flags.sampled_tree_bytes(target, drafter, widest)
+    flags.check_cache_memory(target, drafter, max(batch_sizes), max_seq, dev, tree_bytes, rows="--batch-sizes")
     rows = []
     ratios = []
     for B in batch_sizes:

@@ -276,11 +276,11 @@ def sampling_for(m, s) -> Sampling:
     return Sampling(temperature, filters, source)
 
 
-def sampled_tree_bytes(m, drafter, tree_budget: int) -> int:
+def sampled_tree_bytes(target, drafter, tree_budget: int) -> int:
     """What a sampled tree's round holds a row, at least: its races and the distributions its kept
     nodes draw from (`sampling.tree_parent_count` rows of the vocabulary each), and the tree's nodes' and
     the target's at them (budget + 1 rows each), in float32."""
-    V = m.target.args.vocab_size
+    V = target.args.vocab_size
     parents = tree_parent_count(tree_budget, drafter.cfg.num_drafts, V)
     rows = 2 * parents + 2 * (tree_budget + 1)
     return 4 * rows * V

@@ -494,6 +494,23 @@ def test_caches_past_free_memory_are_refused_before_any_timing(monkeypatch, caps
     assert rc == 2 and "error: the KV caches for --batch-sizes 8 x " in err and "lower --batch-sizes" in err, err
 
 
+def test_a_sampled_trees_round_counts_against_free_memory(monkeypatch, capsys):
+    """A sampled tree's races and distributions over the vocabulary are added to the caches' need, as
+    speculate.py adds them (bench.py checked the caches alone and ran out of memory while timing)."""
+    from support import flags
+
+    monkeypatch.setattr(flags, "free_memory", lambda device: 1 << 20)
+    from speculate import DEMO_DIR
+
+    base = ["--target", f"{DEMO_DIR}/target", "--drafter", f"{DEMO_DIR}/drafter", "--no-compile",
+            "--batch-sizes", "2", "--max-new-tokens", "4", "--reference", "False", "--tree-budgets", "4,16"]
+    for temperature in ("0", "1"):
+        rc = bench.main(base + ["--temperature", temperature])
+        err = capsys.readouterr().err
+        assert rc == 2 and "error: the KV caches for --batch-sizes 2 x " in err, err
+        assert ("a sampled tree's races" in err) == (temperature == "1"), err
+
+
 def test_the_default_reference_loop_says_when_it_is_skipped(capsys):
     """On a CPU the reference loop runs by default, a DSpark chain greedy at batch 1: for a tree or an Eagle3
     checkpoint it was left out without a word; asked for with an Eagle3 checkpoint it was dropped too."""
