@@ -45,10 +45,12 @@ class DrafterConfig:
             return self.block_size - 1  # slot 0 holds the anchor
         return self.block_size
 
-    def describe(self) -> str:
+    def describe(self, num_drafts: Optional[int] = None) -> str:
+        """One line for a program's start; num_drafts: an Eagle3 run's --draft-length, where given."""
         if self.layout == "eagle3":
+            drafts = num_drafts or self.num_drafts
             return (
-                f"drafter: layout=eagle3 (one-token steps) drafts/round={self.num_drafts} "
+                f"drafter: layout=eagle3 (one-token steps) drafts/round={drafts} "
                 f"layers={self.layers.num_hidden_layers} target_layer_ids={list(self.target_layer_ids)}"
             )
         heads = f"markov={self.markov_head_type or 'off'}"

@@ -486,12 +486,12 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    datasets_resolved={n: len(ps) for n, ps in prompts.items()},
                    target_config=runlog.checkpoint_config(target_dir),
                    drafter_config=one_or_list([runlog.checkpoint_config(d) for d in drafter_dirs]),
-                   drafter_resolved=[d.cfg.describe() for d in drafters],
+                   drafter_resolved=[d.cfg.describe(s.draft_length) for d in drafters],
                    rows=[r.label for r in rows])
     if rank == 0:
         print(threads, file=sys.stderr)
         for d in drafters:
-            print(d.cfg.describe(), file=sys.stderr)
+            print(d.cfg.describe(s.draft_length), file=sys.stderr)
         for line in m.hub_snapshots:
             print(line, file=sys.stderr)
     decoder = RowDecoder(args, rank, world, device, log, prompts, len(rows) > 1)
@@ -768,7 +768,7 @@ def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: boo
            skipped_files: list, revisions: Optional[dict] = None) -> dict:
     """results.json's config: the flags as given, and what the run resolved them to (`revisions`:
     `hub_revisions`)."""
-    drafter_config = one_or_list([d.cfg.describe() for d in drafters])
+    drafter_config = one_or_list([d.cfg.describe(args.decode.draft_length) for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,

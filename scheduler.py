@@ -314,7 +314,7 @@ def sps_identity(engine) -> dict:
               f"vocab {a.vocab_size}")
     drafter = None
     if engine.drafter is not None:
-        drafter = engine.drafter.cfg.describe()
+        drafter = engine.drafter.cfg.describe(engine.K)
     dtype = str(engine.target.embed_tokens.weight.dtype).replace("torch.", "")
     sampled = engine.temperature > 0
     return {"device": device_name(engine.device), "torch": torch.__version__, "target": target,

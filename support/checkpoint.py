@@ -450,10 +450,10 @@ class Models:
                 lines.append(f"{flag} {hub}: {path}")
         return lines
 
-    def describe(self) -> str:
+    def describe(self, num_drafts: Optional[int] = None) -> str:
         drafter = "no drafter: autoregressive decoding"
         if self.drafter:
-            drafter = self.drafter.cfg.describe()
+            drafter = self.drafter.cfg.describe(num_drafts)
         return "\n".join(self.hub_snapshots + [drafter])
 
 

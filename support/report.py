@@ -291,7 +291,7 @@ class Report:
                     "source": self.sampling.source}
         drafter = None
         if m.drafter is not None:
-            drafter = m.drafter.cfg.describe()
+            drafter = m.drafter.cfg.describe(s.draft_length)
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
                         dtype_resolved=str(m.dtype).removeprefix("torch."),
                         threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
@@ -322,7 +322,7 @@ class Report:
             random = ""
             if self.args.random_init:
                 random = " (random weights)"
-            print(self.models.describe() + random, file=sys.stderr)
+            print(self.models.describe(engine.K) + random, file=sys.stderr)
         name = "autoregressive"
         if engine.drafter is not None:
             name = "speculative"

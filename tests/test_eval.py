@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, build_tokenizer
+from conftest import IM_END_ID, QWEN3_LIKE_TEMPLATE, REPO_ROOT, build_tokenizer, run_captured
 from drafters import make_drafter, make_target
 
 import eval as ev
@@ -893,10 +893,15 @@ def test_an_eagle3_draft_length_is_the_runs_number_of_positions(env, tmp_path, c
     args = ["--target", env["target"], "--drafter", eagle3, "--draft-length", "2", "--data-dir", env["data"],
             "--datasets", "gsm8k", "--max-samples", "2", "--max-new-tokens", "12", "--temperature", "0",
             "--no-progress", "--out", str(out)]
-    assert ev.main(args) == 0, capsys.readouterr().err
+    assert ev.main(args) == 0
+    err = capsys.readouterr().err
+    assert "drafts/round=2 " in err and "drafts/round=4" not in err, err  # the line said the checkpoint's 4
     res = json.loads(out.read_text())
-    assert res["config"]["num_drafts"] == 2
+    assert res["config"]["num_drafts"] == 2 and "drafts/round=2 " in res["config"]["drafter_config"]
     assert all(len(e["accept_rates_by_position"]) == 2 for e in res["datasets"])
+    rc, _, err = run_captured(["--target", env["target"], "--drafter", eagle3, "--draft-length", "3",
+                               "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+    assert rc == 0 and "drafts/round=3 " in err and "drafts/round=4" not in err, err
 
     class Table:  # as wandb.Table: every row as wide as the columns
         def __init__(self, columns, data):
