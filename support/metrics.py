@@ -30,6 +30,14 @@ def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]
     return n, rd["verified"], n + 1
 
 
+def drafted(rd: dict) -> int:
+    """The drafts a round proposed: a chain's K, or the tree nodes its search reached (parent -1: a
+    placeholder in `draft`)."""
+    if "parents" in rd:
+        return sum(parent >= 0 for parent in rd["parents"])
+    return len(rd["draft"])
+
+
 def path_reach(rd: dict, accepted: int) -> int:
     """How deep a tree round's drafts reach along its first `accepted` path nodes: one deeper than they
     when the last of them (the root when none) has a child, a draft sent after them."""
@@ -63,7 +71,7 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
             c["accepted"] += a
             c["verified"] += v
             c["committed"] += t
-            c["drafted"] += len(rd["draft"])
+            c["drafted"] += drafted(rd)
             for j in range(K):
                 c["verified_at"][j] += reach > j
                 c["accepted_at"][j] += a > j

@@ -192,6 +192,9 @@ def test_a_tree_tries_a_position_where_its_path_has_a_child():
     assert c["tried"][:3] == [2, 1, 1] and c["ok"][:3] == [2, 1, 0]
     assert c["verified_at"][:3] == [2, 2, 2]  # the authors' rates count the depth the tree reached
     assert metrics.accept_rate_by_position(c)[:3] == [1.0, 1.0, 0.0]
+    # drafted: the nodes the search reached, not the placeholders of those it did not (parent -1)
+    unreached = dict(leaf, draft=[5, 6, 7, 8, 4, 4], parents=[0, 0, 1, 3, -1, -1])
+    assert metrics.count([speculate.Request(0, [1], [1, 6, 9], [unreached])], K)["drafted"] == 4
 
 
 def test_a_position_no_round_tried_has_no_rate():
