@@ -515,8 +515,15 @@ def scheduler_kind(s, drafter) -> str:
 
 def check_drafter_settings(s, drafter):
     """The settings that need a drafter of some kind, against the one loaded (None: autoregressive, whose
-    settings `check_no_drafter` refused)."""
+    settings `check_no_drafter` refused where the run has none; an engine built without one, beside a
+    drafter's, keeps the drafter's schedule unread)."""
     if drafter is None:
+        if s.tree_budget:
+            raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a drafter, "
+                            f"and this engine has none")
+        if s.draft_length is not None:
+            raise UserError(f"--draft-length {s.draft_length}: sets how many drafts an Eagle3 drafter "
+                            f"proposes, and this engine has none")
         return
     if s.scheduler != "none" and drafter.confidence_head is None:
         name = f"--scheduler {s.scheduler}"

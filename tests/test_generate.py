@@ -487,6 +487,13 @@ def test_make_engine_and_decode_check_their_prompts_and_settings(chat_target):
             speculate.decode(m, prompts, settings, engine)
         with pytest.raises(speculate.UserError, match=re.escape(needle)):
             speculate.make_engine(m, m.drafter, prompts, settings, verbose=False)
+    # an engine without a drafter: what only a drafter reads (an IndexError or AttributeError inside)
+    for kw, needle in ((dict(tree_budget=4), "--tree-budget 4: a tree is drafted by a drafter"),
+                       (dict(tree_budget=4, temperature=1.0), "--tree-budget 4: a tree is drafted by a drafter"),
+                       (dict(draft_length=3), "--draft-length 3: sets how many drafts")):
+        settings = flags.check_settings(Settings(max_new_tokens=4, **kw), "cpu")
+        with pytest.raises(speculate.UserError, match=re.escape(needle)):
+            speculate.make_engine(m, None, ids, settings, verbose=False)
 
 
 def test_weights_edited_between_calls_decode_as_edited(chat_target):
