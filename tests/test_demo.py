@@ -52,6 +52,24 @@ def test_speculate_without_flags_runs_the_demo(capsys):
     assert any(l.startswith("speed-up:") and l.endswith("identical: True)") for l in lines), out
 
 
+def test_the_demos_baseline_summary_names_its_own_schedule(monkeypatch, capsys):
+    """The autoregressive baseline schedules nothing: its summary (logged to W&B) said the speculative run's
+    scheduler."""
+    from support import report
+
+    said = {}
+    real = report.summarize
+
+    def summarize(completions, engine, scheduler, tokens_per_second):
+        said[engine.drafter is None] = scheduler
+        return real(completions, engine, scheduler, tokens_per_second)
+
+    monkeypatch.setattr(report, "summarize", summarize)
+    assert speculate.main(["--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--confidence-threshold", "0.75"]) == 0
+    capsys.readouterr()
+    assert said == {True: "none", False: "threshold"}
+
+
 def test_demo_greedy_speculative_equals_autoregressive(tmp_path):
     trace = tmp_path / "t.jsonl"
     args = speculate.Args(decode=speculate.Settings(max_new_tokens=48), trace_file=str(trace))
