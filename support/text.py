@@ -372,7 +372,11 @@ RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"
                    "max_completion_tokens": "--max-new-tokens", "max_length": "--max-new-tokens",
                    "n": "--num-samples", "do_sample": "--temperature", "stop_token_ids": "--stop",
                    "thinking": "--enable-thinking", "chat_template_kwargs": "--enable-thinking"} | {
-    k: flag(k) for k in ("system_prompt", "enable_thinking") + DECODE_SETTINGS}
+    k: flag(k) for k in ("system_prompt", "enable_thinking") + DECODE_SETTINGS} | {"stop_sequences": "--stop"}
+# a request's key for what this decoding does not do, with the value that asks for nothing
+UNAPPLIED_REQUEST_KEYS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                          "min_tokens": 0, "min_new_tokens": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+                          "best_of": 1, "logit_bias": {}, "logprobs": False, "top_logprobs": 0}
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
@@ -516,6 +520,12 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
         if setting:
             raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
                             f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
+        for key, nothing in UNAPPLIED_REQUEST_KEYS.items():
+            value = row.get(key, nothing)
+            if value is not None and value != nothing:
+                shown = json.dumps(value)[:40]
+                raise UserError(f"{where}: {key} {shown} is not applied here (no such control in this "
+                                f"decoding); drop it (other keys are metadata, ignored)")
         kinds = [k for k in PROMPT_KINDS if k in row]
         if len(kinds) > 1:
             raise UserError(f"{where}: a record gives one prompt, "

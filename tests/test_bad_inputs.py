@@ -513,7 +513,13 @@ CASES = [
     *[(f"prompt-record-{key}", "speculate", lambda w, t, key=key: M(w, t, '{"prompt": "hi", "%s": 1}\n' % key),
        f"p.jsonl:1: a record cannot set '{key}'; that is the run's {flag}", False)
       for key, flag in (("n", "--num-samples"), ("max_length", "--max-new-tokens"), ("do_sample", "--temperature"),
-                        ("stop_token_ids", "--stop"), ("chat_template_kwargs", "--enable-thinking"))],
+                        ("stop_token_ids", "--stop"), ("chat_template_kwargs", "--enable-thinking"),
+                        ("stop_sequences", "--stop"))],
+    # ... and what no flag does, a penalty or a minimum length, decoded as if it were not there
+    *[(f"prompt-record-{key}", "speculate", lambda w, t, key=key, value=value: M(
+        w, t, '{"prompt": "hi", "%s": %s}\n' % (key, value)),
+       f"p.jsonl:1: {key} {value} is not applied here", False)
+      for key, value in (("repetition_penalty", "1.3"), ("min_tokens", "4"), ("logprobs", "true"))],
     ("prompt-not-text", "speculate", lambda w, t: M(w, t, '{"prompt": 5}\n'),
      "p.jsonl:1: 'prompt' must be a string, got 5", False),
     ("record-without-a-prompt", "speculate", lambda w, t: M(w, t, '{"text": "hi", "id": 3}\n'),
