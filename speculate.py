@@ -409,10 +409,13 @@ class Request:
 
 
 def drafts_per_round(drafter, num_drafts: Optional[int] = None) -> int:
-    """K: an Eagle3 chain's `num_drafts` (--draft-length), else the drafter's own; 0 without a drafter."""
+    """K: an Eagle3 chain's `num_drafts` (--draft-length), else the drafter's own (a block drafter drafts
+    its block whatever is asked); 0 without a drafter."""
     if drafter is None:
         return 0
-    return num_drafts or drafter.cfg.num_drafts
+    if drafter.cfg.layout == "eagle3" and num_drafts:
+        return num_drafts
+    return drafter.cfg.num_drafts
 
 
 def cache_length(longest_prompt: int, max_new_tokens: int, drafter,

@@ -553,6 +553,18 @@ def test_threads_sharing_models_take_turns(chat_target):
     assert got == {name: [want[name]] * 4 for name in calls}
 
 
+def test_drafts_per_round_is_the_drafters_unless_an_eagle3_chain_is_given_one(chat_target, tmp_path):
+    """api.md passes draft_length to drafts_per_round before metrics.count: a block drafter drafts its block
+    whatever is passed (it returned the number passed), an Eagle3 chain the number asked for."""
+    from drafters import make_eagle3
+    d, target, drafter = chat_target
+    block = speculate.load(target, drafter).drafter
+    eagle3 = speculate.load(target, make_eagle3(tmp_path / "eagle3", target, ttt_length=4)).drafter
+    assert speculate.drafts_per_round(block, 2) == speculate.drafts_per_round(block) == block.cfg.num_drafts
+    assert speculate.drafts_per_round(eagle3, 2) == 2 and speculate.drafts_per_round(eagle3) == 4
+    assert speculate.drafts_per_round(None, 2) == 0
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
