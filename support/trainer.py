@@ -395,9 +395,12 @@ def check_out_dir(args: TrainArgs, inputs):
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
     holds_files = os.path.isdir(real) and os.listdir(real)
     if holds_files and not resuming_here and not unfinished_run(real):
-        raise UserError(
-            f"--out {out}: already holds files (a previous run's?); give a new directory, or continue "
-            f"that run with --resume {out}")
+        names = os.listdir(real)
+        checkpointed = LATEST in names or any(n.startswith("checkpoint-") for n in names)
+        if checkpointed:
+            raise UserError(f"--out {out}: already holds a training run; give a new directory, or continue "
+                            f"that run with --resume {out}")
+        raise UserError(f"--out {out}: already holds files, and no training run; give a new directory")
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UserError(

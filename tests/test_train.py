@@ -517,7 +517,15 @@ def test_run_stopped_before_its_first_checkpoint_leaves_out_usable(tiny_target, 
     assert "starting afresh" in err
     assert [json.loads(l)["step"] for l in (out / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3]
     rc, _, err = run_train(flags)
-    assert rc == 2 and "already holds files" in err, err
+    assert rc == 2 and "already holds a training run; give a new directory, or continue that run with --resume" \
+        in err, err
+    # a directory that holds no training run (a published drafter): --resume is not offered, it would fail
+    other = tmp_path / "published"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    rc, _, err = run_train([a if a != out else other for a in flags])
+    assert rc == 2 and "already holds files, and no training run; give a new directory" in err, err
+    assert "--resume" not in err
 
 
 def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_path, monkeypatch):
