@@ -473,7 +473,12 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     s.batch_size = max(1, min(s.batch_size, most))
     every_prompt = [p for ps in prompts.values() for p in ps]
     for row in rows:  # each row's engine, checked before the first decodes
-        size_engine(m, row.drafter, every_prompt, row_settings(s, row))
+        try:
+            size_engine(m, row.drafter, every_prompt, row_settings(s, row))
+        except UserError as e:
+            if len(args.drafter) < 2 or row.directory is None:
+                raise
+            raise UserError(f"--drafter {row.directory}: {e}") from None  # which of the drafters
     if log is not None:
         log.config(world_size=world,
                    hardware=device_name(device),

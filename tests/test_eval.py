@@ -943,6 +943,13 @@ def test_draft_length_sets_the_eagle3_rows_of_a_comparison(env, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("error: --draft-length 2: only an Eagle3 drafter's chain length is chosen") and \
         err.count("\n") == 1, err
+    # a schedule refused for one of several drafters names that one (the first has a confidence head)
+    scheduled = common[:-2] + ["--confidence-threshold", "0.5", "--drafter", env["drafter"], "--drafter", eagle3,
+                               "--out", str(tmp_path / "t.json")]
+    assert ev.main(scheduled) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --drafter {eagle3}: --confidence-threshold 0.5: the --drafter has no confidence head, " \
+                  "whose confidences a scheduled round reads\n", err
 
 
 def test_wandb_tables_and_chart_hold_every_row_of_a_comparison():
