@@ -802,7 +802,6 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     """What an engine for `drafter` (None: autoregressive) holds for the prompts (at least `max_seq`
     positions a row), after the settings that depend on the drafter are checked and the caches (and a
     sampled tree's round) are checked against free memory: a refusal comes before any decoding."""
-    flags.check_engine_inputs(prompts, s, m.target, drafter)
     flags.check_drafter_settings(s, drafter)
     requests = len(prompts) * s.num_samples
     batch = min(s.batch_size, requests)
@@ -825,6 +824,7 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq`
     positions a row), compiled and warmed up when asked (eager: one untimed round), its SPS table
     read or profiled. One thread at a time sets up or runs an engine on `m`."""
+    flags.check_engine_inputs(m, prompts, s, drafter)
     with m.lock:  # the models' caches become this engine's
         size = size_engine(m, drafter, prompts, s, max_seq)
         kind = flags.scheduler_kind(s, drafter)
@@ -906,7 +906,7 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
     Of `s` it reads num_samples and max_new_tokens; everything else is the engine's, as it was built.
     on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
     on_finish(completion) as each ends."""
-    flags.check_engine_inputs(prompts, s, m.target, engine.drafter)
+    flags.check_engine_inputs(m, prompts, s, engine.drafter)
     longest = max(map(len, prompts))
     need = cache_length(longest, s.max_new_tokens, engine.drafter, engine.K, engine.tree_budget)
     if need > engine.max_seq:  # an engine reused for longer prompts or a larger budget than it was built for
@@ -927,6 +927,7 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
              thinking: bool = False, **settings) -> list[Completion]:
     """One Completion per prompt and sample, in order. `prompts`: one or a list of texts, token-id
     lists or conversations ([{"role", "content"}, ...]). Other arguments: `Settings` (the flags)."""
+    flags.check_models(m)
     known = {f.name for f in fields(Settings)}
     unknown = set(settings) - known
     if unknown:

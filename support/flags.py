@@ -18,6 +18,7 @@ import kernels
 import scheduler as sched
 from sampling import Filters, tree_parent_count
 from support import runlog
+from support.checkpoint import Models
 from support.cli import (
     DTYPES,
     MAX_BLOCK,
@@ -380,9 +381,16 @@ def prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def check_engine_inputs(prompts, s, target, drafter):
-    """`make_engine`'s and `decode`'s token-id prompts, checked as `generate` checks what it encodes, and
-    their settings checked (`check_settings` resolves the scheduler)."""
+def check_models(m):
+    """The API's models argument: what `speculate.load` returns."""
+    if not isinstance(m, Models):
+        raise UserError(f"models: speculate.load()'s result, got {type(m).__name__} {repr(m)[:60]}")
+
+
+def check_engine_inputs(m, prompts, s, drafter):
+    """`make_engine`'s and `decode`'s models, their token-id prompts, checked as `generate` checks what it
+    encodes, and their settings checked (`check_settings` resolves the scheduler)."""
+    check_models(m)
     if not isinstance(s, Settings) or s.scheduler is None:
         raise UserError("settings: not checked; pass support.flags.check_settings(Settings(...), device)")
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -394,7 +402,7 @@ def check_engine_inputs(prompts, s, target, drafter):
         if not ids:
             raise UserError(f"prompt {i}: a list of token ids, got {repr(p)[:80]} "
                             f"(generate encodes text and conversations)")
-    check_prompts(prompts, target, s.max_new_tokens, drafter=drafter)
+    check_prompts(prompts, m.target, s.max_new_tokens, drafter=drafter)
 
 
 # Flag groups shared by the programs

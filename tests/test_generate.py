@@ -477,16 +477,22 @@ def test_make_engine_and_decode_check_their_prompts_and_settings(chat_target):
     ids = [[10, 20, 30], [5, 6]]
     engine = speculate.make_engine(m, m.drafter, ids, s, verbose=False)
     assert len(speculate.decode(m, ids, s, engine)) == 2
-    for prompts, settings, needle in (([], s, "prompts: a non-empty list of token-id lists"),
-                                      ([[]], s, "prompt 0: empty prompt"),
-                                      (["abc"], s, "prompt 0: a list of token ids, got 'abc'"),
-                                      ([[1, 2], [True]], s, "prompt 1: a list of token ids"),
-                                      ([[99999]], s, "prompt 0: token id 99999 is outside the vocabulary"),
-                                      (ids, Settings(), "settings: not checked")):
+    cases = [(m, [], s, "prompts: a non-empty list of token-id lists"),
+             (m, [[]], s, "prompt 0: empty prompt"),
+             (m, ["abc"], s, "prompt 0: a list of token ids, got 'abc'"),
+             (m, [[1, 2], [True]], s, "prompt 1: a list of token ids"),
+             (m, [[99999]], s, "prompt 0: token id 99999 is outside the vocabulary"),
+             (m, ids, Settings(), "settings: not checked"),
+             ("demo", ids, s, "models: speculate.load()'s result, got str 'demo'"),
+             (m.target, ids, s, "models: speculate.load()'s result, got Transformer")]
+    for models, prompts, settings, needle in cases:
         with pytest.raises(speculate.UserError, match=re.escape(needle)):
-            speculate.decode(m, prompts, settings, engine)
+            speculate.decode(models, prompts, settings, engine)
         with pytest.raises(speculate.UserError, match=re.escape(needle)):
-            speculate.make_engine(m, m.drafter, prompts, settings, verbose=False)
+            speculate.make_engine(models, m.drafter, prompts, settings, verbose=False)
+    for models in ("demo", m.target):
+        with pytest.raises(speculate.UserError, match=re.escape("models: speculate.load()'s result, got ")):
+            speculate.generate(models, "def f():", max_new_tokens=4)
     # an engine without a drafter: what only a drafter reads (an IndexError or AttributeError inside)
     for kw, needle in ((dict(tree_budget=4), "--tree-budget 4: a tree is drafted by a drafter"),
                        (dict(tree_budget=4, temperature=1.0), "--tree-budget 4: a tree is drafted by a drafter"),
