@@ -786,6 +786,9 @@ def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device:
     drafter = flags.path_argument(drafter, "--drafter")
     calibration = flags.path_argument(calibration, "--calibration")
     if target is None and drafter is None:
+        if not os.path.isdir(DEMO_DIR):
+            raise UserError(f"load(): no target given, and the demo pair is not at {DEMO_DIR} (it stays in "
+                            f"the checkout: install with pip install -e, or give a target)")
         target = os.path.join(DEMO_DIR, "target")
         drafter = os.path.join(DEMO_DIR, "drafter")
     return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration)

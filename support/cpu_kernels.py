@@ -60,6 +60,8 @@ def _build() -> Optional[str]:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"no C++ compiler {cxx!r} on PATH (set CXX)"
+    if not os.path.isfile(SOURCE):
+        return f"their source {SOURCE} is missing"
     from torch.utils import cpp_extension
     # -mavx2 -mfma: a build any AVX2 machine sharing the cache can run (the AVX-512 code is chosen at
     # run time); -fopenmp: at::parallel_for is OpenMP in torch's CPU builds, one pool with torch's.

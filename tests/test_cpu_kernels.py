@@ -415,6 +415,9 @@ def test_unavailable_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert cpu_kernels._build().startswith("no C++ compiler")
     monkeypatch.delenv("CXX")
+    # an install that left the source out (pip install . of an older pyproject): a reason, not a traceback
+    monkeypatch.setattr(cpu_kernels, "SOURCE", str(tmp_path / "cpu_kernels.cpp"))
+    assert cpu_kernels._build() == f"their source {tmp_path / 'cpu_kernels.cpp'} is missing"
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", str(bad))

@@ -441,6 +441,14 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
     assert len(req.output_ids) == 5
 
 
+def test_load_without_a_target_says_where_the_demo_pair_is(monkeypatch, tmp_path):
+    """Installed without -e, the demo pair is not beside the modules: one line saying so (it was 'target
+    directory not found' for a path the user never gave)."""
+    monkeypatch.setattr(speculate, "DEMO_DIR", str(tmp_path / "demo"))
+    with pytest.raises(speculate.UserError, match=re.escape(f"the demo pair is not at {tmp_path / 'demo'}")):
+        speculate.load()
+
+
 def test_api_takes_paths_and_numpy_booleans_and_names_a_wrong_type(chat_target, tmp_path):
     """load() takes pathlib paths as it takes strings (a Path calibration was an AttributeError) and names a
     wrong type (an int target was a TypeError from posixpath); numpy booleans are booleans, as numpy numbers
