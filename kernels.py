@@ -691,6 +691,10 @@ def check_backend(name: str, device):
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is available")
     if not _triton_ok(torch.empty(0, device=device)):
+        late = _interpreting() and _TRITON_IMPORT_INTERPRET is False and torch.device(device).type == "cpu"
+        if late:  # triton was imported (by torch, building a model) before TRITON_INTERPRET=1 was set
+            raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported, which fixes its mode: "
+                               "set it before importing torch")
         raise RuntimeError("the Triton kernels need the triton package and a CUDA device "
                            "(on cpu, Triton's interpreter: TRITON_INTERPRET=1)")
     _build_triton_kernels()

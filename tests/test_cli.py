@@ -485,6 +485,25 @@ def test_triton_kernels_where_triton_cannot_run_are_refused_by_every_program(mon
         speculate.generate(m, [[1, 2]], max_new_tokens=2, kernels="triton")
 
 
+def test_triton_interpret_set_after_triton_was_imported_says_so():
+    """Building a model imports triton (through torch), which fixes its mode: TRITON_INTERPRET=1 set after
+    load() was refused with 'set TRITON_INTERPRET=1', which the caller had just done."""
+    pytest.importorskip("triton")
+    code = ("import os, sys, speculate; m = speculate.load(); print('triton' in sys.modules)\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "try: speculate.generate(m, [[5, 6, 7]], max_new_tokens=2, kernels='triton')\n"
+            "except speculate.UserError as e: print(e)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    imported, said = done.stdout.strip().splitlines()
+    if imported != "True":  # this torch did not import triton: nothing fixed its mode early
+        pytest.skip("loading did not import triton")
+    assert said == ("--kernels triton: TRITON_INTERPRET=1 was set after triton was imported, "
+                                   "which fixes its mode: set it before importing torch"), said
+
+
 def test_triton_kernels_in_a_compiled_run_on_a_cpu_are_refused(monkeypatch, capsys):
     """Triton's interpreter runs only eagerly: compiled, every kernel ran its torch reference while the run
     (and bench.py's header) said kernels=triton."""
@@ -499,10 +518,10 @@ def test_triton_kernels_in_a_compiled_run_on_a_cpu_are_refused(monkeypatch, caps
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_triton_kernels_on_cuda_without_cuda_are_one_line(capsys):
     """--kernels triton --device cuda where torch has no CUDA: one line, not torch's AssertionError from
-    building a tensor on the device."""
+    building a tensor on the device, naming --device (it blamed --kernels)."""
     rc = speculate.main(["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2", "--kernels", "triton",
                          "--device", "cuda"])
-    assert rc == 2 and capsys.readouterr().err == "error: --kernels triton: no CUDA device is available\n"
+    assert rc == 2 and capsys.readouterr().err == "error: --device cuda: no CUDA device is available\n"
 
 
 def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():
