@@ -175,6 +175,10 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
         value = getattr(s, name)
         if value is not None and not isinstance(value, str):
             raise UserError(f"{flag(name)}: invalid value {value!r} (a string, or None)")
+    t = s.temperature
+    if t is not None and (t < 0 or 0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE):
+        raise UserError(f"--temperature: invalid value {t!r} (valid: 0 for greedy, or "
+                        f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
     check_ranges(s, **{name: interval for name, (_, interval) in RANGES.items()})
     for name, choices in CHOICES.items():
         value = getattr(s, name)
@@ -186,9 +190,6 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
         kernels.check_backend(s.kernels, device)
     except RuntimeError as e:
         raise UserError(f"--kernels {s.kernels}: {e}") from None
-    if s.temperature is not None and 0 < s.temperature < MIN_TEMPERATURE:
-        raise UserError(f"--temperature: invalid value {s.temperature!r} (valid: 0 for greedy, or "
-                        f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
     filters = [name for name in ("top_k", "top_p", "min_p") if getattr(s, name) is not None]
     if s.temperature == 0 and filters:  # greedy: the most likely token, whatever a filter keeps
         raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, "
@@ -271,7 +272,7 @@ def sampling_for(m, s) -> Sampling:
         given = {"temperature": 0.0}
         source = "no sampling flag, and no generation_config.json"
         if m.generation_source is not None:
-            source = f"no sampling flag, and {m.generation_source} has do_sample false"
+            source = f"no sampling flag, and {m.generation_source} does not set do_sample true"
         if m.generation_unapplied:
             source += f"; not applied here: {', '.join(m.generation_unapplied)}"
     temperature = float(given.get("temperature", 1.0))

@@ -220,7 +220,7 @@ def test_generation_config_sampling_is_the_default(chat_target, tmp_path):
     # --temperature 0 is greedy whatever the file says; the file's do_sample false is greedy too
     rc, _, err3 = run_captured(["--target", sampler, *base, "--temperature", 0, "--output-file", tmp_path / "c.jsonl"])
     rc, _, err4 = run_captured(["--target", target, *base, "--output-file", tmp_path / "d.jsonl"])
-    assert "sampling: greedy (from --temperature)" in err3 and "has do_sample false" in err4
+    assert "sampling: greedy (from --temperature)" in err3 and "does not set do_sample true" in err4
     assert read(tmp_path / "c.jsonl") == read(tmp_path / "d.jsonl")
     assert len({tuple(o) for o in read(tmp_path / "c.jsonl")}) == 1
 
@@ -240,7 +240,7 @@ def test_generation_config_sampling_not_applied_is_said(chat_target, tmp_path):
                                     num_beams=4, suppress_tokens=[0, 200], typical_p=0.9, bad_words_ids=[])
     rc, _, err = run_captured(["--target", greedy, "--prompt-ids", "5,6,7", "--max-new-tokens", 4])
     assert rc == 0, err
-    assert (f"sampling: greedy (no sampling flag, and {greedy}/generation_config.json has do_sample false; "
+    assert (f"sampling: greedy (no sampling flag, and {greedy}/generation_config.json does not set do_sample true; "
             f"not applied here: repetition_penalty 1.5, num_beams 4, suppress_tokens [0, 200])") in err, err
 
 
@@ -433,7 +433,8 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
                               ([1, 2], 0, "--max-new-tokens: invalid value 0")):
         with pytest.raises(speculate.UserError, match=re.escape(needle)):
             speculate.generate(m, [prompt], max_new_tokens=n)
-    with pytest.raises(speculate.UserError, match="--temperature: invalid value -1.0"):
+    with pytest.raises(speculate.UserError, match=re.escape("--temperature: invalid value -1.0 (valid: 0 for greedy, "
+                                                            "or 0.0001 to 10000)")):
         speculate.generate(m, [[1, 2]], temperature=-1.0)
     engine = speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=32, temperature=np.float32(0.5))
     req = speculate.Request(0, [1, 2, 3])
