@@ -626,8 +626,13 @@ class Engine:
             self.admit(rows, waiting, max_new_tokens, on_finish)
             while rows.busy():
                 t0 = time.perf_counter()
-                self.step(rows, max_new_tokens, on_round, on_finish)
+                rounds = self.step(rows, max_new_tokens)
                 self.decode_seconds += time.perf_counter() - t0
+                for req, entry in rounds:  # the callbacks' time (a trace's writes) is not decoding's
+                    if on_round is not None:
+                        on_round(req, entry)
+                    if req.finish_reason is not None:
+                        self.finish(req, on_finish)
                 if on_step is not None:
                     on_step()
                 self.admit(rows, waiting, max_new_tokens, on_finish)
@@ -659,6 +664,7 @@ class Engine:
                                   self.device, rows=cache_rows, filters=self.filters)
             rows.anchor = rows.anchor.index_copy(0, index, first)
             rows.anchor_pos = rows.anchor_pos.index_copy(0, index, lens)
+            ended = []
             for i, req, token in zip(free, new, first.tolist()):
                 req.started = t0
                 if token < 0:
@@ -667,12 +673,15 @@ class Engine:
                 if req.finish_reason is None:
                     rows.requests[i] = req
                 else:
-                    self.finish(req, on_finish)
+                    ended.append(req)
             self.prefill_seconds += time.perf_counter() - t0
+            for req in ended:
+                self.finish(req, on_finish)
 
-    def step(self, rows: "Rows", max_new_tokens: int, on_round, on_finish):
+    def step(self, rows: "Rows", max_new_tokens: int) -> list:
         """One round of the engine: each row's noise, `round`, its packed record read once on the host,
-        each request's new tokens appended to its output."""
+        each request's new tokens appended to its output (a finished one's row freed). Returns each
+        request's (request, trace entry) of the round."""
         active = rows.active()
         noise = None
         if self.temperature > 0:
@@ -695,6 +704,7 @@ class Engine:
             # the confidences of the rows holding a request
             confidences = [rec.confidence for rec, req in zip(records, rows.requests) if req is not None]
             self.scheduler.observe(confidences)
+        rounds = []
         for i, (req, rec) in enumerate(zip(rows.requests, records)):
             if req is None:
                 continue
@@ -706,11 +716,10 @@ class Engine:
             req.rounds.append(entry)
             new_tokens = metrics.accepted_tokens(entry) + [rec.bonus]
             self.append_output(req, new_tokens, max_new_tokens)
-            if on_round is not None:
-                on_round(req, entry)
+            rounds.append((req, entry))
             if req.finish_reason is not None:
                 rows.requests[i] = None
-                self.finish(req, on_finish)
+        return rounds
 
     @staticmethod
     def finish(req: Request, on_finish):

@@ -580,6 +580,26 @@ def test_drafts_per_round_is_the_drafters_unless_an_eagle3_chain_is_given_one(ch
     assert speculate.drafts_per_round(None, 2) == 0
 
 
+def test_the_callbacks_time_is_not_decoding_time(chat_target):
+    """What on_round and on_finish take (a trace's writes and fsyncs, a progress bar) stays out of the
+    engine's prefill and decode seconds, and so out of the tokens/s a run reports: the demo's speculative
+    decode paid for its files and the autoregressive baseline, which writes none, did not."""
+    import time
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    engine = speculate.Engine(m.target, m.drafter, batch_size=2, max_seq=64)
+    requests = [speculate.Request(i, [3 + i, 4, 5]) for i in range(3)]
+    slept = []
+
+    def slow(*args):
+        time.sleep(0.05)
+        slept.append(0.05)
+
+    engine.generate(requests, 12, on_round=slow, on_finish=slow)
+    assert len(slept) > 5 and all(len(r.output_ids) == 12 for r in requests)
+    assert engine.prefill_seconds + engine.decode_seconds < 0.5 * sum(slept)
+
+
 def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
