@@ -137,6 +137,9 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                     t = f.get_tensor(key)
                     if t.dtype not in WEIGHT_DTYPES:
                         what = "not a floating-point weight"
+                        if key in ("d2t", "t2d"):
+                            what = ("an EAGLE-3 draft vocabulary map, not implemented: drafters here draft "
+                                    "over the target's whole vocabulary")
                         if t.is_floating_point():
                             what = ("a quantized format "
                                     "(not supported: use the unquantized checkpoint)")

@@ -840,6 +840,9 @@ EAGLE3_BAD = {
     "draft-vocab": (dict(extra_config={"draft_vocab_size": 16},
                          extra_tensors={"d2t": torch.zeros(16, dtype=torch.long)}),
                     "'draft_vocab_size' 16: a reduced draft vocabulary (EAGLE-3's d2t/t2d maps) is not implemented"),
+    # ... and its maps beside a config that leaves draft_vocab_size at the target's
+    "vocab-maps": (dict(extra_tensors={"d2t": torch.zeros(64, dtype=torch.long)}),
+                   "tensor 'd2t' is int64, an EAGLE-3 draft vocabulary map, not implemented"),
 }
 
 
