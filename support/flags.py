@@ -184,8 +184,6 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
         value = getattr(s, name)
         if value is not None and value not in choices:
             raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
-    if isinstance(device, str) and device.startswith("cuda"):
-        resolve_device(device)  # no CUDA: said of --device, before a setting that needs it
     try:
         kernels.check_backend(s.kernels, device)
     except RuntimeError as e:
