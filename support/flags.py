@@ -218,9 +218,6 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
                         f"(True, False, or None for the default)")
     if s.compile is None:  # on for cuda, off for cpu (a first compile on a CPU takes minutes)
         s.compile = torch.device(device).type == "cuda"
-    if s.compile and s.kernels == "triton" and torch.device(device).type == "cpu":
-        raise UserError("--kernels triton: Triton's interpreter cannot run inside a compiled graph, which "
-                        "would run the torch references instead: drop --compile or --kernels triton")
     if not s.compile:
         if s.compile_mode is not None:
             raise UserError(f"--compile-mode {s.compile_mode}: only used with --compile "

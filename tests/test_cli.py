@@ -504,17 +504,6 @@ def test_triton_interpret_set_after_triton_was_imported_says_so():
                                    "which fixes its mode: set it before importing torch"), said
 
 
-def test_triton_kernels_in_a_compiled_run_on_a_cpu_are_refused(monkeypatch, capsys):
-    """Triton's interpreter runs only eagerly: compiled, every kernel ran its torch reference while the run
-    (and bench.py's header) said kernels=triton."""
-    import kernels
-
-    monkeypatch.setattr(kernels, "check_backend", lambda backend, device: None)  # as under the interpreter
-    rc, out, err = run_captured(["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2",
-                                 "--kernels", "triton", "--compile"])
-    _one_error_line(rc, out, err, "--kernels triton: Triton's interpreter cannot run inside a compiled graph")
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_triton_kernels_on_cuda_without_cuda_are_one_line(capsys):
     """--kernels triton --device cuda where torch has no CUDA: one line, not torch's AssertionError from
