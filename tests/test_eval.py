@@ -1013,7 +1013,7 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
     from types import SimpleNamespace
 
     def drafter(name):
-        return SimpleNamespace(cfg=SimpleNamespace(describe=lambda: name))
+        return SimpleNamespace(cfg=SimpleNamespace(describe=lambda num_drafts=None: name))
 
     args = ev.EvalArgs(target="t", datasets="gsm8k, aime25,custom")
     engine = SimpleNamespace(compile_seconds=1.5)
