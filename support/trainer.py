@@ -165,14 +165,16 @@ def publish_checkpoint(out: str, step: int, write) -> list[str]:
     for stale in os.listdir(out):  # a killed save's leftovers
         if stale.startswith(".checkpoint-") and stale.endswith(".tmp"):
             shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        write(tmp)
-        with signals_deferred():  # Ctrl-C waits for the switch: one checkpoint, named by `latest`
+    # Ctrl-C or SIGTERM waits for the whole checkpoint (bounded work): a run stopped while saving, its
+    # last steps done, keeps them; a failed write (a full disk) leaves the previous checkpoint
+    with signals_deferred():
+        try:
+            os.makedirs(tmp)
+            write(tmp)
             return _switch(out, name, final, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _switch(out: str, name: str, final: str, tmp: str) -> list[str]:

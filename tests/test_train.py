@@ -529,9 +529,10 @@ def test_run_stopped_before_its_first_checkpoint_leaves_out_usable(tiny_target, 
 
 
 def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_path, monkeypatch):
-    """Ctrl-C while the files are written: the half-written checkpoint goes (it was left as
-    .checkpoint-N.tmp); Ctrl-C during the switch: it takes effect once the switch is done (two
-    checkpoints were left, or links half made)."""
+    """A write that fails: the half-written checkpoint goes (it was left as .checkpoint-N.tmp); Ctrl-C while
+    the files are written or switched: it takes effect once the checkpoint is whole and named (a Ctrl-C
+    during the last save threw the finished run away; during the switch, two checkpoints were left, or
+    links half made)."""
     import signal
 
     from support import trainer
@@ -554,6 +555,19 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
     with pytest.raises(KeyboardInterrupt):
         trainer.publish_checkpoint(str(out), 2, interrupted)
     assert sorted(os.listdir(out)) == ["checkpoint-1", "latest", "model.safetensors"]
+
+    def signalled_while_writing(directory):
+        os.kill(os.getpid(), signal.SIGINT)
+        write(directory)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.publish_checkpoint(str(out), 2, signalled_while_writing)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "latest", "model.safetensors"]
+    assert (out / "latest").read_text() == "checkpoint-2\n"
 
     atomic_write = trainer.atomic_write
 
