@@ -3,6 +3,7 @@ written whole or not at all (a temporary file renamed into place)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -225,19 +226,38 @@ class StreamFile:
         else:  # UTF-8 whatever the locale: the records hold text as it is (ensure_ascii=False)
             self.f = os.fdopen(fd, mode, encoding="utf-8")
 
+    def failed(self, e: OSError) -> OSError:
+        """A write's error (a full disk, a folder removed meanwhile) named by the path given, not the
+        temporary file's."""
+        return OSError(e.errno, e.strerror, self.path)
+
     def write(self, data):
-        self.f.write(data)
+        try:
+            self.f.write(data)
+        except OSError as e:
+            raise self.failed(e) from None
 
     def sync(self):
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        except OSError as e:
+            raise self.failed(e) from None
 
     def abort(self):
-        self.f.close()
+        """Drop the temporary file, whatever its last buffered write does (a full disk fails it again)."""
+        with contextlib.suppress(OSError):
+            self.f.close()
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
 
     def close(self):
+        try:
+            self.publish()
+        except OSError as e:
+            raise self.failed(e) from None
+
+    def publish(self):
         self.f.close()
         # synced by name: atomic_write's `data(tmp)` may have made a new file
         with open(self.tmp, "rb+") as f:

@@ -251,7 +251,7 @@ class Decoding:
     def abort(self):
         for f in (self.trace, self.out):
             if f is not None:
-                f.abort()
+                f.abort()  # each, whatever the other's failure was
 
 
 class Report:

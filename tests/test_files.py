@@ -67,3 +67,25 @@ def test_a_stream_file_writes_utf8_whatever_the_locale(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert path.read_bytes() == "中文 τ\n".encode("utf-8")
+
+
+def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    """A write that fails mid-decode (here a file-size limit, as a full disk fails it): one line naming the
+    file as given, exit 1, and neither temporary file left. The abort's own close flushed the buffer into
+    the same error, so the temporary files stayed and the line was three chained tracebacks."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    out = tmp_path / "outputs"
+    out.mkdir()
+    command = (f"trap '' XFSZ; ulimit -f 16; exec {sys.executable} speculate.py --target demo/target "
+               f"--drafter demo/drafter --prompts-file demo/heldout.jsonl --max-new-tokens 32 "
+               f"--trace-file {out / 't.jsonl'} --output-file {out / 'o.jsonl'}")
+    done = subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert lines[-1] == f"error: {out / 't.jsonl'}: File too large", lines[-3:]
+    assert os.listdir(out) == []
