@@ -176,14 +176,22 @@ def resolve_defaults(args: EvalArgs) -> tuple[EvalArgs, bool]:
     return args, demo
 
 
-def free_name(path: str) -> str:
-    """`path`, or the first of path-2, path-3, ... (before its extension) that does not exist yet."""
+def free_name(path: str, claim: bool = False) -> str:
+    """`path`, or the first of path-2, path-3, ... (before its extension) that does not exist yet; `claim`:
+    created empty now, so that an eval started beside this one takes another."""
     stem, extension = os.path.splitext(path)
     n = 1
-    while os.path.lexists(path):
+    while True:
+        if not claim and not os.path.lexists(path):
+            return path
+        if claim:
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                return path
+            except FileExistsError:
+                pass
         n += 1
         path = f"{stem}-{n}{extension}"
-    return path
 
 
 def check_flags(args: EvalArgs) -> Settings:
@@ -326,28 +334,37 @@ def token_budget(given: Optional[int], demo: bool, prompts: dict, context: int,
 
 def run(args: EvalArgs) -> dict:
     """Everything `python eval.py` does; returns the results."""
+    defaulted = args.out is None
     args, demo = resolve_defaults(args)
-    s = check_flags(args)
     rank, _, _ = torchrun_env()
-    datasets, skipped = resolve_datasets(args)
-    sps_read, sps_written = flags.sps_paths(s.sps_table)
-    outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
-               "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
-    inputs = [args.target, *args.drafter, args.calibration, sps_read, args.machine.compile_cache]
-    inputs += [path for _, path, _ in datasets]
-    check_outputs(outputs, inputs=inputs)
-    flags.check_calibration_file(args.calibration)
-    plots.check_plot_path(args.calibration_plot, "--calibration-plot")
-    target_dir = resolve_checkpoint(args.target, "--target")
-    drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
-    # the outputs not inside the snapshots hub ids resolved to either
-    check_outputs(outputs, inputs=[target_dir, *drafter_dirs])
-    if s.compile:
-        compile_cache = use_compile_cache(args.machine.compile_cache)
-        machine = replace(args.machine, compile_cache=compile_cache)
-        args = replace(args, machine=machine)
-    with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
-        return evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
+    if defaulted and rank == 0:  # the name is taken now; the results come when the first dataset is done
+        args = replace(args, out=free_name(args.out, claim=True))
+    try:
+        s = check_flags(args)
+        datasets, skipped = resolve_datasets(args)
+        sps_read, sps_written = flags.sps_paths(s.sps_table)
+        outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
+                   "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
+        inputs = [args.target, *args.drafter, args.calibration, sps_read, args.machine.compile_cache]
+        inputs += [path for _, path, _ in datasets]
+        check_outputs(outputs, inputs=inputs)
+        flags.check_calibration_file(args.calibration)
+        plots.check_plot_path(args.calibration_plot, "--calibration-plot")
+        target_dir = resolve_checkpoint(args.target, "--target")
+        drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
+        # the outputs not inside the snapshots hub ids resolved to either
+        check_outputs(outputs, inputs=[target_dir, *drafter_dirs])
+        if s.compile:
+            compile_cache = use_compile_cache(args.machine.compile_cache)
+            machine = replace(args.machine, compile_cache=compile_cache)
+            args = replace(args, machine=machine)
+        with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
+            return evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
+    except BaseException:  # nothing written under the name taken: it goes
+        nothing_written = os.path.isfile(args.out) and os.path.getsize(args.out) == 0
+        if defaulted and rank == 0 and nothing_written:
+            os.remove(args.out)
+        raise
 
 
 class Row(NamedTuple):

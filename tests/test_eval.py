@@ -806,6 +806,23 @@ def test_default_out_never_replaces_an_earlier_results_file(env, tmp_path, capsy
     assert "results written to results.json" in capsys.readouterr().err
 
 
+def test_default_out_is_taken_when_chosen(env, tmp_path, capsys, monkeypatch):
+    """Two evals started together in one folder took the same free name, chosen at start and written at the
+    first dataset's end: the last to finish replaced the other's results. The name is created when chosen;
+    a run that writes nothing under it (here a refused flag) leaves nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert (ev.free_name("results.json", claim=True), ev.free_name("results.json", claim=True)) == \
+        ("results.json", "results-2.json")
+    assert sorted(os.listdir(tmp_path)) == ["results-2.json", "results.json"]
+    for name in os.listdir(tmp_path):
+        os.remove(name)
+    flags = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets",
+             "nosuchset", "--max-samples", "1", "--max-new-tokens", "4", "--no-progress"]
+    assert ev.main(flags) == 2
+    assert "nosuchset" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
 def test_demo_mode_defaults_resolve_to_the_demo_pair_and_its_heldout_prompts(monkeypatch, tmp_path):
     """`python eval.py` alone: the demo pair on demo/heldout.jsonl at 128 tokens (the whole run is in
     tests/test_newcomer.py); --datasets or --data-dir given keep the benchmark meaning."""
