@@ -528,8 +528,9 @@ def run(args: Args) -> dict:
     total = sum(n for _, (*_, n) in mine)
     before = sum(c[3] for _, c in mine[:cut])  # the responses of the run resumed
     how = runlog.show(args.progress)  # off a terminal, a line now and then: no bar frames in a log
-    bar = tqdm(total=total, file=sys.stderr, disable=how != "bar", unit="response", dynamic_ncols=True)
-    bar.update(before)
+    # initial: the resumed responses count as done, not as done at once (the rate and ETA are this run's)
+    bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar", unit="response",
+               dynamic_ncols=True)
     lines = None
     if how == "lines":
         lines = runlog.Lines()

@@ -146,8 +146,19 @@ def test_resume_continues_a_torn_partial(tmp_path, monkeypatch):
     assert [json.loads(line) for line in open(partial)] == full[:1]
     with open(partial, "a") as f:
         f.write('{"messages": [{"ro')  # killed mid-write
+    import tqdm
+
+    bars = []
+
+    class Bar(tqdm.tqdm):  # what the bar was told: the resumed responses as its start, not as an update
+        def __init__(self, *args, **kwargs):
+            bars.append(kwargs.get("initial", 0))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
     resumed, res = regen(tmp_path, "r.jsonl", "--chunk-size", 1, "--resume")
     assert resumed == full and res["responses"] == 3  # the first conversation (two turns) was not redone
+    assert bars == [2]  # an update of 2 at once set the bar's rate and ETA as if done in no time
     assert not partial.exists() and not (tmp_path / "r.jsonl.partial.json").exists() and out.exists()
 
 
