@@ -554,6 +554,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             e.written = []
         elif rank == 0:
             write_json(args.out, results(engine, False, interrupted=True))
+            e.written = [args.out]  # named: a default --out is whichever name was free
         raise
     if calibration is not None and s.scheduler != "none":
         calibration["scheduled"] = s.scheduler

@@ -220,6 +220,35 @@ def test_eval_interrupted_between_its_results_and_calibration_writes_both(pair, 
     assert len(json.loads(calibration.read_text())["temperatures"]) == 4
 
 
+def test_eval_interrupted_after_a_dataset_names_the_results_file(pair, tmp_path, monkeypatch, capsys):
+    """The interruption's line names the results kept, a default --out being whichever name was free (it
+    said "what was finished is kept", and the name came only at a normal end)."""
+    import eval as ev
+
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("first", "second"):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [w]}) + "\n" for w in "ab"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results.json").write_text("{}")  # an earlier run's
+    real = ev.write_json
+    signalled = []
+
+    def write_then_signal(path, obj):
+        real(path, obj)
+        if not signalled:  # after the first dataset's snapshot
+            signalled.append(path)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(ev, "write_json", write_then_signal)
+    rc = ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first,second",
+                  "--max-new-tokens", "8", "--no-chat", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.splitlines()[-1] == "interrupted by SIGINT: stopped; what was written: results-2.json", err
+    assert json.loads((tmp_path / "results-2.json").read_text())["complete"] is False
+
+
 def test_a_signal_after_decoding_waits_for_the_outputs(pair, tmp_path, monkeypatch, capsys):
     """SIGINT while the finished completions are printed, after decoding: the trace and the output file
     are published whole (they were left as .NAME.*.tmp), then the run stops with 130."""
