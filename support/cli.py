@@ -225,29 +225,7 @@ def parse_flags(args_class, argv: Optional[list[str]]):
             raise UserError(line)
 
     with on_parse_error(refuse):
-        args = tyro.cli(args_class, args=argv)
-    check_given_once(argv, args)
-    return args
-
-
-def check_given_once(argv: Optional[list[str]], args):
-    """A flag of one value given twice (--prompt A --prompt B): refused, where tyro keeps the last in
-    silence. Flags that repeat (--drafter A --drafter B) and take several values are left to tyro."""
-    if argv is None:
-        argv = sys.argv[1:]
-    values = flat_fields(args)
-    seen = set()
-    for token in map(str, argv):
-        if not token.startswith("--"):
-            continue
-        name = token[2:].split("=", 1)[0].replace("-", "_")
-        if name not in values and name.startswith("no_"):  # --no-compile sets compile
-            name = name[3:]
-        if name not in values or isinstance(values[name], (tuple, list)):
-            continue
-        if name in seen:
-            raise UserError(f"{flag(name)}: given twice; it takes one value (the last would win in silence)")
-        seen.add(name)
+        return tyro.cli(args_class, args=argv)
 
 
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,

@@ -485,21 +485,6 @@ def test_triton_kernels_where_triton_cannot_run_are_refused_by_every_program(mon
         speculate.generate(m, [[1, 2]], max_new_tokens=2, kernels="triton")
 
 
-def test_a_flag_of_one_value_given_twice_is_refused(capsys):
-    """tyro keeps the last of --prompt A --prompt B in silence (one prompt decoded, the other dropped); a flag
-    that repeats (eval.py's --drafter) is taken as ever."""
-    import eval as ev
-
-    for argv, name in ((["--prompt", "def a():", "--prompt", "class B:"], "--prompt"),
-                       (["--prompt-ids", "1,2", "--max-new-tokens", "4", "--max-new-tokens=8"], "--max-new-tokens"),
-                       (["--prompt-ids", "1,2", "--compile", "--no-compile"], "--compile")):
-        rc, out, err = run_captured(argv)
-        _one_error_line(rc, out, err, f"{name}: given twice; it takes one value")
-    rc = ev.main(["--drafter", "a", "--drafter", "b", "--max-samples", "1"])  # parsed: refused later, for --target
-    err = capsys.readouterr().err
-    assert rc == 2 and "given twice" not in err and "--drafter a: needs --target" in err, err
-
-
 def test_triton_interpret_set_after_triton_was_imported_says_so():
     """Building a model imports triton (through torch), which fixes its mode: TRITON_INTERPRET=1 set after
     load() was refused with 'set TRITON_INTERPRET=1', which the caller had just done."""
