@@ -60,12 +60,16 @@ def checked(v, key: str, source: str, kind=int, lo=None, hi=None):
 def layer_args(cfg: dict, source: str) -> ModelArgs:
     """The decoder-layer shape of a Qwen3 config (target or drafter), as read_json reads it."""
     cfg = dict(cfg)
-    rope = cfg.get("rope_parameters")
+    thetas = {}  # where the file gives rope_theta: transformers reads rope_scaling as rope_parameters
+    if "rope_theta" in cfg:
+        thetas["top-level"] = cfg["rope_theta"]
     for key in ("rope_parameters", "rope_scaling"):
         r = cfg.get(key)
         if r is not None and not isinstance(r, dict):
             raise UserError(f"{source}: {key} must be an object, got {r!r}")
         r = r or {}
+        if "rope_theta" in r:
+            thetas[key] = r["rope_theta"]
         for spelling in ("rope_type", "type"):
             if r.get(spelling) not in ("default", None):
                 raise UserError(f"{source}: {key} {spelling} {r[spelling]!r} is not supported "
@@ -75,12 +79,14 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         if kind is None and factor != 1:  # a scaling without its kind: not default RoPE, nor any one
             raise UserError(f"{source}: {key} has a 'factor' of {factor!r} and no 'rope_type' "
                             "(only default RoPE is supported)")
-    if rope and "rope_theta" in rope:
-        if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:
+    spellings = list(thetas.items())
+    for where, theta in spellings[1:]:
+        first, first_theta = spellings[0]
+        if theta != first_theta:
             raise UserError(f"{source}: conflicting values for 'rope_theta': "
-                            f"top-level {cfg['rope_theta']!r}, "
-                            f"rope_parameters {rope['rope_theta']!r}")
-        cfg["rope_theta"] = rope["rope_theta"]
+                            f"{first} {first_theta!r}, {where} {theta!r}")
+    if spellings:
+        cfg["rope_theta"] = spellings[0][1]
     out = {}
     for key, (kind, lo, hi, default) in LAYER_KEYS.items():
         if cfg.get(key) is not None or (key in cfg and default is not PER_HEAD):
@@ -88,7 +94,7 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         elif default is REQUIRED:
             where = ""
             if key == "rope_theta":
-                where = " (top-level or in rope_parameters)"
+                where = " (top-level, or in rope_parameters or rope_scaling)"
             raise UserError(f"{source}: missing key {key!r}{where}")
         elif default is not PER_HEAD:
             out[key] = default

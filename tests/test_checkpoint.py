@@ -484,3 +484,27 @@ def test_non_object_json_is_a_checkpoint_error(target_factory, tmp_path, filenam
             _stop_ids(d)
         else:
             checkpoint.load_target(str(d))
+
+
+def test_rope_theta_in_rope_scaling_is_read_as_transformers_reads_it(tmp_path):
+    """transformers reads rope_scaling as rope_parameters, so a rope_theta there is the model's: it was left
+    unread (the top-level value decoded instead, logits a few units off; without one, 'missing key'). Two
+    spellings that disagree are one line, whichever they are."""
+    from conftest import make_target_dir
+
+    from support.checkpoint import load_target
+
+    d = tmp_path / "t"
+    make_target_dir(d, with_tokenizer=False, rope_theta=10000.0)
+
+    def only_in_scaling(c):
+        c["rope_scaling"] = {"rope_type": "default", "rope_theta": 5000.0}
+        c.pop("rope_parameters", None)
+        c.pop("rope_theta", None)
+
+    edit_config(d, only_in_scaling)
+    assert load_target(str(d)).args.rope_theta == 5000.0
+    edit_config(d, lambda c: c.update(rope_theta=1e6))
+    with pytest.raises(UserError, match=re.escape("conflicting values for 'rope_theta': top-level 1000000.0, "
+                                                  "rope_scaling 5000.0")):
+        load_target(str(d))
