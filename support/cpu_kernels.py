@@ -238,10 +238,13 @@ def install(m: nn.Module) -> bool:
 
 
 def refresh(m: nn.Module):
-    """`install` again where it was installed: the panels of weights edited since (an ablation,
-    load_state_dict) are copied anew, so an eager run decodes with the weights as they are now."""
-    if any(isinstance(x, PanelLinear) for x in m.modules()):
-        install(m)
+    """`install` again where a weight was edited since it was installed (an ablation, load_state_dict): its
+    panels are copied anew, so an eager run decodes with the weights as they are now; unedited, nothing
+    changes (not even the bound methods a compiled graph traced)."""
+    for x in m.modules():
+        if isinstance(x, PanelLinear) and x.stamp not in (_stamp(x.weight), _fused_stamp(x)):
+            install(m)
+            return
 
 
 def copied_bytes(m: nn.Module, device, dtype: torch.dtype) -> int:

@@ -522,7 +522,9 @@ def test_weights_edited_between_calls_decode_as_edited(chat_target):
     from support.checkpoint import load_models
     plain = load_models(target, drafter, cpu_kernels=False)
     m = speculate.load(target, drafter)
+    project = m.target.layers[0].self_attn.project
     before = [c.output_ids for c in speculate.generate(m, prompts, max_new_tokens=12, temperature=0)]
+    assert m.target.layers[0].self_attn.project is project  # unedited: installed once (what a graph traced)
     s = flags.check_settings(Settings(max_new_tokens=12, temperature=0), "cpu")
     engine = speculate.make_engine(m, m.drafter, prompts, s, verbose=False)
     with torch.no_grad():
