@@ -182,14 +182,14 @@ def free_name(path: str, claim: bool = False) -> str:
     stem, extension = os.path.splitext(path)
     n = 1
     while True:
-        if not claim and not os.path.lexists(path):
-            return path
         if claim:
             try:
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
                 return path
             except FileExistsError:
                 pass
+        elif not os.path.lexists(path):
+            return path
         n += 1
         path = f"{stem}-{n}{extension}"
 

@@ -663,11 +663,9 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
     before the models load (a tree may then be sampled)."""
     if calibration is None or s.scheduler != "none":
         return
-    if s.tree_budget and temperature is None:
-        return
-    if s.tree_budget and temperature > 0:
-        return
     if s.tree_budget:
+        if temperature is None or temperature > 0:
+            return
         raise UserError(f"--calibration {calibration}: a greedy draft tree ranks its branches by the "
                         f"drafter's probabilities (--tree-temperature), not by the confidences; "
                         f"it would change nothing")
