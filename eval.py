@@ -714,35 +714,37 @@ class RowDecoder:
         total = sum(len(ps) for ps in self.prompts.values())
         progress = Progress(self.shown, row.label, total, self.world)
         K = engine.K
-        if self.rank == 0 and self.several:
-            progress.say(f"--- {row.label} ---")
-        for index, (name, ps) in enumerate(self.prompts.items()):
-            mine = range(self.rank, len(ps), self.world)  # this rank's interleaved shard
-            requests = [Request(i, ps[i]) for i in mine]
-            description = name
-            if self.several:
-                description = f"{row.label}: {name}"
-            progress.start(description, len(ps))
-            seconds0 = engine.prefill_seconds + engine.decode_seconds
-            engine.generate(requests, s.max_new_tokens, on_finish=progress.on_finish)
-            elapsed = engine.prefill_seconds + engine.decode_seconds - seconds0
-            seconds = all_max(elapsed, self.device)  # the slowest rank's
-            counts = sum_counts(metrics.count(requests, K, engine.stop_ids), self.device)
-            entry = dataset_entry(name, counts, seconds)
-            entries.append(entry)
-            if parts is not None:
-                parts.append(round_arrays(requests, index, K, engine.stop_ids))
-            progress.end_dataset()
-            if self.rank == 0:
-                first_dataset = index == 0
-                progress.say(format_table(entry, header=first_dataset))
-                write_json(self.args.out, snapshot())
-            if self.log is not None:
-                prefix = ""
+        try:
+            if self.rank == 0 and self.several:
+                progress.say(f"--- {row.label} ---")
+            for index, (name, ps) in enumerate(self.prompts.items()):
+                mine = range(self.rank, len(ps), self.world)  # this rank's interleaved shard
+                requests = [Request(i, ps[i]) for i in mine]
+                description = name
                 if self.several:
-                    prefix = f"{row.label}/"
-                log_dataset(self.log, entry, self.args.step, prefix)
-        progress.close()
+                    description = f"{row.label}: {name}"
+                progress.start(description, len(ps))
+                seconds0 = engine.prefill_seconds + engine.decode_seconds
+                engine.generate(requests, s.max_new_tokens, on_finish=progress.on_finish)
+                elapsed = engine.prefill_seconds + engine.decode_seconds - seconds0
+                seconds = all_max(elapsed, self.device)  # the slowest rank's
+                counts = sum_counts(metrics.count(requests, K, engine.stop_ids), self.device)
+                entry = dataset_entry(name, counts, seconds)
+                entries.append(entry)
+                if parts is not None:
+                    parts.append(round_arrays(requests, index, K, engine.stop_ids))
+                progress.end_dataset()
+                if self.rank == 0:
+                    first_dataset = index == 0
+                    progress.say(format_table(entry, header=first_dataset))
+                    write_json(self.args.out, snapshot())
+                if self.log is not None:
+                    prefix = ""
+                    if self.several:
+                        prefix = f"{row.label}/"
+                    log_dataset(self.log, entry, self.args.step, prefix)
+        finally:  # an interruption's line starts below the bar, not on it
+            progress.close()
 
 
 def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str], counts: list[int],

@@ -538,18 +538,20 @@ def run(args: Args) -> dict:
              "num_rounds": 0, "committed": 0}
     t0 = time.perf_counter()
     todo = mine[cut:]
-    for c0 in range(0, len(todo), args.chunk_size):
-        chunk = []
-        for i, (where, cid, msgs, _) in todo[c0:c0 + args.chunk_size]:
-            chunk.append(new_conversation(i, where, cid, msgs))
-        regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, bar, stats)
-        append_durably(partial, chunk_lines(chunk, setting, stats))
-        consumed = cut + c0 + len(chunk)
-        write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
-        if lines is not None:
-            done = before + stats["responses"]
-            lines.say(f"regenerate.py: {done}/{total} responses", final=consumed == len(mine))
-    bar.close()
+    try:
+        for c0 in range(0, len(todo), args.chunk_size):
+            chunk = []
+            for i, (where, cid, msgs, _) in todo[c0:c0 + args.chunk_size]:
+                chunk.append(new_conversation(i, where, cid, msgs))
+            regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, bar, stats)
+            append_durably(partial, chunk_lines(chunk, setting, stats))
+            consumed = cut + c0 + len(chunk)
+            write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
+            if lines is not None:
+                done = before + stats["responses"]
+                lines.say(f"regenerate.py: {done}/{total} responses", final=consumed == len(mine))
+    finally:  # an interruption's line starts below the bar, not on it
+        bar.close()
     publish(partial, out_file, done_path)
     seconds = time.perf_counter() - t0
     tau = None  # τ: tokens committed a round, with a drafter

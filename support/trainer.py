@@ -576,92 +576,95 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                 run.wandb.artifact("checkpoint", "model", files, metadata=metadata, aliases=aliases)
         run.barrier()  # every rank may read it next
         if eval_every and step % eval_every == 0:
-            found = evaluate(step)
+            with tqdm.external_write_mode(file=sys.stderr):  # eval.py's lines above the bar, not on it
+                found = evaluate(step)
             if run.wandb is not None:
                 run.wandb.log(found, step=step)
 
     module.train()
-    for step in range(start, end):
-        t_step = time.perf_counter()
-        lr = lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        sums = None
-        parts = micro_batches(step)
-        for m, mb in enumerate(parts):
-            # all-reduce the gradients once, after the last
-            sync = run.world == 1 or m == len(parts) - 1
-            gradient_sync = contextlib.nullcontext()
-            if not sync:
-                gradient_sync = ddp.no_sync()
-            precision = contextlib.nullcontext()
-            if dtype != torch.float32:
-                precision = torch.autocast(dev.split(":")[0], dtype)
-            with gradient_sync:
-                with precision:
-                    share, s = ddp(**mb)
-                (share * run.world).backward()
-            if sums is None:
-                sums = s
-            else:
-                sums = sums + s
-        if run.world > 1:
-            torch.distributed.all_reduce(sums)
-        metrics = summarize(sums.double().cpu())
-        loss = metrics["loss"]
-        if not math.isfinite(loss):  # every rank sees the same sums: all stop here
-            raise UserError(
-                f"step {step + 1}: the loss is {loss} (not finite); stopped before the optimizer "
-                f"step — the last complete checkpoint in {args.out} is kept")
-        max_norm = float("inf")
-        if args.grad_clip > 0:
-            max_norm = args.grad_clip
-        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        opt.step()
-        losses.append(loss)
-        times.append(time.perf_counter() - t_step)
-        recent = times[-SPEED_WINDOW:]
-        dt = sum(recent) / len(recent)  # tokens/s: this one figure, everywhere
-        tokens_per_second = tokens_per_step / dt
-        left = end - step - 1
-        pause_per_step = pauses / (step + 1 - start)  # the checkpoints' and evaluations' share so far
-        speed = {"tokens_per_second": tokens_per_second, "eta_seconds": (dt + pause_per_step) * left}
-        if peak:
-            speed["mfu"] = flops / dt / (peak * run.world)
-        done = step + 1
-        # the bar's figures: loss, tau or ppl, tokens/s, MFU
-        postfix = {"loss": f"{loss:.4f}"}
-        shown_quality = ""  # the line's τ (a drafter) or perplexity (the demo target)
-        for k, v in metrics.items():
-            if k in ("tau", "ppl"):
-                postfix[k] = f"{v:.3f}"
-                name = {"tau": "τ", "ppl": "ppl"}[k]
-                shown_quality += f", {name} {v:.3f}"
-        postfix["tok_s"] = f"{tokens_per_second:,.0f}"
-        shown_mfu = ""
-        if "mfu" in speed:
-            postfix["mfu"] = f"{speed['mfu']:.1%}"
-            shown_mfu = f", MFU {speed['mfu']:.1%}"
-        bar.update(1)
-        bar.set_postfix(**postfix)
-        if lines is not None:
-            minutes_left = speed["eta_seconds"] / 60
-            lines.say(f"step {done}/{end}: loss {loss:.4f}{shown_quality}, {tokens_per_second:,.0f} "
-                      f"tokens/s{shown_mfu}, {minutes_left:.1f} min to go", final=done == end)
-        record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
-        if main:
-            log_file.write(json.dumps({"step": done, **record}) + "\n")
-            log_file.flush()
-        if run.wandb is not None and (done % args.log_every == 0 or done == end):
-            run.wandb.log(record, step=done)
-        save_due = args.save_every and done % args.save_every == 0
-        eval_due = eval_every and done % eval_every == 0
-        if done != end and (save_due or eval_due):
-            t_pause = time.perf_counter()
-            checkpoint(done)
-            pauses += time.perf_counter() - t_pause
-    bar.close()
+    try:
+        for step in range(start, end):
+            t_step = time.perf_counter()
+            lr = lr_at(step, args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            sums = None
+            parts = micro_batches(step)
+            for m, mb in enumerate(parts):
+                # all-reduce the gradients once, after the last
+                sync = run.world == 1 or m == len(parts) - 1
+                gradient_sync = contextlib.nullcontext()
+                if not sync:
+                    gradient_sync = ddp.no_sync()
+                precision = contextlib.nullcontext()
+                if dtype != torch.float32:
+                    precision = torch.autocast(dev.split(":")[0], dtype)
+                with gradient_sync:
+                    with precision:
+                        share, s = ddp(**mb)
+                    (share * run.world).backward()
+                if sums is None:
+                    sums = s
+                else:
+                    sums = sums + s
+            if run.world > 1:
+                torch.distributed.all_reduce(sums)
+            metrics = summarize(sums.double().cpu())
+            loss = metrics["loss"]
+            if not math.isfinite(loss):  # every rank sees the same sums: all stop here
+                raise UserError(
+                    f"step {step + 1}: the loss is {loss} (not finite); stopped before the optimizer "
+                    f"step — the last complete checkpoint in {args.out} is kept")
+            max_norm = float("inf")
+            if args.grad_clip > 0:
+                max_norm = args.grad_clip
+            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            opt.step()
+            losses.append(loss)
+            times.append(time.perf_counter() - t_step)
+            recent = times[-SPEED_WINDOW:]
+            dt = sum(recent) / len(recent)  # tokens/s: this one figure, everywhere
+            tokens_per_second = tokens_per_step / dt
+            left = end - step - 1
+            pause_per_step = pauses / (step + 1 - start)  # the checkpoints' and evaluations' share so far
+            speed = {"tokens_per_second": tokens_per_second, "eta_seconds": (dt + pause_per_step) * left}
+            if peak:
+                speed["mfu"] = flops / dt / (peak * run.world)
+            done = step + 1
+            # the bar's figures: loss, tau or ppl, tokens/s, MFU
+            postfix = {"loss": f"{loss:.4f}"}
+            shown_quality = ""  # the line's τ (a drafter) or perplexity (the demo target)
+            for k, v in metrics.items():
+                if k in ("tau", "ppl"):
+                    postfix[k] = f"{v:.3f}"
+                    name = {"tau": "τ", "ppl": "ppl"}[k]
+                    shown_quality += f", {name} {v:.3f}"
+            postfix["tok_s"] = f"{tokens_per_second:,.0f}"
+            shown_mfu = ""
+            if "mfu" in speed:
+                postfix["mfu"] = f"{speed['mfu']:.1%}"
+                shown_mfu = f", MFU {speed['mfu']:.1%}"
+            bar.update(1)
+            bar.set_postfix(**postfix)
+            if lines is not None:
+                minutes_left = speed["eta_seconds"] / 60
+                lines.say(f"step {done}/{end}: loss {loss:.4f}{shown_quality}, {tokens_per_second:,.0f} "
+                          f"tokens/s{shown_mfu}, {minutes_left:.1f} min to go", final=done == end)
+            record = {**metrics, "lr": lr, "grad_norm": float(gnorm), **speed}
+            if main:
+                log_file.write(json.dumps({"step": done, **record}) + "\n")
+                log_file.flush()
+            if run.wandb is not None and (done % args.log_every == 0 or done == end):
+                run.wandb.log(record, step=done)
+            save_due = args.save_every and done % args.save_every == 0
+            eval_due = eval_every and done % eval_every == 0
+            if done != end and (save_due or eval_due):
+                t_pause = time.perf_counter()
+                checkpoint(done)
+                pauses += time.perf_counter() - t_pause
+    finally:  # an interruption's line starts below the bar, not on it
+        bar.close()
     if main:
         log_file.close()
     module.eval()

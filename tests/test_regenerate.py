@@ -349,3 +349,26 @@ def test_progress_off_a_terminal_is_lines_not_bar_frames(tmp_path, capsys):
     err = capsys.readouterr().err
     total = sum(len(p.get("turns", [1])) for p in PROMPTS)
     assert f"regenerate.py: {total}/{total} responses\n" in err and "\r" not in err, err
+
+
+def test_an_interruption_line_starts_below_the_bar(tmp_path, monkeypatch):
+    """On a terminal the bar is closed before the interruption's line, which starts a line of its own (it
+    was written after the bar's last frame, and the bar drawn again below it)."""
+    import signal
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    class Engine(speculate.Engine):
+        def generate(self, *a, **k):
+            done = super().generate(*a, **k)
+            os.kill(os.getpid(), signal.SIGINT)  # after the first chunk's first turn
+            return done
+
+    monkeypatch.setattr(speculate, "Engine", Engine)
+    err = Terminal()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = regenerate.main(argv_of(tmp_path, "o.jsonl", "--progress", "--chunk-size", 1))
+    lines = err.getvalue().split("\n")
+    assert rc == 130 and lines[-1] == "" and lines[-2].startswith("interrupted by SIGINT"), err.getvalue()

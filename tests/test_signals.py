@@ -4,7 +4,9 @@ is kept — speculate.py prints the finished completions and ends its trace with
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import os
 import signal
@@ -247,6 +249,38 @@ def test_eval_interrupted_after_a_dataset_names_the_results_file(pair, tmp_path,
     err = capsys.readouterr().err
     assert rc == 130 and err.splitlines()[-1] == "interrupted by SIGINT: stopped; what was written: results-2.json", err
     assert json.loads((tmp_path / "results-2.json").read_text())["complete"] is False
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal: progress is a bar."""
+
+    def isatty(self):
+        return True
+
+
+def test_an_interruption_line_starts_below_the_bar(pair, tmp_path, monkeypatch):
+    """eval.py's bar is closed before the interruption's line, which starts a line of its own (it was
+    written after the bar's last frame, and the bar drawn again below it)."""
+    import eval as ev
+
+    d, target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "first.jsonl").write_text("".join(json.dumps({"turns": [w]}) + "\n" for w in "abc"))
+    finished = []
+
+    def signal_at_first(self, req):
+        finished.append(req)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(ev.Progress, "on_finish", signal_at_first)
+    err = Terminal()
+    with contextlib.redirect_stderr(err):
+        rc = ev.main(["--target", target, "--drafter", drafter, "--data-dir", str(data), "--datasets", "first",
+                      "--max-new-tokens", "8", "--no-chat", "--out", str(tmp_path / "r.json")])
+    lines = err.getvalue().split("\n")
+    assert rc == 130 and finished and lines[-1] == "", err.getvalue()
+    assert lines[-2].startswith("interrupted by SIGINT"), err.getvalue()
 
 
 def test_a_signal_after_decoding_waits_for_the_outputs(pair, tmp_path, monkeypatch, capsys):

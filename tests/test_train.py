@@ -587,6 +587,34 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
     assert (out / "model.safetensors").read_text().endswith(".checkpoint-3.tmp")
 
 
+def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_path, monkeypatch):
+    """On a terminal the bar is closed before the interruption's line, which starts a line of its own (it
+    was written after the bar's last frame, and the bar drawn again below it)."""
+    import signal
+
+    from support import trainer
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    lr_at = trainer.lr_at
+
+    def signal_at_the_second_step(step, args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return lr_at(step, args)
+
+    monkeypatch.setattr(trainer, "lr_at", signal_at_the_second_step)
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    err = Terminal()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o",
+                                          "--steps", 3, "--anchors-per-seq", 4, *SMALL]])
+    lines = err.getvalue().split("\n")
+    assert rc == 130 and lines[-1] == "" and lines[-2].startswith("interrupted by SIGINT"), err.getvalue()
+
+
 def test_progress_off_a_terminal_is_plain_lines(tiny_target, tmp_path, capsys):
     """stderr in a file (here captured): no bar frames piling up in it (they did, one per step, joined by
     carriage returns), a plain line instead — at the last step, and at most every 15 s before it —

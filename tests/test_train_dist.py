@@ -217,8 +217,9 @@ def test_step_flops_by_hand():
 
 
 def test_progress_and_eval_every(tiny_target, tmp_path):
-    """The bar shows tokens/s and (given a peak) MFU; --eval-every 2 writes eval.py's results for steps 2 and 4
-    (what --wandb records of them, and --wandb-artifacts: tests/test_wandb.py)."""
+    """The bar shows tokens/s and (given a peak) MFU, and eval.py's lines below it; --eval-every 2 writes
+    eval.py's results for steps 2 and 4 (what --wandb records of them, and --wandb-artifacts:
+    tests/test_wandb.py)."""
     evals = tmp_path / "evals"
     evals.mkdir()
     (evals / "mt-bench.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("hello world", "print x")))
@@ -236,9 +237,12 @@ def test_progress_and_eval_every(tiny_target, tmp_path):
         "--target", tiny_target.path, "--data", chats, "--out", tmp_path / "o", *SMALL, "--batch-size", 2,
         "--peak-tflops", 1, "--eval-every", 2, "--eval-datasets", "mt-bench", "--eval-data-dir", evals,
         "--eval-samples", 2, "--eval-max-new-tokens", 8]])
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):  # one terminal shows both
         res = train.run(args)
     assert "tok_s=" in err.getvalue() and "mfu=" in err.getvalue()
+    # eval.py's lines start a line of their own, the bar wiped first (they were written on the bar's line)
+    frames = [line for line in err.getvalue().splitlines() if "it/s" in line]
+    assert frames and all(line.endswith("]") for line in frames), err.getvalue()
     assert res["tokens_per_second"] > 0
     for step in (2, 4):
         ev = json.loads((tmp_path / "o" / f"eval_step{step}.json").read_text())
