@@ -344,7 +344,11 @@ def this_shards_conversations(args: Args) -> tuple[list, list]:
 
 
 def check_earlier_output(args: Args, partial: str, done_path: str):
-    """A non-empty OUT.partial is continued only with --resume and its resume file."""
+    """A non-empty OUT.partial is continued only with --resume and its resume file; a finished OUT is not
+    generated again under --resume."""
+    if args.resume and not os.path.exists(partial) and os.path.exists(args.out):
+        raise UserError(f"--resume: {args.out} is a finished run's output, and there is no {partial} to "
+                        "continue; leave out --resume to generate it again")
     if not (os.path.isfile(partial) and os.path.getsize(partial) > 0):
         return
     if not args.resume:

@@ -210,6 +210,18 @@ def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monke
     assert (res["conversations"], res["responses"], res["dropped"]) == (4, 2, 2)  # nothing redone or retried
 
 
+def test_resume_of_a_finished_run_is_refused(tmp_path, capsys):
+    """--resume with OUT written and no OUT.partial: nothing was interrupted, so one line and OUT kept (the
+    run was done again from the start, in silence, and replaced it)."""
+    regen(tmp_path, "o.jsonl", "--temperature", 0)
+    done = (tmp_path / "o.jsonl").read_bytes()
+    assert regenerate.main(argv_of(tmp_path, "o.jsonl", "--temperature", 0, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --resume: {tmp_path / 'o.jsonl'} is a finished run's output, and there is no "
+                   f"{tmp_path / 'o.jsonl.partial'} to continue; leave out --resume to generate it again"], err
+    assert (tmp_path / "o.jsonl").read_bytes() == done
+
+
 def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
     """A resume with other settings, other prompts (named or edited) or another model: one line naming the flag,
     OUT.partial kept as it was."""
