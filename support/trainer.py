@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -146,14 +147,23 @@ def causal_flops(a, T: int) -> float:
 # Checkpoints (safetensors + JSON, never pickle)
 
 def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
-    """A safetensors file, atomically; `step` goes into its metadata."""
+    """A safetensors file, atomically; `step` goes into its metadata. A write the system refuses (a full
+    disk) is an OSError naming `path`, as any other file's: safetensors raises its own error for it."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     metadata = {"format": "pt"}
     if step is not None:
         metadata["step"] = str(step)
-    atomic_write(path, lambda p: save_file(tensors, p, metadata=metadata))
+    try:
+        atomic_write(path, lambda p: save_file(tensors, p, metadata=metadata))
+    except SafetensorError as e:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), path) from None
 
 
 def publish_checkpoint(out: str, step: int, write) -> list[str]:

@@ -615,6 +615,25 @@ def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_pat
     assert rc == 130 and lines[-1] == "" and lines[-2].startswith("interrupted by SIGINT"), err.getvalue()
 
 
+def test_a_full_disk_while_saving_is_one_line_and_leaves_no_temporary_checkpoint(tiny_target, tmp_path):
+    """A checkpoint the system cannot write (here a file-size limit, as a full disk fails it): one line naming
+    the file, exit 1, no temporary checkpoint left. safetensors' own error was a traceback."""
+    import subprocess
+    import sys
+
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    flags = " ".join(str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 1,
+                                      "--anchors-per-seq", 4, "--no-progress", *SMALL])
+    command = f"trap '' XFSZ; ulimit -f 16; exec {sys.executable} train.py {flags}"
+    done = subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert lines[-1] == f"error: {out / '.checkpoint-1.tmp' / 'model.safetensors'}: File too large", lines[-3:]
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
 def test_progress_off_a_terminal_is_plain_lines(tiny_target, tmp_path, capsys):
     """stderr in a file (here captured): no bar frames piling up in it (they did, one per step, joined by
     carriage returns), a plain line instead — at the last step, and at most every 15 s before it —
