@@ -439,7 +439,9 @@ def load_corpus(args, target_args, say) -> Corpus:
         if not args.pack:
             raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; "
                             f"only chat records are packed")
+        say(f"--data: tokenizing {len(texts):,} documents")  # minutes, for a large corpus
         return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
+    say(f"--data: rendering and tokenizing {len(chats):,} conversations")
     stop_texts = [tok.decode([i]) for i in stops]
     docs, rewritten, short = encode_chats(tok, chats, stop_texts, args.seq_len)
     why_skipped = (f"{rewritten} whose response the chat template rewrites, "

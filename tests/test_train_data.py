@@ -365,6 +365,8 @@ def test_chat_records_train(tiny_target, tmp_path):
                               "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8])
     assert rc == 0, err
     assert "12 conversations packed into" in err and "0 skipped" in err
+    # what the minutes before the first step are spent on, said before them
+    assert err.index("--data: rendering and tokenizing 12 conversations\n") < err.index("packed into"), err
     assert "39 anchors each" in err  # --anchors-per-seq 512 clamped to the row
     assert len(res["losses"]) == 3 and all(x == x for x in res["losses"])
     checkpoint.load_drafter(str(tmp_path / "o"), checkpoint.load_target(str(tiny_target.path)))
