@@ -98,7 +98,7 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
             raise UserError(f"{source}: missing key {key!r}{where}")
         elif default is not PER_HEAD:
             out[key] = default
-    if "head_dim" not in out:  # older configs omit it; Qwen3's default
+    if "head_dim" not in out:  # older configs omit it: one head's share (the q_norm and k_norm shapes check it)
         if out["hidden_size"] % out["num_attention_heads"]:
             raise UserError(f"{source}: no head_dim and hidden_size is not a multiple "
                             "of num_attention_heads")
