@@ -55,8 +55,10 @@ class Printer:
 
     def finish(self, completions: list):
         if self.streaming:
-            if completions:  # none if interrupted first
+            if completions:
                 print(completions[0].text[self.shown:])
+            elif self.shown:  # interrupted mid-stream: the line ends, so the interruption's starts its own
+                print()
             return
         shown = completions[:self.show]
         for c in shown:

@@ -98,6 +98,28 @@ def test_eval_interrupted_leaves_results_marked_incomplete(pair, tmp_path):
     assert [e["dataset"] for e in res["datasets"]] == ["first"]
 
 
+def test_a_stream_interrupted_ends_its_line(pair, tmp_path, monkeypatch, capsys):
+    """One request's text streams on stdout; interrupted mid-way, its line is ended, so that on a terminal
+    the interruption's line starts a line of its own (it was written on the end of the text)."""
+    import speculate
+    from support.report import Printer
+
+    d, target, drafter = pair
+    real = Printer.on_round
+
+    def round_then_signal(self, req):
+        real(self, req)
+        if self.shown:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Printer, "on_round", round_then_signal)
+    rc = speculate.main(["--target", target, "--drafter", drafter, "--prompt", "a b", "--max-new-tokens", "40",
+                         "--no-chat", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert rc == 130 and err.splitlines()[-1].startswith("interrupted by SIGINT"), err
+    assert out and out.endswith("\n") and out.count("\n") == 1, out
+
+
 def test_a_second_signal_while_the_first_unwinds_the_run_exits_at_once():
     """The first SIGINT / SIGTERM raises Interrupted and hands any second one to _exit_now, which exits
     with 128 + the signal and one line (a second Ctrl-C landing in the first's line or its unwinding was a
