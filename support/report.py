@@ -26,8 +26,9 @@ class Printer:
     incomplete UTF-8 character), several labelled at the end (with `show`, only the first `show`)."""
 
     def __init__(self, tokenizer, stop: Optional[StopStrings], requests: int, samples: int,
-                 show: Optional[int] = None):
+                 show: Optional[int] = None, files: bool = True):
         self.tokenizer = tokenizer
+        self.files = files  # whether --output-file would keep these completions
         self.stop = stop
         self.samples = samples
         self.n = requests
@@ -76,8 +77,10 @@ class Printer:
             else:
                 print(",".join(map(str, c.output_ids)))
         if len(shown) < len(completions):
-            print(f"({len(completions) - len(shown)} more completions not shown; "
-                  f"--output-file FILE keeps every one)")
+            hint = ""
+            if self.files:
+                hint = "; --output-file FILE keeps every one"
+            print(f"({len(completions) - len(shown)} more completions not shown{hint})")
 
 
 def summarize(completions: list, engine, scheduler: str, tokens_per_second: float) -> tuple[dict, dict]:
@@ -131,7 +134,7 @@ class Decoding:
             self.out_path = args.output_file
         requests = report.requests
         self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests,
-                               report.settings.num_samples, show=report.show)
+                               report.settings.num_samples, show=report.show, files=files)
         self.done: list = []  # completions, as they finish
         self.summary: Optional[dict] = None
         self.counts: Optional[dict] = None
