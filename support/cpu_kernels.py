@@ -138,10 +138,11 @@ def _on_kernel(x, w, b) -> bool:
 
 def project(attn, x):
     """`Attention.project` in one panel GEMM: q_proj's and kv_proj's panels stacked (a call costs a
-    fixed overhead that a few rows do not hide)."""
+    fixed overhead that a few rows do not hide). A q_proj or kv_proj replaced since: the modules there now."""
     q = attn.q_proj
     kv = attn.kv_proj
-    if not (_on_kernel(x, q.weight, q.bias) and _on_kernel(x, kv.weight, kv.bias)):
+    installed = attn.qkv_modules[0] is q and attn.qkv_modules[1] is kv
+    if not (installed and _on_kernel(x, q.weight, q.bias) and _on_kernel(x, kv.weight, kv.bias)):
         return q(x), kv(x)
     qkv = torch.ops.dspark.panel_linear(x, attn.qkv_panels, attn.qkv_bias)
     return qkv.split([q.out_features, kv.out_features], -1)
@@ -231,6 +232,7 @@ def install(m: nn.Module) -> bool:
             kv.stamp = _fused_stamp(kv)
         q.__class__ = PanelLinear
         kv.__class__ = PanelLinear
+        a.qkv_modules = (q, kv)  # the modules the panels were made of
         a.project = types.MethodType(project, a)
     for a in attentions:
         a.cache_attention = attend
@@ -238,11 +240,15 @@ def install(m: nn.Module) -> bool:
 
 
 def refresh(m: nn.Module):
-    """`install` again where a weight was edited since it was installed (an ablation, load_state_dict): its
-    panels are copied anew, so an eager run decodes with the weights as they are now; unedited, nothing
-    changes (not even the bound methods a compiled graph traced)."""
+    """`install` again where a weight was edited since it was installed (an ablation, load_state_dict), or a
+    fitting layer put in place of one: its panels are copied anew, so an eager run decodes with the weights
+    as they are now; unedited, nothing changes (not even the bound methods a compiled graph traced)."""
+    if not any(type(x) is PanelLinear for x in m.modules()):
+        return  # not installed
     for x in m.modules():
-        if isinstance(x, PanelLinear) and x.stamp not in (_stamp(x.weight), _fused_stamp(x)):
+        edited = isinstance(x, PanelLinear) and x.stamp not in (_stamp(x.weight), _fused_stamp(x))
+        replaced = type(x) is nn.Linear and _linear_fits(x)
+        if edited or replaced:
             install(m)
             return
 

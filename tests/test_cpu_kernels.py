@@ -366,6 +366,33 @@ def test_install_again_after_a_bias_edit_takes_the_new_bias():
 
 
 @needs_kernels
+def test_a_projection_replaced_since_install_is_the_one_used():
+    """A q_proj or kv_proj replaced by another module (an ablation, a merged copy) is what projects at once,
+    and `refresh` puts a fitting replacement on the kernel (the panels of the module replaced kept
+    decoding, in silence, under no_grad)."""
+    m = tiny()
+    assert cpu_kernels.install(m)
+    a = m.layers[0].self_attn
+    x = torch.randn(1, 3, 32)
+    old_q = a.q_proj
+    new_q = nn.Linear(old_q.in_features, old_q.out_features, bias=False)
+    new_kv = nn.Sequential(nn.Linear(a.kv_proj.in_features, a.kv_proj.out_features, bias=False))  # fits no kernel
+    with torch.no_grad():
+        new_q.weight.mul_(3)
+        a.q_proj = new_q
+        q, _ = a.project(x)
+        assert torch.equal(q, new_q(x)) and not torch.allclose(q, F.linear(x, old_q.weight))
+        cpu_kernels.refresh(m)
+        assert type(a.q_proj) is cpu_kernels.PanelLinear
+        q, _ = a.project(x)
+        assert torch.allclose(q, F.linear(x, new_q.weight), atol=1e-5)
+        a.kv_proj = new_kv
+        cpu_kernels.refresh(m)
+        _, kv = a.project(x)
+        assert torch.equal(kv, new_kv(x))
+
+
+@needs_kernels
 def test_describe_names_the_gemms():
     m = tiny()
     assert cpu_kernels.describe(m) == "GEMMs: MKL (the CPU kernels are not installed)"
