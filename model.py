@@ -1,6 +1,8 @@
 """The target: a pure-PyTorch Qwen3 dense decoder with a static KV cache written at per-row
 positions (rollback is moving a length: a query at p reads only keys <= p). `capture=` returns the
-drafter's features from the same pass; `ragged=` runs requests of different lengths flattened."""
+drafter's features from the same pass; `ragged=` runs requests of different lengths flattened. On CPU
+in float32, support/cpu_kernels.py takes over the linear layers' forwards, `Attention.project` and
+few-token attention (`cpu_kernels=False` at load, or DSPARK_CPU_KERNELS=0, keeps this file's code)."""
 
 from __future__ import annotations
 

@@ -789,18 +789,24 @@ class Engine:
 # The Python API: load once, generate many times. Its arguments are the flags, checked once here.
 
 def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device: str = "cpu",
-         dtype: Optional[str] = None, calibration: Optional[str] = None) -> Models:
-    """The models for `generate`: checkpoint directories or hub ids; with neither, the demo pair."""
+         dtype: Optional[str] = None, calibration: Optional[str] = None, cpu_kernels: bool = True) -> Models:
+    """The models for `generate`: checkpoint directories or hub ids; with neither, the demo pair.
+    cpu_kernels=False: the plain model on CPU float32 too, whose every module runs as written (the kernels
+    replace the linear layers' forwards, `Attention.project` and few-token attention)."""
     target = flags.path_argument(target, "--target")
     drafter = flags.path_argument(drafter, "--drafter")
     calibration = flags.path_argument(calibration, "--calibration")
+    cpu_kernels = flags.python_bool(cpu_kernels)
+    if not isinstance(cpu_kernels, bool):
+        raise UserError(f"load(): cpu_kernels={cpu_kernels!r} (True or False)")
     if target is None and drafter is None:
         if not os.path.isdir(DEMO_DIR):
             raise UserError(f"load(): no target given, and the demo pair is not at {DEMO_DIR} (it stays in "
                             f"the checkout: install with pip install -e, or give a target)")
         target = os.path.join(DEMO_DIR, "target")
         drafter = os.path.join(DEMO_DIR, "drafter")
-    return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration)
+    return load_models(target, drafter, device=device, dtype=dtype, calibration=calibration,
+                       cpu_kernels=cpu_kernels)
 
 
 class EngineSize(NamedTuple):

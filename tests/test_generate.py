@@ -474,6 +474,26 @@ def test_api_takes_paths_and_numpy_booleans_and_names_a_wrong_type(chat_target, 
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
 
 
+def test_load_without_the_cpu_kernels_runs_every_module_as_written(chat_target):
+    """cpu_kernels=False: the plain model, so a hook on q_proj is reached (the kernels' stacked projection
+    never calls q_proj), with the same tokens; performance.md's `cpu_kernels=False` was a TypeError here."""
+    from support import cpu_kernels
+
+    d, target, drafter = chat_target
+    calls = []
+    outputs = []
+    for on in (True, False):
+        m = speculate.load(target, drafter, cpu_kernels=on)
+        m.target.layers[0].self_attn.q_proj.register_forward_hook(lambda *a, on=on: calls.append(on))
+        done = speculate.generate(m, "hello world", max_new_tokens=6, temperature=0, chat=False)
+        outputs.append(done[0].output_ids)
+        installed = any(type(x) is cpu_kernels.PanelLinear for x in m.target.modules())
+        assert installed == (on and cpu_kernels.unavailable() is None)
+    assert outputs[0] == outputs[1] and False in calls
+    with pytest.raises(speculate.UserError, match=re.escape("load(): cpu_kernels='no' (True or False)")):
+        speculate.load(target, drafter, cpu_kernels="no")
+
+
 def test_make_engine_and_decode_check_their_prompts_and_settings(chat_target):
     """The documented driver checks what it is given as generate does: an empty list, an empty prompt, text,
     an id outside the vocabulary and unchecked settings were a ValueError, IndexError or TypeError from deep
