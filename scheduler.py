@@ -188,6 +188,7 @@ class Scheduler:
         self.profile_points = self.buckets or verify_buckets(top)
         # SPS(B) by verify tokens: on the device for Algorithm 1, on the host for the async search.
         self.sps = None
+        self.measured = False  # whether `set_sps` gave SPS a table: until then it is flat
         self.capacity = None  # async's C, the draft graph's input (`fixed`)
         if kind == "hardware":
             self.sps = torch.ones(top + 1, dtype=torch.float64, device=device)
@@ -262,6 +263,7 @@ class Scheduler:
         sps, self.route = sps_curve(self.profile_points, steps_per_second, self.buckets, top)
         # in place: a compiled graph may hold it
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
+        self.measured = True
 
 
 def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buckets: Optional[str]) -> str:

@@ -615,6 +615,11 @@ class Engine:
         row (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs
         apart. on_round(request, entry): the round's trace entry (`trace_record`); on_finish(request),
         on_step() after each batch round."""
+        kind = self.scheduler.kind
+        if kind in sched.SPS_KINDS and not self.scheduler.measured:  # an Engine built by hand
+            raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be verified; "
+                            "make_engine reads or profiles one, or call "
+                            "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path)) first")
         self.own_caches()
         for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
             cpu_kernels.refresh(m)

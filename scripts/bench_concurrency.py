@@ -115,6 +115,7 @@ def use_curve(scheduler, sps: list[float]):
     """The scheduler prices rounds by SPS(B) as given for B = 0 .. top (no fit, no bucket routing)."""
     scheduler.sps.copy_(torch.tensor(sps, dtype=torch.float64))
     scheduler.route = None
+    scheduler.measured = True
 
 
 def cliffs_sps(top: int) -> list[float]:

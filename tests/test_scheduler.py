@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 
 import pytest
@@ -511,6 +512,25 @@ def test_isotonic_equals_the_min_max_formula():
         mean = lambda j, k: sum(y[j:k + 1]) / (k - j + 1)
         want = [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
         assert sched.isotonic(y) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("kind", ["hardware", "async"])
+def test_an_engine_built_by_hand_schedules_only_with_an_sps_table(env, kind):
+    """Engine(scheduler="hardware" or "async") without set_sps is refused in one line: its SPS was flat, so
+    it verified every draft while its trace said it scheduled. make_engine sets the table itself."""
+    from support.checkpoint import load_drafter
+
+    target = load_target(env["target"])
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
+                              scheduler=kind)
+    reqs = [speculate.Request(0, [1, 2, 3])]
+    with pytest.raises(speculate.UserError, match=re.escape(f"Engine(scheduler={kind!r}): no SPS table")):
+        engine.generate(reqs, 4)
+    points = engine.scheduler.profile_points
+    engine.scheduler.set_sps(dict(sched.sps_identity(engine), steps_per_second=[1 / (1 + b) for b in points]))
+    with torch.inference_mode():
+        engine.generate(reqs, 4)
+    assert reqs[0].output_ids
 
 
 def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
