@@ -265,8 +265,8 @@ class RoundRecord(NamedTuple):
 
 
 def record_widths(draft_width: int, confidence: bool, path_width: int = 0) -> dict:
-    """The round record's columns and their widths, in RoundRecord's field order: the one place its
-    layout is written. `pack_record` fills it on the device (the round's one transfer to the host),
+    """The round record's columns and their widths: the one place its layout is written, the columns in
+    RoundRecord's field order. `pack_record` fills it on the device (the round's one transfer to the host),
     `unpack` reads it. path_width: a tree's deepest path (0: a chain, without parents and path)."""
     widths = {"drafts": draft_width, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
     widths["confidence"] = 0
@@ -296,16 +296,17 @@ def unpack(packed: torch.Tensor, widths: dict) -> list[RoundRecord]:
     for r in packed.tolist():
         values = {}
         at = 0
-        for name, width in widths.items():
-            values[name] = r[at:at + width]
-            at += width
+        for name in RoundRecord._fields:  # pack_record's order
+            if name in widths:
+                values[name] = r[at:at + widths[name]]
+                at += widths[name]
         for name in ("drafts", "parents", "path"):  # token and node columns (a tree's: the last two)
             if name in values:
                 values[name] = [int(x) for x in values[name]]
         for name in ("verified", "accepted", "bonus"):
             values[name] = int(values[name][0])
         values["finite"] = bool(values["finite"][0])
-        values["confidence"] = values["confidence"] or None  # width 0: no confidence head
+        values["confidence"] = values["confidence"] or None  # width 0: no confidence head, or a tree round
         rows.append(RoundRecord(**values))
     return rows
 

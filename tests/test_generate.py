@@ -641,3 +641,15 @@ def test_api_matches_the_cli_and_refuses_what_cannot_fit(chat_target, tmp_path):
     assert conv[0].output_ids == text[0].output_ids  # one user turn = the text through the template
     with pytest.raises(speculate.UserError, match="context"):
         speculate.generate(m, [1] * 250, max_new_tokens=10)
+
+
+def test_the_round_record_is_read_in_the_order_it_is_packed():
+    """pack_record and unpack both follow RoundRecord's fields: the widths' own order does not matter (unpack
+    followed it, so a reordering read the `finite` flag as a confidence, in silence)."""
+    columns = dict(drafts=torch.tensor([[5, 6, 7]]), verified=torch.tensor([2]), accepted=torch.tensor([1]),
+                   bonus=torch.tensor([9]), finite=torch.tensor([True]), confidence=torch.tensor([[0.5, 0.25, 0.125]]))
+    packed = speculate.pack_record(**columns)
+    widths = speculate.record_widths(draft_width=3, confidence=True)
+    want = speculate.RoundRecord([5, 6, 7], 2, 1, 9, True, [0.5, 0.25, 0.125])
+    assert speculate.unpack(packed, widths) == [want]
+    assert speculate.unpack(packed, dict(reversed(widths.items()))) == [want]
