@@ -416,7 +416,7 @@ class Transformer(nn.Module):
         tree_slots: Optional["TreeSlots"] = None,
     ):
         """tokens [B, T] -> (normed hidden [B, T, H], features [B, T, len(capture)*H] or None):
-        the outputs of layers `capture` (-1: embeddings). index [B]: one position per row.
+        the outputs of layers `capture` (-1: embeddings). index [B]: one token per row (an index into T).
         With `positions` [B, T] the pass goes through the KV cache (in cache `rows`, or 0 .. B-1),
         `mask` unread; `ragged`: the tokens are [1, N], flattened from positions' layout; `attention`:
         a kernel in place of the cache attention. Without, a cache-free pass: causal, or under `mask`.

@@ -257,8 +257,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, 
         batch = torch.arange(B, device=device)
         p_n = p[batch, n]  # [B, V] the target's distribution after the accepted drafts
         q_row = n.clamp(max=K - 1)  # n = K: nothing rejected, the residual unread
-        q_n = q[batch, q_row]
-        corrected = residual(p_n, q_n)
+        q_next = q[batch, q_row]  # [B, V] q_{n+1}, the law of the draft rejected
+        corrected = residual(p_n, q_next)
         rejected = n < verify_len
         final = torch.where(rejected[:, None], corrected, p_n)  # what the next token follows
     next_token = sample_from(final, noise)  # [B]

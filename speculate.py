@@ -53,14 +53,15 @@ class Proposal(NamedTuple):
     tree: Optional[sampling.Tree] = None
 
 
-def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule,
+def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule: sched.Scheduler,
           backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity,
           carried) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
-    noise: the chain's Exp(1) [B, K, V], or a sampled tree's [B, R, V] (None at T=0); capacity: the
-    async scheduler's C; tree_budget: draft a tree of this many nodes instead of a chain; carried: an
-    Eagle3 drafter's `carried`, passed in so that a compiled graph reads it as an input (freezing
-    would fold it)."""
+    noise: the chain's Exp(1) [B, K, V], or a sampled tree's [B, R, V] (None at T=0); schedule: the
+    engine's `scheduler.Scheduler`, ℓ [B] from the confidences [B, K]; capacity: the async scheduler's
+    C; num_drafts: an Eagle3 chain's K (a block drafter drafts its block); tree_budget: draft a tree of
+    this many nodes instead of a chain; carried: an Eagle3 drafter's `carried`, passed in so that a
+    compiled graph reads it as an input (freezing would fold it)."""
     B = anchor.shape[0]
     device = anchor.device
     if drafter is None:
@@ -343,6 +344,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
 
 # Compiling: one graph per half of a round (a ragged verify, one per bucket), static shapes; on a
 # CPU frozen weights and a C++ wrapper, on CUDA reduce-overhead (CUDA graphs).
+CUDA_RECIPE = "reduce-overhead"  # `compiled`'s mode on CUDA, and what `captures_cuda_graphs` answers for
 
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     """`fn` compiled whole: the project's recipe for `device`, or `mode` (--compile-mode) instead, which
@@ -354,7 +356,7 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     if cpu_recipe:
         options = {"max_autotune": True}
     else:
-        options = torch._inductor.list_mode_options(mode or "reduce-overhead")
+        options = torch._inductor.list_mode_options(mode or CUDA_RECIPE)
     options["max_autotune_report_choices_stats"] = False  # no JSON blob per autotuned op
     select.PRINT_AUTOTUNE = verbose  # the autotuning tables, on stderr
     graph = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
@@ -370,11 +372,11 @@ def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
 
 def captures_cuda_graphs(device, mode: Optional[str] = None) -> bool:
     """Whether `compiled(fn, device, mode)` captures CUDA graphs: only on CUDA, and there with the
-    recipe (reduce-overhead) or max-autotune, not default or max-autotune-no-cudagraphs."""
+    recipe (CUDA_RECIPE) or max-autotune, not default or max-autotune-no-cudagraphs."""
     on_cuda = str(device).startswith("cuda")
     if not on_cuda:
         return False
-    options = torch._inductor.list_mode_options(mode or "reduce-overhead")
+    options = torch._inductor.list_mode_options(mode or CUDA_RECIPE)
     return bool(options.get("triton.cudagraphs"))
 
 
@@ -652,7 +654,7 @@ class Engine:
             free = rows.free()[:len(waiting)]
             new = [waiting.pop() for _ in free]
             noise = None
-            if self.temperature > 0:  # a request's samples depend only on the seed and its index
+            if self.temperature > 0:  # a request's random draws depend only on the seed and its index
                 draws = []
                 for i, req in zip(free, new):
                     generator = torch.Generator(device=self.device)
