@@ -21,12 +21,17 @@ def accepted_tokens(rd: dict) -> list[int]:
 
 
 def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]:
-    """(accepted, verified, committed) of one round record; an accepted stop token ends it there."""
+    """(accepted, verified, committed) of one round record; an accepted stop token ends it there: the last
+    token accepted and committed, and a chain's last verified (as DeepSpec counts). A tree's verified stays
+    its count of nodes, every one of which the target scored."""
     n = rd["accepted"]
     for j, t in enumerate(accepted_tokens(rd)):
         if t in stop_ids:
-            ended = j + 1  # the stop token is the last one accepted, verified and committed
-            return ended, ended, ended
+            ended = j + 1
+            verified = ended
+            if "path" in rd:
+                verified = rd["verified"]
+            return ended, verified, ended
     return n, rd["verified"], n + 1
 
 
@@ -67,6 +72,9 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
             sent = reach  # ... and as deep as its drafts after the accepted ones reach
             if "path" in rd:
                 sent = min(v, path_reach(rd, a))
+            if t == a:  # an accepted stop token ended the round: no position after it counts
+                reach = min(reach, a)
+                sent = min(sent, a)
             c["num_rounds"] += 1
             c["accepted"] += a
             c["verified"] += v

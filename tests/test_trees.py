@@ -691,14 +691,21 @@ def test_check_trace_accepts_tree_rounds(tenv):
 
 
 def test_a_stop_token_on_the_path_ends_the_round_there_in_the_counts():
-    """metrics counts a tree round by its path's tokens: an accepted stop token ends it, as a chain's does."""
+    """metrics counts a tree round by its path's tokens: an accepted stop token ends what it accepted and
+    committed, and the positions it counts, as a chain's does; its verified stays the nodes the target scored
+    (it became the path's depth, so a tree's #propose mixed two units)."""
+    from types import SimpleNamespace
+
     from support import metrics
 
     rd = {"draft": [5, 9, 3, 7], "parents": [0, 0, 2, 3], "path": [2, 3, 4], "accepted": 3, "verified": 4,
           "depth": 3}
     assert metrics.accepted_tokens(rd) == [9, 3, 7]
-    assert metrics.round_counts(rd, {3}) == (2, 2, 2)
+    assert metrics.round_counts(rd, {3}) == (2, 4, 2)
     assert metrics.round_counts(rd, {5}) == (3, 4, 4)  # 5 is a node off the path
+    c = metrics.count([SimpleNamespace(output_ids=[9, 3], rounds=[rd])], K=4, stop_ids={3})
+    assert (c["accepted"], c["verified"], c["committed"]) == (2, 4, 2)
+    assert c["verified_at"] == c["tried"] == [1, 1, 0, 0] and c["accepted_at"] == [1, 1, 0, 0]
 
 
 def test_a_tree_counts_as_verified_the_nodes_its_search_reached(tenv):
