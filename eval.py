@@ -229,8 +229,14 @@ def check_flags(args: EvalArgs) -> Settings:
         raise UserError(f"{tuning[0]}: shapes the calibration report of one drafter's confidence "
                         f"head, and this run reports none (no --drafter, more than one, "
                         f"or a --tree-budget curve): it would change nothing")
-    if len(set(args.drafter)) != len(args.drafter):
-        raise UserError("--drafter: the same drafter is given twice")
+    seen = {}
+    for d in args.drafter:
+        same = d  # a hub id as given; a directory under any spelling
+        if os.path.isdir(d):
+            same = os.path.realpath(d)
+        if same in seen:
+            raise UserError(f"--drafter {d}: the same drafter as --drafter {seen[same]}, given twice")
+        seen[same] = d
     if s.sps_table is not None and several:
         raise UserError(f"--sps-table {s.sps_table}: holds one engine's SPS(B), and this run compares "
                         f"several rows (more than one --drafter, or a --tree-budget curve): give it to a "
@@ -462,7 +468,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     flags.check_tree_temperature(s, tree_drafters, flags.sampling_for(m, s).temperature)
     if rank == 0:
         for path in skipped:
-            print(f"warning: {path} not found; skipping dataset {dataset_name(path)}", file=sys.stderr)
+            print(f"warning: {path} not found; skipping dataset {dataset_name(path)} "
+                  f"(scripts/fetch_eval_data.py builds the paper's datasets)", file=sys.stderr)
     chat = auto_chat(args.rendering.chat, m.tokenizer)
     if rank == 0 and args.calibration:
         note = calibration_note(args.calibration, first, s.temperature)
@@ -512,6 +519,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    rows=[r.label for r in rows])
     if rank == 0:
         print(threads, file=sys.stderr)
+        if not chat and args.rendering.chat is None and not demo:  # the protocol renders with the template
+            print(f"chat: off (--target {args.target} has no chat template): text prompts are decoded as "
+                  f"written, not rendered as the authors render them", file=sys.stderr)
         for d in drafters:
             print(d.cfg.describe(s.draft_length), file=sys.stderr)
         for line in m.hub_snapshots:
@@ -571,6 +581,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         if len(rows) > 1:
             print()
             print(format_comparison(done, s.temperature))
+            if skipped:  # the paper's mean is over every dataset
+                names = ", ".join(dataset_name(path) for path in skipped)
+                print(f"(the mean leaves out {names}: not found)")
         write_outputs(args, calibration_outputs(args), out, calibration, log, first)
     return out
 
@@ -595,19 +608,21 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
                   context: int) -> dict:
     """Each dataset's prompts as ids (the authors' subset), checked against the target and every drafter."""
     budget_or_one = s.max_new_tokens or 1  # the budget is resolved from the prompts, after this
+    if budget_or_one >= context:
+        raise UserError(f"--max-new-tokens {budget_or_one}: leaves no room for a prompt in the context of "
+                        f"{context} tokens")
     prompts = {}
     for name, path, n in datasets:
         sources = []
+        # the subset drawn from the records, and only it rendered and tokenized (as the authors read them)
         ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
-                          max_len=max(context - budget_or_one, 1), sources=sources,
+                          max_len=context - budget_or_one, sources=sources,
                           system_prompt=args.rendering.system_prompt,
-                          thinking=args.rendering.enable_thinking)
-        chosen = select(list(zip(ps, sources)), n, s.seed)
-        prompts[name] = [p for p, _ in chosen]
-        chosen_sources = [where for _, where in chosen]
+                          thinking=args.rendering.enable_thinking,
+                          choose=lambda records, n=n: select(records, n, s.seed))
+        prompts[name] = ps
         for d in drafters or [None]:
-            check_prompts(prompts[name], m.target, s.max_new_tokens, drafter=d,
-                          sources=chosen_sources)
+            check_prompts(ps, m.target, s.max_new_tokens, drafter=d, sources=sources)
     return prompts
 
 
@@ -798,7 +813,8 @@ def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: boo
     dtype = str(m.dtype).removeprefix("torch.")
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
-                dtype_resolved=dtype, skipped=skipped, hub_revisions=revisions or {})
+                dtype_resolved=dtype, batch_size_resolved=engine.max_batch,
+                scheduler_resolved=engine.scheduler.kind, skipped=skipped, hub_revisions=revisions or {})
 
 
 def main(argv: Optional[list[str]] = None) -> int:

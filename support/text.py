@@ -8,7 +8,7 @@ import numbers
 import os
 import re
 import string
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from support.cli import UserError, flag, parse_ints
 from support.files import file_problem, optional_file, read_json, read_jsonl
@@ -555,9 +555,11 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
 def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional[str] = None,
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None,
                  max_len: Optional[int] = None, system_prompt: Optional[str] = None,
-                 thinking: bool = False, sources: Optional[list] = None, no_chat_why: str = NO_CHAT_WHY):
+                 thinking: bool = False, sources: Optional[list] = None, no_chat_why: str = NO_CHAT_WHY,
+                 choose: Optional[Callable[[list], list]] = None):
     """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from
-    (`no_chat_why`: why a conversation is not rendered, as the program decides)."""
+    (`no_chat_why`: why a conversation is not rendered, as the program decides; `choose`: which of the
+    records, (where, prompt) in order, to encode, e.g. eval.py's subset: every one by default)."""
     sources_given = (("--prompt", prompt), ("--prompt-ids", prompt_ids),
                      ("--prompts-file", prompts_file))
     given = [name for name, value in sources_given if value is not None]
@@ -574,6 +576,8 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         records = [("--prompt", prompt)]
     else:
         records = [("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))]
+    if choose is not None:
+        records = choose(records)
     out = []
     for where, p in records:
         # (--prompt-ids with a flag: refused above)

@@ -370,6 +370,58 @@ def test_the_subset_is_the_authors_seeded_shuffle():
     assert ev.select(lines[:30], 30, ev.AUTHORS_SEED) == lines[:30] and ev.select(lines, 0, 1) == lines
 
 
+def test_only_the_subset_is_read_as_prompts(env, tmp_path, capsys, monkeypatch):
+    """The records are drawn first and only the chosen ones rendered and tokenized: a record outside the
+    subset that could not run refused the whole run (and a 52,002-row file was all tokenized for 500)."""
+    from support import text
+
+    data = tmp_path / "data"
+    words = ["hello world", "print x", "def x", "the x is a", "x is a", "a b"]
+    rows = [{"turns": [w]} for w in words] + [{"turns": ["word " * 20000]}]  # past the context
+    data.mkdir()
+    (data / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chosen = ev.select(list(range(len(rows))), 2, ev.AUTHORS_SEED)
+    assert len(rows) - 1 not in chosen  # the long record is not drawn
+    encoded = []
+    real = text.encode
+    monkeypatch.setattr(text, "encode", lambda tok, p, where, **kw: (encoded.append(where), real(tok, p, where, **kw))[1])
+    res, _, _ = run_eval(dict(env, data=str(data)), tmp_path, capsys, "--max-samples", 2, "--batch-size", 16,
+                         datasets="long")
+    assert res["datasets"][0]["num_samples"] == 2
+    # the batch that ran, beside the flag's (tokens/s depends on it)
+    assert (res["config"]["batch_size"], res["config"]["batch_size_resolved"]) == (16, 2)
+    assert res["config"]["scheduler_resolved"] == "none"
+    assert encoded == [f"{data / 'long.jsonl'}:{i + 1}" for i in chosen]
+
+
+def test_a_target_without_a_chat_template_is_said_once(env, tmp_path, capsys):
+    """The protocol renders prompts with the chat template; a target without one decodes them as written,
+    which the run says in a line (only results.json's chat_resolved recorded it)."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(env["target"], target)
+    (target / "tokenizer_config.json").unlink()
+    res, _, err = run_eval(dict(env, target=str(target)), tmp_path, capsys, "--max-samples", 1, datasets="gsm8k")
+    note = (f"chat: off (--target {target} has no chat template): text prompts are decoded as written, not "
+            "rendered as the authors render them")
+    assert err.splitlines().count(note) == 1 and res["config"]["chat_resolved"] is False, err
+    _, _, err = run_eval(dict(env, target=str(target)), tmp_path, capsys, "--max-samples", 1, "--no-chat",
+                         datasets="gsm8k")
+    assert "chat: off" not in err  # asked for
+
+
+def test_a_budget_that_leaves_no_room_names_the_flag(env, tmp_path, capsys):
+    """--max-new-tokens at or past the context: one line naming the flag (it blamed the first prompt, with
+    '1 tokens' of room)."""
+    rc = ev.main([str(a) for a in ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"],
+                                   "--datasets", "gsm8k", "--max-new-tokens", 256, "--no-progress",
+                                   "--out", tmp_path / "r.json"]])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == ("error: --max-new-tokens 256: leaves no room for a prompt in the context of 256 "
+                               "tokens\n"), err
+
+
 def test_rows_are_printed_and_results_written_as_each_dataset_finishes(env, tmp_path, capsys, monkeypatch):
     writes = []
     real = ev.write_json
@@ -847,9 +899,11 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     out = tmp_path / "r.json"
     base = ["--target", env["target"], "--data-dir", env["data"], "--datasets", "gsm8k,mt-bench", "--max-samples", "2",
             "--max-new-tokens", "12", "--no-progress", "--temperature", "0", "--out", str(out)]
-    assert ev.main(base + ["--drafter", env["drafter"], "--drafter", eagle3, "--tree-budget", "8"]) == 0
+    missing = ["--datasets", "gsm8k,aime25,mt-bench"]  # aime25 is not in the data directory
+    assert ev.main(base + missing + ["--drafter", env["drafter"], "--drafter", eagle3, "--tree-budget", "8"]) == 0
     text = capsys.readouterr().out
-    table = text[text.index("τ at T=0"):].splitlines()
+    assert text.endswith("\n(the mean leaves out aime25: not found)\n"), text  # the paper's mean is over all
+    table = text[text.index("τ at T=0"):].splitlines()[:-1]
     assert table[0].split() == ["τ", "at", "T=0", "gsm8k", "mt-bench", "mean"]
     labels = [line.rsplit(maxsplit=3)[0] for line in table[2:]]  # then two datasets' τ and the mean
     assert labels == ["drafter chain", "drafter tree 4", "drafter tree 8", "eagle3"], table
@@ -860,8 +914,11 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
         taus = [e["acceptance_length"] for e in row["datasets"]]
         assert line.split()[-3:] == [f"{taus[0]:.2f}", f"{taus[1]:.2f}", f"{sum(taus) / 2:.2f}"]
     assert all(e["num_samples"] == 2 for r in res["rows"] for e in r["datasets"])
-    assert ev.main(base + ["--drafter", env["drafter"], "--drafter", env["drafter"]]) == 2
-    assert "--drafter: the same drafter is given twice" in capsys.readouterr().err
+    # the same directory under another spelling too (it was decoded twice)
+    for again in (env["drafter"], env["drafter"] + "/", os.path.relpath(env["drafter"])):
+        assert ev.main(base + ["--drafter", env["drafter"], "--drafter", again]) == 2
+        err = capsys.readouterr().err
+        assert f"--drafter {again}: the same drafter as --drafter {env['drafter']}, given twice" in err, err
     assert ev.main(base + ["--drafter", env["drafter"], "--drafter", eagle3, "--calibration-out", str(tmp_path / "c.json")]) == 2
     assert "compares several rows" in capsys.readouterr().err
     # a curve needs a block drafter; a tree temperature needs a curve
@@ -1033,7 +1090,7 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
         return SimpleNamespace(cfg=SimpleNamespace(describe=lambda num_drafts=None: name))
 
     args = ev.EvalArgs(target="t", datasets="gsm8k, aime25,custom")
-    engine = SimpleNamespace(compile_seconds=1.5)
+    engine = SimpleNamespace(compile_seconds=1.5, max_batch=4, scheduler=SimpleNamespace(kind="none"))
     m = SimpleNamespace(dtype=torch.float32)
     skipped_files = [os.path.join("data", "eval", "aime25.jsonl")]  # resolve_datasets' second list
     for drafters, want in [([], None), ([drafter("a")], "a"), ([drafter("a"), drafter("b")], ["a", "b"])]:
