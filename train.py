@@ -893,7 +893,8 @@ def eval_args(args: Args, step: int, device: str):
     flags = dict(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
                  data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
                  max_new_tokens=args.eval_max_new_tokens, device=eval_device, compile=False,
-                 progress=False, out=os.path.join(args.out, f"eval_step{step}.json"))
+                 progress=False, out=os.path.join(args.out, f"eval_step{step}.json"),
+                 threads=torch.get_num_threads())  # the training's: eval.py's default would change them
     return from_flat(evaluation.EvalArgs, flags)
 
 
@@ -960,6 +961,9 @@ def run(args: Args) -> dict:
     if eagle3 and args.ttt_length >= T:  # step j reads token i + j + 1 of its sequence
         raise UserError(f"--ttt-length {args.ttt_length}: the chain unrolls within each --seq-len "
                         f"{T} sequence, so at most {T - 1} steps")
+    if not eagle3 and args.block_size >= T:  # slot k's label is token a + k of the anchor a's sequence
+        raise UserError(f"--block-size {args.block_size}: a block's drafts follow its anchor within each "
+                        f"--seq-len {T} sequence, so at most {T - 1} (the slots past them are never trained)")
     if args.target is None:
         raise UserError("--target: no target directory given")
     # --out is checked against the resolved target too

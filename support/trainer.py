@@ -18,7 +18,7 @@ import torch
 
 from support import runlog
 from support.checkpoint import read_weights
-from support.cli import SEED_RANGE, UserError, check_ranges, cli_main, flag, signals_deferred
+from support.cli import SEED_RANGE, Interrupted, UserError, check_ranges, cli_main, flag, signals_deferred
 from support.data import JSON_SUFFIXES, TEXT_SUFFIXES
 from support.distributed import peak_tflops, rank0
 from support.files import (
@@ -37,7 +37,7 @@ STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 LOG_JSONL = "train_log.jsonl"  # rank 0's metrics, one line per step
 LATEST = "latest"
-SPEED_WINDOW = 20  # steps tokens/s is averaged over: a compiling first step drops out
+SPEED_WINDOW = 20  # the last steps tokens/s is averaged over
 
 
 @dataclass
@@ -58,7 +58,9 @@ class TrainArgs(WandbFlags):
     """Continue the run saved in this directory (a previous --out), with any number of processes giving
     the same global batch."""
     steps: int = 1000
-    """Optimizer steps the schedule spans (resumed with more: the rest stretches to the new end)."""
+    """Optimizer steps the schedule spans. Resumed with another count, the run follows the new count's
+    schedule from its step: warm-up and decay are worked out anew, so the learning rate jumps there (back
+    into warm-up if the step is inside the new one); --stop-at keeps one schedule across stops."""
     stop_at: Optional[int] = None
     """Stop after this step (checkpointed), the schedule still spanning --steps."""
     batch_size: int = 4
@@ -94,7 +96,8 @@ class TrainArgs(WandbFlags):
     log_every: int = 10
     """With --wandb: log the step's figures every this many steps."""
     progress: bool = True
-    """Progress on stderr: a bar on a terminal, else a line every 15 s and at the last step."""
+    """Progress on stderr: a line while --data is tokenized, then a bar on a terminal, else a line every
+    15 s and at the last step."""
     peak_tflops: Optional[float] = None
     """One device's peak TFLOP/s for the MFU (default: a known GPU's dense bf16 figure, else no MFU)."""
     wandb_artifacts: bool = False
@@ -164,6 +167,16 @@ def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), path) from None
+
+
+def last_checkpoint(out: str) -> list[str]:
+    """The checkpoint --out's `latest` names, or none."""
+    latest = os.path.join(out, LATEST)
+    if not os.path.isfile(latest):
+        return []
+    with open(latest) as f:
+        name = f.read().strip()
+    return [os.path.join(out, name)]
 
 
 def publish_checkpoint(out: str, step: int, write) -> list[str]:
@@ -630,10 +643,15 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
             if args.grad_clip > 0:
                 max_norm = args.grad_clip
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if not math.isfinite(float(gnorm)):  # the gradients every rank averaged: all stop here
+                raise UserError(
+                    f"step {step + 1}: the gradient norm is {float(gnorm)} (not finite, the loss {loss:.4f}); "
+                    f"stopped before the optimizer step — the last complete checkpoint in {args.out} is kept")
             opt.step()
             losses.append(loss)
             times.append(time.perf_counter() - t_step)
-            recent = times[-SPEED_WINDOW:]
+            timed = times[1:] or times  # this process's first step (a compiling one) left out once there are others
+            recent = timed[-SPEED_WINDOW:]
             dt = sum(recent) / len(recent)  # tokens/s: this one figure, everywhere
             tokens_per_second = tokens_per_step / dt
             left = end - step - 1
@@ -673,14 +691,19 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                 t_pause = time.perf_counter()
                 checkpoint(done)
                 pauses += time.perf_counter() - t_pause
+        bar.close()
+        if main:
+            log_file.close()
+        module.eval()
+        checkpoint(end)
+    except Interrupted as e:  # the interruption's line names the checkpoint a --resume continues from
+        e.written = last_checkpoint(args.out)
+        e.hint = "--save-every N keeps finished steps"
+        raise
     finally:  # an interruption's line starts below the bar, not on it
         bar.close()
     if main:
-        log_file.close()
-    module.eval()
-    checkpoint(end)
-    if main:
-        window = min(len(times), SPEED_WINDOW)
+        window = min(max(len(times) - 1, 1), SPEED_WINDOW)
         tokens_per_second = speed["tokens_per_second"]
         print(f"step {end}: loss {losses[-1]:.4f}, {tokens_per_second:,.0f} tokens/s over the last "
               f"{window} steps ({run.world} process(es)), {args.kind} written to {args.out}")

@@ -589,7 +589,7 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
 
 def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_path, monkeypatch):
     """On a terminal the bar is closed before the interruption's line, which starts a line of its own (it
-    was written after the bar's last frame, and the bar drawn again below it)."""
+    was written after the bar's last frame, and the bar drawn again below it); the line says what is kept."""
     import signal
 
     from support import trainer
@@ -607,12 +607,16 @@ def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_pat
 
     monkeypatch.setattr(trainer, "lr_at", signal_at_the_second_step)
     ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
-    err = Terminal()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o",
-                                          "--steps", 3, "--anchors-per-seq", 4, *SMALL]])
-    lines = err.getvalue().split("\n")
-    assert rc == 130 and lines[-1] == "" and lines[-2].startswith("interrupted by SIGINT"), err.getvalue()
+    # the line names the checkpoint a --resume continues from ("what was finished is kept" hid lost steps)
+    for out, extra, kept in (("o", [], "nothing was written (--save-every N keeps finished steps)"),
+                             ("s", ["--save-every", 1], f"what was written: {tmp_path / 's' / 'checkpoint-1'}")):
+        err = Terminal()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out",
+                                              tmp_path / out, "--steps", 3, "--anchors-per-seq", 4, *SMALL, *extra]])
+        lines = err.getvalue().split("\n")
+        assert rc == 130 and lines[-1] == "", err.getvalue()
+        assert lines[-2] == f"interrupted by SIGINT: stopped; {kept}", err.getvalue()
 
 
 def test_a_full_disk_while_saving_is_one_line_and_leaves_no_temporary_checkpoint(tiny_target, tmp_path):
@@ -632,6 +636,58 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_no_temporary_checkpoint
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[-1] == f"error: {out / '.checkpoint-1.tmp' / 'model.safetensors'}: File too large", lines[-3:]
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
+def test_a_gradient_that_is_not_finite_stops_before_the_optimizer_step(tiny_target, tmp_path, monkeypatch):
+    """A finite loss whose gradient is NaN (an overflow in a backward) stops the run as a NaN loss does,
+    before the step: it went into the weights, a --save-every checkpoint saved them as `latest` and removed
+    the last good one, and the run was lost."""
+    from support import checkpoint
+
+    real = train.drafter_loss
+    calls = []
+
+    def nan_gradient_at_the_fourth(d, *a, **k):
+        loss, *rest = real(d, *a, **k)
+        calls.append(1)
+        if len(calls) == 4:
+            w = d.fc.weight
+            loss = loss + 0 * torch.sqrt(w[0, 0] - w[0, 0].detach())  # adds 0, and a NaN gradient
+        return (loss, *rest)
+
+    monkeypatch.setattr(train, "drafter_loss", nan_gradient_at_the_fourth)
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 6,
+                            "--anchors-per-seq", 4, "--save-every", 2, *SMALL])
+    assert rc == 2 and "error: step 4: the gradient norm is nan (not finite" in err, err
+    assert (out / "latest").read_text() == "checkpoint-2\n"
+    checkpoint.load_drafter(str(out / "checkpoint-2"), checkpoint.load_target(str(tiny_target.path)))
+
+
+def test_a_slow_first_step_is_left_out_of_the_speed(tiny_target, tmp_path, monkeypatch):
+    """The first step of a process (with --compile, the compilation's minutes) does not count in tokens/s
+    and the ETA once later steps are timed: it did for the first 20 steps."""
+    import time
+
+    real = train.DraftStep.forward
+    calls = []
+
+    def slow_first(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(3)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(train.DraftStep, "forward", slow_first)
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", tmp_path / "o", "--steps", 3,
+                            "--anchors-per-seq", 4, *SMALL])
+    assert rc == 0, err
+    log = [json.loads(line) for line in open(tmp_path / "o" / trainer.LOG_JSONL)]
+    tokens_per_step = 2 * 24  # --batch-size 2 x --seq-len 24
+    assert log[0]["tokens_per_second"] < tokens_per_step / 3  # one step timed: the slow one
+    assert log[-1]["tokens_per_second"] > tokens_per_step / 0.9  # the two after it alone
 
 
 def test_progress_off_a_terminal_is_plain_lines(tiny_target, tmp_path, capsys):
@@ -1021,6 +1077,9 @@ def test_a_flag_the_drafter_has_no_use_for_is_refused(tiny_target, tmp_path, fla
      "--alpha-ce, --alpha-tv (--no-confidence): every loss weight is 0, so nothing would be trained"),
     (["--seq-len", 17],
      "--seq-len 17: longer than the context of --target {target} (max_position_embeddings 16)"),
+    (["--block-size", 16],  # its last slot had no label in any row: saved untrained, logged as accept 0.0
+     "--block-size 16: a block's drafts follow its anchor within each --seq-len 16 sequence, so at most 15 "
+     "(the slots past them are never trained)"),
 ])
 def test_a_run_that_could_not_train_as_asked_is_refused(tiny_target, tmp_path, flags, line):
     """Flags that the run would have clamped, ignored or run past the target's context: one line naming them,

@@ -216,7 +216,7 @@ def test_step_flops_by_hand():
     assert train.step_flops(t, d, 3, T, N) == 3 * (target + 3 * drafter)
 
 
-def test_progress_and_eval_every(tiny_target, tmp_path):
+def test_progress_and_eval_every(tiny_target, tmp_path, monkeypatch):
     """The bar shows tokens/s and (given a peak) MFU, and eval.py's lines below it; --eval-every 2 writes
     eval.py's results for steps 2 and 4 (what --wandb records of them, and --wandb-artifacts:
     tests/test_wandb.py)."""
@@ -237,8 +237,16 @@ def test_progress_and_eval_every(tiny_target, tmp_path):
         "--target", tiny_target.path, "--data", chats, "--out", tmp_path / "o", *SMALL, "--batch-size", 2,
         "--peak-tflops", 1, "--eval-every", 2, "--eval-datasets", "mt-bench", "--eval-data-dir", evals,
         "--eval-samples", 2, "--eval-max-new-tokens", 8]])
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):  # one terminal shows both
-        res = train.run(args)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # eval.py's default is then half the CPUs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):  # one terminal shows both
+            res = train.run(args)
+        # the training's threads, kept through its evaluations (eval.py's default halved them)
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
     assert "tok_s=" in err.getvalue() and "mfu=" in err.getvalue()
     # eval.py's lines start a line of their own, the bar wiped first (they were written on the bar's line)
     frames = [line for line in err.getvalue().splitlines() if "it/s" in line]
