@@ -61,7 +61,17 @@ def _chat_messages(obj, where: str) -> Optional[list[dict]]:
     if not roles or roles[0] != "user" or "assistant" not in roles:
         raise UserError(
             f"{where}: a conversation starts with a user message and has an assistant message")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    out = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    regenerated = obj.get("regenerated")
+    if isinstance(regenerated, dict) and "finish_reasons" in regenerated:  # scripts/regenerate.py's record
+        answers = [m for m in out if m["role"] == "assistant"]
+        reasons = regenerated["finish_reasons"]
+        if not (isinstance(reasons, list) and len(reasons) == len(answers)):
+            raise UserError(f"{where}: 'regenerated.finish_reasons' must list one reason an assistant "
+                            f"message ({len(answers)}), got {repr(reasons)[:80]}")
+        for m, reason in zip(answers, reasons):
+            m["cut"] = reason == "length"  # cut at regenerate.py's budget: the target never ended the turn
+    return out
 
 
 def _turns(obj) -> Optional[list[str]]:
@@ -224,9 +234,10 @@ def read_windows(args, tok, vocab_size: int, separator: Optional[int],
 
 def chat_spans(tok, messages: list[dict],
                stop_texts: list[str]) -> Optional[tuple[str, list[tuple[int, int]]]]:
-    """(rendered text, character spans of the assistant turns: content + the stop text after it). The
-    spans are found by rendering again with a sentinel for each assistant message (a user turn quoting it
-    is not mistaken for it); None when the template changes an assistant's text."""
+    """(rendered text, character spans of the assistant turns: content + the stop text after it, unless
+    the turn was cut at its budget). The spans are found by rendering again with a sentinel for each
+    assistant message (a user turn quoting it is not mistaken for it); None when the template changes an
+    assistant's text."""
     text = tok.render_messages(messages, add_generation_prompt=False, thinking=False)
     marked = []
     for i, m in enumerate(messages):
@@ -248,7 +259,7 @@ def chat_spans(tok, messages: list[dict],
             return None
         parts.append(mtext[pos:s])
         length += s - pos
-        spans.append((length, length + len(m["content"])))
+        spans.append((length, length + len(m["content"]), m.get("cut", False)))
         parts.append(m["content"])
         length += len(m["content"])
         pos = s + len(sentinel)
@@ -256,10 +267,10 @@ def chat_spans(tok, messages: list[dict],
     if "".join(parts) != text:
         return None
     out = []
-    for s, e in spans:
+    for s, e, cut in spans:
         stop = ""
         for st in stop_texts:
-            if st and text.startswith(st, e):
+            if st and text.startswith(st, e) and not cut:  # a cut response's turn end is not the target's
                 stop = st
                 break
         out.append((s, e + len(stop)))
@@ -439,9 +450,11 @@ def load_corpus(args, target_args, say) -> Corpus:
         if not args.pack:
             raise UserError(f"--no-pack: --data {args.data} is plain text, cut into windows; "
                             f"only chat records are packed")
-        say(f"--data: tokenizing {len(texts):,} documents")  # minutes, for a large corpus
+        if args.progress:  # minutes, for a large corpus
+            say(f"--data: tokenizing {len(texts):,} documents")
         return Corpus(read_windows(args, tok, target_args.vocab_size, sep, texts))
-    say(f"--data: rendering and tokenizing {len(chats):,} conversations")
+    if args.progress:
+        say(f"--data: rendering and tokenizing {len(chats):,} conversations")
     stop_texts = [tok.decode([i]) for i in stops]
     docs, rewritten, short = encode_chats(tok, chats, stop_texts, args.seq_len)
     why_skipped = (f"{rewritten} whose response the chat template rewrites, "
@@ -456,8 +469,14 @@ def load_corpus(args, target_args, say) -> Corpus:
     if args.pack:
         how = "packed into"
     filled = f"{st['fill']:.0%} filled, {st['cut']} cut to --seq-len {args.seq_len}"
+    budget_cut = sum(m.get("cut", False) for _, msgs in chats for m in msgs)
+    if budget_cut:
+        filled += f", {budget_cut} responses cut at regenerate.py's budget, their end of turn not trained"
+    rendered = ""
+    if tok.chat_template is None:  # render_messages' own Qwen3 ChatML
+        rendered = "; rendered as Qwen3's ChatML, the target having no chat template"
     say(f"--data: {st['documents']} conversations {how} {st['rows']} "
-        f"sequences ({filled}, {rewritten + short} skipped: {why_skipped})")
+        f"sequences ({filled}, {rewritten + short} skipped: {why_skipped}){rendered}")
     return corpus
 
 

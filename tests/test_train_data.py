@@ -71,6 +71,23 @@ def test_chat_loss_mask_is_the_assistant_tokens(tiny_target):
         data.encode_chats(tok, [("x:7", CONVERSATION)], ["<|im_end|>"])
 
 
+def test_a_response_cut_at_its_budget_trains_no_end_of_turn(tiny_target):
+    """A regenerate.py record whose answer hit --max-new-tokens ("length"): the turn's <|im_end|> is the
+    template's, not the target's, so it is left out of the loss mask (it was supervised, teaching an end
+    of turn mid-sentence); a malformed finish_reasons is one line."""
+    tok = text.Tokenizer(str(tiny_target.path))
+    record = {"messages": CONVERSATION, "regenerated": {"finish_reasons": ["stop", "length"]}}
+    cut = data._chat_messages(record, "x:1")
+    (ids, mask), = data.encode_chats(tok, [("x:1", cut)], ["<|im_end|>"])[0]
+    (_, whole), = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"])[0]
+    ends = [i for i, t in enumerate(ids) if t == IM_END_ID]
+    assert whole[ends[2]] and whole[ends[-1]] and mask[ends[2]] and not mask[ends[-1]]
+    assert [m for i, m in enumerate(mask) if i != ends[-1]] == [m for i, m in enumerate(whole) if i != ends[-1]]
+    for reasons in (["stop"], "length"):
+        with pytest.raises(UserError, match=r"^x:1: 'regenerated.finish_reasons' must list one reason an "):
+            data._chat_messages({"messages": CONVERSATION, "regenerated": {"finish_reasons": reasons}}, "x:1")
+
+
 def test_a_json_array_in_data_is_told_apart_from_json_lines(tmp_path):
     """A JSON array of records (a common dataset format) got the bare JSON error; the line now says what
     each line holds."""
@@ -362,9 +379,10 @@ def write_chats(path, n, seed=0):
 def test_chat_records_train(tiny_target, tmp_path):
     chats = write_chats(tmp_path / "chat.jsonl", 12)
     rc, res, err = run_train(["--target", tiny_target.path, "--data", chats, "--out", tmp_path / "o", "--steps", 3,
-                              "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8])
+                              "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8],
+                             progress=True)
     assert rc == 0, err
-    assert "12 conversations packed into" in err and "0 skipped" in err
+    assert "12 conversations packed into" in err and "0 skipped" in err and "ChatML" not in err
     # what the minutes before the first step are spent on, said before them
     assert err.index("--data: rendering and tokenizing 12 conversations\n") < err.index("packed into"), err
     assert "39 anchors each" in err  # --anchors-per-seq 512 clamped to the row
@@ -380,6 +398,19 @@ def test_chat_records_train(tiny_target, tmp_path):
     rc, _, err = run_train(["--target", tiny_target.path, "--data", tmp_path / "plain.txt", "--out", tmp_path / "p",
                             "--steps", 1, "--seq-len", 16, "--no-pack"])
     assert rc == 2 and "--no-pack: --data" in err and "plain text" in err, err
+
+
+def test_chat_records_on_a_target_without_a_template_say_how_they_are_rendered(tiny_target, tmp_path):
+    """A target without a chat template: the records are rendered in Qwen3's ChatML by hand, which the data
+    line says (it was silent, and eval.py decodes such a target's prompts without chat)."""
+    from conftest import copy_target, edit_json
+
+    target = copy_target(tiny_target.path, tmp_path / "t")
+    edit_json(target / "tokenizer_config.json", lambda c: c.pop("chat_template"))
+    chats = write_chats(tmp_path / "chat.jsonl", 4)
+    rc, _, err = run_train(["--target", target, "--data", chats, "--out", tmp_path / "o", "--steps", 1,
+                            "--seq-len", 40, "--batch-size", 2, "--block-size", 3, "--depth", 1, "--markov-rank", 8])
+    assert rc == 0 and "; rendered as Qwen3's ChatML, the target having no chat template\n" in err, err
 
 
 # The authors' Qwen3DSparkModel (deepspec/modeling/dspark/qwen3/modeling.py, markov_head.py, common.py), read
