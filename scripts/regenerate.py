@@ -12,6 +12,7 @@ depend on, how far the run got, for --resume), renamed to OUT when complete.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -37,7 +38,6 @@ from support.cli import (  # noqa: E402
     signals_deferred,
 )
 from support.files import (  # noqa: E402
-    atomic_write,
     check_outputs,
     check_writable,
     directory_problem,
@@ -312,7 +312,7 @@ def checked_settings(args: Args, device) -> Settings:
         if given and f.name not in READ:
             read = ", ".join(flag(name) for name in READ)
             raise UserError(f"{flag(f.name)}: regenerate.py decodes with {read} only; "
-                            "it would change nothing here")
+                            "it does not offer this one")
         # None means "the default" only where regenerate.py's default is None: the records and
         # the resume key write these settings as given
         if given and value is None:
@@ -458,6 +458,19 @@ def chunk_lines(chunk: list[dict], setting: dict, stats: dict) -> list[str]:
     return lines
 
 
+def claim(partial: str, out: str) -> int:
+    """OUT.partial opened and locked for the rest of the run: a second run writing the same --out at the
+    same time (a job submitted twice, one --out for two shards) is refused, not interleaved with this one."""
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"--out {out}: another run is writing it now ({partial} is locked); "
+                        "give each run its own --out") from None
+    return fd
+
+
 def append_durably(path: str, lines: list[str]):
     """The lines on disk before the resume file counts them."""
     with open(path, "a") as f:
@@ -493,6 +506,9 @@ def print_summary(stats: dict, seconds: float, tau: Optional[float], context: in
 
 def run(args: Args) -> dict:
     """Everything `python scripts/regenerate.py` does; returns counts."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write the same conversations to --out
+        raise UserError("regenerate.py runs as one process, not under torchrun: run one a GPU with "
+                        "--num-shards N --shard-index i, each with its own --out (docs/training.md)")
     device = resolve_device(args.device)
     settings = checked_settings(args, device)
     convs, mine = this_shards_conversations(args)
@@ -520,29 +536,27 @@ def run(args: Args) -> dict:
     engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)
     setting = record_setting(args)
 
-    if resuming:
-        os.truncate(partial, size)
-    else:
-        atomic_write(partial, "")
-    resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut,
-              "dropped": dropped}
-    write_json(done_path, resume)
     from tqdm import tqdm
 
     total = sum(n for _, (*_, n) in mine)
     before = sum(c[3] for _, c in mine[:cut])  # the responses of the run resumed
     how = runlog.show(args.progress)  # off a terminal, a line now and then: no bar frames in a log
-    # initial: the resumed responses count as done, not as done at once (the rate and ETA are this run's)
-    bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar", unit="response",
-               dynamic_ncols=True)
     lines = None
     if how == "lines":
         lines = runlog.Lines()
     stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0,
              "num_rounds": 0, "committed": 0}
+    fd = claim(partial, args.out)
+    # initial: the resumed responses count as done, not as done at once (the rate and ETA are this run's)
+    bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar", unit="response",
+               dynamic_ncols=True)
     t0 = time.perf_counter()
-    todo = mine[cut:]
     try:
+        os.ftruncate(fd, size)  # a resumed run's whole records; a fresh run's: none
+        resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut,
+                  "dropped": dropped}
+        write_json(done_path, resume)
+        todo = mine[cut:]
         for c0 in range(0, len(todo), args.chunk_size):
             chunk = []
             for i, (where, cid, msgs, _) in todo[c0:c0 + args.chunk_size]:
@@ -554,9 +568,10 @@ def run(args: Args) -> dict:
             if lines is not None:
                 done = before + stats["responses"]
                 lines.say(f"regenerate.py: {done}/{total} responses", final=consumed == len(mine))
-    finally:  # an interruption's line starts below the bar, not on it
+        publish(partial, out_file, done_path)
+    finally:  # the bar closed before an interruption's line starts; the lock released with the file
         bar.close()
-    publish(partial, out_file, done_path)
+        os.close(fd)
     seconds = time.perf_counter() - t0
     tau = None  # τ: tokens committed a round, with a drafter
     if args.drafter:

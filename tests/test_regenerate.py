@@ -384,3 +384,27 @@ def test_an_interruption_line_starts_below_the_bar(tmp_path, monkeypatch):
         rc = regenerate.main(argv_of(tmp_path, "o.jsonl", "--progress", "--chunk-size", 1))
     lines = err.getvalue().split("\n")
     assert rc == 130 and lines[-1] == "" and lines[-2].startswith("interrupted by SIGINT"), err.getvalue()
+
+
+def test_two_runs_writing_one_out_at_once_are_refused(tmp_path, monkeypatch, capsys):
+    """A run whose OUT.partial another run holds (a job submitted twice, one --out for two shards) is refused
+    in one line, the other's records untouched; under torchrun, where every rank would write the same
+    conversations to one --out, the run is refused before any work (both reported success with most of the
+    records lost)."""
+    import fcntl
+
+    argv = argv_of(tmp_path, "o.jsonl", "--temperature", 0)
+    partial = tmp_path / "o.jsonl.partial"
+    partial.write_text("")
+    with open(partial, "a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # the other run's
+        assert regenerate.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: --out {tmp_path / 'o.jsonl'}: another run is writing it now ({partial} is "
+                       "locked); give each run its own --out"], err
+    assert partial.read_text() == "" and not (tmp_path / "o.jsonl").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert regenerate.main(argv) == 2
+    assert "not under torchrun" in capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    assert regenerate.main(argv) == 0 and (tmp_path / "o.jsonl").exists() and not partial.exists()
