@@ -2,9 +2,9 @@
 reference: the Markov chain and sampled acceptance (sampling.py), the verification's attention over
 the KV cache (model.attend_cached). Under `--kernels triton`, `speculate.draft` and `verify` call
 them, and `check_backend` (at the edge) builds them. Each falls back to its reference where it
-cannot run (no triton, CPU tensors outside the interpreter, an unsupported dtype or shape; the chain
-also under sampling filters and with a Markov head other than vanilla, or none). Sums run in another
-order: tokens agree except at near-ties."""
+cannot run (no triton, CPU tensors outside the interpreter, an unsupported dtype or shape; the
+chain also under sampling filters, and with a Markov head other than vanilla, or none). Sums run
+in another order: tokens agree except at near-ties."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, noise,
     pidx = torch.empty((B, n_tiles), dtype=torch.int32, device=dev)
     if sampled:
         noise = noise.contiguous()
-    z_dtype = torch.promote_types(base_logits.dtype, w2.dtype)  # the reference's z = U + bias, U the base logits
+    z_dtype = torch.promote_types(base_logits.dtype, w2.dtype)  # the reference's z = U + bias
     bias_round = _ROUND_CODE[w2.dtype]
     z_round = _ROUND_CODE[z_dtype]
     BLOCK_R = min(TRITON_BLOCK_R, _pow2(R))

@@ -1,8 +1,9 @@
 """The target: a pure-PyTorch Qwen3 dense decoder with a static KV cache written at per-row
 positions (rollback is moving a length: a query at p reads only keys <= p). `capture=` returns the
-drafter's features from the same pass; `ragged=` runs requests of different lengths flattened. On CPU
-in float32, support/cpu_kernels.py takes over the linear layers' forwards, `Attention.project` and
-few-token attention (`cpu_kernels=False` at load, or DSPARK_CPU_KERNELS=0, keeps this file's code)."""
+drafter's features from the same pass; `ragged=` runs requests of different lengths flattened.
+On CPU in float32, support/cpu_kernels.py takes over the linear layers' forwards,
+`Attention.project` and few-token attention (`cpu_kernels=False` at load, or
+DSPARK_CPU_KERNELS=0, keeps this file's code)."""
 
 from __future__ import annotations
 
@@ -416,7 +417,7 @@ class Transformer(nn.Module):
         tree_slots: Optional["TreeSlots"] = None,
     ):
         """tokens [B, T] -> (normed hidden [B, T, H], features [B, T, len(capture)*H] or None):
-        the outputs of layers `capture` (-1: embeddings). index [B]: one token per row (an index into T).
+        the outputs of layers `capture` (-1: embeddings). index [B]: one token per row (into T).
         With `positions` [B, T] the pass goes through the KV cache (in cache `rows`, or 0 .. B-1),
         `mask` unread; `ragged`: the tokens are [1, N], flattened from positions' layout; `attention`:
         a kernel in place of the cache attention. Without, a cache-free pass: causal, or under `mask`.

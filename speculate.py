@@ -53,15 +53,16 @@ class Proposal(NamedTuple):
     tree: Optional[sampling.Tree] = None
 
 
-def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters, schedule: sched.Scheduler,
-          backend, num_drafts: int, tree_budget: int, tree_temperature: float, capacity,
-          carried) -> Proposal:
+def draft(drafter, anchor, anchor_pos, active, *, noise, temperature, filters,
+          schedule: sched.Scheduler, backend, num_drafts: int, tree_budget: int,
+          tree_temperature: float, capacity, carried) -> Proposal:
     """Steps 1-2 for the anchors [B] (each row's last committed token, at anchor_pos [B]).
-    noise: the chain's Exp(1) [B, K, V], or a sampled tree's [B, R, V] (None at T=0); schedule: the
-    engine's `scheduler.Scheduler`, ℓ [B] from the confidences [B, K]; capacity: the async scheduler's
-    C; num_drafts: an Eagle3 chain's K (a block drafter drafts its block); tree_budget: draft a tree of
-    this many nodes instead of a chain; carried: an Eagle3 drafter's `carried`, passed in so that a
-    compiled graph reads it as an input (freezing would fold it)."""
+    noise: the chain's Exp(1) [B, K, V], or a sampled tree's [B, R, V] (None at T=0);
+    schedule: the engine's `scheduler.Scheduler`, ℓ [B] from the confidences [B, K];
+    capacity: the async scheduler's C; num_drafts: an Eagle3 chain's K (a block drafter
+    drafts its block); tree_budget: draft a tree of this many nodes instead of a chain;
+    carried: an Eagle3 drafter's `carried`, passed in so that a compiled graph reads it as
+    an input (freezing would fold it)."""
     B = anchor.shape[0]
     device = anchor.device
     if drafter is None:
@@ -266,9 +267,10 @@ class RoundRecord(NamedTuple):
 
 
 def record_widths(draft_width: int, confidence: bool, path_width: int = 0) -> dict:
-    """The round record's columns and their widths: the one place its layout is written, the columns in
-    RoundRecord's field order. `pack_record` fills it on the device (the round's one transfer to the host),
-    `unpack` reads it. path_width: a tree's deepest path (0: a chain, without parents and path)."""
+    """The round record's columns and their widths: the one place its layout is written, the
+    columns in RoundRecord's field order. `pack_record` fills it on the device (the round's one
+    transfer to the host), `unpack` reads it. path_width: a tree's deepest path (0: a chain,
+    without parents and path)."""
     widths = {"drafts": draft_width, "verified": 1, "accepted": 1, "bonus": 1, "finite": 1}
     widths["confidence"] = 0
     if confidence:
@@ -307,7 +309,8 @@ def unpack(packed: torch.Tensor, widths: dict) -> list[RoundRecord]:
         for name in ("verified", "accepted", "bonus"):
             values[name] = int(values[name][0])
         values["finite"] = bool(values["finite"][0])
-        values["confidence"] = values["confidence"] or None  # width 0: no confidence head, or a tree round
+        # width 0: no confidence head, or a tree round
+        values["confidence"] = values["confidence"] or None
         rows.append(RoundRecord(**values))
     return rows
 
@@ -344,7 +347,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
 
 # Compiling: one graph per half of a round (a ragged verify, one per bucket), static shapes; on a
 # CPU frozen weights and a C++ wrapper, on CUDA reduce-overhead (CUDA graphs).
-CUDA_RECIPE = "reduce-overhead"  # `compiled`'s mode on CUDA, and what `captures_cuda_graphs` answers for
+CUDA_RECIPE = "reduce-overhead"  # `compiled`'s CUDA mode, as `captures_cuda_graphs` reads it
 
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     """`fn` compiled whole: the project's recipe for `device`, or `mode` (--compile-mode) instead, which
@@ -620,9 +623,9 @@ class Engine:
         on_step() after each batch round."""
         kind = self.scheduler.kind
         if kind in sched.SPS_KINDS and not self.scheduler.measured:  # an Engine built by hand
-            raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be verified; "
-                            "make_engine reads or profiles one, or call "
-                            "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path)) first")
+            fix = "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path))"
+            raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be "
+                            f"verified; make_engine reads or profiles one, or call {fix} first")
         self.own_caches()
         for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
             cpu_kernels.refresh(m)
@@ -654,7 +657,7 @@ class Engine:
             free = rows.free()[:len(waiting)]
             new = [waiting.pop() for _ in free]
             noise = None
-            if self.temperature > 0:  # a request's random draws depend only on the seed and its index
+            if self.temperature > 0:  # a request's draws depend only on the seed and its index
                 draws = []
                 for i, req in zip(free, new):
                     generator = torch.Generator(device=self.device)
@@ -797,10 +800,11 @@ class Engine:
 # The Python API: load once, generate many times. Its arguments are the flags, checked once here.
 
 def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device: str = "cpu",
-         dtype: Optional[str] = None, calibration: Optional[str] = None, cpu_kernels: bool = True) -> Models:
+         dtype: Optional[str] = None, calibration: Optional[str] = None,
+         cpu_kernels: bool = True) -> Models:
     """The models for `generate`: checkpoint directories or hub ids; with neither, the demo pair.
-    cpu_kernels=False: the plain model on CPU float32 too, whose every module runs as written (the kernels
-    replace the linear layers' forwards, `Attention.project` and few-token attention)."""
+    cpu_kernels=False: the plain model on CPU float32 too, every module running as written (the
+    kernels replace the linear layers' forwards, `Attention.project` and few-token attention)."""
     target = flags.path_argument(target, "--target")
     drafter = flags.path_argument(drafter, "--drafter")
     calibration = flags.path_argument(calibration, "--calibration")
