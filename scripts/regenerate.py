@@ -87,7 +87,8 @@ class Args:
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     """Weights and activations. Default: bfloat16 on cuda, float32 on cpu."""
     progress: bool = True
-    """Progress on stderr (responses generated): a bar on a terminal, else a line at most once a minute."""
+    """Progress on stderr (responses generated): a bar on a terminal, else a line at most once a minute
+    with the rate and the time to go."""
 
 
 def prompt_files(paths: str) -> list[str]:
@@ -395,9 +396,43 @@ def new_conversation(index: int, where: str, cid, msgs: list[dict]) -> dict:
                 finish=[], ntok=[], alive=True)
 
 
-def turn_requests(chunk: list[dict], turn: int, m, longest: int, bar) -> tuple[list, list]:
+class Progress:
+    """Responses done (a dropped conversation's remaining turns with them): a tqdm bar on a terminal, else
+    a line at most once a minute with this run's rate and the time to go; nothing without --progress."""
+
+    def __init__(self, how: Optional[str], total: int, before: int):
+        from tqdm import tqdm
+
+        self.total = total
+        self.before = before  # a resumed run's, done before this one: not in the rate
+        self.done = before
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar",
+                        unit="response", dynamic_ncols=True)
+        self.lines = None
+        if how == "lines":
+            self.lines = runlog.Lines()
+
+    def update(self, n: int, final: bool = False):
+        self.done += n
+        self.bar.update(n)
+        if self.lines is None:
+            return
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        rate = (self.done - self.before) / seconds
+        left = ""
+        if rate > 0:
+            left = f", {(self.total - self.done) / rate / 60:.1f} min to go"
+        self.lines.say(f"regenerate.py: {self.done}/{self.total} responses, {rate:.2f}/s{left}", final=final)
+
+    def close(self):
+        self.bar.close()
+
+
+def turn_requests(chunk: list[dict], turn: int, m, longest: int, progress: Progress
+                  ) -> tuple[list, list]:
     """(requests, their conversations) of a turn: each live conversation's next user turn with what precedes it;
-    a conversation whose prompt exceeds `longest` is dropped (its remaining turns counted on the bar)."""
+    a conversation whose prompt exceeds `longest` is dropped (its remaining turns counted as done)."""
     requests = []
     owners = []
     for c in chunk:
@@ -409,7 +444,7 @@ def turn_requests(chunk: list[dict], turn: int, m, longest: int, bar) -> tuple[l
         ids = encode(m.tokenizer, c["history"], c["where"], chat=True)
         if len(ids) > longest:
             c["alive"] = False
-            bar.update(1 + user_turns(c["pending"]))
+            progress.update(1 + user_turns(c["pending"]))
             continue
         requests.append(Request(c["index"] * TURN_STRIDE + turn, ids))
         owners.append(c)
@@ -429,13 +464,13 @@ def add_answers(owners: list[dict], requests: list, m, stats: dict):
         stats["tokens"] += len(req.output_ids)
 
 
-def regenerate_chunk(chunk: list[dict], engine, m, longest: int, max_new_tokens: int, bar,
-                     stats: dict):
+def regenerate_chunk(chunk: list[dict], engine, m, longest: int, max_new_tokens: int,
+                     progress: Progress, stats: dict):
     """Every turn of a chunk's conversations, a turn of all of them at a time."""
     turns = max(user_turns(c["pending"]) for c in chunk)
     for turn in range(turns):
-        requests, owners = turn_requests(chunk, turn, m, longest, bar)
-        engine.generate(requests, max_new_tokens, on_finish=lambda req: bar.update(1))
+        requests, owners = turn_requests(chunk, turn, m, longest, progress)
+        engine.generate(requests, max_new_tokens, on_finish=lambda req: progress.update(1))
         counts = mt.count(requests, engine.K, m.stop_ids)
         stats["num_rounds"] += counts["num_rounds"]
         stats["committed"] += counts["committed"]
@@ -536,20 +571,13 @@ def run(args: Args) -> dict:
     engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)
     setting = record_setting(args)
 
-    from tqdm import tqdm
-
     total = sum(n for _, (*_, n) in mine)
     before = sum(c[3] for _, c in mine[:cut])  # the responses of the run resumed
     how = runlog.show(args.progress)  # off a terminal, a line now and then: no bar frames in a log
-    lines = None
-    if how == "lines":
-        lines = runlog.Lines()
     stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0,
              "num_rounds": 0, "committed": 0}
     fd = claim(partial, args.out)
-    # initial: the resumed responses count as done, not as done at once (the rate and ETA are this run's)
-    bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar", unit="response",
-               dynamic_ncols=True)
+    progress = Progress(how, total, before)
     t0 = time.perf_counter()
     try:
         os.ftruncate(fd, size)  # a resumed run's whole records; a fresh run's: none
@@ -561,16 +589,14 @@ def run(args: Args) -> dict:
             chunk = []
             for i, (where, cid, msgs, _) in todo[c0:c0 + args.chunk_size]:
                 chunk.append(new_conversation(i, where, cid, msgs))
-            regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, bar, stats)
+            regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, progress, stats)
             append_durably(partial, chunk_lines(chunk, setting, stats))
             consumed = cut + c0 + len(chunk)
             write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
-            if lines is not None:
-                done = before + stats["responses"]
-                lines.say(f"regenerate.py: {done}/{total} responses", final=consumed == len(mine))
+        progress.update(0, final=True)
         publish(partial, out_file, done_path)
     finally:  # the bar closed before an interruption's line starts; the lock released with the file
-        bar.close()
+        progress.close()
         os.close(fd)
     seconds = time.perf_counter() - t0
     tau = None  # τ: tokens committed a round, with a drafter

@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -353,14 +354,23 @@ def test_a_resumed_runs_summary_says_which_figures_are_its_own(capsys):
     assert fresh.startswith("4 conversations (generated 2 responses, 30 tokens) in 3.0 s, 10.0 tokens/s; 2 dropped")
 
 
-def test_progress_off_a_terminal_is_lines_not_bar_frames(tmp_path, capsys):
+def test_progress_off_a_terminal_is_lines_not_bar_frames(tmp_path, capsys, monkeypatch):
     """A long regeneration's stderr is often a log file: there the progress is a plain line (the last one at
-    the end), not tqdm's carriage-return frames."""
+    the end) with the rate and the time to go, not tqdm's carriage-return frames; it came once a chunk of
+    256 conversations, however long that took, and with neither figure."""
     argv = argv_of(tmp_path, "o.jsonl", "--progress")
     assert regenerate.main(argv) == 0
     err = capsys.readouterr().err
     total = sum(len(p.get("turns", [1])) for p in PROMPTS)
-    assert f"regenerate.py: {total}/{total} responses\n" in err and "\r" not in err, err
+    assert re.search(rf"regenerate.py: {total}/{total} responses, [\d.]+/s, 0.0 min to go\n", err), err
+    assert "\r" not in err, err
+    # within a chunk, not once a chunk: each response may say it (at most once a minute; here every time)
+    monkeypatch.setattr(regenerate.runlog.Lines, "__init__", lambda self, every=60.0: setattr(self, "every", 0.0)
+                        or setattr(self, "last", 0.0))
+    assert regenerate.main(argv_of(tmp_path, "p.jsonl", "--progress", "--chunk-size", 256)) == 0
+    err = capsys.readouterr().err
+    done = [int(x) for x in re.findall(rf"regenerate.py: (\d+)/{total} responses", err)]
+    assert done[:total] == list(range(1, total + 1)), err
 
 
 def test_an_interruption_line_starts_below_the_bar(tmp_path, monkeypatch):
