@@ -131,10 +131,12 @@ class Args(TrainArgs):
     eval_max_new_tokens: int = 256
     """Token budget per prompt of --eval-every."""
 
+    # (target_layer_ids and mask_token_id, resolved from the target when left out, are compared as resolved:
+    # the checkpoint's drafter config against the flags', `resumed_drafter`)
     resume_keys: ClassVar[tuple[str, ...]] = (
         "drafter_kind",
         *TrainArgs.resume_keys,
-        "block_size", "depth", "target_layer_ids", "mask_token_id", "markov", "markov_rank", "confidence",
+        "block_size", "depth", "markov", "markov_rank", "confidence",
         "confidence_with_markov", "anchors_per_seq", "pack", "gamma", "alpha_ce", "alpha_tv", "alpha_conf",
         "ttt_length", "step_loss_decay",
     )

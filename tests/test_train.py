@@ -418,6 +418,12 @@ def test_resume_refuses_a_checkpoint_holding_another_drafter(tiny_target, tmp_pa
     config.write_text(json.dumps(cfg))
     rc, _, err = run_train(common + ["--out", tmp_path / "b", "--resume", tmp_path / "a"])
     assert rc == 2 and "holds another drafter than the flags build" in err, err
+    # flags left out and given at the values they resolve to are the same run ("was None, now '0,1'")
+    config.write_text(json.dumps(dict(cfg, mask_token_id=(cfg["mask_token_id"] - 1) % cfg["vocab_size"])))
+    layers = ",".join(map(str, cfg["target_layer_ids"]))
+    rc, _, err = run_train(common + ["--out", tmp_path / "c", "--resume", tmp_path / "a", "--target-layer-ids",
+                                     layers, "--mask-token-id", (cfg["mask_token_id"] - 1) % cfg["vocab_size"]])
+    assert rc == 0, err
 
 
 def test_resume_never_writes_into_the_checkpoint_it_reads(tiny_target, tmp_path):
