@@ -1003,8 +1003,8 @@ def run(args: Args) -> dict:
         engine = make_engine(m, m.drafter, prompts, s)
         if demo:  # the baseline first: the same engine without the drafter, as long cache rows
             report.show_prompt()
-            # the drafter's settings off: size_engine and Engine size a tree from tree_budget whatever
-            # the drafter, and an autoregressive run refuses both (check_no_drafter)
+            # the drafter's settings off: size_engine refuses both for an engine without a drafter
+            # (check_drafter_settings)
             no_drafter = replace(s, tree_budget=0, draft_length=None)
             plain = make_engine(m, None, prompts, no_drafter, max_seq=engine.max_seq)
             with report.decoding(plain, "autoregressive", files=False) as baseline:

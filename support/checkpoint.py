@@ -22,6 +22,7 @@ from support.cli import (
     MIN_TEMPERATURE,
     UserError,
     first_line,
+    fits,
     free_memory,
     resolve_device,
     resolve_dtype,
@@ -377,7 +378,7 @@ def check_memory(shapes: list, device, dtype: torch.dtype, whose: str, fix: str)
         copies += cpu_kernels.copied_bytes(m, device, dtype)
     need = weights + copies
     free = free_memory(device)
-    if not free or need <= 0.9 * free:
+    if fits(need, free):
         return
     dtype_name = str(dtype).removeprefix("torch.")
     what = f"{whose} need {need / 2**30:.1f} GiB in {dtype_name}"

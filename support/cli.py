@@ -410,6 +410,11 @@ def device_name(device) -> str:
     return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
+def fits(need: int, free: int) -> bool:
+    """`need` bytes fit in `free` (`free_memory`'s) with a tenth to spare, or what is free is unknown (0)."""
+    return not free or need <= 0.9 * free
+
+
 def free_memory(device) -> int:
     """Bytes still free on `device` (0: unknown, no check; "meta" holds nothing). On CUDA, what the card
     has free and torch's allocator holds unused; on a CPU, what Linux says is available: free pages and

@@ -196,7 +196,8 @@ def _cpu_float32(m: nn.Module) -> bool:
 
 def install(m: nn.Module) -> bool:
     """A CPU float32 model's fitting nn.Linear layers and attention on the kernels (True), else nothing (False).
-    Parameters and tied weights stay; the panels are a copy made now: install again after editing weights."""
+    Parameters and tied weights stay; the panels are a copy made now (`refresh`, which every
+    `Engine.generate` calls, copies them again after an edit)."""
     if not _cpu_float32(m) or unavailable() is not None:
         return False
     attentions = [a for a in m.modules() if isinstance(a, model.Attention)]

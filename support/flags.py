@@ -30,6 +30,7 @@ from support.cli import (
     Repeated,
     UserError,
     check_ranges,
+    fits,
     flag,
     flat,
     flat_fields,
@@ -90,7 +91,8 @@ class Settings:
     ignore_eos: bool = False
     """Do not stop at the target's EOS tokens."""
     seed: int = 0
-    """Request i samples from its own generator seeded seed + i (independent of the batch, repeatable)."""
+    """Request i samples from its own generator seeded seed + i: independent of the batch and
+    repeatable under the none and threshold schedules (hardware and async: with the same --sps-table)."""
     num_samples: int = 1
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
@@ -314,7 +316,7 @@ def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_b
     free = free_memory(device)
     if free:  # the caches the models hold now: the new engine reuses them or they are freed
         free += held_cache_bytes(target) + held_cache_bytes(drafter)
-    if not free or need + trees <= 0.9 * free:
+    if fits(need + trees, free):
         return
     what = f"the KV caches for {rows} {batch} x {max_seq} positions need {need / 2**30:.1f} GiB"
     fix = f"lower {rows} or --max-new-tokens"

@@ -14,7 +14,7 @@ import torch
 from support import metrics, runlog
 from support.cli import Interrupted, device_name, signals_deferred
 from support.files import StreamFile
-from support.flags import calibration_note, sampling_for, scheduler_kind
+from support.flags import calibration_note, sampling_for
 from support.text import StopStrings, auto_chat
 
 # the keys of the trace's end record, written once a request finishes (docs/trace-format.md)
@@ -238,7 +238,7 @@ class Decoding:
             done = sorted(self.done, key=lambda c: c.request)
             # the throughput of the time spent: every token decoded (interrupted: unfinished requests' too)
             figures = self.figures()
-            scheduler = scheduler_kind(self.report.settings, self.engine.drafter)
+            scheduler = self.engine.scheduler.kind  # the schedule that ran
             summary, counts = summarize(done, self.engine, scheduler, figures["tokens_per_second"])
             if interrupted:
                 summary.update(interrupted=True, finished_requests=len(done),

@@ -10,7 +10,7 @@ import re
 import string
 from typing import Callable, Optional, Sequence
 
-from support.cli import UserError, flag, parse_ints
+from support.cli import UserError, first_line, flag, parse_ints
 from support.files import file_problem, optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
@@ -28,7 +28,7 @@ def read_tokenizer_file(path: str):
     try:
         tok = HFTokenizer.from_file(path)
     except Exception as e:  # the library raises bare Exceptions for malformed files
-        raise UserError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+        raise UserError(f"{path}: cannot load tokenizer ({first_line(e)})") from None
     # else a bare Exception at the first unknown word
     unk = getattr(tok.model, "unk_token", None)
     if unk is not None and unk not in tok.get_vocab(with_added_tokens=True):
