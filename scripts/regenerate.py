@@ -347,10 +347,10 @@ def this_shards_conversations(args: Args) -> tuple[list, list]:
 def check_earlier_output(args: Args, partial: str, done_path: str):
     """A non-empty OUT.partial is continued only with --resume and its resume file; a finished OUT is not
     generated again under --resume."""
-    if args.resume and not os.path.exists(partial) and os.path.exists(args.out):
-        raise UserError(f"--resume: {args.out} is a finished run's output, and there is no {partial} to "
-                        "continue; leave out --resume to generate it again")
-    if not (os.path.isfile(partial) and os.path.getsize(partial) > 0):
+    if os.path.getsize(partial) == 0:  # made by this run's `claim`, or left empty
+        if args.resume and not os.path.exists(done_path) and os.path.exists(args.out):
+            raise UserError(f"--resume: {args.out} is a finished run's output, and there is no {partial} "
+                            "to continue; leave out --resume to generate it again")
         return
     if not args.resume:
         raise UserError(f"{partial}: holds an earlier run's output; "
@@ -493,17 +493,33 @@ def chunk_lines(chunk: list[dict], setting: dict, stats: dict) -> list[str]:
     return lines
 
 
-def claim(partial: str, out: str) -> int:
-    """OUT.partial opened and locked for the rest of the run: a second run writing the same --out at the
-    same time (a job submitted twice, one --out for two shards) is refused, not interleaved with this one."""
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644)
+def claim(partial: str, out: str) -> tuple[int, bool]:
+    """OUT.partial opened (made if missing: the bool) and locked for the rest of the run, before anything
+    reads it: a second run writing the same --out at the same time (a job submitted twice, one --out for
+    two shards) is refused, not interleaved with this one."""
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        created = True
+    except FileExistsError:
+        fd = os.open(partial, os.O_WRONLY)
+        created = False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # published (renamed) by the run that held it, between the open and the lock
+        renamed = os.fstat(fd).st_ino != os.stat(partial).st_ino
     except BlockingIOError:
+        renamed = True
+    except FileNotFoundError:
+        renamed = True
+    except OSError as e:  # a filesystem without locks (NFS mounted nolock): unguarded, said once
+        print(f"warning: --out {out}: {partial} cannot be locked ({e.strerror}); a second run writing "
+              f"it at the same time would not be refused", file=sys.stderr)
+        renamed = False
+    if renamed:
         os.close(fd)
         raise UserError(f"--out {out}: another run is writing it now ({partial} is locked); "
-                        "give each run its own --out") from None
-    return fd
+                        "give each run its own --out")
+    return fd, created
 
 
 def append_durably(path: str, lines: list[str]):
@@ -539,9 +555,15 @@ def print_summary(stats: dict, seconds: float, tau: Optional[float], context: in
     print(text)
 
 
+def out_paths(out: str) -> tuple[str, str, str]:
+    """OUT, OUT.partial and its resume file; a link: the two go beside the file it names."""
+    out_file = os.path.realpath(out)
+    return out_file, out_file + ".partial", out_file + ".partial.json"
+
+
 def run(args: Args) -> dict:
     """Everything `python scripts/regenerate.py` does; returns counts."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write the same conversations to --out
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):  # every rank would write the same records
         raise UserError("regenerate.py runs as one process, not under torchrun: run one a GPU with "
                         "--num-shards N --shard-index i, each with its own --out (docs/training.md)")
     device = resolve_device(args.device)
@@ -549,15 +571,26 @@ def run(args: Args) -> dict:
     convs, mine = this_shards_conversations(args)
     target_dir = resolve_checkpoint(args.target, "--target")
     drafter_dir = resolve_checkpoint(args.drafter, "--drafter")
-    out_file = os.path.realpath(args.out)  # a link: OUT.partial(.json) go beside the file it names
-    partial = out_file + ".partial"
-    done_path = out_file + ".partial.json"
+    out_file, partial, done_path = out_paths(args.out)
     outputs = {"--out": args.out, "--out (its partial file)": partial,
                "--out (its resume file)": done_path}
     check_outputs(outputs, inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])
     key = resume_key(args, convs, target_dir, drafter_dir)
+    fd, created = claim(partial, args.out)
+    try:
+        return regenerate(args, device, settings, mine, key, target_dir, drafter_dir, fd)
+    finally:
+        if created and os.path.isfile(partial) and os.path.getsize(partial) == 0:
+            os.remove(partial)  # made by this run, which stopped before writing a record
+        os.close(fd)  # and the lock with it
+
+
+def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dict, target_dir: str,
+               drafter_dir: Optional[str], fd: int) -> dict:
+    """`run`'s work, OUT.partial held (`fd`): from its resume point, if any, to OUT published."""
+    out_file, partial, done_path = out_paths(args.out)
     check_earlier_output(args, partial, done_path)
-    resuming = args.resume and os.path.isfile(partial) and os.path.exists(done_path)
+    resuming = args.resume and os.path.getsize(partial) > 0 and os.path.exists(done_path)
     kept, size, cut, dropped = 0, 0, 0, 0
     if resuming:
         kept, size, cut, dropped = resume_point(partial, done_path, key, args, mine)
@@ -576,7 +609,6 @@ def run(args: Args) -> dict:
     how = runlog.show(args.progress)  # off a terminal, a line now and then: no bar frames in a log
     stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0,
              "num_rounds": 0, "committed": 0}
-    fd = claim(partial, args.out)
     progress = Progress(how, total, before)
     t0 = time.perf_counter()
     try:
@@ -595,9 +627,8 @@ def run(args: Args) -> dict:
             write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
         progress.update(0, final=True)
         publish(partial, out_file, done_path)
-    finally:  # the bar closed before an interruption's line starts; the lock released with the file
+    finally:  # the bar closed before an interruption's line starts
         progress.close()
-        os.close(fd)
     seconds = time.perf_counter() - t0
     tau = None  # τ: tokens committed a round, with a drafter
     if args.drafter:

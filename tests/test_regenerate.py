@@ -400,7 +400,8 @@ def test_two_runs_writing_one_out_at_once_are_refused(tmp_path, monkeypatch, cap
     """A run whose OUT.partial another run holds (a job submitted twice, one --out for two shards) is refused
     in one line, the other's records untouched; under torchrun, where every rank would write the same
     conversations to one --out, the run is refused before any work (both reported success with most of the
-    records lost)."""
+    records lost). The lock is taken before OUT.partial is read (a --resume that read it first, then found
+    it published, padded a new one with NULs over the finished OUT); without locks, the run goes on."""
     import fcntl
 
     argv = argv_of(tmp_path, "o.jsonl", "--temperature", 0)
@@ -417,4 +418,28 @@ def test_two_runs_writing_one_out_at_once_are_refused(tmp_path, monkeypatch, cap
     assert regenerate.main(argv) == 2
     assert "not under torchrun" in capsys.readouterr().err
     monkeypatch.delenv("WORLD_SIZE")
+    # the lock is taken before OUT.partial is read: a run that stops before its first record leaves none
+    monkeypatch.setattr(regenerate, "load_models", lambda *a, **k: (_ for _ in ()).throw(regenerate.UserError("x")))
+    partial.unlink()
+    assert regenerate.main(argv) == 2 and not partial.exists()
+    monkeypatch.undo()
+    # the other run published (renamed) OUT.partial between this one's open and its lock: refused
+    real_flock = fcntl.flock
+
+    def published_first(fd, how):
+        os.replace(partial, tmp_path / "o.jsonl")
+        partial.write_text("")
+        real_flock(fd, how)
+
+    monkeypatch.setattr(regenerate.fcntl, "flock", published_first)
+    capsys.readouterr()
+    assert regenerate.main(argv) == 2 and "another run is writing it now" in capsys.readouterr().err
+    monkeypatch.undo()
+    # a filesystem without locks: the run goes on, unguarded, and says so
+    def no_locks(fd, how):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(regenerate.fcntl, "flock", no_locks)
+    partial.unlink()
     assert regenerate.main(argv) == 0 and (tmp_path / "o.jsonl").exists() and not partial.exists()
+    assert "cannot be locked (No locks available)" in capsys.readouterr().err
