@@ -21,7 +21,7 @@ import hashlib
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import SimpleNamespace
 from typing import ClassVar, Literal, Optional
@@ -574,8 +574,11 @@ def save_drafter(out: str, drafter: Drafter, target_dir: str, config: dict, step
 def resumed_drafter(directory: str, cfg: DrafterConfig, target: Transformer, device) -> Drafter:
     drafter = load_drafter(directory, target, device, torch.float32)
     if drafter.cfg != cfg:
-        held = drafter.cfg.describe()
-        raise UserError(f"{directory}: holds another drafter than the flags build ({held})")
+        name = next(f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name))
+        held = repr(getattr(drafter.cfg, name))[:80]
+        asked = repr(getattr(cfg, name))[:80]
+        raise UserError(f"{directory}: holds another drafter than the flags build ({name} {held} there, "
+                        f"{asked} from the flags; a resumed run must repeat the original flags)")
     return drafter.requires_grad_(True)
 
 
@@ -722,16 +725,17 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     cfg = drafter_config(args, target, args.target)  # the flags against the target, before the data is read
     if args.eval_every:
         check_eval_prompts(args, target, device)
+    if args.resume:  # the drafter it holds against the flags, before the minutes --data takes
+        where = checkpoint_dir(args.resume)
+        drafter = resumed_drafter(where, cfg, target, device)
     corpus = data.load_corpus(args, target.args, say)
     identity = {"target": target_digest(args.target), "data": data.digest(corpus)}
     if args.resume:
-        where = checkpoint_dir(args.resume)
         if args.data is not None:
             source = f"--data {args.data}"
         else:
             source = f"--data-ids {args.data_ids}"
         check_identity(where, identity, {"target": f"--target {args.target}", "data": source})
-        drafter = resumed_drafter(where, cfg, target, device)
     else:
         drafter = build_drafter(cfg, args, target, device)
     run = Run(rank, world, device, log)

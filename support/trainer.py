@@ -169,14 +169,14 @@ def save_tensors(path: str, tensors: dict, step: Optional[int] = None):
         raise OSError(code, os.strerror(code), path) from None
 
 
-def last_checkpoint(out: str) -> list[str]:
-    """The checkpoint --out's `latest` names, or none."""
-    latest = os.path.join(out, LATEST)
-    if not os.path.isfile(latest):
-        return []
-    with open(latest) as f:
-        name = f.read().strip()
-    return [os.path.join(out, name)]
+def kept_after_stop(written: list[str], resumed: bool) -> str:
+    """What a run stopped early leaves to go on from, as its last line says it."""
+    if written:
+        return f"its last checkpoint, {written[-1]}, is kept"
+    hint = "--save-every N keeps finished steps"
+    if resumed:
+        return f"this run wrote no checkpoint; the one it resumed from is as it was ({hint})"
+    return f"no checkpoint was written ({hint})"
 
 
 def publish_checkpoint(out: str, step: int, write) -> list[str]:
@@ -343,9 +343,12 @@ def check_identity(directory: str, identity: dict, flags: dict):
                 f"--resume {directory}: the saved state records no digest of its {what} (written by an "
                 f"older version), so {given} cannot be checked against it; start a new run")
         if saved[what] != digest:
-            raise UserError(
-                f"{given}: differs from the run's {what} (the one {directory} was trained with; "
-                f"a resumed run must use the same {what})")
+            why = f"the one {directory} was trained with"
+            if what == "data":  # a digest of the rows as read
+                why = (f"the rows read from it are not those {directory} was trained on: the file changed, "
+                       f"or how train.py reads it")
+            raise UserError(f"{given}: differs from the run's {what} ({why}; a resumed run must use the "
+                            f"same {what})")
 
 
 def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -589,10 +592,12 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     times = []
     pauses = 0.0  # seconds of checkpoints and evaluations between steps, which the ETA spreads over them
     speed = {}
+    written = []  # the checkpoints this run published
 
     def checkpoint(step):
         if main:
             files = publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
+            written.append(os.path.join(args.out, f"checkpoint-{step}"))
             if args.wandb_artifacts:  # the checkpoint's model files, not whatever else --out holds
                 aliases = [f"step-{step}", "latest"]
                 metadata = {"step": step}
@@ -636,17 +641,16 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
             metrics = summarize(sums.double().cpu())
             loss = metrics["loss"]
             if not math.isfinite(loss):  # every rank sees the same sums: all stop here
-                raise UserError(
-                    f"step {step + 1}: the loss is {loss} (not finite); stopped before the optimizer "
-                    f"step — the last complete checkpoint in {args.out} is kept")
+                raise UserError(f"step {step + 1}: the loss is {loss} (not finite); stopped before the "
+                                f"optimizer step — {kept_after_stop(written, start > 0)}")
             max_norm = float("inf")
             if args.grad_clip > 0:
                 max_norm = args.grad_clip
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             if not math.isfinite(float(gnorm)):  # the gradients every rank averaged: all stop here
-                raise UserError(
-                    f"step {step + 1}: the gradient norm is {float(gnorm)} (not finite, the loss {loss:.4f}); "
-                    f"stopped before the optimizer step — the last complete checkpoint in {args.out} is kept")
+                raise UserError(f"step {step + 1}: the gradient norm is {float(gnorm)} (not finite, the loss "
+                                f"{loss:.4f}); stopped before the optimizer step — "
+                                f"{kept_after_stop(written, start > 0)}")
             opt.step()
             losses.append(loss)
             times.append(time.perf_counter() - t_step)
@@ -697,8 +701,10 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         module.eval()
         checkpoint(end)
     except Interrupted as e:  # the interruption's line names the checkpoint a --resume continues from
-        e.written = last_checkpoint(args.out)
+        e.written = written[-1:]
         e.hint = "--save-every N keeps finished steps"
+        if start > 0:
+            e.hint = f"the checkpoint it resumed from is as it was; {e.hint}"
         raise
     finally:  # an interruption's line starts below the bar, not on it
         bar.close()

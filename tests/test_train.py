@@ -417,7 +417,7 @@ def test_resume_refuses_a_checkpoint_holding_another_drafter(tiny_target, tmp_pa
     cfg["mask_token_id"] = (cfg["mask_token_id"] + 1) % cfg["vocab_size"]
     config.write_text(json.dumps(cfg))
     rc, _, err = run_train(common + ["--out", tmp_path / "b", "--resume", tmp_path / "a"])
-    assert rc == 2 and "holds another drafter than the flags build" in err, err
+    assert rc == 2 and "holds another drafter than the flags build (mask_token_id " in err, err
     # flags left out and given at the values they resolve to are the same run ("was None, now '0,1'")
     config.write_text(json.dumps(dict(cfg, mask_token_id=(cfg["mask_token_id"] - 1) % cfg["vocab_size"])))
     layers = ",".join(map(str, cfg["target_layer_ids"]))
@@ -614,8 +614,11 @@ def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_pat
     monkeypatch.setattr(trainer, "lr_at", signal_at_the_second_step)
     ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
     # the line names the checkpoint a --resume continues from ("what was finished is kept" hid lost steps)
+    resumed = "nothing was written (the checkpoint it resumed from is as it was; --save-every N keeps finished steps)"
     for out, extra, kept in (("o", [], "nothing was written (--save-every N keeps finished steps)"),
-                             ("s", ["--save-every", 1], f"what was written: {tmp_path / 's' / 'checkpoint-1'}")):
+                             ("s", ["--save-every", 1], f"what was written: {tmp_path / 's' / 'checkpoint-1'}"),
+                             # resumed into its own --out: its checkpoint-1 is not this run's writing
+                             ("s", ["--resume", tmp_path / "s", "--steps", 4], resumed)):
         err = Terminal()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out",
@@ -667,6 +670,7 @@ def test_a_gradient_that_is_not_finite_stops_before_the_optimizer_step(tiny_targ
     rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 6,
                             "--anchors-per-seq", 4, "--save-every", 2, *SMALL])
     assert rc == 2 and "error: step 4: the gradient norm is nan (not finite" in err, err
+    assert err.endswith(f"its last checkpoint, {out / 'checkpoint-2'}, is kept\n"), err
     assert (out / "latest").read_text() == "checkpoint-2\n"
     checkpoint.load_drafter(str(out / "checkpoint-2"), checkpoint.load_target(str(tiny_target.path)))
 
