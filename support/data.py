@@ -238,6 +238,8 @@ def chat_spans(tok, messages: list[dict],
     the turn was cut at its budget). The spans are found by rendering again with a sentinel for each
     assistant message (a user turn quoting it is not mistaken for it); None when the template changes an
     assistant's text."""
+    cuts = [m.get("cut", False) for m in messages]
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # what the template sees
     text = tok.render_messages(messages, add_generation_prompt=False, thinking=False)
     marked = []
     for i, m in enumerate(messages):
@@ -259,7 +261,7 @@ def chat_spans(tok, messages: list[dict],
             return None
         parts.append(mtext[pos:s])
         length += s - pos
-        spans.append((length, length + len(m["content"]), m.get("cut", False)))
+        spans.append((length, length + len(m["content"]), cuts[i]))
         parts.append(m["content"])
         length += len(m["content"])
         pos = s + len(sentinel)

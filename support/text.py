@@ -576,14 +576,15 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         records = [("--prompt", prompt)]
     else:
         records = [("--prompt-ids", parse_ints(prompt_ids, "--prompt-ids"))]
-    if choose is not None:
-        records = choose(records)
-    out = []
-    for where, p in records:
+    for where, p in records:  # every record, chosen or not: a file is taken or refused whatever the subset
         # (--prompt-ids with a flag: refused above)
         if flags and isinstance(p, list) and all(_int(i) for i in p):
             raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; "
                             f"{flags[0]} would change nothing for it")
+    if choose is not None:
+        records = choose(records)
+    out = []
+    for where, p in records:
         out.append(encode(tokenizer, p, where, chat=chat, system_prompt=system_prompt,
                           thinking=thinking, max_len=max_len, no_chat_why=no_chat_why))
         if sources is not None:

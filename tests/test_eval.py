@@ -391,6 +391,13 @@ def test_only_the_subset_is_read_as_prompts(env, tmp_path, capsys, monkeypatch):
     # the batch that ran, beside the flag's (tokens/s depends on it)
     assert (res["config"]["batch_size"], res["config"]["batch_size_resolved"]) == (16, 2)
     assert res["config"]["scheduler_resolved"] == "none"
+    # the records' shapes are checked whatever the subset: a file is not taken with one seed, refused with another
+    rows[-1] = {"prompt_ids": [5, 6, 7]}
+    (data / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = ev.main([str(a) for a in ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", data,
+                                   "--datasets", "long", "--max-samples", 2, "--system-prompt", "be brief",
+                                   "--no-progress", "--out", tmp_path / "r2.json"]])
+    assert rc == 2 and "long.jsonl:7: a prompt_ids record is token ids" in capsys.readouterr().err
     assert encoded == [f"{data / 'long.jsonl'}:{i + 1}" for i in chosen]
 
 

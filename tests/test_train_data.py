@@ -83,6 +83,11 @@ def test_a_response_cut_at_its_budget_trains_no_end_of_turn(tiny_target):
     ends = [i for i, t in enumerate(ids) if t == IM_END_ID]
     assert whole[ends[2]] and whole[ends[-1]] and mask[ends[2]] and not mask[ends[-1]]
     assert [m for i, m in enumerate(mask) if i != ends[-1]] == [m for i, m in enumerate(whole) if i != ends[-1]]
+    seen = []  # the template sees role and content only, as for any other record
+    render = tok.render_messages
+    tok.render_messages = lambda msgs, **kw: (seen.extend(msgs), render(msgs, **kw))[1]
+    data.chat_spans(tok, cut, ["<|im_end|>"])
+    assert seen and all(set(m) == {"role", "content"} for m in seen)
     for reasons in (["stop"], "length"):
         with pytest.raises(UserError, match=r"^x:1: 'regenerated.finish_reasons' must list one reason an "):
             data._chat_messages({"messages": CONVERSATION, "regenerated": {"finish_reasons": reasons}}, "x:1")
