@@ -349,6 +349,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
 # CPU frozen weights and a C++ wrapper, on CUDA reduce-overhead (CUDA graphs).
 CUDA_RECIPE = "reduce-overhead"  # `compiled`'s CUDA mode, as `captures_cuda_graphs` reads it
 
+
 def compiled(fn, device, mode: Optional[str] = None, verbose: bool = False):
     """`fn` compiled whole: the project's recipe for `device`, or `mode` (--compile-mode) instead, which
     on a CPU also leaves out freezing and the C++ wrapper."""
