@@ -92,7 +92,7 @@ class Args:
 
 
 def prompt_files(paths: str) -> list[str]:
-    return [p for p in paths.split(",") if p.strip()]
+    return [p.strip() for p in paths.split(",") if p.strip()]  # "a.jsonl, b.jsonl" as eval.py's --datasets
 
 
 # the keys a record gives its prompt under, one of them a record

@@ -443,3 +443,12 @@ def test_two_runs_writing_one_out_at_once_are_refused(tmp_path, monkeypatch, cap
     partial.unlink()
     assert regenerate.main(argv) == 0 and (tmp_path / "o.jsonl").exists() and not partial.exists()
     assert "cannot be locked (No locks available)" in capsys.readouterr().err
+
+
+def test_prompt_files_may_be_listed_with_spaces(tmp_path):
+    """--prompts "a.jsonl, b.jsonl" reads both, as eval.py's --datasets takes its list (the second was
+    " b.jsonl", not found)."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"prompt": "import os\n"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    convs = regenerate.read_conversations(f"{tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'}")
+    assert [where for where, *_ in convs] == [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'b.jsonl'}:1"]
