@@ -506,16 +506,14 @@ def claim(partial: str, out: str) -> tuple[int, bool]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # published (renamed) by the run that held it, between the open and the lock
-        renamed = os.fstat(fd).st_ino != os.stat(partial).st_ino
-    except BlockingIOError:
-        renamed = True
-    except FileNotFoundError:
-        renamed = True
+        elsewhere = os.fstat(fd).st_ino != os.stat(partial).st_ino
+    except (BlockingIOError, FileNotFoundError):  # held by another run, or published by it meanwhile
+        elsewhere = True
     except OSError as e:  # a filesystem without locks (NFS mounted nolock): unguarded, said once
         print(f"warning: --out {out}: {partial} cannot be locked ({e.strerror}); a second run writing "
               f"it at the same time would not be refused", file=sys.stderr)
-        renamed = False
-    if renamed:
+        elsewhere = False
+    if elsewhere:  # another run has it
         os.close(fd)
         raise UserError(f"--out {out}: another run is writing it now ({partial} is locked); "
                         "give each run its own --out")
