@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 COUNT_KEYS = (
     "num_samples", "num_rounds", "accepted", "verified", "committed", "drafted", "tokens",
 )
-LIST_KEYS = ("verified_at", "accepted_at", "tried", "ok")
+LIST_KEYS = ("verified_at", "accepted_at", "tried")
 
 
 def accepted_tokens(rd: dict) -> list[int]:
@@ -55,10 +55,10 @@ def path_reach(rd: dict, accepted: int) -> int:
 
 def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
     """Raw counts of finished requests (`.rounds` of trace records, `.output_ids`): COUNT_KEYS summed, and per
-    position j < K rounds that verified / accepted more than j (`verified_at` / `accepted_at`), that accepted
-    drafts 1..j and verified j+1 (`tried`) and that accepted 1..j+1 (`ok`). A tree's positions are its depths:
-    it verified position j when it reached depth j + 1, and tried it after accepting j drafts when the
-    path's last node had a child."""
+    position j < K rounds that verified / accepted more than j (`verified_at` / `accepted_at`) and that
+    accepted drafts 1..j and sent draft j+1 (`tried`; those that accepted it are `accepted_at[j]`). A
+    tree's positions are its depths: it verified position j when it reached depth j + 1, and tried it
+    after accepting j drafts when the path's last node had a child."""
     stop = set(stop_ids)
     c = dict.fromkeys(COUNT_KEYS, 0)
     c["num_samples"] = len(requests)
@@ -85,7 +85,6 @@ def count(requests, K: int, stop_ids: Iterable[int] = ()) -> dict:
                 c["accepted_at"][j] += a > j
                 tried = a >= j and sent > j  # drafts 1..j accepted, draft j + 1 sent
                 c["tried"][j] += tried
-    c["ok"] = c["accepted_at"]
     return c
 
 
@@ -117,5 +116,6 @@ def accept_rates_by_position(c: dict) -> list[Optional[float]]:
 
 
 def accept_rate_by_position(c: dict) -> list[Optional[float]]:
-    """The paper's conditional rate of draft k: ok_k / tried_k (None where no round tried position k)."""
-    return [_ratio(ok, tried) for ok, tried in zip(c["ok"], c["tried"])]
+    """The paper's conditional rate of draft k: rounds that accepted drafts 1..k ÷ rounds that accepted
+    1..k-1 and sent draft k (None where no round tried position k)."""
+    return [_ratio(a, tried) for a, tried in zip(c["accepted_at"], c["tried"])]

@@ -174,7 +174,7 @@ def test_counts_and_rates_by_hand():
     assert metrics.acceptance_length(metrics.count(reqs[:1], K)) == (7 + 4) / 4
     assert metrics.acceptance_length(metrics.count([speculate.Request(2, [1])], K)) is None
     # k=3: (2, 2) accepted two drafts but never sent the third to the target: not tried.
-    assert c["tried"] == [6, 4, 2, 2] and c["ok"] == [5, 3, 2, 1]
+    assert c["tried"] == [6, 4, 2, 2] and c["accepted_at"] == [5, 3, 2, 1]
     assert c["num_rounds"] == 7 and c["accepted"] == 11 and c["verified"] == 19 and c["drafted"] == 28
     assert distributed.sum_counts(c, "cpu") == c  # one process: the counts as they are
 
@@ -189,7 +189,7 @@ def test_a_tree_tries_a_position_where_its_path_has_a_child():
     leaf = dict(accepted=1, verified=4, draft=[5, 6, 7, 8], parents=[0, 0, 1, 3], path=[2], depth=3, bonus=9)
     deep = dict(leaf, accepted=2, path=[1, 3])
     c = metrics.count([speculate.Request(0, [1], [1, 6, 9, 5, 7, 9], [leaf, deep])], K)
-    assert c["tried"][:3] == [2, 1, 1] and c["ok"][:3] == [2, 1, 0]
+    assert c["tried"][:3] == [2, 1, 1] and c["accepted_at"][:3] == [2, 1, 0]
     assert c["verified_at"][:3] == [2, 2, 2]  # the authors' rates count the depth the tree reached
     assert metrics.accept_rate_by_position(c)[:3] == [1.0, 1.0, 0.0]
     # drafted: the nodes the search reached, not the placeholders of those it did not (parent -1)
