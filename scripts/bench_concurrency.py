@@ -62,7 +62,7 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.files import check_outputs, file_problem, write_json  # noqa: E402
+from support.files import check_input, check_outputs, write_json  # noqa: E402
 from support.flags import Machine, Settings  # noqa: E402
 from support.text import auto_chat, check_prompts, load_prompts  # noqa: E402
 
@@ -278,11 +278,7 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
     if prompts_file is None:
         raise UserError("--prompts-file: needed with --target/--drafter (without either, the demo pair "
                         "and its held-out prompts)")
-    if not prompts_file.strip():
-        raise UserError("--prompts-file: empty path")
-    problem = file_problem(prompts_file, "prompts file")  # (the rest of its checks are load_prompts')
-    if problem:
-        raise UserError(f"--prompts-file {prompts_file}: {problem}")
+    check_input(prompts_file, "--prompts-file", "prompts file")  # (the rest of its checks are load_prompts')
     target_dir = resolve_checkpoint(target_dir, "--target")
     drafter_dir = resolve_checkpoint(drafter_dir, "--drafter")
     check_outputs(outputs, inputs=[target_dir, drafter_dir])  # the snapshots hub ids resolved to

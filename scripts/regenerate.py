@@ -38,10 +38,10 @@ from support.cli import (  # noqa: E402
     signals_deferred,
 )
 from support.files import (  # noqa: E402
+    check_input,
     check_outputs,
     check_writable,
     directory_problem,
-    file_problem,
     read_json,
     read_jsonl,
     write_json,
@@ -148,9 +148,7 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
     out = []
     seen = {}  # each file's real path: the path that named it
     for path in prompt_files(paths):
-        problem = file_problem(path)
-        if problem:
-            raise UserError(f"--prompts {path}: {problem}")
+        check_input(path, "--prompts")
         real = os.path.realpath(path)
         if real in seen:  # its conversations would be written twice
             raise UserError(f"--prompts {paths}: names {seen[real]} twice")

@@ -28,7 +28,7 @@ from support.cli import (
     resolve_dtype,
 )
 from support.configs import HEAD_RENAMES, checked, drafter_config, number, target_args, token_ids
-from support.files import directory_problem, optional_file, read_json
+from support.files import check_input, directory_problem, optional_file, read_json
 
 # Weights
 
@@ -503,8 +503,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         if drafter is not None:
             d = load_drafter(drafter, t, device, dt)
     if calibration is not None:
-        if not calibration.strip():
-            raise UserError("--calibration: empty path")
+        check_input(calibration, "--calibration", "calibration file")
         if d is None or d.confidence_head is None:
             raise UserError(f"--calibration {calibration}: needs a --drafter "
                             "with a confidence head")

@@ -51,6 +51,15 @@ def directory_problem(path: str, what: str = "directory") -> Optional[str]:
     return path_problem(path, "directory", what)
 
 
+def check_input(path: str, flag: str, what: str = "file", wanted: str = "file"):
+    """Refuse a `flag`'s path that is empty or not a `wanted` (a key of WANTED) to read."""
+    if not path.strip():
+        raise UserError(f"{flag}: empty path")
+    problem = path_problem(path, wanted, what)
+    if problem:
+        raise UserError(f"{flag} {path}: {problem}")
+
+
 def optional_file(path: str) -> bool:
     """True for a file, False for nothing; anything else under its name is an error."""
     problem = file_problem(path)

@@ -39,7 +39,7 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.files import check_outputs, file_problem, read_json
+from support.files import check_input, check_outputs, read_json
 from support.runlog import WandbFlags
 from support.text import StopStrings, auto_chat, check_chat_flags, check_prompts, encode, load_prompts
 
@@ -678,13 +678,8 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
 
 def check_calibration_file(path: Optional[str]):
     """--calibration names a file that is there (its contents are checked where the drafter loads)."""
-    if path is None:
-        return
-    if not path.strip():
-        raise UserError("--calibration: empty path")
-    problem = file_problem(path, "calibration file")
-    if problem:
-        raise UserError(f"--calibration {path}: {problem}")
+    if path is not None:
+        check_input(path, "--calibration", "calibration file")
 
 
 def read_prompts(p: Prompts, r: Rendering, m, s,

@@ -11,7 +11,7 @@ import string
 from typing import Callable, Optional, Sequence
 
 from support.cli import UserError, first_line, flag, parse_ints
-from support.files import file_problem, optional_file, read_json, read_jsonl
+from support.files import check_input, file_problem, optional_file, read_json, read_jsonl
 
 ROLES = ("system", "user", "assistant")
 # opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
@@ -507,11 +507,7 @@ KIND_SHAPES = {"prompt": "a string", "prompt_ids": "a list of integers",
 
 def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
-    if not prompts_file.strip():
-        raise UserError("--prompts-file: empty path")
-    problem = file_problem(prompts_file, "prompts file")
-    if problem:
-        raise UserError(f"{prompts_file}: {problem}")
+    check_input(prompts_file, "--prompts-file", "prompts file")
     out = []
     for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
         if not isinstance(row, dict):

@@ -23,9 +23,9 @@ from support.data import JSON_SUFFIXES, TEXT_SUFFIXES
 from support.distributed import peak_tflops, rank0
 from support.files import (
     atomic_write,
+    check_input,
     directory_problem,
     file_problem,
-    path_problem,
     read_json,
     write_json,
     wrong_kind,
@@ -498,11 +498,7 @@ def check_train_args(args: TrainArgs, **ranges: str):
     else:
         flag = "--data-ids"
         data = args.data_ids
-    if not data.strip():
-        raise UserError(f"{flag}: empty path")
-    problem = path_problem(data, "file or directory", "file or directory")
-    if problem:
-        raise UserError(f"{flag} {data}: {problem}")
+    check_input(data, flag, "file or directory", "file or directory")
     if args.data is not None and os.path.isfile(data) and not data.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
         raise UserError(f"--data {data}: a file is read by its suffix: {'/'.join(TEXT_SUFFIXES)} as text, "
                         f"{'/'.join(JSON_SUFFIXES)} as JSON lines (rename it to say which)")
