@@ -43,15 +43,23 @@ def flat_fields(args) -> dict:
     return out
 
 
+def flag_group(f: dataclasses.Field):
+    """The default of a field that holds a group of flags (a dataclass), or None for a flag."""
+    if f.default_factory is dataclasses.MISSING:
+        return None
+    group = f.default_factory()
+    if not dataclasses.is_dataclass(group):
+        return None
+    return group
+
+
 def from_flat(args_class, values: dict):
     """`args_class` built from flags given as one dict (as `flat_fields` gives them back)."""
     kwargs = {}
     rest = dict(values)
     for f in dataclasses.fields(args_class):
-        group = None
-        if f.default_factory is not dataclasses.MISSING:
-            group = f.default_factory()
-        if dataclasses.is_dataclass(group):
+        group = flag_group(f)
+        if group is not None:
             mine = {g.name for g in dataclasses.fields(group)} & set(rest)
             kwargs[f.name] = dataclasses.replace(group, **{k: rest.pop(k) for k in mine})
         elif f.name in rest:
@@ -149,10 +157,8 @@ def flag_names(args_class) -> list[str]:
     """The flags of a program's dataclass, its flat groups' included (bool flags without --no-)."""
     names = []
     for f in dataclasses.fields(args_class):
-        group = None
-        if f.default_factory is not dataclasses.MISSING:
-            group = f.default_factory()
-        if dataclasses.is_dataclass(group):
+        group = flag_group(f)
+        if group is not None:
             names += flag_names(type(group))
         else:
             names.append(flag(f.name))
