@@ -38,6 +38,7 @@ from support.checkpoint import (
     load_drafter,
     load_target,
     published,
+    read_target_args,
     resolve_checkpoint,
     weight_files,
 )
@@ -52,10 +53,10 @@ from support.cli import (
     resolve_device,
     resolve_dtype,
 )
-from support.configs import config_json, eagle3_config_json, target_args
+from support.configs import config_json, eagle3_config_json
 from support.distributed import dist_init, rank0
 from support.eval_report import dataset_figures
-from support.files import directory_problem, read_json, write_json
+from support.files import directory_problem, write_json
 from support.text import Tokenizer, auto_chat
 from support.trainer import (
     Run,
@@ -976,11 +977,7 @@ def run(args: Args) -> dict:
     target = resolve_checkpoint(args.target, "--target")
     args = replace(args, target=target)
     check_out_dir(args, inputs=[args.target])
-    problem = directory_problem(target, "target directory")
-    if problem:
-        raise UserError(f"--target {target}: {problem}")
-    config = os.path.join(target, "config.json")
-    context = target_args(read_json(config), config).max_position_embeddings
+    context = read_target_args(target).max_position_embeddings
     if T > context:
         raise UserError(f"--seq-len {T}: longer than the context of --target {target} "
                         f"(max_position_embeddings {context})")

@@ -191,12 +191,17 @@ def checkpoint_weights(directory: str, dtype, device, rename) -> tuple[dict, str
     return tensors, source
 
 
-def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
+def read_target_args(directory: str) -> ModelArgs:
+    """The target's shape, from the config.json of `directory` (checked to be one)."""
     problem = directory_problem(directory, "target directory")
     if problem:
         raise UserError(f"--target {directory}: {problem}")
     path = os.path.join(directory, "config.json")
-    args = target_args(read_json(path), path)
+    return target_args(read_json(path), path)
+
+
+def load_target(directory: str, device="cpu", dtype=torch.float32) -> Transformer:
+    args = read_target_args(directory)
     tensors, source = checkpoint_weights(directory, dtype, device,
                                          lambda k: k.removeprefix("model."))
     # some exports write the tied head too
@@ -356,11 +361,7 @@ def check_target_memory(directory: str, device, dtype: torch.dtype):
     """The target's weights in `dtype`, and the copy the CPU kernels make of them, must fit in what is free
     on `device`: counted from its config.json on the meta device, before a weight is read (the drafter, a
     tenth of it or less, is not counted)."""
-    problem = directory_problem(directory, "target directory")
-    if problem:
-        raise UserError(f"--target {directory}: {problem}")
-    path = os.path.join(directory, "config.json")
-    args = target_args(read_json(path), path)
+    args = read_target_args(directory)
     with torch.device("meta"):
         shape = Transformer(args)
     check_memory([shape], device, dtype, f"--target {directory}: its weights", "a narrower --dtype, or a smaller model")
