@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from speculate import Request, make_engine  # noqa: E402
 from support import flags, runlog  # noqa: E402
 from support import metrics as mt  # noqa: E402
-from support.checkpoint import HUB_META_FILES, load_models, resolve_checkpoint  # noqa: E402
+from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (  # noqa: E402
     UserError,
     check_ranges,
@@ -38,6 +38,7 @@ from support.cli import (  # noqa: E402
     signals_deferred,
 )
 from support.files import (  # noqa: E402
+    CHECKPOINT_FILES,
     check_input,
     check_outputs,
     check_writable,
@@ -173,7 +174,7 @@ def model_files(directory: Optional[str], flag_name: str) -> Optional[dict]:
     files = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        read_by_a_run = name in HUB_META_FILES or name.endswith(".safetensors")
+        read_by_a_run = name in CHECKPOINT_FILES or name.endswith(".safetensors")
         if read_by_a_run and os.path.isfile(path):
             st = os.stat(path)
             files[name] = [st.st_size, st.st_mtime_ns]

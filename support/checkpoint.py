@@ -28,7 +28,7 @@ from support.cli import (
     resolve_dtype,
 )
 from support.configs import HEAD_RENAMES, checked, drafter_config, number, target_args, token_ids
-from support.files import check_input, directory_problem, optional_file, read_json
+from support.files import CHECKPOINT_FILES, check_input, directory_problem, optional_file, read_json
 
 # Weights
 
@@ -604,9 +604,6 @@ def generation_sampling(directory: str) -> tuple[Optional[dict], Optional[str], 
 
 # Hugging Face hub ids, ORG/NAME[@REVISION]: from the cache, or downloaded into it
 
-# what a run reads besides the weights
-HUB_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
-                  "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # every Qwen3 repo has them
 SNAPSHOT_EXPECTED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # the hub's rule for an owner or a name
@@ -645,13 +642,13 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
     incomplete = None  # ... and the metadata files it lacks
     try:  # the cached snapshot, if any
         path = snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True,
-                                 allow_patterns=list(HUB_META_FILES))
+                                 allow_patterns=list(CHECKPOINT_FILES))
     # absent, or present in part (huggingface_hub >= 2 names what it lacks)
     except utils.LocalEntryNotFoundError as e:
         snapshot = getattr(e, "snapshot_path", None)
         if snapshot is not None and os.path.isdir(snapshot):
             lacking = []
-            for f in HUB_META_FILES:
+            for f in CHECKPOINT_FILES:
                 if f in str(e) and not os.path.exists(os.path.join(snapshot, f)):
                     lacking.append(f)
             path = snapshot
@@ -716,7 +713,7 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
 
     try:
         # the index names the weight files ...
-        now = download(revision, list(HUB_META_FILES), either=path is None)
+        now = download(revision, list(CHECKPOINT_FILES), either=path is None)
     except UserError as e:
         if not (path and not missing):
             raise

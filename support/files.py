@@ -163,8 +163,10 @@ def check_writable(path: str, flag: str):
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 
 
-LOADED_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "chat_template.jinja", "latest")  # what loading reads in a checkpoint directory
+# what loading reads in a checkpoint directory besides the weights (and a training run's "latest")
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+LOADED_NAMES = CHECKPOINT_FILES + ("latest",)
 
 
 def check_outputs(outputs: dict, inputs=()):

@@ -33,6 +33,7 @@ from huggingface_hub.utils import (
 import eval as ev
 import train
 from support import checkpoint
+from support.files import CHECKPOINT_FILES
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 REAL_SNAPSHOT_DOWNLOAD = huggingface_hub.snapshot_download
@@ -260,7 +261,7 @@ def test_download_fetches_only_what_a_run_reads(hub, repos, monkeypatch):
     assert rc == 0, err
     snap = hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A
     assert f"--target org/tiny@{COMMIT_A}: {snap}\n" in err
-    assert calls == [{"repo_id": "org/tiny", "revision": None, "allow_patterns": list(checkpoint.HUB_META_FILES)},
+    assert calls == [{"repo_id": "org/tiny", "revision": None, "allow_patterns": list(CHECKPOINT_FILES)},
                      {"repo_id": "org/tiny", "revision": COMMIT_A, "allow_patterns": ["model.safetensors"]}]
     got = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
     assert got == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -279,7 +280,7 @@ def test_download_of_a_sharded_checkpoint_at_a_revision(hub, repos, monkeypatch)
     shards = sorted(set(json.loads((repos.sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
     assert len(shards) > 1
     path = checkpoint.resolve_checkpoint(f"org/sharded@{COMMIT_B}", "--target")
-    assert calls == [{"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": list(checkpoint.HUB_META_FILES)},
+    assert calls == [{"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": list(CHECKPOINT_FILES)},
                      {"repo_id": "org/sharded", "revision": COMMIT_B, "allow_patterns": shards}]
     assert path == str(hub.cache / "models--org--sharded" / "snapshots" / COMMIT_B)
     assert not (Path(path) / "original").exists() and not (Path(path) / "pytorch_model.bin").exists()
@@ -296,7 +297,7 @@ def test_a_cached_snapshot_without_its_tokenizer_is_completed_online(hub, repos,
     calls = []
     fake_hub(monkeypatch, {"org/tiny": (COMMIT_A, repos.a)}, calls)
     rc, _, err = run_captured(["--target", "org/tiny", "--prompt", "hello world", "--max-new-tokens", 2])
-    assert rc == 0 and calls[0]["allow_patterns"] == list(checkpoint.HUB_META_FILES), err
+    assert rc == 0 and calls[0]["allow_patterns"] == list(CHECKPOINT_FILES), err
     assert (hub.cache / "models--org--tiny" / "snapshots" / COMMIT_A / "tokenizer.json").is_file()
     rc, _, err = run_captured(["--target", "org/tiny", "--prompt-ids", "1,2", "--max-new-tokens", 2])
     assert rc == 0 and len(calls) == 1, err  # complete now: the hub is not asked again (nor for weights it had)
