@@ -40,6 +40,7 @@ from support.cli import (
     check_ranges,
     cli_main,
     device_name,
+    dtype_name,
     flat,
     flat_fields,
     set_threads,
@@ -506,7 +507,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     if log is not None:
         log.config(world_size=world,
                    hardware=device_name(device),
-                   dtype_resolved=str(m.dtype).removeprefix("torch."),
+                   dtype_resolved=dtype_name(m.dtype),
                    threads_resolved=torch.get_num_threads(),
                    scheduler_resolved=s.scheduler,
                    chat_resolved=chat,
@@ -810,7 +811,7 @@ def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: boo
     `hub_revisions`)."""
     drafter_config = one_or_list([d.cfg.describe(args.decode.draft_length) for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
-    dtype = str(m.dtype).removeprefix("torch.")
+    dtype = dtype_name(m.dtype)
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
                 dtype_resolved=dtype, batch_size_resolved=engine.max_batch,

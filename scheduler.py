@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from sampling import prefix_length
-from support.cli import UserError, device_name, parse_ints, sync
+from support.cli import UserError, device_name, dtype_name, parse_ints, sync
 from support.files import check_writable, read_json, write_json
 
 KINDS = ("none", "threshold", "hardware", "async")
@@ -317,7 +317,7 @@ def sps_identity(engine) -> dict:
     drafter = None
     if engine.drafter is not None:
         drafter = engine.drafter.cfg.describe(engine.K)
-    dtype = str(engine.target.embed_tokens.weight.dtype).replace("torch.", "")
+    dtype = dtype_name(engine.target.embed_tokens.weight.dtype)
     sampled = engine.temperature > 0
     return {"device": device_name(engine.device), "torch": torch.__version__, "target": target,
             "drafter": drafter, "dtype": dtype, "batch_capacity": engine.max_batch,

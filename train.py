@@ -48,6 +48,7 @@ from support.cli import (
     UserError,
     check_ranges,
     device_name,
+    dtype_name,
     from_flat,
     parse_ints,
     resolve_device,
@@ -760,7 +761,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
               f"global batch {G} = {args.batch_size} x {args.grad_accum} x {world} process(es)")
     if run.wandb is not None:
         run.wandb.config(world_size=world, global_batch=G, hardware=device_name(device),
-                         dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
+                         dtype_resolved=dtype_name(dtype), num_sequences=len(corpus),
                          anchors_resolved=N, trained_parameters=trained, step_flops=flops,
                          target_config=runlog.checkpoint_config(args.target),
                          drafter_config=drafter_json(args, drafter.cfg),
@@ -820,7 +821,7 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
               f"global batch {G} = {args.batch_size} x {args.grad_accum} x {run.world} process(es)")
     if run.wandb is not None:
         run.wandb.config(world_size=run.world, global_batch=G, hardware=device_name(run.device),
-                         dtype_resolved=str(dtype).removeprefix("torch."), num_sequences=len(corpus),
+                         dtype_resolved=dtype_name(dtype), num_sequences=len(corpus),
                          trained_parameters=trained, step_flops=flops,
                          target_config=runlog.checkpoint_config(args.target),
                          drafter_config=drafter_json(args, drafter.cfg),

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelArgs, Transformer  # noqa: E402
 from support import runlog  # noqa: E402
 from support.checkpoint import init_random_, load_target, published  # noqa: E402
-from support.cli import UserError, device_name, resolve_device, resolve_dtype
+from support.cli import UserError, device_name, dtype_name, resolve_device, resolve_dtype
 from support.configs import LAYER_KEYS  # noqa: E402
 from support.data import (  # noqa: E402
     EOS_TOKEN,
@@ -306,9 +306,8 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     banner = (f"target: {parameters:,} parameters, vocab {V}, "
               f"{len(windows)} sequences of {args.seq_len} tokens, global batch {G}")
     if log is not None:
-        dtype_name = str(dtype).removeprefix("torch.")
         log.config(world_size=world, global_batch=G, hardware=device_name(device),
-                   dtype_resolved=dtype_name, num_sequences=len(windows),
+                   dtype_resolved=dtype_name(dtype), num_sequences=len(windows),
                    target_config=asdict(model.args))
     batches = Batches(len(windows), G, args.seed)
     mine = micro_slices(args.batch_size, args.grad_accum, rank)

@@ -21,6 +21,7 @@ from support.cli import (
     MAX_TOP_K,
     MIN_TEMPERATURE,
     UserError,
+    dtype_name,
     first_line,
     fits,
     free_memory,
@@ -144,13 +145,13 @@ def read_weights(files, dtype, device, rename=lambda k: k, index: Optional[str] 
                         if t.is_floating_point():
                             what = ("a quantized format "
                                     "(not supported: use the unquantized checkpoint)")
-                        stored = str(t.dtype).removeprefix("torch.")
+                        stored = dtype_name(t.dtype)
                         raise UserError(f"{path}: tensor {key!r} is {stored}, {what}")
                     v = t.to(device, dtype)
                     if not torch.isfinite(v).all():
                         if not torch.isfinite(t).all():
                             raise UserError(f"{path}: tensor {key!r} holds NaN or infinite values")
-                        wanted = str(dtype).removeprefix("torch.")
+                        wanted = dtype_name(dtype)
                         largest = t.abs().max().item()
                         raise UserError(f"{path}: tensor {key!r} overflows {wanted} "
                                         f"(largest magnitude {largest:.4g}): "
@@ -381,8 +382,7 @@ def check_memory(shapes: list, device, dtype: torch.dtype, whose: str, fix: str)
     free = free_memory(device)
     if fits(need, free):
         return
-    dtype_name = str(dtype).removeprefix("torch.")
-    what = f"{whose} need {need / 2**30:.1f} GiB in {dtype_name}"
+    what = f"{whose} need {need / 2**30:.1f} GiB in {dtype_name(dtype)}"
     if copies:
         what += f" (the CPU kernels' copy of them {copies / 2**30:.1f} GiB)"
     raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")

@@ -82,6 +82,11 @@ SEED_RANGE = f"[0, {2**62}]"  # any program's --seed: room left for seed + a req
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype as its flag names it: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
 def first_line(e: BaseException) -> str:
     """An exception's message in one line (at most 300 characters), or its type's name."""
     lines = str(e).strip().splitlines()

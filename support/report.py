@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from support import metrics, runlog
-from support.cli import Interrupted, device_name, signals_deferred
+from support.cli import Interrupted, device_name, dtype_name, signals_deferred
 from support.files import StreamFile
 from support.flags import calibration_note, sampling_for
 from support.text import StopStrings, auto_chat
@@ -298,7 +298,7 @@ class Report:
         if m.drafter is not None:
             drafter = m.drafter.cfg.describe(s.draft_length)
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
-                        dtype_resolved=str(m.dtype).removeprefix("torch."),
+                        dtype_resolved=dtype_name(m.dtype),
                         threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
                         chat_resolved=auto_chat(args.rendering.chat, m.tokenizer), compile_resolved=s.compile,
                         sampling=sampling, num_prompts=len(self.prompts),
