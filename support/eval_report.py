@@ -151,10 +151,7 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
     log.log(out, step=step)
     scalars = {k: v for k, v in out.items() if isinstance(v, (int, float))}
     log.summary(scalars)
-    for what, path in files.items():
-        if path is not None and os.path.isfile(path):
-            metadata = {"program": "eval.py", "step": step, "path": os.path.abspath(path)}
-            log.artifact(what, what, [path], metadata=metadata)
+    log.outputs(files, program="eval.py", step=step)
 
 
 # Printed and written

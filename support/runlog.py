@@ -151,6 +151,12 @@ class Log:
             art.add_file(p)
         self.run.log_artifact(art, aliases=aliases)
 
+    def outputs(self, files: dict, **metadata):
+        """Each output file written (`files`: its kind -> path or None) as an artifact of its own."""
+        for what, path in files.items():
+            if path is not None and os.path.isfile(path):
+                self.artifact(what, what, [path], metadata=dict(metadata, path=os.path.abspath(path)))
+
     def finish(self, exit_code: int, status: str, error: Optional[str] = None):
         ending = {"status": status}
         if error:
@@ -248,11 +254,7 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
                "acceptance_length", "finish_reason"]
     log.log({f"{name}/requests": log.table(columns, rows)})
     log.summary({f"{name}/requests_logged": len(rows)})
-    for what, path in files.items():
-        if path is None or not os.path.isfile(path):
-            continue
-        metadata = {"program": "speculate.py", "path": os.path.abspath(path)}
-        log.artifact(what, what, [path], metadata=metadata)
+    log.outputs(files, program="speculate.py")
 
 
 # Progress of a long run (speculate.py, eval.py, training): a bar on a terminal, elsewhere a plain line now and then.
