@@ -354,20 +354,29 @@ def target_keys(tcfg: dict) -> dict:
     return {k: v for k, v in tcfg.items() if k not in TARGET_ONLY_KEYS}
 
 
-def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
-    """DeepSpec's drafter config.json: the target's, with the drafter's depth and keys."""
+def drafter_keys(target_dir: str, cfg: DrafterConfig, architecture: str) -> dict:
+    """What every DeepSpec drafter config.json holds: the target's keys, the drafter's depth and the
+    target layers it reads."""
     tcfg = read_json(os.path.join(target_dir, "config.json"))
     out = target_keys(tcfg)
     D = cfg.layers.num_hidden_layers
     out.update(
-        architectures=["Qwen3DSparkModel"],
+        architectures=[architecture],
         num_target_layers=tcfg["num_hidden_layers"],
         num_hidden_layers=D,
         layer_types=["full_attention"] * D,
         tie_word_embeddings=False,
         torch_dtype="float32",
-        block_size=cfg.block_size,
         target_layer_ids=list(cfg.target_layer_ids),
+    )
+    return out
+
+
+def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
+    """DeepSpec's drafter config.json: the target's, with the drafter's depth and keys."""
+    out = drafter_keys(target_dir, cfg, "Qwen3DSparkModel")
+    out.update(
+        block_size=cfg.block_size,
         mask_token_id=cfg.mask_token_id,
         num_anchors=num_anchors,
         markov_rank=cfg.markov_rank,
@@ -380,17 +389,9 @@ def config_json(target_dir: str, cfg: DrafterConfig, num_anchors: int) -> dict:
 
 def eagle3_config_json(target_dir: str, cfg: DrafterConfig, step_loss_decay: float) -> dict:
     """DeepSpec's Eagle3 config.json (build_draft_config): the target's, one layer, the Eagle3 keys."""
-    tcfg = read_json(os.path.join(target_dir, "config.json"))
-    out = target_keys(tcfg)
+    out = drafter_keys(target_dir, cfg, "Qwen3Eagle3Model")
     out.update(
-        architectures=["Qwen3Eagle3Model"],
-        num_target_layers=tcfg["num_hidden_layers"],
-        num_hidden_layers=1,
         draft_num_hidden_layers=1,
-        layer_types=["full_attention"],
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        target_layer_ids=list(cfg.target_layer_ids),
         ttt_length=cfg.block_size,
         step_loss_decay=step_loss_decay,
     )
