@@ -46,7 +46,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels
 import sampling
 from drafter import Drafter, DrafterConfig
 from model import ModelArgs, Transformer
@@ -833,10 +832,6 @@ def run(args: BenchArgs) -> list[dict]:
     threads = set_threads(args.machine.threads)
     dev = resolve_device(args.machine.device)
     dtype = resolve_dtype(args.machine.dtype, dev)
-    try:  # refused here, before any model is built
-        kernels.check_backend(s.kernels, dev)
-    except RuntimeError as e:
-        raise UserError(f"--kernels {s.kernels}: {e}") from None
     want_reference, reference_note = reference_wanted(args, s, batch_sizes, dev)
     t0 = time.perf_counter()
     target, drafter, name = build_pair(args, s, target_dir, drafter_dir, dev, dtype)
