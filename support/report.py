@@ -233,7 +233,8 @@ class Decoding:
 
     def close(self, interrupted: bool):
         """Publish and print what finished, whole (a signal now acts after it). The files come first,
-        so that a reader who went away (`| head`) cannot cost them."""
+        so that a reader who went away (`| head`) cannot cost them; the completions are printed even
+        when a file cannot be published (its folder removed meanwhile, a full disk)."""
         with signals_deferred():
             done = sorted(self.done, key=lambda c: c.request)
             # the throughput of the time spent: every token decoded (interrupted: unfinished requests' too)
@@ -243,15 +244,17 @@ class Decoding:
             if interrupted:
                 summary.update(interrupted=True, finished_requests=len(done),
                                requests=self.report.requests, decoded_tokens=figures["tokens"])
-            if self.trace:
-                self.trace.write(json.dumps(summary) + "\n")
-                self.trace.close()
-            if self.out:
-                self.out.close()
-            self.printer.finish(done)
-        self.summary = summary
-        self.counts = counts
-        self.done = done
+            self.summary = summary
+            self.counts = counts
+            self.done = done
+            try:
+                if self.trace:
+                    self.trace.write(json.dumps(summary) + "\n")
+                    self.trace.close()
+                if self.out:
+                    self.out.close()
+            finally:
+                self.printer.finish(done)
 
     def abort(self):
         for f in (self.trace, self.out):
@@ -349,6 +352,10 @@ class Report:
         # a signal while the outputs were published: they are whole, then it acts
         except Interrupted as e:
             self.kept(e, d)
+            raise
+        except OSError:  # a file not published: no temporary file left, and the figures all the same
+            d.abort()
+            print(figures_line(name, d.summary, d.counts, engine))
             raise
         if self.log is not None:
             runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done,

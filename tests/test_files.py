@@ -89,3 +89,28 @@ def test_a_full_disk_while_decoding_is_one_line_and_leaves_no_temporary_file(tmp
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[-1] == f"error: {out / 't.jsonl'}: File too large", lines[-3:]
     assert os.listdir(out) == []
+
+
+def test_the_completions_are_printed_when_an_output_cannot_be_published(tmp_path, monkeypatch, capsys):
+    """--output-file's folder removed while decoding: the run ends in one line naming the file as given,
+    exit 1, and the completions and figures are printed all the same (they were lost with the file)."""
+    import shutil
+
+    import speculate
+    from support.files import StreamFile
+
+    out = tmp_path / "outputs"
+    out.mkdir()
+    publish = StreamFile.publish
+
+    def folder_gone(self):
+        shutil.rmtree(out, ignore_errors=True)
+        publish(self)
+
+    monkeypatch.setattr(StreamFile, "publish", folder_gone)
+    rc = speculate.main(["--target", "demo/target", "--drafter", "demo/drafter", "--prompts-file",
+                         "demo/heldout.jsonl", "--max-new-tokens", "8", "--output-file", str(out / "o.jsonl")])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.err.strip().splitlines()[-1] == f"error: {out / 'o.jsonl'}: No such file or directory"
+    assert captured.out.count("--- request ") == 20 and "speculative: 160 tokens" in captured.out, captured
