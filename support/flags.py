@@ -77,9 +77,9 @@ class Settings:
     """Token budget per request (exact). None: 128 (eval.py: the authors' 2048, capped to what the
     context leaves the longest prompt)."""
     temperature: Optional[float] = None
-    """0 = greedy, else lossless sampling at this temperature. None: with no other sampling setting, the
-    target's generation_config.json (greedy without one; bench.py: greedy); 1.0 with only filters
-    given."""
+    """0 = greedy, else lossless sampling at this temperature. None: with no other sampling setting,
+    the target's generation_config.json (greedy without one; bench.py: greedy); 1.0 with only
+    filters given."""
     top_k: Optional[int] = None
     """Sample from the K most likely tokens only (0: off), in the target's and the drafter's alike."""
     top_p: Optional[float] = None
