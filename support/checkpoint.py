@@ -250,6 +250,18 @@ def attach(drafter: DrafterBase, target: Transformer, where: str = "the drafter"
     drafter.attach(target)
 
 
+def same_copy(copy: torch.Tensor, param: torch.Tensor) -> bool:
+    """A drafter's copy of a target weight is the same weight: equal, or equal once both are rounded
+    to a half precision (a copy exported in bfloat16 beside a float32 target)."""
+    if copy.shape != param.shape:
+        return False
+    copy = copy.to(param.device, param.dtype)
+    for dtype in (param.dtype, torch.bfloat16, torch.float16):
+        if torch.equal(copy.to(dtype), param.to(dtype)):
+            return True
+    return False
+
+
 def load_drafter(directory: str, target: Transformer, device="cpu",
                  dtype=torch.float32) -> DrafterBase:
     problem = directory_problem(directory, "drafter directory")
@@ -277,8 +289,7 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
         t = tensors.pop(name, None)  # a copy of the target's, which is used: it must be the same
         if t is None:
             continue
-        same = t.shape == param.shape and torch.equal(t.to(param.device, param.dtype), param)
-        if not same:
+        if not same_copy(t, param):
             raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; "
                             "drafters share the target's embedding and lm_head")
     with torch.device("meta"):

@@ -172,6 +172,14 @@ def test_spellings_resolve_to_the_same_config(ck, target, markov):
         assert not any(n.startswith(("embed_tokens", "lm_head")) for n, _ in d.named_parameters())
 
 
+def test_embedding_copies_exported_in_bfloat16_are_the_targets(ck, target):
+    """DeepSpec's copies of the target's embedding and lm_head, saved in bfloat16 beside a float32 target, are
+    the target's weights rounded: the drafter loads in float32 as in bfloat16 (it was refused as "differs")."""
+    d = ck.drafter("bf16_copies")
+    edit_tensors(d, lambda w: w.update({k: w[k].bfloat16() for k in ("embed_tokens.weight", "lm_head.weight")}))
+    assert_same_weights(checkpoint.load_drafter(d, target), checkpoint.load_drafter(ck.drafter("bf16_copies_ref"), target))
+
+
 @pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
 def test_spellings_give_identical_traces(ck, capsys, tmp_path, markov, mode):
