@@ -177,7 +177,8 @@ def test_embedding_copies_exported_in_bfloat16_are_the_targets(ck, target):
     the target's weights rounded: the drafter loads in float32 as in bfloat16 (it was refused as "differs")."""
     d = ck.drafter("bf16_copies")
     edit_tensors(d, lambda w: w.update({k: w[k].bfloat16() for k in ("embed_tokens.weight", "lm_head.weight")}))
-    assert_same_weights(checkpoint.load_drafter(d, target), checkpoint.load_drafter(ck.drafter("bf16_copies_ref"), target))
+    reference = checkpoint.load_drafter(ck.drafter("bf16_copies_ref"), target)
+    assert_same_weights(checkpoint.load_drafter(d, target), reference)
 
 
 @pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
