@@ -34,6 +34,7 @@ from model import ModelArgs, Rope, Transformer, rope_table
 from support import data, runlog
 from support.checkpoint import (
     attach,
+    check_target_memory,
     init_random_,
     load_drafter,
     load_target,
@@ -723,6 +724,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     target_dtype = torch.float32
     if device.startswith("cuda"):
         target_dtype = dtype
+    check_target_memory(args.target, device, target_dtype, kernels=False)  # training installs no CPU kernels
     target = load_target(args.target, device, target_dtype)
     cfg = drafter_config(args, target, args.target)  # the flags against the target, before the data is read
     if args.eval_every:

@@ -54,6 +54,7 @@ from support import cpu_kernels, flags, metrics, plots
 from support.checkpoint import (
     PRESETS,
     attach,
+    check_target_memory,
     init_random_,
     load_drafter,
     load_target,
@@ -654,6 +655,7 @@ def build_pair(args: BenchArgs, s: Settings, target_dir, drafter_dir, dev: str, 
     """(target, drafter or None, the name the results give the pair): the checkpoints, the constructed
     bigram pair or a random preset."""
     if args.target is not None:
+        check_target_memory(target_dir, dev, dtype, drafter_dir)  # (None without a --drafter)
         target = load_target(target_dir, dev, dtype)
         drafter = None
         if args.drafter:

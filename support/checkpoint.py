@@ -4,6 +4,7 @@ gate/up; models fuse them."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -369,26 +370,53 @@ def random_pair(preset: str, device="cpu", dtype=torch.bfloat16, seed: int = 0, 
     return target, make_drafter(target)
 
 
-def check_target_memory(directory: str, device, dtype: torch.dtype):
-    """The target's weights in `dtype`, and the copy the CPU kernels make of them, must fit in what is free
-    on `device`: counted from its config.json on the meta device, before a weight is read (the drafter, a
-    tenth of it or less, is not counted)."""
+def stored_numbers(directory: str) -> int:
+    """How many numbers a checkpoint directory's weight files hold, read from their headers; 0 where they
+    cannot be read (loading them then says why)."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    try:
+        for path in weight_files(directory):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    total += math.prod(f.get_slice(key).get_shape())
+    except (UserError, SafetensorError, OSError, ValueError):
+        return 0
+    return total
+
+
+def check_target_memory(directory: str, device, dtype: torch.dtype, drafter: Optional[str] = None,
+                        kernels: bool = True):
+    """Before a weight is read, what loading will hold must fit in what is free on `device`: the target's
+    weights in `dtype` (counted from its config.json on the meta device), the copy the CPU kernels make of
+    them (with `kernels`), and the `drafter` directory's tensors as its files hold them (DeepSpec's copies of
+    the target's embedding and lm_head included: they are read, then dropped)."""
     args = read_target_args(directory)
     with torch.device("meta"):
         shape = Transformer(args)
-    check_memory([shape], device, dtype, f"--target {directory}: its weights", "a narrower --dtype, or a smaller model")
+    whose = f"--target {directory}: its weights"
+    drafter_bytes = 0
+    if drafter is not None:
+        whose = f"--target {directory} and --drafter {drafter}: their weights"
+        drafter_bytes = stored_numbers(drafter) * dtype.itemsize
+    check_memory([shape], device, dtype, whose, "a narrower --dtype, or a smaller model",
+                 extra=drafter_bytes, kernels=kernels)
 
 
-def check_memory(shapes: list, device, dtype: torch.dtype, whose: str, fix: str):
-    """Models (`shapes`, on the meta device) in `dtype`, with the copy the CPU kernels would make of them, must
-    fit in what is free on `device` (where that is known); `whose` and `fix` begin and end the refusal."""
+def check_memory(shapes: list, device, dtype: torch.dtype, whose: str, fix: str, extra: int = 0,
+                 kernels: bool = True):
+    """Models (`shapes`, on the meta device) in `dtype`, `extra` bytes beside them and, with `kernels`, the
+    copy the CPU kernels would make of the models must fit in what is free on `device` (where that is
+    known); `whose` and `fix` begin and end the refusal."""
     from support import cpu_kernels
 
-    weights = 0
+    weights = extra
     copies = 0
     for m in shapes:
         weights += sum(p.numel() for p in m.parameters()) * dtype.itemsize
-        copies += cpu_kernels.copied_bytes(m, device, dtype)
+        if kernels:
+            copies += cpu_kernels.copied_bytes(m, device, dtype)
     need = weights + copies
     free = free_memory(device)
     if fits(need, free):
@@ -502,7 +530,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         t, d = random_pair(random_init, device, dt, seed)
         stop_ids = ()
     else:
-        check_target_memory(target, device, dt)
+        check_target_memory(target, device, dt, drafter, kernels=cpu_kernels)
         t = load_target(target, device, dt)
         stop_ids = stop_token_ids(target, t.args)
         try:

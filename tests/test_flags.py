@@ -13,6 +13,7 @@ import torch
 import tyro
 
 import eval as ev
+import model
 import speculate
 from support import flags
 from support.cli import UserError, flat_fields, free_memory, from_flat
@@ -212,6 +213,26 @@ def test_a_random_preset_counts_its_drafter_and_the_cpu_kernels_copy(monkeypatch
         checkpoint.load_models(None, random_init="qwen3-4b", device="cpu", dtype="float32")
 
 
+def test_a_checkpoint_pair_counts_its_drafters_files(monkeypatch):
+    """A memory that the target's weights and the CPU kernels' copy fit in (with a tenth to spare) is
+    refused for the drafter's tensors beside them, counted from its files' headers before a weight is read
+    (the drafter was left out as "a tenth of the target or less"; a published one holds a quarter)."""
+    from speculate import DEMO_DIR
+    from support import checkpoint, cpu_kernels
+
+    target = f"{DEMO_DIR}/target"
+    drafter = f"{DEMO_DIR}/drafter"
+    with torch.device("meta"):
+        shape = model.Transformer(checkpoint.read_target_args(target))
+    need = sum(p.numel() for p in shape.parameters()) * 4 + cpu_kernels.copied_bytes(shape, "cpu", torch.float32)
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: int(need / 0.9) + 1)
+    monkeypatch.setattr(checkpoint, "load_target", None)  # reading the weights would be a TypeError
+    with pytest.raises(UserError, match=rf"^--target {target} and --drafter {drafter}: their weights need"):
+        checkpoint.load_models(target, drafter, device="cpu", dtype="float32")
+    assert checkpoint.stored_numbers(drafter) > 0
+    assert checkpoint.stored_numbers(f"{DEMO_DIR}/nowhere") == 0  # the load says why
+
+
 @pytest.mark.parametrize("setting,message", [
     (dict(ignore_eos="no"), "--ignore-eos: invalid value 'no' (True or False)"),
     (dict(verbose=1), "--verbose: invalid value 1 (True or False)"),
@@ -227,3 +248,30 @@ def test_the_api_checks_every_settings_type(setting, message):
     with pytest.raises(UserError) as e:
         flags.check_settings(speculate.Settings(**setting), "cpu")
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("program", ["train", "bench"])
+def test_train_and_bench_check_a_targets_memory_before_reading_it(program, monkeypatch, capsys, tmp_path):
+    """train.py and bench.py --target read a checkpoint as speculate.py and eval.py do: counted first, one
+    line where it cannot fit (they read it whole, and the OOM killer ended the run without a word)."""
+    from speculate import DEMO_DIR
+    from support import checkpoint
+
+    target = f"{DEMO_DIR}/target"
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: 2**20)
+    monkeypatch.setattr(checkpoint, "load_target", None)  # reading the weights would be a TypeError
+    if program == "train":
+        import train
+
+        monkeypatch.setattr(train, "load_target", None)
+        ids = tmp_path / "ids.jsonl"
+        ids.write_text('{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}\n')
+        rc = train.main(["--target", target, "--data-ids", str(ids), "--out", str(tmp_path / "o"), "--steps", "1"])
+    else:
+        from scripts import bench
+
+        monkeypatch.setattr(bench, "load_target", None)
+        rc = bench.main(["--target", target, "--drafter", f"{DEMO_DIR}/drafter", "--no-compile"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"error: --target {target}"), err
+    assert "GiB are free on cpu" in err[-1], err
