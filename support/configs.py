@@ -13,7 +13,6 @@ from support.cli import MAX_BLOCK, UserError, bound_text
 from support.files import read_json
 
 REQUIRED = object()  # a key without a default
-PER_HEAD = object()  # head_dim's default: hidden_size / num_attention_heads
 # key: (type, smallest, largest, default) — far beyond any published Qwen3, short of what would hang.
 LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
               "hidden_size": (int, 1, 65_536, REQUIRED),
@@ -21,7 +20,7 @@ LAYER_KEYS = {"vocab_size": (int, 1, 10_000_000, REQUIRED),
               "num_hidden_layers": (int, 1, 1024, REQUIRED),
               "num_attention_heads": (int, 1, 1024, REQUIRED),
               "num_key_value_heads": (int, 1, 1024, REQUIRED),
-              "head_dim": (int, 1, 4096, PER_HEAD),
+              "head_dim": (int, 1, 4096, 128),  # transformers' Qwen3Config default, not hidden / heads
               "max_position_embeddings": (int, 1, 10_485_760, 32768),
               "rms_norm_eps": (float, 1e-12, 0.1, 1e-6),
               "rope_theta": (float, 1.0, 1e12, REQUIRED),
@@ -89,20 +88,15 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         cfg["rope_theta"] = spellings[0][1]
     out = {}
     for key, (kind, lo, hi, default) in LAYER_KEYS.items():
-        if cfg.get(key) is not None or (key in cfg and default is not PER_HEAD):
+        if key in cfg:
             out[key] = checked(cfg[key], key, source, kind, lo, hi)
         elif default is REQUIRED:
             where = ""
             if key == "rope_theta":
                 where = " (top-level, or in rope_parameters or rope_scaling)"
             raise UserError(f"{source}: missing key {key!r}{where}")
-        elif default is not PER_HEAD:
+        else:
             out[key] = default
-    if "head_dim" not in out:  # older configs omit it: one head's share (the q_norm and k_norm shapes check it)
-        if out["hidden_size"] % out["num_attention_heads"]:
-            raise UserError(f"{source}: no head_dim and hidden_size is not a multiple "
-                            "of num_attention_heads")
-        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     if out["head_dim"] % 2:
         raise UserError(f"{source}: head_dim must be even (RoPE rotates its two halves), "
                         f"got {out['head_dim']}")
