@@ -7,6 +7,7 @@ another exception, 128 + the signal (the summary's `status` and `error` say whic
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -66,6 +67,8 @@ def check(args):
     given = [name for name in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, name, None)]
     if given and not args.wandb:
         raise UserError(f"{flag(given[0])}: needs --wandb")
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("--wandb: needs the wandb package (pip install wandb)")
     fields = getattr(type(args), "__dataclass_fields__", {})
     log_every_set = "log_every" in fields and args.log_every != fields["log_every"].default
     if not args.wandb and log_every_set:
@@ -120,20 +123,43 @@ def checkpoint_config(directory: Optional[str]) -> Optional[dict]:
 # A run
 
 class Log:
-    """A started wandb run and the few calls the programs make on it (`run` and `wandb` for the rest)."""
+    """A started wandb run and the few calls the programs make on it (`wandb` for the objects they log).
+    The first call that fails (wandb's service gone, a full disk) stops the logging with one warning:
+    the run, its outputs and its checkpoints go on without their copy in W&B."""
 
     def __init__(self, run, wandb):
         self.run = run
         self.wandb = wandb
+        self.stopped = False
+
+    def call(self, method, *args, **kwargs):
+        """`method` of the wandb run, unless logging has stopped; a failure stops it."""
+        if self.stopped:
+            return
+        try:
+            method(*args, **kwargs)
+        except Exception as e:
+            self.stopped = True
+            print(f"warning: --wandb: logging stopped, the run goes on without it ({first_line(e)})",
+                  file=sys.stderr, flush=True)
+            # ended now, as far as wandb can: its exit hook would print a traceback for a lost service
+            with contextlib.suppress(Exception):
+                self.run.finish(exit_code=1)
+            with contextlib.suppress(Exception):
+                self.wandb.teardown()
 
     def config(self, **values):
-        self.run.config.update(values, allow_val_change=True)
+        self.call(self.run.config.update, values, allow_val_change=True)
 
     def log(self, values: dict, step: Optional[int] = None):
-        self.run.log(values, step=step)
+        self.call(self.run.log, values, step=step)
 
     def summary(self, values: dict):
-        self.run.summary.update(values)
+        self.call(self.run.summary.update, values)
+
+    def step_metric(self, keys: str, step: str):
+        """`keys` (a glob) plotted against the metric `step`."""
+        self.call(self.run.define_metric, keys, step_metric=step)
 
     def table(self, columns: list[str], rows: Iterable) -> object:
         return self.wandb.Table(columns=columns, data=[list(r) for r in rows])
@@ -149,7 +175,7 @@ class Log:
         art = self.wandb.Artifact(f"{self.run.id}-{name}", type=kind, metadata=metadata or {})
         for p in paths:
             art.add_file(p)
-        self.run.log_artifact(art, aliases=aliases)
+        self.call(self.run.log_artifact, art, aliases=aliases)
 
     def outputs(self, files: dict, **metadata):
         """Each output file written (`files`: its kind -> path or None) as an artifact of its own."""
@@ -161,8 +187,8 @@ class Log:
         ending = {"status": status}
         if error:
             ending["error"] = error
-        self.run.summary.update(ending)
-        self.run.finish(exit_code=exit_code)
+        self.summary(ending)
+        self.call(self.run.finish, exit_code=exit_code)
 
 
 def _ending(e: BaseException) -> tuple[int, str]:

@@ -265,7 +265,7 @@ def test_train_and_bench_check_a_targets_memory_before_reading_it(program, monke
 
         monkeypatch.setattr(train, "load_target", None)
         ids = tmp_path / "ids.jsonl"
-        ids.write_text('{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}\n')
+        ids.write_text('{"prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}\n')
         rc = train.main(["--target", target, "--data-ids", str(ids), "--out", str(tmp_path / "o"), "--steps", "1"])
     else:
         from scripts import bench

@@ -445,3 +445,55 @@ def test_a_bad_wandb_mode_names_the_variable(tmp_path):
     with offline(tmp_path, WANDB_MODE="bogus"):
         rc, _, err = call(speculate.main, ["--prompt-ids", "1,2", "--max-new-tokens", 2, "--wandb"])
     assert rc == 2 and err.strip().splitlines() == [err.strip()] and "WANDB_MODE='bogus'" in err, err
+
+
+@pytest.mark.parametrize("program", ["speculate", "train"])
+def test_a_logging_failure_mid_run_stops_the_logging_not_the_run(tmp_path, monkeypatch, program):
+    """wandb's service lost mid-run (here its Run.log raising from the third call): one warning, and the run
+    finishes with its outputs (speculate.py dropped its finished --trace-file and --output-file, train.py
+    the steps since its last checkpoint, each ending in a wandb traceback)."""
+    from wandb.sdk import wandb_run
+
+    calls = []
+
+    def lost(self, *args, **kwargs):
+        calls.append(1)
+        raise ConnectionResetError("Connection lost")
+
+    with offline(tmp_path):
+        real = wandb_run.Run.log
+
+        def log(self, *args, **kwargs):
+            if len(calls) >= 2:
+                return lost(self)
+            calls.append(1)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(wandb_run.Run, "log", log)
+        if program == "speculate":
+            files = [tmp_path / "t.jsonl", tmp_path / "o.jsonl"]
+            rc, out, err = call(speculate.main, [
+                "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--prompts-file",
+                DEMO / "heldout.jsonl", "--max-new-tokens", 8, "--log-every", 1, "--wandb",
+                "--trace-file", files[0], "--output-file", files[1]])
+        else:
+            ids = tmp_path / "ids.jsonl"
+            ids.write_text("".join(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n" for _ in range(4)))
+            files = [tmp_path / "o" / "checkpoint-4" / "model.safetensors"]
+            rc, out, err = call(train.main, [
+                "--target", DEMO / "target", "--data-ids", ids, "--out", tmp_path / "o", "--steps", 4,
+                "--seq-len", 32, "--anchors-per-seq", 2, "--log-every", 1, "--save-every", 2, "--wandb",
+                "--no-progress"])
+    warnings = [line for line in err.splitlines() if line.startswith("warning: --wandb")]
+    assert rc == 0, err
+    assert warnings == ["warning: --wandb: logging stopped, the run goes on without it (Connection lost)"], err
+    assert len(calls) == 3  # nothing more was logged after the failure
+    assert all(f.is_file() for f in files), err
+    assert "Traceback" not in err
+
+
+def test_wandb_not_installed_is_one_line(tmp_path, monkeypatch):
+    """--wandb without the package: one line before any work (a ModuleNotFoundError traceback)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    rc, _, err = call(speculate.main, ["--prompt-ids", "1,2", "--max-new-tokens", 2, "--wandb"])
+    assert rc == 2 and err.strip().splitlines() == ["error: --wandb: needs the wandb package (pip install wandb)"], err
