@@ -26,9 +26,10 @@ class Printer:
     incomplete UTF-8 character), several labelled at the end (with `show`, only the first `show`)."""
 
     def __init__(self, tokenizer, stop: Optional[StopStrings], requests: int, samples: int,
-                 show: Optional[int] = None, files: bool = True):
+                 show: Optional[int] = None, files: bool = True, output_file: Optional[str] = None):
         self.tokenizer = tokenizer
         self.files = files  # whether --output-file would keep these completions
+        self.output_file = output_file  # the one that does
         self.stop = stop
         self.samples = samples
         self.n = requests
@@ -78,7 +79,9 @@ class Printer:
                 print(",".join(map(str, c.output_ids)))
         if len(shown) < len(completions):
             hint = ""
-            if self.files:
+            if self.output_file:
+                hint = f"; {self.output_file} has every one"
+            elif self.files:
                 hint = "; --output-file FILE keeps every one"
             print(f"({len(completions) - len(shown)} more completions not shown{hint})")
 
@@ -134,7 +137,8 @@ class Decoding:
             self.out_path = args.output_file
         requests = report.requests
         self.printer = Printer(report.models.tokenizer, engine.stop_strings, requests,
-                               report.settings.num_samples, show=report.show, files=files)
+                               report.settings.num_samples, show=report.show, files=files,
+                               output_file=self.out_path)
         self.done: list = []  # completions, as they finish
         self.summary: Optional[dict] = None
         self.counts: Optional[dict] = None

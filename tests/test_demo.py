@@ -54,6 +54,18 @@ def test_speculate_without_flags_runs_the_demo(capsys):
     assert any(l.startswith("speed-up:") and l.endswith("identical: True)") for l in lines), out
 
 
+def test_the_demo_with_an_output_file_names_it_for_the_completions_not_shown(tmp_path, capsys):
+    """With --output-file given, the speculative block says where every completion is (it told the user
+    to give the flag they gave); the baseline's, written nowhere, says nothing."""
+    out = tmp_path / "o.jsonl"
+    assert speculate.main(["--max-new-tokens", "4", "--output-file", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    held = sum(1 for _ in open(DEMO / "heldout.jsonl"))
+    assert lines.count(f"({held} more completions not shown)") == 1
+    assert lines.count(f"({held} more completions not shown; {out} has every one)") == 1
+    assert len(out.read_text().splitlines()) == held + 1
+
+
 def test_the_demos_baseline_summary_names_its_own_schedule(monkeypatch, capsys):
     """The autoregressive baseline schedules nothing: its summary (logged to W&B) said the speculative run's
     scheduler."""
