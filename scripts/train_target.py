@@ -322,6 +322,8 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
 
     def save(directory, step, opt):
         save_target(directory, model, eos, step=step)
+        # a checkpoint (and its --wandb-artifacts copy) is a target that reads text
+        shutil.copyfile(os.path.join(args.out, "tokenizer.json"), os.path.join(directory, "tokenizer.json"))
         save_state(directory, step, model, opt, args, len(windows), world, identity)
 
     step_module = TargetStep(model, args.batch_size / G, args.compile)

@@ -784,6 +784,8 @@ def test_train_target_from_corpus_then_drafter(tmp_path):
     assert tok.decode(tok.encode(CORPUS)) == CORPUS  # byte-level BPE round-trips source text
     eos = tok.tok.token_to_id("<|endoftext|>")
     assert checkpoint.stop_token_ids(str(out), target.args) == (eos,)
+    # each checkpoint (and its --wandb-artifacts copy) is a target that reads text: its tokenizer inside
+    assert text.Tokenizer(str(out / "checkpoint-20")).encode(CORPUS) == tok.encode(CORPUS)
     # transformers reads the directory too, with the same logits.
     import transformers
     hf = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).eval()
@@ -927,8 +929,9 @@ TINY_TARGET = ["--seq-len", 16, "--batch-size", 2, "--hidden-size", 16, "--layer
 
 def test_train_target_resumes_a_checkpoint_folder_or_through_a_link(tmp_path):
     """--resume RUN/checkpoint-<step> takes the run's tokenizer from the top of RUN; --out a link to the run
-    resumed is resuming in place (no copy of its tokenizer onto itself); a checkpoint folder with no tokenizer
-    above it is one line, before --out is made."""
+    resumed is resuming in place (no copy of its tokenizer onto itself); a checkpoint folder copied alone
+    resumes with the tokenizer it holds, and one with no tokenizer in it or above it is one line, before
+    --out is made."""
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
     run, data = tmp_path / "run", ["--data", tmp_path / "corpus.txt", *TINY_TARGET]
     rc, _, err = run_train([*data, "--tokenizer-from-corpus", "--vocab-size", 280, "--out", run, "--steps", 2],
@@ -944,6 +947,10 @@ def test_train_target_resumes_a_checkpoint_folder_or_through_a_link(tmp_path):
     import shutil
     shutil.copytree(ckpt(run), tmp_path / "alone" / "checkpoint-3")
     alone = tmp_path / "alone"
+    rc, res, err = run_train([*data, "--resume", alone / "checkpoint-3", "--out", tmp_path / "d", "--steps", 4],
+                             train_target)
+    assert rc == 0 and res["start"] == 3, err
+    (alone / "checkpoint-3" / "tokenizer.json").unlink()
     rc, _, err = run_train([*data, "--resume", alone / "checkpoint-3", "--out", tmp_path / "c", "--steps", 4],
                            train_target)
     assert rc == 2 and err.count("\n") == 1 and f"no tokenizer.json in {alone / 'checkpoint-3'} or {alone} " in err, err
