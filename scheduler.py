@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from sampling import prefix_length
+from support import cpu_kernels
 from support.cli import UserError, device_name, dtype_name, parse_ints, sync
 from support.files import check_writable, read_json, write_json
 
@@ -256,10 +257,12 @@ class Scheduler:
         self.capacity.fill_(capacity)  # in place: no host-to-device copy to wait for
         return Plan(capacity, source, round, num_tokens, self.capacity)
 
-    def set_sps(self, table: dict):
-        """Use a profiled SPS table (`profile_sps`, or read by `load_or_profile`)."""
+    def set_sps(self, table: dict, source: str = "set_sps"):
+        """Use a profiled SPS table (`profile_sps`, or read by `load_or_profile`), checked: one rate per
+        profile point (`source` names the table in the refusal)."""
         top = len(self.sps) - 1
-        steps_per_second = table["steps_per_second"]
+        steps_per_second = table.get("steps_per_second")
+        check_rates(steps_per_second, len(self.profile_points), source)
         sps, self.route = sps_curve(self.profile_points, steps_per_second, self.buckets, top)
         # in place: a compiled graph may hold it
         self.sps.copy_(torch.tensor(sps, dtype=torch.float64))
@@ -307,6 +310,19 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
 SPS_RANGE = (1e-6, 1e9)  # rounds per second a table may hold: a minute-long round to a nanosecond one
 
 
+def check_rates(sps, points: int, source: str):
+    """An SPS table's steps_per_second: `points` numbers inside SPS_RANGE."""
+    well_formed = isinstance(sps, list) and len(sps) == points
+    if well_formed:
+        for x in sps:
+            is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
+            # compared exactly: a 400-digit integer is no float, and the schedule's products overflow past these
+            well_formed = well_formed and is_number and SPS_RANGE[0] <= x <= SPS_RANGE[1]
+    if not well_formed:
+        raise UserError(f"{source}: 'steps_per_second' must be {points} numbers from {SPS_RANGE[0]:g} to "
+                        f"{SPS_RANGE[1]:g}, one per profile point")
+
+
 def sps_identity(engine) -> dict:
     """What an engine's SPS table was measured for; a table is reused only where all of it matches."""
     a = engine.target.args
@@ -323,6 +339,7 @@ def sps_identity(engine) -> dict:
             "drafter": drafter, "dtype": dtype, "batch_capacity": engine.max_batch,
             "verify_width": engine.K + 1, "sampling": sampled, "compiled": engine.is_compiled,
             "compile_mode": engine.compile_mode, "kernels": engine.backend,
+            "cpu_kernels": cpu_kernels.gemm_path(engine.target),
             "buckets": engine.scheduler.buckets, "profile_points": engine.scheduler.profile_points}
 
 
@@ -357,7 +374,8 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         table = read_json(path)
         for key, value in want.items():
             if key not in table:
-                raise UserError(f"{path}: no {key!r} (not an SPS table written by speculate.py)")
+                raise UserError(f"{path}: no {key!r} (not an SPS table of this version of speculate.py); "
+                                f"delete the file to profile again")
             # compared as JSON: true is not 1
             if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):
                 what = key
@@ -365,16 +383,7 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
                     what = "batch_capacity (--batch-size, or the requests where fewer)"
                 raise UserError(f"{path}: {what} is {table[key]!r} in the table but {value!r} in this run; "
                                 f"delete the file to profile again")
-        sps = table.get("steps_per_second")
-        well_formed = isinstance(sps, list) and len(sps) == len(points)
-        if well_formed:
-            for x in sps:
-                is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
-                # compared exactly: a 400-digit integer is no float, and the schedule's products overflow past these
-                well_formed = well_formed and is_number and SPS_RANGE[0] <= x <= SPS_RANGE[1]
-        if not well_formed:
-            raise UserError(f"{path}: 'steps_per_second' must be {len(points)} numbers from {SPS_RANGE[0]:g} to "
-                            f"{SPS_RANGE[1]:g}, one per profile point")
+        check_rates(table.get("steps_per_second"), len(points), path)
         say(f"SPS table read from {path}")
         return table
     if path is not None:

@@ -555,6 +555,8 @@ class Engine:
             self.widths = record_widths(draft_width=self.K, confidence=has_confidence)
         self.scheduler = sched.Scheduler(scheduler, self.K, batch_size, threshold=threshold,
                                          buckets=buckets, compiled=compile, device=self.device)
+        if scheduler == "async" and ragged is False:  # its plan sizes every round's verify itself
+            raise UserError("ragged=False: the async schedule verifies each row's own drafts, ragged")
         self.ragged = ragged
         if ragged is None:  # by default, a scheduled engine sends each row's own number of drafts
             self.ragged = scheduler != "none"

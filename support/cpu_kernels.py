@@ -295,6 +295,19 @@ def _fused_stamp(lin: nn.Module) -> tuple:
     return _stamp(lin.weight), bias
 
 
+def gemm_path(m: nn.Module) -> Optional[str]:
+    """The GEMMs a CPU float32 run of `m` uses, as an SPS table records them: "mkl" (no kernels), "avx2" or
+    "avx512" (None off a CPU in float32)."""
+    if not _cpu_float32(m):
+        return None
+    if unavailable() is not None or not any(type(x) is PanelLinear for x in m.modules()):
+        return "mkl"
+    asked_avx2 = os.environ.get("DSPARK_CPU_KERNELS", "").strip().lower() == "avx2"
+    if asked_avx2 or "avx512f" not in _cpu_flags():  # as cpu_kernels.cpp chooses
+        return "avx2"
+    return "avx512"
+
+
 def describe(m: nn.Module, compiled: bool = False) -> Optional[str]:
     """Which GEMMs a CPU float32 run of `m` uses, in one line for a program's start (None otherwise)."""
     if not _cpu_float32(m):

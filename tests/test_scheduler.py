@@ -214,12 +214,12 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 30, 2], [9], [40, 41, 42, 43, 44, 45, 46, 3]]
 
 
 def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None, compile=False):
-    """An SPS table in speculate.py's format, for this configuration, with hand-chosen step times."""
-    from support.checkpoint import load_drafter
+    """An SPS table in speculate.py's format, for this configuration, with hand-chosen step times (the
+    models loaded as speculate.py loads them: with the CPU kernels where they run)."""
+    from support.checkpoint import load_models
 
-    target = load_target(target_dir)
-    drafter = load_drafter(drafter_dir, target)
-    engine = speculate.Engine(target, drafter, batch_size=batch, max_seq=64, temperature=temperature,
+    models = load_models(target_dir, drafter_dir)
+    engine = speculate.Engine(models.target, models.drafter, batch_size=batch, max_seq=64, temperature=temperature,
                               scheduler="hardware", buckets=buckets, compile=compile)  # nothing compiles until called
     points = engine.scheduler.profile_points
     table = dict(sched.sps_identity(engine), steps_per_second=[1 / step_time(b) for b in points])
@@ -407,6 +407,9 @@ def test_sps_table_paths_that_cannot_work_are_refused(env, tmp_path):
     # measured with another backend or compile mode: another round's speed
     (lambda t: t.update(kernels="triton"), "kernels is 'triton' in the table but 'torch' in this run"),
     (lambda t: t.update(compile_mode="reduce-overhead"), "compile_mode is 'reduce-overhead' in the table"),
+    # measured with the CPU kernels on, off or on another path (DSPARK_CPU_KERNELS): another speed curve
+    (lambda t: t.update(cpu_kernels={"mkl": "avx2"}.get(t["cpu_kernels"], "mkl")), "cpu_kernels is '"),
+    (lambda t: t.pop("cpu_kernels"), "no 'cpu_kernels' (not an SPS table of this version"),
 ])
 def test_a_malformed_or_foreign_sps_table_is_refused(env, tmp_path, edit, needle):
     path = tmp_path / "sps.json"
@@ -629,3 +632,19 @@ def test_capacity_search_returns_the_smallest_capacity_at_a_tie():
         worth = [(1 + sum([0.5, 0.5][:C])) * sps[1 + C] for C in range(3)]
         assert min(C for C in range(3) if worth[C] == max(worth)) == want and worth.count(max(worth)) == 2
         assert sched.capacity_search(c, 1, sps, 2) == want, sps
+
+
+def test_set_sps_checks_the_table_it_is_given(env):
+    """Engine users call set_sps themselves (api.md): a table of another length (a per-B curve) or with a
+    zero was taken in silence or failed deep inside; one line now, as a --sps-table file gets."""
+    from support.checkpoint import load_drafter
+
+    target = load_target(env["target"])
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
+                              scheduler="hardware")
+    points = len(engine.scheduler.profile_points)
+    for rates in ([1.0] * (points + 1), [1.0, 2.0], [0.0] * points, None):
+        with pytest.raises(speculate.UserError, match=rf"^set_sps: 'steps_per_second' must be {points} numbers"):
+            engine.scheduler.set_sps({"steps_per_second": rates})
+    with pytest.raises(speculate.UserError, match="ragged=False: the async schedule"):
+        speculate.Engine(target, engine.drafter, batch_size=2, max_seq=64, scheduler="async", ragged=False)
