@@ -113,14 +113,14 @@ def step_time(b: int) -> float:
 
 
 def write_sps_table(path: str, batch: int, temperature: float = 0.0):
-    """The hardware case's SPS table for this machine's identity keys, with `step_time`'s rates."""
+    """The hardware case's SPS table for this machine's identity keys (the models loaded as speculate.py
+    loads them), with `step_time`'s rates."""
     import scheduler
     import speculate
-    from support.checkpoint import load_drafter, load_target
+    from support.checkpoint import load_models
 
-    target = load_target(os.path.join(DEMO, "target"))
-    drafter = load_drafter(os.path.join(DEMO, "drafter"), target)
-    engine = speculate.Engine(target, drafter, batch_size=batch, max_seq=64, temperature=temperature,
+    models = load_models(os.path.join(DEMO, "target"), os.path.join(DEMO, "drafter"))
+    engine = speculate.Engine(models.target, models.drafter, batch_size=batch, max_seq=64, temperature=temperature,
                               scheduler="hardware")
     rates = [1 / step_time(b) for b in engine.scheduler.profile_points]
     table = dict(scheduler.sps_identity(engine), steps_per_second=rates)
