@@ -177,6 +177,11 @@ def verify_chain(target, drafter, anchor, anchor_pos, active, proposal: Proposal
         commit_drafter(drafter, features, positions, drafts, accepted, next_token)
     used = torch.minimum(steps, accepted[:, None])  # logits 0 .. n: the accepted drafts', the next token's
     finite = finite_rows(logits).gather(1, used).all(dim=1)
+    # the drafter's side too: the q its drafts were sampled from, the confidences a schedule reads
+    if q is not None:
+        finite = finite & finite_rows(q).all(dim=1)
+    if confidence is not None:
+        finite = finite & torch.isfinite(confidence).all(dim=1)
     packed = pack_record(drafts=drafts, verified=verify_len, accepted=accepted, bonus=next_token,
                          finite=finite, confidence=confidence)
     next_anchor, next_pos = advance(active, anchor, anchor_pos, accepted, next_token)
@@ -245,6 +250,8 @@ def verify_tree(target, drafter, anchor, anchor_pos, active, tree: sampling.Tree
     path_features = features[batch[:, None], path]
     commit_drafter(drafter, path_features, path_positions, path_tokens[:, 1:], accepted, next_token)
     finite = finite_rows(logits).gather(1, path).all(dim=1)  # the accepted nodes', the last one's again
+    if tree.q is not None:  # ... and the q each node's children were drawn from
+        finite = finite & finite_rows(tree.q).all(dim=1)
     nodes = tree.tokens[:, 1:]
     parents = tree.parents[:, 1:]
     reached = (parents >= 0).sum(dim=1)  # the nodes the search found (at most N)
@@ -260,7 +267,7 @@ class RoundRecord(NamedTuple):
     verified: int                      # drafts sent to the target (a tree: the nodes its search reached)
     accepted: int
     bonus: int                         # the next token: the bonus, or the correction after a rejection
-    finite: bool                       # the logits the round's tokens came from were finite
+    finite: bool                       # the logits, q and confidences the round read were finite
     confidence: Optional[list[float]]
     parents: Optional[list[int]] = None  # a tree's nodes' parents (0: the root; -1: unreached)
     path: Optional[list[int]] = None     # a tree's accepted nodes, the first `accepted` of these
@@ -397,7 +404,8 @@ def own_code(fn):
 
 class NonFinite(UserError):
     def __init__(self, request: int, where: str):
-        super().__init__(f"request {request}, {where}: the logits are not finite (NaN or Inf): "
+        super().__init__(f"request {request}, {where}: the logits are not finite (NaN or Inf), the "
+                         f"target's or the drafter's: "
                          f"check the checkpoints' weights and config (rope_theta, rms_norm_eps) "
                          f"and --temperature")
 

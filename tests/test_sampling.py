@@ -693,3 +693,39 @@ def test_one_nan_logit_in_a_sampled_round_is_caught(drafts):
     rows = speculate.unpack(packed, engine.widths)
     assert not any(r.finite for r in rows)
     assert all(r.bonus != 7 for r in rows)  # the race did not pick the NaN token: only the row test sees it
+
+
+@pytest.mark.parametrize("spoiled", ["confidence", "chain-q", "tree-q"])
+def test_a_non_finite_drafter_is_caught_by_the_rounds_check(spoiled):
+    """A drafter whose confidences or q go non-finite (a float16 overflow): the round's check said nothing,
+    so a schedule read NaN confidences and verified no draft in silence, a sampled round drew its residual
+    from a NaN q, and the trace file failed on the NaN."""
+    import speculate
+
+    m = speculate.load(cpu_kernels=False)  # the demo pair, its weights edited below read as they are
+    temperature = 1.0
+    tree_budget = 0
+    scheduler = "none"
+    if spoiled == "confidence":
+        temperature = 0.0
+        scheduler = "threshold"
+    if spoiled == "tree-q":
+        tree_budget = 4
+    engine = speculate.Engine(m.target, m.drafter, batch_size=2, max_seq=32, temperature=temperature,
+                              tree_budget=tree_budget, scheduler=scheduler, threshold=0.5)
+    B = 2
+    anchor = torch.full((B,), 5, dtype=torch.long)
+    anchor_pos = torch.zeros(B, dtype=torch.long)
+    active = torch.ones(B, dtype=torch.bool)
+    noise = None
+    if temperature > 0:
+        noise = sampling.round_noise(gen(0), B, engine.noise_shape, torch.device("cpu"))
+    packed, _, _ = engine.round(anchor, anchor_pos, active, noise)
+    assert all(r.finite for r in speculate.unpack(packed, engine.widths))
+    with torch.no_grad():
+        if spoiled == "confidence":
+            m.drafter.confidence_head.proj.bias.fill_(float("nan"))
+        else:  # the Markov head's W2: the drafter's logits, not the target's
+            m.drafter.markov_head.markov_w2.weight[3] = float("inf")
+    packed, _, _ = engine.round(anchor, anchor_pos, active, noise)
+    assert not any(r.finite for r in speculate.unpack(packed, engine.widths))
