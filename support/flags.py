@@ -92,7 +92,8 @@ class Settings:
     """Do not stop at the target's EOS tokens."""
     seed: int = 0
     """Request i samples from its own generator seeded seed + i: independent of the batch and
-    repeatable under the none and threshold schedules (hardware and async: with the same --sps-table)."""
+    repeatable under the none and threshold schedules (hardware and async: with the same --sps-table).
+    Seeds closer than the number of requests share streams: repeat a run at seed + requests."""
     num_samples: int = 1
     """Run every prompt this many times (independent samples)."""
     batch_size: int = 1
