@@ -88,13 +88,13 @@ def weight_files(directory: str) -> list[str]:
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, INDEX)
     if not optional_file(index):
-        if os.path.isfile(single):
+        if optional_file(single):  # (a broken link is named so)
             return [single]
         raise UserError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-    if os.path.lexists(single):
+    shards = sorted(set(read_index(index).values()))
+    if os.path.lexists(single) and shards != ["model.safetensors"]:  # an index of that one file is its index
         raise UserError(f"{directory}: both model.safetensors and model.safetensors.index.json "
                         "are there; which is the checkpoint is ambiguous (remove one)")
-    shards = sorted(set(read_index(index).values()))
     lacking = absent(directory, shards)
     if lacking:
         raise UserError(f"{index}: shard {lacking[0]!r} not found in {directory}")

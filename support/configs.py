@@ -251,7 +251,9 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
 
     # Markov head: declared by markov_head_type, its weights exactly that type's; the rank is W1's.
     mtype = lookup(cfg, "markov_head_type", source)
-    if mtype in ("none", "None", ""):
+    if isinstance(mtype, str):  # DeepSpec lowercases it
+        mtype = mtype.lower()
+    if mtype in ("none", ""):
         mtype = None
     if mtype not in (None, *MARKOV_HEADS):
         raise UserError(f"{source}: unknown markov_head_type {mtype!r} "

@@ -316,6 +316,35 @@ def test_sharded_checkpoint(target_factory, tiny_target, tmp_path):
         checkpoint.load_target(str(d))
 
 
+def test_an_index_of_the_one_weight_file_beside_it_is_its_index(tiny_target, tmp_path):
+    """model.safetensors with an index naming it alone (some exporters write one) is one checkpoint, as
+    transformers reads it: it was refused as ambiguous. An index naming other shards beside it still is."""
+    from safetensors import safe_open
+
+    d = corrupt(tiny_target, tmp_path)
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: "model.safetensors" for k in keys}}))
+    tokens = random_tokens(1, 9, seed=14)
+    with torch.no_grad():
+        a, _ = target_with_caches(d)(tokens, arange_positions(1, 0, 9))
+        b, _ = target_with_caches(tiny_target.path)(tokens, arange_positions(1, 0, 9))
+    assert torch.equal(a, b)
+    edit_json(index, lambda i: i["weight_map"].update({keys[0]: "model-00001-of-00002.safetensors"}))
+    with pytest.raises(UserError, match="both model.safetensors and model.safetensors.index.json are there"):
+        checkpoint.load_target(str(d))
+
+
+def test_a_broken_link_for_the_weights_is_named_so(tiny_target, tmp_path):
+    """A snapshot whose blob is gone leaves a dangling model.safetensors link: said so, not "no weights"."""
+    d = corrupt(tiny_target, tmp_path)
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to(tmp_path / "gone-blob")
+    with pytest.raises(UserError, match=r"model\.safetensors: is a broken link"):
+        checkpoint.load_target(str(d))
+
+
 def test_an_index_without_a_weight_map(target_factory, tmp_path):
     d = copy_target(target_factory(max_shard_size="20KB").path, tmp_path / "ckpt")
     edit_json(d / "model.safetensors.index.json", lambda index: index.update(weight_map={}))

@@ -172,6 +172,14 @@ def test_spellings_resolve_to_the_same_config(ck, target, markov):
         assert not any(n.startswith(("embed_tokens", "lm_head")) for n, _ in d.named_parameters())
 
 
+def test_markov_head_type_is_read_as_deepspec_reads_it(ck, target):
+    """DeepSpec lowercases markov_head_type: "Vanilla" is the vanilla head (it was an unknown type)."""
+    d = ck.drafter("capitalised_markov_type", extra_config={"markov_head_type": "Vanilla"})
+    loaded = checkpoint.load_drafter(d, target)
+    assert loaded.cfg.markov_head_type == "vanilla"
+    assert_same_weights(loaded, checkpoint.load_drafter(ck.drafter("capitalised_markov_type_ref"), target))
+
+
 def test_embedding_copies_exported_in_bfloat16_are_the_targets(ck, target):
     """DeepSpec's copies of the target's embedding and lm_head, saved in bfloat16 beside a float32 target, are
     the target's weights rounded: the drafter loads in float32 as in bfloat16 (it was refused as "differs")."""
