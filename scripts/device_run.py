@@ -1,6 +1,6 @@
 """The GPU run: staged, checked, saved as it goes.
 
-    python scripts/device_run.py --out DIR              # on a CUDA machine: needs torch and triton only
+    python scripts/device_run.py --out DIR              # on a CUDA machine: needs torch, triton and numpy only
     python scripts/device_run.py --dry-run --out DIR    # on CPU: every stage with small shapes
 
 Each stage runs in a process of its own under its own time cap; the default stages' caps sum to 520 s,
@@ -853,6 +853,9 @@ def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict
     entries = []
     for stage in stages:
         entries.append({"stage": stage, "status": "not run", "cap_s": caps[stage]})
+        path = os.path.join(out, stage_file(stage))
+        if os.path.exists(path):  # an earlier call's, which a stage not run this time would leave as its own
+            os.remove(path)
     summary = {"dry_run": dry, "budget_s": budget, "started": now(), "torch_logs": logs, "stages": entries}
     summary_path = os.path.join(out, "summary.json")
     log_path = os.path.join(out, "log.txt")
@@ -878,8 +881,6 @@ def run_stages(stages: list[str], out: str, dry: bool, budget: float, caps: dict
                 continue
             limit = min(caps[stage], left)
             path = os.path.join(out, stage_file(stage))
-            if os.path.exists(path):
-                os.remove(path)  # an earlier run's
             entry.update(status="running", started=now(), limit_s=round(limit))
             write_json(summary_path, summary)
             print(f"=== {stage} (at most {limit:.0f} s)", flush=True)

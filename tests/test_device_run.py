@@ -176,12 +176,14 @@ def test_a_stage_stopped_at_its_cap_keeps_what_it_wrote(tmp_path, monkeypatch, c
         return [sys.executable, "-c", f"import json, time; json.dump({doc!r}, open({path!r}, 'w')); "
                                       f"print('wrote', flush=True); time.sleep(60)"]
     monkeypatch.setattr(device_run, "stage_command", command)
+    (tmp_path / "eager-b1.json").write_text('{"complete": true}')  # an earlier call's: not this one's result
     assert device_run.run_stages(["smoke", "eager-b1"], str(tmp_path), True, 12, {"smoke": 2, "eager-b1": 60}) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     smoke, eager = summary["stages"]
     assert smoke["status"] == "timed out" and smoke["rows"] == 1 and smoke["failed_checks"] == ["x"]
     assert smoke["warnings"] == 1 and 2 <= smoke["seconds"] < 12
     assert eager == {"stage": "eager-b1", "status": "not run: budget spent", "cap_s": 60}
+    assert not (tmp_path / "eager-b1.json").exists()
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == [{"mode": "autoregressive"}]
     printed = capsys.readouterr().out
     assert "wrote" in (tmp_path / "log.txt").read_text() and "=== smoke: timed out" in printed
