@@ -134,9 +134,9 @@ def recording(engine, sizes: list):
     engine.verify_fn = verify_fn
 
 
-# The decode settings this benchmark reads; any other given would change nothing here (every
-# scheduler of --schedulers is timed at every --concurrency), so it is refused rather than ignored.
-READ = ("max_new_tokens", "temperature", "seed", "compile", "compile_mode", "confidence_threshold")
+# The decode settings this benchmark reads; any other given is refused rather than ignored.
+READ = ("max_new_tokens", "temperature", "seed", "compile", "compile_mode", "confidence_threshold",
+        "ignore_eos")
 ConcurrencyArgs.__doc__ = flags.reads_only(ConcurrencyArgs.__doc__, "bench_concurrency.py", READ)
 # Settings whose part one of this benchmark's own flags plays, and what to give instead.
 OWN_FLAG = {
@@ -156,8 +156,8 @@ def check_settings(args: ConcurrencyArgs) -> Settings:
         if f.name in OWN_FLAG:
             raise UserError(f"{flag(f.name)}: {OWN_FLAG[f.name]}")
         read = ", ".join(flag(name) for name in READ)
-        raise UserError(f"{flag(f.name)}: bench_concurrency.py decodes with {read} only; it would change "
-                        f"nothing here")
+        raise UserError(f"{flag(f.name)}: bench_concurrency.py decodes with {read} only "
+                        f"(speculate.py decodes with it)")
     if args.decode.temperature is None:  # (other programs read the target's generation_config.json)
         raise UserError("--temperature None: give a temperature (0: greedy)")
     s = flags.check_settings(args.decode, args.machine.device)
@@ -294,9 +294,12 @@ def header(args: ConcurrencyArgs, s: Settings, m, target_dir: str, drafter_dir: 
     threshold = ""
     if "threshold" in schedulers:
         threshold = f"threshold {s.confidence_threshold}, "
+    budget = f"{s.max_new_tokens} new tokens each"
+    if not s.ignore_eos:
+        budget = f"at most {s.max_new_tokens} new tokens each (the target's EOS ends a request)"
     line = (f"# {target_dir} + {drafter_dir} ({m.drafter.cfg.describe()}), {dtype}, {hw}, "
             f"torch {torch.__version__}, compile={s.compile}; {num_prompts} prompts cycled, "
-            f"{s.max_new_tokens} new tokens each, {sampling}, {threshold}median of {args.repeats}")
+            f"{budget}, {sampling}, {threshold}median of {args.repeats}")
     if args.sps_synthetic:
         line += f", SPS(B) synthetic: {args.sps_synthetic}"
     return line
@@ -330,7 +333,9 @@ def run_level(args: ConcurrencyArgs, s: Settings, m, prompts: list, modes: list[
             if curve is not None:  # the rounds' tokens (not the prefill's) over their synthetic time
                 round_tokens = timed["tokens"] - len(batch)
                 modelled_seconds = sum(1 / curve[n] for n in sizes[mode])
-                timed["modelled_tokens_per_second"] = round_tokens / modelled_seconds
+                timed["modelled_tokens_per_second"] = None  # no round ran: every request ended at its first token
+                if modelled_seconds > 0:
+                    timed["modelled_tokens_per_second"] = round_tokens / modelled_seconds
             runs[mode].append(timed)
     greedy = s.temperature == 0
     differ = {}
@@ -363,6 +368,9 @@ def build_engines(s: Settings, m, modes: list[str], c: int, batch: list) -> dict
     longest = max(len(p) for p in batch)
     max_seq = cache_length(longest, s.max_new_tokens, m.drafter)
     engines = {}
+    stop_ids = m.stop_ids
+    if s.ignore_eos:
+        stop_ids = ()
     for mode in modes:
         drafter = m.drafter
         scheduler = mode
@@ -373,7 +381,7 @@ def build_engines(s: Settings, m, modes: list[str], c: int, batch: list) -> dict
         if mode == "threshold":
             threshold = s.confidence_threshold
         engines[mode] = Engine(m.target, drafter, batch_size=c, max_seq=max_seq, temperature=s.temperature,
-                               seed=s.seed, stop_ids=m.stop_ids, scheduler=scheduler, threshold=threshold,
+                               seed=s.seed, stop_ids=stop_ids, scheduler=scheduler, threshold=threshold,
                                ragged=True, compile=s.compile, compile_mode=s.compile_mode)
     if s.compile:
         for e in engines.values():
@@ -454,7 +462,10 @@ def table_markdown(rows: list[dict]) -> str:
         line = (f"| {r['concurrency']} | {r['mode']} | {r['total_tokens_per_second']:.1f} "
                 f"| {r['per_request_tokens_per_second']:.1f} | {tau} | {verified} | {ratio} | {prof} |")
         if modelled:
-            line += f" {r['modelled_tokens_per_second']:.3f} |"
+            modelled_figure = "—"
+            if r["modelled_tokens_per_second"] is not None:
+                modelled_figure = f"{r['modelled_tokens_per_second']:.3f}"
+            line += f" {modelled_figure} |"
         lines.append(line)
     return "\n".join(lines)
 

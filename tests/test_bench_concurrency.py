@@ -174,6 +174,7 @@ def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
                                                      "--schedulers"),
     (["--concurrency", "2", "--batch-size", "8"], "--batch-size: bench_concurrency.py decodes --concurrency"),
     (["--concurrency", "2", "--top-k", "5"], "--top-k: bench_concurrency.py decodes with --max-new-tokens"),
+    (["--concurrency", "2", "--top-p", "0.9"], "(speculate.py decodes with it)"),
     (["--concurrency", "2", "--temperature", "None"], "--temperature None"),
     (["--concurrency", "2", "--threads", "0"], "--threads: invalid"),
     (["--concurrency", "2", "--compile-cache", "c"], "--compile-cache: only used with --compile"),
@@ -287,3 +288,26 @@ def test_a_level_where_no_round_ran_prints_no_tau():
     assert row["acceptance_length"] is None and row["total_tokens_per_second"] == 11.0
     row["vs_none"] = 1.0
     assert bc.table_markdown([row]).splitlines()[-1] == "| 2 | none | 11.0 | 10.0 | — | — | 1.00× |  |"
+
+
+def test_ignore_eos_is_read_and_the_header_says_how_requests_end(monkeypatch, capsys):
+    """The engines stop a request at the target's EOS, so --ignore-eos changes the run: it was refused as
+    changing nothing, and the header said "N new tokens each" of requests that may stop sooner."""
+    seen = []
+    real = bc.Engine
+
+    def engine(*args, **kwargs):
+        seen.append(tuple(kwargs["stop_ids"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bc, "Engine", engine)
+    flags = ["--concurrency", "1", "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1",
+             "--schedulers", "none"]
+    assert bc.main(flags) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "at most 4 new tokens each (the target's EOS ends a request)" in header
+    assert seen and all(ids for ids in seen)
+    seen.clear()
+    assert bc.main(flags + ["--ignore-eos"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert ", 4 new tokens each," in header and seen and all(ids == () for ids in seen)
