@@ -83,6 +83,9 @@ class ConcurrencyArgs:
     """A drafter directory or hub id, with a confidence head (default: demo/drafter)."""
     schedulers: str = ",".join(KINDS)
     """The verification schedulers to compare (default: every one, scheduler.KINDS)."""
+    calibration: Optional[str] = None
+    """STS temperatures from eval.py --calibration-out, applied to the confidences the threshold,
+    hardware and async schedulers read (as speculate.py's --calibration)."""
     sps_synthetic: Optional[Literal["cliffs"]] = None
     """Instead of profiling SPS(B) for hardware and async, give both a synthetic step function (to
     compare their decisions where Algorithm 1's early stop hurts). cliffs: a round of B verify tokens
@@ -182,7 +185,11 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     set_threads(args.machine.threads)  # its line is not printed: the header's hardware names the threads
     dev = resolve_device(args.machine.device)
     dtype = resolve_dtype(args.machine.dtype, dev)
-    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype)
+    m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype, calibration=args.calibration)
+    if args.calibration is not None:
+        note = flags.calibration_note(args.calibration, drafter_dir, s.temperature)
+        if note:
+            print(note, file=sys.stderr)
     scheduled = [name for name in schedulers if name != "none"]
     if scheduled and m.drafter.confidence_head is None:
         raise UserError(f"--schedulers {args.schedulers}: {', '.join(scheduled)} read a drafter's "
@@ -253,6 +260,12 @@ def check_args(args: ConcurrencyArgs) -> tuple[list[int], list[str], Settings]:
     if "threshold" not in schedulers and s.confidence_threshold != default:
         raise UserError(f"--confidence-threshold {s.confidence_threshold:g}: only the threshold scheduler reads "
                         f"it, and --schedulers {args.schedulers} has none: it would change nothing")
+    if args.calibration is not None:
+        flags.check_calibration_file(args.calibration)
+        if schedulers == ["none"]:
+            raise UserError(f"--calibration {args.calibration}: only a scheduler that reads the confidences "
+                            f"(threshold, hardware, async) uses it, and --schedulers is none: it would "
+                            f"change nothing")
     check_ranges(args, repeats="[1, 1000]", requests_per_slot="[1, 100000]")
     return levels, schedulers, s
 
@@ -270,7 +283,8 @@ def checked_inputs(args: ConcurrencyArgs) -> tuple[str, str, str]:
         if prompts_file is None:
             prompts_file = HELDOUT
     outputs = {"--out": args.out, "--plot": args.plot}
-    check_outputs(outputs, inputs=[args.target, args.drafter, prompts_file, args.machine.compile_cache])
+    inputs = [args.target, args.drafter, prompts_file, args.calibration, args.machine.compile_cache]
+    check_outputs(outputs, inputs=inputs)
     plots.check_plot_path(args.plot, "--plot")
     if target_dir is None or drafter_dir is None:
         raise UserError("--target/--drafter: this benchmark compares a drafter's schedulers: give both "

@@ -311,3 +311,27 @@ def test_ignore_eos_is_read_and_the_header_says_how_requests_end(monkeypatch, ca
     assert bc.main(flags + ["--ignore-eos"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert ", 4 new tokens each," in header and seen and all(ids == () for ids in seen)
+
+
+def test_calibration_is_applied_and_refused_where_nothing_reads_it(tmp_path, monkeypatch, capsys):
+    """performance.md says to calibrate the head before comparing hardware and async: the benchmark that
+    compares them takes --calibration now (no such flag), and refuses it with --schedulers none."""
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": [2.0] * DEMO_K}))
+    seen = {}
+    real = bc.load_models
+
+    def load_models(*args, **kwargs):
+        m = real(*args, **kwargs)
+        seen["temperatures"] = m.drafter.confidence_head.temperature.tolist()
+        return m
+
+    monkeypatch.setattr(bc, "load_models", load_models)
+    out = tmp_path / "c.json"
+    flags = ["--concurrency", "1", "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1",
+             "--calibration", str(cal)]
+    assert bc.main(flags + ["--schedulers", "threshold", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert seen["temperatures"] == [2.0] * DEMO_K
+    assert json.load(open(out))["config"]["calibration"] == str(cal)
+    assert bc.main(flags + ["--schedulers", "none"]) == 2
+    assert "--calibration" in capsys.readouterr().err
