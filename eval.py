@@ -215,13 +215,13 @@ def check_flags(args: EvalArgs) -> Settings:
         flags.check_no_drafter(args.decode, args.calibration)
     several = len(args.drafter) > 1 or s.tree_budget > 0
     outputs = calibration_outputs(args)
-    calibration_flags = list(outputs)
-    if args.calibration:
-        calibration_flags.insert(0, "--calibration")
-    if calibration_flags and several:
-        raise UserError(f"{calibration_flags[0]}: calibrates one drafter's confidence head; "
+    if outputs and several:  # one report: one drafter's chain
+        raise UserError(f"{outputs[0]}: calibrates one drafter's confidence head; "
                         "this run compares several rows "
                         "(more than one --drafter, or a --tree-budget curve)")
+    if args.calibration and len(args.drafter) > 1:  # its chain and its trees read the same temperatures
+        raise UserError(f"--calibration {args.calibration}: calibrates one drafter's confidence head, "
+                        f"and this run compares {len(args.drafter)} drafters")
     if outputs and not args.drafter:
         raise UserError(f"{outputs[0]}: needs a --drafter with a confidence head")
     flags.check_calibration_read(args.calibration, s)
@@ -466,7 +466,9 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         drafters.append(load_extra_drafter(directory, m))
     rows = rows_of(drafters, drafter_dirs, s.tree_budget, s.draft_length)
     tree_drafters = [row.drafter for row in rows if row.tree_budget]
-    flags.check_tree_temperature(s, tree_drafters, flags.sampling_for(m, s).temperature)
+    temperature = flags.sampling_for(m, s).temperature
+    flags.check_tree_temperature(s, tree_drafters, temperature)
+    flags.check_calibration_read(args.calibration, s, temperature)  # a greedy tree reads no confidence
     if rank == 0:
         for path in skipped:
             print(f"warning: {path} not found; skipping dataset {dataset_name(path)} "

@@ -896,6 +896,27 @@ def test_demo_mode_defaults_resolve_to_the_demo_pair_and_its_heldout_prompts(mon
     assert not demo and args.datasets == ",".join(ev.PAPER_DATASETS) and args.data_dir == ev.DATA_DIR
 
 
+def test_one_drafters_calibration_applies_to_its_tree_curve(env, tmp_path, capsys):
+    """--calibration with --tree-budget: the drafter's confidences shape its sampled trees, so the curve
+    is evaluated with the temperatures (it was refused as "several rows"); a greedy curve reads no
+    confidence and two drafters would share one drafter's temperatures: both refused."""
+    from drafters import make_eagle3
+
+    K = json.loads(open(os.path.join(env["drafter"], "config.json")).read())["block_size"]
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": [2.0] * K}))
+    base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets",
+            "gsm8k", "--max-samples", "2", "--max-new-tokens", "8", "--no-progress", "--tree-budget", "4",
+            "--calibration", str(cal), "--out", str(tmp_path / "r.json")]
+    assert ev.main(base + ["--temperature", "1"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert ev.main(base + ["--temperature", "0"]) == 2
+    assert "a greedy draft tree ranks its branches" in capsys.readouterr().err
+    eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=3)
+    assert ev.main(base[:-4] + ["--drafter", eagle3, "--calibration", str(cal), "--out", str(tmp_path / "r.json")]) == 2
+    assert "and this run compares 2 drafters" in capsys.readouterr().err
+
+
 def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, capsys):
     """--drafter repeated: a row each, datasets as columns with the mean, as the paper's Table 1 reads;
     --tree-budget N adds a block drafter's chain and its tree at 4, 8, ... N. results.json holds every row
