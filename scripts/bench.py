@@ -62,6 +62,7 @@ from support.checkpoint import (
     resolve_checkpoint,
 )
 from support.cli import (
+    Interrupted,
     UserError,
     check_ranges,
     cli_main,
@@ -866,7 +867,6 @@ def run(args: BenchArgs) -> list[dict]:
     reset_peak_memory(dev)
     hw = device_name(dev)
     print(header(name, target, drafter, dtype, hw, s, args, threads, cache_dir, built_seconds, bw), flush=True)
-    g = torch.Generator().manual_seed(s.seed)
     hf = None
     ref_drafter = None
     if want_reference:
@@ -881,38 +881,51 @@ def run(args: BenchArgs) -> list[dict]:
     if widest and s.temperature > 0:
         tree_bytes = flags.sampled_tree_bytes(target, drafter, widest)
     flags.check_cache_memory(target, drafter, max(batch_sizes), max_seq, dev, tree_bytes, rows="--batch-sizes")
+    random_prompts = None  # a batch's are the first B of these, whatever --batch-sizes lists before it
+    if given is None:
+        g = torch.Generator().manual_seed(s.seed)
+        shape = (max(batch_sizes), args.prompt_len)
+        random_prompts = torch.randint(0, target.args.vocab_size - 1, shape, generator=g).tolist()
     rows = []
     ratios = []
-    for B in batch_sizes:
-        prompts = given
-        if prompts is None:
-            prompts = torch.randint(0, target.args.vocab_size - 1, (B, args.prompt_len), generator=g).tolist()
-        engines = bench_engines(target, drafter, B, max_seq, s, tree_budgets)
-        modes = list(engines)
-        if hf is not None and B == 1:
-            modes.append("reference")
-            # its warm-up, as the engines had theirs
-            reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)
-        runs = interleaved_runs(modes, engines, (hf, ref_drafter), prompts, s, dev, max_seq, args.repeats,
-                                args.skip_guards)
-        differ = {}
-        if s.temperature == 0:  # sampled, the modes' tokens differ run to run (their law is the same)
-            differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
-        for m in modes:
-            if m == "reference":
-                row = reference_row(runs[m], drafter is not None, differ)
+    try:  # the last line of an interruption says what was kept: --out, once a row was measured
+        for B in batch_sizes:
+            prompts = given
+            if prompts is None:
+                prompts = random_prompts[:B]
+            engines = bench_engines(target, drafter, B, max_seq, s, tree_budgets)
+            modes = list(engines)
+            if hf is not None and B == 1:
+                modes.append("reference")
+                # its warm-up, as the engines had theirs
+                reference_generate(hf, ref_drafter, prompts[0], min(s.max_new_tokens, 8), dev, max_seq)
+            runs = interleaved_runs(modes, engines, (hf, ref_drafter), prompts, s, dev, max_seq, args.repeats,
+                                    args.skip_guards)
+            differ = {}
+            if s.temperature == 0:  # sampled, the modes' tokens differ run to run (their law is the same)
+                differ = compare_outputs(runs, prompts, target, exact=dtype == torch.float32, what=f"batch {B}")
+            for m in modes:
+                if m == "reference":
+                    row = reference_row(runs[m], drafter is not None, differ)
+                    rows.append(row)
+                    print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
+                    continue
+                row = mode_row(m, B, runs[m], engines[m], prompts, s, args.skip_guards, differ)
                 rows.append(row)
-                print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
-                continue
-            row = mode_row(m, B, runs[m], engines[m], prompts, s, args.skip_guards, differ)
-            rows.append(row)
-            print(_row(row, bw), flush=True)
-            save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
-        ratios += speed_ups(runs, rows, B, tree_budgets, dev, s)
-        save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
-        if args.tree_plot is not None and B == batch_sizes[0]:
-            at_b = [r for r in rows if r.get("batch") == B]
-            plots.tree_plot(args.tree_plot, at_b, f"{name}, batch {B}, {hw}")
+                print(_row(row, bw), flush=True)
+                save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
+            ratios += speed_ups(runs, rows, B, tree_budgets, dev, s)
+            save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
+            if args.tree_plot is not None and B == batch_sizes[0]:
+                at_b = [r for r in rows if r.get("batch") == B]
+                plots.tree_plot(args.tree_plot, at_b, f"{name}, batch {B}, {hw}")
+    except Interrupted as e:
+        e.written = []
+        if args.out and rows:
+            e.written = [args.out]
+        if not args.out:
+            e.hint = "--out FILE keeps each measured row"
+        raise
     allocator = "process RSS"
     if dev == "cuda":
         allocator = "CUDA allocator"

@@ -545,3 +545,53 @@ def test_a_tokenizer_json_that_is_a_directory_is_named(tmp_path, capsys):
                      "--reference", "False"])
     err = capsys.readouterr().err
     assert rc == 2 and "tokenizer.json: is a directory" in err and err.count("\n") == 1, err
+
+
+def test_a_batchs_random_prompts_do_not_depend_on_the_batch_sizes_before_it(monkeypatch, capsys):
+    """--batch-sizes 1 and 2,1 time batch 1 on the same prompt, the first of batch 2's (one generator drawn
+    from batch after batch gave b=1 other prompts, and another τ, after b=2)."""
+    seen = []
+    real = bench.interleaved_runs
+
+    def record(modes, engines, reference, prompts, *args):
+        seen.append(prompts)
+        return real(modes, engines, reference, prompts, *args)
+
+    monkeypatch.setattr(bench, "interleaved_runs", record)
+    flags = ["--target", "demo/target", "--drafter", "demo/drafter", "--no-compile", "--prompt-len", "6",
+             "--max-new-tokens", "4", "--repeats", "1", "--reference", "False"]
+    assert bench.main(flags + ["--batch-sizes", "1"]) == 0
+    assert bench.main(flags + ["--batch-sizes", "2,1"]) == 0
+    capsys.readouterr()
+    alone, two, after = seen
+    assert len(two) == 2 and alone == after == two[:1]
+
+
+def test_an_interrupted_bench_says_what_it_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the first row: "nothing was written" with how to keep rows (it said "what was finished
+    is kept"); after one with --out, the file."""
+    import signal
+
+    from support.cli import Interrupted
+
+    calls = []
+    real = bench.interleaved_runs
+
+    def interrupt_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Interrupted(signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(bench, "interleaved_runs", interrupt_second)
+    out = tmp_path / "b.json"
+    flags = ["--target", "demo/target", "--drafter", "demo/drafter", "--no-compile", "--prompt-len", "6",
+             "--max-new-tokens", "4", "--repeats", "1", "--reference", "False", "--batch-sizes", "1,2"]
+    assert bench.main(flags) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted by SIGINT: stopped; nothing was written (--out FILE keeps each measured row)")
+    calls.clear()
+    assert bench.main(flags + ["--out", str(out)]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"interrupted by SIGINT: stopped; what was written: {out}"
+    assert json.loads(out.read_text())["complete"] is False
