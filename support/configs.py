@@ -220,6 +220,10 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
     ids = lookup(cfg, "target_layer_ids", source)
     mask_id = lookup(cfg, "mask_token_id", source)
     num_target_layers = lookup(cfg, "num_target_layers", source)
+    for key, value in (("block_size", block), ("target_layer_ids", ids), ("mask_token_id", mask_id)):
+        if value is None:
+            raise UserError(f"{source}: missing key {key!r} (top-level, or in dspark_config or "
+                            f"dflash_config)")
     block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
     check_layer_ids(ids, num_target_layers, source)
     if not (integer(mask_id) and 0 <= mask_id < layers.vocab_size):
