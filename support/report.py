@@ -353,22 +353,29 @@ class Report:
             d.stop_watching()
         try:
             d.close(interrupted is not None)
-        # a signal while the outputs were published: they are whole, then it acts
-        except Interrupted as e:
-            self.kept(e, d)
+        # a signal while the outputs were published, or stdout's reader gone (`| head`): the files
+        # are whole and logged, then it acts
+        except (Interrupted, BrokenPipeError) as e:
+            self.log_decode(name, d)
+            if isinstance(e, Interrupted):
+                self.kept(e, d)
             raise
         except OSError:  # a file not published: no temporary file left, and the figures all the same
             d.abort()
             print(figures_line(name, d.summary, d.counts, engine))
             raise
-        if self.log is not None:
-            runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done,
-                              self.prompts, self.models.tokenizer,
-                              {"trace": d.trace_path, "outputs": d.out_path})
+        self.log_decode(name, d)
         if interrupted is not None:
             self.kept(interrupted, d)
             raise interrupted
         print(figures_line(name, d.summary, d.counts, engine))
+
+    def log_decode(self, name: str, d: Decoding):
+        """The decode's figures, requests and files to W&B (with --wandb)."""
+        if self.log is not None:
+            runlog.log_decode(self.log, name, dict(d.summary, tokens=d.counts["tokens"]), d.done,
+                              self.prompts, self.models.tokenizer,
+                              {"trace": d.trace_path, "outputs": d.out_path})
 
     def kept(self, e: Interrupted, d: Decoding):
         """Tell the interruption which files this decode kept (closed whole): cli_main's last line names them."""

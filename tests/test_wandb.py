@@ -497,3 +497,28 @@ def test_wandb_not_installed_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     rc, _, err = call(speculate.main, ["--prompt-ids", "1,2", "--max-new-tokens", 2, "--wandb"])
     assert rc == 2 and err.strip().splitlines() == ["error: --wandb: needs the wandb package (pip install wandb)"], err
+
+
+def test_a_reader_gone_from_stdout_still_gets_the_decode_logged(tmp_path):
+    """`| head`: the files are published before the completions print, and the W&B run gets the decode's
+    summary, requests and files as well (a broken pipe there skipped them all)."""
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):  # where cli_main puts /dev/null over stdout: a descriptor of its own here
+            self.fd = os.open(os.devnull, os.O_WRONLY)
+            return self.fd
+
+    outputs = tmp_path / "o.jsonl"
+    with offline(tmp_path):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(Gone()), contextlib.redirect_stderr(err):
+            rc = speculate.main([str(a) for a in [
+                "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--prompts-file",
+                DEMO / "heldout.jsonl", "--max-new-tokens", 4, "--wandb", "--output-file", outputs]])
+    assert rc == 141, err.getvalue()
+    run = read_run(tmp_path)
+    assert run.summary["speculative/requests_logged"] == 20 and "speculative/acceptance_length" in run.summary
+    assert_file_artifact(run, "outputs", "outputs", outputs)
