@@ -43,18 +43,31 @@ class WandbFlags:
     """Comma-separated tags of the run. Default: WANDB_TAGS when set, else none."""
 
 
-def parse_tags(text: Optional[str]) -> Optional[list[str]]:
-    """--wandb-tags "a,b" -> ["a", "b"]; W&B takes 1 to 64 characters a tag."""
+def given(text: str, where: str) -> str:
+    """A value as an error names it: after its flag (--wandb-tags 'a'), or its variable (WANDB_TAGS='a')."""
+    if where.startswith("--"):
+        return f"{where} {text!r}"
+    return f"{where}={text!r}"
+
+
+def parse_tags(text: Optional[str], where: str = "--wandb-tags") -> Optional[list[str]]:
+    """--wandb-tags "a,b" -> ["a", "b"]; W&B takes 1 to 64 characters a tag. `where`: the flag, or the
+    variable the text came from."""
     if text is None:
         return None
     tags = [t.strip() for t in text.split(",")]
     for t in tags:
         if not t:
-            raise UserError(f"--wandb-tags {text!r}: an empty tag")
+            raise UserError(f"{given(text, where)}: an empty tag")
         if len(t) > 64:
-            raise UserError(f"--wandb-tags {text!r}: the tag {t[:20]!r}... is longer than "
-                            f"64 characters")
+            raise UserError(f"{given(text, where)}: the tag {t[:20]!r}... is longer than 64 characters")
     return tags
+
+
+def check_project(project: str, where: str):
+    """A project name W&B accepts; `where`: the flag or the variable it came from."""
+    if len(project) > 128 or any(c in project for c in "/\\#?%:"):
+        raise UserError(f"{given(project, where)}: W&B takes at most 128 characters and none of / \\ # ? % :")
 
 
 # WandbFlags' strings
@@ -79,12 +92,15 @@ def check(args):
         if value is not None and not value.strip():
             raise UserError(f"{flag(name)}: empty")
     parse_tags(args.wandb_tags)
-    project = args.wandb_project
-    if project is None:
+    if args.wandb_project is not None:
+        check_project(args.wandb_project, "--wandb-project")
+    if not args.wandb:
         return
-    if len(project) > 128 or any(c in project for c in "/\\#?%:"):
-        raise UserError(f"--wandb-project {project!r}: W&B takes at most 128 characters "
-                        f"and none of / \\ # ? % :")
+    # the variables that stand in for a flag not given (logging.md), checked as the flag would be
+    if args.wandb_project is None and os.environ.get("WANDB_PROJECT"):
+        check_project(os.environ["WANDB_PROJECT"], "WANDB_PROJECT")
+    if args.wandb_tags is None and os.environ.get("WANDB_TAGS"):
+        parse_tags(os.environ["WANDB_TAGS"], "WANDB_TAGS")
 
 
 # The run's configuration
@@ -222,8 +238,10 @@ def start(args, job_type: str, config: dict) -> Log:
                          group=args.wandb_group, tags=parse_tags(args.wandb_tags), job_type=job_type,
                          config=config)
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
-        raise UserError(f"--wandb: the run could not start ({first_line(e)}); "
-                        f"WANDB_MODE=offline logs without a network") from None
+        hint = ""
+        if mode != "offline":
+            hint = "; WANDB_MODE=offline logs without a network"
+        raise UserError(f"--wandb: the run could not start ({first_line(e)}){hint}") from None
     return Log(run, wandb)
 
 

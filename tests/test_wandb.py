@@ -416,6 +416,8 @@ def test_sigint_marks_a_logged_run_interrupted(tmp_path):
     ("speculate", ["--wandb", "--wandb-tags", "a,,b"], "--wandb-tags 'a,,b': an empty tag"),
     ("speculate", ["--wandb", "--wandb-project", "a/b"], "--wandb-project 'a/b': W&B takes"),
     ("speculate", ["--wandb", "--log-every", 0], "--log-every: invalid value 0"),
+    ("speculate", ["--wandb", "WANDB_TAGS=a,,b"], "WANDB_TAGS='a,,b': an empty tag"),
+    ("speculate", ["--wandb", "WANDB_PROJECT=a/b"], "WANDB_PROJECT='a/b': W&B takes"),
     ("eval", ["--wandb-group", "g"], "--wandb-group: needs --wandb"),
     ("eval", ["--wandb", "--wandb-entity", " "], "--wandb-entity: empty"),
     ("train", ["--wandb-project", "p"], "--wandb-project: needs --wandb"),
@@ -427,7 +429,9 @@ def test_bad_wandb_flags_are_one_line_errors_before_any_run(tmp_path, program, f
             "train": (train.main, ["--target", DEMO / "target", "--data", REPO_ROOT / "support" / "cli.py",
                                    "--out", tmp_path / "o"])}
     main, argv = base[program]
-    with offline(tmp_path):
+    env = dict(f.split("=", 1) for f in flags if str(f).startswith("WANDB_"))  # variables, not flags
+    flags = [f for f in flags if not str(f).startswith("WANDB_")]
+    with offline(tmp_path, **env):
         rc, _, err = call(main, argv + flags)
     assert rc == 2 and err.strip().splitlines() == [err.strip()] and needle in err, err
     assert not (tmp_path / "wandb").exists()
