@@ -67,8 +67,10 @@ from support.cli import (
     check_ranges,
     cli_main,
     device_name,
+    fits,
     flag,
     flat,
+    free_memory,
     parse_ints,
     resolve_device,
     resolve_dtype,
@@ -453,6 +455,27 @@ def transformers_copy(target: Transformer):
     hf.load_state_dict(sd, strict=True)
     w = target.lm_head.weight
     return hf.to(device=w.device, dtype=w.dtype).eval()
+
+
+def reference_fits(args: BenchArgs, target: Transformer, drafter, dev: str) -> tuple[bool, str]:
+    """Whether the reference loop's copies of the models fit beside them: built in float32, then cast
+    (`transformers_copy`, `reference_drafter`). Asked for, an error where they do not; by default, skipped
+    with a note."""
+    params = 0
+    for m in (target, drafter):
+        if m is not None:
+            params += sum(p.numel() for p in m.parameters())
+    itemsize = target.lm_head.weight.dtype.itemsize
+    need = params * 4  # in float32 while they are built ...
+    if itemsize != 4:
+        need += params * itemsize  # ... beside their cast
+    free = free_memory(dev)
+    if fits(need, free):
+        return True, ""
+    what = f"its copies of the models need {need / 2**30:.1f} GiB while built; {free / 2**30:.1f} GiB are free"
+    if args.reference:
+        raise UserError(f"--reference: {what} on {dev}: drop the flag, or a smaller model")
+    return False, f"note: the reference loop is skipped: {what}"
 
 
 def reference_drafter(drafter: Optional[Drafter], hf) -> Optional[Drafter]:
@@ -854,6 +877,8 @@ def run(args: BenchArgs) -> list[dict]:
         reference_note = ("note: the reference loop is skipped: it times a DSpark drafter's chain, "
                           "and --drafter is Eagle3")
         want_reference = False
+    if want_reference:
+        want_reference, reference_note = reference_fits(args, target, drafter, dev)
     if reference_note:  # once the pair and the prompts are checked
         print(reference_note, file=sys.stderr, flush=True)
     for m in (target, drafter):

@@ -595,3 +595,19 @@ def test_an_interrupted_bench_says_what_it_kept(tmp_path, monkeypatch, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == f"interrupted by SIGINT: stopped; what was written: {out}"
     assert json.loads(out.read_text())["complete"] is False
+
+
+def test_the_reference_loop_counts_its_copies_of_the_models(monkeypatch, capsys):
+    """The reference loop builds transformers' copy of the models in float32 before casting them: counted
+    against free memory, skipped with a note by default and refused when asked for (it was built, and a
+    large preset ran out of memory)."""
+    monkeypatch.setattr(bench, "free_memory", lambda device: 2**20)  # the models are loaded; 1 MiB left
+    monkeypatch.setattr(bench, "transformers_copy", None)  # building the copy would be a TypeError
+    flags = ["--target", "demo/target", "--drafter", "demo/drafter", "--no-compile", "--prompt-len", "6",
+             "--max-new-tokens", "4", "--repeats", "1", "--batch-sizes", "1"]
+    assert bench.main(flags) == 0
+    err = capsys.readouterr().err
+    assert "note: the reference loop is skipped: its copies of the models need" in err, err
+    assert bench.main(flags + ["--reference", "True"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --reference: its copies of the models need"), err
