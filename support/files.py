@@ -79,10 +79,17 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
-def _parse(text, where: str):
+def _parse(text, where: str, one_line: bool = False):
+    """JSON text; one_line: a line of a JSON-lines file, whose errors give the column (json's line count
+    would restart at that line, beside `where`'s)."""
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
-    # malformed, not UTF-8, a 5000-digit number, nested too deep
+    except json.JSONDecodeError as e:
+        detail = first_line(e)
+        if one_line:
+            detail = f"{e.msg} at column {e.colno}"
+        raise UserError(f"{where}: malformed JSON ({detail})") from None
+    # not UTF-8, a 5000-digit number, nested too deep
     except (ValueError, RecursionError) as e:
         raise UserError(f"{where}: malformed JSON ({first_line(e)})") from None
 
@@ -121,7 +128,7 @@ def read_jsonl(path: str, records: Optional[str] = None):
                 if first is None:
                     first = line.lstrip()
                 try:
-                    obj = _parse(line, f"{path}:{lineno}")
+                    obj = _parse(line.rstrip("\r\n"), f"{path}:{lineno}", one_line=True)
                 except UserError as e:
                     if records is None:
                         raise

@@ -246,4 +246,9 @@ def test_other_json_lines_readers_keep_the_bare_error(tmp_path):
     path.write_text("plain text\n")
     with pytest.raises(UserError) as e:
         list(read_jsonl(str(path)))
-    assert str(e.value) == f"{path}:1: malformed JSON (Expecting value: line 1 column 1 (char 0))"
+    assert str(e.value) == f"{path}:1: malformed JSON (Expecting value at column 1)"
+    # the position is the line's own column: json's "line 2 column 1" of a line cut short read as the file's
+    path.write_text('{"a": 1}\n{"a": 1,\n')
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(str(path)))
+    assert str(e.value) == f"{path}:2: malformed JSON (Expecting property name enclosed in double quotes at column 9)"
