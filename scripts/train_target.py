@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
@@ -145,6 +145,13 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
         else:
             tensors["model." + k] = v.float()
     save_tensors(os.path.join(out, "model.safetensors"), tensors, step=step)
+    write_json(os.path.join(out, "config.json"), config_json(a, eos_id))
+    write_json(os.path.join(out, "generation_config.json"),
+               {"eos_token_id": [eos_id] if eos_id is not None else [], "do_sample": False})
+
+
+def config_json(a, eos_id: Optional[int]) -> dict:
+    """The config.json of a target of shape `a` (ModelArgs), as Hugging Face's Qwen3 writes it."""
     cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
            "vocab_size": a.vocab_size, "hidden_size": a.hidden_size,
            "intermediate_size": a.intermediate_size,
@@ -157,9 +164,7 @@ def save_target(out: str, model: Transformer, eos_id: Optional[int], step: Optio
            "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32"}
     if eos_id is not None:
         cfg["eos_token_id"] = eos_id
-    write_json(os.path.join(out, "config.json"), cfg)
-    write_json(os.path.join(out, "generation_config.json"),
-               {"eos_token_id": [eos_id] if eos_id is not None else [], "do_sample": False})
+    return cfg
 
 
 def tokenizer_source(args: Args) -> Optional[str]:
@@ -308,7 +313,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     if log is not None:
         log.config(world_size=world, global_batch=G, hardware=device_name(device),
                    dtype_resolved=dtype_name(dtype), num_sequences=len(windows),
-                   target_config=asdict(model.args))
+                   target_config=config_json(model.args, eos))  # the config.json its checkpoints hold
     batches = Batches(len(windows), G, args.seed)
     mine = micro_slices(args.batch_size, args.grad_accum, rank)
 

@@ -526,3 +526,23 @@ def test_a_reader_gone_from_stdout_still_gets_the_decode_logged(tmp_path):
     run = read_run(tmp_path)
     assert run.summary["speculative/requests_logged"] == 20 and "speculative/acceptance_length" in run.summary
     assert_file_artifact(run, "outputs", "outputs", outputs)
+
+
+def test_train_target_logs_the_config_json_it_writes(tmp_path):
+    """scripts/train_target.py's target_config is the config.json its checkpoints hold, as the other
+    programs log a target's (it was the in-memory settings: eos_token_ids, no model_type)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_target", REPO_ROOT / "scripts" / "train_target.py")
+    train_target = sys.modules["train_target"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_target)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(x, y):\n    return x + y\n" * 200)
+    out = tmp_path / "target"
+    with offline(tmp_path):
+        rc, _, err = call(train_target.main, [
+            "--data", corpus, "--tokenizer-from-corpus", "--vocab-size", 280, "--out", out, "--steps", 2,
+            "--seq-len", 16, "--batch-size", 2, "--hidden-size", 16, "--layers", 2, "--heads", 2, "--kv-heads", 1,
+            "--head-dim", 8, "--intermediate-size", 32, "--no-progress", "--wandb"])
+    assert rc == 0, err
+    assert read_run(tmp_path).config["target_config"] == json.loads((out / "config.json").read_text())
