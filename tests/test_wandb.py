@@ -533,9 +533,11 @@ def test_train_target_logs_the_config_json_it_writes(tmp_path):
     programs log a target's (it was the in-memory settings: eos_token_ids, no model_type)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_target", REPO_ROOT / "scripts" / "train_target.py")
-    train_target = sys.modules["train_target"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_target)
+    train_target = sys.modules.get("train_target")  # as test_train.py loads it, when it ran here first
+    if train_target is None:
+        spec = importlib.util.spec_from_file_location("train_target", REPO_ROOT / "scripts" / "train_target.py")
+        train_target = sys.modules["train_target"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(train_target)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def add(x, y):\n    return x + y\n" * 200)
     out = tmp_path / "target"
