@@ -312,7 +312,8 @@ def header(args: ConcurrencyArgs, s: Settings, m, target_dir: str, drafter_dir: 
     if not s.ignore_eos:
         budget = f"at most {s.max_new_tokens} new tokens each (the target's EOS ends a request)"
     line = (f"# {target_dir} + {drafter_dir} ({m.drafter.cfg.describe()}), {dtype}, {hw}, "
-            f"torch {torch.__version__}, compile={s.compile}; {num_prompts} prompts cycled, "
+            f"torch {torch.__version__}, compile={s.compile}; at concurrency c the first "
+            f"c x {args.requests_per_slot} of {num_prompts} prompts (cycled), "
             f"{budget}, {sampling}, {threshold}median of {args.repeats}")
     if args.sps_synthetic:
         line += f", SPS(B) synthetic: {args.sps_synthetic}"
