@@ -17,8 +17,9 @@ are interleaved (order rotated each repeat); a row's figures are its median run'
 upper of an even count), and each speed-up is the median of the ratios within a repeat, with its
 range. Decoding is greedy (a checkpoint's
 generation_config.json is not read), and every run must emit the autoregressive tokens (in float32 a
-difference raises; in bfloat16 or float16, where near-ties may round either way, it is counted); with `--temperature T` every mode samples at T instead (seeded, no filters; the reference
-loop, greedy, is left out), and the tokens are not compared: they follow the same law but differ run
+difference raises; in bfloat16 or float16, where near-ties may round either way, it is counted); with
+`--temperature T` every mode samples at T instead (seeded, no filters; the reference loop, greedy, is
+left out), and the tokens are not compared: they follow the same law but differ run
 to run (tests/test_lossless.py tests the law).
 
 The schedulers under load (tokens/s against concurrency) are scripts/bench_concurrency.py.
