@@ -758,8 +758,8 @@ class RowDecoder:
                     write_json(self.args.out, snapshot())
                 if self.log is not None:
                     prefix = ""
-                    if self.several:
-                        prefix = f"{row.label}/"
+                    if self.several:  # a W&B section of its own: a path's slashes would nest it
+                        prefix = row.label.replace("/", "|") + "/"
                     log_dataset(self.log, entry, self.args.step, prefix)
         finally:  # an interruption's line starts below the bar, not on it
             progress.close()

@@ -328,6 +328,25 @@ def test_eval_logs_every_drafters_config(tmp_path):
     assert run.config["drafter_config"] == [first, cfg]
 
 
+def test_rows_named_by_their_paths_each_get_one_wandb_section(tmp_path):
+    """Two drafters of one name are labelled by their paths; a path's slashes nested the W&B keys into
+    sections named after its first folder (one for both rows: "" or ".."). Each row is one section now."""
+    for side in ("x", "y"):
+        shutil.copytree(DEMO / "drafter", tmp_path / side / "drafter")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text(json.dumps({"turns": [CODE[0]]}) + "\n")
+    with offline(tmp_path):
+        rc, _, err = call(ev.main, [
+            "--target", DEMO / "target", "--drafter", tmp_path / "x" / "drafter", "--drafter",
+            tmp_path / "y" / "drafter", "--data-dir", data, "--datasets", "code", "--max-new-tokens", 4,
+            "--no-progress", "--wandb"])
+    assert rc == 0, err
+    keys = {k for row in read_run(tmp_path).history for k in row if k.endswith("/acceptance_length")}
+    assert keys == {str(tmp_path / side / "drafter").replace("/", "|") + "/code/acceptance_length"
+                    for side in ("x", "y")}, keys
+
+
 # ----------------------------------------------------------------------------------------
 # train.py: two steps, a scheduled eval, checkpoints as artifacts
 
