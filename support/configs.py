@@ -319,7 +319,11 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
                             f"but confidence_head.proj reads {proj.shape[-1]} features "
                             f"(hidden {layers.hidden_size}, markov rank {rank})")
     if layout == "dflash" and (mtype or conf):
-        raise UserError(f"{source}: the z-lab DFlash layout has no Markov or confidence head")
+        why = "the DFlash layout"
+        if not said:  # taken for the architecture's default: say which key makes it DSpark
+            why = ("no key names the layout, so a DFlashDraftModel is read as z-lab's DFlash (set "
+                   "projector_type \"dspark\" or shift_label true for the DSpark layout), and that layout")
+        raise UserError(f"{source}: {why} has no Markov or confidence head")
     return DrafterConfig(layers, block, tuple(ids), mask_id, layout, mtype, rank, bool(conf),
                          by_weights, num_target_layers)
 

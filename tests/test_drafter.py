@@ -368,9 +368,13 @@ REFUSALS = {
     "dspark_projector_unshifted": (
         dict(spelling="specforge"), _set_nested("dflash_config", "shift_label", False), None, None,
         r"shift_label=false contradicts projector_type 'dspark'"),
-    "dflash_layout_with_heads": (
+    "dflash_layout_with_heads": (  # the layout guessed from the architecture: the refusal names the keys
         dict(extra_config={"architectures": ["DFlashDraftModel"]}), None, None, None,
-        r"DFlash layout has no Markov or confidence head"),
+        r"no key names the layout, so a DFlashDraftModel is read as z-lab's DFlash \(set projector_type "
+        r"\"dspark\" or shift_label true .*\), and that layout has no Markov or confidence head"),
+    "dflash_layout_said_with_heads": (
+        dict(extra_config={"architectures": ["DFlashDraftModel"], "projector_type": "dflash"}), None, None, None,
+        r"config\.json: the DFlash layout has no Markov or confidence head"),
     "mask_token_outside_vocab": (
         dict(extra_config={"mask_token_id": V}), None, None, None, r"'mask_token_id' must be an id below vocab_size 48"),
 }
