@@ -188,10 +188,13 @@ class Log:
     def artifact(self, name: str, kind: str, paths: Iterable[str], metadata: Optional[dict] = None,
                  aliases: Optional[list[str]] = None):
         """Files as an artifact of this run, named `<run id>-<name>` (versions: wandb's)."""
-        art = self.wandb.Artifact(f"{self.run.id}-{name}", type=kind, metadata=metadata or {})
-        for p in paths:
-            art.add_file(p)
-        self.call(self.run.log_artifact, art, aliases=aliases)
+        def log_artifact():  # staging copies every file: a full disk fails it as it fails a log
+            art = self.wandb.Artifact(f"{self.run.id}-{name}", type=kind, metadata=metadata or {})
+            for p in paths:
+                art.add_file(p)
+            self.run.log_artifact(art, aliases=aliases)
+
+        self.call(log_artifact)
 
     def outputs(self, files: dict, **metadata):
         """Each output file written (`files`: its kind -> path or None) as an artifact of its own."""
@@ -227,7 +230,10 @@ WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 def start(args, job_type: str, config: dict) -> Log:
     """wandb.init with the flags (None where not given: wandb's environment variables apply)."""
-    import wandb
+    try:
+        import wandb
+    except ImportError as e:  # installed, and broken (a protobuf or pydantic it cannot use)
+        raise UserError(f"--wandb: the wandb package does not import ({first_line(e)})") from None
 
     project = args.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
     mode = os.environ.get("WANDB_MODE")

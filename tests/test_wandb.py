@@ -515,6 +515,42 @@ def test_a_logging_failure_mid_run_stops_the_logging_not_the_run(tmp_path, monke
     assert "Traceback" not in err
 
 
+def test_a_full_disk_while_staging_an_artifact_stops_the_logging_not_the_run(tmp_path, monkeypatch):
+    """wandb copies an artifact's files into its staging folder: a full disk there stopped train.py after its
+    first checkpoint, outside the guard on wandb's calls."""
+    import errno
+
+    import wandb
+
+    def full(self, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "staging" / "x"))
+
+    monkeypatch.setattr(wandb.Artifact, "add_file", full)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n" for _ in range(4)))
+    with offline(tmp_path):
+        rc, _, err = call(train.main, [
+            "--target", DEMO / "target", "--data-ids", ids, "--out", tmp_path / "o", "--steps", 4, "--seq-len", 32,
+            "--anchors-per-seq", 2, "--save-every", 2, "--wandb", "--wandb-artifacts", "--no-progress"])
+    assert rc == 0, err
+    assert [line for line in err.splitlines() if line.startswith("warning: --wandb")] == [
+        "warning: --wandb: logging stopped, the run goes on without it "
+        f"([Errno 28] No space left on device: '{tmp_path / 'staging' / 'x'}')"], err
+    assert (tmp_path / "o" / "checkpoint-4").is_dir()
+
+
+def test_a_wandb_that_does_not_import_is_one_line(tmp_path, monkeypatch):
+    """Installed and broken (a protobuf it cannot use): one line, not the ImportError's traceback."""
+    broken = tmp_path / "broken" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("cannot import name builder from protobuf")\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "broken"))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    rc, _, err = call(speculate.main, ["--prompt-ids", "1,2", "--max-new-tokens", 2, "--wandb"])
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: --wandb: the wandb package does not import (cannot import name builder from protobuf)"], err
+
+
 def test_wandb_not_installed_is_one_line(tmp_path, monkeypatch):
     """--wandb without the package: one line before any work (a ModuleNotFoundError traceback)."""
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
