@@ -187,6 +187,9 @@ def test_embedding_copies_exported_in_bfloat16_are_the_targets(ck, target):
     edit_tensors(d, lambda w: w.update({k: w[k].bfloat16() for k in ("embed_tokens.weight", "lm_head.weight")}))
     reference = checkpoint.load_drafter(ck.drafter("bf16_copies_ref"), target)
     assert_same_weights(checkpoint.load_drafter(d, target), reference)
+    # read in float16 too: the copy bfloat16 -> float16 and the target float32 -> float16 round apart
+    half = checkpoint.load_target(ck.target, dtype=torch.float16)
+    assert checkpoint.load_drafter(d, half, dtype=torch.float16).cfg == reference.cfg
 
 
 @pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
