@@ -344,7 +344,8 @@ class Report:
         interrupted = None
         try:
             yield d
-        except Interrupted as e:
+        # a signal, or stdout's reader gone while a request streams (`| head`): what finished is kept
+        except (Interrupted, BrokenPipeError) as e:
             interrupted = e
         except BaseException:
             d.abort()
@@ -365,8 +366,9 @@ class Report:
             print(figures_line(name, d.summary, d.counts, engine))
             raise
         self.log_decode(name, d)
-        if interrupted is not None:
+        if isinstance(interrupted, Interrupted):
             self.kept(interrupted, d)
+        if interrupted is not None:
             raise interrupted
         print(figures_line(name, d.summary, d.counts, engine))
 

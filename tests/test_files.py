@@ -3,6 +3,7 @@ said in the words every program's one-line error uses."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -114,3 +115,28 @@ def test_the_completions_are_printed_when_an_output_cannot_be_published(tmp_path
     assert rc == 1
     assert captured.err.strip().splitlines()[-1] == f"error: {out / 'o.jsonl'}: No such file or directory"
     assert captured.out.count("--- request ") == 20 and "speculative: 160 tokens" in captured.out, captured
+
+
+def test_a_streamed_decode_cut_by_a_reader_gone_keeps_its_files(tmp_path):
+    """One prompt streams while it decodes, so `| head` breaks the pipe mid-decode: the files are kept as
+    for an interruption (the trace ends in its summary, marked interrupted); they were deleted in silence."""
+    import contextlib
+    import io
+
+    import speculate
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):  # where cli_main puts /dev/null over stdout: a descriptor of its own here
+            return os.open(os.devnull, os.O_WRONLY)
+
+    trace, out = tmp_path / "t.jsonl", tmp_path / "o.jsonl"
+    with contextlib.redirect_stdout(Gone()), contextlib.redirect_stderr(io.StringIO()):
+        rc = speculate.main(["--target", "demo/target", "--drafter", "demo/drafter", "--prompt", "def add(a, b):",
+                             "--max-new-tokens", "64", "--ignore-eos", "--trace-file", str(trace),
+                             "--output-file", str(out)])
+    assert rc == 141
+    summary = json.loads(trace.read_text().splitlines()[-1])
+    assert summary["interrupted"] is True and summary["requests"] == 1 and out.is_file()
