@@ -68,6 +68,7 @@ from support.cli import (
     check_ranges,
     cli_main,
     device_name,
+    dtype_name,
     fits,
     flag,
     flat,
@@ -459,24 +460,26 @@ def transformers_copy(target: Transformer):
 
 
 def reference_fits(args: BenchArgs, target: Transformer, drafter, dev: str) -> tuple[bool, str]:
-    """Whether the reference loop's copies of the models fit beside them: built in float32, then cast
-    (`transformers_copy`, `reference_drafter`). Asked for, an error where they do not; by default, skipped
-    with a note."""
+    """Whether the reference loop's copies of the models fit beside them: built in float32 on the host,
+    then cast and moved to `dev` (`transformers_copy`, `reference_drafter`). Asked for, an error where
+    they do not; by default, skipped with a note."""
     params = 0
     for m in (target, drafter):
         if m is not None:
             params += sum(p.numel() for p in m.parameters())
     itemsize = target.lm_head.weight.dtype.itemsize
-    need = params * 4  # in float32 while they are built ...
-    if itemsize != 4:
-        need += params * itemsize  # ... beside their cast
-    free = free_memory(dev)
-    if fits(need, free):
-        return True, ""
-    what = f"its copies of the models need {need / 2**30:.1f} GiB while built; {free / 2**30:.1f} GiB are free"
-    if args.reference:
-        raise UserError(f"--reference: {what} on {dev}: drop the flag, or a smaller model")
-    return False, f"note: the reference loop is skipped: {what}"
+    needs = {"cpu": params * 4}  # in float32 while they are built ...
+    if dev != "cpu" or itemsize != 4:  # ... beside their cast, where it is a copy
+        needs[dev] = needs.get(dev, 0) + params * itemsize
+    for where, need in needs.items():
+        free = free_memory(where)
+        if not fits(need, free):
+            what = (f"its copies of the models need {need / 2**30:.1f} GiB on {where} while built; "
+                    f"{free / 2**30:.1f} GiB are free")
+            if args.reference:
+                raise UserError(f"--reference: {what}: drop the flag, or a smaller model")
+            return False, f"note: the reference loop is skipped: {what}"
+    return True, ""
 
 
 def reference_drafter(drafter: Optional[Drafter], hf) -> Optional[Drafter]:
@@ -729,7 +732,8 @@ def header(name: str, target, drafter, dtype, hw: str, s: Settings, args: BenchA
     n_drafter = 0
     if drafter is not None:
         n_drafter = sum(p.numel() for p in drafter.parameters())
-    line = (f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, {dtype}, "
+    line = (f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, "
+            f"{dtype_name(dtype)}, "
             f"{hw}, torch {torch.__version__}, compile={s.compile}, {threads}")
     if s.compile and args.skip_guards:
         line += " (guards skipped after warm-up)"
@@ -878,13 +882,13 @@ def run(args: BenchArgs) -> list[dict]:
         reference_note = ("note: the reference loop is skipped: it times a DSpark drafter's chain, "
                           "and --drafter is Eagle3")
         want_reference = False
-    if want_reference:
-        want_reference, reference_note = reference_fits(args, target, drafter, dev)
-    if reference_note:  # once the pair and the prompts are checked
-        print(reference_note, file=sys.stderr, flush=True)
     for m in (target, drafter):
         if m is not None:
             cpu_kernels.install(m)
+    if want_reference:  # counted once the kernels have made their copy
+        want_reference, reference_note = reference_fits(args, target, drafter, dev)
+    if reference_note:  # once the pair and the prompts are checked
+        print(reference_note, file=sys.stderr, flush=True)
     built_seconds = time.perf_counter() - t0
     copy_bytes = 1 << 28
     if dev == "cuda":
@@ -914,7 +918,8 @@ def run(args: BenchArgs) -> list[dict]:
         random_prompts = torch.randint(0, target.args.vocab_size - 1, shape, generator=g).tolist()
     rows = []
     ratios = []
-    try:  # the last line of an interruption says what was kept: --out, once a row was measured
+    written = []  # what an interruption's last line names as kept: --out once a row is in it, the plot
+    try:
         for B in batch_sizes:
             prompts = given
             if prompts is None:
@@ -940,17 +945,16 @@ def run(args: BenchArgs) -> list[dict]:
                 rows.append(row)
                 print(_row(row, bw), flush=True)
                 save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
+                if args.out and args.out not in written:
+                    written.insert(0, args.out)
             ratios += speed_ups(runs, rows, B, tree_budgets, dev, s)
             save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
             if args.tree_plot is not None and B == batch_sizes[0]:
                 at_b = [r for r in rows if r.get("batch") == B]
                 plots.tree_plot(args.tree_plot, at_b, f"{name}, batch {B}, {hw}")
+                written.append(args.tree_plot)
     except Interrupted as e:
-        e.written = []
-        if args.out and rows:
-            e.written = [args.out]
-        if not args.out:
-            e.hint = "--out FILE keeps each measured row"
+        e.written = written
         raise
     allocator = "process RSS"
     if dev == "cuda":
@@ -985,8 +989,20 @@ def _row(r: dict, bw: float) -> str:
             f"compile {r['compile_seconds']:.1f} s")
 
 
+def run_and_say(args: BenchArgs) -> list[dict]:
+    """`run`; an interruption before any file was written says so, and how to keep rows."""
+    try:
+        return run(args)
+    except Interrupted as e:
+        if e.written is None:
+            e.written = []
+        if not e.written and not args.out:
+            e.hint = "--out FILE keeps each measured row"
+        raise
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    return cli_main(BenchArgs, run, argv)
+    return cli_main(BenchArgs, run_and_say, argv)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from support.cli import (
     check_ranges,
     cli_main,
     device_name,
+    dtype_name,
     flag,
     flat,
     parse_ints,
@@ -311,7 +312,10 @@ def header(args: ConcurrencyArgs, s: Settings, m, target_dir: str, drafter_dir: 
     budget = f"{s.max_new_tokens} new tokens each"
     if not s.ignore_eos:
         budget = f"at most {s.max_new_tokens} new tokens each (the target's EOS ends a request)"
-    line = (f"# {target_dir} + {drafter_dir} ({m.drafter.cfg.describe()}), {dtype}, {hw}, "
+    calibrated = ""
+    if args.calibration is not None:
+        calibrated = f", confidences calibrated by {args.calibration}"
+    line = (f"# {target_dir} + {drafter_dir} ({m.drafter.cfg.describe()}){calibrated}, {dtype_name(dtype)}, {hw}, "
             f"torch {torch.__version__}, compile={s.compile}; at concurrency c the first "
             f"c x {args.requests_per_slot} of {num_prompts} prompts (cycled), "
             f"{budget}, {sampling}, {threshold}median of {args.repeats}")

@@ -300,7 +300,8 @@ def gemm_path(m: nn.Module) -> Optional[str]:
     "avx512" (None off a CPU in float32)."""
     if not _cpu_float32(m):
         return None
-    if unavailable() is not None or not any(type(x) is PanelLinear for x in m.modules()):
+    installed = any(type(x) is PanelLinear for x in m.modules())  # first: `unavailable` builds them
+    if not installed or unavailable() is not None:
         return "mkl"
     asked_avx2 = os.environ.get("DSPARK_CPU_KERNELS", "").strip().lower() == "avx2"
     if asked_avx2 or "avx512f" not in _cpu_flags():  # as cpu_kernels.cpp chooses

@@ -595,6 +595,20 @@ def test_an_interrupted_bench_says_what_it_kept(tmp_path, monkeypatch, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == f"interrupted by SIGINT: stopped; what was written: {out}"
     assert json.loads(out.read_text())["complete"] is False
+    # the tree plot, drawn after the first batch size, is named too
+    calls.clear()
+    plot = tmp_path / "trees.png"
+    assert bench.main(flags + ["--tree-budgets", "4", "--tree-plot", str(plot)]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"interrupted by SIGINT: stopped; what was written: {plot}" and plot.is_file()
+    # ... and before any batch size (the models loading): nothing was written
+    def stop(*args, **kwargs):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(bench, "load_target", stop)
+    assert bench.main(flags) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted by SIGINT: stopped; nothing was written (--out FILE keeps each measured row)")
 
 
 def test_the_reference_loop_counts_its_copies_of_the_models(monkeypatch, capsys):
