@@ -222,7 +222,7 @@ def drafter_config(cfg: dict, tensors: dict, source: str, weights: str,
     num_target_layers = lookup(cfg, "num_target_layers", source)
     for key, value in (("block_size", block), ("target_layer_ids", ids), ("mask_token_id", mask_id)):
         if value is None:
-            raise UserError(f"{source}: missing key {key!r} (top-level, or in dspark_config or "
+            raise UserError(f"{source}: missing key {key!r} (or null; top-level, or in dspark_config or "
                             f"dflash_config)")
     block = checked(block, "block_size", source, int, 1, MAX_BLOCK)
     check_layer_ids(ids, num_target_layers, source)

@@ -333,7 +333,7 @@ REFUSALS = {
         dict(), None, _drop_tensor("layers.1.mlp.up_proj.weight"), None, r"'layers\.1\.mlp\.up_proj\.weight'.*missing"),
     "no_target_layer_ids": (
         dict(drop_config=("target_layer_ids",)), None, None, None,
-        r"config\.json: missing key 'target_layer_ids' \(top-level, or in dspark_config or dflash_config\)"),
+        r"config\.json: missing key 'target_layer_ids' \(or null; top-level, or in dspark_config or dflash_config\)"),
     "no_mask_token_id": (
         dict(drop_config=("mask_token_id",)), None, None, None, r"config\.json: missing key 'mask_token_id'"),
     "missing_fc": (
