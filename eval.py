@@ -576,6 +576,12 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                   "the schedule chose from these same confidences which drafts were verified, "
                   "so the figures are biased (the authors record calibration unscheduled)",
                   file=sys.stderr)
+    unfitted = []
+    if calibration is not None:
+        unfitted = [str(k + 1) for k, n in enumerate(calibration.get("fit_rounds_by_position", [])) if n == 0]
+    if unfitted and rank == 0:
+        print(f"warning: no round of the STS fit part verified position {', '.join(unfitted)}: "
+              f"its temperature stays 1, unfitted", file=sys.stderr)
     public = None
     if calibration:
         public = {k: v for k, v in calibration.items() if not k.startswith("_")}

@@ -228,6 +228,8 @@ def calibration_report(rec: dict, split: float, requests: list[int], bins: int =
     Cs = apply_temperatures(Ch, temps)
     report["temperatures"] = temps
     report["fit_rounds"] = int(fit.sum())
+    # the rounds each T_k was fitted on (0: never verified, kept 1)
+    report["fit_rounds_by_position"] = [int((ver[fit] >= k + 1).sum()) for k in range(C.shape[1])]
     report["heldout_rounds"] = int(held.sum())
     report["raw_heldout"] = position_metrics(Ch, vh, ah, bins)
     report["sts_heldout"] = position_metrics(Cs, vh, ah, bins)

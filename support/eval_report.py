@@ -261,6 +261,8 @@ def calibration_file(args, results: dict, calibration: dict, drafter_dir: str) -
         "temperature": args.decode.temperature,
         "split": calibration["split"],
         "fit_rounds": calibration["fit_rounds"],
+        "fit_rounds_by_position": calibration["fit_rounds_by_position"],
+        "scheduler": calibration.get("scheduled", "none"),
         "bins": calibration["bins"],
         "grid": [float(STS_GRID[0]), float(STS_GRID[-1])],
         "heldout_ece_raw": [m["ece"] for m in calibration["raw_heldout"]],

@@ -706,8 +706,8 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
 
 def calibration_note(calibration: str, drafter: Optional[str],
                      temperature: float) -> Optional[str]:
-    """A note when an STS file was fitted on another drafter or at another temperature than this run
-    (its keys checked where the drafter loads)."""
+    """A note when an STS file was fitted on another drafter or at another temperature than this run, under
+    a scheduler, or with positions no round verified (its keys checked where the drafter loads)."""
     cal = read_json(calibration)
     fitted = cal.get("drafter_dir")
     fitted_t = cal.get("temperature")
@@ -716,6 +716,15 @@ def calibration_note(calibration: str, drafter: Optional[str],
         other.append(f"on drafter {fitted} (this run: {os.path.realpath(drafter)})")
     if fitted_t is not None and fitted_t != temperature:
         other.append(f"at temperature {fitted_t:g} (this run: {temperature:g})")
+    scheduler = cal.get("scheduler")
+    if scheduler not in (None, "none"):  # the schedule chose which drafts the fit saw
+        other.append(f"under --scheduler {scheduler}, whose records bias it")
+    counts = cal.get("fit_rounds_by_position")
+    unfitted = []
+    if isinstance(counts, list):
+        unfitted = [str(k + 1) for k, n in enumerate(counts) if n == 0]
+    if unfitted:
+        other.append(f"with no round for position {', '.join(unfitted)} (kept at 1)")
     if not other:
         return None
     return (f"note: --calibration {calibration} was fitted {' and '.join(other)}; "

@@ -18,7 +18,7 @@ from drafters import make_drafter, make_target
 import eval as ev
 import speculate
 from support import calibration as cal
-from support import distributed, eval_report, metrics
+from support import distributed, eval_report, flags, metrics
 
 torch.set_num_threads(1)
 
@@ -500,6 +500,23 @@ def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
     assert rc == 0, err
     assert (f"note: --calibration {moved} was fitted on drafter {tmp_path / 'older-drafter'} (this run: "
             f"{os.path.realpath(env['drafter'])}) and at temperature 1 (this run: 0);") in err
+
+
+def test_a_calibration_file_says_what_each_temperature_was_fitted_on(env, tmp_path, capsys):
+    """The file records the rounds each T_k was fitted on and the scheduler: a position no round verified
+    kept 1, and a scheduled fit is biased, which nothing said once the file left eval.py; the run warns
+    of unfitted positions, and a program applying the file notes both."""
+    cal = tmp_path / "cal.json"
+    res, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--confidence-threshold", 0.999999,
+                           "--calibration-out", cal, out="a.json")
+    fitted = json.load(open(cal))
+    counts = fitted["fit_rounds_by_position"]
+    assert fitted["scheduler"] == "threshold" and len(counts) == K
+    assert counts == res["calibration"]["fit_rounds_by_position"] and counts[-1] == 0
+    assert all(t == 1.0 for t, n in zip(fitted["temperatures"], counts) if n == 0)
+    assert "warning: no round of the STS fit part verified position" in err
+    note = flags.calibration_note(str(cal), env["drafter"], 1.0)
+    assert "under --scheduler threshold, whose records bias it" in note and f"{K} (kept at 1)" in note
 
 
 def test_a_saturating_calibration_is_not_passed_off_as_the_raw_head(env, tmp_path, capsys):
