@@ -781,6 +781,8 @@ def calibrate(args: EvalArgs, rank: int, parts: list[dict], names: list[str], co
         lost = saturated(rec["confidence"])
         rec["confidence"] = uncalibrate(rec["confidence"], applied.tolist())
     calibration = calibration_report(rec, args.calibration_split, counts, args.ece_bins, names)
+    if applied is not None:  # every figure is the raw head's: the title says so
+        calibration["undone"] = args.calibration
     if lost:
         calibration["unrecoverable"] = lost
         if rank == 0:

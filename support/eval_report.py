@@ -214,6 +214,8 @@ def format_comparison(rows: list[dict], temperature: float) -> str:
 def format_calibration(cal: dict) -> str:
     title = (f"confidence calibration (prefix survival a_k vs drafts 1..k accepted; "
              f"ECE with {cal['bins']} bins)")
+    if "undone" in cal:
+        title += f"\nof the raw head: the --calibration {cal['undone']} temperatures undone"
     lines = [title]
     head = f"{'k':>3}{'rounds':>8}{'mean a_k':>10}{'observed':>10}{'ECE':>8}{'AUROC':>8}{'Brier':>8}"
     sts = "temperatures" in cal

@@ -532,6 +532,17 @@ def test_a_saturating_calibration_is_not_passed_off_as_the_raw_head(env, tmp_pat
     assert res["calibration"]["unrecoverable"] > 0 and err.count("cannot be recovered") == 1
 
 
+def test_the_calibration_table_says_an_applied_file_was_undone(env, tmp_path, capsys):
+    """With --calibration the report is the raw head's (the file's temperatures undone before STS is
+    fitted): the table said nothing, and read as the file's own figures."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"temperatures": [2.0] * K}))
+    res, out, _ = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration", cal,
+                           "--confidence-threshold", 0.5, out="a.json")
+    assert f"of the raw head: the --calibration {cal} temperatures undone" in out
+    assert res["calibration"]["undone"] == str(cal)
+
+
 def test_scheduled_calibration_warns(env, tmp_path, capsys):
     res, _, err = run_eval(env, tmp_path, capsys, "--confidence-threshold", 0.6, "--max-samples", 2)
     assert res["calibration"]["scheduled"] == "threshold"
