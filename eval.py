@@ -109,8 +109,9 @@ class EvalArgs(WandbFlags):
     progress: bool = True
     """Progress on stderr (rank 0): a bar on a terminal, else a line at most once a minute."""
     calibration: Optional[str] = None
-    """Apply STS temperatures from an earlier --calibration-out to the confidences a schedule reads (as
-    speculate.py: with --scheduler threshold, hardware or async)."""
+    """Apply STS temperatures from an earlier --calibration-out to the confidences a schedule reads and
+    that shape a sampled --tree-budget curve (as speculate.py). The calibration report stays the raw
+    head's: the temperatures are undone before it."""
     calibration_split: float = 0.5
     """STS fits on this fraction of every dataset's requests (the first) and is scored on the rest;
     0 = no STS (the raw head's calibration is still reported)."""
