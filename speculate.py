@@ -986,6 +986,10 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
     temperature = flags.sampling_for(m, s).temperature
     flags.check_tree_temperature(s, [m.drafter], temperature)
     flags.check_calibration_read(m.calibration, s, temperature)
+    if m.calibration is not None:  # fitted elsewhere: said as the command line says it, as a warning
+        note = flags.calibration_note(m.calibration, m.directories[1], temperature)
+        if note:
+            warnings.warn(note.removeprefix("note: "), stacklevel=2)
     engine = make_engine(m, m.drafter, ids, s, verbose=False)
     return decode(m, ids, s, engine)
 

@@ -1171,3 +1171,13 @@ def test_hub_drafters_are_named_by_their_repository_in_the_comparison():
     # the same repository at two revisions: the full paths tell them apart
     other = os.path.join("cache", "models--org--dr", "snapshots", "e" * 40)
     assert [r.label for r in ev.rows_of([dspark, dspark], [hub, other], 0, None)] == [hub, other]
+
+
+def test_the_api_warns_of_a_calibration_fitted_elsewhere(env, tmp_path):
+    """speculate.load(calibration=...) then generate: the note the command line prints (another drafter,
+    another temperature, a scheduled fit) comes as a UserWarning; it said nothing."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"temperatures": [1.5] * K, "temperature": 1.0, "scheduler": "threshold"}))
+    m = speculate.load(env["target"], env["drafter"], calibration=str(cal))
+    with pytest.warns(UserWarning, match=r"was fitted at temperature 1 \(this run: 0\) and under --scheduler"):
+        speculate.generate(m, [[1, 2, 3]], max_new_tokens=4, temperature=0.0, confidence_threshold=0.5)
