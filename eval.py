@@ -654,11 +654,16 @@ def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
 
 
 def load_extra_drafter(directory: str, m):
-    """A second (third, ...) drafter for the loaded target, as load_models loads the first."""
+    """A second (third, ...) drafter for the loaded target, as load_models loads the first: its tensors,
+    counted from its files' headers, must fit in what is free beside the models already loaded."""
     from support import cpu_kernels
-    from support.checkpoint import load_drafter
+    from support.checkpoint import check_memory, load_drafter, stored_numbers
 
-    drafter = load_drafter(directory, m.target, m.target.embed_tokens.weight.device, m.dtype)
+    device = m.target.embed_tokens.weight.device
+    need = stored_numbers(directory) * m.dtype.itemsize
+    check_memory([], device, m.dtype, f"--drafter {directory}: its weights", "fewer --drafter rows",
+                 extra=need)
+    drafter = load_drafter(directory, m.target, device, m.dtype)
     cpu_kernels.install(drafter)
     return drafter
 

@@ -1181,3 +1181,22 @@ def test_the_api_warns_of_a_calibration_fitted_elsewhere(env, tmp_path):
     m = speculate.load(env["target"], env["drafter"], calibration=str(cal))
     with pytest.warns(UserWarning, match=r"was fitted at temperature 1 \(this run: 0\) and under --scheduler"):
         speculate.generate(m, [[1, 2, 3]], max_new_tokens=4, temperature=0.0, confidence_threshold=0.5)
+
+
+def test_each_extra_drafter_is_counted_before_it_loads(tmp_path, monkeypatch, capsys):
+    """A comparison's second drafter is counted against what is free beside the models already loaded (only
+    the first was): one line naming it."""
+    from support import checkpoint
+
+    free = iter([2**40])  # the target and the first drafter fit; then 1 KiB is left
+
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: next(free, 2**10))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text(json.dumps({"turns": ["import os\n"]}) + "\n")
+    demo = os.path.join(REPO_ROOT, "demo")
+    rc = ev.main(["--target", os.path.join(demo, "target"), "--drafter", os.path.join(demo, "drafter"),
+                  "--drafter", os.path.join(demo, "eagle3"), "--data-dir", str(data), "--datasets", "code",
+                  "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"error: --drafter {os.path.join(demo, 'eagle3')}: its weights need"), err
