@@ -26,6 +26,7 @@ from speculate import DEMO_DIR, Request, drafts_per_round, make_engine, size_eng
 from support import flags, metrics, plots, runlog
 from support.calibration import (
     ECE_BINS,
+    STS_GRID,
     calibration_report,
     concat_rounds,
     round_arrays,
@@ -578,11 +579,17 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                   "so the figures are biased (the authors record calibration unscheduled)",
                   file=sys.stderr)
     unfitted = []
-    if calibration is not None:
+    at_edge = []  # the grid's ends: the best temperature may lie beyond
+    if calibration is not None and args.calibration_out:  # said of the temperatures a file keeps
         unfitted = [str(k + 1) for k, n in enumerate(calibration.get("fit_rounds_by_position", [])) if n == 0]
+        ends = (STS_GRID[0], STS_GRID[-1])
+        at_edge = [str(k + 1) for k, t in enumerate(calibration.get("temperatures", [])) if t in ends]
     if unfitted and rank == 0:
         print(f"warning: no round of the STS fit part verified position {', '.join(unfitted)}: "
               f"its temperature stays 1, unfitted", file=sys.stderr)
+    if at_edge and rank == 0:
+        print(f"note: STS temperatures at an end of their grid ({STS_GRID[0]:g} to {STS_GRID[-1]:g}) at "
+              f"position {', '.join(at_edge)}: the best ones may lie beyond (more rounds help)", file=sys.stderr)
     public = None
     if calibration:
         public = {k: v for k, v in calibration.items() if not k.startswith("_")}

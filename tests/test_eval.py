@@ -1200,3 +1200,18 @@ def test_each_extra_drafter_is_counted_before_it_loads(tmp_path, monkeypatch, ca
                   "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path / "r.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith(f"error: --drafter {os.path.join(demo, 'eagle3')}: its weights need"), err
+
+
+def test_a_temperature_at_the_grids_end_gets_a_note(env, tmp_path, capsys, monkeypatch):
+    """STS searches 0.05 to 20: a temperature on an end may be short of the best one (seen with few rounds),
+    which the file and the table showed as any other."""
+    real = ev.calibration_report
+
+    def at_edge(*args, **kwargs):
+        report = real(*args, **kwargs)
+        report["temperatures"][0] = float(cal.STS_GRID[-1])
+        return report
+
+    monkeypatch.setattr(ev, "calibration_report", at_edge)
+    _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", tmp_path / "c.json")
+    assert "note: STS temperatures at an end of their grid (0.05 to 20) at position 1" in err, err
