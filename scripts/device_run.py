@@ -330,12 +330,15 @@ def bench_rows(st: Stage, args: dict):
                     row["warnings"].append(f"tokens differ from autoregressive decoding's in {len(differ)} "
                                            f"request runs (differing_requests)")
             row.setdefault("tree_budget", budget)
-        earlier = []
-        for row in st.doc.get("rows", []):
-            if row["tree_budget"] != budget:
-                earlier.append(row)
-        st.doc.update(doc)
-        st.doc["rows"] = earlier + doc["rows"]  # a tree stage's budgets, one bench run each
+        for ratio in doc["ratios"]:
+            ratio.setdefault("tree_budget", budget)
+        # a tree stage's budgets, one bench run each: every budget's rows and ratios kept
+        merged = {}
+        for key in ("rows", "ratios"):
+            earlier = [r for r in st.doc.get(key, []) if r["tree_budget"] != budget]
+            merged[key] = earlier + doc[key]
+        complete = st.doc["complete"]  # the stage's, set when it ends; not one bench run's
+        st.doc.update(doc, complete=complete, **merged)
         st.save()
     bench.write_json = keep  # bench's only writer: its --out document
     bench.run(from_flat(bench.BenchArgs, args))

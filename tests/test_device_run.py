@@ -153,6 +153,28 @@ def test_dry_run_of_the_sampled_tree_stage(tmp_path):
     assert [(r["mode"], r["tree_budget"]) for r in doc["rows"]] == [
         (m, t) for t in (2, 4) for m in ("autoregressive", "speculative")]
     assert all(r["acceptance_length"] >= 1 for r in doc["rows"])
+    assert [r["tree_budget"] for r in doc["ratios"]] == [2, 4]  # each budget's (the first was overwritten)
+
+
+def test_a_tree_stages_file_is_complete_only_when_the_stage_is(tmp_path, monkeypatch):
+    """A tree stage runs bench once a budget: each run's document is merged into the stage's file without
+    its "complete", which the stage sets as it ends (a stage stopped in its second run read complete)."""
+    import bench
+
+    st = device_run.Stage("tree-b1", str(tmp_path), True)
+    calls = []
+
+    def run(args):  # bench.run: one document a budget, complete as far as that run goes
+        calls.append(args.decode.tree_budget)
+        row = {"mode": "speculative", "batch": 1}
+        bench.write_json("unused", {"rows": [row], "ratios": [{"ratio": "x"}], "complete": True, "config": {}})
+
+    monkeypatch.setattr(bench, "run", run)
+    for budget in (2, 4):
+        device_run.bench_rows(st, {"tree_budget": budget, "batch_sizes": "1"})
+    doc = json.loads((tmp_path / "tree-b1.json").read_text())
+    assert calls == [2, 4] and doc["complete"] is False
+    assert [r["tree_budget"] for r in doc["rows"]] == [2, 4] and [r["tree_budget"] for r in doc["ratios"]] == [2, 4]
 
 
 def test_dry_run_of_the_triton_round_stage(tmp_path):
