@@ -237,6 +237,19 @@ def calibration_report(rec: dict, split: float, requests: list[int], bins: int =
     return report
 
 
+def reliability_title(calibration: dict) -> str:
+    """Which rounds the reliability diagram shows, in its report's bins, and whether a schedule chose them."""
+    if "_heldout" in calibration:
+        title = (f"held-out requests: {calibration['heldout_rounds']} rounds (the other "
+                 f"{calibration['fit_rounds']} fitted STS)")
+    else:
+        title = f"every round: {calibration['rounds']} (no STS)"
+    title += f"; ECE over {calibration['bins']} bins"
+    if calibration.get("scheduled"):
+        title += f"; chosen under --scheduler {calibration['scheduled']}: biased"
+    return title
+
+
 def reliability_panels(calibration: dict) -> list[dict]:
     """Before / after STS on the held-out requests, or the raw head on every round without STS, in the
     report's ECE bins."""

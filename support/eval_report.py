@@ -10,7 +10,7 @@ import tempfile
 from typing import Optional
 
 from support import plots, runlog
-from support.calibration import STS_GRID, reliability_panels
+from support.calibration import STS_GRID, reliability_panels, reliability_title
 from support.cli import UserError, signals_deferred
 from support.files import write_json
 
@@ -289,7 +289,8 @@ def write_outputs(args, asked: list[str], results: dict, calibration: Optional[d
             print(format_calibration(calibration))
             panels = reliability_panels(calibration)
             if args.calibration_plot:
-                plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins)
+                plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins,
+                                          title=reliability_title(calibration))
             if args.calibration_out:
                 if "temperatures" not in calibration:
                     raise UserError(f"--calibration-out: {calibration['sts_note']}")
@@ -303,6 +304,6 @@ def write_outputs(args, asked: list[str], results: dict, calibration: Optional[d
         image = args.calibration_plot
         if image is None or not image.lower().endswith(".png"):
             image = os.path.join(tmp, "reliability_diagram.png")
-            plots.reliability_diagram(image, panels, bins=args.ece_bins)
+            plots.reliability_diagram(image, panels, bins=args.ece_bins, title=reliability_title(calibration))
         files = {"results": args.out, "calibration": args.calibration_out}
         log_results(log, results, args.step, image, files)

@@ -84,10 +84,11 @@ def _title(panel: dict) -> str:
     return title
 
 
-def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS):
+def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS, title: Optional[str] = None):
     """One panel per position k: rounds per bin of a_k (gray), the diagonal, the observed survival
     before STS (bars) and after (markers). panels: [{"position", "before": (a, y), "after": (a, y) or
-    None, and optionally "ece_before", "ece_after", "auroc" for the title}]."""
+    None, and optionally "ece_before", "ece_after", "auroc" for the title}]; `title`: which rounds they
+    are, above them all."""
     fmt = _format(path)
     if fmt is None:
         raise ValueError(_bad_extension(path))
@@ -98,6 +99,8 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS):
     cols = min(len(panels), PANELS_PER_ROW)
     rows = -(-len(panels) // cols)
     fig = Figure(figsize=(3.6 * cols, 3.4 * rows), layout="constrained")
+    if title:
+        fig.suptitle(title, fontsize="medium")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     centres = (np.arange(bins) + 0.5) / bins
     ticks = np.linspace(0, 1, 6)

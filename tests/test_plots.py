@@ -214,3 +214,18 @@ def test_failed_save_writes_nothing(tmp_path, monkeypatch, figure):
 def test_import_does_not_load_matplotlib():
     code = "import sys; from support import plots; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+def test_the_reliability_diagram_says_which_rounds_it_shows(tmp_path):
+    """With STS the panels are the held-out rounds, not every round the table scores, and a schedule may
+    have chosen them: the figure said neither, so its ECE and AUROC read as the table's."""
+    from support.calibration import reliability_title
+
+    held = {"_heldout": (), "heldout_rounds": 52, "fit_rounds": 57, "rounds": 109, "bins": 20}
+    assert reliability_title(held) == "held-out requests: 52 rounds (the other 57 fitted STS); ECE over 20 bins"
+    every = {"rounds": 109, "bins": 10, "scheduled": "threshold"}
+    assert reliability_title(every) == ("every round: 109 (no STS); ECE over 10 bins; "
+                                        "chosen under --scheduler threshold: biased")
+    svg = tmp_path / "rel.svg"
+    plots.reliability_diagram(str(svg), PANELS, title=reliability_title(held))
+    assert reliability_title(held) in svg_texts(svg)
