@@ -245,6 +245,8 @@ class Decoding:
             figures = self.figures()
             scheduler = self.engine.scheduler.kind  # the schedule that ran
             summary, counts = summarize(done, self.engine, scheduler, figures["tokens_per_second"])
+            if self.engine.drafter is not None and self.report.models.calibration is not None:
+                summary["calibration"] = self.report.models.calibration  # the records' confidences are its
             if interrupted:
                 summary.update(interrupted=True, finished_requests=len(done),
                                requests=self.report.requests, decoded_tokens=figures["tokens"])

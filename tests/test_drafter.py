@@ -663,6 +663,9 @@ def test_calibration_file_scales_confidence_logits(ck, capsys, tmp_path):
     rc, out = run_drafter_captured(capsys, ck, d, *scheduled, "--calibration", str(cal), trace=scaled)
     assert rc == 0, out.err
     r0, r1 = rounds_of(read_trace_untimed(base)), rounds_of(read_trace_untimed(scaled))
+    # the summary names the file whose calibrated confidences the records hold
+    assert read_trace_untimed(scaled)[-1]["calibration"] == str(cal)
+    assert "calibration" not in read_trace_untimed(base)[-1]
     assert [r["draft"] for r in r0] == [r["draft"] for r in r1]  # greedy drafts do not depend on it
     for a, b in zip(r0, r1):
         for c, c_cal, t in zip(a["confidence"], b["confidence"], temps):
