@@ -13,7 +13,6 @@ those of DeepSpec's evaluation (the paper's code); "ours" are this project's add
 from __future__ import annotations
 
 import functools
-import math
 import os
 import random
 import sys
@@ -29,6 +28,7 @@ from support.calibration import (
     STS_GRID,
     calibration_report,
     concat_rounds,
+    fit_requests,
     round_arrays,
     saturated,
     uncalibrate,
@@ -652,7 +652,7 @@ def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
                         "before any round: nothing to calibrate")
     if not args.calibration_out:
         return
-    fitted = [math.floor(args.calibration_split * len(ps)) for ps in prompts.values()]
+    fitted = [fit_requests(args.calibration_split, len(ps)) for ps in prompts.values()]
     if not any(fitted):
         sizes = " / ".join(str(len(ps)) for ps in prompts.values())
         raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} "

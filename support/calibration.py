@@ -215,7 +215,7 @@ def calibration_report(rec: dict, split: float, requests: list[int], bins: int =
     # The fit part: the first `split` of every dataset's requests.
     fit = np.zeros(rounds, dtype=bool)
     for d in np.unique(ds):
-        boundary = math.floor(split * requests[d])
+        boundary = fit_requests(split, requests[d])
         fit |= (ds == d) & (rec["request"] < boundary)
     if not fit.any() or fit.all():
         report["sts_note"] = "too few requests to split into fit and held-out parts; no STS"
@@ -235,6 +235,12 @@ def calibration_report(rec: dict, split: float, requests: list[int], bins: int =
     report["sts_heldout"] = position_metrics(Cs, vh, ah, bins)
     report["_heldout"] = (Ch, vh, ah)
     return report
+
+
+def fit_requests(split: float, requests: int) -> int:
+    """How many of a dataset's first requests fit STS: floor(split x requests), the product rounded to
+    9 decimals first (0.29 x 100 is 28.999999999999996 in floating point)."""
+    return math.floor(round(split * requests, 9))
 
 
 def reliability_title(calibration: dict) -> str:

@@ -1215,3 +1215,8 @@ def test_a_temperature_at_the_grids_end_gets_a_note(env, tmp_path, capsys, monke
     monkeypatch.setattr(ev, "calibration_report", at_edge)
     _, _, err = run_eval(env, tmp_path, capsys, "--temperature", 1.0, "--calibration-out", tmp_path / "c.json")
     assert "note: STS temperatures at an end of their grid (0.05 to 20) at position 1" in err, err
+
+
+def test_the_fit_part_is_the_split_of_the_requests_without_float_error():
+    """floor(split x n), as documented: 0.29 of 100 requests is 29 (floating point made it 28)."""
+    assert cal.fit_requests(0.29, 100) == 29 and cal.fit_requests(0.5, 7) == 3 and cal.fit_requests(0.0, 5) == 0
