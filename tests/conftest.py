@@ -427,3 +427,34 @@ def render_chat(tok, prompt, thinking=False, system=None):
     if system is not None:
         turns.insert(0, {"role": "system", "content": system})
     return tok.render_messages(turns, add_generation_prompt=True, thinking=thinking)
+
+
+# ----------------------------------------------------------------------------------------
+# Tests write into temporary folders only: the checkout must look the same after the run.
+
+_SKIPPED_IN_CHECKOUT = {".git", "__pycache__", ".pytest_cache"}
+
+
+def _checkout_files() -> set[str]:
+    """Every file under the checkout, by relative path, less git's folder and Python's caches."""
+    found = set()
+    for folder, subfolders, files in os.walk(REPO_ROOT):
+        subfolders[:] = [s for s in subfolders if s not in _SKIPPED_IN_CHECKOUT and not s.endswith(".egg-info")]
+        for name in files:
+            found.add(os.path.relpath(os.path.join(folder, name), REPO_ROOT))
+    return found
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controlling process only, not xdist's workers
+        session.config._checkout_before = _checkout_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_checkout_before", None)
+    if before is None:
+        return
+    added = sorted(_checkout_files() - before)
+    if added:
+        print(f"\nthe tests wrote into the checkout: {', '.join(added[:10])}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -321,7 +321,7 @@ def test_eval_logs_every_drafters_config(tmp_path):
     with offline(tmp_path):
         rc, _, err = call(ev.main, [
             "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--drafter", other, "--data-dir", data,
-            "--datasets", "code", "--max-new-tokens", 4, "--no-progress", "--wandb"])
+            "--datasets", "code", "--max-new-tokens", 4, "--no-progress", "--wandb", "--out", tmp_path / "r.json"])
     assert rc == 0, err
     run = read_run(tmp_path)
     first = json.loads((DEMO / "drafter" / "config.json").read_text())
@@ -340,7 +340,7 @@ def test_rows_named_by_their_paths_each_get_one_wandb_section(tmp_path):
         rc, _, err = call(ev.main, [
             "--target", DEMO / "target", "--drafter", tmp_path / "x" / "drafter", "--drafter",
             tmp_path / "y" / "drafter", "--data-dir", data, "--datasets", "code", "--max-new-tokens", 4,
-            "--no-progress", "--wandb"])
+            "--no-progress", "--wandb", "--out", tmp_path / "r.json"])
     assert rc == 0, err
     keys = {k for row in read_run(tmp_path).history for k in row if k.endswith("/acceptance_length")}
     assert keys == {str(tmp_path / side / "drafter").replace("/", "|") + "/code/acceptance_length"
