@@ -367,6 +367,7 @@ def run(args: EvalArgs) -> dict:
             compile_cache = use_compile_cache(args.machine.compile_cache)
             machine = replace(args.machine, compile_cache=compile_cache)
             args = replace(args, machine=machine)
+        dist_init(args.machine.device, args.dist_timeout)  # before W&B: its failure must stop every rank
         with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
             return evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
     except BaseException:  # nothing written under the name taken: it goes

@@ -987,6 +987,7 @@ def run(args: Args) -> dict:
     if args.eval_every and args.eval_max_new_tokens >= context:
         raise UserError(f"--eval-max-new-tokens {args.eval_max_new_tokens}: leaves no room for a prompt in "
                         f"the context of --target {target} (max_position_embeddings {context})")
+    dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
     with runlog.logged_run(args, "train", "train.py", enabled=rank0()) as log:
         return train_drafter(args, log)
 

@@ -260,6 +260,7 @@ def run(args: Args) -> dict:
     if args.head_dim % 2:
         raise UserError(f"--head-dim {args.head_dim}: must be even (RoPE rotates its two halves)")
     tokenizer_source(args)
+    dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
     with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0()) as log:
         return train(args, log)
 

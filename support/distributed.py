@@ -128,6 +128,16 @@ def process_group():
     return None
 
 
+def from_rank0(value):
+    """Rank 0's value on every rank (a picklable object); one process: the value itself."""
+    dist = process_group()
+    if dist is None:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def all_sum(values: list[int], device: str) -> list[int]:
     if (dist := process_group()) is None:
         return values

@@ -254,15 +254,30 @@ def start(args, job_type: str, config: dict) -> Log:
 @contextlib.contextmanager
 def logged_run(args, job_type: str, program: str, enabled: bool = True):
     """The work inside a wandb run: yields a `Log` (None without --wandb or `enabled`), and finishes the run
-    however the work ends (exit code 0 and "finished", or as `_ending` says, the exception going on)."""
-    if not (args.wandb and enabled):
+    however the work ends (exit code 0 and "finished", or as `_ending` says, the exception going on).
+    Under torchrun, join the process group first: a run rank 0 cannot start stops every rank."""
+    if not args.wandb:
         yield None
         return
     import torch
 
-    config = {"program": program, **flat_fields(args), "torch": torch.__version__,
-              **code_version()}
-    log = start(args, job_type, config)
+    from support.distributed import from_rank0
+
+    log = None
+    error = None
+    if enabled:
+        config = {"program": program, **flat_fields(args), "torch": torch.__version__,
+                  **code_version()}
+        try:
+            log = start(args, job_type, config)
+        except UserError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error is not None:
+        raise UserError(error)
+    if log is None:
+        yield None
+        return
     try:
         yield log
     except BaseException as e:

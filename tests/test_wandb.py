@@ -603,3 +603,36 @@ def test_train_target_logs_the_config_json_it_writes(tmp_path):
             "--head-dim", 8, "--intermediate-size", 32, "--no-progress", "--wandb"])
     assert rc == 0, err
     assert read_run(tmp_path).config["target_config"] == json.loads((out / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------
+# torchrun: a run rank 0 cannot start stops every rank
+
+@pytest.mark.parametrize("program", ["train.py", "eval.py", "scripts/train_target.py"])
+def test_a_run_rank0_cannot_start_stops_every_rank(program, tmp_path):
+    """Rank 0 alone starts W&B; the others went on into the process group and waited for it until torchrun
+    killed them, 30 s later. Every rank now joins the group first and leaves on rank 0's error."""
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt_ids": list(range(3, 43))}) + "\n")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(x, y):\n    return x + y\n" * 20)
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "code.jsonl").write_text(json.dumps({"turns": [CODE[0]]}) + "\n")
+    flags = {
+        "train.py": ["--target", DEMO / "target", "--data-ids", ids, "--steps", 1, "--seq-len", 40,
+                     "--device", "cpu"],
+        "eval.py": ["--target", DEMO / "target", "--drafter", DEMO / "drafter", "--data-dir", evals,
+                    "--datasets", "code", "--max-new-tokens", 4],
+        "scripts/train_target.py": ["--data", corpus, "--tokenizer-from-corpus", "--vocab-size", 280, "--steps", 1,
+                                    "--seq-len", 16, "--hidden-size", 16, "--layers", 1, "--heads", 2,
+                                    "--kv-heads", 1, "--head-dim", 8, "--intermediate-size", 32, "--device", "cpu"],
+    }[program]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), WANDB_MODE="bogus",
+               WANDB_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO_ROOT / program), *map(str, flags), "--out", str(tmp_path / "out"), "--no-progress", "--wandb"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode != 0
+    assert p.stderr.count("error: --wandb: WANDB_MODE='bogus'") == 1, p.stderr[-3000:]
+    assert "Unable to shutdown process" not in p.stderr, p.stderr[-3000:]  # torchrun's SIGKILL after 30 s
