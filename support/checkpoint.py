@@ -283,7 +283,7 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
                         f"d2t/t2d maps) is not implemented; drafters here draft over the target's {vocab} tokens")
 
     def rename(key):
-        name = HEAD_RENAMES.get(key.removeprefix("model."), key.removeprefix("model."))
+        name = drafter_name(key)
         spelled[name] = key
         return name
 
@@ -298,14 +298,24 @@ def load_drafter(directory: str, target: Transformer, device="cpu",
         if not same_copy(t, param):
             raise UserError(f"{source}: drafter tensor {name!r} differs from the target's; "
                             "drafters share the target's embedding and lm_head")
-    with torch.device("meta"):
-        if cfg.layout == "eagle3":
-            drafter = Eagle3Drafter(cfg)
-        else:
-            drafter = Drafter(cfg)
+    drafter = drafter_shape(cfg)
     assign(drafter, tensors, source)
     attach(drafter, target, path)
     return drafter.eval().requires_grad_(False)
+
+
+def drafter_name(key: str) -> str:
+    """A drafter tensor's name in the models, from its name in the file."""
+    name = key.removeprefix("model.")
+    return HEAD_RENAMES.get(name, name)
+
+
+def drafter_shape(cfg: DrafterConfig) -> DrafterBase:
+    """The drafter `cfg` describes, on the meta device."""
+    with torch.device("meta"):
+        if cfg.layout == "eagle3":
+            return Eagle3Drafter(cfg)
+        return Drafter(cfg)
 
 
 # Random weights in a published shape
@@ -391,6 +401,32 @@ def stored_numbers(directory: str) -> int:
     return total
 
 
+def drafter_copied_bytes(directory: str, device, dtype: torch.dtype) -> int:
+    """What the CPU kernels would copy of the drafter in `directory`, built on the meta device from its
+    config.json and its weights' headers; 0 where they cannot be read (loading them then says why)."""
+    from safetensors import SafetensorError, safe_open
+
+    from support import cpu_kernels
+
+    if not cpu_kernels.copies(device, dtype):
+        return 0
+    path = os.path.join(directory, "config.json")
+    shapes = {}  # each weight as the models name it, on the meta device
+    spelled = {}
+    try:
+        raw = read_json(path)
+        for file in weight_files(directory):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = drafter_name(key)
+                    spelled[name] = key
+                    shapes[name] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+        cfg = drafter_config(raw, shapes, path, directory, spelled)
+    except (UserError, SafetensorError, OSError, ValueError):
+        return 0
+    return cpu_kernels.copied_bytes(drafter_shape(cfg), device, dtype)
+
+
 def check_target_memory(directory: str, device, dtype: torch.dtype, drafter: Optional[str] = None,
                         kernels: bool = True):
     """Before a weight is read, what loading will hold must fit in what is free on `device`: the target's
@@ -405,6 +441,8 @@ def check_target_memory(directory: str, device, dtype: torch.dtype, drafter: Opt
     if drafter is not None:
         whose = f"--target {directory} and --drafter {drafter}: their weights"
         drafter_bytes = stored_numbers(drafter) * dtype.itemsize
+        if kernels:
+            drafter_bytes += drafter_copied_bytes(drafter, device, dtype)
     check_memory([shape], device, dtype, whose, "a narrower --dtype, or a smaller model",
                  extra=drafter_bytes, kernels=kernels)
 

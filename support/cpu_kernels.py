@@ -254,11 +254,16 @@ def refresh(m: nn.Module):
             return
 
 
+def copies(device, dtype: torch.dtype) -> bool:
+    """Whether `install` copies weights on `device` in `dtype`: on a CPU in float32, the kernels available."""
+    on_cpu = torch.device(device).type == "cpu"
+    return on_cpu and dtype == torch.float32 and unavailable() is None
+
+
 def copied_bytes(m: nn.Module, device, dtype: torch.dtype) -> int:
     """What `install` would copy of `m` (built on any device, meta included) once it is on `device` in
     `dtype`: its fitting linear layers' weights on a CPU in float32 with the kernels available, else 0."""
-    on_cpu = torch.device(device).type == "cpu"
-    if not on_cpu or dtype != torch.float32 or unavailable() is not None:
+    if not copies(device, dtype):
         return 0
     fitting = [x.weight for x in m.modules() if type(x) is nn.Linear and _panel_shaped(x.weight)]
     return sum(w.numel() for w in fitting) * dtype.itemsize

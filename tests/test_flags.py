@@ -233,6 +233,33 @@ def test_a_checkpoint_pair_counts_its_drafters_files(monkeypatch):
     assert checkpoint.stored_numbers(f"{DEMO_DIR}/nowhere") == 0  # the load says why
 
 
+@pytest.mark.parametrize("drafter", ["drafter", "eagle3"])
+def test_the_drafters_cpu_kernels_copy_is_counted_before_loading(drafter, monkeypatch):
+    """The CPU kernels copy the drafter's linear layers as they copy the target's. The check counts that
+    copy from the drafter's config and headers, as the kernels would make it of the loaded drafter; a
+    memory that everything else fits in (with a tenth to spare) is refused for it."""
+    from speculate import DEMO_DIR
+    from support import checkpoint, cpu_kernels
+
+    if not cpu_kernels.copies("cpu", torch.float32):
+        pytest.skip(f"the CPU kernels are not built here: {cpu_kernels.unavailable()}")
+    target = f"{DEMO_DIR}/target"
+    drafter = f"{DEMO_DIR}/{drafter}"
+    loaded = speculate.load(target, drafter, cpu_kernels=False)
+    copy = cpu_kernels.copied_bytes(loaded.drafter, "cpu", torch.float32)
+    assert copy > 0 and checkpoint.drafter_copied_bytes(drafter, "cpu", torch.float32) == copy
+    assert checkpoint.drafter_copied_bytes(drafter, "cpu", torch.bfloat16) == 0  # the kernels take float32
+    with torch.device("meta"):
+        shape = model.Transformer(checkpoint.read_target_args(target))
+    rest = sum(p.numel() for p in shape.parameters()) * 4 + cpu_kernels.copied_bytes(shape, "cpu", torch.float32)
+    rest += checkpoint.stored_numbers(drafter) * 4
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: int(rest / 0.9) + 1)
+    monkeypatch.setattr(checkpoint, "load_target", None)  # reading the weights would be a TypeError
+    with pytest.raises(UserError, match=rf"^--target {target} and --drafter {drafter}: their weights need"):
+        checkpoint.load_models(target, drafter, device="cpu", dtype="float32")
+    checkpoint.check_target_memory(target, "cpu", torch.float32, drafter, kernels=False)  # no copy, it fits
+
+
 @pytest.mark.parametrize("setting,message", [
     (dict(ignore_eos="no"), "--ignore-eos: invalid value 'no' (True or False)"),
     (dict(verbose=1), "--verbose: invalid value 1 (True or False)"),
