@@ -107,7 +107,7 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS, tit
     for j, (ax, panel) in enumerate(zip(axes, panels)):
         count, _, observed = bin_stats(*panel["before"], bins)
         hist = ax.twinx()  # counts behind the rates
-        hist.bar(centres, count, width=1 / bins, color="0.88", label="rounds")
+        hist.add_collection(bars(centres, count, 1 / bins, color="0.88", label="rounds"))
         hist.set_ylim(0, max(int(count.max()), 1) / 0.9)
         hist.set_ylabel("rounds", color="0.45")
         hist.tick_params(axis="y", colors="0.45", labelsize="small")
@@ -115,7 +115,7 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS, tit
         ax.patch.set_visible(False)
         ax.plot([0, 1], [0, 1], color="0.5", linestyle="--", linewidth=1, label="perfect calibration")
         seen = count > 0
-        ax.bar(centres[seen], observed[seen], width=0.7 / bins, color="tab:blue", label="before STS")
+        ax.add_collection(bars(centres[seen], observed[seen], 0.7 / bins, color="tab:blue", label="before STS"))
         if panel.get("after") is not None:
             count_after, _, observed_after = bin_stats(*panel["after"], bins)
             seen = count_after > 0
@@ -131,6 +131,18 @@ def reliability_diagram(path: str, panels: list[dict], bins: int = ECE_BINS, tit
     for ax in axes[len(panels):]:
         ax.set_axis_off()
     _save(fig, path, fmt)
+
+
+def bars(centres: np.ndarray, heights: np.ndarray, width: float, **style):
+    """Bars from 0 as one artist: thousands of bins draw in a moment, where a patch each took minutes."""
+    from matplotlib.collections import PolyCollection
+
+    left = centres - width / 2
+    right = centres + width / 2
+    zero = np.zeros_like(heights)
+    corners = np.stack([np.stack([left, zero], -1), np.stack([left, heights], -1),
+                        np.stack([right, heights], -1), np.stack([right, zero], -1)], axis=1)
+    return PolyCollection(corners, linewidths=0, **style)
 
 
 def concurrency_plot(path: str, rows: list[dict]):

@@ -100,6 +100,17 @@ def test_reliability_diagram_without_sts_empty_bins_and_wrapping(tmp_path):
     read_png(png, plots.PANELS_PER_ROW * 3.6 * plots.DPI, 2 * 3.4 * plots.DPI)  # six panels wrap to two rows
 
 
+def test_many_bins_draw_as_one_artist_per_series(tmp_path, monkeypatch):
+    """--ece-bins goes to 10,000: a patch per bin made the diagram take minutes. Each series (rounds,
+    bars before STS) is one artist whatever the bins."""
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, fmt: drawn.append(fig))
+    plots.reliability_diagram(str(tmp_path / "rel.png"), PANELS, bins=5000)
+    (fig,) = drawn
+    shapes = sum(len(ax.patches) + len(ax.collections) for ax in fig.axes)
+    assert shapes < 10 * len(PANELS), shapes
+
+
 def test_bin_stats_bins_as_eval_ece():
     from support import calibration as cal
 
