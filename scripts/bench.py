@@ -822,8 +822,11 @@ def reference_row(runs: list[dict], with_drafter: bool, differ: dict) -> dict:
 def speed_ups(runs: dict, rows: list[dict], B: int, tree_budgets: list[int], dev: str, s: Settings) -> list[dict]:
     """The ratios within each repeat (adjacent runs), their median and range, printed; a row's own
     speed-up over autoregressive decoding is set on it."""
+    engine = "speculative"
+    if engine not in runs:  # no drafter: the reference loop is transformers' target alone
+        engine = "autoregressive"
     pairs = [("speculative", "autoregressive", f"speculative / autoregressive at batch {B}"),
-             ("speculative", "reference", "this engine / the reference loop at batch 1")]
+             (engine, "reference", "this engine / the reference loop at batch 1")]
     for budget in tree_budgets:
         pairs.append((f"tree {budget}", "autoregressive", f"tree {budget} / autoregressive at batch {B}"))
     ratios = []

@@ -83,6 +83,22 @@ def test_bench_rows_and_reference_agree(tmp_path, capsys):
     assert "at batch > 1 eager speculation on a CPU" in ratio_lines[-1], ratio_lines
 
 
+def test_without_a_drafter_the_engine_is_compared_with_the_reference_target(tmp_path, capsys):
+    """No --drafter: the reference loop is transformers' target decoding alone, and the engine's
+    autoregressive mode is what it is compared with."""
+    pytest.importorskip("transformers")
+    target = make_target(tmp_path / "t")
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--target", target, "--no-compile", "--batch-sizes", "1", "--prompt-len", "6",
+                     "--max-new-tokens", "8", "--reference", "True", "--repeats", "2", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.load(open(out))
+    assert [r["mode"] for r in result["rows"]] == ["autoregressive", "reference (transformers target)"]
+    (ratio,) = result["ratios"]
+    assert ratio["ratio"] == "this engine / the reference loop at batch 1" and len(ratio["runs"]) == 2
+    assert "this engine / the reference loop at batch 1: " in capsys.readouterr().out
+
+
 def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsys, monkeypatch):
     """With a --prompts-file at batch 1 the engine's row takes every prompt in turn; the reference loop's
     timed run does too (its tokens/s over all of them, its outputs checked against each)."""
