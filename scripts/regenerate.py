@@ -31,10 +31,12 @@ from support.cli import (  # noqa: E402
     UserError,
     check_ranges,
     cli_main,
+    dtype_name,
     flag,
     flat,
     flat_fields,
     resolve_device,
+    resolve_dtype,
     signals_deferred,
 )
 from support.files import (  # noqa: E402
@@ -189,8 +191,9 @@ def real_path(directory: Optional[str]) -> Optional[str]:
 
 
 def resume_key(args: Args, convs: list, target_dir: Optional[str],
-               drafter_dir: Optional[str]) -> dict:
-    """What OUT.partial's records depend on, by flag: a resume must agree."""
+               drafter_dir: Optional[str], device: str) -> dict:
+    """What OUT.partial's records depend on, by flag: a resume must agree (--dtype as it resolves on
+    `device`: not given is bfloat16 on a GPU, float32 on a CPU)."""
     digest = hashlib.sha256()
     for where, cid, msgs, _ in convs:
         digest.update(json.dumps([where, cid, msgs]).encode() + b"\n")
@@ -199,7 +202,7 @@ def resume_key(args: Args, convs: list, target_dir: Optional[str],
         "--target": real_path(target_dir),
         "--drafter": real_path(drafter_dir),
         "--prompts": prompts,
-        "--dtype": args.dtype,
+        "--dtype": dtype_name(resolve_dtype(args.dtype, device)),
         "--max-prompts": args.max_prompts,
         "--num-shards": args.num_shards,
         "--shard-index": args.shard_index,
@@ -572,7 +575,7 @@ def run(args: Args) -> dict:
     outputs = {"--out": args.out, "--out (its partial file)": partial,
                "--out (its resume file)": done_path}
     check_outputs(outputs, inputs=[target_dir, drafter_dir, *prompt_files(args.prompts)])
-    key = resume_key(args, convs, target_dir, drafter_dir)
+    key = resume_key(args, convs, target_dir, drafter_dir, device)
     fd, created = claim(partial, args.out)
     try:
         return regenerate(args, device, settings, mine, key, target_dir, drafter_dir, fd)

@@ -244,6 +244,8 @@ def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
 
     refused("--temperature", 0, needle=f"--temperature 0.0: {partial} was started with --temperature 0.7; ")
     refused("--seed", 5, needle="--seed 5: ")
+    # started without --dtype on a CPU: float32, as it resolved there
+    refused("--dtype", "bfloat16", needle=f"--dtype bfloat16: {partial} was started with --dtype float32; ")
     refused("--top-k", 5, needle="--top-k 5: ")
     refused("--max-context", 100, needle="--max-context 100: ")
     refused("--max-prompts", 3, needle="--max-prompts 3: ")
@@ -254,6 +256,16 @@ def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
             needle=f"--prompts {tmp_path / 'prompts.jsonl'}: its records changed")
     os.utime(target / "model.safetensors", ns=(1, 1))  # the model replaced in place
     refused(needle=f"--target {target}: its files changed")
+
+
+def test_a_resume_compares_the_dtype_a_run_resolved(tmp_path, monkeypatch):
+    """Not given, --dtype is float32 on a CPU: a resume that names it continues the run. (Compared as given,
+    it was refused here, and a run started on a CPU resumed on a GPU in bfloat16 unseen.)"""
+    partial = killed_run(tmp_path, monkeypatch, "o.jsonl", 3, "--chunk-size", 1)
+    assert partial.read_text().count("\n") == 1
+    records, _ = regen(tmp_path, "o.jsonl", "--chunk-size", 1, "--resume", "--dtype", "float32")
+    whole, _ = regen(tmp_path, "whole.jsonl", "--chunk-size", 1)
+    assert records == whole
 
 
 @pytest.mark.parametrize("files,flags,needle", [
