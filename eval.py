@@ -51,6 +51,7 @@ from support.distributed import (
     all_gather_list,
     all_max,
     dist_init,
+    from_rank0,
     process_group,
     rank0,
     sum_counts,
@@ -368,7 +369,7 @@ def run(args: EvalArgs) -> dict:
             machine = replace(args.machine, compile_cache=compile_cache)
             args = replace(args, machine=machine)
         dist_init(args.machine.device, args.dist_timeout)  # before W&B: its failure must stop every rank
-        with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0) as log:
+        with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0, from_rank0=from_rank0) as log:
             return evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
     except BaseException:  # nothing written under the name taken: it goes
         nothing_written = os.path.isfile(args.out) and os.path.getsize(args.out) == 0

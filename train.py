@@ -56,7 +56,7 @@ from support.cli import (
     resolve_dtype,
 )
 from support.configs import config_json, eagle3_config_json
-from support.distributed import dist_init, rank0
+from support.distributed import dist_init, from_rank0, rank0
 from support.eval_report import dataset_figures
 from support.files import directory_problem, write_json
 from support.text import Tokenizer, auto_chat
@@ -988,7 +988,7 @@ def run(args: Args) -> dict:
         raise UserError(f"--eval-max-new-tokens {args.eval_max_new_tokens}: leaves no room for a prompt in "
                         f"the context of --target {target} (max_position_embeddings {context})")
     dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
-    with runlog.logged_run(args, "train", "train.py", enabled=rank0()) as log:
+    with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0) as log:
         return train_drafter(args, log)
 
 

@@ -36,7 +36,7 @@ from support.data import (  # noqa: E402
     read_texts,
     read_windows,
 )
-from support.distributed import dist_init, rank0  # noqa: E402
+from support.distributed import dist_init, from_rank0, rank0  # noqa: E402
 from support.files import atomic_write, read_json, write_json  # noqa: E402
 from support.text import Tokenizer, read_tokenizer_file  # noqa: E402
 from support.trainer import (  # noqa: E402
@@ -261,7 +261,8 @@ def run(args: Args) -> dict:
         raise UserError(f"--head-dim {args.head_dim}: must be even (RoPE rotates its two halves)")
     tokenizer_source(args)
     dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
-    with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0()) as log:
+    with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
+                           from_rank0=from_rank0) as log:
         return train(args, log)
 
 

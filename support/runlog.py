@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from support.cli import Interrupted, UserError, first_line, flag, flat_fields
 from support.files import read_json
@@ -252,16 +252,16 @@ def start(args, job_type: str, config: dict) -> Log:
 
 
 @contextlib.contextmanager
-def logged_run(args, job_type: str, program: str, enabled: bool = True):
+def logged_run(args, job_type: str, program: str, enabled: bool = True,
+               from_rank0: Callable = lambda error: error):
     """The work inside a wandb run: yields a `Log` (None without --wandb or `enabled`), and finishes the run
     however the work ends (exit code 0 and "finished", or as `_ending` says, the exception going on).
-    Under torchrun, join the process group first: a run rank 0 cannot start stops every rank."""
+    Under torchrun, with the process group joined and `distributed.from_rank0` given, a run that rank 0
+    cannot start stops every rank."""
     if not args.wandb:
         yield None
         return
     import torch
-
-    from support.distributed import from_rank0
 
     log = None
     error = None
