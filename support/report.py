@@ -72,7 +72,7 @@ class Printer:
                 if c.acceptance_length is not None:
                     tau = f", τ {c.acceptance_length:.2f}"
                 print(f"--- request {c.request + 1} of {self.n} ({who}): "
-                      f"{len(c.output_ids)} tokens, {c.finish_reason}{tau} ---")
+                      f"{n_tokens(len(c.output_ids))}, {c.finish_reason}{tau} ---")
             if c.text is not None:
                 print(c.text)
             else:
@@ -105,11 +105,18 @@ def figure(x: Optional[float]) -> str:
     return f"{x:.2f}"
 
 
+def n_tokens(n: int) -> str:
+    """"1 token", "8 tokens"."""
+    if n == 1:
+        return "1 token"
+    return f"{n} tokens"
+
+
 def figures_line(name: str, summary: dict, c: dict, engine) -> str:
     """The one line of figures printed after a decode."""
     seconds = summary["prefill_seconds"] + summary["decode_seconds"]
     tau = figure(summary["acceptance_length"])
-    line = (f"{name}: {c['tokens']} tokens in {seconds:.2f} s, "
+    line = (f"{name}: {n_tokens(c['tokens'])} in {seconds:.2f} s, "
             f"{summary['tokens_per_second']:.1f} tokens/s, τ={tau}")
     if engine.drafter is not None and c["num_rounds"]:
         rates = " ".join(map(figure, summary["accept_rate_by_position"]))

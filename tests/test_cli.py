@@ -98,6 +98,17 @@ def test_budget_eos_and_round_records(target_factory, tmp_path):
     assert req["output_ids"] == out[:first + 1] and req["finish_reason"] == "stop"
 
 
+def test_one_token_is_said_in_the_singular(tiny_target):
+    """A request that ends on its prefill token: "1 token", in the request's header and the figures line."""
+    rc, out, err = run_captured(["--target", tiny_target.path, "--prompt-ids", "3,4,5", "--num-samples", 2,
+                                 "--max-new-tokens", 1])
+    assert rc == 0, err
+    assert out.count(": 1 token, length ---") == 2 and "autoregressive: 2 tokens in" in out, out
+    rc, out, err = run_captured(["--target", tiny_target.path, "--prompt-ids", "3,4,5", "--max-new-tokens", 1])
+    assert rc == 0, err
+    assert "autoregressive: 1 token in" in out, out
+
+
 def test_mixed_batch_rows_stop_independently(target_factory, tmp_path):
     t = target_factory(eos_token_id=None, generation_eos_token_id=None)
     trace = tmp_path / "t.jsonl"
