@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+import typing
 from typing import Annotated, Callable, Optional
 
 import torch
@@ -170,8 +171,37 @@ def flag_names(args_class) -> list[str]:
     return names
 
 
-def parse_error_line(event, args_class) -> Optional[str]:
-    """One of tyro's parse-error events as one line; None for a kind not rendered here (tyro's box)."""
+def switch_names(args_class) -> list[str]:
+    """The on/off flags (--x / --no-x) of a program's dataclass, as `flag_names` names them."""
+    names = []
+    hints = typing.get_type_hints(args_class)
+    for f in dataclasses.fields(args_class):
+        group = flag_group(f)
+        if group is not None:
+            names += switch_names(type(group))
+        elif hints[f.name] in (bool, Optional[bool]):
+            names.append(flag(f.name))
+    return names
+
+
+def switch_before(value: str, argv: list[str], switches: list[str]) -> Optional[str]:
+    """The on/off flag that `value` was given to (`--compile True`, `--compile=True`), or None."""
+    for i, token in enumerate(argv):
+        name, equals, given = token.partition("=")
+        if equals and given == value:
+            before = name
+        elif token == value and i > 0:
+            before = argv[i - 1]
+        else:
+            continue
+        if before.replace("--no-", "--", 1) in switches:
+            return before
+    return None
+
+
+def parse_error_line(event, args_class, argv: list[str]) -> Optional[str]:
+    """One of tyro's parse-error events on `argv` as one line; None for a kind not rendered here (tyro's
+    box)."""
     kind = type(event).__name__
     if kind == "UnrecognizedArgs":
         first = event.tokens[0]
@@ -179,6 +209,11 @@ def parse_error_line(event, args_class) -> Optional[str]:
             shown = first
             if not first.strip():
                 shown = repr(first)
+            switch = switch_before(first, argv, switch_names(args_class))
+            if switch is not None:  # a flag that takes a value would have taken it
+                on = switch.replace("--no-", "--", 1)
+                off = on.replace("--", "--no-", 1)
+                return f"{switch}: takes no value ({shown} given): {on} or {off}"
             return f"{shown}: unexpected (no flag before it takes a value; --help lists the flags)"
         name = first.split("=")[0]
         known = flag_names(args_class)
@@ -227,9 +262,13 @@ def parse_flags(args_class, argv: Optional[list[str]]):
     except ImportError:
         return tyro.cli(args_class, args=argv)
 
+    given = argv
+    if given is None:
+        given = sys.argv[1:]
+
     def refuse(event):
         try:
-            line = parse_error_line(event, args_class)
+            line = parse_error_line(event, args_class, [str(a) for a in given])
         except AttributeError:  # another tyro's private events: its own box
             return
         if line is not None:

@@ -204,7 +204,10 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path):
     (["--temp", "0"], "--temp: no such flag (did you mean --temperature?)"),
     (["--nope"], "--nope: no such flag (--help lists the flags)"),
     (["--max-new-tokens"], "--max-new-tokens: no value given (expects {None}|INT)"),
-    (["--compile", "x"], "x: unexpected (no flag before it takes a value; --help lists the flags)"),
+    (["--compile", "x"], "--compile: takes no value (x given): --compile or --no-compile"),
+    (["--compile=True"], "--compile: takes no value (True given): --compile or --no-compile"),
+    (["--no-compile", "False"], "--no-compile: takes no value (False given): --compile or --no-compile"),
+    (["--max-new-tokens", "3", "3"], "3: unexpected (no flag before it takes a value; --help lists the flags)"),
     (["-x"], "-x: no such flag (--help lists the flags)"),
     ([""], "'': unexpected (no flag before it takes a value; --help lists the flags)"),
 ])
@@ -218,7 +221,7 @@ def test_flags_tyro_rejects_are_one_line_errors(argv, line):
 
 def test_a_tyro_whose_parse_events_differ_prints_its_own_box(capsys, monkeypatch):
     """The hook reads tyro's private events; where their fields differ, tyro's own message, not a traceback."""
-    def other_fields(event, args_class):
+    def other_fields(event, args_class, argv):
         raise AttributeError("'UnrecognizedArgs' object has no attribute 'tokens'")
     monkeypatch.setattr(cli, "parse_error_line", other_fields)
     with pytest.raises(SystemExit) as e:
