@@ -489,10 +489,14 @@ def start_machine(machine: Machine, s) -> str:
     threads = set_threads(machine.threads)
     if s.compile:
         cache = use_compile_cache(machine.compile_cache)
-        print("loading the models; compiling the round next "
-              "(a first compile takes minutes on a CPU, then it is "
-              f"cached in {cache})", file=sys.stderr)
+        print(compiling_line(cache), file=sys.stderr)
     return threads
+
+
+def compiling_line(cache: str) -> str:
+    """What a run that compiles says before its models load."""
+    return ("loading the models; compiling the round next "
+            f"(a first compile takes minutes on a CPU, then it is cached in {cache})")
 
 
 # speculate.py's command line

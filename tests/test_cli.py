@@ -356,6 +356,23 @@ def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, mo
     assert lines[0].startswith("loading the models; compiling the round next") and "cached in" in lines[0], err
 
 
+def test_eval_compile_says_where_its_cache_is(tmp_path, monkeypatch, capsys):
+    """eval.py --compile, as speculate.py, names the compile cache before the models load."""
+    import eval as ev
+    from support.cli import UserError
+
+    def stop(*args, **kwargs):
+        raise UserError("stopped at loading")
+    monkeypatch.setattr(ev, "load_models", stop)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cc"))  # set by the run; restored after the test
+    assert ev.main(["--max-samples", "1", "--compile", "--compile-cache", str(tmp_path / "cc"),
+                    "--out", str(tmp_path / "r.json")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "error: stopped at loading", lines
+    assert f"loading the models; compiling the round next (a first compile takes minutes on a CPU, then it is " \
+           f"cached in {tmp_path / 'cc'})" in lines, lines
+
+
 def test_a_drafter_without_its_target_says_it_needs_the_target():
     """--drafter alone (no --target): the line says the drafter needs the target it was trained for, not
     only that no target directory was given."""
