@@ -541,9 +541,11 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
 
     def results(engine, complete: bool, public_calibration=None, **more) -> dict:
         """results.json: the first row's datasets at the top (one drafter's run), every row after;
-        `engine`: the latest row's (its compile time goes into the config)."""
+        `engine`: the latest row's."""
         revisions = hub_revisions([args.target, *args.drafter], [target_dir, *drafter_dirs])
-        run_config = config(args, world, K, engine, drafters, chat, s.compile, m, skipped, revisions)
+        compile_seconds = sum(row["compile_seconds"] for row in done)
+        run_config = config(args, world, K, engine, compile_seconds, drafters, chat, s.compile, m, skipped,
+                            revisions)
         record = {"config": run_config, "complete": complete}
         record.update(more)
         record["datasets"] = done[0]["datasets"]
@@ -559,8 +561,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             parts = None  # each dataset's rounds, for the calibration
             if calibrates:
                 parts = []
-            done.append({"label": row.label, "drafter": row.directory,
-                         "tree_budget": row.tree_budget, "datasets": entries})
+            done.append({"label": row.label, "drafter": row.directory, "tree_budget": row.tree_budget,
+                         "compile_seconds": engine.compile_seconds, "datasets": entries})
             snapshot = functools.partial(results, engine, False)
             decoder.decode_datasets(row, engine, s, entries, parts, snapshot)
             if calibrates:
@@ -832,14 +834,14 @@ def hub_revisions(given: list[str], directories: list[str]) -> dict:
     return revisions
 
 
-def config(args: EvalArgs, world: int, K: int, engine, drafters: list, chat: bool, compile: bool, m,
-           skipped_files: list, revisions: Optional[dict] = None) -> dict:
+def config(args: EvalArgs, world: int, K: int, engine, compile_seconds: float, drafters: list, chat: bool,
+           compile: bool, m, skipped_files: list, revisions: Optional[dict] = None) -> dict:
     """results.json's config: the flags as given, and what the run resolved them to (`revisions`:
-    `hub_revisions`)."""
+    `hub_revisions`; `compile_seconds`: every row's compile)."""
     drafter_config = one_or_list([d.cfg.describe(args.decode.draft_length) for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = dtype_name(m.dtype)
-    return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=engine.compile_seconds,
+    return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
                 dtype_resolved=dtype, batch_size_resolved=engine.max_batch,
                 scheduler_resolved=engine.scheduler.kind, skipped=skipped, hub_revisions=revisions or {})

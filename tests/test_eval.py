@@ -945,12 +945,22 @@ def test_one_drafters_calibration_applies_to_its_tree_curve(env, tmp_path, capsy
     assert "and this run compares 2 drafters" in capsys.readouterr().err
 
 
-def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, capsys):
+def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, capsys, monkeypatch):
     """--drafter repeated: a row each, datasets as columns with the mean, as the paper's Table 1 reads;
     --tree-budget N adds a block drafter's chain and its tree at 4, 8, ... N. results.json holds every row
-    (its top-level "datasets" are the first row's)."""
+    (its top-level "datasets" are the first row's), each with its engine's compile time; the config's is
+    their sum."""
     from drafters import make_eagle3
 
+    built = []
+    row_engine = ev.row_engine
+
+    def timed_engine(*args):
+        engine = row_engine(*args)
+        built.append(engine)
+        engine.compile_seconds = float(len(built))  # as if compiled: 1, 2, 3, ... seconds
+        return engine
+    monkeypatch.setattr(ev, "row_engine", timed_engine)
     eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=3)
     out = tmp_path / "r.json"
     base = ["--target", env["target"], "--data-dir", env["data"], "--datasets", "gsm8k,mt-bench", "--max-samples", "2",
@@ -966,6 +976,8 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     res = json.loads(out.read_text())
     assert [r["label"] for r in res["rows"]] == labels and [r["tree_budget"] for r in res["rows"]] == [0, 4, 8, 0]
     assert res["datasets"] == res["rows"][0]["datasets"] and res["complete"] is True
+    assert [r["compile_seconds"] for r in res["rows"]] == [1.0, 2.0, 3.0, 4.0]
+    assert res["config"]["compile_seconds"] == 10.0
     for line, row in zip(table[2:], res["rows"]):
         taus = [e["acceptance_length"] for e in row["datasets"]]
         assert line.split()[-3:] == [f"{taus[0]:.2f}", f"{taus[1]:.2f}", f"{sum(taus) / 2:.2f}"]
@@ -1146,11 +1158,11 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
         return SimpleNamespace(cfg=SimpleNamespace(describe=lambda num_drafts=None: name))
 
     args = ev.EvalArgs(target="t", datasets="gsm8k, aime25,custom")
-    engine = SimpleNamespace(compile_seconds=1.5, max_batch=4, scheduler=SimpleNamespace(kind="none"))
+    engine = SimpleNamespace(max_batch=4, scheduler=SimpleNamespace(kind="none"))
     m = SimpleNamespace(dtype=torch.float32)
     skipped_files = [os.path.join("data", "eval", "aime25.jsonl")]  # resolve_datasets' second list
     for drafters, want in [([], None), ([drafter("a")], "a"), ([drafter("a"), drafter("b")], ["a", "b"])]:
-        c = ev.config(args, 2, 7, engine, drafters, True, False, m, skipped_files)
+        c = ev.config(args, 2, 7, engine, 1.5, drafters, True, False, m, skipped_files)
         assert c["drafter_config"] == want
         assert c["skipped"] == ["aime25"]  # as named, without the space around it
         assert (c["world_size"], c["num_drafts"], c["compile_seconds"]) == (2, 7, 1.5)
