@@ -454,6 +454,30 @@ def test_a_warmed_engine_reused_after_another_engine_resized_the_caches(tmp_path
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+def test_a_compiled_engine_built_by_hand_compiles_before_its_clock_starts(pair):
+    """Engine(compile=True) without warmup(): generate warms it up first, so the compile is counted in
+    compile_seconds, not in decode_seconds, and the round decodes with guards cut as make_engine's does."""
+    from support.checkpoint import load_drafter, load_target
+
+    target_dir, drafter_dir = pair
+    target = load_target(target_dir)
+    engine = speculate.Engine(target, load_drafter(drafter_dir, target), batch_size=1, max_seq=64,
+                              compile=True)
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def warmup():
+        order.append("warmup")
+        raise Stop  # what came before it is what this test checks; no graph is compiled
+    engine.warmup = warmup
+    engine.step = lambda *args: order.append("round")
+    with pytest.raises(Stop):
+        engine.generate([speculate.Request(0, [5, 6, 7])], 8)
+    assert order == ["warmup"] and engine.decode_seconds == 0.0
+
+
 def test_a_compile_cache_error_names_where_its_path_came_from(tmp_path, monkeypatch):
     """A bad $TORCHINDUCTOR_CACHE_DIR is named as itself, not as a --compile-cache nobody gave; an empty one is
     refused, not replaced by the default in silence."""

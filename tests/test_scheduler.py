@@ -536,6 +536,30 @@ def test_an_engine_built_by_hand_schedules_only_with_an_sps_table(env, kind):
     assert reqs[0].output_ids
 
 
+def test_sps_is_profiled_as_a_decode_finds_its_graphs(env, monkeypatch):
+    """A warmed compiled engine decodes with guard evaluation cut (`Engine.stance`); SPS(B) is the rate of
+    those rounds, so its dummy rounds run in that same stance."""
+    import contextlib
+
+    from support.checkpoint import load_drafter
+
+    target = load_target(env["target"])
+    engine = speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=2, max_seq=64,
+                              scheduler="hardware")
+    inside = []
+    rounds = []
+
+    @contextlib.contextmanager
+    def stance():
+        inside.append(True)
+        yield
+        inside.pop()
+    monkeypatch.setattr(engine, "stance", stance)
+    monkeypatch.setattr(engine, "dummy_round", lambda b: rounds.append(bool(inside)))
+    sched.profile_sps(engine)
+    assert len(rounds) == 8 * len(engine.scheduler.profile_points) and all(rounds)
+
+
 def test_eager_sps_is_the_isotonic_step_time_interpolated(env):
     from support.checkpoint import load_drafter
 
