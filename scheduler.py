@@ -291,20 +291,25 @@ def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buc
     return resolved
 
 
-def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
-    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round."""
+def parse_buckets(text: Optional[str], batch_size: int, batch: int, drafter) -> Optional[list[int]]:
+    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round at
+    --batch-size. An engine of fewer rows (fewer requests) keeps the buckets below its own full round,
+    then that."""
     if text is None:
         return None
     buckets = sorted(parse_ints(text, "--verify-buckets"))  # checked in `resolve`
-    need = batch * (drafter.cfg.num_drafts + 1)
+    width = drafter.cfg.num_drafts + 1
+    need = batch_size * width
     largest = buckets[-1]
     if largest != need:  # the largest holds a full round; a larger graph would only cost memory
         side = "below"
         if largest > need:
             side = "above"
         raise UserError(f"--verify-buckets: the largest bucket {largest} is {side} {need}, the tokens of a "
-                        f"full round (batch {batch} x {drafter.cfg.num_drafts + 1})")
-    return buckets
+                        f"full round (--batch-size {batch_size} x {width})")
+    full = batch * width
+    smaller = [b for b in buckets if b < full]
+    return smaller + [full]
 
 
 SPS_RANGE = (1e-6, 1e9)  # rounds per second a table may hold: a minute-long round to a nanosecond one

@@ -109,8 +109,8 @@ class Settings:
     written there. Without it, profiled at start and not kept."""
     verify_buckets: Optional[str] = None
     """Comma-separated token counts a scheduled round's verification is padded to (one compiled graph
-    each), the largest batch x (drafts + 1). Default: compiled 1,2,3,4,6,8,12,... up to that; eager,
-    exact."""
+    each), the largest --batch-size x (drafts + 1); fewer requests than --batch-size cut it to theirs.
+    Default: compiled 1,2,3,4,6,8,12,... up to that; eager, exact."""
     compile: AutoBool = None
     """torch.compile the round. None: on for cuda, off for cpu (a first compile takes minutes)."""
     compile_mode: Optional[Literal[CHOICES["compile_mode"]]] = None
@@ -120,7 +120,8 @@ class Settings:
     """With --compile: show what compiling prints (autotuning tables)."""
     kernels: Literal[CHOICES["kernels"]] = "torch"
     """Markov chain, sampled acceptance, cache attention: torch or kernels.py's Triton (cuda; cpu under
-    TRITON_INTERPRET=1)."""
+    TRITON_INTERPRET=1, which runs outside compiled graphs only: compiled on a cpu, the round runs the
+    torch references)."""
     tree_budget: int = 0
     """Draft a tree of this many nodes a round instead of a chain (0: the chain): the block's most likely
     continuations, best first (with a Markov head each branch is conditioned on its own parent's token;

@@ -183,6 +183,23 @@ def env(tmp_path_factory):
     return scheduler_env(tmp_path_factory.mktemp("async"))
 
 
+def test_buckets_for_the_batch_size_serve_fewer_requests(env, tmp_path):
+    """--verify-buckets ends at --batch-size x (K + 1); with fewer requests the engine's batch is theirs, and
+    the buckets are cut to its full round (they were refused as above it, naming a batch never given)."""
+    from support.checkpoint import load_models
+
+    flags = ["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3", "--max-new-tokens", 6,
+             "--scheduler", "threshold", "--confidence-threshold", "0.5", "--batch-size", 4]
+    rc, out, err = run_captured(flags + ["--verify-buckets", "3,8,20"])  # K = 4: a full round of 4 rows is 20
+    assert rc == 0, err
+    rc, _, err = run_captured(flags + ["--verify-buckets", "3,8,10"])
+    assert rc == 2 and "the largest bucket 10 is below 20, the tokens of a full round (--batch-size 4 x 5)" in err
+    m = load_models(env["target"], env["drafter"])
+    assert sched.parse_buckets("3,8,20", 4, 1, m.drafter) == [3, 5]
+    assert sched.parse_buckets("3,5,20", 4, 1, m.drafter) == [3, 5]
+    assert sched.parse_buckets("3,8,20", 4, 4, m.drafter) == [3, 8, 20]
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--scheduler", "async", "--confidence-threshold", "0.5"], "--scheduler threshold"),
     (["--scheduler", "async", "--verify-buckets", "2,4"], "largest bucket 4"),
