@@ -592,8 +592,9 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
 
     def checkpoint(step):
         if main:
-            files = publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
-            written.append(os.path.join(args.out, f"checkpoint-{step}"))
+            with signals_deferred():  # a stop during the save names what it published (the previous one is gone)
+                files = publish_checkpoint(args.out, step, lambda directory: save(directory, step, opt))
+                written.append(os.path.join(args.out, f"checkpoint-{step}"))
             if args.wandb_artifacts:  # the checkpoint's model files, not whatever else --out holds
                 aliases = [f"step-{step}", "latest"]
                 metadata = {"step": step}

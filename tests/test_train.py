@@ -593,6 +593,32 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
     assert (out / "model.safetensors").read_text().endswith(".checkpoint-3.tmp")
 
 
+def test_a_stop_during_a_save_names_the_checkpoint_it_published(tiny_target, tmp_path, monkeypatch, capsys):
+    """A SIGINT while checkpoint-2 is written waits for it, and the line names checkpoint-2: it named
+    checkpoint-1, which the save had just removed."""
+    import signal
+
+    from support import trainer
+
+    publish = trainer.publish_checkpoint
+
+    def signalled_at_step_2(out, step, write):
+        def write_and_signal(directory):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            write(directory)
+        return publish(out, step, write_and_signal)
+    monkeypatch.setattr(trainer, "publish_checkpoint", signalled_at_step_2)
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 3,
+                                      "--anchors-per-seq", 4, *SMALL, "--save-every", 1, "--no-progress"]])
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert rc == 130 and last == f"interrupted by SIGINT: stopped; what was written: {out / 'checkpoint-2'}", err
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-1").exists()
+
+
 def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_path, monkeypatch):
     """On a terminal the bar is closed before the interruption's line, which starts a line of its own (it
     was written after the bar's last frame, and the bar drawn again below it); the line says what is kept."""
