@@ -100,6 +100,11 @@ class UserError(Exception):
     """A user mistake: printed as one line naming the file, key, flag or value, exit status 2."""
 
 
+class RankError(UserError):
+    """A failure one process of several meets alone (its line names its rank): printed by every rank, not
+    rank 0's alone."""
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM: keep what is finished, exit 128 + the signal (no `except Exception` catches it)."""
 
@@ -281,9 +286,9 @@ def parse_flags(args_class, argv: Optional[list[str]]):
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,
              rank0: Callable[[], bool] = lambda: True) -> int:
     """A program's main(): tyro's flags, then `run(args)`; a UserError (a bad flag's included) is one
-    line on stderr (rank 0) and exit 2, a file the system refused one line and exit 1, SIGINT/SIGTERM
-    raise `Interrupted` in the run and exit 128 + the signal, and a reader of stdout that went away
-    (`| head`) exits quietly, 128 + SIGPIPE."""
+    line on stderr (rank 0's; a RankError's from the rank that met it) and exit 2, a file the system
+    refused one line and exit 1, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 + the
+    signal, and a reader of stdout that went away (`| head`) exits quietly, 128 + SIGPIPE."""
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
         if hasattr(stream, "reconfigure") and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
@@ -296,7 +301,7 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
         with mode:
             run(args)
     except UserError as e:
-        if rank0():
+        if rank0() or isinstance(e, RankError):
             print(f"error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:

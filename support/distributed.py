@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from support.cli import UserError, device_name, first_line
+from support.cli import RankError, UserError, device_name, first_line
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), for MFU estimates: the first
 # whose name the GPU's holds, so the PCIe and NVL cards come before the SXM ones of their name.
@@ -76,6 +76,20 @@ def torchrun_env(environ=None) -> tuple[int, int, int]:
     return rank, world, vals.get("LOCAL_RANK", 0)
 
 
+def check_gpus(rank: int, world: int, local: int):
+    """One GPU a process. torchrun's count of processes on this machine (LOCAL_WORLD_SIZE) is the same on
+    each, so every process refuses too many with the same line; without it, or contradicting LOCAL_RANK,
+    only the ranks past the last GPU know, and each says so."""
+    gpus = torch.cuda.device_count()
+    here = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if here.isdigit() and int(here) > gpus:
+        raise UserError(f"torchrun runs {int(here)} processes on this machine, which has {gpus} GPU(s): "
+                        f"--nproc_per_node {gpus} at most (one GPU a process)")
+    if local >= gpus:
+        raise RankError(f"rank {rank} of {world}: LOCAL_RANK={local} but this machine has {gpus} GPU(s) "
+                        f"(one GPU a process)")
+
+
 def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
     """(rank, world size, device) after joining torchrun's process group (gloo on cpu, nccl on cuda, the
     rank's LOCAL_RANK GPU); one process without torchrun's variables. Waiting for the other processes
@@ -95,9 +109,7 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available")
-        gpus = torch.cuda.device_count()
-        if local >= gpus:
-            raise UserError(f"torchrun environment: LOCAL_RANK={local} but only {gpus} GPU(s)")
+        check_gpus(rank, world, local)
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     if not dist.is_initialized():

@@ -108,6 +108,28 @@ def test_inconsistent_torchrun_variables_are_one_line_errors(env, needle):
     assert distributed.torchrun_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) == (0, 1, 0)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_more_processes_than_gpus_is_one_line_on_every_rank(monkeypatch, rank):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: every rank refuses alike before joining the group
+    (rank 0 prints it; it would otherwise wait for the rank that stopped)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device before the check"))
+    env = {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as e:
+        distributed.dist_init("cuda", 1)
+    assert str(e.value) == ("torchrun runs 2 processes on this machine, which has 1 GPU(s): "
+                            "--nproc_per_node 1 at most (one GPU a process)")
+    # Launched by hand, without LOCAL_WORLD_SIZE: the rank past the last GPU says it itself.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    if rank == 1:
+        with pytest.raises(distributed.RankError, match="^rank 1 of 2: LOCAL_RANK=1 but this machine has 1 GPU"):
+            distributed.dist_init("cuda", 1)
+
+
 def test_a_missing_peer_times_out_with_a_message(tiny_target, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
