@@ -54,6 +54,7 @@ from support.distributed import (
     from_rank0,
     process_group,
     rank0,
+    run_and_leave,
     sum_counts,
     torchrun_env,
 )
@@ -848,13 +849,7 @@ def config(args: EvalArgs, world: int, K: int, engine, compile_seconds: float, d
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    def run_and_leave(args):
-        try:
-            run(args)
-        finally:
-            if (dist := process_group()) is not None:
-                dist.destroy_process_group()
-    return cli_main(EvalArgs, run_and_leave, argv, rank0=rank0)
+    return cli_main(EvalArgs, run_and_leave(run), argv, rank0=rank0)
 
 
 if __name__ == "__main__":

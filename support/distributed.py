@@ -4,7 +4,8 @@ variables checked, the process group joined with a timeout; one process without 
 from __future__ import annotations
 
 import os
-from typing import Optional
+import re
+from typing import Callable, Optional
 
 import torch
 
@@ -92,8 +93,9 @@ def check_gpus(rank: int, world: int, local: int):
 
 def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
     """(rank, world size, device) after joining torchrun's process group (gloo on cpu, nccl on cuda, the
-    rank's LOCAL_RANK GPU); one process without torchrun's variables. Waiting for the other processes
-    (and every later collective) gives up after timeout_s with a one-line UserError."""
+    rank's LOCAL_RANK GPU); one process without torchrun's variables. Waiting for the other processes gives
+    up after timeout_s with a one-line UserError; a later collective that another process left or does not
+    join in timeout_s fails with gloo's error, which `run_and_leave` makes one line."""
     rank, world, local = torchrun_env()
     if world == 1:
         return 0, 1, device
@@ -128,6 +130,33 @@ def dist_init(device: str, timeout_s: float) -> tuple[int, int, str]:
                             "start every process (torchrun --nproc_per_node N) "
                             "or raise --dist-timeout") from None
     return rank, world, device
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether a collective failed because another process stopped or did not answer in time: gloo's
+    transport error (a RuntimeError whose message starts with its source file's path), not a bug's."""
+    return isinstance(e, RuntimeError) and re.match(r"\[[^\]]*gloo/transport/", str(e)) is not None
+
+
+def run_and_leave(run: Callable) -> Callable:
+    """`run(args)`, then out of the process group if it joined one. A collective that fails because
+    another process stopped or did not answer within --dist-timeout (`peer_lost`) is one line from the
+    rank that met it, whichever it is (a RankError; a process that stopped on an error said so in its
+    own line); any other error goes on."""
+    def run_in_group(args):
+        try:
+            return run(args)
+        except RuntimeError as e:
+            if not peer_lost(e):
+                raise
+            rank, world, _ = torchrun_env()
+            what = first_line(e).split("] ", 1)[-1].split(". ")[0]  # without gloo's source file
+            raise RankError(f"rank {rank} of {world}: another process stopped or did not answer within "
+                            f"--dist-timeout {args.dist_timeout:g} s ({what})") from None
+        finally:
+            if (dist := process_group()) is not None:
+                dist.destroy_process_group()
+    return run_in_group
 
 
 # Collectives: every rank a shard, raw counts summed (one process: the values as they are)

@@ -20,7 +20,7 @@ from support import runlog
 from support.checkpoint import read_weights
 from support.cli import SEED_RANGE, Interrupted, UserError, check_ranges, cli_main, flag, signals_deferred
 from support.data import JSON_SUFFIXES, TEXT_SUFFIXES
-from support.distributed import peak_tflops, rank0
+from support.distributed import peak_tflops, rank0, run_and_leave
 from support.files import (
     atomic_write,
     check_input,
@@ -720,10 +720,4 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
 
 
 def train_main(args_class, run_fn, argv: Optional[list[str]] = None) -> int:
-    def run_and_leave(args):
-        try:
-            return run_fn(args)
-        finally:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-    return cli_main(args_class, run_and_leave, argv, inference=False, rank0=rank0)
+    return cli_main(args_class, run_and_leave(run_fn), argv, inference=False, rank0=rank0)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -177,6 +179,69 @@ def test_no_gloo_thread_outlives_the_process_group(tmp_path):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         assert "gloo" not in out, out
+
+
+PEER_LEAVES = """
+import dataclasses, sys, time
+import torch.distributed as dist
+from support.distributed import dist_init
+from support.trainer import train_main
+
+@dataclasses.dataclass
+class Args:
+    dist_timeout: float = 60.0
+
+def run(args):
+    rank, _, _ = dist_init("cpu", args.dist_timeout)
+    if rank == 0:
+        return  # leaves the group: rank 1's barrier finds it gone
+    time.sleep(1)
+    dist.barrier()
+
+sys.exit(train_main(Args, run))
+"""
+
+
+def test_a_process_that_left_is_one_line_from_the_rank_that_meets_it(tmp_path):
+    """A collective whose peer has gone (stopped with its own line, or killed) is one line from the rank
+    that met it (rank 1 here: not rank 0's alone), exit 2, no gloo traceback."""
+    script = tmp_path / "peer_leaves.py"
+    script.write_text(PEER_LEAVES)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    (_, err0), (_, err1) = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 0, err0
+    assert procs[1].returncode == 2, err1
+    lines = err1.strip().splitlines()
+    assert len(lines) == 1, err1
+    assert lines[0].startswith("error: rank 1 of 2: another process stopped or did not answer within "
+                               "--dist-timeout 60 s (Connection closed by peer"), err1
+
+
+def test_only_gloos_lost_peer_is_one_line():
+    """Gloo's transport errors (a peer gone, a timeout) are one line; any other RuntimeError keeps its
+    traceback."""
+    def fails(message):
+        def run(args):
+            raise RuntimeError(message)
+        return distributed.run_and_leave(run)
+
+    args = SimpleNamespace(dist_timeout=5.0)
+    gone = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+            "for recv operation to complete")
+    with pytest.raises(distributed.RankError, match=r"^rank 0 of 1: .* --dist-timeout 5 s \(Timed out waiting "
+                                                    r"5000ms for recv operation to complete\)$"):
+        fails(gone)(args)
+    for bug in ("a bug's error", "[x.cc:1] Timed out waiting", "CUDA error: gloo/transport/ in a message"):
+        with pytest.raises(RuntimeError, match=re.escape(bug)):
+            fails(bug)(args)
 
 
 @pytest.mark.parametrize("flags,needle", [
