@@ -698,7 +698,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         module.eval()
         checkpoint(end)
     except Interrupted as e:  # the interruption's line names the checkpoint a --resume continues from
-        e.written = written[-1:]
+        e.written = written[-1:] + (e.written or [])  # and the evaluation's file, when one stopped
         e.hint = "--save-every N keeps finished steps"
         if start > 0:
             e.hint = f"the checkpoint it resumed from is as it was; {e.hint}"

@@ -654,6 +654,39 @@ def test_an_interruption_line_starts_below_the_training_bar(tiny_target, tmp_pat
         assert lines[-2] == f"interrupted by SIGINT: stopped; {kept}", err.getvalue()
 
 
+def test_an_interrupted_evaluation_names_its_file_beside_the_checkpoint(tiny_target, tmp_path, monkeypatch):
+    """Stopped during --eval-every's evaluation, after its first dataset: the line names the checkpoint a
+    --resume continues from and the partial eval_step<N>.json eval.py wrote."""
+    import signal
+
+    import eval as evaluation
+
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    for name in ("a", "b"):
+        (evals / f"{name}.jsonl").write_text(json.dumps({"turns": ["hello world"]}) + "\n")
+    format_table = evaluation.format_table
+
+    def signal_after_the_first_dataset(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return format_table(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "format_table", signal_after_the_first_dataset)
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = train.main([str(a) for a in ["--target", tiny_target.path, "--data-ids", ids, "--out", out,
+                                          "--steps", 2, "--anchors-per-seq", 4, *SMALL, "--eval-every", 1,
+                                          "--eval-data-dir", evals, "--eval-datasets", "a,b",
+                                          "--eval-max-new-tokens", 4, "--no-progress"]])
+    last = err.getvalue().splitlines()[-1]
+    assert rc == 130
+    assert last == (f"interrupted by SIGINT: stopped; what was written: {out / 'checkpoint-1'}, "
+                    f"{out / 'eval_step1.json'}"), err.getvalue()
+    assert json.loads((out / "eval_step1.json").read_text())["interrupted"] is True
+
+
 def test_a_full_disk_while_saving_is_one_line_and_leaves_no_temporary_checkpoint(tiny_target, tmp_path):
     """A checkpoint the system cannot write (here a file-size limit, as a full disk fails it): one line naming
     the file, exit 1, no temporary checkpoint left. safetensors' own error was a traceback."""
