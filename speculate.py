@@ -28,7 +28,7 @@ from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
 from support import cpu_kernels, flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
-from support.cli import UserError, cli_main
+from support.cli import UserError, cli_main, one_process
 from support.flags import Args, Settings
 from support.report import Report
 from support.text import StopStrings, check_prompts, encode
@@ -1004,6 +1004,7 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
 
 def run(args: Args) -> dict:
     """Everything `python speculate.py` does; returns the summary (and every request's output ids)."""
+    one_process("speculate.py", "eval.py is the program that runs data-parallel")
     args, demo, lead = flags.resolve_demo(args, DEMO_DIR)
     s = flags.check_command_line(args)
     if args.random_init is None:

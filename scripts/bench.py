@@ -73,6 +73,7 @@ from support.cli import (
     flag,
     flat,
     free_memory,
+    one_process,
     parse_ints,
     resolve_device,
     resolve_dtype,
@@ -854,6 +855,7 @@ def speed_ups(runs: dict, rows: list[dict], B: int, tree_budgets: list[int], dev
 
 
 def run(args: BenchArgs) -> list[dict]:
+    one_process("bench.py", "it measures one process's decoding")
     batch_sizes, s = check_args(args)
     # what the --out config says ran: greedy when no temperature is given
     args = replace(args, decode=replace(args.decode, temperature=s.temperature))

@@ -57,6 +57,7 @@ from support.cli import (
     dtype_name,
     flag,
     flat,
+    one_process,
     parse_ints,
     resolve_device,
     resolve_dtype,
@@ -179,6 +180,7 @@ TIMING = ("total tokens/s = all requests' tokens / (prefill + decode wall second
 
 def run(args: ConcurrencyArgs) -> list[dict]:
     """Total and per-request tokens/s against concurrency for every scheduler (and autoregressive)."""
+    one_process("bench_concurrency.py", "it measures one process serving its requests")
     levels, schedulers, s = check_args(args)
     target_dir, drafter_dir, prompts_file = checked_inputs(args)
     if s.compile:

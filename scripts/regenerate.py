@@ -35,6 +35,7 @@ from support.cli import (  # noqa: E402
     flag,
     flat,
     flat_fields,
+    one_process,
     resolve_device,
     resolve_dtype,
     signals_deferred,
@@ -563,9 +564,8 @@ def out_paths(out: str) -> tuple[str, str, str]:
 
 def run(args: Args) -> dict:
     """Everything `python scripts/regenerate.py` does; returns counts."""
-    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):  # every rank would write the same records
-        raise UserError("regenerate.py runs as one process, not under torchrun: run one a GPU with "
-                        "--num-shards N --shard-index i, each with its own --out (docs/training.md)")
+    one_process("regenerate.py", "run one a GPU with --num-shards N --shard-index i, each with its own "
+                "--out (docs/training.md)")
     device = resolve_device(args.device)
     settings = checked_settings(args, device)
     convs, mine = this_shards_conversations(args)

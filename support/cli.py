@@ -164,6 +164,18 @@ def signals_deferred():
                 os.kill(os.getpid(), pending[0])
 
 
+def one_process(program: str, instead: str):
+    """A program that runs as one process refuses torchrun, whose every process would do all the work and
+    write the same files: one line, from rank 0, exit 2. The other ranks leave without a word and with
+    status 0: torchrun stops every process once one fails, rank 0 then perhaps before its line. instead:
+    what to run for several processes or GPUs."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "1"):
+        return
+    if os.environ.get("RANK", "0").strip() != "0":
+        sys.exit(0)
+    raise UserError(f"{program} runs as one process, not under torchrun: {instead}")
+
+
 def flag_names(args_class) -> list[str]:
     """The flags of a program's dataclass, its flat groups' included (bool flags without --no-)."""
     names = []

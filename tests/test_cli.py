@@ -604,3 +604,31 @@ def test_a_scripts_help_says_which_decode_flags_it_reads(script, reads, refused)
     assert reads in description and "; any other is refused." in description, description
     for name in refused:
         assert name not in description.split("; any other")[0]
+
+
+@pytest.mark.parametrize("program,argv", [
+    ("speculate.py", []),
+    ("scripts/bench.py", []),
+    ("scripts/bench_concurrency.py", []),
+    ("scripts/regenerate.py", ["--target", "demo/target", "--prompts", "p.jsonl", "--out", "o.jsonl"]),
+])
+def test_one_process_programs_refuse_torchrun_in_one_line(program, argv, monkeypatch, capsys):
+    """Under torchrun each process would do all the work and write the same files: refused, one line in all
+    (rank 0's; the other ranks leave silently, with 0 lest torchrun stop rank 0 before its line), before
+    anything runs."""
+    import importlib
+
+    path = REPO_ROOT / program
+    monkeypatch.syspath_prepend(str(path.parent))
+    module = importlib.import_module(path.stem)
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "0")
+    assert module.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path.name} runs as one process, not under torchrun: "), err
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        module.main(argv)
+    assert e.value.code == 0 and capsys.readouterr().err == ""
