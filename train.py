@@ -70,6 +70,7 @@ from support.trainer import (
     checkpoint_dir,
     layer_params,
     optimize,
+    out_held,
     refuse_unused,
     save_state,
     save_tensors,
@@ -987,9 +988,10 @@ def run(args: Args) -> dict:
     if args.eval_every and args.eval_max_new_tokens >= context:
         raise UserError(f"--eval-max-new-tokens {args.eval_max_new_tokens}: leaves no room for a prompt in "
                         f"the context of --target {target} (max_position_embeddings {context})")
-    dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
-    with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0) as log:
-        return train_drafter(args, log)
+    with out_held(args.out, rank0()):
+        dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
+        with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0) as log:
+            return train_drafter(args, log)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

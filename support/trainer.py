@@ -4,6 +4,7 @@ checkpoints (each renamed into place whole, then named by --out/latest) and exac
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -439,6 +440,34 @@ def check_out_dir(args: TrainArgs, inputs):
     problem = folder_write_problem(folder)  # no probe file: another rank may be listing the folder
     if problem:
         raise UserError(f"--out {out}: cannot write in {folder} ({problem})")
+
+
+@contextlib.contextmanager
+def out_held(out: str, main: bool):
+    """--out locked for the run by rank 0 (main), before any work: a second run writing the same --out at
+    the same time is refused, not let to replace this one's log and checkpoints. The lock is the directory
+    itself's (flock), so no file is added to it; --out is made here if missing, and removed again if the
+    run leaves it empty."""
+    if not main:
+        yield
+        return
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"--out {out}: another run is writing it now; give each run its own --out") from None
+        except OSError as e:  # a filesystem without locks (NFS mounted nolock): unguarded, said once
+            print(f"warning: --out {out}: cannot be locked ({e.strerror}); a second run writing it at the "
+                  f"same time would not be refused", file=sys.stderr)
+        yield
+    finally:
+        os.close(fd)
+        if made:
+            with contextlib.suppress(OSError):  # removed only while empty
+                os.rmdir(out)
 
 
 def folder_write_problem(folder: str) -> Optional[str]:

@@ -534,6 +534,40 @@ def test_run_stopped_before_its_first_checkpoint_leaves_out_usable(tiny_target, 
     assert "--resume" not in err
 
 
+def test_a_second_run_writing_the_same_out_at_once_is_refused(tiny_target, tmp_path, monkeypatch):
+    """Run 1 (here its lock, held by the test) writes --out before its first checkpoint: run 2 on the same
+    --out is one line, before any work, and leaves run 1's log as it was (it took it for a stopped run's
+    and wrote its own). No file is added to --out, and one a run made and left empty goes."""
+    import fcntl
+
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / trainer.LOG_JSONL).write_text('{"step": 1}\n')
+    flags = ["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 2, "--anchors-per-seq", 4,
+             *SMALL]
+    held = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # run 1's
+        rc, _, err = run_train(flags)
+    finally:
+        os.close(held)
+    assert rc == 2 and err == f"error: --out {out}: another run is writing it now; give each run its own --out\n"
+    assert os.listdir(out) == [trainer.LOG_JSONL] and (out / trainer.LOG_JSONL).read_text() == '{"step": 1}\n'
+    rc, res, err = run_train(flags)  # run 1 gone: its log a stopped run's
+    assert rc == 0 and "starting afresh" in err and trainer.LOG_JSONL in os.listdir(out), err
+    seen = []
+
+    def fails(args, log):
+        seen.append(os.path.isdir(args.out))
+        raise UserError("stopped before writing")
+
+    monkeypatch.setattr(train, "train_drafter", fails)
+    fresh = tmp_path / "fresh"
+    rc, _, err = run_train([a if a != out else fresh for a in flags])
+    assert rc == 2 and seen == [True] and not fresh.exists(), err
+
+
 def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_path, monkeypatch):
     """A write that fails: the half-written checkpoint goes (it was left as .checkpoint-N.tmp); Ctrl-C while
     the files are written or switched: it takes effect once the checkpoint is whole and named (a Ctrl-C
