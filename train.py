@@ -988,8 +988,8 @@ def run(args: Args) -> dict:
     if args.eval_every and args.eval_max_new_tokens >= context:
         raise UserError(f"--eval-max-new-tokens {args.eval_max_new_tokens}: leaves no room for a prompt in "
                         f"the context of --target {target} (max_position_embeddings {context})")
-    with out_held(args.out, rank0()):
-        dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
+    dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
+    with out_held(args.out, rank0(), from_rank0):
         with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0) as log:
             return train_drafter(args, log)
 

@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 import torch
 
@@ -443,28 +443,34 @@ def check_out_dir(args: TrainArgs, inputs):
 
 
 @contextlib.contextmanager
-def out_held(out: str, main: bool):
+def out_held(out: str, main: bool, from_rank0: Callable = lambda error: error):
     """--out locked for the run by rank 0 (main), before any work: a second run writing the same --out at
     the same time is refused, not let to replace this one's log and checkpoints. The lock is the directory
     itself's (flock), so no file is added to it; --out is made here if missing, and removed again if the
-    run leaves it empty."""
-    if not main:
-        yield
-        return
-    made = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
-    fd = os.open(out, os.O_RDONLY)
-    try:
+    run leaves it empty. Under torchrun (the group joined, `distributed.from_rank0` given), a refusal stops
+    every rank."""
+    fd = None
+    made = False
+    error = None
+    if main:
+        made = not os.path.isdir(out)
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(f"--out {out}: another run is writing it now; give each run its own --out") from None
+            error = f"--out {out}: another run is writing it now; give each run its own --out"
         except OSError as e:  # a filesystem without locks (NFS mounted nolock): unguarded, said once
             print(f"warning: --out {out}: cannot be locked ({e.strerror}); a second run writing it at the "
                   f"same time would not be refused", file=sys.stderr)
+    error = from_rank0(error)
+    try:
+        if error is not None:
+            raise UserError(error)
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         if made:
             with contextlib.suppress(OSError):  # removed only while empty
                 os.rmdir(out)

@@ -358,3 +358,24 @@ def test_a_gpus_peak_is_its_own_cards(monkeypatch):
         monkeypatch.setattr(distributed, "device_name", lambda device, name=name: name)
         assert distributed.peak_tflops("cuda:0") == peak, name
     assert distributed.peak_tflops("cpu") is None
+
+
+def test_a_locked_out_stops_every_rank_at_once(tiny_target, tmp_path):
+    """Rank 0 alone locks --out. Every rank joins the group first and leaves on its refusal: the others
+    went into the group and waited for rank 0 until torchrun killed them, 30 s later."""
+    import fcntl
+
+    from test_train import write_ids
+
+    ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
+    out = tmp_path / "o"
+    out.mkdir()
+    held = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run's
+        p = torchrun(["--target", tiny_target.path, "--data-ids", ids, "--out", out, *SMALL], tmp_path)
+    finally:
+        os.close(held)
+    assert p.returncode != 0
+    assert p.stderr.count(f"error: --out {out}: another run is writing it now") == 1, p.stderr[-3000:]
+    assert "Unable to shutdown process" not in p.stderr, p.stderr[-3000:]  # torchrun's SIGKILL after 30 s
