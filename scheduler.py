@@ -191,10 +191,12 @@ class Scheduler:
         self.sps = None
         self.measured = False  # whether `set_sps` gave SPS a table: until then it is flat
         self.capacity = None  # async's C, the draft graph's input (`fixed`)
-        if kind == "hardware":
-            self.sps = torch.ones(top + 1, dtype=torch.float64, device=device)
-        elif kind == "async":
-            self.sps = torch.ones(top + 1, dtype=torch.float64)
+        if kind in SPS_KINDS:
+            sps_device = device
+            if kind == "async":
+                sps_device = "cpu"  # read by the search on the host
+            self.sps = torch.ones(top + 1, dtype=torch.float64, device=sps_device)
+        if kind == "async":
             self.capacity = torch.zeros((), dtype=torch.long, device=device)
         self.route: Optional[list[int]] = None
         self.reset()

@@ -606,6 +606,17 @@ def test_a_new_kind_without_its_branch_is_not_run_as_none(monkeypatch):
         s(torch.full((2, 4), 0.9), torch.ones(2, dtype=torch.bool))
 
 
+def test_a_new_kind_that_reads_sps_gets_its_curve(monkeypatch):
+    """docs/hacking.md: a new schedule that reads SPS(B) is added to SPS_KINDS; the scheduler keeps its curve
+    by that membership, so make_engine's set_sps fills it rather than failing on a missing one."""
+    monkeypatch.setattr(sched, "KINDS", sched.KINDS + ("mine",))
+    monkeypatch.setattr(sched, "SPS_KINDS", sched.SPS_KINDS + ("mine",))
+    s = sched.Scheduler("mine", 4, 2)
+    points = s.profile_points
+    s.set_sps({"steps_per_second": [1 / (1 + b) for b in points]})
+    assert s.measured and s.sps.tolist()[points[0]] == pytest.approx(1 / (1 + points[0]))
+
+
 # ----------------------------------------------------------------------------------------
 # Ties: a confidence equal to θ, an admission that leaves Θ unchanged, two capacities of equal worth
 
