@@ -13,10 +13,9 @@ import os
 
 import torch
 
-from model import attend_cached as cached_attention_reference
+import model
+import sampling  # the references, looked up at each call: a version patched there is the fallback too
 from sampling import NO_FILTERS, Filters, filter_logits
-from sampling import accept_sampled as accept_sampled_reference
-from sampling import markov_chain as markov_chain_reference
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 triton = tl = None  # imported on first use: Triton picks interpreter or GPU when first imported
@@ -102,8 +101,8 @@ def markov_chain(base_logits, hidden, anchor, markov, temperature: float, noise,
             or base_logits.dtype not in _ROUND_CODE
             or w2.dtype not in _ROUND_CODE
             or not _triton_ok(base_logits)):
-        return markov_chain_reference(base_logits, hidden, anchor, markov, temperature, noise,
-                                      filters=filters)
+        return sampling.markov_chain(base_logits, hidden, anchor, markov, temperature, noise,
+                                     filters=filters)
     kern = _kernels()
     dev = base_logits.device
     R = w1.shape[1]
@@ -171,8 +170,8 @@ def accept_sampled(drafts, q, target_logits, verify_len, temperature: float, u, 
     V = target_logits.shape[-1]
     dev = target_logits.device
     if not (_triton_ok(target_logits) and target_logits.dtype in _ROUND_CODE):
-        return accept_sampled_reference(drafts, q, target_logits, verify_len, temperature,
-                                        u, noise, filters=filters)
+        return sampling.accept_sampled(drafts, q, target_logits, verify_len, temperature,
+                                       u, noise, filters=filters)
     if filters.active:
         target_logits = filter_logits(target_logits.float() / temperature, filters)
         temperature = 1.0
@@ -275,7 +274,7 @@ def cached_attention(q, k, v, bias):
             and hd & (hd - 1) == 0
             # the interpreter's bf16 tl.dot is wrong
             and not (_TRITON_IMPORT_INTERPRET and q.dtype == torch.bfloat16)):
-        return cached_attention_reference(q, k, v, bias)
+        return model.attend_cached(q, k, v, bias)
     G = H // Hkv
     q = _unit_stride(q)
     k = _unit_stride(k)

@@ -81,8 +81,8 @@ def no_fallback(monkeypatch):
     """Make the Triton functions' fallbacks fail loudly: a test using this really ran Triton."""
     def boom(*args, **kwargs):
         raise AssertionError("fell back to the plain-torch reference")
-    for name in ("markov_chain_reference", "accept_sampled_reference"):
-        monkeypatch.setattr(kernels, name, boom)
+    for name in ("markov_chain", "accept_sampled"):
+        monkeypatch.setattr(sampling, name, boom)
 
 
 # conftest's `gen`, written again here: `python tests/test_triton.py --device` runs this file as a
@@ -210,6 +210,31 @@ def test_markov_other_heads_fall_back_to_reference(head):
         out, q = kernels.markov_chain(U, h, a, m, T, noise)
         assert torch.equal(out, ref)
         assert (q is None) == (q_ref is None) and (q is None or torch.equal(q, q_ref))
+
+
+def test_a_fallback_runs_the_version_patched_in_sampling_and_model(monkeypatch):
+    """docs/hacking.md: a step replaced with monkeypatch.setattr(sampling, ...) is what runs, under
+    --kernels triton too where a kernel falls back (here: an rnn head, float64 logits, head dim 8)."""
+    import model
+
+    calls = []
+
+    def counted(name, reference):
+        def mine(*args, **kwargs):
+            calls.append(name)
+            return reference(*args, **kwargs)
+        return mine
+    monkeypatch.setattr(sampling, "markov_chain", counted("chain", REF_CHAIN))
+    monkeypatch.setattr(sampling, "accept_sampled", counted("accept", REF_SAMPLED))
+    monkeypatch.setattr(model, "attend_cached", counted("attention", model.attend_cached))
+    torch.manual_seed(0)
+    U, h, a = chain_inputs(2, 3, 100)
+    kernels.markov_chain(U, h, a, RNNMarkov(16, 100, 8).requires_grad_(False), 0.0, None)
+    drafts, q, logits, verify_len, u, noise = sampled_case(2, 3, 100, seed=0)
+    kernels.accept_sampled(drafts, q, logits.double(), verify_len, 1.0, u, noise)
+    q, k, v, allowed = attention_case(1, 2, 2, 2, 8, 10)
+    kernels.cached_attention(q, k, v, model.cache_bias(allowed, 1, torch.float32))
+    assert calls == ["chain", "accept", "attention"]
 
 
 def test_check_backend():
@@ -372,8 +397,6 @@ def test_engine_with_triton_kernels_decodes_like_the_references(tiny_pair, monke
 
     want = decode(False)
     # From here on, only Triton may run (greedy acceptance is torch's).
-    for name in ("markov_chain_reference", "accept_sampled_reference"):
-        monkeypatch.setattr(kernels, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
     for name in ("markov_chain", "accept_sampled"):
         monkeypatch.setattr(sampling, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("reference ran")))
     triton_attention = kernels.cached_attention
