@@ -74,7 +74,8 @@ class DrafterConfig:
 
 class VanillaMarkov(nn.Module):
     """b_k = W2 · W1[x_{k-1}]. A new head subclasses it, names its `kind`, and joins
-    MARKOV_HEADS."""
+    MARKOV_HEADS. `step` runs on rows: h [rows, H], prev [rows], state [rows, ...] or None ->
+    (bias [rows, V], state), the state one tensor (a draft tree gathers it by parent)."""
     kind = "vanilla"  # kernels.py has a Triton chain for this kind only
 
     def __init_subclass__(cls, **kwargs):

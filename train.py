@@ -197,13 +197,17 @@ def head_outputs(drafter: Drafter, h, prev):
     U = drafter.target.lm_head(h)  # [..., K, V] the block's own logits
     z = U
     if drafter.markov_head is not None:
-        # b_j, s_j = step(h_j, prev_j, s_{j-1}): the chain of decoding, on the labels instead of draws
+        # b_j, s_j = step(h_j, prev_j, s_{j-1}): the chain of decoding, on the labels instead of draws,
+        # on rows as decoding calls it: h [rows, H], prev [rows]
+        K, H = h.shape[-2:]
+        rows_h = h.reshape(-1, K, H)
+        rows_prev = prev.reshape(-1, K)
         biases = []
         state = None
-        for j in range(h.shape[-2]):
-            b, state = drafter.markov_head.step(h[..., j, :], prev[..., j], state)
+        for j in range(K):
+            b, state = drafter.markov_head.step(rows_h[:, j], rows_prev[:, j], state)
             biases.append(b)
-        z = U + torch.stack(biases, dim=-2)
+        z = U + torch.stack(biases, dim=1).view(U.shape)  # [rows, K, V] back to [..., K, V]
     conf = drafter.confidence_logit(h, prev)
     return z, conf
 

@@ -752,6 +752,30 @@ def test_heads_shared_by_inference_and_training(ck, target, markov):
         assert torch.equal(train.head_outputs(d, h, prev)[1], logit)  # training reads the same logits, uncalibrated
 
 
+@pytest.mark.parametrize("markov", list(dm.MARKOV_HEADS))
+def test_each_markov_head_steps_on_rows(markov):
+    """docs/hacking.md's contract, as the chain, the trees and training call a head: h [rows, H], prev [rows],
+    the state one tensor [rows, ...] or None; each row its own, so a tree may reorder rows (a node takes its
+    parent's) and get the same rows back, reordered."""
+    torch.manual_seed(0)
+    head = dm.MARKOV_HEADS[markov](H, V, 8).requires_grad_(False)
+    rows = 5
+    order = torch.tensor([3, 0, 4, 1, 2])
+    state = None
+    for _ in range(3):
+        h = torch.randn(rows, H)
+        prev = torch.randint(0, V, (rows,))
+        reordered_state = None
+        if state is not None:
+            reordered_state = state[order]
+        reordered_bias, reordered_next = head.step(h[order], prev[order], reordered_state)
+        bias, state = head.step(h, prev, state)
+        assert bias.shape == (rows, V) and torch.allclose(reordered_bias, bias[order], atol=1e-6)
+        if state is not None:
+            assert isinstance(state, torch.Tensor) and state.shape[0] == rows, type(state)
+            assert torch.allclose(reordered_next, state[order], atol=1e-6)
+
+
 def test_each_markov_head_steps_as_its_docstring_writes_it():
     """Each head's step against its formula written out with its weight matrices (vanilla: W2 W1[x]; gated:
     a sigmoid gate on W1[x] from [h ; W1[x]]; rnn: a state carried from step to step, zeros before the first)."""

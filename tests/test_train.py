@@ -25,7 +25,7 @@ from conftest import REPO_ROOT
 
 import speculate
 import train
-from drafter import MARKOV_HEADS
+from drafter import MARKOV_HEADS, VanillaMarkov
 from support import checkpoint, text, trainer
 from support.cli import UserError
 
@@ -187,10 +187,28 @@ def test_block_mask_is_the_definition():
 # ----------------------------------------------------------------------------------------
 # Training forward == inference
 
-@pytest.mark.parametrize("markov,confidence", [(head, True) for head in MARKOV_HEADS] + [("none", False)])
-def test_training_forward_equals_inference_drafter(tiny_target, markov, confidence):
+class RowsMarkov(VanillaMarkov):
+    """A head written on rows, as decoding calls it (h [rows, H], prev [rows]): nn.GRUCell takes no more."""
+    kind = "rows"
+
+    def __init__(self, H: int, V: int, r: int):
+        super().__init__(H, V, r)
+        self.cell = torch.nn.GRUCell(r + H, r)
+
+    def step(self, h, prev, state):
+        state = self.cell(torch.cat([self.markov_w1(prev), h], dim=-1), state)
+        return self.markov_w2(state), state
+
+
+HEADS_AND_ROWS = [(head, True) for head in MARKOV_HEADS] + [("rows", True), ("none", False)]
+
+
+@pytest.mark.parametrize("markov,confidence", HEADS_AND_ROWS)
+def test_training_forward_equals_inference_drafter(tiny_target, markov, confidence, monkeypatch):
     """One packed batch of anchors: each block's h, U, Markov logits and confidence equal drafter.Drafter's
-    cached path (commit_context of features < a, then drafter(anchor, a)), in float32."""
+    cached path (commit_context of features < a, then drafter(anchor, a)), in float32. The heads run on
+    the batch as drafter_loss passes it, [B, N, K, H], a head written on rows too."""
+    monkeypatch.setitem(MARKOV_HEADS, "rows", RowsMarkov)
     target = checkpoint.load_target(str(tiny_target.path))
     args = train.Args(block_size=4, depth=2, markov=markov, markov_rank=8, confidence=confidence,
                       confidence_with_markov=markov != "none", init_std=0.3, seed=3)
@@ -207,9 +225,16 @@ def test_training_forward_equals_inference_drafter(tiny_target, markov, confiden
         _, feats = target.hidden(tokens, capture=d.cfg.target_layer_ids)  # cache-free, causal
         h = train.block_forward(d, feats, tokens, anchors)[0]  # [N, K, H]
         labels = torch.cat([tokens[0], torch.zeros(K, dtype=torch.long)])
+        prevs = []  # [1, K] each, teacher-forced
+        for a in anchors[0].tolist():
+            prevs.append(torch.cat([tokens[0, a:a + 1], labels[a + 1:a + K]])[None])
+        z_all, conf_all = train.head_outputs(d, h[None], torch.stack(prevs, dim=1))  # [1, N, K, ...]
         for i, a in enumerate(anchors[0].tolist()):
-            prev = torch.cat([tokens[0, a:a + 1], labels[a + 1:a + K]])[None]  # [1, K] teacher-forced
-            z, conf = train.head_outputs(d, h[i][None], prev)
+            prev = prevs[i]
+            z = z_all[:, i]
+            conf = None
+            if conf_all is not None:
+                conf = conf_all[:, i]
             d.setup_caches(1, T + K)
             if a > 0:
                 d.commit_context(feats[:, :a], torch.arange(a)[None])
