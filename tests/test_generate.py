@@ -346,14 +346,20 @@ def test_stop_strings_without_a_tokenizer_are_an_error(fenv):
 # ----------------------------------------------------------------------------------------
 # The Python API
 
-def test_readme_api_example_runs():
-    """The README's Python example, run as written (it uses the committed demo pair)."""
+@pytest.mark.parametrize("edit", [None, ("max_new_tokens=32", "max_new_tokens=1")], ids=["as_written", "no_round"])
+def test_readme_api_example_runs(edit):
+    """The README's Python example, run as written (it uses the committed demo pair), and with one argument
+    changed so that every request ends before its first round (τ None)."""
     readme = (REPO_ROOT / "README.md").read_text()
     m = re.search(r"<!-- api-example -->\s*```python\n(.*?)```", readme, re.S)
     assert m, "README.md has no api-example block"
+    code = m.group(1)
+    if edit is not None:
+        assert edit[0] in code
+        code = code.replace(*edit)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(m.group(1), "README.md:api-example", "exec"), {"__name__": "readme"})
+        exec(compile(code, "README.md:api-example", "exec"), {"__name__": "readme"})
     assert out.getvalue().strip()
 
 
