@@ -637,6 +637,13 @@ class Engine:
             fix = "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path))"
             raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be "
                             f"verified; make_engine reads or profiles one, or call {fix} first")
+        longest = max((len(r.prompt_ids) for r in requests), default=0)
+        need = cache_length(longest, max_new_tokens, self.drafter, self.K, self.tree_budget)
+        if need > self.max_seq:  # longer prompts or a larger budget than the engine was sized for
+            asked = f"a {longest}-token prompt and --max-new-tokens {max_new_tokens}"
+            fix = f"make_engine for these prompts (or Engine(max_seq={need}))"
+            raise UserError(f"{asked} need {need} cache positions a row, and the engine holds "
+                            f"{self.max_seq}: {fix}")
         self.own_caches()
         for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
             cpu_kernels.refresh(m)
@@ -954,11 +961,6 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
     on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
     on_finish(completion) as each ends."""
     flags.check_engine_inputs(m, prompts, s, engine.drafter)
-    longest = max(map(len, prompts))
-    need = cache_length(longest, s.max_new_tokens, engine.drafter, engine.K, engine.tree_budget)
-    if need > engine.max_seq:  # an engine reused for longer prompts or a larger budget than it was built for
-        raise UserError(f"a {longest}-token prompt and --max-new-tokens {s.max_new_tokens} need {need} cache "
-                        f"positions a row, and the engine holds {engine.max_seq}: make_engine for these prompts")
     requests = requests_for(prompts, s.num_samples)
 
     def finished(req):

@@ -293,7 +293,7 @@ def side_engine(target, drafter, batch: int, max_seq: int, s: Settings, tree_bud
                     num_drafts=s.draft_length)
     if s.compile:
         engine.warmup()
-    room = max_seq - cache_length(0, 0, drafter)  # the prompt and budget the engine was sized for
+    room = max_seq - cache_length(0, 0, drafter, engine.K, tree_budget)  # the prompt and budget it holds
     prompt = [1, 2, 3][:room - 1]
     budget = min(8, room - len(prompt))
     engine.generate([Request(i, prompt) for i in range(batch)], budget)

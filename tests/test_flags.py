@@ -122,8 +122,25 @@ def test_decode_refuses_prompts_longer_than_its_engine_was_sized_for():
     engine = speculate.make_engine(m, m.drafter, [[1, 2, 3]], s, verbose=False)
     assert len(speculate.decode(m, [[4, 5]], s, engine)[0].output_ids) == 8
     with pytest.raises(UserError, match=r"^a 200-token prompt and --max-new-tokens 8 need \d+ cache positions a "
-                                        r"row, and the engine holds \d+: make_engine for these prompts$"):
+                                        r"row, and the engine holds \d+: make_engine for these prompts "
+                                        r"\(or Engine\(max_seq=\d+\)\)$"):
         speculate.decode(m, [list(range(5, 205))], s, engine)
+
+
+def test_an_engine_refuses_requests_longer_than_it_was_sized_for():
+    """Engine.generate, called by hand (api.md), checks as decode does, before any round: it was an
+    IndexError in the drafter after rounds had run."""
+    m = speculate.load()
+    engine = speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=24, temperature=0.0, seed=0)
+    need = speculate.cache_length(3, 30, m.drafter)
+    request = speculate.Request(0, [1, 2, 3])
+    with pytest.raises(UserError, match=rf"^a 3-token prompt and --max-new-tokens 30 need {need} cache positions a "
+                                        rf"row, and the engine holds 24: make_engine for these prompts "
+                                        rf"\(or Engine\(max_seq={need}\)\)$"):
+        engine.generate([request], 30)
+    assert request.output_ids == [] and request.started is None
+    engine.generate([request], 24 - need + 30)
+    assert len(request.output_ids) == 24 - need + 30
 
 
 def test_the_caches_a_model_holds_count_as_free_for_its_next_engine(monkeypatch):
