@@ -449,7 +449,7 @@ def row_settings(s: Settings, row: Row) -> Settings:
     draft_length = None
     if row.drafter is not None and row.drafter.cfg.layout == "eagle3":
         draft_length = s.draft_length
-    return replace(s, tree_budget=row.tree_budget, draft_length=draft_length)
+    return flags.derived(s, tree_budget=row.tree_budget, draft_length=draft_length)
 
 
 def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_dir: str,

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from types import FunctionType
 from typing import NamedTuple, Optional
 
@@ -1029,7 +1029,7 @@ def run(args: Args) -> dict:
             report.show_prompt()
             # the drafter's settings off: size_engine refuses both for an engine without a drafter
             # (check_drafter_settings)
-            no_drafter = replace(s, tree_budget=0, draft_length=None)
+            no_drafter = flags.derived(s, tree_budget=0, draft_length=None)
             plain = make_engine(m, None, prompts, no_drafter, max_seq=engine.max_seq)
             with report.decoding(plain, "autoregressive", files=False) as baseline:
                 decode(m, prompts, s, plain, on_round=baseline.on_round, on_finish=baseline.on_finish,

@@ -147,7 +147,11 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     """A `Settings` for a run on `device`, checked: types, ranges, spellings, then combinations
     (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
     a tuple, and no budget given the default `budget` (None: left for the caller). trees: whether the
-    run drafts trees (None: a --tree-budget was given; bench.py's --tree-budgets say it too)."""
+    run drafts trees (None: a --tree-budget was given; bench.py's --tree-budgets say it too). The result
+    is marked checked for `device` (`check_engine_inputs` reads the mark; `replace` drops it)."""
+    if isinstance(device, torch.device):  # the models' own, as generate passes it
+        device = str(device)
+    device = resolve_device(device)
     s = replace(s)  # the caller's settings stay as given
     if s.max_new_tokens is None:
         s.max_new_tokens = budget
@@ -228,7 +232,16 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
                             f"(the run is eager)")
         if s.verbose:
             raise UserError("--verbose: only used with --compile (the run is eager)")
+    s._checked_for = device  # not a field: neither a flag nor an API argument
     return s
+
+
+def derived(s: Settings, **changes) -> Settings:
+    """Checked settings with a program's own changes for one engine (its drafter's tree budget and
+    drafts), still marked checked: `replace` alone drops the mark, as a caller's edit must."""
+    d = replace(s, **changes)
+    d._checked_for = s._checked_for
+    return d
 
 
 @dataclass
@@ -393,8 +406,14 @@ def check_engine_inputs(m, prompts, s, drafter):
     """`make_engine`'s and `decode`'s models, their token-id prompts, checked as `generate` checks what it
     encodes, and their settings checked (`check_settings` resolves the scheduler)."""
     check_models(m)
-    if not isinstance(s, Settings) or s.scheduler is None:
+    device = m.target.embed_tokens.weight.device
+    checked_for = getattr(s, "_checked_for", None)
+    if not isinstance(s, Settings) or checked_for is None:
         raise UserError("settings: not checked; pass support.flags.check_settings(Settings(...), device)")
+    if torch.device(checked_for).type != device.type:  # compile and --kernels were resolved for it
+        raise UserError(f"settings: checked for device {checked_for!r}, and the models are on "
+                        f"{device.type}; pass support.flags.check_settings(Settings(...), "
+                        f"{device.type!r})")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise UserError(f"prompts: a non-empty list of token-id lists, got {repr(prompts)[:80]}")
     for i, p in enumerate(prompts):

@@ -537,11 +537,11 @@ def test_triton_interpret_set_after_triton_was_imported_says_so():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_triton_kernels_on_cuda_without_cuda_are_one_line(capsys):
-    """--kernels triton --device cuda where torch has no CUDA: one line, not torch's AssertionError from
-    building a tensor on the device."""
+    """--kernels triton --device cuda where torch has no CUDA: one line naming the device (checked with the
+    settings, first), not torch's AssertionError from building a tensor on the device."""
     rc = speculate.main(["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2", "--kernels", "triton",
                          "--device", "cuda"])
-    assert rc == 2 and capsys.readouterr().err == "error: --kernels triton: no CUDA device is available\n"
+    assert rc == 2 and capsys.readouterr().err == "error: --device cuda: no CUDA device is available\n"
 
 
 def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import fields
+import re
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_every_decode_flag_reaches_the_settings():
                                    confidence_threshold=0.4, compile=False, kernels="triton")
 
 
-def test_check_settings_resolves_defaults_without_touching_the_callers():
+def test_check_settings_resolves_defaults_without_touching_the_callers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "cuda" is checked as --device is
     given = speculate.Settings(confidence_threshold=0.5)
     s = flags.check_settings(given, "cpu")
     assert (s.max_new_tokens, s.scheduler, s.compile, s.stop) == (flags.DEFAULT_BUDGET, "threshold", False, ())
@@ -112,6 +114,45 @@ def test_the_api_refuses_what_only_the_api_can_give():
     s = flags.check_settings(speculate.Settings(draft_length=3), "cpu")
     with pytest.raises(UserError, match="--draft-length 3: sets how many drafts an Eagle3 drafter proposes; without a --drafter"):
         flags.check_no_drafter(s)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+@pytest.mark.parametrize("device,needle", [("gpu", "--device 'gpu': cpu, cuda or cuda:N"),
+                                           ("CPU", "--device 'CPU': cpu, cuda or cuda:N"),
+                                           ("cuda", "--device cuda: no CUDA device is available")])
+def test_check_settings_checks_its_device_as_load_does(device, needle):
+    with pytest.raises(UserError, match=f"^{re.escape(needle)}$"):
+        flags.check_settings(speculate.Settings(max_new_tokens=4), device)
+    with pytest.raises(UserError, match=f"^{re.escape(needle)}$"):
+        speculate.load(device=device)
+
+
+def test_make_engine_and_decode_refuse_settings_not_checked_for_the_models_device(monkeypatch):
+    """The mark of checked settings is check_settings' own, for the models' device: hand-built settings that
+    name a scheduler (they were taken unchecked), an edit of checked ones, and settings checked for cuda
+    (compile resolved on) given CPU models are each one line, before any work."""
+    m = speculate.load()
+    prompts = [[1, 2, 3]]
+    s = flags.check_settings(speculate.Settings(max_new_tokens=8), "cpu")
+    engine = speculate.make_engine(m, m.drafter, prompts, s, verbose=False)
+    unchecked = "settings: not checked; pass support.flags.check_settings(Settings(...), device)"
+    for bad in (speculate.Settings(scheduler="none", max_new_tokens=-3), speculate.Settings(scheduler="none"),
+                speculate.Settings(scheduler="none", max_new_tokens=4, batch_size=0),
+                replace(s, num_samples=0)):
+        with pytest.raises(UserError, match=f"^{re.escape(unchecked)}$"):
+            speculate.decode(m, prompts, bad, engine)
+        with pytest.raises(UserError, match=f"^{re.escape(unchecked)}$"):
+            speculate.make_engine(m, m.drafter, prompts, bad, verbose=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for_cuda = flags.check_settings(speculate.Settings(max_new_tokens=4), "cuda")
+    assert for_cuda.compile is True
+    other = ("settings: checked for device 'cuda', and the models are on cpu; "
+             "pass support.flags.check_settings(Settings(...), 'cpu')")
+    with pytest.raises(UserError, match=f"^{re.escape(other)}$"):
+        speculate.make_engine(m, m.drafter, prompts, for_cuda, verbose=False)
+    with pytest.raises(UserError, match=f"^{re.escape(other)}$"):
+        speculate.decode(m, prompts, for_cuda, engine)
+    assert len(speculate.decode(m, prompts, s, engine)[0].output_ids) == 8
 
 
 def test_decode_refuses_prompts_longer_than_its_engine_was_sized_for():
