@@ -985,9 +985,10 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
     s = flags.check_settings(Settings(**settings), device)
     if m.drafter is None:
         flags.check_no_drafter(s)
-    chat = flags.check_rendering(m.tokenizer, chat, system_prompt, thinking)
+    listed = flags.prompt_list(prompts)
+    chat = flags.check_rendering(m.tokenizer, chat, system_prompt, thinking, listed)
     ids = []
-    for i, p in enumerate(flags.prompt_list(prompts)):
+    for i, p in enumerate(listed):
         prompt_ids = encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt,
                             thinking=thinking)
         ids.append(prompt_ids)

@@ -41,7 +41,15 @@ from support.cli import (
 )
 from support.files import check_input, check_outputs, read_json
 from support.runlog import WandbFlags
-from support.text import StopStrings, auto_chat, check_chat_flags, check_prompts, encode, load_prompts
+from support.text import (
+    StopStrings,
+    auto_chat,
+    check_chat_flags,
+    check_chat_renders,
+    check_prompts,
+    encode,
+    load_prompts,
+)
 
 MAX_REQUESTS = 10_000_000
 MAX_TREE_BUDGET = 1024  # a draft tree's nodes at most
@@ -359,10 +367,10 @@ def python_bool(value):
     return value
 
 
-def check_rendering(tokenizer, chat, system_prompt, thinking) -> bool:
+def check_rendering(tokenizer, chat, system_prompt, thinking, prompts: list) -> bool:
     """`generate`'s chat, system_prompt and thinking, checked as --chat, --system-prompt and
-    --enable-thinking are: their types, then what the command line refuses of them. Returns chat resolved
-    for `tokenizer` (`auto_chat`)."""
+    --enable-thinking are: their types, then what the command line refuses of them (chat with `prompts`
+    all token ids, as --prompt-ids). Returns chat resolved for `tokenizer` (`auto_chat`)."""
     chat = python_bool(chat)
     thinking = python_bool(thinking)
     if chat is not None and not isinstance(chat, bool):
@@ -371,6 +379,7 @@ def check_rendering(tokenizer, chat, system_prompt, thinking) -> bool:
         raise UserError(f"--system-prompt: invalid value {system_prompt!r} (a string, or None)")
     if not isinstance(thinking, bool):
         raise UserError(f"--enable-thinking: invalid value {thinking!r} (True or False)")
+    check_chat_renders(chat, prompts, "every prompt")
     chat = auto_chat(chat, tokenizer)
     check_chat_flags(chat=chat, ids=False, system_prompt=system_prompt, thinking=thinking)
     return chat
@@ -720,7 +729,7 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
     prompts += load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=p.prompt,
                             prompt_ids=p.prompt_ids, prompts_file=p.prompts_file, max_len=max_len,
                             system_prompt=r.system_prompt, thinking=r.enable_thinking,
-                            sources=sources)
+                            sources=sources, chat_given=r.chat)
     if len(prompts) * s.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {s.num_samples}: "
                         f"{len(prompts)} prompts x {s.num_samples} samples "

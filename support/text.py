@@ -395,6 +395,18 @@ def check_text(text: str, where: str):
         raise UserError(f"{where}: the text is not valid Unicode (a lone surrogate)") from None
 
 
+def is_token_ids(prompt) -> bool:
+    """A prompt given as token ids, never rendered."""
+    return isinstance(prompt, (list, tuple)) and all(_int(t) for t in prompt)
+
+
+def check_chat_renders(chat: Optional[bool], prompts: list, what: str):
+    """--chat given (True, not its default) where every prompt is token ids: nothing is rendered, so it
+    would change nothing, as with --prompt-ids. `what`: which prompts, for the message."""
+    if chat and all(is_token_ids(p) for p in prompts):
+        raise UserError(f"--chat: {what} is token ids, never rendered; it would change nothing")
+
+
 def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional[str],
                      thinking: bool) -> list[str]:
     """--system-prompt / --enable-thinking (returned if given): an error with token ids or without chat."""
@@ -449,7 +461,7 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
            system_prompt: Optional[str] = None, thinking: bool = False,
            max_len: Optional[int] = None, no_chat_why: str = NO_CHAT_WHY) -> list[int]:
     """One prompt as ids: token ids as given; a text (a user turn) or a conversation, rendered if `chat`."""
-    if isinstance(prompt, (list, tuple)) and all(_int(t) for t in prompt):
+    if is_token_ids(prompt):
         if system_prompt is not None or thinking:
             raise UserError(f"{where}: token ids are not a rendered chat; "
                             f"the system prompt or thinking would change nothing")
@@ -552,10 +564,11 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
                  prompt_ids: Optional[str] = None, prompts_file: Optional[str] = None,
                  max_len: Optional[int] = None, system_prompt: Optional[str] = None,
                  thinking: bool = False, sources: Optional[list] = None, no_chat_why: str = NO_CHAT_WHY,
-                 choose: Optional[Callable[[list], list]] = None):
+                 choose: Optional[Callable[[list], list]] = None, chat_given: Optional[bool] = None):
     """The prompts of one of --prompt, --prompt-ids, --prompts-file as ids; `sources` gets where each came from
     (`no_chat_why`: why a conversation is not rendered, as the program decides; `choose`: which of the
-    records, (where, prompt) in order, to encode, e.g. eval.py's subset: every one by default)."""
+    records, (where, prompt) in order, to encode, e.g. eval.py's subset: every one by default;
+    `chat_given`: --chat as given, refused for a file of token ids only)."""
     sources_given = (("--prompt", prompt), ("--prompt-ids", prompt_ids),
                      ("--prompts-file", prompts_file))
     given = [name for name, value in sources_given if value is not None]
@@ -577,6 +590,8 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         if flags and isinstance(p, list) and all(_int(i) for i in p):
             raise UserError(f"{where}: a prompt_ids record is token ids, not a rendered chat; "
                             f"{flags[0]} would change nothing for it")
+    if prompts_file is not None:
+        check_chat_renders(chat_given, [p for _, p in records], f"every record of --prompts-file {prompts_file}")
     if choose is not None:
         records = choose(records)
     out = []

@@ -467,6 +467,8 @@ CASES = [
      "longer than", False),
     ("system-prompt-ids-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"]
      + S(w)[6:] + ["--system-prompt", "hi"], "prompts.jsonl:1: a prompt_ids record", False),
+    ("chat-ids-records", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"] + S(w)[6:]
+     + ["--chat"], "--chat: every record of --prompts-file", False),
     ("system-prompt-and-own-system", "speculate", lambda w, t: P(w / "target")[:2] + ["--prompts-file", prompts_file(
         t, messages([("system", "a"), ("user", "b")]))] + ["--system-prompt", "c"], "p.jsonl:1: the conversation has "
      "its own system turn", False),

@@ -394,6 +394,9 @@ API_REFUSALS = [
     (dict(prompts="hi", thinking="no"), "--enable-thinking: invalid value 'no' (True or False)"),
     (dict(prompts="hi", thinking=None), "--enable-thinking: invalid value None (True or False)"),
     (dict(prompts="hi", chat="no"), "--chat: invalid value 'no' (True, False or None)"),
+    # chat given where nothing is rendered, as --prompt-ids --chat is refused (it was ignored)
+    (dict(chat=True), "--chat: every prompt is token ids, never rendered; it would change nothing"),
+    (dict(prompts=[[1, 2], [3]], chat=True), "--chat: every prompt is token ids, never rendered"),
 ]
 
 
@@ -408,6 +411,20 @@ def test_api_checks_its_arguments_as_the_flags(chat_target, bad, needle):
     kw.update(bad)
     with pytest.raises(speculate.UserError, match=re.escape(needle)):
         speculate.generate(m, kw.pop("prompts"), **kw)
+
+
+def test_chat_with_token_ids_among_text_prompts_is_taken(chat_target, tmp_path):
+    """--chat refused only where no prompt is rendered: token ids beside a text, in the API and in a prompts
+    file, decode (the text rendered, the ids as given)."""
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    done = speculate.generate(m, [[1, 2, 3], "hi"], chat=True, max_new_tokens=2, temperature=0)
+    assert done[0].prompt_ids == [1, 2, 3] and done[1].prompt_ids == speculate.encode(m.tokenizer, "hi", "", chat=True)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
+    rc, _, err = run_captured(["--target", target, "--drafter", drafter, "--prompts-file", mixed, "--chat",
+                               "--max-new-tokens", 2])
+    assert rc == 0, err
 
 
 def test_api_takes_what_a_python_caller_passes(chat_target):
