@@ -48,6 +48,7 @@ from support.trainer import (  # noqa: E402
     check_train_args,
     checkpoint_dir,
     optimize,
+    out_held,
     refuse_unused,
     save_state,
     save_tensors,
@@ -260,10 +261,11 @@ def run(args: Args) -> dict:
     if args.head_dim % 2:
         raise UserError(f"--head-dim {args.head_dim}: must be even (RoPE rotates its two halves)")
     tokenizer_source(args)
-    dist_init(resolve_device(args.device), args.dist_timeout)  # before W&B: its failure must stop every rank
-    with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
-                           from_rank0=from_rank0) as log:
-        return train(args, log)
+    dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
+    with out_held(args.out, rank0(), from_rank0):
+        with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
+                               from_rank0=from_rank0) as log:
+            return train(args, log)
 
 
 def train(args: Args, log: Optional[runlog.Log]) -> dict:
@@ -273,9 +275,8 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     texts = None
     if args.data is not None:
         texts = read_texts(args.data)
-    made = not os.path.isdir(args.out)  # --out made here ...
-    fresh = made or not os.listdir(args.out)  # ... or empty before
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)  # rank 0's `out_held` made it; a missing one it removes if left empty
+    fresh = not os.listdir(args.out)
     try:
         tok = tokenizer_into(args, src, texts)
         V = tok.tok.get_vocab_size(with_added_tokens=True)
@@ -284,8 +285,6 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     except BaseException:  # e.g. too little text: --out as it was, for the same command next time
         if fresh and os.path.isfile(os.path.join(args.out, "tokenizer.json")):
             os.remove(os.path.join(args.out, "tokenizer.json"))
-        if made and not os.listdir(args.out):
-            os.rmdir(args.out)
         raise
     eos_ids = ()
     if eos is not None:

@@ -1138,6 +1138,24 @@ def test_train_target_stopped_before_training_leaves_out_as_it_was(tmp_path):
     assert rc == 0, err
 
 
+def test_train_target_refuses_an_out_another_run_writes(tmp_path):
+    """scripts/train_target.py holds --out's lock as train.py does: a second run on it is one line."""
+    import fcntl
+
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    out = tmp_path / "t"
+    out.mkdir()
+    flags = [*TINY_TARGET, "--tokenizer-from-corpus", "--vocab-size", 280, "--out", out, "--steps", 1]
+    held = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run's
+        rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *flags], train_target)
+    finally:
+        os.close(held)
+    assert rc == 2 and err == f"error: --out {out}: another run is writing it now; give each run its own --out\n"
+    assert os.listdir(out) == []
+
+
 def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkeypatch):
     """An existing, empty --out that takes no files (a read-only filesystem; root writes through chmod, so
     the read-only mount is simulated) is one line before the tokenizer is trained."""
