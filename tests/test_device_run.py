@@ -13,6 +13,7 @@ import sys
 
 import bench
 import pytest
+import torch
 from conftest import REPO_ROOT
 
 from support.cli import from_flat
@@ -42,6 +43,7 @@ def test_bench_stages_pass_bench_checks(tmp_path, monkeypatch):
     import kernels
 
     monkeypatch.setattr(kernels, "check_backend", lambda name, device: None)  # the GPU's Triton is not here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nor its GPU, which --device cuda needs
     for stage in BENCH_STAGES:
         real = device_run.bench_args(stage, False, str(tmp_path / "out.json"))
         dry = device_run.bench_args(stage, True, str(tmp_path / "out.json"))
