@@ -1047,7 +1047,8 @@ def run(args: Args) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return cli_main(Args, run, argv)
+    one_drafter = {"--drafter": "speculate.py decodes with one (eval.py compares several)"}
+    return cli_main(Args, run, argv, once=one_drafter)
 
 
 if __name__ == "__main__":

@@ -1007,7 +1007,8 @@ def run_and_say(args: BenchArgs) -> list[dict]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return cli_main(BenchArgs, run_and_say, argv)
+    one_drafter = {"--drafter": "bench.py times one (eval.py compares several)"}
+    return cli_main(BenchArgs, run_and_say, argv, once=one_drafter)
 
 
 if __name__ == "__main__":

@@ -492,7 +492,8 @@ def table_markdown(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return cli_main(ConcurrencyArgs, run, argv)
+    one_drafter = {"--drafter": "bench_concurrency.py times one (eval.py compares several)"}
+    return cli_main(ConcurrencyArgs, run, argv, once=one_drafter)
 
 
 if __name__ == "__main__":

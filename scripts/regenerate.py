@@ -638,7 +638,8 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return cli_main(Args, run, argv)
+    one_drafter = {"--drafter": "regenerate.py decodes with one"}
+    return cli_main(Args, run, argv, once=one_drafter)
 
 
 if __name__ == "__main__":

@@ -268,10 +268,19 @@ def parse_error_line(event, args_class, argv: list[str]) -> Optional[str]:
     return None
 
 
-def parse_flags(args_class, argv: Optional[list[str]]):
+def given_once(argv: list[str], once: dict[str, str]):
+    """The flags a program takes once (`once`: each flag and why) refused where given more often: argparse
+    would keep the last in silence."""
+    for name, why in once.items():
+        times = sum(1 for token in argv if token == name or token.startswith(name + "="))
+        if times > 1:
+            raise UserError(f"{name}: given {times} times; {why}")
+
+
+def parse_flags(args_class, argv: Optional[list[str]], once: Optional[dict[str, str]] = None):
     """tyro's parse of `argv` (None: sys.argv[1:]); a value, flag or choice it rejects is a one-line
-    UserError. tyro's hook for that is private (tyro 1.0, as constraints.txt pins); a tyro without
-    it prints its own box and exits 2."""
+    UserError, as is a flag of `once` given more than once (`given_once`). tyro's hook for that is
+    private (tyro 1.0, as constraints.txt pins); a tyro without it prints its own box and exits 2."""
     if tyro is None:
         raise UserError("the command line needs tyro: pip install -r requirements.txt")
     try:
@@ -282,6 +291,7 @@ def parse_flags(args_class, argv: Optional[list[str]]):
     given = argv
     if given is None:
         given = sys.argv[1:]
+    given_once([str(a) for a in given], once or {})
 
     def refuse(event):
         try:
@@ -296,8 +306,9 @@ def parse_flags(args_class, argv: Optional[list[str]]):
 
 
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,
-             rank0: Callable[[], bool] = lambda: True) -> int:
-    """A program's main(): tyro's flags, then `run(args)`; a UserError (a bad flag's included) is one
+             rank0: Callable[[], bool] = lambda: True, once: Optional[dict[str, str]] = None) -> int:
+    """A program's main(): tyro's flags (`once`: `parse_flags`), then `run(args)`; a UserError (a bad
+    flag's included) is one
     line on stderr (rank 0's; a RankError's from the rank that met it) and exit 2, a file the system
     refused one line and exit 1, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 + the
     signal, and a reader of stdout that went away (`| head`) exits quietly, 128 + SIGPIPE."""
@@ -306,7 +317,7 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
             stream.reconfigure(errors="backslashreplace")
     handlers = _set_handlers(_interrupt)
     try:
-        args = parse_flags(args_class, argv)
+        args = parse_flags(args_class, argv, once)
         mode = contextlib.nullcontext()
         if inference:
             mode = torch.inference_mode()

@@ -210,6 +210,8 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path):
     (["--max-new-tokens", "3", "3"], "3: unexpected (no flag before it takes a value; --help lists the flags)"),
     (["-x"], "-x: no such flag (--help lists the flags)"),
     ([""], "'': unexpected (no flag before it takes a value; --help lists the flags)"),
+    (["--drafter", "a", "--drafter=b"], "--drafter: given 2 times; speculate.py decodes with one (eval.py compares "
+                                         "several)"),
 ])
 def test_flags_tyro_rejects_are_one_line_errors(argv, line):
     """A malformed value, an unknown flag or choice, a missing value: one line naming the flag (tyro's
@@ -217,6 +219,17 @@ def test_flags_tyro_rejects_are_one_line_errors(argv, line):
     rc, out, err = run_captured(argv)
     assert rc == 2 and out == ""
     assert err.strip().splitlines() == [f"error: {line}"], err
+
+
+@pytest.mark.parametrize("program", ["bench", "bench_concurrency", "regenerate"])
+def test_one_drafter_programs_refuse_a_second(program, capsys):
+    """eval.py takes --drafter again and again, a row each; a program of one drafter kept the last in silence."""
+    import importlib
+
+    module = sys.modules.get(program) or importlib.import_module(program)  # scripts/ is on the path
+    assert module.main(["--drafter", "a", "--drafter", "b"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --drafter: given 2 times; "), err
 
 
 def test_a_tyro_whose_parse_events_differ_prints_its_own_box(capsys, monkeypatch):
