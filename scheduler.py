@@ -293,23 +293,18 @@ def resolve(kind: Optional[str], threshold: float, sps_table: Optional[str], buc
     return resolved
 
 
-def parse_buckets(text: Optional[str], batch_size: int, batch: int, drafter) -> Optional[list[int]]:
-    """--verify-buckets as a sorted list (None: the engine's default), the largest holding a full round at
-    --batch-size. An engine of fewer rows (fewer requests) keeps the buckets below its own full round,
-    then that."""
+def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int]]:
+    """--verify-buckets as a sorted list (None: the engine's default) for an engine of `batch` rows: the
+    buckets below its full round, then the full round. A largest bucket below it cannot hold a round."""
     if text is None:
         return None
     buckets = sorted(parse_ints(text, "--verify-buckets"))  # checked in `resolve`
     width = drafter.cfg.num_drafts + 1
-    need = batch_size * width
-    largest = buckets[-1]
-    if largest != need:  # the largest holds a full round; a larger graph would only cost memory
-        side = "below"
-        if largest > need:
-            side = "above"
-        raise UserError(f"--verify-buckets: the largest bucket {largest} is {side} {need}, the tokens of a "
-                        f"full round (--batch-size {batch_size} x {width})")
     full = batch * width
+    largest = buckets[-1]
+    if largest < full:
+        raise UserError(f"--verify-buckets: the largest bucket {largest} is below {full}, the tokens of a "
+                        f"full round ({batch} row(s) x {width})")
     smaller = [b for b in buckets if b < full]
     return smaller + [full]
 

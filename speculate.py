@@ -869,7 +869,7 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     flags.check_cache_memory(m.target, drafter, batch, max_seq, device, tree_bytes)
     buckets = None
     if drafter is not None:
-        buckets = sched.parse_buckets(s.verify_buckets, s.batch_size, batch, drafter)
+        buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)
     return EngineSize(batch, max_seq, buckets)
 
 

@@ -117,8 +117,8 @@ class Settings:
     written there. Without it, profiled at start and not kept."""
     verify_buckets: Optional[str] = None
     """Comma-separated token counts a scheduled round's verification is padded to (one compiled graph
-    each), the largest --batch-size x (drafts + 1); fewer requests than --batch-size cut it to theirs.
-    Default: compiled 1,2,3,4,6,8,12,... up to that; eager, exact."""
+    each), the largest at least a full round, batch x (drafts + 1), the ones past it cut to it. Default:
+    compiled 1,2,3,4,6,8,12,... up to that; eager, exact."""
     compile: AutoBool = None
     """torch.compile the round. None: on for cuda, off for cpu (a first compile takes minutes)."""
     compile_mode: Optional[Literal[CHOICES["compile_mode"]]] = None

@@ -184,20 +184,29 @@ def env(tmp_path_factory):
 
 
 def test_buckets_for_the_batch_size_serve_fewer_requests(env, tmp_path):
-    """--verify-buckets ends at --batch-size x (K + 1); with fewer requests the engine's batch is theirs, and
-    the buckets are cut to its full round (they were refused as above it, naming a batch never given)."""
+    """--verify-buckets written for --batch-size rows serve an engine of fewer (fewer requests, or eval.py's
+    largest shard): the buckets past its full round are cut to it (they were refused as above it, naming a
+    batch never given). A largest bucket below the engine's full round is refused."""
+    import eval as ev
     from support.checkpoint import load_models
 
     flags = ["--target", env["target"], "--drafter", env["drafter"], "--prompt-ids", "1,2,3", "--max-new-tokens", 6,
              "--scheduler", "threshold", "--confidence-threshold", "0.5", "--batch-size", 4]
     rc, out, err = run_captured(flags + ["--verify-buckets", "3,8,20"])  # K = 4: a full round of 4 rows is 20
     assert rc == 0, err
-    rc, _, err = run_captured(flags + ["--verify-buckets", "3,8,10"])
-    assert rc == 2 and "the largest bucket 10 is below 20, the tokens of a full round (--batch-size 4 x 5)" in err
+    rc, _, err = run_captured(flags + ["--verify-buckets", "2,4"])
+    assert rc == 2 and "the largest bucket 4 is below 5, the tokens of a full round (1 row(s) x 5)" in err, err
     m = load_models(env["target"], env["drafter"])
-    assert sched.parse_buckets("3,8,20", 4, 1, m.drafter) == [3, 5]
-    assert sched.parse_buckets("3,5,20", 4, 1, m.drafter) == [3, 5]
-    assert sched.parse_buckets("3,8,20", 4, 4, m.drafter) == [3, 8, 20]
+    assert sched.parse_buckets("3,8,20", 1, m.drafter) == [3, 5]
+    assert sched.parse_buckets("3,5,20", 1, m.drafter) == [3, 5]
+    assert sched.parse_buckets("3,8,20", 4, m.drafter) == [3, 8, 20]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "two.jsonl").write_text("".join(json.dumps({"prompt_ids": [1, 2, 3 + i]}) + "\n" for i in range(2)))
+    rc = ev.main(["--target", str(env["target"]), "--drafter", str(env["drafter"]), "--data-dir", str(data),
+                  "--datasets", "two", "--max-new-tokens", "6", "--batch-size", "4", "--confidence-threshold", "0.5",
+                  "--verify-buckets", "3,8,20", "--no-progress", "--out", str(tmp_path / "r.json")])
+    assert rc == 0  # eval.py cuts the batch to its largest shard, 2 rows
 
 
 @pytest.mark.parametrize("flags,needle", [
