@@ -671,12 +671,13 @@ def load_extra_drafter(directory: str, m):
     """A second (third, ...) drafter for the loaded target, as load_models loads the first: its tensors,
     counted from its files' headers, must fit in what is free beside the models already loaded."""
     from support import cpu_kernels
-    from support.checkpoint import check_memory, load_drafter, stored_numbers
+    from support.checkpoint import check_memory, drafter_copied_bytes, load_drafter, stored_numbers
 
     device = m.target.embed_tokens.weight.device
     need = stored_numbers(directory) * m.dtype.itemsize
+    copy = drafter_copied_bytes(directory, device, m.dtype)  # the CPU kernels' (0 where they make none)
     check_memory([], device, m.dtype, f"--drafter {directory}: its weights", "fewer --drafter rows",
-                 extra=need)
+                 extra=need, extra_copies=copy)
     drafter = load_drafter(directory, m.target, device, m.dtype)
     cpu_kernels.install(drafter)
     return drafter

@@ -438,24 +438,25 @@ def check_target_memory(directory: str, device, dtype: torch.dtype, drafter: Opt
         shape = Transformer(args)
     whose = f"--target {directory}: its weights"
     drafter_bytes = 0
+    drafter_copy = 0
     if drafter is not None:
         whose = f"--target {directory} and --drafter {drafter}: their weights"
         drafter_bytes = stored_numbers(drafter) * dtype.itemsize
         if kernels:
-            drafter_bytes += drafter_copied_bytes(drafter, device, dtype)
+            drafter_copy = drafter_copied_bytes(drafter, device, dtype)
     check_memory([shape], device, dtype, whose, "a narrower --dtype, or a smaller model",
-                 extra=drafter_bytes, kernels=kernels)
+                 extra=drafter_bytes, kernels=kernels, extra_copies=drafter_copy)
 
 
 def check_memory(shapes: list, device, dtype: torch.dtype, whose: str, fix: str, extra: int = 0,
-                 kernels: bool = True):
+                 kernels: bool = True, extra_copies: int = 0):
     """Models (`shapes`, on the meta device) in `dtype`, `extra` bytes beside them and, with `kernels`, the
-    copy the CPU kernels would make of the models must fit in what is free on `device` (where that is
-    known); `whose` and `fix` begin and end the refusal."""
+    copy the CPU kernels would make of the models (and `extra_copies` bytes of others') must fit in what is
+    free on `device` (where that is known); `whose` and `fix` begin and end the refusal."""
     from support import cpu_kernels
 
     weights = extra
-    copies = 0
+    copies = extra_copies
     for m in shapes:
         weights += sum(p.numel() for p in m.parameters()) * dtype.itemsize
         if kernels:

@@ -316,6 +316,12 @@ def test_the_drafters_cpu_kernels_copy_is_counted_before_loading(drafter, monkey
     with pytest.raises(UserError, match=rf"^--target {target} and --drafter {drafter}: their weights need"):
         checkpoint.load_models(target, drafter, device="cpu", dtype="float32")
     checkpoint.check_target_memory(target, "cpu", torch.float32, drafter, kernels=False)  # no copy, it fits
+    # eval.py's second and later drafters too, and the refusal counts the copy as the kernels'
+    room = checkpoint.stored_numbers(drafter) * 4 + copy // 2
+    monkeypatch.setattr(checkpoint, "free_memory", lambda device: int(room / 0.9))
+    with pytest.raises(UserError, match=rf"^--drafter {drafter}: its weights need [\d.]+ GiB in float32 \(the CPU "
+                                        rf"kernels' copy of them [\d.]+ GiB\)"):
+        ev.load_extra_drafter(drafter, loaded)
 
 
 @pytest.mark.parametrize("setting,message", [
