@@ -460,6 +460,7 @@ def out_held(out: str, main: bool, from_rank0: Callable = lambda error: error):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             error = f"--out {out}: another run is writing it now; give each run its own --out"
+            made = False  # made at the same moment as the run that holds it: that run's now
         except OSError as e:  # a filesystem without locks (NFS mounted nolock): unguarded, said once
             print(f"warning: --out {out}: cannot be locked ({e.strerror}); a second run writing it at the "
                   f"same time would not be refused", file=sys.stderr)

@@ -652,6 +652,34 @@ def test_ctrl_c_while_a_checkpoint_is_published_leaves_one_whole_checkpoint(tmp_
     assert (out / "model.safetensors").read_text().endswith(".checkpoint-3.tmp")
 
 
+def test_a_run_refused_by_the_lock_leaves_the_holders_new_out(tmp_path, monkeypatch):
+    """Two runs starting at once on a new --out: both see it missing, the other makes and locks it first. The
+    refused run does not remove it (it did, empty, under the other run's lock)."""
+    import fcntl
+
+    from support import trainer
+
+    out = tmp_path / "o"
+    real_isdir = os.path.isdir
+    held = []
+
+    def isdir(path):  # the other run makes and locks --out just after this one looked
+        there = real_isdir(path)
+        if not held:
+            out.mkdir()
+            held.append(os.open(out, os.O_RDONLY))
+            fcntl.flock(held[0], fcntl.LOCK_EX)
+        return there
+    monkeypatch.setattr(os.path, "isdir", isdir)
+    try:
+        with pytest.raises(UserError, match="another run is writing it now"):
+            with trainer.out_held(str(out), True):
+                pass
+        assert real_isdir(out)
+    finally:
+        os.close(held[0])
+
+
 def test_a_stop_during_a_save_names_the_checkpoint_it_published(tiny_target, tmp_path, monkeypatch, capsys):
     """A SIGINT while checkpoint-2 is written waits for it, and the line names checkpoint-2: it named
     checkpoint-1, which the save had just removed."""
