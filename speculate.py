@@ -637,6 +637,11 @@ class Engine:
             fix = "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path))"
             raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be "
                             f"verified; make_engine reads or profiles one, or call {fix} first")
+        if max_new_tokens < 1:  # the prefill's token is the first
+            raise UserError(f"Engine.generate: max_new_tokens={max_new_tokens}, at least 1")
+        empty = [r.index for r in requests if not r.prompt_ids]
+        if empty:
+            raise UserError(f"Engine.generate: request {empty[0]} has an empty prompt (one token at least)")
         longest = max((len(r.prompt_ids) for r in requests), default=0)
         need = cache_length(longest, max_new_tokens, self.drafter, self.K, self.tree_budget)
         if need > self.max_seq:  # longer prompts or a larger budget than the engine was sized for

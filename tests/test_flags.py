@@ -182,6 +182,11 @@ def test_an_engine_refuses_requests_longer_than_it_was_sized_for():
     assert request.output_ids == [] and request.started is None
     engine.generate([request], 24 - need + 30)
     assert len(request.output_ids) == 24 - need + 30
+    # a budget of 0 decoded a token, and an empty prompt was an IndexError in the prefill
+    with pytest.raises(UserError, match=r"^Engine.generate: max_new_tokens=0, at least 1$"):
+        engine.generate([speculate.Request(0, [1, 2, 3])], 0)
+    with pytest.raises(UserError, match=r"^Engine.generate: request 1 has an empty prompt \(one token at least\)$"):
+        engine.generate([speculate.Request(0, [1, 2]), speculate.Request(1, [])], 4)
 
 
 def test_the_caches_a_model_holds_count_as_free_for_its_next_engine(monkeypatch):
