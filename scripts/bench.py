@@ -730,11 +730,11 @@ def header(name: str, target, drafter, dtype, hw: str, s: Settings, args: BenchA
     """The first line printed: what is timed, on what."""
     unique = {p.data_ptr(): p for p in target.parameters()}  # tied weights once
     n_target = sum(p.numel() for p in unique.values())
-    n_drafter = 0
+    models = f"target {n_target / 1e6:.1f}M params, no drafter"
     if drafter is not None:
         n_drafter = sum(p.numel() for p in drafter.parameters())
-    line = (f"# {name}: target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params, "
-            f"{dtype_name(dtype)}, "
+        models = f"target {n_target / 1e6:.1f}M params, drafter {n_drafter / 1e6:.1f}M params"
+    line = (f"# {name}: {models}, {dtype_name(dtype)}, "
             f"{hw}, torch {torch.__version__}, compile={s.compile}, {threads}")
     if s.compile and args.skip_guards:
         line += " (guards skipped after warm-up)"

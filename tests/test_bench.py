@@ -96,7 +96,8 @@ def test_without_a_drafter_the_engine_is_compared_with_the_reference_target(tmp_
     assert [r["mode"] for r in result["rows"]] == ["autoregressive", "reference (transformers target)"]
     (ratio,) = result["ratios"]
     assert ratio["ratio"] == "this engine / the reference loop at batch 1" and len(ratio["runs"]) == 2
-    assert "this engine / the reference loop at batch 1: " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "this engine / the reference loop at batch 1: " in printed and "M params, no drafter, " in printed
 
 
 def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsys, monkeypatch):

@@ -394,7 +394,7 @@ API_REFUSALS = [
     (dict(prompts="hi", thinking="no"), "--enable-thinking: invalid value 'no' (True or False)"),
     (dict(prompts="hi", thinking=None), "--enable-thinking: invalid value None (True or False)"),
     (dict(prompts="hi", chat="no"), "--chat: invalid value 'no' (True, False or None)"),
-    # chat given where nothing is rendered, as --prompt-ids --chat is refused (it was ignored)
+    # chat given where nothing is rendered, refused as --prompt-ids --chat is
     (dict(chat=True), "--chat: every prompt is token ids, never rendered; it would change nothing"),
     (dict(prompts=[[1, 2], [3]], chat=True), "--chat: every prompt is token ids, never rendered"),
 ]
