@@ -235,7 +235,8 @@ def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
     assert kept.count("\n") == 1
 
     def refused(*flags, prompts=None, needle):
-        argv = argv_of(tmp_path, "o.jsonl", "--chunk-size", 1, "--target", target, "--resume", *flags, prompts=prompts)
+        argv = argv_of(tmp_path, "o.jsonl", "--chunk-size", 1, "--target", target, "--resume", *flags, prompts=prompts,
+                       drafter="--drafter" not in flags)  # one --drafter: a second is refused
         capsys.readouterr()
         assert regenerate.main(argv) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
