@@ -291,11 +291,12 @@ def parse_flags(args_class, argv: Optional[list[str]], once: Optional[dict[str, 
     given = argv
     if given is None:
         given = sys.argv[1:]
-    given_once([str(a) for a in given], once or {})
+    tokens = [str(a) for a in given]
+    given_once(tokens, once or {})
 
     def refuse(event):
         try:
-            line = parse_error_line(event, args_class, [str(a) for a in given])
+            line = parse_error_line(event, args_class, tokens)
         except AttributeError:  # another tyro's private events: its own box
             return
         if line is not None:
@@ -308,10 +309,9 @@ def parse_flags(args_class, argv: Optional[list[str]], once: Optional[dict[str, 
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,
              rank0: Callable[[], bool] = lambda: True, once: Optional[dict[str, str]] = None) -> int:
     """A program's main(): tyro's flags (`once`: `parse_flags`), then `run(args)`; a UserError (a bad
-    flag's included) is one
-    line on stderr (rank 0's; a RankError's from the rank that met it) and exit 2, a file the system
-    refused one line and exit 1, SIGINT/SIGTERM raise `Interrupted` in the run and exit 128 + the
-    signal, and a reader of stdout that went away (`| head`) exits quietly, 128 + SIGPIPE."""
+    flag's included) is one line on stderr (rank 0's; a RankError's from the rank that met it) and exit 2,
+    a file the system refused one line and exit 1, SIGINT/SIGTERM raise `Interrupted` in the run and exit
+    128 + the signal, and a reader of stdout that went away (`| head`) exits quietly, 128 + SIGPIPE."""
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
         if hasattr(stream, "reconfigure") and stream.errors == "strict":
             stream.reconfigure(errors="backslashreplace")
