@@ -402,8 +402,9 @@ def is_token_ids(prompt) -> bool:
 
 def check_chat_renders(chat: Optional[bool], prompts: list, what: str):
     """--chat given (True, not its default) where every prompt is token ids: nothing is rendered, so it
-    would change nothing, as with --prompt-ids. `what`: which prompts, for the message."""
-    if chat and all(is_token_ids(p) for p in prompts):
+    would change nothing, as with --prompt-ids. `what`: which prompts, for the message. An empty
+    prompt is left to the prompt's own check."""
+    if chat and all(is_token_ids(p) and len(p) > 0 for p in prompts):
         raise UserError(f"--chat: {what} is token ids, never rendered; it would change nothing")
 
 

@@ -397,6 +397,8 @@ API_REFUSALS = [
     # chat given where nothing is rendered, refused as --prompt-ids --chat is
     (dict(chat=True), "--chat: every prompt is token ids, never rendered; it would change nothing"),
     (dict(prompts=[[1, 2], [3]], chat=True), "--chat: every prompt is token ids, never rendered"),
+    # an empty list is no prompt at all, not token ids
+    (dict(prompts=[[]], chat=True), "prompt 0: empty prompt"),
 ]
 
 
