@@ -62,7 +62,14 @@ from support.eval_report import format_comparison, format_table, log_dataset, wr
 from support.files import check_outputs, directory_problem, optional_file, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
-from support.text import auto_chat, check_chat_flags, check_prompts, load_prompts
+from support.text import (
+    auto_chat,
+    check_chat_flags,
+    check_chat_renders,
+    check_prompts,
+    load_prompts,
+    read_prompts_file,
+)
 
 # The paper's protocol (Table 1, DeepSpec's eval): per-dataset sample counts, the seed, ECE bins.
 DEFAULT_SAMPLES = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256,
@@ -635,6 +642,12 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
     if budget_or_one >= context:
         raise UserError(f"--max-new-tokens {budget_or_one}: leaves no room for a prompt in the context of "
                         f"{context} tokens")
+    if args.rendering.chat:  # as speculate.py's --chat: refused where no dataset holds a record to render
+        records = []
+        for _, path, _ in datasets:
+            records += [p for _, p in read_prompts_file(path)]
+        paths = ", ".join(path for _, path, _ in datasets)
+        check_chat_renders(True, records, f"every record of {paths}")
     prompts = {}
     for name, path, n in datasets:
         sources = []

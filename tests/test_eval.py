@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -399,6 +400,26 @@ def test_only_the_subset_is_read_as_prompts(env, tmp_path, capsys, monkeypatch):
                                    "--no-progress", "--out", tmp_path / "r2.json"]])
     assert rc == 2 and "long.jsonl:7: a prompt_ids record is token ids" in capsys.readouterr().err
     assert encoded == [f"{data / 'long.jsonl'}:{i + 1}" for i in chosen]
+
+
+def test_chat_is_refused_only_where_no_dataset_holds_a_text(env, tmp_path, capsys):
+    """--chat with datasets of token ids only renders nothing, refused in one line as speculate.py refuses
+    it; beside a dataset of texts, it is taken (a per-file check would refuse that)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ids.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7]}) + "\n")
+    shutil.copy(os.path.join(env["data"], "gsm8k.jsonl"), data / "gsm8k.jsonl")
+    base = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", data, "--chat",
+            "--max-new-tokens", MAX_NEW, "--temperature", 0, "--no-progress"]
+    rc = ev.main([str(a) for a in [*base, "--datasets", "ids", "--out", tmp_path / "r.json"]])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0] == (f"error: --chat: every record of {data / 'ids.jsonl'} is token ids, never rendered; "
+                      "it would change nothing")
+    assert not (tmp_path / "r.json").exists()
+    res, _, _ = run_eval(dict(env, data=str(data)), tmp_path, capsys, "--chat", "--max-samples", 1,
+                         datasets="ids,gsm8k")
+    assert [d["num_samples"] for d in res["datasets"]] == [1, 1]
 
 
 def test_a_target_without_a_chat_template_is_said_once(env, tmp_path, capsys):
