@@ -652,7 +652,8 @@ class Engine:
         self.own_caches()
         for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
             cpu_kernels.refresh(m)
-        if self.is_compiled and not self.warmed:  # built by hand: compiled before the clock starts
+        # built by hand: compiled before the clock starts (a budget of 1 runs no round)
+        if self.is_compiled and not self.warmed and max_new_tokens > 1:
             self.warmup()
         self.scheduler.reset()
         rows = Rows.empty(self.max_batch, self.device)
@@ -882,7 +883,8 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                 max_seq: Optional[int] = None, verbose: bool = True) -> Engine:
     """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq`
     positions a row), compiled and warmed up when asked (eager: one untimed round), its SPS table
-    read or profiled. One thread at a time sets up or runs an engine on `m`."""
+    read or profiled; none of this for --max-new-tokens 1, which runs no round, unless --sps-table
+    asks for the table. One thread at a time sets up or runs an engine on `m`."""
     flags.check_engine_inputs(m, prompts, s, drafter)
     with m.lock:  # the models' caches become this engine's
         size = size_engine(m, drafter, prompts, s, max_seq)
@@ -899,6 +901,12 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                         compile_mode=s.compile_mode, compile_verbose=s.verbose, backend=s.kernels,
                         num_drafts=s.draft_length, tree_budget=s.tree_budget,
                         tree_temperature=s.tree_temperature)
+        table_asked = kind in sched.SPS_KINDS and s.sps_table is not None  # read or written all the same
+        if s.max_new_tokens == 1 and not table_asked:  # every request ends at the prefill's token
+            if s.compile and verbose:
+                print("--compile: --max-new-tokens 1 ends every request at its first token, before any "
+                      "round: nothing compiled", file=sys.stderr)
+            return engine
         if s.compile:
             engine.warmup()
             if verbose:

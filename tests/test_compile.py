@@ -493,3 +493,35 @@ def test_a_compile_cache_error_names_where_its_path_came_from(tmp_path, monkeypa
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
     with pytest.raises(cli.UserError, match="^\\$TORCHINDUCTOR_CACHE_DIR: empty"):
         cli.use_compile_cache(None)
+
+
+def test_a_budget_of_one_token_compiles_no_round(pair, monkeypatch, capsys):
+    """--max-new-tokens 1 ends every request at the prefill's token: the engine compiles, warms up and
+    profiles nothing (a cold compile costs minutes), by make_engine or by hand, and says so once; with
+    --sps-table asked, the table is still read or written."""
+    target_dir, drafter_dir = pair
+    m = speculate.load(target_dir, drafter_dir)
+    called = []
+    monkeypatch.setattr(speculate.Engine, "warmup", lambda self: called.append("warmup"))
+    monkeypatch.setattr(speculate.Engine, "dummy_round", lambda self, n: called.append("round"))
+
+    class Stop(Exception):
+        pass
+
+    def load_or_profile(*args, **kwargs):
+        called.append("sps")
+        raise Stop  # the table is asked for: no need to profile one here
+    monkeypatch.setattr(scheduler, "load_or_profile", load_or_profile)
+    s = flags.check_settings(flags.Settings(max_new_tokens=1, compile=True, temperature=0),
+                             torch.device("cpu"))
+    engine = speculate.make_engine(m, m.drafter, [[5, 6, 7]], s)
+    assert called == [] and engine.is_compiled
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["--compile: --max-new-tokens 1 ends every request at its first token, before any round: "
+                   "nothing compiled"]
+    done = engine.generate([speculate.Request(0, [5, 6, 7])], 1)
+    assert called == [] and len(done[0].output_ids) == 1
+    table = flags.derived(s, scheduler="hardware", sps_table="sps.json")
+    with pytest.raises(Stop):
+        speculate.make_engine(m, m.drafter, [[5, 6, 7]], table, verbose=False)
+    assert called == ["warmup", "sps"]
