@@ -36,6 +36,9 @@ from support.files import CHECKPOINT_FILES, check_input, directory_problem, opti
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX = "model.safetensors.index.json"
+# A calibration file's largest STS temperature (the fit's grid stops at 20): past about 1e6, σ(logit / T)
+# rounds to 0.5 in float32, so every confidence would be 0.5, its logit 0, the head's output lost.
+MAX_STS_TEMPERATURE = 1000.0
 # rows [first; second]
 FUSED = {"kv_proj": ("k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -595,13 +598,13 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         temps = cal.get("temperatures")
         K = d.cfg.num_drafts
         lo = torch.finfo(torch.float32).tiny  # the temperatures are applied in float32
-        hi = torch.finfo(torch.float32).max
+        hi = MAX_STS_TEMPERATURE
         well_formed = isinstance(temps, list) and len(temps) == K
         if well_formed:
             well_formed = all(number(x) and lo <= x <= hi for x in temps)
         if not well_formed:
             raise UserError(f"{calibration}: 'temperatures' must be a list "
-                            f"of {K} positive numbers from {lo:.3g} to {hi:.3g} "
+                            f"of {K} positive numbers from {lo:.3g} to {hi:g} "
                             f"(one per draft position), got {repr(temps)[:200]}")
         # what it was fitted on, which a note compares with the run (eval.py writes both)
         fitted_t = cal.get("temperature")

@@ -621,6 +621,11 @@ CASES = [
     ("calibration-float32-zero", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
                                                                   prompts_file(t, '{"temperatures": [1e-46, 1, 1, 1]}', "c.json")],
      "'temperatures' must be", False),
+    # a temperature this large makes every confidence 0.5 in float32, whose logit is then 0: the head's
+    # confidences, their report and a refit on them were flattened in silence
+    ("calibration-flattening", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                prompts_file(t, '{"temperatures": [1e9, 1, 1, 1]}', "c.json")],
+     "of 4 positive numbers from 1.18e-38 to 1000", False),
     # what the file was fitted on, compared with the run in a note: a 400-digit temperature overflowed there
     ("calibration-fitted-temperature-huge", "speculate", lambda w, t: S(w) + [
         "--confidence-threshold", "0.5", "--calibration",
