@@ -678,3 +678,30 @@ def test_the_round_record_is_read_in_the_order_it_is_packed():
     want = speculate.RoundRecord([5, 6, 7], 2, 1, 9, True, [0.5, 0.25, 0.125])
     assert speculate.unpack(packed, widths) == [want]
     assert speculate.unpack(packed, dict(reversed(widths.items()))) == [want]
+
+
+def test_api_md_recipe_gives_each_completions_tau_with_and_without_ignore_eos(tmp_path):
+    """api.md's recipe for the run's figures counts with the stop ids the run ended rounds at: the target's,
+    or none under ignore_eos (counted with the target's there, a round went on past an accepted EOS in the
+    run but ended at it in the recipe, and τ came out lower)."""
+    import shutil
+
+    from support import metrics
+    target = tmp_path / "target"
+    shutil.copytree(os.path.join(speculate.DEMO_DIR, "target"), target)
+    for name, eos in (("generation_config.json", [15]), ("config.json", 15)):  # a frequent token as EOS
+        path = target / name
+        config = json.loads(path.read_text())
+        config["eos_token_id"] = eos
+        path.write_text(json.dumps(config))
+    m = speculate.load(str(target), os.path.join(speculate.DEMO_DIR, "drafter"))
+    K = speculate.drafts_per_round(m.drafter)
+    heldout = [json.loads(line)["prompt_ids"] for line in open(os.path.join(speculate.DEMO_DIR, "heldout.jsonl"))]
+    for ignore_eos in (True, False):
+        stop_ids = m.stop_ids
+        if ignore_eos:  # as api.md says
+            stop_ids = ()
+        for prompt in heldout[:3]:
+            [done] = speculate.generate(m, [prompt], max_new_tokens=40, ignore_eos=ignore_eos)
+            tau = metrics.acceptance_length(metrics.count([done], K, stop_ids))
+            assert tau == pytest.approx(done.acceptance_length)
