@@ -525,7 +525,7 @@ def claim(partial: str, out: str) -> tuple[int, bool]:
 
 def append_durably(path: str, lines: list[str]):
     """The lines on disk before the resume file counts them."""
-    with open(path, "a") as f:
+    with open(path, "a", encoding="utf-8") as f:
         f.writelines(lines)
         f.flush()
         os.fsync(f.fileno())

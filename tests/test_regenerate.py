@@ -465,3 +465,20 @@ def test_prompt_files_may_be_listed_with_spaces(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
     convs = regenerate.read_conversations(f"{tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'}")
     assert [where for where, *_ in convs] == [f"{tmp_path / 'a.jsonl'}:1", f"{tmp_path / 'b.jsonl'}:1"]
+
+
+def test_records_are_utf8_whatever_the_locale(tmp_path):
+    """The records are appended as UTF-8, as every other output file is: under an ASCII locale the first
+    non-ASCII character was a UnicodeEncodeError after the whole chunk had been generated."""
+    import subprocess
+
+    out = tmp_path / "r.jsonl"
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('regenerate', {str(REPO_ROOT / 'scripts' / 'regenerate.py')!r})\n"
+            "module = sys.modules['regenerate'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
+            f"module.append_durably({str(out)!r}, ['{{\"text\": \"\\u00e9\"}}\\n'])\n")  # ASCII source
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == '{"text": "é"}\n'.encode("utf-8")
