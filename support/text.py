@@ -8,6 +8,7 @@ import numbers
 import os
 import re
 import string
+import time
 from typing import Callable, Optional, Sequence
 
 from support.cli import UserError, first_line, flag, parse_ints
@@ -320,7 +321,9 @@ def render_template(template: str, source: str, **context) -> str:
     timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     if timed:
         previous = signal.signal(signal.SIGALRM, out_of_time)
-        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        # the caller's own timer (seconds left, interval), re-armed afterwards
+        callers = signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        started = time.monotonic()
     try:
         # compiled once per template (training renders many conversations)
         if template not in _COMPILED:
@@ -353,6 +356,10 @@ def render_template(template: str, source: str, **context) -> str:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            left, interval = callers
+            if left > 0:  # less the render's time; one due meanwhile fires now
+                left = max(left - (time.monotonic() - started), 1e-6)
+                signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
 # Prompts

@@ -252,3 +252,27 @@ def test_other_json_lines_readers_keep_the_bare_error(tmp_path):
     with pytest.raises(UserError) as e:
         list(read_jsonl(str(path)))
     assert str(e.value) == f"{path}:2: malformed JSON (Expecting property name enclosed in double quotes at column 9)"
+
+
+def test_rendering_a_template_keeps_the_callers_alarm(monkeypatch):
+    """The render's time limit borrows SIGALRM's timer: the caller's handler and running timer (less the
+    time spent) are back afterwards, and one due during the render fires at once."""
+    import signal
+    import time
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0, 5.0)
+        assert text.render_template("{{ x }}", "t.jinja", x=1) == "1"
+        left, interval = signal.getitimer(signal.ITIMER_REAL)
+        assert 25.0 < left <= 30.0 and interval == 5.0
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        monkeypatch.setitem(text._COMPILED, "{{ x }}", type("Slow", (), {
+            "generate": lambda self, **context: iter([time.sleep(0.2) or "1"])})())
+        assert text.render_template("{{ x }}", "t.jinja", x=1) == "1"
+        time.sleep(0.01)
+        assert fired == [signal.SIGALRM]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
