@@ -70,6 +70,12 @@ def optional_file(path: str) -> bool:
     return False
 
 
+def check_no_bom(text: str, where: str):
+    """Refuse a file's text that starts with a byte-order mark, which would be read as a character."""
+    if text.startswith("\ufeff"):
+        raise UserError(f"{where}: starts with a byte-order mark (save the file as UTF-8 without BOM)")
+
+
 def _unique_keys(pairs: list) -> dict:
     out = {}
     for k, v in pairs:
@@ -120,9 +126,8 @@ def read_jsonl(path: str, records: Optional[str] = None):
             # a lone CR ends a line too, as text mode reads it
             for line in re.split(r"\r(?!\n)", text):
                 lineno += 1
-                if lineno == 1 and line.startswith("\ufeff"):
-                    raise UserError(f"{path}:1: starts with a byte-order mark "
-                                    "(save the file as UTF-8 without BOM)")
+                if lineno == 1:
+                    check_no_bom(line, f"{path}:1")
                 if not line.strip():
                     continue
                 if first is None:

@@ -439,6 +439,9 @@ CASES = [
      "chat_template.jinja", False),
     ("template-not-utf8", "speculate", lambda w, t: P(target_with(
         w, t, files={"chat_template.jinja": b"\xff\xfe{{ x }}"})), "not UTF-8", False),
+    ("template-bom", "speculate", lambda w, t: P(target_with(w, t, files={"chat_template.jinja": (
+        "\ufeff{% for m in messages %}{{ m.content }}{% endfor %}").encode()})),
+     "chat_template.jinja: starts with a byte-order mark (save the file as UTF-8 without BOM)", False),
     ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
     ("template-int-product", "speculate", lambda w, t: P(template(
         "{% set ns = namespace(n=2 ** 40000) %}{% for i in range(14) %}{% set ns.n = ns.n * ns.n %}{% endfor %}"
