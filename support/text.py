@@ -385,7 +385,10 @@ RECORD_SETTINGS = {"system": "--system-prompt", "max_tokens": "--max-new-tokens"
 # a request's key for what this decoding does not do, with the value that asks for nothing
 UNAPPLIED_REQUEST_KEYS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                           "min_tokens": 0, "min_new_tokens": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-                          "best_of": 1, "logit_bias": {}, "logprobs": False, "top_logprobs": 0}
+                          "best_of": 1, "logit_bias": {}, "logprobs": False, "top_logprobs": 0,
+                          # what the prompt is rendered from or the output holds
+                          "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                          "add_generation_prompt": True, "continue_final_message": False, "echo": False}
 
 
 def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:

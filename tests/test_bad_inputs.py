@@ -524,7 +524,10 @@ CASES = [
     *[(f"prompt-record-{key}", "speculate", lambda w, t, key=key, value=value: M(
         w, t, '{"prompt": "hi", "%s": %s}\n' % (key, value)),
        f"p.jsonl:1: {key} {value} is not applied here", False)
-      for key, value in (("repetition_penalty", "1.3"), ("min_tokens", "4"), ("logprobs", "true"))],
+      for key, value in (("repetition_penalty", "1.3"), ("min_tokens", "4"), ("logprobs", "true"),
+                         ("tools", '[{"type": "function"}]'), ("tool_choice", '"required"'),
+                         ("response_format", '{"type": "json_object"}'), ("add_generation_prompt", "false"),
+                         ("continue_final_message", "true"), ("echo", "true"))],
     ("prompt-not-text", "speculate", lambda w, t: M(w, t, '{"prompt": 5}\n'),
      "p.jsonl:1: 'prompt' must be a string, got 5", False),
     ("record-without-a-prompt", "speculate", lambda w, t: M(w, t, '{"text": "hi", "id": 3}\n'),
