@@ -519,7 +519,10 @@ def encode(tokenizer: Optional[Tokenizer], prompt, where: str, *, chat: bool,
                             f"the context leaves it")
     if not chat:
         return tokenizer.encode(texts[-1])
-    text = tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking)
+    try:
+        text = tokenizer.render_messages(messages, add_generation_prompt=True, thinking=thinking)
+    except UserError as e:  # a template that refuses this prompt (raise_exception): say which
+        raise UserError(f"{where}: {e}") from None
     return tokenizer.encode(text)
 
 

@@ -276,3 +276,21 @@ def test_rendering_a_template_keeps_the_callers_alarm(monkeypatch):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_template_that_refuses_a_prompt_names_the_prompt(target_factory, tmp_path):
+    """A template's raise_exception for one record (Gemma's "System role not supported"): the error names
+    the record's file:line (or the API's `prompt i`) before the template."""
+    template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+                "{% endif %}{{ m.content }}{% endfor %}")
+    d = target_factory(chat_template=template, chat_template_file=True).path
+    tok = text.Tokenizer(str(d))
+    pf = write_records(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "c"}]}])
+    why = f"{d / 'chat_template.jinja'}: cannot render the chat template (TemplateError: System role not supported)"
+    with pytest.raises(UserError) as e:
+        text.load_prompts(tokenizer=tok, chat=True, prompts_file=str(pf))
+    assert str(e.value) == f"{pf}:3: {why}"
+    with pytest.raises(UserError) as e:
+        text.encode(tok, "hi", "prompt 1", chat=True, system_prompt="s")
+    assert str(e.value) == f"prompt 1: {why}"
