@@ -254,6 +254,13 @@ def parse_error_line(event, args_class, argv: list[str]) -> Optional[str]:
     if kind == "InvalidChoice":
         return f"{name} {event.value}: not one of {expected}"
     if kind == "BadValue" and event.reason == "too_few_values":
+        # argparse reads a value that starts with "-" (`--stop --`, `--prompt -x`) as a flag
+        known = set(flag_names(args_class)) | {"-h", "--help"}
+        known |= {switch.replace("--", "--no-", 1) for switch in switch_names(args_class)}
+        given = argument.lowered.name_or_flags
+        after = [argv[i + 1] for i in range(len(argv) - 1) if argv[i] in given]
+        if any(v.startswith("-") and v.split("=")[0] not in known for v in after):
+            return f'{name}: no value given (a value that starts with "-" is written {name}=VALUE)'
         return f"{name}: no value given (expects {expected})"
     if kind == "BadValue":
         return f"{name} {event.offending_value}: takes no value"
