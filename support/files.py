@@ -121,8 +121,9 @@ def read_jsonl(path: str, records: Optional[str] = None):
         for raw in f:
             try:
                 text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise UserError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+            except UnicodeDecodeError as e:
+                crs = len(re.findall(rb"\r(?!\n)", raw[:e.start]))  # lone-CR line ends before the byte
+                raise UserError(f"{path}:{lineno + 1 + crs}: not UTF-8 text") from None
             # a lone CR ends a line too, as text mode reads it
             for line in re.split(r"\r(?!\n)", text):
                 lineno += 1

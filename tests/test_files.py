@@ -9,7 +9,7 @@ import os
 import pytest
 
 from support.cli import UserError
-from support.files import directory_problem, file_problem, optional_file
+from support.files import directory_problem, file_problem, optional_file, read_jsonl
 
 
 @pytest.fixture
@@ -140,3 +140,13 @@ def test_a_streamed_decode_cut_by_a_reader_gone_keeps_its_files(tmp_path):
     assert rc == 141
     summary = json.loads(trace.read_text().splitlines()[-1])
     assert summary["interrupted"] is True and summary["requests"] == 1 and out.is_file()
+
+
+@pytest.mark.parametrize("ends", [b"\n", b"\r", b"\r\n"])
+def test_a_byte_not_utf8_is_reported_on_its_own_line_whatever_the_line_ends(tmp_path, ends):
+    """A lone CR ends a line (as text mode reads it): a bad byte after two such lines is on line 3."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(ends.join([b'{"prompt": "a"}', b'{"prompt": "b"}', b'{"prompt": "\xe9"}', b""]))
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(str(path)))
+    assert str(e.value) == f"{path}:3: not UTF-8 text"
