@@ -454,13 +454,28 @@ def turn_requests(chunk: list[dict], turn: int, m, longest: int, progress: Progr
     return requests, owners
 
 
+def without_a_cut_character(tokenizer, ids: list[int]) -> list[int]:
+    """A response cut at its budget less its last tokens where they hold only the first bytes of a character
+    (decoded as U+FFFD, which the target never wrote): at most 3 bytes, so 3 tokens."""
+    if not tokenizer.decode(ids).endswith("\ufffd"):
+        return ids
+    for n in range(1, min(3, len(ids)) + 1):
+        if not tokenizer.decode(ids[:-n]).endswith("\ufffd"):
+            return ids[:-n]
+    return ids  # bytes that are not UTF-8, not a character cut short
+
+
 def add_answers(owners: list[dict], requests: list, m, stats: dict):
-    """Each request's response as its conversation's assistant turn (the stop token left out)."""
+    """Each request's response as its conversation's assistant turn (the stop token left out, and a
+    character cut by the budget)."""
     for c, req in zip(owners, requests):
         out = req.output_ids
         if req.finish_reason == "stop":
             out = out[:-1]
-        c["history"].append({"role": "assistant", "content": m.tokenizer.decode(out)})
+        text_ids = out
+        if req.finish_reason == "length":
+            text_ids = without_a_cut_character(m.tokenizer, out)
+        c["history"].append({"role": "assistant", "content": m.tokenizer.decode(text_ids)})
         c["finish"].append(req.finish_reason)
         c["ntok"].append(len(out))
         stats["responses"] += 1

@@ -482,3 +482,29 @@ def test_records_are_utf8_whatever_the_locale(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == '{"text": "é"}\n'.encode("utf-8")
+
+
+def test_a_response_cut_inside_a_character_leaves_its_first_bytes_out():
+    """A "length" cut in the middle of a character's bytes: the record's text ends before the character,
+    not with U+FFFD; a response ended by its stop token, or holding bytes that are not UTF-8, is kept."""
+    from types import SimpleNamespace
+
+    class Tok:  # one token a byte
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    def answer(data: bytes, finish_reason: str) -> str:
+        c = {"history": [], "finish": [], "ntok": []}
+        req = SimpleNamespace(output_ids=list(data), finish_reason=finish_reason)
+        stats = {"responses": 0, "tokens": 0}
+        regenerate.add_answers([c], [req], SimpleNamespace(tokenizer=Tok()), stats)
+        assert c["ntok"] == [len(data) - (finish_reason == "stop")] and stats["tokens"] == len(data)
+        return c["history"][0]["content"]
+
+    assert answer("ok \u4e2d".encode()[:-1], "length") == "ok "
+    assert answer("ok \U0001f600".encode()[:-1], "length") == "ok "
+    assert answer("ok \u00e9".encode()[:-1], "length") == "ok "
+    assert answer("ok \u4e2d".encode(), "length") == "ok \u4e2d"
+    assert answer(b"ok \xff\xff\xff\xff", "length") == "ok \ufffd\ufffd\ufffd\ufffd"
+    assert answer("\u4e2d".encode()[:2], "length") == ""
+    assert answer("ok \u4e2d".encode()[:-1] + b"\x00", "stop") == "ok \ufffd"
