@@ -71,19 +71,8 @@ class Tokenizer:
                         thinking: bool = False) -> str:
         if self.template_problem is not None:
             raise UserError(self.template_problem)
-        # Qwen3's ChatML; a closing assistant turn opens with an empty think block
         if self.chat_template is None:
-            out = []
-            for i, m in enumerate(messages):
-                think = ""
-                if m["role"] == "assistant" and i == len(messages) - 1:
-                    think = EMPTY_THINK
-                out.append(f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n")
-            if add_generation_prompt:
-                out.append("<|im_start|>assistant\n")
-                if not thinking:
-                    out.append(EMPTY_THINK)
-            return "".join(out)
+            return qwen3_chat(messages, add_generation_prompt=add_generation_prompt, thinking=thinking)
         copies = [dict(m) for m in messages]  # a template may not change the caller's
         text = render_template(self.chat_template, self.template_source, messages=copies,
                                add_generation_prompt=add_generation_prompt,
@@ -92,6 +81,42 @@ class Tokenizer:
             raise UserError(f"{self.template_source}: "
                             f"the chat template renders this conversation as nothing")
         return text
+
+
+def qwen3_chat(messages: Sequence[dict], *, add_generation_prompt: bool, thinking: bool) -> str:
+    """Qwen3's chat template written out for system, user and assistant turns: ChatML; an assistant turn's
+    reasoning (up to </think>) dropped before the last user turn, and after it kept in a think block (an
+    empty one for a last turn without); with thinking off the generation prompt opens an empty one. Unlike
+    the template, an answer after the last user turn keeps its leading newlines: training reads the
+    response as written (a response the rendering changes is not trained on)."""
+    last_query = len(messages) - 1  # the last user turn that is not a tool's response
+    for i in reversed(range(len(messages))):
+        content = messages[i]["content"]
+        tool_response = content.startswith("<tool_response>") and content.endswith("</tool_response>")
+        if messages[i]["role"] == "user" and not tool_response:
+            last_query = i
+            break
+    out = []
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if m["role"] != "assistant":
+            out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
+            continue
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        last = i == len(messages) - 1
+        if i > last_query and (last or reasoning):
+            reasoning = reasoning.strip("\n")
+            out.append(f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{content}<|im_end|>\n")
+        else:
+            out.append(f"<|im_start|>assistant\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+        if not thinking:
+            out.append(EMPTY_THINK)
+    return "".join(out)
 
 
 def read_chat_template(directory: str,

@@ -44,6 +44,56 @@ QWEN3_STYLE_TEMPLATE = """\
 {%- endif %}
 """
 
+# The published Qwen3 chat template (Qwen/Qwen3-8B's tokenizer_config.json), its branches for system, user and
+# assistant turns as written there (the tools' system block, tool calls and tool turns left out).
+QWEN3_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') \
+and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}
+                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]\
+.lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + \
+'\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
 CONVERSATIONS = [
     [{"role": "system", "content": "x = 1"}, {"role": "user", "content": "hello world"}],
     [{"role": "user", "content": "hello"}],
@@ -294,3 +344,44 @@ def test_a_template_that_refuses_a_prompt_names_the_prompt(target_factory, tmp_p
     with pytest.raises(UserError) as e:
         text.encode(tok, "hi", "prompt 1", chat=True, system_prompt="s")
     assert str(e.value) == f"prompt 1: {why}"
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_without_a_template_assistant_reasoning_is_handled_as_qwen3s_template_does(target_factory, thinking):
+    """The hand-written format against the published template (transformers renders it): reasoning dropped
+    before the last user turn, kept after it in the last turn or where there is some, a tool response not
+    the last user turn; conversations that end with the user's turn (prompts) or the assistant's (training)."""
+    from transformers import PreTrainedTokenizerFast
+
+    plain = text.Tokenizer(str(target_factory(chat_template=False).path))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(target_factory(chat_template=False).path / "tokenizer.json"),
+                                 chat_template=QWEN3_TEMPLATE)
+
+    def turn(role, content):
+        return {"role": role, "content": content}
+
+    thought = "<think>\nhmm\n</think>\n\nhello"
+    prompts = [
+        [turn("user", "hi"), turn("assistant", thought), turn("user", "more")],
+        [turn("system", "s"), turn("user", "hi"), turn("assistant", "\n\nno think</think>x"), turn("system", "t"),
+         turn("user", "more")],
+        [turn("user", "hi"), turn("assistant", thought), turn("user", "<tool_response>r</tool_response>")],
+        [turn("user", "hi"), turn("assistant", "plain"), turn("user", "<tool_response>r</tool_response>")],
+    ]
+    answers = [
+        [turn("user", "hi"), turn("assistant", thought)],
+        [turn("user", "hi"), turn("assistant", "plain"), turn("assistant", "again")],
+        [turn("user", "hi"), turn("assistant", thought), turn("assistant", "again")],
+        [turn("user", "a"), turn("assistant", thought), turn("user", "b"), turn("assistant", "<think>x</think>y")],
+    ]
+    for conv, generation in [(c, True) for c in prompts] + [(c, False) for c in answers]:
+        kw = dict(add_generation_prompt=generation, enable_thinking=thinking)
+        want = hf.apply_chat_template(conv, tokenize=False, **kw)
+        assert plain.render_messages(conv, add_generation_prompt=generation, thinking=thinking) == want, conv
+    # the reasoning of an earlier answer is dropped from a prompt, as Qwen3 drops it
+    assert "hmm" not in plain.render_messages(prompts[0], add_generation_prompt=True, thinking=thinking)
+    # an answer's leading newlines are kept, where the template strips them: a response trains as written
+    answer = [turn("user", "hi"), turn("assistant", "\n\nplain")]
+    ours = plain.render_messages(answer, add_generation_prompt=False, thinking=thinking)
+    theirs = hf.apply_chat_template(answer, tokenize=False, add_generation_prompt=False, enable_thinking=thinking)
+    assert ours == theirs.replace("</think>\n\nplain", "</think>\n\n\n\nplain") != theirs
