@@ -674,9 +674,14 @@ def check_prompts(prompts: list[list[int]], target, max_new_tokens: Optional[int
 class StopStrings:
     """--stop: a request ends at the first in its printed text: ids kept to the token completing it, text cut before."""
 
+    # characters of checked text a window keeps before a stop string could start: what decoding from
+    # inside the text changes at the window's first ids (a space, a character's trailing bytes)
+    SLACK = 16
+
     def __init__(self, tokenizer: Tokenizer, strings: Sequence[str]):
         self.tokenizer = tokenizer
         self.strings = tuple(strings)
+        self.longest = max(map(len, self.strings), default=0)
 
     @staticmethod
     def check(strings: Sequence[str]):
@@ -711,12 +716,28 @@ class StopStrings:
         starts = [i for i in found if i >= 0]
         return min(starts, default=None)
 
+    def window_start(self, ids: Sequence[int], checked: int) -> int:
+        """Where a window of the ids starts that holds any stop string the ids after `checked` complete:
+        enough checked ids before them for the longest stop string and the slack."""
+        back = 2 * self.longest + self.SLACK  # ids, doubled until their text is long enough
+        while True:
+            start = max(0, checked - back)
+            before = self.tokenizer.decode(ids[start:checked], skip_special_tokens=True)
+            if start == 0 or len(before) >= self.longest + self.SLACK:
+                return start
+            back *= 2
+
     def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
-        """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None."""
+        """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None.
+        Each round decodes a window at the output's end, not the whole output; the whole when it holds one."""
         def text(n):
             return self.tokenizer.decode(ids[:n], skip_special_tokens=True)
 
-        if self.find(text(len(ids))) is None:
+        start = self.window_start(ids, checked)
+        window = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        if self.find(window) is None:
+            return None
+        if start > 0 and self.find(text(len(ids))) is None:
             return None
         lo = checked  # a bisection: text(lo) holds none, text(hi) holds one
         hi = len(ids)

@@ -385,3 +385,90 @@ def test_without_a_template_assistant_reasoning_is_handled_as_qwen3s_template_do
     ours = plain.render_messages(answer, add_generation_prompt=False, thinking=thinking)
     theirs = hf.apply_chat_template(answer, tokenize=False, add_generation_prompt=False, enable_thinking=thinking)
     assert ours == theirs.replace("</think>\n\nplain", "</think>\n\n\n\nplain") != theirs
+
+
+def whole_output_keep(stop, ids, checked):
+    """StopStrings.keep searching the whole output's text: the slow reference."""
+    def found(n):
+        return stop.find(stop.tokenizer.decode(ids[:n], skip_special_tokens=True)) is not None
+
+    if not found(len(ids)):
+        return None
+    lo = checked  # a bisection: text(lo) holds none, text(hi) holds one
+    hi = len(ids)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if found(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def test_stop_strings_in_a_window_are_found_as_in_the_whole_output(target_factory):
+    """keep decodes a window at the output's end: on random outputs (bytes cut inside characters, special
+    tokens, words joined by a decoder, Metaspace's leading space) and random stop strings, growing as the
+    engine grows them, it keeps exactly what a search of the whole output keeps."""
+    import random
+
+    from conftest import REPO_ROOT
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders
+    from tokenizers.models import WordLevel
+
+    class Tok:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def decode(self, ids, skip_special_tokens=False):
+            return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    pieces = ["<unk>", "\u2581a", "b", "\u2581cd", "\u2581", "e"]
+    metaspace = HFTokenizer(WordLevel({w: i for i, w in enumerate(pieces)}, unk_token="<unk>"))
+    metaspace.decoder = decoders.Metaspace()
+    tokenizers = [Tok(text.Tokenizer(str(REPO_ROOT / "demo" / "target")).tok), Tok(metaspace),
+                  Tok(text.Tokenizer(str(target_factory(chat_template=False).path)).tok)]
+    rng = random.Random(0)
+    hits = 0
+    for trial in range(300):
+        tok = tokenizers[trial % len(tokenizers)]
+        vocab = tok.tok.get_vocab_size(with_added_tokens=True)
+        low = min(vocab, 300)  # byte-level BPE's single bytes, and the added tokens after them
+
+        def draw():
+            return rng.randrange(low) if rng.random() < 0.5 else rng.randrange(vocab)
+
+        sample = tok.decode([draw() for _ in range(40)], skip_special_tokens=True)
+        strings = []
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(max(1, len(sample)))
+            strings.append(sample[i:i + rng.randint(1, 12)] or "x")
+        stop = text.StopStrings(tok, strings)
+        out = []
+        for _ in range(rng.randint(1, 100)):  # rounds
+            before = len(out)
+            out += [draw() for _ in range(rng.randint(1, 6))]
+            keep = stop.keep(out, before)
+            assert keep == whole_output_keep(stop, out, before), (trial, strings, out, before)
+            if keep is not None:
+                hits += 1
+                break
+    assert hits > 100
+
+
+def test_a_stop_check_decodes_the_outputs_end_not_all_of_it():
+    """A round's stop check decodes the new ids and a window before them, whatever the output's length
+    (the whole output every round made a long request's checks grow with its square)."""
+    from conftest import REPO_ROOT
+
+    tok = text.Tokenizer(str(REPO_ROOT / "demo" / "target"))
+    decoded = []
+    decode = tok.decode
+    tok.decode = lambda ids, skip_special_tokens=False: decoded.append(len(ids)) or decode(ids, skip_special_tokens)
+    stop = text.StopStrings(tok, ["ZZQXZZQX"])
+    out = []
+    for i in range(1000):
+        before = len(out)
+        out += [100 + (7 * i + j) % 3000 for j in range(4)]
+        assert stop.keep(out, before) is None
+    assert len(out) == 4000 and max(decoded) <= 2 * 8 + stop.SLACK + 4, max(decoded)
