@@ -99,6 +99,9 @@ def run(a: CorpusArgs):
 def check_paths(a: CorpusArgs) -> tuple[str, str]:
     """--corpus and --out before anything is read: separate, new, and writable. Returns the paths of the
     held-out listing and the record."""
+    for flag, path in (("--corpus", a.corpus), ("--out", a.out)):
+        if not path.strip():
+            raise UserError(f"{flag}: empty path")
     if os.path.exists(a.corpus) and (not os.path.isdir(a.corpus) or os.listdir(a.corpus)):
         raise UserError(f"--corpus {a.corpus}: exists and is not an empty directory")
     if os.path.exists(a.out) and not os.path.isdir(a.out):

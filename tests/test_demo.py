@@ -238,7 +238,8 @@ def test_demo_corpus_stopped_leaves_nothing_and_runs_again(tmp_path, capsys, mon
 def test_demo_corpus_refuses_shared_or_unwritable_folders_before_any_work(tmp_path, capsys, monkeypatch):
     """--corpus and --out the same folder, or one inside the other (corpus.json and heldout.txt would be read
     as training text), or in a folder that takes no files (a read-only filesystem; as root chmod does not
-    stop writes, so the read-only mount is simulated): one line, exit 2, neither folder made."""
+    stop writes, so the read-only mount is simulated), or an empty path: one line, exit 2, neither folder
+    made."""
     from conftest import make_read_only
 
     _, dc = _scripts()
@@ -247,11 +248,13 @@ def test_demo_corpus_refuses_shared_or_unwritable_folders_before_any_work(tmp_pa
     ro.mkdir()
     make_read_only(monkeypatch, ro)
     x = tmp_path / "x"
+    monkeypatch.chdir(tmp_path)  # where an empty path would lead
     for corpus, out, needle in ((x, x, "separate directories"), (x / "c", x, "separate directories"),
                                 (x, x / "p", "separate directories"),
                                 (ro / "c", tmp_path / "p", f"--corpus {ro / 'c'}: cannot write in {ro}"),
                                 (tmp_path / "c", ro / "p", f"--out {ro / 'p'}: cannot write in {ro}"),
-                                (tmp_path / "c", ro, f"--out {ro}: cannot write in {ro}")):
+                                (tmp_path / "c", ro, f"--out {ro}: cannot write in {ro}"),
+                                ("", x / "p", "--corpus: empty path"), (x / "c", "", "--out: empty path")):
         assert dc.main(["--corpus", str(corpus), "--out", str(out), "--stdlib", str(lib)]) == 2, (corpus, out)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, (corpus, out, err)
