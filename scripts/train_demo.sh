@@ -8,16 +8,19 @@
 #                both), DIR/heldout.txt, DIR/heldout.jsonl and DIR/corpus.json. A DIR that exists and
 #                is not empty is refused without --force, so the committed pair is replaced only when
 #                asked: --out demo --force.
-#   --force      replace what DIR holds (its pair and held-out files; anything else in DIR stays).
+#   --force      replace what DIR holds: its pair and held-out files and, with a new target, a drafter of
+#                the other kind (DIR/eagle3 or DIR/drafter: trained on the old target, it goes with the
+#                old pair); anything else in DIR stays.
 #   -h, --help   this text.
 #
-# Environment: TARGET_STEPS (500), DRAFTER_STEPS (2000) and SELFDATA_PROMPTS (2048) set the training
-# steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4) and TARGET_HIDDEN
-# (256; a multiple of 128) the target's shape, BLOCK_SIZE (7) the drafter's block, THREADS the CPU
-# threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the
-# one DIR/corpus.json records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter),
-# eagle3 (DIR/eagle3, the paper's Eagle3 baseline, trained the same way on the same data: train.py
-# --drafter-kind eagle3, its chain BLOCK_SIZE long) or both.
+# Environment: TARGET_STEPS (500), DRAFTER_STEPS (2000) and SELFDATA_PROMPTS (2048; at most 1000000) set
+# the training steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4; at least 2
+# for an Eagle3 drafter) and TARGET_HIDDEN (256; a multiple of 128) the target's shape, BLOCK_SIZE (7; at
+# most 255) the drafter's block, THREADS the CPU threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and
+# redoes the drafter (its corpus must be the one DIR/corpus.json records); DRAFTER_KIND picks the drafter:
+# dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the paper's Eagle3 baseline, trained the same
+# way on the same data: train.py --drafter-kind eagle3, its chain BLOCK_SIZE long) or both. The trainers
+# show their progress: a bar on a terminal, else a line every 15 s.
 #
 # Steps: 0. the corpus (scripts/demo_corpus.py): the standard library's top-level *.py files, every
 #           20th held out (never trained on), named in DIR/heldout.txt; DIR/corpus.json and one printed
@@ -59,6 +62,19 @@ case "${DRAFTER_KIND:-dspark}" in
     both) DRAFTERS=(drafter eagle3) ;;
     *) fail "DRAFTER_KIND=$DRAFTER_KIND: dspark, eagle3 or both" ;;
 esac
+SEQ_LEN=256  # tokens per training row, the target's and the drafter's
+# The limits of the programs below, checked before the training rather than after it: train.py's block
+# (at most MAX_BLOCK, 256, and inside a row) and demo_selfdata.py's --num-prompts.
+if [ "${BLOCK_SIZE:-7}" -ge "$SEQ_LEN" ]; then
+    fail "BLOCK_SIZE=$BLOCK_SIZE: 1 to $((SEQ_LEN - 1)) (train.py: a block fits in a $SEQ_LEN-token training row)"
+fi
+if [ "${SELFDATA_PROMPTS:-2048}" -gt 1000000 ]; then
+    fail "SELFDATA_PROMPTS=$SELFDATA_PROMPTS: 1 to 1000000 (demo_selfdata.py's limit)"
+fi
+if [ "${DRAFTER_ONLY:-0}" = 0 ] && [ "${DRAFTERS[-1]}" = eagle3 ] && [ "${TARGET_LAYERS:-4}" -lt 2 ]; then
+    fail "TARGET_LAYERS=$TARGET_LAYERS: at least 2 with DRAFTER_KIND=$DRAFTER_KIND" \
+        "(Eagle3 reads a decoder layer below the last)"
+fi
 if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then fail "--out $OUT: exists and is not a directory"; fi
 if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ "$FORCE" != 1 ]; then
     fail "--out $OUT: exists and is not empty; add --force to replace its pair"
@@ -89,11 +105,18 @@ export OMP_NUM_THREADS=$THREADS
 WORK=$(mktemp -d)
 PAIR=$WORK/pair  # what moves into $OUT at the end
 ITEMS=(target "${DRAFTERS[@]}" heldout.txt heldout.jsonl corpus.json)
+# With a new target, a drafter of the other kind in DIR (trained on the old target) goes with the old pair.
+GONE=()
+if [ "${DRAFTER_ONLY:-0}" = 0 ]; then
+    for kind in drafter eagle3; do
+        if [[ " ${DRAFTERS[*]} " != *" $kind "* ]]; then GONE+=("$kind"); fi
+    done
+fi
 STAGE="" HAD="" SWAP="" STOP="" MADE=0
 # Put the old pair back: what came into $OUT goes, what was moved aside (*.old) returns.
 rollback() {
     local failed=0
-    for item in "${ITEMS[@]}"; do
+    for item in "${ITEMS[@]}" "${GONE[@]}"; do
         if [ -e "$OUT/$item.old" ]; then rm -rf "${OUT:?}/$item" && mv "$OUT/$item.old" "$OUT/$item" || failed=1
         elif [[ " $HAD " != *" $item "* ]]; then rm -rf "${OUT:?}/$item" || failed=1; fi
     done
@@ -102,7 +125,7 @@ rollback() {
 cleanup() {
     trap '' INT TERM  # another Ctrl-C does not cut the rollback short
     if [ "$SWAP" = started ]; then rollback || echo "error: $OUT: the old pair not all put back (see *.old)" >&2; fi
-    if [ "$SWAP" = done ]; then for item in "${ITEMS[@]}"; do rm -rf "${OUT:?}/$item.old"; done; fi
+    if [ "$SWAP" = done ]; then for item in "${ITEMS[@]}" "${GONE[@]}"; do rm -rf "${OUT:?}/$item.old"; done; fi
     rm -rf "$WORK" ${STAGE:+"$STAGE"}
     if [ "$SWAP" != done ] && [ "$MADE" = 1 ]; then rmdir "$OUT" 2>/dev/null || true; fi
 }
@@ -136,8 +159,8 @@ if [ "${DRAFTER_ONLY:-0}" != 1 ]; then
 python "$REPO/scripts/train_target.py" --tokenizer-from-corpus --vocab-size 4096 --data "$WORK/corpus" \
     --out "$WORK/target" --hidden-size "$TARGET_HIDDEN" --layers "$TARGET_LAYERS" \
     --heads $((TARGET_HIDDEN / 64)) --kv-heads 2 --head-dim 64 --intermediate-size $((3 * TARGET_HIDDEN)) \
-    --seq-len 256 --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
-    --max-position-embeddings 2048 --seed 0 --device cpu --no-progress
+    --seq-len "$SEQ_LEN" --batch-size 16 --steps "$TARGET_STEPS" --lr 2e-3 \
+    --max-position-embeddings 2048 --seed 0 --device cpu
 to_bf16 "$WORK/target" "$PAIR/target"
 cp "$WORK/target/tokenizer.json" "$WORK/target/generation_config.json" "$PAIR/target/"
 else
@@ -154,13 +177,13 @@ for kind in "${DRAFTERS[@]}"; do
 if [ "$kind" = drafter ]; then
 python "$REPO/train.py" --target "$PAIR/target" --data-ids "$WORK/selfdata.jsonl" --out "$WORK/drafter" \
     --block-size "$BLOCK_SIZE" --depth 1 --markov vanilla --markov-rank 64 --confidence \
-    --seq-len 256 --batch-size 8 --anchors-per-seq 64 --steps "$DRAFTER_STEPS" --lr 2e-3 \
-    --seed 0 --device cpu --no-progress
+    --seq-len "$SEQ_LEN" --batch-size 8 --anchors-per-seq 64 --steps "$DRAFTER_STEPS" --lr 2e-3 \
+    --seed 0 --device cpu
 else
 python "$REPO/train.py" --drafter-kind eagle3 --target "$PAIR/target" --data-ids "$WORK/selfdata.jsonl" \
     --out "$WORK/eagle3" --ttt-length "$BLOCK_SIZE" --step-loss-decay 0.8 \
-    --seq-len 256 --batch-size 8 --steps "$DRAFTER_STEPS" --lr 2e-3 \
-    --seed 0 --device cpu --no-progress
+    --seq-len "$SEQ_LEN" --batch-size 8 --steps "$DRAFTER_STEPS" --lr 2e-3 \
+    --seed 0 --device cpu
 fi
 to_bf16 "$WORK/$kind" "$PAIR/$kind"
 done
@@ -169,16 +192,16 @@ done
 python "$REPO/scripts/demo_prompts.py" --demo "$PAIR" --out "$PAIR/heldout.jsonl"
 
 # Into $OUT: the new pair first moved beside the old one (a copy if $WORK is on another filesystem), then
-# swapped in by renames, the old items moved aside as *.old. A stop (INT, TERM: the trap notes it, the
-# swap goes on to a safe point) or a failure before the end puts the old pair back (cleanup): DIR holds the
-# old pair or the new one, never a mix.
+# swapped in by renames, the old items (and a GONE drafter) moved aside as *.old. A stop (INT, TERM: the
+# trap notes it, the swap goes on to a safe point) or a failure before the end puts the old pair back
+# (cleanup): DIR holds the old pair or the new one, never a mix.
 [ -d "$OUT" ] || MADE=1
 mkdir -p "$OUT"
 trap 'STOP=130' INT
 trap 'STOP=143' TERM
 STAGE=$(mktemp -d "$OUT/.new-pair.XXXXXX")
-for item in "${ITEMS[@]}"; do
-    mv "$PAIR/$item" "$STAGE/$item"
+for item in "${ITEMS[@]}"; do mv "$PAIR/$item" "$STAGE/$item"; done
+for item in "${ITEMS[@]}" "${GONE[@]}"; do
     rm -rf "${OUT:?}/$item.old"
     if [ -e "$OUT/$item" ]; then HAD+=" $item"; fi
 done
@@ -187,6 +210,9 @@ SWAP=started
 for item in "${ITEMS[@]}"; do
     if [ -e "$OUT/$item" ]; then mv "$OUT/$item" "$OUT/$item.old"; fi
     mv "$STAGE/$item" "$OUT/$item"
+done
+for item in "${GONE[@]}"; do
+    if [ -e "$OUT/$item" ]; then mv "$OUT/$item" "$OUT/$item.old"; fi
 done
 [ -z "$STOP" ] || exit "$STOP"
 SWAP=done  # the new pair is in; the old one goes at exit (cleanup)

@@ -375,6 +375,93 @@ def test_train_demo_sh_stopped_while_the_pair_moves_in_keeps_the_old_pair(tmp_pa
     assert p.returncode == 0 and tree(out) == {**new, "notes.txt": "kept"}, p.stderr
 
 
+def _fake_train_demo(tmp_path):
+    """scripts/train_demo.sh run with test_demo.py's stand-ins, which note each program's arguments."""
+    import shutil
+    import subprocess
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    log = tmp_path / "args.log"
+    fake = FAKE_PYTHON.replace("#!/usr/bin/env bash\n", '#!/usr/bin/env bash\necho "$*" >> "$ARGS_LOG"\n', 1)
+    (bin_ / "python").write_text(fake)
+    (bin_ / "mv").write_text(FAKE_MV.replace("MV", shutil.which("mv")))
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    script = str(REPO_ROOT / "scripts" / "train_demo.sh")
+
+    def build(out, tag, **env):
+        log.unlink(missing_ok=True)
+        env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", TAG=tag, THREADS="1",
+                   ARGS_LOG=str(log), **env)
+        p = subprocess.run(["bash", script, "--out", str(out), "--force"], capture_output=True, text=True,
+                           timeout=60, env=env)
+        calls = log.read_text().splitlines() if log.exists() else []
+        return p, calls
+
+    return build
+
+
+def _tree(d):
+    return {str(p.relative_to(d)): p.read_text() if p.is_file() else None for p in d.rglob("*")}
+
+
+def test_train_demo_sh_with_a_new_target_drops_the_other_kinds_drafter(tmp_path):
+    """A new target makes a drafter of the other kind in DIR (trained on the old one) unusable: it goes
+    with the old pair, in the same swap (a failed swap puts it back); DRAFTER_ONLY=1 keeps the target,
+    so the other drafter stays."""
+    build = _fake_train_demo(tmp_path)
+    out = tmp_path / "out"
+    p, _ = build(out, "old", DRAFTER_KIND="both")
+    assert p.returncode == 0 and {"drafter", "eagle3"} <= set(os.listdir(out)), p.stderr
+    old = _tree(out)
+    for env, rc in (({"FAIL_FROM": f"{out}/eagle3"}, 1),  # moving the old eagle3 aside fails
+                    ({"FAIL_FROM": f"{out}/.new-pair.*/corpus.json"}, 1)):  # before it is touched
+        p, _ = build(out, "new", **env)
+        assert p.returncode == rc and _tree(out) == old, (env, p.stderr, _tree(out))
+    p, _ = build(out, "new")
+    assert p.returncode == 0 and "eagle3" not in os.listdir(out), p.stderr
+    assert not [n for n in os.listdir(out) if n.endswith(".old")]
+    assert set(_tree(out).values()) == {None, "new\n"}
+    p, _ = build(out, "e3", DRAFTER_KIND="eagle3")
+    assert p.returncode == 0 and "drafter" not in os.listdir(out) and "eagle3" in os.listdir(out), p.stderr
+    p, _ = build(out, "d", DRAFTER_ONLY="1")  # the target kept: the eagle3 drafter still fits it
+    assert p.returncode == 0 and (out / "eagle3" / "model.safetensors").read_text() == "e3\n", p.stderr
+    assert (out / "drafter" / "model.safetensors").read_text() == "d\n"
+
+
+def test_train_demo_sh_checks_its_programs_limits_before_any_work(tmp_path, capsys):
+    """BLOCK_SIZE (train.py's: at most MAX_BLOCK and below the script's --seq-len 256), SELFDATA_PROMPTS
+    (demo_selfdata.py's --num-prompts) and TARGET_LAYERS for an Eagle3 drafter are checked with the other
+    variables: one line, exit 2, no program run; the limits themselves pass. The trainers are left to
+    show their progress."""
+    import train
+    from support.cli import MAX_BLOCK
+
+    block = min(MAX_BLOCK, 255)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    for kind, size in (("dspark", "--block-size"), ("eagle3", "--ttt-length")):  # train.py's own limit
+        for value, needle in ((block + 1, f"{size} {block + 1}: "), (block, "--target")):  # (no target here)
+            argv = ["--drafter-kind", kind, size, str(value), "--seq-len", "256", "--data-ids", str(ids),
+                    "--target", str(tmp_path / "none"), "--out", str(tmp_path / "d")]
+            assert train.main(argv) == 2
+            assert needle in capsys.readouterr().err
+    build = _fake_train_demo(tmp_path)
+    out = tmp_path / "out"
+    for env, needle in (({"BLOCK_SIZE": str(block + 1)}, f"BLOCK_SIZE={block + 1}: 1 to {block}"),
+                        ({"SELFDATA_PROMPTS": "1000001"}, "SELFDATA_PROMPTS=1000001: 1 to 1000000"),
+                        ({"TARGET_LAYERS": "1", "DRAFTER_KIND": "eagle3"}, "TARGET_LAYERS=1: at least 2"),
+                        ({"TARGET_LAYERS": "1", "DRAFTER_KIND": "both"}, "TARGET_LAYERS=1: at least 2")):
+        p, calls = build(out, "x", **env)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and needle in p.stderr, (env, p.stderr)
+        assert calls == [] and not out.exists()
+    p, calls = build(out, "x", BLOCK_SIZE=str(block), SELFDATA_PROMPTS="1000000", TARGET_LAYERS="1")
+    assert p.returncode == 0, p.stderr
+    trains = [c for c in calls if "/train.py " in c or "/train_target.py " in c]
+    assert len(trains) == 2 and not [c for c in trains if "--no-progress" in c], calls
+
+
 def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_path, capsys):
     """Each record is a corpus window of --prompt-tokens followed by the target's own greedy
     continuation (what speculate.py decodes from that prompt); bad inputs are one line, exit 2."""
