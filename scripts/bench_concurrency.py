@@ -23,7 +23,8 @@ identical under every scheduler and autoregressively (lossless): in float32 a di
 bf16/fp16, where a near-tie can flip an argmax, differences are counted as bench.py counts them and
 the mode's row says its outputs did not agree. A markdown
 table goes to stdout, --out writes JSON, --plot a PNG or SVG (plots.py). The demo pair is used
-unless --target/--drafter are given; on cpu the engines run eagerly unless --compile is given. The
+unless --target/--drafter are given; on cpu the engines run eagerly unless --compile is given (then a
+line on stderr for each engine compiled: every concurrency compiles every mode). The
 decode and machine flags are every program's (support.flags.Settings, Machine); a decode setting this
 benchmark does not read (--scheduler, --batch-size, --top-k, ...) is refused.
 """
@@ -61,8 +62,6 @@ from support.cli import (
     parse_ints,
     resolve_device,
     resolve_dtype,
-    set_threads,
-    use_compile_cache,
 )
 from support.files import check_input, check_outputs, write_json  # noqa: E402
 from support.flags import Machine, Settings  # noqa: E402
@@ -183,9 +182,8 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     one_process("bench_concurrency.py", "it measures one process serving its requests")
     levels, schedulers, s = check_args(args)
     target_dir, drafter_dir, prompts_file = checked_inputs(args)
-    if s.compile:
-        use_compile_cache(args.machine.compile_cache)
-    set_threads(args.machine.threads)  # its line is not printed: the header's hardware names the threads
+    # with --compile its line says so; the threads' line is not printed (the header's hardware names them)
+    flags.start_machine(args.machine, s)
     dev = resolve_device(args.machine.device)
     dtype = resolve_dtype(args.machine.dtype, dev)
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype, calibration=args.calibration)
@@ -404,8 +402,9 @@ def build_engines(s: Settings, m, modes: list[str], c: int, batch: list) -> dict
         engines[mode] = Engine(m.target, drafter, batch_size=c, max_seq=max_seq, temperature=s.temperature,
                                seed=s.seed, stop_ids=stop_ids, scheduler=scheduler, threshold=threshold,
                                ragged=True, compile=s.compile, compile_mode=s.compile_mode)
-    if s.compile:
-        for e in engines.values():
+    if s.compile:  # every concurrency compiles every mode anew: one line each, minutes on a CPU
+        for i, (mode, e) in enumerate(engines.items(), 1):
+            print(f"concurrency {c}: compiling {mode} ({i}/{len(engines)})", file=sys.stderr, flush=True)
             e.warmup()
     return engines
 

@@ -335,3 +335,26 @@ def test_calibration_is_applied_and_refused_where_nothing_reads_it(tmp_path, mon
     assert json.load(open(out))["config"]["calibration"] == str(cal)
     assert bc.main(flags + ["--schedulers", "none"]) == 2
     assert "--calibration" in capsys.readouterr().err
+
+
+def test_compile_says_what_it_compiles(tmp_path, monkeypatch, capsys):
+    """--compile: a line before the models load (speculate.py's), then one on stderr for each engine
+    compiled, every concurrency compiling every mode; minutes each on a CPU, so a run is not silent. The
+    engines here run eagerly (their warmup is what compiles)."""
+    from support.flags import compiling_line
+
+    real = bc.Engine
+
+    def eager(*args, **kwargs):
+        return real(*args, **dict(kwargs, compile=False))
+
+    monkeypatch.setattr(bc, "Engine", eager)
+    cache = tmp_path / "cache"
+    argv = ["--compile", "--compile-cache", str(cache), "--concurrency", "1,2", "--schedulers", "none",
+            "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1"]
+    assert bc.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == compiling_line(str(cache)), err
+    compiling = [line for line in err if ": compiling " in line]
+    assert compiling == [f"concurrency {c}: compiling {mode} ({i}/2)" for c in (1, 2)
+                         for i, mode in enumerate(("autoregressive", "none"), 1)], err
