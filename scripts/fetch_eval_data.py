@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "data", "eval")
 
 # Record conversions: one upstream row -> {"turns": [...]}. MATH_SUFFIX follows every math question.

@@ -67,6 +67,8 @@ def test_refuses_to_overwrite_without_force(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
     assert existing.read_text() == "keep me\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gsm8k.jsonl"]  # no temporary left behind
+    r = run("gsm8k")  # the default --out-dir, data/eval, named as a plain path
+    assert r.returncode == 2 and r.stderr == f"error: {DATA / 'gsm8k.jsonl'} exists (pass --force to replace it)\n"
 
 
 def test_refuses_before_any_download_when_one_of_many_exists(tmp_path):
