@@ -8,13 +8,15 @@
 One {"turns": [str, ...]} per line, as eval.py reads. The conversions (`*_record`) reproduce the shipped
 files byte for byte from the same upstream rows; a file that differs is reported, not an error
 (data/eval/README.md: sources and licenses). Needs a network and `pip install datasets`, imported only
-when a download starts. Files are never replaced without --force and are written whole or not at all.
+when a download starts. Files are never replaced without --force and are written whole or not at all
+(a download that fails leaves no folder it made).
 Exit status: 0; 2 on a usage error (one line); 1 if a download fails; 130 / 143 on SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -258,11 +260,18 @@ def upstream_rows(src: Source) -> Iterator[dict]:
 
 def write_records(src: Source, rows: Iterable[dict], path: str,
                   max_rows: Optional[int] = None) -> tuple[int, str]:
-    """`rows` converted into `path`, atomically -> (records written, the file's sha256)."""
+    """`rows` converted into `path`, atomically -> (records written, the file's sha256). Not written (a
+    download that fails or is stopped), the folders made for it are removed again."""
     folder = os.path.dirname(os.path.abspath(path))
+    made = []  # the folders this call makes, innermost first
+    missing = folder
+    while not os.path.exists(missing):
+        made.append(missing)
+        missing = os.path.dirname(missing)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     digest, count = hashlib.sha256(), 0
+    written = False
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             for i, row in enumerate(rows):
@@ -285,9 +294,14 @@ def write_records(src: Source, rows: Iterable[dict], path: str,
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: the mode open() would give
         os.replace(tmp, path)
+        written = True
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if not written:
+            for made_folder in made:
+                with contextlib.suppress(OSError):  # removed only while empty
+                    os.rmdir(made_folder)
     return count, digest.hexdigest()
 
 

@@ -100,6 +100,8 @@ import json, os, time
 
 def hf_hub_download(repo, filename, repo_type=None):  # the test's stand-in: no network
     open(os.environ["STUB_CALLED"], "w").close()
+    if os.environ.get("STUB_FAIL"):
+        raise OSError("offline")
     if os.environ.get("STUB_HANG"):
         time.sleep(120)
     path = os.path.join(os.path.dirname(os.environ["STUB_CALLED"]), "rows.jsonl")
@@ -133,6 +135,17 @@ def test_output_path_that_is_a_directory_is_refused_before_downloading(tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"{out / 'arena-hard-v2.jsonl'}: is a directory" in r.stderr
     assert not (tmp_path / "called").exists()  # nothing downloaded
+
+
+def test_a_failed_download_leaves_no_folder_it_made(tmp_path):
+    """The folders --out-dir names are made before the first row arrives; a download that fails removes
+    them again (the file is written whole or not at all, and so is its folder)."""
+    (tmp_path / "had").mkdir()
+    out = tmp_path / "had" / "new" / "sub"
+    r = subprocess.run([sys.executable, str(SCRIPT), "arena-hard-v2", "--out-dir", str(out)], capture_output=True,
+                       text=True, timeout=120, env=stub_hub_env(tmp_path, STUB_FAIL="1"))
+    assert r.returncode == 1 and r.stderr.splitlines()[-1] == "error: OSError: offline", r.stderr
+    assert (tmp_path / "called").exists() and os.listdir(tmp_path / "had") == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
