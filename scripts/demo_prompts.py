@@ -1,6 +1,8 @@
 """The demo pair's held-out prompts (committed as demo/heldout.jsonl), cut from the standard-library
 files it never trained on: prompt i is T tokens of held-out file i mod F, at (i // F + 1) / (ceil(N / F)
-+ 1) of it. A library whose held-out files differ from demo/corpus.json's is refused.
++ 1) of it, moved back to end by the file's end (a file shorter than T: all of it, a shorter prompt).
+T stays below the target's context (max_position_embeddings), leaving a token to decode. A library whose
+held-out files differ from demo/corpus.json's is refused.
 
     python scripts/demo_prompts.py --out my_heldout.jsonl
 """
@@ -18,6 +20,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from support.cli import UserError, check_ranges, cli_main
+from support.configs import target_args  # noqa: E402
 from support.files import atomic_write, check_outputs, read_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +36,7 @@ class PromptArgs:
     num_prompts: int = 20
     """How many prompts."""
     prompt_tokens: int = 64
-    """Tokens per prompt (demo tokenizer)."""
+    """Tokens per prompt (demo tokenizer; fewer from a shorter file), below the target's context."""
     demo: str = DEMO
     """The demo pair's directory (target/, heldout.txt, corpus.json)."""
     stdlib: Optional[str] = None
@@ -111,6 +114,11 @@ def run(a: PromptArgs):
     check_ranges(a, num_prompts="[1, 100000]", prompt_tokens="[1, 100000]")
     inputs = [os.path.join(a.demo, name) for name in ("heldout.txt", "corpus.json", "target")]
     inputs += heldout_files(a.demo, a.stdlib)
+    config = os.path.join(a.demo, "target", "config.json")
+    context = target_args(read_json(config), config).max_position_embeddings
+    if a.prompt_tokens >= context:
+        raise UserError(f"--prompt-tokens {a.prompt_tokens}: at most {context - 1}, leaving a token to decode in "
+                        f"the target's context of {context} ({config}: max_position_embeddings)")
     check_outputs({"--out": a.out}, inputs=inputs)
     prompts = heldout_prompts(a.num_prompts, a.prompt_tokens, a.demo, a.stdlib)
     lines = [json.dumps(p) + "\n" for p in prompts]

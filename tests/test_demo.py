@@ -169,6 +169,35 @@ def test_demo_prompts_refuses_another_standard_library(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_demo_prompts_stay_inside_the_targets_context(tmp_path, capsys):
+    """--prompt-tokens at or past the target's max_position_embeddings is one line, exit 2, nothing written
+    (no model could decode such a prompt); one less is cut, a file shorter than it giving all its tokens."""
+    import shutil
+
+    dp, _ = _scripts()
+    demo = tmp_path / "demo"
+    (demo / "target").mkdir(parents=True)
+    shutil.copy(DEMO / "target" / "tokenizer.json", demo / "target")
+    config = json.loads((DEMO / "target" / "config.json").read_text())
+    config["max_position_embeddings"] = 16
+    (demo / "target" / "config.json").write_text(json.dumps(config))
+    (demo / "heldout.txt").write_text("a.py\nb.py\n")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
+    (lib / "b.py").write_text("x = 1\n")
+    out = tmp_path / "p.jsonl"
+    argv = ["--demo", str(demo), "--stdlib", str(lib), "--out", str(out), "--num-prompts", "2"]
+    assert dp.main(argv + ["--prompt-tokens", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompt-tokens 16: at most 15" in err and "max_position_embeddings" in err
+    assert not out.exists()
+    assert dp.main(argv + ["--prompt-tokens", "15"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    short = len(Tokenizer(str(demo / "target")).encode("x = 1\n"))
+    assert [len(r["prompt_ids"]) for r in rows] == [15, short] and rows[1]["start"] == 0
+
+
 def test_demo_corpus_splits_records_and_checks_same_as(tmp_path, capsys):
     _, dc = _scripts()
     lib = tmp_path / "lib"
