@@ -632,13 +632,14 @@ class Engine:
         row (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs
         apart. on_round(request, entry): the round's trace entry (`trace_record`); on_finish(request),
         on_step() after each batch round."""
+        if max_new_tokens < 1:  # the prefill's token is the first
+            raise UserError(f"Engine.generate: max_new_tokens={max_new_tokens}, at least 1")
+        runs_rounds = max_new_tokens > 1  # a budget of 1 ends every request at the prefill's token
         kind = self.scheduler.kind
-        if kind in sched.SPS_KINDS and not self.scheduler.measured:  # an Engine built by hand
+        if kind in sched.SPS_KINDS and not self.scheduler.measured and runs_rounds:  # built by hand
             fix = "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path))"
             raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be "
                             f"verified; make_engine reads or profiles one, or call {fix} first")
-        if max_new_tokens < 1:  # the prefill's token is the first
-            raise UserError(f"Engine.generate: max_new_tokens={max_new_tokens}, at least 1")
         empty = [r.index for r in requests if not r.prompt_ids]
         if empty:
             raise UserError(f"Engine.generate: request {empty[0]} has an empty prompt (one token at least)")
@@ -652,8 +653,7 @@ class Engine:
         self.own_caches()
         for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
             cpu_kernels.refresh(m)
-        # built by hand: compiled before the clock starts (a budget of 1 runs no round)
-        if self.is_compiled and not self.warmed and max_new_tokens > 1:
+        if self.is_compiled and not self.warmed and runs_rounds:  # built by hand: compiled first
             self.warmup()
         self.scheduler.reset()
         rows = Rows.empty(self.max_batch, self.device)

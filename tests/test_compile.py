@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import unittest.mock
+from dataclasses import fields
 
 import pytest
 import torch
@@ -521,6 +522,11 @@ def test_a_budget_of_one_token_compiles_no_round(pair, monkeypatch, capsys):
                    "nothing compiled"]
     done = engine.generate([speculate.Request(0, [5, 6, 7])], 1)
     assert called == [] and len(done[0].output_ids) == 1
+    # a schedule that reads an SPS table has none to read, and needs none (it was refused as unprofiled)
+    for kind in scheduler.SPS_KINDS:
+        sps = flags.derived(s, scheduler=kind, compile=False)
+        [done] = speculate.generate(m, [[5, 6, 7]], **{f.name: getattr(sps, f.name) for f in fields(sps)})
+        assert called == [] and len(done.output_ids) == 1
     table = flags.derived(s, scheduler="hardware", sps_table="sps.json")
     with pytest.raises(Stop):
         speculate.make_engine(m, m.drafter, [[5, 6, 7]], table, verbose=False)
