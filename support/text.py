@@ -718,12 +718,16 @@ class StopStrings:
 
     def window_start(self, ids: Sequence[int], checked: int) -> int:
         """Where a window of the ids starts that holds any stop string the ids after `checked` complete:
-        enough checked ids before them for the longest stop string and the slack."""
-        back = 2 * self.longest + self.SLACK  # ids, doubled until their text is long enough
+        enough checked ids before them for the longest stop string and the slack, decoded without a
+        U+FFFD: a window cut inside a character, which a byte-fallback decoder turns into U+FFFD along
+        its whole run of byte tokens. An output holding bytes that are not UTF-8 is decoded from further
+        back, up to the whole, while they stand within the window."""
+        back = 2 * self.longest + self.SLACK  # ids, doubled until their text is long and whole enough
         while True:
             start = max(0, checked - back)
             before = self.tokenizer.decode(ids[start:checked], skip_special_tokens=True)
-            if start == 0 or len(before) >= self.longest + self.SLACK:
+            long_enough = len(before) >= self.longest + self.SLACK
+            if start == 0 or long_enough and "\ufffd" not in before:
                 return start
             back *= 2
 

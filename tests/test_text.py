@@ -405,6 +405,42 @@ def whole_output_keep(stop, ids, checked):
     return hi
 
 
+def byte_fallback_tokenizer():
+    """Llama-2's decoder over a vocabulary of two words and the 256 byte tokens <0x00> .. <0xFF> (ids 3 ..
+    258): a run of byte tokens decodes as one group, all U+FFFD where the group is not UTF-8."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders
+    from tokenizers.models import BPE
+
+    vocab = {"<unk>": 0, "\u2581a": 1, "b": 2}
+    for i in range(256):
+        vocab[f"<0x{i:02X}>"] = 3 + i
+    tok = HFTokenizer(BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def test_a_stop_string_after_a_long_run_of_byte_tokens_is_found(target_factory):
+    """A byte-fallback decoder turns a run of byte tokens cut inside a character into U+FFFD all along: a
+    window that started there read none of the run's characters, and a stop string the output held was
+    missed (then the ids kept disagreed with the text cut)."""
+    tok = byte_fallback_tokenizer()
+    chars = "中文字符测试一二三四五六七八九十百千万亿"
+    ids = [3 + b for ch in chars for b in ch.encode()]
+    stop = text.StopStrings(text.Tokenizer.__new__(text.Tokenizer), ["十"])
+    stop.tokenizer = tok
+    out = []
+    for start in range(0, len(ids), 4):  # rounds of 4 ids, as the engine appends them
+        before = len(out)
+        out += ids[start:start + 4]
+        keep = stop.keep(out, before)
+        assert keep == whole_output_keep(stop, out, before), (before, len(out))
+        if keep is not None:
+            break
+    assert tok.decode(out[:keep]).endswith("十") and not tok.decode(out[:keep - 1]).endswith("十")
+
+
 def test_stop_strings_in_a_window_are_found_as_in_the_whole_output(target_factory):
     """keep decodes a window at the output's end: on random outputs (bytes cut inside characters, special
     tokens, words joined by a decoder, Metaspace's leading space) and random stop strings, growing as the
@@ -426,8 +462,9 @@ def test_stop_strings_in_a_window_are_found_as_in_the_whole_output(target_factor
     pieces = ["<unk>", "\u2581a", "b", "\u2581cd", "\u2581", "e"]
     metaspace = HFTokenizer(WordLevel({w: i for i, w in enumerate(pieces)}, unk_token="<unk>"))
     metaspace.decoder = decoders.Metaspace()
+    fallback = byte_fallback_tokenizer()
     tokenizers = [Tok(text.Tokenizer(str(REPO_ROOT / "demo" / "target")).tok), Tok(metaspace),
-                  Tok(text.Tokenizer(str(target_factory(chat_template=False).path)).tok)]
+                  Tok(text.Tokenizer(str(target_factory(chat_template=False).path)).tok), Tok(fallback)]
     rng = random.Random(0)
     hits = 0
     for trial in range(300):
@@ -458,7 +495,9 @@ def test_stop_strings_in_a_window_are_found_as_in_the_whole_output(target_factor
 
 def test_a_stop_check_decodes_the_outputs_end_not_all_of_it():
     """A round's stop check decodes the new ids and a window before them, whatever the output's length
-    (the whole output every round made a long request's checks grow with its square)."""
+    (the whole output every round made a long request's checks grow with its square). A window whose
+    start decodes as U+FFFD reaches further back (`test_a_stop_string_after_a_long_run_of_byte_tokens_is_found`),
+    so these ids are whole characters."""
     from conftest import REPO_ROOT
 
     tok = text.Tokenizer(str(REPO_ROOT / "demo" / "target"))
@@ -469,6 +508,6 @@ def test_a_stop_check_decodes_the_outputs_end_not_all_of_it():
     out = []
     for i in range(1000):
         before = len(out)
-        out += [100 + (7 * i + j) % 3000 for j in range(4)]
+        out += [300 + (7 * i + j) % 3000 for j in range(4)]  # merged tokens: whole characters
         assert stop.keep(out, before) is None
     assert len(out) == 4000 and max(decoded) <= 2 * 8 + stop.SLACK + 4, max(decoded)
