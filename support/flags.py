@@ -723,13 +723,23 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
     context = m.target.args.max_position_embeddings
     max_len = max(context - s.max_new_tokens, 1)
     sources, prompts = [], []
+    chat_given = r.chat
     if lead is not None:  # the demo's first prompt, whose completion is printed
+        # the held-out prompts after it are token ids: --chat renders the lead (taken), a system
+        # prompt or thinking would reach the lead alone (refused)
+        flags_given = check_chat_flags(chat=chat, ids=False, system_prompt=r.system_prompt,
+                                       thinking=r.enable_thinking)
+        if flags_given:
+            raise UserError(f"{flags_given[0]}: the demo's held-out prompts ({p.prompts_file}) are "
+                            f"token ids, not a rendered chat, so it would reach the demo prompt alone "
+                            f"(--prompt or --prompts-file gives prompts of your own)")
+        chat_given = None
         sources.append("the demo prompt")
         prompts.append(encode(m.tokenizer, lead, "the demo prompt", chat=chat))
     prompts += load_prompts(tokenizer=m.tokenizer, chat=chat, prompt=p.prompt,
                             prompt_ids=p.prompt_ids, prompts_file=p.prompts_file, max_len=max_len,
                             system_prompt=r.system_prompt, thinking=r.enable_thinking,
-                            sources=sources, chat_given=r.chat)
+                            sources=sources, chat_given=chat_given)
     if len(prompts) * s.num_samples > MAX_REQUESTS:
         raise UserError(f"--num-samples {s.num_samples}: "
                         f"{len(prompts)} prompts x {s.num_samples} samples "

@@ -1006,6 +1006,34 @@ def test_demo_mode_reads_the_sps_table_before_any_decoding(tmp_path, capsys, mon
     assert calls == [] and "--- autoregressive ---" not in cap.out and bad.read_text() == table
 
 
+@pytest.mark.parametrize("given", [["--system-prompt", "Write short code."], ["--enable-thinking"]])
+def test_demo_mode_refuses_a_system_prompt_naming_the_demos_prompts(capsys, given):
+    """The demo's held-out prompts are token ids: a system prompt or thinking would reach its lead prompt
+    alone. The error names the demo's prompts, not a --prompts-file the user never gave."""
+    rc = speculate.main(["--chat", *given, "--max-new-tokens", "8"])
+    err = capsys.readouterr().err
+    _check(err, f"{given[0]}: the demo's held-out prompts (", rc)
+    assert "reach the demo prompt alone" in err and "a prompt_ids record" not in err
+
+
+def test_demo_mode_chat_renders_its_lead_prompt():
+    """--chat in the demo renders its lead prompt (a text) and leaves the held-out token ids as they are:
+    taken, not refused as changing nothing."""
+    import tyro
+
+    from support import flags
+
+    args = tyro.cli(flags.Args, args=["--chat", "--max-new-tokens", "8"])
+    args, _, lead = flags.resolve_demo(args, str(REPO_ROOT / "demo"))
+    s = flags.check_command_line(args)
+    m = speculate.load(args.target)
+    prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
+    rendered = m.tokenizer.render_messages([{"role": "user", "content": lead}], add_generation_prompt=True)
+    assert prompts[0] == m.tokenizer.encode(rendered) and sources[0] == "the demo prompt"
+    held = [json.loads(line)["prompt_ids"] for line in open(REPO_ROOT / "demo" / "heldout.jsonl")]
+    assert prompts[1:] == held
+
+
 @pytest.mark.parametrize("key,value", [("sampling", 0), ("batch_capacity", True), ("verify_width", 5.0)])
 def test_an_sps_table_key_of_another_type_is_refused(world, tmp_path, capsys, key, value):
     """0 is not false, true is not 1, 5.0 is not 5: the identity keys are compared as the JSON values they are."""
