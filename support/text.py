@@ -565,7 +565,8 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected {RECORD_SHAPES}")
-        setting = sorted(set(row) & set(RECORD_SETTINGS))
+        # a null key is absent, as a table's export writes a column a row leaves empty
+        setting = sorted(k for k in RECORD_SETTINGS if row.get(k) is not None)
         if setting:
             raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
                             f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
@@ -575,7 +576,9 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
                 shown = json.dumps(value)[:40]
                 raise UserError(f"{where}: {key} {shown} is not applied here (no such control in this "
                                 f"decoding); drop it (other keys are metadata, ignored)")
-        kinds = [k for k in PROMPT_KINDS if k in row]
+        kinds = [k for k in PROMPT_KINDS if row.get(k) is not None]
+        if not kinds:  # every prompt key null: said as the first one's wrong value
+            kinds = [k for k in PROMPT_KINDS if k in row][:1]
         if len(kinds) > 1:
             raise UserError(f"{where}: a record gives one prompt, "
                             f"as one of {', '.join(PROMPT_KINDS)}; "

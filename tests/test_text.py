@@ -511,3 +511,18 @@ def test_a_stop_check_decodes_the_outputs_end_not_all_of_it():
         out += [300 + (7 * i + j) % 3000 for j in range(4)]  # merged tokens: whole characters
         assert stop.keep(out, before) is None
     assert len(out) == 4000 and max(decoded) <= 2 * 8 + stop.SLACK + 4, max(decoded)
+
+
+def test_a_null_key_in_a_prompts_file_record_counts_as_absent(tmp_path):
+    """A table's JSON-lines export (pandas, datasets) writes every column on every row, null where a row
+    has none: a null prompt key is not a second prompt, a null setting is not a setting; a record whose
+    every prompt key is null gives none."""
+    from support.cli import UserError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello", "prompt_ids": null, "messages": null, "turns": null}\n'
+                    '{"prompt": null, "prompt_ids": [5, 6], "temperature": null, "system": null}\n')
+    assert [p for _, p in text.read_prompts_file(str(path))] == ["hello", [5, 6]]
+    path.write_text('{"prompt": null, "messages": null}\n')
+    with pytest.raises(UserError, match=r"p.jsonl:1: 'prompt' must be a string, got null$"):
+        text.read_prompts_file(str(path))
