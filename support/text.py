@@ -59,6 +59,7 @@ class Tokenizer:
             if not isinstance(text, str):
                 raise UserError(f"{config_path}: {key!r} must be a string or {{\"content\": str}}, "
                                 f"got {repr(value)[:80]}")
+            check_text(text, f"{config_path}: {key!r}")  # templates print it into prompts
             self.special_texts[key] = text
 
     def encode(self, text: str) -> list[int]:
@@ -80,6 +81,7 @@ class Tokenizer:
         if not text.strip():
             raise UserError(f"{self.template_source}: "
                             f"the chat template renders this conversation as nothing")
+        check_text(text, f"{self.template_source}: the chat template's output")  # e.g. "\ud800" in it
         return text
 
 

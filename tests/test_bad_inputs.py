@@ -442,6 +442,13 @@ CASES = [
     ("template-bom", "speculate", lambda w, t: P(target_with(w, t, files={"chat_template.jinja": (
         "\ufeff{% for m in messages %}{{ m.content }}{% endfor %}").encode()})),
      "chat_template.jinja: starts with a byte-order mark (save the file as UTF-8 without BOM)", False),
+    # a lone surrogate ("\ud800" in a template's string or a JSON escape) in what reaches the tokenizer
+    ("template-lone-surrogate", "speculate", lambda w, t: P(template(
+        "{{ '\\ud800' }}{% for m in messages %}{{ m.content }}{% endfor %}")(w, t)),
+     "chat_template.jinja: the chat template's output: the text is not valid Unicode (a lone surrogate)", False),
+    ("special-token-lone-surrogate", "speculate", lambda w, t: P(target_with(
+        w, t, files={"tokenizer_config.json": '{"eos_token": "\\udc80"}'})),
+     "tokenizer_config.json: 'eos_token': the text is not valid Unicode (a lone surrogate)", False),
     ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
     ("template-int-product", "speculate", lambda w, t: P(template(
         "{% set ns = namespace(n=2 ** 40000) %}{% for i in range(14) %}{% set ns.n = ns.n * ns.n %}{% endfor %}"
