@@ -430,8 +430,14 @@ def auto_chat(chat: Optional[bool], tokenizer: Optional[Tokenizer]) -> bool:
 def check_text(text: str, where: str):
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:  # tokenizers refuse a lone surrogate with a TypeError
-        raise UserError(f"{where}: the text is not valid Unicode (a lone surrogate)") from None
+    except UnicodeEncodeError as e:  # tokenizers refuse a lone surrogate with a TypeError
+        code = ord(text[e.start])
+        why = f"a lone surrogate, U+{code:04X}"
+        # a flag's value: Python reads a byte of an argument that is not UTF-8 as U+DC80..U+DCFF
+        if where.startswith("--") and 0xDC80 <= code <= 0xDCFF:
+            why += (f", which is how Python reads the byte 0x{code - 0xDC00:02x} "
+                    f"in an argument that is not UTF-8")
+        raise UserError(f"{where}: the text is not valid Unicode ({why})") from None
 
 
 def is_token_ids(prompt) -> bool:

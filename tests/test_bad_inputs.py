@@ -445,10 +445,12 @@ CASES = [
     # a lone surrogate ("\ud800" in a template's string or a JSON escape) in what reaches the tokenizer
     ("template-lone-surrogate", "speculate", lambda w, t: P(template(
         "{{ '\\ud800' }}{% for m in messages %}{{ m.content }}{% endfor %}")(w, t)),
-     "chat_template.jinja: the chat template's output: the text is not valid Unicode (a lone surrogate)", False),
+     "chat_template.jinja: the chat template's output: the text is not valid Unicode (a lone surrogate, U+D800)",
+     False),
     ("special-token-lone-surrogate", "speculate", lambda w, t: P(target_with(
         w, t, files={"tokenizer_config.json": '{"eos_token": "\\udc80"}'})),
-     "tokenizer_config.json: 'eos_token': the text is not valid Unicode (a lone surrogate)", False),
+     "tokenizer_config.json: 'eos_token': the text is not valid Unicode (a lone surrogate, U+DC80)",
+     False),
     ("template-raises", "speculate", lambda w, t: P(template("{{ raise_exception('no system role') }}")(w, t)), "no system role", False),
     ("template-int-product", "speculate", lambda w, t: P(template(
         "{% set ns = namespace(n=2 ** 40000) %}{% for i in range(14) %}{% set ns.n = ns.n * ns.n %}{% endfor %}"
@@ -473,6 +475,10 @@ CASES = [
      "--system-prompt: empty", False),
     ("system-prompt-surrogate", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", "a\ud800"],
      "--system-prompt: the text is not valid Unicode", False),
+    # a byte that is not UTF-8 in an argument (a Latin-1 terminal), which Python reads as U+DCE9
+    ("prompt-argument-not-utf8", "speculate", lambda w, t: P(w / "target", "\udce9t\udce9"),
+     "--prompt: the text is not valid Unicode (a lone surrogate, U+DCE9, which is how Python reads the byte 0xe9 "
+     "in an argument that is not UTF-8)", True),
     ("system-prompt-too-long", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", "hello " * 100000],
      "longer than", False),
     ("system-prompt-ids-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"]
@@ -510,7 +516,7 @@ CASES = [
      "prompts are not rendered as chat here (bench.py takes prompts as they are: prompt, prompt_ids or turns "
      "records)", False),
     ("messages-surrogate", "speculate", lambda w, t: M(w, t, '{"messages": [{"role": "user", "content": "a\\udc80"}]}\n'),
-     "not valid Unicode", False),
+     "p.jsonl:1: the text is not valid Unicode (a lone surrogate, U+DC80)", False),
     ("prompt-empty-under-chat", "speculate", lambda w, t: M(w, t, '{"turns": [""]}\n'), "p.jsonl:1: empty prompt",
      True),
     ("prompt-vocab-by-line", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1]}\n\n\n{"prompt_ids": [99]}\n'),
