@@ -29,6 +29,9 @@ def read_tokenizer_file(path: str):
     try:
         tok = HFTokenizer.from_file(path)
     except Exception as e:  # the library raises bare Exceptions for malformed files
+        with open(path, "rb") as f:
+            head = f.read(3)
+        check_no_bom(head.decode("utf-8", errors="ignore"), path)  # a BOM it calls bad JSON
         raise UserError(f"{path}: cannot load tokenizer ({first_line(e)})") from None
     # else a bare Exception at the first unknown word
     unk = getattr(tok.model, "unk_token", None)

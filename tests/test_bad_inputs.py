@@ -418,6 +418,9 @@ CASES = [
      "generation_config.json: is a directory, not a file", False),
     ("chat-template-folder", "speculate", lambda w, t: P(folder_for(target_with(w, t), "chat_template.jinja")),
      "chat_template.jinja: is a directory, not a file", False),
+    ("tokenizer-json-bom", "speculate", lambda w, t: P(target_with(w, t, files={
+        "tokenizer.json": b"\xef\xbb\xbf" + (w / "target" / "tokenizer.json").read_bytes()})),
+     "tokenizer.json: starts with a byte-order mark (save the file as UTF-8 without BOM)", False),
     ("tokenizer-json-folder", "speculate", lambda w, t: P(folder_for(target_with(w, t), "tokenizer.json")),
      "tokenizer.json: is a directory, not a file", False),
     ("tokenizer-unk-not-in-vocab", "speculate", lambda w, t: P(target_with(w, t, files={"tokenizer.json": json.dumps(
