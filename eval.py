@@ -285,6 +285,9 @@ def dataset_names(listed: str, flag: str, dir_flag: str) -> list[str]:
     for name in names:
         if name in (".", "..") or any(c in name for c in "/\\\0"):
             raise UserError(f"{flag}: {name!r} is not a dataset name (a <name>.jsonl in {dir_flag})")
+        if name.endswith(".jsonl") and name != ".jsonl":  # the file's name, not the dataset's
+            raise UserError(f"{flag}: {name!r} is a file's name; the dataset is named without .jsonl "
+                            f"({name[:-len('.jsonl')]!r}: its <name>.jsonl in {dir_flag})")
     for i, name in enumerate(names):
         if name in names[:i]:
             raise UserError(f"{flag}: {name!r} is named twice")

@@ -701,6 +701,9 @@ CASES = [
     ("eval-datasets-twice", "eval", lambda w, t: E(w)[:7] + ["gsm8k,gsm8k"] + E(w)[8:], "named twice", True),
     ("eval-datasets-path", "eval", lambda w, t: E(w)[:7] + ["../p"] + E(w)[8:], "not a dataset name", False),
     ("eval-datasets-empty", "eval", lambda w, t: E(w)[:7] + [","] + E(w)[8:], "no dataset named", False),
+    ("eval-datasets-file-name", "eval", lambda w, t: E(w)[:7] + ["gsm8k.jsonl"] + E(w)[8:],
+     "--datasets: 'gsm8k.jsonl' is a file's name; the dataset is named without .jsonl ('gsm8k': its <name>.jsonl "
+     "in --data-dir)", False),
     ("eval-datasets-unknown", "eval", lambda w, t: E(w)[:7] + ["nosuch"] + E(w)[8:], "unknown dataset", False),
     ("train-eval-flag-without-eval-every", "train", lambda w, t: T(w, t) + ["--eval-data-dir", w / "data"],
      "--eval-data-dir", False),
