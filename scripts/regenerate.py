@@ -101,6 +101,9 @@ def prompt_files(paths: str) -> list[str]:
 
 # the keys a record gives its prompt under, one of them a record
 PROMPT_KEYS = ("turns", "prompt", "messages", "conversations")
+# the records a prompts file holds, as an error names them
+RECORD_SHAPES = ('{"turns": [str]}, {"prompt": str} or {"messages": [{"role": str, "content": str}, ...]} '
+                 '(or "conversations" for "messages")')
 
 
 def conversation_messages(obj, where: str) -> Optional[list[dict]]:
@@ -120,15 +123,21 @@ def conversation_messages(obj, where: str) -> Optional[list[dict]]:
         if not isinstance(obj["prompt"], str):
             raise UserError(f"{where}: 'prompt' must be a string")
         return [{"role": "user", "content": obj["prompt"]}]
-    raw = obj.get("messages", obj.get("conversations"))
+    key = "messages"
+    if "conversations" in obj:
+        key = "conversations"
+    raw = obj.get(key)
     if not isinstance(raw, list):
         return None
     for m in raw:
         well_formed = isinstance(m, dict) and m.get("role") in ROLES
         well_formed = well_formed and isinstance(m.get("content"), str)
         if not well_formed:
-            raise UserError(f"{where}: messages must be "
-                            "{\"role\": system/user/assistant, \"content\": str}")
+            sharegpt = ""
+            if isinstance(m, dict) and "from" in m and "value" in m:
+                sharegpt = ' (ShareGPT\'s {"from", "value"} turns are not read)'
+            raise UserError(f"{where}: {key!r} must hold "
+                            f"{{\"role\": system/user/assistant, \"content\": str}} turns{sharegpt}")
     return [{"role": m["role"], "content": m["content"]} for m in raw if m["role"] != "assistant"]
 
 
@@ -157,7 +166,7 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
         if real in seen:  # its conversations would be written twice
             raise UserError(f"--prompts {paths}: names {seen[real]} twice")
         seen[real] = path
-        for where, obj in read_jsonl(path):
+        for where, obj in read_jsonl(path, records=RECORD_SHAPES):
             msgs = conversation_messages(obj, where)
             check_messages(msgs, where)
             source = real + where[len(path):]
