@@ -456,7 +456,8 @@ class Prompts:
     """What speculate.py decodes."""
 
     prompt: Optional[str] = None
-    """One prompt as text (rendered with the chat template unless --no-chat)."""
+    """One prompt as text, rendered as a chat if --chat is on (its default: on when the tokenizer has a
+    template)."""
     prompt_ids: Optional[str] = None
     """One prompt as comma-separated token ids, e.g. 1,2,3."""
     prompts_file: Optional[str] = None

@@ -622,6 +622,17 @@ def test_a_scripts_help_says_which_decode_flags_it_reads(script, reads, refused)
         assert name not in description.split("; any other")[0]
 
 
+def test_the_prompt_flags_help_says_when_it_is_rendered_as_a_chat():
+    """--prompt is rendered as --chat decides: a tokenizer without a template (the demo's) sends it raw
+    unless --chat, so its help does not say it is rendered unless --no-chat."""
+    p = subprocess.run([sys.executable, str(REPO_ROOT / "speculate.py"), "--help"], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert p.returncode == 0, p.stderr
+    entry = " ".join(p.stdout.split("--prompt {None}|STR")[1].split("--prompt-ids")[0].replace("│", " ").split())
+    assert entry.startswith("One prompt as text, rendered as a chat if --chat is on (its default: on when the "
+                            "tokenizer has a template)"), entry
+
+
 @pytest.mark.parametrize("program,argv", [
     ("speculate.py", []),
     ("scripts/bench.py", []),
