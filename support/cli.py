@@ -176,6 +176,13 @@ def one_process(program: str, instead: str):
     raise UserError(f"{program} runs as one process, not under torchrun: {instead}")
 
 
+def spelled(word: str) -> str:
+    """A command-line word as the flag it may name: before any "=", underscores as dashes (tyro takes
+    --max_new_tokens for --max-new-tokens)."""
+    name = word.split("=")[0]
+    return name.replace("_", "-")
+
+
 def flag_names(args_class) -> list[str]:
     """The flags of a program's dataclass, its flat groups' included (bool flags without --no-)."""
     names = []
@@ -258,9 +265,10 @@ def parse_error_line(event, args_class, argv: list[str]) -> Optional[str]:
         known = set(flag_names(args_class)) | {"-h", "--help"}
         known |= {switch.replace("--", "--no-", 1) for switch in switch_names(args_class)}
         given = argument.lowered.name_or_flags
-        after = [argv[i + 1] for i in range(len(argv) - 1) if argv[i] in given]
-        if any(v.startswith("-") and v.split("=")[0] not in known for v in after):
-            return f'{name}: no value given (a value that starts with "-" is written {name}=VALUE)'
+        after = [argv[i + 1] for i in range(len(argv) - 1) if spelled(argv[i]) in given]
+        if any(v.startswith("-") and spelled(v) not in known for v in after):
+            hint = f'a value that starts with "-" is written {name}=VALUE'
+            return f"{name}: no value given (expects {expected}; {hint})"
         return f"{name}: no value given (expects {expected})"
     if kind == "BadValue":
         return f"{name} {event.offending_value}: takes no value"

@@ -205,8 +205,13 @@ def test_bad_inputs_exit_with_one_line(tiny_target, tmp_path):
     (["--nope"], "--nope: no such flag (--help lists the flags)"),
     (["--max-new-tokens"], "--max-new-tokens: no value given (expects {None}|INT)"),
     (["--max-new-tokens", "--compile"], "--max-new-tokens: no value given (expects {None}|INT)"),
-    (["--stop", "--"], '--stop: no value given (a value that starts with "-" is written --stop=VALUE)'),
-    (["--prompt", "-x y"], '--prompt: no value given (a value that starts with "-" is written --prompt=VALUE)'),
+    (["--stop", "--"], '--stop: no value given (expects STR; a value that starts with "-" is written --stop=VALUE)'),
+    (["--prompt", "-x y"],
+     '--prompt: no value given (expects {None}|STR; a value that starts with "-" is written --prompt=VALUE)'),
+    (["--system_prompt", "-x"], '--system-prompt: no value given (expects {None}|STR; a value that starts with "-" '
+                                'is written --system-prompt=VALUE)'),
+    # a flag after it, in tyro's other spelling: no value is missing a dash, so no hint
+    (["--stop", "--max_new_tokens", "3"], "--stop: no value given (expects STR)"),
     (["--compile", "x"], "--compile: takes no value (x given): --compile or --no-compile"),
     (["--compile=True"], "--compile: takes no value (True given): --compile or --no-compile"),
     (["--no-compile", "False"], "--no-compile: takes no value (False given): --compile or --no-compile"),
