@@ -111,6 +111,7 @@ def conversation_messages(obj, where: str) -> Optional[list[dict]]:
     prompts, or one of the wrong shape, is an error."""
     if not isinstance(obj, dict):
         return None
+    obj = {key: value for key, value in obj.items() if value is not None}  # a table's empty column
     given = [key for key in PROMPT_KEYS if key in obj]
     if len(given) > 1:
         raise UserError(f"{where}: a record gives one prompt, and this one has {' and '.join(given)}")

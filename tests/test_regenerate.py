@@ -514,3 +514,13 @@ def test_a_response_cut_inside_a_character_leaves_its_first_bytes_out():
     assert answer(b"ok \xff\xff\xff\xff", "length") == "ok \ufffd\ufffd\ufffd\ufffd"
     assert answer("\u4e2d".encode()[:2], "length") == ""
     assert answer("ok \u4e2d".encode()[:-1] + b"\x00", "stop") == "ok \ufffd"
+
+
+def test_a_null_key_in_a_record_counts_as_absent(tmp_path):
+    """A JSON-lines export of a table writes every column on every row, an empty one as null: a record
+    with a prompt and null turns is one prompt, as speculate.py reads it (it was "gives one prompt, and this
+    one has turns and prompt")."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"turns": None, "prompt": "import os\n", "messages": None}) + "\n")
+    [(where, _, messages, turns)] = regenerate.read_conversations(str(path))
+    assert where == f"{path}:1" and messages == [{"role": "user", "content": "import os\n"}] and turns == 1
