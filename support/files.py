@@ -70,10 +70,13 @@ def optional_file(path: str) -> bool:
     return False
 
 
+BOM_PROBLEM = "starts with a byte-order mark (save the file as UTF-8 without BOM)"
+
+
 def check_no_bom(text: str, where: str):
     """Refuse a file's text that starts with a byte-order mark, which would be read as a character."""
     if text.startswith("\ufeff"):
-        raise UserError(f"{where}: starts with a byte-order mark (save the file as UTF-8 without BOM)")
+        raise UserError(f"{where}: {BOM_PROBLEM}")
 
 
 def _unique_keys(pairs: list) -> dict:

@@ -12,7 +12,15 @@ import time
 from typing import Callable, Optional, Sequence
 
 from support.cli import UserError, first_line, flag, parse_ints
-from support.files import check_input, check_no_bom, file_problem, optional_file, read_json, read_jsonl
+from support.files import (
+    BOM_PROBLEM,
+    check_input,
+    check_no_bom,
+    file_problem,
+    optional_file,
+    read_json,
+    read_jsonl,
+)
 
 ROLES = ("system", "user", "assistant")
 # opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
@@ -135,7 +143,8 @@ def read_chat_template(directory: str,
                 template = f.read()
         except UnicodeDecodeError:
             raise UserError(f"{jinja}: not UTF-8 text") from None
-        check_no_bom(template, jinja)  # else rendered at the start of every prompt
+        if template.startswith("\ufeff"):  # else rendered at the start of every prompt
+            return None, jinja, f"{jinja}: {BOM_PROBLEM}"
         return template, jinja, None
     path = os.path.join(directory, "tokenizer_config.json")
     t = config.get("chat_template")

@@ -4,6 +4,7 @@ rendered as transformers renders them and wired through speculate.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import copy_target, edit_json, render_chat
@@ -526,3 +527,17 @@ def test_a_null_key_in_a_prompts_file_record_counts_as_absent(tmp_path):
     path.write_text('{"prompt": null, "messages": null}\n')
     with pytest.raises(UserError, match=r"p.jsonl:1: 'prompt' must be a string, got null$"):
         text.read_prompts_file(str(path))
+
+
+def test_a_template_with_a_byte_order_mark_is_refused_only_when_a_chat_is_rendered(target_factory, tmp_path):
+    """A BOM in chat_template.jinja would be rendered into every prompt: refused in one line naming the file
+    where a chat is rendered, as any unusable template is; --no-chat and token ids never read it."""
+
+    d = copy_target(target_factory(chat_template_file=True).path, tmp_path / "target")
+    jinja = d / "chat_template.jinja"
+    jinja.write_text("\ufeff" + jinja.read_text(encoding="utf-8"), encoding="utf-8")
+    tok = text.Tokenizer(str(d))
+    assert text.auto_chat(None, tok) is True  # a template it names, unusable: chat stays on, and says why
+    assert text.encode(tok, "hello", "p", chat=False) == tok.encode("hello")
+    with pytest.raises(text.UserError, match=re.escape(f"p: {jinja}: starts with a byte-order mark")):
+        text.encode(tok, "hello", "p", chat=True)
