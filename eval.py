@@ -470,7 +470,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     rank, world, device = dist_init(args.machine.device, args.dist_timeout)
     threads = set_threads(args.machine.threads)
     if s.compile and rank == 0:
-        print(flags.compiling_line(args.machine.compile_cache), file=sys.stderr)
+        print(flags.compiling_line(args.machine.compile_cache, s.max_new_tokens), file=sys.stderr)
     first = None
     if drafter_dirs:
         first = drafter_dirs[0]

@@ -903,9 +903,6 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                         tree_temperature=s.tree_temperature)
         table_asked = kind in sched.SPS_KINDS and s.sps_table is not None  # read or written all the same
         if s.max_new_tokens == 1 and not table_asked:  # every request ends at the prefill's token
-            if s.compile and verbose:
-                print("--compile: --max-new-tokens 1 ends every request at its first token, before any "
-                      "round: nothing compiled", file=sys.stderr)
             return engine
         if s.compile:
             engine.warmup()

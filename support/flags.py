@@ -519,12 +519,15 @@ def start_machine(machine: Machine, s) -> str:
     threads = set_threads(machine.threads)
     if s.compile:
         cache = use_compile_cache(machine.compile_cache)
-        print(compiling_line(cache), file=sys.stderr)
+        print(compiling_line(cache, s.max_new_tokens), file=sys.stderr)
     return threads
 
 
-def compiling_line(cache: str) -> str:
-    """What a run that compiles says before its models load."""
+def compiling_line(cache: str, max_new_tokens: Optional[int]) -> str:
+    """What a run that compiles says before its models load (a budget of 1 runs no round to compile)."""
+    if max_new_tokens == 1:
+        return ("--compile: --max-new-tokens 1 ends every request at its first token, before any round: "
+                "nothing is compiled")
     return ("loading the models; compiling the round next "
             f"(a first compile takes minutes on a CPU, then it is cached in {cache})")
 

@@ -517,9 +517,9 @@ def test_a_budget_of_one_token_compiles_no_round(pair, monkeypatch, capsys):
                              torch.device("cpu"))
     engine = speculate.make_engine(m, m.drafter, [[5, 6, 7]], s)
     assert called == [] and engine.is_compiled
-    err = capsys.readouterr().err.splitlines()
-    assert err == ["--compile: --max-new-tokens 1 ends every request at its first token, before any round: "
-                   "nothing compiled"]
+    assert capsys.readouterr().err == ""  # the run says so once, before its models load (start_machine)
+    assert flags.compiling_line("c", 1) == ("--compile: --max-new-tokens 1 ends every request at its first "
+                                            "token, before any round: nothing is compiled")
     done = engine.generate([speculate.Request(0, [5, 6, 7])], 1)
     assert called == [] and len(done[0].output_ids) == 1
     # a schedule that reads an SPS table has none to read, and needs none (it was refused as unprofiled)
@@ -531,3 +531,14 @@ def test_a_budget_of_one_token_compiles_no_round(pair, monkeypatch, capsys):
     with pytest.raises(Stop):
         speculate.make_engine(m, m.drafter, [[5, 6, 7]], table, verbose=False)
     assert called == ["warmup", "sps"]
+
+
+def test_a_budget_of_one_token_says_once_that_nothing_compiles(capsys, tmp_path, monkeypatch):
+    """The demo with --compile --max-new-tokens 1 builds two engines, neither compiled: one line says so,
+    where "compiling the round next" was printed, then "nothing compiled" for each engine."""
+    monkeypatch.chdir(tmp_path)  # the compile cache's default folder, unused
+    rc = speculate.main(["--compile", "--max-new-tokens", "1", "--prompt", "def f(x):"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    line = "--compile: --max-new-tokens 1 ends every request at its first token, before any round: nothing is compiled"
+    assert err.splitlines().count(line) == 1 and "compiling the round next" not in err, err
