@@ -464,15 +464,17 @@ def turn_requests(chunk: list[dict], turn: int, m, longest: int, progress: Progr
     return requests, owners
 
 
-def without_a_cut_character(tokenizer, ids: list[int]) -> list[int]:
-    """A response cut at its budget less its last tokens where they hold only the first bytes of a character
-    (decoded as U+FFFD, which the target never wrote): at most 3 bytes, so 3 tokens."""
-    if not tokenizer.decode(ids).endswith("\ufffd"):
-        return ids
+def response_text(tokenizer, ids: list[int], cut: bool) -> str:
+    """A response's text; cut at its budget inside a character, less the U+FFFD its first bytes decode
+    as (the target never wrote it). Those bytes end the last 3 tokens at most: a U+FFFD that stays
+    without them is bytes that are not UTF-8, kept as they decode."""
+    text = tokenizer.decode(ids)
+    if not cut or not text.endswith("\ufffd"):
+        return text
     for n in range(1, min(3, len(ids)) + 1):
         if not tokenizer.decode(ids[:-n]).endswith("\ufffd"):
-            return ids[:-n]
-    return ids  # bytes that are not UTF-8, not a character cut short
+            return text[:-1]  # a token's text before the cut character stays
+    return text
 
 
 def add_answers(owners: list[dict], requests: list, m, stats: dict):
@@ -482,10 +484,8 @@ def add_answers(owners: list[dict], requests: list, m, stats: dict):
         out = req.output_ids
         if req.finish_reason == "stop":
             out = out[:-1]
-        text_ids = out
-        if req.finish_reason == "length":
-            text_ids = without_a_cut_character(m.tokenizer, out)
-        c["history"].append({"role": "assistant", "content": m.tokenizer.decode(text_ids)})
+        cut = req.finish_reason == "length"
+        c["history"].append({"role": "assistant", "content": response_text(m.tokenizer, out, cut)})
         c["finish"].append(req.finish_reason)
         c["ntok"].append(len(out))
         stats["responses"] += 1

@@ -515,6 +515,16 @@ def test_a_response_cut_inside_a_character_leaves_its_first_bytes_out():
     assert answer("\u4e2d".encode()[:2], "length") == ""
     assert answer("ok \u4e2d".encode()[:-1] + b"\x00", "stop") == "ok \ufffd"
 
+    class Merged(Tok):  # id 1000: a space and the first byte of "é", as a byte-level vocabulary may hold
+        def decode(self, ids):
+            data = b"".join(b" \xc3" if i == 1000 else bytes([i]) for i in ids)
+            return data.decode("utf-8", errors="replace")
+
+    c = {"history": [], "finish": [], "ntok": []}
+    req = SimpleNamespace(output_ids=list(b"word") + [1000], finish_reason="length")
+    regenerate.add_answers([c], [req], SimpleNamespace(tokenizer=Merged()), {"responses": 0, "tokens": 0})
+    assert c["history"][0]["content"] == "word "  # the token's space stays (it lost the whole token)
+
 
 def test_a_null_key_in_a_record_counts_as_absent(tmp_path):
     """A JSON-lines export of a table writes every column on every row, an empty one as null: a record
