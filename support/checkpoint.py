@@ -599,22 +599,36 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
         K = d.cfg.num_drafts
         lo = torch.finfo(torch.float32).tiny  # the temperatures are applied in float32
         hi = MAX_STS_TEMPERATURE
+        # what it was fitted on, which a note compares with the run (eval.py writes these)
+        fitted_dir = cal.get("drafter_dir")
+        if fitted_dir is not None and not isinstance(fitted_dir, str):
+            raise UserError(f"{calibration}: 'drafter_dir' (the drafter it was fitted on) must be a path, "
+                            f"got {repr(fitted_dir)[:200]}")
+        whose = ""
+        if isinstance(temps, list) and len(temps) != K and fitted_dir is not None:
+            whose = f"; it was fitted on drafter {fitted_dir}, which drafts {len(temps)}"
         well_formed = isinstance(temps, list) and len(temps) == K
         if well_formed:
             well_formed = all(number(x) and lo <= x <= hi for x in temps)
         if not well_formed:
             raise UserError(f"{calibration}: 'temperatures' must be a list "
                             f"of {K} positive numbers from {lo:.3g} to {hi:g} "
-                            f"(one per draft position), got {repr(temps)[:200]}")
-        # what it was fitted on, which a note compares with the run (eval.py writes both)
+                            f"(one per draft position), got {repr(temps)[:200]}{whose}")
         fitted_t = cal.get("temperature")
         if fitted_t is not None and not (number(fitted_t) and 0 <= fitted_t <= MAX_TEMPERATURE):
             raise UserError(f"{calibration}: 'temperature' (the sampling temperature it was fitted at) "
                             f"must be a number from 0 to {MAX_TEMPERATURE:g}, got {repr(fitted_t)[:200]}")
-        fitted_dir = cal.get("drafter_dir")
-        if fitted_dir is not None and not isinstance(fitted_dir, str):
-            raise UserError(f"{calibration}: 'drafter_dir' (the drafter it was fitted on) must be a path, "
-                            f"got {repr(fitted_dir)[:200]}")
+        fitted_under = cal.get("scheduler")
+        if fitted_under is not None and not isinstance(fitted_under, str):
+            raise UserError(f"{calibration}: 'scheduler' (the --scheduler it was fitted under) must be a "
+                            f"name, got {repr(fitted_under)[:200]}")
+        counts = cal.get("fit_rounds_by_position")
+        counted = isinstance(counts, list) and len(counts) == K
+        if counted:
+            counted = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+        if counts is not None and not counted:
+            raise UserError(f"{calibration}: 'fit_rounds_by_position' must be a list of {K} counts "
+                            f"(the rounds each position was fitted on), got {repr(counts)[:200]}")
         d.calibrate(temps)
     if cpu_kernels:
         from support import cpu_kernels as backend

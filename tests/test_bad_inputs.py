@@ -643,6 +643,17 @@ CASES = [
     ("calibration-float32-zero", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
                                                                   prompts_file(t, '{"temperatures": [1e-46, 1, 1, 1]}', "c.json")],
      "'temperatures' must be", False),
+    # the keys a note reads: a list as the scheduler, counts for 2 of 4 positions (the note checked those 2)
+    ("calibration-scheduler-list", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                    prompts_file(t, '{"temperatures": [1, 1, 1, 1], "scheduler": ["x"]}', "c.json")],
+     "'scheduler' (the --scheduler it was fitted under) must be a name, got ['x']", False),
+    ("calibration-counts-short", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                  prompts_file(t, '{"temperatures": [1, 1, 1, 1], "fit_rounds_by_position": [5, 0]}', "c.json")],
+     "'fit_rounds_by_position' must be a list of 4 counts (the rounds each position was fitted on), got [5, 0]", False),
+    # a well-formed file of another drafter: the line says whose it is
+    ("calibration-other-drafter", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
+                                                                   prompts_file(t, '{"temperatures": [1, 1, 1, 1, 1, 1, 1], "drafter_dir": "/d7"}', "c.json")],
+     "got [1, 1, 1, 1, 1, 1, 1]; it was fitted on drafter /d7, which drafts 7", False),
     # a temperature this large makes every confidence 0.5 in float32, whose logit is then 0: the head's
     # confidences, their report and a refit on them were flattened in silence
     ("calibration-flattening", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
