@@ -743,9 +743,14 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         bar.close()
     if main:
         window = min(max(len(times) - 1, 1), SPEED_WINDOW)
+        over = f"over the last {window} steps"
+        if window == 1:
+            over = "over the last step"
+        if len(times) > 1:  # as tokens_per_second is timed
+            over += " (this process's first, with its one-off costs, left out)"
         tokens_per_second = speed["tokens_per_second"]
-        print(f"step {end}: loss {losses[-1]:.4f}, {tokens_per_second:,.0f} tokens/s over the last "
-              f"{window} steps ({run.world} process(es)), {args.kind} written to {args.out}")
+        print(f"step {end}: loss {losses[-1]:.4f}, {tokens_per_second:,.0f} tokens/s {over} "
+              f"({run.world} process(es)), {args.kind} written to {args.out}")
     return {
         "start": start,
         "step": end,

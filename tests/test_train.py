@@ -1029,6 +1029,8 @@ def test_demo_scale_training_command_runs(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "step 2: loss" in p.stdout and "drafter written to" in p.stdout, p.stdout
+    # the one step it was timed over, said as one, and which (it was "over the last 1 steps")
+    assert "tokens/s over the last step (this process's first, with its one-off costs, left out)" in p.stdout
     speeds = {m for m in re.findall(r"([\d,]+) tokens/s", p.stdout + p.stderr)}
     assert len(speeds) == 1, (p.stdout, p.stderr)  # one run, one tokens/s figure on stdout and stderr
     m = speculate.load(str(REPO_ROOT / "demo" / "target"), str(out))
