@@ -90,6 +90,13 @@ fi
 if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ ! -f "$OUT/corpus.json" ]; then
     fail "DRAFTER_ONLY=1: $OUT/corpus.json not found (it says which corpus the target was trained on)"
 fi
+if [ "${DRAFTER_ONLY:-0}" = 1 ] && [ "${DRAFTERS[-1]}" = eagle3 ]; then  # the kept target's layers count
+    kept_layers=$(grep -o '"num_hidden_layers": *[0-9]*' "$OUT/target/config.json" | grep -o '[0-9]*$' || true)
+    if [ -n "$kept_layers" ] && [ "$kept_layers" -lt 2 ]; then
+        fail "DRAFTER_ONLY=1: $OUT/target has $kept_layers layer(s); an Eagle3 drafter reads a decoder layer" \
+            "below the last, so DRAFTER_KIND=$DRAFTER_KIND needs at least 2"
+    fi
+fi
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1

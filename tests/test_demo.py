@@ -487,6 +487,12 @@ def test_train_demo_sh_checks_its_programs_limits_before_any_work(tmp_path, caps
         assert calls == [] and not out.exists()
     p, calls = build(out, "x", BLOCK_SIZE=str(block), SELFDATA_PROMPTS="1000000", TARGET_LAYERS="1")
     assert p.returncode == 0, p.stderr
+    # DRAFTER_ONLY=1: the kept target's layers are what an Eagle3 drafter needs two of
+    (out / "target" / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    (out / "corpus.json").write_text("{}")
+    p, redone = build(out, "x", DRAFTER_ONLY="1", DRAFTER_KIND="eagle3")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and redone == [], p.stderr
+    assert f"DRAFTER_ONLY=1: {out / 'target'} has 1 layer(s)" in p.stderr
     trains = [c for c in calls if "/train.py " in c or "/train_target.py " in c]
     assert len(trains) == 2 and not [c for c in trains if "--no-progress" in c], calls
 
