@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from support.cli import Interrupted, UserError, first_line, flag, flat_fields
+from support.cli import Interrupted, UserError, first_line, flag, flat_fields, signals_deferred
 from support.files import read_json
 
 DEFAULT_PROJECT = "dspark-fast"
@@ -269,9 +269,15 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True,
         config = {"program": program, **flat_fields(args), "torch": torch.__version__,
                   **code_version()}
         try:
-            log = start(args, job_type, config)
+            # wandb.init swallows a signal or half-ends its run: the signal acts once the run exists
+            with signals_deferred():
+                log = start(args, job_type, config)
         except UserError as e:
             error = str(e)
+        except Interrupted as e:
+            if log is not None:
+                _finish(log, e)
+            raise
     error = from_rank0(error)
     if error is not None:
         raise UserError(error)
@@ -281,14 +287,19 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True,
     try:
         yield log
     except BaseException as e:
-        code, status = _ending(e)
-        if status == "failed":
-            error = f"{type(e).__name__}: {e}"
-        else:
-            error = str(e) or type(e).__name__  # a signal's name, or the exception's
-        log.finish(code, status, error)
+        _finish(log, e)
         raise
     log.finish(0, "finished")
+
+
+def _finish(log: Log, e: BaseException):
+    """Finish the run as the exception `e` ends it (`_ending`), naming it."""
+    code, status = _ending(e)
+    if status == "failed":
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = str(e) or type(e).__name__  # a signal's name, or the exception's
+    log.finish(code, status, error)
 
 
 # speculate.py

@@ -430,6 +430,31 @@ def test_sigint_marks_a_logged_run_interrupted(tmp_path):
     assert_file_artifact(run, "trace", "trace", trace)  # the trace as it was published
 
 
+def test_a_signal_during_wandb_init_acts_once_the_run_exists(tmp_path, monkeypatch):
+    """SIGINT while wandb.init runs (which catches what the handler raises there): it was lost, and the run
+    decoded to the end with exit 0. It waits for the run to start, then ends it as interrupted."""
+    import wandb
+
+    real = wandb.init
+
+    def init(*args, **kwargs):
+        run = real(*args, **kwargs)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        except BaseException:  # wandb's own handling, as it may catch an exception inside init
+            pass
+        return run
+
+    with offline(tmp_path):
+        monkeypatch.setattr(wandb, "init", init)
+        rc, _, err = call(speculate.main, ["--target", DEMO / "target", "--prompt-ids", "1,2,3",
+                                           "--max-new-tokens", 4, "--wandb"])
+    assert rc == 130 and err.strip().splitlines()[-1].startswith("interrupted by SIGINT"), err
+    run = read_run(tmp_path)
+    assert run.exit_code == 130 and run.summary["status"] == "interrupted" and run.summary["error"] == "SIGINT"
+
+
 @pytest.mark.parametrize("program,flags,needle", [
     ("speculate", ["--wandb-name", "x"], "--wandb-name: needs --wandb"),
     ("speculate", ["--wandb", "--wandb-tags", "a,,b"], "--wandb-tags 'a,,b': an empty tag"),
