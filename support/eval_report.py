@@ -274,9 +274,10 @@ def calibration_file(args, results: dict, calibration: dict, drafter_dir: str) -
 
 def write_outputs(args, asked: list[str], results: dict, calibration: Optional[dict],
                   log: Optional[runlog.Log], drafter_dir: Optional[str]):
-    """--out, then the calibration: its table, --calibration-plot, --calibration-out (`asked`: those of
-    them given); then W&B."""
+    """--out and the calibration's files (`asked`: those of them given), then W&B, then the calibration
+    table: a reader of stdout that went away (`| head`) cannot cost the files or their logging."""
     panels = None
+    refused = None
     # --out and the calibration's files are published together: a signal waits for the last of them
     with signals_deferred():
         write_json(args.out, results)
@@ -285,16 +286,25 @@ def write_outputs(args, asked: list[str], results: dict, calibration: Optional[d
             raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
                             f"so there is nothing to calibrate; {args.out} has the rest")
         if calibration is not None:
-            print()
-            print(format_calibration(calibration))
             panels = reliability_panels(calibration)
             if args.calibration_plot:
                 plots.reliability_diagram(args.calibration_plot, panels, bins=args.ece_bins,
                                           title=reliability_title(calibration))
-            if args.calibration_out:
-                if "temperatures" not in calibration:
-                    raise UserError(f"--calibration-out: {calibration['sts_note']}")
+            if args.calibration_out and "temperatures" not in calibration:
+                refused = f"--calibration-out: {calibration['sts_note']}"  # said after the table
+            elif args.calibration_out:
                 write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
+    if refused is None:
+        log_outputs(args, results, calibration, log, panels)
+    if calibration is not None:
+        print()
+        print(format_calibration(calibration))
+    if refused is not None:
+        raise UserError(refused)
+
+
+def log_outputs(args, results: dict, calibration: Optional[dict], log: Optional[runlog.Log], panels):
+    """results.json, the calibration and their files to W&B (with --wandb)."""
     if log is None:
         return
     if calibration is None:

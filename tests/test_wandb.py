@@ -608,6 +608,39 @@ def test_a_reader_gone_from_stdout_still_gets_the_decode_logged(tmp_path):
     assert_file_artifact(run, "outputs", "outputs", outputs)
 
 
+def test_a_reader_gone_before_the_calibration_table_costs_eval_no_file_nor_logging(tmp_path):
+    """`eval.py | head`: the calibration table was printed before --calibration-plot, --calibration-out and
+    the W&B logging, and the broken pipe skipped them all, silently."""
+
+    class Gone(io.StringIO):
+        def write(self, text):
+            if "confidence calibration" in text:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+        def fileno(self):  # where cli_main puts /dev/null over stdout: a descriptor of its own here
+            self.fd = os.open(os.devnull, os.O_WRONLY)
+            return self.fd
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in CODE))
+    paths = {"out": tmp_path / "r.json", "cal": tmp_path / "c.json", "plot": tmp_path / "rel.png"}
+    with offline(tmp_path):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(Gone()), contextlib.redirect_stderr(err):
+            rc = ev.main([str(a) for a in [
+                "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--data-dir", data, "--datasets",
+                "code", "--max-new-tokens", 16, "--temperature", 1, "--no-progress", "--out", paths["out"],
+                "--calibration-out", paths["cal"], "--calibration-plot", paths["plot"], "--wandb"]])
+    assert rc == 141, err.getvalue()
+    assert paths["cal"].is_file() and paths["plot"].is_file()
+    run = read_run(tmp_path)
+    assert run.exit_code == 141 and "calibration/ece_1" in run.summary
+    assert_file_artifact(run, "results", "results", paths["out"])
+    assert_file_artifact(run, "calibration", "calibration", paths["cal"])
+
+
 def test_train_target_logs_the_config_json_it_writes(tmp_path):
     """scripts/train_target.py's target_config is the config.json its checkpoints hold, as the other
     programs log a target's (it was the in-memory settings: eos_token_ids, no model_type)."""
