@@ -121,8 +121,9 @@ def log_results(log: runlog.Log, results: dict, step: Optional[int], image: Opti
     if K:
         by_pos = log.table(["dataset", "position", "accept_rate", "conditional_accept_rate"], by_position)
         title = "accept_rate@j at draft position j + 1 (authors' definition)"
-        out["accept_rate_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
-                                                      title=title)
+        # named as results.json's accept_rates_by_position, the authors' rates it plots
+        out["accept_rates_by_position"] = wb.plot.line(by_pos, "position", "accept_rate", stroke="dataset",
+                                                       title=title)
     if cal is not None:
         ccols = ["position", "rounds", "mean_survival", "observed_survival", "ece", "auroc", "brier"]
         held_out = ["temperature", "heldout_ece_raw", "heldout_ece_sts", "heldout_brier_raw",

@@ -287,10 +287,14 @@ def test_eval_rows_charts_image_and_artifacts(evaluated):
             assert row[f"{e['dataset']}/{k}"] == pytest.approx(e[k])
         assert row[f"{e['dataset']}/accept_rate@0"] == pytest.approx(e["accept_rates_by_position"][0])
     # per-position acceptance: one line chart over a table (dataset, position, rates)
-    for chart in ("accept_rate_by_position", "calibration/ece_by_position"):
+    for chart in ("accept_rates_by_position", "calibration/ece_by_position"):
         assert run.config[f"_wandb.visualize.{chart}"]["panel_config"]
-    by_pos = run.table("accept_rate_by_position_table", row)
+    # the chart of the authors' rates is named as results.json names them, not as the conditional ones
+    assert "_wandb.visualize.accept_rate_by_position" not in run.config
+    by_pos = run.table("accept_rates_by_position_table", row)
     assert len(by_pos["data"]) == 2 * DEMO_K
+    (first,) = [e for e in results["datasets"] if e["dataset"] == "code-a"]
+    assert [r[2] for r in by_pos["data"] if r[0] == "code-a"] == first["accept_rates_by_position"]
     # calibration: table, scalars (Brier included), the reliability diagram as an image
     cal = results["calibration"]
     table = run.table("calibration", row)
