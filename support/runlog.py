@@ -328,7 +328,8 @@ def log_decode(log: Log, name: str, summary: dict, completions: list, prompts: l
                      c.num_rounds, c.acceptance_length, c.finish_reason))
     columns = ["request", "prompt_index", "sample", "prompt", "completion", "tokens", "rounds",
                "acceptance_length", "finish_reason"]
-    log.log({f"{name}/requests": log.table(columns, rows)})
+    # not <name>/requests: an interrupted decode's summary holds the number asked under that key
+    log.log({f"{name}/requests_table": log.table(columns, rows)})
     log.summary({f"{name}/requests_logged": len(rows)})
     log.outputs(files, program="speculate.py")
 

@@ -235,8 +235,8 @@ def test_speculate_summary_chart_table_and_artifacts(spec):
     assert [r[0] for r in chart["data"]] == [k for k, _ in tried]
     assert [r[1] for r in chart["data"]] == pytest.approx([r for _, r in tried])
     # the requests: prompt, completion and figures, as the output file has them
-    (row,) = run.rows_with("speculative/requests._type")
-    table = run.table("speculative/requests", row)
+    (row,) = run.rows_with("speculative/requests_table._type")
+    table = run.table("speculative/requests_table", row)
     recs = {r["request"]: r for r in map(json.loads, files["outputs"].read_text().splitlines())}
     assert len(table["data"]) == 3
     for r in table["data"]:
@@ -246,7 +246,7 @@ def test_speculate_summary_chart_table_and_artifacts(spec):
         assert (got["finish_reason"], got["tokens"], got["rounds"]) == \
             (want["finish_reason"], len(want["output_ids"]), want["num_rounds"])
         assert got["acceptance_length"] == pytest.approx(want["acceptance_length"])
-    assert run.rows_with("autoregressive/requests._type")  # the baseline's too
+    assert run.rows_with("autoregressive/requests_table._type")  # the baseline's too
     assert_file_artifact(run, "trace", "trace", files["trace"])
     assert_file_artifact(run, "outputs", "outputs", files["outputs"])
 
@@ -431,6 +431,9 @@ def test_sigint_marks_a_logged_run_interrupted(tmp_path):
     assert run.exit_code == 130 and run.summary["status"] == "interrupted" and run.summary["error"] == "SIGINT"
     done = json.loads(trace.read_text().splitlines()[-1])["finished_requests"]
     assert 1 <= run.summary["speculative/requests_logged"] == done < 400
+    # the number asked and the table of the finished ones, each under a key of its own
+    assert run.summary["speculative/requests"] == 400 and "speculative/requests_table._type" in run.summary
+    assert "speculative/requests._type" not in run.summary
     assert_file_artifact(run, "trace", "trace", trace)  # the trace as it was published
 
 
