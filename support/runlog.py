@@ -70,13 +70,15 @@ def check_project(project: str, where: str):
         raise UserError(f"{given(project, where)}: W&B takes at most 128 characters and none of / \\ # ? % :")
 
 
-# WandbFlags' strings
-NAMING_FLAGS = ("wandb_project", "wandb_entity", "wandb_name", "wandb_group", "wandb_tags")
+# WandbFlags' strings, each with the variable that stands in for it when not given (logging.md)
+NAMING_VARIABLES = {"wandb_project": "WANDB_PROJECT", "wandb_entity": "WANDB_ENTITY",
+                    "wandb_name": "WANDB_NAME", "wandb_group": "WANDB_RUN_GROUP", "wandb_tags": "WANDB_TAGS"}
+NAMING_FLAGS = tuple(NAMING_VARIABLES)
 
 
 def check(args):
     """The --wandb-* flags and --log-every, before any work: each given needs --wandb, none empty, a project
-    name W&B accepts."""
+    name W&B accepts; with --wandb, the variables standing in for them (`naming`)."""
     given = [name for name in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, name, None)]
     if given and not args.wandb:
         raise UserError(f"{flag(given[0])}: needs --wandb")
@@ -94,13 +96,30 @@ def check(args):
     parse_tags(args.wandb_tags)
     if args.wandb_project is not None:
         check_project(args.wandb_project, "--wandb-project")
-    if not args.wandb:
-        return
-    # the variables that stand in for a flag not given (logging.md), checked as the flag would be
-    if args.wandb_project is None and os.environ.get("WANDB_PROJECT"):
-        check_project(os.environ["WANDB_PROJECT"], "WANDB_PROJECT")
-    if args.wandb_tags is None and os.environ.get("WANDB_TAGS"):
-        parse_tags(os.environ["WANDB_TAGS"], "WANDB_TAGS")
+    if args.wandb:
+        naming(args)
+
+
+def naming(args) -> dict:
+    """wandb.init's project, entity, name, group and tags: each flag, else its variable (checked as the
+    flag is: not blank, tags parsed, a project W&B accepts), else None (the project: DEFAULT_PROJECT)."""
+    values = {}
+    for name, variable in NAMING_VARIABLES.items():
+        value = getattr(args, name)
+        where = flag(name)
+        if value is None and variable in os.environ:
+            value = os.environ[variable]
+            where = variable
+            if not value.strip():
+                raise UserError(f"{variable}={value!r}: empty (unset it for the default)")
+        values[name] = value
+        if name == "wandb_tags":
+            values[name] = parse_tags(value, where)
+        if name == "wandb_project" and value is not None:
+            check_project(value, where)
+    if values["wandb_project"] is None:
+        values["wandb_project"] = DEFAULT_PROJECT
+    return values
 
 
 # The run's configuration
@@ -229,20 +248,20 @@ WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
 def start(args, job_type: str, config: dict) -> Log:
-    """wandb.init with the flags (None where not given: wandb's environment variables apply)."""
+    """wandb.init with the flags, or the variables standing in for them (`naming`)."""
     try:
         import wandb
     except ImportError as e:  # installed, and broken (a protobuf or pydantic it cannot use)
         raise UserError(f"--wandb: the wandb package does not import ({first_line(e)})") from None
 
-    project = args.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
+    values = naming(args)
     mode = os.environ.get("WANDB_MODE")
     if mode is not None and mode not in WANDB_MODES:  # wandb's own message names neither
         raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
     try:
-        run = wandb.init(project=project, entity=args.wandb_entity, name=args.wandb_name,
-                         group=args.wandb_group, tags=parse_tags(args.wandb_tags), job_type=job_type,
-                         config=config)
+        run = wandb.init(project=values["wandb_project"], entity=values["wandb_entity"],
+                         name=values["wandb_name"], group=values["wandb_group"], tags=values["wandb_tags"],
+                         job_type=job_type, config=config)
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
         hint = ""
         if mode != "offline":

@@ -400,7 +400,8 @@ def test_train_logs_throughput_evals_and_checkpoints(trained):
 # How a run ends: failed (a UserError after the start), interrupted (SIGINT); and bad flags
 
 def test_a_user_error_after_the_start_marks_the_run_failed_and_env_vars_apply(tmp_path):
-    with offline(tmp_path, WANDB_PROJECT="from-env", WANDB_RUN_GROUP="env-group", WANDB_TAGS="x,y"):
+    # the variables parsed as their flags are: "x, y" is the tags x and y (wandb's own reading kept " y")
+    with offline(tmp_path, WANDB_PROJECT="from-env", WANDB_RUN_GROUP="env-group", WANDB_TAGS="x, y"):
         rc, _, err = call(speculate.main, ["--target", DEMO / "target", "--prompt-ids", "1,2,99999",
                                            "--max-new-tokens", 4, "--wandb"])
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --prompt-ids: token id 99999"), err
@@ -469,6 +470,8 @@ def test_a_signal_during_wandb_init_acts_once_the_run_exists(tmp_path, monkeypat
     ("speculate", ["--wandb", "--log-every", 0], "--log-every: invalid value 0"),
     ("speculate", ["--wandb", "WANDB_TAGS=a,,b"], "WANDB_TAGS='a,,b': an empty tag"),
     ("speculate", ["--wandb", "WANDB_PROJECT=a/b"], "WANDB_PROJECT='a/b': W&B takes"),
+    ("speculate", ["--wandb", "WANDB_PROJECT= "], "WANDB_PROJECT=' ': empty"),
+    ("speculate", ["--wandb", "WANDB_RUN_GROUP= "], "WANDB_RUN_GROUP=' ': empty"),
     ("eval", ["--wandb-group", "g"], "--wandb-group: needs --wandb"),
     ("eval", ["--wandb", "--wandb-entity", " "], "--wandb-entity: empty"),
     ("train", ["--wandb-project", "p"], "--wandb-project: needs --wandb"),
