@@ -505,7 +505,8 @@ class Args(WandbFlags):
     """Progress on stderr while several requests decode: a bar on a terminal, else a line at most once
     a minute."""
     log_every: int = 10
-    """With --wandb: log the figures so far every this many rounds."""
+    """With --wandb: log the figures so far every this many steps (one step verifies a round of each
+    request in the batch)."""
 
 
 def check_machine(machine: Machine, compile: bool):

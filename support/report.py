@@ -220,7 +220,8 @@ class Decoding:
         tokens_per_second = 0.0
         if seconds > 0:
             tokens_per_second = tokens / seconds
-        return {"round": self.steps, "requests_done": len(self.done), "tokens": tokens,
+        # step: one verify of the batch (a round of each request in it)
+        return {"step": self.steps, "requests_done": len(self.done), "tokens": tokens,
                 "tokens_per_second": tokens_per_second,
                 "acceptance_length": metrics.acceptance_length(self.running),
                 "verified_per_round": metrics.verified_per_round(self.running)}

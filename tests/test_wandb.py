@@ -198,11 +198,11 @@ def test_speculate_config_names_and_finish(spec):
 def test_speculate_logs_figures_while_decoding(spec):
     run, _, _ = spec
     for name, K in (("autoregressive", 0), ("speculative", DEMO_K)):
-        rows = run.rows_with(f"{name}/round")
+        rows = run.rows_with(f"{name}/step")
         rows = [r for r in rows if f"{name}/tokens_per_second" in r]
-        assert len(rows) >= 3, rows  # every 2 rounds, and the last
-        rounds = [r[f"{name}/round"] for r in rows]
-        assert rounds == sorted(rounds) and rounds[0] == 2 and rounds[1] == 4
+        assert len(rows) >= 3, rows  # every 2 batched steps, and the last
+        steps = [r[f"{name}/step"] for r in rows]
+        assert steps == sorted(steps) and steps[0] == 2 and steps[1] == 4
         last = rows[-1]
         assert last[f"{name}/requests_done"] == 3 and last[f"{name}/tokens"] == 3 * 16
         assert last[f"{name}/tokens_per_second"] > 0
@@ -214,6 +214,7 @@ def test_speculate_logs_figures_while_decoding(spec):
         assert last[f"{name}/verified_per_round"] == pytest.approx(run.summary[f"{name}/verified_per_round"])
         # the histogram's mean is τ: Σ length x rounds = τ x all rounds
         rounds_total = sum(hist)
+        assert last[f"{name}/step"] < rounds_total  # a step verifies a round of each request of the batch
         assert sum(length * n for length, n in enumerate(hist)) == pytest.approx(
             last[f"{name}/acceptance_length"] * rounds_total)
     assert run.summary["speculative/acceptance_length"] > 1 == run.summary["autoregressive/acceptance_length"]
