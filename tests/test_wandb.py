@@ -397,6 +397,28 @@ def test_train_logs_throughput_evals_and_checkpoints(trained):
     assert json.loads(art.metadata)["step"] == 2
 
 
+def test_every_key_a_run_adds_to_its_config_is_in_the_docs(spec, evaluated, trained):
+    """Besides the flags, each config key a program logs is named in docs/logging.md."""
+    import dataclasses
+
+    from support import flags
+    from support.cli import flag_group
+
+    def flag_fields(cls) -> set:
+        names = set()
+        for f in dataclasses.fields(cls):
+            group = flag_group(f)
+            if group is not None:
+                names |= flag_fields(type(group))
+            names.add(f.name)
+        return names
+
+    doc = (REPO_ROOT / "docs" / "logging.md").read_text()
+    for (run, *_), cls in ((spec, flags.Args), (evaluated, ev.EvalArgs), (trained, train.Args)):
+        added = {k.split(".")[0] for k in run.config if not k.startswith("_")} - flag_fields(cls)
+        assert added and not [k for k in sorted(added) if f"`{k}`" not in doc], (cls, added)
+
+
 # ----------------------------------------------------------------------------------------
 # How a run ends: failed (a UserError after the start), interrupted (SIGINT); and bad flags
 
