@@ -72,6 +72,7 @@ from support.trainer import (
     optimize,
     out_held,
     refuse_unused,
+    resumed_wandb_run,
     save_state,
     save_tensors,
     train_main,
@@ -752,7 +753,7 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
     def save(directory, step, opt):
         config = drafter_json(args, drafter.cfg)
         save_drafter(directory, drafter, args.target, config, step=step)
-        save_state(directory, step, drafter, opt, args, len(corpus), world, identity)
+        save_state(directory, step, drafter, opt, args, len(corpus), world, identity, log)
 
     evaluate = partial(evaluate_checkpoint, args, device=device)  # at --eval-every's steps
     if drafter.cfg.layout == "eagle3":
@@ -994,7 +995,9 @@ def run(args: Args) -> dict:
                         f"the context of --target {target} (max_position_embeddings {context})")
     dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
     with out_held(args.out, rank0(), from_rank0):
-        with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0) as log:
+        run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
+        with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0,
+                               run_id=run_id) as log:
             return train_drafter(args, log)
 
 

@@ -50,6 +50,7 @@ from support.trainer import (  # noqa: E402
     optimize,
     out_held,
     refuse_unused,
+    resumed_wandb_run,
     save_state,
     save_tensors,
     train_main,
@@ -263,8 +264,9 @@ def run(args: Args) -> dict:
     tokenizer_source(args)
     dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
     with out_held(args.out, rank0(), from_rank0):
+        run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
         with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
-                               from_rank0=from_rank0) as log:
+                               from_rank0=from_rank0, run_id=run_id) as log:
             return train(args, log)
 
 
@@ -330,7 +332,7 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
         save_target(directory, model, eos, step=step)
         # a checkpoint (and its --wandb-artifacts copy) is a target that reads text
         shutil.copyfile(os.path.join(args.out, "tokenizer.json"), os.path.join(directory, "tokenizer.json"))
-        save_state(directory, step, model, opt, args, len(windows), world, identity)
+        save_state(directory, step, model, opt, args, len(windows), world, identity, log)
 
     step_module = TargetStep(model, args.batch_size / G, args.compile)
     run_state = Run(rank, world, device, log)

@@ -247,8 +247,9 @@ def _ending(e: BaseException) -> tuple[int, str]:
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
 
-def start(args, job_type: str, config: dict) -> Log:
-    """wandb.init with the flags, or the variables standing in for them (`naming`)."""
+def start(args, job_type: str, config: dict, run_id: Optional[str] = None) -> Log:
+    """wandb.init with the flags, or the variables standing in for them (`naming`); `run_id`: the run
+    to go on with (a resumed training's), else a new one."""
     try:
         import wandb
     except ImportError as e:  # installed, and broken (a protobuf or pydantic it cannot use)
@@ -258,10 +259,13 @@ def start(args, job_type: str, config: dict) -> Log:
     mode = os.environ.get("WANDB_MODE")
     if mode is not None and mode not in WANDB_MODES:  # wandb's own message names neither
         raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
+    resume = None
+    if run_id is not None:
+        resume = "allow"  # that run goes on; a new one of that id where it is not found
     try:
         run = wandb.init(project=values["wandb_project"], entity=values["wandb_entity"],
                          name=values["wandb_name"], group=values["wandb_group"], tags=values["wandb_tags"],
-                         job_type=job_type, config=config)
+                         job_type=job_type, config=config, id=run_id, resume=resume)
     except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
         hint = ""
         if mode != "offline":
@@ -272,9 +276,10 @@ def start(args, job_type: str, config: dict) -> Log:
 
 @contextlib.contextmanager
 def logged_run(args, job_type: str, program: str, enabled: bool = True,
-               from_rank0: Callable = lambda error: error):
+               from_rank0: Callable = lambda error: error, run_id: Optional[str] = None):
     """The work inside a wandb run: yields a `Log` (None without --wandb or `enabled`), and finishes the run
     however the work ends (exit code 0 and "finished", or as `_ending` says, the exception going on).
+    `run_id`: the run to go on with (`start`).
     Under torchrun, with the process group joined and `distributed.from_rank0` given, a run that rank 0
     cannot start stops every rank."""
     if not args.wandb:
@@ -290,7 +295,7 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True,
         try:
             # wandb.init swallows a signal or half-ends its run: the signal acts once the run exists
             with signals_deferred():
-                log = start(args, job_type, config)
+                log = start(args, job_type, config, run_id)
         except UserError as e:
             error = str(e)
         except Interrupted as e:

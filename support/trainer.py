@@ -269,8 +269,9 @@ def checkpoint_dir(resume: str) -> str:
 
 
 def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
-               args: TrainArgs, num_windows: int, world: int, identity: dict):
-    """AdamW's moments by parameter name; the step, flags and `identity` (digests of what the run reads)."""
+               args: TrainArgs, num_windows: int, world: int, identity: dict, log: Optional[runlog.Log]):
+    """AdamW's moments by parameter name; the step, flags, `identity` (digests of what the run reads) and
+    the W&B run's id (`log`; None without --wandb), which a --resume goes on with."""
     names = {id(p): n for n, p in module.named_parameters()}
     tensors = {}
     for p, st in opt.state.items():
@@ -279,6 +280,9 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
                 val = torch.tensor(val)
             tensors[f"{key}.{names[id(p)]}"] = val
     save_tensors(os.path.join(out, STATE_TENSORS), tensors, step=step)
+    wandb_id = None
+    if log is not None:
+        wandb_id = log.run.id
     meta = {
         "step": step,
         "num_windows": num_windows,
@@ -287,6 +291,7 @@ def save_state(out: str, step: int, module: torch.nn.Module, opt: torch.optim.Op
         "world_size": world,
         "global_batch": args.batch_size * args.grad_accum * world,
         "identity": identity,
+        "wandb_run_id": wandb_id,
         "note": ("batch and anchors of step s depend only on (seed, s, global_batch): "
                  "no RNG state to restore"),
     }
@@ -331,6 +336,18 @@ def check_resume_args(directory: str, args: TrainArgs):
         if k in saved and saved[k] != now[k]:
             raise UserError(f"--resume {directory}: {flag(k)} was {saved[k]!r}, now {now[k]!r} "
                             "(a resumed run must repeat the original flags)")
+
+
+def resumed_wandb_run(args: TrainArgs) -> Optional[str]:
+    """The W&B run id --resume's training state recorded (`save_state`), which the resumed run goes on
+    with; None without --resume or --wandb, or where the state has none (a run without --wandb)."""
+    if args.resume is None or not args.wandb:
+        return None
+    state_json = os.path.join(checkpoint_dir(args.resume), STATE_JSON)
+    run_id = read_json(state_json).get("wandb_run_id")
+    if run_id is not None and not isinstance(run_id, str):
+        raise UserError(f"{state_json}: 'wandb_run_id' must be a W&B run id or null (got {run_id!r})")
+    return run_id
 
 
 def check_identity(directory: str, identity: dict, flags: dict):

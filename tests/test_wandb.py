@@ -419,6 +419,32 @@ def test_every_key_a_run_adds_to_its_config_is_in_the_docs(spec, evaluated, trai
         assert added and not [k for k in sorted(added) if f"`{k}`" not in doc], (cls, added)
 
 
+def test_a_resumed_training_goes_on_in_its_wandb_run(tmp_path):
+    """--resume continues the W&B run the training state recorded (it started a new, unlinked run, whose
+    checkpoint artifacts went to a collection of their own)."""
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n" for _ in range(4)))
+    out = tmp_path / "o"
+    base = ["--target", DEMO / "target", "--data-ids", ids, "--out", out, "--steps", 2, "--seq-len", 32,
+            "--anchors-per-seq", 2, "--block-size", 3, "--depth", 1, "--log-every", 1, "--save-every", 1,
+            "--no-progress", "--wandb", "--wandb-artifacts"]
+    with offline(tmp_path):
+        rc, _, err = call(train.main, base + ["--stop-at", 1])
+        assert rc == 0, err
+        first = json.loads((out / "checkpoint-1" / "training_state.json").read_text())["wandb_run_id"]
+        rc, _, err = call(train.main, base + ["--resume", out])
+        assert rc == 0, err
+    runs = sorted(Path(tmp_path, "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2, runs
+    run_ids = set()
+    for path in runs:
+        for r in records(path):
+            if r.WhichOneof("record_type") == "run":
+                run_ids.add(r.run.run_id)
+    assert run_ids == {first}
+    assert json.loads((out / "checkpoint-2" / "training_state.json").read_text())["wandb_run_id"] == first
+
+
 # ----------------------------------------------------------------------------------------
 # How a run ends: failed (a UserError after the start), interrupted (SIGINT); and bad flags
 
