@@ -354,7 +354,7 @@ def test_compile_says_what_it_compiles(tmp_path, monkeypatch, capsys):
             "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1"]
     assert bc.main(argv) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == compiling_line(str(cache)), err
+    assert err[0] == compiling_line(str(cache), 4), err
     compiling = [line for line in err if ": compiling " in line]
     assert compiling == [f"concurrency {c}: compiling {mode} ({i}/2)" for c in (1, 2)
                          for i, mode in enumerate(("autoregressive", "none"), 1)], err
