@@ -356,52 +356,38 @@ def test_train_demo_sh_stopped_while_the_pair_moves_in_keeps_the_old_pair(tmp_pa
     any move: DIR holds its old pair again, exactly (no *.old, no staging folder left; a DIR the run made is
     gone), and the exit status says why; not stopped, DIR holds the new pair whole. The training steps are
     stand-ins (FAKE_PYTHON): only the script's own file handling runs."""
-    import shutil
-    import subprocess
+    build = _fake_train_demo(tmp_path)
 
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    (bin_ / "python").write_text(FAKE_PYTHON)
-    (bin_ / "mv").write_text(FAKE_MV.replace("MV", shutil.which("mv")))
-    for f in bin_.iterdir():
-        f.chmod(0o755)
-    script = str(REPO_ROOT / "scripts" / "train_demo.sh")
+    def run(out, tag, **env):
+        return build(out, tag, **env)[0]
 
-    def build(out, tag, **env):
-        env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", TAG=tag, THREADS="1", **env)
-        return subprocess.run(["bash", script, "--out", str(out), "--force"], capture_output=True, text=True,
-                              timeout=60, env=env, start_new_session=True,  # `kill -INT 0` reaches it alone
-                              preexec_fn=default_signals)
-
-    def default_signals():  # a shell started with SIGINT ignored (inherited) could not trap it
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    def tree(d):
-        return {str(p.relative_to(d)): p.read_text() if p.is_file() else None for p in d.rglob("*")}
-
-    assert build(tmp_path / "new", "new").returncode == 0
-    new = tree(tmp_path / "new")
+    assert run(tmp_path / "new", "new").returncode == 0
+    new = _tree(tmp_path / "new")
     assert set(new) >= {"target", "drafter/model.safetensors", "heldout.txt", "heldout.jsonl", "corpus.json"}
     assert set(new.values()) == {None, "new\n"}
     out = tmp_path / "out"
-    assert build(out, "old").returncode == 0
-    old = tree(out)
+    assert run(out, "old").returncode == 0
+    old = _tree(out)
     assert old == {k: v and "old\n" for k, v in new.items()}
     (out / "notes.txt").write_text("kept")  # not the pair's: stays
-    old = tree(out)
+    old = _tree(out)
     for env, rc in (({"STOP_AT": f"{out}/drafter"}, 130),  # Ctrl-C mid-swap: the new target is in
                     ({"STOP_AT": f"{out}/target.old"}, 130),  # the first move aside
                     ({"STOP_AT": f"{out}/corpus.json"}, 130),  # the last move in
                     ({"STOP_AT": f"{out}/.new-pair.*/drafter"}, 130),  # moving the pair beside DIR
                     ({"STOP_AT": f"{out}/drafter", "SIG": "TERM"}, 143),  # noted; the swap goes on, then undone
                     ({"FAIL_FROM": f"{out}/.new-pair.*/heldout.jsonl"}, 1)):  # a move that fails
-        p = build(out, "new", **env)
-        assert p.returncode == rc and tree(out) == old, (env, p.returncode, p.stderr, tree(out))
-    p = build(tmp_path / "fresh", "new", STOP_AT=f"{tmp_path}/fresh/drafter")
+        p = run(out, "new", **env)
+        assert p.returncode == rc and _tree(out) == old, (env, p.returncode, p.stderr, _tree(out))
+    p = run(tmp_path / "fresh", "new", STOP_AT=f"{tmp_path}/fresh/drafter")
     assert p.returncode == 130 and not (tmp_path / "fresh").exists(), p.stderr
-    p = build(out, "new")
-    assert p.returncode == 0 and tree(out) == {**new, "notes.txt": "kept"}, p.stderr
+    p = run(out, "new")
+    assert p.returncode == 0 and _tree(out) == {**new, "notes.txt": "kept"}, p.stderr
+
+
+def _default_signals():  # a shell started with SIGINT ignored (inherited) could not trap it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _fake_train_demo(tmp_path):
@@ -424,7 +410,8 @@ def _fake_train_demo(tmp_path):
         env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", TAG=tag, THREADS="1",
                    ARGS_LOG=str(log), **env)
         p = subprocess.run(["bash", script, "--out", str(out), "--force"], capture_output=True, text=True,
-                           timeout=60, env=env)
+                           timeout=60, env=env, start_new_session=True,  # `kill -INT 0` reaches it alone
+                           preexec_fn=_default_signals)
         calls = log.read_text().splitlines() if log.exists() else []
         return p, calls
 
