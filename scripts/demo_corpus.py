@@ -74,6 +74,8 @@ def check_folder(path: str, flag: str, beside: bool = False):
 
 
 def run(a: CorpusArgs):
+    if a.stdlib is not None and not a.stdlib.strip():
+        raise UserError("--stdlib: empty; give a standard library's folder, or leave the flag out")
     stdlib = a.stdlib or sysconfig.get_paths()["stdlib"]
     listing, record = check_paths(a)
     train, held = split(stdlib)

@@ -112,6 +112,8 @@ def heldout_prompts(num_prompts: int = 20, prompt_tokens: int = 64, demo: str = 
 
 def run(a: PromptArgs):
     check_ranges(a, num_prompts="[1, 100000]", prompt_tokens="[1, 100000]")
+    if a.stdlib is not None and not a.stdlib.strip():
+        raise UserError("--stdlib: empty; give a standard library's folder, or leave the flag out")
     inputs = [os.path.join(a.demo, name) for name in ("heldout.txt", "corpus.json", "target")]
     inputs += heldout_files(a.demo, a.stdlib)
     config = os.path.join(a.demo, "target", "config.json")

@@ -521,3 +521,15 @@ def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_
     assert sd.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "c.py: not UTF-8 text" in err, err
+
+
+def test_demo_scripts_refuse_an_empty_stdlib(tmp_path, capsys):
+    """An empty --stdlib is a mistake, not a request for the running Python's library."""
+    dp, dc = _scripts()
+    for main, argv in ((dp.main, ["--out", str(tmp_path / "p.jsonl")]),
+                       (dc.main, ["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "pair")])):
+        for blank in ("", " "):
+            assert main(argv + ["--stdlib", blank]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "--stdlib: empty" in err, err
+    assert sorted(os.listdir(tmp_path)) == []
