@@ -15,12 +15,13 @@
 #
 # Environment: TARGET_STEPS (500), DRAFTER_STEPS (2000) and SELFDATA_PROMPTS (2048; at most 1000000) set
 # the training steps and the drafter's data (small values for a quick try), TARGET_LAYERS (4; at least 2
-# for an Eagle3 drafter) and TARGET_HIDDEN (256; a multiple of 128) the target's shape, BLOCK_SIZE (7; at
-# most 255) the drafter's block, THREADS the CPU threads (all cores); DRAFTER_ONLY=1 keeps DIR/target and
-# redoes the drafter (its corpus must be the one DIR/corpus.json records); DRAFTER_KIND picks the drafter:
-# dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the paper's Eagle3 baseline, trained the same
-# way on the same data: train.py --drafter-kind eagle3, its chain BLOCK_SIZE long) or both. The trainers
-# show their progress: a bar on a terminal, else a line every 15 s.
+# for an Eagle3 drafter, at most 1024) and TARGET_HIDDEN (256; a multiple of 128, at most 65536) the
+# target's shape, BLOCK_SIZE (7; at most 255) the drafter's block, THREADS the CPU threads (all cores);
+# DRAFTER_ONLY=1 keeps DIR/target and redoes the drafter (its corpus must be the one DIR/corpus.json
+# records); DRAFTER_KIND picks the drafter: dspark (the default: DIR/drafter), eagle3 (DIR/eagle3, the
+# paper's Eagle3 baseline, trained the same way on the same data: train.py --drafter-kind eagle3, its
+# chain BLOCK_SIZE long) or both. The trainers show their progress: a bar on a terminal, else a line every
+# 15 s.
 #
 # Steps: 0. the corpus (scripts/demo_corpus.py): the standard library's top-level *.py files, every
 #           20th held out (never trained on), named in DIR/heldout.txt; DIR/corpus.json and one printed
@@ -70,6 +71,12 @@ if [ "${BLOCK_SIZE:-7}" -ge "$SEQ_LEN" ]; then
 fi
 if [ "${SELFDATA_PROMPTS:-2048}" -gt 1000000 ]; then
     fail "SELFDATA_PROMPTS=$SELFDATA_PROMPTS: 1 to 1000000 (demo_selfdata.py's limit)"
+fi
+if [ "${TARGET_LAYERS:-4}" -gt 1024 ]; then
+    fail "TARGET_LAYERS=$TARGET_LAYERS: 1 to 1024 (train_target.py's --layers)"
+fi
+if [ "${TARGET_HIDDEN:-256}" -gt 65536 ]; then
+    fail "TARGET_HIDDEN=$TARGET_HIDDEN: 128 to 65536 (train_target.py's --hidden-size)"
 fi
 if [ "${DRAFTER_ONLY:-0}" = 0 ] && [ "${DRAFTERS[-1]}" = eagle3 ] && [ "${TARGET_LAYERS:-4}" -lt 2 ]; then
     fail "TARGET_LAYERS=$TARGET_LAYERS: at least 2 with DRAFTER_KIND=$DRAFTER_KIND" \

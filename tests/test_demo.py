@@ -448,13 +448,16 @@ def test_train_demo_sh_with_a_new_target_drops_the_other_kinds_drafter(tmp_path)
 
 def test_train_demo_sh_checks_its_programs_limits_before_any_work(tmp_path, capsys):
     """BLOCK_SIZE (train.py's: at most MAX_BLOCK and below the script's --seq-len 256), SELFDATA_PROMPTS
-    (demo_selfdata.py's --num-prompts) and TARGET_LAYERS for an Eagle3 drafter are checked with the other
-    variables: one line, exit 2, no program run; the limits themselves pass. The trainers are left to
-    show their progress."""
+    (demo_selfdata.py's --num-prompts), TARGET_LAYERS and TARGET_HIDDEN (train_target.py's) and an Eagle3
+    drafter's two target layers are checked with the other variables: one line, exit 2, no program run;
+    the limits themselves pass. The trainers are left to show their progress."""
     import train
     from support.cli import MAX_BLOCK
+    from support.configs import LAYER_KEYS
 
     block = min(MAX_BLOCK, 255)
+    layers = LAYER_KEYS["num_hidden_layers"][2]  # train_target.py's --layers and --hidden-size
+    hidden = LAYER_KEYS["hidden_size"][2]
     ids = tmp_path / "ids.jsonl"
     ids.write_text('{"prompt_ids": [1, 2, 3]}\n')
     for kind, size in (("dspark", "--block-size"), ("eagle3", "--ttt-length")):  # train.py's own limit
@@ -467,12 +470,15 @@ def test_train_demo_sh_checks_its_programs_limits_before_any_work(tmp_path, caps
     out = tmp_path / "out"
     for env, needle in (({"BLOCK_SIZE": str(block + 1)}, f"BLOCK_SIZE={block + 1}: 1 to {block}"),
                         ({"SELFDATA_PROMPTS": "1000001"}, "SELFDATA_PROMPTS=1000001: 1 to 1000000"),
+                        ({"TARGET_LAYERS": str(layers + 1)}, f"TARGET_LAYERS={layers + 1}: 1 to {layers}"),
+                        ({"TARGET_HIDDEN": str(hidden + 128)}, f"TARGET_HIDDEN={hidden + 128}: 128 to {hidden}"),
                         ({"TARGET_LAYERS": "1", "DRAFTER_KIND": "eagle3"}, "TARGET_LAYERS=1: at least 2"),
                         ({"TARGET_LAYERS": "1", "DRAFTER_KIND": "both"}, "TARGET_LAYERS=1: at least 2")):
         p, calls = build(out, "x", **env)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and needle in p.stderr, (env, p.stderr)
         assert calls == [] and not out.exists()
-    p, calls = build(out, "x", BLOCK_SIZE=str(block), SELFDATA_PROMPTS="1000000", TARGET_LAYERS="1")
+    p, calls = build(out, "x", BLOCK_SIZE=str(block), SELFDATA_PROMPTS="1000000", TARGET_LAYERS="1",
+                     TARGET_HIDDEN=str(hidden))
     assert p.returncode == 0, p.stderr
     # DRAFTER_ONLY=1: the kept target's layers are what an Eagle3 drafter needs two of
     (out / "target" / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
