@@ -906,7 +906,9 @@ def eval_args(args: Args, step: int, device: str):
     eval_device = "cpu"
     if device.startswith("cuda"):
         eval_device = "cuda"
-    flags = dict(target=args.target, drafter=args.out, datasets=args.eval_datasets, step=step,
+    # the checkpoint's own folder: --out's model files are replaced at the next save
+    drafter = os.path.join(args.out, f"checkpoint-{step}")
+    flags = dict(target=args.target, drafter=drafter, datasets=args.eval_datasets, step=step,
                  data_dir=args.eval_data_dir or evaluation.DATA_DIR, max_samples=args.eval_samples,
                  max_new_tokens=args.eval_max_new_tokens, device=eval_device, compile=False,
                  progress=False, out=os.path.join(args.out, f"eval_step{step}.json"),

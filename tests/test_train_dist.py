@@ -343,6 +343,8 @@ def test_progress_and_eval_every(tiny_target, tmp_path, monkeypatch):
     for step in (2, 4):
         ev = json.loads((tmp_path / "o" / f"eval_step{step}.json").read_text())
         assert ev["config"]["step"] == step and ev["datasets"][0]["dataset"] == "mt-bench"
+        # the checkpoint evaluated, not --out (which holds step 4's weights by the end)
+        assert ev["config"]["drafter"] == [str(tmp_path / "o" / f"checkpoint-{step}")], ev["config"]
     log = [json.loads(line) for line in open(tmp_path / "o" / trainer.LOG_JSONL)]
     assert [r["step"] for r in log] == [1, 2, 3, 4] and all(0 < r["mfu"] and r["eta_seconds"] >= 0 for r in log)
 
