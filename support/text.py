@@ -714,6 +714,9 @@ class StopStrings:
             if not s:
                 raise UserError("--stop: an empty stop string would end every request at once")
             check_text(s, f"--stop {s!r}")
+            if "\ufffd" in s:  # its text could match a character cut at a round's end, then not
+                raise UserError(f"--stop {s!r}: holds U+FFFD, which decoding writes for bytes that are not "
+                                f"(yet) a whole character; a stop string cannot hold it")
 
     @staticmethod
     def build(tokenizer: Optional[Tokenizer], strings: Sequence[str]) -> Optional["StopStrings"]:

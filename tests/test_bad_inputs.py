@@ -189,6 +189,7 @@ CASES = [
     ("min-p-big", "speculate", lambda w, t: S(w) + ["--min-p", "2"], "--min-p", False),
     ("min-p-nan", "speculate", lambda w, t: S(w) + ["--min-p", "nan"], "--min-p", False),
     ("stop-empty", "speculate", lambda w, t: S(w) + ["--stop", ""], "--stop: an empty stop string", False),
+    ("stop-fffd", "speculate", lambda w, t: S(w) + ["--stop", "a\ufffd"], "holds U+FFFD", False),
     ("threads-0", "speculate", lambda w, t: S(w) + ["--threads", "0"], "--threads: invalid value 0", False),
     ("gen-config-top-p", "speculate", lambda w, t: ["--target", target_with(w, t, files={"generation_config.json":
      json.dumps({"do_sample": True, "top_p": 7})}), "--prompt-ids", "1", "--max-new-tokens", "2"],
