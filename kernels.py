@@ -386,7 +386,7 @@ def _markov_partial_kernel(base_ptr, s_base,
     e_row = w1_ptr + prev * s_w1
     w_rows = w2_ptr + cols.to(tl.int64)[:, None] * s_w2
     acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    # R is a constexpr: Triton 3.6's interpreter cannot loop over a runtime bound.
+    # R is a constexpr: Triton's interpreter, in some versions, cannot loop over a runtime bound.
     for r0 in range(0, R, BLOCK_R):
         rs = r0 + tl.arange(0, BLOCK_R)
         rmask = rs < R
@@ -596,7 +596,7 @@ def _cached_attention_kernel(q_ptr, k_ptr, v_ptr, bias_ptr,
                              s_vb, s_vs, s_vh,
                              s_bb, s_bt,
                              scale,
-                             S: tl.constexpr,  # constexpr for Triton 3.6's interpreter, as R is
+                             S: tl.constexpr,  # a constexpr for the interpreter, as R is (the loop over keys)
                              HD: tl.constexpr,
                              BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr,

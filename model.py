@@ -421,8 +421,8 @@ class Transformer(nn.Module):
         With `positions` [B, T] the pass goes through the KV cache (in cache `rows`, or 0 .. B-1),
         `mask` unread; `ragged`: the tokens are [1, N], flattened from positions' layout; `attention`:
         a kernel in place of the cache attention. Without, a cache-free pass: causal, or under `mask`.
-        `tree_slots`: the tokens are a draft tree's nodes, at RoPE `positions` (their depths) and cache
-        slots of their own, each seeing the context and its ancestors."""
+        `tree_slots`: the tokens are a draft tree's nodes, at RoPE `positions` (the anchor's plus their
+        depths) and cache slots of their own, each seeing the context and its ancestors."""
         a = self.args
         dtype = self.embed_tokens.weight.dtype
         slots = None  # a tree's cache slots

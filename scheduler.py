@@ -236,15 +236,16 @@ class Scheduler:
         self.rounds += 1
 
     def plan(self, R: int) -> Plan:
-        """The next round's capacity C and verify size for R rows, from the round two before (a pipelined engine
-        has not read the last one yet), grown to fill its bucket; the first two rounds verify every draft."""
+        """The next round's capacity C and verify size for R rows, from the round two before (a pipelined
+        engine could not have read the last one yet, so the plan leaves it out), grown to fill its bucket;
+        the first two rounds verify every draft."""
         r = self.rounds
         limit = R * self.K
         if r < 2:
             C = limit
             source = "warmup"
         else:
-            two_before = self.history[0]  # round r - 2's confidences (r - 1's is history[-1], unread)
+            two_before = self.history[0]  # round r - 2's confidences (r - 1's, history[-1], is left out)
             C = capacity_search(two_before, R, self.sps.tolist(), limit)
             source = r - 2
         num_tokens = self.bucket(R + C)
@@ -309,7 +310,7 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
     return smaller + [full]
 
 
-SPS_RANGE = (1e-6, 1e9)  # rounds per second a table may hold: a minute-long round to a nanosecond one
+SPS_RANGE = (1e-6, 1e9)  # rounds per second a table may hold: a round of 11.6 days to one of a nanosecond
 
 
 def check_rates(sps, points: int, source: str):

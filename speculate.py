@@ -146,7 +146,8 @@ def verify_chain(target, drafter, anchor, anchor_pos, active, proposal: Proposal
     capture = ()  # the target layers whose features the drafter reads
     if drafter is not None:
         capture = drafter.cfg.target_layer_ids
-    # 3. Verify: the target scores the anchor and every draft in one pass, capturing features.
+    # 3. Verify: the target scores the anchor and the drafts sent (all K, or 1 + ℓ a row when ragged)
+    # in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
     steps = torch.arange(K + 1, device=device)
     positions = anchor_pos[:, None] + steps  # [B, K+1]

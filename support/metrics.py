@@ -23,7 +23,8 @@ def accepted_tokens(rd: dict) -> list[int]:
 def round_counts(rd: dict, stop_ids: Iterable[int] = ()) -> tuple[int, int, int]:
     """(accepted, verified, committed) of one round record; an accepted stop token ends it there: the last
     token accepted and committed, and a chain's last verified (as DeepSpec counts). A tree's verified stays
-    its count of nodes, every one of which the target scored."""
+    its count of nodes reached, every one of which the target scored (with the unreached placeholders,
+    which are not drafts)."""
     n = rd["accepted"]
     for j, t in enumerate(accepted_tokens(rd)):
         if t in stop_ids:
