@@ -22,6 +22,7 @@ from model import (
     attend,
     attended_length,
     cache_mask,
+    causal_cache_mask,
     make_caches,
 )
 
@@ -325,10 +326,7 @@ class Eagle3Drafter(DrafterBase):
         cache (each position sees the cache up to itself) -> the new h [B, T, H], un-normed."""
         embedded = self.target.embed_tokens(tokens)
         rope = Rope.at(self.rope[positions], h.dtype)
-        S = attended_length(positions + 1, self.max_seq)
-        keys = torch.arange(S, device=h.device)
-        allowed = positions[:, :, None] >= keys  # [B, T, S] causal over the cache
-        mask = cache_mask(allowed, self.cfg.layers, h.dtype)
+        mask = causal_cache_mask(positions, self.max_seq, self.cfg.layers, h.dtype)
         return self.layers[0](h, embedded, rope, positions, mask, rows=rows)
 
     def commit_context(self, features, positions, following, last, rows=None):

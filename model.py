@@ -193,6 +193,16 @@ def cache_mask(allowed: torch.Tensor, args: ModelArgs, dtype,
     return cache_bias(allowed, group, dtype)
 
 
+def causal_cache_mask(positions: torch.Tensor, max_seq: int, args: ModelArgs, dtype,
+                      fold: bool = True) -> torch.Tensor:
+    """`cache_mask` of a pass through the cache at positions [B, T], each seeing the cache up to
+    itself."""
+    S = attended_length(positions + 1, max_seq)
+    keys = torch.arange(S, device=positions.device)
+    allowed = positions[:, :, None] >= keys  # [B, T, S]
+    return cache_mask(allowed, args, dtype, fold=fold)
+
+
 def attend_cached(q, k, v, bias) -> torch.Tensor:
     """q [B, T, H, hd] over cache k, v [B, S, Hkv, hd] under `cache_bias` -> [B, T, H*hd]; folded
     (bias rows g*T), head h reads K/V head h // g as g*T query rows."""
@@ -432,19 +442,15 @@ class Transformer(nn.Module):
             per_row = (B, T, *table.shape[1:])
             cos_sin = table[None].expand(per_row)  # [B, T, 2, hd]
         else:  # through the cache: RoPE and the mask once for every layer
+            fold = attention is None  # a kernel passed in folds GQA itself
             if tree_slots is None:
-                end = positions + 1  # no query sees past its own position
+                mask = causal_cache_mask(positions, self.max_seq, a, dtype, fold=fold)
             else:
                 slots = tree_slots.slots()
-                end = slots + 1
-            S = attended_length(end, self.max_seq)
-            keys = torch.arange(S, device=positions.device)
-            if tree_slots is None:
-                allowed = positions[:, :, None] >= keys  # [B, T, S]
-            else:
-                allowed = tree_slots.visible(keys)
-            fold = attention is None  # a kernel passed in folds GQA itself
-            mask = cache_mask(allowed, a, dtype, fold=fold)  # additive, for the cache attention
+                S = attended_length(slots + 1, self.max_seq)
+                keys = torch.arange(S, device=positions.device)
+                allowed = tree_slots.visible(keys)  # [B, T, S]: the context and the node's ancestors
+                mask = cache_mask(allowed, a, dtype, fold=fold)
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]

@@ -118,6 +118,13 @@ def tokens_sent(verify_len, active) -> torch.Tensor:
     return torch.where(active, sent, 0)
 
 
+def captured(drafter) -> tuple[int, ...]:
+    """The target layers whose features the drafter reads: none without a drafter."""
+    if drafter is None:
+        return ()
+    return drafter.cfg.target_layer_ids
+
+
 def verify(target, drafter, anchor, anchor_pos, active, proposal: Proposal, *, temperature,
            filters, u, bonus_noise, backend, num_tokens: Optional[int]):
     """Steps 3-5, the round's second half (its graph when compiled): `verify_chain`, or `verify_tree`
@@ -143,9 +150,7 @@ def verify_chain(target, drafter, anchor, anchor_pos, active, proposal: Proposal
     drafts, verify_len, q, confidence, _ = proposal
     K = drafts.shape[1]
     device = anchor.device
-    capture = ()  # the target layers whose features the drafter reads
-    if drafter is not None:
-        capture = drafter.cfg.target_layer_ids
+    capture = captured(drafter)
     # 3. Verify: the target scores the anchor and the drafts sent (all K, or 1 + ℓ a row when ragged)
     # in one pass, capturing features.
     tokens = torch.cat([anchor[:, None], drafts], dim=1)  # [B, K+1]
@@ -337,9 +342,7 @@ def prefill(target, drafter, prompts: list[list[int]], temperature, noise, devic
         padded.append(p + padding)
     tokens = torch.tensor(padded, device=device)  # [B, P]
     positions = torch.arange(P, device=device).expand(B, P)
-    capture = ()
-    if drafter is not None:
-        capture = drafter.cfg.target_layer_ids
+    capture = captured(drafter)
     last = lens - 1
     logits, features = target(tokens, positions, capture=capture, logits_index=last, rows=rows)
     first = sampling.sample(logits, temperature, noise=noise, filters=filters)
@@ -1003,9 +1006,7 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
         prompt_ids = encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt,
                             thinking=thinking)
         ids.append(prompt_ids)
-    temperature = flags.sampling_for(m, s).temperature
-    flags.check_tree_temperature(s, [m.drafter], temperature)
-    flags.check_calibration_read(m.calibration, s, temperature)
+    temperature = flags.check_sampling_reads(m, s)
     if m.calibration is not None:  # fitted elsewhere: said as the command line says it, as a warning
         note = flags.calibration_note(m.calibration, m.directories[1], temperature)
         if note:
@@ -1030,9 +1031,7 @@ def run(args: Args) -> dict:
         threads = flags.start_machine(machine, s)
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
-        temperature = flags.sampling_for(m, s).temperature
-        flags.check_tree_temperature(s, [m.drafter], temperature)
-        flags.check_calibration_read(args.calibration, s, temperature)
+        flags.check_sampling_reads(m, s)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)

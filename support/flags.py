@@ -715,6 +715,15 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
                     f"reads the confidences; without either it changes nothing")
 
 
+def check_sampling_reads(m, s) -> float:
+    """The run's temperature, once the settings that depend on it are checked against the models'
+    drafter and calibration file (`check_tree_temperature`, `check_calibration_read`)."""
+    temperature = sampling_for(m, s).temperature
+    check_tree_temperature(s, [m.drafter], temperature)
+    check_calibration_read(m.calibration, s, temperature)
+    return temperature
+
+
 def check_calibration_file(path: Optional[str]):
     """--calibration names a file that is there (its contents are checked where the drafter loads)."""
     if path is not None:
