@@ -48,10 +48,10 @@ def hardware_schedule(confidence, active, sps) -> torch.Tensor:
     R = active.long().sum()
     tau = R + torch.cumsum(a_sorted, 0)  # τ with candidates 1 .. i admitted
     verify_tokens = R + torch.arange(1, B * K + 1, device=a_sorted.device)
-    theta = tau * sps[verify_tokens]
+    throughput = tau * sps[verify_tokens]  # τ·SPS: tokens a second
     anchors_only = R * sps[R[None]]
-    before = torch.cat([anchors_only, theta[:-1]])  # the best Θ when candidate i is tried
-    improves = (theta > before) & (a_sorted > 0)
+    before = torch.cat([anchors_only, throughput[:-1]])  # the best when candidate i is tried
+    improves = (throughput > before) & (a_sorted > 0)
     take = torch.cumprod(improves.long(), dim=0)  # admitted up to the first that does not improve
     return admitted_per_row(take, order, B, K)
 
@@ -88,9 +88,9 @@ def capacity_search(confidence: list[list[float]], R: int, sps: list[float], lim
     tau = float(R)
     for i, x in enumerate(a[:limit], start=1):
         tau += x
-        theta = tau * sps[R + i]
-        if theta > best:
-            best = theta
+        throughput = tau * sps[R + i]
+        if throughput > best:
+            best = throughput
             C = i
     return C
 

@@ -527,7 +527,9 @@ class Engine:
     """Requests through prefill and rounds in `batch_size` rows (continuous batching). A round
     is `draft` then `verify`, one graph each when compiled; ragged (by default when scheduled), the
     host reads the verify size between them (a bucket when compiled), except "async", planned before.
-    Its arguments were checked at the edge (flags, `size_engine`, `generate`)."""
+    `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
+    those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
+    would make a round wrong (a schedule without an SPS table, prompts past its cache)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
