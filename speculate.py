@@ -41,8 +41,8 @@ DEMO_DIR = os.path.join(HERE, "demo")  # the committed demo pair
 #   1. Draft: K tokens after each row's anchor, a chain or a tree (`draft`)
 #   2. Schedule: how many drafts each row sends the target (`draft`)
 #   3. Verify: one target pass over the anchor and the drafts, capturing features (`verify`)
-#   4. Accept: the longest prefix the rejection rule keeps, then one token of the target's own
-#   5. Commit: the target's features into the drafter's context; the next anchors
+#   4. Accept: the longest prefix the rejection rule keeps, then one token of the target's own (`verify`)
+#   5. Commit: the target's features into the drafter's context; the next anchors (`verify`)
 
 class Proposal(NamedTuple):
     drafts: torch.Tensor                # [B, K] x_1 .. x_K; a tree's [B, N], its nodes after the root
