@@ -507,14 +507,15 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     for d in drafters:
         context = min(context, d.cfg.layers.max_position_embeddings)
     prompts = read_datasets(args, s, datasets, m, drafters, chat, context)
-    s.max_new_tokens = token_budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
+    budget = token_budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
+    s = flags.derived(s, max_new_tokens=budget)
     # what results.json says ran
     args = replace(args, decode=replace(args.decode, max_new_tokens=s.max_new_tokens))
     check_calibration_room(args, s, prompts)
     # the largest shard of any rank (rank 0's): every rank's engine has one batch size, so that under
     # hardware and async scheduling they share one SPS table
     most = max(len(range(0, len(ps), world)) for ps in prompts.values())
-    s.batch_size = max(1, min(s.batch_size, most))
+    s = flags.derived(s, batch_size=max(1, min(s.batch_size, most)))
     every_prompt = [p for ps in prompts.values() for p in ps]
     for row in rows:  # each row's engine, checked before the first decodes
         try:

@@ -613,7 +613,7 @@ def check_args(args: BenchArgs) -> tuple[list[int], Settings]:
     trees = args.decode.tree_budget > 0 or args.tree_budgets is not None
     s = flags.check_settings(args.decode, args.machine.device, trees=trees)
     if s.temperature is None:  # no checkpoint's generation_config decides here
-        s.temperature = 0.0
+        s = flags.derived(s, temperature=0.0)
     flags.check_machine(args.machine, s.compile)
     if not args.skip_guards and not s.compile:
         raise UserError("--no-skip-guards: only used with --compile (the run is eager)")

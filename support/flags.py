@@ -156,7 +156,8 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
     a tuple, and no budget given the default `budget` (None: left for the caller). trees: whether the
     run drafts trees (None: a --tree-budget was given; bench.py's --tree-budgets say it too). The result
-    is marked checked for `device` (`check_engine_inputs` reads the mark; `replace` drops it)."""
+    is marked checked for `device` (`check_engine_inputs` reads the mark; `replace` drops it, and an
+    edit in place shows)."""
     if isinstance(device, torch.device):  # the models' own, as generate passes it
         device = str(device)
     device = resolve_device(device)
@@ -240,15 +241,26 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
                             f"(the run is eager)")
         if s.verbose:
             raise UserError("--verbose: only used with --compile (the run is eager)")
-    s._checked_for = device  # not a field: neither a flag nor an API argument
+    mark_checked(s, device)
     return s
+
+
+def setting_values(s: Settings) -> tuple:
+    return tuple(getattr(s, f.name) for f in fields(s))
+
+
+def mark_checked(s: Settings, device: str):
+    """`s` marked checked for `device`, with the values checked, so that an edit afterwards shows (the
+    marks are not fields: neither flags nor API arguments)."""
+    s._checked_for = device
+    s._checked_values = setting_values(s)
 
 
 def derived(s: Settings, **changes) -> Settings:
     """Checked settings with a program's own changes for one engine (its drafter's tree budget and
     drafts), still marked checked: `replace` alone drops the mark, as a caller's edit must."""
     d = replace(s, **changes)
-    d._checked_for = s._checked_for
+    mark_checked(d, s._checked_for)
     return d
 
 
@@ -423,6 +435,10 @@ def check_engine_inputs(m, prompts, s, drafter):
         raise UserError(f"settings: checked for device {checked_for!r}, and the models are on "
                         f"{device.type}; pass support.flags.check_settings(Settings(...), "
                         f"{device.type!r})")
+    edited = [f.name for f, value in zip(fields(s), s._checked_values) if getattr(s, f.name) != value]
+    if edited:
+        raise UserError(f"settings: {edited[0]} was changed after they were checked; pass "
+                        f"support.flags.check_settings(Settings(...), device) again")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise UserError(f"prompts: a non-empty list of token-id lists, got {repr(prompts)[:80]}")
     for i, p in enumerate(prompts):

@@ -153,6 +153,14 @@ def test_make_engine_and_decode_refuse_settings_not_checked_for_the_models_devic
     with pytest.raises(UserError, match=f"^{re.escape(other)}$"):
         speculate.decode(m, prompts, for_cuda, engine)
     assert len(speculate.decode(m, prompts, s, engine)[0].output_ids) == 8
+    edited = flags.check_settings(speculate.Settings(max_new_tokens=8), "cpu")
+    edited.num_samples = 0  # in place: the mark stays, the values it was given for do not
+    changed = ("settings: num_samples was changed after they were checked; "
+               "pass support.flags.check_settings(Settings(...), device) again")
+    with pytest.raises(UserError, match=f"^{re.escape(changed)}$"):
+        speculate.decode(m, prompts, edited, engine)
+    with pytest.raises(UserError, match=f"^{re.escape(changed)}$"):
+        speculate.make_engine(m, m.drafter, prompts, edited, verbose=False)
 
 
 def test_decode_refuses_prompts_longer_than_its_engine_was_sized_for():
