@@ -6,7 +6,9 @@ its arguments (built from a small world of files: a tiny target with tokenizer a
 a drafter, prompts, a dataset directory, a calibration file; cases that need a broken file make
 their own copy) and a needle the error line must contain. All cases run in-process through the
 program's `main()`; the ones marked `sub` also run as real subprocesses (a real exit status, real
-stderr).
+stderr, and whatever a library prints outside pytest's capture): each program, and each kind of input a
+library reads as the process starts or loads (argument bytes, the hub, devices, weights, tokenizer,
+template). A process costs seconds (torch's import), so the others run in-process only.
 """
 
 from __future__ import annotations
@@ -204,9 +206,9 @@ CASES = [
     ("threshold-big", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "1.5"], "--confidence-threshold", False),
     ("threshold-nan", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "nan"], "--confidence-threshold", False),
     ("seed-neg", "speculate", lambda w, t: S(w) + ["--seed", "-1"], "--seed", False),
-    ("seed-huge", "speculate", lambda w, t: S(w) + ["--seed", "99999999999999999999"], "--seed", True),
+    ("seed-huge", "speculate", lambda w, t: S(w) + ["--seed", "99999999999999999999"], "--seed", False),
     # ---- speculate.py: prompts
-    ("ids-empty-field", "speculate", lambda w, t: S(w)[:5] + ["5,,6"] + S(w)[6:], "--prompt-ids", True),
+    ("ids-empty-field", "speculate", lambda w, t: S(w)[:5] + ["5,,6"] + S(w)[6:], "--prompt-ids", False),
     ("ids-arabic-digits", "speculate", lambda w, t: S(w)[:5] + ["١,٢"] + S(w)[6:], "--prompt-ids", False),
     ("ids-letters", "speculate", lambda w, t: S(w)[:5] + ["1,x"] + S(w)[6:], "--prompt-ids", False),
     ("ids-5000-digits", "speculate", lambda w, t: S(w)[:5] + ["5" * 5000] + S(w)[6:], "too large", False),
@@ -225,7 +227,7 @@ CASES = [
     ("prompts-a-directory", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", t] + S(w)[6:],
      "is a directory, not a file", False),
     ("prompts-bad-json", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, '{"prompt": \n')]
-     + S(w)[6:], "p.jsonl:1: malformed JSON", True),
+     + S(w)[6:], "p.jsonl:1: malformed JSON", False),
     ("prompts-not-utf8", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, b'{"prompt": "\xff"}\n')]
      + S(w)[6:], "not UTF-8", False),
     ("prompts-two-kinds", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
@@ -250,9 +252,9 @@ CASES = [
      "exceed", False),
     ("budget-beyond-context", "speculate", lambda w, t: S(w)[:-1] + ["100000"], "exceed", False),
     # ---- speculate.py: outputs
-    ("trace-empty", "speculate", lambda w, t: S(w) + ["--trace-file", ""], "--trace-file: empty path", True),
+    ("trace-empty", "speculate", lambda w, t: S(w) + ["--trace-file", ""], "--trace-file: empty path", False),
     ("trace-is-prompts", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", w / "prompts.jsonl"] + S(w)[6:]
-     + ["--trace-file", w / "prompts.jsonl"], "input of this run", True),
+     + ["--trace-file", w / "prompts.jsonl"], "input of this run", False),
     ("trace-is-config", "speculate", lambda w, t: S(w) + ["--trace-file", w / "target" / "config.json"],
      "input directory", False),
     ("trace-is-weights", "speculate", lambda w, t: S(w) + ["--trace-file", w / "drafter" / "model.safetensors"],
@@ -274,7 +276,7 @@ CASES = [
     ("target-is-file", "speculate", lambda w, t: ["--target", w / "cal.json", "--prompt-ids", "1"],
      "cal.json: is a file, not a directory", False),
     ("rope-nan", "speculate", lambda w, t: ["--target", target_with(w, t, nan_rope), "--prompt-ids", "1"],
-     "rope_theta", True),
+     "rope_theta", False),
     ("rope-inf", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c["rope_parameters"].update(rope_theta=float("inf"))), "--prompt-ids", "1"], "rope_theta", False),
     ("rope-tiny", "speculate", lambda w, t: ["--target", target_with(
@@ -284,7 +286,7 @@ CASES = [
     ("eps-negative", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(rms_norm_eps=-1)),
                                                "--prompt-ids", "1"], "rms_norm_eps", False),
     ("layers-billion", "speculate", lambda w, t: ["--target", target_with(
-        w, t, lambda c: c.update(num_hidden_layers=1_000_000_000)), "--prompt-ids", "1"], "num_hidden_layers", True),
+        w, t, lambda c: c.update(num_hidden_layers=1_000_000_000)), "--prompt-ids", "1"], "num_hidden_layers", False),
     ("vocab-zero", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(vocab_size=0)),
                                              "--prompt-ids", "1"], "vocab_size", False),
     ("hidden-string", "speculate", lambda w, t: ["--target", target_with(w, t, lambda c: c.update(hidden_size="32")),
@@ -292,7 +294,7 @@ CASES = [
     ("heads-float", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(num_attention_heads=4.0)), "--prompt-ids", "1"], "num_attention_heads", False),
     ("eos-outside-vocab", "speculate", lambda w, t: ["--target", target_with(
-        w, t, lambda c: c.update(eos_token_id=10**9)), "--prompt-ids", "1"], "eos_token_id", True),
+        w, t, lambda c: c.update(eos_token_id=10**9)), "--prompt-ids", "1"], "eos_token_id", False),
     ("gen-temperature-tiny", "speculate", lambda w, t: ["--target", target_with(
         w, t, files={"generation_config.json": json.dumps({"do_sample": True, "temperature": 1e-38})}),
         "--prompt-ids", "1"], "generation_config.json: key 'temperature' must be a number in [0.0001, 10000]", False),
@@ -382,7 +384,7 @@ CASES = [
     ("config-model-type", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(model_type="llama")), "--prompt-ids", "1"], "model_type 'llama'", False),
     ("config-rope-theta-two-values", "speculate", lambda w, t: ["--target", target_with(
-        w, t, lambda c: c.update(rope_theta=5.0)), "--prompt-ids", "1"], "conflicting values for 'rope_theta'", True),
+        w, t, lambda c: c.update(rope_theta=5.0)), "--prompt-ids", "1"], "conflicting values for 'rope_theta'", False),
     ("config-sliding-window-string", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(use_sliding_window="false")), "--prompt-ids", "1"],
      "key 'use_sliding_window' must be true or false, got 'false'", False),
@@ -472,7 +474,7 @@ CASES = [
     ("template-overflow", "speculate", lambda w, t: P(template("{{ (10 ** 400) * 1.0 }}")(w, t)), "chat_template.jinja", False),
     # ---- speculate.py: chat prompts (messages records, --system-prompt, --enable-thinking)
     ("system-prompt-with-ids", "speculate", lambda w, t: S(w) + ["--system-prompt", "be brief"],
-     "--system-prompt: --prompt-ids are token ids", True),
+     "--system-prompt: --prompt-ids are token ids", False),
     ("system-prompt-no-chat", "speculate", lambda w, t: P(w / "target") + ["--no-chat", "--system-prompt", "hi"],
      "--system-prompt: prompts are not rendered as chat", False),
     ("system-prompt-empty", "speculate", lambda w, t: P(w / "target") + ["--system-prompt", " "],
@@ -496,7 +498,7 @@ CASES = [
     ("thinking-no-chat", "speculate", lambda w, t: P(w / "target") + ["--no-chat", "--enable-thinking"],
      "--enable-thinking: prompts are not rendered as chat", False),
     ("thinking-no-switch", "speculate", lambda w, t: P(template("{% for m in messages %}{{ m.content }}{% endfor %}")(
-        w, t)) + ["--enable-thinking"], "chat_template.jinja) has no thinking switch", True),
+        w, t)) + ["--enable-thinking"], "chat_template.jinja) has no thinking switch", False),
     ("messages-last-assistant", "speculate", lambda w, t: M(w, t, messages([("user", "a"), ("assistant", "b")])),
      "p.jsonl:1: the last message must be the user's", False),
     ("messages-role-tool", "speculate", lambda w, t: M(w, t, messages([("tool", "a"), ("user", "b")])),
@@ -511,7 +513,7 @@ CASES = [
      False),
     ("messages-not-list", "speculate", lambda w, t: M(w, t, '{"messages": "hi"}\n'), "'messages' must be", False),
     ("messages-and-prompt", "speculate", lambda w, t: M(w, t, json.dumps({"prompt": "a", "messages": [
-        {"role": "user", "content": "b"}]}) + "\n"), "prompt and messages", True),
+        {"role": "user", "content": "b"}]}) + "\n"), "prompt and messages", False),
     ("messages-no-chat", "speculate", lambda w, t: M(w, t, messages([("user", "a")])) + ["--no-chat"],
      "p.jsonl:1: a messages record is a conversation", False),
     # the scripts have no --chat: their line says what they take instead
@@ -522,7 +524,7 @@ CASES = [
     ("messages-surrogate", "speculate", lambda w, t: M(w, t, '{"messages": [{"role": "user", "content": "a\\udc80"}]}\n'),
      "p.jsonl:1: the text is not valid Unicode (a lone surrogate, U+DC80)", False),
     ("prompt-empty-under-chat", "speculate", lambda w, t: M(w, t, '{"turns": [""]}\n'), "p.jsonl:1: empty prompt",
-     True),
+     False),
     ("prompt-vocab-by-line", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1]}\n\n\n{"prompt_ids": [99]}\n'),
      "p.jsonl:4: token id 99 is outside the vocabulary", False),
     ("prompt-too-long-by-line", "speculate", lambda w, t: M(w, t, '{"prompt_ids": [1]}\n{"prompt_ids": [%s]}\n'
@@ -586,7 +588,7 @@ CASES = [
     ("drafter-vocab", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
         w, t, lambda c: c.update(vocab_size=65))] + S(w)[4:], "has shape", False),
     ("drafter-num-target-layers", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
-        w, t, lambda c: c.update(num_target_layers=36))] + S(w)[4:], "num_target_layers 36 differs", True),
+        w, t, lambda c: c.update(num_target_layers=36))] + S(w)[4:], "num_target_layers 36 differs", False),
     ("drafter-num-target-layers-str", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
         w, t, lambda c: c.update(num_target_layers="3"))] + S(w)[4:], "'num_target_layers' must be", False),
     ("drafter-alias-types", "speculate", lambda w, t: S(w)[:2] + ["--drafter", drafter_with(
@@ -605,7 +607,7 @@ CASES = [
         w, t, tensors=lambda ts: ts.update({"confidence_head.proj.weight": ts["confidence_head.proj.weight"][0, 0]}))]
      + S(w)[4:], "the confidence head expects [1, features]", False),
     ("out-name-too-long", "speculate", lambda w, t: S(w) + ["--trace-file", t / ("o" * 245)], "cannot write there",
-     True),
+     False),
     ("out-new-index-in-target", "speculate", lambda w, t: (lambda d: ["--target", d, "--prompt-ids", "1", "--output-file",
                                                                     os.path.join(d, "model.safetensors.index.json")])(target_with(w, t)),
      "model.safetensors.index.json: a file named so in the input directory", False),
@@ -626,7 +628,7 @@ CASES = [
      "--target", False),
     # ---- speculate.py: flags that depend on each other
     ("calibration-unscheduled", "speculate", lambda w, t: S(w) + ["--calibration", w / "cal.json"],
-     "changes nothing", True),
+     "changes nothing", False),
     ("calibration-length", "speculate", lambda w, t: S(w) + ["--confidence-threshold", "0.5", "--calibration",
                                                             prompts_file(t, '{"temperatures": [1.0]}', "c.json")],
      "temperatures", False),
@@ -725,7 +727,7 @@ CASES = [
      "--min-lr-frac 0.1: changes nothing with --schedule constant", False),
     ("bench-model-with-target", "bench", lambda w, t: ["--target", w / "target", "--drafter", w / "drafter",
      "--no-compile", "--model", "qwen3-8b"], "--model qwen3-8b: --target gives the models", False),
-    ("eval-data-dir-empty", "eval", lambda w, t: E(w)[:5] + [""] + E(w)[6:], "--data-dir: empty value", True),
+    ("eval-data-dir-empty", "eval", lambda w, t: E(w)[:5] + [""] + E(w)[6:], "--data-dir: empty value", False),
     ("eval-datasets-empty-string", "eval", lambda w, t: E(w)[:7] + [""] + E(w)[8:], "--datasets: empty value", False),
     ("train-eval-data-dir-empty", "train", lambda w, t: T(w, t) + ["--eval-every", "1", "--eval-data-dir", ""],
      "--eval-data-dir: empty path", False),
@@ -761,7 +763,7 @@ CASES = [
     ("eval-data-dir-missing", "eval", lambda w, t: E(w)[:5] + [t / "nope"] + E(w)[6:], "directory not found", False),
     ("eval-data-dir-a-file", "eval", lambda w, t: E(w)[:5] + [w / "target" / "config.json"] + E(w)[6:],
      "config.json: is a file, not a directory", False),
-    ("eval-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", w / "data" / "gsm8k.jsonl"], "input of this run", True),
+    ("eval-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", w / "data" / "gsm8k.jsonl"], "input of this run", False),
     ("eval-out-empty", "eval", lambda w, t: E(w) + ["--out", ""], "--out: empty path", False),
     ("eval-out-dev", "eval", lambda w, t: E(w) + ["--out", "/dev/full"], "is a device or a pipe, not a file",
      True),
@@ -773,7 +775,7 @@ CASES = [
     ("eval-cal-out-is-dataset", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-out",
                                                             w / "data" / "gsm8k.jsonl"], "input of this run", False),
     ("eval-plot-is-weights", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-plot",
-                                                         w / "target" / "model.safetensors"], "input directory", True),
+                                                         w / "target" / "model.safetensors"], "input directory", False),
     ("eval-plot-pdf", "eval", lambda w, t: E(w) + ["--out", t / "r.json", "--calibration-plot", t / "r.pdf"],
      ".png or .svg", False),
     ("eval-max-samples-0", "eval", lambda w, t: E(w) + ["--max-samples", "0"], "--max-samples", False),
@@ -809,11 +811,11 @@ CASES = [
     ("bench-repeats-0", "bench", lambda w, t: ["--repeats", "0"], "--repeats", False),
     ("bench-new-0", "bench", lambda w, t: ["--max-new-tokens", "0"], "--max-new-tokens", False),
     ("bench-threads-0", "bench", lambda w, t: ["--threads", "0"], "--threads", False),
-    ("bench-threads-neg", "bench", lambda w, t: ["--threads", "-1"], "--threads", True),
+    ("bench-threads-neg", "bench", lambda w, t: ["--threads", "-1"], "--threads", False),
     ("bench-prompt-0", "bench", lambda w, t: ["--prompt-len", "0"], "--prompt-len", False),
     ("bench-drafter-alone", "bench", lambda w, t: ["--drafter", w / "drafter"], "--drafter", True),
     ("bench-mode-no-compile", "bench", lambda w, t: ["--compile-mode", "default", "--no-compile"], "--compile-mode",
-     True),
+     False),
     ("bench-verbose-no-compile", "bench", lambda w, t: ["--verbose", "--no-compile"], "--verbose", False),
     ("bench-model-unknown", "bench", lambda w, t: ["--model", "gpt5"], "--model", False),
     ("bench-out-root", "bench", lambda w, t: ["--out", "/"], "is a directory", False),
@@ -874,8 +876,8 @@ CASES = [
     ("train-layer-ids-order", "train", lambda w, t: T(w, t) + ["--target-layer-ids", "1,0"], "--target-layer-ids",
      False),
     ("train-mask-id", "train", lambda w, t: T(w, t) + ["--mask-token-id", "999999"], "--mask-token-id", False),
-    ("train-out-is-target", "train", lambda w, t: T(w, t) + ["--out", w / "target"], "--out", True),
-    ("train-out-is-file", "train", lambda w, t: T(w, t) + ["--out", w / "cal.json"], "--out", True),
+    ("train-out-is-target", "train", lambda w, t: T(w, t) + ["--out", w / "target"], "--out", False),
+    ("train-out-is-file", "train", lambda w, t: T(w, t) + ["--out", w / "cal.json"], "--out", False),
     ("train-out-empty", "train", lambda w, t: T(w, t) + ["--out", ""], "--out", False),
     ("train-out-in-target", "train", lambda w, t: T(w, t) + ["--out", w / "target" / "sub"], "--out", False),
     ("train-data-missing", "train", lambda w, t: T(w, t)[:2] + ["--data", t / "nope.txt"] + T(w, t)[4:],
@@ -893,7 +895,7 @@ CASES = [
         w, t, state=lambda s: s.update(step=-5))], "'step'", False),
     ("train-resume-nan-moments", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
         w, t, moments=lambda m: next(v for k, v in m.items() if k.startswith("exp_avg.")).fill_(float("nan")))],
-     "NaN or infinite", True),
+     "NaN or infinite", False),
     ("train-resume-moment-shape", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
         w, t, moments=lambda m: m.update({k: m[k][:1] for k in [next(k for k in m if k.startswith("exp_avg.")
                                                                        and m[k].shape[0] > 1)]}))],
@@ -985,8 +987,8 @@ def sharded_bad_index(w, tmp):
 
 def test_the_corpus_is_large_enough():
     assert len(CASES) >= 150 and len({c[0] for c in CASES}) == len(CASES)
-    assert sum(1 for c in CASES if c[4]) >= 30
-    assert {c[1] for c in CASES} == set(PROGRAMS)
+    assert sum(1 for c in CASES if c[4]) >= 20
+    assert {c[1] for c in CASES} == {c[1] for c in CASES if c[4]} == set(PROGRAMS)
 
 
 def _check(err: str, needle: str, rc: int):
