@@ -145,6 +145,7 @@ class Args(TrainArgs):
         "confidence_with_markov", "anchors_per_seq", "pack", "gamma", "alpha_ce", "alpha_tv", "alpha_conf",
         "ttt_length", "step_loss_decay",
     )
+    required: ClassVar[tuple[str, ...]] = ("target",)
     kind: ClassVar[str] = "drafter"
 
 

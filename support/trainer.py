@@ -57,7 +57,8 @@ class TrainArgs(WandbFlags):
     """Output directory: config.json + model.safetensors (+ the training state for --resume)."""
     resume: Optional[str] = None
     """Continue the run saved in this directory (a previous --out), with any number of processes giving
-    the same global batch."""
+    the same global batch. A resumed run takes the original run's flags again (--data or --data-ids,
+    --out, the model and optimisation flags; train.py: --target too); --steps may change."""
     steps: int = 1000
     """Optimizer steps the schedule spans. Resumed with another count, the run follows the new count's
     schedule from its step: warm-up and decay are worked out anew, so the learning rate jumps there (back
@@ -111,6 +112,7 @@ class TrainArgs(WandbFlags):
         "seq_len", "lr", "warmup_frac", "schedule", "min_lr_frac", "weight_decay", "grad_clip",
         "seed", "init_std",
     )
+    required: ClassVar[tuple[str, ...]] = ()  # the program's own flags a run must give (train.py: target)
     kind: ClassVar[str]  # what the program trains: a state of another kind is not resumed
 
 
@@ -445,7 +447,7 @@ def check_out_dir(args: TrainArgs, inputs):
         checkpointed = LATEST in names or any(n.startswith("checkpoint-") for n in names)
         if checkpointed:
             raise UserError(f"--out {out}: already holds a training run; give a new directory, or continue "
-                            f"that run with --resume {out}")
+                            f"that run with --resume {out} (keeping --out {out})")
         raise UserError(f"--out {out}: already holds files, and no training run; give a new directory")
     parent = os.path.dirname(real)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
@@ -532,6 +534,22 @@ def refuse_unused(args, off):
         raise UserError(f"{shown}: changes nothing with {why}")
 
 
+def check_resume_flags(args: TrainArgs):
+    """--resume with a flag every run needs left out: said as a resumed run's rule, not as a new run's."""
+    missing = [flag(name) for name in args.required if getattr(args, name) is None]
+    if args.data is None and args.data_ids is None:
+        missing.append("--data")
+    if args.out is None:
+        missing.append("--out")
+    if not missing:
+        return
+    needed = ", ".join(flag(name) for name in args.required)
+    if needed:
+        needed += ", "
+    raise UserError(f"--resume {args.resume}: a resumed run takes the original run's flags again ({needed}"
+                    f"--data or --data-ids, --out, ...): {', '.join(missing)} missing")
+
+
 def check_train_args(args: TrainArgs, **ranges: str):
     check_ranges(
         args, steps="[1, 100000000]", batch_size="[1, 1000000]", grad_accum="[1, 1000000]",
@@ -542,6 +560,8 @@ def check_train_args(args: TrainArgs, **ranges: str):
         peak_tflops="(0, 1e9]", dist_timeout="(0, 86400]",
     )
     refuse_unused(args, [(("min_lr_frac",), args.schedule == "constant", "--schedule constant")])
+    if args.resume is not None:
+        check_resume_flags(args)
     if (args.data is None) == (args.data_ids is None):
         raise UserError("give exactly one of --data, --data-ids")
     check_wandb(args)

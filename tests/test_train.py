@@ -873,6 +873,34 @@ def test_checking_out_makes_no_file_in_it(tmp_path, monkeypatch):
     assert os.listdir(out) == []
 
 
+def test_resume_alone_says_a_resumed_run_repeats_its_flags(tmp_path, capsys):
+    """`--resume DIR` without the flags every run needs says so as a resumed run's rule, in one line
+    naming what is missing (train.py and scripts/train_target.py alike)."""
+    run = tmp_path / "run"
+    rc = train.main(["--resume", str(run)])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2
+    assert err == [f"error: --resume {run}: a resumed run takes the original run's flags again (--target, "
+                   "--data or --data-ids, --out, ...): --target, --data, --out missing"]
+    rc = train_target.main(["--resume", str(run), "--data", str(tmp_path / "c.txt")])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2
+    assert err == [f"error: --resume {run}: a resumed run takes the original run's flags again (--data or "
+                   "--data-ids, --out, ...): --out missing"]
+
+
+def test_a_finished_runs_out_says_to_keep_out_when_resuming(tmp_path):
+    """--out of a training run offers --resume, and says --out stays (a resumed run needs both)."""
+    from types import SimpleNamespace
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "latest").write_text("checkpoint-2")
+    with pytest.raises(UserError) as e:
+        trainer.check_out_dir(SimpleNamespace(out=str(out), resume=None), inputs=[])
+    assert str(e.value).endswith(f"continue that run with --resume {out} (keeping --out {out})")
+
+
 def test_an_unwritable_existing_out_is_refused_before_loading(tiny_target, tmp_path, monkeypatch):
     """An existing, empty --out on a read-only filesystem: one line at the check (it failed with a
     traceback at the first log write, after the target and data were loaded). Simulated: root may
