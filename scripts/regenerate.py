@@ -40,6 +40,7 @@ from support.cli import (  # noqa: E402
     resolve_dtype,
     signals_deferred,
 )
+from support.data import turns_problem  # noqa: E402
 from support.files import (  # noqa: E402
     CHECKPOINT_FILES,
     check_input,
@@ -134,11 +135,7 @@ def conversation_messages(obj, where: str) -> Optional[list[dict]]:
         well_formed = isinstance(m, dict) and m.get("role") in ROLES
         well_formed = well_formed and isinstance(m.get("content"), str)
         if not well_formed:
-            sharegpt = ""
-            if isinstance(m, dict) and "from" in m and "value" in m:
-                sharegpt = ' (ShareGPT\'s {"from", "value"} turns are not read)'
-            raise UserError(f"{where}: {key!r} must hold "
-                            f"{{\"role\": system/user/assistant, \"content\": str}} turns{sharegpt}")
+            raise UserError(f"{where}: {turns_problem(key, raw)}")
     return [{"role": m["role"], "content": m["content"]} for m in raw if m["role"] != "assistant"]
 
 

@@ -39,6 +39,16 @@ def _is_message(m) -> bool:
     return m.get("role") in ROLES and isinstance(m.get("content"), str)
 
 
+def turns_problem(key: str, msgs) -> str:
+    """What is wrong with a record's "messages"/"conversations" (key), a list not of role/content turns:
+    ShareGPT's {"from", "value"} spelling, the usual other one, is named."""
+    shape = '{"role": system/user/assistant, "content": str}'
+    sharegpt = ""
+    if isinstance(msgs, list) and any(isinstance(m, dict) and "from" in m and "value" in m for m in msgs):
+        sharegpt = ' (ShareGPT\'s {"from", "value"} turns are not read)'
+    return f"{key!r} must be a list of {shape} turns{sharegpt}"
+
+
 def _chat_messages(obj, where: str) -> Optional[list[dict]]:
     """A chat record's conversation, checked; None for another record."""
     if not isinstance(obj, dict):
@@ -55,8 +65,7 @@ def _chat_messages(obj, where: str) -> Optional[list[dict]]:
         return None
     msgs = obj[key]
     if not isinstance(msgs, list) or not all(_is_message(m) for m in msgs):
-        shape = '{"role": system/user/assistant, "content": str}'
-        raise UserError(f"{where}: {key!r} must be a list of {shape}")
+        raise UserError(f"{where}: {turns_problem(key, msgs)}")
     roles = [m["role"] for m in msgs if m["role"] != "system"]
     if not roles or roles[0] != "user" or "assistant" not in roles:
         raise UserError(

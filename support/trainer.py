@@ -48,8 +48,8 @@ class TrainArgs(WandbFlags):
     data: Optional[str] = None
     """A .txt/.py/.md/.rst file, a .jsonl/.json file of JSON lines, or a directory of both (.jsonl;
     recursive). Plain text ({"text"}, {"turns"}): documents joined by <|endoftext|>, cut into windows.
-    Chat records ({"messages"}, {"conversations"}, {"prompt", "response"}; train.py): templated, loss on
-    the assistant's tokens, packed."""
+    Chat records ({"messages"} or {"conversations"} of role/content turns, {"prompt", "response"};
+    train.py): templated, loss on the assistant's tokens, packed."""
     data_ids: Optional[str] = None
     """Instead of --data: JSON lines of {"prompt_ids": [int]}, one stream as plain text but joined as they
     are (no separator: a record ending a document carries its own end token)."""

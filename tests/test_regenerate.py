@@ -343,7 +343,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, flags, ne
     ('{"turns": [5]}', "bad.jsonl:1: 'turns' must be a non-empty list of strings"),
     ('{"prompt": 5}', "bad.jsonl:1: 'prompt' must be a string"),
     # ShareGPT's turns: named under the record's key, and said not to be read
-    ('{"conversations": [{"from": "human", "value": "hi"}]}', "bad.jsonl:1: 'conversations' must hold "
+    ('{"conversations": [{"from": "human", "value": "hi"}]}', "bad.jsonl:1: 'conversations' must be a list of "
      '{"role": system/user/assistant, "content": str} turns (ShareGPT\'s {"from", "value"} turns are not read)'),
     # plain text, not JSON lines: said so, with the records a line may hold
     ("write a poem", "bad.jsonl:1: malformed JSON (Expecting value at column 1); the file looks like plain text, "

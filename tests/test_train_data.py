@@ -119,6 +119,10 @@ def test_render_messages_without_template_is_qwen3_chatml(target_factory):
     ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}, "starts with a user"),
     ({"messages": [{"role": "robot", "content": "a"}]}, "must be a list of"),
     ({"conversations": "hello"}, "must be a list of"),
+    # ShareGPT's spelling of the turns: named, as scripts/regenerate.py names it
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+     "'conversations' must be a list of {\"role\": system/user/assistant, \"content\": str} turns "
+     "(ShareGPT's {\"from\", \"value\"} turns are not read)"),
     ({"something": 1}, "expected {\"text\": str}"),
     # a lone surrogate, which JSON can spell and the tokenizer refuses with a TypeError
     ({"messages": [{"role": "user", "content": "a \ud800"}, {"role": "assistant", "content": "b"}]},
