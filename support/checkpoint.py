@@ -720,6 +720,7 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
         return None
     spec = os.path.expanduser(spec)
     if os.path.exists(spec):
+        check_holds_config(spec, flag)
         return spec
     if not spec.strip():
         raise UserError(f"{flag}: empty (a checkpoint directory, "
@@ -833,6 +834,32 @@ def resolve_checkpoint(spec: Optional[str], flag: str) -> Optional[str]:
               "after asking the hub (out of reach, or the repository lacks them); "
               "using it as it is", file=sys.stderr)
     return now
+
+
+def check_holds_config(path: str, flag: str):
+    """--target/--drafter: a directory without a config.json, one folder too high, says which to give: a
+    subfolder holding one (demo for demo/target), or a Hugging Face cache folder's snapshot."""
+    if not os.path.isdir(path) or os.path.lexists(os.path.join(path, "config.json")):
+        return  # a file, or a config.json the loader checks
+    where = f"{flag} {path}: no config.json there"
+    snapshots = os.path.join(path, "snapshots")
+    if os.path.isdir(snapshots):
+        found = [os.path.join(snapshots, commit) for commit in sorted(os.listdir(snapshots))]
+        if not found:
+            raise UserError(f"{where}; a Hugging Face cache folder with no snapshot in {snapshots}")
+        hub = ""
+        repo = hub_snapshot(found[0])
+        if repo is not None:
+            hub = f" (or the hub id {repo.split('@')[0]})"
+        raise UserError(f"{where}; a Hugging Face cache folder: give a snapshot in it, "
+                        f"{', '.join(found)}{hub}")
+    inner = []
+    for name in sorted(os.listdir(path)):
+        if os.path.isfile(os.path.join(path, name, "config.json")):
+            inner.append(os.path.join(path, name))
+    if inner:
+        raise UserError(f"{where}; give a folder in it that holds one: {', '.join(inner)}")
+    raise UserError(f"{where} (not a checkpoint directory)")
 
 
 def hub_snapshot(path: str) -> Optional[str]:

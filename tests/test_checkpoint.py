@@ -67,6 +67,27 @@ def test_missing_config(tiny_target, tmp_path):
         checkpoint.load_target(str(d))
 
 
+def test_a_checkpoint_folder_one_level_too_high_names_the_flag_and_the_folder_to_give(tmp_path):
+    """--target/--drafter DIR without a config.json: the flag named, and the folder meant where DIR holds
+    it (demo for demo/target; a Hugging Face cache folder models--ORG--NAME and its snapshots)."""
+    pair = tmp_path / "pair"
+    for name in ("target", "drafter"):
+        (pair / name).mkdir(parents=True)
+        (pair / name / "config.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        checkpoint.resolve_checkpoint(str(pair), "--drafter")
+    assert str(e.value) == (f"--drafter {pair}: no config.json there; give a folder in it that holds one: "
+                            f"{pair / 'drafter'}, {pair / 'target'}")
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-8B"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    with pytest.raises(UserError) as e:
+        checkpoint.resolve_checkpoint(str(repo), "--target")
+    assert str(e.value) == (f"--target {repo}: no config.json there; a Hugging Face cache folder: give a "
+                            f"snapshot in it, {repo / 'snapshots' / 'abc123'} (or the hub id Qwen/Qwen3-8B)")
+    with pytest.raises(UserError, match=f"^--target {tmp_path / 'hub'}: no config.json there \\(not a "):
+        checkpoint.resolve_checkpoint(str(tmp_path / "hub"), "--target")
+
+
 def test_malformed_config_json(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     (d / "config.json").write_text('{"vocab_size": 64,')
