@@ -63,6 +63,7 @@ from support.files import check_outputs, directory_problem, optional_file, write
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
 from support.text import (
+    StopStrings,
     auto_chat,
     check_chat_flags,
     check_chat_renders,
@@ -362,6 +363,9 @@ def run(args: EvalArgs) -> dict:
         args = replace(args, out=free_name(args.out, claim=True))
     try:
         s = check_flags(args)
+        note = StopStrings.escape_note(s.stop)
+        if note and rank == 0:
+            print(note, file=sys.stderr)
         datasets, skipped = resolve_datasets(args)
         sps_read, sps_written = flags.sps_paths(s.sps_table)
         outputs = {"--out": args.out, "--calibration-out": args.calibration_out,

@@ -674,6 +674,9 @@ def check_command_line(args):
     check_calibration_read(args.calibration, s)
     check_files(args)
     resolve_device(args.machine.device)
+    note = StopStrings.escape_note(s.stop)
+    if note:
+        print(note, file=sys.stderr)
     return s
 
 

@@ -719,6 +719,22 @@ class StopStrings:
                                 f"(yet) a whole character; a stop string cannot hold it")
 
     @staticmethod
+    def escape_note(strings: Sequence[str]) -> Optional[str]:
+        """A note for the command line when a stop string holds a backslash escape as written (a shell
+        passes '\\n' as a backslash and an n), else None."""
+        escapes = {"\\n": "newline", "\\t": "tab", "\\r": "carriage return"}
+        for s in strings:
+            for escape, character in escapes.items():
+                if escape not in s:
+                    continue
+                shown = f"'{s}'"
+                if not s.isprintable():
+                    shown = repr(s)
+                return (f"note: --stop {shown}: holds {escape} as written, a backslash and a letter, "
+                        f"not a {character}; in bash a {character} is written $'{escape}'")
+        return None
+
+    @staticmethod
     def build(tokenizer: Optional[Tokenizer], strings: Sequence[str]) -> Optional["StopStrings"]:
         if not strings:
             return None

@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from conftest import copy_target, edit_json, render_chat
+from conftest import REPO_ROOT, copy_target, edit_json, render_chat
 
 import speculate
 from support import text
@@ -420,6 +420,29 @@ def byte_fallback_tokenizer():
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     return tok
+
+
+@pytest.mark.parametrize("stop,note", [
+    ("\\n", "note: --stop '\\n': holds \\n as written, a backslash and a letter, not a newline; in bash a "
+              "newline is written $'\\n'"),
+    ("a\\tb", "note: --stop 'a\\tb': holds \\t as written, a backslash and a letter, not a tab; in bash a "
+               "tab is written $'\\t'"),
+    ("\n", None),  # a newline, as $'\n' passes it
+    ("C:\\path", None),
+])
+def test_a_stop_string_holding_a_backslash_escape_as_written_gets_a_note(stop, note, capsys):
+    """`--stop '\\n'` is a backslash and an n, which a completion seldom holds: speculate.py says so in one
+    note on stderr (the run goes on: the text may be meant)."""
+    import tyro
+
+    from support import flags
+
+    args = tyro.cli(flags.Args, args=["--target", str(REPO_ROOT / "demo" / "target"), "--prompt-ids", "1,2",
+                                      "--stop", stop])
+    s = flags.check_command_line(args)
+    assert s.stop == (stop,)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ([note] if note else []), err
 
 
 def test_a_stop_string_after_a_long_run_of_byte_tokens_is_found():
