@@ -800,10 +800,10 @@ class RowDecoder:
                 if parts is not None:
                     parts.append(round_arrays(requests, index, K, engine.stop_ids))
                 progress.end_dataset()
-                if self.rank == 0:
+                if self.rank == 0:  # written before it is printed: a reader gone (`| head`) loses no row
+                    write_json(self.args.out, snapshot())
                     first_dataset = index == 0
                     progress.say(format_table(entry, header=first_dataset))
-                    write_json(self.args.out, snapshot())
                 if self.log is not None:
                     prefix = ""
                     if self.several:  # a W&B section of its own: a path's slashes would nest it

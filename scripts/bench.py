@@ -943,15 +943,16 @@ def run(args: BenchArgs) -> list[dict]:
             for m in modes:
                 if m == "reference":
                     row = reference_row(runs[m], drafter is not None, differ)
-                    rows.append(row)
-                    print(f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s", flush=True)
-                    continue
-                row = mode_row(m, B, runs[m], engines[m], prompts, s, args.skip_guards, differ)
+                    line = f"{row['mode']:<48} b=1  {row['tokens_per_second']:9.1f} tok/s"
+                else:
+                    row = mode_row(m, B, runs[m], engines[m], prompts, s, args.skip_guards, differ)
+                    line = _row(row, bw)
                 rows.append(row)
-                print(_row(row, bw), flush=True)
-                save(args, hw, bw, dev, rows, ratios, complete=False)  # each row kept as soon as it is measured
+                # each row kept as soon as it is measured, before it is printed (a reader gone loses none)
+                save(args, hw, bw, dev, rows, ratios, complete=False)
                 if args.out and args.out not in written:
                     written.insert(0, args.out)
+                print(line, flush=True)
             ratios += speed_ups(runs, rows, B, tree_budgets, dev, s)
             save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
             if args.tree_plot is not None and B == batch_sizes[0]:

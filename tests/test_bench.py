@@ -100,6 +100,26 @@ def test_without_a_drafter_the_engine_is_compared_with_the_reference_target(tmp_
     assert "this engine / the reference loop at batch 1: " in printed and "M params, no drafter, " in printed
 
 
+@pytest.mark.parametrize("broken", ["autoregressive", "reference (transformers target)"])
+def test_a_row_is_saved_before_it_is_printed(tmp_path, monkeypatch, broken):
+    """stdout's reader gone (`| head`) while a row is printed, the engine's or the reference loop's:
+    --out already holds that row."""
+    pytest.importorskip("transformers")
+
+    def fake_print(*args, **kwargs):
+        if str(args[0]).startswith(broken):
+            raise BrokenPipeError
+
+    monkeypatch.setattr(bench, "print", fake_print, raising=False)
+    monkeypatch.setattr(sys, "stdout", open(tmp_path / "stdout", "w"))  # cli_main points it at /dev/null
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--target", make_target(tmp_path / "t"), "--no-compile", "--batch-sizes", "1",
+                     "--prompt-len", "6", "--max-new-tokens", "4", "--reference", "True", "--repeats", "1",
+                     "--out", str(out)])
+    assert rc == 141
+    assert json.load(open(out))["rows"][-1]["mode"] == broken
+
+
 def test_the_reference_loop_decodes_every_prompt_the_engine_does(tmp_path, capsys, monkeypatch):
     """With a --prompts-file at batch 1 the engine's row takes every prompt in turn; the reference loop's
     timed run does too (its tokens/s over all of them, its outputs checked against each)."""

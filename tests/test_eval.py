@@ -468,6 +468,20 @@ def test_rows_are_printed_and_results_written_as_each_dataset_finishes(env, tmp_
     assert lines[2].startswith("gsm8k") and lines[3].startswith("mt-bench")  # one row per dataset, as it finishes
 
 
+def test_a_row_is_written_before_it_is_printed(env, tmp_path, capsys, monkeypatch):
+    """stdout's reader gone (`| head`) while a dataset's row is printed: --out already holds that row."""
+    def say(self, text):
+        if text.startswith("dataset"):  # the first row, under its header
+            raise BrokenPipeError
+    monkeypatch.setattr(ev.Progress, "say", say)
+    monkeypatch.setattr(sys, "stdout", open(tmp_path / "stdout", "w"))  # cli_main points it at /dev/null
+    out = tmp_path / "r.json"
+    args = ["--target", env["target"], "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--max-samples", 1, "--max-new-tokens", 4, "--temperature", 0, "--no-progress", "--out", out]
+    assert ev.main([str(a) for a in args]) == 141
+    assert [e["dataset"] for e in json.load(open(out))["datasets"]] == ["gsm8k"]
+
+
 def test_sts_temperatures_do_not_depend_on_an_applied_calibration(env, tmp_path, capsys):
     """Fitting with --calibration applied writes the temperatures fitting without it writes: they are
     always relative to the head's raw logits (a refit is not a no-op [1, 1, ...] on top of the first)."""
