@@ -28,6 +28,7 @@ from support import flags, runlog  # noqa: E402
 from support import metrics as mt  # noqa: E402
 from support.checkpoint import load_models, resolve_checkpoint  # noqa: E402
 from support.cli import (  # noqa: E402
+    Interrupted,
     UserError,
     check_ranges,
     cli_main,
@@ -75,8 +76,8 @@ class Args:
     decode: flat(Settings) = field(default_factory=lambda: Settings(
         max_new_tokens=4096, temperature=0.7, top_k=20, top_p=0.8, min_p=0.0, batch_size=16))
     max_context: Optional[int] = None
-    """Longest prompt + response of a turn (default: the models' context, at most 8192); longer prompts are
-    dropped (counted)."""
+    """Longest prompt + response of a turn (default: the models' context, at most 8192); a conversation with a
+    prompt over it less --max-new-tokens is dropped (counted; every one dropped is an error)."""
     chunk_size: int = 256
     """Conversations generated, then written, at a time."""
     max_prompts: Optional[int] = None
@@ -349,8 +350,10 @@ def this_shards_conversations(args: Args) -> tuple[list, list]:
     for i, c in enumerate(convs):
         if i % args.num_shards == args.shard_index:
             mine.append((i, c))
-    if any(n > TURN_STRIDE for *_, n in convs):
-        raise UserError(f"--prompts: a conversation has more than {TURN_STRIDE} user turns")
+    for where, _, _, n in convs:
+        if n > TURN_STRIDE:
+            raise UserError(f"{where}: the conversation has {n} user turns; "
+                            f"regenerate.py takes at most {TURN_STRIDE}")
     return convs, mine
 
 
@@ -375,13 +378,31 @@ def context_length(args: Args, m) -> int:
     limit = m.target.args.max_position_embeddings
     if m.drafter is not None:
         limit = min(limit, m.drafter.cfg.layers.max_position_embeddings)
+    models = "the target"
+    if m.drafter is not None:
+        models = "the target and the drafter"
     context = args.max_context or min(limit, 8192)
     budget = args.decode.max_new_tokens
+    if args.max_context is None and context <= budget:
+        default = ""
+        if budget == Args().decode.max_new_tokens:
+            default = " (regenerate.py's default)"
+        raise UserError(f"--max-new-tokens {budget}{default}: leaves no room for a prompt in the "
+                        f"context of {context} tokens (max_position_embeddings of {models}); "
+                        f"give --max-new-tokens below {context}")
     if context > limit or context <= budget:
         raise UserError(f"--max-context {context}: must exceed --max-new-tokens {budget} "
                         f"and fit the models' context of {limit} "
-                        "(max_position_embeddings of the target and the drafter)")
+                        f"(max_position_embeddings of {models})")
     return context
+
+
+def drop_reason(args: Args, context: int, budget: int) -> str:
+    """Why a conversation is dropped, as the summary and the error say it."""
+    limit = f"--max-context {context}"
+    if args.max_context is None:
+        limit = f"the context of {context}"
+    return f"a prompt over {context - budget} tokens: {limit} less --max-new-tokens {budget}"
 
 
 def record_setting(args: Args) -> dict:
@@ -407,7 +428,7 @@ def new_conversation(index: int, where: str, cid, msgs: list[dict]) -> dict:
 
 
 class Progress:
-    """Responses done (a dropped conversation's remaining turns with them): a tqdm bar on a terminal, else
+    """Responses done, and apart the turns of dropped conversations: a tqdm bar on a terminal, else
     a line at most once a minute with this run's rate and the time to go; nothing without --progress."""
 
     def __init__(self, how: Optional[str], total: int, before: int):
@@ -416,6 +437,7 @@ class Progress:
         self.total = total
         self.before = before  # a resumed run's, done before this one: not in the rate
         self.done = before
+        self.dropped = 0  # the turns of dropped conversations, never answered
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar",
                         unit="response", dynamic_ncols=True)
@@ -423,17 +445,23 @@ class Progress:
         if how == "lines":
             self.lines = runlog.Lines()
 
-    def update(self, n: int, final: bool = False):
+    def update(self, n: int, final: bool = False, dropped: int = 0):
         self.done += n
-        self.bar.update(n)
+        self.dropped += dropped
+        self.bar.update(n + dropped)
+        if dropped:
+            self.bar.set_postfix(dropped=self.dropped)
         if self.lines is None:
             return
         seconds = max(time.perf_counter() - self.t0, 1e-9)
         rate = (self.done - self.before) / seconds
         left = ""
         if rate > 0:
-            left = f", {(self.total - self.done) / rate / 60:.1f} min to go"
-        self.lines.say(f"regenerate.py: {self.done}/{self.total} responses, {rate:.2f}/s{left}", final=final)
+            left = f", {(self.total - self.done - self.dropped) / rate / 60:.1f} min to go"
+        text = f"regenerate.py: {self.done}/{self.total} responses"
+        if self.dropped:
+            text += f", {self.dropped} dropped"
+        self.lines.say(f"{text}, {rate:.2f}/s{left}", final=final)
 
     def close(self):
         self.bar.close()
@@ -442,7 +470,7 @@ class Progress:
 def turn_requests(chunk: list[dict], turn: int, m, longest: int, progress: Progress
                   ) -> tuple[list, list]:
     """(requests, their conversations) of a turn: each live conversation's next user turn with what precedes it;
-    a conversation whose prompt exceeds `longest` is dropped (its remaining turns counted as done)."""
+    a conversation whose prompt exceeds `longest` is dropped (its remaining turns counted as dropped)."""
     requests = []
     owners = []
     for c in chunk:
@@ -454,7 +482,7 @@ def turn_requests(chunk: list[dict], turn: int, m, longest: int, progress: Progr
         ids = encode(m.tokenizer, c["history"], c["where"], chat=True)
         if len(ids) > longest:
             c["alive"] = False
-            progress.update(1 + user_turns(c["pending"]))
+            progress.update(0, dropped=1 + user_turns(c["pending"]))
             continue
         requests.append(Request(c["index"] * TURN_STRIDE + turn, ids))
         owners.append(c)
@@ -559,7 +587,7 @@ def publish(partial: str, out_file: str, done_path: str):
         os.remove(done_path)
 
 
-def print_summary(stats: dict, seconds: float, tau: Optional[float], context: int, out: str, resumed: int):
+def print_summary(stats: dict, seconds: float, tau: Optional[float], why: str, out: str, resumed: int):
     """The counts of the file written; the responses, tokens, time and rate of this run alone (a resumed
     run's earlier conversations were generated by the run it resumes)."""
     rate = stats["tokens"] / max(seconds, 1e-9)
@@ -572,10 +600,18 @@ def print_summary(stats: dict, seconds: float, tau: Optional[float], context: in
     text += f"{stats['tokens']} tokens) in {seconds:.1f} s, {rate:.1f} tokens/s"
     if tau is not None:
         text += f", τ={tau:.2f}"
-    text += (f"; {stats['dropped']} dropped "
-             f"(prompt over --max-context {context} - --max-new-tokens); "
-             f"written to {out}")
+    text += f"; {stats['dropped']} dropped ({why}); written to {out}"
     print(text)
+
+
+def kept_files(out: str, out_file: str, partial: str) -> list[str]:
+    """What an interrupted run kept: OUT.partial's finished records (and how to continue them), or OUT once
+    published (OUT.partial, made at the start, is gone only then)."""
+    if not os.path.exists(partial) and os.path.exists(out_file):
+        return [out]
+    if os.path.isfile(partial) and os.path.getsize(partial) > 0:
+        return [f"{partial} (rerun with --resume to continue it)"]
+    return []
 
 
 def out_paths(out: str) -> tuple[str, str, str]:
@@ -601,6 +637,9 @@ def run(args: Args) -> dict:
     fd, created = claim(partial, args.out)
     try:
         return regenerate(args, device, settings, mine, key, target_dir, drafter_dir, fd)
+    except Interrupted as e:  # its line names what is kept, and how to go on
+        e.written = kept_files(args.out, out_file, partial)
+        raise
     finally:
         if created and os.path.isfile(partial) and os.path.getsize(partial) == 0:
             os.remove(partial)  # made by this run, which stopped before writing a record
@@ -622,6 +661,7 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
         raise UserError(f"--target {args.target}: regenerating text needs its tokenizer.json")
     context = context_length(args, m)
     longest = context - settings.max_new_tokens
+    why = drop_reason(args, context, settings.max_new_tokens)
     # sized for the longest
     engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)
     setting = record_setting(args)
@@ -648,6 +688,10 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
             consumed = cut + c0 + len(chunk)
             write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
         progress.update(0, final=True)
+        if stats["conversations"] == 0 and stats["dropped"] > 0:  # an empty OUT would pass for a result
+            os.remove(done_path)
+            raise UserError(f"--prompts: all {stats['dropped']} conversations dropped ({why}); "
+                            "give a smaller --max-new-tokens or a larger --max-context")
         publish(partial, out_file, done_path)
     finally:  # the bar closed before an interruption's line starts
         progress.close()
@@ -655,7 +699,7 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     tau = None  # τ: tokens committed a round, with a drafter
     if args.drafter:
         tau = mt.acceptance_length(stats)
-    print_summary(stats, seconds, tau, context, args.out, resumed=kept)
+    print_summary(stats, seconds, tau, why, args.out, resumed=kept)
     return dict(stats, seconds=seconds, acceptance_length=tau, settings=setting, args=asdict(args))
 
 

@@ -194,7 +194,7 @@ def test_out_that_is_a_link_writes_the_file_it_names(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "data")) == ["real.jsonl"]
 
 
-LONG = {"prompt": "x = 1 " * 40}  # over --max-context 64 - --max-new-tokens 12: dropped
+LONG = {"prompt": "x = 1 " * 40}  # over --max-context 64 less --max-new-tokens 12: dropped
 
 
 def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monkeypatch):
@@ -209,6 +209,54 @@ def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monke
     resumed, res = regen(tmp_path, "r.jsonl", *flags, "--resume", prompts=prompts)
     assert resumed == full
     assert (res["conversations"], res["responses"], res["dropped"]) == (4, 2, 2)  # nothing redone or retried
+
+
+def test_a_run_that_drops_every_conversation_is_an_error(tmp_path, capsys):
+    """Every conversation dropped: one line naming the flags and the count, exit 2, no OUT (it exited 0
+    with an empty OUT); the progress counts the dropped turns apart, not as responses."""
+    argv = argv_of(tmp_path, "o.jsonl", "--max-context", 64, prompts=[LONG, LONG])
+    assert regenerate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --prompts: all 2 conversations dropped (a prompt over 52 tokens: --max-context 64 "
+                   "less --max-new-tokens 12); give a smaller --max-new-tokens or a larger --max-context\n"), err
+    assert sorted(os.listdir(tmp_path)) == ["prompts.jsonl"]
+    assert regenerate.main(argv + ["--progress"]) == 2
+    assert "regenerate.py: 0/2 responses, 2 dropped, 0.00/s\n" in capsys.readouterr().err
+
+
+def test_a_summary_says_why_conversations_were_dropped(tmp_path, capsys):
+    argv = argv_of(tmp_path, "o.jsonl", "--max-context", 64, prompts=[LONG, PROMPTS[1]])
+    assert regenerate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "; 1 dropped (a prompt over 52 tokens: --max-context 64 less --max-new-tokens 12); written to" in out
+
+
+def test_an_interruption_names_the_partial_file_and_resume(tmp_path, monkeypatch, capsys):
+    """SIGINT after a chunk was written: the line names OUT.partial and --resume (it said "what was finished
+    is kept"); before any was: nothing was written."""
+    import signal
+    real = regenerate.append_durably
+
+    def append_then_interrupt(path, lines):
+        real(path, lines)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(regenerate, "append_durably", append_then_interrupt)
+    assert regenerate.main(argv_of(tmp_path, "o.jsonl", "--chunk-size", 1, drafter=False)) == 130
+    partial = os.path.realpath(tmp_path / "o.jsonl") + ".partial"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted by SIGINT: stopped; what was written: {partial} (rerun with --resume to continue it)")
+    monkeypatch.setattr(regenerate, "append_durably", lambda path, lines: os.kill(os.getpid(), signal.SIGINT))
+    assert regenerate.main(argv_of(tmp_path, "p.jsonl", "--chunk-size", 1, drafter=False)) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "interrupted by SIGINT: stopped; nothing was written"
+
+
+def test_too_many_turns_names_the_record(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(regenerate, "TURN_STRIDE", 1)
+    assert regenerate.main(argv_of(tmp_path, "o.jsonl", prompts=PROMPTS[:1])) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {tmp_path / 'prompts.jsonl'}:1: the conversation has 2 user turns; "
+                   "regenerate.py takes at most 1\n"), err
 
 
 def test_resume_of_a_finished_run_is_refused(tmp_path, capsys):
@@ -308,6 +356,12 @@ def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatc
 @pytest.mark.parametrize("flags,needle", [
     (["--shard-index", 2, "--num-shards", 2], "--shard-index: invalid value 2"),
     (["--max-context", 12], "--max-context 12: must exceed --max-new-tokens 12"),
+    (["--max-context", 4096], "fit the models' context of 2048 (max_position_embeddings of the target)"),
+    # --max-context not given: the budget is what leaves no room (it blamed --max-context 2048)
+    (["--max-new-tokens", 4096], "error: --max-new-tokens 4096 (regenerate.py's default): leaves no room for a "
+     "prompt in the context of 2048 tokens (max_position_embeddings of the target); give --max-new-tokens below 2048"),
+    (["--drafter", DEMO / "drafter", "--max-new-tokens", 2048], "error: --max-new-tokens 2048: leaves no room for a "
+     "prompt in the context of 2048 tokens (max_position_embeddings of the target and the drafter); give"),
     (["--temperature", -1], "--temperature: invalid value -1.0"),
     # None is not regenerate.py's default for these (was a TypeError traceback for --max-new-tokens)
     (["--max-new-tokens", "None"], "--max-new-tokens: invalid value None"),
@@ -364,8 +418,8 @@ def test_a_resumed_runs_summary_says_which_figures_are_its_own(capsys):
     """The conversations and drops count the file written; responses, tokens and tokens/s are this run's, and
     a resumed run says how many conversations it took over."""
     stats = {"conversations": 4, "responses": 2, "tokens": 30, "dropped": 2}
-    regenerate.print_summary(stats, 3.0, None, 64, "o.jsonl", resumed=2)
-    regenerate.print_summary(stats, 3.0, None, 64, "o.jsonl", resumed=0)
+    regenerate.print_summary(stats, 3.0, None, "why", "o.jsonl", resumed=2)
+    regenerate.print_summary(stats, 3.0, None, "why", "o.jsonl", resumed=0)
     resumed, fresh = capsys.readouterr().out.splitlines()
     assert resumed.startswith("4 conversations (2 from the run resumed; this run generated 2 responses, 30 tokens) "
                               "in 3.0 s, "
