@@ -82,7 +82,7 @@ class Args(TrainArgs):
     rope_theta: float = 1_000_000.0
     """RoPE base (Qwen3's)."""
     max_position_embeddings: int = 4096
-    """Longest context the config declares (at least --seq-len)."""
+    """Longest context the config declares; at least --seq-len, the rows it is trained on."""
     tie_word_embeddings: bool = True
     """The lm_head is the embedding matrix (saves V x hidden parameters in a small model)."""
 
@@ -261,6 +261,9 @@ def run(args: Args) -> dict:
         raise UserError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     if args.head_dim % 2:
         raise UserError(f"--head-dim {args.head_dim}: must be even (RoPE rotates its two halves)")
+    if args.max_position_embeddings < args.seq_len:
+        raise UserError(f"--max-position-embeddings {args.max_position_embeddings}: below --seq-len "
+                        f"{args.seq_len}, the length of the rows the target is trained on")
     tokenizer_source(args)
     dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
     with out_held(args.out, rank0(), from_rank0):
@@ -291,12 +294,11 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
     eos_ids = ()
     if eos is not None:
         eos_ids = (eos,)
-    context = max(args.max_position_embeddings, args.seq_len)
     margs = ModelArgs(vocab_size=V, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim, rope_theta=args.rope_theta,
-                      tie_word_embeddings=args.tie_word_embeddings, max_position_embeddings=context,
-                      eos_token_ids=eos_ids)
+                      tie_word_embeddings=args.tie_word_embeddings,
+                      max_position_embeddings=args.max_position_embeddings, eos_token_ids=eos_ids)
     identity = {"data": digest(Corpus(windows))}  # --resume refuses other data
     if args.resume:
         check_identity(checkpoint_dir(args.resume), identity, {"data": f"--data {args.data}"})

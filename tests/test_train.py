@@ -1031,6 +1031,17 @@ def test_bad_inputs_are_one_line_errors(tiny_target, tmp_path, capsys, case, nee
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
+def test_a_target_context_below_the_rows_is_refused(tmp_path, capsys):
+    """scripts/train_target.py --max-position-embeddings below --seq-len: one line (it was raised to
+    --seq-len in silence)."""
+    (tmp_path / "c.txt").write_text("hello world. " * 300)
+    argv = ["--data", tmp_path / "c.txt", "--out", tmp_path / "o", "--tokenizer", REPO_ROOT / "demo" / "target",
+            "--seq-len", 16, "--max-position-embeddings", 8, "--no-progress"]
+    assert train_target.main([str(a) for a in argv]) == 2
+    assert capsys.readouterr().err == ("error: --max-position-embeddings 8: below --seq-len 16, the length of "
+                                       "the rows the target is trained on\n")
+
+
 def test_mode_flag_is_gone(tiny_target, tmp_path, capsys):
     """train.py distils drafters only: the target's pre-training is scripts/train_target.py, and
     `--mode target` is an unrecognized flag (one line, exit status 2)."""
