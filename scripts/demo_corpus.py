@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from demo_prompts import files_digest  # noqa: E402
 
 from support.cli import UserError, cli_main
-from support.files import atomic_write, check_outputs, read_json, write_json  # noqa: E402
+from support.files import atomic_write, check_input, check_outputs, read_json, write_json  # noqa: E402
 from support.trainer import folder_write_problem  # noqa: E402
 
 HOLD_OUT_EVERY = 20
@@ -45,10 +45,14 @@ class CorpusArgs:
     """A corpus.json the new corpus must equal (rebuilding only a pair's drafter)."""
 
 
-def split(stdlib: str) -> tuple[list[str], list[str]]:
+def split(stdlib: str, given: bool) -> tuple[list[str], list[str]]:
+    """(training files, held-out files) of `stdlib` (`given`: by --stdlib)."""
     files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
     if len(files) < HOLD_OUT_EVERY:
-        raise UserError(f"{stdlib}: {len(files)} top-level *.py files; not a standard library (give --stdlib)")
+        problem = f"{len(files)} top-level *.py files; not a standard library"
+        if given:
+            raise UserError(f"--stdlib {stdlib}: {problem}")
+        raise UserError(f"{stdlib}: {problem} (give --stdlib)")
     train = []
     held = []
     for i, f in enumerate(files):
@@ -78,12 +82,14 @@ def run(a: CorpusArgs):
         raise UserError("--stdlib: empty; give a standard library's folder, or leave the flag out")
     stdlib = a.stdlib or sysconfig.get_paths()["stdlib"]
     listing, record = check_paths(a)
-    train, held = split(stdlib)
+    train, held = split(stdlib, given=a.stdlib is not None)
     info = corpus_record(stdlib, train, held)
     if a.same_as is not None:
         want = read_json(a.same_as)
         for key in ("training_sha256", "heldout_sha256"):
-            if want.get(key) != info[key]:
+            if key not in want:
+                raise UserError(f"--same-as {a.same_as}: not a corpus.json (no {key})")
+            if want[key] != info[key]:
                 built_from = want.get("python") or "?"
                 this = info["python"] or "?"
                 raise UserError(f"--same-as {a.same_as}: {key} differs (that pair was built from Python "
@@ -104,6 +110,8 @@ def check_paths(a: CorpusArgs) -> tuple[str, str]:
     for flag, path in (("--corpus", a.corpus), ("--out", a.out)):
         if not path.strip():
             raise UserError(f"{flag}: empty path")
+    if a.same_as is not None:
+        check_input(a.same_as, "--same-as")
     if os.path.exists(a.corpus) and (not os.path.isdir(a.corpus) or os.listdir(a.corpus)):
         raise UserError(f"--corpus {a.corpus}: exists and is not an empty directory")
     if os.path.exists(a.out) and not os.path.isdir(a.out):

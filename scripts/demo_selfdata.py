@@ -42,19 +42,24 @@ class SelfDataArgs:
     """torch threads (0: torch's default)."""
 
 
-def corpus_prompts(files: list[str], tokenizer, num: int, length: int, seed: int) -> list[list[int]]:
+def corpus_prompts(corpus: str, files: list[str], tokenizer, num: int, length: int, seed: int
+                   ) -> list[list[int]]:
+    """`num` windows of `length` tokens from the files of --corpus `corpus`, file i mod F for prompt i."""
     rng = random.Random(seed)
     docs = []
+    longest = 0  # tokens of the longest file, for the error
     for path in files:
         try:
             with open(path, encoding="utf-8") as f:
                 ids = tokenizer.encode(f.read())
         except UnicodeDecodeError:
             raise UserError(f"{path}: not UTF-8 text") from None
+        longest = max(longest, len(ids))
         if len(ids) >= length:
             docs.append(ids)
     if not docs:
-        raise UserError(f"no corpus file has {length} tokens")
+        raise UserError(f"--corpus {corpus}: no *.py file has --prompt-tokens {length} tokens "
+                        f"(the longest has {longest})")
     prompts = []
     for i in range(num):
         doc = docs[i % len(docs)]
@@ -85,7 +90,7 @@ def run(args: SelfDataArgs) -> int:
     m = load(args.target)
     if m.tokenizer is None:
         raise UserError(f"--target {args.target}: no tokenizer.json")
-    prompts = corpus_prompts(files, m.tokenizer, args.num_prompts, args.prompt_tokens, args.seed)
+    prompts = corpus_prompts(args.corpus, files, m.tokenizer, args.num_prompts, args.prompt_tokens, args.seed)
     context = args.prompt_tokens + args.new_tokens
     if context > m.target.args.max_position_embeddings:
         raise UserError(f"--prompt-tokens + --new-tokens = {context}: more than the target's context "

@@ -529,6 +529,37 @@ def test_demo_selfdata_writes_the_targets_greedy_continuations(tiny_target, tmp_
     assert err.count("\n") == 1 and "c.py: not UTF-8 text" in err, err
 
 
+def test_demo_selfdata_names_the_flags_when_no_file_is_long_enough(tiny_target, tmp_path, capsys):
+    sd = _script("demo_selfdata")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("x = 1\n")
+    argv = ["--target", str(tiny_target.path), "--corpus", str(corpus), "--out", str(tmp_path / "o.jsonl"),
+            "--num-prompts", "2", "--new-tokens", "2"]
+    assert sd.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --corpus {corpus}: no *.py file has --prompt-tokens 64 tokens (the longest has 3)\n", err
+
+
+def test_demo_corpus_names_the_flag_given(tmp_path, capsys):
+    """--stdlib and --same-as are named when they are what is wrong; a record without the key is not
+    a corpus.json (it said the key "differs")."""
+    _, dc = _scripts()
+    lib = tmp_path / "few"
+    lib.mkdir()
+    for i in range(3):
+        (lib / f"m{i}.py").write_text("x = 1\n")
+    argv = ["--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "pair")]
+    assert dc.main(argv + ["--stdlib", str(lib)]) == 2
+    assert capsys.readouterr().err == f"error: --stdlib {lib}: 3 top-level *.py files; not a standard library\n"
+    other = tmp_path / "config.json"
+    other.write_text("{}")
+    assert dc.main(argv + ["--stdlib", str(_stdlib(tmp_path)), "--same-as", str(other)]) == 2
+    assert capsys.readouterr().err == f"error: --same-as {other}: not a corpus.json (no training_sha256)\n"
+    assert dc.main(argv + ["--same-as", str(tmp_path / "nope.json")]) == 2
+    assert capsys.readouterr().err == f"error: --same-as {tmp_path / 'nope.json'}: file not found\n"
+
+
 def test_demo_scripts_refuse_an_empty_stdlib(tmp_path, capsys):
     """An empty --stdlib is a mistake, not a request for the running Python's library."""
     dp, dc = _scripts()
