@@ -318,7 +318,12 @@ def resolve_datasets(args: EvalArgs) -> tuple[list[tuple[str, str, int]], list[s
         samples = args.max_samples or DEFAULT_SAMPLES.get(name, 0)  # 0: every prompt in the file
         out.append((name, path, samples))
     if not out:
-        raise UserError(f"--datasets: none of {', '.join(names)} is in {data_dir}")
+        text = f"--datasets: none of {', '.join(names)} is in {data_dir}"
+        found = sorted(n for n in os.listdir(data_dir) if n.endswith(".jsonl"))
+        if found:  # the user's own datasets: named, as --datasets takes them
+            mine = ",".join(dataset_name(n) for n in found)
+            text += f" (it holds {', '.join(found)}: give --datasets {mine})"
+        raise UserError(text)
     return out, skipped
 
 

@@ -597,6 +597,17 @@ def test_default_sample_counts_and_missing_files(tmp_path, capsys):
                                   "livecodebench": 500, "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
 
 
+def test_a_data_dir_of_other_datasets_names_them(tmp_path):
+    """None of the paper's datasets in --data-dir: the line names the .jsonl files there and --datasets."""
+    write_dataset(tmp_path, "mine", ["a"])
+    write_dataset(tmp_path, "theirs", ["a"])
+    args, _ = ev.resolve_defaults(ev.EvalArgs(target="t", drafter="d", data_dir=str(tmp_path)))
+    with pytest.raises(ev.UserError) as e:
+        ev.resolve_datasets(args)
+    assert str(e.value) == (f"--datasets: none of {', '.join(ev.PAPER_DATASETS)} is in {tmp_path} "
+                            "(it holds mine.jsonl, theirs.jsonl: give --datasets mine,theirs)")
+
+
 def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
     args, _ = ev.resolve_defaults(ev.EvalArgs(target="t", datasets="gsm8k"))
     (name, path, n), = ev.resolve_datasets(args)[0]
