@@ -89,7 +89,11 @@ class EvalArgs(WandbFlags):
     """Acceptance length and per-position acceptance per dataset; confidence calibration.
 
     The decode flags mean what they mean in speculate.py (their help is written for it), with the
-    authors' protocol as defaults, shown below; --num-samples is refused (each prompt decodes once)."""
+    authors' protocol as defaults, shown below: temperature 1.0 (the paper's τ), their seed (it also picks
+    a long dataset's subset; sample i draws from a stream seeded seed + i), and a budget of 2048 new
+    tokens (128 in demo mode, whatever --datasets) capped with a note to what the context leaves the
+    longest prompt; a --max-new-tokens given that does not fit is an error. --num-samples is refused
+    (each prompt decodes once)."""
 
     target: Optional[str] = None
     """Qwen3 checkpoint directory or hub id ORG/NAME[@REVISION] (HF_HUB_OFFLINE=1: the cache only).
@@ -106,12 +110,9 @@ class EvalArgs(WandbFlags):
     max_samples: Optional[int] = None
     """Prompts per dataset (default: the paper's count); a longer file is shuffled with
     random.Random(--seed) and cut, as the authors do."""
+    # the decode settings, as speculate.py's, from the authors' protocol (the class's docstring: --help)
     decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0,
                                                                     seed=AUTHORS_SEED))
-    """The decode settings, as speculate.py's, from the authors' protocol: temperature 1.0 (the paper's τ),
-    their seed (it also picks a long dataset's subset; sample i draws from a stream seeded seed + i), and
-    a budget of 2048 new tokens (128 in demo mode) capped with a note to what the context leaves the
-    longest prompt; a --max-new-tokens given that does not fit is an error."""
     rendering: flat(Rendering) = field(default_factory=Rendering)
     machine: flat(Machine) = field(default_factory=Machine)
     out: Optional[str] = None

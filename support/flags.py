@@ -82,8 +82,8 @@ class Settings:
     """How to decode: the Python API's keyword arguments, and the flags of the same names."""
 
     max_new_tokens: Optional[int] = None
-    """Token budget per request (exact). None: 128 (eval.py: the authors' 2048, capped to what the
-    context leaves the longest prompt)."""
+    """Token budget per request (exact). None: 128 (eval.py: the authors' 2048, or 128 in its demo mode,
+    capped to what the context leaves the longest prompt)."""
     temperature: Optional[float] = None
     """0 = greedy, else lossless sampling at this temperature. None: with no other sampling setting,
     the target's generation_config.json (greedy without one; bench.py: greedy); 1.0 with only

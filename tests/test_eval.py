@@ -608,6 +608,16 @@ def test_a_data_dir_of_other_datasets_names_them(tmp_path):
                             "(it holds mine.jsonl, theirs.jsonl: give --datasets mine,theirs)")
 
 
+def test_help_says_the_demo_modes_budget(capsys):
+    """The demo mode's 128-token budget, whatever --datasets, is in --help (it was in a docstring tyro's flat
+    group drops, and --max-new-tokens' line said 2048)."""
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a budget of 2048 new tokens (128 in demo mode, whatever --datasets)" in help_text
+    assert "(eval.py: the authors' 2048, or 128 in its demo mode," in help_text
+
+
 def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
     args, _ = ev.resolve_defaults(ev.EvalArgs(target="t", datasets="gsm8k"))
     (name, path, n), = ev.resolve_datasets(args)[0]
