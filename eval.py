@@ -108,8 +108,8 @@ class EvalArgs(WandbFlags):
     """Comma-separated dataset names. Default: the paper's nine, missing files skipped; in demo mode
     without --data-dir: heldout (demo/heldout.jsonl)."""
     max_samples: Optional[int] = None
-    """Prompts per dataset (default: the paper's count); a longer file is shuffled with
-    random.Random(--seed) and cut, as the authors do."""
+    """Prompts per dataset (default: the paper's count; a dataset outside the paper's nine is taken
+    whole); a longer file is shuffled with random.Random(--seed) and cut, as the authors do."""
     # the decode settings, as speculate.py's, from the authors' protocol (the class's docstring: --help)
     decode: flat(Settings) = field(default_factory=lambda: Settings(temperature=1.0,
                                                                     seed=AUTHORS_SEED))

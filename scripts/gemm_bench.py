@@ -75,8 +75,8 @@ class GemmArgs:
     """Seed of the random weights and inputs."""
 
 
-def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
-    """AxB,... -> pairs; "none" or "" -> none."""
+def parse_shapes(text: str, flag: str = "--shapes", example: str = "3072x512") -> list[tuple[int, int]]:
+    """AxB,... -> pairs; "none" or "" -> none. `example`: a good one, for the error."""
     if text.strip().lower() in ("", "none"):
         return []
     shapes = []
@@ -85,7 +85,7 @@ def parse_shapes(text: str, flag: str = "--shapes") -> list[tuple[int, int]]:
         try:
             a, b = [int(x) for x in spec.split("x")]
         except ValueError:
-            raise UserError(f"{flag}: {part.strip()!r} is not two numbers AxB (e.g. 3072x512)") from None
+            raise UserError(f"{flag}: {part.strip()!r} is not two numbers AxB (e.g. {example})") from None
         if not (1 <= a <= 1 << 20 and 1 <= b <= 1 << 20):
             raise UserError(f"{flag}: {part.strip()!r} is outside 1..1048576")
         shapes.append((a, b))
@@ -206,7 +206,7 @@ def run(args: GemmArgs) -> int:
     check_ranges(args, threads="[1, 1024]", reps="[1, 100000]", warmup="[0, 100000]", seed=SEED_RANGE,
                  copies="[1, 1024]")
     shapes = parse_shapes(args.shapes)
-    attention = parse_shapes(args.attention, "--attention")
+    attention = parse_shapes(args.attention, "--attention", "8x204")
     heads = parse_ints(args.heads, "--heads")
     if len(heads) != 3 or min(heads) < 1 or heads[0] % heads[1] or heads[2] % cpu_kernels.PANEL:
         raise UserError(f"--heads {args.heads}: must be H,HKV,HD with H a multiple of HKV and HD of "

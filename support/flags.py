@@ -464,7 +464,8 @@ class Machine:
     threads: Optional[int] = None
     """CPU threads. Default: OMP_NUM_THREADS, else half the CPUs (docs/performance.md)."""
     compile_cache: Optional[str] = None
-    """With --compile: its cache directory. Default: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dspark-fast/inductor."""
+    """With --compile: its cache directory. Default: $TORCHINDUCTOR_CACHE_DIR, else
+    ~/.cache/dspark-fast/inductor ($XDG_CACHE_HOME for ~/.cache)."""
 
 
 @dataclass

@@ -74,7 +74,7 @@ class TrainArgs(WandbFlags):
     lr: float = 6e-4
     """Peak learning rate (AdamW)."""
     warmup_frac: float = 0.04
-    """Fraction of --steps warming up linearly from lr/W."""
+    """Fraction of --steps warming up linearly, from lr/W to lr over its W = ceil(frac x --steps) steps."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up, to --min-lr-frac x lr at the end."""
     min_lr_frac: float = 0.0
@@ -90,7 +90,7 @@ class TrainArgs(WandbFlags):
     device: Optional[Literal["cpu", "cuda"]] = None
     """Default: cuda when available (under torchrun: the rank's LOCAL_RANK GPU)."""
     dtype: Optional[Literal["float32", "bfloat16"]] = None
-    """Autocast precision (weights, AdamW float32). Default: bfloat16 on cuda."""
+    """Autocast precision (weights, AdamW float32). Default: bfloat16 on cuda, float32 on cpu."""
     compile: bool = False
     """torch.compile the training forward and loss."""
     save_every: int = 0

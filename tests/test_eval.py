@@ -618,6 +618,14 @@ def test_help_says_the_demo_modes_budget(capsys):
     assert "(eval.py: the authors' 2048, or 128 in its demo mode," in help_text
 
 
+def test_help_says_what_max_samples_and_the_compile_cache_default_to(capsys):
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: the paper's count; a dataset outside the paper's nine is taken whole)" in help_text
+    assert "else ~/.cache/dspark-fast/inductor ($XDG_CACHE_HOME for ~/.cache)" in help_text
+
+
 def test_the_shipped_benchmark_prompts_are_the_default_data_dir():
     args, _ = ev.resolve_defaults(ev.EvalArgs(target="t", datasets="gsm8k"))
     (name, path, n), = ev.resolve_datasets(args)[0]

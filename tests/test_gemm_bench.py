@@ -68,6 +68,9 @@ def test_gemm_bench_bad_input_is_one_line(capsys):
         assert gemm_bench.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(start) and err.count("\n") == 1, err
+    # each flag's own example: --attention's is TOKENSxKEYS, not a weight's OUTxIN
+    assert gemm_bench.main(["--shapes", "none", "--attention", "8x"]) == 2
+    assert capsys.readouterr().err == "error: --attention: '8x' is not two numbers AxB (e.g. 8x204)\n"
 
 
 def test_gemm_bench_refuses_a_shape_that_does_not_fit_before_building_it(capsys):

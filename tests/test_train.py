@@ -1042,6 +1042,14 @@ def test_a_target_context_below_the_rows_is_refused(tmp_path, capsys):
                                        "the rows the target is trained on\n")
 
 
+def test_help_says_what_w_is_and_the_cpu_dtype(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "from lr/W to lr over its W = ceil(frac x --steps) steps" in help_text
+    assert "Default: bfloat16 on cuda, float32 on cpu." in help_text
+
+
 def test_mode_flag_is_gone(tiny_target, tmp_path, capsys):
     """train.py distils drafters only: the target's pre-training is scripts/train_target.py, and
     `--mode target` is an unrecognized flag (one line, exit status 2)."""
