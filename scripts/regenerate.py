@@ -387,9 +387,12 @@ def context_length(args: Args, m) -> int:
         default = ""
         if budget == Args().decode.max_new_tokens:
             default = " (regenerate.py's default)"
-        raise UserError(f"--max-new-tokens {budget}{default}: leaves no room for a prompt in the "
-                        f"context of {context} tokens (max_position_embeddings of {models}); "
-                        f"give --max-new-tokens below {context}")
+        where = f"the context of {context} tokens (max_position_embeddings of {models})"
+        hint = f"give --max-new-tokens below {context}"
+        if context < limit:  # the 8192 cap, not the models'
+            where = f"regenerate.py's default context of {context} tokens"
+            hint += f", or --max-context up to {limit}"
+        raise UserError(f"--max-new-tokens {budget}{default}: leaves no room for a prompt in {where}; {hint}")
     if context > limit or context <= budget:
         raise UserError(f"--max-context {context}: must exceed --max-new-tokens {budget} "
                         f"and fit the models' context of {limit} "

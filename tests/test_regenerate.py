@@ -211,6 +211,21 @@ def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monke
     assert (res["conversations"], res["responses"], res["dropped"]) == (4, 2, 2)  # nothing redone or retried
 
 
+def test_a_budget_past_the_default_context_cap_names_both_ways_out(tmp_path, capsys):
+    """A target whose context is past regenerate.py's 8192 cap: the budget's line names the cap, not the
+    target's max_position_embeddings, and --max-context as the other way out."""
+    target = tmp_path / "target"
+    shutil.copytree(DEMO / "target", target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16384
+    (target / "config.json").write_text(json.dumps(cfg))
+    argv = argv_of(tmp_path, "o.jsonl", "--target", target, "--max-new-tokens", 8192, drafter=False)
+    assert regenerate.main(argv) == 2
+    assert capsys.readouterr().err == ("error: --max-new-tokens 8192: leaves no room for a prompt in regenerate.py's "
+                                       "default context of 8192 tokens; give --max-new-tokens below 8192, or "
+                                       "--max-context up to 16384\n")
+
+
 def test_a_run_that_drops_every_conversation_is_an_error(tmp_path, capsys):
     """Every conversation dropped: one line naming the flags and the count, exit 2, no OUT (it exited 0
     with an empty OUT); the progress counts the dropped turns apart, not as responses."""
