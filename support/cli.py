@@ -96,6 +96,12 @@ def first_line(e: BaseException) -> str:
     return lines[0][:300]
 
 
+def one_line(text: str) -> str:
+    """`text` with its control characters and line separators escaped as Python writes them (a path
+    holding a newline: \\n), so that it prints as one line."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", lambda m: repr(m.group())[1:-1], text)
+
+
 class UserError(Exception):
     """A user mistake: printed as one line naming the file, key, flag or value, exit status 2."""
 
@@ -340,7 +346,7 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
             run(args)
     except UserError as e:
         if rank0() or isinstance(e, RankError):
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except Interrupted as e:
         if rank0():
@@ -355,7 +361,7 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
         if e.filename is None:
             raise
         if rank0():
-            print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
+            print(f"error: {one_line(str(e.filename))}: {e.strerror}", file=sys.stderr)
         return 1
     finally:
         for s, h in handlers.items():

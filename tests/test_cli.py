@@ -240,6 +240,25 @@ def test_one_drafter_programs_refuse_a_second(program, capsys):
     assert len(err) == 1 and err[0].startswith("error: --drafter: given 2 times; "), err
 
 
+def test_an_error_holding_a_newline_is_one_line(capsys):
+    """A path is put into an error line as given: its control characters are escaped, so that the error
+    stays one line (a UserError's and a refused file's)."""
+    @dataclasses.dataclass
+    class Nothing:
+        pass
+
+    def bad_path(args):
+        raise cli.UserError("--target demo/tar\nget\r: not found")
+
+    def refused(args):
+        raise PermissionError(13, "Permission denied", "/tmp/x\ny")
+
+    assert cli_main(Nothing, bad_path, []) == 2
+    assert capsys.readouterr().err == "error: --target demo/tar\\nget\\r: not found\n"
+    assert cli_main(Nothing, refused, []) == 1
+    assert capsys.readouterr().err == "error: /tmp/x\\ny: Permission denied\n"
+
+
 def test_a_tyro_whose_parse_events_differ_prints_its_own_box(capsys, monkeypatch):
     """The hook reads tyro's private events; where their fields differ, tyro's own message, not a traceback."""
     def other_fields(event, args_class, argv):
