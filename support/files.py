@@ -24,16 +24,20 @@ def wrong_kind(path: str, wanted: str) -> str:
     """What stands at `path` where a `wanted` (a key of WANTED) was looked for (it exists, or is a link)."""
     if not os.path.exists(path):
         return "is a broken link"
-    stands = "a device or a pipe"
     if os.path.isdir(path):
-        stands = "a directory"
-    elif os.path.isfile(path):
-        stands = "a file"
-    return f"is {stands}, not a {wanted}"
+        return f"is a directory, not a {wanted}"
+    if os.path.isfile(path):
+        return f"is a file, not a {wanted}"
+    if "file" in wanted:
+        return f"is a device or a pipe, not a {wanted} (write it to a file first)"
+    return f"is a device or a pipe, not a {wanted}"
 
 
 def path_problem(path: str, wanted: str, what: str) -> Optional[str]:
-    """Why `path` is not a `wanted` (a key of WANTED): "`what` not found", or what stands there; or None."""
+    """Why `path` is not a `wanted` (a key of WANTED): "`what` not found", or what stands there; or None.
+    "-" is not standard input here."""
+    if path == "-":
+        return f"standard input is not supported here; give a {wanted} path"
     if WANTED[wanted](path):
         return None
     if os.path.lexists(path):
@@ -156,6 +160,8 @@ def check_writable(path: str, flag: str):
     """Fail now if `path` cannot be written as a regular file (a link is judged by its target)."""
     if not path.strip():
         raise UserError(f"{flag}: empty path")
+    if path == "-":
+        raise UserError(f"{flag} -: standard output is not supported here; give a file path")
     real = os.path.realpath(path)
     if os.path.isdir(real):
         raise UserError(f"{flag} {path}: is a directory, not a file")

@@ -9,7 +9,14 @@ import os
 import pytest
 
 from support.cli import UserError
-from support.files import directory_problem, file_problem, optional_file, read_jsonl
+from support.files import (
+    check_input,
+    check_outputs,
+    directory_problem,
+    file_problem,
+    optional_file,
+    read_jsonl,
+)
 
 
 @pytest.fixture
@@ -26,7 +33,7 @@ def places(tmp_path):
     ("file", None),
     ("dir", "is a directory, not a file"),
     ("broken", "is a broken link"),
-    ("pipe", "is a device or a pipe, not a file"),
+    ("pipe", "is a device or a pipe, not a file (write it to a file first)"),
     ("missing", "prompts file not found"),
 ])
 def test_what_stands_where_a_file_is_wanted(places, name, expected):
@@ -42,6 +49,22 @@ def test_what_stands_where_a_file_is_wanted(places, name, expected):
 ])
 def test_what_stands_where_a_directory_is_wanted(places, name, expected):
     assert directory_problem(places[name]) == expected
+
+
+def test_a_dash_is_neither_standard_input_nor_output_nor_a_file_named_so(tmp_path, monkeypatch):
+    """`-` means standard input or output by Unix habit: as an output it wrote a file named `-` in silence,
+    as an input it was "not found" (or read a file named `-`)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_text("{}")
+    with pytest.raises(UserError) as e:
+        check_input("-", "--prompts-file", "prompts file")
+    assert str(e.value) == "--prompts-file -: standard input is not supported here; give a file path"
+    assert directory_problem("-") == "standard input is not supported here; give a directory path"
+    os.remove(tmp_path / "-")
+    with pytest.raises(UserError) as e:
+        check_outputs({"--trace-file": None, "--output-file": "-"})
+    assert str(e.value) == "--output-file -: standard output is not supported here; give a file path"
+    assert os.listdir(tmp_path) == []
 
 
 def test_an_optional_file_is_a_file_or_nothing(places):
