@@ -376,6 +376,13 @@ def model_module():
 
 
 @pytest.fixture(autouse=True)
+def _keep_the_compile_cache(monkeypatch):
+    """A program run with --compile-cache points Inductor at it for the rest of the process: put the
+    suite's cache back after every test, or every later compile in the worker would start cold."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+@pytest.fixture(autouse=True)
 def _fresh_wandb():
     """wandb keeps process-wide settings (its run directory among them) from its first run:
     tear it down after every test so that each test's WANDB_DIR is the one it uses."""
