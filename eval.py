@@ -40,6 +40,7 @@ from support.cli import (
     UserError,
     check_ranges,
     cli_main,
+    device_line,
     device_name,
     dtype_name,
     flat,
@@ -549,7 +550,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    drafter_resolved=[d.cfg.describe(s.draft_length) for d in drafters],
                    rows=[r.label for r in rows])
     if rank == 0:
-        print(threads, file=sys.stderr)
+        print(f"{device_line(device)}; {threads}", file=sys.stderr)
         if not chat and args.rendering.chat is None and not demo:  # the protocol renders with the template
             print(f"chat: off (--target {args.target} has no chat template): text prompts are decoded as "
                   f"written, not rendered as the authors render them", file=sys.stderr)

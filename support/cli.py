@@ -497,6 +497,16 @@ def set_threads(threads: Optional[int]) -> str:
     return f"threads: {threads} ({how})"
 
 
+def device_line(device) -> str:
+    """Where a run decodes, for a program's first lines; on a CPU with a GPU beside it, how to use the GPU
+    (--device defaults to cpu)."""
+    if str(device).startswith("cuda"):
+        return f"device: {device} ({torch.cuda.get_device_name(device)})"
+    if torch.cuda.is_available():
+        return "device: cpu (a GPU is here: --device cuda runs on it)"
+    return "device: cpu"
+
+
 def device_name(device) -> str:
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name(device)

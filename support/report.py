@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from support import metrics, runlog
-from support.cli import Interrupted, device_name, dtype_name, signals_deferred
+from support.cli import Interrupted, device_line, device_name, dtype_name, signals_deferred
 from support.files import StreamFile
 from support.flags import calibration_note, sampling_for
 from support.text import StopStrings, auto_chat
@@ -301,7 +301,8 @@ class Report:
                                     self.sampling.temperature)
         if note:
             print(note, file=sys.stderr)
-        parts = [threads, cpu_kernels.describe(models.target, settings.compile),
+        parts = [device_line(args.machine.device), threads,
+                 cpu_kernels.describe(models.target, settings.compile),
                  self.sampling.describe()]
         self.announce = "; ".join(p for p in parts if p)
         if log is not None:

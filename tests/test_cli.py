@@ -380,6 +380,19 @@ def test_progress_lines_off_a_terminal(tiny_target, tmp_path, monkeypatch):
     assert rc == 0 and "requests done" not in quiet
 
 
+def test_the_settings_line_names_the_device_and_a_gpu_left_unused(tiny_target, monkeypatch):
+    """--device defaults to cpu: the settings line says so, and where a GPU is visible, how to run on it."""
+    args = ["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2]
+    rc, _, err = run_captured(args)
+    assert rc == 0, err
+    settings = [line for line in err.splitlines() if "threads: " in line]
+    assert len(settings) == 1 and settings[0].startswith("device: cpu; threads: "), err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rc, _, err = run_captured(args)
+    assert rc == 0, err
+    assert "device: cpu (a GPU is here: --device cuda runs on it); threads: " in err, err
+
+
 def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, monkeypatch):
     """--compile prints what it is about to do (load, then compile, cached after a first compile) before
     loading starts, so a long silent wait is explained."""
