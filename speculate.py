@@ -1033,7 +1033,11 @@ def run(args: Args) -> dict:
         threads = flags.start_machine(machine, s)
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
-        flags.check_sampling_reads(m, s)
+        temperature = flags.check_sampling_reads(m, s)
+        if temperature == 0 and s.num_samples > 1:
+            print(f"note: --num-samples {s.num_samples} under greedy decoding: a prompt's samples are "
+                  f"the same tokens (a sampling flag, e.g. --temperature 1, draws different ones)",
+                  file=sys.stderr)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)

@@ -393,6 +393,18 @@ def test_the_settings_line_names_the_device_and_a_gpu_left_unused(tiny_target, m
     assert "device: cpu (a GPU is here: --device cuda runs on it); threads: " in err, err
 
 
+def test_num_samples_under_greedy_decoding_says_the_samples_are_the_same(tiny_target):
+    """--num-samples N decodes each prompt N times: greedy, that is N copies, and a note says so."""
+    args = ["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2, "--num-samples", 2]
+    rc, out, err = run_captured(args)
+    assert rc == 0, err
+    assert "note: --num-samples 2 under greedy decoding: a prompt's samples are the same tokens" in err, err
+    rc, _, err = run_captured(args + ["--temperature", 1])
+    assert rc == 0 and "note: --num-samples" not in err, err
+    rc, _, err = run_captured(args[:-2])
+    assert rc == 0 and "note: --num-samples" not in err, err
+
+
 def test_compile_says_what_comes_before_the_long_steps(tiny_target, tmp_path, monkeypatch):
     """--compile prints what it is about to do (load, then compile, cached after a first compile) before
     loading starts, so a long silent wait is explained."""
