@@ -1034,14 +1034,14 @@ def run(args: Args) -> dict:
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
         temperature = flags.check_sampling_reads(m, s)
-        if temperature == 0 and s.num_samples > 1:
-            print(f"note: --num-samples {s.num_samples} under greedy decoding: a prompt's samples are "
-                  f"the same tokens (a sampling flag, e.g. --temperature 1, draws different ones)",
-                  file=sys.stderr)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)
         engine = make_engine(m, m.drafter, prompts, s)
+        if temperature == 0 and s.num_samples > 1:  # said once nothing refuses the run
+            print(f"note: --num-samples {s.num_samples} under greedy decoding: a prompt's samples are "
+                  f"the same tokens (a sampling flag, e.g. --temperature 1, draws different ones)",
+                  file=sys.stderr)
         if demo:  # the baseline first: the same engine without the drafter, as long cache rows
             report.show_prompt()
             # the drafter's settings off: size_engine refuses both for an engine without a drafter
