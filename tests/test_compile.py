@@ -20,6 +20,11 @@ import scheduler
 import speculate
 from support import cli, flags
 
+# For the tests whose subject is not the CPU recipe (Dynamo's graphs, guards and host reads): Inductor's
+# cache keeps default mode's graphs, not the recipe's frozen ones, so a rerun loads them instead of
+# lowering and building them again. The recipe's own tests compile with it.
+CACHED = "default"
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -127,9 +132,9 @@ def test_two_compiled_engines_keep_their_own_graphs_with_guards_skipped(pair):
     ar = [speculate.Request(0, prompt)]
     sp = [speculate.Request(0, prompt)]
     with torch.inference_mode():  # (as speculate.main runs both: a graph is compiled per grad mode)
-        spec = speculate.Engine(target, drafter, batch_size=1, max_seq=64, compile=True)
+        spec = speculate.Engine(target, drafter, batch_size=1, max_seq=64, compile=True, compile_mode=CACHED)
         spec.warmup()
-        base = speculate.Engine(target, None, batch_size=1, max_seq=64, compile=True)
+        base = speculate.Engine(target, None, batch_size=1, max_seq=64, compile=True, compile_mode=CACHED)
         base.warmup()
         assert spec.draft_fn.__wrapped__.__code__ is not base.draft_fn.__wrapped__.__code__
         base.generate(ar, 16)
@@ -213,7 +218,8 @@ def test_compiled_async_round_reads_nothing_between_draft_and_verify(pair, monke
         torch._dynamo.utils.counters.clear()
         target = load_target(target_dir)
         engine = speculate.Engine(target, load_drafter(drafter_dir, target), batch_size=2, max_seq=64,
-                                  scheduler="async", buckets=[4, 10], compile=compile)
+                                  scheduler="async", buckets=[4, 10], compile=compile,
+                                  compile_mode=CACHED)
         # Four tokens twice as fast as ten: the capacity is 2 drafts or all 8, as the history says.
         engine.scheduler.set_sps(dict(scheduler.sps_identity(engine), steps_per_second=[1.0, 0.55]))
         reqs, rounds = [speculate.Request(i, p) for i, p in enumerate(prompts)], []
