@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -236,12 +236,13 @@ def shown(value) -> str:
 
 
 def check_resume_file(saved: dict, partial: str, done_path: str):
-    """The resume file is regenerate.py's: a resume key and two counts, conversations consumed and, of
-    them, dropped."""
+    """The resume file is regenerate.py's: a resume key and its counts, conversations consumed and, of
+    them, dropped, and the user turns those dropped left unanswered (an older run's file lacks these)."""
     consumed = saved.get("consumed")
     dropped = saved.get("dropped")
+    turns = saved.get("dropped_turns", 0)
     well_formed = isinstance(saved.get("resume_key"), dict)
-    for count in (consumed, dropped):
+    for count in (consumed, dropped, turns):
         well_formed = well_formed and isinstance(count, int) and not isinstance(count, bool) and count >= 0
     well_formed = well_formed and dropped <= consumed
     if not well_formed:
@@ -291,9 +292,15 @@ def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
     return kept, size, last
 
 
-def resume_point(partial: str, done_path: str, key: dict, args: Args,
-                 mine: list) -> tuple[int, int, int, int]:
-    """(records kept, their bytes (a torn last line cut off), conversations done, dropped)."""
+class ResumePoint(NamedTuple):
+    kept: int           # whole records in OUT.partial
+    size: int           # their bytes (a torn last line cut off)
+    consumed: int       # conversations done, dropped ones included
+    dropped: int        # conversations dropped
+    dropped_turns: int  # the user turns those left unanswered
+
+
+def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list) -> ResumePoint:
     saved = read_json(done_path)
     check_resume_file(saved, partial, done_path)
     check_same_flags(saved["resume_key"], key, partial, args)
@@ -303,7 +310,8 @@ def resume_point(partial: str, done_path: str, key: dict, args: Args,
                         f"of this run's {len(mine)}; "
                         f"remove it and {partial} to start over")
     kept, size, last = kept_records(partial, mine)
-    return kept, size, max(consumed, last + 1), saved["dropped"]
+    consumed = max(consumed, last + 1)
+    return ResumePoint(kept, size, consumed, saved["dropped"], saved.get("dropped_turns", 0))
 
 
 # run()'s steps, in order
@@ -434,15 +442,16 @@ class Progress:
     """Responses done, and apart the turns of dropped conversations: a tqdm bar on a terminal, else
     a line at most once a minute with this run's rate and the time to go; nothing without --progress."""
 
-    def __init__(self, how: Optional[str], total: int, before: int):
+    def __init__(self, how: Optional[str], total: int, before: int, dropped_before: int = 0):
         from tqdm import tqdm
 
         self.total = total
-        self.before = before  # a resumed run's, done before this one: not in the rate
+        self.before = before  # a resumed run's responses, done before this one: not in the rate
         self.done = before
-        self.dropped = 0  # the turns of dropped conversations, never answered
+        self.dropped = dropped_before  # the turns of dropped conversations, never answered
         self.t0 = time.perf_counter()
-        self.bar = tqdm(total=total, initial=before, file=sys.stderr, disable=how != "bar",
+        self.bar = tqdm(total=total, initial=before + dropped_before, file=sys.stderr,
+                        disable=how != "bar",
                         unit="response", dynamic_ncols=True)
         self.lines = None
         if how == "lines":
@@ -655,9 +664,10 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     out_file, partial, done_path = out_paths(args.out)
     check_earlier_output(args, partial, done_path)
     resuming = args.resume and os.path.getsize(partial) > 0 and os.path.exists(done_path)
-    kept, size, cut, dropped = 0, 0, 0, 0
+    start = ResumePoint(0, 0, 0, 0, 0)
     if resuming:
-        kept, size, cut, dropped = resume_point(partial, done_path, key, args, mine)
+        start = resume_point(partial, done_path, key, args, mine)
+    cut = start.consumed
 
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype)
     if m.tokenizer is None:
@@ -670,16 +680,17 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     setting = record_setting(args)
 
     total = sum(n for _, (*_, n) in mine)
-    before = sum(c[3] for _, c in mine[:cut])  # the responses of the run resumed
+    # the run resumed: its responses, and apart the turns its dropped conversations left
+    before = sum(c[3] for _, c in mine[:cut]) - start.dropped_turns
     how = runlog.show(args.progress)  # off a terminal, a line now and then: no bar frames in a log
-    stats = {"conversations": kept, "dropped": dropped, "responses": 0, "tokens": 0,
+    stats = {"conversations": start.kept, "dropped": start.dropped, "responses": 0, "tokens": 0,
              "num_rounds": 0, "committed": 0}
-    progress = Progress(how, total, before)
+    progress = Progress(how, total, before, start.dropped_turns)
     t0 = time.perf_counter()
     try:
-        os.ftruncate(fd, size)  # a resumed run's whole records; a fresh run's: none
+        os.ftruncate(fd, start.size)  # a resumed run's whole records; a fresh run's: none
         resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut,
-                  "dropped": dropped}
+                  "dropped": start.dropped, "dropped_turns": start.dropped_turns}
         write_json(done_path, resume)
         todo = mine[cut:]
         for c0 in range(0, len(todo), args.chunk_size):
@@ -689,7 +700,8 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
             regenerate_chunk(chunk, engine, m, longest, settings.max_new_tokens, progress, stats)
             append_durably(partial, chunk_lines(chunk, setting, stats))
             consumed = cut + c0 + len(chunk)
-            write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"]))
+            write_json(done_path, dict(resume, consumed=consumed, dropped=stats["dropped"],
+                                       dropped_turns=progress.dropped))
         progress.update(0, final=True)
         if stats["conversations"] == 0 and stats["dropped"] > 0:  # an empty OUT would pass for a result
             os.remove(done_path)
@@ -702,7 +714,7 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     tau = None  # τ: tokens committed a round, with a drafter
     if args.drafter:
         tau = mt.acceptance_length(stats)
-    print_summary(stats, seconds, tau, why, args.out, resumed=kept)
+    print_summary(stats, seconds, tau, why, args.out, resumed=start.kept)
     return dict(stats, seconds=seconds, acceptance_length=tau, settings=setting, args=asdict(args))
 
 

@@ -197,9 +197,9 @@ def test_out_that_is_a_link_writes_the_file_it_names(tmp_path, monkeypatch):
 LONG = {"prompt": "x = 1 " * 40}  # over --max-context 64 less --max-new-tokens 12: dropped
 
 
-def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monkeypatch):
+def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monkeypatch, capsys):
     """Dropped conversations leave no line in OUT.partial; a resume neither repeats a kept conversation nor
-    retries a dropped one."""
+    retries a dropped one, and its progress counts the earlier run's drops as drops, not responses."""
     prompts = [PROMPTS[1], LONG, PROMPTS[3], LONG, {"prompt": "x = "}, {"prompt": "y = "}]
     flags = ["--max-context", 64, "--chunk-size", 2]
     full, res = regen(tmp_path, "full.jsonl", *flags, prompts=prompts)
@@ -209,6 +209,11 @@ def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monke
     resumed, res = regen(tmp_path, "r.jsonl", *flags, "--resume", prompts=prompts)
     assert resumed == full
     assert (res["conversations"], res["responses"], res["dropped"]) == (4, 2, 2)  # nothing redone or retried
+    partial = killed_run(tmp_path, monkeypatch, "p.jsonl", 3, *flags, prompts=prompts)
+    argv = argv_of(tmp_path, "p.jsonl", *flags, "--resume", "--progress", prompts=prompts)
+    assert regenerate.main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("regenerate.py: ")]
+    assert lines[-1].startswith("regenerate.py: 4/6 responses, 2 dropped, "), lines
 
 
 def test_a_budget_past_the_default_context_cap_names_both_ways_out(tmp_path, capsys):
