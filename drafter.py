@@ -21,9 +21,9 @@ from model import (
     Transformer,
     attend,
     attended_length,
-    cache_mask,
-    causal_cache_mask,
+    causal_cache_bias,
     make_caches,
+    model_cache_bias,
 )
 
 
@@ -227,9 +227,9 @@ class Drafter(DrafterBase):
         attended = attended_length(end, self.max_seq)  # the cache positions the block reads
         allowed = torch.arange(attended, device=device) < end[:, None]  # [B, attended]
         allowed = allowed[:, None, :].expand(B, S, attended)
-        mask = cache_mask(allowed, cfg.layers, x.dtype)
+        bias = model_cache_bias(allowed, cfg.layers, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, positions, mask)
+            x = layer(x, rope, positions, bias)
         h = self.norm(x)
         if cfg.layout == "dflash":
             h = h[:, 1:]  # slot 0 (the anchor's) drafts nothing
@@ -326,8 +326,8 @@ class Eagle3Drafter(DrafterBase):
         cache (each position sees the cache up to itself) -> the new h [B, T, H], un-normed."""
         embedded = self.target.embed_tokens(tokens)
         rope = Rope.at(self.rope[positions], h.dtype)
-        mask = causal_cache_mask(positions, self.max_seq, self.cfg.layers, h.dtype)
-        return self.layers[0](h, embedded, rope, positions, mask, rows=rows)
+        bias = causal_cache_bias(positions, self.max_seq, self.cfg.layers, h.dtype)
+        return self.layers[0](h, embedded, rope, positions, bias, rows=rows)
 
     def commit_context(self, features, positions, following, last, rows=None):
         """Positions [B, T] committed: their features [B, T, n*H] and the tokens after them,

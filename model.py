@@ -183,8 +183,8 @@ def cache_bias(allowed: torch.Tensor, group: int, dtype) -> torch.Tensor:
     return bias.reshape(B, 1, group * T, S)
 
 
-def cache_mask(allowed: torch.Tensor, args: ModelArgs, dtype,
-               fold: bool = True) -> torch.Tensor:
+def model_cache_bias(allowed: torch.Tensor, args: ModelArgs, dtype,
+                     fold: bool = True) -> torch.Tensor:
     """`cache_bias` for a model of `args`, GQA folded where `fold_gqa` says (fold False: the caller's
     attention reads the bias unfolded)."""
     group = 1
@@ -193,14 +193,14 @@ def cache_mask(allowed: torch.Tensor, args: ModelArgs, dtype,
     return cache_bias(allowed, group, dtype)
 
 
-def causal_cache_mask(positions: torch.Tensor, max_seq: int, args: ModelArgs, dtype,
+def causal_cache_bias(positions: torch.Tensor, max_seq: int, args: ModelArgs, dtype,
                       fold: bool = True) -> torch.Tensor:
-    """`cache_mask` of a pass through the cache at positions [B, T], each seeing the cache up to
-    itself."""
+    """`model_cache_bias` of a pass through the cache at positions [B, T], each seeing the cache
+    up to itself."""
     S = attended_length(positions + 1, max_seq)
     keys = torch.arange(S, device=positions.device)
     allowed = positions[:, :, None] >= keys  # [B, T, S]
-    return cache_mask(allowed, args, dtype, fold=fold)
+    return model_cache_bias(allowed, args, dtype, fold=fold)
 
 
 def attend_cached(q, k, v, bias) -> torch.Tensor:
@@ -224,11 +224,11 @@ def attend_cached(q, k, v, bias) -> torch.Tensor:
 
 @dataclass
 class Ragged:
-    """Where N flattened tokens sit in a padded [R, W] layout (request r: slots 0..counts[r]-1),
-    for attention (`pad`, `unpad`); tokens past sum(counts) land in spare slots nothing reads."""
-    index: torch.Tensor  # [N] r * W + slot; padding R * W + i
-    rows: torch.Tensor   # [N] the request of each token (padding: R - 1)
-    slots: torch.Tensor  # [N] its slot (padding: 0)
+    """Where N flattened tokens sit in a padded [R, W] layout (request r: columns 0..counts[r]-1),
+    for attention (`pad`, `unpad`); tokens past sum(counts) land in spare places nothing reads."""
+    index: torch.Tensor    # [N] r * W + column; padding R * W + i
+    rows: torch.Tensor     # [N] the request of each token (padding: R - 1)
+    columns: torch.Tensor  # [N] its column (padding: 0)
     R: int
     W: int
 
@@ -244,14 +244,14 @@ class Ragged:
         rows = rows.clamp(max=R - 1)
         starts = ends - counts
         offsets = i - starts[rows]
-        slots = torch.where(real, offsets, 0)
-        padded = rows * W + slots
+        columns = torch.where(real, offsets, 0)
+        padded = rows * W + columns
         spare = R * W + i
         index = torch.where(real, padded, spare)
-        return Ragged(index, rows, slots, R, W)
+        return Ragged(index, rows, columns, R, W)
 
     def flatten(self, x):  # [R, W, ...] -> [1, N, ...]
-        tokens = x[self.rows, self.slots]  # [N, ...]
+        tokens = x[self.rows, self.columns]  # [N, ...]
         return tokens[None]
 
     def pad(self, x):  # [1, N, ...] -> [R, W, ...], zeros where no token is
@@ -441,16 +441,16 @@ class Transformer(nn.Module):
             table = rope_table(a.head_dim, a.rope_theta, T, tokens.device)  # [T, 2, hd]
             per_row = (B, T, *table.shape[1:])
             cos_sin = table[None].expand(per_row)  # [B, T, 2, hd]
-        else:  # through the cache: RoPE and the mask once for every layer
+        else:  # through the cache: RoPE and the additive mask (a bias) once for every layer
             fold = attention is None  # a kernel passed in folds GQA itself
             if tree_slots is None:
-                mask = causal_cache_mask(positions, self.max_seq, a, dtype, fold=fold)
+                mask = causal_cache_bias(positions, self.max_seq, a, dtype, fold=fold)
             else:
                 slots = tree_slots.slots()
                 S = attended_length(slots + 1, self.max_seq)
                 keys = torch.arange(S, device=positions.device)
                 allowed = tree_slots.visible(keys)  # [B, T, S]: the context and the node's ancestors
-                mask = cache_mask(allowed, a, dtype, fold=fold)
+                mask = model_cache_bias(allowed, a, dtype, fold=fold)
             rope_positions = positions
             if ragged is not None:
                 rope_positions = ragged.flatten(positions)  # [1, N]
