@@ -139,8 +139,8 @@ def recording(engine, sizes: list):
 
 
 # The decode settings this benchmark reads; any other given is refused rather than ignored.
-READ = ("max_new_tokens", "temperature", "seed", "compile", "compile_mode", "confidence_threshold",
-        "ignore_eos")
+READ = ("max_new_tokens", "temperature", "seed", "compile", "compile_mode", "verbose",
+        "confidence_threshold", "ignore_eos")
 ConcurrencyArgs.__doc__ = flags.reads_only(ConcurrencyArgs.__doc__, "bench_concurrency.py", READ)
 # Settings whose part one of this benchmark's own flags plays, and what to give instead.
 OWN_FLAG = {
@@ -401,7 +401,8 @@ def build_engines(s: Settings, m, modes: list[str], c: int, batch: list) -> dict
             threshold = s.confidence_threshold
         engines[mode] = Engine(m.target, drafter, batch_size=c, max_seq=max_seq, temperature=s.temperature,
                                seed=s.seed, stop_ids=stop_ids, scheduler=scheduler, threshold=threshold,
-                               ragged=True, compile=s.compile, compile_mode=s.compile_mode)
+                               ragged=True, compile=s.compile, compile_mode=s.compile_mode,
+                               compile_verbose=s.verbose)
     if s.compile:  # every concurrency compiles every mode anew: one line each, minutes on a CPU
         for i, (mode, e) in enumerate(engines.items(), 1):
             print(f"concurrency {c}: compiling {mode} ({i}/{len(engines)})", file=sys.stderr, flush=True)

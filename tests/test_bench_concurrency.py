@@ -344,14 +344,19 @@ def test_compile_says_what_it_compiles(tmp_path, monkeypatch, capsys):
     from support.flags import compiling_line
 
     real = bc.Engine
+    verbose = []
 
     def eager(*args, **kwargs):
+        verbose.append(kwargs["compile_verbose"])
         return real(*args, **dict(kwargs, compile=False))
 
     monkeypatch.setattr(bc, "Engine", eager)
     cache = tmp_path / "cache"
     argv = ["--compile", "--compile-cache", str(cache), "--concurrency", "1,2", "--schedulers", "none",
             "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1"]
+    assert bc.main(argv + ["--verbose"]) == 0  # read, as speculate.py and bench.py read it
+    assert verbose == [True] * 4
+    capsys.readouterr()
     assert bc.main(argv) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == compiling_line(str(cache), 4), err
