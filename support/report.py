@@ -166,7 +166,7 @@ class Decoding:
         elif shown == "lines":
             self.lines = runlog.Lines()
         if self.log is not None:
-            self.log.step_metric(f"{name}/*", f"{name}/round")
+            self.log.step_metric(f"{name}/*", f"{name}/step")
         # last: nothing after them can fail and leave their temporary files behind
         self.trace = None
         self.out = None

@@ -80,6 +80,7 @@ class OfflineRun(NamedTuple):
     summary: dict
     artifacts: list      # ArtifactRecords
     exit_code: object    # None: the run never finished
+    step_metrics: dict   # define_metric's: {glob of keys: the key they are charted against}
 
     def table(self, key: str, row: dict) -> dict:
         """A logged table's JSON (columns, data), from the history row that logged it."""
@@ -98,6 +99,7 @@ class OfflineRun(NamedTuple):
 def read_run(wandb_dir: Path) -> OfflineRun:
     (path,) = Path(wandb_dir, "wandb").glob("offline-run-*/run-*.wandb")
     run, config, history, summary, artifacts, exit_code = None, {}, [], {}, [], None
+    step_metrics = {}
     for r in records(path):
         kind = r.WhichOneof("record_type")
         if kind == "run":
@@ -113,7 +115,9 @@ def read_run(wandb_dir: Path) -> OfflineRun:
             artifacts.append(r.artifact)
         elif kind == "exit":
             exit_code = r.exit.exit_code
-    return OfflineRun(path.parent, run, config, history, summary, artifacts, exit_code)
+        elif kind == "metric" and r.metric.glob_name:
+            step_metrics[r.metric.glob_name] = r.metric.step_metric
+    return OfflineRun(path.parent, run, config, history, summary, artifacts, exit_code, step_metrics)
 
 
 def md5_b64(path) -> str:
@@ -198,6 +202,8 @@ def test_speculate_config_names_and_finish(spec):
 def test_speculate_logs_figures_while_decoding(spec):
     run, _, _ = spec
     for name, K in (("autoregressive", 0), ("speculative", DEMO_K)):
+        # charted against the step each row logs
+        assert run.step_metrics[f"{name}/*"] == f"{name}/step", run.step_metrics
         rows = run.rows_with(f"{name}/step")
         rows = [r for r in rows if f"{name}/tokens_per_second" in r]
         assert len(rows) >= 3, rows  # every 2 batched steps, and the last
