@@ -383,6 +383,7 @@ def test_progress_lines_off_a_terminal(tiny_target, tmp_path, monkeypatch):
 def test_the_settings_line_names_the_device_and_a_gpu_left_unused(tiny_target, monkeypatch):
     """--device defaults to cpu: the settings line says so, and where a GPU is visible, how to run on it."""
     args = ["--target", tiny_target.path, "--prompt-ids", "1,2", "--max-new-tokens", 2]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     rc, _, err = run_captured(args)
     assert rc == 0, err
     settings = [line for line in err.splitlines() if "threads: " in line]
