@@ -381,11 +381,17 @@ def check_earlier_output(args: Args, partial: str, done_path: str):
                         f"remove {partial} to start over")
 
 
-def context_length(args: Args, m) -> int:
-    """Longest prompt + response of a turn: --max-context, or the models' context up to 8192."""
+def models_context(m) -> int:
+    """The longest context the target (and the drafter) take: their max_position_embeddings."""
     limit = m.target.args.max_position_embeddings
     if m.drafter is not None:
         limit = min(limit, m.drafter.cfg.layers.max_position_embeddings)
+    return limit
+
+
+def context_length(args: Args, m) -> int:
+    """Longest prompt + response of a turn: --max-context, or the models' context up to 8192."""
+    limit = models_context(m)
     models = "the target"
     if m.drafter is not None:
         models = "the target and the drafter"
@@ -414,6 +420,18 @@ def drop_reason(args: Args, context: int, budget: int) -> str:
     if args.max_context is None:
         limit = f"the context of {context}"
     return f"a prompt over {context - budget} tokens: {limit} less --max-new-tokens {budget}"
+
+
+def all_dropped(dropped: int, why: str, room: bool) -> str:
+    """The error of a run that dropped every conversation; `room`: a longer --max-context would fit the
+    models."""
+    what = f"all {dropped} conversations dropped"
+    if dropped == 1:
+        what = "its one conversation dropped"
+    fix = "give a smaller --max-new-tokens"
+    if room:
+        fix += " or a larger --max-context"
+    return f"--prompts: {what} ({why}); {fix}"
 
 
 def record_setting(args: Args) -> dict:
@@ -705,8 +723,7 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
         progress.update(0, final=True)
         if stats["conversations"] == 0 and stats["dropped"] > 0:  # an empty OUT would pass for a result
             os.remove(done_path)
-            raise UserError(f"--prompts: all {stats['dropped']} conversations dropped ({why}); "
-                            "give a smaller --max-new-tokens or a larger --max-context")
+            raise UserError(all_dropped(stats["dropped"], why, context < models_context(m)))
         publish(partial, out_file, done_path)
     finally:  # the bar closed before an interruption's line starts
         progress.close()

@@ -244,6 +244,16 @@ def test_a_run_that_drops_every_conversation_is_an_error(tmp_path, capsys):
     assert "regenerate.py: 0/2 responses, 2 dropped, 0.00/s\n" in capsys.readouterr().err
 
 
+def test_a_run_that_drops_its_one_conversation_at_the_models_context_names_the_one_way_out(tmp_path, capsys):
+    """The context in use is the models' whole context: a larger --max-context cannot be given, so the
+    error asks for a smaller --max-new-tokens alone."""
+    argv = argv_of(tmp_path, "o.jsonl", "--max-new-tokens", 2040, prompts=[PROMPTS[1]])
+    assert regenerate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prompts: its one conversation dropped (a prompt over 8 tokens: the context of "
+                          "2048 less --max-new-tokens 2040); give a smaller --max-new-tokens\n"), err
+
+
 def test_a_summary_says_why_conversations_were_dropped(tmp_path, capsys):
     argv = argv_of(tmp_path, "o.jsonl", "--max-context", 64, prompts=[LONG, PROMPTS[1]])
     assert regenerate.main(argv) == 0
