@@ -440,6 +440,8 @@ def check_out_dir(args: TrainArgs, inputs):
                 f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
     if os.path.exists(real) and not os.path.isdir(real):
         raise UserError(f"--out {out}: {wrong_kind(real, 'directory')}")
+    if os.path.isdir(real) and locked(real):  # before what its files say: they are that run's
+        raise UserError(another_run(out))
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
     holds_files = os.path.isdir(real) and os.listdir(real)
     if holds_files and not resuming_here and not unfinished_run(real):
@@ -461,6 +463,27 @@ def check_out_dir(args: TrainArgs, inputs):
         raise UserError(f"--out {out}: cannot write in {folder} ({problem})")
 
 
+def another_run(out: str) -> str:
+    return f"--out {out}: another run is writing it now; give each run its own --out"
+
+
+def locked(directory: str) -> bool:
+    """Whether a run holds `directory` (`out_held`'s lock), probed without taking it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this filesystem: out_held says so
+        return False
+    finally:
+        os.close(fd)  # closing releases a lock the probe took
+    return False
+
+
 @contextlib.contextmanager
 def out_held(out: str, main: bool, from_rank0: Callable = lambda error: error):
     """--out locked for the run by rank 0 (main), before any work: a second run writing the same --out at
@@ -478,7 +501,7 @@ def out_held(out: str, main: bool, from_rank0: Callable = lambda error: error):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            error = f"--out {out}: another run is writing it now; give each run its own --out"
+            error = another_run(out)
             made = False  # made at the same moment as the run that holds it: that run's now
         except OSError as e:  # a filesystem without locks (NFS mounted nolock): unguarded, said once
             print(f"warning: --out {out}: cannot be locked ({e.strerror}); a second run writing it at the "

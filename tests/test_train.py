@@ -579,6 +579,16 @@ def test_a_second_run_writing_the_same_out_at_once_is_refused(tiny_target, tmp_p
         os.close(held)
     assert rc == 2 and err == f"error: --out {out}: another run is writing it now; give each run its own --out\n"
     assert os.listdir(out) == [trainer.LOG_JSONL] and (out / trainer.LOG_JSONL).read_text() == '{"step": 1}\n'
+    # run 1 has checkpointed: still the lock's line, not the advice to --resume a run that is running
+    (out / "checkpoint-1").mkdir()
+    held = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        rc, _, err = run_train(flags)
+        assert rc == 2 and err == f"error: --out {out}: another run is writing it now; give each run its own --out\n"
+    finally:
+        os.close(held)
+    (out / "checkpoint-1").rmdir()
     rc, res, err = run_train(flags)  # run 1 gone: its log a stopped run's
     assert rc == 0 and "starting afresh" in err and trainer.LOG_JSONL in os.listdir(out), err
     seen = []
