@@ -17,8 +17,8 @@ or replaced by a synthetic curve (--sps-synthetic, `cliffs_sps`); then --repeats
 interleaved across schedulers, and the median is reported: total tokens/s (all requests' tokens ÷
 prefill + decode wall seconds), per-request tokens/s (the mean of a request's tokens ÷ the seconds
 from its admission to its end), τ, the verify budget (drafts sent to the target per request per
-round) and total tokens/s ÷ the none scheduler's — and with --sps-synthetic the modelled tokens/s:
-the rounds' tokens over their times as the synthetic curve prices them. Greedy outputs must be
+round) and total tokens/s ÷ the none scheduler's — and with --sps-synthetic the modelled tokens per
+time unit: the rounds' tokens over their times as the synthetic curve prices them. Greedy outputs must be
 identical under every scheduler and autoregressively (lossless): in float32 a difference raises; in
 bf16/fp16, where a near-tie can flip an argmax, differences are counted as bench.py counts them and
 the mode's row says its outputs did not agree. A markdown
@@ -92,8 +92,9 @@ class ConcurrencyArgs:
     compare their decisions where Algorithm 1's early stop hurts). cliffs: a round of B verify tokens
     takes 1 + ceil(B/16)/4 time units — flat inside each tile of 16 tokens, a quarter of the base cost
     more past every edge (B = 17, 33, ...), like kernels that work in 16-token tiles. The table then
-    adds the modelled tokens/s: the rounds' tokens ÷ the sum of their synthetic times (prefill is
-    not modelled)."""
+    adds the modelled tokens per time unit: the rounds' tokens ÷ the sum of their synthetic times
+    (prefill is not modelled); a unit is the curve's, not a second, so compare modes by it, not with
+    the measured tokens/s."""
     # 64 new tokens a request, greedy (every scheduler's output is checked equal), and θ 0.8 for the
     # threshold scheduler: the demo drafter's first-draft confidences sit mostly above 0.8, so 0.5
     # would cut almost nothing. --confidence-threshold must be in (0, 1] here.
@@ -352,9 +353,9 @@ def run_level(args: ConcurrencyArgs, s: Settings, m, prompts: list, modes: list[
             if curve is not None:  # the rounds' tokens (not the prefill's) over their synthetic time
                 round_tokens = timed["tokens"] - len(batch)
                 modelled_seconds = sum(1 / curve[n] for n in sizes[mode])
-                timed["modelled_tokens_per_second"] = None  # no round ran: every request ended at its first token
+                timed["modelled_tokens_per_unit"] = None  # no round ran: every request ended at its first token
                 if modelled_seconds > 0:
-                    timed["modelled_tokens_per_second"] = round_tokens / modelled_seconds
+                    timed["modelled_tokens_per_unit"] = round_tokens / modelled_seconds
             runs[mode].append(timed)
     greedy = s.temperature == 0
     differ = {}
@@ -443,7 +444,7 @@ def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curv
 
     modelled = None
     if curve:
-        modelled = median("modelled_tokens_per_second")
+        modelled = median("modelled_tokens_per_unit")
     return {
         "concurrency": c, "mode": mode,
         "total_tokens_per_second": median("total_tokens_per_second"),
@@ -451,7 +452,7 @@ def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curv
         "acceptance_length": median("acceptance_length"), "verified_per_round": median("verified_per_round"),
         "tokens": median("tokens"), "seconds": median("seconds"),
         "total_tokens_per_second_runs": [r["total_tokens_per_second"] for r in runs],
-        "modelled_tokens_per_second": modelled,
+        "modelled_tokens_per_unit": modelled,
         "compile_seconds": engine.compile_seconds,
         "profile_seconds": profile_seconds,
         "outputs_agree": outputs_agree,
@@ -459,12 +460,12 @@ def level_row(runs: list[dict], c: int, mode: str, engine, profile_seconds, curv
 
 
 def table_markdown(rows: list[dict]) -> str:
-    modelled = any(r.get("modelled_tokens_per_second") is not None for r in rows)
+    modelled = any(r.get("modelled_tokens_per_unit") is not None for r in rows)
     head = ("| concurrency | mode | total tok/s | per-request tok/s | τ | verified drafts / request / round "
             "| total ÷ none | SPS profile s |")
     rule = "|---|---|---|---|---|---|---|---|"
     if modelled:
-        head += " modelled tok/s (synthetic SPS) |"
+        head += " modelled tokens per unit (synthetic SPS) |"
         rule += "---|"
     lines = [head, rule]
     for r in rows:
@@ -484,8 +485,8 @@ def table_markdown(rows: list[dict]) -> str:
                 f"| {r['per_request_tokens_per_second']:.1f} | {tau} | {verified} | {ratio} | {prof} |")
         if modelled:
             modelled_figure = "—"
-            if r["modelled_tokens_per_second"] is not None:
-                modelled_figure = f"{r['modelled_tokens_per_second']:.3f}"
+            if r["modelled_tokens_per_unit"] is not None:
+                modelled_figure = f"{r['modelled_tokens_per_unit']:.3f}"
             line += f" {modelled_figure} |"
         lines.append(line)
     return "\n".join(lines)

@@ -19,7 +19,7 @@ DEMO_K = json.load(open(os.path.join(DEMO_DIR, "drafter", "config.json")))["bloc
 
 CONCURRENCY_FIELDS = {"concurrency", "mode", "total_tokens_per_second", "per_request_tokens_per_second",
                       "acceptance_length", "verified_per_round", "tokens", "seconds", "vs_none", "profile_seconds",
-                      "outputs_agree", "modelled_tokens_per_second"}
+                      "outputs_agree", "modelled_tokens_per_unit"}
 MODES = ("autoregressive", "none", "threshold", "hardware", "async")
 
 
@@ -55,7 +55,7 @@ def test_concurrency_mode_table_json_and_plot(tmp_path, capsys):
         # clocks' difference and the drain at the end, when fewer than c requests are left).
         assert r["per_request_tokens_per_second"] >= 0.5 * r["total_tokens_per_second"] / c
         assert (r["profile_seconds"] is not None) == (r["mode"] in ("hardware", "async"))
-        assert r["modelled_tokens_per_second"] is None
+        assert r["modelled_tokens_per_unit"] is None
         none = next(x for x in rows if x["concurrency"] == c and x["mode"] == "none")
         assert r["vs_none"] == pytest.approx(r["total_tokens_per_second"] / none["total_tokens_per_second"])
         if r["mode"] == "autoregressive":
@@ -138,11 +138,11 @@ def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
     assert result["sps"]["4"]["async"]["steps_per_second"] == pytest.approx(bc.cliffs_sps(4 * (DEMO_K + 1)))
     for r in result["rows"]:
         assert r["profile_seconds"] is None and r["outputs_agree"] is True
-        assert r["modelled_tokens_per_second"] > 0
+        assert r["modelled_tokens_per_unit"] > 0
     auto = next(r for r in result["rows"] if r["mode"] == "autoregressive")
     # Four rows of 1 token each: every round costs 1.25 units, one token per request per round.
-    assert auto["modelled_tokens_per_second"] == pytest.approx(4 / 1.25, rel=0.05)
-    assert "modelled tok/s (synthetic SPS)" in capsys.readouterr().out
+    assert auto["modelled_tokens_per_unit"] == pytest.approx(4 / 1.25, rel=0.05)
+    assert "modelled tokens per unit (synthetic SPS)" in capsys.readouterr().out
 
 
 def test_concurrency_prompts_file_and_sampling(tmp_path, capsys):
