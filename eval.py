@@ -60,7 +60,7 @@ from support.distributed import (
     torchrun_env,
 )
 from support.eval_report import format_comparison, format_table, log_dataset, write_outputs
-from support.files import check_outputs, directory_problem, optional_file, write_json
+from support.files import check_outputs, check_read_apart, directory_problem, optional_file, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
 from support.text import (
@@ -377,9 +377,11 @@ def run(args: EvalArgs) -> dict:
         sps_read, sps_written = flags.sps_paths(s.sps_table)
         outputs = {"--out": args.out, "--calibration-out": args.calibration_out,
                    "--calibration-plot": args.calibration_plot, "--sps-table": sps_written}
-        inputs = [args.target, *args.drafter, args.calibration, sps_read, args.machine.compile_cache]
-        inputs += [path for _, path, _ in datasets]
+        given = [args.target, *args.drafter, args.calibration]
+        given += [path for _, path, _ in datasets]
+        inputs = given + [sps_read, args.machine.compile_cache]
         check_outputs(outputs, inputs=inputs)
+        check_read_apart(sps_read, "--sps-table", inputs=given)
         flags.check_calibration_file(args.calibration)
         plots.check_plot_path(args.calibration_plot, "--calibration-plot")
         target_dir = resolve_checkpoint(args.target, "--target")

@@ -379,7 +379,8 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
         for key, value in want.items():
             if key not in table:
                 raise UserError(f"{path}: no {key!r} (not an SPS table of this version of speculate.py); "
-                                f"delete the file to profile again")
+                                f"delete it if it is an older table, to profile again, or give "
+                                f"--sps-table another path")
             # compared as JSON: true is not 1
             if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):
                 what = key

@@ -227,6 +227,22 @@ def check_outputs(outputs: dict, inputs=()):
                                 "write it elsewhere")
 
 
+def check_read_apart(path: Optional[str], flag: str, inputs=()):
+    """A file a run reads that is its own (an --sps-table that exists) is none of the run's other inputs,
+    nor a file that loading an input directory reads."""
+    if path is None:
+        return
+    real = os.path.realpath(path)
+    name = os.path.basename(real)
+    loaded = name in LOADED_NAMES or name.endswith((".safetensors", ".safetensors.index.json"))
+    for src in filter(None, inputs):
+        inp = os.path.realpath(src)
+        of_checkpoint = os.path.isdir(inp) and os.path.dirname(real) == inp and loaded
+        if real == inp or of_checkpoint:
+            raise UserError(f"{flag} {path}: is an input of this run ({src}); "
+                            f"give {flag} a file of its own")
+
+
 def atomic_write(path: str, data: Union[str, bytes, Callable[[str], None]]):
     """`path` whole or not at all (a synced temporary file renamed over it); `data`: text, bytes or `f(path)`."""
     f = StreamFile(path, "wb")

@@ -39,7 +39,7 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.files import check_input, check_outputs, read_json
+from support.files import check_input, check_outputs, check_read_apart, read_json
 from support.runlog import WandbFlags
 from support.text import (
     StopStrings,
@@ -693,10 +693,11 @@ def check_files(args):
     sps_read, sps_written = sps_paths(args.decode.sps_table)
     outputs = {"--trace-file": args.trace_file, "--output-file": args.output_file,
                "--sps-table": sps_written}
+    given = [args.target, args.drafter, args.prompts.prompts_file, args.calibration]
     # the compile cache is read and written as the run goes: no output may take its name
-    inputs = [args.target, args.drafter, args.prompts.prompts_file, args.calibration, sps_read,
-              args.machine.compile_cache]
+    inputs = given + [sps_read, args.machine.compile_cache]
     check_outputs(outputs, inputs=inputs)
+    check_read_apart(sps_read, "--sps-table", inputs=given)
     check_calibration_file(args.calibration)
 
 

@@ -697,6 +697,11 @@ CASES = [
     ("concurrency-out-is-the-compile-cache", "concurrency", lambda w, t: [
         "--target", w / "target", "--drafter", w / "drafter", "--concurrency", "1", "--compile",
         "--compile-cache", t / "cc", "--out", t / "cc"], "is an input of this run", False),
+    # an existing --sps-table is read as a table: one of the run's own inputs would be taken for one
+    ("sps-table-is-the-target-config", "speculate", lambda w, t: S(w) + [
+        "--scheduler", "hardware", "--sps-table", w / "target" / "config.json"], "is an input of this run", False),
+    ("eval-sps-table-is-a-dataset", "eval", lambda w, t: E(w) + [
+        "--scheduler", "hardware", "--sps-table", w / "data" / "gsm8k.jsonl"], "is an input of this run", False),
     ("random-init-and-target", "speculate", lambda w, t: S(w) + ["--random-init", "qwen3-8b"], "--random-init", False),
     ("cuda-without-gpu", "speculate", lambda w, t: S(w) + ["--device", "cuda"], "--device cuda", False),
     ("memory-too-big", "speculate", lambda w, t: ["--target", target_with(
