@@ -107,6 +107,7 @@ def _read_jsonl_docs(path: str, texts: list, chats: list):
     for where, obj in read_jsonl(path, records=DATA_RECORDS):
         forms = []
         if isinstance(obj, dict):
+            obj = {key: value for key, value in obj.items() if value is not None}  # a table's empty column
             forms = [key for key in RECORD_FORMS if key in obj]
         if len(forms) > 1:  # one would be trained on, the other dropped
             raise UserError(f"{where}: a record is one document or conversation, "

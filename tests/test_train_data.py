@@ -158,6 +158,19 @@ def test_a_data_directorys_file_that_cannot_be_read_is_one_line(tmp_path, make, 
         data.read_documents(str(d))
 
 
+def test_a_null_key_is_absent_as_in_the_prompts_readers(tmp_path):
+    """A table's JSON-lines export writes every column, null where a row has none: --data reads a null
+    key as absent, as speculate.py's --prompts-file and regenerate.py's --prompts do."""
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    rows = [dict(chat, prompt=None, response=None, text=None, conversations=None),
+            {"text": "a document", "messages": None, "prompt": None}]
+    p = tmp_path / "export.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
+    assert data.read_documents(str(p)) == ([], [(f"{p}:1", chat["messages"])])
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))
+    assert data.read_documents(str(p)) == (["a document"], [])
+
+
 def test_mixing_chat_and_text_is_an_error(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"prompt": "a", "response": "b"}) + "\n")
     with pytest.raises(UserError, match="mixes chat records"):
