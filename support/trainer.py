@@ -342,10 +342,15 @@ def check_resume_args(directory: str, args: TrainArgs):
 
 def resumed_wandb_run(args: TrainArgs) -> Optional[str]:
     """The W&B run id --resume's training state recorded (`save_state`), which the resumed run goes on
-    with; None without --resume or --wandb, or where the state has none (a run without --wandb)."""
+    with; None without --resume or --wandb, where the state has none (a run without --wandb), or for a
+    branch: a checkpoint resumed into another --out starts a W&B run of its own."""
     if args.resume is None or not args.wandb:
         return None
-    state_json = os.path.join(checkpoint_dir(args.resume), STATE_JSON)
+    checkpoint = checkpoint_dir(args.resume)
+    run_dir = os.path.dirname(os.path.realpath(checkpoint))
+    if run_dir != os.path.realpath(args.out):
+        return None
+    state_json = os.path.join(checkpoint, STATE_JSON)
     run_id = read_json(state_json).get("wandb_run_id")
     if run_id is not None and not isinstance(run_id, str):
         raise UserError(f"{state_json}: 'wandb_run_id' must be a W&B run id or null (got {run_id!r})")

@@ -427,7 +427,8 @@ def test_every_key_a_run_adds_to_its_config_is_in_the_docs(spec, evaluated, trai
 
 def test_a_resumed_training_goes_on_in_its_wandb_run(tmp_path):
     """--resume continues the W&B run the training state recorded (it started a new, unlinked run, whose
-    checkpoint artifacts went to a collection of their own)."""
+    checkpoint artifacts went to a collection of their own); a checkpoint resumed into another --out is a
+    branch, with a run of its own (it went on in the original's, two trajectories in one history)."""
     ids = tmp_path / "ids.jsonl"
     ids.write_text("".join(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n" for _ in range(4)))
     out = tmp_path / "o"
@@ -440,15 +441,19 @@ def test_a_resumed_training_goes_on_in_its_wandb_run(tmp_path):
         first = json.loads((out / "checkpoint-1" / "training_state.json").read_text())["wandb_run_id"]
         rc, _, err = call(train.main, base + ["--resume", out])
         assert rc == 0, err
+        branch = tmp_path / "branch"
+        rc, _, err = call(train.main, base + ["--resume", out, "--out", branch, "--steps", 3])
+        assert rc == 0, err
     runs = sorted(Path(tmp_path, "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 2, runs
-    run_ids = set()
+    assert len(runs) == 3, runs
+    run_ids = []
     for path in runs:
         for r in records(path):
             if r.WhichOneof("record_type") == "run":
-                run_ids.add(r.run.run_id)
-    assert run_ids == {first}
+                run_ids.append(r.run.run_id)
     assert json.loads((out / "checkpoint-2" / "training_state.json").read_text())["wandb_run_id"] == first
+    branched = json.loads((branch / "checkpoint-3" / "training_state.json").read_text())["wandb_run_id"]
+    assert branched != first and sorted(run_ids) == sorted([first, first, branched])
 
 
 # ----------------------------------------------------------------------------------------
