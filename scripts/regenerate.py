@@ -53,7 +53,7 @@ from support.files import (  # noqa: E402
     write_json,
 )
 from support.flags import Settings  # noqa: E402
-from support.text import ROLES, check_text, encode  # noqa: E402
+from support.text import RECORD_SETTINGS, ROLES, check_record_keys, check_text, encode  # noqa: E402
 
 TURN_STRIDE = 1024  # request index = conversation * TURN_STRIDE + turn
 
@@ -108,11 +108,22 @@ RECORD_SHAPES = ('{"turns": [str]}, {"prompt": str} or {"messages": [{"role": st
                  '(or "conversations" for "messages")')
 
 
+def setting_instead(key: str) -> str:
+    """Where a record's setting goes instead: a system message, or a flag regenerate.py reads."""
+    if key in ("system", "system_prompt"):
+        return 'give it as a system message in "messages"'
+    run_flag = RECORD_SETTINGS[key]
+    if run_flag in [flag(name) for name in READ]:
+        return f"that is the run's {run_flag}"
+    return "regenerate.py sets it for every record or not at all"
+
+
 def conversation_messages(obj, where: str) -> Optional[list[dict]]:
     """A record's system and user messages (None: no form it takes is recognized); a record giving two
     prompts, or one of the wrong shape, is an error."""
     if not isinstance(obj, dict):
         return None
+    check_record_keys(obj, where, setting_instead)
     obj = {key: value for key, value in obj.items() if value is not None}  # a table's empty column
     given = [key for key in PROMPT_KEYS if key in obj]
     if len(given) > 1:

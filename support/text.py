@@ -578,6 +578,27 @@ KIND_SHAPES = {"prompt": "a string", "prompt_ids": "a list of integers",
                "turns": "a non-empty list of strings"}
 
 
+def the_runs_flag(key: str) -> str:
+    """Where a record's setting goes instead: the run's flag."""
+    return f"that is the run's {RECORD_SETTINGS[key]}"
+
+
+def check_record_keys(row: dict, where: str, instead: Callable[[str], str] = the_runs_flag):
+    """A record's key that would set what the run sets (instead(key) says where it goes) or ask for what
+    this decoding does not do is an error; a null one is absent, as a table's export writes a column a
+    row leaves empty."""
+    setting = sorted(k for k in RECORD_SETTINGS if row.get(k) is not None)
+    if setting:
+        raise UserError(f"{where}: a record cannot set {setting[0]!r}; {instead(setting[0])} "
+                        f"(other keys are metadata, ignored)")
+    for key, nothing in UNAPPLIED_REQUEST_KEYS.items():
+        value = row.get(key, nothing)
+        if value is not None and value != nothing:
+            shown = json.dumps(value)[:40]
+            raise UserError(f"{where}: {key} {shown} is not applied here (no such control in this "
+                            f"decoding); drop it (other keys are metadata, ignored)")
+
+
 def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     """(where, prompt) of every record of a JSON-lines file: a prompt, prompt_ids, turns or messages."""
     check_input(prompts_file, "--prompts-file", "prompts file")
@@ -585,17 +606,7 @@ def read_prompts_file(prompts_file: str) -> list[tuple[str, object]]:
     for where, row in read_jsonl(prompts_file, records=RECORD_SHAPES):
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected {RECORD_SHAPES}")
-        # a null key is absent, as a table's export writes a column a row leaves empty
-        setting = sorted(k for k in RECORD_SETTINGS if row.get(k) is not None)
-        if setting:
-            raise UserError(f"{where}: a record cannot set {setting[0]!r}; that is the run's "
-                            f"{RECORD_SETTINGS[setting[0]]} (other keys are metadata, ignored)")
-        for key, nothing in UNAPPLIED_REQUEST_KEYS.items():
-            value = row.get(key, nothing)
-            if value is not None and value != nothing:
-                shown = json.dumps(value)[:40]
-                raise UserError(f"{where}: {key} {shown} is not applied here (no such control in this "
-                                f"decoding); drop it (other keys are metadata, ignored)")
+        check_record_keys(row, where)
         kinds = [k for k in PROMPT_KINDS if row.get(k) is not None]
         if not kinds:  # every prompt key null: said as the first one's wrong value
             kinds = [k for k in PROMPT_KINDS if k in row][:1]

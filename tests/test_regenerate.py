@@ -444,6 +444,32 @@ def test_bad_prompt_records_are_one_line_errors(tmp_path, capsys, monkeypatch, r
     assert not (tmp_path / "o.jsonl").exists()
 
 
+@pytest.mark.parametrize("record,needle", [
+    # a dataset's system prompt: it never reached the target, and the record had no system turn
+    ('{"prompt": "hi", "system": "be brief"}', "bad.jsonl:1: a record cannot set 'system'; give it as a system "
+     'message in "messages" (other keys are metadata, ignored)'),
+    ('{"prompt": "hi", "temperature": 0.3}', "bad.jsonl:1: a record cannot set 'temperature'; that is the run's "
+     "--temperature (other keys"),
+    ('{"prompt": "hi", "max_tokens": 5}', "a record cannot set 'max_tokens'; that is the run's --max-new-tokens"),
+    ('{"prompt": "hi", "n": 2}', "a record cannot set 'n'; regenerate.py sets it for every record or not at all"),
+    ('{"prompt": "hi", "tools": [{"type": "function"}]}', 'bad.jsonl:1: tools [{"type": "function"}] is not '
+     "applied here (no such control in this decoding); drop it"),
+])
+def test_a_record_key_for_what_the_run_sets_is_a_one_line_error(tmp_path, capsys, monkeypatch, record, needle):
+    """A record's system prompt, decode setting or request option was dropped in silence, where
+    speculate.py's prompts file refuses it; the error says where it goes for regenerate.py."""
+    test_bad_prompt_records_are_one_line_errors(tmp_path, capsys, monkeypatch, record, needle)
+
+
+def test_a_record_key_that_asks_for_nothing_is_metadata(tmp_path):
+    """A null setting (a table's empty column) or a request option at the value that asks for nothing is
+    read as speculate.py reads it: the prompt alone."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "system": None, "temperature": None, "tools": []}) + "\n")
+    [(_, _, messages, _)] = regenerate.read_conversations(str(path))
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
 def test_a_resumed_runs_summary_says_which_figures_are_its_own(capsys):
     """The conversations and drops count the file written; responses, tokens and tokens/s are this run's, and
     a resumed run says how many conversations it took over."""
