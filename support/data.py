@@ -109,6 +109,9 @@ def _read_jsonl_docs(path: str, texts: list, chats: list):
         if isinstance(obj, dict):
             obj = {key: value for key, value in obj.items() if value is not None}  # a table's empty column
             forms = [key for key in RECORD_FORMS if key in obj]
+            if "system" in obj:  # it would be trained without, in silence
+                raise UserError(f"{where}: a record's 'system' is not read; give it as a system message "
+                                f"in \"messages\"")
         if len(forms) > 1:  # one would be trained on, the other dropped
             raise UserError(f"{where}: a record is one document or conversation, "
                             f"and this one has {' and '.join(forms)}")

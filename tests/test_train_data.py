@@ -171,6 +171,18 @@ def test_a_null_key_is_absent_as_in_the_prompts_readers(tmp_path):
     assert data.read_documents(str(p)) == (["a document"], [])
 
 
+def test_a_records_system_key_is_refused_not_dropped(tmp_path):
+    """A "system" key beside prompt/response or messages is refused in one line: it was dropped, and the
+    drafter trained on conversations without it."""
+    p = tmp_path / "sys.jsonl"
+    for record in ({"prompt": "hi", "response": "yo", "system": "be brief"},
+                   {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                    "system": "be brief"}):
+        p.write_text(json.dumps(record) + "\n")
+        with pytest.raises(UserError, match=r"sys.jsonl:1: a record's 'system' is not read; give it as a system"):
+            data.read_documents(str(p))
+
+
 def test_mixing_chat_and_text_is_an_error(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"prompt": "a", "response": "b"}) + "\n")
     with pytest.raises(UserError, match="mixes chat records"):
