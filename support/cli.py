@@ -476,19 +476,31 @@ def resolve_dtype(dtype: Optional[str], device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def omp_threads(fix: str = "unset it, or give --threads") -> Optional[int]:
+    """OMP_NUM_THREADS's outer level (OpenMP's nested form N,M,...: torch's), checked; None where unset.
+    Anything else is an error, not OpenMP's silent fallback; `fix` says what to do instead."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    first = value.split(",")[0]
+    if not re.fullmatch(r"\d+(,\d+)*", value) or int(first) < 1:
+        raise UserError(f"OMP_NUM_THREADS={value!r}: not a positive integer ({fix})")
+    return int(first)
+
+
 def set_threads(threads: Optional[int]) -> str:
     """torch's CPU threads: --threads (checked by the caller), else OMP_NUM_THREADS, else half the usable
     CPUs (a second thread per process slows decoding on a small shared machine). Returns the line saying which."""
+    asked = None
+    if threads is None:
+        asked = omp_threads()
     if threads is not None:
         how = "--threads"
-    elif os.environ.get("OMP_NUM_THREADS", "").strip():
+    elif asked is not None:
         value = os.environ["OMP_NUM_THREADS"].strip()
-        first = value.split(",")[0]  # OpenMP's nested form N,M,...: the outer level is torch's
-        if not re.fullmatch(r"\d+(,\d+)*", value) or int(first) < 1:
-            raise UserError(f"OMP_NUM_THREADS={value!r}: not a positive integer (unset it, or give --threads)")
         threads = torch.get_num_threads()
         how = "OMP_NUM_THREADS"
-        if threads != int(first):
+        if threads != asked:
             how += f"={value}; torch took {threads}"
     else:
         threads = max(1, len(os.sched_getaffinity(0)) // 2)

@@ -19,7 +19,16 @@ import torch
 
 from support import runlog
 from support.checkpoint import read_weights
-from support.cli import SEED_RANGE, Interrupted, UserError, check_ranges, cli_main, flag, signals_deferred
+from support.cli import (
+    SEED_RANGE,
+    Interrupted,
+    UserError,
+    check_ranges,
+    cli_main,
+    flag,
+    omp_threads,
+    signals_deferred,
+)
 from support.data import JSON_SUFFIXES, TEXT_SUFFIXES
 from support.distributed import peak_tflops, rank0, run_and_leave
 from support.files import (
@@ -826,4 +835,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
 
 
 def train_main(args_class, run_fn, argv: Optional[list[str]] = None) -> int:
-    return cli_main(args_class, run_and_leave(run_fn), argv, inference=False, rank0=rank0)
+    def run(args):
+        omp_threads(fix="unset it")  # training runs on torch's threads: every core, or OMP_NUM_THREADS
+        return run_fn(args)
+    return cli_main(args_class, run_and_leave(run), argv, inference=False, rank0=rank0)

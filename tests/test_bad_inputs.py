@@ -1148,6 +1148,15 @@ def test_a_bad_omp_num_threads_is_refused(world, monkeypatch, capsys, value):
     _check(capsys.readouterr().err, f"OMP_NUM_THREADS={value!r}: not a positive integer", rc)
 
 
+def test_a_bad_omp_num_threads_is_refused_by_training(world, monkeypatch, capsys, tmp_path):
+    """train.py has no --threads (torch's threads: every core, or OMP_NUM_THREADS): an invalid value is
+    one line there too, not OpenMP's fallback with a training run after it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "abc")
+    rc = train.main([str(a) for a in T(world, tmp_path)])
+    _check(capsys.readouterr().err, "OMP_NUM_THREADS='abc': not a positive integer (unset it)", rc)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_terminal_that_cannot_show_tau_gets_an_escape_not_a_traceback(world, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), PYTHONIOENCODING="latin-1")
     p = subprocess.run([sys.executable, str(REPO_ROOT / "speculate.py")] + [str(a) for a in S(world)],
