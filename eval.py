@@ -97,8 +97,8 @@ class EvalArgs(WandbFlags):
     (each prompt decodes once)."""
 
     target: Optional[str] = None
-    """Qwen3 checkpoint directory or hub id ORG/NAME[@REVISION] (HF_HUB_OFFLINE=1: the cache only).
-    Default, with no --drafter either: demo mode, the demo pair in demo/."""
+    """Qwen3 checkpoint directory or hub id ORG/NAME[@REVISION] (HF_HUB_OFFLINE=1:
+    the cache only). Default, with no --drafter either: demo mode, the demo pair in demo/."""
     drafter: Repeated = ()
     """Drafter directory or hub id (any DSpark / DFlash / Eagle3 spelling); repeat it to compare drafters in
     one table, a row each; omitted: the autoregressive baseline."""

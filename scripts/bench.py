@@ -90,8 +90,9 @@ class BenchArgs:
     """Autoregressive vs speculative decoding speed, side by side."""
 
     model: str = "bigram-35m"
-    """bigram-35m (constructed CPU pair, τ ≈ 5.8) or a random-weight preset: qwen3-4b, qwen3-8b, qwen3-14b (or
-    qwen3-tiny: Qwen3's vocabulary with toy layers, a smoke test). Ignored when --target is given."""
+    """bigram-35m (constructed CPU pair, τ ≈ 5.8) or a random-weight preset: qwen3-4b, qwen3-8b,
+    qwen3-14b (or qwen3-tiny: Qwen3's vocabulary with toy layers, a smoke test).
+    Ignored when --target is given."""
     target: Optional[str] = None
     """A Hugging Face Qwen3 directory (or hub id ORG/NAME[@REVISION]) instead of a preset."""
     drafter: Optional[str] = None

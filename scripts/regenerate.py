@@ -76,8 +76,9 @@ class Args:
     decode: flat(Settings) = field(default_factory=lambda: Settings(
         max_new_tokens=4096, temperature=0.7, top_k=20, top_p=0.8, min_p=0.0, batch_size=16))
     max_context: Optional[int] = None
-    """Longest prompt + response of a turn (default: the models' context, at most 8192); a conversation with a
-    prompt over it less --max-new-tokens is dropped (counted; every one dropped is an error)."""
+    """Longest prompt + response of a turn (default: the models' context, at most 8192);
+    a conversation with a prompt over it less --max-new-tokens is dropped
+    (counted; every one dropped is an error)."""
     chunk_size: int = 256
     """Conversations generated, then written, at a time."""
     max_prompts: Optional[int] = None

@@ -82,8 +82,8 @@ class Settings:
     """How to decode: the Python API's keyword arguments, and the flags of the same names."""
 
     max_new_tokens: Optional[int] = None
-    """Token budget per request (exact). None: 128 (eval.py: the authors' 2048, or 128 in its demo mode,
-    capped to what the context leaves the longest prompt)."""
+    """Token budget per request (exact). None: 128 (eval.py: the authors' 2048,
+    or 128 in its demo mode, capped to what the context leaves the longest prompt)."""
     temperature: Optional[float] = None
     """0 = greedy, else lossless sampling at this temperature. None: with no other sampling setting,
     the target's generation_config.json (greedy without one; bench.py: greedy); 1.0 with only
@@ -478,9 +478,9 @@ class Prompts:
     prompt_ids: Optional[str] = None
     """One prompt as comma-separated token ids, e.g. 1,2,3."""
     prompts_file: Optional[str] = None
-    """JSON lines of {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (the first) or {"messages":
-    [{"role", "content"}, ...]} (ending with the user's turn). The demo's default: its 20 held-out
-    prompts, after a lead prompt whose completion it prints."""
+    """JSON lines of {"prompt": str}, {"prompt_ids": [int]}, {"turns": [str]} (the first)
+    or {"messages": [{"role", "content"}, ...]} (ending with the user's turn).
+    The demo's default: its 20 held-out prompts, after a lead prompt whose completion it prints."""
 
 
 @dataclass
@@ -488,8 +488,8 @@ class Rendering:
     """How text prompts become token ids."""
 
     chat: AutoBool = None
-    """Render text prompts with the chat template, thinking off unless --enable-thinking. Default: on when
-    the tokenizer has a template; --chat without one uses Qwen3's format."""
+    """Render text prompts with the chat template, thinking off unless --enable-thinking.
+    Default: on when the tokenizer has a template; --chat without one uses Qwen3's format."""
     system_prompt: Optional[str] = None
     """A system turn before every text prompt (chat rendering only)."""
     enable_thinking: bool = False

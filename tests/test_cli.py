@@ -709,3 +709,45 @@ def test_one_process_programs_refuse_torchrun_in_one_line(program, argv, monkeyp
     with pytest.raises(SystemExit) as e:
         module.main(argv)
     assert e.value.code == 0 and capsys.readouterr().err == ""
+
+
+TYRO_PROGRAMS = ["speculate.py", "eval.py", "train.py", "scripts/regenerate.py", "scripts/bench.py",
+                 "scripts/bench_concurrency.py", "scripts/train_target.py", "scripts/gemm_bench.py",
+                 "scripts/demo_corpus.py", "scripts/demo_prompts.py", "scripts/demo_selfdata.py"]
+
+
+def stub_lines(help_text: str) -> list[str]:
+    """The help lines that hold one word although the next line's first word would fit after it: a
+    docstring's source line break (tyro keeps each) that left a stub of a wrapped line."""
+    stubs = []
+    bodies = [line.rstrip().removeprefix("│").removesuffix("│") for line in help_text.splitlines()]
+    for body, after in zip(bodies, bodies[1:]):
+        words = body.split()
+        indent = len(body) - len(body.lstrip())
+        after_indent = len(after) - len(after.lstrip())
+        if len(words) != 1 or indent < 10 or not after.strip() or after_indent != indent:
+            continue
+        width = len(body) - 1 - indent  # the help column, less the space before the box's edge
+        if len(words[0]) + 1 + len(after.split()[0]) <= width:
+            stubs.append(f"{words[0]!r} before {after.strip()!r}")
+    return stubs
+
+
+def test_no_help_line_is_a_stub_of_a_wrapped_sentence(monkeypatch):
+    """tyro keeps a help docstring's source line breaks: a source line that wraps in the 80-column box
+    must not leave one word on a line of its own ("mode," then "capped to ...")."""
+    import importlib
+
+    monkeypatch.setenv("COLUMNS", "80")
+    stubs = {}
+    for program in TYRO_PROGRAMS:
+        module = importlib.import_module((REPO_ROOT / program).stem)  # scripts/ is on the path
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # utf-8: the box a terminal shows
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            module.main(["--help"])
+        out.seek(0)
+        help_text = out.read()
+        assert "╭─ options" in help_text, program
+        if stub_lines(help_text):
+            stubs[program] = stub_lines(help_text)
+    assert stubs == {}
