@@ -564,6 +564,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def refuse_standard_output(path: str, flag: str, wanted: str):
+    """`flag`'s path "-": not standard output here (no output is written there), refused in one line."""
+    if path == "-":
+        raise UserError(f"{flag} -: standard output is not supported here; give a {wanted} path")
+
+
 def use_compile_cache(path: Optional[str]) -> str:
     """Inductor's caches: --compile-cache, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dspark-fast/inductor
     ($XDG_CACHE_HOME for ~/.cache), which unlike Inductor's /tmp default survives a reboot."""
@@ -571,6 +577,7 @@ def use_compile_cache(path: Optional[str]) -> str:
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     source = "$TORCHINDUCTOR_CACHE_DIR"  # named in every error: where the path came from
     if path is not None:
+        refuse_standard_output(path, "--compile-cache", "directory")
         given = path
         source = "--compile-cache"
     if given is not None and not given.strip():

@@ -10,7 +10,7 @@ import re
 import tempfile
 from typing import Callable, Optional, Union
 
-from support.cli import UserError, first_line
+from support.cli import UserError, first_line, refuse_standard_output
 
 # Reading
 
@@ -160,8 +160,7 @@ def check_writable(path: str, flag: str):
     """Fail now if `path` cannot be written as a regular file (a link is judged by its target)."""
     if not path.strip():
         raise UserError(f"{flag}: empty path")
-    if path == "-":
-        raise UserError(f"{flag} -: standard output is not supported here; give a file path")
+    refuse_standard_output(path, flag, "file")
     real = os.path.realpath(path)
     if os.path.isdir(real):
         raise UserError(f"{flag} {path}: is a directory, not a file")

@@ -27,6 +27,7 @@ from support.cli import (
     cli_main,
     flag,
     omp_threads,
+    refuse_standard_output,
     signals_deferred,
 )
 from support.data import JSON_SUFFIXES, TEXT_SUFFIXES
@@ -442,6 +443,7 @@ def check_out_dir(args: TrainArgs, inputs):
         raise UserError("--out: no output directory given")
     if not out.strip():
         raise UserError("--out: empty path")
+    refuse_standard_output(out, "--out", "directory")
     real = os.path.realpath(out)
     inputs = list(inputs)
     if args.resume is not None:  # the checkpoint it reads is an input: its files stay as they are

@@ -684,6 +684,8 @@ CASES = [
     ("compile-mode-eager", "speculate", lambda w, t: S(w) + ["--compile-mode", "default"], "--compile-mode", False),
     ("verbose-eager", "speculate", lambda w, t: S(w) + ["--verbose"], "--verbose", False),
     ("compile-cache-eager", "speculate", lambda w, t: S(w) + ["--compile-cache", t / "cc"], "--compile-cache", False),
+    ("compile-cache-stdout", "speculate", lambda w, t: S(w) + ["--compile", "--compile-cache", "-"],
+     "--compile-cache -: standard output is not supported here; give a directory path", False),
     ("compile-cache-file", "speculate", lambda w, t: S(w) + ["--compile", "--compile-cache",
                                                             prompts_file(t, "x", "cc")], "not a directory", False),
     # the compile cache is made as a directory when compiling starts: an output of its name failed at the end
@@ -749,6 +751,8 @@ CASES = [
      "--data /dev/null: is a device or a pipe, not a file or directory", False),
     ("train-out-a-device", "train", lambda w, t: T(w, t) + ["--out", "/dev/null"],
      "--out /dev/null: is a device or a pipe, not a directory", False),
+    ("train-out-stdout", "train", lambda w, t: T(w, t)[:4] + ["--out", "-"] + T(w, t)[6:],
+     "--out -: standard output is not supported here; give a directory path", False),
     ("train-resume-a-file", "train", lambda w, t: T(w, t) + ["--resume", w / "corpus.txt"],
      "corpus.txt: is a file, not a directory", False),
     ("train-eval-data-dir-a-file", "train", lambda w, t: T(w, t) + ["--eval-every", "1", "--eval-data-dir",

@@ -1259,6 +1259,16 @@ def test_train_target_refuses_an_unwritable_out_before_any_work(tmp_path, monkey
     assert os.listdir(out) == []
 
 
+def test_train_target_refuses_standard_output_as_out(tmp_path, monkeypatch):
+    """--out -: refused in one line, as the file flags refuse it; it trained into a directory named -."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text(CORPUS * 4)
+    rc, _, err = run_train(["--data", tmp_path / "corpus.txt", *TINY_TARGET, "--tokenizer-from-corpus",
+                            "--vocab-size", 280, "--out", "-", "--steps", 1], train_target)
+    assert rc == 2 and err == "error: --out -: standard output is not supported here; give a directory path\n", err
+    assert not (tmp_path / "-").exists()
+
+
 @pytest.mark.parametrize("flags,needle", [
     # each used to train (0 layers, 0 heads, a tokenizer of 258 tokens) or end in a traceback
     (["--layers", 0], "--layers: invalid value 0 (valid: 1 to 1024)"),
