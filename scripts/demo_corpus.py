@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from demo_prompts import files_digest  # noqa: E402
 
-from support.cli import UserError, cli_main
+from support.cli import UserError, cli_main, refuse_standard_output
 from support.files import atomic_write, check_input, check_outputs, read_json, write_json  # noqa: E402
 from support.trainer import folder_write_problem  # noqa: E402
 
@@ -110,6 +110,7 @@ def check_paths(a: CorpusArgs) -> tuple[str, str]:
     for flag, path in (("--corpus", a.corpus), ("--out", a.out)):
         if not path.strip():
             raise UserError(f"{flag}: empty path")
+        refuse_standard_output(path, flag, "directory")
     if a.same_as is not None:
         check_input(a.same_as, "--same-as")
     if os.path.exists(a.corpus) and (not os.path.isdir(a.corpus) or os.listdir(a.corpus)):

@@ -350,6 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         paths = {s.name: os.path.join(args.out_dir, f"{s.name}.jsonl") for s in chosen}
         if not args.out_dir.strip():
             raise UsageError("--out-dir: empty")
+        if args.out_dir == "-":  # the wording of support/cli.py's refuse_standard_output
+            raise UsageError("--out-dir -: standard output is not supported here; give a directory path")
         # it, or the nearest folder that exists, must take files
         probe = os.path.abspath(args.out_dir)
         while not os.path.exists(probe):

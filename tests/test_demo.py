@@ -283,7 +283,9 @@ def test_demo_corpus_refuses_shared_or_unwritable_folders_before_any_work(tmp_pa
                                 (ro / "c", tmp_path / "p", f"--corpus {ro / 'c'}: cannot write in {ro}"),
                                 (tmp_path / "c", ro / "p", f"--out {ro / 'p'}: cannot write in {ro}"),
                                 (tmp_path / "c", ro, f"--out {ro}: cannot write in {ro}"),
-                                ("", x / "p", "--corpus: empty path"), (x / "c", "", "--out: empty path")):
+                                ("", x / "p", "--corpus: empty path"), (x / "c", "", "--out: empty path"),
+                                ("-", x / "p", "--corpus -: standard output is not supported here"),
+                                (x / "c", "-", "--out -: standard output is not supported here")):
         assert dc.main(["--corpus", str(corpus), "--out", str(out), "--stdlib", str(lib)]) == 2, (corpus, out)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, (corpus, out, err)

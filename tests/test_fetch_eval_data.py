@@ -85,7 +85,8 @@ def test_unknown_name_and_bad_max_rows(tmp_path):
     assert r.returncode == 2 and "--max-rows" in r.stderr
     (tmp_path / "afile").write_text("x")
     for out_dir, needle in ((str(tmp_path / "afile" / "sub"), "cannot be created"), ("", "--out-dir: empty"),
-                            (str(tmp_path / "afile"), "not a directory")):
+                            (str(tmp_path / "afile"), "not a directory"),
+                            ("-", "--out-dir -: standard output is not supported here")):
         r = run("gsm8k", "--out-dir", out_dir)
         assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
     # argparse's own refusals too: one line, without its usage line
