@@ -190,6 +190,12 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.
 LOADED_NAMES = CHECKPOINT_FILES + ("latest",)
 
 
+def loaded_from_checkpoint(name: str) -> bool:
+    """Whether a file of this name in a checkpoint directory is read when the directory loads."""
+    weights = name.endswith((".safetensors", ".safetensors.index.json"))
+    return name in LOADED_NAMES or weights
+
+
 def check_outputs(outputs: dict, inputs=()):
     """Every output (flag -> path or None) writable, no two the same, none an input or a file in an input
     directory (links followed), nor a new file that loading that directory would read."""
@@ -218,9 +224,7 @@ def check_outputs(outputs: dict, inputs=()):
             if real in files or (inside and os.path.exists(real)):
                 raise UserError(f"{flag} {path}: would overwrite a file "
                                 f"of the input directory {src}")
-            name = os.path.basename(real)
-            weights = name.endswith((".safetensors", ".safetensors.index.json"))
-            if inside and (name in LOADED_NAMES or weights):
+            if inside and loaded_from_checkpoint(os.path.basename(real)):
                 raise UserError(f"{flag} {path}: a file named so in the input directory {src} "
                                 "would be read as part of it by the next load; "
                                 "write it elsewhere")
@@ -232,8 +236,7 @@ def check_read_apart(path: Optional[str], flag: str, inputs=()):
     if path is None:
         return
     real = os.path.realpath(path)
-    name = os.path.basename(real)
-    loaded = name in LOADED_NAMES or name.endswith((".safetensors", ".safetensors.index.json"))
+    loaded = loaded_from_checkpoint(os.path.basename(real))
     for src in filter(None, inputs):
         inp = os.path.realpath(src)
         of_checkpoint = os.path.isdir(inp) and os.path.dirname(real) == inp and loaded
