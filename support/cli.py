@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import math
 import numbers
 import os
@@ -298,6 +299,35 @@ def given_once(argv: list[str], once: dict[str, str]):
             raise UserError(f"{name}: given {times} times; {why}")
 
 
+def joined_lines(text: str) -> str:
+    """A help text's paragraphs (apart at blank lines), each one line that the help's box wraps to the
+    terminal. It stands in for tyro's own join, which a field docstring reaches before its dedent: each
+    indented source line kept its line break, so a terminal wider than the source showed its lines."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    joined = []
+    for paragraph in paragraphs:
+        words = paragraph.split("\n")
+        joined.append(" ".join(line.strip() for line in words if line.strip()))
+    return "\n\n".join(joined)
+
+
+@contextlib.contextmanager
+def help_lines_joined():
+    """tyro's help texts joined by `joined_lines` while it parses (tyro 1.0's private function, as
+    constraints.txt pins; another tyro keeps its own)."""
+    try:
+        from tyro import _strings
+        own = _strings.remove_single_line_breaks
+    except (ImportError, AttributeError):
+        yield
+        return
+    _strings.remove_single_line_breaks = joined_lines
+    try:
+        yield
+    finally:
+        _strings.remove_single_line_breaks = own
+
+
 def parse_flags(args_class, argv: Optional[list[str]], once: Optional[dict[str, str]] = None):
     """tyro's parse of `argv` (None: sys.argv[1:]); a value, flag or choice it rejects is a one-line
     UserError, as is a flag of `once` given more than once (`given_once`). tyro's hook for that is
@@ -323,7 +353,7 @@ def parse_flags(args_class, argv: Optional[list[str]], once: Optional[dict[str, 
         if line is not None:
             raise UserError(line)
 
-    with on_parse_error(refuse):
+    with on_parse_error(refuse), help_lines_joined():
         return tyro.cli(args_class, args=argv)
 
 

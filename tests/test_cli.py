@@ -718,7 +718,7 @@ TYRO_PROGRAMS = ["speculate.py", "eval.py", "train.py", "scripts/regenerate.py",
 
 def stub_lines(help_text: str) -> list[str]:
     """The help lines that hold one word although the next line's first word would fit after it: a
-    docstring's source line break (tyro keeps each) that left a stub of a wrapped line."""
+    docstring's source line break, kept, that left a stub of a wrapped line."""
     stubs = []
     bodies = [line.rstrip().removeprefix("│").removesuffix("│") for line in help_text.splitlines()]
     for body, after in zip(bodies, bodies[1:]):
@@ -733,20 +733,53 @@ def stub_lines(help_text: str) -> list[str]:
     return stubs
 
 
-def test_no_help_line_is_a_stub_of_a_wrapped_sentence(monkeypatch):
-    """tyro keeps a help docstring's source line breaks: a source line that wraps in the 80-column box
-    must not leave one word on a line of its own ("mode," then "capped to ...")."""
+def help_of(program: str) -> str:
+    """`program --help` as a terminal shows it, at the width COLUMNS says."""
     import importlib
 
+    module = importlib.import_module((REPO_ROOT / program).stem)  # scripts/ is on the path
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # utf-8: the box a terminal shows
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        module.main(["--help"])
+    out.seek(0)
+    return out.read()
+
+
+def continued_help_lines(help_text: str) -> list[str]:
+    """The option lines whose help goes on from the line above: at a width no help fills, a line
+    break that tyro kept (a docstring's source line break)."""
+    continued = []
+    bodies = [line.rstrip().removeprefix("│").removesuffix("│").rstrip() for line in help_text.splitlines()]
+    for above, body in zip(bodies, bodies[1:]):
+        column = len(body) - len(body.lstrip())
+        if not body.strip() or column < 10 or body.lstrip().startswith("-"):
+            continue
+        if len(above) <= column or above[column] == " ":
+            continue  # the line above holds no help: a flag whose help starts on this line
+        if len(above) - len(above.lstrip()) == column or above[column - 2:column] == "  ":
+            continued.append(body.strip())
+    return continued
+
+
+def test_help_texts_are_one_line_a_paragraph_on_a_wide_terminal(monkeypatch):
+    """A help docstring's source line breaks are not the help's: on a terminal wider than any help
+    text, each option's help is one line (tyro kept each source line on a line of its own)."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    continued = {}
+    for program in TYRO_PROGRAMS:
+        lines = continued_help_lines(help_of(program))
+        if lines:
+            continued[program] = lines[:3]
+    assert continued == {}
+
+
+def test_no_help_line_is_a_stub_of_a_wrapped_sentence(monkeypatch):
+    """In the 80-column box no help line is one word that the next line's first would have joined
+    ("mode," then "capped to ..."): what a docstring's source line break that tyro kept leaves."""
     monkeypatch.setenv("COLUMNS", "80")
     stubs = {}
     for program in TYRO_PROGRAMS:
-        module = importlib.import_module((REPO_ROOT / program).stem)  # scripts/ is on the path
-        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # utf-8: the box a terminal shows
-        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-            module.main(["--help"])
-        out.seek(0)
-        help_text = out.read()
+        help_text = help_of(program)
         assert "╭─ options" in help_text, program
         if stub_lines(help_text):
             stubs[program] = stub_lines(help_text)
