@@ -355,6 +355,23 @@ def ttt_positions(loss_mask, doc, B: int, T: int, steps: int, device=None) -> to
     return out
 
 
+def drafting_mask(loss_mask, doc) -> torch.Tensor:
+    """The loss mask [B, T] as Eagle3's training reads it: each document's loss tokens and the two
+    before each run of them. `ttt_positions` supervises the draft of x_{k+2} where position k is in
+    the mask, DeepSpec's rule for its mask, which starts at the empty think block before a response;
+    from a mask that starts at the response, the response's second token, every response's first
+    draft (from the prompt's last position), would never be a target."""
+    extended = loss_mask.bool()
+    for back in (1, 2):
+        same_doc = torch.ones_like(extended[:, back:])
+        if doc is not None:
+            same_doc = doc[:, :-back] == doc[:, back:]
+        ahead = torch.zeros_like(extended)
+        ahead[:, :-back] = loss_mask[:, back:].bool() & same_doc  # position k + back's, at k
+        extended = extended | ahead
+    return extended
+
+
 def ttt_forward(drafter: Eagle3Drafter, features, tokens, steps: int, doc=None) -> list[torch.Tensor]:
     """DeepSpec's training-time test, cache-free: step j = 0..steps-1 reads, at index i, the token x_{i+j+1}
     and h: fc(features_i) at step 0, step j-1's un-normed output after; RoPE at i + j; the keys of every
@@ -841,6 +858,8 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
 
     def micro_batches(step):
         tokens, mask, doc = corpus.rows(batches(step))
+        if mask is not None:
+            mask = drafting_mask(mask, doc)
         out = []
         for sl in mine:
             mb = {

@@ -21,11 +21,11 @@ from conftest import REPO_ROOT
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_train import ckpt, decode_ids, near_bigram, run_train, write_ids  # noqa: F401 (a fixture)
-from test_train_data import write_chats
+from test_train_data import CONVERSATION, write_chats
 from test_train_dist import curve, torchrun, weights
 
 import train
-from support import checkpoint
+from support import checkpoint, data, text
 from support.checkpoint import published
 
 torch.set_num_threads(1)
@@ -114,6 +114,46 @@ def test_positions_and_mask_by_hand():
     assert m[0].int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
     m = train.ttt_mask(4, 2, torch.tensor([[0, 0, 1, 1]]))
     assert m[0, :, :4].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+def test_every_draft_of_a_chat_response_is_a_target(tiny_target, tmp_path, monkeypatch):
+    """Chat records: every response token a decode chain drafts is a step's target, the response's second
+    token included (each response's first draft, from the prompt's last position): `drafting_mask`
+    reaches two tokens before each response, as DeepSpec's mask (from the empty think block) does. The
+    mask as it is left that token to no step. The mask never reaches into the document before; a chat
+    run's batches are read through it."""
+    tok = text.Tokenizer(str(tiny_target.path))
+    (ids, mask), = data.encode_chats(tok, [("x:1", CONVERSATION)], ["<|im_end|>"])[0]
+    T, steps = len(ids), 3
+    loss_mask = torch.tensor(mask)[None]
+    doc = torch.zeros(1, T, dtype=torch.long)
+
+    def targets(read_mask):
+        valid = train.ttt_positions(read_mask, doc, 1, T, steps)  # index i, step j: x_{i+j+2}
+        return {i + j + 2 for j in range(steps) for i in range(T) if valid[j, 0, i]}
+
+    response = {k for k in range(T) if mask[k]}
+    first = {k for k in response if not mask[k - 1]}  # the target's own token after a prompt
+    second = {k + 1 for k in first}
+    assert len(first) == 2 and second <= response
+    assert response - first <= targets(train.drafting_mask(loss_mask, doc))
+    assert not second & targets(loss_mask)
+    two_docs = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    extended = train.drafting_mask(torch.tensor([[1, 0, 0, 0, 1, 1]], dtype=torch.bool), two_docs)
+    assert extended.int().tolist() == [[1, 0, 0, 1, 1, 1]]
+    read = []
+    own = train.drafting_mask
+
+    def spy(loss_mask, doc):
+        read.append(loss_mask)
+        return own(loss_mask, doc)
+
+    monkeypatch.setattr(train, "drafting_mask", spy)
+    chats = write_chats(tmp_path / "chat.jsonl", 4)
+    rc, _, err = run_train(["--drafter-kind", "eagle3", "--target", tiny_target.path, "--data", chats,
+                            "--seq-len", 40, "--ttt-length", 2, "--steps", 1, "--out", tmp_path / "out"])
+    assert rc == 0, err
+    assert len(read) == 1
 
 
 # ----------------------------------------------------------------------------------------
