@@ -86,7 +86,7 @@ class TrainArgs(WandbFlags):
     warmup_frac: float = 0.04
     """Fraction of --steps warming up linearly, from lr/W to lr over its W = ceil(frac x --steps) steps."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warm-up, to --min-lr-frac x lr at the end."""
+    """Decay after warm-up, to --min-lr-frac x lr one step past the last (DeepSpec's: over --steps - W)."""
     min_lr_frac: float = 0.0
     """Final lr / --lr (DeepSpec: 0)."""
     weight_decay: float = 0.0
@@ -134,10 +134,10 @@ def lr_at(step: int, args: TrainArgs) -> float:
         return args.lr * (step + 1) / W
     if args.schedule == "constant":
         return args.lr
-    decay_steps = args.steps - 1 - W  # the steps after the first past warm-up
-    frac = 1.0  # 0 after warm-up, 1 at the last step: the last, where it is the first past warm-up
-    if decay_steps > 0:
-        frac = min(max((step - W) / decay_steps, 0.0), 1.0)
+    # DeepSpec's CosineAnnealingWarmupLR: T_max = steps - W, so the end (frac 1) is one step past the
+    # last, whose lr is not 0
+    decay_steps = args.steps - W
+    frac = min(max((step - W) / decay_steps, 0.0), 1.0)
     m = args.min_lr_frac
     if args.schedule == "cosine":
         cosine = 0.5 * (1 + math.cos(math.pi * frac))

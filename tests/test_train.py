@@ -154,13 +154,17 @@ def test_loss_terms_by_hand():
 def test_lr_schedule():
     a = train.Args(steps=100, lr=1.0, warmup_frac=0.04)
     assert [trainer.lr_at(s, a) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert trainer.lr_at(99, a) == pytest.approx(0.0, abs=1e-12)
-    assert trainer.lr_at(4 + 19, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 95)))  # 0 at step 4, 1 at 99
+    # DeepSpec's CosineAnnealingWarmupLR: T_max = steps - W, so the last step still learns
+    assert trainer.lr_at(4, a) == 1.0
+    assert trainer.lr_at(4 + 19, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 96)))
+    assert trainer.lr_at(99, a) == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 96)))
+    assert trainer.lr_at(99, a) > 2e-4
     lin = train.Args(steps=11, lr=1.0, warmup_frac=0.0, schedule="linear", min_lr_frac=0.1)
-    assert [round(trainer.lr_at(s, lin), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
-    # one step past warm-up is the last: it is at the end of the decay (it stayed at the peak)
+    lin_lrs = [trainer.lr_at(s, lin) for s in (0, 5, 10)]
+    assert lin_lrs == pytest.approx([1.0, 0.1 + 0.9 * 6 / 11, 0.1 + 0.9 / 11])
+    # one step past warm-up is the last: it is the start of the decay, at the peak
     two = train.Args(steps=2, lr=1.0, warmup_frac=0.08)
-    assert [trainer.lr_at(s, two) for s in range(2)] == [1.0, pytest.approx(0.0, abs=1e-12)]
+    assert [trainer.lr_at(s, two) for s in range(2)] == [1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------------------
