@@ -299,8 +299,10 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
 
 
 def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
-    """Matmul FLOPs of a step (for MFU): the target's forward, its lm_head at the N·K slots, and 3x the
-    drafter's: context rows (fc, k/v), block rows and their masked attention over T + N·K keys."""
+    """Matmul FLOPs of a step (for MFU): the target's forward, its lm_head at the N·K slots, 3x the
+    drafter's trained matmuls (forward, input and weight gradients): context rows (fc, k/v), block rows
+    and their masked attention over T + N·K keys, and 2x the drafter's pass through the target's frozen
+    lm_head (no weight gradient)."""
     K = d.block_size
     H = t.hidden_size
     V = t.vocab_size
@@ -311,12 +313,13 @@ def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     fc = len(d.target_layer_ids) * H * H
     context_kv = D * 2 * H * kv
     context = 2 * T * (fc + context_kv)
-    per_slot = D * layer_params(d.layers) + H * V + d.markov_rank * V
+    per_slot = D * layer_params(d.layers) + d.markov_rank * V
     block_matmuls = 2 * slots * per_slot
     block_attention = 4 * D * slots * (T + slots) * q
     blocks = block_matmuls + block_attention
-    target = causal_flops(t, T) + 2 * slots * H * V
-    return float(G * (target + 3 * (context + blocks)))
+    lm_head = 2 * slots * H * V
+    target = causal_flops(t, T) + lm_head
+    return float(G * (target + 3 * (context + blocks) + 2 * lm_head))
 
 
 # Eagle3: DeepSpec's training-time test (compute_eagle3_loss), every position of a row at once, step by step
@@ -447,8 +450,10 @@ def eagle3_loss(drafter: Eagle3Drafter, target: Transformer, tokens, args: Args,
 
 
 def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
-    """Matmul FLOPs of an Eagle3 step: the target's forward and lm_head at every position, and 3x the
-    drafter's: fc once, then each step's layer (2H wide q/k/v), lm_head and masked attention over (j+1)·T keys."""
+    """Matmul FLOPs of an Eagle3 step: the target's forward and lm_head at every position, 3x the
+    drafter's trained matmuls (forward, input and weight gradients): fc once, then each step's layer (2H
+    wide q/k/v) and masked attention over (j+1)·T keys, and 2x each step's pass through the target's
+    frozen lm_head (no weight gradient)."""
     H = t.hidden_size
     V = t.vocab_size
     I = t.intermediate_size  # noqa: E741
@@ -457,13 +462,14 @@ def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     kv = t.num_key_value_heads * t.head_dim
     attention = 2 * H * (q + 2 * kv) + q * H
     layer = attention + 3 * H * I
-    step_matmuls = 2 * T * S * (layer + H * V)
+    step_matmuls = 2 * T * S * layer
     # step j's attention reads (j+1)·T keys: Σ_j (j+1) = S(S+1)/2
     step_attention = 4 * T * T * q * S * (S + 1) // 2
     steps = step_matmuls + step_attention
     fc = 2 * T * len(d.target_layer_ids) * H * H
+    step_lm_head = 2 * T * S * H * V
     target = causal_flops(t, T) + 2 * T * H * V
-    return float(G * (target + 3 * (fc + steps)))
+    return float(G * (target + 3 * (fc + steps) + 2 * step_lm_head))
 
 
 # The drafter
