@@ -526,6 +526,9 @@ def drafter_config(args: Args, target: Transformer, target_dir: str) -> DrafterC
     t = target.args
     L = t.num_hidden_layers
     if args.drafter_kind == "eagle3":  # one layer, the chain's length; no mask token, no heads
+        if L < 2:
+            raise UserError(f"--target {args.target}: {L} layer, too few for an Eagle3 drafter (it reads "
+                            f"the outputs of decoder layers below the last, so at least 2)")
         layers = replace(t, num_hidden_layers=1, eos_token_ids=(), tie_word_embeddings=False)
         ids = layer_ids(args, L, lowest=0)
         return DrafterConfig(layers=layers, block_size=args.ttt_length, target_layer_ids=ids,

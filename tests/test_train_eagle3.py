@@ -335,6 +335,23 @@ def test_flags_that_do_not_apply_are_one_line_errors(tiny_target, tmp_path, caps
     assert not (tmp_path / "o").exists()
 
 
+def test_a_one_layer_target_is_refused_by_name(tmp_path, capsys):
+    """A 1-layer target has no decoder layer below its last for Eagle3 to read: the target is named, not
+    the default --target-layer-ids the user never gave."""
+    from drafters import make_target
+    target = make_target(tmp_path / "t1", num_hidden_layers=1)
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 24, 48)
+    capsys.readouterr()  # transformers' progress while saving the target
+    argv = ["--drafter-kind", "eagle3", "--target", target, "--data-ids", ids, "--out", tmp_path / "o",
+            "--steps", 1, "--seq-len", 24, "--device", "cpu", "--no-progress"]
+    rc = train.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0] == (f"error: --target {target}: 1 layer, too few for an Eagle3 drafter (it reads the "
+                      "outputs of decoder layers below the last, so at least 2)"), err
+    assert not (tmp_path / "o").exists()
+
+
 def test_train_demo_sh_builds_the_eagle3_drafter(tmp_path):
     """scripts/train_demo.sh with DRAFTER_KIND=eagle3 (or both) trains DIR/eagle3 with train.py --drafter-kind
     eagle3 on the same data and settings, and moves it in (alone, or beside DIR/drafter); another kind is one
