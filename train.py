@@ -234,7 +234,9 @@ def distill_losses(draft_logits, target_logits, labels, valid, conf_logits, gamm
     p_d = logp.exp()
     p_t = torch.softmax(target_logits.float(), dim=-1)
     ce = -logp.gather(-1, labels[..., None])[..., 0]  # -log p_d(x_{a+j+1})
-    l1 = (p_d - p_t).abs().sum(-1)  # ‖p_d − p_t‖_1, twice the total variation ("tv", DeepSpec's name)
+    # ‖p_d − p_t‖_1, in [0, 2]: the paper's L_tv (eq. 10), twice the total variation; logged as "tv"
+    # (DeepSpec logs it as l1_loss)
+    l1 = (p_d - p_t).abs().sum(-1)
     # 1 − ½‖p_d − p_t‖_1 = Σ_v min(p_d, p_t): the chance speculative sampling accepts the slot's draft,
     # the confidence head's target
     accept = (1 - 0.5 * l1).clamp(0, 1).detach()
