@@ -103,8 +103,8 @@ class Args(TrainArgs):
     """DSpark: fills the slots after the anchor (default: <|mask|>, else the first id past the tokenizer's,
     else the vocabulary's last)."""
     markov: Literal[(*MARKOV_HEADS, "none")] = "vanilla"
-    """DSpark: Markov head (drafter.MARKOV_HEADS); none = no sequential stage (with --no-confidence: a
-    DFlash-style drafter)."""
+    """DSpark: Markov head (drafter.MARKOV_HEADS); none = no sequential stage. A DFlash drafter as DeepSpec's
+    dflash configs train it: --markov none --no-confidence --alpha-ce 1 --alpha-tv 0 (cross-entropy only)."""
     markov_rank: int = 256
     """DSpark: r of the Markov head (W1: [V, r], W2: r -> V)."""
     confidence: bool = True

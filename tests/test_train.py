@@ -326,7 +326,9 @@ def test_training_lowers_loss_and_decodes_losslessly(near_bigram, tmp_path, head
     with it equals the target alone, and its drafts get accepted (τ 1.0 untrained, ~2.1 here)."""
     tdir, ids = near_bigram
     out = tmp_path / "drafter"
-    flags = ["--markov-rank", 16] if heads == "dspark" else ["--markov", "none", "--no-confidence"]
+    flags = ["--markov-rank", 16]
+    if heads == "dflash":  # DeepSpec's dflash configs: both heads off, cross-entropy only
+        flags = ["--markov", "none", "--no-confidence", "--alpha-ce", 1, "--alpha-tv", 0]
     rc, res, err = run_train(["--target", tdir, "--data-ids", ids, "--out", out, "--steps", 30, "--lr", 3e-3,
                               "--warmup-frac", 0.0, "--seq-len", 32, "--batch-size", 4, "--anchors-per-seq", 16,
                               "--block-size", 4, "--depth", 2, *flags])
