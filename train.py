@@ -302,9 +302,9 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: torch.Tensor, an
 
 def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     """Matmul FLOPs of a step (for MFU): the target's forward, its lm_head at the N·K slots, 3x the
-    drafter's trained matmuls (forward, input and weight gradients): context rows (fc, k/v), block rows
-    and their masked attention over T + N·K keys, and 2x the drafter's pass through the target's frozen
-    lm_head (no weight gradient)."""
+    drafter's matmuls (forward, input and weight gradients): the context rows' k/v, block rows and their
+    masked attention over T + N·K keys; 2x fc over the target's features (no input gradient) and the
+    drafter's pass through the target's frozen lm_head (no weight gradient)."""
     K = d.block_size
     H = t.hidden_size
     V = t.vocab_size
@@ -312,16 +312,15 @@ def step_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int, N: int) -> float:
     q = t.num_attention_heads * t.head_dim
     kv = t.num_key_value_heads * t.head_dim
     slots = N * K
-    fc = len(d.target_layer_ids) * H * H
-    context_kv = D * 2 * H * kv
-    context = 2 * T * (fc + context_kv)
+    fc = 2 * T * len(d.target_layer_ids) * H * H
+    context = 2 * T * D * 2 * H * kv  # each layer's k/v of the context rows
     per_slot = D * layer_params(d.layers) + d.markov_rank * V
     block_matmuls = 2 * slots * per_slot
     block_attention = 4 * D * slots * (T + slots) * q
     blocks = block_matmuls + block_attention
     lm_head = 2 * slots * H * V
     target = causal_flops(t, T) + lm_head
-    return float(G * (target + 3 * (context + blocks) + 2 * lm_head))
+    return float(G * (target + 3 * (context + blocks) + 2 * (fc + lm_head)))
 
 
 # Eagle3: DeepSpec's training-time test (compute_eagle3_loss), every position of a row at once, step by step
@@ -453,9 +452,9 @@ def eagle3_loss(drafter: Eagle3Drafter, target: Transformer, tokens, args: Args,
 
 def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     """Matmul FLOPs of an Eagle3 step: the target's forward and lm_head at every position, 3x the
-    drafter's trained matmuls (forward, input and weight gradients): fc once, then each step's layer (2H
-    wide q/k/v) and masked attention over (j+1)·T keys, and 2x each step's pass through the target's
-    frozen lm_head (no weight gradient)."""
+    drafter's matmuls (forward, input and weight gradients): each step's layer (2H wide q/k/v) and
+    masked attention over (j+1)·T keys; 2x fc over the target's features, once (no input gradient), and
+    each step's pass through the target's frozen lm_head (no weight gradient)."""
     H = t.hidden_size
     V = t.vocab_size
     I = t.intermediate_size  # noqa: E741
@@ -471,7 +470,7 @@ def eagle3_flops(t: ModelArgs, d: DrafterConfig, G: int, T: int) -> float:
     fc = 2 * T * len(d.target_layer_ids) * H * H
     step_lm_head = 2 * T * S * H * V
     target = causal_flops(t, T) + 2 * T * H * V
-    return float(G * (target + 3 * (fc + steps) + 2 * step_lm_head))
+    return float(G * (target + 3 * steps + 2 * (fc + step_lm_head)))
 
 
 # The drafter

@@ -88,7 +88,7 @@ class TrainArgs(WandbFlags):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up, to --min-lr-frac x lr one step past the last (DeepSpec's: over --steps - W)."""
     min_lr_frac: float = 0.0
-    """Final lr / --lr (DeepSpec: 0)."""
+    """Where the decay ends, one step past the last, as a fraction of --lr (DeepSpec: 0)."""
     weight_decay: float = 0.0
     """AdamW weight decay (DeepSpec: 0)."""
     grad_clip: float = 1.0

@@ -299,10 +299,12 @@ def test_step_flops_by_hand():
     layer = 2 * 4 * 4 + 2 * 4 * 2 + 3 * 4 * 6  # q, o (4x4); k, v (4x2); MLP (3 x 4x6)
     T, N, K = 8, 2, 3
     target = 2 * T * 2 * layer + 2 * 2 * T * T * 4 + 2 * N * K * 4 * 10
-    drafter = 2 * T * (1 * 4 * 4 + 1 * 2 * 4 * 2) + 2 * N * K * (layer + 5 * 10) + 4 * 1 * N * K * (T + N * K) * 4
-    # the target's lm_head, frozen: the drafter's pass through it has no weight gradient (2x, not 3x)
+    drafter = 2 * T * 1 * 2 * 4 * 2 + 2 * N * K * (layer + 5 * 10) + 4 * 1 * N * K * (T + N * K) * 4
+    # fc reads the target's features (no input gradient); the drafter's pass through the target's lm_head,
+    # frozen, has no weight gradient: 2x each, not 3x
+    fc = 2 * T * 1 * 4 * 4
     lm_head = 2 * N * K * 4 * 10
-    assert train.step_flops(t, d, 3, T, N) == 3 * (target + 3 * drafter + 2 * lm_head)
+    assert train.step_flops(t, d, 3, T, N) == 3 * (target + 3 * drafter + 2 * (fc + lm_head))
 
 
 def test_eagle3_flops_by_hand():
@@ -315,10 +317,11 @@ def test_eagle3_flops_by_hand():
     T, S = 8, 3
     target = 2 * T * 2 * target_layer + 2 * 2 * T * T * 4 + 2 * T * 4 * 10
     layer = 2 * 4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 6  # q, k, v read 2H; o; MLP
-    # fc once; each step's layer; step j's attention over (j+1)·T keys
-    drafter = 2 * T * 1 * 4 * 4 + 2 * T * S * layer + 4 * T * T * 4 * (1 + 2 + 3)
+    # each step's layer; step j's attention over (j+1)·T keys
+    drafter = 2 * T * S * layer + 4 * T * T * 4 * (1 + 2 + 3)
+    fc = 2 * T * 1 * 4 * 4  # once, over the target's features: forward and weight gradient only
     lm_head = 2 * T * S * 4 * 10  # the target's, frozen: forward and input gradient only
-    assert train.eagle3_flops(t, d, 3, T) == 3 * (target + 3 * drafter + 2 * lm_head)
+    assert train.eagle3_flops(t, d, 3, T) == 3 * (target + 3 * drafter + 2 * (fc + lm_head))
 
 
 def test_progress_and_eval_every(tiny_target, tmp_path, monkeypatch):
