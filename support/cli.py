@@ -360,7 +360,7 @@ def parse_flags(args_class, argv: Optional[list[str]], once: Optional[dict[str, 
 def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inference: bool = True,
              rank0: Callable[[], bool] = lambda: True, once: Optional[dict[str, str]] = None) -> int:
     """A program's main(): tyro's flags (`once`: `parse_flags`), then `run(args)`; a UserError (a bad
-    flag's included) is one line on stderr (rank 0's; a RankError's from the rank that met it) and exit 2,
+    flag's included) is one line on stderr and exit 2 (rank 0's; a RankError's from the rank that met it),
     a file the system refused one line and exit 1, SIGINT/SIGTERM raise `Interrupted` in the run and exit
     128 + the signal, and a reader of stdout that went away (`| head`) exits quietly, 128 + SIGPIPE."""
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show τ gets \u03c4, not a traceback
@@ -377,7 +377,11 @@ def cli_main(args_class, run: Callable, argv: Optional[list[str]] = None, *, inf
     except UserError as e:
         if rank0() or isinstance(e, RankError):
             print(f"error: {one_line(str(e))}", file=sys.stderr)
-        return 2
+            return 2
+        # Under torchrun every rank met rank 0's refusal: rank 0 says it and exits 2. The others leave
+        # without a word and with 0: torchrun stops every process once one fails, rank 0 then perhaps
+        # before its line.
+        return 0
     except Interrupted as e:
         if rank0():
             print(f"interrupted by {e}: stopped; {e.kept()}", file=sys.stderr)

@@ -259,6 +259,28 @@ def test_an_error_holding_a_newline_is_one_line(capsys):
     assert capsys.readouterr().err == "error: /tmp/x\\ny: Permission denied\n"
 
 
+def test_under_torchrun_rank_0_alone_says_a_refusal_and_the_others_wait_for_it(capsys):
+    """Every rank meets rank 0's refusal (a locked --out, a bad flag): rank 0 prints it and exits 2, the
+    others exit 0 without a word, so that torchrun waits for rank 0's line (a rank's failure makes it stop
+    the others at once). A RankError, met by one rank alone, is that rank's line and exit 2."""
+    @dataclasses.dataclass
+    class Nothing:
+        pass
+
+    def locked(args):
+        raise cli.UserError("--out o: another run is writing it now")
+
+    def lost(args):
+        raise cli.RankError("rank 1 of 2: another process stopped")
+
+    assert cli_main(Nothing, locked, [], rank0=lambda: True) == 2
+    assert capsys.readouterr().err == "error: --out o: another run is writing it now\n"
+    assert cli_main(Nothing, locked, [], rank0=lambda: False) == 0
+    assert capsys.readouterr().err == ""
+    assert cli_main(Nothing, lost, [], rank0=lambda: False) == 2
+    assert capsys.readouterr().err == "error: rank 1 of 2: another process stopped\n"
+
+
 def test_a_tyro_whose_parse_events_differ_prints_its_own_box(capsys, monkeypatch):
     """The hook reads tyro's private events; where their fields differ, tyro's own message, not a traceback."""
     def other_fields(event, args_class, argv):
