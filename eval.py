@@ -505,7 +505,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                   f"(scripts/fetch_eval_data.py builds the paper's datasets)", file=sys.stderr)
     chat = auto_chat(args.rendering.chat, m.tokenizer)
     if rank == 0 and args.calibration:
-        note = calibration_note(args.calibration, first, s.temperature)
+        note = calibration_note(args.calibration, first, temperature)
         if note:
             print(note, file=sys.stderr)
     calibrates = reports_calibration(args, rows, m, first)
@@ -628,11 +628,11 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     if rank == 0:
         if len(rows) > 1:
             print()
-            print(format_comparison(done, s.temperature))
+            print(format_comparison(done, temperature))
             if skipped:  # the paper's mean is over every dataset
                 names = ", ".join(dataset_name(path) for path in skipped)
                 print(f"(the mean leaves out {names}: not found)")
-        write_outputs(args, calibration_outputs(args), out, calibration, log, first)
+        write_outputs(args, calibration_outputs(args), out, calibration, log, first, temperature)
     return out
 
 

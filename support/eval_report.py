@@ -251,8 +251,9 @@ def format_calibration(cal: dict) -> str:
     return "\n".join(lines)
 
 
-def calibration_file(args, results: dict, calibration: dict, drafter_dir: str) -> dict:
-    """--calibration-out's record: the fitted STS temperatures, what they were fitted on, and how."""
+def calibration_file(args, results: dict, calibration: dict, drafter_dir: str, temperature: float) -> dict:
+    """--calibration-out's record: the fitted STS temperatures, what they were fitted on (`temperature`:
+    the run's sampling temperature, as resolved), and how."""
     return {
         "temperatures": calibration["temperatures"],
         "method": "sequential temperature scaling",
@@ -261,7 +262,7 @@ def calibration_file(args, results: dict, calibration: dict, drafter_dir: str) -
         "target": args.target,
         "datasets": [e["dataset"] for e in results["datasets"]],
         "drafter_dir": os.path.realpath(drafter_dir),
-        "temperature": args.decode.temperature,
+        "temperature": temperature,
         "split": calibration["split"],
         "fit_rounds": calibration["fit_rounds"],
         "fit_rounds_by_position": calibration["fit_rounds_by_position"],
@@ -274,9 +275,10 @@ def calibration_file(args, results: dict, calibration: dict, drafter_dir: str) -
 
 
 def write_outputs(args, asked: list[str], results: dict, calibration: Optional[dict],
-                  log: Optional[runlog.Log], drafter_dir: Optional[str]):
+                  log: Optional[runlog.Log], drafter_dir: Optional[str], temperature: float):
     """--out and the calibration's files (`asked`: those of them given), then W&B, then the calibration
-    table: a reader of stdout that went away (`| head`) cannot cost the files or their logging."""
+    table: a reader of stdout that went away (`| head`) cannot cost the files or their logging.
+    temperature: the run's sampling temperature, as resolved."""
     panels = None
     refused = None
     # --out and the calibration's files are published together: a signal waits for the last of them
@@ -294,7 +296,8 @@ def write_outputs(args, asked: list[str], results: dict, calibration: Optional[d
             if args.calibration_out and "temperatures" not in calibration:
                 refused = f"--calibration-out: {calibration['sts_note']}"  # said after the table
             elif args.calibration_out:
-                write_json(args.calibration_out, calibration_file(args, results, calibration, drafter_dir))
+                record = calibration_file(args, results, calibration, drafter_dir, temperature)
+                write_json(args.calibration_out, record)
     if refused is None:
         log_outputs(args, results, calibration, log, panels)
     if calibration is not None:

@@ -538,6 +538,28 @@ def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
             f"{os.path.realpath(env['drafter'])}) and at temperature 1 (this run: 0);") in err
 
 
+def test_temperature_none_is_the_resolved_temperature_everywhere_it_is_said(env, tmp_path, capsys):
+    """--temperature None samples as the target's generation_config.json says: the comparison's title, the
+    note on a calibration fitted elsewhere and the calibration file give that temperature (the title and the
+    note crashed on None, and the file recorded null)."""
+    target = tmp_path / "target"
+    shutil.copytree(env["target"], target)
+    (target / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5}))
+    at_half = dict(env, target=str(target))
+    cal = tmp_path / "cal.json"
+    run_eval(at_half, tmp_path, capsys, "--temperature", "None", "--max-samples", 2, "--calibration-out", cal,
+             out="a.json")
+    fitted = json.load(open(cal))
+    assert fitted["temperature"] == 0.5
+    cal.write_text(json.dumps({**fitted, "temperature": 1.0}))
+    _, _, err = run_eval(at_half, tmp_path, capsys, "--temperature", "None", "--max-samples", 1, "--calibration",
+                         cal, "--confidence-threshold", 0.5, datasets="gsm8k", out="b.json")
+    assert f"note: --calibration {cal} was fitted at temperature 1 (this run: 0.5);" in err, err
+    _, text, _ = run_eval(at_half, tmp_path, capsys, "--temperature", "None", "--max-samples", 1,
+                          "--tree-budget", 4, datasets="gsm8k", out="c.json")
+    assert "τ at T=0.5" in text, text
+
+
 def test_a_calibration_file_says_what_each_temperature_was_fitted_on(env, tmp_path, capsys):
     """The file records the rounds each T_k was fitted on and the scheduler: a position no round verified
     kept 1, and a scheduled fit is biased, which nothing said once the file left eval.py; the run warns
