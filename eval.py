@@ -69,6 +69,7 @@ from support.text import (
     check_chat_flags,
     check_chat_renders,
     check_prompts,
+    is_token_ids,
     load_prompts,
     read_prompts_file,
 )
@@ -519,7 +520,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     context = m.target.args.max_position_embeddings
     for d in drafters:
         context = min(context, d.cfg.layers.max_position_embeddings)
-    prompts = read_datasets(args, s, datasets, m, drafters, chat, context)
+    prompts, texts = read_datasets(args, s, datasets, m, drafters, chat, context)
     budget = token_budget(s.max_new_tokens, demo, prompts, context, verbose=rank == 0)
     s = flags.derived(s, max_new_tokens=budget)
     # what results.json says ran
@@ -553,7 +554,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    rows=[r.label for r in rows])
     if rank == 0:
         print(f"{device_line(device)}; {threads}", file=sys.stderr)
-        if not chat and args.rendering.chat is None and not demo:  # the protocol renders with the template
+        # the protocol renders text prompts with the template
+        if texts and not chat and args.rendering.chat is None and not demo:
             print(f"chat: off (--target {args.target} has no chat template): text prompts are decoded as "
                   f"written, not rendered as the authors render them", file=sys.stderr)
         for d in drafters:
@@ -653,8 +655,9 @@ def reports_calibration(args: EvalArgs, rows: list, m, first: Optional[str]) -> 
 
 
 def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list, chat: bool,
-                  context: int) -> dict:
-    """Each dataset's prompts as ids (the authors' subset), checked against the target and every drafter."""
+                  context: int) -> tuple[dict, bool]:
+    """Each dataset's prompts as ids (the authors' subset), checked against the target and every drafter;
+    and whether a chosen record is a text (or a conversation), which chat renders."""
     budget_or_one = s.max_new_tokens or 1  # the budget is resolved from the prompts, after this
     if budget_or_one >= context:
         raise UserError(f"--max-new-tokens {budget_or_one}: leaves no room for a prompt in the context of "
@@ -666,18 +669,25 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
         paths = ", ".join(path for _, path, _ in datasets)
         check_chat_renders(True, records, f"every record of {paths}")
     prompts = {}
+    texts = False
     for name, path, n in datasets:
         sources = []
+        picked = []  # the subset's records, (where, prompt) each
+
+        def choose(records, n=n, picked=picked):
+            picked.extend(select(records, n, s.seed))
+            return picked
         # the subset drawn from the records, and only it rendered and tokenized (as the authors read them)
         ps = load_prompts(tokenizer=m.tokenizer, chat=chat, prompts_file=path,
                           max_len=context - budget_or_one, sources=sources,
                           system_prompt=args.rendering.system_prompt,
-                          thinking=args.rendering.enable_thinking,
-                          choose=lambda records, n=n: select(records, n, s.seed))
+                          thinking=args.rendering.enable_thinking, choose=choose)
         prompts[name] = ps
+        if not all(is_token_ids(p) for _, p in picked):
+            texts = True
         for d in drafters or [None]:
             check_prompts(ps, m.target, s.max_new_tokens, drafter=d, sources=sources)
-    return prompts
+    return prompts, texts
 
 
 def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):

@@ -425,7 +425,8 @@ def test_chat_is_refused_only_where_no_dataset_holds_a_text(env, tmp_path, capsy
 
 def test_a_target_without_a_chat_template_is_said_once(env, tmp_path, capsys):
     """The protocol renders prompts with the chat template; a target without one decodes them as written,
-    which the run says in a line (only results.json's chat_resolved recorded it)."""
+    which the run says in a line (only results.json's chat_resolved recorded it), where a record it reads
+    is a text: token ids are never rendered."""
     import shutil
 
     target = tmp_path / "target"
@@ -438,6 +439,11 @@ def test_a_target_without_a_chat_template_is_said_once(env, tmp_path, capsys):
     _, _, err = run_eval(dict(env, target=str(target)), tmp_path, capsys, "--max-samples", 1, "--no-chat",
                          datasets="gsm8k")
     assert "chat: off" not in err  # asked for
+    data = tmp_path / "data"  # token ids only: nothing is rendered either way
+    data.mkdir()
+    (data / "ids.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7]}) + "\n")
+    _, _, err = run_eval(dict(env, target=str(target), data=str(data)), tmp_path, capsys, datasets="ids")
+    assert "chat: off" not in err, err
 
 
 def test_a_budget_that_leaves_no_room_names_the_flag(env, tmp_path, capsys):
