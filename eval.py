@@ -685,8 +685,14 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
         prompts[name] = ps
         if not all(is_token_ids(p) for _, p in picked):
             texts = True
-        for d in drafters or [None]:
-            check_prompts(ps, m.target, s.max_new_tokens, drafter=d, sources=sources)
+        check_prompts(ps, m.target, s.max_new_tokens, sources=sources)
+        for d, given in zip(drafters, args.drafter):  # what is left: each drafter's context
+            try:
+                check_prompts(ps, m.target, s.max_new_tokens, drafter=d, sources=sources)
+            except UserError as e:
+                if len(drafters) < 2:
+                    raise
+                raise UserError(f"--drafter {given}: {e}") from None  # which of the drafters
     return prompts, texts
 
 

@@ -1091,6 +1091,25 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     assert err.startswith("error: --tree-temperature 0.5: ranks the branches") and err.count("\n") == 1, err
 
 
+def test_a_prompt_past_one_drafters_context_names_that_drafter(env, tmp_path, capsys):
+    """In a comparison, a prompt that does not fit a drafter's context says which --drafter (it said "the
+    drafter's context" of whichever it was), in one line."""
+    small = tmp_path / "small"
+    shutil.copytree(env["drafter"], small)
+    config = json.loads((small / "config.json").read_text())
+    config["max_position_embeddings"] = 8
+    (small / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "r.json"
+    args = ["--target", env["target"], "--drafter", env["drafter"], "--drafter", small, "--data-dir", env["data"],
+            "--datasets", "gsm8k", "--max-samples", 2, "--max-new-tokens", 4, "--temperature", 0, "--no-progress",
+            "--out", out]
+    assert ev.main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --drafter {small}: "), err
+    assert err[0].endswith("exceed the drafter's context of 8 (max_position_embeddings)"), err
+    assert not out.exists()
+
+
 def test_every_rows_engine_is_checked_before_the_first_decodes(env, tmp_path, capsys, monkeypatch):
     """A row that cannot run (here the largest sampled tree, over the free memory) is refused before
     any row decodes: no engine is built, nothing is written."""
