@@ -59,7 +59,7 @@ from support.distributed import (
     sum_counts,
     torchrun_env,
 )
-from support.eval_report import format_comparison, format_table, log_dataset, write_outputs
+from support.eval_report import format_comparison, format_table, log_dataset, say_written, write_outputs
 from support.files import check_outputs, check_read_apart, directory_problem, optional_file, write_json
 from support.flags import Machine, Rendering, Settings, calibration_note
 from support.runlog import WandbFlags
@@ -395,7 +395,10 @@ def run(args: EvalArgs) -> dict:
             args = replace(args, machine=machine)
         dist_init(args.machine.device, args.dist_timeout)  # before W&B: its failure must stop every rank
         with runlog.logged_run(args, "eval", "eval.py", enabled=rank == 0, from_rank0=from_rank0) as log:
-            return evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
+            out = evaluate(args, s, datasets, skipped, target_dir, drafter_dirs, log, demo)
+        if log is not None:  # wandb's closing lines came after the file was named: named again, last
+            say_written(args.out)
+        return out
     except BaseException:  # nothing written under the name taken: it goes
         nothing_written = os.path.isfile(args.out) and os.path.getsize(args.out) == 0
         if defaulted and rank == 0 and nothing_written:

@@ -274,6 +274,11 @@ def calibration_file(args, results: dict, calibration: dict, drafter_dir: str, t
     }
 
 
+def say_written(path: str):
+    """Standard error's line naming the results file: a default --out is whichever name was free."""
+    print(f"results written to {path}", file=sys.stderr)
+
+
 def write_outputs(args, asked: list[str], results: dict, calibration: Optional[dict],
                   log: Optional[runlog.Log], drafter_dir: Optional[str], temperature: float):
     """--out and the calibration's files (`asked`: those of them given), then W&B, then the calibration
@@ -284,7 +289,7 @@ def write_outputs(args, asked: list[str], results: dict, calibration: Optional[d
     # --out and the calibration's files are published together: a signal waits for the last of them
     with signals_deferred():
         write_json(args.out, results)
-        print(f"results written to {args.out}", file=sys.stderr)
+        say_written(args.out)
         if asked and calibration is None:
             raise UserError(f"{asked[0]}: no request ran a round (each ended at its first token), "
                             f"so there is nothing to calibrate; {args.out} has the rest")

@@ -339,6 +339,21 @@ def test_eval_logs_every_drafters_config(tmp_path):
     assert run.config["drafter_config"] == [first, cfg]
 
 
+def test_the_results_file_is_named_last_after_wandb_finishes(tmp_path):
+    """Standard error's last line names the results file (docs/evaluation.md), also after wandb's own lines
+    on finishing the run, which followed it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text(json.dumps({"turns": [CODE[0]]}) + "\n")
+    out = tmp_path / "r.json"
+    with offline(tmp_path, WANDB_SILENT="false"):
+        rc, _, err = call(ev.main, [
+            "--target", DEMO / "target", "--drafter", DEMO / "drafter", "--data-dir", data, "--datasets", "code",
+            "--max-new-tokens", 4, "--no-progress", "--wandb", "--out", out])
+    assert rc == 0, err
+    assert "wandb:" in err and err.splitlines()[-1] == f"results written to {out}", err
+
+
 def test_rows_named_by_their_paths_each_get_one_wandb_section(tmp_path):
     """Two drafters of one name are labelled by their paths; a path's slashes nested the W&B keys into
     sections named after its first folder (one for both rows: "" or ".."). Each row is one section now."""
