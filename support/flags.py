@@ -733,7 +733,8 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
                         f"it would change nothing")
     raise UserError(f"--calibration {calibration}: "
                     f"only a scheduled round (--scheduler {sched.SCHEDULED}) or a sampled draft tree "
-                    f"reads the confidences; without either it changes nothing")
+                    f"reads the confidences, each of a --drafter with a confidence head (an Eagle3 or "
+                    f"DFlash drafter has none); without either it changes nothing")
 
 
 def check_sampling_reads(m, s) -> float:

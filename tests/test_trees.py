@@ -669,6 +669,33 @@ def test_calibration_is_taken_where_the_head_shapes_a_sampled_tree(tenv, tmp_pat
     speculate.generate(m, [[1, 2]], max_new_tokens=4, temperature=1.0, confidence_threshold=0.5)
 
 
+def test_calibration_read_by_nothing_says_that_a_reader_needs_a_confidence_head(tenv, tmp_path, capsys):
+    """--calibration with neither a schedule nor a sampled tree is refused before the models load; the
+    line says that either needs a drafter with a confidence head, as a head-less drafter (z-lab's DFlash
+    here; Eagle3 alike) would refuse the remedies it named, in speculate.py and eval.py alike."""
+    import eval as ev
+    import speculate
+
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": [1.0] * 5}))
+    headless = tenv["drafters"]["zlab"]
+    said = (f"error: --calibration {cal}: only a scheduled round (--scheduler threshold, hardware, async) or "
+            "a sampled draft tree reads the confidences, each of a --drafter with a confidence head (an Eagle3 "
+            "or DFlash drafter has none); without either it changes nothing")
+    rc = speculate.main([str(a) for a in ["--target", tenv["target"], "--drafter", headless, "--prompt-ids", "1,2",
+                                          "--max-new-tokens", 4, "--temperature", 1, "--calibration", cal]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [said], err
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ids.jsonl").write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n")
+    rc = ev.main([str(a) for a in ["--target", tenv["target"], "--drafter", headless, "--data-dir", data,
+                                   "--datasets", "ids", "--max-new-tokens", 4, "--no-progress",
+                                   "--calibration", cal, "--out", tmp_path / "r.json"]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [said], err
+
+
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_a_sampled_trees_round_counts_against_free_memory(tenv, capsys, monkeypatch, temperature):
     """What a sampled tree's round holds (its races and distributions over the vocabulary) is added to
