@@ -266,8 +266,8 @@ def check_args(args: ConcurrencyArgs) -> tuple[list[int], list[str], Settings]:
         flags.check_calibration_file(args.calibration)
         if schedulers == ["none"]:
             raise UserError(f"--calibration {args.calibration}: only a scheduler that reads the confidences "
-                            f"(threshold, hardware, async) uses it, and --schedulers is none: it would "
-                            f"change nothing")
+                            f"(threshold, hardware, async), of a --drafter with a confidence head, uses it, "
+                            f"and --schedulers is none: it would change nothing")
     check_ranges(args, repeats="[1, 1000]", requests_per_slot="[1, 100000]")
     return levels, schedulers, s
 

@@ -333,8 +333,11 @@ def test_calibration_is_applied_and_refused_where_nothing_reads_it(tmp_path, mon
     assert bc.main(flags + ["--schedulers", "threshold", "--out", str(out)]) == 0, capsys.readouterr().err
     assert seen["temperatures"] == [2.0] * DEMO_K
     assert json.load(open(out))["config"]["calibration"] == str(cal)
+    capsys.readouterr()
     assert bc.main(flags + ["--schedulers", "none"]) == 2
-    assert "--calibration" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --calibration {cal}: only a scheduler"), err
+    assert "of a --drafter with a confidence head" in err[0]  # a head-less drafter refuses a scheduler
 
 
 def test_compile_says_what_it_compiles(tmp_path, monkeypatch, capsys):
