@@ -677,7 +677,7 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
         sources = []
         picked = []  # the subset's records, (where, prompt) each
 
-        def choose(records, n=n, picked=picked):
+        def choose(records):  # called within this iteration, by load_prompts
             picked.extend(select(records, n, s.seed))
             return picked
         # the subset drawn from the records, and only it rendered and tokenized (as the authors read them)
