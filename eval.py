@@ -500,7 +500,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         drafters.append(load_extra_drafter(directory, m))
     rows = rows_of(drafters, drafter_dirs, s.tree_budget, s.draft_length)
     tree_drafters = [row.drafter for row in rows if row.tree_budget]
-    temperature = flags.sampling_for(m, s).temperature
+    sampling = flags.sampling_for(m, s)
+    temperature = sampling.temperature
     flags.check_tree_temperature(s, tree_drafters, temperature)
     flags.check_calibration_read(args.calibration, s, temperature)  # a greedy tree reads no confidence
     if rank == 0:
@@ -547,6 +548,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    dtype_resolved=dtype_name(m.dtype),
                    threads_resolved=torch.get_num_threads(),
                    scheduler_resolved=s.scheduler,
+                   sampling=sampling.record(),
                    chat_resolved=chat,
                    compile_resolved=s.compile,
                    num_drafts=K,
@@ -575,7 +577,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         revisions = hub_revisions([args.target, *args.drafter], [target_dir, *drafter_dirs])
         compile_seconds = sum(row["compile_seconds"] for row in done)
         run_config = config(args, world, K, engine, compile_seconds, drafters, chat, s.compile, m, skipped,
-                            revisions)
+                            sampling, revisions)
         record = {"config": run_config, "complete": complete}
         record.update(more)
         record["datasets"] = done[0]["datasets"]
@@ -886,16 +888,18 @@ def hub_revisions(given: list[str], directories: list[str]) -> dict:
 
 
 def config(args: EvalArgs, world: int, K: int, engine, compile_seconds: float, drafters: list, chat: bool,
-           compile: bool, m, skipped_files: list, revisions: Optional[dict] = None) -> dict:
+           compile: bool, m, skipped_files: list, sampling: flags.Sampling,
+           revisions: Optional[dict] = None) -> dict:
     """results.json's config: the flags as given, and what the run resolved them to (`revisions`:
-    `hub_revisions`; `compile_seconds`: every row's compile)."""
+    `hub_revisions`; `compile_seconds`: every row's compile; `sampling`: how tokens were drawn)."""
     drafter_config = one_or_list([d.cfg.describe(args.decode.draft_length) for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = dtype_name(m.dtype)
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
                 dtype_resolved=dtype, batch_size_resolved=engine.max_batch,
-                scheduler_resolved=engine.scheduler.kind, skipped=skipped, hub_revisions=revisions or {})
+                scheduler_resolved=engine.scheduler.kind, sampling=sampling.record(), skipped=skipped,
+                hub_revisions=revisions or {})
 
 
 def main(argv: Optional[list[str]] = None) -> int:

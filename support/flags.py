@@ -271,6 +271,10 @@ class Sampling:
     filters: Filters
     source: str
 
+    def record(self) -> dict:
+        """As a run's config records it (`sampling`): the temperature, the filters, where they came from."""
+        return {"temperature": self.temperature, **self.filters._asdict(), "source": self.source}
+
     def describe(self) -> str:
         if self.temperature == 0:
             return f"sampling: greedy ({self.source})"

@@ -310,8 +310,6 @@ class Report:
 
     def log_config(self):
         m, s, args = self.models, self.settings, self.args
-        sampling = {"temperature": self.sampling.temperature, **self.sampling.filters._asdict(),
-                    "source": self.sampling.source}
         drafter = None
         if m.drafter is not None:
             drafter = m.drafter.cfg.describe(s.draft_length)
@@ -319,7 +317,7 @@ class Report:
                         dtype_resolved=dtype_name(m.dtype),
                         threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
                         chat_resolved=auto_chat(args.rendering.chat, m.tokenizer), compile_resolved=s.compile,
-                        sampling=sampling, num_prompts=len(self.prompts),
+                        sampling=self.sampling.record(), num_prompts=len(self.prompts),
                         num_requests=self.requests,
                         target_config=runlog.checkpoint_config(m.directories[0]),
                         drafter_config=runlog.checkpoint_config(m.directories[1]),

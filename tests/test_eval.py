@@ -18,6 +18,7 @@ from drafters import make_drafter, make_target
 
 import eval as ev
 import speculate
+from sampling import Filters
 from support import calibration as cal
 from support import distributed, eval_report, flags, metrics
 
@@ -546,15 +547,20 @@ def test_a_calibration_fitted_elsewhere_gets_a_note(env, tmp_path, capsys):
 
 def test_temperature_none_is_the_resolved_temperature_everywhere_it_is_said(env, tmp_path, capsys):
     """--temperature None samples as the target's generation_config.json says: the comparison's title, the
-    note on a calibration fitted elsewhere and the calibration file give that temperature (the title and the
-    note crashed on None, and the file recorded null)."""
+    note on a calibration fitted elsewhere, the calibration file and results.json's `sampling` give that
+    temperature (the title and the note crashed on None, the file recorded null, and results.json only
+    the flag as given)."""
     target = tmp_path / "target"
     shutil.copytree(env["target"], target)
     (target / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5}))
     at_half = dict(env, target=str(target))
     cal = tmp_path / "cal.json"
-    run_eval(at_half, tmp_path, capsys, "--temperature", "None", "--max-samples", 2, "--calibration-out", cal,
-             out="a.json")
+    res, _, _ = run_eval(at_half, tmp_path, capsys, "--temperature", "None", "--max-samples", 2,
+                         "--calibration-out", cal, out="a.json")
+    assert res["config"]["temperature"] is None  # the flag as given ...
+    sampling = res["config"]["sampling"]  # ... and how tokens were drawn
+    assert (sampling["temperature"], sampling["top_k"]) == (0.5, 0)
+    assert sampling["source"].endswith("generation_config.json"), sampling
     fitted = json.load(open(cal))
     assert fitted["temperature"] == 0.5
     cal.write_text(json.dumps({**fitted, "temperature": 1.0}))
@@ -1273,8 +1279,11 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
     engine = SimpleNamespace(max_batch=4, scheduler=SimpleNamespace(kind="none"))
     m = SimpleNamespace(dtype=torch.float32)
     skipped_files = [os.path.join("data", "eval", "aime25.jsonl")]  # resolve_datasets' second list
+    sampling = flags.Sampling(1.0, Filters(top_k=20), "from --temperature, --top-k")
     for drafters, want in [([], None), ([drafter("a")], "a"), ([drafter("a"), drafter("b")], ["a", "b"])]:
-        c = ev.config(args, 2, 7, engine, 1.5, drafters, True, False, m, skipped_files)
+        c = ev.config(args, 2, 7, engine, 1.5, drafters, True, False, m, skipped_files, sampling)
+        assert c["sampling"] == {"temperature": 1.0, "top_k": 20, "top_p": 1.0, "min_p": 0.0,
+                                 "source": "from --temperature, --top-k"}
         assert c["drafter_config"] == want
         assert c["skipped"] == ["aime25"]  # as named, without the space around it
         assert (c["world_size"], c["num_drafts"], c["compile_seconds"]) == (2, 7, 1.5)
