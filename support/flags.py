@@ -729,6 +729,8 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
     before the models load (a tree may then be sampled)."""
     if calibration is None or s.scheduler != "none":
         return
+    if not calibration.strip():  # said by the file check: an empty path
+        return
     if s.tree_budget:
         if temperature is None or temperature > 0:
             return

@@ -742,6 +742,11 @@ CASES = [
      "--calibration: empty path", False),
     ("eval-calibration-empty-path", "eval", lambda w, t: E(w) + ["--confidence-threshold", "0.5", "--calibration", ""],
      "--calibration: empty path", False),
+    # nothing reads the confidences here: the empty path is said, not that the flag changes nothing
+    ("calibration-empty-unread", "speculate", lambda w, t: S(w) + ["--calibration", ""],
+     "--calibration: empty path", False),
+    ("eval-calibration-empty-unread", "eval", lambda w, t: E(w) + ["--calibration", ""],
+     "--calibration: empty path", False),
     ("prompts-file-empty-path", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", ""] + S(w)[6:],
      "--prompts-file: empty path", False),
     ("train-resume-empty-path", "train", lambda w, t: T(w, t) + ["--resume", ""], "--resume: empty path", False),
