@@ -510,7 +510,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                   f"(scripts/fetch_eval_data.py builds the paper's datasets)", file=sys.stderr)
     chat = auto_chat(args.rendering.chat, m.tokenizer)
     if rank == 0 and args.calibration:
-        note = calibration_note(args.calibration, first, temperature)
+        note = calibration_note(m, temperature)
         if note:
             print(note, file=sys.stderr)
     calibrates = reports_calibration(args, rows, m, first)

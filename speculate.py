@@ -1009,8 +1009,13 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
                             thinking=thinking)
         ids.append(prompt_ids)
     temperature = flags.check_sampling_reads(m, s)
-    if m.calibration is not None:  # fitted elsewhere: said as the command line says it, as a warning
-        note = flags.calibration_note(m.calibration, m.directories[1], temperature)
+    # what the command line says at start, as warnings: generation_config.json's keys not applied
+    # here, a calibration fitted elsewhere
+    unapplied = flags.sampling_for(m, s).unapplied
+    if unapplied:
+        warnings.warn(f"{m.generation_source}: not applied here: {', '.join(unapplied)}", stacklevel=2)
+    if m.calibration is not None:
+        note = flags.calibration_note(m, temperature)
         if note:
             warnings.warn(note.removeprefix("note: "), stacklevel=2)
     engine = make_engine(m, m.drafter, ids, s, verbose=False)

@@ -189,7 +189,7 @@ def run(args: ConcurrencyArgs) -> list[dict]:
     dtype = resolve_dtype(args.machine.dtype, dev)
     m = load_models(target_dir, drafter_dir, device=dev, dtype=args.machine.dtype, calibration=args.calibration)
     if args.calibration is not None:
-        note = flags.calibration_note(args.calibration, drafter_dir, s.temperature)
+        note = flags.calibration_note(m, s.temperature)
         if note:
             print(note, file=sys.stderr)
     scheduled = [name for name in schedulers if name != "none"]

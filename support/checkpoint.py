@@ -525,7 +525,9 @@ class Models:
     directories: tuple = (None, None)        # where the target and the drafter were read
     generation_problem: Optional[str] = None  # why that file is unusable, said only where it is used
     generation_unapplied: tuple = ()  # what that file asks for that is not applied here ("key value" each)
-    calibration: Optional[str] = None  # the STS temperatures file the drafter's head applies
+    calibration: Optional[str] = None  # the STS temperatures file the drafter's head applies ...
+    # ... as read at load, with "applied_to", the drafter's real path then (`flags.calibration_note`)
+    calibration_fit: Optional[dict] = None
     # held by whatever sets up or runs an engine on these models (their caches are the engine's)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
@@ -589,6 +591,7 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             tokenizer = Tokenizer(target)
         if drafter is not None:
             d = load_drafter(drafter, t, device, dt)
+    calibration_fit = None
     if calibration is not None:
         check_input(calibration, "--calibration", "calibration file")
         if d is None or d.confidence_head is None:
@@ -630,13 +633,14 @@ def load_models(target: Optional[str], drafter: Optional[str] = None, *, device:
             raise UserError(f"{calibration}: 'fit_rounds_by_position' must be a list of {K} counts "
                             f"(the rounds each position was fitted on), got {repr(counts)[:200]}")
         d.calibrate(temps)
+        calibration_fit = dict(cal, applied_to=os.path.realpath(drafter))
     if cpu_kernels:
         from support import cpu_kernels as backend
         for m in (t, d):
             if m is not None:
                 backend.install(m)
     return Models(t, d, tokenizer, stop_ids, dt, generation, generation_source, (target, drafter),
-                  generation_problem, unapplied, calibration)
+                  generation_problem, unapplied, calibration, calibration_fit)
 
 
 def stop_token_ids(directory: str, args: ModelArgs) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ from support.cli import (
     set_threads,
     use_compile_cache,
 )
-from support.files import check_input, check_outputs, check_read_apart, read_json
+from support.files import check_input, check_outputs, check_read_apart
 from support.runlog import WandbFlags
 from support.text import (
     StopStrings,
@@ -270,6 +270,7 @@ class Sampling:
     temperature: float
     filters: Filters
     source: str
+    unapplied: tuple = ()  # read from generation_config.json, not applied here ("key value" each)
 
     def record(self) -> dict:
         """As a run's config records it (`sampling`): the temperature, the filters, where they came from."""
@@ -294,6 +295,7 @@ def sampling_for(m, s) -> Sampling:
     generation_config.json, else greedy."""
     names = ("temperature", "top_k", "top_p", "min_p")
     given = {name: getattr(s, name) for name in names if getattr(s, name) is not None}
+    unapplied = ()
     if given:
         source = "from " + ", ".join(flag(name) for name in given)
     elif m.generation_problem is not None:
@@ -302,21 +304,23 @@ def sampling_for(m, s) -> Sampling:
     elif m.generation is not None:
         given = m.generation
         source = f"from {m.generation_source}"
-        if m.generation_unapplied:
-            source += f"; not applied here: {', '.join(m.generation_unapplied)}"
+        unapplied = m.generation_unapplied
+        if unapplied:
+            source += f"; not applied here: {', '.join(unapplied)}"
     else:
         given = {"temperature": 0.0}
         source = "no sampling flag, and no generation_config.json"
         if m.generation_source is not None:
             source = f"no sampling flag, and {m.generation_source} does not set do_sample true"
-        if m.generation_unapplied:
-            source += f"; not applied here: {', '.join(m.generation_unapplied)}"
+        unapplied = m.generation_unapplied
+        if unapplied:
+            source += f"; not applied here: {', '.join(unapplied)}"
     temperature = float(given.get("temperature", 1.0))
     filters = Filters()
     if temperature != 0:
         filters = Filters(int(given.get("top_k") or 0), float(given.get("top_p", 1.0)),
                           float(given.get("min_p", 0.0)))
-    return Sampling(temperature, filters, source)
+    return Sampling(temperature, filters, source, unapplied)
 
 
 def sampled_tree_bytes(target, drafter, tree_budget: int) -> int:
@@ -789,16 +793,18 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
     return prompts, sources
 
 
-def calibration_note(calibration: str, drafter: Optional[str],
-                     temperature: float) -> Optional[str]:
-    """A note when an STS file was fitted on another drafter or at another temperature than this run, under
-    a scheduler, or with positions no round verified (its keys checked where the drafter loads)."""
-    cal = read_json(calibration)
+def calibration_note(m, temperature: float) -> Optional[str]:
+    """A note when the models' STS file was fitted on another drafter or at another temperature than this
+    run, under a scheduler, or with positions no round verified: from the file as read at load
+    (`Models.calibration_fit`, its keys checked there), whatever the file or the directory since."""
+    calibration = m.calibration
+    cal = m.calibration_fit
     fitted = cal.get("drafter_dir")
     fitted_t = cal.get("temperature")
+    applied_to = cal["applied_to"]
     other = []
-    if fitted is not None and drafter is not None and fitted != os.path.realpath(drafter):
-        other.append(f"on drafter {fitted} (this run: {os.path.realpath(drafter)})")
+    if fitted is not None and fitted != applied_to:
+        other.append(f"on drafter {fitted} (this run: {applied_to})")
     if fitted_t is not None and fitted_t != temperature:
         other.append(f"at temperature {fitted_t:g} (this run: {temperature:g})")
     scheduler = cal.get("scheduler")

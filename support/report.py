@@ -297,8 +297,7 @@ class Report:
         self.sampling = sampling_for(models, settings)
         note = None
         if args.calibration:
-            note = calibration_note(args.calibration, models.directories[1],
-                                    self.sampling.temperature)
+            note = calibration_note(models, self.sampling.temperature)
         if note:
             print(note, file=sys.stderr)
         parts = [device_line(args.machine.device), threads,

@@ -585,7 +585,8 @@ def test_a_calibration_file_says_what_each_temperature_was_fitted_on(env, tmp_pa
     assert counts == res["calibration"]["fit_rounds_by_position"] and counts[-1] == 0
     assert all(t == 1.0 for t, n in zip(fitted["temperatures"], counts) if n == 0)
     assert "warning: no round of the STS fit part verified position" in err
-    note = flags.calibration_note(str(cal), env["drafter"], 1.0)
+    m = speculate.load(env["target"], env["drafter"], calibration=str(cal))
+    note = flags.calibration_note(m, 1.0)
     assert "under --scheduler threshold, whose records bias it" in note and f"{K} (kept at 1)" in note
 
 
@@ -1314,6 +1315,35 @@ def test_the_api_warns_of_a_calibration_fitted_elsewhere(env, tmp_path):
     m = speculate.load(env["target"], env["drafter"], calibration=str(cal))
     with pytest.warns(UserWarning, match=r"was fitted at temperature 1 \(this run: 0\) and under --scheduler"):
         speculate.generate(m, [[1, 2, 3]], max_new_tokens=4, temperature=0.0, confidence_threshold=0.5)
+
+
+def test_the_api_notes_the_calibration_it_loaded_whatever_happens_to_the_file(env, tmp_path, monkeypatch):
+    """The note compares what load() read, fitted on this drafter: after a change of directory (a relative
+    path given to load()) or the file rewritten, generate neither fails nor warns of another drafter."""
+    import warnings
+
+    cal = tmp_path / "cal.json"
+    drafter = os.path.realpath(env["drafter"])
+    cal.write_text(json.dumps({"temperatures": [1.5] * K, "temperature": 0.0, "drafter_dir": drafter}))
+    monkeypatch.chdir(tmp_path)
+    m = speculate.load(os.path.relpath(env["target"]), os.path.relpath(drafter), calibration="cal.json")
+    monkeypatch.chdir(REPO_ROOT)
+    cal.write_text("[]")  # rewritten since
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no note: fitted on this drafter, at this temperature
+        speculate.generate(m, [[1, 2, 3]], max_new_tokens=4, temperature=0.0, confidence_threshold=0.5)
+
+
+def test_the_api_warns_of_generation_config_keys_not_applied(env, tmp_path):
+    """Sampling as the target's generation_config.json says, through the API: what the file asks for and this
+    decoding does not apply comes as a UserWarning, as the command line says it at start."""
+    target = tmp_path / "target"
+    shutil.copytree(env["target"], target)
+    config = {"do_sample": True, "temperature": 0.6, "repetition_penalty": 1.3}
+    (target / "generation_config.json").write_text(json.dumps(config))
+    m = speculate.load(str(target), env["drafter"])
+    with pytest.warns(UserWarning, match=r"generation_config.json: not applied here: repetition_penalty 1.3"):
+        speculate.generate(m, [[1, 2, 3]], max_new_tokens=4)
 
 
 def test_each_extra_drafter_is_counted_before_it_loads(tmp_path, monkeypatch, capsys):
