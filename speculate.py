@@ -890,9 +890,10 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     """The engine for `drafter` (None: autoregressive) sized for the prompts (at least `max_seq`
     positions a row), compiled and warmed up when asked (eager: one untimed round), its SPS table
     read or profiled; none of this for --max-new-tokens 1, which runs no round, unless --sps-table
-    asks for the table. One thread at a time sets up or runs an engine on `m`."""
+    asks for the table. One thread at a time sets up or runs an engine on `m`
+    (`Models.engine_turn`)."""
     flags.check_engine_inputs(m, prompts, s, drafter)
-    with m.lock:  # the models' caches become this engine's
+    with m.engine_turn():  # the models' caches become this engine's
         size = size_engine(m, drafter, prompts, s, max_seq)
         kind = flags.scheduler_kind(s, drafter)
         drawn = flags.sampling_for(m, s)
@@ -975,7 +976,7 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
     """Every prompt num_samples times on `engine`: the driver of `generate` and of the command line.
     Of `s` it reads num_samples and max_new_tokens; everything else is the engine's, as it was built.
     on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
-    on_finish(completion) as each ends."""
+    on_finish(completion) as each ends; neither may call the API on `m` (`Models.engine_turn`)."""
     flags.check_engine_inputs(m, prompts, s, engine.drafter)
     requests = requests_for(prompts, s.num_samples)
 
@@ -983,7 +984,7 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
         if on_finish is not None:
             on_finish(completion(req, m, engine))
 
-    with m.lock:  # another thread's engine would put its caches in the models mid-decode
+    with m.engine_turn():  # another engine would put its caches in the models mid-decode
         engine.generate(requests, s.max_new_tokens, on_round, finished, on_step)
     return [completion(r, m, engine) for r in requests]
 

@@ -4,6 +4,7 @@ gate/up; models fuse them."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -530,6 +531,23 @@ class Models:
     calibration_fit: Optional[dict] = None
     # held by whatever sets up or runs an engine on these models (their caches are the engine's)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    busy: bool = field(default=False, repr=False, compare=False)  # an engine is being built or decodes
+
+    @contextlib.contextmanager
+    def engine_turn(self):
+        """Hold the models' caches for one engine: another thread waits for its turn; a call on this
+        thread while it holds them (from a decode callback) is refused, as it would replace the caches
+        the running decode reads."""
+        with self.lock:
+            if self.busy:
+                raise UserError("generate, make_engine or decode called from a decode callback on the "
+                                "same models, whose caches the running decode uses: load a second copy "
+                                "(speculate.load) for the nested work, or queue it until decode returns")
+            self.busy = True
+            try:
+                yield
+            finally:
+                self.busy = False
 
     @property
     def hub_snapshots(self) -> list[str]:

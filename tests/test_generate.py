@@ -615,6 +615,40 @@ def test_threads_sharing_models_take_turns(chat_target):
     assert got == {name: [want[name]] * 4 for name in calls}
 
 
+def test_a_decode_callback_calling_the_api_on_the_same_models_is_refused(chat_target):
+    """A callback (on_finish, on_round) calling generate on the models that are decoding re-entered the
+    per-Models lock on the same thread: the nested engine replaced the caches the running decode read (an
+    IndexError, or other greedy tokens in silence). It is one UserError, and the models decode as before."""
+    from support import flags
+    from support.flags import Settings
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    nested = "generate, make_engine or decode called from a decode callback on the same models"
+    s = flags.check_settings(Settings(max_new_tokens=8, batch_size=2, temperature=0), "cpu")
+    ids = [[34, 16, 25, 10], [5, 6, 7], [30, 31, 32], [7, 8, 9]]
+    e = speculate.make_engine(m, m.drafter, ids, s, verbose=False)
+
+    def follow_up(c):
+        speculate.generate(m, [c.prompt_ids + c.output_ids], max_new_tokens=4, temperature=0)
+
+    with pytest.raises(speculate.UserError, match=re.escape(nested)):
+        speculate.decode(m, ids, s, e, on_finish=follow_up)
+    s1 = flags.check_settings(Settings(max_new_tokens=8, batch_size=1, temperature=0), "cpu")
+    P = [[34, 16, 25, 10], [5, 6, 7, 8], [30, 31, 32, 33]]
+    e1 = speculate.make_engine(m, m.drafter, P, s1, verbose=False)
+    ref = [c.output_ids for c in speculate.decode(m, P, s1, e1)]
+    calls = [lambda: speculate.generate(m, [list(range(10, 38))], max_new_tokens=4, temperature=0),
+             lambda: speculate.make_engine(m, None, P, s1, verbose=False),
+             lambda: speculate.decode(m, P, s1, e1)]
+    for call in calls:
+        with pytest.raises(speculate.UserError, match=re.escape(nested)):
+            speculate.decode(m, P, s1, e1, on_round=lambda req, entry: call())
+    assert [c.output_ids for c in speculate.decode(m, P, s1, e1)] == ref
+    fresh = speculate.load(target, drafter)
+    assert [c.output_ids for c in speculate.generate(m, P, max_new_tokens=8, temperature=0)] == \
+        [c.output_ids for c in speculate.generate(fresh, P, max_new_tokens=8, temperature=0)]
+
+
 def test_drafts_per_round_is_the_drafters_unless_an_eagle3_chain_is_given_one(chat_target, tmp_path):
     """api.md passes draft_length to drafts_per_round before metrics.count: a block drafter drafts its block
     whatever is passed (it returned the number passed), an Eagle3 chain the number asked for."""
