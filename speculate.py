@@ -529,7 +529,8 @@ class Engine:
     host reads the verify size between them (a bucket when compiled), except "async", planned before.
     `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
     those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
-    would make a round wrong (a schedule without an SPS table, prompts past its cache)."""
+    would make a round wrong (a schedule without an SPS table, prompts past its cache, and those
+    `check_prompts` refuses: empty, outside the vocabulary, past the models' context)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
@@ -646,9 +647,9 @@ class Engine:
             fix = "engine.scheduler.set_sps(scheduler.load_or_profile(engine, path))"
             raise UserError(f"Engine(scheduler={kind!r}): no SPS table, so every draft would be "
                             f"verified; make_engine reads or profiles one, or call {fix} first")
-        empty = [r.index for r in requests if not r.prompt_ids]
-        if empty:
-            raise UserError(f"Engine.generate: request {empty[0]} has an empty prompt (one token at least)")
+        prompts = [r.prompt_ids for r in requests]
+        names = [f"Engine.generate: request {r.index}" for r in requests]
+        check_prompts(prompts, self.target, max_new_tokens, drafter=self.drafter, sources=names)
         longest = max((len(r.prompt_ids) for r in requests), default=0)
         need = cache_length(longest, max_new_tokens, self.drafter, self.K, self.tree_budget)
         if need > self.max_seq:  # longer prompts or a larger budget than the engine was sized for

@@ -193,8 +193,13 @@ def test_an_engine_refuses_requests_longer_than_it_was_sized_for():
     # a budget of 0 decoded a token, and an empty prompt was an IndexError in the prefill
     with pytest.raises(UserError, match=r"^Engine.generate: max_new_tokens=0, at least 1$"):
         engine.generate([speculate.Request(0, [1, 2, 3])], 0)
-    with pytest.raises(UserError, match=r"^Engine.generate: request 1 has an empty prompt \(one token at least\)$"):
+    with pytest.raises(UserError, match=r"^Engine.generate: request 1: empty prompt$"):
         engine.generate([speculate.Request(0, [1, 2]), speculate.Request(1, [])], 4)
+    # an id outside the vocabulary was an IndexError in the embedding, as documented as checked
+    V = m.target.args.vocab_size
+    with pytest.raises(UserError, match=rf"^Engine.generate: request 2: token id 99999 is outside the vocabulary "
+                                        rf"\(0..{V - 1}\)$"):
+        engine.generate([speculate.Request(2, [99999])], 4)
 
 
 def test_the_caches_a_model_holds_count_as_free_for_its_next_engine(monkeypatch):
