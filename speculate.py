@@ -978,6 +978,12 @@ def decode(m: Models, prompts: list[list[int]], s: Settings, engine: Engine, *, 
     Of `s` it reads num_samples and max_new_tokens; everything else is the engine's, as it was built.
     on_round(request, entry) after each round of a request, with the round's trace entry (`trace_record`);
     on_finish(completion) as each ends; neither may call the API on `m` (`Models.engine_turn`)."""
+    flags.check_models(m)
+    if not isinstance(engine, Engine):
+        raise UserError(f"engine: an Engine (speculate.make_engine(m, m.drafter, prompts, s)), got "
+                        f"{type(engine).__name__} {repr(engine)[:60]}")
+    if engine.target is not m.target:
+        raise UserError("engine: built on other models; make_engine(m, ...) for these models")
     flags.check_engine_inputs(m, prompts, s, engine.drafter)
     requests = requests_for(prompts, s.num_samples)
 

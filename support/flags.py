@@ -16,6 +16,7 @@ import torch
 
 import kernels
 import scheduler as sched
+from drafter import DrafterBase
 from sampling import Filters, tree_parent_count
 from support import runlog
 from support.checkpoint import Models
@@ -432,9 +433,13 @@ def check_models(m):
 
 
 def check_engine_inputs(m, prompts, s, drafter):
-    """`make_engine`'s and `decode`'s models, their token-id prompts, checked as `generate` checks what it
-    encodes, and their settings checked (`check_settings` resolves the scheduler)."""
+    """`make_engine`'s and `decode`'s models, drafter (None or a loaded one), their token-id prompts,
+    checked as `generate` checks what it encodes, and their settings checked (`check_settings` resolves
+    the scheduler)."""
     check_models(m)
+    if drafter is not None and not isinstance(drafter, DrafterBase):
+        raise UserError(f"drafter: None or a loaded drafter (the models' m.drafter), got "
+                        f"{type(drafter).__name__} {repr(drafter)[:60]}")
     device = m.target.embed_tokens.weight.device
     checked_for = getattr(s, "_checked_for", None)
     if not isinstance(s, Settings) or checked_for is None:

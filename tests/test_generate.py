@@ -547,6 +547,18 @@ def test_make_engine_and_decode_check_their_prompts_and_settings(chat_target):
     for models in ("demo", m.target):
         with pytest.raises(speculate.UserError, match=re.escape("models: speculate.load()'s result, got ")):
             speculate.generate(models, "def f():", max_new_tokens=4)
+    # an engine or a drafter of the wrong kind was an AttributeError; an engine of other models decoded
+    # with those models' target and drafter in silence
+    for bad in (None, "engine", m.target):
+        with pytest.raises(speculate.UserError, match=re.escape("engine: an Engine (speculate.make_engine(")):
+            speculate.decode(m, ids, s, bad)
+    other = speculate.load(target, drafter)
+    with pytest.raises(speculate.UserError, match=re.escape("engine: built on other models; make_engine(m")):
+        speculate.decode(other, ids, s, engine)
+    for bad, name in ((drafter, "str"), (m.target, "Transformer"), (m, "Models")):
+        with pytest.raises(speculate.UserError, match=re.escape(f"drafter: None or a loaded drafter (the "
+                                                                f"models' m.drafter), got {name} ")):
+            speculate.make_engine(m, bad, ids, s, verbose=False)
     # an engine without a drafter: what only a drafter reads (an IndexError or AttributeError inside)
     for kw, needle in ((dict(tree_budget=4), "--tree-budget 4: a tree is drafted by a drafter"),
                        (dict(tree_budget=4, temperature=1.0), "--tree-budget 4: a tree is drafted by a drafter"),
