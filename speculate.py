@@ -28,7 +28,7 @@ from model import Ragged, Transformer, TreeSlots
 from sampling import NO_FILTERS, Filters
 from support import cpu_kernels, flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
-from support.cli import UserError, cli_main, one_process
+from support.cli import UserError, cli_main, one_process, path_argument
 from support.flags import Args, Settings
 from support.report import Report
 from support.text import StopStrings, check_prompts, encode
@@ -842,9 +842,9 @@ def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device:
     """The models for `generate`: checkpoint directories or hub ids; with neither, the demo pair.
     cpu_kernels=False: the plain model on CPU float32 too, every module running as written (the
     kernels replace the linear layers' forwards, `Attention.project` and few-token attention)."""
-    target = flags.path_argument(target, "--target")
-    drafter = flags.path_argument(drafter, "--drafter")
-    calibration = flags.path_argument(calibration, "--calibration")
+    target = path_argument(target, "--target")
+    drafter = path_argument(drafter, "--drafter")
+    calibration = path_argument(calibration, "--calibration")
     cpu_kernels = flags.python_bool(cpu_kernels)
     if not isinstance(cpu_kernels, bool):
         raise UserError(f"load(): cpu_kernels={cpu_kernels!r} (True or False)")

@@ -604,12 +604,23 @@ def refuse_standard_output(path: str, flag: str, wanted: str):
         raise UserError(f"{flag} -: standard output is not supported here; give a {wanted} path")
 
 
+def path_argument(value, name: str, what: str = "a path or hub id") -> Optional[str]:
+    """An API path argument (`load`'s target, drafter, calibration, `use_compile_cache`'s directory) as
+    its flag takes it: a str or an os.PathLike, None where not given."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"{name}: invalid value {value!r} ({what}: a str or an os.PathLike)")
+    return value
+
+
 def use_compile_cache(path: Optional[str]) -> str:
     """Inductor's caches: --compile-cache, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dspark-fast/inductor
     ($XDG_CACHE_HOME for ~/.cache), which unlike Inductor's /tmp default survives a reboot."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     source = "$TORCHINDUCTOR_CACHE_DIR"  # named in every error: where the path came from
+    path = path_argument(path, "--compile-cache", "a directory")
     if path is not None:
         refuse_standard_output(path, "--compile-cache", "directory")
         given = path

@@ -371,16 +371,6 @@ def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_b
     raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 
 
-def path_argument(value, name: str) -> Optional[str]:
-    """An API path argument (`load`'s target, drafter, calibration) as its flag takes it: a str or an
-    os.PathLike, None where not given."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if value is not None and not isinstance(value, str):
-        raise UserError(f"{name}: invalid value {value!r} (a path or hub id: a str or an os.PathLike)")
-    return value
-
-
 def python_bool(value):
     """A numpy boolean as Python's (numpy numbers are taken as Python's too); anything else as given."""
     if isinstance(value, np.bool_):

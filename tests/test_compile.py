@@ -500,6 +500,11 @@ def test_a_compile_cache_error_names_where_its_path_came_from(tmp_path, monkeypa
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
     with pytest.raises(cli.UserError, match="^\\$TORCHINDUCTOR_CACHE_DIR: empty"):
         cli.use_compile_cache(None)
+    # a path-like directory as the API's other path arguments take it (it was an AttributeError)
+    assert cli.use_compile_cache(tmp_path / "cc") == str(tmp_path / "cc")
+    with pytest.raises(cli.UserError, match="^--compile-cache: invalid value 5 \\(a directory: a str or an "
+                                            "os.PathLike\\)$"):
+        cli.use_compile_cache(5)
 
 
 def test_a_budget_of_one_token_compiles_no_round(pair, monkeypatch, capsys):
