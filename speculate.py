@@ -1016,14 +1016,14 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
         prompt_ids = encode(m.tokenizer, p, f"prompt {i}", chat=chat, system_prompt=system_prompt,
                             thinking=thinking)
         ids.append(prompt_ids)
-    temperature = flags.check_sampling_reads(m, s)
+    drawn = flags.check_sampling_reads(m, s)
     # what the command line says at start, as warnings: generation_config.json's keys not applied
     # here, a calibration fitted elsewhere
-    unapplied = flags.sampling_for(m, s).unapplied
-    if unapplied:
-        warnings.warn(f"{m.generation_source}: not applied here: {', '.join(unapplied)}", stacklevel=2)
+    if drawn.unapplied:
+        unapplied = ", ".join(drawn.unapplied)
+        warnings.warn(f"{m.generation_source}: not applied here: {unapplied}", stacklevel=2)
     if m.calibration is not None:
-        note = flags.calibration_note(m, temperature)
+        note = flags.calibration_note(m, drawn.temperature)
         if note:
             warnings.warn(note.removeprefix("note: "), stacklevel=2)
     engine = make_engine(m, m.drafter, ids, s, verbose=False)
@@ -1046,7 +1046,7 @@ def run(args: Args) -> dict:
         threads = flags.start_machine(machine, s)
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
-        temperature = flags.check_sampling_reads(m, s)
+        temperature = flags.check_sampling_reads(m, s).temperature
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)

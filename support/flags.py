@@ -742,13 +742,13 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
                     f"DFlash drafter has none); without either it changes nothing")
 
 
-def check_sampling_reads(m, s) -> float:
-    """The run's temperature, once the settings that depend on it are checked against the models'
-    drafter and calibration file (`check_tree_temperature`, `check_calibration_read`)."""
-    temperature = sampling_for(m, s).temperature
-    check_tree_temperature(s, [m.drafter], temperature)
-    check_calibration_read(m.calibration, s, temperature)
-    return temperature
+def check_sampling_reads(m, s) -> Sampling:
+    """The run's sampling (`sampling_for`), once the settings that depend on its temperature are checked
+    against the models' drafter and calibration file (`check_tree_temperature`, `check_calibration_read`)."""
+    drawn = sampling_for(m, s)
+    check_tree_temperature(s, [m.drafter], drawn.temperature)
+    check_calibration_read(m.calibration, s, drawn.temperature)
+    return drawn
 
 
 def check_calibration_file(path: Optional[str]):
