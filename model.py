@@ -119,15 +119,21 @@ class KVCache(nn.Module):
         return k, v
 
 
+def caches_fit(model: nn.Module, max_batch: int, max_seq: int, dtype: torch.dtype) -> bool:
+    """Whether `model.layers` hold caches of this size and dtype (`make_caches` keeps them)."""
+    kv = model.layers[0].self_attn.kv_cache
+    if kv is None:
+        return False
+    same_size = tuple(kv.k.shape[:2]) == (max_batch, max_seq)
+    return same_size and kv.k.dtype == dtype
+
+
 def make_caches(model: nn.Module, args: ModelArgs, max_batch: int, max_seq: int,
                 like: torch.Tensor):
     """Give each of `model.layers` a cache and `model` its RoPE table (`args`'), unless it has them at
     this size and dtype (compiled graphs hold the old tensors). True when it made new ones."""
-    kv = model.layers[0].self_attn.kv_cache
-    if kv is not None:
-        same_size = tuple(kv.k.shape[:2]) == (max_batch, max_seq)
-        if same_size and kv.k.dtype == like.dtype:
-            return False
+    if caches_fit(model, max_batch, max_seq, like.dtype):
+        return False
     for layer in model.layers:
         a = layer.self_attn
         a.kv_cache = KVCache(max_batch, max_seq, a.n_kv, a.head_dim, like.dtype, like.device)

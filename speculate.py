@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from types import FunctionType
 from typing import NamedTuple, Optional
@@ -24,7 +25,7 @@ import torch
 import kernels
 import sampling
 import scheduler as sched
-from model import Ragged, Transformer, TreeSlots
+from model import Ragged, Transformer, TreeSlots, caches_fit
 from sampling import NO_FILTERS, Filters
 from support import cpu_kernels, flags, metrics, runlog
 from support.checkpoint import Models, load_models, resolve_checkpoint
@@ -468,6 +469,26 @@ def caches(model) -> Caches:
     return Caches(model.rope, kv, carried)
 
 
+# Each keeps its caches (`Engine.held`) while it lives, whatever a later engine sets up.
+LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def reclaimed_cache_bytes(models: list, batch: int, max_seq: int, dtype: torch.dtype) -> int:
+    """Bytes of the caches `models` hold now that new caches of batch x max_seq positions take over:
+    a model's are reused at that size and dtype, and freed unless a live engine keeps them."""
+    total = 0
+    for model in models:
+        kv = [layer.self_attn.kv_cache for layer in model.layers]
+        if kv[0] is None:
+            continue
+        now = caches(model)
+        kept = any(now.same(held) for e in LIVE_ENGINES for held in e.held)
+        reused = caches_fit(model, batch, max_seq, dtype)
+        if reused or not kept:
+            total += sum(c.k.nbytes + c.v.nbytes for c in kv)
+    return total
+
+
 def trace_record(req: Request, rec: RoundRecord) -> dict:
     """A request's round as the trace writes it (docs/trace-format.md); a tree's adds its shape and
     the nodes the walk took."""
@@ -558,6 +579,7 @@ class Engine:
         for m in self.models:
             m.setup_caches(batch_size, max_seq)
         self.held = [caches(m) for m in self.models]  # each model's, for `own_caches` to put back
+        LIVE_ENGINES.add(self)
         self.K = drafts_per_round(drafter, num_drafts)
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
@@ -879,7 +901,13 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     tree_bytes = 0
     if s.tree_budget and flags.sampling_for(m, s).temperature > 0:
         tree_bytes = flags.sampled_tree_bytes(m.target, drafter, s.tree_budget)
-    flags.check_cache_memory(m.target, drafter, batch, max_seq, device, tree_bytes)
+    models = [m.target]
+    if drafter is not None:
+        models.append(drafter)
+    dtype = m.target.embed_tokens.weight.dtype
+    reclaimed = reclaimed_cache_bytes(models, batch, max_seq, dtype)
+    flags.check_cache_memory(m.target, drafter, batch, max_seq, device, tree_bytes,
+                             reclaimed=reclaimed)
     buckets = None
     if drafter is not None:
         buckets = sched.parse_buckets(s.verify_buckets, batch, drafter)

@@ -334,22 +334,11 @@ def sampled_tree_bytes(target, drafter, tree_budget: int) -> int:
     return 4 * rows * V
 
 
-def held_cache_bytes(model) -> int:
-    """Bytes of the KV caches `model` (None: none) holds now, from the last engine built on it."""
-    total = 0
-    if model is None:
-        return total
-    for layer in model.layers:
-        kv = layer.self_attn.kv_cache
-        if kv is not None:
-            total += kv.k.nbytes + kv.v.nbytes
-    return total
-
-
 def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_bytes: int = 0,
-                       rows: str = "--batch-size"):
+                       rows: str = "--batch-size", reclaimed: int = 0):
     """The KV caches, and a sampled tree's round (`tree_bytes` a row), must fit in what is free on
-    the device (where that is known); `rows`: the flag that sets `batch`."""
+    the device (where that is known) and `reclaimed`, the bytes of the caches the models hold now
+    that the new ones take over; `rows`: the flag that sets `batch`."""
     configs = [target.args]
     if drafter is not None:
         configs.append(drafter.cfg.layers)
@@ -358,8 +347,8 @@ def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_b
     need = per_token * batch * max_seq * itemsize
     trees = tree_bytes * batch
     free = free_memory(device)
-    if free:  # the caches the models hold now: the new engine reuses them or they are freed
-        free += held_cache_bytes(target) + held_cache_bytes(drafter)
+    if free:
+        free += reclaimed
     if fits(need + trees, free):
         return
     what = f"the KV caches for {rows} {batch} x {max_seq} positions need {need / 2**30:.1f} GiB"

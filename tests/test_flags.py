@@ -227,6 +227,32 @@ def test_the_caches_a_model_holds_count_as_free_for_its_next_engine(monkeypatch)
         speculate.make_engine(m, m.drafter, [[1, 2, 3]], bigger, verbose=False)
 
 
+def test_the_caches_of_an_engine_the_user_keeps_count_as_used(monkeypatch):
+    """docs/api.md: build an engine yourself to reuse it. While it lives its caches stay allocated, so a next
+    engine of another size must fit beside them; once it is gone they count as free again, and an engine of
+    the kept one's size shares its caches."""
+    m = speculate.load()
+
+    def settings(max_new_tokens):
+        given = speculate.Settings(max_new_tokens=max_new_tokens, batch_size=4, num_samples=4)
+        return flags.check_settings(given, "cpu")
+
+    def held():
+        layers = list(m.target.layers) + list(m.drafter.layers)
+        return sum(l.self_attn.kv_cache.k.nbytes + l.self_attn.kv_cache.v.nbytes for l in layers)
+
+    kept = speculate.make_engine(m, m.drafter, [[1, 2, 3]], settings(64), verbose=False)
+    small = held()
+    in_use = small  # what the allocator holds for caches: the kept engine's, and later ones'
+    budget = in_use + int(1.5 * small)  # room for one more engine of the kept one's size, not twice it
+    monkeypatch.setattr(flags, "free_memory", lambda device: budget - in_use)
+    speculate.make_engine(m, m.drafter, [[1, 2, 3]], settings(64), verbose=False)  # shares the kept caches
+    with pytest.raises(UserError, match="the KV caches for --batch-size 4"):
+        speculate.make_engine(m, m.drafter, [[1, 2, 3]], settings(128), verbose=False)
+    del kept
+    speculate.make_engine(m, m.drafter, [[1, 2, 3]], settings(128), verbose=False)  # replaces freed caches
+
+
 def test_free_memory_on_cuda_counts_what_torchs_allocator_holds_unused(monkeypatch):
     """Freed tensors stay reserved by torch's caching allocator, which reuses them: free for the caches."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 << 30, 80 << 30))
