@@ -899,8 +899,9 @@ def size_engine(m: Models, drafter, prompts: list[list[int]], s: Settings,
     max_seq = max(need, max_seq or 0)
     device = m.target.embed_tokens.weight.device
     tree_bytes = 0
-    if s.tree_budget and flags.sampling_for(m, s).temperature > 0:
-        tree_bytes = flags.sampled_tree_bytes(m.target, drafter, s.tree_budget)
+    if s.tree_budget:
+        sampled = flags.sampling_for(m, s).temperature > 0
+        tree_bytes = flags.tree_round_bytes(m.target, drafter, s.tree_budget, sampled)
     models = [m.target]
     if drafter is not None:
         models.append(drafter)

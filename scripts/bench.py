@@ -914,8 +914,8 @@ def run(args: BenchArgs) -> list[dict]:
     widest = max([s.tree_budget] + tree_budgets)
     max_seq = cache_length(longest, s.max_new_tokens, drafter, s.draft_length, widest)
     tree_bytes = 0
-    if widest and s.temperature > 0:
-        tree_bytes = flags.sampled_tree_bytes(target, drafter, widest)
+    if widest:
+        tree_bytes = flags.tree_round_bytes(target, drafter, widest, s.temperature > 0)
     flags.check_cache_memory(target, drafter, max(batch_sizes), max_seq, dev, tree_bytes, rows="--batch-sizes")
     random_prompts = None  # a batch's are the first B of these, whatever --batch-sizes lists before it
     if given is None:

@@ -139,8 +139,8 @@ class Settings:
     is built a depth a step, each depth over up to this many nodes (with a Markov head, their
     log-probabilities over the whole vocabulary at once: batch x budget x vocabulary floats).
     Sampled, each node that draws children has a race over the vocabulary: 82 at 16 nodes with 7
-    positions, 370 at 64 (batch x those x vocabulary floats a round, counted with the KV caches
-    against the memory free before decoding)."""
+    positions, 370 at 64 (batch x those x vocabulary floats a round). These, and the target's logits
+    at the nodes, are counted with the KV caches against the memory free before decoding."""
     tree_temperature: float = 0.3
     """The temperature of the drafter's distributions a tree is ranked by (greedy: which tokens a node's
     children are; sampled, where they are drawn at --temperature: how many each node draws, unless
@@ -324,19 +324,24 @@ def sampling_for(m, s) -> Sampling:
     return Sampling(temperature, filters, source, unapplied)
 
 
-def sampled_tree_bytes(target, drafter, tree_budget: int) -> int:
-    """What a sampled tree's round holds a row, at least: its races and the distributions its kept
-    nodes draw from (`sampling.tree_parent_count` rows of the vocabulary each), and the tree's nodes' and
-    the target's at them (budget + 1 rows each), in float32."""
+def tree_round_bytes(target, drafter, tree_budget: int, sampled: bool) -> int:
+    """What a tree's round holds a row, at least, in float32 rows of the vocabulary: the target's
+    logits at the tree's budget + 1 nodes; sampled, also the tree's q there and the races and
+    distributions of the nodes it draws children for (`sampling.tree_parent_count`); greedy with a
+    Markov head, a depth's bias, logits and log-probabilities for the children of up to `budget` nodes."""
     V = target.args.vocab_size
-    parents = tree_parent_count(tree_budget, drafter.cfg.num_drafts, V)
-    rows = 2 * parents + 2 * (tree_budget + 1)
+    rows = tree_budget + 1
+    if sampled:
+        parents = tree_parent_count(tree_budget, drafter.cfg.num_drafts, V)
+        rows += 2 * parents + tree_budget + 1
+    elif drafter.markov_head is not None:
+        rows += 3 * tree_budget
     return 4 * rows * V
 
 
 def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_bytes: int = 0,
                        rows: str = "--batch-size", reclaimed: int = 0):
-    """The KV caches, and a sampled tree's round (`tree_bytes` a row), must fit in what is free on
+    """The KV caches, and a tree's round (`tree_bytes` a row), must fit in what is free on
     the device (where that is known) and `reclaimed`, the bytes of the caches the models hold now
     that the new ones take over; `rows`: the flag that sets `batch`."""
     configs = [target.args]
@@ -354,8 +359,7 @@ def check_cache_memory(target, drafter, batch: int, max_seq: int, device, tree_b
     what = f"the KV caches for {rows} {batch} x {max_seq} positions need {need / 2**30:.1f} GiB"
     fix = f"lower {rows} or --max-new-tokens"
     if trees:
-        what += (f", and a sampled tree's races and distributions over the vocabulary "
-                 f"{trees / 2**30:.1f} GiB a round")
+        what += f", and a tree's logits and distributions over the vocabulary {trees / 2**30:.1f} GiB a round"
         fix = f"lower {rows}, --max-new-tokens or --tree-budget"
     raise UserError(f"{what}; {free / 2**30:.1f} GiB are free on {device}: {fix}")
 

@@ -1123,14 +1123,14 @@ def test_every_rows_engine_is_checked_before_the_first_decodes(env, tmp_path, ca
     from support import flags
 
     monkeypatch.setattr(flags, "free_memory", lambda device: 2**40)
-    real_tree_bytes = flags.sampled_tree_bytes
+    real_tree_bytes = flags.tree_round_bytes
 
-    def tree_bytes(m, drafter, budget):
+    def tree_bytes(m, drafter, budget, sampled):
         if budget == 8:
             return 2**50
-        return real_tree_bytes(m, drafter, budget)
+        return real_tree_bytes(m, drafter, budget, sampled)
 
-    monkeypatch.setattr(flags, "sampled_tree_bytes", tree_bytes)
+    monkeypatch.setattr(flags, "tree_round_bytes", tree_bytes)
     built = []
     monkeypatch.setattr(ev, "make_engine", lambda *args, **kwargs: built.append(args))
     out = tmp_path / "r.json"

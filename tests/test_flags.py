@@ -410,3 +410,18 @@ def test_train_and_bench_check_a_targets_memory_before_reading_it(program, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith(f"error: --target {target}"), err
     assert "GiB are free on cpu" in err[-1], err
+
+
+def test_a_trees_round_bytes_by_hand():
+    """Rows of the vocabulary in float32 a row: the target's logits at the N + 1 nodes; greedy with a Markov
+    head, a depth's bias, logits and log-probabilities for up to N parents; sampled, the tree's q at the
+    nodes and each parent's race and distribution."""
+    from sampling import tree_parent_count
+
+    m = speculate.load()
+    V = m.target.args.vocab_size
+    N = 16
+    assert m.drafter.markov_head is not None
+    assert flags.tree_round_bytes(m.target, m.drafter, N, sampled=False) == 4 * V * (N + 1 + 3 * N)
+    parents = tree_parent_count(N, m.drafter.cfg.num_drafts, V)
+    assert flags.tree_round_bytes(m.target, m.drafter, N, sampled=True) == 4 * V * (2 * (N + 1) + 2 * parents)
