@@ -655,6 +655,15 @@ class Engine:
             if mine.carried is not None:
                 m.carried = mine.carried
 
+    def clear_caches(self):
+        """Zero every cache slot. Eager attention multiplies a masked slot's value by a weight of 0, so
+        a NaN a failed decode left there would spread to rows that never read it."""
+        for m in self.models:
+            for layer in m.layers:
+                kv = layer.self_attn.kv_cache
+                kv.k.zero_()
+                kv.v.zero_()
+
     def generate(self, requests: list[Request], max_new_tokens: int, on_round=None, on_finish=None,
                  on_step=None):
         """Decode `requests`, a finished one's row taking the next at once. Every round runs every
@@ -680,6 +689,7 @@ class Engine:
             raise UserError(f"{asked} need {need} cache positions a row, and the engine holds "
                             f"{self.max_seq}: {fix}")
         self.own_caches()
+        self.clear_caches()
         for m in self.models:  # the CPU kernels' weight copies follow edits made since the last call
             cpu_kernels.refresh(m)
         if self.is_compiled and not self.warmed and runs_rounds:  # built by hand: compiled first

@@ -662,6 +662,26 @@ def test_a_round_whose_target_logits_are_not_finite_is_one_line_error():
         engine.generate([speculate.Request(0, [1, 2])], 4, on_round=spoil)
 
 
+def test_a_decode_after_a_non_finite_one_starts_from_clean_caches():
+    """A decode that ended on non-finite logits leaves NaN in the caches past where the next decode's rows
+    reach. Eager attention multiplies a masked slot's value by a weight of 0, and 0 x NaN is NaN, so
+    the next decode on the same engine must not inherit them: it equals a fresh engine's."""
+    import speculate
+    from support.checkpoint import random_target
+
+    target = random_target("qwen3-tiny", dtype=torch.float32)
+    fresh = speculate.Engine(target, None, batch_size=1, max_seq=16)
+    expected = fresh.generate([speculate.Request(0, [1, 2])], 4)[0].output_ids
+    engine = speculate.Engine(target, None, batch_size=1, max_seq=16)
+    with torch.no_grad():
+        target.layers[1].input_layernorm.weight[0] = float("nan")  # NaN keys and values from layer 1 on
+    with pytest.raises(speculate.UserError, match="request 0, the prefill: the logits are not finite"):
+        engine.generate([speculate.Request(0, [1, 2, 3, 4, 5, 6])], 4)
+    with torch.no_grad():
+        target.layers[1].input_layernorm.weight[0] = 1.0
+    assert engine.generate([speculate.Request(0, [1, 2])], 4)[0].output_ids == expected
+
+
 @pytest.mark.parametrize("drafts", ["none", "chain", "tree"])
 def test_one_nan_logit_in_a_sampled_round_is_caught(drafts):
     """Sampled, one NaN in the vocabulary makes the row's softmax all NaN and the race still returns a
