@@ -152,6 +152,14 @@ class Settings:
     ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
 
 
+def check_requests(num_prompts: int, num_samples: int):
+    """Prompts x samples, each a request, at most MAX_REQUESTS."""
+    if num_prompts * num_samples > MAX_REQUESTS:
+        raise UserError(f"--num-samples {num_samples}: "
+                        f"{num_prompts} prompts x {num_samples} samples "
+                        f"is more than {MAX_REQUESTS:,} requests")
+
+
 def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Optional[bool] = None):
     """A `Settings` for a run on `device`, checked: types, ranges, spellings, then combinations
     (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
@@ -417,8 +425,8 @@ def check_models(m):
 
 def check_engine_inputs(m, prompts, s, drafter):
     """`make_engine`'s and `decode`'s models, drafter (None or a loaded one), their token-id prompts,
-    checked as `generate` checks what it encodes, and their settings checked (`check_settings` resolves
-    the scheduler)."""
+    checked as `generate` checks what it encodes (with the samples, at most MAX_REQUESTS requests),
+    and their settings checked (`check_settings` resolves the scheduler)."""
     check_models(m)
     if drafter is not None and not isinstance(drafter, DrafterBase):
         raise UserError(f"drafter: None or a loaded drafter (the models' m.drafter), got "
@@ -444,6 +452,7 @@ def check_engine_inputs(m, prompts, s, drafter):
         if not ids:
             raise UserError(f"prompt {i}: a list of token ids, got {repr(p)[:80]} "
                             f"(generate encodes text and conversations)")
+    check_requests(len(prompts), s.num_samples)
     check_prompts(prompts, m.target, s.max_new_tokens, drafter=drafter)
 
 
@@ -774,10 +783,7 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
                             prompt_ids=p.prompt_ids, prompts_file=p.prompts_file, max_len=max_len,
                             system_prompt=r.system_prompt, thinking=r.enable_thinking,
                             sources=sources, chat_given=chat_given)
-    if len(prompts) * s.num_samples > MAX_REQUESTS:
-        raise UserError(f"--num-samples {s.num_samples}: "
-                        f"{len(prompts)} prompts x {s.num_samples} samples "
-                        f"is more than {MAX_REQUESTS:,} requests")
+    check_requests(len(prompts), s.num_samples)
     return prompts, sources
 
 

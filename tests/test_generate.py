@@ -467,6 +467,30 @@ def test_api_takes_what_a_python_caller_passes(chat_target):
     assert len(req.output_ids) == 5
 
 
+def test_api_refuses_more_requests_than_the_command_line_takes(chat_target, monkeypatch):
+    """Prompts x samples past 10,000,000 requests is one line from generate, make_engine and decode, as
+    from the command line's prompts (they were built, all of them, and decoded)."""
+    from support import flags
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    small = flags.check_settings(speculate.Settings(max_new_tokens=2, temperature=0), "cpu")
+    engine = speculate.make_engine(m, m.drafter, [[1, 2]], small, verbose=False)
+
+    def built(prompts, num_samples):
+        raise AssertionError(f"{len(prompts) * num_samples} requests built")
+
+    monkeypatch.setattr(speculate, "requests_for", built)
+    needle = "--num-samples 10000000: 3 prompts x 10000000 samples is more than 10,000,000 requests"
+    prompts = [[1, 2], [3], [4, 5]]
+    with pytest.raises(speculate.UserError, match=re.escape(needle)):
+        speculate.generate(m, prompts, max_new_tokens=2, temperature=0, num_samples=10_000_000)
+    many = flags.check_settings(speculate.Settings(max_new_tokens=2, temperature=0, num_samples=10_000_000), "cpu")
+    with pytest.raises(speculate.UserError, match=re.escape(needle)):
+        speculate.make_engine(m, m.drafter, prompts, many, verbose=False)
+    with pytest.raises(speculate.UserError, match=re.escape(needle)):
+        speculate.decode(m, prompts, many, engine)
+
+
 def test_load_without_a_target_says_where_the_demo_pair_is(monkeypatch, tmp_path):
     """Installed without -e, the demo pair is not beside the modules: one line saying so (it was 'target
     directory not found' for a path the user never gave)."""
