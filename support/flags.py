@@ -36,6 +36,7 @@ from support.cli import (
     flat,
     flat_fields,
     free_memory,
+    in_range,
     resolve_device,
     set_threads,
     use_compile_cache,
@@ -152,6 +153,14 @@ class Settings:
     ttt_length, the chain it was trained to unroll (a block drafter drafts its block)."""
 
 
+def check_temperature(t, name: str = "--temperature"):
+    """A temperature: 0 (greedy) or inside the range a sampled one keeps finite (never NaN)."""
+    greedy = isinstance(t, numbers.Real) and not isinstance(t, bool) and t == 0
+    if not greedy and not in_range(t, MIN_TEMPERATURE, MAX_TEMPERATURE, True, True):
+        raise UserError(f"{name}: invalid value {t!r} (valid: 0 for greedy, or "
+                        f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
+
+
 def check_requests(num_prompts: int, num_samples: int):
     """Prompts x samples, each a request, at most MAX_REQUESTS."""
     if num_prompts * num_samples > MAX_REQUESTS:
@@ -201,14 +210,14 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
         value = getattr(s, name)
         if value is not None and not isinstance(value, str):
             raise UserError(f"{flag(name)}: invalid value {value!r} (a string, or None)")
-    t = s.temperature
-    if t is not None and (t < 0 or 0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE):
-        raise UserError(f"--temperature: invalid value {t!r} (valid: 0 for greedy, or "
-                        f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
+    if s.temperature is not None:
+        check_temperature(s.temperature)
     check_ranges(s, **{name: interval for name, (_, interval) in RANGES.items()})
     for name, choices in CHOICES.items():
         value = getattr(s, name)
-        if value is not None and value not in choices:
+        if value is None and getattr(Settings, name) is None:  # the default, resolved later
+            continue
+        if value not in choices:
             raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
     try:
         kernels.check_backend(s.kernels, device)

@@ -384,6 +384,10 @@ API_REFUSALS = [
     (dict(stop=["\ud800"]), "lone surrogate"),
     (dict(compile_mode="default"), "--compile-mode default: only used with --compile"),
     (dict(kernels="bogus"), "--kernels 'bogus': one of torch, triton"),
+    # None is no default of --kernels (it reached the backend check as a request for Triton)
+    (dict(kernels=None), "--kernels None: one of torch, triton"),
+    # NaN is no temperature: its own range, not the generic [0, 10000]
+    (dict(temperature=float("nan")), "--temperature: invalid value nan (valid: 0 for greedy, or 0.0001 to 10000)"),
     (dict(stop=5), "--stop 5: a stop string or a list of them"),
     # the prompt's rendering, as --chat, --system-prompt and --enable-thinking (a system turn or thinking
     # without chat was dropped in silence; a non-string system prompt was a TypeError)
