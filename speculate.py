@@ -877,6 +877,8 @@ def load(target: Optional[str] = None, drafter: Optional[str] = None, *, device:
     target = path_argument(target, "--target")
     drafter = path_argument(drafter, "--drafter")
     calibration = path_argument(calibration, "--calibration")
+    if not isinstance(device, str) or not device:  # no default to fall back on: "cpu" is load's
+        raise UserError(f"load(): device={device!r} (\"cpu\" or \"cuda\")")
     cpu_kernels = flags.python_bool(cpu_kernels)
     if not isinstance(cpu_kernels, bool):
         raise UserError(f"load(): cpu_kernels={cpu_kernels!r} (True or False)")

@@ -495,6 +495,15 @@ def test_api_refuses_more_requests_than_the_command_line_takes(chat_target, monk
         speculate.decode(m, prompts, many, engine)
 
 
+@pytest.mark.parametrize("device", [None, "", 0, False])
+def test_load_refuses_a_device_that_is_no_name(chat_target, device):
+    """load's device is "cpu" by default; None, "" and other non-names were taken as the command line's
+    default (cuda where there is one)."""
+    d, target, drafter = chat_target
+    with pytest.raises(speculate.UserError, match=re.escape(f"load(): device={device!r} (\"cpu\" or \"cuda\")")):
+        speculate.load(target, drafter, device=device)
+
+
 def test_load_without_a_target_says_where_the_demo_pair_is(monkeypatch, tmp_path):
     """Installed without -e, the demo pair is not beside the modules: one line saying so (it was 'target
     directory not found' for a path the user never gave)."""
