@@ -176,6 +176,8 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     run drafts trees (None: a --tree-budget was given; bench.py's --tree-budgets say it too). The result
     is marked checked for `device` (`check_engine_inputs` reads the mark; `replace` drops it, and an
     edit in place shows)."""
+    if not isinstance(s, Settings):
+        raise UserError(f"settings: a support.flags.Settings, got {type(s).__name__} {repr(s)[:60]}")
     if isinstance(device, torch.device):  # the models' own, as generate passes it
         device = str(device)
     device = resolve_device(device)

@@ -99,6 +99,13 @@ def test_bad_settings_are_one_line_errors(settings, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("given", [None, {"max_new_tokens": 8}])
+def test_check_settings_wants_settings(given):
+    """Something other than a Settings is one line (it was a TypeError from dataclasses.replace)."""
+    with pytest.raises(UserError, match=re.escape(f"settings: a support.flags.Settings, got {type(given).__name__}")):
+        flags.check_settings(given, "cpu")
+
+
 def test_flat_groups_round_trip():
     args = from_flat(speculate.Args, {"max_new_tokens": 5, "device": "cpu", "prompt": "hi", "chat": False})
     assert args.decode.max_new_tokens == 5 and args.prompts.prompt == "hi" and args.rendering.chat is False
