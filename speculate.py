@@ -550,8 +550,9 @@ class Engine:
     host reads the verify size between them (a bucket when compiled), except "async", planned before.
     `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
     those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
-    would make a round wrong (a schedule without an SPS table, prompts past its cache, and those
-    `check_prompts` refuses: empty, outside the vocabulary, past the models' context)."""
+    would make a round wrong (a temperature or filters outside their flags' ranges, a schedule
+    without an SPS table, prompts past its cache, and those `check_prompts` refuses: empty,
+    outside the vocabulary, past the models' context)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
@@ -562,6 +563,8 @@ class Engine:
                  backend: str = Settings.kernels, num_drafts: Optional[int] = None,
                  tree_budget: int = Settings.tree_budget,
                  tree_temperature: float = Settings.tree_temperature):
+        flags.check_temperature(temperature, "Engine temperature")
+        flags.check_filters(filters)
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)

@@ -161,6 +161,13 @@ def check_temperature(t, name: str = "--temperature"):
                         f"{MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})")
 
 
+def check_filters(f):
+    """An engine's resolved filters: a `Filters`, each value in its flag's range."""
+    if not isinstance(f, Filters):
+        raise UserError(f"filters: a sampling.Filters, got {type(f).__name__} {repr(f)[:60]}")
+    check_ranges(f, **{name: RANGES[name][1] for name in Filters._fields})
+
+
 def check_requests(num_prompts: int, num_samples: int):
     """Prompts x samples, each a request, at most MAX_REQUESTS."""
     if num_prompts * num_samples > MAX_REQUESTS:

@@ -504,6 +504,21 @@ def test_load_refuses_a_device_that_is_no_name(chat_target, device):
         speculate.load(target, drafter, device=device)
 
 
+@pytest.mark.parametrize("kw,needle", [
+    (dict(temperature=-1.0), "Engine temperature: invalid value -1.0 (valid: 0 for greedy, or 0.0001 to 10000)"),
+    (dict(temperature=None), "Engine temperature: invalid value None"),
+    (dict(filters=speculate.Filters(top_p=0.0)), "--top-p: invalid value 0.0"),
+    (dict(filters=None), "filters: a sampling.Filters, got NoneType None"),
+])
+def test_engine_built_by_hand_checks_its_sampling(chat_target, kw, needle):
+    """An engine's temperature and filters are checked as the flags' values are, when it is built (a
+    negative temperature was a TypeError inside sampling)."""
+    d, target, drafter = chat_target
+    m = speculate.load(target, drafter)
+    with pytest.raises(speculate.UserError, match=re.escape(needle)):
+        speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=64, **kw)
+
+
 def test_load_without_a_target_says_where_the_demo_pair_is(monkeypatch, tmp_path):
     """Installed without -e, the demo pair is not beside the modules: one line saying so (it was 'target
     directory not found' for a path the user never gave)."""
