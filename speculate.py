@@ -672,7 +672,8 @@ class Engine:
         """Decode `requests`, a finished one's row taking the next at once. Every round runs every
         row (free rows inactive): static shapes. Warmed up, guards are cut to what tells the graphs
         apart. on_round(request, entry): the round's trace entry (`trace_record`); on_finish(request),
-        on_step() after each batch round."""
+        on_step() after each batch round. It takes no turn on the models (`decode` does, with
+        `Models.engine_turn`): called directly, keeping other work off them is the caller's."""
         if max_new_tokens < 1:  # the prefill's token is the first
             raise UserError(f"Engine.generate: max_new_tokens={max_new_tokens}, at least 1")
         runs_rounds = max_new_tokens > 1  # a budget of 1 ends every request at the prefill's token
