@@ -365,31 +365,41 @@ def profile_sps(engine) -> dict:
     return dict(sps_identity(engine), seconds_per_step=best, steps_per_second=rates)
 
 
-def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
-    """The SPS table: read from `path` (matching `sps_identity(engine)`), else profiled (and written there)."""
+def read_table(engine, path: Optional[str], verbose: bool = True) -> Optional[dict]:
+    """The SPS table at `path`, checked against `sps_identity(engine)`; None where there is no file.
+    The engine need not be warmed up: a table that does not fit is refused before any compile."""
+    if path is None or not os.path.isfile(path):
+        return None
     want = sps_identity(engine)
+    table = read_json(path)
+    for key, value in want.items():
+        if key not in table:
+            raise UserError(f"{path}: no {key!r} (not an SPS table of this version of speculate.py); "
+                            f"delete it if it is an older table, to profile again, or give "
+                            f"--sps-table another path")
+        # compared as JSON: true is not 1
+        if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):
+            what = key
+            if key == "batch_capacity":  # the engine's rows: --batch-size, at most the requests
+                what = "batch_capacity (--batch-size, or the requests where fewer)"
+            raise UserError(f"{path}: {what} is {table[key]!r} in the table but {value!r} in this run; "
+                            f"delete the file to profile again")
+    check_rates(table.get("steps_per_second"), len(engine.scheduler.profile_points), path)
+    if verbose:
+        print(f"SPS table read from {path}", file=sys.stderr)
+    return table
+
+
+def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
+    """The SPS table: read from `path` (`read_table`), else profiled (and written there)."""
     points = engine.scheduler.profile_points
 
     def say(text):
         if verbose:
             print(text, file=sys.stderr)
 
-    if path is not None and os.path.isfile(path):
-        table = read_json(path)
-        for key, value in want.items():
-            if key not in table:
-                raise UserError(f"{path}: no {key!r} (not an SPS table of this version of speculate.py); "
-                                f"delete it if it is an older table, to profile again, or give "
-                                f"--sps-table another path")
-            # compared as JSON: true is not 1
-            if json.dumps(table[key], sort_keys=True) != json.dumps(value, sort_keys=True):
-                what = key
-                if key == "batch_capacity":  # the engine's rows: --batch-size, at most the requests
-                    what = "batch_capacity (--batch-size, or the requests where fewer)"
-                raise UserError(f"{path}: {what} is {table[key]!r} in the table but {value!r} in this run; "
-                                f"delete the file to profile again")
-        check_rates(table.get("steps_per_second"), len(points), path)
-        say(f"SPS table read from {path}")
+    table = read_table(engine, path, verbose)
+    if table is not None:
         return table
     if path is not None:
         # a directory or a missing folder fails before the profiling
@@ -402,7 +412,7 @@ def load_or_profile(engine, path: Optional[str], verbose: bool = True) -> dict:
     say(f"profiled SPS(B) in {time.perf_counter() - t0:.1f} s (verify tokens: steps/s): {pts}")
     if path is None:
         # the verify lengths, so a request's random numbers, follow the table
-        if want.get("sampling"):
+        if engine.temperature > 0:
             say("note: this SPS table is not saved, and another run profiles its own; sampled runs repeat "
                 "token for token only with the same table: --sps-table FILE saves it, and reads it back "
                 "next time")

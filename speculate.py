@@ -955,6 +955,9 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
                         num_drafts=s.draft_length, tree_budget=s.tree_budget,
                         tree_temperature=s.tree_temperature)
         table_asked = kind in sched.SPS_KINDS and s.sps_table is not None  # read or written all the same
+        sps = None
+        if table_asked:  # a table on disk is read, and refused where it does not fit, before any compile
+            sps = sched.read_table(engine, s.sps_table, verbose=verbose)
         if s.max_new_tokens == 1 and not table_asked:  # every request ends at the prefill's token
             return engine
         if s.compile:
@@ -968,7 +971,8 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
             full_round = engine.scheduler.profile_points[-1]  # every row sends every draft
             engine.dummy_round(full_round)
         if kind in sched.SPS_KINDS:
-            sps = sched.load_or_profile(engine, s.sps_table, verbose=verbose)
+            if sps is None:  # profiled, warmed up, and written where --sps-table names a file
+                sps = sched.load_or_profile(engine, s.sps_table, verbose=verbose)
             engine.scheduler.set_sps(sps)
         return engine
 

@@ -420,6 +420,27 @@ def test_a_malformed_or_foreign_sps_table_is_refused(env, tmp_path, edit, needle
     assert rc == 2 and needle in err and str(path) in err and is_one_error_line(err), err
 
 
+def test_a_table_that_does_not_fit_is_refused_before_the_compile(env, tmp_path, monkeypatch):
+    """Everything that decides whether an SPS table fits the run is known before the engine compiles: a
+    table of another run is refused before warmup (a cold compile takes minutes), a fitting one is read
+    once, and the engine warms up and uses it."""
+    from support import flags
+
+    path = tmp_path / "sps.json"
+    write_sps_table(path, env["target"], env["drafter"], 1, 0.0, lambda b: 1.0 + b)  # an eager run's
+    m = speculate.load(env["target"], env["drafter"])
+    warmed = []
+    monkeypatch.setattr(speculate.Engine, "warmup", lambda self: warmed.append(self))
+    s = flags.check_settings(flags.Settings(max_new_tokens=4, scheduler="hardware", sps_table=str(path),
+                                            compile=True), "cpu")
+    with pytest.raises(speculate.UserError, match="compiled is False in the table but True in this run"):
+        speculate.make_engine(m, m.drafter, [[1, 2, 3]], s, verbose=False)
+    assert warmed == []
+    write_sps_table(path, env["target"], env["drafter"], 1, 0.0, lambda b: 1.0 + b, compile=True)
+    engine = speculate.make_engine(m, m.drafter, [[1, 2, 3]], s, verbose=False)
+    assert warmed == [engine] and engine.scheduler.measured
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--scheduler", "threshold"], "--confidence-threshold"),
     (["--scheduler", "none", "--confidence-threshold", "0.5"], "--scheduler threshold"),
