@@ -1096,6 +1096,7 @@ def run(args: Args) -> dict:
         m = load_models(args.target, args.drafter, device=machine.device, dtype=machine.dtype,
                         random_init=args.random_init, calibration=args.calibration, seed=s.seed)
         temperature = flags.check_sampling_reads(m, s).temperature
+        flags.check_calibration_read(args.calibration, s, temperature)
         prompts, sources = flags.read_prompts(args.prompts, args.rendering, m, s, lead)
         check_prompts(prompts, m.target, s.max_new_tokens, drafter=m.drafter, sources=sources)
         report = Report(args, s, m, prompts, threads, log, demo=demo, lead=lead is not None)

@@ -763,11 +763,10 @@ def check_calibration_read(calibration: Optional[str], s, temperature: Optional[
 
 
 def check_sampling_reads(m, s) -> Sampling:
-    """The run's sampling (`sampling_for`), once the settings that depend on its temperature are checked
-    against the models' drafter and calibration file (`check_tree_temperature`, `check_calibration_read`)."""
+    """The run's sampling (`sampling_for`), once --tree-temperature, which depends on its temperature,
+    is checked against the models' drafter (`check_tree_temperature`)."""
     drawn = sampling_for(m, s)
     check_tree_temperature(s, [m.drafter], drawn.temperature)
-    check_calibration_read(m.calibration, s, drawn.temperature)
     return drawn
 
 
