@@ -338,10 +338,12 @@ def sps_identity(engine) -> dict:
         drafter = engine.drafter.cfg.describe(engine.K)
     dtype = dtype_name(engine.target.embed_tokens.weight.dtype)
     sampled = engine.temperature > 0
+    f = engine.filters
+    filters = {"top_k": f.top_k > 0, "top_p": f.top_p < 1.0, "min_p": f.min_p > 0.0}  # each on or off
     return {"device": device_name(engine.device), "torch": torch.__version__, "target": target,
             "drafter": drafter, "dtype": dtype, "batch_capacity": engine.max_batch,
-            "verify_width": engine.K + 1, "sampling": sampled, "compiled": engine.is_compiled,
-            "compile_mode": engine.compile_mode, "kernels": engine.backend,
+            "verify_width": engine.K + 1, "sampling": sampled, "filters": filters,
+            "compiled": engine.is_compiled, "compile_mode": engine.compile_mode, "kernels": engine.backend,
             "cpu_kernels": cpu_kernels.gemm_path(engine.target),
             "buckets": engine.scheduler.buckets, "profile_points": engine.scheduler.profile_points}
 

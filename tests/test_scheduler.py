@@ -407,6 +407,9 @@ def test_sps_table_paths_that_cannot_work_are_refused(env, tmp_path):
     # measured with another backend or compile mode: another round's speed
     (lambda t: t.update(kernels="triton"), "kernels is 'triton' in the table but 'torch' in this run"),
     (lambda t: t.update(compile_mode="reduce-overhead"), "compile_mode is 'reduce-overhead' in the table"),
+    # measured with a sampling filter on: each runs over the vocabulary in every round, a flatter curve
+    (lambda t: t.update(filters=dict(t["filters"], top_p=True)), "filters is {'top_k': False, 'top_p': True, "
+                                                                  "'min_p': False} in the table but"),
     # measured with the CPU kernels on, off or on another path (DSPARK_CPU_KERNELS): another speed curve
     (lambda t: t.update(cpu_kernels={"mkl": "avx2"}.get(t["cpu_kernels"], "mkl")), "cpu_kernels is '"),
     (lambda t: t.pop("cpu_kernels"), "no 'cpu_kernels' (not an SPS table of this version"),
