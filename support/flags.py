@@ -37,6 +37,7 @@ from support.cli import (
     flat_fields,
     free_memory,
     in_range,
+    path_argument,
     resolve_device,
     set_threads,
     use_compile_cache,
@@ -215,10 +216,10 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
         value = getattr(s, name)
         if not isinstance(value, bool):
             raise UserError(f"{flag(name)}: invalid value {value!r} (True or False)")
-    for name in ("sps_table", "verify_buckets"):
-        value = getattr(s, name)
-        if value is not None and not isinstance(value, str):
-            raise UserError(f"{flag(name)}: invalid value {value!r} (a string, or None)")
+    # a str or an os.PathLike, as load's paths take; held as a str
+    s.sps_table = path_argument(s.sps_table, flag("sps_table"), "a file")
+    if s.verify_buckets is not None and not isinstance(s.verify_buckets, str):
+        raise UserError(f"{flag('verify_buckets')}: invalid value {s.verify_buckets!r} (a string, or None)")
     if s.temperature is not None:
         check_temperature(s.temperature)
     check_ranges(s, **{name: interval for name, (_, interval) in RANGES.items()})

@@ -379,7 +379,7 @@ def test_the_drafters_cpu_kernels_copy_is_counted_before_loading(drafter, monkey
     (dict(ignore_eos="no"), "--ignore-eos: invalid value 'no' (True or False)"),
     (dict(verbose=1), "--verbose: invalid value 1 (True or False)"),
     (dict(verify_buckets=[1, 8]), "--verify-buckets: invalid value [1, 8] (a string, or None)"),
-    (dict(sps_table=5), "--sps-table: invalid value 5 (a string, or None)"),
+    (dict(sps_table=5), "--sps-table: invalid value 5 (a file: a str or an os.PathLike)"),
     (dict(temperature=10**400), "--temperature: invalid value"),
     (dict(top_k=10**400), "--top-k: invalid value"),
 ])
@@ -390,6 +390,13 @@ def test_the_api_checks_every_settings_type(setting, message):
     with pytest.raises(UserError) as e:
         flags.check_settings(speculate.Settings(**setting), "cpu")
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_the_sps_table_setting_takes_a_path_like_and_holds_a_str(tmp_path):
+    """sps_table takes a pathlib.Path as load's paths do (it was refused as not a string); the checked
+    settings hold its str."""
+    s = flags.check_settings(speculate.Settings(scheduler="hardware", sps_table=tmp_path / "t.json"), "cpu")
+    assert s.sps_table == str(tmp_path / "t.json")
 
 
 @pytest.mark.parametrize("program", ["train", "bench"])

@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import sys
@@ -330,13 +331,13 @@ def is_one_error_line(err: str) -> bool:
 
 def test_the_python_api_schedules_with_the_sps_table(env, tmp_path):
     """speculate.generate(scheduler="hardware") reads its SPS table (or profiles one) as the command line
-    does: the same rounds as the CLI with the same table. Before, it kept the placeholder table and
-    verified every draft — the whole-block schedule under another name."""
+    does (its path a str or a pathlib.Path): the same rounds as the CLI with the same table. Before, it
+    kept the placeholder table and verified every draft — the whole-block schedule under another name."""
     table = write_sps_table(tmp_path / "sps.json", env["target"], env["drafter"], 3, 0.0, lambda b: 1 + 0.3 * b)
     tr = run_env_traced(env, "--scheduler", "hardware", "--sps-table", table, "--temperature", 0, batch=3)
     m = speculate.load(env["target"], env["drafter"])
     done = speculate.generate(m, [json.loads(line)["prompt_ids"] for line in open(env["prompts"])], max_new_tokens=32,
-                              temperature=0.0, batch_size=3, scheduler="hardware", sps_table=table)
+                              temperature=0.0, batch_size=3, scheduler="hardware", sps_table=pathlib.Path(table))
     assert [c.output_ids for c in done] == tr.outputs()
     assert [c.num_rounds for c in done] == [tr.requests[i]["num_rounds"] for i in sorted(tr.requests)]
     assert sum(r["verified"] for r in tr.rounds) < K * len(tr.rounds)  # the table shortened verification
