@@ -261,8 +261,19 @@ class Scheduler:
         return Plan(capacity, source, round, num_tokens, self.capacity)
 
     def set_sps(self, table: dict, source: str = "set_sps"):
-        """Use a profiled SPS table (`profile_sps`, or read by `load_or_profile`), checked: one rate per
-        profile point (`source` names the table in the refusal)."""
+        """Use a profiled SPS table (`profile_sps`, or read by `load_or_profile`), checked: a dict
+        of one rate per profile point, its own profile_points (where it has them) this
+        scheduler's (`source` names the table in the refusal)."""
+        if self.sps is None:
+            raise UserError(f"{source}: scheduler {self.kind!r} reads no SPS table "
+                            f"(only {' and '.join(SPS_KINDS)} do)")
+        if not isinstance(table, dict):
+            raise UserError(f"{source}: an SPS table is a dict with 'steps_per_second' "
+                            f"(profile_sps, load_or_profile), got {type(table).__name__}")
+        points = table.get("profile_points", self.profile_points)
+        if points != self.profile_points:  # another batch or buckets: rates at other sizes
+            raise UserError(f"{source}: the table's profile_points {points} are not this "
+                            f"scheduler's {self.profile_points}")
         top = len(self.sps) - 1
         steps_per_second = table.get("steps_per_second")
         check_rates(steps_per_second, len(self.profile_points), source)

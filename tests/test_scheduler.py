@@ -694,6 +694,32 @@ def test_capacity_search_returns_the_smallest_capacity_at_a_tie():
         assert sched.capacity_search(c, 1, sps, 2) == want, sps
 
 
+@pytest.mark.parametrize("kind,given,needle", [
+    ("hardware", "rates", "set_sps: an SPS table is a dict with 'steps_per_second' (profile_sps, "
+                          "load_or_profile), got list"),
+    ("threshold", "table", "set_sps: scheduler 'threshold' reads no SPS table (only hardware and async do)"),
+    ("none", "table", "set_sps: scheduler 'none' reads no SPS table"),
+    ("async", "batch 5", "set_sps: the table's profile_points [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40] are not "
+                         "this scheduler's [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]"),
+])
+def test_set_sps_refuses_what_is_not_this_schedulers_table(kind, given, needle):
+    """A bare list of rates (an AttributeError), a table for a scheduler that reads none (a TypeError) and
+    a batch-5 table of as many points on a batch-6 scheduler (taken in silence: the rate measured at 40
+    tokens used at 48) are one line each."""
+    s = sched.Scheduler(kind, 7, 6, threshold=0.5 * (kind == "threshold"))
+    points = sched.verify_buckets(6 * 8)
+    rates = [1.0] * len(points)
+    tables = {"rates": rates, "table": {"steps_per_second": rates},
+              "batch 5": {"steps_per_second": rates, "profile_points": sched.verify_buckets(5 * 8)}}
+    assert len(tables["batch 5"]["profile_points"]) == len(points)
+    with pytest.raises(speculate.UserError) as e:
+        s.set_sps(tables[given])
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value), str(e.value)
+    if s.sps is not None:  # the same table with this scheduler's points is taken
+        s.set_sps({"steps_per_second": rates, "profile_points": points})
+        assert s.measured
+
+
 def test_set_sps_checks_the_table_it_is_given(env):
     """Engine users call set_sps themselves (api.md): a table of another length (a per-B curve) or with a
     zero was taken in silence or failed deep inside; one line now, as a --sps-table file gets."""
