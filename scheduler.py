@@ -312,13 +312,19 @@ def parse_buckets(text: Optional[str], batch: int, drafter) -> Optional[list[int
         return None
     buckets = sorted(parse_ints(text, "--verify-buckets"))  # checked in `resolve`
     width = drafter.cfg.num_drafts + 1
+    check_full_round(buckets, batch, width)
     full = batch * width
-    largest = buckets[-1]
-    if largest < full:
-        raise UserError(f"--verify-buckets: the largest bucket {largest} is below {full}, the tokens of a "
-                        f"full round ({batch} row(s) x {width})")
     smaller = [b for b in buckets if b < full]
     return smaller + [full]
+
+
+def check_full_round(buckets: list[int], batch: int, width: int):
+    """The largest bucket holds a full round: `batch` rows of `width` tokens."""
+    full = batch * width
+    largest = max(buckets)
+    if largest < full:
+        raise UserError(f"--verify-buckets: the largest bucket {largest} is below {full}, the "
+                        f"tokens of a full round ({batch} row(s) x {width})")
 
 
 SPS_RANGE = (1e-6, 1e9)  # rounds per second a table may hold: a round of 11.6 days to one of a nanosecond

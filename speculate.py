@@ -550,9 +550,10 @@ class Engine:
     host reads the verify size between them (a bucket when compiled), except "async", planned before.
     `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
     those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
-    would make a round wrong (a temperature or filters outside their flags' ranges, a schedule
-    without an SPS table, prompts past its cache, and those `check_prompts` refuses: empty,
-    outside the vocabulary, past the models' context)."""
+    would make a round wrong (a temperature, filters or schedule its flags would refuse: an
+    unknown kind, a threshold outside (0, 1], buckets below a full round, a schedule for a drafter
+    without a confidence head; a schedule without an SPS table, prompts past its cache, and those
+    `check_prompts` refuses: empty, outside the vocabulary, past the models' context)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
@@ -565,6 +566,8 @@ class Engine:
                  tree_temperature: float = Settings.tree_temperature):
         flags.check_temperature(temperature, "Engine temperature")
         flags.check_filters(filters)
+        K = drafts_per_round(drafter, num_drafts)
+        flags.check_schedule(scheduler, threshold, buckets, drafter, batch_size, K)
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)
@@ -583,7 +586,7 @@ class Engine:
             m.setup_caches(batch_size, max_seq)
         self.held = [caches(m) for m in self.models]  # each model's, for `own_caches` to put back
         LIVE_ENGINES.add(self)
-        self.K = drafts_per_round(drafter, num_drafts)
+        self.K = K
         self.tree_budget = tree_budget
         self.tree_temperature = tree_temperature
         V = target.args.vocab_size

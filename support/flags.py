@@ -177,6 +177,29 @@ def check_requests(num_prompts: int, num_samples: int):
                         f"is more than {MAX_REQUESTS:,} requests")
 
 
+def check_choice(name: str, value):
+    """A setting of fixed choices (CHOICES) given one of them."""
+    choices = CHOICES[name]
+    if value not in choices:
+        raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
+
+
+def check_schedule(kind, threshold, buckets, drafter, batch: int, K: int):
+    """An engine's resolved schedule (`Engine`'s arguments, built by hand or by `make_engine`), checked
+    as its flags are: a known kind; under threshold, θ in (0, 1] (another kind leaves it unread); a
+    drafter with a confidence head for a scheduled round; the largest bucket holding a full round of
+    `batch` rows of K drafts and their anchor."""
+    check_choice("scheduler", kind)
+    if kind == "threshold":
+        chosen = Settings(confidence_threshold=threshold)
+        check_ranges(chosen, confidence_threshold=RANGES["confidence_threshold"][1])
+        sched.resolve(kind, threshold, None, None)  # above 0
+    if drafter is not None:
+        check_scheduled_drafter(kind, threshold, drafter)
+    if buckets:
+        sched.check_full_round(buckets, batch, K + 1)
+
+
 def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Optional[bool] = None):
     """A `Settings` for a run on `device`, checked: types, ranges, spellings, then combinations
     (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
@@ -223,12 +246,11 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     if s.temperature is not None:
         check_temperature(s.temperature)
     check_ranges(s, **{name: interval for name, (_, interval) in RANGES.items()})
-    for name, choices in CHOICES.items():
+    for name in CHOICES:
         value = getattr(s, name)
         if value is None and getattr(Settings, name) is None:  # the default, resolved later
             continue
-        if value not in choices:
-            raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
+        check_choice(name, value)
     try:
         kernels.check_backend(s.kernels, device)
     except RuntimeError as e:
@@ -616,12 +638,7 @@ def check_drafter_settings(s, drafter):
             raise UserError(f"--draft-length {s.draft_length}: sets how many drafts an Eagle3 drafter "
                             f"proposes, and this engine has none")
         return
-    if s.scheduler != "none" and drafter.confidence_head is None:
-        name = f"--scheduler {s.scheduler}"
-        if s.confidence_threshold > 0:
-            name = f"--confidence-threshold {s.confidence_threshold:g}"
-        raise UserError(f"{name}: the --drafter has no confidence head, whose confidences a scheduled "
-                        f"round reads")
+    check_scheduled_drafter(s.scheduler, s.confidence_threshold, drafter)
     eagle3 = drafter.cfg.layout == "eagle3"
     if s.draft_length is not None and not eagle3:
         raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length "
@@ -630,6 +647,18 @@ def check_drafter_settings(s, drafter):
         raise UserError(f"--tree-budget {s.tree_budget}: "
                         f"an Eagle3 drafter drafts a chain of one-token steps; "
                         f"trees grow from a block drafter's distributions (DSpark or DFlash)")
+
+
+def check_scheduled_drafter(kind: str, threshold: float, drafter):
+    """A scheduled round reads the drafter's confidences: refused for a drafter without a confidence
+    head."""
+    if kind == "none" or drafter.confidence_head is not None:
+        return
+    name = f"--scheduler {kind}"
+    if kind == "threshold":
+        name = f"--confidence-threshold {threshold:g}"
+    raise UserError(f"{name}: the --drafter has no confidence head, whose confidences a scheduled "
+                    f"round reads")
 
 
 def check_tree_temperature(s, drafters: list, temperature: float):

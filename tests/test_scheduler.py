@@ -720,6 +720,34 @@ def test_set_sps_refuses_what_is_not_this_schedulers_table(kind, given, needle):
         assert s.measured
 
 
+@pytest.mark.parametrize("kw,needle", [
+    (dict(scheduler="bogus"), "--scheduler 'bogus': one of none, threshold, hardware, async"),
+    (dict(scheduler="threshold", threshold=0.5, buckets=[3]),
+     "--verify-buckets: the largest bucket 3 is below 5, the tokens of a full round (1 row(s) x 5)"),
+    (dict(scheduler="threshold", threshold=float("nan")), "--confidence-threshold: invalid value nan (valid: "),
+    (dict(scheduler="threshold", threshold=1.5), "--confidence-threshold: invalid value 1.5 (valid: "),
+    (dict(scheduler="threshold"), "--scheduler threshold: needs --confidence-threshold above 0"),
+    (dict(scheduler="threshold", threshold=0.5, drafter="plain"),
+     "--confidence-threshold 0.5: the --drafter has no confidence head"),
+    (dict(scheduler="hardware", drafter="plain"), "--scheduler hardware: the --drafter has no confidence head"),
+])
+def test_an_engine_built_by_hand_checks_its_schedule(env, kw, needle):
+    """Engine's scheduler arguments are checked as their flags are, when it is built: an unknown kind failed
+    mid-decode, buckets below a full round were a bare StopIteration, a NaN θ verified nothing, and a
+    drafter without a confidence head was scheduled on confidences it does not have."""
+    from support.checkpoint import load_drafter
+
+    target = load_target(env["target"])
+    drafter = load_drafter(env[kw.pop("drafter", "drafter")], target)
+    with pytest.raises(speculate.UserError) as e:
+        speculate.Engine(target, drafter, batch_size=1, max_seq=64, **kw)
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value), str(e.value)
+    # what the flags take is taken: θ 1, the full round as the largest bucket; none reads no confidence
+    speculate.Engine(target, load_drafter(env["drafter"], target), batch_size=1, max_seq=64, scheduler="threshold",
+                     threshold=1.0, buckets=[2, 5])
+    speculate.Engine(target, load_drafter(env["plain"], target), batch_size=1, max_seq=64)
+
+
 def test_set_sps_checks_the_table_it_is_given(env):
     """Engine users call set_sps themselves (api.md): a table of another length (a per-B curve) or with a
     zero was taken in silence or failed deep inside; one line now, as a --sps-table file gets."""
