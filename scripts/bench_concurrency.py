@@ -12,8 +12,9 @@ takes the next waiting one — autoregressively and under each verification sche
 --confidence-threshold for the threshold one), greedy by default. All modes run the same executor — the round's
 two halves with ragged verification, which also skips rows left free when the workload drains — so
 only the schedule differs between them. Each engine gets an untimed warm-up; the hardware and async
-schedulers' SPS(B) is profiled once per c, by each engine's own round (its seconds reported apart),
-or replaced by a synthetic curve (--sps-synthetic, `cliffs_sps`); then --repeats timed runs,
+schedulers' SPS(B) is profiled once per c, by each engine's own round (its seconds reported apart:
+two profiles, so the two rows differ by the profiles' noise too), or replaced by one synthetic curve
+(--sps-synthetic, `cliffs_sps`; compiled, priced at the bucket a round is padded to); then --repeats timed runs,
 interleaved across schedulers, and the median is reported: total tokens/s (all requests' tokens ÷
 prefill + decode wall seconds), per-request tokens/s (the mean of a request's tokens ÷ the seconds
 from its admission to its end), τ, the verify budget (drafts sent to the target per request per
@@ -88,10 +89,12 @@ class ConcurrencyArgs:
     """STS temperatures from eval.py --calibration-out, applied to the confidences the threshold,
     hardware and async schedulers read (as speculate.py's --calibration)."""
     sps_synthetic: Optional[Literal["cliffs"]] = None
-    """Instead of profiling SPS(B) for hardware and async, give both a synthetic step function (to
-    compare their decisions where Algorithm 1's early stop hurts). cliffs: a round of B verify tokens
-    takes 1 + ceil(B/16)/4 time units — flat inside each tile of 16 tokens, a quarter of the base cost
-    more past every edge (B = 17, 33, ...), like kernels that work in 16-token tiles. The table then
+    """Instead of profiling SPS(B) for hardware and async (each on its own engine: their rows differ by
+    the two profiles' noise too), give both one synthetic step function (to compare their decisions
+    where Algorithm 1's early stop hurts). cliffs: a round of B verify tokens takes 1 + ceil(B/16)/4
+    time units — flat inside each tile of 16 tokens, a quarter of the base cost more past every edge
+    (B = 17, 33, ...), like kernels that work in 16-token tiles; with --compile, B is priced at the
+    verify bucket it is padded to, as a profiled table routes it. The table then
     adds the modelled tokens per time unit: the rounds' tokens ÷ the sum of their synthetic times
     (prefill is not modelled); a unit is the curve's, not a second, so compare modes by it, not with
     the measured tokens/s."""
@@ -117,7 +120,12 @@ class ConcurrencyArgs:
 
 
 def use_curve(scheduler, sps: list[float]):
-    """The scheduler prices rounds by SPS(B) as given for B = 0 .. top (no fit, no bucket routing)."""
+    """The scheduler prices rounds by SPS(B) as given for B = 0 .. top (no fit); with buckets (compiled),
+    as a profiled table's: B at the best bucket holding it, where the engine pads it (`sps_curve`)."""
+    if scheduler.buckets is not None:
+        rates = [sps[b] for b in scheduler.profile_points]
+        scheduler.set_sps({"steps_per_second": rates}, "--sps-synthetic")
+        return
     scheduler.sps.copy_(torch.tensor(sps, dtype=torch.float64))
     scheduler.route = None
     scheduler.measured = True

@@ -128,6 +128,23 @@ def test_cliffs_sps_is_flat_inside_a_tile_and_drops_past_its_edge():
     assert sps[17] == sps[32] == pytest.approx(1 / 1.5) and sps[33] == pytest.approx(1 / 1.75)
 
 
+@pytest.mark.parametrize("kind", ["hardware", "async"])
+def test_a_synthetic_curve_prices_a_compiled_round_at_its_bucket(kind):
+    """Compiled, a round of n verify tokens is padded to a bucket, which the engine pays and the modelled
+    column charges: the schedulers price it there too, as a profiled table's route does (they priced SPS(n):
+    70 tokens at 0.444, padded to 96 at 0.400). Eager, the curve is taken as it is."""
+    from scheduler import Scheduler
+
+    curve = bc.cliffs_sps(12 * 8)
+    compiled = Scheduler(kind, 7, 12, compiled=True)
+    bc.use_curve(compiled, curve)
+    assert compiled.bucket(70) == 96 and compiled.sps[70] == pytest.approx(curve[96])
+    assert all(compiled.sps[n] == pytest.approx(curve[compiled.bucket(n)]) for n in range(1, 12 * 8 + 1))
+    eager = Scheduler(kind, 7, 12)
+    bc.use_curve(eager, curve)
+    assert eager.sps.tolist() == curve and eager.bucket(70) == 70
+
+
 def test_concurrency_with_a_synthetic_sps_curve(tmp_path, capsys):
     out = tmp_path / "conc.json"
     rc = bc.main(["--concurrency", "4", "--schedulers", "none,hardware,async", "--sps-synthetic", "cliffs",
