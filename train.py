@@ -17,10 +17,8 @@ same step. The demo target's drafter, at demo scale on a CPU (docs/training.md h
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import SimpleNamespace
@@ -58,7 +56,7 @@ from support.cli import (
 from support.configs import config_json, eagle3_config_json
 from support.distributed import dist_init, from_rank0, rank0
 from support.eval_report import dataset_figures
-from support.files import directory_problem, write_json
+from support.files import directory_problem, files_digest, write_json
 from support.text import Tokenizer, auto_chat
 from support.trainer import (
     Run,
@@ -619,22 +617,6 @@ def resumed_drafter(directory: str, cfg: DrafterConfig, target: Transformer, dev
     return drafter.requires_grad_(True)
 
 
-def target_digest(directory: str) -> str:
-    """sha256 over config.json's and the weight files' names and sha256s."""
-    files = [os.path.join(directory, "config.json"), *weight_files(directory)]
-
-    def one(path):
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-
-    with ThreadPoolExecutor(min(8, len(files))) as pool:
-        digests = list(pool.map(one, files))
-    listing = ""
-    for path, digest in zip(files, digests):
-        listing += f"{os.path.basename(path)} {digest}\n"
-    return hashlib.sha256(listing.encode()).hexdigest()
-
-
 # The run
 
 # A step's sums, added up across micro-batches and processes: these figures first, in this order, then
@@ -767,7 +749,8 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         where = checkpoint_dir(args.resume)
         drafter = resumed_drafter(where, cfg, target, device)
     corpus = data.load_corpus(args, target.args, say)
-    identity = {"target": target_digest(args.target), "data": data.digest(corpus)}
+    target_files = [os.path.join(args.target, "config.json"), *weight_files(args.target)]
+    identity = {"target": files_digest(target_files), "data": data.digest(corpus)}
     if args.resume:
         if args.data is not None:
             source = f"--data {args.data}"

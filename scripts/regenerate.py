@@ -48,6 +48,7 @@ from support.files import (  # noqa: E402
     check_outputs,
     check_writable,
     directory_problem,
+    files_digest,
     read_json,
     read_jsonl,
     write_json,
@@ -88,7 +89,8 @@ class Args:
     shard_index: int = 0
     """This process's shard, 0 .. --num-shards - 1."""
     resume: bool = False
-    """Continue an interrupted run's OUT.partial (refused if its flags, prompts or models differ)."""
+    """Continue an interrupted run's OUT.partial (refused if its flags, or its prompts' records or models'
+    files by content, differ: a copy or a move of the same files resumes)."""
     device: Optional[Literal["cpu", "cuda"]] = None
     """Default: cuda when available."""
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -187,21 +189,21 @@ def read_conversations(paths: str) -> list[tuple[str, Optional[object], list[dic
     return out
 
 
-def model_files(directory: Optional[str], flag_name: str) -> Optional[dict]:
-    """[size, mtime] of each file a run reads from a checkpoint directory."""
+def model_digest(directory: Optional[str], flag_name: str) -> Optional[str]:
+    """The digest of the files a run reads from a checkpoint directory, by content: a copy or a move
+    of the directory, or a `touch`, keeps it."""
     if directory is None:
         return None
     problem = directory_problem(directory, "checkpoint directory")
     if problem:
         raise UserError(f"{flag_name} {directory}: {problem}")
-    files = {}
+    files = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         read_by_a_run = name in CHECKPOINT_FILES or name.endswith(".safetensors")
         if read_by_a_run and os.path.isfile(path):
-            st = os.stat(path)
-            files[name] = [st.st_size, st.st_mtime_ns]
-    return files
+            files.append(path)
+    return files_digest(files)
 
 
 def real_path(directory: Optional[str]) -> Optional[str]:
@@ -211,18 +213,27 @@ def real_path(directory: Optional[str]) -> Optional[str]:
     return os.path.realpath(directory)
 
 
+def source_place(source: str, files: list[str]) -> tuple[int, int]:
+    """(the prompts file's position in --prompts, the line) of a record's source "real path:line"."""
+    path, _, line = source.rpartition(":")
+    return files.index(path), int(line)
+
+
+def records_digest(args: Args, convs: list) -> str:
+    """The prompts' records with their places (file's position, line), not the files' paths: a copy or a
+    move of the files keeps it."""
+    files = [real_path(p) for p in prompt_files(args.prompts)]
+    digest = hashlib.sha256()
+    for where, cid, msgs, _ in convs:
+        digest.update(json.dumps([source_place(where, files), cid, msgs]).encode() + b"\n")
+    return digest.hexdigest()
+
+
 def resume_key(args: Args, convs: list, target_dir: Optional[str],
                drafter_dir: Optional[str], device: str) -> dict:
     """What OUT.partial's records depend on, by flag: a resume must agree (--dtype as it resolves on
-    `device`: not given is bfloat16 on a GPU, float32 on a CPU)."""
-    digest = hashlib.sha256()
-    for where, cid, msgs, _ in convs:
-        digest.update(json.dumps([where, cid, msgs]).encode() + b"\n")
-    prompts = ",".join(map(real_path, prompt_files(args.prompts)))
+    `device`: not given is bfloat16 on a GPU, float32 on a CPU; the models and prompts by content)."""
     return {
-        "--target": real_path(target_dir),
-        "--drafter": real_path(drafter_dir),
-        "--prompts": prompts,
         "--dtype": dtype_name(resolve_dtype(args.dtype, device)),
         "--max-prompts": args.max_prompts,
         "--num-shards": args.num_shards,
@@ -234,26 +245,47 @@ def resume_key(args: Args, convs: list, target_dir: Optional[str],
         "--top-p": args.decode.top_p,
         "--min-p": args.decode.min_p,
         "--seed": args.decode.seed,
-        "--target files": model_files(target_dir, "--target"),
-        "--drafter files": model_files(drafter_dir, "--drafter"),
-        "--prompts records": digest.hexdigest(),
+        # last: a flag that changes which records are read is named, not the records
+        "--target": model_digest(target_dir, "--target"),
+        "--drafter": model_digest(drafter_dir, "--drafter"),
+        "--prompts": records_digest(args, convs),
+    }
+
+
+def started_with(args: Args, target_dir: Optional[str], drafter_dir: Optional[str]) -> dict:
+    """The real paths a run was started with: for its messages, and as its records' sources."""
+    return {
+        "--target": real_path(target_dir),
+        "--drafter": real_path(drafter_dir),
+        "--prompts": [real_path(p) for p in prompt_files(args.prompts)],
     }
 
 
 def shown(value) -> str:
-    """A flag's value in a message; None as "(not given)"."""
+    """A flag's value in a message; None as "(not given)", a list of paths as --prompts takes it."""
     if value is None:
         return "(not given)"
+    if isinstance(value, list):
+        return ",".join(value)
     return f"{value}"
 
 
 def check_resume_file(saved: dict, partial: str, done_path: str):
-    """The resume file is regenerate.py's: a resume key and its counts, conversations consumed and, of
-    them, dropped, and the user turns those dropped left unanswered (an older run's file lacks these)."""
+    """The resume file is regenerate.py's: a resume key, the paths the run was started with, and its
+    counts, conversations consumed and, of them, dropped, and the user turns those dropped left
+    unanswered (an older run's file lacks these)."""
+    key = saved.get("resume_key")
+    if isinstance(key, dict) and "--target files" in key:  # the models keyed by their files' dates
+        raise UserError(f"{done_path}: written by an older regenerate.py, which keyed the models by their "
+                        f"files' dates; finish {partial} with that version, or remove both to start over")
     consumed = saved.get("consumed")
     dropped = saved.get("dropped")
     turns = saved.get("dropped_turns", 0)
-    well_formed = isinstance(saved.get("resume_key"), dict)
+    paths = saved.get("started_with")
+    files = None
+    if isinstance(paths, dict):
+        files = paths.get("--prompts")
+    well_formed = isinstance(key, dict) and isinstance(files, list) and all(isinstance(f, str) for f in files)
     for count in (consumed, dropped, turns):
         well_formed = well_formed and isinstance(count, int) and not isinstance(count, bool) and count >= 0
     well_formed = well_formed and dropped <= consumed
@@ -262,20 +294,26 @@ def check_resume_file(saved: dict, partial: str, done_path: str):
                         f"remove it and {partial} to start over")
 
 
-def check_same_flags(saved_key: dict, key: dict, partial: str, args: Args):
-    """Every flag (and file or record digest) the records depend on is as when OUT.partial was started."""
+# the flags a resume compares by content, and what of theirs it compares
+BY_CONTENT = {"--target": "files", "--drafter": "files", "--prompts": "records"}
+
+
+def check_same_flags(saved: dict, key: dict, partial: str, args: Args):
+    """Every flag (the models and prompts by content) the records depend on is as when OUT.partial was
+    started."""
+    saved_key = saved["resume_key"]
     for name, value in key.items():
         if name in saved_key and saved_key[name] == value:
             continue
-        flag_name, _, what = name.partition(" ")
-        # the decode settings' flags included
-        now = flat_fields(args)[flag_name[2:].replace("-", "_")]
-        if what:
-            raise UserError(f"{flag_name} {now}: its {what} changed since {partial} was started; "
-                            f"restore them, or remove {partial} to start over")
         then = saved_key.get(name)
-        raise UserError(f"{flag_name} {shown(value)}: {partial} was started with {flag_name} {shown(then)}; "
-                        f"resume with the same {flag_name}, or remove {partial} to start over")
+        if name in BY_CONTENT:  # named as given now, and as the run was started
+            value = flat_fields(args)[name[2:]]
+            then = saved["started_with"].get(name)
+        if name in BY_CONTENT and value is not None and then is not None:
+            raise UserError(f"{name} {value}: its {BY_CONTENT[name]} differ from those {partial} was started "
+                            f"with ({shown(then)}); restore them, or remove {partial} to start over")
+        raise UserError(f"{name} {shown(value)}: {partial} was started with {name} {shown(then)}; "
+                        f"resume with the same {name}, or remove {partial} to start over")
 
 
 def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
@@ -312,10 +350,26 @@ class ResumePoint(NamedTuple):
     dropped_turns: int  # the user turns those left unanswered
 
 
-def resume_point(partial: str, done_path: str, key: dict, args: Args, mine: list) -> ResumePoint:
+def resume_file(partial: str, done_path: str, key: dict, args: Args) -> dict:
+    """OUT.partial's resume file, checked against this run's flags, models and prompts."""
     saved = read_json(done_path)
     check_resume_file(saved, partial, done_path)
-    check_same_flags(saved["resume_key"], key, partial, args)
+    check_same_flags(saved, key, partial, args)
+    return saved
+
+
+def sources_as_started(args: Args, mine: list, started: list[str]) -> list:
+    """`mine` with each source naming its prompts file by the path the run was started with (the same
+    records, a copy or a move of them now): the records written name it, and the rest will too."""
+    files = [real_path(p) for p in prompt_files(args.prompts)]
+    out = []
+    for i, (source, cid, msgs, n) in mine:
+        place, line = source_place(source, files)
+        out.append((i, (f"{started[place]}:{line}", cid, msgs, n)))
+    return out
+
+
+def resume_point(partial: str, done_path: str, saved: dict, mine: list) -> ResumePoint:
     consumed = saved["consumed"]
     if not 0 <= consumed <= len(mine):
         raise UserError(f"{done_path}: counts {consumed} conversations done "
@@ -695,8 +749,12 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     check_earlier_output(args, partial, done_path)
     resuming = args.resume and os.path.getsize(partial) > 0 and os.path.exists(done_path)
     start = ResumePoint(0, 0, 0, 0, 0)
+    started = started_with(args, target_dir, drafter_dir)
     if resuming:
-        start = resume_point(partial, done_path, key, args, mine)
+        saved = resume_file(partial, done_path, key, args)
+        started = saved["started_with"]
+        mine = sources_as_started(args, mine, started["--prompts"])
+        start = resume_point(partial, done_path, saved, mine)
     cut = start.consumed
 
     m = load_models(target_dir, drafter_dir, device=device, dtype=args.dtype)
@@ -719,7 +777,7 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     t0 = time.perf_counter()
     try:
         os.ftruncate(fd, start.size)  # a resumed run's whole records; a fresh run's: none
-        resume = {"tool": "scripts/regenerate.py", "resume_key": key, "consumed": cut,
+        resume = {"tool": "scripts/regenerate.py", "resume_key": key, "started_with": started, "consumed": cut,
                   "dropped": start.dropped, "dropped_turns": start.dropped_turns}
         write_json(done_path, resume)
         todo = mine[cut:]

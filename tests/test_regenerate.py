@@ -176,6 +176,29 @@ def test_resume_with_the_prompts_file_named_otherwise(tmp_path, monkeypatch):
     assert [r["source"] for r in resumed] == [f"{tmp_path.resolve() / 'prompts.jsonl'}:{i}" for i in (1, 2)]
 
 
+def test_resume_compares_the_models_and_prompts_by_content(tmp_path, monkeypatch):
+    """A byte-identical target and prompts file resume the run, however they were copied, moved or touched
+    since (it was refused: "its files changed"); the records name the prompts file the run was started with,
+    whichever path each resume read it from, and are those of a run never stopped."""
+    flags = ["--chunk-size", 1, "--max-prompts", 3]
+    full, _ = regen(tmp_path, "full.jsonl", *flags)
+    shutil.copytree(DEMO / "target", tmp_path / "t1")
+    killed_run(tmp_path, monkeypatch, "r.jsonl", 3, *flags, "--target", tmp_path / "t1")  # one conversation kept
+    (tmp_path / "t1").rename(tmp_path / "t2")
+    for f in (tmp_path / "t2").iterdir():
+        os.utime(f, ns=(1, 1))
+    shutil.copyfile(tmp_path / "prompts.jsonl", tmp_path / "p2.jsonl")
+    moved = ["--target", tmp_path / "t2", "--prompts", tmp_path / "p2.jsonl"]
+    partial = killed_run(tmp_path, monkeypatch, "r.jsonl", 2, *flags, *moved, "--resume")  # two kept
+    assert partial.read_text().count("\n") == 2
+    shutil.copytree(tmp_path / "t2", tmp_path / "t3", copy_function=shutil.copyfile)
+    shutil.copyfile(tmp_path / "prompts.jsonl", tmp_path / "p3.jsonl")
+    copied = ["--target", tmp_path / "t3", "--prompts", tmp_path / "p3.jsonl"]
+    resumed, res = regen(tmp_path, "r.jsonl", *flags, *copied, "--resume")
+    assert res["responses"] == 1  # only the third conversation was generated here
+    assert [(r["source"], r["messages"]) for r in resumed] == [(r["source"], r["messages"]) for r in full]
+
+
 def test_out_that_is_a_link_writes_the_file_it_names(tmp_path, monkeypatch):
     """--out LINK: the partial and resume files go beside the file LINK names, a resume through the link or the
     file continues them, and the file is written, the link kept."""
@@ -302,19 +325,21 @@ def test_resume_of_a_finished_run_is_refused(tmp_path, capsys):
 
 
 def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
-    """A resume with other settings, other prompts (named or edited) or another model: one line naming the flag,
-    OUT.partial kept as it was."""
+    """A resume with other settings, other prompts (named or edited) or another model (by content), or without
+    the drafter: one line naming the flag, OUT.partial kept as it was."""
     target = tmp_path / "target"
     shutil.copytree(DEMO / "target", target)
     (tmp_path / "other.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
     shutil.copytree(DEMO / "drafter", tmp_path / "drafter")
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(config, indent=1))  # the same model, other bytes
     partial = killed_run(tmp_path, monkeypatch, "o.jsonl", 3, "--chunk-size", 1, "--target", target)
     kept = partial.read_text()
     assert kept.count("\n") == 1
 
-    def refused(*flags, prompts=None, needle):
+    def refused(*flags, prompts=None, drafter=True, needle):
         argv = argv_of(tmp_path, "o.jsonl", "--chunk-size", 1, "--target", target, "--resume", *flags, prompts=prompts,
-                       drafter="--drafter" not in flags)  # one --drafter: a second is refused
+                       drafter=drafter and "--drafter" not in flags)  # one --drafter: a second is refused
         capsys.readouterr()
         assert regenerate.main(argv) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
@@ -328,13 +353,20 @@ def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
     refused("--top-k", 5, needle="--top-k 5: ")
     refused("--max-context", 100, needle="--max-context 100: ")
     refused("--max-prompts", 3, needle="--max-prompts 3: ")
-    refused("--prompts", tmp_path / "other.jsonl", needle=f"--prompts {tmp_path / 'other.jsonl'}: ")
-    refused("--drafter", tmp_path / "drafter", needle=f"--drafter {tmp_path / 'drafter'}: ")
-    refused("--target", DEMO / "target", needle=f"--target {DEMO / 'target'}: ")
+    prompts = tmp_path / "prompts.jsonl"
+    refused("--prompts", tmp_path / "other.jsonl",
+            needle=f"--prompts {tmp_path / 'other.jsonl'}: its records differ from those {partial} was started "
+                   f"with ({prompts}); restore them, or remove {partial} to start over")
+    refused("--drafter", tmp_path / "drafter", needle=f"--drafter {tmp_path / 'drafter'}: its files differ from those ")
+    refused(drafter=False, needle=f"--drafter (not given): {partial} was started with --drafter {DEMO / 'drafter'}; ")
     refused(prompts=PROMPTS[:3] + [{"prompt": "while True:"}],  # a prompt edited
-            needle=f"--prompts {tmp_path / 'prompts.jsonl'}: its records changed")
-    os.utime(target / "model.safetensors", ns=(1, 1))  # the model replaced in place
-    refused(needle=f"--target {target}: its files changed")
+            needle=f"--prompts {prompts}: its records differ from those ")
+    with open(target / "model.safetensors", "r+b") as f:  # the model replaced in place: its last weight's last byte
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    refused(needle=f"--target {target}: its files differ from those {partial} was started with ({target}); ")
 
 
 def test_a_resume_compares_the_dtype_a_run_resolved(tmp_path, monkeypatch):
@@ -363,6 +395,12 @@ def test_a_resume_compares_the_dtype_a_run_resolved(tmp_path, monkeypatch):
         "o.jsonl.partial.json": json.dumps({"resume_key": {}, "consumed": consumed, "dropped": dropped})},
        ["--resume"], "o.jsonl.partial.json: not a resume file of regenerate.py")
       for consumed, dropped in ((2, -7), (2, True), (True, 0), (1, 10**22))],
+    # a resume file that keyed the models by their files' dates
+    ({"o.jsonl.partial": '{"source": "p.jsonl:1"}\n',
+      "o.jsonl.partial.json": json.dumps({"resume_key": {"--target": "/m", "--target files": {"config.json": [1, 2]}},
+                                          "consumed": 1, "dropped": 0})},
+     ["--resume"], "o.jsonl.partial.json: written by an older regenerate.py, which keyed the models by their files' "
+                   "dates; finish "),
 ])
 def test_outputs_are_checked_before_the_models_load(tmp_path, capsys, monkeypatch, files, flags, needle):
     """No input overwritten, an earlier run's work not truncated, a directory in the way said: before any work."""
