@@ -26,6 +26,8 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
 MASK_TOKEN = "<|mask|>"
 EOS_TOKEN = "<|endoftext|>"
+# how scripts/regenerate.py's responses ended: the stop token, or cut at --max-new-tokens
+FINISH_REASONS = ("stop", "length")
 # private-use characters: where an assistant message lands in the rendered text
 _SENTINEL = "\ue000{}\ue001"
 
@@ -71,14 +73,20 @@ def _chat_messages(obj, where: str) -> Optional[list[dict]]:
         raise UserError(
             f"{where}: a conversation starts with a user message and has an assistant message")
     out = [{"role": m["role"], "content": m["content"]} for m in msgs]
-    regenerated = obj.get("regenerated")
-    if isinstance(regenerated, dict) and "finish_reasons" in regenerated:  # scripts/regenerate.py's record
+    regenerated = obj.get("regenerated", {})  # scripts/regenerate.py's record
+    if not isinstance(regenerated, dict):
+        raise UserError(f"{where}: 'regenerated' must be an object (scripts/regenerate.py's), "
+                        f"got {repr(regenerated)[:80]}")
+    if "finish_reasons" in regenerated:
         answers = [m for m in out if m["role"] == "assistant"]
         reasons = regenerated["finish_reasons"]
         if not (isinstance(reasons, list) and len(reasons) == len(answers)):
             raise UserError(f"{where}: 'regenerated.finish_reasons' must list one reason an assistant "
                             f"message ({len(answers)}), got {repr(reasons)[:80]}")
         for m, reason in zip(answers, reasons):
+            if reason not in FINISH_REASONS:  # another tool's word for a cut would train an end of turn
+                raise UserError(f"{where}: 'regenerated.finish_reasons' holds {repr(reason)[:80]}; each is "
+                                '"stop" or "length" (cut at the budget)')
             m["cut"] = reason == "length"  # cut at regenerate.py's budget: the target never ended the turn
     return out
 

@@ -136,6 +136,13 @@ def test_render_messages_without_template_is_qwen3_chatml(target_factory):
     ({"text": "hello", "turns": ["other"]}, "this one has text and turns"),
     ({"text": 5, "turns": ["t"]}, "this one has text and turns"),
     ({"prompt": "p", "text": "q"}, "this one has text and prompt"),
+    # a finish reason other than regenerate.py's two, or no object: a cut response was trained as ended
+    *[({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        "regenerated": {"finish_reasons": [reason]}},
+       f"d.jsonl:1: 'regenerated.finish_reasons' holds {reason!r}; each is \"stop\" or \"length\"")
+      for reason in ("lenght", "max_tokens", "LENGTH", 7)],
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "regenerated": [1]},
+     "d.jsonl:1: 'regenerated' must be an object (scripts/regenerate.py's), got [1]"),
 ])
 def test_bad_chat_records_are_one_line_errors(tmp_path, case, needle):
     p = tmp_path / "d.jsonl"
