@@ -41,7 +41,7 @@ from support.cli import (  # noqa: E402
     resolve_dtype,
     signals_deferred,
 )
-from support.data import turns_problem  # noqa: E402
+from support.data import chatml_note, turns_problem  # noqa: E402
 from support.files import (  # noqa: E402
     CHECKPOINT_FILES,
     check_input,
@@ -765,6 +765,9 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
     why = drop_reason(args, context, settings.max_new_tokens)
     # sized for the longest
     engine = make_engine(m, m.drafter, [[0] * longest] * settings.batch_size, settings)
+    note = chatml_note(m.tokenizer)
+    if note is not None:  # as train.py says it of the records
+        print(f"note: --prompts: {note}", file=sys.stderr)
     setting = record_setting(args)
 
     total = sum(n for _, (*_, n) in mine)

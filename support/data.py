@@ -34,6 +34,14 @@ _SENTINEL = "\ue000{}\ue001"
 
 # Reading
 
+def chatml_note(tok) -> Optional[str]:
+    """How conversations are rendered on a target without a chat template (render_messages' own Qwen3
+    ChatML), which speculate.py and eval.py would not render as chat; None with a template."""
+    if tok.chat_template is not None:
+        return None
+    return "rendered as Qwen3's ChatML, the target having no chat template"
+
+
 def _is_message(m) -> bool:
     """{"role": system/user/assistant, "content": str}."""
     if not isinstance(m, dict):
@@ -496,8 +504,9 @@ def load_corpus(args, target_args, say) -> Corpus:
     if budget_cut:
         filled += f", {budget_cut} responses cut at regenerate.py's budget, their end of turn not trained"
     rendered = ""
-    if tok.chat_template is None:  # render_messages' own Qwen3 ChatML
-        rendered = "; rendered as Qwen3's ChatML, the target having no chat template"
+    note = chatml_note(tok)
+    if note is not None:
+        rendered = f"; {note}"
     say(f"--data: {st['documents']} conversations {how} {st['rows']} "
         f"sequences ({filled}, {rewritten + short} skipped: {why_skipped}){rendered}")
     return corpus

@@ -29,6 +29,8 @@ regenerate = sys.modules["regenerate"] = importlib.util.module_from_spec(_spec) 
 _spec.loader.exec_module(regenerate)
 
 DEMO = REPO_ROOT / "demo"
+# what a run on the demo target, which has no chat template, says before it generates
+CHATML_NOTE = "note: --prompts: rendered as Qwen3's ChatML, the target having no chat template\n"
 PROMPTS = [
     {"turns": ["def add(a, b):", "and now subtract"]},
     {"prompt": "import os\n"},
@@ -260,8 +262,9 @@ def test_a_run_that_drops_every_conversation_is_an_error(tmp_path, capsys):
     argv = argv_of(tmp_path, "o.jsonl", "--max-context", 64, prompts=[LONG, LONG])
     assert regenerate.main(argv) == 2
     err = capsys.readouterr().err
-    assert err == ("error: --prompts: all 2 conversations dropped (a prompt over 52 tokens: --max-context 64 "
-                   "less --max-new-tokens 12); give a smaller --max-new-tokens or a larger --max-context\n"), err
+    assert err == CHATML_NOTE + ("error: --prompts: all 2 conversations dropped (a prompt over 52 tokens: "
+                                 "--max-context 64 less --max-new-tokens 12); give a smaller --max-new-tokens or a "
+                                 "larger --max-context\n"), err
     assert sorted(os.listdir(tmp_path)) == ["prompts.jsonl"]
     assert regenerate.main(argv + ["--progress"]) == 2
     assert "regenerate.py: 0/2 responses, 2 dropped, 0.00/s\n" in capsys.readouterr().err
@@ -273,8 +276,23 @@ def test_a_run_that_drops_its_one_conversation_at_the_models_context_names_the_o
     argv = argv_of(tmp_path, "o.jsonl", "--max-new-tokens", 2040, prompts=[PROMPTS[1]])
     assert regenerate.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --prompts: its one conversation dropped (a prompt over 8 tokens: the context of "
-                          "2048 less --max-new-tokens 2040); give a smaller --max-new-tokens\n"), err
+    assert err.startswith(CHATML_NOTE + "error: --prompts: its one conversation dropped (a prompt over 8 tokens: the "
+                          "context of 2048 less --max-new-tokens 2040); give a smaller --max-new-tokens\n"), err
+
+
+def test_a_target_without_a_chat_template_says_how_the_prompts_are_rendered(tmp_path, capsys):
+    """The prompts of a target with no chat template are rendered as Qwen3's ChatML, as train.py says of its
+    records (regenerate.py said nothing); a target with one, nothing."""
+    from conftest import QWEN3_LIKE_TEMPLATE
+
+    assert regenerate.main(argv_of(tmp_path, "a.jsonl", drafter=False, prompts=[PROMPTS[1]])) == 0
+    assert capsys.readouterr().err == CHATML_NOTE
+    target = tmp_path / "t"
+    shutil.copytree(DEMO / "target", target)
+    (target / "chat_template.jinja").write_text(QWEN3_LIKE_TEMPLATE)
+    argv = argv_of(tmp_path, "b.jsonl", "--target", target, drafter=False, prompts=[PROMPTS[1]])
+    assert regenerate.main(argv) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_a_summary_says_why_conversations_were_dropped(tmp_path, capsys):
