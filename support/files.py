@@ -153,6 +153,9 @@ def read_jsonl(path: str, records: Optional[str] = None):
                         hint = ("the file looks like plain text, not JSON lines: "
                                 f"write one JSON object per line, each one of {records}")
                     raise UserError(f"{e}; {hint}") from None
+                if records is not None and isinstance(obj, list):  # a whole file's records as one array
+                    raise UserError(f"{path}:{lineno}: a JSON array, not a record: write one record per line "
+                                    f"(JSON lines), each one of {records}")
                 yield f"{path}:{lineno}", obj
 
 

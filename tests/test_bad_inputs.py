@@ -243,7 +243,7 @@ CASES = [
     ("prompts-nested", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
         t, '{"prompt": ' + nested(100000) + '}\n')] + S(w)[6:], "malformed JSON", False),
     ("prompts-list-record", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(t, "[1, 2]\n")]
-     + S(w)[6:], "expected", False),
+     + S(w)[6:], "a JSON array, not a record: write one record per line (JSON lines)", False),
     ("prompts-empty-turns", "speculate", lambda w, t: S(w)[:4] + ["--prompts-file", prompts_file(
         t, '{"turns": []}\n')] + S(w)[6:], "'turns' must be a non-empty list of strings, got []", False),
     ("prompt-too-long", "speculate", lambda w, t: S(w)[:4] + ["--prompt", "hello " * 100000] + S(w)[6:],

@@ -488,6 +488,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, monkeypatch, flags, ne
     # plain text, not JSON lines: said so, with the records a line may hold
     ("write a poem", "bad.jsonl:1: malformed JSON (Expecting value at column 1); the file looks like plain text, "
      'not JSON lines: write one JSON object per line, each one of {"turns": [str]}, {"prompt": str} or'),
+    # a JSON array of records on one line, as a dataset export writes it
+    ('[{"prompt": "a"}, {"prompt": "b"}]', "bad.jsonl:1: a JSON array, not a record: write one record per line "
+     '(JSON lines), each one of {"turns": [str]}, {"prompt": str} or'),
 ])
 def test_bad_prompt_records_are_one_line_errors(tmp_path, capsys, monkeypatch, record, needle):
     monkeypatch.chdir(tmp_path)

@@ -94,12 +94,16 @@ def test_a_response_cut_at_its_budget_trains_no_end_of_turn(tiny_target):
 
 
 def test_a_json_array_in_data_is_told_apart_from_json_lines(tmp_path):
-    """A JSON array of records (a common dataset format) got the bare JSON error; the line now says what
-    each line holds."""
+    """A JSON array of records (a common dataset format) got the bare JSON error, or on one line "expected"
+    the very records it holds; the line now says what each line holds."""
     p = tmp_path / "arr.json"
     p.write_text('[\n  {"text": "a"}\n]\n')
     with pytest.raises(UserError, match=r"arr.json:1: malformed JSON .*; each line is one whole JSON record, "
                                         r"one of \{\"text\": str\}"):
+        data.read_documents(str(p))
+    p.write_text(json.dumps([{"prompt": "a", "response": "hello world"}] * 3))  # on one line: it parses
+    with pytest.raises(UserError, match=r"^[^\n]*arr.json:1: a JSON array, not a record: write one record per "
+                                        r"line \(JSON lines\), each one of \{\"text\": str\}[^\n]*$"):
         data.read_documents(str(p))
 
 
