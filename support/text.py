@@ -785,26 +785,21 @@ class StopStrings:
             back *= 2
 
     def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
-        """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None.
-        Each round decodes a window at the output's end, not the whole output; the whole when it holds one."""
-        def text(n):
-            return self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-
+        """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None:
+        each of the new ids checked in turn, as a decode of one id a round checks it (a byte-fallback
+        decoder's text can lose a stop string at a later id, so a longer text says nothing of a shorter
+        one). Each decodes a window at the output's end, not the whole output; the whole when it holds one."""
         start = self.window_start(ids, checked)
-        window = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
-        if self.find(window) is None:
-            return None
-        if start > 0 and self.find(text(len(ids))) is None:
-            return None
-        lo = checked  # a bisection: text(lo) holds none, text(hi) holds one
-        hi = len(ids)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.find(text(mid)) is None:
-                lo = mid
-            else:
-                hi = mid
-        return hi
+        for n in range(checked + 1, len(ids) + 1):
+            window = self.tokenizer.decode(ids[start:n], skip_special_tokens=True)
+            if self.find(window) is None:
+                continue
+            if start == 0:
+                return n
+            whole = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            if self.find(whole) is not None:  # not a string the window's cut start made
+                return n
+        return None
 
     def cut(self, text: str) -> str:
         return text[:self.find(text)]  # all of it when it holds none

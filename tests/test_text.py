@@ -389,21 +389,11 @@ def test_without_a_template_assistant_reasoning_is_handled_as_qwen3s_template_do
 
 
 def whole_output_keep(stop, ids, checked):
-    """StopStrings.keep searching the whole output's text: the slow reference."""
-    def found(n):
-        return stop.find(stop.tokenizer.decode(ids[:n], skip_special_tokens=True)) is not None
-
-    if not found(len(ids)):
-        return None
-    lo = checked  # a bisection: text(lo) holds none, text(hi) holds one
-    hi = len(ids)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if found(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    """StopStrings.keep as one id a round checks it, each prefix's whole text: the slow reference."""
+    for n in range(checked + 1, len(ids) + 1):
+        if stop.find(stop.tokenizer.decode(ids[:n], skip_special_tokens=True)) is not None:
+            return n
+    return None
 
 
 def byte_fallback_tokenizer():
@@ -462,6 +452,20 @@ def test_a_stop_string_after_a_long_run_of_byte_tokens_is_found():
         if keep is not None:
             break
     assert tok.decode(out[:keep]).endswith("十") and not tok.decode(out[:keep - 1]).endswith("十")
+
+
+@pytest.mark.parametrize("tail", [[0xC3, 0xA9, 0xC3, 0xA9, 1], [0x80, 1, 1]])
+def test_a_round_of_several_ids_keeps_those_one_id_a_round_keeps(tail):
+    """A byte-fallback decoder's text can lose a stop string at a later id: " aé" holds "é", " aé" and the
+    first byte of the next character, or a stray byte, decode as " a" and U+FFFDs. A round that accepts
+    several ids keeps up to the id completing it, as a decode of one id a round does, and finds it."""
+    tok = byte_fallback_tokenizer()
+    ids = [1, 3 + 0xC3, 3 + 0xA9] + [3 + b for b in tail]
+    stop = text.StopStrings(tok, ["é"])
+    one_a_round = next(n for n in range(1, len(ids) + 1) if stop.keep(ids[:n], n - 1))
+    assert one_a_round == 3
+    assert stop.keep(ids, 0) == 3
+    assert stop.keep(ids, 1) == 3
 
 
 def test_stop_strings_in_a_window_are_found_as_in_the_whole_output(target_factory):
