@@ -771,18 +771,27 @@ class StopStrings:
 
     def window_start(self, ids: Sequence[int], checked: int) -> int:
         """Where a window of the ids starts that holds any stop string the ids after `checked` complete:
-        enough checked ids before them for the longest stop string and the slack, decoded without a
-        U+FFFD: a window cut inside a character, which a byte-fallback decoder turns into U+FFFD along
-        its whole run of byte tokens. An output holding bytes that are not UTF-8 is decoded from further
-        back, up to the whole, while they stand within the window."""
+        enough checked ids before them for the longest stop string and the slack, whose text does not
+        start with U+FFFD: a window cut inside a character, which a byte-fallback decoder turns into
+        U+FFFD along its whole run of byte tokens. A start cut so steps back to the character's first
+        byte; one on bytes that are not UTF-8 (or in such a run) goes further back, up to the whole."""
         back = 2 * self.longest + self.SLACK  # ids, doubled until their text is long and whole enough
+        steps = 0  # ids stepped back from a start cut inside a character
         while True:
             start = max(0, checked - back)
             before = self.tokenizer.decode(ids[start:checked], skip_special_tokens=True)
-            long_enough = len(before) >= self.longest + self.SLACK
-            if start == 0 or long_enough and "\ufffd" not in before:
+            if start == 0:
                 return start
-            back *= 2
+            if len(before) < self.longest + self.SLACK:
+                back *= 2
+            elif not before.startswith("\ufffd"):
+                return start
+            elif steps < 3:  # a character's first byte is at most 3 bytes back
+                back += 1
+                steps += 1
+            else:
+                back *= 2
+                steps = 0
 
     def keep(self, ids: Sequence[int], checked: int) -> Optional[int]:
         """The fewest leading ids whose text holds a stop string (the first `checked` hold none), else None:

@@ -540,6 +540,27 @@ def test_a_stop_check_decodes_the_outputs_end_not_all_of_it():
     assert len(out) == 4000 and max(decoded) <= 2 * 8 + stop.SLACK + 4, max(decoded)
 
 
+def test_a_stop_check_after_a_round_ending_inside_a_character_decodes_the_outputs_end():
+    """Chinese text in byte-level BPE (the demo's, Qwen3's kind) is 3 byte tokens a character, so most rounds
+    end inside one, and the checked text ends in U+FFFD whatever window is decoded: only a U+FFFD at the
+    window's start says it was cut, else every such round decoded the whole output again."""
+    from conftest import REPO_ROOT
+
+    tok = text.Tokenizer(str(REPO_ROOT / "demo" / "target"))
+    ids = tok.encode("这是一个测试，你好世界。" * 200)[:4000]
+    assert tok.decode(ids[:4]).endswith("\ufffd")  # a character is split across ids
+    decoded = []
+    decode = tok.decode
+    tok.decode = lambda ids, skip_special_tokens=False: decoded.append(len(ids)) or decode(ids, skip_special_tokens)
+    stop = text.StopStrings(tok, ["ZZQXZZQX"])
+    out = []
+    for i in range(0, len(ids), 4):
+        before = len(out)
+        out += ids[i:i + 4]
+        assert stop.keep(out, before) is None
+    assert len(out) == 4000 and max(decoded) <= 8 * (2 * 8 + stop.SLACK), max(decoded)
+
+
 def test_a_null_key_in_a_prompts_file_record_counts_as_absent(tmp_path):
     """A table's JSON-lines export (pandas, datasets) writes every column on every row, null where a row
     has none: a null prompt key is not a second prompt, a null setting is not a setting; a record whose
