@@ -141,8 +141,8 @@ def read_chat_template(directory: str,
         try:
             with open(jinja, encoding="utf-8") as f:
                 template = f.read()
-        except UnicodeDecodeError:
-            raise UserError(f"{jinja}: not UTF-8 text") from None
+        except UnicodeDecodeError:  # refused where a chat is rendered, as any unusable template
+            return None, jinja, f"{jinja}: not UTF-8 text"
         if template.startswith("\ufeff"):  # else rendered at the start of every prompt
             return None, jinja, f"{jinja}: {BOM_PROBLEM}"
         return template, jinja, None

@@ -588,3 +588,16 @@ def test_a_template_with_a_byte_order_mark_is_refused_only_when_a_chat_is_render
     assert text.encode(tok, "hello", "p", chat=False) == tok.encode("hello")
     with pytest.raises(text.UserError, match=re.escape(f"p: {jinja}: starts with a byte-order mark")):
         text.encode(tok, "hello", "p", chat=True)
+
+
+def test_a_template_that_is_not_utf8_is_refused_only_when_a_chat_is_rendered(target_factory, tmp_path):
+    """A chat_template.jinja that is not UTF-8 is refused in one line naming the file where a chat is
+    rendered, as a BOM is; --no-chat and token ids never read it."""
+    d = copy_target(target_factory(chat_template_file=True).path, tmp_path / "target")
+    jinja = d / "chat_template.jinja"
+    jinja.write_bytes(b"\xe9" + jinja.read_bytes())
+    tok = text.Tokenizer(str(d))
+    assert text.auto_chat(None, tok) is True
+    assert text.encode(tok, "hello", "p", chat=False) == tok.encode("hello")
+    with pytest.raises(text.UserError, match=re.escape(f"p: {jinja}: not UTF-8 text")):
+        text.encode(tok, "hello", "p", chat=True)
