@@ -23,6 +23,9 @@ from support.files import (
 )
 
 ROLES = ("system", "user", "assistant")
+# tokenizer_config.json's special tokens, which transformers passes a chat template by these names
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
 # opens a non-thinking Qwen3 answer (the default: the drafters were trained so)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -60,7 +63,7 @@ class Tokenizer:
         template = read_chat_template(directory, config)
         self.chat_template, self.template_source, self.template_problem = template
         self.special_texts = {}  # the special tokens' texts, which templates read
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        for key in SPECIAL_TOKEN_KEYS:
             value = config.get(key)
             if value is None:
                 continue
@@ -86,8 +89,9 @@ class Tokenizer:
         if self.chat_template is None:
             return qwen3_chat(messages, add_generation_prompt=add_generation_prompt, thinking=thinking)
         copies = [dict(m) for m in messages]  # a template may not change the caller's
+        # tools and documents: none, passed as transformers passes them (a template tests them)
         text = render_template(self.chat_template, self.template_source, messages=copies,
-                               add_generation_prompt=add_generation_prompt,
+                               tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                                enable_thinking=thinking, **self.special_texts)
         if not text.strip():
             raise UserError(f"{self.template_source}: "

@@ -601,3 +601,23 @@ def test_a_template_that_is_not_utf8_is_refused_only_when_a_chat_is_rendered(tar
     assert text.encode(tok, "hello", "p", chat=False) == tok.encode("hello")
     with pytest.raises(text.UserError, match=re.escape(f"p: {jinja}: not UTF-8 text")):
         text.encode(tok, "hello", "p", chat=True)
+
+
+def test_a_template_sees_what_transformers_passes_it(target_factory, tmp_path):
+    """transformers renders a chat template with tools and documents set to None and every special token
+    of tokenizer_config.json (sep, cls and mask too): a template that tests them renders as there."""
+    from transformers import AutoTokenizer
+
+    template = ("{% if tools is not none %}T{% endif %}{% if documents is not none %}D{% endif %}"
+                "{% if tools is defined %}t{% endif %}{% if documents is defined %}d{% endif %}"
+                "[{{ bos_token }}|{{ eos_token }}|{{ sep_token }}|{{ cls_token }}|{{ mask_token }}]"
+                "{{ messages[0].content }}")
+    d = copy_target(target_factory(chat_template=template).path, tmp_path / "target")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(sep_token="<|im_end|>", cls_token="<|im_start|>",
+                                                              mask_token="<|endoftext|>"))
+    conv = [{"role": "user", "content": "hello"}]
+    ours = text.Tokenizer(str(d)).render_messages(conv, add_generation_prompt=True)
+    theirs = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(conv, tokenize=False,
+                                                                      add_generation_prompt=True)
+    assert ours == theirs
+    assert ours.startswith("td[") and "|<|im_end|>|<|im_start|>|<|endoftext|>]hello" in ours, ours
