@@ -597,6 +597,8 @@ def check_record_keys(row: dict, where: str, instead: Callable[[str], str] = the
                         f"(other keys are metadata, ignored)")
     for key, nothing in UNAPPLIED_REQUEST_KEYS.items():
         value = row.get(key, nothing)
+        if key == "tool_choice" and value == "auto" and not row.get("tools"):
+            continue  # a choice among no tools asks for nothing
         if value is not None and value != nothing:
             shown = json.dumps(value)[:40]
             raise UserError(f"{where}: {key} {shown} is not applied here (no such control in this "

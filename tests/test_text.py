@@ -621,3 +621,16 @@ def test_a_template_sees_what_transformers_passes_it(target_factory, tmp_path):
                                                                       add_generation_prompt=True)
     assert ours == theirs
     assert ours.startswith("td[") and "|<|im_end|>|<|im_start|>|<|endoftext|>]hello" in ours, ours
+
+
+def test_a_record_choosing_tools_automatically_among_none_is_taken(tmp_path):
+    """OpenAI's request logs carry "tool_choice": "auto" beside "tools": [] or null: a choice among no tools
+    asks for nothing, so the record is taken; with tools it is refused, as tools are."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "tool_choice": "auto", "tools": []}\n'
+                    '{"prompt": "b", "tool_choice": "auto", "tools": null}\n'
+                    '{"prompt": "c", "tool_choice": "auto"}\n')
+    assert [p for _, p in text.read_prompts_file(str(path))] == ["a", "b", "c"]
+    path.write_text('{"prompt": "a", "tool_choice": "auto", "tools": [{"type": "function"}]}\n')
+    with pytest.raises(UserError, match=r"p.jsonl:1: tools \[\{\"type\": \"function\"\}\] is not applied here"):
+        text.read_prompts_file(str(path))
