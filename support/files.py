@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Union
@@ -106,7 +107,10 @@ def _parse(text, where: str, one_line: bool = False):
         raise UserError(f"{where}: malformed JSON ({detail})") from None
     # not UTF-8, a 5000-digit number, nested too deep
     except (ValueError, RecursionError) as e:
-        raise UserError(f"{where}: malformed JSON ({first_line(e)})") from None
+        detail = first_line(e)
+        if "integer string conversion" in detail:  # said without Python's advice to a programmer
+            detail = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+        raise UserError(f"{where}: malformed JSON ({detail})") from None
 
 
 def read_json(path: str) -> dict:

@@ -173,3 +173,13 @@ def test_a_byte_not_utf8_is_reported_on_its_own_line_whatever_the_line_ends(tmp_
     with pytest.raises(UserError) as e:
         list(read_jsonl(str(path)))
     assert str(e.value) == f"{path}:3: not UTF-8 text"
+
+
+def test_an_integer_too_long_to_read_is_one_plain_line(tmp_path):
+    """Python refuses an integer of more than 4300 digits with advice for a programmer
+    (sys.set_int_max_str_digits); a prompts file's user reads what is wrong and where."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt_ids": [' + "7" * 5000 + ']}\n')
+    with pytest.raises(UserError) as e:
+        list(read_jsonl(str(path)))
+    assert str(e.value) == f"{path}:2: malformed JSON (an integer of more than 4300 digits)"
