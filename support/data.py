@@ -59,14 +59,8 @@ def turns_problem(key: str, msgs) -> str:
     return f"{key!r} must be a list of {shape} turns{sharegpt}"
 
 
-def _chat_messages(obj, where: str) -> Optional[list[dict]]:
-    """A chat record's conversation, checked; None for another record."""
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
-        user = {"role": "user", "content": obj["prompt"]}
-        assistant = {"role": "assistant", "content": obj["response"]}
-        return [user, assistant]
+def _listed_messages(obj: dict, where: str) -> Optional[list[dict]]:
+    """A "messages" (or "conversations") record's turns, checked; None for another record."""
     if "messages" in obj:
         key = "messages"
     elif "conversations" in obj:
@@ -80,7 +74,21 @@ def _chat_messages(obj, where: str) -> Optional[list[dict]]:
     if not roles or roles[0] != "user" or "assistant" not in roles:
         raise UserError(
             f"{where}: a conversation starts with a user message and has an assistant message")
-    out = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def _chat_messages(obj, where: str) -> Optional[list[dict]]:
+    """A chat record's conversation, checked; None for another record."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+        user = {"role": "user", "content": obj["prompt"]}
+        assistant = {"role": "assistant", "content": obj["response"]}
+        out = [user, assistant]
+    else:
+        out = _listed_messages(obj, where)
+    if out is None:
+        return None
     regenerated = obj.get("regenerated", {})  # scripts/regenerate.py's record
     if not isinstance(regenerated, dict):
         raise UserError(f"{where}: 'regenerated' must be an object (scripts/regenerate.py's), "

@@ -91,6 +91,11 @@ def test_a_response_cut_at_its_budget_trains_no_end_of_turn(tiny_target):
     for reasons in (["stop"], "length"):
         with pytest.raises(UserError, match=r"^x:1: 'regenerated.finish_reasons' must list one reason an "):
             data._chat_messages({"messages": CONVERSATION, "regenerated": {"finish_reasons": reasons}}, "x:1")
+    # a prompt and response record is read alike
+    pair = {"prompt": "hello", "response": "world", "regenerated": {"finish_reasons": ["length"]}}
+    assert data._chat_messages(pair, "x:2")[1]["cut"]
+    with pytest.raises(UserError, match=r"^x:2: 'regenerated.finish_reasons' must list one reason an "):
+        data._chat_messages(dict(pair, regenerated={"finish_reasons": ["stop", "stop"]}), "x:2")
 
 
 def test_a_json_array_in_data_is_told_apart_from_json_lines(tmp_path):
