@@ -106,7 +106,7 @@ def test_filtered_sampling_follows_the_targets_filtered_distribution(fenv, draft
         extra = ["--confidence-threshold", 0.6]
     elif schedule == "hardware":  # a step time under which rounds verify 0, 1 or 2 drafts (test_scheduler.py)
         table = write_sps_table(os.path.join(fenv["dir"], "sps.json"), fenv["target"], fenv["drafters"][drafter],
-                                N_SAMPLES, temperature, lambda b: N_SAMPLES + b)
+                                N_SAMPLES, temperature, lambda b: N_SAMPLES + b, filters=f)
         extra = ["--scheduler", "hardware", "--sps-table", table]
     tr = sampled(fenv, drafter, temperature, f, *extra)
     outs = tr.outputs()

@@ -48,6 +48,7 @@ from test_lossless import (  # noqa: E402
     target_logits_after,
 )
 
+import sampling  # noqa: E402
 import scheduler as sched
 import speculate  # noqa: E402
 from support.checkpoint import load_target  # noqa: E402
@@ -214,14 +215,16 @@ K = 4
 PROMPTS = [[1, 2, 3, 4, 5], [7, 30, 2], [9], [40, 41, 42, 43, 44, 45, 46, 3]]
 
 
-def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None, compile=False):
+def write_sps_table(path, target_dir, drafter_dir, batch, temperature, step_time, buckets=None, compile=False,
+                    filters=sampling.NO_FILTERS):
     """An SPS table in speculate.py's format, for this configuration, with hand-chosen step times (the
     models loaded as speculate.py loads them: with the CPU kernels where they run)."""
     from support.checkpoint import load_models
 
     models = load_models(target_dir, drafter_dir)
     engine = speculate.Engine(models.target, models.drafter, batch_size=batch, max_seq=64, temperature=temperature,
-                              scheduler="hardware", buckets=buckets, compile=compile)  # nothing compiles until called
+                              filters=filters, scheduler="hardware", buckets=buckets,
+                              compile=compile)  # nothing compiles until called
     points = engine.scheduler.profile_points
     table = dict(sched.sps_identity(engine), steps_per_second=[1 / step_time(b) for b in points])
     table["seconds_per_step"] = [step_time(b) for b in points]
