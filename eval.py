@@ -221,7 +221,7 @@ def check_flags(args: EvalArgs) -> Settings:
     if s.num_samples != 1:
         raise UserError(f"--num-samples {s.num_samples}: eval.py decodes each prompt once, "
                         f"as the authors do")
-    check_chat_flags(chat=args.rendering.chat, ids=False, system_prompt=args.rendering.system_prompt,
+    check_chat_flags(chat=args.rendering.chat, ids=None, system_prompt=args.rendering.system_prompt,
                      thinking=args.rendering.enable_thinking)
     if args.target is None:
         raise UserError(f"--drafter {args.drafter[0]}: "

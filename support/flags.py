@@ -46,6 +46,7 @@ from support.files import check_input, check_outputs, check_read_apart
 from support.runlog import WandbFlags
 from support.text import (
     StopStrings,
+    all_token_ids,
     auto_chat,
     check_chat_flags,
     check_chat_renders,
@@ -433,8 +434,11 @@ def check_rendering(tokenizer, chat, system_prompt, thinking, prompts: list) -> 
     if not isinstance(thinking, bool):
         raise UserError(f"--enable-thinking: invalid value {thinking!r} (True or False)")
     check_chat_renders(chat, prompts, "every prompt")
+    ids = None
+    if all_token_ids(prompts):
+        ids = "every prompt is"
     chat = auto_chat(chat, tokenizer)
-    check_chat_flags(chat=chat, ids=False, system_prompt=system_prompt, thinking=thinking)
+    check_chat_flags(chat=chat, ids=ids, system_prompt=system_prompt, thinking=thinking)
     return chat
 
 
@@ -723,8 +727,10 @@ def check_command_line(args):
     if r.chat and p.prompt_ids is not None:
         raise UserError("--chat: --prompt-ids are token ids, never rendered; "
                         "it would change nothing")
-    check_chat_flags(chat=r.chat, ids=p.prompt_ids is not None, system_prompt=r.system_prompt,
-                     thinking=r.enable_thinking)
+    ids = None
+    if p.prompt_ids is not None:
+        ids = "--prompt-ids are"
+    check_chat_flags(chat=r.chat, ids=ids, system_prompt=r.system_prompt, thinking=r.enable_thinking)
     check_calibration_read(args.calibration, s)
     check_files(args)
     resolve_device(args.machine.device)
@@ -817,7 +823,7 @@ def read_prompts(p: Prompts, r: Rendering, m, s,
     if lead is not None:  # the demo's first prompt, whose completion is printed
         # the held-out prompts after it are token ids: --chat renders the lead (taken), a system
         # prompt or thinking would reach the lead alone (refused)
-        flags_given = check_chat_flags(chat=chat, ids=False, system_prompt=r.system_prompt,
+        flags_given = check_chat_flags(chat=chat, ids=None, system_prompt=r.system_prompt,
                                        thinking=r.enable_thinking)
         if flags_given:
             raise UserError(f"{flags_given[0]}: the demo's held-out prompts ({p.prompts_file}) are "

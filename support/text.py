@@ -461,24 +461,30 @@ def is_token_ids(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and all(_int(t) for t in prompt)
 
 
+def all_token_ids(prompts: list) -> bool:
+    """Every prompt is token ids (an empty one is left to the prompt's own check)."""
+    return all(is_token_ids(p) and len(p) > 0 for p in prompts)
+
+
 def check_chat_renders(chat: Optional[bool], prompts: list, what: str):
     """--chat given (True, not its default) where every prompt is token ids: nothing is rendered, so it
     would change nothing, as with --prompt-ids. `what`: which prompts, for the message. An empty
     prompt is left to the prompt's own check."""
-    if chat and all(is_token_ids(p) and len(p) > 0 for p in prompts):
+    if chat and all_token_ids(prompts):
         raise UserError(f"--chat: {what} is token ids, never rendered; it would change nothing")
 
 
-def check_chat_flags(*, chat: Optional[bool], ids: bool, system_prompt: Optional[str],
+def check_chat_flags(*, chat: Optional[bool], ids: Optional[str], system_prompt: Optional[str],
                      thinking: bool) -> list[str]:
-    """--system-prompt / --enable-thinking (returned if given): an error with token ids or without chat."""
+    """--system-prompt / --enable-thinking (returned if given): an error with token ids or without chat.
+    ids: the prompts that are all token ids, as the message names them (None: not so)."""
     flags = []
     if system_prompt is not None:
         flags.append("--system-prompt")
     if thinking:
         flags.append("--enable-thinking")
-    if flags and ids:
-        raise UserError(f"{flags[0]}: --prompt-ids are token ids, not a rendered chat; "
+    if flags and ids is not None:
+        raise UserError(f"{flags[0]}: {ids} token ids, not a rendered chat; "
                         f"it would change nothing")
     if flags and chat is False:
         raise UserError(f"{flags[0]}: prompts are not rendered as chat here "
@@ -658,8 +664,10 @@ def load_prompts(*, tokenizer: Optional[Tokenizer], chat: bool, prompt: Optional
         if given:
             got = f" (got {', '.join(given)})"
         raise UserError(f"give exactly one of --prompt, --prompt-ids, --prompts-file{got}")
-    flags = check_chat_flags(chat=chat, ids=prompt_ids is not None, system_prompt=system_prompt,
-                             thinking=thinking)
+    ids = None
+    if prompt_ids is not None:
+        ids = "--prompt-ids are"
+    flags = check_chat_flags(chat=chat, ids=ids, system_prompt=system_prompt, thinking=thinking)
     if prompts_file is not None:
         records = read_prompts_file(prompts_file)
     elif prompt is not None:

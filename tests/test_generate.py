@@ -403,6 +403,9 @@ API_REFUSALS = [
     (dict(prompts=[[1, 2], [3]], chat=True), "--chat: every prompt is token ids, never rendered"),
     # an empty list is no prompt at all, not token ids
     (dict(prompts=[[]], chat=True), "prompt 0: empty prompt"),
+    # a system turn or thinking for token ids: nothing is rendered, whatever the tokenizer's template
+    (dict(thinking=True), "--enable-thinking: every prompt is token ids, not a rendered chat; it would change"),
+    (dict(prompts=[[1, 2], [3]], system_prompt="Be brief."), "--system-prompt: every prompt is token ids"),
 ]
 
 
