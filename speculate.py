@@ -478,14 +478,13 @@ def reclaimed_cache_bytes(models: list, batch: int, max_seq: int, dtype: torch.d
     a model's are reused at that size and dtype, and freed unless a live engine keeps them."""
     total = 0
     for model in models:
-        kv = [layer.self_attn.kv_cache for layer in model.layers]
-        if kv[0] is None:
+        if model.layers[0].self_attn.kv_cache is None:  # no engine has set up caches on it
             continue
         now = caches(model)
         kept = any(now.same(held) for e in LIVE_ENGINES for held in e.held)
         reused = caches_fit(model, batch, max_seq, dtype)
         if reused or not kept:
-            total += sum(c.k.nbytes + c.v.nbytes for c in kv)
+            total += sum(c.k.nbytes + c.v.nbytes for c in now.kv)
     return total
 
 
