@@ -550,8 +550,9 @@ class Engine:
     `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
     those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
     would make a round wrong (a temperature, filters or schedule its flags would refuse: an
-    unknown kind, a threshold outside (0, 1], buckets below a full round, a schedule for a drafter
-    without a confidence head; a schedule without an SPS table, prompts past its cache, and those
+    unknown kind, a threshold outside (0, 1] or one its kind leaves unread, buckets below a full
+    round, a schedule for a drafter without a confidence head; a schedule without an SPS table,
+    prompts past its cache, and those
     `check_prompts` refuses: empty, outside the vocabulary, past the models' context)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,

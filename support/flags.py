@@ -187,14 +187,13 @@ def check_choice(name: str, value):
 
 def check_schedule(kind, threshold, buckets, drafter, batch: int, K: int):
     """An engine's resolved schedule (`Engine`'s arguments, built by hand or by `make_engine`), checked
-    as its flags are: a known kind; under threshold, θ in (0, 1] (another kind leaves it unread); a
-    drafter with a confidence head for a scheduled round; the largest bucket holding a full round of
-    `batch` rows of K drafts and their anchor."""
+    as its flags are: a known kind; θ in [0, 1], above 0 under threshold and 0 under another kind
+    (which leaves it unread); a drafter with a confidence head for a scheduled round; the largest
+    bucket holding a full round of `batch` rows of K drafts and their anchor."""
     check_choice("scheduler", kind)
-    if kind == "threshold":
-        chosen = Settings(confidence_threshold=threshold)
-        check_ranges(chosen, confidence_threshold=RANGES["confidence_threshold"][1])
-        sched.resolve(kind, threshold, None, None)  # above 0
+    chosen = Settings(confidence_threshold=threshold)
+    check_ranges(chosen, confidence_threshold=RANGES["confidence_threshold"][1])
+    sched.resolve(kind, threshold, None, None)
     if drafter is not None:
         check_scheduled_drafter(kind, threshold, drafter)
     if buckets:

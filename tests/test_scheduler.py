@@ -733,11 +733,14 @@ def test_set_sps_refuses_what_is_not_this_schedulers_table(kind, given, needle):
     (dict(scheduler="threshold", threshold=0.5, drafter="plain"),
      "--confidence-threshold 0.5: the --drafter has no confidence head"),
     (dict(scheduler="hardware", drafter="plain"), "--scheduler hardware: the --drafter has no confidence head"),
+    (dict(threshold=0.5), "--confidence-threshold 0.5: only --scheduler threshold uses it, not --scheduler none"),
+    (dict(scheduler="hardware", threshold=-0.5), "--confidence-threshold: invalid value -0.5 (valid: "),
 ])
 def test_an_engine_built_by_hand_checks_its_schedule(env, kw, needle):
     """Engine's scheduler arguments are checked as their flags are, when it is built: an unknown kind failed
-    mid-decode, buckets below a full round were a bare StopIteration, a NaN θ verified nothing, and a
-    drafter without a confidence head was scheduled on confidences it does not have."""
+    mid-decode, buckets below a full round were a bare StopIteration, a NaN θ verified nothing, a
+    drafter without a confidence head was scheduled on confidences it does not have, and a θ under
+    another kind was left unread in silence."""
     from support.checkpoint import load_drafter
 
     target = load_target(env["target"])
