@@ -488,7 +488,7 @@ def parse_ints(text: str, flag: str, *, distinct_positive: bool = False) -> list
 
 def resolve_device(device: Optional[str]) -> str:
     """--device, checked; by default cuda where there is one, else cpu."""
-    if not device:
+    if device is None:
         device = "cpu"
         if torch.cuda.is_available():
             device = "cuda"

@@ -632,6 +632,15 @@ def test_triton_kernels_on_cuda_without_cuda_are_one_line(capsys):
     assert rc == 2 and capsys.readouterr().err == "error: --device cuda: no CUDA device is available\n"
 
 
+@pytest.mark.parametrize("device", ["", 0, False])
+def test_a_falsy_device_is_refused_not_taken_for_the_default(device):
+    """resolve_device's default is for no device (None); an empty or falsy one picked cpu or cuda in
+    silence."""
+    with pytest.raises(cli.UserError) as e:
+        cli.resolve_device(device)
+    assert str(e.value) == f"--device {device!r}: cpu, cuda or cuda:N"
+
+
 def test_the_api_takes_numpy_token_ids_and_names_a_mixed_list():
     """numpy's integers are token ids, as they are settings; a list that mixes ids with something else is
     named for what it is (it was called a conversation without a chat template)."""
