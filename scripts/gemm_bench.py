@@ -26,6 +26,7 @@ kernel up to `cpu_kernels.ATTENTION_MAX_TOKENS` tokens, else SDPA).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -94,16 +95,21 @@ def parse_shapes(text: str, flag: str = "--shapes", example: str = "3072x512") -
 
 def interleaved_us(ways: dict, args: GemmArgs) -> dict:
     """Median µs per call of each of `ways` (each takes the copy to use): `args.warmup` untimed rounds,
-    then `args.reps` timed ones, the ways interleaved, each call on the next copy."""
+    then `args.reps` timed ones, the ways interleaved, each call on the next copy, each way in turn on
+    all the copies."""
+    # Where the number of ways and --copies share a factor, taking the next copy each call would give
+    # each way only some of the copies (with 2 ways and 2 copies, one each, always in cache): each
+    # time the calls come back to the copy and way they began with, they step one copy further.
+    period = math.lcm(len(ways), args.copies)
     calls = 0
     for _ in range(args.warmup):
         for f in ways.values():
-            f(calls % args.copies)
+            f((calls + calls // period) % args.copies)
             calls += 1
     times = {k: [] for k in ways}
     for _ in range(args.reps):
         for k, f in ways.items():
-            i = calls % args.copies
+            i = (calls + calls // period) % args.copies
             calls += 1
             t0 = time.perf_counter()
             f(i)

@@ -80,3 +80,17 @@ def test_gemm_bench_refuses_a_shape_that_does_not_fit_before_building_it(capsys)
     assert err.startswith("error: --shapes 1048576x1048576: needs 8192.0 GiB at --copies 1") and err.count("\n") == 1
     assert gemm_bench.main(["--shapes", "none", "--attention", "1x1048576", "--copies", "1024"]) == 2
     assert capsys.readouterr().err.startswith("error: --attention 1x1048576: needs")
+
+
+def test_gemm_bench_each_way_takes_every_copy_in_turn():
+    """Each of the interleaved ways goes through all --copies, whatever their number (a counter shared
+    by two ways gave each only half of an even number, one copy each at --copies 2), and from 3 copies
+    on no call reuses the copy of the call before it."""
+    for copies in (1, 2, 3, 4, 16):
+        used = {"mkl": [], "kernel": []}
+        calls = []
+        ways = {k: lambda i, k=k: (used[k].append(i), calls.append(i)) for k in used}
+        gemm_bench.interleaved_us(ways, gemm_bench.GemmArgs(reps=2 * copies, warmup=0, copies=copies))
+        assert all(sorted(set(u)) == list(range(copies)) for u in used.values()), (copies, used)
+        if copies >= 3:
+            assert all(a != b for a, b in zip(calls, calls[1:])), (copies, calls)
