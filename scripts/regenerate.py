@@ -316,8 +316,10 @@ def check_same_flags(saved: dict, key: dict, partial: str, args: Args):
                         f"resume with the same {name}, or remove {partial} to start over")
 
 
-def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
-    """(whole records, their bytes, the position in `mine` of the last one's conversation or -1)."""
+def kept_records(partial: str, mine: list, consumed: int) -> tuple[int, int]:
+    """(whole records of the first `consumed` conversations of `mine`, their bytes). Records past them,
+    a chunk written before the resume file counted it, are cut off with a torn last line and generated
+    again, the same: the resume file's counts of dropped conversations do not include that chunk's."""
     position = {}
     for k, (_, (where, *_)) in enumerate(mine):
         position[where] = k
@@ -336,10 +338,12 @@ def kept_records(partial: str, mine: list) -> tuple[int, int, int]:
                 raise UserError(f"{partial}:{lineno}: "
                                 "not a record of this run's next conversation "
                                 f"(source {source!r}); remove {partial} to start over")
+            last = position[source]
+            if last >= consumed:
+                break
             kept += 1
             size += len(line)
-            last = position[source]
-    return kept, size, last
+    return kept, size
 
 
 class ResumePoint(NamedTuple):
@@ -375,8 +379,7 @@ def resume_point(partial: str, done_path: str, saved: dict, mine: list) -> Resum
         raise UserError(f"{done_path}: counts {consumed} conversations done "
                         f"of this run's {len(mine)}; "
                         f"remove it and {partial} to start over")
-    kept, size, last = kept_records(partial, mine)
-    consumed = max(consumed, last + 1)
+    kept, size = kept_records(partial, mine, consumed)
     return ResumePoint(kept, size, consumed, saved["dropped"], saved.get("dropped_turns", 0))
 
 

@@ -241,6 +241,32 @@ def test_resume_after_drops_skips_exactly_the_conversations_done(tmp_path, monke
     assert lines[-1].startswith("regenerate.py: 4/6 responses, 2 dropped, "), lines
 
 
+def test_resume_after_a_kill_before_the_resume_file_counted_a_chunk_counts_its_drops(tmp_path, monkeypatch):
+    """Killed after a chunk's records were written and before the resume file counted the chunk: the resume
+    generates that chunk again, the same, and counts the conversation it dropped (it took the records as
+    done, and the drop went uncounted: "0 dropped")."""
+    prompts = [PROMPTS[1], PROMPTS[3], LONG, {"prompt": "x = "}]
+    flags = ["--max-context", 64, "--chunk-size", 2]
+    full, res = regen(tmp_path, "full.jsonl", *flags, prompts=prompts)
+    assert len(full) == 3 and res["dropped"] == 1
+    real = regenerate.append_durably
+    appends = []
+
+    def append_then_kill(path, lines):
+        real(path, lines)
+        appends.append(1)
+        if len(appends) == 2:  # the second chunk, [LONG, x], on disk; the resume file counts the first
+            raise Killed
+
+    with monkeypatch.context() as mp, pytest.raises(Killed):
+        mp.setattr(regenerate, "append_durably", append_then_kill)
+        regen(tmp_path, "r.jsonl", *flags, prompts=prompts)
+    assert (tmp_path / "r.jsonl.partial").read_text().count("\n") == 3
+    resumed, res = regen(tmp_path, "r.jsonl", *flags, "--resume", prompts=prompts)
+    assert resumed == full
+    assert (res["conversations"], res["responses"], res["dropped"]) == (3, 1, 1)
+
+
 def test_a_budget_past_the_default_context_cap_names_both_ways_out(tmp_path, capsys):
     """A target whose context is past regenerate.py's 8192 cap: the budget's line names the cap, not the
     target's max_position_embeddings, and --max-context as the other way out."""
