@@ -434,11 +434,20 @@ def this_shards_conversations(args: Args) -> tuple[list, list]:
     return convs, mine
 
 
-def check_earlier_output(args: Args, partial: str, done_path: str):
+def check_earlier_output(args: Args, partial: str, done_path: str, mine: list):
     """A non-empty OUT.partial is continued only with --resume and its resume file; a finished OUT is not
     generated again under --resume."""
     if os.path.getsize(partial) == 0:  # made by this run's `claim`, or left empty
-        if args.resume and not os.path.exists(done_path) and os.path.exists(args.out):
+        finished = args.resume and os.path.exists(args.out)
+        if finished and os.path.exists(done_path):
+            # a run killed between publishing OUT and removing its resume file left that file counting
+            # every conversation; one counting fewer is a later run's, killed before its first record
+            saved = read_json(done_path)
+            check_resume_file(saved, partial, done_path)
+            finished = saved["consumed"] == len(mine)
+            if finished:
+                os.remove(done_path)  # as the run that published OUT would have
+        if finished:
             raise UserError(f"--resume: {args.out} is a finished run's output, and there is no {partial} "
                             "to continue; leave out --resume to generate it again")
         return
@@ -749,7 +758,7 @@ def regenerate(args: Args, device: str, settings: Settings, mine: list, key: dic
                drafter_dir: Optional[str], fd: int) -> dict:
     """`run`'s work, OUT.partial held (`fd`): from its resume point, if any, to OUT published."""
     out_file, partial, done_path = out_paths(args.out)
-    check_earlier_output(args, partial, done_path)
+    check_earlier_output(args, partial, done_path, mine)
     resuming = args.resume and os.path.getsize(partial) > 0 and os.path.exists(done_path)
     start = ResumePoint(0, 0, 0, 0, 0)
     started = started_with(args, target_dir, drafter_dir)

@@ -368,6 +368,40 @@ def test_resume_of_a_finished_run_is_refused(tmp_path, capsys):
     assert (tmp_path / "o.jsonl").read_bytes() == done
 
 
+def test_resume_of_a_run_killed_while_publishing_out_is_refused(tmp_path, monkeypatch, capsys):
+    """Killed between OUT's rename and its resume file's removal: the resume file left beside OUT counts every
+    conversation, so --resume refuses as for a finished run, OUT kept, and removes that file (the whole run
+    was generated again and OUT replaced)."""
+    out, real = str(tmp_path / "o.jsonl"), os.replace
+
+    def replace_then_kill(src, dst):
+        real(src, dst)
+        if dst == out:
+            raise Killed
+
+    with monkeypatch.context() as mp, pytest.raises(Killed):
+        mp.setattr(os, "replace", replace_then_kill)
+        regen(tmp_path, "o.jsonl", "--temperature", 0)
+    assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "o.jsonl.partial.json", "prompts.jsonl"]
+    done = (tmp_path / "o.jsonl").read_bytes()
+    assert regenerate.main(argv_of(tmp_path, "o.jsonl", "--temperature", 0, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --resume: {out} is a finished run's output, and there is no "
+                   f"{out}.partial to continue; leave out --resume to generate it again"], err
+    assert (tmp_path / "o.jsonl").read_bytes() == done
+    assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "prompts.jsonl"]
+
+
+def test_resume_of_a_run_killed_before_its_first_record_starts_afresh_beside_an_earlier_out(tmp_path, monkeypatch):
+    """An earlier run's OUT, and a later run's resume file counting no conversation (killed before its first
+    record): --resume generates the run, as it was asked to, rather than refusing it as finished."""
+    regen(tmp_path, "o.jsonl", "--temperature", 0)
+    killed_run(tmp_path, monkeypatch, "o.jsonl", 1, "--temperature", 0)
+    assert json.loads((tmp_path / "o.jsonl.partial.json").read_text())["consumed"] == 0
+    recs, res = regen(tmp_path, "o.jsonl", "--temperature", 0, "--resume")
+    assert res["conversations"] == len(PROMPTS) and not (tmp_path / "o.jsonl.partial.json").exists()
+
+
 def test_resume_refuses_to_mix_runs(tmp_path, monkeypatch, capsys):
     """A resume with other settings, other prompts (named or edited) or another model (by content), or without
     the drafter: one line naming the flag, OUT.partial kept as it was."""
