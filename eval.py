@@ -367,8 +367,7 @@ def run(args: EvalArgs) -> dict:
     defaulted = args.out is None
     args, demo = resolve_defaults(args)
     rank, _, _ = torchrun_env()
-    if defaulted and rank == 0:  # the name is taken now; the results come when the first dataset is done
-        args = replace(args, out=free_name(args.out, claim=True))
+    claimed = False
     try:
         s = check_flags(args)
         note = StopStrings.escape_note(s.stop)
@@ -389,6 +388,11 @@ def run(args: EvalArgs) -> dict:
         drafter_dirs = [resolve_checkpoint(d, "--drafter") for d in args.drafter]
         # the outputs not inside the snapshots hub ids resolved to either
         check_outputs(outputs, inputs=[target_dir, *drafter_dirs])
+        # the default name is checked unclaimed, as the same name given is; taken now, before loading,
+        # and written when the first dataset is done
+        if defaulted and rank == 0:
+            args = replace(args, out=free_name(args.out, claim=True))
+            claimed = True
         if s.compile:
             compile_cache = use_compile_cache(args.machine.compile_cache)
             machine = replace(args.machine, compile_cache=compile_cache)
@@ -401,7 +405,7 @@ def run(args: EvalArgs) -> dict:
         return out
     except BaseException:  # nothing written under the name taken: it goes
         nothing_written = os.path.isfile(args.out) and os.path.getsize(args.out) == 0
-        if defaulted and rank == 0 and nothing_written:
+        if claimed and nothing_written:
             os.remove(args.out)
         raise
 

@@ -1010,6 +1010,20 @@ def test_default_out_is_taken_when_chosen(env, tmp_path, capsys, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_default_out_in_an_input_directory_is_taken_as_the_same_name_given(env, tmp_path, capsys, monkeypatch):
+    """Run from inside the target's directory with no --out: the default results.json is judged as
+    `--out results.json` is (a new file beside the checkpoint), not refused as the file the run itself
+    had just created there."""
+    target = tmp_path / "target"
+    shutil.copytree(env["target"], target)
+    monkeypatch.chdir(target)
+    base = ["--target", ".", "--drafter", env["drafter"], "--data-dir", env["data"], "--datasets", "gsm8k",
+            "--max-samples", "1", "--max-new-tokens", "4", "--no-progress"]
+    assert ev.main(base) == 0, capsys.readouterr().err
+    assert "results written to results.json" in capsys.readouterr().err
+    assert json.load(open(target / "results.json"))["complete"] is True
+
+
 def test_demo_mode_defaults_resolve_to_the_demo_pair_and_its_heldout_prompts(monkeypatch, tmp_path):
     """`python eval.py` alone: the demo pair on demo/heldout.jsonl at 128 tokens (the whole run is in
     tests/test_newcomer.py); --datasets or --data-dir given keep the benchmark meaning."""
