@@ -707,19 +707,21 @@ def read_datasets(args: EvalArgs, s: Settings, datasets: list, m, drafters: list
 
 def check_calibration_room(args: EvalArgs, s: Settings, prompts: dict):
     """The calibration flags need rounds to measure, and --calibration-out requests to fit STS on (the
-    first --calibration-split of a dataset's)."""
+    first --calibration-split of a dataset's) and requests held out to measure it on."""
     asked = calibration_outputs(args)
     if asked and s.max_new_tokens == 1:
         raise UserError(f"{asked[0]}: --max-new-tokens 1 ends every request at its first token, "
                         "before any round: nothing to calibrate")
     if not args.calibration_out:
         return
-    fitted = [fit_requests(args.calibration_split, len(ps)) for ps in prompts.values()]
+    sizes = [len(ps) for ps in prompts.values()]
+    fitted = [fit_requests(args.calibration_split, n) for n in sizes]
+    given = f"--calibration-out: --calibration-split {args.calibration_split} of {' / '.join(map(str, sizes))}"
     if not any(fitted):
-        sizes = " / ".join(str(len(ps)) for ps in prompts.values())
-        raise UserError(f"--calibration-out: --calibration-split {args.calibration_split} "
-                        f"of {sizes} requests leaves none to fit STS on; "
-                        "more --max-samples or a larger split")
+        raise UserError(f"{given} requests leaves none to fit STS on; more --max-samples or a larger split")
+    if fitted == sizes:  # the fitted temperatures are measured on the requests held out
+        raise UserError(f"{given} requests leaves none held out to measure STS on; "
+                        "more --max-samples or a smaller split")
 
 
 def load_extra_drafter(directory: str, m):
