@@ -474,6 +474,12 @@ def row_engine(m, row: Row, prompts: list, s: Settings, rank: int):
     return engine
 
 
+def drop_caches(model):
+    """Free the KV caches `model` holds (an engine set up later makes new ones)."""
+    for layer in model.layers:
+        layer.self_attn.kv_cache = None
+
+
 def row_settings(s: Settings, row: Row) -> Settings:
     """The settings a row decodes with: its tree budget, and --draft-length for an Eagle3 chain only (a
     block drafter drafts its block)."""
@@ -574,14 +580,14 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     decoder = RowDecoder(args, rank, world, device, log, prompts, len(rows) > 1)
     done = []  # each row: {"label", "drafter", "tree_budget", "datasets"}, once its engine is built
     calibration = None
+    latest = None  # the latest row's engine's batch and scheduler, kept once the engine is dropped
 
-    def results(engine, complete: bool, public_calibration=None, **more) -> dict:
-        """results.json: the first row's datasets at the top (one drafter's run), every row after;
-        `engine`: the latest row's."""
+    def results(complete: bool, public_calibration=None, **more) -> dict:
+        """results.json: the first row's datasets at the top (one drafter's run), every row after."""
         revisions = hub_revisions([args.target, *args.drafter], [target_dir, *drafter_dirs])
         compile_seconds = sum(row["compile_seconds"] for row in done)
-        run_config = config(args, world, K, engine, compile_seconds, drafters, chat, s.compile, m, skipped,
-                            sampling, revisions)
+        run_config = config(args, world, K, *latest, compile_seconds, drafters, chat, s.compile, m,
+                            skipped, sampling, revisions)
         record = {"config": run_config, "complete": complete}
         record.update(more)
         record["datasets"] = done[0]["datasets"]
@@ -591,26 +597,34 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
 
     # a signal anywhere in here (writing --out included) leaves what is done marked interrupted
     try:
-        for row in rows:
+        for index, row in enumerate(rows):
             engine = row_engine(m, row, every_prompt, row_settings(s, row), rank)
+            latest = (engine.max_batch, engine.scheduler.kind)
             entries = []
             parts = None  # each dataset's rounds, for the calibration
             if calibrates:
                 parts = []
             done.append({"label": row.label, "drafter": row.directory, "tree_budget": row.tree_budget,
                          "compile_seconds": engine.compile_seconds, "datasets": entries})
-            snapshot = functools.partial(results, engine, False)
+            snapshot = functools.partial(results, False)
             decoder.decode_datasets(row, engine, s, entries, parts, snapshot)
             if calibrates:
                 names = [e["dataset"] for e in entries]
                 counts = [len(ps) for ps in prompts.values()]
                 applied = row.drafter.confidence_head.temperature  # what --calibration set as the models loaded
                 calibration = calibrate(args, rank, parts, names, counts, applied)
+            # Each row was checked alone against free memory: the next row's engine is built with this
+            # one gone (a live engine keeps its caches), and a drafter the next row does not draft with
+            # frees its caches. The target's are reused, or replaced as the next engine makes its own.
+            engine = None
+            following = rows[index + 1:index + 2]
+            if row.drafter is not None and following and following[0].drafter is not row.drafter:
+                drop_caches(row.drafter)
     except Interrupted as e:
         if not done:  # stopped while the first engine compiled or profiled: no results yet
             e.written = []
         elif rank == 0:
-            write_json(args.out, results(engine, False, interrupted=True))
+            write_json(args.out, results(False, interrupted=True))
             e.written = [args.out]  # named: a default --out is whichever name was free
         raise
     if calibration is not None and s.scheduler != "none":
@@ -635,7 +649,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
     public = None
     if calibration:
         public = {k: v for k, v in calibration.items() if not k.startswith("_")}
-    out = results(engine, True, public)
+    out = results(True, public)
     if rank == 0:
         if len(rows) > 1:
             print()
@@ -893,18 +907,19 @@ def hub_revisions(given: list[str], directories: list[str]) -> dict:
     return revisions
 
 
-def config(args: EvalArgs, world: int, K: int, engine, compile_seconds: float, drafters: list, chat: bool,
-           compile: bool, m, skipped_files: list, sampling: flags.Sampling,
+def config(args: EvalArgs, world: int, K: int, batch: int, scheduler: str, compile_seconds: float,
+           drafters: list, chat: bool, compile: bool, m, skipped_files: list, sampling: flags.Sampling,
            revisions: Optional[dict] = None) -> dict:
-    """results.json's config: the flags as given, and what the run resolved them to (`revisions`:
-    `hub_revisions`; `compile_seconds`: every row's compile; `sampling`: how tokens were drawn)."""
+    """results.json's config: the flags as given, and what the run resolved them to (`batch`, `scheduler`:
+    the latest row's engine's; `revisions`: `hub_revisions`; `compile_seconds`: every row's compile;
+    `sampling`: how tokens were drawn)."""
     drafter_config = one_or_list([d.cfg.describe(args.decode.draft_length) for d in drafters])
     skipped = [dataset_name(path) for path in skipped_files]  # datasets asked for, not found
     dtype = dtype_name(m.dtype)
     return dict(flat_fields(args), world_size=world, num_drafts=K, compile_seconds=compile_seconds,
                 drafter_config=drafter_config, chat_resolved=chat, compile_resolved=compile,
-                dtype_resolved=dtype, batch_size_resolved=engine.max_batch,
-                scheduler_resolved=engine.scheduler.kind, sampling=sampling.record(), skipped=skipped,
+                dtype_resolved=dtype, batch_size_resolved=batch,
+                scheduler_resolved=scheduler, sampling=sampling.record(), skipped=skipped,
                 hub_revisions=revisions or {})
 
 

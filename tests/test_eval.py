@@ -1112,6 +1112,40 @@ def test_several_drafters_and_a_tree_curve_read_as_one_table(env, tmp_path, caps
     assert err.startswith("error: --tree-temperature 0.5: ranks the branches") and err.count("\n") == 1, err
 
 
+def test_each_rows_engine_is_built_with_no_earlier_rows_caches_held(env, tmp_path, capsys, monkeypatch):
+    """Every row is checked alone against free memory before the first decodes, so each row's engine is
+    built with the last row's engine gone and no other drafter's caches held: a tree curve's rows (each
+    longer than the last) held two rows' target caches at the switch, and an earlier drafter kept its
+    caches to the end of the run."""
+    from drafters import make_eagle3
+
+    def kv_bytes(model):
+        caches = [layer.self_attn.kv_cache for layer in model.layers]
+        return sum(c.k.nbytes + c.v.nbytes for c in caches if c is not None)
+
+    models = []  # every model an engine was built on
+    held = []  # at each build: this run's live engines, and the KV bytes of models the row does not use
+    init = speculate.Engine.__init__
+
+    def counted_init(self, target, drafter, *args, **kwargs):
+        for model in (target, drafter):
+            if model is not None and all(model is not seen for seen in models):
+                models.append(model)
+        live = sum(engine.target is target for engine in speculate.LIVE_ENGINES)
+        others = [model for model in models if model is not target and model is not drafter]
+        held.append((live, sum(map(kv_bytes, others))))
+        init(self, target, drafter, *args, **kwargs)
+    monkeypatch.setattr(speculate.Engine, "__init__", counted_init)
+    eagle3 = make_eagle3(tmp_path / "eagle3", env["target"], ttt_length=3)
+    out = tmp_path / "r.json"
+    args = ["--target", env["target"], "--drafter", env["drafter"], "--drafter", eagle3, "--tree-budget", "8",
+            "--data-dir", env["data"], "--datasets", "mt-bench", "--max-samples", "1", "--max-new-tokens", "8",
+            "--no-progress", "--temperature", "0", "--out", str(out)]
+    assert ev.main(args) == 0, capsys.readouterr().err
+    assert len(json.loads(out.read_text())["rows"]) == 4  # chain, tree 4, tree 8, eagle3
+    assert held == [(0, 0)] * 4
+
+
 def test_a_prompt_past_one_drafters_context_names_that_drafter(env, tmp_path, capsys):
     """In a comparison, a prompt that does not fit a drafter's context says which --drafter (it said "the
     drafter's context" of whichever it was), in one line."""
@@ -1291,12 +1325,11 @@ def test_results_config_names_the_drafters_and_the_skipped_datasets():
         return SimpleNamespace(cfg=SimpleNamespace(describe=lambda num_drafts=None: name))
 
     args = ev.EvalArgs(target="t", datasets="gsm8k, aime25,custom")
-    engine = SimpleNamespace(max_batch=4, scheduler=SimpleNamespace(kind="none"))
     m = SimpleNamespace(dtype=torch.float32)
     skipped_files = [os.path.join("data", "eval", "aime25.jsonl")]  # resolve_datasets' second list
     sampling = flags.Sampling(1.0, Filters(top_k=20), "from --temperature, --top-k")
     for drafters, want in [([], None), ([drafter("a")], "a"), ([drafter("a"), drafter("b")], ["a", "b"])]:
-        c = ev.config(args, 2, 7, engine, 1.5, drafters, True, False, m, skipped_files, sampling)
+        c = ev.config(args, 2, 7, 4, "none", 1.5, drafters, True, False, m, skipped_files, sampling)
         assert c["sampling"] == {"temperature": 1.0, "top_k": 20, "top_p": 1.0, "min_p": 0.0,
                                  "source": "from --temperature, --top-k"}
         assert c["drafter_config"] == want
