@@ -64,6 +64,7 @@ from support.trainer import (
     causal_flops,
     check_identity,
     check_out_dir,
+    check_resume_progress,
     check_train_args,
     checkpoint_dir,
     layer_params,
@@ -729,7 +730,9 @@ def summarize_block(sums: torch.Tensor, K: int, has_conf: bool) -> dict:
     return out
 
 
-def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
+def train_drafter(args: Args) -> dict:
+    """The target, the drafter and the data, loaded and checked against a resumed state; then the run, in
+    its W&B run (a resumed one's only once those checks pass: a refusal leaves it as it was)."""
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
 
     def say(msg):
@@ -759,6 +762,16 @@ def train_drafter(args: Args, log: Optional[runlog.Log] = None) -> dict:
         check_identity(where, identity, {"target": f"--target {args.target}", "data": source})
     else:
         drafter = build_drafter(cfg, args, target, device)
+    run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
+    with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0,
+                           run_id=run_id) as log:
+        return train_loaded(args, drafter, target, corpus, identity, dtype, log)
+
+
+def train_loaded(args: Args, drafter: Drafter, target: Transformer, corpus: data.Corpus, identity: dict,
+                 dtype, log: Optional[runlog.Log]) -> dict:
+    """train_drafter's run, its inputs loaded and checked."""
+    rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     run = Run(rank, world, device, log)
 
     def save(directory, step, opt):
@@ -1008,12 +1021,11 @@ def run(args: Args) -> dict:
     if args.eval_every and args.eval_max_new_tokens >= context:
         raise UserError(f"--eval-max-new-tokens {args.eval_max_new_tokens}: leaves no room for a prompt in "
                         f"the context of --target {target} (max_position_embeddings {context})")
-    dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
+    # before the lock and W&B: every rank stops
+    _, world, _ = dist_init(resolve_device(args.device), args.dist_timeout)
+    check_resume_progress(args, world)
     with out_held(args.out, rank0(), from_rank0):
-        run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
-        with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0,
-                               run_id=run_id) as log:
-            return train_drafter(args, log)
+        return train_drafter(args)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

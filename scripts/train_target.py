@@ -45,6 +45,7 @@ from support.trainer import (  # noqa: E402
     TrainArgs,
     causal_flops,
     check_identity,
+    check_resume_progress,
     check_train_args,
     checkpoint_dir,
     optimize,
@@ -265,15 +266,16 @@ def run(args: Args) -> dict:
         raise UserError(f"--max-position-embeddings {args.max_position_embeddings}: below --seq-len "
                         f"{args.seq_len}, the length of the rows the target is trained on")
     tokenizer_source(args)
-    dist_init(resolve_device(args.device), args.dist_timeout)  # before the lock and W&B: every rank stops
+    # before the lock and W&B: every rank stops
+    _, world, _ = dist_init(resolve_device(args.device), args.dist_timeout)
+    check_resume_progress(args, world)
     with out_held(args.out, rank0(), from_rank0):
-        run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
-        with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
-                               from_rank0=from_rank0, run_id=run_id) as log:
-            return train(args, log)
+        return train(args)
 
 
-def train(args: Args, log: Optional[runlog.Log]) -> dict:
+def train(args: Args) -> dict:
+    """The tokenizer, the data and the model, read and checked against a resumed state; then the run, in
+    its W&B run (a resumed one's only once those checks pass: a refusal leaves it as it was)."""
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     dtype = resolve_dtype(args.dtype, device)
     src = tokenizer_source(args)
@@ -311,6 +313,18 @@ def train(args: Args, log: Optional[runlog.Log]) -> dict:
         with torch.device(device):
             model = Transformer(margs)
         init_random_(model, args.seed, args.init_std)
+    run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
+    with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
+                           from_rank0=from_rank0, run_id=run_id) as log:
+        return train_loaded(args, model, windows, identity, eos, dtype, log)
+
+
+def train_loaded(args: Args, model: Transformer, windows: torch.Tensor, identity: dict, eos: Optional[int],
+                 dtype, log: Optional[runlog.Log]) -> dict:
+    """train's run, its inputs read and checked."""
+    rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
+    margs = model.args
+    V = margs.vocab_size
     G = args.batch_size * args.grad_accum * world
     parameters = sum(p.numel() for p in model.parameters())
     banner = (f"target: {parameters:,} parameters, vocab {V}, "

@@ -386,16 +386,30 @@ def check_identity(directory: str, identity: dict, flags: dict):
                             f"same {what})")
 
 
-def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
-               args: TrainArgs, num_windows: int, world: int) -> int:
-    """Restores `save_state`'s state, its flags already checked (`check_train_args`); returns its step."""
-    meta = read_json(os.path.join(directory, STATE_JSON))
+def check_resume_progress(args: TrainArgs, world: int):
+    """--resume's saved step against --stop-at/--steps and its global batch against this run's, before
+    the lock and W&B: a resume refused here leaves the original run's W&B run as it was."""
+    if args.resume is None:
+        return
+    directory = checkpoint_dir(args.resume)
+    meta = read_json(os.path.join(directory, STATE_JSON))  # its step checked (`check_resume_args`)
     g = args.batch_size * args.grad_accum * world
     saved_batch = meta.get("global_batch")
     if saved_batch != g:
         how = f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} x {world} process(es)"
-        raise UserError(f"--resume {directory}: the saved run's global batch is {saved_batch} sequences, "
+        raise UserError(f"--resume {directory}: the saved run's global batch is {saved_batch!r} sequences, "
                         f"now {g} ({how})")
+    end = args.stop_at or args.steps
+    if meta["step"] >= end:
+        raise UserError(
+            f"--resume {args.resume}: already at step {meta['step']}, nothing to do up to step {end}")
+
+
+def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
+               args: TrainArgs, num_windows: int) -> int:
+    """Restores `save_state`'s state, its flags, step and global batch already checked (`check_train_args`,
+    `check_resume_progress`); returns its step."""
+    meta = read_json(os.path.join(directory, STATE_JSON))
     path = os.path.join(directory, STATE_TENSORS)
     check_checkpoint(directory, meta["step"])
     saved_windows = meta.get("num_windows")
@@ -655,11 +669,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     start = 0
     if args.resume:
-        start = load_state(checkpoint_dir(args.resume), module, opt, args, num_rows, run.world)
-    end = args.stop_at or args.steps
-    if start >= end:
-        raise UserError(
-            f"--resume {args.resume}: already at step {start}, nothing to do up to step {end}")
+        start = load_state(checkpoint_dir(args.resume), module, opt, args, num_rows)
+    end = args.stop_at or args.steps  # past the saved step (`check_resume_progress`)
     main = run.rank == 0
     if main:
         print(banner, file=sys.stderr)

@@ -910,10 +910,10 @@ CASES = [
         w, t, state=lambda s: s.update(step=1))], "torn checkpoint", True),
     ("train-resume-negative-step", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
         w, t, state=lambda s: s.update(step=-5))], "'step'", False),
-    ("train-resume-nan-moments", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
+    ("train-resume-nan-moments", "train", lambda w, t: T(w, t) + ["--steps", "3", "--resume", broken_run(
         w, t, moments=lambda m: next(v for k, v in m.items() if k.startswith("exp_avg.")).fill_(float("nan")))],
      "NaN or infinite", False),
-    ("train-resume-moment-shape", "train", lambda w, t: T(w, t) + ["--resume", broken_run(
+    ("train-resume-moment-shape", "train", lambda w, t: T(w, t) + ["--steps", "3", "--resume", broken_run(
         w, t, moments=lambda m: m.update({k: m[k][:1] for k in [next(k for k in m if k.startswith("exp_avg.")
                                                                        and m[k].shape[0] > 1)]}))],
      "has shape", False),

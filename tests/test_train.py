@@ -599,7 +599,7 @@ def test_a_second_run_writing_the_same_out_at_once_is_refused(tiny_target, tmp_p
     assert rc == 0 and "starting afresh" in err and trainer.LOG_JSONL in os.listdir(out), err
     seen = []
 
-    def fails(args, log):
+    def fails(args):
         seen.append(os.path.isdir(args.out))
         raise UserError("stopped before writing")
 

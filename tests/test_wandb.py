@@ -471,6 +471,35 @@ def test_a_resumed_training_goes_on_in_its_wandb_run(tmp_path):
     assert branched != first and sorted(run_ids) == sorted([first, first, branched])
 
 
+def test_a_refused_resume_leaves_the_wandb_run_as_it_was(tmp_path):
+    """A resume refused (a finished run, another global batch, other data) reopened the finished W&B run
+    and marked it failed; it is refused in one line before W&B starts."""
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt_ids": list(range(1, 40))}) + "\n" for _ in range(4)))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt_ids": list(range(2, 41))}) + "\n" for _ in range(4)))
+    out = tmp_path / "o"
+    base = ["--target", DEMO / "target", "--out", out, "--steps", 2, "--seq-len", 32,
+            "--anchors-per-seq", 2, "--block-size", 3, "--depth", 1, "--no-progress", "--wandb"]
+    with offline(tmp_path):
+        rc, _, err = call(train.main, base + ["--data-ids", ids])
+        assert rc == 0, err
+        resume = base + ["--resume", out]
+        refusals = [
+            (["--data-ids", ids], "already at step 2, nothing to do up to step 2"),
+            (["--data-ids", ids, "--steps", 3, "--batch-size", 2], "global batch is 4 sequences, now 2"),
+            (["--data-ids", other, "--steps", 3], "differs from the run's data"),
+        ]
+        for flags, needle in refusals:
+            rc, _, err = call(train.main, resume + flags)
+            lines = err.strip().splitlines()
+            assert rc == 2 and len(lines) == 1 and needle in lines[0], err
+    runs = list(Path(tmp_path, "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    run = read_run(tmp_path)
+    assert run.exit_code == 0 and run.summary["status"] == "finished"
+
+
 # ----------------------------------------------------------------------------------------
 # How a run ends: failed (a UserError after the start), interrupted (SIGINT); and bad flags
 
