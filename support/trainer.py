@@ -405,6 +405,9 @@ def check_resume_progress(args: TrainArgs, world: int):
             f"--resume {args.resume}: already at step {meta['step']}, nothing to do up to step {end}")
 
 
+ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")  # what torch's AdamW keeps for each parameter
+
+
 def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
                args: TrainArgs, num_windows: int) -> int:
     """Restores `save_state`'s state, its flags, step and global batch already checked (`check_train_args`,
@@ -430,7 +433,11 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
         kind, _, name = key.partition(".")
         if name not in index:
             raise UserError(f"{path}: optimizer state {key!r} matches no parameter")
-        if kind == "step" and t.numel() == 1 and int(t.item()) != meta["step"]:
+        if kind not in ADAMW_STATE:
+            raise UserError(f"{path}: optimizer state {key!r} is none of AdamW's {', '.join(ADAMW_STATE)}")
+        if kind == "step" and t.numel() != 1:
+            raise UserError(f"{path}: optimizer state {key!r} has {t.numel()} elements; a step count has one")
+        if kind == "step" and int(t.item()) != meta["step"]:
             raise UserError(
                 f"{path}: {key} is {int(t.item())}, the state says step {meta['step']} (a torn checkpoint)")
         if kind != "step" and tuple(t.shape) != shapes[name]:
@@ -441,6 +448,12 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
     missing = [n for n, i in index.items() if i not in state]
     if state and missing:
         raise UserError(f"{path}: no optimizer state for parameter {missing[0]!r}")
+    for n, i in index.items():  # a parameter's state is whole: AdamW's step reads every entry
+        absent = [kind for kind in ADAMW_STATE if i in state and kind not in state[i]]
+        if absent:
+            key = f"{absent[0]}.{n}"
+            raise UserError(f"{path}: optimizer state {key!r} missing (AdamW keeps {', '.join(ADAMW_STATE)} "
+                            f"for each parameter)")
     sd = opt.state_dict()
     sd["state"] = state
     opt.load_state_dict(sd)

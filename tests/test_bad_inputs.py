@@ -917,6 +917,19 @@ CASES = [
         w, t, moments=lambda m: m.update({k: m[k][:1] for k in [next(k for k in m if k.startswith("exp_avg.")
                                                                        and m[k].shape[0] > 1)]}))],
      "has shape", False),
+    ("train-resume-moment-missing", "train", lambda w, t: T(w, t) + ["--steps", "3", "--resume", broken_run(
+        w, t, moments=lambda m: m.pop(next(k for k in m if k.startswith("exp_avg_sq."))))],
+     "optimizer state 'exp_avg_sq.", False),
+    ("train-resume-step-missing", "train", lambda w, t: T(w, t) + ["--steps", "3", "--resume", broken_run(
+        w, t, moments=lambda m: m.pop(next(k for k in m if k.startswith("step."))))],
+     "optimizer state 'step.", False),
+    ("train-resume-step-not-scalar", "train", lambda w, t: T(w, t) + ["--steps", "3", "--resume", broken_run(
+        w, t, moments=lambda m: m.update({next(k for k in m if k.startswith("step.")): torch.tensor([2., 2.])}))],
+     "has 2 elements", False),
+    ("train-resume-state-unknown", "train", lambda w, t: T(w, t) + ["--steps", "3", "--resume", broken_run(
+        w, t, moments=lambda m: m.update({"bogus" + next(k for k in m if k.startswith("step."))[4:]:
+                                          torch.tensor(2.)}))],
+     "none of AdamW's", False),
     ("train-resume-latest-bad", "train", lambda w, t: T(w, t) + ["--resume", broken_run(w, t, latest="../x")],
      "not a checkpoint directory", False),
     ("train-resume-other-flags", "train", lambda w, t: T(w, t) + ["--depth", "2", "--resume", w / "trained"],
