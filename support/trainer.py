@@ -481,8 +481,8 @@ def check_out_dir(args: TrainArgs, inputs):
         if real == inp or inside:
             raise UserError(
                 f"--out {out}: is (inside) {src}, which this run reads; give a new directory")
-    if os.path.exists(real) and not os.path.isdir(real):
-        raise UserError(f"--out {out}: {wrong_kind(real, 'directory')}")
+    if os.path.lexists(out) and not os.path.isdir(out):  # the path given: a link to nothing is not a new one
+        raise UserError(f"--out {out}: {wrong_kind(out, 'directory')}")
     if os.path.isdir(real) and locked(real):  # before what its files say: they are that run's
         raise UserError(another_run(out))
     resuming_here = args.resume is not None and os.path.realpath(args.resume) == real
