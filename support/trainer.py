@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 from typing import Callable, ClassVar, Literal, Optional
 
 import torch
@@ -129,7 +130,8 @@ class TrainArgs(WandbFlags):
 def lr_at(step: int, args: TrainArgs) -> float:
     W = 0
     if args.warmup_frac > 0:
-        W = math.ceil(args.warmup_frac * args.steps)
+        # frac x steps of the fraction as written: 0.07 x 100 is 7, where the float product is just above
+        W = math.ceil(Fraction(repr(args.warmup_frac)) * args.steps)
     if step < W:
         return args.lr * (step + 1) / W
     if args.schedule == "constant":

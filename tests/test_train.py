@@ -165,6 +165,10 @@ def test_lr_schedule():
     # one step past warm-up is the last: it is the start of the decay, at the peak
     two = train.Args(steps=2, lr=1.0, warmup_frac=0.08)
     assert [trainer.lr_at(s, two) for s in range(2)] == [1.0, 1.0]
+    # W = ceil(frac x steps) of the fraction given: 0.07 x 100 (7.000000000000001 in floats) is 7 steps
+    for frac, steps, W in [(0.07, 100, 7), (0.07, 10000, 700), (0.04, 6800, 272), (0.29, 100, 29)]:
+        warm = train.Args(steps=steps, lr=1.0, warmup_frac=frac)
+        assert trainer.lr_at(0, warm) == 1 / W and trainer.lr_at(W - 1, warm) == 1.0, (frac, steps)
 
 
 # ----------------------------------------------------------------------------------------
