@@ -667,10 +667,11 @@ def _log_upto(path: str, step: int) -> list[str]:
     out = []
     if not os.path.isfile(path):
         return out
-    for line in open(path):
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            if json.loads(line)["step"] <= step and line.endswith("\n"):
-                out.append(line)
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                if json.loads(line)["step"] <= step and line.endswith("\n"):
+                    out.append(line)
     return out
 
 
@@ -705,6 +706,7 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
     # off a terminal: a line every 15 s, so a two-minute run shows how it goes
     if shown == "lines":
         lines = runlog.Lines(every=15.0)
+    log_file = None
     if main:  # a run resumed into its own --out drops the log lines after its state's step
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, LOG_JSONL)
@@ -831,8 +833,6 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
                 checkpoint(done)
                 pauses += time.perf_counter() - t_pause
         bar.close()
-        if main:
-            log_file.close()
         module.eval()
         checkpoint(end)
     except Interrupted as e:  # the interruption's line names the checkpoint a --resume continues from
@@ -843,6 +843,8 @@ def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summa
         raise
     finally:  # an interruption's line starts below the bar, not on it
         bar.close()
+        if log_file is not None:  # however the run ends: train.main may run again in this process
+            log_file.close()
     if main:
         window = min(max(len(times) - 1, 1), SPEED_WINDOW)
         over = f"over the last {window} steps"

@@ -831,11 +831,19 @@ def test_a_gradient_that_is_not_finite_stops_before_the_optimizer_step(tiny_targ
         return (loss, *rest)
 
     monkeypatch.setattr(train, "drafter_loss", nan_gradient_at_the_fourth)
+    opened = []  # the files the loop opens (train_log.jsonl), closed however it stops
+
+    def recorded_open(*a, **k):
+        opened.append(open(*a, **k))
+        return opened[-1]
+
+    monkeypatch.setattr(trainer, "open", recorded_open, raising=False)
     ids = write_ids(tmp_path / "ids.jsonl", 4, 24, 64)
     out = tmp_path / "o"
     rc, _, err = run_train(["--target", tiny_target.path, "--data-ids", ids, "--out", out, "--steps", 6,
                             "--anchors-per-seq", 4, "--save-every", 2, *SMALL])
     assert rc == 2 and "error: step 4: the gradient norm is nan (not finite" in err, err
+    assert opened and all(f.closed for f in opened), opened
     assert err.endswith(f"its last checkpoint, {out / 'checkpoint-2'}, is kept\n"), err
     assert (out / "latest").read_text() == "checkpoint-2\n"
     checkpoint.load_drafter(str(out / "checkpoint-2"), checkpoint.load_target(str(tiny_target.path)))
