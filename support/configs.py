@@ -67,6 +67,11 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
         if r is not None and not isinstance(r, dict):
             raise UserError(f"{source}: {key} must be an object, got {r!r}")
         r = r or {}
+        nested = [k for k, v in r.items() if isinstance(v, dict)]
+        if nested:  # transformers' per-layer-type form, which its Qwen3 refuses too
+            names = ", ".join(repr(k) for k in nested)
+            raise UserError(f"{source}: {key} keyed by layer type ({names}) is not supported "
+                            "(one default RoPE for every layer)")
         if "rope_theta" in r:
             thetas[key] = r["rope_theta"]
         for spelling in ("rope_type", "type"):
@@ -118,7 +123,7 @@ def layer_args(cfg: dict, source: str) -> ModelArgs:
     sliding = cfg.get("use_sliding_window")
     if sliding is not None and checked(sliding, "use_sliding_window", source, bool):
         raise UserError(f"{source}: use_sliding_window=true is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of one function
         raise UserError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     return ModelArgs(**out)
 

@@ -381,6 +381,11 @@ CASES = [
     ("config-rope-factor-no-type", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(rope_scaling={"factor": 4.0})), "--prompt-ids", "1"],
      "rope_scaling has a 'factor' of 4.0 and no 'rope_type'", False),
+    ("config-rope-per-layer-type", "speculate", lambda w, t: ["--target", target_with(
+        w, t, lambda c: c.update(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                     "rope_theta": 10000.0}})),
+        "--prompt-ids", "1"],
+     "rope_parameters keyed by layer type ('full_attention') is not supported", False),
     ("config-model-type", "speculate", lambda w, t: ["--target", target_with(
         w, t, lambda c: c.update(model_type="llama")), "--prompt-ids", "1"], "model_type 'llama'", False),
     ("config-rope-theta-two-values", "speculate", lambda w, t: ["--target", target_with(

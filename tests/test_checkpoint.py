@@ -245,6 +245,14 @@ def test_unsupported_features_are_refused(tiny_target, tmp_path, edit, culprit):
         checkpoint.load_target(str(d))
 
 
+def test_swish_is_silu_by_another_name(tiny_target, tmp_path):
+    """transformers maps hidden_act "swish" to the same SiLU as "silu": taken, not refused."""
+    d = corrupt(tiny_target, tmp_path)
+    edit_config(d, lambda c: c.update(hidden_act="swish"))
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(checkpoint.load_target(str(d))(ids)[0], checkpoint.load_target(tiny_target.path)(ids)[0])
+
+
 def test_missing_tensor(tiny_target, tmp_path):
     d = corrupt(tiny_target, tmp_path)
     edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
