@@ -200,6 +200,44 @@ def check_schedule(kind, threshold, buckets, drafter, batch: int, K: int):
         sched.check_full_round(buckets, batch, K + 1)
 
 
+def setting_number(name: str, value):
+    """A numeric setting's value (RANGES) as its kind, refused where it is no number of that kind (a bool,
+    a fraction for an integer); numpy numbers are taken as Python's. Its range is checked apart."""
+    kind = RANGES[name][0]
+    want = numbers.Real
+    expected = "a number"
+    if kind is int:
+        want = numbers.Integral
+        expected = "an integer"
+    if isinstance(value, bool) or not isinstance(value, want):
+        raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected})")
+    try:
+        return kind(value)
+    except OverflowError:  # an integer too large for a float
+        raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected} in range)") from None
+
+
+def check_tree_schedule(tree_budget: int, kind: str):
+    """A draft tree is verified whole: refused beside a scheduler, which sizes a chain's verification."""
+    if tree_budget and kind != "none":
+        raise UserError(f"--tree-budget {tree_budget}: a draft tree is verified whole, "
+                        f"and --scheduler {kind} chooses how much of a chain to verify "
+                        f"(its confidences score a chain's prefixes, not a tree's branches): "
+                        f"use one or the other")
+
+
+def check_tree(tree_budget, tree_temperature, kind: str, drafter):
+    """An engine's resolved tree (`Engine`'s arguments, built by hand or by `make_engine`), checked as its
+    flags are: each a number in its flag's range; a budget only under the "none" schedule (which verifies
+    it whole) and for a drafter that grows trees (a block drafter)."""
+    chosen = Settings(tree_budget=setting_number("tree_budget", tree_budget),
+                      tree_temperature=setting_number("tree_temperature", tree_temperature))
+    check_ranges(chosen, tree_budget=RANGES["tree_budget"][1],
+                 tree_temperature=RANGES["tree_temperature"][1])
+    check_tree_schedule(chosen.tree_budget, kind)
+    check_tree_drafter(chosen.tree_budget, drafter)
+
+
 def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Optional[bool] = None):
     """A `Settings` for a run on `device`, checked: types, ranges, spellings, then combinations
     (numpy numbers are taken as Python's). Returns it with the scheduler and `compile` resolved, `stop`
@@ -215,24 +253,14 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     s = replace(s)  # the caller's settings stay as given
     if s.max_new_tokens is None:
         s.max_new_tokens = budget
-    for name, (kind, _) in RANGES.items():
+    for name in RANGES:
         value = getattr(s, name)
         if value is None:
             # None only where it is the default (resolved later)
             if getattr(Settings, name) is not None:
                 raise UserError(f"{flag(name)}: invalid value None")
             continue
-        want = numbers.Real
-        expected = "a number"
-        if kind is int:
-            want = numbers.Integral
-            expected = "an integer"
-        if isinstance(value, bool) or not isinstance(value, want):
-            raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected})")
-        try:
-            setattr(s, name, kind(value))
-        except OverflowError:  # an integer too large for a float
-            raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected} in range)") from None
+        setattr(s, name, setting_number(name, value))
     for name in ("ignore_eos", "verbose", "compile"):
         setattr(s, name, python_bool(getattr(s, name)))
     for name in ("ignore_eos", "verbose"):
@@ -269,11 +297,7 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
     s.stop = tuple(s.stop)
     StopStrings.check(s.stop)
     s.scheduler = sched.resolve(s.scheduler, s.confidence_threshold, s.sps_table, s.verify_buckets)
-    if s.tree_budget and s.scheduler != "none":
-        raise UserError(f"--tree-budget {s.tree_budget}: a draft tree is verified whole, "
-                        f"and --scheduler {s.scheduler} chooses how much of a chain to verify "
-                        f"(its confidences score a chain's prefixes, not a tree's branches): "
-                        f"use one or the other")
+    check_tree_schedule(s.tree_budget, s.scheduler)
     if trees is None:
         trees = s.tree_budget > 0
     if not trees and s.tree_temperature != Settings.tree_temperature:
@@ -633,10 +657,8 @@ def check_drafter_settings(s, drafter):
     """The settings that need a drafter of some kind, against the one loaded (None: autoregressive, whose
     settings `check_no_drafter` refused where the run has none; an engine built without one, beside a
     drafter's, keeps the drafter's schedule unread)."""
+    check_tree_drafter(s.tree_budget, drafter)
     if drafter is None:
-        if s.tree_budget:
-            raise UserError(f"--tree-budget {s.tree_budget}: a tree is drafted by a drafter, "
-                            f"and this engine has none")
         if s.draft_length is not None:
             raise UserError(f"--draft-length {s.draft_length}: sets how many drafts an Eagle3 drafter "
                             f"proposes, and this engine has none")
@@ -646,8 +668,18 @@ def check_drafter_settings(s, drafter):
     if s.draft_length is not None and not eagle3:
         raise UserError(f"--draft-length {s.draft_length}: only an Eagle3 drafter's chain length "
                         f"is chosen; a block drafter drafts its block")
-    if s.tree_budget and eagle3:
-        raise UserError(f"--tree-budget {s.tree_budget}: "
+
+
+def check_tree_drafter(tree_budget: int, drafter):
+    """A tree grows from a block drafter's distributions: a budget is refused for no drafter (None) and
+    for an Eagle3 drafter, whose chain is drafted a step at a time."""
+    if not tree_budget:
+        return
+    if drafter is None:
+        raise UserError(f"--tree-budget {tree_budget}: a tree is drafted by a drafter, "
+                        f"and this engine has none")
+    if drafter.cfg.layout == "eagle3":
+        raise UserError(f"--tree-budget {tree_budget}: "
                         f"an Eagle3 drafter drafts a chain of one-token steps; "
                         f"trees grow from a block drafter's distributions (DSpark or DFlash)")
 

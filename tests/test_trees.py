@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 from conftest import REPO_ROOT, chi2_pvalue
-from drafters import make_drafter, make_target
+from drafters import make_drafter, make_eagle3, make_target
 from test_generate import filtered_joint
 from test_generate import flags as sampling_flags
 from test_lossless import PROMPTS, SAMPLE_PROMPT, SV, M, check_trace, run_traced, seq_index, target_logits_after
@@ -616,6 +616,40 @@ def test_tree_temperature_is_refused_only_where_it_ranks_no_tree(tenv):
                                                    tree_temperature=0.5), "cpu")
     speculate.make_engine(m, m.drafter, [[1, 2]], settings, verbose=False)
 
+
+
+@pytest.mark.parametrize("drafter,kw,needle", [
+    ("eagle3", dict(tree_budget=4), "--tree-budget 4: an Eagle3 drafter drafts a chain of one-token steps"),
+    ("eagle3", dict(tree_budget=2, temperature=1.0), "--tree-budget 2: an Eagle3 drafter drafts a chain"),
+    (None, dict(tree_budget=4), "--tree-budget 4: a tree is drafted by a drafter, and this engine has none"),
+    ("vanilla", dict(tree_budget=-3), "--tree-budget: invalid value -3 (valid: 0 to 1024)"),
+    ("vanilla", dict(tree_budget=4.5), "--tree-budget: invalid value 4.5 (expected an integer)"),
+    ("vanilla", dict(tree_budget=True), "--tree-budget: invalid value True (expected an integer)"),
+    ("vanilla", dict(tree_budget=4, tree_temperature=0.0), "--tree-temperature: invalid value 0.0 (valid: "),
+    ("vanilla", dict(tree_temperature=-1.0), "--tree-temperature: invalid value -1.0 (valid: "),
+    ("vanilla", dict(tree_budget=4, scheduler="threshold", threshold=0.5),
+     "--tree-budget 4: a draft tree is verified whole, and --scheduler threshold chooses"),
+])
+def test_an_engine_built_by_hand_checks_its_tree(tenv, tmp_path, drafter, kw, needle):
+    """Engine's tree arguments are checked as their flags are, when it is built: an Eagle3 drafter (or none)
+    drafted a chain that the round read with a tree's widths (wrong greedy tokens, or an IndexError), a
+    budget that is no count failed inside torch, and a tree temperature of 0 ranked every node NaN."""
+    import speculate
+    from support.cli import UserError
+
+    paths = {"eagle3": make_eagle3(tmp_path / "e3", tenv["target"]), "vanilla": tenv["drafters"]["vanilla"],
+             None: None}
+    m = speculate.load(tenv["target"], paths[drafter])
+    with pytest.raises(UserError) as e:
+        speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=64, **kw)
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value), str(e.value)
+    # what the flags take is taken: a block drafter's tree, and a chain at another tree temperature (an
+    # eval.py row beside trees), an Eagle3 drafter's chain among them
+    m = speculate.load(tenv["target"], tenv["drafters"]["vanilla"])
+    speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=64, tree_budget=4, tree_temperature=1.0)
+    speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=64, tree_temperature=1.0)
+    m = speculate.load(tenv["target"], paths["eagle3"])
+    speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=64, tree_temperature=1.0)
 
 def test_a_trees_survival_is_the_chains_confidence_at_that_position(tenv):
     """tree_survival scores a tree's nodes at one depth as the chain's confidence at that position
