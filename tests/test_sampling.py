@@ -726,13 +726,15 @@ def test_a_non_finite_drafter_is_caught_by_the_rounds_check(spoiled):
     temperature = 1.0
     tree_budget = 0
     scheduler = "none"
+    threshold = 0.0  # read only under the threshold schedule: refused under another
     if spoiled == "confidence":
         temperature = 0.0
         scheduler = "threshold"
+        threshold = 0.5
     if spoiled == "tree-q":
         tree_budget = 4
     engine = speculate.Engine(m.target, m.drafter, batch_size=2, max_seq=32, temperature=temperature,
-                              tree_budget=tree_budget, scheduler=scheduler, threshold=0.5)
+                              tree_budget=tree_budget, scheduler=scheduler, threshold=threshold)
     B = 2
     anchor = torch.full((B,), 5, dtype=torch.long)
     anchor_pos = torch.zeros(B, dtype=torch.long)
