@@ -947,6 +947,9 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
     with m.engine_turn():  # the models' caches become this engine's
         size = size_engine(m, drafter, prompts, s, max_seq)
         kind = flags.scheduler_kind(s, drafter)
+        threshold = 0.0  # read only under its own kind (an autoregressive engine schedules none)
+        if kind == "threshold":
+            threshold = s.confidence_threshold
         drawn = flags.sampling_for(m, s)
         stop_ids = m.stop_ids
         if s.ignore_eos:
@@ -955,7 +958,7 @@ def make_engine(m: Models, drafter, prompts: list[list[int]], s: Settings, *,
         engine = Engine(m.target, drafter, batch_size=size.batch, max_seq=size.max_seq,
                         temperature=drawn.temperature, filters=drawn.filters, seed=s.seed,
                         stop_ids=stop_ids, stop_strings=stop_strings, scheduler=kind,
-                        threshold=s.confidence_threshold, buckets=size.buckets, compile=s.compile,
+                        threshold=threshold, buckets=size.buckets, compile=s.compile,
                         compile_mode=s.compile_mode, compile_verbose=s.verbose, backend=s.kernels,
                         num_drafts=s.draft_length, tree_budget=s.tree_budget,
                         tree_temperature=s.tree_temperature)
