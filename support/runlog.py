@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from support.cli import Interrupted, UserError, first_line, flag, flat_fields, signals_deferred
-from support.files import read_json
+from support.files import read_json, wrong_kind
 
 DEFAULT_PROJECT = "dspark-fast"
 # a requests table longer than this keeps its first rows (wandb slows on huge tables)
@@ -82,8 +82,6 @@ def check(args):
     given = [name for name in NAMING_FLAGS + ("wandb_artifacts",) if getattr(args, name, None)]
     if given and not args.wandb:
         raise UserError(f"{flag(given[0])}: needs --wandb")
-    if args.wandb and importlib.util.find_spec("wandb") is None:
-        raise UserError("--wandb: needs the wandb package (pip install wandb)")
     fields = getattr(type(args), "__dataclass_fields__", {})
     log_every_set = "log_every" in fields and args.log_every != fields["log_every"].default
     if not args.wandb and log_every_set:
@@ -98,6 +96,62 @@ def check(args):
         check_project(args.wandb_project, "--wandb-project")
     if args.wandb:
         naming(args)
+        check_variables(imported())
+        check_wandb_dir()
+
+
+def imported():
+    """wandb, imported: one line where it is missing, or installed and broken (a protobuf or pydantic it
+    cannot use raises an ImportError, or a TypeError such as protobuf's "Descriptors cannot be created")."""
+    if importlib.util.find_spec("wandb") is None:
+        raise UserError("--wandb: needs the wandb package (pip install wandb)")
+    try:
+        import wandb
+    except Exception as e:
+        raise UserError(f"--wandb: the wandb package does not import ({first_line(e)})") from None
+    return wandb
+
+
+# what wandb's settings accept
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
+
+
+def check_variables(wandb):
+    """wandb's variables, as wandb.init would read them, each on its own so the error names it (wandb's
+    own names only its setting, in pydantic's "1 validation error for Settings")."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
+    for variable in sorted(v for v in os.environ if v.startswith("WANDB_")):
+        value = os.environ[variable]
+        try:
+            wandb.Settings().update_from_env_vars({variable: value})
+        except Exception as e:
+            reason = first_line(e)
+            if hasattr(e, "errors"):  # pydantic's ValidationError: its first line says only how many
+                reason = e.errors()[0]["msg"]
+            raise UserError(f"--wandb: {given(value, variable)}: {reason}") from None
+
+
+def check_wandb_dir():
+    """WANDB_DIR, where the run's files go: a directory, or one wandb can make, writable (else wandb puts
+    the run in the temporary directory, saying so only in warnings that WANDB_SILENT quiets)."""
+    directory = os.environ.get("WANDB_DIR")
+    if not directory:
+        return
+    real = os.path.realpath(directory)
+    folder = real
+    while not os.path.lexists(folder):  # the nearest folder there is, where wandb makes the rest
+        folder = os.path.dirname(folder)
+    problem = None
+    if not os.path.isdir(folder):
+        problem = f"{folder} {wrong_kind(folder, 'directory')}"
+    elif real.startswith(("/proc/", "/sys/")):
+        problem = "a process or system folder, not one for files"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        problem = f"{folder} is not writable"
+    if problem:
+        raise UserError(f"--wandb: {given(directory, 'WANDB_DIR')}: {problem}")
 
 
 def naming(args) -> dict:
@@ -243,22 +297,13 @@ def _ending(e: BaseException) -> tuple[int, str]:
     return 1, "failed"
 
 
-# what wandb's settings accept
-WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
-
-
 def start(args, job_type: str, config: dict, run_id: Optional[str] = None) -> Log:
     """wandb.init with the flags, or the variables standing in for them (`naming`); `run_id`: the run
     to go on with (a resumed training's), else a new one."""
-    try:
-        import wandb
-    except ImportError as e:  # installed, and broken (a protobuf or pydantic it cannot use)
-        raise UserError(f"--wandb: the wandb package does not import ({first_line(e)})") from None
+    import wandb  # it imports, and its variables are valid (`check`)
 
     values = naming(args)
     mode = os.environ.get("WANDB_MODE")
-    if mode is not None and mode not in WANDB_MODES:  # wandb's own message names neither
-        raise UserError(f"--wandb: WANDB_MODE={mode!r} is not one of {', '.join(WANDB_MODES)}")
     resume = None
     if run_id is not None:
         resume = "allow"  # that run goes on; a new one of that id where it is not found
@@ -266,7 +311,7 @@ def start(args, job_type: str, config: dict, run_id: Optional[str] = None) -> Lo
         run = wandb.init(project=values["wandb_project"], entity=values["wandb_entity"],
                          name=values["wandb_name"], group=values["wandb_group"], tags=values["wandb_tags"],
                          job_type=job_type, config=config, id=run_id, resume=resume)
-    except Exception as e:  # not logged in, no network, a bad WANDB_* variable: say it in one line
+    except Exception as e:  # not logged in, no network: say it in one line
         hint = ""
         if mode != "offline":
             hint = "; WANDB_MODE=offline logs without a network"

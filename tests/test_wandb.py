@@ -576,6 +576,14 @@ def test_a_signal_during_wandb_init_acts_once_the_run_exists(tmp_path, monkeypat
     ("speculate", ["--wandb", "WANDB_PROJECT=a/b"], "WANDB_PROJECT='a/b': W&B takes"),
     ("speculate", ["--wandb", "WANDB_PROJECT= "], "WANDB_PROJECT=' ': empty"),
     ("speculate", ["--wandb", "WANDB_RUN_GROUP= "], "WANDB_RUN_GROUP=' ': empty"),
+    # wandb's own variables, named (wandb's pydantic error named neither the variable nor its value)
+    ("speculate", ["--wandb", "WANDB_SILENT=maybe"], "WANDB_SILENT='maybe': Input should be a valid boolean"),
+    ("eval", ["--wandb", "WANDB_INIT_TIMEOUT=abc"], "WANDB_INIT_TIMEOUT='abc': Input should be a valid number"),
+    # WANDB_DIR under a file: wandb put the run in the temporary directory, saying so in a warning only
+    ("speculate", ["--wandb", "WANDB_DIR=FILE/x"], "WANDB_DIR='FILE/x': FILE is a file, not a directory"),
+    # training's variables refused before the target and the data load (an empty --data refused first)
+    ("train", ["--wandb", "WANDB_MODE=bogus", "EMPTY"], "WANDB_MODE='bogus' is not one of"),
+    ("train", ["--wandb", "WANDB_SILENT=maybe", "EMPTY"], "WANDB_SILENT='maybe'"),
     ("eval", ["--wandb-group", "g"], "--wandb-group: needs --wandb"),
     ("eval", ["--wandb", "--wandb-entity", " "], "--wandb-entity: empty"),
     ("train", ["--wandb-project", "p"], "--wandb-project: needs --wandb"),
@@ -587,6 +595,14 @@ def test_bad_wandb_flags_are_one_line_errors_before_any_run(tmp_path, program, f
             "train": (train.main, ["--target", DEMO / "target", "--data", REPO_ROOT / "support" / "cli.py",
                                    "--out", tmp_path / "o"])}
     main, argv = base[program]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    flags = [str(f).replace("FILE", str(a_file)) for f in flags]
+    needle = needle.replace("FILE", str(a_file))
+    if "EMPTY" in flags:  # a --data that loading refuses, once the target is loaded
+        (tmp_path / "empty.txt").write_text("")
+        argv = [tmp_path / "empty.txt" if a == REPO_ROOT / "support" / "cli.py" else a for a in argv]
+        flags.remove("EMPTY")
     env = dict(f.split("=", 1) for f in flags if str(f).startswith("WANDB_"))  # variables, not flags
     flags = [f for f in flags if not str(f).startswith("WANDB_")]
     with offline(tmp_path, **env):
@@ -678,11 +694,13 @@ def test_a_full_disk_while_staging_an_artifact_stops_the_logging_not_the_run(tmp
     assert (tmp_path / "o" / "checkpoint-4").is_dir()
 
 
-def test_a_wandb_that_does_not_import_is_one_line(tmp_path, monkeypatch):
-    """Installed and broken (a protobuf it cannot use): one line, not the ImportError's traceback."""
+@pytest.mark.parametrize("error", ["ImportError", "TypeError"])
+def test_a_wandb_that_does_not_import_is_one_line(tmp_path, monkeypatch, error):
+    """Installed and broken (a protobuf it cannot use, whose version mismatch is a TypeError): one line, not
+    the traceback (a TypeError went past the handler)."""
     broken = tmp_path / "broken" / "wandb"
     broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text('raise ImportError("cannot import name builder from protobuf")\n')
+    (broken / "__init__.py").write_text(f'raise {error}("cannot import name builder from protobuf")\n')
     monkeypatch.syspath_prepend(str(tmp_path / "broken"))
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     rc, _, err = call(speculate.main, ["--prompt-ids", "1,2", "--max-new-tokens", 2, "--wandb"])
