@@ -70,6 +70,7 @@ from support.trainer import (
     layer_params,
     optimize,
     out_held,
+    read_state,
     refuse_unused,
     resumed_wandb_run,
     save_state,
@@ -760,17 +761,19 @@ def train_drafter(args: Args) -> dict:
         else:
             source = f"--data-ids {args.data_ids}"
         check_identity(where, identity, {"target": f"--target {args.target}", "data": source})
+        resumed = read_state(where, drafter, len(corpus))
     else:
         drafter = build_drafter(cfg, args, target, device)
+        resumed = None
     run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
     with runlog.logged_run(args, "train", "train.py", enabled=rank0(), from_rank0=from_rank0,
                            run_id=run_id) as log:
-        return train_loaded(args, drafter, target, corpus, identity, dtype, log)
+        return train_loaded(args, drafter, target, corpus, identity, dtype, log, resumed)
 
 
 def train_loaded(args: Args, drafter: Drafter, target: Transformer, corpus: data.Corpus, identity: dict,
-                 dtype, log: Optional[runlog.Log]) -> dict:
-    """train_drafter's run, its inputs loaded and checked."""
+                 dtype, log: Optional[runlog.Log], resumed: Optional[tuple[int, dict]]) -> dict:
+    """train_drafter's run, its inputs loaded and checked (`resumed`: the optimizer state resumed)."""
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     run = Run(rank, world, device, log)
 
@@ -781,7 +784,7 @@ def train_loaded(args: Args, drafter: Drafter, target: Transformer, corpus: data
 
     evaluate = partial(evaluate_checkpoint, args, device=device)  # at --eval-every's steps
     if drafter.cfg.layout == "eagle3":
-        return train_eagle3(args, drafter, target, corpus, run, dtype, save, evaluate)
+        return train_eagle3(args, drafter, target, corpus, run, dtype, save, evaluate, resumed)
     T = args.seq_len
     K = drafter.cfg.block_size
     G = args.batch_size * args.grad_accum * world
@@ -827,7 +830,7 @@ def train_loaded(args: Args, drafter: Drafter, target: Transformer, corpus: data
         return summarize_block(sums, K, drafter.cfg.confidence_head)
 
     step_module = DraftStep(drafter, target, args)
-    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
+    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, resumed,
                     flops, banner, evaluate)
 
 
@@ -839,7 +842,7 @@ def on_device(t, sl, device):
 
 
 def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus: data.Corpus, run: Run,
-                 dtype, save, evaluate) -> dict:
+                 dtype, save, evaluate, resumed: Optional[tuple[int, dict]]) -> dict:
     """train_drafter's Eagle3 loop (`save` and `evaluate` its): every position of each row is a chain start,
     no anchors to draw."""
     T = args.seq_len
@@ -881,7 +884,7 @@ def train_eagle3(args: Args, drafter: Eagle3Drafter, target: Transformer, corpus
         return summarize_eagle3(sums, S)
 
     step_module = Eagle3Step(drafter, target, args)
-    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, len(corpus),
+    return optimize(args, step_module, micro_batches, summarize_step, save, run, dtype, resumed,
                     flops, banner, evaluate)
 
 

@@ -50,6 +50,7 @@ from support.trainer import (  # noqa: E402
     checkpoint_dir,
     optimize,
     out_held,
+    read_state,
     refuse_unused,
     resumed_wandb_run,
     save_state,
@@ -309,19 +310,21 @@ def train(args: Args) -> dict:
         if model.args.vocab_size != V or model.args.num_hidden_layers != args.layers:
             raise UserError(f"--resume {args.resume}: "
                             "the saved target's shape differs from the flags")
+        resumed = read_state(checkpoint_dir(args.resume), model, len(windows))
     else:
+        resumed = None
         with torch.device(device):
             model = Transformer(margs)
         init_random_(model, args.seed, args.init_std)
     run_id = resumed_wandb_run(args)  # a resumed run goes on in its W&B run
     with runlog.logged_run(args, "train", "scripts/train_target.py", enabled=rank0(),
                            from_rank0=from_rank0, run_id=run_id) as log:
-        return train_loaded(args, model, windows, identity, eos, dtype, log)
+        return train_loaded(args, model, windows, identity, eos, dtype, log, resumed)
 
 
 def train_loaded(args: Args, model: Transformer, windows: torch.Tensor, identity: dict, eos: Optional[int],
-                 dtype, log: Optional[runlog.Log]) -> dict:
-    """train's run, its inputs read and checked."""
+                 dtype, log: Optional[runlog.Log], resumed: Optional[tuple[int, dict]]) -> dict:
+    """train's run, its inputs read and checked (`resumed`: the optimizer state resumed)."""
     rank, world, device = dist_init(resolve_device(args.device), args.dist_timeout)
     margs = model.args
     V = margs.vocab_size
@@ -353,7 +356,7 @@ def train_loaded(args: Args, model: Transformer, windows: torch.Tensor, identity
     step_module = TargetStep(model, args.batch_size / G, args.compile)
     run_state = Run(rank, world, device, log)
     flops = target_flops(margs, G, args.seq_len)
-    return optimize(args, step_module, micro_batches, summarize, save, run_state, dtype, len(windows), flops,
+    return optimize(args, step_module, micro_batches, summarize, save, run_state, dtype, resumed, flops,
                     banner)
 
 

@@ -333,7 +333,7 @@ def check_checkpoint(directory: str, step: int):
 
 def check_resume_args(directory: str, args: TrainArgs):
     """The saved state's step and flags are readable, and `args` repeats its flags and kind (the global
-    batch, which needs the world size, is `load_state`'s)."""
+    batch, which needs the world size, is `check_resume_progress`'s)."""
     state_json = os.path.join(directory, STATE_JSON)
     meta = read_json(state_json)
     saved = meta.get("args")
@@ -410,10 +410,10 @@ def check_resume_progress(args: TrainArgs, world: int):
 ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")  # what torch's AdamW keeps for each parameter
 
 
-def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
-               args: TrainArgs, num_windows: int) -> int:
-    """Restores `save_state`'s state, its flags, step and global batch already checked (`check_train_args`,
-    `check_resume_progress`); returns its step."""
+def read_state(directory: str, module: torch.nn.Module, num_windows: int) -> tuple[int, dict]:
+    """`save_state`'s step and AdamW state for `module`, checked whole (its flags, step and global batch
+    already are: `check_train_args`, `check_resume_progress`) before the W&B run starts, so that a refusal
+    leaves a resumed run's W&B run as it was; `optimize` puts the state in its optimizer."""
     meta = read_json(os.path.join(directory, STATE_JSON))
     path = os.path.join(directory, STATE_TENSORS)
     check_checkpoint(directory, meta["step"])
@@ -456,10 +456,7 @@ def load_state(directory: str, module: torch.nn.Module, opt: torch.optim.Optimiz
             key = f"{absent[0]}.{n}"
             raise UserError(f"{path}: optimizer state {key!r} missing (AdamW keeps {', '.join(ADAMW_STATE)} "
                             f"for each parameter)")
-    sd = opt.state_dict()
-    sd["state"] = state
-    opt.load_state_dict(sd)
-    return meta["step"]
+    return meta["step"], state
 
 
 # Flags and the loop
@@ -676,16 +673,21 @@ def _log_upto(path: str, step: int) -> list[str]:
 
 
 def optimize(args: TrainArgs, step_module: torch.nn.Module, micro_batches, summarize, save,
-             run: Run, dtype, num_rows: int, flops: float, banner: str, evaluate=None) -> dict:
-    """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`;
-    `evaluate(step)` on the checkpoints of --eval-every's steps (train.py's flag)."""
+             run: Run, dtype, resumed: Optional[tuple[int, dict]], flops: float, banner: str,
+             evaluate=None) -> dict:
+    """AdamW steps: `step_module(**mb)` -> (loss share, sums) for each of `micro_batches(step)`, from
+    `resumed` (`read_state`'s step and state) when given; `evaluate(step)` on the checkpoints of
+    --eval-every's steps (train.py's flag)."""
     module = step_module.model
     dev = run.device
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     start = 0
-    if args.resume:
-        start = load_state(checkpoint_dir(args.resume), module, opt, args, num_rows)
+    if resumed is not None:
+        start, state = resumed
+        sd = opt.state_dict()
+        sd["state"] = state
+        opt.load_state_dict(sd)
     end = args.stop_at or args.steps  # past the saved step (`check_resume_progress`)
     main = run.rank == 0
     if main:

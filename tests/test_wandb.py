@@ -494,6 +494,19 @@ def test_a_refused_resume_leaves_the_wandb_run_as_it_was(tmp_path):
             rc, _, err = call(train.main, resume + flags)
             lines = err.strip().splitlines()
             assert rc == 2 and len(lines) == 1 and needle in lines[0], err
+        # an optimizer state not whole, refused as the state is read (it reopened the run to mark it failed)
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        state = out / "checkpoint-2" / "training_state.safetensors"
+        with safe_open(str(state), "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(str(state))
+        del tensors[sorted(tensors)[0]]
+        save_file(tensors, str(state), metadata=metadata)
+        rc, _, err = call(train.main, resume + ["--data-ids", ids, "--steps", 3])
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and "training_state.safetensors: optimizer state" in lines[0], err
     runs = list(Path(tmp_path, "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
     run = read_run(tmp_path)
