@@ -352,6 +352,9 @@ def check_resume_args(directory: str, args: TrainArgs):
                             "(a resumed run must repeat the original flags)")
 
 
+WANDB_ID_REFUSES = ":;,#?/'"  # characters a W&B run id cannot hold
+
+
 def resumed_wandb_run(args: TrainArgs) -> Optional[str]:
     """The W&B run id --resume's training state recorded (`save_state`), which the resumed run goes on
     with; None without --resume or --wandb, where the state has none (a run without --wandb), or for a
@@ -364,7 +367,9 @@ def resumed_wandb_run(args: TrainArgs) -> Optional[str]:
         return None
     state_json = os.path.join(checkpoint, STATE_JSON)
     run_id = read_json(state_json).get("wandb_run_id")
-    if run_id is not None and not isinstance(run_id, str):
+    # what wandb.init would refuse as an id, refused here naming the file and the key
+    not_an_id = not isinstance(run_id, str) or not run_id or any(c in run_id for c in WANDB_ID_REFUSES)
+    if run_id is not None and not_an_id:
         raise UserError(f"{state_json}: 'wandb_run_id' must be a W&B run id or null (got {run_id!r})")
     return run_id
 

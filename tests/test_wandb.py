@@ -494,6 +494,15 @@ def test_a_refused_resume_leaves_the_wandb_run_as_it_was(tmp_path):
             rc, _, err = call(train.main, resume + flags)
             lines = err.strip().splitlines()
             assert rc == 2 and len(lines) == 1 and needle in lines[0], err
+        # a run id wandb.init refuses, in a line that named neither the file nor the key
+        state_json = out / "checkpoint-2" / "training_state.json"
+        saved = json.loads(state_json.read_text())
+        for bad in ["a/b", ""]:
+            state_json.write_text(json.dumps(dict(saved, wandb_run_id=bad)))
+            rc, _, err = call(train.main, resume + ["--data-ids", ids, "--steps", 3])
+            assert rc == 2 and err.strip().splitlines() == [
+                f"error: {state_json}: 'wandb_run_id' must be a W&B run id or null (got {bad!r})"], err
+        state_json.write_text(json.dumps(saved))
         # an optimizer state not whole, refused as the state is read (it reopened the run to mark it failed)
         from safetensors import safe_open
         from safetensors.torch import load_file, save_file
