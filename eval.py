@@ -566,7 +566,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    target_config=runlog.checkpoint_config(target_dir),
                    drafter_config=one_or_list([runlog.checkpoint_config(d) for d in drafter_dirs]),
                    drafter_resolved=[d.cfg.describe(s.draft_length) for d in drafters],
-                   rows=[r.label for r in rows])
+                   rows=[r.label for r in rows],
+                   max_new_tokens=s.max_new_tokens)  # resolved, as results.json's config has it
     if rank == 0:
         print(f"{device_line(device)}; {threads}", file=sys.stderr)
         # the protocol renders text prompts with the template
@@ -600,6 +601,8 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
         for index, row in enumerate(rows):
             engine = row_engine(m, row, every_prompt, row_settings(s, row), rank)
             latest = (engine.max_batch, engine.scheduler.kind)
+            if log is not None:  # as results.json's config: the latest row's engine's
+                log.config(batch_size_resolved=engine.max_batch)
             entries = []
             parts = None  # each dataset's rounds, for the calibration
             if calibrates:

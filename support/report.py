@@ -315,6 +315,7 @@ class Report:
         self.log.config(demo=self.demo, hardware=device_name(args.machine.device),
                         dtype_resolved=dtype_name(m.dtype),
                         threads_resolved=torch.get_num_threads(), scheduler_resolved=s.scheduler,
+                        max_new_tokens=s.max_new_tokens,  # resolved: the demo's budget, not null
                         chat_resolved=auto_chat(args.rendering.chat, m.tokenizer), compile_resolved=s.compile,
                         sampling=self.sampling.record(), num_prompts=len(self.prompts),
                         num_requests=self.requests,

@@ -339,6 +339,26 @@ def test_eval_logs_every_drafters_config(tmp_path):
     assert run.config["drafter_config"] == [first, cfg]
 
 
+def test_the_config_records_the_budget_and_batch_size_the_run_resolved(tmp_path):
+    """--max-new-tokens and --batch-size as the run resolved them, as results.json has them (the config
+    kept --max-new-tokens null, and no resolved batch size): eval.py's demo pair, and speculate.py."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text(json.dumps({"turns": [CODE[0]]}) + "\n")
+    with offline(tmp_path / "eval"):
+        rc, _, err = call(ev.main, ["--data-dir", data, "--datasets", "code", "--batch-size", 8, "--no-progress",
+                                    "--wandb", "--out", tmp_path / "r.json"])
+    assert rc == 0, err
+    results = json.loads((tmp_path / "r.json").read_text())["config"]
+    c = read_run(tmp_path / "eval").config
+    assert (c["max_new_tokens"], c["batch_size"], c["batch_size_resolved"]) == (
+        results["max_new_tokens"], 8, results["batch_size_resolved"]) == (128, 8, 1)
+    with offline(tmp_path / "speculate"):
+        rc, _, err = call(speculate.main, ["--target", DEMO / "target", "--prompt-ids", "1,2,3", "--wandb"])
+    assert rc == 0, err
+    assert isinstance(read_run(tmp_path / "speculate").config["max_new_tokens"], int)
+
+
 def test_the_results_file_is_named_last_after_wandb_finishes(tmp_path):
     """Standard error's last line names the results file (docs/evaluation.md), also after wandb's own lines
     on finishing the run, which followed it."""
