@@ -552,6 +552,12 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
             if len(args.drafter) < 2 or row.directory is None:
                 raise
             raise UserError(f"--drafter {row.directory}: {e}") from None  # which of the drafters
+    drafters_resolved = []  # one a row, as `rows` (None: the autoregressive row)
+    for row in rows:
+        described = None
+        if row.drafter is not None:
+            described = row.drafter.cfg.describe(row_settings(s, row).draft_length)
+        drafters_resolved.append(described)
     if log is not None:
         log.config(world_size=world,
                    hardware=device_name(device),
@@ -565,7 +571,7 @@ def evaluate(args: EvalArgs, s: Settings, datasets: list, skipped: list, target_
                    datasets_resolved={n: len(ps) for n, ps in prompts.items()},
                    target_config=runlog.checkpoint_config(target_dir),
                    drafter_config=one_or_list([runlog.checkpoint_config(d) for d in drafter_dirs]),
-                   drafter_resolved=[d.cfg.describe(s.draft_length) for d in drafters],
+                   drafter_resolved=drafters_resolved,
                    rows=[r.label for r in rows],
                    max_new_tokens=s.max_new_tokens)  # resolved, as results.json's config has it
     if rank == 0:

@@ -359,6 +359,22 @@ def test_the_config_records_the_budget_and_batch_size_the_run_resolved(tmp_path)
     assert isinstance(read_run(tmp_path / "speculate").config["max_new_tokens"], int)
 
 
+def test_drafter_resolved_is_one_a_row(tmp_path):
+    """With --tree-budget one drafter gives several rows: drafter_resolved, one a drafter, did not line up
+    with `rows`."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "code.jsonl").write_text(json.dumps({"turns": [CODE[0]]}) + "\n")
+    with offline(tmp_path):
+        rc, _, err = call(ev.main, ["--data-dir", data, "--datasets", "code", "--max-new-tokens", 4,
+                                    "--tree-budget", 4, "--temperature", 0, "--no-progress", "--wandb",
+                                    "--out", tmp_path / "r.json"])
+    assert rc == 0, err
+    c = read_run(tmp_path).config
+    assert len(c["rows"]) > 1 and len(c["drafter_resolved"]) == len(c["rows"]), c
+    assert c["drafter_resolved"][0].startswith("drafter")
+
+
 def test_the_results_file_is_named_last_after_wandb_finishes(tmp_path):
     """Standard error's last line names the results file (docs/evaluation.md), also after wandb's own lines
     on finishing the run, which followed it."""
