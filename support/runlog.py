@@ -358,7 +358,7 @@ def logged_run(args, job_type: str, program: str, enabled: bool = True,
     except BaseException as e:
         _finish(log, e)
         raise
-    log.finish(0, "finished")
+    _finish_whole(log, 0, "finished")
 
 
 def _finish(log: Log, e: BaseException):
@@ -366,9 +366,21 @@ def _finish(log: Log, e: BaseException):
     code, status = _ending(e)
     if status == "failed":
         error = f"{type(e).__name__}: {e}"
-    else:
-        error = str(e) or type(e).__name__  # a signal's name, or the exception's
+        _finish_whole(log, code, status, error)
+        return
+    error = str(e) or type(e).__name__  # a signal's name, or the exception's
+    # stopped by a signal already: a second one exits at once (cli.py), also from an upload that hangs
     log.finish(code, status, error)
+
+
+def _finish_whole(log: Log, code: int, status: str, error: Optional[str] = None):
+    """log.finish, whole: a SIGINT / SIGTERM during it waits for it and then ends nothing more, so the
+    program exits with `code`, the exit code W&B shows, not 128 + the signal."""
+    try:
+        with signals_deferred():
+            log.finish(code, status, error)
+    except (Interrupted, KeyboardInterrupt):  # the deferred signal, acting once the run is finished
+        pass
 
 
 # speculate.py

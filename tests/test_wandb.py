@@ -625,6 +625,28 @@ def test_a_signal_during_wandb_init_acts_once_the_run_exists(tmp_path, monkeypat
     assert run.exit_code == 130 and run.summary["status"] == "interrupted" and run.summary["error"] == "SIGINT"
 
 
+@pytest.mark.parametrize("argv,code", [([], 0), (["--prompt-ids", "1,2,99999"], 2)])
+def test_a_signal_while_the_run_finishes_leaves_the_exit_code_wandb_shows(tmp_path, monkeypatch, argv, code):
+    """SIGINT inside wandb's Run.finish: the program exited 130, "interrupted", while W&B recorded the run
+    finished with exit code 0 (or failed with 2). The finish now completes, and the program exits with
+    the run's code."""
+    from wandb.sdk import wandb_run
+
+    real = wandb_run.Run.finish
+
+    def finish(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        return real(self, *args, **kwargs)
+
+    with offline(tmp_path):
+        monkeypatch.setattr(wandb_run.Run, "finish", finish)
+        rc, _, err = call(speculate.main, ["--target", DEMO / "target", "--prompt-ids", "1,2,3",
+                                           "--max-new-tokens", 4, "--wandb", *argv])
+    assert rc == code and "interrupted" not in err, err
+    assert read_run(tmp_path).exit_code == code
+
+
 @pytest.mark.parametrize("program,flags,needle", [
     ("speculate", ["--wandb-name", "x"], "--wandb-name: needs --wandb"),
     ("speculate", ["--wandb", "--wandb-tags", "a,,b"], "--wandb-tags 'a,,b': an empty tag"),
