@@ -898,11 +898,13 @@ def test_a_run_rank0_cannot_start_stops_every_rank(program, tmp_path):
                                     "--seq-len", 16, "--hidden-size", 16, "--layers", 1, "--heads", 2,
                                     "--kv-heads", 1, "--head-dim", 8, "--intermediate-size", 32, "--device", "cpu"],
     }[program]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), WANDB_MODE="bogus",
-               WANDB_DIR=str(tmp_path))
+    # online with no API key (no netrc in HOME): only wandb.init, on rank 0, finds the run cannot start
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), WANDB_MODE="online",
+               WANDB_DIR=str(tmp_path), HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "config"))
+    env.pop("WANDB_API_KEY", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO_ROOT / program), *map(str, flags), "--out", str(tmp_path / "out"), "--no-progress", "--wandb"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode != 0
-    assert p.stderr.count("error: --wandb: WANDB_MODE='bogus'") == 1, p.stderr[-3000:]
+    assert p.stderr.count("error: --wandb: the run could not start (No API key") == 1, p.stderr[-3000:]
     assert "Unable to shutdown process" not in p.stderr, p.stderr[-3000:]  # torchrun's SIGKILL after 30 s
