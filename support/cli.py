@@ -171,6 +171,18 @@ def signals_deferred():
                 os.kill(os.getpid(), pending[0])
 
 
+@contextlib.contextmanager
+def signals_held():
+    """A first SIGINT / SIGTERM waits until the block is done and then ends nothing more (what it would
+    stop is finishing); a second exits at once, as one during an interruption does (main thread only)."""
+    handlers = _set_handlers(lambda n, f: _set_handlers(_exit_now))
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 def one_process(program: str, instead: str):
     """A program that runs as one process refuses torchrun, whose every process would do all the work and
     write the same files: one line, from rank 0, exit 2. The other ranks leave without a word and with

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from support.cli import Interrupted, UserError, first_line, flag, flat_fields, signals_deferred
+from support.cli import Interrupted, UserError, first_line, flag, flat_fields, signals_deferred, signals_held
 from support.files import read_json, wrong_kind
 
 DEFAULT_PROJECT = "dspark-fast"
@@ -375,12 +375,10 @@ def _finish(log: Log, e: BaseException):
 
 def _finish_whole(log: Log, code: int, status: str, error: Optional[str] = None):
     """log.finish, whole: a SIGINT / SIGTERM during it waits for it and then ends nothing more, so the
-    program exits with `code`, the exit code W&B shows, not 128 + the signal."""
-    try:
-        with signals_deferred():
-            log.finish(code, status, error)
-    except (Interrupted, KeyboardInterrupt):  # the deferred signal, acting once the run is finished
-        pass
+    program exits with `code`, the exit code W&B shows, not 128 + the signal; a second exits at once
+    (an upload that hangs)."""
+    with signals_held():
+        log.finish(code, status, error)
 
 
 # speculate.py

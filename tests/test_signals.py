@@ -423,3 +423,30 @@ def test_a_reader_that_goes_away_costs_no_file_and_no_traceback(pair, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["o.jsonl", "p.jsonl", "t.jsonl"]
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
     assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])["summary"] is True
+
+
+HELD = """
+import os, signal, time
+from support.cli import signals_held
+with signals_held():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    print("first held", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    print("not reached", flush=True)
+print("after", flush=True)
+"""
+
+
+def test_signals_held_wait_for_the_first_signal_and_exit_at_the_second():
+    """What signals_held guards (the W&B finish of a finished run) goes on past one signal, which then
+    ends nothing more; a second exits at once, so an upload that hangs can still be left."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    p = subprocess.run([sys.executable, "-c", HELD], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr
+    assert p.stdout == "first held\n"
+    assert p.stderr == "interrupted again by SIGTERM: exiting now\n"
+    one = HELD.replace('    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n', "")
+    p = subprocess.run([sys.executable, "-c", one], env=env, capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "first held\nnot reached\nafter\n", "")
