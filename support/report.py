@@ -137,6 +137,7 @@ class Decoding:
         self.name = name
         self.log = report.log
         args = report.args
+        self.files = files  # whether the flags' files keep this decode's requests
         self.trace_path = None
         self.out_path = None
         if files:
@@ -391,7 +392,7 @@ class Report:
     def kept(self, e: Interrupted, d: Decoding):
         """Tell the interruption which files this decode kept (closed whole): cli_main's last line names them."""
         e.written = [p for p in (d.trace_path, d.out_path) if p]
-        if not self.args.output_file:
+        if d.files and not self.args.output_file:  # the demo's baseline keeps none, whatever the flags
             e.hint = "--output-file FILE keeps finished requests"
 
     def speed_up(self, baseline: Decoding, speculative: Decoding):

@@ -450,3 +450,22 @@ def test_signals_held_wait_for_the_first_signal_and_exit_at_the_second():
     one = HELD.replace('    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n', "")
     p = subprocess.run([sys.executable, "-c", one], env=env, capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout, p.stderr) == (0, "first held\nnot reached\nafter\n", "")
+
+
+def test_an_interrupted_demo_baseline_gives_no_hint_of_a_file_that_keeps_nothing(monkeypatch, capsys):
+    """The demo's autoregressive baseline writes no files: stopped there, the last line advised
+    --output-file, which would have kept nothing."""
+    import speculate
+    from support.cli import Interrupted
+    from support.report import Decoding
+
+    real = Decoding.on_finish
+
+    def finish_then_interrupt(self, c):
+        real(self, c)
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(Decoding, "on_finish", finish_then_interrupt)
+    rc = speculate.main(["--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.splitlines()[-1] == "interrupted by SIGINT: stopped; nothing was written", err
