@@ -549,12 +549,13 @@ class Engine:
     host reads the verify size between them (a bucket when compiled), except "async", planned before.
     `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
     those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
-    would make a round wrong (a temperature, filters, schedule or tree its flags would refuse: an
-    unknown kind, a threshold outside (0, 1] or one its kind leaves unread, buckets below a full
-    round, a schedule for a drafter without a confidence head; a tree budget or tree temperature
-    outside its range, a tree under a schedule or for a drafter that drafts none (no drafter,
-    Eagle3); a schedule without an SPS table, prompts past its cache, and those
-    `check_prompts` refuses: empty, outside the vocabulary, past the models' context)."""
+    would make a round wrong (a temperature, filters, kernels, schedule or tree its flags would
+    refuse: an unknown backend or one that cannot run here, an unknown kind, a threshold outside
+    (0, 1] or one its kind leaves unread, buckets below a full round, a schedule for a drafter
+    without a confidence head; a tree budget or tree temperature outside its range, a tree under a
+    schedule or for a drafter that drafts none (no drafter, Eagle3); a schedule without an SPS
+    table, prompts past its cache, and those `check_prompts` refuses: empty, outside the
+    vocabulary, past the models' context)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
@@ -570,6 +571,7 @@ class Engine:
         K = drafts_per_round(drafter, num_drafts)
         flags.check_schedule(scheduler, threshold, buckets, drafter, batch_size, K)
         flags.check_tree(tree_budget, tree_temperature, scheduler, drafter)
+        flags.check_kernels(backend, target.embed_tokens.weight.device)
         self.target = target
         self.drafter = drafter
         self.stop_ids = set(stop_ids)

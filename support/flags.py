@@ -185,6 +185,16 @@ def check_choice(name: str, value):
         raise UserError(f"{flag(name)} {value!r}: one of {', '.join(choices)}")
 
 
+def check_kernels(name, device):
+    """--kernels (an engine's `backend`): one of its choices, and Triton's kernels built where they can run
+    on `device`."""
+    check_choice("kernels", name)
+    try:
+        kernels.check_backend(name, device)
+    except RuntimeError as e:
+        raise UserError(f"--kernels {name}: {e}") from None
+
+
 def check_schedule(kind, threshold, buckets, drafter, batch: int, K: int):
     """An engine's resolved schedule (`Engine`'s arguments, built by hand or by `make_engine`), checked
     as its flags are: a known kind; θ in [0, 1], above 0 under threshold and 0 under another kind
@@ -279,10 +289,7 @@ def check_settings(s, device, budget: Optional[int] = DEFAULT_BUDGET, trees: Opt
         if value is None and getattr(Settings, name) is None:  # the default, resolved later
             continue
         check_choice(name, value)
-    try:
-        kernels.check_backend(s.kernels, device)
-    except RuntimeError as e:
-        raise UserError(f"--kernels {s.kernels}: {e}") from None
+    check_kernels(s.kernels, device)
     filters = [name for name in ("top_k", "top_p", "min_p") if getattr(s, name) is not None]
     if s.temperature == 0 and filters:  # greedy: the most likely token, whatever a filter keeps
         raise UserError(f"{flag(filters[0])} {getattr(s, filters[0]):g}: a sampling filter, "

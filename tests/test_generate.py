@@ -512,10 +512,11 @@ def test_load_refuses_a_device_that_is_no_name(chat_target, device):
     (dict(temperature=None), "Engine temperature: invalid value None"),
     (dict(filters=speculate.Filters(top_p=0.0)), "--top-p: invalid value 0.0"),
     (dict(filters=None), "filters: a sampling.Filters, got NoneType None"),
+    (dict(backend="Triton"), "--kernels 'Triton': one of torch, triton"),
 ])
 def test_engine_built_by_hand_checks_its_sampling(chat_target, kw, needle):
-    """An engine's temperature and filters are checked as the flags' values are, when it is built (a
-    negative temperature was a TypeError inside sampling)."""
+    """An engine's temperature, filters and kernels are checked as the flags' values are, when it is built
+    (a negative temperature was a TypeError inside sampling; an unknown backend decoded with torch's)."""
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
     with pytest.raises(speculate.UserError, match=re.escape(needle)):
