@@ -1077,11 +1077,11 @@ def generate(m: Models, prompts, *, chat: Optional[bool] = None, system_prompt: 
         ids.append(prompt_ids)
     drawn = flags.check_sampling_reads(m, s)
     # what the command line says at start, as warnings: generation_config.json's keys not applied
-    # here, a calibration fitted elsewhere
+    # here, a calibration fitted elsewhere (where this call reads it)
     if drawn.unapplied:
         unapplied = ", ".join(drawn.unapplied)
         warnings.warn(f"{m.generation_source}: not applied here: {unapplied}", stacklevel=2)
-    if m.calibration is not None:
+    if m.calibration is not None and flags.reads_confidences(s, drawn.temperature):
         note = flags.calibration_note(m, drawn.temperature)
         if note:
             warnings.warn(note.removeprefix("note: "), stacklevel=2)

@@ -816,17 +816,23 @@ def recorded_flags(args, read) -> dict:
     return config
 
 
+def reads_confidences(s, temperature: Optional[float]) -> bool:
+    """Whether a run reads the drafter's confidences: a schedule does, and so does a sampled draft tree (the
+    head ranks each node's children). temperature: the run's, None before the models load (a tree may
+    then be sampled)."""
+    if s.scheduler != "none":
+        return True
+    sampled = temperature is None or temperature > 0
+    return bool(s.tree_budget) and sampled
+
+
 def check_calibration_read(calibration: Optional[str], s, temperature: Optional[float] = None):
-    """--calibration scales the confidences that a schedule reads and that shape a sampled draft tree (the
-    head ranks each node's children): refused where nothing reads them. temperature: the run's, None
-    before the models load (a tree may then be sampled)."""
-    if calibration is None or s.scheduler != "none":
+    """--calibration scales the confidences (`reads_confidences`): refused where nothing reads them."""
+    if calibration is None or reads_confidences(s, temperature):
         return
     if not calibration.strip():  # said by the file check: an empty path
         return
     if s.tree_budget:
-        if temperature is None or temperature > 0:
-            return
         raise UserError(f"--calibration {calibration}: a greedy draft tree ranks its branches by the "
                         f"drafter's probabilities (--tree-temperature), not by the confidences; "
                         f"it would change nothing")

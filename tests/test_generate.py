@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -529,6 +530,20 @@ def test_load_without_a_target_says_where_the_demo_pair_is(monkeypatch, tmp_path
     monkeypatch.setattr(speculate, "DEMO_DIR", str(tmp_path / "demo"))
     with pytest.raises(speculate.UserError, match=re.escape(f"the demo pair is not at {tmp_path / 'demo'}")):
         speculate.load()
+
+
+def test_generate_warns_of_a_calibration_only_where_the_call_reads_it(chat_target, tmp_path):
+    """A calibration fitted at another temperature is noted by a call that reads the confidences (a
+    schedule), not by one that leaves it unread (no schedule, greedy), as api.md says."""
+    d, target, drafter = chat_target
+    cal = tmp_path / "sts.json"
+    cal.write_text(json.dumps({"temperatures": [1.0] * 3, "temperature": 1.0}))
+    m = speculate.load(target, drafter, calibration=cal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        speculate.generate(m, [[1, 2, 3]], max_new_tokens=4, temperature=0)
+    with pytest.warns(UserWarning, match=re.escape("was fitted at temperature 1 (this run: 0)")):
+        speculate.generate(m, [[1, 2, 3]], max_new_tokens=4, temperature=0, confidence_threshold=0.5)
 
 
 def test_api_takes_paths_and_numpy_booleans_and_names_a_wrong_type(chat_target, tmp_path):
