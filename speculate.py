@@ -549,13 +549,13 @@ class Engine:
     host reads the verify size between them (a bucket when compiled), except "async", planned before.
     `make_engine` builds it from checked settings (flags, `size_engine`, `generate`); its defaults are
     those of a resolved setting (greedy, no schedule, eager). Built by hand, it refuses only what
-    would make a round wrong (a temperature, filters, kernels, schedule or tree its flags would
-    refuse: an unknown backend or one that cannot run here, an unknown kind, a threshold outside
-    (0, 1] or one its kind leaves unread, buckets below a full round, a schedule for a drafter
-    without a confidence head; a tree budget or tree temperature outside its range, a tree under a
-    schedule or for a drafter that drafts none (no drafter, Eagle3); a schedule without an SPS
-    table, prompts past its cache, and those `check_prompts` refuses: empty, outside the
-    vocabulary, past the models' context)."""
+    would make a round wrong (a batch size, seed, temperature, filters, kernels, schedule or tree
+    its flags would refuse, a cache length or stop ids that are no integers: an unknown backend or
+    one that cannot run here, an unknown kind, a threshold outside (0, 1] or one its kind leaves
+    unread, buckets below a full round, a schedule for a drafter without a confidence head; a tree
+    budget or tree temperature outside its range, a tree under a schedule or for a drafter that
+    drafts none (no drafter, Eagle3); a schedule without an SPS table, prompts past its cache, and
+    those `check_prompts` refuses: empty, outside the vocabulary, past the models' context)."""
 
     def __init__(self, target: Transformer, drafter=None, *, batch_size: int, max_seq: int,
                  temperature: float = 0.0, filters: Filters = NO_FILTERS, seed: int = Settings.seed,
@@ -566,6 +566,7 @@ class Engine:
                  backend: str = Settings.kernels, num_drafts: Optional[int] = None,
                  tree_budget: int = Settings.tree_budget,
                  tree_temperature: float = Settings.tree_temperature):
+        flags.check_engine_size(batch_size, max_seq, seed, stop_ids)
         flags.check_temperature(temperature, "Engine temperature")
         flags.check_filters(filters)
         K = drafts_per_round(drafter, num_drafts)
@@ -681,8 +682,8 @@ class Engine:
         apart. on_round(request, entry): the round's trace entry (`trace_record`); on_finish(request),
         on_step() after each batch round. It takes no turn on the models (`decode` does, with
         `Models.engine_turn`): called directly, keeping other work off them is the caller's."""
-        if max_new_tokens < 1:  # the prefill's token is the first
-            raise UserError(f"Engine.generate: max_new_tokens={max_new_tokens}, at least 1")
+        if not flags.whole_number(max_new_tokens) or max_new_tokens < 1:  # the prefill's is the first
+            raise UserError(f"Engine.generate: max_new_tokens={max_new_tokens!r}, an integer, at least 1")
         runs_rounds = max_new_tokens > 1  # a budget of 1 ends every request at the prefill's token
         kind = self.scheduler.kind
         if kind in sched.SPS_KINDS and not self.scheduler.measured and runs_rounds:  # built by hand

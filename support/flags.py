@@ -236,6 +236,24 @@ def check_tree_schedule(tree_budget: int, kind: str):
                         f"use one or the other")
 
 
+def check_engine_size(batch_size, max_seq, seed, stop_ids):
+    """A hand-built engine's rows and seed in their flags' ranges, its cache length a positive integer
+    and its stop ids a list, tuple or set of integers (a string's characters never match a token)."""
+    chosen = Settings(batch_size=setting_number("batch_size", batch_size),
+                      seed=setting_number("seed", seed))
+    check_ranges(chosen, batch_size=RANGES["batch_size"][1], seed=RANGES["seed"][1])
+    if not whole_number(max_seq) or max_seq < 1:
+        raise UserError(f"Engine max_seq: invalid value {max_seq!r} (a positive integer)")
+    listed = isinstance(stop_ids, (list, tuple, set, frozenset))  # a generator would be used up here
+    if not listed or not all(whole_number(i) for i in stop_ids):
+        raise UserError(f"Engine stop_ids: invalid value {stop_ids!r} (token ids, integers)")
+
+
+def whole_number(value) -> bool:
+    """An integer, numpy's included, and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_tree(tree_budget, tree_temperature, kind: str, drafter):
     """An engine's resolved tree (`Engine`'s arguments, built by hand or by `make_engine`), checked as its
     flags are: each a number in its flag's range; a budget only under the "none" schedule (which verifies

@@ -198,8 +198,10 @@ def test_an_engine_refuses_requests_longer_than_it_was_sized_for():
     engine.generate([request], 24 - need + 30)
     assert len(request.output_ids) == 24 - need + 30
     # a budget of 0 decoded a token, and an empty prompt was an IndexError in the prefill
-    with pytest.raises(UserError, match=r"^Engine.generate: max_new_tokens=0, at least 1$"):
+    with pytest.raises(UserError, match=r"^Engine.generate: max_new_tokens=0, an integer, at least 1$"):
         engine.generate([speculate.Request(0, [1, 2, 3])], 0)
+    with pytest.raises(UserError, match=r"^Engine.generate: max_new_tokens=2.5, an integer, at least 1$"):
+        engine.generate([speculate.Request(0, [1, 2, 3])], 2.5)  # decoded 3 tokens
     with pytest.raises(UserError, match=r"^Engine.generate: request 1: empty prompt$"):
         engine.generate([speculate.Request(0, [1, 2]), speculate.Request(1, [])], 4)
     # an id outside the vocabulary was an IndexError in the embedding, as documented as checked

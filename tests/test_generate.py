@@ -514,14 +514,24 @@ def test_load_refuses_a_device_that_is_no_name(chat_target, device):
     (dict(filters=speculate.Filters(top_p=0.0)), "--top-p: invalid value 0.0"),
     (dict(filters=None), "filters: a sampling.Filters, got NoneType None"),
     (dict(backend="Triton"), "--kernels 'Triton': one of torch, triton"),
+    # a batch of 0 returned the requests undecoded; a negative one, or max_seq, failed inside torch
+    (dict(batch_size=0), "--batch-size: invalid value 0"),
+    (dict(batch_size=2.0), "--batch-size: invalid value 2.0 (expected an integer)"),
+    (dict(max_seq=-1), "Engine max_seq: invalid value -1 (a positive integer)"),
+    (dict(seed=-1), "--seed: invalid value -1"),
+    (dict(seed="x"), "--seed: invalid value 'x' (expected an integer)"),
+    (dict(stop_ids="0"), "Engine stop_ids: invalid value '0' (token ids, integers)"),
 ])
-def test_engine_built_by_hand_checks_its_sampling(chat_target, kw, needle):
-    """An engine's temperature, filters and kernels are checked as the flags' values are, when it is built
-    (a negative temperature was a TypeError inside sampling; an unknown backend decoded with torch's)."""
+def test_engine_built_by_hand_checks_its_arguments(chat_target, kw, needle):
+    """An engine's size, seed, stop ids, temperature, filters and kernels are checked as the flags' values
+    are, when it is built (a negative temperature was a TypeError inside sampling; an unknown backend
+    decoded with torch's; stop_ids "0" stopped on nothing)."""
     d, target, drafter = chat_target
     m = speculate.load(target, drafter)
+    given = dict(batch_size=1, max_seq=64)
+    given.update(kw)
     with pytest.raises(speculate.UserError, match=re.escape(needle)):
-        speculate.Engine(m.target, m.drafter, batch_size=1, max_seq=64, **kw)
+        speculate.Engine(m.target, m.drafter, **given)
 
 
 def test_load_without_a_target_says_where_the_demo_pair_is(monkeypatch, tmp_path):
