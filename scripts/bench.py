@@ -671,7 +671,10 @@ def reference_wanted(args: BenchArgs, s: Settings, batch_sizes: list[int], dev: 
     if not wanted:
         return False, ""
     if not (1 in batch_sizes and chain_only and s.temperature == 0):  # the default, where it cannot run
-        return False, "note: the reference loop is skipped: it times a DSpark drafter's chain, greedy, at batch 1"
+        timed = "a DSpark drafter's chain"
+        if args.target is not None and args.drafter is None:
+            timed = "the target alone"
+        return False, f"note: the reference loop is skipped: it times {timed}, greedy, at batch 1"
     if transformers_available():
         return True, ""
     if args.reference:
@@ -922,6 +925,11 @@ def run(args: BenchArgs) -> list[dict]:
         g = torch.Generator().manual_seed(s.seed)
         shape = (max(batch_sizes), args.prompt_len)
         random_prompts = torch.randint(0, target.args.vocab_size - 1, shape, generator=g).tolist()
+    # what ran, beside the flags as given: the dtype, and the drafter's layout and drafts a round
+    resolved = {"dtype_resolved": dtype_name(dtype), "drafter_layout": None, "num_drafts": None}
+    if drafter is not None:
+        resolved["drafter_layout"] = drafter.cfg.layout
+        resolved["num_drafts"] = drafts_per_round(drafter, s.draft_length)
     rows = []
     ratios = []
     written = []  # what an interruption's last line names as kept: --out once a row is in it, the plot
@@ -950,12 +958,12 @@ def run(args: BenchArgs) -> list[dict]:
                     line = _row(row, bw)
                 rows.append(row)
                 # each row kept as soon as it is measured, before it is printed (a reader gone loses none)
-                save(args, hw, bw, dev, rows, ratios, complete=False)
+                save(args, hw, bw, dev, rows, ratios, complete=False, resolved=resolved)
                 if args.out and args.out not in written:
                     written.insert(0, args.out)
                 print(line, flush=True)
             ratios += speed_ups(runs, rows, B, tree_budgets, dev, s)
-            save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1])
+            save(args, hw, bw, dev, rows, ratios, complete=B == batch_sizes[-1], resolved=resolved)
             if args.tree_plot is not None and B == batch_sizes[0]:
                 at_b = [r for r in rows if r.get("batch") == B]
                 plots.tree_plot(args.tree_plot, at_b, f"{name}, batch {B}, {hw}")
@@ -970,7 +978,8 @@ def run(args: BenchArgs) -> list[dict]:
     return rows
 
 
-def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: list[dict], complete: bool):
+def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: list[dict], complete: bool,
+         resolved: dict):
     """--out, rewritten after every batch size: a run cut short (a time limit on a borrowed GPU)
     still leaves what it measured, marked incomplete."""
     if not args.out:
@@ -979,8 +988,12 @@ def save(args: BenchArgs, hw: str, bw: float, dev, rows: list[dict], ratios: lis
               f"interleaved repeats; the round split (draft, verify, rest) from one more run with its "
               f"halves timed in place and synchronised (split_round_ms)")
     config = flags.recorded_flags(args, TIMED)
-    if args.target is not None:  # the checkpoints are the pair; --model builds one only without them
+    if args.target is not None:  # the checkpoints are the pair; --model and its drafter kind build one
         config["model"] = None
+        config["drafter_kind"] = None
+    if config["tree_budget"] == 0 and config["tree_budgets"] is None:  # no tree for it to rank
+        config["tree_temperature"] = None
+    config.update(resolved)
     write_json(args.out, {"config": config, "hardware": hw, "torch": torch.__version__,
                           "copy_bandwidth_gbps": bw / 1e9, "peak_memory_gib": peak_memory(dev),
                           "timing": timing, "complete": complete, "rows": rows, "ratios": ratios}, indent=1)

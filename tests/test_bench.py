@@ -337,6 +337,10 @@ def test_settings_a_pair_cannot_use_are_refused_once_it_is_loaded(tmp_path, caps
     assert bench.main(base + ["--drafter", drafter, "--out", str(out)]) == 0
     config = json.load(open(out))["config"]
     assert config["model"] is None and config["temperature"] == 0  # what ran: greedy, no temperature given
+    # what ran beside the flags: the dtype and the drafter's layout and drafts (an Eagle3 checkpoint was
+    # recorded as drafter_kind dspark, with dtype and draft_length null); no tree temperature without a tree
+    assert config["drafter_kind"] is None and config["tree_temperature"] is None
+    assert (config["dtype_resolved"], config["drafter_layout"], config["num_drafts"]) == ("float32", "dspark", 4)
     # the decode settings bench.py refuses are not recorded as if they had run (batch_size 1 beside --batch-sizes)
     assert not {"batch_size", "scheduler", "num_samples", "top_k"} & set(config) and "batch_sizes" in config
     # --tree-budget makes the speculative mode a tree: said in the header, never drawn as the chain
@@ -564,6 +568,10 @@ def test_the_default_reference_loop_says_when_it_is_skipped(capsys):
     assert bench.main(base + ["--drafter", f"{DEMO_DIR}/eagle3", "--reference", "True"]) == 2
     err = capsys.readouterr().err
     assert "--reference: the reference loop is a DSpark drafter's chain, and --drafter" in err, err
+    # no drafter: the loop times the target alone (the note named a drafter's chain)
+    assert bench.main(base + ["--temperature", "0.5"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the reference loop is skipped: it times the target alone, greedy, at batch 1" in err, err
 
 
 def test_a_tokenizer_json_that_is_a_directory_is_named(tmp_path, capsys):
