@@ -201,8 +201,7 @@ def check_schedule(kind, threshold, buckets, drafter, batch: int, K: int):
     (which leaves it unread); a drafter with a confidence head for a scheduled round; the largest
     bucket holding a full round of `batch` rows of K drafts and their anchor."""
     check_choice("scheduler", kind)
-    chosen = Settings(confidence_threshold=threshold)
-    check_ranges(chosen, confidence_threshold=RANGES["confidence_threshold"][1])
+    check_values(confidence_threshold=threshold)
     sched.resolve(kind, threshold, None, None)
     if drafter is not None:
         check_scheduled_drafter(kind, threshold, drafter)
@@ -227,6 +226,14 @@ def setting_number(name: str, value):
         raise UserError(f"{flag(name)}: invalid value {value!r} (expected {expected} in range)") from None
 
 
+def check_values(**values) -> Settings:
+    """An engine's arguments named as settings, each checked as its flag's value (a number of its kind,
+    in its range); returns them as a `Settings`."""
+    chosen = Settings(**{name: setting_number(name, v) for name, v in values.items()})
+    check_ranges(chosen, **{name: RANGES[name][1] for name in values})
+    return chosen
+
+
 def check_tree_schedule(tree_budget: int, kind: str):
     """A draft tree is verified whole: refused beside a scheduler, which sizes a chain's verification."""
     if tree_budget and kind != "none":
@@ -239,9 +246,7 @@ def check_tree_schedule(tree_budget: int, kind: str):
 def check_engine_size(batch_size, max_seq, seed, stop_ids):
     """A hand-built engine's rows and seed in their flags' ranges, its cache length a positive integer
     and its stop ids a list, tuple or set of integers (a string's characters never match a token)."""
-    chosen = Settings(batch_size=setting_number("batch_size", batch_size),
-                      seed=setting_number("seed", seed))
-    check_ranges(chosen, batch_size=RANGES["batch_size"][1], seed=RANGES["seed"][1])
+    check_values(batch_size=batch_size, seed=seed)
     if not whole_number(max_seq) or max_seq < 1:
         raise UserError(f"Engine max_seq: invalid value {max_seq!r} (a positive integer)")
     listed = isinstance(stop_ids, (list, tuple, set, frozenset))  # a generator would be used up here
@@ -258,10 +263,7 @@ def check_tree(tree_budget, tree_temperature, kind: str, drafter):
     """An engine's resolved tree (`Engine`'s arguments, built by hand or by `make_engine`), checked as its
     flags are: each a number in its flag's range; a budget only under the "none" schedule (which verifies
     it whole) and for a drafter that grows trees (a block drafter)."""
-    chosen = Settings(tree_budget=setting_number("tree_budget", tree_budget),
-                      tree_temperature=setting_number("tree_temperature", tree_temperature))
-    check_ranges(chosen, tree_budget=RANGES["tree_budget"][1],
-                 tree_temperature=RANGES["tree_temperature"][1])
+    chosen = check_values(tree_budget=tree_budget, tree_temperature=tree_temperature)
     check_tree_schedule(chosen.tree_budget, kind)
     check_tree_drafter(chosen.tree_budget, drafter)
 
